@@ -1,0 +1,33 @@
+"""autostate: plain Python classes that mutate ``self``, as pure JAX functions."""
+
+from __future__ import annotations
+
+from autostate.effects import (
+    FrozenLocalStateRequest,
+    HandledLocalStateRef,
+    InitialLocalStateRequest,
+    LocalStateEffectImpl,
+    SharedLocalStateRequest,
+    WithFunctionalLocalState,
+    embed_shared_state_requests,
+    freeze_local_states,
+    handle_local_states,
+    hoist_shared_state_requests,
+)
+from autostate.errors import AutostateError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutostateError",
+    "FrozenLocalStateRequest",
+    "HandledLocalStateRef",
+    "InitialLocalStateRequest",
+    "LocalStateEffectImpl",
+    "SharedLocalStateRequest",
+    "WithFunctionalLocalState",
+    "embed_shared_state_requests",
+    "freeze_local_states",
+    "handle_local_states",
+    "hoist_shared_state_requests",
+]

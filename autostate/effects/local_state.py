@@ -1,0 +1,571 @@
+"""The local-state effect: requests, handled references, handlers, freezing.
+
+A model tree holds *requests* where it wants state: an
+``InitialLocalStateRequest`` (an initializer), a ``FrozenLocalStateRequest``
+(a value) or a ``SharedLocalStateRequest`` (another request's value, by name).
+``handle_local_states`` swaps each request for a ``HandledLocalStateRef`` and
+returns the states as a plain dict, so the tree plus the dict are a pure
+function's inputs; ``freeze_local_states`` swaps them back.
+
+Design choice: a handled reference does not carry its value. While a handler
+runs its body, it publishes one mutable ``LocalStateEffectImpl`` cell per state
+in a context variable keyed by handler id, and references look their cell up
+there. The body is therefore never rebuilt per call, any copy of a reference
+(for instance after a ``jax.jit`` round trip) reaches the same cell, and
+nested handlers with distinct ids only see their own states.
+
+This module knows nothing about source code; it walks trees with
+``autostate.tree``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import itertools
+from collections.abc import Callable, Hashable
+from typing import Any, Literal
+
+import jax
+
+from autostate import tree as _tree
+from autostate.errors import (
+    CategoryArgumentError,
+    StateSharingError,
+    TracedEagerStateError,
+    UnhandledLocalStateError,
+    format_error,
+)
+
+Category = Hashable
+StateSharing = Literal["forbidden", "allowed", "unsafe"]
+
+# handler id -> {state name -> cell}, for every handler currently running.
+_ACTIVE: contextvars.ContextVar[dict[Hashable, dict[str, LocalStateEffectImpl]]] = (
+    contextvars.ContextVar("autostate_active_handlers", default={})
+)
+_handler_counter = itertools.count()
+
+
+def fresh_handler_id() -> str:
+    """A handler id unique within this process."""
+    return f"local_state_{next(_handler_counter)}"
+
+
+def contains_tracer(value: Any) -> bool:
+    """Whether any leaf of ``value`` is a JAX tracer."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+
+
+def _check_not_traced(value: Any, name: str | None) -> None:
+    if contains_tracer(value):
+        raise TracedEagerStateError(
+            format_error(
+                f"State {name!r} was assigned a JAX tracer on a model that is not "
+                "functionalized: the model would keep a value that only exists "
+                "inside the current jax.jit/grad/vmap trace.",
+                fix="call `f, states = model.functionalize()` and use "
+                "`out, states = f(states, ...)` inside the transformation, or "
+                'decorate the class with @autostate.stateful(fallback="host").',
+            )
+        )
+
+
+class InitialValue:
+    """An initializer that returns a value computed once, eagerly.
+
+    ``@stateful`` stores one of these in the ``InitialLocalStateRequest`` it
+    creates for ``self.x = v`` in ``__init__``. It compares by identity, as
+    penzai initializers do, so ``state_sharing="allowed"`` shares a request
+    only with itself.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"InitialValue({_short(self.value)})"
+
+    def __getstate__(self):
+        return self.value
+
+    def __setstate__(self, value):
+        self.value = value
+
+
+def _short(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{dtype}{list(shape)}"
+    return repr(value)
+
+
+def _static_pytree(cls):
+    """Registers a dataclass with only static fields as a childless pytree node."""
+    fields = tuple(f.name for f in dataclasses.fields(cls))
+
+    def flatten(node):
+        return (), tuple(getattr(node, f) for f in fields)
+
+    def unflatten(aux, _children):
+        return cls(*aux)
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    _tree.register_dynamic_type(cls)
+    return cls
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class InitialLocalStateRequest:
+    """Asks the handler for a new state, initialized by ``state_initializer()``.
+
+    Example::
+
+        req = InitialLocalStateRequest(lambda: jnp.zeros(3), category="cache")
+        handler, states = handle_local_states([req], category="cache")
+        states  # {'[0]': Array([0., 0., 0.])}
+
+    **Arguments:**
+    - ``state_initializer``: zero-argument callable giving the initial value.
+    - ``category``: which handler handles it (compared with ``==``).
+    - ``name``: explicit state name; ``None`` names it by its path.
+    """
+
+    state_initializer: Callable[[], Any]
+    category: Category
+    name: str | None = None
+
+    def read(self) -> Any:
+        return self.state_initializer()
+
+    def write(self, owner: Any, attr: str, value: Any) -> None:
+        _check_not_traced(value, self.name or attr)
+        owner.__dict__[attr] = InitialLocalStateRequest(InitialValue(value), self.category, self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenLocalStateRequest:
+    """A state with a known value, embedded in a tree (its value is a child).
+
+    Example::
+
+        req = FrozenLocalStateRequest(jnp.ones(2), category="cache", name="k")
+        req.get()  # Array([1., 1.])
+
+    **Arguments:**
+    - ``state``: the value (any pytree of arrays).
+    - ``category``: which handler handles it.
+    - ``name``: explicit state name; ``None`` names it by its path.
+    """
+
+    state: Any
+    category: Category
+    name: str | None = None
+
+    def get(self) -> Any:
+        """Returns the embedded value."""
+        return self.state
+
+    def read(self) -> Any:
+        return self.state
+
+    def write(self, owner: Any, attr: str, value: Any) -> None:
+        _check_not_traced(value, self.name or attr)
+        owner.__dict__[attr] = FrozenLocalStateRequest(value, self.category, self.name)
+
+
+jax.tree_util.register_pytree_with_keys(
+    FrozenLocalStateRequest,
+    lambda r: (((jax.tree_util.GetAttrKey("state"), r.state),), (r.category, r.name)),
+    lambda aux, children: FrozenLocalStateRequest(children[0], *aux),
+    lambda r: ((r.state,), (r.category, r.name)),
+)
+_tree.register_dynamic_type(FrozenLocalStateRequest)
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class SharedLocalStateRequest:
+    """Shares the value of an earlier request with the same explicit ``name``.
+
+    Only valid when handling with ``state_sharing="allowed"`` or ``"unsafe"``.
+    """
+
+    name: str
+    category: Category
+
+    def read(self) -> Any:
+        raise UnhandledLocalStateError(
+            format_error(
+                f"Shared state {self.name!r} has no value outside a handler.",
+                fix="handle the tree with handle_local_states(..., state_sharing='allowed').",
+            )
+        )
+
+    def write(self, owner: Any, attr: str, value: Any) -> None:
+        self.read()
+
+
+class LocalStateEffectImpl:
+    """The mutable cell holding one state while its handler runs."""
+
+    __slots__ = ("value", "name", "category")
+
+    def __init__(self, value: Any, name: str, category: Category = None):
+        self.value = value
+        self.name = name
+        self.category = category
+
+    def get(self) -> Any:
+        return self.value
+
+    def set(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"LocalStateEffectImpl(name={self.name!r}, value={_short(self.value)})"
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class HandledLocalStateRef:
+    """Stands where a request was; reads and writes go to its handler's cell.
+
+    ``get()`` / ``set(v)`` work only while the handler with ``handler_id`` is
+    running its body (``handler((arg, states))``, or ``f(states, ...)`` for a
+    functionalized model).
+    """
+
+    handler_id: Hashable
+    name: str
+    was_explicitly_named: bool
+    category: Category
+
+    def _cell(self) -> LocalStateEffectImpl:
+        cells = _ACTIVE.get().get(self.handler_id)
+        if cells is None:
+            raise UnhandledLocalStateError(
+                format_error(
+                    f"State {self.name!r} (category {self.category!r}) is unhandled: it "
+                    f"belongs to handler {self.handler_id!r}, which is not running.",
+                    fix="call the handler instead of its body: `out, states = "
+                    "handler((arg, states))`, or for a functionalized model `out, states = "
+                    "f(states, *args)`; use autostate.freeze(f, states) to get a model "
+                    "that runs on its own again.",
+                )
+            )
+        try:
+            return cells[self.name]
+        except KeyError:
+            raise UnhandledLocalStateError(
+                format_error(
+                    f"State {self.name!r} is missing from the states dict given to handler "
+                    f"{self.handler_id!r} (it has {sorted(cells)}).",
+                    fix="pass the states dict returned by handle_local_states/functionalize "
+                    "(or by the previous call) unchanged in its keys.",
+                )
+            ) from None
+
+    def get(self) -> Any:
+        """Current value of the state in the running handler."""
+        return self._cell().value
+
+    def set(self, value: Any) -> None:
+        """Sets the state in the running handler."""
+        self._cell().value = value
+
+    def read(self) -> Any:
+        return self._cell().value
+
+    def write(self, owner: Any, attr: str, value: Any) -> None:
+        self._cell().value = value
+
+
+REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
+SLOT_TYPES = (*REQUEST_TYPES, HandledLocalStateRef)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithFunctionalLocalState:
+    """A body whose local states were handled: a pure function of its states.
+
+    ``handler((argument, states))`` runs ``body(argument)`` with the states
+    and returns ``(result, new_states)``. It is a pytree (the body is its
+    child; the handler id is static), so it can be an argument of
+    ``jax.jit`` or ``jax.grad``.
+    """
+
+    handler_id: Hashable
+    body: Any
+
+    def __call__(self, argument: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        inner, states = argument
+        return run_with_states(self.handler_id, states, self.body, (inner,), {})
+
+
+jax.tree_util.register_pytree_with_keys(
+    WithFunctionalLocalState,
+    lambda h: (((jax.tree_util.GetAttrKey("body"), h.body),), h.handler_id),
+    lambda handler_id, children: WithFunctionalLocalState(handler_id, children[0]),
+    lambda h: ((h.body,), h.handler_id),
+)
+_tree.register_dynamic_type(WithFunctionalLocalState)
+
+
+def run_with_states(
+    handler_id: Hashable,
+    states: dict[str, Any],
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``."""
+    if not isinstance(states, dict):
+        raise TypeError(
+            format_error(
+                f"States must be a dict of name -> value, got {type(states).__name__}.",
+                fix="pass the dict returned by handle_local_states/functionalize.",
+            )
+        )
+    cells = {name: LocalStateEffectImpl(value, name) for name, value in states.items()}
+    outer = _ACTIVE.get()
+    token = _ACTIVE.set({**outer, handler_id: cells} if outer else {handler_id: cells})
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+    return result, {name: cell.value for name, cell in cells.items()}
+
+
+def _category_predicate(
+    category: Category | None, category_predicate: Callable[[Category], bool] | None
+) -> Callable[[Category], bool]:
+    if (category is None) == (category_predicate is None):
+        raise CategoryArgumentError(
+            format_error(
+                "Exactly one of `category` and `category_predicate` must be given "
+                f"(got category={category!r}, category_predicate={category_predicate!r}).",
+                fix="pass category='state' to handle one category, or "
+                "category_predicate=lambda c: True to handle all of them.",
+            )
+        )
+    if category_predicate is not None:
+        return category_predicate
+    return lambda c: c == category
+
+
+def _check_sharing_mode(state_sharing: str) -> None:
+    if state_sharing not in ("forbidden", "allowed", "unsafe"):
+        raise ValueError(
+            format_error(
+                f"Unknown state_sharing mode {state_sharing!r}.",
+                fix="use 'forbidden', 'allowed' or 'unsafe'.",
+            )
+        )
+
+
+def _duplicate_name_error(name: str) -> StateSharingError:
+    return StateSharingError(
+        format_error(
+            f"Detected two local states with the same explicit name {name!r}.",
+            fix="give the states distinct names, or, to share one state, reuse the same "
+            "InitialLocalStateRequest object (or SharedLocalStateRequest) and handle "
+            "with state_sharing='allowed'.",
+        )
+    )
+
+
+def handle_local_states(
+    body: Any,
+    category: Category | None = None,
+    category_predicate: Callable[[Category], bool] | None = None,
+    lazy: bool = False,
+    state_sharing: StateSharing = "forbidden",
+    handler_id: Hashable | None = None,
+) -> tuple[WithFunctionalLocalState, dict[str, Any] | Callable[[], dict[str, Any]]]:
+    """Handles every state request in ``body`` whose category matches.
+
+    Example::
+
+        body = [InitialLocalStateRequest(lambda: 0.0, category="count", name="n")]
+        handler, states = handle_local_states(Counter(body), category="count")
+        out, states = handler((x, states))
+
+    **Arguments:**
+    - ``body``: any pytree (or ``@stateful`` model) holding requests.
+    - ``category`` / ``category_predicate``: exactly one; selects the requests.
+    - ``lazy``: return a thunk computing the initial states instead of the dict.
+    - ``state_sharing``: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
+    - ``handler_id``: id for the new handler; a fresh one by default.
+
+    **Returns:** ``(handler, states)``; requests not matching are left in place.
+    """
+    predicate = _category_predicate(category, category_predicate)
+    _check_sharing_mode(state_sharing)
+    if handler_id is None:
+        handler_id = fresh_handler_id()
+    initializers: dict[str, Callable[[], Any]] = {}
+    valued: dict[str, Any] = {}
+
+    def is_target(node: Any) -> bool:
+        return type(node) in REQUEST_TYPES and predicate(node.category)
+
+    def replace(request: Any, path: str) -> HandledLocalStateRef:
+        explicit = request.name is not None
+        name = request.name if explicit else path
+        if isinstance(request, SharedLocalStateRequest):
+            if state_sharing == "forbidden":
+                raise StateSharingError(
+                    format_error(
+                        "SharedLocalStateRequest must only be used when state_sharing is set "
+                        f"to 'allowed' or 'unsafe' (state {name!r}).",
+                        fix="handle with state_sharing='allowed'.",
+                    )
+                )
+            if name not in valued:
+                raise StateSharingError(
+                    format_error(
+                        f"SharedLocalStateRequest {name!r} must appear after some other state "
+                        "request with the same name and an explicit value.",
+                        fix="put the Initial/Frozen request with this name first in the tree.",
+                    )
+                )
+            return HandledLocalStateRef(handler_id, name, True, request.category)
+        if isinstance(request, InitialLocalStateRequest):
+            value: Any = request.state_initializer
+            initializer = request.state_initializer
+        else:
+            value = request
+            initializer = _frozen_initializer(request.state)
+        if name in valued:
+            previous = valued[name]
+            same_initializer = (
+                isinstance(request, InitialLocalStateRequest) and previous is value
+            )
+            if state_sharing == "forbidden" or (
+                state_sharing == "allowed" and not same_initializer
+            ):
+                raise _duplicate_name_error(name)
+        valued[name] = value
+        initializers[name] = initializer
+        return HandledLocalStateRef(handler_id, name, explicit, request.category)
+
+    handled_body = _tree.map_tree(body, replace, is_target)
+    handler = WithFunctionalLocalState(handler_id, handled_body)
+
+    def initial_states() -> dict[str, Any]:
+        return {name: init() for name, init in initializers.items()}
+
+    return handler, (initial_states if lazy else initial_states())
+
+
+def _frozen_initializer(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any]) -> Any:
+    """Embeds ``states`` back into the handler's body (inverse of handling).
+
+    The first reference to an explicitly named state becomes a
+    ``FrozenLocalStateRequest`` holding its value; later references to it
+    become ``SharedLocalStateRequest``s. Path-named states become unnamed
+    frozen requests, so handling the result again gives the same names.
+    """
+    if not isinstance(handler, WithFunctionalLocalState):
+        raise TypeError(
+            format_error(
+                f"freeze_local_states expects a WithFunctionalLocalState, got "
+                f"{type(handler).__name__}.",
+                fix="pass the handler returned by handle_local_states.",
+            )
+        )
+    return freeze_body(handler.handler_id, handler.body, states)
+
+
+def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
+    """Replaces ``handler_id``'s references in ``body`` by frozen requests."""
+    emitted: set[str] = set()
+
+    def is_target(node: Any) -> bool:
+        return type(node) is HandledLocalStateRef and node.handler_id == handler_id
+
+    def replace(ref: HandledLocalStateRef, _path: str) -> Any:
+        if ref.name not in states:
+            raise UnhandledLocalStateError(
+                format_error(
+                    f"Cannot freeze: state {ref.name!r} is missing from the states dict "
+                    f"(it has {sorted(states)}).",
+                    fix="pass the states dict returned by functionalize/the last call.",
+                )
+            )
+        if not ref.was_explicitly_named:
+            return FrozenLocalStateRequest(states[ref.name], ref.category, None)
+        if ref.name in emitted:
+            return SharedLocalStateRequest(ref.name, ref.category)
+        emitted.add(ref.name)
+        return FrozenLocalStateRequest(states[ref.name], ref.category, ref.name)
+
+    return _tree.map_tree(body, replace, is_target)
+
+
+def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Pulls every explicitly named request out of ``tree``.
+
+    Returns ``(tree_with_shared, requests)``: each named Initial/Frozen
+    request is replaced by a ``SharedLocalStateRequest`` and the first request
+    of each name is returned in ``requests``. Unless ``unsafe``, two requests
+    with one name must be the same request (or share one initializer).
+    """
+    requests: dict[str, Any] = {}
+
+    def is_target(node: Any) -> bool:
+        return type(node) in (InitialLocalStateRequest, FrozenLocalStateRequest) and (
+            node.name is not None
+        )
+
+    def replace(request: Any, _path: str) -> SharedLocalStateRequest:
+        previous = requests.get(request.name)
+        if previous is None:
+            requests[request.name] = request
+        elif not unsafe and not _same_request(previous, request):
+            raise _duplicate_name_error(request.name)
+        return SharedLocalStateRequest(request.name, request.category)
+
+    return _tree.map_tree(tree, replace, is_target), requests
+
+
+def _same_request(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    return (
+        isinstance(a, InitialLocalStateRequest)
+        and isinstance(b, InitialLocalStateRequest)
+        and a.state_initializer is b.state_initializer
+    )
+
+
+def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
+    """Inverse of ``hoist_shared_state_requests``.
+
+    The first ``SharedLocalStateRequest`` of each name in ``requests`` is
+    replaced by that request; later ones stay shared.
+    """
+    embedded: set[str] = set()
+
+    def is_target(node: Any) -> bool:
+        return type(node) is SharedLocalStateRequest and node.name in requests
+
+    def replace(shared: SharedLocalStateRequest, _path: str) -> Any:
+        if shared.name in embedded:
+            return shared
+        embedded.add(shared.name)
+        return requests[shared.name]
+
+    return _tree.map_tree(tree, replace, is_target)

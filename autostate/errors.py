@@ -1,0 +1,68 @@
+"""Exceptions raised by autostate, and the one place that formats them.
+
+Every error subclasses :class:`AutostateError` and the builtin exception the
+situation calls for (``ValueError``, ``TypeError``, ``RuntimeError``), so both
+``except autostate.AutostateError`` and ``except ValueError`` catch it.
+Messages say what went wrong, where (``file:line`` of the user's code when
+known), and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class AutostateError(Exception):
+    """Base class of every error autostate raises on purpose."""
+
+
+def format_error(what: str, *, where: str | None = None, fix: str | None = None) -> str:
+    """Builds the "what / where / fix" message every autostate error uses."""
+    parts = [what]
+    if where:
+        parts.append(f"  at {where}")
+    if fix:
+        parts.append(f"  fix: {fix}")
+    return "\n".join(parts)
+
+
+class StateSharingError(AutostateError, ValueError):
+    """Two state requests conflict under the chosen ``state_sharing`` mode."""
+
+
+class CategoryArgumentError(AutostateError, ValueError):
+    """``category`` and ``category_predicate`` were both given, or neither."""
+
+
+class UnhandledLocalStateError(AutostateError, RuntimeError):
+    """A state was read or written outside the handler that owns it."""
+
+
+class DecorationError(AutostateError, ValueError):
+    """``@stateful`` found code it cannot rewrite; raised at decoration time."""
+
+
+class SourceUnavailableError(DecorationError):
+    """The class source cannot be found, so it cannot be rewritten."""
+
+
+class TracedEagerStateError(AutostateError, RuntimeError):
+    """An eager model was asked to store a JAX tracer (called under a transform)."""
+
+
+class StateAccessError(AutostateError, AttributeError):
+    """A state attribute does not exist (yet) on the instance."""
+
+
+class HostStateError(AutostateError, RuntimeError):
+    """A host-fallback state was misused (read before set, set in inference mode)."""
+
+
+class HostStateTypeError(AutostateError, TypeError):
+    """A host-fallback state changed shape, dtype or structure, or is not an array."""
+
+
+class StateDictError(AutostateError, ValueError):
+    """A state or parameter dict does not match the model it is loaded into."""
+
+
+class CheckpointError(AutostateError, ValueError):
+    """A saved checkpoint is truncated, corrupted, or does not fit the model."""

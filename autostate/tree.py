@@ -1,0 +1,272 @@
+"""Pytree registration of ``@stateful`` classes and the one tree walk.
+
+This module owns two things everything else builds on:
+
+* how a decorated instance is a pytree: array-valued attributes, sub-models,
+  request objects and containers holding any of those are children; every
+  other value (python scalars, strings, callables, ``None``) is static aux data,
+  so ``jax.jit`` takes a model as an argument without filters;
+* ``map_tree``: walk any pytree (plain containers, registered nodes, decorated
+  instances), find the nodes a predicate picks, and replace them, knowing the
+  path name of each. Decorated instances are visited once each, by identity,
+  so one instance reachable from two paths stays one instance (aliasing
+  follows Python) and is named by its first path.
+
+It knows nothing of the effect engine or of source code; the engine registers
+its request types here with ``register_dynamic_type``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+_STATEFUL_CLASSES: set[type] = set()
+_DYNAMIC_TYPES: set[type] = set()
+
+# Values of these types are never pytree children of a decorated instance.
+_STATIC_TYPES = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
+
+
+def is_stateful_instance(value: Any) -> bool:
+    """True for instances of ``@stateful`` classes."""
+    return type(value) in _STATEFUL_CLASSES
+
+
+def register_dynamic_type(cls: type) -> None:
+    """Marks ``cls`` (a pytree node with static-only fields) as a model child."""
+    _DYNAMIC_TYPES.add(cls)
+
+
+def is_dynamic(value: Any) -> bool:
+    """Whether an attribute value is a pytree child (else it is static aux data)."""
+    t = type(value)
+    if t in _STATIC_TYPES:
+        return False
+    if t in _STATEFUL_CLASSES or t in _DYNAMIC_TYPES:
+        return True
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return True
+    if t is list or t is tuple:
+        return any(is_dynamic(v) for v in value)
+    if t is dict:
+        return any(is_dynamic(v) for v in value.values())
+    if isinstance(value, _STATIC_TYPES):
+        return False
+    children, treedef = _flatten_one_level(value)
+    if treedef is None:
+        return False
+    return any(is_dynamic(c) for _, c in children)
+
+
+class _Static:
+    """Hashable wrapper for a static attribute value kept in pytree aux data.
+
+    Used so that unhashable python values (lists of ints, dicts of config)
+    can sit in aux data: equality is the value's own ``==``; the hash falls
+    back to the type when the value is unhashable.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static):
+            return NotImplemented
+        if self.value is other.value:
+            return True
+        try:
+            return bool(self.value == other.value)
+        except Exception:
+            return False
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.value)
+        except TypeError:
+            return hash(type(self.value))
+
+    def __repr__(self) -> str:
+        return f"static({self.value!r})"
+
+
+def _flatten_instance_with_keys(obj: Any):
+    aux = []
+    children = []
+    for name, value in obj.__dict__.items():
+        if is_dynamic(value):
+            aux.append(name)
+            children.append((jax.tree_util.GetAttrKey(name), value))
+        else:
+            aux.append((name, _Static(value)))
+    return children, tuple(aux)
+
+
+def _flatten_instance(obj: Any):
+    aux = []
+    children = []
+    for name, value in obj.__dict__.items():
+        if is_dynamic(value):
+            aux.append(name)
+            children.append(value)
+        else:
+            aux.append((name, _Static(value)))
+    return children, tuple(aux)
+
+
+def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
+    new = object.__new__
+
+    def unflatten(aux: tuple, children) -> Any:
+        obj = new(cls)
+        d = obj.__dict__
+        it = iter(children)
+        for entry in aux:
+            if type(entry) is str:
+                d[entry] = next(it)
+            else:
+                d[entry[0]] = entry[1].value
+        return obj
+
+    return unflatten
+
+
+def register_stateful_class(cls: type) -> None:
+    """Registers a decorated class as a pytree node (idempotent)."""
+    if cls in _STATEFUL_CLASSES:
+        return
+    jax.tree_util.register_pytree_with_keys(
+        cls, _flatten_instance_with_keys, _make_unflatten(cls), _flatten_instance
+    )
+    _STATEFUL_CLASSES.add(cls)
+
+
+# --- path names -----------------------------------------------------------
+
+
+def key_name(key: Any) -> str:
+    """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return "." + key.name
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, jax.tree_util.DictKey):
+        return f"[{key.key!r}]"
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return f"[{key.key}]"
+    return f"[{key!r}]"
+
+
+def path_name(prefix: str) -> str:
+    """A state name from an accumulated path string: no leading dot."""
+    return prefix[1:] if prefix.startswith(".") else prefix
+
+
+def _flatten_one_level(node: Any):
+    """Children (with their path strings) of a registered pytree node, or None."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if jax.tree_util.treedef_is_leaf(treedef) and len(leaves) == 1 and leaves[0][1] is node:
+        return [], None
+    return [("".join(key_name(k) for k in path), child) for path, child in leaves], treedef
+
+
+# --- the walk -------------------------------------------------------------
+
+
+def map_tree(
+    tree: Any,
+    replace: Callable[[Any, str], Any],
+    is_target: Callable[[Any], bool],
+) -> Any:
+    """Rebuilds ``tree`` with every node picked by ``is_target`` replaced.
+
+    ``replace(node, name)`` gets the node and its path name from the root
+    (``blocks[0].attn.cache['k']``). Decorated instances are copied once each
+    (a shallow copy holding the mapped attributes); a second path to the same
+    instance gets the same copy. Containers and registered pytree nodes are
+    rebuilt; everything else is returned as is.
+    """
+    memo: dict[int, tuple[Any, Any]] = {}
+
+    def walk(node: Any, prefix: str) -> Any:
+        if is_target(node):
+            return replace(node, path_name(prefix))
+        t = type(node)
+        if t in _STATEFUL_CLASSES:
+            seen = memo.get(id(node))
+            if seen is not None:
+                return seen[1]
+            new = object.__new__(t)
+            memo[id(node)] = (node, new)
+            nd = new.__dict__
+            for k, v in node.__dict__.items():
+                nd[k] = walk(v, f"{prefix}.{k}")
+            return new
+        if t is list:
+            return [walk(v, f"{prefix}[{i}]") for i, v in enumerate(node)]
+        if t is tuple:
+            return tuple(walk(v, f"{prefix}[{i}]") for i, v in enumerate(node))
+        if t is dict:
+            return {k: walk(v, f"{prefix}[{k!r}]") for k, v in node.items()}
+        if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
+            return node
+        children, treedef = _flatten_one_level(node)
+        if treedef is None:
+            return node
+        return jax.tree_util.tree_unflatten(
+            treedef, [walk(child, prefix + sub) for sub, child in children]
+        )
+
+    return walk(tree, "")
+
+
+def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
+    """Yields ``(path_name, node)`` for every target, each instance visited once."""
+    seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if is_target(node):
+            found.append((path_name(prefix), node))
+            return
+        t = type(node)
+        if t in _STATEFUL_CLASSES:
+            if id(node) in seen:
+                return
+            seen.add(id(node))
+            for k, v in node.__dict__.items():
+                walk(v, f"{prefix}.{k}")
+        elif t is list or t is tuple:
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}[{i}]")
+        elif t is dict:
+            for k, v in node.items():
+                walk(v, f"{prefix}[{k!r}]")
+        elif t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
+            return
+        else:
+            children, treedef = _flatten_one_level(node)
+            for sub, child in children:
+                walk(child, prefix + sub)
+
+    walk(tree, "")
+    return iter(found)
