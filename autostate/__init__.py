@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autostate.api import FunctionalModel, freeze, functionalize, state, stateful
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -20,6 +21,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutostateError",
+    "FunctionalModel",
+    "freeze",
+    "functionalize",
+    "state",
+    "stateful",
     "FrozenLocalStateRequest",
     "HandledLocalStateRef",
     "InitialLocalStateRequest",

@@ -202,8 +202,9 @@ def map_tree(
     ``replace(node, name)`` gets the node and its path name from the root
     (``blocks[0].attn.cache['k']``). Decorated instances are copied once each
     (a shallow copy holding the mapped attributes); a second path to the same
-    instance gets the same copy. Containers and registered pytree nodes are
-    rebuilt; everything else is returned as is.
+    instance gets the same copy. Containers are rebuilt; a registered pytree
+    node is rebuilt when something under it changed and kept as the same
+    object otherwise; everything else is returned as is.
     """
     memo: dict[int, tuple[Any, Any]] = {}
 
@@ -232,9 +233,12 @@ def map_tree(
         children, treedef = _flatten_one_level(node)
         if treedef is None:
             return node
-        return jax.tree_util.tree_unflatten(
-            treedef, [walk(child, prefix + sub) for sub, child in children]
-        )
+        new_children = [walk(child, prefix + sub) for sub, child in children]
+        # An untouched registered node (a request of another category, another
+        # handler's ref) is kept as the same object, not an equal rebuild.
+        if all(new is old for new, (_, old) in zip(new_children, children)):
+            return node
+        return jax.tree_util.tree_unflatten(treedef, new_children)
 
     return walk(tree, "")
 

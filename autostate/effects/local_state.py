@@ -71,6 +71,19 @@ def _check_not_traced(value: Any, name: str | None) -> None:
         )
 
 
+def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
+    # Mirrors penzai v1, where the effect methods of an unhandled request raise.
+    label = repr(request.name) if request.name is not None else "(unnamed)"
+    return UnhandledLocalStateError(
+        format_error(
+            f"State {label} (category {request.category!r}) is unhandled: the body "
+            f"still holds its {type(request).__name__}, which has no running value.",
+            fix="handle it first, `handler, states = handle_local_states(body, "
+            "category=...)`, then call `out, states = handler((arg, states))`.",
+        )
+    )
+
+
 class InitialValue:
     """An initializer that returns a value computed once, eagerly.
 
@@ -142,6 +155,12 @@ class InitialLocalStateRequest:
     category: Category
     name: str | None = None
 
+    def get(self) -> Any:
+        raise _unhandled_request_error(self)
+
+    def set(self, value: Any) -> None:
+        raise _unhandled_request_error(self)
+
     def read(self) -> Any:
         return self.state_initializer()
 
@@ -173,6 +192,9 @@ class FrozenLocalStateRequest:
         """Returns the embedded value."""
         return self.state
 
+    def set(self, value: Any) -> None:
+        raise _unhandled_request_error(self)
+
     def read(self) -> Any:
         return self.state
 
@@ -200,6 +222,12 @@ class SharedLocalStateRequest:
 
     name: str
     category: Category
+
+    def get(self) -> Any:
+        raise _unhandled_request_error(self)
+
+    def set(self, value: Any) -> None:
+        raise _unhandled_request_error(self)
 
     def read(self) -> Any:
         raise UnhandledLocalStateError(

@@ -1,0 +1,417 @@
+"""The front door: ``@stateful``, ``state()``, ``functionalize`` and ``freeze``.
+
+``@stateful`` asks ``transform`` which attributes are state and for rewritten
+methods, puts the methods back on the *same* class object, installs a
+descriptor per state attribute (so code outside the class sees plain
+attributes) and registers the class as a pytree. Instances then hold request
+slots that ``effects`` handles: ``functionalize`` is ``handle_local_states``
+on the instance, ``freeze`` is ``freeze_local_states``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import sys
+import types
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, overload
+
+import jax
+
+from autostate import runtime as _runtime
+from autostate import tree as _tree
+from autostate.effects import (
+    WithFunctionalLocalState,
+    freeze_body,
+    freeze_local_states,
+    handle_local_states,
+    run_with_states,
+)
+from autostate.errors import DecorationError, SourceUnavailableError, format_error
+from autostate.transform import analysis, loader, rewrite
+
+T = TypeVar("T", bound=type)
+
+DEFAULT_CATEGORY = "state"
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulInfo:
+    """What decoration decided about a class (``cls.__autostate_info__``)."""
+
+    state: frozenset[str]
+    category: Hashable
+    categories: dict[str, Hashable]
+    fallback: str | None
+    slot_factory: Callable[..., Any] | None = None
+
+
+def state(value: Any, *, category: Hashable | None = None, name: str | None = None) -> Any:
+    """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
+
+    Example::
+
+        @autostate.stateful
+        class Cache:
+            def __init__(self):
+                self.kv = autostate.state(jnp.zeros(4), category="cache", name="kv")
+
+    **Arguments:**
+    - ``value``: the initial value.
+    - ``category``: the state's category (default: the class's category).
+    - ``name``: an explicit state name instead of the attribute path.
+
+    **Returns:** a marker that ``@stateful`` turns into a state request.
+    """
+    return _runtime.StateDeclaration(value, category, name)
+
+
+@overload
+def stateful(cls: T) -> T: ...
+@overload
+def stateful(
+    cls: None = None, *, category: Hashable = DEFAULT_CATEGORY, fallback: str | None = None
+) -> Callable[[T], T]: ...
+
+
+def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
+    """Makes a plain class that mutates ``self`` usable as a pure JAX function.
+
+    Example::
+
+        @autostate.stateful
+        class Counter:
+            def __init__(self):
+                self.count = jnp.zeros(())
+            def __call__(self, x):
+                self.count += 1
+                return x * self.count
+
+        c = Counter()
+        c(2.0)                       # eager: c.count == 1
+        f, states = c.functionalize()
+        y, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+
+    **Arguments:**
+    - ``category``: category of the class's states (default ``"state"``).
+    - ``fallback``: ``"host"`` keeps state in a host-side store reached by
+      ordered callbacks, for closures that mutate state inside ``lax``
+      control flow.
+
+    **Returns:** the same class, rewritten in place.
+    """
+    if fallback not in (None, "host"):
+        raise ValueError(
+            format_error(
+                f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
+            )
+        )
+    if cls is None:
+        return lambda c: _decorate(c, category, fallback)
+    return _decorate(cls, category, fallback)
+
+
+def _resolves_to_state(globals_: dict[str, Any], dotted: str) -> bool:
+    head, *rest = dotted.split(".")
+    obj = globals_.get(head, getattr(builtins, head, None))
+    for part in rest:
+        obj = getattr(obj, part, None)
+    return obj is state
+
+
+def _base_infos(cls: type) -> list[StatefulInfo]:
+    return [b.__dict__["__autostate_info__"] for b in cls.__mro__[1:] if "__autostate_info__" in b.__dict__]
+
+
+def _undecorated_user_bases(cls: type) -> list[type]:
+    bases = []
+    for base in cls.__mro__[1:]:
+        if base is object or "__autostate_info__" in base.__dict__:
+            continue
+        module = sys.modules.get(base.__module__)
+        if module is None or base.__module__ in sys.builtin_module_names:
+            continue
+        if not getattr(module, "__file__", None) and base.__module__ != "__main__":
+            continue
+        bases.append(base)
+    return bases
+
+
+def _base_facts(base: type) -> list[analysis.MethodFacts]:
+    facts = []
+    for slot in loader.find_methods(base):
+        try:
+            source = loader.method_source(base, slot)
+            facts.append(analysis.collect_facts(base.__name__, source))
+        except (SourceUnavailableError, DecorationError, OSError):
+            continue
+    return facts
+
+
+def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, inherited: frozenset[str]):
+    """Analyses and rewrites; returns (state, declared, {key: code})."""
+    sources = [loader.method_source(cls, s) for s in slots]
+    globals_by_key = {s.key: s.function.__globals__ for s in slots}
+
+    def is_state_declaration(facts: analysis.MethodFacts, dotted: str) -> bool:
+        return _resolves_to_state(globals_by_key[facts.source.key], dotted)
+
+    facts = [analysis.collect_facts(cls.__name__, src) for src in sources]
+    inherited_initialized: set[str] = set()
+    for base in _undecorated_user_bases(cls):
+        for base_facts in _base_facts(base):
+            for assignment in base_facts.assignments:
+                inherited_initialized.add(assignment.attr)
+    for info in _base_infos(cls):
+        inherited_initialized |= info.state
+    result = analysis.analyze_class(
+        cls.__name__,
+        facts,
+        inherited_state=inherited,
+        inherited_initialized=frozenset(inherited_initialized),
+        is_state_declaration=is_state_declaration,
+        allow_nested_writes=fallback == "host",
+    )
+    _check_undecorated_bases(cls, result.state)
+    codes: dict[str, types.CodeType] = {}
+    for slot, method in zip(slots, result.methods):
+        if method.receiver is None or not (method.touched() & result.state):
+            continue
+        text = rewrite.rewrite_method(
+            method.module,
+            method.function,
+            method.receiver,
+            result.state,
+            cls.__name__,
+            is_init=slot.attr == "__init__",
+        )
+        _, shift = analysis.wrapper_source(cls.__name__, method.source)
+        codes[slot.key] = loader.compile_method(
+            text,
+            method.source.filename,
+            cls.__name__,
+            method.function.name.value,
+            shift,
+            slot.function.__code__.co_flags,
+        )
+    return result.state, result.declared, codes
+
+
+def _check_undecorated_bases(cls: type, state_attrs: frozenset[str]) -> None:
+    for base in _undecorated_user_bases(cls):
+        for facts in _base_facts(base):
+            if facts.source.attr == "__init__" or facts.receiver is None:
+                continue
+            for assignment in facts.assignments:
+                if assignment.attr in state_attrs:
+                    raise DecorationError(
+                        format_error(
+                            f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
+                            f"class {base.__name__} assigns state {assignment.attr!r} in "
+                            f"{base.__name__}.{facts.source.key}, which would not be rewritten.",
+                            where=f"{facts.source.filename}:{assignment.line}",
+                            fix=f"decorate {base.__name__} with @autostate.stateful too.",
+                        )
+                    )
+
+
+def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
+    if not isinstance(cls, type):
+        raise TypeError(
+            format_error(
+                f"@stateful decorates classes, got {type(cls).__name__}.",
+                fix="put @autostate.stateful on a class statement.",
+            )
+        )
+    if "__autostate_info__" in cls.__dict__:
+        return cls
+    bases = _base_infos(cls)
+    inherited = frozenset().union(*(b.state for b in bases)) if bases else frozenset()
+    inherited_categories: dict[str, Hashable] = {}
+    for info in reversed(bases):
+        inherited_categories.update(info.categories)
+    slots = loader.find_methods(cls)
+    key = loader.cache_key(cls, slots, (fallback, tuple(sorted(inherited)), sys.version))
+    cached = loader.cache_load(key) if key else None
+    if cached is not None:
+        state_list, declared, codes = cached
+        state_attrs = frozenset(state_list)
+    else:
+        state_attrs, declared, codes = _transform(cls, slots, fallback, inherited)
+        if key:
+            loader.cache_store(key, (sorted(state_attrs), dict(declared), codes))
+    for slot in slots:
+        code = codes.get(slot.key)
+        if code is not None:
+            slot.install(loader.build_function(code, slot.function, _runtime))
+    for attr in state_attrs:
+        existing = None
+        for klass in cls.__mro__:
+            if attr in klass.__dict__:
+                existing = klass.__dict__[attr]
+                break
+        if not isinstance(existing, _runtime.StateAttribute):
+            setattr(cls, attr, _runtime.StateAttribute(attr))
+    slot_factory = None
+    if fallback == "host":
+        from autostate import host
+
+        slot_factory = host.make_host_slot
+    cls.__autostate_info__ = StatefulInfo(
+        state=state_attrs,
+        category=category,
+        categories=inherited_categories,
+        fallback=fallback,
+        slot_factory=slot_factory,
+    )
+    if "functionalize" not in cls.__dict__ and not hasattr(cls, "functionalize"):
+        cls.functionalize = _functionalize_method
+    _tree.register_stateful_class(cls)
+    return cls
+
+
+class FunctionalModel:
+    """A functionalized model: ``f(states, *args)`` returns ``(out, new_states)``.
+
+    ``f.<method>(states, *args, **kwargs)`` calls any other method the same
+    way. It is a pytree whose leaves are the model's parameters, so it can be
+    passed into ``jax.jit``, differentiated with ``jax.grad`` and updated
+    with ``jax.tree_util.tree_map`` or optax.
+    """
+
+    __slots__ = ("handler_id", "model")
+
+    def __init__(self, handler_id: Hashable, model: Any):
+        self.handler_id = handler_id
+        self.model = model
+
+    def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
+        return run_with_states(self.handler_id, states, self.model, args, kwargs)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        model = object.__getattribute__(self, "model")
+        handler_id = object.__getattribute__(self, "handler_id")
+        method = getattr(type(model), name, None)
+        if method is None or not callable(method):
+            raise AttributeError(
+                format_error(
+                    f"{type(model).__name__} has no method {name!r} to call functionally.",
+                    fix="call f.<method>(states, ...) with a method the class defines.",
+                )
+            )
+
+        def call(states: dict[str, Any], *args: Any, **kwargs: Any):
+            return run_with_states(handler_id, states, getattr(model, name), args, kwargs)
+
+        call.__name__ = name
+        return call
+
+    def __repr__(self) -> str:
+        return f"FunctionalModel({self.model!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FunctionalModel):
+            return NotImplemented
+        return self.handler_id == other.handler_id and _trees_equal(self.model, other.model)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _trees_equal(a: Any, b: Any) -> bool:
+    leaves_a, def_a = jax.tree_util.tree_flatten(a)
+    leaves_b, def_b = jax.tree_util.tree_flatten(b)
+    if def_a != def_b:
+        return False
+    import numpy as np
+
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
+
+
+jax.tree_util.register_pytree_with_keys(
+    FunctionalModel,
+    lambda f: (((jax.tree_util.GetAttrKey("model"), f.model),), f.handler_id),
+    lambda handler_id, children: FunctionalModel(handler_id, children[0]),
+    lambda f: ((f.model,), f.handler_id),
+)
+_tree.register_dynamic_type(FunctionalModel)
+
+
+def _functionalize_method(
+    self: Any,
+    category: Hashable | None = None,
+    *,
+    category_predicate: Callable[[Hashable], bool] | None = None,
+    lazy: bool = False,
+    state_sharing: str = "forbidden",
+) -> tuple[FunctionalModel, Any]:
+    """Returns ``(f, states)``: a pure function of the model's states.
+
+    Example::
+
+        f, states = model.functionalize()
+        out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+        model = autostate.freeze(f, states)
+
+    **Arguments:**
+    - ``category``: handle only states of this category (``None``: all).
+    - ``category_predicate``: alternatively, a predicate on categories.
+    - ``lazy``: return a thunk computing the states instead of the dict.
+    - ``state_sharing``: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
+
+    **Returns:** ``(f, states)``; ``f(states, *args)`` and
+    ``f.<method>(states, *args)`` return ``(out, new_states)``.
+    """
+    if category is None and category_predicate is None:
+        category_predicate = _all_categories
+    prepared = _prepare_hook(self) if _prepare_hook is not None else self
+    handler, states = handle_local_states(
+        prepared,
+        category=category,
+        category_predicate=category_predicate,
+        lazy=lazy,
+        state_sharing=state_sharing,
+    )
+    return FunctionalModel(handler.handler_id, handler.body), states
+
+
+# Set by autostate.host: turns host-store slots into frozen requests first.
+_prepare_hook: Callable[[Any], Any] | None = None
+
+
+def _all_categories(_category: Hashable) -> bool:
+    return True
+
+
+def functionalize(model: Any, *args: Any, **kwargs: Any) -> tuple[FunctionalModel, Any]:
+    """Function form of ``model.functionalize(...)``."""
+    return _functionalize_method(model, *args, **kwargs)
+
+
+def freeze(f: Any, states: dict[str, Any]) -> Any:
+    """Inverse of ``functionalize``: the model with ``states`` embedded.
+
+    Example::
+
+        f, states = model.functionalize()
+        _, states = f(states, x)
+        model = autostate.freeze(f, states)   # an instance of model's class
+
+    **Arguments:**
+    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``).
+    - ``states``: the states dict to embed.
+
+    **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s.
+    """
+    if isinstance(f, FunctionalModel):
+        return freeze_body(f.handler_id, f.model, states)
+    if isinstance(f, WithFunctionalLocalState):
+        return freeze_local_states(f, states)
+    raise TypeError(
+        format_error(
+            f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
+            fix="call `f, states = model.functionalize()` and pass both to freeze.",
+        )
+    )

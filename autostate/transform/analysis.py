@@ -1,0 +1,513 @@
+"""Which attributes of a class are state, and what ``@stateful`` must reject.
+
+Pure function of the methods' source text: each method is parsed with libcst
+(at its real line numbers, so every fact carries the user's ``file:line``),
+one visitor collects facts about how the method touches its receiver, and
+``analyze_class`` turns the facts of all methods into the state set or a
+``DecorationError`` that says what to do. Nothing here imports JAX, and
+nothing here rewrites code (``rewrite.py`` does, from the result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from autostate.errors import DecorationError, format_error
+
+OUTER_NAME = "__autostate_outer__"
+RUNTIME_NAME = "__autostate__"
+
+# Methods that mutate a container in place; calling one on state would change
+# the value behind the effect system's back.
+_MUTATING_METHODS = frozenset(
+    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
+     "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSource:
+    """One function defined in the class body, as found in its file.
+
+    ``key`` says where the function sits in the class dict (``"step"``,
+    ``"value.fset"``); ``attr`` is the class-dict name it belongs to.
+    """
+
+    key: str
+    attr: str
+    filename: str
+    first_line: int
+    text: str
+    freevars: tuple[str, ...]
+    has_receiver: bool
+
+
+@dataclasses.dataclass
+class Assignment:
+    attr: str
+    line: int
+    kind: str  # "set", "aug", "item"
+    nested: bool
+
+
+@dataclasses.dataclass
+class MethodFacts:
+    """What one method does with its receiver."""
+
+    source: MethodSource
+    receiver: str | None
+    module: cst.Module
+    function: cst.FunctionDef
+    assignments: list[Assignment] = dataclasses.field(default_factory=list)
+    reads: dict[str, int] = dataclasses.field(default_factory=dict)
+    deletes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    reflective: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    mutating_calls: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    rebinds: list[int] = dataclasses.field(default_factory=list)
+    self_calls: set[str] = dataclasses.field(default_factory=set)
+    declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    is_async: bool = False
+    is_generator: bool = False
+
+    def touched(self) -> set[str]:
+        return set(self.reads) | {a.attr for a in self.assignments}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassAnalysis:
+    """The decision: the class's state attributes (mangled names)."""
+
+    class_name: str
+    state: frozenset[str]
+    declared: dict[str, str]  # attr -> dotted name of the state() call
+    methods: tuple[MethodFacts, ...]
+
+
+def mangle(class_name: str, attr: str) -> str:
+    """Python's private-name mangling of ``attr`` inside ``class_name``."""
+    if not attr.startswith("__") or attr.endswith("__"):
+        return attr
+    stripped = class_name.lstrip("_")
+    return f"_{stripped}{attr}" if stripped else attr
+
+
+def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
+    """Source to parse and compile for one method, and its line shift.
+
+    The method text sits inside ``class <Name>:`` (so the compiler mangles
+    private names as in the original class) and a function whose parameters
+    are the method's free variables (so they compile as closure variables).
+    Blank lines in front put the method at its original line; when there is
+    no room for the two header lines the returned shift says by how much the
+    compiled line numbers must be moved.
+    """
+    params = ", ".join((*source.freevars, RUNTIME_NAME))
+    header = f"class {class_name}:\n def {OUTER_NAME}({params}):\n"
+    padding = max(source.first_line - 3, 0)
+    shift = source.first_line - 3 - padding
+    return "\n" * padding + header + source.text, shift
+
+
+def _location(source: MethodSource, line: int, shift: int) -> str:
+    return f"{source.filename}:{line + shift}"
+
+
+def parse_method(class_name: str, source: MethodSource) -> tuple[cst.Module, int]:
+    text, shift = wrapper_source(class_name, source)
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError as exc:
+        raise DecorationError(
+            format_error(
+                f"@stateful could not parse the source of {class_name}.{source.key}: "
+                f"{exc.message}",
+                where=_location(source, exc.raw_line, shift),
+                fix="make sure the file on disk matches the code that was imported "
+                "(reload the module after editing it).",
+            )
+        ) from None
+    return module, shift
+
+
+def _method_node(module: cst.Module) -> cst.FunctionDef:
+    wrapper_class = module.body[-1]
+    assert isinstance(wrapper_class, cst.ClassDef)
+    outer = wrapper_class.body.body[0]
+    assert isinstance(outer, cst.FunctionDef)
+    node = outer.body.body[0]
+    assert isinstance(node, cst.FunctionDef)
+    return node
+
+
+def _param_names(params: cst.Parameters) -> list[str]:
+    names = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
+    for star in (params.star_arg, params.star_kwarg):
+        if isinstance(star, cst.Param):
+            names.append(star.name.value)
+    return names
+
+
+def receiver_name(function: cst.FunctionDef) -> str | None:
+    names = _param_names(function.params)
+    return names[0] if names else None
+
+
+def dotted_name(expr: cst.BaseExpression) -> str | None:
+    """``a.b.c`` for a chain of names, else None."""
+    if isinstance(expr, cst.Name):
+        return expr.value
+    if isinstance(expr, cst.Attribute):
+        head = dotted_name(expr.value)
+        return f"{head}.{expr.attr.value}" if head else None
+    return None
+
+
+class ReceiverScopes:
+    """Tracks whether the method's receiver name is visible at a node.
+
+    Nested functions, lambdas and classes push a scope; a scope whose
+    parameters rebind the receiver's name hides it. Shared by the analysis
+    visitor and the rewriter so both agree on what ``self.x`` refers to.
+    """
+
+    def __init__(self, method: cst.FunctionDef, receiver: str | None):
+        self.method = method
+        self.receiver = receiver
+        self.stack: list[bool] = []
+        self.inside = False
+
+    def enter(self, node: cst.CSTNode) -> None:
+        if node is self.method:
+            self.inside = True
+            return
+        if not self.inside:
+            return
+        if isinstance(node, (cst.FunctionDef, cst.Lambda)):
+            self.stack.append(self.receiver in _param_names(node.params))
+        else:
+            self.stack.append(False)
+
+    def leave(self, node: cst.CSTNode) -> None:
+        if node is self.method:
+            self.inside = False
+        elif self.inside:
+            self.stack.pop()
+
+    @property
+    def nested(self) -> bool:
+        return bool(self.stack)
+
+    @property
+    def visible(self) -> bool:
+        return self.inside and self.receiver is not None and not any(self.stack)
+
+    def attr_of(self, expr: cst.CSTNode) -> str | None:
+        """The attribute name if ``expr`` is ``<receiver>.<name>``."""
+        if (
+            isinstance(expr, cst.Attribute)
+            and isinstance(expr.value, cst.Name)
+            and expr.value.value == self.receiver
+            and self.visible
+        ):
+            return expr.attr.value
+        return None
+
+
+def subscript_base(expr: cst.BaseExpression) -> cst.BaseExpression:
+    while isinstance(expr, cst.Subscript):
+        expr = expr.value
+    return expr
+
+
+class _FactCollector(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, facts: MethodFacts, class_name: str, shift: int):
+        super().__init__()
+        self.facts = facts
+        self.class_name = class_name
+        self.shift = shift
+        self.scopes = ReceiverScopes(facts.function, facts.receiver)
+
+    def _line(self, node: cst.CSTNode) -> int:
+        return self.get_metadata(PositionProvider, node).start.line + self.shift
+
+    def _attr(self, expr: cst.CSTNode) -> str | None:
+        attr = self.scopes.attr_of(expr)
+        return mangle(self.class_name, attr) if attr is not None else None
+
+    # scopes
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        if node is self.facts.function:
+            self.facts.is_async = node.asynchronous is not None
+        self.scopes.enter(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.scopes.enter(node)
+
+    def leave_Lambda(self, original_node: cst.Lambda) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.scopes.enter(node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.scopes.leave(original_node)
+
+    # targets
+    def _target(self, expr: cst.BaseExpression, kind: str) -> None:
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            for element in expr.elements:
+                self._target(element.value, kind)
+            return
+        if isinstance(expr, cst.StarredElement):
+            self._target(expr.value, kind)
+            return
+        if isinstance(expr, cst.Name):
+            if expr.value == self.facts.receiver and self.scopes.visible:
+                self.facts.rebinds.append(self._line(expr))
+            return
+        item = isinstance(expr, cst.Subscript)
+        attr = self._attr(subscript_base(expr))
+        if attr is not None:
+            self.facts.assignments.append(
+                Assignment(attr, self._line(expr), "item" if item else kind, self.scopes.nested)
+            )
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            self._target(target.target, "set")
+        if len(node.targets) == 1 and isinstance(node.value, cst.Call):
+            attr = self._attr(node.targets[0].target)
+            func = dotted_name(node.value.func)
+            if attr is not None and func is not None:
+                self.facts.declarations[attr] = (func, self._line(node))
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._target(node.target, "aug")
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None:
+            self._target(node.target, "set")
+
+    def visit_For(self, node: cst.For) -> None:
+        self._target(node.target, "set")
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._target(node.target, "set")
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._target(node.asname.name, "set")
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._target(node.target, "set")
+
+    def visit_Del(self, node: cst.Del) -> None:
+        targets = node.target.elements if isinstance(node.target, (cst.Tuple, cst.List)) else None
+        for expr in [e.value for e in targets] if targets is not None else [node.target]:
+            attr = self._attr(expr)
+            if attr is not None:
+                self.facts.deletes.append((attr, self._line(expr)))
+            elif isinstance(expr, cst.Subscript):
+                self._target(expr, "item")
+
+    # reads and calls
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        attr = self._attr(node)
+        if attr is not None:
+            self.facts.reads.setdefault(attr, self._line(node))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if isinstance(func, cst.Name) and func.value in ("setattr", "getattr", "delattr", "hasattr"):
+            if len(node.args) >= 2 and self.scopes.attr_of(
+                cst.Attribute(value=node.args[0].value, attr=cst.Name("_"))
+            ):
+                literal = node.args[1].value
+                if isinstance(literal, cst.SimpleString):
+                    self.facts.reflective.append(
+                        (func.value, literal.evaluated_value, self._line(node))
+                    )
+        attr = self._attr(func)
+        if attr is not None:
+            self.facts.self_calls.add(attr)
+        if isinstance(func, cst.Attribute) and func.attr.value in _MUTATING_METHODS:
+            owner = self._attr(subscript_base(func.value))
+            if owner is not None:
+                self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
+
+    def visit_Yield(self, node: cst.Yield) -> None:
+        if not self.scopes.nested:
+            self.facts.is_generator = True
+
+
+def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
+    """Parses one method and collects how it uses its receiver."""
+    module, shift = parse_method(class_name, source)
+    function = _method_node(module)
+    receiver = receiver_name(function) if source.has_receiver else None
+    facts = MethodFacts(source=source, receiver=receiver, module=module, function=function)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    wrapper.visit(_FactCollector(facts, class_name, shift))
+    return facts
+
+
+def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str) -> DecorationError:
+    return DecorationError(
+        format_error(
+            f"@stateful cannot rewrite class {class_name}: {what}",
+            where=f"{source.filename}:{line} (in {class_name}.{source.key})",
+            fix=fix,
+        )
+    )
+
+
+def analyze_class(
+    class_name: str,
+    methods: Sequence[MethodFacts],
+    *,
+    inherited_state: frozenset[str] = frozenset(),
+    inherited_initialized: frozenset[str] = frozenset(),
+    is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
+    allow_nested_writes: bool = False,
+) -> ClassAnalysis:
+    """Decides the state set of a class from the facts of its methods.
+
+    **Arguments:**
+    - ``methods``: facts of every function defined in the class body.
+    - ``inherited_state``: state attributes of decorated base classes.
+    - ``inherited_initialized``: attributes that base ``__init__``s assign.
+    - ``is_state_declaration(facts, dotted)``: whether the call ``dotted(...)``
+      in that method is ``autostate.state`` (resolved by the caller, which has
+      the globals).
+    - ``allow_nested_writes``: ``fallback="host"``; closures may assign state.
+
+    **Raises:** ``DecorationError`` for every construct the engine cannot
+    express, naming the class, attribute, file:line and the fix.
+    """
+    state: set[str] = set(inherited_state)
+    declared: dict[str, str] = {}
+    for facts in methods:
+        if facts.receiver is None:
+            continue
+        is_init = facts.source.attr == "__init__"
+        for assignment in facts.assignments:
+            if not is_init:
+                state.add(assignment.attr)
+        if is_init:
+            for attr, (func, _line) in facts.declarations.items():
+                if is_state_declaration(facts, func):
+                    state.add(attr)
+                    declared[attr] = func
+
+    by_attr: dict[str, list[MethodFacts]] = {}
+    for facts in methods:
+        by_attr.setdefault(facts.source.attr, []).append(facts)
+
+    for facts in methods:
+        src = facts.source
+        touched = facts.touched() & state
+        for attr, line in facts.deletes:
+            if attr in state:
+                raise _fail(
+                    class_name,
+                    f"`del {facts.receiver}.{attr}` deletes state {attr!r}; a state cannot be "
+                    "removed from a pure function's inputs.",
+                    src,
+                    line,
+                    f"assign a placeholder instead (`{facts.receiver}.{attr} = None`) or keep "
+                    "the attribute.",
+                )
+        for func, attr, line in facts.reflective:
+            if attr in state:
+                raise _fail(
+                    class_name,
+                    f"`{func}({facts.receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
+                    "which the rewrite cannot follow.",
+                    src,
+                    line,
+                    f"use `{facts.receiver}.{attr}` directly.",
+                )
+        if src.attr != "__init__":
+            for attr, method, line in facts.mutating_calls:
+                if attr in state:
+                    raise _fail(
+                        class_name,
+                        f"`{facts.receiver}.{attr}.{method}(...)` mutates state {attr!r} in "
+                        "place, which a pure function cannot see.",
+                        src,
+                        line,
+                        f"assign a new value instead, e.g. `{facts.receiver}.{attr} = "
+                        f"{facts.receiver}.{attr} + [item]`.",
+                    )
+        if touched and facts.rebinds:
+            raise _fail(
+                class_name,
+                f"the receiver `{facts.receiver}` is rebound in a method that uses state "
+                f"{sorted(touched)[0]!r}.",
+                src,
+                facts.rebinds[0],
+                f"use another local name instead of reassigning `{facts.receiver}`.",
+            )
+        if touched and (facts.is_async or facts.is_generator):
+            kind = "async" if facts.is_async else "generator"
+            raise _fail(
+                class_name,
+                f"{kind} method {src.key!r} uses state {sorted(touched)[0]!r}; its body runs "
+                "after the call that handles state has returned.",
+                src,
+                facts.reads.get(sorted(touched)[0], src.first_line),
+                "move the state access into a regular method and call it, or return a list "
+                "instead of yielding.",
+            )
+        if not allow_nested_writes:
+            for assignment in facts.assignments:
+                if assignment.nested and assignment.attr in state:
+                    raise _fail(
+                        class_name,
+                        f"a nested function or lambda assigns state {assignment.attr!r}; state "
+                        "written from a closure (e.g. a lax.cond/scan body) cannot be threaded "
+                        "functionally.",
+                        src,
+                        assignment.line,
+                        "return the new value from the closure and assign it in the method, or "
+                        'opt into the host-callback engine with @autostate.stateful(fallback="host").',
+                    )
+
+    initialized = set(inherited_initialized)
+    pending = ["__init__"]
+    visited: set[str] = set()
+    while pending:
+        attr = pending.pop()
+        if attr in visited:
+            continue
+        visited.add(attr)
+        for facts in by_attr.get(attr, ()):
+            if facts.receiver is None:
+                continue
+            for assignment in facts.assignments:
+                initialized.add(assignment.attr)
+                pending.append(assignment.attr)  # property setters
+            pending.extend(facts.self_calls)
+    for attr in sorted(state - initialized):
+        for facts in methods:
+            first = next((a for a in facts.assignments if a.attr == attr), None)
+            if first is not None:
+                raise _fail(
+                    class_name,
+                    f"state {attr!r} is first assigned outside __init__; every state needs an "
+                    "initial value when the model is built.",
+                    facts.source,
+                    first.line,
+                    f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
+                    f"(or `self.{attr} = autostate.state(...)`).",
+                )
+    return ClassAnalysis(class_name, frozenset(state), declared, tuple(methods))

@@ -1,0 +1,280 @@
+"""The libcst transformer: state reads and writes become runtime calls.
+
+It only rewrites what ``analysis.py`` decided is state, and every rewrite
+stays on the line it came from:
+
+===============================  =============================================
+``self.x`` (read)                ``__autostate__.get(self, "x")``
+``self.x = v``                   ``__autostate__.set(self, "x", v)``
+``self.x = v`` in ``__init__``   ``__autostate__.init(self, "x", v)``
+``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.get(self, "x") op (v))``
+``self.x[i] = v``                ``__autostate__.setitem(self, "x", v, __autostate__.ix[i])``
+``self.x[i] op= v``              ``__autostate__.augitem(self, "x", "op", v, __autostate__.ix[i])``
+other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
+``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
+===============================  =============================================
+
+No JAX here: the runtime the generated code calls is ``autostate.runtime``.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from autostate.transform.analysis import (
+    RUNTIME_NAME,
+    ReceiverScopes,
+    mangle,
+    subscript_base,
+)
+
+_AUG_TO_BINARY = {
+    cst.AddAssign: (cst.Add, "+"),
+    cst.SubtractAssign: (cst.Subtract, "-"),
+    cst.MultiplyAssign: (cst.Multiply, "*"),
+    cst.DivideAssign: (cst.Divide, "/"),
+    cst.FloorDivideAssign: (cst.FloorDivide, "//"),
+    cst.ModuloAssign: (cst.Modulo, "%"),
+    cst.PowerAssign: (cst.Power, "**"),
+    cst.MatrixMultiplyAssign: (cst.MatrixMultiply, "@"),
+    cst.LeftShiftAssign: (cst.LeftShift, "<<"),
+    cst.RightShiftAssign: (cst.RightShift, ">>"),
+    cst.BitAndAssign: (cst.BitAnd, "&"),
+    cst.BitOrAssign: (cst.BitOr, "|"),
+    cst.BitXorAssign: (cst.BitXor, "^"),
+}
+
+
+def _runtime(name: str) -> cst.Attribute:
+    return cst.Attribute(value=cst.Name(RUNTIME_NAME), attr=cst.Name(name))
+
+
+def _call(name: str, *args: cst.BaseExpression) -> cst.Call:
+    return cst.Call(func=_runtime(name), args=[cst.Arg(a) for a in args])
+
+
+def _string(value: str) -> cst.SimpleString:
+    return cst.SimpleString(f'"{value}"')
+
+
+def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
+    return expr.with_changes(lpar=[cst.LeftParen(), *expr.lpar], rpar=[*expr.rpar, cst.RightParen()])
+
+
+class StateRewriter(cst.CSTTransformer):
+    """Rewrites one method (see the module docstring for the table)."""
+
+    def __init__(
+        self,
+        method: cst.FunctionDef,
+        receiver: str,
+        state: frozenset[str],
+        class_name: str,
+        *,
+        is_init: bool,
+    ):
+        super().__init__()
+        self.scopes = ReceiverScopes(method, receiver)
+        self.receiver = receiver
+        self.state = state
+        self.class_name = class_name
+        self.is_init = is_init
+        self._targets: set[int] = set()
+
+    # helpers
+    def _state_attr(self, expr: cst.CSTNode) -> str | None:
+        attr = self.scopes.attr_of(expr)
+        if attr is None:
+            return None
+        mangled = mangle(self.class_name, attr)
+        return mangled if mangled in self.state else None
+
+    def _mark(self, expr: cst.BaseExpression) -> None:
+        """Remembers state attributes in target position so reads skip them."""
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            for element in expr.elements:
+                self._mark(element.value)
+        elif isinstance(expr, cst.StarredElement):
+            self._mark(expr.value)
+        else:
+            base = subscript_base(expr)
+            if self._state_attr(base) is not None:
+                self._targets.add(id(base))
+
+    def _receiver(self) -> cst.Name:
+        return cst.Name(self.receiver)
+
+    def _indices(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+        indices: list[cst.BaseExpression] = []
+        while isinstance(expr, cst.Subscript):
+            indices.append(cst.Subscript(value=_runtime("ix"), slice=expr.slice))
+            expr = expr.value
+        return indices[::-1]
+
+    def _proxy(self, expr: cst.BaseExpression) -> cst.BaseExpression:
+        """Turns state targets inside ``expr`` into proxy targets."""
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            return expr.with_changes(
+                elements=[e.with_changes(value=self._proxy(e.value)) for e in expr.elements]
+            )
+        if isinstance(expr, cst.StarredElement):
+            return expr.with_changes(value=self._proxy(expr.value))
+        if isinstance(expr, cst.Subscript):
+            return expr.with_changes(value=self._proxy(expr.value))
+        if isinstance(expr, cst.Attribute) and self._state_attr(expr) is not None:
+            return expr.with_changes(value=_call("target", self._receiver()))
+        return expr
+
+    def _has_state_target(self, expr: cst.BaseExpression) -> bool:
+        return self._proxy(expr) is not expr
+
+    # scopes
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.scopes.enter(node)
+
+    def leave_FunctionDef(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.scopes.enter(node)
+
+    def leave_Lambda(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.scopes.enter(node)
+
+    def leave_ClassDef(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    # reads
+    def leave_Attribute(self, original_node, updated_node):
+        if id(original_node) in self._targets:
+            return updated_node
+        attr = self._state_attr(original_node)
+        if attr is None:
+            return updated_node
+        call = _call("get", self._receiver(), _string(attr))
+        return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+
+    # writes
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            self._mark(target.target)
+
+    def leave_Assign(self, original_node, updated_node):
+        targets = updated_node.targets
+        if len(targets) == 1:
+            target = targets[0].target
+            attr = self._state_attr(target)
+            if attr is not None:
+                name = "init" if self.is_init else "set"
+                return cst.Expr(_call(name, self._receiver(), _string(attr), updated_node.value))
+            base_attr = self._state_attr(subscript_base(target))
+            if isinstance(target, cst.Subscript) and base_attr is not None:
+                return cst.Expr(
+                    _call(
+                        "setitem",
+                        self._receiver(),
+                        _string(base_attr),
+                        updated_node.value,
+                        *self._indices(target),
+                    )
+                )
+        if not any(self._has_state_target(t.target) for t in targets):
+            return updated_node
+        return updated_node.with_changes(
+            targets=[t.with_changes(target=self._proxy(t.target)) for t in targets]
+        )
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._mark(node.target)
+
+    def leave_AugAssign(self, original_node, updated_node):
+        target = updated_node.target
+        binary, symbol = _AUG_TO_BINARY[type(updated_node.operator)]
+        attr = self._state_attr(target)
+        if attr is not None:
+            current = _call("get", self._receiver(), _string(attr))
+            combined = cst.BinaryOperation(
+                left=current, operator=binary(), right=_parenthesized(updated_node.value)
+            )
+            return cst.Expr(_call("set", self._receiver(), _string(attr), combined))
+        base_attr = self._state_attr(subscript_base(target))
+        if isinstance(target, cst.Subscript) and base_attr is not None:
+            return cst.Expr(
+                _call(
+                    "augitem",
+                    self._receiver(),
+                    _string(base_attr),
+                    _string(symbol),
+                    updated_node.value,
+                    *self._indices(target),
+                )
+            )
+        return updated_node
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None:
+            self._mark(node.target)
+
+    def leave_AnnAssign(self, original_node, updated_node):
+        if updated_node.value is None:
+            return updated_node
+        attr = self._state_attr(updated_node.target)
+        if attr is not None:
+            name = "init" if self.is_init else "set"
+            return cst.Expr(_call(name, self._receiver(), _string(attr), updated_node.value))
+        if self._has_state_target(updated_node.target):
+            return cst.Assign(
+                targets=[cst.AssignTarget(self._proxy(updated_node.target))],
+                value=updated_node.value,
+            )
+        return updated_node
+
+    def visit_For(self, node: cst.For) -> None:
+        self._mark(node.target)
+
+    def leave_For(self, original_node, updated_node):
+        return updated_node.with_changes(target=self._proxy(updated_node.target))
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._mark(node.target)
+
+    def leave_CompFor(self, original_node, updated_node):
+        return updated_node.with_changes(target=self._proxy(updated_node.target))
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._mark(node.asname.name)
+
+    def leave_WithItem(self, original_node, updated_node):
+        if updated_node.asname is None:
+            return updated_node
+        return updated_node.with_changes(
+            asname=updated_node.asname.with_changes(name=self._proxy(updated_node.asname.name))
+        )
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._mark(node.target)
+
+    def leave_Del(self, original_node, updated_node):
+        return updated_node.with_changes(target=self._proxy(updated_node.target))
+
+
+def rewrite_method(
+    module: cst.Module,
+    method: cst.FunctionDef,
+    receiver: str,
+    state: frozenset[str],
+    class_name: str,
+    *,
+    is_init: bool,
+) -> str:
+    """Returns the wrapper module's source with ``method`` rewritten."""
+    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init)
+    new_method = method.visit(rewriter)
+    return module.deep_replace(method, new_method).code
