@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable
+import types
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -41,8 +42,8 @@ Category = Hashable
 StateSharing = Literal["forbidden", "allowed", "unsafe"]
 
 # handler id -> {state name -> cell}, for every handler currently running.
-_ACTIVE: contextvars.ContextVar[dict[Hashable, dict[str, LocalStateEffectImpl]]] = (
-    contextvars.ContextVar("autostate_active_handlers", default={})
+_ACTIVE: contextvars.ContextVar[Mapping[Hashable, dict[str, LocalStateEffectImpl]]] = (
+    contextvars.ContextVar("autostate_active_handlers", default=types.MappingProxyType({}))
 )
 _handler_counter = itertools.count()
 
