@@ -172,6 +172,9 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
         inherited_initialized=frozenset(inherited_initialized),
         is_state_declaration=is_state_declaration,
         allow_nested_writes=fallback == "host",
+        inherited_properties=frozenset(
+            name for base in cls.__mro__[1:] for name, v in vars(base).items() if isinstance(v, property)
+        ),
     )
     _check_undecorated_bases(cls, result.state)
     codes: dict[str, types.CodeType] = {}
@@ -278,22 +281,42 @@ class FunctionalModel:
     way. It is a pytree whose leaves are the model's parameters, so it can be
     passed into ``jax.jit``, differentiated with ``jax.grad`` and updated
     with ``jax.tree_util.tree_map`` or optax.
+
+    ``f`` is immutable: make a new one with ``tree_map`` rather than
+    assigning into ``f.model``. That is what lets it flatten once and reuse
+    the result on every call of a jitted step (per-call dispatch then costs
+    what a dict of arrays costs), and what keeps tied weights (one instance
+    on two paths) one leaf.
     """
 
-    __slots__ = ("handler_id", "model")
+    __slots__ = ("handler_id", "_model", "_flat")
 
-    def __init__(self, handler_id: Hashable, model: Any):
+    def __init__(self, handler_id: Hashable, model: Any = None, flat: tuple | None = None):
         self.handler_id = handler_id
-        self.model = model
+        self._model = model
+        self._flat = flat  # (leaves, graphdef), computed on first flatten
+
+    @property
+    def model(self) -> Any:
+        """The handled model (its states are ``HandledLocalStateRef``s)."""
+        if self._model is None:
+            leaves, graphdef = self._flat
+            self._model = _tree.unflatten_graph(graphdef, leaves)
+        return self._model
+
+    def _flattened(self) -> tuple:
+        if self._flat is None:
+            self._flat = _tree.flatten_graph(self._model)
+        return self._flat
 
     def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
         return run_with_states(self.handler_id, states, self.model, args, kwargs)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("__") and name.endswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
-        model = object.__getattribute__(self, "model")
-        handler_id = object.__getattribute__(self, "handler_id")
+        model = self.model
+        handler_id = self.handler_id
         method = getattr(type(model), name, None)
         if method is None or not callable(method):
             raise AttributeError(
@@ -315,7 +338,7 @@ class FunctionalModel:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FunctionalModel):
             return NotImplemented
-        return self.handler_id == other.handler_id and _trees_equal(self.model, other.model)
+        return self.handler_id == other.handler_id and _trees_equal(self, other)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -330,11 +353,25 @@ def _trees_equal(a: Any, b: Any) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
 
 
+def _flatten_functional(f: FunctionalModel):
+    leaves, graphdef = f._flattened()
+    return leaves, (f.handler_id, graphdef)
+
+
+def _flatten_functional_with_keys(f: FunctionalModel):
+    leaves, graphdef = f._flattened()
+    keys = [jax.tree_util.GetAttrKey(f"model.{n}") for n in graphdef.names]
+    return list(zip(keys, leaves)), (f.handler_id, graphdef)
+
+
+def _unflatten_functional(aux: tuple, leaves) -> FunctionalModel:
+    handler_id, graphdef = aux
+    leaves = list(leaves)
+    return FunctionalModel(handler_id, None, (leaves, graphdef))
+
+
 jax.tree_util.register_pytree_with_keys(
-    FunctionalModel,
-    lambda f: (((jax.tree_util.GetAttrKey("model"), f.model),), f.handler_id),
-    lambda handler_id, children: FunctionalModel(handler_id, children[0]),
-    lambda f: ((f.model,), f.handler_id),
+    FunctionalModel, _flatten_functional_with_keys, _unflatten_functional, _flatten_functional
 )
 _tree.register_dynamic_type(FunctionalModel)
 

@@ -274,3 +274,96 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
 
     walk(tree, "")
     return iter(found)
+
+
+# --- graph flatten ----------------------------------------------------------
+
+
+class GraphDef:
+    """Static structure of a model graph: which instance holds what, and where.
+
+    Hashing walks the nested treedefs, so the hash is computed once; equality
+    checks identity first because ``jax.jit`` compares the same object on
+    every call of a step.
+    """
+
+    __slots__ = ("instances", "root", "names", "_hash")
+
+    def __init__(self, instances: tuple, root: int, names: tuple[str, ...]):
+        self.instances = instances
+        self.root = root
+        self.names = names  # path name of each leaf; derived, so not compared
+        self._hash = hash((instances, root))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, GraphDef):
+            return NotImplemented
+        return self._hash == other._hash and (self.instances, self.root) == (
+            other.instances,
+            other.root,
+        )
+
+    def __repr__(self) -> str:
+        return f"GraphDef({len(self.instances)} instances)"
+
+
+def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
+    """Flattens a model graph with each instance once: ``(leaves, graphdef)``.
+
+    Unlike the per-instance pytree registration, an instance reachable from
+    two paths contributes its leaves once (named by its first path), so tied
+    weights stay tied through ``jax.jit`` and get one summed gradient.
+    """
+    leaves: list[Any] = []
+    names: list[str] = []
+    index: dict[int, int] = {}
+    instances: list[Any] = []
+
+    def visit(obj: Any, prefix: str) -> int:
+        seen = index.get(id(obj))
+        if seen is not None:
+            return seen
+        i = len(instances)
+        index[id(obj)] = i
+        instances.append(None)
+        entries = []
+        for name, value in obj.__dict__.items():
+            if not is_dynamic(value):
+                entries.append((name, None, _Static(value)))
+                continue
+            flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_stateful_instance)
+            parts = []
+            for path, leaf in flat:
+                sub = f"{prefix}.{name}" + "".join(key_name(k) for k in path)
+                if type(leaf) in _STATEFUL_CLASSES:
+                    parts.append(-1 - visit(leaf, sub))
+                else:
+                    parts.append(len(leaves))
+                    leaves.append(leaf)
+                    names.append(path_name(sub))
+            entries.append((name, treedef, tuple(parts)))
+        instances[i] = (type(obj), tuple(entries))
+        return i
+
+    root_index = visit(root, "")
+    return leaves, GraphDef(tuple(instances), root_index, tuple(names))
+
+
+def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
+    """Rebuilds the model graph of ``flatten_graph`` around new leaves."""
+    objs = [object.__new__(cls) for cls, _ in graphdef.instances]
+    for obj, (_, entries) in zip(objs, graphdef.instances):
+        d = obj.__dict__
+        for name, treedef, parts in entries:
+            if treedef is None:
+                d[name] = parts.value
+            else:
+                d[name] = treedef.unflatten(
+                    [objs[-1 - p] if p < 0 else leaves[p] for p in parts]
+                )
+    return objs[graphdef.root]
