@@ -151,7 +151,19 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
 
 def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, inherited: frozenset[str]):
     """Analyses and rewrites; returns (state, declared, {key: code})."""
-    sources = [loader.method_source(cls, s) for s in slots]
+    sources, slots, skipped, unavailable = [], list(slots), [], None
+    for slot in list(slots):
+        try:
+            sources.append(loader.method_source(cls, slot))
+        except SourceUnavailableError as exc:
+            # Generated methods (a dataclass __init__) have no source; they still
+            # reach state through the class's descriptors. Only a class with no
+            # source at all cannot be decorated.
+            unavailable = exc
+            slots.remove(slot)
+            skipped.append(slot)
+    if unavailable is not None and not sources:
+        raise unavailable
     globals_by_key = {s.key: s.function.__globals__ for s in slots}
 
     def is_state_declaration(facts: analysis.MethodFacts, dotted: str) -> bool:
@@ -165,6 +177,11 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
                 inherited_initialized.add(assignment.attr)
     for info in _base_infos(cls):
         inherited_initialized |= info.state
+    # A generated __init__ (dataclass, attrs) has no source to check; it sets
+    # every field, so treat what the methods assign as initialized.
+    inherited_initialized |= set(getattr(cls, "__dataclass_fields__", ()))
+    if any(slot.attr == "__init__" for slot in skipped):
+        inherited_initialized |= {a.attr for f in facts for a in f.assignments}
     result = analysis.analyze_class(
         cls.__name__,
         facts,
@@ -227,8 +244,12 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
                 fix="put @autostate.stateful on a class statement.",
             )
         )
-    if "__autostate_info__" in cls.__dict__:
-        return cls
+    info = cls.__dict__.get("__autostate_info__")
+    if info is not None:
+        if (info.category, info.fallback) == (category, fallback):
+            return cls
+        # Decorated automatically as a subclass, now explicitly with other options.
+        del cls.__autostate_info__
     bases = _base_infos(cls)
     inherited = frozenset().union(*(b.state for b in bases)) if bases else frozenset()
     inherited_categories: dict[str, Hashable] = {}
@@ -270,8 +291,29 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     )
     if "functionalize" not in cls.__dict__ and not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method
+    _install_subclass_hook(cls, category, fallback)
     _tree.register_stateful_class(cls)
     return cls
+
+
+def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
+    """Subclasses are decorated too, as an ``nn.Module`` subclass is a module.
+
+    The class's own ``__init_subclass__`` (if it wrote one) still runs first.
+    An explicit ``@stateful(...)`` on the subclass with other options
+    re-decorates it.
+    """
+    own = cls.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(sub: type, **kwargs: Any) -> None:
+        if own is not None:
+            own.__get__(None, sub)(**kwargs)
+        else:
+            super(cls, sub).__init_subclass__(**kwargs)
+        if "__autostate_info__" not in sub.__dict__:
+            _decorate(sub, category, fallback)
+
+    cls.__init_subclass__ = classmethod(__init_subclass__)
 
 
 class FunctionalModel:

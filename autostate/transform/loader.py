@@ -253,15 +253,14 @@ _MEMORY_CACHE: dict[str, Any] = {}
 
 def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
     """Key of a class's transformation: file content, class, methods, options."""
-    if not slots:
-        return None
-    filename = slots[0].function.__code__.co_filename
-    lines = source_lines(filename)
-    if not lines:
+    filenames = sorted({s.function.__code__.co_filename for s in slots})
+    contents = [source_lines(name) for name in filenames]
+    if not any(contents):
         return None
     digest = hashlib.sha256(_FINGERPRINT.encode())
-    digest.update("".join(lines).encode())
-    digest.update(repr((filename, cls.__qualname__, extra)).encode())
+    for lines in contents:
+        digest.update("".join(lines).encode())
+    digest.update(repr((filenames, cls.__qualname__, extra)).encode())
     for s in slots:
         code = s.function.__code__
         digest.update(
