@@ -1,0 +1,163 @@
+"""FunctionalModel as a pytree: graph flatten, tied weights, no retrace; subclassing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+
+
+@autostate.stateful
+class Linear:
+    def __init__(self, n):
+        self.w = jnp.arange(n * n, dtype=jnp.float32).reshape(n, n) / 10
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return x @ self.w
+
+
+@autostate.stateful
+class Tied:
+    def __init__(self):
+        self.encoder = Linear(3)
+        self.decoder = self.encoder
+
+    def __call__(self, x):
+        return self.decoder(self.encoder(x)).sum()
+
+
+def _loss(f, states, x):
+    out, states = f(states, x)
+    return out, states
+
+
+def test_tied_weights_are_one_leaf_with_summed_gradient():
+    f, states = Tied().functionalize()
+    assert states == {"encoder.calls": 0}
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
+    assert names == [".model.encoder.w"]
+    x = jnp.array([1.0, 2.0, 3.0])
+    grads, new_states = jax.grad(_loss, has_aux=True)(f, states, x)
+    (g,) = jax.tree_util.tree_leaves(grads)
+    w = Linear(3).w
+
+    def by_hand(w):
+        return ((x @ w) @ w).sum()
+
+    np.testing.assert_allclose(g, jax.grad(by_hand)(w), rtol=1e-6)
+    assert int(new_states["encoder.calls"]) == 2
+
+
+def test_sgd_keeps_tied_weights_tied_through_jit():
+    f, states = Tied().functionalize()
+    x = jnp.array([1.0, -1.0, 0.5])
+
+    @jax.jit
+    def step(f, states, x):
+        grads, states = jax.grad(_loss, has_aux=True)(f, states, x)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, f, grads), states
+
+    for _ in range(3):
+        f, states = step(f, states, x)
+    model = autostate.freeze(f, states)
+    assert model.encoder is model.decoder
+    assert int(model.encoder.calls) == 6
+
+
+def test_jitted_step_does_not_retrace_and_reuses_structure():
+    traces = []
+
+    def body(f, states, x):
+        traces.append(1)
+        return f(states, x)
+
+    step = jax.jit(body)
+    f, states = Tied().functionalize()
+    for i in range(4):
+        out, states = step(f, states, jnp.ones(3) * i)
+    assert len(traces) == 1
+    assert int(states["encoder.calls"]) == 8
+    leaves, treedef = jax.tree_util.tree_flatten(f)
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert jax.tree_util.tree_structure(again) == treedef
+
+
+def test_functional_model_method_access_and_equality():
+    f, states = Tied().functionalize()
+    g, _ = autostate.freeze(f, states).functionalize()
+    assert jax.tree_util.tree_structure(f) != jax.tree_util.tree_structure(g)  # handler ids differ
+    leaves_f = jax.tree_util.tree_leaves(f)
+    leaves_g = jax.tree_util.tree_leaves(g)
+    np.testing.assert_array_equal(leaves_f[0], leaves_g[0])
+    with pytest.raises(AttributeError, match="no method 'encoder'"):
+        getattr(f, "encoder")  # noqa: B009 - the attribute access is what is tested
+
+
+@autostate.stateful
+class Base:
+    def __init__(self):
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n += 1
+        return x
+
+
+class Undecorated(Base):
+    def __init__(self):
+        super().__init__()
+        self.buf = jnp.zeros(3)
+
+    def __call__(self, x):
+        self.buf[0] = x
+        return super().__call__(x) * 2
+
+
+def test_subclass_is_decorated_automatically():
+    assert Undecorated.__autostate_info__.state == {"n", "buf"}
+    model = Undecorated()
+    assert float(model(3.0)) == 6.0
+    np.testing.assert_array_equal(model.buf, [3.0, 0.0, 0.0])
+    f, states = model.functionalize()
+    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+    assert float(out) == 4.0
+    assert float(states["n"]) == 2.0
+    np.testing.assert_array_equal(states["buf"], [2.0, 0.0, 0.0])
+
+
+@autostate.stateful(category="other")
+class Recategorized(Base):
+    pass
+
+
+def test_explicit_decoration_of_subclass_with_other_options_wins():
+    assert Recategorized.__autostate_info__.category == "other"
+    f, states = Recategorized().functionalize(category="other")
+    assert set(states) == {"n"}
+
+
+@autostate.stateful
+@dataclasses.dataclass
+class Accumulator:
+    total: jax.Array
+    scale: float = 2.0
+
+    def add(self, x):
+        self.total += self.scale * x
+        return self.total
+
+
+def test_dataclass_generated_init_is_accepted():
+    acc = Accumulator(jnp.zeros(2))
+    acc.add(jnp.ones(2))
+    np.testing.assert_array_equal(acc.total, [2.0, 2.0])
+    f, states = acc.functionalize()
+    out, states = jax.jit(lambda f, s, x: f.add(s, x))(f, states, jnp.ones(2))
+    np.testing.assert_array_equal(states["total"], [4.0, 4.0])
