@@ -245,34 +245,13 @@ def map_tree(
 
 def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
     """Yields ``(path_name, node)`` for every target, each instance visited once."""
-    seen: set[int] = set()
     found: list[tuple[str, Any]] = []
 
-    def walk(node: Any, prefix: str) -> None:
-        if is_target(node):
-            found.append((path_name(prefix), node))
-            return
-        t = type(node)
-        if t in _STATEFUL_CLASSES:
-            if id(node) in seen:
-                return
-            seen.add(id(node))
-            for k, v in node.__dict__.items():
-                walk(v, f"{prefix}.{k}")
-        elif t is list or t is tuple:
-            for i, v in enumerate(node):
-                walk(v, f"{prefix}[{i}]")
-        elif t is dict:
-            for k, v in node.items():
-                walk(v, f"{prefix}[{k!r}]")
-        elif t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
-            return
-        else:
-            children, treedef = _flatten_one_level(node)
-            for sub, child in children:
-                walk(child, prefix + sub)
+    def record(node: Any, name: str) -> Any:
+        found.append((name, node))
+        return node
 
-    walk(tree, "")
+    map_tree(tree, record, is_target)
     return iter(found)
 
 
