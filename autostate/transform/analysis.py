@@ -378,6 +378,7 @@ def analyze_class(
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
     allow_nested_writes: bool = False,
+    inherited_properties: frozenset[str] = frozenset(),
 ) -> ClassAnalysis:
     """Decides the state set of a class from the facts of its methods.
 
@@ -389,22 +390,28 @@ def analyze_class(
       in that method is ``autostate.state`` (resolved by the caller, which has
       the globals).
     - ``allow_nested_writes``: ``fallback="host"``; closures may assign state.
+    - ``inherited_properties``: properties of base classes; like the class's
+      own properties they are never state (assigning one calls its setter).
 
     **Raises:** ``DecorationError`` for every construct the engine cannot
     express, naming the class, attribute, file:line and the fix.
     """
     state: set[str] = set(inherited_state)
     declared: dict[str, str] = {}
+    # Property parts have keys like "value.fset"; what their setter assigns is
+    # state, the property itself stays a property.
+    properties = {f.source.attr for f in methods if f.source.key != f.source.attr}
+    properties |= inherited_properties
     for facts in methods:
         if facts.receiver is None:
             continue
         is_init = facts.source.attr == "__init__"
         for assignment in facts.assignments:
-            if not is_init:
+            if not is_init and assignment.attr not in properties:
                 state.add(assignment.attr)
         if is_init:
             for attr, (func, _line) in facts.declarations.items():
-                if is_state_declaration(facts, func):
+                if attr not in properties and is_state_declaration(facts, func):
                     state.add(attr)
                     declared[attr] = func
 
