@@ -7,6 +7,7 @@ from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
+    LocalStateEffect,
     LocalStateEffectImpl,
     SharedLocalStateRequest,
     WithFunctionalLocalState,
@@ -16,6 +17,17 @@ from autostate.effects import (
     hoist_shared_state_requests,
 )
 from autostate.errors import AutostateError
+from autostate.export import (
+    export,
+    load,
+    load_arrays,
+    load_param_dict,
+    load_state_dict,
+    param_dict,
+    save,
+    state_dict,
+)
+from autostate.host import inference_mode
 
 __version__ = "0.1.0"
 
@@ -24,11 +36,13 @@ __all__ = [
     "FunctionalModel",
     "freeze",
     "functionalize",
+    "inference_mode",
     "state",
     "stateful",
     "FrozenLocalStateRequest",
     "HandledLocalStateRef",
     "InitialLocalStateRequest",
+    "LocalStateEffect",
     "LocalStateEffectImpl",
     "SharedLocalStateRequest",
     "WithFunctionalLocalState",
@@ -36,4 +50,12 @@ __all__ = [
     "freeze_local_states",
     "handle_local_states",
     "hoist_shared_state_requests",
+    "export",
+    "load",
+    "load_arrays",
+    "load_param_dict",
+    "load_state_dict",
+    "param_dict",
+    "save",
+    "state_dict",
 ]

@@ -28,7 +28,14 @@ from autostate.effects import (
     handle_local_states,
     run_with_states,
 )
-from autostate.errors import DecorationError, SourceUnavailableError, format_error
+from autostate.errors import (
+    DecorationError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    MethodNotFoundError,
+    SourceUnavailableError,
+    format_error,
+)
 from autostate.transform import analysis, loader, rewrite
 
 T = TypeVar("T", bound=type)
@@ -102,7 +109,7 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     **Returns:** the same class, rewritten in place.
     """
     if fallback not in (None, "host"):
-        raise ValueError(
+        raise InvalidArgumentError(
             format_error(
                 f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
             )
@@ -238,7 +245,7 @@ def _check_undecorated_bases(cls: type, state_attrs: frozenset[str]) -> None:
 
 def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     if not isinstance(cls, type):
-        raise TypeError(
+        raise InvalidTypeError(
             format_error(
                 f"@stateful decorates classes, got {type(cls).__name__}.",
                 fix="put @autostate.stateful on a class statement.",
@@ -291,6 +298,10 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     )
     if "functionalize" not in cls.__dict__ and not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method
+    if cls.__repr__ is object.__repr__:  # keep a __repr__ the class or a base defines
+        from autostate.export import model_repr
+
+        cls.__repr__ = model_repr
     _install_subclass_hook(cls, category, fallback)
     _tree.register_stateful_class(cls)
     return cls
@@ -361,7 +372,7 @@ class FunctionalModel:
         handler_id = self.handler_id
         method = getattr(type(model), name, None)
         if method is None or not callable(method):
-            raise AttributeError(
+            raise MethodNotFoundError(
                 format_error(
                     f"{type(model).__name__} has no method {name!r} to call functionally.",
                     fix="call f.<method>(states, ...) with a method the class defines.",
@@ -445,23 +456,44 @@ def _functionalize_method(
     """
     if category is None and category_predicate is None:
         category_predicate = _all_categories
-    prepared = _prepare_hook(self) if _prepare_hook is not None else self
+    prepared = (
+        _prepare_hook(self, category, category_predicate) if _prepare_hook is not None else self
+    )
     handler, states = handle_local_states(
         prepared,
         category=category,
         category_predicate=category_predicate,
         lazy=lazy,
         state_sharing=state_sharing,
+        handler_id=_handler_id_for(category, category_predicate),
     )
     return FunctionalModel(handler.handler_id, handler.body), states
 
 
-# Set by autostate.host: turns host-store slots into frozen requests first.
-_prepare_hook: Callable[[Any], Any] | None = None
+# Set by autostate.host: turns host-store slots of the requested categories
+# into frozen requests first; called as hook(model, category, category_predicate).
+_prepare_hook: Callable[..., Any] | None = None
 
 
 def _all_categories(_category: Hashable) -> bool:
     return True
+
+
+def _handler_id_for(
+    category: Hashable | None, category_predicate: Callable[[Hashable], bool] | None
+) -> Hashable | None:
+    """A handler id that depends only on which states are handled.
+
+    So functionalizing a frozen model again gives an *equal* ``f`` (and a
+    jitted step sees the same pytree structure: no recompilation), while
+    functionalizing one category inside another's call still nests: their
+    ids differ. A custom predicate cannot be named; it gets a fresh id.
+    """
+    if category_predicate is _all_categories:
+        return "autostate:*"
+    if category_predicate is None:
+        return f"autostate:{category!r}"
+    return None
 
 
 def functionalize(model: Any, *args: Any, **kwargs: Any) -> tuple[FunctionalModel, Any]:
@@ -488,7 +520,7 @@ def freeze(f: Any, states: dict[str, Any]) -> Any:
         return freeze_body(f.handler_id, f.model, states)
     if isinstance(f, WithFunctionalLocalState):
         return freeze_local_states(f, states)
-    raise TypeError(
+    raise InvalidTypeError(
         format_error(
             f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
             fix="call `f, states = model.functionalize()` and pass both to freeze.",

@@ -24,6 +24,18 @@ def format_error(what: str, *, where: str | None = None, fix: str | None = None)
     return "\n".join(parts)
 
 
+class InvalidArgumentError(AutostateError, ValueError):
+    """An argument has a value autostate does not accept (an unknown mode)."""
+
+
+class InvalidTypeError(AutostateError, TypeError):
+    """An argument or a state has a type autostate cannot work with."""
+
+
+class MethodNotFoundError(AutostateError, AttributeError):
+    """``f.<name>`` names no method of the functionalized model's class."""
+
+
 class StateSharingError(AutostateError, ValueError):
     """Two state requests conflict under the chosen ``state_sharing`` mode."""
 
@@ -66,3 +78,23 @@ class StateDictError(AutostateError, ValueError):
 
 class CheckpointError(AutostateError, ValueError):
     """A saved checkpoint is truncated, corrupted, or does not fit the model."""
+
+
+class StateDictWarning(UserWarning):
+    """``strict=False`` loading skipped keys.
+
+    ``missing``, ``unexpected`` and ``mismatched`` hold ``(kind, key)`` pairs,
+    ``kind`` being ``"state"`` or ``"parameter"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        missing: tuple[tuple[str, str], ...] = (),
+        unexpected: tuple[tuple[str, str], ...] = (),
+        mismatched: tuple[tuple[str, str], ...] = (),
+    ):
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched

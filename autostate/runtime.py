@@ -17,7 +17,7 @@ import numpy as np
 
 from autostate.effects import SLOT_TYPES, InitialLocalStateRequest, InitialValue
 from autostate.effects.local_state import _check_not_traced
-from autostate.errors import StateAccessError, format_error
+from autostate.errors import InvalidTypeError, StateAccessError, format_error
 
 _SLOTS = set(SLOT_TYPES)
 _MISSING = object()
@@ -129,7 +129,7 @@ def _updated(container: Any, key: Any, value: Any) -> Any:
         items = list(container)
         items[key] = value
         return type(container)(*items) if hasattr(container, "_fields") else tuple(items)
-    raise TypeError(
+    raise InvalidTypeError(
         format_error(
             f"Cannot assign an item of a state of type {type(container).__name__}.",
             fix="keep arrays, dicts, lists or tuples in state, or assign the whole value.",
@@ -195,7 +195,7 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
         shrunk = list(parent)
         del shrunk[keys[-1]]
     else:
-        raise TypeError(
+        raise InvalidTypeError(
             format_error(
                 f"Cannot delete an item of state {name!r} of type {type(parent).__name__}.",
                 fix="only dict and list state support `del self.x[key]`.",

@@ -25,13 +25,15 @@ import dataclasses
 import itertools
 import types
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
+    InvalidArgumentError,
+    InvalidTypeError,
     StateSharingError,
     TracedEagerStateError,
     UnhandledLocalStateError,
@@ -242,6 +244,23 @@ class SharedLocalStateRequest:
         self.read()
 
 
+@runtime_checkable
+class LocalStateEffect(Protocol):
+    """The local-state effect: what a body may do with a handled state.
+
+    ``HandledLocalStateRef`` (what a body holds) and ``LocalStateEffectImpl``
+    (the cell a running handler provides) both implement it.
+    """
+
+    def get(self) -> Any:
+        """The state's current value."""
+        ...
+
+    def set(self, value: Any) -> None:
+        """Replaces the state's value."""
+        ...
+
+
 class LocalStateEffectImpl:
     """The mutable cell holding one state while its handler runs."""
 
@@ -357,7 +376,7 @@ def run_with_states(
 ) -> tuple[Any, dict[str, Any]]:
     """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``."""
     if not isinstance(states, dict):
-        raise TypeError(
+        raise InvalidTypeError(
             format_error(
                 f"States must be a dict of name -> value, got {type(states).__name__}.",
                 fix="pass the dict returned by handle_local_states/functionalize.",
@@ -392,7 +411,7 @@ def _category_predicate(
 
 def _check_sharing_mode(state_sharing: str) -> None:
     if state_sharing not in ("forbidden", "allowed", "unsafe"):
-        raise ValueError(
+        raise InvalidArgumentError(
             format_error(
                 f"Unknown state_sharing mode {state_sharing!r}.",
                 fix="use 'forbidden', 'allowed' or 'unsafe'.",
@@ -400,13 +419,15 @@ def _check_sharing_mode(state_sharing: str) -> None:
         )
 
 
-def _duplicate_name_error(name: str) -> StateSharingError:
+def _duplicate_name_error(name: str, first: str | None = None, second: str | None = None):
+    where = f" (at {first} and at {second})" if first and second and first != second else ""
     return StateSharingError(
         format_error(
-            f"Detected two local states with the same explicit name {name!r}.",
-            fix="give the states distinct names, or, to share one state, reuse the same "
-            "InitialLocalStateRequest object (or SharedLocalStateRequest) and handle "
-            "with state_sharing='allowed'.",
+            f"Detected two local states with the same explicit name {name!r}{where}.",
+            fix="give the states distinct names (autostate.state(..., name=...)); to share "
+            "one state between two places, reach the same model instance from both (or "
+            "reuse one InitialLocalStateRequest object and handle with "
+            "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
         )
     )
 
@@ -442,6 +463,7 @@ def handle_local_states(
         handler_id = fresh_handler_id()
     initializers: dict[str, Callable[[], Any]] = {}
     valued: dict[str, Any] = {}
+    paths: dict[str, str] = {}
 
     def is_target(node: Any) -> bool:
         return type(node) in REQUEST_TYPES and predicate(node.category)
@@ -481,8 +503,9 @@ def handle_local_states(
             if state_sharing == "forbidden" or (
                 state_sharing == "allowed" and not same_initializer
             ):
-                raise _duplicate_name_error(name)
+                raise _duplicate_name_error(name, paths.get(name), path or "the root")
         valued[name] = value
+        paths.setdefault(name, path or "the root")
         initializers[name] = initializer
         return HandledLocalStateRef(handler_id, name, explicit, request.category)
 
@@ -508,7 +531,7 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
     frozen requests, so handling the result again gives the same names.
     """
     if not isinstance(handler, WithFunctionalLocalState):
-        raise TypeError(
+        raise InvalidTypeError(
             format_error(
                 f"freeze_local_states expects a WithFunctionalLocalState, got "
                 f"{type(handler).__name__}.",

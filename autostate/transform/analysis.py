@@ -11,6 +11,8 @@ nothing here rewrites code (``rewrite.py`` does, from the result).
 from __future__ import annotations
 
 import dataclasses
+import io
+import tokenize
 from collections.abc import Callable, Sequence
 
 import libcst as cst
@@ -109,7 +111,34 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     header = f"class {class_name}:\n def {OUTER_NAME}({params}):\n"
     padding = max(source.first_line - 3, 0)
     shift = source.first_line - 3 - padding
-    return "\n" * padding + header + source.text, shift
+    return "\n" * padding + header + _space_indented(source.text), shift
+
+
+_STRING_TOKENS = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+
+
+def _space_indented(text: str) -> str:
+    """``text`` with a tab-based method indentation replaced by two spaces.
+
+    The one-space wrapper header cannot sit above a tab-indented method (the
+    tokenizer rejects the mix), so the method's own leading indentation
+    becomes spaces; lines that continue a multi-line string keep theirs.
+    """
+    indent = text[: len(text) - len(text.lstrip(" \t"))]
+    if "\t" not in indent:
+        return text
+    in_string: set[int] = set()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.start[0] != token.end[0] and token.type in _STRING_TOKENS:
+                in_string.update(range(token.start[0] + 1, token.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+        return text
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        if number not in in_string and line.startswith(indent):
+            lines[number - 1] = "  " + line[len(indent) :]
+    return "".join(lines)
 
 
 def _location(source: MethodSource, line: int, shift: int) -> str:
@@ -472,8 +501,11 @@ def analyze_class(
                 "after the call that handles state has returned.",
                 src,
                 facts.reads.get(sorted(touched)[0], src.first_line),
-                "move the state access into a regular method and call it, or return a list "
-                "instead of yielding.",
+                "move the state access into a regular (non-async) method and call it "
+                "before awaiting"
+                if facts.is_async
+                else "return a list (or a tuple) instead of yielding, or move the state "
+                "access into a regular method.",
             )
         if not allow_nested_writes:
             for assignment in facts.assignments:

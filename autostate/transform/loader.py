@@ -23,12 +23,13 @@ import marshal
 import os
 import sys
 import tempfile
+import tokenize
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from autostate.errors import SourceUnavailableError, format_error
+from autostate.errors import DecorationError, SourceUnavailableError, format_error
 from autostate.transform.analysis import OUTER_NAME, RUNTIME_NAME, MethodSource
 
 _FUTURE_FLAGS = functools.reduce(
@@ -136,8 +137,6 @@ def _replace_property_part(cls: type, attr: str, part: str, fn: types.FunctionTy
 
 
 def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionType) -> None:
-    from autostate.errors import DecorationError
-
     if not _replace_in_wrapper(wrapper, old, new):
         raise DecorationError(
             format_error(
@@ -151,11 +150,13 @@ def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionTy
 
 
 def source_lines(filename: str) -> list[str]:
-    lines = linecache.getlines(filename)
-    if not lines:
-        linecache.checkcache(filename)
-        lines = linecache.getlines(filename)
-    return lines
+    """The current lines of ``filename``.
+
+    Checked against the file first, as ``inspect.getsource`` does: a module
+    edited and imported again must not be rewritten from stale cached lines.
+    """
+    linecache.checkcache(filename)
+    return linecache.getlines(filename)
 
 
 def method_source(cls: type, slot: MethodSlot) -> MethodSource:
@@ -174,7 +175,18 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
                 "can be read.",
             )
         )
-    block = inspect.getblock(lines[first - 1 :])
+    try:
+        block = inspect.getblock(lines[first - 1 :])
+    except (tokenize.TokenError, SyntaxError):
+        raise DecorationError(
+            format_error(
+                f"@stateful could not read the source of {cls.__qualname__}.{slot.key}: "
+                f"{code.co_filename!r} no longer holds a complete definition there.",
+                where=f"{code.co_filename}:{first}",
+                fix="make sure the file on disk matches the code that was imported "
+                "(reload the module after editing it).",
+            )
+        ) from None
     text = "".join(block)
     if not text.endswith("\n"):
         text += "\n"
@@ -203,6 +215,64 @@ def _shift_lines(code: types.CodeType, shift: int) -> types.CodeType:
     return code.replace(co_firstlineno=code.co_firstlineno + shift, co_consts=consts)
 
 
+def _read_varint(table: bytes, i: int) -> tuple[int, int]:
+    byte = table[i]
+    value, bits = byte & 63, 6
+    while byte & 64:
+        i += 1
+        byte = table[i]
+        value |= (byte & 63) << bits
+        bits += 6
+    return value, i + 1
+
+
+def _signed_varint(value: int) -> bytes:
+    rest = (-value << 1) | 1 if value < 0 else value << 1
+    out = bytearray()
+    while rest >= 64:
+        out.append(64 | (rest & 63))
+        rest >>= 6
+    out.append(rest)
+    return bytes(out)
+
+
+def _drop_columns(code: types.CodeType, lines: set[int]) -> types.CodeType:
+    """``code`` without column positions on ``lines`` (3.11+ location table).
+
+    A traceback underlines the columns of the failing expression; on a
+    rewritten line those columns are the generated code's and would underline
+    the wrong part of the user's line, so such lines keep only their number.
+    """
+    consts = tuple(
+        _drop_columns(c, lines) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    table, out, i, line = code.co_linetable, bytearray(), 0, code.co_firstlineno
+    while i < len(table):
+        start = i
+        kind, length = (table[i] >> 3) & 15, table[i] & 7
+        i += 1
+        if kind == 15:  # no location
+            out += table[start:i]
+            continue
+        if kind in (13, 14):  # line delta only / long form
+            raw, i = _read_varint(table, i)
+            delta = -(raw >> 1) if raw & 1 else raw >> 1
+            if kind == 14:
+                for _ in range(3):
+                    _, i = _read_varint(table, i)
+        elif kind >= 10:  # one-line form: the delta is in the kind
+            delta, i = kind - 10, i + 2
+        else:  # short form: same line
+            delta, i = 0, i + 1
+        line += delta
+        if line in lines:
+            out.append(0x80 | (13 << 3) | length)
+            out += _signed_varint(delta)
+        else:
+            out += table[start:i]
+    return code.replace(co_linetable=bytes(out), co_consts=consts)
+
+
 def compile_method(
     source: str, filename: str, class_name: str, function_name: str, shift: int, flags: int
 ) -> types.CodeType:
@@ -210,6 +280,14 @@ def compile_method(
     module_code = compile(source, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True)
     outer = _find_code(_find_code(module_code, class_name), OUTER_NAME)
     code = _find_code(outer, function_name)
+    if sys.version_info >= (3, 11):
+        original = source_lines(filename)
+        changed = {
+            number
+            for number, text in enumerate(source.splitlines(keepends=True), start=1)
+            if not 0 < number + shift <= len(original) or original[number + shift - 1] != text
+        }
+        code = _drop_columns(code, changed)
     return _shift_lines(code, shift) if shift else code
 
 

@@ -53,8 +53,11 @@ def _call(name: str, *args: cst.BaseExpression) -> cst.Call:
     return cst.Call(func=_runtime(name), args=[cst.Arg(a) for a in args])
 
 
-def _string(value: str) -> cst.SimpleString:
-    return cst.SimpleString(f'"{value}"')
+def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
+    # Before Python 3.12 an f-string expression cannot reuse the f-string's
+    # own quote character, so reads inside f-strings pick the other one.
+    quote = "'" if '"' in avoid else '"'
+    return cst.SimpleString(f"{quote}{value}{quote}")
 
 
 def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
@@ -80,6 +83,7 @@ class StateRewriter(cst.CSTTransformer):
         self.class_name = class_name
         self.is_init = is_init
         self._targets: set[int] = set()
+        self._fstring_quotes: list[str] = []
 
     # helpers
     def _state_attr(self, expr: cst.CSTNode) -> str | None:
@@ -151,13 +155,20 @@ class StateRewriter(cst.CSTTransformer):
         return updated_node
 
     # reads
+    def visit_FormattedString(self, node: cst.FormattedString) -> None:
+        self._fstring_quotes.append(node.start[-1])
+
+    def leave_FormattedString(self, original_node, updated_node):
+        self._fstring_quotes.pop()
+        return updated_node
+
     def leave_Attribute(self, original_node, updated_node):
         if id(original_node) in self._targets:
             return updated_node
         attr = self._state_attr(original_node)
         if attr is None:
             return updated_node
-        call = _call("get", self._receiver(), _string(attr))
+        call = _call("get", self._receiver(), _string(attr, frozenset(self._fstring_quotes)))
         return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
 
     # writes

@@ -1,0 +1,279 @@
+"""Scenario 3: cost of turning a stateful model into pure pieces and back, by size.
+
+Models of ``n`` tiny modules (the modules of scenario 2: two parameters and
+two states each). For every library, the pair of operations that separates a
+model into a pure part plus its state and puts it back together:
+
+- autostate: ``model.functionalize()`` / ``autostate.freeze(f, states)``
+- Flax NNX: ``nnx.split(model)`` / ``nnx.merge(graphdef, state)``
+- Equinox: ``eqx.partition(model, eqx.is_array)`` / ``eqx.combine(params, static)``
+- penzai v1: ``handle_local_states`` / ``freeze_local_states``
+
+Each is checked to round-trip (the rebuilt model has the same leaves) before
+it is timed. The run writes the data for a log-log plot of time against size.
+
+Run: ``python benchmarks/bench_scaling.py [--smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from _timing import (
+    NOT_INSTALLED,
+    PeerMissing,
+    Report,
+    Table,
+    fmt_ratio,
+    fmt_seconds,
+    optional_import,
+    target_ratio,
+    time_interleaved,
+)
+from bench_dispatch import Config as DispatchConfig
+from bench_dispatch import (
+    EquinoxDispatcher,
+    autostate_model,
+    canonical_init,
+    nnx_model,
+    penzai_model,
+)
+
+import autostate
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    sizes: tuple[int, ...] = (100, 1_000, 10_000)
+    # rounds per size: large models take long enough that fewer rounds suffice
+    rounds: tuple[int, ...] = (15, 7, 5)
+
+
+FULL = Config()
+SMOKE = Config(sizes=(4, 16), rounds=(1, 1))
+
+
+@dataclasses.dataclass
+class Pair:
+    """A library's split/join pair on one model: ``extract()`` then ``rebuild(parts)``."""
+
+    extract: Callable[[], Any]
+    rebuild: Callable[[Any], Any]
+    original_leaves: Callable[[Any], list]
+    rebuilt_leaves: Callable[[Any], list]
+
+
+def autostate_pair(params) -> Pair:
+    model = autostate_model(params)
+
+    def leaves(m):
+        return [x for layer in m.layers for x in (layer.w, layer.b, layer.count, layer.total)]
+
+    return Pair(
+        extract=lambda: model.functionalize(),
+        rebuild=lambda parts: autostate.freeze(*parts),
+        original_leaves=lambda: leaves(model),
+        rebuilt_leaves=leaves,
+    )
+
+
+def nnx_pair(params) -> Pair:
+    nnx, model = nnx_model(params)
+
+    def leaves(m):
+        return [v[...] for layer in m.layers for v in (layer.w, layer.b, layer.count, layer.total)]
+
+    return Pair(
+        extract=lambda: nnx.split(model),
+        rebuild=lambda parts: nnx.merge(*parts),
+        original_leaves=lambda: leaves(model),
+        rebuilt_leaves=leaves,
+    )
+
+
+def equinox_pair(params) -> Pair:
+    eqx = optional_import("equinox")
+    model = EquinoxDispatcher(params, np.zeros(4, np.float32)).model
+    return Pair(
+        extract=lambda: eqx.partition(model, eqx.is_array),
+        rebuild=lambda parts: eqx.combine(*parts),
+        original_leaves=lambda: jax.tree_util.tree_leaves(model),
+        rebuilt_leaves=jax.tree_util.tree_leaves,
+    )
+
+
+def penzai_pair(params) -> Pair:
+    pz, model = penzai_model(params)
+
+    def leaves(m):
+        out = []
+        for layer in m.sublayers:
+            out += [layer.w.value, layer.b.value]
+            out += [r.state_initializer() if hasattr(r, "state_initializer") else r.state
+                    for r in (layer.count, layer.total)]
+        return out
+
+    return Pair(
+        extract=lambda: pz.de.handle_local_states(model, category="tiny"),
+        rebuild=lambda parts: pz.de.freeze_local_states(*parts),
+        original_leaves=lambda: leaves(model),
+        rebuilt_leaves=leaves,
+    )
+
+
+IMPLEMENTATIONS: dict[str, tuple[str, str, Callable[..., Pair]]] = {
+    "autostate": ("functionalize()", "freeze()", autostate_pair),
+    "Flax NNX": ("nnx.split", "nnx.merge", nnx_pair),
+    "Equinox": ("eqx.partition", "eqx.combine", equinox_pair),
+    "penzai v1": ("handle_local_states", "freeze_local_states", penzai_pair),
+}
+
+
+def check_round_trip(name: str, pair: Pair) -> Any:
+    parts = pair.extract()
+    rebuilt = pair.rebuild(parts)
+    want, got = pair.original_leaves(), pair.rebuilt_leaves(rebuilt)
+    assert len(want) == len(got), f"{name}: {len(got)} leaves after the round trip, not {len(want)}"
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    return parts
+
+
+def run(smoke: bool = False) -> Report:
+    cfg = SMOKE if smoke else FULL
+    # name -> size -> (extract seconds, rebuild seconds)
+    results: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in IMPLEMENTATIONS}
+    missing: dict[str, str] = {}
+    for size, rounds in zip(cfg.sizes, cfg.rounds):
+        params, _ = canonical_init(DispatchConfig(modules=size))
+        fns: dict[str, Callable[[], Any]] = {}
+        for name, (_, _, make) in IMPLEMENTATIONS.items():
+            if name in missing:
+                continue
+            try:
+                pair = make(params)
+            except PeerMissing as e:
+                missing[name] = str(e)
+                continue
+            parts = check_round_trip(name, pair)
+            fns[f"{name}/extract"] = pair.extract
+            fns[f"{name}/rebuild"] = lambda pair=pair, parts=parts: pair.rebuild(parts)
+        # The round-trip check above is the warm-up.
+        timings = time_interleaved(fns, rounds=rounds, number=1, warmup=0)
+        for name in IMPLEMENTATIONS:
+            if name not in missing:
+                results[name][size] = (
+                    timings[f"{name}/extract"].median,
+                    timings[f"{name}/rebuild"].median,
+                )
+
+    table = Table(
+        "Scenario 3: structure at scale (modules with 2 params + 2 states each)",
+        ("implementation", "operations", "modules", "extract", "rebuild", "total",
+         "vs autostate", "per module"),
+    )
+    for name, (op_extract, op_rebuild, _) in IMPLEMENTATIONS.items():
+        if name in missing:
+            table.add(name, f"{op_extract} / {op_rebuild}", "-", NOT_INSTALLED, "-", "-", "-", "-")
+            continue
+        for size, (ext, reb) in results[name].items():
+            mine = sum(results["autostate"][size])
+            table.add(name, f"{op_extract} / {op_rebuild}", f"{size:,}", fmt_seconds(ext),
+                      fmt_seconds(reb), fmt_seconds(ext + reb), fmt_ratio((ext + reb) / mine),
+                      fmt_seconds((ext + reb) / size))
+    table.notes.append("median of interleaved rounds (" + ", ".join(
+        f"{r} at {s:,}" for s, r in zip(cfg.sizes, cfg.rounds)) + "); each pair round-trip checked")
+    for name, why in missing.items():
+        table.notes.append(f"{name}: {NOT_INSTALLED} ({why})")
+
+    report = Report(tables=[table])
+    small, large = cfg.sizes[-2], cfg.sizes[-1]
+    growth = large / small
+    for name in IMPLEMENTATIONS:
+        if name in missing:
+            continue
+        if name == "autostate":
+            report.targets.append(target_ratio(
+                "3", f"linear growth: time({large:,}) / time({small:,}) below {1.5 * growth:g}",
+                sum(results[name][large]), sum(results[name][small]), 1.5 * growth,
+                f"functionalize {fmt_ratio(results[name][large][0] / results[name][small][0])}, "
+                f"freeze {fmt_ratio(results[name][large][1] / results[name][small][1])}",
+            ))
+    for size in cfg.sizes:
+        nnx_total = sum(results["Flax NNX"][size]) if "Flax NNX" not in missing else None
+        report.targets.append(target_ratio(
+            "3", f"functionalize+freeze faster than nnx.split+nnx.merge at {size:,} modules",
+            sum(results["autostate"][size]), nnx_total, 1.0,
+        ))
+    report.tables.append(growth_table(results, missing, small, large))
+    report.plot = {"sizes": list(cfg.sizes), "results": results, "operations": {
+        name: (ops[0], ops[1]) for name, ops in IMPLEMENTATIONS.items()}}
+    return report
+
+
+def growth_table(results, missing, small: int, large: int) -> Table:
+    table = Table(
+        f"Scenario 3: growth from {small:,} to {large:,} modules (linear = {large / small:g}x)",
+        ("implementation", "extract", "rebuild", "total"),
+    )
+    for name in results:
+        if name in missing:
+            continue
+        (e0, r0), (e1, r1) = results[name][small], results[name][large]
+        table.add(name, fmt_ratio(e1 / e0), fmt_ratio(r1 / r0), fmt_ratio((e1 + r1) / (e0 + r0)))
+    return table
+
+
+def plot(data: dict[str, Any], path: str) -> str | None:
+    """Writes the log-log plot; returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"matplotlib {NOT_INSTALLED} ({e})"
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharex=True)
+    for name, by_size in data["results"].items():
+        if not by_size:
+            continue
+        sizes = sorted(by_size)
+        op_extract, op_rebuild = data["operations"][name]
+        for ax, values, label in (
+            (axes[0], [by_size[s][0] for s in sizes], f"{name}: {op_extract}"),
+            (axes[1], [by_size[s][1] for s in sizes], f"{name}: {op_rebuild}"),
+            (axes[2], [sum(by_size[s]) for s in sizes], name),
+        ):
+            ax.loglog(sizes, values, marker="o", label=label)
+    for ax, title in zip(axes, ("extract (functionalize / split / partition / handle)",
+                                "rebuild (freeze / merge / combine / freeze)", "total")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("modules (2 params + 2 states each)")
+        ax.set_ylabel("seconds (median)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
+    parser.add_argument("--plot", metavar="PNG", help="also write the log-log plot here")
+    args = parser.parse_args(argv)
+    report = run(args.smoke)
+    report.print()
+    if args.plot:
+        why_not = plot(report.plot, args.plot)
+        print(why_not or f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

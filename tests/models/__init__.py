@@ -1,0 +1,1 @@
+"""End-to-end example models (``zoo.py``) and their tests."""

@@ -1,0 +1,477 @@
+"""Tests for ``autostate/transform/analysis.py``: which attributes are state.
+
+Inference runs on source text, so it is tested twice: through decorated
+classes (``Cls.__autostate_info__.state``) and directly on ``MethodSource``s
+with ``collect_facts`` / ``analyze_class``, which need no JAX.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate.errors import DecorationError
+from autostate.transform import analysis
+
+# --- through decorated classes ------------------------------------------------
+
+
+@autostate.stateful
+class Inferred:
+    def __init__(self, n):
+        self.plain = jnp.zeros(n)
+        self.aug = jnp.zeros(n)
+        self.item = jnp.zeros(n)
+        self.left, self.right = jnp.zeros(()), jnp.zeros(())
+        self.first = self.second = jnp.zeros(())
+        self.param = jnp.ones(n)
+        self.config = 3
+
+    def __call__(self, x):
+        self.plain = x
+        self.aug += x
+        self.item[0] = x[0]
+        self.left, self.right = x[0], x[1]
+        self.first = self.second = x[2]
+        return x * self.param * self.config
+
+
+def test_state_is_what_non_init_methods_assign():
+    assert Inferred.__autostate_info__.state == {
+        "plain",
+        "aug",
+        "item",
+        "left",
+        "right",
+        "first",
+        "second",
+    }
+
+
+def test_parameters_and_config_are_not_state():
+    model = Inferred(3)
+    _, states = model.functionalize()
+    assert "param" not in states and "config" not in states
+    assert sorted(states) == sorted(Inferred.__autostate_info__.state)
+
+
+def test_inferred_state_is_updated_by_a_call():
+    model = Inferred(3)
+    model(jnp.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(model.plain, [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(model.aug, [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(model.item, [1.0, 0.0, 0.0])
+    assert float(model.left) == 1.0 and float(model.right) == 2.0
+    assert float(model.first) == 3.0 and float(model.second) == 3.0
+
+
+@autostate.stateful
+class OtherReceiver:
+    def __init__(this):
+        this.count = jnp.zeros(())
+        this.scale = 2.0
+
+    def __call__(me, x):
+        me.count += 1
+        return x * me.scale
+
+
+def test_receiver_is_the_first_parameter_whatever_its_name():
+    assert OtherReceiver.__autostate_info__.state == {"count"}
+    model = OtherReceiver()
+    assert model(3.0) == 6.0
+    model(3.0)
+    assert float(model.count) == 2.0
+
+
+@autostate.stateful
+class Private:
+    def __init__(self):
+        self.__hidden = jnp.zeros(())
+
+    def step(self):
+        self.__hidden += 1
+        return self.__hidden
+
+
+def test_private_names_are_mangled():
+    assert Private.__autostate_info__.state == {"_Private__hidden"}
+    model = Private()
+    assert float(model.step()) == 1.0
+    assert float(model._Private__hidden) == 1.0
+    _, states = model.functionalize()
+    assert list(states) == ["_Private__hidden"]
+
+
+@autostate.stateful
+class WithProperty:
+    def __init__(self):
+        self.total = jnp.zeros(())
+        self.value = 5.0
+
+    @property
+    def value(self):
+        return self.total
+
+    @value.setter
+    def value(self, v):
+        self.total = v
+
+
+def test_property_setter_assigns_state():
+    assert WithProperty.__autostate_info__.state == {"total"}
+    assert isinstance(WithProperty.__dict__["value"], property)
+    model = WithProperty()
+    # __init__ went through the setter, so the state holds the value.
+    assert float(model.total) == 5.0
+    model.value = 7.0
+    assert float(model.total) == 7.0
+    _, states = model.functionalize()
+    assert list(states) == ["total"]
+    assert float(states["total"]) == 7.0
+
+
+@autostate.stateful
+class PropertyAssignedInMethod:
+    def __init__(self):
+        self.total = jnp.zeros(())
+        self.value = 1.0
+
+    @property
+    def value(self):
+        return self.total
+
+    @value.setter
+    def value(self, v):
+        self.total = v
+
+    def step(self):
+        self.value = self.value + 1
+        return self.value
+
+
+def test_property_assigned_in_a_method_is_not_state_itself():
+    # Assigning a property calls its setter, as in plain Python; the
+    # property stays a property and only what the setter assigns is state.
+    assert PropertyAssignedInMethod.__autostate_info__.state == {"total"}
+    assert isinstance(PropertyAssignedInMethod.__dict__["value"], property)
+    model = PropertyAssignedInMethod()
+    assert float(model.total) == 1.0
+    assert float(model.step()) == 2.0
+    assert float(model.total) == 2.0
+    f, states = model.functionalize()
+    out, states = jax.jit(lambda f, s: f.step(s))(f, states)
+    assert float(out) == 3.0 and float(states["total"]) == 3.0
+
+
+@autostate.stateful
+class Declared:
+    def __init__(self):
+        self.kv = autostate.state(jnp.zeros(2), category="cache", name="kv_cache")
+        self.seen = autostate.state(jnp.zeros(()), category="stats")
+        self.counter = autostate.state(0)
+        self.weight = jnp.ones(2)
+        self.steps = jnp.zeros(())
+
+    def __call__(self, x):
+        self.steps += 1
+        return x * self.weight + self.kv
+
+
+def test_state_declaration_makes_state_without_a_method_assigning_it():
+    assert Declared.__autostate_info__.state == {"kv", "seen", "counter", "steps"}
+
+
+def test_declared_category_and_explicit_name_show_in_functionalize():
+    model = Declared()
+    _, states = model.functionalize()
+    assert sorted(states) == ["counter", "kv_cache", "seen", "steps"]
+    np.testing.assert_array_equal(states["kv_cache"], [0.0, 0.0])
+    assert states["counter"] == 0
+    assert sorted(model.functionalize("cache")[1]) == ["kv_cache"]
+    assert sorted(model.functionalize("stats")[1]) == ["seen"]
+    # Undeclared categories default to the class's category.
+    assert sorted(model.functionalize("state")[1]) == ["counter", "steps"]
+    picked = model.functionalize(category_predicate=lambda c: c in ("cache", "stats"))[1]
+    assert sorted(picked) == ["kv_cache", "seen"]
+
+
+def test_declared_state_reads_as_its_value_eagerly_and_functionalized():
+    model = Declared()
+    np.testing.assert_array_equal(model.kv, [0.0, 0.0])
+    np.testing.assert_array_equal(model(jnp.ones(2)), [1.0, 1.0])
+    f, states = model.functionalize()
+    states = {**states, "kv_cache": jnp.array([1.0, 2.0])}
+    out, new_states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+    np.testing.assert_array_equal(out, [2.0, 3.0])
+    np.testing.assert_array_equal(new_states["kv_cache"], [1.0, 2.0])
+    assert float(new_states["steps"]) == 2.0
+
+
+@autostate.stateful(category="buffers")
+class ClassCategory:
+    def __init__(self):
+        self.a = jnp.zeros(())
+        self.b = autostate.state(jnp.zeros(()), category="other")
+
+    def step(self):
+        self.a += 1
+
+
+def test_class_category_applies_to_undeclared_states():
+    model = ClassCategory()
+    assert sorted(model.functionalize("buffers")[1]) == ["a"]
+    assert sorted(model.functionalize("other")[1]) == ["b"]
+    assert model.functionalize("state")[1] == {}
+
+
+@autostate.stateful
+class Nothing:
+    def __init__(self):
+        self.w = jnp.ones(2)
+
+    def __call__(self, x):
+        return x * self.w
+
+
+def test_class_without_state_has_empty_state_set():
+    assert Nothing.__autostate_info__.state == frozenset()
+    _, states = Nothing().functionalize()
+    assert states == {}
+
+
+# --- directly on source text ---------------------------------------------------
+
+
+def method(text: str, key: str | None = None, *, first_line: int = 10, freevars=()):
+    """A MethodSource for ``text`` (a method written at class-body indentation)."""
+    text = textwrap.indent(textwrap.dedent(text).lstrip("\n"), "    ")
+    name = text.split("def ", 1)[1].split("(", 1)[0]
+    key = key or name
+    return analysis.MethodSource(
+        key=key,
+        attr=key.split(".")[0],
+        filename="model.py",
+        first_line=first_line,
+        text=text,
+        freevars=tuple(freevars),
+        has_receiver=True,
+    )
+
+
+def analyze(class_name: str, *texts: str, **kwargs) -> analysis.ClassAnalysis:
+    facts = [analysis.collect_facts(class_name, method(t)) for t in texts]
+    return analysis.analyze_class(class_name, facts, **kwargs)
+
+
+INIT_XYZ = """
+def __init__(self):
+    self.x = 0
+    self.y = 0
+    self.z = 0
+"""
+
+
+def test_collect_facts_records_assignment_kinds_and_lines():
+    facts = analysis.collect_facts(
+        "M",
+        method(
+            """
+            def step(self, v):
+                self.a = v
+                self.b += v
+                self.c[0] = v
+                self.d[0] += v
+                return self.e
+            """,
+            first_line=20,
+        ),
+    )
+    assert facts.receiver == "self"
+    kinds = [(a.attr, a.kind, a.line) for a in facts.assignments]
+    assert kinds == [("a", "set", 21), ("b", "aug", 22), ("c", "item", 23), ("d", "item", 24)]
+    assert facts.reads["e"] == 25
+    assert not any(a.nested for a in facts.assignments)
+
+
+def test_tuple_starred_chained_and_loop_targets_are_assignments():
+    facts = analysis.collect_facts(
+        "M",
+        method(
+            """
+            def step(self, v):
+                self.a, (self.b, self.c) = v
+                self.d, *self.e = v
+                self.f = self.g = v
+                for self.i in v:
+                    pass
+                with v as self.w:
+                    pass
+            """
+        ),
+    )
+    assert [a.attr for a in facts.assignments] == ["a", "b", "c", "d", "e", "f", "g", "i", "w"]
+
+
+def test_analyze_class_infers_state_from_non_init_methods():
+    result = analyze(
+        "M",
+        INIT_XYZ,
+        """
+        def step(self, v):
+            self.x = v
+            self.y += v
+            self.z[0] = v
+        """,
+    )
+    assert result.state == {"x", "y", "z"}
+
+
+def test_init_only_assignments_are_not_state():
+    result = analyze("M", INIT_XYZ, "def __call__(self, v):\n    return self.x + v\n")
+    assert result.state == frozenset()
+
+
+def test_receiver_named_differently_in_each_method():
+    result = analyze(
+        "M",
+        "def __init__(me):\n    me.x = 0\n    me.y = 0\n",
+        "def step(this, v):\n    this.x = v\n    self = v\n",
+    )
+    assert result.state == {"x"}
+
+
+def test_other_names_than_the_receiver_are_not_state():
+    result = analyze(
+        "M",
+        INIT_XYZ,
+        """
+        def step(self, other):
+            other.x = 1
+            self.y = other
+        """,
+    )
+    assert result.state == {"y"}
+
+
+def test_nested_function_shadowing_the_receiver_is_not_state():
+    result = analyze(
+        "M",
+        INIT_XYZ,
+        """
+        def step(self, v):
+            def helper(self):
+                self.x = 1
+            self.y = helper
+        """,
+    )
+    assert result.state == {"y"}
+
+
+def test_private_names_are_mangled_with_the_class_name():
+    result = analyze(
+        "_Model",
+        "def __init__(self):\n    self.__x = 0\n",
+        "def step(self):\n    self.__x += 1\n",
+    )
+    assert result.state == {"_Model__x"}
+    assert analysis.mangle("_Model", "__x") == "_Model__x"
+    assert analysis.mangle("Model", "__dunder__") == "__dunder__"
+    assert analysis.mangle("___", "__x") == "__x"
+
+
+def test_property_setter_key_counts_as_state_assignment():
+    facts = [
+        analysis.collect_facts("M", method("def __init__(self):\n    self.v = 1\n")),
+        analysis.collect_facts("M", method("def v(self):\n    return self.h\n", key="v.fget")),
+        analysis.collect_facts("M", method("def v(self, x):\n    self.h = x\n", key="v.fset")),
+    ]
+    result = analysis.analyze_class("M", facts)
+    # __init__ assigns the property, whose setter initializes `h`.
+    assert result.state == {"h"}
+
+
+def test_state_declarations_are_resolved_by_the_caller():
+    facts = [
+        analysis.collect_facts(
+            "M",
+            method(
+                """
+                def __init__(self):
+                    self.kv = autostate.state(0, name="kv")
+                    self.other = make(0)
+                """
+            ),
+        )
+    ]
+    assert facts[0].declarations == {
+        "kv": ("autostate.state", facts[0].source.first_line + 1),
+        "other": ("make", facts[0].source.first_line + 2),
+    }
+    result = analysis.analyze_class(
+        "M", facts, is_state_declaration=lambda _facts, dotted: dotted == "autostate.state"
+    )
+    assert result.state == {"kv"}
+    assert result.declared == {"kv": "autostate.state"}
+
+
+def test_inherited_state_and_initialization():
+    result = analyze(
+        "Child",
+        "def step(self):\n    self.x += 1\n    self.y = 2\n",
+        inherited_state=frozenset({"base"}),
+        inherited_initialized=frozenset({"x", "y"}),
+    )
+    assert result.state == {"base", "x", "y"}
+
+
+def test_state_initialized_by_a_method_called_from_init():
+    result = analyze(
+        "M",
+        "def __init__(self):\n    self.reset()\n",
+        "def reset(self):\n    self.x = 0\n",
+        "def step(self):\n    self.x += 1\n",
+    )
+    assert result.state == {"x"}
+
+
+def test_analysis_error_carries_the_method_line():
+    with pytest.raises(DecorationError) as info:
+        analyze("M", "def __init__(self):\n    pass\n", "def step(self):\n    self.x = 1\n")
+    # method() puts the def on line 10, so the assignment is on line 11.
+    assert "model.py:11" in str(info.value)
+    assert "'x'" in str(info.value)
+
+
+def test_wrapper_source_keeps_the_method_on_its_line():
+    src = method("def step(self):\n    return 1\n", first_line=7)
+    text, shift = analysis.wrapper_source("M", src)
+    assert shift == 0
+    assert text.splitlines()[6] == "    def step(self):"
+    early = method("def step(self):\n    return 1\n", first_line=1)
+    text, shift = analysis.wrapper_source("M", early)
+    assert shift == -2
+    assert text.splitlines()[2] == "    def step(self):"
+
+
+@autostate.stateful
+class PropertyChild(WithProperty):
+    def step(self):
+        self.value = self.value * 2
+        return self.value
+
+
+def test_inherited_property_assigned_in_a_subclass_method_is_not_state():
+    assert PropertyChild.__autostate_info__.state == {"total"}
+    assert "value" not in PropertyChild.__dict__
+    model = PropertyChild()
+    assert float(model.step()) == 10.0
+    assert float(model.total) == 10.0
+    f, states = model.functionalize()
+    out, states = jax.jit(lambda f, s: f.step(s))(f, states)
+    assert float(out) == 20.0 and float(states["total"]) == 20.0
