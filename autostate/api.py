@@ -22,18 +22,21 @@ import jax
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects import (
+    HandledLocalStateRef,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
     handle_local_states,
     run_with_states,
 )
+from autostate.effects.local_state import handler_running as _handler_running
 from autostate.errors import (
     DecorationError,
     InvalidArgumentError,
     InvalidTypeError,
     MethodNotFoundError,
     SourceUnavailableError,
+    StateAccessError,
     format_error,
 )
 from autostate.transform import analysis, loader, rewrite
@@ -283,7 +286,9 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
                 existing = klass.__dict__[attr]
                 break
         if not isinstance(existing, _runtime.StateAttribute):
-            setattr(cls, attr, _runtime.StateAttribute(attr))
+            setattr(cls, attr, _runtime.StateAttribute(attr, existing))
+    if cls.__setattr__ is object.__setattr__:
+        cls.__setattr__ = _guarded_setattr
     slot_factory = None
     if fallback == "host":
         from autostate import host
@@ -327,6 +332,30 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     cls.__init_subclass__ = classmethod(__init_subclass__)
 
 
+def _guarded_setattr(self: Any, name: str, value: Any) -> None:
+    """``model.x = v`` for an attribute that is not state.
+
+    Plain Python, except inside a functionalized call on a model whose states
+    are handled: there such a write would land on a copy that the pure
+    function throws away (or keep a tracer), so it is refused with the fix.
+    """
+    if (
+        _handler_running()
+        and name not in type(self).__autostate_info__.state
+        and not hasattr(type(getattr(type(self), name, None)), "__set__")  # a property
+        and any(type(v) is HandledLocalStateRef for v in self.__dict__.values())
+    ):
+        raise StateAccessError(
+            format_error(
+                f"{type(self).__name__}.{name} is not state, so assigning it inside a "
+                "functionalized call would be lost when the call returns.",
+                fix=f"make it state: assign `self.{name}` in a method of the class, or declare "
+                f"it in __init__ with `self.{name} = autostate.state(...)`.",
+            )
+        )
+    object.__setattr__(self, name, value)
+
+
 class FunctionalModel:
     """A functionalized model: ``f(states, *args)`` returns ``(out, new_states)``.
 
@@ -363,13 +392,20 @@ class FunctionalModel:
         return self._flat
 
     def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
-        return run_with_states(self.handler_id, states, self.model, args, kwargs)
+        return self._run(states, self.model, args, kwargs)
+
+    def _run(self, states: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
+        try:
+            return run_with_states(self.handler_id, states, fn, args, kwargs)
+        finally:
+            # States of categories left unhandled live in the model itself; an
+            # eager call may have replaced them, so the cached flatten is stale.
+            self._flat = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         model = self.model
-        handler_id = self.handler_id
         method = getattr(type(model), name, None)
         if method is None or not callable(method):
             raise MethodNotFoundError(
@@ -380,7 +416,7 @@ class FunctionalModel:
             )
 
         def call(states: dict[str, Any], *args: Any, **kwargs: Any):
-            return run_with_states(handler_id, states, getattr(model, name), args, kwargs)
+            return self._run(states, getattr(model, name), args, kwargs)
 
         call.__name__ = name
         return call

@@ -162,7 +162,8 @@ class _Store:
         _wait_for_dispatched_programs()
         with self.lock:
             saved = [
-                (attr, e.label, _unflatten_value(e), e.batch_axes) for attr, e in self.entries.items()
+                (attr, e.label, _unflatten_value(e), e.batch_axes)
+                for attr, e in self.entries.items()
             ]
         return _restore_store, (self.owner, saved)
 
@@ -303,13 +304,19 @@ def _written_axes(
     return None
 
 
+def _reset_hint(label: str) -> str:
+    attr = label.rsplit(".", 1)[-1]
+    return f"reset it outside vmap first (`model.{attr} = value` with the per-example shape)"
+
+
 def _read_mismatch(label: str, axes: tuple, stored: tuple) -> HostStateError:
     return HostStateError(
         format_error(
             f"State {label} holds per-example values for vmap axes of sizes {stored}, but it "
             f"is read under vmap axes of sizes {axes}.",
-            fix="read it under the vmap nesting and sizes it was written under, or reset it "
-            "outside vmap first (`model.x = value` with the per-example shape).",
+            fix="read it under the vmap nesting and sizes it was written under, or "
+            + _reset_hint(label)
+            + ".",
         )
     )
 
@@ -319,8 +326,9 @@ def _write_mismatch(label: str, axes: tuple, extra: tuple, stored: tuple) -> Hos
         format_error(
             f"State {label} holds per-example values for vmap axes of sizes {stored}; a write "
             f"under vmap axes of sizes {axes} (with {len(extra)} stacked axes) does not match.",
-            fix="write it under the vmap nesting and sizes it was written under, or reset it "
-            "outside vmap first (`model.x = value` with the per-example shape).",
+            fix="write it under the vmap nesting and sizes it was written under, or "
+            + _reset_hint(label)
+            + ".",
         )
     )
 
@@ -351,7 +359,9 @@ def _ordered_io_effect() -> Any:
     # primitives lower to io_callback, so they must declare the same effect for
     # jit and control flow to thread the ordering token through them.
     jaxpr = jax.make_jaxpr(
-        lambda: io_callback(lambda: np.zeros((), np.int32), jax.ShapeDtypeStruct((), np.int32), ordered=True)
+        lambda: io_callback(
+            lambda: np.zeros((), np.int32), jax.ShapeDtypeStruct((), np.int32), ordered=True
+        )
     )()
     (effect,) = jaxpr.effects
     return effect
@@ -388,8 +398,9 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
                 f"State {entry.label} now holds values for vmap axes of sizes {stored}; this "
                 f"compiled program was traced when a read here returned axes {expected}.",
                 fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
-                "function after changing how a state is batched, or reset the state outside "
-                "vmap first.",
+                "function after changing how a state is batched, or "
+                + _reset_hint(entry.label)
+                + ".",
             )
         )
     return [_broadcast_to_axes(v, stored, view, xp) for v in value]
@@ -492,10 +503,11 @@ ad.primitive_jvps[host_set_p] = _set_jvp
 
 
 def _unset_error(label: str) -> HostStateError:
+    attr = label.rsplit(".", 1)[-1]
     return HostStateError(
         format_error(
             f"State {label} was read before it was set: it was declared with a shape only.",
-            fix="assign it (`self.x = value`) before the first read.",
+            fix=f"assign it (`self.{attr} = value`) before the first read.",
         )
     )
 
@@ -598,7 +610,9 @@ def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostState
     )
 
 
-def make_host_slot(obj: Any, name: str, value: Any, category: Hashable, explicit: str | None) -> HostSlot:
+def make_host_slot(
+    obj: Any, name: str, value: Any, category: Hashable, explicit: str | None
+) -> HostSlot:
     """The slot for state ``name`` of ``obj``, first assigned ``value`` in ``__init__``.
 
     All host states of one instance share one store; two instances never do.
@@ -657,6 +671,9 @@ class _InferenceSlot:
             )
         )
 
+    def __reduce__(self):
+        return _InferenceSlot, (self.slot,) if self.value is _UNREAD else (self.slot, self.value)
+
     def __repr__(self) -> str:
         return f"InferenceSlot({self.slot!r})"
 
@@ -679,12 +696,12 @@ def _inference_read_abstract_eval(*, state):
     )
 
 
-_inference_read_p.def_abstract_eval(_inference_read_abstract_eval)
 def _inference_read_impl(*, state):
     _wait_for_dispatched_programs()
     return _read_now(state, (), None, jnp)
 
 
+_inference_read_p.def_abstract_eval(_inference_read_abstract_eval)
 _inference_read_p.def_impl(_inference_read_impl)
 
 
@@ -744,12 +761,17 @@ def _prepare_for_functionalize(
     else:
         return model
 
+    replaced = False
+
     def replace(slot: HostSlot, _path: str) -> FrozenLocalStateRequest:
+        nonlocal replaced
+        replaced = True
         return FrozenLocalStateRequest(slot.read(), slot.category, slot.name)
 
-    return _tree.map_tree(
+    prepared = _tree.map_tree(
         model, replace, lambda node: type(node) is HostSlot and wanted(node.category)
     )
+    return prepared if replaced else model
 
 
 def _equals(expected: Hashable, category: Hashable) -> bool:

@@ -251,17 +251,19 @@ class StateAttribute:
     the same state the rewritten methods do, eagerly or functionalized.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "class_value")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, class_value: Any = None):
         self.name = name
+        # What the class attribute of that name was, so ``Cls.x`` still gives it.
+        self.class_value = class_value
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
-            return self
+            return self if self.class_value is None else self.class_value
         return get(obj, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:

@@ -166,3 +166,65 @@ def test_dataclass_generated_init_is_accepted():
     f, states = acc.functionalize()
     out, states = jax.jit(lambda f, s, x: f.add(s, x))(f, states, jnp.ones(2))
     np.testing.assert_array_equal(states["total"], [4.0, 4.0])
+
+
+@autostate.stateful
+class Scaled:
+    gain = 3.0  # a class-level value of the same name as a state
+
+    def __init__(self):
+        self.gain = jnp.ones(())
+        self.bias = jnp.zeros(())
+
+    def __call__(self, x):
+        self.gain *= 2
+        return x * self.gain + self.bias
+
+
+def _set_bias_from_outside(model, value):
+    model.bias = value
+
+
+@autostate.stateful
+class CallsHelper(Scaled):
+    def __call__(self, x):
+        _set_bias_from_outside(self, x)
+        return super().__call__(x)
+
+
+def test_class_level_value_of_a_state_name_stays_readable_on_the_class():
+    assert Scaled.gain == 3.0
+    model = Scaled()
+    model(1.0)
+    assert float(model.gain) == 2.0
+
+
+def test_assigning_a_non_state_attribute_inside_a_functionalized_call_is_refused():
+    model = CallsHelper()
+    model(2.0)  # eagerly: plain Python
+    assert float(model.bias) == 2.0
+    f, states = model.functionalize()
+    with pytest.raises(autostate.errors.StateAccessError, match="CallsHelper.bias is not state"):
+        f(states, 3.0)
+    with pytest.raises(autostate.errors.StateAccessError, match="autostate.state"):
+        jax.jit(lambda f, s, x: f(s, x))(f, states, 3.0)
+
+
+def test_eager_call_with_unhandled_category_refreshes_the_cached_flatten():
+    @autostate.stateful
+    class TwoKinds:
+        def __init__(self):
+            self.count = autostate.state(jnp.zeros(()), category="count")
+            self.total = jnp.zeros(())
+
+        def __call__(self, x):
+            self.count += 1
+            self.total += x
+            return self.total
+
+    f, states = TwoKinds().functionalize(category="state")
+    jax.tree_util.tree_leaves(f)  # caches the flatten
+    _, states = f(states, 5.0)  # eager: the unhandled "count" lives in f.model
+    leaves = jax.tree_util.tree_leaves(f)
+    assert [float(v) for v in leaves] == [1.0]
+    assert float(states["total"]) == 5.0

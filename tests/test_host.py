@@ -125,8 +125,18 @@ def test_closures_in_lax_control_flow_under_jit_match_the_eager_python_loop():
         "while": jax.jit(lambda m, k: call(m, "while", k)),
         "fori": jax.jit(lambda m: call(m, "fori", 4)),
     }
-    ops = [("cond", True), ("cond", False), ("scan", 3), ("while", 4), ("fori", 4),
-           ("cond", True), ("scan", 3), ("while", 3), ("fori", 4), ("cond", False)]
+    ops = [
+        ("cond", True),
+        ("cond", False),
+        ("scan", 3),
+        ("while", 4),
+        ("fori", 4),
+        ("cond", True),
+        ("scan", 3),
+        ("while", 3),
+        ("fori", 4),
+        ("cond", False),
+    ]
     c = Counter(1.0)
     outs = []
     for op, arg in ops:
@@ -381,7 +391,9 @@ def test_inference_mode_forbids_set_and_captured_models():
     assert float(frozen.n) == 3.0  # eager reads are fine
     with pytest.raises(HostStateError, match="captured the model"):
         jax.jit(lambda x: frozen.n * x)(1.0)
-    with pytest.raises(HostStateTypeError, match="expects a model with host-fallback state; list has none"):
+    with pytest.raises(
+        HostStateTypeError, match="expects a model with host-fallback state; list has none"
+    ):
         autostate.inference_mode([jnp.zeros(2)])
     assert float(c.n) == 3.0
 
@@ -436,6 +448,7 @@ def test_functionalize_moves_host_state_into_the_dict_and_freeze_captures_it():
     assert float(out) == 6.0 and float(states["n"]) == 3.0
     assert float(c.n) == 2.0  # functional: the store is untouched
     assert compiled_callbacks(lambda f, s, x: f(s, x), f, states, 1.0) == 0
+    assert {k: float(v) for k, v in autostate.state_dict(c).items()} == {"n": 2.0}
     frozen = autostate.freeze(f, states)
     assert isinstance(frozen, Counter)
     f2, states2 = frozen.functionalize()
@@ -523,6 +536,12 @@ def test_one_callback_per_state_access():
         return m.n
 
     assert compiled_callbacks(three_updates, c, 1.0) == 7  # 3 x (get + set) + final get
+    # Counted as they run: a fori_loop body with three accesses, five iterations.
+    before = host.callback_count(c)
+    jax.jit(lambda m: m.bump_fori(5))(c)
+    assert host.callback_count(c) - before == 15
+    c.n = c.n + 1.0  # eager accesses touch the store directly
+    assert host.callback_count(c) - before == 15
     cache = Cache()
     # A pytree state is still one callback per access, whatever its leaf count.
     assert compiled_callbacks(lambda m: m.record(m.stats), cache) == 2

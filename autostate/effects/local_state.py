@@ -50,6 +50,11 @@ _ACTIVE: contextvars.ContextVar[Mapping[Hashable, dict[str, LocalStateEffectImpl
 _handler_counter = itertools.count()
 
 
+def handler_running() -> bool:
+    """Whether some handler is running its body in this context."""
+    return bool(_ACTIVE.get())
+
+
 def fresh_handler_id() -> str:
     """A handler id unique within this process."""
     return f"local_state_{next(_handler_counter)}"
@@ -169,7 +174,9 @@ class InitialLocalStateRequest:
 
     def write(self, owner: Any, attr: str, value: Any) -> None:
         _check_not_traced(value, self.name or attr)
-        owner.__dict__[attr] = InitialLocalStateRequest(InitialValue(value), self.category, self.name)
+        # An eager update gives a value, not an initializer: frozen, so the value
+        # is a pytree child (not static aux data that jit would hash).
+        owner.__dict__[attr] = FrozenLocalStateRequest(value, self.category, self.name)
 
 
 @dataclasses.dataclass(frozen=True)
