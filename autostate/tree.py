@@ -18,6 +18,7 @@ its request types here with ``register_dynamic_type``.
 
 from __future__ import annotations
 
+import gc
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -240,7 +241,18 @@ def map_tree(
             return node
         return jax.tree_util.tree_unflatten(treedef, new_children)
 
-    return walk(tree, "")
+    # The walk allocates a copy and a dict per instance and a request or ref
+    # per state; with the collector on, a large model triggers a full
+    # collection mid-walk that scans the whole process and costs more than the
+    # walk (benchmarks/bench_scaling.py, table 3b). Cycles made here are found
+    # by the next collection; a collector that was off stays off.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return walk(tree, "")
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:

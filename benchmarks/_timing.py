@@ -43,6 +43,17 @@ class Timing:
     median: float
     iqr: float
     rounds: int
+    samples: list[float] = dataclasses.field(default_factory=list, repr=False)
+
+
+def paired_ratio(a: Timing, b: Timing) -> float:
+    """Median over rounds of ``a``'s time divided by ``b``'s time in the same round.
+
+    Both ran in the same round, close together, so a slow patch of the machine
+    mostly cancels out of each ratio; the median then drops the rounds where
+    it did not. Steadier than ``a.median / b.median`` on a shared machine.
+    """
+    return statistics.median(x / y for x, y in zip(a.samples, b.samples, strict=True))
 
 
 def time_interleaved(
@@ -51,12 +62,15 @@ def time_interleaved(
     rounds: int,
     number: int,
     warmup: int = 2,
+    gc_off: bool = True,
 ) -> dict[str, Timing]:
     """Times each callable: ``rounds`` rounds of ``number`` calls, interleaved.
 
     Round ``r`` runs the implementations starting at index ``r mod n``, so each
-    one runs first, in the middle and last equally often. Garbage collection is
-    off while a round runs and collected between rounds.
+    one runs first, in the middle and last equally often. By default garbage
+    is collected before each sample and the collector is off while it runs,
+    as ``timeit`` does; ``gc_off=False`` leaves the collector alone, so that
+    collections land where they would in a program.
 
     **Returns:** ``{name: Timing}`` with the median time of one call.
     """
@@ -71,8 +85,9 @@ def time_interleaved(
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 fn = fns[name]
-                gc.collect()
-                gc.disable()
+                if gc_off:
+                    gc.collect()
+                    gc.disable()
                 start = time.perf_counter()
                 for _ in range(number):
                     fn()
@@ -102,7 +117,7 @@ def _summarize(samples: list[float]) -> Timing:
         iqr = q[2] - q[0]
     else:
         iqr = max(samples) - min(samples)
-    return Timing(statistics.median(samples), iqr, len(samples))
+    return Timing(statistics.median(samples), iqr, len(samples), samples)
 
 
 # --- formatting -------------------------------------------------------------
@@ -205,6 +220,14 @@ def target_ratio(
 ) -> Target:
     """A ``numerator / denominator < limit`` target (n/a when a side is missing)."""
     if numerator is None or denominator is None:
+        return target_below(scenario, goal, None, limit, detail)
+    return target_below(scenario, goal, numerator / denominator, limit, detail)
+
+
+def target_below(
+    scenario: str, goal: str, ratio: float | None, limit: float, detail: str = ""
+) -> Target:
+    """A ``ratio < limit`` target (n/a when the ratio could not be measured)."""
+    if ratio is None:
         return Target(scenario, goal, None, None, detail or NOT_INSTALLED)
-    ratio = numerator / denominator
     return Target(scenario, goal, ratio, ratio < limit, detail)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,8 @@ from bench_dispatch import (
 )
 
 import autostate
+
+CONTROL = "plain Python (control)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +129,42 @@ def penzai_pair(params) -> Pair:
     )
 
 
+def control_pair(params) -> Pair:
+    """Not a library: a shallow copy of every module, the least any rebuild costs.
+
+    Its growth from one size to the next shows what the machine itself (caches,
+    allocator) adds to a walk over more objects.
+    """
+    model = autostate_model(params)
+
+    def copy_modules(layers: list) -> list:
+        out = []
+        for layer in layers:
+            new = object.__new__(type(layer))
+            new.__dict__.update(layer.__dict__)
+            out.append(new)
+        return out
+
+    def leaves(layers):
+        return [v for layer in layers for v in layer.__dict__.values()]
+
+    return Pair(
+        extract=lambda: copy_modules(model.layers),
+        rebuild=copy_modules,
+        original_leaves=lambda: leaves(model.layers),
+        rebuilt_leaves=leaves,
+    )
+
+
 IMPLEMENTATIONS: dict[str, tuple[str, str, Callable[..., Pair]]] = {
     "autostate": ("functionalize()", "freeze()", autostate_pair),
     "Flax NNX": ("nnx.split", "nnx.merge", nnx_pair),
     "Equinox": ("eqx.partition", "eqx.combine", equinox_pair),
     "penzai v1": ("handle_local_states", "freeze_local_states", penzai_pair),
+    CONTROL: ("copy each module", "copy each module", control_pair),
 }
+# Also timed with the garbage collector on, as a program runs them.
+GC_ON = ("autostate", "Flax NNX")
 
 
 def check_round_trip(name: str, pair: Pair) -> Any:
@@ -144,10 +177,36 @@ def check_round_trip(name: str, pair: Pair) -> Any:
     return parts
 
 
+class FullCollections:
+    """Counts CPython's full (generation 2) collections that start inside a timed call."""
+
+    def __init__(self, names) -> None:
+        self.counts = dict.fromkeys(names, 0)
+        self.current: str | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2 and self.current is not None:
+            self.counts[self.current] += 1
+
+    def wrap(self, name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def counted() -> Any:
+            self.current = name
+            try:
+                return fn()
+            finally:
+                self.current = None
+
+        return counted
+
+
+Results = dict[str, dict[int, tuple[float, float]]]  # name -> size -> (extract s, rebuild s)
+
+
 def run(smoke: bool = False) -> Report:
     cfg = SMOKE if smoke else FULL
-    # name -> size -> (extract seconds, rebuild seconds)
-    results: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in IMPLEMENTATIONS}
+    results: Results = {name: {} for name in IMPLEMENTATIONS}
+    gc_results: Results = {name: {} for name in GC_ON}
+    full_collections: dict[str, dict[int, float]] = {name: {} for name in GC_ON}
     missing: dict[str, str] = {}
     for size, rounds in zip(cfg.sizes, cfg.rounds):
         params, _ = canonical_init(DispatchConfig(modules=size))
@@ -165,12 +224,30 @@ def run(smoke: bool = False) -> Report:
             fns[f"{name}/rebuild"] = lambda pair=pair, parts=parts: pair.rebuild(parts)
         # The round-trip check above is the warm-up.
         timings = time_interleaved(fns, rounds=rounds, number=1, warmup=0)
-        for name in IMPLEMENTATIONS:
+        for name in results:
             if name not in missing:
                 results[name][size] = (
                     timings[f"{name}/extract"].median,
                     timings[f"{name}/rebuild"].median,
                 )
+        counter = FullCollections(n for n in fns if n.split("/")[0] in GC_ON)
+        gc.callbacks.append(counter)
+        try:
+            gc_timings = time_interleaved(
+                {n: counter.wrap(n, fns[n]) for n in counter.counts},
+                rounds=rounds, number=1, warmup=0, gc_off=False,
+            )
+        finally:
+            gc.callbacks.remove(counter)
+        for name in GC_ON:
+            if name not in missing:
+                gc_results[name][size] = (
+                    gc_timings[f"{name}/extract"].median,
+                    gc_timings[f"{name}/rebuild"].median,
+                )
+                full_collections[name][size] = (
+                    counter.counts[f"{name}/extract"] + counter.counts[f"{name}/rebuild"]
+                ) / rounds
 
     table = Table(
         "Scenario 3: structure at scale (modules with 2 params + 2 states each)",
@@ -186,34 +263,61 @@ def run(smoke: bool = False) -> Report:
             table.add(name, f"{op_extract} / {op_rebuild}", f"{size:,}", fmt_seconds(ext),
                       fmt_seconds(reb), fmt_seconds(ext + reb), fmt_ratio((ext + reb) / mine),
                       fmt_seconds((ext + reb) / size))
-    table.notes.append("median of interleaved rounds (" + ", ".join(
-        f"{r} at {s:,}" for s, r in zip(cfg.sizes, cfg.rounds)) + "); each pair round-trip checked")
+    table.notes.append(
+        "median of interleaved rounds (" + ", ".join(
+            f"{r} at {s:,}" for s, r in zip(cfg.sizes, cfg.rounds))
+        + "), garbage collector off while timing (as timeit); each pair round-trip checked"
+    )
+    table.notes.append(f"{CONTROL}: {control_pair.__doc__.splitlines()[0]}")
     for name, why in missing.items():
         table.notes.append(f"{name}: {NOT_INSTALLED} ({why})")
 
     report = Report(tables=[table])
     small, large = cfg.sizes[-2], cfg.sizes[-1]
     growth = large / small
-    for name in IMPLEMENTATIONS:
-        if name in missing:
-            continue
-        if name == "autostate":
-            report.targets.append(target_ratio(
-                "3", f"linear growth: time({large:,}) / time({small:,}) below {1.5 * growth:g}",
-                sum(results[name][large]), sum(results[name][small]), 1.5 * growth,
-                f"functionalize {fmt_ratio(results[name][large][0] / results[name][small][0])}, "
-                f"freeze {fmt_ratio(results[name][large][1] / results[name][small][1])}",
-            ))
+    mine = results["autostate"]
+    report.targets.append(target_ratio(
+        "3", f"linear growth: time({large:,}) / time({small:,}) below {1.5 * growth:g}",
+        sum(mine[large]), sum(mine[small]), 1.5 * growth,
+        f"functionalize {fmt_ratio(mine[large][0] / mine[small][0])}, "
+        f"freeze {fmt_ratio(mine[large][1] / mine[small][1])}; control "
+        f"{fmt_ratio(sum(results[CONTROL][large]) / sum(results[CONTROL][small]))}",
+    ))
     for size in cfg.sizes:
         nnx_total = sum(results["Flax NNX"][size]) if "Flax NNX" not in missing else None
         report.targets.append(target_ratio(
             "3", f"functionalize+freeze faster than nnx.split+nnx.merge at {size:,} modules",
-            sum(results["autostate"][size]), nnx_total, 1.0,
+            sum(mine[size]), nnx_total, 1.0,
         ))
     report.tables.append(growth_table(results, missing, small, large))
+    report.tables.append(gc_table(gc_results, full_collections, missing, small, large))
     report.plot = {"sizes": list(cfg.sizes), "results": results, "operations": {
         name: (ops[0], ops[1]) for name, ops in IMPLEMENTATIONS.items()}}
     return report
+
+
+def gc_table(gc_results: Results, full_collections, missing, small: int, large: int) -> Table:
+    table = Table(
+        "Scenario 3b: the same with the garbage collector on",
+        ("implementation", "modules", "extract", "rebuild", "total", "full collections",
+         f"growth {small:,} -> {large:,}"),
+    )
+    for name, by_size in gc_results.items():
+        if name in missing:
+            continue
+        for size, (ext, reb) in by_size.items():
+            grows = "-"
+            if size == large:
+                grows = fmt_ratio((ext + reb) / sum(by_size[small]))
+            table.add(name, f"{size:,}", fmt_seconds(ext), fmt_seconds(reb),
+                      fmt_seconds(ext + reb), f"{full_collections[name][size]:.1f}", grows)
+    table.notes.append(
+        "full collections: CPython generation-2 collections started inside the timed pair, "
+        "per round. One starts when the objects that survived younger collections exceed a "
+        "quarter of all tracked objects, and it scans every tracked object in the process, so "
+        "whether a pair pays for one depends on the rest of the heap, not only on the pair"
+    )
+    return table
 
 
 def growth_table(results, missing, small: int, large: int) -> Table:
@@ -249,7 +353,8 @@ def plot(data: dict[str, Any], path: str) -> str | None:
             (axes[1], [by_size[s][1] for s in sizes], f"{name}: {op_rebuild}"),
             (axes[2], [sum(by_size[s]) for s in sizes], name),
         ):
-            ax.loglog(sizes, values, marker="o", label=label)
+            style = {"linestyle": "--", "color": "gray"} if name == CONTROL else {}
+            ax.loglog(sizes, values, marker="o", label=label, **style)
     for ax, title in zip(axes, ("extract (functionalize / split / partition / handle)",
                                 "rebuild (freeze / merge / combine / freeze)", "total")):
         ax.set_title(title, fontsize=10)

@@ -163,7 +163,9 @@ def run(smoke: bool = False) -> Report:
     def handwritten_loop(n, x):
         return jax.lax.fori_loop(0, k, lambda _i, n: n * 0.5 + x, n)
 
-    _check("host fallback (fori_loop)", host_loop(loop_model, x), handwritten_loop(jnp.zeros(()), x))
+    _check(
+        "host fallback (fori_loop)", host_loop(loop_model, x), handwritten_loop(jnp.zeros(()), x)
+    )
 
     steps = {
         "functional": (functional_step, f, states, x),
