@@ -613,6 +613,19 @@ def test_handler_ids_are_honoured_and_fresh_ones_distinct():
     assert h2.handler_id != "mine"
 
 
+def test_reusing_a_handler_id_already_in_the_body_is_rejected():
+    inner, _ = handle_local_states([init(0.0)], category="state", handler_id="mine")
+    with pytest.raises(ValueError, match="already holds state '\\[0\\]'") as caught:
+        handle_local_states([inner.body, init(1.0)], category="state", handler_id="mine")
+    assert isinstance(caught.value, autostate.AutostateError)
+    assert "fix:" in str(caught.value)
+    outer, states = handle_local_states(
+        [inner.body, init(1.0)], category="state", handler_id="outer"
+    )
+    assert states == {"[1]": 1.0}
+    assert outer.body[0][0].handler_id == "mine"
+
+
 # --- 8. jit / grad ----------------------------------------------------------------
 
 

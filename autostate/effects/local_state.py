@@ -473,9 +473,23 @@ def handle_local_states(
     paths: dict[str, str] = {}
 
     def is_target(node: Any) -> bool:
-        return type(node) in REQUEST_TYPES and predicate(node.category)
+        t = type(node)
+        if t is HandledLocalStateRef:
+            return node.handler_id == handler_id
+        return t in REQUEST_TYPES and predicate(node.category)
 
     def replace(request: Any, path: str) -> HandledLocalStateRef:
+        if type(request) is HandledLocalStateRef:
+            # Two handlers with one id would read each other's cells.
+            raise StateSharingError(
+                format_error(
+                    f"The body already holds state {request.name!r} handled by a handler with "
+                    f"id {handler_id!r} (at {path or 'the root'}); handling it again with the "
+                    "same id would mix the two handlers' states.",
+                    fix="freeze the body first (freeze_local_states / autostate.freeze), or "
+                    "pass another handler_id (or another category to functionalize()).",
+                )
+            )
         explicit = request.name is not None
         name = request.name if explicit else path
         if isinstance(request, SharedLocalStateRequest):
