@@ -24,6 +24,7 @@ from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
     WithFunctionalLocalState,
+    contains_tracer,
     freeze_body,
     freeze_local_states,
     handle_local_states,
@@ -356,6 +357,33 @@ def _guarded_setattr(self: Any, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)
 
 
+def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
+    """Refuses a traced call that changed the model outside its states.
+
+    Under a transformation the model inside ``f`` is a throwaway copy, so a
+    change that is not a state write (``self.log.append(x)`` on a list that
+    is not state) would vanish silently with the trace.
+    """
+    (old_leaves, old_def), (new_leaves, new_def) = before, after
+    if old_def == new_def and all(a is b for a, b in zip(old_leaves, new_leaves)):
+        return
+    changed = [
+        name
+        for name, a, b in zip(new_def.names, old_leaves, new_leaves)
+        if a is not b
+    ]
+    where = f" (at {', '.join(changed[:3])})" if changed and old_def == new_def else ""
+    raise StateAccessError(
+        format_error(
+            f"A functionalized call changed {model_name}'s attributes outside its states"
+            f"{where}, e.g. by mutating a list or dict in place; under jax.jit/grad/vmap "
+            "that change would be lost when the call returns.",
+            fix="make the attribute state and assign a new value "
+            "(`self.log = self.log + [x]`), or keep such bookkeeping out of the jitted call.",
+        )
+    )
+
+
 class FunctionalModel:
     """A functionalized model: ``f(states, *args)`` returns ``(out, new_states)``.
 
@@ -395,12 +423,17 @@ class FunctionalModel:
         return self._run(states, self.model, args, kwargs)
 
     def _run(self, states: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
+        traced = contains_tracer(states)
+        before = _tree.flatten_graph(self.model) if traced else None
         try:
-            return run_with_states(self.handler_id, states, fn, args, kwargs)
+            result = run_with_states(self.handler_id, states, fn, args, kwargs)
         finally:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
+        if before is not None:
+            _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
+        return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):

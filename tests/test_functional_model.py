@@ -228,3 +228,26 @@ def test_eager_call_with_unhandled_category_refreshes_the_cached_flatten():
     leaves = jax.tree_util.tree_leaves(f)
     assert [float(v) for v in leaves] == [1.0]
     assert float(states["total"]) == 5.0
+
+
+@autostate.stateful
+class KeepsALog:
+    def __init__(self):
+        self.log = []
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n += 1
+        self.log.append(x)
+        return x
+
+
+def test_in_place_mutation_of_a_non_state_container_is_refused_under_jit():
+    model = KeepsALog()
+    model(1.0)
+    assert model.log == [1.0]  # eagerly: plain Python
+    f, states = model.functionalize()
+    _, states = f(states, 2.0)  # an eager call of f mutates f's own model, like Python
+    assert f.model.log == [1.0, 2.0]
+    with pytest.raises(autostate.errors.StateAccessError, match="outside its states"):
+        jax.jit(lambda f, s, x: f(s, x))(f, states, 3.0)
