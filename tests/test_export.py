@@ -445,7 +445,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
 
 
 def test_flat_dicts_work_with_orbax_without_glue(tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp  # in the test extra, so this runs in `make test`
     trained = _trained_with_odd_values()
     tree = {"params": autostate.param_dict(trained), "states": autostate.state_dict(trained)}
     checkpointer = ocp.PyTreeCheckpointer()
