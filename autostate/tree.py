@@ -110,18 +110,6 @@ class _Static:
         return f"static({self.value!r})"
 
 
-def _flatten_instance_with_keys(obj: Any):
-    aux = []
-    children = []
-    for name, value in obj.__dict__.items():
-        if is_dynamic(value):
-            aux.append(name)
-            children.append((jax.tree_util.GetAttrKey(name), value))
-        else:
-            aux.append((name, _Static(value)))
-    return children, tuple(aux)
-
-
 def _flatten_instance(obj: Any):
     aux = []
     children = []
@@ -132,6 +120,12 @@ def _flatten_instance(obj: Any):
         else:
             aux.append((name, _Static(value)))
     return children, tuple(aux)
+
+
+def _flatten_instance_with_keys(obj: Any):
+    children, aux = _flatten_instance(obj)
+    keys = [jax.tree_util.GetAttrKey(entry) for entry in aux if type(entry) is str]
+    return list(zip(keys, children)), aux
 
 
 def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
