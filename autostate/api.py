@@ -141,12 +141,17 @@ def _undecorated_user_bases(cls: type) -> list[type]:
         if base is object or "__autostate_info__" in base.__dict__:
             continue
         module = sys.modules.get(base.__module__)
-        if module is None or base.__module__ in sys.builtin_module_names:
+        top = base.__module__.partition(".")[0]
+        if module is None or top in sys.builtin_module_names or top in _STDLIB:
             continue
         if not getattr(module, "__file__", None) and base.__module__ != "__main__":
             continue
         bases.append(base)
     return bases
+
+
+# Standard-library bases (abc.ABC, typing.Generic, ...) are not user code.
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
 def _base_facts(base: type) -> list[analysis.MethodFacts]:
@@ -182,8 +187,9 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
 
     facts = [analysis.collect_facts(cls.__name__, src) for src in sources]
     inherited_initialized: set[str] = set()
-    for base in _undecorated_user_bases(cls):
-        for base_facts in _base_facts(base):
+    bases = [(base, _base_facts(base)) for base in _undecorated_user_bases(cls)]
+    for _base, base_facts_list in bases:
+        for base_facts in base_facts_list:
             for assignment in base_facts.assignments:
                 inherited_initialized.add(assignment.attr)
     for info in _base_infos(cls):
@@ -204,7 +210,7 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
             name for base in cls.__mro__[1:] for name, v in vars(base).items() if isinstance(v, property)
         ),
     )
-    _check_undecorated_bases(cls, result.state)
+    _check_undecorated_bases(cls, bases, result.state)
     codes: dict[str, types.CodeType] = {}
     for slot, method in zip(slots, result.methods):
         if method.receiver is None or not (method.touched() & result.state):
@@ -229,9 +235,11 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
     return result.state, result.declared, codes
 
 
-def _check_undecorated_bases(cls: type, state_attrs: frozenset[str]) -> None:
-    for base in _undecorated_user_bases(cls):
-        for facts in _base_facts(base):
+def _check_undecorated_bases(
+    cls: type, bases: list[tuple[type, list[analysis.MethodFacts]]], state_attrs: frozenset[str]
+) -> None:
+    for base, base_facts in bases:
+        for facts in base_facts:
             if facts.source.attr == "__init__" or facts.receiver is None:
                 continue
             for assignment in facts.assignments:
