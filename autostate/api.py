@@ -316,6 +316,10 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         from autostate.export import model_repr
 
         cls.__repr__ = model_repr
+    if not hasattr(cls, "__treescope_repr__"):  # keep one the class or a base defines
+        from autostate.export import model_treescope_repr
+
+        cls.__treescope_repr__ = model_treescope_repr
     _install_subclass_hook(cls, category, fallback)
     _tree.register_stateful_class(cls)
     return cls
@@ -465,6 +469,17 @@ class FunctionalModel:
     def __repr__(self) -> str:
         return f"FunctionalModel({self.model!r})"
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Treescope shows the handled model, its states highlighted as handled."""
+        from treescope import repr_lib
+
+        return repr_lib.render_object_constructor(
+            FunctionalModel,
+            {"handler_id": self.handler_id, "model": self.model},
+            path,
+            subtree_renderer,
+        )
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FunctionalModel):
             return NotImplemented
@@ -591,15 +606,23 @@ def freeze(f: Any, states: dict[str, Any]) -> Any:
     - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``).
     - ``states``: the states dict to embed.
 
-    **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s.
+    **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s;
+    instances of ``fallback="host"`` classes get fresh host stores instead.
     """
     if isinstance(f, FunctionalModel):
-        return freeze_body(f.handler_id, f.model, states)
-    if isinstance(f, WithFunctionalLocalState):
-        return freeze_local_states(f, states)
-    raise InvalidTypeError(
-        format_error(
-            f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
-            fix="call `f, states = model.functionalize()` and pass both to freeze.",
+        frozen = freeze_body(f.handler_id, f.model, states)
+    elif isinstance(f, WithFunctionalLocalState):
+        frozen = freeze_local_states(f, states)
+    else:
+        raise InvalidTypeError(
+            format_error(
+                f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
+                fix="call `f, states = model.functionalize()` and pass both to freeze.",
+            )
         )
-    )
+    return _freeze_hook(frozen) if _freeze_hook is not None else frozen
+
+
+# Set by autostate.host: gives the instances of host-fallback classes in a
+# freshly frozen model host slots holding their frozen values; hook(model).
+_freeze_hook: Callable[[Any], Any] | None = None

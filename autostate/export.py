@@ -18,6 +18,7 @@ on it:
 * ``export``: a ``jax.export.Exported`` of one method with the parameters
   baked in, taking and returning the flat state dict.
 * ``model_repr``: the ``repr`` ``@stateful`` gives classes that have none.
+* ``model_treescope_repr``: their ``__treescope_repr__`` (``treescope`` optional).
 
 Loading never mutates the model it is given: everything is validated first,
 then a new model is built with ``freeze``. The module sits on top of ``api``
@@ -26,6 +27,7 @@ and the engine; it knows nothing of source code.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -761,3 +763,103 @@ def model_repr(obj: Any) -> str:
     that do not define their own.
     """
     return _ReprWriter(obj).node(obj, "")
+
+
+# --- treescope ----------------------------------------------------------------------
+
+# Background of a state's box and color of its label in treescope's HTML view.
+TREESCOPE_STATE_COLOR = "#ffd966"
+_TREESCOPE_LABEL_STYLE = "color: #9c5700; font-weight: bold"
+
+# (treescope path of the outermost model being rendered, its slots' state names)
+_treescope_root: contextvars.ContextVar[tuple[str, dict[int, str]] | None] = (
+    contextvars.ContextVar("autostate_treescope_root", default=None)
+)
+
+
+class _TreescopeState:
+    """One state attribute as treescope shows it: a highlighted, labelled box."""
+
+    __slots__ = ("label", "value", "has_value")
+
+    def __init__(self, label: str, value: Any = None, has_value: bool = False):
+        self.label = label
+        self.value = value
+        self.has_value = has_value
+
+    @classmethod
+    def of(cls, slot: Any, name: str) -> _TreescopeState:
+        head = f"state {name!r} category={getattr(slot, 'category', None)!r}"
+        if isinstance(slot, InitialLocalStateRequest):
+            init = slot.state_initializer
+            value = init.value if isinstance(init, InitialValue) else init
+            return cls(f"initial {head}", value, True)
+        if isinstance(slot, FrozenLocalStateRequest):
+            return cls(f"frozen {head}", slot.state, True)
+        if isinstance(slot, HandledLocalStateRef):
+            return cls(f"handled {head} by {slot.handler_id!r}")
+        if type(slot) in SLOT_TYPES:
+            return cls(f"shared {head}")
+        # Another engine's slot (the host fallback): its value lives elsewhere.
+        return cls(f"{type(slot).__name__} {head}")
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        from treescope import rendering_parts as parts
+
+        label = parts.custom_style(parts.text(self.label), _TREESCOPE_LABEL_STYLE)
+        if not self.has_value:
+            return parts.build_one_line_tree_node(
+                parts.siblings("<", label, ">"), path, background_color=TREESCOPE_STATE_COLOR
+            )
+        return parts.build_foldable_tree_node_from_children(
+            prefix=parts.siblings("<", label, ": "),
+            children=[subtree_renderer(self.value, path=path)],
+            suffix=">",
+            path=path,
+            background_color=TREESCOPE_STATE_COLOR,
+        )
+
+
+def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> Any:
+    """``__treescope_repr__`` of a ``@stateful`` instance (needs ``treescope``).
+
+    ``treescope.render_to_text(model)`` and treescope's HTML view show the
+    class with its parameters and sub-models as children; each state is a box
+    highlighted in ``TREESCOPE_STATE_COLOR`` labelled like the plain repr,
+    e.g. ``<initial state 'blocks[0].norm.mean' category='state': ...>``, with
+    names relative to the outermost model rendered. ``@stateful`` installs
+    this on classes that define no ``__treescope_repr__`` of their own.
+    """
+    from treescope import repr_lib  # optional: pip install autostate[treescope]
+
+    root = _treescope_root.get()
+    token = None
+    if root is None:
+        names: dict[int, str] = {}
+        for name, slot in _tree.iter_tree(obj, lambda x: type(x) in SLOT_TYPES):
+            names.setdefault(id(slot), name)
+        root = (path or "", names)
+        token = _treescope_root.set(root)
+    try:
+        root_path, slot_names = root
+        state_attrs = type(obj).__autostate_info__.state
+        attributes: dict[str, Any] = {}
+        for attr, value in vars(obj).items():
+            if attr not in state_attrs:
+                attributes[attr] = value
+                continue
+            name = getattr(value, "name", None) or slot_names.get(id(value))
+            if name is None:  # a host slot: named by its path from the root
+                here = f"{path}.{attr}" if path is not None else attr
+                relative = here[len(root_path) :] if here.startswith(root_path) else attr
+                name = _tree.path_name(relative)
+            attributes[attr] = _TreescopeState.of(value, name)
+        return repr_lib.render_object_constructor(
+            object_type=type(obj),
+            attributes=attributes,
+            path=path,
+            subtree_renderer=subtree_renderer,
+        )
+    finally:
+        if token is not None:
+            _treescope_root.reset(token)

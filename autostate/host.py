@@ -51,6 +51,7 @@ from autostate import api as _api
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest
+from autostate.effects.local_state import contains_tracer
 from autostate.errors import HostStateError, HostStateTypeError, format_error
 
 __all__ = ["HostSlot", "callback_count", "inference_mode", "live_store_count", "make_host_slot"]
@@ -610,6 +611,11 @@ def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostState
     )
 
 
+# Whether make_host_slot ever ran: until then no model holds host-fallback
+# state and freeze skips its walk for them.
+_slots_made = False
+
+
 def make_host_slot(
     obj: Any, name: str, value: Any, category: Hashable, explicit: str | None
 ) -> HostSlot:
@@ -620,6 +626,8 @@ def make_host_slot(
     then declared with that structure and reading it before a write is an
     error.
     """
+    global _slots_made
+    _slots_made = True
     store = next((v.store for v in obj.__dict__.values() if type(v) is HostSlot), None)
     if store is None:
         store = _Store(type(obj).__name__)
@@ -778,6 +786,55 @@ def _equals(expected: Hashable, category: Hashable) -> bool:
     return category == expected
 
 
+# --- freeze ---------------------------------------------------------------------------
+
+
+def _is_host_instance(node: Any) -> bool:
+    return _tree.is_stateful_instance(node) and type(node).__autostate_info__.fallback == "host"
+
+
+def _restore_host_slots(model: Any) -> Any:
+    """Gives each host-fallback instance of a frozen model host slots for its frozen states.
+
+    ``model`` is what ``freeze`` just built: every decorated instance in it is
+    a new copy, so the slots are swapped in place. The frozen states of one
+    instance share one new store (host slots it still holds, of categories
+    ``functionalize`` did not handle, keep the original model's store). A
+    traced value (``freeze`` called inside a transformation) stays a frozen
+    request: a store must not keep a tracer.
+    """
+    if not _slots_made:
+        return model  # no host-fallback instance was ever built: skip the walk
+    owners: dict[int, Any] = {}
+
+    def visit(node: Any) -> bool:
+        # Only records: map_tree calls this on every node of `model` itself
+        # (each instance once per path, so keyed by identity); nothing is replaced.
+        if _is_host_instance(node):
+            owners.setdefault(id(node), node)
+        return False
+
+    _tree.map_tree(model, lambda node, _path: node, visit)
+    for owner in owners.values():
+        frozen = {
+            name: request
+            for name, request in owner.__dict__.items()
+            if type(request) is FrozenLocalStateRequest and not contains_tracer(request.state)
+        }
+        if not frozen:
+            continue
+        info = type(owner).__autostate_info__
+        # A blank instance of the class collects the new slots, so they share a
+        # new store rather than the store of a host slot `owner` still holds.
+        fresh = object.__new__(type(owner))
+        for name, request in frozen.items():
+            fresh.__dict__[name] = info.slot_factory(
+                fresh, name, request.state, request.category, request.name
+            )
+        owner.__dict__.update(fresh.__dict__)
+    return model
+
+
 def _register() -> None:
     jax.tree_util.register_pytree_node(HostSlot, lambda s: ((), s), lambda s, _: s)
     jax.tree_util.register_pytree_node(
@@ -789,6 +846,7 @@ def _register() -> None:
         _tree.register_dynamic_type(cls)
         _runtime.register_slot_type(cls)
     _api._prepare_hook = _prepare_for_functionalize
+    _api._freeze_hook = _restore_host_slots
 
 
 _register()

@@ -613,3 +613,79 @@ def test_save_load_export_example_runs():
         "exported call: steps=8",
     ]
     assert lines[-1] == "ok"
+
+
+# --- treescope -----------------------------------------------------------------------------
+
+
+def test_treescope_shows_parameters_submodels_and_highlighted_states():
+    treescope = pytest.importorskip("treescope")
+    text = treescope.render_to_text(Net())
+    assert text.startswith("Net(\n")
+    for part in [
+        "blocks=[",
+        "Block(w=",
+        "Norm(scale=",
+        "half=",
+        "table={'ids': ",
+        "act='tanh'",
+        "mean=<initial state 'blocks[0].norm.mean' category='state': ",
+        "calls=<initial state 'blocks[1].calls' category='state': ",
+        "kv=<initial state 'cache' category='cache':",
+        "ema=<initial state 'ema' category='state': ",
+    ]:
+        assert part in text, part
+    _, trained = run(Net(), XS[:1])
+    assert "ema=<frozen state 'ema' category='state': " in treescope.render_to_text(trained)
+    f, _ = trained.functionalize()
+    handled = treescope.render_to_text(f.model)
+    assert f"calls=<handled state 'blocks[1].calls' category='state' by {f.handler_id!r}>" in handled
+    # Names are relative to the outermost model rendered, as in the plain repr.
+    norm = treescope.render_to_text({"m": trained.blocks[1].norm})
+    assert "mean=<frozen state 'mean' category='state':" in norm
+    assert "scale=" in norm
+    host = HostCounter()
+    host(jnp.ones(2))
+    assert "count=<HostSlot state 'count' category='state'>" in treescope.render_to_text([host])
+    # The HTML view puts each state in a box of the highlight color: the 8 states, and
+    # the 3 of blocks[0] again under `first` (treescope marks it a repeated object).
+    html = treescope.render_to_html(Net(), compressed=False)
+    assert html.count(f"--block-color: {export_module.TREESCOPE_STATE_COLOR};") == 8 + 3
+    assert "initial state &#x27;blocks[0].norm.mean&#x27;" in html
+
+
+def test_treescope_keeps_a_treescope_repr_the_class_defines():
+    treescope = pytest.importorskip("treescope")
+
+    @autostate.stateful
+    class Own:
+        def __init__(self):
+            self.count = jnp.zeros(())
+
+        def __call__(self):
+            self.count += 1
+
+        def __treescope_repr__(self, path, subtree_renderer):
+            return treescope.rendering_parts.text("Own!")
+
+    assert treescope.render_to_text(Own()) == "Own!"
+    assert "Counter(" in treescope.render_to_text(Counter())
+
+
+def test_functional_model_renders_its_handled_model_in_treescope():
+    import treescope
+
+    f, _ = autostate.stateful(_TreescopeCounter)().functionalize()
+    text = treescope.render_to_text(f)
+    assert text.startswith("FunctionalModel(")
+    assert "handler_id='autostate:*'" in text
+    assert "<handled state 'n' category='state' by 'autostate:*'>" in text
+
+
+class _TreescopeCounter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n += 1
+        return x

@@ -545,3 +545,97 @@ def test_one_callback_per_state_access():
     cache = Cache()
     # A pytree state is still one callback per access, whatever its leaf count.
     assert compiled_callbacks(lambda m: m.record(m.stats), cache) == 2
+
+
+# --- 8. freeze and load give host-backed models back ------------------------------------
+
+
+def test_freeze_gives_a_host_model_its_store_back_so_closures_keep_working():
+    c = Counter(1.0)
+    f, states = c.functionalize()
+    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+    frozen = autostate.freeze(f, states)
+    slot = frozen.__dict__["n"]
+    assert type(slot) is host.HostSlot and slot.store is not c.__dict__["n"].store
+    assert float(frozen.n) == 3.0
+    # A closure assigning state inside lax control flow, eagerly and under jit,
+    # continues from the frozen value.
+    n, (want,) = eager_reference(3.0, [("fori", 3)])
+    assert float(frozen.bump_fori(3)) == want and float(frozen.n) == n
+    n, (want,) = eager_reference(n, [("fori", 4)])
+    assert float(jax.jit(lambda m: m.bump_fori(4))(frozen)) == want
+    assert float(frozen.n) == n
+    assert float(c.n) == 1.0  # the original keeps its own store
+    f2, states2 = frozen.functionalize()
+    assert float(states2["n"]) == n
+
+
+@autostate.stateful(fallback="host")
+class TwoKinds:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.seen = autostate.state(jnp.zeros(()), category="seen")
+
+    def __call__(self, x):
+        self.n += x
+        self.seen += 1.0
+        return self.n
+
+
+def test_freeze_restores_only_the_host_part_of_a_mixed_model():
+    net = Net()
+    net(jnp.ones(2))
+    f, states = net.functionalize()
+    # (Running f would fail: the gate's closure cannot assign functional state.)
+    states = {"gate.opened": states["gate.opened"] + 1, "total": states["total"] * 2}
+    frozen = autostate.freeze(f, states)
+    assert type(frozen.gate.__dict__["opened"]) is host.HostSlot
+    assert type(frozen.__dict__["total"]) is autostate.effects.FrozenLocalStateRequest
+    assert (int(frozen.gate.opened), float(frozen.total)) == (2, 8.0)
+    frozen(jnp.ones(2))  # eagerly: the gate's lax.cond closure writes its store
+    jax.jit(lambda m, x: m.gate(x))(frozen, jnp.ones(2))
+    assert (int(frozen.gate.opened), float(frozen.total)) == (4, 12.0)
+    assert int(net.gate.opened) == 1
+
+    # A host state functionalize did not handle keeps the original's slot.
+    f, states = net.functionalize("state")
+    frozen = autostate.freeze(f, states)
+    assert frozen.gate.__dict__["opened"] is net.gate.__dict__["opened"]
+
+    # Within one instance: the handled states get a new store, the others keep theirs.
+    two = TwoKinds()
+    two(1.0)
+    f, states = two.functionalize("state")
+    assert list(states) == ["n"]
+    frozen = autostate.freeze(f, states)
+    assert frozen.__dict__["seen"] is two.__dict__["seen"]
+    assert frozen.__dict__["n"].store is not two.__dict__["n"].store
+    jax.jit(lambda m, x: m(x))(frozen, 2.0)
+    assert (float(frozen.n), float(two.n), float(two.seen)) == (3.0, 1.0, 2.0)
+
+
+def test_load_and_load_state_dict_give_host_backed_models(tmp_path):
+    c = Counter(0.0)
+    c(2.0)
+    autostate.save(tmp_path / "counter.npz", c)
+    for loaded in (
+        autostate.load_state_dict(Counter(5.0), autostate.state_dict(c)),
+        autostate.load(tmp_path / "counter.npz", like=Counter(5.0)),
+    ):
+        assert type(loaded.__dict__["n"]) is host.HostSlot
+        n, (want,) = eager_reference(2.0, [("fori", 3)])
+        assert float(jax.jit(lambda m: m.bump_fori(3))(loaded)) == want
+        assert float(loaded.n) == n
+    assert float(c.n) == 2.0
+
+
+def test_freeze_inside_a_trace_keeps_frozen_requests():
+    c = Counter(1.0)
+    f, states = c.functionalize()
+
+    def inside(f, s):
+        frozen = autostate.freeze(f, s)
+        assert type(frozen.__dict__["n"]) is autostate.effects.FrozenLocalStateRequest
+        return frozen.n + 1
+
+    assert float(jax.jit(inside)(f, states)) == 2.0
