@@ -231,3 +231,14 @@ def target_below(
     if ratio is None:
         return Target(scenario, goal, None, None, detail or NOT_INSTALLED)
     return Target(scenario, goal, ratio, ratio < limit, detail)
+
+
+def script_main(
+    run: Callable[[bool], Report], doc: str, argv: list[str] | None = None
+) -> None:
+    """Command line of one scenario script: ``python bench_x.py [--smoke]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
+    run(parser.parse_args(argv).smoke).print()

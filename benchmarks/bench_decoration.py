@@ -20,7 +20,6 @@ Run: ``python benchmarks/bench_decoration.py [--smoke]``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import itertools
@@ -31,7 +30,16 @@ import textwrap
 import types
 from pathlib import Path
 
-from _timing import Report, Table, fmt_ratio, fmt_seconds, median_of, target_ratio, time_once
+from _timing import (
+    Report,
+    Table,
+    fmt_ratio,
+    fmt_seconds,
+    median_of,
+    script_main,
+    target_ratio,
+    time_once,
+)
 
 import autostate
 from autostate.transform import loader
@@ -214,9 +222,7 @@ def run(smoke: bool = False) -> Report:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one repeat")
-    run(parser.parse_args(argv).smoke).print()
+    script_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

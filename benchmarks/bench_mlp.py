@@ -23,7 +23,6 @@ Run: ``python benchmarks/bench_mlp.py [--smoke]``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import statistics
@@ -43,6 +42,7 @@ from _timing import (
     fmt_seconds,
     optional_import,
     paired_ratio,
+    script_main,
     target_below,
     time_interleaved,
     time_once,
@@ -791,9 +791,7 @@ def run(smoke: bool = False) -> Report:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
-    run(parser.parse_args(argv).smoke).print()
+    script_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

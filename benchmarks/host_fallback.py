@@ -23,7 +23,6 @@ Run: ``python benchmarks/host_fallback.py [--smoke]``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import Report, Table, Target, fmt_ratio, fmt_seconds, time_interleaved
+from _timing import Report, Table, Target, fmt_ratio, fmt_seconds, script_main, time_interleaved
 from jax.experimental import io_callback
 
 import autostate
@@ -253,9 +252,7 @@ def run(smoke: bool = False) -> Report:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
-    run(parser.parse_args(argv).smoke).print()
+    script_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":
