@@ -17,9 +17,9 @@ import pytest
 
 import autostate
 from autostate.errors import AutostateError, CheckpointError, StateDictError, StateDictWarning
-from autostate.export import model_repr
+from autostate.render import model_repr
 
-export_module = sys.modules["autostate.export"]  # `autostate.export` is the function
+render_module = sys.modules["autostate.render"]
 
 
 @autostate.stateful
@@ -435,7 +435,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     def broken_savez(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(export_module.np, "savez", broken_savez)
+    monkeypatch.setattr(np, "savez", broken_savez)
     with pytest.raises(RuntimeError, match="disk full"):
         autostate.save(path, Net(seed=9))
     monkeypatch.undo()
@@ -558,24 +558,24 @@ def test_repr_shows_parameters_and_states_with_their_kind():
         "gain=f32[]",
         "table={'ids': i32[3]}",
         "act='tanh'",
-        "mean=<initial state 'blocks[0].norm.mean' category='state': f32[3]>",
-        "kv=<initial state 'cache' category='cache': {'k': f32[3], 't': i32[]}>",
+        "mean=<state 'blocks[0].norm.mean' category='state' initial value: f32[3]>",
+        "kv=<state 'cache' category='cache' initial value: {'k': f32[3], 't': i32[]}>",
         "first=<Block, same as 'blocks[0]'>",
     ]:
         assert line in text, line
     _, trained = run(Net(), XS[:1])
-    assert "ema=<frozen state 'ema' category='state': bf16[3]>" in repr(trained)
+    assert "ema=<state 'ema' category='state' value: bf16[3]>" in repr(trained)
     f, _ = trained.functionalize()
-    assert f"calls=<handled state 'blocks[1].calls' category='state' by {f.handler_id!r}>" in repr(
+    assert f"calls=<state 'blocks[1].calls' category='state' handled by {f.handler_id!r}>" in repr(
         f
     )
-    assert repr(Counter()) == "Counter(count=<initial state 'count' category='state': i32[]>)"
+    assert repr(Counter()) == "Counter(count=<state 'count' category='state' initial value: i32[]>)"
     # Names are relative to the model given.
     assert model_repr(trained.blocks[1].norm) == (
         "Norm(\n"
         "  scale=f32[3],\n"
-        "  mean=<frozen state 'mean' category='state': f32[3]>,\n"
-        "  var=<frozen state 'var' category='state': f32[3]>,\n"
+        "  mean=<state 'mean' category='state' value: f32[3]>,\n"
+        "  var=<state 'var' category='state' value: f32[3]>,\n"
         ")"
     )
 
@@ -584,7 +584,7 @@ def test_repr_keeps_a_repr_the_class_or_a_base_defines():
     assert repr(Labelled()) == "Labelled!"
     assert repr(LabelledChild()) == "Labelled!"
     assert (
-        model_repr(Labelled()) == "Labelled(count=<initial state 'count' category='state': f32[]>)"
+        model_repr(Labelled()) == "Labelled(count=<state 'count' category='state' initial value: f32[]>)"
     )
 
 
@@ -596,7 +596,7 @@ def test_host_fallback_states_are_read_from_their_store(tmp_path):
     autostate.save(tmp_path / "host.npz", model)
     params, states = autostate.load_arrays(tmp_path / "host.npz")
     assert int(states["count"]) == 3 and list(params) == ["w"]
-    assert repr(model) == "HostCounter(w=f32[2], count=<HostSlot state 'count' category='state'>)"
+    assert repr(model) == "HostCounter(w=f32[2], count=<state 'count' category='state' in a host store>)"
 
 
 def test_save_load_export_example_runs():
@@ -629,29 +629,29 @@ def test_treescope_shows_parameters_submodels_and_highlighted_states():
         "half=",
         "table={'ids': ",
         "act='tanh'",
-        "mean=<initial state 'blocks[0].norm.mean' category='state': ",
-        "calls=<initial state 'blocks[1].calls' category='state': ",
-        "kv=<initial state 'cache' category='cache':",
-        "ema=<initial state 'ema' category='state': ",
+        "mean=<state 'blocks[0].norm.mean' category='state' initial value: ",
+        "calls=<state 'blocks[1].calls' category='state' initial value: ",
+        "kv=<state 'cache' category='cache' initial value:",
+        "ema=<state 'ema' category='state' initial value: ",
     ]:
         assert part in text, part
     _, trained = run(Net(), XS[:1])
-    assert "ema=<frozen state 'ema' category='state': " in treescope.render_to_text(trained)
+    assert "ema=<state 'ema' category='state' value: " in treescope.render_to_text(trained)
     f, _ = trained.functionalize()
     handled = treescope.render_to_text(f.model)
-    assert f"calls=<handled state 'blocks[1].calls' category='state' by {f.handler_id!r}>" in handled
+    assert f"calls=<state 'blocks[1].calls' category='state' handled by {f.handler_id!r}>" in handled
     # Names are relative to the outermost model rendered, as in the plain repr.
     norm = treescope.render_to_text({"m": trained.blocks[1].norm})
-    assert "mean=<frozen state 'mean' category='state':" in norm
+    assert "mean=<state 'mean' category='state' value:" in norm
     assert "scale=" in norm
     host = HostCounter()
     host(jnp.ones(2))
-    assert "count=<HostSlot state 'count' category='state'>" in treescope.render_to_text([host])
+    assert "count=<state 'count' category='state' in a host store>" in treescope.render_to_text([host])
     # The HTML view puts each state in a box of the highlight color: the 8 states, and
     # the 3 of blocks[0] again under `first` (treescope marks it a repeated object).
     html = treescope.render_to_html(Net(), compressed=False)
-    assert html.count(f"--block-color: {export_module.TREESCOPE_STATE_COLOR};") == 8 + 3
-    assert "initial state &#x27;blocks[0].norm.mean&#x27;" in html
+    assert html.count(f"--block-color: {render_module.TREESCOPE_STATE_COLOR};") == 8 + 3
+    assert "state &#x27;blocks[0].norm.mean&#x27; category=&#x27;state&#x27; initial value" in html
 
 
 def test_treescope_keeps_a_treescope_repr_the_class_defines():
@@ -679,7 +679,7 @@ def test_functional_model_renders_its_handled_model_in_treescope():
     text = treescope.render_to_text(f)
     assert text.startswith("FunctionalModel(")
     assert "handler_id='autostate:*'" in text
-    assert "<handled state 'n' category='state' by 'autostate:*'>" in text
+    assert "<state 'n' category='state' handled by 'autostate:*'>" in text
 
 
 class _TreescopeCounter:
