@@ -381,6 +381,8 @@ class HandledLocalStateRef(StateSlot):
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
+# type -> whether it is a handleable slot of another engine (a cache of issubclass).
+_FOREIGN_SLOT: dict[type, bool] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,7 +517,10 @@ def handle_local_states(
         if t in REQUEST_TYPES:
             return predicate(node.category)
         # Another engine's slot (a host store) is handled as the request it stands for.
-        return isinstance(node, StateSlot) and node.handleable and predicate(node.category)
+        foreign = _FOREIGN_SLOT.get(t)
+        if foreign is None:
+            foreign = _FOREIGN_SLOT[t] = issubclass(t, StateSlot) and t.handleable
+        return foreign and predicate(node.category)
 
     def replace(request: Any, path: str) -> HandledLocalStateRef:
         if type(request) not in REQUEST_TYPES and type(request) is not HandledLocalStateRef:
