@@ -22,8 +22,8 @@ from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
     InitialLocalStateRequest,
-    InitialValue,
     StateSlot,
+    initial_slot,
 )
 from autostate.effects.local_state import _check_not_traced, handler_running
 from autostate.errors import InvalidTypeError, StateAccessError, format_error
@@ -65,10 +65,10 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
             category = value.category
         explicit = value.name
         value = value.value
-    _check_not_traced(value, explicit or name)
     if info.slot_factory is not None:
+        _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
-    return InitialLocalStateRequest(InitialValue(value), category, explicit)
+    return initial_slot(value, category, explicit, name)
 
 
 def get(obj: Any, name: str) -> Any:
