@@ -267,6 +267,8 @@ def _functionalize_method(
     **Returns:** ``(f, states)``; ``f(states, *args)`` and
     ``f.<method>(states, *args)`` return ``(out, new_states)``.
     """
+    if category is not None and category_predicate is not None:
+        handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
     handler_id = handler_id_for(category, category_predicate)

@@ -80,7 +80,7 @@ def is_trainable(leaf: Any) -> bool:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return False
-    return bool(np.issubdtype(dtype, np.inexact))
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))  # bfloat16 and float8 too
 
 
 @dataclasses.dataclass(frozen=True)
