@@ -363,8 +363,9 @@ def programs(draw) -> Program:
             "",
         ]
     )
-    sub_state = sorted(sub.own_writes | sub_declared)
-    model_state = sorted(model.own_writes | model_declared)
+    # Int arrays that are not states are constants: never trained, so in the states too.
+    sub_state = sorted(sub.own_writes | sub_declared | set(INTS))
+    model_state = sorted(model.own_writes | model_declared | set(INTS))
     expected = model_state + [f"{p}.{a}" for p in SUB_PATHS for a in sub_state]
     return Program(source, has_alias, sorted(expected), draw(st.integers(0, 2**16)))
 
