@@ -405,7 +405,8 @@ def _merge_equal_examples(value: Any, dims: Dims, before: Dims, xp: Any) -> tupl
     """
     dims = list(dims)
     for level in reversed(range(len(dims))):
-        if dims[level] is None or (level < len(before) and before[level] is not None):
+        # One example says nothing about whether examples agree: keep its axis.
+        if dims[level] in (None, 1) or (level < len(before) and before[level] is not None):
             continue
         axis = sum(size is not None for size in dims[:level])
         first = value[(slice(None),) * axis + (slice(0, 1),)]
