@@ -597,6 +597,37 @@ batching.fancy_primitive_batchers[host_set_p] = _set_batching
 ad.primitive_jvps[host_set_p] = _set_jvp
 
 
+def _keep_ordered_callbacks_in_scan_loops() -> None:
+    # Under jax.grad, scan's partial evaluation hoists every loop-invariant
+    # computation of the primal loop body out of the loop, effects included: a
+    # host read/write that does not depend on the carry (`self.steps += 1`) then
+    # runs once instead of once per step, and later writes are lost (a bare
+    # ordered io_callback is hoisted the same way). A primal body that has
+    # ordered callbacks keeps all of its computation in the loop, so every
+    # callback runs exactly once per primal step. This is the one place that
+    # reaches into JAX's private scan implementation; without it (another JAX
+    # layout) such writes are lost as with a bare io_callback.
+    try:
+        from jax._src.lax.control_flow import loops
+    except ImportError:  # pragma: no cover - another JAX layout
+        return
+    hoist = getattr(loops, "_scan_known_hoisting", None)
+    if hoist is None or getattr(hoist, "_autostate_keeps_callbacks", False):
+        return  # pragma: no cover
+
+    @functools.wraps(hoist)
+    def hoist_unless_ordered_callbacks(jaxpr_known, known_consts, num_res):
+        if _ordered_io_effect() in jaxpr_known.effects:
+            return jaxpr_known, known_consts, [False] * num_res, []
+        return hoist(jaxpr_known, known_consts, num_res)
+
+    hoist_unless_ordered_callbacks._autostate_keeps_callbacks = True
+    loops._scan_known_hoisting = hoist_unless_ordered_callbacks
+
+
+_keep_ordered_callbacks_in_scan_loops()
+
+
 # Reading an inference view under vmap: its value entered as one stacked array,
 # so each vmap level indexes the examples it holds per-example values for.
 # Pure JAX (no callback): the primitive only exists for its batching rule,

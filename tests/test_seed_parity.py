@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 import autostate
 from autostate import (
@@ -429,3 +430,63 @@ def test_inference_view_captured_by_jit_bakes_the_value_in():
     g = jax.jit(lambda m: m.get() + 1)
     assert int(g(view)) == 3
     assert not CALLBACK.findall(g.lower(view).compile().as_text())
+
+
+# --- host writes in loops under jax.grad -----------------------------------------
+
+
+@autostate.stateful(fallback="host")
+class Router:
+    """Routes each token to its best expert inside a scan, counting the wins."""
+
+    def __init__(self, n_experts):
+        self.wins = jnp.zeros((n_experts,), jnp.int32)
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, scale, tokens):
+        def body(carry, token):
+            self.steps += 1
+            self.wins = self.wins.at[jnp.argmax(token)].add(1)
+            return carry + scale * token.max(), None
+
+        return jax.lax.scan(body, 0.0, tokens)[0]
+
+    def fori(self, scale, k):
+        def body(i, carry):
+            self.steps += 1
+            return carry * scale
+
+        return jax.lax.fori_loop(0, k, body, 1.0)
+
+
+TOKENS = jnp.eye(3)[jnp.array([0, 1, 2, 0, 1, 0, 2, 0, 1, 2, 0, 1])]  # wins: [5, 4, 3]
+
+
+@pytest.mark.parametrize(
+    "differentiate",
+    [jax.grad, lambda f: jax.jit(jax.grad(f)), lambda f: jax.value_and_grad(f)],
+    ids=["grad", "jit-grad", "value_and_grad"],
+)
+def test_host_writes_in_scan_happen_once_per_step_under_grad(differentiate):
+    router = Router(3)
+    out = differentiate(lambda scale: router(scale, TOKENS))(2.0)
+    grad = out[1] if isinstance(out, tuple) else out
+    assert float(grad) == 12.0
+    np.testing.assert_array_equal(router.wins, [5, 4, 3])
+    assert int(router.steps) == 12
+
+    counter = Router(3)
+    out = differentiate(lambda scale: counter.fori(scale, 6))(1.0)
+    assert float(out[1] if isinstance(out, tuple) else out) == 6.0
+    assert int(counter.steps) == 6
+
+
+def test_a_bare_io_callback_in_scan_runs_once_per_step_under_grad():
+    calls = []
+
+    def step(carry, _):
+        io_callback(lambda: calls.append(1), None, ordered=True)
+        return carry * 2.0, None
+
+    assert float(jax.grad(lambda x: jax.lax.scan(step, x, None, length=6)[0])(1.0)) == 64.0
+    assert len(calls) == 6
