@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import batching, mlir
 
 from autostate import api as _api
 from autostate import runtime as _runtime
@@ -579,12 +579,6 @@ def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, st
     return [], []
 
 
-def _set_jvp(primals, tangents, **params):
-    # State is a constant for differentiation: write the primal, no tangent.
-    del tangents
-    return host_set_p.bind(*primals, **params), []
-
-
 host_get_p.def_effectful_abstract_eval(_get_abstract_eval)
 host_get_p.def_impl(_get_impl)
 mlir.register_lowering(host_get_p, mlir.lower_fun(_get_lowering, multiple_results=True))
@@ -594,7 +588,6 @@ host_set_p.def_effectful_abstract_eval(_set_abstract_eval)
 host_set_p.def_impl(_set_impl)
 mlir.register_lowering(host_set_p, mlir.lower_fun(_set_lowering, multiple_results=True))
 batching.fancy_primitive_batchers[host_set_p] = _set_batching
-ad.primitive_jvps[host_set_p] = _set_jvp
 
 
 def _keep_ordered_callbacks_in_scan_loops() -> None:
