@@ -18,12 +18,16 @@ This module owns:
   per-example structure (treedef, shapes, dtypes) as parameters, so traced
   reads have known result shapes; run eagerly they touch the store directly;
   lowered they become one ordered ``io_callback`` each (whatever the number of
-  leaves); under ``vmap`` their batching rules record the vmap axis sizes, so
-  a state written under ``vmap`` holds one value per example (as the seed's
-  ``StateIndex`` did); under differentiation the written value is
-  ``stop_gradient``-ed: state is a constant;
+  leaves); under ``vmap`` their batching rules record the vmap axis sizes, and
+  each leaf of a state records which of those levels it holds one value per
+  example for (per leaf, as the seed's ``StateIndex`` did); the written value
+  is ``stop_gradient``-ed: state is a constant for differentiation. Under
+  ``jax.grad`` a ``scan`` body with host accesses is kept in its loop (see
+  ``_keep_ordered_callbacks_in_scan_loops``);
 * ``inference_mode``: a view whose state is read once, when the model is
   flattened at the ``jit`` boundary, and passed in as an input (no callbacks);
+  under ``vmap`` it reads per-example values, and captured by a closure its
+  value is baked in;
 * the ``functionalize()`` hook that moves host state into the states dict.
 
 It knows nothing about source code: ``api`` creates slots through

@@ -7,6 +7,7 @@ against autostate.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import jax
@@ -490,3 +491,30 @@ def test_a_bare_io_callback_in_scan_runs_once_per_step_under_grad():
 
     assert float(jax.grad(lambda x: jax.lax.scan(step, x, None, length=6)[0])(1.0)) == 64.0
     assert len(calls) == 6
+
+
+@autostate.stateful(fallback="host")
+class Stats:
+    def __init__(self):
+        self.s = {"count": jnp.zeros((), jnp.int32), "sum": jnp.zeros(())}
+
+    def __call__(self, x):
+        self.s = {"count": self.s["count"] + 1, "sum": self.s["sum"] + x}
+        return x
+
+
+def test_batch_axes_are_tracked_per_leaf_of_one_state():
+    stats = Stats()
+    jax.jit(jax.vmap(stats))(jnp.arange(4.0))
+    assert stats.s["count"].shape == () and int(stats.s["count"]) == 1
+    np.testing.assert_allclose(stats.s["sum"], [0.0, 1.0, 2.0, 3.0])
+    twin = copy.deepcopy(stats)  # a new store with the same per-leaf batch axes
+    jax.vmap(twin)(jnp.arange(4.0))
+    assert int(twin.s["count"]) == 2
+    np.testing.assert_allclose(twin.s["sum"], [0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_allclose(stats.s["sum"], [0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(HostStateError) as info:
+        jax.vmap(stats)(jnp.arange(5.0))
+    assert "Stats.s holds per-example values for vmap axes of sizes ((), (4,)) per leaf" in str(
+        info.value
+    )
