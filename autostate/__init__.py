@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from autostate.api import FunctionalModel, freeze, functionalize, state, stateful
+from autostate.api import freeze, functionalize, state, stateful
+from autostate.checkpoint import load, load_arrays, save
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -18,17 +19,10 @@ from autostate.effects import (
     rename_local_states,
 )
 from autostate.errors import AutostateError
-from autostate.export import (
-    export,
-    load,
-    load_arrays,
-    load_param_dict,
-    load_state_dict,
-    param_dict,
-    save,
-    state_dict,
-)
+from autostate.export import export
+from autostate.functional import FunctionalModel
 from autostate.host import inference_mode
+from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 
 __version__ = "0.1.0"
 

@@ -28,10 +28,14 @@ This module owns:
   flattened at the ``jit`` boundary, and passed in as an input (no callbacks);
   under ``vmap`` it reads per-example values, and captured by a closure its
   value is baked in;
-* the ``functionalize()`` hook that moves host state into the states dict.
+* ``restore_host_slots``: what a host-fallback instance does with frozen
+  values when a walk (``freeze``, loading) copies it.
 
-It knows nothing about source code: ``api`` creates slots through
-``make_host_slot`` and ``runtime`` calls their ``read``/``write``.
+Host slots speak the one slot protocol (``effects.StateSlot``), so
+``functionalize()`` finds them in the same walk as every other state and
+takes each as the frozen request of its current value. It knows nothing
+about source code: ``api`` creates slots through ``make_host_slot`` and
+``runtime`` calls their ``read``/``write``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -51,10 +55,8 @@ from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from autostate import api as _api
-from autostate import runtime as _runtime
 from autostate import tree as _tree
-from autostate.effects import FrozenLocalStateRequest
+from autostate.effects import FrozenLocalStateRequest, StateSlot
 from autostate.effects.local_state import contains_tracer
 from autostate.errors import (
     HostStateChangeError,
@@ -63,7 +65,14 @@ from autostate.errors import (
     format_error,
 )
 
-__all__ = ["HostSlot", "callback_count", "inference_mode", "live_store_count", "make_host_slot"]
+__all__ = [
+    "HostSlot",
+    "callback_count",
+    "inference_mode",
+    "live_store_count",
+    "make_host_slot",
+    "restore_host_slots",
+]
 
 # --- per-example structure ----------------------------------------------------
 
@@ -77,7 +86,7 @@ class _Spec:
     dtypes: tuple[np.dtype, ...]
 
     def describe(self) -> str:
-        parts = [f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes)]
+        parts = [_tree.format_spec(s, d) for s, d in zip(self.shapes, self.dtypes)]
         return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
 
     def __repr__(self) -> str:  # shown in jaxprs
@@ -680,7 +689,7 @@ def _unset_error(label: str) -> HostStateError:
 # --- slots --------------------------------------------------------------------------
 
 
-class HostSlot:
+class HostSlot(StateSlot):
     """What a host-fallback state attribute holds in ``obj.__dict__``.
 
     It is a childless pytree node that is its own aux data, so every pytree
@@ -718,8 +727,10 @@ class HostSlot:
         leaves = host_get_p.bind(state=self.key, spec=entry.spec, axes=(), stored=stored)
         return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
-        del owner, attr
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.read(), self.category, self.name)
+
+    def write(self, value: Any, label: str | None = None) -> None:
         entry = self._entry()
         _wait_for_dispatched_programs()
         with self.store.lock:
@@ -774,11 +785,6 @@ def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostState
     )
 
 
-# Whether make_host_slot ever ran: until then no model holds host-fallback
-# state and freeze skips its walk for them.
-_slots_made = False
-
-
 def make_host_slot(
     obj: Any, name: str, value: Any, category: Hashable, explicit: str | None
 ) -> HostSlot:
@@ -789,8 +795,6 @@ def make_host_slot(
     then declared with that structure and reading it before a write is an
     error.
     """
-    global _slots_made
-    _slots_made = True
     store = next((v.store for v in obj.__dict__.values() if type(v) is HostSlot), None)
     if store is None:
         store = _Store(type(obj).__name__)
@@ -835,7 +839,7 @@ jax.tree_util.register_pytree_node(
 )
 
 
-class _InferenceSlot:
+class _InferenceSlot(StateSlot):
     """A host state seen read-only: its value is a pytree child, read at flattening.
 
     Flattening happens at the ``jax.jit`` boundary, so the state is read once
@@ -845,6 +849,7 @@ class _InferenceSlot:
     """
 
     __slots__ = ("slot", "value")
+    handleable = False
 
     def __init__(self, slot: HostSlot, value: Any = _UNREAD):
         self.slot = slot
@@ -865,7 +870,11 @@ class _InferenceSlot:
     def read(self) -> Any:
         return self.current().resolve()
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
+    @property
+    def category(self) -> Hashable:
+        return self.slot.category
+
+    def write(self, value: Any, label: str | None = None) -> None:
         raise HostStateError(
             format_error(
                 f"State {self.slot._entry().label} was set in inference mode, where host "
@@ -920,88 +929,33 @@ def inference_mode(model: Any) -> Any:
     return view
 
 
-# --- functionalize --------------------------------------------------------------------
-
-
-def _prepare_for_functionalize(
-    model: Any,
-    category: Hashable | None,
-    category_predicate: Callable[[Hashable], bool] | None,
-) -> Any:
-    """Replaces host slots of the requested categories by frozen requests of their values."""
-    if not _LIVE:
-        return model
-    if category_predicate is not None:
-        wanted = category_predicate
-    elif category is not None:
-        wanted = functools.partial(_equals, category)
-    else:
-        return model
-
-    replaced = False
-
-    def replace(slot: HostSlot, _path: str) -> FrozenLocalStateRequest:
-        nonlocal replaced
-        replaced = True
-        return FrozenLocalStateRequest(slot.read(), slot.category, slot.name)
-
-    prepared = _tree.map_tree(
-        model, replace, lambda node: type(node) is HostSlot and wanted(node.category)
-    )
-    return prepared if replaced else model
-
-
-def _equals(expected: Hashable, category: Hashable) -> bool:
-    return category == expected
-
-
 # --- freeze ---------------------------------------------------------------------------
 
 
-def _is_host_instance(node: Any) -> bool:
-    return _tree.is_stateful_instance(node) and type(node).__autostate_info__.fallback == "host"
+def restore_host_slots(owner: Any) -> None:
+    """Gives a copied host-fallback instance host slots for its frozen states.
 
-
-def _restore_host_slots(model: Any) -> Any:
-    """Gives each host-fallback instance of a frozen model host slots for its frozen states.
-
-    ``model`` is what ``freeze`` just built: every decorated instance in it is
-    a new copy, so the slots are swapped in place. The frozen states of one
-    instance share one new store (host slots it still holds, of categories
-    ``functionalize`` did not handle, keep the original model's store). A
-    traced value (``freeze`` called inside a transformation) stays a frozen
-    request: a store must not keep a tracer.
+    ``owner`` is a copy that a walk (``freeze``, loading) just built, so its
+    slots are swapped in place. Its frozen states share one new store (host
+    slots it still holds, of categories ``functionalize`` did not handle, keep
+    the original model's store). A traced value (``freeze`` called inside a
+    transformation) stays a frozen request: a store must not keep a tracer.
     """
-    if not _slots_made:
-        return model  # no host-fallback instance was ever built: skip the walk
-    owners: dict[int, Any] = {}
-
-    def visit(node: Any) -> bool:
-        # Only records: map_tree calls this on every node of `model` itself
-        # (each instance once per path, so keyed by identity); nothing is replaced.
-        if _is_host_instance(node):
-            owners.setdefault(id(node), node)
-        return False
-
-    _tree.map_tree(model, lambda node, _path: node, visit)
-    for owner in owners.values():
-        frozen = {
-            name: request
-            for name, request in owner.__dict__.items()
-            if type(request) is FrozenLocalStateRequest and not contains_tracer(request.state)
-        }
-        if not frozen:
-            continue
-        info = type(owner).__autostate_info__
-        # A blank instance of the class collects the new slots, so they share a
-        # new store rather than the store of a host slot `owner` still holds.
-        fresh = object.__new__(type(owner))
-        for name, request in frozen.items():
-            fresh.__dict__[name] = info.slot_factory(
-                fresh, name, request.state, request.category, request.name
-            )
-        owner.__dict__.update(fresh.__dict__)
-    return model
+    frozen = {
+        name: request
+        for name, request in owner.__dict__.items()
+        if type(request) is FrozenLocalStateRequest and not contains_tracer(request.state)
+    }
+    if not frozen:
+        return
+    # A blank instance of the class collects the new slots, so they share a
+    # new store rather than the store of a host slot `owner` still holds.
+    fresh = object.__new__(type(owner))
+    for name, request in frozen.items():
+        fresh.__dict__[name] = make_host_slot(
+            fresh, name, request.state, request.category, request.name
+        )
+    owner.__dict__.update(fresh.__dict__)
 
 
 def _register() -> None:
@@ -1013,9 +967,6 @@ def _register() -> None:
     )
     for cls in (HostSlot, _InferenceSlot):
         _tree.register_dynamic_type(cls)
-        _runtime.register_slot_type(cls)
-    _api._prepare_hook = _prepare_for_functionalize
-    _api._freeze_hook = _restore_host_slots
 
 
 _register()

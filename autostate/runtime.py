@@ -3,9 +3,12 @@
 Each state attribute of an instance holds a *slot* in ``obj.__dict__``: an
 ``InitialLocalStateRequest`` or ``FrozenLocalStateRequest`` while the model
 runs eagerly, a ``HandledLocalStateRef`` once functionalized, or a host-store
-slot under ``fallback="host"``. ``get`` and ``set`` dispatch on the slot, so
-one rewritten method serves every mode. Names here are what a traceback
-through user code shows, so they say what they do.
+slot under ``fallback="host"``. Every slot speaks the one protocol of
+``effects.StateSlot`` (``read``, ``write`` returning its replacement), so
+``get`` and ``set`` serve every mode and this module is the only code that
+puts a slot into an instance. It also holds the run-time guard on non-state
+writes and the class-level descriptor of state attributes. Names here are
+what a traceback through user code shows, so they say what they do.
 """
 
 from __future__ import annotations
@@ -15,17 +18,28 @@ from typing import Any
 
 import numpy as np
 
-from autostate.effects import SLOT_TYPES, InitialLocalStateRequest, InitialValue
-from autostate.effects.local_state import _check_not_traced
+from autostate import tree as _tree
+from autostate.effects import (
+    HandledLocalStateRef,
+    InitialLocalStateRequest,
+    InitialValue,
+    StateSlot,
+)
+from autostate.effects.local_state import _check_not_traced, handler_running
 from autostate.errors import InvalidTypeError, StateAccessError, format_error
 
-_SLOTS = set(SLOT_TYPES)
 _MISSING = object()
+# type -> whether it is a StateSlot; a cache of issubclass, not a registry.
+_IS_SLOT: dict[type, bool] = {}
 
 
-def register_slot_type(cls: type) -> None:
-    """Lets another engine (the host fallback) provide slots with read/write."""
-    _SLOTS.add(cls)
+def is_slot(value: Any) -> bool:
+    """Whether ``value`` is a slot (of any engine) rather than a plain value."""
+    t = type(value)
+    known = _IS_SLOT.get(t)
+    if known is None:
+        known = _IS_SLOT[t] = issubclass(t, StateSlot)
+    return known
 
 
 class StateDeclaration:
@@ -42,14 +56,10 @@ class StateDeclaration:
         return f"state({self.value!r}, category={self.category!r}, name={self.name!r})"
 
 
-def _info(obj: Any):
-    return type(obj).__autostate_info__
-
-
 def make_slot(obj: Any, name: str, value: Any) -> Any:
     """The eager slot for a state first assigned ``value`` (a declaration or a value)."""
-    info = _info(obj)
-    category, explicit = info.categories.get(name, info.category), None
+    info = _tree.info_of(obj)
+    category, explicit = info.category, None
     if isinstance(value, StateDeclaration):
         if value.category is not None:
             category = value.category
@@ -72,26 +82,29 @@ def get(obj: Any, name: str) -> Any:
                 fix=f"assign `self.{name}` in __init__ before reading it.",
             )
         ) from None
-    if type(slot) in _SLOTS:
+    if is_slot(slot):
         return slot.read()
     return slot
 
 
 def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code reads well
     """Sets state ``name`` of ``obj`` (in place eagerly, in the handler's cell when handled)."""
-    slot = obj.__dict__.get(name, _MISSING)
-    if type(slot) in _SLOTS:
-        slot.write(obj, name, value)
+    d = obj.__dict__
+    slot = d.get(name, _MISSING)
+    if is_slot(slot):
+        replacement = slot.write(value, name)
+        if replacement is not None:
+            d[name] = replacement
     else:
-        obj.__dict__[name] = make_slot(obj, name, value)
+        d[name] = make_slot(obj, name, value)
 
 
 def init(obj: Any, name: str, value: Any) -> None:
     """``self.x = v`` in ``__init__``: a fresh initial-state request holding ``v``."""
     slot = obj.__dict__.get(name, _MISSING)
-    if type(slot) in _SLOTS and not isinstance(slot, InitialLocalStateRequest):
+    if is_slot(slot) and not isinstance(slot, InitialLocalStateRequest):
         # __init__ called again on a functionalized or frozen model: a write.
-        slot.write(obj, name, value.value if isinstance(value, StateDeclaration) else value)
+        set(obj, name, value.value if isinstance(value, StateDeclaration) else value)
         return
     obj.__dict__[name] = make_slot(obj, name, value)
 
@@ -240,6 +253,30 @@ class _Target:
 def target(obj: Any) -> _Target:
     """Proxy used where a state attribute is one of several assignment targets."""
     return _Target(obj)
+
+
+def guarded_setattr(self: Any, name: str, value: Any) -> None:
+    """``model.x = v`` for an attribute that is not state.
+
+    Plain Python, except inside a functionalized call on a model whose states
+    are handled: there such a write would land on a copy that the pure
+    function throws away (or keep a tracer), so it is refused with the fix.
+    """
+    if (
+        handler_running()
+        and name not in _tree.info_of(self).state
+        and not hasattr(type(getattr(type(self), name, None)), "__set__")  # a property
+        and any(type(v) is HandledLocalStateRef for v in self.__dict__.values())
+    ):
+        raise StateAccessError(
+            format_error(
+                f"{type(self).__name__}.{name} is not state, so assigning it inside a "
+                "functionalized call would be lost when the call returns.",
+                fix=f"make it state: assign `self.{name}` in a method of the class, or declare "
+                f"it in __init__ with `self.{name} = autostate.state(...)`.",
+            )
+        )
+    object.__setattr__(self, name, value)
 
 
 class StateAttribute:

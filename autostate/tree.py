@@ -12,6 +12,10 @@ This module owns two things everything else builds on:
   so one instance reachable from two paths stays one instance (aliasing
   follows Python) and is named by its first path.
 
+It also owns the few things every layer needs to say about a value: whether
+it is a decorated instance, the decoration info of its class
+(``class_info``), and how an array is written in messages (``describe``).
+
 It knows nothing of the effect engine or of source code; the engine registers
 its request types here with ``register_dynamic_type``.
 """
@@ -26,8 +30,12 @@ from typing import Any
 import jax
 import numpy as np
 
-_STATEFUL_CLASSES: set[type] = set()
+# decorated class -> what to do with each copy map_tree makes of an instance
+# (None: nothing). Kept here, not on the class, so membership is one lookup.
+_STATEFUL_CLASSES: dict[type, Callable[[Any], None] | None] = {}
 _DYNAMIC_TYPES: set[type] = set()
+
+INFO_ATTR = "__autostate_info__"
 
 # Values of these types are never pytree children of a decorated instance.
 _STATIC_TYPES = (
@@ -49,6 +57,38 @@ _STATIC_TYPES = (
 def is_stateful_instance(value: Any) -> bool:
     """True for instances of ``@stateful`` classes."""
     return type(value) in _STATEFUL_CLASSES
+
+
+def class_info(cls: type) -> Any:
+    """What ``@stateful`` decided for ``cls`` itself (not a base), or ``None``."""
+    return cls.__dict__.get(INFO_ATTR)
+
+
+def info_of(obj: Any) -> Any:
+    """The decoration info of a decorated instance's class."""
+    return getattr(type(obj), INFO_ATTR)
+
+
+def describe(value: Any) -> str:
+    """An array as messages write it, ``f32[3,4]``; other values by ``repr``."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return repr(value)
+    return format_spec(shape, dtype)
+
+
+def format_spec(shape: Any, dtype: Any) -> str:
+    """``dtype[shape]`` in short form: ``f32[3,4]``, ``bf16[]``, ``key<fry>[2]``."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:  # extended dtypes (typed PRNG keys)
+        name = str(dtype)
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i")):
+        if name.startswith(long):
+            name = short + name[len(long) :]
+            break
+    name = name.replace("complex", "c")
+    return f"{name}[{','.join(map(str, shape))}]"
 
 
 def register_dynamic_type(cls: type) -> None:
@@ -145,30 +185,49 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
     return unflatten
 
 
-def register_stateful_class(cls: type) -> None:
-    """Registers a decorated class as a pytree node (idempotent)."""
-    if cls in _STATEFUL_CLASSES:
-        return
-    jax.tree_util.register_pytree_with_keys(
-        cls, _flatten_instance_with_keys, _make_unflatten(cls), _flatten_instance
-    )
-    _STATEFUL_CLASSES.add(cls)
+def register_stateful_class(
+    cls: type, info: Any, after_copy: Callable[[Any], None] | None = None
+) -> None:
+    """Records ``cls`` as decorated with ``info`` and registers it as a pytree node.
+
+    ``after_copy(new)`` runs on every copy ``map_tree`` makes of an instance,
+    once its attributes are in place. Registering again (re-decoration with
+    other options) replaces both.
+    """
+    setattr(cls, INFO_ATTR, info)
+    if cls not in _STATEFUL_CLASSES:
+        jax.tree_util.register_pytree_with_keys(
+            cls, _flatten_instance_with_keys, _make_unflatten(cls), _flatten_instance
+        )
+    _STATEFUL_CLASSES[cls] = after_copy
 
 
 # --- path names -----------------------------------------------------------
 
 
+def attr_name(attr: str) -> str:
+    return "." + attr
+
+
+def index_name(index: int) -> str:
+    return f"[{index}]"
+
+
+def mapping_name(key: Any) -> str:
+    return f"[{key!r}]"
+
+
 def key_name(key: Any) -> str:
     """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return "." + key.name
+        return attr_name(key.name)
     if isinstance(key, jax.tree_util.SequenceKey):
-        return f"[{key.idx}]"
+        return index_name(key.idx)
     if isinstance(key, jax.tree_util.DictKey):
-        return f"[{key.key!r}]"
+        return mapping_name(key.key)
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return f"[{key.key}]"
-    return f"[{key!r}]"
+        return index_name(key.key)
+    return mapping_name(key)
 
 
 def path_name(prefix: str) -> str:
@@ -201,7 +260,7 @@ def map_tree(
     node is rebuilt when something under it changed and kept as the same
     object otherwise; everything else is returned as is.
     """
-    memo: dict[int, tuple[Any, Any]] = {}
+    memo: dict[int, Any] = {}
 
     def walk(node: Any, prefix: str) -> Any:
         if is_target(node):
@@ -210,19 +269,22 @@ def map_tree(
         if t in _STATEFUL_CLASSES:
             seen = memo.get(id(node))
             if seen is not None:
-                return seen[1]
+                return seen
             new = object.__new__(t)
-            memo[id(node)] = (node, new)
+            memo[id(node)] = new
             nd = new.__dict__
             for k, v in node.__dict__.items():
-                nd[k] = walk(v, f"{prefix}.{k}")
+                nd[k] = walk(v, prefix + attr_name(k))
+            after_copy = _STATEFUL_CLASSES[t]
+            if after_copy is not None:
+                after_copy(new)
             return new
         if t is list:
-            return [walk(v, f"{prefix}[{i}]") for i, v in enumerate(node)]
+            return [walk(v, prefix + index_name(i)) for i, v in enumerate(node)]
         if t is tuple:
-            return tuple(walk(v, f"{prefix}[{i}]") for i, v in enumerate(node))
+            return tuple(walk(v, prefix + index_name(i)) for i, v in enumerate(node))
         if t is dict:
-            return {k: walk(v, f"{prefix}[{k!r}]") for k, v in node.items()}
+            return {k: walk(v, prefix + mapping_name(k)) for k, v in node.items()}
         if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             return node
         children, treedef = _flatten_one_level(node)
@@ -250,15 +312,36 @@ def map_tree(
 
 
 def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
-    """Yields ``(path_name, node)`` for every target, each instance visited once."""
-    found: list[tuple[str, Any]] = []
+    """Yields ``(path_name, node)`` for every target, copying nothing.
 
-    def record(node: Any, name: str) -> Any:
-        found.append((name, node))
-        return node
-
-    map_tree(tree, record, is_target)
-    return iter(found)
+    The walk of ``map_tree`` without the rebuild: each decorated instance is
+    visited once (by its first path), targets are not descended into.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        prefix, node = stack.pop()
+        if is_target(node):
+            yield path_name(prefix), node
+            continue
+        t = type(node)
+        if t in _STATEFUL_CLASSES:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            children = [(prefix + attr_name(k), v) for k, v in node.__dict__.items()]
+        elif t is list or t is tuple:
+            children = [(prefix + index_name(i), v) for i, v in enumerate(node)]
+        elif t is dict:
+            children = [(prefix + mapping_name(k), v) for k, v in node.items()]
+        elif t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
+            continue
+        else:
+            flat, treedef = _flatten_one_level(node)
+            if treedef is None:
+                continue
+            children = [(prefix + sub, child) for sub, child in flat]
+        stack.extend(reversed(children))
 
 
 # --- graph flatten ----------------------------------------------------------
@@ -324,7 +407,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
             flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_stateful_instance)
             parts = []
             for path, leaf in flat:
-                sub = f"{prefix}.{name}" + "".join(key_name(k) for k in path)
+                sub = prefix + attr_name(name) + "".join(key_name(k) for k in path)
                 if type(leaf) in _STATEFUL_CLASSES:
                     parts.append(-1 - visit(leaf, sub))
                 else:

@@ -83,18 +83,18 @@ def test_doc_example(code: str, error: str | None, tmp_path: Path, monkeypatch):
 
 def test_rewrite_rules_show_the_generated_code(tmp_path: Path, monkeypatch):
     """docs/rewrite_rules.md shows what the rewrite really generates for its example."""
-    from autostate.transform import analysis, loader, rewrite
+    from autostate.transform import analysis, rewrite, source
 
     blocks = _FENCE.findall((ROOT / "docs" / "rewrite_rules.md").read_text())
     index = next(i for i, (_, code) in enumerate(blocks) if "class Example:" in code)
-    source, documented = blocks[index][1], blocks[index + 1][1]
+    text, documented = blocks[index][1], blocks[index + 1][1]
     # The class undecorated, so that the pure analysis and rewrite can be called directly.
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "example.py").write_text(source.replace("@autostate.stateful\n", ""))
+    (tmp_path / "example.py").write_text(text.replace("@autostate.stateful\n", ""))
     linecache.clearcache()
     cls = runpy.run_path("example.py")["Example"]
-    slots = loader.find_methods(cls)
-    facts = [analysis.collect_facts("Example", loader.method_source(cls, s)) for s in slots]
+    slots = source.find_methods(cls)
+    facts = [analysis.collect_facts("Example", source.method_source(cls, s)) for s in slots]
     result = analysis.analyze_class("Example", facts)
     methods = []
     for slot, method in zip(slots, result.methods):

@@ -84,9 +84,19 @@ def test_jitted_step_does_not_retrace_and_reuses_structure():
         out, states = step(f, states, jnp.ones(3) * i)
     assert len(traces) == 1
     assert int(states["encoder.calls"]) == 8
+    # Rebuilt from its leaves (as jit does), f is a model again: the same leaves
+    # (tied weights once), the same calls and results, and no further trace.
     leaves, treedef = jax.tree_util.tree_flatten(f)
-    again = jax.tree_util.tree_unflatten(treedef, leaves)
-    assert jax.tree_util.tree_structure(again) == treedef
+    again = jax.tree_util.tree_unflatten(treedef, [leaf * 2 for leaf in leaves])
+    assert again.model.encoder is again.model.decoder
+    assert len(jax.tree_util.tree_leaves(again)) == len(leaves)
+    for new, old in zip(jax.tree_util.tree_leaves(again), leaves):
+        np.testing.assert_array_equal(new, old * 2)
+    out_again, states_again = step(again, states, jnp.ones(3))
+    assert len(traces) == 1
+    w = leaves[0] * 2
+    np.testing.assert_allclose(out_again, ((jnp.ones(3) @ w) @ w).sum(), rtol=1e-6)
+    assert int(states_again["encoder.calls"]) == 10
 
 
 def test_functional_model_method_access_and_equality():

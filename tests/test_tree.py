@@ -56,7 +56,7 @@ class Cell:
         self.child = child
 
 
-register_stateful_class(Cell)
+register_stateful_class(Cell, info=None)
 
 
 # --- key and path names ------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from autostate.effects.local_state import (
     REQUEST_TYPES,
-    SLOT_TYPES,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
@@ -12,6 +11,7 @@ from autostate.effects.local_state import (
     LocalStateEffect,
     LocalStateEffectImpl,
     SharedLocalStateRequest,
+    StateSlot,
     WithFunctionalLocalState,
     contains_tracer,
     embed_shared_state_requests,
@@ -26,7 +26,6 @@ from autostate.effects.local_state import (
 
 __all__ = [
     "REQUEST_TYPES",
-    "SLOT_TYPES",
     "FrozenLocalStateRequest",
     "HandledLocalStateRef",
     "InitialLocalStateRequest",
@@ -34,6 +33,7 @@ __all__ = [
     "LocalStateEffect",
     "LocalStateEffectImpl",
     "SharedLocalStateRequest",
+    "StateSlot",
     "WithFunctionalLocalState",
     "contains_tracer",
     "embed_shared_state_requests",

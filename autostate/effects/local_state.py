@@ -92,6 +92,41 @@ def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
     )
 
 
+class StateSlot:
+    """What a state attribute holds: the one protocol every kind of state shares.
+
+    The runtime that rewritten methods call, the engine's walks and the host
+    fallback all talk to a state through these three methods, whatever holds
+    its value (an initializer, an embedded value, a running handler's cell, a
+    host-side store):
+
+    * ``read()``: the current value;
+    * ``write(value)``: stores a new value; returns the slot that must take
+      this one's place (immutable slots), or ``None`` when the value was
+      stored in place (a handler's cell, a host store). Whoever holds the
+      slot puts the replacement where the old one was; no slot writes into
+      its holder;
+    * ``as_request()``: the request ``handle_local_states`` handles in this
+      slot's place; only called when the class says ``handleable``.
+    """
+
+    __slots__ = ()
+    category: Category
+    # Whether handle_local_states may take this slot (a handled reference or a
+    # read-only view may not).
+    handleable = True
+
+    def read(self) -> Any:
+        raise NotImplementedError
+
+    def write(self, value: Any, label: str | None = None) -> StateSlot | None:
+        """``label`` names the state in error messages when it has no explicit name."""
+        raise NotImplementedError
+
+    def as_request(self) -> Any:
+        raise NotImplementedError
+
+
 class InitialValue:
     """An initializer that returns a value computed once, eagerly.
 
@@ -110,21 +145,13 @@ class InitialValue:
         return self.value
 
     def __repr__(self) -> str:
-        return f"InitialValue({_short(self.value)})"
+        return f"InitialValue({_tree.describe(self.value)})"
 
     def __getstate__(self):
         return self.value
 
     def __setstate__(self, value):
         self.value = value
-
-
-def _short(value: Any) -> str:
-    shape = getattr(value, "shape", None)
-    dtype = getattr(value, "dtype", None)
-    if shape is not None and dtype is not None:
-        return f"{dtype}{list(shape)}"
-    return repr(value)
 
 
 def _static_pytree(cls):
@@ -144,7 +171,7 @@ def _static_pytree(cls):
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
-class InitialLocalStateRequest:
+class InitialLocalStateRequest(StateSlot):
     """Asks the handler for a new state, initialized by ``state_initializer()``.
 
     Example::
@@ -172,11 +199,14 @@ class InitialLocalStateRequest:
     def read(self) -> Any:
         return self.state_initializer()
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
-        _check_not_traced(value, self.name or attr)
+    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
+        _check_not_traced(value, self.name or label)
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash).
-        owner.__dict__[attr] = FrozenLocalStateRequest(value, self.category, self.name)
+        return FrozenLocalStateRequest(value, self.category, self.name)
+
+    def as_request(self) -> InitialLocalStateRequest:
+        return self
 
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> InitialLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
@@ -190,7 +220,7 @@ class InitialLocalStateRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class FrozenLocalStateRequest:
+class FrozenLocalStateRequest(StateSlot):
     """A state with a known value, embedded in a tree (its value is a child).
 
     Example::
@@ -218,9 +248,12 @@ class FrozenLocalStateRequest:
     def read(self) -> Any:
         return self.state
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
-        _check_not_traced(value, self.name or attr)
-        owner.__dict__[attr] = FrozenLocalStateRequest(value, self.category, self.name)
+    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
+        _check_not_traced(value, self.name or label)
+        return FrozenLocalStateRequest(value, self.category, self.name)
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return self
 
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> FrozenLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
@@ -244,7 +277,7 @@ _tree.register_dynamic_type(FrozenLocalStateRequest)
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
-class SharedLocalStateRequest:
+class SharedLocalStateRequest(StateSlot):
     """Shares the value of an earlier request with the same explicit ``name``.
 
     Only valid when handling with ``state_sharing="allowed"`` or ``"unsafe"``.
@@ -267,8 +300,11 @@ class SharedLocalStateRequest:
             )
         )
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
+    def write(self, value: Any, label: str | None = None) -> None:
         self.read()
+
+    def as_request(self) -> SharedLocalStateRequest:
+        return self
 
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> SharedLocalStateRequest:
         """This request, naming ``rename_fn(name)`` (a shared request is always named).
@@ -329,12 +365,12 @@ class LocalStateEffectImpl:
         self.value = value
 
     def __repr__(self) -> str:
-        return f"LocalStateEffectImpl(name={self.name!r}, value={_short(self.value)})"
+        return f"LocalStateEffectImpl(name={self.name!r}, value={_tree.describe(self.value)})"
 
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
-class HandledLocalStateRef:
+class HandledLocalStateRef(StateSlot):
     """Stands where a request was; reads and writes go to its handler's cell.
 
     ``get()`` / ``set(v)`` work only while the handler with ``handler_id`` is
@@ -346,6 +382,7 @@ class HandledLocalStateRef:
     name: str
     was_explicitly_named: bool
     category: Category
+    handleable = False
 
     def _cell(self) -> LocalStateEffectImpl:
         cells = _ACTIVE.get().get(self.handler_id)
@@ -383,12 +420,13 @@ class HandledLocalStateRef:
     def read(self) -> Any:
         return self._cell().value
 
-    def write(self, owner: Any, attr: str, value: Any) -> None:
+    def write(self, value: Any, label: str | None = None) -> None:
         self._cell().value = value
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
-SLOT_TYPES = (*REQUEST_TYPES, HandledLocalStateRef)
+# type -> whether it is a handleable slot of another engine (a cache of issubclass).
+_FOREIGN_SLOT: dict[type, bool] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,9 +558,17 @@ def handle_local_states(
         t = type(node)
         if t is HandledLocalStateRef:
             return node.handler_id == handler_id
-        return t in REQUEST_TYPES and predicate(node.category)
+        if t in REQUEST_TYPES:
+            return predicate(node.category)
+        # Another engine's slot (a host store) is handled as the request it stands for.
+        foreign = _FOREIGN_SLOT.get(t)
+        if foreign is None:
+            foreign = _FOREIGN_SLOT[t] = issubclass(t, StateSlot) and t.handleable
+        return foreign and predicate(node.category)
 
     def replace(request: Any, path: str) -> HandledLocalStateRef:
+        if type(request) not in REQUEST_TYPES and type(request) is not HandledLocalStateRef:
+            request = request.as_request()
         if type(request) is HandledLocalStateRef:
             # Two handlers with one id would read each other's cells.
             raise StateSharingError(

@@ -87,6 +87,9 @@ class ClassAnalysis:
     state: frozenset[str]
     declared: dict[str, str]  # attr -> dotted name of the state() call
     methods: tuple[MethodFacts, ...]
+    # What construction assigns (own __init__, what it calls, and the bases'),
+    # so a subclass may turn any of it into state.
+    initialized: frozenset[str] = frozenset()
 
 
 def mangle(class_name: str, attr: str) -> str:
@@ -549,4 +552,6 @@ def analyze_class(
                     f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
                     f"(or `self.{attr} = autostate.state(...)`).",
                 )
-    return ClassAnalysis(class_name, frozenset(state), declared, tuple(methods))
+    return ClassAnalysis(
+        class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
+    )

@@ -1,0 +1,211 @@
+"""The checkpoint file format: ``save``, ``load`` and ``load_arrays``.
+
+Both flat dicts of ``state_dicts`` in one ``.npz`` with a JSON manifest.
+Dtypes numpy cannot store portably (bfloat16, float8, int4) go in as their
+raw bits, and every array carries a SHA-256, so a damaged file is an error,
+never a half-loaded model. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from autostate.errors import CheckpointError, format_error
+from autostate.state_dicts import flat_dicts, rebuild
+
+_FORMAT = "autostate-checkpoint"
+_VERSION = 1
+_MANIFEST = "__autostate_manifest__"
+
+
+def _dtype_named(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    array = np.asarray(value)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    dtype = array.dtype
+    # numpy writes ml_dtypes (bfloat16, float8, int4) as opaque void records
+    # that other readers cannot interpret; their raw bits are portable.
+    stored = array if dtype.kind in "biufc" else array.view(f"<u{dtype.itemsize}")
+    entry = {
+        "dtype": dtype.name,
+        "shape": list(array.shape),
+        "stored": stored.dtype.str,
+        "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),
+    }
+    return stored, entry
+
+
+def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "xb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save(path: str | os.PathLike[str], model: Any) -> None:
+    """Writes every parameter and state of ``model`` to ``path`` (``.npz``).
+
+    Example::
+
+        autostate.save("ckpt.npz", model)
+        model = autostate.load("ckpt.npz", like=Model())
+
+    The file is a plain numpy ``.npz`` (readable with ``allow_pickle=False``):
+    one member per array plus a JSON manifest giving each array's kind,
+    name, dtype, shape and SHA-256. bfloat16 and other ml_dtypes are stored
+    as unsigned integers of the same width, so the round trip is bit-exact.
+    The file is written to a temporary name and renamed, so ``path`` holds
+    either the previous file or the complete new one.
+
+    **Arguments:**
+    - ``path``: the file to write, used as given (no suffix is added).
+    - ``model``: a ``@stateful`` instance.
+    """
+    params, states = flat_dicts(model, "save")
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    for kind, flat in (("params", params), ("states", states)):
+        for name, value in flat.items():
+            member = f"a{len(entries)}"
+            arrays[member], entry = _encode(value)
+            entries.append({"kind": kind, "name": name, "member": member, **entry})
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "arrays": entries,
+    }
+    arrays[_MANIFEST] = np.array(json.dumps(manifest))
+    _write_atomically(Path(path), arrays)
+
+
+def _corrupt(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        format_error(
+            f"Checkpoint is corrupted: {what}.",
+            where=str(path),
+            fix="load an intact copy; autostate.save writes atomically, so a file it "
+            "wrote is complete unless something changed it afterwards.",
+        )
+    )
+
+
+def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
+    raw = npz[entry["member"]]
+    dtype, stored = _dtype_named(entry["dtype"]), np.dtype(entry["stored"])
+    shape = tuple(entry["shape"])
+    if raw.dtype != stored or raw.shape != shape:
+        raise _corrupt(
+            path,
+            f"{entry['kind']} {entry['name']!r} is {raw.dtype}{list(raw.shape)}, "
+            f"the manifest says {stored}{list(shape)}",
+        )
+    if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:
+        raise _corrupt(path, f"checksum mismatch in {entry['kind']} {entry['name']!r}")
+    return raw if stored == dtype else raw.view(dtype)
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if not isinstance(npz, np.lib.npyio.NpzFile) or _MANIFEST not in npz.files:
+                raise CheckpointError(
+                    format_error(
+                        "Not an autostate checkpoint: the file has no autostate manifest.",
+                        where=str(path),
+                        fix="load files written by autostate.save; for a bare .npz of a "
+                        "flat dict use numpy.load and autostate.load_state_dict.",
+                    )
+                )
+            manifest = json.loads(npz[_MANIFEST].item())
+            if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
+                raise _corrupt(
+                    path, f"unknown format {manifest.get('format')!r} v{manifest.get('version')}"
+                )
+            out: dict[str, dict[str, Any]] = {"params": {}, "states": {}}
+            for entry in manifest["arrays"]:
+                if entry["name"] in out[entry["kind"]]:
+                    raise _corrupt(path, f"{entry['kind']} {entry['name']!r} appears twice")
+                out[entry["kind"]][entry["name"]] = _decode(npz, entry, path)
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from e
+    return out["params"], out["states"], manifest.get("model")
+
+
+def load(path: str | os.PathLike[str], *, like: Any, strict: bool = True) -> Any:
+    """Reads a checkpoint written by ``save`` into a copy of ``like``.
+
+    Example::
+
+        autostate.save("ckpt.npz", model)
+        model = autostate.load("ckpt.npz", like=Model())
+
+    The whole file is read and checked (checksums, then every key, shape and
+    dtype against ``like``) before a model is built, so a truncated or
+    corrupted file raises ``CheckpointError`` and nothing is half loaded.
+
+    **Arguments:**
+    - ``path``: a file written by ``autostate.save``.
+    - ``like``: a model of the same structure (freshly constructed is fine);
+      it is not modified.
+    - ``strict``: as for ``load_state_dict``.
+
+    **Returns:** a new model holding the saved parameters and states.
+    """
+    params, states, saved_from = _read(path)
+    return rebuild(
+        like,
+        params,
+        states,
+        strict=strict,
+        caller="load",
+        error=CheckpointError,
+        where=str(path),
+        saved_from=saved_from,
+    )
+
+
+def load_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``(param_dict, state_dict)`` stored by ``save``, without a model.
+
+    Example::
+
+        params, states = autostate.load_arrays("ckpt.npz")
+        out, states = exported.call(states, x)   # an autostate.export program
+
+    **Returns:** two dicts of numpy arrays, checked as ``load`` checks them.
+    """
+    params, states, _ = _read(path)
+    return params, states

@@ -1,0 +1,357 @@
+"""The one flat naming of a model's arrays: ``state_dict`` and ``param_dict``.
+
+* ``state_dict`` / ``load_state_dict``: every state under the name
+  ``functionalize()`` gives it. A state whose value is one array is one
+  entry under that name; a state whose value is a pytree (a dict, a tuple)
+  is one entry per leaf, the name followed by the leaf's keypath
+  (``kv['k']``, ``pair[0]``).
+* ``param_dict`` / ``load_param_dict``: every other array leaf of the model,
+  named by its path the same way (``blocks[0].w``); a sub-model reachable
+  from two paths appears once, under its first path.
+
+Loading never mutates the model it is given: everything is validated first,
+then a new model is built with ``freeze``. Checkpoint files (``checkpoint``)
+and ``jax.export`` programs (``export``) are built on these dicts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autostate import api as _api
+from autostate import tree as _tree
+from autostate.effects import HandledLocalStateRef
+from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
+from autostate.functional import FunctionalModel
+
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+# state name -> (treedef of its value, the flat keys of its leaves)
+_Layout = list[tuple[str, Any, list[str]]]
+
+
+# --- the flat view of a model ------------------------------------------------
+
+
+def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[str, Any]]:
+    """``functionalize`` for reading: every category, shared names allowed."""
+    if isinstance(model, FunctionalModel):
+        raise InvalidTypeError(
+            format_error(
+                f"autostate.{caller} expects a model, got the f returned by functionalize().",
+                fix="pass the model autostate.freeze(f, states) returns instead of f.",
+            )
+        )
+    # Checked on the model given: handler ids can repeat across calls, so a
+    # reference cannot be told apart from the ones functionalize adds below.
+    handled = sorted(
+        {ref.name for _, ref in _tree.iter_tree(model, lambda x: type(x) is HandledLocalStateRef)}
+    )
+    if handled:
+        raise StateDictError(
+            format_error(
+                f"autostate.{caller}: the model holds states handled by a functionalize() "
+                f"call, whose values live in that call's states dict: {_quoted(handled)}.",
+                fix="pass autostate.freeze(f, states) with that call's f and states.",
+            )
+        )
+    # "allowed" only differs from the default by accepting models that a
+    # sharing-enabled freeze produced; names are the same either way.
+    return _api.functionalize(model, state_sharing="allowed")
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _params(body: Any) -> dict[str, Any]:
+    return dict(_tree.iter_tree(body, _is_array))
+
+
+def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
+    flat: dict[str, Any] = {}
+    layout: _Layout = []
+    for name, value in states.items():
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+            keyed = [(name, leaves[0][1])]
+        else:
+            keyed = [
+                (name + "".join(_tree.key_name(k) for k in path), leaf) for path, leaf in leaves
+            ]
+        for key, leaf in keyed:
+            if key in flat:
+                raise StateDictError(
+                    format_error(
+                        f"Two states flatten to the same key {key!r}: a pytree-valued state "
+                        "and an explicitly named one collide.",
+                        fix="rename the explicit state (autostate.state(..., name=...)).",
+                    )
+                )
+            flat[key] = leaf
+        layout.append((name, treedef, [key for key, _ in keyed]))
+    return flat, layout
+
+
+def unflatten_states(layout: _Layout, flat: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        name: jax.tree_util.tree_unflatten(treedef, [flat[key] for key in keys])
+        for name, treedef, keys in layout
+    }
+
+
+def _as_array(value: Any, kind: str, key: str) -> Any:
+    if isinstance(value, (jax.Array, np.ndarray)) and value.dtype != object:
+        return value
+    if isinstance(value, (np.generic, *_PYTHON_SCALARS)):
+        return np.asarray(value)
+    raise StateDictError(
+        format_error(
+            f"The {kind} {key!r} holds a {type(value).__name__}, not an array.",
+            fix="keep arrays (or pytrees of arrays) in parameters and states.",
+        )
+    )
+
+
+def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    f, states = handle_for_reading(model, caller)
+    params = {k: _as_array(v, "parameter", k) for k, v in _params(f.model).items()}
+    flat, _ = flatten_states(states)
+    return params, {k: _as_array(v, "state", k) for k, v in flat.items()}
+
+
+def state_dict(model: Any) -> dict[str, Any]:
+    """Every state of ``model`` as a flat ``{name: array}`` dict.
+
+    Example::
+
+        sd = autostate.state_dict(model)       # {'bn.mean': Array(...), ...}
+        model = autostate.load_state_dict(model, sd)
+
+    Names are the ones ``model.functionalize()`` gives: explicit names as
+    given, other states by path (``blocks[0].bn.mean``); a sub-model reachable
+    from two paths contributes its states once. A state whose value is a
+    pytree rather than one array gives one entry per leaf, the name followed
+    by the leaf's keypath (``kv['k']``).
+
+    **Arguments:**
+    - ``model``: a ``@stateful`` instance (or any pytree holding state requests).
+
+    **Returns:** a new dict; the arrays are the model's own (not copied).
+    """
+    return flat_dicts(model, "state_dict")[1]
+
+
+def param_dict(model: Any) -> dict[str, Any]:
+    """Every parameter (non-state array leaf) of ``model`` as ``{path: array}``.
+
+    Example::
+
+        pd = autostate.param_dict(model)       # {'blocks[0].w': Array(...), ...}
+        model = autostate.load_param_dict(model, pd)
+
+    Paths are built as state names are: attributes joined by ``.``, ``[0]``
+    for sequence items, ``['k']`` for mapping keys, no leading dot. A
+    sub-model reachable from two paths (tied weights) appears once, under its
+    first path. Python scalars and strings are static configuration, not
+    parameters.
+
+    **Arguments:**
+    - ``model``: a ``@stateful`` instance (or any pytree holding one).
+
+    **Returns:** a new dict; the arrays are the model's own (not copied).
+    """
+    return flat_dicts(model, "param_dict")[0]
+
+
+# --- loading -----------------------------------------------------------------
+
+
+def array_spec(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    if _is_array(x) or isinstance(x, (*_PYTHON_SCALARS, jax.ShapeDtypeStruct)):
+        dtype = getattr(x, "dtype", None)
+        return tuple(np.shape(x)), np.dtype(dtype if dtype is not None else np.asarray(x).dtype)
+    return None
+
+
+def _format_spec(spec: tuple[tuple[int, ...], np.dtype] | None, value: Any = None) -> str:
+    return type(value).__name__ if spec is None else _tree.format_spec(*spec)
+
+
+def _quoted(keys: Sequence[str]) -> str:
+    return ", ".join(repr(k) for k in keys)
+
+
+class _Report:
+    """Everything that does not fit, collected before anything is loaded."""
+
+    def __init__(self) -> None:
+        self.missing: list[tuple[str, str]] = []
+        self.unexpected: list[tuple[str, str]] = []
+        self.mismatched: list[tuple[str, str, str]] = []
+
+    def match(self, kind: str, template: Mapping[str, Any], given: Mapping[str, Any]) -> dict:
+        """The entries of ``given`` that fit ``template`` (not converted yet)."""
+        if not isinstance(given, Mapping):
+            raise InvalidTypeError(
+                format_error(
+                    f"Expected a dict of {kind} name -> array, got {type(given).__name__}.",
+                    fix=f"pass the dict autostate.{'state' if kind == 'state' else 'param'}"
+                    "_dict(model) returns (or one with the same keys).",
+                )
+            )
+        fitting = {}
+        for key, leaf in template.items():
+            if key not in given:
+                self.missing.append((kind, key))
+                continue
+            want, got = array_spec(leaf), array_spec(given[key])
+            if want != got:
+                detail = f"{key!r} (model {_format_spec(want, leaf)}, given {_format_spec(got, given[key])})"
+                self.mismatched.append((kind, key, detail))
+                continue
+            fitting[key] = given[key]
+        self.unexpected += [(kind, key) for key in given if key not in template]
+        return fitting
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def lines(self) -> list[str]:
+        out = []
+        for kind in ("parameter", "state"):
+            missing = [k for c, k in self.missing if c == kind]
+            unexpected = [k for c, k in self.unexpected if c == kind]
+            mismatched = [d for c, _, d in self.mismatched if c == kind]
+            if missing:
+                out.append(f"  missing {kind} keys ({len(missing)}): {_quoted(missing)}")
+            if unexpected:
+                out.append(f"  unexpected {kind} keys ({len(unexpected)}): {_quoted(unexpected)}")
+            if mismatched:
+                out.append(
+                    f"  {kind} shape/dtype mismatches ({len(mismatched)}): {', '.join(mismatched)}"
+                )
+        return out
+
+    def warning(self, message: str) -> StateDictWarning:
+        return StateDictWarning(
+            message,
+            missing=tuple(self.missing),
+            unexpected=tuple(self.unexpected),
+            mismatched=tuple((c, k) for c, k, _ in self.mismatched),
+        )
+
+
+def _converted_like(template: Any, value: Any) -> Any:
+    """``value`` as the same kind of object as ``template`` (dtype already checked)."""
+    if isinstance(template, jax.Array):
+        if isinstance(template, jax.core.Tracer):
+            return jax.numpy.asarray(value)
+        return jax.device_put(value, template.sharding)
+    if isinstance(template, np.ndarray):
+        return np.array(value, copy=True)
+    if isinstance(template, np.generic):
+        return np.asarray(value)[()]
+    return np.asarray(value).item()
+
+
+def rebuild(
+    model: Any,
+    params: Mapping[str, Any] | None,
+    states: Mapping[str, Any] | None,
+    *,
+    strict: bool,
+    caller: str,
+    error: type[Exception],
+    where: str | None = None,
+    saved_from: str | None = None,
+) -> Any:
+    f, nested = handle_for_reading(model, caller)
+    report = _Report()
+    param_leaves: dict[str, Any] = {}
+    new_params: dict[str, Any] = {}
+    if params is not None:
+        param_leaves = _params(f.model)
+        new_params = report.match("parameter", param_leaves, params)
+    if states is not None:
+        flat, layout = flatten_states(nested)
+        new_states = report.match("state", flat, states)
+    if report:
+        given = "checkpoint" if where else ("state" if params is None else "parameter") + " dict"
+        what = f"autostate.{caller}: the {given} does not fit {type(model).__name__}"
+        if saved_from:
+            what += f" (it was saved from {saved_from})"
+        if strict:
+            raise error(
+                format_error(
+                    what + ":\n" + "\n".join(report.lines()),
+                    where=where,
+                    fix="load into a model built with the same configuration as the saved one, "
+                    "or pass strict=False to load only the keys that fit (the rest keep the "
+                    "model's values).",
+                )
+            )
+        warnings.warn(
+            report.warning(what + "; strict=False skipped:\n" + "\n".join(report.lines())),
+            stacklevel=3,
+        )
+    if states is not None:
+        flat.update({k: _converted_like(flat[k], v) for k, v in new_states.items()})
+        nested = unflatten_states(layout, flat)
+    body = f.model
+    if new_params:
+        new_params = {k: _converted_like(param_leaves[k], v) for k, v in new_params.items()}
+        body = _tree.map_tree(f.model, lambda leaf, name: new_params.get(name, leaf), _is_array)
+    return _api.freeze(FunctionalModel(f.handler_id, body), nested)
+
+
+def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+    """A copy of ``model`` holding the states of ``state_dict``.
+
+    Example::
+
+        sd = autostate.state_dict(trained)
+        fresh = autostate.load_state_dict(Model(), sd)
+
+    **Arguments:**
+    - ``model``: the model to load into; it is not modified.
+    - ``state_dict``: ``{name: array}`` as ``state_dict`` returns.
+    - ``strict``: if true, missing keys, unexpected keys and shape or dtype
+      mismatches raise one ``StateDictError`` listing every offending key. If
+      false, only fitting keys are loaded and a ``StateDictWarning`` lists the
+      skipped ones (states not loaded keep the model's values).
+
+    **Returns:** a new model (states embedded as with ``autostate.freeze``);
+    parameters are shared with ``model``.
+    """
+    return rebuild(
+        model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError
+    )
+
+
+def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = True) -> Any:
+    """A copy of ``model`` holding the parameters of ``param_dict``.
+
+    Example::
+
+        pd = autostate.param_dict(trained)
+        fresh = autostate.load_param_dict(Model(), pd)
+
+    **Arguments:**
+    - ``model``: the model to load into; it is not modified.
+    - ``param_dict``: ``{path: array}`` as ``param_dict`` returns.
+    - ``strict``: as for ``load_state_dict``.
+
+    **Returns:** a new model; its states are ``model``'s, embedded as with
+    ``autostate.freeze``.
+    """
+    return rebuild(
+        model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError
+    )
+
+

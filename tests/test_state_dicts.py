@@ -1,0 +1,165 @@
+"""``autostate/state_dicts.py``: state_dict, param_dict and loading them."""
+
+from __future__ import annotations
+
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from export_models import (  # noqa: I001 - tests/ is on sys.path
+    PARAM_KEYS,
+    STATE_KEYS,
+    XS,
+    Net,
+    Pairs,
+    assert_same_arrays,
+    bits,
+    run,
+)
+
+import autostate
+from autostate.errors import AutostateError, StateDictError, StateDictWarning
+
+render_module = sys.modules["autostate.render"]
+
+
+# --- state_dict / load_state_dict ------------------------------------------------
+
+
+def test_state_dict_names_follow_functionalize():
+    model = Net()
+    sd = autostate.state_dict(model)
+    assert list(sd) == STATE_KEYS
+    _, states = model.functionalize()
+    assert list(states) == [k for k in STATE_KEYS[:6]] + ["cache", "ema"]
+    assert sd["blocks[0].norm.var"] is states["blocks[0].norm.var"]
+    assert sd["cache['t']"] is states["cache"]["t"]
+    assert sd["ema"].dtype == jnp.bfloat16
+
+
+def test_state_dict_flattens_pytree_states_by_keypath():
+    model = Pairs()
+    model(jnp.full((2,), 3.0))
+    sd = autostate.state_dict(model)
+    assert list(sd) == ["pair[0]", "pair[1]['a']"]  # the empty dict state has no leaves
+    np.testing.assert_array_equal(sd["pair[0]"], [3.0, 3.0])
+    np.testing.assert_array_equal(sd["pair[1]['a']"], [2])
+    loaded = autostate.load_state_dict(Pairs(), sd)
+    assert_same_arrays(autostate.state_dict(loaded), sd)
+    f, states = loaded.functionalize()
+    assert states["log"] == {}
+    assert isinstance(states["pair"], tuple) and isinstance(states["pair"][1], dict)
+
+
+def test_state_dict_after_steps_counts_aliased_state_once():
+    _, trained = run(Net(), XS[:3])
+    sd = autostate.state_dict(trained)
+    assert list(sd) == STATE_KEYS
+    assert int(sd["blocks[0].calls"]) == 3  # `first` and `blocks[0]` are one block
+    assert int(sd["blocks[1].calls"]) == 3
+    assert int(sd["cache['t']"]) == 3
+
+
+def test_load_state_dict_round_trips_and_leaves_the_model_alone():
+    _, trained = run(Net(), XS[:2])
+    fresh = Net()
+    before = autostate.state_dict(fresh)
+    loaded = autostate.load_state_dict(fresh, autostate.state_dict(trained))
+    assert type(loaded) is Net and loaded.act == "tanh"
+    assert loaded.first is loaded.blocks[0]
+    assert_same_arrays(autostate.state_dict(loaded), autostate.state_dict(trained))
+    assert_same_arrays(autostate.state_dict(fresh), before)
+    want, _ = run(trained, XS[2:])
+    got, _ = run(loaded, XS[2:])
+    for a, b in zip(got, want):
+        assert bits(a) == bits(b)
+
+
+def test_load_state_dict_strict_lists_every_offending_key():
+    bad = dict(autostate.state_dict(Net()))
+    del bad["ema"], bad["blocks[1].calls"]
+    bad["emma"] = jnp.zeros(3)
+    bad["blocks[0].norm.mean"] = jnp.zeros(4)
+    bad["cache['t']"] = jnp.zeros((), jnp.float32)
+    model = Net()
+    with pytest.raises(StateDictError) as info:
+        autostate.load_state_dict(model, bad)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, AutostateError)
+    assert "missing state keys (2): 'blocks[1].calls', 'ema'" in message
+    assert "unexpected state keys (1): 'emma'" in message
+    assert "'blocks[0].norm.mean' (model f32[3], given f32[4])" in message
+    assert "\"cache['t']\" (model i32[], given f32[])" in message
+    assert "Net" in message and "fix: " in message and "strict=False" in message
+
+
+def test_load_state_dict_non_strict_loads_what_fits_and_reports_the_rest():
+    _, trained = run(Net(), XS[:1])
+    sd = autostate.state_dict(trained)
+    partial = {k: v for k, v in sd.items() if k != "ema"}
+    partial["blocks[0].norm.var"] = jnp.zeros(5)
+    partial["extra"] = jnp.zeros(1)
+    fresh = Net()
+    with pytest.warns(StateDictWarning, match="strict=False skipped") as record:
+        loaded = autostate.load_state_dict(fresh, partial, strict=False)
+    warning = record[0].message
+    assert warning.missing == (("state", "ema"),)
+    assert warning.unexpected == (("state", "extra"),)
+    assert warning.mismatched == (("state", "blocks[0].norm.var"),)
+    got, kept = autostate.state_dict(loaded), autostate.state_dict(fresh)
+    assert bits(got["ema"]) == bits(kept["ema"])
+    assert bits(got["blocks[0].norm.var"]) == bits(kept["blocks[0].norm.var"])
+    assert bits(got["blocks[0].norm.mean"]) == bits(sd["blocks[0].norm.mean"])
+    assert int(got["cache['t']"]) == 1
+
+
+def test_functionalized_model_is_rejected_with_a_fix():
+    f, states = Net().functionalize()
+    with pytest.raises(TypeError, match="autostate.freeze"):
+        autostate.state_dict(f)
+    with pytest.raises(StateDictError, match="handled by a functionalize"):
+        autostate.state_dict(f.model)
+    assert list(autostate.state_dict(autostate.freeze(f, states))) == STATE_KEYS
+
+
+# --- param_dict / load_param_dict -----------------------------------------------
+
+
+def test_param_dict_names_every_non_state_array_once():
+    model = Net()
+    pd = autostate.param_dict(model)
+    assert list(pd) == PARAM_KEYS
+    assert pd["blocks[0].w"] is model.blocks[0].w
+    assert pd["half"].dtype == jnp.bfloat16 and pd["table['ids']"].dtype == jnp.int32
+    assert pd["gain"].shape == ()
+
+
+def test_load_param_dict_round_trips_and_checks():
+    source, target = Net(seed=0), Net(seed=5)
+    loaded = autostate.load_param_dict(target, autostate.param_dict(source))
+    assert_same_arrays(autostate.param_dict(loaded), autostate.param_dict(source))
+    assert loaded.first is loaded.blocks[0]
+    assert_same_arrays(autostate.state_dict(loaded), autostate.state_dict(target))
+    assert float(target.gain) == 7.0  # untouched
+
+    bad = dict(autostate.param_dict(source))
+    bad["half"] = bad["half"].astype(jnp.float32)
+    del bad["gain"]
+    with pytest.raises(StateDictError) as info:
+        autostate.load_param_dict(target, bad)
+    message = str(info.value)
+    assert "missing parameter keys (1): 'gain'" in message
+    assert "'half' (model bf16[3], given f32[3])" in message
+
+
+def test_whole_model_round_trips_through_flat_dicts():
+    _, trained = run(Net(seed=0), XS[:2])
+    flat = {"params": autostate.param_dict(trained), "states": autostate.state_dict(trained)}
+    clone = autostate.load_state_dict(
+        autostate.load_param_dict(Net(seed=7), flat["params"]), flat["states"]
+    )
+    want, _ = run(trained, XS[2:])
+    got, _ = run(clone, XS[2:])
+    for a, b in zip(got, want):
+        assert bits(a) == bits(b)
