@@ -23,7 +23,7 @@ This module owns:
   example for (per leaf, as the seed's ``StateIndex`` did); the written value
   is ``stop_gradient``-ed: state is a constant for differentiation. Under
   ``jax.grad`` a ``scan`` body with host accesses is kept in its loop (see
-  ``_keep_ordered_callbacks_in_scan_loops``);
+  ``_stay_in_scan_loops``);
 * ``inference_mode``: a view whose state is read once, when the model is
   flattened at the ``jit`` boundary, and passed in as an input (no callbacks);
   under ``vmap`` it reads per-example values, and captured by a closure its
@@ -43,17 +43,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import sys
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import effects as jax_effects  # no public registry of kept effects
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.interpreters import partial_eval as pe
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, StateSlot
@@ -461,7 +464,8 @@ host_set_p = Primitive("host_set")
 host_set_p.multiple_results = True
 
 
-def _get_abstract_eval(*, state, spec, axes, stored):
+def _get_abstract_eval(anchor, *, state, spec, axes, stored):
+    del anchor
     if _conflicts(axes, stored):
         raise _read_mismatch(state.label, axes, stored)
     avals = [
@@ -500,12 +504,14 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
     return [_broadcast_leaf(v, d, axes, xp) for v, d in zip(value, dims)]
 
 
-def _get_impl(*, state, spec, axes, stored):
-    del spec, stored
+def _get_impl(anchor, *, state, spec, axes, stored):
+    del anchor, spec, stored
     return [jnp.asarray(v) for v in _read_now(state, axes, None, jnp)]
 
 
-def _get_lowering(*, state, spec, axes, stored):
+def _get_lowering(anchor, *, state, spec, axes, stored):
+    del anchor
+
     def callback():
         return tuple(np.asarray(v) for v in _read_now(state, axes, stored, np))
 
@@ -518,12 +524,14 @@ def _get_lowering(*, state, spec, axes, stored):
 
 def _get_batching(axis_data, vals, dims, *, state, spec, axes, stored):
     del vals, dims
-    outs = host_get_p.bind(state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored)
+    outs = host_get_p.bind(
+        _anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored
+    )
     return outs, [0] * len(outs)
 
 
-def _set_abstract_eval(*avals, state, spec, axes, mapped, extra, stored):
-    del avals
+def _set_abstract_eval(anchor, *avals, state, spec, axes, mapped, extra, stored):
+    del anchor, avals
     _new_dims(state.label, spec, axes, mapped, extra, stored)
     try:
         _, entry = state.resolve()
@@ -556,15 +564,15 @@ def _write_now(
         entry.dims = tuple(d for _, d in merged)
 
 
-def _set_impl(*leaves, state, spec, axes, mapped, extra, stored):
-    del spec, stored
+def _set_impl(anchor, *leaves, state, spec, axes, mapped, extra, stored):
+    del anchor, spec, stored
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     _write_now(state, axes, mapped, extra, leaves, callback=False, xp=jnp)
     return []
 
 
-def _set_lowering(*leaves, state, spec, axes, mapped, extra, stored):
-    del spec, stored
+def _set_lowering(anchor, *leaves, state, spec, axes, mapped, extra, stored):
+    del anchor, spec, stored
 
     def callback(*values):
         # io_callback hands us arrays it owns (copied to the host), safe to keep.
@@ -579,8 +587,10 @@ def _set_lowering(*leaves, state, spec, axes, mapped, extra, stored):
 def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, stored):
     # An unbatched leaf stays unbatched: a write that is the same for every
     # example (a constant, a pmean over the axis) stores one shared value.
+    vals, dims = vals[1:], dims[1:]
     front = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
     host_set_p.bind(
+        _anchor(),
         *front,
         state=state,
         spec=spec,
@@ -592,46 +602,52 @@ def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, st
     return [], []
 
 
+def _anchor() -> np.ndarray:
+    """The first operand of every host primitive: no data, see ``_stay_in_scan_loops``."""
+    return np.zeros((), np.bool_)
+
+
+def _hoisting_a_scan_body() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_scan_known_hoisting":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stay_in_scan_loops(primitive: Primitive) -> Callable[..., Any]:
+    # Under jax.grad, scan's partial evaluation moves every part of the primal
+    # loop body that does not depend on the carry out of the loop, effects
+    # included: a host access that does not depend on the carry
+    # (`self.steps += 1`) would run once instead of once per step, and later
+    # writes would be lost (a bare ordered io_callback is moved the same way).
+    # While scan does that, the anchor operand counts as unknown (loop
+    # dependent), so every host access stays in the loop and runs exactly once
+    # per primal step; everywhere else partial evaluation is the default one.
+    # A staged access feeds no output of the loop body, so JAX must be told to
+    # keep the callback's effect (as it keeps jax.debug.callback's) or it drops
+    # the access altogether.
+    def partial_eval(trace, anchor, *tracers, **params):
+        if _hoisting_a_scan_body():
+            jax_effects.partial_eval_kept_effects.add_type(type(_ordered_io_effect()))
+            anchor = trace.instantiate_const(anchor)
+        return trace.default_process_primitive(primitive, (anchor, *tracers), params)
+
+    return partial_eval
+
+
 host_get_p.def_effectful_abstract_eval(_get_abstract_eval)
+pe.custom_partial_eval_rules[host_get_p] = _stay_in_scan_loops(host_get_p)
 host_get_p.def_impl(_get_impl)
 mlir.register_lowering(host_get_p, mlir.lower_fun(_get_lowering, multiple_results=True))
 batching.fancy_primitive_batchers[host_get_p] = _get_batching
 
 host_set_p.def_effectful_abstract_eval(_set_abstract_eval)
+pe.custom_partial_eval_rules[host_set_p] = _stay_in_scan_loops(host_set_p)
 host_set_p.def_impl(_set_impl)
 mlir.register_lowering(host_set_p, mlir.lower_fun(_set_lowering, multiple_results=True))
 batching.fancy_primitive_batchers[host_set_p] = _set_batching
-
-
-def _keep_ordered_callbacks_in_scan_loops() -> None:
-    # Under jax.grad, scan's partial evaluation hoists every loop-invariant
-    # computation of the primal loop body out of the loop, effects included: a
-    # host read/write that does not depend on the carry (`self.steps += 1`) then
-    # runs once instead of once per step, and later writes are lost (a bare
-    # ordered io_callback is hoisted the same way). A primal body that has
-    # ordered callbacks keeps all of its computation in the loop, so every
-    # callback runs exactly once per primal step. This is the one place that
-    # reaches into JAX's private scan implementation; without it (another JAX
-    # layout) such writes are lost as with a bare io_callback.
-    try:
-        from jax._src.lax.control_flow import loops
-    except ImportError:  # pragma: no cover - another JAX layout
-        return
-    hoist = getattr(loops, "_scan_known_hoisting", None)
-    if hoist is None or getattr(hoist, "_autostate_keeps_callbacks", False):
-        return  # pragma: no cover
-
-    @functools.wraps(hoist)
-    def hoist_unless_ordered_callbacks(jaxpr_known, known_consts, num_res):
-        if _ordered_io_effect() in jaxpr_known.effects:
-            return jaxpr_known, known_consts, [False] * num_res, []
-        return hoist(jaxpr_known, known_consts, num_res)
-
-    hoist_unless_ordered_callbacks._autostate_keeps_callbacks = True
-    loops._scan_known_hoisting = hoist_unless_ordered_callbacks
-
-
-_keep_ordered_callbacks_in_scan_loops()
 
 
 # Reading an inference view under vmap: its value entered as one stacked array,
@@ -724,7 +740,9 @@ class HostSlot(StateSlot):
             stored = entry.dims
         if unset:
             raise _unset_error(entry.label)
-        leaves = host_get_p.bind(state=self.key, spec=entry.spec, axes=(), stored=stored)
+        leaves = host_get_p.bind(
+            _anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored
+        )
         return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
     def as_request(self) -> FrozenLocalStateRequest:
@@ -738,7 +756,14 @@ class HostSlot(StateSlot):
         leaves, extra = _checked_leaves(entry, value, stored)
         leaves = [jax.lax.stop_gradient(leaf) for leaf in leaves]
         host_set_p.bind(
-            *leaves, state=self.key, spec=entry.spec, axes=(), mapped=(), extra=extra, stored=stored
+            _anchor(),
+            *leaves,
+            state=self.key,
+            spec=entry.spec,
+            axes=(),
+            mapped=(),
+            extra=extra,
+            stored=stored,
         )
 
 

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import io_callback
 
 import autostate
 from autostate import (
@@ -480,17 +479,6 @@ def test_host_writes_in_scan_happen_once_per_step_under_grad(differentiate):
     out = differentiate(lambda scale: counter.fori(scale, 6))(1.0)
     assert float(out[1] if isinstance(out, tuple) else out) == 6.0
     assert int(counter.steps) == 6
-
-
-def test_a_bare_io_callback_in_scan_runs_once_per_step_under_grad():
-    calls = []
-
-    def step(carry, _):
-        io_callback(lambda: calls.append(1), None, ordered=True)
-        return carry * 2.0, None
-
-    assert float(jax.grad(lambda x: jax.lax.scan(step, x, None, length=6)[0])(1.0)) == 64.0
-    assert len(calls) == 6
 
 
 @autostate.stateful(fallback="host")
