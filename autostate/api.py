@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 
+from autostate import control as _control
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects import (
@@ -131,6 +132,24 @@ def _resolves_to_state(globals_: dict[str, Any], dotted: str) -> bool:
     return obj is state
 
 
+def _resolve_dotted(globals_: dict[str, Any], dotted: str) -> Any:
+    head, *rest = dotted.split(".")
+    obj = globals_.get(head, getattr(builtins, head, None))
+    for part in rest:
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _control_flow_names(globals_: dict[str, Any], facts: analysis.MethodFacts) -> dict[str, str]:
+    """The method's dotted names that are jax.lax control flow: ``{"lax.scan": "scan"}``."""
+    found = {}
+    for dotted in facts.references:
+        name = _control.wrapper_name(_resolve_dotted(globals_, dotted))
+        if name is not None:
+            found[dotted] = name
+    return found
+
+
 def _base_infos(cls: type) -> list[StatefulInfo]:
     return [b.__dict__["__autostate_info__"] for b in cls.__mro__[1:] if "__autostate_info__" in b.__dict__]
 
@@ -205,7 +224,7 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
         inherited_state=inherited,
         inherited_initialized=frozenset(inherited_initialized),
         is_state_declaration=is_state_declaration,
-        allow_nested_writes=fallback == "host",
+        allow_nested_writes=True,  # closures' writes are threaded (autostate.control)
         inherited_properties=frozenset(
             name for base in cls.__mro__[1:] for name, v in vars(base).items() if isinstance(v, property)
         ),
@@ -213,7 +232,8 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
     _check_undecorated_bases(cls, bases, result.state)
     codes: dict[str, types.CodeType] = {}
     for slot, method in zip(slots, result.methods):
-        if method.receiver is None or not (method.touched() & result.state):
+        control = _control_flow_names(globals_by_key[slot.key], method)
+        if not control and (method.receiver is None or not (method.touched() & result.state)):
             continue
         text = rewrite.rewrite_method(
             method.module,
@@ -222,6 +242,7 @@ def _transform(cls: type, slots: list[loader.MethodSlot], fallback: str | None, 
             result.state,
             cls.__name__,
             is_init=slot.attr == "__init__",
+            control=control,
         )
         _, shift = analysis.wrapper_source(cls.__name__, method.source)
         codes[slot.key] = loader.compile_method(
@@ -443,6 +464,7 @@ class FunctionalModel:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
+        _control.check_no_escaped(result[1])
         if before is not None:
             _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
         return result

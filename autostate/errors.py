@@ -60,6 +60,25 @@ class TracedEagerStateError(AutostateError, RuntimeError):
     """An eager model was asked to store a JAX tracer (called under a transform)."""
 
 
+class ControlFlowStateError(AutostateError, TypeError):
+    """A state cannot be threaded through ``lax`` control flow as written."""
+
+
+class EscapedStateError(AutostateError, RuntimeError):
+    """A state holds a tracer of a ``lax`` body that autostate did not thread."""
+
+
+def escaped_state_message(name: str) -> str:
+    """The message of ``EscapedStateError`` for state ``name``."""
+    return format_error(
+        f"State {name!r} was assigned inside a jax.lax control-flow body (or jax.checkpoint) "
+        "that autostate did not see, so it holds a tracer of that body, which has ended.",
+        fix="call autostate.scan / cond / switch / while_loop / fori_loop / map / checkpoint "
+        "(same signatures as jax's) in that code, or move the call into a method of an "
+        "@autostate.stateful class, where jax.lax.* is threaded automatically.",
+    )
+
+
 class StateAccessError(AutostateError, AttributeError):
     """A state attribute does not exist (yet) on the instance."""
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+# Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
+from autostate import control  # noqa: F401
 from autostate.effects import SLOT_TYPES, InitialLocalStateRequest, InitialValue
 from autostate.effects.local_state import _check_not_traced
 from autostate.errors import InvalidTypeError, StateAccessError, format_error

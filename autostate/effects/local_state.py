@@ -32,11 +32,13 @@ import jax
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
+    EscapedStateError,
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
     TracedEagerStateError,
     UnhandledLocalStateError,
+    escaped_state_message,
     format_error,
 )
 
@@ -53,6 +55,20 @@ _handler_counter = itertools.count()
 def handler_running() -> bool:
     """Whether some handler is running its body in this context."""
     return bool(_ACTIVE.get())
+
+
+def running_cells() -> list[LocalStateEffectImpl]:
+    """The cells of every handler running in this context (what control flow threads)."""
+    return [cell for cells in _ACTIVE.get().values() for cell in cells.values()]
+
+
+def is_escaped_tracer(value: Any) -> bool:
+    """Whether ``value`` is a tracer of a trace that has already ended.
+
+    A state assigned inside a ``jax.lax`` body that autostate did not thread
+    (a raw ``lax.scan`` in a helper outside any class) holds one.
+    """
+    return isinstance(value, jax.core.Tracer) and not value._trace.is_valid()
 
 
 def fresh_handler_id() -> str:
@@ -74,7 +90,9 @@ def _check_not_traced(value: Any, name: str | None) -> None:
                 "inside the current jax.jit/grad/vmap trace.",
                 fix="call `f, states = model.functionalize()` and use "
                 "`out, states = f(states, ...)` inside the transformation, or "
-                'decorate the class with @autostate.stateful(fallback="host").',
+                'decorate the class with @autostate.stateful(fallback="host"); inside '
+                "jax.lax control flow in code @stateful did not rewrite, call "
+                "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
             )
         )
 
@@ -337,7 +355,10 @@ class HandledLocalStateRef:
         self._cell().value = value
 
     def read(self) -> Any:
-        return self._cell().value
+        value = self._cell().value
+        if is_escaped_tracer(value):
+            raise EscapedStateError(escaped_state_message(self.name))
+        return value
 
     def write(self, owner: Any, attr: str, value: Any) -> None:
         self._cell().value = value
