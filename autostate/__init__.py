@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autostate.api import FunctionalModel, freeze, functionalize, state, stateful
+from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -33,6 +34,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutostateError",
+    "checkpoint",
+    "cond",
+    "fori_loop",
+    "map",
+    "remat",
+    "scan",
+    "switch",
+    "while_loop",
     "FunctionalModel",
     "freeze",
     "functionalize",
