@@ -22,9 +22,9 @@ No JAX here: the runtime the generated code calls is ``autostate.runtime``.
 
 from __future__ import annotations
 
-import libcst as cst
-
 from collections.abc import Mapping
+
+import libcst as cst
 
 from autostate.transform.analysis import (
     RUNTIME_NAME,
