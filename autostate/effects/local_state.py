@@ -28,6 +28,8 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
+from jax._src import core as _core
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JAXPR_TRACER
 
 from autostate import tree as _tree
 from autostate.errors import (
@@ -68,7 +70,24 @@ def is_escaped_tracer(value: Any) -> bool:
     A state assigned inside a ``jax.lax`` body that autostate did not thread
     (a raw ``lax.scan`` in a helper outside any class) holds one.
     """
-    return isinstance(value, jax.core.Tracer) and not value._trace.is_valid()
+    if not isinstance(value, jax.core.Tracer):
+        return False
+    trace = value._trace
+    if not trace.is_valid():
+        return True
+    # JAX does not invalidate the trace of a finished lax body, so look for the
+    # tracer's trace among the live ones. Only a chain that reaches the eager
+    # root is complete (some internal traces have no parent); short of that,
+    # the tracer is given the benefit of the doubt.
+    if not isinstance(value, _JAXPR_TRACER):
+        return False
+    live = _core.trace_ctx.trace
+    while live is not trace:
+        parent = getattr(live, "parent_trace", None)
+        if parent is None:
+            return isinstance(live, _core.EvalTrace)
+        live = parent
+    return False
 
 
 def fresh_handler_id() -> str:
