@@ -182,7 +182,7 @@ class WhileModel:
             self.acc = self.acc + v
             return v * 0.5
 
-        return while_loop(lambda v: self.acc.sum() < 5.0 + self.n, body, x).sum()
+        return while_loop(lambda v: (self.acc.sum() < 5.0) & (self.n < 6), body, x).sum()
 
 
 def while_reference(model, states, x):
@@ -192,7 +192,7 @@ def while_reference(model, states, x):
         return v * 0.5, n, acc + v
 
     carry = (x, states["n"], states["acc"])
-    v, n, acc = lax.while_loop(lambda c: c[2].sum() < 5.0 + c[1], body, carry)
+    v, n, acc = lax.while_loop(lambda c: (c[2].sum() < 5.0) & (c[1] < 6), body, carry)
     return v.sum(), {"n": n, "acc": acc}
 
 
