@@ -46,6 +46,7 @@ from autostate.errors import (
     EscapedStateError,
     escaped_state_message,
     format_error,
+    user_location,
 )
 
 __all__ = [
@@ -133,6 +134,7 @@ def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
                     f"{_describe(value)} inside {what}; a state assigned there is threaded "
                     "as a loop carry (or a branch output), and loop carries and branch "
                     "outputs keep their shape, dtype and structure.",
+                    where=user_location(),
                     fix="assign a value of the same shape and dtype (cast with "
                     ".astype(...), pad to a fixed size), or assign it outside the "
                     "control-flow call.",
@@ -148,6 +150,7 @@ def _check_untouched(cells: Cells, before: Sequence[Any], chosen: Cells, what: s
                 format_error(
                     f"State {cell.name!r} is assigned in {what}, which must not change "
                     "state (it only decides; JAX may call it any number of times).",
+                    where=user_location(),
                     fix="assign the state in the loop body instead.",
                 )
             )
@@ -424,6 +427,7 @@ def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
                 f"The function of a lax.map with batch_size assigns state "
                 f"{cells[written[0]].name!r}; batched elements run at once, so there is no "
                 "order in which to apply the writes.",
+                where=user_location(),
                 fix="drop batch_size (elements then run one after another), or assign the "
                 "state outside the map.",
             )
@@ -610,4 +614,4 @@ def check_no_escaped(states: dict[str, Any]) -> None:
     """Refuses states holding a tracer of a ``lax`` body that has ended."""
     for name, value in states.items():
         if any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value)):
-            raise EscapedStateError(escaped_state_message(name))
+            raise EscapedStateError(escaped_state_message(name, user_location()))

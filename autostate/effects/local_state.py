@@ -42,6 +42,7 @@ from autostate.errors import (
     UnhandledLocalStateError,
     escaped_state_message,
     format_error,
+    user_location,
 )
 
 Category = Hashable
@@ -376,7 +377,7 @@ class HandledLocalStateRef:
     def read(self) -> Any:
         value = self._cell().value
         if is_escaped_tracer(value):
-            raise EscapedStateError(escaped_state_message(self.name))
+            raise EscapedStateError(escaped_state_message(self.name, user_location()))
         return value
 
     def write(self, owner: Any, attr: str, value: Any) -> None:
