@@ -56,7 +56,7 @@ class Config:
     steps: int = 100
     hidden: int = 64
     batch: int = 16
-    rounds: int = 10
+    rounds: int = 40
     number: int = 10
 
 

@@ -159,11 +159,15 @@ class SwitchModel:
 def switch_reference(model, states, x):
     w = model.w
     index = jnp.clip(jnp.floor(x.sum()).astype(jnp.int32), 0, 2)
-    branches = [
-        lambda x, a, b: (x * 2.0, a + x, b),
-        lambda x, a, b: (jnp.tanh(x @ w), a, b + 1),
-        lambda x, a, b: (x + a, a, b),
-    ]
+    def first(x, a, b):
+        a = a + x
+        return x * 2.0, a, b
+
+    def second(x, a, b):
+        b = b + 1
+        return jnp.tanh(x @ w), a, b
+
+    branches = [first, second, lambda x, a, b: (x + a, a, b)]
     y, a, b = lax.switch(index, branches, x, states["a"], states["b"])
     return y.sum(), {"a": a, "b": b}
 
@@ -471,7 +475,7 @@ def _opcodes(fn, *args):
     return text, ops
 
 
-@pytest.mark.parametrize("case", ["scan", "cond", "fori_loop"])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_program_equals_hand_threaded(case):
     make, reference, shape = CASES[case]
     model = make()
@@ -609,3 +613,100 @@ def test_eager_helper_with_raw_lax_scan_is_a_clear_error():
     with pytest.raises(TracedEagerStateError, match="autostate.scan"):
         model(jnp.ones((4, 3)))
     assert not isinstance(model.stats.mean, jax.core.Tracer)
+
+
+# --- nesting, options, eager details ----------------------------------------------------
+
+
+@autostate.stateful
+class Nested:
+    """A ``fori_loop`` and a ``cond`` inside a ``scan`` body, all assigning state."""
+
+    def __init__(self):
+        self.inner = jnp.zeros(())
+        self.taken = jnp.zeros((), jnp.int32)
+
+    def __call__(self, xs):
+        def body(c, x):
+            def add(i, v):
+                self.inner += x
+                return v + 1.0
+
+            c = lax.fori_loop(0, 2, add, c)
+
+            def take(_):
+                self.taken += 1
+                return None
+
+            lax.cond(x > 0, take, lambda _: None, None)
+            return c, None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+
+def nested_reference(states, xs):
+    def body(carry, x):
+        c, inner, taken = carry
+        return (c + 2.0, inner + 2 * x, taken + (x > 0).astype(jnp.int32)), None
+
+    (c, inner, taken), _ = lax.scan(body, (0.0, states["inner"], states["taken"]), xs)
+    return c, {"inner": inner, "taken": taken}
+
+
+def test_nested_control_flow():
+    xs = jnp.array([1.0, -2.0, 3.0])
+    model = Nested()
+    _, states = model.functionalize()
+    out = model(xs)
+    expected, expected_states = nested_reference(states, xs)
+    _close(out, expected)
+    _close(model.functionalize()[1], expected_states)
+    f, states = Nested().functionalize()
+    out, new = jax.jit(lambda f, s, x: f(s, x))(f, states, xs)
+    _close((out, new), (expected, expected_states))
+    grads = jax.grad(lambda xs: f(states, xs)[1]["inner"])(xs)
+    np.testing.assert_allclose(grads, [2.0, 2.0, 2.0])
+
+
+@autostate.stateful
+class StaticArg:
+    def __init__(self):
+        self.total = jnp.zeros(())
+
+    def __call__(self, x):
+        def scaled(k, x):
+            self.total += k * x.sum()
+            return x * k
+
+        return jax.checkpoint(scaled, static_argnums=(0,))(3, x).sum()
+
+
+def test_checkpoint_with_static_argnums():
+    f, states = StaticArg().functionalize()
+    x = jnp.arange(3.0)
+    (value, new), grads = jax.value_and_grad(lambda x: f(states, x), has_aux=True)(x)
+    np.testing.assert_allclose(value, 9.0)
+    np.testing.assert_allclose(new["total"], 9.0)
+    np.testing.assert_allclose(grads, [3.0, 3.0, 3.0])
+
+
+def test_eager_state_only_read_in_the_body_is_not_rewritten_as_a_write():
+    model = ScanModel()
+    before = vars(model)["w"]
+    model(jnp.ones((4, 3)))
+    assert vars(model)["w"] is before
+    assert int(model.stats.steps) == 4
+
+
+def test_class_without_state_of_its_own_is_routed():
+    @autostate.stateful
+    class Outer:
+        def __init__(self):
+            self.stats = Stats()
+
+        def __call__(self, xs):
+            return lax.scan(lambda h, x: (self.stats(h + x), None), jnp.zeros(3), xs)[0]
+
+    model = Outer()
+    model(jnp.ones((5, 3)))
+    assert int(model.stats.steps) == 5
