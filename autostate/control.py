@@ -202,7 +202,6 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
     """
     swapped: list[tuple[Any, str, Any, str]] = []
     names: set[str] = set()
-    handler_id = None
     for obj in _reachable_instances(roots):
         for attr in type(obj).__autostate_info__.state:
             slot = obj.__dict__.get(attr)
