@@ -710,3 +710,51 @@ def test_class_without_state_of_its_own_is_routed():
     model = Outer()
     model(jnp.ones((5, 3)))
     assert int(model.stats.steps) == 5
+
+
+@autostate.stateful
+class WithStatic:
+    def __init__(self):
+        self.stats = Stats()
+
+    @staticmethod
+    def run(stats, xs):
+        return lax.scan(lambda h, x: (stats(h + x), None), jnp.zeros(3), xs)[0]
+
+    def __call__(self, xs):
+        return self.run(self.stats, xs)
+
+
+def test_staticmethod_without_receiver_is_routed():
+    model = WithStatic()
+    model(jnp.ones((3, 3)))
+    assert int(model.stats.steps) == 3
+    f, states = WithStatic().functionalize()
+    _, new = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones((3, 3)))
+    assert int(new["stats.steps"]) == 3
+
+
+def test_rewrite_routes_control_flow_on_the_same_line():
+    from autostate.transform import analysis, rewrite
+
+    text = (
+        "    def step(self, xs):\n"
+        "        h, _ = lax.scan(\n"
+        "            self._step, 0.0, xs)\n"
+        "        return jax.checkpoint(self.block)(h)\n"
+    )
+    source = analysis.MethodSource("step", "step", "m.py", 20, text, (), True)
+    facts = analysis.collect_facts("M", source)
+    assert {"lax.scan", "jax.checkpoint"} <= facts.references
+    code = rewrite.rewrite_method(
+        facts.module,
+        facts.function,
+        facts.receiver,
+        frozenset(),
+        "M",
+        is_init=False,
+        control={"lax.scan": "scan", "jax.checkpoint": "checkpoint"},
+    )
+    lines = code.splitlines()
+    assert lines[20].strip() == "h, _ = __autostate__.control.scan("
+    assert lines[22].strip() == "return __autostate__.control.checkpoint(self.block)(h)"
