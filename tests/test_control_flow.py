@@ -758,3 +758,73 @@ def test_rewrite_routes_control_flow_on_the_same_line():
     lines = code.splitlines()
     assert lines[20].strip() == "h, _ = __autostate__.control.scan("
     assert lines[22].strip() == "return __autostate__.control.checkpoint(self.block)(h)"
+
+
+# --- checkpoint as a method decorator ---------------------------------------------------
+
+
+@autostate.stateful
+class RematMethod:
+    def __init__(self):
+        self.total = jnp.zeros(())
+
+    @autostate.checkpoint
+    def __call__(self, x):
+        self.total = self.total + x
+        return jnp.sin(x) * 2.0
+
+
+def test_autostate_checkpoint_as_a_method_decorator():
+    model = RematMethod()
+    model(jnp.float32(2.0))
+    assert float(model.total) == 2.0
+    f, states = RematMethod().functionalize()
+    (value, new), grad = jax.value_and_grad(lambda x: f(states, x), has_aux=True)(3.0)
+    np.testing.assert_allclose(value, np.sin(3.0) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(grad, np.cos(3.0) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(new["total"], 3.0)
+
+
+def test_jax_checkpoint_as_a_method_decorator_is_a_clear_decoration_error():
+    from autostate.errors import DecorationError
+
+    class JaxRematMethod:
+        def __init__(self):
+            self.total = jnp.zeros(())
+
+        @jax.checkpoint
+        def __call__(self, x):
+            self.total = self.total + x
+            return x
+
+    with pytest.raises(DecorationError, match="autostate.checkpoint"):
+        autostate.stateful(JaxRematMethod)
+
+
+def _plain_wraps(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def test_wraps_decorated_method_is_analysed_from_its_own_source():
+    # The state is assigned only in the decorated method: analysis must read that
+    # method, not the decorator's wrapper.
+    @autostate.stateful
+    class Wrapped:
+        def __init__(self):
+            self.n = jnp.zeros(())
+
+        @_plain_wraps
+        def step(self, x):
+            self.n += x
+            return self.n
+
+    model = Wrapped()
+    model.step(jnp.float32(2.0))
+    f, states = model.functionalize()
+    assert set(states) == {"n"}
+    _, states = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
+    assert float(states["n"]) == 3.0
