@@ -93,12 +93,14 @@ def user_location() -> str | None:
 def escaped_state_message(name: str, where: str | None = None) -> str:
     """The message of ``EscapedStateError`` for state ``name``."""
     return format_error(
-        f"State {name!r} was assigned inside a jax.lax control-flow body (or jax.checkpoint) "
-        "that autostate did not see, so it holds a tracer of that body, which has ended.",
+        f"State {name!r} was assigned inside a jax.lax control-flow body, jax.checkpoint or "
+        "another JAX transformation that autostate did not thread, so it holds a tracer of "
+        "that body, which has ended.",
         where=where,
         fix="call autostate.scan / cond / switch / while_loop / fori_loop / map / checkpoint "
         "(same signatures as jax's) in that code, or move the call into a method of an "
-        "@autostate.stateful class, where jax.lax.* is threaded automatically.",
+        "@autostate.stateful class, where jax.lax.* is threaded automatically; apply "
+        "jax.jit / vmap / grad to f from outside, not to a closure that assigns state.",
     )
 
 

@@ -828,3 +828,22 @@ def test_wraps_decorated_method_is_analysed_from_its_own_source():
     assert set(states) == {"n"}
     _, states = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
     assert float(states["n"]) == 3.0
+
+
+def test_vmap_of_a_closure_assigning_state_inside_a_method_is_a_clear_error():
+    @autostate.stateful
+    class VmapInside:
+        def __init__(self):
+            self.total = jnp.zeros(())
+
+        def __call__(self, x):
+            def g(x):
+                self.total = self.total + x
+                return x
+
+            return jax.vmap(g)(x)
+
+    f, states = VmapInside().functionalize()
+    with pytest.raises(EscapedStateError, match="'total'") as info:
+        jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(3))
+    assert "from outside" in str(info.value)
