@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autostate.api import Stateful, constant, freeze, functionalize, state, stateful
 from autostate.checkpoint import load, load_arrays, save
+from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -16,6 +17,7 @@ from autostate.effects import (
     freeze_local_states,
     handle_local_states,
     hoist_shared_state_requests,
+    rename_local_states,
 )
 from autostate.errors import AutostateError
 from autostate.export import export
@@ -27,6 +29,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutostateError",
+    "checkpoint",
+    "cond",
+    "fori_loop",
+    "map",
+    "remat",
+    "scan",
+    "switch",
+    "while_loop",
     "FunctionalModel",
     "Stateful",
     "constant",
@@ -46,6 +56,7 @@ __all__ = [
     "freeze_local_states",
     "handle_local_states",
     "hoist_shared_state_requests",
+    "rename_local_states",
     "export",
     "load",
     "load_arrays",
