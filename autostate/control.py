@@ -558,10 +558,10 @@ def _checkpoint_call(
     cells = running_cells()
     plain = functools.partial(jax.checkpoint, static_argnums=static, **options)
     if not cells:
-        return plain(fun)(*args, **kwargs)
+        return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
     written, new = _writes(cells, lambda: fun(*args, **kwargs))
     if not written:
-        return plain(fun)(*args, **kwargs)
+        return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "a jax.checkpoint")
 
@@ -596,7 +596,7 @@ def _targets() -> dict[Any, str]:
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint
 
-        targets[ad_checkpoint.checkpoint] = "checkpoint"
+        targets[ad_checkpoint.checkpoint] = "checkpoint"  # type: ignore[attr-defined]
     return targets
 
 

@@ -87,7 +87,7 @@ def user_location() -> str | None:
     for name in ("jax", "jaxlib"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
-            skip.append(os.path.dirname(module.__file__))
+            skip.append(os.path.dirname(module.__file__))  # type: ignore[arg-type, type-var]
     for frame in reversed(traceback.extract_stack()):
         if not any(frame.filename.startswith(prefix) for prefix in skip):
             return f"{frame.filename}:{frame.lineno}"

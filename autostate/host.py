@@ -419,7 +419,7 @@ def _merge_equal_examples(value: Any, dims: Dims, before: Dims, xp: Any) -> tupl
     computes the same value; keeping it shared is what the seed's per-leaf
     tracking gave. A leaf that was already per-example at a level stays so.
     """
-    dims = list(dims)
+    dims = list(dims)  # type: ignore[assignment]
     for level in reversed(range(len(dims))):
         # One example says nothing about whether examples agree: keep its axis.
         if dims[level] in (None, 1) or (level < len(before) and before[level] is not None):
@@ -428,7 +428,7 @@ def _merge_equal_examples(value: Any, dims: Dims, before: Dims, xp: Any) -> tupl
         first = value[(slice(None),) * axis + (slice(0, 1),)]
         if bool(xp.all(value == first)):
             value = xp.squeeze(first, axis=axis)
-            dims[level] = None
+            dims[level] = None  # type: ignore[index]
     return value, (tuple(dims) if any(size is not None for size in dims) else ())
 
 
@@ -612,7 +612,7 @@ def _hoisting_a_scan_body() -> bool:
     while frame is not None:
         if frame.f_code.co_name == "_scan_known_hoisting":
             return True
-        frame = frame.f_back
+        frame = frame.f_back  # type: ignore[assignment]
     return False
 
 
@@ -890,7 +890,7 @@ class _InferenceSlot(StateSlot):
         if value is None:
             raise _unset_error(entry.label)
         leaves = [jnp.asarray(leaf) for leaf in value]
-        return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)
+        return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)  # type: ignore[arg-type]
 
     def read(self) -> Any:
         return self.current().resolve()

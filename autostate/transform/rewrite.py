@@ -324,6 +324,6 @@ def rewrite_method(
     ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
     function each call of them goes through (``"scan"``).
     """
-    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init, control=control)
+    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init, control=control)  # type: ignore[arg-type]
     new_method = method.visit(rewriter)
     return module.deep_replace(method, new_method).code  # type: ignore[type-var, union-attr]
