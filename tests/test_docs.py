@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 _PRINT = re.compile(r"^print\(.*\)\s*#\s*(?P<expected>.*)$")
 _ERROR = re.compile(r"^\w+: ")
