@@ -43,6 +43,10 @@ docs: $(VENV)/.installed-test
 docs-serve: $(VENV)/.installed-test
 	$(BIN)/mkdocs serve
 
+# Both matrix targets fix hypothesis's seed, so every interpreter and version
+# set runs the same property examples (`make test` keeps drawing new ones).
+MATRIX_PYTEST := -m pytest -q -p no:cacheprovider --hypothesis-seed=0
+
 # The suite on the lower bounds: every ">=" in [project] dependencies pinned
 # with "==", on the oldest supported Python, in its own venv.
 test-min:
@@ -52,7 +56,7 @@ test-min:
 	.venv-min/bin/python -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d.replace(">=", "==") for d in deps))' > .venv-min/constraints.txt
 	.venv-min/bin/python -m pip install --quiet -c .venv-min/constraints.txt -e ".[test,examples]"
 	.venv-min/bin/python -m pip list 2>/dev/null | grep -Ei '^(jax|jaxlib|libcst|numpy) '
-	.venv-min/bin/python -m pytest -q -p no:cacheprovider
+	.venv-min/bin/python $(MATRIX_PYTEST)
 
 # The suite on every supported interpreter installed here, each in .venv-3.X.
 test-all:
@@ -62,7 +66,7 @@ test-all:
 	  [ -x $$venv/bin/python ] || { $$py -m venv $$venv && $$venv/bin/python -m pip install --quiet --upgrade pip; }; \
 	  $$venv/bin/python -m pip install --quiet -e ".[test,examples]"; \
 	  echo "== $$py: $$($$venv/bin/python -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')"; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider; \
+	  $$venv/bin/python $(MATRIX_PYTEST); \
 	done
 
 # A wheel and an sdist that install into a fresh venv and import.
