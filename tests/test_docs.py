@@ -28,7 +28,6 @@ import io
 import linecache
 import re
 import runpy
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -41,8 +40,12 @@ _ERROR = re.compile(r"^\w+: ")
 
 
 def _blocks(text: str) -> list[tuple[str, str, int]]:
-    """``(language, dedented code, offset)`` of every fenced block in ``text``."""
-    return [(m["lang"], textwrap.dedent(m["code"]), m.start()) for m in _FENCE.finditer(text)]
+    """``(language, code, offset)`` of every fenced block, less its fence's indent."""
+    blocks = []
+    for m in _FENCE.finditer(text):
+        indent = re.compile(f"^{m['indent']}", re.M)
+        blocks.append((m["lang"], indent.sub("", m["code"]), m.start()))
+    return blocks
 
 
 def _examples():

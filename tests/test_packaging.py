@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import autostate
 
