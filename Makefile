@@ -61,13 +61,14 @@ test-min:
 # The suite on every supported interpreter installed here, each in .venv-3.X.
 test-all:
 	@test -n "$(PYTHONS)" || { echo "none of python3.11/3.12/3.13 found"; exit 1; }
-	@set -e; for py in $(PYTHONS); do \
+	@failed=; for py in $(PYTHONS); do \
 	  venv=.venv-$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
-	  [ -x $$venv/bin/python ] || { $$py -m venv $$venv && $$venv/bin/python -m pip install --quiet --upgrade pip; }; \
-	  $$venv/bin/python -m pip install --quiet -e ".[test,examples]"; \
-	  echo "== $$py: $$($$venv/bin/python -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')"; \
-	  $$venv/bin/python $(MATRIX_PYTEST); \
-	done
+	  { [ -x $$venv/bin/python ] || { $$py -m venv $$venv && $$venv/bin/python -m pip install --quiet --upgrade pip; }; } && \
+	  $$venv/bin/python -m pip install --quiet -e ".[test,examples]" && \
+	  echo "== $$py: $$($$venv/bin/python -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')" && \
+	  $$venv/bin/python $(MATRIX_PYTEST) || failed="$$failed $$venv"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-all failed in:$$failed"; exit 1; fi; echo "test-all passed: $(PYTHONS)"
 
 # A wheel and an sdist that install into a fresh venv and import.
 dist: $(VENV)/.installed-test
