@@ -227,7 +227,9 @@ def _state_specs(resolved: _Resolved, states: Mapping[str, Any]) -> dict[str, An
     }
 
 
-def partition_specs(f: Any, states: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+def partition_specs(
+    f: Any, states: Mapping[str, Any], *, rules: Mapping[str, AxisRule] | None = None
+) -> tuple[Any, dict[str, Any]]:
     """The ``PartitionSpec`` trees of ``f`` and ``states``, as the model annotates them.
 
     Example::
@@ -237,12 +239,13 @@ def partition_specs(f: Any, states: Mapping[str, Any]) -> tuple[Any, dict[str, A
         step = jax.shard_map(step, mesh=mesh, in_specs=(f_specs, state_specs, P("data")),
                              out_specs=(P("data"), state_specs))
 
-    Specs are as annotated (logical names are not mapped here); an array
-    without annotation gets ``P()`` (replicated).
+    An array without annotation gets ``P()`` (replicated).
 
     **Arguments:**
     - ``f``, ``states``: what ``functionalize()`` returned (or a ``jax.jit``
       or ``jax.eval_shape`` of it).
+    - ``rules``: maps logical axis names to mesh axes, as for ``shardings``;
+      without it, specs are returned as annotated.
 
     **Returns:** ``(f_specs, state_specs)``: ``f_specs`` has ``f``'s pytree
     structure, ``state_specs`` is a dict with the keys and value structures of
@@ -251,7 +254,13 @@ def partition_specs(f: Any, states: Mapping[str, Any]) -> tuple[Any, dict[str, A
     resolved = _Resolved(f)
     leaves, treedef = jax.tree_util.tree_flatten(f)
     specs = [resolved.by_leaf.get(id(leaf), (PartitionSpec(), ""))[0] for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, specs), _state_specs(resolved, states)
+    state_specs = _state_specs(resolved, states)
+    if rules is not None:
+        specs = [resolve_spec(s, None, rules) for s in specs]
+        state_specs = jax.tree_util.tree_map(
+            lambda s: resolve_spec(s, None, rules), state_specs, is_leaf=_is_spec
+        )
+    return jax.tree_util.tree_unflatten(treedef, specs), state_specs
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -272,19 +281,25 @@ def _mesh_axes(entry: Any, rules: Mapping[str, AxisRule] | None) -> tuple[str, .
 
 def resolve_spec(
     spec: PartitionSpec,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Mapping[str, AxisRule] | None = None,
     *,
     shape: tuple[int, ...] | None = None,
     where: str = "an array",
 ) -> PartitionSpec:
-    """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``."""
+    """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``.
+
+    Without a mesh only the mapping is done.
+    """
     entries = []
     for dim, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             entries.append(entry)
             continue
         axes = _mesh_axes(entry, rules)
+        if mesh is None:
+            entries.append(axes[0] if len(axes) == 1 else (axes or None))
+            continue
         unknown = [a for a in axes if a not in mesh.axis_names]
         if unknown:
             raise InvalidArgumentError(
