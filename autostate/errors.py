@@ -60,6 +60,10 @@ class TracedEagerStateError(AutostateError, RuntimeError):
     """An eager model was asked to store a JAX tracer (called under a transform)."""
 
 
+class StaticStateError(AutostateError, ValueError):
+    """A functionalized call assigned a static state (a bool, int, str, enum) a new value."""
+
+
 class StateAccessError(AutostateError, AttributeError):
     """A state attribute does not exist (yet) on the instance."""
 

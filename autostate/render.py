@@ -21,10 +21,12 @@ from autostate import tree as _tree
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
+    HandledStaticState,
     InitialLocalStateRequest,
     InitialValue,
     SharedLocalStateRequest,
     StateSlot,
+    StaticState,
 )
 
 # --- labels -------------------------------------------------------------------------
@@ -37,7 +39,8 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
 
     ``state 'mean' category='state' initial value`` (as constructed),
     ``... value`` (embedded by ``freeze``/``load``), ``... handled by <id>``
-    (inside a functionalized model), ``... shared`` or ``... in a host store``.
+    (inside a functionalized model), ``... static`` (a Python bool, int, str,
+    enum or None: part of the structure), ``... shared`` or ``... in a host store``.
     """
     head = f"state {name!r} category={getattr(slot, 'category', None)!r}"
     if isinstance(slot, InitialLocalStateRequest):
@@ -49,6 +52,10 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
         return f"{head} handled by {slot.handler_id!r}", _NO_VALUE
     if isinstance(slot, SharedLocalStateRequest):
         return f"{head} shared", _NO_VALUE
+    if isinstance(slot, StaticState):
+        return f"{head} static", slot.value
+    if isinstance(slot, HandledStaticState):
+        return f"{head} static, fixed in {slot.handler_id!r}", slot.value
     # Another engine's slot (the host fallback): its value lives elsewhere.
     return f"{head} in a host store", _NO_VALUE
 

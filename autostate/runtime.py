@@ -23,8 +23,8 @@ from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
     InitialLocalStateRequest,
-    InitialValue,
     StateSlot,
+    initial_slot,
 )
 from autostate.effects.local_state import _check_not_traced, handler_running
 from autostate.errors import InvalidTypeError, StateAccessError, format_error
@@ -72,10 +72,10 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     if spec is not None or sharded_spec is not None:
         _sharding.record(obj, name, spec if spec is not None else sharded_spec)
     # --- end sharding annotations ---
-    _check_not_traced(value, explicit or name)
     if info.slot_factory is not None:
+        _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
-    return InitialLocalStateRequest(InitialValue(value), category, explicit)
+    return initial_slot(value, category, explicit, name)
 
 
 def get(obj: Any, name: str) -> Any:

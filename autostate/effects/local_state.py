@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import enum
 import itertools
 import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
+from jax._src import core as _jax_core
 
 from autostate import tree as _tree
 from autostate.errors import (
@@ -35,6 +37,7 @@ from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
+    StaticStateError,
     TracedEagerStateError,
     UnhandledLocalStateError,
     format_error,
@@ -65,18 +68,87 @@ def contains_tracer(value: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value))
 
 
-def _check_not_traced(value: Any, name: str | None) -> None:
-    if contains_tracer(value):
-        raise TracedEagerStateError(
-            format_error(
-                f"State {name!r} was assigned a JAX tracer on a model that is not "
-                "functionalized: the model would keep a value that only exists "
-                "inside the current jax.jit/grad/vmap trace.",
-                fix="call `f, states = model.functionalize()` and use "
-                "`out, states = f(states, ...)` inside the transformation, or "
-                'decorate the class with @autostate.stateful(fallback="host").',
-            )
+def _trace_of(tracer: Any) -> Any:
+    return getattr(tracer, "_trace", None)
+
+
+def current_trace() -> Any:
+    """The JAX trace running now, or ``None`` outside every transformation."""
+    trace = getattr(_jax_core, "trace_ctx", None)
+    trace = getattr(trace, "trace", None)
+    return None if trace is None or isinstance(trace, _jax_core.EvalTrace) else trace
+
+
+def _live_traces() -> set[int]:
+    """Ids of the running trace and of the traces it runs inside."""
+    live: set[int] = set()
+    trace = current_trace()
+    while trace is not None and not isinstance(trace, _jax_core.EvalTrace):
+        live.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return live
+
+
+def _tracers(value: Any) -> list[Any]:
+    return [leaf for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer)]
+
+
+def _check_not_traced(value: Any, name: str | None, home: Any = None, home_trace: Any = None) -> None:
+    """Refuses to store a tracer that would outlive its trace in an eager model.
+
+    A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
+    a temporary instance inside a jitted step) lives in that trace, so it may
+    keep that trace's values: those of the state's current value ``home`` and
+    of the trace it was built in (``home_trace``). Any other tracer comes from
+    a transformation of a model built outside it, and would leak.
+    """
+    tracers = _tracers(value)
+    if not tracers:
+        return
+    allowed = {id(_trace_of(t)) for t in _tracers(home)}
+    if home_trace is not None:
+        allowed.add(id(home_trace))
+    if all(id(_trace_of(t)) in allowed for t in tracers):
+        return
+    raise TracedEagerStateError(
+        format_error(
+            f"State {name!r} was assigned a JAX tracer on a model that is not "
+            "functionalized and was built outside the current jax.jit/grad/vmap "
+            "trace: the model would keep a value that only exists inside that trace.",
+            fix="call `f, states = model.functionalize()` and use "
+            "`out, states = f(states, ...)` inside the transformation, build the "
+            "model inside it (values created while it is built are its initial "
+            'values), or decorate the class with @autostate.stateful(fallback="host").',
         )
+    )
+
+
+def check_initial_value(value: Any, name: str | None) -> None:
+    """A state's first value may hold tracers of the running trace (or its parents).
+
+    That is a model being built inside a transformation: its initial values
+    are values of that trace. A tracer of a finished trace is a leak.
+    """
+    tracers = _tracers(value)
+    if not tracers:
+        return
+    live = _live_traces()
+    if all(id(_trace_of(t)) in live for t in tracers):
+        return
+    _check_not_traced(value, name)
+
+
+def is_static_value(value: Any) -> bool:
+    """Whether a state value is static: a Python bool, int, str, enum member or None.
+
+    Static states are part of a model's structure (pytree aux data), not of
+    its states dict, so ``if self.training:`` works under ``jax.jit``.
+    """
+    t = type(value)
+    return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
+
+
+_STATIC_STATE_TYPES = (bool, int, str, type(None))
 
 
 def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
@@ -133,13 +205,15 @@ class InitialValue:
     ``@stateful`` stores one of these in the ``InitialLocalStateRequest`` it
     creates for ``self.x = v`` in ``__init__``. It compares by identity, as
     penzai initializers do, so ``state_sharing="allowed"`` shares a request
-    only with itself.
+    only with itself. ``home`` is the JAX trace the model was built in (``None``
+    outside transformations): later writes may hold that trace's values.
     """
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "home")
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any, home: Any = None):
         self.value = value
+        self.home = home
 
     def __call__(self) -> Any:
         return self.value
@@ -152,6 +226,27 @@ class InitialValue:
 
     def __setstate__(self, value):
         self.value = value
+        self.home = None
+
+
+def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
+    """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
+
+    A static value (bool, int, str, enum, None) gives a ``StaticState``; any
+    other an ``InitialLocalStateRequest``. Tracers of the running trace are
+    accepted: the model is being built inside a transformation.
+    """
+    if is_static_value(value):
+        return StaticState(value, category, name)
+    check_initial_value(value, name or label)
+    return InitialLocalStateRequest(InitialValue(value, current_trace()), category, name)
+
+
+def _written(value: Any, category: Category, name: str | None) -> Any:
+    """The immutable slot holding a newly assigned ``value``."""
+    if is_static_value(value):
+        return StaticState(value, category, name)
+    return FrozenLocalStateRequest(value, category, name)
 
 
 def _static_pytree(cls):
@@ -199,11 +294,15 @@ class InitialLocalStateRequest(StateSlot):
     def read(self) -> Any:
         return self.state_initializer()
 
-    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
-        _check_not_traced(value, self.name or label)
+    def write(self, value: Any, label: str | None = None) -> Any:
+        init = self.state_initializer
+        if isinstance(init, InitialValue):
+            _check_not_traced(value, self.name or label, init.value, init.home)
+        else:
+            _check_not_traced(value, self.name or label)
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash).
-        return FrozenLocalStateRequest(value, self.category, self.name)
+        return _written(value, self.category, self.name)
 
     def as_request(self) -> InitialLocalStateRequest:
         return self
@@ -238,9 +337,9 @@ class FrozenLocalStateRequest(StateSlot):
     def read(self) -> Any:
         return self.state
 
-    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
-        _check_not_traced(value, self.name or label)
-        return FrozenLocalStateRequest(value, self.category, self.name)
+    def write(self, value: Any, label: str | None = None) -> Any:
+        _check_not_traced(value, self.name or label, self.state)
+        return _written(value, self.category, self.name)
 
     def as_request(self) -> FrozenLocalStateRequest:
         return self
@@ -253,6 +352,127 @@ jax.tree_util.register_pytree_with_keys(
     lambda r: ((r.state,), (r.category, r.name)),
 )
 _tree.register_dynamic_type(FrozenLocalStateRequest)
+
+
+def _static_key(value: Any) -> tuple:
+    # ``True == 1`` and they hash alike: the type keeps jit from mixing them up.
+    return (type(value), value)
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticState(StateSlot):
+    """A state holding a Python bool, int, str, enum member or None.
+
+    Its value is part of the model's structure (pytree aux data), not of the
+    states dict: ``model.eval()`` then ``functionalize()`` gives an ``f`` that
+    ``jax.jit`` traces once per mode, and ``if self.training:`` is a plain
+    Python branch inside the trace.
+
+    Example::
+
+        slot = StaticState(True, category="state")
+        slot.read()          # True
+        slot.write(False)    # StaticState(value=False, ...)
+    """
+
+    value: Any
+    category: Category
+    name: str | None = None
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        _check_not_traced(value, self.name or label)
+        return _written(value, self.category, self.name)
+
+    def as_request(self) -> StaticState:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StaticState):
+            return NotImplemented
+        return _same_static(self.value, other.value) and (self.category, self.name) == (
+            other.category,
+            other.name,
+        )
+
+    def __hash__(self) -> int:
+        return hash((_static_key(self.value), self.category, self.name))
+
+
+jax.tree_util.register_pytree_node(
+    StaticState,
+    lambda s: ((), (_static_key(s.value), s.category, s.name)),
+    lambda aux, _children: StaticState(aux[0][1], aux[1], aux[2]),
+)
+_tree.register_dynamic_type(StaticState)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HandledStaticState(StateSlot):
+    """A static state inside a functionalized model: readable, fixed for the call.
+
+    ``f`` is pure and its structure holds the value, so a functionalized call
+    may assign the same value again but not another one.
+    """
+
+    handler_id: Hashable
+    name: str
+    value: Any
+    was_explicitly_named: bool
+    category: Category
+    handleable = False
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> None:
+        if _same_static(value, self.value):
+            return None
+        attr = label or self.name
+        raise StaticStateError(
+            format_error(
+                f"A functionalized call assigned {value!r} to static state {self.name!r} "
+                f"(attribute {attr!r}), which holds {self.value!r}: a Python "
+                f"{type(self.value).__name__} is part of f's structure, fixed for the call.",
+                fix=f"set it on the model before functionalizing (`model.{attr} = {value!r}` "
+                "or a method such as `model.eval()`, then `f, states = model.functionalize()`; "
+                "jax.jit traces once per value), or keep a value that changes inside jit "
+                "in an array (`jnp.asarray(...)`).",
+            )
+        )
+
+    def as_request(self) -> Any:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HandledStaticState):
+            return NotImplemented
+        return _same_static(self.value, other.value) and (
+            self.handler_id,
+            self.name,
+            self.was_explicitly_named,
+            self.category,
+        ) == (other.handler_id, other.name, other.was_explicitly_named, other.category)
+
+    def __hash__(self) -> int:
+        return hash((self.handler_id, self.name, _static_key(self.value), self.category))
+
+
+jax.tree_util.register_pytree_node(
+    HandledStaticState,
+    lambda s: (
+        (),
+        (s.handler_id, s.name, _static_key(s.value), s.was_explicitly_named, s.category),
+    ),
+    lambda aux, _children: HandledStaticState(aux[0], aux[1], aux[2][1], aux[3], aux[4]),
+)
+_tree.register_dynamic_type(HandledStaticState)
 
 
 @_static_pytree
@@ -381,6 +601,7 @@ class HandledLocalStateRef(StateSlot):
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
+_HANDLED_TYPES = (HandledLocalStateRef, HandledStaticState)
 # type -> whether it is a handleable slot of another engine (a cache of issubclass).
 _FOREIGN_SLOT: dict[type, bool] = {}
 
@@ -512,9 +733,9 @@ def handle_local_states(
 
     def is_target(node: Any) -> bool:
         t = type(node)
-        if t is HandledLocalStateRef:
+        if t is HandledLocalStateRef or t is HandledStaticState:
             return node.handler_id == handler_id
-        if t in REQUEST_TYPES:
+        if t in REQUEST_TYPES or t is StaticState:
             return predicate(node.category)
         # Another engine's slot (a host store) is handled as the request it stands for.
         foreign = _FOREIGN_SLOT.get(t)
@@ -522,10 +743,15 @@ def handle_local_states(
             foreign = _FOREIGN_SLOT[t] = issubclass(t, StateSlot) and t.handleable
         return foreign and predicate(node.category)
 
-    def replace(request: Any, path: str) -> HandledLocalStateRef:
-        if type(request) not in REQUEST_TYPES and type(request) is not HandledLocalStateRef:
+    def replace(request: Any, path: str) -> Any:
+        if type(request) is StaticState:
+            # Part of the structure, not of the states dict.
+            explicit = request.name is not None
+            name = request.name if explicit else path
+            return HandledStaticState(handler_id, name, request.value, explicit, request.category)
+        if type(request) not in REQUEST_TYPES and type(request) not in _HANDLED_TYPES:
             request = request.as_request()
-        if type(request) is HandledLocalStateRef:
+        if type(request) in _HANDLED_TYPES:
             # Two handlers with one id would read each other's cells.
             raise StateSharingError(
                 format_error(
@@ -613,9 +839,11 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     emitted: set[str] = set()
 
     def is_target(node: Any) -> bool:
-        return type(node) is HandledLocalStateRef and node.handler_id == handler_id
+        return type(node) in _HANDLED_TYPES and node.handler_id == handler_id
 
-    def replace(ref: HandledLocalStateRef, _path: str) -> Any:
+    def replace(ref: Any, _path: str) -> Any:
+        if type(ref) is HandledStaticState:
+            return StaticState(ref.value, ref.category, ref.name if ref.was_explicitly_named else None)
         if ref.name not in states:
             raise UnhandledLocalStateError(
                 format_error(
