@@ -7,7 +7,8 @@ JAX is imported, hence the first lines). The model annotates its arrays with
 ``autostate.state(..., sharding=...)``); ``RULES`` maps them to the mesh's
 ``data`` and ``model`` axes; ``autostate.shardings`` turns the annotations
 into the ``NamedSharding`` trees of ``f`` and ``states`` that ``jax.jit``
-takes. Each step is jitted with ``f`` and ``states`` donated, and the new
+takes, and the model is built directly in that layout by constructing it
+under ``jax.jit`` with those ``out_shardings``. Each step is jitted with ``f`` and ``states`` donated, and the new
 states come back in the layout they went in.
 """
 
@@ -189,9 +190,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"needs 8 devices, found {jax.device_count()}")
     mesh = make_mesh()
 
-    f, states = Transformer(jax.random.key(0), cfg).functionalize()
-    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
-    f, states = jax.device_put((f, states), (f_sh, s_sh))
+    def init(key):
+        return Transformer(key, cfg).functionalize()
+
+    # Sharded init: the shapes (no computation), then their shardings, then the
+    # model built under jit with those out_shardings, each array in its layout.
+    key = jax.random.key(0)
+    f_sh, s_sh = autostate.shardings(*jax.eval_shape(init, key), mesh, rules=RULES)
+    f, states = jax.jit(init, out_shardings=(f_sh, s_sh))(key)
     print(f"mesh {dict(mesh.shape)}; blocks[0].attn.wq sharded as "
           f"{f.model.blocks[0].attn.wq.sharding.spec}")
 

@@ -158,6 +158,50 @@ def bad_annotations_are_clear_errors():
         raise AssertionError("a tuple accepted as a spec")
 
 
+# --- item 2: sharded init -------------------------------------------------------------
+
+
+def transformer_init(key):
+    return example.Transformer(key, CFG).functionalize()
+
+
+def sharded_init(mesh):
+    """``transformer_init`` under jit, out_shardings from the model's annotations."""
+    abstract = jax.eval_shape(transformer_init, jax.random.key(0))
+    f_sh, s_sh = autostate.shardings(*abstract, mesh, rules=RULES)
+    return jax.jit(transformer_init, out_shardings=(f_sh, s_sh)), f_sh, s_sh
+
+
+@check
+def sharded_init_materializes_each_array_in_its_layout():
+    mesh = mesh_2x4()
+    key = jax.random.key(0)
+    abstract_f, abstract_states = jax.eval_shape(transformer_init, key)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves((abstract_f, abstract_states)))
+    init, f_sh, s_sh = sharded_init(mesh)
+    f, states = init(key)
+    assert_shardings(f, f_sh, "parameters built under jit")
+    assert_shardings(states, s_sh, "states built under jit")
+    assert_close((f, states), transformer_init(key), "sharded init vs eager", rtol=0, atol=0)
+    wq = f.model.blocks[0].attn.wq
+    assert [s.data.shape for s in wq.addressable_shards] == [(CFG.d, CFG.d // 4)] * 8
+    # Each device's output is its shards only: less than the whole model.
+    full = sum(x.size * x.dtype.itemsize for x in leaves((f, states)))
+    per_device = sum(s.data.nbytes for x in leaves((f, states)) for s in x.addressable_shards
+                     if s.device == jax.devices()[0])
+    compiled = init.lower(key).compile().memory_analysis()
+    n = len(leaves((f, states)))  # the output tuple adds one 8-byte pointer per array
+    assert per_device < 0.6 * full, (per_device, full)
+    assert compiled.output_size_in_bytes <= per_device + 8 * n, (compiled, per_device)
+    # eval_shape of the sharded init: abstract f and states carrying their shardings.
+    abstract = jax.eval_shape(init, key)
+    assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure((f, states))
+    for a, want in zip(leaves(abstract), leaves((f_sh, s_sh)), strict=True):
+        assert isinstance(a, jax.ShapeDtypeStruct) and a.sharding == want, (a, want)
+    model = autostate.freeze(*abstract)
+    assert "sharded P('embed', 'heads')" in repr(model)
+
+
 # --- item 3: DP + TP training step ---------------------------------------------------
 
 
@@ -165,9 +209,8 @@ def bad_annotations_are_clear_errors():
 def dp_tp_step_equals_single_device():
     mesh = mesh_2x4()
     f1, s1 = example.Transformer(jax.random.key(0), CFG).functionalize()
-    f8, s8 = example.Transformer(jax.random.key(0), CFG).functionalize()
-    f_sh, s_sh = autostate.shardings(f8, s8, mesh, rules=RULES)
-    f8, s8 = jax.device_put((f8, s8), (f_sh, s_sh))
+    init, f_sh, s_sh = sharded_init(mesh)
+    f8, s8 = init(jax.random.key(0))
     single = jax.jit(lambda f, s, x, y: example.train_step(f, s, x, y, CFG.lr))
     sharded = example.sharded_step(mesh, f_sh, s_sh, CFG.lr)
     for i, (x, y) in enumerate(example.batches(CFG, 3)):
@@ -299,11 +342,9 @@ def orbax_restores_into_the_sharded_abstract_model():
         path = Path(tmp) / "ckpt"
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(path, {"f": f, "states": states})  # saved from one device
-        f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
-        target = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            {"f": f, "states": states}, {"f": f_sh, "states": s_sh},
-        )
+        init, f_sh, s_sh = sharded_init(mesh)
+        abstract_f, abstract_states = jax.eval_shape(init, jax.random.key(5))
+        target = {"f": abstract_f, "states": abstract_states}
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(path, target)
     assert_shardings(restored["f"], f_sh, "restored parameters")

@@ -34,6 +34,7 @@ CHECK_NAMES = [
     "annotations_give_named_shardings",
     "two_meshes_give_their_own_shardings",
     "bad_annotations_are_clear_errors",
+    "sharded_init_materializes_each_array_in_its_layout",
     "dp_tp_step_equals_single_device",
     "jit_level_statistics_equal_full_batch",
     "shard_map_pmean_statistics_equal_full_batch",
