@@ -371,22 +371,6 @@ def autostate_save_load_keep_the_like_models_shardings():
     assert_close((lf, ls), (f, states), "loaded values", rtol=0, atol=0)
 
 
-# --- item 7: the example and the docs ---------------------------------------------------
-
-
-@check
-def example_runs_at_smoke_size():
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        example.main(["--smoke"])
-    text = out.getvalue()
-    assert "mesh {'data': 2, 'model': 4}" in text, text
-    assert "step 2  loss" in text and "states kept their shardings: True" in text, text
-
-
 def main(argv: list[str]) -> int:
     names = argv or list(CHECKS)
     results = {}

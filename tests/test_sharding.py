@@ -41,7 +41,6 @@ CHECK_NAMES = [
     "donated_decode_updates_the_cache_in_place",
     "orbax_restores_into_the_sharded_abstract_model",
     "autostate_save_load_keep_the_like_models_shardings",
-    "example_runs_at_smoke_size",
 ]
 
 
@@ -71,6 +70,21 @@ def test_on_eight_devices(check_results: dict[str, str], name: str) -> None:
 
 def test_every_check_is_listed(check_results: dict[str, str]) -> None:
     assert sorted(check_results) == sorted(CHECK_NAMES)
+
+
+def test_the_example_asks_for_eight_devices_and_trains_at_smoke_size() -> None:
+    env = _eight_device_env()
+    env["XLA_FLAGS"] = ""  # the example sets the flag itself
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sharded_training.py"), "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "mesh {'data': 2, 'model': 4}; blocks[0].attn.wq sharded as P(None, 'model')"
+    assert [line.split("  loss")[0] for line in lines[1:3]] == ["step 1", "step 2"]
+    assert all(0 < float(line.split("loss ")[1]) < 10 for line in lines[1:3])
+    assert lines[3] == "step counter 2; states kept their shardings: True"
 
 
 # --- the docs page, 8 devices -----------------------------------------------------------
