@@ -11,15 +11,24 @@ decorated.
 
 from __future__ import annotations
 
+import importlib
+import io
+import pickle
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import jax.export
 import numpy as np
 
 from autostate import tree as _tree
 from autostate.effects import contains_tracer, run_with_states
-from autostate.errors import MethodNotFoundError, StateAccessError, format_error
+from autostate.errors import (
+    InvalidTypeError,
+    MethodNotFoundError,
+    StateAccessError,
+    format_error,
+)
 
 
 def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
@@ -55,34 +64,59 @@ class FunctionalModel:
     ``f.<method>(states, *args, **kwargs)`` calls any other method the same
     way. It is a pytree whose leaves are the model's parameters, so it can be
     passed into ``jax.jit``, differentiated with ``jax.grad`` and updated
-    with ``jax.tree_util.tree_map`` or optax.
+    with ``jax.tree_util.tree_map`` or optax. Its keypaths follow the model,
+    one key per level under ``.model`` (``.model.blocks[0].w``), so path-based
+    optax masks, ``flax.traverse_util`` and orbax see the model's names.
 
     ``f`` is immutable: make a new one with ``tree_map`` rather than
     assigning into ``f.model``. That is what lets it flatten once and reuse
     the result on every call of a jitted step (per-call dispatch then costs
     what a dict of arrays costs), and what keeps tied weights (one instance
-    on two paths) one leaf.
+    on two paths) one leaf, under its first path.
+
+    Example::
+
+        f, states = model.functionalize()
+        out, states = jax.jit(f)(states, x)              # f itself is jit-able
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
     """
 
-    __slots__ = ("handler_id", "_model", "_flat")
+    __slots__ = ("handler_id", "_model", "_flat", "_children", "__weakref__")
 
-    def __init__(self, handler_id: Hashable, model: Any = None, flat: tuple | None = None):
+    def __init__(
+        self,
+        handler_id: Hashable,
+        model: Any = None,
+        flat: tuple | None = None,
+        children: Any = None,
+    ):
         self.handler_id = handler_id
         self._model = model
-        self._flat = flat  # (leaves, graphdef), computed on first flatten
+        self._flat = flat  # (leaves in graph order, graphdef), computed on first flatten
+        self._children = children  # (keyed view of the leaves, graphdef)
 
     @property
     def model(self) -> Any:
         """The handled model (its states are ``HandledLocalStateRef``s)."""
         if self._model is None:
-            leaves, graphdef = self._flat
+            leaves, graphdef = self._flattened()
             self._model = _tree.unflatten_graph(graphdef, leaves)
         return self._model
 
     def _flattened(self) -> tuple:
         if self._flat is None:
-            self._flat = _tree.flatten_graph(self._model)
+            if self._children is not None:
+                view, graphdef = self._children
+                self._flat = (_leaves_in_graph_order(graphdef, view), graphdef)
+            else:
+                self._flat = _tree.flatten_graph(self._model)
         return self._flat
+
+    def _keyed(self) -> tuple:
+        if self._children is None:
+            leaves, graphdef = self._flattened()
+            self._children = (_keyed_view(graphdef, leaves), graphdef)
+        return self._children
 
     def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
         return self._run(states, self.model, args, kwargs)
@@ -96,6 +130,7 @@ class FunctionalModel:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
+            self._children = None
         if before is not None:
             _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
         return result
@@ -138,7 +173,10 @@ class FunctionalModel:
             return NotImplemented
         return self.handler_id == other.handler_id and _trees_equal(self, other)
 
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:
+        # Equal fs have one structure, so hashing the structure keeps the
+        # contract; ``jax.jit(f)`` needs f hashable (and weak-referenceable).
+        return hash((self.handler_id, self._flattened()[1]))
 
 
 def _trees_equal(a: Any, b: Any) -> bool:
@@ -149,27 +187,197 @@ def _trees_equal(a: Any, b: Any) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
 
 
+# --- the keyed view: one pytree level per model level --------------------------
+
+class Fields:
+    """One attribute level of ``f``'s keyed view: children under ``GetAttrKey``s.
+
+    A class per set of attribute names, registered as a JAX dataclass node,
+    so flattening ``f`` on every call of a jitted step runs in JAX's C++
+    pytree code, as a dict of arrays does.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __init__(self, **children: Any):
+        self.__dict__.update(children)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields)
+        return f"Fields({inner})"
+
+
+_FIELDS_CLASSES: dict[tuple[str, ...], type] = {}
+
+
+def fields_class(names: tuple[str, ...]) -> type:
+    """The ``Fields`` node class for one tuple of attribute names (made once)."""
+    cls = _FIELDS_CLASSES.get(names)
+    if cls is None:
+        cls = type("Fields", (Fields,), {"_fields": names, "__module__": __name__})
+        jax.tree_util.register_dataclass(cls, data_fields=list(names), meta_fields=[])
+        jax.export.register_pytree_node_serialization(
+            cls,
+            serialized_name=f"autostate.Fields{list(names)!r}",
+            serialize_auxdata=lambda _aux: b"",
+            deserialize_auxdata=lambda _data: (),
+        )
+        _FIELDS_CLASSES[names] = cls
+    return cls
+
+
+class _Keyed:
+    """A level whose keys are of no kind JAX builds natively (a foreign node's keys)."""
+
+    __slots__ = ("keys", "children")
+
+    def __init__(self, keys: tuple, children: list):
+        self.keys = keys
+        self.children = children
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Keyed,
+    lambda n: (list(zip(n.keys, n.children)), n.keys),
+    lambda keys, children: _Keyed(keys, list(children)),
+    lambda n: (n.children, n.keys),
+)
+
+
+class _Index:
+    """Stands for leaf ``i`` (in graph order) while a view's layout is computed."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _build_level(trie: dict) -> Any:
+    keys = list(trie)
+    children = [v if isinstance(v, _Index) else _build_level(v) for v in trie.values()]
+    kinds = {type(k) for k in keys}
+    if kinds == {jax.tree_util.GetAttrKey}:
+        names = tuple(k.name for k in keys)
+        return fields_class(names)(**dict(zip(names, children)))
+    if kinds == {jax.tree_util.SequenceKey}:
+        by_index = {k.idx: c for k, c in zip(keys, children)}
+        # Holes (an element without leaves) stay holes, so indices stay the model's.
+        return tuple(by_index.get(i) for i in range(max(by_index) + 1))
+    if kinds == {jax.tree_util.DictKey}:
+        return {k.key: c for k, c in zip(keys, children)}
+    return _Keyed(tuple(keys), children)
+
+
+def _view_layout(graphdef: _tree.GraphDef) -> tuple:
+    """``(treedef of the keyed view, graph index of each of its leaves)``, once per graphdef."""
+    layout = graphdef.cache.get("keyed")
+    if layout is None:
+        trie: dict = {}
+        for i, path in enumerate(graphdef.keys):
+            node = trie
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = _Index(i)
+        view = _build_level(trie) if trie else None
+        marks, view_def = jax.tree_util.tree_flatten(view, is_leaf=lambda x: isinstance(x, _Index))
+        layout = graphdef.cache["keyed"] = (view_def, tuple(m.i for m in marks))
+    return layout
+
+
+def _keyed_view(graphdef: _tree.GraphDef, leaves: list[Any]) -> Any:
+    view_def, order = _view_layout(graphdef)
+    return view_def.unflatten([leaves[i] for i in order])
+
+
+def _leaves_in_graph_order(graphdef: _tree.GraphDef, view: Any) -> list[Any]:
+    view_def, order = _view_layout(graphdef)
+    in_view = view_def.flatten_up_to(view)
+    leaves: list[Any] = [None] * len(order)
+    for i, leaf in zip(order, in_view):
+        leaves[i] = leaf
+    return leaves
+
+
 def _flatten_functional(f: FunctionalModel):
-    leaves, graphdef = f._flattened()
-    return leaves, (f.handler_id, graphdef)
+    view, graphdef = f._keyed()
+    return (view,), (f.handler_id, graphdef)
 
 
 def _flatten_functional_with_keys(f: FunctionalModel):
-    leaves, graphdef = f._flattened()
-    keys = [jax.tree_util.GetAttrKey(f"model.{n}") for n in graphdef.names]
-    return list(zip(keys, leaves)), (f.handler_id, graphdef)
+    view, graphdef = f._keyed()
+    return ((jax.tree_util.GetAttrKey("model"), view),), (f.handler_id, graphdef)
 
 
-def _unflatten_functional(aux: tuple, leaves) -> FunctionalModel:
+def _unflatten_functional(aux: tuple, children) -> FunctionalModel:
     handler_id, graphdef = aux
-    leaves = list(leaves)
-    return FunctionalModel(handler_id, None, (leaves, graphdef))
+    (view,) = children
+    return FunctionalModel(handler_id, None, None, (view, graphdef))
 
 
 jax.tree_util.register_pytree_with_keys(
     FunctionalModel, _flatten_functional_with_keys, _unflatten_functional, _flatten_functional
 )
 _tree.register_dynamic_type(FunctionalModel)
+
+
+def _by_name(obj: Any) -> tuple[str, str] | None:
+    """``(module, qualname)`` of a function-like object importable under that name."""
+    if isinstance(obj, type) or not callable(obj):
+        return None
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return (module, qualname) if found is obj else None
+
+
+class _AuxPickler(pickle.Pickler):
+    # Functions in a model's static attributes (``jax.nn.relu``, a custom_jvp
+    # object) are written by name: pickling them by value fails or is wrong.
+    def persistent_id(self, obj: Any) -> Any:
+        return _by_name(obj)
+
+
+class _AuxUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        module, qualname = pid
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        return found
+
+
+def _serialize_aux(aux: tuple) -> bytes:
+    buffer = io.BytesIO()
+    try:
+        _AuxPickler(buffer).dump(aux)
+    except Exception as exc:
+        raise InvalidTypeError(
+            format_error(
+                f"Cannot serialize f's structure for jax.export: {exc}.",
+                fix="keep static attributes of the model picklable or importable by name "
+                "(module-level functions and classes, not lambdas or local functions).",
+            )
+        ) from exc
+    return buffer.getvalue()
+
+
+def _deserialize_aux(data: bytes) -> tuple:
+    return _AuxUnpickler(io.BytesIO(data)).load()
+
+
+jax.export.register_pytree_node_serialization(
+    FunctionalModel,
+    serialized_name="autostate.FunctionalModel",
+    serialize_auxdata=_serialize_aux,
+    deserialize_auxdata=_deserialize_aux,
+)
 
 
 def all_categories(_category: Hashable) -> bool:

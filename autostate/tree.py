@@ -22,8 +22,10 @@ its request types here with ``register_dynamic_type``.
 
 from __future__ import annotations
 
+import enum
 import gc
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +36,9 @@ import numpy as np
 # (None: nothing). Kept here, not on the class, so membership is one lookup.
 _STATEFUL_CLASSES: dict[type, Callable[[Any], None] | None] = {}
 _DYNAMIC_TYPES: set[type] = set()
+# slot type -> the form it takes in a pytree (so a state is flattened the same
+# way before and after its first write).
+_CANONICAL: dict[type, Callable[[Any], Any]] = {}
 
 INFO_ATTR = "__autostate_info__"
 
@@ -96,6 +101,37 @@ def register_dynamic_type(cls: type) -> None:
     _DYNAMIC_TYPES.add(cls)
 
 
+def register_canonical_form(cls: type, canonical: Callable[[Any], Any]) -> None:
+    """Flattens attribute values of type ``cls`` as ``canonical(value)`` would be.
+
+    The engine registers its initial-state request here, so that a fresh
+    model and the same model after one eager call (whose states then hold
+    values) have one pytree structure.
+    """
+    _CANONICAL[cls] = canonical
+
+
+def is_array_leaf(value: Any) -> bool:
+    """Arrays (concrete, traced or abstract): the only leaves ``f`` and models have."""
+    return isinstance(value, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def is_static_leaf(value: Any) -> bool:
+    """A value that would be a pytree leaf but is not an array (``3``, ``"relu"``, a function).
+
+    Such values, wherever they sit in a model (inside lists, dicts or a
+    foreign pytree node), are static aux data, never leaves.
+    """
+    if value is None or is_array_leaf(value):
+        return False
+    t = type(value)
+    if t in _STATIC_TYPES or isinstance(value, enum.Enum):
+        return True
+    if t is list or t is tuple or t is dict or t in _STATEFUL_CLASSES or t in _DYNAMIC_TYPES:
+        return False
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+
+
 def is_dynamic(value: Any) -> bool:
     """Whether an attribute value is a pytree child (else it is static aux data)."""
     t = type(value)
@@ -103,7 +139,7 @@ def is_dynamic(value: Any) -> bool:
         return False
     if t in _STATEFUL_CLASSES or t in _DYNAMIC_TYPES:
         return True
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    if is_array_leaf(value):
         return True
     if t is list or t is tuple:
         return any(is_dynamic(v) for v in value)
@@ -118,11 +154,13 @@ def is_dynamic(value: Any) -> bool:
 
 
 class _Static:
-    """Hashable wrapper for a static attribute value kept in pytree aux data.
+    """Hashable wrapper for a static value kept in pytree aux data.
 
     Used so that unhashable python values (lists of ints, dicts of config)
     can sit in aux data: equality is the value's own ``==``; the hash falls
-    back to the type when the value is unhashable.
+    back to the type when the value is unhashable. It is also a pytree node
+    without children: a static value inside a list of a model (``[Sub(), 3]``)
+    stands there as one, so it is structure, not a leaf.
     """
 
     __slots__ = ("value",)
@@ -135,6 +173,8 @@ class _Static:
             return NotImplemented
         if self.value is other.value:
             return True
+        if type(self.value) is not type(other.value):
+            return False
         try:
             return bool(self.value == other.value)
         except Exception:
@@ -150,21 +190,134 @@ class _Static:
         return f"static({self.value!r})"
 
 
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda aux, _children: aux)
+
+
+# --- static values inside containers ------------------------------------------
+
+
+def _wrap_statics(value: Any, path: tuple = ()) -> tuple[Any, tuple]:
+    """``value`` with the static leaves of its plain containers wrapped; their positions."""
+    t = type(value)
+    if t is dict:
+        items: list[tuple[Any, Any]] = list(value.items())
+    elif t is list or t is tuple:
+        items = list(enumerate(value))
+    else:
+        return value, ()
+    positions: list[tuple] = []
+    changed = False
+    out = []
+    for k, v in items:
+        if is_static_leaf(v):
+            out.append((k, _Static(v)))
+            positions.append((*path, k))
+            changed = True
+            continue
+        new, sub = _wrap_statics(v, (*path, k))
+        positions.extend(sub)
+        changed = changed or new is not v
+        out.append((k, new))
+    if not changed:
+        return value, ()
+    if t is dict:
+        return {k: v for k, v in out}, tuple(positions)
+    return t(v for _, v in out), tuple(positions)
+
+
+def _replace_at(value: Any, path: tuple, fn: Callable[[Any], Any]) -> Any:
+    if not path:
+        return fn(value)
+    head, rest = path[0], path[1:]
+    if type(value) is dict:
+        out = dict(value)
+        out[head] = _replace_at(value[head], rest, fn)
+        return out
+    items = list(value)
+    items[head] = _replace_at(items[head], rest, fn)
+    return type(value)(items)
+
+
+def _wrap_at(value: Any, positions: tuple) -> Any:
+    for path in positions:
+        value = _replace_at(value, path, _Static)
+    return value
+
+
+def _unwrap_at(value: Any, positions: tuple) -> Any:
+    for path in positions:
+        value = _replace_at(value, path, lambda s: s.value if type(s) is _Static else s)
+    return value
+
+
+# --- per-instance pytree ------------------------------------------------------
+
+# id(instance) -> (weakref, attribute names, aux) for instances built by unflatten:
+# flattening them again gives the same structure whatever their values became
+# (``tree.map(lambda _: None, model)`` used as a vmap prefix).
+_LAYOUTS: dict[int, tuple[Any, tuple[str, ...], tuple]] = {}
+
+
+def _remember_layout(obj: Any, aux: tuple) -> None:
+    key = id(obj)
+    try:
+        ref = weakref.ref(obj, lambda _r, key=key: _LAYOUTS.pop(key, None))
+    except TypeError:  # no __weakref__ slot: inferred from values every time
+        return
+    _LAYOUTS[key] = (ref, tuple(obj.__dict__), aux)
+
+
+def _entry_name(entry: Any) -> str:
+    return entry if type(entry) is str else entry[1]
+
+
 def _flatten_instance(obj: Any):
+    d = obj.__dict__
+    remembered = _LAYOUTS.get(id(obj))
+    if remembered is not None and remembered[0]() is obj and remembered[1] == tuple(d):
+        return _flatten_as(d, remembered[2])
     aux = []
     children = []
-    for name, value in obj.__dict__.items():
+    for name, value in d.items():
+        canonical = _CANONICAL.get(type(value))
+        if canonical is not None:
+            value = canonical(value)
         if is_dynamic(value):
-            aux.append(name)
+            value, positions = _wrap_statics(value)
+            aux.append(("c", name, positions) if positions else name)
             children.append(value)
         else:
-            aux.append((name, _Static(value)))
+            aux.append(("s", name, _Static(value)))
+    return children, tuple(aux)
+
+
+def _flatten_as(d: dict, layout: tuple):
+    aux = []
+    children = []
+    for entry in layout:
+        name = _entry_name(entry)
+        value = d[name]
+        canonical = _CANONICAL.get(type(value))
+        if canonical is not None:
+            value = canonical(value)
+        if type(entry) is str:
+            aux.append(entry)
+            children.append(value)
+        elif entry[0] == "c":
+            aux.append(entry)
+            children.append(_wrap_at(value, entry[2]))
+        else:
+            aux.append(("s", name, _Static(value)))
     return children, tuple(aux)
 
 
 def _flatten_instance_with_keys(obj: Any):
     children, aux = _flatten_instance(obj)
-    keys = [jax.tree_util.GetAttrKey(entry) for entry in aux if type(entry) is str]
+    keys = [
+        jax.tree_util.GetAttrKey(_entry_name(entry))
+        for entry in aux
+        if type(entry) is str or entry[0] == "c"
+    ]
     return list(zip(keys, children)), aux
 
 
@@ -178,8 +331,11 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
         for entry in aux:
             if type(entry) is str:
                 d[entry] = next(it)
+            elif entry[0] == "c":
+                d[entry[1]] = _unwrap_at(next(it), entry[2])
             else:
-                d[entry[0]] = entry[1].value
+                d[entry[1]] = entry[2].value
+        _remember_layout(obj, aux)
         return obj
 
     return unflatten
@@ -355,13 +511,25 @@ class GraphDef:
     every call of a step.
     """
 
-    __slots__ = ("instances", "root", "names", "_hash")
+    __slots__ = ("instances", "root", "names", "keys", "_hash", "cache")
 
-    def __init__(self, instances: tuple, root: int, names: tuple[str, ...]):
+    def __init__(self, instances: tuple, root: int, names: tuple[str, ...], keys: tuple = ()):
         self.instances = instances
         self.root = root
-        self.names = names  # path name of each leaf; derived, so not compared
+        # Path name and keypath of each leaf; derived, so not compared.
+        self.names = names
+        self.keys = keys
         self._hash = hash((instances, root))
+        # What users of the graphdef derive from it once (FunctionalModel's keyed view).
+        self.cache: dict[str, Any] = {}
+
+    def __getstate__(self) -> tuple:
+        return (self.instances, self.root, self.names, self.keys)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.instances, self.root, self.names, self.keys = state
+        self._hash = hash((self.instances, self.root))
+        self.cache = {}
 
     def __hash__(self) -> int:
         return self._hash
@@ -380,19 +548,28 @@ class GraphDef:
         return f"GraphDef({len(self.instances)} instances)"
 
 
+def _graph_leaf(x: Any) -> bool:
+    return type(x) in _STATEFUL_CLASSES or is_static_leaf(x)
+
+
 def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     """Flattens a model graph with each instance once: ``(leaves, graphdef)``.
 
     Unlike the per-instance pytree registration, an instance reachable from
     two paths contributes its leaves once (named by its first path), so tied
-    weights stay tied through ``jax.jit`` and get one summed gradient.
+    weights stay tied through ``jax.jit`` and get one summed gradient. The
+    leaves are arrays only: every other value (a python scalar in a list, a
+    function or a string inside a foreign pytree node) is static, in the
+    graphdef. ``graphdef.keys`` holds each leaf's keypath from the root.
     """
     leaves: list[Any] = []
     names: list[str] = []
+    keys: list[tuple] = []
     index: dict[int, int] = {}
     instances: list[Any] = []
+    attr_key = jax.tree_util.GetAttrKey
 
-    def visit(obj: Any, prefix: str) -> int:
+    def visit(obj: Any, prefix: str, prefix_keys: tuple) -> int:
         seen = index.get(id(obj))
         if seen is not None:
             return seen
@@ -401,25 +578,33 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
         instances.append(None)
         entries = []
         for name, value in obj.__dict__.items():
+            canonical = _CANONICAL.get(type(value))
+            if canonical is not None:
+                value = canonical(value)
             if not is_dynamic(value):
                 entries.append((name, None, _Static(value)))
                 continue
-            flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_stateful_instance)
-            parts = []
+            flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_graph_leaf)
+            parts: list[Any] = []
+            here = prefix + attr_name(name)
+            here_keys = (*prefix_keys, attr_key(name))
             for path, leaf in flat:
-                sub = prefix + attr_name(name) + "".join(key_name(k) for k in path)
+                sub = here + "".join(key_name(k) for k in path)
                 if type(leaf) in _STATEFUL_CLASSES:
-                    parts.append(-1 - visit(leaf, sub))
-                else:
+                    parts.append(-1 - visit(leaf, sub, (*here_keys, *path)))
+                elif is_array_leaf(leaf):
                     parts.append(len(leaves))
                     leaves.append(leaf)
                     names.append(path_name(sub))
+                    keys.append((*here_keys, *path))
+                else:
+                    parts.append(_Static(leaf))
             entries.append((name, treedef, tuple(parts)))
         instances[i] = (type(obj), tuple(entries))
         return i
 
-    root_index = visit(root, "")
-    return leaves, GraphDef(tuple(instances), root_index, tuple(names))
+    root_index = visit(root, "", ())
+    return leaves, GraphDef(tuple(instances), root_index, tuple(names), tuple(keys))
 
 
 def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
@@ -432,6 +617,9 @@ def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
                 d[name] = parts.value
             else:
                 d[name] = treedef.unflatten(
-                    [objs[-1 - p] if p < 0 else leaves[p] for p in parts]
+                    [
+                        (objs[-1 - p] if p < 0 else leaves[p]) if type(p) is int else p.value
+                        for p in parts
+                    ]
                 )
     return objs[graphdef.root]

@@ -93,22 +93,18 @@ def _tracers(value: Any) -> list[Any]:
     return [leaf for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer)]
 
 
-def _check_not_traced(value: Any, name: str | None, home: Any = None, home_trace: Any = None) -> None:
+def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
     """Refuses to store a tracer that would outlive its trace in an eager model.
 
     A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
-    a temporary instance inside a jitted step) lives in that trace, so it may
-    keep that trace's values: those of the state's current value ``home`` and
-    of the trace it was built in (``home_trace``). Any other tracer comes from
-    a transformation of a model built outside it, and would leak.
+    a temporary instance inside a jitted step) lives in that trace, its
+    ``home``: it may keep that trace's values. Any other tracer comes from a
+    transformation of a model built outside it, and would leak.
     """
     tracers = _tracers(value)
     if not tracers:
         return
-    allowed = {id(_trace_of(t)) for t in _tracers(home)}
-    if home_trace is not None:
-        allowed.add(id(home_trace))
-    if all(id(_trace_of(t)) in allowed for t in tracers):
+    if home is not None and all(_trace_of(t) is home for t in tracers):
         return
     raise TracedEagerStateError(
         format_error(
@@ -121,6 +117,17 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None, home_trace
             'values), or decorate the class with @autostate.stateful(fallback="host").',
         )
     )
+
+
+def _home_of(slot: Any) -> Any:
+    """The trace a slot's model was built in (``None``: built outside every trace)."""
+    return slot.__dict__.get("_home")
+
+
+def _with_home(slot: Any, home: Any) -> Any:
+    if home is not None:
+        object.__setattr__(slot, "_home", home)
+    return slot
 
 
 def check_initial_value(value: Any, name: str | None) -> None:
@@ -236,17 +243,18 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     other an ``InitialLocalStateRequest``. Tracers of the running trace are
     accepted: the model is being built inside a transformation.
     """
+    home = current_trace()
     if is_static_value(value):
-        return StaticState(value, category, name)
+        return _with_home(StaticState(value, category, name), home)
     check_initial_value(value, name or label)
-    return InitialLocalStateRequest(InitialValue(value, current_trace()), category, name)
+    return InitialLocalStateRequest(InitialValue(value, home), category, name)
 
 
-def _written(value: Any, category: Category, name: str | None) -> Any:
-    """The immutable slot holding a newly assigned ``value``."""
+def _written(value: Any, category: Category, name: str | None, home: Any) -> Any:
+    """The immutable slot holding a newly assigned ``value`` (same home trace)."""
     if is_static_value(value):
-        return StaticState(value, category, name)
-    return FrozenLocalStateRequest(value, category, name)
+        return _with_home(StaticState(value, category, name), home)
+    return _with_home(FrozenLocalStateRequest(value, category, name), home)
 
 
 def _static_pytree(cls):
@@ -296,13 +304,11 @@ class InitialLocalStateRequest(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> Any:
         init = self.state_initializer
-        if isinstance(init, InitialValue):
-            _check_not_traced(value, self.name or label, init.value, init.home)
-        else:
-            _check_not_traced(value, self.name or label)
+        home = init.home if isinstance(init, InitialValue) else None
+        _check_not_traced(value, self.name or label, home)
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash).
-        return _written(value, self.category, self.name)
+        return _written(value, self.category, self.name, home)
 
     def as_request(self) -> InitialLocalStateRequest:
         return self
@@ -338,8 +344,9 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        _check_not_traced(value, self.name or label, self.state)
-        return _written(value, self.category, self.name)
+        home = _home_of(self)
+        _check_not_traced(value, self.name or label, home)
+        return _written(value, self.category, self.name, home)
 
     def as_request(self) -> FrozenLocalStateRequest:
         return self
@@ -352,6 +359,17 @@ jax.tree_util.register_pytree_with_keys(
     lambda r: ((r.state,), (r.category, r.name)),
 )
 _tree.register_dynamic_type(FrozenLocalStateRequest)
+
+
+def _canonical_initial(request: InitialLocalStateRequest) -> Any:
+    # A fresh model's state is a leaf as it will be after its first write.
+    init = request.state_initializer
+    if isinstance(init, InitialValue):
+        return FrozenLocalStateRequest(init.value, request.category, request.name)
+    return request
+
+
+_tree.register_canonical_form(InitialLocalStateRequest, _canonical_initial)
 
 
 def _static_key(value: Any) -> tuple:
@@ -387,8 +405,9 @@ class StaticState(StateSlot):
         return self.value
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        _check_not_traced(value, self.name or label)
-        return _written(value, self.category, self.name)
+        home = _home_of(self)
+        _check_not_traced(value, self.name or label, home)
+        return _written(value, self.category, self.name, home)
 
     def as_request(self) -> StaticState:
         return self
