@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autostate import tree as _tree
-from autostate.effects import HandledLocalStateRef, StateSlot
+from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import FunctionalModel
 
@@ -193,8 +193,11 @@ class _Resolved:
                 value = vars(obj).get(attr)
                 if type(value) is HandledLocalStateRef:
                     self.by_state.setdefault(value.name, spec)
+                elif isinstance(value, FrozenLocalStateRequest):
+                    # A state of a category this f does not handle: its value is a leaf of f.
+                    self._add_param(value.state, spec, where)
                 elif isinstance(value, StateSlot):
-                    continue  # a state of another category: neither in f's leaves nor in states
+                    continue  # no array: neither among f's leaves nor in states
                 else:
                     self._add_param(value, spec, where)
 

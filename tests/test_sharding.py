@@ -206,3 +206,24 @@ def test_a_spec_that_does_not_fit_the_value_is_a_clear_error():
     mesh = jax.make_mesh((1,), ("data",))
     with pytest.raises(ValueError, match="of 'w' has 2 entries, but the array has 1"):
         autostate.shardings(*WrongRank().functionalize(), mesh)
+
+
+def test_states_of_other_categories_keep_their_annotation_as_leaves_of_f():
+    @autostate.stateful
+    class TwoKinds:
+        def __init__(self):
+            self.mean = autostate.state(jnp.zeros(4), sharding=P("model"))
+            self.cache = autostate.state(jnp.zeros((3, 4)), category="cache",
+                                         sharding=P(None, "model"))
+
+        def __call__(self, x):
+            self.mean = self.mean + 1
+            self.cache = self.cache + x
+            return x
+
+    model = TwoKinds()
+    model = autostate.freeze(*model.functionalize())  # both states hold values now
+    f, states = model.functionalize("cache")
+    f_specs, s_specs = autostate.partition_specs(f, states)
+    assert s_specs == {"cache": P(None, "model")}
+    assert jax.tree_util.tree_leaves(f_specs, is_leaf=lambda x: isinstance(x, P)) == [P("model")]
