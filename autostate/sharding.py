@@ -93,7 +93,9 @@ def sharded(value: Any, spec: PartitionSpec) -> Any:
                 self.w = autostate.sharded(w, P(None, "model"))
 
         f, states = Linear(jax.random.key(0), 4, 8).functionalize()
+        mesh = jax.make_mesh((1, 1), ("data", "model"))
         f_sh, s_sh = autostate.shardings(f, states, mesh)
+        f_sh.model.w.spec   # P(None, 'model')
 
     Use it on the right of ``self.x = ...`` in ``__init__``: the attribute
     holds ``value`` itself (eager code sees a plain array) and the instance
@@ -126,11 +128,6 @@ def record(obj: Any, attr: str, spec: Any) -> None:
     """
     d = obj.__dict__
     d[ANNOTATIONS] = {**d.get(ANNOTATIONS, {}), attr: check_spec(spec, f"{attr!r}")}
-
-
-def annotation_of(obj: Any, attr: str) -> Any:
-    """The spec recorded for ``obj.attr``, or ``None``."""
-    return obj.__dict__.get(ANNOTATIONS, {}).get(attr)
 
 
 # --- reading the annotations of a functionalized model --------------------------
