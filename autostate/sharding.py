@@ -171,6 +171,21 @@ def _broadcast(spec: Any, value: Any, where: str) -> Any:
         ) from None
 
 
+def _check_unwrapped(obj: Any, prefix: str) -> None:
+    """A marker left in an attribute (a ``__setattr__`` of the user's own) hid an array."""
+    for attr, value in vars(obj).items():
+        if type(value) is Annotated:
+            where = _tree.path_name(prefix + _tree.attr_name(attr))
+            raise InvalidTypeError(
+                format_error(
+                    f"{where} holds autostate.sharded(...) itself, not its array: "
+                    f"{type(obj).__name__} defines its own __setattr__, which stored the marker.",
+                    fix="remove the class's own __setattr__ (the one @stateful installs "
+                    "unwraps the marker), or assign the plain array and leave it unannotated.",
+                )
+            )
+
+
 class _Resolved:
     """The annotations of one functionalized model: per leaf id and per state name."""
 
@@ -185,6 +200,7 @@ class _Resolved:
         self.by_leaf: dict[int, tuple[Any, str]] = {}
         self.by_state: dict[str, Any] = {}
         for prefix, obj in _instances(f.model):
+            _check_unwrapped(obj, prefix)
             for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
                 where = _tree.path_name(prefix + _tree.attr_name(attr)) or attr
                 value = vars(obj).get(attr)

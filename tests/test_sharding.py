@@ -227,3 +227,16 @@ def test_states_of_other_categories_keep_their_annotation_as_leaves_of_f():
     f_specs, s_specs = autostate.partition_specs(f, states)
     assert s_specs == {"cache": P(None, "model")}
     assert jax.tree_util.tree_leaves(f_specs, is_leaf=lambda x: isinstance(x, P)) == [P("model")]
+
+
+def test_a_marker_stored_by_a_custom_setattr_is_a_clear_error():
+    @autostate.stateful
+    class OwnSetattr:
+        def __init__(self):
+            self.w = autostate.sharded(jnp.ones(2), P("model"))
+
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+
+    with pytest.raises(TypeError, match="defines its own __setattr__"):
+        autostate.partition_specs(*OwnSetattr().functionalize())
