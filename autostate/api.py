@@ -19,13 +19,22 @@ from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects import (
+    HandledLocalStateRef,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
     handle_local_states,
 )
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
-from autostate.functional import FunctionalModel, all_categories, handler_id_for
+from autostate.functional import (
+    CONSTANT,
+    FunctionalModel,
+    all_categories,
+    check_state_keys,
+    embed_constants,
+    extract_constants,
+    handler_id_for,
+)
 from autostate.transform import loader
 from autostate.transform.pipeline import ClassDecision, decide_class
 
@@ -75,6 +84,33 @@ def state(
     **Returns:** a marker that ``@stateful`` turns into a state request.
     """
     return _runtime.StateDeclaration(value, category, name, sharding)
+
+
+def constant(value: Any, *, name: str | None = None) -> Any:
+    """Marks ``self.x`` in ``__init__`` as a non-trainable constant.
+
+    Example::
+
+        @autostate.stateful
+        class Encoder:
+            def __init__(self):
+                self.table = autostate.constant(sinusoids(128, 16))   # not trained
+                self.w = jnp.ones((16, 16))                           # trained
+
+        f, states = Encoder().functionalize()   # table is in states, not in f
+
+    A constant travels in the states dict (category ``"constant"``), like a
+    PyTorch buffer: ``jax.grad`` and optax over ``f`` never see it, and it is
+    in ``state_dict``, not ``param_dict``. Integer, bool and PRNG-key arrays
+    are constants without the marker.
+
+    **Arguments:**
+    - ``value``: the array (or pytree of arrays).
+    - ``name``: an explicit name instead of the attribute path.
+
+    **Returns:** a marker that ``@stateful`` turns into a constant.
+    """
+    return _runtime.StateDeclaration(value, CONSTANT, name)
 
 
 @overload
@@ -132,7 +168,7 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         fallback=fallback,
         bases=[info.decision for info in _decorated_bases(cls)],
         previous=previous.decision if previous is not None else None,
-        state_marker=state,
+        state_marker=(state, constant),
         is_decorated=lambda base: _tree.class_info(base) is not None,
     )
     _install_methods(slots, decision)
@@ -242,15 +278,37 @@ def _functionalize_method(
     """
     if category is None and category_predicate is None:
         category_predicate = all_categories
+    handler_id = handler_id_for(category, category_predicate)
+    selected = category_predicate or (lambda c: c == category)
     handler, states = handle_local_states(
         self,
-        category=category,
-        category_predicate=category_predicate,
+        # Constants are never trained, so whatever is selected they go with the states.
+        category_predicate=lambda c: c == CONSTANT or selected(c),
         lazy=lazy,
         state_sharing=state_sharing,
-        handler_id=handler_id_for(category, category_predicate),
+        handler_id=handler_id,
     )
-    return FunctionalModel(handler.handler_id, handler.body), states
+    if lazy:
+        initial = states
+        names = frozenset(_state_names(handler.body, handler.handler_id))
+        body, constants = extract_constants(handler.handler_id, handler.body, names)
+
+        def states() -> dict[str, Any]:
+            return {**initial(), **constants}
+
+    else:
+        body, constants = extract_constants(handler.handler_id, handler.body, states)
+        states = {**states, **constants} if constants else states
+    return FunctionalModel(handler.handler_id, body), states
+
+
+def _state_names(body: Any, handler_id: Hashable) -> list[str]:
+    return [
+        ref.name
+        for _, ref in _tree.iter_tree(
+            body, lambda x: type(x) is HandledLocalStateRef and x.handler_id == handler_id
+        )
+    ]
 
 
 def functionalize(model: Any, *args: Any, **kwargs: Any) -> tuple[FunctionalModel, Any]:
@@ -275,7 +333,11 @@ def freeze(f: Any, states: dict[str, Any]) -> Any:
     instances of ``fallback="host"`` classes get fresh host stores instead.
     """
     if isinstance(f, FunctionalModel):
-        frozen = freeze_body(f.handler_id, f.model, states)
+        check_state_keys(states, f.state_names(), "autostate.freeze")
+        body = f.model
+        if f._has_constants():
+            body = embed_constants(f.handler_id, body, states)
+        frozen = freeze_body(f.handler_id, body, states)
     elif isinstance(f, WithFunctionalLocalState):
         frozen = freeze_local_states(f, states)
     else:

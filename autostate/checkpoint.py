@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -39,7 +40,17 @@ def _bytes_of(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
+def _is_key(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    if _is_key(value):
+        # A typed PRNG key is stored as its raw key data plus the name of its
+        # implementation, so load rebuilds the same key bit for bit.
+        stored, entry = _encode(jax.random.key_data(value))
+        return stored, {**entry, "key_impl": str(jax.random.key_impl(value))}
     array = np.asarray(value)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
@@ -82,7 +93,8 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
     The file is a plain numpy ``.npz`` (readable with ``allow_pickle=False``):
     one member per array plus a JSON manifest giving each array's kind,
     name, dtype, shape and SHA-256. bfloat16 and other ml_dtypes are stored
-    as unsigned integers of the same width, so the round trip is bit-exact.
+    as unsigned integers of the same width and typed PRNG keys as their key data
+with the name of their implementation, so the round trip is bit-exact.
     The file is written to a temporary name and renamed, so ``path`` holds
     either the previous file or the complete new one.
 
@@ -131,7 +143,10 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
         )
     if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:
         raise _corrupt(path, f"checksum mismatch in {entry['kind']} {entry['name']!r}")
-    return raw if stored == dtype else raw.view(dtype)
+    data = raw if stored == dtype else raw.view(dtype)
+    if "key_impl" in entry:
+        return jax.random.wrap_key_data(data, impl=entry["key_impl"])
+    return data
 
 
 def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:

@@ -28,7 +28,16 @@ def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
                 fix="pass arrays (or pytrees of them); bind other arguments in a method.",
             )
         )
+    if jax.dtypes.issubdtype(spec[1], jax.dtypes.extended):  # typed PRNG keys
+        return jax.ShapeDtypeStruct(spec[0], spec[1])
     return jax.ShapeDtypeStruct(spec[0], jax.dtypes.canonicalize_dtype(spec[1]))
+
+
+def _is_traced_argument(value: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(value)
+    return bool(leaves) and all(array_spec(leaf) is not None for leaf in leaves) and not any(
+        isinstance(leaf, (bool, str)) for leaf in leaves
+    )
 
 
 def export(
@@ -36,6 +45,8 @@ def export(
     *example_args: Any,
     method: str = "__call__",
     platforms: Sequence[str] | None = None,
+    static_argnums: int | Sequence[int] = (),
+    **example_kwargs: Any,
 ) -> jax.export.Exported:
     """``model.<method>`` as a ``jax.export.Exported`` that threads states.
 
@@ -46,10 +57,14 @@ def export(
         exp = jax.export.deserialize(blob)
         out, states = exp.call(autostate.state_dict(model), x)
 
-    The program's call is ``(states, *args) -> (out, new_states)`` where
-    ``states`` is the flat dict ``state_dict(model)`` returns. Parameters are
-    baked in as constants. Serialization needs the ``flatbuffers`` package
-    (``pip install autostate[export]``).
+        # static arguments are baked in; the program takes the others
+        exp = autostate.export(model, x, 4, static_argnums=1, train=False)
+        out, states = exp.call(autostate.state_dict(model), x)
+
+    The program's call is ``(states, *args, **kwargs) -> (out, new_states)``
+    where ``states`` is the flat dict ``state_dict(model)`` returns.
+    Parameters are baked in as constants. Serialization needs the
+    ``flatbuffers`` package (``pip install autostate[export]``).
 
     **Arguments:**
     - ``model``: a ``@stateful`` instance.
@@ -57,17 +72,33 @@ def export(
       them) giving the shapes and dtypes the program accepts.
     - ``method``: the method to export (default ``"__call__"``).
     - ``platforms``: lowering platforms (default: the current backend).
+    - ``static_argnums``: positions in ``example_args`` that are python
+      values baked into the program (the call omits them).
+    - ``example_kwargs``: keyword arguments; array-valued ones are program
+      inputs, others (``train=False``, ``mode="greedy"``) are static and
+      baked in.
 
     **Returns:** the ``jax.export.Exported``.
     """
     f, states = handle_for_reading(model, "export")
     flat, layout = flatten_states(states)
     call = f if method == "__call__" else getattr(f, method)
+    static_pos = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
+    static_pos = {i % len(example_args) if example_args else i for i in static_pos}
+    dynamic_args = [a for i, a in enumerate(example_args) if i not in static_pos]
+    static_kwargs = {k: v for k, v in example_kwargs.items() if not _is_traced_argument(v)}
+    dynamic_kwargs = {k: v for k, v in example_kwargs.items() if k not in static_kwargs}
 
-    def step(flat_states: dict[str, Any], *args: Any) -> tuple[Any, dict[str, Any]]:
-        out, new_states = call(unflatten_states(layout, flat_states), *args)
+    def step(flat_states: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        given = iter(args)
+        full = [a if i in static_pos else next(given) for i, a in enumerate(example_args)]
+        out, new_states = call(
+            unflatten_states(layout, flat_states), *full, **kwargs, **static_kwargs
+        )
         return out, flatten_states(new_states)[0]
 
     step.__name__ = f"{type(model).__name__}_{method.strip('_') or 'call'}"
-    specs = jax.tree_util.tree_map(_shape_dtype, (flat, example_args))
-    return jax.export.export(jax.jit(step), platforms=platforms)(specs[0], *specs[1])
+    specs = jax.tree_util.tree_map(_shape_dtype, (flat, dynamic_args, dynamic_kwargs))
+    return jax.export.export(jax.jit(step), platforms=platforms)(
+        specs[0], *specs[1], **specs[2]
+    )

@@ -11,10 +11,12 @@ decorated.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import io
 import pickle
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -22,11 +24,19 @@ import jax.export
 import numpy as np
 
 from autostate import tree as _tree
-from autostate.effects import contains_tracer, run_with_states
+from autostate.effects import (
+    HandledLocalStateRef,
+    StateSlot,
+    contains_tracer,
+    run_with_states,
+)
 from autostate.errors import (
     InvalidTypeError,
     MethodNotFoundError,
     StateAccessError,
+    StateDictError,
+    StateSharingError,
+    UnhandledLocalStateError,
     format_error,
 )
 
@@ -54,6 +64,120 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
             "that change would be lost when the call returns.",
             fix="make the attribute state and assign a new value "
             "(`self.log = self.log + [x]`), or keep such bookkeeping out of the jitted call.",
+        )
+    )
+
+
+CONSTANT = "constant"
+"""The category of non-trainable arrays: ``autostate.constant(...)`` and every
+integer, bool or PRNG-key array a model holds outside its states."""
+
+
+def is_trainable(leaf: Any) -> bool:
+    """Whether an array leaf is trained: floating point (or complex), not a PRNG key."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(np.issubdtype(dtype, np.inexact))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantRef:
+    """Stands in ``f.model`` where the model holds a non-trainable array.
+
+    Integer, bool and PRNG-key arrays that are not states (positions, causal
+    masks, a key fixed in ``__init__``) travel in the states dict under their
+    path, so ``jax.grad`` and optax over ``f`` see only what is trained;
+    ``f`` puts them back before it runs the model, ``freeze`` embeds them as
+    the plain attributes they were.
+    """
+
+    handler_id: Hashable
+    name: str
+
+
+jax.tree_util.register_pytree_node(
+    ConstantRef, lambda r: ((), (r.handler_id, r.name)), lambda aux, _c: ConstantRef(*aux)
+)
+_tree.register_dynamic_type(ConstantRef)
+
+
+def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any, dict[str, Any]]:
+    """``body`` with its non-trainable, non-state arrays replaced by ``ConstantRef``s.
+
+    Returns the new body and ``{path name: array}``; ``taken`` are the names
+    the states already use. The body is copied only when it holds such arrays.
+    """
+
+    def is_target(node: Any) -> bool:
+        return isinstance(node, StateSlot) or (
+            _tree.is_array_leaf(node) and not is_trainable(node)
+        )
+
+    found = [
+        name for name, node in _tree.iter_tree(body, is_target) if not isinstance(node, StateSlot)
+    ]
+    if not found:
+        return body, {}
+    constants: dict[str, Any] = {}
+
+    def replace(node: Any, name: str) -> Any:
+        if isinstance(node, StateSlot):
+            return node
+        if name in taken or name in constants:
+            raise StateSharingError(
+                format_error(
+                    f"The array at {name!r} is not trainable (dtype {node.dtype}), so it goes "
+                    "into the states dict under its path, but a state already has that name.",
+                    fix="give the state another explicit name (autostate.state(..., name=...)).",
+                )
+            )
+        constants[name] = node
+        return ConstantRef(handler_id, name)
+
+    return _tree.map_tree(body, replace, is_target), constants
+
+
+def embed_constants(handler_id: Hashable, body: Any, states: Mapping[str, Any]) -> Any:
+    """``body`` with ``handler_id``'s ``ConstantRef``s replaced by their values."""
+
+    def is_target(node: Any) -> bool:
+        return type(node) is ConstantRef and node.handler_id == handler_id
+
+    def replace(ref: ConstantRef, _name: str) -> Any:
+        try:
+            return states[ref.name]
+        except KeyError:
+            raise UnhandledLocalStateError(
+                format_error(
+                    f"Constant {ref.name!r} is missing from the states dict "
+                    f"(it has {sorted(states)}).",
+                    fix="pass the states dict returned by functionalize/the last call.",
+                )
+            ) from None
+
+    return _tree.map_tree(body, replace, is_target)
+
+
+def check_state_keys(
+    given: Mapping[str, Any], expected: frozenset[str] | set[str], caller: str
+) -> None:
+    """Unknown keys in a states dict are an error naming them (and the nearest name)."""
+    unknown = [k for k in given if k not in expected]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown[:5]:
+        close = difflib.get_close_matches(str(key), sorted(map(str, expected)), n=1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise StateDictError(
+        format_error(
+            f"{caller}: the states dict has keys the model has no state for: "
+            f"{', '.join(hints)}{' ...' if len(unknown) > 5 else ''}.",
+            fix="pass the states dict that functionalize() (or the previous call) returned, "
+            f"with the same keys; the model's states are {sorted(expected)}.",
         )
     )
 
@@ -119,11 +243,42 @@ class FunctionalModel:
         return self._children
 
     def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
-        return self._run(states, self.model, args, kwargs)
+        return self._run(states, None, args, kwargs)
 
-    def _run(self, states: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
+    def state_names(self) -> frozenset[str]:
+        """The keys the states dict of this ``f`` has (its states and constants)."""
+        graphdef = self._flattened()[1]
+        names = graphdef.cache.get("state_names")
+        if names is None:
+            names = graphdef.cache["state_names"] = frozenset(
+                node.name
+                for _, node in _tree.iter_tree(self.model, self._is_own_ref)
+            )
+        return names
+
+    def _is_own_ref(self, node: Any) -> bool:
+        t = type(node)
+        return (t is HandledLocalStateRef or t is ConstantRef) and node.handler_id == self.handler_id
+
+    def _has_constants(self) -> bool:
+        graphdef = self._flattened()[1]
+        has = graphdef.cache.get("has_constants")
+        if has is None:
+            has = graphdef.cache["has_constants"] = any(
+                type(node) is ConstantRef
+                for _, node in _tree.iter_tree(self.model, self._is_own_ref)
+            )
+        return has
+
+    def _run(self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict):
+        if isinstance(states, Mapping):
+            check_state_keys(states, self.state_names(), "f(states, ...)")
+        model = self.model
+        if self._has_constants():
+            model = embed_constants(self.handler_id, model, states)
+        fn = model if method is None else getattr(model, method)
         traced = contains_tracer(states)
-        before = _tree.flatten_graph(self.model) if traced else None
+        before = _tree.flatten_graph(model) if traced else None
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs)
         finally:
@@ -132,7 +287,7 @@ class FunctionalModel:
             self._flat = None
             self._children = None
         if before is not None:
-            _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
+            _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -149,7 +304,7 @@ class FunctionalModel:
             )
 
         def call(states: dict[str, Any], *args: Any, **kwargs: Any):
-            return self._run(states, getattr(model, name), args, kwargs)
+            return self._run(states, name, args, kwargs)
 
         call.__name__ = name
         return call

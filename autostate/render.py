@@ -28,6 +28,7 @@ from autostate.effects import (
     StateSlot,
     StaticState,
 )
+from autostate.functional import CONSTANT, ConstantRef
 
 # --- labels -------------------------------------------------------------------------
 
@@ -39,10 +40,18 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
 
     ``state 'mean' category='state' initial value`` (as constructed),
     ``... value`` (embedded by ``freeze``/``load``), ``... handled by <id>``
-    (inside a functionalized model), ``... static`` (a Python bool, int, str,
+    (inside a functionalized model), ``constant 'table' ...`` for constants
+    (``autostate.constant``, and integer/bool/key arrays inside ``f``),
+    ``... static`` (a Python bool, int, str,
     enum or None: part of the structure), ``... shared`` or ``... in a host store``.
     """
-    head = f"state {name!r} category={getattr(slot, 'category', None)!r}"
+    category = getattr(slot, "category", None)
+    if type(slot) is ConstantRef:
+        return f"constant {name!r} handled by {slot.handler_id!r}", _NO_VALUE
+    if category == CONSTANT:
+        head = f"constant {name!r}"
+    else:
+        head = f"state {name!r} category={category!r}"
     if isinstance(slot, InitialLocalStateRequest):
         init = slot.state_initializer
         return f"{head} initial value", init.value if isinstance(init, InitialValue) else init
@@ -100,7 +109,7 @@ class _ReprWriter:
         t = type(value)
         if _tree.is_stateful_instance(value):
             return self.instance(value, path)
-        if isinstance(value, StateSlot):
+        if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
         if _is_array(value):
             return _tree.describe(value)
@@ -238,7 +247,7 @@ def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> A
         root_path, slot_names = root
         attributes: dict[str, Any] = {}
         for attr, value in vars(obj).items():
-            if not isinstance(value, StateSlot):
+            if not isinstance(value, StateSlot) and type(value) is not ConstantRef:
                 attributes[attr] = value
                 continue
             name = getattr(value, "name", None) or slot_names.get(id(value))

@@ -27,7 +27,7 @@ from autostate import api as _api
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
-from autostate.functional import FunctionalModel
+from autostate.functional import FunctionalModel, check_state_keys
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 
@@ -125,13 +125,14 @@ def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]
     return params, {k: _as_array(v, "state", k) for k, v in flat.items()}
 
 
-def state_dict(model: Any) -> dict[str, Any]:
+def state_dict(model: Any, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every state of ``model`` as a flat ``{name: array}`` dict.
 
     Example::
 
         sd = autostate.state_dict(model)       # {'bn.mean': Array(...), ...}
         model = autostate.load_state_dict(model, sd)
+        sd = autostate.state_dict(f, states)   # the same, from functionalize()'s pair
 
     Names are the ones ``model.functionalize()`` gives: explicit names as
     given, other states by path (``blocks[0].bn.mean``); a sub-model reachable
@@ -140,10 +141,31 @@ def state_dict(model: Any) -> dict[str, Any]:
     by the leaf's keypath (``kv['k']``).
 
     **Arguments:**
-    - ``model``: a ``@stateful`` instance (or any pytree holding state requests).
+    - ``model``: a ``@stateful`` instance (or any pytree holding state
+      requests), or the ``f`` of ``functionalize()``.
+    - ``states``: with ``f``, its states dict (``f`` holds no states itself);
+      it works inside a jitted step.
 
     **Returns:** a new dict; the arrays are the model's own (not copied).
     """
+    if isinstance(model, FunctionalModel):
+        if states is None:
+            raise InvalidTypeError(
+                format_error(
+                    "autostate.state_dict(f) needs the states dict: f holds no states.",
+                    fix="call autostate.state_dict(f, states) with the states of that f.",
+                )
+            )
+        check_state_keys(states, model.state_names(), "autostate.state_dict")
+        flat, _ = flatten_states(states)
+        return {k: _as_array(v, "state", k) for k, v in flat.items()}
+    if states is not None:
+        raise InvalidTypeError(
+            format_error(
+                "autostate.state_dict takes a states dict only with an f.",
+                fix="call autostate.state_dict(model) or autostate.state_dict(f, states).",
+            )
+        )
     return flat_dicts(model, "state_dict")[1]
 
 
@@ -154,6 +176,7 @@ def param_dict(model: Any) -> dict[str, Any]:
 
         pd = autostate.param_dict(model)       # {'blocks[0].w': Array(...), ...}
         model = autostate.load_param_dict(model, pd)
+        pd = autostate.param_dict(f)           # the same names, from f (what is trained)
 
     Paths are built as state names are: attributes joined by ``.``, ``[0]``
     for sequence items, ``['k']`` for mapping keys, no leading dot. A
@@ -162,19 +185,27 @@ def param_dict(model: Any) -> dict[str, Any]:
     parameters.
 
     **Arguments:**
-    - ``model``: a ``@stateful`` instance (or any pytree holding one).
+    - ``model``: a ``@stateful`` instance (or any pytree holding one), or
+      the ``f`` of ``functionalize()`` (then it works inside a jitted step:
+      an EMA of the parameters needs no ``freeze``).
 
     **Returns:** a new dict; the arrays are the model's own (not copied).
     """
+    if isinstance(model, FunctionalModel):
+        leaves, graphdef = model._flattened()
+        return dict(zip(graphdef.names, leaves))
     return flat_dicts(model, "param_dict")[0]
 
 
 # --- loading -----------------------------------------------------------------
 
 
-def array_spec(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+def array_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
+    """``(shape, dtype)`` of an array-like; typed PRNG keys keep their key dtype."""
     if _is_array(x) or isinstance(x, (*_PYTHON_SCALARS, jax.ShapeDtypeStruct)):
         dtype = getattr(x, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            return tuple(x.shape), dtype
         return tuple(np.shape(x)), np.dtype(dtype if dtype is not None else np.asarray(x).dtype)
     return None
 

@@ -494,7 +494,7 @@ class Targets:
         self.a = jnp.array(1.0)
         self.b = jnp.array(2.0)
         self.rest = [jnp.array(0.0), jnp.array(0.0)]
-        self.i = 0
+        self.i = jnp.asarray(0)  # an int array: a python int would be static state
         self.slots = jnp.zeros(4)
         self.total = jnp.array(0.0)
         self.d = {"k": jnp.array(0.0)}

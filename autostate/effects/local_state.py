@@ -251,7 +251,11 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
 
 
 def _written(value: Any, category: Category, name: str | None, home: Any) -> Any:
-    """The immutable slot holding a newly assigned ``value`` (same home trace)."""
+    """The slot a static state becomes when assigned ``value`` (same home trace).
+
+    A static state assigned an array becomes an array state (``self.cache =
+    None`` in ``__init__``, an array later); an array state never becomes static.
+    """
     if is_static_value(value):
         return _with_home(StaticState(value, category, name), home)
     return _with_home(FrozenLocalStateRequest(value, category, name), home)
@@ -307,8 +311,9 @@ class InitialLocalStateRequest(StateSlot):
         home = init.home if isinstance(init, InitialValue) else None
         _check_not_traced(value, self.name or label, home)
         # An eager update gives a value, not an initializer: frozen, so the value
-        # is a pytree child (not static aux data that jit would hash).
-        return _written(value, self.category, self.name, home)
+        # is a pytree child (not static aux data that jit would hash). An array
+        # state stays one when assigned a python number, as it does when handled.
+        return _with_home(FrozenLocalStateRequest(value, self.category, self.name), home)
 
     def as_request(self) -> InitialLocalStateRequest:
         return self
@@ -346,7 +351,7 @@ class FrozenLocalStateRequest(StateSlot):
     def write(self, value: Any, label: str | None = None) -> Any:
         home = _home_of(self)
         _check_not_traced(value, self.name or label, home)
-        return _written(value, self.category, self.name, home)
+        return _with_home(FrozenLocalStateRequest(value, self.category, self.name), home)
 
     def as_request(self) -> FrozenLocalStateRequest:
         return self

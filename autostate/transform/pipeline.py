@@ -102,7 +102,8 @@ def _resolves_to(globals_: dict[str, Any], dotted: str, target: Any) -> bool:
     obj = globals_.get(head, getattr(builtins, head, None))
     for part in rest:
         obj = getattr(obj, part, None)
-    return obj is target
+    # ``target`` may be a tuple of markers (``autostate.state``, ``autostate.constant``).
+    return any(obj is t for t in target) if type(target) is tuple else obj is target
 
 
 def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> list[type]:
