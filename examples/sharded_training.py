@@ -31,9 +31,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autostate  # noqa: E402
 
-# Logical axis -> mesh axis: batch is split over "data", heads and the MLP's
-# hidden units over "model"; the embedding is not split.
-RULES = {"batch": "data", "embed": None, "heads": "model", "mlp": "model"}
+# Logical axis -> mesh axis: heads and the MLP's hidden units are split over
+# "model", the embedding is not split. (The batch is split over "data" by
+# the step's in_shardings.)
+RULES = {"embed": None, "heads": "model", "mlp": "model"}
 
 
 @dataclasses.dataclass(frozen=True)
