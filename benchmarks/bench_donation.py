@@ -133,12 +133,12 @@ def _mib(n: int) -> str:
 
 
 def run(smoke: bool = False) -> Report:
-    cfg = DecodeConfig(batch=2, max_len=512, heads=2, head_dim=16, tokens=3) if smoke else (
+    cfg = DecodeConfig(batch=2, max_len=1024, heads=2, head_dim=32, tokens=3) if smoke else (
         DecodeConfig()
     )
     r = measure(cfg)
     table = Table(
-        "Scenario 6: donated KV-cache decode step (compiled.memory_analysis())",
+        "Scenario 6: donated KV-cache decode step (autostate states, compiled.memory_analysis())",
         ("step", "peak", "peak / cache size"),
     )
     table.add("without donation", _mib(r["plain"]), f"{r['plain'] / r['cache']:.2f}x")
