@@ -25,6 +25,7 @@ from autostate.effects.local_state import (
     hoist_shared_state_requests,
     initial_slot,
     is_static_value,
+    rename_local_states,
     run_with_states,
 )
 
@@ -51,5 +52,6 @@ __all__ = [
     "hoist_shared_state_requests",
     "initial_slot",
     "is_static_value",
+    "rename_local_states",
     "run_with_states",
 ]
