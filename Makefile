@@ -22,6 +22,7 @@ demo: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
+	$(BIN)/mypy -p autostate
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed-bench

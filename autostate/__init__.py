@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autostate.api import constant, freeze, functionalize, state, stateful
+from autostate.api import Stateful, constant, freeze, functionalize, state, stateful
 from autostate.checkpoint import load, load_arrays, save
 from autostate.effects import (
     FrozenLocalStateRequest,
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutostateError",
     "FunctionalModel",
+    "Stateful",
     "constant",
     "freeze",
     "functionalize",

@@ -11,8 +11,10 @@ hold slots that ``effects`` handles: ``functionalize`` is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, overload
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from typing_extensions import Self
 
 from autostate import host as _host
 from autostate import render as _render
@@ -25,6 +27,7 @@ from autostate.effects import (
     freeze_local_states,
     handle_local_states,
 )
+from autostate.effects.local_state import StateSharing
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import (
     CONSTANT,
@@ -39,6 +42,7 @@ from autostate.transform import loader
 from autostate.transform.pipeline import ClassDecision, decide_class
 
 T = TypeVar("T", bound=type)
+M = TypeVar("M")
 
 DEFAULT_CATEGORY = "state"
 
@@ -216,13 +220,13 @@ def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
 def _install_defaults(cls: type) -> None:
     """What every decorated class has unless it (or a base) defines its own."""
     if cls.__setattr__ is object.__setattr__:
-        cls.__setattr__ = _runtime.guarded_setattr
+        cls.__setattr__ = _runtime.guarded_setattr  # type: ignore[method-assign, assignment]
     if not hasattr(cls, "functionalize"):
-        cls.functionalize = _functionalize_method
+        cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
     if cls.__repr__ is object.__repr__:
-        cls.__repr__ = _render.model_repr
+        cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
     if not hasattr(cls, "__treescope_repr__"):
-        cls.__treescope_repr__ = _render.model_treescope_repr
+        cls.__treescope_repr__ = _render.model_treescope_repr  # type: ignore[attr-defined]
 
 
 def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
@@ -232,7 +236,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     An explicit ``@stateful(...)`` on the subclass with other options
     re-decorates it.
     """
-    own = cls.__dict__.get("__init_subclass__")
+    own: Any = cls.__dict__.get("__init_subclass__")
     if getattr(own, "__func__", None) is not None and getattr(
         own.__func__, "_autostate_hook", False
     ):
@@ -242,23 +246,23 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
         if own is not None:
             own.__get__(None, sub)(**kwargs)
         else:
-            super(cls, sub).__init_subclass__(**kwargs)
+            super(cls, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
         if _tree.class_info(sub) is None:
             _decorate(sub, category, fallback)
 
     __init_subclass__._autostate_hook = True  # type: ignore[attr-defined]
     __init_subclass__._autostate_own = own  # type: ignore[attr-defined]
-    cls.__init_subclass__ = classmethod(__init_subclass__)
+    cls.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign, assignment]
 
 
 def _functionalize_method(
-    self: Any,
+    self: M,
     category: Hashable | None = None,
     *,
     category_predicate: Callable[[Hashable], bool] | None = None,
     lazy: bool = False,
-    state_sharing: str = "forbidden",
-) -> tuple[FunctionalModel, Any]:
+    state_sharing: StateSharing = "forbidden",
+) -> tuple[FunctionalModel[M], Any]:
     """Returns ``(f, states)``: a pure function of the model's states.
 
     Example::
@@ -276,11 +280,13 @@ def _functionalize_method(
     **Returns:** ``(f, states)``; ``f(states, *args)`` and
     ``f.<method>(states, *args)`` return ``(out, new_states)``.
     """
+    if category is not None and category_predicate is not None:
+        handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
-    handler, states = handle_local_states(
+    handler, initial = handle_local_states(
         self,
         # Constants are never trained, so whatever is selected they go with the states.
         category_predicate=lambda c: c == CONSTANT or selected(c),
@@ -288,17 +294,18 @@ def _functionalize_method(
         state_sharing=state_sharing,
         handler_id=handler_id,
     )
-    if lazy:
-        initial = states
+    states: Any
+    if callable(initial):
         names = frozenset(_state_names(handler.body, handler.handler_id))
         body, constants = extract_constants(handler.handler_id, handler.body, names)
+        thunk = initial
 
         def states() -> dict[str, Any]:
-            return {**initial(), **constants}
+            return {**thunk(), **constants}
 
     else:
-        body, constants = extract_constants(handler.handler_id, handler.body, states)
-        states = {**states, **constants} if constants else states
+        body, constants = extract_constants(handler.handler_id, handler.body, initial)
+        states = {**initial, **constants} if constants else initial
     return FunctionalModel(handler.handler_id, body), states
 
 
@@ -311,12 +318,74 @@ def _state_names(body: Any, handler_id: Hashable) -> list[str]:
     ]
 
 
-def functionalize(model: Any, *args: Any, **kwargs: Any) -> tuple[FunctionalModel, Any]:
-    """Function form of ``model.functionalize(...)``."""
-    return _functionalize_method(model, *args, **kwargs)
+def functionalize(
+    model: M,
+    category: Hashable | None = None,
+    *,
+    category_predicate: Callable[[Hashable], bool] | None = None,
+    lazy: bool = False,
+    state_sharing: StateSharing = "forbidden",
+) -> tuple[FunctionalModel[M], dict[str, Any]]:
+    """Function form of ``model.functionalize(...)``, typed for any model class.
+
+    Example::
+
+        f, states = autostate.functionalize(model)   # f: FunctionalModel[Net]
+        model = autostate.freeze(f, states)          # Net again, for type checkers too
+    """
+    return _functionalize_method(
+        model,
+        category,
+        category_predicate=category_predicate,
+        lazy=lazy,
+        state_sharing=state_sharing,
+    )
 
 
-def freeze(f: Any, states: dict[str, Any]) -> Any:
+class Stateful:
+    """A base class: its subclasses are ``@stateful`` classes, typed as such.
+
+    Example::
+
+        class Counter(autostate.Stateful):
+            def __init__(self):
+                self.count = jnp.zeros(())
+            def __call__(self, x):
+                self.count += 1
+                return x * self.count
+
+        f, states = Counter().functionalize()   # f: FunctionalModel[Counter]
+
+    ``@autostate.stateful`` on a plain class does the same at run time, but
+    a type checker cannot see the ``functionalize`` method it adds; with this
+    base class mypy and pyright do. Decorate the subclass explicitly to pick
+    a category or a fallback (``@autostate.stateful(category="cache")``).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if _tree.class_info(cls) is None:
+            _decorate(cls, DEFAULT_CATEGORY, None)
+
+    if TYPE_CHECKING:
+
+        def functionalize(
+            self,
+            category: Hashable | None = None,
+            *,
+            category_predicate: Callable[[Hashable], bool] | None = None,
+            lazy: bool = False,
+            state_sharing: StateSharing = "forbidden",
+        ) -> tuple[FunctionalModel[Self], dict[str, Any]]: ...
+
+
+@overload
+def freeze(f: FunctionalModel[M], states: Mapping[str, Any]) -> M: ...
+@overload
+def freeze(f: WithFunctionalLocalState, states: Mapping[str, Any]) -> Any: ...
+
+
+def freeze(f: Any, states: Mapping[str, Any]) -> Any:
     """Inverse of ``functionalize``: the model with ``states`` embedded.
 
     Example::
@@ -337,9 +406,9 @@ def freeze(f: Any, states: dict[str, Any]) -> Any:
         body = f.model
         if f._has_constants():
             body = embed_constants(f.handler_id, body, states)
-        frozen = freeze_body(f.handler_id, body, states)
+        frozen = freeze_body(f.handler_id, body, dict(states))
     elif isinstance(f, WithFunctionalLocalState):
-        frozen = freeze_local_states(f, states)
+        frozen = freeze_local_states(f, dict(states))
     else:
         raise InvalidTypeError(
             format_error(

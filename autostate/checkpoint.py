@@ -15,7 +15,7 @@ import uuid
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import ml_dtypes
@@ -23,6 +23,8 @@ import numpy as np
 
 from autostate.errors import CheckpointError, format_error
 from autostate.state_dicts import flat_dicts, rebuild
+
+T = TypeVar("T")
 
 _FORMAT = "autostate-checkpoint"
 _VERSION = 1
@@ -64,7 +66,7 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         "dtype": dtype.name,
         "shape": list(array.shape),
         "stored": stored.dtype.str,
-        "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),
+        "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),  # type: ignore[arg-type]
     }
     return stored, entry
 
@@ -73,7 +75,7 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "xb") as fh:
-            np.savez(fh, **arrays)
+            np.savez(fh, **arrays)  # type: ignore[arg-type]
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -104,7 +106,7 @@ with the name of their implementation, so the round trip is bit-exact.
     """
     params, states = flat_dicts(model, "save")
     arrays: dict[str, np.ndarray] = {}
-    entries = []
+    entries: list[dict[str, Any]] = []
     for kind, flat in (("params", params), ("states", states)):
         for name, value in flat.items():
             member = f"a{len(entries)}"
@@ -141,7 +143,7 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
             f"{entry['kind']} {entry['name']!r} is {raw.dtype}{list(raw.shape)}, "
             f"the manifest says {stored}{list(shape)}",
         )
-    if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:
+    if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:  # type: ignore[arg-type]
         raise _corrupt(path, f"checksum mismatch in {entry['kind']} {entry['name']!r}")
     data = raw if stored == dtype else raw.view(dtype)
     if "key_impl" in entry:
@@ -179,7 +181,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
     return out["params"], out["states"], manifest.get("model")
 
 
-def load(path: str | os.PathLike[str], *, like: Any, strict: bool = True) -> Any:
+def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     """Reads a checkpoint written by ``save`` into a copy of ``like``.
 
     Example::

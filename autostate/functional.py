@@ -17,7 +17,7 @@ import importlib
 import io
 import pickle
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.export
@@ -80,7 +80,7 @@ def is_trainable(leaf: Any) -> bool:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return False
-    return bool(np.issubdtype(dtype, np.inexact))
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))  # bfloat16 and float8 too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,10 @@ def check_state_keys(
     )
 
 
-class FunctionalModel:
+M = TypeVar("M")
+
+
+class FunctionalModel(Generic[M]):
     """A functionalized model: ``f(states, *args)`` returns ``(out, new_states)``.
 
     ``f.<method>(states, *args, **kwargs)`` calls any other method the same
@@ -220,7 +223,7 @@ class FunctionalModel:
         self._children = children  # (keyed view of the leaves, graphdef)
 
     @property
-    def model(self) -> Any:
+    def model(self) -> M:
         """The handled model (its states are ``HandledLocalStateRef``s)."""
         if self._model is None:
             leaves, graphdef = self._flattened()
@@ -242,7 +245,9 @@ class FunctionalModel:
             self._children = (_keyed_view(graphdef, leaves), graphdef)
         return self._children
 
-    def __call__(self, states: dict[str, Any], *args: Any, **kwargs: Any):
+    def __call__(
+        self, states: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> tuple[Any, dict[str, Any]]:
         return self._run(states, None, args, kwargs)
 
     def state_names(self) -> frozenset[str]:
@@ -270,10 +275,12 @@ class FunctionalModel:
             )
         return has
 
-    def _run(self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict):
+    def _run(
+        self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict
+    ) -> tuple[Any, dict[str, Any]]:
         if isinstance(states, Mapping):
             check_state_keys(states, self.state_names(), "f(states, ...)")
-        model = self.model
+        model: Any = self.model
         if self._has_constants():
             model = embed_constants(self.handler_id, model, states)
         fn = model if method is None else getattr(model, method)
@@ -303,7 +310,7 @@ class FunctionalModel:
                 )
             )
 
-        def call(states: dict[str, Any], *args: Any, **kwargs: Any):
+        def call(states: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
             return self._run(states, name, args, kwargs)
 
         call.__name__ = name
@@ -337,7 +344,7 @@ class FunctionalModel:
 def _trees_equal(a: Any, b: Any) -> bool:
     leaves_a, def_a = jax.tree_util.tree_flatten(a)
     leaves_b, def_b = jax.tree_util.tree_flatten(b)
-    if def_a != def_b:
+    if def_a != def_b:  # type: ignore[operator]
         return False
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
 

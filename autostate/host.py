@@ -193,7 +193,7 @@ def _unflatten_value(entry: _Entry) -> Any:
     if entry.value is None:
         leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(entry.spec.shapes, entry.spec.dtypes)]
     else:
-        leaves = [np.asarray(v) for v in entry.value]
+        leaves = [np.asarray(v) for v in entry.value]  # type: ignore[misc]
     return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
 
@@ -896,7 +896,7 @@ class _InferenceSlot(StateSlot):
         return self.current().resolve()
 
     @property
-    def category(self) -> Hashable:
+    def category(self) -> Hashable:  # type: ignore[override]
         return self.slot.category
 
     def write(self, value: Any, label: str | None = None) -> None:

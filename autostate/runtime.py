@@ -139,11 +139,11 @@ def _updated(container: Any, key: Any, value: Any) -> Any:
         out[key] = value
         return out
     if isinstance(container, dict):
-        out = dict(container)
+        out = dict(container)  # type: ignore[assignment]
         out[key] = value
         return out
     if isinstance(container, list):
-        out = list(container)
+        out = list(container)  # type: ignore[assignment]
         out[key] = value
         return out
     if isinstance(container, tuple):

@@ -78,7 +78,7 @@ def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
     layout: _Layout = []
     for name, value in states.items():
         leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
             keyed = [(name, leaves[0][1])]
         else:
             keyed = [

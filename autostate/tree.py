@@ -261,7 +261,7 @@ _LAYOUTS: dict[int, tuple[Any, tuple[str, ...], tuple]] = {}
 def _remember_layout(obj: Any, aux: tuple) -> None:
     key = id(obj)
     try:
-        ref = weakref.ref(obj, lambda _r, key=key: _LAYOUTS.pop(key, None))
+        ref = weakref.ref(obj, lambda _r: _LAYOUTS.pop(key, None))
     except TypeError:  # no __weakref__ slot: inferred from values every time
         return
     _LAYOUTS[key] = (ref, tuple(obj.__dict__), aux)
@@ -271,13 +271,13 @@ def _entry_name(entry: Any) -> str:
     return entry if type(entry) is str else entry[1]
 
 
-def _flatten_instance(obj: Any):
+def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
     d = obj.__dict__
     remembered = _LAYOUTS.get(id(obj))
     if remembered is not None and remembered[0]() is obj and remembered[1] == tuple(d):
         return _flatten_as(d, remembered[2])
-    aux = []
-    children = []
+    aux: list[Any] = []
+    children: list[Any] = []
     for name, value in d.items():
         canonical = _CANONICAL.get(type(value))
         if canonical is not None:
@@ -291,9 +291,9 @@ def _flatten_instance(obj: Any):
     return children, tuple(aux)
 
 
-def _flatten_as(d: dict, layout: tuple):
-    aux = []
-    children = []
+def _flatten_as(d: dict, layout: tuple) -> tuple[list[Any], tuple]:
+    aux: list[Any] = []
+    children: list[Any] = []
     for entry in layout:
         name = _entry_name(entry)
         value = d[name]
@@ -324,8 +324,8 @@ def _flatten_instance_with_keys(obj: Any):
 def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
     new = object.__new__
 
-    def unflatten(aux: tuple, children) -> Any:
-        obj = new(cls)
+    def unflatten(aux: tuple, children: Any) -> Any:
+        obj: Any = new(cls)
         d = obj.__dict__
         it = iter(children)
         for entry in aux:
@@ -576,7 +576,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
         i = len(instances)
         index[id(obj)] = i
         instances.append(None)
-        entries = []
+        entries: list[Any] = []
         for name, value in obj.__dict__.items():
             canonical = _CANONICAL.get(type(value))
             if canonical is not None:

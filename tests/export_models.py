@@ -124,6 +124,7 @@ STATE_KEYS = [
     "cache['k']",
     "cache['t']",
     "ema",
+    "table['ids']",  # an int array: a constant, in the states (never trained)
 ]
 PARAM_KEYS = [
     "blocks[0].w",
@@ -133,7 +134,6 @@ PARAM_KEYS = [
     "blocks[1].b",
     "blocks[1].norm.scale",
     "half",
-    "table['ids']",
     "gain",
 ]
 

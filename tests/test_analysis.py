@@ -174,7 +174,7 @@ class Declared:
     def __init__(self):
         self.kv = autostate.state(jnp.zeros(2), category="cache", name="kv_cache")
         self.seen = autostate.state(jnp.zeros(()), category="stats")
-        self.counter = autostate.state(0)
+        self.counter = autostate.state(jnp.asarray(0))  # a python int would be static state
         self.weight = jnp.ones(2)
         self.steps = jnp.zeros(())
 

@@ -380,7 +380,7 @@ class FrozenLocalStateRequest(StateSlot):
 jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest,
     lambda r: (((jax.tree_util.GetAttrKey("state"), r.state),), (r.category, r.name)),
-    lambda aux, children: FrozenLocalStateRequest(children[0], *aux),
+    lambda aux, children: FrozenLocalStateRequest(children[0], *aux),  # type: ignore[index]
     lambda r: ((r.state,), (r.category, r.name)),
 )
 _tree.register_dynamic_type(FrozenLocalStateRequest)
@@ -695,7 +695,7 @@ class WithFunctionalLocalState:
 jax.tree_util.register_pytree_with_keys(
     WithFunctionalLocalState,
     lambda h: (((jax.tree_util.GetAttrKey("body"), h.body),), h.handler_id),
-    lambda handler_id, children: WithFunctionalLocalState(handler_id, children[0]),
+    lambda handler_id, children: WithFunctionalLocalState(handler_id, children[0]),  # type: ignore[index]
     lambda h: ((h.body,), h.handler_id),
 )
 _tree.register_dynamic_type(WithFunctionalLocalState)
@@ -816,7 +816,7 @@ def handle_local_states(
             # Part of the structure, not of the states dict.
             explicit = request.name is not None
             name = request.name if explicit else path
-            return HandledStaticState(handler_id, name, request.value, explicit, request.category)
+            return HandledStaticState(handler_id, name, request.value, explicit, request.category)  # type: ignore[arg-type]
         if type(request) not in REQUEST_TYPES and type(request) not in _HANDLED_TYPES:
             request = request.as_request()
         if type(request) in _HANDLED_TYPES:

@@ -366,7 +366,7 @@ class _FactCollector(cst.CSTVisitor):
                 literal = node.args[1].value
                 if isinstance(literal, cst.SimpleString):
                     self.facts.reflective.append(
-                        (func.value, literal.evaluated_value, self._line(node))
+                        (func.value, literal.evaluated_value, self._line(node))  # type: ignore[arg-type]
                     )
         attr = self._attr(func)
         if attr is not None:

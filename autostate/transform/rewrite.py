@@ -288,4 +288,4 @@ def rewrite_method(
     """Returns the wrapper module's source with ``method`` rewritten."""
     rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init)
     new_method = method.visit(rewriter)
-    return module.deep_replace(method, new_method).code
+    return module.deep_replace(method, new_method).code  # type: ignore[type-var, union-attr]

@@ -81,7 +81,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
     for attr, value in list(vars(cls).items()):
         if isinstance(value, types.FunctionType):
             slots.append(
-                MethodSlot(attr, attr, value, True, lambda fn, a=attr: setattr(cls, a, fn))
+                MethodSlot(attr, attr, value, True, lambda fn, a=attr: setattr(cls, a, fn))  # type: ignore[misc]
             )
         elif isinstance(value, (staticmethod, classmethod)):
             fn = value.__func__
@@ -89,7 +89,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                 kind = type(value)
                 slots.append(
                     MethodSlot(
-                        attr, attr, fn, False, lambda fn, a=attr, k=kind: setattr(cls, a, k(fn))
+                        attr, attr, fn, False, lambda fn, a=attr, k=kind: setattr(cls, a, k(fn))  # type: ignore[misc]
                     )
                 )
         elif isinstance(value, property):
@@ -99,16 +99,16 @@ def find_methods(cls: type) -> list[MethodSlot]:
                     slots.append(
                         MethodSlot(
                             f"{attr}.{part}", attr, fn, True,
-                            lambda fn, a=attr, p=part: _replace_property_part(cls, a, p, fn),
+                            lambda fn, a=attr, p=part: _replace_property_part(cls, a, p, fn),  # type: ignore[misc]
                         )
                     )
         else:
-            fn = _wrapped_function(value)
+            fn = _wrapped_function(value)  # type: ignore[assignment]
             if fn is not None:
                 slots.append(
                     MethodSlot(
-                        attr, attr, fn, True,
-                        lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),
+                        attr, attr, fn, True,  # type: ignore[arg-type]
+                        lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),  # type: ignore[misc]
                     )
                 )
     return [s for s in slots if _defined_in(cls, s.function)]
