@@ -29,7 +29,7 @@ This module knows nothing of source code. ``runtime`` calls
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, TypeVar, Union, cast
 
 import jax
 import numpy as np
@@ -42,6 +42,8 @@ from autostate.functional import FunctionalModel
 
 # The instance attribute holding {attribute name: spec}; static aux data.
 ANNOTATIONS = "__autostate_sharding__"
+
+T = TypeVar("T")
 
 # What ``rules`` map a logical axis name to: a mesh axis, several, or None.
 AxisRule = Union[str, tuple[str, ...], None]
@@ -79,7 +81,7 @@ def check_spec(spec: Any, where: str) -> Any:
     return spec
 
 
-def sharded(value: Any, spec: PartitionSpec) -> Any:
+def sharded(value: T, spec: PartitionSpec) -> T:
     """Annotates a parameter (or state) with where it lives on a mesh.
 
     Example::
@@ -108,9 +110,10 @@ def sharded(value: Any, spec: PartitionSpec) -> Any:
       (mapped by the ``rules`` given to ``shardings``); for a pytree value,
       one spec for every leaf or a pytree of specs matching ``value``.
 
-    **Returns:** a marker that ``__init__``'s assignment unwraps.
+    **Returns:** a marker that ``__init__``'s assignment unwraps (typed as
+    ``value``'s type, which is what the attribute then holds).
     """
-    return Annotated(value, check_spec(spec, "autostate.sharded"))
+    return cast(T, Annotated(value, check_spec(spec, "autostate.sharded")))
 
 
 def split_annotation(value: Any) -> tuple[Any, Any]:
@@ -307,7 +310,7 @@ def resolve_spec(
 
     Without a mesh only the mapping is done.
     """
-    entries = []
+    entries: list[Any] = []
     for dim, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             entries.append(entry)
