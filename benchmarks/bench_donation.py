@@ -1,4 +1,4 @@
-"""Scenario 6: a decode loop whose KV cache is state, jitted with the states donated.
+"""Scenario 7: a decode loop whose KV cache is state, jitted with the states donated.
 
 A one-layer decoder keeps its key/value cache and its position as states
 (``autostate.state``); each call writes one token's keys and values at the
@@ -138,7 +138,7 @@ def run(smoke: bool = False) -> Report:
     )
     r = measure(cfg)
     table = Table(
-        "Scenario 6: donated KV-cache decode step (autostate states, compiled.memory_analysis())",
+        "Scenario 7: donated KV-cache decode step (autostate states, compiled.memory_analysis())",
         ("step", "peak", "peak / cache size"),
     )
     table.add("without donation", _mib(r["plain"]), f"{r['plain'] / r['cache']:.2f}x")
@@ -154,7 +154,7 @@ def run(smoke: bool = False) -> Report:
     ]
     ratio = r["donated"] / r["cache"]
     target = Target(
-        "6 donation",
+        "7 donation",
         "peak of the donated decode step ≈ 1x the KV cache (< 1.1x)",
         ratio,
         ratio < 1.1 and r["in_place"],

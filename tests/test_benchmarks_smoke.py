@@ -22,7 +22,8 @@ SCRIPTS = {
     "bench_dispatch.py": ["Scenario 2: dispatch of a jitted step", "Scenario 4b"],
     "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
-    "bench_donation.py": ["Scenario 6: donated KV-cache decode step", "states donated"],
+    "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
+    "bench_donation.py": ["Scenario 7: donated KV-cache decode step", "states donated"],
 }
 
 

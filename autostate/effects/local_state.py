@@ -29,18 +29,22 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
-from jax._src import core as _jax_core
+from jax._src import core as _core
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JAXPR_TRACER
 
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
+    EscapedStateError,
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
     StaticStateError,
     TracedEagerStateError,
     UnhandledLocalStateError,
+    escaped_state_message,
     format_error,
+    user_location,
 )
 
 Category = Hashable
@@ -56,6 +60,37 @@ _handler_counter = itertools.count()
 def handler_running() -> bool:
     """Whether some handler is running its body in this context."""
     return bool(_ACTIVE.get())
+
+
+def running_cells() -> list[LocalStateEffectImpl]:
+    """The cells of every handler running in this context (what control flow threads)."""
+    return [cell for cells in _ACTIVE.get().values() for cell in cells.values()]
+
+
+def is_escaped_tracer(value: Any) -> bool:
+    """Whether ``value`` is a tracer of a trace that has already ended.
+
+    A state assigned inside a ``jax.lax`` body that autostate did not thread
+    (a raw ``lax.scan`` in a helper outside any class) holds one.
+    """
+    if not isinstance(value, jax.core.Tracer):
+        return False
+    trace = value._trace
+    if not trace.is_valid():
+        return True
+    # JAX does not invalidate the trace of a finished lax body, so look for the
+    # tracer's trace among the live ones. Only a chain that reaches the eager
+    # root is complete (some internal traces have no parent); short of that,
+    # the tracer is given the benefit of the doubt.
+    if not isinstance(value, _JAXPR_TRACER):
+        return False
+    live = _core.trace_ctx.trace
+    while live is not trace:
+        parent = getattr(live, "parent_trace", None)
+        if parent is None:
+            return isinstance(live, _core.EvalTrace)
+        live = parent
+    return False
 
 
 def fresh_handler_id() -> str:
@@ -74,16 +109,16 @@ def _trace_of(tracer: Any) -> Any:
 
 def current_trace() -> Any:
     """The JAX trace running now, or ``None`` outside every transformation."""
-    trace = getattr(_jax_core, "trace_ctx", None)
+    trace = getattr(_core, "trace_ctx", None)
     trace = getattr(trace, "trace", None)
-    return None if trace is None or isinstance(trace, _jax_core.EvalTrace) else trace
+    return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
 
 
 def _live_traces() -> set[int]:
     """Ids of the running trace and of the traces it runs inside."""
     live: set[int] = set()
     trace = current_trace()
-    while trace is not None and not isinstance(trace, _jax_core.EvalTrace):
+    while trace is not None and not isinstance(trace, _core.EvalTrace):
         live.add(id(trace))
         trace = getattr(trace, "parent_trace", None)
     return live
@@ -114,7 +149,9 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
             fix="call `f, states = model.functionalize()` and use "
             "`out, states = f(states, ...)` inside the transformation, build the "
             "model inside it (values created while it is built are its initial "
-            'values), or decorate the class with @autostate.stateful(fallback="host").',
+            'values), or decorate the class with @autostate.stateful(fallback="host"); '
+            "inside jax.lax control flow in code @stateful did not rewrite, call "
+            "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
         )
     )
 
@@ -662,7 +699,10 @@ class HandledLocalStateRef(StateSlot):
         self._cell().value = value
 
     def read(self) -> Any:
-        return self._cell().value
+        value = self._cell().value
+        if is_escaped_tracer(value):
+            raise EscapedStateError(escaped_state_message(self.name, user_location()))
+        return value
 
     def write(self, value: Any, label: str | None = None) -> None:
         self._cell().value = value
