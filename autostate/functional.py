@@ -23,6 +23,7 @@ import jax
 import jax.export
 import numpy as np
 
+from autostate import control as _control
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
@@ -293,6 +294,7 @@ class FunctionalModel(Generic[M]):
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
             self._children = None
+        _control.check_no_escaped(result[1])
         if before is not None:
             _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         return result
