@@ -23,6 +23,7 @@ from autostate.errors import AutostateError
 from autostate.export import export
 from autostate.functional import FunctionalModel
 from autostate.host import inference_mode
+from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 
 __version__ = "0.1.0"
@@ -65,4 +66,7 @@ __all__ = [
     "param_dict",
     "save",
     "state_dict",
+    "partition_specs",
+    "sharded",
+    "shardings",
 ]

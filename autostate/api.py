@@ -62,7 +62,13 @@ class StatefulInfo:
         return self.decision.state
 
 
-def state(value: Any, *, category: Hashable | None = None, name: str | None = None) -> Any:
+def state(
+    value: Any,
+    *,
+    category: Hashable | None = None,
+    name: str | None = None,
+    sharding: Any = None,
+) -> Any:
     """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
 
     Example::
@@ -76,10 +82,13 @@ def state(value: Any, *, category: Hashable | None = None, name: str | None = No
     - ``value``: the initial value.
     - ``category``: the state's category (default: the class's category).
     - ``name``: an explicit state name instead of the attribute path.
+    - ``sharding``: a ``jax.sharding.PartitionSpec`` (mesh or logical axis
+      names) saying how the state is laid out on a mesh; read by
+      ``autostate.partition_specs`` and ``autostate.shardings``.
 
     **Returns:** a marker that ``@stateful`` turns into a state request.
     """
-    return _runtime.StateDeclaration(value, category, name)
+    return _runtime.StateDeclaration(value, category, name, sharding)
 
 
 def constant(value: Any, *, name: str | None = None) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
     FrozenLocalStateRequest,
@@ -135,9 +136,12 @@ class _ReprWriter:
         if id(obj) in self.seen:
             return f"<{cls}, same as {self.seen[id(obj)]!r}>"
         self.seen[id(obj)] = _tree.path_name(path) or "self"
+        specs = vars(obj).get(_sharding.ANNOTATIONS, {})
         items = [
             f"{attr}={self.node(value, path + _tree.attr_name(attr))}"
+            + (f" sharded {specs[attr]}" if attr in specs else "")
             for attr, value in vars(obj).items()
+            if attr != _sharding.ANNOTATIONS
         ]
         return _layout(f"{cls}(", items, ")")
 

@@ -20,6 +20,7 @@ import numpy as np
 
 # Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
 from autostate import control  # noqa: F401
+from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
@@ -45,14 +46,15 @@ def is_slot(value: Any) -> bool:
 
 
 class StateDeclaration:
-    """What ``autostate.state(value, category=..., name=...)`` returns."""
+    """What ``autostate.state(value, category=..., name=..., sharding=...)`` returns."""
 
-    __slots__ = ("value", "category", "name")
+    __slots__ = ("value", "category", "name", "sharding")
 
-    def __init__(self, value: Any, category: Any, name: str | None):
+    def __init__(self, value: Any, category: Any, name: str | None, sharding: Any = None):
         self.value = value
         self.category = category
         self.name = name
+        self.sharding = sharding
 
     def __repr__(self) -> str:
         return f"state({self.value!r}, category={self.category!r}, name={self.name!r})"
@@ -61,12 +63,17 @@ class StateDeclaration:
 def make_slot(obj: Any, name: str, value: Any) -> Any:
     """The eager slot for a state first assigned ``value`` (a declaration or a value)."""
     info = _tree.info_of(obj)
-    category, explicit = info.category, None
+    category, explicit, spec = info.category, None, None
     if isinstance(value, StateDeclaration):
         if value.category is not None:
             category = value.category
-        explicit = value.name
+        explicit, spec = value.name, value.sharding
         value = value.value
+    # --- sharding annotations (autostate.sharding) ---
+    value, sharded_spec = _sharding.split_annotation(value)
+    if spec is not None or sharded_spec is not None:
+        _sharding.record(obj, name, spec if spec is not None else sharded_spec)
+    # --- end sharding annotations ---
     if info.slot_factory is not None:
         _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
@@ -106,7 +113,8 @@ def init(obj: Any, name: str, value: Any) -> None:
     slot = obj.__dict__.get(name, _MISSING)
     if is_slot(slot) and not isinstance(slot, InitialLocalStateRequest):
         # __init__ called again on a functionalized or frozen model: a write.
-        set(obj, name, value.value if isinstance(value, StateDeclaration) else value)
+        value = value.value if isinstance(value, StateDeclaration) else value
+        set(obj, name, _sharding.split_annotation(value)[0])
         return
     obj.__dict__[name] = make_slot(obj, name, value)
 
@@ -263,7 +271,11 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     Plain Python, except inside a functionalized call on a model whose states
     are handled: there such a write would land on a copy that the pure
     function throws away (or keep a tracer), so it is refused with the fix.
+    ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
+    if type(value) is _sharding.Annotated:
+        value, spec = _sharding.split_annotation(value)
+        _sharding.record(self, name, spec)
     if (
         handler_running()
         and name not in _tree.info_of(self).state

@@ -35,6 +35,7 @@ SCENARIOS = {
     "scaling": "bench_scaling",
     "decoration": "bench_decoration",
     "control_flow": "bench_control_flow",
+    "donation": "bench_donation",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 

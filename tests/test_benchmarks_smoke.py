@@ -23,6 +23,7 @@ SCRIPTS = {
     "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
     "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
+    "bench_donation.py": ["Scenario 7: donated KV-cache decode step", "states donated"],
 }
 
 

@@ -1,0 +1,403 @@
+"""Sharding annotations on parameters and states, and the shardings of ``f`` and ``states``.
+
+A model says where its arrays should live in its own ``__init__``, in plain
+Python, without knowing the mesh::
+
+    self.w = autostate.sharded(w, P(None, "model"))                # a parameter
+    self.cache = autostate.state(zeros, sharding=P("data", None))  # a state
+
+An annotation is a ``PartitionSpec`` whose entries are mesh axis names or
+*logical* axis names (``P("embed", "mlp")``) that ``rules`` map to mesh axes
+when the shardings are made. It is kept on the instance, in a static table
+``{attribute: spec}`` (``ANNOTATIONS``), so it is part of the model's
+structure, not of its leaves: it survives ``functionalize``, ``freeze``,
+``jax.jit`` and ``jax.eval_shape`` round trips, copies and pickling, and the
+repr shows it next to the attribute.
+
+``partition_specs(f, states)`` and ``shardings(f, states, mesh)`` read those
+tables and give trees with exactly the structure of ``f`` and ``states``
+(unannotated arrays replicated), ready for ``jax.jit(in_shardings=...,
+out_shardings=...)``, ``jax.device_put`` and ``shard_map``. Leaves are
+matched to annotations by identity, which holds for any ``f`` (built by
+``functionalize``, returned by ``jit`` or ``eval_shape``) because ``f.model``
+is rebuilt around ``f``'s own leaves.
+
+This module knows nothing of source code. ``runtime`` calls
+``split_annotation``/``record`` when ``__init__`` assigns an annotated value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar, Union, cast
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autostate import tree as _tree
+from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
+from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
+from autostate.functional import FunctionalModel
+
+# The instance attribute holding {attribute name: spec}; static aux data.
+ANNOTATIONS = "__autostate_sharding__"
+
+T = TypeVar("T")
+
+# What ``rules`` map a logical axis name to: a mesh axis, several, or None.
+AxisRule = Union[str, tuple[str, ...], None]
+
+
+class Annotated:
+    """What ``autostate.sharded(value, spec)`` returns; ``__init__`` unwraps it."""
+
+    __slots__ = ("value", "spec")
+
+    def __init__(self, value: Any, spec: Any):
+        self.value = value
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"sharded({_tree.describe(self.value)}, {self.spec!r})"
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def check_spec(spec: Any, where: str) -> Any:
+    """``spec`` if it is a PartitionSpec or a pytree of them, else a clear error."""
+    leaves = jax.tree_util.tree_leaves(spec, is_leaf=_is_spec)
+    if not leaves or not all(_is_spec(leaf) for leaf in leaves):
+        raise InvalidTypeError(
+            format_error(
+                f"{where}: a sharding annotation is a jax.sharding.PartitionSpec "
+                f"(or a pytree of them for a pytree value), got {spec!r}.",
+                fix='write `P(None, "model")` with `from jax.sharding import PartitionSpec as '
+                "P`; P() means replicated.",
+            )
+        )
+    return spec
+
+
+def sharded(value: T, spec: PartitionSpec) -> T:
+    """Annotates a parameter (or state) with where it lives on a mesh.
+
+    Example::
+
+        from jax.sharding import PartitionSpec as P
+
+        @autostate.stateful
+        class Linear:
+            def __init__(self, key, n_in, n_out):
+                w = jax.random.normal(key, (n_in, n_out))
+                self.w = autostate.sharded(w, P(None, "model"))
+
+        f, states = Linear(jax.random.key(0), 4, 8).functionalize()
+        mesh = jax.make_mesh((1, 1), ("data", "model"))
+        f_sh, s_sh = autostate.shardings(f, states, mesh)
+        f_sh.model.w.spec   # P(None, 'model')
+
+    Use it on the right of ``self.x = ...`` in ``__init__``: the attribute
+    holds ``value`` itself (eager code sees a plain array) and the instance
+    records ``spec`` for ``autostate.partition_specs``/``shardings``. For
+    states, ``autostate.state(value, sharding=spec)`` says the same.
+
+    **Arguments:**
+    - ``value``: the array (or pytree of arrays).
+    - ``spec``: a ``PartitionSpec`` of mesh axis names or logical axis names
+      (mapped by the ``rules`` given to ``shardings``); for a pytree value,
+      one spec for every leaf or a pytree of specs matching ``value``.
+
+    **Returns:** a marker that ``__init__``'s assignment unwraps (typed as
+    ``value``'s type, which is what the attribute then holds).
+    """
+    return cast(T, Annotated(value, check_spec(spec, "autostate.sharded")))
+
+
+def split_annotation(value: Any) -> tuple[Any, Any]:
+    """``(value, spec)`` for a ``sharded(...)`` marker, ``(value, None)`` otherwise."""
+    if type(value) is Annotated:
+        return value.value, value.spec
+    return value, None
+
+
+def record(obj: Any, attr: str, spec: Any) -> None:
+    """Records ``spec`` as the annotation of ``obj.attr``.
+
+    The table is replaced, never changed in place: copies of an instance
+    share it, and one copy's annotations must not leak into another.
+    """
+    d = obj.__dict__
+    d[ANNOTATIONS] = {**d.get(ANNOTATIONS, {}), attr: check_spec(spec, f"{attr!r}")}
+
+
+# --- reading the annotations of a functionalized model --------------------------
+
+
+def _instances(root: Any) -> list[tuple[str, Any]]:
+    """``(path, instance)`` for every decorated instance under ``root``, each once."""
+    seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
+    stack = [("", root)]
+    while stack:
+        prefix, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.append((prefix, obj))
+        children = []
+        for attr, value in vars(obj).items():
+            for sub, inst in _tree.iter_tree(value, _tree.is_stateful_instance):
+                joined = sub if not sub or sub.startswith("[") else "." + sub
+                children.append((prefix + _tree.attr_name(attr) + joined, inst))
+        stack.extend(reversed(children))
+    return found
+
+
+def _broadcast(spec: Any, value: Any, where: str) -> Any:
+    """One spec per leaf of ``value``: ``spec`` itself, or the leaf of a spec pytree."""
+    if _is_spec(spec):
+        return jax.tree_util.tree_map(lambda _: spec, value)
+    try:
+        return jax.tree_util.tree_map(
+            lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, value, is_leaf=_is_spec
+        )
+    except ValueError as e:
+        raise InvalidArgumentError(
+            format_error(
+                f"The sharding annotation of {where} does not match its value's structure: {e}",
+                fix="give one PartitionSpec for all leaves, or a pytree of them with the "
+                "value's structure.",
+            )
+        ) from None
+
+
+def _check_unwrapped(obj: Any, prefix: str) -> None:
+    """A marker left in an attribute (a ``__setattr__`` of the user's own) hid an array."""
+    for attr, value in vars(obj).items():
+        if type(value) is Annotated:
+            where = _tree.path_name(prefix + _tree.attr_name(attr))
+            raise InvalidTypeError(
+                format_error(
+                    f"{where} holds autostate.sharded(...) itself, not its array: "
+                    f"{type(obj).__name__} defines its own __setattr__, which stored the marker.",
+                    fix="remove the class's own __setattr__ (the one @stateful installs "
+                    "unwraps the marker), or assign the plain array and leave it unannotated.",
+                )
+            )
+
+
+class _Resolved:
+    """The annotations of one functionalized model: per leaf id and per state name."""
+
+    def __init__(self, f: Any):
+        if not isinstance(f, FunctionalModel):
+            raise InvalidTypeError(
+                format_error(
+                    f"Expected the f returned by functionalize(), got {type(f).__name__}.",
+                    fix="call `f, states = model.functionalize()` and pass both.",
+                )
+            )
+        self.by_leaf: dict[int, tuple[Any, str]] = {}
+        self.by_state: dict[str, Any] = {}
+        for prefix, obj in _instances(f.model):
+            _check_unwrapped(obj, prefix)
+            for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
+                where = _tree.path_name(prefix + _tree.attr_name(attr)) or attr
+                value = vars(obj).get(attr)
+                if type(value) is HandledLocalStateRef:
+                    self.by_state.setdefault(value.name, spec)
+                elif isinstance(value, FrozenLocalStateRequest):
+                    # A state of a category this f does not handle: its value is a leaf of f.
+                    self._add_param(value.state, spec, where)
+                elif isinstance(value, StateSlot):
+                    continue  # no array: neither among f's leaves nor in states
+                else:
+                    self._add_param(value, spec, where)
+
+    def _add_param(self, value: Any, spec: Any, where: str) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=_tree.is_stateful_instance)
+        if any(_tree.is_stateful_instance(leaf) for leaf in leaves):
+            raise InvalidTypeError(
+                format_error(
+                    f"{where} holds decorated models, so it cannot be given a sharding.",
+                    fix="annotate the arrays inside the sub-models, in their own __init__.",
+                )
+            )
+        specs = jax.tree_util.tree_leaves(_broadcast(spec, value, where), is_leaf=_is_spec)
+        for leaf, leaf_spec in zip(leaves, specs):
+            self.by_leaf.setdefault(id(leaf), (leaf_spec, where))
+
+
+def _state_specs(resolved: _Resolved, states: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(states, Mapping):
+        raise InvalidTypeError(
+            format_error(
+                f"Expected the states dict returned by functionalize(), got "
+                f"{type(states).__name__}.",
+                fix="call `f, states = model.functionalize()` and pass both.",
+            )
+        )
+    return {
+        name: _broadcast(resolved.by_state.get(name, PartitionSpec()), value, repr(name))
+        for name, value in states.items()
+    }
+
+
+def partition_specs(
+    f: Any, states: Mapping[str, Any], *, rules: Mapping[str, AxisRule] | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """The ``PartitionSpec`` trees of ``f`` and ``states``, as the model annotates them.
+
+    Example::
+
+        f, states = model.functionalize()
+        f_specs, state_specs = autostate.partition_specs(f, states)
+        step = jax.shard_map(step, mesh=mesh, in_specs=(f_specs, state_specs, P("data")),
+                             out_specs=(P("data"), state_specs))
+
+    An array without annotation gets ``P()`` (replicated).
+
+    **Arguments:**
+    - ``f``, ``states``: what ``functionalize()`` returned (or a ``jax.jit``
+      or ``jax.eval_shape`` of it).
+    - ``rules``: maps logical axis names to mesh axes, as for ``shardings``;
+      without it, specs are returned as annotated.
+
+    **Returns:** ``(f_specs, state_specs)``: ``f_specs`` has ``f``'s pytree
+    structure, ``state_specs`` is a dict with the keys and value structures of
+    ``states``.
+    """
+    resolved = _Resolved(f)
+    leaves, treedef = jax.tree_util.tree_flatten(f)
+    specs = [resolved.by_leaf.get(id(leaf), (PartitionSpec(), ""))[0] for leaf in leaves]
+    state_specs = _state_specs(resolved, states)
+    if rules is not None:
+        specs = [resolve_spec(s, None, rules) for s in specs]
+        state_specs = jax.tree_util.tree_map(
+            lambda s: resolve_spec(s, None, rules), state_specs, is_leaf=_is_spec
+        )
+    return jax.tree_util.tree_unflatten(treedef, specs), state_specs
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)  # ShapeDtypeStructs too
+    return tuple(shape) if shape is not None else np.shape(x)
+
+
+def _mesh_axes(entry: Any, rules: Mapping[str, AxisRule] | None) -> tuple[str, ...]:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    out: list[str] = []
+    for name in names:
+        mapped = rules.get(name, name) if rules is not None else name
+        if mapped is None:
+            continue
+        out.extend(mapped if isinstance(mapped, tuple) else (mapped,))
+    return tuple(out)
+
+
+def resolve_spec(
+    spec: PartitionSpec,
+    mesh: jax.sharding.Mesh | None,
+    rules: Mapping[str, AxisRule] | None = None,
+    *,
+    shape: tuple[int, ...] | None = None,
+    where: str = "an array",
+) -> PartitionSpec:
+    """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``.
+
+    Without a mesh only the mapping is done.
+    """
+    entries: list[Any] = []
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            entries.append(entry)
+            continue
+        axes = _mesh_axes(entry, rules)
+        if mesh is None:
+            entries.append(axes[0] if len(axes) == 1 else (axes or None))
+            continue
+        unknown = [a for a in axes if a not in mesh.axis_names]
+        if unknown:
+            raise InvalidArgumentError(
+                format_error(
+                    f"The sharding {spec} of {where} names {unknown[0]!r}, which is neither an "
+                    f"axis of the mesh {tuple(mesh.axis_names)} nor mapped by the rules.",
+                    fix=f"add {unknown[0]!r} to `rules` (logical name -> mesh axis or None), "
+                    "or build the mesh with that axis.",
+                )
+            )
+        if shape is not None and dim < len(shape):
+            parts = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+            if shape[dim] % parts:
+                raise InvalidArgumentError(
+                    format_error(
+                        f"The sharding {spec} of {where} splits dimension {dim} "
+                        f"(size {shape[dim]}) into {parts} parts, which does not divide it.",
+                        fix="choose sizes divisible by the mesh axes, or shard another "
+                        "dimension.",
+                    )
+                )
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    if shape is not None and len(entries) > len(shape):
+        raise InvalidArgumentError(
+            format_error(
+                f"The sharding {spec} of {where} has {len(entries)} entries, but the array has "
+                f"{len(shape)} dimension(s).",
+                fix="give at most one entry per dimension.",
+            )
+        )
+    return PartitionSpec(*entries)
+
+
+def shardings(
+    f: Any,
+    states: Mapping[str, Any],
+    mesh: jax.sharding.Mesh,
+    *,
+    rules: Mapping[str, AxisRule] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """The ``NamedSharding`` trees of ``f`` and ``states`` on ``mesh``.
+
+    Example::
+
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        f, states = model.functionalize()
+        f_sh, s_sh = autostate.shardings(f, states, mesh)
+        f, states = jax.device_put((f, states), (f_sh, s_sh))
+        step = jax.jit(step, in_shardings=(f_sh, s_sh, x_sh), out_shardings=(None, s_sh))
+
+    **Arguments:**
+    - ``f``, ``states``: what ``functionalize()`` returned (or a ``jax.jit``
+      or ``jax.eval_shape`` of it).
+    - ``mesh``: a ``jax.sharding.Mesh``.
+    - ``rules``: maps logical axis names used in annotations to a mesh axis,
+      a tuple of mesh axes, or ``None`` (not sharded); names not in it must
+      be mesh axes.
+
+    **Returns:** ``(f_shardings, state_shardings)`` with the structures of
+    ``f`` and ``states``; unannotated arrays are replicated. Every spec is
+    checked against the mesh and the array's shape first, with an error that
+    names the attribute or state.
+    """
+    resolved = _Resolved(f)
+    leaves, treedef = jax.tree_util.tree_flatten(f)
+    out = []
+    for leaf in leaves:
+        spec, where = resolved.by_leaf.get(id(leaf), (PartitionSpec(), "a parameter"))
+        spec = resolve_spec(spec, mesh, rules, shape=_shape(leaf), where=repr(where))
+        out.append(NamedSharding(mesh, spec))
+    f_shardings = jax.tree_util.tree_unflatten(treedef, out)
+    state_shardings = {}
+    for name, specs in _state_specs(resolved, states).items():
+        state_shardings[name] = jax.tree_util.tree_map(
+            lambda s, v, name=name: NamedSharding(
+                mesh, resolve_spec(s, mesh, rules, shape=_shape(v), where=f"state {name!r}")
+            ),
+            specs,
+            states[name],
+            is_leaf=_is_spec,
+        )
+    return f_shardings, state_shardings

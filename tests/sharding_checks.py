@@ -1,0 +1,398 @@
+"""Multi-device checks of ``autostate.sharding``, run on 8 virtual CPU devices.
+
+``tests/test_sharding.py`` runs this file in its own process (the device
+count is fixed when JAX starts, and the rest of the suite keeps one device):
+``python tests/sharding_checks.py [NAME ...]`` runs the named checks (all by
+default) and prints one JSON object ``{name: "ok" | traceback}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import autostate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def load_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_file(ROOT / "examples" / "sharded_training.py", "sharded_training")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+bench_donation = load_file(ROOT / "benchmarks" / "bench_donation.py", "bench_donation")
+
+CFG = example.Config(d=16, heads=4, mlp=32, layers=2, batch=8, seq=4)
+RULES = example.RULES
+
+
+def mesh_2x4():
+    return example.make_mesh()
+
+
+def leaves(tree):
+    return jax.tree_util.tree_leaves(tree)
+
+
+def assert_close(a, b, what, rtol=1e-5, atol=1e-6):
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb), what
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), what
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=what)
+
+
+def assert_shardings(tree, want, what):
+    for leaf, sharding in zip(leaves(tree), leaves(want), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (
+            f"{what}: {leaf.sharding} is not {sharding}"
+        )
+
+
+# --- item 1: annotations and the sharding trees ---------------------------------------
+
+
+@check
+def annotations_give_named_shardings():
+    mesh = mesh_2x4()
+    model = example.Transformer(jax.random.key(0), CFG)
+    f, states = model.functionalize()
+    f_specs, s_specs = autostate.partition_specs(f, states)
+    assert f_specs.model.blocks[0].attn.wq == P("embed", "heads")
+    assert s_specs["blocks[0].norm.mean"] == P("embed") and s_specs["step"] == P()
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
+    assert jax.tree_util.tree_structure(f_sh) == jax.tree_util.tree_structure(f)
+    assert set(s_sh) == set(states)
+    attn = f_sh.model.blocks[1].attn
+    assert attn.wq == NamedSharding(mesh, P(None, "model"))
+    assert attn.wo == NamedSharding(mesh, P("model", None))
+    assert f_sh.model.blocks[0].mlp.b1 == NamedSharding(mesh, P("model"))
+    assert s_sh["blocks[0].norm.var"] == NamedSharding(mesh, P(None))
+    assert s_sh["step"] == NamedSharding(mesh, P())
+    # The same trees work for device_put, and the arrays land where annotated.
+    f2, s2 = jax.device_put((f, states), (f_sh, s_sh))
+    assert f2.model.blocks[0].attn.wq.sharding.spec == P(None, "model")
+    assert f2.model.blocks[0].attn.wq.addressable_shards[0].data.shape == (CFG.d, CFG.d // 4)
+    # Annotations survive freeze, jit round trips and eval_shape.
+    frozen = autostate.freeze(f2, s2)
+    assert "wq=f32[16,16] sharded P('embed', 'heads')" in repr(frozen)
+    again = autostate.shardings(*frozen.functionalize(), mesh, rules=RULES)
+    assert again == (f_sh, s_sh)
+    abstract = jax.eval_shape(lambda f, s: (f, s), f, states)
+    assert autostate.shardings(*abstract, mesh, rules=RULES) == (f_sh, s_sh)
+
+
+@check
+def two_meshes_give_their_own_shardings():
+    # flax #5127: the output sharding followed the wrong mesh with several meshes.
+    model = example.Transformer(jax.random.key(0), CFG)
+    f, states = model.functionalize()
+    x = jnp.ones((CFG.batch, CFG.seq, CFG.d))
+    for shape in ((2, 4), (4, 2)):
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
+        run = jax.jit(
+            lambda f, s, x: f(s, x),
+            in_shardings=(f_sh, s_sh, NamedSharding(mesh, P("data"))),
+            out_shardings=(NamedSharding(mesh, P("data")), s_sh),
+        )
+        out, new = run(*jax.device_put((f, states), (f_sh, s_sh)), x)
+        assert out.sharding.mesh.shape == mesh.shape
+        assert_shardings(new, s_sh, f"mesh {shape}")
+
+
+@check
+def bad_annotations_are_clear_errors():
+    mesh = mesh_2x4()
+    model = example.Transformer(jax.random.key(0), CFG)
+    f, states = model.functionalize()
+    try:
+        autostate.shardings(f, states, mesh)  # logical names without rules
+    except autostate.AutostateError as e:
+        assert isinstance(e, ValueError)
+        assert "'embed'" in str(e) and "rules" in str(e), str(e)
+    else:
+        raise AssertionError("unknown axis name accepted")
+    odd = example.Transformer(jax.random.key(0), example.Config(d=16, heads=4, mlp=30))
+    try:
+        autostate.shardings(*odd.functionalize(), mesh, rules=RULES)
+    except autostate.AutostateError as e:
+        assert "blocks[0].mlp.w1" in str(e) and "size 30" in str(e), str(e)
+    else:
+        raise AssertionError("indivisible dimension accepted")
+    try:
+        autostate.sharded(jnp.ones(3), ("model",))
+    except TypeError as e:
+        assert "PartitionSpec" in str(e)
+    else:
+        raise AssertionError("a tuple accepted as a spec")
+
+
+# --- item 2: sharded init -------------------------------------------------------------
+
+
+def transformer_init(key):
+    return example.Transformer(key, CFG).functionalize()
+
+
+def sharded_init(mesh):
+    """``transformer_init`` under jit, out_shardings from the model's annotations."""
+    abstract = jax.eval_shape(transformer_init, jax.random.key(0))
+    f_sh, s_sh = autostate.shardings(*abstract, mesh, rules=RULES)
+    return jax.jit(transformer_init, out_shardings=(f_sh, s_sh)), f_sh, s_sh
+
+
+@check
+def sharded_init_materializes_each_array_in_its_layout():
+    mesh = mesh_2x4()
+    key = jax.random.key(0)
+    abstract_f, abstract_states = jax.eval_shape(transformer_init, key)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves((abstract_f, abstract_states)))
+    init, f_sh, s_sh = sharded_init(mesh)
+    f, states = init(key)
+    assert_shardings(f, f_sh, "parameters built under jit")
+    assert_shardings(states, s_sh, "states built under jit")
+    assert_close((f, states), transformer_init(key), "sharded init vs eager", rtol=0, atol=0)
+    wq = f.model.blocks[0].attn.wq
+    assert [s.data.shape for s in wq.addressable_shards] == [(CFG.d, CFG.d // 4)] * 8
+    # Each device's output is its shards only: less than the whole model.
+    full = sum(x.size * x.dtype.itemsize for x in leaves((f, states)))
+    per_device = sum(s.data.nbytes for x in leaves((f, states)) for s in x.addressable_shards
+                     if s.device == jax.devices()[0])
+    compiled = init.lower(key).compile().memory_analysis()
+    n = len(leaves((f, states)))  # the output tuple adds one 8-byte pointer per array
+    assert per_device < 0.6 * full, (per_device, full)
+    assert compiled.output_size_in_bytes <= per_device + 8 * n, (compiled, per_device)
+    # eval_shape of the sharded init: abstract f and states carrying their shardings.
+    abstract = jax.eval_shape(init, key)
+    assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure((f, states))
+    for a, want in zip(leaves(abstract), leaves((f_sh, s_sh)), strict=True):
+        assert isinstance(a, jax.ShapeDtypeStruct) and a.sharding == want, (a, want)
+    model = autostate.freeze(*abstract)
+    assert "sharded P('embed', 'heads')" in repr(model)
+
+
+# --- item 3: DP + TP training step ---------------------------------------------------
+
+
+@check
+def dp_tp_step_equals_single_device():
+    mesh = mesh_2x4()
+    f1, s1 = example.Transformer(jax.random.key(0), CFG).functionalize()
+    init, f_sh, s_sh = sharded_init(mesh)
+    f8, s8 = init(jax.random.key(0))
+    single = jax.jit(lambda f, s, x, y: example.train_step(f, s, x, y, CFG.lr))
+    sharded = example.sharded_step(mesh, f_sh, s_sh, CFG.lr)
+    data = example.batches(CFG, 3)
+    # XLA's propagation alone keeps this model's layout (out_shardings guarantee it).
+    batch = NamedSharding(mesh, P("data"))
+    free = jax.jit(lambda f, s, x, y: example.train_step(f, s, x, y, CFG.lr),
+                   in_shardings=(f_sh, s_sh, batch, batch))
+    _, _, f_free, s_free = free(f8, s8, *data[0])
+    assert_shardings((f_free, s_free), (f_sh, s_sh), "a step without out_shardings")
+    for i, (x, y) in enumerate(data):
+        loss1, g1, f1, s1 = single(f1, s1, x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Some donated buffers were not usable"
+            loss8, g8, f8, s8 = sharded(f8, s8, x, y)
+        assert_close(loss8, loss1, f"loss, step {i}")
+        assert_close(g8, g1, f"grads, step {i}")
+        assert_close(f8, f1, f"new parameters, step {i}")
+        assert_close(s8, s1, f"new states, step {i}")
+        assert_shardings(s8, s_sh, f"states after step {i}")
+        assert_shardings(f8, f_sh, f"parameters after step {i}")
+        assert_shardings(g8, f_sh, f"grads after step {i}")
+    assert int(s8["step"]) == 3
+    assert len(s8["blocks[0].norm.mean"].addressable_shards) == 8
+
+
+# --- item 4: cross-device statistics ---------------------------------------------------
+
+
+def full_batch_stats(x, momentum=0.9):
+    """Running mean and var after one update from their initial 0 and 1, in float64."""
+    x = np.asarray(x, np.float64)
+    mean, var = x.mean((0, 1)), x.var((0, 1))
+    return (1 - momentum) * mean, momentum + (1 - momentum) * var
+
+
+@check
+def jit_level_statistics_equal_full_batch():
+    mesh = mesh_2x4()
+    norm = example.RunningNorm(CFG.d)
+    f, states = norm.functionalize()
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
+    x = jax.random.normal(jax.random.key(3), (CFG.batch, CFG.seq, CFG.d)) * 3 + 1
+    batch = NamedSharding(mesh, P("data"))
+    run = jax.jit(lambda f, s, x: f(s, x), in_shardings=(f_sh, s_sh, batch),
+                  out_shardings=(batch, s_sh))
+    _, new = run(*jax.device_put((f, states), (f_sh, s_sh)), jax.device_put(x, batch))
+    mean, var = full_batch_stats(x)
+    np.testing.assert_allclose(new["mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["var"], var, rtol=1e-5, atol=1e-6)
+    _, single = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+    assert_close(new, single, "jit-level statistics vs one device")
+
+
+@check
+def shard_map_pmean_statistics_equal_full_batch():
+    mesh = mesh_2x4()
+    x = jax.random.normal(jax.random.key(3), (CFG.batch, CFG.seq, CFG.d)) * 3 + 1
+    model = example.Transformer(jax.random.key(0), CFG, axis_name="data")
+    f, states = model.functionalize()
+    f_specs, s_specs = autostate.partition_specs(f, states, rules={**RULES, "heads": None,
+                                                                   "mlp": None})
+    run = jax.jit(jax.shard_map(
+        lambda f, s, x: f(s, x), mesh=mesh,
+        in_specs=(f_specs, s_specs, P("data")), out_specs=(P("data"), s_specs),
+    ))
+    out, new = run(f, states, x)
+    reference = example.Transformer(jax.random.key(0), CFG)  # no axis name: one device
+    out1, new1 = jax.jit(lambda f, s, x: f(s, x))(*reference.functionalize(), x)
+    assert_close(new, new1, "shard_map + pmean statistics vs one device, full batch")
+    assert_close(out, out1, "shard_map output vs one device", rtol=1e-4, atol=1e-5)
+    mean, var = full_batch_stats(x)
+    np.testing.assert_allclose(new["blocks[0].norm.mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["blocks[0].norm.var"], var, rtol=1e-5, atol=1e-6)
+    # Without pmean, shard_map refuses replicated out_specs for per-shard statistics...
+    local = example.RunningNorm(CFG.d)
+    lf, ls = local.functionalize()
+    try:
+        jax.jit(jax.shard_map(
+            lambda f, s, x: f(s, x), mesh=mesh, in_specs=(P(), P(), P("data")),
+            out_specs=(P("data"), P()),
+        ))(lf, ls, x)
+    except ValueError as e:
+        assert "data" in str(e), str(e)
+    else:
+        raise AssertionError("shard_map accepted unreduced statistics as replicated")
+    # ... and with the check off each device keeps its own shard's statistics.
+    local = example.RunningNorm(CFG.d)
+    lf, ls = local.functionalize()
+    _, per_shard = jax.jit(jax.shard_map(
+        lambda f, s, x: f(s, x), mesh=mesh, in_specs=(P(), P(), P("data")),
+        out_specs=(P("data"), P("data")), check_vma=False,
+    ))(lf, ls, x)
+    assert not np.allclose(np.asarray(per_shard["mean"])[: CFG.d], mean, rtol=1e-3)
+
+
+# --- item 5: donation ------------------------------------------------------------------
+
+
+@check
+def donated_decode_updates_the_cache_in_place():
+    cfg = bench_donation.DecodeConfig(batch=8, max_len=256, heads=4, head_dim=16, tokens=4)
+    r = bench_donation.measure(cfg)
+    assert r["in_place"] and r["pos"] == 4, r
+    assert r["alias"] >= r["cache"], r
+    assert r["donated"] < 1.15 * r["cache"] + r["params"], r
+    assert r["plain"] > 1.9 * r["cache"], r
+    # Sharded over the mesh too: the donated cache keeps its layout step after step.
+    mesh = mesh_2x4()
+    f, states = bench_donation.CachedAttention(jax.random.key(0), cfg).functionalize()
+    rules = {"batch": "data", "heads": "model"}
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=rules)
+    f, states = jax.device_put((f, states), (f_sh, s_sh))
+    x_sh = NamedSharding(mesh, P("data"))
+    step = jax.jit(bench_donation.decode_step, in_shardings=(f_sh, s_sh, x_sh),
+                   out_shardings=(x_sh, s_sh), donate_argnums=1)
+    x = jnp.ones((cfg.batch, cfg.d))
+    for _ in range(3):
+        old = states["k_cache"]
+        pointers = [s.data.unsafe_buffer_pointer() for s in old.addressable_shards]
+        x, states = step(f, states, x)
+        assert old.is_deleted()
+        assert [s.data.unsafe_buffer_pointer() for s in states["k_cache"].addressable_shards] \
+            == pointers
+        assert_shardings(states, s_sh, "donated decode states")
+
+
+# --- item 6: checkpoints ----------------------------------------------------------------
+
+
+@check
+def orbax_restores_into_the_sharded_abstract_model():
+    import orbax.checkpoint as ocp
+
+    mesh = mesh_2x4()
+    f, states = example.Transformer(jax.random.key(0), CFG).functionalize()
+    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones((8, CFG.seq, CFG.d)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt"
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(path, {"f": f, "states": states})  # saved from one device
+        init, f_sh, s_sh = sharded_init(mesh)
+        abstract_f, abstract_states = jax.eval_shape(init, jax.random.key(5))
+        target = {"f": abstract_f, "states": abstract_states}
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path, target)
+    assert_shardings(restored["f"], f_sh, "restored parameters")
+    assert_shardings(restored["states"], s_sh, "restored states")
+    assert_close(restored, {"f": f, "states": states}, "restored values", rtol=0, atol=0)
+    model = autostate.freeze(restored["f"], restored["states"])
+    assert type(model) is example.Transformer
+
+
+@check
+def autostate_save_load_keep_the_like_models_shardings():
+    mesh = mesh_2x4()
+    f, states = example.Transformer(jax.random.key(0), CFG).functionalize()
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
+    trained = autostate.freeze(*jax.device_put((f, states), (f_sh, s_sh)))
+    with tempfile.TemporaryDirectory() as tmp:
+        autostate.save(Path(tmp) / "ckpt.npz", trained)  # gathers each array to the host
+        fresh = example.Transformer(jax.random.key(1), CFG).functionalize()
+        like = autostate.freeze(*jax.device_put(fresh, (f_sh, s_sh)))
+        loaded = autostate.load(Path(tmp) / "ckpt.npz", like=like)
+    lf, ls = loaded.functionalize()
+    assert_shardings(lf, f_sh, "loaded parameters")
+    assert_shardings(ls, s_sh, "loaded states")
+    assert_close((lf, ls), (f, states), "loaded values", rtol=0, atol=0)
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(CHECKS)
+    results = {}
+    for name in names:
+        try:
+            CHECKS[name]()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the pytest side
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
