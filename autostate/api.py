@@ -170,8 +170,22 @@ def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
 
 def _install_defaults(cls: type) -> None:
     """What every decorated class has unless it (or a base) defines its own."""
-    if cls.__setattr__ is object.__setattr__:
+    # The run-time guard wraps whatever __setattr__ the class has; a user's own
+    # __setattr__/__getattribute__ then also sees the rewritten state accesses.
+    setter = cls.__setattr__
+    if setter is object.__setattr__:
         cls.__setattr__ = _runtime.guarded_setattr
+    elif setter is not _runtime.guarded_setattr and not hasattr(setter, "_autostate_guarded"):
+        cls.__setattr__ = _runtime.guard_setattr(setter)
+    _runtime.register_access_hooks(
+        cls,
+        getattribute=cls.__getattribute__ is not object.__getattribute__,
+        setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
+    )
+    if not hasattr(cls, "__copy__"):
+        cls.__copy__ = _runtime.copy_instance
+    if not hasattr(cls, "__deepcopy__"):
+        cls.__deepcopy__ = _runtime.deepcopy_instance
     if not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method
     if cls.__repr__ is object.__repr__:

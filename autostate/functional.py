@@ -64,12 +64,13 @@ class FunctionalModel:
     on two paths) one leaf.
     """
 
-    __slots__ = ("handler_id", "_model", "_flat")
+    __slots__ = ("handler_id", "_model", "_flat", "_guard")
 
     def __init__(self, handler_id: Hashable, model: Any = None, flat: tuple | None = None):
         self.handler_id = handler_id
         self._model = model
         self._flat = flat  # (leaves, graphdef), computed on first flatten
+        self._guard: frozenset[int] | None = None  # ids of the model's instances
 
     @property
     def model(self) -> Any:
@@ -90,8 +91,13 @@ class FunctionalModel:
     def _run(self, states: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
         traced = contains_tracer(states)
         before = _tree.flatten_graph(self.model) if traced else None
+        guard = self._guard
+        if guard is None:
+            # The instance graph cannot change inside a call (the guard refuses
+            # it), so its ids are collected once per model.
+            guard = self._guard = _tree.instance_ids(self.model)
         try:
-            result = run_with_states(self.handler_id, states, fn, args, kwargs)
+            result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
         finally:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.

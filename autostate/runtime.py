@@ -13,19 +13,26 @@ what a traceback through user code shows, so they say what they do.
 
 from __future__ import annotations
 
+import copy as _copy
+import functools
 import operator
 from typing import Any
 
+import jax
 import numpy as np
 
 from autostate import tree as _tree
 from autostate.effects import (
+    FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
     InitialValue,
     StateSlot,
+    contains_tracer,
+    is_guarded,
+    is_running,
 )
-from autostate.effects.local_state import _check_not_traced, handler_running
+from autostate.effects.local_state import _check_not_traced
 from autostate.errors import InvalidTypeError, StateAccessError, format_error
 
 _MISSING = object()
@@ -68,11 +75,54 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     _check_not_traced(value, explicit or name)
     if info.slot_factory is not None:
         return info.slot_factory(obj, name, value, category, explicit)
-    return InitialLocalStateRequest(InitialValue(value), category, explicit)
+    return InitialLocalStateRequest(InitialValue(as_state_value(value)), category, explicit)
+
+
+_NUMPY = (np.ndarray, np.generic)
+# Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
+_JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
+
+
+def as_state_value(value: Any) -> Any:
+    """A value as state holds it: numpy arrays become jax arrays.
+
+    Under ``jax.jit`` a numpy state arrives as a jax array, so converting
+    when it is assigned gives eager calls the same meaning (jax dtype
+    promotion, ``.at[]`` scatter for ``x[i] += v``) as jitted ones.
+    """
+    if isinstance(value, _NUMPY):
+        return jax.numpy.asarray(value)
+    if type(value) in (list, tuple, dict):
+        return jax.tree_util.tree_map(
+            lambda v: jax.numpy.asarray(v) if isinstance(v, _NUMPY) else v, value
+        )
+    return value
+
+
+# Classes with a user __getattribute__ / __setattr__: state access goes through
+# them (and then the class's descriptors) so it means what plain Python means.
+_HOOKED_GET: set[type] = set()
+_HOOKED_SET: set[type] = set()
+
+
+def register_access_hooks(cls: type, *, getattribute: bool, setattr_: bool) -> None:
+    """Records whether ``cls``'s state access must go through its own hooks."""
+    for hooked, on in ((_HOOKED_GET, getattribute), (_HOOKED_SET, setattr_)):
+        if on:
+            hooked.add(cls)
+        else:
+            hooked.discard(cls)
 
 
 def get(obj: Any, name: str) -> Any:
     """Current value of state ``name`` of ``obj``."""
+    if _HOOKED_GET and type(obj) in _HOOKED_GET:
+        return getattr(obj, name)
+    return read_state(obj, name)
+
+
+def read_state(obj: Any, name: str) -> Any:
+    """``get`` without the class's ``__getattribute__`` (the descriptor's read)."""
     try:
         slot = obj.__dict__[name]
     except KeyError:
@@ -89,9 +139,22 @@ def get(obj: Any, name: str) -> Any:
 
 def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code reads well
     """Sets state ``name`` of ``obj`` (in place eagerly, in the handler's cell when handled)."""
+    if _HOOKED_SET and type(obj) in _HOOKED_SET:
+        setattr(obj, name, value)
+        return
+    store_state(obj, name, value)
+
+
+def store_state(obj: Any, name: str, value: Any) -> None:
+    """``set`` without the class's ``__setattr__`` (the descriptor's write)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
     if is_slot(slot):
+        t = type(slot)
+        if t in _JAX_SLOTS and isinstance(value, _NUMPY):
+            value = jax.numpy.asarray(value)
+        if t is not HandledLocalStateRef and is_guarded(obj):
+            _check_unhandled_write(obj, name, slot, value)
         replacement = slot.write(value, name)
         if replacement is not None:
             d[name] = replacement
@@ -99,8 +162,26 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
         d[name] = make_slot(obj, name, value)
 
 
+def _check_unhandled_write(obj: Any, name: str, slot: Any, value: Any) -> None:
+    """A state of a category this call does not handle lives in the model itself."""
+    if contains_tracer(value):
+        raise StateAccessError(
+            format_error(
+                f"State {type(obj).__name__}.{name} (category {slot.category!r}) is not handled "
+                "by the running functionalized call, so it cannot take a traced value: the "
+                "model would keep a tracer after the call returns.",
+                fix="functionalize every category the call writes "
+                "(`model.functionalize()` handles all of them), or assign this state outside "
+                "the transformed call.",
+            )
+        )
+
+
 def init(obj: Any, name: str, value: Any) -> None:
     """``self.x = v`` in ``__init__``: a fresh initial-state request holding ``v``."""
+    if _HOOKED_SET and type(obj) in _HOOKED_SET:
+        setattr(obj, name, value)
+        return
     slot = obj.__dict__.get(name, _MISSING)
     if is_slot(slot) and not isinstance(slot, InitialLocalStateRequest):
         # __init__ called again on a functionalized or frozen model: a write.
@@ -255,28 +336,111 @@ def target(obj: Any) -> _Target:
     return _Target(obj)
 
 
-def guarded_setattr(self: Any, name: str, value: Any) -> None:
-    """``model.x = v`` for an attribute that is not state.
+def check_guarded_write(obj: Any, name: str) -> None:
+    """The run-time guard: refuses a non-state write to a model a handler runs.
 
-    Plain Python, except inside a functionalized call on a model whose states
-    are handled: there such a write would land on a copy that the pure
-    function throws away (or keep a tracer), so it is refused with the fix.
+    Inside a functionalized call (``f(states, ...)``, ``handler((x, states))``)
+    the model is ``f``'s own copy, so a write that is not a state write would
+    be lost when the call returns, or keep a tracer in ``f``; this holds
+    whether the states are traced, concrete or empty, and whatever analysis
+    saw (a wrapped or assigned method, a helper outside the class).
     """
-    if (
-        handler_running()
-        and name not in _tree.info_of(self).state
-        and not hasattr(type(getattr(type(self), name, None)), "__set__")  # a property
-        and any(type(v) is HandledLocalStateRef for v in self.__dict__.values())
-    ):
-        raise StateAccessError(
-            format_error(
-                f"{type(self).__name__}.{name} is not state, so assigning it inside a "
-                "functionalized call would be lost when the call returns.",
-                fix=f"make it state: assign `self.{name}` in a method of the class, or declare "
-                f"it in __init__ with `self.{name} = autostate.state(...)`.",
-            )
+    if not is_guarded(obj) or name in _tree.info_of(obj).state:
+        return
+    if hasattr(type(getattr(type(obj), name, None)), "__set__"):
+        return  # a property or other data descriptor: its setter decides
+    raise StateAccessError(
+        format_error(
+            f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
+            "functionalized call would be lost when the call returns (or leave a JAX tracer "
+            "in the model).",
+            fix=f"make it state: declare it in __init__ with `self.{name} = "
+            f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
+            "assign it outside the functionalized call.",
         )
+    )
+
+
+def guarded_setattr(self: Any, name: str, value: Any) -> None:
+    """``model.x = v`` for an attribute that is not state: plain Python, guarded."""
+    check_guarded_write(self, name)
     object.__setattr__(self, name, value)
+
+
+def guard_setattr(user_setattr: Any) -> Any:
+    """Wraps a class's own ``__setattr__`` with the run-time guard."""
+
+    @functools.wraps(user_setattr)
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        check_guarded_write(self, name)
+        user_setattr(self, name, value)
+
+    __setattr__._autostate_guarded = user_setattr  # type: ignore[attr-defined]
+    return __setattr__
+
+
+# --- copies -----------------------------------------------------------------
+
+
+class DetachedState(StateSlot):
+    """A state of a copy made inside a functionalized call (``copy.copy(self)``).
+
+    The copy holds its own value, as a plain Python copy would, instead of
+    sharing the original's handler cell; it may be traced (the copy is a
+    temporary of the running call).
+    """
+
+    __slots__ = ("value", "category", "name")
+
+    def __init__(self, value: Any, category: Any, name: str | None):
+        self.value, self.category, self.name = value, category, name
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> DetachedState:
+        return DetachedState(value, self.category, self.name)
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.value, self.category, self.name)
+
+
+jax.tree_util.register_pytree_node(
+    DetachedState,
+    lambda s: ((s.value,), (s.category, s.name)),
+    lambda aux, children: DetachedState(children[0], *aux),
+)
+_tree.register_dynamic_type(DetachedState)
+
+
+def _detached(value: Any) -> Any:
+    if type(value) is HandledLocalStateRef and is_running(value.handler_id):
+        return DetachedState(
+            value.read(), value.category, value.name if value.was_explicitly_named else None
+        )
+    if type(value) is DetachedState:
+        return DetachedState(value.value, value.category, value.name)
+    return value
+
+
+def copy_instance(self: Any) -> Any:
+    """``copy.copy`` of a decorated instance: its states are its own."""
+    cls = type(self)
+    new = cls.__new__(cls)
+    new.__dict__.update({k: _detached(v) for k, v in self.__dict__.items()})
+    return new
+
+
+def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy`` of a decorated instance: its states are its own."""
+    cls = type(self)
+    new = cls.__new__(cls)
+    memo[id(self)] = new
+    d = new.__dict__
+    for k, v in self.__dict__.items():
+        detached = _detached(v)
+        d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
+    return new
 
 
 class StateAttribute:
@@ -301,10 +465,10 @@ class StateAttribute:
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self if self.class_value is None else self.class_value
-        return get(obj, self.name)
+        return read_state(obj, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        set(obj, self.name, value)
+        store_state(obj, self.name, value)
 
     def __delete__(self, obj: Any) -> None:
         raise StateAccessError(

@@ -344,6 +344,20 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
         stack.extend(reversed(children))
 
 
+def instance_ids(tree: Any) -> frozenset[int]:
+    """Ids of every decorated instance reachable in ``tree``."""
+    ids: set[int] = set()
+
+    def record(node: Any) -> bool:
+        if type(node) in _STATEFUL_CLASSES:
+            ids.add(id(node))
+        return False
+
+    for _ in iter_tree(tree, record):
+        pass
+    return frozenset(ids)
+
+
 # --- graph flatten ----------------------------------------------------------
 
 

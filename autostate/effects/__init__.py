@@ -20,6 +20,8 @@ from autostate.effects.local_state import (
     fresh_handler_id,
     handle_local_states,
     hoist_shared_state_requests,
+    is_guarded,
+    is_running,
     run_with_states,
 )
 
@@ -41,5 +43,7 @@ __all__ = [
     "fresh_handler_id",
     "handle_local_states",
     "hoist_shared_state_requests",
+    "is_guarded",
+    "is_running",
     "run_with_states",
 ]

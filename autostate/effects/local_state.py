@@ -48,11 +48,27 @@ _ACTIVE: contextvars.ContextVar[Mapping[Hashable, dict[str, LocalStateEffectImpl
     contextvars.ContextVar("autostate_active_handlers", default=types.MappingProxyType({}))
 )
 _handler_counter = itertools.count()
+# ids of the decorated instances of every body a handler is running now: the
+# instances whose non-state writes the run-time guard refuses.
+_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_guarded_instances", default=frozenset()
+)
 
 
 def handler_running() -> bool:
     """Whether some handler is running its body in this context."""
     return bool(_ACTIVE.get())
+
+
+def is_running(handler_id: Hashable) -> bool:
+    """Whether the handler with ``handler_id`` is running its body now."""
+    return handler_id in _ACTIVE.get()
+
+
+def is_guarded(obj: Any) -> bool:
+    """Whether ``obj`` belongs to a body that a handler is running now."""
+    guarded = _GUARDED.get()
+    return bool(guarded) and id(obj) in guarded
 
 
 def fresh_handler_id() -> str:
@@ -400,7 +416,8 @@ class WithFunctionalLocalState:
 
     def __call__(self, argument: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         inner, states = argument
-        return run_with_states(self.handler_id, states, self.body, (inner,), {})
+        guard = _tree.instance_ids(self.body)
+        return run_with_states(self.handler_id, states, self.body, (inner,), {}, guard)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -418,8 +435,14 @@ def run_with_states(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict[str, Any],
+    guard: frozenset[int] = frozenset(),
 ) -> tuple[Any, dict[str, Any]]:
-    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``."""
+    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``.
+
+    ``guard`` holds the ids of the body's decorated instances (see
+    ``is_guarded``): while ``fn`` runs, writes to them that are not state
+    writes are refused instead of landing on a copy the call throws away.
+    """
     if not isinstance(states, dict):
         raise InvalidTypeError(
             format_error(
@@ -430,9 +453,12 @@ def run_with_states(
     cells = {name: LocalStateEffectImpl(value, name) for name, value in states.items()}
     outer = _ACTIVE.get()
     token = _ACTIVE.set({**outer, handler_id: cells} if outer else {handler_id: cells})
+    outer_guard = _GUARDED.get()
+    guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
     try:
         result = fn(*args, **kwargs)
     finally:
+        _GUARDED.reset(guard_token)
         _ACTIVE.reset(token)
     return result, {name: cell.value for name, cell in cells.items()}
 
