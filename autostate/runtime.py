@@ -33,7 +33,12 @@ from autostate.effects import (
     is_running,
 )
 from autostate.effects.local_state import _check_not_traced
-from autostate.errors import InvalidTypeError, StateAccessError, format_error
+from autostate.errors import (
+    InvalidTypeError,
+    StateAccessError,
+    TracedEagerStateError,
+    format_error,
+)
 
 _MISSING = object()
 # type -> whether it is a StateSlot; a cache of issubclass, not a registry.
@@ -81,6 +86,7 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
 _NUMPY = (np.ndarray, np.generic)
 # Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
 _JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
+_UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 
 
 def as_state_value(value: Any) -> Any:
@@ -153,7 +159,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         t = type(slot)
         if t in _JAX_SLOTS and isinstance(value, _NUMPY):
             value = jax.numpy.asarray(value)
-        if t is not HandledLocalStateRef and is_guarded(obj):
+        if t in _UNHANDLED_SLOTS and is_guarded(obj):
             _check_unhandled_write(obj, name, slot, value)
         replacement = slot.write(value, name)
         if replacement is not None:
@@ -165,7 +171,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
 def _check_unhandled_write(obj: Any, name: str, slot: Any, value: Any) -> None:
     """A state of a category this call does not handle lives in the model itself."""
     if contains_tracer(value):
-        raise StateAccessError(
+        raise TracedEagerStateError(
             format_error(
                 f"State {type(obj).__name__}.{name} (category {slot.category!r}) is not handled "
                 "by the running functionalized call, so it cannot take a traced value: the "

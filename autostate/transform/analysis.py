@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import tokenize
+import unicodedata
 from collections.abc import Callable, Sequence
 
 import libcst as cst
@@ -46,6 +47,10 @@ class MethodSource:
     text: str
     freevars: tuple[str, ...]
     has_receiver: bool
+    # The class statement whose name private names were mangled with where the
+    # function was written ("_": none), and the function's code name.
+    mangle_as: str = ""
+    code_name: str = ""
 
 
 @dataclasses.dataclass
@@ -111,7 +116,7 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     compiled line numbers must be moved.
     """
     params = ", ".join((*source.freevars, RUNTIME_NAME))
-    header = f"class {class_name}:\n def {OUTER_NAME}({params}):\n"
+    header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
     padding = max(source.first_line - 3, 0)
     shift = source.first_line - 3 - padding
     return "\n" * padding + header + _space_indented(source.text), shift
@@ -175,12 +180,17 @@ def _method_node(module: cst.Module) -> cst.FunctionDef:
     return node
 
 
+def identifier(name: str) -> str:
+    """``name`` as Python binds it: identifiers are NFKC-normalized (PEP 3131)."""
+    return name if name.isascii() else unicodedata.normalize("NFKC", name)
+
+
 def _param_names(params: cst.Parameters) -> list[str]:
     names = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
     for star in (params.star_arg, params.star_kwarg):
         if isinstance(star, cst.Param):
             names.append(star.name.value)
-    return names
+    return [identifier(n) for n in names]
 
 
 def receiver_name(function: cst.FunctionDef) -> str | None:
@@ -242,10 +252,10 @@ class ReceiverScopes:
         if (
             isinstance(expr, cst.Attribute)
             and isinstance(expr.value, cst.Name)
-            and expr.value.value == self.receiver
+            and identifier(expr.value.value) == self.receiver
             and self.visible
         ):
-            return expr.attr.value
+            return identifier(expr.attr.value)
         return None
 
 
@@ -303,7 +313,7 @@ class _FactCollector(cst.CSTVisitor):
             self._target(expr.value, kind)
             return
         if isinstance(expr, cst.Name):
-            if expr.value == self.facts.receiver and self.scopes.visible:
+            if identifier(expr.value) == self.facts.receiver and self.scopes.visible:
                 self.facts.rebinds.append(self._line(expr))
             return
         item = isinstance(expr, cst.Subscript)
@@ -388,7 +398,7 @@ def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
     receiver = receiver_name(function) if source.has_receiver else None
     facts = MethodFacts(source=source, receiver=receiver, module=module, function=function)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    wrapper.visit(_FactCollector(facts, class_name, shift))
+    wrapper.visit(_FactCollector(facts, source.mangle_as or class_name, shift))
     return facts
 
 

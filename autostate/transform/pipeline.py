@@ -131,6 +131,40 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
     return facts
 
 
+def _read_facts(
+    cls: type, slot: source.MethodSlot
+) -> tuple[analysis.MethodFacts | None, Exception | None]:
+    """Facts of one function, located by its code object.
+
+    The block found at the code's first line must compile to that very code:
+    a file edited or moved since import would otherwise install another
+    body. A function not written in this class body (assigned, made by a
+    factory) whose source cannot be read is skipped: its writes meet the
+    run-time guard instead.
+    """
+    try:
+        text = source.method_source(cls, slot)
+        facts = analysis.collect_facts(cls.__name__, text)
+        _, shift = analysis.wrapper_source(cls.__name__, text)
+        same = loader.compiles_to(
+            facts.module.code, text, shift, slot.function.__code__
+        )
+    except (SourceUnavailableError, DecorationError) as exc:
+        return None, exc
+    if not same:
+        code = slot.function.__code__
+        return None, DecorationError(
+            format_error(
+                f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
+                f"{code.co_filename!r} no longer holds the code that was imported at line "
+                f"{code.co_firstlineno} (the file was edited or the function moved).",
+                where=f"{code.co_filename}:{code.co_firstlineno}",
+                fix="reload the module after editing it (importlib.reload), or restart.",
+            )
+        )
+    return facts, None
+
+
 def _transform(
     cls: type,
     slots: list[source.MethodSlot],
@@ -141,43 +175,55 @@ def _transform(
     user_bases: list[type],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
-    sources, slots, skipped, unavailable = [], list(slots), [], None
+    facts, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
-        try:
-            sources.append(source.method_source(cls, slot))
-        except SourceUnavailableError as exc:
-            # Generated methods (a dataclass __init__) have no source; they still
-            # reach state through the class's descriptors. Only a class with no
-            # source at all cannot be decorated.
-            unavailable = exc
-            slots.remove(slot)
-            skipped.append(slot)
-    if unavailable is not None and not sources:
+        found, error = _read_facts(cls, slot)
+        if found is not None:
+            facts.append(found)
+            continue
+        slots.remove(slot)
+        skipped.append(slot)
+        if slot.foreign:
+            continue
+        if not isinstance(error, SourceUnavailableError):
+            raise error
+        # Generated methods (a dataclass __init__) have no source; they still
+        # reach state through the class's descriptors. Only a class with no
+        # source at all cannot be decorated.
+        unavailable = error
+    if unavailable is not None and not facts:
         raise unavailable
     globals_by_key = {s.key: s.function.__globals__ for s in slots}
 
     def is_state_declaration(facts: analysis.MethodFacts, dotted: str) -> bool:
         return _resolves_to(globals_by_key[facts.source.key], dotted, state_marker)
 
-    facts = [analysis.collect_facts(cls.__name__, src) for src in sources]
     initialized: set[str] = set(inherited_init)
     bases = [(base, _base_facts(base)) for base in user_bases]
+    base_writes: set[str] = set()
     for _base, base_facts_list in bases:
         for base_facts in base_facts_list:
+            if base_facts.receiver is None:
+                continue
             initialized.update(a.attr for a in base_facts.assignments)
+            if base_facts.source.attr != "__init__":
+                base_writes.update(a.attr for a in base_facts.assignments if a.kind != "item")
     # A generated __init__ (dataclass, attrs) has no source to check; it sets
     # every field, so treat what the methods assign as initialized.
     initialized |= set(getattr(cls, "__dataclass_fields__", ()))
     if any(slot.attr == "__init__" for slot in skipped):
         initialized |= {a.attr for f in facts for a in f.assignments}
+    properties = frozenset(_base_properties(cls))
     result = analysis.analyze_class(
         cls.__name__,
         facts,
-        inherited_state=inherited,
+        # What an undecorated base or mixin assigns is state too: its methods
+        # are not rewritten, but reach state through the class's descriptors.
+        inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
         allow_nested_writes=fallback == "host",
-        inherited_properties=frozenset(_base_properties(cls)),
+        inherited_properties=properties,
     )
     _check_undecorated_bases(cls, bases, result.state)
     codes: dict[str, types.CodeType] = {}
@@ -189,19 +235,23 @@ def _transform(
             method.function,
             method.receiver,
             result.state,
-            cls.__name__,
+            method.source.mangle_as or cls.__name__,
             is_init=slot.attr == "__init__",
         )
         _, shift = analysis.wrapper_source(cls.__name__, method.source)
         codes[slot.key] = loader.compile_method(
             text,
             method.source.filename,
-            cls.__name__,
-            method.function.name.value,
+            method.source.mangle_as or cls.__name__,
+            slot.function.__code__.co_name,
             shift,
             slot.function.__code__.co_flags,
         )
     return result.state, result.initialized | initialized, codes
+
+
+def _own_properties(cls: type) -> frozenset[str]:
+    return frozenset(name for name, v in vars(cls).items() if isinstance(v, property))
 
 
 def _check_undecorated_bases(
@@ -211,14 +261,21 @@ def _check_undecorated_bases(
         for facts in base_facts:
             if facts.source.attr == "__init__" or facts.receiver is None:
                 continue
-            for assignment in facts.assignments:
-                if assignment.attr in state_attrs:
+            # Whole-attribute writes reach state through the descriptors; an item
+            # write or an in-place method call would change the value in place.
+            changes = [(a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...")
+                       for a in facts.assignments if a.kind == "item"]
+            changes += [(attr, line, f"{facts.receiver}.{attr}.{method}(...)")
+                        for attr, method, line in facts.mutating_calls]
+            for attr, line, what in changes:
+                if attr in state_attrs:
                     raise DecorationError(
                         format_error(
                             f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
-                            f"class {base.__name__} assigns state {assignment.attr!r} in "
-                            f"{base.__name__}.{facts.source.key}, which would not be rewritten.",
-                            where=f"{facts.source.filename}:{assignment.line}",
+                            f"class {base.__name__} changes state {attr!r} in place "
+                            f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
+                            "be rewritten.",
+                            where=f"{facts.source.filename}:{line}",
                             fix=f"decorate {base.__name__} with @autostate.stateful too.",
                         )
                     )
