@@ -248,39 +248,75 @@ def setitem(obj: Any, name: str, value: Any, *keys: Any) -> None:
     set(obj, name, _set_path(get(obj, name), keys, value))
 
 
-_OPERATORS = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-    "/": operator.truediv,
-    "//": operator.floordiv,
-    "%": operator.mod,
-    "**": operator.pow,
-    "@": operator.matmul,
-    "<<": operator.lshift,
-    ">>": operator.rshift,
-    "&": operator.and_,
-    "|": operator.or_,
-    "^": operator.xor,
-}
 # The scatter each operator maps to on jax arrays (others read, combine, set).
 _AT_METHODS = {"+": "add", "*": "multiply", "/": "divide", "**": "power"}
 
 
-def augitem(obj: Any, name: str, op: str, value: Any, *keys: Any) -> None:
+# Containers whose in-place operators mutate: state never changes in place,
+# so the operator runs on a shallow copy (and keeps its own meaning:
+# ``list += range(3)``, ``dict |= [("k", v)]``).
+_MUTABLE = frozenset({list, dict, set, bytearray})
+
+
+def _inplace(op: Any) -> Any:
+    def apply(current: Any, value: Any) -> Any:
+        if type(current) in _MUTABLE:
+            current = _copy.copy(current)
+        return op(current, value)
+
+    return apply
+
+
+iadd = _inplace(operator.iadd)
+isub = _inplace(operator.isub)
+imul = _inplace(operator.imul)
+itruediv = _inplace(operator.itruediv)
+ifloordiv = _inplace(operator.ifloordiv)
+imod = _inplace(operator.imod)
+ipow = _inplace(operator.ipow)
+imatmul = _inplace(operator.imatmul)
+ilshift = _inplace(operator.ilshift)
+irshift = _inplace(operator.irshift)
+iand = _inplace(operator.iand)
+ior = _inplace(operator.ior)
+ixor = _inplace(operator.ixor)
+_INPLACE = {
+    "+": iadd, "-": isub, "*": imul, "/": itruediv, "//": ifloordiv, "%": imod, "**": ipow,
+    "@": imatmul, "<<": ilshift, ">>": irshift, "&": iand, "|": ior, "^": ixor,
+}
+
+
+class _Item:
+    """``self.x[k]`` read for ``self.x[k] op= v``: the keys and the old item,
+    taken before ``v`` is evaluated, as Python does."""
+
+    __slots__ = ("obj", "name", "keys", "current", "container", "old")
+
+    def __init__(self, obj: Any, name: str, keys: tuple):
+        self.obj, self.name, self.keys = obj, name, keys
+        self.current = container = get(obj, name)
+        for key in keys[:-1]:
+            container = container[key]
+        self.container = container
+        self.old = container[keys[-1]]
+
+
+def item(obj: Any, name: str, *keys: Any) -> _Item:
+    """The target of ``self.x[k1][k2] op= v`` (evaluated before ``v``)."""
+    return _Item(obj, name, keys)
+
+
+def augitem(target: _Item, op: str, value: Any) -> None:
     """``self.x[k] op= value`` as a functional update of state ``x``."""
-    current = get(obj, name)
-    container = current
-    for key in keys[:-1]:
-        container = container[key]
+    container, keys, current = target.container, target.keys, target.current
     at = getattr(container, "at", None)
     method = _AT_METHODS.get(op)
     if at is not None and method is not None and not isinstance(container, np.ndarray):
         updated = getattr(at[keys[-1]], method)(value)
         new = updated if len(keys) == 1 else _set_path(current, keys[:-1], updated)
     else:
-        new = _set_path(current, keys, _OPERATORS[op](container[keys[-1]], value))
-    set(obj, name, new)
+        new = _set_path(current, keys, _INPLACE[op](target.old, value))
+    set(target.obj, target.name, new)
 
 
 def delitem(obj: Any, name: str, *keys: Any) -> None:

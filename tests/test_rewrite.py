@@ -862,9 +862,11 @@ def test_generated_source_keeps_each_statement_on_its_line():
     line = {n: new_lines[n - 1].strip() for n in range(20, 29)}
     assert line[20] == "def step(self, v):"
     assert line[21] == '__autostate__.set(self, "x", v)'
-    assert line[22] == '__autostate__.set(self, "y", __autostate__.get(self, "y") + (v))'
+    assert line[22] == '__autostate__.set(self, "y", __autostate__.iadd(__autostate__.get(self, "y"), v))'
     assert line[23] == '__autostate__.setitem(self, "z", v, __autostate__.ix[0])'
-    assert line[24] == '__autostate__.augitem(self, "z", "*", v, __autostate__.ix[1])'
+    assert line[24] == (
+        '__autostate__.augitem(__autostate__.item(self, "z", __autostate__.ix[1]), "*", v)'
+    )
     assert line[25] == "__autostate__.target(self).x, __autostate__.target(self).y = (v,"
     assert line[26] == "v)"
     assert line[27] == "del __autostate__.target(self).z[0]"

@@ -208,6 +208,28 @@ def dotted_name(expr: cst.BaseExpression) -> str | None:
     return None
 
 
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+
+
+def _bound_names(target: cst.BaseExpression) -> list[str]:
+    if isinstance(target, cst.Name):
+        return [identifier(target.value)]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for e in target.elements for n in _bound_names(e.value)]
+    if isinstance(target, cst.StarredElement):
+        return _bound_names(target.value)
+    return []
+
+
+def _comprehension_names(node: cst.CSTNode) -> set[str]:
+    names: set[str] = set()
+    clause = getattr(node, "for_in", None)
+    while clause is not None:
+        names.update(_bound_names(clause.target))
+        clause = clause.inner_for_in
+    return names
+
+
 class ReceiverScopes:
     """Tracks whether the method's receiver name is visible at a node.
 
@@ -221,12 +243,20 @@ class ReceiverScopes:
         self.receiver = receiver
         self.stack: list[bool] = []
         self.inside = False
+        self._comprehensions: set[int] = set()
 
     def enter(self, node: cst.CSTNode) -> None:
         if node is self.method:
             self.inside = True
             return
         if not self.inside:
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            # A comprehension is a scope only for the names its ``for`` binds:
+            # ``sum(m.x for self in others)`` does not rebind the receiver.
+            if self.receiver in _comprehension_names(node):
+                self._comprehensions.add(id(node))
+                self.stack.append(True)
             return
         if isinstance(node, (cst.FunctionDef, cst.Lambda)):
             self.stack.append(self.receiver in _param_names(node.params))
@@ -236,6 +266,10 @@ class ReceiverScopes:
     def leave(self, node: cst.CSTNode) -> None:
         if node is self.method:
             self.inside = False
+        elif isinstance(node, _COMPREHENSIONS):
+            if id(node) in self._comprehensions:
+                self._comprehensions.discard(id(node))
+                self.stack.pop()
         elif self.inside:
             self.stack.pop()
 
@@ -301,6 +335,30 @@ class _FactCollector(cst.CSTVisitor):
         self.scopes.enter(node)
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_ListComp(self, node: cst.ListComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_ListComp(self, original_node: cst.ListComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_SetComp(self, node: cst.SetComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_SetComp(self, original_node: cst.SetComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_DictComp(self, node: cst.DictComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_DictComp(self, original_node: cst.DictComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
+        self.scopes.enter(node)
+
+    def leave_GeneratorExp(self, original_node: cst.GeneratorExp) -> None:
         self.scopes.leave(original_node)
 
     # targets
