@@ -247,6 +247,7 @@ def _functionalize_method(
     """
     if category is None and category_predicate is None:
         category_predicate = all_categories
+    _runtime.check_no_hidden_arrays(self)
     handler, states = handle_local_states(
         self,
         category=category,

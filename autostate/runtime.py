@@ -13,9 +13,11 @@ what a traceback through user code shows, so they say what they do.
 
 from __future__ import annotations
 
+import builtins
 import copy as _copy
 import functools
 import operator
+import types
 from typing import Any
 
 import jax
@@ -255,7 +257,7 @@ _AT_METHODS = {"+": "add", "*": "multiply", "/": "divide", "**": "power"}
 # Containers whose in-place operators mutate: state never changes in place,
 # so the operator runs on a shallow copy (and keeps its own meaning:
 # ``list += range(3)``, ``dict |= [("k", v)]``).
-_MUTABLE = frozenset({list, dict, set, bytearray})
+_MUTABLE = frozenset({list, dict, builtins.set, bytearray})
 
 
 def _inplace(op: Any) -> Any:
@@ -419,6 +421,89 @@ def guard_setattr(user_setattr: Any) -> Any:
 
     __setattr__._autostate_guarded = user_setattr  # type: ignore[attr-defined]
     return __setattr__
+
+
+# --- plain objects inside a model --------------------------------------------
+
+
+def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str, str] | None:
+    """``(path from value, holder class)`` of an array inside a plain object."""
+    if depth > 4 or id(value) in seen:
+        return None
+    seen.add(id(value))
+    t = type(value)
+    if t is list or t is tuple:
+        items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
+    elif t is dict:
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif _tree.is_stateful_instance(value) or _tree.is_dynamic(value):
+        return None
+    else:
+        attrs = getattr(value, "__dict__", None)
+        if not isinstance(attrs, dict) or isinstance(value, _NOT_HOLDERS):
+            return None
+        for k, v in attrs.items():
+            if isinstance(v, (jax.Array, np.ndarray)):
+                return f".{k}", t.__name__
+            found = _hidden_array(v, depth + 1, seen)
+            if found is not None:
+                return f".{k}{found[0]}", found[1]
+        return None
+    for k, v in items:
+        found = _hidden_array(v, depth + 1, seen)
+        if found is not None:
+            return f"{k}{found[0]}", found[1]
+    return None
+
+
+_PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+
+
+def _instances(model: Any) -> Any:
+    """``(path, instance)`` for each decorated instance under ``model``, once."""
+    seen: set[int] = builtins.set()
+    stack = [("", model)]
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield path, obj
+        for name, value in obj.__dict__.items():
+            base = f"{path}.{name}" if path else name
+            for sub, inst in _tree.iter_tree(value, _tree.is_stateful_instance):
+                stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
+
+
+def check_no_hidden_arrays(model: Any) -> None:
+    """Refuses a model holding arrays inside plain (undecorated) objects.
+
+    Such an object is static pytree data, so its arrays would be baked into
+    ``f`` as jit constants: no gradient, absent from ``param_dict`` and from
+    checkpoints. Decorating its class makes them parameters and state.
+    """
+    if not _tree.is_stateful_instance(model):
+        return
+    for path, obj in _instances(model):
+        for name, value in obj.__dict__.items():
+            if type(value) in _PLAIN_VALUES or _tree.is_dynamic(value):
+                continue
+            found = _hidden_array(value, 0, builtins.set())
+            if found is None:
+                continue
+            where = (f"{path}.{name}" if path else name) + found[0]
+            holder = found[1]
+            raise InvalidTypeError(
+                format_error(
+                    f"{type(obj).__name__}.{name} holds an array inside a plain "
+                    f"{holder} object (at {where}); functionalize() would bake it into "
+                    "f as a constant: no gradient, not in param_dict, not saved.",
+                    fix=f"decorate {holder} with @autostate.stateful (or "
+                    f"register it as a JAX pytree), or store the array on "
+                    f"{type(obj).__name__} itself.",
+                )
+            )
 
 
 # --- copies -----------------------------------------------------------------

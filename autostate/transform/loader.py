@@ -190,12 +190,18 @@ _FINGERPRINT = _transform_fingerprint()
 _MEMORY_CACHE: dict[str, Any] = {}
 
 
-def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
-    """Key of a class's transformation: file content, class, methods, options."""
+def cache_key(
+    cls: type, slots: list[MethodSlot], extra: tuple, other_files: list[str] = ()
+) -> str | None:
+    """Key of a class's transformation: file content, class, methods, options.
+
+    ``other_files`` are further files the decision reads (undecorated bases).
+    """
     filenames = sorted({s.function.__code__.co_filename for s in slots})
     contents = [source_lines(name) for name in filenames]
     if not any(contents):
         return None
+    contents += [source_lines(name) for name in sorted(set(other_files) - set(filenames))]
     digest = hashlib.sha256(_FINGERPRINT.encode())
     for lines in contents:
         digest.update("".join(lines).encode())
@@ -203,7 +209,10 @@ def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
     for s in slots:
         code = s.function.__code__
         digest.update(
-            repr((s.key, code.co_filename, code.co_firstlineno, code.co_freevars)).encode()
+            repr(
+                (s.key, code.co_filename, code.co_firstlineno, code.co_freevars, code.co_name,
+                 code.co_flags, code.co_names, code.co_varnames, s.foreign)
+            ).encode()
         )
     return digest.hexdigest()
 

@@ -72,16 +72,30 @@ def decide_class(
             dataclasses.replace(s, function=previous.originals.get(s.key, s.function))
             for s in slots
         ]
+    _check_layout(cls)
     inherited = frozenset().union(*(b.state for b in bases))
     inherited_init = frozenset().union(*(b.initialized for b in bases))
-    extra = (fallback, sorted(inherited), sorted(inherited_init), _base_properties(cls), sys.version)
-    key = loader.cache_key(cls, slots, extra)
+    user_bases = _undecorated_user_bases(cls, is_decorated)
+    # Everything the decision depends on besides the class's own files: the
+    # options, what decorated bases decided, every base (and its properties),
+    # the undecorated bases' source files (their writes are state), and which
+    # global names are autostate.state in each function's module.
+    extra = (
+        fallback,
+        sorted(inherited),
+        sorted(inherited_init),
+        _base_properties(cls),
+        [b.__qualname__ for b in cls.__mro__[1:]],
+        _marker_names(slots, state_marker),
+        sys.version,
+    )
+    base_files = [f for f in (_module_file(b) for b in user_bases) if f]
+    key = loader.cache_key(cls, slots, extra, base_files)
     cached = loader.cache_load(key) if key else None
     if cached is not None:
         state_list, initialized_list, codes = cached
         state, initialized = frozenset(state_list), frozenset(initialized_list)
     else:
-        user_bases = _undecorated_user_bases(cls, is_decorated)
         state, initialized, codes = _transform(
             cls, slots, fallback, inherited, inherited_init, state_marker, user_bases
         )
@@ -89,6 +103,63 @@ def decide_class(
             loader.cache_store(key, (sorted(state), sorted(initialized), codes))
     originals = {s.key: s.function for s in slots}
     return ClassDecision(state, initialized, originals, codes), slots
+
+
+def _check_layout(cls: type) -> None:
+    """Instances must keep their attributes in ``__dict__`` (where slots live)."""
+    slotted = [
+        (k.__name__, name)
+        for k in cls.__mro__[:-1]
+        for name in _slot_names(k)
+        if name not in ("__dict__", "__weakref__")
+    ]
+    if slotted or cls.__dictoffset__ == 0:
+        names = ", ".join(f"{k}.{n}" for k, n in slotted) or "no __dict__"
+        raise DecorationError(
+            format_error(
+                f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
+                f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
+                "in the instance __dict__.",
+                where=_class_location(cls),
+                fix="remove __slots__ from the class (and its bases), or keep the slotted "
+                "values on an undecorated object outside the model.",
+            )
+        )
+
+
+def _slot_names(k: type) -> list[str]:
+    declared = k.__dict__.get("__slots__", ())
+    return [declared] if isinstance(declared, str) else list(declared)
+
+
+def _class_location(cls: type) -> str | None:
+    for value in vars(cls).values():
+        fn = getattr(value, "__func__", value)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return f"{code.co_filename}:{code.co_firstlineno}"
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "__file__", None)
+
+
+def _module_file(cls: type) -> str | None:
+    return getattr(sys.modules.get(cls.__module__), "__file__", None)
+
+
+def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
+    names: set[str] = set()
+    seen: set[int] = set()
+    for slot in slots:
+        g = slot.function.__globals__
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        for name, value in list(g.items()):
+            if value is marker or (
+                isinstance(value, types.ModuleType) and getattr(value, "state", None) is marker
+            ):
+                names.add(name)
+    return sorted(names)
 
 
 def _base_properties(cls: type) -> list[str]:
