@@ -129,11 +129,12 @@ def _space_indented(text: str) -> str:
     """``text`` with a tab-based method indentation replaced by two spaces.
 
     The one-space wrapper header cannot sit above a tab-indented method (the
-    tokenizer rejects the mix), so the method's own leading indentation
+    tokenizer rejects the mix), nor above a function written at module level
+    (assigned in the class body), so the function's own leading indentation
     becomes spaces; lines that continue a multi-line string keep theirs.
     """
     indent = text[: len(text) - len(text.lstrip(" \t"))]
-    if "\t" not in indent:
+    if indent and "\t" not in indent:
         return text
     in_string: set[int] = set()
     try:
@@ -144,7 +145,7 @@ def _space_indented(text: str) -> str:
         return text
     lines = text.splitlines(keepends=True)
     for number, line in enumerate(lines, start=1):
-        if number not in in_string and line.startswith(indent):
+        if number not in in_string and line.startswith(indent) and line.strip():
             lines[number - 1] = "  " + line[len(indent) :]
     return "".join(lines)
 
