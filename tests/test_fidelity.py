@@ -1104,3 +1104,52 @@ def test_editing_a_base_in_another_file_changes_the_decision_in_a_fresh_process(
     assert decision() == "[]"  # from the disk cache
     (tmp_path / "cache_base_mod.py").write_text(BASE_V2)
     assert decision() == "['count']"
+
+
+# --- a tied sub-model through every entry point --------------------------------------------
+
+
+@autostate.stateful
+class TiedLinear:
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return self.w * x
+
+
+@autostate.stateful
+class TiedBlock:
+    def __init__(self, linear):
+        self.linear = linear
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+@autostate.stateful
+class TiedNet:
+    def __init__(self):
+        linear = TiedLinear()
+        self.block1, self.block2 = TiedBlock(linear), TiedBlock(linear)
+
+    def __call__(self, x):
+        return self.block2(self.block1(x) * 3)
+
+
+def test_a_tied_sub_model_is_one_leaf_through_handle_and_freeze_local_states():
+    handler, states = autostate.handle_local_states(TiedNet(), category="state")
+    assert list(states) == ["block1.linear.n"]
+    grads = jax.grad(lambda h: h((1.0, states))[0])(handler)
+    assert [float(g) for g in jax.tree_util.tree_leaves(grads)] == [6.0]  # d(3 w^2)/dw
+    (_, new_states) = jax.jit(lambda h, s: h((1.0, s)))(handler, states)
+    assert float(new_states["block1.linear.n"]) == 2.0
+    through_jit = jax.jit(lambda h: h)(handler)
+    frozen = autostate.freeze_local_states(through_jit, new_states)
+    assert frozen.block1.linear is frozen.block2.linear
+    f, states = frozen.functionalize()
+    assert float(states["block1.linear.n"]) == 2.0
+    f_grads = jax.grad(lambda f: f(states, 1.0)[0])(f)
+    assert [float(g) for g in jax.tree_util.tree_leaves(f_grads)] == [6.0]

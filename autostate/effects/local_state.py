@@ -420,11 +420,37 @@ class WithFunctionalLocalState:
         return run_with_states(self.handler_id, states, self.body, (inner,), {}, guard)
 
 
+class _BodyHolder:
+    """Holds a handler's body so the body flattens as one graph (``tree.flatten_graph``)."""
+
+
+def _flatten_handler(h: WithFunctionalLocalState) -> tuple[list[Any], tuple]:
+    # As a graph, not per instance: a sub-model reachable from two paths (tied
+    # weights) stays one instance and one leaf through jit, grad and freezing.
+    holder = _BodyHolder()
+    holder.body = h.body
+    leaves, graphdef = _tree.flatten_graph(holder)
+    return leaves, (h.handler_id, graphdef)
+
+
+def _flatten_handler_with_keys(h: WithFunctionalLocalState) -> tuple[list[Any], tuple]:
+    leaves, aux = _flatten_handler(h)
+    keys = [jax.tree_util.GetAttrKey(name) for name in aux[1].names]
+    return list(zip(keys, leaves)), aux
+
+
+def _unflatten_handler(aux: tuple, leaves: Any) -> WithFunctionalLocalState:
+    handler_id, graphdef = aux
+    return WithFunctionalLocalState(handler_id, _tree.unflatten_graph(graphdef, list(leaves)).body)
+
+
 jax.tree_util.register_pytree_with_keys(
+    WithFunctionalLocalState, _flatten_handler_with_keys, _unflatten_handler, _flatten_handler
+)
+_tree.register_walk(
     WithFunctionalLocalState,
-    lambda h: (((jax.tree_util.GetAttrKey("body"), h.body),), h.handler_id),
-    lambda handler_id, children: WithFunctionalLocalState(handler_id, children[0]),
-    lambda h: ((h.body,), h.handler_id),
+    lambda h: [(".body", h.body)],
+    lambda h, children: WithFunctionalLocalState(h.handler_id, children[0]),
 )
 _tree.register_dynamic_type(WithFunctionalLocalState)
 
