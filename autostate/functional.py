@@ -49,6 +49,30 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
     )
 
 
+def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
+    """Shallow copies of the lists, dicts and sets held as static data.
+
+    Static data is shared by every copy of ``f`` (jit's unflattened one
+    too), so an in-place change inside a traced call would leave tracers in
+    the caller's ``f``; a refused call puts the old contents back.
+    """
+    saved = []
+    for _cls, entries in graphdef.instances:
+        for _name, treedef, parts in entries:
+            if treedef is None and type(parts.value) in (list, dict, set):
+                saved.append((parts.value, parts.value.copy()))
+    return saved
+
+
+def _restore(saved: Any) -> None:
+    for value, contents in saved:
+        if type(value) is list:
+            value[:] = contents
+        else:
+            value.clear()
+            value.update(contents)
+
+
 class FunctionalModel:
     """A functionalized model: ``f(states, *args)`` returns ``(out, new_states)``.
 
@@ -89,8 +113,16 @@ class FunctionalModel:
         return self._run(states, self.model, args, kwargs)
 
     def _run(self, states: dict[str, Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
-        traced = contains_tracer(states)
+        # Traced when anything the call sees is: the states, the arguments, or
+        # f's own leaves (f passed into jax.jit) — a model with no states too.
+        flat = self._flat
+        traced = (
+            contains_tracer(states)
+            or (flat is not None and any(isinstance(x, jax.core.Tracer) for x in flat[0]))
+            or contains_tracer((args, kwargs))
+        )
         before = _tree.flatten_graph(self.model) if traced else None
+        saved = _mutable_statics(before[1]) if before is not None else ()
         guard = self._guard
         if guard is None:
             # The instance graph cannot change inside a call (the guard refuses
@@ -98,12 +130,17 @@ class FunctionalModel:
             guard = self._guard = _tree.instance_ids(self.model)
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
+            if before is not None:
+                _check_unchanged(
+                    type(self.model).__name__, before, _tree.flatten_graph(self.model)
+                )
+        except BaseException:
+            _restore(saved)  # a refused traced call leaves no tracer behind
+            raise
         finally:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
-        if before is not None:
-            _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:

@@ -1153,3 +1153,27 @@ def test_a_tied_sub_model_is_one_leaf_through_handle_and_freeze_local_states():
     assert float(states["block1.linear.n"]) == 2.0
     f_grads = jax.grad(lambda f: f(states, 1.0)[0])(f)
     assert [float(g) for g in jax.tree_util.tree_leaves(f_grads)] == [6.0]
+
+
+LOGGING = """
+import jax.numpy as jnp
+
+
+class Logging:
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.log = []
+
+    def __call__(self, x):
+        self.log.append(x)
+        return x * self.w
+"""
+
+
+def test_an_in_place_change_of_a_model_without_states_is_refused_and_undone(write_module):
+    _, cls, _ = _twice(write_module, LOGGING, "Logging")
+    f, states = cls().functionalize()
+    assert states == {}
+    with pytest.raises(autostate.errors.StateAccessError, match="outside its states"):
+        jit_call(f, states, 1.0)
+    assert f.model.log == []  # no tracer left behind in f's static data
