@@ -22,6 +22,7 @@ from autostate.effects.local_state import (
     hoist_shared_state_requests,
     is_guarded,
     is_running,
+    rename_local_states,
     run_with_states,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "hoist_shared_state_requests",
     "is_guarded",
     "is_running",
+    "rename_local_states",
     "run_with_states",
 ]
