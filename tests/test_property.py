@@ -71,8 +71,10 @@ CONTAINERS = ("buf", "dd")
 # One jitted step for every example: ``f`` is an argument, as in training.
 jit_step = jax.jit(lambda f, s, x: f(s, x))
 
-# Plain-mode tolerance: numpy's and XLA's tanh differ in the last bits.
-RTOL = ATOL = 1e-5
+# numpy's and XLA's tanh differ in the last bits, and XLA's fused jitted
+# arithmetic rounds differently from eager op-by-op; values that grow through
+# many unbounded sub-model updates (to ~1e4) amplify that to ~2e-5 relative.
+RTOL, ATOL = 1e-4, 1e-5
 
 
 # --- generating source ---------------------------------------------------------
