@@ -22,6 +22,7 @@ SCRIPTS = {
     "bench_dispatch.py": ["Scenario 2: dispatch of a jitted step", "Scenario 4b"],
     "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
+    "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
 }
 
 
