@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autostate import control as _control
 from autostate import tree as _tree
 from autostate.effects import contains_tracer, run_with_states
 from autostate.errors import MethodNotFoundError, StateAccessError, format_error
@@ -130,6 +131,7 @@ class FunctionalModel:
             guard = self._guard = _tree.instance_ids(self.model)
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
+            _control.check_no_escaped(result[1])
             if before is not None:
                 _check_unchanged(
                     type(self.model).__name__, before, _tree.flatten_graph(self.model)

@@ -177,7 +177,8 @@ def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionTy
                 f"{cls.__name__}.{old.__name__}, which uses state.",
                 where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
                 fix="write the decorator with functools.wraps and a closure over the wrapped "
-                "function, or apply it outside @stateful.",
+                "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
+                "a method, use @autostate.checkpoint.",
             )
         )
 
