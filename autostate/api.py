@@ -221,8 +221,22 @@ def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
 
 def _install_defaults(cls: type) -> None:
     """What every decorated class has unless it (or a base) defines its own."""
-    if cls.__setattr__ is object.__setattr__:
+    # The run-time guard wraps whatever __setattr__ the class has; a user's own
+    # __setattr__/__getattribute__ then also sees the rewritten state accesses.
+    setter = cls.__setattr__
+    if setter is object.__setattr__:
         cls.__setattr__ = _runtime.guarded_setattr  # type: ignore[method-assign, assignment]
+    elif setter is not _runtime.guarded_setattr and not hasattr(setter, "_autostate_guarded"):
+        cls.__setattr__ = _runtime.guard_setattr(setter)  # type: ignore[method-assign]
+    _runtime.register_access_hooks(
+        cls,
+        getattribute=cls.__getattribute__ is not object.__getattribute__,
+        setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
+    )
+    if not hasattr(cls, "__copy__"):
+        cls.__copy__ = _runtime.copy_instance  # type: ignore[attr-defined]
+    if not hasattr(cls, "__deepcopy__"):
+        cls.__deepcopy__ = _runtime.deepcopy_instance  # type: ignore[attr-defined]
     if not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
     if cls.__repr__ is object.__repr__:
@@ -286,6 +300,7 @@ def _functionalize_method(
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
+    _runtime.check_no_hidden_arrays(self)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
     handler, initial = handle_local_states(

@@ -183,6 +183,30 @@ def check_state_keys(
     )
 
 
+def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
+    """Shallow copies of the lists, dicts and sets held as static data.
+
+    Static data is shared by every copy of ``f`` (jit's unflattened one
+    too), so an in-place change inside a traced call would leave tracers in
+    the caller's ``f``; a refused call puts the old contents back.
+    """
+    saved = []
+    for _cls, entries in graphdef.instances:
+        for _name, treedef, parts in entries:
+            if treedef is None and type(parts.value) in (list, dict, set):
+                saved.append((parts.value, parts.value.copy()))
+    return saved
+
+
+def _restore(saved: Any) -> None:
+    for value, contents in saved:
+        if type(value) is list:
+            value[:] = contents
+        else:
+            value.clear()
+            value.update(contents)
+
+
 M = TypeVar("M")
 
 
@@ -209,7 +233,7 @@ class FunctionalModel(Generic[M]):
         names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
     """
 
-    __slots__ = ("handler_id", "_model", "_flat", "_children", "__weakref__")
+    __slots__ = ("handler_id", "_model", "_flat", "_children", "_guard", "__weakref__")
 
     def __init__(
         self,
@@ -222,6 +246,7 @@ class FunctionalModel(Generic[M]):
         self._model = model
         self._flat = flat  # (leaves in graph order, graphdef), computed on first flatten
         self._children = children  # (keyed view of the leaves, graphdef)
+        self._guard: frozenset[int] | None = None  # ids of the model's instances
 
     @property
     def model(self) -> M:
@@ -285,18 +310,37 @@ class FunctionalModel(Generic[M]):
         if self._has_constants():
             model = embed_constants(self.handler_id, model, states)
         fn = model if method is None else getattr(model, method)
-        traced = contains_tracer(states)
+        # Traced when anything the call sees is: the states, the arguments, or
+        # f's own leaves (f passed into jax.jit) — a model with no states too.
+        flat = self._flat
+        traced = (
+            contains_tracer(states)
+            or (flat is not None and any(isinstance(x, jax.core.Tracer) for x in flat[0]))
+            or contains_tracer((args, kwargs))
+        )
         before = _tree.flatten_graph(model) if traced else None
+        saved = _mutable_statics(before[1]) if before is not None else ()
+        guard = self._guard
+        if guard is None or model is not self._model:
+            # The instance graph cannot change inside a call (the guard refuses
+            # it), so its ids are collected once per model (per call when
+            # constants were embedded into a copy).
+            guard = _tree.instance_ids(model)
+            if model is self._model:
+                self._guard = guard
         try:
-            result = run_with_states(self.handler_id, states, fn, args, kwargs)
+            result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
+            _control.check_no_escaped(result[1])
+            if before is not None:
+                _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
+        except BaseException:
+            _restore(saved)  # a refused traced call leaves no tracer behind
+            raise
         finally:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
             self._children = None
-        _control.check_no_escaped(result[1])
-        if before is not None:
-            _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:

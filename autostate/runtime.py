@@ -13,9 +13,14 @@ what a traceback through user code shows, so they say what they do.
 
 from __future__ import annotations
 
+import builtins
+import copy as _copy
+import functools
 import operator
+import types
 from typing import Any
 
+import jax
 import numpy as np
 
 # Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
@@ -23,13 +28,22 @@ from autostate import control  # noqa: F401
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
+    FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
     StateSlot,
+    contains_tracer,
     initial_slot,
+    is_guarded,
+    is_running,
 )
-from autostate.effects.local_state import _check_not_traced, handler_running
-from autostate.errors import InvalidTypeError, StateAccessError, format_error
+from autostate.effects.local_state import _check_not_traced
+from autostate.errors import (
+    InvalidTypeError,
+    StateAccessError,
+    TracedEagerStateError,
+    format_error,
+)
 
 _MISSING = object()
 # type -> whether it is a StateSlot; a cache of issubclass, not a registry.
@@ -77,11 +91,55 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     if info.slot_factory is not None:
         _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
-    return initial_slot(value, category, explicit, name)
+    return initial_slot(as_state_value(value), category, explicit, name)
+
+
+_NUMPY = (np.ndarray, np.generic)
+# Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
+_JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
+_UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
+
+
+def as_state_value(value: Any) -> Any:
+    """A value as state holds it: numpy arrays become jax arrays.
+
+    Under ``jax.jit`` a numpy state arrives as a jax array, so converting
+    when it is assigned gives eager calls the same meaning (jax dtype
+    promotion, ``.at[]`` scatter for ``x[i] += v``) as jitted ones.
+    """
+    if isinstance(value, _NUMPY):
+        return jax.numpy.asarray(value)
+    if type(value) in (list, tuple, dict):
+        return jax.tree_util.tree_map(
+            lambda v: jax.numpy.asarray(v) if isinstance(v, _NUMPY) else v, value
+        )
+    return value
+
+
+# Classes with a user __getattribute__ / __setattr__: state access goes through
+# them (and then the class's descriptors) so it means what plain Python means.
+_HOOKED_GET: set[type] = set()
+_HOOKED_SET: set[type] = set()
+
+
+def register_access_hooks(cls: type, *, getattribute: bool, setattr_: bool) -> None:
+    """Records whether ``cls``'s state access must go through its own hooks."""
+    for hooked, on in ((_HOOKED_GET, getattribute), (_HOOKED_SET, setattr_)):
+        if on:
+            hooked.add(cls)
+        else:
+            hooked.discard(cls)
 
 
 def get(obj: Any, name: str) -> Any:
     """Current value of state ``name`` of ``obj``."""
+    if _HOOKED_GET and type(obj) in _HOOKED_GET:
+        return getattr(obj, name)
+    return read_state(obj, name)
+
+
+def read_state(obj: Any, name: str) -> Any:
+    """``get`` without the class's ``__getattribute__`` (the descriptor's read)."""
     try:
         slot = obj.__dict__[name]
     except KeyError:
@@ -98,9 +156,22 @@ def get(obj: Any, name: str) -> Any:
 
 def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code reads well
     """Sets state ``name`` of ``obj`` (in place eagerly, in the handler's cell when handled)."""
+    if _HOOKED_SET and type(obj) in _HOOKED_SET:
+        setattr(obj, name, value)
+        return
+    store_state(obj, name, value)
+
+
+def store_state(obj: Any, name: str, value: Any) -> None:
+    """``set`` without the class's ``__setattr__`` (the descriptor's write)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
     if is_slot(slot):
+        t = type(slot)
+        if t in _JAX_SLOTS and isinstance(value, _NUMPY):
+            value = jax.numpy.asarray(value)
+        if t in _UNHANDLED_SLOTS and is_guarded(obj):
+            _check_unhandled_write(obj, name, slot, value)
         replacement = slot.write(value, name)
         if replacement is not None:
             d[name] = replacement
@@ -108,8 +179,26 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
         d[name] = make_slot(obj, name, value)
 
 
+def _check_unhandled_write(obj: Any, name: str, slot: Any, value: Any) -> None:
+    """A state of a category this call does not handle lives in the model itself."""
+    if contains_tracer(value):
+        raise TracedEagerStateError(
+            format_error(
+                f"State {type(obj).__name__}.{name} (category {slot.category!r}) is not handled "
+                "by the running functionalized call, so it cannot take a traced value: the "
+                "model would keep a tracer after the call returns.",
+                fix="functionalize every category the call writes "
+                "(`model.functionalize()` handles all of them), or assign this state outside "
+                "the transformed call.",
+            )
+        )
+
+
 def init(obj: Any, name: str, value: Any) -> None:
     """``self.x = v`` in ``__init__``: a fresh initial-state request holding ``v``."""
+    if _HOOKED_SET and type(obj) in _HOOKED_SET:
+        setattr(obj, name, value)
+        return
     slot = obj.__dict__.get(name, _MISSING)
     if is_slot(slot) and not isinstance(slot, InitialLocalStateRequest):
         # __init__ called again on a functionalized or frozen model: a write.
@@ -171,39 +260,75 @@ def setitem(obj: Any, name: str, value: Any, *keys: Any) -> None:
     set(obj, name, _set_path(get(obj, name), keys, value))
 
 
-_OPERATORS = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-    "/": operator.truediv,
-    "//": operator.floordiv,
-    "%": operator.mod,
-    "**": operator.pow,
-    "@": operator.matmul,
-    "<<": operator.lshift,
-    ">>": operator.rshift,
-    "&": operator.and_,
-    "|": operator.or_,
-    "^": operator.xor,
-}
 # The scatter each operator maps to on jax arrays (others read, combine, set).
 _AT_METHODS = {"+": "add", "*": "multiply", "/": "divide", "**": "power"}
 
 
-def augitem(obj: Any, name: str, op: str, value: Any, *keys: Any) -> None:
+# Containers whose in-place operators mutate: state never changes in place,
+# so the operator runs on a shallow copy (and keeps its own meaning:
+# ``list += range(3)``, ``dict |= [("k", v)]``).
+_MUTABLE = frozenset({list, dict, builtins.set, bytearray})
+
+
+def _inplace(op: Any) -> Any:
+    def apply(current: Any, value: Any) -> Any:
+        if type(current) in _MUTABLE:
+            current = _copy.copy(current)
+        return op(current, value)
+
+    return apply
+
+
+iadd = _inplace(operator.iadd)
+isub = _inplace(operator.isub)
+imul = _inplace(operator.imul)
+itruediv = _inplace(operator.itruediv)
+ifloordiv = _inplace(operator.ifloordiv)
+imod = _inplace(operator.imod)
+ipow = _inplace(operator.ipow)
+imatmul = _inplace(operator.imatmul)
+ilshift = _inplace(operator.ilshift)
+irshift = _inplace(operator.irshift)
+iand = _inplace(operator.iand)
+ior = _inplace(operator.ior)
+ixor = _inplace(operator.ixor)
+_INPLACE = {
+    "+": iadd, "-": isub, "*": imul, "/": itruediv, "//": ifloordiv, "%": imod, "**": ipow,
+    "@": imatmul, "<<": ilshift, ">>": irshift, "&": iand, "|": ior, "^": ixor,
+}
+
+
+class _Item:
+    """``self.x[k]`` read for ``self.x[k] op= v``: the keys and the old item,
+    taken before ``v`` is evaluated, as Python does."""
+
+    __slots__ = ("obj", "name", "keys", "current", "container", "old")
+
+    def __init__(self, obj: Any, name: str, keys: tuple):
+        self.obj, self.name, self.keys = obj, name, keys
+        self.current = container = get(obj, name)
+        for key in keys[:-1]:
+            container = container[key]
+        self.container = container
+        self.old = container[keys[-1]]
+
+
+def item(obj: Any, name: str, *keys: Any) -> _Item:
+    """The target of ``self.x[k1][k2] op= v`` (evaluated before ``v``)."""
+    return _Item(obj, name, keys)
+
+
+def augitem(target: _Item, op: str, value: Any) -> None:
     """``self.x[k] op= value`` as a functional update of state ``x``."""
-    current = get(obj, name)
-    container = current
-    for key in keys[:-1]:
-        container = container[key]
+    container, keys, current = target.container, target.keys, target.current
     at = getattr(container, "at", None)
     method = _AT_METHODS.get(op)
     if at is not None and method is not None and not isinstance(container, np.ndarray):
         updated = getattr(at[keys[-1]], method)(value)
         new = updated if len(keys) == 1 else _set_path(current, keys[:-1], updated)
     else:
-        new = _set_path(current, keys, _OPERATORS[op](container[keys[-1]], value))
-    set(obj, name, new)
+        new = _set_path(current, keys, _INPLACE[op](target.old, value))
+    set(target.obj, target.name, new)
 
 
 def delitem(obj: Any, name: str, *keys: Any) -> None:
@@ -265,32 +390,200 @@ def target(obj: Any) -> _Target:
     return _Target(obj)
 
 
-def guarded_setattr(self: Any, name: str, value: Any) -> None:
-    """``model.x = v`` for an attribute that is not state.
+def check_guarded_write(obj: Any, name: str) -> None:
+    """The run-time guard: refuses a non-state write to a model a handler runs.
 
-    Plain Python, except inside a functionalized call on a model whose states
-    are handled: there such a write would land on a copy that the pure
-    function throws away (or keep a tracer), so it is refused with the fix.
+    Inside a functionalized call (``f(states, ...)``, ``handler((x, states))``)
+    the model is ``f``'s own copy, so a write that is not a state write would
+    be lost when the call returns, or keep a tracer in ``f``; this holds
+    whether the states are traced, concrete or empty, and whatever analysis
+    saw (a wrapped or assigned method, a helper outside the class).
+    """
+    if not is_guarded(obj) or name in _tree.info_of(obj).state:
+        return
+    if hasattr(type(getattr(type(obj), name, None)), "__set__"):
+        return  # a property or other data descriptor: its setter decides
+    raise StateAccessError(
+        format_error(
+            f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
+            "functionalized call would be lost when the call returns (or leave a JAX tracer "
+            "in the model).",
+            fix=f"make it state: declare it in __init__ with `self.{name} = "
+            f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
+            "assign it outside the functionalized call.",
+        )
+    )
+
+
+def guarded_setattr(self: Any, name: str, value: Any) -> None:
+    """``model.x = v`` for an attribute that is not state: plain Python, guarded.
+
     ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
+    check_guarded_write(self, name)
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)
-    if (
-        handler_running()
-        and name not in _tree.info_of(self).state
-        and not hasattr(type(getattr(type(self), name, None)), "__set__")  # a property
-        and any(type(v) is HandledLocalStateRef for v in self.__dict__.values())
-    ):
-        raise StateAccessError(
-            format_error(
-                f"{type(self).__name__}.{name} is not state, so assigning it inside a "
-                "functionalized call would be lost when the call returns.",
-                fix=f"make it state: assign `self.{name}` in a method of the class, or declare "
-                f"it in __init__ with `self.{name} = autostate.state(...)`.",
-            )
-        )
     object.__setattr__(self, name, value)
+
+
+def guard_setattr(user_setattr: Any) -> Any:
+    """Wraps a class's own ``__setattr__`` with the run-time guard."""
+
+    @functools.wraps(user_setattr)
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        check_guarded_write(self, name)
+        user_setattr(self, name, value)
+
+    __setattr__._autostate_guarded = user_setattr  # type: ignore[attr-defined]
+    return __setattr__
+
+
+# --- plain objects inside a model --------------------------------------------
+
+
+def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str, str] | None:
+    """``(path from value, holder class)`` of an array inside a plain object."""
+    if depth > 4 or id(value) in seen:
+        return None
+    seen.add(id(value))
+    t = type(value)
+    if t is list or t is tuple:
+        items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
+    elif t is dict:
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif _tree.is_stateful_instance(value) or _tree.is_dynamic(value):
+        return None
+    else:
+        attrs = getattr(value, "__dict__", None)
+        if not isinstance(attrs, dict) or isinstance(value, _NOT_HOLDERS):
+            return None
+        for k, v in attrs.items():
+            if isinstance(v, (jax.Array, np.ndarray)):
+                return f".{k}", t.__name__
+            found = _hidden_array(v, depth + 1, seen)
+            if found is not None:
+                return f".{k}{found[0]}", found[1]
+        return None
+    for k, v in items:
+        found = _hidden_array(v, depth + 1, seen)
+        if found is not None:
+            return f"{k}{found[0]}", found[1]
+    return None
+
+
+_PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+
+
+def _instances(model: Any) -> Any:
+    """``(path, instance)`` for each decorated instance under ``model``, once."""
+    seen: set[int] = builtins.set()  # type: ignore[valid-type]
+    stack = [("", model)]
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen:  # type: ignore[attr-defined]
+            continue
+        seen.add(id(obj))  # type: ignore[attr-defined]
+        yield path, obj
+        for name, value in obj.__dict__.items():
+            base = f"{path}.{name}" if path else name
+            for sub, inst in _tree.iter_tree(value, _tree.is_stateful_instance):
+                stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
+
+
+def check_no_hidden_arrays(model: Any) -> None:
+    """Refuses a model holding arrays inside plain (undecorated) objects.
+
+    Such an object is static pytree data, so its arrays would be baked into
+    ``f`` as jit constants: no gradient, absent from ``param_dict`` and from
+    checkpoints. Decorating its class makes them parameters and state.
+    """
+    if not _tree.is_stateful_instance(model):
+        return
+    for path, obj in _instances(model):
+        for name, value in obj.__dict__.items():
+            if type(value) in _PLAIN_VALUES or _tree.is_dynamic(value):
+                continue
+            found = _hidden_array(value, 0, builtins.set())
+            if found is None:
+                continue
+            where = (f"{path}.{name}" if path else name) + found[0]
+            holder = found[1]
+            raise InvalidTypeError(
+                format_error(
+                    f"{type(obj).__name__}.{name} holds an array inside a plain "
+                    f"{holder} object (at {where}); functionalize() would bake it into "
+                    "f as a constant: no gradient, not in param_dict, not saved.",
+                    fix=f"decorate {holder} with @autostate.stateful (or "
+                    f"register it as a JAX pytree), or store the array on "
+                    f"{type(obj).__name__} itself.",
+                )
+            )
+
+
+# --- copies -----------------------------------------------------------------
+
+
+class DetachedState(StateSlot):
+    """A state of a copy made inside a functionalized call (``copy.copy(self)``).
+
+    The copy holds its own value, as a plain Python copy would, instead of
+    sharing the original's handler cell; it may be traced (the copy is a
+    temporary of the running call).
+    """
+
+    __slots__ = ("value", "category", "name")
+
+    def __init__(self, value: Any, category: Any, name: str | None):
+        self.value, self.category, self.name = value, category, name
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> DetachedState:
+        return DetachedState(value, self.category, self.name)
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.value, self.category, self.name)
+
+
+jax.tree_util.register_pytree_node(
+    DetachedState,
+    lambda s: ((s.value,), (s.category, s.name)),
+    lambda aux, children: DetachedState(children[0], *aux),
+)
+_tree.register_dynamic_type(DetachedState)
+
+
+def _detached(value: Any) -> Any:
+    if type(value) is HandledLocalStateRef and is_running(value.handler_id):
+        return DetachedState(
+            value.read(), value.category, value.name if value.was_explicitly_named else None
+        )
+    if type(value) is DetachedState:
+        return DetachedState(value.value, value.category, value.name)
+    return value
+
+
+def copy_instance(self: Any) -> Any:
+    """``copy.copy`` of a decorated instance: its states are its own."""
+    cls = type(self)
+    new = cls.__new__(cls)  # type: ignore[call-overload]
+    new.__dict__.update({k: _detached(v) for k, v in self.__dict__.items()})
+    return new
+
+
+def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy`` of a decorated instance: its states are its own."""
+    cls = type(self)
+    new = cls.__new__(cls)  # type: ignore[call-overload]
+    memo[id(self)] = new
+    d = new.__dict__
+    for k, v in self.__dict__.items():
+        detached = _detached(v)
+        d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
+    return new
 
 
 class StateAttribute:
@@ -315,10 +608,10 @@ class StateAttribute:
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self if self.class_value is None else self.class_value
-        return get(obj, self.name)
+        return read_state(obj, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        set(obj, self.name, value)
+        store_state(obj, self.name, value)
 
     def __delete__(self, obj: Any) -> None:
         raise StateAccessError(

@@ -96,6 +96,19 @@ def format_spec(shape: Any, dtype: Any) -> str:
     return f"{name}[{','.join(map(str, shape))}]"
 
 
+# node type -> (children(node) -> [(path, child)], rebuild(node, children)):
+# how the walks below see a node whose pytree flattening is not one level
+# (a handler flattens its body as one graph).
+_WALK_CHILDREN: dict[type, tuple[Callable[[Any], list], Callable[[Any, list], Any]]] = {}
+
+
+def register_walk(
+    cls: type, children: Callable[[Any], list], rebuild: Callable[[Any, list], Any]
+) -> None:
+    """How ``map_tree``/``iter_tree`` descend into ``cls`` nodes."""
+    _WALK_CHILDREN[cls] = (children, rebuild)
+
+
 def register_dynamic_type(cls: type) -> None:
     """Marks ``cls`` (a pytree node with static-only fields) as a model child."""
     _DYNAMIC_TYPES.add(cls)
@@ -443,6 +456,13 @@ def map_tree(
             return {k: walk(v, prefix + mapping_name(k)) for k, v in node.items()}
         if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             return node
+        custom = _WALK_CHILDREN.get(t)
+        if custom is not None:
+            kids = custom[0](node)
+            rebuilt = [walk(child, prefix + sub) for sub, child in kids]
+            if all(new is old for new, (_, old) in zip(rebuilt, kids)):
+                return node
+            return custom[1](node, rebuilt)
         children, treedef = _flatten_one_level(node)
         if treedef is None:
             return node
@@ -492,12 +512,28 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
             children = [(prefix + mapping_name(k), v) for k, v in node.items()]
         elif t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             continue
+        elif t in _WALK_CHILDREN:
+            children = [(prefix + sub, child) for sub, child in _WALK_CHILDREN[t][0](node)]
         else:
             flat, treedef = _flatten_one_level(node)
             if treedef is None:
                 continue
             children = [(prefix + sub, child) for sub, child in flat]
         stack.extend(reversed(children))
+
+
+def instance_ids(tree: Any) -> frozenset[int]:
+    """Ids of every decorated instance reachable in ``tree``."""
+    ids: set[int] = set()
+
+    def record(node: Any) -> bool:
+        if type(node) in _STATEFUL_CLASSES:
+            ids.add(id(node))
+        return False
+
+    for _ in iter_tree(tree, record):
+        pass
+    return frozenset(ids)
 
 
 # --- graph flatten ----------------------------------------------------------

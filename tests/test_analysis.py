@@ -475,3 +475,65 @@ def test_inherited_property_assigned_in_a_subclass_method_is_not_state():
     f, states = model.functionalize()
     out, states = jax.jit(lambda f, s: f.step(s))(f, states)
     assert float(out) == 20.0 and float(states["total"]) == 20.0
+
+
+# --- issue 11: scopes, names and where a function was written -------------------------------
+
+
+def test_a_comprehension_binding_the_receiver_name_does_not_rebind_it():
+    facts = analysis.collect_facts(
+        "M",
+        method(
+            """
+            def total(self, others):
+                self.n = self.n + 1
+                return sum(self.n for self in others)
+            """
+        ),
+    )
+    assert facts.rebinds == []
+    result = analysis.analyze_class("M", [analysis.collect_facts("M", method(INIT_XYZ.replace("x", "n"))), facts])
+    assert result.state == {"n"}
+
+
+def test_identifiers_are_nfkc_normalized_as_python_binds_them():
+    facts = analysis.collect_facts(
+        "M",
+        method(
+            """
+            def ﬁt(ſelf):
+                ſelf.µ = ſelf.µ + 1
+            """
+        ),
+    )
+    assert facts.receiver == "self"
+    assert [a.attr for a in facts.assignments] == ["μ"]  # U+00B5 -> U+03BC
+
+
+def test_private_names_mangle_with_the_class_the_function_was_written_in():
+    source = method(
+        """
+        def bump(self):
+            self.__n = 1
+        """
+    )
+    inside = analysis.collect_facts("M", source)
+    outside = analysis.collect_facts("M", dataclasses_replace(source, mangle_as="_"))
+    assert [a.attr for a in inside.assignments] == ["_M__n"]
+    assert [a.attr for a in outside.assignments] == ["__n"]
+
+
+def dataclasses_replace(source, **changes):
+    import dataclasses
+
+    return dataclasses.replace(source, **changes)
+
+
+def test_a_module_level_function_is_wrapped_at_its_own_indentation():
+    source = analysis.MethodSource(
+        key="log", attr="log", filename="helpers.py", first_line=3,
+        text="def external(self, x):\n    self.count = x\n", freevars=(), has_receiver=True,
+        mangle_as="_",
+    )
+    facts = analysis.collect_facts("M", source)
+    assert [(a.attr, a.line) for a in facts.assignments] == [("count", 4)]

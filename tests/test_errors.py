@@ -218,7 +218,8 @@ def test_undecorated_base_class_assigning_inferred_state():
             self.x = jnp.zeros(())
 
         def bump(self):
-            self.x = self.x + 1  # ERR-base
+            # (A whole-value write would reach state; see tests/test_fidelity.py.)
+            self.x[0] = 1  # ERR-base
 
     class Derived(UndecoratedBase):
         def step(self):

@@ -10,6 +10,7 @@ import inspect
 import pickle
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -605,3 +606,597 @@ def test_tab_indented_class(write_module):
 
     out, states = jax.jit(step)(f, states)
     assert float(out) == 2.0 and float(states["x"]) == 2.0  # 2 - 1 before the raise, + 1
+
+
+# --- every function that can run as a method; the run-time guard (issue 11) ---------------
+
+jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_method = functools.partial(jax.jit, static_argnums=0)
+
+
+def _twice(write_module, source: str, cls_name: str):
+    """The classes of ``source`` twice: plain Python, and decorated."""
+    plain = getattr(write_module(source), cls_name)
+    module = write_module(source)
+    return plain, autostate.stateful(getattr(module, cls_name)), module
+
+
+HIDDEN_METHODS = """
+import functools
+import jax.numpy as jnp
+
+
+def logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def twice(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def external(self, x):
+    self.count = self.count + 1
+    return x * self.count
+
+
+def make_method(step):
+    def inc(self, x):
+        self.count = self.count + step
+        return x * self.count
+    return inc
+
+
+class CountMixin:
+    def bump(self, x):
+        self.count = self.count + 1
+        return x * self.count
+
+
+class Wrapped:
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    @twice
+    @logged
+    def __call__(self, x):
+        self.count = self.count + 1
+        return x * self.count
+
+
+class Assigned:
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    __call__ = external
+
+
+class Factory:
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    __call__ = make_method(2)
+
+
+class Mixed(CountMixin):
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    def __call__(self, x):
+        return self.bump(x)
+"""
+
+
+@pytest.mark.parametrize("name", ["Wrapped", "Assigned", "Factory", "Mixed"])
+def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, name):
+    plain_cls, cls, _ = _twice(write_module, HIDDEN_METHODS, name)
+    plain = plain_cls()
+    expected = [float(plain(1.0)) for _ in range(2)]
+    assert "count" in cls.__autostate_info__.state
+    eager = cls()
+    assert [float(eager(1.0)) for _ in range(2)] == expected
+    f, states = cls().functionalize()
+    outs = []
+    for _ in range(2):
+        out, states = jit_call(f, states, 1.0)
+        outs.append(float(out))
+    assert outs == expected
+    assert float(states["count"]) == float(plain.count)
+
+
+def test_an_assigned_function_outside_the_class_is_left_unchanged(write_module):
+    _, cls, module = _twice(write_module, HIDDEN_METHODS, "Assigned")
+    assert cls.__dict__["__call__"] is not module.external  # a rewritten copy
+    assert module.external.__code__.co_filename == cls.__dict__["__call__"].__code__.co_filename
+
+
+HELPER_WRITES = """
+import jax.numpy as jnp
+
+
+def bump(m):
+    m.count = m.count + 1
+
+
+class NoStates:
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.count = 0
+
+    def __call__(self, x):
+        bump(self)
+        return x * self.w + self.count
+"""
+
+
+def test_a_helper_writing_a_non_state_is_refused_whatever_the_states(write_module):
+    plain_cls, cls, _ = _twice(write_module, HELPER_WRITES, "NoStates")
+    plain = plain_cls()
+    assert [float(plain(1.0)) for _ in range(2)] == [2.0, 3.0]
+    eager = cls()
+    assert [float(eager(1.0)) for _ in range(2)] == [2.0, 3.0]  # eager is plain Python
+    f, states = cls().functionalize()
+    assert states == {}
+    # Empty states, traced or concrete: refused, never a silently constant count.
+    for call in (lambda: jit_call(f, states, 1.0), lambda: f(states, 1.0)):
+        with pytest.raises(autostate.errors.StateAccessError) as info:
+            call()
+        message = str(info.value)
+        assert "NoStates.count is not state" in message
+        assert "self.count = autostate.state(...)" in message
+
+
+def test_no_tracer_is_left_in_f_after_a_refused_write(write_module):
+    _, cls, _ = _twice(write_module, HELPER_WRITES, "NoStates")
+    f, states = cls().functionalize()
+    with pytest.raises(autostate.errors.StateAccessError):
+        jit_call(f, states, 1.0)
+    leaves = jax.tree_util.tree_leaves(f)
+    assert not any(isinstance(x, jax.core.Tracer) for x in leaves)
+    assert f.model.count == 0
+
+
+COPIES = """
+import copy
+import jax.numpy as jnp
+
+
+class Copier:
+    def __init__(self):
+        self.count = jnp.zeros(())
+        self.sub = Leaf()
+
+    def __call__(self, x):
+        trial = copy.copy(self)
+        trial.count = trial.count + 100
+        deep = copy.deepcopy(self)
+        deep.count = deep.count + 7
+        deep.sub.n = deep.sub.n + 5
+        self.count = self.count + x
+        self.sub.n = self.sub.n + 1
+        return trial.count + deep.count + deep.sub.n
+
+
+class Leaf:
+    def __init__(self):
+        self.n = jnp.zeros(())
+
+    def touch(self):
+        self.n = self.n + 0
+"""
+
+
+def test_copies_inside_a_functionalized_call_own_their_state(write_module):
+    plain_cls, cls, module = _twice(write_module, COPIES, "Copier")
+    autostate.stateful(module.Leaf)
+    plain = plain_cls()
+    expected = [float(plain(1.0)) for _ in range(2)]
+    eager = cls()
+    assert [float(eager(1.0)) for _ in range(2)] == expected
+    f, states = cls().functionalize()
+    outs = []
+    for _ in range(2):
+        out, states = jit_call(f, states, 1.0)
+        outs.append(float(out))
+    assert outs == expected
+    assert {k: float(v) for k, v in states.items()} == {
+        "count": float(plain.count), "sub.n": float(plain.sub.n)
+    }
+
+
+HOOKS = """
+import dataclasses
+import jax.numpy as jnp
+
+
+class Clamped:
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    def __setattr__(self, name, value):
+        if name == "count":
+            value = jnp.minimum(value, 10.0)
+        super().__setattr__(name, value)
+
+    def __call__(self, x):
+        self.count = self.count + 55 * x
+        return self.count
+
+
+class Counted:
+    reads = 0
+
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    def __getattribute__(self, name):
+        if name == "count":
+            type(self).reads += 1
+        return object.__getattribute__(self, name)
+
+    def __call__(self, x):
+        self.count = self.count + x
+        return self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    count: object
+
+    def __call__(self, x):
+        self.count = self.count + x
+        return self.count
+"""
+
+
+def test_a_user_setattr_is_honoured_eagerly_and_under_jit(write_module):
+    plain_cls, cls, _ = _twice(write_module, HOOKS, "Clamped")
+    assert float(plain_cls()(1.0)) == 10.0
+    assert float(cls()(1.0)) == 10.0
+    f, states = cls().functionalize()
+    out, states = jit_call(f, states, 1.0)
+    assert float(out) == 10.0 and float(states["count"]) == 10.0
+
+
+def test_a_user_getattribute_sees_state_reads(write_module):
+    plain_cls, cls, _ = _twice(write_module, HOOKS, "Counted")
+    plain_cls()(1.0)
+    model = cls()
+    model(1.0)
+    assert cls.reads == plain_cls.reads == 2  # the read in __call__, and the return
+
+
+def test_a_frozen_dataclass_refuses_assignment_as_in_plain_python(write_module):
+    plain_cls, cls, _ = _twice(write_module, HOOKS, "Frozen")
+    with pytest.raises(dataclasses_frozen_error()):
+        plain_cls(jnp.zeros(()))(1.0)
+    model = cls(jnp.zeros(()))
+    with pytest.raises(dataclasses_frozen_error()):
+        model(1.0)
+    assert float(model.count) == 0.0
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("slots", ['("w",)', '("w", "__dict__")', "()"])
+def test_slots_are_rejected_at_decoration_with_their_names(write_module, slots):
+    module = write_module(
+        f"""
+        import jax.numpy as jnp
+
+        class Slotted:
+            __slots__ = {slots}
+
+            def __init__(self):
+                self.w = jnp.zeros(())
+
+            def step(self):
+                self.w = self.w + 1
+        """
+    )
+    with pytest.raises(autostate.errors.DecorationError) as info:
+        autostate.stateful(module.Slotted)
+    message = str(info.value)
+    assert "Slotted" in message and "__slots__" in message
+    assert "Slotted.w" in message or slots == "()"
+    assert "fix: remove __slots__" in message
+
+
+PLAIN_SUBMODEL = """
+import jax.numpy as jnp
+
+
+class Linear:
+    def __init__(self):
+        self.w = jnp.ones(3)
+
+
+class Net:
+    def __init__(self):
+        self.blocks = [Linear()]
+        self.steps = jnp.zeros(())
+
+    def __call__(self, x):
+        self.steps = self.steps + 1
+        return self.blocks[0].w @ x
+"""
+
+
+def test_arrays_in_a_plain_object_are_refused_at_functionalize(write_module):
+    _, cls, _ = _twice(write_module, PLAIN_SUBMODEL, "Net")
+    model = cls()
+    for entry in (model.functionalize, lambda: autostate.param_dict(model)):
+        with pytest.raises(autostate.errors.InvalidTypeError) as info:
+            entry()
+        message = str(info.value)
+        assert "Net.blocks" in message and "blocks[0].w" in message
+        assert "decorate Linear with @autostate.stateful" in message
+
+
+def test_arrays_in_a_decorated_object_are_parameters(write_module):
+    _, cls, module = _twice(write_module, PLAIN_SUBMODEL, "Net")
+    autostate.stateful(module.Linear)
+    f, states = cls().functionalize()
+    grads = jax.grad(lambda f: jit_call(f, states, jnp.ones(3))[0])(f)
+    assert [float(g.sum()) for g in jax.tree_util.tree_leaves(grads)] == [3.0]
+    assert set(autostate.param_dict(cls())) == {"blocks[0].w"}
+
+
+NUMPY_STATE = """
+import numpy as np
+
+
+class Counts:
+    def __init__(self):
+        self.counts = np.zeros(4, np.float32)
+        self.acc = np.zeros((), np.float32)
+
+    def __call__(self, labels):
+        self.counts[labels] += 1
+        self.acc += np.float64(0.5)
+        return self.counts
+"""
+
+
+def test_numpy_state_has_one_meaning_eagerly_and_under_jit(write_module):
+    _, cls, _ = _twice(write_module, NUMPY_STATE, "Counts")
+    labels = jnp.array([0, 0, 1])
+    eager = cls()
+    eager_out = eager(labels)
+    f, states = cls().functionalize()
+    jit_out, states = jit_call(f, states, labels)
+    np.testing.assert_array_equal(eager_out, [2.0, 1.0, 0.0, 0.0])  # jax scatter-add
+    np.testing.assert_array_equal(jit_out, eager_out)
+    assert isinstance(eager.counts, jax.Array)
+    assert eager.acc.dtype == states["acc"].dtype == jnp.float32
+
+
+# --- Python semantics of each construct --------------------------------------------------
+
+CONSTRUCTS = """
+import jax.numpy as jnp
+
+CALLS = []
+
+
+def k():
+    CALLS.append("k")
+    return "a"
+
+
+def v():
+    CALLS.append("v")
+    return 2.0
+
+
+class Constructs:
+    def __init__(self):
+        self.d = {"a": jnp.ones(())}
+        self.count = jnp.zeros((), jnp.int32)
+        self.target = 3
+        self.seen = []
+        self.opts = {"a": 1}
+        self.tags = {"x"}
+        self.µ = jnp.zeros(())
+
+    def step(self, n):
+        self.d[k()] *= v()
+        self.count += 1
+        shown = f"{self.count=}", f"{self.count = !s:>4}", f"{ self.count = :>4}"
+        nested = f"outer {f'inner {self.count}'}"
+        match 3:
+            case self.target:
+                hit = True
+            case _:
+                hit = False
+        self.seen += range(n)
+        self.seen += (n, n)
+        self.opts |= [("b", 2)]
+        self.tags |= {"y"}
+        self.µ += 1
+        self.target = self.target + 0
+        return shown, nested, hit
+
+    def ﬁt(self, others):
+        return sum(self.target for self in others)
+"""
+
+
+def test_each_construct_means_what_plain_python_means(write_module):
+    plain_mod = write_module(CONSTRUCTS)
+    module = write_module(CONSTRUCTS)
+    cls = autostate.stateful(module.Constructs)
+    plain, model = plain_mod.Constructs(), cls()
+    assert str(model.step(2)) == str(plain.step(2))
+    assert module.CALLS == plain_mod.CALLS == ["k", "v"]
+    assert model.seen == plain.seen == [0, 1, 2, 2]
+    assert model.opts == plain.opts and model.tags == plain.tags
+    assert float(model.μ) == float(plain.μ) == 1.0
+    assert "μ" in cls.__autostate_info__.state  # stored under the normalized name
+    assert model.fit([plain, plain]) == plain.fit([plain, plain]) == 6
+
+
+def test_in_place_operators_never_change_a_state_value_in_place(write_module):
+    module = write_module(CONSTRUCTS)
+    cls = autostate.stateful(module.Constructs)
+    model = cls()
+    before = model.seen
+    model.step(1)
+    assert before == [] and model.seen == [0, 1, 1]
+
+
+MOVED = """
+import jax.numpy as jnp
+
+
+class Moved:
+    def __init__(self):
+        self.x = jnp.zeros(())
+
+    def step(self):
+        self.x = self.x + 1
+        return self.x
+"""
+
+
+def test_source_edited_after_import_is_refused_not_misread(write_module, tmp_path):
+    module = write_module(MOVED)
+    path = Path(module.__file__)
+    path.write_text(path.read_text().replace("    def step(self):", "    def other(self, y):"))
+    with pytest.raises(autostate.errors.DecorationError) as info:
+        autostate.stateful(module.Moved)
+    assert "no longer holds the code that was imported" in str(info.value)
+
+
+BASE_V1 = """
+class Mixin:
+    def bump(self):
+        return self.count * 1
+"""
+BASE_V2 = """
+class Mixin:
+    def bump(self):
+        self.count = self.count + 1
+        return self.count
+"""
+CHILD = """
+import jax.numpy as jnp
+import autostate
+from cache_base_mod import Mixin
+
+
+@autostate.stateful
+class Child(Mixin):
+    def __init__(self):
+        self.count = jnp.zeros(())
+        self.k = 1
+
+    def __call__(self):
+        return self.bump()
+
+
+print(sorted(Child.__autostate_info__.state))
+"""
+
+
+def test_editing_a_base_in_another_file_changes_the_decision_in_a_fresh_process(tmp_path):
+    import os
+    import subprocess
+
+    (tmp_path / "cache_base_mod.py").write_text(BASE_V1)
+    (tmp_path / "cache_child_mod.py").write_text(CHILD)
+    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+
+    def decision() -> str:
+        run = subprocess.run(
+            [sys.executable, "-c", "import cache_child_mod"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+        )
+        return run.stdout.strip()
+
+    assert decision() == "[]"
+    assert decision() == "[]"  # from the disk cache
+    (tmp_path / "cache_base_mod.py").write_text(BASE_V2)
+    assert decision() == "['count']"
+
+
+# --- a tied sub-model through every entry point --------------------------------------------
+
+
+@autostate.stateful
+class TiedLinear:
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return self.w * x
+
+
+@autostate.stateful
+class TiedBlock:
+    def __init__(self, linear):
+        self.linear = linear
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+@autostate.stateful
+class TiedNet:
+    def __init__(self):
+        linear = TiedLinear()
+        self.block1, self.block2 = TiedBlock(linear), TiedBlock(linear)
+
+    def __call__(self, x):
+        return self.block2(self.block1(x) * 3)
+
+
+def test_a_tied_sub_model_is_one_leaf_through_handle_and_freeze_local_states():
+    handler, states = autostate.handle_local_states(TiedNet(), category="state")
+    assert list(states) == ["block1.linear.n"]
+    grads = jax.grad(lambda h: h((1.0, states))[0])(handler)
+    assert [float(g) for g in jax.tree_util.tree_leaves(grads)] == [6.0]  # d(3 w^2)/dw
+    (_, new_states) = jax.jit(lambda h, s: h((1.0, s)))(handler, states)
+    assert float(new_states["block1.linear.n"]) == 2.0
+    through_jit = jax.jit(lambda h: h)(handler)
+    frozen = autostate.freeze_local_states(through_jit, new_states)
+    assert frozen.block1.linear is frozen.block2.linear
+    f, states = frozen.functionalize()
+    assert float(states["block1.linear.n"]) == 2.0
+    f_grads = jax.grad(lambda f: f(states, 1.0)[0])(f)
+    assert [float(g) for g in jax.tree_util.tree_leaves(f_grads)] == [6.0]
+
+
+LOGGING = """
+import jax.numpy as jnp
+
+
+class Logging:
+    def __init__(self):
+        self.w = jnp.ones(())
+        self.log = []
+
+    def __call__(self, x):
+        self.log.append(x)
+        return x * self.w
+"""
+
+
+def test_an_in_place_change_of_a_model_without_states_is_refused_and_undone(write_module):
+    _, cls, _ = _twice(write_module, LOGGING, "Logging")
+    f, states = cls().functionalize()
+    assert states == {}
+    with pytest.raises(autostate.errors.StateAccessError, match="outside its states"):
+        jit_call(f, states, 1.0)
+    assert f.model.log == []  # no tracer left behind in f's static data

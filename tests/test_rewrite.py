@@ -862,9 +862,11 @@ def test_generated_source_keeps_each_statement_on_its_line():
     line = {n: new_lines[n - 1].strip() for n in range(20, 29)}
     assert line[20] == "def step(self, v):"
     assert line[21] == '__autostate__.set(self, "x", v)'
-    assert line[22] == '__autostate__.set(self, "y", __autostate__.get(self, "y") + (v))'
+    assert line[22] == '__autostate__.set(self, "y", __autostate__.iadd(__autostate__.get(self, "y"), v))'
     assert line[23] == '__autostate__.setitem(self, "z", v, __autostate__.ix[0])'
-    assert line[24] == '__autostate__.augitem(self, "z", "*", v, __autostate__.ix[1])'
+    assert line[24] == (
+        '__autostate__.augitem(__autostate__.item(self, "z", __autostate__.ix[1]), "*", v)'
+    )
     assert line[25] == "__autostate__.target(self).x, __autostate__.target(self).y = (v,"
     assert line[26] == "v)"
     assert line[27] == "del __autostate__.target(self).z[0]"
@@ -901,3 +903,64 @@ def test_compiled_methods_report_the_original_line_numbers():
     source_lines, start = inspect.getsourcelines(Targets)
     for name, first in lines.items():
         assert source_lines[first - start].strip().startswith(f"def {name}(")
+
+
+# --- issue 11: Python semantics of each construct (generated source) -----------------------
+
+
+def _rewritten(body: str, state: frozenset[str]) -> str:
+    text = textwrap.indent(textwrap.dedent(body).lstrip("\n"), "    ")
+    source = analysis.MethodSource(
+        key="m", attr="m", filename="model.py", first_line=10, text=text, freevars=(),
+        has_receiver=True, mangle_as="M",
+    )
+    facts = analysis.collect_facts("M", source)
+    code = rewrite.rewrite_method(facts.module, facts.function, "self", state, "M", is_init=False)
+    return code
+
+
+def test_augmented_item_takes_keys_and_old_item_before_the_value():
+    out = _rewritten("def m(self):\n    self.d[k()] *= v()\n", frozenset({"d"}))
+    assert '__autostate__.augitem(__autostate__.item(self, "d", __autostate__.ix[k()]), "*", v())' in out
+
+
+def test_augmented_assignment_uses_the_in_place_operator():
+    out = _rewritten("def m(self, n):\n    self.seen += range(n)\n    self.o |= n\n", frozenset({"seen", "o"}))
+    assert '__autostate__.iadd(__autostate__.get(self, "seen"), range(n))' in out
+    assert '__autostate__.ior(__autostate__.get(self, "o"), n)' in out
+
+
+def test_self_documenting_f_string_keeps_the_original_text():
+    out = _rewritten('def m(self):\n    return f"{self.x=}", f"{ self.x = :>3}"\n', frozenset({"x"}))
+    assert "self.x={__autostate__.get(self, 'x')!r}" in out
+    assert " self.x = {__autostate__.get(self, 'x'):>3}" in out
+
+
+def test_match_value_patterns_and_doubly_nested_f_strings_stay_dotted_names():
+    out = _rewritten(
+        """
+        def m(self, v):
+            match v:
+                case self.x:
+                    return f"a {f'b {self.x}'}"
+            return self.x
+        """,
+        frozenset({"x"}),
+    )
+    assert "case self.x:" in out
+    assert "f\"a {f'b {self.x}'}\"" in out
+    assert 'return __autostate__.get(self, "x")' in out
+
+
+@pytest.mark.parametrize(
+    ("op", "start", "operand", "expected"),
+    [("+", [1], range(2), [1, 0, 1]), ("|", {"a": 1}, [("b", 2)], {"a": 1, "b": 2}),
+     ("|", {1}, {2}, {1, 2}), ("-", {1, 2}, {2}, {1})],
+)
+def test_in_place_runtime_operators_copy_mutable_containers(op, start, operand, expected):
+    from autostate import runtime
+
+    function = getattr(runtime, rewrite.INPLACE_NAMES[op])
+    result = function(start, operand)
+    assert result == expected and result is not start
+    assert start != expected  # the old value is unchanged

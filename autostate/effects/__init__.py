@@ -24,6 +24,8 @@ from autostate.effects.local_state import (
     handle_local_states,
     hoist_shared_state_requests,
     initial_slot,
+    is_guarded,
+    is_running,
     is_static_value,
     rename_local_states,
     run_with_states,
@@ -52,6 +54,8 @@ __all__ = [
     "hoist_shared_state_requests",
     "initial_slot",
     "is_static_value",
+    "is_guarded",
+    "is_running",
     "rename_local_states",
     "run_with_states",
 ]

@@ -55,11 +55,27 @@ _ACTIVE: contextvars.ContextVar[Mapping[Hashable, dict[str, LocalStateEffectImpl
     contextvars.ContextVar("autostate_active_handlers", default=types.MappingProxyType({}))
 )
 _handler_counter = itertools.count()
+# ids of the decorated instances of every body a handler is running now: the
+# instances whose non-state writes the run-time guard refuses.
+_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_guarded_instances", default=frozenset()
+)
 
 
 def handler_running() -> bool:
     """Whether some handler is running its body in this context."""
     return bool(_ACTIVE.get())
+
+
+def is_running(handler_id: Hashable) -> bool:
+    """Whether the handler with ``handler_id`` is running its body now."""
+    return handler_id in _ACTIVE.get()
+
+
+def is_guarded(obj: Any) -> bool:
+    """Whether ``obj`` belongs to a body that a handler is running now."""
+    guarded = _GUARDED.get()
+    return bool(guarded) and id(obj) in guarded
 
 
 def running_cells() -> list[LocalStateEffectImpl]:
@@ -729,14 +745,41 @@ class WithFunctionalLocalState:
 
     def __call__(self, argument: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         inner, states = argument
-        return run_with_states(self.handler_id, states, self.body, (inner,), {})
+        guard = _tree.instance_ids(self.body)
+        return run_with_states(self.handler_id, states, self.body, (inner,), {}, guard)
+
+
+class _BodyHolder:
+    """Holds a handler's body so the body flattens as one graph (``tree.flatten_graph``)."""
+
+
+def _flatten_handler(h: WithFunctionalLocalState) -> tuple[list[Any], tuple]:
+    # As a graph, not per instance: a sub-model reachable from two paths (tied
+    # weights) stays one instance and one leaf through jit, grad and freezing.
+    holder = _BodyHolder()
+    holder.body = h.body  # type: ignore[attr-defined]
+    leaves, graphdef = _tree.flatten_graph(holder)
+    return leaves, (h.handler_id, graphdef)
+
+
+def _flatten_handler_with_keys(h: WithFunctionalLocalState) -> tuple[list[Any], tuple]:
+    leaves, aux = _flatten_handler(h)
+    keys = [jax.tree_util.GetAttrKey(name) for name in aux[1].names]
+    return list(zip(keys, leaves)), aux
+
+
+def _unflatten_handler(aux: tuple, leaves: Any) -> WithFunctionalLocalState:
+    handler_id, graphdef = aux
+    return WithFunctionalLocalState(handler_id, _tree.unflatten_graph(graphdef, list(leaves)).body)
 
 
 jax.tree_util.register_pytree_with_keys(
+    WithFunctionalLocalState, _flatten_handler_with_keys, _unflatten_handler, _flatten_handler
+)
+_tree.register_walk(
     WithFunctionalLocalState,
-    lambda h: (((jax.tree_util.GetAttrKey("body"), h.body),), h.handler_id),
-    lambda handler_id, children: WithFunctionalLocalState(handler_id, children[0]),  # type: ignore[index]
-    lambda h: ((h.body,), h.handler_id),
+    lambda h: [(".body", h.body)],
+    lambda h, children: WithFunctionalLocalState(h.handler_id, children[0]),
 )
 _tree.register_dynamic_type(WithFunctionalLocalState)
 
@@ -747,8 +790,14 @@ def run_with_states(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict[str, Any],
+    guard: frozenset[int] = frozenset(),
 ) -> tuple[Any, dict[str, Any]]:
-    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``."""
+    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``.
+
+    ``guard`` holds the ids of the body's decorated instances (see
+    ``is_guarded``): while ``fn`` runs, writes to them that are not state
+    writes are refused instead of landing on a copy the call throws away.
+    """
     if not isinstance(states, dict):
         raise InvalidTypeError(
             format_error(
@@ -759,9 +808,12 @@ def run_with_states(
     cells = {name: LocalStateEffectImpl(value, name) for name, value in states.items()}
     outer = _ACTIVE.get()
     token = _ACTIVE.set({**outer, handler_id: cells} if outer else {handler_id: cells})
+    outer_guard = _GUARDED.get()
+    guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
     try:
         result = fn(*args, **kwargs)
     finally:
+        _GUARDED.reset(guard_token)
         _ACTIVE.reset(token)
     return result, {name: cell.value for name, cell in cells.items()}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import tokenize
+import unicodedata
 from collections.abc import Callable, Sequence
 
 import libcst as cst
@@ -46,6 +47,10 @@ class MethodSource:
     text: str
     freevars: tuple[str, ...]
     has_receiver: bool
+    # The class statement whose name private names were mangled with where the
+    # function was written ("_": none), and the function's code name.
+    mangle_as: str = ""
+    code_name: str = ""
 
 
 @dataclasses.dataclass
@@ -114,7 +119,7 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     compiled line numbers must be moved.
     """
     params = ", ".join((*source.freevars, RUNTIME_NAME))
-    header = f"class {class_name}:\n def {OUTER_NAME}({params}):\n"
+    header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
     padding = max(source.first_line - 3, 0)
     shift = source.first_line - 3 - padding
     return "\n" * padding + header + _space_indented(source.text), shift
@@ -127,11 +132,12 @@ def _space_indented(text: str) -> str:
     """``text`` with a tab-based method indentation replaced by two spaces.
 
     The one-space wrapper header cannot sit above a tab-indented method (the
-    tokenizer rejects the mix), so the method's own leading indentation
+    tokenizer rejects the mix), nor above a function written at module level
+    (assigned in the class body), so the function's own leading indentation
     becomes spaces; lines that continue a multi-line string keep theirs.
     """
     indent = text[: len(text) - len(text.lstrip(" \t"))]
-    if "\t" not in indent:
+    if indent and "\t" not in indent:
         return text
     in_string: set[int] = set()
     try:
@@ -142,7 +148,7 @@ def _space_indented(text: str) -> str:
         return text
     lines = text.splitlines(keepends=True)
     for number, line in enumerate(lines, start=1):
-        if number not in in_string and line.startswith(indent):
+        if number not in in_string and line.startswith(indent) and line.strip():
             lines[number - 1] = "  " + line[len(indent) :]
     return "".join(lines)
 
@@ -178,12 +184,17 @@ def _method_node(module: cst.Module) -> cst.FunctionDef:
     return node
 
 
+def identifier(name: str) -> str:
+    """``name`` as Python binds it: identifiers are NFKC-normalized (PEP 3131)."""
+    return name if name.isascii() else unicodedata.normalize("NFKC", name)
+
+
 def _param_names(params: cst.Parameters) -> list[str]:
     names = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
     for star in (params.star_arg, params.star_kwarg):
         if isinstance(star, cst.Param):
             names.append(star.name.value)
-    return names
+    return [identifier(n) for n in names]
 
 
 def receiver_name(function: cst.FunctionDef) -> str | None:
@@ -201,6 +212,28 @@ def dotted_name(expr: cst.BaseExpression) -> str | None:
     return None
 
 
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+
+
+def _bound_names(target: cst.BaseExpression) -> list[str]:
+    if isinstance(target, cst.Name):
+        return [identifier(target.value)]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for e in target.elements for n in _bound_names(e.value)]
+    if isinstance(target, cst.StarredElement):
+        return _bound_names(target.value)
+    return []
+
+
+def _comprehension_names(node: cst.CSTNode) -> set[str]:
+    names: set[str] = set()
+    clause = getattr(node, "for_in", None)
+    while clause is not None:
+        names.update(_bound_names(clause.target))
+        clause = clause.inner_for_in
+    return names
+
+
 class ReceiverScopes:
     """Tracks whether the method's receiver name is visible at a node.
 
@@ -214,12 +247,20 @@ class ReceiverScopes:
         self.receiver = receiver
         self.stack: list[bool] = []
         self.inside = False
+        self._comprehensions: set[int] = set()
 
     def enter(self, node: cst.CSTNode) -> None:
         if node is self.method:
             self.inside = True
             return
         if not self.inside:
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            # A comprehension is a scope only for the names its ``for`` binds:
+            # ``sum(m.x for self in others)`` does not rebind the receiver.
+            if self.receiver in _comprehension_names(node):
+                self._comprehensions.add(id(node))
+                self.stack.append(True)
             return
         if isinstance(node, (cst.FunctionDef, cst.Lambda)):
             self.stack.append(self.receiver in _param_names(node.params))
@@ -229,6 +270,10 @@ class ReceiverScopes:
     def leave(self, node: cst.CSTNode) -> None:
         if node is self.method:
             self.inside = False
+        elif isinstance(node, _COMPREHENSIONS):
+            if id(node) in self._comprehensions:
+                self._comprehensions.discard(id(node))
+                self.stack.pop()
         elif self.inside:
             self.stack.pop()
 
@@ -245,10 +290,10 @@ class ReceiverScopes:
         if (
             isinstance(expr, cst.Attribute)
             and isinstance(expr.value, cst.Name)
-            and expr.value.value == self.receiver
+            and identifier(expr.value.value) == self.receiver
             and self.visible
         ):
-            return expr.attr.value
+            return identifier(expr.attr.value)
         return None
 
 
@@ -296,6 +341,30 @@ class _FactCollector(cst.CSTVisitor):
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.scopes.leave(original_node)
 
+    def visit_ListComp(self, node: cst.ListComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_ListComp(self, original_node: cst.ListComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_SetComp(self, node: cst.SetComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_SetComp(self, original_node: cst.SetComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_DictComp(self, node: cst.DictComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_DictComp(self, original_node: cst.DictComp) -> None:
+        self.scopes.leave(original_node)
+
+    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
+        self.scopes.enter(node)
+
+    def leave_GeneratorExp(self, original_node: cst.GeneratorExp) -> None:
+        self.scopes.leave(original_node)
+
     # targets
     def _target(self, expr: cst.BaseExpression, kind: str) -> None:
         if isinstance(expr, (cst.Tuple, cst.List)):
@@ -306,7 +375,7 @@ class _FactCollector(cst.CSTVisitor):
             self._target(expr.value, kind)
             return
         if isinstance(expr, cst.Name):
-            if expr.value == self.facts.receiver and self.scopes.visible:
+            if identifier(expr.value) == self.facts.receiver and self.scopes.visible:
                 self.facts.rebinds.append(self._line(expr))
             return
         item = isinstance(expr, cst.Subscript)
@@ -400,7 +469,7 @@ def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
     receiver = receiver_name(function) if source.has_receiver else None
     facts = MethodFacts(source=source, receiver=receiver, module=module, function=function)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    wrapper.visit(_FactCollector(facts, class_name, shift))
+    wrapper.visit(_FactCollector(facts, source.mangle_as or class_name, shift))
     return facts
 
 

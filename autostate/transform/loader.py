@@ -119,6 +119,39 @@ def compile_method(
     return _shift_lines(code, shift) if shift else code
 
 
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    # Names, not bytecode: the same source compiled another way (from an AST,
+    # as pytest's assertion rewriting does) gives other instructions.
+    def signature(c: types.CodeType) -> tuple:
+        return (c.co_name, c.co_varnames, frozenset(c.co_names), c.co_argcount,
+                c.co_kwonlyargcount, c.co_freevars)
+
+    if signature(a) != signature(b):
+        return False
+    nested_a = [c for c in a.co_consts if isinstance(c, types.CodeType)]
+    nested_b = [c for c in b.co_consts if isinstance(c, types.CodeType)]
+    return len(nested_a) == len(nested_b) and all(map(_same_code, nested_a, nested_b))
+
+
+def compiles_to(wrapper_source: str, source: Any, shift: int, code: types.CodeType) -> bool:
+    """Whether the (unrewritten) wrapper source of ``source`` compiles to ``code``.
+
+    The check that the block found in the file at ``code``'s first line is the
+    function that was imported, not another one edited or moved there since.
+    """
+    del shift  # line numbers are not compared
+    try:
+        module_code = compile(
+            wrapper_source, source.filename, "exec",
+            flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True,
+        )
+        outer = _find_code(_find_code(module_code, source.mangle_as), OUTER_NAME)
+        found = _find_code(outer, code.co_name)
+    except (SyntaxError, LookupError, ValueError):
+        return False
+    return _same_code(found, code)
+
+
 def build_function(
     code: types.CodeType, original: types.FunctionType, runtime: types.ModuleType
 ) -> types.FunctionType:
@@ -157,12 +190,18 @@ _FINGERPRINT = _transform_fingerprint()
 _MEMORY_CACHE: dict[str, Any] = {}
 
 
-def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
-    """Key of a class's transformation: file content, class, methods, options."""
+def cache_key(
+    cls: type, slots: list[MethodSlot], extra: tuple, other_files: list[str] = ()  # type: ignore[assignment]
+) -> str | None:
+    """Key of a class's transformation: file content, class, methods, options.
+
+    ``other_files`` are further files the decision reads (undecorated bases).
+    """
     filenames = sorted({s.function.__code__.co_filename for s in slots})
     contents = [source_lines(name) for name in filenames]
     if not any(contents):
         return None
+    contents += [source_lines(name) for name in sorted(set(other_files) - set(filenames))]
     digest = hashlib.sha256(_FINGERPRINT.encode())
     for lines in contents:
         digest.update("".join(lines).encode())
@@ -170,7 +209,10 @@ def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
     for s in slots:
         code = s.function.__code__
         digest.update(
-            repr((s.key, code.co_filename, code.co_firstlineno, code.co_freevars)).encode()
+            repr(
+                (s.key, code.co_filename, code.co_firstlineno, code.co_freevars, code.co_name,
+                 code.co_flags, code.co_names, code.co_varnames, s.foreign)
+            ).encode()
         )
     return digest.hexdigest()
 

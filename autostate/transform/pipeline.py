@@ -76,16 +76,30 @@ def decide_class(
             dataclasses.replace(s, function=previous.originals.get(s.key, s.function))
             for s in slots
         ]
+    _check_layout(cls)
     inherited = frozenset().union(*(b.state for b in bases))
     inherited_init = frozenset().union(*(b.initialized for b in bases))
-    extra = (fallback, sorted(inherited), sorted(inherited_init), _base_properties(cls), sys.version)
-    key = loader.cache_key(cls, slots, extra)
+    user_bases = _undecorated_user_bases(cls, is_decorated)
+    # Everything the decision depends on besides the class's own files: the
+    # options, what decorated bases decided, every base (and its properties),
+    # the undecorated bases' source files (their writes are state), and which
+    # global names are autostate.state in each function's module.
+    extra = (
+        fallback,
+        sorted(inherited),
+        sorted(inherited_init),
+        _base_properties(cls),
+        [b.__qualname__ for b in cls.__mro__[1:]],
+        _marker_names(slots, state_marker),
+        sys.version,
+    )
+    base_files = [f for f in (_module_file(b) for b in user_bases) if f]
+    key = loader.cache_key(cls, slots, extra, base_files)
     cached = loader.cache_load(key) if key else None
     if cached is not None:
         state_list, initialized_list, codes = cached
         state, initialized = frozenset(state_list), frozenset(initialized_list)
     else:
-        user_bases = _undecorated_user_bases(cls, is_decorated)
         state, initialized, codes = _transform(
             cls, slots, inherited, inherited_init, state_marker, user_bases, control_flow_name
         )
@@ -93,6 +107,63 @@ def decide_class(
             loader.cache_store(key, (sorted(state), sorted(initialized), codes))
     originals = {s.key: s.function for s in slots}
     return ClassDecision(state, initialized, originals, codes), slots
+
+
+def _check_layout(cls: type) -> None:
+    """Instances must keep their attributes in ``__dict__`` (where slots live)."""
+    slotted = [
+        (k.__name__, name)
+        for k in cls.__mro__[:-1]
+        for name in _slot_names(k)
+        if name not in ("__dict__", "__weakref__")
+    ]
+    if slotted or cls.__dictoffset__ == 0:
+        names = ", ".join(f"{k}.{n}" for k, n in slotted) or "no __dict__"
+        raise DecorationError(
+            format_error(
+                f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
+                f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
+                "in the instance __dict__.",
+                where=_class_location(cls),
+                fix="remove __slots__ from the class (and its bases), or keep the slotted "
+                "values on an undecorated object outside the model.",
+            )
+        )
+
+
+def _slot_names(k: type) -> list[str]:
+    declared = k.__dict__.get("__slots__", ())
+    return [declared] if isinstance(declared, str) else list(declared)
+
+
+def _class_location(cls: type) -> str | None:
+    for value in vars(cls).values():
+        fn = getattr(value, "__func__", value)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            return f"{code.co_filename}:{code.co_firstlineno}"
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, "__file__", None)
+
+
+def _module_file(cls: type) -> str | None:
+    return getattr(sys.modules.get(cls.__module__), "__file__", None)
+
+
+def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
+    names: set[str] = set()
+    seen: set[int] = set()
+    for slot in slots:
+        g = slot.function.__globals__
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        for name, value in list(g.items()):
+            if value is marker or (
+                isinstance(value, types.ModuleType) and getattr(value, "state", None) is marker
+            ):
+                names.add(name)
+    return sorted(names)
 
 
 def _base_properties(cls: type) -> list[str]:
@@ -135,6 +206,40 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
     return facts
 
 
+def _read_facts(
+    cls: type, slot: source.MethodSlot
+) -> tuple[analysis.MethodFacts | None, Exception | None]:
+    """Facts of one function, located by its code object.
+
+    The block found at the code's first line must compile to that very code:
+    a file edited or moved since import would otherwise install another
+    body. A function not written in this class body (assigned, made by a
+    factory) whose source cannot be read is skipped: its writes meet the
+    run-time guard instead.
+    """
+    try:
+        text = source.method_source(cls, slot)
+        facts = analysis.collect_facts(cls.__name__, text)
+        _, shift = analysis.wrapper_source(cls.__name__, text)
+        same = loader.compiles_to(
+            facts.module.code, text, shift, slot.function.__code__
+        )
+    except (SourceUnavailableError, DecorationError) as exc:
+        return None, exc
+    if not same:
+        code = slot.function.__code__
+        return None, DecorationError(
+            format_error(
+                f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
+                f"{code.co_filename!r} no longer holds the code that was imported at line "
+                f"{code.co_firstlineno} (the file was edited or the function moved).",
+                where=f"{code.co_filename}:{code.co_firstlineno}",
+                fix="reload the module after editing it (importlib.reload), or restart.",
+            )
+        )
+    return facts, None
+
+
 def _transform(
     cls: type,
     slots: list[source.MethodSlot],
@@ -145,18 +250,23 @@ def _transform(
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
-    sources, slots, skipped, unavailable = [], list(slots), [], None
+    facts, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
-        try:
-            sources.append(source.method_source(cls, slot))
-        except SourceUnavailableError as exc:
-            # Generated methods (a dataclass __init__) have no source; they still
-            # reach state through the class's descriptors. Only a class with no
-            # source at all cannot be decorated.
-            unavailable = exc
-            slots.remove(slot)
-            skipped.append(slot)
-    if unavailable is not None and not sources:
+        found, error = _read_facts(cls, slot)
+        if found is not None:
+            facts.append(found)
+            continue
+        slots.remove(slot)
+        skipped.append(slot)
+        if slot.foreign:
+            continue
+        if not isinstance(error, SourceUnavailableError):
+            raise error  # type: ignore[misc]
+        # Generated methods (a dataclass __init__) have no source; they still
+        # reach state through the class's descriptors. Only a class with no
+        # source at all cannot be decorated.
+        unavailable = error
+    if unavailable is not None and not facts:
         raise unavailable
     globals_by_key = {s.key: s.function.__globals__ for s in slots}
 
@@ -166,25 +276,32 @@ def _transform(
         markers = state_marker if type(state_marker) is tuple else (state_marker,)
         return any(found is marker for marker in markers)
 
-    facts = [analysis.collect_facts(cls.__name__, src) for src in sources]
     initialized: set[str] = set(inherited_init)
     bases = [(base, _base_facts(base)) for base in user_bases]
+    base_writes: set[str] = set()
     for _base, base_facts_list in bases:
         for base_facts in base_facts_list:
+            if base_facts.receiver is None:
+                continue
             initialized.update(a.attr for a in base_facts.assignments)
+            if base_facts.source.attr != "__init__":
+                base_writes.update(a.attr for a in base_facts.assignments if a.kind != "item")
     # A generated __init__ (dataclass, attrs) has no source to check; it sets
     # every field, so treat what the methods assign as initialized.
     initialized |= set(getattr(cls, "__dataclass_fields__", ()))
     if any(slot.attr == "__init__" for slot in skipped):
         initialized |= {a.attr for f in facts for a in f.assignments}
+    properties = frozenset(_base_properties(cls))
     result = analysis.analyze_class(
         cls.__name__,
         facts,
-        inherited_state=inherited,
+        # What an undecorated base or mixin assigns is state too: its methods
+        # are not rewritten, but reach state through the class's descriptors.
+        inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
         allow_nested_writes=True,  # closures' writes are threaded (autostate.control)
-        inherited_properties=frozenset(_base_properties(cls)),
+        inherited_properties=properties,
     )
     _check_undecorated_bases(cls, bases, result.state)
     codes: dict[str, types.CodeType] = {}
@@ -202,7 +319,7 @@ def _transform(
             method.function,
             method.receiver,
             result.state,
-            cls.__name__,
+            method.source.mangle_as or cls.__name__,
             is_init=slot.attr == "__init__",
             control=control,
         )
@@ -210,12 +327,16 @@ def _transform(
         codes[slot.key] = loader.compile_method(
             text,
             method.source.filename,
-            cls.__name__,
-            method.function.name.value,
+            method.source.mangle_as or cls.__name__,
+            slot.function.__code__.co_name,
             shift,
             slot.function.__code__.co_flags,
         )
     return result.state, result.initialized | initialized, codes
+
+
+def _own_properties(cls: type) -> frozenset[str]:
+    return frozenset(name for name, v in vars(cls).items() if isinstance(v, property))
 
 
 def _check_undecorated_bases(
@@ -225,14 +346,21 @@ def _check_undecorated_bases(
         for facts in base_facts:
             if facts.source.attr == "__init__" or facts.receiver is None:
                 continue
-            for assignment in facts.assignments:
-                if assignment.attr in state_attrs:
+            # Whole-attribute writes reach state through the descriptors; an item
+            # write or an in-place method call would change the value in place.
+            changes = [(a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...")
+                       for a in facts.assignments if a.kind == "item"]
+            changes += [(attr, line, f"{facts.receiver}.{attr}.{method}(...)")
+                        for attr, method, line in facts.mutating_calls]
+            for attr, line, what in changes:
+                if attr in state_attrs:
                     raise DecorationError(
                         format_error(
                             f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
-                            f"class {base.__name__} assigns state {assignment.attr!r} in "
-                            f"{base.__name__}.{facts.source.key}, which would not be rewritten.",
-                            where=f"{facts.source.filename}:{assignment.line}",
+                            f"class {base.__name__} changes state {attr!r} in place "
+                            f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
+                            "be rewritten.",
+                            where=f"{facts.source.filename}:{line}",
                             fix=f"decorate {base.__name__} with @autostate.stateful too.",
                         )
                     )

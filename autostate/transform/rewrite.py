@@ -7,9 +7,9 @@ stays on the line it came from:
 ``self.x`` (read)                ``__autostate__.get(self, "x")``
 ``self.x = v``                   ``__autostate__.set(self, "x", v)``
 ``self.x = v`` in ``__init__``   ``__autostate__.init(self, "x", v)``
-``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.get(self, "x") op (v))``
+``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.iop(__autostate__.get(self, "x"), v))``
 ``self.x[i] = v``                ``__autostate__.setitem(self, "x", v, __autostate__.ix[i])``
-``self.x[i] op= v``              ``__autostate__.augitem(self, "x", "op", v, __autostate__.ix[i])``
+``self.x[i] op= v``              ``__autostate__.augitem(__autostate__.item(self, "x", __autostate__.ix[i]), "op", v)``
 other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
 ``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
 ``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved
@@ -33,6 +33,14 @@ from autostate.transform.analysis import (
     mangle,
     subscript_base,
 )
+
+# The runtime function of each in-place operator (``iadd`` for ``+=``): it
+# follows ``__iadd__`` like Python, on a copy of a list, dict or set state.
+INPLACE_NAMES = {
+    "+": "iadd", "-": "isub", "*": "imul", "/": "itruediv", "//": "ifloordiv",
+    "%": "imod", "**": "ipow", "@": "imatmul", "<<": "ilshift", ">>": "irshift",
+    "&": "iand", "|": "ior", "^": "ixor",
+}
 
 _AUG_TO_BINARY = {
     cst.AddAssign: (cst.Add, "+"),
@@ -92,6 +100,9 @@ class StateRewriter(cst.CSTTransformer):
         self.is_init = is_init
         self._targets: set[int] = set()
         self._fstring_quotes: list[str] = []
+        # Inside a match value pattern (``case self.x:``) an attribute must stay
+        # a dotted name; the class's descriptor reads the state there.
+        self._in_pattern = 0
 
     # helpers
     def _state_attr(self, expr: cst.CSTNode) -> str | None:
@@ -162,6 +173,49 @@ class StateRewriter(cst.CSTTransformer):
         self.scopes.leave(original_node)
         return updated_node
 
+    def visit_ListComp(self, node: cst.ListComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_ListComp(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    def visit_SetComp(self, node: cst.SetComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_SetComp(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    def visit_DictComp(self, node: cst.DictComp) -> None:
+        self.scopes.enter(node)
+
+    def leave_DictComp(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
+        self.scopes.enter(node)
+
+    def leave_GeneratorExp(self, original_node, updated_node):
+        self.scopes.leave(original_node)
+        return updated_node
+
+    # patterns
+    def visit_MatchValue(self, node: cst.MatchValue) -> None:
+        self._in_pattern += 1
+
+    def leave_MatchValue(self, original_node, updated_node):
+        self._in_pattern -= 1
+        return updated_node
+
+    def visit_MatchMappingElement(self, node: cst.MatchMappingElement) -> None:
+        self._in_pattern += 1
+
+    def leave_MatchMappingElement(self, original_node, updated_node):
+        self._in_pattern -= 1
+        return updated_node
+
     # control flow
     def _control(self, original: cst.BaseExpression, updated: cst.BaseExpression):
         dotted = dotted_name(original) if self.control else None
@@ -193,13 +247,29 @@ class StateRewriter(cst.CSTTransformer):
 
     def leave_FormattedString(self, original_node, updated_node):
         self._fstring_quotes.pop()
-        return updated_node
+        if not any(
+            isinstance(p, cst.FormattedStringExpression) and p.equal is not None
+            and p is not o
+            for p, o in zip(updated_node.parts, original_node.parts)
+        ):
+            return updated_node
+        parts: list[cst.BaseFormattedStringContent] = []
+        for new, old in zip(updated_node.parts, original_node.parts):
+            if isinstance(new, cst.FormattedStringExpression) and new.equal is not None:
+                parts += _self_documenting(new, old)
+            else:
+                parts.append(new)
+        return updated_node.with_changes(parts=parts)
 
     def leave_Attribute(self, original_node, updated_node):
-        if id(original_node) in self._targets:
+        if id(original_node) in self._targets or self._in_pattern:
             return updated_node
         attr = self._state_attr(original_node)
         if attr is None:
+            return updated_node
+        if {"'", '"'} <= set(self._fstring_quotes):
+            # An f-string inside an f-string of the other quote leaves no quote
+            # for the name (before 3.12); the class's descriptor reads it.
             return updated_node
         call = _call("get", self._receiver(), _string(attr, frozenset(self._fstring_quotes)))
         return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
@@ -239,26 +309,17 @@ class StateRewriter(cst.CSTTransformer):
 
     def leave_AugAssign(self, original_node, updated_node):
         target = updated_node.target
-        binary, symbol = _AUG_TO_BINARY[type(updated_node.operator)]
+        _, symbol = _AUG_TO_BINARY[type(updated_node.operator)]
         attr = self._state_attr(target)
         if attr is not None:
             current = _call("get", self._receiver(), _string(attr))
-            combined = cst.BinaryOperation(
-                left=current, operator=binary(), right=_parenthesized(updated_node.value)
-            )
+            combined = _call(INPLACE_NAMES[symbol], current, updated_node.value)
             return cst.Expr(_call("set", self._receiver(), _string(attr), combined))
         base_attr = self._state_attr(subscript_base(target))
         if isinstance(target, cst.Subscript) and base_attr is not None:
-            return cst.Expr(
-                _call(
-                    "augitem",
-                    self._receiver(),
-                    _string(base_attr),
-                    _string(symbol),
-                    updated_node.value,
-                    *self._indices(target),
-                )
-            )
+            # Python's order: the keys and the old item first, then the value.
+            item = _call("item", self._receiver(), _string(base_attr), *self._indices(target))
+            return cst.Expr(_call("augitem", item, _string(symbol), updated_node.value))
         return updated_node
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
@@ -307,6 +368,34 @@ class StateRewriter(cst.CSTTransformer):
 
     def leave_Del(self, original_node, updated_node):
         return updated_node.with_changes(target=self._proxy(updated_node.target))
+
+
+def _self_documenting(
+    new: cst.FormattedStringExpression, old: cst.FormattedStringExpression
+) -> list[cst.BaseFormattedStringContent]:
+    """``{expr=}`` whose expression was rewritten: the text Python would show
+    (the original source of ``expr`` and the ``=``), then the value, with the
+    conversion ``=`` implies (``!r`` unless a format spec is given)."""
+    module = cst.Module(body=[])
+    text = (
+        module.code_for_node(old.whitespace_before_expression)
+        + module.code_for_node(old.expression)
+        + module.code_for_node(old.whitespace_after_expression)
+        + module.code_for_node(old.equal)  # type: ignore[arg-type]
+    )
+    escaped = text.replace("{", "{{").replace("}", "}}")
+    conversion = new.conversion
+    if conversion is None and new.format_spec is None:
+        conversion = "r"
+    return [
+        cst.FormattedStringText(escaped),
+        new.with_changes(
+            equal=None,
+            conversion=conversion,
+            whitespace_before_expression=cst.SimpleWhitespace(""),
+            whitespace_after_expression=cst.SimpleWhitespace(""),
+        ),
+    ]
 
 
 def rewrite_method(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import linecache
+import sys
 import tokenize
 import types
 from collections.abc import Callable, Iterator
@@ -30,17 +31,21 @@ class MethodSlot:
     function: types.FunctionType
     has_receiver: bool
     install: Callable[[types.FunctionType], None]
+    # Not written in this class body (assigned, made by a factory): when its
+    # source cannot be read it is left to the run-time guard, not rejected.
+    foreign: bool = False
 
 
 def _wrapped_function(obj: Any) -> types.FunctionType | None:
-    seen = 0
-    # A functools.wraps wrapper is a function too; the method is what it wraps.
-    while (not isinstance(obj, types.FunctionType) or hasattr(obj, "__wrapped__")) and seen < 32:
+    """The innermost function of a ``__wrapped__`` chain (the user's method)."""
+    innermost = None
+    for _ in range(32):
+        if isinstance(obj, types.FunctionType):
+            innermost = obj
         obj = getattr(obj, "__wrapped__", None)
         if obj is None:
-            return None
-        seen += 1
-    return obj if isinstance(obj, types.FunctionType) else None
+            break
+    return innermost
 
 
 def _replace_in_wrapper(wrapper: Any, old: types.FunctionType, new: types.FunctionType) -> bool:
@@ -73,19 +78,57 @@ def _wrapper_chain(obj: Any) -> Iterator[Any]:
 
 
 def _defined_in(cls: type, fn: types.FunctionType) -> bool:
-    return fn.__qualname__.rpartition(".")[0] == cls.__qualname__ and fn.__name__ != "<lambda>"
+    return fn.__qualname__.rpartition(".")[0] == cls.__qualname__
+
+
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
+
+
+def _is_user_function(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is user code that may run as a method (not a lambda,
+    not the standard library's or autostate's own helpers)."""
+    if fn.__name__ == "<lambda>":
+        return False
+    top = (fn.__module__ or "").partition(".")[0]
+    return top != "autostate" and top not in _STDLIB and top not in sys.builtin_module_names
+
+
+def mangling_class(fn: types.FunctionType) -> str | None:
+    """The class whose name Python mangled ``__x`` with in ``fn`` (innermost
+    enclosing class statement), from its qualname; ``None`` outside classes."""
+    parts = fn.__qualname__.split(".")[:-1]
+    i = len(parts) - 1
+    while i >= 0:
+        if parts[i] == "<locals>":
+            i -= 2  # skip the function owning the locals
+            continue
+        return parts[i]
+    return None
 
 
 def find_methods(cls: type) -> list[MethodSlot]:
-    """Functions defined in ``cls``'s body, each with a way to replace it."""
+    """Every user function that can run as a method of ``cls``, found in its
+    class dict, each with a way to replace it: functions written in the body,
+    functions assigned to a name there (``log = external_log``) or made by a
+    factory (``inc = make_method(2)``), and the innermost function of a
+    ``functools.wraps``-style wrapper chain."""
     slots: list[MethodSlot] = []
     for attr, value in list(vars(cls).items()):
-        if isinstance(value, types.FunctionType) and not hasattr(value, "__wrapped__"):
+        if isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
+            fn = _wrapped_function(value.__wrapped__)
+            if fn is not None:
+                slots.append(
+                    MethodSlot(
+                        attr, attr, fn, True,
+                        lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),  # type: ignore[misc]
+                    )
+                )
+        elif isinstance(value, types.FunctionType):
             slots.append(
                 MethodSlot(attr, attr, value, True, lambda fn, a=attr: setattr(cls, a, fn))  # type: ignore[misc]
             )
         elif isinstance(value, (staticmethod, classmethod)):
-            fn = value.__func__
+            fn = value.__func__  # type: ignore[assignment]
             if isinstance(fn, types.FunctionType):
                 kind = type(value)
                 slots.append(
@@ -104,15 +147,20 @@ def find_methods(cls: type) -> list[MethodSlot]:
                         )
                     )
         else:
-            fn = _wrapped_function(value)  # type: ignore[assignment]
+            fn = _wrapped_function(value)
             if fn is not None:
                 slots.append(
                     MethodSlot(
-                        attr, attr, fn, True,  # type: ignore[arg-type]
+                        attr, attr, fn, True,
                         lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),  # type: ignore[misc]
                     )
                 )
-    return [s for s in slots if _defined_in(cls, s.function)]
+    found = []
+    for slot in slots:
+        if _is_user_function(slot.function):
+            slot.foreign = not _defined_in(cls, slot.function)
+            found.append(slot)
+    return found
 
 
 def _replace_property_part(cls: type, attr: str, part: str, fn: types.FunctionType) -> None:
@@ -184,4 +232,6 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
         text=text,
         freevars=code.co_freevars,
         has_receiver=slot.has_receiver,
+        mangle_as=mangling_class(slot.function) or "_",
+        code_name=code.co_name,
     )
