@@ -16,10 +16,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# Every benchmark script imports this module: their decorations cache in a
+# temp dir, never in the user's home (bench_decoration sets its own per run).
+os.environ.setdefault("AUTOSTATE_CACHE_DIR", tempfile.mkdtemp(prefix="autostate-bench-cache-"))
 
 NOT_INSTALLED = "not installed"
 
