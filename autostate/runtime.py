@@ -91,7 +91,9 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
     """Sets state ``name`` of ``obj`` (in place eagerly, in the handler's cell when handled)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
-    if is_slot(slot):
+    # is_slot inlined: this is the whole of an eager write besides the slot's.
+    known = _IS_SLOT.get(type(slot))
+    if known or (known is None and is_slot(slot)):
         replacement = slot.write(value, name)
         if replacement is not None:
             d[name] = replacement
