@@ -16,10 +16,13 @@ import dataclasses
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
-from autostate.transform import analysis, loader, rewrite, source
+from autostate.transform import loader, source
+
+if TYPE_CHECKING:
+    from autostate.transform import analysis
 
 # Standard-library bases (abc.ABC, typing.Generic, ...) are not user code.
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
@@ -121,6 +124,8 @@ def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> 
 
 
 def _base_facts(base: type) -> list[analysis.MethodFacts]:
+    from autostate.transform import analysis
+
     facts = []
     for slot in source.find_methods(base):
         try:
@@ -141,6 +146,10 @@ def _transform(
     user_bases: list[type],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
+    # Only a cache miss parses: libcst's import is a third of jax's, and a
+    # warm start (every class cached) never pays it.
+    from autostate.transform import analysis, rewrite
+
     sources, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
         try:
