@@ -26,6 +26,7 @@ from autostate.effects import (
 )
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import FunctionalModel, all_categories, handler_id_for
+from autostate.packing import PackedModel
 from autostate.transform import loader
 from autostate.transform.pipeline import ClassDecision, decide_class
 
@@ -259,12 +260,15 @@ def freeze(f: Any, states: dict[str, Any]) -> Any:
         model = autostate.freeze(f, states)   # an instance of model's class
 
     **Arguments:**
-    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``).
+    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``, or
+      a ``PackedModel`` with its ``PackedStates``).
     - ``states``: the states dict to embed.
 
     **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s;
     instances of ``fallback="host"`` classes get fresh host stores instead.
     """
+    if isinstance(f, PackedModel):
+        f, states = f.unpack(states)
     if isinstance(f, FunctionalModel):
         frozen = freeze_body(f.handler_id, f.model, states)
     elif isinstance(f, WithFunctionalLocalState):
