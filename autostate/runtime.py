@@ -264,6 +264,11 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     are handled: there such a write would land on a copy that the pure
     function throws away (or keep a tracer), so it is refused with the fix.
     """
+    if type(type(self).__dict__.get(name)) is StateAttribute:
+        # What the descriptor's __set__ does, without the guard and the
+        # descriptor call: a third of an eager write from outside the class.
+        set(self, name, value)
+        return
     if (
         handler_running()
         and name not in _tree.info_of(self).state

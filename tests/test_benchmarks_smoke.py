@@ -20,8 +20,9 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = {
     "bench_mlp.py": ["Scenario 1: BatchNorm-MLP training step", "Scenario 4a"],
     "bench_dispatch.py": ["Scenario 2: dispatch of a jitted step", "Scenario 4b"],
-    "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()"],
+    "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()", "Scenario 3c"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
+    "bench_perf.py": ["Scenario 6a: trace-only time", "Scenario 6e: dispatch", "packed"],
 }
 
 

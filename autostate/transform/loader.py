@@ -171,6 +171,21 @@ MEMORY_CACHE_ENTRIES = 4096
 DEFAULT_DISK_CACHE_BYTES = 32 * 2**20
 
 
+# filename -> (its lines as linecache holds them, their digest). linecache
+# gives a new list when the file changes, so the list's identity says whether
+# the digest is current; a 30-class file is then hashed once, not 30 times.
+_CONTENT_DIGESTS: dict[str, tuple[list[str], bytes]] = {}
+
+
+def _content_digest(filename: str, lines: list[str]) -> bytes:
+    known = _CONTENT_DIGESTS.get(filename)
+    if known is not None and known[0] is lines:
+        return known[1]
+    digest = hashlib.sha256("".join(lines).encode()).digest()
+    _CONTENT_DIGESTS[filename] = (lines, digest)
+    return digest
+
+
 def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
     """Key of a class's transformation: file content, class, methods, options."""
     filenames = sorted({s.function.__code__.co_filename for s in slots})
@@ -178,8 +193,8 @@ def cache_key(cls: type, slots: list[MethodSlot], extra: tuple) -> str | None:
     if not any(contents):
         return None
     digest = hashlib.sha256(_FINGERPRINT.encode())
-    for lines in contents:
-        digest.update("".join(lines).encode())
+    for name, lines in zip(filenames, contents):
+        digest.update(_content_digest(name, lines))
     digest.update(repr((filenames, cls.__qualname__, extra)).encode())
     for s in slots:
         code = s.function.__code__
