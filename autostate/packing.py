@@ -30,8 +30,10 @@ class Layout:
     """Where each leaf of a flattened tree sits: in which buffer, at which offset.
 
     ``slots[i]`` is ``(buffer, offset, shape)`` for a packed leaf and
-    ``None`` for a leaf that travels on its own (not an array, or a
-    weak-typed one, whose type promotion a concatenation would change).
+    ``None`` for a leaf that travels on its own (not an array). There is one
+    buffer per dtype and weak-typedness (``jnp.full(4, 1.0)`` is weak): a
+    concatenation of weak arrays stays weak, a mixed one would not, and the
+    model's type promotion must not change.
     Hashed once and compared by identity first, since ``jax.jit`` compares
     the layout of its arguments on every call.
     """
@@ -51,10 +53,10 @@ class Layout:
         slots: list[tuple | None] = []
         for leaf in leaves:
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
-            if dtype is None or shape is None or getattr(leaf, "weak_type", False):
+            if dtype is None or shape is None:
                 slots.append(None)
                 continue
-            dtype = np.dtype(dtype)
+            dtype = (np.dtype(dtype), bool(getattr(leaf, "weak_type", False)))
             if dtype not in dtypes:
                 dtypes.append(dtype)
                 sizes.append(0)

@@ -36,7 +36,7 @@ class Stack:
             Tiny(rng.normal(size=4).astype(np.float32), rng.normal(size=(2, 4)).astype(np.float32))
             for _ in range(n)
         ]
-        self.scale = jnp.asarray(2.0)  # weak-typed: travels on its own
+        self.scale = jnp.asarray(2.0)  # weak-typed: a buffer of its own
 
     def __call__(self, x):
         for layer in self.layers:
@@ -52,9 +52,10 @@ def close(a, b):
 def test_packed_step_gives_the_numbers_of_the_unpacked_one():
     f, states = Stack(5).functionalize()
     pf, pstates = autostate.pack(f, states)
-    # float32 and int32 leaves: two buffers each side, the weak scalar loose.
-    assert len(pf.buffers) == 1 and len(pf.loose) == 1
+    # float32 and weak float32 parameters, float32 and int32 states.
+    assert len(pf.buffers) == 2 and pf.loose == []
     assert len(pstates.buffers) == 2 and pstates.loose == []
+    assert pf.f.model.scale.weak_type and not pf.f.model.layers[0].w.weak_type
     step = jax.jit(lambda f, s, x: f(s, x))
     x = jnp.arange(4.0)
     for _ in range(3):
@@ -131,3 +132,13 @@ def test_other_methods_are_called_through_the_packed_model():
     expected, expected_states = f.peek(states, 3.0)
     close(out, expected)
     close(new.unpack(), expected_states)
+
+
+def test_leaves_that_are_not_arrays_travel_on_their_own():
+    from autostate.packing import Layout
+
+    leaves, treedef = jax.tree_util.tree_flatten([jnp.ones(2), 3, jnp.zeros((2, 2))])
+    layout = Layout.of(leaves, treedef)
+    buffers, loose = layout.pack(leaves)
+    assert len(buffers) == 1 and loose == [3]
+    close(layout.unpack(buffers, loose), leaves)
