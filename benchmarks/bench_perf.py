@@ -171,7 +171,8 @@ def cold_decoration_rows(cfg: Config, directory: Path, report: Report) -> Table:
             fns[where] = decorate
         timed = time_interleaved(fns, rounds=cfg.decoration_rounds, number=1, warmup=1)
         compiled = timed["compile()"].median
-        seconds = {where: statistics.median(ts) for where, ts in samples.items()}
+        # The first sample of each is time_interleaved's warm-up call.
+        seconds = {where: statistics.median(ts[1:] or ts) for where, ts in samples.items()}
         for where, s in seconds.items():
             table.add(label, where, fmt_seconds(compiled), fmt_seconds(s), fmt_ratio(s / compiled),
                       fmt_ratio(s / seconds["top"]))
