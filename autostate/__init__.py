@@ -16,6 +16,7 @@ from autostate.effects import (
     freeze_local_states,
     handle_local_states,
     hoist_shared_state_requests,
+    rename_local_states,
 )
 from autostate.errors import AutostateError
 from autostate.export import export
@@ -48,6 +49,7 @@ __all__ = [
     "freeze_local_states",
     "handle_local_states",
     "hoist_shared_state_requests",
+    "rename_local_states",
     "export",
     "load",
     "load_arrays",

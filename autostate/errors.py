@@ -69,7 +69,15 @@ class HostStateError(AutostateError, RuntimeError):
 
 
 class HostStateTypeError(AutostateError, TypeError):
-    """A host-fallback state changed shape, dtype or structure, or is not an array."""
+    """A host-fallback state is not an array (or a pytree of arrays)."""
+
+
+class HostStateChangeError(HostStateTypeError, RuntimeError):
+    """A host-fallback state changed shape, dtype or pytree structure.
+
+    A ``RuntimeError`` as equinox's ``StateIndex`` raised, and still a
+    ``TypeError`` (``HostStateTypeError``) as autostate raised before.
+    """
 
 
 class StateDictError(AutostateError, ValueError):

@@ -18,12 +18,16 @@ This module owns:
   per-example structure (treedef, shapes, dtypes) as parameters, so traced
   reads have known result shapes; run eagerly they touch the store directly;
   lowered they become one ordered ``io_callback`` each (whatever the number of
-  leaves); under ``vmap`` their batching rules record the vmap axis sizes, so
-  a state written under ``vmap`` holds one value per example (as the seed's
-  ``StateIndex`` did); under differentiation the written value is
-  ``stop_gradient``-ed: state is a constant;
+  leaves); under ``vmap`` their batching rules record the vmap axis sizes, and
+  each leaf of a state records which of those levels it holds one value per
+  example for (per leaf, as the seed's ``StateIndex`` did); the written value
+  is ``stop_gradient``-ed: state is a constant for differentiation. Under
+  ``jax.grad`` a ``scan`` body with host accesses is kept in its loop (see
+  ``_stay_in_scan_loops``);
 * ``inference_mode``: a view whose state is read once, when the model is
   flattened at the ``jit`` boundary, and passed in as an input (no callbacks);
+  under ``vmap`` it reads per-example values, and captured by a closure its
+  value is baked in;
 * ``restore_host_slots``: what a host-fallback instance does with frozen
   values when a walk (``freeze``, loading) copies it.
 
@@ -39,22 +43,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import sys
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import effects as jax_effects  # no public registry of kept effects
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import batching, mlir
+from jax.interpreters import partial_eval as pe
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, StateSlot
 from autostate.effects.local_state import contains_tracer
-from autostate.errors import HostStateError, HostStateTypeError, format_error
+from autostate.errors import (
+    HostStateChangeError,
+    HostStateError,
+    HostStateTypeError,
+    format_error,
+)
 
 __all__ = [
     "HostSlot",
@@ -128,16 +140,15 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
 class _Entry:
     """One state: its structure, its value (``None`` until set) and its vmap axes."""
 
-    __slots__ = ("label", "spec", "value", "batch_axes", "staged_write")
+    __slots__ = ("label", "spec", "value", "dims", "staged_write")
 
     def __init__(self, label: str, spec: _Spec, value: tuple | None):
         self.label = label
         self.spec = spec
-        # Leaves of shape batch_axes + per-example shape; None: declared, not set.
+        # Leaves of shape _lead(dims) + per-example shape; None: declared, not set.
         self.value = value
-        # Sizes of the vmap axes the value holds one entry per example for,
-        # outermost first; () for a value shared by every example.
-        self.batch_axes: tuple[int, ...] = ()
+        # Per leaf, the vmap axes it holds one value per example for (see Dims).
+        self.dims: tuple[Dims, ...] = ((),) * len(spec.shapes)
         # A traced write exists, so a traced read may be legal although the
         # value is still unset (the write runs first at run time).
         self.staged_write = False
@@ -172,7 +183,7 @@ class _Store:
         _wait_for_dispatched_programs()
         with self.lock:
             saved = [
-                (attr, e.label, _unflatten_value(e), e.batch_axes)
+                (attr, e.label, _unflatten_value(e), e.dims)
                 for attr, e in self.entries.items()
             ]
         return _restore_store, (self.owner, saved)
@@ -188,14 +199,14 @@ def _unflatten_value(entry: _Entry) -> Any:
 
 def _restore_store(owner: str, saved: list) -> _Store:
     store = _Store(owner)
-    for attr, label, value, batch_axes in saved:
+    for attr, label, value, dims in saved:
         entry = _new_entry(label, value)
-        if entry.value is not None and batch_axes:
-            n = len(batch_axes)
+        if entry.value is not None and any(dims):
             entry.spec = dataclasses.replace(
-                entry.spec, shapes=tuple(s[n:] for s in entry.spec.shapes)
+                entry.spec,
+                shapes=tuple(s[len(_lead(d)) :] for s, d in zip(entry.spec.shapes, dims)),
             )
-            entry.batch_axes = tuple(batch_axes)
+            entry.dims = tuple(dims)
         store.entries[attr] = entry
     return store
 
@@ -286,32 +297,59 @@ class _StateKey:
 
 # --- vmap axes ----------------------------------------------------------------------
 
+# The batch axes of one leaf, tracked per leaf as equinox's StateIndex did: for
+# each vmap level of the write that made it (outermost first), that vmap's axis
+# size where the leaf holds one value per example, or None where every example
+# holds the same value (a constant, a `pmean` over the axis). The stored array
+# has the non-None sizes as leading axes, then the per-example shape. A leaf
+# with no per-example level is () and fits any vmap nesting.
+Dims = tuple[int | None, ...]
 
-def _read_axes(axes: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Leading axes a read under vmap ``axes`` returns, for a value stored with ``stored``.
 
-    A value stored for fewer (outer) vmap axes is shared by the inner ones
-    (broadcast); outside vmap, or under fewer axes than it was stored with, a
-    per-example value reads as the stack of its examples. Anything else is a
-    mismatch (``None``).
+def _lead(dims: Dims) -> tuple[int, ...]:
+    return tuple(size for size in dims if size is not None)
+
+
+def _describe_dims(dims: tuple[Dims, ...]) -> str:
+    if len(set(dims)) == 1:
+        return str(dims[0])
+    return "(" + ", ".join(str(d) for d in dims) + ") per leaf"
+
+
+def _fits(axes: tuple[int, ...], dims: Dims) -> bool:
+    """Whether a leaf with ``dims`` can be read or written under vmap ``axes``.
+
+    As in the seed, a per-example leaf needs the nesting it was written under;
+    autostate also lets more (inner) vmaps share it, and reads it outside vmap
+    as the stack of its examples.
     """
-    if axes[: len(stored)] == stored:
-        return axes
-    if stored[: len(axes)] == axes:
-        return stored
-    return None
+    if not axes or not _lead(dims):
+        return True
+    if len(axes) < len(dims):
+        return False
+    return all(size is None or size == axes[level] for level, size in enumerate(dims))
 
 
-def _written_axes(
-    axes: tuple[int, ...], extra: tuple[int, ...], stored: tuple[int, ...]
-) -> tuple[int, ...] | None:
-    """Batch axes after a write under vmap ``axes`` of values with leading ``extra`` axes."""
-    new = axes + extra
-    if extra:
-        return new if new == stored else None
-    if not axes or axes[: len(stored)] == stored:
-        return new
-    return None
+def _conflicts(axes: tuple[int, ...], dims: tuple[Dims, ...]) -> bool:
+    return not all(_fits(axes, d) for d in dims)
+
+
+def _read_shape(axes: tuple[int, ...], dims: Dims, shape: tuple[int, ...]) -> tuple[int, ...]:
+    # Under vmap a read is batched by every level (a shared leaf is broadcast),
+    # so a compiled read stays valid when a later write makes the leaf
+    # per-example; outside vmap it is the stack of the examples.
+    return (tuple(axes) if axes else _lead(dims)) + tuple(shape)
+
+
+def _broadcast_leaf(value: Any, dims: Dims, axes: tuple[int, ...], xp: Any) -> Any:
+    if not axes:
+        return value
+    example = tuple(value.shape[len(_lead(dims)) :])
+    keep = [
+        axes[level] if level < len(dims) and dims[level] is not None else 1
+        for level in range(len(axes))
+    ]
+    return xp.broadcast_to(xp.reshape(value, tuple(keep) + example), tuple(axes) + example)
 
 
 def _reset_hint(label: str) -> str:
@@ -319,11 +357,11 @@ def _reset_hint(label: str) -> str:
     return f"reset it outside vmap first (`model.{attr} = value` with the per-example shape)"
 
 
-def _read_mismatch(label: str, axes: tuple, stored: tuple) -> HostStateError:
+def _read_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
     return HostStateError(
         format_error(
-            f"State {label} holds per-example values for vmap axes of sizes {stored}, but it "
-            f"is read under vmap axes of sizes {axes}.",
+            f"State {label} holds per-example values for vmap axes of sizes "
+            f"{_describe_dims(dims)}, but it is read under vmap axes of sizes {axes}.",
             fix="read it under the vmap nesting and sizes it was written under, or "
             + _reset_hint(label)
             + ".",
@@ -331,11 +369,11 @@ def _read_mismatch(label: str, axes: tuple, stored: tuple) -> HostStateError:
     )
 
 
-def _write_mismatch(label: str, axes: tuple, extra: tuple, stored: tuple) -> HostStateError:
+def _write_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
     return HostStateError(
         format_error(
-            f"State {label} holds per-example values for vmap axes of sizes {stored}; a write "
-            f"under vmap axes of sizes {axes} (with {len(extra)} stacked axes) does not match.",
+            f"State {label} holds per-example values for vmap axes of sizes "
+            f"{_describe_dims(dims)}; a write under vmap axes of sizes {axes} does not match.",
             fix="write it under the vmap nesting and sizes it was written under, or "
             + _reset_hint(label)
             + ".",
@@ -343,12 +381,55 @@ def _write_mismatch(label: str, axes: tuple, extra: tuple, stored: tuple) -> Hos
     )
 
 
-def _broadcast_to_axes(leaf: Any, stored: tuple, view: tuple, xp: Any) -> Any:
-    if stored == view:
-        return leaf
-    example = tuple(leaf.shape[len(stored) :])
-    padded = xp.reshape(leaf, stored + (1,) * (len(view) - len(stored)) + example)
-    return xp.broadcast_to(padded, view + example)
+def _new_dims(
+    label: str,
+    spec: _Spec,
+    axes: tuple[int, ...],
+    mapped: tuple[tuple[bool, ...], ...],
+    extra: tuple[tuple[int, ...], ...],
+    old: tuple[Dims, ...],
+) -> list[Dims]:
+    """Per-leaf batch axes of a write under vmap ``axes``, before merging equal examples.
+
+    ``mapped[level][leaf]`` says whether that vmap batched the written leaf;
+    ``extra[leaf]`` are leading axes beyond the per-example shape, which may
+    only be the stacked examples of the levels the write is outside of.
+    """
+    if _conflicts(axes, old):
+        raise _write_mismatch(label, axes, old)
+    new = []
+    for leaf, (before, stacked) in enumerate(zip(old, extra)):
+        dims = tuple(axes[level] if mapped[level][leaf] else None for level in range(len(axes)))
+        if stacked:
+            outer = before[len(axes) :]
+            if _lead(outer) != stacked:
+                raise _shape_error(
+                    label, spec, spec.shapes[leaf], stacked + tuple(spec.shapes[leaf])
+                )
+            dims += outer
+        new.append(dims)
+    return new
+
+
+def _merge_equal_examples(value: Any, dims: Dims, before: Dims, xp: Any) -> tuple[Any, Dims]:
+    """Stores one value for a vmap level whose examples all wrote the same value.
+
+    A read under vmap is batched even for a shared leaf, so an update such as
+    ``mean = m * mean + (1 - m) * pmean(x)`` is batched although every example
+    computes the same value; keeping it shared is what the seed's per-leaf
+    tracking gave. A leaf that was already per-example at a level stays so.
+    """
+    dims = list(dims)
+    for level in reversed(range(len(dims))):
+        # One example says nothing about whether examples agree: keep its axis.
+        if dims[level] in (None, 1) or (level < len(before) and before[level] is not None):
+            continue
+        axis = sum(size is not None for size in dims[:level])
+        first = value[(slice(None),) * axis + (slice(0, 1),)]
+        if bool(xp.all(value == first)):
+            value = xp.squeeze(first, axis=axis)
+            dims[level] = None
+    return value, (tuple(dims) if any(size is not None for size in dims) else ())
 
 
 def _wait_for_dispatched_programs() -> None:
@@ -383,66 +464,75 @@ host_set_p = Primitive("host_set")
 host_set_p.multiple_results = True
 
 
-def _get_abstract_eval(*, state, spec, axes, stored_axes):
-    view = _read_axes(axes, stored_axes)
-    if view is None:
-        raise _read_mismatch(state.label, axes, stored_axes)
-    avals = [jax.core.ShapedArray(view + s, d) for s, d in zip(spec.shapes, spec.dtypes)]
+def _get_abstract_eval(anchor, *, state, spec, axes, stored):
+    del anchor
+    if _conflicts(axes, stored):
+        raise _read_mismatch(state.label, axes, stored)
+    avals = [
+        jax.core.ShapedArray(_read_shape(axes, d, s), t)
+        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
+    ]
     return avals, {_ordered_io_effect()}
 
 
 def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) -> list[Any]:
     store, entry = state.resolve()
     with store.lock:
-        value, stored = entry.value, entry.batch_axes
+        value, dims = entry.value, entry.dims
         if expected is not None:
             store.callbacks += 1
     if value is None:
         raise _unset_error(entry.label)
-    view = _read_axes(axes, stored)
-    if view is None:
-        raise _read_mismatch(entry.label, axes, stored)
-    if expected is not None and view != expected:
+    if _conflicts(axes, dims):
+        raise _read_mismatch(entry.label, axes, dims)
+    if (
+        expected is not None
+        and not axes
+        and [_lead(d) for d in dims] != [_lead(d) for d in expected]
+    ):
         raise HostStateError(
             format_error(
-                f"State {entry.label} now holds values for vmap axes of sizes {stored}; this "
-                f"compiled program was traced when a read here returned axes {expected}.",
+                f"State {entry.label} now holds values for vmap axes of sizes "
+                f"{_describe_dims(dims)}; this compiled program was traced when it held "
+                f"values for {_describe_dims(expected)}.",
                 fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
                 "function after changing how a state is batched, or "
                 + _reset_hint(entry.label)
                 + ".",
             )
         )
-    return [_broadcast_to_axes(v, stored, view, xp) for v in value]
+    return [_broadcast_leaf(v, d, axes, xp) for v, d in zip(value, dims)]
 
 
-def _get_impl(*, state, spec, axes, stored_axes):
-    del spec, stored_axes
+def _get_impl(anchor, *, state, spec, axes, stored):
+    del anchor, spec, stored
     return [jnp.asarray(v) for v in _read_now(state, axes, None, jnp)]
 
 
-def _get_lowering(*, state, spec, axes, stored_axes):
-    view = _read_axes(axes, stored_axes)
+def _get_lowering(anchor, *, state, spec, axes, stored):
+    del anchor
 
     def callback():
-        return tuple(np.asarray(v) for v in _read_now(state, axes, view, np))
+        return tuple(np.asarray(v) for v in _read_now(state, axes, stored, np))
 
-    results = tuple(jax.ShapeDtypeStruct(view + s, d) for s, d in zip(spec.shapes, spec.dtypes))
+    results = tuple(
+        jax.ShapeDtypeStruct(_read_shape(axes, d, s), t)
+        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
+    )
     return list(io_callback(callback, results, ordered=True))
 
 
-def _get_batching(axis_data, vals, dims, *, state, spec, axes, stored_axes):
+def _get_batching(axis_data, vals, dims, *, state, spec, axes, stored):
     del vals, dims
     outs = host_get_p.bind(
-        state=state, spec=spec, axes=(axis_data.size, *axes), stored_axes=stored_axes
+        _anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored
     )
     return outs, [0] * len(outs)
 
 
-def _set_abstract_eval(*avals, state, spec, axes, extra, stored_axes):
-    del avals, spec
-    if _written_axes(axes, extra, stored_axes) is None:
-        raise _write_mismatch(state.label, axes, extra, stored_axes)
+def _set_abstract_eval(anchor, *avals, state, spec, axes, mapped, extra, stored):
+    del anchor, avals
+    _new_dims(state.label, spec, axes, mapped, extra, stored)
     try:
         _, entry = state.resolve()
         entry.staged_write = True
@@ -452,64 +542,154 @@ def _set_abstract_eval(*avals, state, spec, axes, extra, stored_axes):
 
 
 def _write_now(
-    state: _StateKey, axes: tuple, extra: tuple, leaves: list[Any], *, callback: bool
+    state: _StateKey,
+    axes: tuple,
+    mapped: tuple,
+    extra: tuple,
+    leaves: list[Any],
+    *,
+    callback: bool,
+    xp: Any,
 ) -> None:
     store, entry = state.resolve()
     with store.lock:
         if callback:
             store.callbacks += 1
-        new_axes = _written_axes(axes, extra, entry.batch_axes)
-        if new_axes is None:
-            raise _write_mismatch(entry.label, axes, extra, entry.batch_axes)
-        entry.value = tuple(leaves)
-        entry.batch_axes = new_axes
+        written = _new_dims(entry.label, entry.spec, axes, mapped, extra, entry.dims)
+        merged = [
+            _merge_equal_examples(leaf, d, before, xp)
+            for leaf, d, before in zip(leaves, written, entry.dims)
+        ]
+        entry.value = tuple(leaf for leaf, _ in merged)
+        entry.dims = tuple(d for _, d in merged)
 
 
-def _set_impl(*leaves, state, spec, axes, extra, stored_axes):
-    del spec, stored_axes
-    _write_now(state, axes, extra, [jnp.asarray(leaf) for leaf in leaves], callback=False)
+def _set_impl(anchor, *leaves, state, spec, axes, mapped, extra, stored):
+    del anchor, spec, stored
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    _write_now(state, axes, mapped, extra, leaves, callback=False, xp=jnp)
     return []
 
 
-def _set_lowering(*leaves, state, spec, axes, extra, stored_axes):
-    del spec, stored_axes
+def _set_lowering(anchor, *leaves, state, spec, axes, mapped, extra, stored):
+    del anchor, spec, stored
 
     def callback(*values):
         # io_callback hands us arrays it owns (copied to the host), safe to keep.
-        _write_now(state, axes, extra, list(values), callback=True)
+        _write_now(
+            state, axes, mapped, extra, [np.asarray(v) for v in values], callback=True, xp=np
+        )
 
     io_callback(callback, None, *leaves, ordered=True)
     return []
 
 
-def _set_batching(axis_data, vals, dims, *, state, spec, axes, extra, stored_axes):
-    size = axis_data.size
-    front = [
-        jnp.broadcast_to(v, (size, *jnp.shape(v))) if d is None else jnp.moveaxis(v, d, 0)
-        for v, d in zip(vals, dims)
-    ]
+def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, stored):
+    # An unbatched leaf stays unbatched: a write that is the same for every
+    # example (a constant, a pmean over the axis) stores one shared value.
+    vals, dims = vals[1:], dims[1:]
+    front = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
     host_set_p.bind(
-        *front, state=state, spec=spec, axes=(size, *axes), extra=extra, stored_axes=stored_axes
+        _anchor(),
+        *front,
+        state=state,
+        spec=spec,
+        axes=(axis_data.size, *axes),
+        mapped=(tuple(d is not None for d in dims), *mapped),
+        extra=extra,
+        stored=stored,
     )
     return [], []
 
 
-def _set_jvp(primals, tangents, **params):
-    # State is a constant for differentiation: write the primal, no tangent.
-    del tangents
-    return host_set_p.bind(*primals, **params), []
+def _anchor() -> np.ndarray:
+    """The first operand of every host primitive: no data, see ``_stay_in_scan_loops``."""
+    return np.zeros((), np.bool_)
+
+
+def _hoisting_a_scan_body() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_scan_known_hoisting":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _stay_in_scan_loops(primitive: Primitive) -> Callable[..., Any]:
+    # Under jax.grad, scan's partial evaluation moves every part of the primal
+    # loop body that does not depend on the carry out of the loop, effects
+    # included: a host access that does not depend on the carry
+    # (`self.steps += 1`) would run once instead of once per step, and later
+    # writes would be lost (a bare ordered io_callback is moved the same way).
+    # While scan does that, the anchor operand counts as unknown (loop
+    # dependent), so every host access stays in the loop and runs exactly once
+    # per primal step; everywhere else partial evaluation is the default one.
+    # A staged access feeds no output of the loop body, so JAX must be told to
+    # keep the callback's effect (as it keeps jax.debug.callback's) or it drops
+    # the access altogether.
+    def partial_eval(trace, anchor, *tracers, **params):
+        if _hoisting_a_scan_body():
+            jax_effects.partial_eval_kept_effects.add_type(type(_ordered_io_effect()))
+            anchor = trace.instantiate_const(anchor)
+        return trace.default_process_primitive(primitive, (anchor, *tracers), params)
+
+    return partial_eval
 
 
 host_get_p.def_effectful_abstract_eval(_get_abstract_eval)
+pe.custom_partial_eval_rules[host_get_p] = _stay_in_scan_loops(host_get_p)
 host_get_p.def_impl(_get_impl)
 mlir.register_lowering(host_get_p, mlir.lower_fun(_get_lowering, multiple_results=True))
 batching.fancy_primitive_batchers[host_get_p] = _get_batching
 
 host_set_p.def_effectful_abstract_eval(_set_abstract_eval)
+pe.custom_partial_eval_rules[host_set_p] = _stay_in_scan_loops(host_set_p)
 host_set_p.def_impl(_set_impl)
 mlir.register_lowering(host_set_p, mlir.lower_fun(_set_lowering, multiple_results=True))
 batching.fancy_primitive_batchers[host_set_p] = _set_batching
-ad.primitive_jvps[host_set_p] = _set_jvp
+
+
+# Reading an inference view under vmap: its value entered as one stacked array,
+# so each vmap level indexes the examples it holds per-example values for.
+# Pure JAX (no callback): the primitive only exists for its batching rule,
+# which must see every vmap level although its inputs are not batched.
+_view_p = Primitive("host_inference_view")
+_view_p.multiple_results = True
+
+
+def _view_abstract_eval(*avals, label, dims, axes):
+    if _conflicts(axes, dims):
+        raise _read_mismatch(label, axes, dims)
+    return [
+        jax.core.ShapedArray(_read_shape(axes, d, a.shape[len(_lead(d)) :]), a.dtype)
+        for a, d in zip(avals, dims)
+    ]
+
+
+def _view_impl(*leaves, label, dims, axes):
+    if _conflicts(axes, dims):
+        raise _read_mismatch(label, axes, dims)
+    return [_broadcast_leaf(leaf, d, axes, jnp) for leaf, d in zip(leaves, dims)]
+
+
+def _view_batching(axis_data, vals, in_dims, *, label, dims, axes):
+    if any(d is not None for d in in_dims):
+        raise HostStateError(
+            format_error(
+                f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
+                "per-example values are chosen by the vmaps it was written under.",
+                fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
+            )
+        )
+    outs = _view_p.bind(*vals, label=label, dims=dims, axes=(axis_data.size, *axes))
+    return outs, [0] * len(outs)
+
+
+_view_p.def_abstract_eval(_view_abstract_eval)
+_view_p.def_impl(_view_impl)
+mlir.register_lowering(_view_p, mlir.lower_fun(_view_impl, multiple_results=True))
+batching.fancy_primitive_batchers[_view_p] = _view_batching
 
 
 def _unset_error(label: str) -> HostStateError:
@@ -557,10 +737,12 @@ class HostSlot(StateSlot):
         _wait_for_dispatched_programs()
         with self.store.lock:
             unset = entry.value is None and not entry.staged_write
-            stored = entry.batch_axes
+            stored = entry.dims
         if unset:
             raise _unset_error(entry.label)
-        leaves = host_get_p.bind(state=self.key, spec=entry.spec, axes=(), stored_axes=stored)
+        leaves = host_get_p.bind(
+            _anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored
+        )
         return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
     def as_request(self) -> FrozenLocalStateRequest:
@@ -570,31 +752,38 @@ class HostSlot(StateSlot):
         entry = self._entry()
         _wait_for_dispatched_programs()
         with self.store.lock:
-            stored = entry.batch_axes
+            stored = entry.dims
         leaves, extra = _checked_leaves(entry, value, stored)
         leaves = [jax.lax.stop_gradient(leaf) for leaf in leaves]
         host_set_p.bind(
-            *leaves, state=self.key, spec=entry.spec, axes=(), extra=extra, stored_axes=stored
+            _anchor(),
+            *leaves,
+            state=self.key,
+            spec=entry.spec,
+            axes=(),
+            mapped=(),
+            extra=extra,
+            stored=stored,
         )
 
 
 def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any], tuple]:
-    """The leaves of a written value and its leading stacked axes, or the seed's TypeErrors."""
+    """The leaves of a written value and each one's leading stacked axes, or the seed's errors."""
     spec, label = entry.spec, entry.label
     leaves, treedef = _array_leaves(value, label, "was assigned a")
     if treedef != spec.treedef:
-        raise HostStateTypeError(
+        raise HostStateChangeError(
             format_error(
                 f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
                 fix="a host-fallback state keeps the structure of its first value; assign "
                 "values with the same containers and keys.",
             )
         )
-    extras: set[tuple[int, ...]] = set()
+    extras: list[tuple[int, ...]] = []
     for leaf, shape, dtype in zip(leaves, spec.shapes, spec.dtypes):
         got = tuple(jnp.shape(leaf))
         if _canonical_dtype(leaf.dtype) != dtype:
-            raise HostStateTypeError(
+            raise HostStateChangeError(
                 format_error(
                     f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
                     fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
@@ -603,17 +792,16 @@ def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any]
         n = len(got) - len(shape)
         if n < 0 or got[n:] != shape:
             raise _shape_error(label, spec, shape, got)
-        extras.add(got[:n])
+        extras.append(got[:n])
     # Leading axes beyond the per-example shape are only the stacked examples
-    # of a per-example state (written outside the vmap that batched it).
-    extra = extras.pop()
-    if extras or (extra and stored[len(stored) - len(extra) :] != extra):
-        raise _shape_error(label, spec, spec.shapes[0], tuple(jnp.shape(leaves[0])))
-    return leaves, extra
+    # of a per-example leaf (written outside the vmap that batched it); the
+    # write checks them once it knows the vmap levels around it.
+    del stored
+    return leaves, tuple(extras)
 
 
 def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostStateTypeError:
-    return HostStateTypeError(
+    return HostStateChangeError(
         format_error(
             f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
             fix="a host-fallback state keeps the shape of its first value, because traced "
@@ -646,11 +834,43 @@ def make_host_slot(
 _UNREAD = object()
 
 
+class _ViewValue:
+    """An inference view's value as read at flattening, with its leaves' batch axes.
+
+    A pytree: the leaves are children (what enters the program), the batch axes
+    are aux data, so a view whose state changed batching re-traces.
+    """
+
+    __slots__ = ("label", "treedef", "leaves", "dims")
+
+    def __init__(self, label: str, treedef: Any, leaves: tuple, dims: tuple[Dims, ...]):
+        self.label = label
+        self.treedef = treedef
+        self.leaves = tuple(leaves)
+        self.dims = dims
+
+    def resolve(self) -> Any:
+        """The value seen here: per-example under the vmaps it was written under."""
+        leaves = list(self.leaves)
+        if any(_lead(d) for d in self.dims):
+            leaves = _view_p.bind(*leaves, label=self.label, dims=self.dims, axes=())
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+jax.tree_util.register_pytree_node(
+    _ViewValue,
+    lambda v: (v.leaves, (v.label, v.treedef, v.dims)),
+    lambda aux, leaves: _ViewValue(aux[0], aux[1], leaves, aux[2]),
+)
+
+
 class _InferenceSlot(StateSlot):
     """A host state seen read-only: its value is a pytree child, read at flattening.
 
     Flattening happens at the ``jax.jit`` boundary, so the state is read once
-    per call, on the host, and enters the program as an ordinary input.
+    per call, on the host, and enters the program as an ordinary input. A view
+    captured by a closure is read when the trace reads it: like any closed-over
+    array, its value is baked into the program (the seed's behaviour).
     """
 
     __slots__ = ("slot", "value")
@@ -660,19 +880,20 @@ class _InferenceSlot(StateSlot):
         self.slot = slot
         self.value = value
 
-    def current(self) -> Any:
+    def current(self) -> _ViewValue:
         if self.value is not _UNREAD:
             return self.value
         entry = self.slot._entry()
         _wait_for_dispatched_programs()
-        leaves = _read_now(self.slot.key, (), None, jnp)
-        return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
+        with self.slot.store.lock:
+            value, dims = entry.value, entry.dims
+        if value is None:
+            raise _unset_error(entry.label)
+        leaves = [jnp.asarray(leaf) for leaf in value]
+        return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)
 
     def read(self) -> Any:
-        if self.value is not _UNREAD:
-            return self.value
-        leaves = _inference_read_p.bind(state=self.slot.key)
-        return jax.tree_util.tree_unflatten(self.slot._entry().spec.treedef, leaves)
+        return self.current().resolve()
 
     @property
     def category(self) -> Hashable:
@@ -693,33 +914,6 @@ class _InferenceSlot(StateSlot):
 
     def __repr__(self) -> str:
         return f"InferenceSlot({self.slot!r})"
-
-
-# Reading an inference-mode state that did not cross a jit boundary as an
-# argument (a model captured by a closure): fine eagerly, an error when traced,
-# where its value would be frozen into the program as a stale constant.
-_inference_read_p = Primitive("host_inference_read")
-_inference_read_p.multiple_results = True
-
-
-def _inference_read_abstract_eval(*, state):
-    raise HostStateError(
-        format_error(
-            f"Inference-mode state {state.label} was read inside a traced function that "
-            "captured the model instead of taking it as an argument; its value would be "
-            "frozen into the program.",
-            fix="pass the model in: `jax.jit(lambda m, x: m(x))(autostate.inference_mode(model), x)`.",
-        )
-    )
-
-
-def _inference_read_impl(*, state):
-    _wait_for_dispatched_programs()
-    return _read_now(state, (), None, jnp)
-
-
-_inference_read_p.def_abstract_eval(_inference_read_abstract_eval)
-_inference_read_p.def_impl(_inference_read_impl)
 
 
 def inference_mode(model: Any) -> Any:

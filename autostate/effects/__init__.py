@@ -20,6 +20,7 @@ from autostate.effects.local_state import (
     fresh_handler_id,
     handle_local_states,
     hoist_shared_state_requests,
+    rename_local_states,
     run_with_states,
 )
 
@@ -41,5 +42,6 @@ __all__ = [
     "fresh_handler_id",
     "handle_local_states",
     "hoist_shared_state_requests",
+    "rename_local_states",
     "run_with_states",
 ]

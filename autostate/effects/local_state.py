@@ -221,6 +221,16 @@ class InitialLocalStateRequest(StateSlot):
     def as_request(self) -> InitialLocalStateRequest:
         return self
 
+    def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> InitialLocalStateRequest:
+        """This request with its explicit name renamed; an unnamed one is returned as is.
+
+        Example::
+
+            req = InitialLocalStateRequest(lambda: 0.0, category="c", name="n")
+            req.with_renamed_parameters(lambda n: "enc." + n).name  # 'enc.n'
+        """
+        return _renamed(self, rename_fn)
+
 
 _new_object = object.__new__
 
@@ -268,6 +278,16 @@ class FrozenLocalStateRequest(StateSlot):
     def as_request(self) -> FrozenLocalStateRequest:
         return self
 
+    def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> FrozenLocalStateRequest:
+        """This request with its explicit name renamed; an unnamed one is returned as is.
+
+        Example::
+
+            req = FrozenLocalStateRequest(jnp.ones(2), category="c", name="k")
+            req.with_renamed_parameters(lambda n: "dec." + n).name  # 'dec.k'
+        """
+        return _renamed(self, rename_fn)
+
 
 jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest,
@@ -308,6 +328,30 @@ class SharedLocalStateRequest(StateSlot):
 
     def as_request(self) -> SharedLocalStateRequest:
         return self
+
+    def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> SharedLocalStateRequest:
+        """This request, naming ``rename_fn(name)`` (a shared request is always named).
+
+        Example::
+
+            SharedLocalStateRequest("kv", "cache").with_renamed_parameters(str.upper).name  # 'KV'
+        """
+        return _renamed(self, rename_fn)
+
+
+def _renamed(request: Any, rename_fn: Callable[[str], str]) -> Any:
+    if request.name is None:
+        return request
+    new_name = rename_fn(request.name)
+    if not isinstance(new_name, str):
+        raise InvalidTypeError(
+            format_error(
+                f"rename_fn returned {type(new_name).__name__} {new_name!r:.80} for state "
+                f"{request.name!r}; a state name must be a str.",
+                fix="return the new name as a string, e.g. `lambda name: 'encoder.' + name`.",
+            )
+        )
+    return dataclasses.replace(request, name=new_name)
 
 
 @runtime_checkable
@@ -658,34 +702,67 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
 
 
 def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Pulls every explicitly named request out of ``tree``.
+    """Pulls the requests of every explicitly named state used in several places out of ``tree``.
 
-    Returns ``(tree_with_shared, requests)``: each named Initial/Frozen
-    request is replaced by a ``SharedLocalStateRequest`` and the first request
-    of each name is returned in ``requests``. Unless ``unsafe``, two requests
-    with one name must be the same request (or share one initializer).
+    A name counts as used in several places when two or more requests in
+    ``tree`` (Initial, Frozen or Shared) carry it, as in penzai v1; a name used
+    once stays where it is. Each Initial/Frozen request of such a name is
+    replaced by a ``SharedLocalStateRequest`` and the first one is returned in
+    ``requests``. Unless ``unsafe``, the requests of one name must be
+    ``InitialLocalStateRequest``s with the same initializer object: a
+    ``FrozenLocalStateRequest`` may define a shared state only once.
+
+    Example::
+
+        tree = [FrozenLocalStateRequest(1.0, "c", name="kv"), SharedLocalStateRequest("kv", "c")]
+        hoisted, requests = hoist_shared_state_requests(tree)
+        hoisted    # [SharedLocalStateRequest('kv', 'c'), SharedLocalStateRequest('kv', 'c')]
+        requests   # {'kv': FrozenLocalStateRequest(1.0, 'c', 'kv')}
+
+    **Arguments:**
+    - ``tree``: any pytree (or ``@stateful`` model) holding requests.
+    - ``unsafe``: allow conflicting definitions of one name; the first one is kept.
+
+    **Returns:** ``(tree_with_shared, requests)``, for ``embed_shared_state_requests``.
     """
+    uses: dict[str, int] = {}
+    for _path, request in _tree.iter_tree(
+        tree, lambda node: type(node) in REQUEST_TYPES and node.name is not None
+    ):
+        uses[request.name] = uses.get(request.name, 0) + 1
     requests: dict[str, Any] = {}
 
     def is_target(node: Any) -> bool:
-        return type(node) in (InitialLocalStateRequest, FrozenLocalStateRequest) and (
-            node.name is not None
+        return (
+            type(node) in (InitialLocalStateRequest, FrozenLocalStateRequest)
+            and node.name is not None
+            and uses.get(node.name, 0) > 1
         )
 
     def replace(request: Any, _path: str) -> SharedLocalStateRequest:
         previous = requests.get(request.name)
         if previous is None:
             requests[request.name] = request
-        elif not unsafe and not _same_request(previous, request):
-            raise _duplicate_name_error(request.name)
+        elif not unsafe and not _same_initializer(previous, request):
+            raise StateSharingError(
+                format_error(
+                    "Detected two local states with the same explicit name "
+                    f"{request.name!r} but different initializers or values! This is only "
+                    "allowed `unsafe` is set to `True`.",
+                    fix="define a shared state once (one FrozenLocalStateRequest, or "
+                    "InitialLocalStateRequests sharing one initializer object) and use "
+                    "SharedLocalStateRequests elsewhere, or pass unsafe=True to keep the "
+                    "first definition.",
+                )
+            )
         return SharedLocalStateRequest(request.name, request.category)
 
     return _tree.map_tree(tree, replace, is_target), requests
 
 
-def _same_request(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
+def _same_initializer(a: Any, b: Any) -> bool:
+    # Penzai compares initializers only: one FrozenLocalStateRequest object used
+    # twice is two definitions of a value, which would be two states once handled.
     return (
         isinstance(a, InitialLocalStateRequest)
         and isinstance(b, InitialLocalStateRequest)
@@ -697,17 +774,67 @@ def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
     """Inverse of ``hoist_shared_state_requests``.
 
     The first ``SharedLocalStateRequest`` of each name in ``requests`` is
-    replaced by that request; later ones stay shared.
+    replaced by that request; later ones stay shared. A request whose category
+    differs from the shared request it replaces is a ``StateSharingError``.
+
+    Example::
+
+        hoisted, requests = hoist_shared_state_requests(tree)
+        embed_shared_state_requests(hoisted, requests)  # the first use holds the value again
     """
-    embedded: set[str] = set()
+    pending = dict(requests)
 
     def is_target(node: Any) -> bool:
-        return type(node) is SharedLocalStateRequest and node.name in requests
+        return type(node) is SharedLocalStateRequest and node.name in pending
 
     def replace(shared: SharedLocalStateRequest, _path: str) -> Any:
-        if shared.name in embedded:
-            return shared
-        embedded.add(shared.name)
-        return requests[shared.name]
+        replacement = pending.pop(shared.name)
+        if replacement.category != shared.category:
+            raise StateSharingError(
+                format_error(
+                    "Tried to substitute values with mismatched categories! Got "
+                    f"{replacement.category}, expected {shared.category} (state "
+                    f"{shared.name!r}).",
+                    fix="embed requests of the category the tree's SharedLocalStateRequest "
+                    "asks for (the requests dict returned by hoist_shared_state_requests).",
+                )
+            )
+        return replacement
 
     return _tree.map_tree(tree, replace, is_target)
+
+
+def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
+    """Renames every explicitly named state request in ``tree`` with ``rename_fn``.
+
+    Models composed from named parts reuse names (two encoders with a ``"kv"``
+    cache each); prefixing the names of each part keeps them apart. Initial,
+    Frozen and Shared requests are renamed through their
+    ``with_renamed_parameters``; unnamed requests (named by their path when
+    handled) and already handled references are left as they are.
+
+    Example::
+
+        enc = rename_local_states(Encoder(), lambda name: "enc." + name)
+        dec = rename_local_states(Encoder(), lambda name: "dec." + name)
+        handler, states = handle_local_states([enc, dec], category="cache")
+        sorted(states)  # ['dec.kv', 'enc.kv']
+
+    **Arguments:**
+    - ``tree``: any pytree (or ``@stateful`` model) holding requests.
+    - ``rename_fn``: old name -> new name.
+
+    **Returns:** a copy of ``tree`` with renamed requests (``tree`` is unchanged).
+    """
+    if not callable(rename_fn):
+        raise InvalidTypeError(
+            format_error(
+                f"rename_fn must be a function of a state name, got {type(rename_fn).__name__}.",
+                fix="pass e.g. `lambda name: 'encoder.' + name`.",
+            )
+        )
+    return _tree.map_tree(
+        tree,
+        lambda request, _path: request.with_renamed_parameters(rename_fn),
+        lambda node: type(node) in REQUEST_TYPES and node.name is not None,
+    )
