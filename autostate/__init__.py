@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autostate.api import freeze, functionalize, state, stateful
 from autostate.checkpoint import load, load_arrays, save
+from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -29,6 +30,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutostateError",
+    "checkpoint",
+    "cond",
+    "fori_loop",
+    "map",
+    "remat",
+    "scan",
+    "switch",
+    "while_loop",
     "FunctionalModel",
     "freeze",
     "functionalize",

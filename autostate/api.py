@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, overload
 
+from autostate import control as _control
 from autostate import host as _host
 from autostate import render as _render
 from autostate import runtime as _runtime
@@ -126,6 +127,7 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         previous=previous.decision if previous is not None else None,
         state_marker=state,
         is_decorated=lambda base: _tree.class_info(base) is not None,
+        control_flow_name=_control.wrapper_name,
     )
     _install_methods(slots, decision)
     _install_state_descriptors(cls, decision.state)

@@ -9,6 +9,11 @@ known), and how to fix it.
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
+import traceback
+
 
 class AutostateError(Exception):
     """Base class of every error autostate raises on purpose."""
@@ -58,6 +63,45 @@ class SourceUnavailableError(DecorationError):
 
 class TracedEagerStateError(AutostateError, RuntimeError):
     """An eager model was asked to store a JAX tracer (called under a transform)."""
+
+
+class ControlFlowStateError(AutostateError, TypeError):
+    """A state cannot be threaded through ``lax`` control flow as written."""
+
+
+class EscapedStateError(AutostateError, RuntimeError):
+    """A state holds a tracer of a ``lax`` body that autostate did not thread."""
+
+
+def user_location() -> str | None:
+    """``file:line`` of the innermost frame of the user's code on the stack.
+
+    For errors raised at run time deep inside autostate and JAX (a control-flow
+    body), so that they still say which line of the user's code they are about.
+    """
+    skip = [os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]]
+    for name in ("jax", "jaxlib"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            skip.append(os.path.dirname(module.__file__))
+    for frame in reversed(traceback.extract_stack()):
+        if not any(frame.filename.startswith(prefix) for prefix in skip):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def escaped_state_message(name: str, where: str | None = None) -> str:
+    """The message of ``EscapedStateError`` for state ``name``."""
+    return format_error(
+        f"State {name!r} was assigned inside a jax.lax control-flow body, jax.checkpoint or "
+        "another JAX transformation that autostate did not thread, so it holds a tracer of "
+        "that body, which has ended.",
+        where=where,
+        fix="call autostate.scan / cond / switch / while_loop / fori_loop / map / checkpoint "
+        "(same signatures as jax's) in that code, or move the call into a method of an "
+        "@autostate.stateful class, where jax.lax.* is threaded automatically; apply "
+        "jax.jit / vmap / grad to f from outside, not to a closure that assigns state.",
+    )
 
 
 class StateAccessError(AutostateError, AttributeError):

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+# Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
+from autostate import control  # noqa: F401
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,

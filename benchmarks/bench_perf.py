@@ -1,4 +1,4 @@
-"""Scenario 6: the costs around the step: trace, cold start, eager writes, packed dispatch.
+"""Scenario 7: the costs around the step: trace, cold start, eager writes, packed dispatch.
 
 Every row is a ratio measured in one run against its own baseline, the two
 interleaved (``_timing.time_interleaved``), so that a busy machine slows
@@ -104,7 +104,7 @@ def trace_fns(modules: int) -> dict[str, object]:
 
 def trace_rows(cfg: Config, report: Report) -> Table:
     table = Table(
-        f"Scenario 6a: trace-only time of the jitted step, {cfg.trace_modules:,} modules "
+        f"Scenario 7a: trace-only time of the jitted step, {cfg.trace_modules:,} modules "
         "(garbage collector on)",
         ("implementation", "trace", "± IQR", "vs hand-written"),
     )
@@ -119,7 +119,7 @@ def trace_rows(cfg: Config, report: Report) -> Table:
         "rounds; the collector stays on, so collections land where they would in a program"
     )
     report.targets.append(target_below(
-        "6", f"trace at {cfg.trace_modules:,} modules within 1.1x of hand-written (GC on)",
+        "7", f"trace at {cfg.trace_modules:,} modules within 1.1x of hand-written (GC on)",
         paired_ratio(t["autostate"], base), 1.1 + 1e-9,
     ))
     return table
@@ -145,7 +145,7 @@ def _first_class(module: types.ModuleType) -> type:
 
 def cold_decoration_rows(cfg: Config, directory: Path, report: Report) -> Table:
     table = Table(
-        "Scenario 6b: cold decoration (empty cache) against compile() of the class's source",
+        "Scenario 7b: cold decoration (empty cache) against compile() of the class's source",
         ("class", "position in file", "compile()", "@stateful", "vs compile()", "vs top of file"),
     )
     for label, source in SOURCES.items():
@@ -177,11 +177,11 @@ def cold_decoration_rows(cfg: Config, directory: Path, report: Report) -> Table:
             table.add(label, where, fmt_seconds(compiled), fmt_seconds(s), fmt_ratio(s / compiled),
                       fmt_ratio(s / seconds["top"]))
         report.targets.append(target_below(
-            "6", f"{label}: cold decoration within 50x of compile()",
+            "7", f"{label}: cold decoration within 50x of compile()",
             seconds["top"] / compiled, 50.0,
         ))
         report.targets.append(target_below(
-            "6", f"{label}: cold decoration after 3,000 lines within 1.5x of top of file",
+            "7", f"{label}: cold decoration after 3,000 lines within 1.5x of top of file",
             seconds["after 3,000 lines"] / seconds["top"], 1.5,
         ))
     table.notes.append(
@@ -212,7 +212,7 @@ def _import_seconds(module: str, env: dict[str, str], cwd: Path) -> float:
 
 def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     table = Table(
-        "Scenario 6c: start-up with a warm cache",
+        "Scenario 7c: start-up with a warm cache",
         ("what", "time", "baseline", "baseline time", "ratio"),
     )
     env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(directory / "warm-cache"),
@@ -224,7 +224,7 @@ def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     ratio = statistics.median(a / j for a, j in zip(samples["autostate"], samples["jax"]))
     table.add("import autostate (fresh process)", fmt_seconds(statistics.median(samples["autostate"])),
               "import jax", fmt_seconds(statistics.median(samples["jax"])), fmt_ratio(ratio))
-    report.targets.append(target_below("6", "import autostate within 1.15x of import jax",
+    report.targets.append(target_below("7", "import autostate within 1.15x of import jax",
                                        ratio, 1.15 + 1e-9))
     libcst = subprocess.run(
         [sys.executable, "-c", "import sys, autostate; print('libcst' in sys.modules)"],
@@ -244,7 +244,7 @@ def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     table.add("30-class model file, warm cache", fmt_seconds(t["decorated"].median),
               "the same file undecorated", fmt_seconds(t["plain"].median), fmt_ratio(file_ratio))
     report.targets.append(target_below(
-        "6", "30-class model file from a warm cache within 1.2x of it undecorated",
+        "7", "30-class model file from a warm cache within 1.2x of it undecorated",
         file_ratio, 1.2 + 1e-9))
 
     limit = 32 * 1024
@@ -264,7 +264,7 @@ def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     table.add(f"disk cache after {30 * cfg.bounded_files} class decorations", f"{used / 1024:.0f} KiB",
               "its bound (AUTOSTATE_CACHE_MAX_BYTES)", f"{limit / 1024:.0f} KiB",
               fmt_ratio(used / limit))
-    report.targets.append(target_below("6", "disk cache stays within its size bound",
+    report.targets.append(target_below("7", "disk cache stays within its size bound",
                                        used / limit, 1.0 + 1e-9))
     table.notes.append(
         "imports: median of per-round ratios over "
@@ -337,7 +337,7 @@ def _write_from_outside(model, v, n):
 
 def eager_write_rows(cfg: Config, report: Report) -> Table:
     table = Table(
-        "Scenario 6d: eager state writes (`self.x = v`, v a concrete array)",
+        "Scenario 7d: eager state writes (`self.x = v`, v a concrete array)",
         ("where", "autostate", "plain attribute", "ratio to plain"),
     )
     written, plain, v, n = Written(), Plain(), jnp.ones(3), cfg.write_number
@@ -355,7 +355,7 @@ def eager_write_rows(cfg: Config, report: Report) -> Table:
         table.add(f"{where} a method", fmt_seconds(mine), fmt_seconds(base),
                   fmt_ratio(paired_ratio(t[where], t[f"{where}/plain"])))
         report.targets.append(target_below(
-            "6", f"eager write {where} a method at most {budget * 1e9:.0f} ns",
+            "7", f"eager write {where} a method at most {budget * 1e9:.0f} ns",
             mine / budget, 1.0 + 1e-9,
             f"{mine * 1e9:.0f} ns; {fmt_ratio(paired_ratio(t[where], t[f'{where}/plain']))} "
             "a plain attribute",
@@ -412,7 +412,7 @@ def packed_rows(cfg: Config, report: Report) -> Table:
     )
     base = t["hand-written JAX (dicts)"]
     table = Table(
-        f"Scenario 6e: dispatch of the jitted step, {cfg.dispatch_modules} tiny modules, packed",
+        f"Scenario 7e: dispatch of the jitted step, {cfg.dispatch_modules} tiny modules, packed",
         ("implementation", "per call", "± IQR", "vs hand-written", "input buffers"),
     )
     for name, d in dispatchers.items():
@@ -425,7 +425,7 @@ def packed_rows(cfg: Config, report: Report) -> Table:
         f"{identical}"
     )
     report.targets.append(target_below(
-        "6", f"packed dispatch at {cfg.dispatch_modules} modules within 0.5x of hand-written",
+        "7", f"packed dispatch at {cfg.dispatch_modules} modules within 0.5x of hand-written",
         paired_ratio(t[PACKED], base) if PACKED in t else None, 0.5 + 1e-9,
     ))
     return table

@@ -34,6 +34,7 @@ SCENARIOS = {
     "dispatch": "bench_dispatch",
     "scaling": "bench_scaling",
     "decoration": "bench_decoration",
+    "control_flow": "bench_control_flow",
     "perf": "bench_perf",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")

@@ -22,7 +22,8 @@ SCRIPTS = {
     "bench_dispatch.py": ["Scenario 2: dispatch of a jitted step", "Scenario 4b"],
     "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()", "Scenario 3c"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
-    "bench_perf.py": ["Scenario 6a: trace-only time", "Scenario 6e: dispatch", "packed"],
+    "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
+    "bench_perf.py": ["Scenario 7a: trace-only time", "Scenario 7e: dispatch", "packed"],
 }
 
 

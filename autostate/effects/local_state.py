@@ -28,16 +28,21 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
+from jax._src import core as _core
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JAXPR_TRACER
 
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
+    EscapedStateError,
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
     TracedEagerStateError,
     UnhandledLocalStateError,
+    escaped_state_message,
     format_error,
+    user_location,
 )
 
 Category = Hashable
@@ -53,6 +58,37 @@ _handler_counter = itertools.count()
 def handler_running() -> bool:
     """Whether some handler is running its body in this context."""
     return bool(_ACTIVE.get())
+
+
+def running_cells() -> list[LocalStateEffectImpl]:
+    """The cells of every handler running in this context (what control flow threads)."""
+    return [cell for cells in _ACTIVE.get().values() for cell in cells.values()]
+
+
+def is_escaped_tracer(value: Any) -> bool:
+    """Whether ``value`` is a tracer of a trace that has already ended.
+
+    A state assigned inside a ``jax.lax`` body that autostate did not thread
+    (a raw ``lax.scan`` in a helper outside any class) holds one.
+    """
+    if not isinstance(value, jax.core.Tracer):
+        return False
+    trace = value._trace
+    if not trace.is_valid():
+        return True
+    # JAX does not invalidate the trace of a finished lax body, so look for the
+    # tracer's trace among the live ones. Only a chain that reaches the eager
+    # root is complete (some internal traces have no parent); short of that,
+    # the tracer is given the benefit of the doubt.
+    if not isinstance(value, _JAXPR_TRACER):
+        return False
+    live = _core.trace_ctx.trace
+    while live is not trace:
+        parent = getattr(live, "parent_trace", None)
+        if parent is None:
+            return isinstance(live, _core.EvalTrace)
+        live = parent
+    return False
 
 
 def fresh_handler_id() -> str:
@@ -87,7 +123,9 @@ def _check_not_traced(value: Any, name: str | None) -> None:
                 "inside the current jax.jit/grad/vmap trace.",
                 fix="call `f, states = model.functionalize()` and use "
                 "`out, states = f(states, ...)` inside the transformation, or "
-                'decorate the class with @autostate.stateful(fallback="host").',
+                'decorate the class with @autostate.stateful(fallback="host"); inside '
+                "jax.lax control flow in code @stateful did not rewrite, call "
+                "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
             )
         )
 
@@ -441,7 +479,10 @@ class HandledLocalStateRef(StateSlot):
         self._cell().value = value
 
     def read(self) -> Any:
-        return self._cell().value
+        value = self._cell().value
+        if is_escaped_tracer(value):
+            raise EscapedStateError(escaped_state_message(self.name, user_location()))
+        return value
 
     def write(self, value: Any, label: str | None = None) -> None:
         self._cell().value = value

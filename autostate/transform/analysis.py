@@ -53,6 +53,9 @@ class MethodFacts:
     rebinds: list[int] = dataclasses.field(default_factory=list)
     self_calls: set[str] = dataclasses.field(default_factory=set)
     declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    # Dotted names called (or passed to a call, or used as a decorator): the
+    # caller resolves them to find jax.lax control flow to route to autostate.
+    references: set[str] = dataclasses.field(default_factory=set)
     is_async: bool = False
     is_generator: bool = False
 
@@ -348,6 +351,10 @@ class _FactCollector(cst.CSTVisitor):
                     self.facts.reflective.append(
                         (func.value, literal.evaluated_value, self._line(node))
                     )
+        for expr in (func, *(arg.value for arg in node.args)):
+            dotted = dotted_name(expr)
+            if dotted is not None:
+                self.facts.references.add(dotted)
         attr = self._attr(func)
         if attr is not None:
             self.facts.self_calls.add(attr)
@@ -355,6 +362,11 @@ class _FactCollector(cst.CSTVisitor):
             owner = self._attr(subscript_base(func.value))
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
+
+    def visit_Decorator(self, node: cst.Decorator) -> None:
+        dotted = dotted_name(node.decorator)
+        if dotted is not None:
+            self.facts.references.add(dotted)
 
     def visit_Yield(self, node: cst.Yield) -> None:
         if not self.scopes.nested:

@@ -12,6 +12,9 @@ stays on the line it came from:
 ``self.x[i] op= v``              ``__autostate__.augitem(self, "x", "op", v, __autostate__.ix[i])``
 other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
 ``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
+``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved
+control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint``, called, passed to
+                                 a call or used as a decorator
 ===============================  =============================================
 
 No JAX here: the runtime the generated code calls is ``autostate.runtime``.
@@ -19,11 +22,14 @@ No JAX here: the runtime the generated code calls is ``autostate.runtime``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import libcst as cst
 
 from autostate.transform.analysis import (
     RUNTIME_NAME,
     ReceiverScopes,
+    dotted_name,
     mangle,
     subscript_base,
 )
@@ -75,8 +81,10 @@ class StateRewriter(cst.CSTTransformer):
         class_name: str,
         *,
         is_init: bool,
+        control: Mapping[str, str] | None = None,
     ):
         super().__init__()
+        self.control = control or {}
         self.scopes = ReceiverScopes(method, receiver)
         self.receiver = receiver
         self.state = state
@@ -153,6 +161,31 @@ class StateRewriter(cst.CSTTransformer):
     def leave_ClassDef(self, original_node, updated_node):
         self.scopes.leave(original_node)
         return updated_node
+
+    # control flow
+    def _control(self, original: cst.BaseExpression, updated: cst.BaseExpression):
+        dotted = dotted_name(original) if self.control else None
+        name = self.control.get(dotted) if dotted is not None else None
+        if name is None:
+            return updated
+        routed = cst.Attribute(value=_runtime("control"), attr=cst.Name(name))
+        return routed.with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+    def leave_Call(self, original_node, updated_node):
+        if not self.control:
+            return updated_node
+        args = [
+            a.with_changes(value=self._control(o.value, a.value))
+            for o, a in zip(original_node.args, updated_node.args)
+        ]
+        return updated_node.with_changes(
+            func=self._control(original_node.func, updated_node.func), args=args
+        )
+
+    def leave_Decorator(self, original_node, updated_node):
+        return updated_node.with_changes(
+            decorator=self._control(original_node.decorator, updated_node.decorator)
+        )
 
     # reads
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
@@ -279,13 +312,18 @@ class StateRewriter(cst.CSTTransformer):
 def rewrite_method(
     module: cst.Module,
     method: cst.FunctionDef,
-    receiver: str,
+    receiver: str | None,
     state: frozenset[str],
     class_name: str,
     *,
     is_init: bool,
+    control: Mapping[str, str] | None = None,
 ) -> str:
-    """Returns the wrapper module's source with ``method`` rewritten."""
-    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init)
+    """Returns the wrapper module's source with ``method`` rewritten.
+
+    ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
+    function each call of them goes through (``"scan"``).
+    """
+    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init, control=control)
     new_method = method.visit(rewriter)
     return module.deep_replace(method, new_method).code

@@ -1,0 +1,616 @@
+"""State written inside ``lax`` control flow and ``jax.checkpoint``, threaded functionally.
+
+``@stateful`` routes every call that resolves to ``jax.lax.scan``, ``cond``,
+``switch``, ``while_loop``, ``fori_loop``, ``map`` or ``jax.checkpoint`` /
+``jax.remat`` in a method to the function of the same name here (the
+rewritten line reads ``__autostate__.control.scan(...)``); they are also
+public as ``autostate.scan`` and friends for code the decorator never saw.
+
+Each one does what hand-written JAX does with state: the live states (the
+cells of the running handlers) that the body assigns become extra carry or
+operands of the primitive, the cells are rebound to the body's own values
+while it is traced, and the final values are written back after. Which
+states the body assigns is found by one abstract trace (``jax.eval_shape``)
+of the body, so only those are threaded and the compiled program is the
+hand-threaded one. An eager model (no handler running) has the states of
+the instances reachable from the body and operands handed to a temporary
+handler for the call, then written back as eager slots.
+
+This module knows the slot types of ``effects`` but nothing of source code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from autostate import tree as _tree
+from autostate.effects.local_state import (
+    FrozenLocalStateRequest,
+    HandledLocalStateRef,
+    InitialLocalStateRequest,
+    LocalStateEffectImpl,
+    fresh_handler_id,
+    is_escaped_tracer,
+    run_with_states,
+    running_cells,
+)
+from autostate.errors import (
+    ControlFlowStateError,
+    EscapedStateError,
+    escaped_state_message,
+    format_error,
+    user_location,
+)
+
+__all__ = [
+    "checkpoint",
+    "cond",
+    "fori_loop",
+    "map",
+    "remat",
+    "scan",
+    "switch",
+    "while_loop",
+    "wrapper_name",
+]
+
+Cells = Sequence[LocalStateEffectImpl]
+
+
+# --- binding cells ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _bound(cells: Cells, chosen: Cells, values: Sequence[Any]) -> Iterator[None]:
+    """Binds ``chosen`` to ``values`` while a body is traced; restores every cell after."""
+    saved = [cell.value for cell in cells]
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    try:
+        yield
+    finally:
+        for cell, value in zip(cells, saved):
+            cell.value = value
+
+
+def _current(cells: Cells) -> list[Any]:
+    return [cell.value for cell in cells]
+
+
+def _abstract(value: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(jax.numpy.shape(leaf), jax.numpy.result_type(leaf)),
+        value,
+    )
+
+
+def _type_of(value: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, tuple(
+        (tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for x in leaves
+    )
+
+
+def _describe(value: Any) -> str:
+    treedef, leaves = _type_of(value)
+    parts = [f"{dtype}{list(shape)}" for shape, dtype in leaves]
+    if treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef):
+        return parts[0]
+    return f"{treedef} of {', '.join(parts)}"
+
+
+def _writes(cells: Cells, body: Callable[..., Any], *args: Any) -> tuple[list[int], list[Any]]:
+    """Which cells ``body(*args)`` assigns, and their new abstract values.
+
+    One abstract trace with every cell rebound to a fresh abstract value: a
+    cell whose value is another object afterwards was assigned.
+    """
+    written: list[int] = []
+
+    def probe(values: list[Any], *inner: Any) -> Any:
+        with _bound(cells, cells, values):
+            out = body(*inner)
+            after = _current(cells)
+        written[:] = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b]
+        return out, [after[i] for i in written]
+
+    _, new = jax.eval_shape(probe, _current(cells), *args)
+    return written, new
+
+
+def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
+    for cell, value in zip(cells, new):
+        if _type_of(cell.value) != _type_of(value):
+            raise ControlFlowStateError(
+                format_error(
+                    f"State {cell.name!r} changes from {_describe(cell.value)} to "
+                    f"{_describe(value)} inside {what}; a state assigned there is threaded "
+                    "as a loop carry (or a branch output), and loop carries and branch "
+                    "outputs keep their shape, dtype and structure.",
+                    where=user_location(),
+                    fix="assign a value of the same shape and dtype (cast with "
+                    ".astype(...), pad to a fixed size), or assign it outside the "
+                    "control-flow call.",
+                )
+            )
+
+
+def _check_untouched(cells: Cells, before: Sequence[Any], chosen: Cells, what: str) -> None:
+    chosen_ids = {id(c) for c in chosen}
+    for cell, value in zip(cells, before):
+        if id(cell) not in chosen_ids and cell.value is not value:
+            raise ControlFlowStateError(
+                format_error(
+                    f"State {cell.name!r} is assigned in {what}, which must not change "
+                    "state (it only decides; JAX may call it any number of times).",
+                    where=user_location(),
+                    fix="assign the state in the loop body instead.",
+                )
+            )
+
+
+# --- eager models ---------------------------------------------------------------
+
+_EAGER_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
+
+
+def _reachable_instances(roots: Sequence[Any]) -> list[Any]:
+    """Decorated instances reachable from a body: closures, bound methods, operands."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (jax.Array, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if _tree.is_stateful_instance(obj):
+            found.append(obj)
+            stack.extend(obj.__dict__.values())
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    stack.append(cell.cell_contents)
+            stack.extend(obj.__defaults__ or ())
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is not None:
+                stack.append(wrapped)
+        elif isinstance(obj, types.MethodType):
+            stack.extend((obj.__self__, obj.__func__))
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+    return found
+
+
+def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
+    """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
+
+    Their slots become references of a temporary handler for the call, so the
+    body's writes are threaded like a functionalized model's; afterwards the
+    slots are put back and assigned the final values, as eager writes.
+    """
+    swapped: list[tuple[Any, str, Any, str]] = []
+    names: set[str] = set()
+    for obj in _reachable_instances(roots):
+        for attr in type(obj).__autostate_info__.state:
+            slot = obj.__dict__.get(attr)
+            if type(slot) not in _EAGER_SLOTS:
+                continue
+            name = f"{type(obj).__name__}.{attr}"
+            while name in names:
+                name += "'"
+            names.add(name)
+            swapped.append((obj, attr, slot, name))
+    if not swapped:
+        return call()
+    handler_id = fresh_handler_id()
+    states = {name: slot.read() for _, _, slot, name in swapped}
+    for obj, attr, slot, name in swapped:
+        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+    try:
+        out, new = run_with_states(handler_id, states, call, (), {})
+    finally:
+        for obj, attr, slot, _ in swapped:
+            obj.__dict__[attr] = slot
+    for obj, attr, slot, name in swapped:
+        if new[name] is not states[name]:
+            slot.write(obj, attr, new[name])
+    return out
+
+
+# --- the primitives ---------------------------------------------------------------
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """``jax.lax.scan`` whose body may read and assign model state.
+
+    Example::
+
+        @autostate.stateful
+        class Cell:
+            def __init__(self):
+                self.steps = jnp.zeros((), jnp.int32)
+            def __call__(self, h, x):
+                self.steps += 1
+                return jnp.tanh(h + x)
+
+        cell = Cell()
+        h, _ = autostate.scan(lambda h, x: (cell(h, x), None), 0.0, jnp.ones(5))
+        cell.steps  # Array(5, dtype=int32)
+
+    Inside a ``@stateful`` method a plain ``jax.lax.scan`` call does the same.
+
+    **Arguments:** those of ``jax.lax.scan``.
+
+    **Returns:** ``(carry, ys)``, as ``jax.lax.scan``; the states the body
+    assigned hold their values after the last iteration.
+    """
+    options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
+    return _with_eager_states((f, init, xs), lambda: _scan(f, init, xs, options))
+
+
+def _scan(f: Callable, init: Any, xs: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+    cells = running_cells()
+    if not cells:
+        return lax.scan(f, init, xs, **options)
+    x_slice = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
+    )
+    written, new = _writes(cells, f, _abstract(init), x_slice)
+    if not written:
+        return lax.scan(f, init, xs, **options)
+    chosen = [cells[i] for i in written]
+    _check_kept(chosen, new, "the body of a lax.scan")
+
+    def body(carry: tuple[Any, list[Any]], x: Any) -> tuple[tuple[Any, list[Any]], Any]:
+        inner, values = carry
+        with _bound(cells, chosen, values):
+            inner, y = f(inner, x)
+            values = _current(chosen)
+        return (inner, values), y
+
+    (carry, values), ys = lax.scan(body, (init, _current(chosen)), xs, **options)
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return carry, ys
+
+
+def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
+    """``jax.lax.while_loop`` whose body may assign state and whose ``cond_fun`` may read it.
+
+    Example::
+
+        @autostate.stateful
+        class Counter:
+            def __init__(self):
+                self.n = jnp.zeros((), jnp.int32)
+            def run(self, limit):
+                def body(i):
+                    self.n += 1
+                    return i + 1
+                return jax.lax.while_loop(lambda i: self.n < limit, body, 0)
+
+    **Arguments:** those of ``jax.lax.while_loop``.
+
+    **Returns:** the final loop value; assigned states hold their final values.
+    """
+    roots = (cond_fun, body_fun, init_val)
+    return _with_eager_states(roots, lambda: _while_loop(cond_fun, body_fun, init_val))
+
+
+def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
+    cells = running_cells()
+    if not cells:
+        return lax.while_loop(cond_fun, body_fun, init_val)
+    written, new = _writes(cells, body_fun, _abstract(init_val))
+    chosen = [cells[i] for i in written]
+    _check_kept(chosen, new, "the body of a lax.while_loop")
+
+    def cond(carry: tuple[Any, list[Any]]) -> Any:
+        inner, values = carry
+        with _bound(cells, chosen, values):
+            before = _current(cells)
+            keep_going = cond_fun(inner)
+            _check_untouched(cells, before, (), "the cond_fun of a lax.while_loop")
+        return keep_going
+
+    def body(carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
+        inner, values = carry
+        with _bound(cells, chosen, values):
+            inner = body_fun(inner)
+            values = _current(chosen)
+        return inner, values
+
+    out, values = lax.while_loop(cond, body, (init_val, _current(chosen)))
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return out
+
+
+def fori_loop(
+    lower: Any, upper: Any, body_fun: Callable[[Any, Any], Any], init_val: Any, **kwargs: Any
+) -> Any:
+    """``jax.lax.fori_loop`` whose body may read and assign state.
+
+    Example::
+
+        @autostate.stateful
+        class Decoder:
+            def __init__(self):
+                self.cache = jnp.zeros(8)
+            def fill(self):
+                def body(i, token):
+                    self.cache[i] = token        # a traced index
+                    return token + 1.0
+                return jax.lax.fori_loop(0, 8, body, 0.0)
+
+    **Arguments:** those of ``jax.lax.fori_loop``.
+
+    **Returns:** the final loop value; assigned states hold their final values.
+    """
+    roots = (body_fun, init_val)
+    return _with_eager_states(roots, lambda: _fori_loop(lower, upper, body_fun, init_val, kwargs))
+
+
+def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, options: dict) -> Any:
+    cells = running_cells()
+    if not cells:
+        return lax.fori_loop(lower, upper, body_fun, init_val, **options)
+    index = jax.ShapeDtypeStruct((), jax.numpy.result_type(lower, upper))
+    written, new = _writes(cells, body_fun, index, _abstract(init_val))
+    if not written:
+        return lax.fori_loop(lower, upper, body_fun, init_val, **options)
+    chosen = [cells[i] for i in written]
+    _check_kept(chosen, new, "the body of a lax.fori_loop")
+
+    def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
+        inner, values = carry
+        with _bound(cells, chosen, values):
+            inner = body_fun(i, inner)
+            values = _current(chosen)
+        return inner, values
+
+    out, values = lax.fori_loop(lower, upper, body, (init_val, _current(chosen)), **options)
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return out
+
+
+def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 - jax's name
+    """``jax.lax.map`` whose function may read and assign state, element after element.
+
+    Example::
+
+        ys = autostate.map(model, xs)   # model's statistics see every element in order
+
+    **Arguments:** those of ``jax.lax.map``; a ``batch_size`` needs a function
+    that assigns no state (batched elements run at once, not in order).
+
+    **Returns:** the stacked outputs, as ``jax.lax.map``.
+    """
+    return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs))
+
+
+def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
+    cells = running_cells()
+    if not cells:
+        return lax.map(f, xs, **options)
+    x_slice = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
+    )
+    written, _ = _writes(cells, f, x_slice)
+    if not written:
+        return lax.map(f, xs, **options)
+    if options.get("batch_size") is not None:
+        raise ControlFlowStateError(
+            format_error(
+                f"The function of a lax.map with batch_size assigns state "
+                f"{cells[written[0]].name!r}; batched elements run at once, so there is no "
+                "order in which to apply the writes.",
+                where=user_location(),
+                fix="drop batch_size (elements then run one after another), or assign the "
+                "state outside the map.",
+            )
+        )
+    _, ys = _scan(lambda carry, x: (carry, f(x)), None, xs, {})
+    return ys
+
+
+def _branches(
+    call: Callable[[Sequence[Callable], tuple], Any],
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple,
+    what: str,
+) -> Any:
+    cells = running_cells()
+    if not cells:
+        return call(branches, operands)
+    written: set[int] = set()
+    news: list[tuple[list[int], list[Any]]] = []
+    for branch in branches:
+        indices, new = _writes(cells, lambda branch=branch: branch(*operands))
+        written.update(indices)
+        news.append((indices, new))
+    if not written:
+        return call(branches, operands)
+    order = sorted(written)
+    chosen = [cells[i] for i in order]
+    for indices, new in news:
+        _check_kept([cells[i] for i in indices], new, f"a branch of {what}")
+
+    def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
+        def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
+            with _bound(cells, chosen, values):
+                out = branch(*inner)
+                values = _current(chosen)
+            return out, values
+
+        return run
+
+    out, values = call([threaded(b) for b in branches], (operands, _current(chosen)))
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return out
+
+
+def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any) -> Any:
+    """``jax.lax.cond`` whose branches may read and assign state.
+
+    Under ``jax.vmap`` with a batched ``pred`` each example keeps the state
+    of the branch it took.
+
+    Example::
+
+        y = autostate.cond(skip, lambda x: x, block, x)   # block's statistics only when run
+
+    **Arguments:** those of ``jax.lax.cond``.
+
+    **Returns:** the taken branch's output; its assignments hold after.
+    """
+    roots = (true_fun, false_fun, operands)
+    return _with_eager_states(
+        roots,
+        lambda: _branches(
+            lambda bs, ops: lax.cond(pred, bs[0], bs[1], *ops),
+            (true_fun, false_fun),
+            operands,
+            "a lax.cond",
+        ),
+    )
+
+
+def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -> Any:
+    """``jax.lax.switch`` whose branches may read and assign state.
+
+    Example::
+
+        y = autostate.switch(k, [block_a, block_b, lambda x: x], x)
+
+    **Arguments:** those of ``jax.lax.switch``.
+
+    **Returns:** the chosen branch's output; its assignments hold after.
+    """
+    branches = list(branches)
+    return _with_eager_states(
+        (branches, operands),
+        lambda: _branches(
+            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch"
+        ),
+    )
+
+
+def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``jax.checkpoint`` (``jax.remat``) of a function that may read and assign state.
+
+    Loss, gradients and new states equal those without remat; only what is
+    saved for the backward pass changes.
+
+    Example::
+
+        for block in self.blocks:               # blocks keep BatchNorm statistics
+            x = jax.checkpoint(block)(x)
+
+    **Arguments:** those of ``jax.checkpoint`` (``prevent_cse``, ``policy``,
+    ``static_argnums``).
+
+    **Returns:** the checkpointed function.
+    """
+    static = tuple(options.pop("static_argnums", ()) or ())
+    if isinstance(static, int):
+        static = (static,)
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return _with_eager_states(
+            (fun, args, kwargs), lambda: _checkpoint_call(fun, args, kwargs, static, options)
+        )
+
+    functools.update_wrapper(checkpointed, fun, updated=())
+    return checkpointed
+
+
+remat = checkpoint
+
+
+def _checkpoint_call(
+    fun: Callable, args: tuple, kwargs: dict, static: tuple[int, ...], options: dict
+) -> Any:
+    cells = running_cells()
+    plain = functools.partial(jax.checkpoint, static_argnums=static, **options)
+    if not cells:
+        return plain(fun)(*args, **kwargs)
+    written, new = _writes(cells, lambda: fun(*args, **kwargs))
+    if not written:
+        return plain(fun)(*args, **kwargs)
+    chosen = [cells[i] for i in written]
+    _check_kept(chosen, new, "a jax.checkpoint")
+
+    def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> tuple[Any, list[Any]]:
+        with _bound(cells, chosen, values):
+            out = fun(*inner, **inner_kwargs)
+            values = _current(chosen)
+        return out, values
+
+    shifted = tuple(i + 1 if i >= 0 else i for i in static)
+    rematted = jax.checkpoint(threaded, static_argnums=shifted, **options)
+    out, values = rematted(_current(chosen), *args, **kwargs)
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return out
+
+
+# --- what the decorator routes here -------------------------------------------------
+
+
+def _targets() -> dict[Any, str]:
+    targets: dict[Any, str] = {
+        lax.scan: "scan",
+        lax.cond: "cond",
+        lax.switch: "switch",
+        lax.while_loop: "while_loop",
+        lax.fori_loop: "fori_loop",
+        lax.map: "map",
+        jax.checkpoint: "checkpoint",
+        jax.remat: "checkpoint",
+    }
+    with contextlib.suppress(ImportError, AttributeError):
+        from jax import ad_checkpoint
+
+        targets[ad_checkpoint.checkpoint] = "checkpoint"
+    return targets
+
+
+_TARGETS = _targets()
+
+
+def wrapper_name(obj: Any) -> str | None:
+    """The name of the function here that stands for ``obj`` (``jax.lax.scan`` -> ``"scan"``)."""
+    try:
+        return _TARGETS.get(obj)
+    except TypeError:  # unhashable
+        return None
+
+
+def check_no_escaped(states: dict[str, Any]) -> None:
+    """Refuses states holding a tracer of a ``lax`` body that has ended."""
+    for name, value in states.items():
+        if any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+            raise EscapedStateError(escaped_state_message(name, user_location()))
