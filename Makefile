@@ -2,19 +2,29 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The interpreters `make test-all` runs the suite with: each of python3.11/3.12/3.13
+# that runs, found on PATH or among pyenv's versions (a pyenv shim of a version
+# that is not selected exists on PATH but does not run).
+PYENV_ROOT ?= $(shell pyenv root 2>/dev/null)
+runs = $(if $(shell $(1) -c "" 2>/dev/null && echo y),$(1))
+find_python = $(firstword $(call runs,python$(1)) $(foreach c,$(wildcard $(PYENV_ROOT)/versions/$(1).*/bin/python$(1)),$(call runs,$(c))))
+PYTHONS := $(foreach v,3.11 3.12 3.13,$(call find_python,$(v)))
+# `make test-min`: the oldest supported Python with the lower bounds of pyproject.toml.
+MIN_PYTHON ?= python3.11
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test docs docs-serve test-min test-all dist bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[test,examples,docs]"
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test,examples,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[test,examples,docs,bench]"
 	touch $@
 
 demo: $(VENV)/.installed-test
@@ -22,10 +32,62 @@ demo: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
 	$(BIN)/python -m pytest -q
+
+# The documentation site, strict: a warning (a broken link, a missing page, a
+# docstring that does not render) fails the build. Output: site/.
+docs: $(VENV)/.installed-test
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed-test
+	$(BIN)/mkdocs serve
+
+# Both matrix targets fix hypothesis's seed, so every interpreter and version
+# set runs the same property examples (`make test` keeps drawing new ones).
+MATRIX_PYTEST := -m pytest -q -p no:cacheprovider --hypothesis-seed=0
+
+# The suite on the lower bounds: every ">=" in [project] dependencies pinned
+# with "==", on the oldest supported Python, in its own venv.
+test-min:
+	rm -rf .venv-min
+	$(MIN_PYTHON) -m venv .venv-min
+	.venv-min/bin/python -m pip install --quiet --upgrade pip
+	.venv-min/bin/python -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d.replace(">=", "==") for d in deps))' > .venv-min/constraints.txt
+	.venv-min/bin/python -m pip install --quiet -c .venv-min/constraints.txt -e ".[test,examples]"
+	.venv-min/bin/python -m pip list 2>/dev/null | grep -Ei '^(jax|jaxlib|libcst|numpy) '
+	.venv-min/bin/python $(MATRIX_PYTEST)
+
+# The suite on every supported interpreter installed here, each in .venv-3.X.
+test-all:
+	@test -n "$(PYTHONS)" || { echo "none of python3.11/3.12/3.13 found"; exit 1; }
+	@failed=; for py in $(PYTHONS); do \
+	  venv=.venv-$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	  { [ -x $$venv/bin/python ] || { $$py -m venv $$venv && $$venv/bin/python -m pip install --quiet --upgrade pip; }; } && \
+	  $$venv/bin/python -m pip install --quiet -e ".[test,examples]" && \
+	  echo "== $$py: $$($$venv/bin/python -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')" && \
+	  $$venv/bin/python $(MATRIX_PYTEST) || failed="$$failed $$venv"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-all failed in:$$failed"; exit 1; fi; echo "test-all passed: $(PYTHONS)"
+
+# A wheel and an sdist that install into a fresh venv and import.
+dist: $(VENV)/.installed-test
+	rm -rf dist .venv-dist
+	$(BIN)/python -m pip install --quiet build
+	$(BIN)/python -m build --outdir dist .
+	$(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/python -m pip install --quiet dist/*.whl
+	cd / && $(CURDIR)/.venv-dist/bin/python -c 'import autostate; print("wheel:", autostate.__version__, autostate.__file__)'
+	.venv-dist/bin/python $(CURDIR)/examples/counter.py
+	.venv-dist/bin/python -m pip install --quiet --force-reinstall --no-deps dist/*.tar.gz
+	cd / && $(CURDIR)/.venv-dist/bin/python -c 'import autostate; print("sdist:", autostate.__version__, autostate.__file__)'
+	.venv-dist/bin/python $(CURDIR)/examples/counter.py
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run_all.py
 
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-min .venv-3.* .venv-dist build dist site *.egg-info

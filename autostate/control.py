@@ -203,7 +203,7 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
     swapped: list[tuple[Any, str, Any, str]] = []
     names: set[str] = set()
     for obj in _reachable_instances(roots):
-        for attr in type(obj).__autostate_info__.state:
+        for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
             if type(slot) not in _EAGER_SLOTS:
                 continue
@@ -225,7 +225,9 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
             obj.__dict__[attr] = slot
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
-            slot.write(obj, attr, new[name])
+            replacement = slot.write(new[name], attr)
+            if replacement is not None:
+                obj.__dict__[attr] = replacement
     return out
 
 

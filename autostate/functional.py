@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autostate import control as _control
 from autostate import tree as _tree
 from autostate.effects import contains_tracer, run_with_states
 from autostate.errors import MethodNotFoundError, StateAccessError, format_error
@@ -100,6 +101,7 @@ class FunctionalModel:
             # States of categories left unhandled live in the model itself; an
             # eager call may have replaced them, so the cached flatten is stale.
             self._flat = None
+        _control.check_no_escaped(result[1])
         if before is not None and not _tree.graph_unchanged(self.model, *before):
             _check_unchanged(type(self.model).__name__, before, _tree.flatten_graph(self.model))
         return result

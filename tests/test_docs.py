@@ -11,6 +11,11 @@ Conventions in ``README.md`` and ``docs/*.md``:
   the exception the program must raise, message included (handler ids and
   memory addresses aside).
 
+A block may be indented (inside a ``=== "tab"`` of the side-by-side
+migration guides); it is dedented first. Blocks of other libraries' code
+(PyTorch, Flax, ...) do not import autostate, so they are shown, never run:
+those libraries are not test dependencies.
+
 Other blocks (shell commands, generated code) are not run; the generated code
 in ``docs/rewrite_rules.md`` is compared with what the rewrite produces for the
 example class above it.
@@ -28,22 +33,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<code>.*?)^(?P=indent)```$", re.M | re.S)
 _PRINT = re.compile(r"^print\(.*\)\s*#\s*(?P<expected>.*)$")
 _ERROR = re.compile(r"^\w+: ")
 
 
+def _blocks(text: str) -> list[tuple[str, str, int]]:
+    """``(language, code, offset)`` of every fenced block, less its fence's indent."""
+    blocks = []
+    for m in _FENCE.finditer(text):
+        indent = re.compile(f"^{m['indent']}", re.M)
+        blocks.append((m["lang"], indent.sub("", m["code"]), m.start()))
+    return blocks
+
+
 def _examples():
     for doc in DOCS:
-        blocks = [(m.group(1), m.group(2), m.start()) for m in _FENCE.finditer(doc.read_text())]
+        blocks = _blocks(doc.read_text())
         for i, (lang, code, start) in enumerate(blocks):
             if lang != "python" or not re.search(r"^(import|from) autostate\b", code, re.M):
                 continue
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
             error = nxt[1].strip() if nxt and nxt[0] == "text" and _ERROR.match(nxt[1]) else None
             line = doc.read_text().count("\n", 0, start) + 1
-            yield pytest.param(code, error, id=f"{doc.name}:{line}")
+            yield pytest.param(code, error, id=f"{doc.relative_to(ROOT)}:{line}")
 
 
 def _normalize(text: str) -> str:
@@ -85,8 +99,8 @@ def test_rewrite_rules_show_the_generated_code(tmp_path: Path, monkeypatch):
     """docs/rewrite_rules.md shows what the rewrite really generates for its example."""
     from autostate.transform import analysis, rewrite, source
 
-    blocks = _FENCE.findall((ROOT / "docs" / "rewrite_rules.md").read_text())
-    index = next(i for i, (_, code) in enumerate(blocks) if "class Example:" in code)
+    blocks = _blocks((ROOT / "docs" / "rewrite_rules.md").read_text())
+    index = next(i for i, (_, code, _) in enumerate(blocks) if "class Example:" in code)
     text, documented = blocks[index][1], blocks[index + 1][1]
     # The class undecorated, so that the pure analysis and rewrite can be called directly.
     monkeypatch.chdir(tmp_path)

@@ -377,6 +377,24 @@ class RaisesOnPlainLine:
         return y
 
 
+class PlainRaisesOnPlainLine:  # the same method, undecorated: what Python itself shows
+    def __init__(self):
+        self.x = jnp.array(1.0)
+
+    def step(self, v):
+        self.x += 1
+        y = 2 * failing_helper(v)
+        return y
+
+
+def _markers_under(line: str, text: str) -> str:
+    return text.split(f"    {line}\n", 1)[1].split("\n", 1)[0]
+
+
+# Python 3.13 marks the call's primary part: `~` under the callee, `^` under the arguments.
+CALL_MARKERS = "~~~~~~~~~~~~~~^^^" if sys.version_info >= (3, 13) else "^^^^^^^^^^^^^^^^^"
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="column positions are new in 3.11")
 def test_unchanged_lines_of_a_rewritten_method_keep_their_column_markers():
     assert RaisesOnPlainLine.__dict__["step"].__code__ is not None
@@ -386,7 +404,12 @@ def test_unchanged_lines_of_a_rewritten_method_keep_their_column_markers():
     assert frame.line == "y = 2 * failing_helper(v)"
     assert (frame.colno, frame.end_colno) == (16, 33)  # `failing_helper(v)`
     text = "".join(traceback.format_exception(info.value))
-    assert "    y = 2 * failing_helper(v)\n            ^^^^^^^^^^^^^^^^^\n" in text
+    assert f"    y = 2 * failing_helper(v)\n            {CALL_MARKERS}\n" in text
+    with pytest.raises(RuntimeError) as plain:
+        PlainRaisesOnPlainLine().step(1.0)
+    plain_text = "".join(traceback.format_exception(plain.value))
+    line = "y = 2 * failing_helper(v)"
+    assert _markers_under(line, text) == _markers_under(line, plain_text)
 
 
 def test_inspect_getsource_returns_the_original_text():

@@ -26,13 +26,25 @@ def compiled_callbacks(fn, *args) -> int:
     return len(CALLBACK.findall(jax.jit(fn).lower(*args).compile().as_text()))
 
 
+def _jaxprs_in_params(params) -> list:
+    # jax.extend.core.jaxprs_in_params is newer than the oldest jax supported (0.8.0).
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                found.append(item)
+    return found
+
+
 def jaxpr_primitives(fn, *args) -> set[str]:
     names: set[str] = set()
 
     def visit(jaxpr) -> None:
         for eqn in jaxpr.eqns:
             names.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in _jaxprs_in_params(eqn.params):
                 visit(sub)
 
     visit(jax.make_jaxpr(fn)(*args).jaxpr)

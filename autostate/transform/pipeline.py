@@ -52,11 +52,12 @@ def decide_class(
     previous: ClassDecision | None,
     state_marker: Any,
     is_decorated: Callable[[type], bool],
+    control_flow_name: Callable[[Any], str | None],
 ) -> tuple[ClassDecision, list[source.MethodSlot]]:
     """Decides which attributes of ``cls`` are state and rewrites its methods.
 
     **Arguments:**
-    - ``fallback``: the class's fallback option (``"host"`` allows closures
+    - ``fallback``: the class's fallback option (part of the cache key; closures
       that assign state).
     - ``bases``: the decisions of decorated base classes, nearest first.
     - ``previous``: this class's own earlier decision (re-decoration), whose
@@ -65,6 +66,9 @@ def decide_class(
       ``__init__`` however the user imported it.
     - ``is_decorated``: whether a base class is itself decorated (its
       decision is in ``bases``; undecorated user bases are analysed here).
+    - ``control_flow_name``: for an object a method's name resolves to, the
+      runtime wrapper that replaces it (``jax.lax.scan`` -> ``"scan"``), or
+      ``None``; calls to it are routed to ``__autostate__.control``.
 
     **Returns:** ``(decision, slots)``; ``slots`` say where each function
     lives, so the caller can install the rewritten ones.
@@ -86,7 +90,7 @@ def decide_class(
     else:
         user_bases = _undecorated_user_bases(cls, is_decorated)
         state, initialized, codes = _transform(
-            cls, slots, fallback, inherited, inherited_init, state_marker, user_bases
+            cls, slots, inherited, inherited_init, state_marker, user_bases, control_flow_name
         )
         if key:
             loader.cache_store(key, (sorted(state), sorted(initialized), codes))
@@ -100,12 +104,12 @@ def _base_properties(cls: type) -> list[str]:
     )
 
 
-def _resolves_to(globals_: dict[str, Any], dotted: str, target: Any) -> bool:
+def _resolve(globals_: dict[str, Any], dotted: str) -> Any:
     head, *rest = dotted.split(".")
     obj = globals_.get(head, getattr(builtins, head, None))
     for part in rest:
         obj = getattr(obj, part, None)
-    return obj is target
+    return obj
 
 
 def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> list[type]:
@@ -139,11 +143,11 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
 def _transform(
     cls: type,
     slots: list[source.MethodSlot],
-    fallback: str | None,
     inherited: frozenset[str],
     inherited_init: frozenset[str],
     state_marker: Any,
     user_bases: list[type],
+    control_flow_name: Callable[[Any], str | None],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
     # Only a cache miss parses: libcst's import is a third of jax's, and a
@@ -166,7 +170,7 @@ def _transform(
     globals_by_key = {s.key: s.function.__globals__ for s in slots}
 
     def is_state_declaration(facts: analysis.MethodFacts, dotted: str) -> bool:
-        return _resolves_to(globals_by_key[facts.source.key], dotted, state_marker)
+        return _resolve(globals_by_key[facts.source.key], dotted) is state_marker
 
     facts = [analysis.collect_facts(cls.__name__, src) for src in sources]
     initialized: set[str] = set(inherited_init)
@@ -185,13 +189,19 @@ def _transform(
         inherited_state=inherited,
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
-        allow_nested_writes=fallback == "host",
+        allow_nested_writes=True,  # closures' writes are threaded (autostate.control)
         inherited_properties=frozenset(_base_properties(cls)),
     )
     _check_undecorated_bases(cls, bases, result.state)
     codes: dict[str, types.CodeType] = {}
     for slot, method in zip(slots, result.methods):
-        if method.receiver is None or not (method.touched() & result.state):
+        globals_ = globals_by_key[slot.key]
+        control = {
+            dotted: name
+            for dotted in sorted(method.references)
+            if (name := control_flow_name(_resolve(globals_, dotted))) is not None
+        }
+        if not control and (method.receiver is None or not (method.touched() & result.state)):
             continue
         text = rewrite.rewrite_method(
             method.module,
@@ -200,6 +210,7 @@ def _transform(
             result.state,
             cls.__name__,
             is_init=slot.attr == "__init__",
+            control=control,
         )
         _, shift = analysis.wrapper_source(cls.__name__, method.source)
         codes[slot.key] = loader.compile_method(

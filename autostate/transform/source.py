@@ -34,7 +34,8 @@ class MethodSlot:
 
 def _wrapped_function(obj: Any) -> types.FunctionType | None:
     seen = 0
-    while not isinstance(obj, types.FunctionType) and seen < 32:
+    # A functools.wraps wrapper is a function too; the method is what it wraps.
+    while (not isinstance(obj, types.FunctionType) or hasattr(obj, "__wrapped__")) and seen < 32:
         obj = getattr(obj, "__wrapped__", None)
         if obj is None:
             return None
@@ -79,7 +80,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
     """Functions defined in ``cls``'s body, each with a way to replace it."""
     slots: list[MethodSlot] = []
     for attr, value in list(vars(cls).items()):
-        if isinstance(value, types.FunctionType):
+        if isinstance(value, types.FunctionType) and not hasattr(value, "__wrapped__"):
             slots.append(
                 MethodSlot(attr, attr, value, True, lambda fn, a=attr: setattr(cls, a, fn))
             )
@@ -128,7 +129,8 @@ def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionTy
                 f"{cls.__name__}.{old.__name__}, which uses state.",
                 where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
                 fix="write the decorator with functools.wraps and a closure over the wrapped "
-                "function, or apply it outside @stateful.",
+                "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
+                "a method, use @autostate.checkpoint.",
             )
         )
 
