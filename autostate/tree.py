@@ -682,17 +682,31 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
         for (name, value), (expected, treedef, parts) in zip(d.items(), entries):
             if name != expected:
                 return False
+            canonical = _CANONICAL.get(type(value))
+            if canonical is not None:
+                value = canonical(value)
             if treedef is None:
                 if is_dynamic(value) or not (value is parts.value or _Static(value) == parts):
                     return False
                 continue
-            if len(parts) == 1 and parts[0] >= 0 and value is leaves[parts[0]]:
+            if (
+                len(parts) == 1
+                and type(parts[0]) is int
+                and parts[0] >= 0
+                and value is leaves[parts[0]]
+            ):
                 continue
-            flat, new_def = jax.tree_util.tree_flatten(value, is_leaf=is_stateful_instance)
+            flat, new_def = jax.tree_util.tree_flatten(value, is_leaf=_graph_leaf)
             if new_def != treedef or len(flat) != len(parts):
                 return False
             for leaf, p in zip(flat, parts):
-                if type(leaf) in _STATEFUL_CLASSES:
+                if type(p) is _Static:
+                    # A python value inside a container: structure, compared by value.
+                    if type(leaf) in _STATEFUL_CLASSES or is_array_leaf(leaf):
+                        return False
+                    if not (leaf is p.value or _Static(leaf) == p):
+                        return False
+                elif type(leaf) in _STATEFUL_CLASSES:
                     seen = index.get(id(leaf))
                     if p >= 0 or (seen if seen is not None else len(index)) != -1 - p:
                         return False
