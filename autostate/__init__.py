@@ -23,6 +23,7 @@ from autostate.errors import AutostateError
 from autostate.export import export
 from autostate.functional import FunctionalModel
 from autostate.host import inference_mode
+from autostate.packing import PackedModel, PackedStates, pack
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 
@@ -44,6 +45,9 @@ __all__ = [
     "freeze",
     "functionalize",
     "inference_mode",
+    "pack",
+    "PackedModel",
+    "PackedStates",
     "state",
     "stateful",
     "FrozenLocalStateRequest",

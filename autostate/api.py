@@ -39,6 +39,7 @@ from autostate.functional import (
     extract_constants,
     handler_id_for,
 )
+from autostate.packing import PackedModel
 from autostate.transform import loader
 from autostate.transform.pipeline import ClassDecision, decide_class
 
@@ -412,12 +413,15 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
         model = autostate.freeze(f, states)   # an instance of model's class
 
     **Arguments:**
-    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``).
+    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``, or
+      a ``PackedModel`` with its ``PackedStates``).
     - ``states``: the states dict to embed.
 
     **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s;
     instances of ``fallback="host"`` classes get fresh host stores instead.
     """
+    if isinstance(f, PackedModel):
+        f, states = f.unpack(states)  # type: ignore[arg-type]
     if isinstance(f, FunctionalModel):
         check_state_keys(states, f.state_names(), "autostate.freeze")
         body = f.model

@@ -166,7 +166,9 @@ def store_state(obj: Any, name: str, value: Any) -> None:
     """``set`` without the class's ``__setattr__`` (the descriptor's write)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
-    if is_slot(slot):
+    # is_slot inlined: this is the whole of an eager write besides the slot's.
+    known = _IS_SLOT.get(type(slot))
+    if known or (known is None and is_slot(slot)):
         t = type(slot)
         if t in _JAX_SLOTS and isinstance(value, _NUMPY):
             value = jax.numpy.asarray(value)
@@ -420,6 +422,11 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
 
     ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
+    if type(type(self).__dict__.get(name)) is StateAttribute:
+        # What the descriptor's __set__ does, without the guard and the
+        # descriptor call: a third of an eager write from outside the class.
+        store_state(self, name, value)
+        return
     check_guarded_write(self, name)
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)

@@ -659,3 +659,61 @@ def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
                     ]
                 )
     return objs[graphdef.root]
+
+
+def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
+    """Whether ``flatten_graph(root)`` would give ``graphdef`` and exactly ``leaves``.
+
+    The check a traced call runs on every trace, so it builds no path names
+    (``flatten_graph`` builds them, for the message, only when this says no):
+    it walks the graph in ``flatten_graph``'s order and compares each leaf by
+    identity, flattening an attribute only when its value is not the very
+    leaf it held.
+    """
+    instances = graphdef.instances
+    index: dict[int, int] = {}
+
+    def same(obj: Any) -> bool:
+        i = index[id(obj)] = len(index)
+        cls, entries = instances[i]
+        d = obj.__dict__
+        if type(obj) is not cls or len(d) != len(entries):
+            return False
+        for (name, value), (expected, treedef, parts) in zip(d.items(), entries):
+            if name != expected:
+                return False
+            canonical = _CANONICAL.get(type(value))
+            if canonical is not None:
+                value = canonical(value)
+            if treedef is None:
+                if is_dynamic(value) or not (value is parts.value or _Static(value) == parts):
+                    return False
+                continue
+            if (
+                len(parts) == 1
+                and type(parts[0]) is int
+                and parts[0] >= 0
+                and value is leaves[parts[0]]
+            ):
+                continue
+            flat, new_def = jax.tree_util.tree_flatten(value, is_leaf=_graph_leaf)
+            if new_def != treedef or len(flat) != len(parts):
+                return False
+            for leaf, p in zip(flat, parts):
+                if type(p) is _Static:
+                    # A python value inside a container: structure, compared by value.
+                    if type(leaf) in _STATEFUL_CLASSES or is_array_leaf(leaf):
+                        return False
+                    if not (leaf is p.value or _Static(leaf) == p):
+                        return False
+                elif type(leaf) in _STATEFUL_CLASSES:
+                    seen = index.get(id(leaf))
+                    if p >= 0 or (seen if seen is not None else len(index)) != -1 - p:
+                        return False
+                    if seen is None and not same(leaf):
+                        return False
+                elif p < 0 or leaf is not leaves[p]:
+                    return False
+        return True
+
+    return same(root) and len(index) == len(instances) and graphdef.root == 0

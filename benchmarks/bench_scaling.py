@@ -36,14 +36,18 @@ from _timing import (
     target_ratio,
     time_interleaved,
 )
-from bench_dispatch import Config as DispatchConfig
 from bench_dispatch import (
+    AutostateDispatcher,
     EquinoxDispatcher,
+    HandwrittenDispatcher,
+    NNXSplitMergeDispatcher,
     autostate_model,
     canonical_init,
+    handwritten_step,
     nnx_model,
     penzai_model,
 )
+from bench_dispatch import Config as DispatchConfig
 
 import autostate
 
@@ -55,10 +59,11 @@ class Config:
     sizes: tuple[int, ...] = (100, 1_000, 10_000)
     # rounds per size: large models take long enough that fewer rounds suffice
     rounds: tuple[int, ...] = (15, 7, 5)
+    trace_rounds: tuple[int, ...] = (7, 5, 3)
 
 
 FULL = Config()
-SMOKE = Config(sizes=(4, 16), rounds=(1, 1))
+SMOKE = Config(sizes=(4, 16), rounds=(1, 1), trace_rounds=(1, 1))
 
 
 @dataclasses.dataclass
@@ -165,6 +170,75 @@ IMPLEMENTATIONS: dict[str, tuple[str, str, Callable[..., Pair]]] = {
 }
 # Also timed with the garbage collector on, as a program runs them.
 GC_ON = ("autostate", "Flax NNX")
+
+
+# --- trace time by size -------------------------------------------------------
+
+TRACE_REFERENCE = "hand-written JAX (dicts)"
+
+
+def trace_fns(params) -> dict[str, Callable[[], Any]]:
+    """``jax.jit(step).trace(...)`` of each library's step, with a fresh jit per call."""
+    x = np.zeros(4, np.float32)
+    hand = HandwrittenDispatcher(params, x)
+    mine = AutostateDispatcher(params, x)
+    fns: dict[str, Callable[[], Any]] = {
+        TRACE_REFERENCE: lambda: jax.jit(lambda p, s, x: handwritten_step(p, s, x)).trace(
+            hand.params, hand._states, hand.x),
+        "autostate": lambda: jax.jit(lambda f, s, x: f(s, x)).trace(mine.f, mine._states, mine.x),
+    }
+    try:
+        nnx = NNXSplitMergeDispatcher(params, x)
+        step = nnx._step.__wrapped__
+        fns["Flax NNX"] = lambda: jax.jit(step).trace(nnx.graphdef, nnx.state, nnx.x)
+    except PeerMissing:
+        pass
+    try:
+        eqx = optional_import("equinox")
+        d = EquinoxDispatcher(params, x)
+        dynamic, static = eqx.partition((d.model, d.state), eqx.is_array)
+
+        def eqx_step(dynamic, x):
+            model, state = eqx.combine(dynamic, static)
+            return model(x, state)
+
+        fns["Equinox"] = lambda: jax.jit(eqx_step).trace(dynamic, d.x)
+    except PeerMissing:
+        pass
+    return fns
+
+
+def trace_scaling(cfg: Config, report: Report) -> dict[str, dict[int, float]]:
+    results: dict[str, dict[int, float]] = {}
+    for size, rounds in zip(cfg.sizes, cfg.trace_rounds):
+        params, _ = canonical_init(DispatchConfig(modules=size))
+        fns = trace_fns(params)
+        timings = time_interleaved(fns, rounds=rounds, number=1, warmup=1, gc_off=False)
+        for name, t in timings.items():
+            results.setdefault(name, {})[size] = t.median
+        for peer in ("Flax NNX", "Equinox"):
+            report.targets.append(target_ratio(
+                "3", f"trace faster than {peer} at {size:,} modules",
+                timings["autostate"].median, timings[peer].median if peer in timings else None,
+                1.0, f"vs hand-written {fmt_ratio(timings['autostate'].median / timings[TRACE_REFERENCE].median)}",
+            ))
+    table = Table(
+        "Scenario 3c: trace-only time of the jitted step by size (garbage collector on)",
+        ("implementation", "modules", "trace", "vs hand-written", "vs autostate", "per module"),
+    )
+    for name, by_size in results.items():
+        for size, seconds in by_size.items():
+            table.add(name, f"{size:,}", fmt_seconds(seconds),
+                      fmt_ratio(seconds / results[TRACE_REFERENCE][size]),
+                      fmt_ratio(seconds / results["autostate"][size]), fmt_seconds(seconds / size))
+    table.notes.append(
+        "jax.jit(step).trace(...) with a fresh jit per call (nothing cached), median of "
+        + ", ".join(f"{r} at {s:,}" for s, r in zip(cfg.sizes, cfg.trace_rounds))
+        + " interleaved rounds; NNX traces split/merge + jax.jit, Equinox partition/combine "
+        "+ jax.jit (what filter_jit traces)"
+    )
+    report.tables.append(table)
+    return results
 
 
 def check_round_trip(name: str, pair: Pair) -> Any:
@@ -289,9 +363,16 @@ def run(smoke: bool = False) -> Report:
             "3", f"functionalize+freeze faster than nnx.split+nnx.merge at {size:,} modules",
             sum(mine[size]), nnx_total, 1.0,
         ))
+    for size in cfg.sizes:
+        eqx_total = sum(results["Equinox"][size]) if "Equinox" not in missing else None
+        report.targets.append(target_ratio(
+            "3", f"functionalize+freeze faster than eqx.partition+eqx.combine at {size:,} modules",
+            sum(mine[size]), eqx_total, 1.0,
+        ))
     report.tables.append(growth_table(results, missing, small, large))
     report.tables.append(gc_table(gc_results, full_collections, missing, small, large))
-    report.plot = {"sizes": list(cfg.sizes), "results": results, "operations": {
+    traces = trace_scaling(cfg, report)
+    report.plot = {"sizes": list(cfg.sizes), "results": results, "traces": traces, "operations": {
         name: (ops[0], ops[1]) for name, ops in IMPLEMENTATIONS.items()}}
     return report
 
@@ -342,7 +423,7 @@ def plot(data: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"matplotlib {NOT_INSTALLED} ({e})"
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharex=True)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5), sharex=True)
     for name, by_size in data["results"].items():
         if not by_size:
             continue
@@ -355,8 +436,13 @@ def plot(data: dict[str, Any], path: str) -> str | None:
         ):
             style = {"linestyle": "--", "color": "gray"} if name == CONTROL else {}
             ax.loglog(sizes, values, marker="o", label=label, **style)
+    for name, by_size in data.get("traces", {}).items():
+        sizes = sorted(by_size)
+        style = {"linestyle": "--", "color": "black"} if name == TRACE_REFERENCE else {}
+        axes[3].loglog(sizes, [by_size[s] for s in sizes], marker="o", label=name, **style)
     for ax, title in zip(axes, ("extract (functionalize / split / partition / handle)",
-                                "rebuild (freeze / merge / combine / freeze)", "total")):
+                                "rebuild (freeze / merge / combine / freeze)", "total",
+                                "trace of the jitted step (jax.jit(...).trace)")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("modules (2 params + 2 states each)")
         ax.set_ylabel("seconds (median)")

@@ -36,6 +36,7 @@ SCENARIOS = {
     "decoration": "bench_decoration",
     "control_flow": "bench_control_flow",
     "donation": "bench_donation",
+    "perf": "bench_perf",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 

@@ -451,12 +451,21 @@ def test_analysis_error_carries_the_method_line():
 def test_wrapper_source_keeps_the_method_on_its_line():
     src = method("def step(self):\n    return 1\n", first_line=7)
     text, shift = analysis.wrapper_source("M", src)
-    assert shift == 0
-    assert text.splitlines()[6] == "    def step(self):"
+    assert shift == 4
+    assert text.splitlines()[7 - shift - 1] == "    def step(self):"
     early = method("def step(self):\n    return 1\n", first_line=1)
     text, shift = analysis.wrapper_source("M", early)
     assert shift == -2
     assert text.splitlines()[2] == "    def step(self):"
+
+
+def test_wrapper_source_does_not_grow_with_the_line_number():
+    # libcst parses every line it is given; padding made decoration slower
+    # the further down its file a class sits.
+    near = analysis.wrapper_source("M", method("def step(self):\n    return 1\n", first_line=7))
+    far = analysis.wrapper_source("M", method("def step(self):\n    return 1\n", first_line=3007))
+    assert near[0] == far[0]
+    assert far[1] - near[1] == 3000
 
 
 @autostate.stateful

@@ -20,10 +20,11 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = {
     "bench_mlp.py": ["Scenario 1: BatchNorm-MLP training step", "Scenario 4a"],
     "bench_dispatch.py": ["Scenario 2: dispatch of a jitted step", "Scenario 4b"],
-    "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()"],
+    "bench_scaling.py": ["Scenario 3: structure at scale", "functionalize() / freeze()", "Scenario 3c"],
     "bench_decoration.py": ["Scenario 5: decoration time", "cached (memory)"],
     "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
     "bench_donation.py": ["Scenario 7: donated KV-cache decode step", "states donated"],
+    "bench_perf.py": ["Scenario 7a: trace-only time", "Scenario 7e: dispatch", "packed"],
 }
 
 

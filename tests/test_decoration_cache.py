@@ -196,3 +196,37 @@ def test_different_options_do_not_share_a_cache_entry(fresh_cache, analysis_call
     assert list(a().functionalize("a")[1]) == ["n"]
     assert list(b().functionalize("b")[1]) == ["n"]
     assert b().functionalize("a")[1] == {}
+
+
+def test_disk_cache_evicts_the_least_recently_used_entries(tmp_path):
+    import os
+
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    for i, name in enumerate(["old", "used", "new"]):
+        path = directory / f"{name}.bin"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1_000 + i, 1_000 + i))
+    os.utime(directory / "used.bin", (5_000, 5_000))  # a hit touches its entry
+    loader.evict(directory, limit=250)
+    assert sorted(p.stem for p in directory.glob("*.bin")) == ["new", "used"]
+    loader.evict(directory, limit=100)
+    assert [p.stem for p in directory.glob("*.bin")] == ["used"]
+
+
+def test_storing_keeps_the_disk_cache_under_its_limit(fresh_cache, monkeypatch):
+    monkeypatch.setenv("AUTOSTATE_CACHE_MAX_BYTES", "1")
+    loader.cache_store("a" * 64, (["x"], [], {}))
+    loader.cache_store("b" * 64, (["y"], [], {}))
+    # A 1-byte limit holds no entry at all.
+    assert list(fresh_cache.glob("*.bin")) == []
+    assert loader.cache_load("b" * 64) == (["y"], [], {})  # the memory cache still has it
+
+
+def test_memory_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    monkeypatch.setattr(loader, "MEMORY_CACHE_ENTRIES", 3)
+    monkeypatch.setenv("AUTOSTATE_CACHE_DIR", "")
+    for key in "abcd":
+        loader.cache_store(key, key)
+    assert list(loader._MEMORY_CACHE) == ["b", "c", "d"]

@@ -838,12 +838,12 @@ def rewritten_source(text: str, first_line: int, *, init_text: str | None = None
     new = rewrite.rewrite_method(
         step.module, step.function, step.receiver, result.state, "M", is_init=False
     )
-    original, _ = analysis.wrapper_source("M", source)
-    return original, new
+    original, shift = analysis.wrapper_source("M", source)
+    return original, new, shift
 
 
 def test_generated_source_keeps_each_statement_on_its_line():
-    original, new = rewritten_source(
+    original, new, shift = rewritten_source(
         """
         def step(self, v):
             self.x = v
@@ -859,7 +859,8 @@ def test_generated_source_keeps_each_statement_on_its_line():
     )
     old_lines, new_lines = original.splitlines(), new.splitlines()
     assert len(new_lines) == len(old_lines)
-    line = {n: new_lines[n - 1].strip() for n in range(20, 29)}
+    # Line n of the generated text is line n + shift of the file.
+    line = {n: new_lines[n - 1 - shift].strip() for n in range(20, 29)}
     assert line[20] == "def step(self, v):"
     assert line[21] == '__autostate__.set(self, "x", v)'
     assert line[22] == '__autostate__.set(self, "y", __autostate__.iadd(__autostate__.get(self, "y"), v))'
@@ -889,8 +890,9 @@ def test_generated_source_for_init_uses_init():
         facts.module, facts.function, "self", frozenset({"x"}), "M", is_init=True
     )
     lines = new.splitlines()
-    assert lines[5].strip() == '__autostate__.init(self, "x", 0)'
-    assert lines[6].strip() == 'self.y = __autostate__.get(self, "x") + 1'
+    shift = analysis.wrapper_source("M", source)[1]
+    assert lines[5 - shift].strip() == '__autostate__.init(self, "x", 0)'
+    assert lines[6 - shift].strip() == 'self.y = __autostate__.get(self, "x") + 1'
 
 
 def test_compiled_methods_report_the_original_line_numbers():

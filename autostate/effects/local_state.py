@@ -114,9 +114,22 @@ def fresh_handler_id() -> str:
     return f"local_state_{next(_handler_counter)}"
 
 
+# Types whose instances are pytree leaves and not tracers (a concrete array,
+# a float). Leafness is decided per type, so one leaf instance vouches for its
+# type; an eager state write then skips ``tree_leaves``, most of its cost.
+_CONCRETE_LEAF_TYPES: set[type] = set()
+
+
 def contains_tracer(value: Any) -> bool:
     """Whether any leaf of ``value`` is a JAX tracer."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+    t = type(value)
+    if t in _CONCRETE_LEAF_TYPES:
+        return False
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
+        _CONCRETE_LEAF_TYPES.add(t)
+        return False
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def _trace_of(tracer: Any) -> Any:
@@ -382,6 +395,9 @@ class InitialLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
+_new_object = object.__new__
+
+
 @dataclasses.dataclass(frozen=True)
 class FrozenLocalStateRequest(StateSlot):
     """A state with a known value, embedded in a tree (its value is a child).
@@ -411,10 +427,16 @@ class FrozenLocalStateRequest(StateSlot):
     def read(self) -> Any:
         return self.state
 
-    def write(self, value: Any, label: str | None = None) -> Any:
-        home = _home_of(self)
-        _check_not_traced(value, self.name or label, home)
-        return _with_home(FrozenLocalStateRequest(value, self.category, self.name), home)
+    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
+        _check_not_traced(value, self.name or label, _home_of(self))
+        # The frozen dataclass __init__ (three object.__setattr__ calls) was a
+        # third of an eager write; a copy of this one's fields (its home trace
+        # included) is the same object.
+        new = _new_object(FrozenLocalStateRequest)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["state"] = value
+        return new
 
     def as_request(self) -> FrozenLocalStateRequest:
         return self

@@ -20,9 +20,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from autostate.errors import DecorationError, format_error
-
-OUTER_NAME = "__autostate_outer__"
-RUNTIME_NAME = "__autostate__"
+from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource
 
 # Methods that mutate a container in place; calling one on state would change
 # the value behind the effect system's back.
@@ -30,27 +28,6 @@ _MUTATING_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodSource:
-    """One function defined in the class body, as found in its file.
-
-    ``key`` says where the function sits in the class dict (``"step"``,
-    ``"value.fset"``); ``attr`` is the class-dict name it belongs to.
-    """
-
-    key: str
-    attr: str
-    filename: str
-    first_line: int
-    text: str
-    freevars: tuple[str, ...]
-    has_receiver: bool
-    # The class statement whose name private names were mangled with where the
-    # function was written ("_": none), and the function's code name.
-    mangle_as: str = ""
-    code_name: str = ""
 
 
 @dataclasses.dataclass
@@ -114,15 +91,14 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     The method text sits inside ``class <Name>:`` (so the compiler mangles
     private names as in the original class) and a function whose parameters
     are the method's free variables (so they compile as closure variables).
-    Blank lines in front put the method at its original line; when there is
-    no room for the two header lines the returned shift says by how much the
-    compiled line numbers must be moved.
+    Line ``n`` of the text is line ``n + shift`` of the user's file. No blank
+    lines pad it to its place: libcst would parse them, and decoration would
+    slow down with the class's line number (``loader.compile_method`` pads
+    for the compiler, which skips them for free).
     """
     params = ", ".join((*source.freevars, RUNTIME_NAME))
     header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
-    padding = max(source.first_line - 3, 0)
-    shift = source.first_line - 3 - padding
-    return "\n" * padding + header + _space_indented(source.text), shift
+    return header + _space_indented(source.text), source.first_line - 3
 
 
 _STRING_TOKENS = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}

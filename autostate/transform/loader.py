@@ -17,11 +17,12 @@ import marshal
 import os
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 from typing import Any
 
-from autostate.transform.analysis import OUTER_NAME, RUNTIME_NAME
+from autostate.transform.method import OUTER_NAME, RUNTIME_NAME
 from autostate.transform.source import MethodSlot, source_lines
 
 _FUTURE_FLAGS = functools.reduce(
@@ -104,19 +105,27 @@ def _drop_columns(code: types.CodeType, lines: set[int]) -> types.CodeType:
 def compile_method(
     source: str, filename: str, class_name: str, function_name: str, shift: int, flags: int
 ) -> types.CodeType:
-    """Compiles wrapper source and returns the code of the method inside it."""
-    module_code = compile(source, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True)
+    """Compiles wrapper source and returns the code of the method inside it.
+
+    Line ``n`` of ``source`` is line ``n + shift`` of ``filename``; blank lines
+    in front put it there (when the header leaves room), so the code objects
+    carry the user's line numbers from the compiler itself.
+    """
+    pad = max(shift, 0)
+    module_code = compile(
+        "\n" * pad + source, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
+    )
     outer = _find_code(_find_code(module_code, class_name), OUTER_NAME)
     code = _find_code(outer, function_name)
     if sys.version_info >= (3, 11):
         original = source_lines(filename)
         changed = {
-            number
+            number + pad
             for number, text in enumerate(source.splitlines(keepends=True), start=1)
             if not 0 < number + shift <= len(original) or original[number + shift - 1] != text
         }
         code = _drop_columns(code, changed)
-    return _shift_lines(code, shift) if shift else code
+    return _shift_lines(code, shift - pad) if shift != pad else code
 
 
 def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
@@ -188,6 +197,27 @@ def _transform_fingerprint() -> str:
 
 _FINGERPRINT = _transform_fingerprint()
 _MEMORY_CACHE: dict[str, Any] = {}
+# Bounds of the two caches: entries kept in this process, bytes kept on disk
+# (``AUTOSTATE_CACHE_MAX_BYTES``). One entry is a class's code objects, a few
+# kB; an edited file leaves its old entries behind, so without a bound the
+# disk cache only grows (6 MB after one ``make test``).
+MEMORY_CACHE_ENTRIES = 4096
+DEFAULT_DISK_CACHE_BYTES = 32 * 2**20
+
+
+# filename -> (its lines as linecache holds them, their digest). linecache
+# gives a new list when the file changes, so the list's identity says whether
+# the digest is current; a 30-class file is then hashed once, not 30 times.
+_CONTENT_DIGESTS: dict[str, tuple[list[str], bytes]] = {}
+
+
+def _content_digest(filename: str, lines: list[str]) -> bytes:
+    known = _CONTENT_DIGESTS.get(filename)
+    if known is not None and known[0] is lines:
+        return known[1]
+    digest = hashlib.sha256("".join(lines).encode()).digest()
+    _CONTENT_DIGESTS[filename] = (lines, digest)
+    return digest
 
 
 def cache_key(
@@ -203,8 +233,8 @@ def cache_key(
         return None
     contents += [source_lines(name) for name in sorted(set(other_files) - set(filenames))]
     digest = hashlib.sha256(_FINGERPRINT.encode())
-    for lines in contents:
-        digest.update("".join(lines).encode())
+    for name, lines in zip(filenames, contents):
+        digest.update(_content_digest(name, lines))
     digest.update(repr((filenames, cls.__qualname__, extra)).encode())
     for s in slots:
         code = s.function.__code__
@@ -235,16 +265,56 @@ def cache_load(key: str) -> Any:
     if directory is None:
         return None
     try:
-        data = (directory / f"{key}.bin").read_bytes()
-        value = marshal.loads(data)
+        # Plain os calls: pathlib's object building was a third of a warm hit.
+        with open(os.path.join(directory, key + ".bin"), "rb") as f:
+            value = marshal.loads(f.read())
+            # The modification time is the last use, so eviction drops the
+            # entries unused the longest; refreshed at most hourly, as the
+            # extra system call is a tenth of a hit.
+            if time.time() - os.fstat(f.fileno()).st_mtime > 3600:
+                os.utime(f.fileno())
     except (OSError, ValueError, EOFError, TypeError):
         return None
-    _MEMORY_CACHE[key] = value
+    _remember(key, value)
     return value
 
 
-def cache_store(key: str, value: Any) -> None:
+def _remember(key: str, value: Any) -> None:
+    if len(_MEMORY_CACHE) >= MEMORY_CACHE_ENTRIES:
+        del _MEMORY_CACHE[next(iter(_MEMORY_CACHE))]
     _MEMORY_CACHE[key] = value
+
+
+def _disk_cache_limit() -> int:
+    try:
+        return int(os.environ.get("AUTOSTATE_CACHE_MAX_BYTES", DEFAULT_DISK_CACHE_BYTES))
+    except ValueError:
+        return DEFAULT_DISK_CACHE_BYTES
+
+
+def evict(directory: Path, limit: int) -> None:
+    """Deletes the least recently used entries of ``directory`` until it holds ``limit`` bytes."""
+    try:
+        entries = []
+        for entry in os.scandir(directory):
+            if entry.name.endswith(".bin"):
+                stat = entry.stat()
+                entries.append((stat.st_mtime, stat.st_size, entry.path))
+    except OSError:
+        return
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            os.remove(path)
+        except OSError:
+            continue
+        total -= size
+
+
+def cache_store(key: str, value: Any) -> None:
+    _remember(key, value)
     directory = _cache_dir()
     if directory is None:
         return
@@ -255,4 +325,6 @@ def cache_store(key: str, value: Any) -> None:
             f.write(marshal.dumps(value))
         os.replace(tmp, directory / f"{key}.bin")
     except (OSError, ValueError):
-        pass
+        return
+    # Only a miss stores, and a miss parses for milliseconds: the scan is cheap here.
+    evict(directory, _disk_cache_limit())

@@ -16,10 +16,13 @@ import dataclasses
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
-from autostate.transform import analysis, loader, rewrite, source
+from autostate.transform import loader, source
+
+if TYPE_CHECKING:
+    from autostate.transform import analysis
 
 # Standard-library bases (abc.ABC, typing.Generic, ...) are not user code.
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
@@ -196,6 +199,8 @@ def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> 
 
 
 def _base_facts(base: type) -> list[analysis.MethodFacts]:
+    from autostate.transform import analysis
+
     facts = []
     for slot in source.find_methods(base):
         try:
@@ -217,6 +222,8 @@ def _read_facts(
     factory) whose source cannot be read is skipped: its writes meet the
     run-time guard instead.
     """
+    from autostate.transform import analysis
+
     try:
         text = source.method_source(cls, slot)
         facts = analysis.collect_facts(cls.__name__, text)
@@ -250,6 +257,10 @@ def _transform(
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
+    # Only a cache miss parses: libcst's import is a third of jax's, and a
+    # warm start (every class cached) never pays it.
+    from autostate.transform import analysis, rewrite
+
     facts, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
         found, error = _read_facts(cls, slot)

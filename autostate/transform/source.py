@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
-from autostate.transform.analysis import MethodSource
+from autostate.transform.method import MethodSource
 
 
 @dataclasses.dataclass

@@ -1,0 +1,255 @@
+"""Packed dispatch: a functionalized model whose arrays travel as one buffer per dtype.
+
+A jitted step on a model of many small arrays spends its dispatch time in
+JAX handling each input and output buffer one by one (401 in, 201 out for
+the 100-module model of ``benchmarks/bench_dispatch.py``), not in the
+arithmetic. ``pack(f, states)`` lays the parameters (the leaves of ``f``)
+and the states out in one flat buffer per dtype; inside the program the
+buffers are sliced back into the original arrays, the model runs unchanged,
+and the new states are concatenated into buffers again. The program does the
+same arithmetic plus the slices and concatenations, which XLA fuses.
+
+This module owns the layout and the two pytrees that carry it. It knows
+nothing of how ``f`` was built: it uses only ``jax.tree_util`` on ``f`` and
+on the states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autostate.errors import InvalidTypeError, format_error
+
+
+class Layout:
+    """Where each leaf of a flattened tree sits: in which buffer, at which offset.
+
+    ``slots[i]`` is ``(buffer, offset, shape)`` for a packed leaf and
+    ``None`` for a leaf that travels on its own (not an array). There is one
+    buffer per dtype and weak-typedness (``jnp.full(4, 1.0)`` is weak): a
+    concatenation of weak arrays stays weak, a mixed one would not, and the
+    model's type promotion must not change.
+    Hashed once and compared by identity first, since ``jax.jit`` compares
+    the layout of its arguments on every call.
+    """
+
+    __slots__ = ("treedef", "dtypes", "slots", "_hash")
+
+    def __init__(self, treedef: Any, dtypes: tuple, slots: tuple):
+        self.treedef = treedef
+        self.dtypes = dtypes
+        self.slots = slots
+        self._hash = hash((treedef, dtypes, slots))
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any], treedef: Any) -> Layout:
+        dtypes: list[Any] = []
+        sizes: list[int] = []
+        slots: list[tuple | None] = []
+        for leaf in leaves:
+            dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+            if dtype is None or shape is None:
+                slots.append(None)
+                continue
+            dtype = (np.dtype(dtype), bool(getattr(leaf, "weak_type", False)))
+            if dtype not in dtypes:
+                dtypes.append(dtype)
+                sizes.append(0)
+            b = dtypes.index(dtype)
+            slots.append((b, sizes[b], tuple(shape)))
+            sizes[b] += int(np.prod(shape, dtype=np.int64))
+        layout = cls(treedef, tuple(dtypes), tuple(slots))
+        # One object per distinct layout: the states a step returns then carry
+        # the very layout they came in with, and jit's per-call comparison of
+        # its arguments' structure stops at identity.
+        return _LAYOUTS.setdefault(layout, layout)
+
+    def pack(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """``(buffers, loose)``: the packed leaves concatenated per dtype, and the others."""
+        parts: list[list[Any]] = [[] for _ in self.dtypes]
+        loose = []
+        for leaf, slot in zip(leaves, self.slots):
+            if slot is None:
+                loose.append(leaf)
+            else:
+                parts[slot[0]].append(jnp.ravel(leaf))
+        buffers = [
+            p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts
+        ]
+        return buffers, loose
+
+    def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
+        """The leaves again: slices of the buffers, reshaped, and the loose leaves in place."""
+        leaves = []
+        it = iter(loose)
+        for slot in self.slots:
+            if slot is None:
+                leaves.append(next(it))
+                continue
+            b, offset, shape = slot
+            size = int(np.prod(shape, dtype=np.int64))
+            leaves.append(jnp.reshape(buffers[b][offset : offset + size], shape))
+        return leaves
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self._hash == other._hash and (self.treedef, self.dtypes, self.slots) == (
+            other.treedef, other.dtypes, other.slots
+        )
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.slots)} leaves in {len(self.dtypes)} buffers)"
+
+
+_LAYOUTS: dict[Layout, Layout] = {}
+
+
+def _pack_tree(tree: Any) -> tuple[Layout, list[Any], list[Any]]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    layout = Layout.of(leaves, treedef)
+    buffers, loose = layout.pack(leaves)
+    return layout, buffers, loose
+
+
+class PackedStates:
+    """The states of a ``PackedModel``: one buffer per dtype (a pytree of them).
+
+    ``.unpack()`` gives the states dict back; ``.buffers`` are the arrays
+    that travel.
+    """
+
+    __slots__ = ("layout", "buffers", "loose")
+
+    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
+        self.layout = layout
+        self.buffers = list(buffers)
+        self.loose = list(loose)
+
+    @classmethod
+    def of(cls, states: dict[str, Any]) -> PackedStates:
+        return cls(*_pack_tree(states))
+
+    def unpack(self) -> dict[str, Any]:
+        """The states dict, as the unpacked ``f`` takes and returns it."""
+        leaves = self.layout.unpack(self.buffers, self.loose)
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def __repr__(self) -> str:
+        return f"PackedStates({self.layout!r})"
+
+
+jax.tree_util.register_pytree_node(
+    PackedStates,
+    lambda s: ((*s.buffers, *s.loose), (s.layout, len(s.buffers))),
+    lambda aux, children: PackedStates(aux[0], children[: aux[1]], children[aux[1] :]),
+)
+
+
+class PackedModel:
+    """A functionalized model whose parameters travel as one buffer per dtype.
+
+    ``pf(packed_states, *args)`` returns ``(out, new_packed_states)`` and
+    computes what ``f(states, *args)`` computes; ``pf.<method>(...)`` calls
+    another method the same way. It is a pytree whose leaves are the
+    buffers, so ``jax.jit``, ``jax.grad`` and optax take it as they take
+    ``f`` (a gradient is a ``PackedModel`` of gradient buffers).
+
+    Example::
+
+        f, states = model.functionalize()
+        pf, pstates = autostate.pack(f, states)
+        step = jax.jit(lambda pf, s, x: pf(s, x))
+        out, pstates = step(pf, pstates, x)
+        f, states = pf.unpack(pstates)      # or autostate.freeze(pf, pstates)
+    """
+
+    __slots__ = ("layout", "buffers", "loose")
+
+    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
+        self.layout = layout
+        self.buffers = list(buffers)
+        self.loose = list(loose)
+
+    @property
+    def f(self) -> Any:
+        """The unpacked functional model (its arrays are slices of the buffers)."""
+        leaves = self.layout.unpack(self.buffers, self.loose)
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def unpack(self, states: PackedStates | None = None) -> Any:
+        """``(f, states)`` as ``functionalize`` gave them (``f`` alone without states)."""
+        if states is None:
+            return self.f
+        return self.f, _unpacked_states(states)
+
+    def _run(self, method: Callable[[Any], Callable[..., Any]], states: Any, args, kwargs):
+        out, new_states = method(self.f)(_unpacked_states(states), *args, **kwargs)
+        return out, PackedStates.of(new_states)
+
+    def __call__(self, states: PackedStates, *args: Any, **kwargs: Any):
+        return self._run(lambda f: f, states, args, kwargs)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(states: PackedStates, *args: Any, **kwargs: Any):
+            return self._run(lambda f: getattr(f, name), states, args, kwargs)
+
+        call.__name__ = name
+        return call
+
+    def __repr__(self) -> str:
+        return f"PackedModel({self.layout!r})"
+
+
+jax.tree_util.register_pytree_node(
+    PackedModel,
+    lambda m: ((*m.buffers, *m.loose), (m.layout, len(m.buffers))),
+    lambda aux, children: PackedModel(aux[0], children[: aux[1]], children[aux[1] :]),
+)
+
+
+def _unpacked_states(states: Any) -> dict[str, Any]:
+    if isinstance(states, PackedStates):
+        return states.unpack()
+    raise InvalidTypeError(
+        format_error(
+            f"A PackedModel takes PackedStates, got {type(states).__name__}.",
+            fix="pass the states returned by autostate.pack(f, states) (or by the last call).",
+        )
+    )
+
+
+def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
+    """Packs a functionalized model and its states into one buffer per dtype.
+
+    Worth it when a jitted step's time is dispatch, not arithmetic: many
+    small arrays (hundreds of modules of a few numbers each) on a fast
+    device. Large arrays gain nothing (and pay a copy on the way in).
+
+    Example::
+
+        f, states = model.functionalize()
+        pf, pstates = autostate.pack(f, states)
+        out, pstates = jax.jit(lambda pf, s, x: pf(s, x))(pf, pstates, x)
+
+    **Arguments:**
+    - ``f``: the ``f`` of ``functionalize()`` (any pytree callable as ``f(states, ...)``).
+    - ``states``: its states dict.
+
+    **Returns:** ``(pf, packed_states)``; ``pf(packed_states, *args)``
+    returns ``(out, new_packed_states)``, the same numbers as ``f``.
+    """
+    return PackedModel(*_pack_tree(f)), PackedStates.of(states)
