@@ -231,11 +231,11 @@ def cache_key(
     contents = [source_lines(name) for name in filenames]
     if not any(contents):
         return None
-    contents += [source_lines(name) for name in sorted(set(other_files) - set(filenames))]
+    others = sorted(set(other_files) - set(filenames))
     digest = hashlib.sha256(_FINGERPRINT.encode())
-    for name, lines in zip(filenames, contents):
+    for name, lines in zip(filenames + others, contents + [source_lines(n) for n in others]):
         digest.update(_content_digest(name, lines))
-    digest.update(repr((filenames, cls.__qualname__, extra)).encode())
+    digest.update(repr((filenames, others, cls.__qualname__, extra)).encode())
     for s in slots:
         code = s.function.__code__
         digest.update(
