@@ -98,6 +98,11 @@ _NUMPY = (np.ndarray, np.generic)
 # Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
 _JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
 _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
+# The type of a concrete jax array (no tracer, nothing to convert), learnt
+# from the first one written: building one here would start a backend.
+_CONCRETE_ARRAY: type = type(_MISSING)
+_new_object = object.__new__
+_set_object_attribute = object.__setattr__
 
 
 def as_state_value(value: Any) -> Any:
@@ -166,6 +171,17 @@ def store_state(obj: Any, name: str, value: Any) -> None:
     """``set`` without the class's ``__setattr__`` (the descriptor's write)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
+    if type(slot) is FrozenLocalStateRequest and type(value) is _CONCRETE_ARRAY:
+        # The common eager write: a concrete jax array (never a tracer, never
+        # numpy) into an unhandled slot. What ``slot.write`` and the guard's
+        # tracer checks conclude for it, without the calls: they were nine
+        # tenths of the write.
+        fields = slot.__dict__.copy()
+        fields["state"] = value
+        new = _new_object(FrozenLocalStateRequest)
+        _set_object_attribute(new, "__dict__", fields)
+        d[name] = new
+        return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))
     if known or (known is None and is_slot(slot)):
@@ -177,8 +193,16 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         replacement = slot.write(value, name)
         if replacement is not None:
             d[name] = replacement
+        if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
+            _learn_concrete_array(value)
     else:
         d[name] = make_slot(obj, name, value)
+
+
+def _learn_concrete_array(value: Any) -> None:
+    global _CONCRETE_ARRAY
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        _CONCRETE_ARRAY = type(value)
 
 
 def _check_unhandled_write(obj: Any, name: str, slot: Any, value: Any) -> None:

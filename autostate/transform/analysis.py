@@ -11,15 +11,18 @@ nothing here rewrites code (``rewrite.py`` does, from the result).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import tokenize
 import unicodedata
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from autostate.errors import DecorationError, format_error
+from autostate.transform import walk
 from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource
 
 # Methods that mutate a container in place; calling one on state would change
@@ -46,6 +49,9 @@ class MethodFacts:
     receiver: str | None
     module: cst.Module
     function: cst.FunctionDef
+    # The parsed wrapper source (``wrapper_source``) and its line shift.
+    text: str = ""
+    shift: int = 0
     assignments: list[Assignment] = dataclasses.field(default_factory=list)
     reads: dict[str, int] = dataclasses.field(default_factory=dict)
     deletes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -135,6 +141,10 @@ def _location(source: MethodSource, line: int, shift: int) -> str:
 
 def parse_method(class_name: str, source: MethodSource) -> tuple[cst.Module, int]:
     text, shift = wrapper_source(class_name, source)
+    return _parse(text, shift, class_name, source), shift
+
+
+def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.Module:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
@@ -147,7 +157,7 @@ def parse_method(class_name: str, source: MethodSource) -> tuple[cst.Module, int
                 "(reload the module after editing it).",
             )
         ) from None
-    return module, shift
+    return module
 
 
 def _method_node(module: cst.Module) -> cst.FunctionDef:
@@ -279,18 +289,77 @@ def subscript_base(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr
 
 
-class _FactCollector(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider,)
+class _Positions:
+    """Start lines of a parsed method's nodes, computed on first use.
 
+    libcst computes positions by generating the code of every node again;
+    that was a third of a cold decoration, and lines are only read when a
+    message names one.
+    """
+
+    def __init__(self, module: cst.Module, shift: int):
+        self.module = module
+        self.shift = shift
+        self._lines: Any = None
+
+    def line(self, node: cst.CSTNode) -> int:
+        if self._lines is None:
+            wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
+            self._lines = wrapper.resolve(PositionProvider)
+        return int(self._lines[node].start.line) + self.shift
+
+
+@functools.total_ordering
+class Line:
+    """A fact's line in the user's file; an int once read (``int``, ``str``, ``==``)."""
+
+    __slots__ = ("_positions", "_node")
+
+    def __init__(self, positions: _Positions, node: cst.CSTNode):
+        self._positions = positions
+        self._node = node
+
+    def __int__(self) -> int:
+        return self._positions.line(self._node)
+
+    __index__ = __int__
+
+    def __str__(self) -> str:
+        return str(int(self))
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return int(self) == (int(other) if isinstance(other, (int, Line)) else other)
+
+    def __lt__(self, other: int | Line) -> bool:
+        return int(self) < int(other)
+
+    def __hash__(self) -> int:
+        return hash(int(self))
+
+    def __add__(self, other: int) -> int:
+        return int(self) + other
+
+    __radd__ = __add__
+
+    def __sub__(self, other: int) -> int:
+        return int(self) - other
+
+
+class _FactCollector(cst.CSTVisitor):
     def __init__(self, facts: MethodFacts, class_name: str, shift: int):
         super().__init__()
         self.facts = facts
         self.class_name = class_name
-        self.shift = shift
+        self.positions = _Positions(facts.module, shift)
         self.scopes = ReceiverScopes(facts.function, facts.receiver)
 
     def _line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(PositionProvider, node).start.line + self.shift
+        return Line(self.positions, node)  # type: ignore[return-value]
 
     def _attr(self, expr: cst.CSTNode) -> str | None:
         attr = self.scopes.attr_of(expr)
@@ -440,12 +509,14 @@ class _FactCollector(cst.CSTVisitor):
 
 def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
     """Parses one method and collects how it uses its receiver."""
-    module, shift = parse_method(class_name, source)
+    text, shift = wrapper_source(class_name, source)
+    module = _parse(text, shift, class_name, source)
     function = _method_node(module)
     receiver = receiver_name(function) if source.has_receiver else None
-    facts = MethodFacts(source=source, receiver=receiver, module=module, function=function)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    wrapper.visit(_FactCollector(facts, source.mangle_as or class_name, shift))
+    facts = MethodFacts(
+        source=source, receiver=receiver, module=module, function=function, text=text, shift=shift
+    )
+    walk.visit(module, _FactCollector(facts, source.mangle_as or class_name, shift))
     return facts
 
 

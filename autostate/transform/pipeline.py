@@ -227,10 +227,7 @@ def _read_facts(
     try:
         text = source.method_source(cls, slot)
         facts = analysis.collect_facts(cls.__name__, text)
-        _, shift = analysis.wrapper_source(cls.__name__, text)
-        same = loader.compiles_to(
-            facts.module.code, text, shift, slot.function.__code__
-        )
+        same = loader.compiles_to(facts.text, text, facts.shift, slot.function.__code__)
     except (SourceUnavailableError, DecorationError) as exc:
         return None, exc
     if not same:
@@ -334,7 +331,7 @@ def _transform(
             is_init=slot.attr == "__init__",
             control=control,
         )
-        _, shift = analysis.wrapper_source(cls.__name__, method.source)
+        shift = method.shift
         codes[slot.key] = loader.compile_method(
             text,
             method.source.filename,

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import libcst as cst
 
+from autostate.transform import walk
 from autostate.transform.analysis import (
     RUNTIME_NAME,
     ReceiverScopes,
@@ -414,5 +415,24 @@ def rewrite_method(
     function each call of them goes through (``"scan"``).
     """
     rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init, control=control)  # type: ignore[arg-type]
-    new_method = method.visit(rewriter)
-    return module.deep_replace(method, new_method).code  # type: ignore[type-var, union-attr]
+    new_method = walk.transform(method, rewriter)
+    return _replace_method(module, method, new_method).code
+
+
+def _replace_method(module: cst.Module, old: cst.FunctionDef, new: cst.CSTNode) -> cst.Module:
+    """``module.deep_replace(old, new)`` along the wrapper's known path, with no walk.
+
+    The wrapper module ends with ``class <name>: def <outer>(): <method>``.
+    """
+    wrapper_class = module.body[-1]
+    if isinstance(wrapper_class, cst.ClassDef):
+        outer = wrapper_class.body.body[0]
+        if isinstance(outer, cst.FunctionDef) and outer.body.body[0] is old:
+            outer = outer.with_changes(
+                body=outer.body.with_changes(body=(new, *outer.body.body[1:]))
+            )
+            wrapper_class = wrapper_class.with_changes(
+                body=wrapper_class.body.with_changes(body=(outer, *wrapper_class.body.body[1:]))
+            )
+            return module.with_changes(body=(*module.body[:-1], wrapper_class))
+    return module.deep_replace(old, new)  # type: ignore[arg-type]
