@@ -229,4 +229,60 @@ def test_memory_cache_is_bounded(monkeypatch):
     monkeypatch.setenv("AUTOSTATE_CACHE_DIR", "")
     for key in "abcd":
         loader.cache_store(key, key)
-    assert list(loader._MEMORY_CACHE) == ["b", "c", "d"]
+    # Each store also remembers its bundle: the bound counts both.
+    assert len(loader._MEMORY_CACHE) == 3
+    assert "d" in loader._MEMORY_CACHE and "a" not in loader._MEMORY_CACHE
+
+
+THREE_CLASSES = """
+import jax.numpy as jnp
+import autostate
+
+@autostate.stateful
+class A:
+    def __init__(self):
+        self.x = jnp.zeros(())
+
+    def step(self):
+        self.x += 1
+
+@autostate.stateful
+class B(A):
+    def step(self):
+        self.x += 2
+
+@autostate.stateful
+class C:
+    def __init__(self):
+        self.y = jnp.ones(())
+
+    def step(self):
+        self.y *= 2
+"""
+
+
+def test_a_module_s_classes_are_read_from_disk_with_one_open(
+    fresh_cache, analysis_calls, monkeypatch, tmp_path
+):
+    path = tmp_path / "three_classes.py"
+    path.write_text(THREE_CLASSES)
+    _import(path)
+    assert len(list(fresh_cache.glob("*.bin"))) == 1  # one bundle for the file
+    reads: list[str] = []
+    original = loader._read_bundle
+    monkeypatch.setattr(loader, "_read_bundle", lambda name: reads.append(name) or original(name))
+    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})  # as in a new process
+    analysis_calls.clear()
+    module = _import(path)
+    assert analysis_calls == [] and len(reads) == 1
+    b = module.B()
+    b.step()
+    assert float(b.x) == 2.0 and module.C.__autostate_info__.state == {"y"}
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

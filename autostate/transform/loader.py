@@ -222,8 +222,10 @@ def _content_digest(filename: str, lines: list[str]) -> bytes:
 
 def cache_key(
     cls: type, slots: list[MethodSlot], extra: tuple, other_files: list[str] = ()  # type: ignore[assignment]
-) -> str | None:
-    """Key of a class's transformation: file content, class, methods, options.
+) -> tuple[str, str] | None:
+    """Key of a class's transformation (file contents, class, methods, options),
+    and the bundle it is stored in: one per file, so that a module's classes
+    are read from disk with one open, not one each.
 
     ``other_files`` are further files the decision reads (undecorated bases).
     """
@@ -235,6 +237,8 @@ def cache_key(
     digest = hashlib.sha256(_FINGERPRINT.encode())
     for name, lines in zip(filenames + others, contents + [source_lines(n) for n in others]):
         digest.update(_content_digest(name, lines))
+    bundle = hashlib.sha256(_FINGERPRINT.encode())
+    bundle.update(_content_digest(filenames[0], contents[0]))
     digest.update(repr((filenames, others, cls.__qualname__, extra)).encode())
     for s in slots:
         code = s.function.__code__
@@ -244,7 +248,7 @@ def cache_key(
                  code.co_flags, code.co_names, code.co_varnames, s.foreign)
             ).encode()
         )
-    return digest.hexdigest()
+    return digest.hexdigest(), bundle.hexdigest()
 
 
 def _cache_dir() -> Path | None:
@@ -257,30 +261,47 @@ def _cache_dir() -> Path | None:
     return Path(base) / "autostate"
 
 
-def cache_load(key: str) -> Any:
+def cache_load(key: str, bundle: str | None = None) -> Any:
+    """The cached value of ``key`` (stored in ``bundle``, by default its own), or ``None``."""
     hit = _MEMORY_CACHE.get(key)
     if hit is not None:
         return hit
+    value = _bundle(bundle or key).get(key)
+    if value is not None:
+        _remember(key, value)
+    return value
+
+
+def _bundle(name: str) -> dict[str, Any]:
+    """A bundle's entries, read from disk once per process (the memory cache holds it)."""
+    memo_key = "bundle:" + name
+    entries = _MEMORY_CACHE.get(memo_key)
+    if entries is None:
+        entries = _read_bundle(name)
+        _remember(memo_key, entries)
+    return entries  # type: ignore[no-any-return]
+
+
+def _read_bundle(name: str) -> dict[str, Any]:
     directory = _cache_dir()
     if directory is None:
-        return None
+        return {}
     try:
         # Plain os calls: pathlib's object building was a third of a warm hit.
-        with open(os.path.join(directory, key + ".bin"), "rb") as f:
-            value = marshal.loads(f.read())
+        with open(os.path.join(directory, name + ".bin"), "rb") as f:
+            entries = marshal.loads(f.read())
             # The modification time is the last use, so eviction drops the
             # entries unused the longest; refreshed at most hourly, as the
             # extra system call is a tenth of a hit.
             if time.time() - os.fstat(f.fileno()).st_mtime > 3600:
                 os.utime(f.fileno())
     except (OSError, ValueError, EOFError, TypeError):
-        return None
-    _remember(key, value)
-    return value
+        return {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def _remember(key: str, value: Any) -> None:
-    if len(_MEMORY_CACHE) >= MEMORY_CACHE_ENTRIES:
+    if key not in _MEMORY_CACHE and len(_MEMORY_CACHE) >= MEMORY_CACHE_ENTRIES:
         del _MEMORY_CACHE[next(iter(_MEMORY_CACHE))]
     _MEMORY_CACHE[key] = value
 
@@ -313,8 +334,13 @@ def evict(directory: Path, limit: int) -> None:
         total -= size
 
 
-def cache_store(key: str, value: Any) -> None:
+def cache_store(key: str, value: Any, bundle: str | None = None) -> None:
+    """Caches ``value`` under ``key``, in memory and in ``bundle`` (by default its own) on disk."""
     _remember(key, value)
+    name = bundle or key
+    # Merged with what is on disk now: another process may have added entries.
+    entries = {**_read_bundle(name), **_MEMORY_CACHE.get("bundle:" + name, {}), key: value}
+    _remember("bundle:" + name, entries)
     directory = _cache_dir()
     if directory is None:
         return
@@ -322,8 +348,8 @@ def cache_store(key: str, value: Any) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(marshal.dumps(value))
-        os.replace(tmp, directory / f"{key}.bin")
+            f.write(marshal.dumps(entries))
+        os.replace(tmp, directory / f"{name}.bin")
     except (OSError, ValueError):
         return
     # Only a miss stores, and a miss parses for milliseconds: the scan is cheap here.

@@ -97,8 +97,8 @@ def decide_class(
         sys.version,
     )
     base_files = [f for f in (_module_file(b) for b in user_bases) if f]
-    key = loader.cache_key(cls, slots, extra, base_files)
-    cached = loader.cache_load(key) if key else None
+    keys = loader.cache_key(cls, slots, extra, base_files)
+    cached = loader.cache_load(*keys) if keys else None
     if cached is not None:
         state_list, initialized_list, codes = cached
         state, initialized = frozenset(state_list), frozenset(initialized_list)
@@ -106,8 +106,8 @@ def decide_class(
         state, initialized, codes = _transform(
             cls, slots, inherited, inherited_init, state_marker, user_bases, control_flow_name
         )
-        if key:
-            loader.cache_store(key, (sorted(state), sorted(initialized), codes))
+        if keys:
+            loader.cache_store(keys[0], (sorted(state), sorted(initialized), codes), keys[1])
     originals = {s.key: s.function for s in slots}
     return ClassDecision(state, initialized, originals, codes), slots
 
@@ -162,8 +162,10 @@ def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
             continue
         seen.add(id(g))
         for name, value in list(g.items()):
+            # A module's own dict, not getattr: a module's __getattr__ (jax.numpy's
+            # deprecation shim) made this scan most of a warm decoration.
             if value is marker or (
-                isinstance(value, types.ModuleType) and getattr(value, "state", None) is marker
+                type(value) is types.ModuleType and value.__dict__.get("state") is marker
             ):
                 names.add(name)
     return sorted(names)
