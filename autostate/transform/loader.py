@@ -279,7 +279,7 @@ def _bundle(name: str) -> dict[str, Any]:
     if entries is None:
         entries = _read_bundle(name)
         _remember(memo_key, entries)
-    return entries  # type: ignore[no-any-return]
+    return entries
 
 
 def _read_bundle(name: str) -> dict[str, Any]:
