@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from autostate.api import Stateful, constant, freeze, functionalize, state, stateful
+from autostate.api import (
+    Stateful,
+    constant,
+    freeze,
+    functionalize,
+    inference_mode,
+    state,
+    stateful,
+)
 from autostate.checkpoint import load, load_arrays, save
 from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
@@ -22,7 +30,6 @@ from autostate.effects import (
 from autostate.errors import AutostateError
 from autostate.export import export
 from autostate.functional import FunctionalModel
-from autostate.host import inference_mode
 from autostate.packing import PackedModel, PackedStates, pack
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict

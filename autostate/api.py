@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from typing_extensions import Self
 
 from autostate import control as _control
-from autostate import host as _host
 from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
@@ -182,11 +181,15 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     _install_state_descriptors(cls, decision.state)
     _install_defaults(cls)
     _install_subclass_hook(cls, category, fallback)
-    slot_factory = _host.make_host_slot if fallback == "host" else None
+    slot_factory = after_copy = None
+    if fallback == "host":
+        # Imported only when a class asks for it: the host engine's JAX
+        # imports (jax.extend) were a fifth of ``import autostate``.
+        from autostate import host
+
+        slot_factory, after_copy = host.make_host_slot, host.restore_host_slots
     _tree.register_stateful_class(
-        cls,
-        StatefulInfo(decision, category, fallback, slot_factory),
-        after_copy=_host.restore_host_slots if fallback == "host" else None,
+        cls, StatefulInfo(decision, category, fallback, slot_factory), after_copy=after_copy
     )
     return cls
 
@@ -440,3 +443,25 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
     return frozen
 
 
+def inference_mode(model: Any) -> Any:
+    """A view of a host-fallback model whose state is read once, at the jit boundary.
+
+    Example::
+
+        frozen = autostate.inference_mode(model)
+        y = jax.jit(lambda m, x: m(x))(frozen, x)   # state enters as an input
+
+    Each call reads the current value of every host state on the host while
+    flattening ``frozen`` and passes it into the program as an ordinary
+    argument: the compiled program contains no callbacks. Setting a state of
+    the view is an error. The original ``model`` is unchanged and keeps its
+    store; the view follows later updates to it.
+
+    **Arguments:**
+    - ``model``: a model (or any pytree) holding ``fallback="host"`` state.
+
+    **Returns:** a copy of ``model`` whose host states are read-only inputs.
+    """
+    from autostate import host  # only a host-fallback model needs the host engine
+
+    return host.inference_mode(model)

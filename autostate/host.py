@@ -917,24 +917,7 @@ class _InferenceSlot(StateSlot):
 
 
 def inference_mode(model: Any) -> Any:
-    """A view of a host-fallback model whose state is read once, at the jit boundary.
-
-    Example::
-
-        frozen = autostate.inference_mode(model)
-        y = jax.jit(lambda m, x: m(x))(frozen, x)   # state enters as an input
-
-    Each call reads the current value of every host state on the host while
-    flattening ``frozen`` and passes it into the program as an ordinary
-    argument: the compiled program contains no callbacks. Setting a state of
-    the view is an error. The original ``model`` is unchanged and keeps its
-    store; the view follows later updates to it.
-
-    **Arguments:**
-    - ``model``: a model (or any pytree) holding ``fallback="host"`` state.
-
-    **Returns:** a copy of ``model`` whose host states are read-only inputs.
-    """
+    """The body of ``autostate.inference_mode`` (``api.inference_mode``)."""
     found = False
 
     def replace(slot: HostSlot, _path: str) -> _InferenceSlot:
