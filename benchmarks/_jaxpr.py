@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.core  # not imported by jax itself
 from _timing import Table, Target
 
 

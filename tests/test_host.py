@@ -10,6 +10,7 @@ import threading
 import weakref
 
 import jax
+import jax.extend.core  # not imported by jax itself
 import jax.numpy as jnp
 import numpy as np
 import pytest
