@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
 from autostate import control as _control
 from autostate import render as _render
