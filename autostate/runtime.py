@@ -101,8 +101,6 @@ _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 # The type of a concrete jax array (no tracer, nothing to convert), learnt
 # from the first one written: building one here would start a backend.
 _CONCRETE_ARRAY: type = type(_MISSING)
-_new_object = object.__new__
-_set_object_attribute = object.__setattr__
 
 
 def as_state_value(value: Any) -> Any:
@@ -174,13 +172,9 @@ def store_state(obj: Any, name: str, value: Any) -> None:
     if type(slot) is FrozenLocalStateRequest and type(value) is _CONCRETE_ARRAY:
         # The common eager write: a concrete jax array (never a tracer, never
         # numpy) into an unhandled slot. What ``slot.write`` and the guard's
-        # tracer checks conclude for it, without the calls: they were nine
+        # tracer checks conclude for it, without them: they were nine
         # tenths of the write.
-        fields = slot.__dict__.copy()
-        fields["state"] = value
-        new = _new_object(FrozenLocalStateRequest)
-        _set_object_attribute(new, "__dict__", fields)
-        d[name] = new
+        d[name] = slot.replaced(value)
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))

@@ -396,6 +396,7 @@ class InitialLocalStateRequest(StateSlot):
 
 
 _new_object = object.__new__
+_set_object_attribute = object.__setattr__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,13 +430,19 @@ class FrozenLocalStateRequest(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
         _check_not_traced(value, self.name or label, _home_of(self))
-        # The frozen dataclass __init__ (three object.__setattr__ calls) was a
-        # third of an eager write; a copy of this one's fields (its home trace
-        # included) is the same object.
-        new = _new_object(FrozenLocalStateRequest)
-        fields = new.__dict__
-        fields.update(self.__dict__)
+        return self.replaced(value)
+
+    def replaced(self, value: Any) -> FrozenLocalStateRequest:
+        """This request holding ``value`` instead, unchecked (``write`` checks).
+
+        The frozen dataclass __init__ (three object.__setattr__ calls) was a
+        third of an eager write; a copy of this one's fields (its home trace
+        included) is the same object.
+        """
+        fields = self.__dict__.copy()
         fields["state"] = value
+        new = _new_object(FrozenLocalStateRequest)
+        _set_object_attribute(new, "__dict__", fields)
         return new
 
     def as_request(self) -> FrozenLocalStateRequest:

@@ -341,14 +341,6 @@ class Line:
     def __hash__(self) -> int:
         return hash(int(self))
 
-    def __add__(self, other: int) -> int:
-        return int(self) + other
-
-    __radd__ = __add__
-
-    def __sub__(self, other: int) -> int:
-        return int(self) - other
-
 
 class _FactCollector(cst.CSTVisitor):
     def __init__(self, facts: MethodFacts, class_name: str, shift: int):
