@@ -17,6 +17,7 @@ import builtins
 import copy as _copy
 import functools
 import operator
+import sys
 import types
 from typing import Any
 
@@ -162,6 +163,16 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
     if _HOOKED_SET and type(obj) in _HOOKED_SET:
         setattr(obj, name, value)
         return
+    d = obj.__dict__
+    slot = d.get(name, _MISSING)
+    if (
+        type(slot) is FrozenLocalStateRequest
+        and type(value) is _CONCRETE_ARRAY
+        and _refcount(slot) == _SOLE_HOLDER
+    ):
+        # store_state's in-place write (see there), repeated to save the call.
+        slot.__dict__["state"] = value
+        return
     store_state(obj, name, value)
 
 
@@ -174,7 +185,14 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # numpy) into an unhandled slot. What ``slot.write`` and the guard's
         # tracer checks conclude for it, without them: they were nine
         # tenths of the write.
-        d[name] = slot.replaced(value)
+        if _refcount(slot) == _SOLE_HOLDER:
+            # Only this instance's __dict__ holds the request, so no one can
+            # see it change: updated in place, no new request per write.
+            slot.__dict__["state"] = value
+        else:
+            # Shared (a copy.copy of the model, a user's reference, a saved
+            # vars()): the others keep the old value, as plain Python would.
+            d[name] = slot.replaced(value)
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))
@@ -191,6 +209,24 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             _learn_concrete_array(value)
     else:
         d[name] = make_slot(obj, name, value)
+
+
+def _sole_holder_refcount() -> int | None:
+    """``sys.getrefcount`` of an object only one dict holds, seen as ``store_state`` sees it.
+
+    Measured rather than assumed (interpreters count borrowed references
+    differently); ``None`` where counts are not exact (free-threaded builds),
+    which turns the in-place write off.
+    """
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return None
+    d = {"slot": object()}
+    slot = d.get("slot", _MISSING)
+    return _refcount(slot)
+
+
+_refcount = sys.getrefcount
+_SOLE_HOLDER = _sole_holder_refcount()
 
 
 def _learn_concrete_array(value: Any) -> None:
@@ -443,6 +479,17 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     if type(type(self).__dict__.get(name)) is StateAttribute:
         # What the descriptor's __set__ does, without the guard and the
         # descriptor call: a third of an eager write from outside the class.
+        # The commonest case, store_state's in-place write, is repeated here
+        # to save the call.
+        d = self.__dict__
+        slot = d.get(name, _MISSING)
+        if (
+            type(slot) is FrozenLocalStateRequest
+            and type(value) is _CONCRETE_ARRAY
+            and _refcount(slot) == _SOLE_HOLDER
+        ):
+            slot.__dict__["state"] = value
+            return
         store_state(self, name, value)
         return
     check_guarded_write(self, name)

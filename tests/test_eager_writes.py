@@ -1,0 +1,167 @@
+"""Eager state writes: updated in place when nothing else can see the state.
+
+An eager ``self.x = v`` of a concrete array into a model's own state updates
+the request in its ``__dict__`` in place (no new object per write) only when
+that ``__dict__`` is the request's one holder. Every other holder (a
+``copy.copy``, a user's ``__copy__`` that shares ``__dict__`` entries, a saved
+``vars()``, a reference kept by hand) must keep seeing the old value, as it
+would in plain Python. Each case is checked against the same class undecorated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate import runtime
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.x = jnp.zeros(3)
+        self.n = jnp.array(0)
+
+    def step(self, v: Any) -> Any:
+        self.x = v
+        self.n = self.n + 1
+        return self.x * 2
+
+
+@autostate.stateful
+class Decorated:
+    def __init__(self) -> None:
+        self.x = jnp.zeros(3)
+        self.n = jnp.array(0)
+
+    def step(self, v: Any) -> Any:
+        self.x = v
+        self.n = self.n + 1
+        return self.x * 2
+
+
+@autostate.stateful
+class SharesDict:
+    """A user ``__copy__`` that shares every ``__dict__`` entry."""
+
+    def __init__(self) -> None:
+        self.x = jnp.zeros(3)
+
+    def step(self, v: Any) -> None:
+        self.x = v
+
+    def __copy__(self) -> SharesDict:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+def _value(holder: Any) -> np.ndarray:
+    """The value a second holder sees: a model's ``x`` or a raw slot's."""
+    if isinstance(holder, (Plain, Decorated, SharesDict)):
+        return np.asarray(holder.x)
+    if isinstance(holder, dict):
+        slot = holder["x"]
+        return np.asarray(slot.read() if runtime.is_slot(slot) else slot)
+    return np.asarray(holder.read() if runtime.is_slot(holder) else holder)
+
+
+# Ways a second holder of the model's state comes to exist; each returns it.
+SECOND_HOLDERS: dict[str, Callable[[Any], Any]] = {
+    "copy.copy": copy.copy,
+    "copy.deepcopy": copy.deepcopy,
+    "a saved vars()": lambda m: dict(vars(m)),
+    "vars().copy()": lambda m: vars(m).copy(),
+    "the slot kept by hand": lambda m: m.__dict__["x"],
+    "a list of the dict's values": lambda m: {"x": list(m.__dict__.values())[0]},
+    "__dict__ shared into a new instance": lambda m: _shared_instance(m),
+}
+
+
+def _shared_instance(m: Any) -> Any:
+    new = type(m).__new__(type(m))
+    new.__dict__.update(m.__dict__)
+    return new
+
+
+WRITES: dict[str, Callable[[Any, Any], Any]] = {
+    "inside a method": lambda m, v: m.step(v),
+    "from outside": lambda m, v: setattr(m, "x", v),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+@pytest.mark.parametrize("holder", list(SECOND_HOLDERS), ids=list(SECOND_HOLDERS))
+def test_a_second_holder_keeps_the_old_value_as_in_plain_python(holder: str, write: str) -> None:
+    seen = {}
+    for cls in (Plain, Decorated):
+        model = cls()
+        model.step(jnp.full(3, 1.0))  # a frozen (written) state, not the initial one
+        other = SECOND_HOLDERS[holder](model)
+        WRITES[write](model, jnp.full(3, 7.0))
+        WRITES[write](model, jnp.full(3, 9.0))
+        seen[cls.__name__] = (np.asarray(model.x), _value(other))
+    np.testing.assert_array_equal(seen["Decorated"][0], seen["Plain"][0])
+    np.testing.assert_array_equal(seen["Decorated"][1], seen["Plain"][1])
+    np.testing.assert_array_equal(seen["Decorated"][1], np.full(3, 1.0))
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+def test_a_user_copy_that_shares_dict_entries_stays_independent(write: str) -> None:
+    model = SharesDict()
+    model.step(jnp.ones(3))
+    twin = copy.copy(model)
+    WRITES[write](model, jnp.full(3, 5.0))
+    WRITES[write](twin, jnp.full(3, 6.0))
+    np.testing.assert_array_equal(np.asarray(model.x), np.full(3, 5.0))
+    np.testing.assert_array_equal(np.asarray(twin.x), np.full(3, 6.0))
+
+
+def test_functionalize_states_and_frozen_models_keep_their_values() -> None:
+    model = Decorated()
+    model.step(jnp.ones(3))
+    f, states = model.functionalize()
+    frozen = autostate.freeze(f, states)
+    model.step(jnp.full(3, 4.0))
+    model.x = jnp.full(3, 8.0)
+    assert all(np.asarray(v).tolist() in ([1.0] * 3, 1) for v in jax.tree_util.tree_leaves(states))
+    np.testing.assert_array_equal(np.asarray(frozen.x), np.ones(3))
+    np.testing.assert_array_equal(np.asarray(model.x), np.full(3, 8.0))
+
+
+def test_leaves_taken_before_a_write_are_unchanged() -> None:
+    model = Decorated()
+    model.step(jnp.ones(3))
+    leaves = jax.tree_util.tree_leaves(model)
+    model.step(jnp.full(3, 2.0))
+    assert [np.asarray(leaf).tolist() for leaf in leaves] == [[1.0] * 3, 1]
+
+
+def test_a_sole_holder_is_updated_in_place() -> None:
+    """The mechanism the eager-write benchmark measures: no new request per write."""
+    assert runtime._SOLE_HOLDER is not None
+    model = Decorated()
+    model.step(jnp.ones(3))
+    jax.tree_util.tree_flatten(model)  # flattening keeps no reference to the request
+    before = id(model.__dict__["x"])
+    for write in WRITES.values():
+        write(model, jnp.full(3, 3.0))
+        assert id(model.__dict__["x"]) == before
+    np.testing.assert_array_equal(np.asarray(model.x), np.full(3, 3.0))
+
+
+def test_a_traced_value_is_still_refused_by_an_eager_model() -> None:
+    model = Decorated()
+    model.step(jnp.ones(3))
+    with pytest.raises(autostate.AutostateError):
+        jax.jit(lambda v: model.step(v))(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(model.x), np.ones(3))
+    with pytest.raises(autostate.AutostateError):
+        jax.jit(lambda v: setattr(model, "x", v))(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(model.x), np.ones(3))
