@@ -253,7 +253,11 @@ class FunctionalModel(Generic[M]):
         """The handled model (its states are ``HandledLocalStateRef``s)."""
         if self._model is None:
             leaves, graphdef = self._flattened()
-            self._model = _tree.unflatten_graph(graphdef, leaves)
+            instances = _tree.rebuild_instances(graphdef, leaves)
+            self._model = instances[graphdef.root]
+            # The ids the call's guard needs, without walking the new graph
+            # again (a walk of every instance on every trace).
+            self._guard = frozenset(map(id, instances))
         return self._model
 
     def _flattened(self) -> tuple:

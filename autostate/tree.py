@@ -645,6 +645,11 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
 
 def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
     """Rebuilds the model graph of ``flatten_graph`` around new leaves."""
+    return rebuild_instances(graphdef, leaves)[graphdef.root]
+
+
+def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
+    """``unflatten_graph``, giving every instance of the graph (in graphdef order)."""
     objs = [object.__new__(cls) for cls, _ in graphdef.instances]
     for obj, (_, entries) in zip(objs, graphdef.instances):
         d = obj.__dict__
@@ -658,7 +663,7 @@ def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
                         for p in parts
                     ]
                 )
-    return objs[graphdef.root]
+    return objs
 
 
 def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
