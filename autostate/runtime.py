@@ -163,16 +163,12 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
     if _HOOKED_SET and type(obj) in _HOOKED_SET:
         setattr(obj, name, value)
         return
-    d = obj.__dict__
-    slot = d.get(name, _MISSING)
-    if (
-        type(slot) is FrozenLocalStateRequest
-        and type(value) is _CONCRETE_ARRAY
-        and _refcount(slot) == _SOLE_HOLDER
-    ):
+    if type(value) is _CONCRETE_ARRAY:
         # store_state's in-place write (see there), repeated to save the call.
-        slot.__dict__["state"] = value
-        return
+        slot = obj.__dict__.get(name)
+        if type(slot) is FrozenLocalStateRequest and _refcount(slot) == _SOLE_HOLDER:
+            slot.__dict__["state"] = value
+            return
     store_state(obj, name, value)
 
 
@@ -481,15 +477,11 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         # descriptor call: a third of an eager write from outside the class.
         # The commonest case, store_state's in-place write, is repeated here
         # to save the call.
-        d = self.__dict__
-        slot = d.get(name, _MISSING)
-        if (
-            type(slot) is FrozenLocalStateRequest
-            and type(value) is _CONCRETE_ARRAY
-            and _refcount(slot) == _SOLE_HOLDER
-        ):
-            slot.__dict__["state"] = value
-            return
+        if type(value) is _CONCRETE_ARRAY:
+            slot = self.__dict__.get(name)
+            if type(slot) is FrozenLocalStateRequest and _refcount(slot) == _SOLE_HOLDER:
+                slot.__dict__["state"] = value
+                return
         store_state(self, name, value)
         return
     check_guarded_write(self, name)
