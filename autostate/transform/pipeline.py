@@ -172,8 +172,13 @@ def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
 
 
 def _base_properties(cls: type) -> list[str]:
+    # object has none (and most of the entries to scan: a tenth of a warm hit).
     return sorted(
-        name for base in cls.__mro__[1:] for name, v in vars(base).items() if isinstance(v, property)
+        name
+        for base in cls.__mro__[1:]
+        if base is not object
+        for name, v in vars(base).items()
+        if isinstance(v, property)
     )
 
 
