@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import builtins
 import copy as _copy
+import copyreg
 import functools
 import operator
-import sys
 import types
 from typing import Any
 
@@ -47,6 +47,7 @@ from autostate.errors import (
 )
 
 _MISSING = object()
+_new_object = object.__new__
 # type -> whether it is a StateSlot; a cache of issubclass, not a registry.
 _IS_SLOT: dict[type, bool] = {}
 
@@ -164,10 +165,17 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
         setattr(obj, name, value)
         return
     if type(value) is _CONCRETE_ARRAY:
-        # store_state's in-place write (see there), repeated to save the call.
-        slot = obj.__dict__.get(name)
-        if type(slot) is FrozenLocalStateRequest and _refcount(slot) == _SOLE_HOLDER:
-            slot.__dict__["state"] = value
+        # store_state's common eager write (see there) and the request's
+        # ``replaced``, repeated to save two calls (a third of the write).
+        d = obj.__dict__
+        slot = d.get(name)
+        if type(slot) is FrozenLocalStateRequest:
+            new = _new_object(FrozenLocalStateRequest)
+            new.state = value
+            new.category = slot.category
+            new.name = slot.name
+            new._home = slot._home
+            d[name] = new
             return
     store_state(obj, name, value)
 
@@ -180,15 +188,9 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # The common eager write: a concrete jax array (never a tracer, never
         # numpy) into an unhandled slot. What ``slot.write`` and the guard's
         # tracer checks conclude for it, without them: they were nine
-        # tenths of the write.
-        if _refcount(slot) == _SOLE_HOLDER:
-            # Only this instance's __dict__ holds the request, so no one can
-            # see it change: updated in place, no new request per write.
-            slot.__dict__["state"] = value
-        else:
-            # Shared (a copy.copy of the model, a user's reference, a saved
-            # vars()): the others keep the old value, as plain Python would.
-            d[name] = slot.replaced(value)
+        # tenths of the write. A new request, never the old one changed: a
+        # copy of the model or a saved vars() may hold the old one.
+        d[name] = slot.replaced(value)
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))
@@ -205,24 +207,6 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             _learn_concrete_array(value)
     else:
         d[name] = make_slot(obj, name, value)
-
-
-def _sole_holder_refcount() -> int | None:
-    """``sys.getrefcount`` of an object only one dict holds, seen as ``store_state`` sees it.
-
-    Measured rather than assumed (interpreters count borrowed references
-    differently); ``None`` where counts are not exact (free-threaded builds),
-    which turns the in-place write off.
-    """
-    if not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return None
-    d = {"slot": object()}
-    slot = d.get("slot", _MISSING)
-    return _refcount(slot)
-
-
-_refcount = sys.getrefcount
-_SOLE_HOLDER = _sole_holder_refcount()
 
 
 def _learn_concrete_array(value: Any) -> None:
@@ -475,12 +459,13 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     if type(type(self).__dict__.get(name)) is StateAttribute:
         # What the descriptor's __set__ does, without the guard and the
         # descriptor call: a third of an eager write from outside the class.
-        # The commonest case, store_state's in-place write, is repeated here
-        # to save the call.
+        # The commonest case, store_state's first one, is repeated here to
+        # save the call.
         if type(value) is _CONCRETE_ARRAY:
-            slot = self.__dict__.get(name)
-            if type(slot) is FrozenLocalStateRequest and _refcount(slot) == _SOLE_HOLDER:
-                slot.__dict__["state"] = value
+            d = self.__dict__
+            slot = d.get(name)
+            if type(slot) is FrozenLocalStateRequest:
+                d[name] = slot.replaced(value)
                 return
         store_state(self, name, value)
         return
@@ -630,8 +615,42 @@ def _detached(value: Any) -> Any:
     return value
 
 
+_REDUCTION_METHODS = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
+
+
+def _user_reduction(obj: Any) -> tuple | None:
+    """What ``copy`` would reduce ``obj`` to when its class customises that
+    (``__reduce__``, ``__getstate__``/``__setstate__``, a ``copyreg`` entry);
+    ``None`` for the default, which copies ``__dict__``."""
+    cls = type(obj)
+    reductor = copyreg.dispatch_table.get(cls)
+    if reductor is not None:
+        return reductor(obj)
+    if all(getattr(cls, m, None) is getattr(object, m, None) for m in _REDUCTION_METHODS):
+        return None
+    return obj.__reduce_ex__(4)
+
+
+def _detach_all(new: Any) -> Any:
+    d = new.__dict__
+    for k, v in list(d.items()):
+        detached = _detached(v)
+        if detached is not v:
+            d[k] = detached
+    return new
+
+
 def copy_instance(self: Any) -> Any:
-    """``copy.copy`` of a decorated instance: its states are its own."""
+    """``copy.copy`` of a decorated instance: its states are its own.
+
+    A class's own copy protocol (``__reduce__``, ``__getstate__`` and
+    ``__setstate__``, a ``copyreg`` entry) is followed, as ``copy`` would.
+    """
+    reduction = _user_reduction(self)
+    if reduction is not None:
+        if isinstance(reduction, str):
+            return self  # a global: copy returns the object itself
+        return _detach_all(_copy._reconstruct(self, None, *reduction))  # type: ignore[attr-defined]
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
     new.__dict__.update({k: _detached(v) for k, v in self.__dict__.items()})
@@ -639,7 +658,14 @@ def copy_instance(self: Any) -> Any:
 
 
 def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
-    """``copy.deepcopy`` of a decorated instance: its states are its own."""
+    """``copy.deepcopy`` of a decorated instance: its states are its own
+    (following the class's own copy protocol, as ``copy_instance`` does)."""
+    reduction = _user_reduction(self)
+    if reduction is not None:
+        if isinstance(reduction, str):
+            return self
+        new = _copy._reconstruct(self, memo, *reduction)  # type: ignore[attr-defined]
+        return _detach_all(new)
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
     memo[id(self)] = new

@@ -187,7 +187,7 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
 
 def _home_of(slot: Any) -> Any:
     """The trace a slot's model was built in (``None``: built outside every trace)."""
-    return slot.__dict__.get("_home")
+    return getattr(slot, "_home", None)
 
 
 def _with_home(slot: Any, home: Any) -> Any:
@@ -396,10 +396,9 @@ class InitialLocalStateRequest(StateSlot):
 
 
 _new_object = object.__new__
-_set_object_attribute = object.__setattr__
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class FrozenLocalStateRequest(StateSlot):
     """A state with a known value, embedded in a tree (its value is a child).
 
@@ -412,11 +411,18 @@ class FrozenLocalStateRequest(StateSlot):
     - ``state``: the value (any pytree of arrays).
     - ``category``: which handler handles it.
     - ``name``: explicit state name; ``None`` names it by its path.
+
+    Never changed once made: a write makes a new request (``replaced``), so a
+    copy of a model, or anything else holding a request, keeps its value. Not
+    a frozen dataclass only because that one's ``__setattr__`` made every
+    eager write several times slower; slots make the new request cheap.
     """
 
     state: Any
     category: Category
     name: str | None = None
+    # The trace the model was built in (``None``: outside every trace).
+    _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def get(self) -> Any:
         """Returns the embedded value."""
@@ -435,14 +441,13 @@ class FrozenLocalStateRequest(StateSlot):
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
         """This request holding ``value`` instead, unchecked (``write`` checks).
 
-        The frozen dataclass __init__ (three object.__setattr__ calls) was a
-        third of an eager write; a copy of this one's fields (its home trace
-        included) is the same object.
+        Filled slot by slot, without ``__init__``: an eager write's whole cost.
         """
-        fields = self.__dict__.copy()
-        fields["state"] = value
         new = _new_object(FrozenLocalStateRequest)
-        _set_object_attribute(new, "__dict__", fields)
+        new.state = value
+        new.category = self.category
+        new.name = self.name
+        new._home = self._home
         return new
 
     def as_request(self) -> FrozenLocalStateRequest:
