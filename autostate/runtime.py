@@ -618,7 +618,7 @@ def _detached(value: Any) -> Any:
 _REDUCTION_METHODS = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 
 
-def _user_reduction(obj: Any) -> tuple | None:
+def _user_reduction(obj: Any) -> tuple | str | None:
     """What ``copy`` would reduce ``obj`` to when its class customises that
     (``__reduce__``, ``__getstate__``/``__setstate__``, a ``copyreg`` entry);
     ``None`` for the default, which copies ``__dict__``."""
