@@ -35,7 +35,6 @@ from _timing import (
     Table,
     fmt_ratio,
     fmt_seconds,
-    median_of,
     script_main,
     target_ratio,
     time_once,
@@ -132,6 +131,7 @@ def _import_class(path: Path) -> type:
 
 
 def _decoration_times(directory: Path, source: str, cfg: Config) -> dict[str, float]:
+    """Median seconds of each kind of decoration, and of ``compile()`` of ``source``."""
     # Fresh names: linecache would hand autostate the stale text of a reused one.
     cached_path = directory / f"cached_{next(_counter)}.py"
     cached_path.write_text(source)
@@ -166,12 +166,20 @@ def _decoration_times(directory: Path, source: str, cfg: Config) -> dict[str, fl
         check(cls)
         return seconds
 
-    times: dict[str, list[float]] = {"uncached": [], "cached (memory)": [], "cached (disk)": []}
+    def compiled() -> list[float]:
+        per_round = max(1, cfg.compile_repeats // cfg.repeats)
+        return [time_once(lambda: compile(source, "<bench>", "exec")) for _ in range(per_round)]
+
+    times: dict[str, list[float]] = {
+        "uncached": [], "cached (memory)": [], "cached (disk)": [], "compile()": []
+    }
     for _ in range(cfg.repeats):
-        # Interleaved, so that a noisy moment does not land on one kind only.
+        # Interleaved, compile() too, so that a noisy moment (this machine's
+        # speed drifts by 2x) does not land on one side of a ratio only.
         times["uncached"].append(uncached())
         times["cached (memory)"].append(cached_memory())
         times["cached (disk)"].append(cached_disk())
+        times["compile()"].extend(compiled())
     return {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
 
 
@@ -188,10 +196,8 @@ def run(smoke: bool = False) -> Report:
         try:
             for label, source in SOURCES.items():
                 source = textwrap.dedent(source).lstrip()
-                compiled = median_of(
-                    lambda source=source: compile(source, "<bench>", "exec"), cfg.compile_repeats
-                )
                 times = _decoration_times(Path(tmp), source, cfg)
+                compiled = times.pop("compile()")
                 for kind, seconds in times.items():
                     table.add(label, fmt_seconds(compiled), kind, fmt_seconds(seconds),
                               fmt_ratio(seconds / compiled))
@@ -211,8 +217,8 @@ def run(smoke: bool = False) -> Report:
                 if isinstance(module, types.ModuleType):
                     module.__dict__.clear()
     table.notes.append(
-        f"median of {cfg.repeats} decorations of a freshly imported class (kinds interleaved); "
-        f"compile() median of {cfg.compile_repeats}; import time is not counted"
+        f"median of {cfg.repeats} decorations of a freshly imported class and of "
+        f"{cfg.compile_repeats} compile() calls, all interleaved; import time is not counted"
     )
     table.notes.append(
         "cached (disk) empties autostate's in-process cache first, as a new process would; "
