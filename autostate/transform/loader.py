@@ -252,13 +252,19 @@ def cache_key(
 
 
 def _cache_dir() -> Path | None:
+    name = _cache_dir_name()
+    return None if name is None else Path(name)
+
+
+def _cache_dir_name() -> str | None:
+    """The disk cache's folder, as a string (a warm hit builds no ``Path``)."""
     configured = os.environ.get("AUTOSTATE_CACHE_DIR")
     if configured == "":
         return None
     if configured:
-        return Path(configured)
+        return configured
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "autostate"
+    return os.path.join(base, "autostate")
 
 
 def cache_load(key: str, bundle: str | None = None) -> Any:
@@ -283,7 +289,7 @@ def _bundle(name: str) -> dict[str, Any]:
 
 
 def _read_bundle(name: str) -> dict[str, Any]:
-    directory = _cache_dir()
+    directory = _cache_dir_name()
     if directory is None:
         return {}
     try:
