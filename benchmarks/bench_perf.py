@@ -67,7 +67,7 @@ PACKAGE_ROOT = Path(autostate.__file__).resolve().parent.parent
 @dataclasses.dataclass(frozen=True)
 class Config:
     trace_modules: int = 1_000
-    trace_rounds: int = 15
+    trace_rounds: int = 31
     decoration_rounds: int = 15
     import_rounds: int = 7
     file_rounds: int = 25
