@@ -631,7 +631,12 @@ def _user_reduction(obj: Any) -> tuple | str | None:
     return obj.__reduce_ex__(4)
 
 
-def _detach_all(new: Any) -> Any:
+def _copy_by_protocol(obj: Any, reduction: tuple | str, memo: dict[int, Any] | None) -> Any:
+    """``copy`` of ``obj`` through its class's own reduction (deep with a
+    ``memo``), its running states then detached, as the default copy does."""
+    if isinstance(reduction, str):
+        return obj  # a global: copy returns the object itself
+    new = _copy._reconstruct(obj, memo, *reduction)  # type: ignore[attr-defined]
     d = new.__dict__
     for k, v in list(d.items()):
         detached = _detached(v)
@@ -648,9 +653,7 @@ def copy_instance(self: Any) -> Any:
     """
     reduction = _user_reduction(self)
     if reduction is not None:
-        if isinstance(reduction, str):
-            return self  # a global: copy returns the object itself
-        return _detach_all(_copy._reconstruct(self, None, *reduction))  # type: ignore[attr-defined]
+        return _copy_by_protocol(self, reduction, None)
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
     new.__dict__.update({k: _detached(v) for k, v in self.__dict__.items()})
@@ -662,10 +665,7 @@ def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
     (following the class's own copy protocol, as ``copy_instance`` does)."""
     reduction = _user_reduction(self)
     if reduction is not None:
-        if isinstance(reduction, str):
-            return self
-        new = _copy._reconstruct(self, memo, *reduction)  # type: ignore[attr-defined]
-        return _detach_all(new)
+        return _copy_by_protocol(self, reduction, memo)
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
     memo[id(self)] = new

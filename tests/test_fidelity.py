@@ -788,11 +788,27 @@ class Leaf:
 
     def touch(self):
         self.n = self.n + 0
+
+
+# A copy protocol of its own: copies start three counts ahead.
+class AheadCopier(Copier):
+    def __getstate__(self):
+        return {"count": self.count + 3, "sub": self.sub}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+# Another: a reduction whose copies start counting from zero.
+class ZeroCountCopier(Copier):
+    def __reduce__(self):
+        return (type(self).__new__, (type(self),), {"count": self.count * 0, "sub": self.sub})
 """
 
 
-def test_copies_inside_a_functionalized_call_own_their_state(write_module):
-    plain_cls, cls, module = _twice(write_module, COPIES, "Copier")
+@pytest.mark.parametrize("name", ["Copier", "AheadCopier", "ZeroCountCopier"])
+def test_copies_inside_a_functionalized_call_own_their_state(write_module, name):
+    plain_cls, cls, module = _twice(write_module, COPIES, name)
     autostate.stateful(module.Leaf)
     plain = plain_cls()
     expected = [float(plain(1.0)) for _ in range(2)]
