@@ -44,6 +44,7 @@ from autostate.errors import (
     StateAccessError,
     TracedEagerStateError,
     format_error,
+    user_location,
 )
 
 _MISSING = object()
@@ -90,6 +91,11 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     if spec is not None or sharded_spec is not None:
         _sharding.record(obj, name, spec if spec is not None else sharded_spec)
     # --- end sharding annotations ---
+    if _tree.holds_instance(value):
+        # A sub-model (``self.sub = Leaf()`` in a method, ``self.blocks =
+        # [Block(), ...]``): a plain attribute, so the model graph holds it and
+        # its own states stay states, as if __init__ had assigned it.
+        return value
     if info.slot_factory is not None:
         _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
@@ -196,6 +202,13 @@ def store_state(obj: Any, name: str, value: Any) -> None:
     known = _IS_SLOT.get(type(slot))
     if known or (known is None and is_slot(slot)):
         t = type(slot)
+        if _tree.holds_instance(value):
+            # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
+            # becomes a plain attribute (see make_slot); refused while handled.
+            if t is HandledLocalStateRef or is_guarded(obj):
+                _refuse_submodel_swap(obj, name)
+            d[name] = value
+            return
         if t in _JAX_SLOTS and isinstance(value, _NUMPY):
             value = jax.numpy.asarray(value)
         if t in _UNHANDLED_SLOTS and is_guarded(obj):
@@ -206,7 +219,29 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
             _learn_concrete_array(value)
     else:
+        if (
+            value is not slot
+            and is_guarded(obj)
+            and (_tree.holds_instance(value) or _tree.holds_instance(slot))
+        ):
+            _refuse_submodel_swap(obj, name)
         d[name] = make_slot(obj, name, value)
+
+
+def _refuse_submodel_swap(obj: Any, name: str) -> None:
+    """A functionalized call cannot add, replace or drop a sub-model."""
+    raise StateAccessError(
+        format_error(
+            f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "
+            "instance; assigning it inside a functionalized call would change the model's "
+            "structure, so the states f takes and returns would no longer match the model.",
+            where=user_location(),
+            fix=f"assign `{name}` on the model itself, outside f (for example call the "
+            "method eagerly: `model.reset()`), then call `model.functionalize()` again; "
+            f"to reset the sub-model inside the call, assign its states instead "
+            f"(`self.{name}.x = ...`).",
+        )
+    )
 
 
 def _learn_concrete_array(value: Any) -> None:

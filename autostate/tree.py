@@ -522,6 +522,16 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
         stack.extend(reversed(children))
 
 
+def holds_instance(value: Any) -> bool:
+    """Whether ``value`` is, or contains, a decorated instance (a sub-model)."""
+    t = type(value)
+    if t in _STATEFUL_CLASSES:
+        return True
+    if t in _STATIC_TYPES or isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return next(iter_tree(value, is_stateful_instance), None) is not None
+
+
 def instance_ids(tree: Any) -> frozenset[int]:
     """Ids of every decorated instance reachable in ``tree``."""
     ids: set[int] = set()
