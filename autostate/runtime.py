@@ -479,6 +479,7 @@ def check_guarded_write(obj: Any, name: str) -> None:
             f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
             "functionalized call would be lost when the call returns (or leave a JAX tracer "
             "in the model).",
+            where=user_location(),
             fix=f"make it state: declare it in __init__ with `self.{name} = "
             f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
             "assign it outside the functionalized call.",
