@@ -193,8 +193,10 @@ def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
     saved = []
     for _cls, entries in graphdef.instances:
         for _name, treedef, parts in entries:
-            if treedef is None and type(parts.value) in (list, dict, set):
-                saved.append((parts.value, parts.value.copy()))
+            # ``parts`` is a static value, or a bound method (no ``value``).
+            value = getattr(parts, "value", None) if treedef is None else None
+            if type(value) in (list, dict, set):
+                saved.append((value, value.copy()))  # type: ignore[union-attr]
     return saved
 
 

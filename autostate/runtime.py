@@ -233,8 +233,9 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "
-            "instance; assigning it inside a functionalized call would change the model's "
-            "structure, so the states f takes and returns would no longer match the model.",
+            "instance (or a method bound to one); assigning it inside a functionalized call "
+            "would change the model's structure, so the states f takes and returns would no "
+            "longer match the model.",
             where=user_location(),
             fix=f"assign `{name}` on the model itself, outside f (for example call the "
             "method eagerly: `model.reset()`), then call `model.functionalize()` again; "

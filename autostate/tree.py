@@ -288,14 +288,16 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
     d = obj.__dict__
     remembered = _LAYOUTS.get(id(obj))
     if remembered is not None and remembered[0]() is obj and remembered[1] == tuple(d):
-        return _flatten_as(d, remembered[2])
+        return _flatten_as(obj, d, remembered[2])
     aux: list[Any] = []
     children: list[Any] = []
     for name, value in d.items():
         canonical = _CANONICAL.get(type(value))
         if canonical is not None:
             value = canonical(value)
-        if is_dynamic(value):
+        if type(value) is types.MethodType and value.__self__ is obj:
+            aux.append(("m", name, value.__func__))  # rebound to the rebuilt instance
+        elif is_dynamic(value):
             value, positions = _wrap_statics(value)
             aux.append(("c", name, positions) if positions else name)
             children.append(value)
@@ -304,7 +306,7 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
     return children, tuple(aux)
 
 
-def _flatten_as(d: dict, layout: tuple) -> tuple[list[Any], tuple]:
+def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
     aux: list[Any] = []
     children: list[Any] = []
     for entry in layout:
@@ -319,6 +321,8 @@ def _flatten_as(d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         elif entry[0] == "c":
             aux.append(entry)
             children.append(_wrap_at(value, entry[2]))
+        elif type(value) is types.MethodType and value.__self__ is obj:
+            aux.append(("m", name, value.__func__))
         else:
             aux.append(("s", name, _Static(value)))
     return children, tuple(aux)
@@ -346,6 +350,8 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
                 d[entry] = next(it)
             elif entry[0] == "c":
                 d[entry[1]] = _unwrap_at(next(it), entry[2])
+            elif entry[0] == "m":
+                d[entry[1]] = types.MethodType(entry[2], obj)
             else:
                 d[entry[1]] = entry[2].value
         _remember_layout(obj, aux)
@@ -454,6 +460,9 @@ def map_tree(
             return tuple(walk(v, prefix + index_name(i)) for i, v in enumerate(node))
         if t is dict:
             return {k: walk(v, prefix + mapping_name(k)) for k, v in node.items()}
+        if t is types.MethodType and type(node.__self__) in _STATEFUL_CLASSES:
+            # ``self.act = self._gelu``: bound to the copy, as flatten_graph rebinds.
+            return types.MethodType(node.__func__, walk(node.__self__, prefix + ".__self__"))
         if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             return node
         custom = _WALK_CHILDREN.get(t)
@@ -523,13 +532,20 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
 
 
 def holds_instance(value: Any) -> bool:
-    """Whether ``value`` is, or contains, a decorated instance (a sub-model)."""
+    """Whether ``value`` is, or contains, a decorated instance (a sub-model) or
+    a method bound to one (``self._eval``)."""
     t = type(value)
     if t in _STATEFUL_CLASSES:
         return True
+    if t is types.MethodType:
+        return type(value.__self__) in _STATEFUL_CLASSES
     if t in _STATIC_TYPES or isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return False
-    return next(iter_tree(value, is_stateful_instance), None) is not None
+    return next(iter_tree(value, _instance_or_bound), None) is not None
+
+
+def _instance_or_bound(value: Any) -> bool:
+    return type(value) in _STATEFUL_CLASSES or _bound_to_instance(value)
 
 
 def instance_ids(tree: Any) -> frozenset[int]:
@@ -594,6 +610,43 @@ class GraphDef:
         return f"GraphDef({len(self.instances)} instances)"
 
 
+class _BoundRef:
+    """A bound method of a decorated instance (``self.act = self._gelu``), in a
+    graphdef: its function and its instance's index, so the rebuilt model's
+    method is bound to the rebuilt instance, never to the original one."""
+
+    __slots__ = ("func", "index")
+
+    def __init__(self, func: Any, index: int):
+        self.func = func
+        self.index = index
+
+    def rebind(self, objs: list[Any]) -> Any:
+        return types.MethodType(self.func, objs[self.index])
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not _BoundRef:
+            return NotImplemented
+        return self.index == other.index and (self.func is other.func or self.func == other.func)
+
+    def __hash__(self) -> int:
+        try:
+            return hash((self.func, self.index))
+        except TypeError:
+            return hash(self.index)
+
+
+def _bound_to_instance(value: Any) -> bool:
+    """Whether ``value`` is a method bound to a decorated instance."""
+    return type(value) is types.MethodType and type(value.__self__) in _STATEFUL_CLASSES
+
+
+def _same_function(method: Any, ref: _BoundRef) -> bool:
+    return type(method) is types.MethodType and (
+        method.__func__ is ref.func or method.__func__ == ref.func
+    )
+
+
 def _graph_leaf(x: Any) -> bool:
     return type(x) in _STATEFUL_CLASSES or is_static_leaf(x)
 
@@ -628,7 +681,12 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
             if canonical is not None:
                 value = canonical(value)
             if not is_dynamic(value):
-                entries.append((name, None, _Static(value)))
+                if _bound_to_instance(value):
+                    here = prefix + attr_name(name) + ".__self__"
+                    bound_to = visit(value.__self__, here, (*prefix_keys, attr_key(name)))
+                    entries.append((name, None, _BoundRef(value.__func__, bound_to)))
+                else:
+                    entries.append((name, None, _Static(value)))
                 continue
             flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_graph_leaf)
             parts: list[Any] = []
@@ -643,6 +701,9 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                     leaves.append(leaf)
                     names.append(path_name(sub))
                     keys.append((*here_keys, *path))
+                elif _bound_to_instance(leaf):
+                    bound_to = visit(leaf.__self__, sub + ".__self__", (*here_keys, *path))
+                    parts.append(_BoundRef(leaf.__func__, bound_to))
                 else:
                     parts.append(_Static(leaf))
             entries.append((name, treedef, tuple(parts)))
@@ -665,11 +726,15 @@ def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
         d = obj.__dict__
         for name, treedef, parts in entries:
             if treedef is None:
-                d[name] = parts.value
+                d[name] = parts.rebind(objs) if type(parts) is _BoundRef else parts.value
             else:
                 d[name] = treedef.unflatten(
                     [
-                        (objs[-1 - p] if p < 0 else leaves[p]) if type(p) is int else p.value
+                        (objs[-1 - p] if p < 0 else leaves[p])
+                        if type(p) is int
+                        else p.rebind(objs)
+                        if type(p) is _BoundRef
+                        else p.value
                         for p in parts
                     ]
                 )
@@ -701,6 +766,10 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
             if canonical is not None:
                 value = canonical(value)
             if treedef is None:
+                if type(parts) is _BoundRef:
+                    if not _same_instance(value, parts):
+                        return False
+                    continue
                 if is_dynamic(value) or not (value is parts.value or _Static(value) == parts):
                     return False
                 continue
@@ -715,7 +784,10 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
             if new_def != treedef or len(flat) != len(parts):
                 return False
             for leaf, p in zip(flat, parts):
-                if type(p) is _Static:
+                if type(p) is _BoundRef:
+                    if not _same_instance(leaf, p):
+                        return False
+                elif type(p) is _Static:
                     # A python value inside a container: structure, compared by value.
                     if type(leaf) in _STATEFUL_CLASSES or is_array_leaf(leaf):
                         return False
@@ -730,5 +802,14 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                 elif p < 0 or leaf is not leaves[p]:
                     return False
         return True
+
+    def _same_instance(method: Any, ref: _BoundRef) -> bool:
+        """A bound method in the place of ``ref``: its function, its instance's index."""
+        if not _same_function(method, ref) or not _bound_to_instance(method):
+            return False
+        seen = index.get(id(method.__self__))
+        if seen is None:
+            return len(index) == ref.index and same(method.__self__)
+        return seen == ref.index
 
     return same(root) and len(index) == len(instances) and graphdef.root == 0
