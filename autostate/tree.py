@@ -681,7 +681,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
             if canonical is not None:
                 value = canonical(value)
             if not is_dynamic(value):
-                if _bound_to_instance(value):
+                if type(value) is types.MethodType and _bound_to_instance(value):
                     here = prefix + attr_name(name) + ".__self__"
                     bound_to = visit(value.__self__, here, (*prefix_keys, attr_key(name)))
                     entries.append((name, None, _BoundRef(value.__func__, bound_to)))
