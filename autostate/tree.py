@@ -460,9 +460,15 @@ def map_tree(
             return tuple(walk(v, prefix + index_name(i)) for i, v in enumerate(node))
         if t is dict:
             return {k: walk(v, prefix + mapping_name(k)) for k, v in node.items()}
-        if t is types.MethodType and type(node.__self__) in _STATEFUL_CLASSES:
-            # ``self.act = self._gelu``: bound to the copy, as flatten_graph rebinds.
-            return types.MethodType(node.__func__, walk(node.__self__, prefix + ".__self__"))
+        if t in _CALLABLES:
+            held = _held_instances(node)
+            if held is not None:
+                # ``self.act = self._gelu``: bound to the copies, as flatten_graph rebinds.
+                copies = [None if h is None else walk(h, prefix + ".__self__") for h in held]
+                if t is types.MethodType:
+                    return types.MethodType(node.__func__, copies[0])
+                indices = tuple(-1 if h is None else k for k, h in enumerate(held))
+                return _BoundRef(node, indices, False).rebind(copies)
         if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             return node
         custom = _WALK_CHILDREN.get(t)
@@ -529,6 +535,9 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
                 continue
             children = [(prefix + sub, child) for sub, child in flat]
         stack.extend(reversed(children))
+
+
+_CALLABLES = (types.MethodType, types.FunctionType)
 
 
 def holds_instance(value: Any) -> bool:
@@ -611,39 +620,122 @@ class GraphDef:
 
 
 class _BoundRef:
-    """A bound method of a decorated instance (``self.act = self._gelu``), in a
-    graphdef: its function and its instance's index, so the rebuilt model's
-    method is bound to the rebuilt instance, never to the original one."""
+    """A callable bound to instances of the model, in a graphdef.
 
-    __slots__ = ("func", "index")
+    A method bound to a decorated instance (``self.act = self._gelu``) or a
+    function closing over one (``self.score = lambda x: self.w @ x``) is
+    kept as its function and the graph indices of those instances, so the
+    rebuilt model's callable reads and writes the rebuilt instances, never
+    the original ones. Equal for the same code bound to the same places.
+    """
 
-    def __init__(self, func: Any, index: int):
+    __slots__ = ("func", "index", "method")
+
+    def __init__(self, func: Any, index: tuple[int, ...], method: bool):
+        # A method's function, or the closure itself (its other cells kept).
         self.func = func
+        # Per instance held: a method's one, or a closure's per cell (-1: none).
         self.index = index
+        self.method = method
 
     def rebind(self, objs: list[Any]) -> Any:
-        return types.MethodType(self.func, objs[self.index])
+        func = self.func
+        if self.method:
+            return types.MethodType(func, objs[self.index[0]])
+        cells = tuple(
+            cell if i < 0 else types.CellType(objs[i])
+            for cell, i in zip(func.__closure__, self.index)
+        )
+        new = types.FunctionType(
+            func.__code__, func.__globals__, func.__name__, func.__defaults__, cells
+        )
+        new.__kwdefaults__ = func.__kwdefaults__
+        new.__qualname__ = func.__qualname__
+        new.__dict__.update(func.__dict__)
+        return new
+
+    def _key(self) -> tuple:
+        func = self.func
+        if not self.method:
+            # The code and what its other cells hold, by identity: a rebuilt
+            # closure shares those cells, so it compares equal to its template.
+            others = tuple(
+                id(cell.cell_contents) if i < 0 else None
+                for cell, i in zip(func.__closure__, self.index)
+            )
+            return (func.__code__, id(func.__defaults__), others)
+        return (func,)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not _BoundRef:
             return NotImplemented
-        return self.index == other.index and (self.func is other.func or self.func == other.func)
+        if self.index != other.index or self.method != other.method:
+            return False
+        if self.func is other.func:
+            return True
+        try:
+            return bool(self._key() == other._key())
+        except Exception:
+            return False
 
     def __hash__(self) -> int:
         try:
-            return hash((self.func, self.index))
+            return hash((self._key(), self.index))
         except TypeError:
             return hash(self.index)
 
 
+def _held_instances(value: Any) -> list[Any] | None:
+    """The decorated instances a method or closure is bound to (None: not one).
+
+    A method: its ``__self__``; a closure: each cell's value (``None`` in the
+    place of a cell holding no instance).
+    """
+    t = type(value)
+    if t is types.MethodType:
+        return [value.__self__] if type(value.__self__) in _STATEFUL_CLASSES else None
+    if t is types.FunctionType and value.__closure__ is not None:
+        held = []
+        for cell in value.__closure__:
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                content = None
+            held.append(content if type(content) in _STATEFUL_CLASSES else None)
+        return held if any(h is not None for h in held) else None
+    return None
+
+
 def _bound_to_instance(value: Any) -> bool:
-    """Whether ``value`` is a method bound to a decorated instance."""
-    return type(value) is types.MethodType and type(value.__self__) in _STATEFUL_CLASSES
+    """Whether ``value`` is a method of, or a closure over, a decorated instance."""
+    return _held_instances(value) is not None
 
 
-def _same_function(method: Any, ref: _BoundRef) -> bool:
-    return type(method) is types.MethodType and (
-        method.__func__ is ref.func or method.__func__ == ref.func
+def _bound_ref(value: Any, indices: list[int]) -> _BoundRef:
+    """The graphdef entry of ``value``, given its held instances' graph indices."""
+    if type(value) is types.MethodType:
+        return _BoundRef(value.__func__, (indices[0],), True)
+    return _BoundRef(value, tuple(indices), False)
+
+
+def _same_function(value: Any, ref: _BoundRef) -> bool:
+    if ref.method:
+        return type(value) is types.MethodType and (
+            value.__func__ is ref.func or value.__func__ == ref.func
+        )
+    func = ref.func
+    if type(value) is not types.FunctionType or type(func) is not types.FunctionType:
+        return False
+    if value is func:
+        return True
+    return (
+        value.__code__ is func.__code__
+        and value.__closure__ is not None
+        and func.__closure__ is not None
+        and all(
+            i >= 0 or a is b or a.cell_contents is b.cell_contents
+            for a, b, i in zip(value.__closure__, func.__closure__, ref.index)
+        )
     )
 
 
@@ -681,10 +773,12 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
             if canonical is not None:
                 value = canonical(value)
             if not is_dynamic(value):
-                if type(value) is types.MethodType and _bound_to_instance(value):
+                held = _held_instances(value) if type(value) in _CALLABLES else None
+                if held is not None:
                     here = prefix + attr_name(name) + ".__self__"
-                    bound_to = visit(value.__self__, here, (*prefix_keys, attr_key(name)))
-                    entries.append((name, None, _BoundRef(value.__func__, bound_to)))
+                    here_keys = (*prefix_keys, attr_key(name))
+                    indices = [-1 if h is None else visit(h, here, here_keys) for h in held]
+                    entries.append((name, None, _bound_ref(value, indices)))
                 else:
                     entries.append((name, None, _Static(value)))
                 continue
@@ -701,9 +795,10 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                     leaves.append(leaf)
                     names.append(path_name(sub))
                     keys.append((*here_keys, *path))
-                elif _bound_to_instance(leaf):
-                    bound_to = visit(leaf.__self__, sub + ".__self__", (*here_keys, *path))
-                    parts.append(_BoundRef(leaf.__func__, bound_to))
+                elif type(leaf) in _CALLABLES and (held := _held_instances(leaf)) is not None:
+                    where, where_keys = f"{sub}.__self__", (*here_keys, *path)
+                    indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
+                    parts.append(_bound_ref(leaf, indices))
                 else:
                     parts.append(_Static(leaf))
             entries.append((name, treedef, tuple(parts)))
@@ -803,13 +898,22 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                     return False
         return True
 
-    def _same_instance(method: Any, ref: _BoundRef) -> bool:
-        """A bound method in the place of ``ref``: its function, its instance's index."""
-        if not _same_function(method, ref) or not _bound_to_instance(method):
+    def _same_instance(value: Any, ref: _BoundRef) -> bool:
+        """A method or closure in the place of ``ref``: its code, its instances' indices."""
+        held = _held_instances(value) if _same_function(value, ref) else None
+        if held is None or len(held) != len(ref.index):
             return False
-        seen = index.get(id(method.__self__))
-        if seen is None:
-            return len(index) == ref.index and same(method.__self__)
-        return seen == ref.index
+        for instance, expected in zip(held, ref.index):
+            if (instance is None) != (expected < 0):
+                return False
+            if instance is None:
+                continue
+            seen = index.get(id(instance))
+            if seen is None:
+                if len(index) != expected or not same(instance):
+                    return False
+            elif seen != expected:
+                return False
+        return True
 
     return same(root) and len(index) == len(instances) and graphdef.root == 0

@@ -61,6 +61,23 @@ class SelfBound:
 
 
 @DECORATE
+class Closes:
+    def __init__(self, k=2.0):
+        self.n = jnp.zeros(())
+        self.head = Head()
+        head = self.head
+        self.bump = lambda x: self._bump(x, k)
+        self.fns = [lambda x: head.forward(x) * k]
+
+    def _bump(self, x, k):
+        self.n = self.n + x * k
+        return self.n
+
+    def __call__(self, x):
+        return self.bump(x) + self.fns[0](x)
+
+
+@DECORATE
 class Switchable:
     def __init__(self):
         self.n = jnp.zeros(())
@@ -123,6 +140,8 @@ CASES = [
     ("SelfBound", (), [(1.0,), (2.0,)]),
     ("Branches", (), [(0, 1.0), (1, 2.0), (0, 0.5)]),
     ("Delegates", (), [(1.0,), (2.0,)]),
+    ("Closes", (), [(1.0,), (2.0,)]),
+    ("Closes", (3.0,), [(1.0,)]),
 ]
 
 
@@ -138,7 +157,7 @@ def _run_plain(model: Any, calls: list[tuple]) -> list[float]:
 
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
-@pytest.mark.parametrize(("cls", "ctor", "calls"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("cls", "ctor", "calls"), CASES, ids=[f"{c[0]}{c[1]}" for c in CASES])
 def test_stored_bound_methods_act_on_the_running_model(
     pair: Any, mode: str, cls: str, ctor: tuple, calls: list[tuple]
 ) -> None:
@@ -192,6 +211,9 @@ def test_a_frozen_models_methods_are_bound_to_it(pair: Any) -> None:
     assert frozen.by_name["up"].__self__ is frozen
     delegates = autostate.freeze(*dec.Delegates().functionalize())
     assert delegates.score.__self__ is delegates.head
+    closes = autostate.freeze(*dec.Closes().functionalize())
+    closes(1.0)
+    assert float(closes.n) == 2.0 and float(closes.head.calls) == 1.0
 
 
 def test_gradients_reach_a_parameter_read_through_a_stored_method(pair: Any) -> None:
