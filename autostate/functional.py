@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import io
+import operator
 import pickle
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
@@ -200,6 +202,63 @@ def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
     return saved
 
 
+_ABSENT = object()
+
+
+def _put_back(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+    for obj, before in snapshot:
+        d = obj.__dict__
+        if d.keys() != before.keys() or not all(map(operator.is_, d.values(), before.values())):
+            d.clear()
+            d.update(before)
+
+
+def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: bool) -> None:
+    """Refuses a call that changed the model's attributes behind their descriptors.
+
+    Inside a functionalized call every change of the model goes through its
+    states: a state is a slot (a handled reference, or a request of a
+    category the call leaves alone, replaced by each eager write). A value
+    put into ``__dict__`` directly (``vars(self)["x"] = v``,
+    ``self.__dict__.update(...)``), or a key added or removed, bypasses them:
+    the states returned would silently miss it.
+    """
+    for obj, before in snapshot:
+        d = obj.__dict__
+        if d.keys() == before.keys() and all(map(operator.is_, d.values(), before.values())):
+            continue
+        for name in [*before, *(k for k in d if k not in before)]:
+            old, new = before.get(name, _ABSENT), d.get(name, _ABSENT)
+            if old is new or (isinstance(old, StateSlot) and isinstance(new, StateSlot)):
+                continue
+            cached = getattr(type(obj), name, None)
+            if old is _ABSENT and isinstance(cached, functools.cached_property):
+                if not traced:
+                    continue  # cached in f's model, as plain Python caches it
+                code = getattr(cached.func, "__code__", None)
+                raise StateAccessError(
+                    format_error(
+                        f"{type(obj).__name__}.{name} is a functools.cached_property: its "
+                        "first use inside a traced functionalized call would cache a JAX "
+                        "tracer in the model.",
+                        where=f"{code.co_filename}:{code.co_firstlineno}" if code else None,
+                        fix="use a plain @property (computed on each use), or compute the "
+                        "value in __init__.",
+                    )
+                )
+            change = "added" if old is _ABSENT else "removed" if new is _ABSENT else "replaced"
+            raise StateAccessError(
+                format_error(
+                    f"A functionalized call {change} {type(obj).__name__}.{name} in the "
+                    "instance __dict__ directly (`vars(self)[...] = v`, "
+                    "`self.__dict__.update(...)`), bypassing its state: the states the call "
+                    "returns would not have the change.",
+                    fix=f"assign the attribute (`self.{name} = v`), which autostate threads "
+                    "as state, or make that change outside the functionalized call.",
+                )
+            )
+
+
 def _restore(saved: Any) -> None:
     for value, contents in saved:
         if type(value) is list:
@@ -235,7 +294,9 @@ class FunctionalModel(Generic[M]):
         names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
     """
 
-    __slots__ = ("handler_id", "_model", "_flat", "_children", "_guard", "__weakref__")
+    __slots__ = (
+        "handler_id", "_model", "_flat", "_children", "_guard", "_instances", "__weakref__"
+    )
 
     def __init__(
         self,
@@ -249,6 +310,7 @@ class FunctionalModel(Generic[M]):
         self._flat = flat  # (leaves in graph order, graphdef), computed on first flatten
         self._children = children  # (keyed view of the leaves, graphdef)
         self._guard: frozenset[int] | None = None  # ids of the model's instances
+        self._instances: list[Any] | None = None  # and the instances themselves
 
     @property
     def model(self) -> M:
@@ -259,6 +321,7 @@ class FunctionalModel(Generic[M]):
             self._model = instances[graphdef.root]
             # The ids the call's guard needs, without walking the new graph
             # again (a walk of every instance on every trace).
+            self._instances = instances
             self._guard = frozenset(map(id, instances))
         return self._model
 
@@ -332,21 +395,28 @@ class FunctionalModel(Generic[M]):
             reuse = flat is not None and model is self._model
             before = flat if reuse else _tree.flatten_graph(model)
         saved = _mutable_statics(before[1]) if before is not None else ()
-        guard = self._guard
-        if guard is None or model is not self._model:
+        instances = self._instances
+        if instances is None or model is not self._model:
             # The instance graph cannot change inside a call (the guard refuses
-            # it), so its ids are collected once per model (per call when
+            # it), so its instances are collected once per model (per call when
             # constants were embedded into a copy).
-            guard = _tree.instance_ids(model)
+            instances = _tree.instances_of(model)
+            guard = frozenset(map(id, instances))
             if model is self._model:
-                self._guard = guard
+                self._instances, self._guard = instances, guard
+        else:
+            guard = self._guard  # type: ignore[assignment]
+        snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])
+            _check_attributes_kept(snapshot, traced)
             if before is not None and not _tree.graph_unchanged(model, *before):
                 _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         except BaseException:
-            _restore(saved)  # a refused traced call leaves no tracer behind
+            # A refused call leaves no tracer behind, and f as it was.
+            _restore(saved)
+            _put_back(snapshot)
             raise
         finally:
             # States of categories left unhandled live in the model itself; an
@@ -356,10 +426,14 @@ class FunctionalModel(Generic[M]):
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("_"):
-            raise AttributeError(name)
+        if name.startswith("__") or name in FunctionalModel.__slots__:
+            raise AttributeError(name)  # a protocol lookup, or a slot not set yet
         model = self.model
         method = getattr(type(model), name, None)
+        if name.startswith("_") and (method is None or not callable(method)):
+            # A private name the class has no method for (``_repr_html_``
+            # probed by a notebook): not found, as plain attribute lookup says.
+            raise AttributeError(name)
         if method is None or not callable(method):
             raise MethodNotFoundError(
                 format_error(

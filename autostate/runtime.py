@@ -528,8 +528,9 @@ def guard_setattr(user_setattr: Any) -> Any:
 # --- plain objects inside a model --------------------------------------------
 
 
-def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str, str] | None:
-    """``(path from value, holder class)`` of an array inside a plain object."""
+def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str, str, Any] | None:
+    """``(path from value, holder class, what)`` of an array, or of a decorated
+    instance (a back-reference), inside a plain object."""
     if depth > 4 or id(value) in seen:
         return None
     seen.add(id(value))
@@ -545,16 +546,16 @@ def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str,
         if not isinstance(attrs, dict) or isinstance(value, _NOT_HOLDERS):
             return None
         for k, v in attrs.items():
-            if isinstance(v, (jax.Array, np.ndarray)):
-                return f".{k}", t.__name__
+            if isinstance(v, (jax.Array, np.ndarray)) or _tree.is_stateful_instance(v):
+                return f".{k}", t.__name__, v
             found = _hidden_array(v, depth + 1, seen)
             if found is not None:
-                return f".{k}{found[0]}", found[1]
+                return f".{k}{found[0]}", found[1], found[2]
         return None
     for k, v in items:
         found = _hidden_array(v, depth + 1, seen)
         if found is not None:
-            return f"{k}{found[0]}", found[1]
+            return f"{k}{found[0]}", found[1], found[2]
     return None
 
 
@@ -596,6 +597,20 @@ def check_no_hidden_arrays(model: Any) -> None:
                 continue
             where = (f"{path}.{name}" if path else name) + found[0]
             holder = found[1]
+            if _tree.is_stateful_instance(found[2]):
+                # A back-reference (``self.hook = Hook(self)``): f's copy of the
+                # model would still reach the original through it.
+                raise InvalidTypeError(
+                    format_error(
+                        f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
+                        f"{holder} object (at {where}); functionalize() copies the model "
+                        f"but not the {holder}, so calls through it inside f would read and "
+                        "write the original model instead of f's states.",
+                        fix=f"decorate {holder} with @autostate.stateful (its reference is "
+                        "then followed like any sub-model's), or pass the model to its "
+                        "methods as an argument instead of storing it.",
+                    )
+                )
             raise InvalidTypeError(
                 format_error(
                     f"{type(obj).__name__}.{name} holds an array inside a plain "

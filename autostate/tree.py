@@ -557,6 +557,20 @@ def _instance_or_bound(value: Any) -> bool:
     return type(value) in _STATEFUL_CLASSES or _bound_to_instance(value)
 
 
+def instances_of(tree: Any) -> list[Any]:
+    """Every decorated instance reachable in ``tree``, once each."""
+    found: list[Any] = []
+
+    def record(node: Any) -> bool:
+        if type(node) in _STATEFUL_CLASSES:
+            found.append(node)
+        return False
+
+    for _ in iter_tree(tree, record):
+        pass
+    return found
+
+
 def instance_ids(tree: Any) -> frozenset[int]:
     """Ids of every decorated instance reachable in ``tree``."""
     ids: set[int] = set()
