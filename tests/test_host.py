@@ -387,7 +387,10 @@ def test_inference_mode_reads_state_at_the_jit_boundary_without_callbacks():
     traces.clear()
     run = jax.jit(lambda m, x: predict(m, x))
     assert float(run(frozen, 2.0)) == 6.0
-    c(1.0)  # training the original model continues; the view follows it
+    # Training the original model continues; the view follows it. (A typed
+    # input: after jax 0.10.2 adds a Python float to an unpickled weak-typed
+    # array, strong f32 + Python float comes out weak-typed, a re-trace.)
+    c(jnp.float32(1.0))
     assert float(run(frozen, 2.0)) == 8.0
     assert len(traces) == 1  # the state is an input: no re-trace per call
     # The un-frozen model does call back.

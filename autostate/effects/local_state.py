@@ -30,7 +30,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 from jax._src import core as _core
-from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JAXPR_TRACER
 
 from autostate import tree as _tree
 from autostate.errors import (
@@ -94,12 +93,12 @@ def is_escaped_tracer(value: Any) -> bool:
     trace = value._trace
     if not trace.is_valid():
         return True
-    # JAX does not invalidate the trace of a finished lax body, so look for the
-    # tracer's trace among the live ones. Only a chain that reaches the eager
-    # root is complete (some internal traces have no parent); short of that,
-    # the tracer is given the benefit of the doubt.
-    if not isinstance(value, _JAXPR_TRACER):
-        return False
+    # JAX does not invalidate the trace of a finished lax body, nor that of a
+    # finished ``jax.grad`` (a state written inside ``jax.grad(loss)`` in a
+    # method), so look for the tracer's trace among the live ones. Only a
+    # chain that reaches the eager root is complete (some internal traces
+    # have no parent); short of that, the tracer is given the benefit of the
+    # doubt.
     live = _core.trace_ctx.trace
     while live is not trace:
         parent = getattr(live, "parent_trace", None)
