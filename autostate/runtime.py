@@ -541,6 +541,16 @@ def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str,
         items = [(f"[{k!r}]", v) for k, v in value.items()]
     elif _tree.is_stateful_instance(value) or _tree.is_dynamic(value):
         return None
+    elif t is functools.partial:
+        # Bound to a model through its function or arguments: not rebound
+        # to f's copy (a method or a lambda is).
+        parts = [("func", value.func), *((f"args[{i}]", a) for i, a in enumerate(value.args))]
+        parts += [(f"keywords[{k!r}]", a) for k, a in value.keywords.items()]
+        for k, v in parts:
+            if _tree.holds_instance(v):
+                inner = getattr(v, "__self__", v)
+                return f".{k}", "functools.partial", inner
+        return None
     else:
         attrs = getattr(value, "__dict__", None)
         if not isinstance(attrs, dict) or isinstance(value, _NOT_HOLDERS):
@@ -600,15 +610,23 @@ def check_no_hidden_arrays(model: Any) -> None:
             if _tree.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
+                fix = (
+                    f"decorate {holder} with @autostate.stateful (its reference is then "
+                    "followed like any sub-model's), or pass the model to its methods as an "
+                    "argument instead of storing it."
+                )
+                if holder == "functools.partial":
+                    fix = (
+                        "store the method itself or a lambda (`self.fn = lambda x: "
+                        "self.method(x, k=2)`), which f's copy rebinds to itself."
+                    )
                 raise InvalidTypeError(
                     format_error(
                         f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
                         f"{holder} object (at {where}); functionalize() copies the model "
                         f"but not the {holder}, so calls through it inside f would read and "
                         "write the original model instead of f's states.",
-                        fix=f"decorate {holder} with @autostate.stateful (its reference is "
-                        "then followed like any sub-model's), or pass the model to its "
-                        "methods as an argument instead of storing it.",
+                        fix=fix,
                     )
                 )
             raise InvalidTypeError(

@@ -300,3 +300,35 @@ def test_switching_a_stored_method_inside_a_functionalized_call_is_refused(
     assert dec.__file__ in str(info.value)
     out, _ = jax.jit(f)(states, 1.0)  # f still runs
     assert float(out) == 2.0
+
+
+PARTIAL_SOURCE = """
+import functools
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class Partial:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.fns = [functools.partial(self._add, k=2.0)]
+
+    def _add(self, x, k):
+        self.n = self.n + k * x
+        return self.n
+
+    def __call__(self, x):
+        return self.fns[0](x)
+"""
+
+
+def test_a_partial_of_a_method_is_refused_at_functionalize_naming_the_path(
+    write_module: Callable[..., types.ModuleType],
+) -> None:
+    module = write_module(PARTIAL_SOURCE)
+    model = module.Partial()
+    assert float(model(1.0)) == 2.0  # eagerly: plain Python
+    with pytest.raises(autostate.errors.InvalidTypeError, match=r"at fns\[0\]\.func") as info:
+        model.functionalize()
+    assert "lambda" in str(info.value)
