@@ -59,7 +59,9 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
         for name, a, b in zip(new_def.names, old_leaves, new_leaves)
         if a is not b
     ]
-    where = f" (at {', '.join(changed[:3])})" if changed and old_def == new_def else ""
+    if old_def != new_def:
+        changed = _changed_attributes(old_def, new_def)
+    where = f" (at {', '.join(changed[:3])})" if changed else ""
     raise StateAccessError(
         format_error(
             f"A functionalized call changed {model_name}'s attributes outside its states"
@@ -69,6 +71,27 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
             "(`self.log = self.log + [x]`), or keep such bookkeeping out of the jitted call.",
         )
     )
+
+
+def _changed_attributes(old: Any, new: Any) -> list[str]:
+    """``Class.attr`` of each attribute whose structure differs between two graphdefs."""
+    changed = []
+    for (cls, old_entries), (_, new_entries) in zip(old.instances, new.instances):
+        old_by_name = {entry[0]: entry[1:] for entry in old_entries}
+        new_by_name = {entry[0]: entry[1:] for entry in new_entries}
+        for name in [*old_by_name, *(k for k in new_by_name if k not in old_by_name)]:
+            if not _same_entry(old_by_name.get(name), new_by_name.get(name)):
+                changed.append(f"{cls.__name__}.{name}")
+    return changed
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    try:
+        return all(x is y or (type(x) is type(y) and bool(x == y)) for x, y in zip(a, b))
+    except Exception:  # noqa: BLE001 - an uncomparable value is a change
+        return False
 
 
 CONSTANT = "constant"
