@@ -164,7 +164,11 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
 def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     _check_is_class(cls)
     previous = _tree.class_info(cls)
-    if previous is not None and (previous.category, previous.fallback) == (category, fallback):
+    if (
+        previous is not None
+        and (previous.category, previous.fallback) == (category, fallback)
+        and _state_descriptors_in_place(cls, previous.state)
+    ):
         return cls
     decision, slots = decide_class(
         cls,
@@ -177,6 +181,7 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     )
     _install_methods(slots, decision)
     _install_state_descriptors(cls, decision.state)
+    _runtime.install_class_defaults(cls, decision.defaults)
     _install_defaults(cls)
     _install_subclass_hook(cls, category, fallback)
     slot_factory = after_copy = None
@@ -216,9 +221,23 @@ def _install_methods(slots: list, decision: ClassDecision) -> None:
 
 def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
     for attr in state_attrs:
-        existing = next((k.__dict__[attr] for k in cls.__mro__ if attr in k.__dict__), None)
-        if not isinstance(existing, _runtime.StateAttribute):
-            setattr(cls, attr, _runtime.StateAttribute(attr, existing))
+        found = [k.__dict__[attr] for k in cls.__mro__ if attr in k.__dict__]
+        if not found:
+            setattr(cls, attr, _runtime.StateAttribute(attr))
+        elif not isinstance(found[0], _runtime.StateAttribute):
+            setattr(cls, attr, _runtime.StateAttribute(attr, found[0]))
+
+
+def _state_descriptors_in_place(cls: type, state_attrs: frozenset[str]) -> bool:
+    """Whether a decorated class still has its states' descriptors: a class
+    decorator applied after decoration (``@dataclass`` below ``@stateful`` on
+    a subclass, which the subclass hook decorated first) may have replaced
+    them, and the class is then decorated again."""
+    return all(
+        isinstance(next((k.__dict__[a] for k in cls.__mro__ if a in k.__dict__), None),
+                   _runtime.StateAttribute)
+        for a in state_attrs
+    )
 
 
 def _install_defaults(cls: type) -> None:

@@ -31,12 +31,14 @@ from autostate import tree as _tree
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
+    HandledStaticState,
     InitialLocalStateRequest,
     StateSlot,
     contains_tracer,
     initial_slot,
     is_guarded,
     is_running,
+    is_static_value,
 )
 from autostate.effects.local_state import _check_not_traced
 from autostate.errors import (
@@ -154,6 +156,9 @@ def read_state(obj: Any, name: str) -> Any:
     try:
         slot = obj.__dict__[name]
     except KeyError:
+        default = _class_value(type(obj), name)
+        if default is not _MISSING:
+            return default  # a static class-level default (see install_class_defaults)
         raise StateAccessError(
             format_error(
                 f"{type(obj).__name__!r} object has no state {name!r} yet.",
@@ -219,6 +224,15 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
             _learn_concrete_array(value)
     else:
+        if slot is _MISSING and is_guarded(obj):
+            default = _class_value(type(obj), name)
+            if default is not _MISSING:
+                # Still the class's static value, part of f's structure: the
+                # same value again is allowed, another one refused.
+                HandledStaticState(None, name, default, False, _tree.info_of(obj).category).write(
+                    value, name
+                )
+                return
         if (
             value is not slot
             and is_guarded(obj)
@@ -757,9 +771,10 @@ class StateAttribute:
 
     __slots__ = ("name", "class_value")
 
-    def __init__(self, name: str, class_value: Any = None):
+    def __init__(self, name: str, class_value: Any = _MISSING):
         self.name = name
-        # What the class attribute of that name was, so ``Cls.x`` still gives it.
+        # What the class attribute of that name was, so ``Cls.x`` still gives
+        # it (``None`` included); ``_MISSING`` when there was none.
         self.class_value = class_value
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -767,7 +782,7 @@ class StateAttribute:
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
-            return self if self.class_value is None else self.class_value
+            return self if self.class_value is _MISSING else self.class_value
         return read_state(obj, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -780,3 +795,86 @@ class StateAttribute:
                 fix=f"assign a placeholder instead (`model.{self.name} = None`).",
             )
         )
+
+
+# --- class-level defaults -----------------------------------------------------
+
+# Decorated class -> its states whose initial value is a class attribute.
+_CLASS_DEFAULTS: dict[type, tuple[str, ...]] = {}
+
+
+def _class_value(cls: type, name: str) -> Any:
+    """What ``cls.<name>`` gives as a plain class attribute, else ``_MISSING``."""
+    for k in cls.__mro__:
+        if name in k.__dict__:
+            value = k.__dict__[name]
+            if type(value) is StateAttribute:
+                return value.class_value
+            return _MISSING if hasattr(type(value), "__get__") else value
+    return _MISSING
+
+
+def _no_arguments(self):  # noqa: ANN001, ANN202
+    """The signature of a class with neither ``__init__`` nor ``__new__``."""
+
+
+class ClassDefaultsNew:
+    """``cls.__new__`` of a class with states that start from a class
+    attribute (``training = True`` in the class body).
+
+    In plain Python such an instance reads the class attribute until it
+    assigns its own; here each new instance gets the class value as the
+    initial value of its state slot before ``__init__`` runs, so
+    ``functionalize()`` sees the state. The class's own (or inherited)
+    ``__new__`` still makes the object, and ``inspect.signature(cls)`` still
+    shows ``__init__``'s parameters.
+    """
+
+    def __init__(self, owner: type, original: Any):
+        self.owner = owner
+        self.original = original
+
+    @property
+    def __wrapped__(self) -> Any:  # what inspect.signature(cls) reads
+        if self.original is not object.__new__:
+            return self.original
+        init = getattr(self.owner, "__init__")  # noqa: B009 - mypy refuses the attribute
+        return _no_arguments if init is object.__init__ else init
+
+    def __call__(self, cls: type, *args: Any, **kwargs: Any) -> Any:
+        if self.original is object.__new__:
+            if (args or kwargs) and getattr(cls, "__init__") is object.__init__:  # noqa: B009
+                raise TypeError(f"{cls.__name__}() takes no arguments")
+            obj = object.__new__(cls)
+        else:
+            obj = self.original(cls, *args, **kwargs)
+        names = _CLASS_DEFAULTS.get(type(obj))
+        if names:
+            d = obj.__dict__
+            for name in names:
+                if name not in d:
+                    value = _class_value(type(obj), name)
+                    if value is not _MISSING:
+                        d[name] = make_slot(obj, name, value)
+        return obj
+
+
+def install_class_defaults(cls: type, names: frozenset[str]) -> None:
+    """States ``names`` of ``cls`` start from a class attribute's value.
+
+    A static value (bool, int, str, enum, None: ``training = True``) stays
+    the class's, as in plain Python: an instance reads it until it assigns its
+    own (``vars(model)`` has no entry until then), and a functionalized call,
+    whose structure holds it, may not assign it another value. Any other
+    value (an array) is given to each new instance as the initial value of
+    its state slot, so ``functionalize()`` has it in the states dict (see
+    ``ClassDefaultsNew``).
+    """
+    filled = tuple(sorted(n for n in names if not is_static_value(_class_value(cls, n))))
+    if not filled:
+        _CLASS_DEFAULTS.pop(cls, None)
+        return
+    _CLASS_DEFAULTS[cls] = filled
+    current = cls.__new__
+    if not isinstance(current, ClassDefaultsNew):
+        cls.__new__ = staticmethod(ClassDefaultsNew(cls, current))  # type: ignore[assignment]

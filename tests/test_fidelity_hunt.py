@@ -979,11 +979,6 @@ class W:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a wraps-decorated method aliased in the class body (`__call__ = step`) fails "
-    "decoration with 'cannot reach the function inside the decorator'",
-)
 def test_aliased_wraps_decorated_method(write_module: Loader) -> None:
     plain, dec = pair(write_module, ALIASED_WRAPPED)
     check(plain, dec, "W()", [("step", (1.0,)), ("__call__", (2.0,))])
@@ -1180,11 +1175,6 @@ class Mode:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a class-level default (`training = True` in the class body) is not accepted "
-    "as a state's initial value: DecorationError 'first assigned outside __init__'",
-)
 def test_class_level_default_for_a_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, CLASS_DEFAULT)
     assert plain.Mode.training is True
@@ -1213,9 +1203,7 @@ class DictWrite:
 @pytest.mark.parametrize(
     "raw",
     [
-        pytest.param('self.__dict__["x"] = v', marks=pytest.mark.xfail(
-            strict=True, reason="BUG: `self.__dict__['x'] = v` is read as a state named "
-            "'__dict__' (DecorationError whose fix says `self.__dict__ = jnp.zeros(...)`)")),
+        'self.__dict__["x"] = v',
         'vars(self)["x"] = v',
         "self.__dict__.update(x=v)",
         'object.__setattr__(self, "x", v)',
@@ -1310,9 +1298,7 @@ class WithPost(Running):
     "cls",
     [
         "Running",
-        pytest.param("WithPost", marks=pytest.mark.xfail(
-            strict=True, reason="BUG: a dataclass subclass of a decorated dataclass whose "
-            "__post_init__ assigns a field is refused: 'first assigned outside __init__'")),
+        "WithPost",
     ],
 )
 def test_dataclass_generated_init(write_module: Loader, cls: str) -> None:
@@ -1814,10 +1800,7 @@ def test_transforms_inside_methods(write_module: Loader, calls: list[Call]) -> N
     "method",
     [
         "vmap_writes",
-        pytest.param("grad_writes", marks=pytest.mark.xfail(
-            strict=True, reason="BUG: a state written inside jax.grad of a closure in a method: "
-            "f(states) returns a leaked GradTracer in new_states; under jit a raw JAX "
-            "UnexpectedTracerError instead of EscapedStateError")),
+        "grad_writes",
         "jit_bound",
         "dynamic_scan",
     ],

@@ -23,7 +23,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
-from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource
+from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource, is_dunder
 
 # Methods that mutate a container in place; calling one on state would change
 # the value behind the effect system's back.
@@ -417,7 +417,7 @@ class _FactCollector(cst.CSTVisitor):
             return
         item = isinstance(expr, cst.Subscript)
         attr = self._attr(subscript_base(expr))
-        if attr is not None:
+        if attr is not None and not is_dunder(attr):
             self.facts.assignments.append(
                 Assignment(attr, self._line(expr), "item" if item else kind, self.scopes.nested)
             )
@@ -428,7 +428,7 @@ class _FactCollector(cst.CSTVisitor):
         if len(node.targets) == 1 and isinstance(node.value, cst.Call):
             attr = self._attr(node.targets[0].target)
             func = dotted_name(node.value.func)
-            if attr is not None and func is not None:
+            if attr is not None and func is not None and not is_dunder(attr):
                 self.facts.declarations[attr] = (func, self._line(node))
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:

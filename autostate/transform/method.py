@@ -33,3 +33,14 @@ class MethodSource:
     # function was written ("_": none), and the function's code name.
     mangle_as: str = ""
     code_name: str = ""
+
+
+def is_dunder(attr: str) -> bool:
+    """``__dict__``, ``__class__``, ...: Python's own attributes, never state.
+
+    ``self.__dict__[k] = v`` writes the instance dict and ``self.__class__ =
+    C`` changes the type; neither is a value the model holds, so neither
+    becomes state (the run-time guard still watches what such code does
+    inside a functionalized call).
+    """
+    return len(attr) > 4 and attr.startswith("__") and attr.endswith("__")

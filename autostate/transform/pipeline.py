@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
 from autostate.transform import loader, source
+from autostate.transform.method import is_dunder
 
 if TYPE_CHECKING:
     from autostate.transform import analysis
@@ -42,6 +43,9 @@ class ClassDecision:
     initialized: frozenset[str]
     originals: Mapping[str, types.FunctionType]
     codes: Mapping[str, types.CodeType]
+    # States whose initial value is a class attribute (``training = True`` in
+    # the class body, or a base's): each instance gets it when constructed.
+    defaults: frozenset[str] = frozenset()
 
 
 def decide_class(
@@ -83,6 +87,7 @@ def decide_class(
     inherited = frozenset().union(*(b.state for b in bases))
     inherited_init = frozenset().union(*(b.initialized for b in bases))
     user_bases = _undecorated_user_bases(cls, is_decorated)
+    class_defaults = _class_defaults(cls).union(*(b.defaults for b in bases))
     # Everything the decision depends on besides the class's own files: the
     # options, what decorated bases decided, every base (and its properties),
     # the undecorated bases' source files (their writes are state), and which
@@ -94,6 +99,8 @@ def decide_class(
         _base_properties(cls),
         [b.__qualname__ for b in cls.__mro__[1:]],
         _marker_names(slots, state_marker),
+        sorted(class_defaults),
+        sorted(_dataclass_pending(cls)),
         sys.version,
     )
     base_files = [f for f in (_module_file(b) for b in user_bases) if f]
@@ -104,12 +111,47 @@ def decide_class(
         state, initialized = frozenset(state_list), frozenset(initialized_list)
     else:
         state, initialized, codes = _transform(
-            cls, slots, inherited, inherited_init, state_marker, user_bases, control_flow_name
+            cls, slots, inherited, inherited_init | class_defaults, state_marker, user_bases,
+            control_flow_name,
         )
         if keys:
             loader.cache_store(keys[0], (sorted(state), sorted(initialized), codes), keys[1])
     originals = {s.key: s.function for s in slots}
-    return ClassDecision(state, initialized, originals, codes), slots
+    decision = ClassDecision(state, initialized, originals, codes, state & class_defaults)
+    return decision, slots
+
+
+def _is_plain_value(value: Any) -> bool:
+    """Whether a class attribute is a value an instance may hold as its state:
+    not a function, property or other descriptor, and not a
+    ``dataclasses.field(...)`` (the dataclass ``__init__`` makes that value)."""
+    return not hasattr(type(value), "__get__") and not isinstance(value, dataclasses.Field)
+
+
+def _class_defaults(cls: type) -> frozenset[str]:
+    """Names a class attribute gives a value (in the class body or a base's),
+    which a state of that name starts from, as an instance attribute that
+    shadows it would in plain Python. Python's own names (``__doc__``) are not."""
+    names: set[str] = set()
+    shadowed: set[str] = set()
+    for k in cls.__mro__:
+        if k is object:
+            continue
+        for name, value in vars(k).items():
+            if name in shadowed or is_dunder(name):
+                continue
+            shadowed.add(name)  # the nearest class's attribute is the one read
+            if _is_plain_value(value):
+                names.add(name)
+    return frozenset(names)
+
+
+def _dataclass_pending(cls: type) -> frozenset[str]:
+    """Fields written as ``x: T = dataclasses.field(...)`` in the class body
+    before ``@dataclass`` has run (a subclass of a decorated class is
+    decorated as soon as its class statement ends, before the decorators
+    below ``@stateful`` apply): the dataclass ``__init__`` will assign them."""
+    return frozenset(k for k, v in vars(cls).items() if isinstance(v, dataclasses.Field))
 
 
 def _check_layout(cls: type) -> None:
@@ -304,6 +346,7 @@ def _transform(
     # A generated __init__ (dataclass, attrs) has no source to check; it sets
     # every field, so treat what the methods assign as initialized.
     initialized |= set(getattr(cls, "__dataclass_fields__", ()))
+    initialized |= _dataclass_pending(cls)
     if any(slot.attr == "__init__" for slot in skipped):
         initialized |= {a.attr for f in facts for a in f.assignments}
     properties = frozenset(_base_properties(cls))

@@ -116,36 +116,71 @@ _NEVER_METHODS = frozenset(
 )
 
 
+class _InstallOnce:
+    """Puts one rewritten function back for a class-dict object, under every
+    name the class binds that object to.
+
+    A class body may bind one object to several names (``__call__ = step``):
+    each name gets a slot (the analysis sees every name), but the object is
+    rewritten and installed once, so the names still share one object, as
+    in plain Python, and a wrapper's closure is not replaced twice.
+    """
+
+    def __init__(self, install: Callable[[types.FunctionType], None]):
+        self._install = install
+        self._done = False
+
+    def __call__(self, new: types.FunctionType) -> None:
+        if not self._done:
+            self._done = True
+            self._install(new)
+
+
 def find_methods(cls: type) -> list[MethodSlot]:
     """Every user function that can run as a method of ``cls``, found in its
     class dict, each with a way to replace it: functions written in the body,
     functions assigned to a name there (``log = external_log``) or made by a
     factory (``inc = make_method(2)``), and the innermost function of a
-    ``functools.wraps``-style wrapper chain."""
+    ``functools.wraps``-style wrapper chain. An object bound to several names
+    (``__call__ = step``) has a slot per name, and is installed once, under
+    all of them."""
+    items = [(a, v) for a, v in list(vars(cls).items()) if type(v) not in _NEVER_METHODS]
+    names: dict[int, tuple[str, ...]] = {}
+    for attr, value in items:
+        names[id(value)] = (*names.get(id(value), ()), attr)
+    once: dict[tuple[int, str], _InstallOnce] = {}
+
+    def installer(value: Any, part: str, install: Callable[..., None]) -> _InstallOnce:
+        key = (id(value), part)
+        if key not in once:
+            once[key] = _InstallOnce(lambda new: install(names[id(value)], new))
+        return once[key]
+
+    def set_all(aliases: tuple[str, ...], obj: Any) -> None:
+        for a in aliases:
+            setattr(cls, a, obj)
+
     slots: list[MethodSlot] = []
-    for attr, value in list(vars(cls).items()):
-        if type(value) in _NEVER_METHODS:
-            continue
+    for attr, value in items:
         if isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
             fn = _wrapped_function(value.__wrapped__)
             if fn is not None:
                 slots.append(
                     MethodSlot(
                         attr, attr, fn, True,
-                        lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),  # type: ignore[misc]
+                        installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
                     )
                 )
         elif isinstance(value, types.FunctionType):
-            slots.append(
-                MethodSlot(attr, attr, value, True, lambda fn, a=attr: setattr(cls, a, fn))  # type: ignore[misc]
-            )
+            slots.append(MethodSlot(attr, attr, value, True, installer(value, "", set_all)))
         elif isinstance(value, (staticmethod, classmethod)):
             fn = value.__func__  # type: ignore[assignment]
             if isinstance(fn, types.FunctionType):
                 kind = type(value)
                 slots.append(
                     MethodSlot(
-                        attr, attr, fn, False, lambda fn, a=attr, k=kind: setattr(cls, a, k(fn))  # type: ignore[misc]
+                        attr, attr, fn, False,
+                        installer(value, "", lambda aliases, new, k=kind: set_all(aliases, k(new))),
                     )
                 )
         elif isinstance(value, property):
@@ -155,7 +190,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                     slots.append(
                         MethodSlot(
                             f"{attr}.{part}", attr, fn, True,
-                            lambda fn, a=attr, p=part: _replace_property_part(cls, a, p, fn),  # type: ignore[misc]
+                            installer(value, part, lambda aliases, new, p=part: _replace_property_part(cls, aliases, p, new)),
                         )
                     )
         else:
@@ -164,7 +199,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                 slots.append(
                     MethodSlot(
                         attr, attr, fn, True,
-                        lambda new, w=value, old=fn: _install_in_wrapper(cls, w, old, new),  # type: ignore[misc]
+                        installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
                     )
                 )
     found = []
@@ -175,10 +210,14 @@ def find_methods(cls: type) -> list[MethodSlot]:
     return found
 
 
-def _replace_property_part(cls: type, attr: str, part: str, fn: types.FunctionType) -> None:
-    prop = vars(cls)[attr]
+def _replace_property_part(
+    cls: type, aliases: tuple[str, ...], part: str, fn: types.FunctionType
+) -> None:
+    prop = vars(cls)[aliases[0]]
     setter = {"fget": prop.getter, "fset": prop.setter, "fdel": prop.deleter}[part]
-    setattr(cls, attr, setter(fn))
+    new = setter(fn)
+    for attr in aliases:
+        setattr(cls, attr, new)
 
 
 def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionType) -> None:
