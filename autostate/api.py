@@ -19,11 +19,13 @@ from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects import (
+    FrozenLocalStateRequest,
     HandledLocalStateRef,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
     handle_local_states,
+    is_running,
 )
 from autostate.effects.local_state import StateSharing
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
@@ -325,7 +327,7 @@ def _functionalize_method(
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
     handler, initial = handle_local_states(
-        self,
+        _with_running_states_read(self),
         # Constants are never trained, so whatever is selected they go with the states.
         category_predicate=lambda c: c == CONSTANT or selected(c),
         lazy=lazy,
@@ -345,6 +347,25 @@ def _functionalize_method(
         body, constants = extract_constants(handler.handler_id, handler.body, initial)
         states = {**initial, **constants} if constants else initial
     return FunctionalModel(handler.handler_id, body), states
+
+
+def _with_running_states_read(model: Any) -> Any:
+    """``model``, or (called inside a running functionalized call, as
+    ``self.inner.functionalize()`` in a method) a copy whose states handled
+    by that call hold their current values: the new ``f`` starts from them,
+    as it would eagerly, and leaves the running call's states alone."""
+    def running(node: Any) -> bool:
+        return type(node) is HandledLocalStateRef and is_running(node.handler_id)
+
+    if next(_tree.iter_tree(model, running), None) is None:
+        return model
+    return _tree.map_tree(
+        model,
+        lambda ref, _name: FrozenLocalStateRequest(
+            ref.read(), ref.category, ref.name if ref.was_explicitly_named else None
+        ),
+        running,
+    )
 
 
 def _state_names(body: Any, handler_id: Hashable) -> list[str]:

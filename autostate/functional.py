@@ -449,8 +449,14 @@ class FunctionalModel(Generic[M]):
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("__") or name in FunctionalModel.__slots__:
-            raise AttributeError(name)  # a protocol lookup, or a slot not set yet
+        if name in FunctionalModel.__slots__:
+            raise AttributeError(name)  # a slot not set yet (unpickling)
+        if name.startswith("__") and name.endswith("__"):
+            # A protocol lookup (``__array__``, ``__len__``...) finds only a
+            # special method the model's class itself defines
+            # (``f.__setitem__(states, i, v)``), never one autostate installs.
+            if name in _NOT_CALLED_THROUGH_F or not _user_defines(type(self.model), name):
+                raise AttributeError(name)
         model = self.model
         method = getattr(type(model), name, None)
         if name.startswith("_") and (method is None or not callable(method)):
@@ -496,6 +502,27 @@ class FunctionalModel(Generic[M]):
         return hash((self.handler_id, self._flattened()[1]))
 
 
+# Special methods f never calls for the model: construction, copying and
+# attribute access are f's own (or autostate's), not a call with states.
+_NOT_CALLED_THROUGH_F = frozenset({
+    "__init__", "__new__", "__init_subclass__", "__class_getitem__", "__copy__",
+    "__deepcopy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__",
+    "__getattr__", "__getattribute__", "__setattr__", "__delattr__", "__dir__",
+    "__repr__", "__str__", "__format__", "__hash__", "__eq__", "__ne__", "__sizeof__",
+    "__subclasshook__", "__set_name__", "__get__", "__set__", "__delete__",
+    "__post_init__", "__treescope_repr__", "__rich_repr__",
+})
+
+
+def _user_defines(cls: type, name: str) -> bool:
+    """Whether a class of ``cls``'s MRO, other than ``object``, defines function ``name``."""
+    for klass in cls.__mro__[:-1]:
+        value = klass.__dict__.get(name)
+        if value is not None:
+            return callable(value) and not isinstance(value, (type, staticmethod, classmethod))
+    return False
+
+
 def _trees_equal(a: Any, b: Any) -> bool:
     leaves_a, def_a = jax.tree_util.tree_flatten(a)
     leaves_b, def_b = jax.tree_util.tree_flatten(b)
@@ -522,6 +549,16 @@ class Fields:
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields)
         return f"Fields({inner})"
+
+    def __reduce__(self) -> tuple:
+        # The class is made at run time (one per set of names), so a pickle
+        # names the function that makes it again.
+        return _fields_of, (self._fields, tuple(getattr(self, k) for k in self._fields))
+
+
+def _fields_of(names: tuple[str, ...], values: tuple) -> Fields:
+    """A ``Fields`` node with ``names`` holding ``values`` (the unpickler's)."""
+    return fields_class(names)(**dict(zip(names, values)))
 
 
 _FIELDS_CLASSES: dict[tuple[str, ...], type] = {}

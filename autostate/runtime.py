@@ -101,10 +101,12 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     if info.slot_factory is not None:
         _check_not_traced(value, explicit or name)
         return info.slot_factory(obj, name, value, category, explicit)
-    return initial_slot(as_state_value(value), category, explicit, name)
+    return initial_slot(as_state_value(value, name), category, explicit, name)
 
 
 _NUMPY = (np.ndarray, np.generic)
+# numpy dtype kinds a jax array can hold: bool, ints, floats, complex.
+_JAX_KINDS = frozenset("biufc")
 # Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
 _JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
 _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
@@ -113,7 +115,7 @@ _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 _CONCRETE_ARRAY: type = type(_MISSING)
 
 
-def as_state_value(value: Any) -> Any:
+def as_state_value(value: Any, name: str = "") -> Any:
     """A value as state holds it: numpy arrays become jax arrays.
 
     Under ``jax.jit`` a numpy state arrives as a jax array, so converting
@@ -121,12 +123,31 @@ def as_state_value(value: Any) -> Any:
     promotion, ``.at[]`` scatter for ``x[i] += v``) as jitted ones.
     """
     if isinstance(value, _NUMPY):
+        if value.dtype.kind not in _JAX_KINDS:
+            # Strings, objects, datetimes: no jax array holds them.
+            raise InvalidTypeError(
+                format_error(
+                    f"State {name!r} was assigned a numpy value of dtype {value.dtype}, which "
+                    "a JAX array cannot hold.",
+                    where=user_location(),
+                    fix="keep such values as Python data outside state (a tuple of str "
+                    "assigned only in __init__ is static config), or encode them as numbers.",
+                )
+            )
         return jax.numpy.asarray(value)
-    if type(value) in (list, tuple, dict):
-        return jax.tree_util.tree_map(
-            lambda v: jax.numpy.asarray(v) if isinstance(v, _NUMPY) else v, value
-        )
-    return value
+    t = type(value)
+    # Containers are rebuilt here, not by tree_map, which sorts a dict's keys.
+    if t is dict:
+        return {k: as_state_value(v, name) for k, v in value.items()}
+    if t is list or t is tuple:
+        items = [as_state_value(v, name) for v in value]
+        return items if t is list else tuple(items)
+    if t in _PLAIN_VALUES or isinstance(value, jax.Array) or not _tree.is_dynamic(value):
+        return value
+    # Another pytree node (a NamedTuple, an OrderedDict): its own flatten
+    # keeps its order; a plain dict inside it is rebuilt as above.
+    leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=lambda v: type(v) is dict)
+    return jax.tree_util.tree_unflatten(treedef, [as_state_value(v, name) for v in leaves])
 
 
 # Classes with a user __getattribute__ / __setattr__: state access goes through
@@ -215,7 +236,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             d[name] = value
             return
         if t in _JAX_SLOTS and isinstance(value, _NUMPY):
-            value = jax.numpy.asarray(value)
+            value = as_state_value(value, name)
         if t in _UNHANDLED_SLOTS and is_guarded(obj):
             _check_unhandled_write(obj, name, slot, value)
         replacement = slot.write(value, name)
@@ -316,9 +337,11 @@ def _updated(container: Any, key: Any, value: Any) -> Any:
         out[key] = value
         return out
     if isinstance(container, dict):
-        out = dict(container)  # type: ignore[assignment]
-        out[key] = value
-        return out
+        # A copy of the same type: an OrderedDict, a defaultdict (with its
+        # factory) or a Counter stays one.
+        copied: Any = dict(container) if type(container) is dict else _copy.copy(container)
+        copied[key] = value
+        return copied
     if isinstance(container, list):
         out = list(container)  # type: ignore[assignment]
         out[key] = value
@@ -424,7 +447,8 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
     for key in keys[:-1]:
         parent = parent[key]
     if isinstance(parent, dict):
-        shrunk: Any = {k: v for k, v in parent.items() if k != keys[-1]}
+        shrunk: Any = _copy.copy(parent)
+        del shrunk[keys[-1]]
     elif isinstance(parent, list):
         shrunk = list(parent)
         del shrunk[keys[-1]]

@@ -465,10 +465,8 @@ def map_tree(
             if held is not None:
                 # ``self.act = self._gelu``: bound to the copies, as flatten_graph rebinds.
                 copies = [None if h is None else walk(h, prefix + ".__self__") for h in held]
-                if t is types.MethodType:
-                    return types.MethodType(node.__func__, copies[0])
-                indices = tuple(-1 if h is None else k for k, h in enumerate(held))
-                return _BoundRef(node, indices, False).rebind(copies)
+                indices = [-1 if h is None else k for k, h in enumerate(held)]
+                return _bound_ref(node, indices).rebind(copies)
         if t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             return node
         custom = _WALK_CHILDREN.get(t)
@@ -537,7 +535,8 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
         stack.extend(reversed(children))
 
 
-_CALLABLES = (types.MethodType, types.FunctionType)
+# What may be bound to an instance of the model (see _BoundRef).
+_CALLABLES = (types.MethodType, types.FunctionType, weakref.ReferenceType)
 
 
 def holds_instance(value: Any) -> bool:
@@ -636,26 +635,30 @@ class GraphDef:
 class _BoundRef:
     """A callable bound to instances of the model, in a graphdef.
 
-    A method bound to a decorated instance (``self.act = self._gelu``) or a
-    function closing over one (``self.score = lambda x: self.w @ x``) is
-    kept as its function and the graph indices of those instances, so the
-    rebuilt model's callable reads and writes the rebuilt instances, never
-    the original ones. Equal for the same code bound to the same places.
+    A method bound to a decorated instance (``self.act = self._gelu``), a
+    function closing over one (``self.score = lambda x: self.w @ x``) or a
+    weak reference to one (``self._parent = weakref.ref(parent)``) is kept
+    as its function and the graph indices of those instances, so the rebuilt
+    model's one reads and writes the rebuilt instances, never the original
+    ones. Equal for the same code bound to the same places.
     """
 
-    __slots__ = ("func", "index", "method")
+    __slots__ = ("func", "index", "kind")
 
-    def __init__(self, func: Any, index: tuple[int, ...], method: bool):
-        # A method's function, or the closure itself (its other cells kept).
+    def __init__(self, func: Any, index: tuple[int, ...], kind: str):
+        # A method's function, the closure itself (its other cells kept), or
+        # None for a weak reference.
         self.func = func
         # Per instance held: a method's one, or a closure's per cell (-1: none).
         self.index = index
-        self.method = method
+        self.kind = kind  # "method", "closure" or "weakref"
 
     def rebind(self, objs: list[Any]) -> Any:
         func = self.func
-        if self.method:
+        if self.kind == "method":
             return types.MethodType(func, objs[self.index[0]])
+        if self.kind == "weakref":
+            return weakref.ref(objs[self.index[0]])
         cells = tuple(
             cell if i < 0 else types.CellType(objs[i])
             for cell, i in zip(func.__closure__, self.index)
@@ -670,7 +673,7 @@ class _BoundRef:
 
     def _key(self) -> tuple:
         func = self.func
-        if not self.method:
+        if self.kind == "closure":
             # The code and what its other cells hold, by identity: a rebuilt
             # closure shares those cells, so it compares equal to its template.
             others = tuple(
@@ -683,7 +686,7 @@ class _BoundRef:
     def __eq__(self, other: object) -> bool:
         if type(other) is not _BoundRef:
             return NotImplemented
-        if self.index != other.index or self.method != other.method:
+        if self.index != other.index or self.kind != other.kind:
             return False
         if self.func is other.func:
             return True
@@ -700,14 +703,18 @@ class _BoundRef:
 
 
 def _held_instances(value: Any) -> list[Any] | None:
-    """The decorated instances a method or closure is bound to (None: not one).
+    """The decorated instances a method, closure or weak reference is bound to
+    (None: not one).
 
-    A method: its ``__self__``; a closure: each cell's value (``None`` in the
-    place of a cell holding no instance).
+    A method: its ``__self__``; a weak reference: its referent; a closure:
+    each cell's value (``None`` in the place of a cell holding no instance).
     """
     t = type(value)
     if t is types.MethodType:
         return [value.__self__] if type(value.__self__) in _STATEFUL_CLASSES else None
+    if t is weakref.ReferenceType:
+        target = value()
+        return [target] if type(target) in _STATEFUL_CLASSES else None
     if t is types.FunctionType and value.__closure__ is not None:
         held = []
         for cell in value.__closure__:
@@ -728,15 +735,19 @@ def _bound_to_instance(value: Any) -> bool:
 def _bound_ref(value: Any, indices: list[int]) -> _BoundRef:
     """The graphdef entry of ``value``, given its held instances' graph indices."""
     if type(value) is types.MethodType:
-        return _BoundRef(value.__func__, (indices[0],), True)
-    return _BoundRef(value, tuple(indices), False)
+        return _BoundRef(value.__func__, (indices[0],), "method")
+    if type(value) is weakref.ReferenceType:
+        return _BoundRef(None, (indices[0],), "weakref")
+    return _BoundRef(value, tuple(indices), "closure")
 
 
 def _same_function(value: Any, ref: _BoundRef) -> bool:
-    if ref.method:
+    if ref.kind == "method":
         return type(value) is types.MethodType and (
             value.__func__ is ref.func or value.__func__ == ref.func
         )
+    if ref.kind == "weakref":
+        return type(value) is weakref.ReferenceType
     func = ref.func
     if type(value) is not types.FunctionType or type(func) is not types.FunctionType:
         return False
