@@ -295,8 +295,9 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
         canonical = _CANONICAL.get(type(value))
         if canonical is not None:
             value = canonical(value)
-        if type(value) is types.MethodType and value.__self__ is obj:
-            aux.append(("m", name, value.__func__))  # rebound to the rebuilt instance
+        bound = _bound_to_self(obj, value)
+        if bound is not None:
+            aux.append(("m", name, bound))  # rebound to the rebuilt instance
         elif is_dynamic(value):
             value, positions = _wrap_statics(value)
             aux.append(("c", name, positions) if positions else name)
@@ -304,6 +305,17 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
         else:
             aux.append(("s", name, _Static(value)))
     return children, tuple(aux)
+
+
+def _bound_to_self(obj: Any, value: Any) -> _BoundRef | None:
+    """A method of, closure over or weak reference to ``obj`` alone, as the
+    per-instance flatten keeps it (rebound to each rebuilt instance)."""
+    if type(value) not in _CALLABLES:
+        return None
+    held = _held_instances(value)
+    if held is None or any(h is not None and h is not obj for h in held):
+        return None
+    return _bound_ref(value, [-1 if h is None else 0 for h in held])
 
 
 def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
@@ -321,8 +333,8 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         elif entry[0] == "c":
             aux.append(entry)
             children.append(_wrap_at(value, entry[2]))
-        elif type(value) is types.MethodType and value.__self__ is obj:
-            aux.append(("m", name, value.__func__))
+        elif (bound := _bound_to_self(obj, value)) is not None:
+            aux.append(("m", name, bound))
         else:
             aux.append(("s", name, _Static(value)))
     return children, tuple(aux)
@@ -351,7 +363,7 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
             elif entry[0] == "c":
                 d[entry[1]] = _unwrap_at(next(it), entry[2])
             elif entry[0] == "m":
-                d[entry[1]] = types.MethodType(entry[2], obj)
+                d[entry[1]] = entry[2].rebind([obj])
             else:
                 d[entry[1]] = entry[2].value
         _remember_layout(obj, aux)

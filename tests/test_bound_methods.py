@@ -78,6 +78,13 @@ class Closes:
 
 
 @DECORATE
+class Reads:
+    def __init__(self):
+        self.n = jnp.asarray(2.0)
+        self.scaled = lambda x: self.n * x * 10
+
+
+@DECORATE
 class Switchable:
     def __init__(self):
         self.n = jnp.zeros(())
@@ -244,6 +251,10 @@ def test_an_eager_model_passed_to_jit_as_a_pytree_reads_its_traced_copy(pair: An
     # Traced through the method: the gradient of n * x in n is x, not 0.
     grad = jax.grad(lambda m: read(m, 3.0))(model)
     assert float(grad.n) == 3.0
+    # And through a closure over the model (a lambda kept as an attribute).
+    reads = dec.Reads()
+    assert float(jax.jit(lambda m: m.scaled(3.0))(reads)) == 60.0
+    assert float(jax.grad(lambda m: m.scaled(3.0))(reads).n) == 30.0
 
 
 def test_copies_and_pickles_rebind_as_plain_python_does(pair: Any) -> None:
