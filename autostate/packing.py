@@ -53,7 +53,10 @@ class Layout:
         slots: list[tuple | None] = []
         for leaf in leaves:
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
-            if dtype is None or shape is None:
+            if dtype is None or shape is None or jax.dtypes.issubdtype(
+                dtype, jax.dtypes.extended
+            ):
+                # Not an array (a Python number), or a typed PRNG key: on its own.
                 slots.append(None)
                 continue
             dtype = (np.dtype(dtype), bool(getattr(leaf, "weak_type", False)))
@@ -68,6 +71,24 @@ class Layout:
         # the very layout they came in with, and jit's per-call comparison of
         # its arguments' structure stops at identity.
         return _LAYOUTS.setdefault(layout, layout)
+
+    def fits(self, leaves: Sequence[Any], treedef: Any) -> bool:
+        """Whether ``leaves`` can travel in this layout: the same structure, and
+        each packed leaf of its slot's dtype and shape (a loose one may be
+        anything: a Python number in, its traced array out)."""
+        if treedef != self.treedef or len(leaves) != len(self.slots):
+            return False
+        for leaf, slot in zip(leaves, self.slots):
+            if slot is None:
+                continue
+            dtype, weak = self.dtypes[slot[0]]
+            if (
+                getattr(leaf, "shape", None) != slot[2]
+                or getattr(leaf, "dtype", None) != dtype
+                or bool(getattr(leaf, "weak_type", False)) != weak
+            ):
+                return False
+        return True
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """``(buffers, loose)``: the packed leaves concatenated per dtype, and the others."""
@@ -115,9 +136,13 @@ class Layout:
 _LAYOUTS: dict[Layout, Layout] = {}
 
 
-def _pack_tree(tree: Any) -> tuple[Layout, list[Any], list[Any]]:
+def _pack_tree(tree: Any, like: Layout | None = None) -> tuple[Layout, list[Any], list[Any]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    layout = Layout.of(leaves, treedef)
+    # The states a call returns keep the layout they came in with when they
+    # fit it, so a carry (lax.scan over pf) keeps one structure.
+    layout = like if like is not None and like.fits(leaves, treedef) else None
+    if layout is None:
+        layout = Layout.of(leaves, treedef)
     buffers, loose = layout.pack(leaves)
     return layout, buffers, loose
 
@@ -137,8 +162,8 @@ class PackedStates:
         self.loose = list(loose)
 
     @classmethod
-    def of(cls, states: dict[str, Any]) -> PackedStates:
-        return cls(*_pack_tree(states))
+    def of(cls, states: dict[str, Any], like: Layout | None = None) -> PackedStates:
+        return cls(*_pack_tree(states, like))
 
     def unpack(self) -> dict[str, Any]:
         """The states dict, as the unpacked ``f`` takes and returns it."""
@@ -195,7 +220,7 @@ class PackedModel:
 
     def _run(self, method: Callable[[Any], Callable[..., Any]], states: Any, args, kwargs):
         out, new_states = method(self.f)(_unpacked_states(states), *args, **kwargs)
-        return out, PackedStates.of(new_states)
+        return out, PackedStates.of(new_states, states.layout)
 
     def __call__(self, states: PackedStates, *args: Any, **kwargs: Any):
         return self._run(lambda f: f, states, args, kwargs)
