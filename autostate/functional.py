@@ -244,7 +244,9 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
     category the call leaves alone, replaced by each eager write). A value
     put into ``__dict__`` directly (``vars(self)["x"] = v``,
     ``self.__dict__.update(...)``), or a key added or removed, bypasses them:
-    the states returned would silently miss it.
+    the states returned would silently miss it. A ``functools.cached_property``
+    first used in the call is cached as Python caches it, except under a
+    trace: there it is computed once per trace and dropped afterwards.
     """
     for obj, before in snapshot:
         d = obj.__dict__
@@ -256,19 +258,11 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
                 continue
             cached = getattr(type(obj), name, None)
             if old is _ABSENT and isinstance(cached, functools.cached_property):
-                if not traced:
-                    continue  # cached in f's model, as plain Python caches it
-                code = getattr(cached.func, "__code__", None)
-                raise StateAccessError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} is a functools.cached_property: its "
-                        "first use inside a traced functionalized call would cache a JAX "
-                        "tracer in the model.",
-                        where=f"{code.co_filename}:{code.co_firstlineno}" if code else None,
-                        fix="use a plain @property (computed on each use), or compute the "
-                        "value in __init__.",
-                    )
-                )
+                if traced:
+                    # Cached for this trace only: the value may be a tracer,
+                    # so the next call computes it again.
+                    del d[name]
+                continue  # eagerly, cached in f's model as plain Python caches it
             change = "added" if old is _ABSENT else "removed" if new is _ABSENT else "replaced"
             raise StateAccessError(
                 format_error(

@@ -1864,11 +1864,6 @@ def test_for_self_i_in_python_range(write_module: Loader) -> None:
     check(plain, dec, "Loop()", [("py_range", ()), ("py_range", ())])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: functools.cached_property on a model is refused under jit with a "
-    "StateAccessError that names neither the attribute nor a file:line",
-)
 def test_cached_property_with_jit_closing_over_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAST)
     ref = plain.Loop()
