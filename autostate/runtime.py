@@ -14,11 +14,13 @@ what a traceback through user code shows, so they say what they do.
 from __future__ import annotations
 
 import builtins
+import collections
 import copy as _copy
 import copyreg
 import functools
 import operator
 import types
+import weakref
 from typing import Any
 
 import jax
@@ -566,28 +568,63 @@ def guard_setattr(user_setattr: Any) -> Any:
 # --- plain objects inside a model --------------------------------------------
 
 
-def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str, str, Any] | None:
-    """``(path from value, holder class, what)`` of an array, or of a decorated
-    instance (a back-reference), inside a plain object."""
-    if depth > 4 or id(value) in seen:
+def _hidden_array(
+    value: Any, depth: int, seen: builtins.set[int], inside: bool = False
+) -> tuple[str, str, Any] | None:
+    """``(path from value, holder, what)`` of an array inside a plain object, or
+    of a model reached where ``functionalize()`` cannot follow it.
+
+    A sub-model in an attribute (or in a list, tuple or dict of one) is a
+    graph edge, and a method, closure or weak reference bound directly to one
+    is rebound to f's copy. Anything else that reaches a model (a plain
+    object's attribute, a ``functools.partial``, a closure reaching it through
+    another function or a list, a builtin method of a list the model holds)
+    would still reach the original: ``inside`` is true below such a holder.
+    """
+    if depth > 32 or id(value) in seen:
         return None
     seen.add(id(value))
     t = type(value)
-    if t is list or t is tuple:
+    if _tree.is_stateful_instance(value):
+        return ("", "", value) if inside else None
+    if t is list or t is tuple or t in _SET_LIKE:
         items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
     elif t is dict:
         items = [(f"[{k!r}]", v) for k, v in value.items()]
-    elif _tree.is_stateful_instance(value) or _tree.is_dynamic(value):
+    elif t is types.BuiltinMethodType:
+        if type(value.__self__) in _MUTABLE_HOLDERS:
+            return ".__self__", "builtin method", value.__self__
         return None
-    elif t is functools.partial:
+    elif t is types.MethodType or t is weakref.ReferenceType:
+        target = value.__self__ if t is types.MethodType else value()
+        if inside and _tree.is_stateful_instance(target):
+            return "", t.__name__, target
+        return None
+    elif t is types.FunctionType:
+        for k, cell in enumerate(value.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            # A model in the function's own cell is rebound, unless the
+            # function itself was reached through a holder.
+            if _tree.is_stateful_instance(content) and not inside:
+                continue
+            found = _hidden_array(content, depth + 1, seen, True)
+            if found is not None:
+                return f".__closure__[{k}]{found[0]}", found[1] or "closure", found[2]
+        return None
+    elif _tree.is_dynamic(value):
+        return None
+    elif isinstance(value, functools.partial):
         # Bound to a model through its function or arguments: not rebound
         # to f's copy (a method or a lambda is).
         parts = [("func", value.func), *((f"args[{i}]", a) for i, a in enumerate(value.args))]
         parts += [(f"keywords[{k!r}]", a) for k, a in value.keywords.items()]
-        for k, v in parts:
-            if _tree.holds_instance(v):
-                inner = getattr(v, "__self__", v)
-                return f".{k}", "functools.partial", inner
+        for where, v in parts:
+            found = _hidden_array(v, depth + 1, seen, True)
+            if found is not None:
+                return f".{where}{found[0]}", "functools.partial", found[2]
         return None
     else:
         attrs = getattr(value, "__dict__", None)
@@ -596,17 +633,20 @@ def _hidden_array(value: Any, depth: int, seen: builtins.set[int]) -> tuple[str,
         for k, v in attrs.items():
             if isinstance(v, (jax.Array, np.ndarray)) or _tree.is_stateful_instance(v):
                 return f".{k}", t.__name__, v
-            found = _hidden_array(v, depth + 1, seen)
+            found = _hidden_array(v, depth + 1, seen, True)
             if found is not None:
-                return f".{k}{found[0]}", found[1], found[2]
+                return f".{k}{found[0]}", found[1] or t.__name__, found[2]
         return None
     for k, v in items:
-        found = _hidden_array(v, depth + 1, seen)
+        found = _hidden_array(v, depth + 1, seen, inside)
         if found is not None:
             return f"{k}{found[0]}", found[1], found[2]
     return None
 
 
+_SET_LIKE = frozenset({set, frozenset, collections.deque})
+# Containers a builtin method may change in place (``self.push = self.log.append``).
+_MUTABLE_HOLDERS = frozenset({list, dict, set, bytearray, collections.deque})
 _PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
 _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
 
@@ -638,13 +678,24 @@ def check_no_hidden_arrays(model: Any) -> None:
         return
     for path, obj in _instances(model):
         for name, value in obj.__dict__.items():
-            if type(value) in _PLAIN_VALUES or _tree.is_dynamic(value):
+            if type(value) in _PLAIN_VALUES:
                 continue
             found = _hidden_array(value, 0, builtins.set())
             if found is None:
                 continue
             where = (f"{path}.{name}" if path else name) + found[0]
-            holder = found[1]
+            holder = found[1] or "plain"
+            if holder == "builtin method":
+                raise InvalidTypeError(
+                    format_error(
+                        f"{type(obj).__name__}.{name} is a method of a "
+                        f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
+                        "of the model has its own copy of that container, so calls through "
+                        "it inside f would change the original model's.",
+                        fix="call the container's method where it is needed "
+                        "(`self.log.append(v)`), or keep a method of the model instead.",
+                    )
+                )
             if _tree.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
@@ -653,10 +704,11 @@ def check_no_hidden_arrays(model: Any) -> None:
                     "followed like any sub-model's), or pass the model to its methods as an "
                     "argument instead of storing it."
                 )
-                if holder == "functools.partial":
+                if holder in ("functools.partial", "closure", "method", "weakref"):
                     fix = (
-                        "store the method itself or a lambda (`self.fn = lambda x: "
-                        "self.method(x, k=2)`), which f's copy rebinds to itself."
+                        "store the method itself or a lambda that names the model directly "
+                        "(`self.fn = lambda x: self.method(x, k=2)`), which f's copy rebinds "
+                        "to itself."
                     )
                 raise InvalidTypeError(
                     format_error(

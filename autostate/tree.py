@@ -557,8 +557,8 @@ def holds_instance(value: Any) -> bool:
     t = type(value)
     if t in _STATEFUL_CLASSES:
         return True
-    if t is types.MethodType:
-        return type(value.__self__) in _STATEFUL_CLASSES
+    if t in _CALLABLES:
+        return _held_instances(value) is not None
     if t in _STATIC_TYPES or isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return False
     return next(iter_tree(value, _instance_or_bound), None) is not None
@@ -692,7 +692,7 @@ class _BoundRef:
                 id(cell.cell_contents) if i < 0 else None
                 for cell, i in zip(func.__closure__, self.index)
             )
-            return (func.__code__, id(func.__defaults__), others)
+            return (func.__code__, id(func.__defaults__), id(func.__kwdefaults__), others)
         return (func,)
 
     def __eq__(self, other: object) -> bool:
@@ -767,6 +767,8 @@ def _same_function(value: Any, ref: _BoundRef) -> bool:
         return True
     return (
         value.__code__ is func.__code__
+        and value.__defaults__ is func.__defaults__
+        and value.__kwdefaults__ is func.__kwdefaults__
         and value.__closure__ is not None
         and func.__closure__ is not None
         and all(
