@@ -25,6 +25,7 @@ from autostate.effects import (
     freeze_body,
     freeze_local_states,
     handle_local_states,
+    handler_running,
     is_running,
 )
 from autostate.effects.local_state import StateSharing
@@ -357,8 +358,8 @@ def _with_running_states_read(model: Any) -> Any:
     def running(node: Any) -> bool:
         return type(node) is HandledLocalStateRef and is_running(node.handler_id)
 
-    if next(_tree.iter_tree(model, running), None) is None:
-        return model
+    if not handler_running() or next(_tree.iter_tree(model, running), None) is None:
+        return model  # (outside every functionalized call: no walk)
     return _tree.map_tree(
         model,
         lambda ref, _name: FrozenLocalStateRequest(

@@ -678,8 +678,8 @@ def check_no_hidden_arrays(model: Any) -> None:
         return
     for path, obj in _instances(model):
         for name, value in obj.__dict__.items():
-            if type(value) in _PLAIN_VALUES:
-                continue
+            if type(value) in _PLAIN_VALUES or is_slot(value) or isinstance(value, jax.Array):
+                continue  # the common attributes: nothing hidden in them
             found = _hidden_array(value, 0, builtins.set())
             if found is None:
                 continue
