@@ -471,6 +471,17 @@ class WithPost(Base):
         return self.extra + self.update(x)
 
 
+@dataclasses.dataclass
+class Undecorated(Base):
+    # Decorated by the subclass hook alone, before @dataclass runs.
+
+    extra: jax.Array = dataclasses.field(default_factory=lambda: jnp.ones(()))
+
+    def bump(self, x):
+        self.extra = self.extra * 3 + x
+        return self.extra
+
+
 @DECORATE
 @dataclasses.dataclass
 class WithDefault(Base):
@@ -489,8 +500,9 @@ class WithDefault(Base):
         ("WithPost()", [("bump", (1.0,)), ("bump", (2.0,)), ("update", (1.0,))]),
         ("WithPost(mean=jnp.ones(()), extra=jnp.full((), 2.0))", [("bump", (1.0,))]),
         ("WithDefault()", [("bump", (1.0,)), ("update", (2.0,))]),
+        ("Undecorated()", [("bump", (1.0,)), ("update", (2.0,)), ("bump", (1.0,))]),
     ],
-    ids=["post_init", "post_init_args", "field_default"],
+    ids=["post_init", "post_init_args", "field_default", "subclass_hook_only"],
 )
 def test_dataclass_subclass(write_module: Loader, build: str, calls: list[Call]) -> None:
     plain, dec = pair(write_module, DATACLASSES)
@@ -498,3 +510,8 @@ def test_dataclass_subclass(write_module: Loader, build: str, calls: list[Call])
     assert [f.name for f in dataclasses.fields(dec.WithPost)] == ["mean", "extra"]
     assert autostate.tree.class_info(dec.WithPost).state >= {"mean", "extra"}
     check(plain, dec, build, calls)
+    if build == "Undecorated()":
+        # Read from outside: the state's value, not its slot (the descriptor
+        # @dataclass removed is put back by the first write).
+        model = dec.Undecorated()
+        assert isinstance(model.extra, jax.Array) and float(model.extra) == 1.0
