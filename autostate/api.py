@@ -236,11 +236,7 @@ def _state_descriptors_in_place(cls: type, state_attrs: frozenset[str]) -> bool:
     decorator applied after decoration (``@dataclass`` below ``@stateful`` on
     a subclass, which the subclass hook decorated first) may have replaced
     them, and the class is then decorated again."""
-    return all(
-        isinstance(next((k.__dict__[a] for k in cls.__mro__ if a in k.__dict__), None),
-                   _runtime.StateAttribute)
-        for a in state_attrs
-    )
+    return all(_runtime.state_descriptor(cls, a) is not None for a in state_attrs)
 
 
 def _install_defaults(cls: type) -> None:

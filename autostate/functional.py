@@ -228,10 +228,15 @@ def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
 _ABSENT = object()
 
 
+def _dict_kept(d: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Whether ``d`` holds exactly the objects ``before`` (its copy) held."""
+    return d.keys() == before.keys() and all(map(operator.is_, d.values(), before.values()))
+
+
 def _put_back(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
     for obj, before in snapshot:
         d = obj.__dict__
-        if d.keys() != before.keys() or not all(map(operator.is_, d.values(), before.values())):
+        if not _dict_kept(d, before):
             d.clear()
             d.update(before)
 
@@ -250,7 +255,7 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
     """
     for obj, before in snapshot:
         d = obj.__dict__
-        if d.keys() == before.keys() and all(map(operator.is_, d.values(), before.values())):
+        if _dict_kept(d, before):
             continue
         for name in [*before, *(k for k in d if k not in before)]:
             old, new = before.get(name, _ABSENT), d.get(name, _ABSENT)

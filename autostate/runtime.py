@@ -550,7 +550,7 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)
-    if name in _tree.info_of(self).state and _state_descriptor(type(self), name) is None:
+    if name in _tree.info_of(self).state and state_descriptor(type(self), name) is None:
         # A class decorator applied after @stateful (``@dataclass`` on a
         # subclass the subclass hook decorated first) removed the state's
         # descriptor: put it back, so the state reads as its value.
@@ -560,7 +560,8 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)
 
 
-def _state_descriptor(cls: type, name: str) -> StateAttribute | None:
+def state_descriptor(cls: type, name: str) -> StateAttribute | None:
+    """The ``StateAttribute`` ``cls`` (or a base) has for ``name``, if any."""
     for klass in cls.__mro__:
         if name in klass.__dict__:
             found = klass.__dict__[name]

@@ -584,16 +584,7 @@ def instances_of(tree: Any) -> list[Any]:
 
 def instance_ids(tree: Any) -> frozenset[int]:
     """Ids of every decorated instance reachable in ``tree``."""
-    ids: set[int] = set()
-
-    def record(node: Any) -> bool:
-        if type(node) in _STATEFUL_CLASSES:
-            ids.add(id(node))
-        return False
-
-    for _ in iter_tree(tree, record):
-        pass
-    return frozenset(ids)
+    return frozenset(map(id, instances_of(tree)))
 
 
 # --- graph flatten ----------------------------------------------------------

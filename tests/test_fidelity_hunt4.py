@@ -8,12 +8,19 @@ removed) and ``@autostate.stateful``. The plain run is the reference.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
+from differential import (  # noqa: I001 - tests/ is on sys.path
+    _fcall,
+    assert_same,
+    check,
+    raises_autostate,
+    snapshot,
+)
 
 import autostate
 
@@ -59,129 +66,6 @@ def _pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.Mo
         )
     )
     return plain, dec
-
-
-def _is_model(obj: Any) -> bool:
-    return (
-        hasattr(obj, "__dict__")
-        and not isinstance(obj, jax.Array | np.ndarray | type | types.ModuleType)
-        and not callable(obj)
-        or (hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"))
-    )
-
-
-def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return type(obj)(snapshot(v, depth + 1) for v in obj) if not hasattr(obj, "_fields") else (
-            tuple(snapshot(v, depth + 1) for v in obj)
-        )
-    if isinstance(obj, dict):
-        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return ("key", np.asarray(jax.random.key_data(obj)))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))},
-        }
-    return f"<{type(obj).__name__}>"
-
-
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert type(expected) is type(got) or (
-            hasattr(expected, "_fields") or hasattr(got, "_fields")
-        ), f"{where}: {type(expected).__name__} vs {type(got).__name__}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    if isinstance(got, tuple) and len(got) == 2 and got[0] == "key":
-        got = got[1]
-    if isinstance(expected, tuple) and len(expected) == 2 and expected[0] == "key":
-        expected = expected[1]
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-5, atol=1e-6,
-                               err_msg=where)
-
-
-def _method(obj: Any, name: str) -> Callable[..., Any]:
-    return getattr(obj, name)
-
-
-def _fcall(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
-
-
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key if not key.startswith("[") else "m" + key, {"m": model})  # noqa: S307
-
-
-def check(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_method(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_method(model, m)(*a) for m, a in calls]
-        assert_same(expected, got, "eager outputs")
-        assert_same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        assert_same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same(expected_snap, snapshot(frozen), "frozen attributes")
-
-
-
-def raises_autostate(exc: type[BaseException] = autostate.AutostateError) -> Any:
-    return pytest.raises(exc)
 
 
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
