@@ -13,12 +13,14 @@ what a traceback through user code shows, so they say what they do.
 
 from __future__ import annotations
 
+import _thread
 import builtins
 import collections
 import copy as _copy
 import copyreg
 import functools
 import operator
+import sys
 import types
 import weakref
 from typing import Any
@@ -52,7 +54,6 @@ from autostate.errors import (
 )
 
 _MISSING = object()
-_new_object = object.__new__
 # type -> whether it is a StateSlot; a cache of issubclass, not a registry.
 _IS_SLOT: dict[type, bool] = {}
 
@@ -115,6 +116,59 @@ _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 # The type of a concrete jax array (no tracer, nothing to convert), learnt
 # from the first one written: building one here would start a backend.
 _CONCRETE_ARRAY: type = type(_MISSING)
+
+
+_getrefcount = sys.getrefcount
+# How many Python threads besides the main one are running (a C call).
+_other_threads = _thread._count
+# How a write puts a slot into ``__dict__``: as an attribute store does, never
+# through the ``__setitem__`` of a dict subclass assigned to ``obj.__dict__``.
+_dict_setitem = dict.__setitem__
+
+
+def _sole_holder_count() -> int:
+    """What ``sys.getrefcount`` gives, in the write paths below, for a request
+    that only the instance's ``__dict__`` holds; ``-1`` where it cannot tell.
+
+    An eager write changes such a request in place, allocating nothing, when
+    no one can tell the difference:
+
+    - nothing else holds the request: no copy of the model sharing it (a
+      user's ``__copy__``, a saved ``vars()``), no tied attribute, no running
+      walk of the model (``copy.copy`` gives a copy requests of its own);
+    - no other Python thread runs: a thread switch can only happen between
+      the count and the store (after the count's call), where another thread
+      could take a copy of the ``__dict__`` and read it before and after;
+    - count and store share a line, so a debugger's line event never falls
+      between them.
+
+    Otherwise the write puts a new request in, and every holder of the old
+    one keeps its value, as in plain Python. CPython 3.11-3.13 count the
+    dict, the local name and the call's argument; the probe has the write
+    paths' shape, and a build whose counts do not tell one holder more apart
+    (free-threaded, deferred reference counting) always makes a new request.
+    """
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return -1
+
+    def probe(d: dict[str, Any], name: str) -> int:
+        try:
+            slot = d[name]
+        except KeyError:
+            slot = None
+        if type(slot) is FrozenLocalStateRequest:
+            return _getrefcount(slot)
+        return -1
+
+    d = {"x": FrozenLocalStateRequest(0, "probe", None)}
+    alone = probe(d, "x")
+    held = d["x"]
+    with_one_more = probe(d, "x")
+    del held
+    return alone if with_one_more == alone + 1 and probe(d, "x") == alone else -1
+
+
+_SOLE_HOLDER = _sole_holder_count()
 
 
 def as_state_value(value: Any, name: str = "") -> Any:
@@ -199,17 +253,16 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
         setattr(obj, name, value)
         return
     if type(value) is _CONCRETE_ARRAY:
-        # store_state's common eager write (see there) and the request's
-        # ``replaced``, repeated to save two calls (a third of the write).
+        # store_state's common eager write (see there), repeated to save a call.
         d = obj.__dict__
-        slot = d.get(name)
+        try:
+            slot = d[name]
+        except KeyError:
+            slot = None
         if type(slot) is FrozenLocalStateRequest:
-            new = _new_object(FrozenLocalStateRequest)
-            new.state = value
-            new.category = slot.category
-            new.name = slot.name
-            new._home = slot._home
-            d[name] = new
+            # One line: no debugger's line event between the count and the store.
+            if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+            else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
             return
     store_state(obj, name, value)
 
@@ -222,9 +275,12 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # The common eager write: a concrete jax array (never a tracer, never
         # numpy) into an unhandled slot. What ``slot.write`` and the guard's
         # tracer checks conclude for it, without them: they were nine
-        # tenths of the write. A new request, never the old one changed: a
-        # copy of the model or a saved vars() may hold the old one.
-        d[name] = slot.replaced(value)
+        # tenths of the write. The request is changed in place only when no
+        # one can tell (see _sole_holder_count); otherwise a copy of the
+        # model or a saved vars() may hold it, and a new request keeps their
+        # value.
+        if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+        else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))
@@ -235,7 +291,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             # becomes a plain attribute (see make_slot); refused while handled.
             if t is HandledLocalStateRef or is_guarded(obj):
                 _refuse_submodel_swap(obj, name)
-            d[name] = value
+            _dict_setitem(d, name, value)
             return
         if t in _JAX_SLOTS and isinstance(value, _NUMPY):
             value = as_state_value(value, name)
@@ -243,7 +299,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             _check_unhandled_write(obj, name, slot, value)
         replacement = slot.write(value, name)
         if replacement is not None:
-            d[name] = replacement
+            _dict_setitem(d, name, replacement)
         if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
             _learn_concrete_array(value)
     else:
@@ -262,7 +318,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             and (_tree.holds_instance(value) or _tree.holds_instance(slot))
         ):
             _refuse_submodel_swap(obj, name)
-        d[name] = make_slot(obj, name, value)
+        _dict_setitem(d, name, make_slot(obj, name, value))
 
 
 def _refuse_submodel_swap(obj: Any, name: str) -> None:
@@ -533,17 +589,23 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
 
     ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
+    if type(value) is _CONCRETE_ARRAY:
+        # The commonest write, store_state's first case, repeated here to save
+        # the call and the class lookup (most of a write from outside): only
+        # a state's write puts a request into __dict__.
+        d = self.__dict__
+        try:
+            slot = d[name]
+        except KeyError:
+            slot = None
+        if type(slot) is FrozenLocalStateRequest:
+            # One line: no debugger's line event between the count and the store.
+            if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+            else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
+            return
     if type(type(self).__dict__.get(name)) is StateAttribute:
         # What the descriptor's __set__ does, without the guard and the
-        # descriptor call: a third of an eager write from outside the class.
-        # The commonest case, store_state's first one, is repeated here to
-        # save the call.
-        if type(value) is _CONCRETE_ARRAY:
-            d = self.__dict__
-            slot = d.get(name)
-            if type(slot) is FrozenLocalStateRequest:
-                d[name] = slot.replaced(value)
-                return
+        # descriptor call.
         store_state(self, name, value)
         return
     check_guarded_write(self, name)
@@ -791,6 +853,16 @@ def _detached(value: Any) -> Any:
     return value
 
 
+def _own_slot(value: Any) -> Any:
+    """``_detached`` for a shallow copy, whose requests are its own too: an
+    eager write changes a request nothing else holds in place (see
+    ``_SOLE_HOLDER``), and a copy sharing it, made at any moment of a write
+    (by another thread, at a debugger's prompt), must not see that."""
+    if type(value) is FrozenLocalStateRequest:
+        return value.replaced(value.state)
+    return _detached(value)
+
+
 _REDUCTION_METHODS = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 
 
@@ -814,8 +886,9 @@ def _copy_by_protocol(obj: Any, reduction: tuple | str, memo: dict[int, Any] | N
         return obj  # a global: copy returns the object itself
     new = _copy._reconstruct(obj, memo, *reduction)  # type: ignore[attr-defined]
     d = new.__dict__
+    own = _own_slot if memo is None else _detached
     for k, v in list(d.items()):
-        detached = _detached(v)
+        detached = own(v)
         if detached is not v:
             d[k] = detached
     return new
@@ -832,7 +905,7 @@ def copy_instance(self: Any) -> Any:
         return _copy_by_protocol(self, reduction, None)
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
-    new.__dict__.update({k: _detached(v) for k, v in self.__dict__.items()})
+    new.__dict__.update({k: _own_slot(v) for k, v in self.__dict__.items()})
     return new
 
 
