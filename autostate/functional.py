@@ -61,6 +61,10 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
     ]
     if old_def != new_def:
         changed = _changed_attributes(old_def, new_def)
+    _refuse_change(model_name, changed)
+
+
+def _refuse_change(model_name: str, changed: list[str]) -> None:
     where = f" (at {', '.join(changed[:3])})" if changed else ""
     raise StateAccessError(
         format_error(
@@ -208,21 +212,59 @@ def check_state_keys(
     )
 
 
-def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any]]:
-    """Shallow copies of the lists, dicts and sets held as static data.
+_CONTAINERS = (list, dict, set)
 
-    Static data is shared by every copy of ``f`` (jit's unflattened one
-    too), so an in-place change inside a traced call would leave tracers in
-    the caller's ``f``; a refused call puts the old contents back.
+
+def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any, str]]:
+    """``(container, shallow copy, "Class.attr")`` for every list, dict and set
+    held as static data, at any depth of builtin containers.
+
+    Static data is shared by every copy of ``f`` (jit's unflattened one too),
+    so an in-place change inside a traced call (``self.log.append(x)``) would
+    change what every later call starts from, or leave tracers in the
+    caller's ``f``: ``_check_statics_kept`` refuses it, and a refused call
+    puts the old contents back.
     """
-    saved = []
-    for _cls, entries in graphdef.instances:
-        for _name, treedef, parts in entries:
-            # ``parts`` is a static value, or a bound method (no ``value``).
-            value = getattr(parts, "value", None) if treedef is None else None
-            if type(value) in (list, dict, set):
-                saved.append((value, value.copy()))  # type: ignore[union-attr]
+    saved: list[tuple[Any, Any, str]] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, where: str) -> None:
+        if type(value) not in _CONTAINERS or id(value) in seen:
+            return
+        seen.add(id(value))
+        saved.append((value, value.copy(), where))
+        if type(value) is not set:
+            for item in value.values() if type(value) is dict else value:
+                visit(item, where)
+
+    for cls, entries in graphdef.instances:
+        for name, treedef, parts in entries:
+            where = f"{cls.__name__}.{name}"
+            if treedef is None:
+                # A static value, or a bound method (no ``value``).
+                visit(getattr(parts, "value", None), where)
+            else:
+                for part in parts:
+                    if type(part) is _tree._Static:
+                        visit(part.value, where)
     return saved
+
+
+def _same_contents(value: Any, contents: Any) -> bool:
+    """Whether a container holds exactly what its copy held (by identity: a
+    value may be a tracer, whose ``==`` would be traced)."""
+    if type(value) is list:
+        return len(value) == len(contents) and all(map(operator.is_, value, contents))
+    if type(value) is dict:
+        return _dict_kept(value, contents)
+    return bool(value == contents)
+
+
+def _check_statics_kept(saved: list[tuple[Any, Any, str]], model_name: str) -> None:
+    """Refuses a traced call that changed a list, dict or set of the model in place."""
+    changed = [where for value, contents, where in saved if not _same_contents(value, contents)]
+    if changed:
+        _refuse_change(model_name, list(dict.fromkeys(changed)))
 
 
 _ABSENT = object()
@@ -282,7 +324,7 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
 
 
 def _restore(saved: Any) -> None:
-    for value, contents in saved:
+    for value, contents, _where in saved:
         if type(value) is list:
             value[:] = contents
         else:
@@ -433,6 +475,8 @@ class FunctionalModel(Generic[M]):
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])
             _check_attributes_kept(snapshot, traced)
+            if saved:
+                _check_statics_kept(saved, type(model).__name__)
             if before is not None and not _tree.graph_unchanged(model, *before):
                 _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         except BaseException:

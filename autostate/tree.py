@@ -114,6 +114,16 @@ def register_dynamic_type(cls: type) -> None:
     _DYNAMIC_TYPES.add(cls)
 
 
+# Childless pytree nodes that never change once made (the handled slot): one
+# object per graphdef entry stands in every model rebuilt from the graphdef.
+_IMMUTABLE_NODES: set[type] = set()
+
+
+def register_immutable_node(cls: type) -> None:
+    """Marks ``cls`` (a frozen, childless pytree node) as shareable between rebuilds."""
+    _IMMUTABLE_NODES.add(cls)
+
+
 def register_canonical_form(cls: type, canonical: Callable[[Any], Any]) -> None:
     """Flattens attribute values of type ``cls`` as ``canonical(value)`` would be.
 
@@ -559,9 +569,18 @@ def holds_instance(value: Any) -> bool:
         return True
     if t in _CALLABLES:
         return _held_instances(value) is not None
-    if t in _STATIC_TYPES or isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    if t in _STATIC_TYPES or t in _ARRAY_TYPES:
+        return False
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        # Whether a type is an array (a tracer is one) is the type's: remember
+        # it, as the check is most of a traced state write.
+        _ARRAY_TYPES.add(t)
         return False
     return next(iter_tree(value, _instance_or_bound), None) is not None
+
+
+# Types found to be arrays by holds_instance (concrete arrays, tracers, numpy).
+_ARRAY_TYPES: set[type] = set()
 
 
 def _instance_or_bound(value: Any) -> bool:
@@ -844,15 +863,59 @@ def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
     return rebuild_instances(graphdef, leaves)[graphdef.root]
 
 
+# How rebuild_instances fills one attribute (see _rebuild_plan).
+_LEAF, _SHARED, _STATIC, _BOUND, _GENERAL = range(5)
+
+
+def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
+    """Per instance of ``graphdef``: its class and, per attribute, ``(name, how, what)``.
+
+    Derived once per graphdef, so that a rebuild (one per trace of ``f``)
+    unflattens only what needs it: an attribute that is one leaf takes the
+    leaf, and a handled slot is one object made once (``_IMMUTABLE_NODES``),
+    which also lets ``graph_unchanged`` compare it by identity.
+    """
+    plan = graphdef.cache.get("rebuild")
+    if plan is None:
+        plan = []
+        for cls, entries in graphdef.instances:
+            steps = []
+            for name, treedef, parts in entries:
+                if treedef is None:
+                    bound = type(parts) is _BoundRef
+                    steps.append((name, _BOUND, parts) if bound else (name, _STATIC, parts.value))
+                elif not parts and type(shared := treedef.unflatten([])) in _IMMUTABLE_NODES:
+                    steps.append((name, _SHARED, shared))
+                elif (
+                    len(parts) == 1
+                    and type(parts[0]) is int
+                    and parts[0] >= 0
+                    and treedef.num_nodes == 1
+                    and treedef.num_leaves == 1
+                ):
+                    steps.append((name, _LEAF, parts[0]))
+                else:
+                    steps.append((name, _GENERAL, (treedef, parts)))
+            plan.append((cls, tuple(steps)))
+        graphdef.cache["rebuild"] = plan
+    return plan
+
+
 def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
     """``unflatten_graph``, giving every instance of the graph (in graphdef order)."""
-    objs = [object.__new__(cls) for cls, _ in graphdef.instances]
-    for obj, (_, entries) in zip(objs, graphdef.instances):
+    plan = _rebuild_plan(graphdef)
+    objs = [object.__new__(cls) for cls, _ in plan]
+    for obj, (_, steps) in zip(objs, plan):
         d = obj.__dict__
-        for name, treedef, parts in entries:
-            if treedef is None:
-                d[name] = parts.rebind(objs) if type(parts) is _BoundRef else parts.value
+        for name, how, what in steps:
+            if how == _LEAF:
+                d[name] = leaves[what]
+            elif how == _SHARED or how == _STATIC:
+                d[name] = what
+            elif how == _BOUND:
+                d[name] = what.rebind(objs)
             else:
+                treedef, parts = what
                 d[name] = treedef.unflatten(
                     [
                         (objs[-1 - p] if p < 0 else leaves[p])
@@ -876,6 +939,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
     leaf it held.
     """
     instances = graphdef.instances
+    plan = _rebuild_plan(graphdef)
     index: dict[int, int] = {}
 
     def same(obj: Any) -> bool:
@@ -884,9 +948,13 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
         d = obj.__dict__
         if type(obj) is not cls or len(d) != len(entries):
             return False
-        for (name, value), (expected, treedef, parts) in zip(d.items(), entries):
+        for (name, value), (expected, treedef, parts), (_, how, what) in zip(
+            d.items(), entries, plan[i][1]
+        ):
             if name != expected:
                 return False
+            if how == _SHARED and value is what:
+                continue  # the handled slot the rebuild put there
             canonical = _CANONICAL.get(type(value))
             if canonical is not None:
                 value = canonical(value)

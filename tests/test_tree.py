@@ -205,3 +205,56 @@ def test_instance_pytree_children_are_dynamic_attributes_only():
 )
 def test_is_dynamic(value, expected):
     assert is_dynamic(value) is expected
+
+
+def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
+    """The rebuild plan (``tree._rebuild_plan``): a handled slot is one frozen
+    object per graphdef entry, so every trace's model may hold the same one;
+    an empty list or dict attribute is built anew for each model, as before."""
+    import autostate
+    from autostate.effects import HandledLocalStateRef
+    from autostate.tree import graph_unchanged, rebuild_instances
+
+    @autostate.stateful
+    class Leaf:
+        def __init__(self):
+            self.w = jnp.ones(2)
+            self.n = jnp.zeros(())
+            self.log = []
+            self.seen = {}
+
+        def __call__(self, x):
+            self.n = self.n + 1
+            return x * self.w
+
+    @autostate.stateful
+    class Root:
+        def __init__(self):
+            self.blocks = [Leaf(), Leaf()]
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    f, states = Root().functionalize()
+    leaves, graphdef = f._flattened()
+    one, two = (rebuild_instances(graphdef, leaves) for _ in range(2))
+    for a, b in zip(one, two):
+        if type(a) is not Leaf:
+            continue
+        assert type(a.__dict__["n"]) is HandledLocalStateRef
+        assert a.__dict__["n"] is b.__dict__["n"]
+        assert a.log is not b.log and a.seen is not b.seen
+        a.log.append(1)
+        assert b.log == []
+    root = one[graphdef.root]
+    assert graph_unchanged(root, leaves, graphdef)
+    root.blocks[1].__dict__["n"] = HandledLocalStateRef("other", "n", False, "state")
+    assert not graph_unchanged(root, leaves, graphdef)
+    # Equal but not the same slot still counts as unchanged (compared by value).
+    root.blocks[1].__dict__["n"] = dataclasses.replace(two[2].__dict__["n"])
+    assert graph_unchanged(root, leaves, graphdef)
+    out, new_states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+    np.testing.assert_allclose(out, jnp.ones(2))
+    assert all(float(v) == 1.0 for v in new_states.values())

@@ -758,6 +758,8 @@ class HandledLocalStateRef(StateSlot):
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
+# Frozen and childless: one object per graphdef entry serves every rebuild.
+_tree.register_immutable_node(HandledLocalStateRef)
 _HANDLED_TYPES = (HandledLocalStateRef, HandledStaticState)
 # type -> whether it is a handleable slot of another engine (a cache of issubclass).
 _FOREIGN_SLOT: dict[type, bool] = {}
