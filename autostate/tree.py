@@ -904,7 +904,7 @@ def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
 def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
     """``unflatten_graph``, giving every instance of the graph (in graphdef order)."""
     plan = _rebuild_plan(graphdef)
-    objs = [object.__new__(cls) for cls, _ in plan]
+    objs: list[Any] = [object.__new__(cls) for cls, _ in plan]
     for obj, (_, steps) in zip(objs, plan):
         d = obj.__dict__
         for name, how, what in steps:
