@@ -11,6 +11,7 @@ decorated.
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import difflib
 import functools
@@ -18,6 +19,7 @@ import importlib
 import io
 import operator
 import pickle
+import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -212,56 +214,91 @@ def check_state_keys(
     )
 
 
-_CONTAINERS = (list, dict, set)
+def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
+    """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
+    deque or bytearray the model's instances hold outside their states, at
+    any depth of containers, tuples and plain objects (whose ``__dict__`` is
+    taken as one), and for those of the instances' classes (``shared = []``
+    in a class body).
 
-
-def _mutable_statics(graphdef: Any) -> list[tuple[Any, Any, str]]:
-    """``(container, shallow copy, "Class.attr")`` for every list, dict and set
-    held as static data, at any depth of builtin containers.
-
-    Static data is shared by every copy of ``f`` (jit's unflattened one too),
-    so an in-place change inside a traced call (``self.log.append(x)``) would
-    change what every later call starts from, or leave tracers in the
-    caller's ``f``: ``_check_statics_kept`` refuses it, and a refused call
-    puts the old contents back.
+    Inside a traced call such a container is a copy the call throws away
+    (or, for ``f``'s own model, one a later call starts from): a change in
+    place (``self.log.append(x)``) would be lost with the trace, or keep a
+    tracer. ``_check_statics_kept`` refuses it; a refused call puts the old
+    contents back.
     """
     saved: list[tuple[Any, Any, str]] = []
     seen: set[int] = set()
 
-    def visit(value: Any, where: str) -> None:
-        if type(value) not in _CONTAINERS or id(value) in seen:
+    def visit(value: Any, where: str, depth: int) -> None:
+        if depth > 16 or id(value) in seen:
             return
-        seen.add(id(value))
-        saved.append((value, value.copy(), where))
-        if type(value) is not set:
-            for item in value.values() if type(value) is dict else value:
-                visit(item, where)
+        t = type(value)
+        if isinstance(value, _tree._MUTABLE_STATICS):
+            seen.add(id(value))
+            saved.append((value, _copy.copy(value), where))
+            if isinstance(value, dict):
+                for item in value.values():
+                    visit(item, where, depth + 1)
+            elif not isinstance(value, (set, bytearray)):
+                for item in value:
+                    visit(item, where, depth + 1)
+        elif t is tuple:
+            for item in value:
+                visit(item, where, depth + 1)
+        elif _is_plain_object(value):
+            seen.add(id(value))
+            d = value.__dict__
+            saved.append((d, d.copy(), where))
+            for item in d.values():
+                visit(item, where, depth + 1)
 
-    for cls, entries in graphdef.instances:
-        for name, treedef, parts in entries:
-            where = f"{cls.__name__}.{name}"
-            if treedef is None:
-                # A static value, or a bound method (no ``value``).
-                visit(getattr(parts, "value", None), where)
-            else:
-                for part in parts:
-                    if type(part) is _tree._Static:
-                        visit(part.value, where)
+    classes: dict[type, None] = {}
+    for obj in instances:
+        cls = type(obj)
+        classes[cls] = None
+        for name, value in obj.__dict__.items():
+            if type(value) not in _SKIPPED:
+                visit(value, f"{cls.__name__}.{name}", 0)
+    for cls in classes:
+        for klass in cls.__mro__[:-1]:
+            for name, value in list(vars(klass).items()):
+                if isinstance(value, _tree._MUTABLE_STATICS) and not name.startswith("__"):
+                    visit(value, f"{klass.__name__}.{name}", 0)
     return saved
+
+
+# Attribute values that are never, and hold no, static containers.
+_SKIPPED = frozenset({int, float, bool, str, type(None), HandledLocalStateRef})
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An undecorated object whose ``__dict__`` is its own data (not a class,
+    module, function, array or decorated instance)."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(
+            value, (type, types.ModuleType, types.FunctionType, types.MethodType, jax.Array)
+        )
+        and not _tree.is_stateful_instance(value)
+        and type(value).__module__ != "builtins"
+    )
 
 
 def _same_contents(value: Any, contents: Any) -> bool:
     """Whether a container holds exactly what its copy held (by identity: a
     value may be a tracer, whose ``==`` would be traced)."""
-    if type(value) is list:
-        return len(value) == len(contents) and all(map(operator.is_, value, contents))
-    if type(value) is dict:
-        return _dict_kept(value, contents)
-    return bool(value == contents)
+    if isinstance(value, dict):
+        return list(value) == list(contents) and all(
+            map(operator.is_, value.values(), contents.values())
+        )
+    if isinstance(value, (set, bytearray)):
+        return bool(value == contents)
+    return len(value) == len(contents) and all(map(operator.is_, value, contents))
 
 
 def _check_statics_kept(saved: list[tuple[Any, Any, str]], model_name: str) -> None:
-    """Refuses a traced call that changed a list, dict or set of the model in place."""
+    """Refuses a traced call that changed a container of the model in place."""
     changed = [where for value, contents, where in saved if not _same_contents(value, contents)]
     if changed:
         _refuse_change(model_name, list(dict.fromkeys(changed)))
@@ -325,11 +362,16 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
 
 def _restore(saved: Any) -> None:
     for value, contents, _where in saved:
-        if type(value) is list:
+        if _same_contents(value, contents):
+            continue
+        if isinstance(value, (list, bytearray)):
             value[:] = contents
-        else:
+        elif isinstance(value, dict):
+            dict.clear(value)
+            dict.update(value, contents)
+        else:  # set, deque
             value.clear()
-            value.update(contents)
+            value.update(contents) if isinstance(value, set) else value.extend(contents)
 
 
 M = TypeVar("M")
@@ -458,7 +500,6 @@ class FunctionalModel(Generic[M]):
             # cost a tenth of the trace at 1,000 modules.
             reuse = flat is not None and model is self._model
             before = flat if reuse else _tree.flatten_graph(model)
-        saved = _mutable_statics(before[1]) if before is not None else ()
         instances = self._instances
         if instances is None or model is not self._model:
             # The instance graph cannot change inside a call (the guard refuses
@@ -471,6 +512,7 @@ class FunctionalModel(Generic[M]):
         else:
             guard = self._guard  # type: ignore[assignment]
         snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
+        saved = _mutable_statics(instances) if traced else ()
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])

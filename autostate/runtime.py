@@ -13,7 +13,6 @@ what a traceback through user code shows, so they say what they do.
 
 from __future__ import annotations
 
-import _thread
 import builtins
 import collections
 import copy as _copy
@@ -118,34 +117,27 @@ _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 _CONCRETE_ARRAY: type = type(_MISSING)
 
 
-_getrefcount = sys.getrefcount
-# How many Python threads besides the main one are running (a C call).
-_other_threads = _thread._count
 # How a write puts a slot into ``__dict__``: as an attribute store does, never
 # through the ``__setitem__`` of a dict subclass assigned to ``obj.__dict__``.
 _dict_setitem = dict.__setitem__
 
 
 def _sole_holder_count() -> int:
-    """What ``sys.getrefcount`` gives, in the write paths below, for a request
-    that only the instance's ``__dict__`` holds; ``-1`` where it cannot tell.
+    """What ``request._holders`` (its reference count) reads, in the write
+    paths below, for a request that only the instance's ``__dict__`` holds;
+    ``-1`` where it cannot tell.
 
     An eager write changes such a request in place, allocating nothing, when
-    no one can tell the difference:
-
-    - nothing else holds the request: no copy of the model sharing it (a
-      user's ``__copy__``, a saved ``vars()``), no tied attribute, no running
-      walk of the model (``copy.copy`` gives a copy requests of its own);
-    - no other Python thread runs: a thread switch can only happen between
-      the count and the store (after the count's call), where another thread
-      could take a copy of the ``__dict__`` and read it before and after;
-    - count and store share a line, so a debugger's line event never falls
-      between them.
-
+    no one can tell the difference: nothing else holds the request (no copy
+    of the model sharing it, such as a user's ``__copy__`` or a saved
+    ``vars()``; no tied attribute; no running walk of the model; ``copy.copy``
+    gives a copy requests of its own). Between the count and the store no
+    other code runs: the count is an attribute read computed from C (no
+    signal handler, thread switch or profiler hook comes between bytecodes
+    that call nothing), and both are on one line (no debugger's line event).
     Otherwise the write puts a new request in, and every holder of the old
-    one keeps its value, as in plain Python. CPython 3.11-3.13 count the
-    dict, the local name and the call's argument; the probe has the write
-    paths' shape, and a build whose counts do not tell one holder more apart
+    one keeps its value, as in plain Python. The probe has the write paths'
+    shape; a build whose counts do not tell one holder more apart
     (free-threaded, deferred reference counting) always makes a new request.
     """
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
@@ -157,7 +149,7 @@ def _sole_holder_count() -> int:
         except KeyError:
             slot = None
         if type(slot) is FrozenLocalStateRequest:
-            return _getrefcount(slot)
+            return slot._holders
         return -1
 
     d = {"x": FrozenLocalStateRequest(0, "probe", None)}
@@ -261,7 +253,7 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
             slot = None
         if type(slot) is FrozenLocalStateRequest:
             # One line: no debugger's line event between the count and the store.
-            if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+            if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
             else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
             return
     store_state(obj, name, value)
@@ -279,7 +271,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # one can tell (see _sole_holder_count); otherwise a copy of the
         # model or a saved vars() may hold it, and a new request keeps their
         # value.
-        if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+        if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
         else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
@@ -600,7 +592,7 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
             slot = None
         if type(slot) is FrozenLocalStateRequest:
             # One line: no debugger's line event between the count and the store.
-            if not _other_threads() and _getrefcount(slot) == _SOLE_HOLDER: slot.state = value  # noqa: E701
+            if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
             else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
             return
     if type(type(self).__dict__.get(name)) is StateAttribute:

@@ -22,6 +22,8 @@ its request types here with ``register_dynamic_type``.
 
 from __future__ import annotations
 
+import collections
+import copy as _copy
 import enum
 import gc
 import types
@@ -214,6 +216,54 @@ class _Static:
 
 
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda aux, _children: aux)
+
+
+# --- mutable static values ------------------------------------------------------
+
+# The builtin containers a static value may be that code can change in place.
+_MUTABLE_STATICS = (list, dict, set, bytearray, collections.deque)
+
+
+def is_mutable_static(value: Any) -> bool:
+    """Whether ``value`` is, or a tuple holds, a list, dict, set, deque or bytearray."""
+    if isinstance(value, _MUTABLE_STATICS):
+        return True
+    return type(value) is tuple and any(map(is_mutable_static, value))
+
+
+def copy_static(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with its builtin containers copied, at any depth (``memo``
+    keeps two references to one container one); other objects are shared.
+
+    A graphdef keeps the copy a flatten made, and each model rebuilt from it
+    gets copies of its own: a static list then means its value when the
+    graphdef was made (jit's cache compares graphdefs), and a change in place
+    inside one model (an eager call, a trace) reaches no other.
+    """
+    if not isinstance(value, _MUTABLE_STATICS) and type(value) is not tuple:
+        return value
+    found = memo.get(id(value))
+    if found is not None:
+        return found
+    new: Any
+    if type(value) is tuple:
+        items = tuple(copy_static(v, memo) for v in value)
+        new = value if all(a is b for a, b in zip(items, value)) else items
+    elif isinstance(value, (set, bytearray)):
+        new = _copy.copy(value)  # hashable or int items: nothing inside to copy
+    else:
+        container: Any = value
+        new = _copy.copy(container)  # keeps the subclass (a defaultdict's factory)
+        memo[id(value)] = new
+        if isinstance(container, dict):
+            for k, v in container.items():
+                dict.__setitem__(new, k, copy_static(v, memo))
+        else:
+            items_list = [copy_static(v, memo) for v in container]
+            new.clear()
+            new.extend(items_list)
+    memo[id(value)] = new
+    return new
 
 
 # --- static values inside containers ------------------------------------------
@@ -808,6 +858,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     index: dict[int, int] = {}
     instances: list[Any] = []
     attr_key = jax.tree_util.GetAttrKey
+    statics: dict[int, Any] = {}  # copy_static's memo: one copy per container
 
     def visit(obj: Any, prefix: str, prefix_keys: tuple) -> int:
         seen = index.get(id(obj))
@@ -829,7 +880,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                     indices = [-1 if h is None else visit(h, here, here_keys) for h in held]
                     entries.append((name, None, _bound_ref(value, indices)))
                 else:
-                    entries.append((name, None, _Static(value)))
+                    entries.append((name, None, _Static(copy_static(value, statics))))
                 continue
             flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_graph_leaf)
             parts: list[Any] = []
@@ -849,7 +900,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                     indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
                     parts.append(_bound_ref(leaf, indices))
                 else:
-                    parts.append(_Static(leaf))
+                    parts.append(_Static(copy_static(leaf, statics)))
             entries.append((name, treedef, tuple(parts)))
         instances[i] = (type(obj), tuple(entries))
         return i
@@ -864,7 +915,7 @@ def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
 
 
 # How rebuild_instances fills one attribute (see _rebuild_plan).
-_LEAF, _SHARED, _STATIC, _BOUND, _GENERAL = range(5)
+_LEAF, _SHARED, _STATIC, _STATIC_COPY, _BOUND, _GENERAL = range(6)
 
 
 def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
@@ -879,11 +930,14 @@ def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
     if plan is None:
         plan = []
         for cls, entries in graphdef.instances:
-            steps = []
+            steps: list[tuple[str, int, Any]] = []
             for name, treedef, parts in entries:
                 if treedef is None:
-                    bound = type(parts) is _BoundRef
-                    steps.append((name, _BOUND, parts) if bound else (name, _STATIC, parts.value))
+                    if type(parts) is _BoundRef:
+                        steps.append((name, _BOUND, parts))
+                    else:
+                        how = _STATIC_COPY if is_mutable_static(parts.value) else _STATIC
+                        steps.append((name, how, parts.value))
                 elif not parts and type(shared := treedef.unflatten([])) in _IMMUTABLE_NODES:
                     steps.append((name, _SHARED, shared))
                 elif (
@@ -905,6 +959,7 @@ def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
     """``unflatten_graph``, giving every instance of the graph (in graphdef order)."""
     plan = _rebuild_plan(graphdef)
     objs: list[Any] = [object.__new__(cls) for cls, _ in plan]
+    statics: dict[int, Any] = {}  # this model's own copies of static containers
     for obj, (_, steps) in zip(objs, plan):
         d = obj.__dict__
         for name, how, what in steps:
@@ -912,6 +967,8 @@ def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
                 d[name] = leaves[what]
             elif how == _SHARED or how == _STATIC:
                 d[name] = what
+            elif how == _STATIC_COPY:
+                d[name] = copy_static(what, statics)
             elif how == _BOUND:
                 d[name] = what.rebind(objs)
             else:
@@ -922,7 +979,7 @@ def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
                         if type(p) is int
                         else p.rebind(objs)
                         if type(p) is _BoundRef
-                        else p.value
+                        else copy_static(p.value, statics)
                         for p in parts
                     ]
                 )

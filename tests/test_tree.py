@@ -210,7 +210,8 @@ def test_is_dynamic(value, expected):
 def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
     """The rebuild plan (``tree._rebuild_plan``): a handled slot is one frozen
     object per graphdef entry, so every trace's model may hold the same one;
-    an empty list or dict attribute is built anew for each model, as before."""
+    a list or dict attribute is copied for each model, so a change in place
+    reaches no other model and the change check sees it."""
     import autostate
     from autostate.effects import HandledLocalStateRef
     from autostate.tree import graph_unchanged, rebuild_instances
@@ -246,10 +247,11 @@ def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
         assert type(a.__dict__["n"]) is HandledLocalStateRef
         assert a.__dict__["n"] is b.__dict__["n"]
         assert a.log is not b.log and a.seen is not b.seen
-        a.log.append(1)
-        assert b.log == []
+        b.log.append(1)
+        assert a.log == []
     root = one[graphdef.root]
     assert graph_unchanged(root, leaves, graphdef)
+    assert not graph_unchanged(two[graphdef.root], leaves, graphdef)  # its log changed
     root.blocks[1].__dict__["n"] = HandledLocalStateRef("other", "n", False, "state")
     assert not graph_unchanged(root, leaves, graphdef)
     # Equal but not the same slot still counts as unchanged (compared by value).

@@ -24,6 +24,7 @@ import contextvars
 import dataclasses
 import enum
 import itertools
+import sys
 import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -411,10 +412,12 @@ class FrozenLocalStateRequest(StateSlot):
     - ``category``: which handler handles it.
     - ``name``: explicit state name; ``None`` names it by its path.
 
-    Never changed once made: a write makes a new request (``replaced``), so a
-    copy of a model, or anything else holding a request, keeps its value. Not
-    a frozen dataclass only because that one's ``__setattr__`` made every
-    eager write several times slower; slots make the new request cheap.
+    Never changed where anyone could see it: a write makes a new request
+    (``replaced``), so a copy of a model, or anything else holding a request,
+    keeps its value; only a request nothing else holds takes an eager write
+    in place (see ``runtime._sole_holder_count``). Not a frozen dataclass
+    because that one's ``__setattr__`` made every eager write several times
+    slower; slots make the new request cheap.
     """
 
     state: Any
@@ -422,6 +425,11 @@ class FrozenLocalStateRequest(StateSlot):
     name: str | None = None
     # The trace the model was built in (``None``: outside every trace).
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
+    # ``sys.getrefcount(self)``, read as an attribute: computed from C inside
+    # the attribute read, with no point where a signal handler, another
+    # thread, a profiler or a debugger can run between it and the next
+    # bytecode (a call of getrefcount has one, right after it returns).
+    _holders = property(sys.getrefcount)
 
     def get(self) -> Any:
         """Returns the embedded value."""
