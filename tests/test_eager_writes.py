@@ -199,9 +199,10 @@ def test_a_shallow_copy_has_its_own_requests() -> None:
 
 
 def test_a_copy_sharing_entries_in_another_thread_never_sees_a_later_write() -> None:
-    """With another thread running, writes put new requests in: a thread switch
-    between the reference count and an in-place store could otherwise let that
-    thread copy the model (sharing its requests) and see the store."""
+    """No thread switch falls between the reference count and the in-place
+    store (the count is an attribute read computed from C): a thread that
+    copies the model, sharing its requests, never sees a later write. With
+    the count as a call of ``sys.getrefcount`` this failed within a second."""
     model = SharesDict()
     model.step(jnp.zeros(3))
     values = [jnp.full(3, float(i)) for i in range(50)]
