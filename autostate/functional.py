@@ -19,7 +19,6 @@ import importlib
 import io
 import operator
 import pickle
-import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -234,7 +233,7 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
         if depth > 16 or id(value) in seen:
             return
         t = type(value)
-        if isinstance(value, _tree._MUTABLE_STATICS):
+        if isinstance(value, _tree.MUTABLE_CONTAINERS):
             seen.add(id(value))
             saved.append((value, _copy.copy(value), where))
             if isinstance(value, dict):
@@ -246,9 +245,8 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
         elif t is tuple:
             for item in value:
                 visit(item, where, depth + 1)
-        elif _is_plain_object(value):
+        elif (d := _tree.plain_attributes(value)) is not None:
             seen.add(id(value))
-            d = value.__dict__
             saved.append((d, d.copy(), where))
             for item in d.values():
                 visit(item, where, depth + 1)
@@ -263,26 +261,13 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
     for cls in classes:
         for klass in cls.__mro__[:-1]:
             for name, value in list(vars(klass).items()):
-                if isinstance(value, _tree._MUTABLE_STATICS) and not name.startswith("__"):
+                if isinstance(value, _tree.MUTABLE_CONTAINERS) and not name.startswith("__"):
                     visit(value, f"{klass.__name__}.{name}", 0)
     return saved
 
 
 # Attribute values that are never, and hold no, static containers.
 _SKIPPED = frozenset({int, float, bool, str, type(None), HandledLocalStateRef})
-
-
-def _is_plain_object(value: Any) -> bool:
-    """An undecorated object whose ``__dict__`` is its own data (not a class,
-    module, function, array or decorated instance)."""
-    return (
-        hasattr(value, "__dict__")
-        and not isinstance(
-            value, (type, types.ModuleType, types.FunctionType, types.MethodType, jax.Array)
-        )
-        and not _tree.is_stateful_instance(value)
-        and type(value).__module__ != "builtins"
-    )
 
 
 def _same_contents(value: Any, contents: Any) -> bool:
@@ -369,9 +354,12 @@ def _restore(saved: Any) -> None:
         elif isinstance(value, dict):
             dict.clear(value)
             dict.update(value, contents)
-        else:  # set, deque
+        elif isinstance(value, set):
             value.clear()
-            value.update(contents) if isinstance(value, set) else value.extend(contents)
+            value.update(contents)
+        else:  # a deque
+            value.clear()
+            value.extend(contents)
 
 
 M = TypeVar("M")

@@ -697,8 +697,8 @@ def _hidden_array(
                 return f".{where}{found[0]}", "functools.partial", found[2]
         return None
     else:
-        attrs = getattr(value, "__dict__", None)
-        if not isinstance(attrs, dict) or isinstance(value, _NOT_HOLDERS):
+        attrs: Any = _tree.plain_attributes(value)
+        if attrs is None:
             return None
         for k, v in attrs.items():
             if isinstance(v, (jax.Array, np.ndarray)) or _tree.is_stateful_instance(v):
@@ -716,9 +716,8 @@ def _hidden_array(
 
 _SET_LIKE = frozenset({set, frozenset, collections.deque})
 # Containers a builtin method may change in place (``self.push = self.log.append``).
-_MUTABLE_HOLDERS = frozenset({list, dict, set, bytearray, collections.deque})
+_MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
 _PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
-_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
 
 
 def _instances(model: Any) -> Any:

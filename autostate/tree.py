@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import copy as _copy
 import enum
+import functools
 import gc
 import types
 import weakref
@@ -221,12 +222,29 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda aux, _chil
 # --- mutable static values ------------------------------------------------------
 
 # The builtin containers a static value may be that code can change in place.
-_MUTABLE_STATICS = (list, dict, set, bytearray, collections.deque)
+MUTABLE_CONTAINERS = (list, dict, set, bytearray, collections.deque)
+
+
+# Objects with a ``__dict__`` that is not data they hold.
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+
+
+def plain_attributes(value: Any) -> dict[str, Any] | None:
+    """The ``__dict__`` of an undecorated object that keeps its data there
+    (not a class, module, function, method or partial); ``None`` otherwise."""
+    attrs = getattr(value, "__dict__", None)
+    if (
+        not isinstance(attrs, dict)
+        or isinstance(value, _NOT_HOLDERS)
+        or type(value) in _STATEFUL_CLASSES
+    ):
+        return None
+    return attrs
 
 
 def is_mutable_static(value: Any) -> bool:
     """Whether ``value`` is, or a tuple holds, a list, dict, set, deque or bytearray."""
-    if isinstance(value, _MUTABLE_STATICS):
+    if isinstance(value, MUTABLE_CONTAINERS):
         return True
     return type(value) is tuple and any(map(is_mutable_static, value))
 
@@ -240,7 +258,7 @@ def copy_static(value: Any, memo: dict[int, Any]) -> Any:
     graphdef was made (jit's cache compares graphdefs), and a change in place
     inside one model (an eager call, a trace) reaches no other.
     """
-    if not isinstance(value, _MUTABLE_STATICS) and type(value) is not tuple:
+    if not isinstance(value, MUTABLE_CONTAINERS) and type(value) is not tuple:
         return value
     found = memo.get(id(value))
     if found is not None:
