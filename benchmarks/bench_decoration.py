@@ -136,11 +136,11 @@ def _decoration_times(directory: Path, source: str, cfg: Config) -> dict[str, fl
     cached_path = directory / f"cached_{next(_counter)}.py"
     cached_path.write_text(source)
     first = autostate.stateful(_import_class(cached_path))  # fills both caches
-    expected_state = first.__autostate_info__.state
+    expected_state = autostate.tree.class_info(first).state
 
     def check(cls: type) -> None:
         # A cache hit must give the same decoration as the first transformation.
-        assert cls.__autostate_info__.state == expected_state, cls
+        assert autostate.tree.class_info(cls).state == expected_state, cls
         assert callable(cls.functionalize)
 
     def uncached() -> float:

@@ -1,7 +1,7 @@
 """Tests for ``autostate/transform/analysis.py``: which attributes are state.
 
 Inference runs on source text, so it is tested twice: through decorated
-classes (``Cls.__autostate_info__.state``) and directly on ``MethodSource``s
+classes (``autostate.tree.class_info(Cls).state``) and directly on ``MethodSource``s
 with ``collect_facts`` / ``analyze_class``, which need no JAX.
 """
 
@@ -42,7 +42,7 @@ class Inferred:
 
 
 def test_state_is_what_non_init_methods_assign():
-    assert Inferred.__autostate_info__.state == {
+    assert autostate.tree.class_info(Inferred).state == {
         "plain",
         "aug",
         "item",
@@ -57,7 +57,7 @@ def test_parameters_and_config_are_not_state():
     model = Inferred(3)
     _, states = model.functionalize()
     assert "param" not in states and "config" not in states
-    assert sorted(states) == sorted(Inferred.__autostate_info__.state)
+    assert sorted(states) == sorted(autostate.tree.class_info(Inferred).state)
 
 
 def test_inferred_state_is_updated_by_a_call():
@@ -82,7 +82,7 @@ class OtherReceiver:
 
 
 def test_receiver_is_the_first_parameter_whatever_its_name():
-    assert OtherReceiver.__autostate_info__.state == {"count"}
+    assert autostate.tree.class_info(OtherReceiver).state == {"count"}
     model = OtherReceiver()
     assert model(3.0) == 6.0
     model(3.0)
@@ -100,7 +100,7 @@ class Private:
 
 
 def test_private_names_are_mangled():
-    assert Private.__autostate_info__.state == {"_Private__hidden"}
+    assert autostate.tree.class_info(Private).state == {"_Private__hidden"}
     model = Private()
     assert float(model.step()) == 1.0
     assert float(model._Private__hidden) == 1.0
@@ -124,7 +124,7 @@ class WithProperty:
 
 
 def test_property_setter_assigns_state():
-    assert WithProperty.__autostate_info__.state == {"total"}
+    assert autostate.tree.class_info(WithProperty).state == {"total"}
     assert isinstance(WithProperty.__dict__["value"], property)
     model = WithProperty()
     # __init__ went through the setter, so the state holds the value.
@@ -158,7 +158,7 @@ class PropertyAssignedInMethod:
 def test_property_assigned_in_a_method_is_not_state_itself():
     # Assigning a property calls its setter, as in plain Python; the
     # property stays a property and only what the setter assigns is state.
-    assert PropertyAssignedInMethod.__autostate_info__.state == {"total"}
+    assert autostate.tree.class_info(PropertyAssignedInMethod).state == {"total"}
     assert isinstance(PropertyAssignedInMethod.__dict__["value"], property)
     model = PropertyAssignedInMethod()
     assert float(model.total) == 1.0
@@ -184,7 +184,7 @@ class Declared:
 
 
 def test_state_declaration_makes_state_without_a_method_assigning_it():
-    assert Declared.__autostate_info__.state == {"kv", "seen", "counter", "steps"}
+    assert autostate.tree.class_info(Declared).state == {"kv", "seen", "counter", "steps"}
 
 
 def test_declared_category_and_explicit_name_show_in_functionalize():
@@ -240,7 +240,7 @@ class Nothing:
 
 
 def test_class_without_state_has_empty_state_set():
-    assert Nothing.__autostate_info__.state == frozenset()
+    assert autostate.tree.class_info(Nothing).state == frozenset()
     _, states = Nothing().functionalize()
     assert states == {}
 
@@ -476,7 +476,7 @@ class PropertyChild(WithProperty):
 
 
 def test_inherited_property_assigned_in_a_subclass_method_is_not_state():
-    assert PropertyChild.__autostate_info__.state == {"total"}
+    assert autostate.tree.class_info(PropertyChild).state == {"total"}
     assert "value" not in PropertyChild.__dict__
     model = PropertyChild()
     assert float(model.step()) == 10.0

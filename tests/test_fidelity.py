@@ -46,7 +46,7 @@ def test_decorated_class_is_the_same_object():
     assert Plain.__qualname__ == "Plain"
     assert Plain.__module__ == __name__
     assert isinstance(Plain(), Plain)
-    assert Plain.__autostate_info__.state == {"x"}
+    assert autostate.tree.class_info(Plain).state == {"x"}
 
 
 def test_class_body_is_not_executed_again():
@@ -139,8 +139,8 @@ def test_zero_argument_super_in_rewritten_methods():
 
 
 def test_subclass_adds_its_own_state_and_base_state_keeps_working():
-    assert Base.__autostate_info__.state == {"x"}
-    assert Child.__autostate_info__.state == {"x", "y"}
+    assert autostate.tree.class_info(Base).state == {"x"}
+    assert autostate.tree.class_info(Child).state == {"x", "y"}
     base = Base(3.0)
     assert float(base.step(1.0)) == 4.0
     f, states = Child().functionalize()
@@ -448,7 +448,7 @@ def test_total_ordering_on_top_of_stateful():
     assert a < b and a <= b and b > a and b >= a and a != b
     a.bump()
     assert a == b and a >= b
-    assert Ordered.__autostate_info__.state == {"v"}
+    assert autostate.tree.class_info(Ordered).state == {"v"}
 
 
 REGISTRY: dict[str, type] = {}
@@ -560,7 +560,7 @@ def test_init_subclass_runs_once_per_subclass():
     assert SUBCLASSES == ["FirstPlugin:first"]
     model = FirstPlugin()
     assert float(model.hit()) == 3.0
-    assert FirstPlugin.__autostate_info__.state == {"hits", "extra"}
+    assert autostate.tree.class_info(FirstPlugin).state == {"hits", "extra"}
     f, states = model.functionalize()
     out, states = jax.jit(lambda f, s: f.hit(s))(f, states)
     assert float(out) == 6.0
@@ -697,7 +697,7 @@ def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, 
     plain_cls, cls, _ = _twice(write_module, HIDDEN_METHODS, name)
     plain = plain_cls()
     expected = [float(plain(1.0)) for _ in range(2)]
-    assert "count" in cls.__autostate_info__.state
+    assert "count" in autostate.tree.class_info(cls).state
     eager = cls()
     assert [float(eager(1.0)) for _ in range(2)] == expected
     f, states = cls().functionalize()
@@ -711,6 +711,7 @@ def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, 
 
 def test_an_assigned_function_outside_the_class_is_left_unchanged(write_module):
     _, cls, module = _twice(write_module, HIDDEN_METHODS, "Assigned")
+    autostate.tree.class_info(cls)  # installed (at the class's first use)
     assert cls.__dict__["__call__"] is not module.external  # a rewritten copy
     assert module.external.__code__.co_filename == cls.__dict__["__call__"].__code__.co_filename
 
@@ -1057,7 +1058,7 @@ def test_each_construct_means_what_plain_python_means(write_module):
     assert model.seen == plain.seen == [0, 1, 2, 2]
     assert model.opts == plain.opts and model.tags == plain.tags
     assert float(model.μ) == float(plain.μ) == 1.0
-    assert "μ" in cls.__autostate_info__.state  # stored under the normalized name
+    assert "μ" in autostate.tree.class_info(cls).state  # stored under the normalized name
     assert model.fit([plain, plain]) == plain.fit([plain, plain]) == 6
 
 
@@ -1120,7 +1121,7 @@ class Child(Mixin):
         return self.bump()
 
 
-print(sorted(Child.__autostate_info__.state))
+print(sorted(autostate.tree.class_info(Child).state))
 """
 
 

@@ -136,7 +136,7 @@ class Undecorated(Base):
 
 
 def test_subclass_is_decorated_automatically():
-    assert Undecorated.__autostate_info__.state == {"n", "buf"}
+    assert autostate.tree.class_info(Undecorated).state == {"n", "buf"}
     model = Undecorated()
     assert float(model(3.0)) == 6.0
     np.testing.assert_array_equal(model.buf, [3.0, 0.0, 0.0])
@@ -153,7 +153,7 @@ class Recategorized(Base):
 
 
 def test_explicit_decoration_of_subclass_with_other_options_wins():
-    assert Recategorized.__autostate_info__.category == "other"
+    assert autostate.tree.class_info(Recategorized).category == "other"
     f, states = Recategorized().functionalize(category="other")
     assert set(states) == {"n"}
 

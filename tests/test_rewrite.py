@@ -780,6 +780,7 @@ autostate.stateful(Partial)
 
 
 def test_untouched_methods_keep_their_function_object():
+    autostate.tree.class_info(Partial)  # installed (at the class's first use)
     assert Partial.__dict__["pure"] is ORIGINAL_PURE
     assert Partial.__dict__["helper"].__func__ is ORIGINAL_HELPER
     assert Partial.__dict__["build"].__func__ is ORIGINAL_BUILD
@@ -789,7 +790,7 @@ def test_untouched_methods_keep_their_function_object():
 
 
 def test_non_state_attributes_are_plain_python():
-    assert Partial.__autostate_info__.state == {"count"}
+    assert autostate.tree.class_info(Partial).state == {"count"}
     model = Partial.build()
     assert float(model.step(2.0)) == 6.0
     assert model.log == [2.0]

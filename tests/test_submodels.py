@@ -139,7 +139,7 @@ def _states_of(model: Any) -> dict[str, float]:
 
 def test_the_analysis_calls_them_state_and_functionalize_keeps_their_states(pair: Any) -> None:
     _, dec = pair
-    assert "sub" in dec.Reset.__autostate_info__.state
+    assert "sub" in autostate.tree.class_info(dec.Reset).state
     _, states = dec.Reset().functionalize()
     assert sorted(states) == ["sub.n"]
     lazy = dec.Lazy()

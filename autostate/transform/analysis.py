@@ -663,7 +663,7 @@ def analyze_class(
         for facts in methods:
             first = next((a for a in facts.assignments if a.attr == attr), None)
             if first is not None:
-                raise _fail(
+                error = _fail(
                     class_name,
                     f"state {attr!r} is first assigned outside __init__; every state needs an "
                     "initial value when the model is built.",
@@ -672,6 +672,9 @@ def analyze_class(
                     f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
                     f"(or `self.{attr} = autostate.state(...)`).",
                 )
+                # A decorator above @stateful (@dataclass) may initialize it yet.
+                error.uninitialized = attr  # type: ignore[attr-defined]
+                raise error
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
     )

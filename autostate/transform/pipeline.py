@@ -191,8 +191,22 @@ def _class_location(cls: type) -> str | None:
     return getattr(module, "__file__", None)
 
 
+def _module_globals(cls: type) -> dict[str, Any] | None:
+    """The globals of the module that defined ``cls``: its functions' own,
+    else its module's in ``sys.modules``. A decoration installed at a class's
+    first use must see what the class statement saw, and a module may have
+    left ``sys.modules`` since (a test harness's clean-up, a reload)."""
+    for value in vars(cls).values():
+        fn = getattr(value, "__func__", value)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == cls.__module__:
+            return fn.__globals__
+    module = sys.modules.get(cls.__module__)
+    return None if module is None else vars(module)
+
+
 def _module_file(cls: type) -> str | None:
-    return getattr(sys.modules.get(cls.__module__), "__file__", None)
+    found = _module_globals(cls)
+    return None if found is None else found.get("__file__")
 
 
 def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
@@ -237,11 +251,11 @@ def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> 
     for base in cls.__mro__[1:]:
         if base is object or is_decorated(base):
             continue
-        module = sys.modules.get(base.__module__)
+        module = _module_globals(base)
         top = base.__module__.partition(".")[0]
         if module is None or top in sys.builtin_module_names or top in _STDLIB:
             continue
-        if not getattr(module, "__file__", None) and base.__module__ != "__main__":
+        if not module.get("__file__") and base.__module__ != "__main__":
             continue
         bases.append(base)
     return bases

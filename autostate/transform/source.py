@@ -10,6 +10,7 @@ its code object. No JAX here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import linecache
 import sys
@@ -34,6 +35,10 @@ class MethodSlot:
     # Not written in this class body (assigned, made by a factory): when its
     # source cannot be read it is left to the run-time guard, not rejected.
     foreign: bool = False
+    # Raises the error ``install`` would raise (a wrapper it cannot reach
+    # into), without installing: a decision is checked at the class
+    # statement and installed at the class's first use.
+    check: Callable[[], None] | None = None
 
 
 def _wrapped_function(obj: Any) -> types.FunctionType | None:
@@ -48,23 +53,30 @@ def _wrapped_function(obj: Any) -> types.FunctionType | None:
     return innermost
 
 
-def _replace_in_wrapper(wrapper: Any, old: types.FunctionType, new: types.FunctionType) -> bool:
+def replace_in_wrapper(wrapper: Any, old: types.FunctionType, new: types.FunctionType) -> bool:
     """Points a ``functools.wraps``-style wrapper at ``new`` instead of ``old``."""
     replaced = False
     for holder in _wrapper_chain(wrapper):
-        for cell in getattr(holder, "__closure__", None) or ():
-            try:
-                if cell.cell_contents is old:
-                    cell.cell_contents = new
-                    replaced = True
-            except ValueError:
-                continue
+        for cell in _cells_holding(holder, old):
+            cell.cell_contents = new
+            replaced = True
         if getattr(holder, "__wrapped__", None) is old:
             try:
                 holder.__wrapped__ = new
             except AttributeError:
                 pass
     return replaced
+
+
+def _cells_holding(holder: Any, old: types.FunctionType) -> list[types.CellType]:
+    cells = []
+    for cell in getattr(holder, "__closure__", None) or ():
+        try:
+            if cell.cell_contents is old:
+                cells.append(cell)
+        except ValueError:
+            continue
+    return cells
 
 
 def _wrapper_chain(obj: Any) -> Iterator[Any]:
@@ -169,6 +181,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                     MethodSlot(
                         attr, attr, fn, True,
                         installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
+                        check=functools.partial(_check_in_wrapper, cls, value, fn),
                     )
                 )
         elif isinstance(value, types.FunctionType):
@@ -200,6 +213,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                     MethodSlot(
                         attr, attr, fn, True,
                         installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
+                        check=functools.partial(_check_in_wrapper, cls, value, fn),
                     )
                 )
     found = []
@@ -221,17 +235,26 @@ def _replace_property_part(
 
 
 def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionType) -> None:
-    if not _replace_in_wrapper(wrapper, old, new):
-        raise DecorationError(
-            format_error(
-                f"@stateful cannot reach the function inside the decorator wrapping "
-                f"{cls.__name__}.{old.__name__}, which uses state.",
-                where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
-                fix="write the decorator with functools.wraps and a closure over the wrapped "
-                "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
-                "a method, use @autostate.checkpoint.",
-            )
+    if not replace_in_wrapper(wrapper, old, new):
+        raise _unreachable_wrapper(cls, old)
+
+
+def _check_in_wrapper(cls: type, wrapper: Any, old: Any) -> None:
+    if not any(_cells_holding(holder, old) for holder in _wrapper_chain(wrapper)):
+        raise _unreachable_wrapper(cls, old)
+
+
+def _unreachable_wrapper(cls: type, old: Any) -> DecorationError:
+    return DecorationError(
+        format_error(
+            f"@stateful cannot reach the function inside the decorator wrapping "
+            f"{cls.__name__}.{old.__name__}, which uses state.",
+            where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
+            fix="write the decorator with functools.wraps and a closure over the wrapped "
+            "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
+            "a method, use @autostate.checkpoint.",
         )
+    )
 
 
 def source_lines(filename: str) -> list[str]:
