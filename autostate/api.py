@@ -171,7 +171,12 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             )
         )
     if cls is None:
-        return lambda c: stateful(c, category=category, fallback=fallback)
+        return lambda c: _stateful(c, category, fallback)
+    return _stateful(cls, category, fallback)
+
+
+def _stateful(cls: Any, category: Hashable, fallback: str | None) -> Any:
+    """``@stateful``'s work on a class: marks it, or decorates it at once."""
     # The first branch is every class statement of a warm start, kept to a
     # few reads: a 30-class file imports within 1.2x of it undecorated.
     own = cls.__dict__ if isinstance(cls, type) else None
@@ -184,9 +189,8 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     ):
         fn = own.get("__init__")
         filename: str | None
-        if type(fn) is types.FunctionType and fn.__code__.co_filename[:1] != "<":
+        if type(fn) is types.FunctionType and (code := fn.__code__).co_filename[:1] != "<":
             # _site, inline: the commonest class statement.
-            code = fn.__code__
             filename, spec = code.co_filename, fn.__globals__.get("__spec__")
             site: tuple = (cls.__qualname__, code.co_firstlineno, fallback)
         else:
@@ -199,15 +203,17 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
                 loader.remember_decided(filename, spec, site)
             else:
                 later = (filename, spec, site)
-        cls.__new__ = _FIRST_USE  # type: ignore[method-assign, assignment]
-        if getattr(cls, "functionalize", None) is None:
+        cls.__new__ = _FIRST_USE
+        if "functionalize" not in own and (
+            cls.__base__ is object or getattr(cls, "functionalize", _MISSING) is _MISSING
+        ):
             # Read from the class before its first instance (a typed helper
             # checks for it), as on a class decorated at once.
-            cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
+            cls.functionalize = _functionalize_method
         if "__init_subclass__" in own:
             _install_subclass_hook(cls, category, fallback)
         else:
-            cls.__init_subclass__ = _PENDING_HOOK  # type: ignore[method-assign]
+            cls.__init_subclass__ = _PENDING_HOOK
         _tree.PENDING[cls] = (
             _PENDING_DEFAULT if later is None and category is DEFAULT_CATEGORY and fallback is None
             else (category, fallback, later)
@@ -330,7 +336,7 @@ def _subclass_of_pending(sub: type, **kwargs: Any) -> None:
             del _HOOK_DEPTH[sub]
     pending = _tree.PENDING.get(owner)
     if depth == 0 and pending is not None and INFO_ATTR not in sub.__dict__:
-        stateful(sub, category=pending[0], fallback=pending[1])
+        _stateful(sub, pending[0], pending[1])
 
 
 _HOOK_DEPTH: dict[type, int] = {}
@@ -612,7 +618,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
         else:
             super(cls, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
         if INFO_ATTR not in sub.__dict__:
-            stateful(sub, category=category, fallback=fallback)
+            _stateful(sub, category, fallback)
 
     __init_subclass__._autostate_hook = True  # type: ignore[attr-defined]
     __init_subclass__._autostate_own = own  # type: ignore[attr-defined]
