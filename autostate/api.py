@@ -131,7 +131,7 @@ def constant(value: Any, *, name: str | None = None) -> Any:
 
 
 @overload
-def stateful(cls: T) -> T: ...
+def stateful(cls: T, *, category: Hashable = DEFAULT_CATEGORY, fallback: str | None = None) -> T: ...
 @overload
 def stateful(
     cls: None = None, *, category: Hashable = DEFAULT_CATEGORY, fallback: str | None = None
@@ -171,12 +171,7 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             )
         )
     if cls is None:
-        return lambda c: _stateful(c, category, fallback)
-    return _stateful(cls, category, fallback)
-
-
-def _stateful(cls: Any, category: Hashable, fallback: str | None) -> Any:
-    """``@stateful``'s work on a class: marks it, or decorates it at once."""
+        return lambda c: stateful(c, category=category, fallback=fallback)
     # The first branch is every class statement of a warm start, kept to a
     # few reads: a 30-class file imports within 1.2x of it undecorated.
     own = cls.__dict__ if isinstance(cls, type) else None
@@ -198,7 +193,10 @@ def _stateful(cls: Any, category: Hashable, fallback: str | None) -> Any:
         later = None  # where to record the decision once it is made, at the first use
         if filename is None:
             _decided_now(cls, own, fallback)
-        elif site not in loader.decided_sites(filename, spec):
+        elif site not in (
+            _last_sites[2] if _last_sites[0] is filename and _last_sites[1] is spec is not None
+            else _sites_of_module(filename, spec)
+        ):
             if _decided_now(cls, own, fallback):
                 loader.remember_decided(filename, spec, site)
             else:
@@ -225,6 +223,19 @@ def _stateful(cls: Any, category: Hashable, fallback: str | None) -> Any:
         _tree.PENDING[cls] = (category, fallback, pending[2])
         return cls
     return _decorate(cls, category, fallback)
+
+
+# The sites decided before of the module whose classes were marked last (a
+# module's class statements run in a row; every code object of a module
+# shares its file name, so the test is by identity).
+_last_sites: tuple[Any, Any, Any] = (None, None, frozenset())
+
+
+def _sites_of_module(filename: str, spec: Any) -> Any:
+    global _last_sites
+    sites = loader.file_sites(filename, spec)[2]
+    _last_sites = (filename, spec, sites)
+    return sites
 
 
 # --- decoration deferred to the first instance ------------------------------
@@ -336,7 +347,7 @@ def _subclass_of_pending(sub: type, **kwargs: Any) -> None:
             del _HOOK_DEPTH[sub]
     pending = _tree.PENDING.get(owner)
     if depth == 0 and pending is not None and INFO_ATTR not in sub.__dict__:
-        _stateful(sub, pending[0], pending[1])
+        stateful(sub, category=pending[0], fallback=pending[1])
 
 
 _HOOK_DEPTH: dict[type, int] = {}
@@ -618,7 +629,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
         else:
             super(cls, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
         if INFO_ATTR not in sub.__dict__:
-            _stateful(sub, category, fallback)
+            stateful(sub, category=category, fallback=fallback)
 
     __init_subclass__._autostate_hook = True  # type: ignore[attr-defined]
     __init_subclass__._autostate_own = own  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import autostate
+from autostate import api
 from autostate.transform import analysis, loader
 
 
@@ -24,8 +25,15 @@ def fresh_cache(tmp_path, monkeypatch):
     """An empty disk cache directory and an empty memory cache."""
     directory = tmp_path / "cache"
     monkeypatch.setenv("AUTOSTATE_CACHE_DIR", str(directory))
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     return directory
+
+
+def _empty_memory_caches(monkeypatch) -> None:
+    """What a new process starts with: the loader's memory cache and the class
+    statement's memo of the module looked up last."""
+    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    monkeypatch.setattr(api, "_last_sites", (None, None, frozenset()))
 
 
 @pytest.fixture
@@ -83,7 +91,7 @@ def test_disk_cache_survives_a_cleared_memory_cache(fresh_cache, analysis_calls,
     assert len(analysis_calls) == 2
     files = list(fresh_cache.glob("*.bin"))
     assert len(files) == 1
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     analysis_calls.clear()
     cls = make_counter()
     assert analysis_calls == []
@@ -98,7 +106,7 @@ def test_a_fresh_cache_directory_misses(fresh_cache, analysis_calls, monkeypatch
     make_counter()
     other = tmp_path / "other-cache"
     monkeypatch.setenv("AUTOSTATE_CACHE_DIR", str(other))
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     analysis_calls.clear()
     check_counter(make_counter())
     assert len(analysis_calls) == 2
@@ -107,7 +115,7 @@ def test_a_fresh_cache_directory_misses(fresh_cache, analysis_calls, monkeypatch
 
 def test_empty_cache_dir_setting_disables_the_disk_cache(monkeypatch, analysis_calls, tmp_path):
     monkeypatch.setenv("AUTOSTATE_CACHE_DIR", "")
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     check_counter(make_counter())
@@ -122,7 +130,7 @@ def test_corrupt_disk_entry_is_ignored(fresh_cache, analysis_calls, monkeypatch)
     make_counter()
     (entry,) = fresh_cache.glob("*.bin")
     entry.write_bytes(b"not a marshalled value")
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     analysis_calls.clear()
     check_counter(make_counter())
     assert len(analysis_calls) == 2
@@ -224,7 +232,7 @@ def test_storing_keeps_the_disk_cache_under_its_limit(fresh_cache, monkeypatch):
 
 
 def test_memory_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
+    _empty_memory_caches(monkeypatch)
     monkeypatch.setattr(loader, "MEMORY_CACHE_ENTRIES", 3)
     monkeypatch.setenv("AUTOSTATE_CACHE_DIR", "")
     for key in "abcd":
@@ -271,7 +279,7 @@ def test_a_module_s_classes_are_read_from_disk_with_one_open(
     reads: list[str] = []
     original = loader._read_bundle
     monkeypatch.setattr(loader, "_read_bundle", lambda name: reads.append(name) or original(name))
-    monkeypatch.setattr(loader, "_MEMORY_CACHE", {})  # as in a new process
+    _empty_memory_caches(monkeypatch)  # as in a new process
     analysis_calls.clear()
     module = _import(path)
     assert analysis_calls == [] and reads == []  # installed at the first use

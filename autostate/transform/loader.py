@@ -405,18 +405,6 @@ def file_sites(filename: str, spec: Any) -> tuple[Any, tuple | None, set[tuple]]
     return known
 
 
-def decided_sites(filename: str, spec: Any) -> set[tuple]:
-    """``file_sites(filename, spec)[2]``, asked by every class statement: a
-    module's classes ask in a row, so the last answer is tried first, by
-    identity (every code object of a module shares its file name)."""
-    last = _MEMORY_CACHE.get("sites:last")
-    if last is not None and last[0] is filename and last[1] is spec and spec is not None:
-        return last[2]
-    sites = file_sites(filename, spec)[2]
-    _MEMORY_CACHE["sites:last"] = (filename, spec, sites)
-    return sites
-
-
 def _look_up_sites(filename: str, spec: Any) -> tuple[Any, tuple | None, set[tuple]]:
     global _SITES_DIR, _SITES
     directory = _cache_dir_name()
