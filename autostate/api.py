@@ -184,12 +184,16 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     ):
         fn = own.get("__init__")
         filename: str | None
-        if type(fn) is types.FunctionType and (code := fn.__code__).co_filename[:1] != "<":
+        if (
+            type(fn) is types.FunctionType
+            and (code := fn.__code__).co_filename[:1] != "<"
+            and fn.__module__ == cls.__module__
+        ):
             # _site, inline: the commonest class statement.
             filename, spec = code.co_filename, fn.__globals__.get("__spec__")
             site: tuple = (cls.__qualname__, code.co_firstlineno, fallback)
         else:
-            filename, spec, site = _site(cls, _site_function(own), fallback)
+            filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
         later = None  # where to record the decision once it is made, at the first use
         if filename is None:
             _decided_now(cls, own, fallback)
@@ -212,15 +216,16 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             _install_subclass_hook(cls, category, fallback)
         else:
             cls.__init_subclass__ = _PENDING_HOOK
-        _tree.PENDING[cls] = (
-            _PENDING_DEFAULT if later is None and category is DEFAULT_CATEGORY and fallback is None
-            else (category, fallback, later)
-        )
+        # What the class statement wrote: the decision is made on it at the
+        # first use, whatever has replaced a method since.
+        _tree.PENDING[cls] = (category, fallback, later, own.copy())
         return cls
     _check_is_class(cls)
     pending = _tree.PENDING.get(cls)
     if pending is not None:  # decorated again before its first use
-        _tree.PENDING[cls] = (category, fallback, pending[2])
+        _tree.PENDING[cls] = (category, fallback, *pending[2:])
+        if cls.__dict__.get("__init_subclass__", _PENDING_HOOK) is not _PENDING_HOOK:
+            _install_subclass_hook(cls, category, fallback)  # its subclasses take the new options
         return cls
     return _decorate(cls, category, fallback)
 
@@ -280,10 +285,16 @@ class _NewFor:
         self.klass = klass
 
     def __call__(self, klass: type, /, *args: Any, **kwargs: Any) -> Any:
-        if _tree.PENDING and _complete(klass):
+        if (_tree.PENDING or INFO_ATTR not in klass.__dict__) and _complete(klass):
             new = klass.__new__
             if new is not self:  # completing put another __new__ first (class defaults)
                 return new(klass, *args, **kwargs)
+        # (Read before its completion, this hook may be what makes the instance:
+        # its class defaults are filled here too, as the class's __new__ would.)
+        return _runtime.fill_class_defaults(self._make(klass, args, kwargs))
+
+    @staticmethod
+    def _make(klass: type, args: tuple, kwargs: dict) -> Any:
         below, reached_from_user_new = _plain_new(klass)
         if below is not None:  # a base's own __new__ (a mixin): plain Python calls it
             return below(klass, *args, **kwargs)
@@ -298,6 +309,14 @@ class _NewFor:
 
     @property
     def __signature__(self) -> inspect.Signature:
+        # As inspect reads the plain class: the first __new__ or __init__ its
+        # MRO defines (this hook aside).
+        for base in self.klass.__mro__[:-1]:
+            new = base.__dict__.get("__new__")
+            if new is not None and not _ours(new):
+                return inspect.signature(getattr(new, "__func__", new))
+            if "__init__" in base.__dict__:
+                break
         init = getattr(self.klass, "__init__")  # noqa: B009 - mypy refuses the attribute
         if init is object.__init__:
             return inspect.Signature([inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)])
@@ -337,6 +356,9 @@ def _subclass_of_pending(sub: type, **kwargs: Any) -> None:
     hooked = [k for k in sub.__mro__[1:] if k.__dict__.get("__init_subclass__") is _PENDING_HOOK]
     depth = _HOOK_DEPTH.get(sub, 0)
     owner = hooked[depth]
+    # Read first: the chain below may complete ``owner`` (another base's hook
+    # deciding ``sub`` reads its info), and its options still apply.
+    pending = _tree.PENDING.get(owner)
     _HOOK_DEPTH[sub] = depth + 1
     try:
         super(owner, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
@@ -345,7 +367,6 @@ def _subclass_of_pending(sub: type, **kwargs: Any) -> None:
             _HOOK_DEPTH[sub] = depth
         else:
             del _HOOK_DEPTH[sub]
-    pending = _tree.PENDING.get(owner)
     if depth == 0 and pending is not None and INFO_ATTR not in sub.__dict__:
         stateful(sub, category=pending[0], fallback=pending[1])
 
@@ -356,7 +377,6 @@ _HOOK_DEPTH: dict[type, int] = {}
 _FIRST_USE = _FirstUse()
 _NEW_FOR: dict[type, _NewFor] = {}
 _PENDING_HOOK: Any = classmethod(_subclass_of_pending)
-_PENDING_DEFAULT = (DEFAULT_CATEGORY, None, None)  # what most pending classes wait with
 _TYPE_CALL = type.__call__
 
 
@@ -381,16 +401,21 @@ def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> boo
     return True
 
 
-def _site_function(own: Mapping[str, Any]) -> types.FunctionType | None:
+def _site_function(own: Mapping[str, Any], module: str) -> types.FunctionType | None:
     """The function whose first line is the class's site in its file: its
     ``__init__``, or else the first function its body defines (never one
-    generated from a string, as ``@dataclass``'s are)."""
+    generated from a string, as ``@dataclass``'s are, nor one of another
+    module, as a shared ``__init__ = helpers.init`` is)."""
     for value in own.values():
         if type(value) in (staticmethod, classmethod):
             value = value.__func__
         elif type(value) is property:
             value = value.fget
-        if type(value) is types.FunctionType and value.__code__.co_filename[:1] != "<":
+        if (
+            type(value) is types.FunctionType
+            and value.__code__.co_filename[:1] != "<"
+            and value.__module__ == module
+        ):
             return value
     return None
 
@@ -420,36 +445,50 @@ def _complete(klass: type) -> bool:
     completed = False
     with _COMPLETING:
         for k in reversed(klass.__mro__):
+            own = k.__dict__
             pending = _tree.PENDING.get(k)
+            if pending is None and _ours(own.get("__new__")) and INFO_ATTR not in own:
+                # A copy of a pending class (``@dataclass(slots=True)`` above
+                # ``@stateful`` returns one): decorated as its original would be.
+                pending = (DEFAULT_CATEGORY, None, None, None)
             if pending is None or k in _IN_PROGRESS:
                 continue  # (``_decorate`` reads ``k``'s own info while completing it)
             _IN_PROGRESS.add(k)
             try:
-                _decorate_as_written(k, pending[0], pending[1])
+                _decorate_as_written(k, pending[0], pending[1], pending[3])
             finally:
                 _IN_PROGRESS.discard(k)
-            del _tree.PENDING[k]  # a failure leaves it pending: every use raises the error
+            _tree.PENDING.pop(k, None)  # a failure leaves it pending: every use raises the error
             completed = True
             if pending[2] is not None:
                 loader.remember_decided(*pending[2])
     return completed
 
 
-def _decorate_as_written(cls: type, category: Hashable, fallback: str | None) -> None:
-    """``_decorate`` of ``cls`` as its class statement wrote its methods.
+def _decorate_as_written(
+    cls: type, category: Hashable, fallback: str | None, written: Mapping[str, Any] | None
+) -> None:
+    """``_decorate`` of ``cls`` as its class statement wrote it (``written``,
+    its dict then), as if the decoration had run there.
 
-    A class decorator above ``@stateful`` may have replaced a method since
-    with a wrapper that calls it (``orig = cls.step; cls.step = wrapper``):
-    the decision is made on the method as written, the wrapper is put back
-    and pointed at the rewritten method, as when the decoration ran first.
-    What a decorator added (``@dataclass``'s ``__init__``) is decorated with
-    the class.
+    What replaced a method since (a class decorator above ``@stateful``, or
+    code between the class statement and the first instance:
+    ``_orig = Cls.step; Cls.step = wrapper``) is put back after the decision,
+    made on the method as written, and a wrapper that holds the method in
+    its closure is pointed at the rewritten one; as after a decoration at
+    the class statement, a replacement that reaches the method otherwise
+    calls it as written, through the run-time guard. What was added
+    (``@dataclass``'s ``__init__``) is decorated with the class.
     """
-    replaced = _replaced_methods(cls)
+    current = cls.__dict__
+    replaced = {
+        name: value
+        for name, value in (written or {}).items()
+        if current.get(name, _MISSING) is not value and name not in _MARKS
+    }
     if not replaced:
         _decorate(cls, category, fallback)
         return
-    current = cls.__dict__
     later = {name: current.get(name, _MISSING) for name in replaced}
     for name, original in replaced.items():
         setattr(cls, name, original)
@@ -462,32 +501,17 @@ def _decorate_as_written(cls: type, category: Hashable, fallback: str | None) ->
                 delattr(cls, name)
                 continue
             setattr(cls, name, wrapper)
-            if type(rewritten) is types.FunctionType and rewritten is not replaced[name]:
-                _source.replace_in_wrapper(wrapper, replaced[name], rewritten)
-
-
-def _replaced_methods(cls: type) -> dict[str, types.FunctionType]:
-    """Methods written in the class body that the class no longer holds, found
-    in the closures of the functions that replaced them, by name."""
-    found: dict[str, types.FunctionType] = {}
-    own = cls.__dict__
-    prefix = cls.__qualname__ + "."
-    for value in own.values():
-        fn = _function_of(value)
-        if type(fn) is not types.FunctionType or hasattr(fn, "__wrapped__"):
-            continue  # (a functools.wraps wrapper is followed by the decoration itself)
-        for cell in fn.__closure__ or ():
-            try:
-                inner = cell.cell_contents
-            except ValueError:
-                continue
+            original = replaced[name]
             if (
-                type(inner) is types.FunctionType
-                and inner.__qualname__ == prefix + inner.__name__
-                and own.get(inner.__name__) is not inner
+                type(rewritten) is types.FunctionType
+                and type(original) is types.FunctionType
+                and rewritten is not original
             ):
-                found[inner.__name__] = inner
-    return found
+                _source.replace_in_wrapper(wrapper, original, rewritten)
+
+
+# The entries autostate itself puts on a class waiting for its first use.
+_MARKS = frozenset({"__new__", "__init_subclass__", "functionalize"})
 
 
 def _function_of(value: Any) -> Any:
@@ -559,6 +583,11 @@ def _decorated_bases(cls: type) -> list[StatefulInfo]:
 
 
 def _install_methods(slots: list, decision: ClassDecision) -> None:
+    # Every refusal first: a decoration that fails leaves the class as it was,
+    # so that the next use fails the same way.
+    for slot in slots:
+        if slot.check is not None and slot.key in decision.codes:
+            slot.check()
     for slot in slots:
         code = decision.codes.get(slot.key)
         if code is not None:
@@ -665,6 +694,7 @@ def _functionalize_method(
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
+    _tree.complete_pending(type(self))  # (an instance made without the class's __new__)
     _runtime.check_no_hidden_arrays(self)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)

@@ -741,7 +741,8 @@ def _instances(model: Any) -> Any:
 
 
 def check_no_hidden_arrays(model: Any) -> None:
-    """Refuses a model holding arrays inside plain (undecorated) objects.
+    """Refuses a model holding arrays inside plain (undecorated) objects, and
+    makes a state an instance holds as a plain array a slot.
 
     Such an object is static pytree data, so its arrays would be baked into
     ``f`` as jit constants: no gradient, absent from ``param_dict`` and from
@@ -750,9 +751,14 @@ def check_no_hidden_arrays(model: Any) -> None:
     if not _tree.is_stateful_instance(model):
         return
     for path, obj in _instances(model):
+        adopt = None
         for name, value in obj.__dict__.items():
-            if type(value) in _PLAIN_VALUES or is_slot(value) or isinstance(value, jax.Array):
+            if type(value) in _PLAIN_VALUES or is_slot(value):
                 continue  # the common attributes: nothing hidden in them
+            if isinstance(value, jax.Array):
+                if name in _tree.info_of(obj).state:
+                    adopt = [*(adopt or ()), name]
+                continue
             found = _hidden_array(value, 0, builtins.set())
             if found is None:
                 continue
@@ -802,6 +808,11 @@ def check_no_hidden_arrays(model: Any) -> None:
                     f"{type(obj).__name__} itself.",
                 )
             )
+        # A state held as a plain array: the instance was made before its class
+        # was decorated (``object.__new__`` of a class waiting for its first
+        # use, or ``__class__`` set to one). Its value becomes the state's.
+        for name in adopt or ():
+            _dict_setitem(obj.__dict__, name, make_slot(obj, name, obj.__dict__[name]))
 
 
 # --- copies -----------------------------------------------------------------
@@ -1008,15 +1019,21 @@ class ClassDefaultsNew:
             obj = object.__new__(cls)
         else:
             obj = self.original(cls, *args, **kwargs)
-        names = _CLASS_DEFAULTS.get(type(obj))
-        if names:
-            d = obj.__dict__
-            for name in names:
-                if name not in d:
-                    value = _class_value(type(obj), name)
-                    if value is not _MISSING:
-                        d[name] = make_slot(obj, name, value)
-        return obj
+        return fill_class_defaults(obj)
+
+
+def fill_class_defaults(obj: Any) -> Any:
+    """Gives a new instance the slots of its states that start from a class
+    attribute (see ``ClassDefaultsNew``), those it does not hold yet."""
+    names = _CLASS_DEFAULTS.get(type(obj))
+    if names:
+        d = obj.__dict__
+        for name in names:
+            if name not in d:
+                value = _class_value(type(obj), name)
+                if value is not _MISSING:
+                    d[name] = make_slot(obj, name, value)
+    return obj
 
 
 def install_class_defaults(cls: type, names: frozenset[str]) -> None:

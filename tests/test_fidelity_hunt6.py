@@ -447,9 +447,9 @@ Model.get = other_bump
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the first use installs rewritten copies over what the class held: Model.bump read "
-    "at import is no longer Model.bump, and a function assigned to the class before the "
-    "first instance is replaced by a copy (eager decoration keeps both identities)",
+    reason="the first use installs rewritten copies over what the class statement wrote: "
+    "Model.bump read at import is no longer Model.bump (eager decoration keeps it; a "
+    "function assigned to the class since the statement keeps its identity)",
 )
 def test_method_identity_survives_the_first_use(build: Build) -> None:
     def scenario(m: Any) -> Any:

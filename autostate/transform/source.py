@@ -235,8 +235,8 @@ def _replace_property_part(
 
 
 def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionType) -> None:
-    if not replace_in_wrapper(wrapper, old, new):
-        raise _unreachable_wrapper(cls, old)
+    _check_in_wrapper(cls, wrapper, old)  # before changing anything: a failure changes nothing
+    replace_in_wrapper(wrapper, old, new)
 
 
 def _check_in_wrapper(cls: type, wrapper: Any, old: Any) -> None:
