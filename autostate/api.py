@@ -194,6 +194,10 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             site: tuple = (cls.__qualname__, code.co_firstlineno, fallback)
         else:
             filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
+        if "<locals>" in site[0]:
+            # A factory's class statement makes classes of one site with other
+            # bodies or bases: each is known by those too.
+            site = (*site, _body_and_bases(cls, own))
         later = None  # where to record the decision once it is made, at the first use
         if filename is None:
             _decided_now(cls, own, fallback)
@@ -399,6 +403,17 @@ def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> boo
             raise
         return False
     return True
+
+
+def _body_and_bases(cls: type, own: Mapping[str, Any]) -> tuple:
+    """What tells apart the classes one class statement in a function makes:
+    its bases, and which functions its body holds (by name and first line)."""
+    functions = []
+    for name, value in own.items():
+        fn = _function_of(value)
+        if type(fn) is types.FunctionType:
+            functions.append((name, fn.__code__.co_firstlineno))
+    return (tuple(f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__), tuple(functions))
 
 
 def _site_function(own: Mapping[str, Any], module: str) -> types.FunctionType | None:

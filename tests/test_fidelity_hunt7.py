@@ -519,15 +519,6 @@ def make(base, bad):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors do not stay at the class statement for classes a factory makes: the sites "
-    "index knows a class by (qualname, first line of __init__, fallback), so once make(...) has "
-    "made one good class, a later class statement of the same site with another body or "
-    "another base (a __slots__ base) is taken for decided before, is not analysed, and its "
-    "DecorationError is raised at its first instance instead (api._stateful, "
-    "`site not in loader.decided_sites(...)`)",
-)
 @pytest.mark.parametrize("variant", ["body", "base"])
 def test_a_factory_class_with_a_failing_decision_fails_at_its_statement(
     files: Callable[..., Any], variant: str
@@ -536,7 +527,7 @@ def test_a_factory_class_with_a_failing_decision_fails_at_its_statement(
     for tag in ("cold", "warm"):
         m = load(tag)
         assert float(m.make(object, False)().bump()) == 1.0
-        with pytest.raises(DecorationError):  # now: raised by its first instance only
+        with pytest.raises(DecorationError):  # at the class statement, as the first time
             m.make(object, True) if variant == "body" else m.make(m.Slotted, False)
 
 
