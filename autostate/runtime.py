@@ -953,7 +953,11 @@ class StateAttribute:
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
-            return self if self.class_value is _MISSING else self.class_value
+            if self.class_value is _MISSING:
+                # An instance attribute read from the class: as in plain Python.
+                owner_name = owner.__name__ if owner is not None else "object"
+                raise AttributeError(f"type object {owner_name!r} has no attribute {self.name!r}")
+            return self.class_value
         return read_state(obj, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:

@@ -1000,13 +1000,6 @@ class Counter:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reading a state name on the class: plain Python raises AttributeError "
-    "(hasattr(Counter, 'v') is False); once the class is completed Counter.v is the "
-    "autostate.runtime.StateAttribute descriptor (StateAttribute.__get__ with obj None "
-    "returns itself), so the answer flips at the first instance",
-)
 def test_state_names_read_from_the_class(build: Build) -> None:
     def scenario(m: Any) -> Any:
         before = [hasattr(m.Counter, "v"), error_text(lambda: m.Counter.v)]
