@@ -394,9 +394,7 @@ def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> boo
     """
     try:
         decision, slots = _decide(cls, fallback, None)
-        for slot in slots:
-            if slot.check is not None and slot.key in decision.codes:
-                slot.check()
+        _check_installable(slots, decision)
     except DecorationError as error:
         field = getattr(error, "uninitialized", None)
         if "__init__" in own or field not in own.get("__annotations__", {}):
@@ -597,12 +595,18 @@ def _decorated_bases(cls: type) -> list[StatefulInfo]:
     return [info for info in infos if info is not None]
 
 
-def _install_methods(slots: list, decision: ClassDecision) -> None:
-    # Every refusal first: a decoration that fails leaves the class as it was,
-    # so that the next use fails the same way.
+def _check_installable(slots: list, decision: ClassDecision) -> None:
+    """Raises what installing ``decision`` would refuse (a wrapper it cannot
+    reach into), without installing anything."""
     for slot in slots:
         if slot.check is not None and slot.key in decision.codes:
             slot.check()
+
+
+def _install_methods(slots: list, decision: ClassDecision) -> None:
+    # Every refusal first: a decoration that fails leaves the class as it was,
+    # so that the next use fails the same way.
+    _check_installable(slots, decision)
     for slot in slots:
         code = decision.codes.get(slot.key)
         if code is not None:

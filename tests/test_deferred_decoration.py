@@ -81,6 +81,13 @@ def _import(path: Path) -> types.ModuleType:
     return module
 
 
+def _import_twice(path: Path) -> types.ModuleType:
+    """``path`` imported cold (decided at its class statements), then again:
+    the second, warm import's module."""
+    _import(path)
+    return _import(path)
+
+
 @pytest.fixture
 def source_file(tmp_path: Path):
     def write(text: str = SOURCE) -> Path:
@@ -120,9 +127,7 @@ def test_a_warm_class_statement_only_marks_the_class(source_file):
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_a_class_completed_late_means_what_plain_python_means(source_file, warm):
     path = source_file()
-    module = _import(path)
-    if warm:
-        module = _import(path)
+    module = _import_twice(path) if warm else _import(path)
     plain = _plain(SOURCE)
     x = jnp.arange(3.0)
     for name, args in (("Block", (3,)), ("Scaled", (3, 2.0)), ("Bare", (3,))):
@@ -356,9 +361,7 @@ def test_a_base_s_own_new_runs_as_in_plain_python(source_file, warm):
     # The completing __new__ sits first in the MRO; plain Python would call a
     # later base's __new__ (a mixin's), so the hook hands over to it.
     path = source_file(MIXED)
-    module = _import(path)
-    if warm:
-        module = _import(path)
+    module = _import_twice(path) if warm else _import(path)
     plain = _plain(MIXED)
     expected, got = plain.Both(3), module.Both(3)
     assert plain.Tagged.made == module.Tagged.made == 1
@@ -386,9 +389,7 @@ def test_a_module_gone_from_sys_modules_before_the_first_instance(source_file, w
     # What the class statement saw decides, not what sys.modules holds at the
     # first instance: an undecorated mixin's writes are still state.
     path = source_file(MIXED)
-    module = _import(path)
-    if warm:
-        module = _import(path)
+    module = _import_twice(path) if warm else _import(path)
     del sys.modules[module.__name__]
     model = module.Both(3)
     assert autostate.tree.class_info(module.Both).state >= {"v", "extra"}
