@@ -614,5 +614,9 @@ def wrapper_name(obj: Any) -> str | None:
 def check_no_escaped(states: dict[str, Any]) -> None:
     """Refuses states holding a tracer of a ``lax`` body that has ended."""
     for name, value in states.items():
-        if any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value)):
-            raise EscapedStateError(escaped_state_message(name, user_location()))
+        if isinstance(value, jax.core.Tracer):
+            if not is_escaped_tracer(value):
+                continue  # most states: one tracer, no tree to walk
+        elif not any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+            continue
+        raise EscapedStateError(escaped_state_message(name, user_location()))

@@ -228,11 +228,16 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
     """
     saved: list[tuple[Any, Any, str]] = []
     seen: set[int] = set()
+    arrays, stateful = _tree.ARRAY_TYPES, _tree.STATEFUL_CLASSES
 
     def visit(value: Any, where: str, depth: int) -> None:
+        t = type(value)
+        if t in _SKIPPED or t in arrays or t in stateful:
+            # No containers in it: a leaf, or a decorated instance (visited
+            # on its own, as one of ``instances``).
+            return
         if depth > 16 or id(value) in seen:
             return
-        t = type(value)
         if isinstance(value, _tree.MUTABLE_CONTAINERS):
             seen.add(id(value))
             saved.append((value, _copy.copy(value), where))
@@ -245,6 +250,8 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
         elif t is tuple:
             for item in value:
                 visit(item, where, depth + 1)
+        elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
+            arrays.add(t)  # as holds_instance decides it: by type
         elif (d := _tree.plain_attributes(value)) is not None:
             seen.add(id(value))
             saved.append((d, d.copy(), where))
@@ -256,7 +263,8 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
         cls = type(obj)
         classes[cls] = None
         for name, value in obj.__dict__.items():
-            if type(value) not in _SKIPPED:
+            t = type(value)
+            if t not in _SKIPPED and t not in arrays:
                 visit(value, f"{cls.__name__}.{name}", 0)
     for cls in classes:
         for klass in cls.__mro__[:-1]:

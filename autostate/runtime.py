@@ -110,6 +110,7 @@ _NUMPY = (np.ndarray, np.generic)
 # numpy dtype kinds a jax array can hold: bool, ints, floats, complex.
 _JAX_KINDS = frozenset("biufc")
 # Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
+_Tracer = jax.core.Tracer
 _JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
 _UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 # The type of a concrete jax array (no tracer, nothing to convert), learnt
@@ -273,6 +274,11 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # value.
         if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
         else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
+        return
+    if type(slot) is HandledLocalStateRef and isinstance(value, _Tracer):
+        # The common traced write: what the checks below conclude for a
+        # tracer (no sub-model, no numpy to convert, a handled slot).
+        slot.write(value)
         return
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))

@@ -679,6 +679,9 @@ def holds_instance(value: Any) -> bool:
 
 # Types found to be arrays by holds_instance (concrete arrays, tracers, numpy).
 _ARRAY_TYPES: set[type] = set()
+# The same sets under names other modules read in their hot loops.
+ARRAY_TYPES = _ARRAY_TYPES
+STATEFUL_CLASSES = _STATEFUL_CLASSES
 
 
 def _instance_or_bound(value: Any) -> bool:

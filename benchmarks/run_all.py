@@ -6,6 +6,11 @@ scaling plot ``scaling.png`` into ``--out`` (default: this directory for a
 full run; a ``--smoke`` run writes files only when ``--out`` is given, so that
 the test suite never overwrites real results).
 
+Each scenario runs in a fresh process of its own: the heap one scenario
+leaves (the 10,000-module models of the scaling scenario) would otherwise be
+walked by every garbage collection of the scenarios after it, and land in
+their timings.
+
 Run: ``python benchmarks/run_all.py [--smoke] [--out DIR] [--only NAME ...]``.
 """
 
@@ -16,9 +21,11 @@ import datetime
 import importlib
 import importlib.metadata
 import os
+import pickle
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,12 +118,34 @@ def write_markdown(path: Path, env: list[str], reports: list[Report], notes: lis
     path.write_text("\n".join(parts))
 
 
+def _in_fresh_process(module_name: str, smoke: bool) -> object:
+    """What ``module_name``'s ``run(smoke)`` returns, run in a process of its own
+    (``host_fallback``: what ``host_fallback_report`` returns)."""
+    with tempfile.TemporaryDirectory(prefix="autostate-bench-run-") as tmp:
+        result = Path(tmp) / "result.pickle"
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", module_name, str(result)]
+        subprocess.run(command + (["--smoke"] if smoke else []), check=True)
+        return pickle.loads(result.read_bytes())
+
+
+def _child(module_name: str, result: Path, smoke: bool) -> int:
+    if module_name == "host_fallback":
+        value: object = host_fallback_report(smoke)
+    else:
+        value = importlib.import_module(module_name).run(smoke=smoke)
+    result.write_bytes(pickle.dumps(value))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round each")
     parser.add_argument("--out", type=Path, help="directory for results.md and scaling.png")
     parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run only these")
+    parser.add_argument("--child", nargs=2, metavar=("MODULE", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child[0], Path(args.child[1]), args.smoke)
     out = args.out if args.out is not None else (None if args.smoke else HERE)
 
     reports: list[Report] = []
@@ -126,14 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and key not in args.only:
             continue
         start = time.perf_counter()
-        report = importlib.import_module(module_name).run(smoke=args.smoke)
+        report = _in_fresh_process(module_name, args.smoke)
+        assert isinstance(report, Report), module_name
         report.print()
         print(f"[{module_name}: {time.perf_counter() - start:.1f} s]\n", flush=True)
         reports.append(report)
         if key == "scaling":
             scaling = report
         if key == "decoration":
-            host, why_not = host_fallback_report(args.smoke)
+            host, why_not = _in_fresh_process("host_fallback", args.smoke)  # type: ignore[misc]
             if host is not None:
                 host.print()
                 reports.append(host)

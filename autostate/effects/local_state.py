@@ -92,6 +92,9 @@ def is_escaped_tracer(value: Any) -> bool:
     if not isinstance(value, jax.core.Tracer):
         return False
     trace = value._trace
+    live = _core.trace_ctx.trace
+    if live is trace:
+        return False  # the common case: a tracer of the trace running now
     if not trace.is_valid():
         return True
     # JAX does not invalidate the trace of a finished lax body, nor that of a
@@ -100,7 +103,6 @@ def is_escaped_tracer(value: Any) -> bool:
     # chain that reaches the eager root is complete (some internal traces
     # have no parent); short of that, the tracer is given the benefit of the
     # doubt.
-    live = _core.trace_ctx.trace
     while live is not trace:
         parent = getattr(live, "parent_trace", None)
         if parent is None:
