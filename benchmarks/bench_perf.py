@@ -70,7 +70,7 @@ class Config:
     trace_rounds: int = 41
     decoration_rounds: int = 15
     import_rounds: int = 7
-    file_process_rounds: int = 25
+    file_process_rounds: int = 41
     file_rounds: int = 25
     bounded_files: int = 4
     write_rounds: int = 25

@@ -295,3 +295,20 @@ def _import(path: Path):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_cache_folder_follows_each_variable_it_depends_on(monkeypatch, tmp_path):
+    # The folder is remembered with the raw values of the three variables it
+    # is made from; a change of any one of them is a new folder.
+    monkeypatch.delenv("AUTOSTATE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert loader._cache_dir_name() == str(tmp_path / "xdg" / "autostate")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg2"))
+    assert loader._cache_dir_name() == str(tmp_path / "xdg2" / "autostate")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert loader._cache_dir_name() == str(tmp_path / "home" / ".cache" / "autostate")
+    monkeypatch.setenv("AUTOSTATE_CACHE_DIR", str(tmp_path / "mine"))
+    assert loader._cache_dir_name() == str(tmp_path / "mine")
+    monkeypatch.setenv("AUTOSTATE_CACHE_DIR", "")
+    assert loader._cache_dir_name() is None
