@@ -263,7 +263,7 @@ _FOLDER_VARIABLES: tuple[Any, ...] = ()
 _RAW_ENVIRON: Any = None
 try:
     _FOLDER_VARIABLES = tuple(
-        map(os.environ.encodekey, ("AUTOSTATE_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))  # type: ignore[attr-defined]
+        map(os.environ.encodekey, ("AUTOSTATE_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))
     )
     _RAW_ENVIRON = os.environ._data  # type: ignore[attr-defined]
 except AttributeError:  # not CPython's os.environ: read it each time
