@@ -211,6 +211,11 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
                     loader.remember_decided(filename, spec, site)
                 else:
                     later = (filename, spec, site)
+            # What the class statement wrote: the decision is made on it at
+            # the first use, whatever has replaced a method since. Its values
+            # only (``_as_written`` finds their keys): a tuple is a third of a
+            # dict copy's memory, most of its cost in a fresh process.
+            written = tuple(own.values())
             cls.__new__ = _FIRST_USE
             if "functionalize" not in own and (
                 base is object or getattr(cls, "functionalize", _MISSING) is _MISSING
@@ -222,9 +227,7 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
                 _install_subclass_hook(cls, category, fallback)
             else:
                 cls.__init_subclass__ = _PENDING_HOOK
-            # What the class statement wrote: the decision is made on it at
-            # the first use, whatever has replaced a method since.
-            _PENDING[cls] = (category, fallback, later, own.copy())
+            _PENDING[cls] = (category, fallback, later, written)
             return cls
     _check_is_class(cls)
     pending = _tree.PENDING.get(cls)
@@ -471,7 +474,7 @@ def _complete(klass: type) -> bool:
                 continue  # (``_decorate`` reads ``k``'s own info while completing it)
             _IN_PROGRESS.add(k)
             try:
-                _decorate_as_written(k, pending[0], pending[1], pending[3])
+                _decorate_as_written(k, pending[0], pending[1], _as_written(k, pending[3]))
             finally:
                 _IN_PROGRESS.discard(k)
             _tree.PENDING.pop(k, None)  # a failure leaves it pending: every use raises the error
@@ -479,6 +482,24 @@ def _complete(klass: type) -> bool:
             if pending[2] is not None:
                 loader.remember_decided(*pending[2])
     return completed
+
+
+def _as_written(cls: type, values: tuple | None) -> dict[str, Any] | None:
+    """The dict ``cls``'s statement wrote, from the values ``stateful`` kept.
+
+    Their keys are the first ones of the dict now: a value replaced since
+    keeps its place, and the ``__new__`` that ``stateful`` put in right after
+    them (a class with its own ``__new__`` is not deferred) says that none was
+    deleted. ``None`` when one was (``del Cls.step``): the decision is then
+    made on the class as it is.
+    """
+    if values is None:
+        return None
+    keys = list(cls.__dict__)
+    n = len(values)
+    if len(keys) > n and keys[n] == "__new__":
+        return dict(zip(keys[:n], values))
+    return None
 
 
 def _decorate_as_written(

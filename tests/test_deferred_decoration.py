@@ -396,3 +396,82 @@ def test_a_module_gone_from_sys_modules_before_the_first_instance(source_file, w
     f, states = model.functionalize()
     out, states = jax.jit(lambda s, f=f: f.bump(s))(states)
     assert float(out) == 1.0 and float(states["extra"]) == 1.0
+
+
+EDITED = '''
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class Model:
+    scale = 2.0
+
+    def __init__(self):
+        self.x = jnp.zeros(())
+
+    def step(self, v):
+        self.x = self.x + v * self.scale
+        return self.x
+
+    def unused(self):
+        return 0
+
+
+def times10(method):
+    def step(self, v):
+        return method(self, v) * 10
+
+    return step
+
+
+EDIT
+'''
+
+_EDITS = {
+    # A method wrapped by assignment: the decision is made on the method as
+    # written, which the wrapper calls.
+    "wrapped": "Model.step = times10(Model.step)",
+    # ... and an attribute added after it (the dict's keys keep their order).
+    "wrapped, then added": "Model.step = times10(Model.step)\nModel.extra = 1",
+    # An attribute deleted: the keys of the values kept no longer line up,
+    # and the class is decided as it is (here, what it was).
+    "deleted": "del Model.unused",
+    "class attribute replaced": "Model.scale = 3.0",
+}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_the_class_dict_edited_before_the_first_instance(source_file, warm, edit):
+    # What the class statement wrote is kept as its dict's values; their keys
+    # are found again at the first use.
+    text = EDITED.replace("EDIT", _EDITS[edit])
+    path = source_file(text)
+    module = _import_twice(path) if warm else _import(path)
+    assert module.Model in _tree.PENDING
+    plain = _plain(text)
+    expected, got = plain.Model(), module.Model()
+    assert hasattr(module.Model, "unused") == hasattr(plain.Model, "unused")
+    assert hasattr(module.Model, "extra") == hasattr(plain.Model, "extra")
+    for v in (1.0, 2.0):
+        np.testing.assert_allclose(got.step(v), expected.step(v))
+    np.testing.assert_allclose(got.x, expected.x)
+    f, states = got.functionalize()
+    out, states = jax.jit(lambda s, v, f=f: f.step(s, v))(states, 1.0)
+    np.testing.assert_allclose(out, expected.step(1.0))
+    np.testing.assert_allclose(states["x"], expected.x)
+
+
+def test_the_values_kept_are_found_again_under_their_keys(source_file):
+    path = source_file(EDITED.replace("EDIT", "Model.step = times10(Model.step)"))
+    _import(path)
+    module = _import(path)
+    values = _tree.PENDING[module.Model][3]
+    written = api._as_written(module.Model, values)
+    assert written is not None
+    assert written["step"] is not module.Model.__dict__["step"]  # the method as written
+    assert written["step"].__name__ == "step" and "__new__" not in written
+    assert written["unused"] is module.Model.__dict__["unused"]
+    del module.Model.unused
+    assert api._as_written(module.Model, values) is None
