@@ -537,6 +537,12 @@ def _decorate_as_written(
             if wrapper is _MISSING:
                 delattr(cls, name)
                 continue
+            if type(rewritten) is _runtime.StateAttribute:
+                # A class-level state default assigned since (``Cls.v = 7``):
+                # the state's descriptor stays, and gives that value as the
+                # class's (what an instance starts from, what ``Cls.v`` reads).
+                rewritten.class_value = wrapper
+                continue
             setattr(cls, name, wrapper)
             original = replaced[name]
             if (

@@ -37,6 +37,7 @@ from autostate.effects.local_state import (
     InitialLocalStateRequest,
     LocalStateEffectImpl,
     fresh_handler_id,
+    holds_escaped_tracer,
     is_escaped_tracer,
     run_with_states,
     running_cells,
@@ -617,6 +618,6 @@ def check_no_escaped(states: dict[str, Any]) -> None:
         if isinstance(value, jax.core.Tracer):
             if not is_escaped_tracer(value):
                 continue  # most states: one tracer, no tree to walk
-        elif not any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+        elif not holds_escaped_tracer(value):
             continue
         raise EscapedStateError(escaped_state_message(name, user_location()))

@@ -667,8 +667,18 @@ def _hidden_array(
     t = type(value)
     if _tree.is_stateful_instance(value):
         return ("", "", value) if inside else None
-    if t is list or t is tuple or t in _SET_LIKE:
+    if t is list or t is tuple:
         items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
+    elif t in _SET_LIKE:
+        # A set or deque is not walked by functionalize(): a model in it
+        # would be shared by f and the eager model, its states never handled.
+        # (Arrays in it are static, as a deque of a replay buffer's samples
+        # has always been.)
+        for k, v in enumerate(value):
+            if _tree.is_stateful_instance(v):
+                return f"[{k}]", t.__name__, v
+        items = [(f"[{k}]", v) for k, v in enumerate(value)]
+        inside = True
     elif t is dict:
         items = [(f"[{k!r}]", v) for k, v in value.items()]
     elif t is types.BuiltinMethodType:
@@ -725,6 +735,7 @@ def _hidden_array(
 
 
 _SET_LIKE = frozenset({set, frozenset, collections.deque})
+_SET_NAMES = frozenset({"set", "frozenset", "deque"})  # their type names
 # Containers a builtin method may change in place (``self.push = self.log.append``).
 _MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
 _PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
@@ -789,7 +800,12 @@ def check_no_hidden_arrays(model: Any) -> None:
                     "followed like any sub-model's), or pass the model to its methods as an "
                     "argument instead of storing it."
                 )
-                if holder in ("functools.partial", "closure", "method", "weakref"):
+                if holder in _SET_NAMES:
+                    fix = (
+                        "hold the model in a list, tuple or dict, which functionalize() "
+                        "follows."
+                    )
+                elif holder in ("functools.partial", "closure", "method", "weakref"):
                     fix = (
                         "store the method itself or a lambda that names the model directly "
                         "(`self.fn = lambda x: self.method(x, k=2)`), which f's copy rebinds "

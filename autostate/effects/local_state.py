@@ -111,6 +111,11 @@ def is_escaped_tracer(value: Any) -> bool:
     return False
 
 
+def holds_escaped_tracer(value: Any) -> bool:
+    """Whether a leaf of ``value`` (a dict or tuple state) is an escaped tracer."""
+    return any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value))
+
+
 def fresh_handler_id() -> str:
     """A handler id unique within this process."""
     return f"local_state_{next(_handler_counter)}"
@@ -575,12 +580,16 @@ class HandledStaticState(StateSlot):
         if _same_static(value, self.value):
             return None
         attr = label or self.name
+        # A traced value has no value to set on the model: the fix says so.
+        shown = _tree.describe(value) if contains_tracer(value) else repr(value)
+        example = "..." if contains_tracer(value) else repr(value)
         raise StaticStateError(
             format_error(
-                f"A functionalized call assigned {value!r} to static state {self.name!r} "
+                f"A functionalized call assigned {shown} to static state {self.name!r} "
                 f"(attribute {attr!r}), which holds {self.value!r}: a Python "
                 f"{type(self.value).__name__} is part of f's structure, fixed for the call.",
-                fix=f"set it on the model before functionalizing (`model.{attr} = {value!r}` "
+                where=user_location(),
+                fix=f"set it on the model before functionalizing (`model.{attr} = {example}` "
                 "or a method such as `model.eval()`, then `f, states = model.functionalize()`; "
                 "jax.jit traces once per value), or keep a value that changes inside jit "
                 "in an array (`jnp.asarray(...)`).",
@@ -759,9 +768,12 @@ class HandledLocalStateRef(StateSlot):
 
     def read(self) -> Any:
         value = self._cell().value
-        if is_escaped_tracer(value):
-            raise EscapedStateError(escaped_state_message(self.name, user_location()))
-        return value
+        if isinstance(value, jax.core.Tracer):
+            if not is_escaped_tracer(value):
+                return value
+        elif type(value) in _CONCRETE_LEAF_TYPES or not holds_escaped_tracer(value):
+            return value
+        raise EscapedStateError(escaped_state_message(self.name, user_location()))
 
     def write(self, value: Any, label: str | None = None) -> None:
         self._cell().value = value
