@@ -38,7 +38,6 @@ from autostate.effects.local_state import (
     LocalStateEffectImpl,
     fresh_handler_id,
     holds_escaped_tracer,
-    is_escaped_tracer,
     run_with_states,
     running_cells,
 )
@@ -615,9 +614,5 @@ def wrapper_name(obj: Any) -> str | None:
 def check_no_escaped(states: dict[str, Any]) -> None:
     """Refuses states holding a tracer of a ``lax`` body that has ended."""
     for name, value in states.items():
-        if isinstance(value, jax.core.Tracer):
-            if not is_escaped_tracer(value):
-                continue  # most states: one tracer, no tree to walk
-        elif not holds_escaped_tracer(value):
-            continue
-        raise EscapedStateError(escaped_state_message(name, user_location()))
+        if holds_escaped_tracer(value):
+            raise EscapedStateError(escaped_state_message(name, user_location()))

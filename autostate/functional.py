@@ -250,8 +250,8 @@ def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
         elif t is tuple:
             for item in value:
                 visit(item, where, depth + 1)
-        elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
-            arrays.add(t)  # as holds_instance decides it: by type
+        elif _tree.learn_array_type(value):
+            pass  # an array holds no containers (its type is skipped from now on)
         elif (d := _tree.plain_attributes(value)) is not None:
             seen.add(id(value))
             saved.append((d, d.copy(), where))

@@ -734,8 +734,8 @@ def _hidden_array(
     return None
 
 
-_SET_LIKE = frozenset({set, frozenset, collections.deque})
-_SET_NAMES = frozenset({"set", "frozenset", "deque"})  # their type names
+_SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
+_SET_NAMES = frozenset(t.__name__ for t in _SET_LIKE)
 # Containers a builtin method may change in place (``self.push = self.log.append``).
 _MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
 _PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})

@@ -669,12 +669,19 @@ def holds_instance(value: Any) -> bool:
         return _held_instances(value) is not None
     if t in _STATIC_TYPES or t in _ARRAY_TYPES:
         return False
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        # Whether a type is an array (a tracer is one) is the type's: remember
-        # it, as the check is most of a traced state write.
-        _ARRAY_TYPES.add(t)
+    if learn_array_type(value):
         return False
     return next(iter_tree(value, _instance_or_bound), None) is not None
+
+
+def learn_array_type(value: Any) -> bool:
+    """Whether ``value`` is an array (a tracer is one); its type is then
+    remembered in ``ARRAY_TYPES``, since being an array is the type's: hot
+    loops test the set instead (most of a traced state write, once)."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        _ARRAY_TYPES.add(type(value))
+        return True
+    return False
 
 
 # Types found to be arrays by holds_instance (concrete arrays, tracers, numpy).

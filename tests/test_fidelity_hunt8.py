@@ -372,6 +372,15 @@ class InFrozenset:
 
 
 @DECORATE
+class InSet:
+    def __init__(self):
+        self.subs = {Sub()}
+
+    def __call__(self, x):
+        return next(iter(self.subs))(x)
+
+
+@DECORATE
 class InOrderedDict:
     def __init__(self):
         self.subs = collections.OrderedDict(a=Sub())
@@ -386,15 +395,15 @@ def test_sub_model_in_an_ordered_dict(write_module: Loader) -> None:
     check(plain, dec, "InOrderedDict()", [("__call__", (jnp.float32(1.0),))] * 2)
 
 
-@pytest.mark.parametrize("cls", ["InDeque", "InFrozenset"])
-def test_sub_model_in_a_deque_or_frozenset_is_refused_clearly(
+@pytest.mark.parametrize("cls", ["InDeque", "InFrozenset", "InSet"])
+def test_sub_model_in_a_deque_or_a_set_is_refused_clearly(
     write_module: Loader, cls: str
 ) -> None:
     # functionalize() does not walk a deque or a set: a sub-model in one would
     # be shared with the eager model and its states never handled.
     _, dec = pair(write_module, SUBS_IN_OTHER_CONTAINERS)
     model = getattr(dec, cls)()
-    kind = "deque" if cls == "InDeque" else "frozenset"
+    kind = {"InDeque": "deque", "InFrozenset": "frozenset", "InSet": "set"}[cls]
     with pytest.raises(autostate.AutostateError, match=rf"inside a plain {kind} .*at subs\[0\]"
                        r"(.|\n)*list, tuple or dict"):
         model.functionalize()

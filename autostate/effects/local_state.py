@@ -112,7 +112,13 @@ def is_escaped_tracer(value: Any) -> bool:
 
 
 def holds_escaped_tracer(value: Any) -> bool:
-    """Whether a leaf of ``value`` (a dict or tuple state) is an escaped tracer."""
+    """Whether ``value`` is, or a leaf of it (a dict or tuple state) is, an
+    escaped tracer. A single tracer or a concrete leaf is decided without
+    walking a tree: most state reads, and most states a call returns."""
+    if isinstance(value, jax.core.Tracer):
+        return is_escaped_tracer(value)
+    if type(value) in _CONCRETE_LEAF_TYPES:
+        return False
     return any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value))
 
 
@@ -768,12 +774,9 @@ class HandledLocalStateRef(StateSlot):
 
     def read(self) -> Any:
         value = self._cell().value
-        if isinstance(value, jax.core.Tracer):
-            if not is_escaped_tracer(value):
-                return value
-        elif type(value) in _CONCRETE_LEAF_TYPES or not holds_escaped_tracer(value):
-            return value
-        raise EscapedStateError(escaped_state_message(self.name, user_location()))
+        if holds_escaped_tracer(value):
+            raise EscapedStateError(escaped_state_message(self.name, user_location()))
+        return value
 
     def write(self, value: Any, label: str | None = None) -> None:
         self._cell().value = value
