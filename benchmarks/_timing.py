@@ -105,11 +105,27 @@ def time_interleaved(
     return {name: _summarize(s) for name, s in samples.items()}
 
 
-def time_once(fn: Callable[[], Any]) -> float:
-    """Wall time of one call (for first-call / compile measurements)."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def time_once(fn: Callable[[], Any], *, gc_off: bool = False) -> float:
+    """Wall time of one call (for first-call / compile measurements).
+
+    ``gc_off=True`` pauses the collector during the call, as ``timeit`` does
+    (without its ``gc.collect()`` first, which would leave a single call
+    running on caches the full collection emptied): a pass that the
+    allocations before it set off does not land on this call's time.
+    """
+    if not gc_off:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def median_of(fn: Callable[[], Any], repeats: int) -> float:
