@@ -36,14 +36,23 @@ from autostate.effects.local_state import (
     HandledLocalStateRef,
     InitialLocalStateRequest,
     LocalStateEffectImpl,
+    LostValue,
+    StateSlot,
+    StaticState,
+    _same_static,
+    contains_tracer,
+    eager_lax_body,
     fresh_handler_id,
+    handler_cells,
     holds_escaped_tracer,
+    is_static_value,
     run_with_states,
     running_cells,
 )
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
+    StaticStateError,
     escaped_state_message,
     format_error,
     user_location,
@@ -68,20 +77,40 @@ Cells = Sequence[LocalStateEffectImpl]
 
 
 @contextlib.contextmanager
-def _bound(cells: Cells, chosen: Cells, values: Sequence[Any]) -> Iterator[None]:
-    """Binds ``chosen`` to ``values`` while a body is traced; restores every cell after."""
+def _bound(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Iterator[None]:
+    """Binds ``chosen`` to ``values`` while a body is traced; restores every cell after.
+
+    A body that raises leaves each cell it assigned holding a ``LostValue``
+    (reading it says what happened) instead of its value before the call: JAX
+    keeps nothing that body computed, and plain Python's loop would have kept
+    the assignment, so the old value would be silently wrong.
+    """
     saved = [cell.value for cell in cells]
     for cell, value in zip(chosen, values):
         cell.value = value
+    bound = [cell.value for cell in cells]
     try:
         yield
-    finally:
+    except BaseException as raised:
+        written = [cell for cell, value in zip(cells, bound) if cell.value is not value]
+        for cell, value in zip(cells, saved):
+            cell.value = value
+        if written and not isinstance(raised, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            where = user_location()
+            for cell in written:
+                cell.value = LostValue(cell.name, what, raised, where)
+        raise
+    else:
         for cell, value in zip(cells, saved):
             cell.value = value
 
 
 def _current(cells: Cells) -> list[Any]:
-    return [cell.value for cell in cells]
+    values = [cell.value for cell in cells]
+    for value in values:
+        if type(value) is LostValue:
+            raise value.error()  # a nested body raised and the outer one went on
+    return values
 
 
 def _abstract(value: Any) -> Any:
@@ -106,7 +135,9 @@ def _describe(value: Any) -> str:
     return f"{treedef} of {', '.join(parts)}"
 
 
-def _writes(cells: Cells, body: Callable[..., Any], *args: Any) -> tuple[list[int], list[Any]]:
+def _writes(
+    cells: Cells, body: Callable[..., Any], *args: Any, what: str
+) -> tuple[list[int], list[Any]]:
     """Which cells ``body(*args)`` assigns, and their new abstract values.
 
     One abstract trace with every cell rebound to a fresh abstract value: a
@@ -115,7 +146,7 @@ def _writes(cells: Cells, body: Callable[..., Any], *args: Any) -> tuple[list[in
     written: list[int] = []
 
     def probe(values: list[Any], *inner: Any) -> Any:
-        with _bound(cells, cells, values):
+        with _bound(cells, cells, values, what):
             out = body(*inner)
             after = _current(cells)
         written[:] = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b]
@@ -193,18 +224,30 @@ def _reachable_instances(roots: Sequence[Any]) -> list[Any]:
     return found
 
 
-def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
+def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str) -> Any:
     """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
 
     Their slots become references of a temporary handler for the call, so the
     body's writes are threaded like a functionalized model's; afterwards the
     slots are put back and assigned the final values, as eager writes.
+
+    JAX traces the body of ``what`` rather than running it once per step, so
+    while it runs, a static state (a Python value) of these instances takes
+    no new value, and a traced value assigned to one of their attributes
+    that is not state is refused (``runtime.check_guarded_write``): plain
+    Python's loop would change them every step, and a trace would leave a
+    count of traces or a tracer. An ``f`` refuses both the same way.
     """
+    instances = _reachable_instances(roots)
     swapped: list[tuple[Any, str, Any, str]] = []
+    statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()
-    for obj in _reachable_instances(roots):
+    for obj in instances:
         for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
+            if type(slot) is StaticState:
+                statics.append((obj, attr, slot))
+                continue
             if type(slot) not in _EAGER_SLOTS:
                 continue
             name = f"{type(obj).__name__}.{attr}"
@@ -212,16 +255,28 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
                 name += "'"
             names.add(name)
             swapped.append((obj, attr, slot, name))
-    if not swapped:
+    if not instances:
         return call()
-    handler_id = fresh_handler_id()
-    states = {name: slot.read() for _, _, slot, name in swapped}
-    for obj, attr, slot, name in swapped:
-        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+    for obj, attr, slot in statics:
+        obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
-        out, new = run_with_states(handler_id, states, call, (), {})
+        with eager_lax_body(instances, what):
+            if not swapped:
+                return call()
+            handler_id = fresh_handler_id()
+            states = {name: slot.read() for _, _, slot, name in swapped}
+            for obj, attr, slot, name in swapped:
+                obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+            lost: dict[str, LostValue] = {}
+            try:
+                out, new = run_with_states(
+                    handler_id, states, _keeping_lost, (call, handler_id, lost), {}
+                )
+            finally:
+                for obj, attr, slot, name in swapped:
+                    obj.__dict__[attr] = _LostState(slot, lost[name]) if name in lost else slot
     finally:
-        for obj, attr, slot, _ in swapped:
+        for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
@@ -229,6 +284,85 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any]) -> Any:
             if replacement is not None:
                 obj.__dict__[attr] = replacement
     return out
+
+
+def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:
+    """``call()``; if it raises, the states its body lost (see ``_bound``) into ``lost``."""
+    try:
+        return call()
+    except BaseException:
+        for name, cell in handler_cells(handler_id).items():
+            if type(cell.value) is LostValue:
+                lost[name] = cell.value
+        raise
+
+
+class _LostState(StateSlot):
+    """An eager state whose lax body raised after assigning it (``_bound``):
+    reading it raises what happened; assigning it gives it a value again."""
+
+    __slots__ = ("slot", "lost")
+    handleable = True
+
+    def __init__(self, slot: Any, lost: LostValue):
+        self.slot = slot
+        self.lost = lost
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.slot.category
+
+    def read(self) -> Any:
+        raise self.lost.error()
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        replacement = self.slot.write(value, label)
+        return self.slot if replacement is None else replacement
+
+    def as_request(self) -> Any:
+        raise self.lost.error()
+
+
+class _StaticInBody(StateSlot):
+    """An eager static state while a lax body that reaches it is traced:
+    readable, and assignable only to the value it holds."""
+
+    __slots__ = ("slot", "label", "what")
+    handleable = False
+
+    def __init__(self, slot: StaticState, label: str, what: str):
+        self.slot = slot
+        self.label = label
+        self.what = what
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.slot.category
+
+    def read(self) -> Any:
+        return self.slot.value
+
+    def write(self, value: Any, label: str | None = None) -> None:
+        held = self.slot.value
+        if is_static_value(value) and _same_static(value, held):
+            return None
+        shown = _tree.describe(value) if contains_tracer(value) else repr(value)
+        raise StaticStateError(
+            format_error(
+                f"Static state {self.label} (a Python {type(held).__name__}, holding {held!r}) "
+                f"is assigned {shown} inside {self.what}: JAX traces that body instead of "
+                "running it once per step, so a Python value assigned there would change "
+                "once per trace, not once per step as in plain Python's loop.",
+                where=user_location(),
+                fix="keep a value that changes inside lax control flow in an array "
+                f"(`self.{self.label.rpartition('.')[2]} = jnp.asarray(...)` in __init__): "
+                "array states assigned in a lax body are threaded through it; or assign it "
+                "outside the lax call.",
+            )
+        )
+
+    def as_request(self) -> Any:
+        raise NotImplementedError
 
 
 # --- the primitives ---------------------------------------------------------------
@@ -267,25 +401,29 @@ def scan(
     assigned hold their values after the last iteration.
     """
     options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
-    return _with_eager_states((f, init, xs), lambda: _scan(f, init, xs, options))
+    return _with_eager_states(
+        (f, init, xs), lambda: _scan(f, init, xs, options), "the body of a lax.scan"
+    )
 
 
-def _scan(f: Callable, init: Any, xs: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+def _scan(
+    f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str = "the body of a lax.scan"
+) -> tuple[Any, Any]:
     cells = running_cells()
     if not cells:
         return lax.scan(f, init, xs, **options)
     x_slice = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
     )
-    written, new = _writes(cells, f, _abstract(init), x_slice)
+    written, new = _writes(cells, f, _abstract(init), x_slice, what=what)
     if not written:
         return lax.scan(f, init, xs, **options)
     chosen = [cells[i] for i in written]
-    _check_kept(chosen, new, "the body of a lax.scan")
+    _check_kept(chosen, new, what)
 
     def body(carry: tuple[Any, list[Any]], x: Any) -> tuple[tuple[Any, list[Any]], Any]:
         inner, values = carry
-        with _bound(cells, chosen, values):
+        with _bound(cells, chosen, values, what):
             inner, y = f(inner, x)
             values = _current(chosen)
         return (inner, values), y
@@ -316,20 +454,22 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
     **Returns:** the final loop value; assigned states hold their final values.
     """
     roots = (cond_fun, body_fun, init_val)
-    return _with_eager_states(roots, lambda: _while_loop(cond_fun, body_fun, init_val))
+    return _with_eager_states(
+        roots, lambda: _while_loop(cond_fun, body_fun, init_val), "a lax.while_loop"
+    )
 
 
 def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     cells = running_cells()
     if not cells:
         return lax.while_loop(cond_fun, body_fun, init_val)
-    written, new = _writes(cells, body_fun, _abstract(init_val))
+    written, new = _writes(cells, body_fun, _abstract(init_val), what="the body of a lax.while_loop")
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "the body of a lax.while_loop")
 
     def cond(carry: tuple[Any, list[Any]]) -> Any:
         inner, values = carry
-        with _bound(cells, chosen, values):
+        with _bound(cells, chosen, values, "the cond_fun of a lax.while_loop"):
             before = _current(cells)
             keep_going = cond_fun(inner)
             _check_untouched(cells, before, (), "the cond_fun of a lax.while_loop")
@@ -337,7 +477,7 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
 
     def body(carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
-        with _bound(cells, chosen, values):
+        with _bound(cells, chosen, values, "the body of a lax.while_loop"):
             inner = body_fun(inner)
             values = _current(chosen)
         return inner, values
@@ -370,7 +510,11 @@ def fori_loop(
     **Returns:** the final loop value; assigned states hold their final values.
     """
     roots = (body_fun, init_val)
-    return _with_eager_states(roots, lambda: _fori_loop(lower, upper, body_fun, init_val, kwargs))
+    return _with_eager_states(
+        roots,
+        lambda: _fori_loop(lower, upper, body_fun, init_val, kwargs),
+        "the body of a lax.fori_loop",
+    )
 
 
 def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, options: dict) -> Any:
@@ -378,7 +522,9 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
     if not cells:
         return lax.fori_loop(lower, upper, body_fun, init_val, **options)
     index = jax.ShapeDtypeStruct((), jax.numpy.result_type(lower, upper))
-    written, new = _writes(cells, body_fun, index, _abstract(init_val))
+    written, new = _writes(
+        cells, body_fun, index, _abstract(init_val), what="the body of a lax.fori_loop"
+    )
     if not written:
         return lax.fori_loop(lower, upper, body_fun, init_val, **options)
     chosen = [cells[i] for i in written]
@@ -386,7 +532,7 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
 
     def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
-        with _bound(cells, chosen, values):
+        with _bound(cells, chosen, values, "the body of a lax.fori_loop"):
             inner = body_fun(i, inner)
             values = _current(chosen)
         return inner, values
@@ -409,7 +555,7 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
 
     **Returns:** the stacked outputs, as ``jax.lax.map``.
     """
-    return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs))
+    return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs), "the function of a lax.map")
 
 
 def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
@@ -419,7 +565,7 @@ def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
     x_slice = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
     )
-    written, _ = _writes(cells, f, x_slice)
+    written, _ = _writes(cells, f, x_slice, what="the function of a lax.map")
     if not written:
         return lax.map(f, xs, **options)
     if options.get("batch_size") is not None:
@@ -433,7 +579,7 @@ def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
                 "state outside the map.",
             )
         )
-    _, ys = _scan(lambda carry, x: (carry, f(x)), None, xs, {})
+    _, ys = _scan(lambda carry, x: (carry, f(x)), None, xs, {}, "the function of a lax.map")
     return ys
 
 
@@ -449,7 +595,7 @@ def _branches(
     written: set[int] = set()
     news: list[tuple[list[int], list[Any]]] = []
     for branch in branches:
-        indices, new = _writes(cells, lambda branch=branch: branch(*operands))
+        indices, new = _writes(cells, lambda branch=branch: branch(*operands), what=f"a branch of {what}")
         written.update(indices)
         news.append((indices, new))
     if not written:
@@ -461,7 +607,7 @@ def _branches(
 
     def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
         def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
-            with _bound(cells, chosen, values):
+            with _bound(cells, chosen, values, f"a branch of {what}"):
                 out = branch(*inner)
                 values = _current(chosen)
             return out, values
@@ -474,7 +620,29 @@ def _branches(
     return out
 
 
-def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any) -> Any:
+# ``operand=`` not given (``None`` is an operand).
+_NO_OPERAND: Any = object()
+
+
+def _operands(operands: tuple, operand: Any, what: str) -> tuple:
+    """The operands of a ``cond``/``switch`` call, JAX's ``operand=`` keyword included."""
+    if operand is _NO_OPERAND:
+        return operands
+    if operands:
+        raise TypeError(
+            f"{what}: if the 'operand' keyword is passed, no operands can be passed "
+            f"positionally (got {len(operands)})."
+        )
+    return (operand,)
+
+
+def cond(
+    pred: Any,
+    true_fun: Callable[..., Any],
+    false_fun: Callable[..., Any],
+    *operands: Any,
+    operand: Any = _NO_OPERAND,
+) -> Any:
     """``jax.lax.cond`` whose branches may read and assign state.
 
     Under ``jax.vmap`` with a batched ``pred`` each example keeps the state
@@ -488,6 +656,7 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
 
     **Returns:** the taken branch's output; its assignments hold after.
     """
+    operands = _operands(operands, operand, "lax.cond")
     roots = (true_fun, false_fun, operands)
     return _with_eager_states(
         roots,
@@ -497,10 +666,13 @@ def cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any],
             operands,
             "a lax.cond",
         ),
+        "a branch of a lax.cond",
     )
 
 
-def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -> Any:
+def switch(
+    index: Any, branches: Sequence[Callable[..., Any]], *operands: Any, operand: Any = _NO_OPERAND
+) -> Any:
     """``jax.lax.switch`` whose branches may read and assign state.
 
     Example::
@@ -511,12 +683,14 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], *operands: Any) -
 
     **Returns:** the chosen branch's output; its assignments hold after.
     """
+    operands = _operands(operands, operand, "lax.switch")
     branches = list(branches)
     return _with_eager_states(
         (branches, operands),
         lambda: _branches(
             lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch"
         ),
+        "a branch of a lax.switch",
     )
 
 
@@ -542,7 +716,9 @@ def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         return _with_eager_states(
-            (fun, args, kwargs), lambda: _checkpoint_call(fun, args, kwargs, static, options)
+            (fun, args, kwargs),
+            lambda: _checkpoint_call(fun, args, kwargs, static, options),
+            "a jax.checkpoint",
         )
 
     functools.update_wrapper(checkpointed, fun, updated=())
@@ -559,14 +735,14 @@ def _checkpoint_call(
     plain = functools.partial(jax.checkpoint, static_argnums=static, **options)
     if not cells:
         return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
-    written, new = _writes(cells, lambda: fun(*args, **kwargs))
+    written, new = _writes(cells, lambda: fun(*args, **kwargs), what="a jax.checkpoint")
     if not written:
         return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "a jax.checkpoint")
 
     def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> tuple[Any, list[Any]]:
-        with _bound(cells, chosen, values):
+        with _bound(cells, chosen, values, "a jax.checkpoint"):
             out = fun(*inner, **inner_kwargs)
             values = _current(chosen)
         return out, values
@@ -616,3 +792,5 @@ def check_no_escaped(states: dict[str, Any]) -> None:
     for name, value in states.items():
         if holds_escaped_tracer(value):
             raise EscapedStateError(escaped_state_message(name, user_location()))
+        if type(value) is LostValue:
+            raise value.error()

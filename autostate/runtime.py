@@ -43,7 +43,7 @@ from autostate.effects import (
     is_running,
     is_static_value,
 )
-from autostate.effects.local_state import _check_not_traced
+from autostate.effects.local_state import _check_not_traced, lax_body_of
 from autostate.errors import (
     InvalidTypeError,
     StateAccessError,
@@ -556,7 +556,7 @@ def target(obj: Any) -> _Target:
     return _Target(obj)
 
 
-def check_guarded_write(obj: Any, name: str) -> None:
+def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
     """The run-time guard: refuses a non-state write to a model a handler runs.
 
     Inside a functionalized call (``f(states, ...)``, ``handler((x, states))``)
@@ -564,8 +564,18 @@ def check_guarded_write(obj: Any, name: str) -> None:
     be lost when the call returns, or keep a tracer in ``f``; this holds
     whether the states are traced, concrete or empty, and whatever analysis
     saw (a wrapped or assigned method, a helper outside the class).
+
+    An eager model is guarded while a lax call whose body reaches it runs:
+    a traced ``value`` assigned to an attribute that is not state would stay
+    in the model as a tracer, so it is refused the same way.
     """
-    if not is_guarded(obj) or name in _tree.info_of(obj).state:
+    if not is_guarded(obj):
+        if value is not _MISSING and contains_tracer(value):
+            what = lax_body_of(obj)
+            if what is not None:
+                _check_lax_body_write(obj, name, what)
+        return
+    if name in _tree.info_of(obj).state:
         return
     if hasattr(type(getattr(type(obj), name, None)), "__set__"):
         return  # a property or other data descriptor: its setter decides
@@ -578,6 +588,25 @@ def check_guarded_write(obj: Any, name: str) -> None:
             fix=f"make it state: declare it in __init__ with `self.{name} = "
             f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
             "assign it outside the functionalized call.",
+        )
+    )
+
+
+def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
+    if name in _tree.info_of(obj).state:
+        return
+    if hasattr(type(getattr(type(obj), name, None)), "__set__"):
+        return  # a property or other data descriptor: its setter decides
+    raise StateAccessError(
+        format_error(
+            f"{type(obj).__name__}.{name} is not state, so a traced value assigned to it "
+            f"inside {what} would stay in the model as a JAX tracer; plain Python's loop "
+            "would have changed it every step.",
+            where=user_location(),
+            fix=f"make it state: assign `self.{name} = ...` in a method of the class (the "
+            "decorator does not see a name computed at run time, as in setattr(self, name, "
+            "v), or an assignment in a helper outside the class), or declare it in __init__ "
+            f"with `self.{name} = autostate.state(...)`; or assign it outside the lax call.",
         )
     )
 
@@ -606,7 +635,7 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         # descriptor call.
         store_state(self, name, value)
         return
-    check_guarded_write(self, name)
+    check_guarded_write(self, name, value)
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)
@@ -636,7 +665,7 @@ def guard_setattr(user_setattr: Any) -> Any:
 
     @functools.wraps(user_setattr)
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        check_guarded_write(self, name)
+        check_guarded_write(self, name, value)
         if name == "__class__" and isinstance(value, type):
             _tree.complete_pending(value)
         user_setattr(self, name, value)

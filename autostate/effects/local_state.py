@@ -20,13 +20,14 @@ This module knows nothing about source code; it walks trees with
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import enum
 import itertools
 import sys
 import types
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
@@ -35,6 +36,7 @@ from jax._src import core as _core
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
+    ControlFlowStateError,
     EscapedStateError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -60,6 +62,71 @@ _handler_counter = itertools.count()
 _GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "autostate_guarded_instances", default=frozenset()
 )
+
+
+# (ids of the eager instances a lax call's body reaches, what the call is):
+# set while an eager model's lax call runs (``control``), whose body JAX
+# traces, so that a traced value assigned to one of them that is not state is
+# refused where it is written instead of staying in the model as a tracer.
+_IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.ContextVar(
+    "autostate_eager_lax_instances", default=(frozenset(), "")
+)
+
+
+def lax_body_of(obj: Any) -> str | None:
+    """The lax call (``"the body of a lax.scan"``) whose traced body may write
+    eager ``obj`` now, or ``None``."""
+    ids, what = _IN_LAX_BODY.get()
+    return what if ids and id(obj) in ids else None
+
+
+@contextlib.contextmanager
+def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
+    """Marks ``instances`` as reached by the traced body of ``what`` while it runs."""
+    ids, _ = _IN_LAX_BODY.get()
+    token = _IN_LAX_BODY.set((ids | frozenset(map(id, instances)), what))
+    try:
+        yield
+    finally:
+        _IN_LAX_BODY.reset(token)
+
+
+class LostValue:
+    """What a state holds once the traced body of a lax call (or
+    ``jax.checkpoint``) that assigned it raised: JAX keeps nothing a body
+    that raises computed, so the state has no value plain Python would agree
+    with (its loop kept the assignment). Reading it raises; assigning it
+    gives it a value again.
+    """
+
+    __slots__ = ("name", "what", "raised", "where")
+
+    def __init__(self, name: str, what: str, raised: BaseException, where: str | None):
+        self.name = name
+        self.what = what
+        self.raised = raised
+        self.where = where
+
+    def error(self) -> ControlFlowStateError:
+        """The error a read of the state raises."""
+        return ControlFlowStateError(
+            format_error(
+                f"State {self.name!r} has no value: it was assigned inside {self.what}"
+                f"{f' (at {self.where})' if self.where else ''}, which then raised "
+                f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
+                "and keeps nothing a body that raises computed, so the assignment is lost "
+                "(plain Python's loop would have kept it).",
+                where=user_location(),
+                fix="let the exception end the call instead of catching it around the lax "
+                "call, or check its condition before the call; or assign the state again "
+                "before reading it.",
+            )
+        )
+
+
+def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
+    """The cells of the running handler ``handler_id`` (empty if it is not running)."""
+    return _ACTIVE.get().get(handler_id, {})
 
 
 def handler_running() -> bool:
@@ -586,9 +653,12 @@ class HandledStaticState(StateSlot):
         if _same_static(value, self.value):
             return None
         attr = label or self.name
-        # A traced value has no value to set on the model: the fix says so.
-        shown = _tree.describe(value) if contains_tracer(value) else repr(value)
-        example = "..." if contains_tracer(value) else repr(value)
+        # A traced value has no value to set on the model, and an array's
+        # repr is no example to type: both are described, and "..." stands
+        # for them in the fix.
+        literal = is_static_value(value) and not contains_tracer(value)
+        shown = repr(value) if literal else _tree.describe(value)
+        example = repr(value) if literal else "..."
         raise StaticStateError(
             format_error(
                 f"A functionalized call assigned {shown} to static state {self.name!r} "
@@ -776,6 +846,8 @@ class HandledLocalStateRef(StateSlot):
         value = self._cell().value
         if holds_escaped_tracer(value):
             raise EscapedStateError(escaped_state_message(self.name, user_location()))
+        if type(value) is LostValue:  # (after the check above: tracers come first)
+            raise value.error()
         return value
 
     def write(self, value: Any, label: str | None = None) -> None:

@@ -666,7 +666,9 @@ def analyze_class(
                 error = _fail(
                     class_name,
                     f"state {attr!r} is first assigned outside __init__; every state needs an "
-                    "initial value when the model is built.",
+                    f"initial value when the model is built, and no `self.{attr} = ...` runs in "
+                    "__init__ or a method it calls (setattr with a computed name and "
+                    "self.__dict__ updates are not read).",
                     facts.source,
                     first.line,
                     f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
