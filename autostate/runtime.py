@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import collections.abc
 import copy as _copy
 import copyreg
 import functools
@@ -549,6 +550,156 @@ class _Target:
 
     def __getattr__(self, name: str) -> _ItemTarget:
         return _ItemTarget(self._as_obj, name, ())
+
+
+# --- vars(self) and self.__dict__ in a decorated method -----------------------
+
+
+class InstanceDict(dict):
+    """``vars(model)`` / ``model.__dict__`` as a decorated method reads it.
+
+    A model keeps each state's *slot* in its instance dict (section 3 of
+    rewrite_rules.md); plain Python's dict holds the value. This is a live
+    view of the model's dict that reads each state's value, as plain
+    Python's dict does, and writes into the model as plain Python writes into
+    ``__dict__``: a state through its slot (``vars(self)["n"] = v`` is
+    ``self.n = v``, in ``f`` too), any other name into the instance dict.
+    A ``dict`` for ``isinstance``; copies, pickles and pytree flattens of it
+    are plain dicts of the values.
+    """
+
+    __slots__ = ("_obj",)
+
+    def __init__(self, obj: Any):
+        super().__init__()
+        self._obj = obj
+
+    def _state(self, key: Any) -> bool:
+        return type(key) is str and key in _tree.info_of(self._obj).state
+
+    # reads: live, each state's value
+    def __getitem__(self, key: Any) -> Any:
+        value = self._obj.__dict__[key]
+        return value.read() if is_slot(value) else value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __iter__(self) -> Any:
+        return iter(list(self._obj.__dict__))
+
+    def __reversed__(self) -> Any:
+        return reversed(list(self._obj.__dict__))
+
+    def __len__(self) -> int:
+        return len(self._obj.__dict__)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._obj.__dict__
+
+    def keys(self) -> Any:
+        return collections.abc.KeysView(self)
+
+    def values(self) -> Any:
+        return collections.abc.ValuesView(self)
+
+    def items(self) -> Any:
+        return collections.abc.ItemsView(self)
+
+    def copy(self) -> dict[Any, Any]:
+        return {key: self[key] for key in self}
+
+    def __eq__(self, other: object) -> bool:
+        return self.copy() == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self.copy())
+
+    def __or__(self, other: Any) -> Any:
+        return self.copy() | other
+
+    def __ror__(self, other: Any) -> Any:
+        return other | self.copy()
+
+    def __reduce__(self) -> Any:
+        return (dict, (self.copy(),))  # a copy or pickle of it is a plain dict
+
+    # writes: into the model
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._state(key):
+            store_state(self._obj, key, value)
+        else:
+            self._obj.__dict__[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if self._state(key):
+            delattr(self._obj, key)  # what `del self.n` does with a state
+        else:
+            del self._obj.__dict__[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> InstanceDict:
+        self.update(other)
+        return self
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key not in self and default:
+            return default[0]
+        value = self[key]
+        del self[key]
+        return value
+
+    def popitem(self) -> tuple[Any, Any]:
+        if not self:
+            raise KeyError("popitem(): dictionary is empty")
+        key = next(reversed(self))
+        return key, self.pop(key)
+
+    def clear(self) -> None:
+        for key in list(self):
+            del self[key]
+
+
+def _flatten_instance_dict(d: InstanceDict) -> tuple[list[Any], tuple[Any, ...]]:
+    keys = tuple(sorted(d))  # as a dict flattens
+    return [d[k] for k in keys], keys
+
+
+def _unflatten_instance_dict(keys: tuple[Any, ...], values: Any) -> Any:
+    return dict(zip(keys, values))  # a plain dict of the new values
+
+
+jax.tree_util.register_pytree_node(InstanceDict, _flatten_instance_dict, _unflatten_instance_dict)
+
+
+def vars_of(vars_fn: Any, obj: Any) -> Any:
+    """``vars(obj)`` in a decorated method (``vars_fn`` is what the name reads there)."""
+    if vars_fn is builtins.vars and _tree.is_stateful_instance(obj):
+        return InstanceDict(obj)
+    return vars_fn(obj)
+
+
+def dict_of(obj: Any) -> Any:
+    """``obj.__dict__`` read in a decorated method."""
+    if _tree.is_stateful_instance(obj):
+        return InstanceDict(obj)
+    return obj.__dict__
 
 
 def target(obj: Any) -> _Target:

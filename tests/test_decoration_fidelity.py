@@ -275,12 +275,21 @@ def test_dunder_dict_item_write_is_plain_python_eagerly(write_module: Loader) ->
     check(plain, dec, "D()", [("step", (1.0,)), ("kind", ()), ("step", (2.0,))])
 
 
+def test_dunder_dict_item_write_of_a_state_is_a_state_write(write_module: Loader) -> None:
+    """``self.__dict__["x"] = v`` in a method means ``self.x = v`` for a state,
+    as in plain Python, eagerly, in f and under jit (it was refused in f)."""
+    plain, dec = pair(write_module, DUNDERS)
+    check(plain, dec, "D()", [("raw", (jnp.float32(5.0),)), ("step", (1.0,))])
+
+
 @pytest.mark.parametrize("mode", ["f", "jit"])
-def test_dunder_dict_item_write_inside_f_is_refused(write_module: Loader, mode: str) -> None:
+def test_dunder_dict_item_write_of_a_non_state_inside_f_is_refused(
+    write_module: Loader, mode: str
+) -> None:
     _, dec = pair(write_module, DUNDERS)
     f, states = dec.D().functionalize()
-    call = f.raw if mode == "f" else jax.jit(lambda f, s, v: f.raw(s, v))
-    with pytest.raises(autostate.errors.StateAccessError, match="__dict__"):
+    call = f.extra if mode == "f" else jax.jit(lambda f, s, v: f.extra(s, v))
+    with pytest.raises(autostate.errors.StateAccessError, match="note"):
         call(states, jnp.float32(5.0)) if mode == "f" else call(f, states, jnp.float32(5.0))
     out, _ = f.step(states, 1.0)  # f is left as it was
     assert float(out) == 1.0

@@ -745,10 +745,20 @@ class Behind:
 """
 
 
+@pytest.mark.parametrize("method", ["via_vars", "via_update"])
+def test_state_writes_through_the_instance_dict_are_state_writes(
+    write_module: Loader, method: str
+) -> None:
+    """``vars(self)["n"] = x`` and ``self.__dict__.update(n=x)`` in a method
+    mean ``self.n = x`` for a state, as in plain Python: eagerly, in f and
+    under jit (they were refused inside f)."""
+    plain, dec = pair(write_module, BEHIND)
+    check(plain, dec, "Behind()", [(method, (5.0,)), ("__call__", (1.0,))])
+
+
 @pytest.mark.parametrize(
     "method",
-    ["via_vars", "via_update", "via_object_param", "via_sub_vars",
-     "add_attr", "del_attr", "set_static"],
+    ["via_object_param", "via_sub_vars", "add_attr", "del_attr", "set_static"],
 )
 def test_writes_behind_descriptors_are_refused_and_f_survives(
     write_module: Loader, method: str

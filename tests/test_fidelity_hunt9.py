@@ -337,14 +337,6 @@ def test_exception_raised_inside_a_lax_body_after_a_write(
     assert_same(np.float32(0.0), states["s"], "the states given to f are unchanged")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: vars(self) / self.__dict__ iterated inside a method holds autostate's "
-    "slots for states, not their values: isinstance(v, jax.Array) is False for every "
-    "state (plain: 3 arrays, decorated: 1); a hand-written named_buffers() silently "
-    "drops the states",
-)
 @pytest.mark.parametrize("method", ["count_arrays", "buffers"])
 def test_iterating_the_instance_dict_sees_values(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, CONSTRUCTS)

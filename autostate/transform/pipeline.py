@@ -384,7 +384,11 @@ def _transform(
             for dotted in sorted(method.references)
             if (name := control_flow_name(_resolve(globals_, dotted))) is not None
         }
-        if not control and (method.receiver is None or not (method.touched() & result.state)):
+        if (
+            not control
+            and (method.receiver is None or not (method.touched() & result.state))
+            and not _reads_instance_dict(method.source.text)
+        ):
             continue
         text = rewrite.rewrite_method(
             method.module,
@@ -405,6 +409,12 @@ def _transform(
             slot.function.__code__.co_flags,
         )
     return result.state, result.initialized | initialized, codes
+
+
+def _reads_instance_dict(text: str) -> bool:
+    """Whether a method may read a model's instance dict (``vars(self)``,
+    ``self.__dict__``), which the rewrite gives the states' values."""
+    return "__dict__" in text or "vars(" in text
 
 
 def _own_properties(cls: type) -> frozenset[str]:

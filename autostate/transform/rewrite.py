@@ -15,6 +15,8 @@ other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose
 ``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved
 control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint``, called, passed to
                                  a call or used as a decorator
+``vars(obj)``, ``obj.__dict__``  ``__autostate__.vars_of(vars, obj)``, ``__autostate__.dict_of(obj)``:
+(read)                           for a model, its instance dict with the states' values
 ===============================  =============================================
 
 No JAX here: the runtime the generated code calls is ``autostate.runtime``.
@@ -100,6 +102,8 @@ class StateRewriter(cst.CSTTransformer):
         self.class_name = class_name
         self.is_init = is_init
         self._targets: set[int] = set()
+        # ``X.__dict__`` nodes assigned to (``self.__dict__ = d``): not rewritten.
+        self._dict_targets: set[int] = set()
         self._fstring_quotes: list[str] = []
         # Inside a match value pattern (``case self.x:``) an attribute must stay
         # a dotted name; the class's descriptor reads the state there.
@@ -121,6 +125,8 @@ class StateRewriter(cst.CSTTransformer):
         elif isinstance(expr, cst.StarredElement):
             self._mark(expr.value)
         else:
+            if isinstance(expr, cst.Attribute) and expr.attr.value == "__dict__":
+                self._dict_targets.add(id(expr))
             base = subscript_base(expr)
             if self._state_attr(base) is not None:
                 self._targets.add(id(base))
@@ -227,6 +233,20 @@ class StateRewriter(cst.CSTTransformer):
         return routed.with_changes(lpar=updated.lpar, rpar=updated.rpar)
 
     def leave_Call(self, original_node, updated_node):
+        func, args = original_node.func, original_node.args
+        if (
+            (
+                (isinstance(func, cst.Name) and func.value == "vars")
+                or (isinstance(func, cst.Attribute) and func.attr.value == "vars")  # builtins.vars
+            )
+            and len(args) == 1
+            and id(original_node) not in self._dict_targets
+            and args[0].star == "" and args[0].keyword is None
+        ):
+            # ``vars(self)``: the instance dict with the states' values (the
+            # name is passed along, so a ``vars`` of the user's own is called).
+            call = _call("vars_of", updated_node.func, updated_node.args[0].value)
+            return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         if not self.control:
             return updated_node
         args = [
@@ -265,6 +285,9 @@ class StateRewriter(cst.CSTTransformer):
     def leave_Attribute(self, original_node, updated_node):
         if id(original_node) in self._targets or self._in_pattern:
             return updated_node
+        if original_node.attr.value == "__dict__" and id(original_node) not in self._dict_targets:
+            call = _call("dict_of", updated_node.value)
+            return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         attr = self._state_attr(original_node)
         if attr is None:
             return updated_node
@@ -279,6 +302,9 @@ class StateRewriter(cst.CSTTransformer):
     def visit_Assign(self, node: cst.Assign) -> None:
         for target in node.targets:
             self._mark(target.target)
+        if any(id(t.target) in self._dict_targets for t in node.targets):
+            # ``new.__dict__ = self.__dict__`` shares the dict object itself.
+            self._dict_targets.add(id(node.value))
 
     def leave_Assign(self, original_node, updated_node):
         targets = updated_node.targets
@@ -326,6 +352,8 @@ class StateRewriter(cst.CSTTransformer):
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         if node.value is not None:
             self._mark(node.target)
+        elif isinstance(node.target, cst.Attribute) and node.target.attr.value == "__dict__":
+            self._dict_targets.add(id(node.target))
 
     def leave_AnnAssign(self, original_node, updated_node):
         if updated_node.value is None:
