@@ -1846,3 +1846,24 @@ def test_gan_optimizer_states_are_separate(write_module: Loader) -> None:
     assert sorted(states) == ["d_opt.m", "d_opt.t", "d_params", "g_opt.m", "g_opt.t", "g_params"]
     model.step(Z, REAL)
     assert int(model.g_opt.t) == 1 and int(model.d_opt.t) == 1
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 7])
+def test_a_class_compiled_from_other_text_under_a_file_name(
+    tmp_path: Any, offset: int
+) -> None:
+    """Code compiled under the name of a file that holds other text (the file
+    was rewritten after the import, or ``compile(src, existing_path, ...)``):
+    a DecorationError naming the file and line, never an internal traceback,
+    whatever the file holds at the function's line."""
+    path = tmp_path / "other.py"
+    path.write_text("\n" * offset + "x = 1\n\n\nclass Other:\n    pass\n\n\ny = [\n    1,\n]\n")
+    source = (
+        "import jax.numpy as jnp\n\n\nclass Model:\n    def __init__(self):\n"
+        "        self.n = jnp.zeros(())\n\n    def step(self):\n        self.n += 1\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, str(path), "exec"), namespace)  # noqa: S102
+    with pytest.raises(autostate.errors.DecorationError, match="other.py") as info:
+        autostate.tree.class_info(autostate.stateful(namespace["Model"]))
+    assert "fix:" in str(info.value)

@@ -160,13 +160,24 @@ def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.
     return module
 
 
-def _method_node(module: cst.Module) -> cst.FunctionDef:
+def _method_node(module: cst.Module, class_name: str, source: MethodSource) -> cst.FunctionDef:
     wrapper_class = module.body[-1]
-    assert isinstance(wrapper_class, cst.ClassDef)
-    outer = wrapper_class.body.body[0]
-    assert isinstance(outer, cst.FunctionDef)
-    node = outer.body.body[0]
-    assert isinstance(node, cst.FunctionDef)
+    outer = wrapper_class.body.body[0] if isinstance(wrapper_class, cst.ClassDef) else None
+    node = outer.body.body[0] if isinstance(outer, cst.FunctionDef) else None
+    if not isinstance(node, cst.FunctionDef):
+        # The lines at the function's first line are no function definition:
+        # the file holds other text than the code was compiled from.
+        raise DecorationError(
+            format_error(
+                f"@stateful could not find the source of {class_name}.{source.key}: "
+                f"{source.filename!r} holds no function definition at line {source.first_line} "
+                "(the file was edited after the import, or the code was compiled from other "
+                "text under this file name).",
+                where=f"{source.filename}:{source.first_line}",
+                fix="make sure the file on disk matches the code that was imported "
+                "(reload the module after editing it).",
+            )
+        )
     return node
 
 
@@ -503,7 +514,7 @@ def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
     """Parses one method and collects how it uses its receiver."""
     text, shift = wrapper_source(class_name, source)
     module = _parse(text, shift, class_name, source)
-    function = _method_node(module)
+    function = _method_node(module, class_name, source)
     receiver = receiver_name(function) if source.has_receiver else None
     facts = MethodFacts(
         source=source, receiver=receiver, module=module, function=function, text=text, shift=shift
