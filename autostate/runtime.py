@@ -721,9 +721,9 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
     in the model as a tracer, so it is refused the same way.
     """
     if not is_guarded(obj):
-        if value is not _MISSING and contains_tracer(value):
+        if value is not _MISSING:
             what = lax_body_of(obj)
-            if what is not None:
+            if what is not None and contains_tracer(value):
                 _check_lax_body_write(obj, name, what)
         return
     if name in _tree.info_of(obj).state:
