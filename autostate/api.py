@@ -25,6 +25,8 @@ from autostate import tree as _tree
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
+    HandledStaticState,
+    StaticState,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
@@ -776,17 +778,20 @@ def _with_running_states_read(model: Any) -> Any:
     by that call hold their current values: the new ``f`` starts from them,
     as it would eagerly, and leaves the running call's states alone."""
     def running(node: Any) -> bool:
-        return type(node) is HandledLocalStateRef and is_running(node.handler_id)
+        t = type(node)
+        return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(
+            node.handler_id
+        )
+
+    def current(ref: Any, _name: str) -> Any:
+        explicit = ref.name if ref.was_explicitly_named else None
+        if type(ref) is HandledStaticState:  # a static state: its value is f's structure
+            return StaticState(ref.value, ref.category, explicit)
+        return FrozenLocalStateRequest(ref.read(), ref.category, explicit)
 
     if not handler_running() or next(_tree.iter_tree(model, running), None) is None:
         return model  # (outside every functionalized call: no walk)
-    return _tree.map_tree(
-        model,
-        lambda ref, _name: FrozenLocalStateRequest(
-            ref.read(), ref.category, ref.name if ref.was_explicitly_named else None
-        ),
-        running,
-    )
+    return _tree.map_tree(model, current, running)
 
 
 def _state_names(body: Any, handler_id: Hashable) -> list[str]:

@@ -643,6 +643,9 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
             children = [(prefix + index_name(i), v) for i, v in enumerate(node)]
         elif t is dict:
             children = [(prefix + mapping_name(k), v) for k, v in node.items()]
+        elif t in _CALLABLES and (held := _held_instances(node)) is not None:
+            # A method of, or a closure over, an instance: map_tree's path to it.
+            children = [(prefix + ".__self__", h) for h in held if h is not None]
         elif t in _STATIC_TYPES or isinstance(node, (jax.Array, np.ndarray, np.generic)):
             continue
         elif t in _WALK_CHILDREN:

@@ -635,6 +635,13 @@ class FTrainer:
         self.f = self.opt.update(self.f, grads)
         return self.loss
 
+    def fit(self, xs, ys):
+        def body(carry, batch):
+            return carry + 1, self.train_step(*batch)
+
+        _, losses = lax.scan(body, 0, (xs, ys))
+        return losses
+
 
 @DECORATE
 class ModelTrainer:
@@ -695,19 +702,7 @@ def test_trainer_holding_f_and_an_optimizer_functionalized(write_module: Loader,
     assert int(frozen.opt.t) == len(data) + 1
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "eager",
-        pytest.param("f", marks=pytest.mark.xfail(
-            strict=True, raises=autostate.errors.StateSharingError,
-            reason="BUG: self.model.functionalize() inside a functionalized call raises an "
-            "engine StateSharingError (no user line) when the sub-model holds a static state")),
-        pytest.param("jit", marks=pytest.mark.xfail(
-            strict=True, raises=autostate.errors.StateSharingError,
-            reason="BUG: as for 'f', under jax.jit")),
-    ],
-)
+@pytest.mark.parametrize("mode", ["eager", "f", "jit"])
 def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode: str) -> None:
     _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
@@ -730,7 +725,7 @@ def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode:
     with pytest.raises(StateAccessError) as err:
         step(ts, *data[0])
     assert "self.model = autostate.freeze" in source_line_of(err.value)
-    assert_same(before, ts)
+    assert_same(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(ts))
     assert_same(snapshot(template), snapshot(trainer.model))
 
 
@@ -788,17 +783,7 @@ class Outer:
 """
 
 
-@pytest.mark.parametrize(
-    "static",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(
-            strict=True, raises=autostate.errors.StateSharingError,
-            reason="BUG: a sub-model's static state (self.training) makes "
-            "self.sub.functionalize() inside f/jit raise StateSharingError "
-            "('already holds state ... handled by a handler'); without it, it works")),
-    ],
-)
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 def test_nested_functionalize_of_a_sub_model_inside_f(write_module: Loader, static: bool,
                                                      jit: bool) -> None:
@@ -940,23 +925,21 @@ def test_numpy_dicts_restored_into_a_fresh_model(write_module: Loader, restore: 
 # 3. Code-base structure: the user's base Module and its helpers
 # ======================================================================================
 
-VARS_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="BUG (hunt 9's vars() slots, here end to end): a user parameters() that walks "
-    "vars(m) sees autostate's slot, not the array, for a float state (TrackedResidual."
-    "out_mean): num_params() is 58 instead of 61, and the l2-regularized loss and its "
-    "gradients silently differ, eagerly, through f and frozen")
-
-
-def kinds(*names: str) -> list[Any]:
-    return [pytest.param(k, marks=VARS_BUG) if k in ("tracked", "factory") else k for k in names]
+def kinds(*names: str) -> list[str]:
+    """(``tracked``/``factory`` hold a float state, ``out_mean``, that a ``parameters()``
+    walking ``vars(m)`` inside a method must see as an array, as plain Python does.)"""
+    return list(names)
 
 
 STRUCTURE_KINDS = kinds("mlp_dropout", "tracked", "multihead", "from_config", "factory")
 
 
-@pytest.mark.parametrize("base_decorated", [True, False])
-@pytest.mark.parametrize("kind", STRUCTURE_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("kind", "base_decorated"),
+    [(k, True) for k in STRUCTURE_KINDS] + [(k, False) for k in STRUCTURE_KINDS],
+)
 def test_user_helpers_match_plain_eagerly(write_module: Loader, kind: str,
                                           base_decorated: bool) -> None:
     plain, dec = library(write_module, base_decorated)
@@ -994,10 +977,14 @@ def test_user_helpers_through_f_and_on_the_frozen_model(write_module: Loader, ki
     assert_same(template.regularized(x, y), frozen.regularized(x, y))
 
 
-@pytest.mark.parametrize("kind", kinds("mlp_dropout", "tracked"))
-def test_regularized_loss_method_trains_like_hand_threaded(write_module: Loader, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "base_decorated"),
+    [("mlp_dropout", True), ("tracked", True), ("mlp_dropout", False), ("tracked", False)],
+)
+def test_regularized_loss_method_trains_like_hand_threaded(write_module: Loader, kind: str,
+                                                           base_decorated: bool) -> None:
     """The loss is a model method that walks ``vars()`` for ``parameters()``."""
-    plain, dec = library(write_module)
+    plain, dec = library(write_module, base_decorated)
     template, model, n_out = build_pair(plain, dec, kind)
     data = data_for(n_out, 4)
     f, states = model.functionalize()
@@ -1212,12 +1199,6 @@ def test_model_holding_a_sub_model_and_its_bound_method(write_module: Loader) ->
     assert_same(snapshot(p.backbone), snapshot(frozen.backbone))
 
 
-@pytest.mark.xfail(
-    strict=True, raises=autostate.errors.StateDictError,
-    reason="BUG: a sub-model reachable only through a stored bound method "
-    "(self.features = backbone.__call__): functionalize() returns states "
-    "{'features.__self__....'} that its own f rejects ('the states dict has keys the "
-    "model has no state for ...; the model's states are []'), eagerly and under jit")
 def test_model_holding_only_a_bound_method_of_another_model(write_module: Loader) -> None:
     """The backbone is reachable only through ``self.features``: its parameters and
     states still belong to the model (plain Python trains and updates them)."""
@@ -1327,11 +1308,10 @@ def test_model_built_inside_jit_then_trained(write_module: Loader, how: str) -> 
         f, states = jax.jit(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(KEY)
     else:
         shapes = jax.eval_shape(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(), KEY)
-        f, states = jax.jit(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(),
-                            out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, shapes)
-                            if hasattr(jax.tree_util.tree_leaves(shapes)[0], "sharding")
-                            and jax.tree_util.tree_leaves(shapes)[0].sharding is not None
-                            else None)(KEY)
+        f, states = jax.jit(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(KEY)
+        assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure((f, states))
+        for a, b in zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves((f, states))):
+            assert (a.shape, a.dtype) == (b.shape, b.dtype)
     data = data_for(2, 4)
     assert_same(read_plain(template, names_of(f)), names_of(f))
     ref = run_reference(template, names_of(f), dict(states), "adam", data)
@@ -1412,9 +1392,6 @@ def test_states_of_a_same_structured_model_are_interchangeable(write_module: Loa
     fa, _ = a.functionalize()
     _, sb = b.functionalize()
     out, new = jax.jit(fa)(sb, x)
-    ref = plain.MLP(KEY, 3, 2)
-    ref = load_plain(ref, {}, read_plain(load_plain(plain.MLP(jax.random.PRNGKey(5), 3, 2), {}, {}),
-                                         {}))
     p = plain.MLP(jax.random.PRNGKey(5), 3, 2)
     p(x)
     p(x)
@@ -1530,3 +1507,253 @@ def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: 
     fresh = [copy.deepcopy(template)(x) for x, _ in data]
     assert_same(fresh, outs)  # every call starts from the initial states
     assert int(states["steps"]) == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jit"])
+def test_trainer_fit_scans_its_own_train_step(write_module: Loader, mode: str) -> None:
+    """``lax.scan`` over batches inside a method whose body calls ``value_and_grad``
+    and writes the trainer's f, states and optimizer state."""
+    _, dec = pair(write_module, TRAINER)
+    plain, _ = library(write_module)
+    template, model, n_out = build_pair(plain, dec, "mlp_dropout")
+    data = data_for(n_out, 4)
+    xs = jnp.stack([x for x, _ in data])
+    ys = jnp.stack([y for _, y in data])
+    trainer = dec.FTrainer(model)
+    ref = trainer_reference(template, trainer.f, trainer.states, data)
+    if mode == "eager":
+        losses = trainer.fit(xs, ys)
+        f, states, t = trainer.f, trainer.states, trainer.opt.t
+    else:
+        tf, ts = trainer.functionalize()
+        fit = jax.jit(tf.fit) if mode == "jit" else tf.fit
+        losses, ts = fit(ts, xs, ys)
+        f, states, t = ts["f"], ts["states"], ts["opt.t"]
+    assert_same(np.stack([r[0] for r in ref]), losses, "losses")
+    assert_step(ref[-1], losses[-1], f, states, "after fit")
+    assert int(t) == len(data)
+
+
+def test_ema_of_param_dict_inside_the_jitted_step(write_module: Loader) -> None:
+    """docs/ecosystem.md: ``autostate.param_dict(f)`` works inside a jitted step."""
+    plain, dec = library(write_module)
+    template, model, n_out = build_pair(plain, dec, "multihead")
+    data = data_for(n_out, 3)
+    f, states = model.functionalize()
+    ema = {k: jnp.copy(v) for k, v in autostate.param_dict(f).items()}
+    assert_same(names_of(f), ema)
+    ref = run_reference(template, names_of(f), dict(states), "sgd", data)
+    _, update = OPTIMIZERS["sgd"]
+
+    @jax.jit
+    def step(f: Any, ema: Any, states: Any, x: Any, y: Any) -> Any:
+        (loss, states), g = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
+        f, _ = update(f, g, ())
+        pd = autostate.param_dict(f)
+        ema = {k: 0.5 * ema[k] + 0.5 * pd[k] for k in ema}
+        return loss, f, ema, states
+
+    ref_ema = dict(ema)
+    for i, (x, y) in enumerate(data):
+        loss, f, ema, states = step(f, ema, states, x, y)
+        assert_step(ref[i], loss, f, states, f"step {i}")
+        ref_ema = {k: 0.5 * ref_ema[k] + 0.5 * ref[i][1][k] for k in ref_ema}
+        assert_same(ref_ema, ema, f"ema {i}")
+
+
+HOLDERS = """
+@DECORATE
+class Counter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n += 1
+        return x * self.n
+
+
+@DECORATE
+class Holder:
+    def __init__(self, how):
+        c = Counter()
+        if how == "lambda":
+            self.fn = lambda x: c(x)
+        elif how == "bound":
+            self.fn = c.__call__
+        elif how == "list_bound":
+            self.fn = [c.__call__]
+        elif how == "dict_bound":
+            self.fn = {"a": c.__call__}
+        else:
+            self.fn = c.__call__
+            self.c = c
+
+    def __call__(self, x):
+        fn = self.fn
+        if isinstance(fn, list):
+            fn = fn[0]
+        elif isinstance(fn, dict):
+            fn = fn["a"]
+        return fn(x)
+"""
+
+@pytest.mark.parametrize(
+    "how",
+    ["lambda", "bound", "list_bound", "dict_bound", "bound_and_attribute"],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_sub_model_reached_through_a_stored_callable(write_module: Loader, how: str,
+                                                     jit: bool) -> None:
+    plain, dec = pair(write_module, HOLDERS)
+    ref = plain.Holder(how)
+    expected = [ref(1.0), ref(2.0)]
+    eager = dec.Holder(how)
+    assert_same(expected, [eager(1.0), eager(2.0)], "eager")
+    f, states = dec.Holder(how).functionalize()
+    assert list(states.values())[0].shape == ()
+    call = jax.jit(f) if jit else f
+    got = []
+    for x in (1.0, 2.0):
+        out, states = call(states, x)
+        got.append(out)
+    assert_same(expected, got)
+    assert_same([np.float32(2.0)], list(states.values()))
+
+
+MIXIN = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n") + """
+
+class NoiseMixin:
+    def __init__(self, *a, noise=0.1, **kw):
+        super().__init__(*a, **kw)
+        self.noise_key = jax.random.PRNGKey(42)
+        self.noise = noise
+
+    def add_noise(self, x):
+        self.noise_key, sub = jax.random.split(self.noise_key)
+        return x + self.noise * jax.random.normal(sub, x.shape)
+
+
+@DECORATE
+class NoisyMLP(NoiseMixin, MLP):
+    def __call__(self, x):
+        return super().__call__(self.add_noise(x))
+"""
+
+
+def test_cooperative_mixin_init_adding_state_trains(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MIXIN)
+    template, model = plain.NoisyMLP(KEY, 3, 2, noise=0.3), dec.NoisyMLP(KEY, 3, 2, noise=0.3)
+    data = data_for(2, 4)
+    f, states, ref = train_against_reference(template, model, data, "adam")
+    assert "noise_key" in states
+    frozen = autostate.freeze(f, states)
+    p = load_plain(template, ref[-1][1], ref[-1][2])
+    for x, _ in data[:2]:
+        assert_same(p(x), frozen(x))
+    assert_same(snapshot(p), snapshot(frozen))
+
+
+def test_stacked_eager_ensemble_from_vmap_then_functionalized(write_module: Loader) -> None:
+    plain, dec = library(write_module)
+    keys = jax.random.split(KEY, 3)
+    stacked = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5))(keys)
+    assert stacked.head.w.shape == (3, 8, 2)
+    x = data_for(2, 1)[0][0]
+    with pytest.raises(TracedEagerStateError):
+        jax.vmap(lambda m, x: m(x), in_axes=(0, None))(stacked, x)
+    f, states = stacked.functionalize()
+    step = jax.jit(jax.vmap(lambda f, s, x: f(s, x), in_axes=(0, 0, None)))
+    refs = [plain.MLP(k, 3, 2, rate=0.5) for k in keys]
+    for _ in range(2):
+        outs, states = step(f, states, x)
+        for i, r in enumerate(refs):
+            assert_same(r(x), outs[i], f"member {i}")
+            assert_same(read_plain(r, states),
+                        jax.tree_util.tree_map(lambda a, i=i: a[i], states), f"member {i}")
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "save_load"])
+def test_frozen_trainer_holding_f_copied_and_continued(write_module: Loader, how: str,
+                                                       tmp_path: Any) -> None:
+    plain, _ = library(write_module)
+    _, dec = _pair(write_module, TRAINER)
+    template, model, n_out = build_pair(plain, dec, "mlp_dropout")
+    data = data_for(n_out, 4)
+    trainer = dec.FTrainer(model)
+    ref = trainer_reference(template, trainer.f, trainer.states, data)
+    tf, ts = trainer.functionalize()
+    for x, y in data[:2]:
+        _, ts = jax.jit(tf.train_step)(ts, x, y)
+    frozen = autostate.freeze(tf, ts)
+    if how == "pickle":
+        frozen = pickle.loads(pickle.dumps(frozen))
+    elif how == "deepcopy":
+        frozen = copy.deepcopy(frozen)
+    else:
+        autostate.save(tmp_path / "trainer.npz", frozen)
+        frozen = autostate.load(tmp_path / "trainer.npz", like=dec.FTrainer(
+            dec.MLP(jax.random.PRNGKey(9), 3, 2, rate=0.5)))
+    for i, (x, y) in enumerate(data[2:], start=2):
+        loss = frozen.train_step(x, y)
+        assert_step(ref[i], loss, frozen.f, frozen.states, f"{how} step {i}")
+    assert int(frozen.opt.t) == len(data)
+
+
+# The family of the nested-functionalize bug: whatever kind of state the
+# sub-model holds, ``self.sub.functionalize()`` inside a running f starts from
+# the running call's values and leaves them alone, as it does eagerly.
+NESTED_KINDS = """
+@DECORATE
+class Leaf:
+    def __init__(self, kind):
+        self.w = jnp.ones(2)
+        self.n = jnp.zeros(())
+        if kind == "static":
+            self.training = True
+        elif kind == "named":
+            self.m = autostate.state(jnp.ones(()), name="leaf_m")
+        elif kind == "constant":
+            self.c = autostate.constant(jnp.full((), 3.0))
+        elif kind == "dict":
+            self.d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+        elif kind == "category":
+            self.s = autostate.state(jnp.ones(()), category="stats")
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return (self.w * x).sum() + self.n
+
+    def bump(self):
+        self.n = self.n + 10
+        return self.n
+
+
+@DECORATE
+class Outer:
+    def __init__(self, kind):
+        self.model = Leaf(kind)
+        self.k = jnp.zeros(())
+
+    def __call__(self, x):
+        self.model.bump()
+        g, st = self.model.functionalize()
+        out, st = g(st, x)
+        self.k = self.k + out + st["n"]
+        return self.k
+"""
+
+
+@pytest.mark.parametrize("kind", ["plain", "static", "named", "constant", "dict", "category"])
+def test_nested_functionalize_of_every_kind_of_state(write_module: Loader, kind: str) -> None:
+    _, dec = pair(write_module, NESTED_KINDS)
+    eager = dec.Outer(kind)
+    expected = [eager(1.0), eager(2.0)]
+    expected_n = float(eager.model.n)
+    f, states = dec.Outer(kind).functionalize()
+    for call in (f, jax.jit(f)):
+        st, got = states, []
+        for x in (1.0, 2.0):
+            out, st = call(st, x)
+            got.append(out)
+        assert_same(expected, got, kind)
+        assert float(st["model.n"]) == expected_n

@@ -224,3 +224,58 @@ def test_vars_from_outside_the_class_holds_the_slots() -> None:
     assert not isinstance(vars(model)["n"], jax.Array)
     assert float(model.n) == 1.0
     np.testing.assert_allclose(np.asarray(vars(model)["n"].read()), 1.0)
+
+
+BASE_SOURCE = """
+class Module:  # an undecorated user base, as a PyTorch user writes one
+    def buffers(self):
+        return {k: v for k, v in vars(self).items() if isinstance(v, jax.Array)}
+
+    def num_arrays(self):
+        return len(self.__dict__) and sum(
+            1 for v in self.__dict__.values() if isinstance(v, jax.Array))
+
+    def l2(self):
+        return sum(jnp.sum(v ** 2) for v in self.buffers().values())
+
+
+class Middle(Module):
+    pass
+
+
+@DECORATE
+class Net(Middle):
+    def __init__(self):
+        self.w = jnp.full(2, 2.0)
+        self.mean = jnp.zeros(2)
+
+    def __call__(self, x):
+        self.mean = self.mean + x
+        return self.w * x + self.l2()
+
+
+class PlainChild(Module):
+    def __init__(self):
+        self.v = jnp.ones(3)
+"""
+
+
+def test_an_undecorated_base_method_reads_the_states_values(write_module: Loader) -> None:
+    """A helper of an undecorated base that walks ``vars(self)`` sees the
+    states' values on a decorated subclass (its copy is rewritten with the
+    subclass), eagerly, in f, under jit and after freeze."""
+    plain, dec = pair(write_module, BASE_SOURCE)
+    calls = [("__call__", (X1,)), ("buffers", ()), ("num_arrays", ()), ("l2", ()),
+             ("__call__", (X1,)), ("buffers", ())]
+    check(plain, dec, "Net()", calls)
+
+
+def test_the_undecorated_base_itself_is_left_as_written(write_module: Loader) -> None:
+    plain, dec = pair(write_module, BASE_SOURCE)
+    base_fn = vars(dec.Module)["buffers"]
+    dec.Net()  # decorates Net (the first use)
+    assert vars(dec.Module)["buffers"] is base_fn
+    assert "buffers" not in vars(dec.Middle)
+    child = dec.PlainChild()
+    assert_same(plain.PlainChild().buffers(), child.buffers())
+    assert child.num_arrays() == 1

@@ -260,3 +260,50 @@ def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
     out, new_states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     np.testing.assert_allclose(out, jnp.ones(2))
     assert all(float(v) == 1.0 for v in new_states.values())
+
+
+def test_iter_tree_and_map_tree_reach_the_same_states_through_every_holder() -> None:
+    """The family of hunt 10's stored-callable bug: ``functionalize()`` named
+    states through ``map_tree`` (which follows bound methods and closures)
+    while ``f`` checked the states dict against ``iter_tree`` (which did not).
+    Both walks must reach every state by the same path, whatever holds the
+    sub-model: an attribute, a container, a bound method, a closure."""
+    import weakref
+
+    import autostate
+
+    @autostate.stateful
+    class Counter:
+        def __init__(self):
+            self.n = jnp.zeros(())
+
+        def __call__(self, x):
+            self.n = self.n + x
+            return self.n
+
+    @autostate.stateful
+    class Holder:
+        def __init__(self):
+            a, b, c, d, e = Counter(), Counter(), Counter(), Counter(), Counter()
+            self.sub = a
+            self.method = b.__call__
+            self.closure = lambda x: c(x)
+            self.in_list = [d.__call__]
+            self.in_dict = {"k": e.__call__}
+            self.keep = e  # also reachable as an attribute, after the dict
+            self.ref = weakref.ref(a)
+
+        def __call__(self, x):
+            out = self.sub(x) + self.method(x) + self.closure(x)
+            return out + self.in_list[0](x) + self.in_dict["k"](x)
+
+    model = Holder()
+    f, states = model.functionalize()
+    assert f.state_names() == frozenset(states)
+    assert len(states) == 5
+    out, new = f(states, 1.0)
+    assert float(out) == 5.0
+    out, new = jax.jit(lambda s, x: f(s, x))(new, 1.0)
+    assert float(out) == 10.0
+    frozen = autostate.freeze(f, new)
+    assert float(frozen(1.0)) == 15.0

@@ -77,6 +77,8 @@ def decide_class(
     **Returns:** ``(decision, slots)``; ``slots`` say where each function
     lives, so the caller can install the rewritten ones.
     """
+    user_bases = _undecorated_user_bases(cls, is_decorated)
+    _copy_dict_readers(cls, user_bases)
     slots = source.find_methods(cls)
     if previous is not None:
         slots = [
@@ -86,7 +88,6 @@ def decide_class(
     _check_layout(cls)
     inherited = frozenset().union(*(b.state for b in bases))
     inherited_init = frozenset().union(*(b.initialized for b in bases))
-    user_bases = _undecorated_user_bases(cls, is_decorated)
     class_defaults = _class_defaults(cls).union(*(b.defaults for b in bases))
     # Everything the decision depends on besides the class's own files: the
     # options, what decorated bases decided, every base (and its properties),
@@ -259,6 +260,48 @@ def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> 
             continue
         bases.append(base)
     return bases
+
+
+def _copy_dict_readers(cls: type, user_bases: list[type]) -> None:
+    """Puts into ``cls``'s dict each method of an undecorated user base that
+    reads an instance dict (``vars(self)``, ``self.__dict__``) and that
+    ``cls`` would run: it is then rewritten and installed as one of ``cls``'s
+    own (assigned) functions, so it reads the states' values, as the same
+    method written in ``cls`` does. The base keeps its function; other
+    subclasses of it are unchanged. Dunder methods stay where they are (a
+    base's ``__setattr__`` / ``__getattr__`` is wrapped, not rewritten).
+    """
+    for base in user_bases:
+        for name, fn in list(vars(base).items()):
+            if type(fn) is not types.FunctionType or is_dunder(name):
+                continue
+            if _found_in_mro(cls, name) is not fn:
+                continue  # overridden nearer to cls (or copied already)
+            text = _function_text(fn)
+            if text is not None and _reads_instance_dict(text):
+                setattr(cls, name, fn)
+
+
+def _found_in_mro(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return None
+
+
+def _function_text(fn: types.FunctionType) -> str | None:
+    """The source block of ``fn`` (``None`` if it cannot be read)."""
+    import inspect
+    import tokenize
+
+    code = fn.__code__
+    lines = source.source_lines(code.co_filename)
+    if not lines or code.co_firstlineno > len(lines):
+        return None
+    try:
+        return "".join(inspect.getblock(lines[code.co_firstlineno - 1 :]))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return None
 
 
 def _base_facts(base: type) -> list[analysis.MethodFacts]:
