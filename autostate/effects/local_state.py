@@ -255,6 +255,7 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
             f"State {name!r} was assigned a JAX tracer on a model that is not "
             "functionalized and was built outside the current jax.jit/grad/vmap "
             "trace: the model would keep a value that only exists inside that trace.",
+            where=user_location(),
             fix="call `f, states = model.functionalize()` and use "
             "`out, states = f(states, ...)` inside the transformation, build the "
             "model inside it (values created while it is built are its initial "
