@@ -13,14 +13,25 @@ import os
 import sys
 import sysconfig
 import traceback
+from typing import Any
 
 
 class AutostateError(Exception):
     """Base class of every error autostate raises on purpose."""
 
 
-def format_error(what: str, *, where: str | None = None, fix: str | None = None) -> str:
-    """Builds the "what / where / fix" message every autostate error uses."""
+_USER_LINE: Any = object()  # format_error's default: the user's innermost line
+
+
+def format_error(what: str, *, where: str | None = _USER_LINE, fix: str | None = None) -> str:
+    """Builds the "what / where / fix" message every autostate error uses.
+
+    ``where`` is the ``file:line`` the error is about; by default the line of
+    the user's code that led here (``user_location``), so that every error
+    names one; ``None`` for none.
+    """
+    if where is _USER_LINE:
+        where = user_location()
     parts = [what]
     if where:
         parts.append(f"  at {where}")

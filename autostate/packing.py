@@ -105,7 +105,11 @@ class Layout:
         return buffers, loose
 
     def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
-        """The leaves again: slices of the buffers, reshaped, and the loose leaves in place."""
+        """The leaves again: slices of the buffers, reshaped, and the loose leaves in place.
+
+        A buffer with leading axes (packed states returned by ``jax.vmap``, one
+        row per example) gives leaves with the same leading axes.
+        """
         leaves = []
         it = iter(loose)
         for slot in self.slots:
@@ -114,7 +118,9 @@ class Layout:
                 continue
             b, offset, shape = slot
             size = int(np.prod(shape, dtype=np.int64))
-            leaves.append(jnp.reshape(buffers[b][offset : offset + size], shape))
+            buffer = buffers[b]
+            lead = tuple(jnp.shape(buffer)[:-1])
+            leaves.append(jnp.reshape(buffer[..., offset : offset + size], (*lead, *shape)))
         return leaves
 
     def __hash__(self) -> int:

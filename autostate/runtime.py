@@ -579,6 +579,8 @@ class InstanceDict(dict):
 
     # reads: live, each state's value
     def __getitem__(self, key: Any) -> Any:
+        if key in _HIDDEN_KEYS:
+            raise KeyError(key)
         value = self._obj.__dict__[key]
         return value.read() if is_slot(value) else value
 
@@ -588,17 +590,20 @@ class InstanceDict(dict):
         except KeyError:
             return default
 
+    def _keys(self) -> list[Any]:
+        return [k for k in self._obj.__dict__ if k not in _HIDDEN_KEYS]
+
     def __iter__(self) -> Any:
-        return iter(list(self._obj.__dict__))
+        return iter(self._keys())
 
     def __reversed__(self) -> Any:
-        return reversed(list(self._obj.__dict__))
+        return reversed(self._keys())
 
     def __len__(self) -> int:
-        return len(self._obj.__dict__)
+        return len(self._keys())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._obj.__dict__
+        return key in self._obj.__dict__ and key not in _HIDDEN_KEYS
 
     def keys(self) -> Any:
         return collections.abc.KeysView(self)
@@ -674,6 +679,11 @@ class InstanceDict(dict):
     def clear(self) -> None:
         for key in list(self):
             del self[key]
+
+
+# What autostate itself keeps in an instance dict (sharding annotations): not
+# in plain Python's dict, so not in the view.
+_HIDDEN_KEYS = frozenset({_sharding.ANNOTATIONS})
 
 
 def _flatten_instance_dict(d: InstanceDict) -> tuple[list[Any], tuple[Any, ...]]:
