@@ -34,7 +34,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p autostate
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto  # one worker per core (pytest-xdist)
 
 # The documentation site, strict: a warning (a broken link, a missing page, a
 # docstring that does not render) fails the build. Output: site/.
