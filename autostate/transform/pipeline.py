@@ -275,11 +275,19 @@ def _copy_dict_readers(cls: type, user_bases: list[type]) -> None:
         for name, fn in list(vars(base).items()):
             if type(fn) is not types.FunctionType or is_dunder(name):
                 continue
-            if _found_in_mro(cls, name) is not fn:
-                continue  # overridden nearer to cls (or copied already)
+            if not _names_instance_dict(fn.__code__) or _found_in_mro(cls, name) is not fn:
+                continue  # (or overridden nearer to cls, or copied already)
             text = _function_text(fn)
             if text is not None and _reads_instance_dict(text):
                 setattr(cls, name, fn)
+
+
+def _names_instance_dict(code: types.CodeType) -> bool:
+    """Whether ``code`` (or code nested in it) names ``vars`` or ``__dict__``: a
+    look at its names, so that a warm decoration reads no base's source."""
+    if "vars" in code.co_names or "__dict__" in code.co_names:
+        return True
+    return any(isinstance(c, types.CodeType) and _names_instance_dict(c) for c in code.co_consts)
 
 
 def _found_in_mro(cls: type, name: str) -> Any:
