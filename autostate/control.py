@@ -353,7 +353,6 @@ class _StaticInBody(StateSlot):
                 f"is assigned {shown} inside {self.what}: JAX traces that body instead of "
                 "running it once per step, so a Python value assigned there would change "
                 "once per trace, not once per step as in plain Python's loop.",
-                where=user_location(),
                 fix="keep a value that changes inside lax control flow in an array "
                 f"(`self.{self.label.rpartition('.')[2]} = jnp.asarray(...)` in __init__): "
                 "array states assigned in a lax body are threaded through it; or assign it "

@@ -66,7 +66,6 @@ from autostate.errors import (
     HostStateError,
     HostStateTypeError,
     format_error,
-    user_location,
 )
 
 __all__ = [
@@ -110,7 +109,6 @@ def _non_array_error(label: str, value: Any, what: str) -> HostStateTypeError:
             f"State {label} {what} {type(value).__name__} value {value!r:.80}; a host-fallback "
             "state must be a JAX/NumPy array or a pytree of them, because every traced read "
             "needs a fixed shape and dtype.",
-            where=user_location(),
             fix="store an array (e.g. `jnp.asarray(...)`), or keep non-array values as "
             "ordinary attributes set only in __init__.",
         )
@@ -140,7 +138,6 @@ def _extended_dtype_error(label: str, leaf: Any) -> HostStateTypeError:
         format_error(
             f"State {label} holds a {leaf.dtype} array (a typed PRNG key); host-fallback "
             "states travel through host callbacks, which carry plain dtypes only.",
-            where=user_location(),
             fix=f"keep the key's data (`self.{attr} = jax.random.key_data(key)`, and "
             "`jax.random.wrap_key_data(...)` where it is used), use a uint32 key "
             "(`jax.random.PRNGKey(seed)`), or drop fallback=\"host\" for this class.",
@@ -296,7 +293,6 @@ class _StateKey:
                 format_error(
                     f"Host state {self.label} belongs to a model that was garbage-collected, "
                     "but a compiled program still calls back into it.",
-                    where=user_location(),
                     fix="keep the model alive while calling functions traced with it.",
                 )
             )
@@ -381,7 +377,6 @@ def _read_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostState
         format_error(
             f"State {label} holds per-example values for vmap axes of sizes "
             f"{_describe_dims(dims)}, but it is read under vmap axes of sizes {axes}.",
-            where=user_location(),
             fix="read it under the vmap nesting and sizes it was written under, or "
             + _reset_hint(label)
             + ".",
@@ -394,7 +389,6 @@ def _write_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStat
         format_error(
             f"State {label} holds per-example values for vmap axes of sizes "
             f"{_describe_dims(dims)}; a write under vmap axes of sizes {axes} does not match.",
-            where=user_location(),
             fix="write it under the vmap nesting and sizes it was written under, or "
             + _reset_hint(label)
             + ".",
@@ -516,7 +510,6 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
                 f"State {entry.label} now holds values for vmap axes of sizes "
                 f"{_describe_dims(dims)}; this compiled program was traced when it held "
                 f"values for {_describe_dims(expected)}.",
-                where=user_location(),
                 fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
                 "function after changing how a state is batched, or "
                 + _reset_hint(entry.label)
@@ -701,7 +694,6 @@ def _view_batching(axis_data, vals, in_dims, *, label, dims, axes):
             format_error(
                 f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
                 "per-example values are chosen by the vmaps it was written under.",
-                where=user_location(),
                 fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
             )
         )
@@ -720,7 +712,6 @@ def _unset_error(label: str) -> HostStateError:
     return HostStateError(
         format_error(
             f"State {label} was read before it was set: it was declared with a shape only.",
-            where=user_location(),
             fix=f"assign it (`self.{attr} = value`) before the first read.",
         )
     )
@@ -799,7 +790,6 @@ def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any]
         raise HostStateChangeError(
             format_error(
                 f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
-                where=user_location(),
                 fix="a host-fallback state keeps the structure of its first value; assign "
                 "values with the same containers and keys.",
             )
@@ -811,7 +801,6 @@ def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any]
             raise HostStateChangeError(
                 format_error(
                     f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
-                    where=user_location(),
                     fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
                 )
             )
@@ -830,7 +819,6 @@ def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostState
     return HostStateChangeError(
         format_error(
             f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
-            where=user_location(),
             fix="a host-fallback state keeps the shape of its first value, because traced "
             "reads need it; keep the shape, or use the functional engine (no fallback).",
         )
@@ -931,7 +919,6 @@ class _InferenceSlot(StateSlot):
             format_error(
                 f"State {self.slot._entry().label} was set in inference mode, where host "
                 "state is read-only.",
-                where=user_location(),
                 fix="call the original model (not autostate.inference_mode(model)) to update "
                 "its state.",
             )
@@ -959,7 +946,6 @@ def inference_mode(model: Any) -> Any:
             format_error(
                 f"inference_mode expects a model with host-fallback state; "
                 f"{type(model).__name__} has none.",
-                where=user_location(),
                 fix='decorate the class with @autostate.stateful(fallback="host").',
             )
         )

@@ -736,10 +736,8 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
             if what is not None and contains_tracer(value):
                 _check_lax_body_write(obj, name, what)
         return
-    if name in _tree.info_of(obj).state:
+    if _state_or_descriptor(obj, name):
         return
-    if hasattr(type(getattr(type(obj), name, None)), "__set__"):
-        return  # a property or other data descriptor: its setter decides
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
@@ -753,17 +751,22 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
     )
 
 
+def _state_or_descriptor(obj: Any, name: str) -> bool:
+    """Whether writing ``obj.name`` is a state write, or goes through a property
+    or other data descriptor (whose setter decides): what the guard lets pass."""
+    return name in _tree.info_of(obj).state or hasattr(
+        type(getattr(type(obj), name, None)), "__set__"
+    )
+
+
 def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
-    if name in _tree.info_of(obj).state:
+    if _state_or_descriptor(obj, name):
         return
-    if hasattr(type(getattr(type(obj), name, None)), "__set__"):
-        return  # a property or other data descriptor: its setter decides
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, so a traced value assigned to it "
             f"inside {what} would stay in the model as a JAX tracer; plain Python's loop "
             "would have changed it every step.",
-            where=user_location(),
             fix=f"make it state: assign `self.{name} = ...` in a method of the class (the "
             "decorator does not see a name computed at run time, as in setattr(self, name, "
             "v), or an assignment in a helper outside the class), or declare it in __init__ "

@@ -116,7 +116,6 @@ class LostValue:
                 f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
                 "and keeps nothing a body that raises computed, so the assignment is lost "
                 "(plain Python's loop would have kept it).",
-                where=user_location(),
                 fix="let the exception end the call instead of catching it around the lax "
                 "call, or check its condition before the call; or assign the state again "
                 "before reading it.",
@@ -255,7 +254,6 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
             f"State {name!r} was assigned a JAX tracer on a model that is not "
             "functionalized and was built outside the current jax.jit/grad/vmap "
             "trace: the model would keep a value that only exists inside that trace.",
-            where=user_location(),
             fix="call `f, states = model.functionalize()` and use "
             "`out, states = f(states, ...)` inside the transformation, build the "
             "model inside it (values created while it is built are its initial "

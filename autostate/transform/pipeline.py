@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import inspect
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -275,7 +276,7 @@ def _copy_dict_readers(cls: type, user_bases: list[type]) -> None:
         for name, fn in list(vars(base).items()):
             if type(fn) is not types.FunctionType or is_dunder(name):
                 continue
-            if not _names_instance_dict(fn.__code__) or _found_in_mro(cls, name) is not fn:
+            if not _names_instance_dict(fn.__code__) or inspect.getattr_static(cls, name, None) is not fn:
                 continue  # (or overridden nearer to cls, or copied already)
             text = _function_text(fn)
             if text is not None and _reads_instance_dict(text):
@@ -290,26 +291,15 @@ def _names_instance_dict(code: types.CodeType) -> bool:
     return any(isinstance(c, types.CodeType) and _names_instance_dict(c) for c in code.co_consts)
 
 
-def _found_in_mro(cls: type, name: str) -> Any:
-    for klass in cls.__mro__:
-        if name in klass.__dict__:
-            return klass.__dict__[name]
-    return None
-
-
 def _function_text(fn: types.FunctionType) -> str | None:
     """The source block of ``fn`` (``None`` if it cannot be read)."""
-    import inspect
     import tokenize
 
-    code = fn.__code__
-    lines = source.source_lines(code.co_filename)
-    if not lines or code.co_firstlineno > len(lines):
-        return None
     try:
-        return "".join(inspect.getblock(lines[code.co_firstlineno - 1 :]))
-    except (tokenize.TokenError, SyntaxError, IndentationError):
+        block = source.read_block(fn.__code__)
+    except (tokenize.TokenError, SyntaxError):
         return None
+    return None if block is None else "".join(block)
 
 
 def _base_facts(base: type) -> list[analysis.MethodFacts]:

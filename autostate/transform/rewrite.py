@@ -102,7 +102,8 @@ class StateRewriter(cst.CSTTransformer):
         self.class_name = class_name
         self.is_init = is_init
         self._targets: set[int] = set()
-        # ``X.__dict__`` nodes assigned to (``self.__dict__ = d``): not rewritten.
+        # ``X.__dict__`` / ``vars(X)`` nodes kept as written: assigned to
+        # (``self.__dict__ = d``), or the dict so assigned (``= self.__dict__``).
         self._dict_targets: set[int] = set()
         self._fstring_quotes: list[str] = []
         # Inside a match value pattern (``case self.x:``) an attribute must stay

@@ -267,24 +267,23 @@ def source_lines(filename: str) -> list[str]:
     return linecache.getlines(filename)
 
 
-def method_source(cls: type, slot: MethodSlot) -> MethodSource:
-    """Reads the source block of one method (decorators included)."""
-    code = slot.function.__code__
+def read_block(code: types.CodeType) -> list[str] | None:
+    """The source lines of the block that starts at ``code``'s first line;
+    ``None`` when the file has none there. ``tokenize.TokenError`` /
+    ``SyntaxError`` when the lines there are no complete block."""
     lines = source_lines(code.co_filename)
     first = code.co_firstlineno
     if not lines or first > len(lines):
-        raise SourceUnavailableError(
-            format_error(
-                f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
-                f"{code.co_filename!r} has none (a class built by exec/eval or in an "
-                "interactive session without source).",
-                where=f"{code.co_filename}:{first}",
-                fix="define the class in a .py file (or a notebook cell), so its source "
-                "can be read.",
-            )
-        )
+        return None
+    return inspect.getblock(lines[first - 1 :])
+
+
+def method_source(cls: type, slot: MethodSlot) -> MethodSource:
+    """Reads the source block of one method (decorators included)."""
+    code = slot.function.__code__
+    first = code.co_firstlineno
     try:
-        block = inspect.getblock(lines[first - 1 :])
+        block = read_block(code)
     except (tokenize.TokenError, SyntaxError):
         raise DecorationError(
             format_error(
@@ -295,6 +294,17 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
                 "(reload the module after editing it).",
             )
         ) from None
+    if block is None:
+        raise SourceUnavailableError(
+            format_error(
+                f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
+                f"{code.co_filename!r} has none (a class built by exec/eval or in an "
+                "interactive session without source).",
+                where=f"{code.co_filename}:{first}",
+                fix="define the class in a .py file (or a notebook cell), so its source "
+                "can be read.",
+            )
+        )
     text = "".join(block)
     if not text.endswith("\n"):
         text += "\n"
