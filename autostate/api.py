@@ -356,7 +356,7 @@ def _ours(new: Any) -> bool:
     )
 
 
-def _subclass_of_pending(sub: type, **kwargs: Any) -> None:
+def _subclass_of_pending(sub: type, /, **kwargs: Any) -> None:
     """The ``__init_subclass__`` of a pending class: a subclass is decorated
     as the subclass hook (installed when the class completes) decorates it.
 
@@ -703,7 +703,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     ):
         own = own.__func__._autostate_own  # re-decoration: wrap what the user wrote
 
-    def __init_subclass__(sub: type, **kwargs: Any) -> None:
+    def __init_subclass__(sub: type, /, **kwargs: Any) -> None:
         if own is not None:
             own.__get__(None, sub)(**kwargs)
         else:
@@ -847,7 +847,7 @@ class Stateful:
     a category or a fallback (``@autostate.stateful(category="cache")``).
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, /, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if INFO_ATTR not in cls.__dict__ and cls not in _tree.PENDING:
             stateful(cls)

@@ -115,7 +115,9 @@ def _current(cells: Cells) -> list[Any]:
 
 def _abstract(value: Any) -> Any:
     return jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(jax.numpy.shape(leaf), jax.numpy.result_type(leaf)),
+        lambda leaf: jax.ShapeDtypeStruct(
+            jax.numpy.shape(leaf), jax.numpy.result_type(leaf), weak_type=_weak_types(leaf)[0]
+        ),
         value,
     )
 
@@ -127,9 +129,12 @@ def _type_of(value: Any) -> tuple:
     )
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, weak: bool = False) -> str:
+    """``float32[3]``, or a tree of them; ``weak`` marks weakly typed leaves ``weak float32[]``."""
     treedef, leaves = _type_of(value)
     parts = [f"{dtype}{list(shape)}" for shape, dtype in leaves]
+    if weak:
+        parts = [f"weak {p}" if w else p for p, w in zip(parts, _weak_types(value))]
     if treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef):
         return parts[0]
     return f"{treedef} of {', '.join(parts)}"
@@ -169,6 +174,76 @@ def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
                     fix="assign a value of the same shape and dtype (cast with "
                     ".astype(...), pad to a fixed size), or assign it outside the "
                     "control-flow call.",
+                )
+            )
+
+
+def _weak_types(value: Any) -> tuple[bool, ...]:
+    """Which leaves of ``value`` are weakly typed: Python scalars, ``jnp.asarray(0.0)``.
+
+    ``_type_of`` does not tell them from arrays of their dtype, since a loop carry or
+    branch output may be either; but a weak value takes the dtype of what it meets
+    (``0.0 + bfloat16`` is bfloat16) and a strong one does not, so it is part of what a
+    state means.
+    """
+
+    def weak(leaf: Any) -> bool:
+        try:
+            return bool(getattr(jax.typeof(leaf), "weak_type", False))
+        except TypeError:
+            return False
+
+    return tuple(weak(leaf) for leaf in jax.tree_util.tree_leaves(value))
+
+
+_STRONG_FIX = (
+    "give the state a strong type from the start (`jnp.float32(0.0)` or `jnp.zeros(())` "
+    "where it is first assigned, not `0.0` or `jnp.asarray(0.0)`), or assign it values "
+    "of the same kind in {where}."
+)
+
+
+def _check_weak_branches(
+    cells: Cells, outcomes: Sequence[Sequence[Any]], what: str
+) -> None:
+    """Refuses a state weakly typed after one branch of ``what`` and strongly after another.
+
+    ``outcomes[b][k]`` is state ``cells[k]`` after branch ``b``. The state
+    after the call holds one type, fixed when it is traced, while plain Python's
+    type depends on which branch runs, known only at run time.
+    """
+    for k, cell in enumerate(cells):
+        after = [branch[k] for branch in outcomes]
+        kinds = [_weak_types(value) for value in after]
+        other = next((b for b, kind in enumerate(kinds) if kind != kinds[0]), None)
+        if other is None:
+            continue
+        raise ControlFlowStateError(
+            format_error(
+                f"State {cell.name!r} is {_describe(after[0], True)} after one branch of "
+                f"{what} and {_describe(after[other], True)} after another. A weakly typed value (a "
+                "Python float, `jnp.asarray(0.0)`) takes the dtype of what it meets "
+                "(`+ bfloat16` gives bfloat16) and a strong one keeps its own; which branch "
+                "runs is known only at run time, and the state after the call has one type.",
+                fix=_STRONG_FIX.format(where="every branch"),
+            )
+        )
+
+
+def _check_weak_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
+    """Refuses a state whose weak type the body of ``what`` changes, where the number of
+    times the body runs (none included) is known only at run time."""
+    for cell, value in zip(cells, new):
+        if _weak_types(cell.value) != _weak_types(value):
+            raise ControlFlowStateError(
+                format_error(
+                    f"State {cell.name!r} is {_describe(cell.value, True)} before {what} "
+                    f"and {_describe(value, True)} after its body assigns it. A weakly "
+                    "typed value (a Python float, `jnp.asarray(0.0)`) takes the dtype of "
+                    "what it meets (`+ bfloat16` gives bfloat16) and a strong one keeps its "
+                    "own; whether the body runs at all is known only at run time, and the "
+                    "state after the loop has one type.",
+                    fix=_STRONG_FIX.format(where="the body"),
                 )
             )
 
@@ -411,6 +486,8 @@ def _scan(
     cells = running_cells()
     if not cells:
         return lax.scan(f, init, xs, **options)
+    if _scan_length(xs, options.get("length")) == 0:
+        return lax.scan(_never_run(cells, f, what), init, xs, **options)
     x_slice = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
     )
@@ -431,6 +508,36 @@ def _scan(
     for cell, value in zip(chosen, values):
         cell.value = value
     return carry, ys
+
+
+def _scan_length(xs: Any, length: int | None) -> int | None:
+    """How many times a ``lax.scan`` runs its body (always known when it is traced)."""
+    if length is not None:
+        return int(length)
+    leaves = jax.tree_util.tree_leaves(xs)
+    return int(jax.numpy.shape(leaves[0])[0]) if leaves else None
+
+
+def _never_run(cells: Cells, body: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``body`` for a loop that runs it zero times, as JAX still traces it: what it assigns
+    is dropped, so every state keeps its value and its type (a Python float stays one,
+    where a carry would come out a strong array) as after plain Python's empty loop."""
+
+    def run(*args: Any) -> Any:
+        with _bound(cells, (), (), what):
+            return body(*args)
+
+    return run
+
+
+def _static_int(value: Any) -> int | None:
+    """``value`` as an int where it is known when traced, as ``lax.fori_loop`` decides."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
@@ -465,6 +572,7 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     written, new = _writes(cells, body_fun, _abstract(init_val), what="the body of a lax.while_loop")
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "the body of a lax.while_loop")
+    _check_weak_kept(chosen, new, "a lax.while_loop")
 
     def cond(carry: tuple[Any, list[Any]]) -> Any:
         inner, values = carry
@@ -520,6 +628,10 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
     cells = running_cells()
     if not cells:
         return lax.fori_loop(lower, upper, body_fun, init_val, **options)
+    what = "the body of a lax.fori_loop"
+    low, high = _static_int(lower), _static_int(upper)
+    if low is not None and high is not None and high <= low:
+        return lax.fori_loop(lower, upper, _never_run(cells, body_fun, what), init_val, **options)
     index = jax.ShapeDtypeStruct((), jax.numpy.result_type(lower, upper))
     written, new = _writes(
         cells, body_fun, index, _abstract(init_val), what="the body of a lax.fori_loop"
@@ -528,6 +640,8 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
         return lax.fori_loop(lower, upper, body_fun, init_val, **options)
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "the body of a lax.fori_loop")
+    if low is None or high is None:
+        _check_weak_kept(chosen, new, "a lax.fori_loop with traced bounds")
 
     def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
@@ -603,6 +717,12 @@ def _branches(
     chosen = [cells[i] for i in order]
     for indices, new in news:
         _check_kept([cells[i] for i in indices], new, f"a branch of {what}")
+    before = _current(chosen)
+    _check_weak_branches(
+        chosen,
+        [[dict(zip(indices, new)).get(i, v) for i, v in zip(order, before)] for indices, new in news],
+        what,
+    )
 
     def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
         def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:

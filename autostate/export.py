@@ -89,7 +89,7 @@ def export(
     static_kwargs = {k: v for k, v in example_kwargs.items() if not _is_traced_argument(v)}
     dynamic_kwargs = {k: v for k, v in example_kwargs.items() if k not in static_kwargs}
 
-    def step(flat_states: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    def step(flat_states: dict[str, Any], /, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         given = iter(args)
         full = [a if i in static_pos else next(given) for i, a in enumerate(example_args)]
         out, new_states = call(

@@ -443,7 +443,7 @@ class FunctionalModel(Generic[M]):
         return self._children
 
     def __call__(
-        self, states: dict[str, Any], *args: Any, **kwargs: Any
+        self, states: dict[str, Any], /, *args: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]:
         return self._run(states, None, args, kwargs)
 
@@ -552,7 +552,7 @@ class FunctionalModel(Generic[M]):
                 )
             )
 
-        def call(states: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        def call(states: dict[str, Any], /, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
             return self._run(states, name, args, kwargs)
 
         call.__name__ = name

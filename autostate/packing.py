@@ -228,14 +228,14 @@ class PackedModel:
         out, new_states = method(self.f)(_unpacked_states(states), *args, **kwargs)
         return out, PackedStates.of(new_states, states.layout)
 
-    def __call__(self, states: PackedStates, *args: Any, **kwargs: Any):
+    def __call__(self, states: PackedStates, /, *args: Any, **kwargs: Any):
         return self._run(lambda f: f, states, args, kwargs)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
 
-        def call(states: PackedStates, *args: Any, **kwargs: Any):
+        def call(states: PackedStates, /, *args: Any, **kwargs: Any):
             return self._run(lambda f: getattr(f, name), states, args, kwargs)
 
         call.__name__ = name

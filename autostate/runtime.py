@@ -874,12 +874,37 @@ def _hidden_array(
         inside = True
     elif t is dict:
         items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple, dict)):
+        # A subclass (an OrderedDict, a defaultdict, a NamedTuple, a user's
+        # list): its items as the builtin's. functionalize() walks a
+        # registered pytree; any other is one leaf, shared by f and the eager
+        # model: what it holds is below a holder.
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        items = [(f"[{k!r}]" if isinstance(value, dict) else f"[{k}]", v) for k, v in pairs]
+        if not _tree.is_pytree_node(value):
+            _UNWALKED_CONTAINERS.add(t.__name__)
+            for k, v in items:
+                if _tree.is_stateful_instance(v) or isinstance(v, (jax.Array, np.ndarray)):
+                    return k, t.__name__, v
+                found = _hidden_array(v, depth + 1, seen, True)
+                if found is not None:
+                    return f"{k}{found[0]}", found[1] or t.__name__, found[2]
+            return None
+    elif t is weakref.ProxyType or t is weakref.CallableProxyType:
+        # A proxy gives no way to its referent: f's copy cannot be rebound.
+        try:
+            held = value.__class__ in _tree.STATEFUL_CLASSES
+        except ReferenceError:  # its referent is gone
+            return None
+        return ("", "weakref.proxy", value) if held else None
     elif t is types.BuiltinMethodType:
         if type(value.__self__) in _MUTABLE_HOLDERS:
             return ".__self__", "builtin method", value.__self__
         return None
-    elif t is types.MethodType or t is weakref.ReferenceType:
+    elif t is types.MethodType or t is weakref.ReferenceType or t is weakref.WeakMethod:
         target = value.__self__ if t is types.MethodType else value()
+        if t is weakref.WeakMethod:
+            target = getattr(target, "__self__", None)
         if inside and _tree.is_stateful_instance(target):
             return "", t.__name__, target
         return None
@@ -928,6 +953,8 @@ def _hidden_array(
 
 
 _SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
+# Names of the list, tuple and dict subclasses met that are no registered pytree.
+_UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()  # type: ignore[valid-type]
 _SET_NAMES = frozenset(t.__name__ for t in _SET_LIKE)
 # Containers a builtin method may change in place (``self.push = self.log.append``).
 _MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
@@ -985,6 +1012,17 @@ def check_no_hidden_arrays(model: Any) -> None:
                         "(`self.log.append(v)`), or keep a method of the model instead.",
                     )
                 )
+            if holder == "weakref.proxy":
+                raise InvalidTypeError(
+                    format_error(
+                        f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
+                        f"model (at {where}); a proxy gives no way to its model, so f's copy "
+                        "could not be pointed at f's copy of that model: calls through it "
+                        "inside f would read and write the original model instead of f's states.",
+                        fix="keep a weakref.ref(model) (call it to reach the model), which "
+                        "f's copy rebinds to itself, or the model itself.",
+                    )
+                )
             if _tree.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
@@ -993,7 +1031,13 @@ def check_no_hidden_arrays(model: Any) -> None:
                     "followed like any sub-model's), or pass the model to its methods as an "
                     "argument instead of storing it."
                 )
-                if holder in _SET_NAMES:
+                if holder in _UNWALKED_CONTAINERS:
+                    fix = (
+                        f"hold the model in a plain list, tuple or dict, or register {holder} "
+                        "as a JAX pytree (jax.tree_util.register_pytree_node), which "
+                        "functionalize() follows."
+                    )
+                elif holder in _SET_NAMES:
                     fix = (
                         "hold the model in a list, tuple or dict, which functionalize() "
                         "follows."
@@ -1231,7 +1275,7 @@ class ClassDefaultsNew:
         init = getattr(self.owner, "__init__")  # noqa: B009 - mypy refuses the attribute
         return _no_arguments if init is object.__init__ else init
 
-    def __call__(self, cls: type, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, cls: type, /, *args: Any, **kwargs: Any) -> Any:
         if self.original is object.__new__:
             if (args or kwargs) and getattr(cls, "__init__") is object.__init__:  # noqa: B009
                 raise TypeError(f"{cls.__name__}() takes no arguments")

@@ -538,6 +538,11 @@ def _flatten_one_level(node: Any):
     return [("".join(key_name(k) for k in path), child) for path, child in leaves], treedef
 
 
+def is_pytree_node(value: Any) -> bool:
+    """Whether ``value`` is a registered pytree node (a walk goes into it)."""
+    return _flatten_one_level(value)[1] is not None
+
+
 # --- the walk -------------------------------------------------------------
 
 
@@ -659,7 +664,7 @@ def iter_tree(tree: Any, is_target: Callable[[Any], bool]) -> Iterator[tuple[str
 
 
 # What may be bound to an instance of the model (see _BoundRef).
-_CALLABLES = (types.MethodType, types.FunctionType, weakref.ReferenceType)
+_CALLABLES = (types.MethodType, types.FunctionType, weakref.ReferenceType, weakref.WeakMethod)
 
 
 def holds_instance(value: Any) -> bool:
@@ -770,7 +775,8 @@ class _BoundRef:
 
     A method bound to a decorated instance (``self.act = self._gelu``), a
     function closing over one (``self.score = lambda x: self.w @ x``) or a
-    weak reference to one (``self._parent = weakref.ref(parent)``) is kept
+    weak reference to one (``self._parent = weakref.ref(parent)``, or a
+    ``weakref.WeakMethod`` of one's method) is kept
     as its function and the graph indices of those instances, so the rebuilt
     model's one reads and writes the rebuilt instances, never the original
     ones. Equal for the same code bound to the same places.
@@ -779,12 +785,12 @@ class _BoundRef:
     __slots__ = ("func", "index", "kind")
 
     def __init__(self, func: Any, index: tuple[int, ...], kind: str):
-        # A method's function, the closure itself (its other cells kept), or
-        # None for a weak reference.
+        # A method's function (a weak method's too), the closure itself (its
+        # other cells kept), or None for a weak reference.
         self.func = func
         # Per instance held: a method's one, or a closure's per cell (-1: none).
         self.index = index
-        self.kind = kind  # "method", "closure" or "weakref"
+        self.kind = kind  # "method", "closure", "weakref" or "weakmethod"
 
     def rebind(self, objs: list[Any]) -> Any:
         func = self.func
@@ -792,6 +798,8 @@ class _BoundRef:
             return types.MethodType(func, objs[self.index[0]])
         if self.kind == "weakref":
             return weakref.ref(objs[self.index[0]])
+        if self.kind == "weakmethod":
+            return weakref.WeakMethod(types.MethodType(func, objs[self.index[0]]))
         cells = tuple(
             cell if i < 0 else types.CellType(objs[i])
             for cell, i in zip(func.__closure__, self.index)
@@ -848,6 +856,10 @@ def _held_instances(value: Any) -> list[Any] | None:
     if t is weakref.ReferenceType:
         target = value()
         return [target] if type(target) in _STATEFUL_CLASSES else None
+    if t is weakref.WeakMethod:
+        method = value()
+        target = getattr(method, "__self__", None)
+        return [target] if type(target) in _STATEFUL_CLASSES else None
     if t is types.FunctionType and value.__closure__ is not None:
         held = []
         for cell in value.__closure__:
@@ -871,6 +883,8 @@ def _bound_ref(value: Any, indices: list[int]) -> _BoundRef:
         return _BoundRef(value.__func__, (indices[0],), "method")
     if type(value) is weakref.ReferenceType:
         return _BoundRef(None, (indices[0],), "weakref")
+    if type(value) is weakref.WeakMethod:
+        return _BoundRef(value().__func__, (indices[0],), "weakmethod")
     return _BoundRef(value, tuple(indices), "closure")
 
 
@@ -881,6 +895,9 @@ def _same_function(value: Any, ref: _BoundRef) -> bool:
         )
     if ref.kind == "weakref":
         return type(value) is weakref.ReferenceType
+    if ref.kind == "weakmethod":
+        method = value() if type(value) is weakref.WeakMethod else None
+        return method is not None and (method.__func__ is ref.func or method.__func__ == ref.func)
     func = ref.func
     if type(value) is not types.FunctionType or type(func) is not types.FunctionType:
         return False

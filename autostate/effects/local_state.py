@@ -936,7 +936,11 @@ def run_with_states(
                 fix="pass the dict returned by handle_local_states/functionalize.",
             )
         )
-    cells = {name: LocalStateEffectImpl(value, name) for name, value in states.items()}
+    cells = {
+        # A list or dict the call changes in place is its own copy: the
+        # caller's states (and a model sharing them) stay as they were.
+        name: LocalStateEffectImpl(_own_value(value), name) for name, value in states.items()
+    }
     outer = _ACTIVE.get()
     token = _ACTIVE.set({**outer, handler_id: cells} if outer else {handler_id: cells})
     outer_guard = _GUARDED.get()
@@ -1097,13 +1101,19 @@ def handle_local_states(
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
-        return {name: init() for name, init in initializers.items()}
+        return {name: _own_value(init()) for name, init in initializers.items()}
 
     return handler, (initial_states if lazy else initial_states())
 
 
 def _frozen_initializer(value: Any) -> Callable[[], Any]:
     return lambda: value
+
+
+def _own_value(value: Any) -> Any:
+    """``value``, its lists and dicts copied: a states dict of its own, which
+    code changing the model's list in place (a helper's ``append``) leaves alone."""
+    return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
 
 
 def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any]) -> Any:
@@ -1143,12 +1153,13 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
                     fix="pass the states dict returned by functionalize/the last call.",
                 )
             )
+        value = _own_value(states[ref.name])  # the model's own: the dict is the caller's
         if not ref.was_explicitly_named:
-            return FrozenLocalStateRequest(states[ref.name], ref.category, None)
+            return FrozenLocalStateRequest(value, ref.category, None)
         if ref.name in emitted:
             return SharedLocalStateRequest(ref.name, ref.category)
         emitted.add(ref.name)
-        return FrozenLocalStateRequest(states[ref.name], ref.category, ref.name)
+        return FrozenLocalStateRequest(value, ref.category, ref.name)
 
     return _tree.map_tree(body, replace, is_target)
 

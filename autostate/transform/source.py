@@ -196,6 +196,37 @@ def find_methods(cls: type) -> list[MethodSlot]:
                         installer(value, "", lambda aliases, new, k=kind: set_all(aliases, k(new))),
                     )
                 )
+        elif isinstance(value, functools.partialmethod):
+            fn = value.func  # type: ignore[assignment]
+            if isinstance(fn, types.FunctionType):
+                slots.append(
+                    MethodSlot(
+                        attr, attr, fn, True,
+                        installer(value, "", lambda aliases, new, p=value: set_all(
+                            aliases, functools.partialmethod(new, *p.args, **p.keywords))),
+                    )
+                )
+        elif isinstance(value, functools.cached_property):
+            fn = value.func
+            if isinstance(fn, types.FunctionType):
+                slots.append(
+                    MethodSlot(
+                        attr, attr, fn, True,
+                        installer(value, "", lambda aliases, new: _set_cached(cls, aliases, new)),
+                    )
+                )
+        elif isinstance(value, functools.singledispatchmethod):
+            # The function per registered type (``object``: the undecorated
+            # one); each rewritten one is registered again for its type.
+            for klass, fn in value.dispatcher.registry.items():
+                if isinstance(fn, types.FunctionType):
+                    key = attr if klass is object else f"{attr}[{klass.__module__}.{klass.__qualname__}]"
+                    slots.append(
+                        MethodSlot(
+                            key, attr, fn, True,
+                            installer(value, key, lambda _a, new, d=value, k=klass: _register(d, k, new)),
+                        )
+                    )
         elif isinstance(value, property):
             for part in ("fget", "fset", "fdel"):
                 fn = getattr(value, part)
@@ -222,6 +253,19 @@ def find_methods(cls: type) -> list[MethodSlot]:
             slot.foreign = not _defined_in(cls, slot.function)
             found.append(slot)
     return found
+
+
+def _set_cached(cls: type, aliases: tuple[str, ...], fn: types.FunctionType) -> None:
+    for attr in aliases:
+        prop = functools.cached_property(fn)
+        prop.__set_name__(cls, attr)
+        setattr(cls, attr, prop)
+
+
+def _register(method: functools.singledispatchmethod, klass: type, fn: types.FunctionType) -> None:
+    method.dispatcher.register(klass, fn)
+    if klass is object:
+        method.func = fn
 
 
 def _replace_property_part(
