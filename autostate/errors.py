@@ -94,15 +94,29 @@ def user_location() -> str | None:
     For errors raised at run time deep inside autostate and JAX (a control-flow
     body), so that they still say which line of the user's code they are about.
     """
-    skip = [os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]]
+    # Folders, each ending in a separator: ``.../jax/`` is not a prefix of a
+    # user's ``.../jax_md/``, nor autostate's folder of ``autostate_examples/``.
+    skip = [os.path.join(os.path.dirname(__file__), "")]
     for name in ("jax", "jaxlib"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
-            skip.append(os.path.dirname(module.__file__))  # type: ignore[arg-type, type-var]
+            skip.append(os.path.join(os.path.dirname(module.__file__), ""))  # type: ignore[arg-type, type-var]
+    stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "")
     for frame in reversed(traceback.extract_stack()):
-        if not any(frame.filename.startswith(prefix) for prefix in skip):
-            return f"{frame.filename}:{frame.lineno}"
+        filename = frame.filename
+        if any(filename.startswith(prefix) for prefix in skip):
+            continue
+        # The standard library, but not the packages installed inside it
+        # (a Python without a virtual environment keeps site-packages there).
+        if filename.startswith(stdlib) and not _installed_package(filename[len(stdlib):]):
+            continue
+        return f"{filename}:{frame.lineno}"
     return None
+
+
+def _installed_package(relative: str) -> bool:
+    top = relative.split(os.sep, 1)[0]
+    return top in ("site-packages", "dist-packages")
 
 
 def escaped_state_message(name: str, where: str | None = None) -> str:

@@ -465,3 +465,29 @@ def test_functionalized_model_under_the_same_transformations_works():
     assert float(grad) == 7.0  # d/dv sum((x + v) * v) = sum(x + 2v) at v=1
     outs, _ = jax.vmap(lambda v: f(states, v))(jnp.ones(3))
     np.testing.assert_array_equal(outs, [5.0, 5.0, 5.0])
+
+
+def test_user_location_skips_only_autostate_jax_and_the_standard_library(tmp_path, monkeypatch) -> None:
+    """A user's folder named like a skipped one (``jax_md``, ``autostate_examples``)
+    or a package installed in the standard library's site-packages is the user's."""
+    import os
+    import sysconfig
+    import traceback
+
+    from autostate import errors
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    jax_dir = os.path.dirname(jax.__file__)
+    ours = os.path.dirname(errors.__file__)
+    cases = {
+        jax_dir + "_md" + os.sep + "model.py": True,
+        ours + "_examples" + os.sep + "model.py": True,
+        os.path.join(stdlib, "site-packages", "mylib", "model.py"): True,
+        os.path.join(jax_dir, "_src", "core.py"): False,
+        os.path.join(ours, "runtime.py"): False,
+        os.path.join(stdlib, "functools.py"): False,
+    }
+    for filename, is_user in cases.items():
+        stack = traceback.StackSummary.from_list([(filename, 7, "f", "x = 1")])
+        monkeypatch.setattr(traceback, "extract_stack", lambda stack=stack: stack)
+        assert (errors.user_location() == f"{filename}:7") is is_user, filename
