@@ -34,7 +34,7 @@ from autostate.effects import (
     handler_running,
     is_running,
 )
-from autostate.effects.local_state import StateSharing
+from autostate.effects.local_state import StateSharing, states_dict
 from autostate.errors import (
     DecorationError,
     InvalidArgumentError,
@@ -764,11 +764,11 @@ def _functionalize_method(
         thunk = initial
 
         def states() -> dict[str, Any]:
-            return {**thunk(), **constants}
+            return states_dict({**thunk(), **constants})
 
     else:
         body, constants = extract_constants(handler.handler_id, handler.body, initial)
-        states = {**initial, **constants} if constants else initial
+        states = states_dict({**initial, **constants}) if constants else initial
     return FunctionalModel(handler.handler_id, body), states
 
 

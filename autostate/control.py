@@ -181,8 +181,8 @@ def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
 def _weak_types(value: Any) -> tuple[bool, ...]:
     """Which leaves of ``value`` are weakly typed: Python scalars, ``jnp.asarray(0.0)``.
 
-    ``_type_of`` does not tell them from arrays of their dtype, since a loop carry or
-    branch output may be either; but a weak value takes the dtype of what it meets
+    ``_type_of``, like JAX's check of a carry or branch output, does not tell them from
+    arrays of their dtype; but a weak value takes the dtype of what it meets
     (``0.0 + bfloat16`` is bfloat16) and a strong one does not, so it is part of what a
     state means.
     """
@@ -196,56 +196,23 @@ def _weak_types(value: Any) -> tuple[bool, ...]:
     return tuple(weak(leaf) for leaf in jax.tree_util.tree_leaves(value))
 
 
-_STRONG_FIX = (
-    "give the state a strong type from the start (`jnp.float32(0.0)` or `jnp.zeros(())` "
-    "where it is first assigned, not `0.0` or `jnp.asarray(0.0)`), or assign it values "
-    "of the same kind in {where}."
-)
+def _strong_where_mixed(outcomes: Sequence[Sequence[Any]]) -> list[bool]:
+    """Per state, whether it is weakly typed after one branch and strongly after another.
 
-
-def _check_weak_branches(
-    cells: Cells, outcomes: Sequence[Sequence[Any]], what: str
-) -> None:
-    """Refuses a state weakly typed after one branch of ``what`` and strongly after another.
-
-    ``outcomes[b][k]`` is state ``cells[k]`` after branch ``b``. The state
-    after the call holds one type, fixed when it is traced, while plain Python's
-    type depends on which branch runs, known only at run time.
+    ``outcomes[b][k]`` is state ``k`` after branch ``b``. The state after the
+    call has one type, fixed when it is traced, while plain Python's depends on
+    which branch runs: such a state comes out strong, as after the branch that
+    makes it strong (a loop carry does the same, as JAX promotes it).
     """
-    for k, cell in enumerate(cells):
-        after = [branch[k] for branch in outcomes]
-        kinds = [_weak_types(value) for value in after]
-        other = next((b for b, kind in enumerate(kinds) if kind != kinds[0]), None)
-        if other is None:
-            continue
-        raise ControlFlowStateError(
-            format_error(
-                f"State {cell.name!r} is {_describe(after[0], True)} after one branch of "
-                f"{what} and {_describe(after[other], True)} after another. A weakly typed value (a "
-                "Python float, `jnp.asarray(0.0)`) takes the dtype of what it meets "
-                "(`+ bfloat16` gives bfloat16) and a strong one keeps its own; which branch "
-                "runs is known only at run time, and the state after the call has one type.",
-                fix=_STRONG_FIX.format(where="every branch"),
-            )
-        )
+    kinds = [[_weak_types(value) for value in branch] for branch in outcomes]
+    return [len({branch[k] for branch in kinds}) > 1 for k in range(len(outcomes[0]))]
 
 
-def _check_weak_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
-    """Refuses a state whose weak type the body of ``what`` changes, where the number of
-    times the body runs (none included) is known only at run time."""
-    for cell, value in zip(cells, new):
-        if _weak_types(cell.value) != _weak_types(value):
-            raise ControlFlowStateError(
-                format_error(
-                    f"State {cell.name!r} is {_describe(cell.value, True)} before {what} "
-                    f"and {_describe(value, True)} after its body assigns it. A weakly "
-                    "typed value (a Python float, `jnp.asarray(0.0)`) takes the dtype of "
-                    "what it meets (`+ bfloat16` gives bfloat16) and a strong one keeps its "
-                    "own; whether the body runs at all is known only at run time, and the "
-                    "state after the loop has one type.",
-                    fix=_STRONG_FIX.format(where="the body"),
-                )
-            )
+def _strong(value: Any) -> Any:
+    """``value`` with its weakly typed leaves made strong, of the same dtype."""
+    return jax.tree_util.tree_map(
+        lambda leaf: lax.convert_element_type(leaf, jax.numpy.result_type(leaf)), value
+    )
 
 
 def _check_untouched(cells: Cells, before: Sequence[Any], chosen: Cells, what: str) -> None:
@@ -572,7 +539,6 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     written, new = _writes(cells, body_fun, _abstract(init_val), what="the body of a lax.while_loop")
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "the body of a lax.while_loop")
-    _check_weak_kept(chosen, new, "a lax.while_loop")
 
     def cond(carry: tuple[Any, list[Any]]) -> Any:
         inner, values = carry
@@ -640,8 +606,6 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
         return lax.fori_loop(lower, upper, body_fun, init_val, **options)
     chosen = [cells[i] for i in written]
     _check_kept(chosen, new, "the body of a lax.fori_loop")
-    if low is None or high is None:
-        _check_weak_kept(chosen, new, "a lax.fori_loop with traced bounds")
 
     def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
@@ -718,18 +682,18 @@ def _branches(
     for indices, new in news:
         _check_kept([cells[i] for i in indices], new, f"a branch of {what}")
     before = _current(chosen)
-    _check_weak_branches(
-        chosen,
-        [[dict(zip(indices, new)).get(i, v) for i, v in zip(order, before)] for indices, new in news],
-        what,
-    )
+    outcomes = [
+        [dict(zip(indices, new)).get(i, value) for i, value in zip(order, before)]
+        for indices, new in news
+    ]
+    strong = _strong_where_mixed(outcomes)
 
     def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
         def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
             with _bound(cells, chosen, values, f"a branch of {what}"):
                 out = branch(*inner)
                 values = _current(chosen)
-            return out, values
+            return out, [_strong(v) if s else v for v, s in zip(values, strong)]
 
         return run
 

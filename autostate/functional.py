@@ -540,6 +540,17 @@ class FunctionalModel(Generic[M]):
                 raise AttributeError(name)
         model = self.model
         method = getattr(type(model), name, None)
+        if method is None:
+            # A callable the instance holds (``model.forward = types.MethodType(fn,
+            # model)``, PyTorch's way of replacing one model's method): called as
+            # plain Python calls ``model.forward(...)``, on f's copy.
+            held = model.__dict__.get(name)
+            if (
+                callable(held)
+                and not isinstance(held, (StateSlot, type))
+                and not _tree.is_stateful_instance(held)  # a sub-model is no method
+            ):
+                method = held
         if name.startswith("_") and (method is None or not callable(method)):
             # A private name the class has no method for (``_repr_html_``
             # probed by a notebook): not found, as plain attribute lookup says.

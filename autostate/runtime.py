@@ -954,7 +954,7 @@ def _hidden_array(
 
 _SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
 # Names of the list, tuple and dict subclasses met that are no registered pytree.
-_UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()  # type: ignore[valid-type]
+_UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()
 _SET_NAMES = frozenset(t.__name__ for t in _SET_LIKE)
 # Containers a builtin method may change in place (``self.push = self.log.append``).
 _MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
@@ -1317,4 +1317,4 @@ def install_class_defaults(cls: type, names: frozenset[str]) -> None:
     _CLASS_DEFAULTS[cls] = filled
     current = cls.__new__
     if not isinstance(current, ClassDefaultsNew):
-        cls.__new__ = staticmethod(ClassDefaultsNew(cls, current))  # type: ignore[assignment]
+        cls.__new__ = staticmethod(ClassDefaultsNew(cls, current))  # type: ignore[method-assign]

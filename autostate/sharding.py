@@ -37,6 +37,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
+from autostate.effects.local_state import (
+    States,
+    holds_static_values,
+    join_static_values,
+    split_static_values,
+)
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import FunctionalModel
 
@@ -240,10 +246,17 @@ def _state_specs(resolved: _Resolved, states: Mapping[str, Any]) -> dict[str, An
                 fix="call `f, states = model.functionalize()` and pass both.",
             )
         )
-    return {
-        name: _broadcast(resolved.by_state.get(name, PartitionSpec()), value, repr(name))
-        for name, value in states.items()
-    }
+    specs = {}
+    for name, value in states.items():
+        spec = resolved.by_state.get(name, PartitionSpec())
+        if holds_static_values(value):
+            # Its Python values are structure (see ``States``): the specs keep
+            # them in their places, so the two trees have one structure.
+            stripped, static = split_static_values(value)
+            specs[name] = join_static_values(_broadcast(spec, stripped, repr(name)), static)
+        else:
+            specs[name] = _broadcast(spec, value, repr(name))
+    return States(specs) if isinstance(states, States) else specs
 
 
 def partition_specs(

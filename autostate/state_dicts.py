@@ -26,13 +26,16 @@ import numpy as np
 from autostate import api as _api
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
+from autostate.effects.local_state import is_static_value, states_dict
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 
 # state name -> (treedef of its value, the flat keys of its leaves)
-_Layout = list[tuple[str, Any, list[str]]]
+# Per state: its name, treedef, the flat keys of its leaves, and the Python
+# values (bools, ints, strings, enums) among them, by key: structure, not data.
+_Layout = list[tuple[str, Any, list[str], dict[str, Any]]]
 
 
 # --- the flat view of a model ------------------------------------------------
@@ -84,7 +87,10 @@ def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
             keyed = [
                 (name + "".join(_tree.key_name(k) for k in path), leaf) for path, leaf in leaves
             ]
+        statics = {key: leaf for key, leaf in keyed if is_static_value(leaf)}
         for key, leaf in keyed:
+            if key in statics:
+                continue
             if key in flat:
                 raise StateDictError(
                     format_error(
@@ -94,15 +100,17 @@ def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
                     )
                 )
             flat[key] = leaf
-        layout.append((name, treedef, [key for key, _ in keyed]))
+        layout.append((name, treedef, [key for key, _ in keyed], statics))
     return flat, layout
 
 
 def unflatten_states(layout: _Layout, flat: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        name: jax.tree_util.tree_unflatten(treedef, [flat[key] for key in keys])
-        for name, treedef, keys in layout
-    }
+    return states_dict({
+        name: jax.tree_util.tree_unflatten(
+            treedef, [statics[key] if key in statics else flat[key] for key in keys]
+        )
+        for name, treedef, keys, statics in layout
+    })
 
 
 def _as_array(value: Any, kind: str, key: str) -> Any:

@@ -884,7 +884,8 @@ def _bound_ref(value: Any, indices: list[int]) -> _BoundRef:
     if type(value) is weakref.ReferenceType:
         return _BoundRef(None, (indices[0],), "weakref")
     if type(value) is weakref.WeakMethod:
-        return _BoundRef(value().__func__, (indices[0],), "weakmethod")
+        method: Any = value()  # alive: it was found bound to an instance
+        return _BoundRef(method.__func__, (indices[0],), "weakmethod")
     return _BoundRef(value, tuple(indices), "closure")
 
 

@@ -441,25 +441,11 @@ def test_tuple_of_ints_state_eagerly_and_through_f(write_module: Loader) -> None
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: a Python int inside a tuple state is a leaf of `states`, traced under jit: "
-    "`jnp.zeros(self.shape)` in the jitted f raises JAX's 'Shapes must be 1D sequences of "
-    "concrete values' TypeError (plain Python and eager f work; the docs say Python values "
-    "wherever they sit in the model are static)",
-)
 def test_tuple_of_ints_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Shaped()", [("eager", [("grow", ())]), ("jit", [("__call__", (X1,))])])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: an int inside a tuple state assigned in a jitted f comes back as a weak "
-    "int32 Array, so the frozen model holds `(Array(3),)` where plain Python holds `(3,)`",
-)
 def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     ref = plain.Shaped()
@@ -470,13 +456,6 @@ def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: L
     assert_typed(attrs(ref), attrs(frozen), "frozen after a jitted grow")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: a str inside a dict state is a leaf of `states`, so `jax.jit(f)(states, x)` "
-    "raises JAX's 'Error interpreting argument ... as an abstract array' for "
-    "states['cfg']['name'] (plain Python and eager f work)",
-)
 def test_str_inside_a_dict_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Tagged()", [("jit", [("__call__", (X1,)), ("__call__", (X2,))])])
@@ -489,12 +468,6 @@ def test_str_inside_a_dict_state_eagerly_and_through_f(write_module: Loader) -> 
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: an enum member inside a tuple state is a leaf of `states`, so the jitted f "
-    "raises JAX's 'Error interpreting argument ... as an abstract array' for states['both'][0]",
-)
 def test_enum_inside_a_tuple_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Moded()", [("jit", [("__call__", (X1,))])])
@@ -1031,27 +1004,11 @@ class Acc:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a Python-float state written (strong float32) in one lax.cond branch and "
-    "left alone in the other comes out weak-typed whichever branch ran: plain Python gives "
-    "float32, so `self.total + bf16` is float32 1.6000977 in plain Python and bfloat16 "
-    "1.60156 decorated (eager, f and jit); the types differ between branches, which the "
-    "docs make a ControlFlowStateError",
-)
 def test_state_weak_in_one_cond_branch_strong_in_the_other(write_module: Loader) -> None:
     plain, dec = pair(write_module, WEAKFLOW)
     lifecycle(plain, dec, "Acc()", [("eager", [("add_if_positive", (X1,))])])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a lax.scan over zero elements still turns a Python-float state into a "
-    "strong float32 array: plain Python's loop leaves 0.0 a float, so `self.total + bf16` "
-    "is bfloat16 in plain Python and float32 decorated",
-)
 def test_zero_trip_scan_leaves_a_python_float_state_alone(write_module: Loader) -> None:
     plain, dec = pair(write_module, WEAKFLOW)
     lifecycle(plain, dec, "Acc()", [("eager", [("add_all", (jnp.zeros((0,)),))])])

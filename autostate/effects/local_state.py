@@ -303,6 +303,120 @@ def is_static_value(value: Any) -> bool:
 _STATIC_STATE_TYPES = (bool, int, str, type(None))
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def holds_static_values(value: Any) -> bool:
+    """Whether a container state value holds a Python bool, int, str or enum member.
+
+    A state whose whole value is one Python number stays a leaf: an array
+    state assigned a number (``self.count = 0`` after ``jnp.zeros(())``)
+    keeps the meaning a number has under ``jax.jit``.
+    """
+    t = type(value)
+    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+        return False
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return False
+    return any(map(is_static_value, leaves))
+
+
+def split_static_values(value: Any) -> tuple[Any, Any]:
+    """``value`` with its Python values replaced by None, and what puts them back.
+
+    The treedef counts None as a leaf, so the Python values' positions are
+    positions of the stripped value too, whatever JAX later puts at the
+    others (tracers, ``None`` axes, specs).
+    """
+    positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_none)
+    held = tuple(
+        (i, _static_key(leaf))
+        for i, leaf in enumerate(positions)
+        if leaf is not None and is_static_value(leaf)
+    )
+    for i, _ in held:
+        positions[i] = None
+    return jax.tree_util.tree_unflatten(treedef, positions), (treedef, held)
+
+
+def join_static_values(stripped: Any, static: Any) -> Any:
+    treedef, held = static
+    positions = treedef.flatten_up_to(stripped)
+    for i, key in held:
+        positions[i] = key[1]
+    return jax.tree_util.tree_unflatten(treedef, positions)
+
+
+class States(dict):
+    """A states dict whose container states hold Python values, kept as structure.
+
+    ``self.shape = (2,)`` or ``self.cfg = {"m": jnp.zeros(2), "name": "relu"}``:
+    Python bools, ints, strings and enum members inside a state's container
+    are structure, as they are everywhere else in a model. This dict's pytree
+    flatten keeps them in its aux data; only arrays (and Python floats) are
+    leaves. So ``jax.jit(f)(states, x)`` sees ``(2,)`` as Python ints (one
+    trace per value, as for a static state), and a call that assigns ``(3,)``
+    returns Python ints, as plain Python does.
+
+    Example::
+
+        f, states = Shaped().functionalize()   # states: {'shape': (2,), ...}
+        _, states = jax.jit(f.grow)(states)    # states['shape'] == (3,)
+
+    Otherwise it is a plain dict; ``functionalize`` and ``f`` return one only
+    when some state needs it (``states_dict``).
+    """
+
+    __slots__ = ()
+
+    def copy(self) -> States:
+        return States(self)
+
+
+def states_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as the states dict ``f`` takes: a ``States`` when a
+    container state holds Python values, else ``values`` itself."""
+    for value in values.values():
+        if type(value) not in _CONCRETE_LEAF_TYPES and holds_static_values(value):
+            return States(values)
+    return values
+
+
+def _flatten_states(states: States) -> tuple[list[tuple[Any, Any]], tuple]:
+    keyed = []
+    statics = []
+    for name, value in dict.items(states):
+        static = None
+        if holds_static_values(value):
+            value, static = split_static_values(value)
+        keyed.append((jax.tree_util.DictKey(name), value))
+        statics.append(static)
+    return keyed, (tuple(states), tuple(statics))
+
+
+def _flatten_states_unkeyed(states: States) -> tuple[list[Any], tuple]:
+    keyed, aux = _flatten_states(states)
+    return [value for _, value in keyed], aux
+
+
+def _unflatten_states(aux: tuple, children: Any) -> States:
+    names, statics = aux
+    new = States()
+    for name, child, static in zip(names, children, statics):
+        dict.__setitem__(new, name, child if static is None else join_static_values(child, static))
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    States,
+    _flatten_states,
+    _unflatten_states,
+    _flatten_states_unkeyed,
+)
+
+
 def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
     # Mirrors penzai v1, where the effect methods of an unhandled request raise.
     label = repr(request.name) if request.name is not None else "(unnamed)"
@@ -550,11 +664,28 @@ class FrozenLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
+def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
+    # Python values inside a container state are structure here as in a
+    # states dict (``States``): a model passed to ``jax.jit`` keeps them.
+    if type(r.state) not in _CONCRETE_LEAF_TYPES and holds_static_values(r.state):
+        state, static = split_static_values(r.state)
+        return (state,), (r.category, r.name, static)
+    return (r.state,), (r.category, r.name, None)
+
+
+def _flatten_frozen_with_keys(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
+    (state,), aux = _flatten_frozen(r)
+    return ((jax.tree_util.GetAttrKey("state"), state),), aux
+
+
+def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
+    category, name, static = aux
+    state = children[0] if static is None else join_static_values(children[0], static)
+    return FrozenLocalStateRequest(state, category, name)
+
+
 jax.tree_util.register_pytree_with_keys(
-    FrozenLocalStateRequest,
-    lambda r: (((jax.tree_util.GetAttrKey("state"), r.state),), (r.category, r.name)),
-    lambda aux, children: FrozenLocalStateRequest(children[0], *aux),  # type: ignore[index]
-    lambda r: ((r.state,), (r.category, r.name)),
+    FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
 )
 _tree.register_dynamic_type(FrozenLocalStateRequest)
 
@@ -950,7 +1081,7 @@ def run_with_states(
     finally:
         _GUARDED.reset(guard_token)
         _ACTIVE.reset(token)
-    return result, {name: cell.value for name, cell in cells.items()}
+    return result, states_dict({name: cell.value for name, cell in cells.items()})
 
 
 def _category_predicate(
@@ -1101,7 +1232,7 @@ def handle_local_states(
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
-        return {name: _own_value(init()) for name, init in initializers.items()}
+        return states_dict({name: _own_value(init()) for name, init in initializers.items()})
 
     return handler, (initial_states if lazy else initial_states())
 
