@@ -405,7 +405,13 @@ def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> boo
         _check_installable(slots, decision)
     except DecorationError as error:
         field = getattr(error, "uninitialized", None)
-        if "__init__" in own or field not in own.get("__annotations__", {}):
+        if "__init__" in own or (
+            field not in own.get("__annotations__", {})
+            # A state ``__post_init__`` sets: the ``__init__`` that calls it
+            # is one ``@dataclass`` (above ``@stateful``, or on a subclass
+            # of a decorated class) has not written yet.
+            and not (field is not None and "__post_init__" in own)
+        ):
             raise
         return False
     return True

@@ -230,6 +230,9 @@ def read_state(obj: Any, name: str) -> Any:
         default = _class_value(type(obj), name)
         if default is not _MISSING:
             return default  # a static class-level default (see install_class_defaults)
+        if name not in _tree.info_of(obj).state:
+            # Code rewritten for another class (see store_state): the plain read.
+            return getattr(obj, name)
         raise StateAccessError(
             format_error(
                 f"{type(obj).__name__!r} object has no state {name!r} yet.",
@@ -302,6 +305,13 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
             _learn_concrete_array(value)
     else:
+        if name not in _tree.info_of(obj).state:
+            # Code rewritten for another class, running on this instance (a
+            # method borrowed from a decorated class: ``forward = Donor.forward``):
+            # for this class ``name`` is no state, and the write means what
+            # the plain attribute assignment means (the guard included).
+            setattr(obj, name, value)
+            return
         if slot is _MISSING and is_guarded(obj):
             default = _class_value(type(obj), name)
             if default is not _MISSING:

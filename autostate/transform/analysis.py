@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import re
 import tokenize
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
-from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource, is_dunder
+from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource, is_dunder, mangle
 
 # Methods that mutate a container in place; calling one on state would change
 # the value behind the effect system's back.
@@ -58,6 +59,8 @@ class MethodFacts:
     reflective: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     mutating_calls: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     rebinds: list[int] = dataclasses.field(default_factory=list)
+    # Methods called through the receiver (``self.m()``) or taken from the
+    # class (``type(self).m``, ``self.__class__.m``, ``Cls.m``).
     self_calls: set[str] = dataclasses.field(default_factory=set)
     declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     # Dotted names called (or passed to a call, or used as a decorator): the
@@ -83,56 +86,89 @@ class ClassAnalysis:
     initialized: frozenset[str] = frozenset()
 
 
-def mangle(class_name: str, attr: str) -> str:
-    """Python's private-name mangling of ``attr`` inside ``class_name``."""
-    if not attr.startswith("__") or attr.endswith("__"):
-        return attr
-    stripped = class_name.lstrip("_")
-    return f"_{stripped}{attr}" if stripped else attr
-
-
 def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     """Source to parse and compile for one method, and its line shift.
 
     The method text sits inside ``class <Name>:`` (so the compiler mangles
     private names as in the original class) and a function whose parameters
     are the method's free variables (so they compile as closure variables).
-    Line ``n`` of the text is line ``n + shift`` of the user's file. No blank
-    lines pad it to its place: libcst would parse them, and decoration would
-    slow down with the class's line number (``loader.compile_method`` pads
-    for the compiler, which skips them for free).
+    That function declares ``global`` the names ``source.global_names`` (the
+    method's own name, when its code reads a global of that name): in the
+    class body the ``def`` binds a class attribute, which the method's code
+    cannot see, so the ``relu`` that ``def relu(self, x): return relu(x)``
+    calls is the module's; a local of the wrapper function would make it a
+    closure variable instead. Line ``n`` of the text is line ``n + shift`` of
+    the user's file. No blank lines pad it to its place: libcst would parse
+    them, and decoration would slow down with the class's line number
+    (``loader.compile_method`` pads for the compiler, which skips them for
+    free).
     """
+    text, indent = _space_indented(source.text)
     params = ", ".join((*source.freevars, RUNTIME_NAME))
     header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
-    return header + _space_indented(source.text), source.first_line - 3
+    names = [n for n in source.global_names if n.isidentifier() and n not in source.freevars]
+    if names:
+        header += f"{indent}global {', '.join(names)}\n"
+    return header + text, source.first_line - 1 - header.count("\n")
 
 
 _STRING_TOKENS = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+_NOT_CODE = {tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+_LEADING = re.compile(r"[ \t\f]*")
 
 
-def _space_indented(text: str) -> str:
-    """``text`` with a tab-based method indentation replaced by two spaces.
+def _column(indent: str) -> int:
+    """The column the tokenizer gives ``indent`` (tabs to multiples of 8, a
+    form feed back to 0)."""
+    column = 0
+    for char in indent:
+        column = 0 if char == "\f" else (column // 8 + 1) * 8 if char == "\t" else column + 1
+    return column
 
-    The one-space wrapper header cannot sit above a tab-indented method (the
-    tokenizer rejects the mix), nor above a function written at module level
-    (assigned in the class body), so the function's own leading indentation
-    becomes spaces; lines that continue a multi-line string keep theirs.
+
+def _space_indented(text: str) -> tuple[str, str]:
+    """``text`` indented so that it nests under the one-space wrapper header,
+    and the indentation of its first line there.
+
+    A method indented by spaces, two or more, is left as written. Any other
+    indentation (one space, tabs, a form feed in front, none for a function
+    written at module level and assigned in the class body) cannot sit under
+    the header: the tokenizer rejects the mix or finds no deeper block, and
+    libcst's rejects form feeds. Then every logical line's indentation becomes
+    spaces, as many as its column is deeper than the first line's, plus two
+    (columns as the tokenizer counts them, so the blocks nest as in the
+    file); continuation lines and lines inside multi-line strings keep theirs.
     """
-    indent = text[: len(text) - len(text.lstrip(" \t"))]
-    if indent and "\t" not in indent:
-        return text
+    indent = _LEADING.match(text).group()  # type: ignore[union-attr]
+    if "\f" not in text and len(indent) >= 2 and not indent.strip(" "):
+        return text, indent
     in_string: set[int] = set()
+    starts: set[int] = set()
+    new_line = True
     try:
         for token in tokenize.generate_tokens(io.StringIO(text).readline):
             if token.start[0] != token.end[0] and token.type in _STRING_TOKENS:
                 in_string.update(range(token.start[0] + 1, token.end[0] + 1))
+            if token.type == tokenize.NEWLINE:
+                new_line = True
+            elif new_line and token.type not in _NOT_CODE:
+                starts.add(token.start[0])
+                new_line = False
     except (tokenize.TokenError, SyntaxError):
-        return text
+        return text, indent
+    base = _column(indent)
+    after_feed = indent.rpartition("\f")[2]
+    width = base if base >= 2 and not after_feed.strip(" ") else 2
     lines = text.splitlines(keepends=True)
     for number, line in enumerate(lines, start=1):
-        if number not in in_string and line.startswith(indent) and line.strip():
-            lines[number - 1] = "  " + line[len(indent) :]
-    return "".join(lines)
+        if number in in_string:
+            continue
+        leading = _LEADING.match(line).group()  # type: ignore[union-attr]
+        if number in starts:
+            lines[number - 1] = " " * (_column(leading) - base + width) + line[len(leading) :]
+        elif "\f" in leading:
+            lines[number - 1] = leading.rpartition("\f")[2] + line[len(leading) :]
+    return "".join(lines), " " * width
 
 
 def _location(source: MethodSource, line: int, shift: int) -> str:
@@ -163,7 +199,8 @@ def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.
 def _method_node(module: cst.Module, class_name: str, source: MethodSource) -> cst.FunctionDef:
     wrapper_class = module.body[-1]
     outer = wrapper_class.body.body[0] if isinstance(wrapper_class, cst.ClassDef) else None
-    node = outer.body.body[0] if isinstance(outer, cst.FunctionDef) else None
+    # The method is the wrapper function's last statement (after its ``global``).
+    node = outer.body.body[-1] if isinstance(outer, cst.FunctionDef) else None
     if not isinstance(node, cst.FunctionDef):
         # The lines at the function's first line are no function definition:
         # the file holds other text than the code was compiled from.
@@ -212,37 +249,116 @@ def dotted_name(expr: cst.BaseExpression) -> str | None:
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
 
 
-def _bound_names(target: cst.BaseExpression) -> list[str]:
+def _name_nodes(target: cst.CSTNode) -> list[cst.Name]:
+    """The names an assignment target binds (``a``, ``a, *b``; not ``a.x`` or ``a[i]``)."""
     if isinstance(target, cst.Name):
-        return [identifier(target.value)]
+        return [target]
     if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in _bound_names(e.value)]
+        return [n for e in target.elements for n in _name_nodes(e.value)]
     if isinstance(target, cst.StarredElement):
-        return _bound_names(target.value)
+        return _name_nodes(target.value)
     return []
+
+
+def _imported_name(alias: cst.ImportAlias) -> cst.CSTNode:
+    if alias.asname is not None:
+        return alias.asname.name
+    name: cst.CSTNode = alias.name
+    while isinstance(name, cst.Attribute):  # ``import a.b`` binds ``a``
+        name = name.value
+    return name
+
+
+def binding_names(node: cst.CSTNode) -> list[cst.Name]:
+    """The names ``node`` binds in the scope it runs in.
+
+    Every binding form of Python but parameters and a comprehension's ``for``
+    targets (which bind in scopes of their own): assignment, augmented and
+    annotated targets, ``for``, ``with ... as``, ``:=``, ``del``, ``except
+    ... as``, match captures (``case x``, ``as x``, ``*x``, ``**x``),
+    imports, and the name of a ``def``, ``class`` or ``type`` statement.
+    ``ReceiverScopes`` and the analysis share it, so what binds the receiver's
+    name is decided in one place.
+    """
+    targets: list[cst.CSTNode]
+    if isinstance(node, cst.Assign):
+        targets = [t.target for t in node.targets]
+    elif isinstance(node, (cst.AugAssign, cst.AnnAssign, cst.NamedExpr, cst.For, cst.Del)):
+        targets = [node.target]
+    elif isinstance(node, cst.WithItem):
+        targets = [node.asname.name] if node.asname is not None else []
+    elif isinstance(node, (cst.ExceptHandler, cst.ExceptStarHandler)):
+        targets = [node.name.name] if node.name is not None else []
+    elif isinstance(node, (cst.MatchAs, cst.MatchStar)):
+        targets = [node.name] if node.name is not None else []
+    elif isinstance(node, cst.MatchMapping):
+        targets = [node.rest] if node.rest is not None else []
+    elif isinstance(node, (cst.Import, cst.ImportFrom)):
+        names = node.names
+        targets = [] if isinstance(names, cst.ImportStar) else [_imported_name(a) for a in names]
+    elif isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.TypeAlias)):
+        targets = [node.name]
+    else:
+        return []
+    return [n for t in targets for n in _name_nodes(t)]
 
 
 def _comprehension_names(node: cst.CSTNode) -> set[str]:
     names: set[str] = set()
     clause = getattr(node, "for_in", None)
     while clause is not None:
-        names.update(_bound_names(clause.target))
+        names.update(identifier(n.value) for n in _name_nodes(clause.target))
         clause = clause.inner_for_in
     return names
+
+
+def _hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool:
+    """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
+    a parameter, bound there (Python makes it local to the whole body) and not
+    declared ``nonlocal``, or declared ``global``."""
+    if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
+        return True
+    bound: set[str] = set()
+    declared: dict[str, bool] = {}  # name -> global (else nonlocal)
+    pending: list[cst.CSTNode] = [scope.body]
+    while pending:
+        node = pending.pop()
+        bound.update(identifier(n.value) for n in binding_names(node))
+        if isinstance(node, (cst.Global, cst.Nonlocal)):
+            for item in node.names:
+                declared[identifier(item.name.value)] = isinstance(node, cst.Global)
+        # A nested scope's own body binds in that scope; what runs here is
+        # its decorators, defaults and annotations (or bases).
+        if isinstance(node, cst.FunctionDef):
+            pending.extend((*node.decorators, node.params, *filter(None, [node.returns])))
+        elif isinstance(node, cst.ClassDef):
+            pending.extend((*node.decorators, *node.bases, *node.keywords))
+        elif isinstance(node, cst.Lambda):
+            pending.append(node.params)
+        else:
+            pending.extend(walk.children(node))
+    if name in declared:
+        return declared[name]
+    return name in bound
 
 
 class ReceiverScopes:
     """Tracks whether the method's receiver name is visible at a node.
 
-    Nested functions, lambdas and classes push a scope; a scope whose
-    parameters rebind the receiver's name hides it. Shared by the analysis
-    visitor and the rewriter so both agree on what ``self.x`` refers to.
+    Nested functions, lambdas and classes push a scope, and so does a
+    comprehension whose ``for`` binds the receiver's name. Inside, the name
+    is the receiver unless the innermost scope that has it of its own hides
+    it (``_hides``: a parameter, a local, a ``global``); class bodies count
+    only for their own statements, as in Python's name resolution. Shared by
+    the analysis visitor and the rewriter so both agree on what ``self.x``
+    refers to.
     """
 
     def __init__(self, method: cst.FunctionDef, receiver: str | None):
         self.method = method
         self.receiver = receiver
-        self.stack: list[bool] = []
+        # One entry per enclosing scope: (hides the receiver, is a class body).
+        self.stack: list[tuple[bool, bool]] = []
         self.inside = False
         self._comprehensions: set[int] = set()
 
@@ -257,12 +373,13 @@ class ReceiverScopes:
             # ``sum(m.x for self in others)`` does not rebind the receiver.
             if self.receiver in _comprehension_names(node):
                 self._comprehensions.add(id(node))
-                self.stack.append(True)
+                self.stack.append((True, False))
             return
-        if isinstance(node, (cst.FunctionDef, cst.Lambda)):
-            self.stack.append(self.receiver in _param_names(node.params))
+        if isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+            hides = self.receiver is not None and _hides(node, self.receiver)
+            self.stack.append((hides, isinstance(node, cst.ClassDef)))
         else:
-            self.stack.append(False)
+            self.stack.append((False, False))
 
     def leave(self, node: cst.CSTNode) -> None:
         if node is self.method:
@@ -280,7 +397,12 @@ class ReceiverScopes:
 
     @property
     def visible(self) -> bool:
-        return self.inside and self.receiver is not None and not any(self.stack)
+        if not self.inside or self.receiver is None:
+            return False
+        innermost = len(self.stack) - 1
+        return not any(
+            hides for i, (hides, is_class) in enumerate(self.stack) if i == innermost or not is_class
+        )
 
     def attr_of(self, expr: cst.CSTNode) -> str | None:
         """The attribute name if ``expr`` is ``<receiver>.<name>``."""
@@ -372,6 +494,7 @@ class _FactCollector(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         if node is self.facts.function:
             self.facts.is_async = node.asynchronous is not None
+        self._binds(node)  # a nested ``def self():`` binds in the enclosing scope
         self.scopes.enter(node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
@@ -384,6 +507,7 @@ class _FactCollector(cst.CSTVisitor):
         self.scopes.leave(original_node)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._binds(node)
         self.scopes.enter(node)
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
@@ -413,6 +537,38 @@ class _FactCollector(cst.CSTVisitor):
     def leave_GeneratorExp(self, original_node: cst.GeneratorExp) -> None:
         self.scopes.leave(original_node)
 
+    # bindings of the receiver's name (every form ``binding_names`` knows)
+    def _binds(self, node: cst.CSTNode) -> None:
+        if not self.scopes.visible:
+            return
+        for name in binding_names(node):
+            if identifier(name.value) == self.facts.receiver:
+                self.facts.rebinds.append(self._line(name))
+
+    def visit_Import(self, node: cst.Import) -> None:
+        self._binds(node)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        self._binds(node)
+
+    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
+        self._binds(node)
+
+    def visit_ExceptStarHandler(self, node: cst.ExceptStarHandler) -> None:
+        self._binds(node)
+
+    def visit_MatchAs(self, node: cst.MatchAs) -> None:
+        self._binds(node)
+
+    def visit_MatchStar(self, node: cst.MatchStar) -> None:
+        self._binds(node)
+
+    def visit_MatchMapping(self, node: cst.MatchMapping) -> None:
+        self._binds(node)
+
+    def visit_TypeAlias(self, node: cst.TypeAlias) -> None:
+        self._binds(node)
+
     # targets
     def _target(self, expr: cst.BaseExpression, kind: str) -> None:
         if isinstance(expr, (cst.Tuple, cst.List)):
@@ -422,10 +578,6 @@ class _FactCollector(cst.CSTVisitor):
         if isinstance(expr, cst.StarredElement):
             self._target(expr.value, kind)
             return
-        if isinstance(expr, cst.Name):
-            if identifier(expr.value) == self.facts.receiver and self.scopes.visible:
-                self.facts.rebinds.append(self._line(expr))
-            return
         item = isinstance(expr, cst.Subscript)
         attr = self._attr(subscript_base(expr))
         if attr is not None and not is_dunder(attr):
@@ -434,6 +586,7 @@ class _FactCollector(cst.CSTVisitor):
             )
 
     def visit_Assign(self, node: cst.Assign) -> None:
+        self._binds(node)
         for target in node.targets:
             self._target(target.target, "set")
         if len(node.targets) == 1 and isinstance(node.value, cst.Call):
@@ -443,26 +596,32 @@ class _FactCollector(cst.CSTVisitor):
                 self.facts.declarations[attr] = (func, self._line(node))
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._binds(node)
         self._target(node.target, "aug")
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         if node.value is not None:
+            self._binds(node)
             self._target(node.target, "set")
 
     def visit_For(self, node: cst.For) -> None:
+        self._binds(node)
         self._target(node.target, "set")
 
     def visit_CompFor(self, node: cst.CompFor) -> None:
         self._target(node.target, "set")
 
     def visit_WithItem(self, node: cst.WithItem) -> None:
+        self._binds(node)
         if node.asname is not None:
             self._target(node.asname.name, "set")
 
     def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._binds(node)
         self._target(node.target, "set")
 
     def visit_Del(self, node: cst.Del) -> None:
+        self._binds(node)
         targets = node.target.elements if isinstance(node.target, (cst.Tuple, cst.List)) else None
         for expr in [e.value for e in targets] if targets is not None else [node.target]:
             attr = self._attr(expr)
@@ -476,6 +635,23 @@ class _FactCollector(cst.CSTVisitor):
         attr = self._attr(node)
         if attr is not None:
             self.facts.reads.setdefault(attr, self._line(node))
+        elif self._is_own_class(node.value):
+            self.facts.self_calls.add(mangle(self.class_name, identifier(node.attr.value)))
+
+    def _is_own_class(self, expr: cst.BaseExpression) -> bool:
+        """``type(self)``, ``self.__class__`` or the class's own name: what
+        ``type(self).reset(self)`` takes a method from."""
+        if isinstance(expr, cst.Name):
+            return identifier(expr.value) == self.class_name
+        if isinstance(expr, cst.Call):
+            return (
+                isinstance(expr.func, cst.Name)
+                and expr.func.value == "type"
+                and len(expr.args) == 1
+                and self.scopes.attr_of(cst.Attribute(value=expr.args[0].value, attr=cst.Name("_")))
+                is not None
+            )
+        return self.scopes.attr_of(expr) == "__class__"
 
     def visit_Call(self, node: cst.Call) -> None:
         func = node.func
@@ -521,6 +697,34 @@ def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
     )
     walk.visit(module, _FactCollector(facts, source.mangle_as or class_name, shift))
     return facts
+
+
+def without_decorator_helpers(class_name: str, methods: Sequence[MethodFacts]) -> list[MethodFacts]:
+    """``methods``, where a function the class body uses as a decorator is
+    taken as a function without a receiver.
+
+    ``def _tag(fn): ...`` applied as ``@_tag`` or ``@_tag(...)`` above a
+    ``def`` of the same class body ran while the body executed, on the
+    function below it; it stays in the class dict, but its first parameter
+    is no instance, so what it assigns is no state. (Written after the
+    ``def`` it decorates, the name was still another object there.)
+    """
+    used: dict[tuple[str, str], int] = {}  # (file, name) -> the last line it decorates
+    for facts in methods:
+        for decorator in facts.function.decorators:
+            expr = decorator.decorator
+            expr = expr.func if isinstance(expr, cst.Call) else expr
+            if isinstance(expr, cst.Name):
+                name = mangle(facts.source.mangle_as or class_name, identifier(expr.value))
+                key = (facts.source.filename, name)
+                used[key] = max(used.get(key, 0), facts.source.first_line)
+    return [
+        collect_facts(class_name, dataclasses.replace(facts.source, has_receiver=False))
+        if facts.receiver is not None
+        and facts.source.first_line < used.get((facts.source.filename, facts.source.key), 0)
+        else facts
+        for facts in methods
+    ]
 
 
 def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str) -> DecorationError:
@@ -669,7 +873,11 @@ def analyze_class(
             for assignment in facts.assignments:
                 initialized.add(assignment.attr)
                 pending.append(assignment.attr)  # property setters
+            # Whatever the method takes from its receiver may run: a call
+            # (``self.reset()``), a bound method kept (``r = self.reset``), a
+            # property read; and methods taken from its class (``self_calls``).
             pending.extend(facts.self_calls)
+            pending.extend(facts.reads)
     for attr in sorted(state - initialized):
         for facts in methods:
             first = next((a for a in facts.assignments if a.attr == attr), None)

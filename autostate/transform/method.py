@@ -33,6 +33,17 @@ class MethodSource:
     # function was written ("_": none), and the function's code name.
     mangle_as: str = ""
     code_name: str = ""
+    # Names the function's code reads as globals that the wrapper would bind
+    # as its locals (its own name, ``analysis.wrapper_source``).
+    global_names: tuple[str, ...] = ()
+
+
+def mangle(class_name: str, attr: str) -> str:
+    """Python's private-name mangling of ``attr`` inside ``class_name``."""
+    if not attr.startswith("__") or attr.endswith("__"):
+        return attr
+    stripped = class_name.lstrip("_")
+    return f"_{stripped}{attr}" if stripped else attr
 
 
 def is_dunder(attr: str) -> bool:

@@ -184,13 +184,55 @@ def _slot_names(k: type) -> list[str]:
 
 
 def _class_location(cls: type) -> str | None:
-    for value in vars(cls).values():
-        fn = getattr(value, "__func__", value)
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            return f"{code.co_filename}:{code.co_firstlineno}"
-    module = sys.modules.get(cls.__module__)
-    return getattr(module, "__file__", None)
+    """``file:line`` of the class statement, else of the first function of
+    its body, else its file."""
+    code = next(
+        (
+            fn.__code__
+            for value in vars(cls).values()
+            for fn in (getattr(value, "__func__", value),)
+            if isinstance(fn, types.FunctionType)
+            and fn.__qualname__.rpartition(".")[0] == cls.__qualname__
+        ),
+        None,
+    )
+    filename = code.co_filename if code is not None else _module_file(cls)
+    line = _class_statement_line(cls, filename, code.co_firstlineno if code else None)
+    if line is None:
+        line = getattr(cls, "__firstlineno__", None)  # Python 3.13+: its first decorator's
+    if filename and line is not None:
+        return f"{filename}:{line}"
+    if code is not None:
+        return f"{code.co_filename}:{code.co_firstlineno}"
+    return filename
+
+
+def _class_statement_line(cls: type, filename: str | None, before: int | None) -> int | None:
+    """The line of ``class <Name>`` in ``filename`` with ``cls``'s qualname (the
+    last one above line ``before``, for a class written in several branches)."""
+    import ast
+
+    text = "".join(source.source_lines(filename)) if filename else ""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    qualname = tuple(cls.__qualname__.split("."))
+    lines: list[int] = []
+    pending: list[tuple[ast.AST, tuple[str, ...]]] = [(tree, ())]
+    while pending:
+        node, path = pending.pop()
+        for child in ast.iter_child_nodes(node):
+            inner = path
+            if isinstance(child, ast.ClassDef):
+                inner = (*path, child.name)
+                if inner == qualname:
+                    lines.append(child.lineno)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                inner = (*path, getattr(child, "name", "<lambda>"), "<locals>")
+            pending.append((child, inner))
+    lines = sorted(n for n in lines if before is None or n <= before)
+    return lines[-1] if lines and (before is not None or len(lines) == 1) else None
 
 
 def _module_globals(cls: type) -> dict[str, Any] | None:
@@ -312,7 +354,7 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
             facts.append(analysis.collect_facts(base.__name__, text))
         except (SourceUnavailableError, DecorationError, OSError):
             continue
-    return facts
+    return analysis.without_decorator_helpers(base.__name__, facts)
 
 
 def _read_facts(
@@ -380,6 +422,7 @@ def _transform(
         unavailable = error
     if unavailable is not None and not facts:
         raise unavailable
+    facts = analysis.without_decorator_helpers(cls.__name__, facts)
     globals_by_key = {s.key: s.function.__globals__ for s in slots}
 
     def is_state_declaration(facts: analysis.MethodFacts, dotted: str) -> bool:

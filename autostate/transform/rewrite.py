@@ -451,14 +451,15 @@ def rewrite_method(
 def _replace_method(module: cst.Module, old: cst.FunctionDef, new: cst.CSTNode) -> cst.Module:
     """``module.deep_replace(old, new)`` along the wrapper's known path, with no walk.
 
-    The wrapper module ends with ``class <name>: def <outer>(): <method>``.
+    The wrapper module ends with ``class <name>: def <outer>(): <method>``
+    (the method last in the wrapper function, after its ``global``).
     """
     wrapper_class = module.body[-1]
     if isinstance(wrapper_class, cst.ClassDef):
         outer = wrapper_class.body.body[0]
-        if isinstance(outer, cst.FunctionDef) and outer.body.body[0] is old:
+        if isinstance(outer, cst.FunctionDef) and outer.body.body[-1] is old:
             outer = outer.with_changes(
-                body=outer.body.with_changes(body=(new, *outer.body.body[1:]))
+                body=outer.body.with_changes(body=(*outer.body.body[:-1], new))
             )
             wrapper_class = wrapper_class.with_changes(
                 body=wrapper_class.body.with_changes(body=(outer, *wrapper_class.body.body[1:]))

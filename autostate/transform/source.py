@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
-from autostate.transform.method import MethodSource
+from autostate.transform.method import MethodSource, mangle
 
 
 @dataclasses.dataclass
@@ -207,7 +207,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                     )
                 )
         elif isinstance(value, functools.cached_property):
-            fn = value.func
+            fn = value.func  # type: ignore[assignment]
             if isinstance(fn, types.FunctionType):
                 slots.append(
                     MethodSlot(
@@ -218,7 +218,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
         elif isinstance(value, functools.singledispatchmethod):
             # The function per registered type (``object``: the undecorated
             # one); each rewritten one is registered again for its type.
-            for klass, fn in value.dispatcher.registry.items():
+            for klass, fn in value.dispatcher.registry.items():  # type: ignore[assignment]
                 if isinstance(fn, types.FunctionType):
                     key = attr if klass is object else f"{attr}[{klass.__module__}.{klass.__qualname__}]"
                     slots.append(
@@ -352,6 +352,7 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
     text = "".join(block)
     if not text.endswith("\n"):
         text += "\n"
+    mangle_as = mangling_class(slot.function) or "_"
     return MethodSource(
         key=slot.key,
         attr=slot.attr,
@@ -360,6 +361,15 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
         text=text,
         freevars=code.co_freevars,
         has_receiver=slot.has_receiver,
-        mangle_as=mangling_class(slot.function) or "_",
+        mangle_as=mangle_as,
         code_name=code.co_name,
+        global_names=(code.co_name,) if _reads_global(code, mangle(mangle_as, code.co_name)) else (),
+    )
+
+
+def _reads_global(code: types.CodeType, name: str) -> bool:
+    """Whether ``code`` (or code nested in it) may read the global ``name``
+    (``co_names`` also holds attribute names: a superset)."""
+    return name in code.co_names or any(
+        isinstance(c, types.CodeType) and _reads_global(c, name) for c in code.co_consts
     )

@@ -15,7 +15,7 @@ visitors reads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import libcst as cst
@@ -95,6 +95,16 @@ def _own(cls: type, name: str) -> Callable[..., Any] | None:
         if method is not None and method is getattr(base, name, None):
             return None
     return method
+
+
+def children(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """The child nodes ``visit`` walks into, in source order."""
+    for name in _fields(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, (tuple, list)):
+            yield from (item for item in value if _is_node(item))
+        elif _is_node(value):
+            yield value
 
 
 def visit(node: cst.CSTNode, visitor: cst.CSTVisitor) -> None:
