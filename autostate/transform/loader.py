@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autostate.transform.method import OUTER_NAME, RUNTIME_NAME
-from autostate.transform.source import MethodSlot, source_lines
+from autostate.transform.source import MethodSlot, remember_original, source_lines
 
 _FUTURE_FLAGS = functools.reduce(
     lambda acc, name: acc | getattr(__future__, name).compiler_flag, __future__.all_feature_names, 0
@@ -177,6 +177,7 @@ def build_function(
     fn.__doc__ = original.__doc__
     fn.__annotations__ = original.__annotations__
     fn.__dict__.update(original.__dict__)
+    remember_original(fn, original)
     return fn
 
 

@@ -16,6 +16,7 @@ import linecache
 import sys
 import tokenize
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +40,24 @@ class MethodSlot:
     # into), without installing: a decision is checked at the class
     # statement and installed at the class's first use.
     check: Callable[[], None] | None = None
+
+
+# Rewritten function -> the user's function it was rewritten from. A rewritten
+# method borrowed by another class (``forward = Donor.forward`` once Donor
+# is complete) is analysed and rewritten for that class from its original.
+_ORIGINALS: weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def remember_original(new: types.FunctionType, original: types.FunctionType) -> None:
+    """Records that ``new`` is ``original`` rewritten."""
+    _ORIGINALS[new] = _ORIGINALS.get(original, original)
+
+
+def original_of(fn: types.FunctionType) -> types.FunctionType:
+    """The user's function ``fn`` was rewritten from (``fn`` itself if none)."""
+    return _ORIGINALS.get(fn, fn) if _ORIGINALS else fn
 
 
 def _wrapped_function(obj: Any) -> types.FunctionType | None:
@@ -184,6 +203,12 @@ def find_methods(cls: type) -> list[MethodSlot]:
                         check=functools.partial(_check_in_wrapper, cls, value, fn),
                     )
                 )
+                # The wrapper runs as the method too (``self.calls += 1`` around
+                # the call): analysed and rewritten as well, sharing its cells,
+                # so it calls the rewritten function above.
+                slots.append(
+                    MethodSlot(f"{attr}.<wrapper>", attr, value, True, installer(value, "wrapper", set_all))
+                )
         elif isinstance(value, types.FunctionType):
             slots.append(MethodSlot(attr, attr, value, True, installer(value, "", set_all)))
         elif isinstance(value, (staticmethod, classmethod)):
@@ -249,6 +274,7 @@ def find_methods(cls: type) -> list[MethodSlot]:
                 )
     found = []
     for slot in slots:
+        slot.function = original_of(slot.function)
         if _is_user_function(slot.function):
             slot.foreign = not _defined_in(cls, slot.function)
             found.append(slot)
