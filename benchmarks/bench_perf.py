@@ -69,7 +69,7 @@ class Config:
     trace_modules: int = 1_000
     trace_rounds: int = 41
     decoration_rounds: int = 15
-    import_rounds: int = 7
+    import_rounds: int = 15
     file_process_rounds: int = 41
     file_rounds: int = 25
     bounded_files: int = 4
