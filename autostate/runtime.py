@@ -373,6 +373,12 @@ def init(obj: Any, name: str, value: Any) -> None:
     if _HOOKED_SET and type(obj) in _HOOKED_SET:
         setattr(obj, name, value)
         return
+    if name not in _tree.info_of(obj).state:
+        # A base's __init__ on an instance of a class where ``name`` is no
+        # state (a subclass made it a property; a borrowed method): the
+        # plain assignment, its setter included.
+        setattr(obj, name, value.value if isinstance(value, StateDeclaration) else value)
+        return
     slot = obj.__dict__.get(name, _MISSING)
     if is_slot(slot) and not isinstance(slot, InitialLocalStateRequest):
         # __init__ called again on a functionalized or frozen model: a write.

@@ -1236,14 +1236,6 @@ class Clamped(Scaled):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DecorationError,
-    reason="BUG: a subclass property shadowing a decorated base's state is rejected at the "
-    "class statement ('_scale' first assigned outside __init__), though the base's "
-    "__init__ (`self.scale = ...`) runs the subclass's setter that initializes it; the "
-    "analysis follows property setters only from the class's own __init__",
-)
 def test_subclass_property_shadowing_a_base_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, CLAMPED)
     check(plain, dec, "Clamped()", [("step", (X2,)), ("step", (X2,)), ("step", (X2,))])

@@ -763,11 +763,13 @@ def analyze_class(
     **Raises:** ``DecorationError`` for every construct the engine cannot
     express, naming the class, attribute, file:line and the fix.
     """
-    state: set[str] = set(inherited_state)
     declared: dict[str, str] = {}
     # Property parts have keys like "value.fset"; what their setter assigns is
     # state, the property itself stays a property.
-    properties = {f.source.attr for f in methods if f.source.key != f.source.attr}
+    properties = {f.source.attr for f in methods if f.source.key.endswith((".fget", ".fset", ".fdel"))}
+    # A property of this class over a base's state (``scale`` made a clamping
+    # property): the name is the property here, what its setter assigns the state.
+    state: set[str] = set(inherited_state) - properties
     properties |= inherited_properties
     for facts in methods:
         if facts.receiver is None:
@@ -860,7 +862,9 @@ def analyze_class(
                     )
 
     initialized = set(inherited_initialized)
-    pending = ["__init__"]
+    # A base's __init__ assigning a name this class makes a property runs
+    # the property's setter (``self.scale = v`` into ``self._scale``).
+    pending = ["__init__", *sorted(inherited_initialized & properties)]
     visited: set[str] = set()
     while pending:
         attr = pending.pop()
