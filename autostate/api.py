@@ -102,6 +102,11 @@ def state(
 
     **Returns:** a marker that ``@stateful`` turns into a state request.
     """
+    if isinstance(value, _runtime.StateDeclaration):  # ``state(state(v))``: the outer options win
+        category = value.category if category is None else category
+        name = value.name if name is None else name
+        sharding = value.sharding if sharding is None else sharding
+        value = value.value
     return _runtime.StateDeclaration(value, category, name, sharding)
 
 
@@ -626,6 +631,29 @@ def _check_is_class(cls: Any) -> None:
                 fix="put @autostate.stateful on a class statement.",
             )
         )
+    builtin = next(
+        (b for b in cls.__mro__[1:-1] if b.__module__ == "builtins" and b is not object), None
+    )
+    if builtin is not None:
+        # A model is copied and rebuilt from its __dict__ (functionalize, jit,
+        # freeze); an int, a tuple, a dict or an exception keeps its data
+        # elsewhere, and object.__new__ cannot make one.
+        raise DecorationError(
+            format_error(
+                f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
+                f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
+                "f's copy of the model could not be rebuilt.",
+                where=_class_line(cls),
+                fix=f"hold the {builtin.__name__} in an attribute of a plain class "
+                f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
+            )
+        )
+
+
+def _class_line(cls: type) -> str | None:
+    from autostate.transform import pipeline
+
+    return pipeline.class_location(cls)
 
 
 def _decorated_bases(cls: type) -> list[StatefulInfo]:
@@ -722,6 +750,47 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     cls.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign, assignment]
 
 
+def _check_functionalize_arguments(
+    model: Any, category: Any, category_predicate: Any
+) -> None:
+    """Refuses what cannot be functionalized, before anything walks it."""
+    what = None
+    if model is None:
+        what = "None"
+    elif isinstance(model, type):
+        what = f"the class {model.__name__} itself"
+    elif isinstance(model, (FunctionalModel, PackedModel)):
+        what = f"a {type(model).__name__} (what functionalize() returned)"
+    if what is not None:
+        raise InvalidTypeError(
+            format_error(
+                f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
+                fix="build the model first (`Model(...)`) and functionalize that instance; an f "
+                "is functional already (autostate.freeze(f, states) gives the model back).",
+            )
+        )
+    if category_predicate is not None and not callable(category_predicate):
+        raise InvalidTypeError(
+            format_error(
+                f"category_predicate must be a function of a category, got "
+                f"{type(category_predicate).__name__} {category_predicate!r}.",
+                fix=f"pass category={category_predicate!r} to select one category, or "
+                "category_predicate=lambda c: ... to select several.",
+            )
+        )
+    try:
+        hash(category)
+    except TypeError:
+        raise InvalidTypeError(
+            format_error(
+                f"A category is a hashable value (a string), got {type(category).__name__} "
+                f"{category!r}.",
+                fix="pass one category (category='state'), or category_predicate=lambda c: "
+                "c in (...) to select several.",
+            )
+        ) from None
+
+
 def _functionalize_method(
     self: M,
     category: Hashable | None = None,
@@ -747,6 +816,7 @@ def _functionalize_method(
     **Returns:** ``(f, states)``; ``f(states, *args)`` and
     ``f.<method>(states, *args)`` return ``(out, new_states)``.
     """
+    _check_functionalize_arguments(self, category, category_predicate)
     if category is not None and category_predicate is not None:
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:

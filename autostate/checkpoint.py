@@ -125,8 +125,7 @@ with the name of their implementation, so the round trip is bit-exact.
 def _corrupt(path: Path, what: str) -> CheckpointError:
     return CheckpointError(
         format_error(
-            f"Checkpoint is corrupted: {what}.",
-            where=str(path),
+            f"Checkpoint {path} is corrupted: {what}.",
             fix="load an intact copy; autostate.save writes atomically, so a file it "
             "wrote is complete unless something changed it afterwards.",
         )
@@ -158,8 +157,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
             if not isinstance(npz, np.lib.npyio.NpzFile) or _MANIFEST not in npz.files:
                 raise CheckpointError(
                     format_error(
-                        "Not an autostate checkpoint: the file has no autostate manifest.",
-                        where=str(path),
+                        f"Not an autostate checkpoint: {path} has no autostate manifest.",
                         fix="load files written by autostate.save; for a bare .npz of a "
                         "flat dict use numpy.load and autostate.load_state_dict.",
                     )
@@ -209,7 +207,7 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
         strict=strict,
         caller="load",
         error=CheckpointError,
-        where=str(path),
+        checkpoint=str(path),
         saved_from=saved_from,
     )
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.export
 
-from autostate.errors import InvalidTypeError, format_error
+from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.state_dicts import array_spec, flatten_states, handle_for_reading, unflatten_states
 
 
@@ -31,6 +31,36 @@ def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
     if jax.dtypes.issubdtype(spec[1], jax.dtypes.extended):  # typed PRNG keys
         return jax.ShapeDtypeStruct(spec[0], spec[1])
     return jax.ShapeDtypeStruct(spec[0], jax.dtypes.canonicalize_dtype(spec[1]))
+
+
+def _static_positions(static_argnums: int | Sequence[int], count: int) -> set[int]:
+    """``static_argnums`` as positions in ``example_args``; negative ones count from
+    the end, as ``jax.jit``'s do, and one past either end is an error, as there."""
+    given = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    positions = set()
+    for i in given:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise InvalidTypeError(
+                format_error(
+                    f"autostate.export: static_argnums holds a {type(i).__name__}, not an int.",
+                    fix="give positions in the example arguments: static_argnums=1 or (1, 2).",
+                )
+            )
+        if not -count <= i < count:
+            given_args = "1 example positional argument was" if count == 1 else (
+                f"{count} example positional arguments were"
+            )
+            raise InvalidArgumentError(
+                format_error(
+                    f"autostate.export: static_argnums={static_argnums!r} names position {i}, "
+                    f"but {given_args} given.",
+                    fix="count positions in the example arguments after the model, from 0 "
+                    "(the states are not one of them), and pass every static argument's "
+                    "value among them.",
+                )
+            )
+        positions.add(i % count)
+    return positions
 
 
 def _is_traced_argument(value: Any) -> bool:
@@ -73,7 +103,9 @@ def export(
     - ``method``: the method to export (default ``"__call__"``).
     - ``platforms``: lowering platforms (default: the current backend).
     - ``static_argnums``: positions in ``example_args`` that are python
-      values baked into the program (the call omits them).
+      values baked into the program (the call omits them); negative ones
+      count from the end, and one out of range is an ``InvalidArgumentError``
+      (as ``jax.jit`` raises).
     - ``example_kwargs``: keyword arguments; array-valued ones are program
       inputs, others (``train=False``, ``mode="greedy"``) are static and
       baked in.
@@ -83,8 +115,7 @@ def export(
     f, states = handle_for_reading(model, "export")
     flat, layout = flatten_states(states)
     call = f if method == "__call__" else getattr(f, method)
-    static_pos = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
-    static_pos = {i % len(example_args) if example_args else i for i in static_pos}
+    static_pos = _static_positions(static_argnums, len(example_args))
     dynamic_args = [a for i, a in enumerate(example_args) if i not in static_pos]
     static_kwargs = {k: v for k, v in example_kwargs.items() if not _is_traced_argument(v)}
     dynamic_kwargs = {k: v for k, v in example_kwargs.items() if k not in static_kwargs}

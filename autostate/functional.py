@@ -195,7 +195,15 @@ def embed_constants(handler_id: Hashable, body: Any, states: Mapping[str, Any]) 
 def check_state_keys(
     given: Mapping[str, Any], expected: frozenset[str] | set[str], caller: str
 ) -> None:
-    """Unknown keys in a states dict are an error naming them (and the nearest name)."""
+    """Unknown keys in a states dict are an error naming them (and the nearest
+    name); anything but a dict is an error too."""
+    if not isinstance(given, Mapping):
+        raise InvalidTypeError(
+            format_error(
+                f"States must be a dict of name -> value, got {type(given).__name__}.",
+                fix="pass the dict returned by handle_local_states/functionalize.",
+            )
+        )
     unknown = [k for k in given if k not in expected]
     if not unknown:
         return
@@ -475,8 +483,7 @@ class FunctionalModel(Generic[M]):
     def _run(
         self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict
     ) -> tuple[Any, dict[str, Any]]:
-        if isinstance(states, Mapping):
-            check_state_keys(states, self.state_names(), "f(states, ...)")
+        check_state_keys(states, self.state_names(), "f(states, ...)")
         model: Any = self.model
         if self._has_constants():
             model = embed_constants(self.handler_id, model, states)
@@ -530,8 +537,10 @@ class FunctionalModel(Generic[M]):
         return result
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name in FunctionalModel.__slots__:
-            raise AttributeError(name)  # a slot not set yet (unpickling)
+        if name in FunctionalModel.__slots__ or name == "model":
+            # A slot not set yet (unpickling), or the model property failing:
+            # its own error, not this lookup again.
+            raise AttributeError(name)
         if name.startswith("__") and name.endswith("__"):
             # A protocol lookup (``__array__``, ``__len__``...) finds only a
             # special method the model's class itself defines

@@ -11,12 +11,13 @@ same arithmetic plus the slices and concatenations, which XLA fuses.
 
 This module owns the layout and the two pytrees that carry it. It knows
 nothing of how ``f`` was built: it uses only ``jax.tree_util`` on ``f`` and
-on the states.
+on the states (and ``tree.is_stateful_instance``, to refuse a model given in
+place of ``f``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autostate.errors import InvalidTypeError, format_error
+from autostate.tree import is_stateful_instance
 
 
 class Layout:
@@ -283,4 +285,32 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
     **Returns:** ``(pf, packed_states)``; ``pf(packed_states, *args)``
     returns ``(out, new_packed_states)``, the same numbers as ``f``.
     """
+    # Refused here, not at the first call: a model, an f packed twice or
+    # packed states would otherwise pack without complaint and fail later
+    # with a raw TypeError from inside the packed call.
+    if isinstance(f, PackedModel) or isinstance(states, PackedStates):
+        raise InvalidTypeError(
+            format_error(
+                "autostate.pack: this f and its states are packed already.",
+                fix="pass the pf and packed states as they are (pf.unpack(pstates) gives "
+                "f and states back).",
+            )
+        )
+    if is_stateful_instance(f) or not callable(f):
+        got = f"the model {type(f).__name__}" if is_stateful_instance(f) else type(f).__name__
+        raise InvalidTypeError(
+            format_error(
+                f"autostate.pack expects the f that functionalize() returned, got {got}.",
+                fix="call f, states = model.functionalize() and pass "
+                "autostate.pack(f, states).",
+            )
+        )
+    if not isinstance(states, Mapping):
+        raise InvalidTypeError(
+            format_error(
+                f"autostate.pack expects the states dict of f, got {type(states).__name__}.",
+                fix="pass the states dict that functionalize() (or the last call of f) "
+                "returned.",
+            )
+        )
     return PackedModel(*_pack_tree(f)), PackedStates.of(states)

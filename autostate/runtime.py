@@ -46,6 +46,7 @@ from autostate.effects import (
 )
 from autostate.effects.local_state import _check_not_traced, lax_body_of
 from autostate.errors import (
+    InvalidArgumentError,
     InvalidTypeError,
     StateAccessError,
     TracedEagerStateError,
@@ -284,6 +285,8 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         # tracer (no sub-model, no numpy to convert, a handled slot).
         slot.write(value)
         return
+    if type(value) is StateDeclaration and slot is not _MISSING:
+        value = _declared_value(obj, name, slot, value)
     # is_slot inlined: this is the whole of an eager write besides the slot's.
     known = _IS_SLOT.get(type(slot))
     if known or (known is None and is_slot(slot)):
@@ -328,6 +331,27 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         ):
             _refuse_submodel_swap(obj, name)
         _dict_setitem(d, name, make_slot(obj, name, value))
+
+
+def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) -> Any:
+    """The value of ``self.x = autostate.state(v)`` where ``x`` is a state
+    already: ``v``, as the declaration's options are the state's own; other
+    options are refused (a state's category and name are fixed where it is
+    first assigned)."""
+    category = getattr(slot, "category", None)
+    if (declared.category is not None and declared.category != category) or (
+        declared.name is not None and declared.name != getattr(slot, "name", None)
+    ):
+        raise InvalidArgumentError(
+            format_error(
+                f"{type(obj).__name__}.{name} is a state already; assigning it "
+                f"autostate.state(..., category={declared.category!r}, name={declared.name!r}) "
+                "cannot change its category or name.",
+                fix=f"assign the value itself (`self.{name} = v`); declare the category and "
+                f"name where the state is first assigned (in __init__).",
+            )
+        )
+    return declared.value
 
 
 def _refuse_submodel_swap(obj: Any, name: str) -> None:

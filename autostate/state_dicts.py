@@ -29,6 +29,7 @@ from autostate.effects import HandledLocalStateRef
 from autostate.effects.local_state import is_static_value, states_dict
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
+from autostate.packing import PackedModel, PackedStates
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 
@@ -48,6 +49,13 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
             format_error(
                 f"autostate.{caller} expects a model, got the f returned by functionalize().",
                 fix="pass the model autostate.freeze(f, states) returns instead of f.",
+            )
+        )
+    if isinstance(model, PackedModel):
+        raise InvalidTypeError(
+            format_error(
+                f"autostate.{caller} expects a model, got the pf returned by autostate.pack.",
+                fix="pass the model autostate.freeze(pf, pstates) returns instead of pf.",
             )
         )
     # Checked on the model given: handler ids can repeat across calls, so a
@@ -133,7 +141,36 @@ def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]
     return params, {k: _as_array(v, "state", k) for k, v in flat.items()}
 
 
-def state_dict(model: Any, states: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def require_dict(given: Any, caller: str, expected: str, fix: str) -> Mapping[str, Any]:
+    """``given`` if it is a dict (any ``Mapping``); otherwise an error naming the user's line.
+
+    Every public function here that takes a dict checks it with this before
+    anything reads it, so ``None``, a list of arrays or a ``PackedStates`` is
+    refused in one wording instead of failing deep inside (or, for ``None``,
+    being taken for "nothing to load").
+    """
+    if isinstance(given, Mapping):
+        return given
+    raise InvalidTypeError(
+        format_error(
+            f"autostate.{caller}: expected {expected}, got {type(given).__name__}.", fix=fix
+        )
+    )
+
+
+def _require_loadable(given: Any, kind: str, caller: str) -> Mapping[str, Any]:
+    short = "state" if kind == "state" else "param"
+    return require_dict(
+        given,
+        caller,
+        f"a dict of {kind} name -> array",
+        f"pass the dict autostate.{short}_dict(model) returns (or one with the same keys).",
+    )
+
+
+def state_dict(
+    model: Any, states: Mapping[str, Any] | PackedStates | None = None
+) -> dict[str, Any]:
     """Every state of ``model`` as a flat ``{name: array}`` dict.
 
     Example::
@@ -150,12 +187,22 @@ def state_dict(model: Any, states: Mapping[str, Any] | None = None) -> dict[str,
 
     **Arguments:**
     - ``model``: a ``@stateful`` instance (or any pytree holding state
-      requests), or the ``f`` of ``functionalize()``.
+      requests), the ``f`` of ``functionalize()``, or the ``pf`` of
+      ``autostate.pack``.
     - ``states``: with ``f``, its states dict (``f`` holds no states itself);
-      it works inside a jitted step.
+      with ``pf``, its ``PackedStates``. It works inside a jitted step.
 
     **Returns:** a new dict; the arrays are the model's own (not copied).
     """
+    if isinstance(model, PackedModel):
+        if states is None:
+            raise InvalidTypeError(
+                format_error(
+                    "autostate.state_dict(pf) needs the packed states: pf holds no states.",
+                    fix="call autostate.state_dict(pf, pstates) with the PackedStates of that pf.",
+                )
+            )
+        model, states = model.unpack(states)  # type: ignore[arg-type]  # checked there
     if isinstance(model, FunctionalModel):
         if states is None:
             raise InvalidTypeError(
@@ -164,14 +211,22 @@ def state_dict(model: Any, states: Mapping[str, Any] | None = None) -> dict[str,
                     fix="call autostate.state_dict(f, states) with the states of that f.",
                 )
             )
+        states = require_dict(
+            states,
+            "state_dict",
+            "the states dict of f (name -> value)",
+            "pass the states dict that functionalize() (or the last call of f) returned; "
+            "PackedStates go with the pf of autostate.pack: state_dict(pf, pstates).",
+        )
         check_state_keys(states, model.state_names(), "autostate.state_dict")
         flat, _ = flatten_states(states)
         return {k: _as_array(v, "state", k) for k, v in flat.items()}
     if states is not None:
         raise InvalidTypeError(
             format_error(
-                "autostate.state_dict takes a states dict only with an f.",
-                fix="call autostate.state_dict(model) or autostate.state_dict(f, states).",
+                "autostate.state_dict takes a states dict only with an f (or a packed pf).",
+                fix="call autostate.state_dict(model), autostate.state_dict(f, states) or "
+                "autostate.state_dict(pf, pstates).",
             )
         )
     return flat_dicts(model, "state_dict")[1]
@@ -195,10 +250,14 @@ def param_dict(model: Any) -> dict[str, Any]:
     **Arguments:**
     - ``model``: a ``@stateful`` instance (or any pytree holding one), or
       the ``f`` of ``functionalize()`` (then it works inside a jitted step:
-      an EMA of the parameters needs no ``freeze``).
+      an EMA of the parameters needs no ``freeze``), or the ``pf`` of
+      ``autostate.pack`` (the same names as its ``f``; the arrays are slices
+      of the packed buffers).
 
     **Returns:** a new dict; the arrays are the model's own (not copied).
     """
+    if isinstance(model, PackedModel):
+        model = model.unpack()
     if isinstance(model, FunctionalModel):
         leaves, graphdef = model._flattened()
         return dict(zip(graphdef.names, leaves))
@@ -236,14 +295,6 @@ class _Report:
 
     def match(self, kind: str, template: Mapping[str, Any], given: Mapping[str, Any]) -> dict:
         """The entries of ``given`` that fit ``template`` (not converted yet)."""
-        if not isinstance(given, Mapping):
-            raise InvalidTypeError(
-                format_error(
-                    f"Expected a dict of {kind} name -> array, got {type(given).__name__}.",
-                    fix=f"pass the dict autostate.{'state' if kind == 'state' else 'param'}"
-                    "_dict(model) returns (or one with the same keys).",
-                )
-            )
         fitting = {}
         for key, leaf in template.items():
             if key not in given:
@@ -307,9 +358,15 @@ def rebuild(
     strict: bool,
     caller: str,
     error: type[Exception],
-    where: str | None = None,
+    checkpoint: str | None = None,
     saved_from: str | None = None,
 ) -> Any:
+    """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the model's).
+
+    ``checkpoint`` is the path they were read from, named in the error. The
+    public callers have checked that what they were given is a dict
+    (``require_dict``), so ``None`` here only ever means "not loaded".
+    """
     f, nested = handle_for_reading(model, caller)
     report = _Report()
     param_leaves: dict[str, Any] = {}
@@ -321,7 +378,11 @@ def rebuild(
         flat, layout = flatten_states(nested)
         new_states = report.match("state", flat, states)
     if report:
-        given = "checkpoint" if where else ("state" if params is None else "parameter") + " dict"
+        given = (
+            f"checkpoint {checkpoint}"
+            if checkpoint
+            else ("state" if params is None else "parameter") + " dict"
+        )
         what = f"autostate.{caller}: the {given} does not fit {type(model).__name__}"
         if saved_from:
             what += f" (it was saved from {saved_from})"
@@ -329,7 +390,6 @@ def rebuild(
             raise error(
                 format_error(
                     what + ":\n" + "\n".join(report.lines()),
-                    where=where,
                     fix="load into a model built with the same configuration as the saved one, "
                     "or pass strict=False to load only the keys that fit (the rest keep the "
                     "model's values).",
@@ -368,6 +428,7 @@ def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = Tr
     **Returns:** a new model (states embedded as with ``autostate.freeze``);
     parameters are shared with ``model``.
     """
+    state_dict = _require_loadable(state_dict, "state", "load_state_dict")
     return rebuild(
         model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError
     )
@@ -389,6 +450,7 @@ def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = Tr
     **Returns:** a new model; its states are ``model``'s, embedded as with
     ``autostate.freeze``.
     """
+    param_dict = _require_loadable(param_dict, "parameter", "load_param_dict")
     return rebuild(
         model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError
     )

@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 from jax._src import core as _core
 
 from autostate import tree as _tree
@@ -364,9 +365,12 @@ class States(dict):
 
         f, states = Shaped().functionalize()   # states: {'shape': (2,), ...}
         _, states = jax.jit(f.grow)(states)    # states['shape'] == (3,)
+        states = autostate.States({**states, "shape": (4,)})  # rebuilt by hand
 
     Otherwise it is a plain dict; ``functionalize`` and ``f`` return one only
-    when some state needs it (``states_dict``).
+    when some state needs it. A dict rebuilt by hand (``{**states}``) is a
+    plain one, whose Python values ``jax.jit`` would trace: wrap it in
+    ``autostate.States(...)`` again.
     """
 
     __slots__ = ()
@@ -1243,7 +1247,11 @@ def _frozen_initializer(value: Any) -> Callable[[], Any]:
 
 def _own_value(value: Any) -> Any:
     """``value``, its lists and dicts copied: a states dict of its own, which
-    code changing the model's list in place (a helper's ``append``) leaves alone."""
+    code changing the model's list in place (a helper's ``append``) leaves
+    alone. A numpy array becomes a jax array, as an assignment makes it (numpy's
+    ``+=`` would change the caller's array in place)."""
+    if type(value) is np.ndarray:
+        return jax.numpy.asarray(value)
     return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
 
 

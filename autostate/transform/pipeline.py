@@ -171,7 +171,7 @@ def _check_layout(cls: type) -> None:
                 f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
                 f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
                 "in the instance __dict__.",
-                where=_class_location(cls),
+                where=class_location(cls),
                 fix="remove __slots__ from the class (and its bases), or keep the slotted "
                 "values on an undecorated object outside the model.",
             )
@@ -183,7 +183,7 @@ def _slot_names(k: type) -> list[str]:
     return [declared] if isinstance(declared, str) else list(declared)
 
 
-def _class_location(cls: type) -> str | None:
+def class_location(cls: type) -> str | None:
     """``file:line`` of the class statement, else of the first function of
     its body, else its file."""
     code = next(
@@ -193,6 +193,10 @@ def _class_location(cls: type) -> str | None:
             for fn in (getattr(value, "__func__", value),)
             if isinstance(fn, types.FunctionType)
             and fn.__qualname__.rpartition(".")[0] == cls.__qualname__
+            # Not generated (a NamedTuple's __new__), nor another module's
+            # (collections' ``_make``, qualified as the class's own).
+            and fn.__code__.co_filename[:1] != "<"
+            and fn.__module__ == cls.__module__
         ),
         None,
     )
