@@ -392,6 +392,27 @@ def _entry_name(entry: Any) -> str:
     return entry if type(entry) is str else entry[1]
 
 
+# Slot type -> (split, join) for the states of a running call: JAX's flatten
+# of an instance inside ``f`` (``jax.vmap`` / ``lax.scan`` / ``tree_map``
+# over a sub-model) gives the state's current value as a leaf, so a copy JAX
+# rebuilds from sliced leaves reads its slice. ``split(slot)`` is
+# ``(value, key)`` or None (not running: the slot stays static);
+# ``join(key, value)`` is the rebuilt copy's slot (see the engine).
+_RUNNING_SLOTS: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {}
+
+
+def register_running_slot(
+    cls: type, split: Callable[[Any], Any], join: Callable[[Any, Any], Any]
+) -> None:
+    """Flattens ``cls`` slots of a running call as leaves (see ``_RUNNING_SLOTS``)."""
+    _RUNNING_SLOTS[cls] = (split, join)
+
+
+def _running_part(value: Any) -> Any:
+    how = _RUNNING_SLOTS.get(type(value))
+    return None if how is None else how[0](value)
+
+
 def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
     d = obj.__dict__
     remembered = _LAYOUTS.get(id(obj))
@@ -406,6 +427,9 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
         bound = _bound_to_self(obj, value)
         if bound is not None:
             aux.append(("m", name, bound))  # rebound to the rebuilt instance
+        elif _RUNNING_SLOTS and (running := _running_part(value)) is not None:
+            aux.append(("r", name, (type(value), running[1])))
+            children.append(running[0])
         elif is_dynamic(value):
             value, positions = _wrap_statics(value)
             aux.append(("c", name, positions) if positions else name)
@@ -435,7 +459,10 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         canonical = _CANONICAL.get(type(value))
         if canonical is not None:
             value = canonical(value)
-        if type(entry) is str:
+        if _RUNNING_SLOTS and (running := _running_part(value)) is not None:
+            aux.append(("r", name, (type(value), running[1])))
+            children.append(running[0])
+        elif type(entry) is str:
             aux.append(entry)
             children.append(value)
         elif entry[0] == "c":
@@ -453,7 +480,7 @@ def _flatten_instance_with_keys(obj: Any):
     keys = [
         jax.tree_util.GetAttrKey(_entry_name(entry))
         for entry in aux
-        if type(entry) is str or entry[0] == "c"
+        if type(entry) is str or entry[0] in "cr"
     ]
     return list(zip(keys, children)), aux
 
@@ -472,6 +499,9 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
                 d[entry[1]] = _unwrap_at(next(it), entry[2])
             elif entry[0] == "m":
                 d[entry[1]] = entry[2].rebind([obj])
+            elif entry[0] == "r":
+                slot_type, key = entry[2]
+                d[entry[1]] = _RUNNING_SLOTS[slot_type][1](key, next(it))
             else:
                 d[entry[1]] = entry[2].value
         _remember_layout(obj, aux)

@@ -1466,11 +1466,6 @@ def test_stacked_sub_model_member_read_eagerly(write_module: Loader, method: str
     assert_same(x * w - mean, getattr(model, method)(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: inside f, tree_map(lambda a: a[i], sub_model) slices "
-    "the sub-model's parameters but its copy still reads the whole (L, n) state",
-)
 def test_stacked_sub_model_sliced_by_tree_map_through_f(write_module: Loader) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
@@ -1479,11 +1474,6 @@ def test_stacked_sub_model_sliced_by_tree_map_through_f(write_module: Loader) ->
     assert_same(x * w - mean, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: inside f, a state read through a member of a "
-    "stacked sub-model under an in-method jax.vmap is not sliced: (L, L, n) out",
-)
 @pytest.mark.parametrize("jit", [False, True])
 def test_stacked_sub_model_member_read_under_vmap_through_f(
     write_module: Loader, jit: bool
@@ -1497,11 +1487,6 @@ def test_stacked_sub_model_member_read_under_vmap_through_f(
     assert_bits(dict(s), dict(s2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: lax.scan over a stacked sub-model: its params are "
-    "sliced per layer but its state reads the whole (L, n) stack, eager and in f",
-)
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
 def test_scan_over_a_stacked_sub_model_reads_its_layer_state(
     write_module: Loader, mode: str
@@ -1516,11 +1501,6 @@ def test_scan_over_a_stacked_sub_model_reads_its_layer_state(
     assert_same(x * w - mean, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: scan over layers of a stacked sub-model that reads "
-    "a state: raw JAX carry TypeError (state read unsliced), not the layer's value",
-)
 def test_scan_over_layers_of_a_stacked_sub_model_deep(write_module: Loader) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)

@@ -988,6 +988,43 @@ class HandledLocalStateRef(StateSlot):
         self._cell().value = value
 
 
+class CopiedRef(StateSlot):
+    """A handled state of a copy JAX made of a model inside the running call.
+
+    ``jax.vmap`` over a stacked sub-model, a sub-model in ``lax.scan``'s
+    ``xs`` or a ``tree_map`` that slices one flatten it and rebuild it from
+    the leaves they made: the state's value is one of those leaves
+    (``register_running_slot``), so the copy reads its own slice, as the
+    copy's parameters are sliced. A write goes to the handler's cell, as the
+    original's would (where it cannot land, JAX's trace of the write is
+    caught as an escaped state), and the copy reads the cell from then on.
+    """
+
+    __slots__ = ("ref", "value", "category", "name")
+
+    def __init__(self, ref: HandledLocalStateRef, value: Any):
+        self.ref, self.value = ref, value
+        self.category, self.name = ref.category, ref.name
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef:
+        self.ref.write(value, label)
+        return self.ref
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.value, self.ref.category, None)
+
+
+def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
+    return (ref.read(), ref) if is_running(ref.handler_id) else None
+
+
+_tree.register_running_slot(HandledLocalStateRef, _split_running_ref, CopiedRef)
+_tree.register_running_slot(CopiedRef, lambda c: (c.value, c.ref), CopiedRef)
+
+
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
 # Frozen and childless: one object per graphdef entry serves every rebuild.
 _tree.register_immutable_node(HandledLocalStateRef)
