@@ -1287,8 +1287,11 @@ def _own_value(value: Any) -> Any:
     code changing the model's list in place (a helper's ``append``) leaves
     alone. A numpy array becomes a jax array, as an assignment makes it (numpy's
     ``+=`` would change the caller's array in place)."""
-    if type(value) is np.ndarray:
+    t = type(value)
+    if t is np.ndarray:
         return jax.numpy.asarray(value)
+    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+        return value  # the common state, decided by one look-up: a call is per state
     return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
 
 
