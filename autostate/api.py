@@ -183,17 +183,22 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     # few reads: a 30-class file imports within 1.2x of it undecorated.
     if type(cls) is type or (isinstance(cls, type) and type(cls).__call__ is _TYPE_CALL):
         own = cls.__dict__
-        base = cls.__base__
         if (
             "__new__" not in own
             and INFO_ATTR not in own
-            and (base is object or cls.__new__ is object.__new__ or type(cls.__new__) is _NewFor)
+            and (
+                (base := cls.__base__) is object
+                or cls.__new__ is object.__new__
+                or type(cls.__new__) is _NewFor
+            )
         ):
             qualname = cls.__qualname__
-            fn = own.get("__init__")
+            # (``own.get`` is a method call through the mapping proxy: two
+            # look-ups are cheaper.)
+            fn = own["__init__"] if "__init__" in own else None
             filename: str | None
             if (
-                type(fn) is types.FunctionType
+                type(fn) is _FUNCTION
                 and (filename := (code := fn.__code__).co_filename)[:1] != "<"
                 and fn.__module__ == cls.__module__
             ):
@@ -206,18 +211,15 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
                 # A factory's class statement makes classes of one site with
                 # other bodies or bases: each is known by those too.
                 site = (*site, _body_and_bases(cls, own))
-            later = None  # where to record the decision once it is made, at the first use
-            last = _last_sites
-            if filename is None:
-                _decided_now(cls, own, fallback)
-            elif site not in (
-                last[2] if last[0] is filename and last[1] is spec is not None
-                else _sites_of_module(filename, spec)
-            ):
-                if _decided_now(cls, own, fallback):
-                    loader.remember_decided(filename, spec, site)
-                else:
-                    later = (filename, spec, site)
+            # Where to record the decision once it is made, at the first use:
+            # None when it is in the index (the module's sites, looked up at
+            # its first class statement: a module's class statements run in a
+            # row, and the code objects of one module share its file name).
+            later = (
+                None
+                if filename is _last_file and spec is _last_spec is not None and site in _last_set
+                else _site_not_known(cls, own, fallback, filename, spec, site)
+            )
             # What the class statement wrote: the decision is made on it at
             # the first use, whatever has replaced a method since. Its values
             # only (``_as_written`` finds their keys): a tuple is a third of a
@@ -246,17 +248,34 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     return _decorate(cls, category, fallback)
 
 
-# The sites decided before of the module whose classes were marked last (a
-# module's class statements run in a row; every code object of a module
-# shares its file name, so the test is by identity).
-_last_sites: tuple[Any, Any, Any] = (None, None, frozenset())
+# The sites decided before of the module whose classes were marked last, its
+# file name and spec (compared by identity).
+_last_file: Any = None
+_last_spec: Any = None
+_last_set: Any = frozenset()
 
 
-def _sites_of_module(filename: str, spec: Any) -> Any:
-    global _last_sites
-    sites = loader.file_sites(filename, spec)[2]
-    _last_sites = (filename, spec, sites)
-    return sites
+def _site_not_known(
+    cls: type, own: Mapping[str, Any], fallback: str | None, filename: str | None, spec: Any,
+    site: tuple,
+) -> tuple | None:
+    """A class statement whose site the fast path of ``stateful`` did not
+    find: looks up its module's sites, and decides the class now when it is
+    not among them. Where to record the decision made at the first use, or
+    None."""
+    global _last_file, _last_spec, _last_set
+    if filename is None:
+        _decided_now(cls, own, fallback)
+        return None
+    if filename is not _last_file or spec is not _last_spec or spec is None:
+        _last_set = loader.file_sites(filename, spec)[2]
+        _last_file, _last_spec = filename, spec
+    if site in _last_set:
+        return None
+    if _decided_now(cls, own, fallback):
+        loader.remember_decided(filename, spec, site)
+        return None
+    return (filename, spec, site)
 
 
 # --- decoration deferred to the first instance ------------------------------
@@ -395,6 +414,7 @@ _PENDING = _tree.PENDING  # the same dict, one read fewer per class statement
 _NEW_FOR: dict[type, _NewFor] = {}
 _PENDING_HOOK: Any = classmethod(_subclass_of_pending)
 _TYPE_CALL = type.__call__
+_FUNCTION = types.FunctionType
 
 
 def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> bool:

@@ -106,6 +106,8 @@ def user_location() -> str | None:
         filename = frame.filename
         if any(filename.startswith(prefix) for prefix in skip):
             continue
+        if filename.startswith("<frozen "):  # the standard library, frozen into Python
+            continue
         # The standard library, but not the packages installed inside it
         # (a Python without a virtual environment keeps site-packages there).
         if filename.startswith(stdlib) and not _installed_package(filename[len(stdlib):]):

@@ -30,6 +30,7 @@ from autostate import control as _control
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
+    HandlerId,
     StateSlot,
     contains_tracer,
     run_with_states,
@@ -629,7 +630,14 @@ def _trees_equal(a: Any, b: Any) -> bool:
     leaves_b, def_b = jax.tree_util.tree_flatten(b)
     if def_a != def_b:  # type: ignore[operator]
         return False
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
+    # A traced leaf has no value to compare (JAX's caches compare a traced f
+    # with a concrete one of the same structure): equal only to itself.
+    return all(
+        x is y
+        or not (isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer))
+        and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(leaves_a, leaves_b)
+    )
 
 
 # --- the keyed view: one pytree level per model level --------------------------
@@ -850,7 +858,7 @@ def handler_id_for(
     ids differ. A custom predicate cannot be named; it gets a fresh id.
     """
     if category_predicate is all_categories:
-        return "autostate:*"
+        return HandlerId("autostate:*")
     if category_predicate is None:
-        return f"autostate:{category!r}"
+        return HandlerId(f"autostate:{category!r}")
     return None

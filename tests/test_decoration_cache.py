@@ -33,7 +33,9 @@ def _empty_memory_caches(monkeypatch) -> None:
     """What a new process starts with: the loader's memory cache and the class
     statement's memo of the module looked up last."""
     monkeypatch.setattr(loader, "_MEMORY_CACHE", {})
-    monkeypatch.setattr(api, "_last_sites", (None, None, frozenset()))
+    monkeypatch.setattr(api, "_last_file", None)
+    monkeypatch.setattr(api, "_last_spec", None)
+    monkeypatch.setattr(api, "_last_set", frozenset())
 
 
 @pytest.fixture

@@ -53,10 +53,67 @@ from autostate.errors import (
 Category = Hashable
 StateSharing = Literal["forbidden", "allowed", "unsafe"]
 
-# handler id -> {state name -> cell}, for every handler currently running.
-_ACTIVE: contextvars.ContextVar[Mapping[Hashable, dict[str, LocalStateEffectImpl]]] = (
-    contextvars.ContextVar("autostate_active_handlers", default=types.MappingProxyType({}))
+# handler id -> what runs under it now: ``(id, {state name -> cell}, outer,
+# trace)``, ``outer`` the entry of a call with an equal id that this one runs
+# inside (one model's ``f`` called in another's method) or None, ``trace`` the
+# JAX trace the call started in (None outside every transformation).
+_Running = tuple[Hashable, dict[str, "LocalStateEffectImpl"], Any, Any]
+_ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.ContextVar(
+    "autostate_active_handlers", default=types.MappingProxyType({})
 )
+
+
+class HandlerId:
+    """The handler id of one ``functionalize()``: equal to every other of its
+    label, told apart from them by identity.
+
+    Equal, so that functionalizing a frozen model again gives an equal ``f``
+    (a jitted step is not traced again). Told apart, so that one model's
+    ``f`` called inside another's (or the same class's) reads its own states,
+    and the outer call's model reached from there reads the outer call's:
+    a running handler's state is found by the identity of the id its
+    references carry (copies of ``f`` -- pickling, ``deepcopy``, export --
+    copy the id once for ``f`` and its references).
+    """
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (
+            other.label == self.label if type(other) is HandlerId else other == self.label
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+    def __repr__(self) -> str:
+        return repr(self.label)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (HandlerId, (self.label,))
+
+
+def _running_entry(handler_id: Hashable) -> _Running | None:
+    """What ``_ACTIVE`` holds for the running call of ``handler_id``, or None."""
+    entry = _ACTIVE.get().get(handler_id)
+    if entry is None or entry[0] is handler_id or type(handler_id) is not HandlerId:
+        return entry
+    # Another ``f`` with an equal id runs inside (or instead of) this one's call.
+    entry = entry[2]
+    while entry is not None and entry[0] is not handler_id:
+        entry = entry[2]
+    return entry
+
+
+def _running_cells(handler_id: Hashable) -> dict[str, LocalStateEffectImpl] | None:
+    """The cells of the running call of ``handler_id``, or None."""
+    entry = _running_entry(handler_id)
+    return None if entry is None else entry[1]
+
+
 _handler_counter = itertools.count()
 # ids of the decorated instances of every body a handler is running now: the
 # instances whose non-state writes the run-time guard refuses.
@@ -126,7 +183,8 @@ class LostValue:
 
 def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
     """The cells of the running handler ``handler_id`` (empty if it is not running)."""
-    return _ACTIVE.get().get(handler_id, {})
+    cells = _running_cells(handler_id)
+    return {} if cells is None else cells
 
 
 def handler_running() -> bool:
@@ -136,7 +194,7 @@ def handler_running() -> bool:
 
 def is_running(handler_id: Hashable) -> bool:
     """Whether the handler with ``handler_id`` is running its body now."""
-    return handler_id in _ACTIVE.get()
+    return _running_cells(handler_id) is not None
 
 
 def is_guarded(obj: Any) -> bool:
@@ -147,7 +205,12 @@ def is_guarded(obj: Any) -> bool:
 
 def running_cells() -> list[LocalStateEffectImpl]:
     """The cells of every handler running in this context (what control flow threads)."""
-    return [cell for cells in _ACTIVE.get().values() for cell in cells.values()]
+    found = []
+    for entry in _ACTIVE.get().values():
+        while entry is not None:
+            found.extend(entry[1].values())
+            entry = entry[2]
+    return found
 
 
 def is_escaped_tracer(value: Any) -> bool:
@@ -173,8 +236,32 @@ def is_escaped_tracer(value: Any) -> bool:
     while live is not trace:
         parent = getattr(live, "parent_trace", None)
         if parent is None:
-            return isinstance(live, _core.EvalTrace)
+            # The chain of a function JAX traces on its own (a custom_jvp's,
+            # a custom_vjp's) reaches the root without the trace of the call
+            # around it, which is live: a functionalized call started in it.
+            # (JAX refuses such a function closing over a value it
+            # differentiates: that one is refused here, at the user's line.)
+            return isinstance(live, _core.EvalTrace) and not (
+                type(trace).__name__ not in _DIFFERENTIATING and _call_started_in(trace)
+            )
         live = parent
+    return False
+
+
+_DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
+
+
+def _call_started_in(trace: Any) -> bool:
+    """Whether a running functionalized call started in ``trace`` or in a
+    transformation inside it (its trace is then live)."""
+    for entry in _ACTIVE.get().values():
+        while entry is not None:
+            live = entry[3]
+            while live is not None:
+                if live is trace:
+                    return True
+                live = getattr(live, "parent_trace", None)
+            entry = entry[2]
     return False
 
 
@@ -200,12 +287,25 @@ def fresh_handler_id() -> str:
 _CONCRETE_LEAF_TYPES: set[type] = set()
 
 
+_ITERATOR_TYPES: dict[type, bool] = {}
+
+
+def _is_iterator(value: Any) -> bool:
+    t = type(value)
+    found = _ITERATOR_TYPES.get(t)
+    if found is None:
+        found = _ITERATOR_TYPES[t] = hasattr(t, "__next__") and hasattr(t, "__iter__")
+    return found
+
+
 def contains_tracer(value: Any) -> bool:
     """Whether any leaf of ``value`` is a JAX tracer."""
     t = type(value)
     if t in _CONCRETE_LEAF_TYPES:
         return False
-    leaves = jax.tree_util.tree_leaves(value)
+    # (An iterator -- a generator passed to ``f`` -- is a leaf: no tracer
+    # there, and JAX warns when it meets one unasked.)
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
     if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
         _CONCRETE_LEAF_TYPES.add(t)
         return False
@@ -944,8 +1044,22 @@ class HandledLocalStateRef(StateSlot):
     handleable = False
 
     def _cell(self) -> LocalStateEffectImpl:
-        cells = _ACTIVE.get().get(self.handler_id)
+        entry = _ACTIVE.get().get(self.handler_id)
+        cells = entry[1] if entry is not None and entry[0] is self.handler_id else (
+            None if entry is None else _running_cells(self.handler_id)
+        )
         if cells is None:
+            if entry is not None:  # another functionalized call with an equal id runs
+                raise UnhandledLocalStateError(
+                    format_error(
+                        f"State {self.name!r} (category {self.category!r}) belongs to a "
+                        "functionalized call that is not running: it was reached inside "
+                        "another model's call (a generator, closure or bound method of the "
+                        "model, kept after its own call returned).",
+                        fix="use the model's state inside its own call, or freeze it first "
+                        "(autostate.freeze(f, states)) and pass the frozen model.",
+                    )
+                )
             raise UnhandledLocalStateError(
                 format_error(
                     f"State {self.name!r} (category {self.category!r}) is unhandled: it "
@@ -995,9 +1109,14 @@ class CopiedRef(StateSlot):
     ``xs`` or a ``tree_map`` that slices one flatten it and rebuild it from
     the leaves they made: the state's value is one of those leaves
     (``register_running_slot``), so the copy reads its own slice, as the
-    copy's parameters are sliced. A write goes to the handler's cell, as the
-    original's would (where it cannot land, JAX's trace of the write is
-    caught as an escaped state), and the copy reads the cell from then on.
+    copy's parameters are sliced.
+
+    A write where the call runs (a ``tree_map`` or ``stop_gradient`` copy
+    in a method) stays the copy's, as it does eagerly: a copy is another
+    model. A write inside a transformation the call's method started (a
+    slice's write in a ``vmap`` or ``scan`` body) goes to the handler's
+    cell, as the original's would, where JAX's trace of it is caught as an
+    escaped state instead of being lost with the slice.
     """
 
     __slots__ = ("ref", "value", "category", "name")
@@ -1009,7 +1128,11 @@ class CopiedRef(StateSlot):
     def read(self) -> Any:
         return self.value
 
-    def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef:
+    def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
+        entry = _running_entry(self.ref.handler_id)
+        if entry is None or entry[3] is current_trace():
+            self.value = value
+            return None
         self.ref.write(value, label)
         return self.ref
 
@@ -1114,7 +1237,13 @@ def run_with_states(
         name: LocalStateEffectImpl(_own_value(value), name) for name, value in states.items()
     }
     outer = _ACTIVE.get()
-    token = _ACTIVE.set({**outer, handler_id: cells} if outer else {handler_id: cells})
+    trace = current_trace()
+    if outer:
+        token = _ACTIVE.set(
+            {**outer, handler_id: (handler_id, cells, outer.get(handler_id), trace)}
+        )
+    else:
+        token = _ACTIVE.set({handler_id: (handler_id, cells, None, trace)})
     outer_guard = _GUARDED.get()
     guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
     try:
