@@ -205,7 +205,7 @@ def is_guarded(obj: Any) -> bool:
 
 def running_cells() -> list[LocalStateEffectImpl]:
     """The cells of every handler running in this context (what control flow threads)."""
-    found = []
+    found: list[LocalStateEffectImpl] = []
     for entry in _ACTIVE.get().values():
         while entry is not None:
             found.extend(entry[1].values())
