@@ -82,6 +82,52 @@ class StateDeclaration:
     def __repr__(self) -> str:
         return f"state({self.value!r}, category={self.category!r}, name={self.name!r})"
 
+    def _used_as_value(self, *_args: Any) -> Any:
+        raise InvalidTypeError(_declaration_used_message())
+
+    # The marker reached as a value (kept in a local, a list, a helper's
+    # result, a dataclass field's default): its first use says so, instead of
+    # an operand error naming a class the user never wrote.
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used_as_value
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _used_as_value
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _used_as_value
+    __neg__ = __pos__ = __abs__ = __invert__ = __float__ = __int__ = _used_as_value
+    __index__ = __complex__ = __getitem__ = __len__ = __iter__ = _used_as_value
+    __array__ = __jax_array__ = _used_as_value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocols (copy, pickle) look for what is not here
+            raise AttributeError(name)
+        raise StateAccessError(_declaration_used_message())
+
+
+def _declaration_used_message(subject: str | None = None, cls: type | None = None) -> str:
+    where = user_location()
+    if cls is not None and (where is None or where.startswith("<")):
+        # Code generated for the class (a dataclass's __init__): its class line.
+        from autostate.transform.pipeline import class_location
+
+        where = class_location(cls)
+    return format_error(
+        f"{subject or 'An autostate.state(...) declaration'} was used as a value: "
+        "autostate.state(value) declares a state only where the decorator sees it, "
+        "assigned directly in a method of an @autostate.stateful class (`self.x = "
+        "autostate.state(value)`), not kept in a local or a list, returned by a helper or "
+        "set by generated code such as a dataclass field's default.",
+        where=where,
+        fix="assign it directly in __init__ (or a dataclass's __post_init__): `self.x = "
+        "autostate.state(value)`; a helper can return the value itself.",
+    )
+
+
+def _refuse_declaration_in_model(value: StateDeclaration) -> Any:
+    raise StateAccessError(
+        _declaration_used_message("A model holds an autostate.state(...) declaration that")
+    )
+
+
+_tree.register_canonical_form(StateDeclaration, _refuse_declaration_in_model)
+
 
 def make_slot(obj: Any, name: str, value: Any) -> Any:
     """The eager slot for a state first assigned ``value`` (a declaration or a value)."""
@@ -840,6 +886,14 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         store_state(self, name, value)
         return
     check_guarded_write(self, name, value)
+    if type(value) is StateDeclaration:
+        raise StateAccessError(
+            _declaration_used_message(
+                f"{type(self).__name__}.{name}, which is not a state, was assigned an "
+                "autostate.state(...) declaration, so it",
+                type(self),
+            )
+        )
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)

@@ -567,19 +567,9 @@ def test_state_marker_assigned_in_a_method(write_module: Loader) -> None:
     assert isinstance(states["x"], jax.Array), f"states['x'] is {states['x']!r}"
 
 
-MARKER_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: autostate.state(...) used as a local in a method or inside a list in __init__ "
-    "leaves the StateDeclaration marker in place; the first arithmetic on it raises a raw "
-    "\"unsupported operand type(s) for +: ... 'StateDeclaration'\" (nested state(state(v)) "
-    "unwraps)",
-)
-
-
 @pytest.mark.parametrize(
     "cls",
-    [pytest.param("AsLocal", marks=MARKER_BUG), pytest.param("InList", marks=MARKER_BUG), "Nested"],
+    ["AsLocal", "InList", "Nested"],
 )
 def test_state_marker_outside_init_assignment(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, STATE_MISUSE)
