@@ -830,6 +830,9 @@ def _checkpoint_call(
             values = _current(chosen)
         return out, values
 
+    if any(i >= len(args) or i < -len(args) for i in static):
+        # A static argument given by keyword: JAX's own error, its numbers the user's.
+        return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
     shifted = tuple(i + 1 if i >= 0 else i for i in static)
     rematted = jax.checkpoint(threaded, static_argnums=shifted, **options)
     out, values = rematted(_current(chosen), *args, **kwargs)

@@ -824,6 +824,8 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
         return
     if _state_or_descriptor(obj, name):
         return
+    if value is not _MISSING and _tree.holds_instance(value):
+        _refuse_submodel_swap(obj, name)  # (no declaration makes a sub-model state)
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, so assigning it inside a "

@@ -682,9 +682,6 @@ def test_grad_through_autostate_checkpoint_with_static_argnums(write_module: Loa
     assert_same(jax.grad(plain_loss)(plain.Dm().w), jax.jit(jax.grad(loss))(f).model.w)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: routed jax.checkpoint(..., static_argnums) given the static argument by keyword "
-    "raises JAX's ValueError with numbers shifted by autostate's hidden state argument"))
 def test_checkpoint_static_argnums_keyword_error_matches_jax(write_module: Loader) -> None:
     """Undecorated JAX says ``got (1,), while len(args) = 1``; the routed call must give
     the same message (or an autostate error naming the user's line), not ``(2,)``/``2``."""
