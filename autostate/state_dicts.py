@@ -81,7 +81,15 @@ def _is_array(x: Any) -> bool:
 
 
 def _params(body: Any) -> dict[str, Any]:
-    return dict(_tree.iter_tree(body, _is_array))
+    # One array in two places (tied weights) is one parameter, named by its
+    # first path, as f has it as one leaf.
+    params: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, leaf in _tree.iter_tree(body, _is_array):
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            params[name] = leaf
+    return params
 
 
 def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
@@ -243,8 +251,9 @@ def param_dict(model: Any) -> dict[str, Any]:
 
     Paths are built as state names are: attributes joined by ``.``, ``[0]``
     for sequence items, ``['k']`` for mapping keys, no leading dot. A
-    sub-model reachable from two paths (tied weights) appears once, under its
-    first path. Python scalars and strings are static configuration, not
+    sub-model or an array reachable from two paths (tied weights:
+    ``self.head.w = self.embed.w``) appears once, under its first path, and
+    loading it sets every place that holds it. Python scalars and strings are static configuration, not
     parameters.
 
     **Arguments:**
@@ -404,8 +413,9 @@ def rebuild(
         nested = unflatten_states(layout, flat)
     body = f.model
     if new_params:
-        new_params = {k: _converted_like(param_leaves[k], v) for k, v in new_params.items()}
-        body = _tree.map_tree(f.model, lambda leaf, name: new_params.get(name, leaf), _is_array)
+        # By the array replaced, so that every place of a tied one takes its new value.
+        by_id = {id(param_leaves[k]): _converted_like(param_leaves[k], v) for k, v in new_params.items()}
+        body = _tree.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _is_array)
     return _api.freeze(FunctionalModel(f.handler_id, body), nested)
 
 

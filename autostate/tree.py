@@ -954,9 +954,10 @@ def _graph_leaf(x: Any) -> bool:
 def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     """Flattens a model graph with each instance once: ``(leaves, graphdef)``.
 
-    Unlike the per-instance pytree registration, an instance reachable from
-    two paths contributes its leaves once (named by its first path), so tied
-    weights stay tied through ``jax.jit`` and get one summed gradient. The
+    Unlike the per-instance pytree registration, an instance (or an array)
+    reachable from two paths contributes its leaves once (named by its first
+    path), so tied weights stay tied through ``jax.jit`` and get one summed
+    gradient. The
     leaves are arrays only: every other value (a python scalar in a list, a
     function or a string inside a foreign pytree node) is static, in the
     graphdef. ``graphdef.keys`` holds each leaf's keypath from the root.
@@ -968,6 +969,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     instances: list[Any] = []
     attr_key = jax.tree_util.GetAttrKey
     statics: dict[int, Any] = {}  # copy_static's memo: one copy per container
+    arrays: dict[int, int] = {}  # id of an array leaf -> its index in leaves
 
     def visit(obj: Any, prefix: str, prefix_keys: tuple) -> int:
         seen = index.get(id(obj))
@@ -1000,10 +1002,15 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                 if type(leaf) in _STATEFUL_CLASSES:
                     parts.append(-1 - visit(leaf, sub, (*here_keys, *path)))
                 elif is_array_leaf(leaf):
-                    parts.append(len(leaves))
-                    leaves.append(leaf)
-                    names.append(path_name(sub))
-                    keys.append((*here_keys, *path))
+                    # One array in two places (``self.head.w = self.embed.w``)
+                    # is one leaf, as a shared sub-model is.
+                    at = arrays.get(id(leaf))
+                    if at is None:
+                        at = arrays[id(leaf)] = len(leaves)
+                        leaves.append(leaf)
+                        names.append(path_name(sub))
+                        keys.append((*here_keys, *path))
+                    parts.append(at)
                 elif type(leaf) in _CALLABLES and (held := _held_instances(leaf)) is not None:
                     where, where_keys = f"{sub}.__self__", (*here_keys, *path)
                     indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
