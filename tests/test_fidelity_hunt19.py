@@ -446,24 +446,11 @@ def test_worker_thread_inside_a_method_eagerly(write_module: Loader) -> None:
     check(plain, dec, "Pooled()", [("pool", ([1.0, 2.0],))], modes=("eager",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a method of f that reaches state from a worker thread it starts "
-    "(ThreadPoolExecutor.map(self.bump)) gets UnhandledLocalStateError 'handler "
-    "autostate:* is not running ... call the handler instead of its body' although "
-    "f was called; plain Python works",
-)
 def test_worker_thread_inside_a_method_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, POOL_IN_METHOD)
     check(plain, dec, "Pooled()", [("pool", ([1.0, 2.0],))], modes=("f",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under jax.jit(f) a state reached from a worker thread is reported as "
-    "'handler not running; call the handler instead of its body' instead of an error "
-    "saying the state was used from another thread than the call's",
-)
 def test_worker_thread_inside_a_method_under_jit_is_a_clear_error(
     write_module: Loader,
 ) -> None:

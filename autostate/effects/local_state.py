@@ -63,6 +63,11 @@ _ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.Conte
 )
 
 
+# The calls running now in every thread (id of the entry -> entry), for a
+# state reached from a thread the call's method started (see HandledLocalStateRef).
+_ANY_THREAD: dict[int, _Running] = {}
+
+
 class HandlerId:
     """The handler id of one ``functionalize()``: equal to every other of its
     label, told apart from them by identity.
@@ -1048,6 +1053,8 @@ class HandledLocalStateRef(StateSlot):
         cells = entry[1] if entry is not None and entry[0] is self.handler_id else (
             None if entry is None else _running_cells(self.handler_id)
         )
+        if cells is None and entry is None:
+            cells = self._cells_in_another_thread()
         if cells is None:
             if entry is not None:  # another functionalized call with an equal id runs
                 raise UnhandledLocalStateError(
@@ -1081,6 +1088,36 @@ class HandledLocalStateRef(StateSlot):
                     "(or by the previous call) unchanged in its keys.",
                 )
             ) from None
+
+    def _cells_in_another_thread(self) -> dict[str, LocalStateEffectImpl] | None:
+        """The cells of this state's call running in another thread, which
+        handed this thread a method of its model (a thread pool in a method):
+        plain Python's threads share the model, and an eager call's values do
+        too. Under a transformation they cannot: that is refused here."""
+        found = [
+            running
+            for running in list(_ANY_THREAD.values())
+            if running[0] is self.handler_id
+            or (type(self.handler_id) is not HandlerId and running[0] == self.handler_id)
+        ]
+        if len(found) != 1:
+            return None
+        cells = found[0][1]
+        cell = cells.get(self.name)
+        if found[0][3] is not None or (
+            cell is not None and isinstance(cell.value, jax.core.Tracer)
+        ):
+            raise UnhandledLocalStateError(
+                format_error(
+                    f"State {self.name!r} was reached from a thread other than the one "
+                    "running its functionalized call, while that call runs under a JAX "
+                    "transformation (jit, grad, vmap or a lax body), whose values cannot "
+                    "cross threads.",
+                    fix="reach the model's state in the thread that calls f (for example "
+                    "loop over the inputs in the method itself), or call f eagerly.",
+                )
+            )
+        return cells
 
     def get(self) -> Any:
         """Current value of the state in the running handler."""
@@ -1237,13 +1274,9 @@ def run_with_states(
         name: LocalStateEffectImpl(_own_value(value), name) for name, value in states.items()
     }
     outer = _ACTIVE.get()
-    trace = current_trace()
-    if outer:
-        token = _ACTIVE.set(
-            {**outer, handler_id: (handler_id, cells, outer.get(handler_id), trace)}
-        )
-    else:
-        token = _ACTIVE.set({handler_id: (handler_id, cells, None, trace)})
+    running = (handler_id, cells, outer.get(handler_id) if outer else None, current_trace())
+    token = _ACTIVE.set({**outer, handler_id: running} if outer else {handler_id: running})
+    _ANY_THREAD[id(running)] = running
     outer_guard = _GUARDED.get()
     guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
     try:
@@ -1251,6 +1284,7 @@ def run_with_states(
     finally:
         _GUARDED.reset(guard_token)
         _ACTIVE.reset(token)
+        del _ANY_THREAD[id(running)]
     return result, states_dict({name: cell.value for name, cell in cells.items()})
 
 
