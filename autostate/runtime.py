@@ -109,10 +109,10 @@ def _declaration_used_message(subject: str | None = None, cls: type | None = Non
 
         where = class_location(cls)
     return format_error(
-        f"{subject or 'An autostate.state(...) declaration'} was used as a value: "
-        "autostate.state(value) declares a state only where the decorator sees it, "
+        f"{subject or 'An autostate.state(...) declaration was used as a value.'} "
+        "autostate.state(value) declares a state only where the decorator sees it: "
         "assigned directly in a method of an @autostate.stateful class (`self.x = "
-        "autostate.state(value)`), not kept in a local or a list, returned by a helper or "
+        "autostate.state(value)`), not kept in a local or a list, returned by a helper, or "
         "set by generated code such as a dataclass field's default.",
         where=where,
         fix="assign it directly in __init__ (or a dataclass's __post_init__): `self.x = "
@@ -122,7 +122,7 @@ def _declaration_used_message(subject: str | None = None, cls: type | None = Non
 
 def _refuse_declaration_in_model(value: StateDeclaration) -> Any:
     raise StateAccessError(
-        _declaration_used_message("A model holds an autostate.state(...) declaration that")
+        _declaration_used_message("A model holds an autostate.state(...) declaration as a value.")
     )
 
 
@@ -891,8 +891,8 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     if type(value) is StateDeclaration:
         raise StateAccessError(
             _declaration_used_message(
-                f"{type(self).__name__}.{name}, which is not a state, was assigned an "
-                "autostate.state(...) declaration, so it",
+                f"{type(self).__name__}.{name} was assigned an autostate.state(...) "
+                "declaration the decorator did not see, so it is not a state.",
                 type(self),
             )
         )
