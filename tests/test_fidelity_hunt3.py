@@ -741,19 +741,6 @@ class Cache:
     def reset(self):
         del self.kv  # HERE
 """,
-    "setattr": """
-@autostate.stateful
-class Counter:
-    def __init__(self):
-        self.count = jnp.zeros(())
-
-    def __call__(self):
-        setattr(self, "count", self.count + 1)  # HERE
-        return self.count
-
-    def reset(self):
-        self.count = jnp.zeros(())
-""",
     "outside-init": """
 @autostate.stateful
 class Tracker:

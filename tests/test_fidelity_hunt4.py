@@ -758,7 +758,9 @@ def test_state_writes_through_the_instance_dict_are_state_writes(
 
 @pytest.mark.parametrize(
     "method",
-    ["via_object_param", "via_sub_vars", "add_attr", "del_attr", "set_static"],
+    # (``object.__setattr__(self, "w", x)`` with a literal name is ``self.w = x``:
+    # ``w`` is a state; tests/test_setattr_spellings.py.)
+    ["via_sub_vars", "add_attr", "del_attr", "set_static"],
 )
 def test_writes_behind_descriptors_are_refused_and_f_survives(
     write_module: Loader, method: str

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import keyword
 import re
+import sys
 import tokenize
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -68,6 +70,13 @@ class MethodFacts:
     references: set[str] = dataclasses.field(default_factory=set)
     is_async: bool = False
     is_generator: bool = False
+    # ``delattr(self, "x")`` and the other deletes by a literal name, with
+    # their lines (``del self.x`` is in ``deletes``).
+    named_deletes: list[tuple[NamedAccess, int]] = dataclasses.field(default_factory=list)
+    # Names of ``ACCESS_BUILTINS`` the method's module or closure binds to
+    # something else (the caller has the globals); ``shadowed()`` adds the
+    # method's own bindings.
+    shadowed_outside: frozenset[str] = frozenset()
 
     def touched(self) -> set[str]:
         return set(self.reads) | {a.attr for a in self.assignments}
@@ -312,14 +321,12 @@ def _comprehension_names(node: cst.CSTNode) -> set[str]:
     return names
 
 
-def _hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool:
-    """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
-    a parameter, bound there (Python makes it local to the whole body) and not
-    declared ``nonlocal``, or declared ``global``."""
-    if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
-        return True
-    bound: set[str] = set()
-    declared: dict[str, bool] = {}  # name -> global (else nonlocal)
+def _scope_names(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef) -> tuple[set[str], dict[str, bool]]:
+    """The names ``scope`` binds of its own (parameters included, not a class
+    body's), and those it declares: name -> ``True`` for ``global``, ``False``
+    for ``nonlocal``."""
+    bound: set[str] = set() if isinstance(scope, cst.ClassDef) else set(_param_names(scope.params))
+    declared: dict[str, bool] = {}
     pending: list[cst.CSTNode] = [scope.body]
     while pending:
         node = pending.pop()
@@ -337,6 +344,16 @@ def _hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> boo
             pending.append(node.params)
         else:
             pending.extend(walk.children(node))
+    return bound, declared
+
+
+def _hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool:
+    """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
+    a parameter, bound there (Python makes it local to the whole body) and not
+    declared ``nonlocal``, or declared ``global``."""
+    if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
+        return True
+    bound, declared = _scope_names(scope)
     if name in declared:
         return declared[name]
     return name in bound
@@ -361,6 +378,8 @@ class ReceiverScopes:
         self.stack: list[tuple[bool, bool]] = []
         self.inside = False
         self._comprehensions: set[int] = set()
+        # Comprehensions entered (each its own frame before Python 3.12).
+        self._frames: set[int] = set()
 
     def enter(self, node: cst.CSTNode) -> None:
         if node is self.method:
@@ -369,6 +388,7 @@ class ReceiverScopes:
         if not self.inside:
             return
         if isinstance(node, _COMPREHENSIONS):
+            self._frames.add(id(node))
             # A comprehension is a scope only for the names its ``for`` binds:
             # ``sum(m.x for self in others)`` does not rebind the receiver.
             if self.receiver in _comprehension_names(node):
@@ -385,6 +405,7 @@ class ReceiverScopes:
         if node is self.method:
             self.inside = False
         elif isinstance(node, _COMPREHENSIONS):
+            self._frames.discard(id(node))
             if id(node) in self._comprehensions:
                 self._comprehensions.discard(id(node))
                 self.stack.pop()
@@ -394,6 +415,18 @@ class ReceiverScopes:
     @property
     def nested(self) -> bool:
         return bool(self.stack)
+
+    @property
+    def in_method_frame(self) -> bool:
+        """Whether code here runs in the method's own frame, where zero-argument
+        ``super()`` binds the receiver (a comprehension had a frame of its own
+        before Python 3.12)."""
+        return (
+            self.inside
+            and not self.stack
+            and (not self._frames or sys.version_info >= (3, 12))
+            and self.receiver is not None
+        )
 
     @property
     def visible(self) -> bool:
@@ -414,6 +447,126 @@ class ReceiverScopes:
         ):
             return identifier(expr.attr.value)
         return None
+
+
+# The builtins that reach an attribute by name; a method (or its module, or
+# its closure) may bind one of these names to something else.
+ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object", "super"})
+# builtin -> (kind, how many arguments it takes, receiver included)
+_BY_NAME = {"setattr": ("set", (3,)), "getattr": ("get", (2, 3)), "delattr": ("del", (2,)),
+            "hasattr": ("has", (2,))}
+# ``object.<dunder>`` / ``super().<dunder>`` -> kind
+_BY_DUNDER = {"__setattr__": "set", "__getattribute__": "get", "__delattr__": "del"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedAccess:
+    """A call that reads, writes or deletes an attribute of the receiver by a
+    literal name: ``setattr(self, "x", v)``, ``object.__setattr__(self, "x",
+    v)``, ``super().__setattr__("x", v)``, ``getattr(self, "x"[, d])``,
+    ``object.__getattribute__(self, "x")``, ``delattr(self, "x")``, ... .
+
+    ``name`` is the attribute as the string spells it: Python neither
+    mangles nor normalizes it. ``via`` says whose hooks it goes through:
+    ``"class"`` (the class's own ``__setattr__`` / ``__getattribute__``, as
+    ``self.x`` does), ``"object"`` (none of them) or ``"super"`` (the next
+    class's in the MRO).
+    """
+
+    kind: str  # "set", "get", "del", "has"
+    name: str
+    via: str
+    spelling: str  # the function as written: "setattr", "object.__setattr__", "super().__setattr__"
+    value: cst.BaseExpression | None  # what ``set`` assigns
+    has_default: bool  # ``getattr(self, "x", default)``
+
+    def text(self, receiver: str) -> str:
+        """How the call reads in an error message: ``delattr(self, 'x')``."""
+        args = [repr(self.name), *(["..."] if self.kind == "set" or self.has_default else [])]
+        if self.via != "super":
+            args.insert(0, receiver)
+        return f"{self.spelling}({', '.join(args)})"
+
+
+def _literal_name(expr: cst.BaseExpression) -> str | None:
+    """The attribute a literal string names, if ``self.<it>`` could spell it."""
+    if not isinstance(expr, (cst.SimpleString, cst.ConcatenatedString)):
+        return None
+    value = expr.evaluated_value
+    if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
+        return None
+    return None if is_dunder(value) else value
+
+
+def named_access(
+    call: cst.Call, scopes: ReceiverScopes, shadowed: Callable[[], frozenset[str]]
+) -> NamedAccess | None:
+    """``call`` as a ``NamedAccess`` of the receiver ``scopes`` tracks, else None.
+
+    Only plain positional arguments, a literal name and the builtin meaning
+    of the function name count (``shadowed()`` gives the names of
+    ``ACCESS_BUILTINS`` bound to something else where the method runs); a
+    computed name is left to the run-time guard. Shared by the analysis and
+    the rewriter, so both agree on which calls are attribute statements.
+    """
+    func, args = call.func, call.args
+    if not args or any(a.star or a.keyword is not None for a in args):
+        return None
+    if isinstance(func, cst.Name):
+        kind, counts = _BY_NAME.get(func.value, (None, ()))
+        if kind is None or len(args) not in counts:
+            return None
+        receiver_arg, rest, via, spelling = args[0], args[1:], "class", func.value
+    elif (
+        isinstance(func, cst.Attribute)
+        and func.attr.value in _BY_DUNDER
+        and isinstance(func.value, (cst.Name, cst.Call))
+    ):
+        kind, owner = _BY_DUNDER[func.attr.value], func.value
+        if isinstance(owner, cst.Name) and owner.value == "object":
+            receiver_arg, rest, via = args[0], args[1:], "object"
+            spelling = f"object.{func.attr.value}"
+        elif (
+            isinstance(owner, cst.Call)
+            and isinstance(owner.func, cst.Name)
+            and owner.func.value == "super"
+            and not owner.args
+            and scopes.in_method_frame
+        ):
+            receiver_arg, rest, via = None, args, "super"
+            spelling = f"super().{func.attr.value}"
+        else:
+            return None
+        if len(rest) != (2 if kind == "set" else 1):
+            return None
+    else:
+        return None
+    if not rest:
+        return None
+    name = _literal_name(rest[0].value)
+    if name is None:
+        return None
+    if receiver_arg is not None and scopes.attr_of(
+        cst.Attribute(value=receiver_arg.value, attr=cst.Name("_"))
+    ) is None:
+        return None
+    if spelling.partition(".")[0].partition("(")[0] in shadowed():
+        return None
+    return NamedAccess(
+        kind,
+        name,
+        via,
+        spelling,
+        rest[1].value if kind == "set" else None,
+        kind == "get" and len(rest) == 2,
+    )
+
+
+def locally_bound(function: cst.FunctionDef, names: frozenset[str] = ACCESS_BUILTINS) -> frozenset[str]:
+    """Which of ``names`` the method binds itself (a parameter, a local, a
+    ``global`` declaration), so that there they are not the builtins."""
+    bound, declared = _scope_names(function)
+    return frozenset(n for n in names if n in bound or n in declared)
 
 
 def subscript_base(expr: cst.BaseExpression) -> cst.BaseExpression:
@@ -482,6 +635,12 @@ class _FactCollector(cst.CSTVisitor):
         self.class_name = class_name
         self.positions = _Positions(facts.module, shift)
         self.scopes = ReceiverScopes(facts.function, facts.receiver)
+        self._shadowed: frozenset[str] | None = None
+
+    def shadowed(self) -> frozenset[str]:
+        if self._shadowed is None:  # walks the method: only once a candidate call is seen
+            self._shadowed = self.facts.shadowed_outside | locally_bound(self.facts.function)
+        return self._shadowed
 
     def _line(self, node: cst.CSTNode) -> int:
         return Line(self.positions, node)  # type: ignore[return-value]
@@ -655,8 +814,23 @@ class _FactCollector(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         func = node.func
-        if isinstance(func, cst.Name) and func.value in ("setattr", "getattr", "delattr", "hasattr"):
-            if len(node.args) >= 2 and self.scopes.attr_of(
+        access = named_access(node, self.scopes, self.shadowed)
+        if access is not None and access.kind == "set":
+            # ``setattr(self, "x", v)`` is ``self.x = v`` (no mangling: a string).
+            self.facts.assignments.append(
+                Assignment(access.name, self._line(node), "set", self.scopes.nested)
+            )
+            value = access.value
+            if isinstance(value, cst.Call) and (dotted := dotted_name(value.func)) is not None:
+                self.facts.declarations[access.name] = (dotted, self._line(node))
+        elif access is not None and access.kind == "get":
+            self.facts.reads.setdefault(access.name, self._line(node))
+        elif access is not None and access.kind == "del":
+            self.facts.named_deletes.append((access, self._line(node)))
+        elif isinstance(func, cst.Name) and func.value in ("setattr", "getattr", "delattr", "hasattr"):
+            # ``hasattr(self, "x")`` and the forms above the rewrite cannot
+            # follow (a name ``self.<it>`` cannot spell, extra arguments).
+            if len(node.args) >= 2 and func.value not in self.shadowed() and self.scopes.attr_of(
                 cst.Attribute(value=node.args[0].value, attr=cst.Name("_"))
             ):
                 literal = node.args[1].value
@@ -686,14 +860,21 @@ class _FactCollector(cst.CSTVisitor):
             self.facts.is_generator = True
 
 
-def collect_facts(class_name: str, source: MethodSource) -> MethodFacts:
-    """Parses one method and collects how it uses its receiver."""
+def collect_facts(
+    class_name: str, source: MethodSource, shadowed: frozenset[str] = frozenset()
+) -> MethodFacts:
+    """Parses one method and collects how it uses its receiver.
+
+    ``shadowed``: the names of ``ACCESS_BUILTINS`` the method's globals bind
+    to something else (``setattr(self, "x", v)`` is no write there).
+    """
     text, shift = wrapper_source(class_name, source)
     module = _parse(text, shift, class_name, source)
     function = _method_node(module, class_name, source)
     receiver = receiver_name(function) if source.has_receiver else None
     facts = MethodFacts(
-        source=source, receiver=receiver, module=module, function=function, text=text, shift=shift
+        source=source, receiver=receiver, module=module, function=function, text=text, shift=shift,
+        shadowed_outside=shadowed | (ACCESS_BUILTINS & frozenset(source.freevars)),
     )
     walk.visit(module, _FactCollector(facts, source.mangle_as or class_name, shift))
     return facts
@@ -719,7 +900,11 @@ def without_decorator_helpers(class_name: str, methods: Sequence[MethodFacts]) -
                 key = (facts.source.filename, name)
                 used[key] = max(used.get(key, 0), facts.source.first_line)
     return [
-        collect_facts(class_name, dataclasses.replace(facts.source, has_receiver=False))
+        collect_facts(
+            class_name,
+            dataclasses.replace(facts.source, has_receiver=False),
+            facts.shadowed_outside,
+        )
         if facts.receiver is not None
         and facts.source.first_line < used.get((facts.source.filename, facts.source.key), 0)
         else facts
@@ -802,7 +987,29 @@ def analyze_class(
                     f"assign a placeholder instead (`{facts.receiver}.{attr} = None`) or keep "
                     "the attribute.",
                 )
+        for access, line in facts.named_deletes:
+            if access.name in state:
+                raise _fail(
+                    class_name,
+                    f"`{access.text(facts.receiver or 'self')}` deletes state {access.name!r}, as "
+                    f"`del {facts.receiver}.{access.name}` does; a state cannot be removed from a "
+                    "pure function's inputs.",
+                    src,
+                    line,
+                    f"assign a placeholder instead (`{facts.receiver}.{access.name} = None`) or "
+                    "keep the attribute.",
+                )
         for func, attr, line in facts.reflective:
+            if attr in state and func == "hasattr":
+                raise _fail(
+                    class_name,
+                    f"`hasattr({facts.receiver}, {attr!r})` tests state {attr!r} by name; a state "
+                    "exists from __init__ on, so the rewrite has no test to follow.",
+                    src,
+                    line,
+                    f"drop the test, and give the state its initial value in __init__ "
+                    f"(`{facts.receiver}.{attr} = jnp.zeros(...)`).",
+                )
             if attr in state:
                 raise _fail(
                     class_name,

@@ -92,8 +92,9 @@ def decide_class(
     class_defaults = _class_defaults(cls).union(*(b.defaults for b in bases))
     # Everything the decision depends on besides the class's own files: the
     # options, what decorated bases decided, every base (and its properties),
-    # the undecorated bases' source files (their writes are state), and which
-    # global names are autostate.state in each function's module.
+    # the undecorated bases' source files (their writes are state), which
+    # global names are autostate.state in each function's module, and which
+    # rebind ``setattr`` & co. (then no attribute statement by name).
     extra = (
         fallback,
         sorted(inherited),
@@ -101,6 +102,7 @@ def decide_class(
         _base_properties(cls),
         [b.__qualname__ for b in cls.__mro__[1:]],
         _marker_names(slots, state_marker),
+        sorted(set().union(*(_shadowed_builtins(s.function) for s in slots))),
         sorted(class_defaults),
         sorted(_dataclass_pending(cls)),
         sys.version,
@@ -275,6 +277,19 @@ def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
     return sorted(names)
 
 
+# ``analysis.ACCESS_BUILTINS``, kept here so a warm decoration imports no libcst.
+_ACCESS_BUILTINS = ("setattr", "getattr", "delattr", "hasattr", "object", "super")
+
+
+def _shadowed_builtins(fn: types.FunctionType) -> frozenset[str]:
+    """The names ``setattr(self, "x", v)`` and its kin use that ``fn``'s module
+    binds to something else than the builtin: there they write no attribute."""
+    g = fn.__globals__
+    return frozenset(
+        n for n in _ACCESS_BUILTINS if n in g and g[n] is not getattr(builtins, n)
+    )
+
+
 def _base_properties(cls: type) -> list[str]:
     # object has none (and most of the entries to scan: a tenth of a warm hit).
     return sorted(
@@ -348,6 +363,20 @@ def _function_text(fn: types.FunctionType) -> str | None:
     return None if block is None else "".join(block)
 
 
+def _collect_facts(
+    class_name: str, text: source.MethodSource, fn: types.FunctionType
+) -> analysis.MethodFacts:
+    """``analysis.collect_facts`` for ``fn``, told which of ``setattr`` & co. its
+    module rebinds (rarely any: then the call keeps its two-argument shape,
+    which wrappers of ``collect_facts`` rely on)."""
+    from autostate.transform import analysis
+
+    shadowed = _shadowed_builtins(fn)
+    if shadowed:
+        return analysis.collect_facts(class_name, text, shadowed)
+    return analysis.collect_facts(class_name, text)
+
+
 def _base_facts(base: type) -> list[analysis.MethodFacts]:
     from autostate.transform import analysis
 
@@ -355,7 +384,7 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
     for slot in source.find_methods(base):
         try:
             text = source.method_source(base, slot)
-            facts.append(analysis.collect_facts(base.__name__, text))
+            facts.append(_collect_facts(base.__name__, text, slot.function))
         except (SourceUnavailableError, DecorationError, OSError):
             continue
     return analysis.without_decorator_helpers(base.__name__, facts)
@@ -372,11 +401,9 @@ def _read_facts(
     factory) whose source cannot be read is skipped: its writes meet the
     run-time guard instead.
     """
-    from autostate.transform import analysis
-
     try:
         text = source.method_source(cls, slot)
-        facts = analysis.collect_facts(cls.__name__, text)
+        facts = _collect_facts(cls.__name__, text, slot.function)
         same = loader.compiles_to(facts.text, text, facts.shift, slot.function.__code__)
     except (SourceUnavailableError, DecorationError) as exc:
         return None, exc
@@ -486,6 +513,7 @@ def _transform(
             method.source.mangle_as or cls.__name__,
             is_init=slot.attr == "__init__",
             control=control,
+            shadowed=method.shadowed_outside,
         )
         shift = method.shift
         codes[slot.key] = loader.compile_method(

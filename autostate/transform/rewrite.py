@@ -17,6 +17,10 @@ control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint
                                  a call or used as a decorator
 ``vars(obj)``, ``obj.__dict__``  ``__autostate__.vars_of(vars, obj)``, ``__autostate__.dict_of(obj)``:
 (read)                           for a model, its instance dict with the states' values
+``setattr(self, "x", v)``        ``__autostate__.set(self, "x", v)`` (``init`` in ``__init__``)
+``getattr(self, "x")``           ``__autostate__.get(self, "x")``
+``object.__setattr__`` /         ``__autostate__.store_state(self, "x", v)`` /
+``object.__getattribute__``      ``__autostate__.read_state(self, "x")``: past the class's own hooks
 ===============================  =============================================
 
 No JAX here: the runtime the generated code calls is ``autostate.runtime``.
@@ -31,9 +35,12 @@ import libcst as cst
 from autostate.transform import walk
 from autostate.transform.analysis import (
     RUNTIME_NAME,
+    NamedAccess,
     ReceiverScopes,
     dotted_name,
+    locally_bound,
     mangle,
+    named_access,
     subscript_base,
 )
 
@@ -93,9 +100,14 @@ class StateRewriter(cst.CSTTransformer):
         *,
         is_init: bool,
         control: Mapping[str, str] | None = None,
+        shadowed: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.control = control or {}
+        self.method = method
+        # ``MethodFacts.shadowed_outside``: builtins the module or closure rebinds.
+        self.shadowed_outside = shadowed
+        self._shadowed: frozenset[str] | None = None
         self.scopes = ReceiverScopes(method, receiver)
         self.receiver = receiver
         self.state = state
@@ -233,8 +245,38 @@ class StateRewriter(cst.CSTTransformer):
         routed = cst.Attribute(value=_runtime("control"), attr=cst.Name(name))
         return routed.with_changes(lpar=updated.lpar, rpar=updated.rpar)
 
+    def _shadowed_names(self) -> frozenset[str]:
+        if self._shadowed is None:
+            self._shadowed = self.shadowed_outside | locally_bound(self.method)
+        return self._shadowed
+
+    def _named_access(self, call: cst.Call) -> str | None:
+        """The runtime function a state access by literal name becomes, if any.
+
+        ``setattr``/``getattr`` go through the class's own hooks as ``self.x``
+        does (``set``, ``init``, ``get``); ``object.__setattr__`` /
+        ``object.__getattribute__`` bypass them (``store_state``,
+        ``read_state``: what the state's descriptor does). ``super().__setattr__``
+        and ``getattr`` with a default stay as written: the state's
+        descriptor routes them (after the MRO's hooks) to the same slot.
+        """
+        access: NamedAccess | None = named_access(call, self.scopes, self._shadowed_names)
+        if access is None or access.name not in self.state or access.via == "super":
+            return None
+        if access.kind == "set":
+            if access.via == "object":
+                return "store_state"
+            return "init" if self.is_init else "set"
+        if access.kind == "get" and not access.has_default:
+            return "read_state" if access.via == "object" else "get"
+        return None
+
     def leave_Call(self, original_node, updated_node):
         func, args = original_node.func, original_node.args
+        runtime_name = self._named_access(original_node)
+        if runtime_name is not None:
+            # Same arguments in the same order: only the function changes.
+            return updated_node.with_changes(func=_runtime(runtime_name))
         if (
             (
                 (isinstance(func, cst.Name) and func.value == "vars")
@@ -437,13 +479,19 @@ def rewrite_method(
     *,
     is_init: bool,
     control: Mapping[str, str] | None = None,
+    shadowed: frozenset[str] = frozenset(),
 ) -> str:
     """Returns the wrapper module's source with ``method`` rewritten.
 
     ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
-    function each call of them goes through (``"scan"``).
+    function each call of them goes through (``"scan"``); ``shadowed`` names
+    the builtins of ``analysis.ACCESS_BUILTINS`` the method's module or
+    closure binds to something else.
     """
-    rewriter = StateRewriter(method, receiver, state, class_name, is_init=is_init, control=control)  # type: ignore[arg-type]
+    rewriter = StateRewriter(
+        method, receiver, state, class_name,  # type: ignore[arg-type]
+        is_init=is_init, control=control, shadowed=shadowed,
+    )
     new_method = walk.transform(method, rewriter)
     return _replace_method(module, method, new_method).code
 
