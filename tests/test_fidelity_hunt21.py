@@ -314,16 +314,13 @@ def test_eager_f_on_a_plain_sub_object_leaves_the_model_alone(write_module: Load
     assert model.cfg.lr == 1.0, "the eager model changed"
 
 
-BARE = pytest.mark.xfail(strict=True, reason="BUG: a bare annotation `self.a: T` (no value) "
-                         "of a state is rewritten into an illegal annotation target: raw "
-                         "SyntaxError from compile() at decoration")
 
 
 @pytest.mark.parametrize(
     ("init", "step"),
     [
-        pytest.param("self.a = jnp.zeros(())", 'self.a: "jax.Array"', marks=BARE, id="method"),
-        pytest.param("self.a: jax.Array\n        self.a = jnp.zeros(())", "pass", marks=BARE,
+        pytest.param("self.a = jnp.zeros(())", 'self.a: "jax.Array"', id="method"),
+        pytest.param("self.a: jax.Array\n        self.a = jnp.zeros(())", "pass",
                      id="init"),
         pytest.param("self.a = jnp.zeros(())\n        self.w = 2.0", "self.w: float",
                      id="non_state"),
@@ -986,9 +983,6 @@ class G:
     check(plain, dec, "G()", [("step", (X1,)), ("step", (X2,))])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: annotations of a nested function (strings under "
-                   "`from __future__ import annotations`) show the rewritten text "
-                   "__autostate__.get(self, 'x') instead of self.x")
 def test_annotations_of_a_nested_function_keep_their_text(write_module: Loader) -> None:
     source = """
 @DECORATE

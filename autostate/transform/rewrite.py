@@ -392,6 +392,13 @@ class StateRewriter(cst.CSTTransformer):
             return cst.Expr(_call("augitem", item, _string(symbol), updated_node.value))
         return updated_node
 
+    def visit_Annotation(self, node: cst.Annotation) -> bool:
+        # An annotation keeps its text: under ``from __future__ import
+        # annotations`` it is that text, and where Python evaluates it (a
+        # nested function's parameters) ``self.x`` reads the state through
+        # its descriptor.
+        return False
+
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         if node.value is not None:
             self._mark(node.target)
@@ -400,7 +407,8 @@ class StateRewriter(cst.CSTTransformer):
 
     def leave_AnnAssign(self, original_node, updated_node):
         if updated_node.value is None:
-            return updated_node
+            # ``self.x: T`` alone assigns nothing and reads nothing: as written.
+            return updated_node.with_changes(target=original_node.target)
         attr = self._state_attr(updated_node.target)
         if attr is not None:
             name = "init" if self.is_init else "set"
