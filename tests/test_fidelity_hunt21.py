@@ -659,9 +659,7 @@ def test_comments_strings_and_docstrings_are_not_rewritten(write_module: Loader)
     "writer",
     ["(self).n += v", "(self).n = self.n + v", "self . n = self.n + v", "(self).n, k = self.n + v, 1",
      "for (self).n in [self.n + v]: pass",
-     pytest.param("self.__setattr__('n', self.n + v)", marks=pytest.mark.xfail(
-         strict=True, reason="BUG: `self.__setattr__('n', v)` as the only writer does not make "
-         "`n` a state (setattr(self, 'n', v) does): f refuses it with StateAccessError"))],
+     "self.__setattr__('n', self.n + v)"],
     ids=["paren_aug", "paren_assign", "spaced", "paren_tuple", "paren_for", "dunder_setattr"],
 )
 def test_only_writer_spelled_oddly_makes_a_state(write_module: Loader, writer: str) -> None:

@@ -469,8 +469,9 @@ class NamedAccess:
     ``name`` is the attribute as the string spells it: Python neither
     mangles nor normalizes it. ``via`` says whose hooks it goes through:
     ``"class"`` (the class's own ``__setattr__`` / ``__getattribute__``, as
-    ``self.x`` does), ``"object"`` (none of them) or ``"super"`` (the next
-    class's in the MRO).
+    ``self.x`` does), ``"object"`` (none of them), ``"super"`` (the next
+    class's in the MRO) or ``"self"`` (``self.__setattr__("x", v)``: the
+    class's own, called on the receiver).
     """
 
     kind: str  # "set", "get", "del", "has"
@@ -483,7 +484,7 @@ class NamedAccess:
     def text(self, receiver: str) -> str:
         """How the call reads in an error message: ``delattr(self, 'x')``."""
         args = [repr(self.name), *(["..."] if self.kind == "set" or self.has_default else [])]
-        if self.via != "super":
+        if self.via not in ("super", "self"):
             args.insert(0, receiver)
         return f"{self.spelling}({', '.join(args)})"
 
@@ -535,6 +536,13 @@ def named_access(
         ):
             receiver_arg, rest, via = None, args, "super"
             spelling = f"super().{func.attr.value}"
+        elif (
+            isinstance(owner, cst.Name)
+            and scopes.attr_of(cst.Attribute(value=owner, attr=cst.Name("_"))) is not None
+        ):
+            # ``self.__setattr__("x", v)``: the class's own hook, as ``setattr``.
+            receiver_arg, rest, via = None, args, "self"
+            spelling = f"{owner.value}.{func.attr.value}"
         else:
             return None
         if len(rest) != (2 if kind == "set" else 1):

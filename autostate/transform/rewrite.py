@@ -261,8 +261,8 @@ class StateRewriter(cst.CSTTransformer):
         descriptor routes them (after the MRO's hooks) to the same slot.
         """
         access: NamedAccess | None = named_access(call, self.scopes, self._shadowed_names)
-        if access is None or access.name not in self.state or access.via == "super":
-            return None
+        if access is None or access.name not in self.state or access.via in ("super", "self"):
+            return None  # (the call reaches the state's descriptor as it is)
         if access.kind == "set":
             if access.via == "object":
                 return "store_state"
