@@ -253,8 +253,8 @@ def param_dict(model: Any) -> dict[str, Any]:
     for sequence items, ``['k']`` for mapping keys, no leading dot. A
     sub-model or an array reachable from two paths (tied weights:
     ``self.head.w = self.embed.w``) appears once, under its first path, and
-    loading it sets every place that holds it. Python scalars and strings are static configuration, not
-    parameters.
+    loading it sets every place that holds it. Python scalars and strings
+    are static configuration, not parameters.
 
     **Arguments:**
     - ``model``: a ``@stateful`` instance (or any pytree holding one), or

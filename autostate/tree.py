@@ -957,10 +957,10 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     Unlike the per-instance pytree registration, an instance (or an array)
     reachable from two paths contributes its leaves once (named by its first
     path), so tied weights stay tied through ``jax.jit`` and get one summed
-    gradient. The
-    leaves are arrays only: every other value (a python scalar in a list, a
-    function or a string inside a foreign pytree node) is static, in the
-    graphdef. ``graphdef.keys`` holds each leaf's keypath from the root.
+    gradient. The leaves are arrays only: every other value (a python scalar
+    in a list, a function or a string inside a foreign pytree node) is
+    static, in the graphdef. ``graphdef.keys`` holds each leaf's keypath from
+    the root.
     """
     leaves: list[Any] = []
     names: list[str] = []

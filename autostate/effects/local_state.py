@@ -1049,14 +1049,16 @@ class HandledLocalStateRef(StateSlot):
     handleable = False
 
     def _cell(self) -> LocalStateEffectImpl:
-        entry = _ACTIVE.get().get(self.handler_id)
-        cells = entry[1] if entry is not None and entry[0] is self.handler_id else (
-            None if entry is None else _running_cells(self.handler_id)
+        running = _running_entry(self.handler_id)
+        # (Another functionalized call with an equal id may be running.)
+        other_running = running is None and self.handler_id in _ACTIVE.get()
+        cells = (
+            running[1] if running is not None
+            else None if other_running
+            else self._cells_in_another_thread()
         )
-        if cells is None and entry is None:
-            cells = self._cells_in_another_thread()
         if cells is None:
-            if entry is not None:  # another functionalized call with an equal id runs
+            if other_running:
                 raise UnhandledLocalStateError(
                     format_error(
                         f"State {self.name!r} (category {self.category!r}) belongs to a "
