@@ -904,13 +904,7 @@ b") + v
 
 @pytest.mark.parametrize(
     "method",
-    ["parens", "backslash_local", "string_continuation",
-     pytest.param("backslash_state", marks=pytest.mark.xfail(
-         strict=True, reason="BUG: a backslash continuation inside a rewritten statement "
-         "shifts every later line of the method up by one (f_lineno, tracebacks)")),
-     pytest.param("backslash_traceback", marks=pytest.mark.xfail(
-         strict=True, reason="BUG: a backslash continuation inside a rewritten statement "
-         "shifts every later line of the method up by one (f_lineno, tracebacks)"))],
+    ["parens", "backslash_local", "string_continuation", "backslash_state", "backslash_traceback"],
 )
 def test_line_numbers_after_continuations(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, LINENO)

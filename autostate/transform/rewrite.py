@@ -23,6 +23,13 @@ control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint
 ``object.__getattribute__``      ``__autostate__.read_state(self, "x")``: past the class's own hooks
 ===============================  =============================================
 
+Where a rewrite leaves out source that spanned lines (a backslash after
+``=``, ``self \\`` before ``.x``, a newline in a target's brackets), the new
+code holds as many line breaks in its place (``_keep_lines``): the statement
+spans its original lines, the code after it keeps its line, and so does each
+part kept from it, unless the call takes it in another order (the keys of
+``setitem`` follow the value).
+
 No JAX here: the runtime the generated code calls is ``autostate.runtime``.
 """
 
@@ -82,6 +89,95 @@ def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString
     # own quote character, so reads inside f-strings pick the other one.
     quote = "'" if '"' in avoid else '"'
     return cst.SimpleString(f"{quote}{value}{quote}")
+
+
+# Renders a node on its own: a newline in brackets comes without the indent
+# of the block around it, so only the line count of such text is exact.
+_CODE = cst.Module(body=[])
+
+
+def _code(*nodes: cst.CSTNode) -> str:
+    return "".join(_text(node) for node in nodes)
+
+
+def _text(node: cst.CSTNode) -> str:
+    # Most of what a rewrite leaves out is ``self.x =``, spelled out here:
+    # libcst's code generation of it was a tenth of a method's rewrite.
+    if isinstance(node, cst.SimpleWhitespace):
+        return node.value
+    if isinstance(node, cst.Name) and not node.lpar:
+        return node.value
+    if isinstance(node, cst.Dot):
+        return _text(node.whitespace_before) + "." + _text(node.whitespace_after)
+    if isinstance(node, cst.Attribute) and not node.lpar:
+        return _text(node.value) + _text(node.dot) + node.attr.value
+    if isinstance(node, cst.AssignTarget):
+        return _code(node.target, node.whitespace_before_equal) + "=" + _text(node.whitespace_after_equal)
+    return _CODE.code_for_node(node)
+
+
+def _annotation_code(annotation: cst.Annotation) -> str:
+    # An annotation renders only with its indicator given (``:`` here).
+    before = annotation.whitespace_before_indicator
+    return (
+        (_code(before) if isinstance(before, cst.CSTNode) else "")
+        + ":" + _code(annotation.whitespace_after_indicator, annotation.annotation)
+    )
+
+
+def _line_breaks(
+    dropped: str, *, moved: int = 0, then: int = 0, bracketed: bool = False
+) -> cst.BaseParenthesizableWhitespace | None:
+    """Whitespace holding the line breaks of ``dropped``, source a rewrite left
+    out, less ``moved`` breaks whose code it kept elsewhere; None if none are left.
+
+    Plain newlines where the whitespace is ``bracketed`` (inside the new
+    call's parentheses, or an f-string's braces, where a backslash is a
+    syntax error before Python 3.12), else backslash continuations. The last
+    line is indented to where the left-out source ended, less the ``then``
+    characters the rewrite writes there, so that a continued line can read
+    as the user's does (the loader keeps a traceback's columns only on such
+    lines).
+    """
+    lines = dropped.count("\n") - moved
+    if lines <= 0:
+        return None
+    indent = " " * max(len(dropped.rsplit("\n", 1)[1]) - then, 0)
+    if not bracketed:
+        return cst.SimpleWhitespace(" \\\n" * lines + indent)
+    return cst.ParenthesizedWhitespace(
+        empty_lines=[cst.EmptyLine(indent=False)] * (lines - 1),
+        indent=False,
+        last_line=cst.SimpleWhitespace(indent),
+    )
+
+
+def _keep_lines(call: cst.Call, dropped: str, *, before: int, moved: int = 0) -> cst.Call:
+    """``call`` with the line breaks of ``dropped`` (see ``_line_breaks``) just
+    before its argument ``before``, or after the last one when ``before`` is
+    their number: where the left-out source was, relative to the arguments
+    kept from it, so each kept argument stays on its line where the order allows."""
+    after_last = before == len(call.args)
+    breaks = _line_breaks(dropped, moved=moved, then=1 if after_last else 0, bracketed=True)
+    if breaks is None:
+        return call
+    if before == 0:
+        return call.with_changes(whitespace_before_args=breaks)
+    args = list(call.args)
+    if after_last:
+        args[-1] = args[-1].with_changes(whitespace_after_arg=breaks)
+    else:
+        args[before - 1] = args[before - 1].with_changes(comma=cst.Comma(whitespace_after=breaks))
+    return call.with_changes(args=args)
+
+
+def _present(node: cst.CSTNode | cst.MaybeSentinel) -> tuple[cst.CSTNode, ...]:
+    return (node,) if isinstance(node, cst.CSTNode) else ()
+
+
+def _statement(call: cst.Call, replaced: cst.BaseSmallStatement) -> cst.Expr:
+    # The ``;`` after the statement, with its whitespace, stays.
+    return cst.Expr(call, semicolon=replaced.semicolon)
 
 
 def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
@@ -165,7 +261,10 @@ class StateRewriter(cst.CSTTransformer):
         if isinstance(expr, cst.Subscript):
             return expr.with_changes(value=self._proxy(expr.value))
         if isinstance(expr, cst.Attribute) and self._state_attr(expr) is not None:
-            return expr.with_changes(value=_call("target", self._receiver()))
+            target = _call("target", self._receiver())
+            if expr.value.lpar:  # ``(self\n).x``
+                target = _keep_lines(target, _code(expr.value), before=1)
+            return expr.with_changes(value=target)
         return expr
 
     def _has_state_target(self, expr: cst.BaseExpression) -> bool:
@@ -243,6 +342,13 @@ class StateRewriter(cst.CSTTransformer):
         if name is None:
             return updated
         routed = cst.Attribute(value=_runtime("control"), attr=cst.Name(name))
+        breaks = _line_breaks(
+            _code(updated.with_changes(lpar=[], rpar=[])),
+            then=len(name) + 1,
+            bracketed=bool(self._fstring_quotes),
+        )  # ``lax \\\n .scan``: the ``.scan`` stays on its line
+        if breaks is not None:
+            routed = routed.with_changes(dot=cst.Dot(whitespace_before=breaks))
         return routed.with_changes(lpar=updated.lpar, rpar=updated.rpar)
 
     def _shadowed_names(self) -> frozenset[str]:
@@ -276,7 +382,23 @@ class StateRewriter(cst.CSTTransformer):
         runtime_name = self._named_access(original_node)
         if runtime_name is not None:
             # Same arguments in the same order: only the function changes.
-            return updated_node.with_changes(func=_runtime(runtime_name))
+            call = updated_node.with_changes(func=_runtime(runtime_name))
+            func = _code(updated_node.func)
+            if "\n" not in func:
+                return call
+            # ``object \\\n .__setattr__(self, ...)``: the arguments stay on
+            # their line, the line breaks before them inside the parentheses.
+            dropped = func + _code(updated_node.whitespace_after_func) + "(" + _code(
+                updated_node.whitespace_before_args
+            )
+            return _keep_lines(
+                call.with_changes(
+                    whitespace_after_func=cst.SimpleWhitespace(""),
+                    whitespace_before_args=cst.SimpleWhitespace(""),
+                ),
+                dropped,
+                before=0,
+            )
         if (
             (
                 (isinstance(func, cst.Name) and func.value == "vars")
@@ -288,7 +410,13 @@ class StateRewriter(cst.CSTTransformer):
         ):
             # ``vars(self)``: the instance dict with the states' values (the
             # name is passed along, so a ``vars`` of the user's own is called).
-            call = _call("vars_of", updated_node.func, updated_node.args[0].value)
+            arg = updated_node.args[0]
+            call = _call("vars_of", updated_node.func, arg.value)
+            call = _keep_lines(
+                call, _code(updated_node.whitespace_after_func, updated_node.whitespace_before_args),
+                before=1,
+            )
+            call = _keep_lines(call, _code(arg.whitespace_after_arg, *_present(arg.comma)), before=2)
             return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         if not self.control:
             return updated_node
@@ -320,7 +448,7 @@ class StateRewriter(cst.CSTTransformer):
         parts: list[cst.BaseFormattedStringContent] = []
         for new, old in zip(updated_node.parts, original_node.parts):
             if isinstance(new, cst.FormattedStringExpression) and new.equal is not None:
-                parts += _self_documenting(new, old)
+                parts += _self_documenting(new, old, raw="r" in updated_node.start.lower())
             else:
                 parts.append(new)
         return updated_node.with_changes(parts=parts)
@@ -330,6 +458,7 @@ class StateRewriter(cst.CSTTransformer):
             return updated_node
         if original_node.attr.value == "__dict__" and id(original_node) not in self._dict_targets:
             call = _call("dict_of", updated_node.value)
+            call = _keep_lines(call, _code(updated_node.dot, updated_node.attr), before=1)
             return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         attr = self._state_attr(original_node)
         if attr is None:
@@ -339,6 +468,7 @@ class StateRewriter(cst.CSTTransformer):
             # for the name (before 3.12); the class's descriptor reads it.
             return updated_node
         call = _call("get", self._receiver(), _string(attr, frozenset(self._fstring_quotes)))
+        call = _keep_lines(call, _code(updated_node.value, updated_node.dot, updated_node.attr), before=2)
         return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
 
     # writes
@@ -356,18 +486,20 @@ class StateRewriter(cst.CSTTransformer):
             attr = self._state_attr(target)
             if attr is not None:
                 name = "init" if self.is_init else "set"
-                return cst.Expr(_call(name, self._receiver(), _string(attr), updated_node.value))
+                call = _call(name, self._receiver(), _string(attr), updated_node.value)
+                # What precedes the value (the target and ``=``) is left out.
+                return _statement(_keep_lines(call, _code(targets[0]), before=2), updated_node)
             base_attr = self._state_attr(subscript_base(target))
             if isinstance(target, cst.Subscript) and base_attr is not None:
-                return cst.Expr(
-                    _call(
-                        "setitem",
-                        self._receiver(),
-                        _string(base_attr),
-                        updated_node.value,
-                        *self._indices(target),
-                    )
+                # The keys follow the value here: their own line breaks move
+                # after it (the statement keeps its number of lines).
+                indices = self._indices(target)
+                call = _call(
+                    "setitem", self._receiver(), _string(base_attr), updated_node.value, *indices
                 )
+                moved = _code(*indices).count("\n")
+                call = _keep_lines(call, _code(targets[0]), before=2, moved=moved)
+                return _statement(call, updated_node)
         if not any(self._has_state_target(t.target) for t in targets):
             return updated_node
         return updated_node.with_changes(
@@ -383,13 +515,22 @@ class StateRewriter(cst.CSTTransformer):
         attr = self._state_attr(target)
         if attr is not None:
             current = _call("get", self._receiver(), _string(attr))
-            combined = _call(INPLACE_NAMES[symbol], current, updated_node.value)
-            return cst.Expr(_call("set", self._receiver(), _string(attr), combined))
+            combined = _keep_lines(
+                _call(INPLACE_NAMES[symbol], current, updated_node.value),
+                _code(target, updated_node.operator),  # what precedes the value
+                before=1,
+            )
+            return _statement(_call("set", self._receiver(), _string(attr), combined), updated_node)
         base_attr = self._state_attr(subscript_base(target))
         if isinstance(target, cst.Subscript) and base_attr is not None:
             # Python's order: the keys and the old item first, then the value.
-            item = _call("item", self._receiver(), _string(base_attr), *self._indices(target))
-            return cst.Expr(_call("augitem", item, _string(symbol), updated_node.value))
+            indices = self._indices(target)
+            item = _call("item", self._receiver(), _string(base_attr), *indices)
+            call = _call("augitem", item, _string(symbol), updated_node.value)
+            # The keys' own line breaks stay in ``item``, before the value.
+            moved = _code(*indices).count("\n")
+            call = _keep_lines(call, _code(target, updated_node.operator), before=2, moved=moved)
+            return _statement(call, updated_node)
         return updated_node
 
     def visit_Annotation(self, node: cst.Annotation) -> bool:
@@ -410,15 +551,27 @@ class StateRewriter(cst.CSTTransformer):
             # ``self.x: T`` alone assigns nothing and reads nothing: as written.
             return updated_node.with_changes(target=original_node.target)
         attr = self._state_attr(updated_node.target)
+        if attr is None and not self._has_state_target(updated_node.target):
+            return updated_node
+        # The annotation and ``=`` are left out (the target too, for a state).
+        dropped = _annotation_code(updated_node.annotation) + _code(*_present(updated_node.equal))
         if attr is not None:
             name = "init" if self.is_init else "set"
-            return cst.Expr(_call(name, self._receiver(), _string(attr), updated_node.value))
-        if self._has_state_target(updated_node.target):
-            return cst.Assign(
-                targets=[cst.AssignTarget(self._proxy(updated_node.target))],
-                value=updated_node.value,
+            call = _call(name, self._receiver(), _string(attr), updated_node.value)
+            return _statement(
+                _keep_lines(call, _code(updated_node.target) + dropped, before=2), updated_node
             )
-        return updated_node
+        breaks = _line_breaks(dropped)
+        return cst.Assign(
+            targets=[
+                cst.AssignTarget(
+                    self._proxy(updated_node.target),
+                    whitespace_after_equal=breaks or cst.SimpleWhitespace(" "),
+                )
+            ],
+            value=updated_node.value,
+            semicolon=updated_node.semicolon,
+        )
 
     def visit_For(self, node: cst.For) -> None:
         self._mark(node.target)
@@ -451,29 +604,40 @@ class StateRewriter(cst.CSTTransformer):
 
 
 def _self_documenting(
-    new: cst.FormattedStringExpression, old: cst.FormattedStringExpression
+    new: cst.FormattedStringExpression, old: cst.FormattedStringExpression, *, raw: bool
 ) -> list[cst.BaseFormattedStringContent]:
     """``{expr=}`` whose expression was rewritten: the text Python would show
     (the original source of ``expr`` and the ``=``), then the value, with the
-    conversion ``=`` implies (``!r`` unless a format spec is given)."""
-    module = cst.Module(body=[])
-    text = (
-        module.code_for_node(old.whitespace_before_expression)
-        + module.code_for_node(old.expression)
-        + module.code_for_node(old.whitespace_after_expression)
-        + module.code_for_node(old.equal)  # type: ignore[arg-type]
+    conversion ``=`` implies (``!r`` unless a format spec is given).
+
+    The expression keeps its line breaks (and those around it), so the text
+    writes its own as ``\\n``, or the f-string would gain lines; a raw
+    f-string cannot, and a field of it spanning lines has them twice.
+    """
+    text = _code(
+        old.whitespace_before_expression, old.expression, old.whitespace_after_expression,
+        old.equal,  # type: ignore[arg-type]
     )
     escaped = text.replace("{", "{{").replace("}", "}}")
+    if not raw:
+        escaped = escaped.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
     conversion = new.conversion
     if conversion is None and new.format_spec is None:
         conversion = "r"
+    # The ``=`` goes; the line breaks around the expression and it stay.
+    before = after = None
+    if not raw:
+        before = _line_breaks(_code(old.whitespace_before_expression), bracketed=True)
+        after = _line_breaks(
+            _code(old.whitespace_after_expression, old.equal), bracketed=True  # type: ignore[arg-type]
+        )
     return [
         cst.FormattedStringText(escaped),
         new.with_changes(
             equal=None,
             conversion=conversion,
-            whitespace_before_expression=cst.SimpleWhitespace(""),
-            whitespace_after_expression=cst.SimpleWhitespace(""),
+            whitespace_before_expression=before or cst.SimpleWhitespace(""),
+            whitespace_after_expression=after or cst.SimpleWhitespace(""),
         ),
     ]
 
