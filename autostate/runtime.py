@@ -791,6 +791,25 @@ def vars_of(vars_fn: Any, obj: Any) -> Any:
     return vars_fn(obj)
 
 
+def without_runtime(names: Any, scope_fn: Any, runtime_name: str) -> Any:
+    """``locals()``, ``vars()`` or ``dir()`` called with no argument in a decorated
+    method (``names`` is its result, ``scope_fn`` what the name reads there),
+    without the closure variable ``runtime_name`` that holds this module.
+
+    Plain Python has no such variable. A dict that holds it is a snapshot of
+    the frame (the one kind ``locals()`` returns where it can appear), so a
+    copy stands in for it; a class body's namespace never holds it and is
+    returned as it is, as is what a ``locals`` of the user's own returns.
+    """
+    if scope_fn is builtins.dir:
+        return [n for n in names if n != runtime_name] if runtime_name in names else names
+    if scope_fn is builtins.locals or scope_fn is builtins.vars:
+        if type(names) is dict and runtime_name in names:
+            names = dict(names)
+            del names[runtime_name]
+    return names
+
+
 def dict_of(obj: Any) -> Any:
     """``obj.__dict__`` read in a decorated method."""
     if _tree.is_stateful_instance(obj):

@@ -911,8 +911,6 @@ def test_line_numbers_after_continuations(write_module: Loader, method: str) -> 
     check(plain, dec, "Ln()", [(method, (X1,))], modes=("eager", "f"))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: locals()/dir() in a rewritten method list the "
-                   "closure variable '__autostate__', which plain Python does not have")
 def test_locals_of_a_rewritten_method(write_module: Loader) -> None:
     source = """
 @DECORATE
@@ -928,27 +926,19 @@ class Lo:
     check(plain, dec, "Lo()", [("names", (X1,))], modes=("eager", "f"))
 
 
-RUNTIME_NAME = pytest.mark.xfail(
-    strict=True, reason="BUG: a user name __autostate__ (global, parameter, local, receiver) "
-    "collides with the runtime the rewrite binds under that name: AttributeError "
-    "'<value>' object has no attribute 'set' (a global: a bogus 'file was edited' DecorationError)")
-
-
 @pytest.mark.parametrize(
     ("prelude", "signature", "body"),
     [
         pytest.param("__autostate__ = 5.0", "self, v",
-                     "self.n = self.n + v\n        return __autostate__ + self.n",
-                     marks=RUNTIME_NAME, id="global"),
+                     "self.n = self.n + v\n        return __autostate__ + self.n", id="global"),
         pytest.param("", "self, __autostate__",
-                     "self.n = self.n + __autostate__\n        return self.n",
-                     marks=RUNTIME_NAME, id="parameter"),
+                     "self.n = self.n + __autostate__\n        return self.n", id="parameter"),
         pytest.param("", "self, v",
                      "__autostate__ = v * 2\n        self.n = self.n + __autostate__\n"
-                     "        return self.n", marks=RUNTIME_NAME, id="local"),
+                     "        return self.n", id="local"),
         pytest.param("", "__autostate__, v",
                      "__autostate__.n = __autostate__.n + v\n        return __autostate__.n",
-                     marks=RUNTIME_NAME, id="receiver"),
+                     id="receiver"),
         pytest.param("autostate_ = 5.0", "self, v",
                      "self.n = self.n + v\n        return autostate_ + self.n", id="lookalike"),
     ],

@@ -26,7 +26,14 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
-from autostate.transform.method import OUTER_NAME, RUNTIME_NAME, MethodSource, is_dunder, mangle
+from autostate.transform.method import (
+    OUTER_NAME,
+    RUNTIME_NAME,
+    MethodSource,
+    is_dunder,
+    mangle,
+    runtime_name,
+)
 
 # Methods that mutate a container in place; calling one on state would change
 # the value behind the effect system's back.
@@ -77,6 +84,9 @@ class MethodFacts:
     # something else (the caller has the globals); ``shadowed()`` adds the
     # method's own bindings.
     shadowed_outside: frozenset[str] = frozenset()
+    # The closure variable the rewritten method reaches the runtime through
+    # (``method.runtime_name``: a name the method's text does not use).
+    runtime: str = RUNTIME_NAME
 
     def touched(self) -> set[str]:
         return set(self.reads) | {a.attr for a in self.assignments}
@@ -100,7 +110,8 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
 
     The method text sits inside ``class <Name>:`` (so the compiler mangles
     private names as in the original class) and a function whose parameters
-    are the method's free variables (so they compile as closure variables).
+    are the method's free variables and the runtime's name
+    (``method.runtime_name``), so they compile as closure variables.
     That function declares ``global`` the names ``source.global_names`` (the
     method's own name, when its code reads a global of that name): in the
     class body the ``def`` binds a class attribute, which the method's code
@@ -113,7 +124,7 @@ def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     free).
     """
     text, indent = _space_indented(source.text)
-    params = ", ".join((*source.freevars, RUNTIME_NAME))
+    params = ", ".join((*source.freevars, runtime_name(source.text)))
     header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
     names = [n for n in source.global_names if n.isidentifier() and n not in source.freevars]
     if names:
@@ -883,6 +894,7 @@ def collect_facts(
     facts = MethodFacts(
         source=source, receiver=receiver, module=module, function=function, text=text, shift=shift,
         shadowed_outside=shadowed | (ACCESS_BUILTINS & frozenset(source.freevars)),
+        runtime=runtime_name(source.text),
     )
     walk.visit(module, _FactCollector(facts, source.mangle_as or class_name, shift))
     return facts

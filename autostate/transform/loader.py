@@ -22,7 +22,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from autostate.transform.method import OUTER_NAME, RUNTIME_NAME
+from autostate.transform.method import OUTER_NAME
 from autostate.transform.source import MethodSlot, remember_original, source_lines
 
 _FUTURE_FLAGS = functools.reduce(
@@ -164,10 +164,15 @@ def compiles_to(wrapper_source: str, source: Any, shift: int, code: types.CodeTy
 def build_function(
     code: types.CodeType, original: types.FunctionType, runtime: types.ModuleType
 ) -> types.FunctionType:
-    """A function with ``code`` and everything else of ``original``."""
+    """A function with ``code`` and everything else of ``original``.
+
+    The wrapper's parameters are ``original``'s free variables and the
+    runtime's name (``method.runtime_name``, which varies by method), so a
+    free variable of ``code`` that ``original`` lacks is the runtime's.
+    """
     cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
-    cells[RUNTIME_NAME] = types.CellType(runtime)
-    closure = tuple(cells[name] for name in code.co_freevars)
+    runtime_cell = types.CellType(runtime)
+    closure = tuple(cells.get(name, runtime_cell) for name in code.co_freevars)
     fn = types.FunctionType(
         code, original.__globals__, original.__name__, original.__defaults__, closure
     )

@@ -1,6 +1,6 @@
 """What the transform knows about one function before parsing it, libcst-free.
 
-``MethodSource`` (where a function sits and its text) and the two names the
+``MethodSource`` (where a function sits and its text) and the names the
 generated wrapper uses. They live apart from ``analysis`` so that a warm
 start, where every class is a cache hit, finds the methods and loads their
 code without importing libcst (a third of ``import jax``).
@@ -36,6 +36,26 @@ class MethodSource:
     # Names the function's code reads as globals that the wrapper would bind
     # as its locals (its own name, ``analysis.wrapper_source``).
     global_names: tuple[str, ...] = ()
+
+
+def runtime_name(text: str) -> str:
+    """The closure variable a rewritten function reaches the runtime through.
+
+    ``RUNTIME_NAME``, unless the function's text spells it (a user's global,
+    parameter or local of that name): then ``__autostate_1__``, ``_2__``, ...,
+    the first it does not spell, so the runtime never hides a name of the
+    user's. Identifiers are compared as Python reads them (NFKC); a match in
+    a string or comment costs only the plainer name.
+    """
+    if not text.isascii():
+        import unicodedata  # (rare: kept off the import of a warm start)
+
+        text = unicodedata.normalize("NFKC", text)
+    name, n = RUNTIME_NAME, 0
+    while name in text:
+        n += 1
+        name = f"__autostate_{n}__"
+    return name
 
 
 def mangle(class_name: str, attr: str) -> str:

@@ -514,6 +514,7 @@ def _transform(
             is_init=slot.attr == "__init__",
             control=control,
             shadowed=method.shadowed_outside,
+            runtime=method.runtime,
         )
         shift = method.shift
         codes[slot.key] = loader.compile_method(

@@ -17,6 +17,8 @@ control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint
                                  a call or used as a decorator
 ``vars(obj)``, ``obj.__dict__``  ``__autostate__.vars_of(vars, obj)``, ``__autostate__.dict_of(obj)``:
 (read)                           for a model, its instance dict with the states' values
+``locals()``, ``vars()``,        ``__autostate__.without_runtime(locals(), locals, "__autostate__")``:
+``dir()`` (no argument)          the result without the runtime's own name
 ``setattr(self, "x", v)``        ``__autostate__.set(self, "x", v)`` (``init`` in ``__init__``)
 ``getattr(self, "x")``           ``__autostate__.get(self, "x")``
 ``object.__setattr__`` /         ``__autostate__.store_state(self, "x", v)`` /
@@ -30,7 +32,9 @@ spans its original lines, the code after it keeps its line, and so does each
 part kept from it, unless the call takes it in another order (the keys of
 ``setitem`` follow the value).
 
-No JAX here: the runtime the generated code calls is ``autostate.runtime``.
+No JAX here: the runtime the generated code calls is ``autostate.runtime``,
+a closure variable named ``__autostate__`` (``__autostate_1__``, ... in a
+method whose text uses that name: ``method.runtime_name``).
 """
 
 from __future__ import annotations
@@ -76,12 +80,9 @@ _AUG_TO_BINARY = {
 }
 
 
-def _runtime(name: str) -> cst.Attribute:
-    return cst.Attribute(value=cst.Name(RUNTIME_NAME), attr=cst.Name(name))
-
-
-def _call(name: str, *args: cst.BaseExpression) -> cst.Call:
-    return cst.Call(func=_runtime(name), args=[cst.Arg(a) for a in args])
+# ``locals()``, ``vars()`` and ``dir()`` called with no argument list the
+# caller's local names, which in rewritten code include the runtime's.
+_SCOPE_BUILTINS = frozenset({"locals", "vars", "dir"})
 
 
 def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
@@ -197,8 +198,10 @@ class StateRewriter(cst.CSTTransformer):
         is_init: bool,
         control: Mapping[str, str] | None = None,
         shadowed: frozenset[str] = frozenset(),
+        runtime: str = RUNTIME_NAME,
     ):
         super().__init__()
+        self.runtime = runtime
         self.control = control or {}
         self.method = method
         # ``MethodFacts.shadowed_outside``: builtins the module or closure rebinds.
@@ -219,6 +222,12 @@ class StateRewriter(cst.CSTTransformer):
         self._in_pattern = 0
 
     # helpers
+    def _runtime(self, name: str) -> cst.Attribute:
+        return cst.Attribute(value=cst.Name(self.runtime), attr=cst.Name(name))
+
+    def _call(self, name: str, *args: cst.BaseExpression) -> cst.Call:
+        return cst.Call(func=self._runtime(name), args=[cst.Arg(a) for a in args])
+
     def _state_attr(self, expr: cst.CSTNode) -> str | None:
         attr = self.scopes.attr_of(expr)
         if attr is None:
@@ -246,7 +255,7 @@ class StateRewriter(cst.CSTTransformer):
     def _indices(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
         indices: list[cst.BaseExpression] = []
         while isinstance(expr, cst.Subscript):
-            indices.append(cst.Subscript(value=_runtime("ix"), slice=expr.slice))
+            indices.append(cst.Subscript(value=self._runtime("ix"), slice=expr.slice))
             expr = expr.value
         return indices[::-1]
 
@@ -261,7 +270,7 @@ class StateRewriter(cst.CSTTransformer):
         if isinstance(expr, cst.Subscript):
             return expr.with_changes(value=self._proxy(expr.value))
         if isinstance(expr, cst.Attribute) and self._state_attr(expr) is not None:
-            target = _call("target", self._receiver())
+            target = self._call("target", self._receiver())
             if expr.value.lpar:  # ``(self\n).x``
                 target = _keep_lines(target, _code(expr.value), before=1)
             return expr.with_changes(value=target)
@@ -341,7 +350,7 @@ class StateRewriter(cst.CSTTransformer):
         name = self.control.get(dotted) if dotted is not None else None
         if name is None:
             return updated
-        routed = cst.Attribute(value=_runtime("control"), attr=cst.Name(name))
+        routed = cst.Attribute(value=self._runtime("control"), attr=cst.Name(name))
         breaks = _line_breaks(
             _code(updated.with_changes(lpar=[], rpar=[])),
             then=len(name) + 1,
@@ -382,7 +391,7 @@ class StateRewriter(cst.CSTTransformer):
         runtime_name = self._named_access(original_node)
         if runtime_name is not None:
             # Same arguments in the same order: only the function changes.
-            call = updated_node.with_changes(func=_runtime(runtime_name))
+            call = updated_node.with_changes(func=self._runtime(runtime_name))
             func = _code(updated_node.func)
             if "\n" not in func:
                 return call
@@ -400,6 +409,22 @@ class StateRewriter(cst.CSTTransformer):
                 before=0,
             )
         if (
+            isinstance(func, cst.Name)
+            and func.value in _SCOPE_BUILTINS
+            and not args
+            and not {"'", '"'} <= set(self._fstring_quotes)  # (no quote left for the name)
+        ):
+            # ``locals()``: the call stays in the method's frame, and the
+            # runtime drops its own name from the result; the function is
+            # passed along, so a ``locals`` of the user's own is left alone.
+            call = self._call(
+                "without_runtime",
+                updated_node.with_changes(lpar=[], rpar=[]),
+                cst.Name(func.value),
+                _string(self.runtime, frozenset(self._fstring_quotes)),
+            )
+            return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+        if (
             (
                 (isinstance(func, cst.Name) and func.value == "vars")
                 or (isinstance(func, cst.Attribute) and func.attr.value == "vars")  # builtins.vars
@@ -411,7 +436,7 @@ class StateRewriter(cst.CSTTransformer):
             # ``vars(self)``: the instance dict with the states' values (the
             # name is passed along, so a ``vars`` of the user's own is called).
             arg = updated_node.args[0]
-            call = _call("vars_of", updated_node.func, arg.value)
+            call = self._call("vars_of", updated_node.func, arg.value)
             call = _keep_lines(
                 call, _code(updated_node.whitespace_after_func, updated_node.whitespace_before_args),
                 before=1,
@@ -457,7 +482,7 @@ class StateRewriter(cst.CSTTransformer):
         if id(original_node) in self._targets or self._in_pattern:
             return updated_node
         if original_node.attr.value == "__dict__" and id(original_node) not in self._dict_targets:
-            call = _call("dict_of", updated_node.value)
+            call = self._call("dict_of", updated_node.value)
             call = _keep_lines(call, _code(updated_node.dot, updated_node.attr), before=1)
             return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         attr = self._state_attr(original_node)
@@ -467,7 +492,7 @@ class StateRewriter(cst.CSTTransformer):
             # An f-string inside an f-string of the other quote leaves no quote
             # for the name (before 3.12); the class's descriptor reads it.
             return updated_node
-        call = _call("get", self._receiver(), _string(attr, frozenset(self._fstring_quotes)))
+        call = self._call("get", self._receiver(), _string(attr, frozenset(self._fstring_quotes)))
         call = _keep_lines(call, _code(updated_node.value, updated_node.dot, updated_node.attr), before=2)
         return call.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
 
@@ -486,7 +511,7 @@ class StateRewriter(cst.CSTTransformer):
             attr = self._state_attr(target)
             if attr is not None:
                 name = "init" if self.is_init else "set"
-                call = _call(name, self._receiver(), _string(attr), updated_node.value)
+                call = self._call(name, self._receiver(), _string(attr), updated_node.value)
                 # What precedes the value (the target and ``=``) is left out.
                 return _statement(_keep_lines(call, _code(targets[0]), before=2), updated_node)
             base_attr = self._state_attr(subscript_base(target))
@@ -494,7 +519,7 @@ class StateRewriter(cst.CSTTransformer):
                 # The keys follow the value here: their own line breaks move
                 # after it (the statement keeps its number of lines).
                 indices = self._indices(target)
-                call = _call(
+                call = self._call(
                     "setitem", self._receiver(), _string(base_attr), updated_node.value, *indices
                 )
                 moved = _code(*indices).count("\n")
@@ -514,19 +539,19 @@ class StateRewriter(cst.CSTTransformer):
         _, symbol = _AUG_TO_BINARY[type(updated_node.operator)]
         attr = self._state_attr(target)
         if attr is not None:
-            current = _call("get", self._receiver(), _string(attr))
+            current = self._call("get", self._receiver(), _string(attr))
             combined = _keep_lines(
-                _call(INPLACE_NAMES[symbol], current, updated_node.value),
+                self._call(INPLACE_NAMES[symbol], current, updated_node.value),
                 _code(target, updated_node.operator),  # what precedes the value
                 before=1,
             )
-            return _statement(_call("set", self._receiver(), _string(attr), combined), updated_node)
+            return _statement(self._call("set", self._receiver(), _string(attr), combined), updated_node)
         base_attr = self._state_attr(subscript_base(target))
         if isinstance(target, cst.Subscript) and base_attr is not None:
             # Python's order: the keys and the old item first, then the value.
             indices = self._indices(target)
-            item = _call("item", self._receiver(), _string(base_attr), *indices)
-            call = _call("augitem", item, _string(symbol), updated_node.value)
+            item = self._call("item", self._receiver(), _string(base_attr), *indices)
+            call = self._call("augitem", item, _string(symbol), updated_node.value)
             # The keys' own line breaks stay in ``item``, before the value.
             moved = _code(*indices).count("\n")
             call = _keep_lines(call, _code(target, updated_node.operator), before=2, moved=moved)
@@ -557,7 +582,7 @@ class StateRewriter(cst.CSTTransformer):
         dropped = _annotation_code(updated_node.annotation) + _code(*_present(updated_node.equal))
         if attr is not None:
             name = "init" if self.is_init else "set"
-            call = _call(name, self._receiver(), _string(attr), updated_node.value)
+            call = self._call(name, self._receiver(), _string(attr), updated_node.value)
             return _statement(
                 _keep_lines(call, _code(updated_node.target) + dropped, before=2), updated_node
             )
@@ -652,17 +677,19 @@ def rewrite_method(
     is_init: bool,
     control: Mapping[str, str] | None = None,
     shadowed: frozenset[str] = frozenset(),
+    runtime: str = RUNTIME_NAME,
 ) -> str:
     """Returns the wrapper module's source with ``method`` rewritten.
 
     ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
     function each call of them goes through (``"scan"``); ``shadowed`` names
     the builtins of ``analysis.ACCESS_BUILTINS`` the method's module or
-    closure binds to something else.
+    closure binds to something else; ``runtime`` is the name the wrapper
+    binds the runtime to (``MethodFacts.runtime``).
     """
     rewriter = StateRewriter(
         method, receiver, state, class_name,  # type: ignore[arg-type]
-        is_init=is_init, control=control, shadowed=shadowed,
+        is_init=is_init, control=control, shadowed=shadowed, runtime=runtime,
     )
     new_method = walk.transform(method, rewriter)
     return _replace_method(module, method, new_method).code
