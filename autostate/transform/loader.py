@@ -32,8 +32,13 @@ _FUTURE_FLAGS = functools.reduce(
 
 def _find_code(code: types.CodeType, name: str) -> types.CodeType:
     for const in code.co_consts:
-        if isinstance(const, types.CodeType) and const.co_name == name:
-            return const
+        if isinstance(const, types.CodeType):
+            if const.co_name == name:
+                return const
+            if const.co_name == f"<generic parameters of {name}>":
+                # ``def go[T](self, ...)`` (Python 3.12+): the function's code
+                # sits in the scope of its type parameters.
+                return _find_code(const, name)
     raise LookupError(name)
 
 
@@ -181,6 +186,8 @@ def build_function(
     fn.__module__ = original.__module__
     fn.__doc__ = original.__doc__
     fn.__annotations__ = original.__annotations__
+    if getattr(original, "__type_params__", ()):
+        fn.__type_params__ = original.__type_params__  # (Python 3.12+)
     fn.__dict__.update(original.__dict__)
     remember_original(fn, original)
     return fn
