@@ -187,7 +187,7 @@ def build_function(
     fn.__doc__ = original.__doc__
     fn.__annotations__ = original.__annotations__
     if getattr(original, "__type_params__", ()):
-        fn.__type_params__ = original.__type_params__  # (Python 3.12+)
+        fn.__type_params__ = original.__type_params__  # type: ignore[attr-defined]  # (3.12+)
     fn.__dict__.update(original.__dict__)
     remember_original(fn, original)
     return fn

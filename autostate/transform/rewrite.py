@@ -39,6 +39,7 @@ method whose text uses that name: ``method.runtime_name``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import libcst as cst
@@ -473,7 +474,7 @@ class StateRewriter(cst.CSTTransformer):
         parts: list[cst.BaseFormattedStringContent] = []
         for new, old in zip(updated_node.parts, original_node.parts):
             if isinstance(new, cst.FormattedStringExpression) and new.equal is not None:
-                parts += _self_documenting(new, old, raw="r" in updated_node.start.lower())
+                parts += _self_documenting(new, old, updated_node.start)
             else:
                 parts.append(new)
         return updated_node.with_changes(parts=parts)
@@ -629,23 +630,28 @@ class StateRewriter(cst.CSTTransformer):
 
 
 def _self_documenting(
-    new: cst.FormattedStringExpression, old: cst.FormattedStringExpression, *, raw: bool
+    new: cst.FormattedStringExpression, old: cst.FormattedStringExpression, start: str
 ) -> list[cst.BaseFormattedStringContent]:
     """``{expr=}`` whose expression was rewritten: the text Python would show
     (the original source of ``expr`` and the ``=``), then the value, with the
-    conversion ``=`` implies (``!r`` unless a format spec is given).
+    conversion ``=`` implies (``!r`` unless a format spec is given). ``start``
+    opens the f-string (``f"``, ``rf'''``).
 
     The expression keeps its line breaks (and those around it), so the text
     writes its own as ``\\n``, or the f-string would gain lines; a raw
     f-string cannot, and a field of it spanning lines has them twice.
     """
-    text = _code(
-        old.whitespace_before_expression, old.expression, old.whitespace_after_expression,
-        old.equal,  # type: ignore[arg-type]
+    raw = "r" in start.lower()
+    # Python shows the field's source less its comments (only whitespace
+    # around the expression can hold one).
+    text = (
+        _COMMENT.sub("", _code(old.whitespace_before_expression))
+        + _code(old.expression)
+        + _COMMENT.sub("", _code(old.whitespace_after_expression, old.equal))  # type: ignore[arg-type]
     )
     escaped = text.replace("{", "{{").replace("}", "}}")
     if not raw:
-        escaped = escaped.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+        escaped = _literal_text(escaped, start.lstrip("rRfFbBuU")[0])
     conversion = new.conversion
     if conversion is None and new.format_spec is None:
         conversion = "r"
@@ -665,6 +671,29 @@ def _self_documenting(
             whitespace_after_expression=after or cst.SimpleWhitespace(""),
         ),
     ]
+
+
+_COMMENT = re.compile(r"#[^\n]*")
+
+
+def _literal_text(text: str, quote: str) -> str:
+    """``text`` written inside a (not raw) string literal opened by ``quote``
+    so that it reads back as Python shows a field's source: its escapes
+    decoded, as in the shown text since Python 3.12 (before, a field could
+    hold no backslash), its quotes escaped (Python 3.12 lets a field hold
+    the f-string's own), its line breaks as ``\\n``."""
+    breaks = {"\n": "\\n", "\r": "\\r"}
+    out: list[str] = []
+    chars = iter(text)
+    for char in chars:
+        if char == "\\":  # an escape, kept whole
+            escaped = next(chars, "")
+            out.append(char + breaks.get(escaped, escaped))
+        elif char == quote:
+            out.append("\\" + char)
+        else:
+            out.append(breaks.get(char, char))
+    return "".join(out)
 
 
 def rewrite_method(
