@@ -926,43 +926,8 @@ class Lo:
     check(plain, dec, "Lo()", [("names", (X1,))], modes=("eager", "f"))
 
 
-@pytest.mark.parametrize(
-    ("prelude", "signature", "body"),
-    [
-        pytest.param("__autostate__ = 5.0", "self, v",
-                     "self.n = self.n + v\n        return __autostate__ + self.n", id="global"),
-        pytest.param("", "self, __autostate__",
-                     "self.n = self.n + __autostate__\n        return self.n", id="parameter"),
-        pytest.param("", "self, v",
-                     "__autostate__ = v * 2\n        self.n = self.n + __autostate__\n"
-                     "        return self.n", id="local"),
-        pytest.param("", "__autostate__, v",
-                     "__autostate__.n = __autostate__.n + v\n        return __autostate__.n",
-                     id="receiver"),
-        pytest.param("autostate_ = 5.0", "self, v",
-                     "self.n = self.n + v\n        return autostate_ + self.n", id="lookalike"),
-    ],
-)
-def test_user_names_spelled_like_the_runtime(
-    write_module: Loader, prelude: str, signature: str, body: str
-) -> None:
-    source = f"""
-{prelude}
-
-
-@DECORATE
-class G:
-    def __init__(self):
-        self.n = jnp.zeros(())
-
-    def step({signature}):
-        {body}
-
-    def touch(self):
-        self.n = self.n
-"""
-    plain, dec = pair(write_module, source)
-    check(plain, dec, "G()", [("step", (X1,)), ("step", (X2,))])
+# A user's own name ``__autostate__`` (global, parameter, local, receiver):
+# tests/test_runtime_name.py, section 3.
 
 
 def test_annotations_of_a_nested_function_keep_their_text(write_module: Loader) -> None:

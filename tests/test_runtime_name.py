@@ -230,6 +230,8 @@ def test_hparams_from_locals_are_plain(write_module: Loader) -> None:
         pytest.param("", "self, v",
                      "f = lambda __autostate__: __autostate__ + self.n\n"
                      "        self.n = f(v)\n        return self.n", id="lambda-parameter"),
+        pytest.param("autostate_ = 5.0", "self, v",
+                     "self.n = self.n + v\n        return autostate_ + self.n", id="lookalike"),
     ],
 )
 def test_a_user_name_spelled_like_the_runtime_is_the_users(
