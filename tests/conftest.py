@@ -17,15 +17,6 @@ import pytest
 # Decoration caches to disk by default; tests must never write to the home dir.
 os.environ.setdefault("AUTOSTATE_CACHE_DIR", tempfile.mkdtemp(prefix="autostate-test-cache-"))
 
-# XLA's CPU backend compiles without its optimization passes: most of the
-# suite's time is compiling small programs once each, which this cuts by about
-# a quarter; what the programs compute does not change (the benchmarks keep
-# the default level). Read when JAX creates its CPU client, after this.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
-
 _module_counter = itertools.count()
 
 
