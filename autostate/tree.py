@@ -272,11 +272,18 @@ def plain_attributes(value: Any) -> dict[str, Any] | None:
     return attrs
 
 
+def _is_plain_tuple(value: Any) -> bool:
+    """A tuple or a named tuple (``typing.NamedTuple``: optax's states)."""
+    t = type(value)
+    return t is tuple or (issubclass(t, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"))
+
+
 def is_mutable_static(value: Any) -> bool:
-    """Whether ``value`` is, or a tuple holds, a list, dict, set, deque or bytearray."""
+    """Whether ``value`` is, or a tuple or named tuple holds, a list, dict,
+    set, deque or bytearray."""
     if isinstance(value, MUTABLE_CONTAINERS):
         return True
-    return type(value) is tuple and any(map(is_mutable_static, value))
+    return _is_plain_tuple(value) and any(map(is_mutable_static, value))
 
 
 def copy_static(value: Any, memo: dict[int, Any]) -> Any:
@@ -288,15 +295,18 @@ def copy_static(value: Any, memo: dict[int, Any]) -> Any:
     graphdef was made (jit's cache compares graphdefs), and a change in place
     inside one model (an eager call, a trace) reaches no other.
     """
-    if not isinstance(value, MUTABLE_CONTAINERS) and type(value) is not tuple:
+    if not isinstance(value, MUTABLE_CONTAINERS) and not _is_plain_tuple(value):
         return value
     found = memo.get(id(value))
     if found is not None:
         return found
     new: Any
-    if type(value) is tuple:
+    if isinstance(value, tuple):
         items = tuple(copy_static(v, memo) for v in value)
-        new = value if all(a is b for a, b in zip(items, value)) else items
+        if all(a is b for a, b in zip(items, value)):
+            new = value
+        else:
+            new = items if type(value) is tuple else type(value)._make(items)  # type: ignore[attr-defined]
     elif isinstance(value, (set, bytearray)):
         new = _copy.copy(value)  # hashable or int items: nothing inside to copy
     else:
