@@ -27,6 +27,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
 from autostate.transform.method import (
+    ACCESS_BUILTINS,
     OUTER_NAME,
     RUNTIME_NAME,
     MethodSource,
@@ -460,9 +461,7 @@ class ReceiverScopes:
         return None
 
 
-# The builtins that reach an attribute by name; a method (or its module, or
-# its closure) may bind one of these names to something else.
-ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object", "super"})
+# The builtins that reach an attribute by name (of ``ACCESS_BUILTINS``):
 # builtin -> (kind, how many arguments it takes, receiver included)
 _BY_NAME = {"setattr": ("set", (3,)), "getattr": ("get", (2, 3)), "delattr": ("del", (2,)),
             "hasattr": ("has", (2,))}

@@ -12,6 +12,10 @@ import dataclasses
 
 OUTER_NAME = "__autostate_outer__"
 RUNTIME_NAME = "__autostate__"
+# The builtins whose call with a literal name is an attribute statement
+# (``setattr(self, "x", v)``), unless the method's module or closure rebinds
+# them. Here, libcst-free, so that a warm decoration can check them too.
+ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object", "super"})
 
 
 @dataclasses.dataclass(frozen=True)

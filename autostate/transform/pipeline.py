@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from autostate.errors import DecorationError, SourceUnavailableError, format_error
 from autostate.transform import loader, source
-from autostate.transform.method import is_dunder
+from autostate.transform.method import ACCESS_BUILTINS, is_dunder
 
 if TYPE_CHECKING:
     from autostate.transform import analysis
@@ -277,16 +277,12 @@ def _marker_names(slots: list[source.MethodSlot], marker: Any) -> list[str]:
     return sorted(names)
 
 
-# ``analysis.ACCESS_BUILTINS``, kept here so a warm decoration imports no libcst.
-_ACCESS_BUILTINS = ("setattr", "getattr", "delattr", "hasattr", "object", "super")
-
-
 def _shadowed_builtins(fn: types.FunctionType) -> frozenset[str]:
     """The names ``setattr(self, "x", v)`` and its kin use that ``fn``'s module
     binds to something else than the builtin: there they write no attribute."""
     g = fn.__globals__
     return frozenset(
-        n for n in _ACCESS_BUILTINS if n in g and g[n] is not getattr(builtins, n)
+        n for n in ACCESS_BUILTINS if n in g and g[n] is not getattr(builtins, n)
     )
 
 

@@ -712,7 +712,7 @@ def rewrite_method(
 
     ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
     function each call of them goes through (``"scan"``); ``shadowed`` names
-    the builtins of ``analysis.ACCESS_BUILTINS`` the method's module or
+    the builtins of ``method.ACCESS_BUILTINS`` the method's module or
     closure binds to something else; ``runtime`` is the name the wrapper
     binds the runtime to (``MethodFacts.runtime``).
     """
