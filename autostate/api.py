@@ -224,7 +224,10 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             # the first use, whatever has replaced a method since. Its values
             # only (``_as_written`` finds their keys): a tuple is a third of a
             # dict copy's memory, most of its cost in a fresh process.
-            written = tuple(own.values())
+            _PENDING[cls] = tuple(own.values())
+            if later is not None or fallback is not None or category is not DEFAULT_CATEGORY:
+                # (Most classes take neither: their pending entry is the one tuple.)
+                _PENDING_OPTIONS[cls] = (category, fallback, later)
             cls.__new__ = _FIRST_USE
             if "functionalize" not in own and (
                 base is object or getattr(cls, "functionalize", _MISSING) is _MISSING
@@ -236,12 +239,10 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
                 _install_subclass_hook(cls, category, fallback)
             else:
                 cls.__init_subclass__ = _PENDING_HOOK
-            _PENDING[cls] = (category, fallback, later, written)
             return cls
     _check_is_class(cls)
-    pending = _tree.PENDING.get(cls)
-    if pending is not None:  # decorated again before its first use
-        _tree.PENDING[cls] = (category, fallback, *pending[2:])
+    if cls in _PENDING:  # decorated again before its first use
+        _PENDING_OPTIONS[cls] = (category, fallback, _pending_options(cls)[2])
         if cls.__dict__.get("__init_subclass__", _PENDING_HOOK) is not _PENDING_HOOK:
             _install_subclass_hook(cls, category, fallback)  # its subclasses take the new options
         return cls
@@ -393,7 +394,7 @@ def _subclass_of_pending(sub: type, /, **kwargs: Any) -> None:
     owner = hooked[depth]
     # Read first: the chain below may complete ``owner`` (another base's hook
     # deciding ``sub`` reads its info), and its options still apply.
-    pending = _tree.PENDING.get(owner)
+    pending = _pending_options(owner) if owner in _PENDING else None
     _HOOK_DEPTH[sub] = depth + 1
     try:
         super(owner, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
@@ -411,6 +412,15 @@ _HOOK_DEPTH: dict[type, int] = {}
 
 _FIRST_USE = _FirstUse()
 _PENDING = _tree.PENDING  # the same dict, one read fewer per class statement
+# A pending class's options, where they are not the defaults: (category,
+# fallback, where to record its decision at the first use or None).
+_PENDING_OPTIONS: dict[type, tuple[Hashable, str | None, tuple | None]] = {}
+_DEFAULT_OPTIONS = (DEFAULT_CATEGORY, None, None)
+
+
+def _pending_options(cls: type) -> tuple[Hashable, str | None, tuple | None]:
+    return _PENDING_OPTIONS.get(cls, _DEFAULT_OPTIONS)
+
 _NEW_FOR: dict[type, _NewFor] = {}
 _PENDING_HOOK: Any = classmethod(_subclass_of_pending)
 _TYPE_CALL = type.__call__
@@ -498,26 +508,35 @@ def _complete(klass: type) -> bool:
     with _COMPLETING:
         for k in reversed(klass.__mro__):
             own = k.__dict__
-            pending = _tree.PENDING.get(k)
-            if pending is None and _ours(own.get("__new__")) and INFO_ATTR not in own:
+            category: Hashable
+            written = _PENDING.get(k)
+            if written is None:
+                if not _ours(own.get("__new__")) or INFO_ATTR in own:
+                    continue
                 # A copy of a pending class (``@dataclass(slots=True)`` above
                 # ``@stateful`` returns one): decorated as its original would be.
-                pending = (DEFAULT_CATEGORY, None, None, None)
-            if pending is None or k in _IN_PROGRESS:
+                category, fallback, later = _DEFAULT_OPTIONS
+            else:
+                category, fallback, later = _pending_options(k)
+            if k in _IN_PROGRESS:
                 continue  # (``_decorate`` reads ``k``'s own info while completing it)
             _IN_PROGRESS.add(k)
             try:
-                _decorate_as_written(k, pending[0], pending[1], _as_written(k, pending[3]))
+                _decorate_as_written(
+                    k, category, fallback, None if written is None else _as_written(k, written)
+                )
             finally:
                 _IN_PROGRESS.discard(k)
-            _tree.PENDING.pop(k, None)  # a failure leaves it pending: every use raises the error
+            # A failure leaves it pending: every use raises the error.
+            _PENDING.pop(k, None)
+            _PENDING_OPTIONS.pop(k, None)
             completed = True
-            if pending[2] is not None:
-                loader.remember_decided(*pending[2])
+            if later is not None:
+                loader.remember_decided(*later)
     return completed
 
 
-def _as_written(cls: type, values: tuple | None) -> dict[str, Any] | None:
+def _as_written(cls: type, values: tuple) -> dict[str, Any] | None:
     """The dict ``cls``'s statement wrote, from the values ``stateful`` kept.
 
     Their keys are the first ones of the dict now: a value replaced since
@@ -526,8 +545,6 @@ def _as_written(cls: type, values: tuple | None) -> dict[str, Any] | None:
     deleted. ``None`` when one was (``del Cls.step``): the decision is then
     made on the class as it is.
     """
-    if values is None:
-        return None
     keys = list(cls.__dict__)
     n = len(values)
     if len(keys) > n and keys[n] == "__new__":

@@ -67,9 +67,9 @@ def is_stateful_instance(value: Any) -> bool:
     return type(value) in _STATEFUL_CLASSES
 
 
-# Classes whose decoration waits for their first use (``api``), with their
-# options, and the function that completes them: reading the info of such a
-# class, or of a subclass, completes it first.
+# Classes whose decoration waits for their first use (``api``), with the
+# values their class statement wrote, and the function that completes them:
+# reading the info of such a class, or of a subclass, completes it first.
 PENDING: dict[type, tuple[Any, ...]] = {}
 
 

@@ -467,7 +467,7 @@ def test_the_values_kept_are_found_again_under_their_keys(source_file):
     path = source_file(EDITED.replace("EDIT", "Model.step = times10(Model.step)"))
     _import(path)
     module = _import(path)
-    values = _tree.PENDING[module.Model][3]
+    values = _tree.PENDING[module.Model]  # the values its statement wrote
     written = api._as_written(module.Model, values)
     assert written is not None
     assert written["step"] is not module.Model.__dict__["step"]  # the method as written
