@@ -438,6 +438,7 @@ def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> boo
     try:
         decision, slots = _decide(cls, fallback, None)
         _check_installable(slots, decision)
+        _check_state_descriptors(cls, decision.state)
     except DecorationError as error:
         field = getattr(error, "uninitialized", None)
         if "__init__" in own or (
@@ -628,6 +629,7 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     ):
         return cls
     decision, slots = _decide(cls, fallback, previous)
+    _check_state_descriptors(cls, decision.state)
     _install_methods(slots, decision)
     _install_state_descriptors(cls, decision.state)
     _runtime.install_class_defaults(cls, decision.defaults)
@@ -714,6 +716,40 @@ def _install_methods(slots: list, decision: ClassDecision) -> None:
         code = decision.codes.get(slot.key)
         if code is not None:
             slot.install(loader.build_function(code, slot.function, _runtime))
+
+
+def _check_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
+    """Refuses a state whose name a data descriptor of the user's holds.
+
+    A state's value is kept by autostate's own descriptor, which takes the
+    name's place on the class; a descriptor there (one with ``__set__``: a
+    clamp, a validator, a unit conversion) would then never run, and every
+    write would silently skip its code.
+    """
+    for attr in state_attrs:
+        found = next((k.__dict__[attr] for k in cls.__mro__ if attr in k.__dict__), None)
+        kind = type(found)
+        if (
+            found is None
+            or kind is _runtime.StateAttribute
+            or kind in (types.MemberDescriptorType, types.GetSetDescriptorType)
+            or not (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
+        ):
+            continue
+        owner = next(k for k in cls.__mro__ if attr in k.__dict__)
+        raise DecorationError(
+            format_error(
+                f"{owner.__qualname__}.{attr} is a data descriptor ({kind.__qualname__}, "
+                f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
+                "state: autostate keeps a state's value itself, so the descriptor's "
+                "__get__ and __set__ would never run.",
+                where=_class_line(owner),
+                fix=f"keep the value in a plain attribute and make {attr} a property: "
+                f"`@property def {attr}(self): return self._{attr}`, with a setter that "
+                f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
+                f"(autostate tracks _{attr} as the state).",
+            )
+        )
 
 
 def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:

@@ -331,8 +331,8 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
     put into ``__dict__`` directly (``vars(self)["x"] = v``,
     ``self.__dict__.update(...)``), or a key added or removed, bypasses them:
     the states returned would silently miss it. A ``functools.cached_property``
-    first used in the call is cached as Python caches it, except under a
-    trace: there it is computed once per trace and dropped afterwards.
+    filled or cleared in the call is cached or cleared as Python does it,
+    except under a trace: there a value it computes is dropped afterwards.
     """
     for obj, before in snapshot:
         d = obj.__dict__
@@ -343,8 +343,10 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
             if old is new or (isinstance(old, StateSlot) and isinstance(new, StateSlot)):
                 continue
             cached = getattr(type(obj), name, None)
-            if old is _ABSENT and isinstance(cached, functools.cached_property):
-                if traced:
+            if isinstance(cached, functools.cached_property):
+                # Filled, cleared (``del self.inv``, to recompute it after a
+                # write) or both: the cache's own business.
+                if traced and new is not _ABSENT:
                     # Cached for this trace only: the value may be a tracer,
                     # so the next call computes it again.
                     del d[name]
