@@ -44,7 +44,7 @@ from autostate.effects import (
     is_running,
     is_static_value,
 )
-from autostate.effects.local_state import _check_not_traced, lax_body_of
+from autostate.effects.local_state import _check_not_traced, lax_body_of, unsortable_keys_error
 from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -149,9 +149,15 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
         # its own states stay states, as if __init__ had assigned it.
         return value
     if info.slot_factory is not None:
-        _check_not_traced(value, explicit or name)
+        unsortable = _check_not_traced(value, explicit or name)
+        error = unsortable and unsortable_keys_error(value, unsortable, None, _HOST_STORE)
+        if error:
+            raise error
         return info.slot_factory(obj, name, value, category, explicit)
     return initial_slot(as_state_value(value, name), category, explicit, name)
+
+
+_HOST_STORE = 'so a fallback="host" store, which keeps a state as flat arrays, cannot hold it'
 
 
 _NUMPY = (np.ndarray, np.generic)
@@ -348,7 +354,15 @@ def store_state(obj: Any, name: str, value: Any) -> None:
             value = as_state_value(value, name)
         if t in _UNHANDLED_SLOTS and is_guarded(obj):
             _check_unhandled_write(obj, name, slot, value)
-        replacement = slot.write(value, name)
+        try:
+            replacement = slot.write(value, name)
+        except (ValueError, TypeError) as err:
+            # A slot that flattens what it stores (a host store) met a dict
+            # whose keys do not sort: said in autostate's words.
+            error = unsortable_keys_error(value, None, name, _HOST_STORE)
+            if error is None or "dictionary keys" not in str(err):
+                raise
+            raise error from None
         if replacement is not None:
             _dict_setitem(d, name, replacement)
         if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):

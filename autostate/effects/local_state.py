@@ -20,6 +20,7 @@ This module knows nothing about source code; it walks trees with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -278,7 +279,11 @@ def holds_escaped_tracer(value: Any) -> bool:
         return is_escaped_tracer(value)
     if type(value) in _CONCRETE_LEAF_TYPES:
         return False
-    return any(is_escaped_tracer(leaf) for leaf in jax.tree_util.tree_leaves(value))
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+    return any(is_escaped_tracer(leaf) for leaf in leaves)
 
 
 def fresh_handler_id() -> str:
@@ -310,7 +315,11 @@ def contains_tracer(value: Any) -> bool:
         return False
     # (An iterator -- a generator passed to ``f`` -- is a leaf: no tracer
     # there, and JAX warns when it meets one unasked.)
-    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+    try:
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+        return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
     if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
         _CONCRETE_LEAF_TYPES.add(t)
         return False
@@ -338,23 +347,151 @@ def _live_traces() -> set[int]:
     return live
 
 
-def _tracers(value: Any) -> list[Any]:
-    return [leaf for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.core.Tracer)]
+# (state name, the user's line that assigned it): where a state was given a
+# value holding a dict whose keys do not sort.
+Unsortable = tuple[str, "str | None"]
+
+# The dicts JAX flattens in the sorted order of their keys (an OrderedDict
+# keeps its own order, a dict subclass that is no pytree is a leaf).
+_SORTED_DICTS = (dict, collections.defaultdict)
 
 
-def _check_not_traced(value: Any, name: str | None, home: Any = None) -> None:
+def unsortable_dicts(value: Any) -> tuple[list[Any], list[Any]]:
+    """``value``'s leaves, walking its dicts in their own order, and the dicts
+    in it whose keys do not sort (``{Split.TRAIN: ...}`` with a plain Enum,
+    ``{1: a, "x": b}``), which JAX cannot flatten: it orders a dict by its keys.
+    """
+    leaves: list[Any] = []
+    unsortable: list[Any] = []
+
+    def visit(node: Any) -> None:
+        if type(node) in _SORTED_DICTS:
+            try:
+                sorted(node)
+            except Exception:  # whatever the keys' ``<`` raises
+                unsortable.append(node)
+            for child in node.values():
+                visit(child)
+            return
+        for leaf in jax.tree_util.tree_leaves(
+            node, is_leaf=lambda v: v is not node and (type(v) in _SORTED_DICTS or _is_iterator(v))
+        ):
+            if type(leaf) in _SORTED_DICTS:
+                visit(leaf)
+            else:
+                leaves.append(leaf)
+
+    visit(value)
+    return leaves, unsortable
+
+
+def _leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
+    """The leaves of a ``value`` JAX failed to flatten with ``error``, when a
+    dict in it whose keys do not sort is why; else ``error`` again."""
+    leaves, unsortable = unsortable_dicts(value)
+    if not unsortable:
+        raise error
+    return leaves
+
+
+def _tracers(value: Any) -> tuple[list[Any], bool]:
+    """The tracers among ``value``'s leaves, and whether ``value`` holds a dict
+    whose keys do not sort (a state eager Python keeps, but that JAX cannot
+    flatten: ``unsortable_keys_error`` refuses it where ``f`` would need it)."""
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+        return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
+    return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], False
+
+
+# What needs a state flattened, for the message of ``unsortable_keys_error``.
+_MODEL_FLATTENED = (
+    "so the model cannot be flattened: functionalize() cannot make the dict one of the "
+    "states f takes and returns, and jax.jit or jax.tree_util cannot take the model "
+    "(eagerly the model keeps the dict, as plain Python does)"
+)
+_IN_STATES = "so it cannot be one of the states a functionalized call takes and returns"
+_THREADED = (
+    "so it cannot be one of the states a functionalized call or a lax call (scan, cond, "
+    "while_loop, ...) threads"
+)
+
+
+def unsortable_keys_error(
+    value: Any, recorded: Unsortable | None, name: str | None, problem: str = _MODEL_FLATTENED
+) -> InvalidTypeError | None:
+    """The error for a state holding a dict whose keys do not sort, or ``None``
+    when ``value`` holds none (JAX failed to flatten it for another reason,
+    which its own error says).
+
+    ``recorded`` is what the slot kept when the value was assigned (the
+    state's name and the user's line); without it, ``name`` names the state
+    and the line running now is named.
+    """
+    try:
+        _, unsortable = unsortable_dicts(value)
+    except Exception:
+        return None
+    if not unsortable:
+        return None
+    label, where = recorded if recorded is not None else (name, user_location())
+    subject = f"State {label!r}" if label else "A state"
+    kinds = sorted({type(key).__name__ for d in unsortable for key in d})
+    return InvalidTypeError(
+        format_error(
+            f"{subject} holds a dict whose keys cannot be sorted (keys of "
+            f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
+            f"in the sorted order of its keys, {problem}.",
+            where=where,
+            fix="key the dict by str, int or IntEnum values (an enum member's value: "
+            "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
+            "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
+            "JAX flattens in insertion order.",
+        )
+    )
+
+
+def _unsortable_states_error(
+    values: Mapping[str, Any],
+    problem: str,
+    err: BaseException,
+    recorded: Mapping[str, Unsortable] = types.MappingProxyType({}),
+) -> InvalidTypeError | None:
+    """``unsortable_keys_error`` for the first of ``values`` (a states dict)
+    holding a dict whose keys do not sort, naming the line that assigned it
+    when ``recorded`` knows it, else the line running now; None if there is
+    none, or if ``err`` (what JAX raised) is not about sorting keys.
+    """
+    if "dictionary keys" not in str(err):
+        return None
+    for name, value in values.items():
+        where = recorded.get(name)
+        error = unsortable_keys_error(value, where and (name, where[1]), name, problem)
+        if error is not None:
+            return error
+    return None
+
+
+def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
     """Refuses to store a tracer that would outlive its trace in an eager model.
 
     A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
     a temporary instance inside a jitted step) lives in that trace, its
     ``home``: it may keep that trace's values. Any other tracer comes from a
     transformation of a model built outside it, and would leak.
+
+    Returns ``(name, the user's line)`` when ``value`` holds a dict whose
+    keys do not sort, else None: the slot keeps it for the error raised
+    where the state must be flattened (see ``unsortable_keys_error``).
     """
-    tracers = _tracers(value)
+    tracers, unsortable = _tracers(value)
+    where = (name or "?", user_location()) if unsortable else None
     if not tracers:
-        return
+        return where
     if home is not None and all(_trace_of(t) is home for t in tracers):
-        return
+        return where
     raise TracedEagerStateError(
         format_error(
             f"State {name!r} was assigned a JAX tracer on a model that is not "
@@ -381,19 +518,22 @@ def _with_home(slot: Any, home: Any) -> Any:
     return slot
 
 
-def check_initial_value(value: Any, name: str | None) -> None:
+def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
     """A state's first value may hold tracers of the running trace (or its parents).
 
     That is a model being built inside a transformation: its initial values
     are values of that trace. A tracer of a finished trace is a leak.
+    Returns what ``_check_not_traced`` returns.
     """
-    tracers = _tracers(value)
+    tracers, unsortable = _tracers(value)
+    where = (name or "?", user_location()) if unsortable else None
     if not tracers:
-        return
+        return where
     live = _live_traces()
     if all(id(_trace_of(t)) in live for t in tracers):
-        return
+        return where
     _check_not_traced(value, name)
+    return where
 
 
 def is_static_value(value: Any) -> bool:
@@ -582,13 +722,16 @@ class InitialValue:
     penzai initializers do, so ``state_sharing="allowed"`` shares a request
     only with itself. ``home`` is the JAX trace the model was built in (``None``
     outside transformations): later writes may hold that trace's values.
+    ``unsortable`` is set when ``value`` is one JAX cannot flatten (see
+    ``check_initial_value``).
     """
 
-    __slots__ = ("value", "home")
+    __slots__ = ("value", "home", "unsortable")
 
-    def __init__(self, value: Any, home: Any = None):
+    def __init__(self, value: Any, home: Any = None, unsortable: Unsortable | None = None):
         self.value = value
         self.home = home
+        self.unsortable = unsortable
 
     def __call__(self) -> Any:
         return self.value
@@ -602,6 +745,7 @@ class InitialValue:
     def __setstate__(self, value):
         self.value = value
         self.home = None
+        self.unsortable = None
 
 
 def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
@@ -614,19 +758,22 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     home = current_trace()
     if is_static_value(value):
         return _with_home(StaticState(value, category, name), home)
-    check_initial_value(value, name or label)
-    return InitialLocalStateRequest(InitialValue(value, home), category, name)
+    where = check_initial_value(value, name or label)
+    return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
 
 
-def _written(value: Any, category: Category, name: str | None, home: Any) -> Any:
+def _written(
+    value: Any, category: Category, name: str | None, home: Any, where: Unsortable | None = None
+) -> Any:
     """The slot a static state becomes when assigned ``value`` (same home trace).
 
     A static state assigned an array becomes an array state (``self.cache =
     None`` in ``__init__``, an array later); an array state never becomes static.
+    ``where``: what ``_check_not_traced`` returned for ``value``.
     """
     if is_static_value(value):
         return _with_home(StaticState(value, category, name), home)
-    return _with_home(FrozenLocalStateRequest(value, category, name), home)
+    return _with_home(_with_unsortable(FrozenLocalStateRequest(value, category, name), where), home)
 
 
 def _static_pytree(cls):
@@ -677,11 +824,13 @@ class InitialLocalStateRequest(StateSlot):
     def write(self, value: Any, label: str | None = None) -> Any:
         init = self.state_initializer
         home = init.home if isinstance(init, InitialValue) else None
-        _check_not_traced(value, self.name or label, home)
+        where = _check_not_traced(value, self.name or label, home)
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash). An array
         # state stays one when assigned a python number, as it does when handled.
-        return _with_home(FrozenLocalStateRequest(value, self.category, self.name), home)
+        return _with_home(
+            _with_unsortable(FrozenLocalStateRequest(value, self.category, self.name), where), home
+        )
 
     def as_request(self) -> InitialLocalStateRequest:
         return self
@@ -727,6 +876,13 @@ class FrozenLocalStateRequest(StateSlot):
     name: str | None = None
     # The trace the model was built in (``None``: outside every trace).
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
+    # Where a value JAX cannot flatten was assigned (a dict whose keys do not
+    # sort; see ``unsortable_keys_error``); set only then (``_with_unsortable``).
+    # ``replaced`` leaves it unset, so an eager write pays nothing for it:
+    # readers use ``getattr(..., None)``.
+    _unsortable: Unsortable | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
     # ``sys.getrefcount(self)``, read as an attribute: computed from C inside
     # the attribute read, with no point where a signal handler, another
     # thread, a profiler or a debugger can run between it and the next
@@ -744,8 +900,8 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
-        _check_not_traced(value, self.name or label, _home_of(self))
-        return self.replaced(value)
+        where = _check_not_traced(value, self.name or label, _home_of(self))
+        return _with_unsortable(self.replaced(value), where)
 
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
         """This request holding ``value`` instead, unchecked (``write`` checks).
@@ -773,12 +929,29 @@ class FrozenLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
+def _with_unsortable(
+    request: FrozenLocalStateRequest, unsortable: Unsortable | None
+) -> FrozenLocalStateRequest:
+    """``request``, keeping where its value was assigned when JAX cannot flatten it."""
+    if unsortable is not None:
+        request._unsortable = unsortable
+    return request
+
+
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
     # Python values inside a container state are structure here as in a
     # states dict (``States``): a model passed to ``jax.jit`` keeps them.
-    if type(r.state) not in _CONCRETE_LEAF_TYPES and holds_static_values(r.state):
-        state, static = split_static_values(r.state)
-        return (state,), (r.category, r.name, static)
+    if type(r.state) not in _CONCRETE_LEAF_TYPES:
+        try:
+            static = holds_static_values(r.state)
+        except (ValueError, TypeError):
+            error = unsortable_keys_error(r.state, getattr(r, "_unsortable", None), r.name)
+            if error is None:
+                raise
+            raise error from None
+        if static:
+            state, static = split_static_values(r.state)
+            return (state,), (r.category, r.name, static)
     return (r.state,), (r.category, r.name, None)
 
 
@@ -803,7 +976,9 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
     # A fresh model's state is a leaf as it will be after its first write.
     init = request.state_initializer
     if isinstance(init, InitialValue):
-        return FrozenLocalStateRequest(init.value, request.category, request.name)
+        return _with_unsortable(
+            FrozenLocalStateRequest(init.value, request.category, request.name), init.unsortable
+        )
     return request
 
 
@@ -844,8 +1019,8 @@ class StaticState(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> Any:
         home = _home_of(self)
-        _check_not_traced(value, self.name or label, home)
-        return _written(value, self.category, self.name, home)
+        where = _check_not_traced(value, self.name or label, home)
+        return _written(value, self.category, self.name, home, where)
 
     def as_request(self) -> StaticState:
         return self
@@ -1283,11 +1458,27 @@ def run_with_states(
     guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
     try:
         result = fn(*args, **kwargs)
+    except (ValueError, TypeError) as err:
+        # JAX flattening the states (a lax call threads them) met a dict whose
+        # keys do not sort: said in autostate's words, or raised as it was.
+        error = _unsortable_states_error(
+            {name: cell.value for name, cell in cells.items()}, _THREADED, err
+        )
+        if error is None:
+            raise
+        raise error from None
     finally:
         _GUARDED.reset(guard_token)
         _ACTIVE.reset(token)
         del _ANY_THREAD[id(running)]
-    return result, states_dict({name: cell.value for name, cell in cells.items()})
+    new = {name: cell.value for name, cell in cells.items()}
+    try:
+        return result, states_dict(new)
+    except (ValueError, TypeError) as err:
+        error = _unsortable_states_error(new, _IN_STATES, err)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _category_predicate(
@@ -1362,6 +1553,8 @@ def handle_local_states(
     initializers: dict[str, Callable[[], Any]] = {}
     valued: dict[str, Any] = {}
     paths: dict[str, str] = {}
+    # Where a state was given a dict whose keys do not sort, for the error.
+    unsortable: dict[str, Unsortable] = {}
 
     def is_target(node: Any) -> bool:
         t = type(node)
@@ -1417,9 +1610,13 @@ def handle_local_states(
         if isinstance(request, InitialLocalStateRequest):
             value: Any = request.state_initializer
             initializer = request.state_initializer
+            recorded = getattr(initializer, "unsortable", None)
         else:
             value = request
             initializer = _frozen_initializer(request.state)
+            recorded = getattr(request, "_unsortable", None)
+        if recorded is not None:
+            unsortable[name] = recorded
         if name in valued:
             previous = valued[name]
             same_initializer = (
@@ -1438,7 +1635,14 @@ def handle_local_states(
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
-        return states_dict({name: _own_value(init()) for name, init in initializers.items()})
+        values = {name: _own_value(init()) for name, init in initializers.items()}
+        try:
+            return states_dict(values)
+        except (ValueError, TypeError) as err:
+            error = _unsortable_states_error(values, _IN_STATES, err, unsortable)
+            if error is None:
+                raise
+            raise error from None
 
     return handler, (initial_states if lazy else initial_states())
 
