@@ -1524,9 +1524,6 @@ class Model:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `self.ema.update(x)` on a sub-model whose attribute "
-                   "a reset() reassigns is refused at decoration as an in-place mutation of "
-                   "state 'ema' (fix: `self.ema = self.ema + [item]`); plain Python runs")
 def test_submodel_with_update_method_reassigned_in_reset(write_module: Loader) -> None:
     plain, dec = pair(write_module, UPDATE_NAME)
     run_case(plain, dec, "Model()", [("__call__", (A1,)), ("__call__", (A2,))],

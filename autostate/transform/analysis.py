@@ -37,10 +37,25 @@ from autostate.transform.method import (
 )
 
 # Methods that mutate a container in place; calling one on state would change
-# the value behind the effect system's back.
+# the value behind the effect system's back. A name is no type: a sub-model or
+# any other object may have an ``update`` too, so a call is only refused where
+# no value of the attribute can be such an object (``holds_plain_values``).
 _MUTATING_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
+)
+# Calls whose result is a mutable container, by the dotted name they spell.
+_CONTAINER_CONSTRUCTORS = frozenset(
+    {"list", "dict", "set", "bytearray", "collections.deque", "collections.OrderedDict",
+     "collections.defaultdict", "collections.Counter"}
+)
+# Modules whose functions give arrays (or containers of them), by the first
+# name of the dotted name a call spells (``jnp.zeros``, ``jax.random.normal``).
+_ARRAY_MODULES = frozenset({"jnp", "np", "numpy", "jax", "lax"})
+_CONTAINER_DISPLAYS = (cst.List, cst.Dict, cst.Set, cst.ListComp, cst.DictComp, cst.SetComp)
+_LITERALS = (
+    cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.ConcatenatedString,
+    cst.FormattedString,
 )
 
 
@@ -50,6 +65,10 @@ class Assignment:
     line: int
     kind: str  # "set", "aug", "item"
     nested: bool
+    # The expression a "set" assigns, where the source spells one for this
+    # attribute alone (``self.x = v``, ``self.x: T = v``, ``setattr(self,
+    # "x", v)``); None for the others (``self.a, self.b = v``, ``for self.x in``).
+    value: cst.BaseExpression | None = None
 
 
 @dataclasses.dataclass
@@ -68,6 +87,9 @@ class MethodFacts:
     deletes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     reflective: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     mutating_calls: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    # One per ``mutating_calls`` entry: how many subscripts lie between the
+    # attribute and the method (``self.x[i].append``: 1, an item's method).
+    mutating_depths: list[int] = dataclasses.field(default_factory=list)
     rebinds: list[int] = dataclasses.field(default_factory=list)
     # Methods called through the receiver (``self.m()``) or taken from the
     # class (``type(self).m``, ``self.__class__.m``, ``Cls.m``).
@@ -593,6 +615,13 @@ def subscript_base(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr
 
 
+def _subscript_depth(expr: cst.BaseExpression) -> int:
+    depth = 0
+    while isinstance(expr, cst.Subscript):
+        expr, depth = expr.value, depth + 1
+    return depth
+
+
 class _Positions:
     """Start lines of a parsed method's nodes, computed on first use.
 
@@ -747,7 +776,9 @@ class _FactCollector(cst.CSTVisitor):
         self._binds(node)
 
     # targets
-    def _target(self, expr: cst.BaseExpression, kind: str) -> None:
+    def _target(
+        self, expr: cst.BaseExpression, kind: str, value: cst.BaseExpression | None = None
+    ) -> None:
         if isinstance(expr, (cst.Tuple, cst.List)):
             for element in expr.elements:
                 self._target(element.value, kind)
@@ -759,13 +790,19 @@ class _FactCollector(cst.CSTVisitor):
         attr = self._attr(subscript_base(expr))
         if attr is not None and not is_dunder(attr):
             self.facts.assignments.append(
-                Assignment(attr, self._line(expr), "item" if item else kind, self.scopes.nested)
+                Assignment(
+                    attr,
+                    self._line(expr),
+                    "item" if item else kind,
+                    self.scopes.nested,
+                    None if item else value,
+                )
             )
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._binds(node)
         for target in node.targets:
-            self._target(target.target, "set")
+            self._target(target.target, "set", node.value)
         if len(node.targets) == 1 and isinstance(node.value, cst.Call):
             attr = self._attr(node.targets[0].target)
             func = dotted_name(node.value.func)
@@ -779,7 +816,7 @@ class _FactCollector(cst.CSTVisitor):
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         if node.value is not None:
             self._binds(node)
-            self._target(node.target, "set")
+            self._target(node.target, "set", node.value)
 
     def visit_For(self, node: cst.For) -> None:
         self._binds(node)
@@ -836,7 +873,7 @@ class _FactCollector(cst.CSTVisitor):
         if access is not None and access.kind == "set":
             # ``setattr(self, "x", v)`` is ``self.x = v`` (no mangling: a string).
             self.facts.assignments.append(
-                Assignment(access.name, self._line(node), "set", self.scopes.nested)
+                Assignment(access.name, self._line(node), "set", self.scopes.nested, access.value)
             )
             value = access.value
             if isinstance(value, cst.Call) and (dotted := dotted_name(value.func)) is not None:
@@ -867,6 +904,7 @@ class _FactCollector(cst.CSTVisitor):
             owner = self._attr(subscript_base(func.value))
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
+                self.facts.mutating_depths.append(_subscript_depth(func.value))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         dotted = dotted_name(node.decorator)
@@ -939,6 +977,108 @@ def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str)
             fix=fix,
         )
     )
+
+
+def may_be_object(
+    value: cst.BaseExpression | None,
+    depth: int,
+    bound: Callable[[], frozenset[str]],
+    declared: Callable[[str], bool],
+) -> bool:
+    """Whether ``value`` (its items ``depth`` subscripts deep) may be an
+    object with methods of its own, such as a sub-model: anything but what its
+    spelling shows to be a container (``[]``, ``{}``, a comprehension,
+    ``list(xs)``), an array (``jnp.zeros(3)``, ``self.c + x``), a literal or
+    ``None``. A value spelled any other way (a call, a name, ``self.x[1:]``)
+    may be one; so may ``None`` (no expression: a tuple target, a ``for``).
+
+    ``bound()``: the constructors' names the method binds itself;
+    ``declared(dotted)``: whether a call of ``dotted`` is ``autostate.state``.
+    """
+    if value is None:
+        return True
+    if isinstance(value, cst.Call):
+        dotted = dotted_name(value.func)
+        if dotted is None:
+            return True
+        if declared(dotted):
+            return may_be_object(_declared_value(value), depth, bound, declared)
+        head = dotted.partition(".")[0]
+        if dotted in _CONTAINER_CONSTRUCTORS or head in _ARRAY_MODULES:
+            # Items a call builds are not spelled here.
+            return depth > 0 or head in bound()
+        return True
+    if depth > 0:
+        if isinstance(value, (cst.List, cst.Tuple, cst.Dict)):
+            items = [e.value if isinstance(e, (cst.Element, cst.DictElement)) else None
+                     for e in value.elements]
+        elif isinstance(value, cst.ListComp):
+            items = [value.elt]
+        elif isinstance(value, cst.DictComp):
+            items = [value.value]
+        else:
+            items = []
+        # ``[]`` has no items to show anything of; ``[*xs]`` has unknown ones.
+        return not items or any(may_be_object(i, depth - 1, bound, declared) for i in items)
+    if isinstance(value, cst.IfExp):
+        return any(may_be_object(v, 0, bound, declared) for v in (value.body, value.orelse))
+    if isinstance(value, cst.Name):
+        return value.value not in ("None", "True", "False")
+    # Arithmetic gives an array (or a number, a container) whatever its
+    # operands; ``a or b`` gives one of them.
+    return not isinstance(
+        value,
+        (*_CONTAINER_DISPLAYS, *_LITERALS, cst.BinaryOperation, cst.UnaryOperation,
+         cst.Comparison),
+    )
+
+
+def holds_plain_values(
+    attr: str,
+    methods: Sequence[MethodFacts],
+    depth: int = 0,
+    is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
+) -> bool:
+    """Whether no value the class's methods assign to ``attr`` (its items
+    ``depth`` subscripts deep) may be an object with methods of its own
+    (``may_be_object``), and there is one value at least.
+
+    The analysis sees source, not types: ``self.ema.update(x)`` changes a
+    container in place only if ``ema`` holds one, and a sub-model (or any
+    other object) may have an ``update`` method. An attribute assigned only in
+    a base class shows nothing.
+    """
+    heads = frozenset(name.partition(".")[0] for name in _CONTAINER_CONSTRUCTORS | _ARRAY_MODULES)
+    found = False
+    for facts in methods:
+        if facts.receiver is None:
+            continue
+        bound = functools.cache(functools.partial(locally_bound, facts.function, heads))
+        declared = functools.partial(is_state_declaration, facts)
+        for assignment in facts.assignments:
+            if assignment.attr != attr:
+                continue
+            if assignment.kind != "set":
+                # ``self.x += v`` and ``self.x[k] = v`` keep the kind of value
+                # ``self.x`` holds (a container's in-place operators return
+                # itself), but may put any item into it.
+                if depth > 0:
+                    return False
+                continue
+            if may_be_object(assignment.value, depth, bound, declared):
+                return False
+            found = True
+    return found
+
+
+def _declared_value(call: cst.Call) -> cst.BaseExpression | None:
+    """The value of ``autostate.state(value, ...)`` as the call spells it."""
+    for arg in call.args:
+        if arg.keyword is None and arg.star == "":
+            return arg.value
+        if arg.keyword is not None and arg.keyword.value == "value":
+            return arg.value
+    return None
 
 
 def analyze_class(
@@ -1039,8 +1179,16 @@ def analyze_class(
                     f"use `{facts.receiver}.{attr}` directly.",
                 )
         if src.attr != "__init__":
-            for attr, method, line in facts.mutating_calls:
-                if attr in state:
+            for (attr, method, line), depth in zip(
+                facts.mutating_calls, facts.mutating_depths, strict=True
+            ):
+                # Refused only where the value cannot be a sub-model or another
+                # object whose ``update`` is its own. Otherwise the call runs,
+                # and should the value be a container state after all, the run
+                # time threads the change (each call copies it in and returns
+                # what it holds at the end) or refuses it where it cannot (a
+                # lax body, an unhandled category under jax.jit).
+                if attr in state and holds_plain_values(attr, methods, depth, is_state_declaration):
                     raise _fail(
                         class_name,
                         f"`{facts.receiver}.{attr}.{method}(...)` mutates state {attr!r} in "

@@ -486,7 +486,7 @@ def _transform(
         allow_nested_writes=True,  # closures' writes are threaded (autostate.control)
         inherited_properties=properties,
     )
-    _check_undecorated_bases(cls, bases, result.state)
+    _check_undecorated_bases(cls, bases, result.state, facts)
     codes: dict[str, types.CodeType] = {}
     for slot, method in zip(slots, result.methods):
         globals_ = globals_by_key[slot.key]
@@ -535,8 +535,13 @@ def _own_properties(cls: type) -> frozenset[str]:
 
 
 def _check_undecorated_bases(
-    cls: type, bases: list[tuple[type, list[analysis.MethodFacts]]], state_attrs: frozenset[str]
+    cls: type,
+    bases: list[tuple[type, list[analysis.MethodFacts]]],
+    state_attrs: frozenset[str],
+    own: list[analysis.MethodFacts],
 ) -> None:
+    from autostate.transform import analysis
+
     for base, base_facts in bases:
         for facts in base_facts:
             if facts.source.attr == "__init__" or facts.receiver is None:
@@ -545,8 +550,17 @@ def _check_undecorated_bases(
             # write or an in-place method call would change the value in place.
             changes = [(a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...")
                        for a in facts.assignments if a.kind == "item"]
-            changes += [(attr, line, f"{facts.receiver}.{attr}.{method}(...)")
-                        for attr, method, line in facts.mutating_calls]
+            # A method's name is no type (``self.ema.update(x)`` on a sub-model):
+            # a call is refused as in a decorated class, where no value
+            # assigned to the attribute may be an object with its own methods.
+            every = [f for _, fs in bases for f in fs]
+            changes += [
+                (attr, line, f"{facts.receiver}.{attr}.{method}(...)")
+                for (attr, method, line), depth in zip(
+                    facts.mutating_calls, facts.mutating_depths, strict=True
+                )
+                if analysis.holds_plain_values(attr, [*every, *own], depth)
+            ]
             for attr, line, what in changes:
                 if attr in state_attrs:
                     raise DecorationError(
