@@ -197,13 +197,13 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             # look-ups are cheaper.)
             fn = own["__init__"] if "__init__" in own else None
             filename: str | None
-            if (
-                type(fn) is _FUNCTION
-                and (filename := (code := fn.__code__).co_filename)[:1] != "<"
-                and fn.__module__ == cls.__module__
-            ):
-                # _site, inline: the commonest class statement.
-                spec = fn.__globals__.get("__spec__")
+            if type(fn) is _FUNCTION and fn.__module__ == cls.__module__:
+                # _site, inline: the commonest class statement. (An __init__
+                # generated from a string, as @dataclass's, has a file name
+                # "<...>" that is never ``_last_file``: ``_site_not_known``
+                # finds the site function again.)
+                filename = (code := fn.__code__).co_filename
+                spec = g["__spec__"] if "__spec__" in (g := fn.__globals__) else None
                 site: tuple = (qualname, code.co_firstlineno, fallback)
             else:
                 filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
@@ -265,12 +265,19 @@ def _site_not_known(
     not among them. Where to record the decision made at the first use, or
     None."""
     global _last_file, _last_spec, _last_set
+    if filename is not None and filename[:1] == "<":
+        # (An __init__ generated from a string: the site is another function's.)
+        filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
+        if "<locals>" in site[0]:
+            site = (*site, _body_and_bases(cls, own))
     if filename is None:
         _decided_now(cls, own, fallback)
         return None
     if filename is not _last_file or spec is not _last_spec or spec is None:
         _last_set = loader.file_sites(filename, spec)[2]
-        _last_file, _last_spec = filename, spec
+        # (Never a "<...>" name: the fast path takes ``_last_file`` as a real
+        # file's without checking.)
+        _last_file, _last_spec = (filename, spec) if filename[:1] != "<" else (None, None)
     if site in _last_set:
         return None
     if _decided_now(cls, own, fallback):

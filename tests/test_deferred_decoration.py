@@ -253,6 +253,65 @@ def test_dataclass_above_stateful_is_completed_as_a_dataclass():
     assert float(states["x"]) == 2.0
 
 
+GENERATED_INIT = '''
+import dataclasses
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class First:
+    def __init__(self):
+        self.count = jnp.zeros(())
+
+    def tick(self):
+        self.count = self.count + 1
+
+
+@autostate.stateful
+@dataclasses.dataclass
+class Generated:
+    total: object = None
+
+    def add(self, x):
+        self.total = self.total + x
+
+
+namespace = {}
+exec("def __init__(self):\\n    self.count = jnp.zeros(())", {"jnp": jnp}, namespace)
+
+
+@autostate.stateful
+class Assigned:
+    __init__ = namespace["__init__"]
+
+    def tick(self):
+        self.count = self.count + 2
+'''
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_an_init_generated_from_a_string_takes_its_site_from_another_function(source_file, warm):
+    # Its file name is "<string>": the class is known by its first function of
+    # the file, and a class after a real file's is not taken for one of it.
+    path = source_file(GENERATED_INIT)
+    module = _import_twice(path) if warm else _import(path)
+    if warm:
+        assert {module.First, module.Generated, module.Assigned} <= set(_tree.PENDING)
+    g = module.Generated(jnp.zeros(()))
+    g.add(2.0)
+    a, first = module.Assigned(), module.First()
+    a.tick()
+    first.tick()
+    assert (float(g.total), float(a.count), float(first.count)) == (2.0, 2.0, 1.0)
+    f, states = g.functionalize()
+    _, states = jax.jit(lambda s: f.add(s, 3.0))(states)
+    assert float(states["total"]) == 5.0
+    f, states = a.functionalize()
+    _, states = jax.jit(lambda s: f.tick(s))(states)
+    assert float(states["count"]) == 4.0
+
+
 def test_threads_instantiating_a_pending_class_see_it_complete(source_file):
     path = source_file()
     _import(path)
