@@ -132,14 +132,23 @@ def unflatten_states(layout: _Layout, flat: Mapping[str, Any]) -> dict[str, Any]
 def _as_array(value: Any, kind: str, key: str) -> Any:
     if isinstance(value, (jax.Array, np.ndarray)) and value.dtype != object:
         return value
-    if isinstance(value, (np.generic, *_PYTHON_SCALARS)):
+    if isinstance(value, np.generic):
         return np.asarray(value)
+    if isinstance(value, _PYTHON_SCALARS):
+        return np.asarray(value, _python_scalar_dtype(value))
     raise StateDictError(
         format_error(
             f"The {kind} {key!r} holds a {type(value).__name__}, not an array.",
             fix="keep arrays (or pytrees of arrays) in parameters and states.",
         )
     )
+
+
+def _python_scalar_dtype(value: Any) -> np.dtype:
+    """The dtype JAX gives a Python number (float32 for a float unless x64 is
+    on): a float state trained eagerly stays a float, through ``f`` it becomes
+    that array, and the dicts of both must load into each other."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(type(value))))
 
 
 def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -226,7 +235,18 @@ def state_dict(
             "pass the states dict that functionalize() (or the last call of f) returned; "
             "PackedStates go with the pf of autostate.pack: state_dict(pf, pstates).",
         )
-        check_state_keys(states, model.state_names(), "autostate.state_dict")
+        names = model.state_names()
+        check_state_keys(states, names, "autostate.state_dict")
+        missing = sorted(names.difference(states))
+        if missing:  # (as f, jit(f) and freeze refuse it: the dict would lack them silently)
+            raise StateDictError(
+                format_error(
+                    f"autostate.state_dict: the states dict lacks {_quoted(missing)}, "
+                    f"states of this f (it has {_quoted(sorted(states))}).",
+                    fix="pass the whole states dict that functionalize() (or the last call "
+                    "of f) returned.",
+                )
+            )
         flat, _ = flatten_states(states)
         return {k: _as_array(v, "state", k) for k, v in flat.items()}
     if states is not None:
@@ -282,7 +302,9 @@ def array_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
         dtype = getattr(x, "dtype", None)
         if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
             return tuple(x.shape), dtype
-        return tuple(np.shape(x)), np.dtype(dtype if dtype is not None else np.asarray(x).dtype)
+        if dtype is None:
+            return (), _python_scalar_dtype(x)
+        return tuple(np.shape(x)), np.dtype(dtype)
     return None
 
 
