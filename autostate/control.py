@@ -152,13 +152,38 @@ def _writes(
 
     def probe(values: list[Any], *inner: Any) -> Any:
         with _bound(cells, cells, values, what):
+            signatures = [_signature(v) for v in values]
             out = body(*inner)
             after = _current(cells)
-        written[:] = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b]
+        written[:] = [
+            i for i, (a, b, sig) in enumerate(zip(values, after, signatures)) if _assigned(a, sig, b)
+        ]
         return out, [after[i] for i in written]
 
     _, new = jax.eval_shape(probe, _current(cells), *args)
     return written, new
+
+
+def _signature(value: Any) -> tuple[Any, list[Any]] | None:
+    """A state value's structure and leaves (by identity), to tell a change in
+    place (``self.sub.items[0] = v``, ``d = self.d; d["k"] = v``) from none;
+    ``None`` for an array, which cannot change in place."""
+    if isinstance(value, jax.Array):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, leaves
+
+
+def _assigned(before: Any, signature: tuple[Any, list[Any]] | None, after: Any) -> bool:
+    """Whether a cell that held ``before`` (with ``signature``) now holding
+    ``after`` was written: assigned another value, or its container changed
+    in place, which plain Python's loop would keep as well."""
+    if after is not before:
+        return True
+    if signature is None:
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(after)
+    return treedef != signature[0] or any(a is not b for a, b in zip(leaves, signature[1]))
 
 
 def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
@@ -215,10 +240,12 @@ def _strong(value: Any) -> Any:
     )
 
 
-def _check_untouched(cells: Cells, before: Sequence[Any], chosen: Cells, what: str) -> None:
+def _check_untouched(
+    cells: Cells, before: Sequence[Any], signatures: Sequence[Any], chosen: Cells, what: str
+) -> None:
     chosen_ids = {id(c) for c in chosen}
-    for cell, value in zip(cells, before):
-        if id(cell) not in chosen_ids and cell.value is not value:
+    for cell, value, signature in zip(cells, before, signatures):
+        if id(cell) not in chosen_ids and _assigned(value, signature, cell.value):
             raise ControlFlowStateError(
                 format_error(
                     f"State {cell.name!r} is assigned in {what}, which must not change "
@@ -299,12 +326,26 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
             swapped.append((obj, attr, slot, name))
     if not instances:
         return call()
+    from autostate import functional as _functional  # (it imports this module)
+
+    # The containers the instances hold outside their states: a change in
+    # place inside the body is made once per trace, and a traced value it
+    # puts there outlives the trace.
+    kept = _functional._mutable_statics(instances)
     for obj, attr, slot in statics:
         obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
         with eager_lax_body(instances, what):
             if not swapped:
-                return call()
+                try:
+                    out = call()
+                except Exception:
+                    # (JAX meets the body's tracer first: in a later trace of
+                    # the body, or where the value is used.)
+                    _check_no_traced_change(kept, what)
+                    raise
+                _check_no_traced_change(kept, what)
+                return out
             handler_id = fresh_handler_id()
             states = {name: slot.read() for _, _, slot, name in swapped}
             for obj, attr, slot, name in swapped:
@@ -314,18 +355,49 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
                 out, new = run_with_states(
                     handler_id, states, _keeping_lost, (call, handler_id, lost), {}
                 )
+            except Exception:
+                _check_no_traced_change(kept, what)
+                raise
             finally:
                 for obj, attr, slot, name in swapped:
                     obj.__dict__[attr] = _LostState(slot, lost[name]) if name in lost else slot
     finally:
         for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
+    _check_no_traced_change(kept, what)
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
             replacement = slot.write(new[name], attr)
             if replacement is not None:
                 obj.__dict__[attr] = replacement
     return out
+
+
+def _check_no_traced_change(kept: list[tuple[Any, Any, str]], what: str) -> None:
+    """Refuses a body that put a traced value into a container a model holds
+    outside its states (a parameter list changed in place: ``leaf.items[0] =
+    v``), and puts the containers' contents back: the value is the body's
+    tracer, which plain Python's loop never makes, and it would escape."""
+    from autostate import functional as _functional
+
+    changed = [
+        where for value, contents, where in kept
+        if not _functional._same_contents(value, contents) and contains_tracer(value)
+    ]
+    if not changed:
+        return
+    _functional._restore(kept)
+    raise EscapedStateError(
+        format_error(
+            f"{what.capitalize()} changed {', '.join(dict.fromkeys(changed))} in place, "
+            "an attribute that is not state: JAX traces the body once instead of running it "
+            "each step, so the change would hold the body's traced value after the call.",
+            where=user_location(),
+            fix="make it state (assign the attribute in one of its class's methods, or "
+            "wrap its value in autostate.state(...) in __init__); a state changed in place "
+            "there is threaded through the body.",
+        )
+    )
 
 
 def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:
@@ -544,8 +616,9 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
         inner, values = carry
         with _bound(cells, chosen, values, "the cond_fun of a lax.while_loop"):
             before = _current(cells)
+            signatures = [_signature(v) for v in before]
             keep_going = cond_fun(inner)
-            _check_untouched(cells, before, (), "the cond_fun of a lax.while_loop")
+            _check_untouched(cells, before, signatures, (), "the cond_fun of a lax.while_loop")
         return keep_going
 
     def body(carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
