@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects.local_state import (
     FrozenLocalStateRequest,
@@ -326,12 +327,10 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
             swapped.append((obj, attr, slot, name))
     if not instances:
         return call()
-    from autostate import functional as _functional  # (it imports this module)
-
     # The containers the instances hold outside their states: a change in
     # place inside the body is made once per trace, and a traced value it
     # puts there outlives the trace.
-    kept = _functional._mutable_statics(instances)
+    kept = _statics.mutable_statics(instances)
     for obj, attr, slot in statics:
         obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
@@ -378,15 +377,13 @@ def _check_no_traced_change(kept: list[tuple[Any, Any, str]], what: str) -> None
     outside its states (a parameter list changed in place: ``leaf.items[0] =
     v``), and puts the containers' contents back: the value is the body's
     tracer, which plain Python's loop never makes, and it would escape."""
-    from autostate import functional as _functional
-
     changed = [
         where for value, contents, where in kept
-        if not _functional._same_contents(value, contents) and contains_tracer(value)
+        if not _statics.same_contents(value, contents) and contains_tracer(value)
     ]
     if not changed:
         return
-    _functional._restore(kept)
+    _statics.restore(kept)
     raise EscapedStateError(
         format_error(
             f"{what.capitalize()} changed {', '.join(dict.fromkeys(changed))} in place, "

@@ -11,7 +11,6 @@ decorated.
 
 from __future__ import annotations
 
-import copy as _copy
 import dataclasses
 import difflib
 import functools
@@ -27,6 +26,7 @@ import jax.export
 import numpy as np
 
 from autostate import control as _control
+from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
@@ -222,86 +222,9 @@ def check_state_keys(
     )
 
 
-def _mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
-    """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
-    deque or bytearray the model's instances hold outside their states, at
-    any depth of containers, tuples and plain objects (whose ``__dict__`` is
-    taken as one), and for those of the instances' classes (``shared = []``
-    in a class body).
-
-    Inside a traced call such a container is a copy the call throws away
-    (or, for ``f``'s own model, one a later call starts from): a change in
-    place (``self.log.append(x)``) would be lost with the trace, or keep a
-    tracer. ``_check_statics_kept`` refuses it; a refused call puts the old
-    contents back.
-    """
-    saved: list[tuple[Any, Any, str]] = []
-    seen: set[int] = set()
-    arrays, stateful = _tree.ARRAY_TYPES, _tree.STATEFUL_CLASSES
-
-    def visit(value: Any, where: str, depth: int) -> None:
-        t = type(value)
-        if t in _SKIPPED or t in arrays or t in stateful:
-            # No containers in it: a leaf, or a decorated instance (visited
-            # on its own, as one of ``instances``).
-            return
-        if depth > 16 or id(value) in seen:
-            return
-        if isinstance(value, _tree.MUTABLE_CONTAINERS):
-            seen.add(id(value))
-            saved.append((value, _copy.copy(value), where))
-            if isinstance(value, dict):
-                for item in value.values():
-                    visit(item, where, depth + 1)
-            elif not isinstance(value, (set, bytearray)):
-                for item in value:
-                    visit(item, where, depth + 1)
-        elif t is tuple:
-            for item in value:
-                visit(item, where, depth + 1)
-        elif _tree.learn_array_type(value):
-            pass  # an array holds no containers (its type is skipped from now on)
-        elif (d := _tree.plain_attributes(value)) is not None:
-            seen.add(id(value))
-            saved.append((d, d.copy(), where))
-            for item in d.values():
-                visit(item, where, depth + 1)
-
-    classes: dict[type, None] = {}
-    for obj in instances:
-        cls = type(obj)
-        classes[cls] = None
-        for name, value in obj.__dict__.items():
-            t = type(value)
-            if t not in _SKIPPED and t not in arrays:
-                visit(value, f"{cls.__name__}.{name}", 0)
-    for cls in classes:
-        for klass in cls.__mro__[:-1]:
-            for name, value in list(vars(klass).items()):
-                if isinstance(value, _tree.MUTABLE_CONTAINERS) and not name.startswith("__"):
-                    visit(value, f"{klass.__name__}.{name}", 0)
-    return saved
-
-
-# Attribute values that are never, and hold no, static containers.
-_SKIPPED = frozenset({int, float, bool, str, type(None), HandledLocalStateRef})
-
-
-def _same_contents(value: Any, contents: Any) -> bool:
-    """Whether a container holds exactly what its copy held (by identity: a
-    value may be a tracer, whose ``==`` would be traced)."""
-    if isinstance(value, dict):
-        return list(value) == list(contents) and all(
-            map(operator.is_, value.values(), contents.values())
-        )
-    if isinstance(value, (set, bytearray)):
-        return bool(value == contents)
-    return len(value) == len(contents) and all(map(operator.is_, value, contents))
-
-
 def _check_statics_kept(saved: list[tuple[Any, Any, str]], model_name: str) -> None:
     """Refuses a traced call that changed a container of the model in place."""
-    changed = [where for value, contents, where in saved if not _same_contents(value, contents)]
+    changed = [where for value, contents, where in saved if not _statics.same_contents(value, contents)]
     if changed:
         _refuse_change(model_name, list(dict.fromkeys(changed)))
 
@@ -362,23 +285,6 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
                     "as state, or make that change outside the functionalized call.",
                 )
             )
-
-
-def _restore(saved: Any) -> None:
-    for value, contents, _where in saved:
-        if _same_contents(value, contents):
-            continue
-        if isinstance(value, (list, bytearray)):
-            value[:] = contents
-        elif isinstance(value, dict):
-            dict.clear(value)
-            dict.update(value, contents)
-        elif isinstance(value, set):
-            value.clear()
-            value.update(contents)
-        else:  # a deque
-            value.clear()
-            value.extend(contents)
 
 
 M = TypeVar("M")
@@ -518,7 +424,7 @@ class FunctionalModel(Generic[M]):
         else:
             guard = self._guard  # type: ignore[assignment]
         snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
-        saved = _mutable_statics(instances) if traced else ()
+        saved = _statics.mutable_statics(instances) if traced else ()
         try:
             result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])
@@ -529,7 +435,7 @@ class FunctionalModel(Generic[M]):
                 _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         except BaseException:
             # A refused call leaves no tracer behind, and f as it was.
-            _restore(saved)
+            _statics.restore(saved)
             _put_back(snapshot)
             raise
         finally:
