@@ -51,6 +51,7 @@ from autostate.effects.local_state import (
     running_cells,
 )
 from autostate.errors import (
+    AutostateError,
     ControlFlowStateError,
     EscapedStateError,
     StaticStateError,
@@ -262,8 +263,9 @@ def _check_untouched(
 _EAGER_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 
 
-def _reachable_instances(roots: Sequence[Any]) -> list[Any]:
-    """Decorated instances reachable from a body: closures, bound methods, operands."""
+def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
+    """Decorated instances reachable from a body: closures, bound methods,
+    operands; the lists and dicts met on the way into ``containers``."""
     found: list[Any] = []
     seen: set[int] = set()
     stack = list(roots)
@@ -288,8 +290,11 @@ def _reachable_instances(roots: Sequence[Any]) -> list[Any]:
         elif isinstance(obj, functools.partial):
             stack.extend((obj.func, *obj.args, *obj.keywords.values()))
         elif isinstance(obj, (list, tuple)):
+            if type(obj) is not tuple:
+                containers.append(obj)
             stack.extend(obj)
         elif isinstance(obj, dict):
+            containers.append(obj)
             stack.extend(obj.values())
     return found
 
@@ -308,7 +313,8 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     Python's loop would change them every step, and a trace would leave a
     count of traces or a tracer. An ``f`` refuses both the same way.
     """
-    instances = _reachable_instances(roots)
+    captured: list[Any] = []
+    instances = _reachable_instances(roots, captured)
     swapped: list[tuple[Any, str, Any, str]] = []
     statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()
@@ -325,12 +331,29 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
                 name += "'"
             names.add(name)
             swapped.append((obj, attr, slot, name))
-    if not instances:
+    # What a change in place inside the body must not reach: it is made once
+    # per trace, and a traced value put there outlives the trace. The
+    # containers the instances hold outside their states; those of the
+    # states themselves as they are before the call (the body changes
+    # threaded copies, never these, unless it holds a reference taken before
+    # the call); and the lists and dicts the body captures.
+    cells = running_cells()
+    if not instances and not cells and not captured:
         return call()
-    # The containers the instances hold outside their states: a change in
-    # place inside the body is made once per trace, and a traced value it
-    # puts there outlives the trace.
-    kept = _statics.mutable_statics(instances)
+    kept = _statics.mutable_statics(
+        instances,
+        [(f"state {cell.name!r}", cell.value) for cell in cells]
+        + [(f"state {name!r}", slot.read()) for _, _, slot, name in swapped]
+        + [(_CAPTURED, c) for c in captured],
+    )
+    if not instances:
+        try:
+            out = call()
+        except Exception as raised:
+            _check_no_traced_change(kept, what, raised)
+            raise
+        _check_no_traced_change(kept, what)
+        return out
     for obj, attr, slot in statics:
         obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
@@ -338,10 +361,10 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
             if not swapped:
                 try:
                     out = call()
-                except Exception:
+                except Exception as raised:
                     # (JAX meets the body's tracer first: in a later trace of
                     # the body, or where the value is used.)
-                    _check_no_traced_change(kept, what)
+                    _check_no_traced_change(kept, what, raised)
                     raise
                 _check_no_traced_change(kept, what)
                 return out
@@ -354,8 +377,8 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
                 out, new = run_with_states(
                     handler_id, states, _keeping_lost, (call, handler_id, lost), {}
                 )
-            except Exception:
-                _check_no_traced_change(kept, what)
+            except Exception as raised:
+                _check_no_traced_change(kept, what, raised)
                 raise
             finally:
                 for obj, attr, slot, name in swapped:
@@ -372,7 +395,12 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     return out
 
 
-def _check_no_traced_change(kept: list[tuple[Any, Any, str]], what: str) -> None:
+_CAPTURED = "a list or dict it captures"
+
+
+def _check_no_traced_change(
+    kept: list[tuple[Any, Any, str]], what: str, raised: BaseException | None = None
+) -> None:
     """Refuses a body that put a traced value into a container a model holds
     outside its states (a parameter list changed in place: ``leaf.items[0] =
     v``), and puts the containers' contents back: the value is the body's
@@ -384,11 +412,39 @@ def _check_no_traced_change(kept: list[tuple[Any, Any, str]], what: str) -> None
     if not changed:
         return
     _statics.restore(kept)
+    if isinstance(raised, AutostateError):
+        return  # (autostate's own error about the body says more: it stands)
+    names = ", ".join(dict.fromkeys(changed))
+    if all(where == _CAPTURED for where in changed):
+        raise EscapedStateError(
+            format_error(
+                f"{what.capitalize()} changed {_CAPTURED} in place (a variable of the "
+                "enclosing function, or a state read before the call): JAX traces the body "
+                "once instead of running it each step, so the change would hold the body's "
+                "traced value after the call.",
+                where=user_location(),
+                fix="carry the value through the loop (or return it from the branch); for a "
+                "model's state, read it inside the body (`self.items[0] = v`), where its "
+                "changes are threaded.",
+            )
+        )
+    if all(where.startswith("state ") for where in changed):
+        raise EscapedStateError(
+            format_error(
+                f"{what.capitalize()} changed {names} in place through a reference taken "
+                "before the call (`items = self.items` outside the body): autostate threads "
+                "a copy of the state through the body, so the change would hold the body's "
+                "traced value after the call.",
+                where=user_location(),
+                fix="read the state inside the body (`self.items[0] = v`, or "
+                "`items = self.items` there), where its changes are threaded.",
+            )
+        )
     raise EscapedStateError(
         format_error(
-            f"{what.capitalize()} changed {', '.join(dict.fromkeys(changed))} in place, "
-            "an attribute that is not state: JAX traces the body once instead of running it "
-            "each step, so the change would hold the body's traced value after the call.",
+            f"{what.capitalize()} changed {names} in place, an attribute that is not "
+            "state: JAX traces the body once instead of running it each step, so the "
+            "change would hold the body's traced value after the call.",
             where=user_location(),
             fix="make it state (assign the attribute in one of its class's methods, or "
             "wrap its value in autostate.state(...) in __init__); a state changed in place "

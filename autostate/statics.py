@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy as _copy
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 from autostate import tree as _tree
@@ -20,12 +21,15 @@ from autostate.effects import HandledLocalStateRef
 SKIPPED = frozenset({int, float, bool, str, type(None), HandledLocalStateRef})
 
 
-def mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
+def mutable_statics(
+    instances: list[Any], values: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[Any, Any, str]]:
     """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
     deque or bytearray the model's instances hold outside their states, at
     any depth of containers, tuples and plain objects (whose ``__dict__`` is
     taken as one), and for those of the instances' classes (``shared = []``
-    in a class body).
+    in a class body); and for those in ``values`` (``(label, value)``: the
+    states a ``lax`` body may reach through a reference taken outside it).
 
     Inside a traced call such a container is a copy the call throws away
     (or, for ``f``'s own model, one a later call starts from): a change in
@@ -78,10 +82,9 @@ def mutable_statics(instances: list[Any]) -> list[tuple[Any, Any, str]]:
             for name, value in list(vars(klass).items()):
                 if isinstance(value, _tree.MUTABLE_CONTAINERS) and not name.startswith("__"):
                     visit(value, f"{klass.__name__}.{name}", 0)
+    for label, value in values:
+        visit(value, label, 0)
     return saved
-
-
-# Attribute values that are never, and hold no, static containers.
 
 
 def same_contents(value: Any, contents: Any) -> bool:
