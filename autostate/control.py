@@ -346,28 +346,15 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
         + [(f"state {name!r}", slot.read()) for _, _, slot, name in swapped]
         + [(_CAPTURED, c) for c in captured],
     )
+    call = functools.partial(_checked, call, kept, what)
     if not instances:
-        try:
-            out = call()
-        except Exception as raised:
-            _check_no_traced_change(kept, what, raised)
-            raise
-        _check_no_traced_change(kept, what)
-        return out
+        return call()
     for obj, attr, slot in statics:
         obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
         with eager_lax_body(instances, what):
             if not swapped:
-                try:
-                    out = call()
-                except Exception as raised:
-                    # (JAX meets the body's tracer first: in a later trace of
-                    # the body, or where the value is used.)
-                    _check_no_traced_change(kept, what, raised)
-                    raise
-                _check_no_traced_change(kept, what)
-                return out
+                return call()
             handler_id = fresh_handler_id()
             states = {name: slot.read() for _, _, slot, name in swapped}
             for obj, attr, slot, name in swapped:
@@ -377,16 +364,12 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
                 out, new = run_with_states(
                     handler_id, states, _keeping_lost, (call, handler_id, lost), {}
                 )
-            except Exception as raised:
-                _check_no_traced_change(kept, what, raised)
-                raise
             finally:
                 for obj, attr, slot, name in swapped:
                     obj.__dict__[attr] = _LostState(slot, lost[name]) if name in lost else slot
     finally:
         for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
-    _check_no_traced_change(kept, what)
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
             replacement = slot.write(new[name], attr)
@@ -396,6 +379,19 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
 
 
 _CAPTURED = "a list or dict it captures"
+
+
+def _checked(call: Callable[[], Any], kept: list[tuple[Any, Any, str]], what: str) -> Any:
+    """``call()``, then ``_check_no_traced_change``; also when it raised: JAX
+    may meet the body's escaped tracer first (a later trace of the body, or
+    where the value is used)."""
+    try:
+        out = call()
+    except Exception as raised:
+        _check_no_traced_change(kept, what, raised)
+        raise
+    _check_no_traced_change(kept, what)
+    return out
 
 
 def _check_no_traced_change(
