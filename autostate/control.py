@@ -24,15 +24,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
 from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects.local_state import (
+    CopiedRef,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
@@ -55,8 +57,10 @@ from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
     StaticStateError,
+    TracedValueError,
     escaped_state_message,
     format_error,
+    traced_value_error,
     user_location,
 )
 
@@ -148,11 +152,20 @@ def _writes(
     """Which cells ``body(*args)`` assigns, and their new abstract values.
 
     One abstract trace with every cell rebound to a fresh abstract value: a
-    cell whose value is another object afterwards was assigned.
+    cell whose value is another object afterwards was assigned. A cell holding
+    a concrete number or array (an eager model's, or ``f``'s outside ``jit``)
+    keeps it: the real trace binds only the assigned cells to traced values,
+    so a body that only reads it (``if self.p > 0:``, ``float(self.scale)``)
+    has it concrete there, as plain Python's loop does. (A container is
+    still rebuilt abstract: the body may change it in place.)
     """
     written: list[int] = []
+    current = _current(cells)
+    concrete = {i: v for i, v in enumerate(current) if _concrete_leaf(v)}
 
-    def probe(values: list[Any], *inner: Any) -> Any:
+    def probe(abstract: list[Any], *inner: Any) -> Any:
+        rest = iter(abstract)
+        values = [concrete[i] if i in concrete else next(rest) for i in range(len(cells))]
         with _bound(cells, cells, values, what):
             signatures = [_signature(v) for v in values]
             out = body(*inner)
@@ -162,8 +175,16 @@ def _writes(
         ]
         return out, [after[i] for i in written]
 
-    _, new = jax.eval_shape(probe, _current(cells), *args)
+    abstract = [v for i, v in enumerate(current) if i not in concrete]
+    _, new = jax.eval_shape(probe, abstract, *args)
     return written, new
+
+
+def _concrete_leaf(value: Any) -> bool:
+    """A Python or numpy number, or a JAX array that is not traced."""
+    if isinstance(value, jax.Array):
+        return not isinstance(value, jax.core.Tracer)
+    return isinstance(value, (float, complex, np.generic))
 
 
 def _signature(value: Any) -> tuple[Any, list[Any]] | None:
@@ -260,7 +281,17 @@ def _check_untouched(
 
 # --- eager models ---------------------------------------------------------------
 
-_EAGER_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
+# The slots that hold their state's value themselves: an eager model's, and
+# those of a copy made inside a running call (``copy.copy(self)``, a
+# ``tree_map`` copy: ``register_own_value_slot``), whose writes stay the
+# copy's. A body that reaches them has them threaded like an eager model's.
+_EAGER_SLOTS: set[type] = {InitialLocalStateRequest, FrozenLocalStateRequest, CopiedRef}
+
+
+def register_own_value_slot(slot_type: type) -> None:
+    """Threads the states of ``slot_type`` (a slot holding its own value)
+    through lax bodies that reach them, as an eager model's are."""
+    _EAGER_SLOTS.add(slot_type)
 
 
 def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
@@ -389,6 +420,15 @@ def _checked(call: Callable[[], Any], kept: list[tuple[Any, Any, str]], what: st
         out = call()
     except Exception as raised:
         _check_no_traced_change(kept, what, raised)
+        explained = explain_traced_value(
+            raised,
+            f"{what}: JAX traces it instead of running it once per step, so its carry and "
+            "operands are traced values, and so is each state it assigns (threaded through "
+            "it), and in a call of f under jax.jit every state",
+            traced_numbers((cell.name, cell.value) for cell in running_cells()),
+        )
+        if explained is not None:
+            raise explained.with_traceback(raised.__traceback__) from None
         raise
     _check_no_traced_change(kept, what)
     return out
@@ -447,6 +487,60 @@ def _check_no_traced_change(
             "there is threaded through the body.",
         )
     )
+
+
+def traced_numbers(states: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the states traced as weakly typed scalars: those that
+    held Python numbers (``self.rate = 0.5``)."""
+    found = []
+    for name, value in states:
+        if isinstance(value, jax.core.Tracer):
+            aval = getattr(value, "aval", None)
+            if getattr(aval, "weak_type", False) and not getattr(aval, "shape", ()):
+                found.append(name)
+    return found
+
+
+_CONCRETE_NEEDED = (
+    jax.errors.ConcretizationTypeError,  # and TracerBoolConversionError
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def explain_traced_value(
+    raised: BaseException, where_traced: str, numbers: Sequence[str] = ()
+) -> TracedValueError | None:
+    """JAX's error for a traced value used where Python needs a concrete one
+    (``if``, ``float()``, ``numpy``), raised in code that reads state while
+    traced, as a ``TracedValueError`` (of the same JAX type) that says why
+    the value is traced and what to write instead; None for another error.
+    ``numbers``: the states holding Python numbers (traced as scalars)."""
+    if isinstance(raised, AutostateError) or not isinstance(raised, _CONCRETE_NEEDED):
+        return None
+    what = f"A traced value is used where Python needs a concrete one, in {where_traced}."
+    if numbers:
+        shown = ", ".join(repr(name) for name in numbers)
+        what += (
+            f" The state{'s' if len(numbers) > 1 else ''} {shown} "
+            f"{'hold Python numbers' if len(numbers) > 1 else 'holds a Python number'} (or a "
+            "weakly typed scalar), traced like an array: a state (an attribute a method "
+            "assigns) is a leaf of `states`, so that it can take traced values."
+        )
+    jax_lines = []
+    for line in str(raised).strip().splitlines():
+        if line.startswith("See https://"):
+            break
+        jax_lines.append(f"    {line}")
+    message = format_error(
+        what,
+        where=user_location(raised.__traceback__),
+        fix="branch on a traced value with jnp.where or jax.lax.cond (switch, while_loop) "
+        "instead of `if`/`while`, and compute with jnp instead of math or numpy; keep a "
+        "setting Python must read (a flag, a mode) as a bool, int or str, which autostate "
+        "keeps static (one compilation per value), or pass it as a static argument.",
+    )
+    return traced_value_error(raised, "\n".join([message, "  JAX's error:", *jax_lines]))
 
 
 def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:

@@ -88,8 +88,9 @@ class EscapedStateError(AutostateError, RuntimeError):
     """A state holds a tracer of a ``lax`` body that autostate did not thread."""
 
 
-def user_location() -> str | None:
-    """``file:line`` of the innermost frame of the user's code on the stack.
+def user_location(tb: Any = None) -> str | None:
+    """``file:line`` of the innermost frame of the user's code on the stack
+    (or in the traceback ``tb`` of an exception that was raised).
 
     For errors raised at run time deep inside autostate and JAX (a control-flow
     body), so that they still say which line of the user's code they are about.
@@ -102,7 +103,8 @@ def user_location() -> str | None:
         if module is not None and getattr(module, "__file__", None):
             skip.append(os.path.join(os.path.dirname(module.__file__), ""))  # type: ignore[arg-type, type-var]
     stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "")
-    for frame in reversed(traceback.extract_stack()):
+    frames = traceback.extract_stack() if tb is None else traceback.extract_tb(tb)
+    for frame in reversed(frames):
         filename = frame.filename
         if any(filename.startswith(prefix) for prefix in skip):
             continue
@@ -133,6 +135,33 @@ def escaped_state_message(name: str, where: str | None = None) -> str:
         "@autostate.stateful class, where jax.lax.* is threaded automatically; apply "
         "jax.jit / vmap / grad to f from outside, not to a closure that assigns state.",
     )
+
+
+class TracedValueError(AutostateError, TypeError):
+    """A traced value was used where Python needs a concrete one (``if``,
+    ``bool()``, ``float()``, ``math``, ``numpy``) in a traced call: under
+    ``jax.jit`` every state is traced, Python-number states too.
+
+    Each one raised is also the JAX error it explains
+    (``jax.errors.TracerBoolConversionError`` and the like), so code that
+    catches JAX's type still catches it.
+    """
+
+
+_TRACED_VALUE_ERRORS: dict[type, type] = {}
+
+
+def traced_value_error(raised: BaseException, message: str) -> TracedValueError:
+    """A ``TracedValueError`` that is also of ``raised``'s JAX type."""
+    kind = type(raised)
+    made = _TRACED_VALUE_ERRORS.get(kind)
+    if made is None:
+        made = _TRACED_VALUE_ERRORS[kind] = type(
+            "TracedValueError",
+            (TracedValueError, kind),
+            {"__init__": Exception.__init__, "__module__": __name__, "__doc__": TracedValueError.__doc__},
+        )
+    return made(message)
 
 
 class StateAccessError(AutostateError, AttributeError):

@@ -433,10 +433,22 @@ class FunctionalModel(Generic[M]):
                 _check_statics_kept(saved, type(model).__name__)
             if before is not None and not _tree.graph_unchanged(model, *before):
                 _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
-        except BaseException:
+        except BaseException as raised:
             # A refused call leaves no tracer behind, and f as it was.
             _statics.restore(saved)
             _put_back(snapshot)
+            explained = (
+                _control.explain_traced_value(
+                    raised,
+                    "a call of f under a JAX transformation (jax.jit, grad, vmap), where "
+                    "every state is traced",
+                    _control.traced_numbers(states.items()),
+                )
+                if traced
+                else None
+            )
+            if explained is not None:
+                raise explained.with_traceback(raised.__traceback__) from None
             raise
         finally:
             # States of categories left unhandled live in the model itself; an

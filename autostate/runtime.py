@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 # Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
-from autostate import control  # noqa: F401
+from autostate import control
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
@@ -1235,6 +1235,7 @@ jax.tree_util.register_pytree_node(
     lambda aux, children: DetachedState(children[0], *aux),
 )
 _tree.register_dynamic_type(DetachedState)
+control.register_own_value_slot(DetachedState)
 
 
 def _detached(value: Any) -> Any:

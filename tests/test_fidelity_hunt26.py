@@ -30,8 +30,8 @@
 - A helper updating a sub-model's list state in place (``model.params[i] =
   ...``) in a Python loop and inside ``lax.scan`` (found not threaded inside
   ``lax``; fixed, its family in ``test_lax_in_place_state.py``).
-- A Python-float state read by ``if`` under ``jit`` (xfail: JAX's raw
-  ``TracerBoolConversionError``).
+- A Python-float state read by ``if`` under ``jit``: a ``TracedValueError``
+  (also JAX's ``TracerBoolConversionError``) naming the state and the line.
 
 Each source is written plain and decorated (``differential.pair``); a case
 that shows a mismatch stays, marked ``xfail(strict=True)`` with what differs.
@@ -1286,14 +1286,13 @@ def test_float_rate_state_eager_and_f(write_module: Loader) -> None:
         check(plain, dec, build, [("__call__", (XR,)), ("__call__", (XR,))], modes=("eager", "f"))
 
 
-@pytest.mark.xfail(strict=True, raises=jax.errors.TracerBoolConversionError, reason=(
-    "a Python-float state (`self.p = p` in set_rate) is a traced leaf under jit, so "
-    "`if self.p == 0.0:` raises JAX's raw TracerBoolConversionError (plain Python and "
-    "eager/f work) instead of an autostate error naming the line; bool/int/str/None "
-    "states are static, floats are not"))
 def test_float_rate_state_under_jit(write_module: Loader) -> None:
+    # A Python-float state (`self.p = p` in set_rate) is a traced leaf under
+    # jit, so `if self.p == 0.0:` cannot work there; the error is autostate's,
+    # naming the state and the line, and still JAX's type.
     plain, dec = pair(write_module, FLOATRATE)
-    try:
+    with pytest.raises(autostate.errors.TracedValueError) as raised:
         check(plain, dec, "Drop(0).set_rate(0.0)", [("__call__", (XR,))], modes=("jit",))
-    except autostate.AutostateError as err:  # a clear error at the user's line is fine too
-        assert_user_line(err, _file(dec))
+    assert isinstance(raised.value, jax.errors.TracerBoolConversionError)
+    assert "'p' holds a Python number" in str(raised.value)
+    assert_user_line(raised.value, _file(dec))
