@@ -70,6 +70,7 @@ __all__ = [
     "fori_loop",
     "map",
     "remat",
+    "routed",
     "scan",
     "switch",
     "while_loop",
@@ -1079,6 +1080,22 @@ def _targets() -> dict[Any, str]:
 
 
 _TARGETS = _targets()
+# id(JAX function) -> (the function, the one here that stands for it)
+_ROUTES: dict[int, tuple[Any, Callable[..., Any]]] = {}
+
+
+def routed(obj: Any) -> Any:
+    """What a rewritten method calls where its source named a JAX
+    control-flow function (``lax.scan(...)`` reads
+    ``__autostate__.control.routed(lax.scan)(...)``): the function here that
+    threads state when ``obj``, evaluated where the method runs, is that JAX
+    function; ``obj`` itself otherwise. So a local or a parameter of the same
+    name (``def run(self, x, checkpoint=False)``, ``cond = x > 0``), or a
+    global rebound since the decoration, means what plain Python says."""
+    found = _ROUTES.get(id(obj))
+    if found is not None and found[0] is obj:
+        return found[1]
+    return obj
 
 
 def wrapper_name(obj: Any) -> str | None:
@@ -1096,3 +1113,8 @@ def check_no_escaped(states: dict[str, Any]) -> None:
             raise EscapedStateError(escaped_state_message(name, user_location()))
         if type(value) is LostValue:
             raise value.error()
+
+
+_ROUTES.update(
+    (id(target), (target, globals()[name])) for target, name in _TARGETS.items()
+)

@@ -159,6 +159,7 @@ class SwitchModel:
 def switch_reference(model, states, x):
     w = model.w
     index = jnp.clip(jnp.floor(x.sum()).astype(jnp.int32), 0, 2)
+
     def first(x, a, b):
         a = a + x
         return x * 2.0, a, b
@@ -519,12 +520,15 @@ class Growing:
 
 
 @pytest.mark.parametrize(
-    "method,words", [("grow", ["buf'", "float32[1]", "float32[2]"]), ("retype", ["count'", "int32"])]
+    "method,words",
+    [("grow", ["buf'", "float32[1]", "float32[2]"]), ("retype", ["count'", "int32"])],
 )
 def test_state_changing_shape_in_a_loop_is_a_clear_error(method, words):
     for run in (
         lambda: getattr(Growing(), method)(jnp.ones(3)),
-        lambda: getattr(Growing().functionalize()[0], method)(Growing().functionalize()[1], jnp.ones(3)),
+        lambda: getattr(Growing().functionalize()[0], method)(
+            Growing().functionalize()[1], jnp.ones(3)
+        ),
     ):
         with pytest.raises(ControlFlowStateError) as info:
             run()
@@ -758,8 +762,11 @@ def test_rewrite_routes_control_flow_on_the_same_line():
     lines = code.splitlines()
     # Line n of the generated text is line n + shift of the file.
     shift = analysis.wrapper_source("M", source)[1]
-    assert lines[20 - shift].strip() == "h, _ = __autostate__.control.scan("
-    assert lines[22 - shift].strip() == "return __autostate__.control.checkpoint(self.block)(h)"
+    assert lines[20 - shift].strip() == "h, _ = __autostate__.control.routed(lax.scan)("
+    assert (
+        lines[22 - shift].strip()
+        == "return __autostate__.control.routed(jax.checkpoint)(self.block)(h)"
+    )
 
 
 # --- checkpoint as a method decorator ---------------------------------------------------

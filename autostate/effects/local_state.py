@@ -1251,7 +1251,10 @@ class HandledLocalStateRef(StateSlot):
                     fix="call the handler instead of its body: `out, states = "
                     "handler((arg, states))`, or for a functionalized model `out, states = "
                     "f(states, *args)`; use autostate.freeze(f, states) to get a model "
-                    "that runs on its own again.",
+                    "that runs on its own again. A host callback (jax.debug.callback, "
+                    "jax.pure_callback) of a call under jax.jit runs after the call has "
+                    "ended: pass the state's value to it as an argument "
+                    "(`jax.debug.callback(fn, self.s)`) instead of reading it inside.",
                 )
             )
         try:

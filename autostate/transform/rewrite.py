@@ -182,6 +182,25 @@ def _statement(call: cst.Call, replaced: cst.BaseSmallStatement) -> cst.Expr:
     return cst.Expr(call, semicolon=replaced.semicolon)
 
 
+def _narrowed(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """A dotted name broken over lines (``lax \\\n    .scan``) with one space
+    less before its last dot, where it has one: the ``)`` that closes the
+    routing call after it keeps what follows in its column."""
+    if not isinstance(expr, cst.Attribute) or not isinstance(expr.dot, cst.Dot):
+        return expr
+    before = expr.dot.whitespace_before
+    if isinstance(before, cst.SimpleWhitespace) and "\n" in before.value:
+        if before.value.endswith(" "):
+            before = before.with_changes(value=before.value[:-1])
+            return expr.with_changes(dot=expr.dot.with_changes(whitespace_before=before))
+    elif isinstance(before, cst.ParenthesizedWhitespace) and before.last_line.value.endswith(" "):
+        last = before.last_line.with_changes(value=before.last_line.value[:-1])
+        return expr.with_changes(
+            dot=expr.dot.with_changes(whitespace_before=before.with_changes(last_line=last))
+        )
+    return expr
+
+
 def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr.with_changes(lpar=[cst.LeftParen(), *expr.lpar], rpar=[*expr.rpar, cst.RightParen()])
 
@@ -347,19 +366,18 @@ class StateRewriter(cst.CSTTransformer):
 
     # control flow
     def _control(self, original: cst.BaseExpression, updated: cst.BaseExpression):
+        """``lax.scan`` (a name that resolved to a JAX control-flow function at
+        decoration) as ``__autostate__.control.routed(lax.scan)``: the name is
+        still evaluated where the method runs, so a local or a parameter of
+        the same name (``def f(self, x, checkpoint=False)``), or a global
+        rebound since, is itself; only the JAX function is routed."""
         dotted = dotted_name(original) if self.control else None
-        name = self.control.get(dotted) if dotted is not None else None
-        if name is None:
+        if dotted is None or dotted not in self.control:
             return updated
-        routed = cst.Attribute(value=self._runtime("control"), attr=cst.Name(name))
-        breaks = _line_breaks(
-            _code(updated.with_changes(lpar=[], rpar=[])),
-            then=len(name) + 1,
-            bracketed=bool(self._fstring_quotes),
-        )  # ``lax \\\n .scan``: the ``.scan`` stays on its line
-        if breaks is not None:
-            routed = routed.with_changes(dot=cst.Dot(whitespace_before=breaks))
-        return routed.with_changes(lpar=updated.lpar, rpar=updated.rpar)
+        return cst.Call(
+            func=cst.Attribute(value=self._runtime("control"), attr=cst.Name("routed")),
+            args=[cst.Arg(_narrowed(updated))],
+        )
 
     def _shadowed_names(self) -> frozenset[str]:
         if self._shadowed is None:
