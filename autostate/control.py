@@ -112,6 +112,15 @@ def _bound(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Ite
             cell.value = value
 
 
+def _settled(tree: Any) -> Any:
+    """``tree`` rebuilt from its leaves while the body's cells are still
+    bound: a model in what the body returns (its carry, a branch's output)
+    then carries its states as the body left them, as plain Python's one
+    object would, rather than as they are once the cells are restored."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def _current(cells: Cells) -> list[Any]:
     values = [cell.value for cell in cells]
     for value in values:
@@ -169,7 +178,7 @@ def _writes(
         values = [concrete[i] if i in concrete else next(rest) for i in range(len(cells))]
         with _bound(cells, cells, values, what):
             signatures = [_signature(v) for v in values]
-            out = body(*inner)
+            out = _settled(body(*inner))
             after = _current(cells)
         written[:] = [
             i for i, (a, b, sig) in enumerate(zip(values, after, signatures)) if _assigned(a, sig, b)
@@ -683,7 +692,7 @@ def _scan(
     def body(carry: tuple[Any, list[Any]], x: Any) -> tuple[tuple[Any, list[Any]], Any]:
         inner, values = carry
         with _bound(cells, chosen, values, what):
-            inner, y = f(inner, x)
+            inner, y = _settled(f(inner, x))
             values = _current(chosen)
         return (inner, values), y
 
@@ -768,7 +777,7 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     def body(carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
         with _bound(cells, chosen, values, "the body of a lax.while_loop"):
-            inner = body_fun(inner)
+            inner = _settled(body_fun(inner))
             values = _current(chosen)
         return inner, values
 
@@ -827,7 +836,7 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
     def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
         inner, values = carry
         with _bound(cells, chosen, values, "the body of a lax.fori_loop"):
-            inner = body_fun(i, inner)
+            inner = _settled(body_fun(i, inner))
             values = _current(chosen)
         return inner, values
 
@@ -908,7 +917,7 @@ def _branches(
     def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
         def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
             with _bound(cells, chosen, values, f"a branch of {what}"):
-                out = branch(*inner)
+                out = _settled(branch(*inner))
                 values = _current(chosen)
             return out, [_strong(v) if s else v for v, s in zip(values, strong)]
 
@@ -1043,7 +1052,7 @@ def _checkpoint_call(
 
     def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> tuple[Any, list[Any]]:
         with _bound(cells, chosen, values, "a jax.checkpoint"):
-            out = fun(*inner, **inner_kwargs)
+            out = _settled(fun(*inner, **inner_kwargs))
             values = _current(chosen)
         return out, values
 
