@@ -1071,6 +1071,31 @@ def holds_plain_values(
     return found
 
 
+def holds_jax_arrays(attr: str, methods: Sequence[MethodFacts]) -> bool:
+    """Whether every value the methods assign to ``attr`` is, by its
+    spelling, a JAX array (a call of ``jnp.*``, ``jax.*`` or ``lax.*`` whose
+    module name the method does not bind itself), and there is one at least:
+    an item write on it cannot work unless the rewrite makes it a
+    functional update."""
+    found = False
+    for facts in methods:
+        if facts.receiver is None:
+            continue
+        for assignment in facts.assignments:
+            if assignment.attr != attr or assignment.kind != "set":
+                continue
+            value = assignment.value
+            dotted = dotted_name(value.func) if isinstance(value, cst.Call) else None
+            head = None if dotted is None else dotted.partition(".")[0]
+            if head not in _JAX_MODULES or head in locally_bound(facts.function, _JAX_MODULES):
+                return False
+            found = True
+    return found
+
+
+_JAX_MODULES = frozenset({"jnp", "jax", "lax"})
+
+
 def _declared_value(call: cst.Call) -> cst.BaseExpression | None:
     """The value of ``autostate.state(value, ...)`` as the call spells it."""
     for arg in call.args:

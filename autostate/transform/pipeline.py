@@ -550,10 +550,15 @@ def _check_undecorated_bases(
             # write or an in-place method call would change the value in place.
             changes = [(a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...")
                        for a in facts.assignments if a.kind == "item"]
+            every = [f for _, fs in bases for f in fs]
+            # An item write on a JAX array that is not state (its only
+            # write): JAX's arrays do not change in place, and only the
+            # rewrite makes it a functional update.
+            items = {attr for attr, _, _ in changes}
+            arrays = {attr for attr in items if analysis.holds_jax_arrays(attr, [*every, *own])}
             # A method's name is no type (``self.ema.update(x)`` on a sub-model):
             # a call is refused as in a decorated class, where no value
             # assigned to the attribute may be an object with its own methods.
-            every = [f for _, fs in bases for f in fs]
             changes += [
                 (attr, line, f"{facts.receiver}.{attr}.{method}(...)")
                 for (attr, method, line), depth in zip(
@@ -562,11 +567,12 @@ def _check_undecorated_bases(
                 if analysis.holds_plain_values(attr, [*every, *own], depth)
             ]
             for attr, line, what in changes:
-                if attr in state_attrs:
+                if attr in state_attrs or (attr in arrays and what.endswith("] = ...")):
+                    kind = "state" if attr in state_attrs else "the JAX array"
                     raise DecorationError(
                         format_error(
                             f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
-                            f"class {base.__name__} changes state {attr!r} in place "
+                            f"class {base.__name__} changes {kind} {attr!r} in place "
                             f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
                             "be rewritten.",
                             where=f"{facts.source.filename}:{line}",
