@@ -53,7 +53,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models.checks import assert_trees_close, read_path
+from models.checks import assert_generated_close, assert_trees_close, read_path
 
 import autostate
 
@@ -508,19 +508,7 @@ def _snapshot(model: Any, paths: list[str]) -> dict[str, Any]:
 
 
 def _assert_close(actual: Any, expected: Any, what: str, source: str) -> None:
-    try:
-        leaves_a, def_a = jax.tree_util.tree_flatten(actual)
-        leaves_e, def_e = jax.tree_util.tree_flatten(expected)
-        assert def_a == def_e, (def_a, def_e)
-        for a, e in zip(leaves_a, leaves_e):
-            a, e = np.asarray(a), np.asarray(e)
-            assert a.shape == e.shape and a.dtype == e.dtype, (a.dtype, e.dtype, a.shape, e.shape)
-            if np.issubdtype(e.dtype, np.inexact):
-                np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
-            else:
-                np.testing.assert_array_equal(a, e)
-    except AssertionError as exc:
-        raise AssertionError(f"{what} differ:\n{exc}\n--- source ---\n{source}") from None
+    assert_generated_close(actual, expected, what, source, rtol=RTOL, atol=ATOL)
 
 
 def _run(program: Program) -> None:

@@ -38,6 +38,27 @@ def assert_trees_close(actual: Any, expected: Any) -> None:
             np.testing.assert_array_equal(a, e)
 
 
+def assert_generated_close(
+    actual: Any, expected: Any, what: str, source: str, *, rtol: float, atol: float
+) -> None:
+    """Same structure, dtypes and shapes; floats within ``rtol``/``atol``,
+    the rest exactly. A mismatch names ``what`` and shows the generated
+    program's ``source`` (the property tests)."""
+    try:
+        leaves_a, def_a = jax.tree_util.tree_flatten(actual)
+        leaves_e, def_e = jax.tree_util.tree_flatten(expected)
+        assert def_a == def_e, (def_a, def_e)
+        for a, e in zip(leaves_a, leaves_e):
+            a, e = np.asarray(a), np.asarray(e)
+            assert a.shape == e.shape and a.dtype == e.dtype, (a.dtype, e.dtype, a.shape, e.shape)
+            if np.issubdtype(e.dtype, np.inexact):
+                np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+            else:
+                np.testing.assert_array_equal(a, e)
+    except AssertionError as exc:
+        raise AssertionError(f"{what} differ:\n{exc}\n--- source ---\n{source}") from None
+
+
 def assert_states_close(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert sorted(actual) == sorted(expected)
     for name in expected:
