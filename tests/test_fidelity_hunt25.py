@@ -53,16 +53,14 @@ differs.
 
 from __future__ import annotations
 
-import enum
 import types
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from differential import pair, plain_path, snapshot  # noqa: I001 - tests/ is on sys.path
+from differential import pair, plain_path, same, snapshot  # noqa: I001 - tests/ is on sys.path
 
 import autostate
 from autostate import errors
@@ -79,46 +77,6 @@ class S:
 
 def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(a.value if isinstance(a, S) else a for a in args)
-
-
-def _is_py(v: Any) -> bool:
-    return isinstance(v, bool | int | float | complex) and not isinstance(v, np.generic)
-
-
-def same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure, dtypes, shapes and values (floats to 1e-6)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
-            same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    if isinstance(expected, tuple) and expected and expected[0] == "key":
-        expected = expected[1]
-    if isinstance(expected, enum.Enum):  # plain and decorated modules define their own
-        assert isinstance(got, enum.Enum), f"{where}: {expected!r} != {got!r}"
-        assert (type(expected).__name__, expected.name) == (type(got).__name__, got.name), where
-        return
-    if _is_py(expected) and _is_py(got):
-        assert type(expected) is type(got) and expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a = np.asarray(jnp.asarray(expected)) if _is_py(expected) else np.asarray(expected)
-    b = np.asarray(jnp.asarray(got)) if _is_py(got) else np.asarray(got)
-    assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.issubdtype(a.dtype, np.inexact):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
-    else:
-        np.testing.assert_array_equal(a, b, err_msg=where)
 
 
 def _call(obj: Any, name: str) -> Callable[..., Any]:
