@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-# Rewritten calls of jax.lax control flow read ``__autostate__.control.scan(...)``.
+# Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``.
 from autostate import control
 from autostate import sharding as _sharding
 from autostate import tree as _tree
