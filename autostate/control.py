@@ -295,13 +295,13 @@ def _check_untouched(
 # those of a copy made inside a running call (``copy.copy(self)``, a
 # ``tree_map`` copy: ``register_own_value_slot``), whose writes stay the
 # copy's. A body that reaches them has them threaded like an eager model's.
-_EAGER_SLOTS: set[type] = {InitialLocalStateRequest, FrozenLocalStateRequest, CopiedRef}
+_OWN_VALUE_SLOTS: set[type] = {InitialLocalStateRequest, FrozenLocalStateRequest, CopiedRef}
 
 
 def register_own_value_slot(slot_type: type) -> None:
     """Threads the states of ``slot_type`` (a slot holding its own value)
     through lax bodies that reach them, as an eager model's are."""
-    _EAGER_SLOTS.add(slot_type)
+    _OWN_VALUE_SLOTS.add(slot_type)
 
 
 def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
@@ -365,7 +365,7 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
             if type(slot) is StaticState:
                 statics.append((obj, attr, slot))
                 continue
-            if type(slot) not in _EAGER_SLOTS:
+            if type(slot) not in _OWN_VALUE_SLOTS:
                 continue
             name = f"{type(obj).__name__}.{attr}"
             while name in names:

@@ -548,27 +548,31 @@ def _check_undecorated_bases(
                 continue
             # Whole-attribute writes reach state through the descriptors; an item
             # write or an in-place method call would change the value in place.
-            changes = [(a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...")
-                       for a in facts.assignments if a.kind == "item"]
             every = [f for _, fs in bases for f in fs]
-            # An item write on a JAX array that is not state (its only
-            # write): JAX's arrays do not change in place, and only the
-            # rewrite makes it a functional update.
-            items = {attr for attr, _, _ in changes}
-            arrays = {attr for attr in items if analysis.holds_jax_arrays(attr, [*every, *own])}
+            # An item write is refused on a state, and on a JAX array that is
+            # not state (its only write): JAX's arrays do not change in place,
+            # and only the rewrite makes it a functional update.
+            changes = [
+                (a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...", True)
+                for a in facts.assignments
+                if a.kind == "item"
+            ]
             # A method's name is no type (``self.ema.update(x)`` on a sub-model):
             # a call is refused as in a decorated class, where no value
             # assigned to the attribute may be an object with its own methods.
             changes += [
-                (attr, line, f"{facts.receiver}.{attr}.{method}(...)")
+                (attr, line, f"{facts.receiver}.{attr}.{method}(...)", False)
                 for (attr, method, line), depth in zip(
                     facts.mutating_calls, facts.mutating_depths, strict=True
                 )
                 if analysis.holds_plain_values(attr, [*every, *own], depth)
             ]
-            for attr, line, what in changes:
-                if attr in state_attrs or (attr in arrays and what.endswith("] = ...")):
-                    kind = "state" if attr in state_attrs else "the JAX array"
+            for attr, line, what, is_item in changes:
+                array = is_item and attr not in state_attrs and analysis.holds_jax_arrays(
+                    attr, [*every, *own]
+                )
+                if attr in state_attrs or array:
+                    kind = "the JAX array" if array else "state"
                     raise DecorationError(
                         format_error(
                             f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
