@@ -339,6 +339,23 @@ def same(expected: Any, got: Any, where: str = "") -> None:
         np.testing.assert_array_equal(a, b, err_msg=where)
 
 
+def user_line(
+    err: BaseException, module: types.ModuleType, text: str, *, fix: bool = True
+) -> None:
+    """The error is autostate's, names a line of ``module`` holding ``text``
+    and (``fix``) says how to fix it."""
+    assert isinstance(err, autostate.AutostateError), f"not an autostate error: {err!r}"
+    path = module.__file__
+    assert path is not None
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    numbers = [i + 1 for i, line in enumerate(lines) if text in line]
+    assert numbers, f"{text!r} not in the source"
+    assert any(f"{path}:{n}" in str(err) for n in numbers), f"no {path}:{numbers} in: {err}"
+    if fix:
+        assert "fix" in str(err).lower(), f"no fix in: {err}"
+
+
 def raises_autostate(exc: type[BaseException] = autostate.AutostateError) -> Any:
     return pytest.raises(exc)
 

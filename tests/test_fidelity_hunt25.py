@@ -60,7 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
-from differential import pair, plain_path, same, snapshot  # noqa: I001 - tests/ is on sys.path
+from differential import pair, plain_path, same, snapshot, user_line  # noqa: I001 - tests/ is on sys.path
 
 import autostate
 from autostate import errors
@@ -145,17 +145,6 @@ def run_case(
                 m, a = extra
                 same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
                 same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
-
-
-def user_line(err: BaseException, module: types.ModuleType, text: str) -> None:
-    """The error is autostate's and names the line of ``module`` holding ``text``."""
-    assert isinstance(err, autostate.AutostateError), f"not an autostate error: {err!r}"
-    path = module.__file__
-    assert path is not None
-    lines = open(path).read().splitlines()  # noqa: SIM115
-    numbers = [i + 1 for i, line in enumerate(lines) if text in line]
-    assert numbers, f"{text!r} not in the source"
-    assert any(f"{path}:{n}" in str(err) for n in numbers), f"no {path}:{numbers} in: {err}"
 
 
 A1 = jnp.asarray(1.0)

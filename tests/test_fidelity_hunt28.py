@@ -70,6 +70,7 @@ from differential import (  # noqa: I001 - tests/ is on sys.path
     plain_path,
     same,
     snapshot,
+    user_line,
 )
 
 import autostate
@@ -158,18 +159,6 @@ def pair2(write_module: Loader, helper: str, source: str) -> tuple[Any, Any, Any
         HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + dec_src
     )
     return plain, dec, hp, hd
-
-
-def user_line(err: BaseException, module: types.ModuleType, text: str) -> None:
-    """The error is autostate's and names the line of ``module`` holding ``text``."""
-    assert isinstance(err, autostate.AutostateError), f"not an autostate error: {err!r}"
-    path = module.__file__
-    assert path is not None
-    lines = open(path).read().splitlines()  # noqa: SIM115
-    numbers = [i + 1 for i, line in enumerate(lines) if text in line]
-    assert numbers, f"{text!r} not in the source"
-    assert any(f"{path}:{n}" in str(err) for n in numbers), f"no {path}:{numbers} in: {err}"
-    assert "fix" in str(err).lower(), f"no fix in: {err}"
 
 
 A1 = jnp.asarray(1.0)

@@ -85,6 +85,7 @@ from differential import (  # noqa: I001 - tests/ is on sys.path
     check,
     check_transform,
     snapshot,
+    user_line,
 )
 
 import autostate
@@ -148,19 +149,6 @@ def pair29(
 
 def no_tracer(model: Any) -> None:
     assert not autostate.effects.contains_tracer(snapshot(model)), "tracer leaked into the model"
-
-
-def user_line(err: BaseException, module: types.ModuleType, text: str) -> None:
-    """The error is autostate's, names a line of ``module`` holding ``text`` and a fix."""
-    assert isinstance(err, autostate.AutostateError), f"not an autostate error: {err!r}"
-    path = module.__file__
-    assert path is not None
-    with open(path) as fh:
-        lines = fh.read().splitlines()
-    numbers = [i + 1 for i, line in enumerate(lines) if text in line]
-    assert numbers, f"{text!r} not in the source"
-    assert any(f"{path}:{n}" in str(err) for n in numbers), f"no {path}:{numbers} in: {err}"
-    assert "fix" in str(err).lower(), f"no fix in: {err}"
 
 
 def refused_everywhere(
