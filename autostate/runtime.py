@@ -419,7 +419,8 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "
-            "instance (or a method bound to one); assigning it inside a functionalized call "
+            "instance (or a method bound to one, or a functools.partial, generator or map "
+            "reaching one); assigning it inside a functionalized call "
             "would change the model's structure, so the states f takes and returns would no "
             "longer match the model.",
             where=user_location(),
@@ -484,6 +485,9 @@ class _Indexer:
 ix = _Indexer()
 
 
+_COPIED_SEQUENCES = (list, collections.deque, collections.UserList)
+
+
 def _updated(container: Any, key: Any, value: Any) -> Any:
     """A copy of ``container`` with ``container[key] = value``; arrays via ``.at``."""
     at = getattr(container, "at", None)
@@ -499,10 +503,15 @@ def _updated(container: Any, key: Any, value: Any) -> Any:
         copied: Any = dict(container) if type(container) is dict else _copy.copy(container)
         copied[key] = value
         return copied
-    if isinstance(container, list):
-        out = list(container)  # type: ignore[assignment]
-        out[key] = value
-        return out
+    if isinstance(container, _COPIED_SEQUENCES):
+        # (A list subclass, a deque, a UserList: a copy of the same type.)
+        seq: Any = list(container) if type(container) is list else _copy.copy(container)
+        seq[key] = value
+        return seq
+    if isinstance(container, collections.UserDict):
+        copied = _copy.copy(container)
+        copied[key] = value
+        return copied
     if isinstance(container, tuple):
         items = list(container)
         items[key] = value
@@ -510,7 +519,8 @@ def _updated(container: Any, key: Any, value: Any) -> Any:
     raise InvalidTypeError(
         format_error(
             f"Cannot assign an item of a state of type {type(container).__name__}.",
-            fix="keep arrays, dicts, lists or tuples in state, or assign the whole value.",
+            fix="keep arrays, dicts, lists, tuples, deques or UserDicts/UserLists in state, or "
+            "assign the whole value.",
         )
     )
 
@@ -603,17 +613,16 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
     parent = current
     for key in keys[:-1]:
         parent = parent[key]
-    if isinstance(parent, dict):
-        shrunk: Any = _copy.copy(parent)
-        del shrunk[keys[-1]]
-    elif isinstance(parent, list):
-        shrunk = list(parent)
+    if isinstance(parent, (dict, collections.UserDict, *_COPIED_SEQUENCES)):
+        # (A copy of the same type, as an item write makes.)
+        shrunk: Any = list(parent) if type(parent) is list else _copy.copy(parent)
         del shrunk[keys[-1]]
     else:
         raise InvalidTypeError(
             format_error(
                 f"Cannot delete an item of state {name!r} of type {type(parent).__name__}.",
-                fix="only dict and list state support `del self.x[key]`.",
+                fix="only dict and list state (and their subclasses, deque, UserDict and "
+                "UserList) support `del self.x[key]`.",
             )
         )
     set(obj, name, shrunk if len(keys) == 1 else _set_path(current, keys[:-1], shrunk))
@@ -1051,6 +1060,25 @@ def _hidden_array(
             if found is not None:
                 return f".__closure__[{k}]{found[0]}", found[1] or "closure", found[2]
         return None
+    elif t in _SUSPENDED_FRAMES:
+        # A generator (or coroutine) made by a method: its frame holds
+        # ``self``, the original model, which f's copy cannot be put in.
+        frame = getattr(value, _SUSPENDED_FRAMES[t])
+        if frame is None:  # finished: it reaches nothing any more
+            return None
+        for k, v in frame.f_locals.items():
+            found = _hidden_array(v, depth + 1, seen, True)
+            if found is not None:
+                return f" (its local {k!r}){found[0]}", t.__name__, found[2]
+        return None
+    elif t is map or t is filter:
+        # Lazy: their function (``map(self.step, xs)``) is called at each
+        # ``next``, with the model it was bound to when it was made.
+        for k, v in enumerate(value.__reduce__()[1]):
+            found = _hidden_array(v, depth + 1, seen, True)
+            if found is not None:
+                return f" (its {'function' if k == 0 else 'iterable'}){found[0]}", t.__name__, found[2]
+        return None
     elif _tree.is_dynamic(value):
         return None
     elif isinstance(value, functools.partial):
@@ -1082,6 +1110,13 @@ def _hidden_array(
 
 
 _SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
+# Suspended frames: type -> the attribute holding the frame.
+_SUSPENDED_FRAMES: dict[type, str] = {
+    types.GeneratorType: "gi_frame",
+    types.CoroutineType: "cr_frame",
+    types.AsyncGeneratorType: "ag_frame",
+}
+_ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
 # Names of the list, tuple and dict subclasses met that are no registered pytree.
 _UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()
 _SET_NAMES = frozenset(t.__name__ for t in _SET_LIKE)
@@ -1170,6 +1205,12 @@ def check_no_hidden_arrays(model: Any) -> None:
                     fix = (
                         "hold the model in a list, tuple or dict, which functionalize() "
                         "follows."
+                    )
+                elif holder in _ITERATOR_HOLDERS:
+                    fix = (
+                        "make the iterator inside the call that uses it, or keep what it "
+                        "iterates over on the model (a counter state, a list) and step "
+                        "through it in a method."
                     )
                 elif holder in ("functools.partial", "closure", "method", "weakref"):
                     fix = (

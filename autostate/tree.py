@@ -740,7 +740,34 @@ STATEFUL_CLASSES = _STATEFUL_CLASSES
 
 
 def _instance_or_bound(value: Any) -> bool:
-    return type(value) in _STATEFUL_CLASSES or _bound_to_instance(value)
+    t = type(value)
+    if t in _STATEFUL_CLASSES:
+        return True
+    if t in _INDIRECT:
+        return any(map(holds_instance, _INDIRECT[t](value)))
+    return _bound_to_instance(value)
+
+
+def _frame_locals(attribute: str) -> Callable[[Any], Any]:
+    def values(value: Any) -> Any:
+        frame = getattr(value, attribute)
+        return () if frame is None else frame.f_locals.values()
+
+    return values
+
+
+# What reaches a model through another object JAX takes as one leaf, which
+# f's copy cannot be rebound through: a ``functools.partial`` of a method, a
+# generator a method made (its frame holds ``self``), a lazy ``map`` /
+# ``filter`` over a method. Type -> what it holds.
+_INDIRECT: dict[type, Callable[[Any], Any]] = {
+    functools.partial: lambda p: (p.func, *p.args, *p.keywords.values()),
+    types.GeneratorType: _frame_locals("gi_frame"),
+    types.CoroutineType: _frame_locals("cr_frame"),
+    types.AsyncGeneratorType: _frame_locals("ag_frame"),
+    map: lambda m: m.__reduce__()[1],
+    filter: lambda m: m.__reduce__()[1],
+}
 
 
 def instances_of(tree: Any) -> list[Any]:

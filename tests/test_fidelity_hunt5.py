@@ -9,6 +9,7 @@ A case that shows a mismatch stays, marked ``xfail(strict=True)``.
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import pickle
@@ -1139,12 +1140,7 @@ def test_a_refused_call_leaves_a_working_f_for_eager_calls(write_module: Loader)
     assert not any(isinstance(v, jax.core.Tracer) for v in f.model.log)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a Counter state (self.ctr['a'] += 1) reaches jax.jit as a states-dict "
-    "leaf: bare JAX TypeError instead of an autostate error or the plain result",
-)
-def test_counter_state_under_jit_gives_a_clear_error(write_module: Loader) -> None:
+def test_counter_state_under_jit_works(write_module: Loader) -> None:
     src = """
 import collections
 
@@ -1163,10 +1159,6 @@ class Counts:
     ref = plain.Counts()
     ref(jnp.ones(2))
     f, states = dec.Counts().functionalize()
-    try:
-        out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
-    except autostate.AutostateError:
-        return
-    except TypeError as e:  # a bare JAX error leaking
-        pytest.fail(f"bare JAX error: {str(e).splitlines()[0]}")
+    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     np.testing.assert_allclose(out, jnp.ones(2))
+    assert type(states["ctr"]) is collections.Counter and states["ctr"] == ref.ctr

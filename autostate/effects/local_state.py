@@ -283,7 +283,7 @@ def holds_escaped_tracer(value: Any) -> bool:
         leaves = jax.tree_util.tree_leaves(value)
     except (ValueError, TypeError) as err:
         leaves = _leaves_in_own_order(value, err)
-    return any(is_escaped_tracer(leaf) for leaf in leaves)
+    return any(is_escaped_tracer(leaf) for leaf in leaves_within_opaque(leaves))
 
 
 def fresh_handler_id() -> str:
@@ -295,6 +295,67 @@ def fresh_handler_id() -> str:
 # a float). Leafness is decided per type, so one leaf instance vouches for its
 # type; an eager state write then skips ``tree_leaves``, most of its cost.
 _CONCRETE_LEAF_TYPES: set[type] = set()
+
+
+# Containers JAX does not flatten, that a state may hold: a ``Counter``, a
+# ``deque``, a ``UserDict`` / ``UserList``, a subclass of dict or list. JAX
+# takes one as a single leaf, which ``jax.jit`` cannot abstract; a states dict
+# (``States``) and a frozen model carry its items as a plain dict or list, its
+# type in aux data, and rebuild it on the way back.
+_OPAQUE_BASES = (dict, list, collections.deque, collections.UserDict, collections.UserList)
+
+
+def opaque_items(value: Any) -> dict | list | None:
+    """A container of ``_OPAQUE_BASES`` JAX takes as one leaf, as a plain
+    dict or list of its items; None for anything else."""
+    t = type(value)
+    if t is dict or t is list or t in _CONCRETE_LEAF_TYPES or not isinstance(value, _OPAQUE_BASES):
+        return None
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+        return None  # (registered with JAX: an OrderedDict, a defaultdict)
+    if isinstance(value, (collections.UserDict, collections.UserList)):
+        return dict(value.data) if isinstance(value, collections.UserDict) else list(value.data)
+    return dict(dict.items(value)) if isinstance(value, dict) else list(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuilt:
+    """How a container ``opaque_items`` took apart is put together again
+    (kept in aux data: compared by its type and attributes, not its items)."""
+
+    cls: type
+    attributes: tuple  # (name, _Static-like key) pairs of the instance's own attributes
+    maxlen: int | None
+    inner: Any  # ``split_static_values``'s second result for the items, or None
+
+    @staticmethod
+    def of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
+        own = getattr(value, "__dict__", {})
+        attributes = tuple(
+            (name, _static_key(v)) for name, v in own.items() if name != "data"
+        )
+        inner = None
+        if holds_static_values(items):
+            items, inner = split_static_values(items)
+        maxlen = value.maxlen if isinstance(value, collections.deque) else None
+        return items, _Rebuilt(type(value), attributes, maxlen, inner)
+
+    def build(self, items: Any) -> Any:
+        if self.inner is not None:
+            items = join_static_values(items, self.inner)
+        cls: Any = self.cls
+        new = cls.__new__(cls)
+        if issubclass(self.cls, (collections.UserDict, collections.UserList)):
+            new.data = items
+        elif issubclass(self.cls, collections.deque):
+            collections.deque.__init__(new, items, self.maxlen)
+        elif issubclass(self.cls, dict):
+            dict.update(new, items)
+        else:
+            list.extend(new, items)
+        for name, key in self.attributes:
+            object.__setattr__(new, name, key[1])
+        return new
 
 
 _ITERATOR_TYPES: dict[type, bool] = {}
@@ -321,9 +382,21 @@ def contains_tracer(value: Any) -> bool:
         leaves = _leaves_in_own_order(value, err)
         return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
     if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
+        items = opaque_items(value)
+        if items is not None:
+            return contains_tracer(items)
         _CONCRETE_LEAF_TYPES.add(t)
         return False
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    return any(
+        isinstance(leaf, jax.core.Tracer)
+        or (type(leaf) not in _CONCRETE_LEAF_TYPES and contains_tracer_in_opaque(leaf))
+        for leaf in leaves
+    )
+
+
+def contains_tracer_in_opaque(leaf: Any) -> bool:
+    items = opaque_items(leaf)
+    return items is not None and contains_tracer(items)
 
 
 def _trace_of(tracer: Any) -> Any:
@@ -403,7 +476,20 @@ def _tracers(value: Any) -> tuple[list[Any], bool]:
     except (ValueError, TypeError) as err:
         leaves = _leaves_in_own_order(value, err)
         return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
-    return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], False
+    return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
+
+
+def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
+    """``leaves``, with the leaves of the containers JAX took as one leaf
+    (``opaque_items``) in their place."""
+    out: list[Any] = []
+    for leaf in leaves:
+        items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
+        if items is None:
+            out.append(leaf)
+        else:
+            out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
+    return out
 
 
 # What needs a state flattened, for the message of ``unsortable_keys_error``.
@@ -565,8 +651,8 @@ def holds_static_values(value: Any) -> bool:
         return False
     leaves = jax.tree_util.tree_leaves(value)
     if len(leaves) == 1 and leaves[0] is value:
-        return False
-    return any(map(is_static_value, leaves))
+        return opaque_items(value) is not None
+    return any(is_static_value(leaf) or opaque_items(leaf) is not None for leaf in leaves)
 
 
 def split_static_values(value: Any) -> tuple[Any, Any]:
@@ -575,23 +661,29 @@ def split_static_values(value: Any) -> tuple[Any, Any]:
     The treedef counts None as a leaf, so the Python values' positions are
     positions of the stripped value too, whatever JAX later puts at the
     others (tracers, ``None`` axes, specs).
+
+    A container JAX does not flatten (``opaque_items``) is replaced by its
+    items, as a plain dict or list, and rebuilt by ``join_static_values``.
     """
     positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_none)
-    held = tuple(
-        (i, _static_key(leaf))
-        for i, leaf in enumerate(positions)
-        if leaf is not None and is_static_value(leaf)
-    )
-    for i, _ in held:
-        positions[i] = None
-    return jax.tree_util.tree_unflatten(treedef, positions), (treedef, held)
+    held: list[tuple[int, Any]] = []
+    for i, leaf in enumerate(positions):
+        if leaf is None:
+            continue
+        if is_static_value(leaf):
+            held.append((i, _static_key(leaf)))
+            positions[i] = None
+        elif (items := opaque_items(leaf)) is not None:
+            positions[i], rebuilt = _Rebuilt.of(leaf, items)
+            held.append((i, rebuilt))
+    return jax.tree_util.tree_unflatten(treedef, positions), (treedef, tuple(held))
 
 
 def join_static_values(stripped: Any, static: Any) -> Any:
     treedef, held = static
     positions = treedef.flatten_up_to(stripped)
     for i, key in held:
-        positions[i] = key[1]
+        positions[i] = key.build(positions[i]) if type(key) is _Rebuilt else key[1]
     return jax.tree_util.tree_unflatten(treedef, positions)
 
 
