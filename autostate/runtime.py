@@ -345,8 +345,9 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         t = type(slot)
         if _tree.holds_instance(value):
             # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
-            # becomes a plain attribute (see make_slot); refused while handled.
-            if t is HandledLocalStateRef or is_guarded(obj):
+            # becomes a plain attribute (see make_slot); refused while handled
+            # or traced in a lax body.
+            if t is HandledLocalStateRef or is_guarded(obj) or lax_body_of(obj):
                 _refuse_submodel_swap(obj, name)
             _dict_setitem(d, name, value)
             return
@@ -386,7 +387,7 @@ def store_state(obj: Any, name: str, value: Any) -> None:
                 return
         if (
             value is not slot
-            and is_guarded(obj)
+            and (is_guarded(obj) or lax_body_of(obj))
             and (_tree.holds_instance(value) or _tree.holds_instance(slot))
         ):
             _refuse_submodel_swap(obj, name)
@@ -415,7 +416,22 @@ def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) 
 
 
 def _refuse_submodel_swap(obj: Any, name: str) -> None:
-    """A functionalized call cannot add, replace or drop a sub-model."""
+    """A functionalized call (or the traced body of an eager model's lax
+    call) cannot add, replace or drop a sub-model."""
+    what = lax_body_of(obj)
+    if what is not None and not is_guarded(obj):
+        raise StateAccessError(
+            format_error(
+                f"{type(obj).__name__}.{name} would hold a new sub-model (a @stateful "
+                f"instance, or a method bound to one) assigned inside {what}; JAX traces "
+                "that body instead of running it per step, so the sub-model would be built "
+                "from traced values and outlive the trace, or be lost when the call returns.",
+                where=user_location(),
+                fix=f"assign `self.{name}` before the lax call (`if self.{name} is None: "
+                f"self.{name} = ...` above it) and use it inside the body; to reset the "
+                f"sub-model inside the body, assign its states instead (`self.{name}.x = ...`).",
+            )
+        )
     raise StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "

@@ -410,6 +410,15 @@ def current_trace() -> Any:
     return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
 
 
+def _enclosing_traces(trace: Any) -> set[int]:
+    """Ids of ``trace`` and of the traces it runs inside."""
+    found: set[int] = set()
+    while trace is not None and not isinstance(trace, _core.EvalTrace):
+        found.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return found
+
+
 def _live_traces() -> set[int]:
     """Ids of the running trace and of the traces it runs inside."""
     live: set[int] = set()
@@ -576,8 +585,15 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsorta
     where = (name or "?", user_location()) if unsortable else None
     if not tracers:
         return where
-    if home is not None and all(_trace_of(t) is home for t in tracers):
-        return where
+    if home is not None:
+        if all(_trace_of(t) is home for t in tracers):
+            return where
+        # A value of a trace the home trace runs inside (the model built inside
+        # ``jax.grad`` of a jitted step, given a value of the ``jit`` trace):
+        # it lives at least as long as the model.
+        around = _enclosing_traces(home)
+        if all(id(_trace_of(t)) in around for t in tracers):
+            return where
     raise TracedEagerStateError(
         format_error(
             f"State {name!r} was assigned a JAX tracer on a model that is not "
