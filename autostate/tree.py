@@ -441,12 +441,48 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
             aux.append(("r", name, (type(value), running[1])))
             children.append(running[0])
         elif is_dynamic(value):
+            if type(value) in _STATEFUL_CLASSES and _leads_back(value, obj):
+                raise _cycle_error(obj, name, value)
             value, positions = _wrap_statics(value)
             aux.append(("c", name, positions) if positions else name)
             children.append(value)
         else:
             aux.append(("s", name, _Static(value)))
     return children, tuple(aux)
+
+
+def _leads_back(child: Any, obj: Any) -> bool:
+    """Whether ``child`` (a sub-model of ``obj``) refers back to ``obj``, as an
+    attribute or an item of a list, tuple or dict attribute: a cycle JAX's
+    flatten, which follows a pytree's children, would never leave."""
+    if child is obj:
+        return True
+    for v in child.__dict__.values():
+        if v is obj:
+            return True
+        t = type(v)
+        if (t is list or t is tuple) and any(i is obj for i in v):
+            return True
+        if t is dict and any(i is obj for i in v.values()):
+            return True
+    return False
+
+
+def _cycle_error(obj: Any, name: str, child: Any) -> Exception:
+    from autostate.errors import InvalidTypeError, format_error, user_location
+
+    what = "itself" if child is obj else f"a {type(child).__name__} that refers back to it"
+    return InvalidTypeError(
+        format_error(
+            f"{type(obj).__name__}.{name} holds {what}: a model whose attributes form a cycle "
+            "cannot be a JAX pytree (passed to jax.jit, jax.tree.map, ...), whose flatten "
+            "would follow the cycle forever.",
+            where=user_location(),
+            fix="pass `f, states = model.functionalize()` to the transformation instead "
+            "(functionalize follows shared and cyclic references), or keep the "
+            "back-reference as `weakref.ref(parent)` (call it to reach the parent).",
+        )
+    )
 
 
 def _bound_to_self(obj: Any, value: Any) -> _BoundRef | None:
