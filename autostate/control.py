@@ -60,6 +60,8 @@ from autostate.errors import (
     TracedValueError,
     escaped_state_message,
     format_error,
+    refusals_raised_again,
+    refused,
     traced_value_error,
     user_location,
 )
@@ -102,7 +104,8 @@ def _bound(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Ite
         written = [cell for cell, value in zip(cells, bound) if cell.value is not value]
         for cell, value in zip(cells, saved):
             cell.value = value
-        if written and not isinstance(raised, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        if written:
+            # (A KeyboardInterrupt too: plain Python's loop kept what ran.)
             where = user_location()
             for cell in written:
                 cell.value = LostValue(cell.name, what, raised, where)
@@ -427,9 +430,12 @@ def _checked(call: Callable[[], Any], kept: list[tuple[Any, Any, str]], what: st
     may meet the body's escaped tracer first (a later trace of the body, or
     where the value is used)."""
     try:
-        out = call()
-    except Exception as raised:
+        with refusals_raised_again(what):
+            out = call()
+    except BaseException as raised:
         _check_no_traced_change(kept, what, raised)
+        if not isinstance(raised, Exception):
+            raise  # (a KeyboardInterrupt stands; the containers are put back)
         explained = explain_traced_value(
             raised,
             f"{what}: JAX traces it instead of running it once per step, so its carry and "
@@ -458,8 +464,8 @@ def _check_no_traced_change(
     if not changed:
         return
     _statics.restore(kept)
-    if isinstance(raised, AutostateError):
-        return  # (autostate's own error about the body says more: it stands)
+    if isinstance(raised, AutostateError) or not isinstance(raised, (Exception, type(None))):
+        return  # (autostate's own error about the body, or an interrupt: it stands)
     names = ", ".join(dict.fromkeys(changed))
     if all(where == _CAPTURED for where in changed):
         raise EscapedStateError(
@@ -614,7 +620,7 @@ class _StaticInBody(StateSlot):
         if is_static_value(value) and _same_static(value, held):
             return None
         shown = _tree.describe(value) if contains_tracer(value) else repr(value)
-        raise StaticStateError(
+        raise refused(StaticStateError(
             format_error(
                 f"Static state {self.label} (a Python {type(held).__name__}, holding {held!r}) "
                 f"is assigned {shown} inside {self.what}: JAX traces that body instead of "
@@ -625,7 +631,7 @@ class _StaticInBody(StateSlot):
                 "array states assigned in a lax body are threaded through it; or assign it "
                 "outside the lax call.",
             )
-        )
+        ))
 
     def as_request(self) -> Any:
         raise NotImplementedError

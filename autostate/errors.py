@@ -9,18 +9,65 @@ known), and how to fix it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import sysconfig
 import traceback
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 
 class AutostateError(Exception):
     """Base class of every error autostate raises on purpose."""
 
 
+E = TypeVar("E", bound=AutostateError)
+
+
 _USER_LINE: Any = object()  # format_error's default: the user's innermost line
+
+
+# The write refusals autostate raised inside the running functionalized call
+# or lax body (a static state given a new value, an attribute that is not
+# state assigned). Code that catches one (``except Exception:`` around the
+# assignment) goes on as if the write had happened, which it did in plain
+# Python: the call raises the refusal again when it returns.
+_REFUSALS: contextvars.ContextVar[list[AutostateError] | None] = contextvars.ContextVar(
+    "autostate_refusals", default=None
+)
+
+
+def refused(error: E) -> E:
+    """``error``, recorded as a write refusal of the running call (see ``_REFUSALS``)."""
+    found = _REFUSALS.get()
+    if found is not None and not any(e is error for e in found):
+        found.append(error)
+    return error
+
+
+@contextlib.contextmanager
+def refusals_raised_again(what: str) -> Iterator[None]:
+    """Raises again, when the block returns, a write refusal that code inside
+    it caught; ``what`` names the block (``"the call of f"``)."""
+    found: list[AutostateError] = []
+    token = _REFUSALS.set(found)
+    try:
+        yield
+    finally:
+        _REFUSALS.reset(token)
+    if found:
+        error = found[0]
+        note = (
+            f"(autostate raised this inside {what}, and code there caught it; plain Python "
+            "would have made the assignment, so the call cannot go on as it would: it is "
+            "raised again when the call returns. Make the assignment one autostate can "
+            "make, as the fix says, rather than catching the error.)"
+        )
+        if note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
+        raise refused(error)
 
 
 def format_error(what: str, *, where: str | None = _USER_LINE, fix: str | None = None) -> str:

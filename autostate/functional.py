@@ -43,6 +43,7 @@ from autostate.errors import (
     StateSharingError,
     UnhandledLocalStateError,
     format_error,
+    refusals_raised_again,
 )
 
 
@@ -426,7 +427,8 @@ class FunctionalModel(Generic[M]):
         snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
         saved = _statics.mutable_statics(instances) if traced else ()
         try:
-            result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
+            with refusals_raised_again("the call of f"):
+                result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])
             _check_attributes_kept(snapshot, traced)
             if saved:

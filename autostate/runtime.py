@@ -44,13 +44,19 @@ from autostate.effects import (
     is_running,
     is_static_value,
 )
-from autostate.effects.local_state import _check_not_traced, lax_body_of, unsortable_keys_error
+from autostate.effects.local_state import (
+    _check_not_traced,
+    lax_body_of,
+    opaque_items,
+    unsortable_keys_error,
+)
 from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     StateAccessError,
     TracedEagerStateError,
     format_error,
+    refused,
     user_location,
 )
 
@@ -420,7 +426,7 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
     call) cannot add, replace or drop a sub-model."""
     what = lax_body_of(obj)
     if what is not None and not is_guarded(obj):
-        raise StateAccessError(
+        raise refused(StateAccessError(
             format_error(
                 f"{type(obj).__name__}.{name} would hold a new sub-model (a @stateful "
                 f"instance, or a method bound to one) assigned inside {what}; JAX traces "
@@ -431,8 +437,8 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
                 f"self.{name} = ...` above it) and use it inside the body; to reset the "
                 f"sub-model inside the body, assign its states instead (`self.{name}.x = ...`).",
             )
-        )
-    raise StateAccessError(
+        ))
+    raise refused(StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "
             "instance (or a method bound to one, or a functools.partial, generator or map "
@@ -445,7 +451,7 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
             f"to reset the sub-model inside the call, assign its states instead "
             f"(`self.{name}.x = ...`).",
         )
-    )
+    ))
 
 
 def _learn_concrete_array(value: Any) -> None:
@@ -884,7 +890,7 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
         return
     if value is not _MISSING and _tree.holds_instance(value):
         _refuse_submodel_swap(obj, name)  # (no declaration makes a sub-model state)
-    raise StateAccessError(
+    raise refused(StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
             "functionalized call would be lost when the call returns (or leave a JAX tracer "
@@ -894,7 +900,7 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
             f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
             "assign it outside the functionalized call.",
         )
-    )
+    ))
 
 
 def _state_or_descriptor(obj: Any, name: str) -> bool:
@@ -908,7 +914,7 @@ def _state_or_descriptor(obj: Any, name: str) -> bool:
 def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
     if _state_or_descriptor(obj, name):
         return
-    raise StateAccessError(
+    raise refused(StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, so a traced value assigned to it "
             f"inside {what} would stay in the model as a JAX tracer; plain Python's loop "
@@ -918,7 +924,7 @@ def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
             "v), or an assignment in a helper outside the class), or declare it in __init__ "
             f"with `self.{name} = autostate.state(...)`; or assign it outside the lax call.",
         )
-    )
+    ))
 
 
 def guarded_setattr(self: Any, name: str, value: Any) -> None:
@@ -947,13 +953,13 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         return
     check_guarded_write(self, name, value)
     if type(value) is StateDeclaration:
-        raise StateAccessError(
+        raise refused(StateAccessError(
             _declaration_used_message(
                 f"{type(self).__name__}.{name} was assigned an autostate.state(...) "
                 "declaration the decorator did not see, so it is not a state.",
                 type(self),
             )
-        )
+        ))
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)
@@ -1157,6 +1163,32 @@ def _instances(model: Any) -> Any:
                 stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
 
 
+def _check_state_value(obj: Any, path: str, name: str, slot: Any) -> None:
+    """Refuses a state holding arrays inside a plain (undecorated) object: the
+    states dict would hold the object, which ``jax.jit`` cannot take."""
+    if type(slot) not in _UNHANDLED_SLOTS:
+        return
+    value = slot.read()
+    if type(value) in _PLAIN_VALUES or isinstance(value, (jax.Array, np.ndarray)):
+        return
+    items = opaque_items(value)  # (a Counter, a deque: the states dict carries its items)
+    found = _hidden_array(value if items is None else items, 0, builtins.set())
+    if found is None or _tree.is_stateful_instance(found[2]):
+        return
+    where = (f"{path}.{name}" if path else name) + found[0]
+    holder = found[1] or "plain"
+    raise InvalidTypeError(
+        format_error(
+            f"State {type(obj).__name__}.{name} holds an array inside a plain {holder} "
+            f"object (at {where}); the states dict would hold the object, which jax.jit, "
+            "grad and vmap cannot take, and its arrays would not be trained or saved.",
+            fix=f"decorate {holder} with @autostate.stateful (a sub-model's arrays are "
+            f"parameters and states), register it as a JAX pytree, or keep its arrays in "
+            f"states of {type(obj).__name__} (a dict of arrays is fine).",
+        )
+    )
+
+
 def check_no_hidden_arrays(model: Any) -> None:
     """Refuses a model holding arrays inside plain (undecorated) objects, and
     makes a state an instance holds as a plain array a slot.
@@ -1170,8 +1202,11 @@ def check_no_hidden_arrays(model: Any) -> None:
     for path, obj in _instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
-            if type(value) in _PLAIN_VALUES or is_slot(value):
+            if type(value) in _PLAIN_VALUES:
                 continue  # the common attributes: nothing hidden in them
+            if is_slot(value):
+                _check_state_value(obj, path, name, value)
+                continue
             if isinstance(value, jax.Array):
                 if name in _tree.info_of(obj).state:
                     adopt = [*(adopt or ()), name]
@@ -1410,12 +1445,12 @@ class StateAttribute:
         store_state(obj, self.name, value)
 
     def __delete__(self, obj: Any) -> None:
-        raise StateAccessError(
+        raise refused(StateAccessError(
             format_error(
                 f"Cannot delete state {self.name!r} of {type(obj).__name__}.",
                 fix=f"assign a placeholder instead (`model.{self.name} = None`).",
             )
-        )
+        ))
 
 
 # --- class-level defaults -----------------------------------------------------

@@ -48,6 +48,7 @@ from autostate.errors import (
     UnhandledLocalStateError,
     escaped_state_message,
     format_error,
+    refused,
     user_location,
 )
 
@@ -179,7 +180,7 @@ class LostValue:
                 f"{f' (at {self.where})' if self.where else ''}, which then raised "
                 f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
                 "and keeps nothing a body that raises computed, so the assignment is lost "
-                "(plain Python's loop would have kept it).",
+                "(plain Python would have kept it, unless this is a branch or loop body it never runs: JAX traces those too).",
                 fix="let the exception end the call instead of catching it around the lax "
                 "call, or check its condition before the call; or assign the state again "
                 "before reading it.",
@@ -1181,7 +1182,7 @@ class HandledStaticState(StateSlot):
         literal = is_static_value(value) and not contains_tracer(value)
         shown = repr(value) if literal else _tree.describe(value)
         example = repr(value) if literal else "..."
-        raise StaticStateError(
+        raise refused(StaticStateError(
             format_error(
                 f"A functionalized call assigned {shown} to static state {self.name!r} "
                 f"(attribute {attr!r}), which holds {self.value!r}: a Python "
@@ -1192,7 +1193,7 @@ class HandledStaticState(StateSlot):
                 "jax.jit traces once per value), or keep a value that changes inside jit "
                 "in an array (`jnp.asarray(...)`).",
             )
-        )
+        ))
 
     def as_request(self) -> Any:
         raise NotImplementedError
