@@ -67,13 +67,19 @@ def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
     _refuse_change(model_name, changed)
 
 
-def _refuse_change(model_name: str, changed: list[str]) -> None:
+def _refuse_change(model_name: str, changed: list[str], on_copy: bool = False) -> None:
     where = f" (at {', '.join(changed[:3])})" if changed else ""
+    lost = (
+        "this call runs on a copy of f's model (its integer, bool and key arrays that are "
+        "not states travel in the states dict and are put into a copy), so the change "
+        "would be lost when the call returns, as under jax.jit/grad/vmap"
+        if on_copy
+        else "under jax.jit/grad/vmap that change would be lost when the call returns"
+    )
     raise StateAccessError(
         format_error(
             f"A functionalized call changed {model_name}'s attributes outside its states"
-            f"{where}, e.g. by mutating a list or dict in place; under jax.jit/grad/vmap "
-            "that change would be lost when the call returns.",
+            f"{where}, e.g. by mutating a list or dict in place; {lost}.",
             fix="make the attribute state and assign a new value "
             "(`self.log = self.log + [x]`), or keep such bookkeeping out of the jitted call.",
         )
@@ -223,11 +229,14 @@ def check_state_keys(
     )
 
 
-def _check_statics_kept(saved: list[tuple[Any, Any, str]], model_name: str) -> None:
-    """Refuses a traced call that changed a container of the model in place."""
+def _check_statics_kept(
+    saved: list[tuple[Any, Any, str]], model_name: str, on_copy: bool = False
+) -> None:
+    """Refuses a traced call (or one on a copy of f's model: ``on_copy``)
+    that changed a container of the model in place."""
     changed = [where for value, contents, where in saved if not _statics.same_contents(value, contents)]
     if changed:
-        _refuse_change(model_name, list(dict.fromkeys(changed)))
+        _refuse_change(model_name, list(dict.fromkeys(changed)), on_copy)
 
 
 _ABSENT = object()
@@ -425,14 +434,17 @@ class FunctionalModel(Generic[M]):
         else:
             guard = self._guard  # type: ignore[assignment]
         snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
-        saved = _statics.mutable_statics(instances) if traced else ()
+        # (A call on a copy, the constants embedded, keeps nothing it changes
+        # in place either: refused as under a trace.)
+        copied = model is not self._model
+        saved = _statics.mutable_statics(instances) if traced or copied else ()
         try:
             with refusals_raised_again("the call of f"):
                 result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
             _control.check_no_escaped(result[1])
             _check_attributes_kept(snapshot, traced)
             if saved:
-                _check_statics_kept(saved, type(model).__name__)
+                _check_statics_kept(saved, type(model).__name__, not traced)
             if before is not None and not _tree.graph_unchanged(model, *before):
                 _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
         except BaseException as raised:

@@ -1163,6 +1163,22 @@ def _instances(model: Any) -> Any:
                 stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
 
 
+def _items_within(value: Any, depth: int = 0) -> Any:
+    """``value`` with the containers and plain objects a states dict carries
+    as their items (``opaque_items``) replaced by those items."""
+    items = opaque_items(value)
+    if items is not None:
+        value = items
+    if depth > 32:
+        return value
+    t = type(value)
+    if t is dict:
+        return {k: _items_within(v, depth + 1) for k, v in value.items()}
+    if t is list or t is tuple:
+        return t(_items_within(v, depth + 1) for v in value)
+    return value
+
+
 def _check_state_value(obj: Any, path: str, name: str, slot: Any) -> None:
     """Refuses a state holding arrays inside a plain (undecorated) object: the
     states dict would hold the object, which ``jax.jit`` cannot take."""
@@ -1171,8 +1187,8 @@ def _check_state_value(obj: Any, path: str, name: str, slot: Any) -> None:
     value = slot.read()
     if type(value) in _PLAIN_VALUES or isinstance(value, (jax.Array, np.ndarray)):
         return
-    items = opaque_items(value)  # (a Counter, a deque: the states dict carries its items)
-    found = _hidden_array(value if items is None else items, 0, builtins.set())
+    # (A Counter, a deque, a plain object: the states dict carries its items.)
+    found = _hidden_array(_items_within(value), 0, builtins.set())
     if found is None or _tree.is_stateful_instance(found[2]):
         return
     where = (f"{path}.{name}" if path else name) + found[0]
