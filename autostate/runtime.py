@@ -48,6 +48,7 @@ from autostate.effects.local_state import (
     _check_not_traced,
     lax_body_of,
     opaque_items,
+    under_staging_trace,
     unsortable_keys_error,
 )
 from autostate.errors import (
@@ -881,10 +882,12 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
     in the model as a tracer, so it is refused the same way.
     """
     if not is_guarded(obj):
-        if value is not _MISSING:
+        if value is not _MISSING and contains_tracer(value):
             what = lax_body_of(obj)
-            if what is not None and contains_tracer(value):
+            if what is not None:
                 _check_lax_body_write(obj, name, what)
+            else:
+                _check_concrete_kept(obj, name)
         return
     if _state_or_descriptor(obj, name):
         return
@@ -909,6 +912,32 @@ def _state_or_descriptor(obj: Any, name: str) -> bool:
     return name in _tree.info_of(obj).state or hasattr(
         type(getattr(type(obj), name, None)), "__set__"
     )
+
+
+def _check_concrete_kept(obj: Any, name: str) -> None:
+    """A traced value assigned to an attribute (not a state) of an eager model
+    that held a concrete array there: the model was made outside the running
+    trace (an optimizer written PyTorch's way, ``model.w = model.w - lr * g``
+    under ``jax.jit``), and would keep the tracer after it."""
+    old = obj.__dict__.get(name, _MISSING)
+    # (A concrete jax array, under jax.jit: made outside it, where a model
+    # built inside holds its tracers. Nothing else says the model is older;
+    # under grad or vmap alone an array made inside may be concrete.)
+    if old is _MISSING or not under_staging_trace() or contains_tracer(old) or not any(
+        isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(old)
+    ):
+        return
+    raise refused(TracedEagerStateError(
+        format_error(
+            f"{type(obj).__name__}.{name} (not a state) held a concrete array and is assigned "
+            "a JAX tracer: the model was made outside the running jax.jit/grad/vmap trace, "
+            "so it would keep a value that only exists inside that trace.",
+            where=user_location(),
+            fix="return the new value from the transformed function and assign it outside, "
+            "or make the model part of what is functionalized (an attribute of the model "
+            "whose f is called, or its own `f, states = model.functionalize()`).",
+        )
+    ))
 
 
 def _check_lax_body_write(obj: Any, name: str, what: str) -> None:

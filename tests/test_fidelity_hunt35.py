@@ -39,8 +39,9 @@ differs. It found three bugs:
 - open: an object that is an attribute of the model and is also reached by
   a second path inside ``f`` (a module global, an argument) is two objects
   there (f's copy and the eager original);
-- open: under ``jax.jit`` of ``f``, a parameter (not a state) of an eager
-  object outside f's graph written with a traced value keeps the tracer.
+- fixed: under ``jax.jit`` of ``f``, a parameter (not a state) of an eager
+  object outside f's graph written with a traced value kept the tracer; it
+  is now the ``TracedEagerStateError`` a state write gets.
 """
 
 from __future__ import annotations
@@ -1617,22 +1618,14 @@ def test_trainer_stepping_a_model_argument_under_jit_is_refused(write_module: Lo
     assert_same(before, snapshot(m))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under jax.jit(f.fit_step), writing the *parameters* (not states) of an eager "
-    "model that is not in f's graph stores the tracers in it (model.l1.w is a "
-    "DynamicJaxprTracer after the call), no error; the same write to a state is a "
-    "TracedEagerStateError",
-)
 def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.ArgTrainer().functionalize()
     m = dec.MLP(as_state=False)
     before = snapshot(m)
-    try:
+    with raises_autostate(errors.TracedEagerStateError) as err:
         jax.jit(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
-    except autostate.AutostateError:
-        pass  # a clear refusal is fine
+    assert "held a concrete array" in str(err.value)
     assert not autostate.effects.contains_tracer(vars(m.l1)), vars(m.l1)
     assert_same(before, snapshot(m))
 

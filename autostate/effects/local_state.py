@@ -446,6 +446,19 @@ def current_trace() -> Any:
     return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
 
 
+def under_staging_trace() -> bool:
+    """Whether a trace that stages a program (``jax.jit``, a lax body) runs
+    now, around or at the current one: arrays made there are its tracers,
+    so a concrete array was made outside it (under ``grad`` or ``vmap``
+    alone an array made inside may be concrete)."""
+    trace = current_trace()
+    while trace is not None and not isinstance(trace, _core.EvalTrace):
+        if type(trace).__name__ == "DynamicJaxprTrace":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def _enclosing_traces(trace: Any) -> set[int]:
     """Ids of ``trace`` and of the traces it runs inside."""
     found: set[int] = set()
