@@ -47,7 +47,6 @@ from autostate.effects import (
 from autostate.effects.local_state import (
     _check_not_traced,
     lax_body_of,
-    opaque_items,
     under_staging_trace,
     unsortable_keys_error,
 )
@@ -882,11 +881,14 @@ def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
     in the model as a tracer, so it is refused the same way.
     """
     if not is_guarded(obj):
-        if value is not _MISSING and contains_tracer(value):
+        if value is not _MISSING:
             what = lax_body_of(obj)
             if what is not None:
-                _check_lax_body_write(obj, name, what)
-            else:
+                if contains_tracer(value):
+                    _check_lax_body_write(obj, name, what)
+            elif isinstance(value, _Tracer):
+                # (One array: the parameter a PyTorch-style optimizer steps.
+                # Containers are not walked here: a model may hold itself.)
                 _check_concrete_kept(obj, name)
         return
     if _state_or_descriptor(obj, name):
@@ -923,9 +925,7 @@ def _check_concrete_kept(obj: Any, name: str) -> None:
     # (A concrete jax array, under jax.jit: made outside it, where a model
     # built inside holds its tracers. Nothing else says the model is older;
     # under grad or vmap alone an array made inside may be concrete.)
-    if old is _MISSING or not under_staging_trace() or contains_tracer(old) or not any(
-        isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(old)
-    ):
+    if not isinstance(old, jax.Array) or isinstance(old, _Tracer) or not under_staging_trace():
         return
     raise refused(TracedEagerStateError(
         format_error(
@@ -1192,48 +1192,6 @@ def _instances(model: Any) -> Any:
                 stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
 
 
-def _items_within(value: Any, depth: int = 0) -> Any:
-    """``value`` with the containers and plain objects a states dict carries
-    as their items (``opaque_items``) replaced by those items."""
-    items = opaque_items(value)
-    if items is not None:
-        value = items
-    if depth > 32:
-        return value
-    t = type(value)
-    if t is dict:
-        return {k: _items_within(v, depth + 1) for k, v in value.items()}
-    if t is list or t is tuple:
-        return t(_items_within(v, depth + 1) for v in value)
-    return value
-
-
-def _check_state_value(obj: Any, path: str, name: str, slot: Any) -> None:
-    """Refuses a state holding arrays inside a plain (undecorated) object: the
-    states dict would hold the object, which ``jax.jit`` cannot take."""
-    if type(slot) not in _UNHANDLED_SLOTS:
-        return
-    value = slot.read()
-    if type(value) in _PLAIN_VALUES or isinstance(value, (jax.Array, np.ndarray)):
-        return
-    # (A Counter, a deque, a plain object: the states dict carries its items.)
-    found = _hidden_array(_items_within(value), 0, builtins.set())
-    if found is None or _tree.is_stateful_instance(found[2]):
-        return
-    where = (f"{path}.{name}" if path else name) + found[0]
-    holder = found[1] or "plain"
-    raise InvalidTypeError(
-        format_error(
-            f"State {type(obj).__name__}.{name} holds an array inside a plain {holder} "
-            f"object (at {where}); the states dict would hold the object, which jax.jit, "
-            "grad and vmap cannot take, and its arrays would not be trained or saved.",
-            fix=f"decorate {holder} with @autostate.stateful (a sub-model's arrays are "
-            f"parameters and states), register it as a JAX pytree, or keep its arrays in "
-            f"states of {type(obj).__name__} (a dict of arrays is fine).",
-        )
-    )
-
-
 def check_no_hidden_arrays(model: Any) -> None:
     """Refuses a model holding arrays inside plain (undecorated) objects, and
     makes a state an instance holds as a plain array a slot.
@@ -1250,7 +1208,6 @@ def check_no_hidden_arrays(model: Any) -> None:
             if type(value) in _PLAIN_VALUES:
                 continue  # the common attributes: nothing hidden in them
             if is_slot(value):
-                _check_state_value(obj, path, name, value)
                 continue
             if isinstance(value, jax.Array):
                 if name in _tree.info_of(obj).state:

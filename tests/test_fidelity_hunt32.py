@@ -79,6 +79,12 @@ JAX's ``UnexpectedTracerError``); a state holding an undecorated object with
 arrays passes ``functionalize()`` and fails ``jax.jit(f)`` with JAX's raw
 ``TypeError``; a body plain Python never runs raises; the host fallback's
 ``lax`` body that raises rolls its state back silently.
+
+Fixed: a caught refusal is raised again when the call or lax call returns;
+an interrupt in a body marks its states lost and puts changed containers
+back. Documented: never-run bodies (docs/control_flow.md) and the host
+fallback's raise (docs/host_fallback.md). Open: the undecorated object in a
+state under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -1559,20 +1565,23 @@ def test_functionalize_refused_then_fixed(write_module: Loader) -> None:
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (open): a state holding an undecorated object with arrays (`self.extra = Table()` in "
+    "a method) goes into `states` (eagerly and through f it works, as plain Python), and "
+    "jax.jit(f) fails with JAX's own TypeError 'Error interpreting argument ... as an "
+    "abstract array' naming s['extra']. Refusing it at functionalize() breaks the eager f "
+    "use hunt 13 checks; carrying its attributes breaks pytrees JAX rebuilt with objects "
+    "for leaves (orbax's restore arguments)"
+))
 def test_state_holding_an_undecorated_object_with_arrays(write_module: Loader) -> None:
     _, dec = pair(write_module, INIT)
     model = dec.Model()
     model.attach_table()
-    # A plain object in a state travels as its attributes and comes back as
-    # the same type, under jit too (it was JAX's raw TypeError).
-    f, states = model.functionalize()
-    out, states = fcall(f, "__call__", states, (X1,), True)
-    plain_model = pair(write_module, INIT)[0].Model()
-    plain_model.attach_table()
-    same(snapshot(plain_model(X1)), snapshot(out), "jit output")
-    assert type(states["extra"]) is dec.Table
-    same(snapshot(vars(plain_model.extra)), snapshot(vars(states["extra"])), "the object's attributes")
-    assert type(autostate.freeze(f, states).extra) is dec.Table
+    try:
+        f, states = model.functionalize()
+        fcall(f, "__call__", states, (X1,), True)
+    except autostate.AutostateError as err:
+        user_line(err, dec, "self.extra = Table()")
 
 
 def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module: Loader) -> None:

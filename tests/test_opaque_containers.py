@@ -5,8 +5,7 @@ subclass of dict or list are one leaf to JAX, which ``jax.jit`` cannot take.
 A state holding one (or holding one inside a dict) travels through the states
 dict and a frozen model as its items, and comes back as the same type, with
 its ``maxlen`` and its own attributes; an item write copies it as it copies
-a dict. An instance of a plain Python class (a dataclass that is no pytree)
-travels as its attributes the same way. Each case is compared with plain Python eagerly, through ``f``, under
+a dict. Each case is compared with plain Python eagerly, through ``f``, under
 ``jax.jit`` and ``jax.grad``, and after ``freeze``; a tracer inside such a
 container is refused as it is inside a dict.
 """
@@ -204,74 +203,3 @@ def test_del_of_an_item_keeps_the_type(write_module: Loader, kind: str) -> None:
     _, after = jax.jit(f.drop)(states, 1.0)
     _same_box(ref.box, after["box"], "jit")
 
-
-OBJECTS = """
-import dataclasses
-import random
-
-
-@dataclasses.dataclass
-class Stats:
-    mean: typing.Any
-    count: int
-    label: str = "stats"
-
-
-class Seeded(random.Random):
-    def __init__(self):
-        super().__init__(0)
-        self.w = jnp.ones(2)
-
-
-@DECORATE
-class Tracker:
-    def __init__(self):
-        self.stats = None
-        self.scale = jnp.full(2, 2.0)
-
-    def start(self):
-        self.stats = Stats(jnp.zeros(2), 0)
-
-    def seed(self):
-        self.stats = Seeded()
-
-    def __call__(self, x):
-        s = self.stats
-        self.stats = Stats(0.5 * s.mean + 0.5 * x * self.scale, s.count + 1, s.label)
-        return self.stats.mean.sum()
-"""
-
-
-def test_a_plain_object_in_a_state_travels_as_its_attributes(write_module: Loader) -> None:
-    plain, dec = pair(write_module, OBJECTS)
-    ref, model = plain.Tracker(), dec.Tracker()
-    ref.start()
-    model.start()
-    expected = [float(ref(x)) for x in (jnp.float32(1.0), jnp.float32(2.0))]
-    f, states = model.functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
-    got = []
-    for x in (jnp.float32(1.0), jnp.float32(2.0)):
-        out, states = step(f, states, x)
-        got.append(float(out))
-    assert got == pytest.approx(expected)
-    stats = states["stats"]
-    assert type(stats) is dec.Stats and stats.count == ref.stats.count == 2
-    assert type(stats.count) is int and stats.label == "stats"
-    np.testing.assert_allclose(stats.mean, ref.stats.mean)
-    frozen = autostate.freeze(f, states)
-    assert type(frozen.stats) is dec.Stats
-    grad = jax.grad(lambda s, x: f(s, x)[0])(states, jnp.float32(1.0))
-    assert type(grad["stats"]) is dec.Stats
-    np.testing.assert_allclose(grad["stats"].mean, [0.5, 0.5])
-
-
-def test_an_object_keeping_state_outside_its_dict_is_refused(write_module: Loader) -> None:
-    """A ``random.Random`` subclass keeps its generator's state in C: it cannot
-    be taken apart and rebuilt, so arrays in it are refused at functionalize()."""
-    _, dec = pair(write_module, OBJECTS)
-    model = dec.Tracker()
-    model.seed()
-    with pytest.raises(autostate.errors.InvalidTypeError, match="Seeded") as info:
-        model.functionalize()
-    assert "Tracker.stats" in str(info.value) and "fix:" in str(info.value)

@@ -308,46 +308,20 @@ _OPAQUE_BASES = (dict, list, collections.deque, collections.UserDict, collection
 
 def opaque_items(value: Any) -> dict | list | None:
     """A container of ``_OPAQUE_BASES`` JAX takes as one leaf, as a plain
-    dict or list of its items, or an instance of a plain Python class (a
-    dataclass that is no pytree: ``self.stats = Stats(mean, var)``) as a dict
-    of its attributes; None for anything else."""
+    dict or list of its items; None for anything else."""
     t = type(value)
     if t is dict or t is list or t in _CONCRETE_LEAF_TYPES:
         return None
     if not isinstance(value, _OPAQUE_BASES):
-        return dict(value.__dict__) if _plain_object_type(t, value) else None
+        # (Not a plain object's attributes: JAX keeps any object as a leaf,
+        # and a pytree JAX rebuilt with objects for leaves, as orbax's
+        # restore arguments, must keep them.)
+        return None
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
         return None  # (registered with JAX: an OrderedDict, a defaultdict)
     if isinstance(value, (collections.UserDict, collections.UserList)):
         return dict(value.data) if isinstance(value, collections.UserDict) else list(value.data)
     return dict(dict.items(value)) if isinstance(value, dict) else list(value)
-
-
-# The instance size of a class statement's class with no ``__slots__``: a
-# class whose instances are bigger keeps state outside ``__dict__`` (a C base,
-# as ``random.Random``'s, or slots).
-_PLAIN_SIZE = type("_Plain", (), {}).__basicsize__
-_PLAIN_OBJECT_TYPES: dict[type, bool] = {}
-
-
-def _plain_object_type(t: type, value: Any) -> bool:
-    """Whether instances of ``t`` are plain Python objects: all their state in
-    ``__dict__`` (no C base keeping more, as ``random.Random``'s does; no
-    slots), no array, pytree node, function, model or exception."""
-    known = _PLAIN_OBJECT_TYPES.get(t)
-    if known is None:
-        known = (
-            t.__basicsize__ == _PLAIN_SIZE
-            and t.__dictoffset__ != 0
-            and t.__module__ not in ("builtins", "functools", "types")
-            and not isinstance(value, (jax.Array, np.ndarray, np.generic, types.FunctionType))
-            and not issubclass(t, (BaseException, enum.Enum))
-            and t not in _tree.STATEFUL_CLASSES
-            # (no pytree node: JAX takes it as one leaf; registration is per type)
-            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
-        )
-        _PLAIN_OBJECT_TYPES[t] = known
-    return known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +336,24 @@ class _Rebuilt:
 
     @staticmethod
     def of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
-        own = {} if not isinstance(value, _OPAQUE_BASES) else getattr(value, "__dict__", {})
+        if id(value) in _EXPANDING:
+            raise InvalidTypeError(
+                format_error(
+                    f"A state holds a {type(value).__name__} that holds itself; a states dict "
+                    "carries such a container as its items, which would never end.",
+                    fix="keep the container out of itself, or hold the state in a dict or "
+                    "list of its own.",
+                )
+            )
+        _EXPANDING.add(id(value))
+        try:
+            return _Rebuilt._of(value, items)
+        finally:
+            _EXPANDING.discard(id(value))
+
+    @staticmethod
+    def _of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
+        own = getattr(value, "__dict__", {})
         attributes = tuple(
             (name, _static_key(v)) for name, v in own.items() if name != "data"
         )
@@ -376,10 +367,6 @@ class _Rebuilt:
         if self.inner is not None:
             items = join_static_values(items, self.inner)
         cls: Any = self.cls
-        if not issubclass(cls, _OPAQUE_BASES):  # a plain object: its attributes
-            new = object.__new__(cls)
-            new.__dict__.update(items)
-            return new
         new = cls.__new__(cls)
         if issubclass(self.cls, (collections.UserDict, collections.UserList)):
             new.data = items
@@ -432,7 +419,18 @@ def contains_tracer(value: Any) -> bool:
 
 def contains_tracer_in_opaque(leaf: Any) -> bool:
     items = opaque_items(leaf)
-    return items is not None and contains_tracer(items)
+    if items is None or id(leaf) in _EXPANDING:
+        return False  # (an object that holds itself: looked into once)
+    _EXPANDING.add(id(leaf))
+    try:
+        return contains_tracer(items)
+    finally:
+        _EXPANDING.discard(id(leaf))
+
+
+# Ids of the containers and objects ``opaque_items`` is taking apart now: one
+# that holds itself (``self.me = self`` on a plain object) is taken apart once.
+_EXPANDING: set[int] = set()
 
 
 def _trace_of(tracer: Any) -> Any:
@@ -543,10 +541,14 @@ def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
     out: list[Any] = []
     for leaf in leaves:
         items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
-        if items is None:
+        if items is None or id(leaf) in _EXPANDING:
             out.append(leaf)
-        else:
+            continue
+        _EXPANDING.add(id(leaf))
+        try:
             out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
+        finally:
+            _EXPANDING.discard(id(leaf))
     return out
 
 
