@@ -640,6 +640,13 @@ class _StaticInBody(StateSlot):
 # --- the primitives ---------------------------------------------------------------
 
 
+def _jit_disabled() -> bool:
+    """Under ``jax.disable_jit()`` JAX runs a loop's body once per step, and
+    only the branch taken, with concrete values, as plain Python would: a
+    body's assignments are then eager writes, and nothing is threaded."""
+    return bool(jax.config.jax_disable_jit)  # type: ignore[attr-defined]  # (not in its stubs)
+
+
 def scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
     init: Any,
@@ -672,6 +679,8 @@ def scan(
     **Returns:** ``(carry, ys)``, as ``jax.lax.scan``; the states the body
     assigned hold their values after the last iteration.
     """
+    if _jit_disabled():
+        return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
     options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
     return _with_eager_states(
         (f, init, xs), lambda: _scan(f, init, xs, options), "the body of a lax.scan"
@@ -757,6 +766,8 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
 
     **Returns:** the final loop value; assigned states hold their final values.
     """
+    if _jit_disabled():
+        return lax.while_loop(cond_fun, body_fun, init_val)
     roots = (cond_fun, body_fun, init_val)
     return _with_eager_states(
         roots, lambda: _while_loop(cond_fun, body_fun, init_val), "a lax.while_loop"
@@ -814,6 +825,8 @@ def fori_loop(
 
     **Returns:** the final loop value; assigned states hold their final values.
     """
+    if _jit_disabled():
+        return lax.fori_loop(lower, upper, body_fun, init_val, **kwargs)
     roots = (body_fun, init_val)
     return _with_eager_states(
         roots,
@@ -864,6 +877,8 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
 
     **Returns:** the stacked outputs, as ``jax.lax.map``.
     """
+    if _jit_disabled():
+        return lax.map(f, xs, **kwargs)
     return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs), "the function of a lax.map")
 
 
@@ -972,6 +987,8 @@ def cond(
     **Returns:** the taken branch's output; its assignments hold after.
     """
     operands = _operands(operands, operand, "lax.cond")
+    if _jit_disabled():
+        return lax.cond(pred, true_fun, false_fun, *operands)
     roots = (true_fun, false_fun, operands)
     return _with_eager_states(
         roots,
@@ -1000,6 +1017,8 @@ def switch(
     """
     operands = _operands(operands, operand, "lax.switch")
     branches = list(branches)
+    if _jit_disabled():
+        return lax.switch(index, branches, *operands)
     return _with_eager_states(
         (branches, operands),
         lambda: _branches(

@@ -700,7 +700,7 @@ def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
         jax.block_until_ready(out)
         jax.effects_barrier()
     assert "UnhandledLocalStateError" in str(raised.value)
-    assert "pass the state's value to it as an argument" in str(raised.value)
+    assert "as the callback's argument" in str(raised.value)
 
 
 # ======================================================================================

@@ -1410,10 +1410,12 @@ class HandledLocalStateRef(StateSlot):
                     fix="call the handler instead of its body: `out, states = "
                     "handler((arg, states))`, or for a functionalized model `out, states = "
                     "f(states, *args)`; use autostate.freeze(f, states) to get a model "
-                    "that runs on its own again. A host callback (jax.debug.callback, "
-                    "jax.pure_callback) of a call under jax.jit runs after the call has "
-                    "ended: pass the state's value to it as an argument "
-                    "(`jax.debug.callback(fn, self.s)`) instead of reading it inside.",
+                    "that runs on its own again. A function JAX runs after the call has "
+                    "ended cannot read a state either: a host callback (jax.debug.callback, "
+                    "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
+                    "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
+                    "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
+                    "residual the custom_vjp's forward rule returns.",
                 )
             )
         try:
