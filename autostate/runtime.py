@@ -1111,36 +1111,17 @@ def _hidden_array(
             if found is not None:
                 return f".__closure__[{k}]{found[0]}", found[1] or "closure", found[2]
         return None
-    elif t in _SUSPENDED_FRAMES:
-        # A generator (or coroutine) made by a method: its frame holds
-        # ``self``, the original model, which f's copy cannot be put in.
-        frame = getattr(value, _SUSPENDED_FRAMES[t])
-        if frame is None:  # finished: it reaches nothing any more
-            return None
-        for k, v in frame.f_locals.items():
-            found = _hidden_array(v, depth + 1, seen, True)
-            if found is not None:
-                return f" (its local {k!r}){found[0]}", t.__name__, found[2]
-        return None
-    elif t is map or t is filter:
-        # Lazy: their function (``map(self.step, xs)``) is called at each
-        # ``next``, with the model it was bound to when it was made.
-        for k, v in enumerate(value.__reduce__()[1]):
-            found = _hidden_array(v, depth + 1, seen, True)
-            if found is not None:
-                return f" (its {'function' if k == 0 else 'iterable'}){found[0]}", t.__name__, found[2]
-        return None
-    elif _tree.is_dynamic(value):
-        return None
-    elif isinstance(value, functools.partial):
-        # Bound to a model through its function or arguments: not rebound
-        # to f's copy (a method or a lambda is).
-        parts = [("func", value.func), *((f"args[{i}]", a) for i, a in enumerate(value.args))]
-        parts += [(f"keywords[{k!r}]", a) for k, a in value.keywords.items()]
+    elif (parts := _tree.held_parts(value)) is not None:
+        # A functools.partial, a generator a method made (its frame holds
+        # ``self``), a lazy map over a method: bound to a model that f's copy
+        # cannot be put in (a method or a lambda is rebound).
+        holder = "functools.partial" if isinstance(value, functools.partial) else t.__name__
         for where, v in parts:
             found = _hidden_array(v, depth + 1, seen, True)
             if found is not None:
-                return f".{where}{found[0]}", "functools.partial", found[2]
+                return f"{where}{found[0]}", holder, found[2]
+        return None
+    elif _tree.is_dynamic(value):
         return None
     else:
         attrs: Any = _tree.plain_attributes(value)
@@ -1161,12 +1142,6 @@ def _hidden_array(
 
 
 _SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
-# Suspended frames: type -> the attribute holding the frame.
-_SUSPENDED_FRAMES: dict[type, str] = {
-    types.GeneratorType: "gi_frame",
-    types.CoroutineType: "cr_frame",
-    types.AsyncGeneratorType: "ag_frame",
-}
 _ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
 # Names of the list, tuple and dict subclasses met that are no registered pytree.
 _UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()

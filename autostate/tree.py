@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from autostate.errors import InvalidTypeError, format_error, user_location
+
 # decorated class -> what to do with each copy map_tree makes of an instance
 # (None: nothing). Kept here, not on the class, so membership is one lookup.
 _STATEFUL_CLASSES: dict[type, Callable[[Any], None] | None] = {}
@@ -469,8 +471,6 @@ def _leads_back(child: Any, obj: Any) -> bool:
 
 
 def _cycle_error(obj: Any, name: str, child: Any) -> Exception:
-    from autostate.errors import InvalidTypeError, format_error, user_location
-
     what = "itself" if child is obj else f"a {type(child).__name__} that refers back to it"
     return InvalidTypeError(
         format_error(
@@ -780,30 +780,54 @@ def _instance_or_bound(value: Any) -> bool:
     if t in _STATEFUL_CLASSES:
         return True
     if t in _INDIRECT:
-        return any(map(holds_instance, _INDIRECT[t](value)))
+        return any(holds_instance(v) for _, v in _INDIRECT[t](value))
     return _bound_to_instance(value)
 
 
-def _frame_locals(attribute: str) -> Callable[[Any], Any]:
-    def values(value: Any) -> Any:
-        frame = getattr(value, attribute)
-        return () if frame is None else frame.f_locals.values()
+def _frame_locals(attribute: str) -> Callable[[Any], list[tuple[str, Any]]]:
+    def parts(value: Any) -> list[tuple[str, Any]]:
+        frame = getattr(value, attribute)  # (None once finished: it holds nothing)
+        return [] if frame is None else [(f" (its local {k!r})", v) for k, v in frame.f_locals.items()]
 
-    return values
+    return parts
+
+
+def _partial_parts(p: Any) -> list[tuple[str, Any]]:
+    return [
+        (".func", p.func),
+        *((f".args[{i}]", a) for i, a in enumerate(p.args)),
+        *((f".keywords[{k!r}]", a) for k, a in p.keywords.items()),
+    ]
+
+
+def _lazy_parts(m: Any) -> list[tuple[str, Any]]:
+    return [(" (its function)" if i == 0 else " (its iterable)", v)
+            for i, v in enumerate(m.__reduce__()[1])]
 
 
 # What reaches a model through another object JAX takes as one leaf, which
 # f's copy cannot be rebound through: a ``functools.partial`` of a method, a
 # generator a method made (its frame holds ``self``), a lazy ``map`` /
-# ``filter`` over a method. Type -> what it holds.
-_INDIRECT: dict[type, Callable[[Any], Any]] = {
-    functools.partial: lambda p: (p.func, *p.args, *p.keywords.values()),
+# ``filter`` over a method. Type -> what it holds, each with where (a path
+# suffix for messages).
+_INDIRECT: dict[type, Callable[[Any], list[tuple[str, Any]]]] = {
+    functools.partial: _partial_parts,
     types.GeneratorType: _frame_locals("gi_frame"),
     types.CoroutineType: _frame_locals("cr_frame"),
     types.AsyncGeneratorType: _frame_locals("ag_frame"),
-    map: lambda m: m.__reduce__()[1],
-    filter: lambda m: m.__reduce__()[1],
+    map: _lazy_parts,
+    filter: _lazy_parts,
 }
+
+
+def held_parts(value: Any) -> list[tuple[str, Any]] | None:
+    """``(where, value)`` for what a ``functools.partial`` (or a subclass), a
+    suspended generator or coroutine, or a lazy ``map`` / ``filter`` holds;
+    None for anything else."""
+    how = _INDIRECT.get(type(value))
+    if how is None and isinstance(value, functools.partial):
+        how = _partial_parts
+    return None if how is None else how(value)
 
 
 def instances_of(tree: Any) -> list[Any]:

@@ -180,7 +180,8 @@ class LostValue:
                 f"{f' (at {self.where})' if self.where else ''}, which then raised "
                 f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
                 "and keeps nothing a body that raises computed, so the assignment is lost "
-                "(plain Python would have kept it, unless this is a branch or loop body it never runs: JAX traces those too).",
+                "(plain Python would have kept it, unless this is a branch or loop body it "
+                "never runs: JAX traces those too).",
                 fix="let the exception end the call instead of catching it around the lax "
                 "call, or check its condition before the call; or assign the state again "
                 "before reading it.",
@@ -405,9 +406,8 @@ def contains_tracer(value: Any) -> bool:
         leaves = _leaves_in_own_order(value, err)
         return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
     if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
-        items = opaque_items(value)
-        if items is not None:
-            return contains_tracer(items)
+        if opaque_items(value) is not None:
+            return contains_tracer_in_opaque(value)
         _CONCRETE_LEAF_TYPES.add(t)
         return False
     return any(
@@ -418,18 +418,12 @@ def contains_tracer(value: Any) -> bool:
 
 
 def contains_tracer_in_opaque(leaf: Any) -> bool:
-    items = opaque_items(leaf)
-    if items is None or id(leaf) in _EXPANDING:
-        return False  # (an object that holds itself: looked into once)
-    _EXPANDING.add(id(leaf))
-    try:
-        return contains_tracer(items)
-    finally:
-        _EXPANDING.discard(id(leaf))
+    """Whether a tracer is among the items of a container JAX took as one leaf."""
+    return any(isinstance(x, jax.core.Tracer) for x in leaves_within_opaque([leaf]))
 
 
-# Ids of the containers and objects ``opaque_items`` is taking apart now: one
-# that holds itself (``self.me = self`` on a plain object) is taken apart once.
+# Ids of the containers ``opaque_items`` is taking apart now: one that holds
+# itself is taken apart once.
 _EXPANDING: set[int] = set()
 
 
@@ -444,36 +438,29 @@ def current_trace() -> Any:
     return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
 
 
+def _trace_chain(trace: Any) -> Iterator[Any]:
+    """``trace`` and the traces it runs inside, innermost first."""
+    while trace is not None and not isinstance(trace, _core.EvalTrace):
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
 def under_staging_trace() -> bool:
     """Whether a trace that stages a program (``jax.jit``, a lax body) runs
     now, around or at the current one: arrays made there are its tracers,
     so a concrete array was made outside it (under ``grad`` or ``vmap``
     alone an array made inside may be concrete)."""
-    trace = current_trace()
-    while trace is not None and not isinstance(trace, _core.EvalTrace):
-        if type(trace).__name__ == "DynamicJaxprTrace":
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return any(type(t).__name__ == "DynamicJaxprTrace" for t in _trace_chain(current_trace()))
 
 
 def _enclosing_traces(trace: Any) -> set[int]:
     """Ids of ``trace`` and of the traces it runs inside."""
-    found: set[int] = set()
-    while trace is not None and not isinstance(trace, _core.EvalTrace):
-        found.add(id(trace))
-        trace = getattr(trace, "parent_trace", None)
-    return found
+    return set(map(id, _trace_chain(trace)))
 
 
 def _live_traces() -> set[int]:
     """Ids of the running trace and of the traces it runs inside."""
-    live: set[int] = set()
-    trace = current_trace()
-    while trace is not None and not isinstance(trace, _core.EvalTrace):
-        live.add(id(trace))
-        trace = getattr(trace, "parent_trace", None)
-    return live
+    return _enclosing_traces(current_trace())
 
 
 # (state name, the user's line that assigned it): where a state was given a
