@@ -1,0 +1,392 @@
+"""PyTorch ``state_dict`` names for a model: ``load_torch_state_dict`` and ``torch_state_dict``.
+
+A ``torch.nn.Module.state_dict()`` names every parameter and buffer by its
+module path with dots: ``layers.0.weight``, ``transformer.h.1.ln_1.bias``,
+``0.weight`` under a root ``Sequential``. autostate names the same arrays by
+their Python path (``layers[0].weight``, ``transformer['h'][1].ln_1.bias``)
+in ``param_dict`` and ``state_dict``. This module translates between the two
+and loads through ``state_dicts.rebuild``, so every check and conversion of
+``load_state_dict`` applies; it adds what PyTorch's convention needs:
+
+* Names: ``.attr`` and ``['key']`` become ``attr`` and ``key``, ``[0]``
+  becomes ``0``; a container class that keeps its layers in one list
+  attribute names it in ``_torch_children`` and that attribute is left out
+  (``Sequential``'s ``layers[0].weight`` is PyTorch's ``0.weight``).
+* Every path to an array counts: PyTorch lists a tied weight (one tensor in
+  two modules) and a shared module under each path, autostate once under
+  its first path. Writing lists each path (``tied="both"``, as PyTorch) or
+  the first (``tied="first"``); loading takes either, and a dict listing two
+  paths of one array must give equal values.
+* Integer buffers: PyTorch keeps ``num_batches_tracked`` as int64, JAX
+  without x64 as int32; an integer array loads into a narrower integer
+  array when its values fit.
+
+Nothing here imports torch; a tensor is read through its ``numpy()``.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from autostate import state_dicts as _state_dicts
+from autostate import tree as _tree
+from autostate.effects import HandledLocalStateRef
+from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
+from autostate.functional import ConstantRef
+
+_CALLER = "nn.load_torch_state_dict"
+
+# One step of an autostate path: ``.attr``, ``[0]`` or ``['key']``.
+_STEP = re.compile(r"\.([^.\[]+)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
+class _Entry:
+    """One array of the model under one PyTorch name.
+
+    ``kind`` is ``"parameter"`` or ``"state"``, ``key`` its name in
+    ``param_dict``/``state_dict`` (several entries share a key when the
+    array is reachable from several paths); ``first`` marks the entry of
+    the path autostate names it by.
+    """
+
+    __slots__ = ("first", "key", "kind", "name", "template")
+
+    def __init__(self, name: str, kind: str, key: str, template: Any, first: bool):
+        self.name, self.kind, self.key, self.template, self.first = (
+            name,
+            kind,
+            key,
+            template,
+            first,
+        )
+
+
+def _is_target(x: Any) -> bool:
+    return _state_dicts._is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef)
+
+
+def _paths(node: Any, ancestors: tuple[int, ...] = ()) -> Iterator[tuple[list[str], Any]]:
+    """Every path (as PyTorch name parts) to every array and state of ``node``.
+
+    ``tree.iter_tree`` walks one instance's own attributes, yielding each
+    target on every path and stopping at sub-models; each sub-model is
+    walked again under every path that reaches it, as PyTorch's
+    ``state_dict`` recurses into a shared module once per parent. A path
+    back to an enclosing instance is not followed.
+    """
+
+    def is_target(x: Any) -> bool:
+        return x is not node and (_is_target(x) or _tree.is_stateful_instance(x))
+
+    skip = getattr(type(node), "_torch_children", None)
+    for path, value in _tree.iter_tree(node, is_target):
+        parts = _torch_parts(path)
+        if skip is not None and parts[:1] == [skip]:
+            parts = parts[1:]
+        if not _tree.is_stateful_instance(value):
+            yield parts, value
+        elif id(value) not in ancestors:
+            for sub, leaf in _paths(value, (*ancestors, id(node))):
+                yield parts + sub, leaf
+
+
+def _torch_parts(path: str) -> list[str]:
+    parts: list[str] = []
+    at = 0
+    text = path if not path or path[0] in ".[" else "." + path
+    for match in _STEP.finditer(text):
+        if match.start() != at:
+            break
+        attr, index, key = match.groups()
+        parts.append(
+            attr if attr is not None else index if index is not None else str(ast.literal_eval(key))
+        )
+        at = match.end()
+    if at != len(text):
+        raise StateDictError(
+            format_error(
+                f"autostate.nn: the model path {path!r} has no PyTorch name: a pytree key "
+                "that is not an attribute, an index or a string/int mapping key.",
+                fix="keep a model ported from PyTorch in attributes, lists and dicts with "
+                "string keys, as torch.nn.Module, ModuleList and ModuleDict hold them.",
+            )
+        )
+    return parts
+
+
+def _entries(model: Any, caller: str) -> tuple[list[_Entry], Any]:
+    """The model's arrays under their PyTorch names, in the model's order, and
+    its ``functionalize`` pair (``handle_for_reading``)."""
+    f, states = _state_dicts.handle_for_reading(model, caller)
+    params = _state_dicts._params(f.model)
+    param_key = {id(leaf): name for name, leaf in params.items()}
+    flat, layout = _state_dicts.flatten_states(states)
+    state_keys = {name: [k for k in keys if k in flat] for name, _, keys, _ in layout}
+    entries: list[_Entry] = []
+    seen: set[tuple[str, str]] = set()
+    by_name: dict[str, str] = {}
+    for parts, value in _paths(f.model):
+        if _state_dicts._is_array(value):
+            key = param_key[id(value)]
+            found = [("parameter", key, "", value)]
+        else:
+            found = [
+                ("state", key, key[len(value.name) :], flat[key]) for key in state_keys[value.name]
+            ]
+        for kind, key, suffix, template in found:
+            name = ".".join(parts + _torch_parts(suffix))
+            if name in by_name:
+                if by_name[name] == key:
+                    continue
+                raise StateDictError(
+                    format_error(
+                        f"autostate.nn: {by_name[name]!r} and {key!r} both have the PyTorch "
+                        f"name {name!r}.",
+                        fix="give the model distinct attribute names (a dict key and an "
+                        "attribute of one name under the same parent collide).",
+                    )
+                )
+            by_name[name] = key
+            first = (kind, key) not in seen
+            seen.add((kind, key))
+            entries.append(_Entry(name, kind, key, template, first))
+    return entries, f
+
+
+def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dict[str, np.ndarray]:
+    """The model's parameters and states as a PyTorch ``state_dict`` of numpy arrays.
+
+    Names are PyTorch's: ``layers[0].weight`` is ``layers.0.weight``, a dict
+    item ``h['wte'].weight`` is ``h.wte.weight``, a ``Sequential``'s layers
+    are numbered directly under it (``0.weight``). Parameters and states
+    (PyTorch's buffers: ``running_mean``, ``num_batches_tracked``, constants)
+    are listed in the model's attribute order. Static values are not listed.
+
+    Args:
+        model: a ``@stateful`` model (for an ``f, states`` pair, pass
+            ``autostate.freeze(f, states)``).
+        tied: an array reachable from two paths (a tied weight, a shared
+            sub-model) is listed under every path with ``"both"``, as
+            PyTorch lists it, or once, under its first path, with ``"first"``.
+
+    Returns:
+        A new dict of new numpy arrays (copies): ``{k: torch.from_numpy(v)}``
+        is a dict ``torch.nn.Module.load_state_dict`` takes. Integer arrays
+        keep the model's dtype (PyTorch's ``load_state_dict`` casts them).
+
+    Raises:
+        StateDictError: two arrays would share one PyTorch name.
+
+    Example:
+        >>> import jax.numpy as jnp, autostate
+        >>> @autostate.stateful
+        ... class Block:
+        ...     def __init__(self):
+        ...         self.layers = [autostate.nn.Linear(2, 2) for _ in range(2)]
+        >>> sorted(autostate.nn.torch_state_dict(Block()))
+        ['layers.0.bias', 'layers.0.weight', 'layers.1.bias', 'layers.1.weight']
+    """
+    if tied not in ("both", "first"):
+        raise InvalidTypeError(
+            format_error(
+                f"autostate.nn.torch_state_dict: tied={tied!r}.",
+                fix='pass tied="both" (every path, as PyTorch) or tied="first".',
+            )
+        )
+    entries, _ = _entries(model, "nn.torch_state_dict")
+    return {e.name: np.array(e.template, copy=True) for e in entries if e.first or tied == "both"}
+
+
+def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+    """A copy of ``model`` holding the arrays of a PyTorch ``state_dict``.
+
+    The model must have PyTorch's structure and names (``autostate.nn``
+    layers do): ``layers.0.weight`` loads into ``layers[0].weight``,
+    ``h.wte.weight`` into ``h['wte'].weight``, ``0.weight`` into a root
+    ``Sequential``'s first layer. As ``autostate.load_state_dict``, the model
+    given is not modified: everything is checked first, then a new model is
+    built (its states embedded as ``autostate.freeze`` embeds them, arrays
+    not loaded shared with ``model``).
+
+    A tied weight or shared module may be listed under one of its paths or
+    several (PyTorch lists each); values listed twice must be equal. Dtypes
+    must match, except that an integer array (PyTorch's int64
+    ``num_batches_tracked``) loads into the model's narrower integer array
+    when its values fit.
+
+    Args:
+        model: the model to load into.
+        state_dict: ``{name: array}``: numpy or JAX arrays, or CPU tensors
+            (``module.state_dict()`` as is; read through ``.numpy()``).
+        strict: if true, missing, unexpected and mis-shaped keys raise one
+            ``StateDictError`` naming each (and, for an unexpected key, the
+            model's name it most likely means). If false, the keys that fit
+            are loaded, the others keep the model's values, and a
+            ``StateDictWarning`` lists the skipped ones: its ``missing``,
+            ``unexpected`` and ``mismatched`` hold ``(kind, name)`` pairs in
+            PyTorch names (torch's ``missing_keys`` / ``unexpected_keys``).
+
+    Returns:
+        A new model with the loaded parameters and states.
+
+    Raises:
+        StateDictError: keys that do not fit (``strict=True``), or one array
+            listed under two names with different values.
+
+    Example:
+        >>> import numpy as np, autostate
+        >>> layer = autostate.nn.Linear(2, 1)
+        >>> sd = {"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)}
+        >>> loaded = autostate.nn.load_torch_state_dict(layer, sd)
+        >>> loaded.weight
+        Array([[1., 1.]], dtype=float32)
+    """
+    state_dict = _state_dicts.require_dict(
+        state_dict,
+        _CALLER,
+        "a dict of PyTorch name -> array",
+        "pass module.state_dict() (or a dict of numpy arrays with its keys).",
+    )
+    entries, _f = _entries(model, _CALLER)
+    by_name = {e.name: e for e in entries}
+    report = _TorchReport()
+    chosen: dict[tuple[str, str], tuple[str, Any]] = {}  # (kind, key) -> (name, value)
+    for name, given in state_dict.items():
+        entry = by_name.get(name)
+        if entry is None:
+            report.unexpected.append(name)
+            continue
+        value = _fitted(entry, _as_array(given, name), report)
+        if value is None:
+            continue
+        slot = (entry.kind, entry.key)
+        if slot in chosen:
+            other, before = chosen[slot]
+            if not np.array_equal(np.asarray(before), np.asarray(value)):
+                raise StateDictError(
+                    format_error(
+                        f"autostate.{_CALLER}: {other!r} and {name!r} name one array of "
+                        f"the model ({entry.kind} {entry.key!r}, tied), but the state_dict "
+                        "gives them different values.",
+                        fix="give the tied weight one value (list it under one name, or the "
+                        "same array under both), or untie it in the model.",
+                    )
+                )
+            continue
+        chosen[slot] = (name, value)
+    listed = {(e.kind, e.key) for e in entries if e.name in state_dict}
+    report.missing = [
+        (e.kind, e.name) for e in entries if e.first and (e.kind, e.key) not in listed
+    ]
+    if report:
+        what = f"autostate.{_CALLER}: the state_dict does not fit {type(model).__name__}"
+        lines = report.lines(sorted(by_name))
+        if strict:
+            raise StateDictError(
+                format_error(
+                    what + ":\n" + "\n".join(lines),
+                    fix="build the model with the configuration the checkpoint was saved "
+                    "from and the same attribute names as the PyTorch module, or pass "
+                    "strict=False to load only the keys that fit.",
+                )
+            )
+        warnings.warn(
+            StateDictWarning(
+                what + "; strict=False skipped:\n" + "\n".join(lines),
+                missing=tuple(report.missing),
+                unexpected=tuple(("unknown", k) for k in report.unexpected),
+                mismatched=tuple(report.mismatched),
+            ),
+            stacklevel=2,
+        )
+    params = {key: value for (kind, key), (_, value) in chosen.items() if kind == "parameter"}
+    states = {key: value for (kind, key), (_, value) in chosen.items() if kind == "state"}
+    # What is not loaded keeps the model's values: rebuild sees complete dicts.
+    for e in entries:
+        (params if e.kind == "parameter" else states).setdefault(e.key, e.template)
+    return _state_dicts.rebuild(
+        model, params, states, strict=True, caller=_CALLER, error=StateDictError
+    )
+
+
+class _TorchReport:
+    """What does not fit, in PyTorch names."""
+
+    def __init__(self) -> None:
+        self.missing: list[tuple[str, str]] = []
+        self.unexpected: list[str] = []
+        self.mismatched: list[tuple[str, str]] = []
+        self.details: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def lines(self, names: list[str]) -> list[str]:
+        out = []
+        if self.missing:
+            out.append(
+                f"  missing keys ({len(self.missing)}): "
+                + ", ".join(repr(k) for _, k in self.missing)
+            )
+        if self.unexpected:
+            shown = []
+            for key in self.unexpected:
+                near = difflib.get_close_matches(key, names, n=1)
+                shown.append(f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key))
+            out.append(f"  unexpected keys ({len(self.unexpected)}): " + ", ".join(shown))
+        if self.mismatched:
+            out.append(
+                f"  shape/dtype mismatches ({len(self.mismatched)}): " + ", ".join(self.details)
+            )
+        return out
+
+
+def _as_array(value: Any, name: str) -> Any:
+    if _state_dicts._is_array(value):
+        return value
+    numpy = getattr(value, "numpy", None)
+    if callable(numpy) and hasattr(value, "detach"):  # a torch tensor, without importing torch
+        return value.detach().cpu().numpy()
+    if isinstance(value, (bool, int, float)):
+        return np.asarray(value)
+    raise StateDictError(
+        format_error(
+            f"autostate.{_CALLER}: the entry {name!r} holds a {type(value).__name__}, "
+            "not an array.",
+            fix="pass a dict of arrays: {k: v.numpy() for k, v in module.state_dict().items()}.",
+        )
+    )
+
+
+def _fitted(entry: _Entry, value: Any, report: _TorchReport) -> Any:
+    """``value`` ready for ``entry`` (an int64 counter narrowed), or ``None``
+    after recording a mismatch."""
+    want = _state_dicts.array_spec(entry.template)
+    got = _state_dicts.array_spec(value)
+    if (
+        want is not None
+        and got is not None
+        and want[0] == got[0]
+        and want[1] != got[1]
+        and np.issubdtype(got[1], np.integer)
+        and np.issubdtype(want[1], np.integer)
+    ):
+        limits = np.iinfo(want[1])
+        host = np.asarray(value)
+        if host.size == 0 or (host.min() >= limits.min and host.max() <= limits.max):
+            value, got = host.astype(want[1]), want
+    if want == got:
+        return value
+    report.mismatched.append((entry.kind, entry.name))
+    report.details.append(
+        f"{entry.name!r} (model {_state_dicts._format_spec(want, entry.template)}, "
+        f"given {_state_dicts._format_spec(got, value)})"
+    )
+    return None
