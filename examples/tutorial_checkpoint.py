@@ -3,9 +3,9 @@
 ``f`` (the parameters), ``states`` (the running statistics) and the optax
 state are pytrees, so one orbax checkpoint holds all three. The script trains
 the tutorial classifier (``tutorial_train.py``), saving every few steps with
-``CheckpointManager``; then it builds a fresh model (another seed), restores
-the latest step into an abstract target made from it (shapes and dtypes
-only) and finishes training. The resumed run must end exactly where an
+``CheckpointManager``; then it builds the model under ``jax.eval_shape`` (an
+abstract target: shapes and dtypes only, nothing allocated), restores the
+latest step into it and finishes training. The resumed run must end exactly where an
 uninterrupted run ends.
 
 Run: ``python examples/tutorial_checkpoint.py`` (``--smoke`` for fewer steps).
@@ -44,11 +44,18 @@ def make_train_step(optimizer):
     return train_step
 
 
-def abstract_target(model, optimizer):
-    """The shapes and dtypes of a checkpoint of ``model``, with no values read."""
-    f, states = model.functionalize()
-    tree = {"params": f, "states": states, "opt_state": jax.eval_shape(optimizer.init, f)}
-    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+def abstract_target(optimizer, key):
+    """The shapes and dtypes of a checkpoint, from a model built under ``jax.eval_shape``.
+
+    Nothing is computed or allocated: the model, its ``functionalize()`` and the
+    optimizer's ``init`` run on abstract values only.
+    """
+
+    def build(key):
+        f, states = Classifier(key).functionalize()
+        return {"params": f, "states": states, "opt_state": optimizer.init(f)}
+
+    return jax.eval_shape(build, key)
 
 
 def main() -> None:
@@ -79,10 +86,10 @@ def main() -> None:
             print(f"trained {half} steps, loss {float(loss):.4f}; kept steps {manager.all_steps()}")
 
             # The job "crashes" here; the steps after the last checkpoint are lost. A
-            # new job builds the model from scratch (another seed: the values do not
-            # matter, only shapes and dtypes) and restores the latest checkpoint.
+            # new job builds the model abstractly (shapes and dtypes only, no arrays)
+            # and restores the latest checkpoint into it.
             resume_at = manager.latest_step()
-            target = abstract_target(Classifier(jax.random.key(1)), optimizer)
+            target = abstract_target(optimizer, jax.random.key(1))
             restored = manager.restore(resume_at, args=ocp.args.StandardRestore(target))
         f2, states2, opt_state2 = restored["params"], restored["states"], restored["opt_state"]
         print(f"restored step {resume_at} into a {type(f2).__name__} of {type(f2.model).__name__}")

@@ -8,11 +8,13 @@ the model into ``f(states, tokens) -> (logits, new_states)``. Then:
 
 1. train it (batched with ``jax.vmap``, optax adam) to continue counting
    modulo the vocabulary: after ``3 4 5`` comes ``6 7 8 ...``;
-2. decode greedily under ``jax.jit``: one prefill call for the prompt, then a
-   ``jax.lax.fori_loop`` of one-token steps, the cache in the loop's carry;
+2. decode greedily under ``jax.jit`` with the ``generate`` method: one
+   prefill call for the prompt, then a ``jax.lax.fori_loop`` of one-token
+   steps that write the cache (autostate threads it through the loop);
 3. check the cached decoding against recomputing the whole sequence;
 4. export the decoding loop with ``jax.export`` (parameters baked in),
-   serialize it, and run the deserialized program.
+   serialize it, and run the deserialized program; export ``generate`` with
+   ``autostate.export`` too.
 
 Run: ``python examples/tutorial_gpt.py`` (``--smoke`` for a shorter training).
 """
@@ -89,6 +91,24 @@ class Decoder:
         self.length += len(tokens)
         return rms_norm(x) @ self.embed.T
 
+    def generate(self, prompt, n_new):
+        """Greedy decoding: prefill ``prompt``, then ``n_new`` one-token steps.
+
+        The ``fori_loop`` body calls the model, which writes the cache and the
+        length: those states are threaded through the loop's carry for us.
+        """
+        logits = self(prompt)
+
+        def step(i, carry):
+            token, out = carry
+            out = out.at[i].set(token)
+            logits = self(token[None])
+            return logits[-1].argmax().astype(jnp.int32), out
+
+        first = logits[-1].argmax().astype(jnp.int32)
+        _, out = jax.lax.fori_loop(0, n_new, step, (first, jnp.zeros(n_new, jnp.int32)))
+        return out
+
 
 def counting_batch(key, batch):
     """Sequences ``r, r+1, r+2, ...`` modulo ``VOCAB`` from random starts ``r``."""
@@ -117,21 +137,6 @@ def train(f, empty, steps):
     return f, float(loss)
 
 
-def generate(f, states, prompt, n_new):
-    """Greedy decoding: prefill ``prompt``, then ``n_new`` one-token steps."""
-    logits, states = f(states, prompt)
-
-    def step(i, carry):
-        states, token, out = carry
-        out = out.at[i].set(token)
-        logits, states = f(states, token[None])
-        return states, logits[-1].argmax().astype(jnp.int32), out
-
-    first = logits[-1].argmax().astype(jnp.int32)
-    states, _, out = jax.lax.fori_loop(0, n_new, step, (states, first, jnp.zeros(n_new, jnp.int32)))
-    return out, states
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -147,8 +152,8 @@ def main() -> None:
     print(f"trained {args.steps} steps, loss {loss:.4f}")
 
     prompt, n_new = jnp.array([3, 4, 5], jnp.int32), 10
-    decode = jax.jit(generate, static_argnums=3)
-    out, states = decode(f, empty, prompt, n_new)
+    decode = jax.jit(lambda f, states, prompt: f.generate(states, prompt, n_new))
+    out, states = decode(f, empty, prompt)
     print("prompt", prompt.tolist(), "-> greedy", out.tolist())
     print("cache length after decoding:", int(states["length"]))
     assert out.tolist() == [(6 + i) % VOCAB for i in range(n_new)], out
@@ -162,7 +167,7 @@ def main() -> None:
 
     # Export the decoding loop: the parameters become constants of the program,
     # the states (the empty cache) stay an input.
-    loop = jax.jit(functools.partial(generate, f, n_new=n_new))
+    loop = jax.jit(functools.partial(f.generate, n_new=n_new))
     blob = jax.export.export(loop)(empty, prompt).serialize()
     program = jax.export.deserialize(blob)
     exported_out, exported_states = program.call(empty, jnp.array([9, 10, 11], jnp.int32))
@@ -170,12 +175,17 @@ def main() -> None:
     assert exported_out.tolist() == [(12 + i) % VOCAB for i in range(n_new)], exported_out
     np.testing.assert_array_equal(exported_states["blocks[0].attention.k"].shape, (MAX_LEN, 4, 8))
 
-    # One step of the trained model, exported with autostate.export: the program
-    # takes and returns the flat state_dict.
+    # The trained model exported with autostate.export: the program takes and
+    # returns the flat state_dict. One prefill step, then the generate method.
     trained = autostate.freeze(f, empty)
-    step = autostate.export(trained, jax.ShapeDtypeStruct((len(prompt),), jnp.int32))
+    spec = jax.ShapeDtypeStruct((len(prompt),), jnp.int32)
+    step = autostate.export(trained, spec)
     logits, new_states = step.call(autostate.state_dict(trained), prompt)
     print("autostate.export prefill: next token", int(logits[-1].argmax()), "length", int(new_states["length"]))
+    program = autostate.export(trained, spec, n_new, method="generate", static_argnums=1)
+    out, new_states = program.call(autostate.state_dict(trained), prompt)
+    print("autostate.export generate:", out.tolist(), "length", int(new_states["length"]))
+    assert out.tolist() == [(6 + i) % VOCAB for i in range(n_new)], out
     print("ok")
 
 
