@@ -85,22 +85,29 @@ def state(
 ) -> Any:
     """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
 
-    Example::
+    Args:
+        value: the initial value.
+        category: the state's category (default: the class's category).
+        name: an explicit state name instead of the attribute path.
+        sharding: a ``jax.sharding.PartitionSpec`` (mesh or logical axis
+            names) saying how the state is laid out on a mesh; read by
+            ``autostate.partition_specs`` and ``autostate.shardings``.
 
-        @autostate.stateful
-        class Cache:
-            def __init__(self):
-                self.kv = autostate.state(jnp.zeros(4), category="cache", name="kv")
+    Returns:
+        A marker that ``@stateful`` turns into a state request (typed as
+        ``value``'s type, which is what the attribute then holds).
 
-    **Arguments:**
-    - ``value``: the initial value.
-    - ``category``: the state's category (default: the class's category).
-    - ``name``: an explicit state name instead of the attribute path.
-    - ``sharding``: a ``jax.sharding.PartitionSpec`` (mesh or logical axis
-      names) saying how the state is laid out on a mesh; read by
-      ``autostate.partition_specs`` and ``autostate.shardings``.
-
-    **Returns:** a marker that ``@stateful`` turns into a state request.
+    Example:
+        >>> @autostate.stateful
+        ... class Cache:
+        ...     def __init__(self):
+        ...         self.kv = autostate.state(jnp.zeros(2), category="cache", name="kv")
+        ...
+        ...     def __call__(self, x):
+        ...         return self.kv + x
+        >>> f, states = Cache().functionalize(category="cache")
+        >>> states
+        {'kv': Array([0., 0.], dtype=float32)}
     """
     if isinstance(value, _runtime.StateDeclaration):  # ``state(state(v))``: the outer options win
         category = value.category if category is None else category
@@ -113,26 +120,32 @@ def state(
 def constant(value: Any, *, name: str | None = None) -> Any:
     """Marks ``self.x`` in ``__init__`` as a non-trainable constant.
 
-    Example::
-
-        @autostate.stateful
-        class Encoder:
-            def __init__(self):
-                self.table = autostate.constant(sinusoids(128, 16))   # not trained
-                self.w = jnp.ones((16, 16))                           # trained
-
-        f, states = Encoder().functionalize()   # table is in states, not in f
-
     A constant travels in the states dict (category ``"constant"``), like a
     PyTorch buffer: ``jax.grad`` and optax over ``f`` never see it, and it is
     in ``state_dict``, not ``param_dict``. Integer, bool and PRNG-key arrays
     are constants without the marker.
 
-    **Arguments:**
-    - ``value``: the array (or pytree of arrays).
-    - ``name``: an explicit name instead of the attribute path.
+    Args:
+        value: the array (or pytree of arrays).
+        name: an explicit name instead of the attribute path.
 
-    **Returns:** a marker that ``@stateful`` turns into a constant.
+    Returns:
+        A marker that ``@stateful`` turns into a constant.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Encoder:
+        ...     def __init__(self):
+        ...         self.table = autostate.constant(jnp.arange(3.0))  # not trained
+        ...         self.w = jnp.ones(3)  # trained
+        ...
+        ...     def __call__(self, x):
+        ...         return (x + self.table) * self.w
+        >>> f, states = Encoder().functionalize()
+        >>> states
+        {'table': Array([0., 1., 2.], dtype=float32)}
+        >>> list(autostate.param_dict(f))
+        ['w']
     """
     return _runtime.StateDeclaration(value, CONSTANT, name)
 
@@ -148,28 +161,43 @@ def stateful(
 def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     """Makes a plain class that mutates ``self`` usable as a pure JAX function.
 
-    Example::
+    The class is rewritten in place: its methods read and assign state as the
+    plain Python does, eagerly, and ``functionalize()`` turns an instance into
+    a pure ``f(states, *args) -> (out, new_states)`` for ``jax.jit``,
+    ``jax.grad`` and ``jax.vmap``. Used bare (``@autostate.stateful``) or
+    with options (``@autostate.stateful(category="cache")``).
 
-        @autostate.stateful
-        class Counter:
-            def __init__(self):
-                self.count = jnp.zeros(())
-            def __call__(self, x):
-                self.count += 1
-                return x * self.count
+    Args:
+        cls: the class to decorate; omitted when options are given.
+        category: the category of the class's states (default ``"state"``).
+        fallback: ``"host"`` keeps state in a host-side store reached by
+            ordered callbacks, for closures that mutate state inside ``lax``
+            control flow.
 
-        c = Counter()
-        c(2.0)                       # eager: c.count == 1
-        f, states = c.functionalize()
-        y, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+    Returns:
+        The same class, rewritten in place (or, without ``cls``, a decorator).
 
-    **Arguments:**
-    - ``category``: category of the class's states (default ``"state"``).
-    - ``fallback``: ``"host"`` keeps state in a host-side store reached by
-      ordered callbacks, for closures that mutate state inside ``lax``
-      control flow.
+    Raises:
+        InvalidArgumentError: ``fallback`` is neither ``None`` nor ``"host"``.
+        UnsupportedConstructError: the class uses a construct the rewrite
+            cannot keep meaning what it means (``del self.x``, for one).
 
-    **Returns:** the same class, rewritten in place.
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return x * self.count
+        >>> counter = Counter()
+        >>> print(counter(2.0), counter.count)  # eagerly, as plain Python
+        2.0 1
+        >>> f, states = counter.functionalize()
+        >>> out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+        >>> print(out, states["count"])
+        4.0 2
     """
     if fallback is not None and fallback != "host":
         raise InvalidArgumentError(
@@ -881,20 +909,28 @@ def _functionalize_method(
 ) -> tuple[FunctionalModel[M], Any]:
     """Returns ``(f, states)``: a pure function of the model's states.
 
-    Example::
+    Args:
+        category: handle only states of this category (``None``: all).
+        category_predicate: alternatively, a predicate on categories.
+        lazy: return a thunk computing the states instead of the dict.
+        state_sharing: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
 
-        f, states = model.functionalize()
-        out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
-        model = autostate.freeze(f, states)
+    Returns:
+        ``(f, states)``; ``f(states, *args)`` and ``f.<method>(states, *args)``
+        return ``(out, new_states)``.
 
-    **Arguments:**
-    - ``category``: handle only states of this category (``None``: all).
-    - ``category_predicate``: alternatively, a predicate on categories.
-    - ``lazy``: return a thunk computing the states instead of the dict.
-    - ``state_sharing``: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
-
-    **Returns:** ``(f, states)``; ``f(states, *args)`` and
-    ``f.<method>(states, *args)`` return ``(out, new_states)``.
+    Example:
+        >>> class Counter(autostate.Stateful):
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return x * self.count
+        >>> f, states = Counter().functionalize()
+        >>> out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 3.0)
+        >>> print(out, autostate.freeze(f, states).count)
+        3.0 1
     """
     _check_functionalize_arguments(self, category, category_predicate)
     if category is not None and category_predicate is not None:
@@ -969,10 +1005,37 @@ def functionalize(
 ) -> tuple[FunctionalModel[M], dict[str, Any]]:
     """Function form of ``model.functionalize(...)``, typed for any model class.
 
-    Example::
+    Args:
+        model: a ``@stateful`` instance.
+        category: handle only states of this category (``None``: all).
+        category_predicate: alternatively, a predicate on categories.
+        lazy: return a thunk computing the states instead of the dict.
+        state_sharing: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
 
-        f, states = autostate.functionalize(model)   # f: FunctionalModel[Net]
-        model = autostate.freeze(f, states)          # Net again, for type checkers too
+    Returns:
+        ``(f, states)``: ``f`` is a ``FunctionalModel[type(model)]``, so
+        ``autostate.freeze(f, states)`` is typed as the model's class.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self):
+        ...         self.count += 1
+        ...         return self.count
+        ...
+        ...     def reset(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        >>> f, states = autostate.functionalize(Counter())
+        >>> out, states = f(states)
+        >>> out, states = f(states)
+        >>> print(out)
+        2
+        >>> _, states = f.reset(states)  # any other method: f.<method>(states, ...)
+        >>> print(states["count"])
+        0
     """
     return _functionalize_method(
         model,
@@ -986,21 +1049,23 @@ def functionalize(
 class Stateful:
     """A base class: its subclasses are ``@stateful`` classes, typed as such.
 
-    Example::
-
-        class Counter(autostate.Stateful):
-            def __init__(self):
-                self.count = jnp.zeros(())
-            def __call__(self, x):
-                self.count += 1
-                return x * self.count
-
-        f, states = Counter().functionalize()   # f: FunctionalModel[Counter]
-
     ``@autostate.stateful`` on a plain class does the same at run time, but
     a type checker cannot see the ``functionalize`` method it adds; with this
     base class mypy and pyright do. Decorate the subclass explicitly to pick
     a category or a fallback (``@autostate.stateful(category="cache")``).
+
+    Example:
+        >>> class Counter(autostate.Stateful):
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros(())
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return x * self.count
+        >>> f, states = Counter().functionalize()  # f: FunctionalModel[Counter]
+        >>> out, states = jax.jit(f)(states, 2.0)
+        >>> print(out, states["count"])
+        2.0 1.0
     """
 
     def __init_subclass__(cls, /, **kwargs: Any) -> None:
@@ -1029,19 +1094,35 @@ def freeze(f: WithFunctionalLocalState, states: Mapping[str, Any]) -> Any: ...
 def freeze(f: Any, states: Mapping[str, Any]) -> Any:
     """Inverse of ``functionalize``: the model with ``states`` embedded.
 
-    Example::
+    Args:
+        f: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``,
+            or a ``PackedModel`` with its ``PackedStates``).
+        states: the states dict to embed.
 
-        f, states = model.functionalize()
-        _, states = f(states, x)
-        model = autostate.freeze(f, states)   # an instance of model's class
+    Returns:
+        The model (or body) holding ``FrozenLocalStateRequest``s; instances of
+        ``fallback="host"`` classes get fresh host stores instead.
 
-    **Arguments:**
-    - ``f``: a ``FunctionalModel`` (or an engine ``WithFunctionalLocalState``, or
-      a ``PackedModel`` with its ``PackedStates``).
-    - ``states``: the states dict to embed.
+    Raises:
+        InvalidTypeError: ``f`` is none of the above.
+        StateDictError: ``states`` does not have ``f``'s keys.
 
-    **Returns:** the model (or body) holding ``FrozenLocalStateRequest``s;
-    instances of ``fallback="host"`` classes get fresh host stores instead.
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self):
+        ...         self.count += 1
+        ...         return self.count
+        >>> f, states = Counter().functionalize()
+        >>> _, states = f(states)
+        >>> counter = autostate.freeze(f, states)  # a Counter again, the new state inside
+        >>> print(type(counter).__name__, counter.count)
+        Counter 1
+        >>> print(counter())
+        2
     """
     if isinstance(f, PackedModel):
         f, states = f.unpack(states)  # type: ignore[arg-type]
@@ -1066,21 +1147,36 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
 def inference_mode(model: Any) -> Any:
     """A view of a host-fallback model whose state is read once, at the jit boundary.
 
-    Example::
-
-        frozen = autostate.inference_mode(model)
-        y = jax.jit(lambda m, x: m(x))(frozen, x)   # state enters as an input
-
     Each call reads the current value of every host state on the host while
-    flattening ``frozen`` and passes it into the program as an ordinary
+    flattening the view and passes it into the program as an ordinary
     argument: the compiled program contains no callbacks. Setting a state of
     the view is an error. The original ``model`` is unchanged and keeps its
     store; the view follows later updates to it.
 
-    **Arguments:**
-    - ``model``: a model (or any pytree) holding ``fallback="host"`` state.
+    Args:
+        model: a model (or any pytree) holding ``fallback="host"`` state.
 
-    **Returns:** a copy of ``model`` whose host states are read-only inputs.
+    Returns:
+        A copy of ``model`` whose host states are read-only inputs.
+
+    Example:
+        >>> @autostate.stateful(fallback="host")
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return x * self.count
+        ...
+        ...     def scale(self, x):  # reads the state only
+        ...         return x * self.count
+        >>> counter = Counter()
+        >>> print(jax.jit(counter)(2.0), counter.count)
+        2.0 1
+        >>> frozen = autostate.inference_mode(counter)
+        >>> print(jax.jit(lambda m, x: m.scale(x))(frozen, 3.0))
+        3.0
     """
     from autostate import host  # only a host-fallback model needs the host engine
 

@@ -658,26 +658,39 @@ def scan(
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` whose body may read and assign model state.
 
-    Example::
+    Inside a ``@stateful`` method a plain ``jax.lax.scan`` call does the same;
+    code the decorator never saw (a helper function outside any class) calls
+    this one.
 
-        @autostate.stateful
-        class Cell:
-            def __init__(self):
-                self.steps = jnp.zeros((), jnp.int32)
-            def __call__(self, h, x):
-                self.steps += 1
-                return jnp.tanh(h + x)
+    Args:
+        f: the body, ``(carry, x) -> (carry, y)``, as for ``jax.lax.scan``.
+        init: the initial carry.
+        xs: the sequence scanned over (or ``None`` with ``length``).
+        length: the number of iterations when ``xs`` is ``None``.
+        reverse: scan from the end, as ``jax.lax.scan``.
+        unroll: how many iterations each loop step runs, as ``jax.lax.scan``.
+        **kwargs: any other option of ``jax.lax.scan``.
 
-        cell = Cell()
-        h, _ = autostate.scan(lambda h, x: (cell(h, x), None), 0.0, jnp.ones(5))
-        cell.steps  # Array(5, dtype=int32)
+    Returns:
+        ``(carry, ys)``, as ``jax.lax.scan``; the states the body assigned hold
+        their values after the last iteration.
 
-    Inside a ``@stateful`` method a plain ``jax.lax.scan`` call does the same.
-
-    **Arguments:** those of ``jax.lax.scan``.
-
-    **Returns:** ``(carry, ys)``, as ``jax.lax.scan``; the states the body
-    assigned hold their values after the last iteration.
+    Example:
+        >>> @autostate.stateful
+        ... class Cell:
+        ...     def __init__(self):
+        ...         self.steps = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, h, x):
+        ...         self.steps += 1
+        ...         return jnp.tanh(h + x)
+        >>> def unroll(cell, h, xs):  # a helper outside any class
+        ...     h, _ = autostate.scan(lambda h, x: (cell(h, x), None), h, xs)
+        ...     return h
+        >>> cell = Cell()
+        >>> h = unroll(cell, 0.0, jnp.ones(5))
+        >>> print(cell.steps)
+        5
     """
     if _jit_disabled():
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
@@ -750,21 +763,29 @@ def _static_int(value: Any) -> int | None:
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any) -> Any:
     """``jax.lax.while_loop`` whose body may assign state and whose ``cond_fun`` may read it.
 
-    Example::
+    Args:
+        cond_fun: ``value -> bool``; it may read state.
+        body_fun: ``value -> value``; it may read and assign state.
+        init_val: the initial loop value.
 
-        @autostate.stateful
-        class Counter:
-            def __init__(self):
-                self.n = jnp.zeros((), jnp.int32)
-            def run(self, limit):
-                def body(i):
-                    self.n += 1
-                    return i + 1
-                return jax.lax.while_loop(lambda i: self.n < limit, body, 0)
+    Returns:
+        The final loop value; assigned states hold their final values.
 
-    **Arguments:** those of ``jax.lax.while_loop``.
-
-    **Returns:** the final loop value; assigned states hold their final values.
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.n = jnp.zeros((), jnp.int32)
+        ...
+        ...     def run(self, limit):
+        ...         def body(i):
+        ...             self.n += 1
+        ...             return i + 1
+        ...
+        ...         return jax.lax.while_loop(lambda i: self.n < limit, body, 0)
+        >>> counter = Counter()
+        >>> print(counter.run(3), counter.n)
+        3 3
     """
     if _jit_disabled():
         return lax.while_loop(cond_fun, body_fun, init_val)
@@ -809,21 +830,31 @@ def fori_loop(
 ) -> Any:
     """``jax.lax.fori_loop`` whose body may read and assign state.
 
-    Example::
+    Args:
+        lower: the first index.
+        upper: the index the loop stops before.
+        body_fun: ``(i, value) -> value``; it may read and assign state.
+        init_val: the initial loop value.
+        **kwargs: any other option of ``jax.lax.fori_loop`` (``unroll``).
 
-        @autostate.stateful
-        class Decoder:
-            def __init__(self):
-                self.cache = jnp.zeros(8)
-            def fill(self):
-                def body(i, token):
-                    self.cache[i] = token        # a traced index
-                    return token + 1.0
-                return jax.lax.fori_loop(0, 8, body, 0.0)
+    Returns:
+        The final loop value; assigned states hold their final values.
 
-    **Arguments:** those of ``jax.lax.fori_loop``.
-
-    **Returns:** the final loop value; assigned states hold their final values.
+    Example:
+        >>> @autostate.stateful
+        ... class Decoder:
+        ...     def __init__(self):
+        ...         self.cache = jnp.zeros(4)
+        ...
+        ...     def fill(self):
+        ...         def body(i, token):
+        ...             self.cache = self.cache.at[i].set(token)  # a traced index
+        ...             return token + 1.0
+        ...
+        ...         return jax.lax.fori_loop(0, 4, body, 1.0)
+        >>> decoder = Decoder()
+        >>> print(decoder.fill(), decoder.cache)
+        5.0 [1. 2. 3. 4.]
     """
     if _jit_disabled():
         return lax.fori_loop(lower, upper, body_fun, init_val, **kwargs)
@@ -868,14 +899,28 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
 def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 - jax's name
     """``jax.lax.map`` whose function may read and assign state, element after element.
 
-    Example::
+    Args:
+        f: ``x -> y``, applied to each element of ``xs`` in order.
+        xs: the elements, stacked along the leading axis.
+        **kwargs: any other option of ``jax.lax.map``; a ``batch_size`` needs
+            a function that assigns no state (batched elements run at once,
+            not in order).
 
-        ys = autostate.map(model, xs)   # model's statistics see every element in order
+    Returns:
+        The stacked outputs, as ``jax.lax.map``.
 
-    **Arguments:** those of ``jax.lax.map``; a ``batch_size`` needs a function
-    that assigns no state (batched elements run at once, not in order).
-
-    **Returns:** the stacked outputs, as ``jax.lax.map``.
+    Example:
+        >>> @autostate.stateful
+        ... class Total:
+        ...     def __init__(self):
+        ...         self.sum = jnp.zeros(())
+        ...
+        ...     def __call__(self, x):
+        ...         self.sum += x
+        ...         return self.sum  # the running total: every element in order
+        >>> total = Total()
+        >>> print(autostate.map(total, jnp.arange(4.0)), total.sum)
+        [0. 1. 3. 6.] 6.0
     """
     if _jit_disabled():
         return lax.map(f, xs, **kwargs)
@@ -978,13 +1023,30 @@ def cond(
     Under ``jax.vmap`` with a batched ``pred`` each example keeps the state
     of the branch it took.
 
-    Example::
+    Args:
+        pred: a boolean scalar choosing ``true_fun`` or ``false_fun``.
+        true_fun: the branch taken when ``pred`` is true.
+        false_fun: the branch taken otherwise.
+        *operands: the branches' arguments.
+        operand: a single operand, as ``jax.lax.cond``'s old keyword.
 
-        y = autostate.cond(skip, lambda x: x, block, x)   # block's statistics only when run
+    Returns:
+        The taken branch's output; its assignments hold after.
 
-    **Arguments:** those of ``jax.lax.cond``.
-
-    **Returns:** the taken branch's output; its assignments hold after.
+    Example:
+        >>> @autostate.stateful
+        ... class Block:
+        ...     def __init__(self):
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return 2 * x
+        >>> block = Block()
+        >>> y = autostate.cond(True, block, lambda x: x, 1.0)
+        >>> y = autostate.cond(False, block, lambda x: x, y)  # statistics only when run
+        >>> print(y, block.calls)
+        2.0 1
     """
     operands = _operands(operands, operand, "lax.cond")
     if _jit_disabled():
@@ -1007,13 +1069,27 @@ def switch(
 ) -> Any:
     """``jax.lax.switch`` whose branches may read and assign state.
 
-    Example::
+    Args:
+        index: which branch runs (clamped into range, as ``jax.lax.switch``).
+        branches: the functions to choose from.
+        *operands: the branches' arguments.
+        operand: a single operand, as ``jax.lax.switch``'s old keyword.
 
-        y = autostate.switch(k, [block_a, block_b, lambda x: x], x)
+    Returns:
+        The chosen branch's output; its assignments hold after.
 
-    **Arguments:** those of ``jax.lax.switch``.
-
-    **Returns:** the chosen branch's output; its assignments hold after.
+    Example:
+        >>> @autostate.stateful
+        ... class Block:
+        ...     def __init__(self):
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return 2 * x
+        >>> block = Block()
+        >>> print(autostate.switch(1, [lambda x: x, block], 3.0), block.calls)
+        6.0 1
     """
     operands = _operands(operands, operand, "lax.switch")
     branches = list(branches)
@@ -1032,17 +1108,32 @@ def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``jax.checkpoint`` (``jax.remat``) of a function that may read and assign state.
 
     Loss, gradients and new states equal those without remat; only what is
-    saved for the backward pass changes.
+    saved for the backward pass changes. ``autostate.remat`` is the same
+    function, under JAX's other name.
 
-    Example::
+    Args:
+        fun: the function to rematerialize.
+        **options: those of ``jax.checkpoint`` (``prevent_cse``, ``policy``,
+            ``static_argnums``).
 
-        for block in self.blocks:               # blocks keep BatchNorm statistics
-            x = jax.checkpoint(block)(x)
+    Returns:
+        The checkpointed function.
 
-    **Arguments:** those of ``jax.checkpoint`` (``prevent_cse``, ``policy``,
-    ``static_argnums``).
-
-    **Returns:** the checkpointed function.
+    Example:
+        >>> @autostate.stateful
+        ... class Block:
+        ...     def __init__(self):
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...         self.w = jnp.full(2, 3.0)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return jnp.sin(self.w * x).sum()
+        >>> f, states = Block().functionalize()
+        >>> loss = lambda f, s, x: autostate.checkpoint(f)(s, x)
+        >>> (y, states), grads = jax.value_and_grad(loss, has_aux=True)(f, states, 0.0)
+        >>> print(y, states["calls"], grads.model.w)
+        0.0 1 [0. 0.]
     """
     static = tuple(options.pop("static_argnums", ()) or ())
     if isinstance(static, int):

@@ -316,11 +316,26 @@ class FunctionalModel(Generic[M]):
     what a dict of arrays costs), and what keeps tied weights (one instance
     on two paths) one leaf, under its first path.
 
-    Example::
-
-        f, states = model.functionalize()
-        out, states = jax.jit(f)(states, x)              # f itself is jit-able
-        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
+    Example:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = 2 * jnp.ones(2)  # a parameter: a leaf of f
+        ...         self.calls = jnp.zeros((), jnp.int32)  # a state
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return self.w * x
+        >>> f, states = Scale().functionalize()
+        >>> out, states = jax.jit(f)(states, jnp.ones(2))  # f itself is jit-able
+        >>> print(out, states["calls"])
+        [2. 2.] 1
+        >>> [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
+        ['.model.w']
+        >>> grads = jax.grad(lambda f: f(states, jnp.ones(2))[0].sum())(f)
+        >>> f = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, f, grads)  # a new f
+        >>> print(f.model.w)
+        [1.5 1.5]
     """
 
     __slots__ = (
@@ -375,7 +390,22 @@ class FunctionalModel(Generic[M]):
         return self._run(states, None, args, kwargs)
 
     def state_names(self) -> frozenset[str]:
-        """The keys the states dict of this ``f`` has (its states and constants)."""
+        """The keys the states dict of this ``f`` has (its states and constants).
+
+        Example:
+            >>> @autostate.stateful
+            ... class Norm:
+            ...     def __init__(self):
+            ...         self.mean = jnp.zeros(2)
+            ...         self.table = autostate.constant(jnp.ones(2))
+            ...
+            ...     def __call__(self, x):
+            ...         self.mean = 0.9 * self.mean + 0.1 * x
+            ...         return x - self.mean + self.table
+            >>> f, states = Norm().functionalize()
+            >>> sorted(f.state_names())
+            ['mean', 'table']
+        """
         graphdef = self._flattened()[1]
         names = graphdef.cache.get("state_names")
         if names is None:
