@@ -186,12 +186,21 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
 
     Example:
         >>> import jax.numpy as jnp, autostate
+        >>> from autostate.nn.torch_io import torch_state_dict
         >>> @autostate.stateful
-        ... class Block:
+        ... class Norm:
         ...     def __init__(self):
-        ...         self.layers = [autostate.nn.Linear(2, 2) for _ in range(2)]
-        >>> sorted(autostate.nn.torch_state_dict(Block()))
-        ['layers.0.bias', 'layers.0.weight', 'layers.1.bias', 'layers.1.weight']
+        ...         self.weight = jnp.ones(2)
+        ...         self.running_mean = autostate.state(jnp.zeros(2))
+        >>> @autostate.stateful
+        ... class Net:
+        ...     def __init__(self):
+        ...         self.h = [Norm(), Norm()]
+        ...         self.head = {"norm": self.h[0]}
+        >>> list(torch_state_dict(Net(), tied="first"))
+        ['h.0.weight', 'h.0.running_mean', 'h.1.weight', 'h.1.running_mean']
+        >>> list(torch_state_dict(Net()))[-2:]
+        ['head.norm.weight', 'head.norm.running_mean']
     """
     if tied not in ("both", "first"):
         raise InvalidTypeError(
@@ -241,12 +250,27 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
             listed under two names with different values.
 
     Example:
-        >>> import numpy as np, autostate
-        >>> layer = autostate.nn.Linear(2, 1)
-        >>> sd = {"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)}
-        >>> loaded = autostate.nn.load_torch_state_dict(layer, sd)
-        >>> loaded.weight
-        Array([[1., 1.]], dtype=float32)
+        >>> import jax.numpy as jnp, numpy as np, autostate
+        >>> from autostate.nn.torch_io import load_torch_state_dict
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self):
+        ...         self.weight = jnp.zeros((1, 2))
+        >>> @autostate.stateful
+        ... class Net:
+        ...     def __init__(self):
+        ...         self.layers = [Linear(), Linear()]
+        >>> sd = {"layers.0.weight": np.ones((1, 2), np.float32),
+        ...       "layers.1.weight": np.full((1, 2), 2.0, np.float32)}
+        >>> load_torch_state_dict(Net(), sd).layers[1].weight
+        Array([[2., 2.]], dtype=float32)
+        >>> load_torch_state_dict(Net(), {"layer.0.weight": sd["layers.0.weight"]})
+        Traceback (most recent call last):
+        ...
+        autostate.errors.StateDictError: autostate.nn.load_torch_state_dict: the state_dict does not fit Net:
+          missing keys (2): 'layers.0.weight', 'layers.1.weight'
+          unexpected keys (1): 'layer.0.weight' (did you mean 'layers.0.weight'?)
+        ...
     """
     state_dict = _state_dicts.require_dict(
         state_dict,
