@@ -117,10 +117,14 @@ _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 def _is_user_function(fn: types.FunctionType) -> bool:
     """Whether ``fn`` is user code that may run as a method (not a lambda,
-    not the standard library's or autostate's own helpers)."""
+    not the standard library's or autostate's own helpers; the layers of
+    ``autostate.nn`` are written as user code and count as such)."""
     if fn.__name__ == "<lambda>":
         return False
-    top = (fn.__module__ or "").partition(".")[0]
+    module = fn.__module__ or ""
+    if module == "autostate.nn" or module.startswith("autostate.nn."):
+        return True
+    top = module.partition(".")[0]
     return top != "autostate" and top not in _STDLIB and top not in sys.builtin_module_names
 
 
