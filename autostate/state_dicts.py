@@ -368,6 +368,17 @@ class _Report:
         )
 
 
+def _tied_paths(body: Any, keys: set[str]) -> list[tuple[str, str]]:
+    """``(key, first path)`` for each of ``keys`` that is a later path to a parameter."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, leaf in _tree.iter_tree(body, _is_array):
+        first.setdefault(id(leaf), name)
+        if name in keys and first[id(leaf)] != name:
+            tied.append((name, first[id(leaf)]))
+    return tied
+
+
 def _converted_like(template: Any, value: Any) -> Any:
     """``value`` as the same kind of object as ``template`` (dtype already checked)."""
     if isinstance(template, jax.Array):
@@ -418,14 +429,21 @@ def rebuild(
         if saved_from:
             what += f" (it was saved from {saved_from})"
         if strict:
-            raise error(
-                format_error(
-                    what + ":\n" + "\n".join(report.lines()),
-                    fix="load into a model built with the same configuration as the saved one, "
-                    "or pass strict=False to load only the keys that fit (the rest keep the "
-                    "model's values).",
-                )
+            fix = (
+                "load into a model built with the same configuration as the saved one, "
+                "or pass strict=False to load only the keys that fit (the rest keep the "
+                "model's values)."
             )
+            # A PyTorch-style dict lists a tied weight under each of its paths.
+            tied = _tied_paths(f.model, {k for c, k in report.unexpected if c == "parameter"})
+            if tied:
+                fix = (
+                    "a tied array is one parameter, named by its first path: drop "
+                    + ", ".join(f"{k!r} (the same array as {first!r})" for k, first in tied)
+                    + " from the dict (autostate.nn.load_torch_state_dict takes a PyTorch "
+                    "state_dict that lists it under both)."
+                )
+            raise error(format_error(what + ":\n" + "\n".join(report.lines()), fix=fix))
         warnings.warn(
             report.warning(what + "; strict=False skipped:\n" + "\n".join(report.lines())),
             stacklevel=3,
