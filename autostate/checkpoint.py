@@ -87,22 +87,35 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
 def save(path: str | os.PathLike[str], model: Any) -> None:
     """Writes every parameter and state of ``model`` to ``path`` (``.npz``).
 
-    Example::
-
-        autostate.save("ckpt.npz", model)
-        model = autostate.load("ckpt.npz", like=Model())
-
     The file is a plain numpy ``.npz`` (readable with ``allow_pickle=False``):
     one member per array plus a JSON manifest giving each array's kind,
     name, dtype, shape and SHA-256. bfloat16 and other ml_dtypes are stored
-    as unsigned integers of the same width and typed PRNG keys as their key data
-with the name of their implementation, so the round trip is bit-exact.
-    The file is written to a temporary name and renamed, so ``path`` holds
-    either the previous file or the complete new one.
+    as unsigned integers of the same width, and typed PRNG keys as their key
+    data with the name of their implementation, so the round trip is
+    bit-exact. The file is written to a temporary name and renamed, so
+    ``path`` holds either the previous file or the complete new one.
 
-    **Arguments:**
-    - ``path``: the file to write, used as given (no suffix is added).
-    - ``model``: a ``@stateful`` instance.
+    Args:
+        path: the file to write, used as given (no suffix is added).
+        model: a ``@stateful`` instance.
+
+    Example:
+        >>> import os, tempfile
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...         self.w = jnp.ones(2)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return self.w * x
+        >>> model = Counter()
+        >>> _ = model(1.0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "counter.npz")
+        >>> autostate.save(path, model)
+        >>> print(autostate.load(path, like=Counter()).count)
+        1
     """
     params, states = flat_dicts(model, "save")
     arrays: dict[str, np.ndarray] = {}
@@ -182,22 +195,38 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
 def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     """Reads a checkpoint written by ``save`` into a copy of ``like``.
 
-    Example::
-
-        autostate.save("ckpt.npz", model)
-        model = autostate.load("ckpt.npz", like=Model())
-
     The whole file is read and checked (checksums, then every key, shape and
     dtype against ``like``) before a model is built, so a truncated or
     corrupted file raises ``CheckpointError`` and nothing is half loaded.
 
-    **Arguments:**
-    - ``path``: a file written by ``autostate.save``.
-    - ``like``: a model of the same structure (freshly constructed is fine);
-      it is not modified.
-    - ``strict``: as for ``load_state_dict``.
+    Args:
+        path: a file written by ``autostate.save``.
+        like: a model of the same structure (freshly constructed is fine);
+            it is not modified.
+        strict: as for ``load_state_dict``.
 
-    **Returns:** a new model holding the saved parameters and states.
+    Returns:
+        A new model holding the saved parameters and states.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: the file is not an autostate checkpoint, is
+            truncated or corrupted, or does not fit ``like``.
+
+    Example:
+        >>> import os, tempfile
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self, w):
+        ...         self.w = w
+        ...
+        ...     def __call__(self, x):
+        ...         return self.w * x
+        >>> path = os.path.join(tempfile.mkdtemp(), "linear.npz")
+        >>> autostate.save(path, Linear(jnp.full(2, 3.0)))
+        >>> model = autostate.load(path, like=Linear(jnp.zeros(2)))
+        >>> print(model(jnp.ones(2)))
+        [3. 3.]
     """
     params, states, saved_from = _read(path)
     return rebuild(
@@ -215,12 +244,34 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
 def load_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``(param_dict, state_dict)`` stored by ``save``, without a model.
 
-    Example::
+    Args:
+        path: a file written by ``autostate.save``.
 
-        params, states = autostate.load_arrays("ckpt.npz")
-        out, states = exported.call(states, x)   # an autostate.export program
+    Returns:
+        Two dicts of numpy arrays, checked as ``load`` checks them (an
+        ``autostate.export`` program takes the second as its states).
 
-    **Returns:** two dicts of numpy arrays, checked as ``load`` checks them.
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: the file is not an autostate checkpoint, or is
+            truncated or corrupted.
+
+    Example:
+        >>> import os, tempfile
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...         self.w = jnp.ones(2)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1
+        ...         return self.w * x
+        >>> path = os.path.join(tempfile.mkdtemp(), "counter.npz")
+        >>> autostate.save(path, Counter())
+        >>> params, states = autostate.load_arrays(path)  # no model needed
+        >>> print(sorted(params), sorted(states))
+        ['w'] ['count']
     """
     params, states, _ = _read(path)
     return params, states

@@ -80,37 +80,54 @@ def export(
 ) -> jax.export.Exported:
     """``model.<method>`` as a ``jax.export.Exported`` that threads states.
 
-    Example::
-
-        exp = autostate.export(model, x)
-        blob = exp.serialize()                        # bytes for another process
-        exp = jax.export.deserialize(blob)
-        out, states = exp.call(autostate.state_dict(model), x)
-
-        # static arguments are baked in; the program takes the others
-        exp = autostate.export(model, x, 4, static_argnums=1, train=False)
-        out, states = exp.call(autostate.state_dict(model), x)
-
     The program's call is ``(states, *args, **kwargs) -> (out, new_states)``
     where ``states`` is the flat dict ``state_dict(model)`` returns.
     Parameters are baked in as constants. Serialization needs the
     ``flatbuffers`` package (``pip install autostate[export]``).
 
-    **Arguments:**
-    - ``model``: a ``@stateful`` instance.
-    - ``example_args``: arrays or ``jax.ShapeDtypeStruct``s (or pytrees of
-      them) giving the shapes and dtypes the program accepts.
-    - ``method``: the method to export (default ``"__call__"``).
-    - ``platforms``: lowering platforms (default: the current backend).
-    - ``static_argnums``: positions in ``example_args`` that are python
-      values baked into the program (the call omits them); negative ones
-      count from the end, and one out of range is an ``InvalidArgumentError``
-      (as ``jax.jit`` raises).
-    - ``example_kwargs``: keyword arguments; array-valued ones are program
-      inputs, others (``train=False``, ``mode="greedy"``) are static and
-      baked in.
+    Args:
+        model: a ``@stateful`` instance.
+        *example_args: arrays or ``jax.ShapeDtypeStruct``s (or pytrees of
+            them) giving the shapes and dtypes the program accepts.
+        method: the method to export (default ``"__call__"``).
+        platforms: lowering platforms (default: the current backend).
+        static_argnums: positions in ``example_args`` that are Python values
+            baked into the program (the call omits them); negative ones count
+            from the end.
+        **example_kwargs: keyword arguments; array-valued ones are program
+            inputs, others (``train=False``, ``mode="greedy"``) are static and
+            baked in.
 
-    **Returns:** the ``jax.export.Exported``.
+    Returns:
+        The ``jax.export.Exported``.
+
+    Raises:
+        InvalidArgumentError: a ``static_argnums`` position is out of range
+            (as ``jax.jit`` raises).
+
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros((), jnp.int32)
+        ...         self.w = jnp.full(2, 3.0)
+        ...
+        ...     def __call__(self, x, power=1):
+        ...         self.count += 1
+        ...         return self.w * x**power
+        >>> model = Counter()
+        >>> program = autostate.export(model, jax.ShapeDtypeStruct((2,), jnp.float32))
+        >>> blob = program.serialize()  # bytes: the Counter class is not needed to run it
+        >>> program = jax.export.deserialize(blob)
+        >>> out, states = program.call(autostate.state_dict(model), jnp.ones(2))
+        >>> print(out, states)
+        [3. 3.] {'count': Array(1, dtype=int32)}
+
+        Static arguments are baked in; the program takes the others:
+
+        >>> program = autostate.export(model, jnp.full(2, 2.0), 2, static_argnums=1)
+        >>> print(program.call(autostate.state_dict(model), jnp.full(2, 2.0))[0])
+        [12. 12.]
     """
     f, states = handle_for_reading(model, "export")
     flat, layout = flatten_states(states)

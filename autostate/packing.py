@@ -160,6 +160,24 @@ class PackedStates:
 
     ``.unpack()`` gives the states dict back; ``.buffers`` are the arrays
     that travel.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Stats:
+        ...     def __init__(self):
+        ...         self.mean = jnp.zeros(2)
+        ...         self.var = jnp.ones(2)
+        ...
+        ...     def __call__(self, x):
+        ...         self.mean = 0.5 * (self.mean + x)
+        ...         self.var = 0.5 * (self.var + (x - self.mean) ** 2)
+        ...         return x - self.mean
+        >>> pf, pstates = autostate.pack(*Stats().functionalize())
+        >>> print(len(pstates.buffers), pstates.buffers[0].shape)  # mean and var, one buffer
+        1 (4,)
+        >>> _, pstates = pf(pstates, jnp.ones(2))
+        >>> pstates.unpack()
+        {'mean': Array([0.5, 0.5], dtype=float32), 'var': Array([0.625, 0.625], dtype=float32)}
     """
 
     __slots__ = ("layout", "buffers", "loose")
@@ -198,13 +216,25 @@ class PackedModel:
     buffers, so ``jax.jit``, ``jax.grad`` and optax take it as they take
     ``f`` (a gradient is a ``PackedModel`` of gradient buffers).
 
-    Example::
-
-        f, states = model.functionalize()
-        pf, pstates = autostate.pack(f, states)
-        step = jax.jit(lambda pf, s, x: pf(s, x))
-        out, pstates = step(pf, pstates, x)
-        f, states = pf.unpack(pstates)      # or autostate.freeze(pf, pstates)
+    Example:
+        >>> @autostate.stateful
+        ... class Affine:
+        ...     def __init__(self):
+        ...         self.w = 2 * jnp.ones(2)
+        ...         self.b = jnp.ones(2)
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return self.w * x + self.b
+        >>> pf, pstates = autostate.pack(*Affine().functionalize())
+        >>> print(len(jax.tree_util.tree_leaves(pf)))  # w and b: one float32 buffer
+        1
+        >>> step = jax.jit(lambda pf, s, x: pf(s, x))
+        >>> out, pstates = step(pf, pstates, jnp.ones(2))
+        >>> f, states = pf.unpack(pstates)  # or autostate.freeze(pf, pstates)
+        >>> print(out, f.model.w, states["calls"])
+        [3. 3.] [2. 2.] 1
     """
 
     __slots__ = ("layout", "buffers", "loose")
@@ -272,18 +302,34 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
     small arrays (hundreds of modules of a few numbers each) on a fast
     device. Large arrays gain nothing (and pay a copy on the way in).
 
-    Example::
+    Args:
+        f: the ``f`` of ``functionalize()`` (any pytree callable as
+            ``f(states, ...)``).
+        states: its states dict.
 
-        f, states = model.functionalize()
-        pf, pstates = autostate.pack(f, states)
-        out, pstates = jax.jit(lambda pf, s, x: pf(s, x))(pf, pstates, x)
+    Returns:
+        ``(pf, packed_states)``; ``pf(packed_states, *args)`` returns
+        ``(out, new_packed_states)``, the same numbers as ``f``.
 
-    **Arguments:**
-    - ``f``: the ``f`` of ``functionalize()`` (any pytree callable as ``f(states, ...)``).
-    - ``states``: its states dict.
+    Raises:
+        InvalidTypeError: ``f`` is a model rather than its ``f``, or ``f`` and
+            its states are packed already.
 
-    **Returns:** ``(pf, packed_states)``; ``pf(packed_states, *args)``
-    returns ``(out, new_packed_states)``, the same numbers as ``f``.
+    Example:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros(())
+        ...         self.scale = jnp.ones(3)
+        ...
+        ...     def __call__(self, x):
+        ...         self.count += 1.0
+        ...         return x * self.scale * self.count
+        >>> f, states = Counter().functionalize()
+        >>> pf, pstates = autostate.pack(f, states)
+        >>> out, pstates = jax.jit(lambda pf, s, x: pf(s, x))(pf, pstates, jnp.ones(3))
+        >>> print(out, pstates.unpack()["count"])
+        [1. 1. 1.] 1.0
     """
     # Refused here, not at the first call: a model, an f packed twice or
     # packed states would otherwise pack without complaint and fail later

@@ -190,26 +190,44 @@ def state_dict(
 ) -> dict[str, Any]:
     """Every state of ``model`` as a flat ``{name: array}`` dict.
 
-    Example::
-
-        sd = autostate.state_dict(model)       # {'bn.mean': Array(...), ...}
-        model = autostate.load_state_dict(model, sd)
-        sd = autostate.state_dict(f, states)   # the same, from functionalize()'s pair
-
     Names are the ones ``model.functionalize()`` gives: explicit names as
     given, other states by path (``blocks[0].bn.mean``); a sub-model reachable
     from two paths contributes its states once. A state whose value is a
     pytree rather than one array gives one entry per leaf, the name followed
     by the leaf's keypath (``kv['k']``).
 
-    **Arguments:**
-    - ``model``: a ``@stateful`` instance (or any pytree holding state
-      requests), the ``f`` of ``functionalize()``, or the ``pf`` of
-      ``autostate.pack``.
-    - ``states``: with ``f``, its states dict (``f`` holds no states itself);
-      with ``pf``, its ``PackedStates``. It works inside a jitted step.
+    Args:
+        model: a ``@stateful`` instance (or any pytree holding state
+            requests), the ``f`` of ``functionalize()``, or the ``pf`` of
+            ``autostate.pack``.
+        states: with ``f``, its states dict (``f`` holds no states itself);
+            with ``pf``, its ``PackedStates``. It works inside a jitted step.
 
-    **Returns:** a new dict; the arrays are the model's own (not copied).
+    Returns:
+        A new dict; the arrays are the model's own (not copied).
+
+    Raises:
+        InvalidTypeError: ``f`` or ``pf`` without its states, or states with
+            a model.
+        StateDictError: ``states`` lacks some of ``f``'s states.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Norm:
+        ...     def __init__(self, n):
+        ...         self.mean = jnp.zeros(n)  # a state
+        ...         self.scale = jnp.ones(n)  # a parameter
+        ...
+        ...     def __call__(self, x):
+        ...         self.mean = 0.9 * self.mean + 0.1 * x
+        ...         return (x - self.mean) * self.scale
+        >>> model = Norm(2)
+        >>> _ = model(jnp.ones(2))
+        >>> autostate.state_dict(model)
+        {'mean': Array([0.1, 0.1], dtype=float32)}
+        >>> f, states = model.functionalize()
+        >>> autostate.state_dict(f, states)  # the same, from functionalize()'s pair
+        {'mean': Array([0.1, 0.1], dtype=float32)}
     """
     if isinstance(model, PackedModel):
         if states is None:
@@ -263,12 +281,6 @@ def state_dict(
 def param_dict(model: Any) -> dict[str, Any]:
     """Every parameter (non-state array leaf) of ``model`` as ``{path: array}``.
 
-    Example::
-
-        pd = autostate.param_dict(model)       # {'blocks[0].w': Array(...), ...}
-        model = autostate.load_param_dict(model, pd)
-        pd = autostate.param_dict(f)           # the same names, from f (what is trained)
-
     Paths are built as state names are: attributes joined by ``.``, ``[0]``
     for sequence items, ``['k']`` for mapping keys, no leading dot. A
     sub-model or an array reachable from two paths (tied weights:
@@ -276,14 +288,31 @@ def param_dict(model: Any) -> dict[str, Any]:
     loading it sets every place that holds it. Python scalars and strings
     are static configuration, not parameters.
 
-    **Arguments:**
-    - ``model``: a ``@stateful`` instance (or any pytree holding one), or
-      the ``f`` of ``functionalize()`` (then it works inside a jitted step:
-      an EMA of the parameters needs no ``freeze``), or the ``pf`` of
-      ``autostate.pack`` (the same names as its ``f``; the arrays are slices
-      of the packed buffers).
+    Args:
+        model: a ``@stateful`` instance (or any pytree holding one), or the
+            ``f`` of ``functionalize()`` (then it works inside a jitted step:
+            an EMA of the parameters needs no ``freeze``), or the ``pf`` of
+            ``autostate.pack`` (the same names as its ``f``; the arrays are
+            slices of the packed buffers).
 
-    **Returns:** a new dict; the arrays are the model's own (not copied).
+    Returns:
+        A new dict; the arrays are the model's own (not copied).
+
+    Example:
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self, n_in, n_out):
+        ...         self.w = jnp.zeros((n_in, n_out))
+        ...         self.b = jnp.zeros(n_out)
+        ...
+        ...     def __call__(self, x):
+        ...         return x @ self.w + self.b
+        >>> model = Linear(2, 3)
+        >>> {k: v.shape for k, v in autostate.param_dict(model).items()}
+        {'w': (2, 3), 'b': (3,)}
+        >>> f, states = model.functionalize()
+        >>> list(autostate.param_dict(f))  # the same names, from f (what is trained)
+        ['w', 'b']
     """
     if isinstance(model, PackedModel):
         model = model.unpack()
@@ -462,21 +491,36 @@ def rebuild(
 def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
     """A copy of ``model`` holding the states of ``state_dict``.
 
-    Example::
+    Args:
+        model: the model to load into; it is not modified.
+        state_dict: ``{name: array}`` as ``state_dict`` returns.
+        strict: if true, missing keys, unexpected keys and shape or dtype
+            mismatches raise one ``StateDictError`` listing every offending
+            key. If false, only fitting keys are loaded and a
+            ``StateDictWarning`` lists the skipped ones (states not loaded keep
+            the model's values).
 
-        sd = autostate.state_dict(trained)
-        fresh = autostate.load_state_dict(Model(), sd)
+    Returns:
+        A new model (states embedded as with ``autostate.freeze``); parameters
+        are shared with ``model``.
 
-    **Arguments:**
-    - ``model``: the model to load into; it is not modified.
-    - ``state_dict``: ``{name: array}`` as ``state_dict`` returns.
-    - ``strict``: if true, missing keys, unexpected keys and shape or dtype
-      mismatches raise one ``StateDictError`` listing every offending key. If
-      false, only fitting keys are loaded and a ``StateDictWarning`` lists the
-      skipped ones (states not loaded keep the model's values).
+    Raises:
+        StateDictError: with ``strict``, ``state_dict`` does not fit ``model``.
 
-    **Returns:** a new model (states embedded as with ``autostate.freeze``);
-    parameters are shared with ``model``.
+    Example:
+        >>> @autostate.stateful
+        ... class Norm:
+        ...     def __init__(self):
+        ...         self.mean = jnp.zeros(2)
+        ...
+        ...     def __call__(self, x):
+        ...         self.mean = 0.9 * self.mean + 0.1 * x
+        ...         return x - self.mean
+        >>> trained = Norm()
+        >>> _ = trained(jnp.ones(2))
+        >>> fresh = autostate.load_state_dict(Norm(), autostate.state_dict(trained))
+        >>> print(fresh.mean)
+        [0.1 0.1]
     """
     state_dict = _require_loadable(state_dict, "state", "load_state_dict")
     return rebuild(
@@ -487,18 +531,31 @@ def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = Tr
 def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = True) -> Any:
     """A copy of ``model`` holding the parameters of ``param_dict``.
 
-    Example::
+    Args:
+        model: the model to load into; it is not modified.
+        param_dict: ``{path: array}`` as ``param_dict`` returns.
+        strict: as for ``load_state_dict``.
 
-        pd = autostate.param_dict(trained)
-        fresh = autostate.load_param_dict(Model(), pd)
+    Returns:
+        A new model; its states are ``model``'s, embedded as with
+        ``autostate.freeze``.
 
-    **Arguments:**
-    - ``model``: the model to load into; it is not modified.
-    - ``param_dict``: ``{path: array}`` as ``param_dict`` returns.
-    - ``strict``: as for ``load_state_dict``.
+    Raises:
+        StateDictError: with ``strict``, ``param_dict`` does not fit ``model``.
 
-    **Returns:** a new model; its states are ``model``'s, embedded as with
-    ``autostate.freeze``.
+    Example:
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self, n_in, n_out):
+        ...         self.w = jnp.zeros((n_in, n_out))
+        ...         self.b = jnp.zeros(n_out)
+        ...
+        ...     def __call__(self, x):
+        ...         return x @ self.w + self.b
+        >>> params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+        >>> model = autostate.load_param_dict(Linear(2, 3), params)
+        >>> print(model(jnp.ones(2)))
+        [3. 3. 3.]
     """
     param_dict = _require_loadable(param_dict, "parameter", "load_param_dict")
     return rebuild(
