@@ -1,5 +1,88 @@
-"""PyTorch-style layers written as plain ``@autostate.stateful`` classes."""
+"""PyTorch-style layers written as plain ``@autostate.stateful`` classes.
+
+Each layer is an ordinary decorated class, readable as an example of the
+decorator, with PyTorch's semantics and names: default initialisation,
+weight layouts (``Linear.weight`` is ``[out, in]``, ``Conv2d.weight``
+``[out, in / groups, kh, kw]``), channels-first inputs, attribute names
+(``weight``, ``bias``, ``running_mean``, ``running_var``,
+``num_batches_tracked``), so a PyTorch checkpoint's arrays copy over as they
+are. Paths differ only in spelling: PyTorch's ``layers.0.weight`` is
+``layers[0].weight`` here.
+
+**Train and eval.** Every decorated class has ``model.train(mode=True)`` and
+``model.eval()`` (unless it defines its own), which set ``training`` on the
+model and every sub-model and return the model. ``training`` is static
+config, part of ``f``'s structure: a jitted step compiles once per mode, and
+``f_eval, states = autostate.freeze(f, states).eval().functionalize()`` turns
+a trained ``f`` into its evaluation ``f``.
+
+**Random keys.** A layer never seeds itself with a fixed key. Every layer
+that draws random numbers takes ``key=``:
+
+- nothing: the next key of a module-level default stream, which
+  :func:`manual_seed` reseeds, as ``torch.manual_seed`` does; two layers
+  never get the same key;
+- a :class:`KeyStream` (``nnx.Rngs``'s role): a model hands one stream to
+  its layers, each takes the stream's next key;
+- a JAX key or an int seed.
+
+A model built inside ``jax.jit`` or ``jax.vmap`` must be given a key (the
+default stream is Python state that a trace reads once; without a key that
+is a clear error); an ensemble, ``jax.vmap(lambda k: Model(key=k))(keys)``,
+then gives each member its own keys. ``Dropout`` holds its key as a state
+and splits it exactly once per training call, eagerly, in ``f`` under
+``jax.jit``, and inside ``lax.scan`` / ``jax.checkpoint`` bodies.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import autostate
+    >>> import autostate.nn as nn
+    >>> model = nn.Sequential(nn.Linear(4, 8, key=0), nn.ReLU(), nn.Dropout(0.5, key=1))
+    >>> f, states = model.functionalize()
+    >>> sorted(states)
+    ['layers[2].key']
+    >>> f_eval, states = autostate.freeze(f, states).eval().functionalize()
+    >>> out, states = jax.jit(lambda f, s, x: f(s, x))(f_eval, states, jnp.ones((2, 4)))
+    >>> out.shape
+    (2, 8)
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from autostate.nn.activation import GELU, Flatten, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
+from autostate.nn.container import Sequential
+from autostate.nn.conv import Conv1d, Conv2d, ConvTranspose2d
+from autostate.nn.dropout import Dropout
+from autostate.nn.embedding import Embedding
+from autostate.nn.linear import Linear
+from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
+from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
+from autostate.nn.random import KeyStream, manual_seed
+
+__all__: list[str] = [
+    "AdaptiveAvgPool2d",
+    "AvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Conv1d",
+    "Conv2d",
+    "ConvTranspose2d",
+    "Dropout",
+    "Embedding",
+    "Flatten",
+    "GELU",
+    "GroupNorm",
+    "Identity",
+    "KeyStream",
+    "LayerNorm",
+    "Linear",
+    "MaxPool2d",
+    "RMSNorm",
+    "ReLU",
+    "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Softmax",
+    "Tanh",
+    "manual_seed",
+]

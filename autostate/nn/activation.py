@@ -1,0 +1,132 @@
+"""Activations and shape helpers: ``ReLU``, ``GELU``, ``SiLU``, ``Tanh``,
+``Sigmoid``, ``Softmax``, ``Identity``, ``Flatten``, as in ``torch.nn``.
+
+They hold no arrays, only their configuration, so ``functionalize()`` gives
+them no states and no parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from autostate.api import stateful
+from autostate.errors import InvalidArgumentError, format_error
+
+__all__ = ["GELU", "Flatten", "Identity", "ReLU", "SiLU", "Sigmoid", "Softmax", "Tanh"]
+
+
+@stateful
+class ReLU:
+    """``max(x, 0)``."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.relu(x)
+
+
+@stateful
+class GELU:
+    """The Gaussian error linear unit, exact (``erf``) or ``approximate='tanh'``.
+
+    Args:
+        approximate: ``'none'`` (PyTorch's default) or ``'tanh'``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> [round(v, 4) for v in nn.GELU()(jnp.array([0.0, 1.0])).tolist()]
+        [0.0, 0.8413]
+    """
+
+    def __init__(self, approximate: str = "none"):
+        if approximate not in ("none", "tanh"):
+            raise InvalidArgumentError(
+                format_error(
+                    f"GELU(approximate={approximate!r}): it is 'none' or 'tanh'.",
+                    fix="use GELU() or GELU(approximate='tanh').",
+                )
+            )
+        self.approximate = approximate
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.approximate == "tanh":
+            inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+            return 0.5 * x * (1 + jnp.tanh(inner))
+        return 0.5 * x * (1 + jax.lax.erf(x / math.sqrt(2)))
+
+
+@stateful
+class SiLU:
+    """``x * sigmoid(x)`` (swish)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * jax.nn.sigmoid(x)
+
+
+@stateful
+class Tanh:
+    """``tanh(x)``."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(x)
+
+
+@stateful
+class Sigmoid:
+    """``1 / (1 + exp(-x))``."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(x)
+
+
+@stateful
+class Softmax:
+    """``softmax`` along ``dim``.
+
+    Args:
+        dim: the axis; ``None`` picks PyTorch's legacy choice (axis 0 for 0-,
+            1- and 3-dimensional inputs, else axis 1).
+    """
+
+    def __init__(self, dim: int | None = None):
+        self.dim = dim
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dim = self.dim
+        if dim is None:
+            dim = 0 if x.ndim in (0, 1, 3) else 1
+        return jax.nn.softmax(x, axis=dim)
+
+
+@stateful
+class Identity:
+    """Returns its input (a placeholder layer)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x
+
+
+@stateful
+class Flatten:
+    """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> nn.Flatten()(jnp.zeros((2, 3, 4, 5))).shape
+        (2, 60)
+    """
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1):
+        self.start_dim = start_dim
+        self.end_dim = end_dim
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.ndim == 0:
+            return x.reshape(1)
+        start, end = self.start_dim % x.ndim, self.end_dim % x.ndim
+        return x.reshape(
+            x.shape[:start] + (math.prod(x.shape[start : end + 1]),) + x.shape[end + 1 :]
+        )

@@ -1,0 +1,59 @@
+"""``Dropout``: random zeroing in training, with its own key as state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from autostate.api import stateful
+from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.random import KeyLike, split_key
+
+__all__ = ["Dropout"]
+
+
+@stateful
+class Dropout:
+    """Zeroes each element with probability ``p`` and scales the rest by
+    ``1 / (1 - p)`` in training; the identity in evaluation, as ``torch.nn.Dropout``.
+
+    The layer holds its own key, ``key``, a state: each training call splits
+    it once, keeps one half and draws the mask from the other, eagerly, in
+    ``f(states, ...)`` (the new key is in the new states), and inside
+    ``lax.scan`` or ``jax.checkpoint`` bodies alike. Layers built without a key
+    draw theirs from the default stream, so no two share a mask.
+
+    Args:
+        p: the probability of zeroing an element.
+        key: where the layer's key comes from (see ``autostate.nn.random``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> drop = nn.Dropout(0.5, key=0)
+        >>> y = drop(jnp.ones(6))
+        >>> sorted(set(y.tolist())) == [0.0, 2.0]
+        True
+        >>> print(drop.eval()(jnp.ones(3)))
+        [1. 1. 1.]
+    """
+
+    def __init__(self, p: float = 0.5, *, key: KeyLike = None):
+        if not 0 <= p <= 1:
+            raise InvalidArgumentError(
+                format_error(
+                    f"Dropout(p={p}): p is a probability, between 0 and 1.",
+                    fix="pass p in [0, 1].",
+                )
+            )
+        self.p = p
+        self.training = True
+        self.key = split_key(key)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if not self.training:
+            return x
+        self.key, mask_key = jax.random.split(self.key)
+        keep = jax.random.bernoulli(mask_key, 1 - self.p, x.shape)
+        scale = 0.0 if self.p == 1 else 1 / (1 - self.p)
+        return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))

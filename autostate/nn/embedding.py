@@ -1,0 +1,72 @@
+"""``Embedding``: a lookup table, as ``torch.nn.Embedding``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autostate.api import stateful
+from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.random import KeyLike, split_key
+
+__all__ = ["Embedding"]
+
+
+@stateful
+class Embedding:
+    """Rows of ``weight`` (``[num_embeddings, embedding_dim]``, drawn from
+    ``N(0, 1)``) picked by integer indices.
+
+    The row ``padding_idx`` starts at zero and gets no gradient, as in PyTorch.
+
+    Args:
+        num_embeddings: the table's rows.
+        embedding_dim: the size of each row.
+        padding_idx: a row that stays zero and is not trained (negative
+            counts from the end).
+        key: where the initial weights come from (see ``autostate.nn.random``).
+        dtype: the table's dtype.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> table = nn.Embedding(10, 3, padding_idx=0, key=0)
+        >>> print(table(jnp.array([[0, 2]])).shape, table.weight[0])
+        (1, 2, 3) [0. 0. 0.]
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        key: KeyLike = None,
+        dtype: Any = jnp.float32,
+    ):
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise InvalidArgumentError(
+                    format_error(
+                        f"padding_idx={padding_idx} is outside the table's {num_embeddings} rows.",
+                        fix="pass an index in [-num_embeddings, num_embeddings).",
+                    )
+                )
+            padding_idx %= num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        weight = jax.random.normal(split_key(key), (num_embeddings, embedding_dim), dtype)
+        if padding_idx is not None:
+            weight = weight.at[padding_idx].set(0)
+        self.weight = weight
+
+    def __call__(self, indices: jax.Array) -> jax.Array:
+        weight = self.weight
+        if self.padding_idx is not None:
+            # The padding row keeps its value but passes no gradient back.
+            row = jax.lax.stop_gradient(weight[self.padding_idx])
+            weight = weight.at[self.padding_idx].set(row)
+        return jnp.take(weight, indices, axis=0)

@@ -1,0 +1,168 @@
+"""Pooling over ``[N, C, H, W]`` inputs: ``MaxPool2d``, ``AvgPool2d``,
+``AdaptiveAvgPool2d``, as in ``torch.nn``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from autostate.api import stateful
+from autostate.errors import InvalidArgumentError, format_error
+
+__all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d"]
+
+IntOrPair = int | tuple[int, int]
+
+
+def _pair(value: IntOrPair) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    first, second = value
+    return (first, second)
+
+
+def _window(kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> dict:
+    return {
+        "window_dimensions": (1, 1, *kernel),
+        "window_strides": (1, 1, *stride),
+        "padding": ((0, 0), (0, 0), *((p, p) for p in padding)),
+    }
+
+
+def _check_padding(kernel: tuple[int, int], padding: tuple[int, int]) -> None:
+    if any(2 * p > k for p, k in zip(padding, kernel, strict=True)):
+        raise InvalidArgumentError(
+            format_error(
+                f"padding={padding} is more than half of kernel_size={kernel}, which "
+                "PyTorch refuses too.",
+                fix="use padding at most kernel_size // 2.",
+            )
+        )
+
+
+@stateful
+class MaxPool2d:
+    """The maximum of each window; padding counts as ``-inf``.
+
+    Args:
+        kernel_size: an int or ``(kh, kw)``.
+        stride: an int or ``(sh, sw)``; ``None`` is ``kernel_size``.
+        padding: an int or ``(ph, pw)``, at most half the kernel.
+        dilation: an int or ``(dh, dw)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> print(nn.MaxPool2d(2)(jnp.arange(16.0).reshape(1, 1, 4, 4))[0, 0])
+        [[ 5.  7.]
+         [13. 15.]]
+    """
+
+    def __init__(
+        self,
+        kernel_size: IntOrPair,
+        stride: IntOrPair | None = None,
+        padding: IntOrPair = 0,
+        dilation: IntOrPair = 1,
+    ):
+        self.kernel_size = _pair(kernel_size)
+        self.stride = self.kernel_size if stride is None else _pair(stride)
+        self.padding = _pair(padding)
+        self.dilation = _pair(dilation)
+        _check_padding(self.kernel_size, self.padding)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.lax.reduce_window(
+            x,
+            -jnp.inf,
+            jax.lax.max,
+            window_dilation=(1, 1, *self.dilation),
+            **_window(self.kernel_size, self.stride, self.padding),
+        )
+
+
+@stateful
+class AvgPool2d:
+    """The mean of each window.
+
+    Args:
+        kernel_size: an int or ``(kh, kw)``.
+        stride: an int or ``(sh, sw)``; ``None`` is ``kernel_size``.
+        padding: zeros added on each side, at most half the kernel.
+        count_include_pad: whether padded zeros count in the mean's divisor.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> print(nn.AvgPool2d(2)(jnp.arange(16.0).reshape(1, 1, 4, 4))[0, 0])
+        [[ 2.5  4.5]
+         [10.5 12.5]]
+    """
+
+    def __init__(
+        self,
+        kernel_size: IntOrPair,
+        stride: IntOrPair | None = None,
+        padding: IntOrPair = 0,
+        count_include_pad: bool = True,
+    ):
+        self.kernel_size = _pair(kernel_size)
+        self.stride = self.kernel_size if stride is None else _pair(stride)
+        self.padding = _pair(padding)
+        self.count_include_pad = count_include_pad
+        _check_padding(self.kernel_size, self.padding)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        window = _window(self.kernel_size, self.stride, self.padding)
+        total = jax.lax.reduce_window(x, 0.0, jax.lax.add, **window)
+        if self.count_include_pad or self.padding == (0, 0):
+            return total / (self.kernel_size[0] * self.kernel_size[1])
+        ones = jnp.ones((1, 1, *x.shape[2:]), x.dtype)
+        return total / jax.lax.reduce_window(ones, 0.0, jax.lax.add, **window)
+
+
+def _adaptive_weights(size_in: int, size_out: int) -> jax.Array:
+    """``[size_out, size_in]``: row ``i`` averages PyTorch's window
+    ``[floor(i * in / out), ceil((i + 1) * in / out))``."""
+    rows = []
+    for i in range(size_out):
+        start, end = (i * size_in) // size_out, -(-(i + 1) * size_in // size_out)
+        rows.append([1.0 / (end - start) if start <= j < end else 0.0 for j in range(size_in)])
+    return jnp.array(rows)
+
+
+@stateful
+class AdaptiveAvgPool2d:
+    """Averages to a fixed ``output_size``, whatever the input's size.
+
+    An output size that divides the input's averages equal blocks; any other
+    uses PyTorch's overlapping windows.
+
+    Args:
+        output_size: an int or ``(oh, ow)``; ``None`` in either place keeps
+            the input's size there.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> nn.AdaptiveAvgPool2d(1)(jnp.ones((2, 8, 5, 5))).shape
+        (2, 8, 1, 1)
+    """
+
+    def __init__(self, output_size: int | tuple[int | None, int | None]):
+        if isinstance(output_size, int):
+            output_size = (output_size, output_size)
+        self.output_size = tuple(output_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        *batch, height, width = x.shape
+        out_h, out_w = (
+            size if out is None else out
+            for size, out in zip((height, width), self.output_size, strict=True)
+        )
+        if height % out_h == 0 and width % out_w == 0:
+            blocks = x.reshape(*batch, out_h, height // out_h, out_w, width // out_w)
+            return blocks.mean((-3, -1))
+        rows = _adaptive_weights(height, out_h).astype(x.dtype)
+        cols = _adaptive_weights(width, out_w).astype(x.dtype)
+        return jnp.einsum("...hw,oh,pw->...op", x, rows, cols)
