@@ -39,7 +39,9 @@ from autostate.errors import (
     DecorationError,
     InvalidArgumentError,
     InvalidTypeError,
+    StaticStateError,
     format_error,
+    refused,
 )
 from autostate.functional import (
     CONSTANT,
@@ -824,6 +826,10 @@ def _install_defaults(cls: type) -> None:
         cls.__deepcopy__ = _runtime.deepcopy_instance  # type: ignore[attr-defined]
     if not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
+    if not hasattr(cls, "train"):
+        cls.train = _train_method  # type: ignore[attr-defined]
+    if not hasattr(cls, "eval"):
+        cls.eval = _eval_method  # type: ignore[attr-defined]
     if cls.__repr__ is object.__repr__:
         cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
     if not hasattr(cls, "__treescope_repr__"):
@@ -856,6 +862,67 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     __init_subclass__._autostate_hook = True  # type: ignore[attr-defined]
     __init_subclass__._autostate_own = own  # type: ignore[attr-defined]
     cls.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign, assignment]
+
+
+def _train_method(self: M, mode: bool = True) -> M:
+    """Sets ``training`` to ``mode`` on this model and every sub-model, as
+    PyTorch's ``Module.train``; returns the model.
+
+    ``training`` is static config: part of ``f``'s structure, so a jitted
+    step compiles once per mode. A sub-model whose class defines its own
+    ``train`` is switched by calling it. Inside a functionalized call the
+    mode is fixed; ``autostate.freeze(f, states).eval().functionalize()``
+    gives the evaluation ``f`` from a trained one.
+
+    Args:
+        mode: ``True`` for training, ``False`` for evaluation.
+
+    Returns:
+        The model itself.
+
+    Raises:
+        InvalidArgumentError: ``mode`` is not a bool.
+        StaticStateError: called inside a functionalized call (``f.eval(states)``)
+            where it would change a mode.
+    """
+    if not isinstance(mode, bool):
+        raise InvalidArgumentError(
+            format_error(
+                f"train(mode) takes a bool, got {mode!r}.",
+                fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
+            )
+        )
+    for model in _tree.instances_of(self):
+        if model is not self and type(model).train is not _train_method:
+            model.train(mode)  # a sub-model's own train(), as PyTorch calls it
+        elif getattr(model, "training", None) is not mode:
+            if _runtime.is_guarded(model):
+                _refuse_mode_change(model, mode)
+            model.training = mode
+    return self
+
+
+def _eval_method(self: M) -> M:
+    """Sets evaluation mode on this model and every sub-model: ``train(False)``.
+
+    Returns:
+        The model itself, so that ``autostate.freeze(f, states).eval().functionalize()``
+        gives the evaluation ``f`` in one line.
+    """
+    return self.train(False)  # type: ignore[attr-defined]
+
+
+def _refuse_mode_change(model: Any, mode: bool) -> None:
+    method = "train()" if mode else "eval()"
+    raise refused(StaticStateError(
+        format_error(
+            f"{method} inside a functionalized call would switch "
+            f"{type(model).__name__}.training to {mode}: `training` is static config, part "
+            "of f's structure (one compile per mode), fixed for the call.",
+            fix=f"switch the mode on a model made from f's states: `f_{method[:-2]}, states = "
+            f"autostate.freeze(f, states).{method[:-1]}).functionalize()`.",
+        )
+    ))
 
 
 def _check_functionalize_arguments(
@@ -1083,6 +1150,10 @@ class Stateful:
             lazy: bool = False,
             state_sharing: StateSharing = "forbidden",
         ) -> tuple[FunctionalModel[Self], dict[str, Any]]: ...
+
+        def train(self, mode: bool = True) -> Self: ...
+
+        def eval(self) -> Self: ...
 
 
 @overload

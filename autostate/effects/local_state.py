@@ -1225,10 +1225,12 @@ class HandledStaticState(StateSlot):
                 f"(attribute {attr!r}), which holds {self.value!r}: a Python "
                 f"{type(self.value).__name__} is part of f's structure, fixed for the call.",
                 where=user_location(),
-                fix=f"set it on the model before functionalizing (`model.{attr} = {example}` "
-                "or a method such as `model.eval()`, then `f, states = model.functionalize()`; "
-                "jax.jit traces once per value), or keep a value that changes inside jit "
-                "in an array (`jnp.asarray(...)`).",
+                fix="set it on a model made from f's states, then functionalize that "
+                f"(`model = autostate.freeze(f, states)`; `model.{attr} = {example}`; "
+                "`f, states = model.functionalize()`; with a method that returns the model, "
+                "as autostate's train()/eval() do: `f_eval, states = "
+                "autostate.freeze(f, states).eval().functionalize()`; jax.jit traces once per "
+                "value), or keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
             )
         ))
 
