@@ -34,6 +34,7 @@ from autostate.functional import FunctionalModel
 from autostate.packing import PackedModel, PackedStates, pack
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
+from autostate.summary import summary
 
 __version__ = "0.1.0"
 
@@ -79,6 +80,7 @@ __all__ = [
     "param_dict",
     "save",
     "state_dict",
+    "summary",
     "partition_specs",
     "sharded",
     "shardings",
