@@ -38,6 +38,17 @@ from autostate.summary import summary
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # ``autostate.nn`` (the layers) is imported on first use: its forty
+    # classes would otherwise be decorated by every ``import autostate``.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("autostate.nn")
+    raise AttributeError(f"module 'autostate' has no attribute {name!r}")
+
+
 __all__ = [
     "AutostateError",
     "checkpoint",
@@ -60,6 +71,7 @@ __all__ = [
     "States",
     "state",
     "stateful",
+    "nn",
     "FrozenLocalStateRequest",
     "HandledLocalStateRef",
     "InitialLocalStateRequest",
