@@ -105,8 +105,8 @@ def main() -> None:
     print(f"after {args.steps} steps: loss {float(loss2):.4f}, max |resumed - uninterrupted| = {gap:.1e}")
     assert gap < 1e-5, gap
 
-    model = autostate.freeze(f2, states2)
-    acc = np.mean(np.asarray(model(x_test, train=False)).argmax(-1) == y_test)
+    model = autostate.freeze(f2, states2).eval()
+    acc = np.mean(np.asarray(model(x_test)).argmax(-1) == y_test)
     print(f"resumed model: test accuracy {acc:.1%}")
     print("ok")
 

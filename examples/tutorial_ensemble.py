@@ -50,7 +50,7 @@ def main() -> None:
 
     @jax.jit
     def probabilities(f, states, x):
-        member = lambda f, states: jax.nn.softmax(f(states, x, train=False)[0])  # noqa: E731
+        member = lambda f, states: jax.nn.softmax(f(states, x)[0])  # noqa: E731
         return jax.vmap(member)(f, states)  # (MEMBERS, N, classes)
 
     rng = np.random.default_rng(0)
@@ -59,7 +59,9 @@ def main() -> None:
         f, states, opt_state, loss = train_step(f, states, opt_state, x_train[idx], y_train[idx])
     print(f"trained {args.steps} steps, member losses {[round(v, 3) for v in np.asarray(loss).tolist()]}")
 
-    probs = probabilities(f, states, x_test)
+    # Evaluation mode for every member at once: training is static, shared by the stack.
+    f_eval, states = autostate.freeze(f, states).eval().functionalize()
+    probs = probabilities(f_eval, states, x_test)
     members = (probs.argmax(-1) == y_test).mean(-1)
     ensemble = float((probs.mean(0).argmax(-1) == y_test).mean())
     print("member test accuracies:", [f"{a:.1%}" for a in members.tolist()])
@@ -68,8 +70,8 @@ def main() -> None:
     assert ensemble >= float(members.mean()), (ensemble, members)
 
     # One member out of the ensemble is an ordinary Classifier again.
-    first = autostate.freeze(*jax.tree.map(lambda a: a[0], (f, states)))
-    eager = float((np.asarray(first(x_test, train=False)).argmax(-1) == y_test).mean())
+    first = autostate.freeze(*jax.tree.map(lambda a: a[0], (f_eval, states)))
+    eager = float((np.asarray(first(x_test)).argmax(-1) == y_test).mean())
     print(f"member 0 frozen, called eagerly: test accuracy {eager:.1%}")
     assert abs(eager - float(members[0])) < 1e-6
     print("ok")

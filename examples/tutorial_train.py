@@ -9,7 +9,9 @@ mean and variance in ``__call__``. The steps:
    ``states`` a dict of the running statistics;
 3. train with ``optax.adamw``, weight decay masked by path (weights only, not
    biases or BatchNorm scales);
-4. evaluate under ``jit`` with the running statistics (``train=False``);
+4. evaluate under ``jit`` with the running statistics: ``model.eval()``, as
+   in PyTorch, and from a trained ``f``:
+   ``autostate.freeze(f, states).eval().functionalize()``;
 5. ``autostate.freeze(f, states)`` gives the trained model back as an object.
 
 Run: ``python examples/tutorial_train.py`` (``--smoke`` for a short run).
@@ -49,9 +51,10 @@ class BatchNorm:
         self.var = jnp.ones(n)
         self.momentum = momentum  # static configuration: Python floats
         self.eps = eps
+        self.training = True  # static too: model.train() / model.eval() switch it
 
-    def __call__(self, x, train):
-        if train:
+    def __call__(self, x):
+        if self.training:
             m, v = x.mean(0), x.var(0)
             self.mean = self.momentum * self.mean + (1 - self.momentum) * m
             self.var = self.momentum * self.var + (1 - self.momentum) * v
@@ -68,15 +71,13 @@ class Classifier:
         self.norm = BatchNorm(n_hidden)
         self.head = Linear(k2, n_hidden, n_classes)
 
-    # The train/eval switch is an argument, not self.training: a method that
-    # assigned self.training would make it a state.
-    def __call__(self, x, train=True):
-        return self.head(jax.nn.relu(self.norm(self.hidden(x), train)))
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.norm(self.hidden(x))))
 
 
 # --- 2. Pure functions of (f, states) ----------------------------------------------
 def loss_fn(f, states, x, y):
-    logits, states = f(states, x, train=True)
+    logits, states = f(states, x)  # training mode: batch statistics, states updated
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), states
 
 
@@ -92,9 +93,18 @@ def make_optimizer(f, learning_rate=3e-3):
 
 
 @jax.jit
+def predict(f, states, x):
+    return f(states, x)[0].argmax(-1)
+
+
 def accuracy(f, states, x, y):
-    logits, _ = f(states, x, train=False)  # running statistics, no update
-    return jnp.mean(logits.argmax(-1) == y)
+    """Test accuracy in evaluation mode: the running statistics, not updated.
+
+    ``training`` is static, part of ``f``'s structure: the evaluation ``f`` is
+    made from the trained values, and ``predict`` compiles once per mode.
+    """
+    f_eval, states = autostate.freeze(f, states).eval().functionalize()
+    return float(jnp.mean(predict(f_eval, states, x) == y))
 
 
 def load_data(seed):
@@ -137,7 +147,7 @@ def main() -> None:
         return optax.apply_updates(f, updates), states, opt_state, loss
 
     rng = np.random.default_rng(0)
-    before = float(accuracy(f, states, x_test, y_test))
+    before = accuracy(f, states, x_test, y_test)
     for epoch in range(1, args.epochs + 1):
         order = rng.permutation(len(x_train))
         losses = []
@@ -145,14 +155,15 @@ def main() -> None:
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             f, states, opt_state, loss = train_step(f, states, opt_state, x_train[idx], y_train[idx])
             losses.append(float(loss))
-        acc = float(accuracy(f, states, x_test, y_test))
+        acc = accuracy(f, states, x_test, y_test)
         print(f"epoch {epoch}  loss {np.mean(losses):.4f}  test accuracy {acc:.1%}")
     assert acc > max(before, 0.8), (before, acc)
 
     # Training returned new f and states; the model object it started from is unchanged.
     trained = autostate.freeze(f, states)
     print(f"original model unchanged: {bool(jnp.all(model.head.w != trained.head.w))}")
-    eager = float(np.mean(np.asarray(trained(x_test, train=False)).argmax(-1) == y_test))
+    trained.eval()  # PyTorch's idiom: every sub-model now uses its running statistics
+    eager = float(np.mean(np.asarray(trained(x_test)).argmax(-1) == y_test))
     print(f"frozen {type(trained).__name__}, called eagerly: test accuracy {eager:.1%}")
     assert abs(eager - acc) < 1e-6
     print("ok")
