@@ -58,6 +58,7 @@ from autostate.nn.linear import Linear
 from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from autostate.nn.random import KeyStream, manual_seed
+from autostate.nn.torch_io import load_torch_state_dict, torch_state_dict
 
 __all__: list[str] = [
     "AdaptiveAvgPool2d",
@@ -84,5 +85,7 @@ __all__: list[str] = [
     "Sigmoid",
     "Softmax",
     "Tanh",
+    "load_torch_state_dict",
     "manual_seed",
+    "torch_state_dict",
 ]

@@ -34,6 +34,10 @@ class Sequential:
         ['layers[0].bias', 'layers[0].weight', 'layers[2].bias', 'layers[2].weight']
     """
 
+    # PyTorch numbers the layers directly under the Sequential (``0.weight``):
+    # ``load_torch_state_dict`` / ``torch_state_dict`` leave this attribute out.
+    _torch_children = "layers"
+
     def __init__(self, *layers: Callable[..., Any]):
         self.layers = list(layers)
 
