@@ -181,8 +181,9 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
 
     Raises:
         InvalidArgumentError: ``fallback`` is neither ``None`` nor ``"host"``.
-        UnsupportedConstructError: the class uses a construct the rewrite
-            cannot keep meaning what it means (``del self.x``, for one).
+        DecorationError: the class's source is unavailable, or it uses a
+            construct the rewrite cannot express (``del self.x`` on a state,
+            for one).
 
     Example:
         >>> @autostate.stateful

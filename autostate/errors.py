@@ -20,7 +20,31 @@ from typing import Any, TypeVar
 
 
 class AutostateError(Exception):
-    """Base class of every error autostate raises on purpose."""
+    """Base class of every error autostate raises on purpose.
+
+    Each error also derives from the built-in exception it refines
+    (``ValueError``, ``TypeError``, ``RuntimeError`` or ``AttributeError``), so
+    code that catches those keeps working. The message says what went wrong,
+    at which line of the user's code, and how to fix it; ``docs/errors.md``
+    lists every error.
+
+    Example:
+        >>> try:
+        ...     @autostate.stateful
+        ...     class Cache:
+        ...         def __init__(self):
+        ...             self.kv = jnp.zeros(2)
+        ...
+        ...         def update(self, x):
+        ...             self.kv = x  # kv is a state
+        ...
+        ...         def reset(self):
+        ...             del self.kv  # a state cannot leave f's inputs
+        ... except autostate.AutostateError as e:
+        ...     error = e
+        >>> print(type(error).__name__, isinstance(error, ValueError))
+        DecorationError True
+    """
 
 
 E = TypeVar("E", bound=AutostateError)

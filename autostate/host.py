@@ -255,13 +255,29 @@ def live_store_count() -> int:
 def callback_count(model: Any) -> int:
     """How many callbacks compiled programs have run into ``model``'s host states.
 
-    Example::
-
-        before = autostate.host.callback_count(model)
-        step(model, x)
-        autostate.host.callback_count(model) - before   # 2 per `self.n += x`
-
     Eager reads and writes are not counted: they touch the store directly.
+
+    Args:
+        model: a model (or any pytree) holding ``fallback="host"`` state.
+
+    Returns:
+        The number of host callbacks run so far, over all its host stores.
+
+    Example:
+        >>> from autostate.host import callback_count
+        >>> @autostate.stateful(fallback="host")
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.n = jnp.zeros(())
+        ...
+        ...     def __call__(self, x):
+        ...         self.n += x
+        ...         return x
+        >>> counter = Counter()
+        >>> before = callback_count(counter)
+        >>> _ = jax.jit(counter)(1.0)
+        >>> callback_count(counter) - before  # one read and one write of self.n
+        2
     """
     stores = {
         id(slot.store): slot.store

@@ -174,17 +174,34 @@ class _Shown:
 def model_repr(obj: Any) -> str:
     """``repr`` of a ``@stateful`` instance: class, parameters, states.
 
-    Example::
-
-        >>> BatchNorm(3)
-        BatchNorm(scale=f32[3], mean=<state 'mean' category='state' initial value: f32[3]>, ...)
-
     Parameters show as ``dtype[shape]``; each state shows its name and
     category and whether it holds an ``initial value`` (as constructed), a
     ``value`` (embedded by ``freeze``/``load``), is ``handled`` (inside a
-    functionalized model), ``shared`` or ``in a host store``. A sub-model reachable from two paths is
-    written out once. ``@stateful`` installs this as ``__repr__`` on classes
-    that do not define their own.
+    functionalized model), ``shared`` or ``in a host store``. A sub-model
+    reachable from two paths is written out once. ``@stateful`` installs this
+    as ``__repr__`` on classes that do not define their own.
+
+    Args:
+        obj: the instance.
+
+    Returns:
+        The text.
+
+    Example:
+        >>> @autostate.stateful
+        ... class BatchNorm:
+        ...     def __init__(self, n):
+        ...         self.scale = jnp.ones(n)
+        ...         self.mean = jnp.zeros(n)
+        ...
+        ...     def __call__(self, x):
+        ...         self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        ...         return (x - self.mean) * self.scale
+        >>> BatchNorm(3)
+        BatchNorm(
+          scale=f32[3],
+          mean=<state 'mean' category='state' initial value: f32[3]>,
+        )
     """
     return _ReprWriter(obj).node(obj, "")
 

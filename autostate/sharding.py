@@ -90,34 +90,42 @@ def check_spec(spec: Any, where: str) -> Any:
 def sharded(value: T, spec: PartitionSpec) -> T:
     """Annotates a parameter (or state) with where it lives on a mesh.
 
-    Example::
-
-        from jax.sharding import PartitionSpec as P
-
-        @autostate.stateful
-        class Linear:
-            def __init__(self, key, n_in, n_out):
-                w = jax.random.normal(key, (n_in, n_out))
-                self.w = autostate.sharded(w, P(None, "model"))
-
-        f, states = Linear(jax.random.key(0), 4, 8).functionalize()
-        mesh = jax.make_mesh((1, 1), ("data", "model"))
-        f_sh, s_sh = autostate.shardings(f, states, mesh)
-        f_sh.model.w.spec   # P(None, 'model')
-
     Use it on the right of ``self.x = ...`` in ``__init__``: the attribute
     holds ``value`` itself (eager code sees a plain array) and the instance
     records ``spec`` for ``autostate.partition_specs``/``shardings``. For
     states, ``autostate.state(value, sharding=spec)`` says the same.
 
-    **Arguments:**
-    - ``value``: the array (or pytree of arrays).
-    - ``spec``: a ``PartitionSpec`` of mesh axis names or logical axis names
-      (mapped by the ``rules`` given to ``shardings``); for a pytree value,
-      one spec for every leaf or a pytree of specs matching ``value``.
+    Args:
+        value: the array (or pytree of arrays).
+        spec: a ``PartitionSpec`` of mesh axis names or logical axis names
+            (mapped by the ``rules`` given to ``shardings``); for a pytree
+            value, one spec for every leaf or a pytree of specs matching
+            ``value``.
 
-    **Returns:** a marker that ``__init__``'s assignment unwraps (typed as
-    ``value``'s type, which is what the attribute then holds).
+    Returns:
+        A marker that ``__init__``'s assignment unwraps (typed as ``value``'s
+        type, which is what the attribute then holds).
+
+    Raises:
+        InvalidTypeError: ``spec`` is not a ``PartitionSpec``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self, n_in, n_out):
+        ...         self.w = autostate.sharded(jnp.zeros((n_in, n_out)), P(None, "model"))
+        ...
+        ...     def __call__(self, x):
+        ...         return x @ self.w
+        >>> model = Linear(4, 8)
+        >>> print(type(model.w).__name__, model.w.shape)  # eagerly, the array itself
+        ArrayImpl (4, 8)
+        >>> f, states = model.functionalize()
+        >>> mesh = jax.make_mesh((1,), ("model",))
+        >>> f_sh, s_sh = autostate.shardings(f, states, mesh)
+        >>> f_sh.model.w.spec == P(None, "model")
+        True
     """
     return cast(T, Annotated(value, check_spec(spec, "autostate.sharded")))
 
@@ -264,24 +272,33 @@ def partition_specs(
 ) -> tuple[Any, dict[str, Any]]:
     """The ``PartitionSpec`` trees of ``f`` and ``states``, as the model annotates them.
 
-    Example::
+    An array without annotation gets ``P()`` (replicated). The trees fit
+    ``jax.shard_map``'s ``in_specs`` and ``out_specs``.
 
-        f, states = model.functionalize()
-        f_specs, state_specs = autostate.partition_specs(f, states)
-        step = jax.shard_map(step, mesh=mesh, in_specs=(f_specs, state_specs, P("data")),
-                             out_specs=(P("data"), state_specs))
+    Args:
+        f: the ``f`` that ``functionalize()`` returned (or a ``jax.jit`` or
+            ``jax.eval_shape`` of it).
+        states: its states.
+        rules: maps logical axis names to mesh axes, as for ``shardings``;
+            without it, specs are returned as annotated.
 
-    An array without annotation gets ``P()`` (replicated).
+    Returns:
+        ``(f_specs, state_specs)``: ``f_specs`` has ``f``'s pytree structure,
+        ``state_specs`` is a dict with the keys and value structures of
+        ``states``.
 
-    **Arguments:**
-    - ``f``, ``states``: what ``functionalize()`` returned (or a ``jax.jit``
-      or ``jax.eval_shape`` of it).
-    - ``rules``: maps logical axis names to mesh axes, as for ``shardings``;
-      without it, specs are returned as annotated.
-
-    **Returns:** ``(f_specs, state_specs)``: ``f_specs`` has ``f``'s pytree
-    structure, ``state_specs`` is a dict with the keys and value structures of
-    ``states``.
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self):
+        ...         self.w = autostate.sharded(jnp.zeros((4, 8)), P(None, "mlp"))
+        ...         self.b = jnp.zeros(8)
+        ...         self.mean = autostate.state(jnp.zeros(8), sharding=P("mlp"))
+        >>> f, states = Linear().functionalize()
+        >>> f_specs, s_specs = autostate.partition_specs(f, states, rules={"mlp": "model"})
+        >>> f_specs.model.w == P(None, "model"), f_specs.model.b == P(), s_specs["mean"] == P("model")
+        (True, True, True)
     """
     resolved = _Resolved(f)
     leaves, treedef = jax.tree_util.tree_flatten(f)
@@ -374,26 +391,44 @@ def shardings(
 ) -> tuple[Any, dict[str, Any]]:
     """The ``NamedSharding`` trees of ``f`` and ``states`` on ``mesh``.
 
-    Example::
+    Every spec is checked against the mesh and the array's shape first, with
+    an error that names the attribute or state. The trees fit
+    ``jax.device_put`` and ``jax.jit``'s ``in_shardings`` and
+    ``out_shardings``.
 
-        mesh = jax.make_mesh((2, 4), ("data", "model"))
-        f, states = model.functionalize()
-        f_sh, s_sh = autostate.shardings(f, states, mesh)
-        f, states = jax.device_put((f, states), (f_sh, s_sh))
-        step = jax.jit(step, in_shardings=(f_sh, s_sh, x_sh), out_shardings=(None, s_sh))
+    Args:
+        f: the ``f`` that ``functionalize()`` returned (or a ``jax.jit`` or
+            ``jax.eval_shape`` of it).
+        states: its states.
+        mesh: a ``jax.sharding.Mesh``.
+        rules: maps logical axis names used in annotations to a mesh axis,
+            a tuple of mesh axes, or ``None`` (not sharded); names not in it
+            must be mesh axes.
 
-    **Arguments:**
-    - ``f``, ``states``: what ``functionalize()`` returned (or a ``jax.jit``
-      or ``jax.eval_shape`` of it).
-    - ``mesh``: a ``jax.sharding.Mesh``.
-    - ``rules``: maps logical axis names used in annotations to a mesh axis,
-      a tuple of mesh axes, or ``None`` (not sharded); names not in it must
-      be mesh axes.
+    Returns:
+        ``(f_shardings, state_shardings)`` with the structures of ``f`` and
+        ``states``; unannotated arrays are replicated.
 
-    **Returns:** ``(f_shardings, state_shardings)`` with the structures of
-    ``f`` and ``states``; unannotated arrays are replicated. Every spec is
-    checked against the mesh and the array's shape first, with an error that
-    names the attribute or state.
+    Raises:
+        InvalidArgumentError: a spec names an axis that is neither the mesh's
+            nor mapped by ``rules``, splits a dimension into parts that do not
+            divide it, or has more entries than the array has dimensions.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> @autostate.stateful
+        ... class Linear:
+        ...     def __init__(self):
+        ...         self.w = autostate.sharded(jnp.ones((4, 8)), P(None, "mlp"))
+        ...
+        ...     def __call__(self, x):
+        ...         return x @ self.w
+        >>> f, states = Linear().functionalize()
+        >>> mesh = jax.make_mesh((1,), ("model",))
+        >>> f_sh, s_sh = autostate.shardings(f, states, mesh, rules={"mlp": "model"})
+        >>> f, states = jax.device_put((f, states), (f_sh, s_sh))
+        >>> f.model.w.sharding.spec == P(None, "model")
+        True
     """
     resolved = _Resolved(f)
     leaves, treedef = jax.tree_util.tree_flatten(f)

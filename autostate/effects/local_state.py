@@ -752,16 +752,31 @@ class States(dict):
     trace per value, as for a static state), and a call that assigns ``(3,)``
     returns Python ints, as plain Python does.
 
-    Example::
-
-        f, states = Shaped().functionalize()   # states: {'shape': (2,), ...}
-        _, states = jax.jit(f.grow)(states)    # states['shape'] == (3,)
-        states = autostate.States({**states, "shape": (4,)})  # rebuilt by hand
-
     Otherwise it is a plain dict; ``functionalize`` and ``f`` return one only
     when some state needs it. A dict rebuilt by hand (``{**states}``) is a
     plain one, whose Python values ``jax.jit`` would trace: wrap it in
     ``autostate.States(...)`` again.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Shaped:
+        ...     def __init__(self):
+        ...         self.shape = (2,)
+        ...
+        ...     def __call__(self, x):
+        ...         return jnp.zeros(self.shape) + x
+        ...
+        ...     def grow(self):
+        ...         self.shape = (self.shape[0] + 1,)
+        >>> f, states = Shaped().functionalize()
+        >>> type(states).__name__, jax.tree_util.tree_leaves(states)  # (2,) is structure
+        ('States', [])
+        >>> _, states = jax.jit(f.grow)(states)
+        >>> states
+        {'shape': (3,)}
+        >>> states = autostate.States({**states, "shape": (4,)})  # rebuilt by hand: wrap it
+        >>> print(jax.jit(f)(states, 1.0)[0])
+        [1. 1. 1. 1.]
     """
 
     __slots__ = ()
@@ -942,16 +957,17 @@ def _static_pytree(cls):
 class InitialLocalStateRequest(StateSlot):
     """Asks the handler for a new state, initialized by ``state_initializer()``.
 
-    Example::
+    Args:
+        state_initializer: zero-argument callable giving the initial value.
+        category: which handler handles it (compared with ``==``).
+        name: explicit state name; ``None`` names it by its path.
 
-        req = InitialLocalStateRequest(lambda: jnp.zeros(3), category="cache")
-        handler, states = handle_local_states([req], category="cache")
-        states  # {'[0]': Array([0., 0., 0.])}
-
-    **Arguments:**
-    - ``state_initializer``: zero-argument callable giving the initial value.
-    - ``category``: which handler handles it (compared with ``==``).
-    - ``name``: explicit state name; ``None`` names it by its path.
+    Example:
+        >>> from autostate import InitialLocalStateRequest, handle_local_states
+        >>> req = InitialLocalStateRequest(lambda: jnp.zeros(3), category="cache")
+        >>> handler, states = handle_local_states([req], category="cache")
+        >>> states
+        {'[0]': Array([0., 0., 0.], dtype=float32)}
     """
 
     state_initializer: Callable[[], Any]
@@ -984,10 +1000,17 @@ class InitialLocalStateRequest(StateSlot):
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> InitialLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
 
-        Example::
+        Args:
+            rename_fn: old name -> new name.
 
-            req = InitialLocalStateRequest(lambda: 0.0, category="c", name="n")
-            req.with_renamed_parameters(lambda n: "enc." + n).name  # 'enc.n'
+        Returns:
+            A new request (this one is unchanged).
+
+        Example:
+            >>> from autostate import InitialLocalStateRequest
+            >>> req = InitialLocalStateRequest(lambda: 0.0, category="c", name="n")
+            >>> req.with_renamed_parameters(lambda n: "enc." + n).name
+            'enc.n'
         """
         return _renamed(self, rename_fn)
 
@@ -999,22 +1022,26 @@ _new_object = object.__new__
 class FrozenLocalStateRequest(StateSlot):
     """A state with a known value, embedded in a tree (its value is a child).
 
-    Example::
-
-        req = FrozenLocalStateRequest(jnp.ones(2), category="cache", name="k")
-        req.get()  # Array([1., 1.])
-
-    **Arguments:**
-    - ``state``: the value (any pytree of arrays).
-    - ``category``: which handler handles it.
-    - ``name``: explicit state name; ``None`` names it by its path.
-
     Never changed where anyone could see it: a write makes a new request
     (``replaced``), so a copy of a model, or anything else holding a request,
     keeps its value; only a request nothing else holds takes an eager write
     in place (see ``runtime._sole_holder_count``). Not a frozen dataclass
     because that one's ``__setattr__`` made every eager write several times
     slower; slots make the new request cheap.
+
+    Args:
+        state: the value (any pytree of arrays).
+        category: which handler handles it.
+        name: explicit state name; ``None`` names it by its path.
+
+    Example:
+        >>> from autostate import FrozenLocalStateRequest, handle_local_states
+        >>> req = FrozenLocalStateRequest(jnp.ones(2), category="cache", name="k")
+        >>> req.get()
+        Array([1., 1.], dtype=float32)
+        >>> handler, states = handle_local_states({"a": req}, category="cache")
+        >>> states
+        {'k': Array([1., 1.], dtype=float32)}
     """
 
     state: Any
@@ -1067,10 +1094,17 @@ class FrozenLocalStateRequest(StateSlot):
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> FrozenLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
 
-        Example::
+        Args:
+            rename_fn: old name -> new name.
 
-            req = FrozenLocalStateRequest(jnp.ones(2), category="c", name="k")
-            req.with_renamed_parameters(lambda n: "dec." + n).name  # 'dec.k'
+        Returns:
+            A new request holding the same value (this one is unchanged).
+
+        Example:
+            >>> from autostate import FrozenLocalStateRequest
+            >>> req = FrozenLocalStateRequest(jnp.ones(2), category="c", name="k")
+            >>> req.with_renamed_parameters(lambda n: "dec." + n).name
+            'dec.k'
         """
         return _renamed(self, rename_fn)
 
@@ -1149,11 +1183,13 @@ class StaticState(StateSlot):
     ``jax.jit`` traces once per mode, and ``if self.training:`` is a plain
     Python branch inside the trace.
 
-    Example::
-
-        slot = StaticState(True, category="state")
-        slot.read()          # True
-        slot.write(False)    # StaticState(value=False, ...)
+    Example:
+        >>> from autostate.effects.local_state import StaticState
+        >>> slot = StaticState(True, category="state")
+        >>> slot.read()
+        True
+        >>> slot.write(False)  # a new slot: this one is unchanged
+        StaticState(value=False, category='state', name=None)
     """
 
     value: Any
@@ -1268,6 +1304,22 @@ class SharedLocalStateRequest(StateSlot):
     """Shares the value of an earlier request with the same explicit ``name``.
 
     Only valid when handling with ``state_sharing="allowed"`` or ``"unsafe"``.
+
+    Args:
+        name: the explicit name of the state it shares.
+        category: which handler handles it.
+
+    Example:
+        >>> from autostate import (
+        ...     FrozenLocalStateRequest, SharedLocalStateRequest, handle_local_states
+        ... )
+        >>> tree = {
+        ...     "enc": FrozenLocalStateRequest(jnp.ones(2), category="kv", name="kv"),
+        ...     "dec": SharedLocalStateRequest("kv", category="kv"),  # the same state
+        ... }
+        >>> handler, states = handle_local_states(tree, category="kv", state_sharing="allowed")
+        >>> states
+        {'kv': Array([1., 1.], dtype=float32)}
     """
 
     name: str
@@ -1296,9 +1348,16 @@ class SharedLocalStateRequest(StateSlot):
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> SharedLocalStateRequest:
         """This request, naming ``rename_fn(name)`` (a shared request is always named).
 
-        Example::
+        Args:
+            rename_fn: old name -> new name.
 
-            SharedLocalStateRequest("kv", "cache").with_renamed_parameters(str.upper).name  # 'KV'
+        Returns:
+            A new request (this one is unchanged).
+
+        Example:
+            >>> from autostate import SharedLocalStateRequest
+            >>> SharedLocalStateRequest("kv", "cache").with_renamed_parameters(str.upper).name
+            'KV'
         """
         return _renamed(self, rename_fn)
 
@@ -1324,6 +1383,16 @@ class LocalStateEffect(Protocol):
 
     ``HandledLocalStateRef`` (what a body holds) and ``LocalStateEffectImpl``
     (the cell a running handler provides) both implement it.
+
+    Example:
+        >>> from autostate import LocalStateEffect, LocalStateEffectImpl
+        >>> def bump(state: LocalStateEffect) -> None:
+        ...     state.set(state.get() + 1)  # works on a handled ref or a cell
+        >>> cell = LocalStateEffectImpl(jnp.zeros(()), name="count")
+        >>> bump(cell)
+        >>> bump(cell)
+        >>> print(cell.get())
+        2.0
     """
 
     def get(self) -> Any:
@@ -1336,7 +1405,20 @@ class LocalStateEffect(Protocol):
 
 
 class LocalStateEffectImpl:
-    """The mutable cell holding one state while its handler runs."""
+    """The mutable cell holding one state while its handler runs.
+
+    Args:
+        value: the state's value.
+        name: the state's name.
+        category: the state's category.
+
+    Example:
+        >>> from autostate import LocalStateEffectImpl
+        >>> cell = LocalStateEffectImpl(jnp.zeros(2), name="mean")
+        >>> cell.set(cell.get() + 1.0)
+        >>> cell
+        LocalStateEffectImpl(name='mean', value=f32[2])
+    """
 
     __slots__ = ("value", "name", "category")
 
@@ -1362,7 +1444,29 @@ class HandledLocalStateRef(StateSlot):
 
     ``get()`` / ``set(v)`` work only while the handler with ``handler_id`` is
     running its body (``handler((arg, states))``, or ``f(states, ...)`` for a
-    functionalized model).
+    functionalized model); outside, they raise ``UnhandledLocalStateError``.
+
+    Example:
+        >>> import dataclasses
+        >>> from autostate import HandledLocalStateRef, InitialLocalStateRequest
+        >>> @jax.tree_util.register_dataclass
+        ... @dataclasses.dataclass
+        ... class Count:
+        ...     count: object  # a request; after handling, a HandledLocalStateRef
+        ...
+        ...     def __call__(self, x):
+        ...         self.count.set(self.count.get() + 1)
+        ...         return x * self.count.get()
+        >>> body = Count(InitialLocalStateRequest(lambda: jnp.zeros(()), category="c"))
+        >>> handler, states = autostate.handle_local_states(body, category="c")
+        >>> ref = handler.body.count
+        >>> print(type(ref).__name__, ref.name)
+        HandledLocalStateRef count
+        >>> try:
+        ...     ref.get()  # no handler is running
+        ... except autostate.AutostateError as e:
+        ...     print(type(e).__name__)
+        UnhandledLocalStateError
     """
 
     handler_id: Hashable
@@ -1531,6 +1635,26 @@ class WithFunctionalLocalState:
     and returns ``(result, new_states)``. It is a pytree (the body is its
     child; the handler id is static), so it can be an argument of
     ``jax.jit`` or ``jax.grad``.
+
+    Example:
+        >>> import dataclasses
+        >>> from autostate import InitialLocalStateRequest, WithFunctionalLocalState
+        >>> @jax.tree_util.register_dataclass
+        ... @dataclasses.dataclass
+        ... class Count:
+        ...     count: object
+        ...
+        ...     def __call__(self, x):
+        ...         self.count.set(self.count.get() + 1)
+        ...         return x * self.count.get()
+        >>> body = Count(InitialLocalStateRequest(lambda: jnp.zeros(()), category="c"))
+        >>> handler, states = autostate.handle_local_states(body, category="c")
+        >>> isinstance(handler, WithFunctionalLocalState)
+        True
+        >>> out, states = jax.jit(lambda h, s, x: h((x, s)))(handler, states, 2.0)
+        >>> out, states = handler((out, states))  # penzai's convention: ((argument, states))
+        >>> print(out, states["count"])
+        4.0 2.0
     """
 
     handler_id: Hashable
@@ -1684,20 +1808,51 @@ def handle_local_states(
 ) -> tuple[WithFunctionalLocalState, dict[str, Any] | Callable[[], dict[str, Any]]]:
     """Handles every state request in ``body`` whose category matches.
 
-    Example::
+    Each ``InitialLocalStateRequest``, ``FrozenLocalStateRequest`` (and,
+    with sharing, ``SharedLocalStateRequest``) of the category is replaced by
+    a ``HandledLocalStateRef``; its value goes into the states dict, under
+    its explicit name or, unnamed, its path in ``body``.
 
-        body = [InitialLocalStateRequest(lambda: 0.0, category="count", name="n")]
-        handler, states = handle_local_states(Counter(body), category="count")
-        out, states = handler((x, states))
+    Args:
+        body: any pytree (or ``@stateful`` model) holding requests.
+        category: the category of the requests to handle.
+        category_predicate: alternatively, a predicate on categories (exactly
+            one of the two).
+        lazy: return a thunk computing the initial states instead of the dict.
+        state_sharing: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
+        handler_id: id for the new handler; a fresh one by default.
 
-    **Arguments:**
-    - ``body``: any pytree (or ``@stateful`` model) holding requests.
-    - ``category`` / ``category_predicate``: exactly one; selects the requests.
-    - ``lazy``: return a thunk computing the initial states instead of the dict.
-    - ``state_sharing``: ``"forbidden"``, ``"allowed"`` or ``"unsafe"``.
-    - ``handler_id``: id for the new handler; a fresh one by default.
+    Returns:
+        ``(handler, states)``: a ``WithFunctionalLocalState`` and the states
+        dict; requests not matching are left in place.
 
-    **Returns:** ``(handler, states)``; requests not matching are left in place.
+    Raises:
+        CategoryArgumentError: neither or both of ``category`` and
+            ``category_predicate``.
+        StateSharingError: two requests name one state and sharing does not
+            allow it.
+
+    Example:
+        >>> import dataclasses
+        >>> from autostate import FrozenLocalStateRequest, InitialLocalStateRequest
+        >>> @jax.tree_util.register_dataclass
+        ... @dataclasses.dataclass
+        ... class Count:
+        ...     count: object
+        ...
+        ...     def __call__(self, x):
+        ...         self.count.set(self.count.get() + 1)
+        ...         return x * self.count.get()
+        >>> body = [
+        ...     Count(InitialLocalStateRequest(lambda: jnp.zeros(()), category="c")),
+        ...     Count(FrozenLocalStateRequest(jnp.ones(()), category="c", name="n")),
+        ...     Count(FrozenLocalStateRequest(jnp.ones(()), category="other")),
+        ... ]
+        >>> handler, states = autostate.handle_local_states(body, category="c")
+        >>> states
+        {'[0].count': Array(0., dtype=float32), 'n': Array(1., dtype=float32)}
+        >>> type(handler.body[2].count).__name__  # another category: left in place
+        'FrozenLocalStateRequest'
     """
     predicate = _category_predicate(category, category_predicate)
     _check_sharing_mode(state_sharing)
@@ -1824,6 +1979,23 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
     ``FrozenLocalStateRequest`` holding its value; later references to it
     become ``SharedLocalStateRequest``s. Path-named states become unnamed
     frozen requests, so handling the result again gives the same names.
+
+    Args:
+        handler: the ``WithFunctionalLocalState`` of ``handle_local_states``.
+        states: its states dict (as handling or a call of the handler gave it).
+
+    Returns:
+        The body, its handled references replaced by requests.
+
+    Raises:
+        InvalidTypeError: ``handler`` is not a ``WithFunctionalLocalState``.
+
+    Example:
+        >>> from autostate import FrozenLocalStateRequest, freeze_local_states
+        >>> body = {"a": FrozenLocalStateRequest(jnp.ones(()), category="c", name="n")}
+        >>> handler, states = autostate.handle_local_states(body, category="c")
+        >>> freeze_local_states(handler, {"n": jnp.zeros(())})["a"]
+        FrozenLocalStateRequest(state=Array(0., dtype=float32), category='c', name='n')
     """
     if not isinstance(handler, WithFunctionalLocalState):
         raise InvalidTypeError(
@@ -1876,18 +2048,29 @@ def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, d
     ``InitialLocalStateRequest``s with the same initializer object: a
     ``FrozenLocalStateRequest`` may define a shared state only once.
 
-    Example::
+    Args:
+        tree: any pytree (or ``@stateful`` model) holding requests.
+        unsafe: allow conflicting definitions of one name; the first one is
+            kept.
 
-        tree = [FrozenLocalStateRequest(1.0, "c", name="kv"), SharedLocalStateRequest("kv", "c")]
-        hoisted, requests = hoist_shared_state_requests(tree)
-        hoisted    # [SharedLocalStateRequest('kv', 'c'), SharedLocalStateRequest('kv', 'c')]
-        requests   # {'kv': FrozenLocalStateRequest(1.0, 'c', 'kv')}
+    Returns:
+        ``(tree_with_shared, requests)``, for ``embed_shared_state_requests``.
 
-    **Arguments:**
-    - ``tree``: any pytree (or ``@stateful`` model) holding requests.
-    - ``unsafe``: allow conflicting definitions of one name; the first one is kept.
+    Raises:
+        StateSharingError: without ``unsafe``, a name is defined twice in
+            ways that conflict.
 
-    **Returns:** ``(tree_with_shared, requests)``, for ``embed_shared_state_requests``.
+    Example:
+        >>> from autostate import FrozenLocalStateRequest, SharedLocalStateRequest
+        >>> tree = {
+        ...     "enc": FrozenLocalStateRequest(jnp.ones(2), category="kv", name="kv"),
+        ...     "dec": SharedLocalStateRequest("kv", category="kv"),
+        ... }
+        >>> hoisted, requests = autostate.hoist_shared_state_requests(tree)
+        >>> hoisted["enc"]
+        SharedLocalStateRequest(name='kv', category='kv')
+        >>> requests["kv"] is tree["enc"]
+        True
     """
     uses: dict[str, int] = {}
     for _path, request in _tree.iter_tree(
@@ -1938,13 +2121,30 @@ def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
     """Inverse of ``hoist_shared_state_requests``.
 
     The first ``SharedLocalStateRequest`` of each name in ``requests`` is
-    replaced by that request; later ones stay shared. A request whose category
-    differs from the shared request it replaces is a ``StateSharingError``.
+    replaced by that request; later ones stay shared.
 
-    Example::
+    Args:
+        tree: a tree holding ``SharedLocalStateRequest``s.
+        requests: ``{name: request}``, as ``hoist_shared_state_requests``
+            returns it.
 
-        hoisted, requests = hoist_shared_state_requests(tree)
-        embed_shared_state_requests(hoisted, requests)  # the first use holds the value again
+    Returns:
+        A copy of ``tree`` with the first use of each name holding its request.
+
+    Raises:
+        StateSharingError: a request's category differs from that of the
+            shared request it replaces.
+
+    Example:
+        >>> from autostate import FrozenLocalStateRequest, SharedLocalStateRequest
+        >>> tree = {
+        ...     "enc": FrozenLocalStateRequest(jnp.ones(2), category="kv", name="kv"),
+        ...     "dec": SharedLocalStateRequest("kv", category="kv"),
+        ... }
+        >>> hoisted, requests = autostate.hoist_shared_state_requests(tree)
+        >>> embedded = autostate.embed_shared_state_requests(hoisted, requests)
+        >>> embedded["enc"] is tree["enc"], embedded["dec"]
+        (True, SharedLocalStateRequest(name='kv', category='kv'))
     """
     pending = dict(requests)
 
@@ -1977,18 +2177,27 @@ def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
     ``with_renamed_parameters``; unnamed requests (named by their path when
     handled) and already handled references are left as they are.
 
-    Example::
+    Args:
+        tree: any pytree (or ``@stateful`` model) holding requests.
+        rename_fn: old name -> new name.
 
-        enc = rename_local_states(Encoder(), lambda name: "enc." + name)
-        dec = rename_local_states(Encoder(), lambda name: "dec." + name)
-        handler, states = handle_local_states([enc, dec], category="cache")
-        sorted(states)  # ['dec.kv', 'enc.kv']
+    Returns:
+        A copy of ``tree`` with renamed requests (``tree`` is unchanged).
 
-    **Arguments:**
-    - ``tree``: any pytree (or ``@stateful`` model) holding requests.
-    - ``rename_fn``: old name -> new name.
-
-    **Returns:** a copy of ``tree`` with renamed requests (``tree`` is unchanged).
+    Example:
+        >>> @autostate.stateful
+        ... class Encoder:
+        ...     def __init__(self):
+        ...         self.kv = autostate.state(jnp.zeros(2), category="cache", name="kv")
+        ...
+        ...     def __call__(self, x):
+        ...         self.kv = self.kv + x
+        ...         return self.kv
+        >>> enc = autostate.rename_local_states(Encoder(), lambda name: "enc." + name)
+        >>> dec = autostate.rename_local_states(Encoder(), lambda name: "dec." + name)
+        >>> handler, states = autostate.handle_local_states([enc, dec], category="cache")
+        >>> sorted(states)
+        ['dec.kv', 'enc.kv']
     """
     if not callable(rename_fn):
         raise InvalidTypeError(

@@ -61,22 +61,24 @@ def decide_class(
 ) -> tuple[ClassDecision, list[source.MethodSlot]]:
     """Decides which attributes of ``cls`` are state and rewrites its methods.
 
-    **Arguments:**
-    - ``fallback``: the class's fallback option (part of the cache key; closures
-      that assign state).
-    - ``bases``: the decisions of decorated base classes, nearest first.
-    - ``previous``: this class's own earlier decision (re-decoration), whose
-      original functions replace the rewritten ones found in the class.
-    - ``state_marker``: the ``autostate.state`` function, recognised in
-      ``__init__`` however the user imported it.
-    - ``is_decorated``: whether a base class is itself decorated (its
-      decision is in ``bases``; undecorated user bases are analysed here).
-    - ``control_flow_name``: for an object a method's name resolves to, the
-      runtime wrapper that replaces it (``jax.lax.scan`` -> ``"scan"``), or
-      ``None``; calls to it are routed to ``__autostate__.control``.
+    Args:
+        cls: the class being decorated.
+        fallback: the class's fallback option (part of the cache key; closures
+            that assign state).
+        bases: the decisions of decorated base classes, nearest first.
+        previous: this class's own earlier decision (re-decoration), whose
+            original functions replace the rewritten ones found in the class.
+        state_marker: the ``autostate.state`` function, recognised in
+            ``__init__`` however the user imported it.
+        is_decorated: whether a base class is itself decorated (its decision
+            is in ``bases``; undecorated user bases are analysed here).
+        control_flow_name: for an object a method's name resolves to, the
+            runtime wrapper that replaces it (``jax.lax.scan`` -> ``"scan"``),
+            or ``None``; calls to it are routed to ``__autostate__.control``.
 
-    **Returns:** ``(decision, slots)``; ``slots`` say where each function
-    lives, so the caller can install the rewritten ones.
+    Returns:
+        ``(decision, slots)``; ``slots`` say where each function lives, so the
+        caller can install the rewritten ones.
     """
     user_bases = _undecorated_user_bases(cls, is_decorated)
     _copy_dict_readers(cls, user_bases)
