@@ -149,7 +149,7 @@ def constant(value: Any, *, name: str | None = None) -> Any:
         >>> list(autostate.param_dict(f))
         ['w']
     """
-    return _runtime.StateDeclaration(value, CONSTANT, name)
+    return _runtime.StateDeclaration(value, CONSTANT, name, marker="constant")
 
 
 @overload

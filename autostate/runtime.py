@@ -75,21 +75,31 @@ def is_slot(value: Any) -> bool:
 
 
 class StateDeclaration:
-    """What ``autostate.state(value, category=..., name=..., sharding=...)`` returns."""
+    """What ``autostate.state(value, category=..., name=..., sharding=...)`` returns
+    (and ``autostate.constant(value)``: ``marker`` names the function the user
+    called, for the errors)."""
 
-    __slots__ = ("value", "category", "name", "sharding")
+    __slots__ = ("value", "category", "name", "sharding", "marker")
 
-    def __init__(self, value: Any, category: Any, name: str | None, sharding: Any = None):
+    def __init__(
+        self,
+        value: Any,
+        category: Any,
+        name: str | None,
+        sharding: Any = None,
+        marker: str = "state",
+    ):
         self.value = value
         self.category = category
         self.name = name
         self.sharding = sharding
+        self.marker = marker
 
     def __repr__(self) -> str:
-        return f"state({self.value!r}, category={self.category!r}, name={self.name!r})"
+        return f"{self.marker}({self.value!r}, category={self.category!r}, name={self.name!r})"
 
     def _used_as_value(self, *_args: Any) -> Any:
-        raise InvalidTypeError(_declaration_used_message())
+        raise InvalidTypeError(_declaration_used_message(marker=self.marker))
 
     # The marker reached as a value (kept in a local, a list, a helper's
     # result, a dataclass field's default): its first use says so, instead of
@@ -104,31 +114,40 @@ class StateDeclaration:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # protocols (copy, pickle) look for what is not here
             raise AttributeError(name)
-        raise StateAccessError(_declaration_used_message())
+        raise StateAccessError(_declaration_used_message(marker=self.marker))
 
 
-def _declaration_used_message(subject: str | None = None, cls: type | None = None) -> str:
+def _declaration_used_message(
+    subject: str | None = None, cls: type | None = None, marker: str = "state"
+) -> str:
+    """Why a marker (``autostate.state`` or ``autostate.constant``: ``marker``)
+    reached code that is not where the decorator sees it."""
     where = user_location()
     if cls is not None and (where is None or where.startswith("<")):
         # Code generated for the class (a dataclass's __init__): its class line.
         from autostate.transform.pipeline import class_location
 
         where = class_location(cls)
+    kind = "a constant" if marker == "constant" else "a state"
     return format_error(
-        f"{subject or 'An autostate.state(...) declaration was used as a value.'} "
-        "autostate.state(value) declares a state only where the decorator sees it: "
+        f"{subject or f'An autostate.{marker}(...) declaration was used as a value.'} "
+        f"autostate.{marker}(value) declares {kind} only where the decorator sees it: "
         "assigned directly in a method of an @autostate.stateful class (`self.x = "
-        "autostate.state(value)`), not kept in a local or a list, returned by a helper, or "
-        "set by generated code such as a dataclass field's default.",
+        f"autostate.{marker}(value)`), not kept in a local or a list, returned by a helper, "
+        "set with a computed name (`setattr(self, name, ...)`), or set by generated code "
+        "such as a dataclass field's default.",
         where=where,
         fix="assign it directly in __init__ (or a dataclass's __post_init__): `self.x = "
-        "autostate.state(value)`; a helper can return the value itself.",
+        f"autostate.{marker}(value)`; a helper can return the value itself.",
     )
 
 
 def _refuse_declaration_in_model(value: StateDeclaration) -> Any:
     raise StateAccessError(
-        _declaration_used_message("A model holds an autostate.state(...) declaration as a value.")
+        _declaration_used_message(
+            f"A model holds an autostate.{value.marker}(...) declaration as a value.",
+            marker=value.marker,
+        )
     )
 
 
@@ -982,11 +1001,13 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         return
     check_guarded_write(self, name, value)
     if type(value) is StateDeclaration:
+        kind = "constant" if value.marker == "constant" else "state"
         raise refused(StateAccessError(
             _declaration_used_message(
-                f"{type(self).__name__}.{name} was assigned an autostate.state(...) "
-                "declaration the decorator did not see, so it is not a state.",
+                f"{type(self).__name__}.{name} was assigned an autostate.{value.marker}(...) "
+                f"declaration the decorator did not see, so it is not a {kind}.",
                 type(self),
+                value.marker,
             )
         ))
     if type(value) is _sharding.Annotated:

@@ -487,3 +487,37 @@ def test_user_location_skips_only_autostate_jax_and_the_standard_library(tmp_pat
         stack = traceback.StackSummary.from_list([(filename, 7, "f", "x = 1")])
         monkeypatch.setattr(traceback, "extract_stack", lambda stack=stack: stack)
         assert (errors.user_location() == f"{filename}:7") is is_user, filename
+
+
+# --- a marker the decorator did not see names the marker the user wrote -------------
+
+
+@autostate.stateful
+class Registers:
+    def __init__(self):
+        self.w = jnp.ones(2)
+
+    def register(self, marker, name, value):
+        setattr(self, name, getattr(autostate, marker)(value))  # computed name: unseen
+
+    def add_to_marker(self, marker, value):
+        kept = getattr(autostate, marker)(value)
+        return kept + 1  # the marker used as a value
+
+
+@pytest.mark.parametrize("marker", ["state", "constant"])
+def test_a_marker_the_decorator_did_not_see_is_named_as_written(marker):
+    other = "constant" if marker == "state" else "state"
+    model = Registers()
+    with pytest.raises(autostate.errors.StateAccessError) as info:
+        model.register(marker, "pos", jnp.arange(3))
+    message = str(info.value)
+    assert f"Registers.pos was assigned an autostate.{marker}(...)" in message
+    assert f"`self.x = autostate.{marker}(value)`" in message
+    assert f"autostate.{other}(" not in message
+    assert f"test_errors.py:{line_of('# computed name: unseen')}" in message
+    assert "pos" not in vars(model)
+    with pytest.raises(autostate.AutostateError) as info:
+        model.add_to_marker(marker, jnp.arange(3))
+    assert f"autostate.{marker}(value) declares" in str(info.value)
+    assert f"autostate.{other}(" not in str(info.value)
