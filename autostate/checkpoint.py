@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import jax
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
 from autostate.errors import CheckpointError, format_error
 from autostate.state_dicts import flat_dicts, rebuild
@@ -53,7 +54,7 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         # implementation, so load rebuilds the same key bit for bit.
         stored, entry = _encode(jax.random.key_data(value))
         return stored, {**entry, "key_impl": str(jax.random.key_impl(value))}
-    array = np.asarray(value)
+    array = _host_copy(value)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     if not array.flags.c_contiguous:
@@ -69,6 +70,49 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),  # type: ignore[arg-type]
     }
     return stored, entry
+
+
+def _host_copy(value: Any) -> np.ndarray:
+    """``value`` whole in host memory, gathered from every process it spans.
+
+    An array split over several processes' devices is not readable by one
+    process alone; ``process_allgather`` is a collective, so every process
+    reaches it, in the same order (the arrays' order and shardings are the
+    same in every process of an SPMD program).
+    """
+    if (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.is_fully_replicated
+    ):
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+def _write_from_process_zero(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Writes ``arrays`` from process 0 only; the others wait until it is done.
+
+    Process 0's outcome is broadcast (a collective, so also a barrier): when
+    ``save`` returns in any process the file is complete, and a failed write
+    is an error in every process rather than a hang in the others.
+    """
+    error: Exception | None = None
+    if jax.process_index() == 0:
+        try:
+            _write_atomically(path, arrays)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            error = e
+    written = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+    if error is not None:
+        raise error
+    if not written:
+        raise CheckpointError(
+            format_error(
+                f"autostate.save: process 0 failed to write {path}; see its error.",
+                fix="make the path writable by process 0 (the one process that writes it), "
+                "then save again from every process.",
+            )
+        )
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -132,7 +176,10 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
         "arrays": entries,
     }
     arrays[_MANIFEST] = np.array(json.dumps(manifest))
-    _write_atomically(Path(path), arrays)
+    if jax.process_count() > 1:
+        _write_from_process_zero(Path(path), arrays)
+    else:
+        _write_atomically(Path(path), arrays)
 
 
 def _corrupt(path: Path, what: str) -> CheckpointError:

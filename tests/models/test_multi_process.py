@@ -1,0 +1,102 @@
+"""Two processes of 4 CPU devices train as one process of 8 devices does.
+
+``examples/multi_process.py`` (the program ``docs/multi_process.md`` shows)
+runs twice, at the same time: launched as 2 processes x 4 virtual CPU devices
+on 127.0.0.1 (``jax.distributed``, gloo collectives), and as one process with
+8 devices. Both train the same sharded model (a BatchNorm's running
+statistics, adamw) on a 2x4 mesh, save and restore with orbax half way, and
+end with ``autostate.save``. Losses and every saved array must agree, and in
+the two-process run only process 0 may have written the file (each process
+runs in its own directory, as on its own host), gathered from both: its first
+layer is split over the processes.
+
+Every process is bounded: the launcher kills its processes after
+``--timeout`` or as soon as one fails, and this test kills what is left
+after ``_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import autostate
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "multi_process.py"
+_TIMEOUT = 240
+
+
+def _start(args: list[str], cwd: Path, devices: int, cache: Path) -> subprocess.Popen[str]:
+    env = dict(
+        os.environ,
+        AUTOSTATE_CACHE_DIR=str(cache),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLE), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"still running after {_TIMEOUT}s:\n{out}\n{err[-3000:]}") from None
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{err[-3000:]}"
+    return out
+
+
+def _losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)]
+
+
+def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path: Path):
+    cache, one, two = tmp_path / "cache", tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    reference = _start(["--workdir", str(one)], one, 8, cache)
+    launched = _start(
+        ["--launch", "2", "--cpu-devices", "4", "--timeout", "200", "--workdir", str(two)],
+        tmp_path,
+        4,
+        cache,
+    )
+    out_two, out_one = _finish(launched), _finish(reference)
+
+    assert "2 processes, 8 devices (4 local), mesh {'data': 2, 'model': 4}" in out_two
+    assert "1 processes, 8 devices (8 local), mesh {'data': 2, 'model': 4}" in out_one
+    # w1 is split over both processes: each holds half, and adam's moments follow it.
+    assert "this process holds 256 of its 512 values; adam's mu of w1 as P('data', 'model')" in out_two
+    assert "restored step 2 from orbax; w1 as P('data', 'model')" in out_two
+    assert (two / "shared" / "ckpt").is_dir()
+    losses_two, losses_one = _losses(out_two), _losses(out_one)
+    assert len(losses_two) == len(losses_one) == 4
+    np.testing.assert_allclose(losses_two, losses_one, atol=2e-6)
+    assert losses_two[-1] < losses_two[0]
+
+    # autostate.save: gathered across processes, written by process 0 alone.
+    assert sorted(p.name for p in (two / "process0").iterdir()) == ["model.npz"]
+    assert list((two / "process1").iterdir()) == []
+    params_two, states_two = autostate.load_arrays(two / "process0" / "model.npz")
+    params_one, states_one = autostate.load_arrays(one / "model.npz")
+    assert sorted(params_two) == ["norm.scale", "w1", "w2"]
+    assert sorted(states_two) == ["norm.mean", "norm.var", "steps"]
+    for two_d, one_d in ((params_two, params_one), (states_two, states_one)):
+        assert two_d.keys() == one_d.keys()
+        for name in two_d:
+            assert two_d[name].shape == one_d[name].shape, name
+            np.testing.assert_allclose(two_d[name], one_d[name], atol=1e-6, err_msg=name)
+    assert int(states_two["steps"]) == 4
