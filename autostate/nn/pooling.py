@@ -72,13 +72,29 @@ class MaxPool2d:
         _check_padding(self.kernel_size, self.padding)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.dilation != (1, 1):
+            return self._dilated(x)
         return jax.lax.reduce_window(
-            x,
-            -jnp.inf,
-            jax.lax.max,
-            window_dilation=(1, 1, *self.dilation),
-            **_window(self.kernel_size, self.stride, self.padding),
+            x, -jnp.inf, jax.lax.max, **_window(self.kernel_size, self.stride, self.padding)
         )
+
+    def _dilated(self, x: jax.Array) -> jax.Array:
+        """The maximum over the window's strided slices (JAX has no gradient
+        for a dilated ``reduce_window`` maximum)."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        ph, pw = self.padding
+        padded = jnp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-jnp.inf)
+        out_h = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+        out_w = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        result = None
+        for i in range(kh):
+            for j in range(kw):
+                rows = slice(i * dh, i * dh + (out_h - 1) * sh + 1, sh)
+                cols = slice(j * dw, j * dw + (out_w - 1) * sw + 1, sw)
+                window = padded[:, :, rows, cols]
+                result = window if result is None else jnp.maximum(result, window)
+        assert result is not None
+        return result
 
 
 @stateful
