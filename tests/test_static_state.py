@@ -1,4 +1,5 @@
-"""Static state: Python bools, ints, strings, enums and None are structure, not states.
+"""Static state: Python bools, ints, strings and enums are structure, not states;
+None is a placeholder an array may replace, also inside ``f``.
 
 Also the two neighbours of that rule: python values inside a model's
 containers are never leaves, and a model built inside a trace (a temporary
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from differential import check, pair  # noqa: I001 - tests/ is on sys.path
 
 import autostate
 from autostate.errors import StaticStateError, TracedEagerStateError
@@ -124,7 +126,7 @@ def test_enum_and_string_state_under_jit():
     model = Decoder()
     logits = jnp.array([0.1, 0.9, 0.0])
     f, states = model.functionalize()
-    assert states == {}
+    assert states == {"cache": None}  # the placeholder; the Python values are structure
     assert int(jax.jit(lambda f, s, x: f(s, x)[0])(f, states, logits)) == 1
     model.sample()
     model.relabel("other")
@@ -147,10 +149,94 @@ def test_python_int_state_is_static_and_a_traced_increment_is_an_error():
 def test_a_none_state_becomes_an_array_state_when_assigned_one():
     model = Decoder()
     _, states = model.functionalize()
-    assert "cache" not in states
+    assert states["cache"] is None
     model.fill(jnp.ones(2))
     _, states = model.functionalize()
     np.testing.assert_array_equal(states["cache"], [1.0, 1.0])
+
+
+LAZY_STATES = """
+@DECORATE
+class LazyRNN:
+    def __init__(self):
+        self.h = None                  # sized by the first input
+        self.acts = {"last": None}     # a captured activation, in a container state
+        self.w = jnp.array([0.5, 2.0])
+
+    def __call__(self, x):
+        if self.h is None:
+            self.h = jnp.zeros_like(x)
+        self.h = self.h * self.w + x
+        self.acts["last"] = self.h * 2
+        return self.h.sum()
+
+    def reset(self):
+        self.h = None
+"""
+
+
+@pytest.mark.parametrize("history", ["fresh", "called_and_reset"])
+def test_a_none_placeholder_means_plain_python_whatever_its_history(write_module, history):
+    plain, dec = pair(write_module, LAZY_STATES)
+    build = {
+        "fresh": "LazyRNN()",
+        "called_and_reset": "(lambda m: (m(jnp.ones(2)), m.reset(), m)[2])(LazyRNN())",
+    }[history]
+    x = jnp.array([1.0, 3.0])
+    calls = [("__call__", (x,)), ("__call__", (x,)), ("reset", ()), ("__call__", (x,))]
+    check(plain, dec, build, calls)
+
+
+def test_an_array_given_to_a_none_placeholder_under_jit_is_carried_by_the_new_states(
+    write_module,
+):
+    _, dec = pair(write_module, LAZY_STATES)
+    f, states = dec.LazyRNN().functionalize()
+    assert states["h"] is None and states["acts"] == {"last": None}
+    traces = []
+
+    @jax.jit
+    def step(f, states, x):
+        traces.append(1)
+        return f(states, x)
+
+    x = jnp.array([1.0, 3.0])
+    out, states = step(f, states, x)
+    np.testing.assert_array_equal(states["h"], x)
+    np.testing.assert_array_equal(states["acts"]["last"], 2 * x)
+    frozen = autostate.freeze(f, states)
+    np.testing.assert_array_equal(frozen.h, x)
+    out, states = step(f, states, x)  # the states now hold arrays: one more trace
+    np.testing.assert_array_equal(states["h"], [1.5, 9.0])
+    step(f, states, x)
+    assert len(traces) == 2 and float(out) == 10.5
+
+
+def test_a_python_value_given_to_a_none_placeholder_decides_its_kind(write_module):
+    _, dec = pair(write_module, """
+@DECORATE
+class Labelled:
+    def __init__(self):
+        self.label = None
+
+    def name(self, label):
+        self.label = label
+
+    def clear(self):
+        self.label = None
+""")
+    model = dec.Labelled()
+    model.name("relu")  # eagerly as if first assigned: a static state, f's structure
+    f, states = model.functionalize()
+    assert "label" not in states and autostate.freeze(f, states).label == "relu"
+    model.clear()  # None again: the placeholder, whatever came before
+    f, states = model.functionalize()
+    assert states == {"label": None}
+    with pytest.raises(StaticStateError, match="placeholder None") as info:
+        jax.jit(lambda f, s: f.name(s, "gelu"))(f, states)
+    assert "model.label = 'gelu'" in str(info.value) and f"{dec.__file__}:" in str(info.value)
+    _, states = jax.jit(lambda f, s: f.name(s, jnp.ones(2)))(f, states)
+    np.testing.assert_array_equal(states["label"], [1.0, 1.0])
 
 
 def test_true_and_one_are_different_structures():

@@ -689,6 +689,20 @@ def is_static_value(value: Any) -> bool:
 _STATIC_STATE_TYPES = (bool, int, str, type(None))
 
 
+def makes_static_state(value: Any) -> bool:
+    """Whether a state given ``value`` is static: a Python bool, int, str or enum member.
+
+    ``None`` is not a mode but a placeholder (a lazily sized hidden state, a
+    captured activation): a state holding it is an array state whose value
+    is ``None``, so ``f`` carries it in its states dict and an array may
+    replace it inside ``f`` (the new states carry the array). The first value
+    that replaces it decides the kind, as if it were the state's first: a
+    Python value makes the state static again (eagerly; inside ``f`` that is
+    refused, since a static value is ``f``'s structure).
+    """
+    return value is not None and is_static_value(value)
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -917,7 +931,7 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     accepted: the model is being built inside a transformation.
     """
     home = current_trace()
-    if is_static_value(value):
+    if makes_static_state(value):
         return _with_home(StaticState(value, category, name), home)
     where = check_initial_value(value, name or label)
     return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
@@ -928,11 +942,12 @@ def _written(
 ) -> Any:
     """The slot a static state becomes when assigned ``value`` (same home trace).
 
-    A static state assigned an array becomes an array state (``self.cache =
-    None`` in ``__init__``, an array later); an array state never becomes static.
+    A static state assigned an array becomes an array state; an array state
+    never becomes static, unless it holds the placeholder ``None`` (see
+    ``makes_static_state``), which any value replaces as if it were the first.
     ``where``: what ``_check_not_traced`` returned for ``value``.
     """
-    if is_static_value(value):
+    if makes_static_state(value):
         return _with_home(StaticState(value, category, name), home)
     return _with_home(_with_unsortable(FrozenLocalStateRequest(value, category, name), where), home)
 
@@ -987,6 +1002,8 @@ class InitialLocalStateRequest(StateSlot):
         init = self.state_initializer
         home = init.home if isinstance(init, InitialValue) else None
         where = _check_not_traced(value, self.name or label, home)
+        if isinstance(init, InitialValue) and init.value is None:
+            return _written(value, self.category, self.name, home, where)  # the placeholder
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash). An array
         # state stays one when assigned a python number, as it does when handled.
@@ -1072,8 +1089,10 @@ class FrozenLocalStateRequest(StateSlot):
     def read(self) -> Any:
         return self.state
 
-    def write(self, value: Any, label: str | None = None) -> FrozenLocalStateRequest:
+    def write(self, value: Any, label: str | None = None) -> Any:
         where = _check_not_traced(value, self.name or label, _home_of(self))
+        if self.state is None:  # the placeholder: the value decides the kind (see _written)
+            return _written(value, self.category, self.name, self._home, where)
         return _with_unsortable(self.replaced(value), where)
 
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
@@ -1570,7 +1589,26 @@ class HandledLocalStateRef(StateSlot):
         return value
 
     def write(self, value: Any, label: str | None = None) -> None:
-        self._cell().value = value
+        cell = self._cell()
+        if cell.value is None and makes_static_state(value):
+            raise refused(_static_in_placeholder_error(self.name, label, value))
+        cell.value = value
+
+
+def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> StaticStateError:
+    attr = label or name
+    return StaticStateError(
+        format_error(
+            f"A functionalized call assigned {value!r} to state {name!r} (attribute "
+            f"{attr!r}), which holds the placeholder None: an array may replace None "
+            f"inside f, but a Python {type(value).__name__} makes the state static, part of "
+            "f's structure, which a call cannot change.",
+            where=user_location(),
+            fix=f"assign it on the model before functionalizing (`model.{attr} = {value!r}`, "
+            "then `f, states = model.functionalize()`; jax.jit traces once per value), or "
+            "keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
+        )
+    )
 
 
 class CopiedRef(StateSlot):
