@@ -60,7 +60,7 @@ from jax.interpreters import partial_eval as pe
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, StateSlot
-from autostate.effects.local_state import contains_tracer
+from autostate.effects.local_state import contains_tracer, under_staging_trace
 from autostate.errors import (
     HostStateChangeError,
     HostStateError,
@@ -948,7 +948,27 @@ class _InferenceSlot(StateSlot):
 
 
 def inference_mode(model: Any) -> Any:
-    """The body of ``autostate.inference_mode`` (``api.inference_mode``)."""
+    """The body of ``autostate.inference_mode`` (``api.inference_mode``).
+
+    A view's state enters a program when the view is flattened at a
+    ``jax.jit`` boundary. Made inside a staged trace (``jax.jit``, a lax
+    body), there is no boundary left: the value read while tracing would be
+    baked into the program and reused by every later call, whatever the host
+    state then holds. That is refused.
+    """
+    if under_staging_trace():
+        raise HostStateError(
+            format_error(
+                "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
+                "lax body): the view's host state enters a program where the view is passed "
+                "into jax.jit, so a view made inside would bake the value read while "
+                "tracing into the program, and later calls would not see the host state change.",
+                fix="make the view outside and pass it in: `view = "
+                "autostate.inference_mode(model)`, then `jax.jit(lambda v, x: v(x))(view, x)`; "
+                "or call the model itself inside the trace (its host state is read by a "
+                "callback on every call).",
+            )
+        )
     found = False
 
     def replace(slot: HostSlot, _path: str) -> _InferenceSlot:

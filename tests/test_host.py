@@ -414,6 +414,29 @@ def test_inference_mode_forbids_set_and_captured_models():
     assert float(c.n) == 3.0
 
 
+def test_an_inference_view_made_inside_a_staged_trace_is_refused():
+    # Made inside jax.jit, a view has no boundary to read its state at: the
+    # value read while tracing would be baked in and reused after the host
+    # state changed.
+    c = Counter(1.0)
+    step = jax.jit(lambda m, x: autostate.inference_mode(m).n * x)
+    with pytest.raises(HostStateError, match=r"inside a jax.jit trace") as info:
+        step(c, 2.0)
+    assert "view = autostate.inference_mode(model)" in str(info.value)
+    assert "test_host.py:" in str(info.value)
+    with pytest.raises(HostStateError, match=r"inside a jax.jit trace"):
+        jax.lax.scan(lambda k, x: (k, autostate.inference_mode(c).n * x), 0, jnp.ones(2))
+    # The view made outside and passed in reads the current value on every call.
+    view = autostate.inference_mode(c)
+    run = jax.jit(lambda v, x: v.n * x)
+    assert float(run(view, 2.0)) == 2.0
+    c(jnp.float32(4.0))
+    assert float(run(view, 2.0)) == 10.0
+    # Under vmap (nothing staged) the view is read on each call, as plain Python reads it.
+    read = jax.vmap(lambda x: autostate.inference_mode(c).n * x)
+    np.testing.assert_array_equal(read(jnp.ones(2)), [5.0, 5.0])
+
+
 # --- 6. mixing with the functional engine ----------------------------------------
 
 
