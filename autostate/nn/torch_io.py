@@ -20,6 +20,8 @@ and loads through ``state_dicts.rebuild``, so every check and conversion of
 * Integer buffers: PyTorch keeps ``num_batches_tracked`` as int64, JAX
   without x64 as int32; an integer array loads into a narrower integer
   array when its values fit.
+* Random keys (a ``Dropout``'s key state) are in no PyTorch ``state_dict``:
+  they are neither written nor expected, and keep the model's values.
 
 Nothing here imports torch; a tensor is read through its ``numpy()``.
 """
@@ -33,6 +35,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+import jax
 import numpy as np
 
 from autostate import state_dicts as _state_dicts
@@ -121,9 +124,9 @@ def _torch_parts(path: str) -> list[str]:
     return parts
 
 
-def _entries(model: Any, caller: str) -> tuple[list[_Entry], Any]:
+def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dict[str, Any]]:
     """The model's arrays under their PyTorch names, in the model's order, and
-    its ``functionalize`` pair (``handle_for_reading``)."""
+    every parameter and (flat) state under its own name."""
     f, states = _state_dicts.handle_for_reading(model, caller)
     params = _state_dicts._params(f.model)
     param_key = {id(leaf): name for name, leaf in params.items()}
@@ -138,7 +141,9 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], Any]:
             found = [("parameter", key, "", value)]
         else:
             found = [
-                ("state", key, key[len(value.name) :], flat[key]) for key in state_keys[value.name]
+                ("state", key, key[len(value.name) :], flat[key])
+                for key in state_keys[value.name]
+                if not _is_key(flat[key])
             ]
         for kind, key, suffix, template in found:
             name = ".".join(parts + _torch_parts(suffix))
@@ -157,7 +162,13 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], Any]:
             first = (kind, key) not in seen
             seen.add((kind, key))
             entries.append(_Entry(name, kind, key, template, first))
-    return entries, f
+    return entries, params, flat
+
+
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key (``Dropout``'s): PyTorch keeps its generator outside
+    modules, so a key is in no ``state_dict``; it keeps the model's value."""
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
 def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dict[str, np.ndarray]:
@@ -209,7 +220,7 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
                 fix='pass tied="both" (every path, as PyTorch) or tied="first".',
             )
         )
-    entries, _ = _entries(model, "nn.torch_state_dict")
+    entries, _, _ = _entries(model, "nn.torch_state_dict")
     return {e.name: np.array(e.template, copy=True) for e in entries if e.first or tied == "both"}
 
 
@@ -219,7 +230,9 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
     The model must have PyTorch's structure and names (``autostate.nn``
     layers do): ``layers.0.weight`` loads into ``layers[0].weight``,
     ``h.wte.weight`` into ``h['wte'].weight``, ``0.weight`` into a root
-    ``Sequential``'s first layer. As ``autostate.load_state_dict``, the model
+    ``Sequential``'s first layer (a container class of one's own that keeps
+    its layers in one list attribute names it as ``Sequential`` does:
+    ``_torch_children = "layers"``). As ``autostate.load_state_dict``, the model
     given is not modified: everything is checked first, then a new model is
     built (its states embedded as ``autostate.freeze`` embeds them, arrays
     not loaded shared with ``model``).
@@ -228,7 +241,8 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
     several (PyTorch lists each); values listed twice must be equal. Dtypes
     must match, except that an integer array (PyTorch's int64
     ``num_batches_tracked``) loads into the model's narrower integer array
-    when its values fit.
+    when its values fit. Random keys (a ``Dropout``'s) are not expected and
+    keep the model's values.
 
     Args:
         model: the model to load into.
@@ -278,7 +292,7 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
         "a dict of PyTorch name -> array",
         "pass module.state_dict() (or a dict of numpy arrays with its keys).",
     )
-    entries, _f = _entries(model, _CALLER)
+    entries, all_params, all_states = _entries(model, _CALLER)
     by_name = {e.name: e for e in entries}
     report = _TorchReport()
     chosen: dict[tuple[str, str], tuple[str, Any]] = {}  # (kind, key) -> (name, value)
@@ -330,11 +344,10 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
             ),
             stacklevel=2,
         )
-    params = {key: value for (kind, key), (_, value) in chosen.items() if kind == "parameter"}
-    states = {key: value for (kind, key), (_, value) in chosen.items() if kind == "state"}
     # What is not loaded keeps the model's values: rebuild sees complete dicts.
-    for e in entries:
-        (params if e.kind == "parameter" else states).setdefault(e.key, e.template)
+    params, states = dict(all_params), dict(all_states)
+    for (kind, key), (_, value) in chosen.items():
+        (params if kind == "parameter" else states)[key] = value
     return _state_dicts.rebuild(
         model, params, states, strict=True, caller=_CALLER, error=StateDictError
     )

@@ -317,3 +317,12 @@ def test_load_param_dict_names_a_tied_key_listed_twice():
         caught.value
     )
     assert "same configuration" not in str(caught.value)
+
+
+def test_a_dropout_key_is_neither_written_nor_expected():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    sd = torch_state_dict(model)
+    assert list(sd) == ["0.weight", "0.bias"]  # as torch.nn.Sequential(Linear, Dropout)
+    loaded = load_torch_state_dict(model, {k: v + 1 for k, v in sd.items()})
+    np.testing.assert_array_equal(loaded.layers[0].bias, sd["0.bias"] + 1)
+    assert "layers[1].key" in autostate.state_dict(loaded)
