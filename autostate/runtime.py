@@ -468,7 +468,11 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
             fix=f"assign `{name}` on the model itself, outside f (for example call the "
             "method eagerly: `model.reset()`), then call `model.functionalize()` again; "
             f"to reset the sub-model inside the call, assign its states instead "
-            f"(`self.{name}.x = ...`).",
+            f"(`self.{name}.x = ...`); to run it with other weights inside the call (a target "
+            "network's copy, merged adapters), keep them in a state "
+            f"(`self.{name}_params = autostate.param_dict(...)`) and build the model from them "
+            f"where it is used (`autostate.load_param_dict(self.{name}, "
+            f"self.{name}_params)(x)`).",
         )
     ))
 

@@ -26,7 +26,7 @@ import numpy as np
 from autostate import api as _api
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
-from autostate.effects.local_state import is_static_value, states_dict
+from autostate.effects.local_state import is_running, is_static_value, states_dict
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates
@@ -60,9 +60,14 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
         )
     # Checked on the model given: handler ids can repeat across calls, so a
     # reference cannot be told apart from the ones functionalize adds below.
-    handled = sorted(
-        {ref.name for _, ref in _tree.iter_tree(model, lambda x: type(x) is HandledLocalStateRef)}
-    )
+    # A reference of a call running now (``param_dict(self.model)`` in a
+    # method) reads its current value, as functionalize inside a method does.
+    handled = sorted({
+        ref.name
+        for _, ref in _tree.iter_tree(
+            model, lambda x: type(x) is HandledLocalStateRef and not is_running(x.handler_id)
+        )
+    })
     if handled:
         raise StateDictError(
             format_error(

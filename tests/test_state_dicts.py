@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from differential import check, pair  # noqa: I001 - tests/ is on sys.path
 from export_models import (  # noqa: I001 - tests/ is on sys.path
     PARAM_KEYS,
     STATE_KEYS,
@@ -165,3 +167,93 @@ def test_whole_model_round_trips_through_flat_dicts():
     got, _ = run(clone, XS[2:])
     for a, b in zip(got, want):
         assert bits(a) == bits(b)
+
+
+# --- the flat dicts inside a method --------------------------------------------------
+
+IN_METHODS = """
+@DECORATE
+class Net:
+    def __init__(self, w):
+        self.w = w
+        self.count = jnp.zeros(())       # a state: the sub-model is handled inside f
+
+    def __call__(self, x):
+        self.count = self.count + 1
+        return x * self.w
+
+
+@DECORATE
+class EMA:
+    def __init__(self, model, decay=0.5):
+        self.model = model
+        self.decay = decay
+        self.ema = autostate.state(jax.tree.map(jnp.zeros_like, autostate.param_dict(model)))
+
+    def __call__(self, x):
+        y = self.model(x)
+        d = self.decay
+        self.ema = jax.tree.map(
+            lambda e, p: d * e + (1 - d) * p, self.ema, autostate.param_dict(self.model)
+        )
+        return y
+
+
+@DECORATE
+class TargetNet:
+    def __init__(self):
+        self.online = Net(jnp.array([1.0, 2.0]))
+        self.target = Net(jnp.zeros(2))
+        self.target_params = autostate.state(autostate.param_dict(self.target))
+
+    def __call__(self, x):
+        target = autostate.load_param_dict(self.target, self.target_params)
+        return self.online(x) + target(x), target.count
+
+    def sync(self):
+        self.target_params = autostate.param_dict(self.online)
+
+    def swap(self):
+        self.target = autostate.load_param_dict(self.target, autostate.param_dict(self.online))
+"""
+
+X2 = jnp.array([1.0, 3.0])
+
+
+def test_param_dict_of_a_sub_model_in_a_method_means_what_it_means_eagerly(write_module):
+    # (The eager model is the reference: param_dict is autostate's own function.)
+    _, dec = pair(write_module, IN_METHODS)
+    check(dec, dec, "EMA(Net(jnp.array([2.0, 4.0])))", [("__call__", (X2,))] * 3)
+
+
+def test_param_dict_in_a_jitted_method_follows_the_trained_parameters(write_module):
+    _, dec = pair(write_module, IN_METHODS)
+    f, states = dec.EMA(dec.Net(jnp.array([2.0, 4.0]))).functionalize()
+    step = jax.jit(lambda f, s, x: f(s, x))
+    _, states = step(f, states, X2)
+    f = jax.tree.map(lambda p: p * 3, f)  # an optimizer step on f's parameters
+    _, states = step(f, states, X2)
+    # (ema starts at 0: after step 1 it is 0.5 * [2, 4], after step 2 it takes in [6, 12].)
+    np.testing.assert_allclose(states["ema"]["w"], [0.5 * 1.0 + 0.5 * 6.0, 0.5 * 2.0 + 0.5 * 12.0])
+    assert float(states["model.count"]) == 2.0
+
+
+def test_load_param_dict_in_a_method_builds_a_model_of_the_call(write_module):
+    _, dec = pair(write_module, IN_METHODS)
+    calls = [("__call__", (X2,)), ("sync", ()), ("__call__", (X2,))]
+    check(dec, dec, "TargetNet()", calls)
+    f, states = dec.TargetNet().functionalize()
+    _, states = f.sync(states)
+    (out, count), _ = jax.jit(lambda f, s, x: f(s, x))(f, states, X2)
+    np.testing.assert_array_equal(out, 2 * X2 * jnp.array([1.0, 2.0]))
+    assert float(count) == 1.0  # the temporary model's own state, written inside the trace
+
+
+def test_assigning_a_loaded_sub_model_in_a_method_says_how_to_do_it_there(write_module):
+    _, dec = pair(write_module, IN_METHODS)
+    f, states = dec.TargetNet().functionalize()
+    with pytest.raises(AutostateError) as info:
+        jax.jit(lambda f, s: f.swap(s))(f, states)
+    message = str(info.value)
+    assert "autostate.load_param_dict(self.target, self.target_params)(x)" in message
+    assert f"{dec.__file__}:" in message

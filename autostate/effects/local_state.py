@@ -2047,13 +2047,23 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
 
 
 def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
-    """Replaces ``handler_id``'s references in ``body`` by frozen requests."""
+    """Replaces ``handler_id``'s references in ``body`` by frozen requests.
+
+    The model is built here: frozen inside a transformation (``freeze`` or
+    ``load_param_dict`` in a jitted step or a method), it lives in that
+    trace, its home, and may keep that trace's values, as a model built
+    there by its class does.
+    """
     emitted: set[str] = set()
+    home = current_trace()
 
     def is_target(node: Any) -> bool:
         return type(node) in _HANDLED_TYPES and node.handler_id == handler_id
 
     def replace(ref: Any, _path: str) -> Any:
+        return _with_home(frozen(ref), home)
+
+    def frozen(ref: Any) -> Any:
         if type(ref) is HandledStaticState:
             return StaticState(ref.value, ref.category, ref.name if ref.was_explicitly_named else None)
         if ref.name not in states:
