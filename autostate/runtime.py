@@ -23,6 +23,7 @@ import operator
 import sys
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,7 +47,9 @@ from autostate.effects import (
 )
 from autostate.effects.local_state import (
     _check_not_traced,
+    handler_running,
     lax_body_of,
+    recording_state_reads,
     under_staging_trace,
     unsortable_keys_error,
 )
@@ -59,6 +62,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.transform import source as _source
 
 _MISSING = object()
 # type -> whether it is a StateSlot; a cache of issubclass, not a registry.
@@ -475,6 +479,44 @@ def _refuse_submodel_swap(obj: Any, name: str) -> None:
             f"self.{name}_params)(x)`).",
         )
     ))
+
+
+def compute_cached_property(compute: Callable[[], Any], obj: Any, name: str) -> Any:
+    """``obj.<name>`` of a ``functools.cached_property``, computed by ``compute``.
+
+    Plain Python keeps the first value for every later call. Inside a
+    functionalized call under a trace, a value computed from a state is a
+    value of that trace: it cannot be kept (the call drops it, see
+    ``functional._check_attributes_kept``), so each call would compute it
+    again from the states it is given. That is refused the first time. A
+    value computed from parameters or config only is the same each time it
+    is computed again, as plain Python's cache.
+    """
+    if not handler_running():
+        return compute()
+    with recording_state_reads() as reads:
+        value = compute()
+    if reads and contains_tracer(value):
+        obj.__dict__.pop(name, None)
+        cls = type(obj).__name__
+        raise refused(StateAccessError(
+            format_error(
+                f"functools.cached_property {cls}.{name} was first computed inside a traced "
+                f"functionalized call (jax.jit, grad, vmap) from state "
+                f"{', '.join(map(repr, dict.fromkeys(reads)))}: plain Python keeps that "
+                "first value for every later call, but a value of the trace cannot outlive "
+                "it, so every call would compute it again from the states it is given.",
+                where=user_location(),
+                fix=f"compute it once before functionalizing (read `model.{name}`, then "
+                "`model.functionalize()`: f keeps the value), or keep it as a state assigned "
+                f"where it is computed (`self.{name}_value = ...` in a method), or make it a "
+                "@property if it should follow the state.",
+            )
+        ))
+    return value
+
+
+_source.on_cached_compute(compute_cached_property)
 
 
 def _learn_concrete_array(value: Any) -> None:

@@ -8,6 +8,7 @@ as they were."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 from differential import check, pair  # noqa: I001 - tests/ is on sys.path
@@ -110,3 +111,58 @@ class M:
 def test_descriptors_without_set_are_left_alone(write_module):
     plain, dec = pair(write_module, KEPT)
     check(plain, dec, "M()", [("__call__", (jnp.arange(2.0),)), ("__call__", (jnp.ones(2),))])
+
+
+# --- functools.cached_property: plain Python's cache, or a clear error --------------
+
+CACHED = """
+@DECORATE
+class Cached:
+    def __init__(self):
+        self.w = jnp.array([1.0, 2.0])   # a parameter
+        self.s = jnp.array(1.0)          # a state
+
+    @functools.cached_property
+    def norm(self):                      # over a parameter: the same value every time
+        return jnp.sum(self.w ** 2)
+
+    @functools.cached_property
+    def snap(self):                      # over a state: the first value, kept
+        return self.s * 3
+
+    def __call__(self):
+        self.s = self.s + 2
+        return self.norm * self.s
+
+    def read_snap(self):
+        out = self.snap  # the cached read
+        self.s = self.s + 2
+        return out
+"""
+
+SNAPS = [("read_snap", ()), ("read_snap", ()), ("__call__", ())]
+
+
+def test_a_cached_property_means_plain_python_eagerly_and_through_f(write_module):
+    plain, dec = pair(write_module, CACHED)
+    check(plain, dec, "Cached()", SNAPS, modes=("eager", "f"))
+
+
+def test_a_cached_property_over_parameters_means_plain_python_under_jit(write_module):
+    plain, dec = pair(write_module, CACHED)
+    check(plain, dec, "Cached()", [("__call__", ()), ("__call__", ())], modes=("jit",))
+
+
+def test_a_cached_property_first_computed_from_a_state_under_jit_is_refused(write_module):
+    _, dec = pair(write_module, CACHED)
+    f, states = dec.Cached().functionalize()
+    step = jax.jit(lambda f, s: f.read_snap(s))
+    with pytest.raises(errors.StateAccessError, match=r"cached_property Cached.snap") as info:
+        step(f, states)
+    message = str(info.value)
+    assert "state 's'" in message and "model.snap" in message
+    assert f"{dec.__file__}:" in message  # the line that read it
+    assert "snap" not in vars(f.model)  # nothing of the trace kept
+    # The fix it gives: computed once before functionalizing, f keeps the value.
+    plain, _ = pair(write_module, CACHED)
+    check(plain, dec, "(lambda m: (m.snap, m)[1])(Cached())", SNAPS, modes=("jit",))

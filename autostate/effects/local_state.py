@@ -1456,6 +1456,28 @@ class LocalStateEffectImpl:
         return f"LocalStateEffectImpl(name={self.name!r}, value={_tree.describe(self.value)})"
 
 
+# The names of the handled states read while ``recording_state_reads`` runs
+# (None: nothing records).
+_STATE_READS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "autostate_state_reads", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_state_reads() -> Iterator[list[str]]:
+    """Collects the names of the handled states read inside the block (in
+    blocks around it too)."""
+    outer = _STATE_READS.get()
+    reads: list[str] = []
+    token = _STATE_READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _STATE_READS.reset(token)
+        if outer is not None:
+            outer.extend(reads)
+
+
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
 class HandledLocalStateRef(StateSlot):
@@ -1582,6 +1604,9 @@ class HandledLocalStateRef(StateSlot):
 
     def read(self) -> Any:
         value = self._cell().value
+        reads = _STATE_READS.get()
+        if reads is not None:
+            reads.append(self.name)
         if holds_escaped_tracer(value):
             raise EscapedStateError(escaped_state_message(self.name, user_location()))
         if type(value) is LostValue:  # (after the check above: tracers come first)

@@ -285,9 +285,33 @@ def find_methods(cls: type) -> list[MethodSlot]:
     return found
 
 
+class CachedProperty(functools.cached_property):
+    """The ``functools.cached_property`` a decorated class gets around the
+    rewritten function: the same, except that the value it computes is handed
+    to the runtime's check (``on_cached_compute``), which refuses one
+    computed from a state under a trace: it could not be kept for later calls
+    as plain Python keeps it."""
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None or _compute_cached is None:
+            return super().__get__(instance, owner)
+        return _compute_cached(
+            lambda: super(CachedProperty, self).__get__(instance, owner), instance, str(self.attrname)
+        )
+
+
+_compute_cached: Callable[[Callable[[], Any], Any, str], Any] | None = None
+
+
+def on_cached_compute(compute: Callable[[Callable[[], Any], Any, str], Any]) -> None:
+    """Sets the function ``CachedProperty`` computes its value through (the runtime's)."""
+    global _compute_cached
+    _compute_cached = compute
+
+
 def _set_cached(cls: type, aliases: tuple[str, ...], fn: types.FunctionType) -> None:
     for attr in aliases:
-        prop = functools.cached_property(fn)
+        prop = CachedProperty(fn)
         prop.__set_name__(cls, attr)
         setattr(cls, attr, prop)
 
