@@ -1,0 +1,157 @@
+"""``model.train()`` / ``model.eval()``: every sub-model, static config, one
+compile per mode, and the evaluation ``f`` of a trained one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate import nn
+from autostate.errors import InvalidArgumentError, StaticStateError
+
+
+@autostate.stateful
+class Block:
+    def __init__(self, key):
+        keys = nn.KeyStream(key)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1, key=keys)
+        self.norm = nn.BatchNorm2d(3)
+        self.heads = {"a": nn.Dropout(0.5, key=keys), "b": [nn.Linear(3, 2, key=keys)]}
+
+    def __call__(self, x):
+        y = self.norm(self.conv(x)).mean((2, 3))
+        return self.heads["b"][0](self.heads["a"](y))
+
+
+class Plain(autostate.Stateful):
+    def __init__(self):
+        self.inner = nn.Dropout(0.2, key=0)
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def _modes(model):
+    return [m.training for m in autostate.tree.instances_of(model)]
+
+
+def test_eval_and_train_reach_every_sub_model_and_return_the_model():
+    model = Block(0)
+    assert model.eval() is model
+    modes = _modes(model)
+    assert len(modes) == 5 and not any(modes)
+    assert model.train() is model and all(_modes(model))
+    assert model.train(False) is model and not any(_modes(model))
+
+
+def test_the_stateful_base_has_them_too():
+    model = Plain()
+    assert model.eval() is model
+    assert model.training is False and model.inner.training is False
+    np.testing.assert_array_equal(model(jnp.ones(4)), jnp.ones(4))
+
+
+def test_a_class_of_its_own_keeps_its_train_and_eval():
+    calls = []
+
+    @autostate.stateful
+    class Own:
+        def __init__(self):
+            self.mode = "train"
+            self.drop = nn.Dropout(0.5, key=1)
+
+        def train(self, mode=True):
+            calls.append(mode)
+            self.mode = "train" if mode else "eval"
+            return "own"
+
+    @autostate.stateful
+    class Outer:
+        def __init__(self):
+            self.own = Own()
+
+    outer = Outer()
+    assert Own.train is not Outer.train and Own.eval is Outer.eval
+    assert outer.eval() is outer
+    # PyTorch's rule: a sub-model's own train() is what switches it.
+    assert calls == [False] and outer.own.mode == "eval" and outer.training is False
+    assert outer.own.drop.training is False  # still reached by the walk
+    assert Own().train(False) == "own"
+
+
+def test_mode_is_a_bool():
+    with pytest.raises(InvalidArgumentError, match="takes a bool"):
+        nn.Dropout(key=0).train(0)
+
+
+def test_training_is_static_one_compile_per_mode():
+    traces = []
+
+    @jax.jit
+    def step(f, states, x):
+        traces.append(None)
+        return f(states, x)
+
+    model = nn.Dropout(0.5, key=0)
+    x = jnp.ones(8)
+    f, states = model.functionalize()
+    assert sorted(states) == ["key"]  # training is structure, not a state
+    y, states = step(f, states, x)
+    y, states = step(f, states, x)
+    f_eval, states = autostate.freeze(f, states).eval().functionalize()
+    y_eval, states = step(f_eval, states, x)
+    y_eval, states = step(f_eval, states, x)
+    assert len(traces) == 2
+    np.testing.assert_array_equal(y_eval, x)
+    assert set(np.asarray(y).tolist()) <= {0.0, 2.0}
+
+
+def test_f_eval_of_a_trained_model_is_a_clear_error_with_the_one_line_fix():
+    f, states = Block(0).functionalize()
+    with pytest.raises(StaticStateError) as info:
+        f.eval(states)
+    message = str(info.value)
+    assert "Block.training" in message and "test_modes.py" in message
+    assert "f_eval, states = autostate.freeze(f, states).eval().functionalize()" in message
+    with pytest.raises(StaticStateError, match=r"\.train\(\)\.functionalize\(\)"):
+        autostate.freeze(f, states).eval().functionalize()[0].train(states)
+
+
+def test_f_train_of_a_model_already_training_changes_nothing():
+    model = nn.Dropout(0.5, key=0)
+    f, states = model.functionalize()
+    _, new_states = f.train(states)
+    assert jnp.array_equal(
+        jax.random.key_data(new_states["key"]), jax.random.key_data(states["key"])
+    )
+
+
+def test_a_users_static_state_assigned_in_f_names_the_same_fix():
+    @autostate.stateful
+    class Flag:
+        def __init__(self):
+            self.training = True
+
+        def eval(self):
+            self.training = False
+
+    f, states = Flag().functionalize()
+    with pytest.raises(StaticStateError) as info:
+        f.eval(states)
+    assert "autostate.freeze(f, states).eval().functionalize()" in str(info.value)
+
+
+def test_eval_of_the_frozen_trained_model_uses_its_running_statistics():
+    model = Block(0)
+    x = jax.random.normal(jax.random.key(1), (4, 2, 5, 5))
+    f, states = model.functionalize()
+    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+    assert int(states["norm.num_batches_tracked"]) == 1
+    f_eval, eval_states = autostate.freeze(f, states).eval().functionalize()
+    out, after = f_eval(eval_states, x)
+    frozen = autostate.freeze(f, states).eval()
+    np.testing.assert_allclose(out, frozen(x), rtol=1e-6)
+    np.testing.assert_array_equal(after["norm.running_mean"], states["norm.running_mean"])
