@@ -1,14 +1,15 @@
 """Tutorial: a first model, trained with optax, evaluated with running statistics.
 
 A small classifier for scikit-learn's bundled 8x8 digits (no download), written
-as plain Python classes that mutate ``self``: ``BatchNorm`` updates its running
-mean and variance in ``__call__``. The steps:
+as a plain Python class of ``autostate.nn`` layers, PyTorch's way:
+``BatchNorm1d`` updates its running mean and variance in ``__call__``. The
+steps:
 
 1. write the model and call it eagerly, like PyTorch;
 2. ``f, states = model.functionalize()``: ``f`` is a pytree of the parameters,
    ``states`` a dict of the running statistics;
-3. train with ``optax.adamw``, weight decay masked by path (weights only, not
-   biases or BatchNorm scales);
+3. train with ``optax.adamw``, weight decay masked by path (Linear weights
+   only, not biases or BatchNorm scales);
 4. evaluate under ``jit`` with the running statistics: ``model.eval()``, as
    in PyTorch, and from a trained ``f``:
    ``autostate.freeze(f, states).eval().functionalize()``;
@@ -29,47 +30,20 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import autostate
+from autostate import nn
 
 
 # --- 1. The model: plain classes that mutate self ------------------------------
-@autostate.stateful
-class Linear:
-    def __init__(self, key, n_in, n_out):
-        self.w = jax.random.normal(key, (n_in, n_out)) * jnp.sqrt(2.0 / n_in)
-        self.b = jnp.zeros(n_out)
-
-    def __call__(self, x):
-        return x @ self.w + self.b
-
-
-@autostate.stateful
-class BatchNorm:
-    def __init__(self, n, momentum=0.9, eps=1e-5):
-        self.scale = jnp.ones(n)  # parameters: only assigned in __init__
-        self.shift = jnp.zeros(n)
-        self.mean = jnp.zeros(n)  # states: __call__ assigns them
-        self.var = jnp.ones(n)
-        self.momentum = momentum  # static configuration: Python floats
-        self.eps = eps
-        self.training = True  # static too: model.train() / model.eval() switch it
-
-    def __call__(self, x):
-        if self.training:
-            m, v = x.mean(0), x.var(0)
-            self.mean = self.momentum * self.mean + (1 - self.momentum) * m
-            self.var = self.momentum * self.var + (1 - self.momentum) * v
-        else:
-            m, v = self.mean, self.var
-        return (x - m) / jnp.sqrt(v + self.eps) * self.scale + self.shift
-
-
+# autostate.nn's layers follow PyTorch (initialisation, weight layouts, names,
+# BatchNorm's momentum and running statistics), and each is itself a plain
+# @autostate.stateful class: BatchNorm1d assigns self.running_mean in __call__.
 @autostate.stateful
 class Classifier:
     def __init__(self, key, n_in=64, n_hidden=64, n_classes=10):
         k1, k2 = jax.random.split(key)
-        self.hidden = Linear(k1, n_in, n_hidden)
-        self.norm = BatchNorm(n_hidden)
-        self.head = Linear(k2, n_hidden, n_classes)
+        self.hidden = nn.Linear(n_in, n_hidden, key=k1)
+        self.norm = nn.BatchNorm1d(n_hidden)
+        self.head = nn.Linear(n_hidden, n_classes, key=k2)
 
     def __call__(self, x):
         return self.head(jax.nn.relu(self.norm(self.hidden(x))))
@@ -82,9 +56,12 @@ def loss_fn(f, states, x, y):
 
 
 def weight_decay_mask(f):
-    """True for the leaves whose path ends in ``.w``: the weight matrices."""
+    """True for the Linear weights: paths ending in ``.weight`` with two axes.
+
+    BatchNorm's scale is a ``.weight`` too, with one axis: no decay on it.
+    """
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: jax.tree_util.keystr(path).endswith(".w"), f
+        lambda path, leaf: jax.tree_util.keystr(path).endswith(".weight") and leaf.ndim == 2, f
     )
 
 
@@ -128,7 +105,7 @@ def main() -> None:
 
     model = Classifier(jax.random.key(0))
     model(x_train[:8])  # eager, plain Python: the running mean moves in place
-    print(f"eager call moved the running mean: {bool(jnp.any(model.norm.mean != 0))}")
+    print(f"eager call moved the running mean: {bool(jnp.any(model.norm.running_mean != 0))}")
 
     f, states = model.functionalize()
     print("states:", sorted(states))
@@ -161,7 +138,7 @@ def main() -> None:
 
     # Training returned new f and states; the model object it started from is unchanged.
     trained = autostate.freeze(f, states)
-    print(f"original model unchanged: {bool(jnp.all(model.head.w != trained.head.w))}")
+    print(f"original model unchanged: {bool(jnp.all(model.head.weight != trained.head.weight))}")
     trained.eval()  # PyTorch's idiom: every sub-model now uses its running statistics
     eager = float(np.mean(np.asarray(trained(x_test)).argmax(-1) == y_test))
     print(f"frozen {type(trained).__name__}, called eagerly: test accuracy {eager:.1%}")

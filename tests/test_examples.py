@@ -61,9 +61,10 @@ def test_demo_smoke_trains_and_lists_the_states():
 def test_tutorial_train_learns_with_masked_adamw_and_evaluates_with_running_statistics():
     out = run_example("tutorial_train.py", "--smoke")
     assert "eager call moved the running mean: True" in out
-    assert "states: ['norm.mean', 'norm.var']" in out
+    assert "states: ['norm.num_batches_tracked', 'norm.running_mean', 'norm.running_var']" in out
     decayed = re.search(r"^weight decay on: \[(.*)\]$", out, re.M).group(1)
-    assert "hidden.w" in decayed and "head.w" in decayed and ".b'" not in decayed
+    assert "hidden.weight" in decayed and "head.weight" in decayed
+    assert "norm" not in decayed and ".bias" not in decayed
     accuracies = [float(a) for a in re.findall(r"^epoch \d  loss \S+  test accuracy (\S+)%$", out, re.M)]
     assert len(accuracies) == 2 and accuracies[-1] > 80
     assert "original model unchanged: True" in out
@@ -91,7 +92,7 @@ def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop():
 
 def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
     out = run_example("tutorial_ensemble.py", "--smoke")
-    assert "'hidden.w': (4, 64, 64)" in out and "'norm.mean': (4, 64)" in out
+    assert "'hidden.weight': (4, 64, 64)" in out and "'norm.running_mean': (4, 64)" in out
     members = [float(a) for a in re.findall(r"'(\d+\.\d)%'", out)]
     ensemble = float(re.search(r"^ensemble test accuracy: (\S+)%", out, re.M).group(1))
     assert len(members) == 4 and ensemble >= sum(members) / 4 - 0.05
