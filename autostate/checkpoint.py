@@ -139,6 +139,12 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
     bit-exact. The file is written to a temporary name and renamed, so
     ``path`` holds either the previous file or the complete new one.
 
+    With several JAX processes, every process must call ``save``: arrays
+    that span processes are gathered from all of them (a collective), process
+    0 alone writes ``path`` and the others return once it has; if it cannot,
+    every process raises. See the multi-process guide; for large models use
+    orbax, which writes each process's shards without gathering.
+
     Args:
         path: the file to write, used as given (no suffix is added).
         model: a ``@stateful`` instance.
@@ -245,6 +251,11 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     The whole file is read and checked (checksums, then every key, shape and
     dtype against ``like``) before a model is built, so a truncated or
     corrupted file raises ``CheckpointError`` and nothing is half loaded.
+
+    Each array is placed with the sharding of the matching array of
+    ``like``. With several JAX processes, every process calls ``load`` and
+    reads the whole file (it must be readable on every host); placing arrays
+    whose sharding spans processes takes all of them.
 
     Args:
         path: a file written by ``autostate.save``.
