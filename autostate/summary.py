@@ -2,11 +2,12 @@
 
 One row per array (and per static state) under the names the rest of
 autostate uses: parameters by their ``param_dict`` path, states and
-constants by their ``state_dict`` key, static states (a ``training`` flag)
-by name. The rows come from one walk of the functionalized model
-(``tree.iter_tree`` over ``f.model``, as ``param_dict`` reads it): an array
-reachable from two paths is counted once, under its first path, and listed
-again as tied; a sub-model reachable from two paths is listed once.
+constants by their ``state_dict`` key, static states (a Python value a
+method assigns, such as a mode flag) by name. The rows come from one walk
+of the functionalized model (``tree.iter_tree`` over ``f.model``, as
+``param_dict`` reads it): an array reachable from two paths is counted
+once, under its first path, and listed again as tied; a sub-model reachable
+from two paths is listed once.
 
 Nothing here reads values, so a summary works on tracers inside ``jit``.
 """
@@ -225,10 +226,12 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
 
     Each row names an array by its ``param_dict`` path or ``state_dict``
     key and gives its kind, shape, dtype, element count and bytes; static
-    states (a ``training`` flag) show their value. Under the rows, totals per
-    kind and overall. An array reachable from two paths (tied weights) is
+    states (a Python value a method assigns) show their value. Under the
+    rows, totals per kind and overall. An array reachable from two paths (tied weights) is
     counted once and its later paths are listed as tied; a sub-model
-    reachable from two paths is listed once.
+    reachable from two paths is listed once. Static configuration (sizes,
+    ``eps``, the ``training`` flag that ``train()``/``eval()`` set) is not a
+    row: ``repr(model)`` shows it.
 
     Args:
         model: a ``@stateful`` model, the ``f`` of ``functionalize()`` (with
