@@ -75,7 +75,9 @@ def _is_target(x: Any) -> bool:
     return _state_dicts._is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef)
 
 
-def _paths(node: Any, ancestors: tuple[int, ...] = ()) -> Iterator[tuple[list[str], Any]]:
+def _paths(
+    node: Any, caller: str, ancestors: tuple[int, ...] = ()
+) -> Iterator[tuple[list[str], Any]]:
     """Every path (as PyTorch name parts) to every array and state of ``node``.
 
     ``tree.iter_tree`` walks one instance's own attributes, yielding each
@@ -90,17 +92,17 @@ def _paths(node: Any, ancestors: tuple[int, ...] = ()) -> Iterator[tuple[list[st
 
     skip = getattr(type(node), "_torch_children", None)
     for path, value in _tree.iter_tree(node, is_target):
-        parts = _torch_parts(path)
+        parts = _torch_parts(path, caller)
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
         if not _tree.is_stateful_instance(value):
             yield parts, value
         elif id(value) not in ancestors:
-            for sub, leaf in _paths(value, (*ancestors, id(node))):
+            for sub, leaf in _paths(value, caller, (*ancestors, id(node))):
                 yield parts + sub, leaf
 
 
-def _torch_parts(path: str) -> list[str]:
+def _torch_parts(path: str, caller: str) -> list[str]:
     parts: list[str] = []
     at = 0
     text = path if not path or path[0] in ".[" else "." + path
@@ -115,10 +117,11 @@ def _torch_parts(path: str) -> list[str]:
     if at != len(text):
         raise StateDictError(
             format_error(
-                f"autostate.nn: the model path {path!r} has no PyTorch name: a pytree key "
+                f"autostate.{caller}: the model path {path!r} has no PyTorch name: a key "
                 "that is not an attribute, an index or a string/int mapping key.",
                 fix="keep a model ported from PyTorch in attributes, lists and dicts with "
-                "string keys, as torch.nn.Module, ModuleList and ModuleDict hold them.",
+                "string keys, as torch.nn.Module, ModuleList and ModuleDict hold them "
+                "(docs/limitations.md).",
             )
         )
     return parts
@@ -135,7 +138,7 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
     entries: list[_Entry] = []
     seen: set[tuple[str, str]] = set()
     by_name: dict[str, str] = {}
-    for parts, value in _paths(f.model):
+    for parts, value in _paths(f.model, caller):
         if _state_dicts._is_array(value):
             key = param_key[id(value)]
             found = [("parameter", key, "", value)]
@@ -146,16 +149,16 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
                 if not _is_key(flat[key])
             ]
         for kind, key, suffix, template in found:
-            name = ".".join(parts + _torch_parts(suffix))
+            name = ".".join(parts + _torch_parts(suffix, caller))
             if name in by_name:
                 if by_name[name] == key:
                     continue
                 raise StateDictError(
                     format_error(
-                        f"autostate.nn: {by_name[name]!r} and {key!r} both have the PyTorch "
+                        f"autostate.{caller}: {by_name[name]!r} and {key!r} both have the PyTorch "
                         f"name {name!r}.",
-                        fix="give the model distinct attribute names (a dict key and an "
-                        "attribute of one name under the same parent collide).",
+                        fix="give them paths that differ once written with dots (dict keys 1 "
+                        "and '1' in one dict collide); see docs/limitations.md.",
                     )
                 )
             by_name[name] = key

@@ -326,3 +326,20 @@ def test_a_dropout_key_is_neither_written_nor_expected():
     loaded = load_torch_state_dict(model, {k: v + 1 for k, v in sd.items()})
     np.testing.assert_array_equal(loaded.layers[0].bias, sd["0.bias"] + 1)
     assert "layers[1].key" in autostate.state_dict(loaded)
+
+
+def test_a_path_without_one_pytorch_name_is_refused():
+    @autostate.stateful
+    class TupleKey:
+        def __init__(self):
+            self.d = {("a", 1): jnp.ones(2)}
+
+    @autostate.stateful
+    class Collide:
+        def __init__(self):
+            self.d = {1: jnp.ones(2), "1": jnp.zeros(2)}
+
+    with pytest.raises(StateDictError, match=r"path \"d\[\('a', 1\)\]\" has no PyTorch name"):
+        torch_state_dict(TupleKey())
+    with pytest.raises(StateDictError, match=r"'d\[1\]' and \"d\['1'\]\" both have .* 'd.1'"):
+        load_torch_state_dict(Collide(), {"d.1": np.ones(2, np.float32)})
