@@ -8,7 +8,10 @@ statistics, adamw) on a 2x4 mesh, save and restore with orbax half way, and
 end with ``autostate.save``. Losses and every saved array must agree, and in
 the two-process run only process 0 may have written the file (each process
 runs in its own directory, as on its own host), gathered from both: its first
-layer is split over the processes.
+layer is split over the processes. A smaller program checks the rest of
+``autostate.save`` and ``autostate.load`` across processes: a write that
+fails in process 0 raises in both, and ``load`` in every process places each
+array like ``like``'s, split over the processes.
 
 Every process is bounded: the launcher kills its processes after
 ``--timeout`` or as soon as one fails, and this test kills what is left
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +65,17 @@ def _finish(proc: subprocess.Popen[str]) -> str:
     return out
 
 
+def _finish_all(procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Every process's output; if one fails or hangs, the others are killed too."""
+    try:
+        return [_finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def _losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+  loss (\S+)$", out, re.M)]
 
@@ -74,7 +90,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path: Path
         4,
         cache,
     )
-    out_two, out_one = _finish(launched), _finish(reference)
+    out_two, out_one = _finish_all([launched, reference])
 
     assert "2 processes, 8 devices (4 local), mesh {'data': 2, 'model': 4}" in out_two
     assert "1 processes, 8 devices (8 local), mesh {'data': 2, 'model': 4}" in out_one
@@ -100,3 +116,85 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path: Path
             assert two_d[name].shape == one_d[name].shape, name
             np.testing.assert_allclose(two_d[name], one_d[name], atol=1e-6, err_msg=name)
     assert int(states_two["steps"]) == 4
+
+
+# Each process: a model with an array split over both processes, saved where
+# process 0 cannot write, then saved and loaded back by every process.
+_SAVE_AND_LOAD = textwrap.dedent(
+    """
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    import autostate
+
+    process_id, coordinator, shared = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
+                               process_id=process_id, coordinator_bind_address=coordinator)
+
+
+    @autostate.stateful
+    class Model:
+        def __init__(self, key):
+            self.w = autostate.sharded(jax.random.normal(key, (4, 8)), P("data", "model"))
+            self.mean = autostate.state(jnp.arange(8.0), sharding=P("model"))
+
+
+    def init(key):
+        return Model(key).functionalize()
+
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    f_sh, s_sh = autostate.shardings(*jax.eval_shape(init, jax.random.key(0)), mesh)
+    sharded_init = jax.jit(init, out_shardings=(f_sh, s_sh))
+    model = autostate.freeze(*sharded_init(jax.random.key(0)))
+    try:
+        autostate.save(shared + "/missing/model.npz", model)
+    except Exception as e:
+        print("save raised", type(e).__name__)
+    autostate.save(shared + "/model.npz", model)
+    like = autostate.freeze(*sharded_init(jax.random.key(1)))
+    f, states = autostate.load(shared + "/model.npz", like=like).functionalize()
+    print("loaded as", f.model.w.sharding.spec, states["mean"].sharding.spec)
+    same = jax.jit(lambda a, b: jnp.stack([(x == y).all() for x, y in zip(
+        jax.tree.leaves(a), jax.tree.leaves(b))]).all())(
+        (f, states), model.functionalize())
+    print("equal", bool(same))
+    jax.distributed.shutdown()
+    """
+)
+
+
+def test_save_and_load_are_called_by_every_process(tmp_path: Path):
+    """save: process 0's failure to write raises in both; load: both read, arrays placed like ``like``."""
+    (tmp_path / "program.py").write_text(_SAVE_AND_LOAD)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    env = dict(
+        os.environ,
+        AUTOSTATE_CACHE_DIR=str(tmp_path / "cache"),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "program.py", str(i), coordinator, str(tmp_path)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = _finish_all(procs)
+    for i, out in enumerate(outs):
+        error = "FileNotFoundError" if i == 0 else "CheckpointError"
+        assert f"save raised {error}" in out, out
+        assert "loaded as P('data', 'model') P('model',)" in out, out
+        assert "equal True" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz") == ["model.npz"]
