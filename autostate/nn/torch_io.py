@@ -84,7 +84,8 @@ def _paths(
     target on every path and stopping at sub-models; each sub-model is
     walked again under every path that reaches it, as PyTorch's
     ``state_dict`` recurses into a shared module once per parent. A path
-    back to an enclosing instance is not followed.
+    back to an enclosing instance, or through a bound method
+    (``self.act = self.sub.forward``), is not followed.
     """
 
     def is_target(x: Any) -> bool:
@@ -93,6 +94,8 @@ def _paths(
     skip = getattr(type(node), "_torch_children", None)
     for path, value in _tree.iter_tree(node, is_target):
         parts = _torch_parts(path, caller)
+        if "__self__" in parts:  # through a bound method: no module path, as in PyTorch
+            continue
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
         if not _tree.is_stateful_instance(value):

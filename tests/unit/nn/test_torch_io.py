@@ -343,3 +343,17 @@ def test_a_path_without_one_pytorch_name_is_refused():
         torch_state_dict(TupleKey())
     with pytest.raises(StateDictError, match=r"'d\[1\]' and \"d\['1'\]\" both have .* 'd.1'"):
         load_torch_state_dict(Collide(), {"d.1": np.ones(2, np.float32)})
+
+
+def test_a_bound_method_is_no_module_path():
+    @autostate.stateful
+    class Holder:
+        def __init__(self):
+            self.act = None
+            self.sub = nn.Linear(2, 2)
+            self.act = self.sub.__call__  # autostate's first path is act.__self__
+
+    sd = torch_state_dict(Holder())
+    assert list(sd) == ["sub.weight", "sub.bias"]
+    loaded = load_torch_state_dict(Holder(), {k: v + 1 for k, v in sd.items()})
+    np.testing.assert_array_equal(loaded.sub.bias, sd["sub.bias"] + 1)
