@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 from autostate.nn.activation import GELU, Flatten, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
+from autostate.nn.attention import MultiheadAttention
 from autostate.nn.container import Sequential
 from autostate.nn.conv import Conv1d, Conv2d, ConvTranspose2d
 from autostate.nn.dropout import Dropout
@@ -58,6 +59,7 @@ from autostate.nn.linear import Linear
 from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from autostate.nn.random import KeyStream, manual_seed
+from autostate.nn.recurrent import GRU, LSTM, GRUCell, LSTMCell
 from autostate.nn.torch_io import load_torch_state_dict, torch_state_dict
 
 __all__: list[str] = [
@@ -72,12 +74,17 @@ __all__: list[str] = [
     "Embedding",
     "Flatten",
     "GELU",
+    "GRU",
+    "GRUCell",
     "GroupNorm",
     "Identity",
     "KeyStream",
+    "LSTM",
+    "LSTMCell",
     "LayerNorm",
     "Linear",
     "MaxPool2d",
+    "MultiheadAttention",
     "RMSNorm",
     "ReLU",
     "Sequential",
