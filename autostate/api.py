@@ -99,7 +99,7 @@ def state(
         A marker that ``@stateful`` turns into a state request (typed as
         ``value``'s type, which is what the attribute then holds).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Cache:
         ...     def __init__(self):
@@ -134,7 +134,7 @@ def constant(value: Any, *, name: str | None = None) -> Any:
     Returns:
         A marker that ``@stateful`` turns into a constant.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Encoder:
         ...     def __init__(self):
@@ -170,14 +170,17 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
     with options (``@autostate.stateful(category="cache")``).
 
     Args:
-        cls: the class to decorate; omitted when options are given.
-        category: the category of the class's states (default ``"state"``).
-        fallback: ``"host"`` keeps state in a host-side store reached by
-            ordered callbacks, for closures that mutate state inside ``lax``
-            control flow.
+        cls (type | None): the class to decorate; omitted when options are
+            given.
+        category (Hashable): the category of the class's states (default
+            ``"state"``).
+        fallback (str | None): ``"host"`` keeps state in a host-side store
+            reached by ordered callbacks, for closures that mutate state
+            inside ``lax`` control flow.
 
     Returns:
-        The same class, rewritten in place (or, without ``cls``, a decorator).
+        (type | Callable[[type], type]): The same class, rewritten in place
+            (or, without ``cls``, a decorator).
 
     Raises:
         InvalidArgumentError: ``fallback`` is neither ``None`` nor ``"host"``.
@@ -185,7 +188,7 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
             construct the rewrite cannot express (``del self.x`` on a state,
             for one).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):
@@ -987,7 +990,7 @@ def _functionalize_method(
         ``(f, states)``; ``f(states, *args)`` and ``f.<method>(states, *args)``
         return ``(out, new_states)``.
 
-    Example:
+    Examples:
         >>> class Counter(autostate.Stateful):
         ...     def __init__(self):
         ...         self.count = jnp.zeros((), jnp.int32)
@@ -1084,7 +1087,7 @@ def functionalize(
         ``(f, states)``: ``f`` is a ``FunctionalModel[type(model)]``, so
         ``autostate.freeze(f, states)`` is typed as the model's class.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):
@@ -1122,7 +1125,7 @@ class Stateful:
     base class mypy and pyright do. Decorate the subclass explicitly to pick
     a category or a fallback (``@autostate.stateful(category="cache")``).
 
-    Example:
+    Examples:
         >>> class Counter(autostate.Stateful):
         ...     def __init__(self):
         ...         self.count = jnp.zeros(())
@@ -1179,7 +1182,7 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
         InvalidTypeError: ``f`` is none of the above.
         StateDictError: ``states`` does not have ``f``'s keys.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):
@@ -1231,7 +1234,7 @@ def inference_mode(model: Any) -> Any:
     Returns:
         A copy of ``model`` whose host states are read-only inputs.
 
-    Example:
+    Examples:
         >>> @autostate.stateful(fallback="host")
         ... class Counter:
         ...     def __init__(self):

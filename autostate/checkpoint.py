@@ -149,7 +149,7 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
         path: the file to write, used as given (no suffix is added).
         model: a ``@stateful`` instance.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> @autostate.stateful
         ... class Counter:
@@ -271,7 +271,7 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
         CheckpointError: the file is not an autostate checkpoint, is
             truncated or corrupted, or does not fit ``like``.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> @autostate.stateful
         ... class Linear:
@@ -314,7 +314,7 @@ def load_arrays(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str,
         CheckpointError: the file is not an autostate checkpoint, or is
             truncated or corrupted.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> @autostate.stateful
         ... class Counter:

@@ -675,7 +675,7 @@ def scan(
         ``(carry, ys)``, as ``jax.lax.scan``; the states the body assigned hold
         their values after the last iteration.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Cell:
         ...     def __init__(self):
@@ -771,7 +771,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
     Returns:
         The final loop value; assigned states hold their final values.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):
@@ -840,7 +840,7 @@ def fori_loop(
     Returns:
         The final loop value; assigned states hold their final values.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Decoder:
         ...     def __init__(self):
@@ -909,7 +909,7 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
     Returns:
         The stacked outputs, as ``jax.lax.map``.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Total:
         ...     def __init__(self):
@@ -1033,7 +1033,7 @@ def cond(
     Returns:
         The taken branch's output; its assignments hold after.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Block:
         ...     def __init__(self):
@@ -1078,7 +1078,7 @@ def switch(
     Returns:
         The chosen branch's output; its assignments hold after.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Block:
         ...     def __init__(self):
@@ -1119,7 +1119,7 @@ def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     Returns:
         The checkpointed function.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Block:
         ...     def __init__(self):

@@ -28,22 +28,21 @@ class AutostateError(Exception):
     at which line of the user's code, and how to fix it; ``docs/errors.md``
     lists every error.
 
-    Example:
+    Examples:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.count = jnp.zeros(())
+        ...
+        ...     def __call__(self):
+        ...         self.count += 1
+        >>> f, states = Counter().functionalize()
         >>> try:
-        ...     @autostate.stateful
-        ...     class Cache:
-        ...         def __init__(self):
-        ...             self.kv = jnp.zeros(2)
-        ...
-        ...         def update(self, x):
-        ...             self.kv = x  # kv is a state
-        ...
-        ...         def reset(self):
-        ...             del self.kv  # a state cannot leave f's inputs
+        ...     autostate.state_dict(f)  # f holds no states: state_dict(f, states)
         ... except autostate.AutostateError as e:
         ...     error = e
-        >>> print(type(error).__name__, isinstance(error, ValueError))
-        DecorationError True
+        >>> print(type(error).__name__, isinstance(error, TypeError))
+        InvalidTypeError True
     """
 
 

@@ -105,7 +105,7 @@ def export(
         InvalidArgumentError: a ``static_argnums`` position is out of range
             (as ``jax.jit`` raises).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):

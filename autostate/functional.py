@@ -316,7 +316,7 @@ class FunctionalModel(Generic[M]):
     what a dict of arrays costs), and what keeps tied weights (one instance
     on two paths) one leaf, under its first path.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Scale:
         ...     def __init__(self):
@@ -392,7 +392,7 @@ class FunctionalModel(Generic[M]):
     def state_names(self) -> frozenset[str]:
         """The keys the states dict of this ``f`` has (its states and constants).
 
-        Example:
+        Examples:
             >>> @autostate.stateful
             ... class Norm:
             ...     def __init__(self):

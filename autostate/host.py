@@ -263,7 +263,7 @@ def callback_count(model: Any) -> int:
     Returns:
         The number of host callbacks run so far, over all its host stores.
 
-    Example:
+    Examples:
         >>> from autostate.host import callback_count
         >>> @autostate.stateful(fallback="host")
         ... class Counter:

@@ -161,7 +161,7 @@ class PackedStates:
     ``.unpack()`` gives the states dict back; ``.buffers`` are the arrays
     that travel.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Stats:
         ...     def __init__(self):
@@ -216,7 +216,7 @@ class PackedModel:
     buffers, so ``jax.jit``, ``jax.grad`` and optax take it as they take
     ``f`` (a gradient is a ``PackedModel`` of gradient buffers).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Affine:
         ...     def __init__(self):
@@ -315,7 +315,7 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
         InvalidTypeError: ``f`` is a model rather than its ``f``, or ``f`` and
             its states are packed already.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Counter:
         ...     def __init__(self):

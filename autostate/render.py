@@ -187,7 +187,7 @@ def model_repr(obj: Any) -> str:
     Returns:
         The text.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class BatchNorm:
         ...     def __init__(self, n):

@@ -109,7 +109,7 @@ def sharded(value: T, spec: PartitionSpec) -> T:
     Raises:
         InvalidTypeError: ``spec`` is not a ``PartitionSpec``.
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> @autostate.stateful
         ... class Linear:
@@ -287,7 +287,7 @@ def partition_specs(
         ``state_specs`` is a dict with the keys and value structures of
         ``states``.
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> @autostate.stateful
         ... class Linear:
@@ -414,7 +414,7 @@ def shardings(
             nor mapped by ``rules``, splits a dimension into parts that do not
             divide it, or has more entries than the array has dimensions.
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> @autostate.stateful
         ... class Linear:

@@ -216,7 +216,7 @@ def state_dict(
             a model.
         StateDictError: ``states`` lacks some of ``f``'s states.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Norm:
         ...     def __init__(self, n):
@@ -303,7 +303,7 @@ def param_dict(model: Any) -> dict[str, Any]:
     Returns:
         A new dict; the arrays are the model's own (not copied).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Linear:
         ...     def __init__(self, n_in, n_out):
@@ -512,7 +512,7 @@ def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = Tr
     Raises:
         StateDictError: with ``strict``, ``state_dict`` does not fit ``model``.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Norm:
         ...     def __init__(self):
@@ -548,7 +548,7 @@ def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = Tr
     Raises:
         StateDictError: with ``strict``, ``param_dict`` does not fit ``model``.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Linear:
         ...     def __init__(self, n_in, n_out):

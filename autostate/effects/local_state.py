@@ -771,7 +771,7 @@ class States(dict):
     plain one, whose Python values ``jax.jit`` would trace: wrap it in
     ``autostate.States(...)`` again.
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Shaped:
         ...     def __init__(self):
@@ -977,7 +977,7 @@ class InitialLocalStateRequest(StateSlot):
         category: which handler handles it (compared with ``==``).
         name: explicit state name; ``None`` names it by its path.
 
-    Example:
+    Examples:
         >>> from autostate import InitialLocalStateRequest, handle_local_states
         >>> req = InitialLocalStateRequest(lambda: jnp.zeros(3), category="cache")
         >>> handler, states = handle_local_states([req], category="cache")
@@ -1023,7 +1023,7 @@ class InitialLocalStateRequest(StateSlot):
         Returns:
             A new request (this one is unchanged).
 
-        Example:
+        Examples:
             >>> from autostate import InitialLocalStateRequest
             >>> req = InitialLocalStateRequest(lambda: 0.0, category="c", name="n")
             >>> req.with_renamed_parameters(lambda n: "enc." + n).name
@@ -1051,7 +1051,7 @@ class FrozenLocalStateRequest(StateSlot):
         category: which handler handles it.
         name: explicit state name; ``None`` names it by its path.
 
-    Example:
+    Examples:
         >>> from autostate import FrozenLocalStateRequest, handle_local_states
         >>> req = FrozenLocalStateRequest(jnp.ones(2), category="cache", name="k")
         >>> req.get()
@@ -1119,7 +1119,7 @@ class FrozenLocalStateRequest(StateSlot):
         Returns:
             A new request holding the same value (this one is unchanged).
 
-        Example:
+        Examples:
             >>> from autostate import FrozenLocalStateRequest
             >>> req = FrozenLocalStateRequest(jnp.ones(2), category="c", name="k")
             >>> req.with_renamed_parameters(lambda n: "dec." + n).name
@@ -1202,7 +1202,7 @@ class StaticState(StateSlot):
     ``jax.jit`` traces once per mode, and ``if self.training:`` is a plain
     Python branch inside the trace.
 
-    Example:
+    Examples:
         >>> from autostate.effects.local_state import StaticState
         >>> slot = StaticState(True, category="state")
         >>> slot.read()
@@ -1328,7 +1328,7 @@ class SharedLocalStateRequest(StateSlot):
         name: the explicit name of the state it shares.
         category: which handler handles it.
 
-    Example:
+    Examples:
         >>> from autostate import (
         ...     FrozenLocalStateRequest, SharedLocalStateRequest, handle_local_states
         ... )
@@ -1373,7 +1373,7 @@ class SharedLocalStateRequest(StateSlot):
         Returns:
             A new request (this one is unchanged).
 
-        Example:
+        Examples:
             >>> from autostate import SharedLocalStateRequest
             >>> SharedLocalStateRequest("kv", "cache").with_renamed_parameters(str.upper).name
             'KV'
@@ -1403,7 +1403,7 @@ class LocalStateEffect(Protocol):
     ``HandledLocalStateRef`` (what a body holds) and ``LocalStateEffectImpl``
     (the cell a running handler provides) both implement it.
 
-    Example:
+    Examples:
         >>> from autostate import LocalStateEffect, LocalStateEffectImpl
         >>> def bump(state: LocalStateEffect) -> None:
         ...     state.set(state.get() + 1)  # works on a handled ref or a cell
@@ -1431,7 +1431,7 @@ class LocalStateEffectImpl:
         name: the state's name.
         category: the state's category.
 
-    Example:
+    Examples:
         >>> from autostate import LocalStateEffectImpl
         >>> cell = LocalStateEffectImpl(jnp.zeros(2), name="mean")
         >>> cell.set(cell.get() + 1.0)
@@ -1487,7 +1487,7 @@ class HandledLocalStateRef(StateSlot):
     running its body (``handler((arg, states))``, or ``f(states, ...)`` for a
     functionalized model); outside, they raise ``UnhandledLocalStateError``.
 
-    Example:
+    Examples:
         >>> import dataclasses
         >>> from autostate import HandledLocalStateRef, InitialLocalStateRequest
         >>> @jax.tree_util.register_dataclass
@@ -1699,7 +1699,7 @@ class WithFunctionalLocalState:
     child; the handler id is static), so it can be an argument of
     ``jax.jit`` or ``jax.grad``.
 
-    Example:
+    Examples:
         >>> import dataclasses
         >>> from autostate import InitialLocalStateRequest, WithFunctionalLocalState
         >>> @jax.tree_util.register_dataclass
@@ -1895,7 +1895,7 @@ def handle_local_states(
         StateSharingError: two requests name one state and sharing does not
             allow it.
 
-    Example:
+    Examples:
         >>> import dataclasses
         >>> from autostate import FrozenLocalStateRequest, InitialLocalStateRequest
         >>> @jax.tree_util.register_dataclass
@@ -2053,7 +2053,7 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
     Raises:
         InvalidTypeError: ``handler`` is not a ``WithFunctionalLocalState``.
 
-    Example:
+    Examples:
         >>> from autostate import FrozenLocalStateRequest, freeze_local_states
         >>> body = {"a": FrozenLocalStateRequest(jnp.ones(()), category="c", name="n")}
         >>> handler, states = autostate.handle_local_states(body, category="c")
@@ -2133,7 +2133,7 @@ def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, d
         StateSharingError: without ``unsafe``, a name is defined twice in
             ways that conflict.
 
-    Example:
+    Examples:
         >>> from autostate import FrozenLocalStateRequest, SharedLocalStateRequest
         >>> tree = {
         ...     "enc": FrozenLocalStateRequest(jnp.ones(2), category="kv", name="kv"),
@@ -2208,7 +2208,7 @@ def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
         StateSharingError: a request's category differs from that of the
             shared request it replaces.
 
-    Example:
+    Examples:
         >>> from autostate import FrozenLocalStateRequest, SharedLocalStateRequest
         >>> tree = {
         ...     "enc": FrozenLocalStateRequest(jnp.ones(2), category="kv", name="kv"),
@@ -2257,7 +2257,7 @@ def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
     Returns:
         A copy of ``tree`` with renamed requests (``tree`` is unchanged).
 
-    Example:
+    Examples:
         >>> @autostate.stateful
         ... class Encoder:
         ...     def __init__(self):
