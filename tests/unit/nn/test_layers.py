@@ -1,0 +1,177 @@
+"""``autostate.nn`` layers: PyTorch's default initialisation, Sequential,
+clear errors, and models built from the layers run eagerly, as ``f`` under
+``jax.jit``, under ``jax.grad`` and after ``freeze`` with the same numbers."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate import nn
+from autostate.errors import InvalidArgumentError
+
+
+def _spans_bound(w, bound):
+    w = np.asarray(w)
+    return np.abs(w).max() <= bound and np.abs(w).max() > 0.8 * bound
+
+
+def test_default_initialisation_is_pytorchs():
+    linear = nn.Linear(64, 32, key=0)
+    assert linear.weight.shape == (32, 64) and linear.bias.shape == (32,)
+    assert _spans_bound(linear.weight, 1 / 8) and _spans_bound(linear.bias, 1 / 8)
+    assert nn.Linear(3, 2, bias=False, key=0).bias is None
+    conv = nn.Conv2d(4, 8, 3, groups=2, key=0)
+    assert conv.weight.shape == (8, 2, 3, 3)
+    assert _spans_bound(conv.weight, 1 / math.sqrt(2 * 9))
+    up = nn.ConvTranspose2d(4, 6, 3, groups=2, key=0)
+    assert up.weight.shape == (4, 3, 3, 3)  # [in, out / groups, kh, kw]
+    assert _spans_bound(up.weight, 1 / math.sqrt(3 * 9)) and _spans_bound(up.bias, 1 / 3 / 3**0.5)
+    table = nn.Embedding(200, 50, padding_idx=-1, key=0)
+    assert table.padding_idx == 199 and not np.asarray(table.weight[199]).any()
+    assert abs(float(table.weight[:199].std()) - 1.0) < 0.05
+    bn = nn.BatchNorm2d(3)
+    for name, value in [("weight", 1), ("bias", 0), ("running_mean", 0), ("running_var", 1)]:
+        np.testing.assert_array_equal(getattr(bn, name), np.full(3, value, np.float32))
+    assert bn.num_batches_tracked.dtype == jnp.int32 and int(bn.num_batches_tracked) == 0
+    assert nn.LayerNorm(4, bias=False).bias is None and nn.RMSNorm((2, 3)).weight.shape == (2, 3)
+    assert nn.Linear(2, 2, key=0, dtype=jnp.bfloat16).weight.dtype == jnp.bfloat16
+
+
+def test_sequential_indexes_iterates_and_names_its_layers():
+    first, act, last = nn.Linear(3, 4, key=0), nn.ReLU(), nn.Linear(4, 2, key=1)
+    net = nn.Sequential(first, act, last)
+    assert len(net) == 3 and list(net) == [first, act, last]
+    assert net[0] is first and net[-1] is last
+    head = net[1:]
+    assert isinstance(head, nn.Sequential) and head[1] is last
+    x = jnp.ones((2, 3))
+    np.testing.assert_allclose(net(x), last(act(first(x))))
+    np.testing.assert_allclose(head(first(x)), net(x))
+    assert sorted(autostate.param_dict(net)) == [
+        "layers[0].bias",
+        "layers[0].weight",
+        "layers[2].bias",
+        "layers[2].weight",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: nn.Conv2d(4, 4, 3, stride=2, padding="same", key=0), "needs stride 1"),
+        (lambda: nn.Conv2d(4, 4, 3, padding="full", key=0), "'same' or 'valid'"),
+        (lambda: nn.Conv1d(4, 6, 3, groups=4, key=0), "must divide"),
+        (lambda: nn.Conv2d(4, 4, (3, 3, 3), key=0), "2 ints"),
+        (lambda: nn.ConvTranspose2d(2, 2, 3, stride=2, output_padding=2, key=0), "output_padding"),
+        (lambda: nn.GroupNorm(3, 4), "must divide"),
+        (lambda: nn.GELU("fast"), "'none' or 'tanh'"),
+        (lambda: nn.Embedding(4, 2, padding_idx=4, key=0), "outside"),
+        (lambda: nn.MaxPool2d(2, padding=2), "half of kernel_size"),
+        (lambda: nn.BatchNorm2d(3)(jnp.ones((2, 3, 4))), "4-dimensional"),
+        (lambda: nn.BatchNorm1d(3)(jnp.ones((1, 3))), "more than 1 value per channel"),
+    ],
+)
+def test_clear_errors(build, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        build()
+
+
+def test_batchnorm_of_one_sample_is_fine_in_eval():
+    np.testing.assert_allclose(
+        nn.BatchNorm1d(3).eval()(jnp.ones((1, 3))), np.ones((1, 3)), rtol=1e-5
+    )
+
+
+def cnn(key):
+    keys = nn.KeyStream(key)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1, key=keys),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2, key=keys),
+        nn.AvgPool2d(2),
+        nn.Conv2d(4, 4, 3, padding="same", groups=2, key=keys),
+        nn.GroupNorm(2, 4),
+        nn.GELU(approximate="tanh"),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.3, key=keys),
+        nn.Linear(4, 3, key=keys),
+        nn.LayerNorm(3),
+    )
+
+
+@autostate.stateful
+class TokenNet:
+    def __init__(self, key):
+        keys = nn.KeyStream(key)
+        self.embed = nn.Embedding(10, 4, padding_idx=0, key=keys)
+        self.conv = nn.Conv1d(4, 6, 3, padding=1, key=keys)
+        self.norm = nn.BatchNorm1d(6, momentum=None)
+        self.act = nn.SiLU()
+        self.rms = nn.RMSNorm(6)
+        self.drop = nn.Dropout(0.2, key=keys)
+        self.head = nn.Linear(6, 10, key=keys)
+        self.out = nn.Softmax(-1)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens).transpose(0, 2, 1)
+        x = self.act(self.norm(self.conv(x))).transpose(0, 2, 1)
+        return self.out(self.head(self.drop(self.rms(x))))
+
+
+CASES = {
+    "cnn": (cnn, lambda k: jax.random.normal(k, (3, 1, 8, 8))),
+    "tokens": (TokenNet, lambda k: jax.random.randint(k, (3, 5), 0, 10)),
+}
+
+
+def _assert_states_equal(model, states):
+    frozen_states = autostate.state_dict(model)
+    assert sorted(frozen_states) == sorted(states)
+    for name, value in states.items():
+        a, b = value, frozen_states[name]
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_eager_f_under_jit_grad_and_freeze_agree(case):
+    build, data = CASES[case]
+    inputs = [data(jax.random.key(i)) for i in range(2)]
+    eager = build(1)
+    f, states = build(1).functionalize()
+    assert any(name.endswith("running_mean") for name in states)
+    assert any(name.endswith("key") for name in states)
+    step = jax.jit(lambda f, s, x: f(s, x))
+    for x in inputs:
+        out, states = step(f, states, x)
+        np.testing.assert_allclose(out, eager(x), rtol=1e-5, atol=1e-6)
+    _assert_states_equal(eager, states)
+
+    def loss(f, states, x):
+        out, states = f(states, x)
+        return jnp.sum(out * jnp.arange(out.shape[-1])), states
+
+    grads, after = jax.jit(jax.grad(loss, has_aux=True))(f, states, inputs[0])
+    grads_eager, after_eager = jax.grad(loss, has_aux=True)(f, states, inputs[0])
+    flat, flat_eager = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_eager)
+    assert len(flat) == len(autostate.param_dict(eager)) and any(np.asarray(g).any() for g in flat)
+    for g, h in zip(flat, flat_eager, strict=True):
+        np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-6)
+    frozen = autostate.freeze(f, states)
+    out, after = step(f, states, inputs[0])
+    np.testing.assert_allclose(frozen(inputs[0]), out, rtol=1e-5, atol=1e-6)
+    _assert_states_equal(frozen, after)
+    eager(inputs[0])
+    _assert_states_equal(eager, after)
+    frozen.eval()
+    np.testing.assert_allclose(frozen(inputs[1]), eager.eval()(inputs[1]), rtol=1e-4, atol=1e-5)
