@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from autostate import render as _render
 from autostate import state_dicts as _state_dicts
 from autostate import tree as _tree
-from autostate.effects import HandledLocalStateRef, HandledStaticState
+from autostate.effects import HandledLocalStateRef, HandledStaticState, StateSlot, StaticState
 from autostate.errors import InvalidTypeError, format_error
 from autostate.functional import CONSTANT, ConstantRef, FunctionalModel
 from autostate.packing import PackedModel, PackedStates
@@ -168,10 +169,10 @@ def _array_row(path: str, kind: str, leaf: Any, **extra: Any) -> SummaryRow:
 
 
 def _is_row(x: Any) -> bool:
-    return _state_dicts._is_array(x) or type(x) in (
-        HandledLocalStateRef,
-        ConstantRef,
-        HandledStaticState,
+    return (
+        _state_dicts._is_array(x)
+        or type(x) in (HandledLocalStateRef, ConstantRef)
+        or isinstance(x, StateSlot)
     )
 
 
@@ -199,16 +200,25 @@ def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
                 rows.append(_array_row(key, kind, flat[key], category=category))
 
     for path, node in _tree.iter_tree(body, _is_row):
-        if type(node) is HandledStaticState:
-            value, category = node.value, node.category
+        if type(node) in (HandledStaticState, StaticState):
+            name, value, category = getattr(node, "name", None) or path, node.value, node.category
             rows.append(
-                SummaryRow(node.name, "static", None, type(value).__name__, 0, 0, category, value)
+                SummaryRow(name, "static", None, type(value).__name__, 0, 0, category, value)
             )
         elif type(node) is ConstantRef:
             state_rows(node.name, "constant", CONSTANT)
         elif type(node) is HandledLocalStateRef:
             kind = "constant" if node.category == CONSTANT else "state"
             state_rows(node.name, kind, node.category)
+        elif isinstance(node, StateSlot):  # a category this f does not handle: in f itself
+            name = getattr(node, "name", None) or path
+            category = getattr(node, "category", None)
+            _, value = _render.state_label(node, name)
+            kind = "constant" if category == CONSTANT else "state"
+            if _state_dicts.array_spec(value) is not None:
+                rows.append(_array_row(name, kind, value, category=category))
+            else:
+                rows.append(SummaryRow(name, kind, None, type(value).__name__, 0, 0, category))
         elif id(node) in first_path:
             row = _array_row(path, "parameter", node, tied_to=first_path[id(node)])
             rows.append(dataclasses.replace(row, count=0, bytes=0))  # counted at its first path

@@ -177,3 +177,18 @@ def test_the_docs_show_the_real_table(tmp_path: Path, monkeypatch):
     with contextlib.redirect_stdout(io.StringIO()):
         scope = runpy.run_path("example.py", run_name="__main__")
     assert str(autostate.summary(scope["model"])) == table.rstrip("\n")
+
+
+def test_states_of_a_category_f_does_not_handle_are_listed_from_f():
+    model = Net()
+    f, states = model.functionalize(category="cache")
+    assert "cache" in states and "norms[0].running_mean" not in states  # held by f itself
+    rows = _rows(autostate.summary(f, states))
+    whole = _rows(autostate.summary(model))
+    assert rows.keys() == whole.keys()
+    for path, row in whole.items():
+        assert (rows[path].kind, rows[path].shape, rows[path].count) == (
+            row.kind,
+            row.shape,
+            row.count,
+        ), path
