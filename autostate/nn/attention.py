@@ -246,9 +246,11 @@ class MultiheadAttention:
         """Writes ``k`` and ``v`` at ``cache_pos``; returns the caches and the causal mask over them."""
         length = k.shape[1]
         position = self.cache_pos
-        if not isinstance(position, jax.core.Tracer) and int(position) + length > max_len:
+        known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in __call__
+        if length > max_len or known and int(position) + length > max_len:
+            written = int(position) if known else "some"
             raise _refuse(
-                f"MultiheadAttention KV cache: {int(position)} positions are written and this call "
+                f"MultiheadAttention KV cache: {written} positions are written and this call "
                 f"adds {length}, past max_len={max_len}.",
                 "call reset_cache() to start a new sequence, or build the layer with a larger max_len.",
             )
