@@ -17,7 +17,10 @@ last hidden state (``h``, plus ``c`` for the LSTM) as state: a call without
 reading (``self.h = h_n``), so it holds eagerly, through
 ``model.functionalize()`` (the states carry ``h``) and after
 ``autostate.freeze``. The state starts as ``None``: the first call inside
-``f`` gives it an array and the next call retraces once with it.
+``f`` gives it an array and the next call retraces once with it. Inside a
+``lax`` loop body a state keeps its shape, so give it its array before the
+loop (one call, as ``tests/unit/nn/test_recurrent.py``'s ``ChunkedReader``
+does).
 """
 
 from __future__ import annotations
