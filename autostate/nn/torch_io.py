@@ -92,9 +92,14 @@ def _paths(
         return x is not node and (_is_target(x) or _tree.is_stateful_instance(x))
 
     skip = getattr(type(node), "_torch_children", None)
+    # States a class names in ``_torch_not_persistent`` (a KV cache, a carried
+    # hidden state) are PyTorch's non-persistent buffers: in no state_dict.
+    not_persistent = getattr(type(node), "_torch_not_persistent", ())
     for path, value in _tree.iter_tree(node, is_target):
         parts = _torch_parts(path, caller)
         if "__self__" in parts:  # through a bound method: no module path, as in PyTorch
+            continue
+        if parts[0] in not_persistent:
             continue
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
@@ -216,8 +221,9 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
         ...         self.head = {"norm": self.h[0]}
         >>> list(torch_state_dict(Net(), tied="first"))
         ['h.0.weight', 'h.0.running_mean', 'h.1.weight', 'h.1.running_mean']
-        >>> list(torch_state_dict(Net()))[-2:]
-        ['head.norm.weight', 'head.norm.running_mean']
+        >>> sd = torch_state_dict(Net())  # the shared Norm under its second path too
+        >>> len(sd), list(sd)[-1]
+        (6, 'head.norm.running_mean')
     """
     if tied not in ("both", "first"):
         raise InvalidTypeError(
