@@ -1113,24 +1113,31 @@ def analyze_class(
     inherited_state: frozenset[str] = frozenset(),
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
-    allow_nested_writes: bool = False,
     inherited_properties: frozenset[str] = frozenset(),
 ) -> ClassAnalysis:
     """Decides the state set of a class from the facts of its methods.
 
-    **Arguments:**
-    - ``methods``: facts of every function defined in the class body.
-    - ``inherited_state``: state attributes of decorated base classes.
-    - ``inherited_initialized``: attributes that base ``__init__``s assign.
-    - ``is_state_declaration(facts, dotted)``: whether the call ``dotted(...)``
-      in that method is ``autostate.state`` (resolved by the caller, which has
-      the globals).
-    - ``allow_nested_writes``: ``fallback="host"``; closures may assign state.
-    - ``inherited_properties``: properties of base classes; like the class's
-      own properties they are never state (assigning one calls its setter).
+    A nested function or lambda that assigns state is accepted: its writes
+    are threaded at run time (``autostate.control``, or the host store).
 
-    **Raises:** ``DecorationError`` for every construct the engine cannot
-    express, naming the class, attribute, file:line and the fix.
+    Args:
+        class_name: the class's name, for error messages.
+        methods: facts of every function defined in the class body.
+        inherited_state: state attributes of decorated base classes.
+        inherited_initialized: attributes that base ``__init__``s assign.
+        is_state_declaration: ``(facts, dotted)``: whether the call
+            ``dotted(...)`` in that method is ``autostate.state`` (resolved by
+            the caller, which has the globals).
+        inherited_properties: properties of base classes; like the class's
+            own properties they are never state (assigning one calls its
+            setter).
+
+    Returns:
+        The state set and what construction initializes.
+
+    Raises:
+        DecorationError: for every construct the engine cannot express,
+            naming the class, attribute, file:line and the fix.
     """
     declared: dict[str, str] = {}
     # Property parts have keys like "value.fset"; what their setter assigns is
@@ -1246,19 +1253,6 @@ def analyze_class(
                 else "return a list (or a tuple) instead of yielding, or move the state "
                 "access into a regular method.",
             )
-        if not allow_nested_writes:
-            for assignment in facts.assignments:
-                if assignment.nested and assignment.attr in state:
-                    raise _fail(
-                        class_name,
-                        f"a nested function or lambda assigns state {assignment.attr!r}; state "
-                        "written from a closure (e.g. a lax.cond/scan body) cannot be threaded "
-                        "functionally.",
-                        src,
-                        assignment.line,
-                        "return the new value from the closure and assign it in the method, or "
-                        'opt into the host-callback engine with @autostate.stateful(fallback="host").',
-                    )
 
     initialized = set(inherited_initialized)
     # A base's __init__ assigning a name this class makes a property runs

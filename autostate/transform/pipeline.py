@@ -485,7 +485,6 @@ def _transform(
         inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
-        allow_nested_writes=True,  # closures' writes are threaded (autostate.control)
         inherited_properties=properties,
     )
     _check_undecorated_bases(cls, bases, result.state, facts)
