@@ -60,6 +60,7 @@ from autostate.tree import INFO_ATTR
 
 T = TypeVar("T", bound=type)
 M = TypeVar("M")
+V = TypeVar("V")  # a declared value: state() and constant() return its type
 
 DEFAULT_CATEGORY = "state"
 
@@ -79,12 +80,12 @@ class StatefulInfo:
 
 
 def state(
-    value: Any,
+    value: V,
     *,
     category: Hashable | None = None,
     name: str | None = None,
     sharding: Any = None,
-) -> Any:
+) -> V:
     """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
 
     Args:
@@ -116,10 +117,11 @@ def state(
         name = value.name if name is None else name
         sharding = value.sharding if sharding is None else sharding
         value = value.value
-    return _runtime.StateDeclaration(value, category, name, sharding)
+    # Typed as the value: the marker is the value once ``__init__`` has run.
+    return _runtime.StateDeclaration(value, category, name, sharding)  # type: ignore[return-value]
 
 
-def constant(value: Any, *, name: str | None = None) -> Any:
+def constant(value: V, *, name: str | None = None) -> V:
     """Marks ``self.x`` in ``__init__`` as a non-trainable constant.
 
     A constant travels in the states dict (category ``"constant"``), like a
@@ -149,7 +151,8 @@ def constant(value: Any, *, name: str | None = None) -> Any:
         >>> list(autostate.param_dict(f))
         ['w']
     """
-    return _runtime.StateDeclaration(value, CONSTANT, name, marker="constant")
+    # Typed as the value: the marker is the value once ``__init__`` has run.
+    return _runtime.StateDeclaration(value, CONSTANT, name, marker="constant")  # type: ignore[return-value]
 
 
 @overload
@@ -1162,6 +1165,8 @@ class Stateful:
 
 @overload
 def freeze(f: FunctionalModel[M], states: Mapping[str, Any]) -> M: ...
+@overload
+def freeze(f: PackedModel, states: Any) -> Any: ...
 @overload
 def freeze(f: WithFunctionalLocalState, states: Mapping[str, Any]) -> Any: ...
 

@@ -19,7 +19,7 @@ import io
 import operator
 import pickle
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import jax
 import jax.export
@@ -32,9 +32,9 @@ from autostate.effects import (
     HandledLocalStateRef,
     HandlerId,
     StateSlot,
-    contains_tracer,
     run_with_states,
 )
+from autostate.effects.local_state import contains_tracer
 from autostate.errors import (
     InvalidTypeError,
     MethodNotFoundError,
@@ -297,7 +297,11 @@ def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: b
             )
 
 
-M = TypeVar("M")
+# Covariant: a FunctionalModel[Net] is one of its __call__ type too (the
+# self-type of ``__call__`` below draws its signature from there).
+M = TypeVar("M", covariant=True)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class FunctionalModel(Generic[M]):
@@ -385,8 +389,12 @@ class FunctionalModel(Generic[M]):
         return self._children
 
     def __call__(
-        self, states: dict[str, Any], /, *args: Any, **kwargs: Any
-    ) -> tuple[Any, dict[str, Any]]:
+        self: FunctionalModel[Callable[P, R]],
+        states: dict[str, Any],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, dict[str, Any]]:
         return self._run(states, None, args, kwargs)
 
     def state_names(self) -> frozenset[str]:

@@ -29,7 +29,7 @@ import itertools
 import sys
 import types
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import jax
 import numpy as np
@@ -1859,6 +1859,37 @@ def _duplicate_name_error(name: str, first: str | None = None, second: str | Non
             "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
         )
     )
+
+
+# Typed by ``lazy``: the states dict, or (lazy=True) a function that builds it.
+@overload
+def handle_local_states(
+    body: Any,
+    category: Category | None = None,
+    category_predicate: Callable[[Category], bool] | None = None,
+    lazy: Literal[False] = False,
+    state_sharing: StateSharing = "forbidden",
+    handler_id: Hashable | None = None,
+) -> tuple[WithFunctionalLocalState, dict[str, Any]]: ...
+@overload
+def handle_local_states(
+    body: Any,
+    category: Category | None = None,
+    category_predicate: Callable[[Category], bool] | None = None,
+    *,
+    lazy: Literal[True],
+    state_sharing: StateSharing = "forbidden",
+    handler_id: Hashable | None = None,
+) -> tuple[WithFunctionalLocalState, Callable[[], dict[str, Any]]]: ...
+@overload
+def handle_local_states(
+    body: Any,
+    category: Category | None = None,
+    category_predicate: Callable[[Category], bool] | None = None,
+    lazy: bool = False,
+    state_sharing: StateSharing = "forbidden",
+    handler_id: Hashable | None = None,
+) -> tuple[WithFunctionalLocalState, dict[str, Any] | Callable[[], dict[str, Any]]]: ...
 
 
 def handle_local_states(
