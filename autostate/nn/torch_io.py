@@ -29,6 +29,7 @@ Nothing here imports torch; a tensor is read through its ``numpy()``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import re
 import warnings
@@ -50,25 +51,21 @@ _CALLER = "nn.load_torch_state_dict"
 _STEP = re.compile(r"\.([^.\[]+)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Entry:
     """One array of the model under one PyTorch name.
 
     ``kind`` is ``"parameter"`` or ``"state"``, ``key`` its name in
     ``param_dict``/``state_dict`` (several entries share a key when the
     array is reachable from several paths); ``first`` marks the entry of
-    the path autostate names it by.
+    the first path PyTorch names it by.
     """
 
-    __slots__ = ("first", "key", "kind", "name", "template")
-
-    def __init__(self, name: str, kind: str, key: str, template: Any, first: bool):
-        self.name, self.kind, self.key, self.template, self.first = (
-            name,
-            kind,
-            key,
-            template,
-            first,
-        )
+    name: str
+    kind: str
+    key: str
+    template: Any
+    first: bool
 
 
 def _is_target(x: Any) -> bool:
