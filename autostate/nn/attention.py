@@ -117,6 +117,9 @@ class MultiheadAttention:
         3
     """
 
+    # The cache is no part of a torch checkpoint (a non-persistent buffer).
+    _torch_not_persistent = ("k_cache", "v_cache", "cache_pos")
+
     def __init__(
         self,
         embed_dim: int,
@@ -244,7 +247,13 @@ class MultiheadAttention:
 
     def _append_to_cache(self, k: Array, v: Array, max_len: int) -> tuple[Array, Array, Array]:
         """Writes ``k`` and ``v`` at ``cache_pos``; returns the caches and the causal mask over them."""
-        length = k.shape[1]
+        batch, length = k.shape[:2]
+        if batch != self.k_cache.shape[0]:
+            raise _refuse(
+                f"MultiheadAttention KV cache: the cache holds {self.k_cache.shape[0]} sequences and "
+                f"this call gives {batch}.",
+                f"build the layer with cache_batch_size={batch}, or call reset_cache(batch_size={batch}).",
+            )
         position = self.cache_pos
         known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in __call__
         if length > max_len or known and int(position) + length > max_len:

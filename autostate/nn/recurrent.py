@@ -19,8 +19,7 @@ reading (``self.h = h_n``), so it holds eagerly, through
 ``autostate.freeze``. The state starts as ``None``: the first call inside
 ``f`` gives it an array and the next call retraces once with it. Inside a
 ``lax`` loop body a state keeps its shape, so give it its array before the
-loop (one call, as ``tests/unit/nn/test_recurrent.py``'s ``ChunkedReader``
-does).
+loop: one call, or ``hx`` for the first call, outside it.
 """
 
 from __future__ import annotations
@@ -105,6 +104,9 @@ class LSTMCell:
         ((2, 4), (16, 3))
     """
 
+    # The carried state is no part of a torch checkpoint (a non-persistent buffer).
+    _torch_not_persistent = ("h", "c")
+
     def __init__(
         self, input_size: int, hidden_size: int, bias: bool = True, *, carry_state: bool = False, key: KeyLike = None,
         dtype: Any = jnp.float32,
@@ -163,6 +165,9 @@ class GRUCell:
         >>> bool((cell(jnp.ones(3)) != h).any())  # the second step starts from h
         True
     """
+
+    # The carried state is no part of a torch checkpoint (a non-persistent buffer).
+    _torch_not_persistent = ("h",)
 
     def __init__(
         self, input_size: int, hidden_size: int, bias: bool = True, *, carry_state: bool = False, key: KeyLike = None,
@@ -308,6 +313,9 @@ class LSTM:
         ((5, 2, 4), (2, 2, 4), (16, 4))
     """
 
+    # The carried state is no part of a torch checkpoint (a non-persistent buffer).
+    _torch_not_persistent = ("h", "c")
+
     def __init__(
         self,
         input_size: int,
@@ -410,6 +418,9 @@ class GRU:
         >>> gru.reset_state(); print(gru.h)
         None
     """
+
+    # The carried state is no part of a torch checkpoint (a non-persistent buffer).
+    _torch_not_persistent = ("h",)
 
     def __init__(
         self,

@@ -203,7 +203,7 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
     Raises:
         StateDictError: two arrays would share one PyTorch name.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, autostate
         >>> from autostate.nn.torch_io import torch_state_dict
         >>> @autostate.stateful
@@ -272,7 +272,7 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
         StateDictError: keys that do not fit (``strict=True``), or one array
             listed under two names with different values.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, numpy as np, autostate
         >>> from autostate.nn.torch_io import load_torch_state_dict
         >>> @autostate.stateful

@@ -137,6 +137,9 @@ def test_refusals() -> None:
     x = jnp.ones((1, 1, 8))
     with pytest.raises(InvalidArgumentError, match="masks causally"):
         cached(x, x, x, attn_mask=jnp.zeros((1, 1), bool))
+    x = jnp.ones((1, 2, 8))  # [L, N, E]: two sequences
+    with pytest.raises(InvalidArgumentError, match=r"holds 1 sequences.*\n.*\n.*reset_cache\(batch_size=2\)"):
+        cached(x, x, x)
 
 
 def test_attention_dropout_in_training_only() -> None:
@@ -152,3 +155,15 @@ def test_attention_dropout_in_training_only() -> None:
     assert not np.allclose(out, expected)
     dropping.eval()
     np.testing.assert_allclose(dropping(x, x, x)[0], expected, **TOLERANCE)
+
+
+def test_a_torch_checkpoint_loads_into_a_cached_decoder() -> None:
+    """The cache is a non-persistent buffer: in no torch state_dict, and not expected by the loader."""
+    fixture = Fixture("mha_self_causal")
+    cached = nn.MultiheadAttention(**fixture.config, max_len=5, cache_batch_size=2, key=0)
+    decoder = nn.load_torch_state_dict(cached, fixture.kind("param"))
+    assert sorted(nn.torch_state_dict(decoder)) == sorted(fixture.kind("param"))
+    x = jnp.asarray(fixture.kind("input")["query"])  # [L, N, E]
+    steps = [decoder(x[t : t + 1], x[t : t + 1], x[t : t + 1])[0] for t in range(2)]
+    expected, _ = fixture.load(nn.MultiheadAttention(**fixture.config, key=0))(x[:2], x[:2], x[:2], is_causal=True)
+    np.testing.assert_allclose(jnp.concatenate(steps), expected, **TOLERANCE)

@@ -93,6 +93,7 @@ def test_carried_state_eagerly_through_jit_and_after_freeze(cls: Any, shape: tup
     frozen = autostate.freeze(f, states)
     assert_tree_close(frozen.h, eager.h)
     assert_tree_close(frozen(x1), eager(x1))  # both continue from the same state
+    assert sorted(nn.torch_state_dict(frozen)) == sorted(autostate.param_dict(frozen))  # h is not persistent
     frozen.reset_state()
     assert frozen.h is None
     assert_tree_close(frozen(x1), reference(x1))  # from zeros again
