@@ -258,7 +258,7 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
     Raises:
         InvalidTypeError: ``f`` without its states, or states with a model.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, autostate
         >>> @autostate.stateful
         ... class Norm:
