@@ -23,11 +23,11 @@ from autostate.effects import (
     HandledLocalStateRef,
     HandledStaticState,
     InitialLocalStateRequest,
-    InitialValue,
     SharedLocalStateRequest,
     StateSlot,
     StaticState,
 )
+from autostate.effects.local_state import InitialValue
 from autostate.functional import CONSTANT, ConstantRef
 
 # --- labels -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from jax.lax import scan as plain_scan
 from jax.lax import while_loop
 
 import autostate
-from autostate.effects import contains_tracer
+from autostate.effects.local_state import contains_tracer
 from autostate.errors import ControlFlowStateError, EscapedStateError, TracedEagerStateError
 
 

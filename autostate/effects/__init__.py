@@ -1,4 +1,11 @@
-"""The local-state effect engine (DESIGN.md section 2); no libcst here."""
+"""The local-state effect engine (DESIGN.md section 2); no libcst here.
+
+What this package exports is the engine's own surface: penzai v1's requests
+and references, handling, freezing, hoisting, embedding and renaming, the
+handler ids and the slot protocol. The helpers the rest of autostate uses
+(tracer checks, initial values, the write guard) are internal: import them
+from ``autostate.effects.local_state``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,6 @@ from autostate.effects.local_state import (
     HandledStaticState,
     HandlerId,
     InitialLocalStateRequest,
-    InitialValue,
     LocalStateEffect,
     LocalStateEffectImpl,
     SharedLocalStateRequest,
@@ -17,8 +23,6 @@ from autostate.effects.local_state import (
     StateSlot,
     StaticState,
     WithFunctionalLocalState,
-    contains_tracer,
-    current_trace,
     embed_shared_state_requests,
     freeze_body,
     freeze_local_states,
@@ -26,10 +30,7 @@ from autostate.effects.local_state import (
     handle_local_states,
     handler_running,
     hoist_shared_state_requests,
-    initial_slot,
-    is_guarded,
     is_running,
-    is_static_value,
     rename_local_states,
     run_with_states,
 )
@@ -41,7 +42,6 @@ __all__ = [
     "HandlerId",
     "HandledStaticState",
     "InitialLocalStateRequest",
-    "InitialValue",
     "LocalStateEffect",
     "LocalStateEffectImpl",
     "SharedLocalStateRequest",
@@ -49,17 +49,12 @@ __all__ = [
     "StateSlot",
     "StaticState",
     "WithFunctionalLocalState",
-    "contains_tracer",
-    "current_trace",
     "embed_shared_state_requests",
     "freeze_body",
     "freeze_local_states",
     "fresh_handler_id",
     "handle_local_states",
     "hoist_shared_state_requests",
-    "initial_slot",
-    "is_static_value",
-    "is_guarded",
     "handler_running",
     "is_running",
     "rename_local_states",

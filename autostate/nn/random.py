@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.effects import current_trace
+from autostate.effects.local_state import current_trace
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["KeyLike", "KeyStream", "manual_seed", "next_key", "split_key"]
