@@ -144,8 +144,8 @@ def _method_through_f(ctx: AttributeContext) -> Type:
         return ctx.default_attr_type
     context = ctx.context
     name = getattr(context, "name", None)
-    if not isinstance(name, str):
-        return ctx.default_attr_type
+    if not isinstance(name, str) or f.type.get(name) is not None:
+        return ctx.default_attr_type  # (the hook sees f's own attributes too: f.model)
     found = find_member(name, model, model) if model.type.get(name) is not None else None
     method = get_proper_type(found)
     if method is None or not isinstance(method, (CallableType, Overloaded, AnyType)):
