@@ -33,7 +33,7 @@ then gives each member its own keys. ``Dropout`` holds its key as a state
 and splits it exactly once per training call, eagerly, in ``f`` under
 ``jax.jit``, and inside ``lax.scan`` / ``jax.checkpoint`` bodies.
 
-Example:
+Examples:
     >>> import jax, jax.numpy as jnp
     >>> import autostate
     >>> import autostate.nn as nn
