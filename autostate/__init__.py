@@ -11,7 +11,7 @@ from autostate.api import (
     state,
     stateful,
 )
-from autostate.checkpoint import load, load_arrays, save
+from autostate.serialization import load, load_arrays, save
 from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
     FrozenLocalStateRequest,

@@ -1,6 +1,6 @@
 """Misuse of the dict, checkpoint, export and pack entry points: a clear error at the user's line.
 
-Covers ``autostate/state_dicts.py``, ``autostate/checkpoint.py``,
+Covers ``autostate/state_dicts.py``, ``autostate/serialization.py``,
 ``autostate/export.py`` and ``autostate/packing.py``: every refusal is an
 autostate error of the documented type naming this file's line and a fix;
 what is accepted computes what plain Python computes.

@@ -44,7 +44,7 @@ def test_the_api_reference_shows_every_public_name_with_a_runnable_example():
     for name in autostate.__all__:
         assert getattr(autostate, name).__doc__, f"{name} has no docstring"
         # The defining module's path where a submodule shadows the name
-        # (autostate.checkpoint, the function, next to the file-format module).
+        # (none today: the file-format module is autostate.serialization).
         directive = re.search(rf"^::: autostate\.(\w+\.)?{name}\n", text, re.M)
         assert directive, f"docs/api.md does not render {name}"
         after = text[directive.end() :]

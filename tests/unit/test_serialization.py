@@ -1,4 +1,4 @@
-"""``autostate/checkpoint.py``: the .npz checkpoint format, and pickle."""
+"""``autostate/serialization.py``: the .npz checkpoint format, and pickle."""
 
 from __future__ import annotations
 
