@@ -11,7 +11,6 @@ from autostate.api import (
     state,
     stateful,
 )
-from autostate.serialization import load, load_arrays, save
 from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
 from autostate.effects import (
     FrozenLocalStateRequest,
@@ -32,6 +31,7 @@ from autostate.errors import AutostateError
 from autostate.export import export
 from autostate.functional import FunctionalModel
 from autostate.packing import PackedModel, PackedStates, pack
+from autostate.serialization import load, load_arrays, save
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 from autostate.summary import summary
