@@ -578,12 +578,12 @@ def test_static_changes_eagerly_retrace_once_per_structure(write_module: Loader)
         ("set_mode", ("B",), 3),
         ("set_mode", ("A",), 3),
         ("bump", (), 4),
-        # None -> array makes `cache` an array state (documented); None again is then
-        # that state's value (`states["cache"] is None`), one more structure, seen after.
+        # `cache` starts as the placeholder None, a state (`states["cache"] is None`):
+        # an array is one more structure; None again is the one seen before.
         ("remember", (jnp.ones(2),), 5),
-        ("forget", (), 6),
-        ("remember", (jnp.zeros(2),), 6),
-        ("forget", (), 6),
+        ("forget", (), 5),
+        ("remember", (jnp.zeros(2),), 5),
+        ("forget", (), 5),
     ]
     f, states = model.functionalize()
     out, states = step(f, states, x)
