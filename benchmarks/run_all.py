@@ -44,6 +44,7 @@ SCENARIOS = {
     "control_flow": "bench_control_flow",
     "donation": "bench_donation",
     "perf": "bench_perf",
+    "nn": "bench_nn",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 

@@ -25,6 +25,7 @@ SCRIPTS = {
     "bench_control_flow.py": ["Scenario 6: state written inside lax.scan", "hand-threaded JAX"],
     "bench_donation.py": ["Scenario 7: donated KV-cache decode step", "states donated"],
     "bench_perf.py": ["Scenario 7a: trace-only time", "Scenario 7e: dispatch", "packed"],
+    "bench_nn.py": ["Scenario 8a: ResNet-18-style training step", "Scenario 8b: GPT block training step"],
 }
 
 
