@@ -19,7 +19,7 @@ class Counter:
 counter = Counter()
 print(counter(2.0), counter.count)  # eager, plain Python: 2.0 1
 
-f, states = counter.functionalize()  # a pure function of the states
+f, states = autostate.functionalize(counter)  # a pure function of the states
 y, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
 print(y, states)  # 4.0 {'count': Array(2, dtype=int32)}
 print(autostate.freeze(f, states).count)  # 2: a Counter again, state inside

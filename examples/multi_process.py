@@ -73,7 +73,7 @@ class MLP:
 
 
 def init(key):
-    return MLP(key, 16, 32, 4).functionalize()
+    return autostate.functionalize(MLP(key, 16, 32, 4))
 
 
 optimizer = optax.adamw(1e-2)
@@ -128,7 +128,8 @@ def train(args):
 
     # Sharded init: shapes only, then the shardings, then each array built in its layout.
     key = jax.random.key(0)
-    f_sh, s_sh = autostate.shardings(*jax.eval_shape(init, key), mesh)
+    abstract_f, abstract_states = jax.eval_shape(init, key)
+    f_sh, s_sh = autostate.shardings(abstract_f, abstract_states, mesh)
     sharded_init = jax.jit(init, out_shardings=(f_sh, s_sh))
     f, states = sharded_init(key)
     # The optimizer state: each copy of the parameters (adam's mu and nu) takes
@@ -215,7 +216,7 @@ def launch(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--launch", type=int, help="start this many local processes")
     parser.add_argument("--cpu-devices", type=int, default=4, help="with --launch: per process")
     parser.add_argument("--timeout", type=float, default=120, help="with --launch: seconds")

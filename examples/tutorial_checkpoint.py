@@ -59,7 +59,7 @@ def abstract_target(optimizer, key):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="14 steps, saved every 4")
@@ -78,6 +78,7 @@ def main() -> None:
         options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every)
         with ocp.CheckpointManager(Path(tmp) / "run", options=options) as manager:
             # The first half of training, checkpointed every save_every steps.
+            loss = loss2 = np.nan  # the last step's loss, of either job
             for step, x, y in batches(x_train, y_train, half, first=0):
                 f, states, opt_state, loss = train_step(f, states, opt_state, x, y)
                 tree = {"params": f, "states": states, "opt_state": opt_state}

@@ -25,7 +25,7 @@ MEMBERS, BATCH = 4, 64
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--smoke", action="store_true", help="40 steps")
     args = parser.parse_args()
@@ -54,6 +54,7 @@ def main() -> None:
         return jax.vmap(member)(f, states)  # (MEMBERS, N, classes)
 
     rng = np.random.default_rng(0)
+    loss = np.full(MEMBERS, np.nan)  # each member's last loss
     for _ in range(args.steps):
         idx = np.stack([rng.choice(len(x_train), BATCH, replace=False) for _m in range(MEMBERS)])
         f, states, opt_state, loss = train_step(f, states, opt_state, x_train[idx], y_train[idx])

@@ -132,13 +132,14 @@ def train(f, empty, steps):
         return optax.apply_updates(f, updates), opt_state, loss
 
     opt_state = optimizer.init(f)
+    loss = np.nan  # the last step's loss
     for i in range(steps):
         f, opt_state, loss = step(f, opt_state, jax.random.key(i))
     return f, float(loss)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--smoke", action="store_true", help="120 training steps")
     args = parser.parse_args()
@@ -146,7 +147,7 @@ def main() -> None:
         args.steps = 120
 
     model = Decoder(jax.random.key(0))
-    f, empty = model.functionalize()
+    f, empty = autostate.functionalize(model)
     print(f"{len(empty)} states:", ", ".join(sorted(empty)))
     f, loss = train(f, empty, args.steps)
     print(f"trained {args.steps} steps, loss {loss:.4f}")

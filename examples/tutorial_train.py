@@ -37,8 +37,9 @@ from autostate import nn
 # autostate.nn's layers follow PyTorch (initialisation, weight layouts, names,
 # BatchNorm's momentum and running statistics), and each is itself a plain
 # @autostate.stateful class: BatchNorm1d assigns self.running_mean in __call__.
-@autostate.stateful
-class Classifier:
+# Subclassing autostate.Stateful decorates Classifier the same way, and lets
+# mypy and pyright see the functionalize(), train() and eval() it gains.
+class Classifier(autostate.Stateful):
     def __init__(self, key, n_in=64, n_hidden=64, n_classes=10):
         k1, k2 = jax.random.split(key)
         self.hidden = nn.Linear(n_in, n_hidden, key=k1)
@@ -85,16 +86,15 @@ def accuracy(f, states, x, y):
 
 
 def load_data(seed):
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data.astype(np.float32), digits.target, test_size=0.25, random_state=seed
-    )
+    x, y = load_digits(return_X_y=True)
+    split = train_test_split(x.astype(np.float32), y, test_size=0.25, random_state=seed)
+    x_train, x_test, y_train, y_test = (np.asarray(a) for a in split)
     mean, std = x_train.mean(0), x_train.std(0) + 1e-6
     return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--smoke", action="store_true", help="2 epochs")
@@ -124,7 +124,7 @@ def main() -> None:
         return optax.apply_updates(f, updates), states, opt_state, loss
 
     rng = np.random.default_rng(0)
-    before = accuracy(f, states, x_test, y_test)
+    before = acc = accuracy(f, states, x_test, y_test)
     for epoch in range(1, args.epochs + 1):
         order = rng.permutation(len(x_train))
         losses = []
