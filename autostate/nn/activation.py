@@ -33,7 +33,7 @@ class GELU:
     Args:
         approximate: ``'none'`` (PyTorch's default) or ``'tanh'``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> [round(v, 4) for v in nn.GELU()(jnp.array([0.0, 1.0])).tolist()]
@@ -112,7 +112,7 @@ class Identity:
 class Flatten:
     """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> nn.Flatten()(jnp.zeros((2, 3, 4, 5))).shape

@@ -23,7 +23,7 @@ class Sequential:
     Args:
         *layers: callables, usually models.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> net = nn.Sequential(nn.Linear(3, 4, key=0), nn.ReLU(), nn.Linear(4, 1, key=1))

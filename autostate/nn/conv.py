@@ -146,7 +146,7 @@ class Conv1d(_ConvNd):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> nn.Conv1d(2, 4, 3, padding="same", key=0)(jnp.ones((1, 2, 7))).shape
@@ -198,7 +198,7 @@ class Conv2d(_ConvNd):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> conv = nn.Conv2d(3, 8, 3, stride=2, padding=1, key=0)
@@ -258,7 +258,7 @@ class ConvTranspose2d:
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> up = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, output_padding=1, key=0)

@@ -27,7 +27,7 @@ class Dropout:
         p: the probability of zeroing an element.
         key: where the layer's key comes from (see ``autostate.nn.random``).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> drop = nn.Dropout(0.5, key=0)

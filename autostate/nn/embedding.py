@@ -29,7 +29,7 @@ class Embedding:
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the table's dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> table = nn.Embedding(10, 3, padding_idx=0, key=0)

@@ -28,7 +28,7 @@ class Linear:
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> layer = nn.Linear(3, 2, key=0)

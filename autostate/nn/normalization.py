@@ -119,7 +119,7 @@ class BatchNorm1d(_BatchNorm):
             batch statistics in evaluation too).
         dtype: the dtype of the parameters and running statistics.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> bn = nn.BatchNorm1d(2)
@@ -144,7 +144,7 @@ class BatchNorm2d(_BatchNorm):
             batch statistics in evaluation too).
         dtype: the dtype of the parameters and running statistics.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> bn = nn.BatchNorm2d(3).eval()
@@ -172,7 +172,7 @@ class LayerNorm:
         bias: whether to learn ``bias`` (with ``elementwise_affine``).
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> [round(v, 4) for v in nn.LayerNorm(2)(jnp.array([1.0, 3.0])).tolist()]
@@ -219,7 +219,7 @@ class GroupNorm:
         affine: whether to learn a per-channel ``weight`` and ``bias``.
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> nn.GroupNorm(2, 4)(jnp.ones((3, 4, 5))).shape
@@ -275,7 +275,7 @@ class RMSNorm:
         elementwise_affine: whether to learn ``weight``.
         dtype: the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> [round(v, 4) for v in nn.RMSNorm(2)(jnp.array([3.0, 4.0])).tolist()]

@@ -50,7 +50,7 @@ class MaxPool2d:
         padding: an int or ``(ph, pw)``, at most half the kernel.
         dilation: an int or ``(dh, dw)``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> print(nn.MaxPool2d(2)(jnp.arange(16.0).reshape(1, 1, 4, 4))[0, 0])
@@ -107,7 +107,7 @@ class AvgPool2d:
         padding: zeros added on each side, at most half the kernel.
         count_include_pad: whether padded zeros count in the mean's divisor.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> print(nn.AvgPool2d(2)(jnp.arange(16.0).reshape(1, 1, 4, 4))[0, 0])
@@ -158,7 +158,7 @@ class AdaptiveAvgPool2d:
         output_size: an int or ``(oh, ow)``; ``None`` in either place keeps
             the input's size there.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
         >>> nn.AdaptiveAvgPool2d(1)(jnp.ones((2, 8, 5, 5))).shape

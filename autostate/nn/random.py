@@ -37,7 +37,7 @@ class KeyStream:
         key: the parent key (a JAX key, a raw ``uint32[2]`` key, or an int seed);
             ``None`` takes the next key of the default stream.
 
-    Example:
+    Examples:
         >>> import autostate.nn as nn
         >>> keys = nn.KeyStream(0)
         >>> a, b = nn.Linear(2, 2, key=keys), nn.Linear(2, 2, key=keys)
@@ -73,7 +73,7 @@ def manual_seed(seed: int) -> None:
     Args:
         seed: an int, as for ``torch.manual_seed``.
 
-    Example:
+    Examples:
         >>> import autostate.nn as nn
         >>> nn.manual_seed(0); a = nn.Linear(2, 2)
         >>> nn.manual_seed(0); b = nn.Linear(2, 2)
