@@ -115,7 +115,7 @@ def main():
     print(f"digits: {len(x_train)} train / {len(x_test)} test, 8x8 pixels, 10 classes")
 
     model = MLP(jax.random.PRNGKey(args.seed))
-    f, states = model.functionalize()
+    f, states = autostate.functionalize(model)
     rng = np.random.default_rng(args.seed)
     n_batches = len(x_train) // args.batch_size
     for epoch in range(1, args.epochs + 1):

@@ -67,7 +67,7 @@ def train_step(f, states, x, y):
 
 
 def train(model, steps, first_batch):
-    f, states = model.functionalize()
+    f, states = autostate.functionalize(model)
     for i in range(steps):
         f, states, value = train_step(f, states, *batch(first_batch + i))
         print(f"  step {int(states['steps'])}: loss {float(value):.4f}")
@@ -107,7 +107,7 @@ def main() -> None:
         exported = jax.export.deserialize(bytearray((folder / "regressor.jax").read_bytes()))
         _, states = autostate.load_arrays(folder / "resumed.npz")
         live = autostate.load(folder / "resumed.npz", like=Regressor(N_IN, N_HIDDEN))
-        f, live_states = live.functionalize()
+        f, live_states = autostate.functionalize(live)
         for seed in (100, 101):
             x, _ = batch(seed)
             out, states = exported.call(states, x)

@@ -192,12 +192,13 @@ def main(argv: list[str] | None = None) -> None:
     mesh = make_mesh()
 
     def init(key):
-        return Transformer(key, cfg).functionalize()
+        return autostate.functionalize(Transformer(key, cfg))
 
     # Sharded init: the shapes (no computation), then their shardings, then the
     # model built under jit with those out_shardings, each array in its layout.
     key = jax.random.key(0)
-    f_sh, s_sh = autostate.shardings(*jax.eval_shape(init, key), mesh, rules=RULES)
+    abstract_f, abstract_states = jax.eval_shape(init, key)
+    f_sh, s_sh = autostate.shardings(abstract_f, abstract_states, mesh, rules=RULES)
     f, states = jax.jit(init, out_shardings=(f_sh, s_sh))(key)
     print(f"mesh {dict(mesh.shape)}; blocks[0].attn.wq sharded as "
           f"{f.model.blocks[0].attn.wq.sharding.spec}")
