@@ -1,7 +1,9 @@
-"""PyTorch-style layers written as plain ``@autostate.stateful`` classes.
+"""PyTorch-style layers written as plain ``autostate.Stateful`` classes.
 
-Each layer is an ordinary decorated class, readable as an example of the
-decorator, with PyTorch's semantics and names: default initialisation,
+Each layer is an ordinary class that mutates ``self``, readable as an example
+of the decorator (subclassing ``autostate.Stateful`` is ``@autostate.stateful``
+with the added methods visible to type checkers, as ``nn.Module`` is in
+PyTorch), with PyTorch's semantics and names: default initialisation,
 weight layouts (``Linear.weight`` is ``[out, in]``, ``Conv2d.weight``
 ``[out, in / groups, kh, kw]``), channels-first inputs, attribute names
 (``weight``, ``bias``, ``running_mean``, ``running_var``,

@@ -12,22 +12,20 @@ import math
 import jax
 import jax.numpy as jnp
 
-from autostate.api import stateful
+from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["GELU", "Flatten", "Identity", "ReLU", "SiLU", "Sigmoid", "Softmax", "Tanh"]
 
 
-@stateful
-class ReLU:
+class ReLU(Stateful):
     """``max(x, 0)``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
 
-@stateful
-class GELU:
+class GELU(Stateful):
     """The Gaussian error linear unit, exact (``erf``) or ``approximate='tanh'``.
 
     Args:
@@ -57,32 +55,28 @@ class GELU:
         return 0.5 * x * (1 + jax.lax.erf(x / math.sqrt(2)))
 
 
-@stateful
-class SiLU:
+class SiLU(Stateful):
     """``x * sigmoid(x)`` (swish)."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x * jax.nn.sigmoid(x)
 
 
-@stateful
-class Tanh:
+class Tanh(Stateful):
     """``tanh(x)``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(x)
 
 
-@stateful
-class Sigmoid:
+class Sigmoid(Stateful):
     """``1 / (1 + exp(-x))``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(x)
 
 
-@stateful
-class Softmax:
+class Softmax(Stateful):
     """``softmax`` along ``dim``.
 
     Args:
@@ -100,16 +94,14 @@ class Softmax:
         return jax.nn.softmax(x, axis=dim)
 
 
-@stateful
-class Identity:
+class Identity(Stateful):
     """Returns its input (a placeholder layer)."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x
 
 
-@stateful
-class Flatten:
+class Flatten(Stateful):
     """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
 
     Examples:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autostate.api import stateful
+from autostate.api import Stateful
 
 __all__ = ["Sequential"]
 
 
-@stateful
-class Sequential:
+class Sequential(Stateful):
     """Calls its layers in order, each on the previous one's output, as
     ``torch.nn.Sequential``.
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.api import stateful
+from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Dropout"]
 
 
-@stateful
-class Dropout:
+class Dropout(Stateful):
     """Zeroes each element with probability ``p`` and scales the rest by
     ``1 / (1 - p)`` in training; the identity in evaluation, as ``torch.nn.Dropout``.
 

@@ -20,14 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import stateful
+from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 
-@stateful
-class _BatchNorm:
+class _BatchNorm(Stateful):
     """Batch normalisation over axis 1 (channels) of ``[N, C, *spatial]``."""
 
     input_ranks: tuple[int, ...] = ()
@@ -161,8 +160,7 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(normalized_shape)
 
 
-@stateful
-class LayerNorm:
+class LayerNorm(Stateful):
     """Normalises over the last ``len(normalized_shape)`` axes, as ``torch.nn.LayerNorm``.
 
     Args:
@@ -207,8 +205,7 @@ class LayerNorm:
         return y
 
 
-@stateful
-class GroupNorm:
+class GroupNorm(Stateful):
     """Normalises each of ``num_groups`` channel groups of ``[N, C, *]``
     inputs over the group's channels and positions, as ``torch.nn.GroupNorm``.
 
@@ -263,8 +260,7 @@ class GroupNorm:
         return y
 
 
-@stateful
-class RMSNorm:
+class RMSNorm(Stateful):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last
     ``len(normalized_shape)`` axes, as ``torch.nn.RMSNorm``.
 

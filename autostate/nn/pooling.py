@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.api import stateful
+from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d"]
@@ -40,8 +40,7 @@ def _check_padding(kernel: tuple[int, int], padding: tuple[int, int]) -> None:
         )
 
 
-@stateful
-class MaxPool2d:
+class MaxPool2d(Stateful):
     """The maximum of each window; padding counts as ``-inf``.
 
     Args:
@@ -97,8 +96,7 @@ class MaxPool2d:
         return result
 
 
-@stateful
-class AvgPool2d:
+class AvgPool2d(Stateful):
     """The mean of each window.
 
     Args:
@@ -147,8 +145,7 @@ def _adaptive_weights(size_in: int, size_out: int) -> jax.Array:
     return jnp.array(rows)
 
 
-@stateful
-class AdaptiveAvgPool2d:
+class AdaptiveAvgPool2d(Stateful):
     """Averages to a fixed ``output_size``, whatever the input's size.
 
     An output size that divides the input's averages equal blocks; any other

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import stateful
+from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
@@ -83,8 +83,7 @@ def _check_carried(layer: object, carried: Array | None, expected: tuple[int, ..
     return carried
 
 
-@stateful
-class LSTMCell:
+class LSTMCell(Stateful):
     """One LSTM step, as ``torch.nn.LSTMCell``.
 
     Args:
@@ -145,8 +144,7 @@ class LSTMCell:
         self.c = None
 
 
-@stateful
-class GRUCell:
+class GRUCell(Stateful):
     """One GRU step, as ``torch.nn.GRUCell``.
 
     Args:
@@ -278,8 +276,7 @@ def _check_proj_size(proj_size: int) -> None:
         )
 
 
-@stateful
-class LSTM:
+class LSTM(Stateful):
     """A multi-layer LSTM over a sequence, as ``torch.nn.LSTM``.
 
     ``input`` is ``[seq, batch, input_size]`` (``[batch, seq, input_size]``
@@ -389,8 +386,7 @@ class LSTM:
         self.c = None
 
 
-@stateful
-class GRU:
+class GRU(Stateful):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
 
     Shapes as :class:`LSTM`'s, with ``hx`` a single ``h_0``; a call returns
