@@ -43,9 +43,10 @@ class BatchNorm:
         self.var = jnp.ones(n)
         self.momentum = momentum  # static config: python floats
         self.eps = eps
+        self.training = True  # static config too: model.train()/model.eval() set it
 
-    def __call__(self, x, train=True):
-        if train:
+    def __call__(self, x):
+        if self.training:
             m, v = x.mean(0), x.var(0)
             self.mean = self.momentum * self.mean + (1 - self.momentum) * m
             self.var = self.momentum * self.var + (1 - self.momentum) * v
@@ -54,8 +55,7 @@ class BatchNorm:
         return (x - m) / jnp.sqrt(v + self.eps) * self.scale + self.shift
 
 
-@autostate.stateful
-class MLP:
+class MLP(autostate.Stateful):  # the same as @autostate.stateful, typed
     def __init__(self, key, sizes=(64, 128, 128), n_classes=10):
         keys = jax.random.split(key, len(sizes))
         self.blocks = [
@@ -64,11 +64,9 @@ class MLP:
         ]
         self.head = Linear(keys[-1], sizes[-1], n_classes)
 
-    # PyTorch flips a flag with model.eval(); here the flag is an argument, because
-    # a method that assigned self.training would make the flag a state.
-    def __call__(self, x, train=True):
+    def __call__(self, x):
         for linear, norm in self.blocks:
-            x = jax.nn.relu(norm(linear(x), train))
+            x = jax.nn.relu(norm(linear(x)))
         return self.head(x)
 
 
@@ -87,8 +85,15 @@ def train_step(f, states, x, y):
 
 @jax.jit
 def accuracy(f, states, x, y):
-    logits, _ = f(states, x, train=False)  # eval mode: running statistics, no update
+    logits, _ = f(states, x)
     return jnp.mean(logits.argmax(-1) == y)
+
+
+def evaluate(f, states, x, y):
+    # As PyTorch's model.eval(): the trained model, switched to its running statistics.
+    # `training` is static config, so the eval f compiles once and is reused.
+    eval_f, eval_states = autostate.freeze(f, states).eval().functionalize()
+    return accuracy(eval_f, eval_states, x, y)
 
 
 def load_data(seed):
@@ -125,11 +130,11 @@ def main():
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             f, states, loss = train_step(f, states, x_train[idx], y_train[idx])
             losses.append(loss)
-        acc = accuracy(f, states, x_test, y_test)
+        acc = evaluate(f, states, x_test, y_test)
         print(f"epoch {epoch:2d}  loss {np.mean(losses):.4f}  test accuracy {acc:.1%}")
 
-    model = autostate.freeze(f, states)  # an MLP again, trained weights and statistics inside
-    eager_acc = np.mean(np.asarray(model(x_test, train=False)).argmax(-1) == y_test)
+    model = autostate.freeze(f, states).eval()  # an MLP again, trained, in eval mode
+    eager_acc = np.mean(np.asarray(model(x_test)).argmax(-1) == y_test)
     print(f"frozen {type(model).__name__}, called eagerly: test accuracy {eager_acc:.1%}")
     print(f"{len(states)} states:")
     for name, value in states.items():

@@ -181,9 +181,6 @@ TOLERATED = [
     ("pyright", "", r'to parameter "params" of type "Params"',
      "optax types params as its ArrayTree (arrays, iterables, mappings): `optimizer.init(f)` "
      "on a registered pytree class such as FunctionalModel (or an Equinox module)"),
-    ("pyright", "docs/api.md", r'Cannot access attribute "(functionalize|train|eval)"|"error" is possibly unbound',
-     "the API reference's programs are not converted to the typed forms yet (another change "
-     "edits the page)"),
 ]
 # Pyright has no plugins: a method a decorator adds is unknown to it, and no
 # annotation of ``stateful`` can say "the same class, with these methods"
