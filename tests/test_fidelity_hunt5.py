@@ -480,10 +480,20 @@ def _race(k: Any, seconds: float, arm: Callable[[Callable[[], None]], Callable[[
     model = _written(k, "Shared")
     vals = [full(float(i)) for i in range(8)]
     seen: list[tuple[Any, Any]] = []
+    busy: list[bool] = []
 
     def take() -> None:
-        c = copy.copy(model)
-        seen.append((c, np.asarray(c.x).copy()))
+        # Not re-entered: a signal arriving while a copy is taken (a copy can take
+        # longer than the timer's period on a slow machine) would otherwise nest
+        # copies until the recursion limit.
+        if busy:
+            return
+        busy.append(True)
+        try:
+            c = copy.copy(model)
+            seen.append((c, np.asarray(c.x).copy()))
+        finally:
+            busy.clear()
 
     disarm = arm(take)
     try:

@@ -284,8 +284,10 @@ def test_the_same_assignments_eagerly_mean_plain_python_then_functionalize_again
     assert float(out) == (5.0 + 1.0 + 1.0) * 2
     drops = dec.Drops()
     drops.drop()
-    _, states = drops.functionalize()
-    assert states == {}
+    f, states = drops.functionalize()
+    # The dropped sub-model's state is a None placeholder: no arrays, and f means plain Python.
+    assert states == {"sub": None} and jax.tree.leaves(states) == []
+    assert float(jax.jit(f)(states, 1.0)[0]) == 1.0
 
 
 def test_copies_and_pickles_of_a_reset_sub_model_are_independent(pair: Any) -> None:
