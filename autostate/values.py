@@ -1,0 +1,402 @@
+"""The one table of value kinds: what kind of value is this, and what can be done with it.
+
+Every question of the form "what kind of value is this" that autostate asks
+goes through ``kind_of``: is it an array, a Python number, static data that is
+never a pytree child, a container code can change in place, a container JAX
+takes as one leaf. Each kind is one ``Kind`` record; what varies per kind (how
+to copy it before an in-place operator, how to write or delete one item as a
+functional update, how to take a container JAX does not flatten apart) hangs
+off the record, not off ``isinstance`` branches at the call sites.
+
+The kind of a value is the kind of its type: ``kind_of`` looks the type up in
+a dict, and the first time it meets a type it classifies it by its method
+resolution order (a ``Counter`` is a dict subclass, ``numpy.float64`` a numpy
+scalar before it is a float) and remembers the answer. Tracers are arrays.
+
+The questions, each asked in one place:
+
+* ``Kind.array``: data JAX computes with -- a JAX array (concrete or traced),
+  a numpy array or a numpy scalar (``is_array``); with ``jax.ShapeDtypeStruct``,
+  ``is_array_or_spec``.
+* ``Kind.number``: a Python number (``bool``, ``int``, ``float``, ``complex``,
+  an ``IntEnum`` member), which becomes an array where one is needed.
+* ``Kind.atom``: a number, ``str``, ``bytes`` or ``None``: it holds no other
+  value, so no walk looks inside it (``holds_nothing`` adds arrays).
+* ``Kind.static``: never a pytree child of a model -- atoms, enum members,
+  classes, functions, methods, modules: static aux data wherever it sits.
+* ``Kind.mutable``: a builtin container code changes in place (``list``,
+  ``dict``, ``set``, ``bytearray``, ``deque`` and their subclasses): held
+  outside states it is snapshotted around a traced call and copied, item by
+  item, into each model a graphdef rebuilds.
+* ``Kind.copy``: a shallow copy of a container an in-place operator changes
+  (the mutable kinds and ``UserDict``/``UserList``); state never changes in
+  place, so ``self.x += v`` runs the operator on a copy.
+* ``Kind.update`` / ``Kind.delete``: ``c[k] = v`` / ``del c[k]`` as a copy of
+  the same type (``self.x[k] = v`` on a state).
+* ``Kind.items``: a container JAX takes as one leaf (a dict or list subclass,
+  a ``deque``, a ``UserDict``/``UserList``) as a plain dict or list of its
+  items; whether JAX flattens the type after all (``OrderedDict``) is asked of
+  JAX at the call, since a type may be registered after it was first met.
+* ``Kind.sealed``: a collection the model graph does not walk into (``set``,
+  ``frozenset``, ``deque``): a sub-model inside one would not be functionalized.
+
+This module imports nothing from autostate.
+
+Example:
+    >>> import collections
+    >>> from autostate import values
+    >>> values.kind_of(collections.Counter(a=1)) is values.DICT_SUBCLASS
+    True
+    >>> values.kind_of(jnp.zeros(3)).array, values.kind_of(3).static
+    (True, True)
+    >>> d = collections.deque([1, 2])
+    >>> values.kind_of(d).update(d, 0, 9), d
+    (deque([9, 2]), deque([1, 2]))
+"""
+
+from __future__ import annotations
+
+import collections
+import copy as _copy
+import dataclasses
+import enum
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "Kind",
+    "kind_of",
+    "is_array",
+    "is_array_or_spec",
+    "is_python_number",
+    "holds_nothing",
+    "is_mutable",
+    "is_mutable_static",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kind:
+    """One kind of value: the answers to the questions above, and its operations.
+
+    Args:
+        name: the kind's name, as ``repr`` shows it.
+        array: JAX or numpy array data (a tracer too).
+        spec: an abstract array (``jax.ShapeDtypeStruct``).
+        number: a Python number.
+        atom: holds no other value (a number, ``str``, ``bytes``, ``None``).
+        static: never a pytree child of a model.
+        mutable: a builtin container code changes in place.
+        sealed: a collection the model graph does not walk into.
+        copy: shallow copy of the same type, for a container an in-place
+            operator would change; ``None`` for values that do not change in place.
+        update: ``(c, key, v) -> copy of c with c[key] = v``; ``None`` if the
+            kind takes no item writes.
+        delete: ``(c, key) -> copy of c without c[key]``; ``None`` if unsupported.
+        items: ``c -> its items as a plain dict or list``, for a container JAX
+            may take as one leaf; ``None`` for other kinds.
+    """
+
+    name: str
+    array: bool = False
+    spec: bool = False
+    number: bool = False
+    atom: bool = False
+    static: bool = False
+    mutable: bool = False
+    sealed: bool = False
+    copy: Callable[[Any], Any] | None = None
+    update: Callable[[Any, Any, Any], Any] | None = None
+    delete: Callable[[Any, Any], Any] | None = None
+    items: Callable[[Any], dict | list] | None = None
+
+    def __repr__(self) -> str:
+        return f"<value kind {self.name}>"
+
+
+# --- per-kind operations ----------------------------------------------------------
+
+
+def _array_update(a: Any, key: Any, v: Any) -> Any:
+    return a.at[key].set(v)
+
+
+def _numpy_update(a: Any, key: Any, v: Any) -> Any:
+    out = a.copy()
+    out[key] = v
+    return out
+
+
+def _object_update(c: Any, key: Any, v: Any) -> Any:
+    # Another array type with JAX's ``.at`` (the only objects taking item writes).
+    return c.at[key].set(v)
+
+
+def _list_copy(c: Any) -> Any:
+    return list(c)
+
+
+def _dict_copy(c: Any) -> Any:
+    return dict(c)
+
+
+def _updated_with(copy: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    def update(c: Any, key: Any, v: Any) -> Any:
+        new = copy(c)
+        new[key] = v
+        return new
+
+    return update
+
+
+def _deleted_with(copy: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def delete(c: Any, key: Any) -> Any:
+        new = copy(c)
+        del new[key]
+        return new
+
+    return delete
+
+
+def _tuple_update(c: Any, key: Any, v: Any) -> Any:
+    items = list(c)
+    items[key] = v
+    # (A tuple subclass with ``_fields`` is built from its items, as a named tuple is.)
+    return type(c)(*items) if hasattr(c, "_fields") else tuple(items)
+
+
+def _own_dict_items(c: Any) -> dict:
+    return dict(dict.items(c))
+
+
+def _user_dict_items(c: Any) -> dict:
+    return dict(c.data)
+
+
+def _user_list_items(c: Any) -> list:
+    return list(c.data)
+
+
+_same_type_copy = _copy.copy  # keeps the subclass (a defaultdict's factory, a deque's maxlen)
+_same_type_update = _updated_with(_same_type_copy)
+_same_type_delete = _deleted_with(_same_type_copy)
+
+
+# --- the kinds ---------------------------------------------------------------------
+
+ARRAY = Kind("array", array=True, update=_array_update)
+"""A JAX array, concrete or traced."""
+NUMPY_ARRAY = Kind("numpy array", array=True, update=_numpy_update)
+NUMPY_SCALAR = Kind("numpy scalar", array=True)
+ARRAY_SPEC = Kind("array spec", spec=True)
+"""``jax.ShapeDtypeStruct``: an array's shape and dtype, no data."""
+
+NUMBER = Kind("number", number=True, atom=True, static=True)
+"""``bool``, ``int``, ``float``, ``complex`` (and subclasses)."""
+TEXT = Kind("text", atom=True, static=True)
+"""``str``, ``bytes`` (and subclasses)."""
+NONE = Kind("None", atom=True, static=True)
+ENUM = Kind("enum member", static=True)
+NUMBER_ENUM = Kind("number enum member", number=True, static=True)
+"""An ``IntEnum``/``IntFlag`` member: an enum member that is also an ``int``."""
+CODE = Kind("code", static=True)
+"""A class, function, method, builtin function or module."""
+
+LIST = Kind(
+    "list", mutable=True, copy=_list_copy, update=_updated_with(_list_copy),
+    delete=_deleted_with(_list_copy),
+)
+DICT = Kind(
+    "dict", mutable=True, copy=_dict_copy, update=_updated_with(_dict_copy),
+    delete=_deleted_with(_dict_copy),
+)
+SET = Kind("set", mutable=True, sealed=True, copy=_same_type_copy)
+BYTEARRAY = Kind("bytearray", mutable=True, copy=_same_type_copy)
+DEQUE = Kind(
+    "deque", mutable=True, sealed=True, copy=_same_type_copy, update=_same_type_update,
+    delete=_same_type_delete, items=list,
+)
+LIST_SUBCLASS = Kind(
+    "list subclass", mutable=True, copy=_same_type_copy, update=_same_type_update,
+    delete=_same_type_delete, items=list,
+)
+"""A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
+DICT_SUBCLASS = Kind(
+    "dict subclass", mutable=True, copy=_same_type_copy, update=_same_type_update,
+    delete=_same_type_delete, items=_own_dict_items,
+)
+"""A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
+USER_DICT = Kind(
+    "UserDict", copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete,
+    items=_user_dict_items,
+)
+USER_LIST = Kind(
+    "UserList", copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete,
+    items=_user_list_items,
+)
+TUPLE = Kind("tuple", update=_tuple_update)
+NAMED_TUPLE = Kind("named tuple", update=_tuple_update)
+"""A tuple subclass with ``_fields`` and ``_make`` (``typing.NamedTuple``: optax's states)."""
+TUPLE_SUBCLASS = Kind("tuple subclass", update=_tuple_update)
+FROZENSET = Kind("frozenset", sealed=True)
+OBJECT = Kind("object", update=None)
+"""Anything else: a decorated instance, a plain object, a registered pytree node."""
+ARRAY_LIKE_OBJECT = Kind("object with .at", update=_object_update)
+
+_CODE_TYPES = (
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
+
+# Base type -> kind, most specific first: the first base a type subclasses decides.
+_BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
+    ((jax.Array, jax.core.Tracer), ARRAY),
+    (np.ndarray, NUMPY_ARRAY),
+    (np.generic, NUMPY_SCALAR),
+    (jax.ShapeDtypeStruct, ARRAY_SPEC),
+    (type(None), NONE),
+    ((int, float, complex), NUMBER),  # (enum members are sorted out before)
+    ((str, bytes), TEXT),
+    (_CODE_TYPES, CODE),
+    (collections.deque, DEQUE),
+    (bytearray, BYTEARRAY),
+    (set, SET),
+    (frozenset, FROZENSET),
+    (collections.UserDict, USER_DICT),
+    (collections.UserList, USER_LIST),
+)
+
+_KIND_BY_TYPE: dict[type, Kind] = {
+    bool: NUMBER, int: NUMBER, float: NUMBER, complex: NUMBER, str: TEXT, bytes: TEXT,
+    type(None): NONE, list: LIST, dict: DICT, tuple: TUPLE, set: SET, frozenset: FROZENSET,
+    bytearray: BYTEARRAY, collections.deque: DEQUE,
+}
+
+
+def _classify(t: type) -> Kind:
+    """The kind of values of type ``t`` (first met: remembered for the type)."""
+    kind: Kind
+    if issubclass(t, enum.Enum):
+        kind = NUMBER_ENUM if issubclass(t, (int, float, complex)) else ENUM
+    elif issubclass(t, tuple):
+        if hasattr(t, "_fields") and hasattr(t, "_make"):
+            kind = NAMED_TUPLE
+        else:
+            kind = TUPLE_SUBCLASS
+    elif issubclass(t, list):
+        kind = LIST_SUBCLASS
+    elif issubclass(t, dict):
+        kind = DICT_SUBCLASS
+    else:
+        kind = next((k for base, k in _BASES if issubclass(t, base)), OBJECT)
+        if kind is OBJECT and hasattr(t, "at"):
+            kind = ARRAY_LIKE_OBJECT
+    _KIND_BY_TYPE[t] = kind
+    return kind
+
+
+def kind_of(value: Any) -> Kind:
+    """The kind of ``value``, decided by its type (one dict look-up once the type is known).
+
+    Args:
+        value: any Python value.
+
+    Returns:
+        Its ``Kind`` record.
+
+    Example:
+        >>> import collections, enum
+        >>> from autostate.values import kind_of
+        >>> kind_of([1]).name, kind_of(collections.deque()).name, kind_of(3.0).name
+        ('list', 'deque', 'number')
+        >>> class Mode(enum.IntEnum):
+        ...     TRAIN = 1
+        >>> kind_of(Mode.TRAIN).name
+        'number enum member'
+    """
+    t = type(value)
+    return _KIND_BY_TYPE.get(t) or _classify(t)
+
+
+def is_array(value: Any) -> bool:
+    """Whether ``value`` is array data: a JAX array (concrete or traced), a numpy array or scalar.
+
+    Example:
+        >>> from autostate.values import is_array
+        >>> is_array(jnp.ones(2)), is_array(np.float32(1)), is_array(1.0)
+        (True, True, False)
+    """
+    return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).array
+
+
+def is_array_or_spec(value: Any) -> bool:
+    """``is_array``, or an abstract array (``jax.ShapeDtypeStruct``).
+
+    Example:
+        >>> from autostate.values import is_array_or_spec
+        >>> is_array_or_spec(jax.ShapeDtypeStruct((2,), jnp.float32))
+        True
+    """
+    kind = _KIND_BY_TYPE.get(type(value)) or _classify(type(value))
+    return kind.array or kind.spec
+
+
+def is_python_number(value: Any) -> bool:
+    """Whether ``value`` is a Python ``bool``, ``int``, ``float`` or ``complex``
+    (a subclass too, ``IntEnum`` members included; numpy scalars are arrays).
+
+    Example:
+        >>> from autostate.values import is_python_number
+        >>> is_python_number(True), is_python_number(np.float64(1)), is_python_number("1")
+        (True, False, False)
+    """
+    return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).number
+
+
+def holds_nothing(value: Any) -> bool:
+    """Whether ``value`` holds no other value: an atom (number, ``str``,
+    ``bytes``, ``None``) or an array. Walks looking for containers or
+    sub-models stop at it.
+
+    Example:
+        >>> from autostate.values import holds_nothing
+        >>> holds_nothing("relu"), holds_nothing(jnp.ones(2)), holds_nothing([1])
+        (True, True, False)
+    """
+    kind = _KIND_BY_TYPE.get(type(value)) or _classify(type(value))
+    return kind.atom or kind.array
+
+
+def is_mutable(value: Any) -> bool:
+    """Whether ``value`` is a builtin container code can change in place:
+    a ``list``, ``dict``, ``set``, ``bytearray`` or ``deque`` (or a subclass).
+
+    Example:
+        >>> import collections
+        >>> from autostate.values import is_mutable
+        >>> is_mutable(collections.OrderedDict()), is_mutable((1, 2)), is_mutable(frozenset())
+        (True, False, False)
+    """
+    return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).mutable
+
+
+def is_mutable_static(value: Any) -> bool:
+    """Whether ``value`` is, or a tuple or named tuple holds (at any depth),
+    a mutable builtin container.
+
+    Example:
+        >>> from autostate.values import is_mutable_static
+        >>> is_mutable_static((1, [2])), is_mutable_static((1, (2,)))
+        (True, False)
+    """
+    kind = _KIND_BY_TYPE.get(type(value)) or _classify(type(value))
+    if kind.mutable:
+        return True
+    return (kind is TUPLE or kind is NAMED_TUPLE) and any(map(is_mutable_static, value))

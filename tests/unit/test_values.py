@@ -1,0 +1,202 @@
+"""``autostate.values``: the table of value kinds, each kind's answers and operations."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import types
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from autostate import values
+from autostate.values import kind_of
+
+
+class Mode(enum.Enum):
+    TRAIN = "train"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+class Pair(typing.NamedTuple):
+    a: typing.Any
+    b: typing.Any
+
+
+class MyList(list):
+    pass
+
+
+class MyDict(dict):
+    pass
+
+
+class MyDeque(collections.deque):
+    pass
+
+
+class MyUserList(collections.UserList):
+    pass
+
+
+class Meta(type):
+    pass
+
+
+class WithMeta(metaclass=Meta):
+    pass
+
+
+_KINDS = [
+    (jnp.ones(2), values.ARRAY),
+    (np.ones(2), values.NUMPY_ARRAY),
+    (np.float64(1.0), values.NUMPY_SCALAR),  # (a float subclass: numpy first)
+    (np.int32(1), values.NUMPY_SCALAR),
+    (jax.ShapeDtypeStruct((2,), jnp.float32), values.ARRAY_SPEC),
+    (True, values.NUMBER),
+    (3, values.NUMBER),
+    (1.5, values.NUMBER),
+    (1j, values.NUMBER),
+    ("relu", values.TEXT),
+    (b"x", values.TEXT),
+    (None, values.NONE),
+    (Mode.TRAIN, values.ENUM),
+    (Level.LOW, values.NUMBER_ENUM),
+    (int, values.CODE),
+    (WithMeta, values.CODE),  # a class whose metaclass is not ``type``
+    (len, values.CODE),
+    (lambda: 0, values.CODE),
+    (types, values.CODE),
+    ([1], values.LIST),
+    ({"a": 1}, values.DICT),
+    ((1,), values.TUPLE),
+    (Pair(1, 2), values.NAMED_TUPLE),
+    ({1}, values.SET),
+    (frozenset({1}), values.FROZENSET),
+    (bytearray(b"ab"), values.BYTEARRAY),
+    (collections.deque([1]), values.DEQUE),
+    (MyDeque([1]), values.DEQUE),
+    (MyList([1]), values.LIST_SUBCLASS),
+    (collections.Counter(a=1), values.DICT_SUBCLASS),
+    (collections.OrderedDict(a=1), values.DICT_SUBCLASS),
+    (MyDict(a=1), values.DICT_SUBCLASS),
+    (collections.UserDict(a=1), values.USER_DICT),
+    (MyUserList([1]), values.USER_LIST),
+    (functools.partial(print), values.OBJECT),
+    (object(), values.OBJECT),
+]
+
+
+@pytest.mark.parametrize(("value", "kind"), _KINDS, ids=[repr(k) + str(i) for i, (_, k) in enumerate(_KINDS)])
+def test_each_value_has_its_kind(value, kind):
+    assert kind_of(value) is kind
+    assert kind_of(value) is kind  # (the second look-up is the remembered one)
+
+
+def test_a_tracer_is_an_array():
+    seen = []
+
+    def f(x):
+        seen.append((kind_of(x), values.is_array(x), values.holds_nothing(x)))
+        return x
+
+    jax.jit(f)(1.0)
+    jax.grad(f)(1.0)
+    assert seen == [(values.ARRAY, True, True)] * 2
+
+
+def test_is_array_and_spec():
+    assert values.is_array(jnp.ones(2)) and values.is_array(np.float32(1))
+    assert not values.is_array(1.0) and not values.is_array([jnp.ones(2)])
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    assert not values.is_array(spec) and values.is_array_or_spec(spec)
+
+
+def test_python_numbers_are_not_numpy_scalars():
+    assert [values.is_python_number(v) for v in (True, 2, 2.0, 2j, Level.LOW)] == [True] * 5
+    assert not values.is_python_number(np.float64(2.0))
+    assert not values.is_python_number(Mode.TRAIN) and not values.is_python_number("2")
+
+
+def test_static_values_are_never_children():
+    for value in (3, "s", None, Mode.TRAIN, Level.LOW, int, len, types):
+        assert kind_of(value).static, value
+    for value in (jnp.ones(2), [1], (1,), {"a": 1}, functools.partial(print)):
+        assert not kind_of(value).static, value
+
+
+def test_mutable_containers_include_subclasses_and_deque():
+    mutable = [[1], {"a": 1}, {1}, bytearray(b"a"), collections.deque(), MyList(), MyDict(),
+               collections.Counter()]
+    assert all(values.is_mutable(v) for v in mutable)
+    for value in ((1,), frozenset(), "s", collections.UserList(), jnp.ones(2)):
+        assert not values.is_mutable(value)
+    assert values.is_mutable_static((1, Pair([2], 3))) and not values.is_mutable_static((1, (2,)))
+
+
+@pytest.mark.parametrize(
+    "container",
+    [[1, 2], MyList([1, 2]), collections.deque([1, 2]), collections.UserList([1, 2]),
+     {0: 1, 1: 2}, collections.OrderedDict({0: 1, 1: 2}), collections.UserDict({0: 1, 1: 2}),
+     collections.defaultdict(list, {0: 1, 1: 2})],
+    ids=lambda c: type(c).__name__,
+)
+def test_copy_update_delete_keep_the_type_and_leave_the_original(container):
+    kind = kind_of(container)
+    before = list(container.items()) if hasattr(container, "items") else list(container)
+    copied = kind.copy(container)
+    assert type(copied) is type(container) and copied == container and copied is not container
+    updated = kind.update(container, 0, 9)
+    assert type(updated) is type(container) and updated[0] == 9
+    deleted = kind.delete(container, 0)
+    assert type(deleted) is type(container) and len(deleted) == 1
+    after = list(container.items()) if hasattr(container, "items") else list(container)
+    assert after == before  # the original is unchanged
+    if isinstance(container, collections.defaultdict):
+        assert updated.default_factory is list
+
+
+def test_tuples_update_as_new_tuples():
+    assert kind_of((1, 2)).update((1, 2), 0, 9) == (9, 2)
+    new = kind_of(Pair(1, 2)).update(Pair(1, 2), 1, 9)
+    assert type(new) is Pair and new == Pair(1, 9)
+    assert kind_of((1, 2)).delete is None and kind_of((1, 2)).copy is None
+
+
+def test_arrays_update_functionally():
+    a = jnp.zeros(3)
+    assert list(kind_of(a).update(a, 1, 5.0)) == [0.0, 5.0, 0.0] and list(a) == [0.0] * 3
+    n = np.zeros(3)
+    out = kind_of(n).update(n, 1, 5.0)
+    assert list(out) == [0.0, 5.0, 0.0] and list(n) == [0.0] * 3
+    assert kind_of(np.float32(1)).update is None and kind_of({1}).update is None
+
+
+def test_items_of_containers_jax_takes_as_one_leaf():
+    assert values.DICT_SUBCLASS.items(collections.Counter(a=2)) == {"a": 2}
+    assert type(values.DICT_SUBCLASS.items(collections.Counter(a=2))) is dict
+    assert values.DEQUE.items(collections.deque([1, 2])) == [1, 2]
+    assert values.USER_DICT.items(collections.UserDict(a=1)) == {"a": 1}
+    assert values.USER_LIST.items(MyUserList([3])) == [3]
+    assert kind_of([1]).items is None and kind_of({"a": 1}).items is None  # JAX flattens these
+    assert kind_of({1}).items is None
+
+
+def test_sealed_collections_are_the_ones_the_graph_does_not_walk():
+    sealed = [v for v in ({1}, frozenset(), collections.deque(), MyDeque(), [1], (1,), {})
+              if kind_of(v).sealed]
+    assert [type(v) for v in sealed] == [set, frozenset, collections.deque, MyDeque]
+
+
+def test_holds_nothing():
+    for value in (1, 2.0, "s", b"b", None, jnp.ones(2), np.ones(2)):
+        assert values.holds_nothing(value), value
+    for value in ([1], (1,), Mode.TRAIN, object(), functools.partial(print)):
+        assert not values.holds_nothing(value), value
