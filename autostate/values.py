@@ -17,7 +17,8 @@ The questions, each asked in one place:
 
 * ``Kind.array``: data JAX computes with -- a JAX array (concrete or traced),
   a numpy array or a numpy scalar (``is_array``); with ``jax.ShapeDtypeStruct``,
-  ``is_array_or_spec``.
+  ``is_array_or_spec``. ``Kind.numpy``: numpy data (``is_numpy``), which
+  state converts to a JAX array.
 * ``Kind.number``: a Python number (``bool``, ``int``, ``float``, ``complex``,
   an ``IntEnum`` member), which becomes an array where one is needed.
 * ``Kind.atom``: a number, ``str``, ``bytes`` or ``None``: it holds no other
@@ -72,10 +73,12 @@ __all__ = [
     "kind_of",
     "is_array",
     "is_array_or_spec",
+    "is_numpy",
     "is_python_number",
     "holds_nothing",
     "is_mutable",
     "is_mutable_static",
+    "copy_static",
 ]
 
 
@@ -86,6 +89,7 @@ class Kind:
     Args:
         name: the kind's name, as ``repr`` shows it.
         array: JAX or numpy array data (a tracer too).
+        numpy: a numpy array or scalar.
         spec: an abstract array (``jax.ShapeDtypeStruct``).
         number: a Python number.
         atom: holds no other value (a number, ``str``, ``bytes``, ``None``).
@@ -103,6 +107,7 @@ class Kind:
 
     name: str
     array: bool = False
+    numpy: bool = False
     spec: bool = False
     number: bool = False
     atom: bool = False
@@ -190,8 +195,8 @@ _same_type_delete = _deleted_with(_same_type_copy)
 
 ARRAY = Kind("array", array=True, update=_array_update)
 """A JAX array, concrete or traced."""
-NUMPY_ARRAY = Kind("numpy array", array=True, update=_numpy_update)
-NUMPY_SCALAR = Kind("numpy scalar", array=True)
+NUMPY_ARRAY = Kind("numpy array", array=True, numpy=True, update=_numpy_update)
+NUMPY_SCALAR = Kind("numpy scalar", array=True, numpy=True)
 ARRAY_SPEC = Kind("array spec", spec=True)
 """``jax.ShapeDtypeStruct``: an array's shape and dtype, no data."""
 
@@ -207,35 +212,60 @@ CODE = Kind("code", static=True)
 """A class, function, method, builtin function or module."""
 
 LIST = Kind(
-    "list", mutable=True, copy=_list_copy, update=_updated_with(_list_copy),
+    "list",
+    mutable=True,
+    copy=_list_copy,
+    update=_updated_with(_list_copy),
     delete=_deleted_with(_list_copy),
 )
 DICT = Kind(
-    "dict", mutable=True, copy=_dict_copy, update=_updated_with(_dict_copy),
+    "dict",
+    mutable=True,
+    copy=_dict_copy,
+    update=_updated_with(_dict_copy),
     delete=_deleted_with(_dict_copy),
 )
 SET = Kind("set", mutable=True, sealed=True, copy=_same_type_copy)
 BYTEARRAY = Kind("bytearray", mutable=True, copy=_same_type_copy)
 DEQUE = Kind(
-    "deque", mutable=True, sealed=True, copy=_same_type_copy, update=_same_type_update,
-    delete=_same_type_delete, items=list,
+    "deque",
+    mutable=True,
+    sealed=True,
+    copy=_same_type_copy,
+    update=_same_type_update,
+    delete=_same_type_delete,
+    items=list,
 )
 LIST_SUBCLASS = Kind(
-    "list subclass", mutable=True, copy=_same_type_copy, update=_same_type_update,
-    delete=_same_type_delete, items=list,
+    "list subclass",
+    mutable=True,
+    copy=_same_type_copy,
+    update=_same_type_update,
+    delete=_same_type_delete,
+    items=list,
 )
 """A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
 DICT_SUBCLASS = Kind(
-    "dict subclass", mutable=True, copy=_same_type_copy, update=_same_type_update,
-    delete=_same_type_delete, items=_own_dict_items,
+    "dict subclass",
+    mutable=True,
+    copy=_same_type_copy,
+    update=_same_type_update,
+    delete=_same_type_delete,
+    items=_own_dict_items,
 )
 """A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
 USER_DICT = Kind(
-    "UserDict", copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete,
+    "UserDict",
+    copy=_same_type_copy,
+    update=_same_type_update,
+    delete=_same_type_delete,
     items=_user_dict_items,
 )
 USER_LIST = Kind(
-    "UserList", copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete,
+    "UserList",
+    copy=_same_type_copy,
+    update=_same_type_update,
+    delete=_same_type_delete,
     items=_user_list_items,
 )
 TUPLE = Kind("tuple", update=_tuple_update)
@@ -274,9 +304,20 @@ _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
 )
 
 _KIND_BY_TYPE: dict[type, Kind] = {
-    bool: NUMBER, int: NUMBER, float: NUMBER, complex: NUMBER, str: TEXT, bytes: TEXT,
-    type(None): NONE, list: LIST, dict: DICT, tuple: TUPLE, set: SET, frozenset: FROZENSET,
-    bytearray: BYTEARRAY, collections.deque: DEQUE,
+    bool: NUMBER,
+    int: NUMBER,
+    float: NUMBER,
+    complex: NUMBER,
+    str: TEXT,
+    bytes: TEXT,
+    type(None): NONE,
+    list: LIST,
+    dict: DICT,
+    tuple: TUPLE,
+    set: SET,
+    frozenset: FROZENSET,
+    bytearray: BYTEARRAY,
+    collections.deque: DEQUE,
 }
 
 
@@ -348,6 +389,17 @@ def is_array_or_spec(value: Any) -> bool:
     return kind.array or kind.spec
 
 
+def is_numpy(value: Any) -> bool:
+    """Whether ``value`` is a numpy array or a numpy scalar.
+
+    Example:
+        >>> from autostate.values import is_numpy
+        >>> is_numpy(np.float32(1)), is_numpy(np.ones(2)), is_numpy(jnp.ones(2))
+        (True, True, False)
+    """
+    return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).numpy
+
+
 def is_python_number(value: Any) -> bool:
     """Whether ``value`` is a Python ``bool``, ``int``, ``float`` or ``complex``
     (a subclass too, ``IntEnum`` members included; numpy scalars are arrays).
@@ -400,3 +452,49 @@ def is_mutable_static(value: Any) -> bool:
     if kind.mutable:
         return True
     return (kind is TUPLE or kind is NAMED_TUPLE) and any(map(is_mutable_static, value))
+
+
+def copy_static(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with its mutable builtin containers copied, at any depth
+    (``memo`` keeps two references to one container one); tuples and named
+    tuples are rebuilt only around a copy; other objects are shared.
+
+    A graphdef keeps the copy a flatten made, and each model rebuilt from it
+    gets copies of its own: a static list then means its value when the
+    graphdef was made (jit's cache compares graphdefs), and a change in place
+    inside one model (an eager call, a trace) reaches no other.
+
+    Example:
+        >>> from autostate.values import copy_static
+        >>> inner = [1]
+        >>> out = copy_static((inner, "a", inner), {})
+        >>> out == (inner, "a", inner), out[0] is inner, out[0] is out[2]
+        (True, False, True)
+    """
+    kind = _KIND_BY_TYPE.get(type(value)) or _classify(type(value))
+    if not kind.mutable and kind is not TUPLE and kind is not NAMED_TUPLE:
+        return value
+    found = memo.get(id(value))
+    if found is not None:
+        return found
+    new: Any
+    if kind is TUPLE or kind is NAMED_TUPLE:
+        items = tuple(copy_static(v, memo) for v in value)
+        if all(a is b for a, b in zip(items, value)):
+            new = value
+        else:
+            new = items if kind is TUPLE else type(value)._make(items)
+    elif kind is SET or kind is BYTEARRAY:
+        new = _copy.copy(value)  # hashable or int items: nothing inside to copy
+    else:
+        new = _copy.copy(value)  # keeps the subclass (a defaultdict's factory)
+        memo[id(value)] = new
+        if kind is DICT or kind is DICT_SUBCLASS:
+            for k, v in value.items():
+                dict.__setitem__(new, k, copy_static(v, memo))
+        else:
+            items_list = [copy_static(v, memo) for v in value]
+            new.clear()
+            new.extend(items_list)
+    memo[id(value)] = new
+    return new

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import autostate
 from autostate import values
+from autostate.errors import InvalidTypeError
 from autostate.values import kind_of
 
 
@@ -94,7 +96,9 @@ _KINDS = [
 ]
 
 
-@pytest.mark.parametrize(("value", "kind"), _KINDS, ids=[repr(k) + str(i) for i, (_, k) in enumerate(_KINDS)])
+@pytest.mark.parametrize(
+    ("value", "kind"), _KINDS, ids=[repr(k) + str(i) for i, (_, k) in enumerate(_KINDS)]
+)
 def test_each_value_has_its_kind(value, kind):
     assert kind_of(value) is kind
     assert kind_of(value) is kind  # (the second look-up is the remembered one)
@@ -133,8 +137,16 @@ def test_static_values_are_never_children():
 
 
 def test_mutable_containers_include_subclasses_and_deque():
-    mutable = [[1], {"a": 1}, {1}, bytearray(b"a"), collections.deque(), MyList(), MyDict(),
-               collections.Counter()]
+    mutable = [
+        [1],
+        {"a": 1},
+        {1},
+        bytearray(b"a"),
+        collections.deque(),
+        MyList(),
+        MyDict(),
+        collections.Counter(),
+    ]
     assert all(values.is_mutable(v) for v in mutable)
     for value in ((1,), frozenset(), "s", collections.UserList(), jnp.ones(2)):
         assert not values.is_mutable(value)
@@ -143,9 +155,16 @@ def test_mutable_containers_include_subclasses_and_deque():
 
 @pytest.mark.parametrize(
     "container",
-    [[1, 2], MyList([1, 2]), collections.deque([1, 2]), collections.UserList([1, 2]),
-     {0: 1, 1: 2}, collections.OrderedDict({0: 1, 1: 2}), collections.UserDict({0: 1, 1: 2}),
-     collections.defaultdict(list, {0: 1, 1: 2})],
+    [
+        [1, 2],
+        MyList([1, 2]),
+        collections.deque([1, 2]),
+        collections.UserList([1, 2]),
+        {0: 1, 1: 2},
+        collections.OrderedDict({0: 1, 1: 2}),
+        collections.UserDict({0: 1, 1: 2}),
+        collections.defaultdict(list, {0: 1, 1: 2}),
+    ],
     ids=lambda c: type(c).__name__,
 )
 def test_copy_update_delete_keep_the_type_and_leave_the_original(container):
@@ -190,8 +209,11 @@ def test_items_of_containers_jax_takes_as_one_leaf():
 
 
 def test_sealed_collections_are_the_ones_the_graph_does_not_walk():
-    sealed = [v for v in ({1}, frozenset(), collections.deque(), MyDeque(), [1], (1,), {})
-              if kind_of(v).sealed]
+    sealed = [
+        v
+        for v in ({1}, frozenset(), collections.deque(), MyDeque(), [1], (1,), {})
+        if kind_of(v).sealed
+    ]
     assert [type(v) for v in sealed] == [set, frozenset, collections.deque, MyDeque]
 
 
@@ -200,3 +222,100 @@ def test_holds_nothing():
         assert values.holds_nothing(value), value
     for value in ([1], (1,), Mode.TRAIN, object(), functools.partial(print)):
         assert not values.holds_nothing(value), value
+
+
+# --- the decisions that used to disagree, seen through a model ----------------------
+
+
+@autostate.stateful
+class _Log:
+    def __init__(self, make):
+        self.items = make([1.0])
+
+    def __call__(self, x):
+        self.items += [x]  # an in-place operator on a container state
+        return x
+
+
+class _PlainLog:
+    def __init__(self, make):
+        self.items = make([1.0])
+
+    def __call__(self, x):
+        self.items += [x]
+        return x
+
+
+_CONTAINERS = [list, MyList, collections.deque, MyDeque, collections.UserList]
+
+
+@pytest.mark.parametrize("make", _CONTAINERS, ids=lambda m: m.__name__)
+def test_in_place_operator_on_any_container_state_leaves_states_dicts_alone(make):
+    # Every kind with a ``copy`` is copied before ``+=`` (a list always was; a
+    # deque, a list subclass or a UserList was changed in place, and with it a
+    # states dict handed out before, or the states given to ``freeze``).
+    model, plain = _Log(make), _PlainLog(make)
+    f, states = model.functionalize()
+    kept = list(states["items"])
+    model(2.0)
+    plain(2.0)
+    assert list(model.items) == list(plain.items) == [1.0, 2.0]
+    assert type(model.items) is make
+    assert list(states["items"]) == kept  # the eager call did not reach f's states
+    _, new = f(states, 3.0)
+    assert list(new["items"]) == [1.0, 3.0] and list(states["items"]) == kept
+    frozen = autostate.freeze(f, new)
+    frozen(4.0)
+    assert list(frozen.items) == [1.0, 3.0, 4.0]
+    assert list(new["items"]) == [1.0, 3.0]  # freeze's states are values too
+
+
+@pytest.mark.parametrize("make", _CONTAINERS, ids=lambda m: m.__name__)
+def test_in_place_operator_copies_every_container_kind_alike(make):
+    model = _Log(make)
+    before = model.items
+    model(2.0)
+    assert list(before) == [1.0]  # as a list state always kept it
+    assert model.items is not before
+
+
+@autostate.stateful
+class _Pusher:
+    def __init__(self, log):
+        self.log = log
+        self.push = log.append
+
+    def __call__(self, x):
+        self.push(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "make", [list, MyList, collections.deque, MyDeque], ids=lambda m: m.__name__
+)
+def test_a_builtin_method_of_any_mutable_container_is_refused_alike(make):
+    # f's copy of the model gets its own copy of the container; the method
+    # would still append to the original's.
+    with pytest.raises(InvalidTypeError, match="is a method of a"):
+        _Pusher(make()).functionalize()
+
+
+@autostate.stateful
+class _Leaf:
+    def __init__(self):
+        self.w = jnp.ones(2)
+
+
+@autostate.stateful
+class _Holder:
+    def __init__(self, held):
+        self.held = held
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("make", [collections.deque, MyDeque], ids=lambda m: m.__name__)
+def test_a_model_in_any_sealed_collection_is_refused_alike(make):
+    with pytest.raises(InvalidTypeError, match="which functionalize\\(\\) follows"):
+        _Holder(make([_Leaf()])).functionalize()
