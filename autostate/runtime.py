@@ -65,17 +65,11 @@ from autostate.errors import (
 from autostate.transform import source as _source
 
 _MISSING = object()
-# type -> whether it is a StateSlot; a cache of issubclass, not a registry.
-_IS_SLOT: dict[type, bool] = {}
 
 
 def is_slot(value: Any) -> bool:
     """Whether ``value`` is a slot (of any engine) rather than a plain value."""
-    t = type(value)
-    known = _IS_SLOT.get(t)
-    if known is None:
-        known = _IS_SLOT[t] = issubclass(t, StateSlot)
-    return known
+    return slot_kind(type(value)).is_slot
 
 
 class StateDeclaration:
@@ -192,10 +186,7 @@ _HOST_STORE = 'so a fallback="host" store, which keeps a state as flat arrays, c
 _NUMPY = (np.ndarray, np.generic)
 # numpy dtype kinds a jax array can hold: bool, ints, floats, complex.
 _JAX_KINDS = frozenset("biufc")
-# Slots of the jax engine, whose values are jax arrays (host stores keep theirs).
 _Tracer = jax.core.Tracer
-_JAX_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, HandledLocalStateRef)
-_UNHANDLED_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest)
 # The type of a concrete jax array (no tracer, nothing to convert), learnt
 # from the first one written: building one here would start a backend.
 _CONCRETE_ARRAY: type = type(_MISSING)
@@ -331,96 +322,152 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
     if _HOOKED_SET and type(obj) in _HOOKED_SET:
         setattr(obj, name, value)
         return
-    if type(value) is _CONCRETE_ARRAY:
-        # store_state's common eager write (see there), repeated to save a call.
-        d = obj.__dict__
-        try:
-            slot = d[name]
-        except KeyError:
-            slot = None
-        if type(slot) is FrozenLocalStateRequest:
-            # One line: no debugger's line event between the count and the store.
-            if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
-            else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
-            return
     store_state(obj, name, value)
 
 
 def store_state(obj: Any, name: str, value: Any) -> None:
-    """``set`` without the class's ``__setattr__`` (the descriptor's write)."""
+    """``set`` without the class's ``__setattr__`` (the descriptor's write).
+
+    The one write path: whatever ``obj.__dict__`` holds for ``name`` (its
+    slot, or nothing yet) has a kind in ``_SLOT_KINDS``, and the kind says
+    what the write does. Its first lines are the one fast path, the common
+    eager write: a concrete jax array (never a tracer, never numpy) into an
+    unhandled request. What the request's kind concludes for it, without its
+    checks: they were nine tenths of the write. The request is changed in
+    place only when no one can tell (see ``_sole_holder_count``); otherwise a
+    copy of the model or a saved ``vars()`` may hold it, and a new request
+    keeps their value.
+    """
     d = obj.__dict__
     slot = d.get(name, _MISSING)
     if type(slot) is FrozenLocalStateRequest and type(value) is _CONCRETE_ARRAY:
-        # The common eager write: a concrete jax array (never a tracer, never
-        # numpy) into an unhandled slot. What ``slot.write`` and the guard's
-        # tracer checks conclude for it, without them: they were nine
-        # tenths of the write. The request is changed in place only when no
-        # one can tell (see _sole_holder_count); otherwise a copy of the
-        # model or a saved vars() may hold it, and a new request keeps their
-        # value.
+        # One line: no debugger's line event between the count and the store.
         if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
         else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
         return
-    if type(slot) is HandledLocalStateRef and isinstance(value, _Tracer):
-        # The common traced write: what the checks below conclude for a
-        # tracer (no sub-model, no numpy to convert, a handled slot).
-        slot.write(value)
-        return
+    kind = _SLOT_KINDS.get(type(slot)) or slot_kind(type(slot))
     if type(value) is StateDeclaration and slot is not _MISSING:
         value = _declared_value(obj, name, slot, value)
-    # is_slot inlined: this is the whole of an eager write besides the slot's.
-    known = _IS_SLOT.get(type(slot))
-    if known or (known is None and is_slot(slot)):
-        t = type(slot)
-        if _tree.holds_instance(value):
-            # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
-            # becomes a plain attribute (see make_slot); refused while handled
-            # or traced in a lax body.
-            if t is HandledLocalStateRef or is_guarded(obj) or lax_body_of(obj):
-                _refuse_submodel_swap(obj, name)
-            _dict_setitem(d, name, value)
-            return
-        if t in _JAX_SLOTS and isinstance(value, _NUMPY):
-            value = as_state_value(value, name)
-        if t in _UNHANDLED_SLOTS and is_guarded(obj):
-            _check_unhandled_write(obj, name, slot, value)
-        try:
-            replacement = slot.write(value, name)
-        except (ValueError, TypeError) as err:
-            # A slot that flattens what it stores (a host store) met a dict
-            # whose keys do not sort: said in autostate's words.
-            error = unsortable_keys_error(value, None, name, _HOST_STORE)
-            if error is None or "dictionary keys" not in str(err):
-                raise
-            raise error from None
-        if replacement is not None:
-            _dict_setitem(d, name, replacement)
-        if t is FrozenLocalStateRequest and _CONCRETE_ARRAY is not type(value):
-            _learn_concrete_array(value)
-    else:
-        if name not in _tree.info_of(obj).state:
-            # Code rewritten for another class, running on this instance (a
-            # method borrowed from a decorated class: ``forward = Donor.forward``):
-            # for this class ``name`` is no state, and the write means what
-            # the plain attribute assignment means (the guard included).
-            setattr(obj, name, value)
-            return
-        if slot is _MISSING and is_guarded(obj):
-            default = _class_value(type(obj), name)
-            if default is not _MISSING:
-                # Still the class's static value, part of f's structure: the
-                # same value again is allowed, another one refused.
-                HandledStaticState(None, name, default, False, _tree.info_of(obj).category).write(
-                    value, name
-                )
-                return
-        if (
-            value is not slot
-            and (is_guarded(obj) or lax_body_of(obj))
-            and (_tree.holds_instance(value) or _tree.holds_instance(slot))
-        ):
+    kind.write(kind, obj, name, slot, value)
+
+
+class SlotKind:
+    """What a write does with one kind of slot: an entry of ``_SLOT_KINDS``.
+
+    Each kind of thing ``obj.__dict__`` can hold for a state is described
+    once, here, instead of by a branch in ``store_state``:
+
+    * ``is_slot``: a slot at all (a ``StateSlot``), or a plain value (a
+      sub-model, or nothing yet: the state's first value makes its slot);
+    * ``handled``: the slot of a running functionalized call, which a
+      sub-model cannot replace;
+    * ``jax_values``: the slot holds jax arrays, so a numpy value is
+      converted as ``jax.jit`` would see it;
+    * ``eager_request``: an eager model's own request, which a running call
+      of another category must not give a tracer; its writes teach the fast
+      path the concrete array type;
+    * ``write``: the write itself, ``write(kind, obj, name, slot, value)``.
+    """
+
+    __slots__ = ("is_slot", "handled", "jax_values", "eager_request", "write")
+
+    def __init__(
+        self,
+        write: Callable[[SlotKind, Any, str, Any, Any], None],
+        *,
+        is_slot: bool = True,
+        handled: bool = False,
+        jax_values: bool = False,
+        eager_request: bool = False,
+    ):
+        self.write = write
+        self.is_slot = is_slot
+        self.handled = handled
+        self.jax_values = jax_values
+        self.eager_request = eager_request
+
+
+def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any) -> None:
+    """A write into a slot: the slot's own ``write``, around the checks its
+    kind asks for; the replacement it returns takes its place."""
+    if kind.handled and isinstance(value, _Tracer):
+        slot.write(value)  # the common traced write: nothing below applies to a tracer
+        return
+    if _tree.holds_instance(value):
+        # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
+        # becomes a plain attribute (see make_slot); refused while handled
+        # or traced in a lax body.
+        if kind.handled or is_guarded(obj) or lax_body_of(obj):
             _refuse_submodel_swap(obj, name)
-        _dict_setitem(d, name, make_slot(obj, name, value))
+        _dict_setitem(obj.__dict__, name, value)
+        return
+    if kind.jax_values and isinstance(value, _NUMPY):
+        value = as_state_value(value, name)
+    if kind.eager_request and is_guarded(obj):
+        _check_unhandled_write(obj, name, slot, value)
+    try:
+        replacement = slot.write(value, name)
+    except (ValueError, TypeError) as err:
+        # A slot that flattens what it stores (a host store) met a dict
+        # whose keys do not sort: said in autostate's words.
+        error = unsortable_keys_error(value, None, name, _HOST_STORE)
+        if error is None or "dictionary keys" not in str(err):
+            raise
+        raise error from None
+    if replacement is not None:
+        _dict_setitem(obj.__dict__, name, replacement)
+    if kind.eager_request and _CONCRETE_ARRAY is not type(value):
+        _learn_concrete_array(value)
+
+
+def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> None:
+    """A write where ``__dict__`` holds no slot: nothing yet, or a sub-model."""
+    if name not in _tree.info_of(obj).state:
+        # Code rewritten for another class, running on this instance (a
+        # method borrowed from a decorated class: ``forward = Donor.forward``):
+        # for this class ``name`` is no state, and the write means what
+        # the plain attribute assignment means (the guard included).
+        setattr(obj, name, value)
+        return
+    if held is _MISSING and is_guarded(obj):
+        default = _class_value(type(obj), name)
+        if default is not _MISSING:
+            # Still the class's static value, part of f's structure: the
+            # same value again is allowed, another one refused.
+            HandledStaticState(None, name, default, False, _tree.info_of(obj).category).write(
+                value, name
+            )
+            return
+    if (
+        value is not held
+        and (is_guarded(obj) or lax_body_of(obj))
+        and (_tree.holds_instance(value) or _tree.holds_instance(held))
+    ):
+        _refuse_submodel_swap(obj, name)
+    _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))
+
+
+_EAGER_REQUEST = SlotKind(_write_into_slot, jax_values=True, eager_request=True)
+_FOREIGN_SLOT = SlotKind(_write_into_slot)
+_PLAIN_VALUE = SlotKind(_write_plain, is_slot=False)
+# The kind of each type a state's entry in ``__dict__`` may have. The
+# engine's slots are listed; another ``StateSlot`` (a host store, a copy's
+# state, a lax body's placeholder) is a foreign slot, any other type a plain
+# value: both found once per type by ``slot_kind``.
+_SLOT_KINDS: dict[type, SlotKind] = {
+    InitialLocalStateRequest: _EAGER_REQUEST,
+    FrozenLocalStateRequest: _EAGER_REQUEST,
+    HandledLocalStateRef: SlotKind(_write_into_slot, handled=True, jax_values=True),
+    HandledStaticState: SlotKind(_write_into_slot, handled=True),
+}
+
+
+def slot_kind(t: type) -> SlotKind:
+    """The ``SlotKind`` of a type ``obj.__dict__`` holds for a state."""
+    kind = _SLOT_KINDS.get(t)
+    if kind is None:
+        kind = _SLOT_KINDS[t] = _FOREIGN_SLOT if issubclass(t, StateSlot) else _PLAIN_VALUE
+    return kind
 
 
 def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) -> Any:
@@ -1026,23 +1073,14 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
 
     ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
-    if type(value) is _CONCRETE_ARRAY:
-        # The commonest write, store_state's first case, repeated here to save
-        # the call and the class lookup (most of a write from outside): only
-        # a state's write puts a request into __dict__.
-        d = self.__dict__
-        try:
-            slot = d[name]
-        except KeyError:
-            slot = None
-        if type(slot) is FrozenLocalStateRequest:
-            # One line: no debugger's line event between the count and the store.
-            if slot._holders == _SOLE_HOLDER: slot.state = value  # noqa: E701
-            else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
-            return
-    if type(type(self).__dict__.get(name)) is StateAttribute:
-        # What the descriptor's __set__ does, without the guard and the
-        # descriptor call.
+    if (
+        _SLOT_KINDS.get(type(self.__dict__.get(name)), _PLAIN_VALUE).is_slot
+        or type(type(self).__dict__.get(name)) is StateAttribute
+    ):
+        # A state (only a state puts a slot into __dict__; the instance dict
+        # is looked at first: reading the class's costs more than the write):
+        # what the descriptor's __set__ does, the one write path, without the
+        # guard and the descriptor call.
         store_state(self, name, value)
         return
     check_guarded_write(self, name, value)
