@@ -24,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
-from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects.local_state import (
     CopiedRef,
@@ -47,24 +46,18 @@ from autostate.effects.local_state import (
     eager_lax_body,
     fresh_handler_id,
     handler_cells,
-    holds_escaped_tracer,
     is_static_value,
     run_with_states,
     running_cells,
 )
 from autostate.errors import (
-    AutostateError,
     ControlFlowStateError,
-    EscapedStateError,
     StaticStateError,
-    TracedValueError,
-    escaped_state_message,
     format_error,
-    refusals_raised_again,
     refused,
-    traced_value_error,
     user_location,
 )
+from autostate.guard import CAPTURED, Guard
 
 __all__ = [
     "checkpoint",
@@ -353,7 +346,7 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     JAX traces the body of ``what`` rather than running it once per step, so
     while it runs, a static state (a Python value) of these instances takes
     no new value, and a traced value assigned to one of their attributes
-    that is not state is refused (``runtime.check_guarded_write``): plain
+    that is not state is refused (``guard.check_write``): plain
     Python's loop would change them every step, and a trace would leave a
     count of traces or a tracer. An ``f`` refuses both the same way.
     """
@@ -384,13 +377,15 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     cells = running_cells()
     if not instances and not cells and not captured:
         return call()
-    kept = _statics.mutable_statics(
+    guard = Guard.for_lax_body(
+        what,
         instances,
         [(f"state {cell.name!r}", cell.value) for cell in cells]
         + [(f"state {name!r}", slot.read()) for _, _, slot, name in swapped]
-        + [(_CAPTURED, c) for c in captured],
+        + [(CAPTURED, c) for c in captured],
+        lambda: ((cell.name, cell.value) for cell in running_cells()),
     )
-    call = functools.partial(_checked, call, kept, what)
+    call = functools.partial(_guarded, guard, call)
     if not instances:
         return call()
     for obj, attr, slot in statics:
@@ -422,141 +417,12 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     return out
 
 
-_CAPTURED = "a list or dict it captures"
-
-
-def _checked(call: Callable[[], Any], kept: list[tuple[Any, Any, str]], what: str) -> Any:
-    """``call()``, then ``_check_no_traced_change``; also when it raised: JAX
+def _guarded(guard: Guard, call: Callable[[], Any]) -> Any:
+    """``call()`` under ``guard``; also when it raised the guard looks: JAX
     may meet the body's escaped tracer first (a later trace of the body, or
     where the value is used)."""
-    try:
-        with refusals_raised_again(what):
-            out = call()
-    except BaseException as raised:
-        _check_no_traced_change(kept, what, raised)
-        if not isinstance(raised, Exception):
-            raise  # (a KeyboardInterrupt stands; the containers are put back)
-        explained = explain_traced_value(
-            raised,
-            f"{what}: JAX traces it instead of running it once per step, so its carry and "
-            "operands are traced values, and so is each state it assigns (threaded through "
-            "it), and in a call of f under jax.jit every state",
-            traced_numbers((cell.name, cell.value) for cell in running_cells()),
-        )
-        if explained is not None:
-            raise explained.with_traceback(raised.__traceback__) from None
-        raise
-    _check_no_traced_change(kept, what)
-    return out
-
-
-def _check_no_traced_change(
-    kept: list[tuple[Any, Any, str]], what: str, raised: BaseException | None = None
-) -> None:
-    """Refuses a body that put a traced value into a container a model holds
-    outside its states (a parameter list changed in place: ``leaf.items[0] =
-    v``), and puts the containers' contents back: the value is the body's
-    tracer, which plain Python's loop never makes, and it would escape."""
-    changed = [
-        where for value, contents, where in kept
-        if not _statics.same_contents(value, contents) and contains_tracer(value)
-    ]
-    if not changed:
-        return
-    _statics.restore(kept)
-    if isinstance(raised, AutostateError) or not isinstance(raised, (Exception, type(None))):
-        return  # (autostate's own error about the body, or an interrupt: it stands)
-    names = ", ".join(dict.fromkeys(changed))
-    if all(where == _CAPTURED for where in changed):
-        raise EscapedStateError(
-            format_error(
-                f"{what.capitalize()} changed {_CAPTURED} in place (a variable of the "
-                "enclosing function, or a state read before the call): JAX traces the body "
-                "once instead of running it each step, so the change would hold the body's "
-                "traced value after the call.",
-                where=user_location(),
-                fix="carry the value through the loop (or return it from the branch); for a "
-                "model's state, read it inside the body (`self.items[0] = v`), where its "
-                "changes are threaded.",
-            )
-        )
-    if all(where.startswith("state ") for where in changed):
-        raise EscapedStateError(
-            format_error(
-                f"{what.capitalize()} changed {names} in place through a reference taken "
-                "before the call (`items = self.items` outside the body): autostate threads "
-                "a copy of the state through the body, so the change would hold the body's "
-                "traced value after the call.",
-                where=user_location(),
-                fix="read the state inside the body (`self.items[0] = v`, or "
-                "`items = self.items` there), where its changes are threaded.",
-            )
-        )
-    raise EscapedStateError(
-        format_error(
-            f"{what.capitalize()} changed {names} in place, an attribute that is not "
-            "state: JAX traces the body once instead of running it each step, so the "
-            "change would hold the body's traced value after the call.",
-            where=user_location(),
-            fix="make it state (assign the attribute in one of its class's methods, or "
-            "wrap its value in autostate.state(...) in __init__); a state changed in place "
-            "there is threaded through the body.",
-        )
-    )
-
-
-def traced_numbers(states: Iterable[tuple[str, Any]]) -> list[str]:
-    """The names of the states traced as weakly typed scalars: those that
-    held Python numbers (``self.rate = 0.5``)."""
-    found = []
-    for name, value in states:
-        if isinstance(value, jax.core.Tracer):
-            aval = getattr(value, "aval", None)
-            if getattr(aval, "weak_type", False) and not getattr(aval, "shape", ()):
-                found.append(name)
-    return found
-
-
-_CONCRETE_NEEDED = (
-    jax.errors.ConcretizationTypeError,  # and TracerBoolConversionError
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerIntegerConversionError,
-)
-
-
-def explain_traced_value(
-    raised: BaseException, where_traced: str, numbers: Sequence[str] = ()
-) -> TracedValueError | None:
-    """JAX's error for a traced value used where Python needs a concrete one
-    (``if``, ``float()``, ``numpy``), raised in code that reads state while
-    traced, as a ``TracedValueError`` (of the same JAX type) that says why
-    the value is traced and what to write instead; None for another error.
-    ``numbers``: the states holding Python numbers (traced as scalars)."""
-    if isinstance(raised, AutostateError) or not isinstance(raised, _CONCRETE_NEEDED):
-        return None
-    what = f"A traced value is used where Python needs a concrete one, in {where_traced}."
-    if numbers:
-        shown = ", ".join(repr(name) for name in numbers)
-        what += (
-            f" The state{'s' if len(numbers) > 1 else ''} {shown} "
-            f"{'hold Python numbers' if len(numbers) > 1 else 'holds a Python number'} (or a "
-            "weakly typed scalar), traced like an array: a state (an attribute a method "
-            "assigns) is a leaf of `states`, so that it can take traced values."
-        )
-    jax_lines = []
-    for line in str(raised).strip().splitlines():
-        if line.startswith("See https://"):
-            break
-        jax_lines.append(f"    {line}")
-    message = format_error(
-        what,
-        where=user_location(raised.__traceback__),
-        fix="branch on a traced value with jnp.where or jax.lax.cond (switch, while_loop) "
-        "instead of `if`/`while`, and compute with jnp instead of math or numpy; keep a "
-        "setting Python must read (a flag, a mode) as a bool, int or str, which autostate "
-        "keeps static (one compilation per value), or pass it as a static argument.",
-    )
-    return traced_value_error(raised, "\n".join([message, "  JAX's error:", *jax_lines]))
+    with guard:
+        return call()
 
 
 def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:
@@ -1229,15 +1095,6 @@ def wrapper_name(obj: Any) -> str | None:
         return _TARGETS.get(obj)
     except TypeError:  # unhashable
         return None
-
-
-def check_no_escaped(states: dict[str, Any]) -> None:
-    """Refuses states holding a tracer of a ``lax`` body that has ended."""
-    for name, value in states.items():
-        if holds_escaped_tracer(value):
-            raise EscapedStateError(escaped_state_message(name, user_location()))
-        if type(value) is LostValue:
-            raise value.error()
 
 
 _ROUTES.update(

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib
 import io
-import operator
 import pickle
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -25,8 +23,6 @@ import jax
 import jax.export
 import numpy as np
 
-from autostate import control as _control
-from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
@@ -38,74 +34,12 @@ from autostate.effects.local_state import contains_tracer
 from autostate.errors import (
     InvalidTypeError,
     MethodNotFoundError,
-    StateAccessError,
     StateDictError,
     StateSharingError,
     UnhandledLocalStateError,
     format_error,
-    refusals_raised_again,
 )
-
-
-def _check_unchanged(model_name: str, before: tuple, after: tuple) -> None:
-    """Refuses a traced call that changed the model outside its states.
-
-    Under a transformation the model inside ``f`` is a throwaway copy, so a
-    change that is not a state write (``self.log.append(x)`` on a list that
-    is not state) would vanish silently with the trace.
-    """
-    (old_leaves, old_def), (new_leaves, new_def) = before, after
-    if old_def == new_def and all(a is b for a, b in zip(old_leaves, new_leaves)):
-        return
-    changed = [
-        name
-        for name, a, b in zip(new_def.names, old_leaves, new_leaves)
-        if a is not b
-    ]
-    if old_def != new_def:
-        changed = _changed_attributes(old_def, new_def)
-    _refuse_change(model_name, changed)
-
-
-def _refuse_change(model_name: str, changed: list[str], on_copy: bool = False) -> None:
-    where = f" (at {', '.join(changed[:3])})" if changed else ""
-    lost = (
-        "this call runs on a copy of f's model (its integer, bool and key arrays that are "
-        "not states travel in the states dict and are put into a copy), so the change "
-        "would be lost when the call returns, as under jax.jit/grad/vmap"
-        if on_copy
-        else "under jax.jit/grad/vmap that change would be lost when the call returns"
-    )
-    raise StateAccessError(
-        format_error(
-            f"A functionalized call changed {model_name}'s attributes outside its states"
-            f"{where}, e.g. by mutating a list or dict in place; {lost}.",
-            fix="make the attribute state and assign a new value "
-            "(`self.log = self.log + [x]`), or keep such bookkeeping out of the jitted call.",
-        )
-    )
-
-
-def _changed_attributes(old: Any, new: Any) -> list[str]:
-    """``Class.attr`` of each attribute whose structure differs between two graphdefs."""
-    changed = []
-    for (cls, old_entries), (_, new_entries) in zip(old.instances, new.instances):
-        old_by_name = {entry[0]: entry[1:] for entry in old_entries}
-        new_by_name = {entry[0]: entry[1:] for entry in new_entries}
-        for name in [*old_by_name, *(k for k in new_by_name if k not in old_by_name)]:
-            if not _same_entry(old_by_name.get(name), new_by_name.get(name)):
-                changed.append(f"{cls.__name__}.{name}")
-    return changed
-
-
-def _same_entry(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    try:
-        return all(x is y or (type(x) is type(y) and bool(x == y)) for x, y in zip(a, b))
-    except Exception:  # noqa: BLE001 - an uncomparable value is a change
-        return False
-
+from autostate.guard import Guard
 
 CONSTANT = "constant"
 """The category of non-trainable arrays: ``autostate.constant(...)`` and every
@@ -229,74 +163,6 @@ def check_state_keys(
     )
 
 
-def _check_statics_kept(
-    saved: list[tuple[Any, Any, str]], model_name: str, on_copy: bool = False
-) -> None:
-    """Refuses a traced call (or one on a copy of f's model: ``on_copy``)
-    that changed a container of the model in place."""
-    changed = [where for value, contents, where in saved if not _statics.same_contents(value, contents)]
-    if changed:
-        _refuse_change(model_name, list(dict.fromkeys(changed)), on_copy)
-
-
-_ABSENT = object()
-
-
-def _dict_kept(d: dict[str, Any], before: dict[str, Any]) -> bool:
-    """Whether ``d`` holds exactly the objects ``before`` (its copy) held."""
-    return d.keys() == before.keys() and all(map(operator.is_, d.values(), before.values()))
-
-
-def _put_back(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
-    for obj, before in snapshot:
-        d = obj.__dict__
-        if not _dict_kept(d, before):
-            d.clear()
-            d.update(before)
-
-
-def _check_attributes_kept(snapshot: list[tuple[Any, dict[str, Any]]], traced: bool) -> None:
-    """Refuses a call that changed the model's attributes behind their descriptors.
-
-    Inside a functionalized call every change of the model goes through its
-    states: a state is a slot (a handled reference, or a request of a
-    category the call leaves alone, replaced by each eager write). A value
-    put into ``__dict__`` directly (``vars(self)["x"] = v``,
-    ``self.__dict__.update(...)``), or a key added or removed, bypasses them:
-    the states returned would silently miss it. A ``functools.cached_property``
-    filled or cleared in the call is cached or cleared as Python does it,
-    except under a trace: there a value it computes is dropped afterwards.
-    """
-    for obj, before in snapshot:
-        d = obj.__dict__
-        if _dict_kept(d, before):
-            continue
-        for name in [*before, *(k for k in d if k not in before)]:
-            old, new = before.get(name, _ABSENT), d.get(name, _ABSENT)
-            if old is new or (isinstance(old, StateSlot) and isinstance(new, StateSlot)):
-                continue
-            cached = getattr(type(obj), name, None)
-            if isinstance(cached, functools.cached_property):
-                # Filled, cleared (``del self.inv``, to recompute it after a
-                # write) or both: the cache's own business.
-                if traced and new is not _ABSENT:
-                    # Cached for this trace only: the value may be a tracer,
-                    # so the next call computes it again.
-                    del d[name]
-                continue  # eagerly, cached in f's model as plain Python caches it
-            change = "added" if old is _ABSENT else "removed" if new is _ABSENT else "replaced"
-            raise StateAccessError(
-                format_error(
-                    f"A functionalized call {change} {type(obj).__name__}.{name} in the "
-                    "instance __dict__ directly (`vars(self)[...] = v`, "
-                    "`self.__dict__.update(...)`), bypassing its state: the states the call "
-                    "returns would not have the change.",
-                    fix=f"assign the attribute (`self.{name} = v`), which autostate threads "
-                    "as state, or make that change outside the functionalized call.",
-                )
-            )
-
-
 # Covariant: a FunctionalModel[Net] is one of its __call__ type too (the
 # self-type of ``__call__`` below draws its signature from there).
 M = TypeVar("M", covariant=True)
@@ -343,7 +209,7 @@ class FunctionalModel(Generic[M]):
     """
 
     __slots__ = (
-        "handler_id", "_model", "_flat", "_children", "_guard", "_instances", "__weakref__"
+        "handler_id", "_model", "_flat", "_children", "_guard_ids", "_instances", "__weakref__"
     )
 
     def __init__(
@@ -357,7 +223,7 @@ class FunctionalModel(Generic[M]):
         self._model = model
         self._flat = flat  # (leaves in graph order, graphdef), computed on first flatten
         self._children = children  # (keyed view of the leaves, graphdef)
-        self._guard: frozenset[int] | None = None  # ids of the model's instances
+        self._guard_ids: frozenset[int] | None = None  # ids of the model's instances
         self._instances: list[Any] | None = None  # and the instances themselves
 
     @property
@@ -370,7 +236,7 @@ class FunctionalModel(Generic[M]):
             # The ids the call's guard needs, without walking the new graph
             # again (a walk of every instance on every trace).
             self._instances = instances
-            self._guard = frozenset(map(id, instances))
+            self._guard_ids = frozenset(map(id, instances))
         return self._model
 
     def _flattened(self) -> tuple:
@@ -440,74 +306,75 @@ class FunctionalModel(Generic[M]):
     def _run(
         self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict
     ) -> tuple[Any, dict[str, Any]]:
+        """Calls ``method`` of the model (``__call__`` for None) with ``states``.
+
+        - bind: check the states dict's keys and put the constants it
+          carries into a copy of the model (``_bind``);
+        - guard: snapshot what the call may not change (``_guard``): the
+          instances' attributes, and under a trace (or on a copy) the
+          containers they hold and the flattened graph;
+        - call: run the method with the states bound to this ``f``'s handler;
+          a write to the model that is not a state write is refused as it
+          happens;
+        - check: the new states hold no tracer of a finished ``lax`` body, and
+          nothing outside the states changed; otherwise it is put back and
+          refused (``guard.Guard``);
+        - unbind: return ``(out, new_states)``; the cached flatten of ``f`` is
+          dropped (an eager call may have replaced the states of categories
+          left unhandled, which live in the model).
+        """
+        model = self._bind(states)
+        fn = model if method is None else getattr(model, method)
+        guard = self._guard(model, states, args, kwargs)
+        try:
+            with guard:
+                result = run_with_states(self.handler_id, states, fn, args, kwargs, guard.ids)
+                guard.returned(result[1])
+        finally:
+            self._flat = None
+            self._children = None
+        return result
+
+    def _bind(self, states: dict[str, Any]) -> Any:
+        """The model to call with ``states``: ``f``'s own, or a copy holding the constants."""
         check_state_keys(states, self.state_names(), "f(states, ...)")
-        model: Any = self.model
+        model = self.model
         if self._has_constants():
             model = embed_constants(self.handler_id, model, states)
-        fn = model if method is None else getattr(model, method)
-        # Traced when anything the call sees is: the states, the arguments, or
-        # f's own leaves (f passed into jax.jit) — a model with no states too.
+        return model
+
+    def _guard(self, model: Any, states: dict[str, Any], args: tuple, kwargs: dict) -> Guard:
+        """The guard of one call on ``model``: traced when anything the call sees
+        is (the states, the arguments, or ``f``'s own leaves: ``f`` passed into
+        ``jax.jit``), a model with no states too."""
         flat = self._flat
         traced = (
             contains_tracer(states)
             or (flat is not None and any(isinstance(x, jax.core.Tracer) for x in flat[0]))
             or contains_tracer((args, kwargs))
         )
-        before = None
+        own = model is self._model
+        graph = None
         if traced:
             # Under jit the model was rebuilt from ``_flat``, so that is the
             # flatten before the call; flattening again (with path names)
             # cost a tenth of the trace at 1,000 modules.
-            reuse = flat is not None and model is self._model
-            before = flat if reuse else _tree.flatten_graph(model)
-        instances = self._instances
-        if instances is None or model is not self._model:
+            graph = flat if flat is not None and own else _tree.flatten_graph(model)
+        instances, ids = self._instances, self._guard_ids
+        if instances is None or not own:
             # The instance graph cannot change inside a call (the guard refuses
             # it), so its instances are collected once per model (per call when
             # constants were embedded into a copy).
             instances = _tree.instances_of(model)
-            guard = frozenset(map(id, instances))
-            if model is self._model:
-                self._instances, self._guard = instances, guard
-        else:
-            guard = self._guard  # type: ignore[assignment]
-        snapshot = [(obj, obj.__dict__.copy()) for obj in instances]
+            ids = frozenset(map(id, instances))
+            if own:
+                self._instances, self._guard_ids = instances, ids
         # (A call on a copy, the constants embedded, keeps nothing it changes
         # in place either: refused as under a trace.)
-        copied = model is not self._model
-        saved = _statics.mutable_statics(instances) if traced or copied else ()
-        try:
-            with refusals_raised_again("the call of f"):
-                result = run_with_states(self.handler_id, states, fn, args, kwargs, guard)
-            _control.check_no_escaped(result[1])
-            _check_attributes_kept(snapshot, traced)
-            if saved:
-                _check_statics_kept(saved, type(model).__name__, not traced)
-            if before is not None and not _tree.graph_unchanged(model, *before):
-                _check_unchanged(type(model).__name__, before, _tree.flatten_graph(model))
-        except BaseException as raised:
-            # A refused call leaves no tracer behind, and f as it was.
-            _statics.restore(saved)
-            _put_back(snapshot)
-            explained = (
-                _control.explain_traced_value(
-                    raised,
-                    "a call of f under a JAX transformation (jax.jit, grad, vmap), where "
-                    "every state is traced",
-                    _control.traced_numbers(states.items()),
-                )
-                if traced
-                else None
-            )
-            if explained is not None:
-                raise explained.with_traceback(raised.__traceback__) from None
-            raise
-        finally:
-            # States of categories left unhandled live in the model itself; an
-            # eager call may have replaced them, so the cached flatten is stale.
-            self._flat = None
-            self._children = None
-        return result
+        return Guard.for_call(
+            model, instances, ids,  # type: ignore[arg-type]
+            traced=traced, on_copy=not own, graph=graph, states=states,
+        )
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name in FunctionalModel.__slots__ or name == "model":

@@ -50,7 +50,6 @@ from autostate.effects.local_state import (
     is_static_value,
     lax_body_of,
     recording_state_reads,
-    under_staging_trace,
     unsortable_keys_error,
 )
 from autostate.errors import (
@@ -62,6 +61,8 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.guard import check_write as check_guarded_write
+from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.transform import source as _source
 
 _MISSING = object()
@@ -489,43 +490,6 @@ def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) 
             )
         )
     return declared.value
-
-
-def _refuse_submodel_swap(obj: Any, name: str) -> None:
-    """A functionalized call (or the traced body of an eager model's lax
-    call) cannot add, replace or drop a sub-model."""
-    what = lax_body_of(obj)
-    if what is not None and not is_guarded(obj):
-        raise refused(StateAccessError(
-            format_error(
-                f"{type(obj).__name__}.{name} would hold a new sub-model (a @stateful "
-                f"instance, or a method bound to one) assigned inside {what}; JAX traces "
-                "that body instead of running it per step, so the sub-model would be built "
-                "from traced values and outlive the trace, or be lost when the call returns.",
-                where=user_location(),
-                fix=f"assign `self.{name}` before the lax call (`if self.{name} is None: "
-                f"self.{name} = ...` above it) and use it inside the body; to reset the "
-                f"sub-model inside the body, assign its states instead (`self.{name}.x = ...`).",
-            )
-        ))
-    raise refused(StateAccessError(
-        format_error(
-            f"{type(obj).__name__}.{name} holds (or would hold) a sub-model, a @stateful "
-            "instance (or a method bound to one, or a functools.partial, generator or map "
-            "reaching one); assigning it inside a functionalized call "
-            "would change the model's structure, so the states f takes and returns would no "
-            "longer match the model.",
-            where=user_location(),
-            fix=f"assign `{name}` on the model itself, outside f (for example call the "
-            "method eagerly: `model.reset()`), then call `model.functionalize()` again; "
-            f"to reset the sub-model inside the call, assign its states instead "
-            f"(`self.{name}.x = ...`); to run it with other weights inside the call (a target "
-            "network's copy, merged adapters), keep them in a state "
-            f"(`self.{name}_params = autostate.param_dict(...)`) and build the model from them "
-            f"where it is used (`autostate.load_param_dict(self.{name}, "
-            f"self.{name}_params)(x)`).",
-        )
-    ))
 
 
 def compute_cached_property(compute: Callable[[], Any], obj: Any, name: str) -> Any:
@@ -977,95 +941,6 @@ def dict_of(obj: Any) -> Any:
 def target(obj: Any) -> _Target:
     """Proxy used where a state attribute is one of several assignment targets."""
     return _Target(obj)
-
-
-def check_guarded_write(obj: Any, name: str, value: Any = _MISSING) -> None:
-    """The run-time guard: refuses a non-state write to a model a handler runs.
-
-    Inside a functionalized call (``f(states, ...)``, ``handler((x, states))``)
-    the model is ``f``'s own copy, so a write that is not a state write would
-    be lost when the call returns, or keep a tracer in ``f``; this holds
-    whether the states are traced, concrete or empty, and whatever analysis
-    saw (a wrapped or assigned method, a helper outside the class).
-
-    An eager model is guarded while a lax call whose body reaches it runs:
-    a traced ``value`` assigned to an attribute that is not state would stay
-    in the model as a tracer, so it is refused the same way.
-    """
-    if not is_guarded(obj):
-        if value is not _MISSING:
-            what = lax_body_of(obj)
-            if what is not None:
-                if contains_tracer(value):
-                    _check_lax_body_write(obj, name, what)
-            elif isinstance(value, _Tracer):
-                # (One array: the parameter a PyTorch-style optimizer steps.
-                # Containers are not walked here: a model may hold itself.)
-                _check_concrete_kept(obj, name)
-        return
-    if _state_or_descriptor(obj, name):
-        return
-    if value is not _MISSING and _tree.holds_instance(value):
-        _refuse_submodel_swap(obj, name)  # (no declaration makes a sub-model state)
-    raise refused(StateAccessError(
-        format_error(
-            f"{type(obj).__name__}.{name} is not state, so assigning it inside a "
-            "functionalized call would be lost when the call returns (or leave a JAX tracer "
-            "in the model).",
-            where=user_location(),
-            fix=f"make it state: declare it in __init__ with `self.{name} = "
-            f"autostate.state(...)` (or assign `self.{name}` in a method of the class), or "
-            "assign it outside the functionalized call.",
-        )
-    ))
-
-
-def _state_or_descriptor(obj: Any, name: str) -> bool:
-    """Whether writing ``obj.name`` is a state write, or goes through a property
-    or other data descriptor (whose setter decides): what the guard lets pass."""
-    return name in _tree.info_of(obj).state or hasattr(
-        type(getattr(type(obj), name, None)), "__set__"
-    )
-
-
-def _check_concrete_kept(obj: Any, name: str) -> None:
-    """A traced value assigned to an attribute (not a state) of an eager model
-    that held a concrete array there: the model was made outside the running
-    trace (an optimizer written PyTorch's way, ``model.w = model.w - lr * g``
-    under ``jax.jit``), and would keep the tracer after it."""
-    old = obj.__dict__.get(name, _MISSING)
-    # (A concrete jax array, under jax.jit: made outside it, where a model
-    # built inside holds its tracers. Nothing else says the model is older;
-    # under grad or vmap alone an array made inside may be concrete.)
-    if not isinstance(old, jax.Array) or isinstance(old, _Tracer) or not under_staging_trace():
-        return
-    raise refused(TracedEagerStateError(
-        format_error(
-            f"{type(obj).__name__}.{name} (not a state) held a concrete array and is assigned "
-            "a JAX tracer: the model was made outside the running jax.jit/grad/vmap trace, "
-            "so it would keep a value that only exists inside that trace.",
-            where=user_location(),
-            fix="return the new value from the transformed function and assign it outside, "
-            "or make the model part of what is functionalized (an attribute of the model "
-            "whose f is called, or its own `f, states = model.functionalize()`).",
-        )
-    ))
-
-
-def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
-    if _state_or_descriptor(obj, name):
-        return
-    raise refused(StateAccessError(
-        format_error(
-            f"{type(obj).__name__}.{name} is not state, so a traced value assigned to it "
-            f"inside {what} would stay in the model as a JAX tracer; plain Python's loop "
-            "would have changed it every step.",
-            fix=f"make it state: assign `self.{name} = ...` in a method of the class (the "
-            "decorator does not see a name computed at run time, as in setattr(self, name, "
-            "v), or an assignment in a helper outside the class), or declare it in __init__ "
-            f"with `self.{name} = autostate.state(...)`; or assign it outside the lax call.",
-        )
-    ))
 
 
 def guarded_setattr(self: Any, name: str, value: Any) -> None:
