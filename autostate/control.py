@@ -38,11 +38,9 @@ from autostate.effects.local_state import (
     HandledLocalStateRef,
     InitialLocalStateRequest,
     LocalStateEffectImpl,
-    LostValue,
     StateSlot,
     StaticState,
     _same_static,
-    contains_tracer,
     eager_lax_body,
     fresh_handler_id,
     handler_cells,
@@ -58,6 +56,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import CAPTURED, Guard
+from autostate.lifetime import LostValue, contains_tracer
 
 __all__ = [
     "checkpoint",

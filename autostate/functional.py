@@ -30,7 +30,6 @@ from autostate.effects import (
     StateSlot,
     run_with_states,
 )
-from autostate.effects.local_state import contains_tracer
 from autostate.errors import (
     InvalidTypeError,
     MethodNotFoundError,
@@ -40,6 +39,7 @@ from autostate.errors import (
     format_error,
 )
 from autostate.guard import Guard
+from autostate.lifetime import contains_tracer
 
 CONSTANT = "constant"
 """The category of non-trainable arrays: ``autostate.constant(...)`` and every

@@ -58,14 +58,7 @@ import jax
 from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import StateSlot
-from autostate.effects.local_state import (
-    LostValue,
-    contains_tracer,
-    holds_escaped_tracer,
-    is_guarded,
-    lax_body_of,
-    under_staging_trace,
-)
+from autostate.effects.local_state import is_guarded, lax_body_of
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -79,6 +72,7 @@ from autostate.errors import (
     traced_value_error,
     user_location,
 )
+from autostate.lifetime import LostValue, contains_tracer, holds_escaped_tracer, under_staging_trace
 
 __all__ = [
     "CAPTURED",

@@ -60,13 +60,13 @@ from jax.interpreters import partial_eval as pe
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, StateSlot
-from autostate.effects.local_state import contains_tracer, under_staging_trace
 from autostate.errors import (
     HostStateChangeError,
     HostStateError,
     HostStateTypeError,
     format_error,
 )
+from autostate.lifetime import contains_tracer, under_staging_trace
 
 __all__ = [
     "HostSlot",

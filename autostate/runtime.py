@@ -42,8 +42,6 @@ from autostate.effects import (
     is_running,
 )
 from autostate.effects.local_state import (
-    _check_not_traced,
-    contains_tracer,
     handler_running,
     initial_slot,
     is_guarded,
@@ -63,6 +61,7 @@ from autostate.errors import (
 )
 from autostate.guard import check_write as check_guarded_write
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
+from autostate.lifetime import _check_not_traced, contains_tracer
 from autostate.transform import source as _source
 
 _MISSING = object()

@@ -22,8 +22,8 @@ from jax.lax import scan as plain_scan
 from jax.lax import while_loop
 
 import autostate
-from autostate.effects.local_state import contains_tracer
 from autostate.errors import ControlFlowStateError, EscapedStateError, TracedEagerStateError
+from autostate.lifetime import contains_tracer
 
 
 def _weights(seed: int, n: int = 3) -> jax.Array:

@@ -1566,7 +1566,7 @@ def test_state_written_under_a_transformation_inside_a_method_is_a_clear_error(
             else:
                 jax.jit(lambda f, s, a: _fcall(f, method)(s, a))(f, states, arg)
         assert "fix:" in str(err.value)
-        assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked"
+        assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked"
 
 
 def test_generator_method_calling_a_state_writer(write_module: Loader) -> None:

@@ -1288,7 +1288,7 @@ def test_model_passed_as_an_argument_under_jit_is_refused_clearly(write_module: 
     assert "functionalize" in str(err.value)
     assert "self." in user_frame_line(err.value, dec)
     assert_same(before, snapshot(student))
-    assert not autostate.effects.local_state.contains_tracer(snapshot(student))
+    assert not autostate.lifetime.contains_tracer(snapshot(student))
 
 
 def test_teacher_and_student_in_one_root_train_together(write_module: Loader) -> None:
@@ -1330,7 +1330,7 @@ def test_eager_model_returned_from_jit(write_module: Loader) -> None:
     for x, _ in data_for(2, 3):
         assert_same(template(x), model(x))
     assert_same(snapshot(template), snapshot(model))
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model))
+    assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
 def test_vmapped_ensemble_built_and_trained(write_module: Loader) -> None:
@@ -1468,7 +1468,7 @@ def test_eager_model_inside_the_users_transformation_is_refused(write_module: Lo
     assert int(after["steps"]) == (0 if wrap.startswith("jit") else 1)
     after["steps"] = before["steps"]
     assert_same(before, after)
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model))
+    assert not autostate.lifetime.contains_tracer(snapshot(model))
     model.steps = jnp.zeros((), jnp.int32)
     assert_same(template(x), model(x))  # still a working eager model
 
@@ -1494,7 +1494,7 @@ def test_eager_model_passed_into_the_users_transformation(write_module: Loader, 
     line = user_frame_line(err.value, dec)
     assert "self." in line and "=" in line, line
     assert_same(before, snapshot(model))
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model))
+    assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
 def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: Loader) -> None:

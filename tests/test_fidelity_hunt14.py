@@ -74,7 +74,7 @@ XS = jnp.arange(1.0, 4.0)
 
 
 def no_tracer(model: Any) -> None:
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked into the model"
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:

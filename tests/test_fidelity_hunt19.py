@@ -267,7 +267,7 @@ def test_jit_trace_in_one_thread_while_another_runs_the_model_eagerly(
     assert not t.is_alive()
     assert_same(expected_eager, got_eager, "eager model")
     assert_same(expected_jit, result["jit"], "jit in the other thread")
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked into the model"
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -148,7 +148,7 @@ def pair29(
 
 
 def no_tracer(model: Any) -> None:
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked into the model"
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 def refused_everywhere(

@@ -96,7 +96,7 @@ XS = jnp.stack([V3, V3 * 2, -V3])
 
 
 def no_tracer(model: Any) -> None:
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked into the model"
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 # ======================================================================================

@@ -752,7 +752,7 @@ def test_forward_inside_grad_keeping_its_output_is_refused(write_module: Loader,
     else:  # documented (errors.md): where the escaped tracer is found, the call of f
         assert "'model.last_out'" in str(err.value)
         assert_user_line(err.value, "test_fidelity_hunt35.py")
-    assert not autostate.effects.local_state.contains_tracer(snapshot(trainer))
+    assert not autostate.lifetime.contains_tracer(snapshot(trainer))
 
 
 def test_gradient_accumulation_with_zeroed_grads(write_module: Loader) -> None:
@@ -1491,7 +1491,7 @@ def test_write_to_an_object_outside_f_under_jit_is_refused(write_module: Loader,
             jax.jit(lambda f, s, x: f.write_global(s, x))(f, states, 1.0)
     user_line(err.value, dec, "TALLY.count += 1" if target == "global" else "other.count += 1")
     assert_same(before, snapshot(other))
-    assert not autostate.effects.local_state.contains_tracer(snapshot(other))
+    assert not autostate.lifetime.contains_tracer(snapshot(other))
     assert_same(jnp.float32(1.0), f.write_arg(states, 1.0, dec.Tally())[0], "f still works")
 
 
@@ -1565,7 +1565,7 @@ def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader, 
             jax.jit(lambda f, s, x, c: f(s, x, c))(f, states, X3, c)
     user_line(err.value, dec, "cache.k = cache.k.at[cache.pos].set(x @ self.wk)")
     assert_same(before, snapshot(c))
-    assert not autostate.effects.local_state.contains_tracer(snapshot(c))
+    assert not autostate.lifetime.contains_tracer(snapshot(c))
 
 
 def test_cache_of_another_f_passed_as_an_argument_is_refused(write_module: Loader) -> None:
@@ -1621,7 +1621,7 @@ def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loa
     with raises_autostate(errors.TracedEagerStateError) as err:
         jax.jit(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
     assert "held a concrete array" in str(err.value)
-    assert not autostate.effects.local_state.contains_tracer(vars(m.l1)), vars(m.l1)
+    assert not autostate.lifetime.contains_tracer(vars(m.l1)), vars(m.l1)
     assert_same(before, snapshot(m))
 
 

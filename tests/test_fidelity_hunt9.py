@@ -86,7 +86,7 @@ def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
 
 
 def no_tracer(model: Any) -> None:
-    assert not autostate.effects.local_state.contains_tracer(snapshot(model)), "tracer leaked into the model"
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 # ======================================================================================

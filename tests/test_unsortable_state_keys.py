@@ -410,7 +410,7 @@ def test_other_flatten_errors_are_left_alone() -> None:
         raise ValueError("broken flatten")
 
     jax.tree_util.register_pytree_node(Broken, flatten, lambda aux, children: Broken())
-    from autostate.effects.local_state import contains_tracer
+    from autostate.lifetime import contains_tracer
 
     with pytest.raises(ValueError, match="broken flatten"):
         contains_tracer({"a": Broken()})

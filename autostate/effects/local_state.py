@@ -15,7 +15,9 @@ there. The body is therefore never rebuilt per call, any copy of a reference
 nested handlers with distinct ids only see their own states.
 
 This module knows nothing about source code; it walks trees with
-``autostate.tree``.
+``autostate.tree``. What a value may be (tracer lifetime) is the runtime's
+question: the engine asks it through the slot protocol's hooks
+(``SlotHooks``), which ``autostate.lifetime`` registers.
 """
 
 from __future__ import annotations
@@ -33,20 +35,15 @@ from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import jax
 import numpy as np
-from jax._src import core as _core
 
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
-    ControlFlowStateError,
-    EscapedStateError,
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
     StaticStateError,
-    TracedEagerStateError,
     UnhandledLocalStateError,
-    escaped_state_message,
     format_error,
     refused,
     user_location,
@@ -121,6 +118,59 @@ def _running_cells(handler_id: Hashable) -> dict[str, LocalStateEffectImpl] | No
     return None if entry is None else entry[1]
 
 
+class SlotHooks:
+    """What the runtime decides about the values a slot holds: the engine asks.
+
+    The engine is penzai's local-state effect. Whether a value may live in a
+    model after the transformation that made it (tracer lifetime), and what
+    a read of a handled state may not return, are the runtime's questions,
+    answered by the hooks it registers with ``register_slot_hooks``. These
+    defaults are penzai's: no trace is tracked and nothing is refused.
+
+    * ``current_trace()``: the JAX trace running now, or ``None``; a model
+      built (or frozen) now lives in it, its *home*, and a call started now
+      records it;
+    * ``check_write(value, label, home)``: called by an eager request's
+      ``write``; raises for a value a model living in ``home`` cannot keep,
+      and returns a note the new request keeps (``_with_unsortable``);
+    * ``check_initial(value, label)``: the same for a state's first value;
+    * ``check_read(name, value)``: called by a handled reference's ``read``;
+      raises for a value with no plain meaning;
+    * ``holds_tracer(value)``: whether ``value`` holds a JAX tracer (error
+      wording only).
+    """
+
+    __slots__ = ("current_trace", "check_write", "check_initial", "check_read", "holds_tracer")
+
+    def __init__(self) -> None:
+        self.current_trace: Callable[[], Any] = lambda: None
+        self.check_write: Callable[[Any, str | None, Any], Any] = lambda value, label, home: None
+        self.check_initial: Callable[[Any, str | None], Any] = lambda value, label: None
+        self.check_read: Callable[[str, Any], None] = lambda name, value: None
+        self.holds_tracer: Callable[[Any], bool] = lambda value: False
+
+
+_hooks = SlotHooks()
+
+
+def register_slot_hooks(**hooks: Callable[..., Any]) -> None:
+    """Registers the runtime's answers to the slot protocol's questions
+    (``SlotHooks``), by name: ``register_slot_hooks(current_trace=...)``."""
+    for name, hook in hooks.items():
+        if name not in SlotHooks.__slots__:
+            raise InvalidArgumentError(f"no slot hook named {name!r}: {SlotHooks.__slots__}")
+        setattr(_hooks, name, hook)
+
+
+def running_call_traces() -> Iterator[Any]:
+    """The trace each running functionalized call started in (``current_trace``
+    when it started), innermost call of an id last."""
+    for entry in _ACTIVE.get().values():
+        while entry is not None:
+            yield entry[3]
+            entry = entry[2]
+
+
 _handler_counter = itertools.count()
 # ids of the decorated instances of every body a handler is running now: the
 # instances whose non-state writes the run-time guard refuses.
@@ -156,39 +206,6 @@ def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
         _IN_LAX_BODY.reset(token)
 
 
-class LostValue:
-    """What a state holds once the traced body of a lax call (or
-    ``jax.checkpoint``) that assigned it raised: JAX keeps nothing a body
-    that raises computed, so the state has no value plain Python would agree
-    with (its loop kept the assignment). Reading it raises; assigning it
-    gives it a value again.
-    """
-
-    __slots__ = ("name", "what", "raised", "where")
-
-    def __init__(self, name: str, what: str, raised: BaseException, where: str | None):
-        self.name = name
-        self.what = what
-        self.raised = raised
-        self.where = where
-
-    def error(self) -> ControlFlowStateError:
-        """The error a read of the state raises."""
-        return ControlFlowStateError(
-            format_error(
-                f"State {self.name!r} has no value: it was assigned inside {self.what}"
-                f"{f' (at {self.where})' if self.where else ''}, which then raised "
-                f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
-                "and keeps nothing a body that raises computed, so the assignment is lost "
-                "(plain Python would have kept it, unless this is a branch or loop body it "
-                "never runs: JAX traces those too).",
-                fix="let the exception end the call instead of catching it around the lax "
-                "call, or check its condition before the call; or assign the state again "
-                "before reading it.",
-            )
-        )
-
-
 def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
     """The cells of the running handler ``handler_id`` (empty if it is not running)."""
     cells = _running_cells(handler_id)
@@ -219,73 +236,6 @@ def running_cells() -> list[LocalStateEffectImpl]:
             found.extend(entry[1].values())
             entry = entry[2]
     return found
-
-
-def is_escaped_tracer(value: Any) -> bool:
-    """Whether ``value`` is a tracer of a trace that has already ended.
-
-    A state assigned inside a ``jax.lax`` body that autostate did not thread
-    (a raw ``lax.scan`` in a helper outside any class) holds one.
-    """
-    if not isinstance(value, jax.core.Tracer):
-        return False
-    trace = value._trace
-    live = _core.trace_ctx.trace
-    if live is trace:
-        return False  # the common case: a tracer of the trace running now
-    if not trace.is_valid():
-        return True
-    # JAX does not invalidate the trace of a finished lax body, nor that of a
-    # finished ``jax.grad`` (a state written inside ``jax.grad(loss)`` in a
-    # method), so look for the tracer's trace among the live ones. Only a
-    # chain that reaches the eager root is complete (some internal traces
-    # have no parent); short of that, the tracer is given the benefit of the
-    # doubt.
-    while live is not trace:
-        parent = getattr(live, "parent_trace", None)
-        if parent is None:
-            # The chain of a function JAX traces on its own (a custom_jvp's,
-            # a custom_vjp's) reaches the root without the trace of the call
-            # around it, which is live: a functionalized call started in it.
-            # (JAX refuses such a function closing over a value it
-            # differentiates: that one is refused here, at the user's line.)
-            return isinstance(live, _core.EvalTrace) and not (
-                type(trace).__name__ not in _DIFFERENTIATING and _call_started_in(trace)
-            )
-        live = parent
-    return False
-
-
-_DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
-
-
-def _call_started_in(trace: Any) -> bool:
-    """Whether a running functionalized call started in ``trace`` or in a
-    transformation inside it (its trace is then live)."""
-    for entry in _ACTIVE.get().values():
-        while entry is not None:
-            live = entry[3]
-            while live is not None:
-                if live is trace:
-                    return True
-                live = getattr(live, "parent_trace", None)
-            entry = entry[2]
-    return False
-
-
-def holds_escaped_tracer(value: Any) -> bool:
-    """Whether ``value`` is, or a leaf of it (a dict or tuple state) is, an
-    escaped tracer. A single tracer or a concrete leaf is decided without
-    walking a tree: most state reads, and most states a call returns."""
-    if isinstance(value, jax.core.Tracer):
-        return is_escaped_tracer(value)
-    if type(value) in _CONCRETE_LEAF_TYPES:
-        return False
-    try:
-        leaves = jax.tree_util.tree_leaves(value)
-    except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
-    return any(is_escaped_tracer(leaf) for leaf in leaves_within_opaque(leaves))
 
 
 def fresh_handler_id() -> str:
@@ -393,74 +343,9 @@ def _is_iterator(value: Any) -> bool:
     return found
 
 
-def contains_tracer(value: Any) -> bool:
-    """Whether any leaf of ``value`` is a JAX tracer."""
-    t = type(value)
-    if t in _CONCRETE_LEAF_TYPES:
-        return False
-    # (An iterator -- a generator passed to ``f`` -- is a leaf: no tracer
-    # there, and JAX warns when it meets one unasked.)
-    try:
-        leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
-    except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
-        return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
-    if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
-        if opaque_items(value) is not None:
-            return contains_tracer_in_opaque(value)
-        _CONCRETE_LEAF_TYPES.add(t)
-        return False
-    return any(
-        isinstance(leaf, jax.core.Tracer)
-        or (type(leaf) not in _CONCRETE_LEAF_TYPES and contains_tracer_in_opaque(leaf))
-        for leaf in leaves
-    )
-
-
-def contains_tracer_in_opaque(leaf: Any) -> bool:
-    """Whether a tracer is among the items of a container JAX took as one leaf."""
-    return any(isinstance(x, jax.core.Tracer) for x in leaves_within_opaque([leaf]))
-
-
 # Ids of the containers ``opaque_items`` is taking apart now: one that holds
 # itself is taken apart once.
 _EXPANDING: set[int] = set()
-
-
-def _trace_of(tracer: Any) -> Any:
-    return getattr(tracer, "_trace", None)
-
-
-def current_trace() -> Any:
-    """The JAX trace running now, or ``None`` outside every transformation."""
-    trace = getattr(_core, "trace_ctx", None)
-    trace = getattr(trace, "trace", None)
-    return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
-
-
-def _trace_chain(trace: Any) -> Iterator[Any]:
-    """``trace`` and the traces it runs inside, innermost first."""
-    while trace is not None and not isinstance(trace, _core.EvalTrace):
-        yield trace
-        trace = getattr(trace, "parent_trace", None)
-
-
-def under_staging_trace() -> bool:
-    """Whether a trace that stages a program (``jax.jit``, a lax body) runs
-    now, around or at the current one: arrays made there are its tracers,
-    so a concrete array was made outside it (under ``grad`` or ``vmap``
-    alone an array made inside may be concrete)."""
-    return any(type(t).__name__ == "DynamicJaxprTrace" for t in _trace_chain(current_trace()))
-
-
-def _enclosing_traces(trace: Any) -> set[int]:
-    """Ids of ``trace`` and of the traces it runs inside."""
-    return set(map(id, _trace_chain(trace)))
-
-
-def _live_traces() -> set[int]:
-    """Ids of the running trace and of the traces it runs inside."""
-    return _enclosing_traces(current_trace())
 
 
 # (state name, the user's line that assigned it): where a state was given a
@@ -508,18 +393,6 @@ def _leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
     if not unsortable:
         raise error
     return leaves
-
-
-def _tracers(value: Any) -> tuple[list[Any], bool]:
-    """The tracers among ``value``'s leaves, and whether ``value`` holds a dict
-    whose keys do not sort (a state eager Python keeps, but that JAX cannot
-    flatten: ``unsortable_keys_error`` refuses it where ``f`` would need it)."""
-    try:
-        leaves = jax.tree_util.tree_leaves(value)
-    except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
-        return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
-    return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
 
 
 def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
@@ -607,46 +480,6 @@ def _unsortable_states_error(
     return None
 
 
-def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
-    """Refuses to store a tracer that would outlive its trace in an eager model.
-
-    A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
-    a temporary instance inside a jitted step) lives in that trace, its
-    ``home``: it may keep that trace's values. Any other tracer comes from a
-    transformation of a model built outside it, and would leak.
-
-    Returns ``(name, the user's line)`` when ``value`` holds a dict whose
-    keys do not sort, else None: the slot keeps it for the error raised
-    where the state must be flattened (see ``unsortable_keys_error``).
-    """
-    tracers, unsortable = _tracers(value)
-    where = (name or "?", user_location()) if unsortable else None
-    if not tracers:
-        return where
-    if home is not None:
-        if all(_trace_of(t) is home for t in tracers):
-            return where
-        # A value of a trace the home trace runs inside (the model built inside
-        # ``jax.grad`` of a jitted step, given a value of the ``jit`` trace):
-        # it lives at least as long as the model.
-        around = _enclosing_traces(home)
-        if all(id(_trace_of(t)) in around for t in tracers):
-            return where
-    raise TracedEagerStateError(
-        format_error(
-            f"State {name!r} was assigned a JAX tracer on a model that is not "
-            "functionalized and was built outside the current jax.jit/grad/vmap "
-            "trace: the model would keep a value that only exists inside that trace.",
-            fix="call `f, states = model.functionalize()` and use "
-            "`out, states = f(states, ...)` inside the transformation, build the "
-            "model inside it (values created while it is built are its initial "
-            'values), or decorate the class with @autostate.stateful(fallback="host"); '
-            "inside jax.lax control flow in code @stateful did not rewrite, call "
-            "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
-        )
-    )
-
-
 def _home_of(slot: Any) -> Any:
     """The trace a slot's model was built in (``None``: built outside every trace)."""
     return getattr(slot, "_home", None)
@@ -656,24 +489,6 @@ def _with_home(slot: Any, home: Any) -> Any:
     if home is not None:
         object.__setattr__(slot, "_home", home)
     return slot
-
-
-def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
-    """A state's first value may hold tracers of the running trace (or its parents).
-
-    That is a model being built inside a transformation: its initial values
-    are values of that trace. A tracer of a finished trace is a leak.
-    Returns what ``_check_not_traced`` returns.
-    """
-    tracers, unsortable = _tracers(value)
-    where = (name or "?", user_location()) if unsortable else None
-    if not tracers:
-        return where
-    live = _live_traces()
-    if all(id(_trace_of(t)) in live for t in tracers):
-        return where
-    _check_not_traced(value, name)
-    return where
 
 
 def is_static_value(value: Any) -> bool:
@@ -930,10 +745,10 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     other an ``InitialLocalStateRequest``. Tracers of the running trace are
     accepted: the model is being built inside a transformation.
     """
-    home = current_trace()
+    home = _hooks.current_trace()
     if makes_static_state(value):
         return _with_home(StaticState(value, category, name), home)
-    where = check_initial_value(value, name or label)
+    where = _hooks.check_initial(value, name or label)
     return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
 
 
@@ -1001,7 +816,7 @@ class InitialLocalStateRequest(StateSlot):
     def write(self, value: Any, label: str | None = None) -> Any:
         init = self.state_initializer
         home = init.home if isinstance(init, InitialValue) else None
-        where = _check_not_traced(value, self.name or label, home)
+        where = _hooks.check_write(value, self.name or label, home)
         if isinstance(init, InitialValue) and init.value is None:
             return _written(value, self.category, self.name, home, where)  # the placeholder
         # An eager update gives a value, not an initializer: frozen, so the value
@@ -1090,7 +905,7 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        where = _check_not_traced(value, self.name or label, _home_of(self))
+        where = _hooks.check_write(value, self.name or label, _home_of(self))
         if self.state is None:  # the placeholder: the value decides the kind (see _written)
             return _written(value, self.category, self.name, self._home, where)
         return _with_unsortable(self.replaced(value), where)
@@ -1220,7 +1035,7 @@ class StaticState(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> Any:
         home = _home_of(self)
-        where = _check_not_traced(value, self.name or label, home)
+        where = _hooks.check_write(value, self.name or label, home)
         return _written(value, self.category, self.name, home, where)
 
     def as_request(self) -> StaticState:
@@ -1271,7 +1086,7 @@ class HandledStaticState(StateSlot):
         # A traced value has no value to set on the model, and an array's
         # repr is no example to type: both are described, and "..." stands
         # for them in the fix.
-        literal = is_static_value(value) and not contains_tracer(value)
+        literal = is_static_value(value) and not _hooks.holds_tracer(value)
         shown = repr(value) if literal else _tree.describe(value)
         example = repr(value) if literal else "..."
         raise refused(StaticStateError(
@@ -1607,10 +1422,7 @@ class HandledLocalStateRef(StateSlot):
         reads = _STATE_READS.get()
         if reads is not None:
             reads.append(self.name)
-        if holds_escaped_tracer(value):
-            raise EscapedStateError(escaped_state_message(self.name, user_location()))
-        if type(value) is LostValue:  # (after the check above: tracers come first)
-            raise value.error()
+        _hooks.check_read(self.name, value)
         return value
 
     def write(self, value: Any, label: str | None = None) -> None:
@@ -1664,7 +1476,7 @@ class CopiedRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
         entry = _running_entry(self.ref.handler_id)
-        if entry is None or entry[3] is current_trace():
+        if entry is None or entry[3] is _hooks.current_trace():
             self.value = value
             return None
         self.ref.write(value, label)
@@ -1791,7 +1603,7 @@ def run_with_states(
         name: LocalStateEffectImpl(_own_value(value), name) for name, value in states.items()
     }
     outer = _ACTIVE.get()
-    running = (handler_id, cells, outer.get(handler_id) if outer else None, current_trace())
+    running = (handler_id, cells, outer.get(handler_id) if outer else None, _hooks.current_trace())
     token = _ACTIVE.set({**outer, handler_id: running} if outer else {handler_id: running})
     _ANY_THREAD[id(running)] = running
     outer_guard = _GUARDED.get()
@@ -2111,7 +1923,7 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     there by its class does.
     """
     emitted: set[str] = set()
-    home = current_trace()
+    home = _hooks.current_trace()
 
     def is_target(node: Any) -> bool:
         return type(node) in _HANDLED_TYPES and node.handler_id == handler_id

@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.effects.local_state import current_trace
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.lifetime import current_trace
 
 __all__ = ["KeyLike", "KeyStream", "manual_seed", "next_key", "split_key"]
 

@@ -1,0 +1,297 @@
+"""Tracer lifetime: which JAX values a model may keep, and for how long.
+
+A JAX tracer lives as long as its trace. A model built inside a trace (a
+temporary instance in a jitted step, ``jax.jit(lambda k: Net(k))``) lives
+there too, its *home*, and may keep that trace's values; any other tracer
+stored in an eager model would outlive its trace (a leak), and a handled
+state holding the tracer of a finished trace (a ``lax`` body autostate did
+not thread) has no value. This module answers those questions, in one place:
+
+* ``current_trace`` / ``under_staging_trace``: the trace running now;
+* ``contains_tracer``: whether a value holds a tracer (containers JAX takes
+  as one leaf included);
+* ``is_escaped_tracer`` / ``holds_escaped_tracer``: a tracer of a trace
+  that has ended;
+* ``LostValue``: what a state holds once a traced body that assigned it
+  raised.
+
+The engine (``autostate.effects``) knows nothing of this: it asks through
+the slot protocol's hooks, registered below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax._src import core as _core
+
+from autostate.effects.local_state import (
+    _CONCRETE_LEAF_TYPES,
+    Unsortable,
+    _is_iterator,
+    _leaves_in_own_order,
+    leaves_within_opaque,
+    opaque_items,
+    register_slot_hooks,
+    running_call_traces,
+)
+from autostate.errors import (
+    ControlFlowStateError,
+    EscapedStateError,
+    TracedEagerStateError,
+    escaped_state_message,
+    format_error,
+    user_location,
+)
+
+
+class LostValue:
+    """What a state holds once the traced body of a lax call (or
+    ``jax.checkpoint``) that assigned it raised: JAX keeps nothing a body
+    that raises computed, so the state has no value plain Python would agree
+    with (its loop kept the assignment). Reading it raises; assigning it
+    gives it a value again.
+    """
+
+    __slots__ = ("name", "what", "raised", "where")
+
+    def __init__(self, name: str, what: str, raised: BaseException, where: str | None):
+        self.name = name
+        self.what = what
+        self.raised = raised
+        self.where = where
+
+    def error(self) -> ControlFlowStateError:
+        """The error a read of the state raises."""
+        return ControlFlowStateError(
+            format_error(
+                f"State {self.name!r} has no value: it was assigned inside {self.what}"
+                f"{f' (at {self.where})' if self.where else ''}, which then raised "
+                f"{type(self.raised).__name__}. JAX traces that body instead of running it, "
+                "and keeps nothing a body that raises computed, so the assignment is lost "
+                "(plain Python would have kept it, unless this is a branch or loop body it "
+                "never runs: JAX traces those too).",
+                fix="let the exception end the call instead of catching it around the lax "
+                "call, or check its condition before the call; or assign the state again "
+                "before reading it.",
+            )
+        )
+
+
+def is_escaped_tracer(value: Any) -> bool:
+    """Whether ``value`` is a tracer of a trace that has already ended.
+
+    A state assigned inside a ``jax.lax`` body that autostate did not thread
+    (a raw ``lax.scan`` in a helper outside any class) holds one.
+    """
+    if not isinstance(value, jax.core.Tracer):
+        return False
+    trace = value._trace
+    live = _core.trace_ctx.trace
+    if live is trace:
+        return False  # the common case: a tracer of the trace running now
+    if not trace.is_valid():
+        return True
+    # JAX does not invalidate the trace of a finished lax body, nor that of a
+    # finished ``jax.grad`` (a state written inside ``jax.grad(loss)`` in a
+    # method), so look for the tracer's trace among the live ones. Only a
+    # chain that reaches the eager root is complete (some internal traces
+    # have no parent); short of that, the tracer is given the benefit of the
+    # doubt.
+    while live is not trace:
+        parent = getattr(live, "parent_trace", None)
+        if parent is None:
+            # The chain of a function JAX traces on its own (a custom_jvp's,
+            # a custom_vjp's) reaches the root without the trace of the call
+            # around it, which is live: a functionalized call started in it.
+            # (JAX refuses such a function closing over a value it
+            # differentiates: that one is refused here, at the user's line.)
+            return isinstance(live, _core.EvalTrace) and not (
+                type(trace).__name__ not in _DIFFERENTIATING and _call_started_in(trace)
+            )
+        live = parent
+    return False
+
+
+_DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
+
+
+def _call_started_in(trace: Any) -> bool:
+    """Whether a running functionalized call started in ``trace`` or in a
+    transformation inside it (its trace is then live)."""
+    for live in running_call_traces():
+        while live is not None:
+            if live is trace:
+                return True
+            live = getattr(live, "parent_trace", None)
+    return False
+
+
+def holds_escaped_tracer(value: Any) -> bool:
+    """Whether ``value`` is, or a leaf of it (a dict or tuple state) is, an
+    escaped tracer. A single tracer or a concrete leaf is decided without
+    walking a tree: most state reads, and most states a call returns."""
+    if isinstance(value, jax.core.Tracer):
+        return is_escaped_tracer(value)
+    if type(value) in _CONCRETE_LEAF_TYPES:
+        return False
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+    return any(is_escaped_tracer(leaf) for leaf in leaves_within_opaque(leaves))
+
+
+def contains_tracer(value: Any) -> bool:
+    """Whether any leaf of ``value`` is a JAX tracer."""
+    t = type(value)
+    if t in _CONCRETE_LEAF_TYPES:
+        return False
+    # (An iterator -- a generator passed to ``f`` -- is a leaf: no tracer
+    # there, and JAX warns when it meets one unasked.)
+    try:
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+        return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
+        if opaque_items(value) is not None:
+            return contains_tracer_in_opaque(value)
+        _CONCRETE_LEAF_TYPES.add(t)
+        return False
+    return any(
+        isinstance(leaf, jax.core.Tracer)
+        or (type(leaf) not in _CONCRETE_LEAF_TYPES and contains_tracer_in_opaque(leaf))
+        for leaf in leaves
+    )
+
+
+def contains_tracer_in_opaque(leaf: Any) -> bool:
+    """Whether a tracer is among the items of a container JAX took as one leaf."""
+    return any(isinstance(x, jax.core.Tracer) for x in leaves_within_opaque([leaf]))
+
+
+def _trace_of(tracer: Any) -> Any:
+    return getattr(tracer, "_trace", None)
+
+
+def current_trace() -> Any:
+    """The JAX trace running now, or ``None`` outside every transformation."""
+    trace = getattr(_core, "trace_ctx", None)
+    trace = getattr(trace, "trace", None)
+    return None if trace is None or isinstance(trace, _core.EvalTrace) else trace
+
+
+def _trace_chain(trace: Any) -> Iterator[Any]:
+    """``trace`` and the traces it runs inside, innermost first."""
+    while trace is not None and not isinstance(trace, _core.EvalTrace):
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def under_staging_trace() -> bool:
+    """Whether a trace that stages a program (``jax.jit``, a lax body) runs
+    now, around or at the current one: arrays made there are its tracers,
+    so a concrete array was made outside it (under ``grad`` or ``vmap``
+    alone an array made inside may be concrete)."""
+    return any(type(t).__name__ == "DynamicJaxprTrace" for t in _trace_chain(current_trace()))
+
+
+def _enclosing_traces(trace: Any) -> set[int]:
+    """Ids of ``trace`` and of the traces it runs inside."""
+    return set(map(id, _trace_chain(trace)))
+
+
+def _live_traces() -> set[int]:
+    """Ids of the running trace and of the traces it runs inside."""
+    return _enclosing_traces(current_trace())
+
+
+def _tracers(value: Any) -> tuple[list[Any], bool]:
+    """The tracers among ``value``'s leaves, and whether ``value`` holds a dict
+    whose keys do not sort (a state eager Python keeps, but that JAX cannot
+    flatten: ``unsortable_keys_error`` refuses it where ``f`` would need it)."""
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except (ValueError, TypeError) as err:
+        leaves = _leaves_in_own_order(value, err)
+        return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
+    return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
+
+
+def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
+    """Refuses to store a tracer that would outlive its trace in an eager model.
+
+    A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
+    a temporary instance inside a jitted step) lives in that trace, its
+    ``home``: it may keep that trace's values. Any other tracer comes from a
+    transformation of a model built outside it, and would leak.
+
+    Returns ``(name, the user's line)`` when ``value`` holds a dict whose
+    keys do not sort, else None: the slot keeps it for the error raised
+    where the state must be flattened (see ``unsortable_keys_error``).
+    """
+    tracers, unsortable = _tracers(value)
+    where = (name or "?", user_location()) if unsortable else None
+    if not tracers:
+        return where
+    if home is not None:
+        if all(_trace_of(t) is home for t in tracers):
+            return where
+        # A value of a trace the home trace runs inside (the model built inside
+        # ``jax.grad`` of a jitted step, given a value of the ``jit`` trace):
+        # it lives at least as long as the model.
+        around = _enclosing_traces(home)
+        if all(id(_trace_of(t)) in around for t in tracers):
+            return where
+    raise TracedEagerStateError(
+        format_error(
+            f"State {name!r} was assigned a JAX tracer on a model that is not "
+            "functionalized and was built outside the current jax.jit/grad/vmap "
+            "trace: the model would keep a value that only exists inside that trace.",
+            fix="call `f, states = model.functionalize()` and use "
+            "`out, states = f(states, ...)` inside the transformation, build the "
+            "model inside it (values created while it is built are its initial "
+            'values), or decorate the class with @autostate.stateful(fallback="host"); '
+            "inside jax.lax control flow in code @stateful did not rewrite, call "
+            "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
+        )
+    )
+
+
+def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
+    """A state's first value may hold tracers of the running trace (or its parents).
+
+    That is a model being built inside a transformation: its initial values
+    are values of that trace. A tracer of a finished trace is a leak.
+    Returns what ``_check_not_traced`` returns.
+    """
+    tracers, unsortable = _tracers(value)
+    where = (name or "?", user_location()) if unsortable else None
+    if not tracers:
+        return where
+    live = _live_traces()
+    if all(id(_trace_of(t)) in live for t in tracers):
+        return where
+    _check_not_traced(value, name)
+    return where
+
+
+
+def _check_read(name: str, value: Any) -> None:
+    """A handled state's value read: refused when it has no plain meaning."""
+    if holds_escaped_tracer(value):
+        raise EscapedStateError(escaped_state_message(name, user_location()))
+    if type(value) is LostValue:  # (after the check above: tracers come first)
+        raise value.error()
+
+
+register_slot_hooks(
+    current_trace=current_trace,
+    check_write=_check_not_traced,
+    check_initial=check_initial_value,
+    check_read=_check_read,
+    holds_tracer=contains_tracer,
+)
