@@ -29,9 +29,7 @@ from jax._src import core as _core
 
 from autostate.effects.local_state import (
     _CONCRETE_LEAF_TYPES,
-    Unsortable,
     _is_iterator,
-    _leaves_in_own_order,
     leaves_within_opaque,
     opaque_items,
     register_slot_hooks,
@@ -45,6 +43,7 @@ from autostate.errors import (
     format_error,
     user_location,
 )
+from autostate.unsortable import Unsortable, _leaves_in_own_order
 
 
 class LostValue:

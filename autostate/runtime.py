@@ -48,7 +48,6 @@ from autostate.effects.local_state import (
     is_static_value,
     lax_body_of,
     recording_state_reads,
-    unsortable_keys_error,
 )
 from autostate.errors import (
     InvalidArgumentError,
@@ -63,6 +62,7 @@ from autostate.guard import check_write as check_guarded_write
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import _check_not_traced, contains_tracer
 from autostate.transform import source as _source
+from autostate.unsortable import unsortable_keys_error
 
 _MISSING = object()
 

@@ -118,6 +118,11 @@ def _running_cells(handler_id: Hashable) -> dict[str, LocalStateEffectImpl] | No
     return None if entry is None else entry[1]
 
 
+# What ``SlotHooks.check_write`` returned for a value: kept with the request
+# that holds it, for the runtime's errors (the engine does not look inside).
+WriteNote = Any
+
+
 class SlotHooks:
     """What the runtime decides about the values a slot holds: the engine asks.
 
@@ -137,10 +142,23 @@ class SlotHooks:
     * ``check_read(name, value)``: called by a handled reference's ``read``;
       raises for a value with no plain meaning;
     * ``holds_tracer(value)``: whether ``value`` holds a JAX tracer (error
-      wording only).
+      wording only);
+    * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
+      context, err, notes)``: the error to raise instead of ``err``, what JAX
+      raised flattening a state's value (``context`` says where: ``"states"``,
+      a states dict; ``"threaded"``, states a running call threads), or
+      ``None`` to raise ``err``; ``note`` is what ``check_write`` returned.
     """
 
-    __slots__ = ("current_trace", "check_write", "check_initial", "check_read", "holds_tracer")
+    __slots__ = (
+        "current_trace",
+        "check_write",
+        "check_initial",
+        "check_read",
+        "holds_tracer",
+        "value_flatten_error",
+        "states_flatten_error",
+    )
 
     def __init__(self) -> None:
         self.current_trace: Callable[[], Any] = lambda: None
@@ -148,6 +166,12 @@ class SlotHooks:
         self.check_initial: Callable[[Any, str | None], Any] = lambda value, label: None
         self.check_read: Callable[[str, Any], None] = lambda name, value: None
         self.holds_tracer: Callable[[Any], bool] = lambda value: False
+        self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
+            lambda value, note, name: None
+        )
+        self.states_flatten_error: Callable[
+            [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
+        ] = lambda values, context, err, notes: None
 
 
 _hooks = SlotHooks()
@@ -348,53 +372,6 @@ def _is_iterator(value: Any) -> bool:
 _EXPANDING: set[int] = set()
 
 
-# (state name, the user's line that assigned it): where a state was given a
-# value holding a dict whose keys do not sort.
-Unsortable = tuple[str, "str | None"]
-
-# The dicts JAX flattens in the sorted order of their keys (an OrderedDict
-# keeps its own order, a dict subclass that is no pytree is a leaf).
-_SORTED_DICTS = (dict, collections.defaultdict)
-
-
-def unsortable_dicts(value: Any) -> tuple[list[Any], list[Any]]:
-    """``value``'s leaves, walking its dicts in their own order, and the dicts
-    in it whose keys do not sort (``{Split.TRAIN: ...}`` with a plain Enum,
-    ``{1: a, "x": b}``), which JAX cannot flatten: it orders a dict by its keys.
-    """
-    leaves: list[Any] = []
-    unsortable: list[Any] = []
-
-    def visit(node: Any) -> None:
-        if type(node) in _SORTED_DICTS:
-            try:
-                sorted(node)
-            except Exception:  # whatever the keys' ``<`` raises
-                unsortable.append(node)
-            for child in node.values():
-                visit(child)
-            return
-        for leaf in jax.tree_util.tree_leaves(
-            node, is_leaf=lambda v: v is not node and (type(v) in _SORTED_DICTS or _is_iterator(v))
-        ):
-            if type(leaf) in _SORTED_DICTS:
-                visit(leaf)
-            else:
-                leaves.append(leaf)
-
-    visit(value)
-    return leaves, unsortable
-
-
-def _leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
-    """The leaves of a ``value`` JAX failed to flatten with ``error``, when a
-    dict in it whose keys do not sort is why; else ``error`` again."""
-    leaves, unsortable = unsortable_dicts(value)
-    if not unsortable:
-        raise error
-    return leaves
-
-
 def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
     """``leaves``, with the leaves of the containers JAX took as one leaf
     (``opaque_items``) in their place."""
@@ -410,74 +387,6 @@ def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
         finally:
             _EXPANDING.discard(id(leaf))
     return out
-
-
-# What needs a state flattened, for the message of ``unsortable_keys_error``.
-_MODEL_FLATTENED = (
-    "so the model cannot be flattened: functionalize() cannot make the dict one of the "
-    "states f takes and returns, and jax.jit or jax.tree_util cannot take the model "
-    "(eagerly the model keeps the dict, as plain Python does)"
-)
-_IN_STATES = "so it cannot be one of the states a functionalized call takes and returns"
-_THREADED = (
-    "so it cannot be one of the states a functionalized call or a lax call (scan, cond, "
-    "while_loop, ...) threads"
-)
-
-
-def unsortable_keys_error(
-    value: Any, recorded: Unsortable | None, name: str | None, problem: str = _MODEL_FLATTENED
-) -> InvalidTypeError | None:
-    """The error for a state holding a dict whose keys do not sort, or ``None``
-    when ``value`` holds none (JAX failed to flatten it for another reason,
-    which its own error says).
-
-    ``recorded`` is what the slot kept when the value was assigned (the
-    state's name and the user's line); without it, ``name`` names the state
-    and the line running now is named.
-    """
-    try:
-        _, unsortable = unsortable_dicts(value)
-    except Exception:
-        return None
-    if not unsortable:
-        return None
-    label, where = recorded if recorded is not None else (name, user_location())
-    subject = f"State {label!r}" if label else "A state"
-    kinds = sorted({type(key).__name__ for d in unsortable for key in d})
-    return InvalidTypeError(
-        format_error(
-            f"{subject} holds a dict whose keys cannot be sorted (keys of "
-            f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
-            f"in the sorted order of its keys, {problem}.",
-            where=where,
-            fix="key the dict by str, int or IntEnum values (an enum member's value: "
-            "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
-            "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
-            "JAX flattens in insertion order.",
-        )
-    )
-
-
-def _unsortable_states_error(
-    values: Mapping[str, Any],
-    problem: str,
-    err: BaseException,
-    recorded: Mapping[str, Unsortable] = types.MappingProxyType({}),
-) -> InvalidTypeError | None:
-    """``unsortable_keys_error`` for the first of ``values`` (a states dict)
-    holding a dict whose keys do not sort, naming the line that assigned it
-    when ``recorded`` knows it, else the line running now; None if there is
-    none, or if ``err`` (what JAX raised) is not about sorting keys.
-    """
-    if "dictionary keys" not in str(err):
-        return None
-    for name, value in values.items():
-        where = recorded.get(name)
-        error = unsortable_keys_error(value, where and (name, where[1]), name, problem)
-        if error is not None:
-            return error
-    return None
 
 
 def _home_of(slot: Any) -> Any:
@@ -718,7 +627,7 @@ class InitialValue:
 
     __slots__ = ("value", "home", "unsortable")
 
-    def __init__(self, value: Any, home: Any = None, unsortable: Unsortable | None = None):
+    def __init__(self, value: Any, home: Any = None, unsortable: WriteNote | None = None):
         self.value = value
         self.home = home
         self.unsortable = unsortable
@@ -753,7 +662,7 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
 
 
 def _written(
-    value: Any, category: Category, name: str | None, home: Any, where: Unsortable | None = None
+    value: Any, category: Category, name: str | None, home: Any, where: WriteNote | None = None
 ) -> Any:
     """The slot a static state becomes when assigned ``value`` (same home trace).
 
@@ -885,7 +794,7 @@ class FrozenLocalStateRequest(StateSlot):
     # sort; see ``unsortable_keys_error``); set only then (``_with_unsortable``).
     # ``replaced`` leaves it unset, so an eager write pays nothing for it:
     # readers use ``getattr(..., None)``.
-    _unsortable: Unsortable | None = dataclasses.field(
+    _unsortable: WriteNote | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
     # ``sys.getrefcount(self)``, read as an attribute: computed from C inside
@@ -944,7 +853,7 @@ class FrozenLocalStateRequest(StateSlot):
 
 
 def _with_unsortable(
-    request: FrozenLocalStateRequest, unsortable: Unsortable | None
+    request: FrozenLocalStateRequest, unsortable: WriteNote | None
 ) -> FrozenLocalStateRequest:
     """``request``, keeping where its value was assigned when JAX cannot flatten it."""
     if unsortable is not None:
@@ -959,7 +868,7 @@ def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
         try:
             static = holds_static_values(r.state)
         except (ValueError, TypeError):
-            error = unsortable_keys_error(r.state, getattr(r, "_unsortable", None), r.name)
+            error = _hooks.value_flatten_error(r.state, getattr(r, "_unsortable", None), r.name)
             if error is None:
                 raise
             raise error from None
@@ -1613,8 +1522,8 @@ def run_with_states(
     except (ValueError, TypeError) as err:
         # JAX flattening the states (a lax call threads them) met a dict whose
         # keys do not sort: said in autostate's words, or raised as it was.
-        error = _unsortable_states_error(
-            {name: cell.value for name, cell in cells.items()}, _THREADED, err
+        error = _hooks.states_flatten_error(
+            {name: cell.value for name, cell in cells.items()}, "threaded", err, {}
         )
         if error is None:
             raise
@@ -1627,7 +1536,7 @@ def run_with_states(
     try:
         return result, states_dict(new)
     except (ValueError, TypeError) as err:
-        error = _unsortable_states_error(new, _IN_STATES, err)
+        error = _hooks.states_flatten_error(new, "states", err, {})
         if error is None:
             raise
         raise error from None
@@ -1768,7 +1677,7 @@ def handle_local_states(
     valued: dict[str, Any] = {}
     paths: dict[str, str] = {}
     # Where a state was given a dict whose keys do not sort, for the error.
-    unsortable: dict[str, Unsortable] = {}
+    unsortable: dict[str, WriteNote] = {}
 
     def is_target(node: Any) -> bool:
         t = type(node)
@@ -1853,7 +1762,7 @@ def handle_local_states(
         try:
             return states_dict(values)
         except (ValueError, TypeError) as err:
-            error = _unsortable_states_error(values, _IN_STATES, err, unsortable)
+            error = _hooks.states_flatten_error(values, "states", err, unsortable)
             if error is None:
                 raise
             raise error from None

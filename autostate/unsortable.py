@@ -1,0 +1,157 @@
+"""Dicts whose keys do not sort: a state eager Python keeps, JAX cannot flatten.
+
+JAX flattens a dict in the sorted order of its keys, so a dict keyed by
+values that do not sort (a plain ``Enum``, ``{1: a, "x": b}``) is a state
+plain Python keeps but that ``f``'s states, a frozen model or a ``lax`` call
+cannot carry. Eagerly such a state is kept as it is; where it must be
+flattened, the error says so in autostate's words and names the line that
+assigned it. This module owns that: finding such dicts, walking a value's
+leaves in their own order, and the errors. The engine asks through the
+slot protocol's hooks, registered below.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from autostate.effects.local_state import _is_iterator, register_slot_hooks
+from autostate.errors import InvalidTypeError, format_error, user_location
+
+# (state name, the user's line that assigned it): where a state was given a
+# value holding a dict whose keys do not sort.
+Unsortable = tuple[str, "str | None"]
+
+
+# The dicts JAX flattens in the sorted order of their keys (an OrderedDict
+# keeps its own order, a dict subclass that is no pytree is a leaf).
+_SORTED_DICTS = (dict, collections.defaultdict)
+
+
+def unsortable_dicts(value: Any) -> tuple[list[Any], list[Any]]:
+    """``value``'s leaves, walking its dicts in their own order, and the dicts
+    in it whose keys do not sort (``{Split.TRAIN: ...}`` with a plain Enum,
+    ``{1: a, "x": b}``), which JAX cannot flatten: it orders a dict by its keys.
+    """
+    leaves: list[Any] = []
+    unsortable: list[Any] = []
+
+    def visit(node: Any) -> None:
+        if type(node) in _SORTED_DICTS:
+            try:
+                sorted(node)
+            except Exception:  # whatever the keys' ``<`` raises
+                unsortable.append(node)
+            for child in node.values():
+                visit(child)
+            return
+        for leaf in jax.tree_util.tree_leaves(
+            node, is_leaf=lambda v: v is not node and (type(v) in _SORTED_DICTS or _is_iterator(v))
+        ):
+            if type(leaf) in _SORTED_DICTS:
+                visit(leaf)
+            else:
+                leaves.append(leaf)
+
+    visit(value)
+    return leaves, unsortable
+
+
+def _leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
+    """The leaves of a ``value`` JAX failed to flatten with ``error``, when a
+    dict in it whose keys do not sort is why; else ``error`` again."""
+    leaves, unsortable = unsortable_dicts(value)
+    if not unsortable:
+        raise error
+    return leaves
+
+
+# What needs a state flattened, for the message of ``unsortable_keys_error``.
+_MODEL_FLATTENED = (
+    "so the model cannot be flattened: functionalize() cannot make the dict one of the "
+    "states f takes and returns, and jax.jit or jax.tree_util cannot take the model "
+    "(eagerly the model keeps the dict, as plain Python does)"
+)
+
+
+_IN_STATES = "so it cannot be one of the states a functionalized call takes and returns"
+
+
+_THREADED = (
+    "so it cannot be one of the states a functionalized call or a lax call (scan, cond, "
+    "while_loop, ...) threads"
+)
+
+
+def unsortable_keys_error(
+    value: Any, recorded: Unsortable | None, name: str | None, problem: str = _MODEL_FLATTENED
+) -> InvalidTypeError | None:
+    """The error for a state holding a dict whose keys do not sort, or ``None``
+    when ``value`` holds none (JAX failed to flatten it for another reason,
+    which its own error says).
+
+    ``recorded`` is what the slot kept when the value was assigned (the
+    state's name and the user's line); without it, ``name`` names the state
+    and the line running now is named.
+    """
+    try:
+        _, unsortable = unsortable_dicts(value)
+    except Exception:
+        return None
+    if not unsortable:
+        return None
+    label, where = recorded if recorded is not None else (name, user_location())
+    subject = f"State {label!r}" if label else "A state"
+    kinds = sorted({type(key).__name__ for d in unsortable for key in d})
+    return InvalidTypeError(
+        format_error(
+            f"{subject} holds a dict whose keys cannot be sorted (keys of "
+            f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
+            f"in the sorted order of its keys, {problem}.",
+            where=where,
+            fix="key the dict by str, int or IntEnum values (an enum member's value: "
+            "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
+            "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
+            "JAX flattens in insertion order.",
+        )
+    )
+
+
+def _unsortable_states_error(
+    values: Mapping[str, Any],
+    problem: str,
+    err: BaseException,
+    recorded: Mapping[str, Unsortable] = types.MappingProxyType({}),
+) -> InvalidTypeError | None:
+    """``unsortable_keys_error`` for the first of ``values`` (a states dict)
+    holding a dict whose keys do not sort, naming the line that assigned it
+    when ``recorded`` knows it, else the line running now; None if there is
+    none, or if ``err`` (what JAX raised) is not about sorting keys.
+    """
+    if "dictionary keys" not in str(err):
+        return None
+    for name, value in values.items():
+        where = recorded.get(name)
+        error = unsortable_keys_error(value, where and (name, where[1]), name, problem)
+        if error is not None:
+            return error
+    return None
+
+
+
+_PROBLEMS = {"states": _IN_STATES, "threaded": _THREADED}
+
+
+def _states_flatten_error(
+    values: Mapping[str, Any], context: str, err: BaseException, notes: Mapping[str, Any]
+) -> InvalidTypeError | None:
+    return _unsortable_states_error(values, _PROBLEMS[context], err, notes)
+
+
+register_slot_hooks(
+    value_flatten_error=unsortable_keys_error, states_flatten_error=_states_flatten_error
+)
