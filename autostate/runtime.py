@@ -497,7 +497,7 @@ def compute_cached_property(compute: Callable[[], Any], obj: Any, name: str) -> 
     Plain Python keeps the first value for every later call. Inside a
     functionalized call under a trace, a value computed from a state is a
     value of that trace: it cannot be kept (the call drops it, see
-    ``functional._check_attributes_kept``), so each call would compute it
+    ``guard.Guard``), so each call would compute it
     again from the states it is given. That is refused the first time. A
     value computed from parameters or config only is the same each time it
     is computed again, as plain Python's cache.
