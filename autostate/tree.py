@@ -69,39 +69,9 @@ def is_stateful_instance(value: Any) -> bool:
     return type(value) in _STATEFUL_CLASSES
 
 
-# Classes whose decoration waits for their first use (``api``), with the
-# values their class statement wrote, and the function that completes them:
-# reading the info of such a class, or of a subclass, completes it first.
-PENDING: dict[type, tuple[Any, ...]] = {}
-
-
-def _no_pending(cls: type) -> bool:
-    return False
-
-
-_complete: Callable[[type], bool] = _no_pending  # until ``api`` sets its own
-
-
-def on_pending_read(complete: Callable[[type], bool]) -> None:
-    """Sets the function that completes the pending decorations of a class
-    and its bases (``api``'s)."""
-    global _complete
-    _complete = complete
-
-
-def complete_pending(cls: type) -> None:
-    """Completes the pending decorations of ``cls`` and its bases, if any."""
-    if PENDING:
-        _complete(cls)
-
-
 def class_info(cls: type) -> Any:
     """What ``@stateful`` decided for ``cls`` itself (not a base), or ``None``."""
-    info = cls.__dict__.get(INFO_ATTR)
-    if info is None and PENDING:
-        _complete(cls)
-        info = cls.__dict__.get(INFO_ATTR)
-    return info
+    return cls.__dict__.get(INFO_ATTR)
 
 
 def info_of(obj: Any) -> Any:

@@ -1203,12 +1203,16 @@ class SlotDc:
         self.c = self.c + x
         return self.c
 """
-    plain, dec = pair(write_module, source)
-    with raises_autostate(DecorationError) as info:
-        dec.SlotDc()
-    assert "__slots__" in str(info.value)
-    path, _ = named_line(info.value)
-    assert_user_line(info.value, path)
+    # Refused at the class statement: @dataclass(slots=True) rebuilds the
+    # decorated class, and the rebuilt class is decorated as it is made
+    # (Python before 3.12 wraps an error of __set_name__ in a RuntimeError).
+    with pytest.raises(Exception) as raised:  # noqa: PT011
+        pair(write_module, source)
+    error = raised.value if isinstance(raised.value, DecorationError) else raised.value.__cause__
+    assert isinstance(error, DecorationError)
+    assert "__slots__" in str(error)
+    path, _ = named_line(error)
+    assert_user_line(error, path)
 
 
 RUNTIME = (

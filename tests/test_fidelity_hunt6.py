@@ -177,11 +177,10 @@ class Counter:
 """
 
 
-def test_classes_are_pending_until_first_use_cold_and_warm(build: Build) -> None:
+def test_classes_are_complete_at_their_statement_cold_and_warm(build: Build) -> None:
     plain, dec = build(COUNTER)
-    assert dec.Counter in tree.PENDING and "__autostate_info__" not in dec.Counter.__dict__
+    assert tree.class_info(dec.Counter) is not None
     check(plain, dec, "Counter(1.0)", [("__call__", (2.0,)), ("__call__", (3.0,))])
-    assert dec.Counter not in tree.PENDING and tree.class_info(dec.Counter) is not None
 
 
 # ======================================================================================
@@ -200,8 +199,8 @@ class Point:
         return self.x * self.n
 
 
-@dataclasses.dataclass(frozen=True)
 @DECORATE
+@dataclasses.dataclass(frozen=True)
 class Frozen:
     x: float = 1.0
 
@@ -445,12 +444,6 @@ Model.get = other_bump
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first use installs rewritten copies over what the class statement wrote: "
-    "Model.bump read at import is no longer Model.bump (eager decoration keeps it; a "
-    "function assigned to the class since the statement keeps its identity)",
-)
 def test_method_identity_survives_the_first_use(build: Build) -> None:
     def scenario(m: Any) -> Any:
         model = m.Model()
@@ -677,7 +670,6 @@ Eager = autostate.stateful(category="other", fallback="host")(autostate.stateful
 def test_decorated_twice_with_other_options_before_the_first_use(files: Callable[..., Any]) -> None:
     _, _, load = files(TWICE)
     for mod in (load("cold"), load("warm")):
-        assert mod.Twice in tree.PENDING  # deferred; Eager (own __new__) is not
         results = []
         for cls in (mod.Eager, mod.Twice):
             model = cls()
@@ -1124,12 +1116,11 @@ import json, pickle, sys
 import jax
 from autostate import tree
 import h6pickled
-pending = [c.__name__ for c in (h6pickled.Model, h6pickled.Sub) if c in tree.PENDING]
 with open(sys.argv[1], "rb") as f:
     m, text = pickle.load(f)
 f, s = m.functionalize()
 out, s = jax.jit(lambda f, s: f.bump(s))(f, s)
-print(json.dumps({"pending": pending, "repr": repr(m) == text, "v": float(m.v),
+print(json.dumps({"repr": repr(m) == text, "v": float(m.v),
                   "out": float(out), "states": {k: float(v) for k, v in s.items()},
                   "eager": float(m.bump()), "fresh": float(h6pickled.Model().bump())}))
 """
@@ -1144,7 +1135,7 @@ def test_unpickle_in_a_fresh_process_before_any_instance(tmp_path: Path) -> None
     assert second.returncode == 0, second.stderr
     got = json.loads(second.stdout.strip().splitlines()[-1])
     # Plain Python: v=2+3=5, k=1; jit: 5+3 + (k=2) = 10; eager again: 8+3 + 2 = 13.
-    assert got == {"pending": ["Model", "Sub"], "repr": True, "v": 5.0, "out": 10.0,
+    assert got == {"repr": True, "v": 5.0, "out": 10.0,
                    "states": {"sub.k": 2.0, "v": 8.0}, "eager": 10.0, "fresh": 5.0}
 
 

@@ -29,7 +29,6 @@ import inspect
 import itertools
 import pickle
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from differential import (  # noqa: I001 - tests/ is on sys.path
 from test_fidelity_hunt6 import Build, _import, continue_jitted, differential, error_text
 
 import autostate
-from autostate import api, tree
+from autostate import tree
 from autostate.errors import DecorationError
 
 # In a decorated module ``DEC(cls)`` is ``@autostate.stateful``; in the plain
@@ -810,15 +809,17 @@ class Fields:
 """
 
 
-def test_a_failing_completion_raises_the_same_error_on_every_use(build: Build) -> None:
-    # An annotated field a method assigns, no __init__: the decision waits for a
-    # dataclass above @stateful to give one, and fails at the first use when
-    # none did. Every later use fails the same way (the failure changed nothing).
+def test_an_annotated_field_no_init_assigns_is_an_error_where_it_is_read(build: Build) -> None:
+    # An annotated field a method assigns, no __init__: a dataclass above
+    # @stateful would write the __init__ that initializes it. Without one, the
+    # read before any assignment fails, as in plain Python, with the fix.
     plain, dec = build(FIELDS_WITHOUT_DATACLASS)
     assert error_text(lambda: plain.Fields().bump()).startswith("AttributeError")
-    first, second = error_text(lambda: dec.Fields()), error_text(lambda: dec.Fields())
-    assert first.startswith("DecorationError") and "first assigned outside __init__" in first
-    assert first == second
+    first = error_text(lambda: dec.Fields().bump())
+    assert first.startswith("StateAccessError") and "no state 'v' yet" in first
+    model = dec.Fields()
+    model.v = jnp.zeros(())  # assigned first: then it is a state, as plain Python reads it
+    assert float(model.bump()) == 1.0
 
 
 DEFAULTS = """
@@ -849,47 +850,6 @@ class NoDefaults:
 
 NEW = Defaults.__new__
 """
-
-_MISSING_DEFAULT_SLOT = (
-    "the instance gets no slot for the class-default state 'bias' (class attribute "
-    "`bias = jnp.ones(())`): _NewFor.__call__ hands over to klass.__new__ (the "
-    "ClassDefaultsNew that completion installs) only when this very call completed the class; "
-    "otherwise it goes to _plain_new/object.__new__, so functionalize() sees 'bias' as static "
-    "and f under jit raises StaticStateError"
-)
-
-
-@pytest.mark.parametrize(
-    "cls",
-    [
-        "NoDefaults",
-        "Defaults",
-    ],
-)
-def test_an_instance_made_while_another_thread_completes_the_class(
-    build: Build, cls: str
-) -> None:
-    plain, dec = build(DEFAULTS)
-    made: dict[str, Any] = {}
-
-    def worker() -> None:
-        made["model"] = getattr(dec, cls)()
-
-    # Holding the completion lock stands for another thread in the middle of completing
-    # the class: the worker's first instance waits for it (the lock is reentrant here).
-    with api._COMPLETING:
-        thread = threading.Thread(target=worker)
-        thread.start()
-        thread.join(0.3)
-        assert thread.is_alive()
-        getattr(dec, cls)()  # this thread's completion
-    thread.join(10)
-    ref, model = getattr(plain, cls)(), made["model"]
-    # As an instance made after the completion (a class-default state is a slot
-    # of the instance from its creation: vars() differs from plain Python there).
-    assert_same(snapshot(getattr(dec, cls)()), snapshot(model))
-    continue_jitted(ref, model, "bump")
-
 
 def test_new_read_from_the_class_before_the_first_instance(build: Build) -> None:
     plain, dec = build(DEFAULTS)
@@ -1022,7 +982,13 @@ class Slot:
 
 
 def test_dataclass_slots_above_is_supported_or_a_clear_error(build: Build) -> None:
-    plain, dec = build(SLOTS_ABOVE)
+    try:
+        plain, dec = build(SLOTS_ABOVE)
+    except Exception as error:  # noqa: BLE001 - refused at the class statement
+        # (Python before 3.12 wraps an error of __set_name__ in a RuntimeError.)
+        cause = error if isinstance(error, autostate.AutostateError) else error.__cause__
+        assert isinstance(cause, autostate.errors.DecorationError), error
+        return
     ref = plain.Slot()
     expected = [ref.bump(), ref.bump(), ref.v]
     try:
@@ -1216,7 +1182,6 @@ def test_first_instances_made_inside_transformations(build: Build) -> None:
     plain, dec = build(TRACED)
     assert_same(scenario(plain), scenario(dec))
     for cls in (dec.Model, dec.Child, dec.Other, dec.Graded):
-        assert cls not in tree.PENDING
         _no_tracers_in(cls)
     check(plain, dec, "Child(1.0)", [("bump", (1.0,)), ("bump", (2.0,))])
     check(plain, dec, "Other(jnp.float32(1.0))", [("step", ()), ("step", ())])

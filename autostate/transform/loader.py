@@ -248,7 +248,11 @@ def cache_key(
     filenames = sorted({s.function.__code__.co_filename for s in slots})
     contents = [source_lines(name) for name in filenames]
     if not any(contents):
-        return None
+        # No method in a file: keyed by the files the decision reads.
+        filenames = sorted(set(other_files))
+        contents = [source_lines(name) for name in filenames]
+        if not any(contents):
+            return None
     others = sorted(set(other_files) - set(filenames)) if other_files else []
     digests = [_content_digest(name, lines) for name, lines in zip(filenames, contents)]
     digests += [_content_digest(name, source_lines(name)) for name in others]
@@ -420,91 +424,3 @@ def cache_store(key: str, value: Any, bundle: str | None = None) -> None:
         return
     # Only a miss stores, and a miss parses for milliseconds: the scan is cheap here.
     evict(directory, _disk_cache_limit())
-
-
-# --- classes decided before -------------------------------------------------
-# A decoration whose decision the cache held before is deferred to the class's
-# first instance (``api``); one that may fail (its decision is new) runs at
-# the class statement, where its error belongs. The guess is by where the class
-# is written: an index, read when autostate is imported, maps each version of a
-# file (its modification time and size, as Python's bytecode cache judges it)
-# to the classes of it decided before, each known by its qualname, the first
-# line of its ``__init__`` (or first function) and its fallback. The index only
-# says when to decide: the decision is keyed by the file's content.
-SITES_VERSIONS = 4096  # file versions the index keeps, the latest
-
-
-def _sites_path(directory: str) -> str:
-    return os.path.join(directory, f"sites-{_FINGERPRINT}.idx")
-
-
-def _read_sites(directory: str | None) -> dict[tuple, set[tuple]]:
-    if directory is None:
-        return {}
-    try:
-        with open(_sites_path(directory), "rb") as f:
-            stored = marshal.loads(f.read())
-        return {key: set(sites) for key, sites in stored.items()}
-    except (OSError, ValueError, EOFError, TypeError, AttributeError):
-        return {}
-
-
-_SITES_DIR = _cache_dir_name()
-_SITES = _read_sites(_SITES_DIR)
-# ``"sites:" + filename`` -> (the module spec it was looked up for, its
-# version, its sites), in the memory cache (emptied, it is a new process's):
-# the classes of one module share one ``stat`` (a reload brings a new spec).
-
-
-def file_sites(filename: str, spec: Any) -> tuple[Any, tuple | None, set[tuple]]:
-    """``(spec, version, sites)``: the classes of ``filename``, as it is now,
-    decided before (looked up once per module)."""
-    known = _MEMORY_CACHE.get("sites:" + filename)
-    if known is None or known[0] is not spec or spec is None:
-        known = _look_up_sites(filename, spec)
-    return known
-
-
-def _look_up_sites(filename: str, spec: Any) -> tuple[Any, tuple | None, set[tuple]]:
-    global _SITES_DIR, _SITES
-    directory = _cache_dir_name()
-    if directory != _SITES_DIR:
-        _SITES_DIR, _SITES = directory, _read_sites(directory)
-    try:
-        found = os.stat(filename)
-    except (OSError, ValueError):
-        known: tuple[Any, tuple | None, set[tuple]] = (spec, None, set())
-    else:
-        version = (filename, found.st_mtime_ns, found.st_size)
-        known = (spec, version, _SITES.get(version) or set())
-    _remember("sites:" + filename, known)
-    return known
-
-
-def site_of(qualname: str, line: int, fallback: str | None) -> tuple:
-    """How a class (its qualname, its site function's first line, its
-    fallback) is known in the index."""
-    return (qualname, line, fallback)
-
-
-def remember_decided(filename: str, spec: Any, site: tuple) -> None:
-    """Records that the class of ``site`` in ``filename`` was decided."""
-    _, version, sites = file_sites(filename, spec)
-    if version is None or site in sites:
-        return  # (no file: every class statement there decides anew)
-    sites.add(site)
-    _SITES[version] = sites
-    if _SITES_DIR is None:
-        return
-    # Merged with what is on disk now: another process may have added classes.
-    stored = {**_read_sites(_SITES_DIR), version: sites}
-    while len(stored) > SITES_VERSIONS:
-        del stored[next(iter(stored))]
-    try:
-        os.makedirs(_SITES_DIR, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=_SITES_DIR, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(marshal.dumps({key: list(value) for key, value in stored.items()}))
-        os.replace(tmp, _sites_path(_SITES_DIR))
-    except (OSError, ValueError):
-        return

@@ -111,6 +111,10 @@ def decide_class(
     )
     base_files = [f for f in (_module_file(b) for b in user_bases) if f]
     keys = loader.cache_key(cls, slots, extra, base_files)
+    if keys is None and (own_file := _module_file(cls)):
+        # Nothing of its own in a file (``class Leaf(Base): pass``, or generated
+        # methods only): keyed by its module's file, so a warm start reads it back.
+        keys = loader.cache_key(cls, slots, extra, [own_file, *base_files])
     cached = loader.cache_load(*keys) if keys else None
     if cached is not None:
         state_list, initialized_list, codes = cached
@@ -152,12 +156,25 @@ def _class_defaults(cls: type) -> frozenset[str]:
     return frozenset(names)
 
 
+def awaits_generated_init(cls: type) -> bool:
+    """Whether ``cls`` declares fields but no ``__init__``: a class decorated
+    before a decorator above ``@stateful`` (``@dataclass``) writes the
+    ``__init__`` that assigns its fields and calls its ``__post_init__``."""
+    own = vars(cls)
+    return "__init__" not in own and bool(own.get("__annotations__"))
+
+
 def _dataclass_pending(cls: type) -> frozenset[str]:
-    """Fields written as ``x: T = dataclasses.field(...)`` in the class body
-    before ``@dataclass`` has run (a subclass of a decorated class is
-    decorated as soon as its class statement ends, before the decorators
-    below ``@stateful`` apply): the dataclass ``__init__`` will assign them."""
-    return frozenset(k for k, v in vars(cls).items() if isinstance(v, dataclasses.Field))
+    """Fields that the ``__init__`` ``@dataclass`` has yet to write will
+    assign (a class decorated before ``@dataclass`` runs: ``@dataclass``
+    above ``@stateful``, or a subclass of a decorated class, decorated as its
+    class statement ends): those written as ``x: T = dataclasses.field(...)``
+    and, in a class that awaits its ``__init__``, every annotated name."""
+    own = vars(cls)
+    fields = {k for k, v in own.items() if isinstance(v, dataclasses.Field)}
+    if awaits_generated_init(cls):
+        fields.update(own["__annotations__"])
+    return frozenset(fields)
 
 
 def _check_layout(cls: type) -> None:
@@ -474,7 +491,10 @@ def _transform(
     # every field, so treat what the methods assign as initialized.
     initialized |= set(getattr(cls, "__dataclass_fields__", ()))
     initialized |= _dataclass_pending(cls)
-    if any(slot.attr == "__init__" for slot in skipped):
+    own = vars(cls)
+    if any(slot.attr == "__init__" for slot in skipped) or (
+        "__post_init__" in own and "__init__" not in own  # the __init__ to come calls it
+    ):
         initialized |= {a.attr for f in facts for a in f.assignments}
     properties = frozenset(_base_properties(cls))
     result = analysis.analyze_class(
