@@ -19,7 +19,6 @@ from autostate.effects import (
     LocalStateEffect,
     LocalStateEffectImpl,
     SharedLocalStateRequest,
-    States,
     WithFunctionalLocalState,
     embed_shared_state_requests,
     freeze_local_states,
@@ -34,6 +33,7 @@ from autostate.packing import PackedModel, PackedStates, pack
 from autostate.serialization import load, load_arrays, save
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
+from autostate.state_values import States
 from autostate.summary import summary
 
 __version__ = "0.1.0"

@@ -44,7 +44,6 @@ from autostate.effects.local_state import (
     eager_lax_body,
     fresh_handler_id,
     handler_cells,
-    is_static_value,
     run_with_states,
     running_cells,
 )
@@ -57,6 +56,7 @@ from autostate.errors import (
 )
 from autostate.guard import CAPTURED, Guard
 from autostate.lifetime import LostValue, contains_tracer
+from autostate.state_values import is_static_value
 
 __all__ = [
     "checkpoint",

@@ -27,14 +27,7 @@ from typing import Any
 import jax
 from jax._src import core as _core
 
-from autostate.effects.local_state import (
-    _CONCRETE_LEAF_TYPES,
-    _is_iterator,
-    leaves_within_opaque,
-    opaque_items,
-    register_slot_hooks,
-    running_call_traces,
-)
+from autostate.effects.local_state import register_slot_hooks, running_call_traces
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
@@ -42,6 +35,12 @@ from autostate.errors import (
     escaped_state_message,
     format_error,
     user_location,
+)
+from autostate.state_values import (
+    _CONCRETE_LEAF_TYPES,
+    _is_iterator,
+    leaves_within_opaque,
+    opaque_items,
 )
 from autostate.unsortable import Unsortable, _leaves_in_own_order
 

@@ -37,14 +37,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
-from autostate.effects.local_state import (
+from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
+from autostate.functional import FunctionalModel
+from autostate.state_values import (
     States,
     holds_static_values,
     join_static_values,
     split_static_values,
 )
-from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
-from autostate.functional import FunctionalModel
 
 # The instance attribute holding {attribute name: spec}; static aux data.
 ANNOTATIONS = "__autostate_sharding__"

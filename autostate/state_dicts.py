@@ -26,10 +26,11 @@ import numpy as np
 from autostate import api as _api
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
-from autostate.effects.local_state import is_running, is_static_value, states_dict
+from autostate.effects.local_state import is_running
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates
+from autostate.state_values import is_static_value, states_dict
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 

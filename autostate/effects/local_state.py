@@ -15,18 +15,18 @@ there. The body is therefore never rebuilt per call, any copy of a reference
 nested handlers with distinct ids only see their own states.
 
 This module knows nothing about source code; it walks trees with
-``autostate.tree``. What a value may be (tracer lifetime) is the runtime's
-question: the engine asks it through the slot protocol's hooks
-(``SlotHooks``), which ``autostate.lifetime`` registers.
+``autostate.tree``. What a value may be (tracer lifetime, Python values that
+are structure, dicts JAX cannot flatten) is the runtime's question: the
+engine asks it through the slot protocol's hooks (``SlotHooks``), which
+``autostate.lifetime``, ``autostate.state_values`` and
+``autostate.unsortable`` register.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import dataclasses
-import enum
 import itertools
 import sys
 import types
@@ -34,7 +34,6 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import jax
-import numpy as np
 
 from autostate import tree as _tree
 from autostate.errors import (
@@ -147,7 +146,17 @@ class SlotHooks:
       context, err, notes)``: the error to raise instead of ``err``, what JAX
       raised flattening a state's value (``context`` says where: ``"states"``,
       a states dict; ``"threaded"``, states a running call threads), or
-      ``None`` to raise ``err``; ``note`` is what ``check_write`` returned.
+      ``None`` to raise ``err``; ``note`` is what ``check_write`` returned;
+    * ``is_static(value)`` / ``makes_static(value)``: whether ``value`` is a
+      Python value that is structure, not a state's value (a ``StaticState``),
+      and whether assigning it makes a state static (``None`` is a placeholder);
+    * ``split_statics(value)`` -> ``(stripped, statics)`` or ``None``: the
+      Python values inside a container value, kept out of the pytree leaves of
+      a ``FrozenLocalStateRequest``; ``join_statics(stripped, statics)`` puts
+      them back;
+    * ``own_value(value)``: the value a call or a frozen model keeps of a
+      states dict's entry (its own copy of what the caller may change);
+    * ``states_dict(values)``: the states dict a call returns.
     """
 
     __slots__ = (
@@ -158,6 +167,12 @@ class SlotHooks:
         "holds_tracer",
         "value_flatten_error",
         "states_flatten_error",
+        "is_static",
+        "makes_static",
+        "split_statics",
+        "join_statics",
+        "own_value",
+        "states_dict",
     )
 
     def __init__(self) -> None:
@@ -172,6 +187,12 @@ class SlotHooks:
         self.states_flatten_error: Callable[
             [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
         ] = lambda values, context, err, notes: None
+        self.is_static: Callable[[Any], bool] = lambda value: False
+        self.makes_static: Callable[[Any], bool] = lambda value: False
+        self.split_statics: Callable[[Any], tuple[Any, Any] | None] = lambda value: None
+        self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
+        self.own_value: Callable[[Any], Any] = lambda value: value
+        self.states_dict: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values
 
 
 _hooks = SlotHooks()
@@ -267,128 +288,6 @@ def fresh_handler_id() -> str:
     return f"local_state_{next(_handler_counter)}"
 
 
-# Types whose instances are pytree leaves and not tracers (a concrete array,
-# a float). Leafness is decided per type, so one leaf instance vouches for its
-# type; an eager state write then skips ``tree_leaves``, most of its cost.
-_CONCRETE_LEAF_TYPES: set[type] = set()
-
-
-# Containers JAX does not flatten, that a state may hold: a ``Counter``, a
-# ``deque``, a ``UserDict`` / ``UserList``, a subclass of dict or list. JAX
-# takes one as a single leaf, which ``jax.jit`` cannot abstract; a states dict
-# (``States``) and a frozen model carry its items as a plain dict or list, its
-# type in aux data, and rebuild it on the way back.
-_OPAQUE_BASES = (dict, list, collections.deque, collections.UserDict, collections.UserList)
-
-
-def opaque_items(value: Any) -> dict | list | None:
-    """A container of ``_OPAQUE_BASES`` JAX takes as one leaf, as a plain
-    dict or list of its items; None for anything else."""
-    t = type(value)
-    if t is dict or t is list or t in _CONCRETE_LEAF_TYPES:
-        return None
-    if not isinstance(value, _OPAQUE_BASES):
-        # (Not a plain object's attributes: JAX keeps any object as a leaf,
-        # and a pytree JAX rebuilt with objects for leaves, as orbax's
-        # restore arguments, must keep them.)
-        return None
-    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-        return None  # (registered with JAX: an OrderedDict, a defaultdict)
-    if isinstance(value, (collections.UserDict, collections.UserList)):
-        return dict(value.data) if isinstance(value, collections.UserDict) else list(value.data)
-    return dict(dict.items(value)) if isinstance(value, dict) else list(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rebuilt:
-    """How a container ``opaque_items`` took apart is put together again
-    (kept in aux data: compared by its type and attributes, not its items)."""
-
-    cls: type
-    attributes: tuple  # (name, _Static-like key) pairs of the instance's own attributes
-    maxlen: int | None
-    inner: Any  # ``split_static_values``'s second result for the items, or None
-
-    @staticmethod
-    def of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
-        if id(value) in _EXPANDING:
-            raise InvalidTypeError(
-                format_error(
-                    f"A state holds a {type(value).__name__} that holds itself; a states dict "
-                    "carries such a container as its items, which would never end.",
-                    fix="keep the container out of itself, or hold the state in a dict or "
-                    "list of its own.",
-                )
-            )
-        _EXPANDING.add(id(value))
-        try:
-            return _Rebuilt._of(value, items)
-        finally:
-            _EXPANDING.discard(id(value))
-
-    @staticmethod
-    def _of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
-        own = getattr(value, "__dict__", {})
-        attributes = tuple(
-            (name, _static_key(v)) for name, v in own.items() if name != "data"
-        )
-        inner = None
-        if holds_static_values(items):
-            items, inner = split_static_values(items)
-        maxlen = value.maxlen if isinstance(value, collections.deque) else None
-        return items, _Rebuilt(type(value), attributes, maxlen, inner)
-
-    def build(self, items: Any) -> Any:
-        if self.inner is not None:
-            items = join_static_values(items, self.inner)
-        cls: Any = self.cls
-        new = cls.__new__(cls)
-        if issubclass(self.cls, (collections.UserDict, collections.UserList)):
-            new.data = items
-        elif issubclass(self.cls, collections.deque):
-            collections.deque.__init__(new, items, self.maxlen)
-        elif issubclass(self.cls, dict):
-            dict.update(new, items)
-        else:
-            list.extend(new, items)
-        for name, key in self.attributes:
-            object.__setattr__(new, name, key[1])
-        return new
-
-
-_ITERATOR_TYPES: dict[type, bool] = {}
-
-
-def _is_iterator(value: Any) -> bool:
-    t = type(value)
-    found = _ITERATOR_TYPES.get(t)
-    if found is None:
-        found = _ITERATOR_TYPES[t] = hasattr(t, "__next__") and hasattr(t, "__iter__")
-    return found
-
-
-# Ids of the containers ``opaque_items`` is taking apart now: one that holds
-# itself is taken apart once.
-_EXPANDING: set[int] = set()
-
-
-def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
-    """``leaves``, with the leaves of the containers JAX took as one leaf
-    (``opaque_items``) in their place."""
-    out: list[Any] = []
-    for leaf in leaves:
-        items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
-        if items is None or id(leaf) in _EXPANDING:
-            out.append(leaf)
-            continue
-        _EXPANDING.add(id(leaf))
-        try:
-            out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
-        finally:
-            _EXPANDING.discard(id(leaf))
-    return out
-
-
 def _home_of(slot: Any) -> Any:
     """The trace a slot's model was built in (``None``: built outside every trace)."""
     return getattr(slot, "_home", None)
@@ -398,171 +297,6 @@ def _with_home(slot: Any, home: Any) -> Any:
     if home is not None:
         object.__setattr__(slot, "_home", home)
     return slot
-
-
-def is_static_value(value: Any) -> bool:
-    """Whether a state value is static: a Python bool, int, str, enum member or None.
-
-    Static states are part of a model's structure (pytree aux data), not of
-    its states dict, so ``if self.training:`` works under ``jax.jit``.
-    """
-    t = type(value)
-    return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
-
-
-_STATIC_STATE_TYPES = (bool, int, str, type(None))
-
-
-def makes_static_state(value: Any) -> bool:
-    """Whether a state given ``value`` is static: a Python bool, int, str or enum member.
-
-    ``None`` is not a mode but a placeholder (a lazily sized hidden state, a
-    captured activation): a state holding it is an array state whose value
-    is ``None``, so ``f`` carries it in its states dict and an array may
-    replace it inside ``f`` (the new states carry the array). The first value
-    that replaces it decides the kind, as if it were the state's first: a
-    Python value makes the state static again (eagerly; inside ``f`` that is
-    refused, since a static value is ``f``'s structure).
-    """
-    return value is not None and is_static_value(value)
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def holds_static_values(value: Any) -> bool:
-    """Whether a container state value holds a Python bool, int, str or enum member.
-
-    A state whose whole value is one Python number stays a leaf: an array
-    state assigned a number (``self.count = 0`` after ``jnp.zeros(())``)
-    keeps the meaning a number has under ``jax.jit``.
-    """
-    t = type(value)
-    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
-        return False
-    leaves = jax.tree_util.tree_leaves(value)
-    if len(leaves) == 1 and leaves[0] is value:
-        return opaque_items(value) is not None
-    return any(is_static_value(leaf) or opaque_items(leaf) is not None for leaf in leaves)
-
-
-def split_static_values(value: Any) -> tuple[Any, Any]:
-    """``value`` with its Python values replaced by None, and what puts them back.
-
-    The treedef counts None as a leaf, so the Python values' positions are
-    positions of the stripped value too, whatever JAX later puts at the
-    others (tracers, ``None`` axes, specs).
-
-    A container JAX does not flatten (``opaque_items``) is replaced by its
-    items, as a plain dict or list, and rebuilt by ``join_static_values``.
-    """
-    positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_none)
-    held: list[tuple[int, Any]] = []
-    for i, leaf in enumerate(positions):
-        if leaf is None:
-            continue
-        if is_static_value(leaf):
-            held.append((i, _static_key(leaf)))
-            positions[i] = None
-        elif (items := opaque_items(leaf)) is not None:
-            positions[i], rebuilt = _Rebuilt.of(leaf, items)
-            held.append((i, rebuilt))
-    return jax.tree_util.tree_unflatten(treedef, positions), (treedef, tuple(held))
-
-
-def join_static_values(stripped: Any, static: Any) -> Any:
-    treedef, held = static
-    positions = treedef.flatten_up_to(stripped)
-    for i, key in held:
-        positions[i] = key.build(positions[i]) if type(key) is _Rebuilt else key[1]
-    return jax.tree_util.tree_unflatten(treedef, positions)
-
-
-class States(dict):
-    """A states dict whose container states hold Python values, kept as structure.
-
-    ``self.shape = (2,)`` or ``self.cfg = {"m": jnp.zeros(2), "name": "relu"}``:
-    Python bools, ints, strings and enum members inside a state's container
-    are structure, as they are everywhere else in a model. This dict's pytree
-    flatten keeps them in its aux data; only arrays (and Python floats) are
-    leaves. So ``jax.jit(f)(states, x)`` sees ``(2,)`` as Python ints (one
-    trace per value, as for a static state), and a call that assigns ``(3,)``
-    returns Python ints, as plain Python does.
-
-    Otherwise it is a plain dict; ``functionalize`` and ``f`` return one only
-    when some state needs it. A dict rebuilt by hand (``{**states}``) is a
-    plain one, whose Python values ``jax.jit`` would trace: wrap it in
-    ``autostate.States(...)`` again.
-
-    Examples:
-        >>> @autostate.stateful
-        ... class Shaped:
-        ...     def __init__(self):
-        ...         self.shape = (2,)
-        ...
-        ...     def __call__(self, x):
-        ...         return jnp.zeros(self.shape) + x
-        ...
-        ...     def grow(self):
-        ...         self.shape = (self.shape[0] + 1,)
-        >>> f, states = Shaped().functionalize()
-        >>> type(states).__name__, jax.tree_util.tree_leaves(states)  # (2,) is structure
-        ('States', [])
-        >>> _, states = jax.jit(f.grow)(states)
-        >>> states
-        {'shape': (3,)}
-        >>> states = autostate.States({**states, "shape": (4,)})  # rebuilt by hand: wrap it
-        >>> print(jax.jit(f)(states, 1.0)[0])
-        [1. 1. 1. 1.]
-    """
-
-    __slots__ = ()
-
-    def copy(self) -> States:
-        return States(self)
-
-
-def states_dict(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` as the states dict ``f`` takes: a ``States`` when a
-    container state holds Python values, else ``values`` itself."""
-    for value in values.values():
-        if type(value) not in _CONCRETE_LEAF_TYPES and holds_static_values(value):
-            return States(values)
-    return values
-
-
-def _flatten_states(states: States) -> tuple[list[tuple[Any, Any]], tuple]:
-    keyed = []
-    statics = []
-    for name, value in dict.items(states):
-        static = None
-        if holds_static_values(value):
-            value, static = split_static_values(value)
-        keyed.append((jax.tree_util.DictKey(name), value))
-        statics.append(static)
-    return keyed, (tuple(states), tuple(statics))
-
-
-def _flatten_states_unkeyed(states: States) -> tuple[list[Any], tuple]:
-    keyed, aux = _flatten_states(states)
-    return [value for _, value in keyed], aux
-
-
-def _unflatten_states(aux: tuple, children: Any) -> States:
-    names, statics = aux
-    new = States()
-    for name, child, static in zip(names, children, statics):
-        dict.__setitem__(new, name, child if static is None else join_static_values(child, static))
-    return new
-
-
-jax.tree_util.register_pytree_with_keys(
-    States,
-    _flatten_states,
-    _unflatten_states,
-    _flatten_states_unkeyed,
-)
 
 
 def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
@@ -655,7 +389,7 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     accepted: the model is being built inside a transformation.
     """
     home = _hooks.current_trace()
-    if makes_static_state(value):
+    if _hooks.makes_static(value):
         return _with_home(StaticState(value, category, name), home)
     where = _hooks.check_initial(value, name or label)
     return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
@@ -671,7 +405,7 @@ def _written(
     ``makes_static_state``), which any value replaces as if it were the first.
     ``where``: what ``_check_not_traced`` returned for ``value``.
     """
-    if makes_static_state(value):
+    if _hooks.makes_static(value):
         return _with_home(StaticState(value, category, name), home)
     return _with_home(_with_unsortable(FrozenLocalStateRequest(value, category, name), where), home)
 
@@ -863,18 +597,17 @@ def _with_unsortable(
 
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
     # Python values inside a container state are structure here as in a
-    # states dict (``States``): a model passed to ``jax.jit`` keeps them.
-    if type(r.state) not in _CONCRETE_LEAF_TYPES:
-        try:
-            static = holds_static_values(r.state)
-        except (ValueError, TypeError):
-            error = _hooks.value_flatten_error(r.state, getattr(r, "_unsortable", None), r.name)
-            if error is None:
-                raise
-            raise error from None
-        if static:
-            state, static = split_static_values(r.state)
-            return (state,), (r.category, r.name, static)
+    # states dict (the runtime's ``split_statics``): a model passed to
+    # ``jax.jit`` keeps them.
+    try:
+        split = _hooks.split_statics(r.state)
+    except (ValueError, TypeError):
+        error = _hooks.value_flatten_error(r.state, getattr(r, "_unsortable", None), r.name)
+        if error is None:
+            raise
+        raise error from None
+    if split is not None:
+        return (split[0],), (r.category, r.name, split[1])
     return (r.state,), (r.category, r.name, None)
 
 
@@ -885,7 +618,7 @@ def _flatten_frozen_with_keys(r: FrozenLocalStateRequest) -> tuple[tuple[Any], t
 
 def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
     category, name, static = aux
-    state = children[0] if static is None else join_static_values(children[0], static)
+    state = children[0] if static is None else _hooks.join_statics(children[0], static)
     return FrozenLocalStateRequest(state, category, name)
 
 
@@ -995,7 +728,7 @@ class HandledStaticState(StateSlot):
         # A traced value has no value to set on the model, and an array's
         # repr is no example to type: both are described, and "..." stands
         # for them in the fix.
-        literal = is_static_value(value) and not _hooks.holds_tracer(value)
+        literal = _hooks.is_static(value) and not _hooks.holds_tracer(value)
         shown = repr(value) if literal else _tree.describe(value)
         example = repr(value) if literal else "..."
         raise refused(StaticStateError(
@@ -1336,7 +1069,7 @@ class HandledLocalStateRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> None:
         cell = self._cell()
-        if cell.value is None and makes_static_state(value):
+        if cell.value is None and _hooks.makes_static(value):
             raise refused(_static_in_placeholder_error(self.name, label, value))
         cell.value = value
 
@@ -1509,7 +1242,8 @@ def run_with_states(
     cells = {
         # A list or dict the call changes in place is its own copy: the
         # caller's states (and a model sharing them) stay as they were.
-        name: LocalStateEffectImpl(_own_value(value), name) for name, value in states.items()
+        name: LocalStateEffectImpl(_hooks.own_value(value), name)
+        for name, value in states.items()
     }
     outer = _ACTIVE.get()
     running = (handler_id, cells, outer.get(handler_id) if outer else None, _hooks.current_trace())
@@ -1534,7 +1268,7 @@ def run_with_states(
         del _ANY_THREAD[id(running)]
     new = {name: cell.value for name, cell in cells.items()}
     try:
-        return result, states_dict(new)
+        return result, _hooks.states_dict(new)
     except (ValueError, TypeError) as err:
         error = _hooks.states_flatten_error(new, "states", err, {})
         if error is None:
@@ -1758,9 +1492,9 @@ def handle_local_states(
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
-        values = {name: _own_value(init()) for name, init in initializers.items()}
+        values = {name: _hooks.own_value(init()) for name, init in initializers.items()}
         try:
-            return states_dict(values)
+            return _hooks.states_dict(values)
         except (ValueError, TypeError) as err:
             error = _hooks.states_flatten_error(values, "states", err, unsortable)
             if error is None:
@@ -1772,19 +1506,6 @@ def handle_local_states(
 
 def _frozen_initializer(value: Any) -> Callable[[], Any]:
     return lambda: value
-
-
-def _own_value(value: Any) -> Any:
-    """``value``, its lists and dicts copied: a states dict of its own, which
-    code changing the model's list in place (a helper's ``append``) leaves
-    alone. A numpy array becomes a jax array, as an assignment makes it (numpy's
-    ``+=`` would change the caller's array in place)."""
-    t = type(value)
-    if t is np.ndarray:
-        return jax.numpy.asarray(value)
-    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
-        return value  # the common state, decided by one look-up: a call is per state
-    return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
 
 
 def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any]) -> Any:
@@ -1851,7 +1572,7 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
                     fix="pass the states dict returned by functionalize/the last call.",
                 )
             )
-        value = _own_value(states[ref.name])  # the model's own: the dict is the caller's
+        value = _hooks.own_value(states[ref.name])  # the model's own: the dict is the caller's
         if not ref.was_explicitly_named:
             return FrozenLocalStateRequest(value, ref.category, None)
         if ref.name in emitted:

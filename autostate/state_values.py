@@ -1,0 +1,352 @@
+"""Python values in states: what is structure, what is a leaf, what is copied.
+
+A state may hold Python values inside a container (``self.shape = (2,)``,
+``self.cfg = {"m": jnp.zeros(2), "name": "relu"}``), and containers JAX
+takes as one leaf (a ``deque``, a ``Counter``, a ``UserDict``). Python
+bools, ints, strings and enum members are structure, as everywhere else in a
+model: a states dict (``States``) and a frozen request keep them out of the
+pytree leaves, and put them back. This module owns those rules:
+
+* ``is_static_value`` / ``makes_static_state``: a Python value that is
+  structure, and when assigning one makes a state static (``None`` is a
+  placeholder, not a mode);
+* ``split_static_values`` / ``join_static_values``: a container value's
+  Python values out of its leaves and back; ``opaque_items`` and
+  ``_Rebuilt``: a container JAX takes as one leaf, as its items and back;
+* ``States`` / ``states_dict``: the states dict that keeps them;
+* ``_own_value``: the copy of a states dict's entry a call keeps.
+
+The engine (``autostate.effects``) knows nothing of this: it asks through
+the slot protocol's hooks, registered below.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import numpy as np
+
+from autostate import tree as _tree
+from autostate.effects.local_state import _static_key, register_slot_hooks
+from autostate.errors import InvalidTypeError, format_error
+
+# Types whose instances are pytree leaves and not tracers (a concrete array,
+# a float). Leafness is decided per type, so one leaf instance vouches for its
+# type; an eager state write then skips ``tree_leaves``, most of its cost.
+_CONCRETE_LEAF_TYPES: set[type] = set()
+
+
+# Containers JAX does not flatten, that a state may hold: a ``Counter``, a
+# ``deque``, a ``UserDict`` / ``UserList``, a subclass of dict or list. JAX
+# takes one as a single leaf, which ``jax.jit`` cannot abstract; a states dict
+# (``States``) and a frozen model carry its items as a plain dict or list, its
+# type in aux data, and rebuild it on the way back.
+_OPAQUE_BASES = (dict, list, collections.deque, collections.UserDict, collections.UserList)
+
+
+def opaque_items(value: Any) -> dict | list | None:
+    """A container of ``_OPAQUE_BASES`` JAX takes as one leaf, as a plain
+    dict or list of its items; None for anything else."""
+    t = type(value)
+    if t is dict or t is list or t in _CONCRETE_LEAF_TYPES:
+        return None
+    if not isinstance(value, _OPAQUE_BASES):
+        # (Not a plain object's attributes: JAX keeps any object as a leaf,
+        # and a pytree JAX rebuilt with objects for leaves, as orbax's
+        # restore arguments, must keep them.)
+        return None
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+        return None  # (registered with JAX: an OrderedDict, a defaultdict)
+    if isinstance(value, (collections.UserDict, collections.UserList)):
+        return dict(value.data) if isinstance(value, collections.UserDict) else list(value.data)
+    return dict(dict.items(value)) if isinstance(value, dict) else list(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuilt:
+    """How a container ``opaque_items`` took apart is put together again
+    (kept in aux data: compared by its type and attributes, not its items)."""
+
+    cls: type
+    attributes: tuple  # (name, _Static-like key) pairs of the instance's own attributes
+    maxlen: int | None
+    inner: Any  # ``split_static_values``'s second result for the items, or None
+
+    @staticmethod
+    def of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
+        if id(value) in _EXPANDING:
+            raise InvalidTypeError(
+                format_error(
+                    f"A state holds a {type(value).__name__} that holds itself; a states dict "
+                    "carries such a container as its items, which would never end.",
+                    fix="keep the container out of itself, or hold the state in a dict or "
+                    "list of its own.",
+                )
+            )
+        _EXPANDING.add(id(value))
+        try:
+            return _Rebuilt._of(value, items)
+        finally:
+            _EXPANDING.discard(id(value))
+
+    @staticmethod
+    def _of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
+        own = getattr(value, "__dict__", {})
+        attributes = tuple(
+            (name, _static_key(v)) for name, v in own.items() if name != "data"
+        )
+        inner = None
+        if holds_static_values(items):
+            items, inner = split_static_values(items)
+        maxlen = value.maxlen if isinstance(value, collections.deque) else None
+        return items, _Rebuilt(type(value), attributes, maxlen, inner)
+
+    def build(self, items: Any) -> Any:
+        if self.inner is not None:
+            items = join_static_values(items, self.inner)
+        cls: Any = self.cls
+        new = cls.__new__(cls)
+        if issubclass(self.cls, (collections.UserDict, collections.UserList)):
+            new.data = items
+        elif issubclass(self.cls, collections.deque):
+            collections.deque.__init__(new, items, self.maxlen)
+        elif issubclass(self.cls, dict):
+            dict.update(new, items)
+        else:
+            list.extend(new, items)
+        for name, key in self.attributes:
+            object.__setattr__(new, name, key[1])
+        return new
+
+
+_ITERATOR_TYPES: dict[type, bool] = {}
+
+
+def _is_iterator(value: Any) -> bool:
+    t = type(value)
+    found = _ITERATOR_TYPES.get(t)
+    if found is None:
+        found = _ITERATOR_TYPES[t] = hasattr(t, "__next__") and hasattr(t, "__iter__")
+    return found
+
+
+# Ids of the containers ``opaque_items`` is taking apart now: one that holds
+# itself is taken apart once.
+_EXPANDING: set[int] = set()
+
+
+def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
+    """``leaves``, with the leaves of the containers JAX took as one leaf
+    (``opaque_items``) in their place."""
+    out: list[Any] = []
+    for leaf in leaves:
+        items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
+        if items is None or id(leaf) in _EXPANDING:
+            out.append(leaf)
+            continue
+        _EXPANDING.add(id(leaf))
+        try:
+            out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
+        finally:
+            _EXPANDING.discard(id(leaf))
+    return out
+
+
+def is_static_value(value: Any) -> bool:
+    """Whether a state value is static: a Python bool, int, str, enum member or None.
+
+    Static states are part of a model's structure (pytree aux data), not of
+    its states dict, so ``if self.training:`` works under ``jax.jit``.
+    """
+    t = type(value)
+    return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
+
+
+_STATIC_STATE_TYPES = (bool, int, str, type(None))
+
+
+def makes_static_state(value: Any) -> bool:
+    """Whether a state given ``value`` is static: a Python bool, int, str or enum member.
+
+    ``None`` is not a mode but a placeholder (a lazily sized hidden state, a
+    captured activation): a state holding it is an array state whose value
+    is ``None``, so ``f`` carries it in its states dict and an array may
+    replace it inside ``f`` (the new states carry the array). The first value
+    that replaces it decides the kind, as if it were the state's first: a
+    Python value makes the state static again (eagerly; inside ``f`` that is
+    refused, since a static value is ``f``'s structure).
+    """
+    return value is not None and is_static_value(value)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def holds_static_values(value: Any) -> bool:
+    """Whether a container state value holds a Python bool, int, str or enum member.
+
+    A state whose whole value is one Python number stays a leaf: an array
+    state assigned a number (``self.count = 0`` after ``jnp.zeros(())``)
+    keeps the meaning a number has under ``jax.jit``.
+    """
+    t = type(value)
+    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+        return False
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return opaque_items(value) is not None
+    return any(is_static_value(leaf) or opaque_items(leaf) is not None for leaf in leaves)
+
+
+def split_static_values(value: Any) -> tuple[Any, Any]:
+    """``value`` with its Python values replaced by None, and what puts them back.
+
+    The treedef counts None as a leaf, so the Python values' positions are
+    positions of the stripped value too, whatever JAX later puts at the
+    others (tracers, ``None`` axes, specs).
+
+    A container JAX does not flatten (``opaque_items``) is replaced by its
+    items, as a plain dict or list, and rebuilt by ``join_static_values``.
+    """
+    positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_none)
+    held: list[tuple[int, Any]] = []
+    for i, leaf in enumerate(positions):
+        if leaf is None:
+            continue
+        if is_static_value(leaf):
+            held.append((i, _static_key(leaf)))
+            positions[i] = None
+        elif (items := opaque_items(leaf)) is not None:
+            positions[i], rebuilt = _Rebuilt.of(leaf, items)
+            held.append((i, rebuilt))
+    return jax.tree_util.tree_unflatten(treedef, positions), (treedef, tuple(held))
+
+
+def join_static_values(stripped: Any, static: Any) -> Any:
+    treedef, held = static
+    positions = treedef.flatten_up_to(stripped)
+    for i, key in held:
+        positions[i] = key.build(positions[i]) if type(key) is _Rebuilt else key[1]
+    return jax.tree_util.tree_unflatten(treedef, positions)
+
+
+class States(dict):
+    """A states dict whose container states hold Python values, kept as structure.
+
+    ``self.shape = (2,)`` or ``self.cfg = {"m": jnp.zeros(2), "name": "relu"}``:
+    Python bools, ints, strings and enum members inside a state's container
+    are structure, as they are everywhere else in a model. This dict's pytree
+    flatten keeps them in its aux data; only arrays (and Python floats) are
+    leaves. So ``jax.jit(f)(states, x)`` sees ``(2,)`` as Python ints (one
+    trace per value, as for a static state), and a call that assigns ``(3,)``
+    returns Python ints, as plain Python does.
+
+    Otherwise it is a plain dict; ``functionalize`` and ``f`` return one only
+    when some state needs it. A dict rebuilt by hand (``{**states}``) is a
+    plain one, whose Python values ``jax.jit`` would trace: wrap it in
+    ``autostate.States(...)`` again.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Shaped:
+        ...     def __init__(self):
+        ...         self.shape = (2,)
+        ...
+        ...     def __call__(self, x):
+        ...         return jnp.zeros(self.shape) + x
+        ...
+        ...     def grow(self):
+        ...         self.shape = (self.shape[0] + 1,)
+        >>> f, states = Shaped().functionalize()
+        >>> type(states).__name__, jax.tree_util.tree_leaves(states)  # (2,) is structure
+        ('States', [])
+        >>> _, states = jax.jit(f.grow)(states)
+        >>> states
+        {'shape': (3,)}
+        >>> states = autostate.States({**states, "shape": (4,)})  # rebuilt by hand: wrap it
+        >>> print(jax.jit(f)(states, 1.0)[0])
+        [1. 1. 1. 1.]
+    """
+
+    __slots__ = ()
+
+    def copy(self) -> States:
+        return States(self)
+
+
+def states_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as the states dict ``f`` takes: a ``States`` when a
+    container state holds Python values, else ``values`` itself."""
+    for value in values.values():
+        if type(value) not in _CONCRETE_LEAF_TYPES and holds_static_values(value):
+            return States(values)
+    return values
+
+
+def _flatten_states(states: States) -> tuple[list[tuple[Any, Any]], tuple]:
+    keyed = []
+    statics = []
+    for name, value in dict.items(states):
+        static = None
+        if holds_static_values(value):
+            value, static = split_static_values(value)
+        keyed.append((jax.tree_util.DictKey(name), value))
+        statics.append(static)
+    return keyed, (tuple(states), tuple(statics))
+
+
+def _flatten_states_unkeyed(states: States) -> tuple[list[Any], tuple]:
+    keyed, aux = _flatten_states(states)
+    return [value for _, value in keyed], aux
+
+
+def _unflatten_states(aux: tuple, children: Any) -> States:
+    names, statics = aux
+    new = States()
+    for name, child, static in zip(names, children, statics):
+        dict.__setitem__(new, name, child if static is None else join_static_values(child, static))
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    States,
+    _flatten_states,
+    _unflatten_states,
+    _flatten_states_unkeyed,
+)
+
+
+def _own_value(value: Any) -> Any:
+    """``value``, its lists and dicts copied: a states dict of its own, which
+    code changing the model's list in place (a helper's ``append``) leaves
+    alone. A numpy array becomes a jax array, as an assignment makes it (numpy's
+    ``+=`` would change the caller's array in place)."""
+    t = type(value)
+    if t is np.ndarray:
+        return jax.numpy.asarray(value)
+    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+        return value  # the common state, decided by one look-up: a call is per state
+    return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
+
+
+
+def _split_statics(value: Any) -> tuple[Any, Any] | None:
+    """``split_static_values`` of a value holding Python values, else None."""
+    if type(value) in _CONCRETE_LEAF_TYPES or not holds_static_values(value):
+        return None
+    return split_static_values(value)
+
+
+register_slot_hooks(
+    is_static=is_static_value,
+    makes_static=makes_static_state,
+    split_statics=_split_statics,
+    join_statics=join_static_values,
+    own_value=_own_value,
+    states_dict=states_dict,
+)
