@@ -11,9 +11,6 @@ hold slots that ``effects`` handles: ``functionalize`` is
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import sys
-import threading
 import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
@@ -55,8 +52,11 @@ from autostate.functional import (
 from autostate.packing import PackedModel
 from autostate.state_values import states_dict
 from autostate.transform import loader
-from autostate.transform import source as _source
-from autostate.transform.pipeline import ClassDecision, decide_class
+from autostate.transform.pipeline import (
+    ClassDecision,
+    awaits_generated_init,
+    decide_class,
+)
 from autostate.tree import INFO_ATTR
 
 T = TypeVar("T", bound=type)
@@ -78,6 +78,13 @@ class StatefulInfo:
     @property
     def state(self) -> frozenset[str]:
         return self.decision.state
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        # Python calls this when a class is made from a namespace holding
+        # this info: a decorator above ``@stateful`` rebuilt the decorated
+        # class (``@dataclass(slots=True)``). The new class is decorated as
+        # it is made, so that what it cannot hold is refused there.
+        _decorate(owner, self.category, self.fallback)
 
 
 def state(
@@ -217,451 +224,7 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
         )
     if cls is None:
         return lambda c: stateful(c, category=category, fallback=fallback)
-    # The first branch is every class statement of a warm start, kept to a
-    # few reads: a 30-class file imports within 1.2x of it undecorated.
-    if type(cls) is type or (isinstance(cls, type) and type(cls).__call__ is _TYPE_CALL):
-        own = cls.__dict__
-        if (
-            "__new__" not in own
-            and INFO_ATTR not in own
-            and (
-                (base := cls.__base__) is object
-                or cls.__new__ is object.__new__
-                or type(cls.__new__) is _NewFor
-            )
-        ):
-            qualname = cls.__qualname__
-            # (``own.get`` is a method call through the mapping proxy: two
-            # look-ups are cheaper.)
-            fn = own["__init__"] if "__init__" in own else None
-            filename: str | None
-            if type(fn) is _FUNCTION and fn.__module__ == cls.__module__:
-                # _site, inline: the commonest class statement. (An __init__
-                # generated from a string, as @dataclass's, has a file name
-                # "<...>" that is never ``_last_file``: ``_site_not_known``
-                # finds the site function again.)
-                filename = (code := fn.__code__).co_filename
-                spec = g["__spec__"] if "__spec__" in (g := fn.__globals__) else None
-                site: tuple = (qualname, code.co_firstlineno, fallback)
-            else:
-                filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
-            if "<locals>" in qualname:
-                # A factory's class statement makes classes of one site with
-                # other bodies or bases: each is known by those too.
-                site = (*site, _body_and_bases(cls, own))
-            # Where to record the decision once it is made, at the first use:
-            # None when it is in the index (the module's sites, looked up at
-            # its first class statement: a module's class statements run in a
-            # row, and the code objects of one module share its file name).
-            later = (
-                None
-                if filename is _last_file and spec is _last_spec is not None and site in _last_set
-                else _site_not_known(cls, own, fallback, filename, spec, site)
-            )
-            # What the class statement wrote: the decision is made on it at
-            # the first use, whatever has replaced a method since. Its values
-            # only (``_as_written`` finds their keys): a tuple is a third of a
-            # dict copy's memory, most of its cost in a fresh process.
-            _PENDING[cls] = tuple(own.values())
-            if later is not None or fallback is not None or category is not DEFAULT_CATEGORY:
-                # (Most classes take neither: their pending entry is the one tuple.)
-                _PENDING_OPTIONS[cls] = (category, fallback, later)
-            cls.__new__ = _FIRST_USE
-            if "functionalize" not in own and (
-                base is object or getattr(cls, "functionalize", _MISSING) is _MISSING
-            ):
-                # Read from the class before its first instance (a typed
-                # helper checks for it), as on a class decorated at once.
-                cls.functionalize = _functionalize_method
-            if "__init_subclass__" in own:
-                _install_subclass_hook(cls, category, fallback)
-            else:
-                cls.__init_subclass__ = _PENDING_HOOK
-            return cls
-    _check_is_class(cls)
-    if cls in _PENDING:  # decorated again before its first use
-        _PENDING_OPTIONS[cls] = (category, fallback, _pending_options(cls)[2])
-        if cls.__dict__.get("__init_subclass__", _PENDING_HOOK) is not _PENDING_HOOK:
-            _install_subclass_hook(cls, category, fallback)  # its subclasses take the new options
-        return cls
     return _decorate(cls, category, fallback)
-
-
-# The sites decided before of the module whose classes were marked last, its
-# file name and spec (compared by identity).
-_last_file: Any = None
-_last_spec: Any = None
-_last_set: Any = frozenset()
-
-
-def _site_not_known(
-    cls: type, own: Mapping[str, Any], fallback: str | None, filename: str | None, spec: Any,
-    site: tuple,
-) -> tuple | None:
-    """A class statement whose site the fast path of ``stateful`` did not
-    find: looks up its module's sites, and decides the class now when it is
-    not among them. Where to record the decision made at the first use, or
-    None."""
-    global _last_file, _last_spec, _last_set
-    if filename is not None and filename[:1] == "<":
-        # (An __init__ generated from a string: the site is another function's.)
-        filename, spec, site = _site(cls, _site_function(own, cls.__module__), fallback)
-        if "<locals>" in site[0]:
-            site = (*site, _body_and_bases(cls, own))
-    if filename is None:
-        _decided_now(cls, own, fallback)
-        return None
-    if filename is not _last_file or spec is not _last_spec or spec is None:
-        _last_set = loader.file_sites(filename, spec)[2]
-        # (Never a "<...>" name: the fast path takes ``_last_file`` as a real
-        # file's without checking.)
-        _last_file, _last_spec = (filename, spec) if filename[:1] != "<" else (None, None)
-    if site in _last_set:
-        return None
-    if _decided_now(cls, own, fallback):
-        loader.remember_decided(filename, spec, site)
-        return None
-    return (filename, spec, site)
-
-
-# --- decoration deferred to the first instance ------------------------------
-# A class statement pays only for a look-up: the rewritten methods, the
-# descriptors and the pytree registration are installed when the class is
-# first instantiated (or unpickled, or its decision is read), from the
-# decision the cache holds. A decision not in the cache is made at the class
-# statement, so that its errors point there; only installing waits. Either
-# way the class is completed as it is at its first use, with the decorators
-# above ``@stateful`` applied (``@dataclass`` sees the class as written).
-_COMPLETING = threading.RLock()
-
-
-class _FirstUse:
-    """What ``Class.__new__`` is for a class decorated on first use:
-    completes the pending decorations of the instantiated class and its
-    bases, then makes the instance as ``object.__new__`` would.
-    ``inspect.signature`` sees the class's ``__init__`` through it, as for
-    the plain class.
-
-    One object serves every such class (a class statement allocates
-    nothing); reading it gives a callable for the class it is read from. The
-    class keeps it once complete: Python cannot give a class back the
-    ``object.__new__`` it had.
-    """
-
-    __slots__ = ()
-
-    def __get__(self, obj: Any, klass: type) -> _NewFor:
-        made = _NEW_FOR.get(klass)
-        if made is None:
-            made = _NEW_FOR.setdefault(klass, _NewFor(klass))
-        return made
-
-
-class _NewFor:
-    """``_FirstUse`` read from one class."""
-
-    __slots__ = ("klass",)
-
-    def __init__(self, klass: type):
-        self.klass = klass
-
-    def __call__(self, klass: type, /, *args: Any, **kwargs: Any) -> Any:
-        if (_tree.PENDING or INFO_ATTR not in klass.__dict__) and _complete(klass):
-            new = klass.__new__
-            if new is not self:  # completing put another __new__ first (class defaults)
-                return new(klass, *args, **kwargs)
-        # (Read before its completion, this hook may be what makes the instance:
-        # its class defaults are filled here too, as the class's __new__ would.)
-        return _runtime.fill_class_defaults(self._make(klass, args, kwargs))
-
-    @staticmethod
-    def _make(klass: type, args: tuple, kwargs: dict) -> Any:
-        below, reached_from_user_new = _plain_new(klass)
-        if below is not None:  # a base's own __new__ (a mixin): plain Python calls it
-            return below(klass, *args, **kwargs)
-        if args or kwargs:
-            if reached_from_user_new:
-                # ``super().__new__(cls, *args)`` in a user's __new__: object.__new__
-                # then refuses arguments, whatever __init__ takes.
-                raise TypeError("object.__new__() takes exactly one argument (the type to instantiate)")
-            if getattr(klass, "__init__") is object.__init__:  # noqa: B009 - mypy refuses the attribute
-                raise TypeError(f"{klass.__name__}() takes no arguments")
-        return object.__new__(klass)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        # As inspect reads the plain class: the first __new__ or __init__ its
-        # MRO defines (this hook aside).
-        for base in self.klass.__mro__[:-1]:
-            new = base.__dict__.get("__new__")
-            if new is not None and not _ours(new):
-                return inspect.signature(getattr(new, "__func__", new))
-            if "__init__" in base.__dict__:
-                break
-        init = getattr(self.klass, "__init__")  # noqa: B009 - mypy refuses the attribute
-        if init is object.__init__:
-            return inspect.Signature([inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)])
-        return inspect.signature(init)
-
-
-def _plain_new(klass: type) -> tuple[Any, bool]:
-    """What plain Python's ``klass.__new__`` would reach past the hook
-    autostate put first: the next ``__new__`` a class of the MRO defines
-    (``None`` for ``object.__new__``), and whether a user's ``__new__`` comes
-    before the hook (the hook was reached through its ``super().__new__``)."""
-    mro = klass.__mro__
-    hook = next((i for i, k in enumerate(mro) if _ours(k.__dict__.get("__new__"))), len(mro))
-    reached_from_user_new = any("__new__" in k.__dict__ for k in mro[:hook])
-    for k in mro[hook + 1 : -1]:
-        new = k.__dict__.get("__new__")
-        if new is not None and not _ours(new):
-            get = getattr(type(new), "__get__", None)  # (a builtin type's __new__ has none)
-            return (new if get is None else get(new, None, klass)), reached_from_user_new
-    return None, reached_from_user_new
-
-
-def _ours(new: Any) -> bool:
-    return new is _FIRST_USE or (
-        type(new) is staticmethod and type(new.__func__) is _runtime.ClassDefaultsNew
-    )
-
-
-def _subclass_of_pending(sub: type, /, **kwargs: Any) -> None:
-    """The ``__init_subclass__`` of a pending class: a subclass is decorated
-    as the subclass hook (installed when the class completes) decorates it.
-
-    One function serves every pending class, so which class it runs for is
-    counted: Python calls it first for the nearest pending base, and each
-    ``super().__init_subclass__`` chain reaches the next one.
-    """
-    hooked = [k for k in sub.__mro__[1:] if k.__dict__.get("__init_subclass__") is _PENDING_HOOK]
-    depth = _HOOK_DEPTH.get(sub, 0)
-    owner = hooked[depth]
-    # Read first: the chain below may complete ``owner`` (another base's hook
-    # deciding ``sub`` reads its info), and its options still apply.
-    pending = _pending_options(owner) if owner in _PENDING else None
-    _HOOK_DEPTH[sub] = depth + 1
-    try:
-        super(owner, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
-    finally:
-        if depth:
-            _HOOK_DEPTH[sub] = depth
-        else:
-            del _HOOK_DEPTH[sub]
-    if depth == 0 and pending is not None and INFO_ATTR not in sub.__dict__:
-        stateful(sub, category=pending[0], fallback=pending[1])
-
-
-_HOOK_DEPTH: dict[type, int] = {}
-
-
-_FIRST_USE = _FirstUse()
-_PENDING = _tree.PENDING  # the same dict, one read fewer per class statement
-# A pending class's options, where they are not the defaults: (category,
-# fallback, where to record its decision at the first use or None).
-_PENDING_OPTIONS: dict[type, tuple[Hashable, str | None, tuple | None]] = {}
-_DEFAULT_OPTIONS = (DEFAULT_CATEGORY, None, None)
-
-
-def _pending_options(cls: type) -> tuple[Hashable, str | None, tuple | None]:
-    return _PENDING_OPTIONS.get(cls, _DEFAULT_OPTIONS)
-
-_NEW_FOR: dict[type, _NewFor] = {}
-_PENDING_HOOK: Any = classmethod(_subclass_of_pending)
-_TYPE_CALL = type.__call__
-_FUNCTION = types.FunctionType
-
-
-def _decided_now(cls: type, own: Mapping[str, Any], fallback: str | None) -> bool:
-    """Makes a new decision at the class statement, where its errors belong,
-    and checks what installing it would refuse.
-
-    A state that no ``__init__`` of the class initializes may be a field a
-    decorator above ``@stateful`` gives an ``__init__`` for (``@dataclass``):
-    that decision is made again at the class's first use, where it counts.
-    """
-    try:
-        decision, slots = _decide(cls, fallback, None)
-        _check_installable(slots, decision)
-        _check_state_descriptors(cls, decision.state)
-    except DecorationError as error:
-        field = getattr(error, "uninitialized", None)
-        if "__init__" in own or (
-            field not in own.get("__annotations__", {})
-            # A state ``__post_init__`` sets: the ``__init__`` that calls it
-            # is one ``@dataclass`` (above ``@stateful``, or on a subclass
-            # of a decorated class) has not written yet.
-            and not (field is not None and "__post_init__" in own)
-        ):
-            raise
-        return False
-    return True
-
-
-def _body_and_bases(cls: type, own: Mapping[str, Any]) -> tuple:
-    """What tells apart the classes one class statement in a function makes:
-    its bases, and which functions its body holds (by name and first line)."""
-    functions = []
-    for name, value in own.items():
-        fn = _function_of(value)
-        if type(fn) is types.FunctionType:
-            functions.append((name, fn.__code__.co_firstlineno))
-    return (tuple(f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__), tuple(functions))
-
-
-def _site_function(own: Mapping[str, Any], module: str) -> types.FunctionType | None:
-    """The function whose first line is the class's site in its file: its
-    ``__init__``, or else the first function its body defines (never one
-    generated from a string, as ``@dataclass``'s are, nor one of another
-    module, as a shared ``__init__ = helpers.init`` is)."""
-    for value in own.values():
-        if type(value) in (staticmethod, classmethod):
-            value = value.__func__
-        elif type(value) is property:
-            value = value.fget
-        if (
-            type(value) is types.FunctionType
-            and value.__code__.co_filename[:1] != "<"
-            and value.__module__ == module
-        ):
-            return value
-    return None
-
-
-def _site(
-    cls: type, fn: types.FunctionType | None, fallback: str | None
-) -> tuple[str | None, Any, tuple]:
-    """``(file, module spec, site)`` of a class for the guess that it was
-    decided before: its site function's, else (a body without functions,
-    ``class Leaf(Base): pass``) its module's."""
-    if fn is not None:
-        code = fn.__code__
-        return (code.co_filename, fn.__globals__.get("__spec__"),
-                loader.site_of(cls.__qualname__, code.co_firstlineno, fallback))
-    module = sys.modules.get(cls.__module__)
-    return (getattr(module, "__file__", None), getattr(module, "__spec__", None),
-            loader.site_of(cls.__qualname__, 0, fallback))
-
-
-def _complete(klass: type) -> bool:
-    """Completes the pending decorations of ``klass`` and its bases, bases
-    first; whether there were any.
-
-    A class stays pending until its decoration is installed, so that another
-    thread instantiating it waits here rather than seeing it half done.
-    """
-    completed = False
-    with _COMPLETING:
-        for k in reversed(klass.__mro__):
-            own = k.__dict__
-            category: Hashable
-            written = _PENDING.get(k)
-            if written is None:
-                if not _ours(own.get("__new__")) or INFO_ATTR in own:
-                    continue
-                # A copy of a pending class (``@dataclass(slots=True)`` above
-                # ``@stateful`` returns one): decorated as its original would be.
-                category, fallback, later = _DEFAULT_OPTIONS
-            else:
-                category, fallback, later = _pending_options(k)
-            if k in _IN_PROGRESS:
-                continue  # (``_decorate`` reads ``k``'s own info while completing it)
-            _IN_PROGRESS.add(k)
-            try:
-                _decorate_as_written(
-                    k, category, fallback, None if written is None else _as_written(k, written)
-                )
-            finally:
-                _IN_PROGRESS.discard(k)
-            # A failure leaves it pending: every use raises the error.
-            _PENDING.pop(k, None)
-            _PENDING_OPTIONS.pop(k, None)
-            completed = True
-            if later is not None:
-                loader.remember_decided(*later)
-    return completed
-
-
-def _as_written(cls: type, values: tuple) -> dict[str, Any] | None:
-    """The dict ``cls``'s statement wrote, from the values ``stateful`` kept.
-
-    Their keys are the first ones of the dict now: a value replaced since
-    keeps its place, and the ``__new__`` that ``stateful`` put in right after
-    them (a class with its own ``__new__`` is not deferred) says that none was
-    deleted. ``None`` when one was (``del Cls.step``): the decision is then
-    made on the class as it is.
-    """
-    keys = list(cls.__dict__)
-    n = len(values)
-    if len(keys) > n and keys[n] == "__new__":
-        return dict(zip(keys[:n], values))
-    return None
-
-
-def _decorate_as_written(
-    cls: type, category: Hashable, fallback: str | None, written: Mapping[str, Any] | None
-) -> None:
-    """``_decorate`` of ``cls`` as its class statement wrote it (``written``,
-    its dict then), as if the decoration had run there.
-
-    What replaced a method since (a class decorator above ``@stateful``, or
-    code between the class statement and the first instance:
-    ``_orig = Cls.step; Cls.step = wrapper``) is put back after the decision,
-    made on the method as written, and a wrapper that holds the method in
-    its closure is pointed at the rewritten one; as after a decoration at
-    the class statement, a replacement that reaches the method otherwise
-    calls it as written, through the run-time guard. What was added
-    (``@dataclass``'s ``__init__``) is decorated with the class.
-    """
-    current = cls.__dict__
-    replaced = {
-        name: value
-        for name, value in (written or {}).items()
-        if current.get(name, _MISSING) is not value and name not in _MARKS
-    }
-    if not replaced:
-        _decorate(cls, category, fallback)
-        return
-    later = {name: current.get(name, _MISSING) for name in replaced}
-    for name, original in replaced.items():
-        setattr(cls, name, original)
-    try:
-        _decorate(cls, category, fallback)
-    finally:
-        for name, wrapper in later.items():
-            rewritten = current.get(name)
-            if wrapper is _MISSING:
-                delattr(cls, name)
-                continue
-            if type(rewritten) is _runtime.StateAttribute:
-                # A class-level state default assigned since (``Cls.v = 7``):
-                # the state's descriptor stays, and gives that value as the
-                # class's (what an instance starts from, what ``Cls.v`` reads).
-                rewritten.class_value = wrapper
-                continue
-            setattr(cls, name, wrapper)
-            original = replaced[name]
-            if (
-                type(rewritten) is types.FunctionType
-                and type(original) is types.FunctionType
-                and rewritten is not original
-            ):
-                _source.replace_in_wrapper(wrapper, original, rewritten)
-
-
-# The entries autostate itself puts on a class waiting for its first use.
-_MARKS = frozenset({"__new__", "__init_subclass__", "functionalize"})
-
-
-def _function_of(value: Any) -> Any:
-    return value.fget if type(value) is property else getattr(value, "__func__", value)
-
-
-_MISSING: Any = object()
-_IN_PROGRESS: set[type] = set()
-
-
-_tree.on_pending_read(_complete)
 
 
 def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
@@ -838,7 +401,7 @@ def _install_defaults(cls: type) -> None:
         cls.train = _train_method  # type: ignore[attr-defined]
     if not hasattr(cls, "eval"):
         cls.eval = _eval_method  # type: ignore[attr-defined]
-    if cls.__repr__ is object.__repr__:
+    if cls.__repr__ is object.__repr__ and not awaits_generated_init(cls):
         cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
     if not hasattr(cls, "__treescope_repr__"):
         cls.__treescope_repr__ = _render.model_treescope_repr  # type: ignore[attr-defined]
@@ -852,8 +415,6 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     re-decorates it.
     """
     own: Any = cls.__dict__.get("__init_subclass__")
-    if own is _PENDING_HOOK:
-        own = None
     if getattr(own, "__func__", None) is not None and getattr(
         own.__func__, "_autostate_hook", False
     ):
@@ -1012,7 +573,6 @@ def _functionalize_method(
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
-    _tree.complete_pending(type(self))  # (an instance made without the class's __new__)
     _runtime.check_no_hidden_arrays(self)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
@@ -1145,7 +705,7 @@ class Stateful:
 
     def __init_subclass__(cls, /, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if INFO_ATTR not in cls.__dict__ and cls not in _tree.PENDING:
+        if INFO_ATTR not in cls.__dict__:
             stateful(cls)
 
     if TYPE_CHECKING:

@@ -497,7 +497,7 @@ def compute_cached_property(compute: Callable[[], Any], obj: Any, name: str) -> 
     Plain Python keeps the first value for every later call. Inside a
     functionalized call under a trace, a value computed from a state is a
     value of that trace: it cannot be kept (the call drops it, see
-    ``functional._check_attributes_kept``), so each call would compute it
+    ``guard.Guard``), so each call would compute it
     again from the states it is given. That is refused the first time. A
     value computed from parameters or config only is the same each time it
     is computed again, as plain Python's cache.
@@ -978,8 +978,6 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
         setattr(type(self), name, StateAttribute(name))
         store_state(self, name, value)
         return
-    if name == "__class__" and isinstance(value, type):
-        _tree.complete_pending(value)  # the instance becomes one of a class not used before
     object.__setattr__(self, name, value)
 
 
@@ -998,8 +996,6 @@ def guard_setattr(user_setattr: Any) -> Any:
     @functools.wraps(user_setattr)
     def __setattr__(self: Any, name: str, value: Any) -> None:
         check_guarded_write(self, name, value)
-        if name == "__class__" and isinstance(value, type):
-            _tree.complete_pending(value)
         user_setattr(self, name, value)
 
     __setattr__._autostate_guarded = user_setattr  # type: ignore[attr-defined]
