@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
 from autostate import control as _control
+from autostate import graph as _graph
 from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
@@ -250,7 +251,7 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         from autostate import host
 
         slot_factory, after_copy = host.make_host_slot, host.restore_host_slots
-    _tree.register_stateful_class(
+    _graph.register_stateful_class(
         cls, StatefulInfo(decision, category, fallback, slot_factory), after_copy=after_copy
     )
     return cls
@@ -461,7 +462,7 @@ def _train_method(self: M, mode: bool = True) -> M:
                 fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
             )
         )
-    for model in _tree.instances_of(self):
+    for model in _graph.instances_of(self):
         if model is not self and type(model).train is not _train_method:
             model.train(mode)  # a sub-model's own train(), as PyTorch calls it
         elif getattr(model, "training", None) is not mode:
@@ -616,15 +617,15 @@ def _with_running_states_read(model: Any) -> Any:
             return StaticState(ref.value, ref.category, explicit)
         return FrozenLocalStateRequest(ref.read(), ref.category, explicit)
 
-    if not handler_running() or next(_tree.iter_tree(model, running), None) is None:
+    if not handler_running() or next(_graph.iter_tree(model, running), None) is None:
         return model  # (outside every functionalized call: no walk)
-    return _tree.map_tree(model, current, running)
+    return _graph.map_tree(model, current, running)
 
 
 def _state_names(body: Any, handler_id: Hashable) -> list[str]:
     return [
         ref.name
-        for _, ref in _tree.iter_tree(
+        for _, ref in _graph.iter_tree(
             body, lambda x: type(x) is HandledLocalStateRef and x.handler_id == handler_id
         )
     ]

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects.local_state import (
     CopiedRef,
@@ -310,7 +311,7 @@ def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[An
         if id(obj) in seen or isinstance(obj, (jax.Array, str, bytes, int, float)):
             continue
         seen.add(id(obj))
-        if _tree.is_stateful_instance(obj):
+        if _graph.is_stateful_instance(obj):
             found.append(obj)
             stack.extend(obj.__dict__.values())
         elif isinstance(obj, types.FunctionType):

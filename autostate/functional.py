@@ -23,6 +23,7 @@ import jax
 import jax.export
 import numpy as np
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects import (
     HandledLocalStateRef,
@@ -74,7 +75,7 @@ class ConstantRef:
 jax.tree_util.register_pytree_node(
     ConstantRef, lambda r: ((), (r.handler_id, r.name)), lambda aux, _c: ConstantRef(*aux)
 )
-_tree.register_dynamic_type(ConstantRef)
+_graph.register_node_kind(ConstantRef, model_child=True)
 
 
 def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any, dict[str, Any]]:
@@ -90,7 +91,7 @@ def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any,
         )
 
     found = [
-        name for name, node in _tree.iter_tree(body, is_target) if not isinstance(node, StateSlot)
+        name for name, node in _graph.iter_tree(body, is_target) if not isinstance(node, StateSlot)
     ]
     if not found:
         return body, {}
@@ -110,7 +111,7 @@ def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any,
         constants[name] = node
         return ConstantRef(handler_id, name)
 
-    return _tree.map_tree(body, replace, is_target), constants
+    return _graph.map_tree(body, replace, is_target), constants
 
 
 def embed_constants(handler_id: Hashable, body: Any, states: Mapping[str, Any]) -> Any:
@@ -131,7 +132,7 @@ def embed_constants(handler_id: Hashable, body: Any, states: Mapping[str, Any]) 
                 )
             ) from None
 
-    return _tree.map_tree(body, replace, is_target)
+    return _graph.map_tree(body, replace, is_target)
 
 
 def check_state_keys(
@@ -231,7 +232,7 @@ class FunctionalModel(Generic[M]):
         """The handled model (its states are ``HandledLocalStateRef``s)."""
         if self._model is None:
             leaves, graphdef = self._flattened()
-            instances = _tree.rebuild_instances(graphdef, leaves)
+            instances = _graph.rebuild_instances(graphdef, leaves)
             self._model = instances[graphdef.root]
             # The ids the call's guard needs, without walking the new graph
             # again (a walk of every instance on every trace).
@@ -245,7 +246,7 @@ class FunctionalModel(Generic[M]):
                 view, graphdef = self._children
                 self._flat = (_leaves_in_graph_order(graphdef, view), graphdef)
             else:
-                self._flat = _tree.flatten_graph(self._model)
+                self._flat = _graph.flatten_graph(self._model)
         return self._flat
 
     def _keyed(self) -> tuple:
@@ -285,7 +286,7 @@ class FunctionalModel(Generic[M]):
         if names is None:
             names = graphdef.cache["state_names"] = frozenset(
                 node.name
-                for _, node in _tree.iter_tree(self.model, self._is_own_ref)
+                for _, node in _graph.iter_tree(self.model, self._is_own_ref)
             )
         return names
 
@@ -299,7 +300,7 @@ class FunctionalModel(Generic[M]):
         if has is None:
             has = graphdef.cache["has_constants"] = any(
                 type(node) is ConstantRef
-                for _, node in _tree.iter_tree(self.model, self._is_own_ref)
+                for _, node in _graph.iter_tree(self.model, self._is_own_ref)
             )
         return has
 
@@ -359,13 +360,13 @@ class FunctionalModel(Generic[M]):
             # Under jit the model was rebuilt from ``_flat``, so that is the
             # flatten before the call; flattening again (with path names)
             # cost a tenth of the trace at 1,000 modules.
-            graph = flat if flat is not None and own else _tree.flatten_graph(model)
+            graph = flat if flat is not None and own else _graph.flatten_graph(model)
         instances, ids = self._instances, self._guard_ids
         if instances is None or not own:
             # The instance graph cannot change inside a call (the guard refuses
             # it), so its instances are collected once per model (per call when
             # constants were embedded into a copy).
-            instances = _tree.instances_of(model)
+            instances = _graph.instances_of(model)
             ids = frozenset(map(id, instances))
             if own:
                 self._instances, self._guard_ids = instances, ids
@@ -397,7 +398,7 @@ class FunctionalModel(Generic[M]):
             if (
                 callable(held)
                 and not isinstance(held, (StateSlot, type))
-                and not _tree.is_stateful_instance(held)  # a sub-model is no method
+                and not _graph.is_stateful_instance(held)  # a sub-model is no method
             ):
                 method = held
         if name.startswith("_") and (method is None or not callable(method)):
@@ -571,7 +572,7 @@ def _build_level(trie: dict) -> Any:
     return _Keyed(tuple(keys), children)
 
 
-def _view_layout(graphdef: _tree.GraphDef) -> tuple:
+def _view_layout(graphdef: _graph.GraphDef) -> tuple:
     """``(treedef of the keyed view, graph index of each of its leaves)``, once per graphdef."""
     layout = graphdef.cache.get("keyed")
     if layout is None:
@@ -587,12 +588,12 @@ def _view_layout(graphdef: _tree.GraphDef) -> tuple:
     return layout
 
 
-def _keyed_view(graphdef: _tree.GraphDef, leaves: list[Any]) -> Any:
+def _keyed_view(graphdef: _graph.GraphDef, leaves: list[Any]) -> Any:
     view_def, order = _view_layout(graphdef)
     return view_def.unflatten([leaves[i] for i in order])
 
 
-def _leaves_in_graph_order(graphdef: _tree.GraphDef, view: Any) -> list[Any]:
+def _leaves_in_graph_order(graphdef: _graph.GraphDef, view: Any) -> list[Any]:
     view_def, order = _view_layout(graphdef)
     in_view = view_def.flatten_up_to(view)
     leaves: list[Any] = [None] * len(order)
@@ -620,7 +621,7 @@ def _unflatten_functional(aux: tuple, children) -> FunctionalModel:
 jax.tree_util.register_pytree_with_keys(
     FunctionalModel, _flatten_functional_with_keys, _unflatten_functional, _flatten_functional
 )
-_tree.register_dynamic_type(FunctionalModel)
+_graph.register_node_kind(FunctionalModel, model_child=True)
 
 
 def _by_name(obj: Any) -> tuple[str, str] | None:

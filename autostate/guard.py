@@ -55,6 +55,7 @@ from typing import Any
 
 import jax
 
+from autostate import graph as _graph
 from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import StateSlot
@@ -244,8 +245,8 @@ class Guard:
             changed = self._changed_containers()
             if changed:
                 raise self._container_error(changed)
-        if self.graph is not None and not _tree.graph_unchanged(self.model, *self.graph):
-            moved = _changed_in_graph(self.graph, _tree.flatten_graph(self.model))
+        if self.graph is not None and not _graph.graph_unchanged(self.model, *self.graph):
+            moved = _changed_in_graph(self.graph, _graph.flatten_graph(self.model))
             if moved is not None:
                 raise self._change_error(moved)
 
@@ -445,7 +446,7 @@ def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
         return
     if _state_or_descriptor(obj, name):
         return
-    if value is not _ABSENT and _tree.holds_instance(value):
+    if value is not _ABSENT and _graph.holds_instance(value):
         refuse_submodel_swap(obj, name)  # (no declaration makes a sub-model state)
     raise refused(StateAccessError(format_error(
         f"{type(obj).__name__}.{name} is not state, so assigning it inside a functionalized "

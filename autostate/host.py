@@ -58,6 +58,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.interpreters import partial_eval as pe
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, StateSlot
 from autostate.errors import (
@@ -281,7 +282,7 @@ def callback_count(model: Any) -> int:
     """
     stores = {
         id(slot.store): slot.store
-        for _, slot in _tree.iter_tree(model, lambda node: type(node) is HostSlot)
+        for _, slot in _graph.iter_tree(model, lambda node: type(node) is HostSlot)
     }
     _wait_for_dispatched_programs()
     total = 0
@@ -976,7 +977,7 @@ def inference_mode(model: Any) -> Any:
         found = True
         return _InferenceSlot(slot)
 
-    view = _tree.map_tree(model, replace, lambda node: type(node) is HostSlot)
+    view = _graph.map_tree(model, replace, lambda node: type(node) is HostSlot)
     if not found:
         raise HostStateTypeError(
             format_error(
@@ -1025,7 +1026,7 @@ def _register() -> None:
         lambda slot, children: _InferenceSlot(slot, children[0]),
     )
     for cls in (HostSlot, _InferenceSlot):
-        _tree.register_dynamic_type(cls)
+        _graph.register_node_kind(cls, model_child=True)
 
 
 _register()

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autostate.errors import InvalidTypeError, format_error
-from autostate.tree import is_stateful_instance
+from autostate.graph import is_stateful_instance
 
 
 class Layout:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
@@ -71,7 +72,7 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
 
 def _slot_names(root: Any) -> dict[int, str]:
     names: dict[int, str] = {}
-    for name, slot in _tree.iter_tree(root, lambda x: isinstance(x, StateSlot)):
+    for name, slot in _graph.iter_tree(root, lambda x: isinstance(x, StateSlot)):
         names.setdefault(id(slot), name)
     return names
 
@@ -107,23 +108,22 @@ class _ReprWriter:
 
     def node(self, value: Any, path: str) -> str:
         t = type(value)
-        if _tree.is_stateful_instance(value):
+        if _graph.is_stateful_instance(value):
             return self.instance(value, path)
         if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
         if _is_array(value):
             return _tree.describe(value)
         if t is list or t is tuple:
-            items = [self.node(v, path + _tree.index_name(i)) for i, v in enumerate(value)]
+            items = [self.node(v, path + sub) for sub, v in _graph.children_of(value)]
             if t is list:
                 return _layout("[", items, "]")
             return _layout("(", items, ",)" if len(items) == 1 else ")")
         if t is dict:
-            items = [
-                f"{k!r}: {self.node(v, path + _tree.mapping_name(k))}" for k, v in value.items()
-            ]
+            children = zip(value, _graph.children_of(value))
+            items = [f"{k!r}: {self.node(v, path + sub)}" for k, (sub, v) in children]
             return _layout("{", items, "}")
-        if _tree.is_dynamic(value):
+        if _graph.is_dynamic(value):
             try:
                 shown = jax.tree_util.tree_map(_Shown.of, value)
             except Exception:  # an unflatten that validates its children
@@ -135,10 +135,10 @@ class _ReprWriter:
         cls = type(obj).__name__
         if id(obj) in self.seen:
             return f"<{cls}, same as {self.seen[id(obj)]!r}>"
-        self.seen[id(obj)] = _tree.path_name(path) or "self"
+        self.seen[id(obj)] = _graph.path_name(path) or "self"
         specs = vars(obj).get(_sharding.ANNOTATIONS, {})
         items = [
-            f"{attr}={self.node(value, path + _tree.attr_name(attr))}"
+            f"{attr}={self.node(value, path + _graph.attr_name(attr))}"
             + (f" sharded {specs[attr]}" if attr in specs else "")
             for attr, value in vars(obj).items()
             if attr != _sharding.ANNOTATIONS
@@ -147,10 +147,10 @@ class _ReprWriter:
 
     def state(self, slot: Any, path: str) -> str:
         name = getattr(slot, "name", None) or self.slot_names.get(id(slot))
-        label, value = state_label(slot, name or _tree.path_name(path))
+        label, value = state_label(slot, name or _graph.path_name(path))
         if value is _NO_VALUE:
             return f"<{label}>"
-        if callable(value) and not _tree.is_dynamic(value):
+        if callable(value) and not _graph.is_dynamic(value):
             return f"<{label}: {_clip(repr(value))}>"
         return f"<{label}: {self.node(value, '')}>"
 
@@ -271,7 +271,7 @@ def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> A
             if name is None:  # not found from the root: named by its path from it
                 here = f"{path}.{attr}" if path is not None else attr
                 relative = here[len(root_path) :] if here.startswith(root_path) else attr
-                name = _tree.path_name(relative)
+                name = _graph.path_name(relative)
             attributes[attr] = _TreescopeState(value, name)
         return repr_lib.render_object_constructor(
             object_type=type(obj),

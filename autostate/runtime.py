@@ -31,6 +31,7 @@ import numpy as np
 
 # Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``.
 from autostate import control
+from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.effects import (
@@ -149,7 +150,7 @@ def _refuse_declaration_in_model(value: StateDeclaration) -> Any:
     )
 
 
-_tree.register_canonical_form(StateDeclaration, _refuse_declaration_in_model)
+_graph.register_node_kind(StateDeclaration, canonical=_refuse_declaration_in_model)
 
 
 def make_slot(obj: Any, name: str, value: Any) -> Any:
@@ -166,7 +167,7 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
     if spec is not None or sharded_spec is not None:
         _sharding.record(obj, name, spec if spec is not None else sharded_spec)
     # --- end sharding annotations ---
-    if _tree.holds_instance(value):
+    if _graph.holds_instance(value):
         # A sub-model (``self.sub = Leaf()`` in a method, ``self.blocks =
         # [Block(), ...]``): a plain attribute, so the model graph holds it and
         # its own states stay states, as if __init__ had assigned it.
@@ -265,7 +266,7 @@ def as_state_value(value: Any, name: str = "") -> Any:
     if t is list or t is tuple:
         items = [as_state_value(v, name) for v in value]
         return items if t is list else tuple(items)
-    if t in _PLAIN_VALUES or isinstance(value, jax.Array) or not _tree.is_dynamic(value):
+    if t in _PLAIN_VALUES or isinstance(value, jax.Array) or not _graph.is_dynamic(value):
         return value
     # Another pytree node (a NamedTuple, an OrderedDict): its own flatten
     # keeps its order; a plain dict inside it is rebuilt as above.
@@ -393,7 +394,7 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
     if kind.handled and isinstance(value, _Tracer):
         slot.write(value)  # the common traced write: nothing below applies to a tracer
         return
-    if _tree.holds_instance(value):
+    if _graph.holds_instance(value):
         # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
         # becomes a plain attribute (see make_slot); refused while handled
         # or traced in a lax body.
@@ -441,7 +442,7 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
     if (
         value is not held
         and (is_guarded(obj) or lax_body_of(obj))
-        and (_tree.holds_instance(value) or _tree.holds_instance(held))
+        and (_graph.holds_instance(value) or _graph.holds_instance(held))
     ):
         _refuse_submodel_swap(obj, name)
     _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))
@@ -906,7 +907,7 @@ jax.tree_util.register_pytree_node(InstanceDict, _flatten_instance_dict, _unflat
 
 def vars_of(vars_fn: Any, obj: Any) -> Any:
     """``vars(obj)`` in a decorated method (``vars_fn`` is what the name reads there)."""
-    if vars_fn is builtins.vars and _tree.is_stateful_instance(obj):
+    if vars_fn is builtins.vars and _graph.is_stateful_instance(obj):
         return InstanceDict(obj)
     return vars_fn(obj)
 
@@ -932,7 +933,7 @@ def without_runtime(names: Any, scope_fn: Any, runtime_name: str) -> Any:
 
 def dict_of(obj: Any) -> Any:
     """``obj.__dict__`` read in a decorated method."""
-    if _tree.is_stateful_instance(obj):
+    if _graph.is_stateful_instance(obj):
         return InstanceDict(obj)
     return obj.__dict__
 
@@ -1022,7 +1023,7 @@ def _hidden_array(
         return None
     seen.add(id(value))
     t = type(value)
-    if _tree.is_stateful_instance(value):
+    if _graph.is_stateful_instance(value):
         return ("", "", value) if inside else None
     if t is list or t is tuple:
         items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
@@ -1032,7 +1033,7 @@ def _hidden_array(
         # (Arrays in it are static, as a deque of a replay buffer's samples
         # has always been.)
         for k, v in enumerate(value):
-            if _tree.is_stateful_instance(v):
+            if _graph.is_stateful_instance(v):
                 return f"[{k}]", t.__name__, v
         items = [(f"[{k}]", v) for k, v in enumerate(value)]
         inside = True
@@ -1045,10 +1046,10 @@ def _hidden_array(
         # model: what it holds is below a holder.
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         items = [(f"[{k!r}]" if isinstance(value, dict) else f"[{k}]", v) for k, v in pairs]
-        if not _tree.is_pytree_node(value):
+        if not _graph.is_pytree_node(value):
             _UNWALKED_CONTAINERS.add(t.__name__)
             for k, v in items:
-                if _tree.is_stateful_instance(v) or isinstance(v, (jax.Array, np.ndarray)):
+                if _graph.is_stateful_instance(v) or isinstance(v, (jax.Array, np.ndarray)):
                     return k, t.__name__, v
                 found = _hidden_array(v, depth + 1, seen, True)
                 if found is not None:
@@ -1057,7 +1058,7 @@ def _hidden_array(
     elif t is weakref.ProxyType or t is weakref.CallableProxyType:
         # A proxy gives no way to its referent: f's copy cannot be rebound.
         try:
-            held = value.__class__ in _tree.STATEFUL_CLASSES
+            held = value.__class__ in _graph.STATEFUL_CLASSES
         except ReferenceError:  # its referent is gone
             return None
         return ("", "weakref.proxy", value) if held else None
@@ -1069,7 +1070,7 @@ def _hidden_array(
         target = value.__self__ if t is types.MethodType else value()
         if t is weakref.WeakMethod:
             target = getattr(target, "__self__", None)
-        if inside and _tree.is_stateful_instance(target):
+        if inside and _graph.is_stateful_instance(target):
             return "", t.__name__, target
         return None
     elif t is types.FunctionType:
@@ -1080,13 +1081,13 @@ def _hidden_array(
                 continue
             # A model in the function's own cell is rebound, unless the
             # function itself was reached through a holder.
-            if _tree.is_stateful_instance(content) and not inside:
+            if _graph.is_stateful_instance(content) and not inside:
                 continue
             found = _hidden_array(content, depth + 1, seen, True)
             if found is not None:
                 return f".__closure__[{k}]{found[0]}", found[1] or "closure", found[2]
         return None
-    elif (parts := _tree.held_parts(value)) is not None:
+    elif (parts := _graph.held_parts(value)) is not None:
         # A functools.partial, a generator a method made (its frame holds
         # ``self``), a lazy map over a method: bound to a model that f's copy
         # cannot be put in (a method or a lambda is rebound).
@@ -1096,14 +1097,14 @@ def _hidden_array(
             if found is not None:
                 return f"{where}{found[0]}", holder, found[2]
         return None
-    elif _tree.is_dynamic(value):
+    elif _graph.is_dynamic(value):
         return None
     else:
-        attrs: Any = _tree.plain_attributes(value)
+        attrs: Any = _graph.plain_attributes(value)
         if attrs is None:
             return None
         for k, v in attrs.items():
-            if isinstance(v, (jax.Array, np.ndarray)) or _tree.is_stateful_instance(v):
+            if isinstance(v, (jax.Array, np.ndarray)) or _graph.is_stateful_instance(v):
                 return f".{k}", t.__name__, v
             found = _hidden_array(v, depth + 1, seen, True)
             if found is not None:
@@ -1126,22 +1127,6 @@ _MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
 _PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
 
 
-def _instances(model: Any) -> Any:
-    """``(path, instance)`` for each decorated instance under ``model``, once."""
-    seen: set[int] = builtins.set()  # type: ignore[valid-type]
-    stack = [("", model)]
-    while stack:
-        path, obj = stack.pop()
-        if id(obj) in seen:  # type: ignore[attr-defined]
-            continue
-        seen.add(id(obj))  # type: ignore[attr-defined]
-        yield path, obj
-        for name, value in obj.__dict__.items():
-            base = f"{path}.{name}" if path else name
-            for sub, inst in _tree.iter_tree(value, _tree.is_stateful_instance):
-                stack.append((base + (sub if not sub or sub[0] == "[" else "." + sub), inst))
-
-
 def check_no_hidden_arrays(model: Any) -> None:
     """Refuses a model holding arrays inside plain (undecorated) objects, and
     makes a state an instance holds as a plain array a slot.
@@ -1150,9 +1135,9 @@ def check_no_hidden_arrays(model: Any) -> None:
     ``f`` as jit constants: no gradient, absent from ``param_dict`` and from
     checkpoints. Decorating its class makes them parameters and state.
     """
-    if not _tree.is_stateful_instance(model):
+    if not _graph.is_stateful_instance(model):
         return
-    for path, obj in _instances(model):
+    for path, obj in _graph.instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
             if type(value) in _PLAIN_VALUES:
@@ -1190,7 +1175,7 @@ def check_no_hidden_arrays(model: Any) -> None:
                         "f's copy rebinds to itself, or the model itself.",
                     )
                 )
-            if _tree.is_stateful_instance(found[2]):
+            if _graph.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
                 fix = (
@@ -1278,7 +1263,7 @@ jax.tree_util.register_pytree_node(
     lambda s: ((s.value,), (s.category, s.name)),
     lambda aux, children: DetachedState(children[0], *aux),
 )
-_tree.register_dynamic_type(DetachedState)
+_graph.register_node_kind(DetachedState, model_child=True)
 control.register_own_value_slot(DetachedState)
 
 

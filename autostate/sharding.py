@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
@@ -150,26 +151,6 @@ def record(obj: Any, attr: str, spec: Any) -> None:
 # --- reading the annotations of a functionalized model --------------------------
 
 
-def _instances(root: Any) -> list[tuple[str, Any]]:
-    """``(path, instance)`` for every decorated instance under ``root``, each once."""
-    seen: set[int] = set()
-    found: list[tuple[str, Any]] = []
-    stack = [("", root)]
-    while stack:
-        prefix, obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        found.append((prefix, obj))
-        children = []
-        for attr, value in vars(obj).items():
-            for sub, inst in _tree.iter_tree(value, _tree.is_stateful_instance):
-                joined = sub if not sub or sub.startswith("[") else "." + sub
-                children.append((prefix + _tree.attr_name(attr) + joined, inst))
-        stack.extend(reversed(children))
-    return found
-
-
 def _broadcast(spec: Any, value: Any, where: str) -> Any:
     """One spec per leaf of ``value``: ``spec`` itself, or the leaf of a spec pytree."""
     if _is_spec(spec):
@@ -192,7 +173,7 @@ def _check_unwrapped(obj: Any, prefix: str) -> None:
     """A marker left in an attribute (a ``__setattr__`` of the user's own) hid an array."""
     for attr, value in vars(obj).items():
         if type(value) is Annotated:
-            where = _tree.path_name(prefix + _tree.attr_name(attr))
+            where = _graph.path_name(prefix + _graph.attr_name(attr))
             raise InvalidTypeError(
                 format_error(
                     f"{where} holds autostate.sharded(...) itself, not its array: "
@@ -216,10 +197,10 @@ class _Resolved:
             )
         self.by_leaf: dict[int, tuple[Any, str]] = {}
         self.by_state: dict[str, Any] = {}
-        for prefix, obj in _instances(f.model):
+        for prefix, obj in _graph.instances(f.model):
             _check_unwrapped(obj, prefix)
             for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
-                where = _tree.path_name(prefix + _tree.attr_name(attr)) or attr
+                where = _graph.path_name(prefix + _graph.attr_name(attr)) or attr
                 value = vars(obj).get(attr)
                 if type(value) is HandledLocalStateRef:
                     self.by_state.setdefault(value.name, spec)
@@ -232,8 +213,8 @@ class _Resolved:
                     self._add_param(value, spec, where)
 
     def _add_param(self, value: Any, spec: Any, where: str) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=_tree.is_stateful_instance)
-        if any(_tree.is_stateful_instance(leaf) for leaf in leaves):
+        leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=_graph.is_stateful_instance)
+        if any(_graph.is_stateful_instance(leaf) for leaf in leaves):
             raise InvalidTypeError(
                 format_error(
                     f"{where} holds decorated models, so it cannot be given a sharding.",

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from autostate import api as _api
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
 from autostate.effects.local_state import is_running
@@ -65,7 +66,7 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
     # method) reads its current value, as functionalize inside a method does.
     handled = sorted({
         ref.name
-        for _, ref in _tree.iter_tree(
+        for _, ref in _graph.iter_tree(
             model, lambda x: type(x) is HandledLocalStateRef and not is_running(x.handler_id)
         )
     })
@@ -91,7 +92,7 @@ def _params(body: Any) -> dict[str, Any]:
     # first path, as f has it as one leaf.
     params: dict[str, Any] = {}
     seen: set[int] = set()
-    for name, leaf in _tree.iter_tree(body, _is_array):
+    for name, leaf in _graph.iter_tree(body, _is_array):
         if id(leaf) not in seen:
             seen.add(id(leaf))
             params[name] = leaf
@@ -107,7 +108,7 @@ def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
             keyed = [(name, leaves[0][1])]
         else:
             keyed = [
-                (name + "".join(_tree.key_name(k) for k in path), leaf) for path, leaf in leaves
+                (name + "".join(_graph.key_name(k) for k in path), leaf) for path, leaf in leaves
             ]
         statics = {key: leaf for key, leaf in keyed if is_static_value(leaf)}
         for key, leaf in keyed:
@@ -407,7 +408,7 @@ def _tied_paths(body: Any, keys: set[str]) -> list[tuple[str, str]]:
     """``(key, first path)`` for each of ``keys`` that is a later path to a parameter."""
     first: dict[int, str] = {}
     tied = []
-    for name, leaf in _tree.iter_tree(body, _is_array):
+    for name, leaf in _graph.iter_tree(body, _is_array):
         first.setdefault(id(leaf), name)
         if name in keys and first[id(leaf)] != name:
             tied.append((name, first[id(leaf)]))
@@ -490,7 +491,7 @@ def rebuild(
     if new_params:
         # By the array replaced, so that every place of a tied one takes its new value.
         by_id = {id(param_leaves[k]): _converted_like(param_leaves[k], v) for k, v in new_params.items()}
-        body = _tree.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _is_array)
+        body = _graph.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _is_array)
     return _api.freeze(FunctionalModel(f.handler_id, body), nested)
 
 

@@ -14,6 +14,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
 
@@ -39,7 +40,7 @@ def mutable_statics(
     """
     saved: list[tuple[Any, Any, str]] = []
     seen: set[int] = set()
-    arrays, stateful = _tree.ARRAY_TYPES, _tree.STATEFUL_CLASSES
+    arrays, stateful = _tree.ARRAY_TYPES, _graph.STATEFUL_CLASSES
 
     def visit(value: Any, where: str, depth: int) -> None:
         t = type(value)
@@ -63,7 +64,7 @@ def mutable_statics(
                 visit(item, where, depth + 1)
         elif _tree.learn_array_type(value):
             pass  # an array holds no containers (its type is skipped from now on)
-        elif (d := _tree.plain_attributes(value)) is not None:
+        elif (d := _graph.plain_attributes(value)) is not None:
             seen.add(id(value))
             saved.append((d, d.copy(), where))
             for item in d.values():

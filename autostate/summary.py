@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from autostate import graph as _graph
 from autostate import render as _render
 from autostate import state_dicts as _state_dicts
-from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef, HandledStaticState, StateSlot, StaticState
 from autostate.errors import InvalidTypeError, format_error
 from autostate.functional import CONSTANT, ConstantRef, FunctionalModel
@@ -199,7 +199,7 @@ def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
             else:
                 rows.append(_array_row(key, kind, flat[key], category=category))
 
-    for path, node in _tree.iter_tree(body, _is_row):
+    for path, node in _graph.iter_tree(body, _is_row):
         if type(node) in (HandledStaticState, StaticState):
             name, value, category = getattr(node, "name", None) or path, node.value, node.category
             rows.append(

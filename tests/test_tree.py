@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autostate.tree import (
+from autostate.graph import (
     is_dynamic,
     is_stateful_instance,
     iter_tree,
@@ -208,13 +208,13 @@ def test_is_dynamic(value, expected):
 
 
 def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
-    """The rebuild plan (``tree._rebuild_plan``): a handled slot is one frozen
+    """The rebuild plan (``graph._rebuild_plan``): a handled slot is one frozen
     object per graphdef entry, so every trace's model may hold the same one;
     a list or dict attribute is copied for each model, so a change in place
     reaches no other model and the change check sees it."""
     import autostate
     from autostate.effects import HandledLocalStateRef
-    from autostate.tree import graph_unchanged, rebuild_instances
+    from autostate.graph import graph_unchanged, rebuild_instances
 
     @autostate.stateful
     class Leaf:

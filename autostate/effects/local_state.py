@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import jax
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.errors import (
     CategoryArgumentError,
@@ -421,7 +422,6 @@ def _static_pytree(cls):
         return cls(*aux)
 
     jax.tree_util.register_pytree_node(cls, flatten, unflatten)
-    _tree.register_dynamic_type(cls)
     return cls
 
 
@@ -625,7 +625,7 @@ def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
 jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
 )
-_tree.register_dynamic_type(FrozenLocalStateRequest)
+_graph.register_node_kind(FrozenLocalStateRequest, model_child=True)
 
 
 def _canonical_initial(request: InitialLocalStateRequest) -> Any:
@@ -638,7 +638,7 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
     return request
 
 
-_tree.register_canonical_form(InitialLocalStateRequest, _canonical_initial)
+_graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
 
 
 def _static_key(value: Any) -> tuple:
@@ -700,7 +700,7 @@ jax.tree_util.register_pytree_node(
     lambda s: ((), (_static_key(s.value), s.category, s.name)),
     lambda aux, _children: StaticState(aux[0][1], aux[1], aux[2]),
 )
-_tree.register_dynamic_type(StaticState)
+_graph.register_node_kind(StaticState, model_child=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -771,7 +771,7 @@ jax.tree_util.register_pytree_node(
     ),
     lambda aux, _children: HandledStaticState(aux[0], aux[1], aux[2][1], aux[3], aux[4]),
 )
-_tree.register_dynamic_type(HandledStaticState)
+_graph.register_node_kind(HandledStaticState, model_child=True)
 
 
 @_static_pytree
@@ -836,6 +836,9 @@ class SharedLocalStateRequest(StateSlot):
             'KV'
         """
         return _renamed(self, rename_fn)
+
+
+_graph.register_node_kind(SharedLocalStateRequest, model_child=True)
 
 
 def _renamed(request: Any, rename_fn: Callable[[str], str]) -> Any:
@@ -1132,13 +1135,14 @@ def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
     return (ref.read(), ref) if is_running(ref.handler_id) else None
 
 
-_tree.register_running_slot(HandledLocalStateRef, _split_running_ref, CopiedRef)
-_tree.register_running_slot(CopiedRef, lambda c: (c.value, c.ref), CopiedRef)
+# Frozen and childless: one object per graphdef entry serves every rebuild.
+_graph.register_node_kind(
+    HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, CopiedRef)
+)
+_graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), CopiedRef))
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
-# Frozen and childless: one object per graphdef entry serves every rebuild.
-_tree.register_immutable_node(HandledLocalStateRef)
 _HANDLED_TYPES = (HandledLocalStateRef, HandledStaticState)
 # type -> whether it is a handleable slot of another engine (a cache of issubclass).
 _FOREIGN_SLOT: dict[type, bool] = {}
@@ -1179,7 +1183,7 @@ class WithFunctionalLocalState:
 
     def __call__(self, argument: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         inner, states = argument
-        guard = _tree.instance_ids(self.body)
+        guard = _graph.instance_ids(self.body)
         return run_with_states(self.handler_id, states, self.body, (inner,), {}, guard)
 
 
@@ -1192,7 +1196,7 @@ def _flatten_handler(h: WithFunctionalLocalState) -> tuple[list[Any], tuple]:
     # weights) stays one instance and one leaf through jit, grad and freezing.
     holder = _BodyHolder()
     holder.body = h.body  # type: ignore[attr-defined]
-    leaves, graphdef = _tree.flatten_graph(holder)
+    leaves, graphdef = _graph.flatten_graph(holder)
     return leaves, (h.handler_id, graphdef)
 
 
@@ -1204,18 +1208,18 @@ def _flatten_handler_with_keys(h: WithFunctionalLocalState) -> tuple[list[Any], 
 
 def _unflatten_handler(aux: tuple, leaves: Any) -> WithFunctionalLocalState:
     handler_id, graphdef = aux
-    return WithFunctionalLocalState(handler_id, _tree.unflatten_graph(graphdef, list(leaves)).body)
+    return WithFunctionalLocalState(handler_id, _graph.unflatten_graph(graphdef, list(leaves)).body)
 
 
 jax.tree_util.register_pytree_with_keys(
     WithFunctionalLocalState, _flatten_handler_with_keys, _unflatten_handler, _flatten_handler
 )
-_tree.register_walk(
+_graph.register_node_kind(
     WithFunctionalLocalState,
-    lambda h: [(".body", h.body)],
-    lambda h, children: WithFunctionalLocalState(h.handler_id, children[0]),
+    children=lambda h: [(".body", h.body)],
+    rebuild=lambda h, children: WithFunctionalLocalState(h.handler_id, children[0]),
+    model_child=True,
 )
-_tree.register_dynamic_type(WithFunctionalLocalState)
 
 
 def run_with_states(
@@ -1488,7 +1492,7 @@ def handle_local_states(
         initializers[name] = initializer
         return HandledLocalStateRef(handler_id, name, explicit, request.category)
 
-    handled_body = _tree.map_tree(body, replace, is_target)
+    handled_body = _graph.map_tree(body, replace, is_target)
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
@@ -1580,7 +1584,7 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
         emitted.add(ref.name)
         return FrozenLocalStateRequest(value, ref.category, ref.name)
 
-    return _tree.map_tree(body, replace, is_target)
+    return _graph.map_tree(body, replace, is_target)
 
 
 def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, dict[str, Any]]:
@@ -1619,7 +1623,7 @@ def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, d
         True
     """
     uses: dict[str, int] = {}
-    for _path, request in _tree.iter_tree(
+    for _path, request in _graph.iter_tree(
         tree, lambda node: type(node) in REQUEST_TYPES and node.name is not None
     ):
         uses[request.name] = uses.get(request.name, 0) + 1
@@ -1650,7 +1654,7 @@ def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, d
             )
         return SharedLocalStateRequest(request.name, request.category)
 
-    return _tree.map_tree(tree, replace, is_target), requests
+    return _graph.map_tree(tree, replace, is_target), requests
 
 
 def _same_initializer(a: Any, b: Any) -> bool:
@@ -1711,7 +1715,7 @@ def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
             )
         return replacement
 
-    return _tree.map_tree(tree, replace, is_target)
+    return _graph.map_tree(tree, replace, is_target)
 
 
 def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
@@ -1752,7 +1756,7 @@ def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
                 fix="pass e.g. `lambda name: 'encoder.' + name`.",
             )
         )
-    return _tree.map_tree(
+    return _graph.map_tree(
         tree,
         lambda request, _path: request.with_renamed_parameters(rename_fn),
         lambda node: type(node) in REQUEST_TYPES and node.name is not None,

@@ -39,8 +39,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from autostate import graph as _graph
 from autostate import state_dicts as _state_dicts
-from autostate import tree as _tree
 from autostate.effects import HandledLocalStateRef
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import ConstantRef
@@ -86,13 +86,13 @@ def _paths(
     """
 
     def is_target(x: Any) -> bool:
-        return x is not node and (_is_target(x) or _tree.is_stateful_instance(x))
+        return x is not node and (_is_target(x) or _graph.is_stateful_instance(x))
 
     skip = getattr(type(node), "_torch_children", None)
     # States a class names in ``_torch_not_persistent`` (a KV cache, a carried
     # hidden state) are PyTorch's non-persistent buffers: in no state_dict.
     not_persistent = getattr(type(node), "_torch_not_persistent", ())
-    for path, value in _tree.iter_tree(node, is_target):
+    for path, value in _graph.iter_tree(node, is_target):
         parts = _torch_parts(path, caller)
         if "__self__" in parts:  # through a bound method: no module path, as in PyTorch
             continue
@@ -100,7 +100,7 @@ def _paths(
             continue
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
-        if not _tree.is_stateful_instance(value):
+        if not _graph.is_stateful_instance(value):
             yield parts, value
         elif id(value) not in ancestors:
             for sub, leaf in _paths(value, caller, (*ancestors, id(node))):

@@ -35,7 +35,7 @@ class Plain(autostate.Stateful):
 
 
 def _modes(model):
-    return [m.training for m in autostate.tree.instances_of(model)]
+    return [m.training for m in autostate.graph.instances_of(model)]
 
 
 def test_eval_and_train_reach_every_sub_model_and_return_the_model():
