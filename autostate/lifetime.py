@@ -21,6 +21,8 @@ the slot protocol's hooks, registered below.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -278,8 +280,34 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
 
 
 
+# The names of the handled states read while ``recording_state_reads`` runs
+# (None: nothing records).
+_STATE_READS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "autostate_state_reads", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_state_reads() -> Iterator[list[str]]:
+    """Collects the names of the handled states read inside the block (in
+    blocks around it too)."""
+    outer = _STATE_READS.get()
+    reads: list[str] = []
+    token = _STATE_READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _STATE_READS.reset(token)
+        if outer is not None:
+            outer.extend(reads)
+
+
 def _check_read(name: str, value: Any) -> None:
-    """A handled state's value read: refused when it has no plain meaning."""
+    """A handled state's value read: recorded (``recording_state_reads``), and
+    refused when it has no plain meaning."""
+    reads = _STATE_READS.get()
+    if reads is not None:
+        reads.append(name)
     if holds_escaped_tracer(value):
         raise EscapedStateError(escaped_state_message(name, user_location()))
     if type(value) is LostValue:  # (after the check above: tracers come first)

@@ -47,7 +47,6 @@ from autostate.effects.local_state import (
     initial_slot,
     is_guarded,
     lax_body_of,
-    recording_state_reads,
 )
 from autostate.errors import (
     InvalidArgumentError,
@@ -60,7 +59,7 @@ from autostate.errors import (
 )
 from autostate.guard import check_write as check_guarded_write
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
-from autostate.lifetime import _check_not_traced, contains_tracer
+from autostate.lifetime import _check_not_traced, contains_tracer, recording_state_reads
 from autostate.state_values import is_static_value
 from autostate.transform import source as _source
 from autostate.unsortable import unsortable_keys_error

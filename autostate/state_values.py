@@ -32,7 +32,13 @@ import numpy as np
 
 from autostate import tree as _tree
 from autostate.effects.local_state import _static_key, register_slot_hooks
-from autostate.errors import InvalidTypeError, format_error
+from autostate.errors import (
+    InvalidTypeError,
+    StaticStateError,
+    format_error,
+    refused,
+    user_location,
+)
 
 # Types whose instances are pytree leaves and not tracers (a concrete array,
 # a float). Leafness is decided per type, so one leaf instance vouches for its
@@ -334,6 +340,54 @@ def _own_value(value: Any) -> Any:
     return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
 
 
+def _static_write_error(slot: Any, value: Any, label: str | None) -> StaticStateError:
+    """A functionalized call assigned another value to static state ``slot``
+    (a ``HandledStaticState``): its value is ``f``'s structure."""
+    attr = label or slot.name
+    # A traced value has no value to set on the model, and an array's
+    # repr is no example to type: both are described, and "..." stands
+    # for them in the fix.
+    literal = is_static_value(value)  # (a bool, int, str or enum member holds no tracer)
+    shown = repr(value) if literal else _tree.describe(value)
+    example = repr(value) if literal else "..."
+    return StaticStateError(
+        format_error(
+            f"A functionalized call assigned {shown} to static state {slot.name!r} "
+            f"(attribute {attr!r}), which holds {slot.value!r}: a Python "
+            f"{type(slot.value).__name__} is part of f's structure, fixed for the call.",
+            where=user_location(),
+            fix="set it on a model made from f's states, then functionalize that "
+            f"(`model = autostate.freeze(f, states)`; `model.{attr} = {example}`; "
+            "`f, states = model.functionalize()`; with a method that returns the model, "
+            "as autostate's train()/eval() do: `f_eval, states = "
+            "autostate.freeze(f, states).eval().functionalize()`; jax.jit traces once per "
+            "value), or keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
+        )
+    )
+
+
+def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> StaticStateError:
+    attr = label or name
+    return StaticStateError(
+        format_error(
+            f"A functionalized call assigned {value!r} to state {name!r} (attribute "
+            f"{attr!r}), which holds the placeholder None: an array may replace None "
+            f"inside f, but a Python {type(value).__name__} makes the state static, part of "
+            "f's structure, which a call cannot change.",
+            where=user_location(),
+            fix=f"assign it on the model before functionalizing (`model.{attr} = {value!r}`, "
+            "then `f, states = model.functionalize()`; jax.jit traces once per value), or "
+            "keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
+        )
+    )
+
+
+def _check_handled_write(name: str, label: str | None, old: Any, value: Any) -> None:
+    """A Python value in place of the placeholder ``None`` inside a call would
+    make the state static: refused (``makes_static_state``)."""
+    if old is None and makes_static_state(value):
+        raise refused(_static_in_placeholder_error(name, label, value))
+
 
 def _split_statics(value: Any) -> tuple[Any, Any] | None:
     """``split_static_values`` of a value holding Python values, else None."""
@@ -349,4 +403,6 @@ register_slot_hooks(
     join_statics=join_static_values,
     own_value=_own_value,
     states_dict=states_dict,
+    check_handled_write=_check_handled_write,
+    static_write_error=_static_write_error,
 )

@@ -46,7 +46,6 @@ from autostate.errors import (
     UnhandledLocalStateError,
     format_error,
     refused,
-    user_location,
 )
 
 Category = Hashable
@@ -157,7 +156,13 @@ class SlotHooks:
       them back;
     * ``own_value(value)``: the value a call or a frozen model keeps of a
       states dict's entry (its own copy of what the caller may change);
-    * ``states_dict(values)``: the states dict a call returns.
+    * ``states_dict(values)``: the states dict a call returns;
+    * ``check_handled_write(name, label, old, value)``: called by a handled
+      reference's ``write``; raises for a value the running call cannot take
+      (a Python value in place of the placeholder ``None``, which would make
+      the state static);
+    * ``static_write_error(slot, value, label)``: the error a
+      ``HandledStaticState`` raises when a call assigns it another value.
     """
 
     __slots__ = (
@@ -174,6 +179,8 @@ class SlotHooks:
         "join_statics",
         "own_value",
         "states_dict",
+        "check_handled_write",
+        "static_write_error",
     )
 
     def __init__(self) -> None:
@@ -194,6 +201,14 @@ class SlotHooks:
         self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
         self.own_value: Callable[[Any], Any] = lambda value: value
         self.states_dict: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values
+        self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
+            lambda name, label, old, value: None
+        )
+        self.static_write_error: Callable[[Any, Any, str | None], StaticStateError] = (
+            lambda slot, value, label: StaticStateError(
+                f"static state {slot.name!r} holds {slot.value!r}, fixed for the call"
+            )
+        )
 
 
 _hooks = SlotHooks()
@@ -724,27 +739,7 @@ class HandledStaticState(StateSlot):
     def write(self, value: Any, label: str | None = None) -> None:
         if _same_static(value, self.value):
             return None
-        attr = label or self.name
-        # A traced value has no value to set on the model, and an array's
-        # repr is no example to type: both are described, and "..." stands
-        # for them in the fix.
-        literal = _hooks.is_static(value) and not _hooks.holds_tracer(value)
-        shown = repr(value) if literal else _tree.describe(value)
-        example = repr(value) if literal else "..."
-        raise refused(StaticStateError(
-            format_error(
-                f"A functionalized call assigned {shown} to static state {self.name!r} "
-                f"(attribute {attr!r}), which holds {self.value!r}: a Python "
-                f"{type(self.value).__name__} is part of f's structure, fixed for the call.",
-                where=user_location(),
-                fix="set it on a model made from f's states, then functionalize that "
-                f"(`model = autostate.freeze(f, states)`; `model.{attr} = {example}`; "
-                "`f, states = model.functionalize()`; with a method that returns the model, "
-                "as autostate's train()/eval() do: `f_eval, states = "
-                "autostate.freeze(f, states).eval().functionalize()`; jax.jit traces once per "
-                "value), or keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
-            )
-        ))
+        raise refused(_hooks.static_write_error(self, value, label))
 
     def as_request(self) -> Any:
         raise NotImplementedError
@@ -916,28 +911,6 @@ class LocalStateEffectImpl:
         return f"LocalStateEffectImpl(name={self.name!r}, value={_tree.describe(self.value)})"
 
 
-# The names of the handled states read while ``recording_state_reads`` runs
-# (None: nothing records).
-_STATE_READS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "autostate_state_reads", default=None
-)
-
-
-@contextlib.contextmanager
-def recording_state_reads() -> Iterator[list[str]]:
-    """Collects the names of the handled states read inside the block (in
-    blocks around it too)."""
-    outer = _STATE_READS.get()
-    reads: list[str] = []
-    token = _STATE_READS.set(reads)
-    try:
-        yield reads
-    finally:
-        _STATE_READS.reset(token)
-        if outer is not None:
-            outer.extend(reads)
-
-
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
 class HandledLocalStateRef(StateSlot):
@@ -1064,33 +1037,13 @@ class HandledLocalStateRef(StateSlot):
 
     def read(self) -> Any:
         value = self._cell().value
-        reads = _STATE_READS.get()
-        if reads is not None:
-            reads.append(self.name)
         _hooks.check_read(self.name, value)
         return value
 
     def write(self, value: Any, label: str | None = None) -> None:
         cell = self._cell()
-        if cell.value is None and _hooks.makes_static(value):
-            raise refused(_static_in_placeholder_error(self.name, label, value))
+        _hooks.check_handled_write(self.name, label, cell.value, value)
         cell.value = value
-
-
-def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> StaticStateError:
-    attr = label or name
-    return StaticStateError(
-        format_error(
-            f"A functionalized call assigned {value!r} to state {name!r} (attribute "
-            f"{attr!r}), which holds the placeholder None: an array may replace None "
-            f"inside f, but a Python {type(value).__name__} makes the state static, part of "
-            "f's structure, which a call cannot change.",
-            where=user_location(),
-            fix=f"assign it on the model before functionalizing (`model.{attr} = {value!r}`, "
-            "then `f, states = model.functionalize()`; jax.jit traces once per value), or "
-            "keep a value that changes inside jit in an array (`jnp.asarray(...)`).",
-        )
-    )
 
 
 class CopiedRef(StateSlot):
