@@ -34,6 +34,7 @@ from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
     TracedEagerStateError,
+    UnhandledLocalStateError,
     escaped_state_message,
     format_error,
     user_location,
@@ -314,10 +315,69 @@ def _check_read(name: str, value: Any) -> None:
         raise value.error()
 
 
+def _cells_in_another_thread(
+    ref: Any, calls: list[tuple[dict[str, Any], Any]]
+) -> dict[str, Any] | None:
+    """The cells of a state's call running in another thread, which
+    handed this thread a method of its model (a thread pool in a method):
+    plain Python's threads share the model, and an eager call's values do
+    too. Under a transformation they cannot: that is refused here."""
+    if len(calls) != 1:
+        return None
+    cells, trace = calls[0]
+    cell = cells.get(ref.name)
+    if trace is not None or (
+        cell is not None and isinstance(cell.value, jax.core.Tracer)
+    ):
+        raise UnhandledLocalStateError(
+            format_error(
+                f"State {ref.name!r} was reached from a thread other than the one "
+                "running its functionalized call, while that call runs under a JAX "
+                "transformation (jit, grad, vmap or a lax body), whose values cannot "
+                "cross threads.",
+                fix="reach the model's state in the thread that calls f (for example "
+                "loop over the inputs in the method itself), or call f eagerly.",
+            )
+        )
+    return cells
+
+
+def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
+    """A handled reference used while its handler's call is not running."""
+    if reason == "another call":
+        return UnhandledLocalStateError(
+            format_error(
+                f"State {ref.name!r} (category {ref.category!r}) belongs to a "
+                "functionalized call that is not running: it was reached inside "
+                "another model's call (a generator, closure or bound method of the "
+                "model, kept after its own call returned).",
+                fix="use the model's state inside its own call, or freeze it first "
+                "(autostate.freeze(f, states)) and pass the frozen model.",
+            )
+        )
+    return UnhandledLocalStateError(
+        format_error(
+            f"State {ref.name!r} (category {ref.category!r}) is unhandled: it "
+            f"belongs to handler {ref.handler_id!r}, which is not running.",
+            fix="call the handler instead of its body: `out, states = "
+            "handler((arg, states))`, or for a functionalized model `out, states = "
+            "f(states, *args)`; use autostate.freeze(f, states) to get a model "
+            "that runs on its own again. A function JAX runs after the call has "
+            "ended cannot read a state either: a host callback (jax.debug.callback, "
+            "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
+            "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
+            "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
+            "residual the custom_vjp's forward rule returns.",
+        )
+    )
+
+
 register_slot_hooks(
     current_trace=current_trace,
     check_write=_check_not_traced,
     check_initial=check_initial_value,
     check_read=_check_read,
     holds_tracer=contains_tracer,
+    cells_elsewhere=_cells_in_another_thread,
+    unhandled_ref_error=_unhandled_ref_error,
 )

@@ -162,7 +162,14 @@ class SlotHooks:
       (a Python value in place of the placeholder ``None``, which would make
       the state static);
     * ``static_write_error(slot, value, label)``: the error a
-      ``HandledStaticState`` raises when a call assigns it another value.
+      ``HandledStaticState`` raises when a call assigns it another value;
+    * ``cells_elsewhere(ref, calls)``: the cells a handled reference reaches
+      when no call of its handler runs in this context, from ``calls``, the
+      ``(cells, trace)`` of its handler's calls running in other threads (a
+      thread pool in a method), or ``None``;
+    * ``unhandled_ref_error(ref, reason)``: the error of a handled reference
+      used while its handler is not running (``reason``: ``"not running"``,
+      or ``"another call"`` with an equal id is running).
     """
 
     __slots__ = (
@@ -181,6 +188,8 @@ class SlotHooks:
         "states_dict",
         "check_handled_write",
         "static_write_error",
+        "cells_elsewhere",
+        "unhandled_ref_error",
     )
 
     def __init__(self) -> None:
@@ -204,6 +213,14 @@ class SlotHooks:
         self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
             lambda name, label, old, value: None
         )
+        self.cells_elsewhere: Callable[[Any, list[tuple[dict[str, Any], Any]]], Any] = (
+            lambda ref, calls: None
+        )
+        self.unhandled_ref_error: Callable[[Any, str], UnhandledLocalStateError] = (
+            lambda ref, reason: UnhandledLocalStateError(
+                f"State {ref.name!r} is unhandled: handler {ref.handler_id!r} is not running."
+            )
+        )
         self.static_write_error: Callable[[Any, Any, str | None], StaticStateError] = (
             lambda slot, value, label: StaticStateError(
                 f"static state {slot.name!r} holds {slot.value!r}, fixed for the call"
@@ -221,6 +238,17 @@ def register_slot_hooks(**hooks: Callable[..., Any]) -> None:
         if name not in SlotHooks.__slots__:
             raise InvalidArgumentError(f"no slot hook named {name!r}: {SlotHooks.__slots__}")
         setattr(_hooks, name, hook)
+
+
+def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], Any]]:
+    """``(cells, trace)`` of each call of ``handler_id`` running now in any
+    thread (by identity for a ``HandlerId``, else by equality)."""
+    return [
+        (running[1], running[3])
+        for running in list(_ANY_THREAD.values())
+        if running[0] is handler_id
+        or (type(handler_id) is not HandlerId and running[0] == handler_id)
+    ]
 
 
 def running_call_traces() -> Iterator[Any]:
@@ -951,40 +979,16 @@ class HandledLocalStateRef(StateSlot):
 
     def _cell(self) -> LocalStateEffectImpl:
         running = _running_entry(self.handler_id)
-        # (Another functionalized call with an equal id may be running.)
-        other_running = running is None and self.handler_id in _ACTIVE.get()
-        cells = (
-            running[1] if running is not None
-            else None if other_running
-            else self._cells_in_another_thread()
-        )
-        if cells is None:
-            if other_running:
-                raise UnhandledLocalStateError(
-                    format_error(
-                        f"State {self.name!r} (category {self.category!r}) belongs to a "
-                        "functionalized call that is not running: it was reached inside "
-                        "another model's call (a generator, closure or bound method of the "
-                        "model, kept after its own call returned).",
-                        fix="use the model's state inside its own call, or freeze it first "
-                        "(autostate.freeze(f, states)) and pass the frozen model.",
-                    )
-                )
-            raise UnhandledLocalStateError(
-                format_error(
-                    f"State {self.name!r} (category {self.category!r}) is unhandled: it "
-                    f"belongs to handler {self.handler_id!r}, which is not running.",
-                    fix="call the handler instead of its body: `out, states = "
-                    "handler((arg, states))`, or for a functionalized model `out, states = "
-                    "f(states, *args)`; use autostate.freeze(f, states) to get a model "
-                    "that runs on its own again. A function JAX runs after the call has "
-                    "ended cannot read a state either: a host callback (jax.debug.callback, "
-                    "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
-                    "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
-                    "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
-                    "residual the custom_vjp's forward rule returns.",
-                )
-            )
+        if running is not None:
+            cells = running[1]
+        elif self.handler_id in _ACTIVE.get():
+            # Another functionalized call with an equal id is running.
+            raise _hooks.unhandled_ref_error(self, "another call")
+        else:
+            found = _hooks.cells_elsewhere(self, _calls_in_every_thread(self.handler_id))
+            if found is None:
+                raise _hooks.unhandled_ref_error(self, "not running")
+            cells = found
         try:
             return cells[self.name]
         except KeyError:
@@ -996,36 +1000,6 @@ class HandledLocalStateRef(StateSlot):
                     "(or by the previous call) unchanged in its keys.",
                 )
             ) from None
-
-    def _cells_in_another_thread(self) -> dict[str, LocalStateEffectImpl] | None:
-        """The cells of this state's call running in another thread, which
-        handed this thread a method of its model (a thread pool in a method):
-        plain Python's threads share the model, and an eager call's values do
-        too. Under a transformation they cannot: that is refused here."""
-        found = [
-            running
-            for running in list(_ANY_THREAD.values())
-            if running[0] is self.handler_id
-            or (type(self.handler_id) is not HandlerId and running[0] == self.handler_id)
-        ]
-        if len(found) != 1:
-            return None
-        cells = found[0][1]
-        cell = cells.get(self.name)
-        if found[0][3] is not None or (
-            cell is not None and isinstance(cell.value, jax.core.Tracer)
-        ):
-            raise UnhandledLocalStateError(
-                format_error(
-                    f"State {self.name!r} was reached from a thread other than the one "
-                    "running its functionalized call, while that call runs under a JAX "
-                    "transformation (jit, grad, vmap or a lax body), whose values cannot "
-                    "cross threads.",
-                    fix="reach the model's state in the thread that calls f (for example "
-                    "loop over the inputs in the method itself), or call f eagerly.",
-                )
-            )
-        return cells
 
     def get(self) -> Any:
         """Current value of the state in the running handler."""
