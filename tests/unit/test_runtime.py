@@ -1,0 +1,116 @@
+"""autostate.runtime's write path: one table of slot kinds, one fast path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate import runtime
+from autostate.effects import (
+    FrozenLocalStateRequest,
+    HandledLocalStateRef,
+    HandledStaticState,
+    InitialLocalStateRequest,
+    StateSlot,
+)
+from autostate.errors import StateAccessError, TracedEagerStateError
+
+
+@autostate.stateful
+class Counter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.sub = None
+
+    def step(self, v):
+        self.n = v
+        return self.n
+
+    def attach(self, sub):
+        self.sub = sub
+
+
+class _OtherSlot(StateSlot):
+    """A slot of another engine (as a host store is): a foreign slot."""
+
+    __slots__ = ("value", "category")
+
+    def __init__(self, value):
+        self.value, self.category = value, "state"
+
+    def read(self):
+        return self.value
+
+    def write(self, value, label=None):
+        self.value = value
+
+
+def test_each_slot_type_has_one_kind():
+    kind = runtime.slot_kind
+    assert kind(InitialLocalStateRequest) is kind(FrozenLocalStateRequest)
+    assert kind(FrozenLocalStateRequest).eager_request and kind(FrozenLocalStateRequest).jax_values
+    assert kind(HandledLocalStateRef).handled and kind(HandledLocalStateRef).jax_values
+    assert kind(HandledStaticState).handled and not kind(HandledStaticState).jax_values
+    foreign = kind(_OtherSlot)
+    assert foreign.is_slot and not (foreign.handled or foreign.eager_request or foreign.jax_values)
+    assert not kind(type(None)).is_slot and not kind(Counter).is_slot
+    assert runtime.is_slot(FrozenLocalStateRequest(1.0, "state")) and not runtime.is_slot(3)
+
+
+def test_an_eager_write_changes_a_sole_request_in_place_and_a_shared_one_by_copy():
+    m = Counter()
+    m.step(jnp.ones(()))  # the first write makes a FrozenLocalStateRequest
+    request = m.__dict__["n"]
+    assert type(request) is FrozenLocalStateRequest
+    rid = id(request)
+    del request
+    m.step(jnp.full((), 2.0))
+    assert id(m.__dict__["n"]) == rid  # nothing else held it: changed in place
+    held = m.__dict__["n"]
+    m.step(jnp.full((), 3.0))  # another holder: a new request, the old one keeps its value
+    assert m.__dict__["n"] is not held and float(held.state) == 2.0
+    assert float(m.n) == 3.0
+
+
+def test_eager_writes_from_a_method_and_from_outside_take_one_path():
+    m = Counter()
+    m.step(jnp.ones(()))
+    m.n = jnp.full((), 5.0)  # guarded_setattr -> store_state
+    assert float(m.n) == 5.0
+    m.n = np.float32(2.0)  # numpy becomes a jax array, as under jax.jit
+    assert isinstance(m.__dict__["n"].state, jax.Array) and float(m.n) == 2.0
+
+
+def test_a_tracer_is_refused_on_an_eager_model():
+    m = Counter()
+    m.step(jnp.ones(()))
+    with pytest.raises(TracedEagerStateError):
+        jax.jit(m.step)(jnp.ones(()))
+    assert float(m.n) == 1.0
+
+
+def test_a_foreign_slot_takes_its_own_write():
+    m = Counter()
+    slot = _OtherSlot(jnp.zeros(()))
+    dict.__setitem__(m.__dict__, "n", slot)
+    m.step(jnp.full((), 4.0))
+    assert m.__dict__["n"] is slot and float(slot.value) == 4.0
+
+
+def test_a_sub_model_replaces_a_placeholder_eagerly_and_is_refused_in_f():
+    m = Counter()
+    f, states = m.functionalize()
+    with pytest.raises(StateAccessError):
+        f.attach(states, Counter())
+    m.attach(Counter())
+    assert isinstance(m.sub, Counter)
+
+
+def test_handled_writes_land_in_the_call_and_its_states():
+    m = Counter()
+    f, states = m.functionalize()
+    out, new = jax.jit(f.step)(states, jnp.full((), 7.0))
+    assert float(out) == 7.0 and float(new["n"]) == 7.0 and float(m.n) == 0.0
