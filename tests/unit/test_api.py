@@ -236,6 +236,9 @@ def test_dataclass_above_stateful_with_a_post_init_state():
     @autostate.stateful
     class Running:
         k: float = 2.0
+        # @dataclass deletes a field's class attribute, the state's descriptor
+        # here: the first write puts it back.
+        total: jax.Array = dataclasses.field(init=False)
 
         def __post_init__(self):
             self.total = jnp.zeros(())
@@ -246,6 +249,7 @@ def test_dataclass_above_stateful_with_a_post_init_state():
 
     model = Running(k=3.0)
     assert float(model.add(1.0)) == 3.0
+    assert isinstance(model.total, jax.Array) and float(model.total) == 3.0  # read from outside
     f, states = model.functionalize()
     out, states = jax.jit(lambda s: f.add(s, 2.0))(states)
     assert float(out) == float(states["total"]) == 9.0
