@@ -444,6 +444,11 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
         and (_graph.holds_instance(value) or _graph.holds_instance(held))
     ):
         _refuse_submodel_swap(obj, name)
+    if held is _MISSING and state_descriptor(type(obj), name) is None:
+        # A class decorator applied after @stateful (``@dataclass`` above it,
+        # whose fields' class attributes it deletes) removed the state's
+        # descriptor: put it back, so that code outside reads the value.
+        setattr(type(obj), name, StateAttribute(name, _class_value(type(obj), name)))
     _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))
 
 
