@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax import lax
 
 from autostate import graph as _graph
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects.local_state import (
     CopiedRef,
     FrozenLocalStateRequest,
@@ -187,17 +187,18 @@ def _writes(
 
 
 def _concrete_leaf(value: Any) -> bool:
-    """A Python or numpy number, or a JAX array that is not traced."""
-    if isinstance(value, jax.Array):
+    """A Python float or complex, a numpy number, or a JAX array that is not traced."""
+    kind = _values.kind_of(value)
+    if kind is _values.ARRAY:
         return not isinstance(value, jax.core.Tracer)
-    return isinstance(value, (float, complex, np.generic))
+    return kind is _values.NUMPY_SCALAR or isinstance(value, (float, complex))
 
 
 def _signature(value: Any) -> tuple[Any, list[Any]] | None:
     """A state value's structure and leaves (by identity), to tell a change in
     place (``self.sub.items[0] = v``, ``d = self.d; d["k"] = v``) from none;
     ``None`` for an array, which cannot change in place."""
-    if isinstance(value, jax.Array):
+    if _values.kind_of(value) is _values.ARRAY:
         return None
     leaves, treedef = jax.tree_util.tree_flatten(value)
     return treedef, leaves
@@ -308,7 +309,7 @@ def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[An
     stack = list(roots)
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (jax.Array, str, bytes, int, float)):
+        if id(obj) in seen or _values.holds_nothing(obj):
             continue
         seen.add(id(obj))
         if _graph.is_stateful_instance(obj):

@@ -24,7 +24,7 @@ import jax.export
 import numpy as np
 
 from autostate import graph as _graph
-from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import (
     HandledLocalStateRef,
     HandlerId,
@@ -87,7 +87,7 @@ def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any,
 
     def is_target(node: Any) -> bool:
         return isinstance(node, StateSlot) or (
-            _tree.is_array_leaf(node) and not is_trainable(node)
+            _values.is_array_or_spec(node) and not is_trainable(node)
         )
 
     found = [

@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import gc
 import types
@@ -51,19 +50,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
+from autostate import values as _values
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
-from autostate.tree import (
-    _ARRAY_TYPES,
-    _STATIC_TYPES,
-    INFO_ATTR,
-    _Static,
-    copy_static,
-    is_array_leaf,
-    is_mutable_static,
-    learn_array_type,
-)
+from autostate.tree import INFO_ATTR, _Static
+from autostate.values import copy_static, is_array_or_spec, is_mutable_static, kind_of
 
 # --- the registry -------------------------------------------------------------
 
@@ -274,11 +265,12 @@ def is_static_leaf(value: Any) -> bool:
     Such values, wherever they sit in a model (inside lists, dicts or a
     foreign pytree node), are static aux data, never leaves.
     """
-    if value is None or is_array_leaf(value):
+    vkind = kind_of(value)
+    if vkind is _values.NONE or vkind.array or vkind.spec:
         return False
-    t = type(value)
-    if t in _STATIC_TYPES or isinstance(value, enum.Enum):
+    if vkind.static:
         return True
+    t = type(value)
     if t is list or t is tuple or t is dict or t in _MODEL_CHILD:
         return False
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
@@ -287,18 +279,17 @@ def is_static_leaf(value: Any) -> bool:
 def is_dynamic(value: Any) -> bool:
     """Whether an attribute value is a pytree child (else it is static aux data)."""
     t = type(value)
-    if t in _STATIC_TYPES:
+    vkind = kind_of(value)
+    if vkind.static:
         return False
     if t in _MODEL_CHILD:
         return True
-    if is_array_leaf(value):
+    if vkind.array or vkind.spec:
         return True
     if t is list or t is tuple:
         return any(is_dynamic(v) for v in value)
     if t is dict:
         return any(is_dynamic(v) for v in value.values())
-    if isinstance(value, _STATIC_TYPES):
-        return False
     children, treedef = _flatten_one_level(value)
     if treedef is None:
         return False
@@ -381,8 +372,6 @@ def _unwrap_at(value: Any, positions: tuple) -> Any:
 
 # --- the walk -------------------------------------------------------------
 
-_WALK_LEAVES = (jax.Array, np.ndarray, np.generic)
-
 
 def map_tree(
     tree: Any,
@@ -427,7 +416,7 @@ def map_tree(
             if not kind.copied and all(a is b for a, (_, b) in zip(kids, old)):
                 return node
             return kind.rebuild(node, kids)  # type: ignore[misc]
-        if t in _STATIC_TYPES or isinstance(node, _WALK_LEAVES):
+        if (vkind := kind_of(node)).static or vkind.array:
             return node
         children, treedef = _flatten_one_level(node)
         if treedef is None:
@@ -504,7 +493,7 @@ def children_of(node: Any) -> list[tuple[str, Any]]:
     kind = _KINDS.get(t)
     if kind is not None and kind.children is not None:
         return kind.children(node)
-    if t in _STATIC_TYPES or isinstance(node, _WALK_LEAVES):
+    if (vkind := kind_of(node)).static or vkind.array:
         return []
     flat, treedef = _flatten_one_level(node)
     return [] if treedef is None else flat
@@ -537,9 +526,7 @@ def holds_instance(value: Any) -> bool:
         return True
     if t in _CALLABLES:
         return _held_instances(value) is not None
-    if t in _STATIC_TYPES or t in _ARRAY_TYPES:
-        return False
-    if learn_array_type(value):
+    if (vkind := kind_of(value)).static or vkind.array:
         return False
     return next(iter_tree(value, _instance_or_bound), None) is not None
 
@@ -1057,7 +1044,7 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
                 sub = here + "".join(key_name(k) for k in path)
                 if type(leaf) in STATEFUL_CLASSES:
                     parts.append(-1 - visit(leaf, sub, (*here_keys, *path)))
-                elif is_array_leaf(leaf):
+                elif is_array_or_spec(leaf):
                     # One array in two places (``self.head.w = self.embed.w``)
                     # is one leaf, as a shared sub-model is.
                     at = arrays.get(id(leaf))
@@ -1142,7 +1129,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                         return False
                 elif type(p) is _Static:
                     # A python value inside a container: structure, compared by value.
-                    if type(leaf) in STATEFUL_CLASSES or is_array_leaf(leaf):
+                    if type(leaf) in STATEFUL_CLASSES or is_array_or_spec(leaf):
                         return False
                     if not (leaf is p.value or _Static(leaf) == p):
                         return False

@@ -60,6 +60,7 @@ from jax.interpreters import partial_eval as pe
 
 from autostate import graph as _graph
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import FrozenLocalStateRequest, StateSlot
 from autostate.errors import (
     HostStateChangeError,
@@ -97,13 +98,6 @@ class _Spec:
         return self.describe()
 
 
-_SCALARS = (bool, int, float, complex)
-
-
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-
-
 def _non_array_error(label: str, value: Any, what: str) -> HostStateTypeError:
     return HostStateTypeError(
         format_error(
@@ -123,9 +117,9 @@ def _array_leaves(value: Any, label: str, what: str) -> tuple[list[Any], Any]:
         raise _non_array_error(label, value, what)
     out = []
     for leaf in leaves:
-        if isinstance(leaf, _SCALARS):
+        if _values.is_python_number(leaf):
             leaf = jnp.asarray(leaf)
-        elif not _is_array(leaf):
+        elif not _values.is_array(leaf):
             raise _non_array_error(label, leaf, what)
         elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
             raise _extended_dtype_error(label, leaf)

@@ -14,11 +14,11 @@ import contextvars
 from typing import Any
 
 import jax
-import numpy as np
 
 from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -77,10 +77,6 @@ def _slot_names(root: Any) -> dict[int, str]:
     return names
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
 # --- repr ---------------------------------------------------------------------------
 
 _WIDTH = 80
@@ -112,7 +108,7 @@ class _ReprWriter:
             return self.instance(value, path)
         if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
-        if _is_array(value):
+        if _values.is_array_or_spec(value):
             return _tree.describe(value)
         if t is list or t is tuple:
             items = [self.node(v, path + sub) for sub, v in _graph.children_of(value)]
@@ -165,7 +161,7 @@ class _Shown:
 
     @classmethod
     def of(cls, leaf: Any) -> Any:
-        return cls(_tree.describe(leaf)) if _is_array(leaf) else leaf
+        return cls(_tree.describe(leaf)) if _values.is_array_or_spec(leaf) else leaf
 
     def __repr__(self) -> str:
         return self.text

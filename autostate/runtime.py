@@ -34,6 +34,7 @@ from autostate import control
 from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -183,7 +184,6 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
 _HOST_STORE = 'so a fallback="host" store, which keeps a state as flat arrays, cannot hold it'
 
 
-_NUMPY = (np.ndarray, np.generic)
 # numpy dtype kinds a jax array can hold: bool, ints, floats, complex.
 _JAX_KINDS = frozenset("biufc")
 _Tracer = jax.core.Tracer
@@ -245,7 +245,7 @@ def as_state_value(value: Any, name: str = "") -> Any:
     when it is assigned gives eager calls the same meaning (jax dtype
     promotion, ``.at[]`` scatter for ``x[i] += v``) as jitted ones.
     """
-    if isinstance(value, _NUMPY):
+    if _values.is_numpy(value):
         if value.dtype.kind not in _JAX_KINDS:
             # Strings, objects, datetimes: no jax array holds them.
             raise InvalidTypeError(
@@ -265,7 +265,7 @@ def as_state_value(value: Any, name: str = "") -> Any:
     if t is list or t is tuple:
         items = [as_state_value(v, name) for v in value]
         return items if t is list else tuple(items)
-    if t in _PLAIN_VALUES or isinstance(value, jax.Array) or not _graph.is_dynamic(value):
+    if (kind := _values.kind_of(value)).atom or kind is _values.ARRAY or not _graph.is_dynamic(value):
         return value
     # Another pytree node (a NamedTuple, an OrderedDict): its own flatten
     # keeps its order; a plain dict inside it is rebuilt as above.
@@ -401,7 +401,7 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
             _refuse_submodel_swap(obj, name)
         _dict_setitem(obj.__dict__, name, value)
         return
-    if kind.jax_values and isinstance(value, _NUMPY):
+    if kind.jax_values and _values.is_numpy(value):
         value = as_state_value(value, name)
     if kind.eager_request and is_guarded(obj):
         _check_unhandled_write(obj, name, slot, value)
@@ -587,37 +587,12 @@ class _Indexer:
 ix = _Indexer()
 
 
-_COPIED_SEQUENCES = (list, collections.deque, collections.UserList)
-
-
 def _updated(container: Any, key: Any, value: Any) -> Any:
-    """A copy of ``container`` with ``container[key] = value``; arrays via ``.at``."""
-    at = getattr(container, "at", None)
-    if at is not None and not isinstance(container, np.ndarray):
-        return at[key].set(value)
-    if isinstance(container, np.ndarray):
-        out = container.copy()
-        out[key] = value
-        return out
-    if isinstance(container, dict):
-        # A copy of the same type: an OrderedDict, a defaultdict (with its
-        # factory) or a Counter stays one.
-        copied: Any = dict(container) if type(container) is dict else _copy.copy(container)
-        copied[key] = value
-        return copied
-    if isinstance(container, _COPIED_SEQUENCES):
-        # (A list subclass, a deque, a UserList: a copy of the same type.)
-        seq: Any = list(container) if type(container) is list else _copy.copy(container)
-        seq[key] = value
-        return seq
-    if isinstance(container, collections.UserDict):
-        copied = _copy.copy(container)
-        copied[key] = value
-        return copied
-    if isinstance(container, tuple):
-        items = list(container)
-        items[key] = value
-        return type(container)(*items) if hasattr(container, "_fields") else tuple(items)
+    """A copy of ``container`` with ``container[key] = value``, of the same
+    type (an OrderedDict, a defaultdict with its factory, a deque); arrays via ``.at``."""
+    update = _values.kind_of(container).update
+    if update is not None:
+        return update(container, key, value)
     raise InvalidTypeError(
         format_error(
             f"Cannot assign an item of a state of type {type(container).__name__}.",
@@ -642,16 +617,15 @@ def setitem(obj: Any, name: str, value: Any, *keys: Any) -> None:
 _AT_METHODS = {"+": "add", "*": "multiply", "/": "divide", "**": "power"}
 
 
-# Containers whose in-place operators mutate: state never changes in place,
-# so the operator runs on a shallow copy (and keeps its own meaning:
-# ``list += range(3)``, ``dict |= [("k", v)]``).
-_MUTABLE = frozenset({list, dict, builtins.set, bytearray})
-
-
 def _inplace(op: Any) -> Any:
+    # A container whose in-place operators mutate (a list, dict, set, deque,
+    # UserList... and subclasses): state never changes in place, so the
+    # operator runs on a shallow copy (and keeps its own meaning:
+    # ``list += range(3)``, ``dict |= [("k", v)]``).
     def apply(current: Any, value: Any) -> Any:
-        if type(current) in _MUTABLE:
-            current = _copy.copy(current)
+        copy = _values.kind_of(current).copy
+        if copy is not None:
+            current = copy(current)
         return op(current, value)
 
     return apply
@@ -715,10 +689,10 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
     parent = current
     for key in keys[:-1]:
         parent = parent[key]
-    if isinstance(parent, (dict, collections.UserDict, *_COPIED_SEQUENCES)):
+    delete = _values.kind_of(parent).delete
+    if delete is not None:
         # (A copy of the same type, as an item write makes.)
-        shrunk: Any = list(parent) if type(parent) is list else _copy.copy(parent)
-        del shrunk[keys[-1]]
+        shrunk = delete(parent, keys[-1])
     else:
         raise InvalidTypeError(
             format_error(
@@ -1010,6 +984,12 @@ def guard_setattr(user_setattr: Any) -> Any:
 # --- plain objects inside a model --------------------------------------------
 
 
+def _is_array_object(value: Any) -> bool:
+    # (A numpy scalar in a plain object is a number there, as a Python float is.)
+    kind = _values.kind_of(value)
+    return kind is _values.ARRAY or kind is _values.NUMPY_ARRAY
+
+
 def _hidden_array(
     value: Any, depth: int, seen: builtins.set[int], inside: bool = False
 ) -> tuple[str, str, Any] | None:
@@ -1031,11 +1011,12 @@ def _hidden_array(
         return ("", "", value) if inside else None
     if t is list or t is tuple:
         items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
-    elif t in _SET_LIKE:
+    elif _values.kind_of(value).sealed:
         # A set or deque is not walked by functionalize(): a model in it
         # would be shared by f and the eager model, its states never handled.
         # (Arrays in it are static, as a deque of a replay buffer's samples
         # has always been.)
+        _SEALED_CONTAINERS.add(t.__name__)
         for k, v in enumerate(value):
             if _graph.is_stateful_instance(v):
                 return f"[{k}]", t.__name__, v
@@ -1053,7 +1034,7 @@ def _hidden_array(
         if not _graph.is_pytree_node(value):
             _UNWALKED_CONTAINERS.add(t.__name__)
             for k, v in items:
-                if _graph.is_stateful_instance(v) or isinstance(v, (jax.Array, np.ndarray)):
+                if _graph.is_stateful_instance(v) or _is_array_object(v):
                     return k, t.__name__, v
                 found = _hidden_array(v, depth + 1, seen, True)
                 if found is not None:
@@ -1067,7 +1048,7 @@ def _hidden_array(
             return None
         return ("", "weakref.proxy", value) if held else None
     elif t is types.BuiltinMethodType:
-        if type(value.__self__) in _MUTABLE_HOLDERS:
+        if _values.is_mutable(value.__self__):
             return ".__self__", "builtin method", value.__self__
         return None
     elif t is types.MethodType or t is weakref.ReferenceType or t is weakref.WeakMethod:
@@ -1108,7 +1089,7 @@ def _hidden_array(
         if attrs is None:
             return None
         for k, v in attrs.items():
-            if isinstance(v, (jax.Array, np.ndarray)) or _graph.is_stateful_instance(v):
+            if _is_array_object(v) or _graph.is_stateful_instance(v):
                 return f".{k}", t.__name__, v
             found = _hidden_array(v, depth + 1, seen, True)
             if found is not None:
@@ -1121,14 +1102,11 @@ def _hidden_array(
     return None
 
 
-_SET_LIKE: frozenset[type] = frozenset({builtins.set, frozenset, collections.deque})
 _ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
 # Names of the list, tuple and dict subclasses met that are no registered pytree.
 _UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()
-_SET_NAMES = frozenset(t.__name__ for t in _SET_LIKE)
-# Containers a builtin method may change in place (``self.push = self.log.append``).
-_MUTABLE_HOLDERS = frozenset(_tree.MUTABLE_CONTAINERS)
-_PLAIN_VALUES = frozenset({int, float, bool, str, bytes, type(None), complex})
+# Names of the sets, frozensets and deques met (which the graph does not walk).
+_SEALED_CONTAINERS: builtins.set[str] = builtins.set()
 
 
 def check_no_hidden_arrays(model: Any) -> None:
@@ -1144,11 +1122,12 @@ def check_no_hidden_arrays(model: Any) -> None:
     for path, obj in _graph.instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
-            if type(value) in _PLAIN_VALUES:
+            kind = _values.kind_of(value)
+            if kind.atom:
                 continue  # the common attributes: nothing hidden in them
             if is_slot(value):
                 continue
-            if isinstance(value, jax.Array):
+            if kind is _values.ARRAY:
                 if name in _tree.info_of(obj).state:
                     adopt = [*(adopt or ()), name]
                 continue
@@ -1193,7 +1172,7 @@ def check_no_hidden_arrays(model: Any) -> None:
                         "as a JAX pytree (jax.tree_util.register_pytree_node), which "
                         "functionalize() follows."
                     )
-                elif holder in _SET_NAMES:
+                elif holder in _SEALED_CONTAINERS:
                     fix = (
                         "hold the model in a list, tuple or dict, which functionalize() "
                         "follows."

@@ -26,14 +26,13 @@ import numpy as np
 from autostate import api as _api
 from autostate import graph as _graph
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
 from autostate.effects.local_state import is_running
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates
 from autostate.state_values import is_static_value, states_dict
-
-_PYTHON_SCALARS = (bool, int, float, complex)
 
 # state name -> (treedef of its value, the flat keys of its leaves)
 # Per state: its name, treedef, the flat keys of its leaves, and the Python
@@ -83,16 +82,12 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
     return _api.functionalize(model, state_sharing="allowed")
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def _params(body: Any) -> dict[str, Any]:
     # One array in two places (tied weights) is one parameter, named by its
     # first path, as f has it as one leaf.
     params: dict[str, Any] = {}
     seen: set[int] = set()
-    for name, leaf in _graph.iter_tree(body, _is_array):
+    for name, leaf in _graph.iter_tree(body, _values.is_array):
         if id(leaf) not in seen:
             seen.add(id(leaf))
             params[name] = leaf
@@ -137,11 +132,13 @@ def unflatten_states(layout: _Layout, flat: Mapping[str, Any]) -> dict[str, Any]
 
 
 def _as_array(value: Any, kind: str, key: str) -> Any:
-    if isinstance(value, (jax.Array, np.ndarray)) and value.dtype != object:
-        return value
-    if isinstance(value, np.generic):
+    value_kind = _values.kind_of(value)
+    if value_kind is _values.ARRAY or value_kind is _values.NUMPY_ARRAY:
+        if value.dtype != object:
+            return value
+    elif value_kind is _values.NUMPY_SCALAR:
         return np.asarray(value)
-    if isinstance(value, _PYTHON_SCALARS):
+    elif value_kind.number:
         return np.asarray(value, _python_scalar_dtype(value))
     raise StateDictError(
         format_error(
@@ -334,7 +331,7 @@ def param_dict(model: Any) -> dict[str, Any]:
 
 def array_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
     """``(shape, dtype)`` of an array-like; typed PRNG keys keep their key dtype."""
-    if _is_array(x) or isinstance(x, (*_PYTHON_SCALARS, jax.ShapeDtypeStruct)):
+    if (kind := _values.kind_of(x)).array or kind.spec or kind.number:
         dtype = getattr(x, "dtype", None)
         if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
             return tuple(x.shape), dtype
@@ -408,7 +405,7 @@ def _tied_paths(body: Any, keys: set[str]) -> list[tuple[str, str]]:
     """``(key, first path)`` for each of ``keys`` that is a later path to a parameter."""
     first: dict[int, str] = {}
     tied = []
-    for name, leaf in _graph.iter_tree(body, _is_array):
+    for name, leaf in _graph.iter_tree(body, _values.is_array):
         first.setdefault(id(leaf), name)
         if name in keys and first[id(leaf)] != name:
             tied.append((name, first[id(leaf)]))
@@ -417,13 +414,14 @@ def _tied_paths(body: Any, keys: set[str]) -> list[tuple[str, str]]:
 
 def _converted_like(template: Any, value: Any) -> Any:
     """``value`` as the same kind of object as ``template`` (dtype already checked)."""
-    if isinstance(template, jax.Array):
+    kind = _values.kind_of(template)
+    if kind is _values.ARRAY:
         if isinstance(template, jax.core.Tracer):
             return jax.numpy.asarray(value)
         return jax.device_put(value, template.sharding)
-    if isinstance(template, np.ndarray):
+    if kind is _values.NUMPY_ARRAY:
         return np.array(value, copy=True)
-    if isinstance(template, np.generic):
+    if kind is _values.NUMPY_SCALAR:
         return np.asarray(value)[()]
     return np.asarray(value).item()
 
@@ -491,7 +489,7 @@ def rebuild(
     if new_params:
         # By the array replaced, so that every place of a tied one takes its new value.
         by_id = {id(param_leaves[k]): _converted_like(param_leaves[k], v) for k, v in new_params.items()}
-        body = _graph.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _is_array)
+        body = _graph.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _values.is_array)
     return _api.freeze(FunctionalModel(f.handler_id, body), nested)
 
 

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects.local_state import _static_key, register_slot_hooks
 from autostate.errors import (
     InvalidTypeError,
@@ -46,30 +47,21 @@ from autostate.errors import (
 _CONCRETE_LEAF_TYPES: set[type] = set()
 
 
-# Containers JAX does not flatten, that a state may hold: a ``Counter``, a
-# ``deque``, a ``UserDict`` / ``UserList``, a subclass of dict or list. JAX
-# takes one as a single leaf, which ``jax.jit`` cannot abstract; a states dict
-# (``States``) and a frozen model carry its items as a plain dict or list, its
-# type in aux data, and rebuild it on the way back.
-_OPAQUE_BASES = (dict, list, collections.deque, collections.UserDict, collections.UserList)
-
-
 def opaque_items(value: Any) -> dict | list | None:
-    """A container of ``_OPAQUE_BASES`` JAX takes as one leaf, as a plain
+    """A container JAX takes as one leaf (``values.Kind.items``), as a plain
     dict or list of its items; None for anything else."""
     t = type(value)
     if t is dict or t is list or t in _CONCRETE_LEAF_TYPES:
         return None
-    if not isinstance(value, _OPAQUE_BASES):
+    items = _values.kind_of(value).items
+    if items is None:
         # (Not a plain object's attributes: JAX keeps any object as a leaf,
         # and a pytree JAX rebuilt with objects for leaves, as orbax's
         # restore arguments, must keep them.)
         return None
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
         return None  # (registered with JAX: an OrderedDict, a defaultdict)
-    if isinstance(value, (collections.UserDict, collections.UserList)):
-        return dict(value.data) if isinstance(value, collections.UserDict) else list(value.data)
-    return dict(dict.items(value)) if isinstance(value, dict) else list(value)
+    return items(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +329,7 @@ def _own_value(value: Any) -> Any:
         return jax.numpy.asarray(value)
     if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
         return value  # the common state, decided by one look-up: a call is per state
-    return _tree.copy_static(value, {}) if _tree.is_mutable_static(value) else value
+    return _values.copy_static(value, {}) if _values.is_mutable_static(value) else value
 
 
 def _static_write_error(slot: Any, value: Any, label: str | None) -> StaticStateError:

@@ -9,17 +9,13 @@ a call, and refuse (and undo) a change after it.
 
 from __future__ import annotations
 
-import copy as _copy
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 from autostate import graph as _graph
-from autostate import tree as _tree
+from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
-
-# Values that hold no container, looked at no further.
-SKIPPED = frozenset({int, float, bool, str, type(None), HandledLocalStateRef})
 
 
 def mutable_statics(
@@ -40,30 +36,29 @@ def mutable_statics(
     """
     saved: list[tuple[Any, Any, str]] = []
     seen: set[int] = set()
-    arrays, stateful = _tree.ARRAY_TYPES, _graph.STATEFUL_CLASSES
+    stateful, kind_of = _graph.STATEFUL_CLASSES, _values.kind_of
 
     def visit(value: Any, where: str, depth: int) -> None:
         t = type(value)
-        if t in SKIPPED or t in arrays or t in stateful:
-            # No containers in it: a leaf, or a decorated instance (visited
-            # on its own, as one of ``instances``).
+        kind = kind_of(value)
+        if kind.atom or kind.array or t in stateful or t is HandledLocalStateRef:
+            # No containers in it: a leaf, a slot, or a decorated instance
+            # (visited on its own, as one of ``instances``).
             return
         if depth > 16 or id(value) in seen:
             return
-        if isinstance(value, _tree.MUTABLE_CONTAINERS):
+        if kind.mutable:
             seen.add(id(value))
-            saved.append((value, _copy.copy(value), where))
-            if isinstance(value, dict):
+            saved.append((value, kind.copy(value), where))  # type: ignore[misc]
+            if kind is _values.DICT or kind is _values.DICT_SUBCLASS:
                 for item in value.values():
                     visit(item, where, depth + 1)
-            elif not isinstance(value, (set, bytearray)):
+            elif kind is not _values.SET and kind is not _values.BYTEARRAY:
                 for item in value:
                     visit(item, where, depth + 1)
-        elif t is tuple:
+        elif kind is _values.TUPLE:
             for item in value:
                 visit(item, where, depth + 1)
-        elif _tree.learn_array_type(value):
-            pass  # an array holds no containers (its type is skipped from now on)
         elif (d := _graph.plain_attributes(value)) is not None:
             seen.add(id(value))
             saved.append((d, d.copy(), where))
@@ -75,13 +70,11 @@ def mutable_statics(
         cls = type(obj)
         classes[cls] = None
         for name, value in obj.__dict__.items():
-            t = type(value)
-            if t not in SKIPPED and t not in arrays:
-                visit(value, f"{cls.__name__}.{name}", 0)
+            visit(value, f"{cls.__name__}.{name}", 0)
     for cls in classes:
         for klass in cls.__mro__[:-1]:
             for name, value in list(vars(klass).items()):
-                if isinstance(value, _tree.MUTABLE_CONTAINERS) and not name.startswith("__"):
+                if _values.is_mutable(value) and not name.startswith("__"):
                     visit(value, f"{klass.__name__}.{name}", 0)
     for label, value in values:
         visit(value, label, 0)

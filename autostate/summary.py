@@ -23,6 +23,7 @@ import numpy as np
 from autostate import graph as _graph
 from autostate import render as _render
 from autostate import state_dicts as _state_dicts
+from autostate import values as _values
 from autostate.effects import HandledLocalStateRef, HandledStaticState, StateSlot, StaticState
 from autostate.errors import InvalidTypeError, format_error
 from autostate.functional import CONSTANT, ConstantRef, FunctionalModel
@@ -170,7 +171,7 @@ def _array_row(path: str, kind: str, leaf: Any, **extra: Any) -> SummaryRow:
 
 def _is_row(x: Any) -> bool:
     return (
-        _state_dicts._is_array(x)
+        _values.is_array(x)
         or type(x) in (HandledLocalStateRef, ConstantRef)
         or isinstance(x, StateSlot)
     )

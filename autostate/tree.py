@@ -1,9 +1,7 @@
-"""What every layer says about a value and about a decorated class.
+"""What every layer says about a decorated class, and how a value is shown.
 
-* the kinds of values: arrays (``is_array_leaf``, ``learn_array_type``),
-  the static scalar types, the builtin containers code may change in place
-  and their copies (``copy_static``), and ``_Static``, the hashable wrapper
-  that keeps a python value in pytree aux data;
+* ``_Static``, the hashable wrapper that keeps a python value in pytree aux
+  data (what kind of value a value is: ``autostate.values``);
 * the decoration info of a class (``class_info``, ``info_of``);
 * how an array is written in messages (``describe``).
 
@@ -13,32 +11,12 @@ check, reachable instances, path names) are ``autostate.graph``'s.
 
 from __future__ import annotations
 
-import collections
-import copy as _copy
-import types
 from typing import Any
 
 import jax
 import numpy as np
 
 INFO_ATTR = "__autostate_info__"
-
-# Values of these types are never pytree children of a decorated instance.
-_STATIC_TYPES = (
-    int,
-    float,
-    complex,
-    bool,
-    str,
-    bytes,
-    type(None),
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-)
-
 
 def class_info(cls: type) -> Any:
     """What ``@stateful`` decided for ``cls`` itself (not a base), or ``None``."""
@@ -70,11 +48,6 @@ def format_spec(shape: Any, dtype: Any) -> str:
             break
     name = name.replace("complex", "c")
     return f"{name}[{','.join(map(str, shape))}]"
-
-
-def is_array_leaf(value: Any) -> bool:
-    """Arrays (concrete, traced or abstract): the only leaves ``f`` and models have."""
-    return isinstance(value, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 class _Static:
@@ -115,77 +88,3 @@ class _Static:
 
 
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda aux, _children: aux)
-
-
-# --- mutable static values ------------------------------------------------------
-
-# The builtin containers a static value may be that code can change in place.
-MUTABLE_CONTAINERS = (list, dict, set, bytearray, collections.deque)
-
-
-def _is_plain_tuple(value: Any) -> bool:
-    """A tuple or a named tuple (``typing.NamedTuple``: optax's states)."""
-    t = type(value)
-    return t is tuple or (issubclass(t, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"))
-
-
-def is_mutable_static(value: Any) -> bool:
-    """Whether ``value`` is, or a tuple or named tuple holds, a list, dict,
-    set, deque or bytearray."""
-    if isinstance(value, MUTABLE_CONTAINERS):
-        return True
-    return _is_plain_tuple(value) and any(map(is_mutable_static, value))
-
-
-def copy_static(value: Any, memo: dict[int, Any]) -> Any:
-    """``value`` with its builtin containers copied, at any depth (``memo``
-    keeps two references to one container one); other objects are shared.
-
-    A graphdef keeps the copy a flatten made, and each model rebuilt from it
-    gets copies of its own: a static list then means its value when the
-    graphdef was made (jit's cache compares graphdefs), and a change in place
-    inside one model (an eager call, a trace) reaches no other.
-    """
-    if not isinstance(value, MUTABLE_CONTAINERS) and not _is_plain_tuple(value):
-        return value
-    found = memo.get(id(value))
-    if found is not None:
-        return found
-    new: Any
-    if isinstance(value, tuple):
-        items = tuple(copy_static(v, memo) for v in value)
-        if all(a is b for a, b in zip(items, value)):
-            new = value
-        else:
-            new = items if type(value) is tuple else type(value)._make(items)  # type: ignore[attr-defined]
-    elif isinstance(value, (set, bytearray)):
-        new = _copy.copy(value)  # hashable or int items: nothing inside to copy
-    else:
-        container: Any = value
-        new = _copy.copy(container)  # keeps the subclass (a defaultdict's factory)
-        memo[id(value)] = new
-        if isinstance(container, dict):
-            for k, v in container.items():
-                dict.__setitem__(new, k, copy_static(v, memo))
-        else:
-            items_list = [copy_static(v, memo) for v in container]
-            new.clear()
-            new.extend(items_list)
-    memo[id(value)] = new
-    return new
-
-
-def learn_array_type(value: Any) -> bool:
-    """Whether ``value`` is an array (a tracer is one); its type is then
-    remembered in ``ARRAY_TYPES``, since being an array is the type's: hot
-    loops test the set instead (most of a traced state write, once)."""
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        _ARRAY_TYPES.add(type(value))
-        return True
-    return False
-
-
-# Types found to be arrays by learn_array_type (concrete arrays, tracers, numpy).
-_ARRAY_TYPES: set[type] = set()
-# The same set under the name other modules read in their hot loops.
-ARRAY_TYPES = _ARRAY_TYPES

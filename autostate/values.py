@@ -86,7 +86,7 @@ __all__ = [
 class Kind:
     """One kind of value: the answers to the questions above, and its operations.
 
-    Args:
+    Attributes:
         name: the kind's name, as ``repr`` shows it.
         array: JAX or numpy array data (a tracer too).
         numpy: a numpy array or scalar.

@@ -41,6 +41,7 @@ import numpy as np
 
 from autostate import graph as _graph
 from autostate import state_dicts as _state_dicts
+from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import ConstantRef
@@ -69,7 +70,7 @@ class _Entry:
 
 
 def _is_target(x: Any) -> bool:
-    return _state_dicts._is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef)
+    return _values.is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef)
 
 
 def _paths(
@@ -144,7 +145,7 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
     seen: set[tuple[str, str]] = set()
     by_name: dict[str, str] = {}
     for parts, value in _paths(f.model, caller):
-        if _state_dicts._is_array(value):
+        if _values.is_array(value):
             key = param_key[id(value)]
             found = [("parameter", key, "", value)]
         else:
@@ -395,12 +396,12 @@ class _TorchReport:
 
 
 def _as_array(value: Any, name: str) -> Any:
-    if _state_dicts._is_array(value):
+    if _values.is_array(value):
         return value
     numpy = getattr(value, "numpy", None)
     if callable(numpy) and hasattr(value, "detach"):  # a torch tensor, without importing torch
         return value.detach().cpu().numpy()
-    if isinstance(value, (bool, int, float)):
+    if _values.is_python_number(value):
         return np.asarray(value)
     raise StateDictError(
         format_error(
