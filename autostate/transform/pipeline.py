@@ -262,9 +262,8 @@ def _class_statement_line(cls: type, filename: str | None, before: int | None) -
 
 def _module_globals(cls: type) -> dict[str, Any] | None:
     """The globals of the module that defined ``cls``: its functions' own,
-    else its module's in ``sys.modules``. A decoration installed at a class's
-    first use must see what the class statement saw, and a module may have
-    left ``sys.modules`` since (a test harness's clean-up, a reload)."""
+    else its module's in ``sys.modules`` (a module being imported, or one
+    that has left ``sys.modules``: a test harness's clean-up, a reload)."""
     for value in vars(cls).values():
         fn = getattr(value, "__func__", value)
         if isinstance(fn, types.FunctionType) and fn.__module__ == cls.__module__:

@@ -37,8 +37,8 @@ class MethodSlot:
     # source cannot be read it is left to the run-time guard, not rejected.
     foreign: bool = False
     # Raises the error ``install`` would raise (a wrapper it cannot reach
-    # into), without installing: a decision is checked at the class
-    # statement and installed at the class's first use.
+    # into), without installing: every refusal comes before anything is
+    # installed, so that a failed decoration leaves the class as it was.
     check: Callable[[], None] | None = None
 
 
