@@ -326,11 +326,14 @@ def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code
 
 
 def store_state(obj: Any, name: str, value: Any) -> None:
-    """``set`` without the class's ``__setattr__`` (the descriptor's write).
+    """``set`` without the class's ``__setattr__`` (the descriptor's write), and
+    the ``__setattr__`` of a decorated class without one of its own
+    (``guarded_setattr``): ``model.x = v`` from outside.
 
     The one write path: whatever ``obj.__dict__`` holds for ``name`` (its
     slot, or nothing yet) has a kind in ``_SLOT_KINDS``, and the kind says
-    what the write does. Its first lines are the one fast path, the common
+    what the write does; an attribute that is not state is assigned as plain
+    Python assigns it, guarded (``assign_attribute``). Its first lines are the one fast path, the common
     eager write: a concrete jax array (never a tracer, never numpy) into an
     unhandled request. What the request's kind concludes for it, without its
     checks: they were nine tenths of the write. The request is changed in
@@ -346,8 +349,6 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         else: _dict_setitem(d, name, slot.replaced(value))  # noqa: E701
         return
     kind = _SLOT_KINDS.get(type(slot)) or slot_kind(type(slot))
-    if type(value) is StateDeclaration and slot is not _MISSING:
-        value = _declared_value(obj, name, slot, value)
     kind.write(kind, obj, name, slot, value)
 
 
@@ -390,6 +391,8 @@ class SlotKind:
 def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any) -> None:
     """A write into a slot: the slot's own ``write``, around the checks its
     kind asks for; the replacement it returns takes its place."""
+    if type(value) is StateDeclaration:
+        value = _declared_value(obj, name, slot, value)
     if kind.handled and isinstance(value, _Tracer):
         slot.write(value)  # the common traced write: nothing below applies to a tracer
         return
@@ -423,12 +426,15 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
 def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> None:
     """A write where ``__dict__`` holds no slot: nothing yet, or a sub-model."""
     if name not in _tree.info_of(obj).state:
-        # Code rewritten for another class, running on this instance (a
-        # method borrowed from a decorated class: ``forward = Donor.forward``):
-        # for this class ``name`` is no state, and the write means what
-        # the plain attribute assignment means (the guard included).
-        setattr(obj, name, value)
+        # An attribute that is not state (``model.lr = 0.1``), or code
+        # rewritten for another class running on this instance (a method
+        # borrowed from a decorated class: ``forward = Donor.forward``): the
+        # plain attribute assignment, guarded. (A class with a ``__setattr__``
+        # of its own never gets here: ``set`` calls it.)
+        assign_attribute(obj, name, value)
         return
+    if type(value) is StateDeclaration and held is not _MISSING:
+        value = _declared_value(obj, name, held, value)
     if held is _MISSING and is_guarded(obj):
         default = _class_value(type(obj), name)
         if default is not _MISSING:
@@ -921,21 +927,11 @@ def target(obj: Any) -> _Target:
     return _Target(obj)
 
 
-def guarded_setattr(self: Any, name: str, value: Any) -> None:
+def assign_attribute(self: Any, name: str, value: Any) -> None:
     """``model.x = v`` for an attribute that is not state: plain Python, guarded.
 
     ``self.w = autostate.sharded(w, spec)`` stores ``w`` and records ``spec``.
     """
-    if (
-        _SLOT_KINDS.get(type(self.__dict__.get(name)), _PLAIN_VALUE).is_slot
-        or type(type(self).__dict__.get(name)) is StateAttribute
-    ):
-        # A state (only a state puts a slot into __dict__; the instance dict
-        # is looked at first: reading the class's costs more than the write):
-        # what the descriptor's __set__ does, the one write path, without the
-        # guard and the descriptor call.
-        store_state(self, name, value)
-        return
     check_guarded_write(self, name, value)
     if type(value) is StateDeclaration:
         kind = "constant" if value.marker == "constant" else "state"
@@ -950,14 +946,14 @@ def guarded_setattr(self: Any, name: str, value: Any) -> None:
     if type(value) is _sharding.Annotated:
         value, spec = _sharding.split_annotation(value)
         _sharding.record(self, name, spec)
-    if name in _tree.info_of(self).state and state_descriptor(type(self), name) is None:
-        # A class decorator applied after @stateful (``@dataclass`` on a
-        # subclass the subclass hook decorated first) removed the state's
-        # descriptor: put it back, so the state reads as its value.
-        setattr(type(self), name, StateAttribute(name))
-        store_state(self, name, value)
-        return
     object.__setattr__(self, name, value)
+
+
+# ``model.x = v`` on a decorated class without a ``__setattr__`` of its own:
+# the one write path itself, so a write from outside costs one call, as one
+# from a method does (a state's write; any other attribute's through
+# ``assign_attribute``).
+guarded_setattr = store_state
 
 
 def state_descriptor(cls: type, name: str) -> StateAttribute | None:
