@@ -896,6 +896,36 @@ def vars_of(vars_fn: Any, obj: Any) -> Any:
     return vars_fn(obj)
 
 
+def _spelled(builtin: Any, access: Callable[..., Any]) -> Callable[..., Any]:
+    """``access`` where a call by name spells it, as ``builtin`` spells it.
+
+    ``setattr(self, "x", v)`` becomes ``spelled.set(setattr, self, "x", v)``:
+    the name is evaluated where the method runs, as Python does at each call,
+    so the state access happens only when it is still the builtin; a name
+    rebound since decoration (a module's ``setattr = mine`` below the class)
+    is called with the arguments as written.
+    """
+
+    def call(fn: Any, *args: Any) -> Any:
+        if fn is builtin:
+            return access(*args)
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = access.__name__
+    return call
+
+
+# The state accesses the calls of ``analysis.NamedAccess`` become, by the
+# runtime function the rewrite names (``__autostate__.spelled.set``).
+spelled = types.SimpleNamespace(
+    set=_spelled(builtins.setattr, set),
+    init=_spelled(builtins.setattr, init),
+    get=_spelled(builtins.getattr, get),
+    store_state=_spelled(builtins.object.__setattr__, store_state),
+    read_state=_spelled(builtins.object.__getattribute__, read_state),
+)
+
+
 def without_runtime(names: Any, scope_fn: Any, runtime_name: str) -> Any:
     """``locals()``, ``vars()`` or ``dir()`` called with no argument in a decorated
     method (``names`` is its result, ``scope_fn`` what the name reads there),

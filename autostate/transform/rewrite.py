@@ -19,10 +19,13 @@ control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint
 (read)                           for a model, its instance dict with the states' values
 ``locals()``, ``vars()``,        ``__autostate__.without_runtime(locals(), locals, "__autostate__")``:
 ``dir()`` (no argument)          the result without the runtime's own name
-``setattr(self, "x", v)``        ``__autostate__.set(self, "x", v)`` (``init`` in ``__init__``)
-``getattr(self, "x")``           ``__autostate__.get(self, "x")``
-``object.__setattr__`` /         ``__autostate__.store_state(self, "x", v)`` /
-``object.__getattribute__``      ``__autostate__.read_state(self, "x")``: past the class's own hooks
+``setattr(self, "x", v)``        ``__autostate__.spelled.set(setattr, self, "x", v)`` (``init`` in
+                                 ``__init__``): the state's write while the name is the builtin,
+                                 else the call as written (a name rebound after the class)
+``getattr(self, "x")``           ``__autostate__.spelled.get(getattr, self, "x")``
+``object.__setattr__`` /         ``__autostate__.spelled.store_state(object.__setattr__, self, "x", v)`` /
+``object.__getattribute__``      ``__autostate__.spelled.read_state(object.__getattribute__, self, "x")``:
+                                 past the class's own hooks
 ===============================  =============================================
 
 Where a rewrite leaves out source that spanned lines (a backslash after
@@ -385,7 +388,8 @@ class StateRewriter(cst.CSTTransformer):
         return self._shadowed
 
     def _named_access(self, call: cst.Call) -> str | None:
-        """The runtime function a state access by literal name becomes, if any.
+        """The runtime function (of ``runtime.spelled``) a state access by
+        literal name becomes, if any.
 
         ``setattr``/``getattr`` go through the class's own hooks as ``self.x``
         does (``set``, ``init``, ``get``); ``object.__setattr__`` /
@@ -409,23 +413,22 @@ class StateRewriter(cst.CSTTransformer):
         func, args = original_node.func, original_node.args
         runtime_name = self._named_access(original_node)
         if runtime_name is not None:
-            # Same arguments in the same order: only the function changes.
-            call = updated_node.with_changes(func=self._runtime(runtime_name))
-            func = _code(updated_node.func)
-            if "\n" not in func:
-                return call
-            # ``object \\\n .__setattr__(self, ...)``: the arguments stay on
-            # their line, the line breaks before them inside the parentheses.
-            dropped = func + _code(updated_node.whitespace_after_func) + "(" + _code(
-                updated_node.whitespace_before_args
+            # ``setattr(self, "x", v)`` as ``spelled.set(setattr, self, "x", v)``:
+            # the function as written goes first, evaluated where the method
+            # runs, so the runtime does the state access only while it is the
+            # builtin (a module may rebind ``setattr`` after the class). The
+            # arguments keep their order and lines (``object \\\n .__setattr__``
+            # one space narrower: the comma after it takes the ``(``'s place).
+            before_args = updated_node.whitespace_before_args
+            comma = cst.Comma(
+                whitespace_before=updated_node.whitespace_after_func,
+                whitespace_after=before_args if _code(before_args) else cst.SimpleWhitespace(" "),
             )
-            return _keep_lines(
-                call.with_changes(
-                    whitespace_after_func=cst.SimpleWhitespace(""),
-                    whitespace_before_args=cst.SimpleWhitespace(""),
-                ),
-                dropped,
-                before=0,
+            return updated_node.with_changes(
+                func=cst.Attribute(value=self._runtime("spelled"), attr=cst.Name(runtime_name)),
+                whitespace_after_func=cst.SimpleWhitespace(""),
+                whitespace_before_args=cst.SimpleWhitespace(""),
+                args=[cst.Arg(_narrowed(updated_node.func), comma=comma), *updated_node.args],
             )
         if (
             isinstance(func, cst.Name)
