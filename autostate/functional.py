@@ -3,10 +3,10 @@
 This module owns what ``f`` is: a pytree whose leaves are the model's
 parameters (flattened once as a graph, so tied weights stay one leaf), its
 calling convention ``f(states, *args) -> (out, new_states)`` and
-``f.<method>(...)``, the check that a traced call changed nothing outside the
-states, and the handler ids that make functionalizing a frozen model again
-give an equal ``f``. It knows nothing of source code or of how a class is
-decorated.
+``f.<method>(...)`` (bind the states, call, guard, unbind: the guard, that a
+call changed nothing outside its states, is ``guard``'s), and the handler
+ids that make functionalizing a frozen model again give an equal ``f``. It
+knows nothing of source code or of how a class is decorated.
 """
 
 from __future__ import annotations
