@@ -16,7 +16,7 @@ reads and writes become calls of the runtime (``__autostate__.get``/``set``).
   on (so a warm start loads code without importing libcst).
 
 The decision is a pure function of source text and the class's options:
-nothing here imports JAX (``tests/test_architecture.py`` checks it) or
+nothing here imports JAX (``tests/project/test_architecture.py`` checks it) or
 knows about the effect engine's runtime values. This file imports nothing,
 so importing one submodule costs no more than that submodule.
 """

@@ -1,0 +1,143 @@
+"""The package's shape (DESIGN.md section 4), checked from its source.
+
+Every ``import`` in ``autostate/`` — at module level or inside a function —
+is an edge of the module graph; the graph must have no cycle, ``transform``
+must not import JAX, ``effects`` must not import libcst, and no module may
+assign an attribute of another module (no hooks set from outside).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "autostate"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str:
+    """The module an imported dotted name lives in (``a.b.func`` -> ``a.b``)."""
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(module: str) -> list[tuple[str, int]]:
+    """``(imported module, line)`` for every import statement in ``module``."""
+    tree = ast.parse(MODULES[module].read_text())
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full if _resolve(full) == full else base, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        edges = set()
+        for name, _line in _imports(module):
+            if name.split(".")[0] != "autostate":
+                continue
+            target = _resolve(name)
+            if target != module:
+                edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def test_the_module_graph_has_no_cycle():
+    graph = _graph()
+    # The root package only re-exports; importing it from inside is a cycle.
+    offenders = [m for m, edges in graph.items() if m != "autostate" and "autostate" in edges]
+    assert offenders == [], f"modules importing the root package: {offenders}"
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            cycle = trail[trail.index(module) :] + [module]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            # A package's __init__ importing its own submodules is not a cycle.
+            if not target.startswith(module + "."):
+                visit(target, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"), [("autostate.transform", "jax"), ("autostate.effects", "libcst")]
+)
+def test_layers_do_not_import_what_they_must_not_know(layer, forbidden):
+    for module in MODULES:
+        if module == layer or module.startswith(layer + "."):
+            for name, line in _imports(module):
+                assert name.split(".")[0] != forbidden, f"{module}:{line} imports {name}"
+
+
+def test_no_module_assigns_attributes_of_another_module():
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if _resolve(full) == full or not full.startswith("autostate"):
+                        aliases.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in aliases
+            ):
+                pytest.fail(f"{module}:{node.lineno} setattr on module {node.args[0].id}")
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in aliases
+                ):
+                    pytest.fail(f"{module}:{node.lineno} assigns {target.value.id}.{target.attr}")
+
+
+def test_the_checks_see_the_real_imports():
+    # Guards the checks above against passing vacuously.
+    graph = _graph()
+    assert "autostate.effects.local_state" in graph["autostate.runtime"]
+    assert "autostate.transform.pipeline" in graph["autostate.api"]
+    assert {"autostate.tree", "autostate.errors"} <= graph["autostate.effects.local_state"]
+    assert any(name == "libcst" for name, _ in _imports("autostate.transform.analysis"))
+    assert any(name == "jax" for name, _ in _imports("autostate.effects.local_state"))

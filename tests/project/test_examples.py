@@ -1,0 +1,100 @@
+"""The examples run and print what the README says they print.
+
+The full demo (10 epochs) is too slow for the suite; ``--smoke`` runs one
+epoch on a subset, which exercises the same code.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_counter_prints_eager_functional_and_frozen_counts():
+    assert run_example("counter.py").splitlines() == [
+        "2.0 1",
+        "4.0 {'count': Array(2, dtype=int32)}",
+        "2",
+    ]
+
+
+def test_counter_is_the_readme_snippet():
+    source = (EXAMPLES / "counter.py").read_text()
+    code = source.split('"""', 2)[2].strip()  # without the module docstring
+    readme = (ROOT / "README.md").read_text()
+    assert f"```python\n{code}\n```" in readme
+
+
+def test_demo_smoke_trains_and_lists_the_states():
+    out = run_example("demo.py", "--smoke")
+    assert re.search(r"^digits: 256 train / 360 test", out, re.M)
+    match = re.search(r"^epoch  1  loss (\d+\.\d+)  test accuracy (\d+\.\d)%$", out, re.M)
+    assert match, out
+    assert 0 < float(match.group(1)) < 5
+    assert re.search(r"^frozen MLP, called eagerly: test accuracy \d+\.\d%$", out, re.M)
+    names = re.findall(r"^  (\S+) +\(128,\)$", out, re.M)
+    assert names == [
+        "blocks[0][1].mean",
+        "blocks[0][1].var",
+        "blocks[1][1].mean",
+        "blocks[1][1].var",
+    ]
+
+
+def test_tutorial_train_learns_with_masked_adamw_and_evaluates_with_running_statistics():
+    out = run_example("tutorial_train.py", "--smoke")
+    assert "eager call moved the running mean: True" in out
+    assert "states: ['norm.num_batches_tracked', 'norm.running_mean', 'norm.running_var']" in out
+    decayed = re.search(r"^weight decay on: \[(.*)\]$", out, re.M).group(1)
+    assert "hidden.weight" in decayed and "head.weight" in decayed
+    assert "norm" not in decayed and ".bias" not in decayed
+    accuracies = [float(a) for a in re.findall(r"^epoch \d  loss \S+  test accuracy (\S+)%$", out, re.M)]
+    assert len(accuracies) == 2 and accuracies[-1] > 80
+    assert "original model unchanged: True" in out
+    assert f"frozen Classifier, called eagerly: test accuracy {accuracies[-1]}%" in out
+    assert out.endswith("ok\n")
+
+
+def test_tutorial_checkpoint_resumes_exactly_from_an_abstract_target():
+    out = run_example("tutorial_checkpoint.py", "--smoke")
+    assert "kept steps [1, 4]" in out
+    assert "restored step 4 into a FunctionalModel of Classifier" in out
+    assert "max |resumed - uninterrupted| = 0.0e+00" in out
+    assert out.endswith("ok\n")
+
+
+def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop():
+    out = run_example("tutorial_gpt.py", "--smoke")
+    assert "prompt [3, 4, 5] -> greedy [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]" in out
+    assert "cache length after decoding: 13" in out
+    assert "cached decoding == full recompute: True" in out
+    assert re.search(r"^exported \(\d+ bytes\): \[9, 10, 11\] -> \[12, 13, 14, 15, 0, 1, 2, 3, 4, 5\]$", out, re.M)
+    assert "autostate.export prefill: next token 6 length 3" in out
+    assert out.endswith("ok\n")
+
+
+def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
+    out = run_example("tutorial_ensemble.py", "--smoke")
+    assert "'hidden.weight': (4, 64, 64)" in out and "'norm.running_mean': (4, 64)" in out
+    members = [float(a) for a in re.findall(r"'(\d+\.\d)%'", out)]
+    ensemble = float(re.search(r"^ensemble test accuracy: (\S+)%", out, re.M).group(1))
+    assert len(members) == 4 and ensemble >= sum(members) / 4 - 0.05
+    assert f"member 0 frozen, called eagerly: test accuracy {members[0]}%" in out
+    assert out.endswith("ok\n")

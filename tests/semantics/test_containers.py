@@ -1,0 +1,2219 @@
+"""Containers as state: lists, dicts, sets, deques, tuples, namedtuples and
+containers JAX takes as one leaf; element writes, in-place container methods,
+holders of sub-models, unsortable keys.
+
+Each case runs a class as plain Python and decorated (the harness in
+``tests/semantics/harness.py``, or a direct comparison) and asserts the
+decorated program means what the plain one does: eagerly, through
+``f(states, ...)``, under ``jax.jit`` and after ``autostate.freeze``, or that it
+is refused with a clear error. A known difference stays as ``xfail(strict=True)``
+with what differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import sys
+import types
+import typing
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+import autostate.errors
+from autostate import errors
+from autostate.errors import (
+    InvalidTypeError,
+    TracedEagerStateError,
+)
+from semantics.harness import Loader as Loader_h
+from semantics.harness import Loader as Loader_h21
+from semantics.harness import Loader as Loader_opaque_containers
+from semantics.harness import Loader as Loader_submodel_mutator_names
+from semantics.harness import (
+    X,
+    _fcall,
+    assert_same,
+    assert_user_line,
+    check,
+    check_transform,
+    pair,
+    same,
+    snapshot,
+    user_line,
+)
+from semantics.harness import _pair as pair_h5
+from semantics.harness import plain_path as plain_path_h17
+from semantics.harness import plain_path as plain_path_h25
+from semantics.harness import plain_path as plain_path_h31
+from semantics.programs import (
+    _JITS,
+    _PAIRS,
+    BEAM,
+    DQN,
+    DTYPES,
+    EMA_LR,
+    GPT,
+    GROW,
+    HELPER_MODULE,
+    KV,
+    LAZY,
+    MOE,
+    OUTSIDE,
+    PROBE,
+    PROMPT,
+    REBUILD,
+    SUBMODELS,
+    TRANSITIONS,
+    X1,
+    X23,
+    XK,
+    XM,
+    XP,
+)
+from semantics.programs import A1 as A1_h25
+from semantics.programs import A2 as A2_h25
+from semantics.programs import Call as Call_h2
+from semantics.programs import Call as Call_h4
+from semantics.programs import CONSTRUCTS_h as CONSTRUCTS
+from semantics.programs import HEADER_h2 as HEADER_h2
+from semantics.programs import HEADER_h4 as HEADER_h4
+from semantics.programs import Loader as Loader_h2
+from semantics.programs import Loader as Loader_h4
+from semantics.programs import Loader as Loader_h5
+from semantics.programs import Loader as Loader_h13
+from semantics.programs import Loader as Loader_h14
+from semantics.programs import Loader as Loader_h17
+from semantics.programs import Loader as Loader_h24
+from semantics.programs import Loader as Loader_h25
+from semantics.programs import Loader as Loader_h26
+from semantics.programs import Loader as Loader_h30
+from semantics.programs import Loader as Loader_h31
+from semantics.programs import PYLAX_h4 as PYLAX
+from semantics.programs import V2_h31 as V2
+from semantics.programs import X2_h13 as X2
+
+Loader = Callable[..., types.ModuleType]
+
+
+HEADER = """
+import collections
+import enum
+import jax
+import jax.numpy as jnp
+import autostate
+
+
+class Split(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Key:
+    def __init__(self, name):
+        self.name = name
+"""
+
+
+COUNTER = HEADER + """
+@autostate.stateful
+class Counter:
+    def __init__(self):
+        self.counts = {Split.TRAIN: jnp.zeros((), jnp.int32), Split.EVAL: jnp.zeros((), jnp.int32)}
+        self.seen = jnp.zeros(())
+
+    def __call__(self, x, split):
+        self.counts[split] += 1
+        return x * self.counts[split]
+
+    def reset(self):
+        self.counts = {Split.EVAL: jnp.zeros((), jnp.int32), Split.TRAIN: jnp.zeros((), jnp.int32)}
+
+    def total(self, xs):
+        def body(carry, x):
+            return carry + x, None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    def scan(self, xs):
+        def body(carry, x):
+            self.seen = self.seen + x
+            return carry + x, None
+
+        return jax.lax.scan(body, jnp.zeros(()), xs)[0]
+"""
+
+
+def line_of(module: types.ModuleType, text: str) -> str:
+    """``file:line`` of the one line of ``module``'s source holding ``text``."""
+    path = module.__file__
+    assert path is not None
+    with open(path) as source:
+        numbers = [i + 1 for i, line in enumerate(source.read().splitlines()) if text in line]
+    assert len(numbers) == 1, (text, numbers)
+    return f"{path}:{numbers[0]}"
+
+
+def assert_clear(err: pytest.ExceptionInfo[InvalidTypeError], where: str, *kinds: str) -> None:
+    """The error names the line, the key types and the fix, and is no JAX error."""
+    message = str(err.value)
+    assert isinstance(err.value, autostate.AutostateError)
+    assert isinstance(err.value, TypeError)
+    assert "keys cannot be sorted" in message
+    assert f"  at {where}\n" in message, message
+    label = "type" if len(kinds) == 1 else "types"
+    assert f"(keys of {label} {', '.join(kinds)})" in message, message
+    assert "fix: key the dict by str, int or IntEnum values" in message
+    assert "`{split.value: ...}`" in message
+    assert "StrEnum or IntEnum" in message
+    assert "collections.OrderedDict" in message
+    assert "Comparator" not in message
+    assert err.value.__cause__ is None
+    assert err.value.__context__ is None or err.value.__suppress_context__
+
+
+def test_eager_model_with_enum_keys_runs_as_plain_python(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    model = module.Counter()
+    train, eval_ = module.Split.TRAIN, module.Split.EVAL
+    outs = [model(2.0, train), model(2.0, train), model(3.0, eval_)]
+    assert [float(o) for o in outs] == [2.0, 4.0, 3.0]
+    assert list(model.counts) == [train, eval_]
+    assert [int(v) for v in model.counts.values()] == [2, 1]
+    model.reset()
+    assert list(model.counts) == [eval_, train]  # a new dict, in its own order
+    assert [int(v) for v in model.counts.values()] == [0, 0]
+
+
+def test_eager_model_with_enum_keys_still_refuses_a_leaked_tracer(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    model = module.Counter()
+    with pytest.raises(TracedEagerStateError):
+        jax.jit(lambda x: model(x, module.Split.TRAIN))(1.0)
+    assert [int(v) for v in model.counts.values()] == [0, 0]
+
+
+def test_model_built_inside_jit_keeps_enum_keyed_tracers(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+
+    def build_and_call(x: jax.Array) -> jax.Array:
+        model = module.Counter()
+        model.counts = {module.Split.TRAIN: x.astype(jnp.int32), module.Split.EVAL: x.astype(jnp.int32)}
+        return model(x, module.Split.TRAIN)
+
+    assert float(jax.jit(build_and_call)(jnp.asarray(2.0))) == 6.0
+
+
+def test_functionalize_names_the_line_that_built_the_state(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    where = line_of(module, "self.counts = {Split.TRAIN")
+    with pytest.raises(InvalidTypeError) as err:
+        module.Counter().functionalize()
+    assert_clear(err, where, "Split")
+    assert "State 'counts'" in str(err.value)
+    _, initial_states = module.Counter().functionalize(lazy=True)
+    with pytest.raises(InvalidTypeError) as err:
+        initial_states()
+    assert_clear(err, where, "Split")
+
+
+def test_functionalize_names_the_latest_eager_write(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    model = module.Counter()
+    model(1.0, module.Split.TRAIN)
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, "self.counts[split] += 1"), "Split")
+    model.reset()
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, "self.counts = {Split.EVAL"), "Split")
+
+
+def test_jit_and_tree_util_of_the_eager_model(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    model = module.Counter()
+    where = line_of(module, "self.counts = {Split.TRAIN")
+    with pytest.raises(InvalidTypeError) as err:
+        jax.jit(lambda m, x: m(x, module.Split.TRAIN))(model, 1.0)
+    assert_clear(err, where, "Split")
+    with pytest.raises(InvalidTypeError) as err:
+        jax.tree_util.tree_leaves(model)
+    assert_clear(err, where, "Split")
+
+
+def test_a_lax_call_threading_the_state(write_module: Loader) -> None:
+    module = write_module(COUNTER)
+    model = module.Counter()
+    assert float(model.total(jnp.ones(3))) == 3.0  # a body that assigns no state
+    # A body that assigns a state threads every state of the model (control.py).
+    with pytest.raises(InvalidTypeError) as err:
+        model.scan(jnp.ones(3))
+    assert_clear(err, line_of(module, "jax.lax.scan(body, jnp.zeros"), "Split")
+    assert "State 'Counter.counts'" in str(err.value)
+    assert [int(v) for v in model.counts.values()] == [0, 0]  # the model is left as it was
+
+
+MIXED = HEADER + """
+@autostate.stateful
+class Mixed:
+    def __init__(self):
+        self.table = {1: jnp.zeros(()), "x": jnp.ones(())}
+
+    def __call__(self, key, v):
+        self.table[key] = self.table[key] + v
+        return self.table[key]
+"""
+
+
+def test_keys_of_mixed_types(write_module: Loader) -> None:
+    module = write_module(MIXED)
+    model = module.Mixed()
+    assert float(model(1, 2.0)) == 2.0 and float(model("x", 2.0)) == 3.0
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, "self.table[key] = "), "int", "str")
+
+
+CUSTOM = HEADER + """
+@autostate.stateful
+class ByKey:
+    def __init__(self, a, b):
+        self.table = {a: jnp.zeros(()), b: jnp.zeros(())}
+
+    def __call__(self, key, v):
+        self.table[key] += v
+        return self.table[key]
+"""
+
+
+def test_keys_of_a_class_without_ordering(write_module: Loader) -> None:
+    module = write_module(CUSTOM)
+    a, b = module.Key("a"), module.Key("b")
+    model = module.ByKey(a, b)
+    assert float(model(b, 3.0)) == 3.0 and float(model.table[a]) == 0.0
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, "self.table[key] += v"), "Key")
+
+
+NESTED = HEADER + """
+@autostate.stateful
+class Nested:
+    def __init__(self):
+        self.stats = {"runs": [{Split.TRAIN: jnp.zeros(()), Split.EVAL: jnp.zeros(())}]}
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n += x
+        return self.n
+
+    def reset(self):
+        self.stats = {"runs": []}
+"""
+
+
+def test_a_dict_nested_in_a_state(write_module: Loader) -> None:
+    module = write_module(NESTED)
+    model = module.Nested()
+    assert float(model(2.0)) == 2.0
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, 'self.stats = {"runs": [{'), "Split")
+
+
+LATER = HEADER + """
+@autostate.stateful
+class Later:
+    def __init__(self):
+        self.counts = {"train": jnp.zeros(())}
+
+    def split_up(self):
+        self.counts = {Split.TRAIN: jnp.zeros(()), Split.EVAL: jnp.zeros(())}
+
+    def __call__(self, x):
+        self.counts = {**self.counts, Split.TRAIN: x, Split.EVAL: x}
+        return self.counts[Split.TRAIN] * 2
+"""
+
+
+def test_a_later_write_in_a_method(write_module: Loader) -> None:
+    module = write_module(LATER)
+    model = module.Later()
+    f, states = model.functionalize()  # str keys: fine
+    model.split_up()
+    assert list(model.counts) == [module.Split.TRAIN, module.Split.EVAL]
+    with pytest.raises(InvalidTypeError) as err:
+        model.functionalize()
+    assert_clear(err, line_of(module, "self.counts = {Split.TRAIN"), "Split")
+
+
+def test_a_write_inside_f_eagerly_and_under_jit(write_module: Loader) -> None:
+    module = write_module(LATER)
+    f, states = module.Later().functionalize()
+    # Writes inside f are not checked (the write path stays as fast as it
+    # was): the call refuses the state where it returns it, at the f call.
+    line = sys._getframe().f_lineno + 2
+    with pytest.raises(InvalidTypeError) as err:
+        f(states, 1.0)
+    assert_clear(err, f"{__file__}:{line}", "Split", "str")
+    line = sys._getframe().f_lineno + 1
+    step = jax.jit(lambda f, s, x: f(s, x))  # the user's line inside the trace
+    with pytest.raises(InvalidTypeError) as err:
+        step(f, states, 1.0)
+    assert_clear(err, f"{__file__}:{line}", "Split", "str")
+
+
+def test_states_built_by_hand_for_an_eager_f(write_module: Loader) -> None:
+    module = write_module(LATER)
+    f, _ = module.Later().functionalize()
+    states = {"counts": {module.Split.TRAIN: jnp.zeros(()), "train": jnp.zeros(())}}
+    line = sys._getframe().f_lineno + 2
+    with pytest.raises(InvalidTypeError) as err:
+        f(states, 1.0)
+    assert_clear(err, f"{__file__}:{line}", "Split", "str")
+    assert "State 'counts'" in str(err.value)
+
+
+HOST = HEADER + """
+@autostate.stateful(fallback="host")
+class HostCounter:
+    def __init__(self, keys):
+        self.counts = {k: jnp.zeros(()) for k in keys}
+
+    def __call__(self, split):
+        self.counts = {**self.counts, split: jnp.ones(())}
+        return self.counts[split]
+"""
+
+
+def test_a_host_store_refuses_the_dict_where_it_is_assigned(write_module: Loader) -> None:
+    module = write_module(HOST)
+    with pytest.raises(InvalidTypeError) as err:
+        module.HostCounter([module.Split.TRAIN, module.Split.EVAL])
+    assert_clear(err, line_of(module, "self.counts = {k:"), "Split")
+    assert 'fallback="host" store' in str(err.value)
+    model = module.HostCounter([module.Split.TRAIN])  # one key sorts
+    with pytest.raises(InvalidTypeError) as err:
+        model(module.Split.EVAL)
+    assert_clear(err, line_of(module, "self.counts = {**self.counts"), "Split")
+
+
+SORTABLE = HEADER + """
+class Phase(enum.IntEnum):
+    TRAIN = 0
+    EVAL = 1
+
+
+class Mode(enum.StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+@autostate.stateful
+class Counter:
+    def __init__(self, keys):
+        self.counts = {k: jnp.zeros((), jnp.int32) for k in keys}
+
+    def __call__(self, x, key):
+        self.counts[key] += 1
+        return x * self.counts[key]
+
+
+@autostate.stateful
+class Ordered:
+    def __init__(self):
+        self.counts = collections.OrderedDict(
+            [(Split.TRAIN, jnp.zeros((), jnp.int32)), (Split.EVAL, jnp.zeros((), jnp.int32))]
+        )
+
+    def __call__(self, x, key):
+        self.counts[key] += 1
+        return x * self.counts[key]
+"""
+
+
+@pytest.mark.parametrize("keys", ["Phase", "Mode", "str", "one Split"])
+def test_sortable_keys_work_eagerly_through_f_and_jit(write_module: Loader, keys: str) -> None:
+    module = write_module(SORTABLE)
+    members = {
+        "Phase": list(module.Phase),
+        "Mode": list(module.Mode),
+        "str": ["train", "eval"],
+        "one Split": [module.Split.TRAIN],  # one key: nothing to compare
+    }[keys]
+    first, last = members[0], members[-1]
+    eager = module.Counter(members)
+    assert float(eager(2.0, first)) == 2.0 and float(eager(2.0, first)) == 4.0
+    f, states = module.Counter(members).functionalize()
+    step = jax.jit(lambda f, s, x, k: f(s, x, k), static_argnums=3)
+    _, states = step(f, states, 2.0, first)
+    out, states = step(f, states, 2.0, last)
+    assert float(out) == (4.0 if last == first else 2.0)
+    frozen = autostate.freeze(f, states)
+    assert sorted(frozen.counts) == sorted(eager.counts)  # (jit returns a dict's keys sorted)
+    assert int(frozen.counts[first]) == (2 if last == first else 1)
+
+
+def test_an_ordered_dict_keeps_enum_keys_through_jit(write_module: Loader) -> None:
+    module = write_module(SORTABLE)
+    f, states = module.Ordered().functionalize()
+    step = jax.jit(lambda f, s, x: f(s, x, module.Split.EVAL))
+    _, states = step(f, states, 1.0)
+    out, states = step(f, states, 3.0)
+    assert float(out) == 6.0
+    assert type(states["counts"]) is collections.OrderedDict
+    assert [int(v) for v in states["counts"].values()] == [0, 2]
+
+
+def test_other_flatten_errors_are_left_alone() -> None:
+    class Broken:
+        pass
+
+    def flatten(_: Broken) -> None:
+        raise ValueError("broken flatten")
+
+    jax.tree_util.register_pytree_node(Broken, flatten, lambda aux, children: Broken())
+    from autostate.lifetime import contains_tracer
+
+    with pytest.raises(ValueError, match="broken flatten"):
+        contains_tracer({"a": Broken()})
+
+
+A1 = jnp.asarray(1.5)
+
+
+A2 = jnp.asarray(-0.5)
+
+
+NAMES = ["update", "add", "pop", "clear", "append", "extend", "insert", "remove", "setdefault",
+         "discard"]
+
+
+SUB = """
+@DECORATE
+class Sub:
+    def __init__(self):
+        self.value = jnp.zeros(())
+        self.w = jnp.asarray(2.0)
+
+    def NAME(self, x):
+        self.value = 0.5 * self.value + 0.5 * x * self.w
+        return self.value
+"""
+
+
+# How the model holds its sub-models: the attribute a method reassigns (state
+# to the analysis, a sub-model at run time) or only __init__ assigns.
+HOLDERS = {
+    "direct": """
+@DECORATE
+class Model:
+    def __init__(self):
+        self.sub = Sub()
+
+    def __call__(self, x):
+        return self.sub.NAME(x) + 1.0
+""",
+    "reset": """
+@DECORATE
+class Model:
+    def __init__(self):
+        self.sub = Sub()
+
+    def reset(self):
+        self.sub = Sub()
+
+    def __call__(self, x):
+        return self.sub.NAME(x) + 1.0
+""",
+    "list": """
+@DECORATE
+class Model:
+    def __init__(self):
+        self.subs = [Sub(), Sub()]
+
+    def reset(self):
+        self.subs = [Sub(), Sub()]
+
+    def __call__(self, x):
+        return self.subs[1].NAME(x) + self.subs[0].NAME(2.0 * x)
+""",
+    "dict": """
+@DECORATE
+class Model:
+    def __init__(self):
+        self.subs = {"a": Sub(), "b": Sub()}
+
+    def reset(self):
+        self.subs = {"a": Sub(), "b": Sub()}
+
+    def __call__(self, x):
+        return self.subs["a"].NAME(x) * self.subs["b"].NAME(x)
+""",
+}
+
+
+def _source(holder: str, name: str) -> str:
+    return (SUB + HOLDERS[holder]).replace("NAME", name)
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_sub_model_method_named_like_a_mutator(write_module: Loader_submodel_mutator_names, holder: str, name: str):
+    plain, dec = pair(write_module, _source(holder, name))
+    calls = [("__call__", (A1,)), ("__call__", (A2,))]
+    check(plain, dec, "Model()", calls)
+    check_transform(plain, dec, "Model()", [("__call__", (X,)), ("__call__", (X,))], A1, "grad")
+
+
+@pytest.mark.parametrize("holder", ["reset", "list", "dict"])
+@pytest.mark.parametrize("name", ["update", "pop", "clear"])
+def test_reset_then_call_eagerly(write_module: Loader_submodel_mutator_names, holder: str, name: str):
+    """The reassignment runs too (eagerly: inside f it would change the
+    model's structure, which is refused whatever the method's name)."""
+    plain, dec = pair(write_module, _source(holder, name))
+    check(plain, dec, "Model()", [("__call__", (A1,)), ("reset", ()), ("__call__", (A2,))],
+          modes=("eager",))
+    model = dec.Model()
+    model(A1)
+    model.reset()
+    f, states = model.functionalize()
+    ref = plain.Model()
+    ref(A1)
+    ref.reset()
+    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, A2)
+    np.testing.assert_allclose(out, ref(A2), rtol=1e-6)
+
+
+def test_the_sub_model_written_by_its_update_is_the_state_f_returns(write_module: Loader_submodel_mutator_names):
+    """The bug's own model: the EMA's value is a state of f, not lost."""
+    plain, dec = pair(write_module, _source("reset", "update"))
+    f, states = dec.Model().functionalize()
+    assert sorted(states) == ["sub.value"]
+    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, A1)
+    ref = plain.Model()
+    np.testing.assert_allclose(out, ref(A1), rtol=1e-6)
+    np.testing.assert_allclose(states["sub.value"], ref.sub.value, rtol=1e-6)
+
+
+HELPER = """
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def update(self, x):
+        return x * self.k
+
+    def add(self, x):
+        return x + self.k
+
+
+@DECORATE
+class WithHelper:
+    def __init__(self):
+        self.helper = Scaler(2.0)
+        self.n = jnp.zeros(())
+        self.w = jnp.asarray(3.0)
+
+    RESET
+
+    def __call__(self, x):
+        self.n = self.n + 1.0
+        return self.helper.update(x * self.w) + self.helper.add(self.n)
+"""
+
+
+def test_a_helper_object_with_an_update_method(write_module: Loader_submodel_mutator_names):
+    plain, dec = pair(write_module, HELPER.replace("RESET", ""))
+    check(plain, dec, "WithHelper()", [("__call__", (A1,)), ("__call__", (A2,))])
+    check_transform(plain, dec, "WithHelper()", [("__call__", (X,)), ("__call__", (X,))], A1,
+                    "grad")
+
+
+def test_a_helper_object_reassigned_in_reset(write_module: Loader_submodel_mutator_names):
+    """Reassigned in a method, the helper is a state holding an opaque
+    object: eagerly, through f and under grad it runs as in plain Python
+    (jax.jit cannot take such a state as an argument, whatever its methods'
+    names)."""
+    source = HELPER.replace("RESET", "def reset(self):\n        self.helper = Scaler(-1.0)")
+    plain, dec = pair(write_module, source)
+    calls = [("__call__", (A1,)), ("reset", ()), ("__call__", (A2,))]
+    check(plain, dec, "WithHelper()", calls, modes=("eager",))
+    check(plain, dec, "WithHelper()", [("__call__", (A1,)), ("__call__", (A2,))], modes=("f",))
+    f, states = dec.WithHelper().functionalize()
+
+    def twice(model_call, x):
+        return model_call(x) + model_call(x)
+
+    expected = jax.grad(lambda x: twice(plain.WithHelper(), x))(A1)
+    got = jax.grad(lambda x: f(f(states, x)[1], x)[0] + f(states, x)[0])(A1)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+# Values that cannot be an object with an ``update`` of its own (containers,
+# and arrays, which have no such methods at all): the documented decoration
+# error, naming the line of the call and the fix.
+PROVEN = {
+    "list": ("[]", "self.log.append(x)"),
+    "dict": ("{}", "self.log.update(k=x)"),
+    "set": ("set()", "self.log.add(1)"),
+    "list()": ("list(())", "self.log.extend([x])"),
+    "deque": ("collections.deque()", "self.log.append(x)"),
+    "comprehension": ("[0 for _ in range(2)]", "self.log.pop()"),
+    "nested": ("[[], []]", "self.log[0].append(x)"),
+    "declared": ("autostate.state([])", "self.log.clear()"),
+    "arithmetic": ("[0] * 2", "self.log.insert(0, x)"),
+    "array": ("jnp.zeros(3)", "self.log.append(x)"),
+}
+
+
+@pytest.mark.parametrize("case", list(PROVEN))
+def test_a_container_state_changed_in_place_is_the_documented_error(
+    write_module: Loader_submodel_mutator_names, case: str
+):
+    value, call = PROVEN[case]
+    module = write_module(
+        f"""
+import collections
+import jax.numpy as jnp
+import autostate
+
+
+class Log:
+    def __init__(self):
+        self.log = {value}
+
+    def reset(self):
+        self.log = {value.replace("autostate.state([])", "[]")}
+
+    def record(self, x):
+        {call}
+        return x
+"""
+    )
+    with pytest.raises(errors.DecorationError, match="mutates state 'log' in place") as info:
+        autostate.stateful(module.Log)
+    message = str(info.value)
+    where = re.search(r"at (\S+\.py):(\d+)", message)
+    assert where, message
+    assert Path(where[1]).read_text().splitlines()[int(where[2]) - 1].strip() == call
+    assert "fix: assign a new value" in message
+
+
+def test_a_shadowed_constructor_shows_no_container(write_module: Loader_submodel_mutator_names):
+    """A local ``list`` is no builtin: ``list()`` here builds a sub-model."""
+    plain, dec = pair(
+        write_module,
+        SUB.replace("NAME", "update")
+        + """
+@DECORATE
+class Log:
+    def __init__(self):
+        list = Sub
+        self.log = list()
+
+    def reset(self):
+        list = Sub
+        self.log = list()
+
+    def __call__(self, x):
+        return self.log.update(x)
+""",
+    )
+    check(plain, dec, "Log()", [("__call__", (A1,)), ("__call__", (A2,))])
+
+
+# Values that may be an object with methods of its own: decorating succeeds.
+UNPROVEN_SPELLINGS = {
+    # An item a method puts in may be anything (a sub-model here).
+    "item-replaced": ("[[]]", "self.log[0] = Sub()", "self.log[0].update(x)"),
+    "items-added": ("[[]]", "self.log += [Sub()]", "self.log[1].update(x)"),
+    # No item to prove anything of; an unpacked one is unknown.
+    "empty": ("[]", "self.log = [Sub()]", "self.log[0].update(x)"),
+    "starred": ("[[]]", "self.log = [*self.log]", "self.log[0].append(x)"),
+    # A whole value whose spelling shows no container or array.
+    "slice": ("[]", "self.log = self.log[-1:]", "self.log.append(x)"),
+    "name": ("[]", "self.log = x", "self.log.append(x)"),
+    "tuple-target": ("[]", "(self.log,) = ([],)", "self.log.append(x)"),
+    "call": ("[]", "self.log = make()", "self.log.append(x)"),
+    "either": ("[]", "self.log = [] if x else Sub()", "self.log.update(x)"),
+    "inherited-only": (None, "pass", "self.log.update(x)"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNPROVEN_SPELLINGS))
+def test_what_proves_no_container_is_not_refused(write_module: Loader_submodel_mutator_names, case: str):
+    init, other, call = UNPROVEN_SPELLINGS[case]
+    module = write_module(
+        f"""
+import autostate
+
+
+def make():
+    return []
+
+
+@autostate.stateful
+class Sub:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, x):
+        self.n = self.n + 1
+
+
+@autostate.stateful
+class Base:
+    def __init__(self):
+        self.log = Sub()
+
+    def reset(self):
+        self.log = Sub()
+
+
+class Log({"Base" if init is None else ""}):
+    def __init__(self):
+        {"super().__init__()" if init is None else f"self.log = {init}"}
+
+    def other(self, x):
+        {other}
+
+    def __call__(self, x):
+        {call}
+"""
+    )
+    autostate.stateful(module.Log)  # no DecorationError
+
+
+# A list state the analysis cannot prove a container (what a method assigns
+# is an expression, not a display), changed in place: the change reaches the
+# states f returns, in every mode, as plain Python's model keeps it.
+UNPROVEN = """
+@DECORATE
+class History:
+    def __init__(self):
+        self.losses = []
+        self.w = jnp.asarray(2.0)
+
+    def record(self, x):
+        self.losses.append(x * self.w)
+        self.losses.extend([x])
+        return len(self.losses)
+
+    def keep_last(self):
+        self.losses = self.losses[-1:]
+        return 0
+"""
+
+
+def test_an_unproven_list_state_changed_in_place_is_never_lost(write_module: Loader_submodel_mutator_names):
+    plain, dec = pair(write_module, UNPROVEN)
+    calls = [("record", (A1,)), ("record", (A2,)), ("keep_last", ()), ("record", (A1,))]
+    check(plain, dec, "History()", calls, modes=("eager",))
+    ref = plain.History()
+    for m, a in calls:
+        getattr(ref, m)(*a)
+    for mode in ("f", "jit"):
+        model = dec.History()
+        f, states = model.functionalize()
+        given = states
+        for m, a in calls:
+            call = getattr(f, m)
+            if mode == "jit":
+                call = jax.jit(lambda f, s, *a, m=m: getattr(f, m)(s, *a))
+                out, states = call(f, states, *a)
+            else:
+                out, states = call(states, *a)
+        assert given == {"losses": []} and model.losses == [], mode
+        assert len(states["losses"]) == len(ref.losses) == 3, mode
+        np.testing.assert_allclose(jnp.stack(states["losses"]), jnp.stack(ref.losses), rtol=1e-6)
+        frozen = autostate.freeze(f, states)
+        assert len(frozen.losses) == 3
+    model = dec.History()
+    f, states = model.functionalize()
+    grad = jax.grad(lambda x: sum(f.record(states, x)[1]["losses"]))(A1)
+    np.testing.assert_allclose(grad, 3.0)
+
+
+def test_an_unproven_list_state_changed_in_a_lax_body_is_refused(write_module: Loader_submodel_mutator_names):
+    """One trace of a scan body would append one tracer, not one per step."""
+    module = write_module(
+        """
+import jax
+import jax.numpy as jnp
+import autostate
+
+
+def fresh():
+    return []
+
+
+@autostate.stateful
+class ScanLog:
+    def __init__(self):
+        self.losses = fresh()
+
+    def reset(self):
+        self.losses = fresh()
+
+    def __call__(self, xs):
+        def body(c, x):
+            self.losses.append(x)
+            return c + x, x
+        c, _ = jax.lax.scan(body, 0.0, xs)
+        return c
+"""
+    )
+    f, states = module.ScanLog().functionalize()
+    xs = jnp.arange(3.0)
+    with pytest.raises(autostate.AutostateError):
+        f(states, xs)
+    with pytest.raises(autostate.AutostateError):
+        jax.jit(lambda s, x: f(s, x))(states, xs)
+    with pytest.raises(autostate.AutostateError):
+        module.ScanLog()(xs)
+
+
+def test_an_unproven_list_state_of_an_unhandled_category_is_refused_under_jit(
+    write_module: Loader_submodel_mutator_names,
+):
+    """A state f does not handle lives in the model: changed in place under
+    jax.jit the change would be lost when the trace ends."""
+    module = write_module(
+        """
+import jax.numpy as jnp
+import autostate
+
+
+def fresh():
+    return []
+
+
+@autostate.stateful
+class Logged:
+    def __init__(self):
+        self.losses = autostate.state(fresh(), category="log")
+        self.w = autostate.state(jnp.ones(()), category="params")
+
+    def __call__(self, x):
+        self.losses.append(x * self.w)
+        self.w = self.w + 1.0
+        return x
+"""
+    )
+    model = module.Logged()
+    f, states = model.functionalize("params")
+    out, new = f(states, A1)  # eagerly the model's own list changes, as plain Python's
+    assert len(model.losses) == 1 and float(new["w"]) == 2.0
+    model = module.Logged()
+    f, states = model.functionalize("params")
+    with pytest.raises(errors.StateAccessError, match="losses"):
+        jax.jit(lambda s, x: f(s, x))(states, A1)
+
+
+UNDECORATED_BASE = SUB.replace("NAME", "update") + """
+class Base:
+    def step(self, x):
+        return self.sub.update(x) + 1.0
+
+@DECORATE
+class Model(Base):
+    def __init__(self):
+        self.sub = Sub()
+
+    def reset(self):
+        self.sub = Sub()
+"""
+
+
+def test_an_undecorated_base_calling_a_sub_models_update(write_module: Loader_submodel_mutator_names):
+    plain, dec = pair(write_module, UNDECORATED_BASE)
+    check(plain, dec, "Model()", [("step", (A1,)), ("step", (A2,))])
+
+
+def test_an_undecorated_base_appending_to_a_list_state_is_refused(write_module: Loader_submodel_mutator_names):
+    with pytest.raises(errors.DecorationError) as info:
+        pair(write_module, """
+class Base:
+    def push(self, x):
+        self.buf.append(x)
+        return len(self.buf)
+
+@DECORATE
+class Model(Base):
+    def __init__(self):
+        self.buf = []
+
+    def reset(self):
+        self.buf = []
+""")
+    message = str(info.value)
+    assert "its undecorated base class Base changes state 'buf' in place" in message
+    assert "self.buf.append(...)" in message and "fix: decorate Base" in message
+
+
+def test_an_undecorated_base_appending_to_an_unproven_list_threads_it(write_module: Loader_submodel_mutator_names):
+    plain, dec = pair(write_module, """
+def make():
+    return [jnp.zeros(())]
+
+class Base:
+    def push(self, x):
+        self.buf.append(x)
+        return len(self.buf)
+
+@DECORATE
+class Model(Base):
+    def __init__(self):
+        self.buf = make()
+
+    def reset(self):
+        self.buf = make()
+""")
+    ref = plain.Model()
+    expected = [ref.push(A1), ref.push(A2)]
+    model = dec.Model()
+    f, states = model.functionalize()
+    before = len(states["buf"])
+    out1, states1 = f.push(states, A1)
+    out2, states2 = f.push(states1, A2)
+    assert [out1, out2] == expected
+    assert len(states["buf"]) == before and len(model.buf) == before  # nothing else changed
+    assert len(states2["buf"]) == len(ref.buf)
+    np.testing.assert_allclose(states2["buf"][-1], ref.buf[-1])
+
+
+SOURCE = """
+import collections
+
+
+class Tagged(dict):
+    pass
+
+
+class Items(list):
+    pass
+
+
+def make(kind):
+    zero = jnp.zeros(2)
+    if kind == "counter":
+        return collections.Counter(a=zero, n=0)
+    if kind == "dict_subclass":
+        box = Tagged(a=zero, n=0)
+        box.tag = "kept"
+        return box
+    if kind == "user_dict":
+        return collections.UserDict(a=zero, n=0)
+    if kind == "list_subclass":
+        return Items([zero, 0])
+    if kind == "user_list":
+        return collections.UserList([zero, 0])
+    if kind == "deque":
+        return collections.deque([zero, 0], maxlen=2)
+    if kind == "nested":
+        return {"inner": collections.Counter(a=zero, n=0), "w": zero}
+
+
+@DECORATE
+class Model:
+    def __init__(self, kind):
+        self.kind = kind
+        self.box = make(kind)
+        self.scale = jnp.full(2, 2.0)
+
+    def __call__(self, x):
+        if self.kind == "nested":
+            inner = self.box["inner"]
+            self.box["inner"] = collections.Counter(a=inner["a"] + x * self.scale, n=inner["n"] + 1)
+            return self.box["inner"]["a"].sum()
+        key_a, key_n = ("a", "n") if isinstance(self.box, (dict, collections.UserDict)) else (0, 1)
+        self.box[key_a] = self.box[key_a] + x * self.scale
+        self.box[key_n] = self.box[key_n] + 1
+        return self.box[key_a].sum()
+"""
+
+
+KINDS = ["counter", "dict_subclass", "user_dict", "list_subclass", "user_list", "deque", "nested"]
+
+
+def _same_box(expected, got, where: str) -> None:
+    """Same type (by name: the plain and decorated modules define their own),
+    same items, same ``maxlen`` and own attributes."""
+    assert type(expected).__name__ == type(got).__name__, f"{where}: {type(got)}"
+    if isinstance(expected, collections.deque):
+        assert expected.maxlen == got.maxlen, where
+    own = {k: v for k, v in getattr(expected, "__dict__", {}).items() if k != "data"}
+    assert own == {k: v for k, v in getattr(got, "__dict__", {}).items() if k != "data"}, where
+    items = dict(expected) if hasattr(expected, "keys") else dict(enumerate(expected))
+    got_items = dict(got) if hasattr(got, "keys") else dict(enumerate(got))
+    assert sorted(items, key=str) == sorted(got_items, key=str), where
+    for key, value in items.items():
+        if isinstance(value, int):
+            assert type(got_items[key]) is int and got_items[key] == value, f"{where}[{key!r}]"
+        elif hasattr(value, "keys"):
+            _same_box(value, got_items[key], f"{where}[{key!r}]")
+        else:
+            np.testing.assert_allclose(got_items[key], value, err_msg=f"{where}[{key!r}]")
+
+
+def _models(write_module: Loader_opaque_containers, kind: str):
+    plain, dec = pair(write_module, SOURCE)
+    return plain.Model(kind), dec.Model(kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eager_f_jit_and_freeze_keep_the_container(write_module: Loader_opaque_containers, kind: str) -> None:
+    ref, model = _models(write_module, kind)
+    xs = [jnp.float32(1.0), jnp.float32(0.5)]
+    expected = [float(ref(x)) for x in xs]
+
+    assert [float(model(x)) for x in xs] == pytest.approx(expected)
+    _same_box(ref.box, model.box, "eager")
+
+    _, fresh = _models(write_module, kind)
+    f, states = fresh.functionalize()
+    jitted = jax.jit(lambda f, s, x: f(s, x))
+    for mode in ("f", "jit"):
+        s = states
+        outs = []
+        for x in xs:
+            out, s = (f if mode == "f" else lambda *a: jitted(f, *a))(s, x)
+            outs.append(float(out))
+        assert outs == pytest.approx(expected), mode
+        _same_box(ref.box, s["box"], f"{mode} states")
+    _same_box(fresh.box, _models(write_module, kind)[1].box, "the eager model is unchanged")
+    frozen = autostate.freeze(f, s)
+    _same_box(ref.box, frozen.box, "frozen")
+    assert float(frozen(xs[0])) == pytest.approx(float(ref(xs[0])))
+
+
+@pytest.mark.parametrize("kind", ["counter", "deque", "nested"])
+def test_a_frozen_model_passes_through_jit_as_a_pytree(write_module: Loader_opaque_containers, kind: str) -> None:
+    _, model = _models(write_module, kind)
+    f, states = model.functionalize()
+    frozen = autostate.freeze(f, states)
+    again = jax.jit(lambda m: m)(frozen)
+    _same_box(frozen.box, again.box, "through jit")
+
+
+@pytest.mark.parametrize("kind", ["counter", "user_list", "nested"])
+def test_grad_through_a_state_in_the_container(write_module: Loader_opaque_containers, kind: str) -> None:
+    ref, model = _models(write_module, kind)
+    f, states = model.functionalize()
+
+    def loss(x):
+        out, s = f(states, x)
+        box = s["box"]["inner"] if kind == "nested" else s["box"]
+        first = box["a"] if hasattr(box, "keys") else box[0]
+        return out + first.sum()
+
+    # d/dx of 2 * sum(x * scale): the output and the state each give 4.
+    assert float(jax.grad(loss)(jnp.float32(1.0))) == pytest.approx(8.0)
+    assert float(jax.jit(jax.grad(loss))(jnp.float32(1.0))) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("kind", ["counter", "dict_subclass", "deque"])
+def test_a_tracer_in_the_container_of_an_eager_model_is_refused(
+    write_module: Loader_opaque_containers, kind: str
+) -> None:
+    _, model = _models(write_module, kind)
+    with pytest.raises(autostate.errors.TracedEagerStateError) as info:
+        jax.jit(lambda x: model(x))(jnp.float32(1.0))
+    assert "test_opaque_containers" not in str(info.value)  # the user's module, not ours
+    assert not any(
+        isinstance(leaf, jax.core.Tracer)
+        for leaf in (model.box.values() if hasattr(model.box, "values") else model.box)
+    )
+
+
+DELETING = """
+import collections
+
+
+class Items(list):
+    pass
+
+
+@DECORATE
+class Shrinking:
+    def __init__(self, kind):
+        zero = jnp.zeros(2)
+        if kind == "counter":
+            self.box = collections.Counter(a=zero, b=zero + 1)
+        elif kind == "user_dict":
+            self.box = collections.UserDict(a=zero, b=zero + 1)
+        else:
+            self.box = Items([zero, zero + 1])
+
+    def drop(self, x):
+        del self.box["a" if hasattr(self.box, "keys") else 0]
+        return x
+"""
+
+
+@pytest.mark.parametrize("kind", ["counter", "user_dict", "list_subclass"])
+def test_del_of_an_item_keeps_the_type(write_module: Loader_opaque_containers, kind: str) -> None:
+    plain, dec = pair(write_module, DELETING)
+    ref = plain.Shrinking(kind)
+    ref.drop(1.0)
+    model = dec.Shrinking(kind)
+    model.drop(1.0)
+    _same_box(ref.box, model.box, "eager")
+    f, states = dec.Shrinking(kind).functionalize()
+    _, after = jax.jit(f.drop)(states, 1.0)
+    _same_box(ref.box, after["box"], "jit")
+
+
+@autostate.stateful
+class Stats:
+    def __init__(self):
+        self.mean = jnp.zeros(())
+
+    def observe(self, x):
+        self.mean = self.mean + x
+        return self.mean
+
+
+@autostate.stateful
+class Observer:
+    def __init__(self, how):
+        self.stats = Stats()
+        if how == "ref":
+            self.reach = weakref.ref(self.stats)
+        elif how == "method":
+            self.reach = weakref.WeakMethod(self.stats.observe)
+        else:
+            self.reach = weakref.proxy(self.stats)
+        self.how = how
+
+    def __call__(self, x):
+        if self.how == "ref":
+            return self.reach().observe(x)
+        if self.how == "method":
+            return self.reach()(x)
+        return self.reach.observe(x)
+
+
+@pytest.mark.parametrize("how", ["ref", "method"])
+def test_weak_references_follow_fs_copy(how: str) -> None:
+    model = Observer(how)
+    f, states = model.functionalize()
+    out, new = f(states, 2.0)
+    assert float(out) == 2.0 and float(new["stats.mean"]) == 2.0
+    out, new = jax.jit(lambda f, s, x: f(s, x))(f, new, 3.0)
+    assert float(out) == 5.0 and float(new["stats.mean"]) == 5.0
+    assert float(model.stats.mean) == 0.0  # the eager model is its own
+    frozen = autostate.freeze(f, new)
+    assert float(frozen(1.0)) == 6.0 and float(frozen.stats.mean) == 6.0
+    assert float(model(1.0)) == 1.0
+
+
+def test_a_weak_proxy_to_a_model_is_refused_with_the_path() -> None:
+    model = Observer("proxy")
+    assert float(model(1.0)) == 1.0  # eagerly it is plain Python
+    with pytest.raises(InvalidTypeError, match=r"weakref.proxy.*\(at reach\)") as info:
+        model.functionalize()
+    assert f"{__file__}:" in str(info.value) and "weakref.ref" in str(info.value)
+
+
+class Plain:
+    def __init__(self, held):
+        self.held = held
+
+
+class MyDict(dict):
+    pass
+
+
+class MyList(list):
+    pass
+
+
+class Pair(typing.NamedTuple):
+    a: typing.Any
+    b: typing.Any
+
+
+HOLDERS_holders = {
+    "OrderedDict": lambda v: collections.OrderedDict(a=v),
+    "defaultdict": lambda v: collections.defaultdict(int, a=v),
+    "NamedTuple": lambda v: Pair(v, 0),
+    "MyDict": lambda v: MyDict(a=v),
+    "MyList": lambda v: MyList([v]),
+}
+
+
+WALKED = {"OrderedDict", "defaultdict", "NamedTuple"}
+
+
+@autostate.stateful
+class Holding:
+    def __init__(self, holder, what):
+        self.n = jnp.zeros(())
+        inner = {"model": Stats(), "array": jnp.ones(()), "plain": Plain(jnp.ones(()))}[what]
+        self.extra = HOLDERS_holders[holder](inner)
+
+    def first(self):
+        extra = self.extra
+        return extra["a"] if isinstance(extra, dict) else extra[0]
+
+    def __call__(self, x):
+        first = self.first()
+        if isinstance(first, Stats):
+            return first.observe(x)
+        self.n = self.n + x
+        return self.n
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS_holders))
+def test_a_sub_model_in_a_container_subclass(holder: str) -> None:
+    model = Holding(holder, "model")
+    if holder in WALKED:
+        f, states = model.functionalize()
+        out, new = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+        assert float(out) == 2.0 and float(model.first().mean) == 0.0
+        assert sorted(float(v) for v in new.values()) == [0.0, 2.0]
+    else:
+        with pytest.raises(InvalidTypeError, match=rf"{holder}.*register") as info:
+            model.functionalize()
+        assert f"{__file__}:" in str(info.value)
+
+
+@pytest.mark.parametrize("holder", list(HOLDERS_holders))
+@pytest.mark.parametrize("what", ["array", "plain"])
+def test_an_array_in_a_container_subclass(holder: str, what: str) -> None:
+    model = Holding(holder, what)
+    if holder in WALKED and what == "array":
+        f, states = model.functionalize()  # a parameter, as in a dict
+        assert len(jax.tree_util.tree_leaves(f)) == 1
+        return
+    with pytest.raises(InvalidTypeError, match="holds an array inside") as info:
+        model.functionalize()
+    assert f"{__file__}:" in str(info.value)
+
+
+def grow(model, x):
+    model.items += [x]  # outside the class: the list changed in place
+
+
+def alias_append(model, x):
+    items = model.items
+    items.append(x)
+
+
+@autostate.stateful
+class Growing:
+    def __init__(self):
+        self.items = [jnp.zeros(())]
+
+    def reset(self):
+        self.items = [jnp.zeros(())]
+
+    def add(self, x, helper):
+        helper(self, x)
+        return len(self.items)
+
+
+@pytest.mark.parametrize("helper", [grow, alias_append], ids=["iadd", "alias"])
+def test_list_states_changed_in_place_never_change_a_callers_dict(helper) -> None:
+    model = Growing()
+    f, states = model.functionalize()
+    helper(model, 1.0)  # the eager model's list: not the states dict's
+    assert len(model.items) == 2 and len(states["items"]) == 1
+    out1, new1 = f.add(states, 2.0, helper)
+    out2, _ = f.add(states, 2.0, helper)
+    assert out1 == out2 == 2 and len(states["items"]) == 1 and len(new1["items"]) == 2
+    frozen = autostate.freeze(f, new1)
+    helper(frozen, 3.0)
+    assert len(frozen.items) == 3 and len(new1["items"]) == 2
+    np.testing.assert_allclose(jnp.stack(new1["items"]), [0.0, 2.0])
+
+
+KVCACHE = """
+@DECORATE
+class KVCache:
+    def __init__(self, n, d):
+        self.k = np.zeros((n, d), np.float32)
+        self.v = np.zeros((n, d), np.float32)
+        self.pos = np.zeros((), np.int32)
+
+    def __call__(self, k, v):
+        i = self.pos.copy()
+        self.k[i] = k
+        self.v[i, :] = v * 2
+        self.pos += 1
+        return self.k.sum() + self.v[i].sum()
+
+
+@DECORATE
+class AtCache:
+    def __init__(self, n, d):
+        self.cache = jnp.zeros((n, d))
+        self.pos = jnp.zeros((), jnp.int32)
+
+    def write(self, x):
+        self.cache = self.cache.at[self.pos].set(x)
+        self.pos = self.pos + 1
+        return self.cache[: self.pos.shape[0] if self.pos.ndim else 2].sum()
+
+    def read(self):
+        return self.cache * (jnp.arange(self.cache.shape[0]) < self.pos)[:, None]
+"""
+
+
+def test_kv_cache_item_writes(write_module: Loader_h) -> None:
+    plain, dec = pair(write_module, KVCACHE)
+    row = jnp.arange(3.0)
+    # plain numpy arrays vs autostate's jax arrays: only eager-comparable for plain
+    check(plain, dec, "KVCache(4, 3)", [("__call__", (np.asarray(row), np.asarray(row) + 1))] * 3)
+
+
+def test_kv_cache_at_set(write_module: Loader_h) -> None:
+    plain, dec = pair(write_module, KVCACHE)
+    row = jnp.arange(3.0)
+    check(plain, dec, "AtCache(4, 3)", [("write", (row,)), ("write", (row + 1,)), ("read", ())])
+    check_transform(plain, dec, "AtCache(4, 3)", [("write", (X,)), ("read", ())],
+                    jnp.stack([row, row * 3]), "vmap")
+
+
+def test_augmented_containers_change_structure(write_module: Loader_h) -> None:
+    plain, dec = pair(write_module, CONSTRUCTS)
+    check(plain, dec, "C()", [("aug_containers", (1.0,))], modes=("eager", "f"))
+    # the states' structure changes, so jit returns the new structure (a retrace next time)
+    check(plain, dec, "C()", [("aug_containers", (1.0,)), ("aug_containers", (2.0,))],
+          modes=("eager", "f", "jit"))
+
+
+def test_delete_item_and_fstring(write_module: Loader_h) -> None:
+    plain, dec = pair(write_module, CONSTRUCTS)
+    check(plain, dec, "C()", [("delete_item", ())], modes=("eager", "f", "jit"))
+    check(plain, dec, "C()", [("fstring_len", (1.0,))], modes=("eager", "f"))
+
+
+def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """The source as plain Python and decorated, built once per source text."""
+    if source not in _PAIRS:
+        plain = write_module(
+            HEADER_h2 + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
+        )
+        dec = write_module(
+            HEADER_h2 + "STATE = autostate.state\n"
+            + source.replace("@DECORATE", "@autostate.stateful")
+        )
+        _PAIRS[source] = (plain, dec)
+    for mod in _PAIRS[source]:
+        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
+    return _PAIRS[source]
+
+
+def snapshot_h2(obj: Any, depth: int = 0) -> Any:
+    """Every attribute of a (plain or decorated) model, read with getattr."""
+    if depth > 6:
+        return "<deep>"
+    if isinstance(obj, list | tuple):
+        return [snapshot_h2(v, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, jax.Array | np.ndarray | np.generic):
+        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(obj))
+        return np.asarray(obj)
+    if isinstance(obj, bool | int | float | complex | str | type(None)):
+        return obj
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
+        return {
+            "__class__": type(obj).__name__,
+            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
+               if not k.startswith("_ref")},
+        }
+    return f"<{type(obj).__name__}>"
+
+
+def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
+    """Equal structure and values (numbers compared as arrays)."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
+        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
+        for k in expected:
+            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
+        return
+    if isinstance(expected, list | tuple):
+        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
+        assert len(expected) == len(got), f"{where}: lengths differ"
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert_same_h2(a, b, f"{where}[{i}]")
+        return
+    if isinstance(expected, str) or expected is None:
+        assert expected == got, f"{where}: {expected!r} != {got!r}"
+        return
+    a, b = np.asarray(expected), np.asarray(got)
+    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+    if np.iscomplexobj(a) or np.iscomplexobj(b):
+        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
+                                   err_msg=where)
+        return
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
+                               err_msg=where)
+
+
+def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
+    return f if name == "__call__" else getattr(f, name)
+
+
+def plain_path(model: Any, key: str) -> Any:
+    return eval("m." + key, {"m": model})  # noqa: S307
+
+
+def check_h2(
+    plain: types.ModuleType,
+    dec: types.ModuleType,
+    build: str,
+    calls: Sequence[Call_h2],
+    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
+) -> None:
+    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
+    ref = eval(build, vars(plain))  # noqa: S307
+    expected = [getattr(ref, m)(*a) for m, a in calls]
+    expected_snap = snapshot_h2(ref)
+    if "eager" in modes:
+        model = eval(build, vars(dec))  # noqa: S307
+        got = [getattr(model, m)(*a) for m, a in calls]
+        assert_same_h2(expected, got, "eager outputs")
+        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
+    for mode in ("f", "jit"):
+        if mode not in modes:
+            continue
+        model = eval(build, vars(dec))  # noqa: S307
+        before = snapshot_h2(model)
+        f, states = model.functionalize()
+        got = []
+        jitted: dict[str, Any] = {}
+        for m, a in calls:
+            if mode == "f":
+                out, states = _fcall_h2(f, m)(states, *a)
+            else:
+                if m not in jitted:
+                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                out, states = jitted[m](f, states, *a)
+            got.append(out)
+        assert_same_h2(expected, got, f"{mode} outputs")
+        for key, value in states.items():
+            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
+        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
+        if mode == "jit" and "freeze" in modes:
+            frozen = autostate.freeze(f, states)
+            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
+
+
+def test_namedtuple_nested_and_empty_containers(write_module: Loader_h2) -> None:
+    plain, dec = pair_h2(write_module, DTYPES)
+    check_h2(plain, dec, "Trees()", [("step", (1.0,)), ("step", (2.0,))])
+    f, states = dec.Trees().functionalize()
+    _, states = jax.jit(f.step)(states, 1.0)
+    assert type(states["pt"]).__name__ == "Pt"
+    frozen = autostate.freeze(f, states)
+    assert type(frozen.pt) is dec.Pt
+    assert frozen.empty_l == [] and frozen.empty_t == () and frozen.empty_d == {}
+
+
+def test_dict_state_keeps_insertion_order(write_module: Loader_h2) -> None:
+    plain, dec = pair_h2(write_module, DTYPES)
+    p, d = plain.Ordered(), dec.Ordered()
+    assert list(p.d) == list(d.d) == ["b", "a"]
+    assert list(p.ik) == list(d.ik) == [2, 1]
+    check_h2(plain, dec, "Ordered()", [("first", (1.0,))], modes=("eager", "f"))
+
+
+def test_dict_subclass_states_keep_their_type(write_module: Loader_h2) -> None:
+    plain, dec = pair_h2(write_module, DTYPES)
+    p, d = plain.Typed2(), dec.Typed2()
+    assert type(d.dd) is collections.defaultdict
+    assert_same_h2(p.put("y", 2.0), d.put("y", 2.0))
+    assert type(d.od) is collections.OrderedDict
+    assert list(p.od) == list(d.od)
+
+
+def pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """The source as plain Python and decorated, built once per source text."""
+    if source not in _PAIRS:
+        _PAIRS[source] = _pair(write_module, source)
+    return _PAIRS[source]
+
+
+def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
+    plain = write_module(
+        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
+    )
+    dec = write_module(
+        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
+        + source.replace("@DECORATE", "@autostate.stateful").replace(
+            "@AUTOCHECKPOINT", "@autostate.checkpoint"
+        )
+    )
+    return plain, dec
+
+
+def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
+    """f answers the same eagerly and under jit after a refused call."""
+    out1, s1 = _fcall(f, name)(states, *args)
+    out2, s2 = jax.jit(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
+    assert_same(out1, out2, "after refusal")
+    assert_same(s1, s2, "states after refusal")
+
+
+def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call_h4]) -> None:
+    """Eagerly like plain Python; through f either like plain or a StateAccessError."""
+    check(plain, dec, build, calls, modes=("eager",))
+    model = eval(build, vars(dec))  # noqa: S307
+    f, states = model.functionalize()
+    try:
+        check(plain, dec, build, calls, modes=("f", "jit", "freeze"))
+    except autostate.errors.StateAccessError:
+        f_still_works(f, states, "__call__", 1.0)
+
+
+def test_tuple_of_model_and_array_state(write_module: Loader_h4) -> None:
+    plain, dec = pair_h4(write_module, SUBMODELS)
+    _either_plain_or_refused(plain, dec, "Blocks()", [("bump_pair", (1.0,)), ("bump_pair", (2.0,))])
+
+
+def test_one_element_containers_none_and_number_states(write_module: Loader_h5) -> None:
+    plain, dec = pair_h5(write_module, REBUILD)
+    check(plain, dec, "OneElement()", [("__call__", (1.0,)), ("__call__", (2.0,))])
+
+
+def _is_key(v: Any) -> bool:
+    return isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+
+
+def _bits(a: np.ndarray) -> bytes:
+    """The array's bytes, with -0.0 read as 0.0 (XLA folds ``x + 0`` under jit)."""
+    if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
+        a = np.where(a == 0, np.zeros_like(a), a)
+    return a.tobytes()
+
+
+def typed(v: Any, depth: int = 0) -> Any:
+    """A value as a comparable structure that keeps dtype, weak type and bits."""
+    if depth > 8:
+        return "<deep>"
+    if _is_key(v):
+        return ("key", str(v.dtype), v.shape, np.asarray(jax.random.key_data(v)).tobytes())
+    if isinstance(v, jax.Array):
+        return ("arr", str(v.dtype), bool(v.weak_type), v.shape, _bits(np.asarray(v)))
+    if isinstance(v, np.ndarray | np.generic):
+        a = np.asarray(v)
+        return ("arr", str(a.dtype), False, a.shape, _bits(a))
+    if isinstance(v, bool | int | str | type(None)):
+        return (type(v).__name__, v)
+    if isinstance(v, float | complex):
+        return ("py" + type(v).__name__, v)
+    if isinstance(v, dict):
+        return (type(v).__name__, [("item", k, typed(x, depth + 1)) for k, x in v.items()])
+    if isinstance(v, list | tuple):
+        return (type(v).__name__, [typed(x, depth + 1) for x in v])
+    if hasattr(v, "__dict__") and type(v).__module__.startswith("autostate_testmod"):
+        return (
+            type(v).__name__,
+            [("item", k, typed(getattr(v, k), depth + 1)) for k in sorted(vars(v))],
+        )
+    return ("obj", type(v).__name__)
+
+
+def assert_typed(
+    expected: Any,
+    got: Any,
+    where: str = "",
+    jitted: bool = False,
+    output: bool = False,
+    exact: bool = True,
+) -> None:
+    """Same structure, types, dtypes, weak types, shapes and bits.
+
+    ``jitted``: Python floats / complex numbers may have crossed a jit boundary,
+    where JAX makes them weak-typed 0-d arrays; both sides are compared so.
+    ``output``: the value is what a jitted function returned, where a Python int or
+    bool is an array too (a static state stays a Python value).
+    ``exact=False``: floating values within 1e-6 (a fused program may round
+    differently), everything else still exact.
+    """
+    e, g = typed(expected), typed(got)
+    if jitted:
+        kinds = ("pyfloat", "pycomplex", "int", "bool") if output else ("pyfloat", "pycomplex")
+        e, g = _jitted(e, kinds), _jitted(g, kinds)
+    if not exact:
+        e_vals: list[Any] = []
+        g_vals: list[Any] = []
+        e, g = _floats_out(e, e_vals), _floats_out(g, g_vals)
+        assert e == g, f"{where}:\n expected {e}\n      got {g}"
+        for a, b in zip(e_vals, g_vals):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
+        return
+    assert e == g, f"{where}:\n expected {e}\n      got {g}"
+
+
+def _floats_out(t: Any, vals: list[Any]) -> Any:
+    """``t`` with each float array's bytes replaced by a marker, the values in ``vals``."""
+    if t[0] == "arr" and jnp.issubdtype(jnp.dtype(t[1]), jnp.inexact):
+        vals.append(np.frombuffer(t[4], jnp.dtype(t[1])).astype(np.complex128))
+        return t[:4]
+    if t[0] == "item":
+        return ("item", t[1], _floats_out(t[2], vals))
+    if len(t) == 2 and isinstance(t[1], list):
+        return (t[0], [_floats_out(x, vals) for x in t[1]])
+    return t
+
+
+def _jitted(t: Any, kinds: tuple[str, ...]) -> Any:
+    if t[0] in kinds:
+        return typed(jnp.asarray(t[1]))
+    if t[0] == "item":
+        return ("item", t[1], _jitted(t[2], kinds))
+    if len(t) == 2 and isinstance(t[1], list):
+        return (t[0], [_jitted(x, kinds) for x in t[1]])
+    return t
+
+
+OBJECTS = """
+@dataclasses.dataclass
+class Box:
+    a: typing.Any
+    label: str
+
+
+@DECORATE
+class Holder:
+    def __init__(self):
+        self.box = Box(jnp.zeros(2), "b")
+        self.log = []
+
+    def __call__(self, x):
+        self.box = Box(self.box.a + x, self.box.label + "!")
+        self.log = self.log + [self.box.label]
+        return self.box.a.sum(), len(self.log)
+"""
+
+
+def test_plain_objects_and_growing_lists_as_state_eagerly_and_through_f(
+    write_module: Loader_h13,
+) -> None:
+    plain, dec = pair(write_module, OBJECTS)
+    ref, model = plain.Holder(), dec.Holder()
+    for x in (X1, X2):
+        assert_typed(ref(x), model(x), "eager")
+    f, states = model.functionalize()
+    for x in (X1, X2):
+        out, states = f(states, x)
+        assert_typed(ref(x), out, "f")
+    assert (states["box"].label, states["log"]) == (ref.box.label, ref.log)
+    np.testing.assert_array_equal(states["box"].a, ref.box.a)
+    frozen = autostate.freeze(f, states)
+    assert_typed(ref(X1), frozen(X1), "frozen")
+    assert frozen.log == ref.log and type(frozen.box) is dec.Box
+
+
+def test_append_to_a_list_state_is_the_documented_decoration_error(write_module: Loader_h13) -> None:
+    source = """
+@DECORATE
+class History:
+    def __init__(self):
+        self.losses = []
+
+    def record(self, loss):
+        self.losses.append(loss)
+
+    def reset(self):
+        self.losses = []
+"""
+    with pytest.raises(autostate.errors.DecorationError, match="mutates state 'losses'") as info:
+        pair(write_module, source)
+    where = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(info.value))
+    assert where, str(info.value)
+    line = Path(where[1]).read_text().splitlines()[int(where[2]) - 1]
+    assert "self.losses.append(loss)" in line
+    assert "fix:" in str(info.value)
+
+
+HOLDERS_h14 = """
+import collections
+
+
+class Plain:
+    def __init__(self, model=None):
+        self.model = model
+        self.w = jnp.ones(())
+
+
+@DECORATE
+class Holder:
+    def __init__(self, kind, back):
+        self.n = jnp.zeros(())
+        make = {"dict": dict, "OrderedDict": collections.OrderedDict,
+                "defaultdict": lambda **kw: collections.defaultdict(int, **kw)}[kind]
+        self.extra = make(a=Plain(self if back else None))
+
+    def __call__(self, x):
+        self.n = self.n + x * self.extra["a"].w
+        return self.n
+"""
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["array", "back-reference"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "dict",
+        "OrderedDict",
+        "defaultdict",
+    ],
+)
+def test_plain_objects_in_dict_subclasses_are_refused_like_in_a_dict(
+    write_module: Loader_h14, kind: str, back: bool
+) -> None:
+    _, dec = pair(write_module, HOLDERS_h14)
+    with pytest.raises(autostate.errors.InvalidTypeError, match=r"extra\['a'\]") as info:
+        dec.Holder(kind, back).functionalize()
+    assert_user_line(info.value, __file__)
+
+
+def _outside_pair(write_module: Loader_h14) -> tuple[types.ModuleType, types.ModuleType]:
+    import sys
+
+    if "written_helpers" not in sys.modules:
+        write_module(HELPER_MODULE, name="written_helpers")
+    return pair(write_module, OUTSIDE)
+
+
+def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader_h14) -> None:
+    """``model.items += [x]`` from a helper: f called twice on the same states
+    gives the same result, and the caller's states are not changed."""
+    _, dec = _outside_pair(write_module)
+    f, states = dec.Out().functionalize()
+    before = snapshot(states)
+    out1, new1 = f.other_module_list(states, X1)
+    out2, new2 = f.other_module_list(states, X1)
+    assert_same(before, snapshot(states), "the caller's states changed")
+    assert_same(out1, out2, "f is not pure")
+    assert_same(snapshot(new1), snapshot(new2), "f is not pure (states)")
+
+
+def assert_bits(expected: Any, got: Any, where: str = "") -> None:
+    """Same structure, dtypes and bits (typed keys compared by their key data)."""
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
+    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
+    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
+
+
+def read_plain(model: Any, keys: Any) -> dict[str, Any]:
+    return {k: plain_path_h17(model, k) for k in keys}
+
+
+def params_of(f: Any) -> dict[str, Any]:
+    return dict(autostate.param_dict(f))
+
+
+@functools.cache
+def jitted(method: str, *static: Any) -> Callable[..., Any]:
+    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
+
+    def call(f: Any, s: Any, *a: Any) -> Any:
+        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
+
+    return jax.jit(call)
+
+
+def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """(plain model, decorated model, f, states, params by name) for one seed."""
+    plain, dec = pair(write_module, GPT)
+    ref = plain.GPT(seed)
+    model = dec.GPT(seed)
+    f, states = model.functionalize()
+    p = params_of(f)
+    assert_same(read_plain(ref, p), p, "initial params")
+    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
+    return ref, model, f, states, p
+
+
+def test_gpt_cached_decode_matches_full_recompute(write_module: Loader_h17) -> None:
+    _, _, f, states, _ = gpt(write_module)
+    toks, s = jitted("greedy_scan", 4)(f, states, PROMPT)
+    full = jnp.concatenate([PROMPT, toks[:-1]])
+    logits, _ = jitted("__call__")(f, states, full)
+    assert_bits(toks, jnp.argmax(logits[2:], -1).astype(jnp.int32))
+
+
+def test_del_items_of_two_states_in_one_statement(write_module: Loader_h21) -> None:
+    source = """
+@DECORATE
+class DelItems:
+    def __init__(self):
+        self.d = {"k": jnp.ones(()), "j": jnp.zeros(())}
+        self.lst = [jnp.ones(()), jnp.zeros(()), jnp.ones(()) * 3]
+
+    def drop(self, v):
+        self.d["new"] = v
+        del self.d["k"], self.lst[0], self.lst[-1]
+        return self.d["new"] + self.lst[0]
+"""
+    plain, dec = pair(write_module, source)
+    check(plain, dec, "DelItems()", [("drop", (X1,))])
+
+
+@pytest.mark.parametrize("use_argsort", [False, True])
+def test_moe_routing_and_usage_counters(write_module: Loader_h24, use_argsort: bool) -> None:
+    plain, dec = pair(write_module, MOE)
+    check(plain, dec, f"MoE(0, use_argsort={use_argsort})",
+          [("__call__", (XM,)), ("__call__", (XM[:2] * 3,)), ("loss", (XM, XM * 0.5))])
+
+
+def _dqn_calls() -> list[tuple[str, tuple[Any, ...]]]:
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    for i, t in enumerate(TRANSITIONS * 2):
+        calls.append(("add", t))
+        if i >= 1:
+            calls.append(("train_step", (0.1, 0.9)))
+    return calls
+
+
+@pytest.mark.parametrize("sync", ["where", "cond", "cond_assigns"])
+def test_dqn_replay_buffer_and_target_sync(write_module: Loader_h24, sync: str) -> None:
+    plain, dec = pair(write_module, DQN)
+    check(plain, dec, f"DQN(0, sync={sync!r})", _dqn_calls())
+
+
+def test_lr_schedule_written_into_optax_state_in_place(write_module: Loader_h24) -> None:
+    plain, dec = pair(write_module, EMA_LR)
+    check(plain, dec, "Scheduled()", [("step", (jnp.ones(2),)), ("step", (jnp.array([2.0, -1.0]),)),
+                                     ("step", (jnp.ones(2),))])
+
+
+NT_STATE = """
+class Hyper(typing.NamedTuple):
+    count: typing.Any
+    hp: dict
+
+
+@DECORATE
+class Holder:
+    def __init__(self, named):
+        d = {"lr": jnp.array(0.1)}
+        self.s = Hyper(jnp.zeros((), jnp.int32), d) if named else (jnp.zeros((), jnp.int32), d)
+
+    def step(self):
+        hp = self.s[1]
+        hp["lr"] = hp["lr"] * 0.5
+        self.s = self.s
+        return hp["lr"]
+"""
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["tuple", "named_tuple"])
+def test_dict_in_a_tuple_state_changed_in_place_leaves_callers_states(write_module: Loader_h24,
+                                                                     named: bool) -> None:
+    _, dec = pair(write_module, NT_STATE)
+    model = dec.Holder(named)
+    f, states = model.functionalize()
+    out, new = f.step(states)
+    np.testing.assert_allclose(np.asarray(out), 0.05)
+    np.testing.assert_allclose(np.asarray(new["s"][1]["lr"]), 0.05)
+    np.testing.assert_allclose(np.asarray(states["s"][1]["lr"]), 0.1, err_msg="caller's states")
+    np.testing.assert_allclose(np.asarray(model.s[1]["lr"]), 0.1, err_msg="eager model")
+
+
+class S:
+    """A static argument: baked into the jitted function instead of traced."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.value if isinstance(a, S) else a for a in args)
+
+
+def _call(obj: Any, name: str) -> Callable[..., Any]:
+    return obj if name == "__call__" else getattr(obj, name)
+
+
+def _jitted_h25(name: str, args: tuple[Any, ...]) -> Any:
+    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
+    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
+    key = (name, layout)
+    if key not in _JITS:
+
+        def fn(f: Any, s: Any, *traced: Any) -> Any:
+            it = iter(traced)
+            full = [lay[1] if lay is not None else next(it) for lay in layout]
+            return _call(f, name)(s, *full)
+
+        _JITS[key] = jax.jit(fn)
+    return _JITS[key]
+
+
+def run_case(
+    plain: types.ModuleType,
+    dec: types.ModuleType,
+    build: str,
+    calls: list[tuple[str, tuple[Any, ...]]],
+    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
+    extra: tuple[str, tuple[Any, ...]] | None = None,
+) -> None:
+    """The calls on the plain model are the reference for every mode."""
+    ref = eval(build, vars(plain))  # noqa: S307
+    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
+    expected_snap = snapshot(ref)
+
+    if "eager" in modes:
+        model = eval(build, vars(dec))  # noqa: S307
+        got = [_call(model, m)(*_args(a)) for m, a in calls]
+        same(expected, got, "eager outputs")
+        same(expected_snap, snapshot(model), "eager attributes")
+
+    for mode in ("f", "jit"):
+        if mode not in modes:
+            continue
+        model = eval(build, vars(dec))  # noqa: S307
+        before = snapshot(model)
+        f, states = model.functionalize()
+        got = []
+        for m, a in calls:
+            if mode == "f":
+                out, states = _call(f, m)(states, *_args(a))
+            else:
+                traced = tuple(v for v in a if not isinstance(v, S))
+                out, states = _jitted_h25(m, a)(f, states, *traced)
+            got.append(out)
+        same(expected, got, f"{mode} outputs")
+        for key, value in states.items():
+            same(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
+        same(before, snapshot(model), f"{mode}: the eager model changed")
+        if mode == "jit" and "freeze" in modes:
+            frozen = autostate.freeze(f, states)
+            same(expected_snap, snapshot(frozen), "frozen attributes")
+            if extra is not None:
+                m, a = extra
+                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
+                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
+
+
+AUG_ITEMS = """
+@DECORATE
+class A:
+    def __init__(self):
+        self.i = np.arange(4, dtype=np.int32) + 5
+        self.f = np.arange(4, dtype=np.float32) + 1.5
+        self.b = np.zeros(4, bool)
+        self.d = {"k": np.arange(3, dtype=np.int32)}
+    def __call__(self, j):
+        self.i[0] //= 2
+        self.i[1] %= 3
+        self.i[2] <<= 1
+        self.i[3] >>= 1
+        self.i[1:3] ^= 3
+        self.f[0] **= 2
+        self.f[1] //= np.float32(0.7)
+        self.f[2] %= np.float32(1.1)
+        self.f[j] -= np.float32(0.25)
+        self.f[j] /= np.float32(2.0)
+        self.b[j] |= True
+        self.b[0] ^= True
+        self.d["k"][1] *= 7
+        self.d["k"][2] -= 9
+        return self.i + 0, self.f + 0, self.b | False
+"""
+
+
+def test_every_augmented_operator_on_items(write_module: Loader_h25) -> None:
+    """Plain holds numpy arrays (which item-assign in place); autostate holds jax ones."""
+    plain, dec = pair(write_module, AUG_ITEMS)
+    run_case(plain, dec, "A()", [("__call__", (1,)), ("__call__", (2,))], extra=("__call__", (3,)))
+
+
+ENUM_KEYS = """
+import enum
+class Split(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+@DECORATE
+class Counter:
+    def __init__(self):
+        self.counts = {Split.TRAIN: jnp.zeros((), jnp.int32), Split.EVAL: jnp.zeros((), jnp.int32)}
+    def __call__(self, x, split):
+        self.counts[split] += 1
+        return x * self.counts[split]
+"""
+
+
+def test_state_dict_keyed_by_a_plain_enum(write_module: Loader_h25) -> None:
+    plain, dec = pair(write_module, ENUM_KEYS)
+    split = plain.Split
+    ref = plain.Counter()
+    expected = [ref(A1_h25, split.TRAIN), ref(A1_h25, split.TRAIN), ref(A2_h25, split.EVAL)]
+    model = dec.Counter()
+    got = [model(A1_h25, dec.Split.TRAIN), model(A1_h25, dec.Split.TRAIN), model(A2_h25, dec.Split.EVAL)]
+    same(expected, got, "eager outputs")
+    assert [int(v) for v in ref.counts.values()] == [int(v) for v in model.counts.values()]
+    try:
+        f, states = dec.Counter().functionalize()
+        out, states = f(states, A1_h25, dec.Split.TRAIN)
+    except autostate.AutostateError as err:  # a clear refusal is acceptable through f
+        user_line(err, dec, "self.counts = {")
+    else:
+        same(expected[0], out, "f output")
+
+
+@pytest.mark.parametrize("use_dus", [False, True])
+def test_kv_cache_prefill_reset_decode(write_module: Loader_h26, use_dus: bool) -> None:
+    plain, dec = pair(write_module, KV)
+    calls = [("prefill_then_decode", (XK[:2], 3)), ("prefill_then_decode", (XK, 2))]
+    check(plain, dec, f"Decoder(1, 3, 5, use_dus={use_dus})", calls)
+
+
+def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
+    return jax.jit(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
+        f, states, *args
+    )
+
+
+TOK = jnp.array([3, 1, 2], jnp.int32)
+
+
+def test_beam_search_list_cache_reordered(write_module: Loader_h30) -> None:
+    plain, dec = pair(write_module, BEAM)
+    calls = [("search", (TOK,)), ("decode_step", ()), ("search2", (TOK[::-1],))]
+    check(plain, dec, "BeamDecoder(0, 5, 4, 3)", calls)
+
+
+def test_beam_search_eos_finishes_beams(write_module: Loader_h30) -> None:
+    plain, dec = pair(write_module, BEAM)
+    ref = plain.BeamDecoder(4, 3, 2, 3)
+    ref.search5(TOK % 3)
+    assert bool(ref.finished.any())  # the case exercises the finished mask
+    check(plain, dec, "BeamDecoder(4, 3, 2, 3)", [("search5", (TOK % 3,))])
+
+
+@pytest.mark.parametrize("method", ["greedy", "greedy_python"])
+def test_greedy_decode_fixed_cache(write_module: Loader_h30, method: str) -> None:
+    plain, dec = pair(write_module, BEAM)
+    for seed in (0, 2):
+        calls = [(method, (jnp.int32(2),)), (method, (jnp.int32(4),))]
+        check(plain, dec, f"BeamDecoder({seed}, 5, 4, 3)", calls)
+
+
+BEAM_APPEND = """
+@DECORATE
+class Cache:
+    def __init__(self):
+        self.cache = []
+
+    def reset(self):
+        self.cache = []
+
+    def __call__(self, h, idx):
+        self.cache.append(h)
+        self.cache = [c[idx] for c in self.cache]
+        return jnp.stack(self.cache).sum(0)
+"""
+
+
+def test_cache_list_append_is_decoration_error(write_module: Loader_h30) -> None:
+    with pytest.raises(autostate.errors.DecorationError) as err:
+        pair(write_module, BEAM_APPEND)
+    msg = str(err.value)
+    assert "self.cache.append" in msg and "self.cache = self.cache + [item]" in msg
+    assert ".py:" in msg and "Cache.__call__" in msg
+
+
+def test_list_appended_in_forward_not_state(write_module: Loader_h30) -> None:
+    # log is only appended (never assigned outside __init__): not state. Eagerly and through
+    # f without jit it collects like plain Python; under jit a clear error, no tracer.
+    plain, dec = pair(write_module, PROBE)
+    calls = [("__call__", (XP,)), ("__call__", (XP * 2,))]
+    check(plain, dec, "Logger()", calls, modes=("eager", "f"))
+    model = dec.Logger()
+    f, states = model.functionalize()
+    with pytest.raises(autostate.errors.StateAccessError) as err:
+        jit_call(f, states, XP)
+    assert "Logger.log" in str(err.value) and "fix:" in str(err.value)
+    assert __file__.rpartition("/")[2] + ":" in str(err.value)
+    assert model.log == []
+
+
+def run_case_h31(
+    plain: types.ModuleType,
+    dec: types.ModuleType,
+    build: str,
+    calls: list[tuple[str, tuple[Any, ...]]],
+    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
+) -> None:
+    """The calls on the plain model are the reference for every mode."""
+    ref = eval(build, vars(plain))  # noqa: S307
+    expected = [_call(ref, m)(*a) for m, a in calls]
+    expected_snap = snapshot(ref)
+
+    if "eager" in modes:
+        model = eval(build, vars(dec))  # noqa: S307
+        got = [_call(model, m)(*a) for m, a in calls]
+        same(expected, got, "eager outputs")
+        same(expected_snap, snapshot(model), "eager attributes")
+
+    for mode in ("f", "jit"):
+        if mode not in modes:
+            continue
+        model = eval(build, vars(dec))  # noqa: S307
+        before = snapshot(model)
+        f, states = model.functionalize()
+        got = []
+        for m, a in calls:
+            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
+            if mode == "jit":
+                fn = jax.jit(fn)
+            out, states = fn(f, states, *a)
+            got.append(out)
+        same(expected, got, f"{mode} outputs")
+        for key, value in states.items():
+            same(snapshot(plain_path_h31(ref, key)), snapshot(value), f"{mode} state {key}")
+        same(before, snapshot(model), f"{mode}: the eager model changed")
+        if mode == "jit" and "freeze" in modes:
+            same(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
+
+
+def test_flax_compact_params_dict_filled_through_f_before_the_first_call(
+    write_module: Loader_h31,
+) -> None:
+    # A dict state may gain keys in a call of f: the states f returns hold them.
+    plain, dec = pair(write_module, LAZY)
+    calls = [("__call__", (X23,)), ("__call__", (-X23,)), ("__call__", (2 * X23,))]
+    run_case_h31(plain, dec, "Compact(5, 2)", calls)
+
+
+def test_growing_cache_and_list_and_tuple_states(write_module: Loader_h31) -> None:
+    plain, dec = pair(write_module, GROW)
+    calls = [
+        ("__call__", (V2,)),
+        ("__call__", (2 * V2,)),
+        ("__call__", (-V2,)),
+        ("shrink", ()),
+        ("reset", ()),
+        ("__call__", (V2 + 1,)),
+    ]
+    run_case_h31(plain, dec, "Cache()", calls)

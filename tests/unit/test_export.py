@@ -1,0 +1,355 @@
+"""Tests: unit/test_export.py."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from export_models import STATE_KEYS, XS, Net, run
+from semantics.harness import assert_same as assert_same_h11
+from semantics.harness import assert_user_line, raises_autostate
+from semantics.harness import pair as pair_h11
+from semantics.harness import pair as pair_h16
+from semantics.harness import snapshot as snapshot_h11
+from semantics.programs import _PAIRS, DTYPES, HERE, HOST, MODELS, PACK, PACK_XS, Loader
+from semantics.programs import HEADER_h2 as HEADER
+from semantics.programs import XS_h11 as XS_h11
+
+import autostate
+from autostate import errors
+
+_FRESH_PROCESS = textwrap.dedent(
+    """
+    import pickle, sys
+    import jax, numpy as np
+    import autostate
+
+    folder = sys.argv[1]
+    with open(folder + "/net.jax", "rb") as fh:
+        exported = jax.export.deserialize(bytearray(fh.read()))
+    _, states = autostate.load_arrays(folder + "/ckpt.npz")
+    results = []
+    for x in np.load(folder + "/xs.npy"):
+        out, states = exported.call(states, x)
+        results.append((np.asarray(out), {k: np.asarray(v) for k, v in states.items()}))
+    assert not any("test_export" in name for name in sys.modules)
+    with open(folder + "/results.pkl", "wb") as fh:
+        pickle.dump(results, fh)
+    """
+)
+
+
+def test_export_runs_in_a_fresh_process_like_the_live_model(tmp_path):
+    _, model = run(Net(), XS[:1])
+    exported = autostate.export(model, XS[0])
+    assert isinstance(exported, jax.export.Exported)
+    (tmp_path / "net.jax").write_bytes(exported.serialize())
+    autostate.save(tmp_path / "ckpt.npz", model)
+    np.save(tmp_path / "xs.npy", np.stack(XS[1:4]))
+    root = str(Path(autostate.__file__).parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, str(tmp_path)], check=True, env=env, timeout=240
+    )
+    with open(tmp_path / "results.pkl", "rb") as fh:
+        results = pickle.load(fh)
+
+    f, states = model.functionalize()
+    step = jax.jit(lambda f, s, x: f(s, x))
+    assert len(results) == 3
+    for x, (out, flat_states) in zip(XS[1:4], results):
+        want_out, states = step(f, states, x)
+        np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+        want_states = autostate.state_dict(autostate.freeze(f, states))
+        assert list(flat_states) == sorted(STATE_KEYS)
+        for key, value in want_states.items():
+            assert flat_states[key].dtype == value.dtype, key
+            np.testing.assert_allclose(
+                flat_states[key].astype(np.float32), np.asarray(value, np.float32), rtol=1e-6
+            )
+
+
+def test_export_of_another_method_threads_states():
+    _, model = run(Net(), XS[:1])
+    exported = jax.export.deserialize(autostate.export(model, XS[0], method="peek").serialize())
+    out, new_states = exported.call(autostate.state_dict(model), XS[0])
+    want_out, want_model = Net.peek(model, XS[0]), model  # eager, on the frozen model
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    np.testing.assert_allclose(new_states["cache['k']"], want_model.kv["k"], rtol=1e-6)
+    with pytest.raises(AttributeError, match="no method 'nope'"):
+        autostate.export(model, XS[0], method="nope")
+
+
+def test_save_load_export_example_runs():
+    example = Path(__file__).resolve().parents[2] / "examples" / "save_load_export.py"
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    steps = [int(line.split()[1].rstrip(":")) for line in lines if line.startswith("  step ")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the second process resumed where the first stopped
+    assert [line.split(",")[0] for line in lines if line.startswith("exported call")] == [
+        "exported call: steps=7",
+        "exported call: steps=8",
+    ]
+    assert lines[-1] == "ok"
+
+
+def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """The source as plain Python and decorated, built once per source text."""
+    if source not in _PAIRS:
+        plain = write_module(
+            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
+        )
+        dec = write_module(
+            HEADER + "STATE = autostate.state\n"
+            + source.replace("@DECORATE", "@autostate.stateful")
+        )
+        _PAIRS[source] = (plain, dec)
+    for mod in _PAIRS[source]:
+        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
+    return _PAIRS[source]
+
+
+def snapshot(obj: Any, depth: int = 0) -> Any:
+    """Every attribute of a (plain or decorated) model, read with getattr."""
+    if depth > 6:
+        return "<deep>"
+    if isinstance(obj, list | tuple):
+        return [snapshot(v, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, jax.Array | np.ndarray | np.generic):
+        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(obj))
+        return np.asarray(obj)
+    if isinstance(obj, bool | int | float | complex | str | type(None)):
+        return obj
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
+        return {
+            "__class__": type(obj).__name__,
+            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
+               if not k.startswith("_ref")},
+        }
+    return f"<{type(obj).__name__}>"
+
+
+def assert_same(expected: Any, got: Any, where: str = "") -> None:
+    """Equal structure and values (numbers compared as arrays)."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
+        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
+        for k in expected:
+            assert_same(expected[k], got[k], f"{where}[{k!r}]")
+        return
+    if isinstance(expected, list | tuple):
+        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
+        assert len(expected) == len(got), f"{where}: lengths differ"
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert_same(a, b, f"{where}[{i}]")
+        return
+    if isinstance(expected, str) or expected is None:
+        assert expected == got, f"{where}: {expected!r} != {got!r}"
+        return
+    a, b = np.asarray(expected), np.asarray(got)
+    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+    if np.iscomplexobj(a) or np.iscomplexobj(b):
+        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
+                                   err_msg=where)
+        return
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
+                               err_msg=where)
+
+
+def test_export_round_trip_with_prng_state(write_module: Loader) -> None:
+    pytest.importorskip("flatbuffers")
+    plain, dec = pair(write_module, DTYPES)
+    m = dec.Keys(5)
+    exp = jax.export.deserialize(autostate.export(m, jnp.float32(1.0)).serialize())
+    states = autostate.state_dict(m)
+    p = plain.Keys(5)
+    for x in (1.0, 2.0):
+        out, states = exp.call(states, jnp.float32(x))
+        assert_same(p(x), out)
+    assert_same(snapshot(p.key), snapshot(states["key"]))
+
+
+def _bits(a: Any) -> np.ndarray:
+    """An array's exact bits (keys as key data), for bit-for-bit comparisons."""
+    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.atleast_1d(np.asarray(a)).view(np.uint8)
+
+
+def assert_bits(expected: Any, got: Any, where: str = "") -> None:
+    """Same structure, dtypes and bits."""
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
+    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
+    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
+
+
+def test_export_of_a_host_model_threads_its_states(write_module: Loader) -> None:
+    plain, dec = pair_h11(write_module, HOST)
+    ref = plain.Stats(2)
+    ref(XS_h11)
+    model = dec.Stats(2)
+    model(XS_h11)
+    program = autostate.export(model, XS_h11)
+    program = jax.export.deserialize(program.serialize())
+    states = autostate.state_dict(model)
+    for k in range(2):
+        expected = ref(XS_h11 + k)
+        out, states = program.call(states, XS_h11 + k)
+        assert_same_h11(expected, out)
+    assert_same_h11({k: snapshot_h11(getattr(ref, k)) for k in states}, {k: np.asarray(v) for k, v in states.items()})
+    assert int(model.count) == 1  # the model's store is untouched
+
+
+def test_exported_program_over_steps_matches_plain(write_module: Loader) -> None:
+    plain, dec = pair_h11(write_module, PACK)
+    ref = plain.Mixed(10)
+    ref(jnp.ones(3))
+    model = dec.Mixed(10)
+    model(jnp.ones(3))
+    program = jax.export.deserialize(autostate.export(model, jnp.ones(3)).serialize())
+    states = autostate.state_dict(model)
+    for x in PACK_XS:
+        expected = ref(x)
+        out, states = program.call(states, x)
+        assert_same_h11(expected, out)
+    frozen = autostate.load_state_dict(dec.Mixed(10), states)
+    assert_same_h11(snapshot_h11(ref), snapshot_h11(frozen))
+
+
+def test_exported_other_method_reads_the_passed_states(write_module: Loader) -> None:
+    plain, dec = pair_h11(write_module, PACK)
+    ref = plain.Mixed(11)
+    model = dec.Mixed(11)
+    for x in PACK_XS:
+        ref(x)
+        model(x)
+    program = autostate.export(model, 2.0, method="peek")
+    out, states = program.call(autostate.state_dict(model), 2.0)
+    assert_same_h11(ref.peek(2.0), out)
+    assert_bits(autostate.state_dict(model), states)
+
+
+def test_export_of_a_model_with_typed_key_and_bf16_states(write_module: Loader) -> None:
+    plain, dec = pair_h11(write_module, PACK)
+    ref, model = plain.Mixed(12), dec.Mixed(12)
+    program = jax.export.deserialize(autostate.export(model, jnp.ones(3)).serialize())
+    states = autostate.state_dict(model)
+    for x in PACK_XS:
+        out, states = program.call(states, x)
+        assert_same_h11(ref(x), out)
+    loaded = autostate.load_state_dict(dec.Mixed(12), states)
+    assert_bits(states["key"], loaded.key)
+    assert_same_h11(snapshot_h11(ref), snapshot_h11(loaded))
+
+
+def assert_clear(
+    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
+) -> None:
+    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
+    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
+    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
+    assert_user_line(err, filename)
+    text = str(err)
+    assert "fix:" in text, f"no fix in: {text}"
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in: {text}"
+
+
+@pytest.fixture
+def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair_h16(write_module, MODELS)
+
+
+def test_export_unknown_method_and_bad_argument(mods: Any) -> None:
+    _, dec = mods
+    with raises_autostate(errors.MethodNotFoundError) as info:
+        autostate.export(dec.Counter(), jnp.ones(()), method="forward")
+    assert_clear(info.value, errors.MethodNotFoundError, HERE, "'forward'")
+    with raises_autostate(errors.InvalidTypeError) as info:
+        autostate.export(dec.Counter(), "x")
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "got a str")
+
+
+def test_export_static_argnums_out_of_range(mods: Any) -> None:
+    _, dec = mods
+    with raises_autostate(errors.InvalidArgumentError) as info:
+        autostate.export(dec.Counter(), jnp.ones(2), static_argnums=1)
+    assert_clear(info.value, errors.InvalidArgumentError, HERE, "static_argnums")
+
+
+@autostate.stateful
+class Counter:
+    def __init__(self):
+        self.count = jnp.zeros(())
+        self.w = jnp.ones(2)
+
+    def __call__(self, x):
+        self.count += 1
+        return x * self.w * self.count
+
+    def scaled(self, x, k):
+        self.count += 1
+        return x * k
+
+
+def assert_clear_api_misuse_fixes(err: BaseException, exc_type: type[BaseException], *needles: str) -> None:
+    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
+    assert isinstance(err, autostate.AutostateError)
+    text = str(err)
+    assert f"{__file__}:" in text, f"no user line in: {text}"
+    assert "fix:" in text, f"no fix in: {text}"
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in: {text}"
+
+
+@pytest.mark.parametrize(
+    ("args", "static_argnums"),
+    [((jnp.ones(2),), 1), ((jnp.ones(2),), -2), ((jnp.ones(2), 3.0), (0, 2)), ((), 0)],
+)
+def test_export_static_argnums_out_of_range_api_misuse_fixes(args: tuple, static_argnums: object) -> None:
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        autostate.export(Counter(), *args, static_argnums=static_argnums)
+    assert_clear_api_misuse_fixes(info.value, errors.InvalidArgumentError, "static_argnums", "position")
+
+
+def test_export_static_argnums_not_an_int() -> None:
+    with pytest.raises(errors.InvalidTypeError) as info:
+        autostate.export(Counter(), jnp.ones(2), static_argnums="0")  # type: ignore[arg-type]
+    assert_clear_api_misuse_fixes(info.value, errors.InvalidTypeError, "static_argnums", "str")
+
+
+@pytest.mark.parametrize("static_argnums", [1, -1])
+def test_export_negative_static_argnums_counts_from_the_end(static_argnums: int) -> None:
+    model = Counter()
+    exported = autostate.export(
+        model, jnp.ones(2), 3.0, method="scaled", static_argnums=static_argnums
+    )
+    out, states = exported.call(autostate.state_dict(model), jnp.full(2, 2.0))
+    ref = Counter()
+    np.testing.assert_array_equal(out, ref.scaled(jnp.full(2, 2.0), 3.0))
+    np.testing.assert_array_equal(states["count"], ref.count)

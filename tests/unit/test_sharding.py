@@ -1,0 +1,365 @@
+"""Tests: unit/test_sharding.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from semantics.harness import assert_same, check, pair, snapshot
+from semantics.programs import Loader
+
+import autostate
+from autostate import errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+CHECKS_SCRIPT = ROOT / "tests" / "sharding_checks.py"
+
+
+DOC = ROOT / "docs" / "scaling_out.md"
+
+
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
+
+
+CHECK_NAMES = [
+    "annotations_give_named_shardings",
+    "two_meshes_give_their_own_shardings",
+    "bad_annotations_are_clear_errors",
+    "sharded_init_materializes_each_array_in_its_layout",
+    "dp_tp_step_equals_single_device",
+    "jit_level_statistics_equal_full_batch",
+    "shard_map_pmean_statistics_equal_full_batch",
+    "donated_decode_updates_the_cache_in_place",
+    "orbax_restores_into_the_sharded_abstract_model",
+    "autostate_save_load_keep_the_like_models_shardings",
+]
+
+
+def _eight_device_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + EIGHT_DEVICES).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def check_results() -> dict[str, str]:
+    result = subprocess.run(
+        [sys.executable, str(CHECKS_SCRIPT)],
+        cwd=ROOT, env=_eight_device_env(), capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_on_eight_devices(check_results: dict[str, str], name: str) -> None:
+    assert name in check_results, sorted(check_results)
+    assert check_results[name] == "ok", check_results[name]
+
+
+def test_every_check_is_listed(check_results: dict[str, str]) -> None:
+    assert sorted(check_results) == sorted(CHECK_NAMES)
+
+
+def test_the_example_asks_for_eight_devices_and_trains_at_smoke_size() -> None:
+    env = _eight_device_env()
+    env["XLA_FLAGS"] = ""  # the example sets the flag itself
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sharded_training.py"), "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "mesh {'data': 2, 'model': 4}; blocks[0].attn.wq sharded as P(None, 'model')"
+    assert [line.split("  loss")[0] for line in lines[1:3]] == ["step 1", "step 2"]
+    assert all(0 < float(line.split("loss ")[1]) < 10 for line in lines[1:3])
+    assert lines[3] == "step counter 2; states kept their shardings: True"
+
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+
+
+_PRINT = re.compile(r"^print\(.*\)\s*#\s*(?P<expected>.*)$")
+
+
+def _doc_blocks() -> list:
+    text = DOC.read_text()
+    return [
+        pytest.param(m.group(2), id=f"scaling_out.md:{text.count(chr(10), 0, m.start()) + 1}")
+        for m in _FENCE.finditer(text)
+        if m.group(1) == "python" and EIGHT_DEVICES in m.group(2)
+    ]
+
+
+def test_the_docs_page_has_eight_device_programs() -> None:
+    assert len(_doc_blocks()) >= 2
+
+
+@pytest.mark.parametrize("code", _doc_blocks())
+def test_doc_program_on_eight_devices(code: str, tmp_path: Path) -> None:
+    (tmp_path / "example.py").write_text(code)
+    env = _eight_device_env()
+    env["XLA_FLAGS"] = ""  # the program sets the flag itself, as the page says
+    result = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    prints = [_PRINT.match(line) for line in code.splitlines() if line.startswith("print(")]
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(prints), result.stdout
+    for match, actual in zip(prints, lines):
+        if match is not None:
+            assert " ".join(match.group("expected").split()) in " ".join(actual.split())
+
+
+@autostate.stateful
+class Norm:
+    def __init__(self, n):
+        self.scale = autostate.sharded(jnp.ones(n), P("embed"))
+        self.bias = jnp.zeros(n)
+        self.mean = autostate.state(jnp.zeros(n), sharding=P("embed"))
+        self.kv = autostate.state({"k": jnp.zeros((2, n)), "v": jnp.zeros((2, n))},
+                                  sharding={"k": P(None, "embed"), "v": P()})
+        self.count = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.count += 1
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return (x - self.mean) * self.scale + self.bias
+
+
+def test_annotations_show_in_the_repr_and_do_not_change_values():
+    model = Norm(4)
+    assert type(model.scale) is type(jnp.ones(1)) and model.scale.shape == (4,)
+    text = repr(model)
+    assert "scale=f32[4] sharded P('embed',)" in text
+    assert "bias=f32[4]," in text and "__autostate" not in text
+    assert "mean=<state 'mean' category='state' initial value: f32[4]> sharded P('embed',)" in text
+
+
+def test_partition_specs_have_the_structure_of_f_and_states():
+    f, states = Norm(4).functionalize()
+    f_specs, s_specs = autostate.partition_specs(f, states)
+    assert jax.tree_util.tree_structure(f_specs) == jax.tree_util.tree_structure(f)
+    assert f_specs.model.scale == P("embed") and f_specs.model.bias == P()
+    assert s_specs == {"mean": P("embed"), "kv": {"k": P(None, "embed"), "v": P()},
+                       "count": P()}
+    _, mapped = autostate.partition_specs(f, states, rules={"embed": "model"})
+    assert mapped["kv"]["k"] == P(None, "model") and mapped["mean"] == P("model")
+
+
+def test_annotations_survive_calls_freeze_jit_and_pickle():
+    import pickle
+
+    f, states = Norm(4).functionalize()
+    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones((3, 4)))
+    f2, s2 = jax.jit(lambda f, s: (f, s))(f, states)
+    want = autostate.partition_specs(f, states)
+    assert autostate.partition_specs(f2, s2) == want
+    model = pickle.loads(pickle.dumps(autostate.freeze(f2, s2)))
+    assert autostate.partition_specs(*model.functionalize()) == want
+    assert autostate.partition_specs(*jax.eval_shape(lambda: (f, states))) == want
+
+
+def test_shardings_on_a_one_device_mesh_are_ready_for_jit():
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    f, states = Norm(4).functionalize()
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules={"embed": "model"})
+    step = jax.jit(lambda f, s, x: f(s, x), in_shardings=(f_sh, s_sh, None),
+                   out_shardings=(None, s_sh))
+    _, new = step(*jax.device_put((f, states), (f_sh, s_sh)), jnp.ones((3, 4)))
+    assert int(new["count"]) == 1
+
+
+def test_a_spec_that_does_not_fit_the_value_is_a_clear_error():
+    with pytest.raises(TypeError, match="PartitionSpec"):
+        autostate.sharded(jnp.ones(3), "model")
+
+    @autostate.stateful
+    class Bad:
+        def __init__(self):
+            self.kv = autostate.state({"k": jnp.zeros(2)}, sharding={"q": P()})
+
+    with pytest.raises(autostate.AutostateError, match="does not match its value's structure"):
+        autostate.partition_specs(*Bad().functionalize())
+
+    @autostate.stateful
+    class WrongRank:
+        def __init__(self):
+            self.w = autostate.sharded(jnp.ones(4), P(None, "data"))
+
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(ValueError, match="of 'w' has 2 entries, but the array has 1"):
+        autostate.shardings(*WrongRank().functionalize(), mesh)
+
+
+def test_states_of_other_categories_keep_their_annotation_as_leaves_of_f():
+    @autostate.stateful
+    class TwoKinds:
+        def __init__(self):
+            self.mean = autostate.state(jnp.zeros(4), sharding=P("model"))
+            self.cache = autostate.state(jnp.zeros((3, 4)), category="cache",
+                                         sharding=P(None, "model"))
+
+        def __call__(self, x):
+            self.mean = self.mean + 1
+            self.cache = self.cache + x
+            return x
+
+    model = TwoKinds()
+    model = autostate.freeze(*model.functionalize())  # both states hold values now
+    f, states = model.functionalize("cache")
+    f_specs, s_specs = autostate.partition_specs(f, states)
+    assert s_specs == {"cache": P(None, "model")}
+    assert jax.tree_util.tree_leaves(f_specs, is_leaf=lambda x: isinstance(x, P)) == [P("model")]
+
+
+def test_a_marker_stored_by_a_custom_setattr_is_a_clear_error():
+    @autostate.stateful
+    class OwnSetattr:
+        def __init__(self):
+            self.w = autostate.sharded(jnp.ones(2), P("model"))
+
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+
+    with pytest.raises(TypeError, match="defines its own __setattr__"):
+        autostate.partition_specs(*OwnSetattr().functionalize())
+
+
+SHARD = """
+SHARDED = autostate.sharded if STATE is autostate.state else (lambda v, spec: v)
+
+
+@DECORATE
+class Block:
+    def __init__(self, seed):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+        self.w1 = SHARDED(jax.random.normal(k1, (4, 8)) / 2, P("embed", "mlp"))
+        self.w2 = SHARDED(jax.random.normal(k2, (8, 4)) / 3, P("mlp", None))
+        self.mean = STATE(jnp.zeros(4), sharding=P("embed"))
+        self.cache = STATE({"k": jnp.zeros((2, 8)), "n": jnp.zeros((), jnp.int32)},
+                           sharding={"k": P(None, "mlp"), "n": P()})
+        self.step = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.step += 1
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        h = jax.nn.gelu((x - self.mean) @ self.w1)
+        self.cache = {"k": self.cache["k"].at[self.cache["n"] % 2].set(h.mean(0)),
+                      "n": self.cache["n"] + 1}
+        return x + h @ self.w2 + self.cache["k"].sum()
+"""
+
+
+SHARD_HEADER = "from jax.sharding import PartitionSpec as P\n"
+
+
+SX = jnp.arange(8.0).reshape(2, 4) / 8
+
+
+def test_annotated_model_matches_plain_everywhere(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHARD_HEADER + SHARD)
+    calls = [("__call__", (SX,)), ("__call__", (SX * 2,)), ("__call__", (-SX,))]
+    check(plain, dec, "Block(0)", calls, modes=("f", "jit"))
+    ref, model = plain.Block(0), dec.Block(0)
+    assert_same([ref(*a) for _, a in calls], [model(*a) for _, a in calls], "eager outputs")
+    for name in ("w1", "w2", "mean", "cache", "step"):
+        assert_same(snapshot(getattr(ref, name)), snapshot(getattr(model, name)), name)
+
+
+def test_vars_of_an_annotated_model_are_the_plain_ones(write_module: Loader) -> None:
+    src = SHARD_HEADER + SHARD + """
+    def names(self):
+        return sorted(vars(self))
+
+    def arrays(self):
+        return [v for v in vars(self).values() if isinstance(v, jax.Array)]
+"""
+    plain, dec = pair(write_module, src)
+    ref, model = plain.Block(0), dec.Block(0)
+    assert ref.names() == model.names()
+    assert_same(ref.arrays(), model.arrays())
+
+
+def test_sharded_jitted_training_on_a_one_device_mesh_matches_plain(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHARD_HEADER + SHARD)
+    ref = plain.Block(1)
+    f, states = dec.Block(1).functionalize()
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(AxisType.Auto,))
+    rules = {"embed": None, "mlp": "model"}
+    f_sh, s_sh = autostate.shardings(f, states, mesh, rules=rules)
+    assert f_sh.model.w1.spec == P(None, "model") and s_sh["cache"]["k"].spec == P(None, "model")
+    f, states = jax.device_put((f, states), (f_sh, s_sh))
+    step = jax.jit(lambda f, s, x: f(s, x), in_shardings=(f_sh, s_sh, None),
+                   out_shardings=(None, s_sh), donate_argnums=(1,))
+    for x in (SX, SX * 2, -SX):
+        expected = ref(x)
+        out, states = step(f, states, x)
+        assert_same(expected, out)
+    frozen = autostate.freeze(f, states)
+    for name in ("w1", "w2", "mean", "cache", "step"):
+        assert_same(snapshot(getattr(ref, name)), snapshot(getattr(frozen, name)), name)
+    f_specs, s_specs = autostate.partition_specs(f, states, rules=rules)
+    assert s_specs["mean"] == P(None) and s_specs["step"] == P()
+
+
+def test_annotations_survive_pack_and_eval_shape(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHARD_HEADER + SHARD)
+    abstract = jax.eval_shape(lambda: dec.Block(2).functionalize())
+    _, s_specs = autostate.partition_specs(*abstract, rules={"embed": None, "mlp": "model"})
+    assert s_specs["cache"] == {"k": P(None, "model"), "n": P()}
+    ref = plain.Block(2)
+    pf, pstates = autostate.pack(*dec.Block(2).functionalize())
+    for x in (SX, -SX):
+        expected = ref(x)
+        out, pstates = jax.jit(lambda f, s, x: f(s, x))(pf, pstates, x)
+        assert_same(expected, out)
+
+
+@pytest.mark.parametrize("bad", ["too-many-dims", "unknown-axis", "spec-tree-mismatch", "not-a-spec"])
+def test_bad_annotations_are_clear_errors_naming_the_attribute(write_module: Loader, bad: str) -> None:
+    value, spec, attr = {
+        "too-many-dims": ("jnp.zeros(4)", 'P("mlp", None)', "w"),
+        "unknown-axis": ("jnp.zeros((4, 8))", 'P("data", "mlp")', "w"),
+        "spec-tree-mismatch": ('{"a": jnp.zeros(2), "b": jnp.zeros(2)}', '{"a": P()}', "s"),
+        "not-a-spec": ("jnp.zeros(4)", '("mlp",)', "w"),
+    }[bad]
+    if attr == "w":
+        line = f"self.w = autostate.sharded({value}, {spec})"
+    else:
+        line = f"self.s = autostate.state({value}, sharding={spec})"
+    src = SHARD_HEADER + f"""
+@DECORATE
+class Bad:
+    def __init__(self):
+        {line}
+
+    def __call__(self, x):
+        return x
+"""
+    _, dec = pair(write_module, src)
+    mesh = jax.make_mesh((1,), ("model",))
+    with pytest.raises(autostate.AutostateError) as info:
+        f, states = dec.Bad().functionalize()
+        autostate.shardings(f, states, mesh, rules={"mlp": "model"})
+    assert isinstance(info.value, errors.InvalidArgumentError | errors.InvalidTypeError)
+    if bad == "not-a-spec":  # raised by autostate.sharded itself, on the user's line
+        assert "('mlp',)" in str(info.value) and "fix" in str(info.value)
+        return
+    assert repr(attr) in str(info.value) or f".{attr}" in str(info.value), str(info.value)
+    assert "fix" in str(info.value)
