@@ -450,12 +450,20 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
         and (_graph.holds_instance(value) or _graph.holds_instance(held))
     ):
         _refuse_submodel_swap(obj, name)
-    if held is _MISSING and state_descriptor(type(obj), name) is None:
-        # A class decorator applied after @stateful (``@dataclass`` above it,
-        # whose fields' class attributes it deletes) removed the state's
-        # descriptor: put it back, so that code outside reads the value.
-        setattr(type(obj), name, StateAttribute(name, _class_value(type(obj), name)))
+    if held is _MISSING:
+        _restore_descriptor(type(obj), name)
     _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))
+
+
+def _restore_descriptor(cls: type, name: str) -> None:
+    """Puts back the descriptor of state ``name`` when the class lost it after
+    decoration, before an instance first holds the state's slot: a class
+    decorator applied after ``@stateful`` (``@dataclass`` above it deletes its
+    fields' class attributes) or a class attribute assigned or deleted after
+    the class statement (``Model.v = jnp.ones(3)``: the new value is the
+    default). Without it, code outside would read the raw slot."""
+    if state_descriptor(cls, name) is None:
+        setattr(cls, name, StateAttribute(name, _class_value(cls, name)))
 
 
 _EAGER_REQUEST = SlotKind(_write_into_slot, jax_values=True, eager_request=True)
@@ -1463,6 +1471,7 @@ def fill_class_defaults(obj: Any) -> Any:
             if name not in d:
                 value = _class_value(type(obj), name)
                 if value is not _MISSING:
+                    _restore_descriptor(type(obj), name)
                     d[name] = make_slot(obj, name, value)
     return obj
 

@@ -1,6 +1,6 @@
 """Multi-device checks of ``autostate.sharding``, run on 8 virtual CPU devices.
 
-``tests/test_sharding.py`` runs this file in its own process (the device
+``tests/unit/test_sharding.py`` runs this file in its own process (the device
 count is fixed when JAX starts, and the rest of the suite keeps one device):
 ``python tests/sharding_checks.py [NAME ...]`` runs the named checks (all by
 default) and prints one JSON object ``{name: "ok" | traceback}``.

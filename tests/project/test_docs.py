@@ -17,7 +17,7 @@ migration guides); it is dedented first. Blocks of other libraries' code
 those libraries are not test dependencies.
 
 A block that asks XLA for 8 devices (``xla_force_host_platform_device_count``)
-runs in its own process, in ``tests/test_sharding.py``. Other blocks (shell commands, generated code) are not run; the generated code
+runs in its own process, in ``tests/unit/test_sharding.py``. Other blocks (shell commands, generated code) are not run; the generated code
 in ``docs/rewrite_rules.md`` is compared with what the rewrite produces for the
 example class above it.
 """
@@ -56,7 +56,7 @@ def _examples():
             if lang != "python" or not re.search(r"^(import|from) autostate\b", code, re.M):
                 continue
             if "xla_force_host_platform_device_count" in code:
-                continue  # needs a fresh process with 8 devices: tests/test_sharding.py
+                continue  # needs a fresh process with 8 devices: tests/unit/test_sharding.py
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
             error = nxt[1].strip() if nxt and nxt[0] == "text" and _ERROR.match(nxt[1]) else None
             line = doc.read_text().count("\n", 0, start) + 1

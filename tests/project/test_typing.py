@@ -5,7 +5,7 @@ as ``@stateful`` does.
 
 One mypy run and one pyright run check every documented program at once:
 each ``python`` block of README.md and docs/ that imports autostate (what
-``tests/test_docs.py`` runs; a tutorial's ``--8<--`` script included), read
+``tests/project/test_docs.py`` runs; a tutorial's ``--8<--`` script included), read
 at test time, less the blocks documented to raise, plus the usage files below
 whose ``reveal_type`` lines pin the types.
 """

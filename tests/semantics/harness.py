@@ -11,6 +11,7 @@ both, eagerly, through ``f(states, ...)``, under ``jax.jit`` and after
 from __future__ import annotations
 
 import enum
+import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,6 +108,10 @@ def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.Mod
     """The source as plain Python and decorated, built once per source text."""
     if source not in _PAIRS:
         _PAIRS[source] = _pair(write_module, source)
+    for module in _PAIRS[source]:
+        # A cached pair outlives the test that wrote it: its modules stay
+        # importable, so its classes pickle by reference in any later test.
+        sys.modules.setdefault(module.__name__, module)
     return _PAIRS[source]
 
 

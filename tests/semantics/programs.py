@@ -213,13 +213,10 @@ class NoInit:
 """
 
 
-FINALIZED: list[Any] = []
 
 
-LOGGED: list[str] = []
 
 
-BODY_RUNS: list[str] = []
 
 
 HIDDEN_METHODS = """
@@ -2992,8 +2989,6 @@ class Box(typing.Generic[T]):
         return old
 """
 
-
-HERE = __file__
 
 
 MODELS = """
@@ -7808,7 +7803,6 @@ class Inside:
 """
 
 
-INSIDE_PLAIN: list[tuple[str, str]] = []
 
 
 SYNTAX = """

@@ -1325,7 +1325,7 @@ def test_state_writes_through_the_instance_dict_are_state_writes(
 @pytest.mark.parametrize(
     "method",
     # (``object.__setattr__(self, "w", x)`` with a literal name is ``self.w = x``:
-    # ``w`` is a state; tests/test_setattr_spellings.py.)
+    # ``w`` is a state; tests/semantics/test_attribute_access.py.)
     ["via_sub_vars", "add_attr", "del_attr", "set_static"],
 )
 def test_writes_behind_descriptors_are_refused_and_f_survives(

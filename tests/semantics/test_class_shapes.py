@@ -62,7 +62,6 @@ from semantics.programs import (
     _PAIRS,
     A1,
     A2,
-    BODY_RUNS,
     BUILDS,
     CONTROL,
     DATACLASSES,
@@ -104,6 +103,8 @@ from semantics.programs import X2_h15 as X2_h15
 from semantics.programs import X2_h21 as X2_h21
 from semantics.programs import X2_h23 as X2_h23
 from semantics.programs import XS_h28 as XS
+
+BODY_RUNS: list[str] = []
 
 Loader = Callable[..., types.ModuleType]
 

@@ -48,10 +48,8 @@ from semantics.programs import (
     A1,
     A2,
     EAGER,
-    FINALIZED,
     FRAMES,
     ITER,
-    LOGGED,
     RECURSION,
     REENTRANT,
     TIMEOUT,
@@ -64,6 +62,9 @@ from semantics.programs import XS_h8 as XS
 from semantics.programs import XS_h19 as XS_h19
 from semantics.programs import XS_h32 as XS_h32
 from semantics.programs import XS_h33 as XS_h33
+
+FINALIZED: list[Any] = []
+LOGGED: list[str] = []
 
 
 def full(v: float) -> Any:

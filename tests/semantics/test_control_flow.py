@@ -84,7 +84,6 @@ from semantics.programs import (
     DESCRIPTORS,
     DYNAMIC,
     EVERY_LAX_BODY,
-    FINALIZED,
     FLOW,
     GPT,
     GROW,
@@ -93,13 +92,11 @@ from semantics.programs import (
     HELPERS,
     INPLACE,
     INSIDE,
-    INSIDE_PLAIN,
     KEY,
     KV,
     LATE_METHODS,
     LAYERS,
     LIBRARY,
-    LOGGED,
     N_BLOCKS,
     NESTED,
     OUTSIDE_WRAPPED,
@@ -160,6 +157,10 @@ from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
 from semantics.programs import _PAIRS_h29 as _PAIRS
+
+FINALIZED: list[Any] = []
+INSIDE_PLAIN: list[tuple[str, str]] = []
+LOGGED: list[str] = []
 
 # One body per way of reaching the container; {step} is where it runs.
 SOURCE = """

@@ -48,9 +48,7 @@ from semantics.programs import (
     CONSTRUCTS,
     EAGER,
     EMA_LR,
-    FINALIZED,
     GPT,
-    LOGGED,
     N_BLOCKS,
     ONE,
     PROMPT,
@@ -59,6 +57,9 @@ from semantics.programs import (
     Loader,
 )
 from semantics.programs import HEADER_h2 as HEADER
+
+FINALIZED: list[Any] = []
+LOGGED: list[str] = []
 
 
 class Plain:
@@ -1162,6 +1163,16 @@ def written(k: Classes) -> Any:
     model = k.Model()
     model.step(full_eager_writes_adversarial(1.0))
     return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_writes_are_live() -> None:
+    """The fast path needs the concrete array type, learnt from a first frozen write."""
+    model = DecoratedModel()
+    for v in (1.0, 2.0, 3.0):
+        model.step(full_eager_writes_adversarial(v))
+    assert runtime._CONCRETE_ARRAY is type(full_eager_writes_adversarial(0.0))
+
 
 
 def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:

@@ -67,16 +67,13 @@ from semantics.programs import (
     CROSS,
     DISPATCH,
     EAGER,
-    FINALIZED,
     FRAMES,
     HELPER_MOD,
     HELPER_MODEL,
     HELPER_MODULE,
     HELPER_WRITES,
     INSIDE,
-    INSIDE_PLAIN,
     LATE,
-    LOGGED,
     NESTED,
     NESTED_GEN,
     PYLAX29,
@@ -136,6 +133,10 @@ from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
 from semantics.programs import Y_h35 as Y
 from semantics.programs import _PAIRS_h29 as _PAIRS
+
+FINALIZED: list[Any] = []
+INSIDE_PLAIN: list[tuple[str, str]] = []
+LOGGED: list[str] = []
 
 
 @autostate.stateful

@@ -49,10 +49,8 @@ from semantics.programs import (
     A2,
     CMS,
     EVERY_LAX_BODY,
-    FINALIZED,
     HELPER_MOD,
     HELPER_MODEL,
-    LOGGED,
     MISC,
     RAISE_IN_LAX,
     REENTRANT,
@@ -79,6 +77,9 @@ from semantics.programs import XS_h9 as XS
 from semantics.programs import XS_h19 as XS_h19
 from semantics.programs import XS_h28 as XS_h28
 from semantics.programs import XS_h32 as XS_h32
+
+FINALIZED: list[Any] = []
+LOGGED: list[str] = []
 
 
 def test_exception_after_a_write_keeps_the_write_eagerly(write_module: Loader) -> None:

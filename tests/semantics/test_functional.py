@@ -110,15 +110,12 @@ from semantics.programs import (
     DTYPES,
     EAGER,
     EQX,
-    FINALIZED,
     GPT,
-    HERE,
     KEY,
     KINDS,
     LIBRARY,
     LIGHTNING,
     LIT_STEPS,
-    LOGGED,
     LORA,
     MODELS,
     MULTI,
@@ -156,6 +153,11 @@ from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import X_h35 as X_h35
 from semantics.programs import XL_h35 as XL_h35
 from semantics.programs import Y_h35 as Y
+
+FINALIZED: list[Any] = []
+LOGGED: list[str] = []
+
+HERE = __file__
 
 
 @autostate.stateful

@@ -48,8 +48,8 @@ from semantics.harness import (
     same,
     snapshot,
 )
-from semantics.programs import HERE, TIMEOUT
 from semantics.programs import HOST as HOST_h11
+from semantics.programs import TIMEOUT
 from semantics.programs import ESCAPES_h34 as ESCAPES
 from semantics.programs import HOST_h3 as HOST
 from semantics.programs import HOST_h16 as HOST_h16
@@ -64,6 +64,8 @@ from semantics.programs import X2_h32 as X2
 from semantics.programs import XS_h11 as XS
 from semantics.programs import XS_h32 as XS_h32
 from semantics.programs import XS_h34 as XS_h34
+
+HERE = __file__
 
 CALLBACK = re.compile(r"python_\w*callback")
 

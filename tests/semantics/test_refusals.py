@@ -52,7 +52,6 @@ from semantics.harness import pair as pair_h23
 from semantics.programs import (
     _PAIRS,
     HELPER_WRITES,
-    HERE,
     NNX,
     PLAIN_SUBMODEL,
     PROTO,
@@ -64,6 +63,8 @@ from semantics.programs import (
 from semantics.programs import HEADER as HEADER_decoration_fidelity
 from semantics.programs import HEADER_h2 as HEADER
 from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
+
+HERE = __file__
 
 THIS_FILE = Path(__file__).read_text().splitlines()
 
@@ -178,7 +179,7 @@ def test_state_first_assigned_outside_init():
 
 def test_nested_function_assigning_state_is_accepted_and_threaded():
     # Issue 10: closures that assign state are no longer rejected; the lax.cond
-    # they run in threads the state (tests/test_control_flow.py covers all modes).
+    # they run in threads the state (tests/semantics/test_control_flow.py covers all modes).
     @autostate.stateful
     class NestedWrite:
         def __init__(self):
@@ -253,7 +254,7 @@ def test_undecorated_base_class_assigning_inferred_state():
             self.x = jnp.zeros(())
 
         def bump(self):
-            # (A whole-value write would reach state; see tests/test_fidelity.py.)
+            # (A whole-value write would reach state; see tests/semantics/.)
             self.x[0] = 1  # ERR-base
 
     class Derived(UndecoratedBase):
@@ -548,7 +549,7 @@ def test_a_marker_the_decorator_did_not_see_is_named_as_written(marker):
     assert f"Registers.pos was assigned an autostate.{marker}(...)" in message
     assert f"`self.x = autostate.{marker}(value)`" in message
     assert f"autostate.{other}(" not in message
-    assert f"test_errors.py:{line_of('# computed name: unseen')}" in message
+    assert f"{__file__.rpartition('/')[2]}:{line_of('# computed name: unseen')}" in message
     assert "pos" not in vars(model)
     with pytest.raises(autostate.AutostateError) as info:
         model.add_to_marker(marker, jnp.arange(3))

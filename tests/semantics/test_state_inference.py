@@ -69,7 +69,6 @@ from semantics.programs import (
     EMA,
     EQX,
     GPT,
-    HERE,
     HIDDEN_METHODS,
     HIER,
     KEY,
@@ -132,6 +131,8 @@ from semantics.programs import X2_h19 as X2_h19
 from semantics.programs import X2_h21 as X2_h21
 from semantics.programs import X2_h23 as X2_h23
 from semantics.programs import XM_h30 as XM
+
+HERE = __file__
 
 X1 = jnp.float32(1.5)
 

@@ -1,4 +1,9 @@
-"""Tests: unit/test_effects.py."""
+"""Tests for ``autostate/effects/local_state.py``: the penzai-v1 local-state engine.
+
+Bodies are small callable pytree dataclasses whose fields hold requests; after
+``handle_local_states`` those fields hold ``HandledLocalStateRef``s and the
+body reads and writes them with ``ref.get()`` / ``ref.set(v)``.
+"""
 
 from __future__ import annotations
 

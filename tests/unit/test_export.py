@@ -1,4 +1,4 @@
-"""Tests: unit/test_export.py."""
+"""``autostate/export.py``: ``jax.export`` programs that thread states."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ from semantics.harness import assert_user_line, raises_autostate
 from semantics.harness import pair as pair_h11
 from semantics.harness import pair as pair_h16
 from semantics.harness import snapshot as snapshot_h11
-from semantics.programs import _PAIRS, DTYPES, HERE, HOST, MODELS, PACK, PACK_XS, Loader
+from semantics.programs import _PAIRS, DTYPES, HOST, MODELS, PACK, PACK_XS, Loader
 from semantics.programs import HEADER_h2 as HEADER
 from semantics.programs import XS_h11 as XS_h11
 
 import autostate
 from autostate import errors
+
+HERE = __file__
 
 _FRESH_PROCESS = textwrap.dedent(
     """

@@ -1,4 +1,4 @@
-"""Tests: unit/test_packing.py."""
+"""Packed dispatch (``autostate/packing.py``): same numbers as ``f``, fewer buffers."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import HERE, MODELS, NET, PACK, PACK_XS, Y
 from semantics.programs import HOST as HOST_h11
+from semantics.programs import MODELS, NET, PACK, PACK_XS, Y
 from semantics.programs import HOST_h3 as HOST
 from semantics.programs import Loader as Loader_h11
 from semantics.programs import Loader as Loader_h16
@@ -31,6 +31,8 @@ from semantics.programs import XS_h11 as XS
 import autostate
 from autostate import errors
 from autostate.errors import InvalidTypeError
+
+HERE = __file__
 
 
 @autostate.stateful

@@ -26,7 +26,7 @@ from semantics.harness import pair as pair_h16
 from semantics.harness import pair as pair_h22
 from semantics.harness import pair as pair_h27
 from semantics.harness import snapshot as snapshot_h27
-from semantics.programs import _PAIRS, DTYPES, HERE, MODELS, NET, PACK, SOURCE, Loader
+from semantics.programs import _PAIRS, DTYPES, MODELS, NET, PACK, SOURCE, Loader
 from semantics.programs import HEADER_h2 as HEADER
 from semantics.programs import X1_h27 as X1
 from semantics.programs import X2_h27 as X2
@@ -34,6 +34,8 @@ from semantics.programs import X2_h27 as X2
 import autostate
 from autostate import errors
 from autostate.errors import CheckpointError
+
+HERE = __file__
 
 
 def _trained_with_odd_values():

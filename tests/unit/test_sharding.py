@@ -1,4 +1,13 @@
-"""Tests: unit/test_sharding.py."""
+"""``autostate.sharding``: annotations, sharding trees, and the 8-device checks.
+
+The single-device tests run here. The multi-device ones live in
+``tests/sharding_checks.py``, which this file runs once in a separate process
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the device count
+is fixed when JAX starts, so the rest of the suite keeps one device); each
+check is reported as its own test. The Python blocks of
+``docs/scaling_out.md`` ask for 8 devices the same way, so they run here too,
+each in its own process.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests: unit/test_state_dicts.py."""
+"""``autostate/state_dicts.py``: state_dict, param_dict and loading them."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from semantics.programs import (
     BUILDS,
     CATS,
     DTYPES,
-    HERE,
     KEY,
     LIBRARY,
     MODELS,
@@ -60,6 +59,8 @@ from autostate.errors import (
     StateDictError,
     StateDictWarning,
 )
+
+HERE = __file__
 
 
 def test_state_dict_names_follow_functionalize():

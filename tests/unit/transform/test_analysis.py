@@ -1,4 +1,9 @@
-"""Tests: unit/transform/test_analysis.py."""
+"""Tests for ``autostate/transform/analysis.py``: which attributes are state.
+
+Inference runs on source text, so it is tested twice: through decorated
+classes (``autostate.tree.class_info(Cls).state``) and directly on ``MethodSource``s
+with ``collect_facts`` / ``analyze_class``, which need no JAX.
+"""
 
 from __future__ import annotations
 
