@@ -13,10 +13,12 @@ Peer libraries are optional: ``optional_import`` turns a missing one into a
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import importlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -24,8 +26,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # Every benchmark script imports this module: their decorations cache in a
-# temp dir, never in the user's home (bench_decoration sets its own per run).
-os.environ.setdefault("AUTOSTATE_CACHE_DIR", tempfile.mkdtemp(prefix="autostate-bench-cache-"))
+# temp dir, never in the user's home (bench_decoration sets its own per run),
+# removed when the process exits.
+if "AUTOSTATE_CACHE_DIR" not in os.environ:
+    os.environ["AUTOSTATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="autostate-bench-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOSTATE_CACHE_DIR"], ignore_errors=True)
 
 NOT_INSTALLED = "not installed"
 

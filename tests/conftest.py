@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import itertools
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -15,7 +17,27 @@ from pathlib import Path
 import pytest
 
 # Decoration caches to disk by default; tests must never write to the home dir.
-os.environ.setdefault("AUTOSTATE_CACHE_DIR", tempfile.mkdtemp(prefix="autostate-test-cache-"))
+# The private cache is removed when the process exits.
+if "AUTOSTATE_CACHE_DIR" not in os.environ:
+    os.environ["AUTOSTATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="autostate-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOSTATE_CACHE_DIR"], ignore_errors=True)
+
+# One XLA compilation cache for the session, shared by the xdist workers and
+# the subprocesses the tests start (they inherit the environment): tests
+# compile the same small programs over and over, under new function objects
+# that JAX's in-memory caches do not recognise. Every compilation is cached,
+# however short. Removed when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="autostate-test-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+if "jax" in sys.modules:  # a plugin imported jax before this file: tell it too
+    for _name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        _value = os.environ[_name]
+        sys.modules["jax"].config.update(_name.lower(), float(_value) if "SECS" in _name else
+                                         int(_value) if "BYTES" in _name else _value)
 
 _module_counter = itertools.count()
 

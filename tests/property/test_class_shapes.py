@@ -72,6 +72,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models.checks import assert_generated_close, read_path
+from semantics.harness import staged
 
 import autostate
 from autostate.errors import DecorationError, StateAccessError
@@ -82,7 +83,7 @@ EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "40"))
 STEPS = 2
 SEED = 0.25
 
-jit_step = jax.jit(lambda f, s, x: f(s, x))
+jit_step = staged(lambda f, s, x: f(s, x))
 
 # As tests/property/test_programs.py: numpy's and XLA's tanh differ in the last bits,
 # and jitted (fused) arithmetic rounds differently from eager op by op.
@@ -785,7 +786,7 @@ def test_lambda_in_class_body_assigning_state(write_module) -> None:
     assert f"{module.__file__}:" in str(raised.value) and "fix:" in str(raised.value)
     declared = write_module(LAMBDA_SOURCE.replace("INIT", "autostate.state(jnp.zeros(3))"))
     f, states = declared.Model().functionalize()
-    for step in (f, jax.jit(f)):
+    for step in (f, staged(f)):
         out, new = step(states, x)
         np.testing.assert_allclose(out, [1.0, 1.0, 1.0])
         np.testing.assert_allclose(new["b"], [1.0, 1.0, 1.0])

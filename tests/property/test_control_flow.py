@@ -34,7 +34,7 @@ operator or call result, never a bare name), so numpy's in-place ``+=`` and
 item writes cannot be seen through a second reference. Values go through
 ``tanh``; predicates are ``x.sum() > 0``-style and while loops are bounded by
 an int counter in the carry.
-Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 8: about 25 s on 2 cores;
+Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 5: about 15 s on 2 cores;
 about 1.3 s per further example). No generated construct is excluded: ~1,100
 programs found no disagreement when this file was written.
 """
@@ -60,16 +60,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models.checks import assert_generated_close, read_path
+from semantics.harness import staged
 
 import autostate
 
 pytestmark = pytest.mark.property
 
-EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "5"))
 STEPS = 2
 
 # One jitted step for every example: ``f`` is an argument, as in training.
-jit_step = jax.jit(lambda f, s, x: f(s, x))
+jit_step = staged(lambda f, s, x: f(s, x))
 
 # As tests/property/test_programs.py: numpy's and XLA's tanh differ in the last bits,
 # and jitted (fused) arithmetic rounds differently from eager op by op.

@@ -6,11 +6,22 @@ state write inside them means) and decorated with ``@autostate.stateful``
 (``@DECORATE_HOST``: ``fallback="host"``). ``check`` runs the same calls on
 both, eagerly, through ``f(states, ...)``, under ``jax.jit`` and after
 ``autostate.freeze``, and compares outputs and attributes.
+
+The ``jit`` path is ``staged``: the call is traced exactly as ``jax.jit``
+traces it (``jax.jit(fn).trace``), and the staged program is then run one
+primitive at a time. What the decorated code does under tracing is
+autostate's; what XLA makes of the staged program is JAX's, so the suite does
+not pay a compilation per case (a primitive's executable is cached across the
+session; a whole program's is not). ``AUTOSTATE_TEST_COMPILE=1`` makes
+``staged`` plain ``jax.jit``, so every case also compiles; ``tests/models/``
+always compiles.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -20,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxpr_as_fun
 
 import autostate
 
@@ -99,6 +111,46 @@ lax = _PyLax()
 checkpoint = lambda fn, **kw: fn
 STATE = lambda v, **kw: v
 """
+
+
+# A program whose length times the calls made of it so far exceeds this
+# compiles: one compilation then costs less than running (and compiling) its
+# primitives one by one, call after call.
+_STAGED_EQNS = int(os.environ.get("AUTOSTATE_TEST_STAGED_EQNS", "60"))
+
+
+class staged:  # noqa: N801 (used as jax.jit is: a function-like decorator)
+    """``jax.jit(fn)`` without compiling: traced as ``jit`` traces, the staged
+    program run primitive by primitive (see the module docstring).
+
+    With ``donate_argnums`` or static arguments, under ``jax.disable_jit``, or
+    with ``AUTOSTATE_TEST_COMPILE=1`` it is ``jax.jit`` itself. Anything else
+    (``lower``, ``trace``, ``_cache_size``) is the ``jax.jit`` object's.
+    """
+
+    def __init__(self, fn: Callable[..., Any], **jit_options: Any) -> None:
+        self._jitted = jax.jit(fn, **jit_options)
+        self._compile = any(jit_options.values()) or os.environ.get("AUTOSTATE_TEST_COMPILE") == "1"
+        self._calls: dict[int, int] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compile or jax.config.jax_disable_jit:
+            return self._jitted(*args, **kwargs)
+        traced = self._jitted.trace(*args, **kwargs)
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        program = traced.jaxpr
+        calls = self._calls[id(program.jaxpr)] = self._calls.get(id(program.jaxpr), 0) + 1
+        if len(leaves) != len(program.in_avals) or len(program.eqns) * calls > _STAGED_EQNS:
+            return self._jitted(*args, **kwargs)
+        outs = [jnp.asarray(out) for out in jaxpr_as_fun(traced.jaxpr)(*leaves)]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(traced.out_info), outs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
 
 
 _PAIRS: dict[str, tuple[types.ModuleType, types.ModuleType]] = {}
@@ -243,7 +295,7 @@ def check(
                 out, states = _fcall(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same(expected, got, f"{mode} outputs")
@@ -294,10 +346,10 @@ def check_transform(
             return g
 
         assert_same(jax.grad(scalar(plain_fn))(x), jax.grad(scalar(dec_fn))(x), "grad")
-        assert_same(jax.grad(scalar(plain_fn))(x), jax.jit(jax.grad(scalar(dec_fn)))(x), "jit grad")
+        assert_same(jax.grad(scalar(plain_fn))(x), staged(jax.grad(scalar(dec_fn)))(x), "jit grad")
     else:
         assert_same(jax.vmap(plain_fn)(x), jax.vmap(dec_fn)(x), "vmap")
-        assert_same(jax.vmap(plain_fn)(x), jax.jit(jax.vmap(dec_fn))(x), "jit vmap")
+        assert_same(jax.vmap(plain_fn)(x), staged(jax.vmap(dec_fn))(x), "jit vmap")
 
 
 def _is_py(v: Any) -> bool:

@@ -48,6 +48,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import _pair as _pair_h10
@@ -364,7 +365,7 @@ def test_frozen_dataclass_refuses_self_x_and_setattr_like_plain(
     with pytest.raises(dataclasses.FrozenInstanceError):
         getattr(model, method)()
     f, states = model.functionalize()
-    for call in (getattr(f, method), jax.jit(getattr(f, method))):
+    for call in (getattr(f, method), staged(getattr(f, method))):
         with pytest.raises(dataclasses.FrozenInstanceError):
             call(states)
     assert_same(snapshot(plain.Frozen(jnp.ones(2))), snapshot(model))
@@ -456,7 +457,7 @@ def test_user_getattribute_is_followed_or_bypassed_as_in_plain_python(
     ref = plain.Doubled()
     expected = [ref(X1), ref(X2)]
     f, states = dec.Doubled().functionalize()
-    for call in (f, jax.jit(f)):
+    for call in (f, staged(f)):
         s, got = states, []
         for _, (x,) in calls:
             out, s = call(s, x)
@@ -650,7 +651,7 @@ def test_state_declared_through_a_spelling_in_init(write_module: Loader) -> None
     check(plain, dec, "Declared()", [("__call__", (X1,))], modes=("eager",))
     f, states = dec.Declared().functionalize()
     assert sorted(states) == ["cache", "running_total"]
-    out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, X1)
+    out, _ = staged(lambda f, s, x: f(s, x))(f, states, X1)
     assert_same(plain.Declared()(X1), out)
     assert sorted(dec.Declared().functionalize("cache")[1]) == ["cache"]
 
@@ -679,7 +680,7 @@ def test_a_computed_name_keeps_the_documented_error(write_module: Loader) -> Non
     check(plain, dec, "Computed()", [("__call__", (X1,))] * 2, modes=("eager",))
     f, states = dec.Computed().functionalize()
     assert sorted(states) == ["c"]
-    for call in (f, jax.jit(f)):
+    for call in (f, staged(f)):
         with pytest.raises(StateAccessError, match="Computed.extra is not state") as err:
             call(states, X1)
         assert "# COMPUTED" in error_line(err.value)
@@ -835,7 +836,7 @@ def test_a_static_state_read_through_the_instance_dict_follows_the_mode(
     model = dec.Buffers()
     model.train(False)
     f, states = model.functionalize()
-    out, _ = jax.jit(lambda s, x: f.protocol(s, x))(states, X1)
+    out, _ = staged(lambda s, x: f.protocol(s, x))(states, X1)
     assert not bool(out[10])
 
 
@@ -958,7 +959,7 @@ def test_the_undecorated_base_itself_is_left_as_written(write_module: Loader_ins
     assert child.num_arrays() == 1
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -1054,7 +1055,7 @@ def test_writing_a_state_behind_the_descriptor(write_module: Loader_h, raw: str)
         states0 = states
         call: Callable[..., Any] = (
             (lambda f, s, m, *a: _fcall(f, m)(s, *a)) if mode == "f"
-            else jax.jit(lambda f, s, m, *a: _fcall(f, m)(s, *a), static_argnums=2)
+            else staged(lambda f, s, m, *a: _fcall(f, m)(s, *a), static_argnums=2)
         )
         try:
             outs = []
@@ -1263,7 +1264,7 @@ def test_param_added_from_outside_after_construction(write_module: Loader_h2) ->
     f, states = d.functionalize()
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(lambda f, s, x: f.use_param(s, x))(f, states, x)
+        out, states = staged(lambda f, s, x: f.use_param(s, x))(f, states, x)
         got.append(out)
     assert_same_h2(expected, got)
     g = jax.grad(lambda f: f.use_param(states, 1.0)[0])(f)
@@ -1306,7 +1307,7 @@ def _pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, ty
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
     """f answers the same eagerly and under jit after a refused call."""
     out1, s1 = _fcall(f, name)(states, *args)
-    out2, s2 = jax.jit(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
+    out2, s2 = staged(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
     assert_same(out1, out2, "after refusal")
     assert_same(s1, s2, "states after refusal")
 
@@ -1340,7 +1341,7 @@ def test_writes_behind_descriptors_are_refused_and_f_survives(
         getattr(f, method)(states, 5.0)
     f_still_works(f, states, "__call__", 1.0)
     with raises_autostate():
-        jax.jit(getattr(f, method))(states, 5.0)
+        staged(getattr(f, method))(states, 5.0)
     f_still_works(f, states, "__call__", 1.0)
     out, _ = f(states, 1.0)
     assert float(out) == float(plain.Behind()(1.0))
@@ -1365,7 +1366,7 @@ def test_dunder_setattr_call_means_an_assignment(write_module: Loader_h4) -> Non
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 @pytest.mark.parametrize("method", ["count_arrays", "buffers"])
@@ -1400,7 +1401,7 @@ def test_lazy_linear_built_eagerly_then_functionalized(write_module: Loader_h9) 
     assert_same(ref(V3), model(V3))
     f, states = model.functionalize()
     assert sorted(states) == ["w"]
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, V3 * 2)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, V3 * 2)
     assert_same(ref(V3 * 2), out)
     assert_same(ref.w, states["w"])
     grad = jax.grad(lambda s: f(s, V3)[0].sum())(states)
@@ -1520,8 +1521,8 @@ def test_regularized_loss_method_trains_like_hand_threaded(write_module: Loader_
         return f.regularized(states, x, y)
 
     params = names_of(f)
-    ref_step = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))
-    dec_step = jax.jit(jax.value_and_grad(dec_loss, has_aux=True))
+    ref_step = staged(jax.value_and_grad(ref_loss, has_aux=True))
+    dec_step = staged(jax.value_and_grad(dec_loss, has_aux=True))
     for i, (x, y) in enumerate(data):
         (r_loss, r_states), r_grads = ref_step(params, dict(states), x, y)
         (loss, new_states), grads = dec_step(f, states, x, y)
@@ -1601,7 +1602,7 @@ def test_forwarded_method_eagerly_from_outside(write_module: Loader_h14) -> None
 def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = f if method == "__call__" else getattr(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def test_setattr_registry_records_the_same_names(write_module: Loader_h20) -> None:
@@ -1823,7 +1824,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -1922,7 +1923,7 @@ def test_late_setattr_with_computed_name_on_a_non_state_is_refused(write_module:
     _, dec = pair(write_module, LATE_METHODS)
     f, states = dec.M().functionalize()
     with pytest.raises(autostate.errors.StateAccessError) as e:
-        jax.jit(f.named, static_argnums=1)(states, "extra", A1)
+        staged(f.named, static_argnums=1)(states, "extra", A1)
     user_line(e.value, dec, "M.named = logged(lambda self, name, v: setattr(self, name, v))")
     out, new = f.named(states, "h", A2)  # a state by a computed name: fine
     same({"h": A2}, new, "computed-name write to a state")
@@ -1956,7 +1957,7 @@ def run_case_h31(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(out)
         same(expected, got, f"{mode} outputs")
@@ -2062,7 +2063,7 @@ def check_decoration_fidelity(
             if mode == "f":
                 out, states = _fcall_decoration_fidelity(f, m)(states, *a)
             else:
-                out, states = jax.jit(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
+                out, states = staged(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
             got.append(out)
         assert_same_decoration_fidelity(expected, got, f"{mode} outputs")
         for key, value in states.items():
@@ -2094,7 +2095,7 @@ def test_dunder_dict_item_write_of_a_non_state_inside_f_is_refused(
 ) -> None:
     _, dec = pair_decoration_fidelity(write_module, DUNDERS)
     f, states = dec.D().functionalize()
-    call = f.extra if mode == "f" else jax.jit(lambda f, s, v: f.extra(s, v))
+    call = f.extra if mode == "f" else staged(lambda f, s, v: f.extra(s, v))
     with pytest.raises(autostate.errors.StateAccessError, match="note"):
         call(states, jnp.float32(5.0)) if mode == "f" else call(f, states, jnp.float32(5.0))
     out, _ = f.step(states, 1.0)  # f is left as it was

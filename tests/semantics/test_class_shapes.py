@@ -47,6 +47,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
 )
 from semantics.harness import Loader as Loader_h
 from semantics.harness import Loader as Loader_h3
@@ -220,10 +221,10 @@ def test_generic_method_under_jit_and_grad(write_module: Loader) -> None:
         out, _ = f.go(s, x)
         return out
 
-    got = jax.jit(jax.grad(loss, argnums=1))(states, X)
+    got = staged(jax.grad(loss, argnums=1))(states, X)
     ref_grad = jax.grad(lambda x: plain.Box(2.0).go(x))(X)
     assert jnp.allclose(got, ref_grad)
-    assert jnp.allclose(jax.jit(lambda s, x: f.go(s, x)[0])(states, X), ref.go(X))
+    assert jnp.allclose(staged(lambda s, x: f.go(s, x)[0])(states, X), ref.go(X))
 
 
 @pytest.mark.skipif(
@@ -319,7 +320,7 @@ def test_subclass_adds_its_own_state_and_base_state_keeps_working():
     assert float(base.step(1.0)) == 4.0
     f, states = Child().functionalize()
     assert sorted(states) == ["x", "y"]
-    out, states = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
+    out, states = staged(lambda f, s: f.step(s, 1.0))(f, states)
     assert float(out) == 4.0
     assert float(states["x"]) == 2.0 and float(states["y"]) == 4.0
     # The base class's own instances are unaffected by the subclass.
@@ -426,7 +427,7 @@ def test_metaclass_keeps_working():
     assert CountingMeta.instances == before + 1
     assert float(model.step()) == 2.0
     f, states = model.functionalize()
-    out, _ = jax.jit(lambda f, s: f.step(s))(f, states)
+    out, _ = staged(lambda f, s: f.step(s))(f, states)
     assert float(out) == 4.0
 
 
@@ -464,7 +465,7 @@ def test_init_subclass_runs_once_per_subclass():
     assert float(model.hit()) == 3.0
     assert autostate.tree.class_info(FirstPlugin).state == {"hits", "extra"}
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s: f.hit(s))(f, states)
+    out, states = staged(lambda f, s: f.hit(s))(f, states)
     assert float(out) == 6.0
     np.testing.assert_array_equal(states["hits"], 2.0)
 
@@ -697,7 +698,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -734,7 +735,7 @@ def test_init_called_twice_resets(write_module: Loader_h2) -> None:
     m.__init__(3)
     f, states = m.functionalize()
     assert states["n"].shape == (3,)
-    out, _ = jax.jit(f)(states, 1.0)
+    out, _ = staged(f)(states, 1.0)
     assert float(out) == 4.0
 
 
@@ -761,7 +762,7 @@ def test_class_reassignment_to_a_subclass(write_module: Loader_h2) -> None:
     assert type(f.model) is dec.Fast
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(f)(states, x)
+        out, states = staged(f)(states, x)
         got.append(out)
     assert_same_h2(expected, got)
 
@@ -894,8 +895,8 @@ def test_factory_classes_do_not_share_closure_values(write_module: Loader_h3) ->
     pa, pb = plain.A(), plain.B()
     x = jnp.asarray(1.5)
     for _ in range(2):
-        oa, sa = jax.jit(lambda f, s, x: f(s, x))(fa, sa, x)
-        ob, sb = jax.jit(lambda f, s, x: f(s, x))(fb, sb, x)
+        oa, sa = staged(lambda f, s, x: f(s, x))(fa, sa, x)
+        ob, sb = staged(lambda f, s, x: f(s, x))(fb, sb, x)
         assert_same(pa(x), oa)
         assert_same(pb(x), ob)
     assert type(a) is not type(b)
@@ -1081,7 +1082,7 @@ def test_local_class_refers_to_itself(write_module: Loader_h3) -> None:
     sib = m.make_sibling()
     assert type(sib) is type(m)
     f, states = m.functionalize()
-    out, _ = jax.jit(lambda f, s: f(s, 1.0))(f, states)
+    out, _ = staged(lambda f, s: f(s, 1.0))(f, states)
     assert_same(plain.LATE_CLS()(1.0), out)
 
 
@@ -1203,7 +1204,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -1220,7 +1221,7 @@ def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
         f, opt_state = update(f, grads, opt_state)
         return loss, f, opt_state, states
 
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
@@ -1989,14 +1990,14 @@ class Twice:
     assert sorted(model.functionalize("outer")[1]) == ["x"]  # the last decoration's options
     assert model.functionalize("inner")[1] == {}
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s: f.step(s))(f, states)
+    out, states = staged(lambda f, s: f.step(s))(f, states)
     assert float(out) == 2.0 and float(states["x"]) == 2.0
 
 
 def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = f if method == "__call__" else getattr(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 EQX_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
@@ -2359,7 +2360,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -2575,7 +2576,7 @@ def run_case_h28(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -2737,7 +2738,7 @@ def check_decoration_fidelity(
             if mode == "f":
                 out, states = _fcall_decoration_fidelity(f, m)(states, *a)
             else:
-                out, states = jax.jit(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
+                out, states = staged(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
             got.append(out)
         assert_same_decoration_fidelity(expected, got, f"{mode} outputs")
         for key, value in states.items():
@@ -2753,7 +2754,7 @@ def test_assigning_dunder_class_is_plain_python(write_module: Loader_decoration_
     assert type(model) is dec.Other
     assert_same_decoration_fidelity(ref.step(2.0), model.step(2.0))
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, v: f.step(s, v))(f, states, 1.0)
+    out, states = staged(lambda f, s, v: f.step(s, v))(f, states, 1.0)
     assert_same_decoration_fidelity(ref.step(1.0), out)
 
 

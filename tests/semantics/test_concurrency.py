@@ -40,6 +40,7 @@ from semantics.harness import (
     plain_path,
     same,
     snapshot,
+    staged,
 )
 from semantics.harness import pair as pair_h19
 from semantics.harness import pair as pair_h32
@@ -267,7 +268,7 @@ def _two_models(mod: types.ModuleType, mode: str) -> list[Any]:
             return floats([outs, {"x": m.x, "n": m.n}])
         f, s = m.functionalize()
         if mode == "jit":
-            call = jax.jit(lambda f, s, v: f.step(s, v))  # traces once: one barrier, in the trace
+            call = staged(lambda f, s, v: f.step(s, v))  # traces once: one barrier, in the trace
         else:
             def call(f: Any, s: Any, v: Any) -> Any:
                 return f.step(s, v)
@@ -373,7 +374,7 @@ def test_jit_trace_in_one_thread_while_another_runs_the_model_eagerly(
     result: dict[str, Any] = {}
 
     def tracer() -> None:
-        out, s = jax.jit(lambda f, s, v: f.step(s, v))(f, states, 4.0)
+        out, s = staged(lambda f, s, v: f.step(s, v))(f, states, 4.0)
         result["jit"] = floats([out, s["x"], s["n"]])
 
     t = threading.Thread(target=tracer, name="T", daemon=True)
@@ -398,7 +399,7 @@ def test_thread_pool_map_over_f_calls(write_module: Loader, jit: bool) -> None:
         out = r.step(v)
         expected.append(floats([out, {"x": r.x, "n": r.n}]))
     f, states = dec.Counter(0.5).functionalize()
-    step = jax.jit(lambda f, s, v: f.step(s, v)) if jit else (lambda f, s, v: f.step(s, v))
+    step = staged(lambda f, s, v: f.step(s, v)) if jit else (lambda f, s, v: f.step(s, v))
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda v: floats(list(step(f, states, v))), vs))
     assert_same(expected, [[o, dict(s)] for o, s in got])
@@ -551,7 +552,7 @@ def test_worker_thread_inside_a_method_under_jit_is_a_clear_error(
     _, dec = pair_h19(write_module, POOL_IN_METHOD)
     f, states = dec.Pooled().functionalize()
     with pytest.raises(autostate.AutostateError, match=r"\bthread\b") as info:
-        jax.jit(lambda f, s: f.pool(s, [1.0, 2.0]))(f, states)
+        staged(lambda f, s: f.pool(s, [1.0, 2.0]))(f, states)
     assert_user_line(info.value, dec.__file__)
 
 
@@ -570,7 +571,7 @@ def _outer_modes(dec: types.ModuleType, method: str, *args: Any) -> dict[str, An
     out, s = getattr(f, method)(s, *args)
     res["f"] = floats([out, s["x"], s["z"]])
     f, s = dec.Outer().functionalize()
-    out, s = jax.jit(lambda f, s, *a: getattr(f, method)(s, *a))(f, s, *args)
+    out, s = staged(lambda f, s, *a: getattr(f, method)(s, *a))(f, s, *args)
     res["jit"] = floats([out, s["x"], s["z"]])
     return res
 
@@ -843,7 +844,7 @@ def test_f_raise_in_one_thread_while_another_runs_jit(write_module: Loader) -> N
     dec.MEET.append(Meet(2))
     try:
         got_a, got_b = _in_threads(lambda: fa.scan(sa, XS_h32, "body"),
-                                   lambda: jax.jit(fb.scan, static_argnums=2)(sb, XS_h32, None))
+                                   lambda: staged(fb.scan, static_argnums=2)(sb, XS_h32, None))
     finally:
         dec.MEET.clear()
     assert isinstance(got_a, dec.Boom), repr(got_a)

@@ -49,6 +49,7 @@ from semantics.harness import (
     pair,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import _pair as pair_h5
@@ -198,7 +199,7 @@ def test_eager_model_with_enum_keys_still_refuses_a_leaked_tracer(write_module: 
     module = write_module(COUNTER)
     model = module.Counter()
     with pytest.raises(TracedEagerStateError):
-        jax.jit(lambda x: model(x, module.Split.TRAIN))(1.0)
+        staged(lambda x: model(x, module.Split.TRAIN))(1.0)
     assert [int(v) for v in model.counts.values()] == [0, 0]
 
 
@@ -210,7 +211,7 @@ def test_model_built_inside_jit_keeps_enum_keyed_tracers(write_module: Loader) -
         model.counts = {module.Split.TRAIN: x.astype(jnp.int32), module.Split.EVAL: x.astype(jnp.int32)}
         return model(x, module.Split.TRAIN)
 
-    assert float(jax.jit(build_and_call)(jnp.asarray(2.0))) == 6.0
+    assert float(staged(build_and_call)(jnp.asarray(2.0))) == 6.0
 
 
 def test_functionalize_names_the_line_that_built_the_state(write_module: Loader) -> None:
@@ -244,7 +245,7 @@ def test_jit_and_tree_util_of_the_eager_model(write_module: Loader) -> None:
     model = module.Counter()
     where = line_of(module, "self.counts = {Split.TRAIN")
     with pytest.raises(InvalidTypeError) as err:
-        jax.jit(lambda m, x: m(x, module.Split.TRAIN))(model, 1.0)
+        staged(lambda m, x: m(x, module.Split.TRAIN))(model, 1.0)
     assert_clear(err, where, "Split")
     with pytest.raises(InvalidTypeError) as err:
         jax.tree_util.tree_leaves(model)
@@ -367,7 +368,7 @@ def test_a_write_inside_f_eagerly_and_under_jit(write_module: Loader) -> None:
         f(states, 1.0)
     assert_clear(err, f"{__file__}:{line}", "Split", "str")
     line = sys._getframe().f_lineno + 1
-    step = jax.jit(lambda f, s, x: f(s, x))  # the user's line inside the trace
+    step = staged(lambda f, s, x: f(s, x))  # the user's line inside the trace
     with pytest.raises(InvalidTypeError) as err:
         step(f, states, 1.0)
     assert_clear(err, f"{__file__}:{line}", "Split", "str")
@@ -455,7 +456,7 @@ def test_sortable_keys_work_eagerly_through_f_and_jit(write_module: Loader, keys
     eager = module.Counter(members)
     assert float(eager(2.0, first)) == 2.0 and float(eager(2.0, first)) == 4.0
     f, states = module.Counter(members).functionalize()
-    step = jax.jit(lambda f, s, x, k: f(s, x, k), static_argnums=3)
+    step = staged(lambda f, s, x, k: f(s, x, k), static_argnums=3)
     _, states = step(f, states, 2.0, first)
     out, states = step(f, states, 2.0, last)
     assert float(out) == (4.0 if last == first else 2.0)
@@ -467,7 +468,7 @@ def test_sortable_keys_work_eagerly_through_f_and_jit(write_module: Loader, keys
 def test_an_ordered_dict_keeps_enum_keys_through_jit(write_module: Loader) -> None:
     module = write_module(SORTABLE)
     f, states = module.Ordered().functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x, module.Split.EVAL))
+    step = staged(lambda f, s, x: f(s, x, module.Split.EVAL))
     _, states = step(f, states, 1.0)
     out, states = step(f, states, 3.0)
     assert float(out) == 6.0
@@ -591,7 +592,7 @@ def test_reset_then_call_eagerly(write_module: Loader_submodel_mutator_names, ho
     ref = plain.Model()
     ref(A1)
     ref.reset()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, A2)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, A2)
     np.testing.assert_allclose(out, ref(A2), rtol=1e-6)
 
 
@@ -600,7 +601,7 @@ def test_the_sub_model_written_by_its_update_is_the_state_f_returns(write_module
     plain, dec = pair(write_module, _source("reset", "update"))
     f, states = dec.Model().functionalize()
     assert sorted(states) == ["sub.value"]
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, A1)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, A1)
     ref = plain.Model()
     np.testing.assert_allclose(out, ref(A1), rtol=1e-6)
     np.testing.assert_allclose(states["sub.value"], ref.sub.value, rtol=1e-6)
@@ -830,7 +831,7 @@ def test_an_unproven_list_state_changed_in_place_is_never_lost(write_module: Loa
         for m, a in calls:
             call = getattr(f, m)
             if mode == "jit":
-                call = jax.jit(lambda f, s, *a, m=m: getattr(f, m)(s, *a))
+                call = staged(lambda f, s, *a, m=m: getattr(f, m)(s, *a))
                 out, states = call(f, states, *a)
             else:
                 out, states = call(states, *a)
@@ -879,7 +880,7 @@ class ScanLog:
     with pytest.raises(autostate.AutostateError):
         f(states, xs)
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda s, x: f(s, x))(states, xs)
+        staged(lambda s, x: f(s, x))(states, xs)
     with pytest.raises(autostate.AutostateError):
         module.ScanLog()(xs)
 
@@ -918,7 +919,7 @@ class Logged:
     model = module.Logged()
     f, states = model.functionalize("params")
     with pytest.raises(errors.StateAccessError, match="losses"):
-        jax.jit(lambda s, x: f(s, x))(states, A1)
+        staged(lambda s, x: f(s, x))(states, A1)
 
 
 UNDECORATED_BASE = SUB.replace("NAME", "update") + """
@@ -1083,7 +1084,7 @@ def test_eager_f_jit_and_freeze_keep_the_container(write_module: Loader_opaque_c
 
     _, fresh = _models(write_module, kind)
     f, states = fresh.functionalize()
-    jitted = jax.jit(lambda f, s, x: f(s, x))
+    jitted = staged(lambda f, s, x: f(s, x))
     for mode in ("f", "jit"):
         s = states
         outs = []
@@ -1103,7 +1104,7 @@ def test_a_frozen_model_passes_through_jit_as_a_pytree(write_module: Loader_opaq
     _, model = _models(write_module, kind)
     f, states = model.functionalize()
     frozen = autostate.freeze(f, states)
-    again = jax.jit(lambda m: m)(frozen)
+    again = staged(lambda m: m)(frozen)
     _same_box(frozen.box, again.box, "through jit")
 
 
@@ -1120,7 +1121,7 @@ def test_grad_through_a_state_in_the_container(write_module: Loader_opaque_conta
 
     # d/dx of 2 * sum(x * scale): the output and the state each give 4.
     assert float(jax.grad(loss)(jnp.float32(1.0))) == pytest.approx(8.0)
-    assert float(jax.jit(jax.grad(loss))(jnp.float32(1.0))) == pytest.approx(8.0)
+    assert float(staged(jax.grad(loss))(jnp.float32(1.0))) == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("kind", ["counter", "dict_subclass", "deque"])
@@ -1129,7 +1130,7 @@ def test_a_tracer_in_the_container_of_an_eager_model_is_refused(
 ) -> None:
     _, model = _models(write_module, kind)
     with pytest.raises(autostate.errors.TracedEagerStateError) as info:
-        jax.jit(lambda x: model(x))(jnp.float32(1.0))
+        staged(lambda x: model(x))(jnp.float32(1.0))
     assert "test_opaque_containers" not in str(info.value)  # the user's module, not ours
     assert not any(
         isinstance(leaf, jax.core.Tracer)
@@ -1171,7 +1172,7 @@ def test_del_of_an_item_keeps_the_type(write_module: Loader_opaque_containers, k
     model.drop(1.0)
     _same_box(ref.box, model.box, "eager")
     f, states = dec.Shrinking(kind).functionalize()
-    _, after = jax.jit(f.drop)(states, 1.0)
+    _, after = staged(f.drop)(states, 1.0)
     _same_box(ref.box, after["box"], "jit")
 
 
@@ -1211,7 +1212,7 @@ def test_weak_references_follow_fs_copy(how: str) -> None:
     f, states = model.functionalize()
     out, new = f(states, 2.0)
     assert float(out) == 2.0 and float(new["stats.mean"]) == 2.0
-    out, new = jax.jit(lambda f, s, x: f(s, x))(f, new, 3.0)
+    out, new = staged(lambda f, s, x: f(s, x))(f, new, 3.0)
     assert float(out) == 5.0 and float(new["stats.mean"]) == 5.0
     assert float(model.stats.mean) == 0.0  # the eager model is its own
     frozen = autostate.freeze(f, new)
@@ -1281,7 +1282,7 @@ def test_a_sub_model_in_a_container_subclass(holder: str) -> None:
     model = Holding(holder, "model")
     if holder in WALKED:
         f, states = model.functionalize()
-        out, new = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+        out, new = staged(lambda f, s, x: f(s, x))(f, states, 2.0)
         assert float(out) == 2.0 and float(model.first().mean) == 0.0
         assert sorted(float(v) for v in new.values()) == [0.0, 2.0]
     else:
@@ -1504,7 +1505,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -1520,7 +1521,7 @@ def test_namedtuple_nested_and_empty_containers(write_module: Loader_h2) -> None
     plain, dec = pair_h2(write_module, DTYPES)
     check_h2(plain, dec, "Trees()", [("step", (1.0,)), ("step", (2.0,))])
     f, states = dec.Trees().functionalize()
-    _, states = jax.jit(f.step)(states, 1.0)
+    _, states = staged(f.step)(states, 1.0)
     assert type(states["pt"]).__name__ == "Pt"
     frozen = autostate.freeze(f, states)
     assert type(frozen.pt) is dec.Pt
@@ -1568,7 +1569,7 @@ def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
     """f answers the same eagerly and under jit after a refused call."""
     out1, s1 = _fcall(f, name)(states, *args)
-    out2, s2 = jax.jit(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
+    out2, s2 = staged(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
     assert_same(out1, out2, "after refusal")
     assert_same(s1, s2, "states after refusal")
 
@@ -1837,7 +1838,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -1964,7 +1965,7 @@ def _jitted_h25(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -2089,7 +2090,7 @@ def test_kv_cache_prefill_reset_decode(write_module: Loader_h26, use_dus: bool) 
 
 
 def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return jax.jit(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
+    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
         f, states, *args
     )
 
@@ -2186,7 +2187,7 @@ def run_case_h31(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(out)
         same(expected, got, f"{mode} outputs")

@@ -56,6 +56,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import Loader as Loader_h
@@ -585,7 +586,7 @@ def run(
         f, states = model.functionalize()
         call = getattr(f, name)
         if mode == "jit":
-            call = jax.jit(call)
+            call = staged(call)
         got, states = call(states, *args)
         total = states["total"]
     jitted = mode == "jit" or traced_float
@@ -612,7 +613,7 @@ def strong_after(
     else:
         f, states = model.functionalize()
         call = getattr(f, name)
-        got, states = (jax.jit(call) if mode == "jit" else call)(states, *args)
+        got, states = (staged(call) if mode == "jit" else call)(states, *args)
         after = states["total"]
     np.testing.assert_allclose(np.float32(got), np.float32(expected), rtol=1e-2)
     np.testing.assert_allclose(np.float32(after), np.float32(ref.total))
@@ -638,7 +639,7 @@ def test_zero_trip_scan_map_and_fori_leave_a_python_float_alone(modules: Any, mo
         assert type(model.total) is float and model.total == 0.0
     else:
         f, states = model.functionalize()
-        out, states = (jax.jit(f.map_all) if mode == "jit" else f.map_all)(states, EMPTY)
+        out, states = (staged(f.map_all) if mode == "jit" else f.map_all)(states, EMPTY)
         assert typed(states["total"], True) == typed(0.0, True)
     assert typed(out) == typed(jnp.asarray(0.0) + jnp.asarray(0.1, jnp.bfloat16))
 
@@ -697,7 +698,7 @@ def test_a_strong_state_up_front_works_in_every_branch(modules: Any, mode: str) 
         else:
             f, states = model.functionalize()
             call = getattr(f, name)
-            got, states = (jax.jit(call) if mode == "jit" else call)(states, *args)
+            got, states = (staged(call) if mode == "jit" else call)(states, *args)
             total = states["total"]
         assert typed(got) == typed(expected) and expected.dtype == jnp.float32
         assert typed(total) == typed(ref.total)
@@ -738,7 +739,7 @@ def test_a_strong_state_made_weak(modules: Any, mode: str) -> None:
             got, total = model.scan_reset(xs), model.total
         else:
             f, states = model.functionalize()
-            call = jax.jit(f.scan_reset) if mode == "jit" else f.scan_reset
+            call = staged(f.scan_reset) if mode == "jit" else f.scan_reset
             got, states = call(states, xs)
             total = states["total"]
         jitted = True  # a Python float assigned in a traced body is a weak array
@@ -1087,7 +1088,7 @@ def test_functionalized(case, jit):
     model = make()
     f, states = model.functionalize()
     expected_states = states
-    call = jax.jit(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
+    call = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
     for seed in (0, 1):
         x = _input(shape, seed)
         out, states = call(f, states, x)
@@ -1111,7 +1112,7 @@ def test_grad(case):
     def reference_loss(x):
         return reference(model, states, x)
 
-    grads, new = jax.jit(derivative(loss, has_aux=True))(x)
+    grads, new = staged(derivative(loss, has_aux=True))(x)
     expected_grads, expected_new = derivative(reference_loss, has_aux=True)(x)
     _close(grads, expected_grads)
     _close(new, expected_new)
@@ -1126,7 +1127,7 @@ def test_vmap(case):
     batch = 4
     batched = jax.tree_util.tree_map(lambda v: jnp.stack([v] * batch), states)
     x = _input(shape, batch=batch)
-    out, new = jax.jit(jax.vmap(lambda s, x: f(s, x)))(batched, x)
+    out, new = staged(jax.vmap(lambda s, x: f(s, x)))(batched, x)
     expected, expected_new = jax.vmap(lambda s, x: reference(model, s, x))(batched, x)
     _close(out, expected)
     _close(new, expected_new)
@@ -1176,7 +1177,7 @@ def test_every_import_form_is_routed():
     model = Forms()
     np.testing.assert_allclose(model(jnp.arange(3.0)), 9.0)
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     np.testing.assert_allclose(states["n"], 15.0)
 
 
@@ -1304,14 +1305,14 @@ def test_helper_with_autostate_scan_is_supported():
     model(xs)
     assert int(model.stats.steps) == 4
     f, states = UsesHelper(_supported_helper).functionalize()
-    _, new = jax.jit(lambda f, s, x: f(s, x))(f, states, xs)
+    _, new = staged(lambda f, s, x: f(s, x))(f, states, xs)
     _close(new, model.functionalize()[1])
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["f", "jit"])
 def test_helper_with_raw_lax_scan_is_a_clear_error_not_a_leaked_tracer(jit):
     f, states = UsesHelper(_raw_helper).functionalize()
-    call = jax.jit(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
+    call = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
     with pytest.raises(EscapedStateError) as info:
         call(f, states, jnp.ones((4, 3)))
     message = str(info.value)
@@ -1377,7 +1378,7 @@ def test_nested_control_flow():
     _close(out, expected)
     _close(model.functionalize()[1], expected_states)
     f, states = Nested().functionalize()
-    out, new = jax.jit(lambda f, s, x: f(s, x))(f, states, xs)
+    out, new = staged(lambda f, s, x: f(s, x))(f, states, xs)
     _close((out, new), (expected, expected_states))
     grads = jax.grad(lambda xs: f(states, xs)[1]["inner"])(xs)
     np.testing.assert_allclose(grads, [2.0, 2.0, 2.0])
@@ -1445,7 +1446,7 @@ def test_staticmethod_without_receiver_is_routed():
     model(jnp.ones((3, 3)))
     assert int(model.stats.steps) == 3
     f, states = WithStatic().functionalize()
-    _, new = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones((3, 3)))
+    _, new = staged(lambda f, s, x: f(s, x))(f, states, jnp.ones((3, 3)))
     assert int(new["stats.steps"]) == 3
 
 
@@ -1543,7 +1544,7 @@ def test_wraps_decorated_method_is_analysed_from_its_own_source():
     model.step(jnp.float32(2.0))
     f, states = model.functionalize()
     assert set(states) == {"n"}
-    _, states = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
+    _, states = staged(lambda f, s: f.step(s, 1.0))(f, states)
     assert float(states["n"]) == 3.0
 
 
@@ -1562,7 +1563,7 @@ def test_vmap_of_a_closure_assigning_state_inside_a_method_is_a_clear_error():
 
     f, states = VmapInside().functionalize()
     with pytest.raises(EscapedStateError, match="'total'") as info:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(3))
+        staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(3))
     assert "from outside" in str(info.value)
 
 
@@ -1690,7 +1691,7 @@ def test_grad_through_scan_and_remat(write_module: Loader_h) -> None:
         return a + b + m.acc
 
     assert_same(jax.grad(ref)(1.3), jax.grad(loss)(1.3), "grad remat")
-    assert_same(jax.grad(ref)(1.3), jax.jit(jax.grad(loss))(1.3), "jit grad remat")
+    assert_same(jax.grad(ref)(1.3), staged(jax.grad(loss))(1.3), "jit grad remat")
 
 
 JAX_CHECKPOINT_ON_METHOD = """
@@ -1743,7 +1744,7 @@ def test_lax_wrappers_from_undecorated_helpers(write_module: Loader_h3, case: st
     f, states = dec.Driver().functionalize()
     out1, s1 = f.go(states, name, *args)
     static = (2,) + ((3,) if case in ("fori", "switch") else ())
-    step = jax.jit(lambda f, s, n, *a: f.go(s, n, *a), static_argnums=static)
+    step = staged(lambda f, s, n, *a: f.go(s, n, *a), static_argnums=static)
     outs, s2 = [], states
     for _ in range(2):
         o, s2 = step(f, s2, name, *args)
@@ -1778,7 +1779,7 @@ class RawDriver:
         jax.block_until_ready((out, states))
     assert "autostate.scan" in str(info.value)
     with pytest.raises(autostate.errors.EscapedStateError):
-        jax.jit(lambda f, s, xs: f(s, xs))(f, dec.RawDriver().functionalize()[1], XS_h3)
+        staged(lambda f, s, xs: f(s, xs))(f, dec.RawDriver().functionalize()[1], XS_h3)
 
 
 def test_lax_wrapper_grad_through_helper(write_module: Loader_h3) -> None:
@@ -1795,7 +1796,7 @@ def test_lax_wrapper_grad_through_helper(write_module: Loader_h3) -> None:
         return c + s["c.total"]
 
     assert_same(jax.grad(plain_loss)(2.0), jax.grad(dec_loss)(2.0))
-    assert_same(jax.grad(plain_loss)(2.0), jax.jit(jax.grad(dec_loss))(2.0))
+    assert_same(jax.grad(plain_loss)(2.0), staged(jax.grad(dec_loss))(2.0))
 
 
 HELPER_ERRORS = HELPERS + """
@@ -1844,7 +1845,7 @@ def test_documented_control_flow_errors_from_helpers(
         getattr(dec, name)(dec.Counter(), *args)
     f, states = dec.ErrDriver().functionalize()
     with pytest.raises(autostate.errors.ControlFlowStateError):
-        jax.jit(lambda s, *a: f.go(s, name, *a))(states, *args)
+        staged(lambda s, *a: f.go(s, name, *a))(states, *args)
 
 
 def test_fori_loop_with_traced_bounds_from_a_helper(write_module: Loader_h3) -> None:
@@ -1852,7 +1853,7 @@ def test_fori_loop_with_traced_bounds_from_a_helper(write_module: Loader_h3) -> 
     ref = plain.Counter()
     expected = plain.fori_traced_bounds(ref, 3)
     f, states = dec.ErrDriver().functionalize()
-    out, states = jax.jit(lambda s, k: f.go(s, "fori_traced_bounds", k))(states, 3)
+    out, states = staged(lambda s, k: f.go(s, "fori_traced_bounds", k))(states, 3)
     assert_same(expected, out)
     assert_same(np.asarray(ref.n), states["c.n"])
     assert_same(np.asarray(ref.total), states["c.total"])
@@ -1892,7 +1893,7 @@ def real_lax_pair(write_module: Loader_h9, source: str) -> tuple[types.ModuleTyp
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def no_tracer(model: Any) -> None:
@@ -2132,7 +2133,7 @@ def test_cond_writing_different_states_grad_and_batched_predicate(write_module: 
     xs = jnp.stack([V3, -V3 * 3, V3 * 2])
     f, states = dec.Net().functionalize()
     twice = jax.vmap(lambda x: [f.cond_different_states(s, x) for s in [states]][0])
-    outs, new = jax.jit(twice)(xs)
+    outs, new = staged(twice)(xs)
     for i, x in enumerate(xs):
         ref = plain.Net()
         assert_same(ref.cond_different_states(x), outs[i], f"output {i}")
@@ -2321,7 +2322,7 @@ def test_every_lax_body_refuses_what_it_cannot_thread(
     assert_same(np.float32(1.0), model.b, "the parameter is unchanged")
     f, states = dec.Q().functionalize()
     call = _fcall(f, method)
-    for mode in (call, jax.jit(lambda s, x: call(s, what, x))):
+    for mode in (call, staged(lambda s, x: call(s, what, x))):
         with pytest.raises(error, match=pattern):
             mode(states, what, X1_h9) if mode is call else mode(states, X1_h9)
 
@@ -2365,7 +2366,7 @@ def test_list_appended_in_a_scan_body_is_refused_under_jit(write_module: Loader_
     _, dec = pair(write_module, BODIES)
     f, states = dec.B().functionalize()
     with pytest.raises(StateAccessError, match="trace_log"):
-        jax.jit(f.log_in_scan)(states, XS_h9)
+        staged(f.log_in_scan)(states, XS_h9)
     assert f.model.trace_log == []
 
 
@@ -2482,7 +2483,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -2532,7 +2533,7 @@ def test_trainer_fit_scans_its_own_train_step(write_module: Loader_h10, mode: st
         f, states, t = trainer.f, trainer.states, trainer.opt.t
     else:
         tf, ts = trainer.functionalize()
-        fit = jax.jit(tf.fit) if mode == "jit" else tf.fit
+        fit = staged(tf.fit) if mode == "jit" else tf.fit
         losses, ts = fit(ts, xs, ys)
         f, states, t = ts["f"], ts["states"], ts["opt.t"]
     assert_same(np.stack([r[0] for r in ref]), losses, "losses")
@@ -2546,7 +2547,7 @@ def test_dtype_change_in_a_scan_body_is_the_documented_control_flow_error(
     plain, dec = pair(write_module, FLOW)
     plain.Flow().scan_int_to_float(XS_h13)  # plain Python's loop just promotes
     f, states = dec.Flow().functionalize()
-    for call in (dec.Flow().scan_int_to_float, lambda xs: jax.jit(f.scan_int_to_float)(states, xs)):
+    for call in (dec.Flow().scan_int_to_float, lambda xs: staged(f.scan_int_to_float)(states, xs)):
         with pytest.raises(ControlFlowStateError, match="wi") as info:
             call(XS_h13)
         assert_user_line(info.value, dec.__file__)
@@ -2596,7 +2597,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
@@ -2831,7 +2832,7 @@ def test_remat_in_a_block_matches_hand_threaded_and_no_remat(
         out, s = ref_remat(p, s, x, how)
         return remat_loss(out), s
 
-    g, s2 = jax.jit(jax.grad(f_loss, has_aux=True))(f, s)
+    g, s2 = staged(jax.grad(f_loss, has_aux=True))(f, s)
     rg, rs2 = jax.grad(r_loss, has_aux=True)(p, dict(s))
     assert_same(rg, params_of(g), "grads")
     assert_same(snapshot(rs2), snapshot(dict(s2)), "grad states")
@@ -2892,7 +2893,7 @@ def test_while_cond_method_reading_state_under_vmap(write_module: Loader_h18) ->
         m = plain.Net()
         return m.while_cond_method(x), m.mean
 
-    for run in (jax.vmap, lambda fn: jax.jit(jax.vmap(fn))):
+    for run in (jax.vmap, lambda fn: staged(jax.vmap(fn))):
         out, new = run(lambda x: f.while_cond_method(states, x))(xs)
         assert_same(jax.vmap(ref)(xs), (out, new["mean"]), "vmap")
 
@@ -2919,7 +2920,7 @@ def test_grad_through_autostate_checkpoint_with_static_argnums(write_module: Loa
         return out.sum() + new["mean"].sum()
 
     assert_same(jax.grad(plain_loss)(plain.Dm().w), jax.grad(loss)(f).model.w)
-    assert_same(jax.grad(plain_loss)(plain.Dm().w), jax.jit(jax.grad(loss))(f).model.w)
+    assert_same(jax.grad(plain_loss)(plain.Dm().w), staged(jax.grad(loss))(f).model.w)
 
 
 def test_checkpoint_static_argnums_keyword_error_matches_jax(write_module: Loader_h18) -> None:
@@ -2946,7 +2947,7 @@ def run_f(dec: types.ModuleType, build: str, calls: list[tuple[str, tuple[Any, .
     for m, a in calls:
         fn = (lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))  # noqa: E731
         if jit:
-            fn = jax.jit(fn)
+            fn = staged(fn)
         out, states = fn(f, states, *a)
         outs.append(out)
     return outs, states, f
@@ -3007,7 +3008,7 @@ def test_checkpoint_around_block_methods(write_module: Loader_h24) -> None:
 def test_checkpoint_grad_matches_without_remat(write_module: Loader_h24) -> None:
     _, dec = pair(write_module, VMAPCK)
     f, states = dec.Net().functionalize()
-    g, s2 = jax.jit(jax.grad(lambda f: f.loss(states, XB), has_aux=True))(f)
+    g, s2 = staged(jax.grad(lambda f: f.loss(states, XB), has_aux=True))(f)
 
     def hand(ws, x):
         means = []
@@ -3073,7 +3074,7 @@ def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader_
         m = plain.Noisy(0)
         expected.append((m.maybe_drop(XR, fl), m.key, m.calls))
     f, states = dec.Noisy(0).functionalize()
-    outs, new = jax.jit(jax.vmap(lambda fl: f.maybe_drop(states, XR, fl)))(flags)
+    outs, new = staged(jax.vmap(lambda fl: f.maybe_drop(states, XR, fl)))(flags)
     for i, (out, key, calls) in enumerate(expected):
         assert_same(out, outs[i], f"out {i}")
         assert_same(np.asarray(key), np.asarray(new["key"][i]), f"key {i}")
@@ -3132,7 +3133,7 @@ def run_case(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -3359,7 +3360,7 @@ def _jax_copy_modes(dec: types.ModuleType, name: str) -> list[Any]:
     got = [(getattr(model, name)(V3_h28), {"sub.s": model.sub.s})]
     f, states = dec.M().functionalize()
     got.append(getattr(f, name)(states, V3_h28))
-    got.append(jax.jit(getattr(f, name))(states, V3_h28))
+    got.append(staged(getattr(f, name))(states, V3_h28))
     return got
 
 
@@ -3400,7 +3401,7 @@ def check_vmap_loop(
         return outs, s
 
     same(expected, jax.vmap(dec_fn)(xs), "vmap")
-    same(expected, jax.jit(jax.vmap(dec_fn))(xs), "jit vmap")
+    same(expected, staged(jax.vmap(dec_fn))(xs), "jit vmap")
 
 
 def test_vmap_of_f_with_inherited_wrapped_methods_in_cond_and_switch(write_module: Loader_h28) -> None:
@@ -3531,7 +3532,7 @@ def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module
     same(snapshot(ref), snapshot(model), "eager attributes")
     f, states = dec.M().functionalize()
     ref = plain.M()
-    for fn in (f.run, jax.jit(f.run)):
+    for fn in (f.run, staged(f.run)):
         out, states = fn(states, XS_h28)
         same(ref.run(XS_h28), out, "f / jit")
         same(snapshot(ref.h), snapshot(states["h"]), "state h")
@@ -3783,7 +3784,7 @@ def test_map_batch_size_writing_state_is_the_documented_error(write_module: Load
     user_line(info.value, dec, "return lax.map(self._up, xs, batch_size=2)")
     assert_same(before, snapshot(model), "model")
     f, states = dec.Routed().functionalize()
-    for call in (f.map_batched_write, jax.jit(f.map_batched_write)):
+    for call in (f.map_batched_write, staged(f.map_batched_write)):
         with pytest.raises(ControlFlowStateError, match="batch_size") as info:
             call(states, XS_h29)
         user_line(info.value, dec, "return lax.map(self._up, xs, batch_size=2)")
@@ -4061,7 +4062,7 @@ def train_compare(
         (val, s2), g = jax.value_and_grad(loss, has_aux=True)(f)
         return (jax.tree_util.tree_map(lambda p, d: p - lr * d, f, g), s2), val
 
-    for run in (jax.jit(jax.lax.scan, static_argnums=0),):
+    for run in (staged(jax.lax.scan, static_argnums=0),):
         (f, s), losses = run(step, (f0, states0), xs)
         assert_same(np.stack(ref_losses), losses, "losses")
         got = autostate.param_dict(f)
@@ -4088,7 +4089,7 @@ def test_greedy_while_loop_vmapped_over_prompts(write_module: Loader_h30) -> Non
         return out, s["kv"], s["out"], s["pos"]
 
     assert_same(expected, jax.vmap(run)(prompts), "vmap")
-    assert_same(expected, jax.jit(jax.vmap(run))(prompts), "jit vmap")
+    assert_same(expected, staged(jax.vmap(run))(prompts), "jit vmap")
 
 
 @pytest.mark.parametrize("typed", [False, True])
@@ -4136,7 +4137,7 @@ def test_accum_scanned_over_gradient_stream(write_module: Loader_h30, cls: str) 
         out, s = f.update(s, g)
         return s, out
 
-    for run in (jax.lax.scan, jax.jit(jax.lax.scan, static_argnums=0)):
+    for run in (jax.lax.scan, staged(jax.lax.scan, static_argnums=0)):
         s, outs = run(body, states, stacked)
         assert_same(jax.tree_util.tree_map(lambda *v: jnp.stack(v), *expected), outs, "outs")
         for k in s:
@@ -4180,7 +4181,7 @@ def run_case_h31(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(out)
         same(expected, got, f"{mode} outputs")
@@ -4194,7 +4195,7 @@ def run_case_h31(
 def f_modes(f: Any, method: str = "__call__") -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = lambda s, *a: _call(f, method)(s, *a)  # noqa: E731
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def has_tracer(obj: Any) -> bool:
@@ -4342,7 +4343,7 @@ def test_outer_model_scanning_its_layers_f(write_module: Loader_h31) -> None:
             assert sorted(autostate.param_dict(f)) == ["F.model.b", "F.model.w"]
             call = lambda f, s, x: f(s, x)  # noqa: E731
             if mode == "jit":
-                call = jax.jit(call)
+                call = staged(call)
             got = []
             for x in (X23, -X23):
                 out, states = call(f, states, x)
@@ -4406,7 +4407,7 @@ def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader_h31)
     for x in XS_h31:
         c = c + ref(x).sum()
     same((c, ref.n, ref.mean), g(key, XS_h31), "eager")
-    same((c, ref.n, ref.mean), jax.jit(g)(key, XS_h31), "jit")
+    same((c, ref.n, ref.mean), staged(g)(key, XS_h31), "jit")
 
 
 @pytest.mark.parametrize("method", ["scan", "cond", "ckpt"])
@@ -4546,7 +4547,7 @@ def test_contextmanager_in_a_scan_body_that_raises_out_is_the_documented_error(
         model.n  # noqa: B018
     user_line(info.value, dec, "# SCAN", fix=True)
     f, s = dec.Net().functionalize()
-    for fn in (f.scan_cm_raise_out, jax.jit(f.scan_cm_raise_out)):
+    for fn in (f.scan_cm_raise_out, staged(f.scan_cm_raise_out)):
         with pytest.raises(errors.ControlFlowStateError) as info:
             fn(s, XS_h33)
         user_line(info.value, dec, "# SCAN", fix=True)

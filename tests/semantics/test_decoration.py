@@ -37,7 +37,16 @@ import pytest
 import autostate
 from autostate import tree
 from autostate.errors import DecorationError
-from semantics.harness import X, _fcall, assert_same, check, check_transform, plain_path, snapshot
+from semantics.harness import (
+    X,
+    _fcall,
+    assert_same,
+    check,
+    check_transform,
+    plain_path,
+    snapshot,
+    staged,
+)
 from semantics.programs import _COUNTER, Build
 from semantics.programs import HEADER_h6 as HEADER
 
@@ -124,7 +133,7 @@ def continue_jitted(ref: Any, model: Any, method: str, *args: Any) -> None:
     """``ref.method(*args)`` on the plain model equals the same call through ``jit(f)``."""
     expected = getattr(ref, method)(*args)
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, *a: _fcall(f, method)(s, *a))(f, states, *args)
+    out, states = staged(lambda f, s, *a: _fcall(f, method)(s, *a))(f, states, *args)
     assert_same(expected, out, "jit output")
     for key, value in states.items():
         assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"jit state {key}")
@@ -637,7 +646,7 @@ def test_decorated_twice_with_other_options_before_the_first_use(files: Callable
             model.bump()
             info = tree.class_info(cls)
             f, states = model.functionalize("other")
-            out, states = jax.jit(lambda f, s: f.bump(s))(f, states)
+            out, states = staged(lambda f, s: f.bump(s))(f, states)
             results.append([info.category, info.fallback, float(out), sorted(states),
                             float(model.v)])
         assert results[0] == results[1] == ["other", "host", 2.0, ["v"], 1.0]
@@ -2399,7 +2408,7 @@ def test_first_instances_made_inside_transformations(build: Build) -> None:
     def scenario(m: Any) -> Any:
         with jax.checking_leaks():
             shape = jax.eval_shape(lambda a: m.Model(a).bump(1.0), jnp.float32(1.0))
-            y = jax.jit(lambda a: m.Child(a).bump(a))(jnp.float32(2.0))
+            y = staged(lambda a: m.Child(a).bump(a))(jnp.float32(2.0))
             z = jax.vmap(lambda a: m.Other(a).step())(jnp.arange(3.0))
             g = jax.grad(lambda a: m.Graded(a).loss(3.0))(jnp.float32(1.5))
         model = m.Model(1.0)
@@ -2418,7 +2427,7 @@ def test_first_instances_made_inside_transformations(build: Build) -> None:
 def test_functionalize_as_the_first_use_inside_jit(build: Build) -> None:
     plain, dec = build(TRACED)
     with jax.checking_leaks():
-        traced = jax.jit(lambda a: dec.Fresh(a).functionalize()[1])(jnp.float32(2.0))
+        traced = staged(lambda a: dec.Fresh(a).functionalize()[1])(jnp.float32(2.0))
     _no_tracers_in(dec.Fresh)
     assert floats(traced) == floats(dec.Fresh(jnp.float32(2.0)).functionalize()[1]) == {"u": 3.0}
     check(plain, dec, "Fresh(jnp.float32(2.0))", [("bump", ()), ("bump", ())])

@@ -39,6 +39,7 @@ from semantics.harness import (
     check,
     plain_path,
     snapshot,
+    staged,
 )
 from semantics.harness import pair as pair_h17
 from semantics.harness import pair as pair_h22
@@ -199,10 +200,10 @@ def test_a_traced_value_is_still_refused_by_an_eager_model() -> None:
     model = Decorated()
     model.step(jnp.ones(3))
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda v: model.step(v))(jnp.ones(3))
+        staged(lambda v: model.step(v))(jnp.ones(3))
     np.testing.assert_array_equal(np.asarray(model.x), np.ones(3))
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda v: setattr(model, "x", v))(jnp.ones(3))
+        staged(lambda v: setattr(model, "x", v))(jnp.ones(3))
     np.testing.assert_array_equal(np.asarray(model.x), np.ones(3))
 
 
@@ -660,11 +661,11 @@ def test_ema_state_aliased_to_a_parameter_trained_through_f(write_module: Loader
     f, states = dec.EMA().functionalize()
     assert sorted(states) == ["ema_w", "step"] and list(autostate.param_dict(f)) == ["w"]
     w, ema = jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0])
-    step = jax.jit(lambda f, s, x: (jax.tree_util.tree_map(
+    step = staged(lambda f, s, x: (jax.tree_util.tree_map(
         lambda a, b: a - 0.1 * b, f, jax.grad(lambda f: f(s, x)[0])(f)), s))
     for x in (jnp.ones(2), jnp.array([2.0, -1.0])):
         f, states = step(f, states, x)
-        _, states = jax.jit(lambda f, s: f.update_ema(s))(f, states)
+        _, states = staged(lambda f, s: f.update_ema(s))(f, states)
         w = w - 0.1 * x
         ema = 0.5 * ema + 0.5 * w
     assert_same(np.asarray(w), np.asarray(autostate.param_dict(f)["w"]), "w")
@@ -1805,7 +1806,7 @@ def test_a_jitted_write_of_a_concrete_constant() -> None:
         model = written(k)
         constant = full_eager_writes_adversarial(6.0)
         twin = copy.copy(model)
-        fn = jax.jit(lambda v: (setattr(model, "x", constant), v * 2)[1])
+        fn = staged(lambda v: (setattr(model, "x", constant), v * 2)[1])
         out = fn(full_eager_writes_adversarial(1.0))
         model.x = full_eager_writes_adversarial(2.0)
         out = fn(full_eager_writes_adversarial(1.0))  # cached: no trace, no write

@@ -54,6 +54,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import _pair as pair_h5
@@ -165,10 +166,10 @@ def _sgd(model, g):
 
 
 ROADS = {
-    "jit closure": lambda m: jax.jit(lambda g: _sgd(m, g))(jnp.ones(2)),
-    "jit of grad": lambda m: jax.jit(jax.grad(lambda g: _sgd(m, g) * 1.0))(jnp.ones(2)),
-    "jit of vmap": lambda m: jax.jit(jax.vmap(lambda g: _sgd(m, g)))(jnp.ones((3, 2))),
-    "f of another model under jit": lambda m: jax.jit(
+    "jit closure": lambda m: staged(lambda g: _sgd(m, g))(jnp.ones(2)),
+    "jit of grad": lambda m: staged(jax.grad(lambda g: _sgd(m, g) * 1.0))(jnp.ones(2)),
+    "jit of vmap": lambda m: staged(jax.vmap(lambda g: _sgd(m, g)))(jnp.ones((3, 2))),
+    "f of another model under jit": lambda m: staged(
         lambda f, s, g: f.step(s, m, g)
     )(*Trainer().functionalize(), jnp.ones(2)),
 }
@@ -190,13 +191,13 @@ def test_a_model_built_inside_the_trace_takes_its_values() -> None:
         m = Linear()
         return _sgd(m, g)
 
-    assert float(jax.jit(inside)(jnp.ones(2))) == pytest.approx(1.8)
+    assert float(staged(inside)(jnp.ones(2))) == pytest.approx(1.8)
     assert float(jax.grad(inside)(jnp.ones(2)).sum()) == pytest.approx(-0.2)
 
 
 def test_a_model_passed_to_the_transformation_takes_its_values() -> None:
     model = Linear()
-    out, new = jax.jit(lambda m, g: (_sgd(m, g), m))(model, jnp.ones(2))
+    out, new = staged(lambda m, g: (_sgd(m, g), m))(model, jnp.ones(2))
     assert float(out) == pytest.approx(1.8)
     assert float(new.w[0]) == pytest.approx(0.9)
     assert float(model.w[0]) == 1.0  # the eager model keeps its own
@@ -271,7 +272,7 @@ def test_transformations_of_f_from_outside_are_not_escapes() -> None:
     assert float(new["n"]) == 1.0
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -330,7 +331,7 @@ def test_state_written_under_a_transformation_inside_a_method_is_a_clear_error(
             elif mode == "f":
                 _fcall(f, method)(states, arg)
             else:
-                jax.jit(lambda f, s, a: _fcall(f, method)(s, a))(f, states, arg)
+                staged(lambda f, s, a: _fcall(f, method)(s, a))(f, states, arg)
         assert "fix:" in str(err.value)
         assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked"
 
@@ -389,7 +390,7 @@ def test_a_tracer_write_to_an_eager_model_is_refused_and_changes_nothing(
         return v
 
     with pytest.raises(Exception) as info:  # noqa: PT011 - refused as an autostate or jax error
-        jax.jit(bad)(full(2.0))
+        staged(bad)(full(2.0))
     assert not isinstance(info.value, AssertionError)
     np.testing.assert_allclose(model.x, full(1.5))
     np.testing.assert_allclose(unwrap(snap["x"]), full(1.5))
@@ -399,7 +400,7 @@ def test_a_tracer_write_to_an_eager_model_is_refused_and_changes_nothing(
 def f_and_jit(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def test_raw_scan_in_a_helper_then_overwritten_is_refused_or_works(write_module: Loader_h8) -> None:
@@ -467,7 +468,7 @@ def test_state_written_in_grad_and_overwritten_after_eagerly(write_module: Loade
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def no_tracer(model: Any) -> None:
@@ -515,7 +516,7 @@ def test_custom_derivative_closure_writing_state(write_module: Loader_h9, method
     check(plain, dec, "Net()", [(method, (V3,))] * 2, modes=("eager", "f"))
     f, states = dec.Net().functionalize()
     with pytest.raises(EscapedStateError, match="State 'mean'") as info:
-        jax.jit(_fcall(f, method))(states, V3)
+        staged(_fcall(f, method))(states, V3)
     assert f"{dec.__file__}:" in str(info.value)
     ref = plain.Net()
     out, new = _fcall(f, method)(states, V3)  # f still works afterwards
@@ -584,7 +585,7 @@ def test_eager_closure_called_inside_jit_refuses_the_traced_write(write_module: 
     model = dec.Acc()
     bump = model.make_bumper(2.0)
     with pytest.raises(TracedEagerStateError, match="'n'") as info:
-        jax.jit(bump)(X1)
+        staged(bump)(X1)
     assert_user_line(info.value, dec.__file__)
     no_tracer(model)
     assert_same(np.float32(0.0), model.n, "unchanged")
@@ -801,7 +802,7 @@ def test_debug_callback_sees_the_plain_values(write_module: Loader_h18) -> None:
         f, states = dec.Net().functionalize()
         outs = []
         for m, a in calls:
-            call = _fcall(f, m) if mode == "f" else jax.jit(_fcall(f, m))
+            call = _fcall(f, m) if mode == "f" else staged(_fcall(f, m))
             out, states = call(states, *a)
             outs.append(out)
         jax.effects_barrier()
@@ -942,7 +943,7 @@ def run_f(dec: types.ModuleType, build: str, calls: list[tuple[str, tuple[Any, .
     for m, a in calls:
         fn = (lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))  # noqa: E731
         if jit:
-            fn = jax.jit(fn)
+            fn = staged(fn)
         out, states = fn(f, states, *a)
         outs.append(out)
     return outs, states, f
@@ -1118,7 +1119,7 @@ def test_vmap_over_a_writing_sub_model_method_is_documented_error(write_module: 
         else:
             f, states = model.functionalize()
             call = lambda f, s: f.vmapped_batched_writer(s, XB)  # noqa: E731
-            out, states = (jax.jit(call) if mode == "jit" else call)(f, states)
+            out, states = (staged(call) if mode == "jit" else call)(f, states)
             states["sub.total"] + 0  # noqa: B018
     assert type(err.value).__name__ in ("EscapedStateError", "TracedEagerStateError"), err.value
     assert "total" in str(err.value)
@@ -1194,7 +1195,7 @@ def run_case(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -1288,7 +1289,7 @@ def test_vmap_inside_method_writing_state_is_the_documented_escape(write_module:
     for fn in (
         dec.M().write_in_vmap,
         functools_partial(f.write_in_vmap, states),
-        functools_partial(jax.jit(f.write_in_vmap), states),
+        functools_partial(staged(f.write_in_vmap), states),
     ):
         with pytest.raises(autostate.AutostateError) as e:
             fn(V3_h28)
@@ -1397,7 +1398,7 @@ def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
     [
         lambda m, xs: jax.lax.scan(lambda c, x: (c + m(x).sum(), None), 0.0, xs)[0],
         lambda m, xs: jax.vmap(lambda x: m(x))(xs),
-        lambda m, xs: jax.jit(lambda x: m(x))(xs[0]),
+        lambda m, xs: staged(lambda x: m(x))(xs[0]),
         lambda m, xs: jax.checkpoint(lambda x: m(x))(xs[0]),
     ],
     ids=["lax.scan", "vmap", "jit", "checkpoint"],
@@ -1412,7 +1413,7 @@ def test_model_built_in_jit_written_in_an_inner_transformation_is_refused(
         return inner(m, xs), m.n
 
     with pytest.raises(TracedEagerStateError) as err:
-        jax.jit(g)(jax.random.key(0), XS_h31)
+        staged(g)(jax.random.key(0), XS_h31)
     user_line(err.value, dec, "# built mean")
 
 
@@ -1450,7 +1451,7 @@ def test_generator_stashed_by_f_resumed_after_it(write_module: Loader_h33, jit: 
     _, dec = pair(write_module, ESCAPES_h33)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
-    (jax.jit(f.stash, static_argnums=1) if jit else f.stash)(s, (1.0, 2.0))
+    (staged(f.stash, static_argnums=1) if jit else f.stash)(s, (1.0, 2.0))
     g = dec.BOX.pop()
     with pytest.raises(errors.UnhandledLocalStateError) as info:
         next(g)
@@ -1495,7 +1496,7 @@ def test_callbacks_registered_in_f_called_after_it(write_module: Loader_h33, jit
     _, dec = pair(write_module, ESCAPES_h33)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
-    (jax.jit(f.register_later) if jit else f.register_later)(s, A1)
+    (staged(f.register_later) if jit else f.register_later)(s, A1)
     partial, weak = dec.BOX
     dec.BOX.clear()
     with pytest.raises(errors.UnhandledLocalStateError) as info:
@@ -1866,7 +1867,7 @@ def test_compile_time_eval_branch_on_a_state_under_jit_is_traced_value_error(
     _, dec = pair(write_module, INSIDE_h34)
     f, states = dec.Net().functionalize()
     with pytest.raises(TracedValueError) as info:
-        jax.jit(f.cte_branch)(states, V3)
+        staged(f.cte_branch)(states, V3)
     user_line(info.value, dec, "if self.mean.sum() > 3:")
 
 
@@ -1947,7 +1948,7 @@ def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
     with pytest.raises(autostate.AutostateError):
         f.reduce_write(states, XS_h34)
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda f, s, x: f.reduce_write(s, x))(f, states, XS_h34)
+        staged(lambda f, s, x: f.reduce_write(s, x))(f, states, XS_h34)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -2027,7 +2028,7 @@ def test_debug_callback_method_appending_to_a_list_eagerly_in_f_and_jit_of_f(
     for how in ("f", "jit(f)"):
         m = dec.Cb()
         f, states = m.functionalize()
-        call = f.debug_log if how == "f" else jax.jit(f.debug_log)
+        call = f.debug_log if how == "f" else staged(f.debug_log)
         outs = []
         for v in (V3, V3 * 2):
             out, states = call(states, v)
@@ -2052,7 +2053,7 @@ def test_debug_callback_method_appending_to_a_list_with_f_as_a_jit_argument(
     ref = plain.Cb()
     expected = [ref.debug_log(V3), ref.debug_log(V3 * 2)]
     f, states = dec.Cb().functionalize()
-    step = jax.jit(lambda f, s, x: f.debug_log(s, x))
+    step = staged(lambda f, s, x: f.debug_log(s, x))
     outs = []
     for v in (V3, V3 * 2):
         out, states = step(f, states, v)
@@ -2074,7 +2075,7 @@ def test_host_callback_bound_method_with_f_as_a_jit_argument_does_not_leak(
     _, dec = _cb_pair(write_module)
     f, states = dec.Cb().functionalize()
     with jax.checking_leaks():
-        jax.jit(lambda f, s, x: f.debug_log(s, x))(f, states, V3)
+        staged(lambda f, s, x: f.debug_log(s, x))(f, states, V3)
         jax.effects_barrier()
 
 
@@ -2090,9 +2091,9 @@ def test_pure_callback_method_reading_a_parameter_with_f_as_a_jit_argument(
     plain, dec = _cb_pair(write_module)
     expected = plain.Cb().pure_reads_param(V3)
     f, states = dec.Cb().functionalize()
-    assert_same(expected, jax.jit(f.pure_reads_param)(states, V3)[0], "jit(f.m)")
+    assert_same(expected, staged(f.pure_reads_param)(states, V3)[0], "jit(f.m)")
     try:
-        out, _ = jax.jit(lambda f, s, x: f.pure_reads_param(s, x))(f, states, V3)
+        out, _ = staged(lambda f, s, x: f.pure_reads_param(s, x))(f, states, V3)
     except autostate.AutostateError as err:
         user_line(err, dec, "np.asarray(self.w)")
     else:
@@ -2108,7 +2109,7 @@ def test_pure_callback_method_reading_a_parameter_eagerly_in_f_and_jit_of_f(
     f, states = dec.Cb().functionalize()
     ref = plain.Cb()
     for v in (V3, -V3):
-        out, states = jax.jit(f.pure_reads_param)(states, v)
+        out, states = staged(f.pure_reads_param)(states, v)
         assert_same(ref.pure_reads_param(v), out)
 
 
@@ -2208,11 +2209,11 @@ def test_write_to_an_object_outside_f_under_jit_is_refused(write_module: Loader_
     before = snapshot(other)
     with raises_autostate(errors.TracedEagerStateError) as err:
         if target == "argument":
-            jax.jit(lambda f, s, x: f.write_arg(s, x, other))(f, states, 1.0)
+            staged(lambda f, s, x: f.write_arg(s, x, other))(f, states, 1.0)
         elif target == "jit argument":
-            jax.jit(lambda f, s, x, o: f.write_arg(s, x, o))(f, states, 1.0, other)
+            staged(lambda f, s, x, o: f.write_arg(s, x, o))(f, states, 1.0, other)
         else:
-            jax.jit(lambda f, s, x: f.write_global(s, x))(f, states, 1.0)
+            staged(lambda f, s, x: f.write_global(s, x))(f, states, 1.0)
     user_line(err.value, dec, "TALLY.count += 1" if target == "global" else "other.count += 1")
     assert_same(before, snapshot(other))
     assert not autostate.lifetime.contains_tracer(snapshot(other))
@@ -2497,7 +2498,7 @@ def has_tracer(tree: Any) -> bool:
 
 def _transformed(how: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     if how == "jit":
-        return jax.jit(fn)
+        return staged(fn)
     if how == "grad":
         return jax.grad(lambda v: jnp.sum(jnp.asarray(fn(v), jnp.float32)))
     return jax.vmap(fn)

@@ -39,6 +39,7 @@ from semantics.harness import (
     plain_path,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.programs import (
@@ -118,12 +119,12 @@ def test_f_reused_after_exceptions(write_module: Loader_h2) -> None:
     with pytest.raises(ValueError, match="boom"):
         f.fail(states, 1.0, True)
     with pytest.raises(ValueError, match="boom"):
-        jax.jit(f.fail, static_argnums=2)(states, 1.0, True)
+        staged(f.fail, static_argnums=2)(states, 1.0, True)
     with pytest.raises(TypeError):
-        jax.jit(f.bad_shape)(states, 1.0)
+        staged(f.bad_shape)(states, 1.0)
     out, s = f.fail(states, 1.0, False)
     assert float(out) == 2.0
-    out, s = jax.jit(f)(states, 1.0)
+    out, s = staged(f)(states, 1.0)
     assert float(out) == 6.0
     assert f == dec.Mixed().functionalize()[0]
 
@@ -131,7 +132,7 @@ def test_f_reused_after_exceptions(write_module: Loader_h2) -> None:
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 @pytest.mark.parametrize("method,arg", [("scan_raises", XS), ("cond_raises", X1)])
@@ -203,7 +204,7 @@ def test_every_lax_body_that_raises_after_a_write_loses_the_state_loudly(
     assert_same(np.float32(3.0), model.caught.__self__.a + 1, "assigned again")
     f, states = dec.Q().functionalize()
     call = _fcall(f, "caught")
-    for mode in (call, jax.jit(lambda s, x: call(s, method, x))):
+    for mode in (call, staged(lambda s, x: call(s, method, x))):
         with pytest.raises(ControlFlowStateError, match=r"State 'a' has no value"):
             mode(states, method, X1) if mode is call else mode(states, X1)
 
@@ -237,7 +238,7 @@ def _outer_modes(dec: types.ModuleType, method: str, *args: Any) -> dict[str, An
     out, s = getattr(f, method)(s, *args)
     res["f"] = floats([out, s["x"], s["z"]])
     f, s = dec.Outer().functionalize()
-    out, s = jax.jit(lambda f, s, *a: getattr(f, method)(s, *a))(f, s, *args)
+    out, s = staged(lambda f, s, *a: getattr(f, method)(s, *a))(f, s, *args)
     res["jit"] = floats([out, s["x"], s["z"]])
     return res
 
@@ -320,8 +321,8 @@ def test_f_raising_then_called_again(write_module: Loader_h19, kind: str, jit: b
     p = plain.Raiser()
     expected = floats([p.step(X1), p.step(X2), p.x, p.n])
     f, s = dec.Raiser().functionalize()
-    raising = jax.jit(f.write_then_raise, static_argnums=2) if jit else f.write_then_raise
-    step = jax.jit(f.step) if jit else f.step
+    raising = staged(f.write_then_raise, static_argnums=2) if jit else f.write_then_raise
+    step = staged(f.step) if jit else f.step
     with pytest.raises(KINDS[kind]):
         raising(s, X1, kind)
     no_handler_left()
@@ -395,7 +396,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -547,7 +548,7 @@ def test_raise_mid_method_after_writes(write_module: Loader_h25) -> None:
     with pytest.raises(ValueError, match="mid-method"):
         f.step(states, A2, True)
     same(given, states, "f leaves the given states alone")
-    jitted = jax.jit(lambda f, s, x: f.step(s, x, True))
+    jitted = staged(lambda f, s, x: f.step(s, x, True))
     with pytest.raises(ValueError, match="mid-method"):
         jitted(f, states, A2)
     out, states = f.step(states, A2, False)
@@ -628,7 +629,7 @@ def run_case_h28(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -727,7 +728,7 @@ def test_raise_after_writes_caught_by_wrapper_and_caller(write_module: Loader_h2
     # under jit the Python `limit` must be static
     ref = plain.Outer()
     f, states = dec.Outer().functionalize()
-    step = jax.jit(lambda f, s, x, limit: f(s, x, limit), static_argnums=3)
+    step = staged(lambda f, s, x, limit: f(s, x, limit), static_argnums=3)
     for _, (x, limit) in calls:
         out, states = step(f, states, x, limit)
         same(ref(x, limit), out, "jit output")
@@ -746,7 +747,7 @@ def test_raise_after_writes_out_of_f_leaves_states(write_module: Loader_h28) -> 
     f, states = dec.Outer().functionalize()
     _, states = f(states, A1, 2.0)
     given = {k: np.asarray(v) for k, v in states.items()}
-    for fn in (f.raw, jax.jit(f.raw, static_argnums=2)):
+    for fn in (f.raw, staged(f.raw, static_argnums=2)):
         with pytest.raises(FloatingPointError):
             fn(states, A2, -1.0)
         same(given, {k: np.asarray(v) for k, v in states.items()}, "states unchanged")
@@ -846,7 +847,7 @@ def fcall(f: Any, name: str, states: Any, args: Sequence[Any], jit: bool) -> Any
     if jit:
         key = (name, _static(args))
         if key not in _JITTED:
-            _JITTED[key] = jax.jit(fn, static_argnums=key[1])
+            _JITTED[key] = staged(fn, static_argnums=key[1])
         fn = _JITTED[key]
     return fn(f, states, *args)
 
@@ -1188,7 +1189,7 @@ def test_partial_writes_raise_class_is_the_users(write_module: Loader_h32) -> No
     model = dec.Model()
     f, states = model.functionalize()
     for call in (lambda: model.via_helper(X1_h32, True), lambda: f.via_helper(states, X1_h32, True),
-                 lambda: jax.jit(f.via_helper, static_argnums=2)(states, X1_h32, True)):
+                 lambda: staged(f.via_helper, static_argnums=2)(states, X1_h32, True)):
         with pytest.raises(dec.Boom, match="helper") as err:
             call()
         assert type(err.value) is dec.Boom
@@ -2009,10 +2010,10 @@ def test_captured_and_non_state_list_changed_in_a_body_is_refused(
     model = dec.Base()
     f, states = model.functionalize()
     calls = [lambda: model.captured(XS_h32, kind), lambda: f.captured(states, XS_h32, kind),
-             lambda: jax.jit(f.captured, static_argnums=2)(states, XS_h32, kind)]
+             lambda: staged(f.captured, static_argnums=2)(states, XS_h32, kind)]
     if kind is not None:
         calls += [lambda: model.leaf_items(XS_h32, kind), lambda: f.leaf_items(states, XS_h32, kind),
-                  lambda: jax.jit(f.leaf_items, static_argnums=2)(states, XS_h32, kind)]
+                  lambda: staged(f.leaf_items, static_argnums=2)(states, XS_h32, kind)]
     for call in calls:
         with pytest.raises(autostate.errors.EscapedStateError) as err:
             call()
@@ -2337,7 +2338,7 @@ def test_raise_under_grad_or_vmap_of_f_then_again(write_module: Loader_h32, tran
         no_tracers(f, states)
         same(snapshot(trans(plain_fn, False)(arg)), snapshot(trans(dec_fn, False)(arg)), transform)
         same(snapshot(trans(plain_fn, False)(arg)),
-             snapshot(jax.jit(trans(dec_fn, False))(arg)), f"jit {transform}")
+             snapshot(staged(trans(dec_fn, False))(arg)), f"jit {transform}")
 
 
 GEN = """
@@ -2481,7 +2482,7 @@ def test_exception_through_contextmanager_restores_eagerly_and_f_keeps_states(
         got.append(snapshot(m))
     same(got[0], got[1], "eager: the flag restored, the write kept")
     f, s = dec.Net().functionalize()
-    for fn in (f.raise_through_cm, jax.jit(f.raise_through_cm)):
+    for fn in (f.raise_through_cm, staged(f.raise_through_cm)):
         with pytest.raises(KeyError):
             fn(s, A1)
     out, s2 = f.with_self_flag(s, A1)

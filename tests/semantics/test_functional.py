@@ -44,6 +44,7 @@ from semantics.harness import (
     check_transform,
     raises_autostate,
     same,
+    staged,
 )
 from semantics.harness import _pair as _pair_h10
 from semantics.harness import _pair as _pair_h11
@@ -214,7 +215,7 @@ def test_pickle_frozen_model():
     assert float(clone.step(1.0)) == 4.0
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -391,7 +392,7 @@ def check(
                 out, states = _fcall(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same(expected, got, f"{mode} outputs")
@@ -425,13 +426,13 @@ def test_category_subset(write_module: Loader) -> None:
     expected = [p.only_cache(1.0), p.only_cache(2.0)]
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(f.only_cache)(states, x)
+        out, states = staged(f.only_cache)(states, x)
         got.append(out)
     assert_same(expected, got)
     assert_same(p.kv, states["kv"])
     # the other category is an eager slot inside f: written under jit, a clear error
     with pytest.raises(errors.TracedEagerStateError, match="Mixed.n"):
-        jax.jit(f)(states, 1.0)
+        staged(f)(states, 1.0)
     # eagerly it updates f.model in place (documented), never the original model
     _, states = f(states, 1.0)
     assert_same(np.ones(2), f.model.n)
@@ -483,7 +484,7 @@ def test_states_from_another_f_and_bad_keys(write_module: Loader) -> None:
     with pytest.raises(errors.UnhandledLocalStateError, match="'kv' is missing"):
         fa(sb, 1.0)
     with pytest.raises(errors.UnhandledLocalStateError, match="missing"):
-        jax.jit(fa)({"n": sa["n"]}, 1.0)
+        staged(fa)({"n": sa["n"]}, 1.0)
     with pytest.raises(errors.StateDictError, match="'zz'"):
         fa({**sa, "zz": jnp.zeros(())}, 1.0)
     with pytest.raises(errors.InvalidTypeError):
@@ -501,7 +502,7 @@ def test_pickle_model_then_continue(write_module: Loader) -> None:
     assert_same(p.step(2.0), d2.step(2.0))
     assert_same(snapshot(p), snapshot(d2))
     f, states = d2.functionalize()
-    assert_same(p.step(3.0), jax.jit(f.step)(states, 3.0)[0])
+    assert_same(p.step(3.0), staged(f.step)(states, 3.0)[0])
 
 
 def test_pickle_f_and_frozen_keep_aliasing(write_module: Loader) -> None:
@@ -589,7 +590,7 @@ def test_functionalize_freeze_functionalize_does_not_retrace(write_module: Loade
     check_h4(plain, dec, "Retrace()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     model = dec.Retrace()
     f1, s1 = model.functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     dec.TRACES.clear()
     _, s = step(f1, s1, 1.0)
     n_traces = len(dec.TRACES)
@@ -626,7 +627,7 @@ def test_functionalize_then_eager_writes_then_freeze(write_module: Loader) -> No
             f, states = model.functionalize()
             model.step(full(2.0))
             model.x = full(3.0)
-            _, states = jax.jit(lambda f, s, v: f.step(s, v))(f, states, full(4.0))
+            _, states = staged(lambda f, s, v: f.step(s, v))(f, states, full(4.0))
             frozen = autostate.freeze(f, states)
             frozen.step(full(6.0))
             return [model.x, model.n, frozen.x, frozen.n]
@@ -652,7 +653,7 @@ def test_two_fs_from_one_model_interleaved_under_jit(write_module: Loader) -> No
     model = dec.TwoPaths()
     f1, s1 = model.functionalize()
     f2, s2 = model.functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     outs, exp = [], []
     for v in (1.0, 2.0, 3.0):
         o1, s1 = step(f1, s1, v)
@@ -671,7 +672,7 @@ def test_f_called_twice_in_one_trace_and_a_tree_map_copy(write_module: Loader) -
     e1, e2 = ref(1.0), ref(2.0)
     f, states = dec.TwoPaths().functionalize()
 
-    @jax.jit
+    @staged
     def run(f: Any, s: Any) -> Any:
         g = jax.tree_util.tree_map(lambda v: v, f)
         o1, s = f(s, 1.0)
@@ -705,7 +706,7 @@ class Outer:
     f, states = model.functionalize()
     try:
         out_e, st_e = f(states, 1.0)
-        out_j, st_j = jax.jit(lambda f, s, x: f(s, x))(f, states, 1.0)
+        out_j, st_j = staged(lambda f, s, x: f(s, x))(f, states, 1.0)
     except autostate.AutostateError:
         return
     np.testing.assert_allclose(out_e, expected_k)
@@ -832,7 +833,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -849,7 +850,7 @@ def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
         f, opt_state = update(f, grads, opt_state)
         return loss, f, opt_state, states
 
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
@@ -924,7 +925,7 @@ def test_trainer_holding_f_and_an_optimizer_functionalized(write_module: Loader,
     trainer = dec.FTrainer(model)
     ref = trainer_reference(template, trainer.f, trainer.states, data)
     tf, ts = trainer.functionalize()
-    step = jax.jit(tf.train_step) if jit else tf.train_step
+    step = staged(tf.train_step) if jit else tf.train_step
     for i, (x, y) in enumerate(data):
         loss, ts = step(ts, x, y)
         assert_step(ref[i], loss, ts["f"], ts["states"], f"step {i}")
@@ -954,7 +955,7 @@ def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode:
     # Inside a functionalized call the sub-model cannot be replaced: the documented
     # StateAccessError, naming the user's line, and the trainer left as it was.
     tf, ts = trainer.functionalize()
-    step = jax.jit(tf.train_step) if mode == "jit" else tf.train_step
+    step = staged(tf.train_step) if mode == "jit" else tf.train_step
     before = jax.tree_util.tree_map(np.asarray, ts)
     with pytest.raises(StateAccessError) as err:
         step(ts, *data[0])
@@ -1014,7 +1015,7 @@ def test_nested_functionalize_of_a_sub_model_inside_f(write_module: Loader, stat
     expected = [eager(1.0), eager(2.0)]
     assert float(eager.model.n) == 0.0
     f, states = dec.Outer(static).functionalize()
-    call = jax.jit(f) if jit else f
+    call = staged(f) if jit else f
     got = []
     for x in (1.0, 2.0):
         out, states = call(states, x)
@@ -1114,7 +1115,7 @@ def test_ema_copy_by_deepcopy_updated_from_the_online_model(write_module: Loader
     ref = run_reference(template, names_of(f), dict(states), "sgd", data)
     ref_ema = names_of(fe)
     step = f_train_step("sgd")
-    ema_update = jax.jit(lambda e, p: jax.tree_util.tree_map(lambda a, b: 0.8 * a + 0.2 * b, e, p))
+    ema_update = staged(lambda e, p: jax.tree_util.tree_map(lambda a, b: 0.8 * a + 0.2 * b, e, p))
     for i, (x, y) in enumerate(data):
         loss, f, _, states = step(f, (), states, x, y)
         assert_step(ref[i], loss, f, states, f"step {i}")
@@ -1135,7 +1136,7 @@ def test_states_of_another_model_are_a_clear_error(write_module: Loader) -> None
     _, other_states = other.functionalize()
     x = data_for(2, 1)[0][0]
     before = jax.tree_util.tree_map(np.asarray, states)
-    for call in (f, jax.jit(f)):
+    for call in (f, staged(f)):
         with pytest.raises(autostate.AutostateError) as err:
             call(other_states, x)
         assert "trunk." in str(err.value) or "body." in str(err.value), str(err.value)
@@ -1152,7 +1153,7 @@ def test_states_of_a_same_structured_model_are_interchangeable(write_module: Loa
     b(x)
     fa, _ = a.functionalize()
     _, sb = b.functionalize()
-    out, new = jax.jit(fa)(sb, x)
+    out, new = staged(fa)(sb, x)
     p = plain.MLP(jax.random.PRNGKey(5), 3, 2)
     p(x)
     p(x)
@@ -1170,7 +1171,7 @@ def test_stale_f_after_a_layer_was_added_eagerly(write_module: Loader, jit: bool
     f_new, s_new = model.functionalize()
     assert "body.mods[4].mean" in s_new
     x = data_for(2, 1)[0][0]
-    call_old, call_new = (jax.jit(f_old), jax.jit(f_new)) if jit else (f_old, f_new)
+    call_old, call_new = (staged(f_old), staged(f_new)) if jit else (f_old, f_new)
     with pytest.raises(autostate.AutostateError) as err:
         call_old(s_new, x)
     assert "body.mods[4]" in str(err.value)
@@ -1191,12 +1192,12 @@ def test_stale_f_after_eval_keeps_its_train_mode_snapshot(write_module: Loader) 
     f, states = model.functionalize()
     model.eval()
     x = data_for(2, 1)[0][0]
-    out, new = jax.jit(f)(states, x)
+    out, new = staged(f)(states, x)
     assert_same_h10(template(x), out)  # the template is still in train mode
     assert_same_h10(read_plain(template, new), new)
     f2, s2 = model.functionalize()
     assert jax.tree_util.tree_structure(f2) != jax.tree_util.tree_structure(f)
-    out2, _ = jax.jit(f2)(s2, x)
+    out2, _ = staged(f2)(s2, x)
     template.eval()
     p = load_plain(plain.MLP(KEY, 3, 2, rate=0.5).eval(), {}, {})
     assert_same_h10(p(x), out2)
@@ -1207,7 +1208,7 @@ def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: 
     template, model, _ = build_pair(plain, dec, "mlp_dropout")
     f, states = model.functionalize()
     data = data_for(2, 3)
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     outs = [step(f, states, x)[0] for x, _ in data]
     fresh = [copy.deepcopy(template)(x) for x, _ in data]
     assert_same_h10(fresh, outs)  # every call starts from the initial states
@@ -1225,7 +1226,7 @@ def test_frozen_trainer_holding_f_copied_and_continued(write_module: Loader, how
     ref = trainer_reference(template, trainer.f, trainer.states, data)
     tf, ts = trainer.functionalize()
     for x, y in data[:2]:
-        _, ts = jax.jit(tf.train_step)(ts, x, y)
+        _, ts = staged(tf.train_step)(ts, x, y)
     frozen = autostate.freeze(tf, ts)
     if how == "pickle":
         frozen = pickle.loads(pickle.dumps(frozen))
@@ -1292,7 +1293,7 @@ def test_nested_functionalize_of_every_kind_of_state(write_module: Loader, kind:
     expected = [eager(1.0), eager(2.0)]
     expected_n = float(eager.model.n)
     f, states = dec.Outer(kind).functionalize()
-    for call in (f, jax.jit(f)):
+    for call in (f, staged(f)):
         st, got = states, []
         for x in (1.0, 2.0):
             out, st = call(st, x)
@@ -1322,11 +1323,11 @@ def test_category_subset_write_to_unhandled_state_under_jit_names_the_line(write
     _, dec = pair_h11(write_module, CATS)
     f, states = dec.Decoder().functionalize("cache")
     with pytest.raises(errors.TracedEagerStateError) as info:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, 1.0)
+        staged(lambda f, s, x: f(s, x))(f, states, 1.0)
     assert "steps" in str(info.value)
     assert f"{Path(dec.__file__).name}:" in str(info.value)
     # a method that writes only the handled category is fine under jit
-    out, states = jax.jit(lambda f, s, x: f.decode(s, x))(f, states, 2.0)
+    out, states = staged(lambda f, s, x: f.decode(s, x))(f, states, 2.0)
     assert float(out) == 6.0 and int(states["pos"]) == 1
 
 
@@ -1353,7 +1354,7 @@ def test_category_selections_match_plain(write_module: Loader, select: str) -> N
     if select == "category-state":
         return  # decode writes the cache, which this f does not handle: checked eagerly above
     got = []
-    step = {m: jax.jit(lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))
+    step = {m: staged(lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))
             for m in {m for m, _ in calls}}
     for m, a in calls:
         out, states = step[m](f, states, *a)
@@ -1374,7 +1375,7 @@ def test_constant_is_in_states_not_in_f_and_gets_no_gradient(write_module: Loade
 
 
 def _train(f: Any, states: Any, xs: list[Any]) -> tuple[Any, Any, list[Any]]:
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     outs = []
     for x in xs:
         out, states = step(f, states, x)
@@ -1510,7 +1511,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
         traces.append(1)
         return fn(*a)
 
-    return jax.jit(traced), traces
+    return staged(traced), traces
 
 
 def _static_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
@@ -1547,7 +1548,7 @@ def test_eager_model_and_its_f_live_independent_lives(write_module: Loader) -> N
     snap = copy.deepcopy(ref)
     f, states = model.functionalize()
     f2, states2 = model.functionalize()
-    step = jax.jit(lambda f, s, x: f.step(s, x))
+    step = staged(lambda f, s, x: f.step(s, x))
     for i in range(2):
         assert_typed(ref.weak_only(), model.weak_only(), f"eager {i}")
         expected = snap.step(X2)
@@ -1573,7 +1574,7 @@ def test_states_edited_by_hand_between_calls(write_module: Loader) -> None:
     plain, dec = pair_h13(write_module, KINDS)
     ref = plain.Kinds()
     f, states = dec.Kinds().functionalize()
-    step = jax.jit(lambda f, s, x: f.step(s, x))
+    step = staged(lambda f, s, x: f.step(s, x))
     edits = {
         "wf": lambda v: jnp.float32(v),  # weak -> strong
         "i2f": lambda v: v.astype(jnp.int8),  # another int width
@@ -1595,7 +1596,7 @@ def test_values_assigned_from_outside_between_jitted_calls(write_module: Loader)
     """``model.x = v`` from a training loop, between functionalize/freeze rounds."""
     plain, dec = pair_h13(write_module, KINDS)
     ref, model = plain.Kinds(), dec.Kinds()
-    step = jax.jit(lambda f, s, x: f.step(s, x))
+    step = staged(lambda f, s, x: f.step(s, x))
     writes = [
         ("wi", jnp.asarray(7)),
         ("wf", 2.5),
@@ -1749,7 +1750,7 @@ def test_f_missing_state_key(mods: Any) -> None:
     # Raised where the state is read: the model's line in the user's file.
     assert_clear(info.value, errors.UnhandledLocalStateError, dec.__file__, "'count' is missing")
     with raises_autostate(errors.UnhandledLocalStateError) as info:
-        jax.jit(lambda f, s: f(s, 1.0))(f, {})
+        staged(lambda f, s: f(s, 1.0))(f, {})
     assert_clear(info.value, errors.UnhandledLocalStateError, dec.__file__, "'count' is missing")
 
 
@@ -1917,7 +1918,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
@@ -2052,7 +2053,7 @@ def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
     return loss, optax.apply_updates(p, u), o, s
 
 
-JF_STEP, JR_STEP = jax.jit(f_step), jax.jit(r_step)
+JF_STEP, JR_STEP = staged(f_step), staged(r_step)
 
 
 def train_both(
@@ -2241,7 +2242,7 @@ def test_functionalize_and_freeze_self_inside_a_method(
     f, s = dec.Probe().functionalize()
     out, s1 = getattr(f, method)(s, 3.0)
     got["f"] = floats([out, s1["x"], s1["n"]])
-    out, s2 = jax.jit(lambda f, s: getattr(f, method)(s, 3.0))(f, s)
+    out, s2 = staged(lambda f, s: getattr(f, method)(s, 3.0))(f, s)
     got["jit"] = floats([out, s2["x"], s2["n"]])
     for mode, g in got.items():
         assert_same_h19([expected, 2.0, 0.0], g, mode)
@@ -2260,7 +2261,7 @@ def test_functionalize_a_sub_model_inside_the_outer_call(write_module: Loader) -
     m = dec.Holder()
     assert_same_h19(expected, floats([m.probe_sub(3.0), m.sub.x, m.y]), "eager")
     f, s = dec.Holder().functionalize()
-    for mode, call in (("f", f.probe_sub), ("jit", jax.jit(f.probe_sub))):
+    for mode, call in (("f", f.probe_sub), ("jit", staged(f.probe_sub))):
         out, s1 = call(s, 3.0)
         assert_same_h19(expected, floats([out, s1["sub.x"], s1["y"]]), mode)
 
@@ -2278,7 +2279,7 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     gc.collect()
     assert alive() is None, "f keeps the eager model alive"
     out1, s = f.step(s, X1)
-    out2, s = jax.jit(f.step)(s, X2_h19)
+    out2, s = staged(f.step)(s, X2_h19)
     assert_same_h19(expected, floats([out1, out2, s["x"], s["n"]]))
     frozen = autostate.freeze(f, s)
     assert_same_h19(expected[2:], floats([frozen.x, frozen.n]), "frozen")
@@ -2299,7 +2300,7 @@ def test_split_merge_three_rounds(write_module: Loader) -> None:
     def rounds(mod: types.ModuleType, decorated: bool) -> tuple[list[Any], Any]:
         model = mod.make()
         outs = []
-        step = jax.jit(lambda f, s, x: f(s, x))
+        step = staged(lambda f, s, x: f(s, x))
         for r in range(3):
             if decorated:
                 f, states = model.functionalize()
@@ -2340,7 +2341,7 @@ def test_split_by_category_like_nnx_split(write_module: Loader) -> None:
     frozen = autostate.freeze(f, states)
     assert_same_h20(snapshot_h20(ref), snapshot_h20(frozen))
     with pytest.raises(TracedEagerStateError, match="steps") as err:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, V2)
+        staged(lambda f, s, x: f(s, x))(f, states, V2)
     assert "self.steps += 1" in error_line(err.value)
 
 
@@ -2365,7 +2366,7 @@ def test_explicit_state_passing_mixed_with_autostate_states(write_module: Loader
     assert_same_h20(ref_st, st)
     assert_same_h20(snapshot_h20(ref), snapshot_h20(model))
     f, states = dec.EqxState().functionalize()
-    step = jax.jit(lambda f, s, x, st, inf: f(s, x, st, scale=2.0, inference=inf),
+    step = staged(lambda f, s, x, st, inf: f(s, x, st, scale=2.0, inference=inf),
                    static_argnums=4)
     st, outs = s0, []
     for i in range(3):
@@ -2395,7 +2396,7 @@ def test_tree_at_surgery_on_a_frozen_model(write_module: Loader) -> None:
     assert_same_h20(np.ones(2), frozen.lin.weight)
     assert_same_h20(np.int32(1), frozen.count)
     f2, s2 = new.functionalize()
-    out, s2 = jax.jit(lambda f, s, x: f(s, x))(f2, s2, V2)
+    out, s2 = staged(lambda f, s, x: f(s, x))(f2, s2, V2)
     assert_same_h20(ref(V2), out)
     assert_same_h20(snapshot_h20(ref), snapshot_h20(autostate.freeze(f2, s2)))
 
@@ -2466,7 +2467,7 @@ def test_one_states_dict_reused_for_two_calls_gives_the_same_result(write_module
     before = jax.tree_util.tree_map(np.asarray, dict(states))
     r1 = f(states, ONE)
     r2 = f(states, ONE)
-    r3 = jax.jit(f)(states, ONE)
+    r3 = staged(f)(states, ONE)
     assert_same_h22(r1, r2)
     assert_same_h22(r1, r3)
     assert_same_h22(before, dict(states))
@@ -2586,7 +2587,7 @@ def test_deepcopy_pickle_and_pack_of_f_keep_the_shared_block(write_module: Loade
         assert_same_h22(expected, out, how)
         assert_same_h22(p.enc.n, new["enc.n"], how)
     pf, ps = autostate.pack(f, states)
-    out, ps = jax.jit(lambda f, s, x: f(s, x))(pf, ps, ONE)
+    out, ps = staged(lambda f, s, x: f(s, x))(pf, ps, ONE)
     assert_same_h22(expected, out)
     frozen = autostate.freeze(pf, ps)
     assert frozen.enc is frozen.dec_in is frozen.t[0]
@@ -2611,7 +2612,7 @@ def test_copy_replace_of_a_decorated_model(write_module: Loader_h23, cls: str) -
 
 
 def step_jit() -> Callable[..., Any]:
-    return jax.jit(lambda f, s, x: f(s, x))
+    return staged(lambda f, s, x: f(s, x))
 
 
 def assert_shared(model: Any) -> None:
@@ -2648,7 +2649,7 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     assert sorted(states2) == sorted(states)
     out, states2 = f2(states2, X1_h27)
     assert_same_h27(ref(X1_h27), out, "second f")
-    out, states2 = jax.jit(lambda f, s: f.peek(s))(f2, states2)
+    out, states2 = staged(lambda f, s: f.peek(s))(f2, states2)
     assert_same_h27(ref.peek(), out, "second f peek")
     frozen2 = autostate.freeze(f2, states2)
     assert_shared(frozen2)
@@ -2794,7 +2795,7 @@ def test_functionalize_after_an_eager_reset_of_a_sub_model(write_module: Loader)
     f, states = model.functionalize()
     out, states = f(states, X1_h27)
     assert_same_h27(ref(X1_h27), out, "after reset")
-    _, states = jax.jit(lambda f, s: f.peek(s))(f, states)
+    _, states = staged(lambda f, s: f.peek(s))(f, states)
     assert_same_h27(snapshot_h27(ref), snapshot_h27(autostate.freeze(f, states)), "after reset, frozen")
 
 
@@ -2856,7 +2857,7 @@ def run_case(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -2882,7 +2883,7 @@ def test_copy_returned_from_f_is_usable_afterwards(write_module: Loader) -> None
     ref = plain.M()
     saved_ref = ref.snapshot_copy(A1)
     f, states = dec.M().functionalize()
-    for fn in (f.snapshot_copy, jax.jit(f.snapshot_copy)):
+    for fn in (f.snapshot_copy, staged(f.snapshot_copy)):
         saved, _ = fn(states, A1)
         same(snapshot_h28(saved_ref), snapshot_h28(saved), "returned copy")
         same(saved_ref._inc(A2), saved._inc(A2), "eager call on the returned copy")
@@ -2942,7 +2943,7 @@ def train_compare(
         (val, s2), g = jax.value_and_grad(loss, has_aux=True)(f)
         return (jax.tree_util.tree_map(lambda p, d: p - lr * d, f, g), s2), val
 
-    for run in (jax.jit(jax.lax.scan, static_argnums=0),):
+    for run in (staged(jax.lax.scan, static_argnums=0),):
         (f, s), losses = run(step, (f0, states0), xs)
         assert_same_h30(np.stack(ref_losses), losses, "losses")
         got = autostate.param_dict(f)
@@ -3013,7 +3014,7 @@ def test_lightning_trainer_freeze_and_deepcopy_keep_the_cycle(write_module: Load
     plain, dec = lightning(write_module)
     ref = plain.lit()
     f, states = dec.lit().functionalize()
-    step = jax.jit(lambda f, s, x, y: f.fit_step(s, x, y))
+    step = staged(lambda f, s, x, y: f.fit_step(s, x, y))
     for _, (x, y) in LIT_STEPS:
         ref.fit_step(x, y)
         _, states = step(f, states, x, y)
@@ -3053,7 +3054,7 @@ def test_deepcopy_of_a_frozen_trainer_then_both_trained_through_f(write_module: 
     ref = plain.adam_trainer("AliasAdam")
     ref.fit_step(*batch(0))
     f, states = dec.adam_trainer("AliasAdam").functionalize()
-    step = jax.jit(lambda f, s, x, y: f.fit_step(s, x, y))
+    step = staged(lambda f, s, x, y: f.fit_step(s, x, y))
     _, states = step(f, states, *batch(0))
     frozen = autostate.freeze(f, states)
     twin, ref_twin = copy.deepcopy(frozen), copy.deepcopy(ref)
@@ -3077,7 +3078,7 @@ def test_functionalize_the_model_a_trainer_holds(write_module: Loader) -> None:
     trainer.fit_step(*batch(0))
     fm, sm = trainer.model.functionalize()
     ref_model = copy.deepcopy(ref.model)
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for i in range(2):
         assert_same_h35(ref.fit_step(*batch(i + 1)), trainer.fit_step(*batch(i + 1)), f"trainer {i}")
         out, sm = step(fm, sm, batch(i)[0])
@@ -3646,6 +3647,6 @@ def test_an_unhandled_category_inside_f_and_a_frozen_model() -> None:
     np.testing.assert_array_equal(np.asarray(frozen.child.x), full_eager_writes_adversarial(7.0, 2))
     np.testing.assert_array_equal(np.asarray(frozen.y), full_eager_writes_adversarial(1.0, 2))
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda f, v: f.bump({}, v))(f, full_eager_writes_adversarial(1.0, 2))
+        staged(lambda f, v: f.bump({}, v))(f, full_eager_writes_adversarial(1.0, 2))
     np.testing.assert_array_equal(np.asarray(f.model.child.x), full_eager_writes_adversarial(11.0, 2))
     assert not has_tracer(vars(f.model.child))

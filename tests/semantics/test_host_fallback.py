@@ -47,6 +47,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
 )
 from semantics.programs import HOST as HOST_h11
 from semantics.programs import TIMEOUT
@@ -178,10 +179,10 @@ def test_closures_in_lax_control_flow_under_jit_match_the_eager_python_loop():
         return getattr(m, f"bump_{op}")(arg)
 
     jitted = {
-        "cond": jax.jit(lambda m, p: call(m, "cond", p)),
-        "scan": jax.jit(lambda m: call(m, "scan", 3)),
-        "while": jax.jit(lambda m, k: call(m, "while", k)),
-        "fori": jax.jit(lambda m: call(m, "fori", 4)),
+        "cond": staged(lambda m, p: call(m, "cond", p)),
+        "scan": staged(lambda m: call(m, "scan", 3)),
+        "while": staged(lambda m, k: call(m, "while", k)),
+        "fori": staged(lambda m: call(m, "fori", 4)),
     }
     ops = [
         ("cond", True),
@@ -221,8 +222,8 @@ def test_lax_control_flow_without_jit_updates_in_place():
 
 def test_the_model_as_a_closure_and_as_an_argument_share_one_store():
     c = Counter(0.0)
-    by_closure = jax.jit(lambda x: c(x))
-    by_argument = jax.jit(lambda m, x: m(x))
+    by_closure = staged(lambda x: c(x))
+    by_argument = staged(lambda m, x: m(x))
     by_closure(1.0)
     by_argument(c, 2.0)
     by_closure(3.0)
@@ -235,7 +236,7 @@ def test_the_model_as_a_closure_and_as_an_argument_share_one_store():
 
 def test_vmap_keeps_per_example_state_across_jitted_calls():
     c = Counter(10.0)
-    step = jax.jit(jax.vmap(lambda x: c(x)))
+    step = staged(jax.vmap(lambda x: c(x)))
     xs = jnp.arange(3.0)
     np.testing.assert_allclose(step(xs), 2 * (10.0 + xs))
     np.testing.assert_allclose(c.n, 10.0 + xs)  # outside vmap: the stacked examples
@@ -248,13 +249,13 @@ def test_vmap_keeps_per_example_state_across_jitted_calls():
     np.testing.assert_allclose(step(xs), 2 * (4 * xs))
     # Assigning a per-example-shaped value outside vmap makes it shared again.
     c.n = jnp.asarray(1.0)
-    assert float(jax.jit(lambda x: c(x))(1.0)) == 4.0
+    assert float(staged(lambda x: c(x))(1.0)) == 4.0
 
 
 def test_nested_vmap_and_a_state_written_by_the_outer_vmap_only():
     c = Counter(0.0)
     xs = jnp.arange(6.0).reshape(2, 3)
-    nested = jax.jit(jax.vmap(jax.vmap(lambda x: c(x))))
+    nested = staged(jax.vmap(jax.vmap(lambda x: c(x))))
     nested(xs)
     nested(xs)
     np.testing.assert_allclose(c.n, 2 * xs)
@@ -265,7 +266,7 @@ def test_nested_vmap_and_a_state_written_by_the_outer_vmap_only():
         d(x)  # per outer example
         return jax.vmap(lambda y: d.n + y)(jnp.arange(3.0))  # shared by the inner axis
 
-    out = jax.jit(jax.vmap(outer))(jnp.asarray([1.0, 5.0]))
+    out = staged(jax.vmap(outer))(jnp.asarray([1.0, 5.0]))
     np.testing.assert_allclose(out, [[1.0, 2.0, 3.0], [5.0, 6.0, 7.0]])
     np.testing.assert_allclose(d.n, [1.0, 5.0])
 
@@ -280,7 +281,7 @@ def test_vmap_over_a_scan_whose_body_updates_state():
 
         return jax.lax.scan(body, 0, None, length=3)[1]
 
-    out = jax.jit(jax.vmap(run))(jnp.asarray([1.0, 2.0]))
+    out = staged(jax.vmap(run))(jnp.asarray([1.0, 2.0]))
     np.testing.assert_allclose(out, [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]])
     np.testing.assert_allclose(c.n, [3.0, 6.0])
 
@@ -288,7 +289,7 @@ def test_vmap_over_a_scan_whose_body_updates_state():
 def test_vmap_batch_axes_mismatch_is_a_clear_error():
     c = Counter(0.0)
     jax.vmap(lambda x: c(x))(jnp.arange(3.0))
-    for fn in (jax.vmap(lambda x: c(x)), jax.jit(jax.vmap(lambda x: c(x)))):
+    for fn in (jax.vmap(lambda x: c(x)), staged(jax.vmap(lambda x: c(x)))):
         with pytest.raises(HostStateError) as info:
             fn(jnp.arange(4.0))
         message = str(info.value)
@@ -319,10 +320,10 @@ def test_grad_reads_and_writes_state_as_a_constant():
     value, grad = jax.value_and_grad(loss)(2.0)
     assert float(value) == 12.0 and float(grad) == 6.0
     assert float(c.n) == 3.0
-    g = jax.jit(jax.grad(loss))
+    g = staged(jax.grad(loss))
     assert float(g(1.0)) == 8.0  # n becomes 4
     assert float(g(1.0)) == 10.0  # n becomes 5
-    assert float(jax.grad(jax.jit(loss))(1.0)) == 12.0
+    assert float(jax.grad(staged(loss))(1.0)) == 12.0
     assert float(c.n) == 6.0
 
 
@@ -347,9 +348,9 @@ def test_get_before_set_is_an_error_eagerly_and_when_traced():
     with pytest.raises(HostStateError, match="Cache.buffer was read before it was set"):
         cache.total()
     with pytest.raises(HostStateError, match="read before it was set"):
-        jax.jit(lambda m: m.total())(cache)
+        staged(lambda m: m.total())(cache)
     # Set then get in one program is fine: the write runs first.
-    assert float(jax.jit(lambda m, x: (m.fill(x), m.total())[1])(cache, 2.0)) == 6.0
+    assert float(staged(lambda m, x: (m.fill(x), m.total())[1])(cache, 2.0)) == 6.0
     np.testing.assert_allclose(cache.buffer, [2.0, 2.0, 2.0])
 
 
@@ -367,7 +368,7 @@ def test_a_write_keeps_shape_dtype_and_array_type(value, error, match):
     with pytest.raises(error, match=match):
         c.n = value
     with pytest.raises(TypeError, match=match):  # the seed's builtin
-        jax.jit(lambda m: setattr(m, "n", value))(c)
+        staged(lambda m: setattr(m, "n", value))(c)
     assert float(c.n) == 1.0
 
 
@@ -377,7 +378,7 @@ def test_a_write_keeps_pytree_structure():
     with pytest.raises(HostStateTypeError, match="Cache.stats changed pytree structure"):
         cache.record({"count": jnp.ones((), jnp.int32)})
     with pytest.raises(HostStateTypeError, match="changed pytree structure"):
-        jax.jit(lambda m: m.record([jnp.ones((), jnp.int32), jnp.ones(2)]))(cache)
+        staged(lambda m: m.record([jnp.ones((), jnp.int32), jnp.ones(2)]))(cache)
     assert int(cache.stats["count"]) == 1
 
 
@@ -418,7 +419,7 @@ def test_inference_mode_reads_state_at_the_jit_boundary_without_callbacks():
     assert not names & {"host_get", "host_set", "io_callback"}, names
     assert compiled_callbacks(predict, frozen, 2.0) == 0
     traces.clear()
-    run = jax.jit(lambda m, x: predict(m, x))
+    run = staged(lambda m, x: predict(m, x))
     assert float(run(frozen, 2.0)) == 6.0
     # Training the original model continues; the view follows it. (A typed
     # input: after jax 0.10.2 adds a Python float to an unpickled weak-typed
@@ -436,10 +437,10 @@ def test_inference_mode_forbids_set_and_captured_models():
     with pytest.raises(HostStateError, match="Counter.n was set in inference mode"):
         frozen(1.0)
     with pytest.raises(HostStateError, match="set in inference mode"):
-        jax.jit(lambda m, x: m(x))(frozen, 1.0)
+        staged(lambda m, x: m(x))(frozen, 1.0)
     assert float(frozen.n) == 3.0  # eager reads are fine
     # A captured view bakes the current value in, like any closed-over array.
-    assert float(jax.jit(lambda x: frozen.n * x)(2.0)) == 6.0
+    assert float(staged(lambda x: frozen.n * x)(2.0)) == 6.0
     with pytest.raises(
         HostStateTypeError, match="expects a model with host-fallback state; list has none"
     ):
@@ -452,7 +453,7 @@ def test_an_inference_view_made_inside_a_staged_trace_is_refused():
     # value read while tracing would be baked in and reused after the host
     # state changed.
     c = Counter(1.0)
-    step = jax.jit(lambda m, x: autostate.inference_mode(m).n * x)
+    step = staged(lambda m, x: autostate.inference_mode(m).n * x)
     with pytest.raises(HostStateError, match=r"inside a jax.jit trace") as info:
         step(c, 2.0)
     assert "view = autostate.inference_mode(model)" in str(info.value)
@@ -461,7 +462,7 @@ def test_an_inference_view_made_inside_a_staged_trace_is_refused():
         jax.lax.scan(lambda k, x: (k, autostate.inference_mode(c).n * x), 0, jnp.ones(2))
     # The view made outside and passed in reads the current value on every call.
     view = autostate.inference_mode(c)
-    run = jax.jit(lambda v, x: v.n * x)
+    run = staged(lambda v, x: v.n * x)
     assert float(run(view, 2.0)) == 2.0
     c(jnp.float32(4.0))
     assert float(run(view, 2.0)) == 10.0
@@ -500,7 +501,7 @@ def test_a_host_submodel_inside_one_functionalize_of_the_functional_rest():
     net = Net()
     f, states = net.functionalize("state")
     assert list(states) == ["total"]
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for x in (jnp.ones(2), -jnp.ones(2), jnp.ones(2)):
         _, states = step(f, states, x)
     assert float(states["total"]) == 4.0
@@ -513,7 +514,7 @@ def test_functionalize_moves_host_state_into_the_dict_and_freeze_captures_it():
     c(2.0)
     f, states = c.functionalize()
     assert {k: float(v) for k, v in states.items()} == {"n": 2.0}
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 1.0)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, 1.0)
     assert float(out) == 6.0 and float(states["n"]) == 3.0
     assert float(c.n) == 2.0  # functional: the store is untouched
     assert compiled_callbacks(lambda f, s, x: f(s, x), f, states, 1.0) == 0
@@ -531,7 +532,7 @@ def test_functionalize_moves_host_state_into_the_dict_and_freeze_captures_it():
 
 def test_two_instances_never_share_a_store():
     a, b = Counter(0.0), Counter(0.0)
-    step = jax.jit(lambda m, x: m(x))
+    step = staged(lambda m, x: m(x))
     step(a, 1.0)
     step(a, 1.0)
     step(b, 5.0)
@@ -545,7 +546,7 @@ def test_two_instances_never_share_a_store():
 
 def test_threads_calling_different_instances_lose_no_update():
     models = [Counter(0.0) for _ in range(8)]
-    step = jax.jit(lambda m: m(1.0))
+    step = staged(lambda m: m(1.0))
     calls = 25
     errors = []
 
@@ -581,7 +582,7 @@ def test_a_store_is_released_with_its_model():
     # A compiled program holds its store weakly; jit's own cache keys hold the
     # model's structure until the cache is cleared, as for any static value.
     c = Counter(0.0)
-    jax.jit(lambda m: m(1.0))(c)
+    staged(lambda m: m(1.0))(c)
     store = weakref.ref(c.__dict__["n"].store)
     del c
     jax.clear_caches()
@@ -601,7 +602,7 @@ def test_one_callback_per_state_access():
     assert compiled_callbacks(three_updates, c, 1.0) == 7  # 3 x (get + set) + final get
     # Counted as they run: a fori_loop body with three accesses, five iterations.
     before = host.callback_count(c)
-    jax.jit(lambda m: m.bump_fori(5))(c)
+    staged(lambda m: m.bump_fori(5))(c)
     assert host.callback_count(c) - before == 15
     c.n = c.n + 1.0  # eager accesses touch the store directly
     assert host.callback_count(c) - before == 15
@@ -613,7 +614,7 @@ def test_one_callback_per_state_access():
 def test_freeze_gives_a_host_model_its_store_back_so_closures_keep_working():
     c = Counter(1.0)
     f, states = c.functionalize()
-    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+    _, states = staged(lambda f, s, x: f(s, x))(f, states, 2.0)
     frozen = autostate.freeze(f, states)
     slot = frozen.__dict__["n"]
     assert type(slot) is host.HostSlot and slot.store is not c.__dict__["n"].store
@@ -623,7 +624,7 @@ def test_freeze_gives_a_host_model_its_store_back_so_closures_keep_working():
     n, (want,) = eager_reference(3.0, [("fori", 3)])
     assert float(frozen.bump_fori(3)) == want and float(frozen.n) == n
     n, (want,) = eager_reference(n, [("fori", 4)])
-    assert float(jax.jit(lambda m: m.bump_fori(4))(frozen)) == want
+    assert float(staged(lambda m: m.bump_fori(4))(frozen)) == want
     assert float(frozen.n) == n
     assert float(c.n) == 1.0  # the original keeps its own store
     f2, states2 = frozen.functionalize()
@@ -653,7 +654,7 @@ def test_freeze_restores_only_the_host_part_of_a_mixed_model():
     assert type(frozen.__dict__["total"]) is autostate.effects.FrozenLocalStateRequest
     assert (int(frozen.gate.opened), float(frozen.total)) == (2, 8.0)
     frozen(jnp.ones(2))  # eagerly: the gate's lax.cond closure writes its store
-    jax.jit(lambda m, x: m.gate(x))(frozen, jnp.ones(2))
+    staged(lambda m, x: m.gate(x))(frozen, jnp.ones(2))
     assert (int(frozen.gate.opened), float(frozen.total)) == (4, 12.0)
     assert int(net.gate.opened) == 1
 
@@ -670,7 +671,7 @@ def test_freeze_restores_only_the_host_part_of_a_mixed_model():
     frozen = autostate.freeze(f, states)
     assert frozen.__dict__["seen"] is two.__dict__["seen"]
     assert frozen.__dict__["n"].store is not two.__dict__["n"].store
-    jax.jit(lambda m, x: m(x))(frozen, 2.0)
+    staged(lambda m, x: m(x))(frozen, 2.0)
     assert (float(frozen.n), float(two.n), float(two.seen)) == (3.0, 1.0, 2.0)
 
 
@@ -684,7 +685,7 @@ def test_load_and_load_state_dict_give_host_backed_models(tmp_path):
     ):
         assert type(loaded.__dict__["n"]) is host.HostSlot
         n, (want,) = eager_reference(2.0, [("fori", 3)])
-        assert float(jax.jit(lambda m: m.bump_fori(3))(loaded)) == want
+        assert float(staged(lambda m: m.bump_fori(3))(loaded)) == want
         assert float(loaded.n) == n
     assert float(c.n) == 2.0
 
@@ -698,7 +699,7 @@ def test_freeze_inside_a_trace_keeps_frozen_requests():
         assert type(frozen.__dict__["n"]) is autostate.effects.FrozenLocalStateRequest
         return frozen.n + 1
 
-    assert float(jax.jit(inside)(f, states)) == 2.0
+    assert float(staged(inside)(f, states)) == 2.0
 
 
 @pytest.mark.parametrize(
@@ -725,13 +726,13 @@ def test_host_fallback_eager_model_under_jit(write_module: Loader, build: str) -
     ref = eval(build, vars(plain))  # noqa: S307
     model = eval(build, vars(dec))  # noqa: S307
     if build == "HostCounter()":
-        step = jax.jit(lambda m, x: (m(x), m.branch(x)))
+        step = staged(lambda m, x: (m(x), m.branch(x)))
         for x in (1.0, -2.0, 3.0):
             assert_same((ref(x), ref.branch(x)), step(model, x))
     else:
         # host state lives on the host; the non-host part is eager state and refused under jit
         with pytest.raises(autostate.errors.TracedEagerStateError):
-            jax.jit(lambda m, x: m(x))(model, 1.0)
+            staged(lambda m, x: m(x))(model, 1.0)
         return
     assert_same(snapshot(ref), snapshot(model))
 
@@ -739,7 +740,7 @@ def test_host_fallback_eager_model_under_jit(write_module: Loader, build: str) -
 def test_host_fallback_looped_in_jit_with_static_bound(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST)
     ref, model = plain.HostCounter(), dec.HostCounter()
-    step = jax.jit(lambda m: m.looped(4))
+    step = staged(lambda m: m.looped(4))
     assert_same(ref.looped(4), step(model))
     assert_same(ref.looped(4), step(model))
     assert_same(snapshot(ref), snapshot(model))
@@ -752,7 +753,7 @@ def test_host_fallback_freeze_continues_from_states(write_module: Loader) -> Non
     frozen = autostate.freeze(f, states)
     ref = plain.HostCounter()
     ref(2.0)
-    assert_same(ref.looped(3), jax.jit(lambda m: m.looped(3))(frozen))
+    assert_same(ref.looped(3), staged(lambda m: m.looped(3))(frozen))
     assert_same(snapshot(ref), snapshot(frozen))
 
 
@@ -780,7 +781,7 @@ def _host_call(dec_model: Any, how: str, method: str, *args: Any) -> Any:
     fn = getattr(type(dec_model), method)
     if how == "eager":
         return fn(dec_model, *args)
-    return jax.jit(lambda m, *a: getattr(type(m), method)(m, *a))(dec_model, *args)
+    return staged(lambda m, *a: getattr(type(m), method)(m, *a))(dec_model, *args)
 
 
 HOST_CASES = {
@@ -847,12 +848,12 @@ def test_functionalized_host_model_frozen_then_continued_with_closures_under_jit
     ref = plain.Looper()
     expected = [ref.scanned(jnp.arange(3.0)), ref.branched(-1.0), ref.until(9.0), ref.scanned(jnp.ones(2))]
     f, states = dec.Looper().functionalize()
-    step = jax.jit(lambda f, s, xs: f.scanned(s, xs))
+    step = staged(lambda f, s, xs: f.scanned(s, xs))
     out1, states = step(f, states, jnp.arange(3.0))
-    out2, states = jax.jit(lambda f, s, x: f.branched(s, x))(f, states, -1.0)
+    out2, states = staged(lambda f, s, x: f.branched(s, x))(f, states, -1.0)
     model = autostate.freeze(f, states)
-    out3 = jax.jit(lambda m, lim: m.until(lim))(model, 9.0)
-    out4 = jax.jit(lambda m, xs: m.scanned(xs))(model, jnp.ones(2))
+    out3 = staged(lambda m, lim: m.until(lim))(model, 9.0)
+    out4 = staged(lambda m, xs: m.scanned(xs))(model, jnp.ones(2))
     assert_same(expected, [out1, out2, out3, out4])
     assert_same(snapshot(ref), snapshot(model))
 
@@ -886,7 +887,7 @@ class Gated:
     expected = [ref(x) for x in xs]
     net = dec.Gated()
     f, states = net.functionalize("state")
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     got = []
     for x in xs:
         out, states = step(f, states, x)
@@ -949,7 +950,7 @@ class Acc:
     refs = [plain.Acc() for _ in xs]
     expected = [[r(x) for r, x in zip(refs, xs)] for _ in range(2)]
     model = dec.Acc()
-    batched = jax.jit(jax.vmap(lambda x: model(x)))
+    batched = staged(jax.vmap(lambda x: model(x)))
     got = [batched(xs), batched(xs)]
     assert_same(np.asarray(expected), np.stack([np.asarray(g) for g in got]))
     assert_same(np.stack([r.n for r in refs]), model.n)
@@ -969,7 +970,7 @@ class Lazy:
 """
     _, dec = pair(write_module, src)
     model = dec.Lazy()
-    for call in (lambda: model(jnp.ones(2)), lambda: jax.jit(lambda m, x: m(x))(model, jnp.ones(2))):
+    for call in (lambda: model(jnp.ones(2)), lambda: staged(lambda m, x: m(x))(model, jnp.ones(2))):
         with pytest.raises(errors.HostStateError) as info:
             call()
         assert "buf" in str(info.value)
@@ -1022,7 +1023,7 @@ def test_host_model_copied_mid_training_continues_like_plain(write_module: Loade
     ref = plain.Stats(2)
     ref(XS)
     model = dec.Stats(2)
-    jax.jit(lambda m, x: m(x))(model, XS)
+    staged(lambda m, x: m(x))(model, XS)
     if how == "deepcopy":
         other = copy.deepcopy(model)
     elif how == "pickle":
@@ -1033,7 +1034,7 @@ def test_host_model_copied_mid_training_continues_like_plain(write_module: Loade
     else:
         other = autostate.load_state_dict(dec.Stats(2), autostate.state_dict(model))
     expected = ref(XS * 3)
-    got = jax.jit(lambda m, x: m(x))(other, XS * 3)
+    got = staged(lambda m, x: m(x))(other, XS * 3)
     assert_same(expected, got)
     assert_same(snapshot(ref), snapshot(other))
     # the original's store is independent of the copy
@@ -1051,7 +1052,7 @@ def test_host_rng_model_saved_and_loaded_bit_exact(write_module: Loader_h11, tmp
     autostate.save(tmp_path / "n.npz", model)
     loaded = autostate.load(tmp_path / "n.npz", like=getattr(dec, cls)(0))
     assert_bits(snapshot(ref)["key"], snapshot(loaded)["key"])
-    assert_bits(ref(jnp.ones(2)), jax.jit(lambda m, x: m(x))(loaded, jnp.ones(2)))
+    assert_bits(ref(jnp.ones(2)), staged(lambda m, x: m(x))(loaded, jnp.ones(2)))
 
 
 def test_inference_view_of_a_host_model_follows_it_and_matches_plain(write_module: Loader_h11) -> None:
@@ -1073,13 +1074,13 @@ class Scale:
     plain, dec = pair(write_module, src)
     ref, model = plain.Scale(), dec.Scale()
     view = autostate.inference_mode(model)
-    predict = jax.jit(lambda m, x: m.predict(x))
+    predict = staged(lambda m, x: m.predict(x))
     for x in (jnp.ones(2), jnp.arange(2.0)):
         ref(x)
         model(x)
         assert_same(ref.predict(x), predict(view, x))
     with pytest.raises(errors.HostStateError):
-        jax.jit(lambda m, x: m(x))(view, jnp.ones(2))
+        staged(lambda m, x: m(x))(view, jnp.ones(2))
     assert_same(snapshot(ref), snapshot(model))
 
 
@@ -1096,7 +1097,7 @@ def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader_h1
     def library_loop(fn: Callable[[Any], Any], xs: Any) -> Any:
         return jax.lax.scan(lambda c, x: (c, fn(x)), 0, xs)[1]
 
-    got = jax.jit(lambda xs: library_loop(model, xs))(xs)
+    got = staged(lambda xs: library_loop(model, xs))(xs)
     assert_same(expected, got)
     assert_same(snapshot(ref), snapshot(model))
 
@@ -1275,7 +1276,7 @@ def test_host_fallback_raise_after_writes_eagerly(write_module: Loader_h32) -> N
             obj.direct(X2, True)
     same(snapshot(ref), snapshot(model), "partial writes")
     no_handler_left()
-    step = jax.jit(lambda m, x: m.direct(x, False))
+    step = staged(lambda m, x: m.direct(x, False))
     same(snapshot(ref.direct(X1, False)), snapshot(step(model, X1)), "jit after the raise")
     same(snapshot(ref), snapshot(model), "attributes after the jitted call")
 

@@ -56,6 +56,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import PYLAX as PYLAX_h28
@@ -289,7 +290,7 @@ def test_a_cached_property_over_parameters_means_plain_python_under_jit(write_mo
 def test_a_cached_property_first_computed_from_a_state_under_jit_is_refused(write_module):
     _, dec = pair(write_module, CACHED)
     f, states = dec.Cached().functionalize()
-    step = jax.jit(lambda f, s: f.read_snap(s))
+    step = staged(lambda f, s: f.read_snap(s))
     with pytest.raises(errors.StateAccessError, match=r"cached_property Cached.snap") as info:
         step(f, states)
     message = str(info.value)
@@ -338,7 +339,7 @@ def forward10(self, x):
 def _run_all(model, name, calls):
     """Eager outputs and n; f's and jit's, from a fresh functionalize each."""
     f, states = model.functionalize()
-    jitted = jax.jit(lambda f, s, x: getattr(f, name)(s, x) if name else f(s, x))
+    jitted = staged(lambda f, s, x: getattr(f, name)(s, x) if name else f(s, x))
     call = getattr(f, name) if name else f
     f_out, s = [], states
     for x in calls:
@@ -562,7 +563,7 @@ def test_stored_bound_methods_act_on_the_running_model(
         result = model
     else:
         f, states = model.functionalize()
-        call = f if mode == "f" else jax.jit(f)
+        call = f if mode == "f" else staged(f)
         got = []
         for args in calls:
             out, states = call(states, *args)
@@ -591,7 +592,7 @@ def vars_of(model: Any) -> dict[str, float]:
 def test_a_frozen_models_methods_are_bound_to_it(pair_bound_methods: Any) -> None:
     _, dec = pair_bound_methods
     f, states = dec.SelfBound().functionalize()
-    _, states = jax.jit(f)(states, 1.0)
+    _, states = staged(f)(states, 1.0)
     frozen = autostate.freeze(f, states)
     assert frozen.step_fn.__self__ is frozen
     frozen(2.0)
@@ -632,13 +633,13 @@ def test_an_eager_model_passed_to_jit_as_a_pytree_reads_its_traced_copy(pair_bou
     def read(m: Any, x: Any) -> Any:
         return m.step_fn(x)
 
-    assert float(jax.jit(read)(model, 3.0)) == 6.0
+    assert float(staged(read)(model, 3.0)) == 6.0
     # Traced through the method: the gradient of n * x in n is x, not 0.
     grad = jax.grad(lambda m: read(m, 3.0))(model)
     assert float(grad.n) == 3.0
     # And through a closure over the model (a lambda kept as an attribute).
     reads = dec.Reads()
-    assert float(jax.jit(lambda m: m.scaled(3.0))(reads)) == 60.0
+    assert float(staged(lambda m: m.scaled(3.0))(reads)) == 60.0
     assert float(jax.grad(lambda m: m.scaled(3.0))(reads).n) == 30.0
 
 
@@ -673,7 +674,7 @@ def test_a_method_switched_by_another_method_stays_bound_to_the_running_model(
         got = [float(model(x)) for x in (2.0, 3.0)]
     else:
         f, states = model.functionalize()
-        call = f if mode == "f" else jax.jit(f)
+        call = f if mode == "f" else staged(f)
         got = []
         for x in (2.0, 3.0):
             out, states = call(states, x)
@@ -690,11 +691,11 @@ def test_switching_a_stored_method_inside_a_functionalized_call_is_refused(
 ) -> None:
     _, dec = pair_bound_methods
     f, states = dec.Switchable().functionalize()
-    call = jax.jit(f.eval) if jit else f.eval
+    call = staged(f.eval) if jit else f.eval
     with pytest.raises(autostate.AutostateError, match="method bound to one") as info:
         call(states)
     assert dec.__file__ in str(info.value)
-    out, _ = jax.jit(f)(states, 1.0)  # f still runs
+    out, _ = staged(f)(states, 1.0)  # f still runs
     assert float(out) == 2.0
 
 
@@ -778,7 +779,7 @@ def test_closures_of_the_enclosing_function_are_kept():
     set_factor(0.0)
     assert float(model.step(2.0)) == 3.0
     f, states = Closed().functionalize()
-    out, _ = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
+    out, _ = staged(lambda f, s: f.step(s, 1.0))(f, states)
     assert float(out) == 2.0  # 1 * 0 + 1 + 1
     other, _ = make_closure_class(5.0)
     assert float(other().step(0.0)) == 55.0
@@ -918,7 +919,7 @@ def test_wraps_style_decorator_wraps_the_rewritten_function():
     assert Decorated.step.__doc__ == "Logged step."
     assert Decorated.step.__wrapped__.__code__.co_filename == __file__
     f, states = Decorated().functionalize()
-    out, states = jax.jit(lambda f, s: f.step(s, 1.0))(f, states)
+    out, states = staged(lambda f, s: f.step(s, 1.0))(f, states)
     assert float(out) == 4.0 and float(states["x"]) == 4.0
     assert CALLS == ["step", "step"]
 
@@ -1221,7 +1222,7 @@ def test_cached_property_with_jit_closing_over_f(write_module: Loader) -> None:
     ref = plain.Loop()
     expected = [ref(1.0), ref(2.0)]
     f, states = dec.Loop().functionalize()
-    step = jax.jit(lambda s, x: f(s, x))
+    step = staged(lambda s, x: f(s, x))
     got = []
     for x in (1.0, 2.0):
         out, states = step(states, x)
@@ -1237,8 +1238,8 @@ def test_kwargs_through_f_and_jit(write_module: Loader) -> None:
     expected = [ref.kw_only(1.0, scale=0.5), ref.varargs(1.0, a=2.0, b=3.0)[0],
                 ref.forward(2.0, shift=3.0)]
     f, states = dec.Sig().functionalize()
-    o1, states = jax.jit(lambda f, s: f.kw_only(s, 1.0, scale=0.5))(f, states)
-    o2, states = jax.jit(lambda f, s: f.varargs(s, 1.0, a=2.0, b=3.0))(f, states)
+    o1, states = staged(lambda f, s: f.kw_only(s, 1.0, scale=0.5))(f, states)
+    o2, states = staged(lambda f, s: f.varargs(s, 1.0, a=2.0, b=3.0))(f, states)
     o3, states = f.forward(states, 2.0, shift=3.0)
     assert_same(expected, [o1, o2[0], o3])
     assert (int(o2[1]), int(o2[2])) == (1, 2)
@@ -1304,7 +1305,7 @@ def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
     """f answers the same eagerly and under jit after a refused call."""
     out1, s1 = _fcall(f, name)(states, *args)
-    out2, s2 = jax.jit(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
+    out2, s2 = staged(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
     assert_same(out1, out2, "after refusal")
     assert_same(s1, s2, "states after refusal")
 
@@ -1362,7 +1363,7 @@ def test_builtin_method_of_a_model_list(write_module: Loader_h4) -> None:
     assert len(model.log) == len(ref.log) == 2
     try:
         f, states = model.functionalize()
-        jax.jit(f)(states, 2.0)
+        staged(f)(states, 2.0)
     except autostate.AutostateError:
         return
     assert len(model.log) == 2, "f's call appended to the eager model's list"
@@ -1404,7 +1405,7 @@ def test_grad_reaches_params_of_two_submodels_through_a_closure(write_module: Lo
     g = jax.grad(lambda f: f(states, 2.0)[0])(f)
     assert float(g.model.a.w) == 2.0
     assert float(g.model.b.w) == pytest.approx(3.0)
-    gj = jax.jit(jax.grad(lambda f: f(states, 2.0)[0]))(f)
+    gj = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     assert float(gj.model.b.w) == pytest.approx(3.0)
 
 
@@ -1414,13 +1415,13 @@ def test_cached_property_eager_f_caches_traced_is_refused(write_module: Loader_h
           modes=("eager", "f"))
     f, states = dec.Behind().functionalize()
     try:
-        out, _ = jax.jit(lambda f, s, x: f.use_cached(s, x))(f, states, 2.0)
+        out, _ = staged(lambda f, s, x: f.use_cached(s, x))(f, states, 2.0)
         assert float(out) == 12.0
         assert "doubled" not in vars(f.model), "a traced cached_property leaked into f"
     except autostate.errors.StateAccessError as err:
         assert "doubled" in str(err)
     f_still_works(f, states, "__call__", 1.0)
-    out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
+    out, _ = staged(lambda f, s, x: f(s, x))(f, states, 2.0)
     assert float(out) == float(plain.Behind()(2.0))
     out, _ = f.use_cached(states, 2.0)
     assert float(out) == 12.0
@@ -1781,7 +1782,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -1798,7 +1799,7 @@ def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
         f, opt_state = update(f, grads, opt_state)
         return loss, f, opt_state, states
 
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
@@ -1857,10 +1858,10 @@ def test_user_helpers_through_f_and_on_the_frozen_model(write_module: Loader_h10
     template, model, n_out = build_pair(plain, dec, kind)
     x, y = data_for(n_out, 1)[0]
     f, states = model.functionalize()
-    for call in (f.num_params, jax.jit(f.num_params, static_argnums=())):
+    for call in (f.num_params, staged(f.num_params, static_argnums=())):
         n, _ = call(states)
         assert int(n) == template.num_params()
-    for call in (f.l2, jax.jit(f.l2)):
+    for call in (f.l2, staged(f.l2)):
         v, _ = call(states)
         assert_same(template.l2(), v)
     ps, _ = f.parameters(states)
@@ -1913,7 +1914,7 @@ def test_model_holding_only_a_bound_method_of_another_model(write_module: Loader
     f, states = model.functionalize()
     names = set(names_of(f)) | set(states)
     assert any("mods[1].mean" in k for k in names), sorted(names)
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for x, _ in data:
         out, states = step(f, states, x)
         assert_same(template(x), out, "through f")
@@ -1972,7 +1973,7 @@ def test_sub_model_reached_through_a_stored_callable(write_module: Loader_h10, h
     assert_same(expected, [eager(1.0), eager(2.0)], "eager")
     f, states = dec.Holder(how).functionalize()
     assert list(states.values())[0].shape == ()
-    call = jax.jit(f) if jit else f
+    call = staged(f) if jit else f
     got = []
     for x in (1.0, 2.0):
         out, states = call(states, x)
@@ -2126,7 +2127,7 @@ def test_positional_keyword_only_and_var_kwargs_under_jit(write_module: Loader_h
     model = dec.Sig()
     assert_same(expected, [model(1.0, 2.0, 3.0, scale=2.0, z=1.0), model(1.0, scale=1.0)])
     f, states = dec.Sig().functionalize()
-    jitted = jax.jit(lambda f, s, *a, **k: f(s, *a, **k))
+    jitted = staged(lambda f, s, *a, **k: f(s, *a, **k))
     out1, states = jitted(f, states, 1.0, 2.0, 3.0, scale=2.0, z=1.0)
     out2, states = jitted(f, states, 1.0, scale=1.0)
     assert_same(expected, [out1, out2])
@@ -2247,7 +2248,7 @@ def test_class_body_lambdas_through_f(write_module: Loader_h12) -> None:
     ref.bump(X1)
     ref.poke(ref, X2)
     f, states = dec.Tabs().functionalize()
-    _, states = jax.jit(lambda f, s: f.bump(s, X1))(f, states)
+    _, states = staged(lambda f, s: f.bump(s, X1))(f, states)
     _, states = f.poke(states, f.model, X2)
     assert_same(ref.c, states["c"])
 
@@ -2337,7 +2338,7 @@ def test_closure_stored_in_a_state_then_functionalized(write_module: Loader_h14)
     model.arm(2.0)
     for jit in (False, True):
         f, states = model.functionalize()
-        step = jax.jit(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
+        step = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
         outs = []
         for x in (X1, X2_h14):
             out, states = step(f, states, x)
@@ -2397,7 +2398,7 @@ def test_hook_closing_over_a_model_outside_the_graph(write_module: Loader_h14) -
     model = dec.with_foreign_hook(dec.Layer(), d_other)
     for jit in (False, True):
         f, states = model.functionalize()
-        step = jax.jit(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
+        step = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
         outs = []
         for x in (X1, X2_h14):
             out, states = step(f, states, x)
@@ -2719,7 +2720,7 @@ def test_a_callback_from_outside_passed_to_f(write_module: Loader_h14) -> None:
     assert_same(p.ticks, states["ticks"], "ticks")
     s2 = dec.Stats()
     with pytest.raises(TracedEagerStateError, match="'mean'"):
-        jax.jit(lambda st, xs: f.run_loop(st, s2.observe, xs))(states, XS_h14)
+        staged(lambda st, xs: f.run_loop(st, s2.observe, xs))(states, XS_h14)
     no_tracer(s2)
 
 
@@ -3056,7 +3057,7 @@ def test_instance_method_type_is_what_f_forward_calls(write_module: Loader_h15) 
     out, states = f.forward(states, X1)
     assert_same(expected, out)
     assert_same(np.asarray(ref.s), states["s"])
-    out, states = jax.jit(lambda f, s, x: f.forward(s, x))(f, states, X2_h15)
+    out, states = staged(lambda f, s, x: f.forward(s, x))(f, states, X2_h15)
     assert_same(ref.forward(X2_h15), out)
     assert_same(np.asarray(ref.s), states["s"])
 
@@ -3198,7 +3199,7 @@ def test_method_set_after_the_first_instance_writing_a_non_state(write_module: L
     check(plain, dec, "Late()", [("late", (X1,)), ("bump", (X2_h15,))], modes=("eager",))
     f, states = dec.Late().functionalize()
     with pytest.raises(StateAccessError, match="Late.u is not state") as info:
-        jax.jit(lambda f, s, x: f.late(s, x))(f, states, X1)
+        staged(lambda f, s, x: f.late(s, x))(f, states, X1)
     assert "# HERE" in error_line(info.value)
 
 
@@ -3319,8 +3320,8 @@ def test_instance_method_type_survives_freeze_and_deepcopy(write_module: Loader_
     ref = plain.build_instance_method()
     f, states = dec.build_instance_method().functionalize()
     expected = [ref.forward(X1), ref(X2_h15)]
-    out1, states = jax.jit(lambda f, s, x: f.forward(s, x))(f, states, X1)
-    out2, states = jax.jit(lambda f, s, x: f(s, x))(f, states, X2_h15)
+    out1, states = staged(lambda f, s, x: f.forward(s, x))(f, states, X1)
+    out2, states = staged(lambda f, s, x: f(s, x))(f, states, X2_h15)
     assert_same(expected, [out1, out2])
     frozen = autostate.freeze(f, states)
     assert frozen.forward.__self__ is frozen
@@ -3370,7 +3371,7 @@ def test_transformations_as_method_decorators(write_module: Loader_h18, calls: l
     f, states = dec.Dm().functionalize()
     outs = []
     for m, a in calls:
-        out, states = jax.jit(_fcall(f, m), static_argnums=(2,) if len(a) > 1 else ())(
+        out, states = staged(_fcall(f, m), static_argnums=(2,) if len(a) > 1 else ())(
             states, *a)
         outs.append(out)
     assert_same(expected, outs, "jit")
@@ -3471,7 +3472,7 @@ def test_keyword_only_call_arguments_under_jit(write_module: Loader_h20) -> None
     ref = plain.DUnder(jnp.ones(2))
     expected = [ref(V2, key=key), ref(V2, inference=True), ref(V2 * 2)]
     f, states = dec.DUnder(jnp.ones(2)).functionalize()
-    step = jax.jit(lambda f, s, x, key, inference: f(s, x, key=key, inference=inference),
+    step = staged(lambda f, s, x, key, inference: f(s, x, key=key, inference=inference),
                    static_argnums=4)
     outs = []
     for x, k, inf in ((V2, key, False), (V2, None, True), (V2 * 2, None, False)):
@@ -3481,7 +3482,7 @@ def test_keyword_only_call_arguments_under_jit(write_module: Loader_h20) -> None
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)))
     ref2 = plain.SubclassHook(jnp.ones(2))
     f2, s2 = dec.SubclassHook(jnp.ones(2)).functionalize()
-    out, s2 = jax.jit(lambda f, s, x: f(s, x, double=True))(f2, s2, V2)
+    out, s2 = staged(lambda f, s, x: f(s, x, double=True))(f2, s2, V2)
     assert_same(ref2(V2, double=True), out)
     assert_same(ref2.count, s2["count"])
 
@@ -3636,7 +3637,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -3743,7 +3744,7 @@ def test_cached_property_invalidated_eagerly(write_module: Loader_h25) -> None:
     # call as plain Python keeps it: refused (tests/test_user_descriptors.py).
     f, states = dec.M().functionalize()
     with pytest.raises(errors.StateAccessError, match="cached_property M.inv"):
-        jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+        staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
 
 
 def test_cached_property_invalidated_through_f(write_module: Loader_h25) -> None:
@@ -4005,7 +4006,7 @@ def run_case_h28(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(_out(out))
         same(expected, got, f"{mode} outputs")
@@ -4078,7 +4079,7 @@ def test_closure_made_in_init_writes_no_state(write_module: Loader_h28) -> None:
         dec.M().init_hook_in_cond(-A1)
     user_line(e.value, dec, "self.y = self.y + v * 3.0")
     f, states = dec.M().functionalize()
-    for fn in (f.init_hook_direct, jax.jit(f.init_hook_direct), f.init_hook_in_cond):
+    for fn in (f.init_hook_direct, staged(f.init_hook_direct), f.init_hook_in_cond):
         with pytest.raises(autostate.errors.StateAccessError) as e:
             fn(states, -A1)
         user_line(e.value, dec, "self.y = self.y + v * 3.0")
@@ -4222,7 +4223,7 @@ def test_methods_from_another_module_under_grad(write_module: Loader_h28) -> Non
 
 
 def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return jax.jit(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
+    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
         f, states, *args
     )
 
@@ -4320,9 +4321,9 @@ def test_generator_started_in_one_call_resumed_in_the_next(write_module: Loader_
     expected = [ref.start([1.0, 2.0, 3.0]), ref.resume(), ref.finish(), snapshot(ref)]
     dec.BOX.clear()
     f, s = dec.E().functionalize()
-    start = jax.jit(f.start, static_argnums=1) if jit else f.start
-    resume = jax.jit(f.resume) if jit else f.resume
-    finish = jax.jit(f.finish) if jit else f.finish
+    start = staged(f.start, static_argnums=1) if jit else f.start
+    resume = staged(f.resume) if jit else f.resume
+    finish = staged(f.finish) if jit else f.finish
     a, s = start(s, (1.0, 2.0, 3.0))
     b, s = resume(s)
     c, s = finish(s)
@@ -4717,7 +4718,7 @@ def test_lambda_of_self_into_a_state_inside_f_is_state_access_error(
     _, dec = pair(write_module, DEFERRED)
     f, s = dec.D().functionalize()
     with pytest.raises(errors.StateAccessError) as info:
-        (jax.jit(f.defer_lambda) if jit else f.defer_lambda)(s, A1)
+        (staged(f.defer_lambda) if jit else f.defer_lambda)(s, A1)
     user_line(info.value, dec, "# HERE")
 
 
@@ -4734,7 +4735,7 @@ def test_partial_of_self_into_a_state_inside_f(
     _, dec = pair(write_module, DEFERRED)
     f, s = dec.D().functionalize()
     with pytest.raises(errors.StateAccessError) as info:
-        (jax.jit(getattr(f, method)) if jit else getattr(f, method))(s, A1)
+        (staged(getattr(f, method)) if jit else getattr(f, method))(s, A1)
     user_line(info.value, dec, "self.pending = self.pending + [")
 
 
@@ -4858,7 +4859,7 @@ def check_decoration_fidelity(
             if mode == "f":
                 out, states = _fcall_decoration_fidelity(f, m)(states, *a)
             else:
-                out, states = jax.jit(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
+                out, states = staged(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
             got.append(out)
         assert_same_decoration_fidelity(expected, got, f"{mode} outputs")
         for key, value in states.items():

@@ -40,6 +40,7 @@ from semantics.harness import (
     pair,
     raises_autostate,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import _pair as pair_h5
@@ -171,7 +172,7 @@ def test_a_body_reading_a_python_number_state_under_jit_names_it(
     model.set_rate(0.5)
     f, states = model.functionalize()
     with pytest.raises(TracedValueError) as raised:
-        jax.jit(lambda s, x: getattr(f, method)(s, x))(states, XS)
+        staged(lambda s, x: getattr(f, method)(s, x))(states, XS)
     err = raised.value
     assert isinstance(err, jax.errors.ConcretizationTypeError)
     assert "'rate' holds a Python number" in str(err)
@@ -242,8 +243,8 @@ def test_each_kind_under_a_transformation_is_a_traced_value_error(
         return getattr(f, method)(s, x)[0].sum()
 
     run = {
-        "jit": jax.jit(loss),
-        "grad": jax.jit(jax.grad(loss, allow_int=True)),
+        "jit": staged(loss),
+        "grad": staged(jax.grad(loss, allow_int=True)),
         "vmap": jax.vmap(loss, in_axes=(None, 0)),
     }[transform]
     x = jnp.stack([XS, XS]) if transform == "vmap" else XS
@@ -282,7 +283,7 @@ def test_an_error_that_is_not_about_a_traced_value_is_left_alone(write_module: L
     )
     f, states = dec.Picky().functionalize()
     with pytest.raises(KeyError, match="mine") as raised:
-        jax.jit(lambda s, x: f(s, x))(states, XS)
+        staged(lambda s, x: f(s, x))(states, XS)
     assert not isinstance(raised.value, autostate.AutostateError)
 
 
@@ -349,7 +350,7 @@ def test_a_numpy_float_state_is_concrete_in_an_eager_body() -> None:
     assert int(gate.count) == 3
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -552,7 +553,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -575,7 +576,7 @@ def test_small_dtype_states(write_module: Loader_h2, dtype: str) -> None:
     check_h2(plain, dec, f"Typed(jnp.{dtype})", [("step", (v,)), ("step", (v,)), ("step", (v,))])
     f, states = dec.Typed(dt).functionalize()
     for _ in range(2):
-        _, states = jax.jit(f.step)(states, v)
+        _, states = staged(f.step)(states, v)
         assert states["x"].dtype == dt
 
 
@@ -608,7 +609,7 @@ def test_numpy_states_become_jax_arrays_as_documented(write_module: Loader_h2) -
     expected = [eager.step(1.0), eager.step(2.0)]
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(f.step)(states, x)
+        out, states = staged(f.step)(states, x)
         got.append(out)
     assert_same_h2(expected, got)
     assert_same_h2(snapshot_h2(eager.lst), snapshot_h2(states["lst"]))
@@ -666,7 +667,7 @@ def test_numpy_parameter_changed_in_place_inside_f(write_module: Loader_h8, mode
     expected = [ref(jnp.float32(1.0)) for _ in range(3)]
     model = dec.Buffered()
     f, states = model.functionalize()
-    call = f if mode == "f" else jax.jit(f)
+    call = f if mode == "f" else staged(f)
     got = []
     try:
         for _ in range(3):
@@ -783,7 +784,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
         traces.append(1)
         return fn(*a)
 
-    return jax.jit(traced), traces
+    return staged(traced), traces
 
 
 def lifecycle(
@@ -816,7 +817,7 @@ def lifecycle(
                 got, states = fn(states, *args)
             else:
                 if name not in jitted:
-                    jitted[name] = jax.jit(
+                    jitted[name] = staged(
                         lambda f, s, *a, n=name: (f if n == "__call__" else getattr(f, n))(s, *a)
                     )
                 got, states = jitted[name](f, states, *args)
@@ -880,7 +881,7 @@ def transform_typed(
 
     wrap = (lambda fn: jax.grad(scalar(fn))) if transform == "grad" else jax.vmap
     expected = wrap(plain_fn)(x)
-    for name, fn in ((transform, wrap(dec_fn)), ("jit " + transform, jax.jit(wrap(dec_fn)))):
+    for name, fn in ((transform, wrap(dec_fn)), ("jit " + transform, staged(wrap(dec_fn)))):
         assert_typed(expected, fn(x), name, jitted=True, output=True, exact=False)
 
 
@@ -989,7 +990,7 @@ def test_lax_scan_over_f_with_every_kind_of_state(write_module: Loader_h13) -> N
     expected = jnp.stack([ref(x) for x in xs])
     f, states = dec.Noisy().functionalize()
 
-    @jax.jit
+    @staged
     def run(f: Any, states: Any, xs: Any) -> Any:
         def body(s: Any, x: Any) -> Any:
             out, s = f(s, x)
@@ -1093,14 +1094,14 @@ def test_deepcopy_mid_life_keeps_dtypes_and_weak_types(write_module: Loader_h13)
     plain, dec = pair(write_module, KINDS_h13)
     ref, model = plain.Kinds(), dec.Kinds()
     f, states = model.functionalize()
-    _, states = jax.jit(f.step)(states, X1)
+    _, states = staged(f.step)(states, X1)
     ref.step(X1)
     frozen = autostate.freeze(f, states)
     r, m = copy.deepcopy(ref), copy.deepcopy(frozen)
     assert_typed(attrs(r), attrs(m), "attributes", jitted=True)
     assert_typed(r.step(X2), m.step(X2), "eager step", jitted=True)
     g, s = m.functionalize()
-    out, s = jax.jit(g.weak_only)(s)
+    out, s = staged(g.weak_only)(s)
     assert_typed(r.weak_only(), out, "jitted weak_only", jitted=True, output=True)
     assert_typed(attrs(r), attrs(autostate.freeze(g, s)), "frozen again", jitted=True)
     assert_typed(attrs(ref), attrs(frozen), "the originals are untouched", jitted=True)
@@ -1147,7 +1148,7 @@ def test_item_updates_on_small_dtypes_keep_the_state_dtype(write_module: Loader_
             got = [model.update(*a) for _, a in calls]
         else:
             f, states = model.functionalize()
-            fn = jax.jit(f.update, static_argnums=1) if mode == "jit" else f.update
+            fn = staged(f.update, static_argnums=1) if mode == "jit" else f.update
             got = []
             for _, a in calls:
                 out, states = fn(states, *a)
@@ -1183,7 +1184,7 @@ def test_f_state_value_of_other_array_kind_as_plain_python(mods: Any, value: str
     out, states = f({"count": given()}, 3.0)
     assert_same(snapshot(expected), snapshot((out, states["count"])))
     assert states["count"].dtype == expected[1].dtype
-    out, states = jax.jit(lambda f, s: f(s, 3.0))(f, {"count": given()})
+    out, states = staged(lambda f, s: f(s, 3.0))(f, {"count": given()})
     assert_same(snapshot(expected), snapshot((out, states["count"])))
 
 
@@ -1231,7 +1232,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def ref_dropout(key: Any, x: Any, rate: float = 0.5) -> Any:
@@ -1362,7 +1363,7 @@ def test_float_rate_state_under_jit(write_module: Loader_h26) -> None:
 
 
 def step_jit() -> Callable[..., Any]:
-    return jax.jit(lambda f, s, x: f(s, x))
+    return staged(lambda f, s, x: f(s, x))
 
 
 def test_odd_states_plain_vs_decorated(write_module: Loader_h27) -> None:
@@ -1395,7 +1396,7 @@ def test_odd_states_ensemble_vmap(write_module: Loader_h27) -> None:
     f, states = dec.Odd().functionalize()
     ss = jax.tree_util.tree_map(lambda a: jnp.stack([jnp.asarray(a)] * 3), states)
     xs = jnp.stack([X1_h27, X2_h27, -X1_h27])
-    out, ss = jax.jit(jax.vmap(lambda s, x: f(s, x)))(ss, xs)
+    out, ss = staged(jax.vmap(lambda s, x: f(s, x)))(ss, xs)
     assert_same(np.stack([r(x) for r, x in zip(refs, xs)]), out, "vmap")
     for i, r in enumerate(refs):
         member = autostate.freeze(f, jax.tree_util.tree_map(lambda a, i=i: a[i], ss))
@@ -1403,7 +1404,7 @@ def test_odd_states_ensemble_vmap(write_module: Loader_h27) -> None:
 
 
 def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return jax.jit(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
+    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
         f, states, *args
     )
 
@@ -1462,7 +1463,7 @@ def torch(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]
 
 
 def jit_steps(f: Any, states: Any, method: str, calls: list[tuple[Any, ...]]) -> Any:
-    step = jax.jit(lambda f, s, *a: getattr(f, method)(s, *a))
+    step = staged(lambda f, s, *a: getattr(f, method)(s, *a))
     out = None
     for args in calls:
         out, states = step(f, states, *args)

@@ -32,6 +32,7 @@ from semantics.harness import (
     pair,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import plain_path as plain_path_h25
@@ -160,7 +161,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -368,7 +369,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -816,7 +817,7 @@ def test_next_with_an_array_counter_under_jit_is_traced_value_error(write_module
     _, dec = pair(write_module, ITER)
     f, s = dec.Counter().functionalize()
     with pytest.raises(errors.TracedValueError) as info:
-        jax.jit(f.for_self)(s)
+        staged(f.for_self)(s)
     user_line(info.value, dec, "# HERE")
 
 

@@ -44,6 +44,7 @@ from semantics.harness import (
     assert_user_line,
     check,
     raises_autostate,
+    staged,
 )
 from semantics.harness import pair as pair_analysis_h12_fixes
 from semantics.harness import pair as pair_h12
@@ -142,9 +143,9 @@ def test_setattr_and_getattr_with_a_literal_state_name_are_the_attribute():
     model = autostate.stateful(NamedAccess)()
     model.step()
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s: f.peek(s))(f, states)
+    out, states = staged(lambda f, s: f.peek(s))(f, states)
     assert float(out) == 1.0
-    _, states = jax.jit(lambda f, s: f.reset(s))(f, states)
+    _, states = staged(lambda f, s: f.reset(s))(f, states)
     assert float(states["x"]) == 0.0
     model.reset()
     assert float(model.peek()) == 0.0
@@ -283,7 +284,7 @@ def test_undecorated_base_class_that_only_reads_is_fine():
     model = Derived()
     assert float(model.step()) == 4.0
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s: f.step(s))(f, states)
+    out, states = staged(lambda f, s: f.step(s))(f, states)
     assert float(out) == 8.0 and float(states["x"]) == 4.0
 
 
@@ -474,8 +475,8 @@ def check_traced_error(err: TracedEagerStateError) -> None:
 @pytest.mark.parametrize(
     "transform",
     [
-        lambda m: jax.jit(m)(1.0),
-        lambda m: jax.jit(lambda v: m(v))(1.0),
+        lambda m: staged(m)(1.0),
+        lambda m: staged(lambda v: m(v))(1.0),
         lambda m: jax.grad(m)(1.0),
         lambda m: jax.vmap(m)(jnp.ones(3)),
     ],
@@ -491,7 +492,7 @@ def test_eager_model_under_a_transformation(transform):
 
 def test_functionalized_model_under_the_same_transformations_works():
     f, states = Eager().functionalize()
-    out, new = jax.jit(lambda f, s, v: f(s, v))(f, states, 1.0)
+    out, new = staged(lambda f, s, v: f(s, v))(f, states, 1.0)
     assert float(out) == 5.0
     np.testing.assert_array_equal(new["x"], [2.0, 3.0])
     grad = jax.grad(lambda v: f(states, v)[0])(1.0)
@@ -557,7 +558,7 @@ def test_a_marker_the_decorator_did_not_see_is_named_as_written(marker):
     assert f"autostate.{other}(" not in str(info.value)
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -820,7 +821,7 @@ class Flag:
     with pytest.raises(autostate.errors.StaticStateError):
         f.eval(states)
     with pytest.raises(autostate.errors.TracedEagerStateError):
-        jax.jit(dec.Flag())(1.0)
+        staged(dec.Flag())(1.0)
     with pytest.raises(autostate.errors.UnhandledLocalStateError):
         f.model(1.0)
     with pytest.raises(autostate.errors.MethodNotFoundError):
@@ -1016,7 +1017,7 @@ def test_eager_model_under_jit_names_the_writing_line(
     plain, dec = pair_h12(write_module, RUNTIME)
     model = dec.Tabs()
     with raises_autostate(TracedEagerStateError) as info:
-        jax.jit(lambda x: call(model, x))(X1)
+        staged(lambda x: call(model, x))(X1)
     assert_at(info.value, marker)
     assert_same(0.0, model.c)  # no tracer kept
 

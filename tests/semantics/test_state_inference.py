@@ -50,6 +50,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
 )
 from semantics.harness import plain_path as plain_path_h10
 from semantics.harness import plain_path as plain_path_h17
@@ -601,7 +602,7 @@ def test_a_global_rebound_to_jax_again_is_routed_again(write_module: Loader_rout
     assert float(model.n) == 3.0
     assert jnp.allclose(out, XS + 6.0)
     f, states = dec.Looper().functionalize()
-    out, states = jax.jit(lambda s, x: f.run(s, x))(states, XS)
+    out, states = staged(lambda s, x: f.run(s, x))(states, XS)
     assert float(states["n"]) == 3.0
 
 
@@ -646,7 +647,7 @@ def test_f_and_its_methods_take_a_keyword_named_states() -> None:
     out, new = f.step(new, 1.0, states=5.0, flat_states=7.0)
     np.testing.assert_allclose(out, 8.0)
     np.testing.assert_allclose(new["n"], 6.0)
-    out, _ = jax.jit(lambda f, s, x: f(s, x, states=2.0))(f, states, 1.0)
+    out, _ = staged(lambda f, s, x: f(s, x, states=2.0))(f, states, 1.0)
     np.testing.assert_allclose(out, _plain_call(1.0, states=2.0))
 
 
@@ -698,7 +699,7 @@ def test_pending_subclass_hook_passes_a_keyword_named_sub_on() -> None:
     assert Child().w == 1.0
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -930,7 +931,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -1013,7 +1014,7 @@ def test_class_level_category(write_module: Loader) -> None:
     assert sorted(states) == ["cache.hits", "cache.kv", "own"]
     # documented: an unhandled category stays an eager slot, refused under jit
     with pytest.raises(autostate.errors.TracedEagerStateError):
-        jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(3))
+        staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(3))
     out, states = f(states, jnp.ones(3))
     assert_same(4.0, out)
     assert_same(np.ones(3), states["cache.kv"])
@@ -1021,7 +1022,7 @@ def test_class_level_category(write_module: Loader) -> None:
     assert_same(1.0, f.model.calls)
     fa, sa = dec.Net().functionalize()
     assert sorted(sa) == ["cache.hits", "cache.kv", "calls", "own"]
-    out, sa = jax.jit(lambda f, s, x: f(s, x))(fa, sa, jnp.ones(3))
+    out, sa = staged(lambda f, s, x: f(s, x))(fa, sa, jnp.ones(3))
     assert_same(4.0, out)
     assert int(sa["cache.hits"]) == 1
     fs, ss = dec.Net().functionalize("state")
@@ -1180,7 +1181,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -1197,7 +1198,7 @@ def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
         f, opt_state = update(f, grads, opt_state)
         return loss, f, opt_state, states
 
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
@@ -1235,7 +1236,7 @@ def test_class_attribute_hyperparameter_changed_on_the_class(write_module: Loade
     assert_same(template(x), model(x))
     assert_same(snapshot(template), snapshot(model))
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, x)
     assert_same(template(x), out)
     assert_same(read_plain(template, states), states)
 
@@ -1300,7 +1301,7 @@ class Both:
     expected = [getattr(ref, m)(x) for m, x in calls]
     got = []
     for m, x in calls:
-        out, states = jax.jit(lambda f, s, x, m=m: getattr(f, m)(s, x))(f, states, x)
+        out, states = staged(lambda f, s, x, m=m: getattr(f, m)(s, x))(f, states, x)
         got.append(out)
     assert_same(expected, got)
     assert_same(ref.parts[0].kv, states["enc.kv"])
@@ -1827,7 +1828,7 @@ def error_line(err: BaseException) -> str:
 def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = f if method == "__call__" else getattr(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def test_torch_container_state_names(write_module: Loader_h20) -> None:
@@ -1882,7 +1883,7 @@ def test_nnx_state_names_and_shared_rngs(write_module: Loader_h20) -> None:
     model = dec.Block(dec.Rngs(0))
     assert model.drop1.rngs is model.drop2.rngs is model.rngs
     f, states = model.functionalize()
-    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, V2)
+    _, states = staged(lambda f, s, x: f(s, x))(f, states, V2)
     assert int(states["rngs.count"]) == 3  # one in Linear.__init__, two dropouts
     frozen = autostate.freeze(f, states)
     assert frozen.drop1.rngs is frozen.drop2.rngs is frozen.rngs
@@ -1998,7 +1999,7 @@ def test_aug_attribute_of_a_plain_sub_object(write_module: Loader) -> None:
     check(plain, dec, "Opt()", [("decay", (X1_h21,)), ("decay", (X2_h21,))], modes=("eager",))
     f, states = dec.Opt().functionalize()
     with pytest.raises(autostate.errors.StateAccessError, match="Opt.cfg"):
-        jax.jit(lambda f, s, v: f.decay(s, v))(f, states, X1_h21)
+        staged(lambda f, s, v: f.decay(s, v))(f, states, X1_h21)
 
 
 @pytest.mark.parametrize(
@@ -2155,7 +2156,7 @@ def test_a_named_state_on_a_shared_sub_model_is_one_entry(write_module: Loader_h
     assert list(states) == ["kv", "a.n"]  # no "two states with one explicit name" error
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(f)(states, x)
+        out, states = staged(f)(states, x)
         got.append(out)
     assert_same(expected, got)
     assert_same(p.b[0].kv, states["kv"])
@@ -2283,7 +2284,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -2417,7 +2418,7 @@ def train_compare(
         (val, s2), g = jax.value_and_grad(loss, has_aux=True)(f)
         return (jax.tree_util.tree_map(lambda p, d: p - lr * d, f, g), s2), val
 
-    for run in (jax.jit(jax.lax.scan, static_argnums=0),):
+    for run in (staged(jax.lax.scan, static_argnums=0),):
         (f, s), losses = run(step, (f0, states0), xs)
         assert_same(np.stack(ref_losses), losses, "losses")
         got = autostate.param_dict(f)
@@ -2486,7 +2487,7 @@ def test_reset_parameters_makes_weights_states(write_module: Loader_h30) -> None
         y, _ = f({**states, **fl}, XP)
         return jnp.sum(y**2)
 
-    g = jax.jit(jax.grad(loss))(floats)
+    g = staged(jax.grad(loss))(floats)
     ref = plain.Head(0, 3)
 
     def ref_loss(w: Any) -> Any:
@@ -2568,7 +2569,7 @@ def check_decoration_fidelity(
             if mode == "f":
                 out, states = _fcall_decoration_fidelity(f, m)(states, *a)
             else:
-                out, states = jax.jit(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
+                out, states = staged(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
             got.append(out)
         assert_same_decoration_fidelity(expected, got, f"{mode} outputs")
         for key, value in states.items():

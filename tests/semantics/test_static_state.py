@@ -49,6 +49,7 @@ from semantics.harness import (
     pair,
     raises_autostate,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import _pair as pair_h5
@@ -204,7 +205,7 @@ class Decoder:
 def test_train_eval_idiom_under_jit_retraces_once_per_mode():
     traces = []
 
-    @jax.jit
+    @staged
     def step(f, states, x):
         traces.append(1)
         return f(states, x)
@@ -236,13 +237,13 @@ def test_train_eval_idiom_under_jit_retraces_once_per_mode():
 def test_traced_call_assigning_another_static_value_names_the_attribute():
     f, states = Dropout().functionalize()
     with pytest.raises(StaticStateError) as info:
-        jax.jit(lambda f, s: f.eval(s))(f, states)
+        staged(lambda f, s: f.eval(s))(f, states)
     message = str(info.value)
     assert "'training'" in message and "True" in message and "False" in message
     assert "autostate.freeze(f, states).eval().functionalize()" in message
     assert isinstance(info.value, (autostate.AutostateError, ValueError))
     # Assigning the value it already holds is no change.
-    _, same = jax.jit(lambda f, s: f.train(s))(f, states)
+    _, same = staged(lambda f, s: f.train(s))(f, states)
     assert sorted(same) == ["key"]
     # Untraced functionalized calls are pure too.
     with pytest.raises(StaticStateError):
@@ -254,11 +255,11 @@ def test_enum_and_string_state_under_jit():
     logits = jnp.array([0.1, 0.9, 0.0])
     f, states = model.functionalize()
     assert states == {"cache": None}  # the placeholder; the Python values are structure
-    assert int(jax.jit(lambda f, s, x: f(s, x)[0])(f, states, logits)) == 1
+    assert int(staged(lambda f, s, x: f(s, x)[0])(f, states, logits)) == 1
     model.sample()
     model.relabel("other")
     f, states = model.functionalize()
-    assert int(jax.jit(lambda f, s, x: f(s, x)[0])(f, states, logits)) == 2
+    assert int(staged(lambda f, s, x: f(s, x)[0])(f, states, logits)) == 2
     frozen = autostate.freeze(f, states)
     assert frozen.mode is Mode.SAMPLE and frozen.label == "other"
 
@@ -270,7 +271,7 @@ def test_python_int_state_is_static_and_a_traced_increment_is_an_error():
     f, states = model.functionalize()
     assert "steps" not in states
     with pytest.raises(StaticStateError, match="'steps'"):
-        jax.jit(lambda f, s: f.step(s))(f, states)
+        staged(lambda f, s: f.step(s))(f, states)
 
 
 def test_a_none_state_becomes_an_array_state_when_assigned_one():
@@ -322,7 +323,7 @@ def test_an_array_given_to_a_none_placeholder_under_jit_is_carried_by_the_new_st
     assert states["h"] is None and states["acts"] == {"last": None}
     traces = []
 
-    @jax.jit
+    @staged
     def step(f, states, x):
         traces.append(1)
         return f(states, x)
@@ -360,9 +361,9 @@ class Labelled:
     f, states = model.functionalize()
     assert states == {"label": None}
     with pytest.raises(StaticStateError, match="placeholder None") as info:
-        jax.jit(lambda f, s: f.name(s, "gelu"))(f, states)
+        staged(lambda f, s: f.name(s, "gelu"))(f, states)
     assert "model.label = 'gelu'" in str(info.value) and f"{dec.__file__}:" in str(info.value)
-    _, states = jax.jit(lambda f, s: f.name(s, jnp.ones(2)))(f, states)
+    _, states = staged(lambda f, s: f.name(s, jnp.ones(2)))(f, states)
     np.testing.assert_array_equal(states["label"], [1.0, 1.0])
 
 
@@ -402,7 +403,7 @@ def test_python_values_in_containers_are_never_leaves():
     f, states = model.functionalize()
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
     assert paths == [".model.a[0].w", ".model.cfg['w']"]
-    out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+    out, _ = staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     assert float(out) == 12.0
     rebuilt = jax.tree.map(lambda x: x * 2, model)
     assert rebuilt.a[1:] == [3, "relu", None] and rebuilt.cfg["scale"] == 2.0
@@ -436,7 +437,7 @@ class UsesTemporary:
 
 
 def test_a_temporary_instance_inside_a_jitted_function_works():
-    @jax.jit
+    @staged
     def run(x):
         c = Counter()
         c(x)
@@ -449,7 +450,7 @@ def test_a_temporary_instance_inside_a_jitted_function_works():
 
 def test_a_temporary_instance_inside_a_functionalized_call_works():
     f, states = UsesTemporary().functionalize()
-    y, states = jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+    y, states = staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     np.testing.assert_array_equal(y, [2.0, 2.0])
     assert float(states["seen"]) == 2.0
 
@@ -457,10 +458,10 @@ def test_a_temporary_instance_inside_a_functionalized_call_works():
 def test_a_model_built_outside_still_refuses_tracers():
     c = Counter()
     with pytest.raises(TracedEagerStateError, match=r"functionalize\(\)"):
-        jax.jit(lambda x: c(x))(jnp.ones(2))
+        staged(lambda x: c(x))(jnp.ones(2))
     # Passed into the trace as an argument, it is a copy whose writes would be lost.
     with pytest.raises(TracedEagerStateError):
-        jax.jit(lambda c, x: c(x))(c, jnp.ones(2))
+        staged(lambda c, x: c(x))(c, jnp.ones(2))
     assert float(c.count) == 0.0
 
 
@@ -548,7 +549,7 @@ def counted_jit(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
         traces.append(1)
         return fn(*a)
 
-    return jax.jit(traced), traces
+    return staged(traced), traces
 
 
 def test_a_tuple_of_ints_is_structure_under_jit_and_retraces_per_value(mods) -> None:
@@ -558,7 +559,7 @@ def test_a_tuple_of_ints_is_structure_under_jit_and_retraces_per_value(mods) -> 
     assert states == {"shape": (2,)} and isinstance(states, dict)
     assert jax.tree_util.tree_leaves(states) == []
     step, traces = counted_jit(lambda f, s, x: f(s, x))
-    grow = jax.jit(lambda f, s: f.grow(s))
+    grow = staged(lambda f, s: f.grow(s))
     for i in range(3):
         out, states = step(f, states, 1.5)
         same(ref(1.5), out)
@@ -595,7 +596,7 @@ def test_a_traced_value_assigned_into_the_container_is_an_array_as_in_plain_pyth
     ref = plain.Shaped()
     ref.measure(jnp.ones(3))
     f, states = dec.Shaped().functionalize()
-    _, states = jax.jit(lambda f, s, x: f.measure(s, x))(f, states, jnp.ones(3))
+    _, states = staged(lambda f, s, x: f.measure(s, x))(f, states, jnp.ones(3))
     assert type(states["shape"][0]) is int and isinstance(states["shape"][1], jax.Array)
     same(ref.shape, states["shape"])
     same(ref.shape, autostate.freeze(f, states).shape)
@@ -606,7 +607,7 @@ def test_python_values_in_a_mixed_dict_state_under_jit(mods) -> None:
     ref, model = plain.Config(), dec.Config()
     f, states = model.functionalize()
     step, traces = counted_jit(lambda f, s, x: f(s, x))
-    switch = jax.jit(lambda f, s: f.switch(s))
+    switch = staged(lambda f, s: f.switch(s))
     x = jnp.array([0.5, -1.0])
     for _ in range(2):
         out, states = step(f, states, x)
@@ -642,7 +643,7 @@ def test_an_eager_model_passed_to_jit_keeps_its_python_values(mods) -> None:
     model.grow()
     ref.grow()
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(model))
-    same(ref(2.0), jax.jit(lambda m, x: m(x))(model, 2.0))
+    same(ref(2.0), staged(lambda m, x: m(x))(model, 2.0))
     doubled = jax.tree.map(lambda v: v * 2, model)
     assert doubled.shape == (3,) and float(doubled.w) == 2.0
 
@@ -755,7 +756,7 @@ class Holder:
 
 
 TRANSFORMS: dict[str, Callable[[Any, Any, Any, str], Any]] = {
-    "jit": lambda f, s, x, m: jax.jit(lambda f, s, x: getattr(f, m)(s, x))(f, s, x),
+    "jit": lambda f, s, x, m: staged(lambda f, s, x: getattr(f, m)(s, x))(f, s, x),
     "grad": lambda f, s, x, m: jax.grad(lambda x: getattr(f, m)(s, x)[0].sum())(x),
     "vmap": lambda f, s, x, m: jax.vmap(lambda x: getattr(f, m)(s, x)[0])(jnp.stack([x, x])),
 }
@@ -774,13 +775,13 @@ def test_an_in_place_change_inside_a_traced_call_is_refused(method: str, how: st
     # Put back, and f still works.
     m = f.model
     assert (m.log, m.seen, m.tags, m.nested) == before
-    out, _ = jax.jit(lambda f, s, x: f.fine(s, x))(f, states, jnp.full(2, 3.0))
+    out, _ = staged(lambda f, s, x: f.fine(s, x))(f, states, jnp.full(2, 3.0))
     np.testing.assert_allclose(out, jnp.full(2, 3.0))
 
 
 def test_reading_static_containers_under_jit_is_fine() -> None:
     f, states = Keeps().functionalize()
-    out, _ = jax.jit(lambda f, s, x: f.fine(s, x))(f, states, jnp.ones(2))
+    out, _ = staged(lambda f, s, x: f.fine(s, x))(f, states, jnp.ones(2))
     np.testing.assert_allclose(out, jnp.ones(2))
 
 
@@ -801,19 +802,19 @@ def test_an_eager_call_of_f_changes_its_own_copy_as_python_would() -> None:
 def test_a_static_container_beside_a_sub_model_is_checked_too() -> None:
     f, states = Holder().functionalize()
     with pytest.raises(autostate.AutostateError, match="Holder.parts"):
-        jax.jit(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
+        staged(lambda f, s, x: f(s, x))(f, states, jnp.ones(2))
     assert f.model.parts[1] == []
 
 
 def test_a_traced_value_never_stays_in_a_static_list() -> None:
     f, states = Keeps().functionalize()
     with pytest.raises(autostate.AutostateError):
-        jax.jit(lambda f, s, x: f.append(s, x))(f, states, jnp.ones(2))
+        staged(lambda f, s, x: f.append(s, x))(f, states, jnp.ones(2))
     assert f.model.log == []
     assert not any(isinstance(v, jax.core.Tracer) for v in f.model.log)
 
 
-jit_call = jax.jit(lambda f, s, *a: f(s, *a))
+jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
 def _twice(write_module, source: str, cls_name: str):
@@ -974,7 +975,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -999,7 +1000,7 @@ def test_python_int_and_bool_states_are_static_inside_f(write_module: Loader_h2,
     p = plain.Py()
     getattr(p, method)()
     f, states = m.functionalize()
-    out, _ = jax.jit(f.step)(states, 1.0)
+    out, _ = staged(f.step)(states, 1.0)
     assert_same_h2(p.step(1.0), out)
 
 
@@ -1016,7 +1017,7 @@ def test_enum_and_string_static_states(write_module: Loader_h2) -> None:
     m.set_b()
     p.set_b()
     f, states = m.functionalize()
-    assert_same_h2(p(2.0), jax.jit(f)(states, 2.0)[0])
+    assert_same_h2(p(2.0), staged(f)(states, 2.0)[0])
     assert autostate.freeze(f, states).mode is dec.Mode.B
 
 
@@ -1171,7 +1172,7 @@ CHANGES_h5 = {
 
 
 _JIT = {
-    "jit": lambda f, s, x, m: jax.jit(lambda f, s, x: _fcall(f, m)(s, x))(f, s, x),
+    "jit": lambda f, s, x, m: staged(lambda f, s, x: _fcall(f, m)(s, x))(f, s, x),
     "vmap": lambda f, s, x, m: jax.vmap(lambda x: _fcall(f, m)(s, x)[0])(jnp.stack([x, x])),
 }
 
@@ -1194,7 +1195,7 @@ def _refused_and_put_back(dec: Any, method: str, where: str, how: str = "jit") -
         after = _statics_of(f.model)
         type(f.model).shared.clear()
     assert after == before, "the static container was not put back"
-    out, _ = jax.jit(lambda f, s, x: f.reads(s, x))(f, states, jnp.ones(2))
+    out, _ = staged(lambda f, s, x: f.reads(s, x))(f, states, jnp.ones(2))
     assert np.all(np.isfinite(np.asarray(out)))
 
 
@@ -1274,7 +1275,7 @@ class Counter:
     plain, dec = pair_h5(write_module, src)
     ref = plain.Counter()
     f, states = dec.Counter().functionalize()
-    count = jax.jit(lambda f, s, x: f.count(s, x))
+    count = staged(lambda f, s, x: f.count(s, x))
     for _ in range(2):
         ref.push(1.0)
         f.push(states, 1.0)
@@ -1297,7 +1298,7 @@ def test_a_refused_call_leaves_a_working_f_for_eager_calls(write_module: Loader_
     plain, dec = pair_h5(write_module, STATICS)
     f, states = dec.S().functionalize()
     with pytest.raises(autostate.AutostateError, match="S.log"):
-        jax.jit(lambda f, s, x: f.append_tracer(s, x))(f, states, jnp.ones(2))
+        staged(lambda f, s, x: f.append_tracer(s, x))(f, states, jnp.ones(2))
     ref = plain.S()
     ref.append_tracer(jnp.full(2, 3.0))
     _, states = f.append_tracer(states, jnp.full(2, 3.0))
@@ -1308,7 +1309,7 @@ def test_a_refused_call_leaves_a_working_f_for_eager_calls(write_module: Loader_
 def f_and_jit(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 HELD_REFUSED = {
@@ -1330,7 +1331,7 @@ def test_in_place_changes_held_outside_states_refused_under_jit(
     f, states = dec.M().functionalize()
     before = _held(f.model)
     with pytest.raises(autostate.AutostateError, match=HELD_REFUSED[method]):
-        jax.jit(_fcall(f, method))(states, jnp.float32(1.0))
+        staged(_fcall(f, method))(states, jnp.float32(1.0))
     assert before == _held(f.model), "the container was not put back"
 
 
@@ -1396,7 +1397,7 @@ def test_static_state_error_names_the_user_line_and_no_tracer(write_module: Load
     _, dec = pair_h8(write_module, LATE)
     f, states = dec.Cache().functionalize()
     with pytest.raises(autostate.errors.StaticStateError) as info:
-        jax.jit(f.toggle)(states, jnp.float32(1.5))
+        staged(f.toggle)(states, jnp.float32(1.5))
     text = str(info.value)
     assert f"{dec.__file__}:" in text, text
     assert "Tracer" not in text, text
@@ -1411,7 +1412,7 @@ def test_batchnorm_training_flag_then_eval(write_module: Loader_h8) -> None:
 def test_batchnorm_eval_switched_eagerly_between_jitted_calls(write_module: Loader_h8) -> None:
     plain, dec = pair_h8(write_module, MODELS)
     ref, model = plain.BatchNorm(3), dec.BatchNorm(3)
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for switch in (False, True):
         if switch:
             ref.eval()
@@ -1432,7 +1433,7 @@ def test_kv_cache_with_integer_position(write_module: Loader_h8) -> None:
 def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
     """The functional call of ``method``, as is and under ``jax.jit``."""
     call = _fcall(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def test_eval_switched_eagerly_between_calls(write_module: Loader_h9) -> None:
@@ -1477,12 +1478,12 @@ def test_cache_reset_to_none_between_jitted_calls(write_module: Loader_h9) -> No
     plain, dec = pair(write_module, TORCH)
     ref = plain.ResetCache()
     f, states = dec.ResetCache().functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for x in (X1, X2):
         out, states = step(f, states, x)
         assert_same(ref(x), out)
     ref.reset()
-    _, states = jax.jit(f.reset)(states)
+    _, states = staged(f.reset)(states)
     assert states["cache"] is None
     for x in (X1, X2):
         out, states = step(f, states, x)
@@ -1544,7 +1545,7 @@ def test_train_eval_recursing_over_children(write_module: Loader_h10, base_decor
     assert model.eval() is model
     assert all(m.training is False for m in model.modules())
     f, states = model.functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     for x, _ in data[1:3]:
         out, new_states = step(f, states, x)
         assert_same(template(x), out, "eval mode through f")
@@ -1569,7 +1570,7 @@ def test_eval_called_through_f_is_the_documented_static_state_error(write_module
     plain, dec = library(write_module)
     template, model, _ = build_pair(plain, dec, "mlp_dropout")
     f, states = model.functionalize()
-    for call in (f.eval, jax.jit(f.eval)):
+    for call in (f.eval, staged(f.eval)):
         with pytest.raises(StaticStateError) as err:
             call(states)
         assert "self.training = mode" in source_line_of(err.value)
@@ -1599,7 +1600,7 @@ def test_python_int_class_attribute_state_is_static_in_f(write_module: Loader_h1
     plain, dec = pair(write_module, CLASS_ATTRS)
     f, states = dec.ClassAttrs().functionalize()
     with raises_autostate(StaticStateError) as info:
-        jax.jit(lambda f, s: f.count(s))(f, states)
+        staged(lambda f, s: f.count(s))(f, states)
     assert_at(info.value, "# HERE")
 
 
@@ -1607,7 +1608,7 @@ def test_static_state_in_a_tab_indented_method_names_its_line(write_module: Load
     plain, dec = pair(write_module, RUNTIME)
     f, states = dec.Tabs().functionalize()
     with raises_autostate(StaticStateError) as info:
-        jax.jit(lambda f, s: f.eval(s))(f, states)
+        staged(lambda f, s: f.eval(s))(f, states)
     assert_at(info.value, "# STATIC")
 
 
@@ -1716,7 +1717,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
         traces.append(1)
         return fn(*a)
 
-    return jax.jit(traced), traces
+    return staged(traced), traces
 
 
 def lifecycle(
@@ -1749,7 +1750,7 @@ def lifecycle(
                 got, states = fn(states, *args)
             else:
                 if name not in jitted:
-                    jitted[name] = jax.jit(
+                    jitted[name] = staged(
                         lambda f, s, *a, n=name: (f if n == "__call__" else getattr(f, n))(s, *a)
                     )
                 got, states = jitted[name](f, states, *args)
@@ -1834,7 +1835,7 @@ def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: L
     ref = plain.Shaped()
     ref.grow()
     f, states = dec.Shaped().functionalize()
-    _, states = jax.jit(f.grow)(states)
+    _, states = staged(f.grow)(states)
     frozen = autostate.freeze(f, states)
     assert_typed(attrs(ref), attrs(frozen), "frozen after a jitted grow")
 
@@ -1975,7 +1976,7 @@ def test_int_state_from_init_is_static_and_a_traced_increment_names_the_line(
     f, states = dec.Steps().functionalize()
     assert "n" not in states
     with pytest.raises(StaticStateError, match="'n'") as info:
-        jax.jit(f.step)(states, X1)
+        staged(f.step)(states, X1)
     assert_user_line(info.value, dec.__file__)
     assert "Tracer" not in str(info.value)
 
@@ -1987,7 +1988,7 @@ def test_one_shot_hook_inside_jit_is_refused(write_module: Loader_h14) -> None:
     model = dec.with_hooks(dec.Layer(), dec.one_shot)
     f, states = model.functionalize()
     with pytest.raises(StateAccessError, match="hooks") as info:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, X1)
+        staged(lambda f, s, x: f(s, x))(f, states, X1)
     assert_user_line(info.value, __file__)
     assert len(model.hooks) == 1
 
@@ -2042,7 +2043,7 @@ def test_a_subclass_turning_an_array_state_into_a_python_int(write_module: Loade
         f(states, X1)
     assert_line_is(info.value, dec, "self.step = self.step + 1")
     with pytest.raises(StaticStateError) as info:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, X1)
+        staged(lambda f, s, x: f(s, x))(f, states, X1)
     assert_line_is(info.value, dec, "self.step = self.step + 1")
 
 
@@ -2081,7 +2082,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def ref_cnn(p: dict[str, Any], s: dict[str, Any], x: Any, training: bool) -> Any:
@@ -2132,7 +2133,7 @@ def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
     return loss, optax.apply_updates(p, u), o, s
 
 
-JF_STEP, JR_STEP = jax.jit(f_step), jax.jit(r_step)
+JF_STEP, JR_STEP = staged(f_step), staged(r_step)
 
 
 def train_both(
@@ -2194,7 +2195,7 @@ def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader_h17) -> None
     assert jax.tree_util.tree_structure(fe) != jax.tree_util.tree_structure(f)
     traces = []
 
-    @jax.jit
+    @staged
     def run(f: Any, s: Any, x: Any) -> Any:
         traces.append(1)
         return f(s, x)
@@ -2263,7 +2264,7 @@ def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module
     m.eval()
     assert m.a.mode == "eval" and m.a is m.b
     f, states = m.functionalize()
-    out, _ = jax.jit(f)(states, ONE)
+    out, _ = staged(f)(states, ONE)
     assert_same(p(ONE), out)
     frozen = autostate.freeze(f, states)
     assert frozen.a is frozen.b and frozen.a.mode == "eval" and frozen.c.mode == "train"
@@ -2376,7 +2377,7 @@ def test_actnorm_python_flag_after_eager_init_through_f(write_module: Loader_h24
     ref(XA)
     model(XA)
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, XA * 2)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, XA * 2)
     assert_same(np.asarray(ref(XA * 2)), np.asarray(out))
     frozen = autostate.freeze(f, states)
     assert_same(snapshot(ref), snapshot(frozen))
@@ -2389,7 +2390,7 @@ def test_actnorm_python_flag_through_f_is_the_documented_error(write_module: Loa
     f, states = dec.ActNormPy(3).functionalize()
     call = (lambda f, s, x: f(s, x))  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states, XA)
+        (staged(call) if jit else call)(f, states, XA)
     assert "initialized" in str(err.value)
     assert_user_line(err.value, dec.__file__.rsplit("/", 1)[-1])
 
@@ -2404,7 +2405,7 @@ def test_actnorm_array_flag_grad_after_init(write_module: Loader_h24) -> None:
     _, dec = pair(write_module, ACTNORM)
     f, states = dec.ActNormArr(3).functionalize()
     _, states = f(states, XA)
-    g = jax.jit(jax.grad(lambda f: f(states, XA * 2)[0].sum()))(f)
+    g = staged(jax.grad(lambda f: f(states, XA * 2)[0].sum()))(f)
     # after initialisation scale and bias are the states; a plain (x + b) * s has no params
     assert autostate.param_dict(g) == {}
     bias, scale = -XA.mean(0), 1.0 / (XA.std(0) + 1e-6)
@@ -2438,7 +2439,7 @@ def _jitted_h25(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -2577,7 +2578,7 @@ def test_actnorm_python_flag_initialised_eagerly_then_f_jit_grad(write_module: L
     assert_same(ref(XA_h26), model(XA_h26), "init call")
     f, states = model.functionalize()
     assert "initialized" not in " ".join(states)  # a static state: part of f's structure
-    call = jax.jit(lambda f, s, x: f(s, x))
+    call = staged(lambda f, s, x: f(s, x))
     for x in (XA_h26 * 2, XA_h26 - 1):
         out, states = call(f, states, x)
         assert_same(ref(x), out, "jit outputs")
@@ -2596,7 +2597,7 @@ def test_actnorm_python_flag_uninitialised_through_f_is_documented_error(
     f, states = dec.Glow(3, 2).functionalize()
     call = (lambda f, s, x: f(s, x))  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states, XA_h26)
+        (staged(call) if jit else call)(f, states, XA_h26)
     assert "initialized" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
@@ -2617,13 +2618,13 @@ def test_spectral_norm_eval_mode_freezes_u(write_module: Loader_h26) -> None:
         m(XA_h26)
         assert m.eval() is m
     f, states = model.functionalize()
-    out, states2 = jax.jit(lambda f, s, x: f(s, x))(f, states, XA_h26)
+    out, states2 = staged(lambda f, s, x: f(s, x))(f, states, XA_h26)
     assert_same(ref(XA_h26), out, "eval output")
     assert_same(np.asarray(ref.u), np.asarray(states2["u"]), "u unchanged in eval")
     model.train()
     ref.train()
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, XA_h26)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, XA_h26)
     assert_same(ref(XA_h26), out, "train output")
     assert_same(np.asarray(ref.u), np.asarray(states["u"]), "u after train")
 
@@ -2736,7 +2737,7 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader_
     assert model.layers[0].training is False and model.heads["a"].training is False
     assert model.heads["b"].training is False and model.layers[1].training is False
     f, states = model.functionalize()
-    call = jax.jit(lambda f, s, x: f(s, x))
+    call = staged(lambda f, s, x: f(s, x))
     for x in (XB_h26 * 2, XB_h26 - 3):
         out, states2 = call(f, states, x)
         assert_same(ref(x), out, "eval outputs")
@@ -2772,7 +2773,7 @@ def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Load
     f, states = dec.Net(3).functionalize()
     call = (lambda f, s, x: f.evaluate(s, x))  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states, XB_h26)
+        (staged(call) if jit else call)(f, states, XB_h26)
     assert "training" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
@@ -2783,7 +2784,7 @@ def test_f_eval_on_train_model_is_documented_error(write_module: Loader_h26, jit
     f, states = dec.Net(3).functionalize()
     call = (lambda f, s: f.eval(s)[1])  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states)
+        (staged(call) if jit else call)(f, states)
     assert_user_line(err.value, _file(dec))
 
 
@@ -2791,7 +2792,7 @@ def test_f_train_on_train_model_keeps_states(write_module: Loader_h26) -> None:
     # assigning the value a static state already holds is no change: the states come back
     _, dec = pair(write_module, BN)
     f, states = dec.Net(3).functionalize()
-    new = jax.jit(lambda f, s: f.train(s)[1])(f, states)
+    new = staged(lambda f, s: f.train(s)[1])(f, states)
     assert sorted(new) == sorted(states)
     for k in states:
         assert_same(snapshot(states[k]), snapshot(new[k]), k)
@@ -2815,13 +2816,13 @@ def test_torch_like_eval_through_f_is_documented_error(write_module: Loader_h26,
     f, states = dec.Net(2).functionalize()
     call = (lambda f, s: f.eval(s)[1])  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states)
+        (staged(call) if jit else call)(f, states)
     assert "training" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
 
 def step_jit() -> Callable[..., Any]:
-    return jax.jit(lambda f, s, x: f(s, x))
+    return staged(lambda f, s, x: f(s, x))
 
 
 def test_python_int_state_through_f_is_the_documented_error(write_module: Loader_h27) -> None:
@@ -2847,7 +2848,7 @@ class Steps:
 
 
 def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return jax.jit(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
+    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
         f, states, *args
     )
 
@@ -2909,7 +2910,7 @@ def test_disable_observer_through_f_is_static_state_error(write_module: Loader_h
     f, states = dec.QATLinear(0, 3, 4).functionalize()
     call = lambda f, s: f.freeze_observers(s)  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states)
+        (staged(call) if jit else call)(f, states)
     assert "observer_enabled" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
@@ -2949,7 +2950,7 @@ def test_lora_merge_through_f_is_static_state_error(write_module: Loader_h30, ji
     f, states = dec.LoRANet(0, 3, 2).functionalize()
     call = lambda f, s: f.merge_all(s)  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states)
+        (staged(call) if jit else call)(f, states)
     assert "merged" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
@@ -2984,7 +2985,7 @@ def test_moe_python_int_dropped_counter_through_f(write_module: Loader_h30, jit:
     f, states = dec.MoE(0, 3, py_init=True).functionalize()
     call = lambda f, s, x: f(s, x)  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states, XM)
+        (staged(call) if jit else call)(f, states, XM)
     assert "dropped" in str(err.value)
     assert_user_line(err.value, _file(dec))
 
@@ -3007,7 +3008,7 @@ def test_accum_python_int_k_through_f_is_static_state_error(
     f, states = dec.AccumSGD(dec.init_params(), 3).functionalize()
     call = lambda f, s, g: f.update(s, g)  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (jax.jit(call) if jit else call)(f, states, plain.grads_at(0))
+        (staged(call) if jit else call)(f, states, plain.grads_at(0))
     assert "'k'" in str(err.value) or "k" in str(err.value).split()
     assert_user_line(err.value, _file(dec))
 
@@ -3031,7 +3032,7 @@ def test_last_hidden_none_init(write_module: Loader_h30) -> None:
 def test_eval_then_train_toggle_between_jitted_steps(write_module: Loader_h30) -> None:
     plain, dec = pair(write_module, RESET)
     ref, model = plain.Head(2, 3), dec.Head(2, 3)
-    call = jax.jit(lambda f, s, x: f(s, x))
+    call = staged(lambda f, s, x: f(s, x))
     for mode, x in (("train", XP), ("eval", XP * 2), ("train", -XP), ("eval", XP)):
         getattr(ref, mode)()
         getattr(model, mode)()
@@ -3070,7 +3071,7 @@ def run_case_h31(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(out)
         same_h31(expected, got, f"{mode} outputs")

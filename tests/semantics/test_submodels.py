@@ -43,6 +43,7 @@ from semantics.harness import (
     raises_autostate,
     same,
     snapshot,
+    staged,
     user_line,
 )
 from semantics.harness import Loader as Loader_h
@@ -293,7 +294,7 @@ def test_a_reset_sub_model_runs_as_plain_python(pair: Any, mode: str) -> None:
         assert _states_of(model) == _states_of(expected_model)
     else:
         f, states = model.functionalize()
-        call = f if mode == "f" else jax.jit(f)
+        call = f if mode == "f" else staged(f)
         got = []
         for x in (1.0, 2.0, 3.0):
             out, states = call(states, x)
@@ -322,7 +323,7 @@ def test_a_lazily_built_list_and_dict_of_sub_models_run_as_plain_python(
         assert _states_of(model) == _states_of(expected_model)
     else:
         f, states = model.functionalize()
-        call = f if mode == "f" else jax.jit(f)
+        call = f if mode == "f" else staged(f)
         got = []
         for x in (1.0, 0.5):
             out, states = call(states, x)
@@ -358,7 +359,7 @@ def test_a_scan_over_a_reset_sub_model_matches_plain_python(pair: Any) -> None:
     model = dec.Scanned()
     model.reset()
     f, states = model.functionalize()
-    out, states = jax.jit(f)(states, xs)
+    out, states = staged(f)(states, xs)
     # Plain Python cannot run a state write inside lax.scan; its loop is the meaning.
     expected = 0.0
     for x in np.asarray(xs):
@@ -382,14 +383,14 @@ def test_assigning_a_sub_model_inside_a_functionalized_call_is_refused_at_the_us
     f, states = model.functionalize()
     call = getattr(f, method)
     if jit:
-        call = jax.jit(call)
+        call = staged(call)
     with pytest.raises(autostate.AutostateError, match="sub-model") as info:
         call(states, *args)
     message = str(info.value)
     assert dec.__file__ in message and "functionalize()" in message
     # The refusal left no tracer behind: f still runs, eagerly and jitted.
     out, _ = f(states, 1.0)
-    out_jit, _ = jax.jit(f)(states, 1.0)
+    out_jit, _ = staged(f)(states, 1.0)
     assert float(out) == float(out_jit)
 
 
@@ -405,18 +406,18 @@ def test_the_same_assignments_eagerly_mean_plain_python_then_functionalize_again
     model = dec.Reset()
     model(1.0)
     f, states = model.functionalize()
-    _, states = jax.jit(f)(states, 1.0)
+    _, states = staged(f)(states, 1.0)
     model.reset(5.0)  # eagerly, on the model itself
     assert float(model.sub.n) == 5.0
     f, states = model.functionalize()
-    out, states = jax.jit(f)(states, 1.0)
+    out, states = staged(f)(states, 1.0)
     assert float(out) == (5.0 + 1.0 + 1.0) * 2
     drops = dec.Drops()
     drops.drop()
     f, states = drops.functionalize()
     # The dropped sub-model's state is a None placeholder: no arrays, and f means plain Python.
     assert states == {"sub": None} and jax.tree.leaves(states) == []
-    assert float(jax.jit(f)(states, 1.0)[0]) == 1.0
+    assert float(staged(f)(states, 1.0)[0]) == 1.0
 
 
 def test_copies_and_pickles_of_a_reset_sub_model_are_independent(pair: Any) -> None:
@@ -444,7 +445,7 @@ def test_a_host_fallback_model_keeps_a_reset_sub_model(
     assert float(model(1.0)) == (2.0 + 1.0 + 1.0) * 2
     f, states = model.functionalize()
     assert sorted(states) == ["sub.n"]
-    out, states = jax.jit(f)(states, 1.0)
+    out, states = staged(f)(states, 1.0)
     assert float(out) == (4.0 + 1.0 + 1.0) * 2
 
 
@@ -604,9 +605,9 @@ def test_a_tied_sub_model_is_one_leaf_through_handle_and_freeze_local_states():
     assert list(states) == ["block1.linear.n"]
     grads = jax.grad(lambda h: h((1.0, states))[0])(handler)
     assert [float(g) for g in jax.tree_util.tree_leaves(grads)] == [6.0]  # d(3 w^2)/dw
-    (_, new_states) = jax.jit(lambda h, s: h((1.0, s)))(handler, states)
+    (_, new_states) = staged(lambda h, s: h((1.0, s)))(handler, states)
     assert float(new_states["block1.linear.n"]) == 2.0
-    through_jit = jax.jit(lambda h: h)(handler)
+    through_jit = staged(lambda h: h)(handler)
     frozen = autostate.freeze_local_states(through_jit, new_states)
     assert frozen.block1.linear is frozen.block2.linear
     f, states = frozen.functionalize()
@@ -711,10 +712,10 @@ def test_sub_model_added_by_item_assignment(write_module: Loader_h) -> None:
     assert_same(snapshot(p), snapshot(d))
     f, states = d.functionalize()
     assert sorted(states) == ["heads['a'].n", "heads['b'].n"]
-    out, states = jax.jit(f)(states, 1.0)
+    out, states = staged(f)(states, 1.0)
     assert_same(p(1.0), out)
     with raises_autostate(autostate.errors.StateAccessError):
-        jax.jit(f.add, static_argnums=1)(states, "c")
+        staged(f.add, static_argnums=1)(states, "c")
 
 
 def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
@@ -820,7 +821,7 @@ def check_h2(
                 out, states = _fcall_h2(f, m)(states, *a)
             else:
                 if m not in jitted:
-                    jitted[m] = jax.jit(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
+                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
         assert_same_h2(expected, got, f"{mode} outputs")
@@ -842,7 +843,7 @@ def test_sub_model_added_from_outside_after_construction(write_module: Loader_h2
     assert sorted(states) == ["extra.n", "n"]
     got = []
     for x in (1.0, 2.0):
-        out, states = jax.jit(f.call_extra)(states, x)
+        out, states = staged(f.call_extra)(states, x)
         got.append(out)
     assert_same_h2(expected, got)
     assert_same_h2(snapshot_h2(p.extra.n), states["extra.n"])
@@ -932,7 +933,7 @@ def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
     """f answers the same eagerly and under jit after a refused call."""
     out1, s1 = _fcall(f, name)(states, *args)
-    out2, s2 = jax.jit(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
+    out2, s2 = staged(lambda f, s, *a: _fcall(f, name)(s, *a))(f, states, *args)
     assert_same(out1, out2, "after refusal")
     assert_same(s1, s2, "states after refusal")
 
@@ -940,7 +941,7 @@ def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None
 def test_grad_through_weakref_to_parent(write_module: Loader_h4) -> None:
     plain, dec = pair_h4(write_module, CALLABLES)
     f, states = dec.Parent().functionalize()
-    g = jax.jit(jax.grad(lambda f: f(states, 2.0)[0]))(f)
+    g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     assert float(g.model.scale) == pytest.approx(2.0)
 
 
@@ -970,7 +971,7 @@ def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loa
     check(plain, dec, "Blocks()", [("swap", (1.0,)), ("__call__", (1.0,))], modes=("eager",))
     model = dec.Blocks()
     f, states = model.functionalize()
-    for call in (f.swap, jax.jit(f.swap)):
+    for call in (f.swap, staged(f.swap)):
         with raises_autostate(autostate.errors.StateAccessError):
             call(states, 1.0)
     f_still_works(f, states, "__call__", 1.0)
@@ -996,7 +997,7 @@ def test_building_a_submodel_inside_f_is_refused(write_module: Loader_h4) -> Non
     with raises_autostate(autostate.errors.StateAccessError):
         f.build_inside(states, 1.0)
     with raises_autostate(autostate.errors.StateAccessError):
-        jax.jit(f.build_inside)(states, 1.0)
+        staged(f.build_inside)(states, 1.0)
     f_still_works(f, states, "__call__", 1.0)
 
 
@@ -1005,7 +1006,7 @@ def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader_h4) 
     check(plain, dec, "Blocks()", [("bind_inside", (1.0,))], modes=("eager",))
     f, states = dec.Blocks().functionalize()
     with raises_autostate(autostate.errors.StateAccessError):
-        jax.jit(f.bind_inside)(states, 1.0)
+        staged(f.bind_inside)(states, 1.0)
     f_still_works(f, states, "__call__", 1.0)
 
 
@@ -1122,7 +1123,7 @@ def test_legit_holders_work(write_module: Loader_h4) -> None:
     plain, dec = pair_h4(write_module, HOLDERS)
     check(plain, dec, "Legit()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Legit().functionalize()
-    g = jax.jit(jax.grad(lambda f: f(states, 2.0)[0]))(f)
+    g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     assert_same(np.full(2, 0.0), g.model.tree.a)
 
 
@@ -1276,7 +1277,7 @@ def test_teacher_student_shared_body_has_one_state(write_module: Loader_h9) -> N
     _, dec = pair_h9(write_module, MODELS_h9)
     f, states = dec.TeacherStudent(jax.random.PRNGKey(0)).functionalize()
     assert sorted(states) == ["shared.seen", "student[1].seen", "teacher_head.seen"]
-    _, states = jax.jit(lambda f, s, x: f(s, x))(f, states, V3)
+    _, states = staged(lambda f, s, x: f(s, x))(f, states, V3)
     assert int(states["shared.seen"]) == 2  # called through two paths
     assert int(states["student[1].seen"]) == 1
     assert int(states["teacher_head.seen"]) == 0
@@ -1409,7 +1410,7 @@ def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any],
         return loss, params, opt_state, states
 
     if jit:
-        step = jax.jit(step)
+        step = staged(step)
     opt_state = init(params)
     trace = []
     for x, y in data:
@@ -1426,7 +1427,7 @@ def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
         f, opt_state = update(f, grads, opt_state)
         return loss, f, opt_state, states
 
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
@@ -1532,7 +1533,7 @@ def test_model_passed_as_an_argument_under_jit_is_refused_clearly(write_module: 
     ft, st = teacher.functionalize()
     before = snapshot(student)
     with pytest.raises(TracedEagerStateError) as err:
-        jax.jit(ft.distill)(st, student, x)
+        staged(ft.distill)(st, student, x)
     assert "functionalize" in str(err.value)
     assert "self." in user_frame_line(err.value, dec)
     assert_same(before, snapshot(student))
@@ -1554,7 +1555,7 @@ def test_shared_instance_has_one_state_set_and_matches_plain(write_module: Loade
     expected = [ref(1.0), ref(2.0)]
     f, states = dec.Two().functionalize()
     assert sorted(states) == ["a.pos", "a.steps", "a.table", "kv"]
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     got = []
     for x in (1.0, 2.0):
         out, states = step(f, states, x)
@@ -1587,7 +1588,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     def call(f: Any, s: Any, *a: Any) -> Any:
         return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
 
-    return jax.jit(call)
+    return staged(call)
 
 
 def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
@@ -1645,7 +1646,7 @@ def error_line(err: BaseException) -> str:
 def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = f if method == "__call__" else getattr(f, method)
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
@@ -1699,7 +1700,7 @@ def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader_h20
     model.apply(reinit)
     assert_same(snapshot(ref), snapshot(model))
     f, states = model.functionalize()
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, V2)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, V2)
     assert_same(ref(V2), out)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)))
     assert sorted(autostate.param_dict(model)) == ["inner.w", "more[0].w", "w"]
@@ -1714,8 +1715,8 @@ def test_module_dict_and_list_grown_inside_f(write_module: Loader_h20) -> None:
         f.add_head(states, "c", 1.0)
     assert "self.heads[name] = Sub(k)" in error_line(err.value)
     with pytest.raises(StateAccessError, match=r"Heads.blocks"):
-        jax.jit(f.add_block, static_argnums=1)(states, 1.0)
-    out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, V2)
+        staged(f.add_block, static_argnums=1)(states, 1.0)
+    out, _ = staged(lambda f, s, x: f(s, x))(f, states, V2)
     assert sorted(out) == ["a", "b"]
 
 
@@ -1779,7 +1780,7 @@ def test_shared_block_identity_and_writes_after_f_jit_and_freeze(write_module: L
     p = plain.Paths()
     expected = [p(ONE), p(ONE)]
     f, states = dec.Paths().functionalize()
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     got = []
     for _ in range(2):
         out, states = step(f, states, ONE)
@@ -1827,7 +1828,7 @@ def test_shared_parameter_gradient_is_the_sum_of_its_five_uses(write_module: Loa
         y = y + (jnp.sin(x * wb) + 1) + (jnp.sin(x * w) + n5)
         return y.sum()
 
-    g = jax.jit(jax.grad(lambda f: f(states, x)[0].sum()))(f)
+    g = staged(jax.grad(lambda f: f(states, x)[0].sum()))(f)
     hw, hwb = jax.grad(by_hand, argnums=(0, 1))(w0, wb)
     assert_same(hw, g.model.enc.w)
     assert_same(hwb, g.model.d["b"].w)
@@ -1839,7 +1840,7 @@ def test_sgd_through_f_keeps_the_shared_block_one_object(write_module: Loader_h2
     f, states = dec.Paths().functionalize()
     x = jnp.array([0.3, -0.7])
 
-    @jax.jit
+    @staged
     def step(f: Any, s: Any) -> Any:
         g, s = jax.grad(lambda f, s: (lambda o: (o[0].sum(), o[1]))(f(s, x)), has_aux=True)(f, s)
         return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, f, g), s
@@ -1874,7 +1875,7 @@ def test_block_used_twice_grad_wrt_params_matches_hand_written_jax(write_module:
         h = jnp.sin(x * scale * w) + 1.0
         return ((jnp.sin(h * w) + 3.0) * scale).sum()
 
-    g = jax.jit(jax.grad(lambda f: f(states, x)[0].sum()))(f)
+    g = staged(jax.grad(lambda f: f(states, x)[0].sum()))(f)
     hw, hs = jax.grad(by_hand, argnums=(0, 1))(model.blk.w, model.scale)
     assert_same(hw, g.model.blk.w)
     assert_same(hs, g.model.scale)
@@ -1981,7 +1982,7 @@ def test_functionalize_the_child_that_holds_its_parent(write_module: Loader_h22)
     f, states = m.child.functionalize()
     assert list(states) == ["n", "parent.total"]
     assert f.model.parent.child is f.model
-    out, states = jax.jit(f)(states, 1.0)
+    out, states = staged(f)(states, 1.0)
     assert_same(p.child(1.0), out)
     assert_same(p.child.n, states["n"])
     assert_same(np.zeros(()), m.child.n)
@@ -2017,7 +2018,7 @@ def test_two_models_holding_each_other_match_plain(write_module: Loader_h22) -> 
 def test_two_models_holding_each_other_grad_matches_hand_written_jax(write_module: Loader_h22) -> None:
     _, dec = mods(write_module)
     f, states = dec.mutual().functionalize()
-    g = jax.jit(jax.grad(lambda f: f(states, 2.0)[0]))(f)
+    g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     # out = b.n + a.n = 2*x*w + x*w  -> d/dw = 3x
     assert_same(6.0, g.model.w)
     assert g.model.other.other is g.model
@@ -2031,7 +2032,7 @@ def test_a_shared_block_state_written_in_the_states_dict_reaches_every_path(
     states = {**states, "enc.n": jnp.full((), 2.0)}
     p = plain.Paths()
     p.t[0].n = jnp.full((), 2.0)
-    out, new = jax.jit(f.poke)(states, 1.0)
+    out, new = staged(f.poke)(states, 1.0)
     assert_same(p.poke(1.0), out)
     out, new = f(new, ONE)
     assert_same(p(ONE), out)
@@ -2094,7 +2095,7 @@ def _jitted(name: str, args: tuple[Any, ...]) -> Any:
             full = [lay[1] if lay is not None else next(it) for lay in layout]
             return _call(f, name)(s, *full)
 
-        _JITS[key] = jax.jit(fn)
+        _JITS[key] = staged(fn)
     return _JITS[key]
 
 
@@ -2315,7 +2316,7 @@ def run_f(dec: types.ModuleType, build: str, calls: list[tuple[str, tuple[Any, .
     for m, a in calls:
         fn = (lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))  # noqa: E731
         if jit:
-            fn = jax.jit(fn)
+            fn = staged(fn)
         out, states = fn(f, states, *a)
         outs.append(out)
     return outs, states, f
@@ -2437,7 +2438,7 @@ def test_optimizer_functionalized_alone_model_as_f_argument(write_module: Loader
     call = (lambda f, s, m, g: f.step(s, m, g))  # noqa: E731
     if jit:
         with pytest.raises(autostate.AutostateError) as err:
-            jax.jit(call, static_argnums=2)(f, states, model, g)
+            staged(call, static_argnums=2)(f, states, model, g)
         assert_user_line(err.value, _file(dec))
         assert_same(snapshot(plain.MLP(0, 2).params), snapshot(model.params), "model untouched")
     else:
@@ -2459,7 +2460,7 @@ def test_in_place_list_update_of_sub_model_in_python_loop(write_module: Loader_h
 
 
 def step_jit() -> Callable[..., Any]:
-    return jax.jit(lambda f, s, x: f(s, x))
+    return staged(lambda f, s, x: f(s, x))
 
 
 def _set(model: Any, key: str, value: Any) -> None:
@@ -2572,7 +2573,7 @@ def test_sub_model_replaced_eagerly_then_functionalized(write_module: Loader_h28
     same(snapshot(ref), snapshot(model), "eager")
     f, states = model.functionalize()
     assert sorted(states) == ["leaf.n", "spare.n"]
-    out, states = jax.jit(lambda f, s, x: f(s, x))(f, states, A2)
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, A2)
     same(ref(A2), out, "jit after eager swaps")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
@@ -2582,7 +2583,7 @@ def test_sub_model_replaced_inside_f_is_the_documented_error(write_module: Loade
     f, states = dec.Child().functionalize()
     for fn, args, text in (
         (f.swap, (3.0,), "self.leaf = Leaf(k)"),
-        (jax.jit(f.swap, static_argnums=1), (3.0,), "self.leaf = Leaf(k)"),
+        (staged(f.swap, static_argnums=1), (3.0,), "self.leaf = Leaf(k)"),
         (f.rotate, (), "self.leaf, self.spare = self.spare, self.leaf"),
     ):
         with pytest.raises(autostate.errors.StateAccessError) as e:
@@ -2620,7 +2621,7 @@ def run_case_h31(
         for m, a in calls:
             fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
             if mode == "jit":
-                fn = jax.jit(fn)
+                fn = staged(fn)
             out, states = fn(f, states, *a)
             got.append(out)
         same(expected, got, f"{mode} outputs")
@@ -2634,7 +2635,7 @@ def run_case_h31(
 def f_modes_h31(f: Any, method: str = "__call__") -> list[Callable[..., Any]]:
     """``f.<method>`` called directly and under ``jax.jit``."""
     call = lambda s, *a: _call(f, method)(s, *a)  # noqa: E731
-    return [call, jax.jit(call)]
+    return [call, staged(call)]
 
 
 def test_lazy_sub_model_and_lazy_layer_list(write_module: Loader_h31) -> None:
@@ -2683,7 +2684,7 @@ def test_lazy_layer_list_filled_by_append_inside_jit_is_refused(write_module: Lo
     _, dec = pair_h31(write_module, LAZY)
     f, states = dec.AppendStack(2).functionalize()
     with pytest.raises(StateAccessError, match=r"AppendStack.layers") as err:
-        jax.jit(lambda f, s, x: f(s, x))(f, states, X23)
+        staged(lambda f, s, x: f(s, x))(f, states, X23)
     assert "fix" in str(err.value)
     assert f.model.layers == []
 
@@ -2715,7 +2716,7 @@ def test_model_built_inside_a_method_in_a_jitted_grad_step(write_module: Loader_
         m.scale = scale
         return m(X23).sum()
 
-    g = jax.jit(jax.grad(lambda f: f(states, X23)[0].sum()))(f)
+    g = staged(jax.grad(lambda f: f(states, X23)[0].sum()))(f)
     same(jax.grad(plain_loss)(plain.Outer(0).scale), g.model.scale)
 
 
@@ -2768,7 +2769,7 @@ def test_torch_adam_alias_updates_through_f_on_a_copy_are_refused(write_module: 
 
 
 def jit_steps(f: Any, states: Any, method: str, calls: list[tuple[Any, ...]]) -> Any:
-    step = jax.jit(lambda f, s, *a: getattr(f, method)(s, *a))
+    step = staged(lambda f, s, *a: getattr(f, method)(s, *a))
     out = None
     for args in calls:
         out, states = step(f, states, *args)
@@ -3082,7 +3083,7 @@ def test_shared_embedding_is_one_state_named_by_its_first_path(write_module: Loa
     f, states = dec.Seq2Seq().functionalize()
     assert "encoder.embed.w" in states and not any(k.startswith("decoder.embed") for k in states)
     assert not any(k.startswith("decoder.head") for k in states)
-    step = jax.jit(lambda f, s, a, b: f.train_step(s, a, b))
+    step = staged(lambda f, s, a, b: f.train_step(s, a, b))
     _, states = step(f, states, SRC, TGT)
     frozen = autostate.freeze(f, states)
     assert frozen.encoder.embed is frozen.decoder.head is frozen.decoder.embed
@@ -3103,7 +3104,7 @@ def test_functionalize_one_model_of_two_sharing_running_stats(write_module: Load
     a, b = dec.pair_parts()
     f, states = a.functionalize()
     assert sorted(states) == ["seen", "stats.mean", "stats.n"]
-    step = jax.jit(lambda f, s, x: f(s, x))
+    step = staged(lambda f, s, x: f(s, x))
     # f's calls are a's calls on a copy of the stats; b meanwhile runs eagerly on the original.
     ref_a = copy.deepcopy(pa)
     for i in range(3):
@@ -3148,7 +3149,7 @@ def test_registry_of_models_on_a_manager(write_module: Loader_h35) -> None:
     ref = plain.registry()
     for name, x in calls[:2] + calls[3:]:
         if name == "__call__":
-            out, states = jax.jit(lambda f, s, x, k=x[0]: f(s, k, x))(f, states, x[1])
+            out, states = staged(lambda f, s, x, k=x[0]: f(s, k, x))(f, states, x[1])
             assert_same(ref(*x), out, f"jit {x[0]}")
     frozen = autostate.freeze(f, states)
     assert frozen.models["b"] is frozen.models["c"]
@@ -3165,7 +3166,7 @@ def test_registering_a_model_inside_f_is_refused(write_module: Loader_h35, jit: 
         return f.register(s, "d", new)
 
     with raises_autostate(errors.StateAccessError) as err:
-        (jax.jit(call) if jit else call)(states)
+        (staged(call) if jit else call)(states)
     user_line(err.value, dec, 'self.models[name] = model')
     assert sorted(f.model.models) == ["a", "b", "c"]
 
@@ -3226,7 +3227,7 @@ def test_second_path_to_an_attribute_inside_f(write_module: Loader_h35, how: str
         call = lambda s, x: f.write_arg_read_attr(s, x, model.other)  # noqa: E731
     else:
         expected = [ref.read_global_alias(1.0) for _ in range(2)]
-        call = jax.jit(f.read_global_alias) if how.endswith("jit") else f.read_global_alias
+        call = staged(f.read_global_alias) if how.endswith("jit") else f.read_global_alias
     got = []
     for _ in range(2):
         out, states = call(states, 1.0)
@@ -3272,9 +3273,9 @@ def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader_h
     before = snapshot(c)
     with raises_autostate(errors.TracedEagerStateError) as err:
         if how == "closure":
-            jax.jit(lambda f, s, x: f(s, x, c))(f, states, X3_h35)
+            staged(lambda f, s, x: f(s, x, c))(f, states, X3_h35)
         else:
-            jax.jit(lambda f, s, x, c: f(s, x, c))(f, states, X3_h35, c)
+            staged(lambda f, s, x, c: f(s, x, c))(f, states, X3_h35, c)
     user_line(err.value, dec, "cache.k = cache.k.at[cache.pos].set(x @ self.wk)")
     assert_same(before, snapshot(c))
     assert not autostate.lifetime.contains_tracer(snapshot(c))
@@ -3320,7 +3321,7 @@ def test_trainer_stepping_a_model_argument_under_jit_is_refused(write_module: Lo
     m = dec.MLP()
     before = snapshot(m)
     with raises_autostate(errors.TracedEagerStateError) as err:
-        jax.jit(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
+        staged(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
     user_line(err.value, dec, "setattr(model, leaf, value)")
     assert_same(before, snapshot(m))
 
@@ -3331,7 +3332,7 @@ def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loa
     m = dec.MLP(as_state=False)
     before = snapshot(m)
     with raises_autostate(errors.TracedEagerStateError) as err:
-        jax.jit(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
+        staged(lambda f, s, x, y: f.fit_step(s, m, x, y))(f, states, *batch(0))
     assert "held a concrete array" in str(err.value)
     assert not autostate.lifetime.contains_tracer(vars(m.l1)), vars(m.l1)
     assert_same(before, snapshot(m))
