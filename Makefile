@@ -50,9 +50,10 @@ docs: $(VENV)/.installed-test
 docs-serve: $(VENV)/.installed-test
 	$(BIN)/mkdocs serve
 
-# Both matrix targets fix hypothesis's seed, so every interpreter and version
-# set runs the same property examples (`make test` keeps drawing new ones).
-MATRIX_PYTEST := -m pytest -q -p no:cacheprovider --hypothesis-seed=0
+# Both matrix targets run one worker per core (pytest-xdist) and fix
+# hypothesis's seed, so every interpreter and version set runs the same
+# property examples (`make test` keeps drawing new ones).
+MATRIX_PYTEST := -m pytest -q -n auto -p no:cacheprovider --hypothesis-seed=0
 
 # The suite on the lower bounds: every ">=" in [project] dependencies pinned
 # with "==", on the oldest supported Python, in its own venv.
