@@ -32,12 +32,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-if "jax" in sys.modules:  # a plugin imported jax before this file: tell it too
-    for _name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
-        _value = os.environ[_name]
-        sys.modules["jax"].config.update(_name.lower(), float(_value) if "SECS" in _name else
-                                         int(_value) if "BYTES" in _name else _value)
+if "jax" in sys.modules:  # jax read its environment before this file ran: tell it too
+    _config = sys.modules["jax"].config
+    _config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    _config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 _module_counter = itertools.count()
 

@@ -8,13 +8,11 @@ both, eagerly, through ``f(states, ...)``, under ``jax.jit`` and after
 ``autostate.freeze``, and compares outputs and attributes.
 
 The ``jit`` path is ``staged``: the call is traced exactly as ``jax.jit``
-traces it (``jax.jit(fn).trace``), and the staged program is then run one
-primitive at a time. What the decorated code does under tracing is
-autostate's; what XLA makes of the staged program is JAX's, so the suite does
-not pay a compilation per case (a primitive's executable is cached across the
-session; a whole program's is not). ``AUTOSTATE_TEST_COMPILE=1`` makes
-``staged`` plain ``jax.jit``, so every case also compiles; ``tests/models/``
-always compiles.
+traces it (``jax.jit(fn).trace``), and a short program called once is then run
+one primitive at a time instead of compiled. What the decorated code does
+under tracing is autostate's and is checked either way; what XLA makes of the
+staged program is JAX's. ``AUTOSTATE_TEST_COMPILE=1`` makes ``staged`` plain
+``jax.jit``, so every case also compiles; ``tests/models/`` always compiles.
 """
 
 from __future__ import annotations
@@ -123,8 +121,10 @@ class staged:  # noqa: N801 (used as jax.jit is: a function-like decorator)
     """``jax.jit(fn)`` without compiling: traced as ``jit`` traces, the staged
     program run primitive by primitive (see the module docstring).
 
-    With ``donate_argnums`` or static arguments, under ``jax.disable_jit``, or
-    with ``AUTOSTATE_TEST_COMPILE=1`` it is ``jax.jit`` itself. Anything else
+    It is ``jax.jit`` itself for a long program or one called again (see
+    ``_STAGED_EQNS``), with ``donate_argnums`` or static arguments, under
+    ``jax.disable_jit``, when the arguments do not flatten to the program's
+    inputs, and with ``AUTOSTATE_TEST_COMPILE=1``. Anything else
     (``lower``, ``trace``, ``_cache_size``) is the ``jax.jit`` object's.
     """
 
@@ -143,7 +143,7 @@ class staged:  # noqa: N801 (used as jax.jit is: a function-like decorator)
         calls = self._calls[id(program.jaxpr)] = self._calls.get(id(program.jaxpr), 0) + 1
         if len(leaves) != len(program.in_avals) or len(program.eqns) * calls > _STAGED_EQNS:
             return self._jitted(*args, **kwargs)
-        outs = [jnp.asarray(out) for out in jaxpr_as_fun(traced.jaxpr)(*leaves)]
+        outs = [jnp.asarray(out) for out in jaxpr_as_fun(program)(*leaves)]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(traced.out_info), outs)
 
     def __getattr__(self, name: str) -> Any:
