@@ -42,7 +42,6 @@ from autostate.effects.local_state import (
     StateSlot,
     StaticState,
     _same_static,
-    eager_lax_body,
     fresh_handler_id,
     handler_cells,
     run_with_states,
@@ -55,7 +54,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
-from autostate.guard import CAPTURED, Guard
+from autostate.guard import CAPTURED, Guard, eager_lax_body
 from autostate.lifetime import LostValue, contains_tracer
 from autostate.state_values import is_static_value
 

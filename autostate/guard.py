@@ -48,9 +48,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -59,7 +61,7 @@ from autostate import graph as _graph
 from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import StateSlot
-from autostate.effects.local_state import is_guarded, lax_body_of
+from autostate.effects.local_state import register_slot_hooks
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -79,7 +81,10 @@ __all__ = [
     "CAPTURED",
     "Guard",
     "check_write",
+    "eager_lax_body",
     "explain_traced_value",
+    "is_guarded",
+    "lax_body_of",
     "refuse_submodel_swap",
     "traced_numbers",
 ]
@@ -88,6 +93,59 @@ _ABSENT: Any = object()
 
 CAPTURED = "a list or dict it captures"
 """The label of a container a ``lax`` body captures (a variable of the enclosing function)."""
+
+
+# --- which instances are guarded now --------------------------------------------
+
+# ids of the decorated instances of every body a handler is running now: the
+# instances whose non-state writes the run-time guard refuses. Set by the
+# engine's ``run_with_states`` through the ``guard_call`` slot hook.
+_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_guarded_instances", default=frozenset()
+)
+
+
+# (ids of the eager instances a lax call's body reaches, what the call is):
+# set while an eager model's lax call runs (``control``), whose body JAX
+# traces, so that a traced value assigned to one of them that is not state is
+# refused where it is written instead of staying in the model as a tracer.
+_IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.ContextVar(
+    "autostate_eager_lax_instances", default=(frozenset(), "")
+)
+
+
+def is_guarded(obj: Any) -> bool:
+    """Whether ``obj`` belongs to a body that a handler is running now."""
+    guarded = _GUARDED.get()
+    return bool(guarded) and id(obj) in guarded
+
+
+def lax_body_of(obj: Any) -> str | None:
+    """The lax call (``"the body of a lax.scan"``) whose traced body may write
+    eager ``obj`` now, or ``None``."""
+    ids, what = _IN_LAX_BODY.get()
+    return what if ids and id(obj) in ids else None
+
+
+@contextlib.contextmanager
+def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
+    """Marks ``instances`` as reached by the traced body of ``what`` while it runs."""
+    ids, _ = _IN_LAX_BODY.get()
+    token = _IN_LAX_BODY.set((ids | frozenset(map(id, instances)), what))
+    try:
+        yield
+    finally:
+        _IN_LAX_BODY.reset(token)
+
+
+def _guard_call(ids: frozenset[int]) -> contextvars.Token[frozenset[int]]:
+    """A call starts running a body with decorated instances ``ids``: guarded
+    until ``_GUARDED.reset`` with what this returns (the slot hooks)."""
+    outer = _GUARDED.get()
+    return _GUARDED.set(outer | ids if outer else ids)
+
+
+register_slot_hooks(guard_call=_guard_call, unguard_call=_GUARDED.reset)
 
 
 class Guard:
@@ -127,7 +185,7 @@ class Guard:
     ):
         self.what = what
         self.model = model  # f's model (named in a refusal), or None
-        self.ids = ids  # the ids of the guarded instances (``effects.is_guarded``)
+        self.ids = ids  # the ids of the guarded instances (``is_guarded``)
         self.dicts = dicts  # (instance, copy of its __dict__)
         self.containers = containers  # (container, shallow copy, "Class.attr")
         self.graph = graph  # (leaves, graphdef) of the model before the call

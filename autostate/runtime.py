@@ -46,8 +46,6 @@ from autostate.effects import (
 from autostate.effects.local_state import (
     handler_running,
     initial_slot,
-    is_guarded,
-    lax_body_of,
 )
 from autostate.errors import (
     InvalidArgumentError,
@@ -59,6 +57,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import check_write as check_guarded_write
+from autostate.guard import is_guarded, lax_body_of
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import _check_not_traced, contains_tracer, recording_state_reads
 from autostate.state_values import is_static_value

@@ -24,13 +24,12 @@ engine asks it through the slot protocol's hooks (``SlotHooks``), which
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import itertools
 import sys
 import types
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import jax
@@ -169,7 +168,11 @@ class SlotHooks:
       thread pool in a method), or ``None``;
     * ``unhandled_ref_error(ref, reason)``: the error of a handled reference
       used while its handler is not running (``reason``: ``"not running"``,
-      or ``"another call"`` with an equal id is running).
+      or ``"another call"`` with an equal id is running);
+    * ``guard_call(ids)`` / ``unguard_call(token)``: called when a call starts
+      running a body whose decorated instances have ``ids``, and with what
+      ``guard_call`` returned when it ends: while it runs, their writes that
+      are not state writes are refused (``autostate.guard``).
     """
 
     __slots__ = (
@@ -190,6 +193,8 @@ class SlotHooks:
         "static_write_error",
         "cells_elsewhere",
         "unhandled_ref_error",
+        "guard_call",
+        "unguard_call",
     )
 
     def __init__(self) -> None:
@@ -226,6 +231,8 @@ class SlotHooks:
                 f"static state {slot.name!r} holds {slot.value!r}, fixed for the call"
             )
         )
+        self.guard_call: Callable[[frozenset[int]], Any] = lambda ids: None
+        self.unguard_call: Callable[[Any], None] = lambda token: None
 
 
 _hooks = SlotHooks()
@@ -261,38 +268,6 @@ def running_call_traces() -> Iterator[Any]:
 
 
 _handler_counter = itertools.count()
-# ids of the decorated instances of every body a handler is running now: the
-# instances whose non-state writes the run-time guard refuses.
-_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "autostate_guarded_instances", default=frozenset()
-)
-
-
-# (ids of the eager instances a lax call's body reaches, what the call is):
-# set while an eager model's lax call runs (``control``), whose body JAX
-# traces, so that a traced value assigned to one of them that is not state is
-# refused where it is written instead of staying in the model as a tracer.
-_IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.ContextVar(
-    "autostate_eager_lax_instances", default=(frozenset(), "")
-)
-
-
-def lax_body_of(obj: Any) -> str | None:
-    """The lax call (``"the body of a lax.scan"``) whose traced body may write
-    eager ``obj`` now, or ``None``."""
-    ids, what = _IN_LAX_BODY.get()
-    return what if ids and id(obj) in ids else None
-
-
-@contextlib.contextmanager
-def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
-    """Marks ``instances`` as reached by the traced body of ``what`` while it runs."""
-    ids, _ = _IN_LAX_BODY.get()
-    token = _IN_LAX_BODY.set((ids | frozenset(map(id, instances)), what))
-    try:
-        yield
-    finally:
-        _IN_LAX_BODY.reset(token)
 
 
 def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
@@ -309,12 +284,6 @@ def handler_running() -> bool:
 def is_running(handler_id: Hashable) -> bool:
     """Whether the handler with ``handler_id`` is running its body now."""
     return _running_cells(handler_id) is not None
-
-
-def is_guarded(obj: Any) -> bool:
-    """Whether ``obj`` belongs to a body that a handler is running now."""
-    guarded = _GUARDED.get()
-    return bool(guarded) and id(obj) in guarded
 
 
 def running_cells() -> list[LocalStateEffectImpl]:
@@ -1159,8 +1128,8 @@ def run_with_states(
 ) -> tuple[Any, dict[str, Any]]:
     """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``.
 
-    ``guard`` holds the ids of the body's decorated instances (see
-    ``is_guarded``): while ``fn`` runs, writes to them that are not state
+    ``guard`` holds the ids of the body's decorated instances (the
+    ``guard_call`` hook): while ``fn`` runs, writes to them that are not state
     writes are refused instead of landing on a copy the call throws away.
     """
     if not isinstance(states, dict):
@@ -1180,8 +1149,7 @@ def run_with_states(
     running = (handler_id, cells, outer.get(handler_id) if outer else None, _hooks.current_trace())
     token = _ACTIVE.set({**outer, handler_id: running} if outer else {handler_id: running})
     _ANY_THREAD[id(running)] = running
-    outer_guard = _GUARDED.get()
-    guard_token = _GUARDED.set(outer_guard | guard if outer_guard else guard)
+    guard_token = _hooks.guard_call(guard)
     try:
         result = fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
@@ -1194,7 +1162,7 @@ def run_with_states(
             raise
         raise error from None
     finally:
-        _GUARDED.reset(guard_token)
+        _hooks.unguard_call(guard_token)
         _ACTIVE.reset(token)
         del _ANY_THREAD[id(running)]
     new = {name: cell.value for name, cell in cells.items()}

@@ -30,6 +30,7 @@ import pytest
 
 import autostate
 from autostate import errors, runtime
+from autostate import guard as _guard
 from autostate.effects import local_state as _engine
 from autostate.errors import (
     EscapedStateError,
@@ -898,7 +899,7 @@ def floats(tree: Any) -> Any:
 
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 def test_coroutine_returned_by_f_refuses_to_run_after_the_call(write_module: Loader_h19) -> None:

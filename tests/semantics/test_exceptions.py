@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from autostate import guard as _guard
 import autostate
 from autostate.effects import local_state as _engine
 from autostate.errors import (
@@ -220,7 +221,7 @@ def floats(tree: Any) -> Any:
 
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 def _inner_states(dec: types.ModuleType) -> tuple[Any, Any]:
@@ -828,8 +829,8 @@ def no_tracers(*objs: Any) -> None:
 
 def no_handler_left_h32() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
-    assert not _engine._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
 
 
 def _static(args: Sequence[Any]) -> tuple[int, ...]:

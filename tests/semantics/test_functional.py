@@ -32,6 +32,7 @@ import pytest
 
 import autostate
 from autostate import errors
+from autostate import guard as _guard
 from autostate.effects import local_state as _engine
 from autostate.errors import (
     StateAccessError,
@@ -2175,7 +2176,7 @@ def floats(tree: Any) -> Any:
 
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 SELF_F = """

@@ -30,6 +30,7 @@ import pytest
 
 import autostate
 from autostate import errors, host
+from autostate import guard as _guard
 from autostate.effects import local_state as _engine
 from autostate.errors import (
     HostStateError,
@@ -1257,8 +1258,8 @@ def no_tracers(*objs: Any) -> None:
 
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
-    assert not _engine._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
 
 
 def ecall(model: Any, name: str, args: Sequence[Any]) -> Any:

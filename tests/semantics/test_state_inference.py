@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import autostate
+from autostate import guard as _guard
 from autostate import errors
 from autostate.effects import local_state as _engine
 from autostate.errors import (
@@ -1802,7 +1803,7 @@ def test_gpt_state_and_param_names(write_module: Loader_h17) -> None:
 
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _engine._GUARDED.get(), "instances are still guarded after the call"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 def test_state_written_only_through_a_self_alias(write_module: Loader_h19) -> None:
