@@ -17,8 +17,10 @@ staged program is JAX's. ``AUTOSTATE_TEST_COMPILE=1`` makes ``staged`` plain
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
+import itertools
 import os
 import sys
 import types
@@ -32,6 +34,7 @@ import pytest
 from jax.extend.core import jaxpr_as_fun
 
 import autostate
+from semantics.programs import BUILDS, KEY, LIBRARY
 
 Loader = Callable[..., types.ModuleType]
 Call = tuple[str, tuple[Any, ...]]
@@ -46,14 +49,20 @@ X = _X()
 HEADER = """
 from __future__ import annotations
 import abc
-import typing
+import collections
 import copy
 import dataclasses
+import copy
+import enum
 import functools
+import typing
+import weakref
+from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
 import autostate
+TRACES = []
 """
 
 
@@ -88,8 +97,12 @@ class _PyLax:
             init = body(init)
         return init
 
+    _NONE = object()
+
     @staticmethod
-    def cond(pred, t, f, *ops):
+    def cond(pred, t, f, *ops, operand=_NONE):
+        if operand is not _PyLax._NONE:
+            ops = (operand,)
         return t(*ops) if bool(pred) else f(*ops)
 
     @staticmethod
@@ -97,7 +110,7 @@ class _PyLax:
         return branches[min(max(int(i), 0), len(branches) - 1)](*ops)
 
     @staticmethod
-    def map(fn, xs):
+    def map(fn, xs, batch_size=None):
         return jnp.stack([fn(x) for x in xs])
 
     @staticmethod
@@ -153,40 +166,102 @@ class staged:  # noqa: N801 (used as jax.jit is: a function-like decorator)
         return self if obj is None else functools.partial(self, obj)
 
 
-_PAIRS: dict[str, tuple[types.ModuleType, types.ModuleType]] = {}
+_PAIRS: dict[tuple[Any, ...], tuple[types.ModuleType, types.ModuleType]] = {}
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    for module in _PAIRS[source]:
+def pair(
+    write_module: Loader,
+    source: str,
+    *,
+    fresh: bool = False,
+    plain_subs: Sequence[tuple[str, str]] = (),
+    checkpoint_as_identity: bool = False,
+) -> tuple[types.ModuleType, types.ModuleType]:
+    """The source as plain Python and decorated (see ``_pair``), built once per
+    source text and options.
+
+    ``fresh``: new modules, not the cached ones (for a test that edits its
+    modules or classes, or counts what happens at import).
+    """
+    if fresh:
+        return _pair(write_module, source, plain_subs=plain_subs,
+                     checkpoint_as_identity=checkpoint_as_identity)
+    key = (source, tuple(plain_subs), checkpoint_as_identity)
+    if key not in _PAIRS:
+        _PAIRS[key] = _pair(write_module, source, plain_subs=plain_subs,
+                            checkpoint_as_identity=checkpoint_as_identity)
+    for module in _PAIRS[key]:
         # A cached pair outlives the test that wrote it: its modules stay
         # importable, so its classes pickle by reference in any later test.
         sys.modules.setdefault(module.__name__, module)
-    return _PAIRS[source]
+    return _PAIRS[key]
 
 
-def _pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+def _pair(
+    write_module: Loader,
+    source: str,
+    *,
+    plain_subs: Sequence[tuple[str, str]] = (),
+    checkpoint_as_identity: bool = False,
+) -> tuple[types.ModuleType, types.ModuleType]:
     """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one.
 
     ``@DECORATE_HOST`` is ``@autostate.stateful(fallback="host")``; ``LAXW.scan`` & co. are
     ``autostate.scan`` & co. (used from undecorated helpers), a Python loop in the plain one.
+    ``plain_subs``: ``(old, new)`` replaced in the plain source only (a spelling that would
+    take JAX's own primitive there). ``checkpoint_as_identity``: ``jax.checkpoint`` /
+    ``jax.remat`` are the identity in the plain module too (plain JAX would leak the tracer
+    of a remat body that writes ``self``).
     """
+    plain = write_module(_plain_source(source, plain_subs, checkpoint_as_identity))
+    dec = write_module(_decorated_source(source))
+    return plain, dec
+
+
+def _plain_source(
+    source: str, plain_subs: Sequence[tuple[str, str]] = (), checkpoint_as_identity: bool = False
+) -> str:
     plain_src = source.replace("@AUTOCHECKPOINT", "@checkpoint")
     for tag in ("@DECORATE_HOST", "@DECORATE"):
         plain_src = plain_src.replace(tag, "")
-    plain = write_module(HEADER + PYLAX + "LAXW = lax\n" + plain_src)
+    for old, new in plain_subs:
+        assert old in plain_src, old
+        plain_src = plain_src.replace(old, new)
+    if checkpoint_as_identity:
+        plain_src = (
+            plain_src.replace("@jax.checkpoint", "@checkpoint")
+            .replace("jax.checkpoint(", "checkpoint(")
+            .replace("jax.remat(", "checkpoint(")
+        )
+    return HEADER + PYLAX + "LAXW = lax\n" + plain_src
+
+
+def _decorated_source(source: str) -> str:
     dec_src = (
         source.replace("@DECORATE_HOST", '@autostate.stateful(fallback="host")')
         .replace("@DECORATE", "@autostate.stateful")
         .replace("@AUTOCHECKPOINT", "@autostate.checkpoint")
     )
-    dec = write_module(
+    return (
         HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
         + "LAXW = autostate\n" + dec_src
     )
-    return plain, dec
+
+
+_HELPER_MODULES = itertools.count()
+
+
+def pair_with_helpers(
+    write_module: Loader, helper: str, source: str
+) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType, types.ModuleType]:
+    """A helper module and a model module importing it (``import HELPERS as helpers``),
+    each written plain and decorated: ``(plain, dec, plain_helpers, dec_helpers)``."""
+    n = next(_HELPER_MODULES)
+    hp = write_module(_plain_source(helper), name=f"autostate_testmod_helpers_plain{n}")
+    hd = write_module(_decorated_source(helper), name=f"autostate_testmod_helpers_dec{n}")
+    plain = write_module(_plain_source(source.replace("HELPERS", hp.__name__)))
+    dec = write_module(_decorated_source(source.replace("HELPERS", hd.__name__)))
+    return plain, dec, hp, hd
 
 
 def _is_model(obj: Any) -> bool:
@@ -212,7 +287,7 @@ def snapshot(obj: Any, depth: int = 0) -> Any:
         if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
             return ("key", np.asarray(jax.random.key_data(obj)))
         return np.asarray(obj)
-    if isinstance(obj, bool | int | float | str | type(None)):
+    if isinstance(obj, bool | int | float | complex | str | type(None)):
         return obj
     if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
         return {
@@ -222,13 +297,24 @@ def snapshot(obj: Any, depth: int = 0) -> Any:
     return f"<{type(obj).__name__}>"
 
 
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
+def _is_key_snapshot(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and v[0] == "key"
+
+
+def assert_same(
+    expected: Any, got: Any, where: str = "", *, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Equal structure and values (numbers compared as arrays, to ``rtol`` / ``atol``;
+    complex numbers as complex; a snapshotted key by its key data)."""
+    if _is_key_snapshot(got):
+        got = got[1]
+    if _is_key_snapshot(expected):
+        expected = expected[1]
     if isinstance(expected, dict):
         assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
         assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
         for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
+            assert_same(expected[k], got[k], f"{where}[{k!r}]", rtol=rtol, atol=atol)
         return
     if isinstance(expected, list | tuple):
         assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
@@ -237,18 +323,18 @@ def assert_same(expected: Any, got: Any, where: str = "") -> None:
         ), f"{where}: {type(expected).__name__} vs {type(got).__name__}"
         assert len(expected) == len(got), f"{where}: lengths differ"
         for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
+            assert_same(a, b, f"{where}[{i}]", rtol=rtol, atol=atol)
         return
     if isinstance(expected, str) or expected is None:
         assert expected == got, f"{where}: {expected!r} != {got!r}"
         return
-    if isinstance(got, tuple) and len(got) == 2 and got[0] == "key":
-        got = got[1]
-    if isinstance(expected, tuple) and len(expected) == 2 and expected[0] == "key":
-        expected = expected[1]
     a, b = np.asarray(expected), np.asarray(got)
     assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-5, atol=1e-6,
+    if np.iscomplexobj(a) or np.iscomplexobj(b):
+        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=rtol,
+                                   atol=atol, err_msg=where)
+        return
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=rtol, atol=atol,
                                err_msg=where)
 
 
@@ -270,8 +356,13 @@ def check(
     build: str,
     calls: Sequence[Call],
     modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
 ) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
+    """Runs ``calls`` on a plain and a decorated model built by ``build``: outputs and
+    attributes equal (to ``rtol`` / ``atol``) in every mode."""
+    tol = {"rtol": rtol, "atol": atol}
     ref = eval(build, vars(plain))  # noqa: S307
     expected = [_method(ref, m)(*a) for m, a in calls]
     expected_snap = snapshot(ref)
@@ -279,8 +370,8 @@ def check(
     if "eager" in modes:
         model = eval(build, vars(dec))  # noqa: S307
         got = [_method(model, m)(*a) for m, a in calls]
-        assert_same(expected, got, "eager outputs")
-        assert_same(expected_snap, snapshot(model), "eager attributes")
+        assert_same(expected, got, "eager outputs", **tol)
+        assert_same(expected_snap, snapshot(model), "eager attributes", **tol)
 
     for mode in ("f", "jit"):
         if mode not in modes:
@@ -298,13 +389,13 @@ def check(
                     jitted[m] = staged(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
                 out, states = jitted[m](f, states, *a)
             got.append(out)
-        assert_same(expected, got, f"{mode} outputs")
+        assert_same(expected, got, f"{mode} outputs", **tol)
         for key, value in states.items():
-            assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        assert_same(before, snapshot(model), f"{mode}: the eager model changed")
+            assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}", **tol)
+        assert_same(before, snapshot(model), f"{mode}: the eager model changed", **tol)
         if mode == "jit" and "freeze" in modes:
             frozen = autostate.freeze(f, states)
-            assert_same(expected_snap, snapshot(frozen), "frozen attributes")
+            assert_same(expected_snap, snapshot(frozen), "frozen attributes", **tol)
 
 
 def check_transform(
@@ -419,3 +510,331 @@ def raises_autostate(exc: type[BaseException] = autostate.AutostateError) -> Any
 
 def assert_user_line(err: BaseException, filename: str) -> None:
     assert f"{filename}:" in str(err), f"no user file:line in: {err}"
+
+
+def no_tracer(model: Any) -> None:
+    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
+
+
+def refused_everywhere(
+    dec: types.ModuleType, build: str, method: str, args: tuple[Any, ...], write_line: str
+) -> None:
+    """Eagerly, through ``f`` and under ``jax.jit(f)``: an autostate error, the model
+    and the given states left as they were, no tracer anywhere."""
+    model = eval(build, vars(dec))  # noqa: S307
+    before = snapshot(model)
+    with pytest.raises(autostate.errors.TracedEagerStateError) as info:
+        getattr(model, method)(*args)
+    user_line(info.value, dec, write_line)
+    no_tracer(model)
+    assert_same(before, snapshot(model), "eager model after the refused call")
+    model = eval(build, vars(dec))  # noqa: S307
+    f, states = model.functionalize()
+    kept = snapshot(states)
+    for call in (_fcall(f, method), jax.jit(_fcall(f, method))):
+        with pytest.raises(autostate.errors.EscapedStateError) as info:
+            call(states, *args)
+        assert "fix" in str(info.value)
+        assert __file__ in str(info.value), str(info.value)  # the line that calls f
+    assert_same(kept, snapshot(states), "states after the refused call")
+    assert_same(before, snapshot(model), "model after the refused call")
+
+
+# ---------------------------------------------------------------------------
+# run_case: ``check`` compared with ``same`` (dtypes and Python scalar types too)
+
+
+class S:
+    """A static argument: baked into the jitted function instead of traced."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.value if isinstance(a, S) else a for a in args)
+
+
+_JITS: dict[tuple[str, tuple[Any, ...]], Any] = {}
+
+
+def _jitted(name: str, args: tuple[Any, ...]) -> Any:
+    """One staged ``f.<name>`` per method and static-argument layout, reused across cases."""
+    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
+    key = (name, layout)
+    if key not in _JITS:
+
+        def fn(f: Any, s: Any, *traced: Any) -> Any:
+            it = iter(traced)
+            full = [lay[1] if lay is not None else next(it) for lay in layout]
+            return _fcall(f, name)(s, *full)
+
+        _JITS[key] = staged(fn)
+    return _JITS[key]
+
+
+def _out(v: Any) -> Any:
+    """A model returned by a call is compared by its attributes."""
+    if type(v).__module__.startswith("autostate_testmod") and hasattr(v, "__dict__"):
+        return snapshot(v)
+    if isinstance(v, list | tuple):
+        items = [_out(x) for x in v]
+        if all(a is b for a, b in zip(items, v)):
+            return v
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+    return v
+
+
+def run_case(
+    plain: types.ModuleType,
+    dec: types.ModuleType,
+    build: str,
+    calls: Sequence[Call],
+    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
+    extra: Call | None = None,
+) -> None:
+    """The calls on the plain model are the reference for every mode, compared with
+    ``same``; a model returned by a call is compared by its attributes; ``S(v)``
+    arguments are static under jit. ``extra``: a call made on the frozen model too."""
+    ref = eval(build, vars(plain))  # noqa: S307
+    expected = [_out(_fcall(ref, m)(*_args(a))) for m, a in calls]
+    expected_snap = snapshot(ref)
+
+    if "eager" in modes:
+        model = eval(build, vars(dec))  # noqa: S307
+        got = [_out(_fcall(model, m)(*_args(a))) for m, a in calls]
+        same(expected, got, "eager outputs")
+        same(expected_snap, snapshot(model), "eager attributes")
+
+    for mode in ("f", "jit"):
+        if mode not in modes:
+            continue
+        model = eval(build, vars(dec))  # noqa: S307
+        before = snapshot(model)
+        f, states = model.functionalize()
+        got = []
+        for m, a in calls:
+            if mode == "f":
+                out, states = _fcall(f, m)(states, *_args(a))
+            else:
+                traced = tuple(v for v in a if not isinstance(v, S))
+                out, states = _jitted(m, a)(f, states, *traced)
+            got.append(_out(out))
+        same(expected, got, f"{mode} outputs")
+        for key, value in states.items():
+            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
+        same(before, snapshot(model), f"{mode}: the eager model changed")
+        if mode == "jit" and "freeze" in modes:
+            frozen = autostate.freeze(f, states)
+            same(expected_snap, snapshot(frozen), "frozen attributes")
+            if extra is not None:
+                m, a = extra
+                same(_out(_fcall(ref, m)(*_args(a))), _out(_fcall(frozen, m)(*_args(a))),
+                     "frozen call")
+                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
+
+
+def _bits(a: Any) -> np.ndarray:
+    """An array's exact bits (keys as key data)."""
+    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.atleast_1d(np.asarray(a)).view(np.uint8)
+
+
+def assert_bits(expected: Any, got: Any, where: str = "", *, bitwise: bool = False) -> None:
+    """Same structure, dtypes, shapes and values, exactly (typed keys compared by their
+    key data). ``bitwise``: the very bits (``-0.0`` is not ``0.0``, a NaN's payload counts)."""
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
+    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
+    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
+        if bitwise:
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
+            continue
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
+
+
+# ---------------------------------------------------------------------------
+# Training: a decorated model's ``f`` trained against the plain model with its
+# params and states threaded by hand.
+
+
+def library(write_module: Loader, base_decorated: bool = True,
+            fresh: bool = False) -> tuple[types.ModuleType, types.ModuleType]:
+    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
+    the test runs (for pickling by reference)."""
+    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
+    return pair(write_module, src, fresh=fresh)
+
+
+def names_of(f: Any) -> dict[str, Any]:
+    """``f``'s leaves by keypath, without the leading ``.model``."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
+        name = jax.tree_util.keystr(path)
+        assert name.startswith(".model"), name
+        out[name.removeprefix(".model").removeprefix(".")] = leaf
+    return out
+
+
+def plain_set(model: Any, key: str, value: Any) -> None:
+    target = "m." + key if not key.startswith("[") else "m" + key
+    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
+
+
+def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
+    m = copy.deepcopy(template)
+    for k, v in {**params, **states}.items():
+        plain_set(m, k, v)
+    return m
+
+
+def read_plain(model: Any, keys: Any) -> dict[str, Any]:
+    return {k: plain_path(model, k) for k in keys}
+
+
+def mse(out: Any, y: Any) -> Any:
+    return jnp.mean((out - y) ** 2)
+
+
+def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
+    """The plain model's loss as a pure function of (params, states, x, y)."""
+
+    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
+        m = load_plain(template, params, states)
+        out = getattr(m, method)(x)
+        return mse(out, y), read_plain(m, states)
+
+    return loss
+
+
+def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
+    out, states = f(states, x)
+    return mse(out, y), states
+
+
+def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def init(p: Any) -> Any:
+        return ()
+
+    def update(p: Any, g: Any, s: Any) -> Any:
+        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
+
+    return init, update
+
+
+def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def init(p: Any) -> Any:
+        return jax.tree_util.tree_map(jnp.zeros_like, p)
+
+    def update(p: Any, g: Any, mu: Any) -> Any:
+        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
+        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
+
+    return init, update
+
+
+def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def init(p: Any) -> Any:
+        def zeros() -> Any:
+            return jax.tree_util.tree_map(jnp.zeros_like, p)
+
+        return (jnp.zeros((), jnp.int32), zeros(), zeros())
+
+    def update(p: Any, g: Any, s: Any) -> Any:
+        t, m, v = s
+        t = t + 1
+        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
+        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
+        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
+        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
+        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
+        return p, (t, m, v)
+
+    return init, update
+
+
+OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
+
+
+def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
+    out = []
+    for i in range(n):
+        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
+        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
+    return out
+
+
+def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
+                  data: list[tuple[Any, Any]], jit: bool = True,
+                  compiled: bool = False) -> list[tuple[Any, Any, Any]]:
+    """Plain model + hand-threaded params/states: (loss, params, states) after every step.
+
+    ``compiled``: under ``jax.jit`` itself, to compare with a compiled (donated) step
+    bit for bit (Adam amplifies a last-bit difference in a near-zero gradient)."""
+    init, update = OPTIMIZERS[opt]
+    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
+
+    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
+        (loss, states), grads = grad_fn(params, states, x, y)
+        params, opt_state = update(params, grads, opt_state)
+        return loss, params, opt_state, states
+
+    if jit:
+        step = jax.jit(step) if compiled else staged(step)
+    opt_state = init(params)
+    trace = []
+    for x, y in data:
+        loss, params, opt_state, states = step(params, opt_state, states, x, y)
+        trace.append((loss, params, states))
+    return trace
+
+
+def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
+    _, update = OPTIMIZERS[opt]
+
+    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
+        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
+        f, opt_state = update(f, grads, opt_state)
+        return loss, f, opt_state, states
+
+    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
+
+
+def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
+    r_loss, r_params, r_states = ref
+    assert_same(r_loss, loss, f"{where} loss")
+    assert_same(r_params, names_of(f), f"{where} params")
+    assert_same(r_states, states, f"{where} states")
+
+
+def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
+    src, n_out = BUILDS[kind]
+    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
+    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
+    return template, model, n_out
+
+
+def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
+    if n_out is None:
+        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
+    return batches(n, 3, n_out)
+
+
+def train_against_reference(template: Any, model: Any, data: Any, opt: str = "momentum") -> Any:
+    f, states = model.functionalize()
+    assert_same(read_plain(template, names_of(f)), names_of(f), "initial params")
+    assert_same(read_plain(template, states), states, "initial states")
+    ref = run_reference(template, names_of(f), dict(states), opt, data)
+    opt_state = OPTIMIZERS[opt][0](f)
+    step = f_train_step(opt)
+    for i, (x, y) in enumerate(data):
+        loss, f, opt_state, states = step(f, opt_state, states, x, y)
+        assert_step(ref[i], loss, f, states, f"step {i}")
+    return f, states, ref

@@ -20,7 +20,7 @@ import re
 import sys
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,74 +38,37 @@ from autostate.errors import (
     StateAccessError,
     TracedEagerStateError,
 )
-from semantics.harness import Loader as Loader_h23
 from semantics.harness import (
+    OPTIMIZERS,
+    Loader,
     X,
+    assert_bits,
+    assert_same,
+    assert_step,
     assert_user_line,
+    build_pair,
+    check,
     check_transform,
+    data_for,
+    f_train_step,
+    library,
+    load_plain,
+    names_of,
+    pair,
+    plain_path,
     raises_autostate,
+    read_plain,
+    run_case,
+    run_reference,
     same,
+    snapshot,
     staged,
 )
-from semantics.harness import _pair as _pair_h10
-from semantics.harness import _pair as _pair_h11
-from semantics.harness import _pair as _pair_h27
-from semantics.harness import _pair as pair_h5
-from semantics.harness import assert_same as assert_same_h4
-from semantics.harness import assert_same as assert_same_h5
-from semantics.harness import assert_same as assert_same_h10
-from semantics.harness import assert_same as assert_same_h11
-from semantics.harness import assert_same as assert_same_h16
-from semantics.harness import assert_same as assert_same_h17
-from semantics.harness import assert_same as assert_same_h19
-from semantics.harness import assert_same as assert_same_h20
-from semantics.harness import assert_same as assert_same_h22
-from semantics.harness import assert_same as assert_same_h23
-from semantics.harness import assert_same as assert_same_h27
-from semantics.harness import assert_same as assert_same_h30
-from semantics.harness import assert_same as assert_same_h35
-from semantics.harness import check as check_h4
-from semantics.harness import check as check_h5
-from semantics.harness import check as check_h19
-from semantics.harness import check as check_h22
-from semantics.harness import check as check_h35
-from semantics.harness import pair as pair_h10
-from semantics.harness import pair as pair_h11
-from semantics.harness import pair as pair_h13
-from semantics.harness import pair as pair_h16
-from semantics.harness import pair as pair_h17
-from semantics.harness import pair as pair_h19
-from semantics.harness import pair as pair_h20
-from semantics.harness import pair as pair_h22
-from semantics.harness import pair as pair_h23
-from semantics.harness import pair as pair_h27
-from semantics.harness import pair as pair_h28
-from semantics.harness import pair as pair_h30
-from semantics.harness import pair as pair_h35
-from semantics.harness import plain_path as plain_path_h10
-from semantics.harness import plain_path as plain_path_h17
-from semantics.harness import plain_path as plain_path_h27
-from semantics.harness import plain_path as plain_path_h28
-from semantics.harness import plain_path as plain_path_h30
-from semantics.harness import snapshot as snapshot_h4
-from semantics.harness import snapshot as snapshot_h10
-from semantics.harness import snapshot as snapshot_h11
-from semantics.harness import snapshot as snapshot_h16
-from semantics.harness import snapshot as snapshot_h17
-from semantics.harness import snapshot as snapshot_h20
-from semantics.harness import snapshot as snapshot_h22
-from semantics.harness import snapshot as snapshot_h23
-from semantics.harness import snapshot as snapshot_h27
-from semantics.harness import snapshot as snapshot_h28
-from semantics.harness import snapshot as snapshot_h30
-from semantics.harness import snapshot as snapshot_h35
 from semantics.programs import (
-    _PAIRS,
     A1,
     A2,
     ADAM,
     B3,
-    BUILDS,
     CALLABLES,
     CATS,
     CNN,
@@ -115,7 +78,6 @@ from semantics.programs import (
     GPT,
     KEY,
     KINDS,
-    LIBRARY,
     LIGHTNING,
     LIT_STEPS,
     LORA,
@@ -138,14 +100,9 @@ from semantics.programs import (
     VARIANTS,
     X1,
     XL,
-    Call,
-    Loader,
     py313,
 )
 from semantics.programs import COPIES as COPIES_h28
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import HEADER_h4 as HEADER_h4
-from semantics.programs import PYLAX_h4 as PYLAX
 from semantics.programs import TORCH_h35 as TORCH
 from semantics.programs import X1_h27 as X1_h27
 from semantics.programs import X2_h13 as X2
@@ -290,119 +247,16 @@ def test_copies_inside_a_functionalized_call_own_their_state(write_module, name)
     }
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same(expected, got, "eager outputs")
-        assert_same(expected_snap, snapshot(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        assert_same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same(expected_snap, snapshot(frozen), "frozen attributes")
 
 
 @pytest.mark.parametrize("method,arg", [("tolist", ()), ("grow", (1.0,))])
@@ -544,25 +398,8 @@ def test_pickle_prng_and_namedtuple_states(write_module: Loader) -> None:
     assert_same(f.step(states, 1.0), f.step(states2, 1.0))
 
 
-def pair_h4(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    return _PAIRS[source]
 
 
-def _pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
-    plain = write_module(
-        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
-    )
-    dec = write_module(
-        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
-        + source.replace("@DECORATE", "@autostate.stateful").replace(
-            "@AUTOCHECKPOINT", "@autostate.checkpoint"
-        )
-    )
-    return plain, dec
 
 
 RETRACE = CALLABLES + """
@@ -587,8 +424,8 @@ class Retrace:
 
 
 def test_functionalize_freeze_functionalize_does_not_retrace(write_module: Loader) -> None:
-    plain, dec = pair_h4(write_module, RETRACE)
-    check_h4(plain, dec, "Retrace()", [("__call__", (1.0,)), ("__call__", (2.0,))])
+    plain, dec = pair(write_module, RETRACE)
+    check(plain, dec, "Retrace()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     model = dec.Retrace()
     f1, s1 = model.functionalize()
     step = staged(lambda f, s, x: f(s, x))
@@ -601,7 +438,7 @@ def test_functionalize_freeze_functionalize_does_not_retrace(write_module: Loade
     f3, s3 = autostate.freeze(f2, s).functionalize()
     _, s = step(f3, s3, 1.0)
     assert len(dec.TRACES) == n_traces, "jit retraced an equal f"
-    assert_same_h4(snapshot_h4(s), {k: snapshot_h4(v) for k, v in s.items()})
+    assert_same(snapshot(s), {k: snapshot(v) for k, v in s.items()})
 
 
 def full(v: float) -> Any:
@@ -610,8 +447,8 @@ def full(v: float) -> Any:
 
 def differential(write_module: Loader, source: str, scenario: Callable[[Any], Any]) -> None:
     """Runs ``scenario(module)`` with the plain and the decorated module; same result."""
-    plain, dec = pair_h5(write_module, source)
-    assert_same_h5(scenario(plain), scenario(dec), "scenario")
+    plain, dec = pair(write_module, source, fresh=True)
+    assert_same(scenario(plain), scenario(dec), "scenario")
 
 
 def _written(k: Any, cls: str = "Model") -> Any:
@@ -644,12 +481,12 @@ def test_functionalize_then_eager_writes_then_freeze(write_module: Loader) -> No
 
 @pytest.mark.parametrize("build", ["TwoPaths()", "Callables()", "Statics()", "CopiesSelf()"])
 def test_rebuilt_models_match_plain(write_module: Loader, build: str) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
-    check_h5(plain, dec, build, [("__call__", (1.0,)), ("__call__", (2.0,)), ("__call__", (3.0,))])
+    plain, dec = pair(write_module, REBUILD, fresh=True)
+    check(plain, dec, build, [("__call__", (1.0,)), ("__call__", (2.0,)), ("__call__", (3.0,))])
 
 
 def test_two_fs_from_one_model_interleaved_under_jit(write_module: Loader) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     ref1, ref2 = plain.TwoPaths(), plain.TwoPaths()
     model = dec.TwoPaths()
     f1, s1 = model.functionalize()
@@ -661,14 +498,14 @@ def test_two_fs_from_one_model_interleaved_under_jit(write_module: Loader) -> No
         o2, s2 = step(f2, s2, v * 10)
         outs += [o1, o2]
         exp += [ref1(v), ref2(v * 10)]
-    assert_same_h5(exp, outs, "outs")
+    assert_same(exp, outs, "outs")
     a, b = autostate.freeze(f1, s1), autostate.freeze(f2, s2)
     np.testing.assert_allclose(a.a.n, ref1.a.n)
     np.testing.assert_allclose(b.table["q"][1].n, ref2.table["q"][1].n)
 
 
 def test_f_called_twice_in_one_trace_and_a_tree_map_copy(write_module: Loader) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     ref = plain.TwoPaths()
     e1, e2 = ref(1.0), ref(2.0)
     f, states = dec.TwoPaths().functionalize()
@@ -681,7 +518,7 @@ def test_f_called_twice_in_one_trace_and_a_tree_map_copy(write_module: Loader) -
         return (o1, o2), s
 
     (o1, o2), states = run(f, states)
-    assert_same_h5([e1, e2], [o1, o2], "outs")
+    assert_same([e1, e2], [o1, o2], "outs")
     np.testing.assert_allclose(autostate.freeze(f, states).a.n, ref.a.n)
 
 
@@ -700,7 +537,7 @@ class Outer:
         self.k = self.k + out + st["n"]
         return self.k
 """
-    _, dec = pair_h5(write_module, src)
+    _, dec = pair(write_module, src, fresh=True)
     # Plain meaning: functionalize() is a snapshot; the inner call never changes self.sub.
     expected_k = 1.0 + (2.0 * 1.0 + 1.0) + 1.0
     model = dec.Outer()
@@ -716,162 +553,40 @@ class Outer:
     np.testing.assert_allclose(st_e["sub.n"], 0.0)
 
 
-def library(write_module: Loader, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair_h10 if fresh else pair_h10)(write_module, src)
 
 
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
 
 
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
 
 
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h10(model, k) for k in keys}
 
 
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
 
 
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
 
 
-def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
-    out, states = f(states, x)
-    return mse(out, y), states
 
 
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
 
 
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
 
 
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
 
 
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
 
 
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
 
 
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = staged(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
 
 
-def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
-    _, update = OPTIMIZERS[opt]
-
-    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
-        f, opt_state = update(f, grads, opt_state)
-        return loss, f, opt_state, states
-
-    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
-def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
-    r_loss, r_params, r_states = ref
-    assert_same_h10(r_loss, loss, f"{where} loss")
-    assert_same_h10(r_params, names_of(f), f"{where} params")
-    assert_same_h10(r_states, states, f"{where} states")
 
 
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
 
 
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
 
 
 def test_round_trip_functionalize_jit_freeze_eager_functionalize(write_module: Loader) -> None:
@@ -883,8 +598,8 @@ def test_round_trip_functionalize_jit_freeze_eager_functionalize(write_module: L
     for rnd in range(3):
         f, states = model.functionalize()
         params = names_of(f)
-        assert_same_h10(read_plain(ref_model, params), params, f"round {rnd} params")
-        assert_same_h10(read_plain(ref_model, states), states, f"round {rnd} states")
+        assert_same(read_plain(ref_model, params), params, f"round {rnd} params")
+        assert_same(read_plain(ref_model, states), states, f"round {rnd} states")
         chunk = data[3 * rnd: 3 * rnd + 2]
         ref = run_reference(ref_model, params, dict(states), "sgd", chunk)
         opt_state = ()
@@ -895,8 +610,8 @@ def test_round_trip_functionalize_jit_freeze_eager_functionalize(write_module: L
         model = autostate.freeze(f, states)
         ref_model = load_plain(ref_model, ref[-1][1], ref[-1][2])
         x = data[3 * rnd + 2][0]
-        assert_same_h10(ref_model(x), model(x), f"round {rnd} eager call")
-        assert_same_h10(snapshot_h10(ref_model), snapshot_h10(model), f"round {rnd} eager state")
+        assert_same(ref_model(x), model(x), f"round {rnd} eager call")
+        assert_same(snapshot(ref_model), snapshot(model), f"round {rnd} eager state")
 
 
 def trainer_reference(template: Any, f: Any, states: Any, data: Any) -> list[tuple[Any, Any, Any]]:
@@ -904,7 +619,7 @@ def trainer_reference(template: Any, f: Any, states: Any, data: Any) -> list[tup
 
 
 def test_trainer_holding_f_and_an_optimizer_eagerly(write_module: Loader) -> None:
-    _, dec = pair_h10(write_module, TRAINER)
+    _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 5)
@@ -913,13 +628,13 @@ def test_trainer_holding_f_and_an_optimizer_eagerly(write_module: Loader) -> Non
     for i, (x, y) in enumerate(data):
         loss = trainer.train_step(x, y)
         assert_step(ref[i], loss, trainer.f, trainer.states, f"eager step {i}")
-        assert_same_h10(ref[i][0], trainer.loss)
+        assert_same(ref[i][0], trainer.loss)
         assert int(trainer.opt.t) == i + 1
 
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_trainer_holding_f_and_an_optimizer_functionalized(write_module: Loader, jit: bool) -> None:
-    _, dec = pair_h10(write_module, TRAINER)
+    _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 5)
@@ -940,7 +655,7 @@ def test_trainer_holding_f_and_an_optimizer_functionalized(write_module: Loader,
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
 def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode: str) -> None:
-    _, dec = pair_h10(write_module, TRAINER)
+    _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 4)
@@ -961,8 +676,8 @@ def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode:
     with pytest.raises(StateAccessError) as err:
         step(ts, *data[0])
     assert "self.model = autostate.freeze" in source_line_of(err.value)
-    assert_same_h10(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(ts))
-    assert_same_h10(snapshot_h10(template), snapshot_h10(trainer.model))
+    assert_same(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(ts))
+    assert_same(snapshot(template), snapshot(trainer.model))
 
 
 def source_line_of(err: BaseException) -> str:
@@ -1011,7 +726,7 @@ class Outer:
 def test_nested_functionalize_of_a_sub_model_inside_f(write_module: Loader, static: bool,
                                                      jit: bool) -> None:
     """Plain meaning: functionalize() is a snapshot; the inner call leaves self.model alone."""
-    _, dec = pair_h10(write_module, NESTED)
+    _, dec = pair(write_module, NESTED)
     eager = dec.Outer(static)
     expected = [eager(1.0), eager(2.0)]
     assert float(eager.model.n) == 0.0
@@ -1021,7 +736,7 @@ def test_nested_functionalize_of_a_sub_model_inside_f(write_module: Loader, stat
     for x in (1.0, 2.0):
         out, states = call(states, x)
         got.append(out)
-    assert_same_h10(expected, got)
+    assert_same(expected, got)
     assert float(states["model.n"]) == 0.0
 
 
@@ -1067,16 +782,16 @@ def test_copy_of_an_eager_model_between_calls_is_independent(write_module: Loade
     dup = {"deepcopy": copy.deepcopy, "copy": copy.copy,
            "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how]
     for x, _ in data[:2]:
-        assert_same_h10(template(x), model(x))
+        assert_same(template(x), model(x))
     p2, d2 = dup(template) if how != "pickle" else copy.deepcopy(template), dup(model)
     for x, _ in data[2:]:
-        assert_same_h10(template(x), model(x), "original")
-        assert_same_h10(template(x), model(x), "original again")
-        assert_same_h10(p2(x), d2(x), "copy")
-    assert_same_h10(snapshot_h10(template), snapshot_h10(model), "original state")
-    assert_same_h10(snapshot_h10(p2), snapshot_h10(d2), "copy state")
+        assert_same(template(x), model(x), "original")
+        assert_same(template(x), model(x), "original again")
+        assert_same(p2(x), d2(x), "copy")
+    assert_same(snapshot(template), snapshot(model), "original state")
+    assert_same(snapshot(p2), snapshot(d2), "copy state")
     f, states = d2.functionalize()
-    assert_same_h10(read_plain(p2, states), states, "copy functionalized")
+    assert_same(read_plain(p2, states), states, "copy functionalized")
 
 
 def test_keypaths_of_f_follow_the_model(write_module: Loader) -> None:
@@ -1090,19 +805,19 @@ def test_keypaths_of_f_follow_the_model(write_module: Loader) -> None:
     assert "trunk.body.mods[1].mean" not in names  # a state, not a parameter
     assert "trunk.body.mods[1].mean" in states
     assert "heads['b'].seen" in states
-    assert_same_h10(read_plain(template, names), names_of(f))
+    assert_same(read_plain(template, names), names_of(f))
     # A path-based mask (no weight decay on biases / norms) sees the user's names.
     decay = jax.tree_util.tree_map_with_path(
         lambda p, v: v * (0.5 if p[-1].name == "w" else 1.0), f)
     for k, v in names_of(decay).items():
         factor = 0.5 if k.endswith(".w") else 1.0
-        assert_same_h10(np.asarray(plain_path_h10(template, k)) * factor, v, k)
+        assert_same(np.asarray(plain_path(template, k)) * factor, v, k)
     out, _ = decay(states, data_for(None, 1)[0][0])
     assert out.shape == (5,)
 
 
 def multi(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h10(write_module, MULTI)
+    return pair(write_module, MULTI)
 
 
 def test_ema_copy_by_deepcopy_updated_from_the_online_model(write_module: Loader) -> None:
@@ -1122,11 +837,11 @@ def test_ema_copy_by_deepcopy_updated_from_the_online_model(write_module: Loader
         assert_step(ref[i], loss, f, states, f"step {i}")
         fe = ema_update(fe, f)
         ref_ema = jax.tree_util.tree_map(lambda a, b: 0.8 * a + 0.2 * b, ref_ema, ref[i][1])
-        assert_same_h10(ref_ema, names_of(fe), f"ema step {i}")
+        assert_same(ref_ema, names_of(fe), f"ema step {i}")
     teacher = autostate.freeze(fe, states).eval()
     p_teacher = load_plain(template, ref_ema, ref[-1][2]).eval()
-    assert_same_h10(p_teacher(data[0][0]), teacher(data[0][0]))
-    assert_same_h10(snapshot_h10(template), snapshot_h10(ema), "the eager EMA copy never moved")
+    assert_same(p_teacher(data[0][0]), teacher(data[0][0]))
+    assert_same(snapshot(template), snapshot(ema), "the eager EMA copy never moved")
 
 
 def test_states_of_another_model_are_a_clear_error(write_module: Loader) -> None:
@@ -1141,7 +856,7 @@ def test_states_of_another_model_are_a_clear_error(write_module: Loader) -> None
         with pytest.raises(autostate.AutostateError) as err:
             call(other_states, x)
         assert "trunk." in str(err.value) or "body." in str(err.value), str(err.value)
-    assert_same_h10(before, states)
+    assert_same(before, states)
     out, _ = f(states, x)  # f still works
     assert out.shape == (5, 2)
 
@@ -1159,8 +874,8 @@ def test_states_of_a_same_structured_model_are_interchangeable(write_module: Loa
     p(x)
     p(x)
     ref = load_plain(plain.MLP(KEY, 3, 2), {}, read_plain(p, sb))
-    assert_same_h10(ref(x), out)
-    assert_same_h10(read_plain(ref, new), new)
+    assert_same(ref(x), out)
+    assert_same(read_plain(ref, new), new)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -1182,8 +897,8 @@ def test_stale_f_after_a_layer_was_added_eagerly(write_module: Loader, jit: bool
     template = plain.MLP(KEY, 3, 2)
     template.body.mods.append(plain.BatchNorm(8))
     out, s_new = call_new(s_new, x)
-    assert_same_h10(template(x), out)
-    assert_same_h10(read_plain(template, s_new), s_new)
+    assert_same(template(x), out)
+    assert_same(read_plain(template, s_new), s_new)
 
 
 def test_stale_f_after_eval_keeps_its_train_mode_snapshot(write_module: Loader) -> None:
@@ -1194,14 +909,14 @@ def test_stale_f_after_eval_keeps_its_train_mode_snapshot(write_module: Loader) 
     model.eval()
     x = data_for(2, 1)[0][0]
     out, new = staged(f)(states, x)
-    assert_same_h10(template(x), out)  # the template is still in train mode
-    assert_same_h10(read_plain(template, new), new)
+    assert_same(template(x), out)  # the template is still in train mode
+    assert_same(read_plain(template, new), new)
     f2, s2 = model.functionalize()
     assert jax.tree_util.tree_structure(f2) != jax.tree_util.tree_structure(f)
     out2, _ = staged(f2)(s2, x)
     template.eval()
     p = load_plain(plain.MLP(KEY, 3, 2, rate=0.5).eval(), {}, {})
-    assert_same_h10(p(x), out2)
+    assert_same(p(x), out2)
 
 
 def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: Loader) -> None:
@@ -1212,7 +927,7 @@ def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: 
     step = staged(lambda f, s, x: f(s, x))
     outs = [step(f, states, x)[0] for x, _ in data]
     fresh = [copy.deepcopy(template)(x) for x, _ in data]
-    assert_same_h10(fresh, outs)  # every call starts from the initial states
+    assert_same(fresh, outs)  # every call starts from the initial states
     assert int(states["steps"]) == 0
 
 
@@ -1220,7 +935,7 @@ def test_forgetting_the_returned_states_is_the_documented_pitfall(write_module: 
 def test_frozen_trainer_holding_f_copied_and_continued(write_module: Loader, how: str,
                                                        tmp_path: Any) -> None:
     plain, _ = library(write_module)
-    _, dec = _pair_h10(write_module, TRAINER)
+    _, dec = pair(write_module, TRAINER, fresh=True)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 4)
     trainer = dec.FTrainer(model)
@@ -1289,7 +1004,7 @@ class Outer:
 
 @pytest.mark.parametrize("kind", ["plain", "static", "named", "constant", "dict", "category"])
 def test_nested_functionalize_of_every_kind_of_state(write_module: Loader, kind: str) -> None:
-    _, dec = pair_h10(write_module, NESTED_KINDS)
+    _, dec = pair(write_module, NESTED_KINDS)
     eager = dec.Outer(kind)
     expected = [eager(1.0), eager(2.0)]
     expected_n = float(eager.model.n)
@@ -1299,13 +1014,13 @@ def test_nested_functionalize_of_every_kind_of_state(write_module: Loader, kind:
         for x in (1.0, 2.0):
             out, st = call(st, x)
             got.append(out)
-        assert_same_h10(expected, got, kind)
+        assert_same(expected, got, kind)
         assert float(st["model.n"]) == expected_n
 
 
 def test_category_subset_f_handles_only_the_cache_eagerly_and_freeze_sees_the_rest(
         write_module: Loader) -> None:
-    plain, dec = pair_h11(write_module, CATS)
+    plain, dec = pair(write_module, CATS)
     ref = plain.Decoder()
     expected = [ref(x) for x in (1.0, 2.0)]
     model = dec.Decoder()
@@ -1315,13 +1030,13 @@ def test_category_subset_f_handles_only_the_cache_eagerly_and_freeze_sees_the_re
     for x in (1.0, 2.0):
         out, states = f(states, x)  # eagerly: steps is an eager slot inside f
         got.append(out)
-    assert_same_h11(expected, got)
+    assert_same(expected, got)
     frozen = autostate.freeze(f, states)
-    assert_same_h11(snapshot_h11(ref), snapshot_h11(frozen))
+    assert_same(snapshot(ref), snapshot(frozen))
 
 
 def test_category_subset_write_to_unhandled_state_under_jit_names_the_line(write_module: Loader) -> None:
-    _, dec = pair_h11(write_module, CATS)
+    _, dec = pair(write_module, CATS)
     f, states = dec.Decoder().functionalize("cache")
     with pytest.raises(errors.TracedEagerStateError) as info:
         staged(lambda f, s, x: f(s, x))(f, states, 1.0)
@@ -1334,7 +1049,7 @@ def test_category_subset_write_to_unhandled_state_under_jit_names_the_line(write
 
 @pytest.mark.parametrize("select", ["none", "predicate-all", "predicate-two", "category-state"])
 def test_category_selections_match_plain(write_module: Loader, select: str) -> None:
-    plain, dec = pair_h11(write_module, CATS)
+    plain, dec = pair(write_module, CATS)
     ref = plain.Decoder()
     calls = [("__call__", (1.0,)), ("decode", (2.0,)), ("__call__", (3.0,)), ("retable", ())]
     expected = [getattr(ref, m)(*a) for m, a in calls]
@@ -1360,18 +1075,18 @@ def test_category_selections_match_plain(write_module: Loader, select: str) -> N
     for m, a in calls:
         out, states = step[m](f, states, *a)
         got.append(out)
-    assert_same_h11(expected, got)
-    assert_same_h11(snapshot_h11(ref), snapshot_h11(autostate.freeze(f, states)))
+    assert_same(expected, got)
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)))
 
 
 def test_constant_is_in_states_not_in_f_and_gets_no_gradient(write_module: Loader) -> None:
-    _, dec = pair_h11(write_module, CATS)
+    _, dec = pair(write_module, CATS)
     f, states = dec.Decoder().functionalize()
     assert "table" in states
     assert len(jax.tree_util.tree_leaves(f)) == 1  # w only
     assert sorted(autostate.param_dict(f)) == ["w"]
     g = jax.grad(lambda f: f(states, 1.0)[0])(f)
-    assert_same_h11(np.asarray([1.0, 0.0, 0.0]), g.model.w)
+    assert_same(np.asarray([1.0, 0.0, 0.0]), g.model.w)
     assert "table" in autostate.state_dict(dec.Decoder())
 
 
@@ -1387,7 +1102,7 @@ def _train(f: Any, states: Any, xs: list[Any]) -> tuple[Any, Any, list[Any]]:
 @pytest.mark.parametrize("how", ["state_dict", "save-load", "pickle-f", "pickle-frozen"])
 def test_mid_training_round_trip_continues_like_plain(write_module: Loader, how: str,
                                                       tmp_path: Path) -> None:
-    plain, dec = _pair_h11(write_module, PACK)
+    plain, dec = pair(write_module, PACK, fresh=True)
     ref = plain.Mixed(8)
     expected = [ref(x) for x in PACK_XS * 2]
     f, states, first = _train(*dec.Mixed(8).functionalize(), PACK_XS)
@@ -1403,8 +1118,8 @@ def test_mid_training_round_trip_continues_like_plain(write_module: Loader, how:
     else:
         f2, states2 = pickle.loads(pickle.dumps(autostate.freeze(f, states))).functionalize()
     _, states2, rest = _train(f2, states2, PACK_XS)
-    assert_same_h11(expected, first + rest)
-    assert_same_h11(snapshot_h11(ref), snapshot_h11(autostate.freeze(f2, states2)))
+    assert_same(expected, first + rest)
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f2, states2)))
 
 
 def _is_key(v: Any) -> bool:
@@ -1516,7 +1231,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
 
 
 def _static_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h13(write_module, "import enum\n" + STATIC)
+    return pair(write_module, "import enum\n" + STATIC)
 
 
 def test_functionalize_and_freeze_round_trips_never_retrace(write_module: Loader) -> None:
@@ -1541,7 +1256,7 @@ def test_eager_model_and_its_f_live_independent_lives(write_module: Loader) -> N
     as a ``copy.deepcopy`` taken at that moment would in plain Python."""
     import copy
 
-    plain, dec = pair_h13(write_module, KINDS)
+    plain, dec = pair(write_module, KINDS)
     ref = plain.Kinds()
     model = dec.Kinds()
     for m in (ref, model):
@@ -1572,7 +1287,7 @@ def _replay(plain: types.ModuleType, calls: list[tuple[str, tuple[Any, ...]]]) -
 def test_states_edited_by_hand_between_calls(write_module: Loader) -> None:
     """A value the user puts into ``states`` is the state's value, with its dtype and
     weak type, as assigning it to the plain model's attribute is."""
-    plain, dec = pair_h13(write_module, KINDS)
+    plain, dec = pair(write_module, KINDS)
     ref = plain.Kinds()
     f, states = dec.Kinds().functionalize()
     step = staged(lambda f, s, x: f.step(s, x))
@@ -1595,7 +1310,7 @@ def test_states_edited_by_hand_between_calls(write_module: Loader) -> None:
 
 def test_values_assigned_from_outside_between_jitted_calls(write_module: Loader) -> None:
     """``model.x = v`` from a training loop, between functionalize/freeze rounds."""
-    plain, dec = pair_h13(write_module, KINDS)
+    plain, dec = pair(write_module, KINDS)
     ref, model = plain.Kinds(), dec.Kinds()
     step = staged(lambda f, s, x: f.step(s, x))
     writes = [
@@ -1642,7 +1357,7 @@ def plain_error(fn: Callable[[], Any]) -> tuple[type[BaseException], str]:
 
 @pytest.fixture
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h16(write_module, MODELS)
+    return pair(write_module, MODELS)
 
 
 def test_category_and_predicate_together(mods: Any) -> None:
@@ -1814,11 +1529,11 @@ def test_stale_states_and_states_of_another_instance(mods: Any) -> None:
     ref = plain.Counter()
     ref(1.0)
     expected = ref(2.0)
-    assert_same_h16(snapshot_h16(expected), snapshot_h16(out))
-    assert_same_h16(snapshot_h16(ref.count), snapshot_h16(s["count"]))
+    assert_same(snapshot(expected), snapshot(out))
+    assert_same(snapshot(ref.count), snapshot(s["count"]))
     other = dec.Counter()
     out, s = f2(other.functionalize()[1], 2.0)
-    assert_same_h16(snapshot_h16(plain.Counter()(2.0)), snapshot_h16(out))
+    assert_same(snapshot(plain.Counter()(2.0)), snapshot(out))
     assert float(model.count) == 2.0  # the eager model is untouched by f
 
 
@@ -1878,9 +1593,9 @@ def test_freeze_twice_gives_independent_models(mods: Any) -> None:
     ref_a, ref_b = plain.Counter(), plain.Counter()
     ref_a(1.0), ref_b(1.0)
     ref_a(1.0)
-    assert_same_h16(snapshot_h16(ref_a), snapshot_h16(a))
-    assert_same_h16(snapshot_h16(ref_b), snapshot_h16(b))
-    assert_same_h16(snapshot_h16(ref_b.count), snapshot_h16(states["count"]))
+    assert_same(snapshot(ref_a), snapshot(a))
+    assert_same(snapshot(ref_b), snapshot(b))
+    assert_same(snapshot(ref_b.count), snapshot(states["count"]))
 
 
 def test_inference_mode_of_a_functional_model(mods: Any) -> None:
@@ -1891,21 +1606,8 @@ def test_inference_mode_of_a_functional_model(mods: Any) -> None:
         assert_clear(info.value, errors.HostStateTypeError, HERE, 'fallback="host"')
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
-def read_plain_h17(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h17(model, k) for k in keys}
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -1985,13 +1687,13 @@ def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, te
 
 def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair_h17(write_module, GPT)
+    plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
     model = dec.GPT(seed)
     f, states = model.functionalize()
     p = params_of(f)
-    assert_same_h17(read_plain_h17(ref, p), p, "initial params")
-    assert_same_h17(snapshot_h17(read_plain_h17(ref, states)), snapshot_h17(states), "initial states")
+    assert_same(read_plain(ref, p), p, "initial params")
+    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
     return ref, model, f, states, p
 
 
@@ -2000,7 +1702,7 @@ def test_gpt_reset_then_decode_again_through_f(write_module: Loader) -> None:
     run = jitted("greedy_fori", 4)
     first, s = run(f, states, PROMPT)
     _, s = jitted("reset")(f, s)
-    assert_same_h17(snapshot_h17(states), snapshot_h17(s), "reset gives the empty cache")
+    assert_same(snapshot(states), snapshot(s), "reset gives the empty cache")
     again, s = run(f, s, PROMPT)
     assert_bits(first, again)
     assert_bits(ref_greedy(p, states, PROMPT, 4)[0], again)
@@ -2034,11 +1736,11 @@ def images(i: int, n: int = 4) -> tuple[Any, Any]:
 
 
 def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    plain, dec = pair_h17(write_module, "import optax\n" + CNN)
+    plain, dec = pair(write_module, "import optax\n" + CNN)
     ref, model = plain.CNN(0), dec.CNN(0)
     f, states = model.functionalize()
     p = params_of(f)
-    assert_same_h17(read_plain_h17(ref, p), p, "initial params")
+    assert_same(read_plain(ref, p), p, "initial params")
     return ref, model, f, states, p
 
 
@@ -2068,9 +1770,9 @@ def train_both(
         x, y = images(i)
         loss, f, o, s = fs(f, o, s, x, y)
         rloss, p, ro, rsd = rs(p, ro, rsd, x, y)
-        assert_same_h17(rloss, loss, f"loss {i}")
-        assert_same_h17(p, params_of(f), f"params {i}")
-        assert_same_h17(rsd, dict(s), f"states {i}")
+        assert_same(rloss, loss, f"loss {i}")
+        assert_same(p, params_of(f), f"params {i}")
+        assert_same(rsd, dict(s), f"states {i}")
     return f, s, p, o, ro
 
 
@@ -2109,7 +1811,7 @@ def test_resume_mid_training_is_identical_to_an_uninterrupted_run(
     write_module: Loader, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     want = uninterrupted(write_module, 5)
-    _, dec = pair_h17(write_module, "import optax\n" + CNN)
+    _, dec = pair(write_module, "import optax\n" + CNN)
     monkeypatch.setitem(sys.modules, dec.__name__, dec)
     _, _, f, s, _ = cnn(write_module)
     f, s, o = train_f(f, s, range(3))
@@ -2140,7 +1842,7 @@ def test_resume_a_sampler_with_a_typed_key_state(
     write_module: Loader, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, _, f, s, p = gpt(write_module, seed=2)
-    plain, dec = pair_h17(write_module, GPT)
+    plain, dec = pair(write_module, GPT)
     monkeypatch.setitem(sys.modules, dec.__name__, dec)
     run = jitted("sample_fori", 3, 0.7)
     first, s1 = run(f, s, PROMPT)
@@ -2237,7 +1939,7 @@ class Holder:
 def test_functionalize_and_freeze_self_inside_a_method(
     write_module: Loader, method: str, expected: list[float]
 ) -> None:
-    _, dec = pair_h19(write_module, SELF_F)
+    _, dec = pair(write_module, SELF_F)
     m = dec.Probe()
     got = {"eager": floats([getattr(m, method)(3.0), m.x, m.n])}
     f, s = dec.Probe().functionalize()
@@ -2246,29 +1948,29 @@ def test_functionalize_and_freeze_self_inside_a_method(
     out, s2 = staged(lambda f, s: getattr(f, method)(s, 3.0))(f, s)
     got["jit"] = floats([out, s2["x"], s2["n"]])
     for mode, g in got.items():
-        assert_same_h19([expected, 2.0, 0.0], g, mode)
+        assert_same([expected, 2.0, 0.0], g, mode)
     no_handler_left()
 
 
 def test_deepcopy_self_inside_a_method(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, SELF_F)
-    check_h19(plain, dec, "Probe()", [("deepcopy_self", (X1,)), ("step", (X2_h19,)), ("deepcopy_self", (X2_h19,))])
+    plain, dec = pair(write_module, SELF_F)
+    check(plain, dec, "Probe()", [("deepcopy_self", (X1,)), ("step", (X2_h19,)), ("deepcopy_self", (X2_h19,))])
 
 
 def test_functionalize_a_sub_model_inside_the_outer_call(write_module: Loader) -> None:
-    _, dec = pair_h19(write_module, SELF_F)
+    _, dec = pair(write_module, SELF_F)
     # sub.x = 2; its f: 2 * 2 + 3 = 7 (the sub-model untouched); y = 7
     expected = [[7.0, 7.0, 2.0], 2.0, 7.0]
     m = dec.Holder()
-    assert_same_h19(expected, floats([m.probe_sub(3.0), m.sub.x, m.y]), "eager")
+    assert_same(expected, floats([m.probe_sub(3.0), m.sub.x, m.y]), "eager")
     f, s = dec.Holder().functionalize()
     for mode, call in (("f", f.probe_sub), ("jit", staged(f.probe_sub))):
         out, s1 = call(s, 3.0)
-        assert_same_h19(expected, floats([out, s1["sub.x"], s1["y"]]), mode)
+        assert_same(expected, floats([out, s1["sub.x"], s1["y"]]), mode)
 
 
 def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, SELF_F)
+    plain, dec = pair(write_module, SELF_F)
     p = plain.Probe()
     expected = floats([p.step(X1), p.step(X2_h19), p.x, p.n])
     model = dec.Probe()
@@ -2281,9 +1983,9 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     assert alive() is None, "f keeps the eager model alive"
     out1, s = f.step(s, X1)
     out2, s = staged(f.step)(s, X2_h19)
-    assert_same_h19(expected, floats([out1, out2, s["x"], s["n"]]))
+    assert_same(expected, floats([out1, out2, s["x"], s["n"]]))
     frozen = autostate.freeze(f, s)
-    assert_same_h19(expected[2:], floats([frozen.x, frozen.n]), "frozen")
+    assert_same(expected[2:], floats([frozen.x, frozen.n]), "frozen")
 
 
 def error_line(err: BaseException) -> str:
@@ -2296,7 +1998,7 @@ def error_line(err: BaseException) -> str:
 def test_split_merge_three_rounds(write_module: Loader) -> None:
     """nnx.split / train / nnx.merge three times, as functionalize / jit / freeze,
     with an eager eval call between rounds and eval mode switched at the end."""
-    plain, dec = pair_h20(write_module, NNX)
+    plain, dec = pair(write_module, NNX)
 
     def rounds(mod: types.ModuleType, decorated: bool) -> tuple[list[Any], Any]:
         model = mod.make()
@@ -2324,23 +2026,23 @@ def test_split_merge_three_rounds(write_module: Loader) -> None:
 
     ref_outs, ref = rounds(plain, False)
     outs, model = rounds(dec, True)
-    assert_same_h20(ref_outs, outs)
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(model))
+    assert_same(ref_outs, outs)
+    assert_same(snapshot(ref), snapshot(model))
 
 
 def test_split_by_category_like_nnx_split(write_module: Loader) -> None:
     """functionalize("batch_stats"): the other states stay eager slots of f's model,
     written by an eager f and refused under jit (documented)."""
-    plain, dec = pair_h20(write_module, NNX)
+    plain, dec = pair(write_module, NNX)
     ref = plain.CatBN()
     expected = [ref(V2), ref(V2 * 2)]
     f, states = dec.CatBN().functionalize("batch_stats")
     assert sorted(states) == ["mean"]
     o1, states = f(states, V2)
     o2, states = f(states, V2 * 2)
-    assert_same_h20(expected, [o1, o2])
+    assert_same(expected, [o1, o2])
     frozen = autostate.freeze(f, states)
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(frozen))
+    assert_same(snapshot(ref), snapshot(frozen))
     with pytest.raises(TracedEagerStateError, match="steps") as err:
         staged(lambda f, s, x: f(s, x))(f, states, V2)
     assert "self.steps += 1" in error_line(err.value)
@@ -2348,7 +2050,7 @@ def test_split_by_category_like_nnx_split(write_module: Loader) -> None:
 
 def test_explicit_state_passing_mixed_with_autostate_states(write_module: Loader) -> None:
     """An eqx.nn.State-like dict threaded by hand next to autostate's own states."""
-    plain, dec = pair_h20(write_module, EQX)
+    plain, dec = pair(write_module, EQX)
     s0 = {"mean": jnp.zeros(2)}
 
     def run_plain() -> tuple[list[Any], Any, Any]:
@@ -2363,9 +2065,9 @@ def test_explicit_state_passing_mixed_with_autostate_states(write_module: Loader
     for i in range(3):
         y, st = model(V2 * (i + 1), st, scale=2.0, inference=(i == 1))
         outs.append(y)
-    assert_same_h20(ref_outs, outs)
-    assert_same_h20(ref_st, st)
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(model))
+    assert_same(ref_outs, outs)
+    assert_same(ref_st, st)
+    assert_same(snapshot(ref), snapshot(model))
     f, states = dec.EqxState().functionalize()
     step = staged(lambda f, s, x, st, inf: f(s, x, st, scale=2.0, inference=inf),
                    static_argnums=4)
@@ -2373,16 +2075,16 @@ def test_explicit_state_passing_mixed_with_autostate_states(write_module: Loader
     for i in range(3):
         (y, st), states = step(f, states, V2 * (i + 1), st, i == 1)
         outs.append(y)
-    assert_same_h20(ref_outs, outs)
-    assert_same_h20(ref_st, st)
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(autostate.freeze(f, states)))
+    assert_same(ref_outs, outs)
+    assert_same(ref_st, st)
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)))
 
 
 def test_tree_at_surgery_on_a_frozen_model(write_module: Loader) -> None:
     """eqx.tree_at(lambda m: m.lin.weight, model, w) done with jax.tree_util on a
     frozen model: the new model runs like a plain one built with that weight, and
     the original is untouched."""
-    plain, dec = pair_h20(write_module, EQX)
+    plain, dec = pair(write_module, EQX)
     ref = plain.WithFrozen()
     ref(V2)
     ref.lin = dataclasses.replace(ref.lin, weight=jnp.full((2,), 3.0))
@@ -2392,18 +2094,18 @@ def test_tree_at_surgery_on_a_frozen_model(write_module: Loader) -> None:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(frozen)
     new = jax.tree_util.tree_unflatten(treedef, [
         jnp.full((2,), 3.0) if "weight" in jax.tree_util.keystr(k) else v for k, v in leaves])
-    assert_same_h20(ref(V2), new(V2))
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(new))
-    assert_same_h20(np.ones(2), frozen.lin.weight)
-    assert_same_h20(np.int32(1), frozen.count)
+    assert_same(ref(V2), new(V2))
+    assert_same(snapshot(ref), snapshot(new))
+    assert_same(np.ones(2), frozen.lin.weight)
+    assert_same(np.int32(1), frozen.count)
     f2, s2 = new.functionalize()
     out, s2 = staged(lambda f, s, x: f(s, x))(f2, s2, V2)
-    assert_same_h20(ref(V2), out)
-    assert_same_h20(snapshot_h20(ref), snapshot_h20(autostate.freeze(f2, s2)))
+    assert_same(ref(V2), out)
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f2, s2)))
 
 
 def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h22(write_module, SOURCE)
+    return pair(write_module, SOURCE)
 
 
 def leaf_names(f: Any) -> list[str]:
@@ -2428,12 +2130,12 @@ def test_pickle_deepcopy_save_load_keep_the_shared_block(write_module: Loader, t
         "load": autostate.load(tmp_path / "paths.npz", like=dec.Paths()),
     }
     expected_out = p(ONE)
-    expected = snapshot_h22(p)
+    expected = snapshot(p)
     for how, c in copies.items():
         assert c.enc is c.dec_in is c.layers[0] is c.layers[1] is c.d["a"] is c.t[0], how
         assert c.enc is not frozen.enc and c.enc is not eager.enc, how
-        assert_same_h22(expected_out, c(ONE), how)
-        assert_same_h22(expected, snapshot_h22(c), how)
+        assert_same(expected_out, c(ONE), how)
+        assert_same(expected, snapshot(c), how)
         f2, s2 = c.functionalize()
         assert list(s2) == ["enc.n", "d['b'].n"], how
 
@@ -2454,10 +2156,10 @@ def test_cycle_round_trips_through_deepcopy_pickle_and_save_load(
     }.items():
         assert c.child.parent is c, how
         assert c is not m, how
-        assert_same_h22(snapshot_h22(p), snapshot_h22(c), how)
+        assert_same(snapshot(p), snapshot(c), how)
     c = copy.deepcopy(m)
-    assert_same_h22(p(2.0), c(2.0))
-    assert_same_h22(np.full((), 1.0), m.child.n)  # the original is independent of the copy
+    assert_same(p(2.0), c(2.0))
+    assert_same(np.full((), 1.0), m.child.n)  # the original is independent of the copy
     assert sorted(autostate.state_dict(m)) == ["child.n", "total"]
     assert list(autostate.param_dict(m)) == ["scale"]
 
@@ -2469,9 +2171,9 @@ def test_one_states_dict_reused_for_two_calls_gives_the_same_result(write_module
     r1 = f(states, ONE)
     r2 = f(states, ONE)
     r3 = staged(f)(states, ONE)
-    assert_same_h22(r1, r2)
-    assert_same_h22(r1, r3)
-    assert_same_h22(before, dict(states))
+    assert_same(r1, r2)
+    assert_same(r1, r3)
+    assert_same(before, dict(states))
     assert r1[1]["items"] is not r2[1]["items"]
 
 
@@ -2484,9 +2186,9 @@ def test_a_states_dict_changed_by_the_user_is_what_f_reads(write_module: Loader)
     p = plain.Bag()
     p.n, p.items, p.d["k"] = jnp.full(2, 5.0), [jnp.zeros(()), jnp.zeros(())], jnp.full((), 3.0)
     out, new = f(states, ONE)
-    assert_same_h22(p(ONE), out)
+    assert_same(p(ONE), out)
     for k in ("n", "items", "d"):
-        assert_same_h22(snapshot_h22(getattr(p, k)), snapshot_h22(new[k]), k)
+        assert_same(snapshot(getattr(p, k)), snapshot(new[k]), k)
 
 
 def test_freeze_twice_gives_two_independent_models(write_module: Loader) -> None:
@@ -2497,15 +2199,15 @@ def test_freeze_twice_gives_two_independent_models(write_module: Loader) -> None
     assert one is not two
     p = plain.Bag()
     p(ONE)
-    ref = snapshot_h22(p)
+    ref = snapshot(p)
     one(ONE * 10)
     one.items.append(jnp.full((), 5.0))
     one.d["k"] = jnp.full((), -1.0)
     one.w = jnp.zeros(2)
-    assert_same_h22(ref, snapshot_h22(two))
-    assert_same_h22(p(ONE), two(ONE))
+    assert_same(ref, snapshot(two))
+    assert_same(p(ONE), two(ONE))
     assert len(states["items"]) == 2
-    assert_same_h22(np.ones(2), states["d"]["k"])
+    assert_same(np.ones(2), states["d"]["k"])
 
 
 def test_f_is_unchanged_by_freeze_and_by_writes_to_the_frozen_model(write_module: Loader) -> None:
@@ -2518,14 +2220,14 @@ def test_f_is_unchanged_by_freeze_and_by_writes_to_the_frozen_model(write_module
     frozen.enc.w = jnp.full((2,), 100.0)
     frozen.dec_in.n = jnp.full((), 100.0)
     frozen.d["b"].w = jnp.zeros(2)
-    assert_same_h22(leaves0, [np.asarray(v) for v in jax.tree_util.tree_leaves(f)])
+    assert_same(leaves0, [np.asarray(v) for v in jax.tree_util.tree_leaves(f)])
     assert f.model.enc is f.model.dec_in
     p = plain.Paths()
     p(ONE)
     out, states2 = f(states1, ONE)
-    assert_same_h22(p(ONE), out)
-    assert_same_h22(p.enc.n, states2["enc.n"])
-    assert_same_h22(np.full((), 100.0), frozen.layers[0].n)
+    assert_same(p(ONE), out)
+    assert_same(p.enc.n, states2["enc.n"])
+    assert_same(np.full((), 100.0), frozen.layers[0].n)
 
 
 def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
@@ -2537,15 +2239,15 @@ def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
     frozen = autostate.freeze(f, states)
     f2, states2 = frozen.functionalize()
     assert list(states2) == list(states)
-    assert_same_h22(dict(states), dict(states2))
+    assert_same(dict(states), dict(states2))
     out2, states2 = f2(states2, ONE)
     out1, _ = f(states, ONE)
-    assert_same_h22(out1, out2)
+    assert_same(out1, out2)
     assert f2.model is not f.model and f2.model.enc is f2.model.t[0]
-    assert_same_h22(states["enc.n"], frozen.enc.n)  # f2 did not write the frozen model
+    assert_same(states["enc.n"], frozen.enc.n)  # f2 did not write the frozen model
     p = plain.Paths()
     p(ONE)
-    assert_same_h22(p(ONE), out2)
+    assert_same(p(ONE), out2)
 
 
 @pytest.mark.xfail(
@@ -2555,7 +2257,7 @@ def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
 )
 def test_f_keypaths_name_a_shared_sub_model_as_param_dict_does(write_module: Loader) -> None:
     plain, dec = mods_h22(write_module)
-    check_h22(plain, dec, "DictOrder()", [("__call__", (ONE,))])
+    check(plain, dec, "DictOrder()", [("__call__", (ONE,))])
     m = dec.DictOrder()
     f, states = m.functionalize()
     assert list(states) == ["d['z'].n"]
@@ -2569,12 +2271,12 @@ def test_a_category_subset_on_a_shared_sub_model(write_module: Loader) -> None:
     fc, sc = m.functionalize("cache")
     assert list(sc) == ["kv"]
     out, sc = fc(sc, 1.0)
-    assert_same_h22(p(1.0), out)
-    assert_same_h22(p.a.kv, sc["kv"])
+    assert_same(p(1.0), out)
+    assert_same(p.a.kv, sc["kv"])
     # The unhandled category updates f's copy in place, once per use, on one object.
     assert fc.model.a is fc.model.b[0]
-    assert_same_h22(p.a.n, fc.model.b[0].n)
-    assert_same_h22(np.zeros(()), m.a.n)
+    assert_same(p.a.n, fc.model.b[0].n)
+    assert_same(np.zeros(()), m.a.n)
 
 
 def test_deepcopy_pickle_and_pack_of_f_keep_the_shared_block(write_module: Loader) -> None:
@@ -2585,30 +2287,30 @@ def test_deepcopy_pickle_and_pack_of_f_keep_the_shared_block(write_module: Loade
     for how, g in {"deepcopy": copy.deepcopy(f), "pickle": pickle.loads(pickle.dumps(f))}.items():
         assert g.model.enc is g.model.layers[1] is g.model.d["a"], how
         out, new = g(states, ONE)
-        assert_same_h22(expected, out, how)
-        assert_same_h22(p.enc.n, new["enc.n"], how)
+        assert_same(expected, out, how)
+        assert_same(p.enc.n, new["enc.n"], how)
     pf, ps = autostate.pack(f, states)
     out, ps = staged(lambda f, s, x: f(s, x))(pf, ps, ONE)
-    assert_same_h22(expected, out)
+    assert_same(expected, out)
     frozen = autostate.freeze(pf, ps)
     assert frozen.enc is frozen.dec_in is frozen.t[0]
-    assert_same_h22(snapshot_h22(p), snapshot_h22(frozen))
+    assert_same(snapshot(p), snapshot(frozen))
 
 
 @py313
 @pytest.mark.parametrize("cls", ["Cell", "Custom"])
-def test_copy_replace_of_a_decorated_model(write_module: Loader_h23, cls: str) -> None:
+def test_copy_replace_of_a_decorated_model(write_module: Loader, cls: str) -> None:
     import copy
 
-    plain, dec = pair_h23(write_module, PY313)
+    plain, dec = pair(write_module, PY313)
     build = "Cell(jnp.ones(()))" if cls == "Cell" else "Custom()"
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
     ref.step(X1)
     model.step(X1)
     r2, m2 = copy.replace(ref, w=X2_h23), copy.replace(model, w=X2_h23)
-    assert_same_h23(snapshot_h23(r2), snapshot_h23(m2), "replaced copy")
-    assert_same_h23(r2.step(X1), m2.step(X1), "replaced copy steps")
-    assert_same_h23(snapshot_h23(ref), snapshot_h23(model), "original untouched")
+    assert_same(snapshot(r2), snapshot(m2), "replaced copy")
+    assert_same(r2.step(X1), m2.step(X1), "replaced copy steps")
+    assert_same(snapshot(ref), snapshot(model), "original untouched")
     assert sorted(m2.functionalize()[1]) == sorted(model.functionalize()[1])
 
 
@@ -2622,7 +2324,7 @@ def assert_shared(model: Any) -> None:
 
 def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: Loader) -> None:
     # Fresh modules (not the cached pair): pickling needs them in sys.modules.
-    plain, dec = _pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET, fresh=True)
     ref = plain.Net()
     model = dec.Net()
 
@@ -2632,69 +2334,69 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     for x in (X1_h27, X2_h27):
         want = ref(x)
         got, states = step(f, states, x)
-        assert_same_h27(want, got, "jit out")
+        assert_same(want, got, "jit out")
     for key, value in states.items():
-        assert_same_h27(snapshot_h27(plain_path_h27(ref, key)), snapshot_h27(value), f"state {key}")
-    assert_same_h27(snapshot_h27(plain.Net()), snapshot_h27(model), "the model itself changed")
+        assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"state {key}")
+    assert_same(snapshot(plain.Net()), snapshot(model), "the model itself changed")
     frozen = autostate.freeze(f, states)
     assert_shared(frozen)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(frozen), "frozen")
+    assert_same(snapshot(ref), snapshot(frozen), "frozen")
 
     # 2. eager steps on the frozen model
     for x in (X2_h27, X1_h27):
-        assert_same_h27(ref(x), frozen(x), "eager after freeze")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(frozen), "eager after freeze")
+        assert_same(ref(x), frozen(x), "eager after freeze")
+    assert_same(snapshot(ref), snapshot(frozen), "eager after freeze")
 
     # 3. functionalize again: f without jit, then a method through jit
     f2, states2 = frozen.functionalize()
     assert sorted(states2) == sorted(states)
     out, states2 = f2(states2, X1_h27)
-    assert_same_h27(ref(X1_h27), out, "second f")
+    assert_same(ref(X1_h27), out, "second f")
     out, states2 = staged(lambda f, s: f.peek(s))(f2, states2)
-    assert_same_h27(ref.peek(), out, "second f peek")
+    assert_same(ref.peek(), out, "second f peek")
     frozen2 = autostate.freeze(f2, states2)
     assert_shared(frozen2)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(frozen2), "second freeze")
+    assert_same(snapshot(ref), snapshot(frozen2), "second freeze")
 
     # 4. pickle round trip, then steps
     ref_p = pickle.loads(pickle.dumps(ref))
     model_p = pickle.loads(pickle.dumps(frozen2))
     assert_shared(model_p)
-    assert_same_h27(snapshot_h27(ref_p), snapshot_h27(model_p), "unpickled")
-    assert_same_h27(ref_p(X2_h27), model_p(X2_h27), "eager after unpickle")
+    assert_same(snapshot(ref_p), snapshot(model_p), "unpickled")
+    assert_same(ref_p(X2_h27), model_p(X2_h27), "eager after unpickle")
     f3, states3 = model_p.functionalize()
     out, states3 = step(f3, states3, X1_h27)
-    assert_same_h27(ref_p(X1_h27), out, "jit after unpickle")
+    assert_same(ref_p(X1_h27), out, "jit after unpickle")
     model_p = autostate.freeze(f3, states3)
-    assert_same_h27(snapshot_h27(ref_p), snapshot_h27(model_p), "after unpickle")
+    assert_same(snapshot(ref_p), snapshot(model_p), "after unpickle")
 
     # 5. deepcopy: the copy moves on, the original does not
     ref_d, model_d = copy.deepcopy(ref_p), copy.deepcopy(model_p)
     assert_shared(model_d)
     assert model_d.items[0] is not model_p.items[0]
-    assert_same_h27(ref_d(X2_h27), model_d(X2_h27), "eager after deepcopy")
-    assert_same_h27(snapshot_h27(ref_d), snapshot_h27(model_d), "deepcopy stepped")
-    assert_same_h27(snapshot_h27(ref_p), snapshot_h27(model_p), "deepcopy source")
+    assert_same(ref_d(X2_h27), model_d(X2_h27), "eager after deepcopy")
+    assert_same(snapshot(ref_d), snapshot(model_d), "deepcopy stepped")
+    assert_same(snapshot(ref_p), snapshot(model_p), "deepcopy source")
     f4, states4 = model_d.functionalize()
     out, states4 = step(f4, states4, X1_h27)
-    assert_same_h27(ref_d(X1_h27), out, "jit after deepcopy")
-    assert_same_h27(snapshot_h27(ref_d), snapshot_h27(autostate.freeze(f4, states4)), "last freeze")
+    assert_same(ref_d(X1_h27), out, "jit after deepcopy")
+    assert_same(snapshot(ref_d), snapshot(autostate.freeze(f4, states4)), "last freeze")
 
 
 def test_shallow_copy_shares_sub_models_like_plain(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = plain.Net(), dec.Net()
     ref(X1_h27), model(X1_h27)
     ref_c, model_c = copy.copy(ref), copy.copy(model)
     assert model_c.items is model.items
-    assert_same_h27(ref_c(X2_h27), model_c(X2_h27), "shallow copy out")
+    assert_same(ref_c(X2_h27), model_c(X2_h27), "shallow copy out")
     # the copy's own total moved; the shared sub-models moved for both
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(model), "shallow copy source")
-    assert_same_h27(snapshot_h27(ref_c), snapshot_h27(model_c), "shallow copy")
+    assert_same(snapshot(ref), snapshot(model), "shallow copy source")
+    assert_same(snapshot(ref_c), snapshot(model_c), "shallow copy")
 
 
 def test_freeze_of_a_copy_of_states_and_tree_map(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref = plain.Net()
     f, states = dec.Net().functionalize()
     _, states = f(states, X1_h27)
@@ -2704,14 +2406,14 @@ def test_freeze_of_a_copy_of_states_and_tree_map(write_module: Loader) -> None:
     assert sorted(doubled) == sorted(states)
     copied = jax.tree_util.tree_map(jnp.copy, states)
     out, copied = step_jit()(f, copied, X2_h27)
-    assert_same_h27(ref(X2_h27), out, "after tree_map copy")
+    assert_same(ref(X2_h27), out, "after tree_map copy")
     leaves, treedef = jax.tree_util.tree_flatten(copied)
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(autostate.freeze(f, rebuilt)), "unflattened states")
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f, rebuilt)), "unflattened states")
     # doubled states mean what doubled attributes mean
     frozen = autostate.freeze(f, doubled)
-    assert_same_h27(2 * np.asarray(states["total"]), frozen.total, "doubled total")
-    assert_same_h27(2 * np.asarray(states["by['a'].mean"]), frozen.by["a"].mean, "doubled mean")
+    assert_same(2 * np.asarray(states["total"]), frozen.total, "doubled total")
+    assert_same(2 * np.asarray(states["by['a'].mean"]), frozen.by["a"].mean, "doubled mean")
 
 
 def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
@@ -2724,28 +2426,28 @@ def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0)
 
 @pytest.mark.parametrize("path", ["items[0]", "items[1]", "by['b']", "pair[1]"])
 def test_functionalize_a_sub_model_while_the_parent_exists(write_module: Loader, path: str) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
-    sub = plain_path_h27(model, path)
+    sub = plain_path(model, path)
     f, states = sub.functionalize()
     assert sorted(states) == ["count", "mean"]
-    ref_sub = copy.deepcopy(plain_path_h27(ref, path))  # f is a copy: the parent does not move
+    ref_sub = copy.deepcopy(plain_path(ref, path))  # f is a copy: the parent does not move
     out, states = step_jit()(f, states, X2_h27)
-    assert_same_h27(ref_sub(X2_h27), out, "sub-model through f")
-    assert_same_h27(snapshot_h27(ref_sub), snapshot_h27(autostate.freeze(f, states)), "frozen sub-model")
+    assert_same(ref_sub(X2_h27), out, "sub-model through f")
+    assert_same(snapshot(ref_sub), snapshot(autostate.freeze(f, states)), "frozen sub-model")
     # the parent is untouched and still steps like plain
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(model), "parent after the sub-model's f")
-    assert_same_h27(ref(X1_h27), model(X1_h27), "parent steps")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(model), "parent stepped")
+    assert_same(snapshot(ref), snapshot(model), "parent after the sub-model's f")
+    assert_same(ref(X1_h27), model(X1_h27), "parent steps")
+    assert_same(snapshot(ref), snapshot(model), "parent stepped")
     # and the parent functionalizes with the sub-model's names under its path
     pf, pstates = model.functionalize()
     out, pstates = pf(pstates, X2_h27)
-    assert_same_h27(ref(X2_h27), out, "parent f")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(autostate.freeze(pf, pstates)), "parent frozen")
+    assert_same(ref(X2_h27), out, "parent f")
+    assert_same(snapshot(ref), snapshot(autostate.freeze(pf, pstates)), "parent frozen")
 
 
 def test_functionalize_twice_and_use_the_older_pair(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     f1, s1 = model.functionalize()
     f2, s2 = model.functionalize()
@@ -2753,20 +2455,20 @@ def test_functionalize_twice_and_use_the_older_pair(write_module: Loader) -> Non
     ref_a, ref_b = copy.deepcopy(ref), copy.deepcopy(ref)
     out1, s1 = step(f1, s1, X1_h27)
     out2, s2 = step(f2, s2, X2_h27)
-    assert_same_h27(ref_a(X1_h27), out1, "older f")
-    assert_same_h27(ref_b(X2_h27), out2, "newer f")
+    assert_same(ref_a(X1_h27), out1, "older f")
+    assert_same(ref_b(X2_h27), out2, "newer f")
     # the pairs are interchangeable: same names, same structure
     out, s_mixed = f1(s2, X1_h27)
-    assert_same_h27(ref_b(X1_h27), out, "older f on newer states")
+    assert_same(ref_b(X1_h27), out, "older f on newer states")
     out, s1 = f2(s1, X2_h27)
-    assert_same_h27(ref_a(X2_h27), out, "newer f on older states")
-    assert_same_h27(snapshot_h27(ref_a), snapshot_h27(autostate.freeze(f1, s1)), "older frozen")
-    assert_same_h27(snapshot_h27(ref_b), snapshot_h27(autostate.freeze(f2, s_mixed)), "newer frozen")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(model), "the model moved")
+    assert_same(ref_a(X2_h27), out, "newer f on older states")
+    assert_same(snapshot(ref_a), snapshot(autostate.freeze(f1, s1)), "older frozen")
+    assert_same(snapshot(ref_b), snapshot(autostate.freeze(f2, s_mixed)), "newer frozen")
+    assert_same(snapshot(ref), snapshot(model), "the model moved")
 
 
 def test_f_after_the_model_changed_eagerly_is_a_snapshot(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     at_functionalize = copy.deepcopy(ref)
     f, states = model.functionalize()
@@ -2779,29 +2481,29 @@ def test_f_after_the_model_changed_eagerly_is_a_snapshot(write_module: Loader) -
     ref.items[1].w = jnp.array([2.0, 3.0])
     model.items[1].w = jnp.array([2.0, 3.0])
     out, states = step_jit()(f, states, X1_h27)
-    assert_same_h27(at_functionalize(X1_h27), out, "f sees the model as it was")
-    assert_same_h27(snapshot_h27(at_functionalize), snapshot_h27(autostate.freeze(f, states)), "frozen")
-    assert_same_h27(ref(X1_h27), model(X1_h27), "the model keeps going eagerly")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(model), "the model")
+    assert_same(at_functionalize(X1_h27), out, "f sees the model as it was")
+    assert_same(snapshot(at_functionalize), snapshot(autostate.freeze(f, states)), "frozen")
+    assert_same(ref(X1_h27), model(X1_h27), "the model keeps going eagerly")
+    assert_same(snapshot(ref), snapshot(model), "the model")
     f2, s2 = model.functionalize()
     out, s2 = step_jit()(f2, s2, X2_h27)
-    assert_same_h27(ref(X2_h27), out, "functionalized again after the changes")
+    assert_same(ref(X2_h27), out, "functionalized again after the changes")
 
 
 def test_functionalize_after_an_eager_reset_of_a_sub_model(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     ref.by["b"].reset()
     model.by["b"].reset()
     f, states = model.functionalize()
     out, states = f(states, X1_h27)
-    assert_same_h27(ref(X1_h27), out, "after reset")
+    assert_same(ref(X1_h27), out, "after reset")
     _, states = staged(lambda f, s: f.peek(s))(f, states)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(autostate.freeze(f, states)), "after reset, frozen")
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "after reset, frozen")
 
 
 def test_states_missing_or_extra_keys_in_f_are_clear_errors(write_module: Loader) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     f, states = dec.Net().functionalize()
     partial = {k: v for k, v in states.items() if k != "total"}
     for bad in (partial, {**states, "totl": jnp.zeros(2)}):
@@ -2812,83 +2514,27 @@ def test_states_missing_or_extra_keys_in_f_are_clear_errors(write_module: Loader
             assert "total" in str(info.value) or "totl" in str(info.value)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _out(v: Any) -> Any:
-    """A model returned by a call is compared by its attributes."""
-
-    def is_model(x: Any) -> bool:
-        return type(x).__module__.startswith("autostate_testmod") and hasattr(x, "__dict__")
-
-    if is_model(v):
-        return snapshot_h28(v)
-    if isinstance(v, list | tuple):
-        return type(v)(_out(x) for x in v)
-    return v
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_out(_call(ref, m)(*a)) for m, a in calls]
-    expected_snap = snapshot_h28(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_out(_call(model, m)(*a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot_h28(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h28(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(_out(out))
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot_h28(plain_path_h28(ref, key)), snapshot_h28(value), f"{mode} state {key}")
-        same(before, snapshot_h28(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot_h28(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_out(_call(ref, m)(*a)), _out(_call(frozen, m)(*a)), "frozen call")
-                same(snapshot_h28(ref), snapshot_h28(frozen), "frozen attributes after a call")
 
 
 def test_copy_of_self_returned_from_f(write_module: Loader) -> None:
-    plain, dec = pair_h28(write_module, COPIES_h28)
+    plain, dec = pair(write_module, COPIES_h28)
     run_case(plain, dec, "M()", [("snapshot_copy", (A1,)), ("snapshot_copy", (A2,))])
 
 
 def test_copy_returned_from_f_is_usable_afterwards(write_module: Loader) -> None:
-    plain, dec = pair_h28(write_module, COPIES_h28)
+    plain, dec = pair(write_module, COPIES_h28)
     ref = plain.M()
     saved_ref = ref.snapshot_copy(A1)
     f, states = dec.M().functionalize()
     for fn in (f.snapshot_copy, staged(f.snapshot_copy)):
         saved, _ = fn(states, A1)
-        same(snapshot_h28(saved_ref), snapshot_h28(saved), "returned copy")
+        same(snapshot(saved_ref), snapshot(saved), "returned copy")
         same(saved_ref._inc(A2), saved._inc(A2), "eager call on the returned copy")
-        same(snapshot_h28(saved_ref), snapshot_h28(saved), "returned copy after a call")
+        same(snapshot(saved_ref), snapshot(saved), "returned copy after a call")
         saved_ref = ref.snapshot_copy(A1) if fn is f.snapshot_copy else saved_ref
         ref = plain.M()
         saved_ref = ref.snapshot_copy(A1)
@@ -2918,14 +2564,14 @@ def train_compare(
     ref_losses = []
     for i in range(len(jax.tree_util.tree_leaves(xs)[0])):
         x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
-        params = {k: plain_path_h30(ref, k) for k in pnames}
+        params = {k: plain_path(ref, k) for k in pnames}
 
         def loss(params: dict[str, Any], x: Any = x) -> Any:
             m = copy.deepcopy(ref)
             for k, v in params.items():
                 _set(m, k, v)
             out = getattr(m, method)(x)
-            return loss_fn(out, lambda k: plain_path_h30(m, k)), {k: plain_path_h30(m, k) for k in states0}
+            return loss_fn(out, lambda k: plain_path(m, k)), {k: plain_path(m, k) for k in states0}
 
         (val, st), g = jax.value_and_grad(loss, has_aux=True)(params)
         for k in pnames:
@@ -2946,19 +2592,19 @@ def train_compare(
 
     for run in (staged(jax.lax.scan, static_argnums=0),):
         (f, s), losses = run(step, (f0, states0), xs)
-        assert_same_h30(np.stack(ref_losses), losses, "losses")
+        assert_same(np.stack(ref_losses), losses, "losses")
         got = autostate.param_dict(f)
         for k in pnames:
-            assert_same_h30(np.asarray(plain_path_h30(ref, k)), got[k], f"param {k}")
+            assert_same(np.asarray(plain_path(ref, k)), got[k], f"param {k}")
         for k in s:
-            assert_same_h30(snapshot_h30(plain_path_h30(ref, k)), snapshot_h30(s[k]), f"state {k}")
-        assert_same_h30(snapshot_h30(ref), snapshot_h30(autostate.freeze(f, s)), "frozen")
+            assert_same(snapshot(plain_path(ref, k)), snapshot(s[k]), f"state {k}")
+        assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
 def test_lora_training_only_adapters_in_scan(write_module: Loader) -> None:
     # w is assigned by merge(): a state, so only a and b are trained through f, as a
     # frozen base weight should be; the scan loop against the plain model.
-    plain, dec = pair_h30(write_module, LORA)
+    plain, dec = pair(write_module, LORA)
     f, _ = dec.LoRANet(0, 3, 2).functionalize()
     assert sorted(autostate.param_dict(f)) == [
         "layers[0].a",
@@ -2982,7 +2628,7 @@ GRADS = {
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h35(write_module, TORCH_HEADER + TORCH)
+    return pair(write_module, TORCH_HEADER + TORCH)
 
 
 def test_trained_trainer_saved_loaded_and_pickled_keeps_its_sharing(
@@ -3001,14 +2647,14 @@ def test_trained_trainer_saved_loaded_and_pickled_keeps_its_sharing(
     ]
     for t in loaded:
         assert t.opt.model is t.model and t.sched.opt is t.opt
-        assert_same_h35(snapshot_h35(ref), snapshot_h35(t))
+        assert_same(snapshot(ref), snapshot(t))
         r = copy.deepcopy(ref)
-        assert_same_h35(r.fit_step(*batch(3)), t.fit_step(*batch(3)))
-        assert_same_h35(snapshot_h35(r), snapshot_h35(t))
+        assert_same(r.fit_step(*batch(3)), t.fit_step(*batch(3)))
+        assert_same(snapshot(r), snapshot(t))
 
 
 def lightning(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h35(write_module, "import weakref\n" + LIGHTNING)
+    return pair(write_module, "import weakref\n" + LIGHTNING)
 
 
 def test_lightning_trainer_freeze_and_deepcopy_keep_the_cycle(write_module: Loader) -> None:
@@ -3025,10 +2671,10 @@ def test_lightning_trainer_freeze_and_deepcopy_keep_the_cycle(write_module: Load
     assert twin.model.trainer is twin and twin.model is not frozen.model
     ref_twin = copy.deepcopy(ref)
     x, y = LIT_STEPS[0][1]
-    assert_same_h35(ref.fit_step(x, y), frozen.fit_step(x, y))
-    assert_same_h35(ref_twin.fit_step(2 * x, y), twin.fit_step(2 * x, y))
-    assert_same_h35(snapshot_h35(ref), snapshot_h35(frozen))
-    assert_same_h35(snapshot_h35(ref_twin), snapshot_h35(twin))
+    assert_same(ref.fit_step(x, y), frozen.fit_step(x, y))
+    assert_same(ref_twin.fit_step(2 * x, y), twin.fit_step(2 * x, y))
+    assert_same(snapshot(ref), snapshot(frozen))
+    assert_same(snapshot(ref_twin), snapshot(twin))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "copy"])
@@ -3043,11 +2689,11 @@ def test_copied_trainer_trained_independently(write_module: Loader, how: str) ->
         outs = [t.fit_step(*batch(1)), twin.fit_step(*batch(2)), twin.fit_step(*batch(3)),
                 t.fit_step(*batch(1))]
         ids = (twin.opt.model is twin.model, twin.sched.opt is twin.opt, twin.model is t.model)
-        runs.append((outs, ids, snapshot_h35(t), snapshot_h35(twin)))
+        runs.append((outs, ids, snapshot(t), snapshot(twin)))
     assert runs[0][1] == runs[1][1]
-    assert_same_h35(runs[0][0], runs[1][0], "outputs")
-    assert_same_h35(runs[0][2], runs[1][2], "original")
-    assert_same_h35(runs[0][3], runs[1][3], "copy")
+    assert_same(runs[0][0], runs[1][0], "outputs")
+    assert_same(runs[0][2], runs[1][2], "original")
+    assert_same(runs[0][3], runs[1][3], "copy")
 
 
 def test_deepcopy_of_a_frozen_trainer_then_both_trained_through_f(write_module: Loader) -> None:
@@ -3059,14 +2705,14 @@ def test_deepcopy_of_a_frozen_trainer_then_both_trained_through_f(write_module: 
     _, states = step(f, states, *batch(0))
     frozen = autostate.freeze(f, states)
     twin, ref_twin = copy.deepcopy(frozen), copy.deepcopy(ref)
-    untouched = snapshot_h35(ref_twin)
+    untouched = snapshot(ref_twin)
     assert twin.opt.model is twin.model and twin.sched.opt is twin.opt
     for t, r, i in ((frozen, ref, 1), (twin, ref_twin, 2)):
         ft, st = t.functionalize()
         out, st = step(ft, st, *batch(i))
-        assert_same_h35(r.fit_step(*batch(i)), out)
-        assert_same_h35(snapshot_h35(r), snapshot_h35(autostate.freeze(ft, st)))
-    assert_same_h35(untouched, snapshot_h35(twin), "the frozen copy itself did not move")
+        assert_same(r.fit_step(*batch(i)), out)
+        assert_same(snapshot(r), snapshot(autostate.freeze(ft, st)))
+    assert_same(untouched, snapshot(twin), "the frozen copy itself did not move")
 
 
 def test_functionalize_the_model_a_trainer_holds(write_module: Loader) -> None:
@@ -3081,21 +2727,21 @@ def test_functionalize_the_model_a_trainer_holds(write_module: Loader) -> None:
     ref_model = copy.deepcopy(ref.model)
     step = staged(lambda f, s, x: f(s, x))
     for i in range(2):
-        assert_same_h35(ref.fit_step(*batch(i + 1)), trainer.fit_step(*batch(i + 1)), f"trainer {i}")
+        assert_same(ref.fit_step(*batch(i + 1)), trainer.fit_step(*batch(i + 1)), f"trainer {i}")
         out, sm = step(fm, sm, batch(i)[0])
-        assert_same_h35(ref_model(batch(i)[0]), out, f"f of the model {i}")
-    assert_same_h35(snapshot_h35(ref), snapshot_h35(trainer), "the trainer, untouched by f")
+        assert_same(ref_model(batch(i)[0]), out, f"f of the model {i}")
+    assert_same(snapshot(ref), snapshot(trainer), "the trainer, untouched by f")
     ref.model = ref_model
     trainer.model = autostate.freeze(fm, sm)
     assert trainer.opt.model is not trainer.model
     for i in range(2):
-        assert_same_h35(ref.fit_step(*batch(i)), trainer.fit_step(*batch(i)), f"after swap {i}")
-    assert_same_h35(snapshot_h35(ref), snapshot_h35(trainer))
+        assert_same(ref.fit_step(*batch(i)), trainer.fit_step(*batch(i)), f"after swap {i}")
+    assert_same(snapshot(ref), snapshot(trainer))
 
 
 def test_functionalize_the_optimizer_a_trainer_holds(write_module: Loader) -> None:
     plain, dec = torch(write_module)
-    check_h35(plain, dec, "sgd_trainer().opt", [("step", (GRADS,)), ("zero_grad", ()),
+    check(plain, dec, "sgd_trainer().opt", [("step", (GRADS,)), ("zero_grad", ()),
                                             ("step", (GRADS,))])
     f, states = dec.sgd_trainer().opt.functionalize()
     assert "model.l1.w" in states and "steps" in states
