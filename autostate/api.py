@@ -23,8 +23,6 @@ from autostate import tree as _tree
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    HandledStaticState,
-    StaticState,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
@@ -51,7 +49,7 @@ from autostate.functional import (
     handler_id_for,
 )
 from autostate.packing import PackedModel
-from autostate.state_values import states_dict
+from autostate.state_values import HandledStaticState, StaticState, states_dict
 from autostate.transform import loader
 from autostate.transform.pipeline import (
     ClassDecision,

@@ -40,8 +40,6 @@ from autostate.effects.local_state import (
     InitialLocalStateRequest,
     LocalStateEffectImpl,
     StateSlot,
-    StaticState,
-    _same_static,
     fresh_handler_id,
     handler_cells,
     run_with_states,
@@ -56,7 +54,7 @@ from autostate.errors import (
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
 from autostate.lifetime import LostValue, contains_tracer
-from autostate.state_values import is_static_value
+from autostate.state_values import StaticState, _same_static, is_static_value
 
 __all__ = [
     "checkpoint",

@@ -377,7 +377,6 @@ register_slot_hooks(
     check_write=_check_not_traced,
     check_initial=check_initial_value,
     check_read=_check_read,
-    holds_tracer=contains_tracer,
     cells_elsewhere=_cells_in_another_thread,
     unhandled_ref_error=_unhandled_ref_error,
 )

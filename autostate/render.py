@@ -22,14 +22,13 @@ from autostate import values as _values
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    HandledStaticState,
     InitialLocalStateRequest,
     SharedLocalStateRequest,
     StateSlot,
-    StaticState,
 )
 from autostate.effects.local_state import InitialValue
 from autostate.functional import CONSTANT, ConstantRef
+from autostate.state_values import HandledStaticState, StaticState
 
 # --- labels -------------------------------------------------------------------------
 

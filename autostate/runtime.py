@@ -38,7 +38,6 @@ from autostate import values as _values
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    HandledStaticState,
     InitialLocalStateRequest,
     StateSlot,
     is_running,
@@ -60,7 +59,7 @@ from autostate.guard import check_write as check_guarded_write
 from autostate.guard import is_guarded, lax_body_of
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import _check_not_traced, contains_tracer, recording_state_reads
-from autostate.state_values import is_static_value
+from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
 from autostate.unsortable import unsortable_keys_error
 

@@ -10,6 +10,9 @@ pytree leaves, and put them back. This module owns those rules:
 * ``is_static_value`` / ``makes_static_state``: a Python value that is
   structure, and when assigning one makes a state static (``None`` is a
   placeholder, not a mode);
+* ``StaticState`` / ``HandledStaticState``: the slot of a state holding one,
+  part of a model's structure, and what stands for it in a functionalized
+  model (fixed for the call);
 * ``split_static_values`` / ``join_static_values``: a container value's
   Python values out of its leaves and back; ``opaque_items`` and
   ``_Rebuilt``: a container JAX takes as one leaf, as its items and back;
@@ -25,14 +28,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Hashable
 from typing import Any
 
 import jax
 import numpy as np
 
+from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects.local_state import _static_key, register_slot_hooks
+from autostate.effects.local_state import (
+    Category,
+    StateSlot,
+    home_of,
+    register_slot_hooks,
+    written_slot,
+)
 from autostate.errors import (
     InvalidTypeError,
     StaticStateError,
@@ -45,6 +56,15 @@ from autostate.errors import (
 # a float). Leafness is decided per type, so one leaf instance vouches for its
 # type; an eager state write then skips ``tree_leaves``, most of its cost.
 _CONCRETE_LEAF_TYPES: set[type] = set()
+
+
+def _static_key(value: Any) -> tuple:
+    # ``True == 1`` and they hash alike: the type keeps jit from mixing them up.
+    return (type(value), value)
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
 
 
 def opaque_items(value: Any) -> dict | list | None:
@@ -388,13 +408,129 @@ def _split_statics(value: Any) -> tuple[Any, Any] | None:
     return split_static_values(value)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticState(StateSlot):
+    """A state holding a Python bool, int, str, enum member or None.
+
+    Its value is part of the model's structure (pytree aux data), not of the
+    states dict: ``model.eval()`` then ``functionalize()`` gives an ``f`` that
+    ``jax.jit`` traces once per mode, and ``if self.training:`` is a plain
+    Python branch inside the trace.
+
+    Examples:
+        >>> from autostate.state_values import StaticState
+        >>> slot = StaticState(True, category="state")
+        >>> slot.read()
+        True
+        >>> slot.write(False)  # a new slot: this one is unchanged
+        StaticState(value=False, category='state', name=None)
+    """
+
+    value: Any
+    category: Category
+    name: str | None = None
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        return written_slot(value, self.category, self.name, label, home_of(self))
+
+    def as_request(self) -> StaticState:
+        return self
+
+    def handled_in_structure(self, handler_id: Hashable, path: str) -> HandledStaticState:
+        explicit = self.name is not None
+        name = self.name if explicit else path
+        return HandledStaticState(handler_id, name, self.value, explicit, self.category)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StaticState):
+            return NotImplemented
+        return _same_static(self.value, other.value) and (self.category, self.name) == (
+            other.category,
+            other.name,
+        )
+
+    def __hash__(self) -> int:
+        return hash((_static_key(self.value), self.category, self.name))
+
+
+jax.tree_util.register_pytree_node(
+    StaticState,
+    lambda s: ((), (_static_key(s.value), s.category, s.name)),
+    lambda aux, _children: StaticState(aux[0][1], aux[1], aux[2]),
+)
+_graph.register_node_kind(StaticState, model_child=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HandledStaticState(StateSlot):
+    """A static state inside a functionalized model: readable, fixed for the call.
+
+    ``f`` is pure and its structure holds the value, so a functionalized call
+    may assign the same value again but not another one.
+    """
+
+    handler_id: Hashable
+    name: str
+    value: Any
+    was_explicitly_named: bool
+    category: Category
+    handleable = False
+    handled = True
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> None:
+        if _same_static(value, self.value):
+            return None
+        raise refused(_static_write_error(self, value, label))
+
+    def as_request(self) -> Any:
+        raise NotImplementedError
+
+    def frozen(self) -> StaticState:
+        return StaticState(self.value, self.category, self.name if self.was_explicitly_named else None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HandledStaticState):
+            return NotImplemented
+        return _same_static(self.value, other.value) and (
+            self.handler_id,
+            self.name,
+            self.was_explicitly_named,
+            self.category,
+        ) == (other.handler_id, other.name, other.was_explicitly_named, other.category)
+
+    def __hash__(self) -> int:
+        return hash((self.handler_id, self.name, _static_key(self.value), self.category))
+
+
+jax.tree_util.register_pytree_node(
+    HandledStaticState,
+    lambda s: (
+        (),
+        (s.handler_id, s.name, _static_key(s.value), s.was_explicitly_named, s.category),
+    ),
+    lambda aux, _children: HandledStaticState(aux[0], aux[1], aux[2][1], aux[3], aux[4]),
+)
+_graph.register_node_kind(HandledStaticState, model_child=True)
+
+
+
+
+def _static_slot(value: Any, category: Category, name: str | None) -> StaticState | None:
+    """The slot of a state given ``value`` when that makes it static (``makes_static_state``)."""
+    return StaticState(value, category, name) if makes_static_state(value) else None
+
+
 register_slot_hooks(
-    is_static=is_static_value,
-    makes_static=makes_static_state,
+    static_slot=_static_slot,
     split_statics=_split_statics,
     join_statics=join_static_values,
     own_value=_own_value,
     states_dict=states_dict,
     check_handled_write=_check_handled_write,
-    static_write_error=_static_write_error,
 )

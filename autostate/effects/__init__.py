@@ -3,8 +3,10 @@
 What this package exports is the engine's own surface: penzai v1's requests
 and references, handling, freezing, hoisting, embedding and renaming, the
 handler ids and the slot protocol. The helpers the rest of autostate uses
-(tracer checks, initial values, the write guard) are internal: import them
-from ``autostate.effects.local_state``.
+(initial values, the slot hooks' registration) are internal: import them
+from ``autostate.effects.local_state``. What the engine asks but does not
+decide lives with its owner: static states in ``autostate.state_values``,
+tracer lifetime in ``autostate.lifetime``, the guard in ``autostate.guard``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ from autostate.effects.local_state import (
     REQUEST_TYPES,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    HandledStaticState,
     HandlerId,
     InitialLocalStateRequest,
     LocalStateEffect,
     LocalStateEffectImpl,
     SharedLocalStateRequest,
     StateSlot,
-    StaticState,
     WithFunctionalLocalState,
     embed_shared_state_requests,
     freeze_body,
@@ -39,13 +39,11 @@ __all__ = [
     "FrozenLocalStateRequest",
     "HandledLocalStateRef",
     "HandlerId",
-    "HandledStaticState",
     "InitialLocalStateRequest",
     "LocalStateEffect",
     "LocalStateEffectImpl",
     "SharedLocalStateRequest",
     "StateSlot",
-    "StaticState",
     "WithFunctionalLocalState",
     "embed_shared_state_requests",
     "freeze_body",

@@ -14,12 +14,16 @@ there. The body is therefore never rebuilt per call, any copy of a reference
 (for instance after a ``jax.jit`` round trip) reaches the same cell, and
 nested handlers with distinct ids only see their own states.
 
-This module knows nothing about source code; it walks trees with
-``autostate.tree``. What a value may be (tracer lifetime, Python values that
-are structure, dicts JAX cannot flatten) is the runtime's question: the
-engine asks it through the slot protocol's hooks (``SlotHooks``), which
-``autostate.lifetime``, ``autostate.state_values`` and
-``autostate.unsortable`` register.
+What this module owns: penzai v1's requests and references, handling,
+freezing, hoisting, embedding and renaming, the handler ids, and the slot
+protocol (``StateSlot``, ``SlotHooks``). What it must not know about: source
+code (it walks trees with ``autostate.graph``), tracer lifetime, Python values
+that are structure (static states), dicts JAX cannot flatten, threads, the
+guard, and the wording of the front door's errors. Those are the runtime's
+questions: the engine asks them through the slot protocol's hooks, which
+``autostate.lifetime``, ``autostate.state_values``, ``autostate.unsortable``
+and ``autostate.guard`` register; a slot kind the engine does not define
+(a static state, a host store) takes part through the ``StateSlot`` methods.
 """
 
 from __future__ import annotations
@@ -41,10 +45,8 @@ from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     StateSharingError,
-    StaticStateError,
     UnhandledLocalStateError,
     format_error,
-    refused,
 )
 
 Category = Hashable
@@ -139,16 +141,15 @@ class SlotHooks:
     * ``check_initial(value, label)``: the same for a state's first value;
     * ``check_read(name, value)``: called by a handled reference's ``read``;
       raises for a value with no plain meaning;
-    * ``holds_tracer(value)``: whether ``value`` holds a JAX tracer (error
-      wording only);
     * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
       context, err, notes)``: the error to raise instead of ``err``, what JAX
       raised flattening a state's value (``context`` says where: ``"states"``,
       a states dict; ``"threaded"``, states a running call threads), or
       ``None`` to raise ``err``; ``note`` is what ``check_write`` returned;
-    * ``is_static(value)`` / ``makes_static(value)``: whether ``value`` is a
-      Python value that is structure, not a state's value (a ``StaticState``),
-      and whether assigning it makes a state static (``None`` is a placeholder);
+    * ``static_slot(value, category, name)``: the slot of a state given
+      ``value`` when that value is structure, not a state's value (a Python
+      value: ``autostate.state_values.StaticState``), else ``None`` (``None``
+      itself is a placeholder);
     * ``split_statics(value)`` -> ``(stripped, statics)`` or ``None``: the
       Python values inside a container value, kept out of the pytree leaves of
       a ``FrozenLocalStateRequest``; ``join_statics(stripped, statics)`` puts
@@ -160,8 +161,6 @@ class SlotHooks:
       reference's ``write``; raises for a value the running call cannot take
       (a Python value in place of the placeholder ``None``, which would make
       the state static);
-    * ``static_write_error(slot, value, label)``: the error a
-      ``HandledStaticState`` raises when a call assigns it another value;
     * ``cells_elsewhere(ref, calls)``: the cells a handled reference reaches
       when no call of its handler runs in this context, from ``calls``, the
       ``(cells, trace)`` of its handler's calls running in other threads (a
@@ -180,17 +179,14 @@ class SlotHooks:
         "check_write",
         "check_initial",
         "check_read",
-        "holds_tracer",
         "value_flatten_error",
         "states_flatten_error",
-        "is_static",
-        "makes_static",
+        "static_slot",
         "split_statics",
         "join_statics",
         "own_value",
         "states_dict",
         "check_handled_write",
-        "static_write_error",
         "cells_elsewhere",
         "unhandled_ref_error",
         "guard_call",
@@ -202,15 +198,15 @@ class SlotHooks:
         self.check_write: Callable[[Any, str | None, Any], Any] = lambda value, label, home: None
         self.check_initial: Callable[[Any, str | None], Any] = lambda value, label: None
         self.check_read: Callable[[str, Any], None] = lambda name, value: None
-        self.holds_tracer: Callable[[Any], bool] = lambda value: False
         self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
             lambda value, note, name: None
         )
         self.states_flatten_error: Callable[
             [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
         ] = lambda values, context, err, notes: None
-        self.is_static: Callable[[Any], bool] = lambda value: False
-        self.makes_static: Callable[[Any], bool] = lambda value: False
+        self.static_slot: Callable[[Any, Category, str | None], StateSlot | None] = (
+            lambda value, category, name: None
+        )
         self.split_statics: Callable[[Any], tuple[Any, Any] | None] = lambda value: None
         self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
         self.own_value: Callable[[Any], Any] = lambda value: value
@@ -224,11 +220,6 @@ class SlotHooks:
         self.unhandled_ref_error: Callable[[Any, str], UnhandledLocalStateError] = (
             lambda ref, reason: UnhandledLocalStateError(
                 f"State {ref.name!r} is unhandled: handler {ref.handler_id!r} is not running."
-            )
-        )
-        self.static_write_error: Callable[[Any, Any, str | None], StaticStateError] = (
-            lambda slot, value, label: StaticStateError(
-                f"static state {slot.name!r} holds {slot.value!r}, fixed for the call"
             )
         )
         self.guard_call: Callable[[frozenset[int]], Any] = lambda ids: None
@@ -301,7 +292,7 @@ def fresh_handler_id() -> str:
     return f"local_state_{next(_handler_counter)}"
 
 
-def _home_of(slot: Any) -> Any:
+def home_of(slot: Any) -> Any:
     """The trace a slot's model was built in (``None``: built outside every trace)."""
     return getattr(slot, "_home", None)
 
@@ -341,6 +332,11 @@ class StateSlot:
       its holder;
     * ``as_request()``: the request ``handle_local_states`` handles in this
       slot's place; only called when the class says ``handleable``.
+
+    A slot whose value is part of the body's structure rather than of the
+    states dict (a static state) says so by ``handled_in_structure``, and the
+    slot that stands for it while handled (``handled``) gives it back by
+    ``frozen``.
     """
 
     __slots__ = ()
@@ -348,6 +344,9 @@ class StateSlot:
     # Whether handle_local_states may take this slot (a handled reference or a
     # read-only view may not).
     handleable = True
+    # Whether this slot stands for a state of the handler with its
+    # ``handler_id``: handling again with that id refuses it, freezing replaces it.
+    handled = False
 
     def read(self) -> Any:
         raise NotImplementedError
@@ -357,6 +356,17 @@ class StateSlot:
         raise NotImplementedError
 
     def as_request(self) -> Any:
+        raise NotImplementedError
+
+    def handled_in_structure(self, handler_id: Hashable, path: str) -> StateSlot | None:
+        """The ``handled`` slot handling puts in this one's place, holding its
+        value in the body's structure; ``None`` (most slots): its value goes
+        into the states dict, as ``as_request()``'s. ``path`` names an unnamed state."""
+        return None
+
+    def frozen(self) -> StateSlot:
+        """What freezing puts in the place of a ``handled`` slot that
+        ``handled_in_structure`` made."""
         raise NotImplementedError
 
 
@@ -397,13 +407,14 @@ class InitialValue:
 def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
     """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
 
-    A static value (bool, int, str, enum, None) gives a ``StaticState``; any
+    A value that is structure gives the ``static_slot`` hook's slot; any
     other an ``InitialLocalStateRequest``. Tracers of the running trace are
     accepted: the model is being built inside a transformation.
     """
     home = _hooks.current_trace()
-    if _hooks.makes_static(value):
-        return _with_home(StaticState(value, category, name), home)
+    static = _hooks.static_slot(value, category, name)
+    if static is not None:
+        return _with_home(static, home)
     where = _hooks.check_initial(value, name or label)
     return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
 
@@ -414,13 +425,22 @@ def _written(
     """The slot a static state becomes when assigned ``value`` (same home trace).
 
     A static state assigned an array becomes an array state; an array state
-    never becomes static, unless it holds the placeholder ``None`` (see
-    ``makes_static_state``), which any value replaces as if it were the first.
-    ``where``: what ``_check_not_traced`` returned for ``value``.
+    never becomes static, unless it holds the placeholder ``None``, which any
+    value replaces as if it were the first (the ``static_slot`` hook decides).
+    ``where``: what the ``check_write`` hook returned for ``value``.
     """
-    if _hooks.makes_static(value):
-        return _with_home(StaticState(value, category, name), home)
+    static = _hooks.static_slot(value, category, name)
+    if static is not None:
+        return _with_home(static, home)
     return _with_home(_with_unsortable(FrozenLocalStateRequest(value, category, name), where), home)
+
+
+def written_slot(
+    value: Any, category: Category, name: str | None, label: str | None, home: Any
+) -> Any:
+    """The slot a static state (living in ``home``) becomes when assigned
+    ``value``, which the ``check_write`` hook checks first (see ``_written``)."""
+    return _written(value, category, name, home, _hooks.check_write(value, name or label, home))
 
 
 def _static_pytree(cls):
@@ -560,7 +580,7 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        where = _hooks.check_write(value, self.name or label, _home_of(self))
+        where = _hooks.check_write(value, self.name or label, home_of(self))
         if self.state is None:  # the placeholder: the value decides the kind (see _written)
             return _written(value, self.category, self.name, self._home, where)
         return _with_unsortable(self.replaced(value), where)
@@ -651,119 +671,6 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
 
 
 _graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
-
-
-def _static_key(value: Any) -> tuple:
-    # ``True == 1`` and they hash alike: the type keeps jit from mixing them up.
-    return (type(value), value)
-
-
-def _same_static(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StaticState(StateSlot):
-    """A state holding a Python bool, int, str, enum member or None.
-
-    Its value is part of the model's structure (pytree aux data), not of the
-    states dict: ``model.eval()`` then ``functionalize()`` gives an ``f`` that
-    ``jax.jit`` traces once per mode, and ``if self.training:`` is a plain
-    Python branch inside the trace.
-
-    Examples:
-        >>> from autostate.effects.local_state import StaticState
-        >>> slot = StaticState(True, category="state")
-        >>> slot.read()
-        True
-        >>> slot.write(False)  # a new slot: this one is unchanged
-        StaticState(value=False, category='state', name=None)
-    """
-
-    value: Any
-    category: Category
-    name: str | None = None
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> Any:
-        home = _home_of(self)
-        where = _hooks.check_write(value, self.name or label, home)
-        return _written(value, self.category, self.name, home, where)
-
-    def as_request(self) -> StaticState:
-        return self
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, StaticState):
-            return NotImplemented
-        return _same_static(self.value, other.value) and (self.category, self.name) == (
-            other.category,
-            other.name,
-        )
-
-    def __hash__(self) -> int:
-        return hash((_static_key(self.value), self.category, self.name))
-
-
-jax.tree_util.register_pytree_node(
-    StaticState,
-    lambda s: ((), (_static_key(s.value), s.category, s.name)),
-    lambda aux, _children: StaticState(aux[0][1], aux[1], aux[2]),
-)
-_graph.register_node_kind(StaticState, model_child=True)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class HandledStaticState(StateSlot):
-    """A static state inside a functionalized model: readable, fixed for the call.
-
-    ``f`` is pure and its structure holds the value, so a functionalized call
-    may assign the same value again but not another one.
-    """
-
-    handler_id: Hashable
-    name: str
-    value: Any
-    was_explicitly_named: bool
-    category: Category
-    handleable = False
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> None:
-        if _same_static(value, self.value):
-            return None
-        raise refused(_hooks.static_write_error(self, value, label))
-
-    def as_request(self) -> Any:
-        raise NotImplementedError
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, HandledStaticState):
-            return NotImplemented
-        return _same_static(self.value, other.value) and (
-            self.handler_id,
-            self.name,
-            self.was_explicitly_named,
-            self.category,
-        ) == (other.handler_id, other.name, other.was_explicitly_named, other.category)
-
-    def __hash__(self) -> int:
-        return hash((self.handler_id, self.name, _static_key(self.value), self.category))
-
-
-jax.tree_util.register_pytree_node(
-    HandledStaticState,
-    lambda s: (
-        (),
-        (s.handler_id, s.name, _static_key(s.value), s.was_explicitly_named, s.category),
-    ),
-    lambda aux, _children: HandledStaticState(aux[0], aux[1], aux[2][1], aux[3], aux[4]),
-)
-_graph.register_node_kind(HandledStaticState, model_child=True)
 
 
 @_static_pytree
@@ -945,6 +852,7 @@ class HandledLocalStateRef(StateSlot):
     was_explicitly_named: bool
     category: Category
     handleable = False
+    handled = True
 
     def _cell(self) -> LocalStateEffectImpl:
         running = _running_entry(self.handler_id)
@@ -1039,9 +947,20 @@ _graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), Copied
 
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
-_HANDLED_TYPES = (HandledLocalStateRef, HandledStaticState)
-# type -> whether it is a handleable slot of another engine (a cache of issubclass).
-_FOREIGN_SLOT: dict[type, bool] = {}
+# type -> what a walk does with it: _HANDLED (a ``handled`` slot), _HANDLEABLE
+# (another slot, handled as its ``as_request()``) or None (not a slot to take).
+_HANDLED, _HANDLEABLE = "handled", "handleable"
+_SLOT_ROLE: dict[type, str | None] = {}
+
+
+def _slot_role(t: type) -> str | None:
+    """What a walk does with a node of type ``t`` (cached per type)."""
+    if t not in _SLOT_ROLE:
+        if not issubclass(t, StateSlot):
+            _SLOT_ROLE[t] = None
+        else:
+            _SLOT_ROLE[t] = _HANDLED if t.handled else _HANDLEABLE if t.handleable else None
+    return _SLOT_ROLE[t]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1314,25 +1233,21 @@ def handle_local_states(
 
     def is_target(node: Any) -> bool:
         t = type(node)
-        if t is HandledLocalStateRef or t is HandledStaticState:
-            return node.handler_id == handler_id
-        if t in REQUEST_TYPES or t is StaticState:
+        if t in REQUEST_TYPES:
             return predicate(node.category)
-        # Another engine's slot (a host store) is handled as the request it stands for.
-        foreign = _FOREIGN_SLOT.get(t)
-        if foreign is None:
-            foreign = _FOREIGN_SLOT[t] = issubclass(t, StateSlot) and t.handleable
-        return foreign and predicate(node.category)
+        role = _slot_role(t)
+        if role is _HANDLED:
+            return node.handler_id == handler_id
+        # Another slot (a static state, a host store) is handled as the request it stands for.
+        return role is _HANDLEABLE and predicate(node.category)
 
     def replace(request: Any, path: str) -> Any:
-        if type(request) is StaticState:
-            # Part of the structure, not of the states dict.
-            explicit = request.name is not None
-            name = request.name if explicit else path
-            return HandledStaticState(handler_id, name, request.value, explicit, request.category)  # type: ignore[arg-type]
-        if type(request) not in REQUEST_TYPES and type(request) not in _HANDLED_TYPES:
+        if type(request) not in REQUEST_TYPES and _slot_role(type(request)) is not _HANDLED:
+            in_structure = request.handled_in_structure(handler_id, path)
+            if in_structure is not None:
+                return in_structure  # part of the structure, not of the states dict
             request = request.as_request()
-        if type(request) in _HANDLED_TYPES:
+        if _slot_role(type(request)) is _HANDLED:
             # Two handlers with one id would read each other's cells.
             raise StateSharingError(
                 format_error(
@@ -1455,14 +1370,14 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     home = _hooks.current_trace()
 
     def is_target(node: Any) -> bool:
-        return type(node) in _HANDLED_TYPES and node.handler_id == handler_id
+        return _slot_role(type(node)) is _HANDLED and node.handler_id == handler_id
 
     def replace(ref: Any, _path: str) -> Any:
         return _with_home(frozen(ref), home)
 
     def frozen(ref: Any) -> Any:
-        if type(ref) is HandledStaticState:
-            return StaticState(ref.value, ref.category, ref.name if ref.was_explicitly_named else None)
+        if type(ref) is not HandledLocalStateRef:
+            return ref.frozen()  # held in the structure (``handled_in_structure``)
         if ref.name not in states:
             raise UnhandledLocalStateError(
                 format_error(

@@ -12,11 +12,11 @@ from autostate import runtime
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    HandledStaticState,
     InitialLocalStateRequest,
     StateSlot,
 )
 from autostate.errors import StateAccessError, TracedEagerStateError
+from autostate.state_values import HandledStaticState
 
 
 @autostate.stateful
