@@ -13,7 +13,10 @@ not thread) has no value. This module answers those questions, in one place:
 * ``is_escaped_tracer`` / ``holds_escaped_tracer``: a tracer of a trace
   that has ended;
 * ``LostValue``: what a state holds once a traced body that assigned it
-  raised.
+  raised;
+* the functionalized calls running in every thread, and the cells a state
+  reached from another thread than its call's belongs to (refused under a
+  transformation, whose values cannot cross threads).
 
 The engine (``autostate.effects``) knows nothing of this: it asks through
 the slot protocol's hooks, registered below.
@@ -23,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import jax
 from jax._src import core as _core
 
-from autostate.effects.local_state import register_slot_hooks, running_call_traces
+from autostate.effects.local_state import HandlerId, register_slot_hooks, running_call_traces
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
@@ -315,13 +318,35 @@ def _check_read(name: str, value: Any) -> None:
         raise value.error()
 
 
-def _cells_in_another_thread(
-    ref: Any, calls: list[tuple[dict[str, Any], Any]]
-) -> dict[str, Any] | None:
+# The functionalized calls running now in every thread (id of the record ->
+# ``(handler id, cells, trace)``), for a state reached from a thread the
+# call's method started (the ``call_started`` / ``cells_elsewhere`` hooks).
+_ANY_THREAD: dict[int, tuple[Hashable, dict[str, Any], Any]] = {}
+
+
+def _call_started(handler_id: Hashable, cells: dict[str, Any], trace: Any) -> int:
+    call = (handler_id, cells, trace)
+    _ANY_THREAD[id(call)] = call
+    return id(call)
+
+
+def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], Any]]:
+    """``(cells, trace)`` of each call of ``handler_id`` running now in any
+    thread (by identity for a ``HandlerId``, else by equality)."""
+    return [
+        (cells, trace)
+        for running_id, cells, trace in list(_ANY_THREAD.values())
+        if running_id is handler_id
+        or (type(handler_id) is not HandlerId and running_id == handler_id)
+    ]
+
+
+def _cells_in_another_thread(ref: Any) -> dict[str, Any] | None:
     """The cells of a state's call running in another thread, which
     handed this thread a method of its model (a thread pool in a method):
     plain Python's threads share the model, and an eager call's values do
     too. Under a transformation they cannot: that is refused here."""
+    calls = _calls_in_every_thread(ref.handler_id)
     if len(calls) != 1:
         return None
     cells, trace = calls[0]
@@ -377,6 +402,8 @@ register_slot_hooks(
     check_write=_check_not_traced,
     check_initial=check_initial_value,
     check_read=_check_read,
+    call_started=_call_started,
+    call_ended=_ANY_THREAD.__delitem__,
     cells_elsewhere=_cells_in_another_thread,
     unhandled_ref_error=_unhandled_ref_error,
 )

@@ -62,11 +62,6 @@ _ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.Conte
 )
 
 
-# The calls running now in every thread (id of the entry -> entry), for a
-# state reached from a thread the call's method started (see HandledLocalStateRef).
-_ANY_THREAD: dict[int, _Running] = {}
-
-
 class HandlerId:
     """The handler id of one ``functionalize()``: equal to every other of its
     label, told apart from them by identity.
@@ -161,10 +156,12 @@ class SlotHooks:
       reference's ``write``; raises for a value the running call cannot take
       (a Python value in place of the placeholder ``None``, which would make
       the state static);
-    * ``cells_elsewhere(ref, calls)``: the cells a handled reference reaches
-      when no call of its handler runs in this context, from ``calls``, the
-      ``(cells, trace)`` of its handler's calls running in other threads (a
-      thread pool in a method), or ``None``;
+    * ``call_started(handler_id, cells, trace)`` -> token /
+      ``call_ended(token)``: a handler starts running its body with ``cells``
+      (``{name: LocalStateEffectImpl}``) in ``trace``, and ends;
+    * ``cells_elsewhere(ref)``: the cells a handled reference reaches when no
+      call of its handler runs in this context (a call ``call_started``
+      recorded elsewhere), or ``None``;
     * ``unhandled_ref_error(ref, reason)``: the error of a handled reference
       used while its handler is not running (``reason``: ``"not running"``,
       or ``"another call"`` with an equal id is running);
@@ -187,6 +184,8 @@ class SlotHooks:
         "own_value",
         "states_dict",
         "check_handled_write",
+        "call_started",
+        "call_ended",
         "cells_elsewhere",
         "unhandled_ref_error",
         "guard_call",
@@ -214,9 +213,11 @@ class SlotHooks:
         self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
             lambda name, label, old, value: None
         )
-        self.cells_elsewhere: Callable[[Any, list[tuple[dict[str, Any], Any]]], Any] = (
-            lambda ref, calls: None
+        self.call_started: Callable[[Hashable, dict[str, Any], Any], Any] = (
+            lambda handler_id, cells, trace: None
         )
+        self.call_ended: Callable[[Any], None] = lambda token: None
+        self.cells_elsewhere: Callable[[Any], Any] = lambda ref: None
         self.unhandled_ref_error: Callable[[Any, str], UnhandledLocalStateError] = (
             lambda ref, reason: UnhandledLocalStateError(
                 f"State {ref.name!r} is unhandled: handler {ref.handler_id!r} is not running."
@@ -236,17 +237,6 @@ def register_slot_hooks(**hooks: Callable[..., Any]) -> None:
         if name not in SlotHooks.__slots__:
             raise InvalidArgumentError(f"no slot hook named {name!r}: {SlotHooks.__slots__}")
         setattr(_hooks, name, hook)
-
-
-def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], Any]]:
-    """``(cells, trace)`` of each call of ``handler_id`` running now in any
-    thread (by identity for a ``HandlerId``, else by equality)."""
-    return [
-        (running[1], running[3])
-        for running in list(_ANY_THREAD.values())
-        if running[0] is handler_id
-        or (type(handler_id) is not HandlerId and running[0] == handler_id)
-    ]
 
 
 def running_call_traces() -> Iterator[Any]:
@@ -862,7 +852,7 @@ class HandledLocalStateRef(StateSlot):
             # Another functionalized call with an equal id is running.
             raise _hooks.unhandled_ref_error(self, "another call")
         else:
-            found = _hooks.cells_elsewhere(self, _calls_in_every_thread(self.handler_id))
+            found = _hooks.cells_elsewhere(self)
             if found is None:
                 raise _hooks.unhandled_ref_error(self, "not running")
             cells = found
@@ -1065,9 +1055,10 @@ def run_with_states(
         for name, value in states.items()
     }
     outer = _ACTIVE.get()
-    running = (handler_id, cells, outer.get(handler_id) if outer else None, _hooks.current_trace())
+    trace = _hooks.current_trace()
+    running = (handler_id, cells, outer.get(handler_id) if outer else None, trace)
     token = _ACTIVE.set({**outer, handler_id: running} if outer else {handler_id: running})
-    _ANY_THREAD[id(running)] = running
+    call_token = _hooks.call_started(handler_id, cells, trace)
     guard_token = _hooks.guard_call(guard)
     try:
         result = fn(*args, **kwargs)
@@ -1083,7 +1074,7 @@ def run_with_states(
     finally:
         _hooks.unguard_call(guard_token)
         _ACTIVE.reset(token)
-        del _ANY_THREAD[id(running)]
+        _hooks.call_ended(call_token)
     new = {name: cell.value for name, cell in cells.items()}
     try:
         return result, _hooks.states_dict(new)
