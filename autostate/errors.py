@@ -280,3 +280,49 @@ class StateDictWarning(UserWarning):
         self.missing = missing
         self.unexpected = unexpected
         self.mismatched = mismatched
+
+
+# --- the local-state engine's refusals (autostate.effects) ----------------------------
+
+
+def unhandled_request_error(request: Any) -> UnhandledLocalStateError:
+    """A request's ``get`` / ``set`` outside a handler."""
+    # Mirrors penzai v1, where the effect methods of an unhandled request raise.
+    label = repr(request.name) if request.name is not None else "(unnamed)"
+    return UnhandledLocalStateError(
+        format_error(
+            f"State {label} (category {request.category!r}) is unhandled: the body "
+            f"still holds its {type(request).__name__}, which has no running value.",
+            fix="handle it first, `handler, states = handle_local_states(body, "
+            "category=...)`, then call `out, states = handler((arg, states))`.",
+        )
+    )
+
+
+def duplicate_name_error(
+    name: str, first: str | None = None, second: str | None = None
+) -> StateSharingError:
+    """Two states handled together with one explicit name, where sharing does not allow it."""
+    where = f" (at {first} and at {second})" if first and second and first != second else ""
+    return StateSharingError(
+        format_error(
+            f"Detected two local states with the same explicit name {name!r}{where}.",
+            fix="give the states distinct names (autostate.state(..., name=...)); to share "
+            "one state between two places, reach the same model instance from both (or "
+            "reuse one InitialLocalStateRequest object and handle with "
+            "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
+        )
+    )
+
+
+def handled_twice_error(name: str, handler_id: Any, path: str) -> StateSharingError:
+    """A body handled again with the id of the handler whose state it already holds."""
+    return StateSharingError(
+        format_error(
+            f"The body already holds state {name!r} handled by a handler with "
+            f"id {handler_id!r} (at {path or 'the root'}); handling it again with the "
+            "same id would mix the two handlers' states.",
+            fix="freeze the body first (freeze_local_states / autostate.freeze), or "
+            "pass another handler_id (or another category to functionalize()).",
+        )
+    )

@@ -46,7 +46,10 @@ from autostate.errors import (
     InvalidTypeError,
     StateSharingError,
     UnhandledLocalStateError,
+    duplicate_name_error,
     format_error,
+    handled_twice_error,
+    unhandled_request_error,
 )
 
 Category = Hashable
@@ -293,19 +296,6 @@ def _with_home(slot: Any, home: Any) -> Any:
     return slot
 
 
-def _unhandled_request_error(request: Any) -> UnhandledLocalStateError:
-    # Mirrors penzai v1, where the effect methods of an unhandled request raise.
-    label = repr(request.name) if request.name is not None else "(unnamed)"
-    return UnhandledLocalStateError(
-        format_error(
-            f"State {label} (category {request.category!r}) is unhandled: the body "
-            f"still holds its {type(request).__name__}, which has no running value.",
-            fix="handle it first, `handler, states = handle_local_states(body, "
-            "category=...)`, then call `out, states = handler((arg, states))`.",
-        )
-    )
-
-
 class StateSlot:
     """What a state attribute holds: the one protocol every kind of state shares.
 
@@ -470,10 +460,10 @@ class InitialLocalStateRequest(StateSlot):
     name: str | None = None
 
     def get(self) -> Any:
-        raise _unhandled_request_error(self)
+        raise unhandled_request_error(self)
 
     def set(self, value: Any) -> None:
-        raise _unhandled_request_error(self)
+        raise unhandled_request_error(self)
 
     def read(self) -> Any:
         return self.state_initializer()
@@ -564,7 +554,7 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def set(self, value: Any) -> None:
-        raise _unhandled_request_error(self)
+        raise unhandled_request_error(self)
 
     def read(self) -> Any:
         return self.state
@@ -691,10 +681,10 @@ class SharedLocalStateRequest(StateSlot):
     category: Category
 
     def get(self) -> Any:
-        raise _unhandled_request_error(self)
+        raise unhandled_request_error(self)
 
     def set(self, value: Any) -> None:
-        raise _unhandled_request_error(self)
+        raise unhandled_request_error(self)
 
     def read(self) -> Any:
         raise UnhandledLocalStateError(
@@ -1112,19 +1102,6 @@ def _check_sharing_mode(state_sharing: str) -> None:
         )
 
 
-def _duplicate_name_error(name: str, first: str | None = None, second: str | None = None):
-    where = f" (at {first} and at {second})" if first and second and first != second else ""
-    return StateSharingError(
-        format_error(
-            f"Detected two local states with the same explicit name {name!r}{where}.",
-            fix="give the states distinct names (autostate.state(..., name=...)); to share "
-            "one state between two places, reach the same model instance from both (or "
-            "reuse one InitialLocalStateRequest object and handle with "
-            "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
-        )
-    )
-
-
 # Typed by ``lazy``: the states dict, or (lazy=True) a function that builds it.
 @overload
 def handle_local_states(
@@ -1240,15 +1217,7 @@ def handle_local_states(
             request = request.as_request()
         if _slot_role(type(request)) is _HANDLED:
             # Two handlers with one id would read each other's cells.
-            raise StateSharingError(
-                format_error(
-                    f"The body already holds state {request.name!r} handled by a handler with "
-                    f"id {handler_id!r} (at {path or 'the root'}); handling it again with the "
-                    "same id would mix the two handlers' states.",
-                    fix="freeze the body first (freeze_local_states / autostate.freeze), or "
-                    "pass another handler_id (or another category to functionalize()).",
-                )
-            )
+            raise handled_twice_error(request.name, handler_id, path)
         explicit = request.name is not None
         name = request.name if explicit else path
         if isinstance(request, SharedLocalStateRequest):
@@ -1287,7 +1256,7 @@ def handle_local_states(
             if state_sharing == "forbidden" or (
                 state_sharing == "allowed" and not same_initializer
             ):
-                raise _duplicate_name_error(name, paths.get(name), path or "the root")
+                raise duplicate_name_error(name, paths.get(name), path or "the root")
         valued[name] = value
         paths.setdefault(name, path or "the root")
         initializers[name] = initializer
