@@ -19,7 +19,7 @@ import sys
 import types
 import typing
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +35,27 @@ from autostate.errors import (
     InvalidTypeError,
     TracedEagerStateError,
 )
-from semantics.harness import Loader as Loader_h
-from semantics.harness import Loader as Loader_h21
-from semantics.harness import Loader as Loader_opaque_containers
-from semantics.harness import Loader as Loader_submodel_mutator_names
 from semantics.harness import (
+    Call,
+    Loader,
     X,
     _fcall,
+    assert_bits,
     assert_same,
     assert_user_line,
     check,
     check_transform,
     pair,
+    read_plain,
+    run_case,
     same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import _pair as pair_h5
-from semantics.harness import plain_path as plain_path_h17
-from semantics.harness import plain_path as plain_path_h25
-from semantics.harness import plain_path as plain_path_h31
+from semantics.programs import A1 as A1_h25
+from semantics.programs import A2 as A2_h25
 from semantics.programs import (
-    _JITS,
-    _PAIRS,
     BEAM,
     DQN,
     DTYPES,
@@ -81,30 +78,9 @@ from semantics.programs import (
     XM,
     XP,
 )
-from semantics.programs import A1 as A1_h25
-from semantics.programs import A2 as A2_h25
-from semantics.programs import Call as Call_h2
-from semantics.programs import Call as Call_h4
 from semantics.programs import CONSTRUCTS_h as CONSTRUCTS
-from semantics.programs import HEADER_h2 as HEADER_h2
-from semantics.programs import HEADER_h4 as HEADER_h4
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h4
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h13
-from semantics.programs import Loader as Loader_h14
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h30
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import PYLAX_h4 as PYLAX
 from semantics.programs import V2_h31 as V2
 from semantics.programs import X2_h13 as X2
-
-Loader = Callable[..., types.ModuleType]
-
 
 HEADER = """
 import collections
@@ -570,7 +546,7 @@ def _source(holder: str, name: str) -> str:
 
 @pytest.mark.parametrize("holder", list(HOLDERS))
 @pytest.mark.parametrize("name", NAMES)
-def test_a_sub_model_method_named_like_a_mutator(write_module: Loader_submodel_mutator_names, holder: str, name: str):
+def test_a_sub_model_method_named_like_a_mutator(write_module: Loader, holder: str, name: str):
     plain, dec = pair(write_module, _source(holder, name))
     calls = [("__call__", (A1,)), ("__call__", (A2,))]
     check(plain, dec, "Model()", calls)
@@ -579,7 +555,7 @@ def test_a_sub_model_method_named_like_a_mutator(write_module: Loader_submodel_m
 
 @pytest.mark.parametrize("holder", ["reset", "list", "dict"])
 @pytest.mark.parametrize("name", ["update", "pop", "clear"])
-def test_reset_then_call_eagerly(write_module: Loader_submodel_mutator_names, holder: str, name: str):
+def test_reset_then_call_eagerly(write_module: Loader, holder: str, name: str):
     """The reassignment runs too (eagerly: inside f it would change the
     model's structure, which is refused whatever the method's name)."""
     plain, dec = pair(write_module, _source(holder, name))
@@ -596,7 +572,7 @@ def test_reset_then_call_eagerly(write_module: Loader_submodel_mutator_names, ho
     np.testing.assert_allclose(out, ref(A2), rtol=1e-6)
 
 
-def test_the_sub_model_written_by_its_update_is_the_state_f_returns(write_module: Loader_submodel_mutator_names):
+def test_the_sub_model_written_by_its_update_is_the_state_f_returns(write_module: Loader):
     """The bug's own model: the EMA's value is a state of f, not lost."""
     plain, dec = pair(write_module, _source("reset", "update"))
     f, states = dec.Model().functionalize()
@@ -634,14 +610,14 @@ class WithHelper:
 """
 
 
-def test_a_helper_object_with_an_update_method(write_module: Loader_submodel_mutator_names):
+def test_a_helper_object_with_an_update_method(write_module: Loader):
     plain, dec = pair(write_module, HELPER.replace("RESET", ""))
     check(plain, dec, "WithHelper()", [("__call__", (A1,)), ("__call__", (A2,))])
     check_transform(plain, dec, "WithHelper()", [("__call__", (X,)), ("__call__", (X,))], A1,
                     "grad")
 
 
-def test_a_helper_object_reassigned_in_reset(write_module: Loader_submodel_mutator_names):
+def test_a_helper_object_reassigned_in_reset(write_module: Loader):
     """Reassigned in a method, the helper is a state holding an opaque
     object: eagerly, through f and under grad it runs as in plain Python
     (jax.jit cannot take such a state as an argument, whatever its methods'
@@ -680,7 +656,7 @@ PROVEN = {
 
 @pytest.mark.parametrize("case", list(PROVEN))
 def test_a_container_state_changed_in_place_is_the_documented_error(
-    write_module: Loader_submodel_mutator_names, case: str
+    write_module: Loader, case: str
 ):
     value, call = PROVEN[case]
     module = write_module(
@@ -711,7 +687,7 @@ class Log:
     assert "fix: assign a new value" in message
 
 
-def test_a_shadowed_constructor_shows_no_container(write_module: Loader_submodel_mutator_names):
+def test_a_shadowed_constructor_shows_no_container(write_module: Loader):
     """A local ``list`` is no builtin: ``list()`` here builds a sub-model."""
     plain, dec = pair(
         write_module,
@@ -753,7 +729,7 @@ UNPROVEN_SPELLINGS = {
 
 
 @pytest.mark.parametrize("case", list(UNPROVEN_SPELLINGS))
-def test_what_proves_no_container_is_not_refused(write_module: Loader_submodel_mutator_names, case: str):
+def test_what_proves_no_container_is_not_refused(write_module: Loader, case: str):
     init, other, call = UNPROVEN_SPELLINGS[case]
     module = write_module(
         f"""
@@ -817,7 +793,7 @@ class History:
 """
 
 
-def test_an_unproven_list_state_changed_in_place_is_never_lost(write_module: Loader_submodel_mutator_names):
+def test_an_unproven_list_state_changed_in_place_is_never_lost(write_module: Loader):
     plain, dec = pair(write_module, UNPROVEN)
     calls = [("record", (A1,)), ("record", (A2,)), ("keep_last", ()), ("record", (A1,))]
     check(plain, dec, "History()", calls, modes=("eager",))
@@ -846,7 +822,7 @@ def test_an_unproven_list_state_changed_in_place_is_never_lost(write_module: Loa
     np.testing.assert_allclose(grad, 3.0)
 
 
-def test_an_unproven_list_state_changed_in_a_lax_body_is_refused(write_module: Loader_submodel_mutator_names):
+def test_an_unproven_list_state_changed_in_a_lax_body_is_refused(write_module: Loader):
     """One trace of a scan body would append one tracer, not one per step."""
     module = write_module(
         """
@@ -886,7 +862,7 @@ class ScanLog:
 
 
 def test_an_unproven_list_state_of_an_unhandled_category_is_refused_under_jit(
-    write_module: Loader_submodel_mutator_names,
+    write_module: Loader,
 ):
     """A state f does not handle lives in the model: changed in place under
     jax.jit the change would be lost when the trace ends."""
@@ -937,12 +913,12 @@ class Model(Base):
 """
 
 
-def test_an_undecorated_base_calling_a_sub_models_update(write_module: Loader_submodel_mutator_names):
+def test_an_undecorated_base_calling_a_sub_models_update(write_module: Loader):
     plain, dec = pair(write_module, UNDECORATED_BASE)
     check(plain, dec, "Model()", [("step", (A1,)), ("step", (A2,))])
 
 
-def test_an_undecorated_base_appending_to_a_list_state_is_refused(write_module: Loader_submodel_mutator_names):
+def test_an_undecorated_base_appending_to_a_list_state_is_refused(write_module: Loader):
     with pytest.raises(errors.DecorationError) as info:
         pair(write_module, """
 class Base:
@@ -963,7 +939,7 @@ class Model(Base):
     assert "self.buf.append(...)" in message and "fix: decorate Base" in message
 
 
-def test_an_undecorated_base_appending_to_an_unproven_list_threads_it(write_module: Loader_submodel_mutator_names):
+def test_an_undecorated_base_appending_to_an_unproven_list_threads_it(write_module: Loader):
     plain, dec = pair(write_module, """
 def make():
     return [jnp.zeros(())]
@@ -1068,13 +1044,13 @@ def _same_box(expected, got, where: str) -> None:
             np.testing.assert_allclose(got_items[key], value, err_msg=f"{where}[{key!r}]")
 
 
-def _models(write_module: Loader_opaque_containers, kind: str):
+def _models(write_module: Loader, kind: str):
     plain, dec = pair(write_module, SOURCE)
     return plain.Model(kind), dec.Model(kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_eager_f_jit_and_freeze_keep_the_container(write_module: Loader_opaque_containers, kind: str) -> None:
+def test_eager_f_jit_and_freeze_keep_the_container(write_module: Loader, kind: str) -> None:
     ref, model = _models(write_module, kind)
     xs = [jnp.float32(1.0), jnp.float32(0.5)]
     expected = [float(ref(x)) for x in xs]
@@ -1100,7 +1076,7 @@ def test_eager_f_jit_and_freeze_keep_the_container(write_module: Loader_opaque_c
 
 
 @pytest.mark.parametrize("kind", ["counter", "deque", "nested"])
-def test_a_frozen_model_passes_through_jit_as_a_pytree(write_module: Loader_opaque_containers, kind: str) -> None:
+def test_a_frozen_model_passes_through_jit_as_a_pytree(write_module: Loader, kind: str) -> None:
     _, model = _models(write_module, kind)
     f, states = model.functionalize()
     frozen = autostate.freeze(f, states)
@@ -1109,7 +1085,7 @@ def test_a_frozen_model_passes_through_jit_as_a_pytree(write_module: Loader_opaq
 
 
 @pytest.mark.parametrize("kind", ["counter", "user_list", "nested"])
-def test_grad_through_a_state_in_the_container(write_module: Loader_opaque_containers, kind: str) -> None:
+def test_grad_through_a_state_in_the_container(write_module: Loader, kind: str) -> None:
     ref, model = _models(write_module, kind)
     f, states = model.functionalize()
 
@@ -1126,7 +1102,7 @@ def test_grad_through_a_state_in_the_container(write_module: Loader_opaque_conta
 
 @pytest.mark.parametrize("kind", ["counter", "dict_subclass", "deque"])
 def test_a_tracer_in_the_container_of_an_eager_model_is_refused(
-    write_module: Loader_opaque_containers, kind: str
+    write_module: Loader, kind: str
 ) -> None:
     _, model = _models(write_module, kind)
     with pytest.raises(autostate.errors.TracedEagerStateError) as info:
@@ -1164,7 +1140,7 @@ class Shrinking:
 
 
 @pytest.mark.parametrize("kind", ["counter", "user_dict", "list_subclass"])
-def test_del_of_an_item_keeps_the_type(write_module: Loader_opaque_containers, kind: str) -> None:
+def test_del_of_an_item_keeps_the_type(write_module: Loader, kind: str) -> None:
     plain, dec = pair(write_module, DELETING)
     ref = plain.Shrinking(kind)
     ref.drop(1.0)
@@ -1373,14 +1349,14 @@ class AtCache:
 """
 
 
-def test_kv_cache_item_writes(write_module: Loader_h) -> None:
+def test_kv_cache_item_writes(write_module: Loader) -> None:
     plain, dec = pair(write_module, KVCACHE)
     row = jnp.arange(3.0)
     # plain numpy arrays vs autostate's jax arrays: only eager-comparable for plain
     check(plain, dec, "KVCache(4, 3)", [("__call__", (np.asarray(row), np.asarray(row) + 1))] * 3)
 
 
-def test_kv_cache_at_set(write_module: Loader_h) -> None:
+def test_kv_cache_at_set(write_module: Loader) -> None:
     plain, dec = pair(write_module, KVCACHE)
     row = jnp.arange(3.0)
     check(plain, dec, "AtCache(4, 3)", [("write", (row,)), ("write", (row + 1,)), ("read", ())])
@@ -1388,7 +1364,7 @@ def test_kv_cache_at_set(write_module: Loader_h) -> None:
                     jnp.stack([row, row * 3]), "vmap")
 
 
-def test_augmented_containers_change_structure(write_module: Loader_h) -> None:
+def test_augmented_containers_change_structure(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONSTRUCTS)
     check(plain, dec, "C()", [("aug_containers", (1.0,))], modes=("eager", "f"))
     # the states' structure changes, so jit returns the new structure (a retrace next time)
@@ -1396,130 +1372,27 @@ def test_augmented_containers_change_structure(write_module: Loader_h) -> None:
           modes=("eager", "f", "jit"))
 
 
-def test_delete_item_and_fstring(write_module: Loader_h) -> None:
+def test_delete_item_and_fstring(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONSTRUCTS)
     check(plain, dec, "C()", [("delete_item", ())], modes=("eager", "f", "jit"))
     check(plain, dec, "C()", [("fstring_len", (1.0,))], modes=("eager", "f"))
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER_h2 + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER_h2 + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
-def test_namedtuple_nested_and_empty_containers(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Trees()", [("step", (1.0,)), ("step", (2.0,))])
+def test_namedtuple_nested_and_empty_containers(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Trees()", [("step", (1.0,)), ("step", (2.0,))])
     f, states = dec.Trees().functionalize()
     _, states = staged(f.step)(states, 1.0)
     assert type(states["pt"]).__name__ == "Pt"
@@ -1528,42 +1401,25 @@ def test_namedtuple_nested_and_empty_containers(write_module: Loader_h2) -> None
     assert frozen.empty_l == [] and frozen.empty_t == () and frozen.empty_d == {}
 
 
-def test_dict_state_keeps_insertion_order(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+def test_dict_state_keeps_insertion_order(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
     p, d = plain.Ordered(), dec.Ordered()
     assert list(p.d) == list(d.d) == ["b", "a"]
     assert list(p.ik) == list(d.ik) == [2, 1]
-    check_h2(plain, dec, "Ordered()", [("first", (1.0,))], modes=("eager", "f"))
+    check(plain, dec, "Ordered()", [("first", (1.0,))], modes=("eager", "f"))
 
 
-def test_dict_subclass_states_keep_their_type(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+def test_dict_subclass_states_keep_their_type(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
     p, d = plain.Typed2(), dec.Typed2()
     assert type(d.dd) is collections.defaultdict
-    assert_same_h2(p.put("y", 2.0), d.put("y", 2.0))
+    assert_same(p.put("y", 2.0), d.put("y", 2.0))
     assert type(d.od) is collections.OrderedDict
     assert list(p.od) == list(d.od)
 
 
-def pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    return _PAIRS[source]
 
 
-def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
-    plain = write_module(
-        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
-    )
-    dec = write_module(
-        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
-        + source.replace("@DECORATE", "@autostate.stateful").replace(
-            "@AUTOCHECKPOINT", "@autostate.checkpoint"
-        )
-    )
-    return plain, dec
 
 
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
@@ -1574,7 +1430,7 @@ def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None
     assert_same(s1, s2, "states after refusal")
 
 
-def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call_h4]) -> None:
+def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call]) -> None:
     """Eagerly like plain Python; through f either like plain or a StateAccessError."""
     check(plain, dec, build, calls, modes=("eager",))
     model = eval(build, vars(dec))  # noqa: S307
@@ -1585,13 +1441,13 @@ def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call_
         f_still_works(f, states, "__call__", 1.0)
 
 
-def test_tuple_of_model_and_array_state(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS)
+def test_tuple_of_model_and_array_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS)
     _either_plain_or_refused(plain, dec, "Blocks()", [("bump_pair", (1.0,)), ("bump_pair", (2.0,))])
 
 
-def test_one_element_containers_none_and_number_states(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_one_element_containers_none_and_number_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     check(plain, dec, "OneElement()", [("__call__", (1.0,)), ("__call__", (2.0,))])
 
 
@@ -1708,7 +1564,7 @@ class Holder:
 
 
 def test_plain_objects_and_growing_lists_as_state_eagerly_and_through_f(
-    write_module: Loader_h13,
+    write_module: Loader,
 ) -> None:
     plain, dec = pair(write_module, OBJECTS)
     ref, model = plain.Holder(), dec.Holder()
@@ -1725,7 +1581,7 @@ def test_plain_objects_and_growing_lists_as_state_eagerly_and_through_f(
     assert frozen.log == ref.log and type(frozen.box) is dec.Box
 
 
-def test_append_to_a_list_state_is_the_documented_decoration_error(write_module: Loader_h13) -> None:
+def test_append_to_a_list_state_is_the_documented_decoration_error(write_module: Loader) -> None:
     source = """
 @DECORATE
 class History:
@@ -1781,7 +1637,7 @@ class Holder:
     ],
 )
 def test_plain_objects_in_dict_subclasses_are_refused_like_in_a_dict(
-    write_module: Loader_h14, kind: str, back: bool
+    write_module: Loader, kind: str, back: bool
 ) -> None:
     _, dec = pair(write_module, HOLDERS_h14)
     with pytest.raises(autostate.errors.InvalidTypeError, match=r"extra\['a'\]") as info:
@@ -1789,7 +1645,7 @@ def test_plain_objects_in_dict_subclasses_are_refused_like_in_a_dict(
     assert_user_line(info.value, __file__)
 
 
-def _outside_pair(write_module: Loader_h14) -> tuple[types.ModuleType, types.ModuleType]:
+def _outside_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     import sys
 
     if "written_helpers" not in sys.modules:
@@ -1797,7 +1653,7 @@ def _outside_pair(write_module: Loader_h14) -> tuple[types.ModuleType, types.Mod
     return pair(write_module, OUTSIDE)
 
 
-def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader_h14) -> None:
+def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader) -> None:
     """``model.items += [x]`` from a helper: f called twice on the same states
     gives the same result, and the caller's states are not changed."""
     _, dec = _outside_pair(write_module)
@@ -1810,21 +1666,8 @@ def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader_h14)
     assert_same(snapshot(new1), snapshot(new2), "f is not pure (states)")
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h17(model, k) for k in keys}
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -1841,7 +1684,7 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     return staged(call)
 
 
-def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
     plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
@@ -1853,7 +1696,7 @@ def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, di
     return ref, model, f, states, p
 
 
-def test_gpt_cached_decode_matches_full_recompute(write_module: Loader_h17) -> None:
+def test_gpt_cached_decode_matches_full_recompute(write_module: Loader) -> None:
     _, _, f, states, _ = gpt(write_module)
     toks, s = jitted("greedy_scan", 4)(f, states, PROMPT)
     full = jnp.concatenate([PROMPT, toks[:-1]])
@@ -1861,7 +1704,7 @@ def test_gpt_cached_decode_matches_full_recompute(write_module: Loader_h17) -> N
     assert_bits(toks, jnp.argmax(logits[2:], -1).astype(jnp.int32))
 
 
-def test_del_items_of_two_states_in_one_statement(write_module: Loader_h21) -> None:
+def test_del_items_of_two_states_in_one_statement(write_module: Loader) -> None:
     source = """
 @DECORATE
 class DelItems:
@@ -1879,7 +1722,7 @@ class DelItems:
 
 
 @pytest.mark.parametrize("use_argsort", [False, True])
-def test_moe_routing_and_usage_counters(write_module: Loader_h24, use_argsort: bool) -> None:
+def test_moe_routing_and_usage_counters(write_module: Loader, use_argsort: bool) -> None:
     plain, dec = pair(write_module, MOE)
     check(plain, dec, f"MoE(0, use_argsort={use_argsort})",
           [("__call__", (XM,)), ("__call__", (XM[:2] * 3,)), ("loss", (XM, XM * 0.5))])
@@ -1895,12 +1738,12 @@ def _dqn_calls() -> list[tuple[str, tuple[Any, ...]]]:
 
 
 @pytest.mark.parametrize("sync", ["where", "cond", "cond_assigns"])
-def test_dqn_replay_buffer_and_target_sync(write_module: Loader_h24, sync: str) -> None:
+def test_dqn_replay_buffer_and_target_sync(write_module: Loader, sync: str) -> None:
     plain, dec = pair(write_module, DQN)
     check(plain, dec, f"DQN(0, sync={sync!r})", _dqn_calls())
 
 
-def test_lr_schedule_written_into_optax_state_in_place(write_module: Loader_h24) -> None:
+def test_lr_schedule_written_into_optax_state_in_place(write_module: Loader) -> None:
     plain, dec = pair(write_module, EMA_LR)
     check(plain, dec, "Scheduled()", [("step", (jnp.ones(2),)), ("step", (jnp.array([2.0, -1.0]),)),
                                      ("step", (jnp.ones(2),))])
@@ -1927,7 +1770,7 @@ class Holder:
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["tuple", "named_tuple"])
-def test_dict_in_a_tuple_state_changed_in_place_leaves_callers_states(write_module: Loader_h24,
+def test_dict_in_a_tuple_state_changed_in_place_leaves_callers_states(write_module: Loader,
                                                                      named: bool) -> None:
     _, dec = pair(write_module, NT_STATE)
     model = dec.Holder(named)
@@ -1939,80 +1782,14 @@ def test_dict_in_a_tuple_state_changed_in_place_leaves_callers_states(write_modu
     np.testing.assert_allclose(np.asarray(model.s[1]["lr"]), 0.1, err_msg="eager model")
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted_h25(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted_h25(m, a)(f, states, *traced)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
 AUG_ITEMS = """
@@ -2042,7 +1819,7 @@ class A:
 """
 
 
-def test_every_augmented_operator_on_items(write_module: Loader_h25) -> None:
+def test_every_augmented_operator_on_items(write_module: Loader) -> None:
     """Plain holds numpy arrays (which item-assign in place); autostate holds jax ones."""
     plain, dec = pair(write_module, AUG_ITEMS)
     run_case(plain, dec, "A()", [("__call__", (1,)), ("__call__", (2,))], extra=("__call__", (3,)))
@@ -2064,7 +1841,7 @@ class Counter:
 """
 
 
-def test_state_dict_keyed_by_a_plain_enum(write_module: Loader_h25) -> None:
+def test_state_dict_keyed_by_a_plain_enum(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENUM_KEYS)
     split = plain.Split
     ref = plain.Counter()
@@ -2083,7 +1860,7 @@ def test_state_dict_keyed_by_a_plain_enum(write_module: Loader_h25) -> None:
 
 
 @pytest.mark.parametrize("use_dus", [False, True])
-def test_kv_cache_prefill_reset_decode(write_module: Loader_h26, use_dus: bool) -> None:
+def test_kv_cache_prefill_reset_decode(write_module: Loader, use_dus: bool) -> None:
     plain, dec = pair(write_module, KV)
     calls = [("prefill_then_decode", (XK[:2], 3)), ("prefill_then_decode", (XK, 2))]
     check(plain, dec, f"Decoder(1, 3, 5, use_dus={use_dus})", calls)
@@ -2098,13 +1875,13 @@ def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
 TOK = jnp.array([3, 1, 2], jnp.int32)
 
 
-def test_beam_search_list_cache_reordered(write_module: Loader_h30) -> None:
+def test_beam_search_list_cache_reordered(write_module: Loader) -> None:
     plain, dec = pair(write_module, BEAM)
     calls = [("search", (TOK,)), ("decode_step", ()), ("search2", (TOK[::-1],))]
     check(plain, dec, "BeamDecoder(0, 5, 4, 3)", calls)
 
 
-def test_beam_search_eos_finishes_beams(write_module: Loader_h30) -> None:
+def test_beam_search_eos_finishes_beams(write_module: Loader) -> None:
     plain, dec = pair(write_module, BEAM)
     ref = plain.BeamDecoder(4, 3, 2, 3)
     ref.search5(TOK % 3)
@@ -2113,7 +1890,7 @@ def test_beam_search_eos_finishes_beams(write_module: Loader_h30) -> None:
 
 
 @pytest.mark.parametrize("method", ["greedy", "greedy_python"])
-def test_greedy_decode_fixed_cache(write_module: Loader_h30, method: str) -> None:
+def test_greedy_decode_fixed_cache(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BEAM)
     for seed in (0, 2):
         calls = [(method, (jnp.int32(2),)), (method, (jnp.int32(4),))]
@@ -2136,7 +1913,7 @@ class Cache:
 """
 
 
-def test_cache_list_append_is_decoration_error(write_module: Loader_h30) -> None:
+def test_cache_list_append_is_decoration_error(write_module: Loader) -> None:
     with pytest.raises(autostate.errors.DecorationError) as err:
         pair(write_module, BEAM_APPEND)
     msg = str(err.value)
@@ -2144,7 +1921,7 @@ def test_cache_list_append_is_decoration_error(write_module: Loader_h30) -> None
     assert ".py:" in msg and "Cache.__call__" in msg
 
 
-def test_list_appended_in_forward_not_state(write_module: Loader_h30) -> None:
+def test_list_appended_in_forward_not_state(write_module: Loader) -> None:
     # log is only appended (never assigned outside __init__): not state. Eagerly and through
     # f without jit it collects like plain Python; under jit a clear error, no tracer.
     plain, dec = pair(write_module, PROBE)
@@ -2159,55 +1936,18 @@ def test_list_appended_in_forward_not_state(write_module: Loader_h30) -> None:
     assert model.log == []
 
 
-def run_case_h31(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*a) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h31(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            same(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
 
 
 def test_flax_compact_params_dict_filled_through_f_before_the_first_call(
-    write_module: Loader_h31,
+    write_module: Loader,
 ) -> None:
     # A dict state may gain keys in a call of f: the states f returns hold them.
     plain, dec = pair(write_module, LAZY)
     calls = [("__call__", (X23,)), ("__call__", (-X23,)), ("__call__", (2 * X23,))]
-    run_case_h31(plain, dec, "Compact(5, 2)", calls)
+    run_case(plain, dec, "Compact(5, 2)", calls)
 
 
-def test_growing_cache_and_list_and_tuple_states(write_module: Loader_h31) -> None:
+def test_growing_cache_and_list_and_tuple_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, GROW)
     calls = [
         ("__call__", (V2,)),
@@ -2217,4 +1957,4 @@ def test_growing_cache_and_list_and_tuple_states(write_module: Loader_h31) -> No
         ("reset", ()),
         ("__call__", (V2 + 1,)),
     ]
-    run_case_h31(plain, dec, "Cache()", calls)
+    run_case(plain, dec, "Cache()", calls)

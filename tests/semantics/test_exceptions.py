@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import traceback
 import types
 from collections.abc import Callable, Sequence
@@ -24,29 +23,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autostate import guard as _guard
 import autostate
+from autostate import guard as _guard
 from autostate.effects import local_state as _engine
 from autostate.errors import (
     ControlFlowStateError,
 )
-from semantics.harness import HEADER as HEADER_h28
 from semantics.harness import (
-    PYLAX,
     Loader,
     _fcall,
     assert_same,
     pair,
+    pair_with_helpers,
     plain_path,
+    run_case,
     same,
     snapshot,
     staged,
     user_line,
 )
 from semantics.programs import (
-    _COUNTER,
-    _JITS,
-    _PAIRS,
     A1,
     A2,
     CMS,
@@ -62,14 +58,6 @@ from semantics.programs import (
     X1,
 )
 from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h28
-from semantics.programs import Loader as Loader_h32
-from semantics.programs import Loader as Loader_h33
 from semantics.programs import MORE_h32 as MORE
 from semantics.programs import V3_h28 as V3_h28
 from semantics.programs import X1_h32 as X1_h32
@@ -98,24 +86,10 @@ def test_exception_after_a_write_keeps_the_write_eagerly(write_module: Loader) -
     assert float(states2["n"]) == 2.0
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def test_f_reused_after_exceptions(write_module: Loader_h2) -> None:
-    _, dec = pair_h2(write_module, VARIANTS)
+def test_f_reused_after_exceptions(write_module: Loader) -> None:
+    _, dec = pair(write_module, VARIANTS)
     f, states = dec.Mixed().functionalize()
     with pytest.raises(ValueError, match="boom"):
         f.fail(states, 1.0, True)
@@ -138,7 +112,7 @@ def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
 
 @pytest.mark.parametrize("method,arg", [("scan_raises", XS), ("cond_raises", X1)])
 def test_exception_raised_inside_a_lax_body_after_a_write(
-    write_module: Loader_h9, method: str, arg: Any
+    write_module: Loader, method: str, arg: Any
 ) -> None:
     """Plain Python's loop keeps the write made before the raise; JAX keeps
     nothing a body that raises computed. The state is not silently rolled
@@ -191,7 +165,7 @@ LAX_CALLS = ["scan_", "cond_", "switch_", "while_", "fori_", "map_", "checkpoint
 
 @pytest.mark.parametrize("method", LAX_CALLS)
 def test_every_lax_body_that_raises_after_a_write_loses_the_state_loudly(
-    write_module: Loader_h9, method: str
+    write_module: Loader, method: str
 ) -> None:
     """A body that raises after assigning a state, caught around the lax call:
     reading the state is a ControlFlowStateError (plain Python kept the write;
@@ -244,7 +218,7 @@ def _outer_modes(dec: types.ModuleType, method: str, *args: Any) -> dict[str, An
     return res
 
 
-def test_exception_of_an_inner_f_caught_by_the_outer_method(write_module: Loader_h19) -> None:
+def test_exception_of_an_inner_f_caught_by_the_outer_method(write_module: Loader) -> None:
     """Inner f raises (its states are dropped, as f returned nothing); the outer
     method catches, keeps writing its own state and calls inner f again."""
     _, dec = pair(write_module, REENTRANT)
@@ -302,7 +276,7 @@ KINDS = {"value": ValueError, "keyboard": KeyboardInterrupt, "base": BaseExcepti
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_raise_after_a_write_caught_by_the_caller_eagerly(write_module: Loader_h19, kind: str) -> None:
+def test_raise_after_a_write_caught_by_the_caller_eagerly(write_module: Loader, kind: str) -> None:
     plain, dec = pair(write_module, RAISING)
     got = []
     for mod in (plain, dec):
@@ -317,7 +291,7 @@ def test_raise_after_a_write_caught_by_the_caller_eagerly(write_module: Loader_h
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("jit", [False, True])
-def test_f_raising_then_called_again(write_module: Loader_h19, kind: str, jit: bool) -> None:
+def test_f_raising_then_called_again(write_module: Loader, kind: str, jit: bool) -> None:
     plain, dec = pair(write_module, RAISING)
     p = plain.Raiser()
     expected = floats([p.step(X1), p.step(X2), p.x, p.n])
@@ -335,7 +309,7 @@ def test_f_raising_then_called_again(write_module: Loader_h19, kind: str, jit: b
     no_handler_left()
 
 
-def test_raise_after_an_eager_lax_call_keeps_its_writes(write_module: Loader_h19) -> None:
+def test_raise_after_an_eager_lax_call_keeps_its_writes(write_module: Loader) -> None:
     """The scan ended before the raise: plain Python kept its writes, and the
     eager model's slots are back (not the temporary handler's refs)."""
     plain, dec = pair(write_module, RAISING)
@@ -350,7 +324,7 @@ def test_raise_after_an_eager_lax_call_keeps_its_writes(write_module: Loader_h19
 
 
 def test_keyboard_interrupt_inside_an_eager_lax_body_before_any_write(
-    write_module: Loader_h19,
+    write_module: Loader,
 ) -> None:
     """Ctrl-C in the body before it assigns anything: the model is as it was
     (its slots back, no handler left), and the next call works."""
@@ -371,80 +345,14 @@ def test_keyboard_interrupt_inside_an_eager_lax_body_before_any_write(
     assert_same(got[0], got[1])
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted(m, a)(f, states, *traced)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
 GUARD = """
@@ -477,7 +385,7 @@ class M:
 """
 
 
-def test_exit_suppresses_exception_after_partial_writes(write_module: Loader_h25) -> None:
+def test_exit_suppresses_exception_after_partial_writes(write_module: Loader) -> None:
     plain, dec = pair(write_module, GUARD)
     calls = [("__call__", (A1,)), ("__call__", (A2,))]
     run_case(plain, dec, "M(0)", calls, extra=("__call__", (A1,)))
@@ -514,7 +422,7 @@ class Parent:
 """
 
 
-def test_child_raises_after_writes_caught_by_parent(write_module: Loader_h25) -> None:
+def test_child_raises_after_writes_caught_by_parent(write_module: Loader) -> None:
     plain, dec = pair(write_module, CHILD_RAISES)
     run_case(plain, dec, "Parent()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
@@ -535,7 +443,7 @@ class M:
 """
 
 
-def test_raise_mid_method_after_writes(write_module: Loader_h25) -> None:
+def test_raise_mid_method_after_writes(write_module: Loader) -> None:
     plain, dec = pair(write_module, MID_RAISE)
     ref, model = plain.M(), dec.M()
     for m in (ref, model):
@@ -582,91 +490,21 @@ class M:
 """
 
 
-def test_try_finally_with_break_continue_and_return(write_module: Loader_h25) -> None:
+def test_try_finally_with_break_continue_and_return(write_module: Loader) -> None:
     plain, dec = pair(write_module, FINALLY_LOOP)
     run_case(plain, dec, "M()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
 
 
-def _out(v: Any) -> Any:
-    """A model returned by a call is compared by its attributes."""
-
-    def is_model(x: Any) -> bool:
-        return type(x).__module__.startswith("autostate_testmod") and hasattr(x, "__dict__")
-
-    if is_model(v):
-        return snapshot(v)
-    if isinstance(v, list | tuple):
-        return type(v)(_out(x) for x in v)
-    return v
 
 
-def run_case_h28(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_out(_call(ref, m)(*a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_out(_call(model, m)(*a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(_out(out))
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_out(_call(ref, m)(*a)), _out(_call(frozen, m)(*a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
-def pair2(write_module: Loader_h28, helper: str, source: str) -> tuple[Any, Any, Any, Any]:
-    """A helper module and a model module importing it (``import HELPERS as helpers``),
-    each written plain and decorated: ``(plain, dec, plain_helpers, dec_helpers)``."""
-    n = next(_COUNTER)
-    hp = write_module(HEADER_h28 + PYLAX + "LAXW = lax\n" + helper, name=f"autostate_testmod_h28p{n}")
-    hd = write_module(
-        HEADER_h28 + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + helper,
-        name=f"autostate_testmod_h28d{n}",
-    )
-    plain_src = source.replace("HELPERS", hp.__name__).replace("@DECORATE", "")
-    plain = write_module(HEADER_h28 + PYLAX + "LAXW = lax\n" + plain_src)
-    dec_src = source.replace("HELPERS", hd.__name__).replace("@DECORATE", "@autostate.stateful")
-    dec = write_module(
-        HEADER_h28 + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + dec_src
-    )
-    return plain, dec, hp, hd
 
 
-def test_helper_module_raises_after_write_caught_in_method(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
-    run_case_h28(
+def test_helper_module_raises_after_write_caught_in_method(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
+    run_case(
         plain,
         dec,
         "M()",
@@ -722,10 +560,10 @@ class Outer(Inner):
 """
 
 
-def test_raise_after_writes_caught_by_wrapper_and_caller(write_module: Loader_h28) -> None:
+def test_raise_after_writes_caught_by_wrapper_and_caller(write_module: Loader) -> None:
     plain, dec = pair(write_module, RAISES)
     calls = [("__call__", (A1, 2.0)), ("__call__", (A2, -1.0)), ("__call__", (A1, 3.0))]
-    run_case_h28(plain, dec, "Outer()", calls, modes=("eager", "f"), extra=calls[1])
+    run_case(plain, dec, "Outer()", calls, modes=("eager", "f"), extra=calls[1])
     # under jit the Python `limit` must be static
     ref = plain.Outer()
     f, states = dec.Outer().functionalize()
@@ -737,7 +575,7 @@ def test_raise_after_writes_caught_by_wrapper_and_caller(write_module: Loader_h2
         same(snapshot(plain_path(ref, key)), snapshot(value), f"jit state {key}")
 
 
-def test_raise_after_writes_out_of_f_leaves_states(write_module: Loader_h28) -> None:
+def test_raise_after_writes_out_of_f_leaves_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, RAISES)
     ref, model = plain.Outer(), dec.Outer()
     for m in (ref, model):
@@ -758,9 +596,9 @@ def test_raise_after_writes_out_of_f_leaves_states(write_module: Loader_h28) -> 
     same(ref2(A1, 2.0), out, "f usable after the raise")
 
 
-def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loader_h28) -> None:
+def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loader) -> None:
     plain, dec = pair(write_module, RAISE_IN_LAX)
-    run_case_h28(plain, dec, "M()", [("run_then_assign", (XS_h28,))], extra=("run_then_assign", (XS_h28,)))
+    run_case(plain, dec, "M()", [("run_then_assign", (XS_h28,))], extra=("run_then_assign", (XS_h28,)))
     # the documented ControlFlowStateError when the lost value is read
     f, states = dec.M().functionalize()
     for fn in (lambda: dec.M().run(XS_h28), lambda: f.run(states, XS_h28)):
@@ -769,7 +607,7 @@ def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loa
         user_line(e.value, dec, "return self.t")
 
 
-Call_h32 = tuple[str, tuple[Any, ...]]
+Call = tuple[str, tuple[Any, ...]]
 
 
 def tracers_in(obj: Any, path: str = "model", seen: set[int] | None = None,
@@ -874,7 +712,7 @@ def run_modes(
     plain: types.ModuleType,
     dec: types.ModuleType,
     build_text: str,
-    calls: Sequence[Call_h32],
+    calls: Sequence[Call],
     modes: Sequence[str] = ("eager", "f", "jit"),
 ) -> None:
     """The calls on the plain model are the reference: eagerly, through ``f``
@@ -912,12 +750,12 @@ def raise_and_recover(
     plain: types.ModuleType,
     dec: types.ModuleType,
     build_text: str,
-    before: Sequence[Call_h32],
-    raising: Call_h32,
+    before: Sequence[Call],
+    raising: Call,
     exc: type[BaseException],
-    after: Sequence[Call_h32],
+    after: Sequence[Call],
     lost: Sequence[tuple[str, str]] = (),
-    repair: Call_h32 | None = None,
+    repair: Call | None = None,
     modes: Sequence[str] = ("eager", "f", "jit"),
 ) -> None:
     """``before`` calls, then ``raising`` raising ``exc``, then ``after`` calls.
@@ -1007,7 +845,7 @@ def raise_and_recover(
 EAGER_ONLY = {"set_mode"}  # a static state's change: the documented StaticStateError in f
 
 
-def _through_f(calls: Sequence[Call_h32]) -> list[Call_h32]:
+def _through_f(calls: Sequence[Call]) -> list[Call]:
     return [c for c in calls if c[0] not in EAGER_ONLY]
 
 
@@ -1161,7 +999,7 @@ ROADS = [
 
 
 @pytest.mark.parametrize("raising", ROADS, ids=[r[0] for r in ROADS])
-def test_partial_writes_then_raise(write_module: Loader_h32, raising: Call_h32) -> None:
+def test_partial_writes_then_raise(write_module: Loader, raising: Call) -> None:
     plain, dec = pair(write_module, PARTIAL)
     ok = (raising[0], tuple(False if a is True else a for a in raising[1]))
     if raising[0] == "via_setter":
@@ -1175,7 +1013,7 @@ def test_partial_writes_then_raise(write_module: Loader_h32, raising: Call_h32) 
     )
 
 
-def test_sub_model_init_raising_inside_the_method(write_module: Loader_h32) -> None:
+def test_sub_model_init_raising_inside_the_method(write_module: Loader) -> None:
     """A decorated sub-model whose ``__init__`` raises midway, built and
     caught inside a method (the method goes on with another instance)."""
     plain, dec = pair(write_module, PARTIAL)
@@ -1183,7 +1021,7 @@ def test_sub_model_init_raising_inside_the_method(write_module: Loader_h32) -> N
                                       ("build_kid_fails", (X2_h32, False))])
 
 
-def test_partial_writes_raise_class_is_the_users(write_module: Loader_h32) -> None:
+def test_partial_writes_raise_class_is_the_users(write_module: Loader) -> None:
     """The exception that comes out is the user's own (its class, message and
     traceback through the user's lines), eagerly and through ``f``."""
     _, dec = pair(write_module, PARTIAL)
@@ -1400,7 +1238,7 @@ def _lax_build(method: str, fail: str | None) -> str:
 
 
 @pytest.mark.parametrize("method", sorted(LAX_ROADS))
-def test_lax_body_raises_before_any_write(write_module: Loader_h32, method: str) -> None:
+def test_lax_body_raises_before_any_write(write_module: Loader, method: str) -> None:
     """Plain Python's loop raised on its first trip before the write: the
     model is exactly plain Python's (the write made before the lax call
     kept), and everything works afterwards."""
@@ -1415,7 +1253,7 @@ def test_lax_body_raises_before_any_write(write_module: Loader_h32, method: str)
     )
 
 
-def _lax_after(method: str, arg: Any) -> list[Call_h32]:
+def _lax_after(method: str, arg: Any) -> list[Call]:
     """What runs after the raise: a static state changed eagerly (read by the
     scan body), the method again, a plain call."""
     again = [] if method in ("bound", "ckpt_method") else [(method, (arg, None))]
@@ -1423,7 +1261,7 @@ def _lax_after(method: str, arg: Any) -> list[Call_h32]:
 
 
 @pytest.mark.parametrize("method", sorted(LAX_ROADS))
-def test_lax_body_raises_after_a_write(write_module: Loader_h32, method: str) -> None:
+def test_lax_body_raises_after_a_write(write_module: Loader, method: str) -> None:
     """Plain Python's loop kept the write made before the raise; JAX keeps
     nothing the traced body computed: the documented ControlFlowStateError
     on reading that state (naming the body's line), every other attribute
@@ -1442,7 +1280,7 @@ def test_lax_body_raises_after_a_write(write_module: Loader_h32, method: str) ->
     )
 
 
-def test_while_cond_raises(write_module: Loader_h32) -> None:
+def test_while_cond_raises(write_module: Loader) -> None:
     """``cond_fun`` raising: plain Python's loop raised before its body ran."""
     plain, dec = pair(write_module, LAX)
     raise_and_recover(
@@ -1636,14 +1474,14 @@ TRY_CALLS = {
 
 
 @pytest.mark.parametrize("method", sorted(TRY_CALLS))
-def test_try_forms(write_module: Loader_h32, method: str) -> None:
+def test_try_forms(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, TRY)
     x = TRY_CALLS[method]
     run_modes(plain, dec, "Try()", [(method, (x, False)), (method, (x, True)), (method, (x, True)),
                                      (method, (x, False))])
 
 
-def test_reraise_after_except_and_finally_wrote(write_module: Loader_h32) -> None:
+def test_reraise_after_except_and_finally_wrote(write_module: Loader) -> None:
     plain, dec = pair(write_module, TRY)
     raise_and_recover(
         plain, dec, "Try()",
@@ -1654,7 +1492,7 @@ def test_reraise_after_except_and_finally_wrote(write_module: Loader_h32) -> Non
     )
 
 
-def test_exit_writes_while_the_exception_passes(write_module: Loader_h32) -> None:
+def test_exit_writes_while_the_exception_passes(write_module: Loader) -> None:
     """``__exit__`` of a decorated context manager writes state while the
     exception passes through it and on out of the method."""
     plain, dec = pair(write_module, TRY)
@@ -1751,7 +1589,7 @@ class Caught:
 @pytest.mark.parametrize("method", ["set_mode", "count_up", "note"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_refusal_swallowed_by_the_users_except_through_f(
-    write_module: Loader_h32, method: str, jit: bool
+    write_module: Loader, method: str, jit: bool
 ) -> None:
     """Eagerly the method means what plain Python means; through ``f`` the
     change cannot be made, and the promise is an autostate error, not a
@@ -1771,7 +1609,7 @@ def test_refusal_swallowed_by_the_users_except_through_f(
          snapshot(fcall(f, "if_on_state", states, (X1_h32,), False)[0]), "f works afterwards")
 
 
-def test_static_write_refused_in_an_eager_lax_body_swallowed(write_module: Loader_h32) -> None:
+def test_static_write_refused_in_an_eager_lax_body_swallowed(write_module: Loader) -> None:
     plain, dec = pair(write_module, CAUGHT)
     ref, model = plain.Caught(), dec.Caught()
     with pytest.raises(autostate.errors.StaticStateError) as err:
@@ -1781,7 +1619,7 @@ def test_static_write_refused_in_an_eager_lax_body_swallowed(write_module: Loade
     no_tracers(model)
 
 
-def test_refusal_through_f_not_caught_then_everything_works(write_module: Loader_h32) -> None:
+def test_refusal_through_f_not_caught_then_everything_works(write_module: Loader) -> None:
     """The documented StaticStateError escapes f; f, the model, a new
     functionalize() and freeze work afterwards."""
     plain, dec = pair(write_module, CAUGHT)
@@ -1809,7 +1647,7 @@ def test_refusal_through_f_not_caught_then_everything_works(write_module: Loader
     same(snapshot(ref2.step(X2_h32)), snapshot(out), "new f")
 
 
-def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: Loader_h32) -> None:
+def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: Loader) -> None:
     """``if`` on a state under jit: the TracedValueError is JAX's
     TracerBoolConversionError (a TypeError); the method's ``except TypeError``
     runs, as it does in hand-written JAX, and the state it then writes is
@@ -1828,7 +1666,7 @@ def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: 
     no_handler_left_h32()
 
 
-def test_lost_state_error_caught_then_assigned(write_module: Loader_h32) -> None:
+def test_lost_state_error_caught_then_assigned(write_module: Loader) -> None:
     """Reading a state a raising lax body lost is a ControlFlowStateError;
     caught by the method, which assigns the state and goes on: eagerly,
     through f and under jit the result is that of the method's fallback."""
@@ -1944,7 +1782,7 @@ BASE_KINDS = {"kb": KeyboardInterrupt, "exit": SystemExit, "gen": GeneratorExit,
 
 
 @pytest.mark.parametrize("kind", sorted(BASE_KINDS))
-def test_base_exception_from_a_method_after_writes(write_module: Loader_h32, kind: str) -> None:
+def test_base_exception_from_a_method_after_writes(write_module: Loader, kind: str) -> None:
     plain, dec = pair(write_module, BASE)
     raise_and_recover(
         plain, dec, "Base()",
@@ -1955,7 +1793,7 @@ def test_base_exception_from_a_method_after_writes(write_module: Loader_h32, kin
     )
 
 
-def test_custom_base_exception_in_an_eager_lax_body_loses_the_state(write_module: Loader_h32) -> None:
+def test_custom_base_exception_in_an_eager_lax_body_loses_the_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, BASE)
     for method, text in (("in_scan", "lax.scan(body, 0.0, xs)"),
                          ("in_checkpoint", "return checkpoint(g)(x)")):
@@ -1973,7 +1811,7 @@ def test_custom_base_exception_in_an_eager_lax_body_loses_the_state(write_module
 @pytest.mark.parametrize("kind", ["kb", "exit", "gen"])
 @pytest.mark.parametrize("method", ["in_scan", "in_checkpoint"])
 def test_interrupt_in_an_eager_lax_body_after_a_write(
-    write_module: Loader_h32, kind: str, method: str
+    write_module: Loader, kind: str, method: str
 ) -> None:
     plain, dec = pair(write_module, BASE)
     ref, model = plain.Base(), dec.Base()
@@ -1988,7 +1826,7 @@ def test_interrupt_in_an_eager_lax_body_after_a_write(
 
 
 @pytest.mark.parametrize("kind", ["kb", "stop"])
-def test_interrupt_in_a_lax_body_through_f(write_module: Loader_h32, kind: str) -> None:
+def test_interrupt_in_a_lax_body_through_f(write_module: Loader, kind: str) -> None:
     plain, dec = pair(write_module, BASE)
     raise_and_recover(
         plain, dec, "Base()",
@@ -2002,7 +1840,7 @@ def test_interrupt_in_a_lax_body_through_f(write_module: Loader_h32, kind: str) 
 
 @pytest.mark.parametrize("kind", [None, "value"])
 def test_captured_and_non_state_list_changed_in_a_body_is_refused(
-    write_module: Loader_h32, kind: str | None
+    write_module: Loader, kind: str | None
 ) -> None:
     """The documented EscapedStateError (a list changed in place would hold the
     body's tracer), also when the body then raises; the list is put back, and
@@ -2032,7 +1870,7 @@ def test_captured_and_non_state_list_changed_in_a_body_is_refused(
 @pytest.mark.parametrize("kind", ["kb", "stop"])
 @pytest.mark.parametrize("road", ["eager", "f", "jit"])
 def test_interrupt_after_a_list_changed_in_a_body_leaks_no_tracer(
-    write_module: Loader_h32, kind: str, road: str
+    write_module: Loader, kind: str, road: str
 ) -> None:
     _, dec = pair(write_module, BASE)
     model = dec.Base()
@@ -2139,7 +1977,7 @@ class Sub(Model):
 
 @pytest.mark.parametrize(("cls", "fail"), [("Model", "model"), ("Model", "kid"),
                                            ("Sub", "model"), ("Sub", "kid"), ("Sub", "sub")])
-def test_init_raising_midway_then_built_again(write_module: Loader_h32, cls: str, fail: str) -> None:
+def test_init_raising_midway_then_built_again(write_module: Loader, cls: str, fail: str) -> None:
     plain, dec = pair(write_module, INIT)
     for mod in (plain, dec):
         with pytest.raises(ValueError, match="__init__"):
@@ -2148,7 +1986,7 @@ def test_init_raising_midway_then_built_again(write_module: Loader_h32, cls: str
     run_modes(plain, dec, f"{cls}()", [("__call__", (X1_h32,)), ("scan", (XS_h32,)), ("__call__", (X2_h32,))])
 
 
-def test_half_built_instance_used(write_module: Loader_h32) -> None:
+def test_half_built_instance_used(write_module: Loader) -> None:
     """The instance an ``__init__`` that raised left behind (kept by the user)
     works as plain Python's does: eagerly, through ``f`` and under ``jit``."""
     plain, dec = pair(write_module, INIT)
@@ -2168,7 +2006,7 @@ def test_half_built_instance_used(write_module: Loader_h32) -> None:
     no_tracers(model, f)
 
 
-def test_functionalize_refused_then_fixed(write_module: Loader_h32) -> None:
+def test_functionalize_refused_then_fixed(write_module: Loader) -> None:
     """functionalize() refuses a dict state whose keys do not sort (the
     documented ``InvalidTypeError``, twice); the model stays usable eagerly,
     and once fixed it functionalizes."""
@@ -2202,7 +2040,7 @@ def test_functionalize_refused_then_fixed(write_module: Loader_h32) -> None:
     "carrying its attributes breaks pytrees JAX rebuilt with objects "
     "for leaves (orbax's restore arguments)"
 ))
-def test_state_holding_an_undecorated_object_with_arrays(write_module: Loader_h32) -> None:
+def test_state_holding_an_undecorated_object_with_arrays(write_module: Loader) -> None:
     _, dec = pair(write_module, INIT)
     model = dec.Model()
     model.attach_table()
@@ -2213,7 +2051,7 @@ def test_state_holding_an_undecorated_object_with_arrays(write_module: Loader_h3
         user_line(err, dec, "self.extra = Table()")
 
 
-def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module: Loader_h32) -> None:
+def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module: Loader) -> None:
     """The documented refusal, then the model is used eagerly as before."""
     plain, dec = pair(write_module, INIT)
     ref, model = plain.Model(), dec.Model()
@@ -2228,7 +2066,7 @@ def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module:
     same(snapshot(ref(X2_h32)), snapshot(out), "jit after the attribute is gone")
 
 
-def test_eager_lax_call_refused_then_fixed(write_module: Loader_h32) -> None:
+def test_eager_lax_call_refused_then_fixed(write_module: Loader) -> None:
     """An eager lax call that must thread a dict state whose keys do not sort
     is refused (documented); the write before it stays, the model's slots are
     back (no handler left, no tracer), and once fixed the call works."""
@@ -2249,7 +2087,7 @@ def test_eager_lax_call_refused_then_fixed(write_module: Loader_h32) -> None:
     same(snapshot(ref), snapshot(model), "attributes after the fix")
 
 
-def test_freeze_with_wrong_states_then_right(write_module: Loader_h32) -> None:
+def test_freeze_with_wrong_states_then_right(write_module: Loader) -> None:
     """``freeze`` refused (a missing key, an extra key), ``f`` refused (those,
     ``None``, a list); f and a freeze with the right states work afterwards."""
     plain, dec = pair(write_module, INIT)
@@ -2298,13 +2136,13 @@ NEVER_RUN = {
     "body assigned (which plain Python never touched) then reads as ControlFlowStateError"
 ))
 @pytest.mark.parametrize("method", sorted(NEVER_RUN))
-def test_a_body_plain_python_never_runs_raises(write_module: Loader_h32, method: str) -> None:
+def test_a_body_plain_python_never_runs_raises(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MORE)
     run_modes(plain, dec, "Branchy()", [(method, NEVER_RUN[method]), ("step", (X2_h32, False))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_raise_under_grad_or_vmap_of_f_then_again(write_module: Loader_h32, transform: str) -> None:
+def test_raise_under_grad_or_vmap_of_f_then_again(write_module: Loader, transform: str) -> None:
     """A raise while ``jax.grad`` / ``jax.vmap`` traces f: it propagates, and
     the same transformation of f afterwards agrees with plain Python."""
     plain, dec = pair(write_module, MORE)
@@ -2417,7 +2255,7 @@ class Countdown:
 
 
 @pytest.mark.parametrize("method", ["closed", "thrown"])
-def test_generator_closed_or_thrown_into(write_module: Loader_h32, method: str) -> None:
+def test_generator_closed_or_thrown_into(write_module: Loader, method: str) -> None:
     """GeneratorExit from ``close()`` runs the generator's ``finally``, a
     ``throw()`` its ``except``: both write state, in every mode."""
     plain, dec = pair(write_module, GEN)
@@ -2425,7 +2263,7 @@ def test_generator_closed_or_thrown_into(write_module: Loader_h32, method: str) 
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_generator_kept_alive_by_the_exception(write_module: Loader_h32) -> None:
+def test_generator_kept_alive_by_the_exception(write_module: Loader) -> None:
     """The raise keeps the generator alive (its frame is in the traceback);
     its ``finally`` writes state when the exception is freed. Eagerly that is
     plain Python's; through f it runs after the call ended (an unraisable
@@ -2454,7 +2292,7 @@ def test_generator_kept_alive_by_the_exception(write_module: Loader_h32) -> None
         same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
 
-def test_stop_iteration_from_a_decorated_iterator(write_module: Loader_h32) -> None:
+def test_stop_iteration_from_a_decorated_iterator(write_module: Loader) -> None:
     """``__next__`` writes state, then raises StopIteration: ``list(it)``,
     a ``for`` loop and ``next(it, default)`` see plain Python's values."""
     plain, dec = pair(write_module, GEN)
@@ -2472,7 +2310,7 @@ def test_stop_iteration_from_a_decorated_iterator(write_module: Loader_h32) -> N
     "ignore:Python iterable type:DeprecationWarning"
 )
 def test_exception_through_contextmanager_restores_eagerly_and_f_keeps_states(
-    write_module: Loader_h33,
+    write_module: Loader,
 ) -> None:
     plain, dec = pair(write_module, CMS)
     got = []

@@ -14,9 +14,8 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
-import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,26 +28,22 @@ from autostate import errors
 from autostate.errors import (
     TracedValueError,
 )
-from semantics.harness import Loader as Loader_h
 from semantics.harness import (
+    Loader,
     X,
-    _pair,
+    assert_bits,
     assert_same,
     assert_user_line,
     check,
     check_transform,
     pair,
+    plain_path,
     raises_autostate,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import _pair as pair_h5
-from semantics.harness import _pair as pair_h8
-from semantics.harness import plain_path as plain_path_h13
-from semantics.harness import plain_path as plain_path_h17
 from semantics.programs import (
-    _PAIRS,
     ACCUM,
     CHANGES,
     DROPOUT,
@@ -68,18 +63,6 @@ from semantics.programs import (
 )
 from semantics.programs import KINDS as KINDS_h13
 from semantics.programs import RNG as RNG_h26
-from semantics.programs import Call as Call_h2
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h13
-from semantics.programs import Loader as Loader_h16
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h27
-from semantics.programs import Loader as Loader_h30
-from semantics.programs import Loader as Loader_h35
 from semantics.programs import MOE_h30 as MOE
 from semantics.programs import RNG_h30 as RNG_h30
 from semantics.programs import TORCH_h35 as TORCH
@@ -89,9 +72,6 @@ from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import XM_h30 as XM
 from semantics.programs import XR_h30 as XR_h30
 from semantics.programs import XS_h13 as XS_h13
-
-Loader = Callable[..., types.ModuleType]
-
 
 XS = jnp.asarray([0.5, -1.0, 2.0])
 
@@ -406,7 +386,7 @@ class Dropout:
 """
 
 
-def test_rng_key_splitting(write_module: Loader_h) -> None:
+def test_rng_key_splitting(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNG)
     x = jnp.ones(5)
     check(plain, dec, "Dropout(0)", [("__call__", (x,))] * 3)
@@ -438,165 +418,62 @@ class Items:
 
 
 @pytest.mark.parametrize("method", ["nested_item", "list_index_items"])
-def test_item_writes_on_numpy_states(write_module: Loader_h, method: str) -> None:
+def test_item_writes_on_numpy_states(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, NPITEMS)
     calls = [(method, (np.float32(3.0),)), (method, (np.float32(1.0),))]
     modes = ("eager", "f", "jit", "freeze") if method == "nested_item" else ("eager", "f")
     check(plain, dec, "Items()", calls, modes=modes)
 
 
-def test_python_float_state(write_module: Loader_h) -> None:
+def test_python_float_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, MISC)
     check(plain, dec, "Misc()", [("float_state", (1.0,)), ("float_state", (1.0,))])
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
 DTYPE_NAMES = ["int8", "uint8", "int16", "float16", "bfloat16", "int32", "bool"]
 
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
-def test_small_dtype_states(write_module: Loader_h2, dtype: str) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+def test_small_dtype_states(write_module: Loader, dtype: str) -> None:
+    plain, dec = pair(write_module, DTYPES)
     dt = jnp.dtype(dtype)
     v = 1 if dtype != "bool" else True
-    check_h2(plain, dec, f"Typed(jnp.{dtype})", [("step", (v,)), ("step", (v,)), ("step", (v,))])
+    check(plain, dec, f"Typed(jnp.{dtype})", [("step", (v,)), ("step", (v,)), ("step", (v,))])
     f, states = dec.Typed(dt).functionalize()
     for _ in range(2):
         _, states = staged(f.step)(states, v)
         assert states["x"].dtype == dt
 
 
-def test_int8_wraps_like_plain(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Typed(jnp.int8)", [("step", (100,)), ("step", (100,))])
+def test_int8_wraps_like_plain(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Typed(jnp.int8)", [("step", (100,)), ("step", (100,))])
 
 
-def test_python_float_and_complex_states(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Py()", [("step", (1.0,)), ("step", (0.5,))])
+def test_python_float_and_complex_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Py()", [("step", (1.0,)), ("step", (0.5,))])
     f, states = dec.Py().functionalize()
     assert sorted(states) == ["cx", "fl"]  # int and bool are static
     assert isinstance(states["fl"], float) and isinstance(states["cx"], complex)
     out, states = f.step(states, 1.0)
-    assert_same_h2(plain.Py().step(1.0), out)
+    assert_same(plain.Py().step(1.0), out)
 
 
-def test_numpy_states_become_jax_arrays_as_documented(write_module: Loader_h2) -> None:
-    _, dec = pair_h2(write_module, DTYPES)
+def test_numpy_states_become_jax_arrays_as_documented(write_module: Loader) -> None:
+    _, dec = pair(write_module, DTYPES)
     m = dec.Np()
     for v in (m.arr, m.sc, m.ints, m.lst[0], m.lst[1]["k"]):
         assert isinstance(v, jax.Array)
@@ -611,28 +488,28 @@ def test_numpy_states_become_jax_arrays_as_documented(write_module: Loader_h2) -
     for x in (1.0, 2.0):
         out, states = staged(f.step)(states, x)
         got.append(out)
-    assert_same_h2(expected, got)
-    assert_same_h2(snapshot_h2(eager.lst), snapshot_h2(states["lst"]))
+    assert_same(expected, got)
+    assert_same(snapshot(eager.lst), snapshot(states["lst"]))
     assert states["ints"].dtype == eager.ints.dtype
 
 
-def test_numpy_string_array_state(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+def test_numpy_string_array_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
     try:
-        check_h2(plain, dec, "Strs()", [("__call__", (1.0,))], modes=("eager",))
+        check(plain, dec, "Strs()", [("__call__", (1.0,))], modes=("eager",))
     except autostate.AutostateError as err:
         assert "labels" in str(err)  # a clear refusal naming the attribute would do
 
 
-def test_prng_key_states(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Keys(0)", [("__call__", (1.0,)), ("__call__", (2.0,))])
+def test_prng_key_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Keys(0)", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Keys(0).functionalize()
     assert jax.dtypes.issubdtype(states["key"].dtype, jax.dtypes.prng_key)
 
 
-def test_python_number_states_eager_or_a_clear_refusal(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_python_number_states_eager_or_a_clear_refusal(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     calls = [("__call__", (1.0,)), ("__call__", (2.0,))]
     check(plain, dec, "PyNumber()", calls, modes=("eager",))
     for mode in ("f", "jit"):
@@ -661,8 +538,8 @@ class Buffered:
     "changes it once, at trace time, then never again (silently stale, no error)",
 )
 @pytest.mark.parametrize("mode", ["f", "jit"])
-def test_numpy_parameter_changed_in_place_inside_f(write_module: Loader_h8, mode: str) -> None:
-    plain, dec = pair_h8(write_module, NUMPY_BUFFER)
+def test_numpy_parameter_changed_in_place_inside_f(write_module: Loader, mode: str) -> None:
+    plain, dec = pair(write_module, NUMPY_BUFFER, fresh=True)
     ref = plain.Buffered()
     expected = [ref(jnp.float32(1.0)) for _ in range(3)]
     model = dec.Buffered()
@@ -831,7 +708,7 @@ def lifecycle(
         else:
             for key, value in states.items():
                 assert_typed(
-                    plain_path_h13(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
+                    plain_path(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
                     exact=mode != "jit",
                 )
     if f is not None:
@@ -905,12 +782,12 @@ LIFECYCLES = {
 
 
 @pytest.mark.parametrize("order", sorted(LIFECYCLES))
-def test_value_kinds_over_a_lifecycle(write_module: Loader_h13, order: str) -> None:
+def test_value_kinds_over_a_lifecycle(write_module: Loader, order: str) -> None:
     plain, dec = pair(write_module, KINDS_h13)
     lifecycle(plain, dec, "Kinds()", LIFECYCLES[order])
 
 
-def test_value_kinds_eager_only_keep_python_types(write_module: Loader_h13) -> None:
+def test_value_kinds_eager_only_keep_python_types(write_module: Loader) -> None:
     """Eagerly nothing crosses jit: a Python float state stays a float."""
     plain, dec = pair(write_module, KINDS_h13)
     lifecycle(plain, dec, "Kinds()", [("eager", [STEP, WEAK, STEP]), ("f", [WEAK, STEP])])
@@ -920,7 +797,7 @@ def test_value_kinds_eager_only_keep_python_types(write_module: Loader_h13) -> N
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_value_kinds_under_grad_and_vmap(write_module: Loader_h13, transform: str) -> None:
+def test_value_kinds_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, KINDS_h13)
     x = X1 if transform == "grad" else jnp.arange(3.0)
     transform_typed(
@@ -958,13 +835,13 @@ CHANGE_SCRIPTS = {
 
 @pytest.mark.parametrize("script", sorted(CHANGE_SCRIPTS))
 def test_dtype_shape_and_structure_changes_over_a_lifecycle(
-    write_module: Loader_h13, script: str
+    write_module: Loader, script: str
 ) -> None:
     plain, dec = pair(write_module, CHANGES)
     lifecycle(plain, dec, "Changing()", CHANGE_SCRIPTS[script])
 
 
-def test_dtype_change_retraces_once_per_dtype(write_module: Loader_h13) -> None:
+def test_dtype_change_retraces_once_per_dtype(write_module: Loader) -> None:
     """`n` int32 -> float32 (weak) -> float32: the state's type is part of the jit
     signature, so a second trace and no more, with plain Python's values."""
     plain, dec = pair(write_module, CHANGES)
@@ -981,7 +858,7 @@ def test_dtype_change_retraces_once_per_dtype(write_module: Loader_h13) -> None:
     assert len(traces) == 2
 
 
-def test_lax_scan_over_f_with_every_kind_of_state(write_module: Loader_h13) -> None:
+def test_lax_scan_over_f_with_every_kind_of_state(write_module: Loader) -> None:
     """Hand-threaded steps in a ``lax.scan`` carry: the states keep their dtypes and
     weak types across steps (a Python float is a weak f32 carry)."""
     plain, dec = pair(write_module, OVER)
@@ -1007,7 +884,7 @@ def test_lax_scan_over_f_with_every_kind_of_state(write_module: Loader_h13) -> N
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_grad_and_vmap_over_f_with_keys_and_low_precision(
-    write_module: Loader_h13, transform: str
+    write_module: Loader, transform: str
 ) -> None:
     plain, dec = pair(write_module, OVER)
     x = jnp.array([0.5, 1.0]) if transform == "grad" else jnp.arange(6.0).reshape(3, 2)
@@ -1029,7 +906,7 @@ FLOW_CALLS = {
 
 @pytest.mark.parametrize("method", sorted(FLOW_CALLS))
 def test_lax_bodies_in_methods_keep_dtypes_and_weak_types(
-    write_module: Loader_h13, method: str
+    write_module: Loader, method: str
 ) -> None:
     plain, dec = pair(write_module, FLOW)
     calls = FLOW_CALLS[method]
@@ -1061,17 +938,17 @@ class Acc:
 """
 
 
-def test_state_weak_in_one_cond_branch_strong_in_the_other(write_module: Loader_h13) -> None:
+def test_state_weak_in_one_cond_branch_strong_in_the_other(write_module: Loader) -> None:
     plain, dec = pair(write_module, WEAKFLOW)
     lifecycle(plain, dec, "Acc()", [("eager", [("add_if_positive", (X1,))])])
 
 
-def test_zero_trip_scan_leaves_a_python_float_state_alone(write_module: Loader_h13) -> None:
+def test_zero_trip_scan_leaves_a_python_float_state_alone(write_module: Loader) -> None:
     plain, dec = pair(write_module, WEAKFLOW)
     lifecycle(plain, dec, "Acc()", [("eager", [("add_all", (jnp.zeros((0,)),))])])
 
 
-def test_nonempty_scan_promotes_a_python_float_state_like_plain(write_module: Loader_h13) -> None:
+def test_nonempty_scan_promotes_a_python_float_state_like_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, WEAKFLOW)
     lifecycle(
         plain,
@@ -1085,7 +962,7 @@ def test_nonempty_scan_promotes_a_python_float_state_like_plain(write_module: Lo
     )
 
 
-def test_deepcopy_mid_life_keeps_dtypes_and_weak_types(write_module: Loader_h13) -> None:
+def test_deepcopy_mid_life_keeps_dtypes_and_weak_types(write_module: Loader) -> None:
     """(Not pickle: unpickling a weak-typed jax array and adding to it poisons JAX's
     own dispatch cache in jax 0.10, after which ``jnp.zeros((), jnp.float32) + 1`` is
     weak-typed in every later test. That is JAX's, with or without autostate.)"""
@@ -1137,7 +1014,7 @@ class Items:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's uint8 wrap
-def test_item_updates_on_small_dtypes_keep_the_state_dtype(write_module: Loader_h13) -> None:
+def test_item_updates_on_small_dtypes_keep_the_state_dtype(write_module: Loader) -> None:
     plain, dec = pair(write_module, ITEMS)
     calls = [("update", (0,)), ("update", (1,))]
     ref = plain.Items()
@@ -1161,7 +1038,7 @@ def test_item_updates_on_small_dtypes_keep_the_state_dtype(write_module: Loader_
 
 
 @pytest.fixture
-def mods(write_module: Loader_h16) -> tuple[types.ModuleType, types.ModuleType]:
+def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, MODELS)
 
 
@@ -1208,17 +1085,6 @@ def test_f_does_not_mutate_a_numpy_state_it_is_given(mods: Any) -> None:
     assert float(given) == 2.0
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -1282,7 +1148,7 @@ RNG_CASES = [(c, t) for c in ("Dropout", "Split3", "FoldIn") for t in (True, Fal
 
 @pytest.mark.parametrize("cls,typed", [*RNG_CASES, ("NoisyScan", True)])
 def test_random_streams_match_hand_threaded_bit_for_bit(
-    write_module: Loader_h17, cls: str, typed: bool
+    write_module: Loader, cls: str, typed: bool
 ) -> None:
     plain, dec = pair(write_module, DROPOUT)
     build, ref_fn, xs = rng_calls(cls, typed)
@@ -1307,8 +1173,8 @@ def test_random_streams_match_hand_threaded_bit_for_bit(
         assert_same(want, out, f"jit {i}")  # XLA may fuse a multiply-add
     assert_bits(rs, dict(js), "jit states")
     assert_bits(rs, dict(fs), "f states")
-    assert_bits(rs, {k: plain_path_h17(model, k) for k in rs}, "eager states")
-    assert_bits(rs, {k: plain_path_h17(ref, k) for k in rs}, "plain states")
+    assert_bits(rs, {k: plain_path(model, k) for k in rs}, "eager states")
+    assert_bits(rs, {k: plain_path(ref, k) for k in rs}, "plain states")
     assert_bits(rs, autostate.state_dict(autostate.freeze(f, js)), "frozen states")
 
 
@@ -1317,7 +1183,7 @@ def _file(mod: types.ModuleType) -> str:
 
 
 @pytest.mark.parametrize("new_style", [False, True])
-def test_key_split_per_call_dropout(write_module: Loader_h26, new_style: bool) -> None:
+def test_key_split_per_call_dropout(write_module: Loader, new_style: bool) -> None:
     plain, dec = pair(write_module, RNG_h26)
     calls = [("dropout", (XR,)), ("__call__", (XR,)), ("many", (jnp.stack([XR, XR * 2]),)),
              ("sample_while", (2.0,)), ("fresh", ())] if new_style else [("dropout", (XR,)),
@@ -1344,13 +1210,13 @@ class Drop:
 """
 
 
-def test_float_rate_state_eager_and_f(write_module: Loader_h26) -> None:
+def test_float_rate_state_eager_and_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, FLOATRATE)
     for build in ("Drop(0)", "Drop(0).set_rate(0.0)"):
         check(plain, dec, build, [("__call__", (XR,)), ("__call__", (XR,))], modes=("eager", "f"))
 
 
-def test_float_rate_state_under_jit(write_module: Loader_h26) -> None:
+def test_float_rate_state_under_jit(write_module: Loader) -> None:
     # A Python-float state (`self.p = p` in set_rate) is a traced leaf under
     # jit, so `if self.p == 0.0:` cannot work there; the error is autostate's,
     # naming the state and the line, and still JAX's type.
@@ -1366,14 +1232,14 @@ def step_jit() -> Callable[..., Any]:
     return staged(lambda f, s, x: f(s, x))
 
 
-def test_odd_states_plain_vs_decorated(write_module: Loader_h27) -> None:
+def test_odd_states_plain_vs_decorated(write_module: Loader) -> None:
     plain, dec = pair(write_module, ODD)
     check(plain, dec, "Odd()", [("__call__", (X1_h27,)), ("peek", ()), ("__call__", (X2_h27,)),
                                 ("__call__", (X1_h27,))])
 
 
-def test_odd_states_life_cycle(write_module: Loader_h27) -> None:
-    plain, dec = _pair(write_module, ODD)
+def test_odd_states_life_cycle(write_module: Loader) -> None:
+    plain, dec = pair(write_module, ODD, fresh=True)
     ref, model = plain.Odd(), dec.Odd()
     f, states = model.functionalize()
     assert states["nothing"] is None  # None is a placeholder state (tests/test_static_state.py)
@@ -1390,7 +1256,7 @@ def test_odd_states_life_cycle(write_module: Loader_h27) -> None:
     assert again.nothing is None and again.empty_l == [] and again.cache["k"] is None
 
 
-def test_odd_states_ensemble_vmap(write_module: Loader_h27) -> None:
+def test_odd_states_ensemble_vmap(write_module: Loader) -> None:
     plain, dec = pair(write_module, ODD)
     refs = [plain.Odd() for _ in range(3)]
     f, states = dec.Odd().functionalize()
@@ -1410,7 +1276,7 @@ def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> A
 
 
 def test_torch_style_moving_average_if_under_jit_is_traced_value_error(
-    write_module: Loader_h30,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, QAT)
     f, states = dec.TorchStyleMovingAverage().functionalize()
@@ -1421,7 +1287,7 @@ def test_torch_style_moving_average_if_under_jit_is_traced_value_error(
 
 
 @pytest.mark.parametrize("typed", [False, True])
-def test_dropout_key_split_each_call(write_module: Loader_h30, typed: bool) -> None:
+def test_dropout_key_split_each_call(write_module: Loader, typed: bool) -> None:
     plain, dec = pair(write_module, RNG_h30)
     calls = [("__call__", (XR_h30,)), ("__call__", (XR_h30,)), ("__call__", (XR_h30 * 2,))]
     check(plain, dec, f"Dropout(3, typed={typed})", calls)
@@ -1436,7 +1302,7 @@ def test_dropout_key_split_each_call(write_module: Loader_h30, typed: bool) -> N
     )
 
 
-def test_moe_python_float_aux_loss_init(write_module: Loader_h30) -> None:
+def test_moe_python_float_aux_loss_init(write_module: Loader) -> None:
     # aux_loss = 0.0 (a weakly typed float state) becomes an array in the call
     plain, dec = pair(write_module, MOE)
     ref, model = plain.MoE(0, 3, py_init=True), dec.MoE(0, 3, py_init=True)
@@ -1448,7 +1314,7 @@ def _grads(mod: types.ModuleType, n: int) -> list[Any]:
     return [mod.grads_at(i) for i in range(n)]
 
 
-def test_accum_array_k_python_if(write_module: Loader_h30) -> None:
+def test_accum_array_k_python_if(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACCUM)
     calls = [("update", (g,)) for g in _grads(plain, 7)]
     check(plain, dec, "AccumSGD(init_params(), 3, array_k=True)", calls, modes=("eager", "f"))
@@ -1458,7 +1324,7 @@ def test_accum_array_k_python_if(write_module: Loader_h30) -> None:
     assert_user_line(err.value, _file(dec))
 
 
-def torch(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
+def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, TORCH_HEADER + TORCH)
 
 
@@ -1470,7 +1336,7 @@ def jit_steps(f: Any, states: Any, method: str, calls: list[tuple[Any, ...]]) ->
     return out, states
 
 
-def test_torch_early_stopping_under_jit_is_traced_value_error(write_module: Loader_h35) -> None:
+def test_torch_early_stopping_under_jit_is_traced_value_error(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.TorchEarlyStopping().functionalize()
     with raises_autostate(errors.TracedValueError) as err:
