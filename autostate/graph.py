@@ -44,9 +44,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -574,6 +575,301 @@ def held_parts(value: Any) -> list[tuple[str, Any]] | None:
     if how is None and isinstance(value, functools.partial):
         how = _partial_parts
     return None if how is None else how(value)
+
+
+# --- the reach walk: everything a value holds -----------------------------------
+#
+# The walk above goes where ``functionalize`` goes. Three questions look
+# further, into what a value holds whether or not the flatten follows it:
+# which decorated instances a ``lax`` body reaches (through closures,
+# defaults, bound methods, partials), which containers a model holds outside
+# its states (through plain objects' ``__dict__``), and where a model hides
+# an array or a model the flatten cannot follow. What a value holds is
+# described here once, per family of parts; a ``Reach`` names the families
+# one walk goes into, and ``reach`` is the walk.
+
+
+class _Parts:
+    """One family of parts: the children alone (fast), and with path suffixes."""
+
+    __slots__ = ("children", "named")
+
+    def __init__(
+        self,
+        children: Callable[[Any], Iterable[Any]],
+        named: Callable[[Any], list[tuple[str, Any]]],
+    ):
+        self.children = children
+        self.named = named
+
+
+def _cells(f: Any) -> Iterator[tuple[int, Any]]:
+    for k, cell in enumerate(f.__closure__ or ()):
+        try:
+            yield k, cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+
+
+def _wrapped(f: Any) -> list[Any]:
+    wrapped = getattr(f, "__wrapped__", None)
+    return [] if wrapped is None else [wrapped]
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    attrs = plain_attributes(value)
+    return {} if attrs is None else attrs
+
+
+_ITEMS = _Parts(lambda c: c, lambda c: [(index_name(i), x) for i, x in enumerate(c)])
+_ENTRIES = _Parts(lambda c: c.values(), lambda c: [(mapping_name(k), x) for k, x in c.items()])
+_ATTRIBUTES = _Parts(lambda o: o.__dict__.values(), lambda o: _instance_children(o))
+_CLOSURE = _Parts(
+    lambda f: [x for _, x in _cells(f)],
+    lambda f: [(f".__closure__[{k}]", x) for k, x in _cells(f)],
+)
+_DEFAULTS = _Parts(
+    lambda f: f.__defaults__ or (),
+    lambda f: [(f".__defaults__[{i}]", x) for i, x in enumerate(f.__defaults__ or ())],
+)
+_WRAPPED = _Parts(_wrapped, lambda f: [(".__wrapped__", x) for x in _wrapped(f)])
+_METHOD = _Parts(
+    lambda m: (m.__self__, m.__func__),
+    lambda m: [(".__self__", m.__self__), (".__func__", m.__func__)],
+)
+_HELD_PARTS = _Parts(lambda v: [x for _, x in held_parts(v) or ()], lambda v: held_parts(v) or [])
+_PLAIN = _Parts(
+    lambda v: _plain(v).values(), lambda v: [(attr_name(k), x) for k, x in _plain(v).items()]
+)
+
+
+def _joined(families: list[_Parts]) -> _Parts | None:
+    """The parts of every family in ``families``, in order (None: none)."""
+    if len(families) <= 1:
+        return families[0] if families else None
+    return _Parts(
+        lambda v: [x for family in families for x in family.children(v)],
+        lambda v: [part for family in families for part in family.named(v)],
+    )
+
+
+_NOTHING = _Parts(lambda _v: (), lambda _v: [])  # an atom or an array: not walked at all
+_WHOLE = _Parts(lambda _v: (), lambda _v: [])  # a container a walk takes whole
+_UNKNOWN: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """Which parts of the values it meets a ``reach`` walk goes into.
+
+    Attributes:
+        containers: the value kinds (``values.Kind``) whose items it goes
+            into (``[0]``, ``['k']``); a container code changes in place of
+            another kind is taken whole.
+        instances: a decorated instance's attributes (``.w``).
+        closures: a function's closure cells (``.__closure__[0]``).
+        defaults: a function's positional defaults (``.__defaults__[0]``).
+        wrapped: what a function wraps (``.__wrapped__``, as
+            ``functools.wraps`` records it).
+        methods: a bound method's ``.__self__`` and ``.__func__``.
+        partials: a ``functools.partial``'s function and arguments
+            (``.func``, ``.args[0]``, ``.keywords['k']``).
+        suspended: what a suspended generator or coroutine, or a lazy
+            ``map`` / ``filter``, holds (``held_parts``).
+        plain_objects: an undecorated object's ``__dict__`` (``.k``;
+            ``plain_attributes``).
+    """
+
+    containers: frozenset[_values.Kind] = frozenset()
+    instances: bool = False
+    closures: bool = False
+    defaults: bool = False
+    wrapped: bool = False
+    methods: bool = False
+    partials: bool = False
+    suspended: bool = False
+    plain_objects: bool = False
+    # type -> its family of parts (None: it holds nothing the walk goes into).
+    _by_type: dict[type, _Parts | None] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def _parts_of(self, value: Any) -> _Parts | None:
+        """The family of ``value``'s parts; ``_NOTHING`` for an atom or an array."""
+        t = type(value)
+        if t in STATEFUL_CLASSES:  # (asked each time: a class may be decorated later)
+            return _ATTRIBUTES if self.instances else None
+        parts = self._by_type.get(t, _UNKNOWN)
+        if parts is _UNKNOWN:
+            parts = self._by_type[t] = self._classify(value)
+        return parts
+
+    def _classify(self, value: Any) -> _Parts | None:
+        t = type(value)
+        vkind = kind_of(value)
+        if vkind.atom or vkind.array:
+            return _NOTHING  # holds no other value (``values.holds_nothing``)
+        if vkind in self.containers:
+            return _ENTRIES if isinstance(value, dict) else _ITEMS
+        if vkind.mutable:
+            return _WHOLE
+        if t is types.FunctionType:
+            return _joined(
+                [
+                    family
+                    for on, family in (
+                        (self.closures, _CLOSURE),
+                        (self.defaults, _DEFAULTS),
+                        (self.wrapped, _WRAPPED),
+                    )
+                    if on
+                ]
+            )
+        if t is types.MethodType:
+            return _METHOD if self.methods else None
+        if t in _HELD or isinstance(value, functools.partial):
+            on = self.partials if isinstance(value, functools.partial) else self.suspended
+            return _HELD_PARTS if on else None
+        if self.plain_objects and not isinstance(value, _NOT_HOLDERS):
+            return _PLAIN
+        return None
+
+    def children(self, value: Any) -> Iterable[Any]:
+        """What the walk goes into from ``value``."""
+        parts = self._parts_of(value)
+        return () if parts is None or parts is _NOTHING else parts.children(value)
+
+    def parts(self, value: Any) -> list[tuple[str, Any]]:
+        """``children``, each with its path suffix (``.w``, ``[0]``, ``.__closure__[0]``)."""
+        parts = self._parts_of(value)
+        return [] if parts is None or parts is _NOTHING else parts.named(value)
+
+
+class _Back:
+    """On ``reach``'s stack below a value's parts: the context and depth to go back to."""
+
+    __slots__ = ("context", "level")
+
+    def __init__(self, context: Any, level: int):
+        self.context = context
+        self.level = level
+
+
+SKIP = object()
+"""Returned by a ``reach`` visitor: the value is passed over, as if not reached."""
+STOP = object()
+"""Returned by a ``reach`` visitor: the walk ends here."""
+
+
+def reach(
+    roots: Sequence[tuple[Any, Any]],
+    through: Reach,
+    visit: Callable[[Any, str, Any, bool], Any] | None = None,
+    *,
+    depth: int | None = None,
+    seen: set[int] | None = None,
+    last_first: bool = False,
+) -> list[tuple[Any, Any]]:
+    """Walks everything reachable from ``roots`` through the parts ``through`` names.
+
+    Depth first, each value walked once (by identity: cycles end, a value
+    reached twice is walked from its first path). A value that holds nothing
+    (an atom, an array: ``values.holds_nothing``) is not walked; one whose
+    parts ``through`` does not go into (a function, for a walk into
+    containers only) is remembered as reached, not returned.
+
+    Args:
+        roots: ``(value, context)`` pairs; a value's parts get its context.
+        through: the parts the walk goes into.
+        visit: ``(value, path suffix, context, first) -> context`` for every
+            value reached, on every path (``first``: not reached before, and
+            within ``depth``); it returns the context of the value's parts
+            (``None``: do not go into them), ``SKIP`` (passed over, not even
+            remembered as reached) or ``STOP``. Without it the walk names no
+            paths.
+        depth: how deep below the roots the walk goes (None: no limit).
+        seen: ids of values already walked, shared by several walks.
+        last_first: take roots and parts last to first.
+
+    Returns:
+        ``(value, context)`` for every value walked into (or taken whole:
+        a set a walk into lists meets), in walk order.
+
+    Example:
+        >>> from autostate import graph, values
+        >>> into_lists = graph.Reach(containers=frozenset({values.LIST}))
+        >>> shared = [1]
+        >>> [v for v, _ in graph.reach([([shared, [shared, "x"]], None)], into_lists)]
+        [[[1], [[1], 'x']], [1], [[1], 'x']]
+    """
+    seen = set() if seen is None else seen
+    limit = sys.maxsize if depth is None else depth
+    walked: list[tuple[Any, Any]] = []
+    remember, record = seen.add, walked.append
+    stateful, by_type, instances = STATEFUL_CLASSES, through._by_type, through.instances
+    named = visit is not None
+    # Without a visitor or a depth, a value's parts keep its root's context
+    # and the walk counts no depth: no ``_Back`` below them.
+    tracked = named or depth is not None
+    stack: list[Any] = []
+    pop, push, append = stack.pop, stack.extend, stack.append
+    for root, context in reversed(roots) if last_first else roots:
+        if named:
+            append(("", root))
+        elif by_type.get(type(root)) is _NOTHING:
+            continue  # an atom or an array: nothing to walk
+        else:
+            append(root)
+        level = 0
+        while stack:
+            part = pop()
+            if type(part) is _Back:  # the parts of a value are walked: back to its level
+                context, level = part.context, part.level
+                continue
+            if named:
+                suffix, node = part
+                first = id(node) not in seen and level <= limit
+                node_context = visit(node, suffix, context, first)  # type: ignore[misc]
+                if node_context is SKIP:
+                    continue
+                if node_context is STOP:
+                    return walked
+            else:
+                node = part
+                node_context = context
+                first = id(node) not in seen and level <= limit
+            if not first:
+                continue
+            # ``through._parts_of``, inlined: the walk of every eager lax call.
+            t = type(node)
+            if t in stateful:
+                parts = _ATTRIBUTES if instances else None
+            else:
+                parts = by_type.get(t, _UNKNOWN)
+                if parts is _UNKNOWN:
+                    parts = through._parts_of(node)
+                if parts is _NOTHING:
+                    continue
+            remember(id(node))
+            if parts is None:
+                continue
+            record((node, node_context))
+            if named and node_context is None:
+                continue
+            below = parts.named(node) if named else parts.children(node)
+            if not below:
+                continue
+            if tracked:
+                append(_Back(context, level))
+                context, level = node_context, level + 1
+            if last_first:
+                push(below)
+                continue
+            try:
+                push(reversed(below))  # type: ignore[arg-type]
+            except TypeError:  # a set, a generator
+                push(reversed(list(below)))
+    return walked
 
 
 # --- per-instance pytree ------------------------------------------------------

@@ -41,14 +41,23 @@ import jax
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.errors import (
-    CategoryArgumentError,
     InvalidArgumentError,
-    InvalidTypeError,
-    StateSharingError,
     UnhandledLocalStateError,
+    category_argument_error,
+    conflicting_definitions_error,
     duplicate_name_error,
-    format_error,
+    freeze_handler_type_error,
+    freeze_missing_state_error,
     handled_twice_error,
+    mismatched_category_error,
+    missing_state_error,
+    rename_fn_type_error,
+    renamed_to_non_str_error,
+    shared_request_first_error,
+    shared_request_forbidden_error,
+    shared_request_read_error,
+    sharing_mode_error,
+    states_not_dict_error,
     unhandled_request_error,
 )
 
@@ -687,12 +696,7 @@ class SharedLocalStateRequest(StateSlot):
         raise unhandled_request_error(self)
 
     def read(self) -> Any:
-        raise UnhandledLocalStateError(
-            format_error(
-                f"Shared state {self.name!r} has no value outside a handler.",
-                fix="handle the tree with handle_local_states(..., state_sharing='allowed').",
-            )
-        )
+        raise shared_request_read_error(self.name)
 
     def write(self, value: Any, label: str | None = None) -> None:
         self.read()
@@ -725,13 +729,7 @@ def _renamed(request: Any, rename_fn: Callable[[str], str]) -> Any:
         return request
     new_name = rename_fn(request.name)
     if not isinstance(new_name, str):
-        raise InvalidTypeError(
-            format_error(
-                f"rename_fn returned {type(new_name).__name__} {new_name!r:.80} for state "
-                f"{request.name!r}; a state name must be a str.",
-                fix="return the new name as a string, e.g. `lambda name: 'encoder.' + name`.",
-            )
-        )
+        raise renamed_to_non_str_error(request.name, new_name)
     return dataclasses.replace(request, name=new_name)
 
 
@@ -849,14 +847,7 @@ class HandledLocalStateRef(StateSlot):
         try:
             return cells[self.name]
         except KeyError:
-            raise UnhandledLocalStateError(
-                format_error(
-                    f"State {self.name!r} is missing from the states dict given to handler "
-                    f"{self.handler_id!r} (it has {sorted(cells)}).",
-                    fix="pass the states dict returned by handle_local_states/functionalize "
-                    "(or by the previous call) unchanged in its keys.",
-                )
-            ) from None
+            raise missing_state_error(self.name, self.handler_id, cells) from None
 
     def get(self) -> Any:
         """Current value of the state in the running handler."""
@@ -1032,12 +1023,7 @@ def run_with_states(
     writes are refused instead of landing on a copy the call throws away.
     """
     if not isinstance(states, dict):
-        raise InvalidTypeError(
-            format_error(
-                f"States must be a dict of name -> value, got {type(states).__name__}.",
-                fix="pass the dict returned by handle_local_states/functionalize.",
-            )
-        )
+        raise states_not_dict_error(states)
     cells = {
         # A list or dict the call changes in place is its own copy: the
         # caller's states (and a model sharing them) stay as they were.
@@ -1079,14 +1065,7 @@ def _category_predicate(
     category: Category | None, category_predicate: Callable[[Category], bool] | None
 ) -> Callable[[Category], bool]:
     if (category is None) == (category_predicate is None):
-        raise CategoryArgumentError(
-            format_error(
-                "Exactly one of `category` and `category_predicate` must be given "
-                f"(got category={category!r}, category_predicate={category_predicate!r}).",
-                fix="pass category='state' to handle one category, or "
-                "category_predicate=lambda c: True to handle all of them.",
-            )
-        )
+        raise category_argument_error(category, category_predicate)
     if category_predicate is not None:
         return category_predicate
     return lambda c: c == category
@@ -1094,12 +1073,7 @@ def _category_predicate(
 
 def _check_sharing_mode(state_sharing: str) -> None:
     if state_sharing not in ("forbidden", "allowed", "unsafe"):
-        raise InvalidArgumentError(
-            format_error(
-                f"Unknown state_sharing mode {state_sharing!r}.",
-                fix="use 'forbidden', 'allowed' or 'unsafe'.",
-            )
-        )
+        raise sharing_mode_error(state_sharing)
 
 
 # Typed by ``lazy``: the states dict, or (lazy=True) a function that builds it.
@@ -1222,21 +1196,9 @@ def handle_local_states(
         name = request.name if explicit else path
         if isinstance(request, SharedLocalStateRequest):
             if state_sharing == "forbidden":
-                raise StateSharingError(
-                    format_error(
-                        "SharedLocalStateRequest must only be used when state_sharing is set "
-                        f"to 'allowed' or 'unsafe' (state {name!r}).",
-                        fix="handle with state_sharing='allowed'.",
-                    )
-                )
+                raise shared_request_forbidden_error(name)
             if name not in valued:
-                raise StateSharingError(
-                    format_error(
-                        f"SharedLocalStateRequest {name!r} must appear after some other state "
-                        "request with the same name and an explicit value.",
-                        fix="put the Initial/Frozen request with this name first in the tree.",
-                    )
-                )
+                raise shared_request_first_error(name)
             return HandledLocalStateRef(handler_id, name, True, request.category)
         if isinstance(request, InitialLocalStateRequest):
             value: Any = request.state_initializer
@@ -1308,13 +1270,7 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
         FrozenLocalStateRequest(state=Array(0., dtype=float32), category='c', name='n')
     """
     if not isinstance(handler, WithFunctionalLocalState):
-        raise InvalidTypeError(
-            format_error(
-                f"freeze_local_states expects a WithFunctionalLocalState, got "
-                f"{type(handler).__name__}.",
-                fix="pass the handler returned by handle_local_states.",
-            )
-        )
+        raise freeze_handler_type_error(handler)
     return freeze_body(handler.handler_id, handler.body, states)
 
 
@@ -1339,13 +1295,7 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
         if type(ref) is not HandledLocalStateRef:
             return ref.frozen()  # held in the structure (``handled_in_structure``)
         if ref.name not in states:
-            raise UnhandledLocalStateError(
-                format_error(
-                    f"Cannot freeze: state {ref.name!r} is missing from the states dict "
-                    f"(it has {sorted(states)}).",
-                    fix="pass the states dict returned by functionalize/the last call.",
-                )
-            )
+            raise freeze_missing_state_error(ref.name, states)
         value = _hooks.own_value(states[ref.name])  # the model's own: the dict is the caller's
         if not ref.was_explicitly_named:
             return FrozenLocalStateRequest(value, ref.category, None)
@@ -1411,17 +1361,7 @@ def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, d
         if previous is None:
             requests[request.name] = request
         elif not unsafe and not _same_initializer(previous, request):
-            raise StateSharingError(
-                format_error(
-                    "Detected two local states with the same explicit name "
-                    f"{request.name!r} but different initializers or values! This is only "
-                    "allowed `unsafe` is set to `True`.",
-                    fix="define a shared state once (one FrozenLocalStateRequest, or "
-                    "InitialLocalStateRequests sharing one initializer object) and use "
-                    "SharedLocalStateRequests elsewhere, or pass unsafe=True to keep the "
-                    "first definition.",
-                )
-            )
+            raise conflicting_definitions_error(request.name)
         return SharedLocalStateRequest(request.name, request.category)
 
     return _graph.map_tree(tree, replace, is_target), requests
@@ -1474,15 +1414,7 @@ def embed_shared_state_requests(tree: Any, requests: dict[str, Any]) -> Any:
     def replace(shared: SharedLocalStateRequest, _path: str) -> Any:
         replacement = pending.pop(shared.name)
         if replacement.category != shared.category:
-            raise StateSharingError(
-                format_error(
-                    "Tried to substitute values with mismatched categories! Got "
-                    f"{replacement.category}, expected {shared.category} (state "
-                    f"{shared.name!r}).",
-                    fix="embed requests of the category the tree's SharedLocalStateRequest "
-                    "asks for (the requests dict returned by hoist_shared_state_requests).",
-                )
-            )
+            raise mismatched_category_error(shared.name, replacement.category, shared.category)
         return replacement
 
     return _graph.map_tree(tree, replace, is_target)
@@ -1520,12 +1452,7 @@ def rename_local_states(tree: Any, rename_fn: Callable[[str], str]) -> Any:
         ['dec.kv', 'enc.kv']
     """
     if not callable(rename_fn):
-        raise InvalidTypeError(
-            format_error(
-                f"rename_fn must be a function of a state name, got {type(rename_fn).__name__}.",
-                fix="pass e.g. `lambda name: 'encoder.' + name`.",
-            )
-        )
+        raise rename_fn_type_error(rename_fn)
     return _graph.map_tree(
         tree,
         lambda request, _path: request.with_renamed_parameters(rename_fn),
