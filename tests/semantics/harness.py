@@ -22,9 +22,11 @@ import enum
 import functools
 import itertools
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -838,3 +840,114 @@ def train_against_reference(template: Any, model: Any, data: Any, opt: str = "mo
         loss, f, opt_state, states = step(f, opt_state, states, x, y)
         assert_step(ref[i], loss, f, states, f"step {i}")
     return f, states, ref
+
+
+# ---------------------------------------------------------------------------
+# Small helpers the concept files share.
+
+
+def class_pair(write_module: Loader, source: str, cls_name: str) -> tuple[type, type, types.ModuleType]:
+    """The class ``cls_name`` of ``source`` twice: plain Python, and decorated by calling
+    ``autostate.stateful`` on it (with the module it was defined in)."""
+    plain = getattr(write_module(source), cls_name)
+    module = write_module(source)
+    return plain, autostate.stateful(getattr(module, cls_name)), module
+
+
+def modes_of(f: Any, method: str = "__call__", *, compiled: bool = False) -> list[Callable[..., Any]]:
+    """``f.<method>`` called directly and under ``jax.jit`` (``staged``; ``compiled``:
+    ``jax.jit`` itself, for a case that checks what the compiled call raises)."""
+    call = _fcall(f, method)
+    return [call, jax.jit(call) if compiled else staged(call)]
+
+
+def floats(tree: Any) -> Any:
+    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
+    if isinstance(tree, dict):
+        return {k: floats(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [floats(v) for v in tree]
+    return float(tree)
+
+
+def error_line(err: BaseException) -> str:
+    """The source text of the test module line an error names."""
+    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
+    assert m, f"no user file:line in: {err}"
+    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
+
+
+def keys_of(dec: types.ModuleType, build: str) -> tuple[list[str], list[str], list[str]]:
+    """State names, ``param_dict`` keys and ``state_dict`` keys of a fresh model."""
+    model = eval(build, vars(dec))  # noqa: S307
+    _, states = model.functionalize()
+    return (
+        sorted(states),
+        sorted(autostate.param_dict(model)),
+        sorted(autostate.state_dict(model)),
+    )
+
+
+def assert_clear(
+    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
+) -> None:
+    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
+    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
+    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
+    assert_user_line(err, filename)
+    text = str(err)
+    assert "fix:" in text, f"no fix in: {text}"
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in: {text}"
+def tracers_in(obj: Any, path: str = "model", seen: set[int] | None = None,
+               depth: int = 0) -> list[str]:
+    """Where a ``jax.core.Tracer`` sits in ``obj``: its ``__dict__`` (raw, as
+    ``vars`` gives it), ``__slots__``, lists, tuples, dicts, sets and
+    closures, recursively."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 14:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, jax.core.Tracer):
+        return [path]
+    if obj is None or isinstance(
+        obj, jax.Array | np.ndarray | str | bytes | int | float | type | BaseException
+        | types.ModuleType
+    ):
+        return []
+    found: list[str] = []
+    if isinstance(obj, list | tuple | set | frozenset):
+        for i, v in enumerate(obj):
+            found += tracers_in(v, f"{path}[{i}]", seen, depth + 1)
+        return found
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found += tracers_in(v, f"{path}[{k!r}]", seen, depth + 1)
+        return found
+    if isinstance(obj, types.FunctionType):
+        for i, cell in enumerate(obj.__closure__ or ()):
+            try:
+                found += tracers_in(cell.cell_contents, f"{path}<cell {i}>", seen, depth + 1)
+            except ValueError:
+                pass
+        return found
+    if isinstance(obj, types.MethodType):
+        return tracers_in(obj.__self__, f"{path}.__self__", seen, depth + 1)
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict):
+        for k, v in d.items():
+            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for k in (slots,) if isinstance(slots, str) else slots:
+            try:
+                v = getattr(obj, k)
+            except Exception:  # noqa: BLE001 - an unset slot, or a read that refuses
+                continue
+            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
+    return found
+
+def no_tracers(*objs: Any) -> None:
+    for obj in objs:
+        where = tracers_in(obj)
+        assert not where, f"tracers left at {where}"

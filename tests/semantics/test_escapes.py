@@ -17,7 +17,7 @@ import dataclasses
 import gc
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,6 @@ from autostate.errors import (
     UnhandledLocalStateError,
 )
 from semantics.harness import (
-    HEADER,
-    PYLAX,
     Call,
     Loader,
     X,
@@ -50,18 +48,22 @@ from semantics.harness import (
     assert_user_line,
     check,
     check_transform,
+    class_pair,
+    floats,
+    modes_of,
+    no_tracer,
     pair,
+    pair_with_helpers,
     plain_path,
     raises_autostate,
+    refused_everywhere,
+    run_case,
     same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import _pair as pair_h5
-from semantics.harness import _pair as pair_h8
 from semantics.programs import (
-    _COUNTER,
     A1,
     BODIES,
     BUILT,
@@ -78,7 +80,6 @@ from semantics.programs import (
     LATE,
     NESTED,
     NESTED_GEN,
-    PYLAX29,
     REAL,
     STACK,
     STACKED,
@@ -100,23 +101,6 @@ from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
 from semantics.programs import ESCAPES_h8 as ESCAPES
 from semantics.programs import ESCAPES_h34 as ESCAPES_h34
 from semantics.programs import INSIDE_h29 as INSIDE_h29
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h14
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h18
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h20
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h28
-from semantics.programs import Loader as Loader_h29
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import Loader as Loader_h33
-from semantics.programs import Loader as Loader_h34
-from semantics.programs import Loader as Loader_h35
 from semantics.programs import OUTSIDE_h9 as OUTSIDE
 from semantics.programs import TORCH_h35 as TORCH_h35
 from semantics.programs import TRAINER_h24 as TRAINER
@@ -134,7 +118,6 @@ from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
 from semantics.programs import Y_h35 as Y
-from semantics.programs import _PAIRS_h29 as _PAIRS
 
 FINALIZED: list[Any] = []
 INSIDE_PLAIN: list[tuple[str, str]] = []
@@ -276,15 +259,10 @@ def test_transformations_of_f_from_outside_are_not_escapes() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 def test_no_tracer_is_left_in_f_after_a_refused_write(write_module):
-    _, cls, _ = _twice(write_module, HELPER_WRITES, "NoStates")
+    _, cls, _ = class_pair(write_module, HELPER_WRITES, "NoStates")
     f, states = cls().functionalize()
     with pytest.raises(autostate.errors.StateAccessError):
         jit_call(f, states, 1.0)
@@ -380,9 +358,9 @@ def _written(k: Any, cls: str = "Model") -> Any:
 
 
 def test_a_tracer_write_to_an_eager_model_is_refused_and_changes_nothing(
-    write_module: Loader_h5,
+    write_module: Loader,
 ) -> None:
-    _, dec = pair_h5(write_module, EAGER)
+    _, dec = pair(write_module, EAGER, fresh=True)
     model = _written(dec)
     snap = dict(vars(model))
 
@@ -404,10 +382,10 @@ def f_and_jit(f: Any, method: str) -> list[Callable[..., Any]]:
     return [call, staged(call)]
 
 
-def test_raw_scan_in_a_helper_then_overwritten_is_refused_or_works(write_module: Loader_h8) -> None:
+def test_raw_scan_in_a_helper_then_overwritten_is_refused_or_works(write_module: Loader) -> None:
     """Plain Python leaks a tracer that is overwritten before anyone sees it: the
     values are well defined (f may refuse it clearly, never leak)."""
-    _, dec = pair_h8(write_module, ESCAPES)
+    _, dec = pair(write_module, ESCAPES, fresh=True)
     f, states = dec.M().functionalize()
     for call in f_and_jit(f, "helper_then_overwrite"):
         try:
@@ -418,8 +396,8 @@ def test_raw_scan_in_a_helper_then_overwritten_is_refused_or_works(write_module:
         assert_same({"s": 0.0, "d": {"a": 0.0, "b": 1.0}, "t": (0.0, 1.0)}, new)
 
 
-def test_raw_scan_in_a_helper_then_read_array_is_escaped_state_error(write_module: Loader_h8) -> None:
-    _, dec = pair_h8(write_module, ESCAPES)
+def test_raw_scan_in_a_helper_then_read_array_is_escaped_state_error(write_module: Loader) -> None:
+    _, dec = pair(write_module, ESCAPES, fresh=True)
     f, states = dec.M().functionalize()
     for call in f_and_jit(f, "helper_then_read_array"):
         with pytest.raises(EscapedStateError, match="State 's'"):
@@ -440,18 +418,18 @@ ESCAPED_PYTREE_READS = [
     "method,arg,state", ESCAPED_PYTREE_READS, ids=[c[0] for c in ESCAPED_PYTREE_READS]
 )
 def test_escaped_pytree_state_read_is_a_clear_error(
-    write_module: Loader_h8, method: str, arg: Any, state: str
+    write_module: Loader, method: str, arg: Any, state: str
 ) -> None:
-    _, dec = pair_h8(write_module, ESCAPES)
+    _, dec = pair(write_module, ESCAPES, fresh=True)
     f, states = dec.M().functionalize()
     for call in f_and_jit(f, method):
         with pytest.raises(EscapedStateError, match=f"State '{state}'"):
             call(states, arg)
 
 
-def test_state_written_in_grad_and_overwritten_after_eager_vs_f(write_module: Loader_h8) -> None:
+def test_state_written_in_grad_and_overwritten_after_eager_vs_f(write_module: Loader) -> None:
     """f and jit give plain Python's values; eagerly a clear error is acceptable."""
-    plain, dec = pair_h8(write_module, ESCAPES)
+    plain, dec = pair(write_module, ESCAPES, fresh=True)
     check(plain, dec, "M()", [("grad_then_overwrite", (jnp.float32(1.5),))], modes=("f", "jit"))
 
 
@@ -461,22 +439,16 @@ def test_state_written_in_grad_and_overwritten_after_eager_vs_f(write_module: Lo
     "overwritten before the method returns raises TracedEagerStateError; plain Python "
     "(and f, and jit) give the values",
 )
-def test_state_written_in_grad_and_overwritten_after_eagerly(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, ESCAPES)
+def test_state_written_in_grad_and_overwritten_after_eagerly(write_module: Loader) -> None:
+    plain, dec = pair(write_module, ESCAPES, fresh=True)
     check(plain, dec, "M()", [("grad_then_overwrite", (jnp.float32(1.5),))], modes=("eager",))
 
 
-def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
-    """The functional call of ``method``, as is and under ``jax.jit``."""
-    call = _fcall(f, method)
-    return [call, staged(call)]
 
 
-def no_tracer(model: Any) -> None:
-    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
-def test_lazy_generator_returned_by_f_is_refused_after_the_call(write_module: Loader_h9) -> None:
+def test_lazy_generator_returned_by_f_is_refused_after_the_call(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONSTRUCTS)
     p, d = plain.Ctx(), dec.Ctx()
     assert_same(list(p.lazy_gen(3)), list(d.lazy_gen(3)), "eager")
@@ -488,7 +460,7 @@ def test_lazy_generator_returned_by_f_is_refused_after_the_call(write_module: Lo
     assert_same(states, new, "the states are unchanged")
 
 
-def test_a_global_eager_model_written_in_a_scan_body_is_refused(write_module: Loader_h9) -> None:
+def test_a_global_eager_model_written_in_a_scan_body_is_refused(write_module: Loader) -> None:
     _, dec = pair(write_module, BODIES)
     model = dec.B()
     f, states = model.functionalize()
@@ -502,7 +474,7 @@ def test_a_global_eager_model_written_in_a_scan_body_is_refused(write_module: Lo
 
 
 @pytest.mark.parametrize("method", ["__call__", "clipped"])
-def test_custom_jvp_and_vjp_functions_in_methods(write_module: Loader_h9, method: str) -> None:
+def test_custom_jvp_and_vjp_functions_in_methods(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, OUTSIDE)
     check(plain, dec, "Net()", [(method, (V3,))] * 2)
     check_transform(plain, dec, "Net()", [(method, (X,))] * 2, V3, "grad")
@@ -510,7 +482,7 @@ def test_custom_jvp_and_vjp_functions_in_methods(write_module: Loader_h9, method
 
 
 @pytest.mark.parametrize("method", ["custom_vjp_writes", "custom_jvp_writes"])
-def test_custom_derivative_closure_writing_state(write_module: Loader_h9, method: str) -> None:
+def test_custom_derivative_closure_writing_state(write_module: Loader, method: str) -> None:
     """Concrete calls run the closure like plain Python; under jit its write would hold a
     tracer of the custom derivative's own trace: refused, naming the user's line."""
     plain, dec = pair(write_module, OUTSIDE)
@@ -539,7 +511,7 @@ EAGER_UNDER_TRANSFORMS: dict[str, Callable[[Any], Any]] = {
 
 @pytest.mark.parametrize("transform", list(EAGER_UNDER_TRANSFORMS))
 def test_eager_model_under_a_transformation_refuses_a_traced_write(
-    write_module: Loader_h9, transform: str
+    write_module: Loader, transform: str
 ) -> None:
     """Plain Python leaks a tracer into ``last``; the decorated model refuses the traced
     write and keeps what it had (``calls`` holds the untraced write made before it, as in
@@ -553,7 +525,7 @@ def test_eager_model_under_a_transformation_refuses_a_traced_write(
     no_tracer(model)
 
 
-def test_eager_model_under_vmap_with_an_unbatched_named_axis_write(write_module: Loader_h9) -> None:
+def test_eager_model_under_vmap_with_an_unbatched_named_axis_write(write_module: Loader) -> None:
     """The pmean'd statistics are unbatched, so plain Python keeps concrete values; so
     does the decorated eager model."""
     plain, dec = pair(write_module, OUTSIDE)
@@ -564,12 +536,7 @@ def test_eager_model_under_vmap_with_an_unbatched_named_axis_write(write_module:
     no_tracer(model)
 
 
-def modes_of_h14(f: Any, method: str) -> list[Callable[..., Any]]:
-    call = _fcall(f, method)
-    return [call, jax.jit(call)]
-
-
-def test_closure_returned_by_f_refuses_to_run_after_the_call(write_module: Loader_h14) -> None:
+def test_closure_returned_by_f_refuses_to_run_after_the_call(write_module: Loader) -> None:
     """Plain Python's closure keeps writing the model after the call; f's model is
     gone when f returns, so calling the closure is the documented unhandled error."""
     _, dec = pair(write_module, CLOSURES)
@@ -581,7 +548,7 @@ def test_closure_returned_by_f_refuses_to_run_after_the_call(write_module: Loade
     assert_same(states, new, "states unchanged")
 
 
-def test_eager_closure_called_inside_jit_refuses_the_traced_write(write_module: Loader_h14) -> None:
+def test_eager_closure_called_inside_jit_refuses_the_traced_write(write_module: Loader) -> None:
     _, dec = pair(write_module, CLOSURES)
     model = dec.Acc()
     bump = model.make_bumper(2.0)
@@ -592,7 +559,7 @@ def test_eager_closure_called_inside_jit_refuses_the_traced_write(write_module: 
     assert_same(np.float32(0.0), model.n, "unchanged")
 
 
-def test_lazy_map_returned_by_f_refuses_to_run_after_the_call(write_module: Loader_h14) -> None:
+def test_lazy_map_returned_by_f_refuses_to_run_after_the_call(write_module: Loader) -> None:
     """``return map(self.up, xs)``: plain Python writes when it is consumed; f's model
     is gone by then, so consuming it is the documented unhandled-state error."""
     source = (
@@ -614,7 +581,7 @@ def test_lazy_map_returned_by_f_refuses_to_run_after_the_call(write_module: Load
     assert_same(states, new, "states unchanged")
 
 
-def _outside_pair(write_module: Loader_h14) -> tuple[types.ModuleType, types.ModuleType]:
+def _outside_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     import sys
 
     if "written_helpers" not in sys.modules:
@@ -622,10 +589,10 @@ def _outside_pair(write_module: Loader_h14) -> tuple[types.ModuleType, types.Mod
     return pair(write_module, OUTSIDE_h14)
 
 
-def test_helper_with_jax_scan_is_the_documented_escape(write_module: Loader_h14) -> None:
+def test_helper_with_jax_scan_is_the_documented_escape(write_module: Loader) -> None:
     _, dec = _outside_pair(write_module)
     f, states = dec.Out().functionalize()
-    for call in modes_of_h14(f, "other_module_jax_scan"):
+    for call in modes_of(f, "other_module_jax_scan", compiled=True):
         with pytest.raises(EscapedStateError, match="State '(n|hist)'") as info:
             call(states, XS_h14)
         assert_user_line(info.value, __file__)  # the call of f, as documented
@@ -646,14 +613,14 @@ NESTED_OK = {
 
 
 @pytest.mark.parametrize("case", sorted(NESTED_OK))
-def test_transformations_inside_methods(write_module: Loader_h14, case: str) -> None:
+def test_transformations_inside_methods(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, NESTED)
     check(plain, dec, "Nest()", NESTED_OK[case])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_transformations_inside_methods_under_grad_and_vmap(
-    write_module: Loader_h14, transform: str
+    write_module: Loader, transform: str
 ) -> None:
     plain, dec = pair(write_module, NESTED)
     x = X1 if transform == "grad" else jnp.arange(3.0)
@@ -665,12 +632,12 @@ def test_transformations_inside_methods_under_grad_and_vmap(
     "method,arg", [("jit_write", X1), ("vmap_write", XS_h14), ("eval_shape_write", X1)]
 )
 def test_a_transformation_of_a_state_writing_method_is_the_documented_escape(
-    write_module: Loader_h14, method: str, arg: Any
+    write_module: Loader, method: str, arg: Any
 ) -> None:
     """Plain Python leaks a tracer into ``self.n``; autostate refuses, naming the line."""
     _, dec = pair(write_module, NESTED)
     f, states = dec.Nest().functionalize()
-    for call in modes_of_h14(f, method):
+    for call in modes_of(f, method, compiled=True):
         with pytest.raises(EscapedStateError, match="State 'n'") as info:
             call(states, arg)
         assert_user_line(info.value, __file__)  # the call of f, as documented
@@ -682,7 +649,7 @@ def test_a_transformation_of_a_state_writing_method_is_the_documented_escape(
     assert_same(np.float32(0.0), model.n, "unchanged")
 
 
-def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
+def stack(write_module: Loader) -> tuple[Any, Any, Any]:
     _, dec = pair(write_module, STACKED)
     model = dec.Stack(2)
     assert model.layers.w.shape == (2, 3) and model.layers.mean.shape == (2, 3)
@@ -690,7 +657,7 @@ def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
 
 
 def test_stacked_sub_model_written_under_in_method_vmap_is_the_documented_error(
-    write_module: Loader_h17,
+    write_module: Loader,
 ) -> None:
     dec, model, _ = stack(write_module)
     f, s = model.functionalize()
@@ -702,20 +669,6 @@ def test_stacked_sub_model_written_under_in_method_vmap_is_the_documented_error(
     assert_user_line(err.value, Path(dec.__file__).name)
 
 
-def pair18(write_module: Loader_h18, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """``pair``, with ``jax.checkpoint`` / ``jax.remat`` the identity in the plain module too
-    (plain JAX would leak the tracer of a remat body that writes ``self``)."""
-    plain_src = (
-        source.replace("@jax.checkpoint", "@checkpoint")
-        .replace("jax.checkpoint(", "checkpoint(")
-        .replace("jax.remat(", "checkpoint(")
-    )
-    return pair(write_module, plain_src)[0], pair(write_module, source)[1]
-
-
-def modes_of_h18(f: Any, method: str) -> list[Callable[..., Any]]:
-    call = _fcall(f, method)
-    return [call, jax.jit(call)]
 
 
 INSIDE_CALLS: dict[str, Any] = {
@@ -756,8 +709,8 @@ INSIDE_CALLS: dict[str, Any] = {
 
 
 @pytest.mark.parametrize("method", sorted(INSIDE_CALLS))
-def test_transformations_inside_methods_h18(write_module: Loader_h18, method: str) -> None:
-    plain, dec = pair18(write_module, INSIDE)
+def test_transformations_inside_methods_h18(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     arg = INSIDE_CALLS[method]
     check(plain, dec, "Net()", [(method, (arg,)), (method, (arg * 2,))])
 
@@ -774,18 +727,18 @@ UNDER_GRAD_AND_VMAP = [
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("method", UNDER_GRAD_AND_VMAP)
 def test_transformations_inside_methods_under_grad_and_vmap_h18(
-    write_module: Loader_h18, method: str, transform: str
+    write_module: Loader, method: str, transform: str
 ) -> None:
-    plain, dec = pair18(write_module, INSIDE)
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     arg = INSIDE_CALLS[method]
     x = arg if transform == "grad" else jnp.stack([arg, arg + 1])
     check_transform(plain, dec, "Net()", [(method, (X,))] * 2, x, transform)
 
 
-def test_debug_callback_sees_the_plain_values(write_module: Loader_h18) -> None:
+def test_debug_callback_sees_the_plain_values(write_module: Loader) -> None:
     """``jax.debug.callback`` of a state (in a method and inside a scan body) receives
     the values plain Python has at that point, eagerly, in ``f`` and under ``jit``."""
-    plain, dec = pair18(write_module, INSIDE)
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     calls = [("debug_callback", (V3,)), ("debug_callback_in_scan", (STACK,)),
              ("debug_callback", (-V3,))]
     plain.LOG.clear()
@@ -818,22 +771,22 @@ CUSTOM_READS = ["cjvp_read", "cjvp_read_after_write", "cvjp_read_after_write",
 
 @pytest.mark.parametrize("method", CUSTOM_READS)
 def test_custom_derivative_closures_reading_state_eagerly_and_in_f(
-    write_module: Loader_h18, method: str
+    write_module: Loader, method: str
 ) -> None:
-    plain, dec = pair18(write_module, INSIDE)
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     check(plain, dec, "Net()", [(method, (V3,)), (method, (V3 * 2,))], modes=("eager", "f"))
 
 
 @pytest.mark.parametrize("method", CUSTOM_READS)
 def test_custom_derivative_closures_reading_state_under_jit(
-    write_module: Loader_h18, method: str
+    write_module: Loader, method: str
 ) -> None:
-    plain, dec = pair18(write_module, INSIDE)
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     check(plain, dec, "Net()", [(method, (V3,)), (method, (V3 * 2,))], modes=("jit",))
 
 
-def test_custom_jvp_closure_reading_batched_state(write_module: Loader_h18) -> None:
-    plain, dec = pair18(write_module, INSIDE)
+def test_custom_jvp_closure_reading_batched_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     means = jnp.stack([jnp.zeros(3), jnp.ones(3)])
 
     def ref(mean: Any) -> Any:
@@ -848,11 +801,11 @@ def test_custom_jvp_closure_reading_batched_state(write_module: Loader_h18) -> N
 
 
 def test_grad_through_a_custom_jvp_closure_reading_state_is_an_autostate_error(
-    write_module: Loader_h18,
+    write_module: Loader,
 ) -> None:
     """Plain JAX leaks the JVP tracer of a state closed over by a ``custom_jvp``
     function (``UnexpectedTracerError``); autostate refuses, naming the user's line."""
-    plain, dec = pair18(write_module, INSIDE)
+    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
 
     def plain_loss(mean: Any) -> Any:
         m = plain.Net()
@@ -868,11 +821,11 @@ def test_grad_through_a_custom_jvp_closure_reading_state_is_an_autostate_error(
 
 
 def test_value_and_grad_has_aux_of_a_state_writing_loss_is_the_documented_escape(
-    write_module: Loader_h18,
+    write_module: Loader,
 ) -> None:
     """``value_and_grad(self.loss, has_aux=True)`` whose loss writes ``self.mean`` (and
     returns it as aux): plain Python leaks a tracer into the model; autostate refuses."""
-    _, dec = pair18(write_module, INSIDE)
+    _, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
     model = dec.Net()
     with pytest.raises(TracedEagerStateError, match="'mean'") as info:
         model.vg_has_aux_write(V3)
@@ -880,7 +833,7 @@ def test_value_and_grad_has_aux_of_a_state_writing_loss_is_the_documented_escape
     no_tracer(model)
     assert_same(np.zeros(3, np.float32), model.mean, "unchanged")
     f, states = dec.Net().functionalize()
-    for call in modes_of_h18(f, "vg_has_aux_write"):
+    for call in modes_of(f, "vg_has_aux_write", compiled=True):
         with pytest.raises(EscapedStateError, match="State 'mean'") as info:
             call(states, V3)
         assert_user_line(info.value, __file__)
@@ -888,13 +841,6 @@ def test_value_and_grad_has_aux_of_a_state_writing_loss_is_the_documented_escape
     assert_same(np.asarray(V3) * 3, out)
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
 def no_handler_left() -> None:
@@ -902,7 +848,7 @@ def no_handler_left() -> None:
     assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
-def test_coroutine_returned_by_f_refuses_to_run_after_the_call(write_module: Loader_h19) -> None:
+def test_coroutine_returned_by_f_refuses_to_run_after_the_call(write_module: Loader) -> None:
     _, dec = pair(write_module, FRAMES)
     f, s = dec.Stream().functionalize()
     coro, new = f.abump(s, X1)
@@ -914,7 +860,7 @@ def test_coroutine_returned_by_f_refuses_to_run_after_the_call(write_module: Loa
 
 
 def test_context_manager_returned_by_f_refuses_to_enter_after_the_call(
-    write_module: Loader_h19,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, FRAMES)
     f, s = dec.Stream().functionalize()
@@ -924,7 +870,7 @@ def test_context_manager_returned_by_f_refuses_to_enter_after_the_call(
     assert_user_line(info.value, dec.__file__)
 
 
-def test_named_buffers_generator_consumed_after_f_returned(write_module: Loader_h20) -> None:
+def test_named_buffers_generator_consumed_after_f_returned(write_module: Loader) -> None:
     _, dec = pair(write_module, TORCH)
     f, states = dec.Tree().functionalize()
     gen, _ = f.named_buffers(states)
@@ -1041,7 +987,7 @@ def _gan_hand(seed: int, steps: int) -> tuple[list[Any], dict[str, Any]]:
     return outs, {"g_w": gw, "d_w": dw, "step": steps}
 
 
-def test_gan_grad_over_sub_models_inside_a_method(write_module: Loader_h24) -> None:
+def test_gan_grad_over_sub_models_inside_a_method(write_module: Loader) -> None:
     # jax.grad over a sub-model (a pytree only when decorated): no plain reference, so
     # eager / f / jit are compared with the hand-threaded GAN.
     _, dec = pair(write_module, GAN_SUB)
@@ -1069,7 +1015,7 @@ def _hand_fit(seed: int, opt: Any) -> tuple[Any, Any]:
     return p, losses
 
 
-def test_trainer_grad_over_sub_model_inside_a_method(write_module: Loader_h24) -> None:
+def test_trainer_grad_over_sub_model_inside_a_method(write_module: Loader) -> None:
     _, dec = pair(write_module, TRAINER)
     p, losses = _hand_fit(0, optax.adam(0.1))
     calls = [("train_step", ((XS_h24[i], YS[i]),)) for i in range(3)]
@@ -1081,7 +1027,7 @@ def test_trainer_grad_over_sub_model_inside_a_method(write_module: Loader_h24) -
         assert int(states["step"]) == 3, mode
 
 
-def test_trainer_writing_sub_model_parameters_is_the_documented_error(write_module: Loader_h24) -> None:
+def test_trainer_writing_sub_model_parameters_is_the_documented_error(write_module: Loader) -> None:
     # Model.w is a parameter (no method of Model assigns it); the Trainer assigning it
     # inside a functionalized call is the documented StateAccessError at the user's line
     _, dec = pair(write_module, TRAINER)
@@ -1097,19 +1043,19 @@ def test_trainer_writing_sub_model_parameters_is_the_documented_error(write_modu
     assert_user_line(err.value, dec.__file__.rsplit("/", 1)[-1])
 
 
-def test_vmap_over_a_pure_sub_model_method(write_module: Loader_h24) -> None:
+def test_vmap_over_a_pure_sub_model_method(write_module: Loader) -> None:
     plain, dec = pair(write_module, VMAPCK)
     check(plain, dec, "Net()", [("vmapped_pure", (XB,)), ("vmapped_pure", (XB * 2,))])
 
 
-def test_vmap_over_a_sub_model_method_writing_an_unbatched_value(write_module: Loader_h24) -> None:
+def test_vmap_over_a_sub_model_method_writing_an_unbatched_value(write_module: Loader) -> None:
     # plain Python traces the method once; n + 1 is concrete, so n becomes 1 per call
     plain, dec = pair(write_module, VMAPCK)
     check(plain, dec, "Net()", [("vmapped_writer", (XB,)), ("vmapped_writer", (XB * 2,))])
 
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
-def test_vmap_over_a_writing_sub_model_method_is_documented_error(write_module: Loader_h24,
+def test_vmap_over_a_writing_sub_model_method_is_documented_error(write_module: Loader,
                                                                   mode: str) -> None:
     _, dec = pair(write_module, VMAPCK)
     model = dec.Net()
@@ -1126,7 +1072,7 @@ def test_vmap_over_a_writing_sub_model_method_is_documented_error(write_module: 
     assert "total" in str(err.value)
 
 
-def test_generator_returned_and_consumed_after_f(write_module: Loader_h25) -> None:
+def test_generator_returned_and_consumed_after_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, NESTED_GEN)
     ref, model = plain.G(), dec.G()
     same(list(ref.lazy(A1)), list(model.lazy(A1)), "eager")
@@ -1139,7 +1085,7 @@ def test_generator_returned_and_consumed_after_f(write_module: Loader_h25) -> No
     user_line(info.value, dec, "self.x = self.x + k * i")
 
 
-def test_model_returned_from_f_is_a_clear_unhandled_error(write_module: Loader_h26) -> None:
+def test_model_returned_from_f_is_a_clear_unhandled_error(write_module: Loader) -> None:
     # train() returns self: f.train gives back f's model, whose states are f's refs
     _, dec = pair(write_module, TORCHLIKE)
     f, states = dec.BN(2).functionalize()
@@ -1150,88 +1096,16 @@ def test_model_returned_from_f_is_a_clear_unhandled_error(write_module: Loader_h
     assert out.training is True
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _out(v: Any) -> Any:
-    """A model returned by a call is compared by its attributes."""
-
-    def is_model(x: Any) -> bool:
-        return type(x).__module__.startswith("autostate_testmod") and hasattr(x, "__dict__")
-
-    if is_model(v):
-        return snapshot(v)
-    if isinstance(v, list | tuple):
-        return type(v)(_out(x) for x in v)
-    return v
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_out(_call(ref, m)(*a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_out(_call(model, m)(*a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(_out(out))
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_out(_call(ref, m)(*a)), _out(_call(frozen, m)(*a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
-def pair2(write_module: Loader_h28, helper: str, source: str) -> tuple[Any, Any, Any, Any]:
-    """A helper module and a model module importing it (``import HELPERS as helpers``),
-    each written plain and decorated: ``(plain, dec, plain_helpers, dec_helpers)``."""
-    n = next(_COUNTER)
-    hp = write_module(HEADER + PYLAX + "LAXW = lax\n" + helper, name=f"autostate_testmod_h28p{n}")
-    hd = write_module(
-        HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + helper,
-        name=f"autostate_testmod_h28d{n}",
-    )
-    plain_src = source.replace("HELPERS", hp.__name__).replace("@DECORATE", "")
-    plain = write_module(HEADER + PYLAX + "LAXW = lax\n" + plain_src)
-    dec_src = source.replace("HELPERS", hd.__name__).replace("@DECORATE", "@autostate.stateful")
-    dec = write_module(
-        HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + dec_src
-    )
-    return plain, dec, hp, hd
 
 
-def test_helper_module_with_jax_scan_is_the_documented_escape(write_module: Loader_h28) -> None:
-    _, dec, _, hd = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_with_jax_scan_is_the_documented_escape(write_module: Loader) -> None:
+    _, dec, _, hd = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     f, states = dec.M().functionalize()
     for fn in (f.via_jax_scan, jax.jit(f.via_jax_scan)):
         with pytest.raises(autostate.AutostateError) as e:
@@ -1273,7 +1147,7 @@ class M:
 """
 
 
-def test_vmap_inside_method_reading_state(write_module: Loader_h28) -> None:
+def test_vmap_inside_method_reading_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, VMAP_INSIDE)
     run_case(
         plain,
@@ -1284,7 +1158,7 @@ def test_vmap_inside_method_reading_state(write_module: Loader_h28) -> None:
     )
 
 
-def test_vmap_inside_method_writing_state_is_the_documented_escape(write_module: Loader_h28) -> None:
+def test_vmap_inside_method_writing_state_is_the_documented_escape(write_module: Loader) -> None:
     _, dec = pair(write_module, VMAP_INSIDE)
     f, states = dec.M().functionalize()
     for fn in (
@@ -1304,53 +1178,8 @@ def functools_partial(fn: Callable[..., Any], *a: Any) -> Callable[..., Any]:
     return lambda *b: fn(*a, *b)
 
 
-def pair29(
-    write_module: Loader_h29, source: str, plain_subs: Sequence[tuple[str, str]] = ()
-) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source plain and decorated; ``plain_subs`` are replaced in the plain one only
-    (a spelling that would take JAX's own primitive there), ``jax.checkpoint(`` /
-    ``jax.remat(`` are the identity there."""
-    key = (source, tuple(plain_subs))
-    if key not in _PAIRS:
-        plain_src = source.replace("@DECORATE", "")
-        for old, new in plain_subs:
-            assert old in plain_src, old
-            plain_src = plain_src.replace(old, new)
-        plain_src = plain_src.replace("jax.checkpoint(", "checkpoint(").replace(
-            "jax.remat(", "checkpoint("
-        )
-        plain = write_module(HEADER + PYLAX + PYLAX29 + "LAXW = lax\n" + plain_src)
-        dec = write_module(
-            HEADER
-            + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[key] = (plain, dec)
-    return _PAIRS[key]
 
 
-def refused_everywhere(
-    dec: types.ModuleType, build: str, method: str, args: tuple[Any, ...], write_line: str
-) -> None:
-    """Eagerly, through ``f`` and under ``jax.jit(f)``: an autostate error, the model
-    and the given states left as they were, no tracer anywhere."""
-    model = eval(build, vars(dec))  # noqa: S307
-    before = snapshot(model)
-    with pytest.raises(TracedEagerStateError) as info:
-        getattr(model, method)(*args)
-    user_line(info.value, dec, write_line)
-    no_tracer(model)
-    assert_same(before, snapshot(model), "eager model after the refused call")
-    model = eval(build, vars(dec))  # noqa: S307
-    f, states = model.functionalize()
-    kept = snapshot(states)
-    for call in (_fcall(f, method), jax.jit(_fcall(f, method))):
-        with pytest.raises(EscapedStateError) as info:
-            call(states, *args)
-        assert "fix" in str(info.value)
-        assert __file__ in str(info.value), str(info.value)  # the line that calls f
-    assert_same(kept, snapshot(states), "states after the refused call")
-    assert_same(before, snapshot(model), "model after the refused call")
 
 
 INSIDE_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
@@ -1364,27 +1193,27 @@ INSIDE_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(INSIDE_CASES))
-def test_transformations_inside_methods_h29(write_module: Loader_h29, case: str) -> None:
-    plain, dec = pair29(write_module, INSIDE_h29, INSIDE_PLAIN)
+def test_transformations_inside_methods_h29(write_module: Loader, case: str) -> None:
+    plain, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
     modes = (
         ("eager", "f") if case == "debug.callback-reads-state" else ("eager", "f", "jit", "freeze")
     )
     check(plain, dec, "Inside()", INSIDE_CASES[case], modes=modes)
 
 
-def test_jvp_of_a_closure_that_writes_is_the_documented_escape(write_module: Loader_h29) -> None:
-    _, dec = pair29(write_module, INSIDE_h29, INSIDE_PLAIN)
+def test_jvp_of_a_closure_that_writes_is_the_documented_escape(write_module: Loader) -> None:
+    _, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
     refused_everywhere(dec, "Inside()", "jvp_write", (A1_h29,), "# jvp-write")
 
 
 def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
-    write_module: Loader_h29,
+    write_module: Loader,
 ) -> None:
     # Under jax.jit(f) the callback's Python function runs after the traced
     # call ended: the read is refused with the fix (pass the value as an
     # argument); JAX reports it wrapped in its own JaxRuntimeError (eagerly
     # and through f without jit it reads the plain value: the case above).
-    _, dec = pair29(write_module, INSIDE_h29, INSIDE_PLAIN)
+    _, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
     f, states = dec.Inside().functionalize()
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
         out, _ = jax.jit(f.callback_reads_state)(states, A1_h29)
@@ -1405,7 +1234,7 @@ def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
     ids=["lax.scan", "vmap", "jit", "checkpoint"],
 )
 def test_model_built_in_jit_written_in_an_inner_transformation_is_refused(
-    write_module: Loader_h31, inner: Callable[..., Any]
+    write_module: Loader, inner: Callable[..., Any]
 ) -> None:
     _, dec = pair(write_module, BUILT)
 
@@ -1430,7 +1259,7 @@ def test_model_built_in_jit_written_in_an_inner_transformation_is_refused(
     ],
 )
 def test_lazy_iterator_consumed_after_f_is_unhandled_state(
-    write_module: Loader_h33, method: str, text: str
+    write_module: Loader, method: str, text: str
 ) -> None:
     plain, dec = pair(write_module, ESCAPES_h33)
     ref, model = plain.E(), dec.E()
@@ -1448,7 +1277,7 @@ def test_lazy_iterator_consumed_after_f_is_unhandled_state(
     "ignore:Python iterable type:DeprecationWarning"
 )
 @pytest.mark.parametrize("jit", [False, True])
-def test_generator_stashed_by_f_resumed_after_it(write_module: Loader_h33, jit: bool) -> None:
+def test_generator_stashed_by_f_resumed_after_it(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, ESCAPES_h33)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
@@ -1465,7 +1294,7 @@ def test_generator_stashed_by_f_resumed_after_it(write_module: Loader_h33, jit: 
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-def test_generator_collected_after_f_reports_its_finally(write_module: Loader_h33) -> None:
+def test_generator_collected_after_f_reports_its_finally(write_module: Loader) -> None:
     """Plain Python writes ``closed`` when the dropped generator is collected;
     after ``f`` returned that write is the documented unhandled-state error,
     reported as unraisable (it runs in the garbage collector)."""
@@ -1493,7 +1322,7 @@ def test_generator_collected_after_f_reports_its_finally(write_module: Loader_h3
     "ignore:Python iterable type:DeprecationWarning"
 )
 @pytest.mark.parametrize("jit", [False, True])
-def test_callbacks_registered_in_f_called_after_it(write_module: Loader_h33, jit: bool) -> None:
+def test_callbacks_registered_in_f_called_after_it(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, ESCAPES_h33)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
@@ -1784,7 +1613,7 @@ INSIDE_CALLS_h34: dict[str, Any] = {
 
 
 @pytest.mark.parametrize("method", sorted(INSIDE_CALLS_h34))
-def test_callables_inside_methods(write_module: Loader_h34, method: str) -> None:
+def test_callables_inside_methods(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, INSIDE_h34)
     arg = INSIDE_CALLS_h34[method]
     check(plain, dec, "Net()", [(method, (arg,)), (method, (arg * 2,))])
@@ -1796,7 +1625,7 @@ UNDER_GRAD_AND_VMAP_h34 = ["vmap_scan", "jacrev_aux", "custom_root_read"]
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("method", UNDER_GRAD_AND_VMAP_h34)
 def test_callables_inside_methods_under_grad_and_vmap_of_f(
-    write_module: Loader_h34, method: str, transform: str
+    write_module: Loader, method: str, transform: str
 ) -> None:
     plain, dec = pair(write_module, INSIDE_h34)
     arg = INSIDE_CALLS_h34[method]
@@ -1806,7 +1635,7 @@ def test_callables_inside_methods_under_grad_and_vmap_of_f(
 
 @pytest.mark.parametrize("method", ["cjvp_primal_write", "cvjp_primal_write", "cte_branch"])
 def test_custom_primals_writing_state_and_compile_time_eval_eagerly_and_in_f(
-    write_module: Loader_h34, method: str
+    write_module: Loader, method: str
 ) -> None:
     """Eagerly JAX runs a custom_jvp / custom_vjp primal (and an
     ``ensure_compile_time_eval`` block) on concrete values: a write there is plain."""
@@ -1814,7 +1643,7 @@ def test_custom_primals_writing_state_and_compile_time_eval_eagerly_and_in_f(
     check(plain, dec, "Net()", [(method, (V3,)), (method, (V3 * 2,))], modes=("eager", "f"))
 
 
-def test_grad_of_f_through_a_custom_vjp_primal_that_writes_state(write_module: Loader_h34) -> None:
+def test_grad_of_f_through_a_custom_vjp_primal_that_writes_state(write_module: Loader) -> None:
     """Under ``jax.grad`` (not jitted) the ``fwd`` rule runs the primal on concrete
     values: the state it writes comes out concrete, as plain Python's would."""
     plain, dec = pair(write_module, INSIDE_h34)
@@ -1830,7 +1659,7 @@ def test_grad_of_f_through_a_custom_vjp_primal_that_writes_state(write_module: L
     assert_same(ref(V3), (out, new["mean"]))
 
 
-def test_grad_of_f_through_a_custom_vjp_bwd_reading_state(write_module: Loader_h34) -> None:
+def test_grad_of_f_through_a_custom_vjp_bwd_reading_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, INSIDE_h34)
     ref = plain.Net()
     expected = jax.grad(ref.cvjp_bwd_reads_state)(V3)
@@ -1848,7 +1677,7 @@ def test_grad_of_f_through_a_custom_vjp_bwd_reading_state(write_module: Loader_h
 
 @pytest.mark.parametrize("method", ["cjvp_primal_write", "cvjp_primal_write"])
 def test_custom_primal_writing_state_under_jit_is_escaped_state_error(
-    write_module: Loader_h34, method: str
+    write_module: Loader, method: str
 ) -> None:
     """Under ``jit`` JAX traces the primal into its own jaxpr: plain JAX would leak
     that tracer into the model; autostate refuses, naming the call's line."""
@@ -1863,7 +1692,7 @@ def test_custom_primal_writing_state_under_jit_is_escaped_state_error(
 
 
 def test_compile_time_eval_branch_on_a_state_under_jit_is_traced_value_error(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, INSIDE_h34)
     f, states = dec.Net().functionalize()
@@ -1886,7 +1715,7 @@ ESCAPE_CASES: dict[str, tuple[Any, str]] = {
 
 @pytest.mark.parametrize("method", sorted(ESCAPE_CASES))
 def test_input_dependent_write_in_a_transformed_callable_is_refused(
-    write_module: Loader_h34, method: str
+    write_module: Loader, method: str
 ) -> None:
     """Eagerly: ``TracedEagerStateError`` at the write, the model unchanged; through
     ``f`` and ``jit(f)``: ``EscapedStateError`` naming a user line, ``f`` still usable."""
@@ -1911,7 +1740,7 @@ def test_input_dependent_write_in_a_transformed_callable_is_refused(
 
 
 @pytest.mark.parametrize("method", ["vmap_then_overwrite", "grad_then_overwrite"])
-def test_escaped_write_overwritten_in_the_method(write_module: Loader_h34, method: str) -> None:
+def test_escaped_write_overwritten_in_the_method(write_module: Loader, method: str) -> None:
     """Plain Python leaves the tracer only until the method overwrites it: through
     ``f`` the result is plain Python's; eagerly the first write is refused (stricter)."""
     plain, dec = pair(write_module, ESCAPES_h34)
@@ -1925,7 +1754,7 @@ def test_escaped_write_overwritten_in_the_method(write_module: Loader_h34, metho
 
 
 def test_reduce_computation_writing_state_eagerly_is_traced_eager_state_error(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, ESCAPES_h34)
     model = dec.Esc()
@@ -1942,7 +1771,7 @@ def test_reduce_computation_writing_state_eagerly_is_traced_eager_state_error(
     "over Tracers. Please open an issue\"; expected EscapedStateError naming the user's "
     "line, as eagerly (TracedEagerStateError) and for vmap/custom_root/custom_linear_solve"))
 def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, ESCAPES_h34)
     f, states = dec.Esc().functionalize()
@@ -1961,7 +1790,7 @@ def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
     "jax.jit(f.m), a custom_vjp / custom_jvp primal ('Leaked trace DynamicJaxprTrace ... "
     "referred to by <LocalStateEffectImpl>'): the functional write keeps the inner trace's "
     "tracer in the state cell until f returns"))
-def test_escaping_write_through_f_under_checking_leaks(write_module: Loader_h34) -> None:
+def test_escaping_write_through_f_under_checking_leaks(write_module: Loader) -> None:
     _, dec = pair(write_module, ESCAPES_h34)
     f, states = dec.Esc().functionalize()
     with jax.checking_leaks(), pytest.raises(EscapedStateError):
@@ -2011,12 +1840,12 @@ class Cb:
 """
 
 
-def _cb_pair(write_module: Loader_h34) -> tuple[types.ModuleType, types.ModuleType]:
+def _cb_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, CALLBACKS)
 
 
 def test_debug_callback_method_appending_to_a_list_eagerly_in_f_and_jit_of_f(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     plain, dec = _cb_pair(write_module)
     ref = plain.Cb()
@@ -2048,7 +1877,7 @@ def test_debug_callback_method_appending_to_a_list_eagerly_in_f_and_jit_of_f(
     "freeze(f, states).log == [] (expected 2 entries, as eagerly and with jax.jit(f.m), or "
     "the documented StateAccessError)"))
 def test_debug_callback_method_appending_to_a_list_with_f_as_a_jit_argument(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     plain, dec = _cb_pair(write_module)
     ref = plain.Cb()
@@ -2071,7 +1900,7 @@ def test_debug_callback_method_appending_to_a_list_with_f_as_a_jit_argument(
     "alive; jax.checking_leaks() reports 'Exception: Leaked trace DynamicJaxprTrace ... "
     "<Net>.w is referred to by <method> ... _FlatCallback' (jax.jit(f.m) does not leak)"))
 def test_host_callback_bound_method_with_f_as_a_jit_argument_does_not_leak(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     _, dec = _cb_pair(write_module)
     f, states = dec.Cb().functionalize()
@@ -2087,7 +1916,7 @@ def test_host_callback_bound_method_with_f_as_a_jit_argument_does_not_leak(
     "error'); expected the value (as eagerly, through f and with jax.jit(f.m)) or an "
     "autostate error naming the line"))
 def test_pure_callback_method_reading_a_parameter_with_f_as_a_jit_argument(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     plain, dec = _cb_pair(write_module)
     expected = plain.Cb().pure_reads_param(V3)
@@ -2102,7 +1931,7 @@ def test_pure_callback_method_reading_a_parameter_with_f_as_a_jit_argument(
 
 
 def test_pure_callback_method_reading_a_parameter_eagerly_in_f_and_jit_of_f(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     plain, dec = _cb_pair(write_module)
     check(plain, dec, "Cb()", [("pure_reads_param", (V3,)), ("pure_reads_param", (V3 * 2,))],
@@ -2115,7 +1944,7 @@ def test_pure_callback_method_reading_a_parameter_eagerly_in_f_and_jit_of_f(
 
 
 @pytest.mark.parametrize("method", ["debug_write", "pure_write"])
-def test_host_callback_method_writing_a_state(write_module: Loader_h34, method: str) -> None:
+def test_host_callback_method_writing_a_state(write_module: Loader, method: str) -> None:
     """Eagerly and through ``f`` the callback runs during the call: plain values. Under
     ``jit`` it runs after the call: the documented ``UnhandledLocalStateError``, wrapped
     by JAX in its ``JaxRuntimeError``, naming the line."""
@@ -2140,11 +1969,11 @@ def batch(i: int) -> tuple[Any, Any]:
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
-def torch(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
+def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, TORCH_HEADER + TORCH_h35)
 
 
-def test_forward_inside_grad_writing_model_states(write_module: Loader_h35) -> None:
+def test_forward_inside_grad_writing_model_states(write_module: Loader) -> None:
     """The forward pass inside the trainer's value_and_grad updates the model's input
     statistics (values that do not depend on the differentiated weights)."""
     plain, dec = torch(write_module)
@@ -2152,7 +1981,7 @@ def test_forward_inside_grad_writing_model_states(write_module: Loader_h35) -> N
 
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
-def test_forward_inside_grad_keeping_its_output_is_refused(write_module: Loader_h35, mode: str) -> None:
+def test_forward_inside_grad_keeping_its_output_is_refused(write_module: Loader, mode: str) -> None:
     """``self.last_out = out`` inside jax.grad: plain Python keeps a JVP tracer; autostate
     refuses it (eagerly TracedEagerStateError, in f the documented EscapedStateError)."""
     _, dec = torch(write_module)
@@ -2173,7 +2002,7 @@ def test_forward_inside_grad_keeping_its_output_is_refused(write_module: Loader_
     assert not autostate.lifetime.contains_tracer(snapshot(trainer))
 
 
-def cross(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
+def cross(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     plain, dec = pair(write_module, CROSS)
     for mod in (plain, dec):  # a fresh global for every test (the modules are shared)
         mod.TALLY = mod.Tally()
@@ -2181,7 +2010,7 @@ def cross(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]
 
 
 @pytest.mark.parametrize("target", ["argument", "global"])
-def test_write_to_an_object_outside_f_without_jit_is_plain_python(write_module: Loader_h35,
+def test_write_to_an_object_outside_f_without_jit_is_plain_python(write_module: Loader,
                                                                   target: str) -> None:
     """The other object is not in f's graph: an eager f call writes it eagerly, as the
     plain call does (and f's own state is threaded)."""
@@ -2202,7 +2031,7 @@ def test_write_to_an_object_outside_f_without_jit_is_plain_python(write_module: 
 
 
 @pytest.mark.parametrize("target", ["argument", "global", "jit argument"])
-def test_write_to_an_object_outside_f_under_jit_is_refused(write_module: Loader_h35,
+def test_write_to_an_object_outside_f_under_jit_is_refused(write_module: Loader,
                                                           target: str) -> None:
     _, dec = cross(write_module)
     f, states = dec.Writer().functionalize()

@@ -16,9 +16,8 @@ import copy
 import inspect
 import pickle
 import re
-import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ import numpy as np
 import pytest
 
 import autostate
-from autostate import guard as _guard
 from autostate import errors
+from autostate import guard as _guard
 from autostate.effects import local_state as _engine
 from autostate.errors import (
     DecorationError,
@@ -37,31 +36,40 @@ from autostate.errors import (
 )
 from autostate.transform import analysis
 from autostate.transform.method import RUNTIME_NAME, MethodSource, runtime_name
-from semantics.harness import HEADER as HEADER_h3
 from semantics.harness import (
+    HEADER,
+    OPTIMIZERS,
     Call,
     Loader,
+    S,
     X,
-    _pair,
+    _fcall,
+    assert_bits,
+    assert_clear,
     assert_same,
     assert_user_line,
+    build_pair,
     check,
     check_transform,
+    class_pair,
+    data_for,
+    error_line,
+    f_train_step,
+    keys_of,
+    library,
+    modes_of,
+    names_of,
     pair,
+    plain_path,
     raises_autostate,
-    same,
+    read_plain,
+    run_case,
+    run_reference,
     snapshot,
     staged,
 )
-from semantics.harness import plain_path as plain_path_h10
-from semantics.harness import plain_path as plain_path_h17
-from semantics.harness import plain_path as plain_path_h25
-from semantics.harness import plain_path as plain_path_h30
 from semantics.programs import (
-    _JITS,
-    _PAIRS,
     B3,
-    BUILDS,
     CATS,
     CLASS_ATTRS,
     CLASS_DEFAULTS,
@@ -73,8 +81,6 @@ from semantics.programs import (
     GPT,
     HIDDEN_METHODS,
     HIER,
-    KEY,
-    LIBRARY,
     MADE,
     MISC,
     MORE,
@@ -95,7 +101,6 @@ from semantics.programs import (
     XP,
     py313,
 )
-from semantics.programs import HEADER as HEADER_decoration_fidelity
 from semantics.programs import RECEIVERS as RECEIVERS_h21
 from semantics.programs import TORCH as TORCH_h20
 from semantics.programs import X1 as X1_h9
@@ -105,25 +110,8 @@ from semantics.programs import X1 as X1_h19
 from semantics.programs import X1 as X1_h21
 from semantics.programs import X1 as X1_h23
 from semantics.programs import XS as XS_h
-from semantics.programs import Call as Call_decoration_fidelity
-from semantics.programs import Call as Call_h2
 from semantics.programs import CONSTRUCTS_h as CONSTRUCTS_h
 from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS_h9
-from semantics.programs import HEADER_h2 as HEADER_h2
-from semantics.programs import Loader as Loader_decoration_fidelity
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h10
-from semantics.programs import Loader as Loader_h11
-from semantics.programs import Loader as Loader_h12
-from semantics.programs import Loader as Loader_h15
-from semantics.programs import Loader as Loader_h16
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h20
-from semantics.programs import Loader as Loader_h22
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h30
 from semantics.programs import MOE_h30 as MOE
 from semantics.programs import TORCH_h9 as TORCH
 from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
@@ -468,13 +456,10 @@ class Fr:
     assert dec.Fr().step(X1) == [RUNTIME_NAME, "self", "v"]
 
 
-Loader_routed_names = Callable[..., types.ModuleType]
-
-
 XS = jnp.asarray([0.5, -1.0, 2.0])
 
 
-HEADER = """
+ROUTED_HEADER = """
 import functools
 import jax
 import jax.numpy as jnp
@@ -548,7 +533,7 @@ NAMES = ["scan", "cond", "switch", "while_loop", "fori_loop", "map", "checkpoint
 def _source(binding: str, name: str) -> str:
     method = BINDINGS[binding].replace("NAME", name)
     return (
-        HEADER
+        ROUTED_HEADER
         + "\n\nclass Shadow:\n"
         + "    def __init__(self):\n"
         + "        self.n = jnp.zeros(())\n"
@@ -559,7 +544,7 @@ def _source(binding: str, name: str) -> str:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("binding", sorted(BINDINGS))
 def test_a_local_binding_of_a_routed_name_is_itself(
-    write_module: Loader_routed_names, binding: str, name: str
+    write_module: Loader, binding: str, name: str
 ) -> None:
     source = _source(binding, name)
     plain = write_module(source)
@@ -568,7 +553,7 @@ def test_a_local_binding_of_a_routed_name_is_itself(
 
 
 REBOUND_routed_names = (
-    HEADER
+    ROUTED_HEADER
     + """
 loop = jax.lax.fori_loop
 
@@ -586,7 +571,7 @@ class Looper:
 )
 
 
-def test_a_global_rebound_after_the_decoration_is_called(write_module: Loader_routed_names) -> None:
+def test_a_global_rebound_after_the_decoration_is_called(write_module: Loader) -> None:
     plain = write_module(REBOUND_routed_names)
     dec = write_module(REBOUND_routed_names.replace("class Looper:", "@autostate.stateful\nclass Looper:"))
     for module in (plain, dec):
@@ -594,7 +579,7 @@ def test_a_global_rebound_after_the_decoration_is_called(write_module: Loader_ro
     check(plain, dec, "Looper()", [("run", (XS,))])
 
 
-def test_a_global_rebound_to_jax_again_is_routed_again(write_module: Loader_routed_names) -> None:
+def test_a_global_rebound_to_jax_again_is_routed_again(write_module: Loader) -> None:
     dec = write_module(REBOUND_routed_names.replace("class Looper:", "@autostate.stateful\nclass Looper:"))
     dec.loop = lambda lo, hi, body, init: body(lo, init)
     dec.loop = jax.lax.fori_loop
@@ -703,16 +688,11 @@ def test_pending_subclass_hook_passes_a_keyword_named_sub_on() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 @pytest.mark.parametrize("name", ["Wrapped", "Assigned", "Factory", "Mixed"])
 def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, name):
-    plain_cls, cls, _ = _twice(write_module, HIDDEN_METHODS, name)
+    plain_cls, cls, _ = class_pair(write_module, HIDDEN_METHODS, name)
     plain = plain_cls()
     expected = [float(plain(1.0)) for _ in range(2)]
     assert "count" in autostate.tree.class_info(cls).state
@@ -728,7 +708,7 @@ def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, 
 
 
 def test_arrays_in_a_decorated_object_are_parameters(write_module):
-    _, cls, module = _twice(write_module, PLAIN_SUBMODEL, "Net")
+    _, cls, module = class_pair(write_module, PLAIN_SUBMODEL, "Net")
     autostate.stateful(module.Linear)
     f, states = cls().functionalize()
     grads = jax.grad(lambda f: jit_call(f, states, jnp.ones(3))[0])(f)
@@ -829,135 +809,32 @@ def test_mangled_private_names_and_receiver_named_me(write_module: Loader) -> No
     check(plain, dec, "PrivateChild()", [("bump", (1.0,)), ("bump", (2.0,))])
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER_h2 + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER_h2 + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
-def test_class_attribute_shadowed_by_instance_state(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
+def test_class_attribute_shadowed_by_instance_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
     for mod in (plain, dec):
         a, b = mod.Acc(), mod.Acc()
         a(1.0)
         a(1.0)
         assert mod.Acc.k == 5.0
         assert float(a.k) == 2.0 and float(b.k) == 0.0
-    check_h2(plain, dec, "Acc()", [("__call__", (1.0,)), ("__call__", (2.0,))])
+    check(plain, dec, "Acc()", [("__call__", (1.0,)), ("__call__", (2.0,))])
 
 
-def test_name_mangling_across_an_auto_decorated_subclass(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
-    check_h2(plain, dec, "Sub()", [("bump", ()), ("bump2", ()), ("bump", ()), ("bump2", ())])
+def test_name_mangling_across_an_auto_decorated_subclass(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
+    check(plain, dec, "Sub()", [("bump", ()), ("bump2", ()), ("bump", ()), ("bump2", ())])
     assert sorted(dec.Sub().functionalize()[1]) == ["_Base__v", "_Sub__v"]
 
 
@@ -1009,7 +886,7 @@ class Net:
 
 
 def test_class_level_category(write_module: Loader) -> None:
-    dec = write_module(HEADER_h3 + "STATE = autostate.state\n" + CATEGORIES)
+    dec = write_module(HEADER + "STATE = autostate.state\n" + CATEGORIES)
     net = dec.Net()
     f, states = net.functionalize("cache")
     assert sorted(states) == ["cache.hits", "cache.kv", "own"]
@@ -1040,7 +917,7 @@ CONSTRUCT_METHODS = [
 
 
 @pytest.mark.parametrize("method", CONSTRUCT_METHODS)
-def test_python_constructs_around_state(write_module: Loader_h9, method: str) -> None:
+def test_python_constructs_around_state(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, CONSTRUCTS_h9)
     check(plain, dec, "Ctx()", [(method, (X1_h9,)), (method, (X2_h9,))])
 
@@ -1051,168 +928,51 @@ def test_python_constructs_around_state(write_module: Loader_h9, method: str) ->
                "closure_nonlocal", "consume_lazy"],
 )
 def test_python_constructs_under_grad_and_vmap(
-    write_module: Loader_h9, method: str, transform: str
+    write_module: Loader, method: str, transform: str
 ) -> None:
     plain, dec = pair(write_module, CONSTRUCTS_h9)
     x = X1_h9 if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "Ctx()", [(method, (X,)), (method, (X,))], x, transform)
 
 
-def test_named_sub_models_have_path_names(write_module: Loader_h9) -> None:
+def test_named_sub_models_have_path_names(write_module: Loader) -> None:
     _, dec = pair(write_module, TORCH)
     _, states = dec.NamedLayers(2).functionalize()
     assert sorted(states) == ["layer0.calls", "layer1.calls"]
 
 
-def library(write_module: Loader_h10, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair if fresh else pair)(write_module, src)
 
 
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
 
 
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
 
 
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h10(model, k) for k in keys}
 
 
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
 
 
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
 
 
-def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
-    out, states = f(states, x)
-    return mse(out, y), states
 
 
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
 
 
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
 
 
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
 
 
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
 
 
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
 
 
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = staged(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
 
 
-def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
-    _, update = OPTIMIZERS[opt]
-
-    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
-        f, opt_state = update(f, grads, opt_state)
-        return loss, f, opt_state, states
-
-    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
 
 
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
 
 
 def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, Any, Any]:
@@ -1225,7 +985,7 @@ def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, A
     return f, states, losses
 
 
-def test_class_attribute_hyperparameter_changed_on_the_class(write_module: Loader_h10) -> None:
+def test_class_attribute_hyperparameter_changed_on_the_class(write_module: Loader) -> None:
     """``BatchNorm.momentum`` is a class attribute: plain Python reads the new value at
     the next call, eagerly; ``f`` made afterwards sees it too."""
     plain, dec = library(write_module, fresh=True)
@@ -1242,7 +1002,7 @@ def test_class_attribute_hyperparameter_changed_on_the_class(write_module: Loade
     assert_same(read_plain(template, states), states)
 
 
-def test_instance_attribute_shadowing_a_class_hyperparameter(write_module: Loader_h10) -> None:
+def test_instance_attribute_shadowing_a_class_hyperparameter(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp")
     template.body.mods[1].momentum = 0.3
@@ -1255,7 +1015,7 @@ def test_instance_attribute_shadowing_a_class_hyperparameter(write_module: Loade
     assert_same(ref[-1][2], states)
 
 
-def test_one_explicit_name_in_two_instances_is_refused_then_unsafe_shares(write_module: Loader_h11) -> None:
+def test_one_explicit_name_in_two_instances_is_refused_then_unsafe_shares(write_module: Loader) -> None:
     src = CATS + """
 @DECORATE
 class Pair:
@@ -1279,7 +1039,7 @@ class Pair:
     assert float(out) == 3.0 + 4.5
 
 
-def test_renamed_instances_keep_separate_caches_like_plain(write_module: Loader_h11) -> None:
+def test_renamed_instances_keep_separate_caches_like_plain(write_module: Loader) -> None:
     src = CATS + """
 @DECORATE
 class Both:
@@ -1378,7 +1138,7 @@ class Shadowed:
         ("Shadowed()", TWO_CALLS),
     ],
 )
-def test_receivers(write_module: Loader_h12, build: str, calls: list[Any]) -> None:
+def test_receivers(write_module: Loader, build: str, calls: list[Any]) -> None:
     check(*pair(write_module, RECEIVERS), build, calls)
 
 
@@ -1394,7 +1154,7 @@ class Walrus:
 """
 
 
-def test_walrus_in_comprehension_reading_state(write_module: Loader_h12) -> None:
+def test_walrus_in_comprehension_reading_state(write_module: Loader) -> None:
     check(*pair(write_module, WALRUS), "Walrus()", TWO_CALLS)
 
 
@@ -1416,7 +1176,7 @@ class Local:
 """
 
 
-def test_self_as_a_local_of_a_nested_function(write_module: Loader_h12) -> None:
+def test_self_as_a_local_of_a_nested_function(write_module: Loader) -> None:
     check(*pair(write_module, NESTED_LOCAL_SELF), "Local()", TWO_CALLS)
 
 
@@ -1441,7 +1201,7 @@ class Catch:
 """
 
 
-def test_receiver_rebound_by_except_as(write_module: Loader_h12) -> None:
+def test_receiver_rebound_by_except_as(write_module: Loader) -> None:
     """Decided: rebinding the receiver (here by ``except ... as self``) in a method
     that uses state is a DecorationError at its line, as ``self = other`` is."""
     with raises_autostate(DecorationError) as info:
@@ -1470,7 +1230,7 @@ class Matcher:
 """
 
 
-def test_receiver_rebound_by_match_capture(write_module: Loader_h12) -> None:
+def test_receiver_rebound_by_match_capture(write_module: Loader) -> None:
     with raises_autostate(DecorationError) as info:
         pair(write_module, MATCH_AS_SELF)
     assert "rebound" in str(info.value)
@@ -1489,7 +1249,7 @@ class Star:
 """
 
 
-def test_star_args_method_is_refused_in_f_at_its_line(write_module: Loader_h12) -> None:
+def test_star_args_method_is_refused_in_f_at_its_line(write_module: Loader) -> None:
     """The receiver is the first parameter (``args``): ``self.c`` is not state, so
     eagerly it is plain Python and ``f`` refuses the write, naming the line."""
     plain, dec = pair(write_module, STAR_ARGS)
@@ -1500,7 +1260,7 @@ def test_star_args_method_is_refused_in_f_at_its_line(write_module: Loader_h12) 
     assert_at(info.value, "# HERE")
 
 
-def test_keyword_argument_named_states_through_f(write_module: Loader_h12) -> None:
+def test_keyword_argument_named_states_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, SIGNATURES)
     ref = plain.Sig()
     expected = ref.step(1.0, states=2.0)
@@ -1509,7 +1269,7 @@ def test_keyword_argument_named_states_through_f(write_module: Loader_h12) -> No
     assert_same(expected, out)
 
 
-def test_class_attributes_named_like_states(write_module: Loader_h12) -> None:
+def test_class_attributes_named_like_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, CLASS_ATTRS)
     check(
         plain,
@@ -1537,7 +1297,7 @@ class Act:
 """
 
 
-def test_method_calling_a_global_of_its_own_name(write_module: Loader_h12) -> None:
+def test_method_calling_a_global_of_its_own_name(write_module: Loader) -> None:
     check(
         *pair(write_module, SAME_NAME_GLOBAL),
         "Act()",
@@ -1545,15 +1305,6 @@ def test_method_calling_a_global_of_its_own_name(write_module: Loader_h12) -> No
     )
 
 
-def keys_of(dec: types.ModuleType, build: str) -> tuple[list[str], list[str], list[str]]:
-    """State names, ``param_dict`` keys and ``state_dict`` keys of a fresh model."""
-    model = eval(build, vars(dec))  # noqa: S307
-    _, states = model.functionalize()
-    return (
-        sorted(states),
-        sorted(autostate.param_dict(model)),
-        sorted(autostate.state_dict(model)),
-    )
 
 
 HIER_KEYS = {
@@ -1568,7 +1319,7 @@ HIER_KEYS = {
 
 
 @pytest.mark.parametrize("build", sorted(HIER_KEYS))
-def test_hierarchy_state_and_param_names(write_module: Loader_h15, build: str) -> None:
+def test_hierarchy_state_and_param_names(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, HIER)
     ref = eval(build, vars(plain))  # noqa: S307
     names, params, sdict = keys_of(dec, build)
@@ -1579,7 +1330,7 @@ def test_hierarchy_state_and_param_names(write_module: Loader_h15, build: str) -
     assert sdict == names
 
 
-def test_dataclass_names(write_module: Loader_h15) -> None:
+def test_dataclass_names(write_module: Loader) -> None:
     _, dec = pair(write_module, DATACLASSES)
     # `w` is assigned by a method other than __init__ (__post_init__, like a
     # `self._build()` helper __init__ calls), so by the documented rule it is
@@ -1587,7 +1338,7 @@ def test_dataclass_names(write_module: Loader_h15) -> None:
     assert keys_of(dec, "Posted(n=2)")[:2] == (["m", "w"], [])
 
 
-def test_methods_made_by_code_state_names(write_module: Loader_h15) -> None:
+def test_methods_made_by_code_state_names(write_module: Loader) -> None:
     plain, dec = pair(write_module, MADE)
     assert keys_of(dec, "Looped()")[:2] == (["hits", "s"], [])
     # Methods set after the class statement are not analysed: s is a
@@ -1604,14 +1355,14 @@ def test_methods_made_by_code_state_names(write_module: Loader_h15) -> None:
     assert_same(donor.forward(X1_h15), X1_h15)
 
 
-def test_corner_state_names(write_module: Loader_h15) -> None:
+def test_corner_state_names(write_module: Loader) -> None:
     _, dec = pair(write_module, SRC2)
     assert keys_of(dec, "PSub()")[:2] == (["y"], [])
     assert keys_of(dec, "PBase()")[:2] == ([], ["y"])
     assert keys_of(dec, "AB()")[:2] == (["a", "b", "count"], [])
 
 
-def test_more_state_names(write_module: Loader_h15) -> None:
+def test_more_state_names(write_module: Loader) -> None:
     _, dec = pair(write_module, MORE)
     assert keys_of(dec, "Lin()")[:2] == (["ncall", "s"], ["w"])
     assert keys_of(dec, "patched()")[:2] == (["ncall", "s"], ["w"])
@@ -1620,17 +1371,6 @@ def test_more_state_names(write_module: Loader_h15) -> None:
     assert keys_of(dec, "Box[jax.Array](jnp.ones(()))")[:2] == (["n", "v"], [])
 
 
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 STATE_MISUSE = """
@@ -1675,7 +1415,7 @@ class Nested:
 """
 
 
-def test_state_marker_assigned_in_a_method(write_module: Loader_h16) -> None:
+def test_state_marker_assigned_in_a_method(write_module: Loader) -> None:
     plain, dec = pair(write_module, STATE_MISUSE)
     ref = plain.InMethod()
     expected = ref.step()
@@ -1696,7 +1436,7 @@ def test_state_marker_assigned_in_a_method(write_module: Loader_h16) -> None:
     "cls",
     ["AsLocal", "InList", "Nested"],
 )
-def test_state_marker_outside_init_assignment(write_module: Loader_h16, cls: str) -> None:
+def test_state_marker_outside_init_assignment(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, STATE_MISUSE)
     try:
         check(plain, dec, f"{cls}()", [("step", ())], modes=("eager",))
@@ -1736,7 +1476,7 @@ class NamedLikeConstant:
 """
 
 
-def test_duplicate_explicit_names_across_sub_models(write_module: Loader_h16) -> None:
+def test_duplicate_explicit_names_across_sub_models(write_module: Loader) -> None:
     plain, dec = pair(write_module, DUPLICATE_NAMES)
     model = dec.TwoCaches()
     # Eagerly it is plain Python: two separate caches.
@@ -1752,47 +1492,34 @@ def test_duplicate_explicit_names_across_sub_models(write_module: Loader_h16) ->
         assert_clear(info.value, errors.StateSharingError, HERE, "'kv'", "a.kv", "b.kv")
 
 
-def test_explicit_name_equal_to_a_constant_path(write_module: Loader_h16) -> None:
+def test_explicit_name_equal_to_a_constant_path(write_module: Loader) -> None:
     _, dec = pair(write_module, DUPLICATE_NAMES)
     with raises_autostate(errors.StateSharingError) as info:
         dec.NamedLikeConstant().functionalize()
     assert_clear(info.value, errors.StateSharingError, HERE, "'b'")
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
-def read_plain_h17(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h17(model, k) for k in keys}
 
 
 def params_of(f: Any) -> dict[str, Any]:
     return dict(autostate.param_dict(f))
 
 
-def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
     plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
     model = dec.GPT(seed)
     f, states = model.functionalize()
     p = params_of(f)
-    assert_same(read_plain_h17(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain_h17(ref, states)), snapshot(states), "initial states")
+    assert_same(read_plain(ref, p), p, "initial params")
+    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
     return ref, model, f, states, p
 
 
-def test_gpt_state_and_param_names(write_module: Loader_h17) -> None:
+def test_gpt_state_and_param_names(write_module: Loader) -> None:
     _, model, f, states, p = gpt(write_module)
     assert sorted(states) == sorted(
         ["pos", "rng"] + [f"blocks[{i}].attn.{n}" for i in range(N_BLOCKS) for n in "kv"]
@@ -1806,7 +1533,7 @@ def no_handler_left() -> None:
     assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
-def test_state_written_only_through_a_self_alias(write_module: Loader_h19) -> None:
+def test_state_written_only_through_a_self_alias(write_module: Loader) -> None:
     """``self.me.x = ...`` is not seen as a write of state ``x``: eagerly it is
     plain Python; through f the documented refusal names the line."""
     plain, dec = pair(write_module, RECURSION)
@@ -1819,20 +1546,11 @@ def test_state_written_only_through_a_self_alias(write_module: Loader_h19) -> No
     no_handler_left()
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
-def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = f if method == "__call__" else getattr(f, method)
-    return [call, staged(call)]
 
 
-def test_torch_container_state_names(write_module: Loader_h20) -> None:
+def test_torch_container_state_names(write_module: Loader) -> None:
     _, dec = pair(write_module, TORCH_h20)
     names = {
         "TorchLike()": ["_modules['dec'].calls", "_modules['enc'].calls", "count"],
@@ -1860,7 +1578,7 @@ NNX_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(NNX_CASES))
-def test_nnx_idioms_match_plain(write_module: Loader_h20, case: str) -> None:
+def test_nnx_idioms_match_plain(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, NNX)
     build, calls = NNX_CASES[case]
     check(plain, dec, build, calls)
@@ -1868,13 +1586,13 @@ def test_nnx_idioms_match_plain(write_module: Loader_h20, case: str) -> None:
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("build", ["Counter()", "InPlace()"])
-def test_nnx_wrappers_under_grad_and_vmap(write_module: Loader_h20, build: str, transform: str) -> None:
+def test_nnx_wrappers_under_grad_and_vmap(write_module: Loader, build: str, transform: str) -> None:
     plain, dec = pair(write_module, NNX)
     x = V2 if transform == "grad" else jnp.ones((3, 2))
     check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
 
-def test_nnx_state_names_and_shared_rngs(write_module: Loader_h20) -> None:
+def test_nnx_state_names_and_shared_rngs(write_module: Loader) -> None:
     """One Rngs reached from four places is one state, named by its first path."""
     _, dec = pair(write_module, NNX)
     model = dec.Counter()
@@ -1890,20 +1608,20 @@ def test_nnx_state_names_and_shared_rngs(write_module: Loader_h20) -> None:
     assert frozen.drop1.rngs is frozen.drop2.rngs is frozen.rngs
 
 
-def test_nnx_param_wrapper_written_in_f_is_refused_at_the_users_line(write_module: Loader_h20) -> None:
+def test_nnx_param_wrapper_written_in_f_is_refused_at_the_users_line(write_module: Loader) -> None:
     """`Param.value` is only assigned in Param.__init__: a parameter of Param, so the
     outer model writing it is plain eagerly and refused in f (documented guard)."""
     plain, dec = pair(write_module, NNX)
     check(plain, dec, "WritesParam()", [("__call__", (V2,))] * 2, modes=("eager",))
     f, states = dec.WritesParam().functionalize()
-    for call in f_modes(f, "__call__"):
+    for call in modes_of(f, "__call__"):
         with pytest.raises(StateAccessError, match="Param.value is not state") as err:
             call(states, V2)
         assert "self.w.value = self.w.value + x" in error_line(err.value)
 
 
 @pytest.mark.parametrize("build", ["DeclaredField(jnp.ones(2))", "DeclaredByHelper()"])
-def test_state_declared_outside_the_init_source(write_module: Loader_h20, build: str) -> None:
+def test_state_declared_outside_the_init_source(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, EQX)
     try:
         check(plain, dec, build, [("__call__", (V2,))] * 2)
@@ -1930,7 +1648,7 @@ class Dense:
 """
 
 
-def test_linen_setup_called_from_init_matches_plain(write_module: Loader_h20) -> None:
+def test_linen_setup_called_from_init_matches_plain(write_module: Loader) -> None:
     """What setup() assigns is state (a method other than __init__ assigns it), so the
     kernel travels in `states`, not in `f` (rewrite_rules.md section 1)."""
     plain, dec = pair(write_module, LINEN_EAGER)
@@ -2145,11 +1863,11 @@ Under = ___
     assert sorted(dec.Under().functionalize()[1]) == ["_Priv__n", "__k"]
 
 
-def mods(write_module: Loader_h22) -> tuple[types.ModuleType, types.ModuleType]:
+def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE)
 
 
-def test_a_named_state_on_a_shared_sub_model_is_one_entry(write_module: Loader_h22) -> None:
+def test_a_named_state_on_a_shared_sub_model_is_one_entry(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     p = plain.SharedKV()
     expected = [p(1.0), p(2.0)]
@@ -2259,80 +1977,14 @@ def test_pep667_frame_locals_write_through(write_module: Loader) -> None:
     check(plain, dec, "C()", [("frame_write_through", (X1_h23,)), ("frame_write_through", (X2_h23,))])
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted(m, a)(f, states, *traced)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
 RECURSE = """
@@ -2358,13 +2010,13 @@ class R:
 """
 
 
-def test_deep_recursion_writing_state(write_module: Loader_h25) -> None:
+def test_deep_recursion_writing_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, RECURSE)
     run_case(plain, dec, "R()", [("deep", (S(400),)), ("deep", (S(300),))], modes=("eager", "f"))
     run_case(plain, dec, "R()", [("deep", (S(40),))], modes=("jit",))
 
 
-def test_recursion_and_augmented_assignment_order(write_module: Loader_h25) -> None:
+def test_recursion_and_augmented_assignment_order(write_module: Loader) -> None:
     plain, dec = pair(write_module, RECURSE)
     run_case(plain, dec, "R()", [("walk", (S(3),)), ("walk", (S(2),))], extra=("walk", (S(1),)))
 
@@ -2393,14 +2045,14 @@ def train_compare(
     ref_losses = []
     for i in range(len(jax.tree_util.tree_leaves(xs)[0])):
         x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
-        params = {k: plain_path_h30(ref, k) for k in pnames}
+        params = {k: plain_path(ref, k) for k in pnames}
 
         def loss(params: dict[str, Any], x: Any = x) -> Any:
             m = copy.deepcopy(ref)
             for k, v in params.items():
                 _set(m, k, v)
             out = getattr(m, method)(x)
-            return loss_fn(out, lambda k: plain_path_h30(m, k)), {k: plain_path_h30(m, k) for k in states0}
+            return loss_fn(out, lambda k: plain_path(m, k)), {k: plain_path(m, k) for k in states0}
 
         (val, st), g = jax.value_and_grad(loss, has_aux=True)(params)
         for k in pnames:
@@ -2424,13 +2076,13 @@ def train_compare(
         assert_same(np.stack(ref_losses), losses, "losses")
         got = autostate.param_dict(f)
         for k in pnames:
-            assert_same(np.asarray(plain_path_h30(ref, k)), got[k], f"param {k}")
+            assert_same(np.asarray(plain_path(ref, k)), got[k], f"param {k}")
         for k in s:
-            assert_same(snapshot(plain_path_h30(ref, k)), snapshot(s[k]), f"state {k}")
+            assert_same(snapshot(plain_path(ref, k)), snapshot(s[k]), f"state {k}")
         assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
-def test_moe_counters_capacity_aux_loss(write_module: Loader_h30) -> None:
+def test_moe_counters_capacity_aux_loss(write_module: Loader) -> None:
     plain, dec = pair(write_module, MOE)
     calls = [("__call__", (XM,)), ("__call__", (XM * 2,)), ("__call__", (-XM,))]
     check(plain, dec, "MoE(0, 3)", calls)
@@ -2441,13 +2093,13 @@ def test_moe_counters_capacity_aux_loss(write_module: Loader_h30) -> None:
     check(plain, dec, "MoE(0, 3).router", [("__call__", (XM,)), ("usage", ())])
 
 
-def test_moe_trainer_reads_aux_loss_after_call_eagerly(write_module: Loader_h30) -> None:
+def test_moe_trainer_reads_aux_loss_after_call_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, MOE)
     xs = [XM, XM * 2, -XM]
     assert_same(plain.train_moe(plain.MoE(0, 3), xs), dec.train_moe(dec.MoE(0, 3), xs), "losses")
 
 
-def test_trainer_reads_last_hidden_and_attn_maps_after_f(write_module: Loader_h30) -> None:
+def test_trainer_reads_last_hidden_and_attn_maps_after_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, PROBE)
     xs = jnp.stack([XP, XP * 2, -XP])
     train_compare(
@@ -2461,7 +2113,7 @@ def test_trainer_reads_last_hidden_and_attn_maps_after_f(write_module: Loader_h3
     )
 
 
-def test_reset_parameters_between_steps(write_module: Loader_h30) -> None:
+def test_reset_parameters_between_steps(write_module: Loader) -> None:
     plain, dec = pair(write_module, RESET)
     calls = [
         ("__call__", (XP,)),
@@ -2474,7 +2126,7 @@ def test_reset_parameters_between_steps(write_module: Loader_h30) -> None:
     check(plain, dec, "Head(0, 3).eval()", calls)
 
 
-def test_reset_parameters_makes_weights_states(write_module: Loader_h30) -> None:
+def test_reset_parameters_makes_weights_states(write_module: Loader) -> None:
     # w and b are assigned by reset_parameters(): states, not parameters of f. jax.grad over
     # the states dict reaches them; the plain model's gradient w.r.t. the same arrays agrees.
     plain, dec = pair(write_module, RESET)
@@ -2501,92 +2153,25 @@ def test_reset_parameters_makes_weights_states(write_module: Loader_h30) -> None
     assert_same(np.asarray(gw[1]), g["out.w"], "d out.w")
 
 
-def pair_decoration_fidelity(write_module: Loader_decoration_fidelity, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    plain = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", ""))
-    dec = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", "@autostate.stateful"))
-    return plain, dec
 
 
-def snapshot_decoration_fidelity(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return type(obj)(snapshot_decoration_fidelity(v, depth + 1) for v in obj)
-    if isinstance(obj, dict):
-        return {k: snapshot_decoration_fidelity(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_decoration_fidelity(getattr(obj, k), depth + 1) for k in sorted(vars(obj))},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_decoration_fidelity(expected: Any, got: Any, where: str = "") -> None:
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_decoration_fidelity(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple) and len(expected) == len(got), where
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_decoration_fidelity(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_decoration_fidelity(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def check_decoration_fidelity(
-    plain: types.ModuleType, dec: types.ModuleType, build: str, calls: Sequence[Call_decoration_fidelity]
-) -> None:
-    """``calls`` on a plain and a decorated model: eager, ``f``, ``jax.jit(f)``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    model = eval(build, vars(dec))  # noqa: S307
-    assert_same_decoration_fidelity(expected, [getattr(model, m)(*a) for m, a in calls], "eager outputs")
-    assert_same_decoration_fidelity(snapshot_decoration_fidelity(ref), snapshot_decoration_fidelity(model), "eager attributes")
-    for mode in ("f", "jit"):
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_decoration_fidelity(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_decoration_fidelity(f, m)(states, *a)
-            else:
-                out, states = staged(lambda f, s, *a, m=m: _fcall_decoration_fidelity(f, m)(s, *a))(f, states, *a)
-            got.append(out)
-        assert_same_decoration_fidelity(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_decoration_fidelity(snapshot_decoration_fidelity(getattr(ref, key)), snapshot_decoration_fidelity(value), f"{mode} state {key}")
-        assert_same_decoration_fidelity(before, snapshot_decoration_fidelity(model), f"{mode}: the eager model changed")
 
 
-def test_dunder_attributes_are_not_state(write_module: Loader_decoration_fidelity) -> None:
-    _, dec = pair_decoration_fidelity(write_module, DUNDERS)
+def test_dunder_attributes_are_not_state(write_module: Loader) -> None:
+    _, dec = pair(write_module, DUNDERS, fresh=True)
     info = autostate.tree.class_info(dec.D)
     assert info.state == frozenset({"x"})
     assert autostate.tree.class_info(dec.Switch).state == frozenset()
 
 
-def test_class_defaults_keep_the_class_attribute(write_module: Loader_decoration_fidelity) -> None:
-    plain, dec = pair_decoration_fidelity(write_module, CLASS_DEFAULTS)
+def test_class_defaults_keep_the_class_attribute(write_module: Loader) -> None:
+    plain, dec = pair(write_module, CLASS_DEFAULTS, fresh=True)
     for module in (plain, dec):
         assert module.Mode.training is True
         assert module.Mode.cache is None
@@ -2613,23 +2198,23 @@ def test_class_defaults_keep_the_class_attribute(write_module: Loader_decoration
     ],
     ids=["static", "eval", "subclass_override", "undecorated_base", "array", "no_init"],
 )
-def test_class_default_as_initial_value(write_module: Loader_decoration_fidelity, build: str, calls: list[Call_decoration_fidelity]) -> None:
-    plain, dec = pair_decoration_fidelity(write_module, CLASS_DEFAULTS)
+def test_class_default_as_initial_value(write_module: Loader, build: str, calls: list[Call]) -> None:
+    plain, dec = pair(write_module, CLASS_DEFAULTS, fresh=True)
     if build in ("FromBase()", "NoInit()"):
         # an int state: eagerly plain Python; f refuses changing a static state
         ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
-        assert_same_decoration_fidelity([getattr(ref, m)(*a) for m, a in calls],
-                    [getattr(model, m)(*a) for m, a in calls])
-        assert_same_decoration_fidelity(snapshot_decoration_fidelity(ref), snapshot_decoration_fidelity(model))
+        assert_same([getattr(ref, m)(*a) for m, a in calls],
+                    [getattr(model, m)(*a) for m, a in calls], rtol=1e-6, atol=0.0)
+        assert_same(snapshot(ref), snapshot(model), rtol=1e-6, atol=0.0)
         f, states = eval(build, vars(dec)).functionalize()  # noqa: S307
         with pytest.raises(autostate.errors.StaticStateError, match="holds 0"):
-            _fcall_decoration_fidelity(f, calls[0][0])(states, *calls[0][1])
+            _fcall(f, calls[0][0])(states, *calls[0][1])
         return
-    check_decoration_fidelity(plain, dec, build, calls)
+    check(plain, dec, build, calls, modes=("eager", "f", "jit"), rtol=1e-6, atol=0.0)
 
 
-def test_array_class_default_is_in_the_states(write_module: Loader_decoration_fidelity) -> None:
-    _, dec = pair_decoration_fidelity(write_module, CLASS_DEFAULTS)
+def test_array_class_default_is_in_the_states(write_module: Loader) -> None:
+    _, dec = pair(write_module, CLASS_DEFAULTS, fresh=True)
     f, states = dec.Counter().functionalize()
     assert list(states) == ["count"]
     _, states = f(states, 3.0)
