@@ -6569,9 +6569,6 @@ class Scheduled:
 """
 
 
-_JITS: dict[tuple[str, tuple[Any, ...]], Any] = {}
-
-
 A1 = jnp.asarray(1.0)
 
 

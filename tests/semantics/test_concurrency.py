@@ -33,31 +33,20 @@ import autostate
 from autostate import guard as _guard
 from autostate import runtime
 from autostate.effects import local_state as _engine
-from semantics.harness import _pair as pair
 from semantics.harness import (
+    Loader,
     assert_same,
     assert_user_line,
     check,
+    floats,
+    no_tracers,
+    pair,
     plain_path,
     same,
     snapshot,
     staged,
 )
-from semantics.harness import pair as pair_h19
-from semantics.harness import pair as pair_h32
-from semantics.harness import pair as pair_h33
-from semantics.programs import (
-    A1,
-    A2,
-    EAGER,
-    FRAMES,
-    ITER,
-    RECURSION,
-    REENTRANT,
-    TIMEOUT,
-    X1,
-    Loader,
-)
+from semantics.programs import A1, A2, EAGER, FRAMES, ITER, RECURSION, REENTRANT, TIMEOUT, X1
 from semantics.programs import ESCAPES_h8 as ESCAPES
 from semantics.programs import X2_h19 as X2
 from semantics.programs import XS_h8 as XS
@@ -75,7 +64,7 @@ def full(v: float) -> Any:
 
 def differential(write_module: Loader, source: str, scenario: Callable[[Any], Any]) -> None:
     """Runs ``scenario(module)`` with the plain and the decorated module; same result."""
-    plain, dec = pair(write_module, source)
+    plain, dec = pair(write_module, source, fresh=True)
     assert_same(scenario(plain), scenario(dec), "scenario")
 
 
@@ -167,7 +156,7 @@ def test_signal_handler_copy_during_eager_writes(write_module: Loader) -> None:
 
         return disarm
 
-    plain, dec = pair(write_module, EAGER)
+    plain, dec = pair(write_module, EAGER, fresh=True)
     assert _race(plain, 0.3, arm) == 0
     assert _race(dec, 2.0, arm) == 0, "a copy made before the store reads the later write"
 
@@ -192,14 +181,14 @@ def test_profile_hook_copy_during_eager_writes(write_module: Loader) -> None:
             sys.setprofile(None)
         return sum(not np.array_equal(np.asarray(c.x), v) for c, v in seen)
 
-    plain, dec = pair(write_module, EAGER)
+    plain, dec = pair(write_module, EAGER, fresh=True)
     assert scenario(plain) == 0
     assert scenario(dec) == 0, "a copy made before the store reads the later write"
 
 
 @pytest.mark.parametrize("method", ["threaded_helper"])
 def test_threaded_helper_writes_pytree_states(write_module: Loader, method: str) -> None:
-    plain, dec = pair(write_module, ESCAPES)
+    plain, dec = pair(write_module, ESCAPES, fresh=True)
     check(plain, dec, "M()", [(method, (XS,)), (method, (XS,))])
 
 
@@ -225,13 +214,6 @@ def run_threads(*targets: Callable[[], Any]) -> list[Any]:
     return results
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
 THREADS = """
@@ -286,7 +268,7 @@ def _two_models(mod: types.ModuleType, mode: str) -> list[Any]:
 def test_two_models_in_two_threads_meeting_inside_the_method(
     write_module: Loader, mode: str
 ) -> None:
-    plain, dec = pair_h19(write_module, THREADS)
+    plain, dec = pair(write_module, THREADS)
     expected = _two_models(plain, "eager")
     got = _two_models(dec, mode)
     assert_same(expected, got, mode)
@@ -324,13 +306,13 @@ def _one_model_turn_by_turn(mod: types.ModuleType) -> Any:
 
 
 def test_one_model_from_two_threads_turn_by_turn(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, THREADS)
+    plain, dec = pair(write_module, THREADS)
     assert_same(_one_model_turn_by_turn(plain), _one_model_turn_by_turn(dec))
 
 
 def test_one_f_two_states_dicts_in_two_threads(write_module: Loader) -> None:
     """One f, two independent runs at once: each thread's states stay its own."""
-    plain, dec = pair_h19(write_module, THREADS)
+    plain, dec = pair(write_module, THREADS)
     refs = [plain.Counter(3.0), plain.Counter(3.0)]
     expected = [floats([[r.step(v) for v in vs], {"x": r.x, "n": r.n}])
                 for r, vs in zip(refs, ([1.0, 2.0], [7.0, -1.0]))]
@@ -356,7 +338,7 @@ def test_jit_trace_in_one_thread_while_another_runs_the_model_eagerly(
 ) -> None:
     """Thread T traces jax.jit(f.step) and waits inside the trace; meanwhile the
     main thread steps the same (eager) model; then the trace finishes."""
-    plain, dec = pair_h19(write_module, THREADS)
+    plain, dec = pair(write_module, THREADS)
     ref = plain.Counter(2.0)
     expected_eager = floats([ref.step(1.0), ref.step(2.0), ref.x, ref.n])
     ref2 = plain.Counter(2.0)
@@ -392,7 +374,7 @@ def test_jit_trace_in_one_thread_while_another_runs_the_model_eagerly(
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_thread_pool_map_over_f_calls(write_module: Loader, jit: bool) -> None:
-    plain, dec = pair_h19(write_module, THREADS)
+    plain, dec = pair(write_module, THREADS)
     vs = [float(v) for v in range(1, 9)]
     expected = []
     for v in vs:
@@ -482,7 +464,7 @@ def _during_scan(mod: types.ModuleType, op: Callable[[Any], Any]) -> dict[str, A
 def test_other_thread_reads_an_eager_model_while_its_lax_call_runs(
     write_module: Loader, op: str
 ) -> None:
-    plain, dec = pair_h19(write_module, LAX_THREADS)
+    plain, dec = pair(write_module, LAX_THREADS)
 
     def do(m: Any) -> Any:
         if op == "functionalize":
@@ -506,7 +488,7 @@ def test_other_thread_deepcopies_an_eager_model_while_its_lax_call_runs(
 ) -> None:
     import copy
 
-    plain, dec = pair_h19(write_module, LAX_THREADS)
+    plain, dec = pair(write_module, LAX_THREADS)
     got = []
     for mod in (plain, dec):
         res = _during_scan(mod, copy.deepcopy)
@@ -538,19 +520,19 @@ class Pooled:
 
 
 def test_worker_thread_inside_a_method_eagerly(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, POOL_IN_METHOD)
+    plain, dec = pair(write_module, POOL_IN_METHOD)
     check(plain, dec, "Pooled()", [("pool", ([1.0, 2.0],))], modes=("eager",))
 
 
 def test_worker_thread_inside_a_method_through_f(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, POOL_IN_METHOD)
+    plain, dec = pair(write_module, POOL_IN_METHOD)
     check(plain, dec, "Pooled()", [("pool", ([1.0, 2.0],))], modes=("f",))
 
 
 def test_worker_thread_inside_a_method_under_jit_is_a_clear_error(
     write_module: Loader,
 ) -> None:
-    _, dec = pair_h19(write_module, POOL_IN_METHOD)
+    _, dec = pair(write_module, POOL_IN_METHOD)
     f, states = dec.Pooled().functionalize()
     with pytest.raises(autostate.AutostateError, match=r"\bthread\b") as info:
         staged(lambda f, s: f.pool(s, [1.0, 2.0]))(f, states)
@@ -578,7 +560,7 @@ def _outer_modes(dec: types.ModuleType, method: str, *args: Any) -> dict[str, An
 
 
 def test_method_calls_another_models_f(write_module: Loader) -> None:
-    _, dec = pair_h19(write_module, REENTRANT)
+    _, dec = pair(write_module, REENTRANT)
     fi, si = _inner_states(dec)
     # plain meaning: x = 10 + 1; inner x = 0 * 3 + 2 = 2; x = 11 + 2
     expected = [[13.0, {"x": 2.0, "y": 7.0}], 13.0, 5.0]
@@ -588,7 +570,7 @@ def test_method_calls_another_models_f(write_module: Loader) -> None:
 
 
 def test_method_calls_jit_of_another_models_f(write_module: Loader) -> None:
-    _, dec = pair_h19(write_module, REENTRANT)
+    _, dec = pair(write_module, REENTRANT)
     fi, si = _inner_states(dec)
     expected = [[30.0, {"x": 3.0, "y": 7.0}], 30.0, 5.0]
     for mode, got in _outer_modes(dec, "use_jit_f", fi, si, 3.0).items():
@@ -596,7 +578,7 @@ def test_method_calls_jit_of_another_models_f(write_module: Loader) -> None:
 
 
 def test_outer_model_passed_into_inner_f_reads_its_own_state(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, REENTRANT)
+    plain, dec = pair(write_module, REENTRANT)
     fi, si = _inner_states(dec)
     po, pi = plain.Outer(), plain.Inner()
     po.x = po.x + 1
@@ -608,7 +590,7 @@ def test_outer_model_passed_into_inner_f_reads_its_own_state(write_module: Loade
 def test_callback_into_the_outer_model_from_inner_f_same_state_name(
     write_module: Loader,
 ) -> None:
-    plain, dec = pair_h19(write_module, REENTRANT)
+    plain, dec = pair(write_module, REENTRANT)
     fi, si = _inner_states(dec)
     po, pi = plain.Outer(), plain.Inner()
     out = pi.apply(po.bump, 1.0)
@@ -620,7 +602,7 @@ def test_callback_into_the_outer_model_from_inner_f_same_state_name(
 def test_callback_into_the_outer_model_from_inner_f_other_state_name(
     write_module: Loader,
 ) -> None:
-    plain, dec = pair_h19(write_module, REENTRANT)
+    plain, dec = pair(write_module, REENTRANT)
     fi, si = _inner_states(dec)
     po, pi = plain.Outer(), plain.Inner()
     out = pi.apply(po.bumpz, 1.0)
@@ -647,13 +629,13 @@ RECURSION_CASES |= {
 
 @pytest.mark.parametrize("case", sorted(RECURSION_CASES))
 def test_recursion_and_instances_of_one_class(write_module: Loader, case: str) -> None:
-    plain, dec = pair_h19(write_module, RECURSION)
+    plain, dec = pair(write_module, RECURSION)
     build, calls = RECURSION_CASES[case]
     check(plain, dec, build, calls)
 
 
 def test_async_method_run_eagerly_and_inside_f(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, FRAMES)
+    plain, dec = pair(write_module, FRAMES)
     p, d = plain.Stream(), dec.Stream()
     assert_same(floats(asyncio.run(p.abump(X1))), floats(asyncio.run(d.abump(X1))), "eager")
     assert_same(snapshot(p), snapshot(d), "eager attributes")
@@ -661,7 +643,7 @@ def test_async_method_run_eagerly_and_inside_f(write_module: Loader) -> None:
 
 
 def test_async_methods_of_two_models_interleaved_by_gather(write_module: Loader) -> None:
-    plain, dec = pair_h19(write_module, FRAMES)
+    plain, dec = pair(write_module, FRAMES)
 
     async def two(mod: types.ModuleType) -> Any:
         a, b = mod.Stream(), mod.Stream()
@@ -673,59 +655,8 @@ def test_async_methods_of_two_models_interleaved_by_gather(write_module: Loader)
     assert_same(asyncio.run(two(plain)), asyncio.run(two(dec)))
 
 
-def tracers_in(obj: Any, path: str = "model", seen: set[int] | None = None,
-               depth: int = 0) -> list[str]:
-    """Where a ``jax.core.Tracer`` sits in ``obj``: its ``__dict__`` (raw, as
-    ``vars`` gives it), ``__slots__``, lists, tuples, dicts, sets and
-    closures, recursively."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 14:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, jax.core.Tracer):
-        return [path]
-    if obj is None or isinstance(
-        obj, jax.Array | np.ndarray | str | bytes | int | float | type | BaseException
-        | types.ModuleType
-    ):
-        return []
-    found: list[str] = []
-    if isinstance(obj, list | tuple | set | frozenset):
-        for i, v in enumerate(obj):
-            found += tracers_in(v, f"{path}[{i}]", seen, depth + 1)
-        return found
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found += tracers_in(v, f"{path}[{k!r}]", seen, depth + 1)
-        return found
-    if isinstance(obj, types.FunctionType):
-        for i, cell in enumerate(obj.__closure__ or ()):
-            try:
-                found += tracers_in(cell.cell_contents, f"{path}<cell {i}>", seen, depth + 1)
-            except ValueError:
-                pass
-        return found
-    if isinstance(obj, types.MethodType):
-        return tracers_in(obj.__self__, f"{path}.__self__", seen, depth + 1)
-    d = getattr(obj, "__dict__", None)
-    if isinstance(d, dict):
-        for k, v in d.items():
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for k in (slots,) if isinstance(slots, str) else slots:
-            try:
-                v = getattr(obj, k)
-            except Exception:  # noqa: BLE001 - an unset slot, or a read that refuses
-                continue
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    return found
 
 
-def no_tracers(*objs: Any) -> None:
-    for obj in objs:
-        where = tracers_in(obj)
-        assert not where, f"tracers left at {where}"
 
 
 def no_handler_left() -> None:
@@ -810,7 +741,7 @@ def _in_threads(*fns: Callable[[], Any]) -> list[Any]:
 
 @pytest.mark.parametrize("fail", ["body", "after"])
 def test_eager_raise_in_one_thread_while_another_scans(write_module: Loader, fail: str) -> None:
-    plain, dec = pair_h32(write_module, THREADS_h32)
+    plain, dec = pair(write_module, THREADS_h32)
     refs = [plain.Worker(1.0), plain.Worker(10.0)]
     with pytest.raises(Exception, match="body|after"):
         refs[0].scan(XS_h32, fail)
@@ -839,7 +770,7 @@ def test_eager_raise_in_one_thread_while_another_scans(write_module: Loader, fai
 
 
 def test_f_raise_in_one_thread_while_another_runs_jit(write_module: Loader) -> None:
-    plain, dec = pair_h32(write_module, THREADS_h32)
+    plain, dec = pair(write_module, THREADS_h32)
     models = [dec.Worker(1.0), dec.Worker(10.0)]
     (fa, sa), (fb, sb) = (m.functionalize() for m in models)
     dec.MEET.append(Meet(2))
@@ -861,7 +792,7 @@ def test_f_raise_in_one_thread_while_another_runs_jit(write_module: Loader) -> N
     "ignore:Python iterable type:DeprecationWarning"
 )
 def test_async_iteration_through_a_cursor(write_module: Loader) -> None:
-    plain, dec = pair_h33(write_module, ITER)
+    plain, dec = pair(write_module, ITER)
     check(plain, dec, "Counter()", [("adrain", ()), ("adrain", ())])
 
 
@@ -965,7 +896,7 @@ ASYNC_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
 )
 @pytest.mark.parametrize("case", sorted(ASYNC_CASES))
 def test_async_code_reaching_state_through_methods(write_module: Loader, case: str) -> None:
-    plain, dec = pair_h33(write_module, ASYNC)
+    plain, dec = pair(write_module, ASYNC)
     check(plain, dec, "Aio()", ASYNC_CASES[case])
 
 
@@ -973,7 +904,7 @@ def test_async_code_reaching_state_through_methods(write_module: Loader, case: s
     "ignore:Python iterable type:DeprecationWarning"
 )
 def test_async_with_model_from_outside_eagerly(write_module: Loader) -> None:
-    plain, dec = pair_h33(write_module, ASYNC)
+    plain, dec = pair(write_module, ASYNC)
 
     async def use(m: Any) -> Any:
         async with m:

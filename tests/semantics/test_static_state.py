@@ -18,7 +18,7 @@ import pickle
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,41 +35,37 @@ from autostate.errors import (
     StaticStateError,
     TracedEagerStateError,
 )
-from semantics.harness import Loader as Loader_h
-from semantics.harness import Loader as Loader_h21
-from semantics.harness import Loader as Loader_h23
 from semantics.harness import (
+    Loader,
     X,
     _fcall,
-    _pair,
+    assert_bits,
     assert_same,
     assert_user_line,
+    build_pair,
     check,
     check_transform,
+    class_pair,
+    data_for,
+    error_line,
+    keys_of,
+    library,
+    modes_of,
     pair,
+    plain_path,
     raises_autostate,
+    read_plain,
+    run_case,
+    same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import _pair as pair_h5
-from semantics.harness import _pair as pair_h8
-from semantics.harness import plain_path as plain_path_h10
-from semantics.harness import plain_path as plain_path_h13
-from semantics.harness import plain_path as plain_path_h17
-from semantics.harness import plain_path as plain_path_h25
-from semantics.harness import plain_path as plain_path_h26
-from semantics.harness import plain_path as plain_path_h31
-from semantics.harness import same as same_h25
-from semantics.harness import same as same_h31
 from semantics.programs import (
-    _JITS,
-    _PAIRS,
     ACCUM,
     ADAM,
     ASSIGN,
     BATCHNORM,
-    BUILDS,
     CLASS_ATTRS,
     CLASS_DEFAULTS,
     CNN,
@@ -78,10 +74,8 @@ from semantics.programs import (
     DTYPES,
     GROW,
     HELD,
-    KEY,
     LAST,
     LAZY,
-    LIBRARY,
     LORA,
     MISC,
     NORMS,
@@ -108,32 +102,9 @@ from semantics.programs import (
     Phase,
     py312,
 )
-from semantics.programs import HEADER as HEADER_decoration_fidelity
 from semantics.programs import SOURCE as SOURCE_h22
 from semantics.programs import TORCH as TORCH_h20
 from semantics.programs import XA as XA_h26
-from semantics.programs import Call as Call_h2
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import Loader as Loader_decoration_fidelity
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h10
-from semantics.programs import Loader as Loader_h12
-from semantics.programs import Loader as Loader_h13
-from semantics.programs import Loader as Loader_h14
-from semantics.programs import Loader as Loader_h15
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h20
-from semantics.programs import Loader as Loader_h22
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h27
-from semantics.programs import Loader as Loader_h30
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import Loader as Loader_h35
 from semantics.programs import MODELS_h8 as MODELS
 from semantics.programs import MOE_h30 as MOE
 from semantics.programs import TORCH_h9 as TORCH
@@ -465,7 +436,6 @@ def test_a_model_built_outside_still_refuses_tracers():
     assert float(c.count) == 0.0
 
 
-Loader = Callable[..., types.ModuleType]
 
 
 SOURCE = """
@@ -522,7 +492,7 @@ def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE)
 
 
-def same(expected: Any, got: Any) -> None:
+def same_leaves(expected: Any, got: Any) -> None:
     """Same structure, Python types and values; arrays by value."""
     e_leaves, e_def = jax.tree_util.tree_flatten(expected)
     g_leaves, g_def = jax.tree_util.tree_flatten(got)
@@ -562,16 +532,16 @@ def test_a_tuple_of_ints_is_structure_under_jit_and_retraces_per_value(mods) -> 
     grow = staged(lambda f, s: f.grow(s))
     for i in range(3):
         out, states = step(f, states, 1.5)
-        same(ref(1.5), out)
+        same_leaves(ref(1.5), out)
         out, states = step(f, states, 2.5)  # same value: no new trace
-        same(ref(2.5), out)
+        same_leaves(ref(2.5), out)
         _, states = grow(f, states)
         ref.grow()
         assert states["shape"] == ref.shape and type(states["shape"][0]) is int
         assert len(traces) == i + 1
     frozen = autostate.freeze(f, states)
     assert frozen.shape == (5,) and type(frozen.shape[0]) is int
-    same(ref(1.0), frozen(1.0))
+    same_leaves(ref(1.0), frozen(1.0))
 
 
 def test_a_tuple_of_ints_through_f_without_jit_and_eagerly(mods) -> None:
@@ -583,12 +553,12 @@ def test_a_tuple_of_ints_through_f_without_jit_and_eagerly(mods) -> None:
     _, states = f.grow(states)
     ref.grow()
     out, states = f(states, 1.0)
-    same(ref(1.0), out)
-    same(ref.shape, states["shape"])
+    same_leaves(ref(1.0), out)
+    same_leaves(ref.shape, states["shape"])
     model = autostate.freeze(f, states)
     model.grow()
     ref.grow()
-    same(ref.shape, model.shape)
+    same_leaves(ref.shape, model.shape)
 
 
 def test_a_traced_value_assigned_into_the_container_is_an_array_as_in_plain_python(mods) -> None:
@@ -598,8 +568,8 @@ def test_a_traced_value_assigned_into_the_container_is_an_array_as_in_plain_pyth
     f, states = dec.Shaped().functionalize()
     _, states = staged(lambda f, s, x: f.measure(s, x))(f, states, jnp.ones(3))
     assert type(states["shape"][0]) is int and isinstance(states["shape"][1], jax.Array)
-    same(ref.shape, states["shape"])
-    same(ref.shape, autostate.freeze(f, states).shape)
+    same_leaves(ref.shape, states["shape"])
+    same_leaves(ref.shape, autostate.freeze(f, states).shape)
 
 
 def test_python_values_in_a_mixed_dict_state_under_jit(mods) -> None:
@@ -611,7 +581,7 @@ def test_python_values_in_a_mixed_dict_state_under_jit(mods) -> None:
     x = jnp.array([0.5, -1.0])
     for _ in range(2):
         out, states = step(f, states, x)
-        same(ref(x), out)
+        same_leaves(ref(x), out)
     assert len(traces) == 1
     # The Python float is a leaf (a weak float32 once it crossed jit), the rest structure.
     scale = states["cfg"]["scale"]
@@ -621,7 +591,7 @@ def test_python_values_in_a_mixed_dict_state_under_jit(mods) -> None:
     ref.switch()
     assert python_values(states) == python_values(ref.cfg)
     assert type(states["cfg"]["flags"][0]) is int and type(states["cfg"]["flags"][1]) is bool
-    same(ref(x), step(f, states, x)[0])
+    same_leaves(ref(x), step(f, states, x)[0])
     assert len(traces) == 2
     frozen = autostate.freeze(f, states)
     assert frozen.cfg["mode"][0] is dec.Mode.B and frozen.cfg["name"] == "tanh"
@@ -643,7 +613,7 @@ def test_an_eager_model_passed_to_jit_keeps_its_python_values(mods) -> None:
     model.grow()
     ref.grow()
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(model))
-    same(ref(2.0), staged(lambda m, x: m(x))(model, 2.0))
+    same_leaves(ref(2.0), staged(lambda m, x: m(x))(model, 2.0))
     doubled = jax.tree.map(lambda v: v * 2, model)
     assert doubled.shape == (3,) and float(doubled.w) == 2.0
 
@@ -672,7 +642,7 @@ def test_vmap_over_states_with_python_values(mods) -> None:
     outs, new = jax.vmap(lambda s, x: f(s, x))(batch, xs)
     for i in range(2):
         ref = plain.Config()
-        same(ref(xs[i]), outs[i])
+        same_leaves(ref(xs[i]), outs[i])
     assert new["cfg"]["name"] == "relu" and new["cfg"]["mode"][0] is dec.Mode.A
 
 
@@ -817,11 +787,6 @@ def test_a_traced_value_never_stays_in_a_static_list() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 LOGGING = """
@@ -840,7 +805,7 @@ class Logging:
 
 
 def test_an_in_place_change_of_a_model_without_states_is_refused_and_undone(write_module):
-    _, cls, _ = _twice(write_module, LOGGING, "Logging")
+    _, cls, _ = class_pair(write_module, LOGGING, "Logging")
     f, states = cls().functionalize()
     assert states == {}
     with pytest.raises(autostate.errors.StateAccessError, match="outside its states"):
@@ -848,149 +813,46 @@ def test_an_in_place_change_of_a_model_without_states_is_refused_and_undone(writ
     assert f.model.log == []  # no tracer left behind in f's static data
 
 
-def test_batchnorm_eval_mode_set_eagerly(write_module: Loader_h) -> None:
+def test_batchnorm_eval_mode_set_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, BATCHNORM)
     check(plain, dec, "BatchNorm(3)", [("__call__", (XB,))], modes=("eager",))
     check(plain, dec, "BatchNorm(3).eval()", [("__call__", (XB,))])
 
 
-def test_batchnorm_eval_inside_f_is_a_static_state_error(write_module: Loader_h) -> None:
+def test_batchnorm_eval_inside_f_is_a_static_state_error(write_module: Loader) -> None:
     _, dec = pair(write_module, BATCHNORM)
     f, states = dec.BatchNorm(3).functionalize()
     with raises_autostate(autostate.errors.StaticStateError):
         f.eval(states)
 
 
-def test_none_state_becomes_an_array(write_module: Loader_h) -> None:
+def test_none_state_becomes_an_array(write_module: Loader) -> None:
     # None is a placeholder an array may replace, inside f too (tests/test_static_state.py).
     plain, dec = pair(write_module, MISC)
     check(plain, dec, "Misc()", [("swap_none", (jnp.ones(2),)), ("swap_none", (jnp.ones(2),))])
 
 
-def test_for_self_i_in_python_range(write_module: Loader_h) -> None:
+def test_for_self_i_in_python_range(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAST)
     check(plain, dec, "Loop()", [("py_range", ()), ("py_range", ())])
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
 @pytest.mark.parametrize("method", ["bump_int", "flip"])
-def test_python_int_and_bool_states_are_static_inside_f(write_module: Loader_h2, method: str) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Py()", [(method, ()), ("step", (1.0,))], modes=("eager",))
+def test_python_int_and_bool_states_are_static_inside_f(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Py()", [(method, ()), ("step", (1.0,))], modes=("eager",))
     f, states = dec.Py().functionalize()
     with pytest.raises(errors.StaticStateError):
         getattr(f, method)(states)
@@ -1001,12 +863,12 @@ def test_python_int_and_bool_states_are_static_inside_f(write_module: Loader_h2,
     getattr(p, method)()
     f, states = m.functionalize()
     out, _ = staged(f.step)(states, 1.0)
-    assert_same_h2(p.step(1.0), out)
+    assert_same(p.step(1.0), out)
 
 
-def test_enum_and_string_static_states(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
-    check_h2(plain, dec, "Static()", [("same", ()), ("__call__", (2.0,))])
+def test_enum_and_string_static_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
+    check(plain, dec, "Static()", [("same", ()), ("__call__", (2.0,))])
     f, states = dec.Static().functionalize()
     assert states == {}
     with pytest.raises(errors.StaticStateError, match="mode"):
@@ -1017,7 +879,7 @@ def test_enum_and_string_static_states(write_module: Loader_h2) -> None:
     m.set_b()
     p.set_b()
     f, states = m.functionalize()
-    assert_same_h2(p(2.0), staged(f)(states, 2.0)[0])
+    assert_same(p(2.0), staged(f)(states, 2.0)[0])
     assert autostate.freeze(f, states).mode is dec.Mode.B
 
 
@@ -1200,14 +1062,14 @@ def _refused_and_put_back(dec: Any, method: str, where: str, how: str = "jit") -
 
 
 @pytest.mark.parametrize("method", list(CHANGES_h5))
-def test_an_in_place_change_is_refused_and_put_back(write_module: Loader_h5, method: str) -> None:
-    _, dec = pair_h5(write_module, STATICS)
+def test_an_in_place_change_is_refused_and_put_back(write_module: Loader, method: str) -> None:
+    _, dec = pair(write_module, STATICS, fresh=True)
     _refused_and_put_back(dec, method, CHANGES_h5[method])
 
 
 @pytest.mark.parametrize("method", ["append_tracer", "in_tuple"])
-def test_an_in_place_change_under_vmap_is_refused(write_module: Loader_h5, method: str) -> None:
-    _, dec = pair_h5(write_module, STATICS)
+def test_an_in_place_change_under_vmap_is_refused(write_module: Loader, method: str) -> None:
+    _, dec = pair(write_module, STATICS, fresh=True)
     _refused_and_put_back(dec, method, CHANGES_h5[method], "vmap")
 
 
@@ -1221,32 +1083,32 @@ _SLIPS = {
 
 
 @pytest.mark.parametrize("method", list(_SLIPS))
-def test_in_place_changes_that_slip_through(write_module: Loader_h5, method: str) -> None:
-    _, dec = pair_h5(write_module, STATICS)
+def test_in_place_changes_that_slip_through(write_module: Loader, method: str) -> None:
+    _, dec = pair(write_module, STATICS, fresh=True)
     _refused_and_put_back(dec, method, _SLIPS[method])
 
 
-def test_defaultdict_change_is_put_back(write_module: Loader_h5) -> None:
-    _, dec = pair_h5(write_module, STATICS)
+def test_defaultdict_change_is_put_back(write_module: Loader) -> None:
+    _, dec = pair(write_module, STATICS, fresh=True)
     _refused_and_put_back(dec, "in_ddict", "S.dd")
 
 
 @pytest.mark.parametrize("method", ["reads", "local_copy", "push_pop"])
-def test_legit_static_use_works_under_jit(write_module: Loader_h5, method: str) -> None:
-    plain, dec = pair_h5(write_module, STATICS)
+def test_legit_static_use_works_under_jit(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, STATICS, fresh=True)
     check(plain, dec, "S()", [(method, (jnp.ones(2),)), (method, (jnp.full(2, 2.0),))])
 
 
 @pytest.mark.parametrize("method", ["reads", "local_copy"])
-def test_legit_static_use_under_grad_and_vmap(write_module: Loader_h5, method: str) -> None:
-    plain, dec = pair_h5(write_module, STATICS)
+def test_legit_static_use_under_grad_and_vmap(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, STATICS, fresh=True)
     for transform, x in (("grad", jnp.ones(2)), ("vmap", jnp.ones((3, 2)))):
         check_transform(plain, dec, "S()", [(method, (X,))], x, transform)
 
 
 @pytest.mark.parametrize("method", ["sort", "popitem", "extend", "in_tuple", "in_sub"])
-def test_eager_f_changes_its_own_copy_like_plain_python(write_module: Loader_h5, method: str) -> None:
-    plain, dec = pair_h5(write_module, STATICS)
+def test_eager_f_changes_its_own_copy_like_plain_python(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, STATICS, fresh=True)
     ref = plain.S()
     model = dec.S()
     f, states = model.functionalize()
@@ -1257,7 +1119,7 @@ def test_eager_f_changes_its_own_copy_like_plain_python(write_module: Loader_h5,
     assert _statics_of(model)[:-1] == _statics_of(dec.S())[:-1], "the eager model changed"
 
 
-def test_jit_after_eager_f_changed_a_static_list(write_module: Loader_h5) -> None:
+def test_jit_after_eager_f_changed_a_static_list(write_module: Loader) -> None:
     src = """
 @DECORATE
 class Counter:
@@ -1272,7 +1134,7 @@ class Counter:
     def count(self, x):
         return x * self.w * len(self.log)
 """
-    plain, dec = pair_h5(write_module, src)
+    plain, dec = pair(write_module, src, fresh=True)
     ref = plain.Counter()
     f, states = dec.Counter().functionalize()
     count = staged(lambda f, s, x: f.count(s, x))
@@ -1283,8 +1145,8 @@ class Counter:
         np.testing.assert_allclose(out, ref.count(2.0))
 
 
-def test_eager_f_pushes_then_freeze(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, STATICS)
+def test_eager_f_pushes_then_freeze(write_module: Loader) -> None:
+    plain, dec = pair(write_module, STATICS, fresh=True)
     ref = plain.S()
     f, states = dec.S().functionalize()
     for v in (1.0, 2.0):
@@ -1294,8 +1156,8 @@ def test_eager_f_pushes_then_freeze(write_module: Loader_h5) -> None:
     assert frozen.log == ref.log
 
 
-def test_a_refused_call_leaves_a_working_f_for_eager_calls(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, STATICS)
+def test_a_refused_call_leaves_a_working_f_for_eager_calls(write_module: Loader) -> None:
+    plain, dec = pair(write_module, STATICS, fresh=True)
     f, states = dec.S().functionalize()
     with pytest.raises(autostate.AutostateError, match="S.log"):
         staged(lambda f, s, x: f.append_tracer(s, x))(f, states, jnp.ones(2))
@@ -1324,9 +1186,9 @@ HELD_REFUSED = {
 
 @pytest.mark.parametrize("method", list(HELD_REFUSED))
 def test_in_place_changes_held_outside_states_refused_under_jit(
-    write_module: Loader_h8, method: str
+    write_module: Loader, method: str
 ) -> None:
-    plain, dec = pair_h8(write_module, HELD)
+    plain, dec = pair(write_module, HELD, fresh=True)
     check(plain, dec, "M()", [(method, (jnp.float32(1.0),))], modes=("eager",))
     f, states = dec.M().functionalize()
     before = _held(f.model)
@@ -1369,16 +1231,16 @@ class Cache:
 
 
 @pytest.mark.parametrize("method", ["fill", "bump", "toggle"])
-def test_static_state_changed_eagerly_like_plain_python(write_module: Loader_h8, method: str) -> None:
-    plain, dec = pair_h8(write_module, LATE)
+def test_static_state_changed_eagerly_like_plain_python(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, LATE, fresh=True)
     check(plain, dec, "Cache()", [(method, (jnp.float32(1.5),))] * 2, modes=("eager",))
 
 
 @pytest.mark.parametrize("method", ["bump", "toggle"])
 def test_static_state_changed_in_f_or_jit_is_a_static_state_error(
-    write_module: Loader_h8, method: str
+    write_module: Loader, method: str
 ) -> None:
-    _, dec = pair_h8(write_module, LATE)
+    _, dec = pair(write_module, LATE, fresh=True)
     f, states = dec.Cache().functionalize()
     for call in f_and_jit(f, method):
         with pytest.raises(autostate.errors.StaticStateError):
@@ -1386,15 +1248,15 @@ def test_static_state_changed_in_f_or_jit_is_a_static_state_error(
 
 
 def test_a_none_placeholder_given_an_array_in_f_or_jit_means_plain_python(
-    write_module: Loader_h8,
+    write_module: Loader,
 ) -> None:
     # None is a placeholder, not a mode (DESIGN.md section 3): the new states carry the array.
-    plain, dec = pair_h8(write_module, LATE)
+    plain, dec = pair(write_module, LATE, fresh=True)
     check(plain, dec, "Cache()", [("fill", (jnp.float32(1.5),))] * 2)
 
 
-def test_static_state_error_names_the_user_line_and_no_tracer(write_module: Loader_h8) -> None:
-    _, dec = pair_h8(write_module, LATE)
+def test_static_state_error_names_the_user_line_and_no_tracer(write_module: Loader) -> None:
+    _, dec = pair(write_module, LATE, fresh=True)
     f, states = dec.Cache().functionalize()
     with pytest.raises(autostate.errors.StaticStateError) as info:
         staged(f.toggle)(states, jnp.float32(1.5))
@@ -1403,14 +1265,14 @@ def test_static_state_error_names_the_user_line_and_no_tracer(write_module: Load
     assert "Tracer" not in text, text
 
 
-def test_batchnorm_training_flag_then_eval(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_batchnorm_training_flag_then_eval(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     check(plain, dec, "BatchNorm(3)", [("__call__", (X3,)), ("__call__", (X3 * 2,))])
     check(plain, dec, "BatchNorm(3).eval()", [("__call__", (X3,))])
 
 
-def test_batchnorm_eval_switched_eagerly_between_jitted_calls(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_batchnorm_eval_switched_eagerly_between_jitted_calls(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     ref, model = plain.BatchNorm(3), dec.BatchNorm(3)
     step = staged(lambda f, s, x: f(s, x))
     for switch in (False, True):
@@ -1424,25 +1286,21 @@ def test_batchnorm_eval_switched_eagerly_between_jitted_calls(write_module: Load
         assert_same(snapshot(ref), snapshot(model), f"frozen eval={switch}")
 
 
-def test_kv_cache_with_integer_position(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_kv_cache_with_integer_position(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     calls = [("__call__", (jnp.full(2, float(i)), jnp.full(2, 1.0 + i))) for i in range(3)]
     check(plain, dec, "KVCache(4, 2)", calls)
 
 
-def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
-    """The functional call of ``method``, as is and under ``jax.jit``."""
-    call = _fcall(f, method)
-    return [call, staged(call)]
 
 
-def test_eval_switched_eagerly_between_calls(write_module: Loader_h9) -> None:
+def test_eval_switched_eagerly_between_calls(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH)
     check(plain, dec, "Mode()", [("__call__", (X1,)), ("set_eval", ()), ("__call__", (X2,))],
           modes=("eager",))
 
 
-def test_python_int_step_counter_eagerly_and_refused_in_f(write_module: Loader_h9) -> None:
+def test_python_int_step_counter_eagerly_and_refused_in_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH)
     check(plain, dec, "PyCounter()", [("__call__", (X1,))] * 3, modes=("eager",))
     f, states = dec.PyCounter().functionalize()
@@ -1453,7 +1311,7 @@ def test_python_int_step_counter_eagerly_and_refused_in_f(write_module: Loader_h
 
 
 def test_mode_flag_toggled_and_restored_inside_f_is_a_static_state_error(
-    write_module: Loader_h9,
+    write_module: Loader,
 ) -> None:
     """Plain Python restores the flag before the call returns; a functionalized call may
     not assign a static state another value even for a moment (documented)."""
@@ -1467,14 +1325,14 @@ def test_mode_flag_toggled_and_restored_inside_f_is_a_static_state_error(
 
 
 @pytest.mark.parametrize("modes", [("eager",), ("f",)])
-def test_cache_reset_to_none_then_rebuilt(write_module: Loader_h9, modes: tuple[str, ...]) -> None:
+def test_cache_reset_to_none_then_rebuilt(write_module: Loader, modes: tuple[str, ...]) -> None:
     plain, dec = pair(write_module, TORCH)
     check(plain, dec, "ResetCache()",
           [("__call__", (X1,)), ("reset", ()), ("__call__", (X2,)), ("__call__", (X1,))],
           modes=modes)
 
 
-def test_cache_reset_to_none_between_jitted_calls(write_module: Loader_h9) -> None:
+def test_cache_reset_to_none_between_jitted_calls(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH)
     ref = plain.ResetCache()
     f, states = dec.ResetCache().functionalize()
@@ -1491,37 +1349,14 @@ def test_cache_reset_to_none_between_jitted_calls(write_module: Loader_h9) -> No
     assert_same(ref.cache, states["cache"])
 
 
-def library(write_module: Loader_h10, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair if fresh else pair)(write_module, src)
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h10(model, k) for k in keys}
 
 
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
 
 
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
 
 
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
 
 
 def source_line_of(err: BaseException) -> str:
@@ -1535,7 +1370,7 @@ def source_line_of(err: BaseException) -> str:
 
 
 @pytest.mark.parametrize("base_decorated", [True, False])
-def test_train_eval_recursing_over_children(write_module: Loader_h10, base_decorated: bool) -> None:
+def test_train_eval_recursing_over_children(write_module: Loader, base_decorated: bool) -> None:
     plain, dec = library(write_module, base_decorated)
     template, model, n_out = build_pair(plain, dec, "multihead")
     data = data_for(n_out, 4)
@@ -1566,7 +1401,7 @@ def test_train_eval_recursing_over_children(write_module: Loader_h10, base_decor
     assert_same(read_plain(template, states), states)
 
 
-def test_eval_called_through_f_is_the_documented_static_state_error(write_module: Loader_h10) -> None:
+def test_eval_called_through_f_is_the_documented_static_state_error(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, _ = build_pair(plain, dec, "mlp_dropout")
     f, states = model.functionalize()
@@ -1596,7 +1431,7 @@ def assert_at(err: BaseException, marker: str) -> None:
     assert marker in text, f"{marker!r} is not on the line the error names: {text!r}"
 
 
-def test_python_int_class_attribute_state_is_static_in_f(write_module: Loader_h12) -> None:
+def test_python_int_class_attribute_state_is_static_in_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, CLASS_ATTRS)
     f, states = dec.ClassAttrs().functionalize()
     with raises_autostate(StaticStateError) as info:
@@ -1604,7 +1439,7 @@ def test_python_int_class_attribute_state_is_static_in_f(write_module: Loader_h1
     assert_at(info.value, "# HERE")
 
 
-def test_static_state_in_a_tab_indented_method_names_its_line(write_module: Loader_h12) -> None:
+def test_static_state_in_a_tab_indented_method_names_its_line(write_module: Loader) -> None:
     plain, dec = pair(write_module, RUNTIME)
     f, states = dec.Tabs().functionalize()
     with raises_autostate(StaticStateError) as info:
@@ -1764,7 +1599,7 @@ def lifecycle(
         else:
             for key, value in states.items():
                 assert_typed(
-                    plain_path_h13(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
+                    plain_path(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
                     exact=mode != "jit",
                 )
     if f is not None:
@@ -1812,7 +1647,7 @@ class Moded:
 """
 
 
-def test_tuple_of_ints_state_eagerly_and_through_f(write_module: Loader_h13) -> None:
+def test_tuple_of_ints_state_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(
         plain,
@@ -1825,12 +1660,12 @@ def test_tuple_of_ints_state_eagerly_and_through_f(write_module: Loader_h13) -> 
     )
 
 
-def test_tuple_of_ints_state_under_jit(write_module: Loader_h13) -> None:
+def test_tuple_of_ints_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Shaped()", [("eager", [("grow", ())]), ("jit", [("__call__", (X1,))])])
 
 
-def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: Loader_h13) -> None:
+def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     ref = plain.Shaped()
     ref.grow()
@@ -1840,29 +1675,29 @@ def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: L
     assert_typed(attrs(ref), attrs(frozen), "frozen after a jitted grow")
 
 
-def test_str_inside_a_dict_state_under_jit(write_module: Loader_h13) -> None:
+def test_str_inside_a_dict_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Tagged()", [("jit", [("__call__", (X1,)), ("__call__", (X2_h13,))])])
 
 
-def test_str_inside_a_dict_state_eagerly_and_through_f(write_module: Loader_h13) -> None:
+def test_str_inside_a_dict_state_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(
         plain, dec, "Tagged()", [("eager", [("__call__", (X1,))]), ("f", [("__call__", (X2_h13,))])]
     )
 
 
-def test_enum_inside_a_tuple_state_under_jit(write_module: Loader_h13) -> None:
+def test_enum_inside_a_tuple_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(plain, dec, "Moded()", [("jit", [("__call__", (X1,))])])
 
 
-def _static_pair(write_module: Loader_h13) -> tuple[types.ModuleType, types.ModuleType]:
+def _static_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, "import enum\n" + STATIC)
 
 
 def test_instances_with_different_static_configs_in_one_jitted_function(
-    write_module: Loader_h13,
+    write_module: Loader,
 ) -> None:
     plain, dec = _static_pair(write_module)
     check(plain, dec, "Stack()", [("__call__", (jnp.array([0.5, -1.0]),))] * 3)
@@ -1878,7 +1713,7 @@ def test_instances_with_different_static_configs_in_one_jitted_function(
     )
 
 
-def test_static_changes_eagerly_retrace_once_per_structure(write_module: Loader_h13) -> None:
+def test_static_changes_eagerly_retrace_once_per_structure(write_module: Loader) -> None:
     """Changing a static state eagerly is a new structure (one trace per value);
     going back to a value seen before, or functionalizing / freezing again, is not."""
     plain, dec = _static_pair(write_module)
@@ -1933,7 +1768,7 @@ class Steps:
 """
 
 
-def test_array_state_reset_to_a_python_int_eagerly(write_module: Loader_h13) -> None:
+def test_array_state_reset_to_a_python_int_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, ARRAY_TO_INT)
     lifecycle(
         plain,
@@ -1954,7 +1789,7 @@ def test_array_state_reset_to_a_python_int_eagerly(write_module: Loader_h13) -> 
     "a state holding a Python int is static), so `if self.n == 0:` in the jitted f raises "
     "JAX's TracerBoolConversionError; plain Python runs",
 )
-def test_array_state_reset_to_a_python_int_is_static_under_jit(write_module: Loader_h13) -> None:
+def test_array_state_reset_to_a_python_int_is_static_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, ARRAY_TO_INT)
     lifecycle(
         plain,
@@ -1968,7 +1803,7 @@ def test_array_state_reset_to_a_python_int_is_static_under_jit(write_module: Loa
 
 
 def test_int_state_from_init_is_static_and_a_traced_increment_names_the_line(
-    write_module: Loader_h13,
+    write_module: Loader,
 ) -> None:
     source = ARRAY_TO_INT.replace("self.n = jnp.zeros((), jnp.int32)", "self.n = 0")
     plain, dec = pair(write_module, source)
@@ -1981,7 +1816,7 @@ def test_int_state_from_init_is_static_and_a_traced_increment_names_the_line(
     assert "Tracer" not in str(info.value)
 
 
-def test_one_shot_hook_inside_jit_is_refused(write_module: Loader_h14) -> None:
+def test_one_shot_hook_inside_jit_is_refused(write_module: Loader) -> None:
     """Removing the hook inside a traced call changes the model outside its states:
     the documented StateAccessError naming ``hooks``."""
     _, dec = pair(write_module, ONE_SHOT)
@@ -1993,7 +1828,7 @@ def test_one_shot_hook_inside_jit_is_refused(write_module: Loader_h14) -> None:
     assert len(model.hooks) == 1
 
 
-def test_one_shot_hook_in_eager_f_runs_once_as_in_python(write_module: Loader_h14) -> None:
+def test_one_shot_hook_in_eager_f_runs_once_as_in_python(write_module: Loader) -> None:
     """Decided: an eager call of f changes a list f's model holds outside its
     states as plain Python changes the model's (docs/rewrite_rules.md); the
     caller's states are never changed, and jit refuses the change (above)."""
@@ -2009,15 +1844,6 @@ def test_one_shot_hook_in_eager_f_runs_once_as_in_python(write_module: Loader_h1
     assert len(f.model.hooks) == 0 and len(ref.hooks) == 0
 
 
-def keys_of(dec: types.ModuleType, build: str) -> tuple[list[str], list[str], list[str]]:
-    """State names, ``param_dict`` keys and ``state_dict`` keys of a fresh model."""
-    model = eval(build, vars(dec))  # noqa: S307
-    _, states = model.functionalize()
-    return (
-        sorted(states),
-        sorted(autostate.param_dict(model)),
-        sorted(autostate.state_dict(model)),
-    )
 
 
 def assert_line_is(err: BaseException, module: types.ModuleType, text: str) -> None:
@@ -2029,7 +1855,7 @@ def assert_line_is(err: BaseException, module: types.ModuleType, text: str) -> N
     assert text in line, f"{line!r} is not the line of {text!r}: {err}"
 
 
-def test_a_subclass_turning_an_array_state_into_a_python_int(write_module: Loader_h15) -> None:
+def test_a_subclass_turning_an_array_state_into_a_python_int(write_module: Loader) -> None:
     """Eagerly the int step counts as in plain Python; it is a static state,
     so a functionalized call that counts it is the documented
     ``StaticStateError`` naming the base's line that assigns it."""
@@ -2047,28 +1873,15 @@ def test_a_subclass_turning_an_array_state_into_a_python_int(write_module: Loade
     assert_line_is(info.value, dec, "self.step = self.step + 1")
 
 
-def test_post_init_python_int_counter_eagerly(write_module: Loader_h15) -> None:
+def test_post_init_python_int_counter_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, DATACLASSES)
     check(
         plain, dec, "Posted()", [("bump", ()), ("bump", ()), ("__call__", (X1,))], modes=("eager",)
     )
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
-def read_plain_h17(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h17(model, k) for k in keys}
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -2112,12 +1925,12 @@ def images(i: int, n: int = 4) -> tuple[Any, Any]:
     return jax.random.normal(kx, (n, 5, 5, 1)), jax.random.randint(ky, (n,), 0, 3)
 
 
-def cnn(write_module: Loader_h17) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     plain, dec = pair(write_module, "import optax\n" + CNN)
     ref, model = plain.CNN(0), dec.CNN(0)
     f, states = model.functionalize()
     p = params_of(f)
-    assert_same(read_plain_h17(ref, p), p, "initial params")
+    assert_same(read_plain(ref, p), p, "initial params")
     return ref, model, f, states, p
 
 
@@ -2153,7 +1966,7 @@ def train_both(
     return f, s, p, o, ro
 
 
-def test_cnn_eval_after_training_uses_running_stats(write_module: Loader_h17) -> None:
+def test_cnn_eval_after_training_uses_running_stats(write_module: Loader) -> None:
     ref, _, f, s, p = cnn(write_module)
     f, s, p, _, _ = train_both(f, s, p, range(3))
     trained = autostate.freeze(f, s)
@@ -2173,7 +1986,7 @@ def test_cnn_eval_after_training_uses_running_stats(write_module: Loader_h17) ->
     assert_same(want, ref(x), "plain eval")
 
 
-def test_cnn_train_eval_train_switches_continue_like_hand_threaded(write_module: Loader_h17) -> None:
+def test_cnn_train_eval_train_switches_continue_like_hand_threaded(write_module: Loader) -> None:
     _, model, f, s, p = cnn(write_module)
     f, s, p, o, ro = train_both(f, s, p, range(2))
     m = autostate.freeze(f, s)
@@ -2188,7 +2001,7 @@ def test_cnn_train_eval_train_switches_continue_like_hand_threaded(write_module:
     train_both(f2, s2, p, range(2, 4), o=o, ro=ro)
 
 
-def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader_h17) -> None:
+def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader) -> None:
     _, model, f, s, _ = cnn(write_module)
     model.eval()
     fe, _ = model.functionalize()
@@ -2208,14 +2021,9 @@ def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader_h17) -> None
     assert len(traces) == 2
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
-def test_eval_toggled_eagerly_between_calls(write_module: Loader_h20) -> None:
+def test_eval_toggled_eagerly_between_calls(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH_h20)
     calls = [("__call__", (V2,)), ("set_eval", ()), ("__call__", (V2,))]
     check(plain, dec, "Net()", calls, modes=("eager",))
@@ -2227,12 +2035,12 @@ def test_eval_toggled_eagerly_between_calls(write_module: Loader_h20) -> None:
     assert "self.training = mode" in error_line(err.value)
 
 
-def test_for_self_i_in_range_python_int_eagerly(write_module: Loader_h21) -> None:
+def test_for_self_i_in_range_python_int_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, ASSIGN)
     check(plain, dec, "A()", [("for_range", ()), ("for_range", ())], modes=("eager",))
 
 
-def test_for_self_i_in_range_inside_f_is_a_static_state_error(write_module: Loader_h21) -> None:
+def test_for_self_i_in_range_inside_f_is_a_static_state_error(write_module: Loader) -> None:
     _, dec = pair(write_module, ASSIGN)
     f, states = dec.A().functionalize()
     with pytest.raises(autostate.errors.StaticStateError) as err:
@@ -2242,7 +2050,7 @@ def test_for_self_i_in_range_inside_f_is_a_static_state_error(write_module: Load
 
 @pytest.mark.xfail(strict=True, reason="BUG: an eager f call mutating a plain sub-object "
                    "(self.cfg.lr *= 0.5) changes the eager model too: f.model.cfg is model.cfg (a list is copied)")
-def test_eager_f_on_a_plain_sub_object_leaves_the_model_alone(write_module: Loader_h21) -> None:
+def test_eager_f_on_a_plain_sub_object_leaves_the_model_alone(write_module: Loader) -> None:
     _, dec = pair(write_module, PLAIN_SUB)
     model = dec.Opt()
     f, states = model.functionalize()
@@ -2251,11 +2059,11 @@ def test_eager_f_on_a_plain_sub_object_leaves_the_model_alone(write_module: Load
     assert model.cfg.lr == 1.0, "the eager model changed"
 
 
-def mods_h22(write_module: Loader_h22) -> tuple[types.ModuleType, types.ModuleType]:
+def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE_h22)
 
 
-def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module: Loader_h22) -> None:
+def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module: Loader) -> None:
     plain, dec = mods_h22(write_module)
     check(plain, dec, "Modes()", [("__call__", (ONE,)), ("eval", ()), ("__call__", (ONE,))],
           modes=("eager",))
@@ -2271,7 +2079,7 @@ def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module
     assert frozen.c.kind == frozen.d.kind == "relu"
 
 
-def test_static_mode_changed_inside_f_is_the_documented_error(write_module: Loader_h22) -> None:
+def test_static_mode_changed_inside_f_is_the_documented_error(write_module: Loader) -> None:
     _, dec = mods_h22(write_module)
     f, states = dec.Modes().functionalize()
     with raises_autostate(errors.StaticStateError) as err:
@@ -2289,7 +2097,7 @@ def assert_here(err: BaseException) -> None:
 
 
 @py312
-def test_match_value_pattern_after_a_mode_change(write_module: Loader_h23) -> None:
+def test_match_value_pattern_after_a_mode_change(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONTROL)
     check(plain, dec, "Ctl()", [("set_mode", (2,)), ("match_value", (X1,)),
                                 ("set_mode", (7,)), ("match_value", (X2_h23,))], modes=("eager",))
@@ -2302,7 +2110,7 @@ def test_match_value_pattern_after_a_mode_change(write_module: Loader_h23) -> No
 
 
 @py312
-def test_static_write_error_names_the_users_line(write_module: Loader_h23) -> None:
+def test_static_write_error_names_the_users_line(write_module: Loader) -> None:
     _, dec = pair(write_module, TRACEBACKS)
     f, states = dec.Tb().functionalize()
     with pytest.raises(autostate.AutostateError) as err:
@@ -2365,13 +2173,13 @@ class Flow:
 XA = jnp.array([[1.0, 2.0, 0.0], [3.0, -2.0, 1.0], [2.0, 0.0, 5.0]])
 
 
-def test_actnorm_python_flag_eager_like_plain(write_module: Loader_h24) -> None:
+def test_actnorm_python_flag_eager_like_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACTNORM)
     check(plain, dec, "ActNormPy(3)", [("__call__", (XA,)), ("__call__", (XA * 2,))],
           modes=("eager",))
 
 
-def test_actnorm_python_flag_after_eager_init_through_f(write_module: Loader_h24) -> None:
+def test_actnorm_python_flag_after_eager_init_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACTNORM)
     ref, model = plain.ActNormPy(3), dec.ActNormPy(3)
     ref(XA)
@@ -2384,7 +2192,7 @@ def test_actnorm_python_flag_after_eager_init_through_f(write_module: Loader_h24
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_actnorm_python_flag_through_f_is_the_documented_error(write_module: Loader_h24,
+def test_actnorm_python_flag_through_f_is_the_documented_error(write_module: Loader,
                                                               jit: bool) -> None:
     _, dec = pair(write_module, ACTNORM)
     f, states = dec.ActNormPy(3).functionalize()
@@ -2396,12 +2204,12 @@ def test_actnorm_python_flag_through_f_is_the_documented_error(write_module: Loa
 
 
 @pytest.mark.parametrize("build", ["ActNormArr(3)", "ActNormArr(3, use_cond=True)", "Flow(3)"])
-def test_actnorm_array_flag(write_module: Loader_h24, build: str) -> None:
+def test_actnorm_array_flag(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, ACTNORM)
     check(plain, dec, build, [("__call__", (XA,)), ("__call__", (XA * 2,)), ("__call__", (XA,))])
 
 
-def test_actnorm_array_flag_grad_after_init(write_module: Loader_h24) -> None:
+def test_actnorm_array_flag_grad_after_init(write_module: Loader) -> None:
     _, dec = pair(write_module, ACTNORM)
     f, states = dec.ActNormArr(3).functionalize()
     _, states = f(states, XA)
@@ -2413,80 +2221,14 @@ def test_actnorm_array_flag_grad_after_init(write_module: Loader_h24) -> None:
     assert_same(np.asarray((XA * 2 + bias) * scale), np.asarray(out))
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted_h25(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same_h25(expected, got, "eager outputs")
-        same_h25(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted_h25(m, a)(f, states, *traced)
-            got.append(out)
-        same_h25(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same_h25(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
-        same_h25(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same_h25(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same_h25(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same_h25(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
 V3 = jnp.arange(3.0)
@@ -2533,13 +2275,13 @@ class M:
 
 
 @pytest.mark.parametrize("build", ["M()", "M(Pool.MAX, Opt.NONE)", "M(Pool.MAX, Opt.SCALE)"])
-def test_enum_intenum_flag_config(write_module: Loader_h25, build: str) -> None:
+def test_enum_intenum_flag_config(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, ENUMS)
     run_case(plain, dec, build, [("__call__", (V3,)), ("__call__", (V3 - 1.5,))],
              extra=("__call__", (V3,)))
 
 
-def test_static_enum_state_switched_by_eval(write_module: Loader_h25) -> None:
+def test_static_enum_state_switched_by_eval(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENUMS)
     calls = [("__call__", (V3,)), ("eval", ()), ("__call__", (V3,)), ("train", ()),
              ("__call__", (V3,))]
@@ -2552,18 +2294,18 @@ def test_static_enum_state_switched_by_eval(write_module: Loader_h25) -> None:
     ref.eval()
     model.eval()
     f, states = model.functionalize()
-    out, states = _jitted_h25("__call__", (V3,))(f, states, V3)
-    same_h25(ref(V3), out, "jit in eval mode")
-    same_h25(snapshot(ref.count), snapshot(states["count"]), "count in eval mode")
-    same_h25(snapshot(ref.stat), snapshot(states["stat"]), "stat in eval mode")
-    same_h25(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen in eval mode")
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, V3)
+    same(ref(V3), out, "jit in eval mode")
+    same(snapshot(ref.count), snapshot(states["count"]), "count in eval mode")
+    same(snapshot(ref.stat), snapshot(states["stat"]), "stat in eval mode")
+    same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen in eval mode")
 
 
 def _file(mod: types.ModuleType) -> str:
     return mod.__file__.rsplit("/", 1)[-1]
 
 
-def test_actnorm_python_flag_first_forward_eager(write_module: Loader_h26) -> None:
+def test_actnorm_python_flag_first_forward_eager(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
     calls = [("__call__", (XA_h26,)), ("__call__", (XA_h26 * 2 + 1,)), ("__call__", (XA_h26,))]
     check(plain, dec, "ActNorm(3)", calls, modes=("eager",))
@@ -2571,7 +2313,7 @@ def test_actnorm_python_flag_first_forward_eager(write_module: Loader_h26) -> No
 
 
 @pytest.mark.parametrize("build", ["ActNorm(3)", "Glow(3, 2)"])
-def test_actnorm_python_flag_initialised_eagerly_then_f_jit_grad(write_module: Loader_h26,
+def test_actnorm_python_flag_initialised_eagerly_then_f_jit_grad(write_module: Loader,
                                                                  build: str) -> None:
     plain, dec = pair(write_module, NORMS)
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
@@ -2592,7 +2334,7 @@ def test_actnorm_python_flag_initialised_eagerly_then_f_jit_grad(write_module: L
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_actnorm_python_flag_uninitialised_through_f_is_documented_error(
-        write_module: Loader_h26, jit: bool) -> None:
+        write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, NORMS)
     f, states = dec.Glow(3, 2).functionalize()
     call = (lambda f, s, x: f(s, x))  # noqa: E731
@@ -2602,7 +2344,7 @@ def test_actnorm_python_flag_uninitialised_through_f_is_documented_error(
     assert_user_line(err.value, _file(dec))
 
 
-def test_actnorm_array_flag_h26(write_module: Loader_h26) -> None:
+def test_actnorm_array_flag_h26(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
     calls = [("__call__", (XA_h26,)), ("__call__", (XA_h26 * 2 + 1,)), ("__call__", (XA_h26,))]
     check(plain, dec, "ActNormArr(3)", calls)
@@ -2610,7 +2352,7 @@ def test_actnorm_array_flag_h26(write_module: Loader_h26) -> None:
                     "grad")
 
 
-def test_spectral_norm_eval_mode_freezes_u(write_module: Loader_h26) -> None:
+def test_spectral_norm_eval_mode_freezes_u(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
     build = "SpectralNorm(1, 3, 4, n_power=2, loop=True)"
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
@@ -2719,7 +2461,7 @@ class Net:
 XB_h26 = jnp.array([[1.0, 2.0, 0.0], [3.0, -2.0, 1.0], [2.0, 0.0, 5.0], [0.5, 1.0, -1.0]])
 
 
-def test_batchnorm_running_stats_train_mode(write_module: Loader_h26) -> None:
+def test_batchnorm_running_stats_train_mode(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
     calls = [("__call__", (XB_h26,)), ("__call__", (XB_h26 * 2 - 1,)), ("__call__", (XB_h26,))]
     check(plain, dec, "BatchNorm(3)", calls)
@@ -2727,7 +2469,7 @@ def test_batchnorm_running_stats_train_mode(write_module: Loader_h26) -> None:
                     "grad")
 
 
-def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader_h26) -> None:
+def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
     ref, model = plain.Net(3), dec.Net(3)
     for m in (ref, model):
@@ -2741,7 +2483,7 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader_
     for x in (XB_h26 * 2, XB_h26 - 3):
         out, states2 = call(f, states, x)
         assert_same(ref(x), out, "eval outputs")
-        assert_same(snapshot({k: plain_path_h26(ref, k) for k in states}), snapshot(states2),
+        assert_same(snapshot({k: plain_path(ref, k) for k in states}), snapshot(states2),
                     "eval leaves states unchanged")
         states = states2
     model.train()
@@ -2751,23 +2493,23 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader_
         out, states = call(f, states, x)
         assert_same(ref(x), out, "train outputs")
     for k, v in states.items():
-        assert_same(snapshot(plain_path_h26(ref, k)), snapshot(v), k)
+        assert_same(snapshot(plain_path(ref, k)), snapshot(v), k)
 
 
-def test_net_train_mode_through_check(write_module: Loader_h26) -> None:
+def test_net_train_mode_through_check(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
     calls = [("__call__", (XB_h26,)), ("__call__", (XB_h26 * 2,))]
     check(plain, dec, "Net(3).eval()", calls)
 
 
-def test_evaluate_toggling_mode_eager_like_plain(write_module: Loader_h26) -> None:
+def test_evaluate_toggling_mode_eager_like_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
     calls = [("__call__", (XB_h26,)), ("evaluate", (XB_h26 * 2,)), ("__call__", (XB_h26,))]
     check(plain, dec, "Net(3)", calls, modes=("eager",))
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Loader_h26,
+def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Loader,
                                                               jit: bool) -> None:
     _, dec = pair(write_module, BN)
     f, states = dec.Net(3).functionalize()
@@ -2779,7 +2521,7 @@ def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Load
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_f_eval_on_train_model_is_documented_error(write_module: Loader_h26, jit: bool) -> None:
+def test_f_eval_on_train_model_is_documented_error(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, BN)
     f, states = dec.Net(3).functionalize()
     call = (lambda f, s: f.eval(s)[1])  # noqa: E731
@@ -2788,7 +2530,7 @@ def test_f_eval_on_train_model_is_documented_error(write_module: Loader_h26, jit
     assert_user_line(err.value, _file(dec))
 
 
-def test_f_train_on_train_model_keeps_states(write_module: Loader_h26) -> None:
+def test_f_train_on_train_model_keeps_states(write_module: Loader) -> None:
     # assigning the value a static state already holds is no change: the states come back
     _, dec = pair(write_module, BN)
     f, states = dec.Net(3).functionalize()
@@ -2803,7 +2545,7 @@ XT = jnp.array([[1.0, 2.0], [3.0, -1.0], [0.0, 5.0]])
 
 @pytest.mark.parametrize("build", [
     "Net(2).eval().train()", "Net(2).apply(lambda m: setattr(m, 'training', False))"])
-def test_torch_like_module_base_train_eval(write_module: Loader_h26, build: str) -> None:
+def test_torch_like_module_base_train_eval(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, TORCHLIKE)
     calls = [("__call__", (XT,)), ("scan_calls", (jnp.stack([XT, XT * 2]),)), ("count", ()),
              ("all_buffers", ())]
@@ -2811,7 +2553,7 @@ def test_torch_like_module_base_train_eval(write_module: Loader_h26, build: str)
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_torch_like_eval_through_f_is_documented_error(write_module: Loader_h26, jit: bool) -> None:
+def test_torch_like_eval_through_f_is_documented_error(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, TORCHLIKE)
     f, states = dec.Net(2).functionalize()
     call = (lambda f, s: f.eval(s)[1])  # noqa: E731
@@ -2825,7 +2567,7 @@ def step_jit() -> Callable[..., Any]:
     return staged(lambda f, s, x: f(s, x))
 
 
-def test_python_int_state_through_f_is_the_documented_error(write_module: Loader_h27) -> None:
+def test_python_int_state_through_f_is_the_documented_error(write_module: Loader) -> None:
     _, dec = pair(write_module, """
 @DECORATE
 class Steps:
@@ -2864,27 +2606,27 @@ def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> A
         "QATLinear(1, 3, 4, moving=True)",
     ],
 )
-def test_observers_track_and_fake_quantize(write_module: Loader_h30, build: str) -> None:
+def test_observers_track_and_fake_quantize(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, QAT)
     calls = [("__call__", (XQ,)), ("__call__", (XQ * 2 - 1,)), ("__call__", (XQ * 0.5,))]
     modes = ("eager", "f") if "Torch" in build else ("eager", "f", "jit", "freeze")
     check(plain, dec, build, calls, modes=modes)
 
 
-def test_observer_calculate_qparams_method_through_f(write_module: Loader_h30) -> None:
+def test_observer_calculate_qparams_method_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, QAT)
     calls = [("__call__", (XQ,)), ("calculate_qparams", ()), ("__call__", (XQ + 4,))]
     check(plain, dec, "MinMaxObserver(3, ch_axis=1)", calls)
 
 
 @pytest.mark.parametrize("moving", [False, True])
-def test_observers_disabled_after_calibration(write_module: Loader_h30, moving: bool) -> None:
+def test_observers_disabled_after_calibration(write_module: Loader, moving: bool) -> None:
     plain, dec = pair(write_module, QAT)
     calls = [("__call__", (XQ * 3,)), ("__call__", (XQ - 2,))]
     check(plain, dec, f"frozen_qat(0, XQ, {moving})".replace("XQ", "jnp.ones((2, 3))"), calls)
 
 
-def test_disable_fake_quant_and_reenable_observer_eagerly(write_module: Loader_h30) -> None:
+def test_disable_fake_quant_and_reenable_observer_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, QAT)
     build = "MinMaxObserver(3, ch_axis=1).disable_fake_quant()"
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
@@ -2905,7 +2647,7 @@ def test_disable_fake_quant_and_reenable_observer_eagerly(write_module: Loader_h
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_disable_observer_through_f_is_static_state_error(write_module: Loader_h30, jit: bool) -> None:
+def test_disable_observer_through_f_is_static_state_error(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, QAT)
     f, states = dec.QATLinear(0, 3, 4).functionalize()
     call = lambda f, s: f.freeze_observers(s)  # noqa: E731
@@ -2924,12 +2666,12 @@ def test_disable_observer_through_f_is_static_state_error(write_module: Loader_h
         "LoRANet(1, 3, 2).merge_all().unmerge_all()",
     ],
 )
-def test_lora_merged_before_functionalize(write_module: Loader_h30, build: str) -> None:
+def test_lora_merged_before_functionalize(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, LORA)
     check(plain, dec, build, [("__call__", (XL,)), ("__call__", (XL * 3,))])
 
 
-def test_lora_merge_unmerge_eagerly_same_outputs(write_module: Loader_h30) -> None:
+def test_lora_merge_unmerge_eagerly_same_outputs(write_module: Loader) -> None:
     plain, dec = pair(write_module, LORA)
     for mod in (plain, dec):
         m = mod.LoRANet(2, 3, 2)
@@ -2945,7 +2687,7 @@ def test_lora_merge_unmerge_eagerly_same_outputs(write_module: Loader_h30) -> No
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_lora_merge_through_f_is_static_state_error(write_module: Loader_h30, jit: bool) -> None:
+def test_lora_merge_through_f_is_static_state_error(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, LORA)
     f, states = dec.LoRANet(0, 3, 2).functionalize()
     call = lambda f, s: f.merge_all(s)  # noqa: E731
@@ -2955,7 +2697,7 @@ def test_lora_merge_through_f_is_static_state_error(write_module: Loader_h30, ji
     assert_user_line(err.value, _file(dec))
 
 
-def test_lora_merge_of_merged_model_through_f_is_noop(write_module: Loader_h30) -> None:
+def test_lora_merge_of_merged_model_through_f_is_noop(write_module: Loader) -> None:
     plain, dec = pair(write_module, LORA)
     check(plain, dec, "LoRANet(0, 3, 2).merge_all()", [("merge_all", ()), ("__call__", (XL,))][1:])
     f, states = dec.LoRANet(0, 3, 2).merge_all().functionalize()
@@ -2964,7 +2706,7 @@ def test_lora_merge_of_merged_model_through_f_is_noop(write_module: Loader_h30) 
         assert_same(snapshot(states[k]), snapshot(new[k]), k)
 
 
-def test_lora_array_flag_merge_inside_f(write_module: Loader_h30) -> None:
+def test_lora_array_flag_merge_inside_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, LORA)
     calls = [
         ("__call__", (XL,)),
@@ -2979,7 +2721,7 @@ def test_lora_array_flag_merge_inside_f(write_module: Loader_h30) -> None:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_moe_python_int_dropped_counter_through_f(write_module: Loader_h30, jit: bool) -> None:
+def test_moe_python_int_dropped_counter_through_f(write_module: Loader, jit: bool) -> None:
     # dropped = 0 is a static Python int: adding an array to it inside f cannot be static
     _, dec = pair(write_module, MOE)
     f, states = dec.MoE(0, 3, py_init=True).functionalize()
@@ -2994,7 +2736,7 @@ def _grads(mod: types.ModuleType, n: int) -> list[Any]:
     return [mod.grads_at(i) for i in range(n)]
 
 
-def test_accum_python_int_k_eager(write_module: Loader_h30) -> None:
+def test_accum_python_int_k_eager(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACCUM)
     calls = [("update", (g,)) for g in _grads(plain, 7)]
     check(plain, dec, "AccumSGD(init_params(), 3)", calls, modes=("eager",))
@@ -3002,7 +2744,7 @@ def test_accum_python_int_k_eager(write_module: Loader_h30) -> None:
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_accum_python_int_k_through_f_is_static_state_error(
-    write_module: Loader_h30, jit: bool
+    write_module: Loader, jit: bool
 ) -> None:
     plain, dec = pair(write_module, ACCUM)
     f, states = dec.AccumSGD(dec.init_params(), 3).functionalize()
@@ -3013,7 +2755,7 @@ def test_accum_python_int_k_through_f_is_static_state_error(
     assert_user_line(err.value, _file(dec))
 
 
-def test_last_hidden_none_init(write_module: Loader_h30) -> None:
+def test_last_hidden_none_init(write_module: Loader) -> None:
     # PyTorch's `self.last_hidden = None`: None is a placeholder, so the first write
     # means plain Python eagerly, through f and under jit (tests/test_static_state.py).
     plain, dec = pair(write_module, PROBE)
@@ -3029,7 +2771,7 @@ def test_last_hidden_none_init(write_module: Loader_h30) -> None:
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
 
-def test_eval_then_train_toggle_between_jitted_steps(write_module: Loader_h30) -> None:
+def test_eval_then_train_toggle_between_jitted_steps(write_module: Loader) -> None:
     plain, dec = pair(write_module, RESET)
     ref, model = plain.Head(2, 3), dec.Head(2, 3)
     call = staged(lambda f, s, x: f(s, x))
@@ -3043,57 +2785,20 @@ def test_eval_then_train_toggle_between_jitted_steps(write_module: Loader_h30) -
         assert_same(snapshot(ref), snapshot(model), f"{mode} attributes")
 
 
-def run_case_h31(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*a) for m, a in calls]
-        same_h31(expected, got, "eager outputs")
-        same_h31(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(out)
-        same_h31(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same_h31(snapshot(plain_path_h31(ref, key)), snapshot(value), f"{mode} state {key}")
-        same_h31(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            same_h31(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
 
 
-def test_lazy_weight_reset_to_none_eagerly_is_refilled_by_f(write_module: Loader_h31) -> None:
+def test_lazy_weight_reset_to_none_eagerly_is_refilled_by_f(write_module: Loader) -> None:
     # After `model.reset()` the None is the value of an array state (it is in `states`),
     # which a call of f may fill again: the same numbers as plain Python.
     plain, dec = pair(write_module, LAZY)
     plain.X = dec.X = X23
-    run_case_h31(plain, dec, "reset_after(LazyLinear(0, 2), X)", [("__call__", (X23,)),
+    run_case(plain, dec, "reset_after(LazyLinear(0, 2), X)", [("__call__", (X23,)),
                                                               ("__call__", (X23 * 3,))])
     f, states = dec.reset_after(dec.LazyLinear(0, 2), X23).functionalize()
     assert states["w"] is None
 
 
-def test_none_array_toggle(write_module: Loader_h31) -> None:
+def test_none_array_toggle(write_module: Loader) -> None:
     plain, dec = pair(write_module, GROW)
     calls = [
         ("__call__", (V2_h31,)),
@@ -3102,8 +2807,8 @@ def test_none_array_toggle(write_module: Loader_h31) -> None:
         ("__call__", (V2_h31,)),
         ("clear", ()),
     ]
-    run_case_h31(plain, dec, "Toggle()", calls)
-    run_case_h31(plain, dec, "cleared()", [("__call__", (V2_h31,)), ("clear", ()), ("__call__", (V2_h31,))])
+    run_case(plain, dec, "Toggle()", calls)
+    run_case(plain, dec, "cleared()", [("__call__", (V2_h31,)), ("clear", ()), ("__call__", (V2_h31,))])
 
 
 def batch(i: int) -> tuple[Any, Any]:
@@ -3113,25 +2818,21 @@ def batch(i: int) -> tuple[Any, Any]:
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
-def torch(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
+def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, TORCH_HEADER + TORCH_h35)
 
 
-def test_gradient_accumulation_with_grads_set_to_none(write_module: Loader_h35) -> None:
+def test_gradient_accumulation_with_grads_set_to_none(write_module: Loader) -> None:
     """``self.grads = None`` is a placeholder the gradients replace, inside f too
     (tests/test_static_state.py): plain Python in every mode."""
     plain, dec = torch(write_module)
     check(plain, dec, "AccumTrainer(True)", STEPS[:2], modes=("eager", "jit", "freeze"))
 
 
-def pair_decoration_fidelity(write_module: Loader_decoration_fidelity, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    plain = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", ""))
-    dec = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", "@autostate.stateful"))
-    return plain, dec
 
 
-def test_static_class_default_inside_f(write_module: Loader_decoration_fidelity) -> None:
-    _, dec = pair_decoration_fidelity(write_module, CLASS_DEFAULTS)
+def test_static_class_default_inside_f(write_module: Loader) -> None:
+    _, dec = pair(write_module, CLASS_DEFAULTS, fresh=True)
     f, states = dec.Mode().functionalize()
     assert states == {}
     with pytest.raises(autostate.errors.StaticStateError, match="static state 'training'"):
