@@ -14,11 +14,8 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
-import re
-import sys
 import types
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,48 +31,34 @@ from autostate.errors import (
 )
 from semantics.harness import (
     Call,
+    Loader,
     X,
     _fcall,
+    assert_bits,
     assert_same,
     assert_user_line,
+    build_pair,
     check,
     check_transform,
+    data_for,
+    error_line,
+    library,
+    load_plain,
+    modes_of,
+    names_of,
+    pair,
     raises_autostate,
+    run_case,
     same,
     snapshot,
     staged,
+    train_against_reference,
     user_line,
 )
-from semantics.harness import Loader as Loader_h
-from semantics.harness import _pair as _pair_h10
-from semantics.harness import _pair as _pair_h27
-from semantics.harness import _pair as pair_h8
-from semantics.harness import pair as pair_h
-from semantics.harness import pair as pair_h9
-from semantics.harness import pair as pair_h10
-from semantics.harness import pair as pair_h11
-from semantics.harness import pair as pair_h17
-from semantics.harness import pair as pair_h19
-from semantics.harness import pair as pair_h20
-from semantics.harness import pair as pair_h22
-from semantics.harness import pair as pair_h24
-from semantics.harness import pair as pair_h25
-from semantics.harness import pair as pair_h26
-from semantics.harness import pair as pair_h27
-from semantics.harness import pair as pair_h28
-from semantics.harness import pair as pair_h31
-from semantics.harness import pair as pair_h35
-from semantics.harness import pair as pair_models_in_lax_carry
-from semantics.harness import plain_path as plain_path_h10
-from semantics.harness import plain_path as plain_path_h25
-from semantics.harness import plain_path as plain_path_h31
 from semantics.programs import (
-    _JITS,
-    _PAIRS,
     A1,
     A2,
     ALIASES,
-    BUILDS,
     BUILT,
     CALLABLES,
     CATS,
@@ -86,7 +69,6 @@ from semantics.programs import (
     INPLACE,
     KEY,
     LAZY,
-    LIBRARY,
     LIGHTNING,
     LIT_STEPS,
     MULTI,
@@ -114,36 +96,12 @@ from semantics.programs import (
     Y,
     Z,
 )
-from semantics.programs import HEADER as HEADER_decoration_fidelity
 from semantics.programs import REAL as REAL_h24
 from semantics.programs import SOURCE as SOURCE_h22
 from semantics.programs import SUBMODELS as SUBMODELS_h4
 from semantics.programs import TORCH as TORCH_h20
-from semantics.programs import Call as Call_h2
-from semantics.programs import Call as Call_h4
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import HEADER_h4 as HEADER_h4
-from semantics.programs import Loader as Loader_decoration_fidelity
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h4
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h10
-from semantics.programs import Loader as Loader_h11
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h20
-from semantics.programs import Loader as Loader_h22
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h27
-from semantics.programs import Loader as Loader_h28
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import Loader as Loader_h35
 from semantics.programs import MODELS_h8 as MODELS
 from semantics.programs import MODELS_h9 as MODELS_h9
-from semantics.programs import PYLAX_h4 as PYLAX
 from semantics.programs import REAL_h9 as REAL
 from semantics.programs import TORCH_h9 as TORCH
 from semantics.programs import TORCH_h35 as TORCH_h35
@@ -237,7 +195,7 @@ class Scanned:
 
 
 @pytest.fixture
-def pair(write_module: Callable[..., types.ModuleType]) -> tuple[Any, Any]:
+def source_pair(write_module: Callable[..., types.ModuleType]) -> tuple[Any, Any]:
     """The source above as plain Python and decorated with ``@autostate.stateful``."""
     plain = write_module(SOURCE.replace("@DECORATE", ""))
     decorated = write_module(SOURCE.replace("@DECORATE", "@autostate.stateful"))
@@ -267,8 +225,8 @@ def _states_of(model: Any) -> dict[str, float]:
     return out
 
 
-def test_the_analysis_calls_them_state_and_functionalize_keeps_their_states(pair: Any) -> None:
-    _, dec = pair
+def test_the_analysis_calls_them_state_and_functionalize_keeps_their_states(source_pair: Any) -> None:
+    _, dec = source_pair
     assert "sub" in autostate.tree.class_info(dec.Reset).state
     _, states = dec.Reset().functionalize()
     assert sorted(states) == ["sub.n"]
@@ -281,8 +239,8 @@ def test_the_analysis_calls_them_state_and_functionalize_keeps_their_states(pair
 
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit", "jit_twice"])
-def test_a_reset_sub_model_runs_as_plain_python(pair: Any, mode: str) -> None:
-    plain, dec = pair
+def test_a_reset_sub_model_runs_as_plain_python(source_pair: Any, mode: str) -> None:
+    plain, dec = source_pair
     expected_model = plain.Reset()
     expected_model.reset(2.0)
     expected = [float(expected_model(x)) for x in (1.0, 2.0, 3.0)]
@@ -309,9 +267,9 @@ def test_a_reset_sub_model_runs_as_plain_python(pair: Any, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
 def test_a_lazily_built_list_and_dict_of_sub_models_run_as_plain_python(
-    pair: Any, mode: str
+    source_pair: Any, mode: str
 ) -> None:
-    plain, dec = pair
+    plain, dec = source_pair
     expected_model = plain.Lazy()
     expected_model.build()
     expected = [float(expected_model(x)) for x in (1.0, 0.5)]
@@ -333,8 +291,8 @@ def test_a_lazily_built_list_and_dict_of_sub_models_run_as_plain_python(
     assert got == expected
 
 
-def test_gradients_flow_through_states_of_a_lazily_built_sub_model(pair: Any) -> None:
-    plain, dec = pair
+def test_gradients_flow_through_states_of_a_lazily_built_sub_model(source_pair: Any) -> None:
+    plain, dec = source_pair
     model = dec.Lazy()
     model.build()
     f, states = model.functionalize()
@@ -351,8 +309,8 @@ def test_gradients_flow_through_states_of_a_lazily_built_sub_model(pair: Any) ->
     del plain
 
 
-def test_a_scan_over_a_reset_sub_model_matches_plain_python(pair: Any) -> None:
-    plain, dec = pair
+def test_a_scan_over_a_reset_sub_model_matches_plain_python(source_pair: Any) -> None:
+    plain, dec = source_pair
     xs = jnp.arange(4.0)
     expected_model = plain.Scanned()
     expected_model.reset()
@@ -374,9 +332,9 @@ def test_a_scan_over_a_reset_sub_model_matches_plain_python(pair: Any) -> None:
     [("Reset", "reset", (1.0,)), ("Lazy", "build", ()), ("Drops", "drop", ())],
 )
 def test_assigning_a_sub_model_inside_a_functionalized_call_is_refused_at_the_users_line(
-    pair: Any, jit: bool, cls: str, method: str, args: tuple
+    source_pair: Any, jit: bool, cls: str, method: str, args: tuple
 ) -> None:
-    _, dec = pair
+    _, dec = source_pair
     model = getattr(dec, cls)()
     if cls == "Lazy":
         model.build()
@@ -395,9 +353,9 @@ def test_assigning_a_sub_model_inside_a_functionalized_call_is_refused_at_the_us
 
 
 def test_the_same_assignments_eagerly_mean_plain_python_then_functionalize_again(
-    pair: Any,
+    source_pair: Any,
 ) -> None:
-    plain, dec = pair
+    plain, dec = source_pair
     for make in (plain.Drops, dec.Drops):
         model = make()
         assert float(model(1.0)) == 4.0
@@ -420,8 +378,8 @@ def test_the_same_assignments_eagerly_mean_plain_python_then_functionalize_again
     assert float(staged(f)(states, 1.0)[0]) == 1.0
 
 
-def test_copies_and_pickles_of_a_reset_sub_model_are_independent(pair: Any) -> None:
-    _, dec = pair
+def test_copies_and_pickles_of_a_reset_sub_model_are_independent(source_pair: Any) -> None:
+    _, dec = source_pair
     model = dec.Reset()
     model.reset(1.0)
     model(1.0)
@@ -449,7 +407,6 @@ def test_a_host_fallback_model_keeps_a_reset_sub_model(
     assert float(out) == (4.0 + 1.0 + 1.0) * 2
 
 
-Loader = Callable[..., types.ModuleType]
 
 
 XS = jnp.asarray([[0.5, -1.0, 2.0], [1.0, 0.25, -0.5], [0.1, 0.2, 0.3]])
@@ -544,7 +501,7 @@ CASES = {
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_a_model_in_the_carry_is_the_one_model(write_module: Loader, method: str) -> None:
-    plain, dec = pair_models_in_lax_carry(write_module, SOURCE_models_in_lax_carry)
+    plain, dec = pair(write_module, SOURCE_models_in_lax_carry)
     args = CASES[method]
     check(plain, dec, "Model()", [(method, args), (method, args)])
 
@@ -563,7 +520,7 @@ def test_a_model_in_the_carry_is_the_one_model(write_module: Loader, method: str
 def test_a_model_in_the_carry_under_a_transformation(
     write_module: Loader, method: str, transform: str
 ) -> None:
-    plain, dec = pair_models_in_lax_carry(write_module, SOURCE_models_in_lax_carry)
+    plain, dec = pair(write_module, SOURCE_models_in_lax_carry)
     x = CASES[method][0]
     if transform == "vmap":
         x = jnp.stack([x, -x])
@@ -640,8 +597,8 @@ class Trainer:
 """
 
 
-def test_optimizer_stored_in_model(write_module: Loader_h) -> None:
-    plain, dec = pair_h(write_module, OPTIM)
+def test_optimizer_stored_in_model(write_module: Loader) -> None:
+    plain, dec = pair(write_module, OPTIM)
     x = jnp.array([[1.0, 2.0], [3.0, 4.0], [0.5, -1.0]])
     y = jnp.array([1.0, 2.0, 3.0])
     check(plain, dec, "Trainer()", [("train_step", (x, y))] * 3)
@@ -679,16 +636,16 @@ class Net:
 """
 
 
-def test_submodel_lists_dicts_tuples(write_module: Loader_h) -> None:
-    plain, dec = pair_h(write_module, SUBMODELS)
+def test_submodel_lists_dicts_tuples(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS)
     x = jnp.array([1.0, -1.0])
     check(plain, dec, "Net()", [("__call__", (x,)), ("__call__", (x,))])
     check_transform(plain, dec, "Net()", [("__call__", (X,))], x, "grad")
     check_transform(plain, dec, "Net()", [("__call__", (X,))], jnp.stack([x, 2 * x]), "vmap")
 
 
-def test_cycle_child_writes_parent(write_module: Loader_h) -> None:
-    plain, dec = pair_h(write_module, STRUCT)
+def test_cycle_child_writes_parent(write_module: Loader) -> None:
+    plain, dec = pair(write_module, STRUCT)
     calls: list[Call] = [("__call__", (1.0,)), ("__call__", (2.0,))]
     check(plain, dec, "Parent()", calls, modes=("eager",))
     # `total` is assigned only through another object (documented: not state)
@@ -699,12 +656,12 @@ def test_cycle_child_writes_parent(write_module: Loader_h) -> None:
     declared = STRUCT.replace(
         "self.total = jnp.zeros(())", "self.total = STATE(jnp.zeros(()))"
     )
-    plain, dec = pair_h(write_module, declared)
+    plain, dec = pair(write_module, declared)
     check(plain, dec, "Parent()", calls)
 
 
-def test_sub_model_added_by_item_assignment(write_module: Loader_h) -> None:
-    plain, dec = pair_h(write_module, STRUCT)
+def test_sub_model_added_by_item_assignment(write_module: Loader) -> None:
+    plain, dec = pair(write_module, STRUCT)
     p, d = plain.Heads(), dec.Heads()
     p.add("b")
     d.add("b")
@@ -718,123 +675,20 @@ def test_sub_model_added_by_item_assignment(write_module: Loader_h) -> None:
         staged(f.add, static_argnums=1)(states, "c")
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
-def test_sub_model_added_from_outside_after_construction(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
+def test_sub_model_added_from_outside_after_construction(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
     p, d = plain.Host(), dec.Host()
     p.extra = plain.Leaf()
     d.extra = dec.Leaf()
@@ -845,16 +699,16 @@ def test_sub_model_added_from_outside_after_construction(write_module: Loader_h2
     for x in (1.0, 2.0):
         out, states = staged(f.call_extra)(states, x)
         got.append(out)
-    assert_same_h2(expected, got)
-    assert_same_h2(snapshot_h2(p.extra.n), states["extra.n"])
+    assert_same(expected, got)
+    assert_same(snapshot(p.extra.n), states["extra.n"])
 
 
-def test_weakref_to_parent_in_a_sub_model(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
+def test_weakref_to_parent_in_a_sub_model(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
     p = plain.Par()
     expected = [p(1.0), p(1.0)]
     model = dec.Par()
-    assert_same_h2(expected, [model(1.0), model(1.0)], "eager")
+    assert_same(expected, [model(1.0), model(1.0)], "eager")
     model = dec.Par()
     try:
         f, states = model.functionalize()
@@ -864,20 +718,20 @@ def test_weakref_to_parent_in_a_sub_model(write_module: Loader_h2) -> None:
     for _ in range(2):
         out, states = f(states, 1.0)
         got.append(out)
-    assert_same_h2(expected, got, "f")
+    assert_same(expected, got, "f")
 
 
-def test_tied_sub_model_in_two_parents(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
-    check_h2(plain, dec, "Two()", [("__call__", (1.0,)), ("__call__", (2.0,))])
+def test_tied_sub_model_in_two_parents(write_module: Loader) -> None:
+    plain, dec = pair(write_module, VARIANTS)
+    check(plain, dec, "Two()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Two().functionalize()
     assert sorted(states) == ["p.own", "p.shared.n", "q.own"]
     frozen = autostate.freeze(f, states)
     assert frozen.p.shared is frozen.q.shared is frozen.alias
 
 
-def test_tied_parameter_gets_one_summed_gradient(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
+def test_tied_parameter_gets_one_summed_gradient(write_module: Loader) -> None:
+    plain, dec = pair(write_module, VARIANTS)
     f, states = dec.Two().functionalize()
 
     def plain_loss(w: jax.Array) -> jax.Array:
@@ -886,48 +740,31 @@ def test_tied_parameter_gets_one_summed_gradient(write_module: Loader_h2) -> Non
         return t(1.0)
 
     g = jax.grad(lambda f: f(states, 1.0)[0])(f)
-    assert_same_h2(jax.grad(plain_loss)(jnp.ones(2)), g.model.p.shared.w)
+    assert_same(jax.grad(plain_loss)(jnp.ones(2)), g.model.p.shared.w)
     assert g.model.p.shared is g.model.q.shared
 
 
-def test_one_sub_model_held_by_two_root_models(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
+def test_one_sub_model_held_by_two_root_models(write_module: Loader) -> None:
+    plain, dec = pair(write_module, VARIANTS)
     results = []
     for mod in (plain, dec):
         s = mod.Inner()
         a, b = mod.Tied(s), mod.Tied(s)
         outs = [a(1.0), b(2.0)]
-        results.append((outs, snapshot_h2(s.n)))
-    assert_same_h2(results[0], results[1])
+        results.append((outs, snapshot(s.n)))
+    assert_same(results[0], results[1])
     s = dec.Inner()
     a, b = dec.Tied(s), dec.Tied(s)
     b(2.0)
     f, states = a.functionalize()
-    assert_same_h2(np.full(2, 2.0), states["shared.n"])  # sees b's eager write
+    assert_same(np.full(2, 2.0), states["shared.n"])  # sees b's eager write
     _, states = f(states, 1.0)
-    assert_same_h2(np.full(2, 2.0), s.n)  # f never writes the shared original
-    assert_same_h2(np.full(2, 3.0), states["shared.n"])
+    assert_same(np.full(2, 2.0), s.n)  # f never writes the shared original
+    assert_same(np.full(2, 3.0), states["shared.n"])
 
 
-def pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    return _PAIRS[source]
 
 
-def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
-    plain = write_module(
-        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
-    )
-    dec = write_module(
-        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
-        + source.replace("@DECORATE", "@autostate.stateful").replace(
-            "@AUTOCHECKPOINT", "@autostate.checkpoint"
-        )
-    )
-    return plain, dec
 
 
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
@@ -938,14 +775,14 @@ def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None
     assert_same(s1, s2, "states after refusal")
 
 
-def test_grad_through_weakref_to_parent(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, CALLABLES)
+def test_grad_through_weakref_to_parent(write_module: Loader) -> None:
+    plain, dec = pair(write_module, CALLABLES)
     f, states = dec.Parent().functionalize()
     g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     assert float(g.model.scale) == pytest.approx(2.0)
 
 
-def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call_h4]) -> None:
+def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call]) -> None:
     """Eagerly like plain Python; through f either like plain or a StateAccessError."""
     check(plain, dec, build, calls, modes=("eager",))
     model = eval(build, vars(dec))  # noqa: S307
@@ -956,18 +793,18 @@ def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call_
         f_still_works(f, states, "__call__", 1.0)
 
 
-def test_relisting_the_same_submodels(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_relisting_the_same_submodels(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     _either_plain_or_refused(plain, dec, "Blocks()", [("relist", (1.0,)), ("relist", (2.0,))])
 
 
-def test_reassigning_the_same_submodel_is_allowed(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_reassigning_the_same_submodel_is_allowed(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "Blocks()", [("same", (1.0,)), ("same", (2.0,)), ("__call__", (1.0,))])
 
 
-def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "Blocks()", [("swap", (1.0,)), ("__call__", (1.0,))], modes=("eager",))
     model = dec.Blocks()
     f, states = model.functionalize()
@@ -978,8 +815,8 @@ def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loa
     assert float(f(states, 1.0)[0]) == float(plain.Blocks()(1.0))
 
 
-def test_lazily_built_submodel_eagerly_then_functionalized(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_lazily_built_submodel_eagerly_then_functionalized(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "(lambda m: (m.build(), m)[1])(Blocks())",
           [("use_lazy", (1.0,)), ("use_lazy", (2.0,))])
     model = dec.Blocks()
@@ -990,8 +827,8 @@ def test_lazily_built_submodel_eagerly_then_functionalized(write_module: Loader_
     assert float(g.model.lazy.w) == 2.0
 
 
-def test_building_a_submodel_inside_f_is_refused(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_building_a_submodel_inside_f_is_refused(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "Blocks()", [("build_inside", (1.0,))], modes=("eager",))
     f, states = dec.Blocks().functionalize()
     with raises_autostate(autostate.errors.StateAccessError):
@@ -1001,8 +838,8 @@ def test_building_a_submodel_inside_f_is_refused(write_module: Loader_h4) -> Non
     f_still_works(f, states, "__call__", 1.0)
 
 
-def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "Blocks()", [("bind_inside", (1.0,))], modes=("eager",))
     f, states = dec.Blocks().functionalize()
     with raises_autostate(autostate.errors.StateAccessError):
@@ -1010,8 +847,8 @@ def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader_h4) 
     f_still_works(f, states, "__call__", 1.0)
 
 
-def test_submodel_assigned_in_a_helper_called_by_init(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SUBMODELS_h4)
+def test_submodel_assigned_in_a_helper_called_by_init(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBMODELS_h4)
     check(plain, dec, "Reset()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Reset().functionalize()
     assert "head.c" in states
@@ -1119,16 +956,16 @@ class ShallowHook:
 """
 
 
-def test_legit_holders_work(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, HOLDERS)
+def test_legit_holders_work(write_module: Loader) -> None:
+    plain, dec = pair(write_module, HOLDERS)
     check(plain, dec, "Legit()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Legit().functionalize()
     g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
     assert_same(np.full(2, 0.0), g.model.tree.a)
 
 
-def test_shallow_back_reference_is_refused(write_module: Loader_h4) -> None:
-    _, dec = pair_h4(write_module, HOLDERS)
+def test_shallow_back_reference_is_refused(write_module: Loader) -> None:
+    _, dec = pair(write_module, HOLDERS)
     with raises_autostate():
         dec.ShallowHook().functionalize()
 
@@ -1141,8 +978,8 @@ def test_shallow_back_reference_is_refused(write_module: Loader_h4) -> None:
         "DequeHook()",
     ],
 )
-def test_hidden_back_reference_is_refused_or_right(write_module: Loader_h4, build: str) -> None:
-    plain, dec = pair_h4(write_module, HOLDERS)
+def test_hidden_back_reference_is_refused_or_right(write_module: Loader, build: str) -> None:
+    plain, dec = pair(write_module, HOLDERS)
     try:
         dec_model = eval(build, vars(dec))  # noqa: S307
         dec_model.functionalize()
@@ -1155,8 +992,8 @@ HELD_OK = ["list_subs", "dict_sub", "tuple_sub"]
 
 
 @pytest.mark.parametrize("method", HELD_OK)
-def test_sub_models_in_containers_under_jit(write_module: Loader_h8, method: str) -> None:
-    plain, dec = pair_h8(write_module, HELD)
+def test_sub_models_in_containers_under_jit(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, HELD, fresh=True)
     check(plain, dec, "M()", [(method, (jnp.float32(1.0),)), (method, (jnp.float32(2.0),))])
 
 
@@ -1211,18 +1048,18 @@ class InOrderedDict:
 """
 
 
-def test_sub_model_in_an_ordered_dict(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, SUBS_IN_OTHER_CONTAINERS)
+def test_sub_model_in_an_ordered_dict(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SUBS_IN_OTHER_CONTAINERS, fresh=True)
     check(plain, dec, "InOrderedDict()", [("__call__", (jnp.float32(1.0),))] * 2)
 
 
 @pytest.mark.parametrize("cls", ["InDeque", "InFrozenset", "InSet"])
 def test_sub_model_in_a_deque_or_a_set_is_refused_clearly(
-    write_module: Loader_h8, cls: str
+    write_module: Loader, cls: str
 ) -> None:
     # functionalize() does not walk a deque or a set: a sub-model in one would
     # be shared with the eager model and its states never handled.
-    _, dec = pair_h8(write_module, SUBS_IN_OTHER_CONTAINERS)
+    _, dec = pair(write_module, SUBS_IN_OTHER_CONTAINERS, fresh=True)
     model = getattr(dec, cls)()
     kind = {"InDeque": "deque", "InFrozenset": "frozenset", "InSet": "set"}[cls]
     with pytest.raises(autostate.AutostateError, match=rf"inside a plain {kind} .*at subs\[0\]"
@@ -1232,14 +1069,14 @@ def test_sub_model_in_a_deque_or_a_set_is_refused_clearly(
 
 
 @pytest.mark.parametrize("build_expr", ["Dropout(0.5)", "Net()"])
-def test_dropout_key_and_net_with_tied_weights(write_module: Loader_h8, build_expr: str) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_dropout_key_and_net_with_tied_weights(write_module: Loader, build_expr: str) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     x = jnp.ones((2, 4)) if build_expr.startswith("Dropout") else X3
     check(plain, dec, build_expr, [("__call__", (x,)), ("__call__", (x,))])
 
 
-def test_ema_of_a_sub_models_parameters(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_ema_of_a_sub_models_parameters(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     check(plain, dec, "EMA(Linear(3, 2))", [("update", ()), ("update", ())])
 
 
@@ -1258,23 +1095,23 @@ def test_ema_of_a_sub_models_parameters(write_module: Loader_h8) -> None:
     ids=["dyn-names", "named-sub-models", "dict-update", "buffers", "train", "eval",
          "shape-change", "dtype-change"],
 )
-def test_torch_idioms(write_module: Loader_h9, build: str, calls: list[Any]) -> None:
-    plain, dec = pair_h9(write_module, TORCH)
+def test_torch_idioms(write_module: Loader, build: str, calls: list[Any]) -> None:
+    plain, dec = pair(write_module, TORCH)
     check(plain, dec, build, calls)
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("build", ["Dyn(3)", "Buffers()", "Mode()"])
-def test_torch_idioms_under_grad_and_vmap(write_module: Loader_h9, build: str, transform: str) -> None:
-    plain, dec = pair_h9(write_module, TORCH)
+def test_torch_idioms_under_grad_and_vmap(write_module: Loader, build: str, transform: str) -> None:
+    plain, dec = pair(write_module, TORCH)
     x = X1 if transform == "grad" else jnp.arange(3.0)
     if build == "Buffers()":
         x = jnp.array([1.0, 2.0]) if transform == "grad" else jnp.ones((3, 2))
     check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
 
-def test_teacher_student_shared_body_has_one_state(write_module: Loader_h9) -> None:
-    _, dec = pair_h9(write_module, MODELS_h9)
+def test_teacher_student_shared_body_has_one_state(write_module: Loader) -> None:
+    _, dec = pair(write_module, MODELS_h9)
     f, states = dec.TeacherStudent(jax.random.PRNGKey(0)).functionalize()
     assert sorted(states) == ["shared.seen", "student[1].seen", "teacher_head.seen"]
     _, states = staged(lambda f, s, x: f(s, x))(f, states, V3)
@@ -1283,8 +1120,8 @@ def test_teacher_student_shared_body_has_one_state(write_module: Loader_h9) -> N
     assert int(states["teacher_head.seen"]) == 0
 
 
-def test_gan_optimizer_states_are_separate(write_module: Loader_h9) -> None:
-    _, dec = pair_h9(write_module, MODELS_h9)
+def test_gan_optimizer_states_are_separate(write_module: Loader) -> None:
+    _, dec = pair(write_module, MODELS_h9)
     model = dec.GAN(jax.random.PRNGKey(0))
     _, states = model.functionalize()
     assert sorted(states) == ["d_opt.m", "d_opt.t", "d_params", "g_opt.m", "g_opt.t", "g_params"]
@@ -1292,162 +1129,40 @@ def test_gan_optimizer_states_are_separate(write_module: Loader_h9) -> None:
     assert int(model.g_opt.t) == 1 and int(model.d_opt.t) == 1
 
 
-def library(write_module: Loader_h10, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair_h10 if fresh else pair_h10)(write_module, src)
 
 
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
 
 
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
 
 
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path_h10(model, k) for k in keys}
 
 
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
 
 
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
 
 
-def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
-    out, states = f(states, x)
-    return mse(out, y), states
 
 
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
 
 
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
 
 
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
 
 
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
 
 
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
 
 
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = staged(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
 
 
-def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
-    _, update = OPTIMIZERS[opt]
-
-    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
-        f, opt_state = update(f, grads, opt_state)
-        return loss, f, opt_state, states
-
-    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
-def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
-    r_loss, r_params, r_states = ref
-    assert_same(r_loss, loss, f"{where} loss")
-    assert_same(r_params, names_of(f), f"{where} params")
-    assert_same(r_states, states, f"{where} states")
 
 
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
 
 
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
 
 
 def user_frame_line(err: BaseException, module: types.ModuleType) -> str:
@@ -1463,7 +1178,7 @@ def user_frame_line(err: BaseException, module: types.ModuleType) -> str:
     return linecache.getline(module.__file__, found.tb_lineno)
 
 
-def test_module_list_helpers_and_indexing(write_module: Loader_h10) -> None:
+def test_module_list_helpers_and_indexing(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, _ = build_pair(plain, dec, "mlp_dropout")
     assert len(model.body) == len(template.body) == 4
@@ -1475,24 +1190,13 @@ def test_module_list_helpers_and_indexing(write_module: Loader_h10) -> None:
     assert [type(m).__name__ for m in frozen.body] == [type(m).__name__ for m in template.body]
 
 
-def multi(write_module: Loader_h10) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h10(write_module, MULTI)
+def multi(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, MULTI)
 
 
-def train_against_reference(template: Any, model: Any, data: Any, opt: str = "momentum") -> Any:
-    f, states = model.functionalize()
-    assert_same(read_plain(template, names_of(f)), names_of(f), "initial params")
-    assert_same(read_plain(template, states), states, "initial states")
-    ref = run_reference(template, names_of(f), dict(states), opt, data)
-    opt_state = OPTIMIZERS[opt][0](f)
-    step = f_train_step(opt)
-    for i, (x, y) in enumerate(data):
-        loss, f, opt_state, states = step(f, opt_state, states, x, y)
-        assert_step(ref[i], loss, f, states, f"step {i}")
-    return f, states, ref
 
 
-def test_tied_encoder_trains_with_one_state_and_summed_gradients(write_module: Loader_h10) -> None:
+def test_tied_encoder_trains_with_one_state_and_summed_gradients(write_module: Loader) -> None:
     plain, dec = multi(write_module)
     template, model = plain.Siamese(KEY), dec.Siamese(KEY)
     data = data_for(None, 4)
@@ -1507,7 +1211,7 @@ def test_tied_encoder_trains_with_one_state_and_summed_gradients(write_module: L
     assert_same(snapshot(p), snapshot(frozen))
 
 
-def test_model_passed_as_an_argument_and_written_eagerly_and_through_f(write_module: Loader_h10) -> None:
+def test_model_passed_as_an_argument_and_written_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = multi(write_module)
     x = data_for(2, 1)[0][0]
     pt, ps = plain.Teacher(KEY), plain.MLP(jax.random.PRNGKey(3), 3, 2, rate=0.5)
@@ -1526,7 +1230,7 @@ def test_model_passed_as_an_argument_and_written_eagerly_and_through_f(write_mod
     assert int(st["calls"]) == 2
 
 
-def test_model_passed_as_an_argument_under_jit_is_refused_clearly(write_module: Loader_h10) -> None:
+def test_model_passed_as_an_argument_under_jit_is_refused_clearly(write_module: Loader) -> None:
     _, dec = multi(write_module)
     x = data_for(2, 1)[0][0]
     teacher, student = dec.Teacher(KEY), dec.MLP(jax.random.PRNGKey(3), 3, 2)
@@ -1540,7 +1244,7 @@ def test_model_passed_as_an_argument_under_jit_is_refused_clearly(write_module: 
     assert not autostate.lifetime.contains_tracer(snapshot(student))
 
 
-def test_teacher_and_student_in_one_root_train_together(write_module: Loader_h10) -> None:
+def test_teacher_and_student_in_one_root_train_together(write_module: Loader) -> None:
     plain, dec = multi(write_module)
     template, model = plain.Both(KEY), dec.Both(KEY)
     data = [(x, jnp.zeros(())) for x, _ in data_for(2, 4)]
@@ -1549,8 +1253,8 @@ def test_teacher_and_student_in_one_root_train_together(write_module: Loader_h10
     assert int(states["student.steps"]) == 4
 
 
-def test_shared_instance_has_one_state_set_and_matches_plain(write_module: Loader_h11) -> None:
-    plain, dec = pair_h11(write_module, CATS)
+def test_shared_instance_has_one_state_set_and_matches_plain(write_module: Loader) -> None:
+    plain, dec = pair(write_module, CATS)
     ref = plain.Two()
     expected = [ref(1.0), ref(2.0)]
     f, states = dec.Two().functionalize()
@@ -1568,17 +1272,6 @@ def test_shared_instance_has_one_state_set_and_matches_plain(write_module: Loade
     assert_same(snapshot(ref), snapshot(frozen))
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
 @functools.cache
@@ -1591,21 +1284,21 @@ def jitted(method: str, *static: Any) -> Callable[..., Any]:
     return staged(call)
 
 
-def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
-    _, dec = pair_h17(write_module, STACKED)
+def stack(write_module: Loader) -> tuple[Any, Any, Any]:
+    _, dec = pair(write_module, STACKED)
     model = dec.Stack(2)
     assert model.layers.w.shape == (2, 3) and model.layers.mean.shape == (2, 3)
     return dec, model, (model.layers.w, model.layers.mean)
 
 
 @pytest.mark.parametrize("method", ["members", "sliced"])
-def test_stacked_sub_model_member_read_eagerly(write_module: Loader_h17, method: str) -> None:
+def test_stacked_sub_model_member_read_eagerly(write_module: Loader, method: str) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
     assert_same(x * w - mean, getattr(model, method)(x))
 
 
-def test_stacked_sub_model_sliced_by_tree_map_through_f(write_module: Loader_h17) -> None:
+def test_stacked_sub_model_sliced_by_tree_map_through_f(write_module: Loader) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
     f, s = model.functionalize()
@@ -1615,7 +1308,7 @@ def test_stacked_sub_model_sliced_by_tree_map_through_f(write_module: Loader_h17
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_stacked_sub_model_member_read_under_vmap_through_f(
-    write_module: Loader_h17, jit: bool
+    write_module: Loader, jit: bool
 ) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
@@ -1627,8 +1320,8 @@ def test_stacked_sub_model_member_read_under_vmap_through_f(
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_recursive_tree_under_grad_and_vmap(write_module: Loader_h19, transform: str) -> None:
-    plain, dec = pair_h19(write_module, RECURSION)
+def test_recursive_tree_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
+    plain, dec = pair(write_module, RECURSION)
     x = X1 if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "Node(2)", [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
@@ -1636,17 +1329,8 @@ def test_recursive_tree_under_grad_and_vmap(write_module: Loader_h19, transform:
 X2_h20 = jnp.float32(2.0)
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
-def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = f if method == "__call__" else getattr(f, method)
-    return [call, staged(call)]
 
 
 TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
@@ -1675,22 +1359,22 @@ TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(TORCH_CASES))
-def test_torch_idioms_match_plain(write_module: Loader_h20, case: str) -> None:
-    plain, dec = pair_h20(write_module, TORCH_h20)
+def test_torch_idioms_match_plain(write_module: Loader, case: str) -> None:
+    plain, dec = pair(write_module, TORCH_h20)
     build, calls = TORCH_CASES[case]
     check(plain, dec, build, calls)
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("build", ["TorchLike()", "Ema()", "Tree()"])
-def test_torch_idioms_under_grad_and_vmap_h20(write_module: Loader_h20, build: str, transform: str) -> None:
-    plain, dec = pair_h20(write_module, TORCH_h20)
+def test_torch_idioms_under_grad_and_vmap_h20(write_module: Loader, build: str, transform: str) -> None:
+    plain, dec = pair(write_module, TORCH_h20)
     x = V2 if transform == "grad" else jnp.ones((3, 2))
     check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
 
-def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader_h20) -> None:
-    plain, dec = pair_h20(write_module, TORCH_h20)
+def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader) -> None:
+    plain, dec = pair(write_module, TORCH_h20)
 
     def reinit(m: Any) -> None:
         m.w = m.w * 0.5 + 1.0
@@ -1706,10 +1390,10 @@ def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader_h20
     assert sorted(autostate.param_dict(model)) == ["inner.w", "more[0].w", "w"]
 
 
-def test_module_dict_and_list_grown_inside_f(write_module: Loader_h20) -> None:
+def test_module_dict_and_list_grown_inside_f(write_module: Loader) -> None:
     """Adding a head inside f changes the structure (refused); appending to a list that
     is not state is plain Python eagerly in f and refused under jit."""
-    _, dec = pair_h20(write_module, TORCH_h20)
+    _, dec = pair(write_module, TORCH_h20)
     f, states = dec.heads().functionalize()
     with pytest.raises(StateAccessError, match="sub-model") as err:
         f.add_head(states, "c", 1.0)
@@ -1720,8 +1404,8 @@ def test_module_dict_and_list_grown_inside_f(write_module: Loader_h20) -> None:
     assert sorted(out) == ["a", "b"]
 
 
-def test_adding_a_layer_by_setattr_inside_f_names_the_sub_model(write_module: Loader_h20) -> None:
-    _, dec = pair_h20(write_module, TORCH_h20)
+def test_adding_a_layer_by_setattr_inside_f_names_the_sub_model(write_module: Loader) -> None:
+    _, dec = pair(write_module, TORCH_h20)
     f, states = dec.grown(1).functionalize()
     with pytest.raises(StateAccessError) as err:
         f.add_layer(states, 3.0)
@@ -1730,13 +1414,13 @@ def test_adding_a_layer_by_setattr_inside_f_names_the_sub_model(write_module: Lo
 
 
 @pytest.mark.parametrize("method", ["tree_map_copy", "stop_gradient_copy"])
-def test_copy_of_a_sub_model_inside_a_method_eager_vs_f(write_module: Loader_h20, method: str) -> None:
-    _, dec = pair_h20(write_module, EQX)
+def test_copy_of_a_sub_model_inside_a_method_eager_vs_f(write_module: Loader, method: str) -> None:
+    _, dec = pair(write_module, EQX)
     model = dec.CopiesSub()
     eager = [getattr(model, method)(V2) for _ in range(2)]
     eager_count = model.sub.count
     f, states = dec.CopiesSub().functionalize()
-    for call in f_modes(f, method):
+    for call in modes_of(f, method):
         s, outs = states, []
         for _ in range(2):
             out, s = call(s, V2)
@@ -1745,24 +1429,23 @@ def test_copy_of_a_sub_model_inside_a_method_eager_vs_f(write_module: Loader_h20
         assert_same(eager_count, s["sub.count"], method)
 
 
-Call_h22 = tuple[str, tuple[Any, ...]]
 
 
-def mods(write_module: Loader_h22) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h22(write_module, SOURCE_h22)
+def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, SOURCE_h22)
 
 
 def leaf_names(f: Any) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
 
 
-def test_shared_block_on_five_paths_matches_plain(write_module: Loader_h22) -> None:
+def test_shared_block_on_five_paths_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
-    calls: list[Call_h22] = [("__call__", (ONE,)), ("poke", (2.0,)), ("__call__", (ONE * 0.5,))]
+    calls: list[Call] = [("__call__", (ONE,)), ("poke", (2.0,)), ("__call__", (ONE * 0.5,))]
     check(plain, dec, "Paths()", calls)
 
 
-def test_shared_block_has_one_state_and_one_leaf_named_by_its_first_path(write_module: Loader_h22) -> None:
+def test_shared_block_has_one_state_and_one_leaf_named_by_its_first_path(write_module: Loader) -> None:
     _, dec = mods(write_module)
     model = dec.Paths()
     f, states = model.functionalize()
@@ -1775,7 +1458,7 @@ def test_shared_block_has_one_state_and_one_leaf_named_by_its_first_path(write_m
     assert m.enc is not m.d["b"]
 
 
-def test_shared_block_identity_and_writes_after_f_jit_and_freeze(write_module: Loader_h22) -> None:
+def test_shared_block_identity_and_writes_after_f_jit_and_freeze(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     p = plain.Paths()
     expected = [p(ONE), p(ONE)]
@@ -1797,18 +1480,18 @@ def test_shared_block_identity_and_writes_after_f_jit_and_freeze(write_module: L
     assert_same(snapshot(p), snapshot(frozen))
 
 
-def test_shared_block_grad_wrt_input_matches_plain(write_module: Loader_h22) -> None:
+def test_shared_block_grad_wrt_input_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check_transform(plain, dec, "Paths()", [("__call__", (X,)), ("__call__", (X,))], ONE * 0.3, "grad")
 
 
-def test_shared_block_vmap_matches_plain(write_module: Loader_h22) -> None:
+def test_shared_block_vmap_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     xs = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
     check_transform(plain, dec, "Paths()", [("__call__", (X,))], xs, "vmap")
 
 
-def test_shared_parameter_gradient_is_the_sum_of_its_five_uses(write_module: Loader_h22) -> None:
+def test_shared_parameter_gradient_is_the_sum_of_its_five_uses(write_module: Loader) -> None:
     _, dec = mods(write_module)
     model = dec.Paths()
     f, states = model.functionalize()
@@ -1835,7 +1518,7 @@ def test_shared_parameter_gradient_is_the_sum_of_its_five_uses(write_module: Loa
     assert g.model.enc is g.model.layers[1] is g.model.t[0]
 
 
-def test_sgd_through_f_keeps_the_shared_block_one_object(write_module: Loader_h22) -> None:
+def test_sgd_through_f_keeps_the_shared_block_one_object(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     f, states = dec.Paths().functionalize()
     x = jnp.array([0.3, -0.7])
@@ -1857,7 +1540,7 @@ def test_sgd_through_f_keeps_the_shared_block_one_object(write_module: Loader_h2
     assert_same(snapshot(p), snapshot(frozen))
 
 
-def test_block_used_twice_per_call_matches_plain(write_module: Loader_h22) -> None:
+def test_block_used_twice_per_call_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Twice()", [("__call__", (ONE,)), ("__call__", (ONE * -0.5,))])
     f, states = dec.Twice().functionalize()
@@ -1865,7 +1548,7 @@ def test_block_used_twice_per_call_matches_plain(write_module: Loader_h22) -> No
     assert float(states["blk.n"]) == 3.0  # 0 -> 1 -> 3: updated twice, in order
 
 
-def test_block_used_twice_grad_wrt_params_matches_hand_written_jax(write_module: Loader_h22) -> None:
+def test_block_used_twice_grad_wrt_params_matches_hand_written_jax(write_module: Loader) -> None:
     _, dec = mods(write_module)
     model = dec.Twice()
     f, states = model.functionalize()
@@ -1881,7 +1564,7 @@ def test_block_used_twice_grad_wrt_params_matches_hand_written_jax(write_module:
     assert_same(hs, g.model.scale)
 
 
-def test_diamond_leaf_named_by_its_first_deeper_path(write_module: Loader_h22) -> None:
+def test_diamond_leaf_named_by_its_first_deeper_path(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Diamond()", [("__call__", (ONE,)), ("__call__", (ONE * 2,))])
     f, states = dec.Diamond().functionalize()
@@ -1890,7 +1573,7 @@ def test_diamond_leaf_named_by_its_first_deeper_path(write_module: Loader_h22) -
     assert leaf_names(f) == [".model.x.blk.w", ".model.x.scale"]
 
 
-def test_eager_write_through_one_path_then_functionalize(write_module: Loader_h22) -> None:
+def test_eager_write_through_one_path_then_functionalize(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     p, m = plain.Paths(), dec.Paths()
     for model in (p, m):
@@ -1905,7 +1588,7 @@ def test_eager_write_through_one_path_then_functionalize(write_module: Loader_h2
     assert_same(np.full((), 4.0), m.dec_in.n)  # the eager model is unchanged by f
 
 
-def test_tied_array_eager_and_through_f_match_plain(write_module: Loader_h22) -> None:
+def test_tied_array_eager_and_through_f_match_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     x = jnp.array([1.0, -2.0])
     check(plain, dec, "LM()", [("__call__", (x,)), ("__call__", (x,))])
@@ -1918,7 +1601,7 @@ def test_tied_array_eager_and_through_f_match_plain(write_module: Loader_h22) ->
         assert c.head.w is c.embed.w
 
 
-def test_tied_array_is_one_leaf_with_the_summed_gradient(write_module: Loader_h22) -> None:
+def test_tied_array_is_one_leaf_with_the_summed_gradient(write_module: Loader) -> None:
     _, dec = mods(write_module)
     m = dec.LM()
     f, states = m.functionalize()
@@ -1930,7 +1613,7 @@ def test_tied_array_is_one_leaf_with_the_summed_gradient(write_module: Loader_h2
     assert len(jax.tree_util.tree_leaves(f)) == 1
 
 
-def test_sgd_through_f_keeps_a_tied_array_tied(write_module: Loader_h22) -> None:
+def test_sgd_through_f_keeps_a_tied_array_tied(write_module: Loader) -> None:
     _, dec = mods(write_module)
     m = dec.LM()
     w0 = m.embed.w
@@ -1951,12 +1634,12 @@ def test_sgd_through_f_keeps_a_tied_array_tied(write_module: Loader_h22) -> None
     assert frozen.head.w is frozen.embed.w
 
 
-def test_tied_array_through_jit_grad_on_input_matches_plain(write_module: Loader_h22) -> None:
+def test_tied_array_through_jit_grad_on_input_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check_transform(plain, dec, "LM()", [("__call__", (X,))], jnp.array([0.5, -0.25]), "grad")
 
 
-def test_child_holding_its_parent_matches_plain(write_module: Loader_h22) -> None:
+def test_child_holding_its_parent_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Parent()", [("__call__", (1.0,)), ("__call__", (2.0,)), ("read", (3.0,))])
     f, states = dec.Parent().functionalize()
@@ -1966,7 +1649,7 @@ def test_child_holding_its_parent_matches_plain(write_module: Loader_h22) -> Non
     assert frozen.child.parent is frozen
 
 
-def test_child_holding_its_parent_grad_and_vmap(write_module: Loader_h22) -> None:
+def test_child_holding_its_parent_grad_and_vmap(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check_transform(plain, dec, "Parent()", [("__call__", (X,)), ("__call__", (X,))], 0.7, "grad")
     check_transform(plain, dec, "Parent()", [("__call__", (X,))], jnp.arange(3.0), "vmap")
@@ -1976,7 +1659,7 @@ def test_child_holding_its_parent_grad_and_vmap(write_module: Loader_h22) -> Non
     assert_same(1.5 + 2 * 1.5 * 2.0, g.model.scale)
 
 
-def test_functionalize_the_child_that_holds_its_parent(write_module: Loader_h22) -> None:
+def test_functionalize_the_child_that_holds_its_parent(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     p, m = plain.Parent(), dec.Parent()
     f, states = m.child.functionalize()
@@ -1988,7 +1671,7 @@ def test_functionalize_the_child_that_holds_its_parent(write_module: Loader_h22)
     assert_same(np.zeros(()), m.child.n)
 
 
-def test_model_in_its_own_list_and_dict_matches_plain(write_module: Loader_h22) -> None:
+def test_model_in_its_own_list_and_dict_matches_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Selfish()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Selfish().functionalize()
@@ -2001,7 +1684,7 @@ def test_model_in_its_own_list_and_dict_matches_plain(write_module: Loader_h22) 
     check_transform(plain, dec, "Selfish()", [("__call__", (X,))], 0.25, "grad")
 
 
-def test_two_models_holding_each_other_match_plain(write_module: Loader_h22) -> None:
+def test_two_models_holding_each_other_match_plain(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "mutual()", [("__call__", (1.0,)), ("peek", ()), ("__call__", (0.5,))])
     f, states = dec.mutual().functionalize()
@@ -2015,7 +1698,7 @@ def test_two_models_holding_each_other_match_plain(write_module: Loader_h22) -> 
         assert_same(snapshot(frozen), snapshot(c))
 
 
-def test_two_models_holding_each_other_grad_matches_hand_written_jax(write_module: Loader_h22) -> None:
+def test_two_models_holding_each_other_grad_matches_hand_written_jax(write_module: Loader) -> None:
     _, dec = mods(write_module)
     f, states = dec.mutual().functionalize()
     g = staged(jax.grad(lambda f: f(states, 2.0)[0]))(f)
@@ -2025,7 +1708,7 @@ def test_two_models_holding_each_other_grad_matches_hand_written_jax(write_modul
 
 
 def test_a_shared_block_state_written_in_the_states_dict_reaches_every_path(
-    write_module: Loader_h22,
+    write_module: Loader,
 ) -> None:
     plain, dec = mods(write_module)
     f, states = dec.Paths().functionalize()
@@ -2039,7 +1722,7 @@ def test_a_shared_block_state_written_in_the_states_dict_reaches_every_path(
     assert_same(p.dec_in.n, new["enc.n"])
 
 
-def test_dict_state_holding_a_sub_model_that_is_also_an_attribute(write_module: Loader_h22) -> None:
+def test_dict_state_holding_a_sub_model_that_is_also_an_attribute(write_module: Loader) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Pool()", [("__call__", (ONE,)), ("__call__", (ONE,))])
     f, states = dec.Pool().functionalize()
@@ -2049,7 +1732,7 @@ def test_dict_state_holding_a_sub_model_that_is_also_an_attribute(write_module: 
 
 
 def test_reordering_a_list_of_sub_models_inside_f_is_the_documented_error(
-    write_module: Loader_h22,
+    write_module: Loader,
 ) -> None:
     plain, dec = mods(write_module)
     check(plain, dec, "Rot()", [("__call__", (1.0,)), ("__call__", (1.0,))], modes=("eager",))
@@ -2062,87 +1745,21 @@ def test_reordering_a_list_of_sub_models_inside_f_is_the_documented_error(
     assert float(m.blocks[0].w[0]) == 1.0
 
 
-def test_gan_alternating_updates_plain_vs_decorated(write_module: Loader_h24) -> None:
-    plain, dec = pair_h24(write_module, GAN)
+def test_gan_alternating_updates_plain_vs_decorated(write_module: Loader) -> None:
+    plain, dec = pair(write_module, GAN)
     z = jnp.array([[0.1, -0.2]])
     check(plain, dec, "GAN(0)", [("train_step", (REAL_h24,)), ("train_step", (REAL_h24 * 0.5,)),
                                   ("generate", (z,)), ("train_step", (REAL_h24,))])
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted(m, a)(f, states, *traced)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
 ADD_NEW = """
@@ -2167,8 +1784,8 @@ class Pair:
 """
 
 
-def test_plus_equals_building_a_new_submodel(write_module: Loader_h25) -> None:
-    plain, dec = pair_h25(write_module, ADD_NEW)
+def test_plus_equals_building_a_new_submodel(write_module: Loader) -> None:
+    plain, dec = pair(write_module, ADD_NEW)
     run_case(plain, dec, "Pair()", [("__call__", (A1,)), ("__call__", (A2,))], modes=("eager",))
     f, states = dec.Pair().functionalize()
     with pytest.raises(autostate.AutostateError) as info:
@@ -2208,8 +1825,8 @@ def built():
 """
 
 
-def test_list_of_submodels_appended_after_construction(write_module: Loader_h25) -> None:
-    plain, dec = pair_h25(write_module, GROW)
+def test_list_of_submodels_appended_after_construction(write_module: Loader) -> None:
+    plain, dec = pair(write_module, GROW)
     run_case(plain, dec, "built()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_h25,))],
              extra=("__call__", (jnp.ones(2),)))
     model = dec.Stack().add(1.0)
@@ -2247,8 +1864,8 @@ class Parent:
 """
 
 
-def test_weakref_from_child_to_parent(write_module: Loader_h25) -> None:
-    plain, dec = pair_h25(write_module, WEAKREF)
+def test_weakref_from_child_to_parent(write_module: Loader) -> None:
+    plain, dec = pair(write_module, WEAKREF)
     run_case(plain, dec, "Parent()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
     f, states = dec.Parent().functionalize()
@@ -2276,8 +1893,8 @@ class Model:
 """
 
 
-def test_submodel_with_update_method_reassigned_in_reset(write_module: Loader_h25) -> None:
-    plain, dec = pair_h25(write_module, UPDATE_NAME)
+def test_submodel_with_update_method_reassigned_in_reset(write_module: Loader) -> None:
+    plain, dec = pair(write_module, UPDATE_NAME)
     run_case(plain, dec, "Model()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
 
@@ -2302,8 +1919,8 @@ class Cell:
 """
 
 
-def test_temporary_instance_made_and_written_inside_a_call(write_module: Loader_h25) -> None:
-    plain, dec = pair_h25(write_module, TEMPORARY)
+def test_temporary_instance_made_and_written_inside_a_call(write_module: Loader) -> None:
+    plain, dec = pair(write_module, TEMPORARY)
     run_case(plain, dec, "Cell()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_h25,))],
              extra=("__call__", (jnp.ones(2),)))
 
@@ -2326,8 +1943,8 @@ def _file(mod: types.ModuleType) -> str:
     return mod.__file__.rsplit("/", 1)[-1]
 
 
-def test_encoder_decoder_hidden_handover(write_module: Loader_h26) -> None:
-    plain, dec = pair_h26(write_module, RNN)
+def test_encoder_decoder_hidden_handover(write_module: Loader) -> None:
+    plain, dec = pair(write_module, RNN)
     check(plain, dec, "Seq2(0, 2, 3)", [("__call__", (XS_h26,)), ("__call__", (XS_h26[::-1],))],
           modes=("eager", "jit"))
 
@@ -2382,15 +1999,15 @@ class BYOL:
 XE = jnp.array([[0.5, -1.0, 0.2], [1.0, 0.3, -0.4]])
 
 
-def test_ema_teacher_from_student(write_module: Loader_h26) -> None:
-    plain, dec = pair_h26(write_module, EMA)
+def test_ema_teacher_from_student(write_module: Loader) -> None:
+    plain, dec = pair(write_module, EMA)
     calls = [("train_step", (XE, 0.1)), ("train_step", (XE * 2, 0.1)),
              ("train_scan", (jnp.stack([XE, -XE, XE + 1]), 0.05))]
     check(plain, dec, "BYOL(0, 3)", calls)
 
 
-def test_ema_teacher_matches_hand_threaded(write_module: Loader_h26) -> None:
-    _, dec = pair_h26(write_module, EMA)
+def test_ema_teacher_matches_hand_threaded(write_module: Loader) -> None:
+    _, dec = pair(write_module, EMA)
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     sw, sb = jax.random.normal(k1, (3, 3)) * 0.5, jax.random.normal(k2, (3,)) * 0.1
     tw, tb = sw, sb
@@ -2411,24 +2028,24 @@ def test_ema_teacher_matches_hand_threaded(write_module: Loader_h26) -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True])
-def test_optimizer_updates_model_passed_as_argument(write_module: Loader_h26, direct: bool) -> None:
-    plain, dec = pair_h26(write_module, OPT)
+def test_optimizer_updates_model_passed_as_argument(write_module: Loader, direct: bool) -> None:
+    plain, dec = pair(write_module, OPT)
     calls = [("train_step", (XO, YO)), ("train_step", (XO * 2, YO)),
              ("fit", (jnp.stack([XO, -XO]), jnp.stack([YO, YO * 2])))]
     check(plain, dec, f"Trainer(0, 2, direct={direct})", calls)
 
 
-def test_optimizer_grad_over_inputs(write_module: Loader_h26) -> None:
-    plain, dec = pair_h26(write_module, OPT)
+def test_optimizer_grad_over_inputs(write_module: Loader) -> None:
+    plain, dec = pair(write_module, OPT)
     check_transform(plain, dec, "Trainer(0, 2)", [("train_step", (X, YO))], XO, "grad")
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_optimizer_functionalized_alone_model_as_f_argument(write_module: Loader_h26,
+def test_optimizer_functionalized_alone_model_as_f_argument(write_module: Loader,
                                                             jit: bool) -> None:
     # the optimizer functionalized on its own and an eager model passed to f.step: the model
     # is not part of f, so its write is either plain Python (eagerly) or a clear error
-    plain, dec = pair_h26(write_module, OPT)
+    plain, dec = pair(write_module, OPT)
     ref, model = plain.MLP(0, 2), dec.MLP(0, 2)
     g = jax.grad(ref.loss)(ref.params, XO, YO)
     ref_opt = plain.Adam(ref.params)
@@ -2447,15 +2064,15 @@ def test_optimizer_functionalized_alone_model_as_f_argument(write_module: Loader
         assert_same(snapshot(ref_opt.m), snapshot(states["m"]), "m")
 
 
-def test_key_state_in_sub_models(write_module: Loader_h26) -> None:
-    plain, dec = pair_h26(write_module, RNG)
+def test_key_state_in_sub_models(write_module: Loader) -> None:
+    plain, dec = pair(write_module, RNG)
     check(plain, dec, "Stack(0)", [("__call__", (XR,)), ("__call__", (XR,))])
     check_transform(plain, dec, "Stack(0, new_style=False)", [("__call__", (X,))],
                     jnp.stack([XR, -XR]), "vmap")
 
 
-def test_in_place_list_update_of_sub_model_in_python_loop(write_module: Loader_h26) -> None:
-    plain, dec = pair_h26(write_module, INPLACE)
+def test_in_place_list_update_of_sub_model_in_python_loop(write_module: Loader) -> None:
+    plain, dec = pair(write_module, INPLACE)
     check(plain, dec, "Fit(0, 2)", [("train_step", (XO, YO)), ("loop", (XO2, YO2))])
 
 
@@ -2476,8 +2093,8 @@ def _plain_loss(ref: Any, params: dict[str, Any], x: Any, y: Any) -> tuple[Any, 
     return loss, m
 
 
-def test_shared_by_two_parents_life_cycle(write_module: Loader_h27) -> None:
-    plain, dec = _pair_h27(write_module, TWO_PARENTS)
+def test_shared_by_two_parents_life_cycle(write_module: Loader) -> None:
+    plain, dec = pair(write_module, TWO_PARENTS, fresh=True)
     ref, model = plain.Root(), dec.Root()
     f, states = model.functionalize()
     assert sorted(states) == ["dec.calls", "enc.calls", "enc.norm.mean", "enc.norm.n"]
@@ -2506,8 +2123,8 @@ def test_shared_by_two_parents_life_cycle(write_module: Loader_h27) -> None:
     assert_same(snapshot(ref), snapshot(loaded), "parent untouched")
 
 
-def test_shared_by_two_parents_grad_one_summed_gradient(write_module: Loader_h27) -> None:
-    plain, dec = pair_h27(write_module, TWO_PARENTS)
+def test_shared_by_two_parents_grad_one_summed_gradient(write_module: Loader) -> None:
+    plain, dec = pair(write_module, TWO_PARENTS)
     ref = plain.Root()
     f, states = dec.Root().functionalize()
     assert "dec.norm.scale" not in autostate.param_dict(f)
@@ -2561,8 +2178,8 @@ class Child(Net):
 """
 
 
-def test_sub_model_replaced_eagerly_then_functionalized(write_module: Loader_h28) -> None:
-    plain, dec = pair_h28(write_module, REPLACE)
+def test_sub_model_replaced_eagerly_then_functionalized(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REPLACE)
     ref, model = plain.Child(), dec.Child()
     for m in (ref, model):
         m(A1)
@@ -2578,8 +2195,8 @@ def test_sub_model_replaced_eagerly_then_functionalized(write_module: Loader_h28
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
 
-def test_sub_model_replaced_inside_f_is_the_documented_error(write_module: Loader_h28) -> None:
-    _, dec = pair_h28(write_module, REPLACE)
+def test_sub_model_replaced_inside_f_is_the_documented_error(write_module: Loader) -> None:
+    _, dec = pair(write_module, REPLACE)
     f, states = dec.Child().functionalize()
     for fn, args, text in (
         (f.swap, (3.0,), "self.leaf = Leaf(k)"),
@@ -2593,58 +2210,15 @@ def test_sub_model_replaced_inside_f_is_the_documented_error(write_module: Loade
     same(jnp.asarray(1.0 + 2.5), out, "f after the refused swap")
 
 
-def run_case_h31(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*a) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h31(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            same(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
 
 
-def f_modes_h31(f: Any, method: str = "__call__") -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = lambda s, *a: _call(f, method)(s, *a)  # noqa: E731
-    return [call, staged(call)]
-
-
-def test_lazy_sub_model_and_lazy_layer_list(write_module: Loader_h31) -> None:
-    plain, dec = pair_h31(write_module, LAZY)
+def test_lazy_sub_model_and_lazy_layer_list(write_module: Loader) -> None:
+    plain, dec = pair(write_module, LAZY)
     plain.X = dec.X = X23
     calls = [("__call__", (X23,)), ("__call__", (X23 * 2,))]
     for cls in ("LazyHead()", "LazyStack(2)", "AppendStack(2)"):
-        run_case_h31(plain, dec, cls, calls, modes=("eager",))
-        run_case_h31(plain, dec, f"primed({cls}, X)", calls)
+        run_case(plain, dec, cls, calls, modes=("eager",))
+        run_case(plain, dec, f"primed({cls}, X)", calls)
     # The lazily made head's weights are parameters of f (it is a sub-model): gradients
     # against plain Python.
     f, states = dec.primed(dec.LazyHead(), X23).functionalize()
@@ -2665,23 +2239,23 @@ def test_lazy_sub_model_and_lazy_layer_list(write_module: Loader_h31) -> None:
 @pytest.mark.parametrize(("cls", "text"), [("LazyHead()", "# lazy head"),
                                            ("LazyStack(2)", "# lazy layers")])
 def test_lazy_sub_model_built_inside_f_is_the_documented_error(
-    write_module: Loader_h31, cls: str, text: str
+    write_module: Loader, cls: str, text: str
 ) -> None:
     # docs/errors.md, "StateAccessError: replacing a sub-model inside a functionalized call".
-    _, dec = pair_h31(write_module, LAZY)
+    _, dec = pair(write_module, LAZY)
     model = eval(cls, vars(dec))  # noqa: S307
     f, states = model.functionalize()
-    for call in f_modes_h31(f):
+    for call in modes_of(f):
         with pytest.raises(StateAccessError, match="holds .or would hold. a sub-model") as err:
             call(states, X23)
         user_line(err.value, dec, text)
     assert snapshot(model) == snapshot(eval(cls, vars(dec)))  # noqa: S307
 
 
-def test_lazy_layer_list_filled_by_append_inside_jit_is_refused(write_module: Loader_h31) -> None:
+def test_lazy_layer_list_filled_by_append_inside_jit_is_refused(write_module: Loader) -> None:
     # A list only __init__ assigns is static: appended to inside a traced f, refused,
     # naming the attribute (rewrite_rules.md section 7), and put back.
-    _, dec = pair_h31(write_module, LAZY)
+    _, dec = pair(write_module, LAZY)
     f, states = dec.AppendStack(2).functionalize()
     with pytest.raises(StateAccessError, match=r"AppendStack.layers") as err:
         staged(lambda f, s, x: f(s, x))(f, states, X23)
@@ -2689,11 +2263,11 @@ def test_lazy_layer_list_filled_by_append_inside_jit_is_refused(write_module: Lo
     assert f.model.layers == []
 
 
-def test_model_built_inside_a_method_during_its_call(write_module: Loader_h31) -> None:
-    plain, dec = pair_h31(write_module, BUILT)
+def test_model_built_inside_a_method_during_its_call(write_module: Loader) -> None:
+    plain, dec = pair(write_module, BUILT)
     plain.XS = dec.XS = XS_h31
     calls = [("__call__", (X23,)), ("scanned", (XS_h31,)), ("__call__", (-X23,))]
-    run_case_h31(plain, dec, "Outer(0)", calls)
+    run_case(plain, dec, "Outer(0)", calls)
     f, states = dec.Outer(0).functionalize()
 
     def plain_loss(scale: Any) -> Any:
@@ -2705,10 +2279,10 @@ def test_model_built_inside_a_method_during_its_call(write_module: Loader_h31) -
     same(jax.grad(plain_loss)(plain.Outer(0).scale), g.model.scale)
 
 
-def test_model_built_inside_a_method_in_a_jitted_grad_step(write_module: Loader_h31) -> None:
+def test_model_built_inside_a_method_in_a_jitted_grad_step(write_module: Loader) -> None:
     # The everyday training step: jax.jit(jax.grad(loss)) over f, whose forward builds a
     # temporary sub-model (a dynamic sub-model in forward).
-    plain, dec = pair_h31(write_module, BUILT)
+    plain, dec = pair(write_module, BUILT)
     f, states = dec.Outer(0).functionalize()
 
     def plain_loss(scale: Any) -> Any:
@@ -2727,8 +2301,8 @@ def batch(i: int) -> tuple[Any, Any]:
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
-def torch(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h35(write_module, TORCH_HEADER + TORCH_h35)
+def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, TORCH_HEADER + TORCH_h35)
 
 
 ALL_MODES = ("eager", "f", "jit", "freeze")
@@ -2745,18 +2319,18 @@ ALL_MODES = ("eager", "f", "jit", "freeze")
         ("sgd_trainer(lr_state=False, sched=False)", ("jit", "freeze")),
     ],
 )
-def test_trainer_fit_steps_match_plain(write_module: Loader_h35, build: str,
+def test_trainer_fit_steps_match_plain(write_module: Loader, build: str,
                                        modes: tuple[str, ...]) -> None:
     plain, dec = torch(write_module)
     check(plain, dec, build, [*STEPS[:2], ("evaluate", batch(5)), STEPS[2]], modes=modes)
 
 
-def test_torch_adam_alias_updates_match_plain_eagerly(write_module: Loader_h35) -> None:
+def test_torch_adam_alias_updates_match_plain_eagerly(write_module: Loader) -> None:
     plain, dec = torch(write_module)
     check(plain, dec, "adam_trainer('TorchAdam')", STEPS, modes=("eager",))
 
 
-def test_torch_adam_alias_updates_through_f_on_a_copy_are_refused(write_module: Loader_h35) -> None:
+def test_torch_adam_alias_updates_through_f_on_a_copy_are_refused(write_module: Loader) -> None:
     """The model holds an integer array, so an eager call of f runs on a copy
     of f's model (the array travels in the states dict): an in-place change of
     a non-state dict would be lost, and is refused as under jit (it was lost
@@ -2776,7 +2350,7 @@ def jit_steps(f: Any, states: Any, method: str, calls: list[tuple[Any, ...]]) ->
     return out, states
 
 
-def test_torch_adam_alias_updates_under_jit_are_refused(write_module: Loader_h35) -> None:
+def test_torch_adam_alias_updates_under_jit_are_refused(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.adam_trainer("TorchAdam").functionalize()
     before = jax.tree_util.tree_map(np.asarray, jax.tree_util.tree_leaves(f))
@@ -2786,7 +2360,7 @@ def test_torch_adam_alias_updates_under_jit_are_refused(write_module: Loader_h35
     assert_same(before, jax.tree_util.tree_leaves(f), "f unchanged by the refused call")
 
 
-def test_param_groups_scheduler_matches_plain_eagerly_and_in_f(write_module: Loader_h35) -> None:
+def test_param_groups_scheduler_matches_plain_eagerly_and_in_f(write_module: Loader) -> None:
     """Eagerly, and in an eager call of f without an integer constant in the model, the
     in-place change reaches f.model's copy, as plain Python's does (rewrite_rules.md 4)."""
     plain, dec = torch(write_module)
@@ -2794,7 +2368,7 @@ def test_param_groups_scheduler_matches_plain_eagerly_and_in_f(write_module: Loa
     check(plain, dec, "group_trainer()", STEPS, modes=("eager", "f"))
 
 
-def test_param_groups_scheduler_through_f_on_a_copy_is_refused(write_module: Loader_h35) -> None:
+def test_param_groups_scheduler_through_f_on_a_copy_is_refused(write_module: Loader) -> None:
     """Refused as the TorchAdam case is (the lr never decayed, silently)."""
     _, dec = torch(write_module)
     f, states = dec.group_trainer(int_buffer=True).functionalize()
@@ -2803,7 +2377,7 @@ def test_param_groups_scheduler_through_f_on_a_copy_is_refused(write_module: Loa
     assert "GroupSGD.param_groups" in str(err.value)
 
 
-def test_param_groups_scheduler_under_jit_is_refused(write_module: Loader_h35) -> None:
+def test_param_groups_scheduler_under_jit_is_refused(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.group_trainer(int_buffer=True).functionalize()
     with raises_autostate(errors.StateAccessError) as err:
@@ -2812,7 +2386,7 @@ def test_param_groups_scheduler_under_jit_is_refused(write_module: Loader_h35) -
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_optimizer_writing_parameters_that_are_not_states(write_module: Loader_h35, jit: bool) -> None:
+def test_optimizer_writing_parameters_that_are_not_states(write_module: Loader, jit: bool) -> None:
     plain, dec = torch(write_module)
     check(plain, dec, "sgd_trainer(as_state=False)", STEPS[:2], modes=("eager",))
     f, states = dec.sgd_trainer(as_state=False).functionalize()
@@ -2828,7 +2402,7 @@ def test_optimizer_writing_parameters_that_are_not_states(write_module: Loader_h
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_scheduler_writing_an_lr_that_is_not_state(write_module: Loader_h35, jit: bool) -> None:
+def test_scheduler_writing_an_lr_that_is_not_state(write_module: Loader, jit: bool) -> None:
     plain, dec = torch(write_module)
     check(plain, dec, "sgd_trainer(lr_state=False)", STEPS[:2], modes=("eager",))
     f, states = dec.sgd_trainer(lr_state=False).functionalize()
@@ -2841,7 +2415,7 @@ def test_scheduler_writing_an_lr_that_is_not_state(write_module: Loader_h35, jit
     user_line(err.value, dec, "self.opt.lr = self.base_lr")
 
 
-def test_torch_early_stopping_eagerly_and_through_f(write_module: Loader_h35) -> None:
+def test_torch_early_stopping_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = torch(write_module)
     improving = [("__call__", (v,)) for v in (1.0, 0.5, 0.25)]
     check(plain, dec, "TorchEarlyStopping()", improving, modes=("eager", "f"))
@@ -2855,12 +2429,12 @@ def test_torch_early_stopping_eagerly_and_through_f(write_module: Loader_h35) ->
     user_line(err.value, dec, "self.counter += 1")
 
 
-def test_gradient_accumulation_with_zeroed_grads(write_module: Loader_h35) -> None:
+def test_gradient_accumulation_with_zeroed_grads(write_module: Loader) -> None:
     plain, dec = torch(write_module)
     check(plain, dec, "AccumTrainer()", STEPS[:2], modes=("eager", "jit", "freeze"))
 
 
-def test_scheduler_wrapping_the_optimizer_step(write_module: Loader_h35) -> None:
+def test_scheduler_wrapping_the_optimizer_step(write_module: Loader) -> None:
     """Eagerly plain Python (deepcopy keeps the closure, which still reaches the
     original optimizer, as plain Python's does); functionalize refuses the closure
     clearly (errors.md, a plain object holding the model)."""
@@ -3057,8 +2631,8 @@ def pair_parts():
 """
 
 
-def shared(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h35(write_module, SHARED)
+def shared(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, SHARED)
 
 
 SRC = jnp.array([0, 2, 4])
@@ -3067,18 +2641,18 @@ SRC = jnp.array([0, 2, 4])
 TGT = jnp.array([1, 3])
 
 
-def test_encoder_and_decoder_sharing_an_embedding_with_two_optimizers(write_module: Loader_h35) -> None:
+def test_encoder_and_decoder_sharing_an_embedding_with_two_optimizers(write_module: Loader) -> None:
     plain, dec = shared(write_module)
     calls = [("train_step", (SRC + i % 2, TGT - i % 2)) for i in range(2)]
     check(plain, dec, "Seq2Seq()", calls, modes=("eager", "jit", "freeze"))
 
 
-def test_tied_weights_stepped_by_name(write_module: Loader_h35) -> None:
+def test_tied_weights_stepped_by_name(write_module: Loader) -> None:
     plain, dec = shared(write_module)
     check(plain, dec, "TiedLM()", [("train_step", (SRC, TGT)), ("train_step", (SRC + 1, TGT))])
 
 
-def test_shared_embedding_is_one_state_named_by_its_first_path(write_module: Loader_h35) -> None:
+def test_shared_embedding_is_one_state_named_by_its_first_path(write_module: Loader) -> None:
     _, dec = shared(write_module)
     f, states = dec.Seq2Seq().functionalize()
     assert "encoder.embed.w" in states and not any(k.startswith("decoder.embed") for k in states)
@@ -3090,13 +2664,13 @@ def test_shared_embedding_is_one_state_named_by_its_first_path(write_module: Loa
     assert frozen.opt_enc.model is frozen.encoder and frozen.opt_dec.model is frozen.decoder
 
 
-def test_running_stats_shared_by_two_models(write_module: Loader_h35) -> None:
+def test_running_stats_shared_by_two_models(write_module: Loader) -> None:
     plain, dec = shared(write_module)
     calls = [("__call__", (X_h35 * (i + 1),)) for i in range(3)]
     check(plain, dec, "Pair()", calls)
 
 
-def test_functionalize_one_model_of_two_sharing_running_stats(write_module: Loader_h35) -> None:
+def test_functionalize_one_model_of_two_sharing_running_stats(write_module: Loader) -> None:
     """f of ``a`` owns a copy of the shared stats; ``b`` (eager) keeps the original,
     which f's calls do not reach, and ``b``'s eager calls do not reach f's states."""
     plain, dec = shared(write_module)
@@ -3119,17 +2693,17 @@ def test_functionalize_one_model_of_two_sharing_running_stats(write_module: Load
     assert frozen.stats is not b.stats
 
 
-def lightning(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h35(write_module, "import weakref\n" + LIGHTNING)
+def lightning(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, "import weakref\n" + LIGHTNING)
 
 
 @pytest.mark.parametrize("weak", [False, True])
-def test_lightning_back_reference_trainer_matches_plain(write_module: Loader_h35, weak: bool) -> None:
+def test_lightning_back_reference_trainer_matches_plain(write_module: Loader, weak: bool) -> None:
     plain, dec = lightning(write_module)
     check(plain, dec, f"lit({weak})", LIT_STEPS)
 
 
-def test_lightning_model_functionalized_reaches_its_trainer(write_module: Loader_h35) -> None:
+def test_lightning_model_functionalized_reaches_its_trainer(write_module: Loader) -> None:
     """f of the model owns the trainer through the back-reference: the trainer's state
     is the model's state, named through ``trainer.``."""
     plain, dec = lightning(write_module)
@@ -3139,7 +2713,7 @@ def test_lightning_model_functionalized_reaches_its_trainer(write_module: Loader
     assert sorted(states) == ["trainer.global_step", "trainer.logged", "w"]
 
 
-def test_registry_of_models_on_a_manager(write_module: Loader_h35) -> None:
+def test_registry_of_models_on_a_manager(write_module: Loader) -> None:
     plain, dec = lightning(write_module)
     calls = [("__call__", ("a", XL)), ("__call__", ("b", XL)), ("all", (XL,)), ("bump", ("b",)),
              ("__call__", ("c", XL))]
@@ -3157,7 +2731,7 @@ def test_registry_of_models_on_a_manager(write_module: Loader_h35) -> None:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_registering_a_model_inside_f_is_refused(write_module: Loader_h35, jit: bool) -> None:
+def test_registering_a_model_inside_f_is_refused(write_module: Loader, jit: bool) -> None:
     _, dec = lightning(write_module)
     f, states = dec.registry().functionalize()
     new = dec.Scaled(5.0)
@@ -3174,14 +2748,14 @@ def test_registering_a_model_inside_f_is_refused(write_module: Loader_h35, jit: 
 X3_h35 = jnp.array([1.0, -0.5, 2.0])
 
 
-def cross(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
-    plain, dec = pair_h35(write_module, CROSS)
+def cross(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    plain, dec = pair(write_module, CROSS)
     for mod in (plain, dec):  # a fresh global for every test (the modules are shared)
         mod.TALLY = mod.Tally()
     return plain, dec
 
 
-def test_cross_object_writes_eagerly(write_module: Loader_h35) -> None:
+def test_cross_object_writes_eagerly(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     for mod in (plain, dec):
         w, t = mod.Writer(), mod.Tally()
@@ -3194,7 +2768,7 @@ def test_cross_object_writes_eagerly(write_module: Loader_h35) -> None:
     assert_same([snapshot(o) for o in plain.objs], [snapshot(o) for o in dec.objs])
 
 
-def test_cross_object_writes_through_a_container_holding_both(write_module: Loader_h35) -> None:
+def test_cross_object_writes_through_a_container_holding_both(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     calls = [("__call__", (1.0,)), ("via_arg", (2.0,)), ("via_attr", (0.5,)), ("__call__", (3.0,))]
     check(plain, dec, "Both()", calls)
@@ -3202,7 +2776,7 @@ def test_cross_object_writes_through_a_container_holding_both(write_module: Load
     assert sorted(states) == ["tally.count", "tally.total", "writer.n"]
 
 
-def test_write_to_an_attribute_through_f_of_the_writer(write_module: Loader_h35) -> None:
+def test_write_to_an_attribute_through_f_of_the_writer(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     calls = [("write_attr", (1.0,)), ("write_attr", (2.0,))]
     check(plain, dec, "Writer(Tally())", calls)
@@ -3217,7 +2791,7 @@ def test_write_to_an_attribute_through_f_of_the_writer(write_module: Loader_h35)
     "plain [1, 2], f and jit [0, 0] (an un-jitted f also writes the eager original)",
 )
 @pytest.mark.parametrize("how", ["global", "global under jit", "argument"])
-def test_second_path_to_an_attribute_inside_f(write_module: Loader_h35, how: str) -> None:
+def test_second_path_to_an_attribute_inside_f(write_module: Loader, how: str) -> None:
     plain, dec = cross(write_module)
     ref = plain.global_writer()
     model = dec.global_writer()
@@ -3236,7 +2810,7 @@ def test_second_path_to_an_attribute_inside_f(write_module: Loader_h35, how: str
 
 
 @pytest.mark.parametrize("build", ["HookTrainer()", "hooked_model()"])
-def test_forward_hook_bound_to_another_object(write_module: Loader_h35, build: str) -> None:
+def test_forward_hook_bound_to_another_object(write_module: Loader, build: str) -> None:
     plain, dec = cross(write_module)
     check(plain, dec, build, [("__call__", (X3_h35,)), ("__call__", (X3_h35 - 1.0,))])
     f, states = eval(build, vars(dec)).functionalize()  # noqa: S307
@@ -3247,7 +2821,7 @@ def test_forward_hook_bound_to_another_object(write_module: Loader_h35, build: s
         assert hook_owner is frozen.recorder
 
 
-def test_cache_passed_as_an_argument_eagerly_and_through_f(write_module: Loader_h35) -> None:
+def test_cache_passed_as_an_argument_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     ref_a, ref_c = plain.Attn(), plain.KVCache()
     expected = [ref_a(X3_h35 * (i + 1), ref_c) for i in range(3)]
@@ -3266,7 +2840,7 @@ def test_cache_passed_as_an_argument_eagerly_and_through_f(write_module: Loader_
 
 
 @pytest.mark.parametrize("how", ["closure", "argument"])
-def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader_h35, how: str) -> None:
+def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader, how: str) -> None:
     _, dec = cross(write_module)
     f, states = dec.Attn().functionalize()
     c = dec.KVCache()
@@ -3281,7 +2855,7 @@ def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader_h
     assert not autostate.lifetime.contains_tracer(snapshot(c))
 
 
-def test_cache_of_another_f_passed_as_an_argument_is_refused(write_module: Loader_h35) -> None:
+def test_cache_of_another_f_passed_as_an_argument_is_refused(write_module: Loader) -> None:
     """The model inside another f holds handled refs: using it outside that f's call
     is the documented UnhandledLocalStateError."""
     _, dec = cross(write_module)
@@ -3291,14 +2865,14 @@ def test_cache_of_another_f_passed_as_an_argument_is_refused(write_module: Loade
         f(states, X3_h35, fc.model)
 
 
-def test_cache_held_by_a_decoder_with_the_attention(write_module: Loader_h35) -> None:
+def test_cache_held_by_a_decoder_with_the_attention(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     calls = [("__call__", (X3_h35,)), ("__call__", (X3_h35 * 2,)), ("generate", (X3_h35,)), ("__call__", (X3_h35,))]
     check(plain, dec, "CachedDecoder()", calls)
 
 
 @pytest.mark.parametrize("as_state", [True, False])
-def test_trainer_stepping_a_model_passed_as_an_argument(write_module: Loader_h35, as_state: bool) -> None:
+def test_trainer_stepping_a_model_passed_as_an_argument(write_module: Loader, as_state: bool) -> None:
     plain, dec = torch(write_module)
     ref_t, ref_m = plain.ArgTrainer(), plain.MLP(as_state)
     expected = [ref_t.fit_step(ref_m, *batch(i)) for i in range(3)]
@@ -3315,7 +2889,7 @@ def test_trainer_stepping_a_model_passed_as_an_argument(write_module: Loader_h35
     assert_same(snapshot(ref_m), snapshot(m2), "the model written by f's calls")
 
 
-def test_trainer_stepping_a_model_argument_under_jit_is_refused(write_module: Loader_h35) -> None:
+def test_trainer_stepping_a_model_argument_under_jit_is_refused(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.ArgTrainer().functionalize()
     m = dec.MLP()
@@ -3326,7 +2900,7 @@ def test_trainer_stepping_a_model_argument_under_jit_is_refused(write_module: Lo
     assert_same(before, snapshot(m))
 
 
-def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loader_h35) -> None:
+def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loader) -> None:
     _, dec = torch(write_module)
     f, states = dec.ArgTrainer().functionalize()
     m = dec.MLP(as_state=False)
@@ -3338,14 +2912,10 @@ def test_trainer_stepping_a_parameter_model_argument_under_jit(write_module: Loa
     assert_same(before, snapshot(m))
 
 
-def pair_decoration_fidelity(write_module: Loader_decoration_fidelity, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    plain = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", ""))
-    dec = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", "@autostate.stateful"))
-    return plain, dec
 
 
-def test_aliases_are_one_object(write_module: Loader_decoration_fidelity) -> None:
-    plain, dec = pair_decoration_fidelity(write_module, ALIASES)
+def test_aliases_are_one_object(write_module: Loader) -> None:
+    plain, dec = pair(write_module, ALIASES, fresh=True)
     for module in (plain, dec):
         W = module.W
         assert W.__call__ is W.step is W.again
