@@ -49,7 +49,7 @@ from autostate.functional import (
     handler_id_for,
 )
 from autostate.packing import PackedModel
-from autostate.state_values import HandledStaticState, StaticState, states_dict
+from autostate.state_values import HandledStaticState, states_dict
 from autostate.transform import loader
 from autostate.transform.pipeline import (
     ClassDecision,
@@ -610,9 +610,9 @@ def _with_running_states_read(model: Any) -> Any:
         )
 
     def current(ref: Any, _name: str) -> Any:
-        explicit = ref.name if ref.was_explicitly_named else None
         if type(ref) is HandledStaticState:  # a static state: its value is f's structure
-            return StaticState(ref.value, ref.category, explicit)
+            return ref.frozen()
+        explicit = ref.name if ref.was_explicitly_named else None
         return FrozenLocalStateRequest(ref.read(), ref.category, explicit)
 
     if not handler_running() or next(_graph.iter_tree(model, running), None) is None:
