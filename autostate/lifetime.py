@@ -1,8 +1,9 @@
 """Tracer lifetime: which JAX values a model may keep, and for how long.
 
 A JAX tracer lives as long as its trace. A model built inside a trace (a
-temporary instance in a jitted step, ``jax.jit(lambda k: Net(k))``) lives
-there too, its *home*, and may keep that trace's values; any other tracer
+temporary instance in a jitted step, ``jax.jit(lambda k: Net(k))``, or a
+model frozen there by ``freeze`` or ``load_param_dict``) lives there too,
+its *home*, and may keep that trace's values; any other tracer
 stored in an eager model would outlive its trace (a leak), and a handled
 state holding the tracer of a finished trace (a ``lax`` body autostate did
 not thread) has no value. This module answers those questions, in one place:
@@ -14,6 +15,9 @@ not thread) has no value. This module answers those questions, in one place:
   that has ended;
 * ``LostValue``: what a state holds once a traced body that assigned it
   raised;
+* ``initial_slot``: the slot a state's first value makes, living in the
+  trace running now (a model built inside a transformation may keep its
+  values);
 * the functionalized calls running in every thread, and the cells a state
   reached from another thread than its call's belongs to (refused under a
   transformation, whose values cannot cross threads).
@@ -32,7 +36,15 @@ from typing import Any
 import jax
 from jax._src import core as _core
 
-from autostate.effects.local_state import HandlerId, register_slot_hooks, running_call_traces
+from autostate.effects.local_state import (
+    Category,
+    HandlerId,
+    InitialLocalStateRequest,
+    InitialValue,
+    register_slot_hooks,
+    running_call_traces,
+    with_home,
+)
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
@@ -47,6 +59,7 @@ from autostate.state_values import (
     _is_iterator,
     leaves_within_opaque,
     opaque_items,
+    static_slot,
 )
 from autostate.unsortable import Unsortable, _leaves_in_own_order
 
@@ -283,6 +296,22 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
     return where
 
 
+def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
+    """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
+
+    A value that is structure gives its static slot
+    (``autostate.state_values.static_slot``); any other an
+    ``InitialLocalStateRequest``. Either lives in the trace running now, its
+    home: tracers of that trace are accepted, the model is being built inside
+    a transformation (``check_initial_value``).
+    """
+    home = current_trace()
+    static = static_slot(value, category, name)
+    if static is not None:
+        return with_home(static, home)
+    note = check_initial_value(value, name or label)
+    return InitialLocalStateRequest(InitialValue(value, home, note), category, name)
+
 
 # The names of the handled states read while ``recording_state_reads`` runs
 # (None: nothing records).
@@ -400,7 +429,6 @@ def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
 register_slot_hooks(
     current_trace=current_trace,
     check_write=_check_not_traced,
-    check_initial=check_initial_value,
     check_read=_check_read,
     call_started=_call_started,
     call_ended=_ANY_THREAD.__delitem__,

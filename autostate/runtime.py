@@ -42,10 +42,7 @@ from autostate.effects import (
     StateSlot,
     is_running,
 )
-from autostate.effects.local_state import (
-    handler_running,
-    initial_slot,
-)
+from autostate.effects.local_state import handler_running
 from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -58,7 +55,12 @@ from autostate.errors import (
 from autostate.guard import check_write as check_guarded_write
 from autostate.guard import is_guarded, lax_body_of
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
-from autostate.lifetime import _check_not_traced, contains_tracer, recording_state_reads
+from autostate.lifetime import (
+    _check_not_traced,
+    contains_tracer,
+    initial_slot,
+    recording_state_reads,
+)
 from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
 from autostate.unsortable import unsortable_keys_error

@@ -12,7 +12,8 @@ pytree leaves, and put them back. This module owns those rules:
   placeholder, not a mode);
 * ``StaticState`` / ``HandledStaticState``: the slot of a state holding one,
   part of a model's structure, and what stands for it in a functionalized
-  model (fixed for the call);
+  model (fixed for the call); ``static_slot``: the slot a value makes, if
+  static;
 * ``split_static_values`` / ``join_static_values``: a container value's
   Python values out of its leaves and back; ``opaque_items`` and
   ``_Rebuilt``: a container JAX takes as one leaf, as its items and back;
@@ -521,13 +522,13 @@ _graph.register_node_kind(HandledStaticState, model_child=True)
 
 
 
-def _static_slot(value: Any, category: Category, name: str | None) -> StaticState | None:
+def static_slot(value: Any, category: Category, name: str | None) -> StaticState | None:
     """The slot of a state given ``value`` when that makes it static (``makes_static_state``)."""
     return StaticState(value, category, name) if makes_static_state(value) else None
 
 
 register_slot_hooks(
-    static_slot=_static_slot,
+    static_slot=static_slot,
     split_statics=_split_statics,
     join_statics=join_static_values,
     own_value=_own_value,

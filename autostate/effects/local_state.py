@@ -144,8 +144,7 @@ class SlotHooks:
       records it;
     * ``check_write(value, label, home)``: called by an eager request's
       ``write``; raises for a value a model living in ``home`` cannot keep,
-      and returns a note the new request keeps (``_with_unsortable``);
-    * ``check_initial(value, label)``: the same for a state's first value;
+      and returns a note the new request keeps (``_with_note``);
     * ``check_read(name, value)``: called by a handled reference's ``read``;
       raises for a value with no plain meaning;
     * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
@@ -186,7 +185,6 @@ class SlotHooks:
     __slots__ = (
         "current_trace",
         "check_write",
-        "check_initial",
         "check_read",
         "value_flatten_error",
         "states_flatten_error",
@@ -207,7 +205,6 @@ class SlotHooks:
     def __init__(self) -> None:
         self.current_trace: Callable[[], Any] = lambda: None
         self.check_write: Callable[[Any, str | None, Any], Any] = lambda value, label, home: None
-        self.check_initial: Callable[[Any, str | None], Any] = lambda value, label: None
         self.check_read: Callable[[str, Any], None] = lambda name, value: None
         self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
             lambda value, note, name: None
@@ -299,7 +296,8 @@ def home_of(slot: Any) -> Any:
     return getattr(slot, "_home", None)
 
 
-def _with_home(slot: Any, home: Any) -> Any:
+def with_home(slot: Any, home: Any) -> Any:
+    """``slot``, living in ``home`` (see ``home_of``)."""
     if home is not None:
         object.__setattr__(slot, "_home", home)
     return slot
@@ -367,16 +365,16 @@ class InitialValue:
     penzai initializers do, so ``state_sharing="allowed"`` shares a request
     only with itself. ``home`` is the JAX trace the model was built in (``None``
     outside transformations): later writes may hold that trace's values.
-    ``unsortable`` is set when ``value`` is one JAX cannot flatten (see
-    ``check_initial_value``).
+    ``note``: what the runtime noted about ``value``, kept as a
+    ``check_write`` note is (``_with_note``).
     """
 
-    __slots__ = ("value", "home", "unsortable")
+    __slots__ = ("value", "home", "note")
 
-    def __init__(self, value: Any, home: Any = None, unsortable: WriteNote | None = None):
+    def __init__(self, value: Any, home: Any = None, note: WriteNote | None = None):
         self.value = value
         self.home = home
-        self.unsortable = unsortable
+        self.note = note
 
     def __call__(self) -> Any:
         return self.value
@@ -390,22 +388,7 @@ class InitialValue:
     def __setstate__(self, value):
         self.value = value
         self.home = None
-        self.unsortable = None
-
-
-def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
-    """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
-
-    A value that is structure gives the ``static_slot`` hook's slot; any
-    other an ``InitialLocalStateRequest``. Tracers of the running trace are
-    accepted: the model is being built inside a transformation.
-    """
-    home = _hooks.current_trace()
-    static = _hooks.static_slot(value, category, name)
-    if static is not None:
-        return _with_home(static, home)
-    where = _hooks.check_initial(value, name or label)
-    return InitialLocalStateRequest(InitialValue(value, home, where), category, name)
+        self.note = None
 
 
 def _written(
@@ -420,8 +403,8 @@ def _written(
     """
     static = _hooks.static_slot(value, category, name)
     if static is not None:
-        return _with_home(static, home)
-    return _with_home(_with_unsortable(FrozenLocalStateRequest(value, category, name), where), home)
+        return with_home(static, home)
+    return with_home(_with_note(FrozenLocalStateRequest(value, category, name), where), home)
 
 
 def written_slot(
@@ -486,8 +469,8 @@ class InitialLocalStateRequest(StateSlot):
         # An eager update gives a value, not an initializer: frozen, so the value
         # is a pytree child (not static aux data that jit would hash). An array
         # state stays one when assigned a python number, as it does when handled.
-        return _with_home(
-            _with_unsortable(FrozenLocalStateRequest(value, self.category, self.name), where), home
+        return with_home(
+            _with_note(FrozenLocalStateRequest(value, self.category, self.name), where), home
         )
 
     def as_request(self) -> InitialLocalStateRequest:
@@ -545,11 +528,11 @@ class FrozenLocalStateRequest(StateSlot):
     name: str | None = None
     # The trace the model was built in (``None``: outside every trace).
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
-    # Where a value JAX cannot flatten was assigned (a dict whose keys do not
-    # sort; see ``unsortable_keys_error``); set only then (``_with_unsortable``).
-    # ``replaced`` leaves it unset, so an eager write pays nothing for it:
-    # readers use ``getattr(..., None)``.
-    _unsortable: WriteNote | None = dataclasses.field(
+    # What the ``check_write`` hook returned for the value, when not None
+    # (``_with_note``): the engine keeps it for the runtime's errors without
+    # looking inside. ``replaced`` leaves it unset, so an eager write pays
+    # nothing for it: readers use ``getattr(..., None)``.
+    _note: WriteNote | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
     # ``sys.getrefcount(self)``, read as an attribute: computed from C inside
@@ -572,7 +555,7 @@ class FrozenLocalStateRequest(StateSlot):
         where = _hooks.check_write(value, self.name or label, home_of(self))
         if self.state is None:  # the placeholder: the value decides the kind (see _written)
             return _written(value, self.category, self.name, self._home, where)
-        return _with_unsortable(self.replaced(value), where)
+        return _with_note(self.replaced(value), where)
 
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
         """This request holding ``value`` instead, unchecked (``write`` checks).
@@ -607,12 +590,10 @@ class FrozenLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
-def _with_unsortable(
-    request: FrozenLocalStateRequest, unsortable: WriteNote | None
-) -> FrozenLocalStateRequest:
-    """``request``, keeping where its value was assigned when JAX cannot flatten it."""
-    if unsortable is not None:
-        request._unsortable = unsortable
+def _with_note(request: FrozenLocalStateRequest, note: WriteNote | None) -> FrozenLocalStateRequest:
+    """``request``, keeping ``note`` (what ``check_write`` returned) when there is one."""
+    if note is not None:
+        request._note = note
     return request
 
 
@@ -623,7 +604,7 @@ def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
     try:
         split = _hooks.split_statics(r.state)
     except (ValueError, TypeError):
-        error = _hooks.value_flatten_error(r.state, getattr(r, "_unsortable", None), r.name)
+        error = _hooks.value_flatten_error(r.state, getattr(r, "_note", None), r.name)
         if error is None:
             raise
         raise error from None
@@ -653,8 +634,8 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
     # A fresh model's state is a leaf as it will be after its first write.
     init = request.state_initializer
     if isinstance(init, InitialValue):
-        return _with_unsortable(
-            FrozenLocalStateRequest(init.value, request.category, request.name), init.unsortable
+        return _with_note(
+            FrozenLocalStateRequest(init.value, request.category, request.name), init.note
         )
     return request
 
@@ -1025,8 +1006,8 @@ def run_with_states(
     if not isinstance(states, dict):
         raise states_not_dict_error(states)
     cells = {
-        # A list or dict the call changes in place is its own copy: the
-        # caller's states (and a model sharing them) stay as they were.
+        # The call's own copy (the ``own_value`` hook): the caller's states,
+        # and a model sharing them, stay as they were.
         name: LocalStateEffectImpl(_hooks.own_value(value), name)
         for name, value in states.items()
     }
@@ -1039,8 +1020,8 @@ def run_with_states(
     try:
         result = fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
-        # JAX flattening the states (a lax call threads them) met a dict whose
-        # keys do not sort: said in autostate's words, or raised as it was.
+        # JAX flattening the states a lax call threads failed: said in the
+        # runtime's words (the ``states_flatten_error`` hook), or raised as it was.
         error = _hooks.states_flatten_error(
             {name: cell.value for name, cell in cells.items()}, "threaded", err, {}
         )
@@ -1170,8 +1151,9 @@ def handle_local_states(
     initializers: dict[str, Callable[[], Any]] = {}
     valued: dict[str, Any] = {}
     paths: dict[str, str] = {}
-    # Where a state was given a dict whose keys do not sort, for the error.
-    unsortable: dict[str, WriteNote] = {}
+    # What was noted about a state's value (``check_write``, ``InitialValue.note``),
+    # for the ``states_flatten_error`` hook.
+    notes: dict[str, WriteNote] = {}
 
     def is_target(node: Any) -> bool:
         t = type(node)
@@ -1203,13 +1185,13 @@ def handle_local_states(
         if isinstance(request, InitialLocalStateRequest):
             value: Any = request.state_initializer
             initializer = request.state_initializer
-            recorded = getattr(initializer, "unsortable", None)
+            recorded = getattr(initializer, "note", None)
         else:
             value = request
             initializer = _frozen_initializer(request.state)
-            recorded = getattr(request, "_unsortable", None)
+            recorded = getattr(request, "_note", None)
         if recorded is not None:
-            unsortable[name] = recorded
+            notes[name] = recorded
         if name in valued:
             previous = valued[name]
             same_initializer = (
@@ -1232,7 +1214,7 @@ def handle_local_states(
         try:
             return _hooks.states_dict(values)
         except (ValueError, TypeError) as err:
-            error = _hooks.states_flatten_error(values, "states", err, unsortable)
+            error = _hooks.states_flatten_error(values, "states", err, notes)
             if error is None:
                 raise
             raise error from None
@@ -1277,10 +1259,8 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
 def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     """Replaces ``handler_id``'s references in ``body`` by frozen requests.
 
-    The model is built here: frozen inside a transformation (``freeze`` or
-    ``load_param_dict`` in a jitted step or a method), it lives in that
-    trace, its home, and may keep that trace's values, as a model built
-    there by its class does.
+    The body is rebuilt here, so it lives in the trace running now (the
+    ``current_trace`` hook), its home, as a model built there does.
     """
     emitted: set[str] = set()
     home = _hooks.current_trace()
@@ -1289,7 +1269,7 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
         return _slot_role(type(node)) is _HANDLED and node.handler_id == handler_id
 
     def replace(ref: Any, _path: str) -> Any:
-        return _with_home(frozen(ref), home)
+        return with_home(frozen(ref), home)
 
     def frozen(ref: Any) -> Any:
         if type(ref) is not HandledLocalStateRef:
