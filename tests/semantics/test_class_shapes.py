@@ -16,9 +16,7 @@ import dataclasses
 import enum
 import functools
 import pickle
-import re
 import sys
-import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,16 +38,20 @@ from semantics.harness import (
     Call,
     Loader,
     X,
+    assert_clear,
     assert_same,
     assert_step,
-    assert_user_line,
     build_pair,
     check,
     check_transform,
+    class_pair,
     data_for,
+    error_line,
     f_train_step,
+    keys_of,
     library,
     load_plain,
+    modes_of,
     names_of,
     pair,
     raises_autostate,
@@ -451,15 +453,10 @@ def test_init_subclass_runs_once_per_subclass():
     np.testing.assert_array_equal(states["hits"], 2.0)
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 def test_a_frozen_dataclass_refuses_assignment_as_in_plain_python(write_module):
-    plain_cls, cls, _ = _twice(write_module, HOOKS, "Frozen")
+    plain_cls, cls, _ = class_pair(write_module, HOOKS, "Frozen")
     with pytest.raises(dataclasses_frozen_error()):
         plain_cls(jnp.zeros(()))(1.0)
     model = cls(jnp.zeros(()))
@@ -1285,22 +1282,8 @@ def test_total_ordering_and_dataclass_methods_eagerly(write_module: Loader) -> N
     assert results[0] == results[1]
 
 
-def keys_of(dec: types.ModuleType, build: str) -> tuple[list[str], list[str], list[str]]:
-    """State names, ``param_dict`` keys and ``state_dict`` keys of a fresh model."""
-    model = eval(build, vars(dec))  # noqa: S307
-    _, states = model.functionalize()
-    return (
-        sorted(states),
-        sorted(autostate.param_dict(model)),
-        sorted(autostate.state_dict(model)),
-    )
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
 HIER_CASES = {
@@ -1541,17 +1524,6 @@ def test_abstract_class_still_refuses_instances(write_module: Loader) -> None:
     assert str(p_info.value) == str(d_info.value)
 
 
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 def plain_error(fn: Callable[[], Any]) -> tuple[type[BaseException], str]:
@@ -1739,10 +1711,6 @@ class Twice:
     assert float(out) == 2.0 and float(states["x"]) == 2.0
 
 
-def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = f if method == "__call__" else getattr(f, method)
-    return [call, staged(call)]
 
 
 EQX_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
@@ -1791,7 +1759,7 @@ def test_frozen_dataclass_self_assignment_raises_like_plain(write_module: Loader
         model(V2)
     assert_same(np.int32(0), model.count)
     f, states = dec.FrozenAssign(jnp.ones(2)).functionalize()
-    for call in f_modes(f, "__call__"):
+    for call in modes_of(f, "__call__"):
         with pytest.raises(dataclasses.FrozenInstanceError):
             call(states, V2)
 
