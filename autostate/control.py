@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -297,42 +298,39 @@ def register_own_value_slot(slot_type: type) -> None:
     _OWN_VALUE_SLOTS.add(slot_type)
 
 
-# What a lax body reaches: through closures, defaults, bound methods and
-# partials, and the lists, tuples and dicts among them (subclasses too).
-_LAX_BODY_REACH = _graph.Reach(
-    containers=frozenset(
-        {
-            _values.LIST,
-            _values.TUPLE,
-            _values.DICT,
-            _values.LIST_SUBCLASS,
-            _values.TUPLE_SUBCLASS,
-            _values.NAMED_TUPLE,
-            _values.DICT_SUBCLASS,
-        }
-    ),
-    instances=True,
-    closures=True,
-    defaults=True,
-    wrapped=True,
-    methods=True,
-    partials=True,
-)
-# The lists and dicts a body captures (a tuple cannot change in place).
-_CAPTURED_KINDS = _LAX_BODY_REACH.containers - {_values.TUPLE}
-
-
 def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
     """Decorated instances reachable from a body: closures, bound methods,
     operands; the lists and dicts met on the way into ``containers``."""
     found: list[Any] = []
-    stateful, kind_of = _graph.STATEFUL_CLASSES, _values.kind_of
-    for obj, _ in _graph.reach([(root, None) for root in roots], _LAX_BODY_REACH, last_first=True):
-        t = type(obj)
-        if t in stateful:
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or _values.holds_nothing(obj):
+            continue
+        seen.add(id(obj))
+        if _graph.is_stateful_instance(obj):
             found.append(obj)
-        elif t is list or t is dict or kind_of(obj) in _CAPTURED_KINDS:
+            stack.extend(obj.__dict__.values())
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    stack.append(cell.cell_contents)
+            stack.extend(obj.__defaults__ or ())
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is not None:
+                stack.append(wrapped)
+        elif isinstance(obj, types.MethodType):
+            stack.extend((obj.__self__, obj.__func__))
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, (list, tuple)):
+            if type(obj) is not tuple:
+                containers.append(obj)
+            stack.extend(obj)
+        elif isinstance(obj, dict):
             containers.append(obj)
+            stack.extend(obj.values())
     return found
 
 

@@ -176,60 +176,6 @@ def test_holds_instance_looks_through_callables_and_partials():
     ]
 
 
-
-def test_reach_goes_into_the_parts_it_names_once_each():
-    from autostate import values
-
-    net = Net()
-    shared = [net.embed]
-
-    def outer(scale=shared):
-        return net, scale
-
-    method = net.embed.__call__
-    every = graph.Reach(
-        containers=frozenset({values.LIST, values.DICT}),
-        instances=True,
-        closures=True,
-        defaults=True,
-        wrapped=True,
-        methods=True,
-        partials=True,
-    )
-    # Per family, its parts with their path suffixes.
-    assert every.parts(outer) == [(".__closure__[0]", net), (".__defaults__[0]", shared)]
-    assert every.parts(method) == [(".__self__", net.embed), (".__func__", method.__func__)]
-    assert every.parts(functools.partial(max, 1)) == [(".func", max), (".args[0]", 1)]
-    assert every.parts({"k": shared}) == [("['k']", shared)]
-    assert every.parts(net)[0][0] == ".embed"
-    # What a walk does not go into: no parts.
-    assert graph.Reach().parts(outer) == [] and graph.Reach().parts(shared) == []
-    # Each value once, in walk order; an instance reached twice is one value.
-    walked = [v for v, _ in graph.reach([(outer, None)], every)]
-    assert [type(v).__name__ for v in walked[:3]] == ["function", "Net", "Leaf"]
-    assert [id(v) for v in walked].count(id(net.embed)) == 1
-    assert shared in walked
-    # A visitor sees every value on every path (first: not reached before),
-    # names its parts and may stop the walk.
-    seen: list[tuple[str, bool]] = []
-
-    def visit(value, suffix, path, first):
-        seen.append((path + suffix, first))
-        return graph.STOP if value is net.embed else path + suffix
-
-    graph.reach([(outer, "")], every, visit)
-    assert seen[-1] == (".__closure__[0].embed", True)
-    # Plain objects' __dict__, at a depth limit.
-    box = _Box(inner=_Box(items=[1]))
-    plain = graph.Reach(containers=frozenset({values.LIST}), plain_objects=True)
-    assert [v for v, _ in graph.reach([(box, None)], plain)] == [box, box.inner, box.inner.items]
-    assert [v for v, _ in graph.reach([(box, None)], plain, depth=1)] == [box, box.inner]
-
-
-class _Box:
-    def __init__(self, **attrs: Any):
-        self.__dict__.update(attrs)
-
 def test_flatten_order_and_names_follow_the_walk_and_jax_keypaths():
     net = Net()
     leaves, graphdef = graph.flatten_graph(net)
