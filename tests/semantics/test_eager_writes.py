@@ -33,31 +33,16 @@ import pytest
 
 import autostate
 from autostate import runtime
-from semantics.harness import _pair as pair_h5
 from semantics.harness import (
+    Loader,
     assert_same,
     check,
-    plain_path,
+    pair,
+    read_plain,
     snapshot,
     staged,
 )
-from semantics.harness import pair as pair_h17
-from semantics.harness import pair as pair_h22
-from semantics.harness import pair as pair_h24
-from semantics.programs import (
-    _PAIRS,
-    CONSTRUCTS,
-    EAGER,
-    EMA_LR,
-    GPT,
-    N_BLOCKS,
-    ONE,
-    PROMPT,
-    PROTO,
-    SOURCE,
-    Loader,
-)
-from semantics.programs import HEADER_h2 as HEADER
+from semantics.programs import CONSTRUCTS, EAGER, EMA_LR, GPT, N_BLOCKS, ONE, PROMPT, PROTO, SOURCE
 
 FINALIZED: list[Any] = []
 LOGGED: list[str] = []
@@ -279,20 +264,6 @@ def test_in_place_operators_never_change_a_state_value_in_place(write_module):
     assert before == [] and model.seen == [0, 1, 1]
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
 def test_identity_after_assignment(write_module: Loader) -> None:
@@ -320,7 +291,7 @@ def full(v: float) -> Any:
 
 def differential(write_module: Loader, source: str, scenario: Callable[[Any], Any]) -> None:
     """Runs ``scenario(module)`` with the plain and the decorated module; same result."""
-    plain, dec = pair_h5(write_module, source)
+    plain, dec = pair(write_module, source, fresh=True)
     assert_same(scenario(plain), scenario(dec), "scenario")
 
 
@@ -536,7 +507,7 @@ def test_numpy_and_python_number_writes(write_module: Loader) -> None:
 
 
 def test_tree_map_over_an_eager_model_then_writes(write_module: Loader) -> None:
-    _, dec = pair_h5(write_module, EAGER)
+    _, dec = pair(write_module, EAGER, fresh=True)
     model = _written(dec)
     mapped = jax.tree_util.tree_map(lambda v: v + 0, model)
     leaves = jax.tree_util.tree_leaves(model)
@@ -549,8 +520,6 @@ def test_tree_map_over_an_eager_model_then_writes(write_module: Loader) -> None:
     np.testing.assert_allclose(leaves[0], full(1.5))
 
 
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path(model, k) for k in keys}
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -603,7 +572,7 @@ def ref_greedy(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) ->
 
 def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair_h17(write_module, GPT)
+    plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
     model = dec.GPT(seed)
     f, states = model.functionalize()
@@ -624,7 +593,7 @@ def test_gpt_greedy_python_loop_eager_vs_plain_vs_hand_threaded(write_module: Lo
 
 
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h22(write_module, SOURCE)
+    return pair(write_module, SOURCE)
 
 
 def test_one_initial_state_array_in_two_modules_diverges_like_python(write_module: Loader) -> None:
@@ -657,7 +626,7 @@ def test_states_hold_the_eager_arrays_and_eager_writes_do_not_reach_them(write_m
 
 
 def test_ema_state_aliased_to_a_parameter_trained_through_f(write_module: Loader) -> None:
-    _, dec = pair_h24(write_module, EMA_LR)
+    _, dec = pair(write_module, EMA_LR)
     f, states = dec.EMA().functionalize()
     assert sorted(states) == ["ema_w", "step"] and list(autostate.param_dict(f)) == ["w"]
     w, ema = jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0])

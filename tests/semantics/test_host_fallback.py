@@ -40,10 +40,13 @@ from semantics.harness import (
     PYLAX,
     Call,
     Loader,
-    _pair,
+    assert_bits,
+    assert_clear,
     assert_same,
-    assert_user_line,
     check,
+    floats,
+    no_tracer,
+    no_tracers,
     pair,
     raises_autostate,
     same,
@@ -55,11 +58,6 @@ from semantics.programs import TIMEOUT
 from semantics.programs import ESCAPES_h34 as ESCAPES
 from semantics.programs import HOST_h3 as HOST
 from semantics.programs import HOST_h16 as HOST_h16
-from semantics.programs import Loader as Loader_h11
-from semantics.programs import Loader as Loader_h16
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h32
-from semantics.programs import Loader as Loader_h34
 from semantics.programs import MORE_h32 as MORE
 from semantics.programs import X1_h32 as X1
 from semantics.programs import X2_h32 as X2
@@ -758,24 +756,8 @@ def test_host_fallback_freeze_continues_from_states(write_module: Loader) -> Non
     assert_same(snapshot(ref), snapshot(frozen))
 
 
-def _bits(a: Any) -> np.ndarray:
-    """An array's exact bits (keys as key data), for bit-for-bit comparisons."""
-    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-        a = jax.random.key_data(a)
-    return np.atleast_1d(np.asarray(a)).view(np.uint8)
 
 
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
 
 
 def _host_call(dec_model: Any, how: str, method: str, *args: Any) -> Any:
@@ -803,7 +785,7 @@ def _host_case_params(cases: list[str]) -> list[Any]:
     return [c for c in cases if c != "rng"]
 
 
-def test_a_typed_key_host_state_is_a_clear_error(write_module: Loader_h11) -> None:
+def test_a_typed_key_host_state_is_a_clear_error(write_module: Loader) -> None:
     """Host states travel through host callbacks, which carry plain dtypes only:
     a typed PRNG key (``jax.random.key``) is refused where it is assigned, naming
     the user's line and the uint32 alternatives (it was JAX's internal
@@ -817,7 +799,7 @@ def test_a_typed_key_host_state_is_a_clear_error(write_module: Loader_h11) -> No
 
 @pytest.mark.parametrize("how", ["eager", "jit"])
 @pytest.mark.parametrize("case", _host_case_params(sorted(HOST_CASES)))
-def test_host_models_match_plain_eagerly_and_passed_into_jit(write_module: Loader_h11, case: str,
+def test_host_models_match_plain_eagerly_and_passed_into_jit(write_module: Loader, case: str,
                                                              how: str) -> None:
     plain, dec = pair(write_module, HOST_h11)
     build, calls = HOST_CASES[case]
@@ -837,14 +819,14 @@ def test_host_models_match_plain_eagerly_and_passed_into_jit(write_module: Loade
 
 @pytest.mark.parametrize("case", _host_case_params(["stats", "rng", "raw-rng", "cache", "scan", "cond",
                                                     "gate"]))
-def test_host_models_through_functionalize_jit_and_freeze(write_module: Loader_h11, case: str) -> None:
+def test_host_models_through_functionalize_jit_and_freeze(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, HOST_h11)
     build, calls = HOST_CASES[case]
     check(plain, dec, build, calls, modes=("f", "jit", "freeze"))
 
 
 def test_functionalized_host_model_frozen_then_continued_with_closures_under_jit(
-        write_module: Loader_h11) -> None:
+        write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_h11)
     ref = plain.Looper()
     expected = [ref.scanned(jnp.arange(3.0)), ref.branched(-1.0), ref.until(9.0), ref.scanned(jnp.ones(2))]
@@ -859,12 +841,12 @@ def test_functionalized_host_model_frozen_then_continued_with_closures_under_jit
     assert_same(snapshot(ref), snapshot(model))
 
 
-def test_mixed_net_with_a_host_submodel_fully_functionalized(write_module: Loader_h11) -> None:
+def test_mixed_net_with_a_host_submodel_fully_functionalized(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_h11)
     check(plain, dec, "Net()", [("__call__", (XS,)), ("__call__", (XS + 1,))])
 
 
-def test_host_submodel_of_its_own_category_stays_on_the_host(write_module: Loader_h11) -> None:
+def test_host_submodel_of_its_own_category_stays_on_the_host(write_module: Loader) -> None:
     src = HOST_h11.replace("@DECORATE_HOST\nclass Gate:", "@autostate.stateful(category='host', fallback='host')\nclass Gate:")
     src += """
 @DECORATE
@@ -900,7 +882,7 @@ class Gated:
     assert int(frozen.gate.opened) == 2 and float(frozen.total) == float(ref.total)
 
 
-def test_host_state_is_a_constant_under_grad_as_documented(write_module: Loader_h11) -> None:
+def test_host_state_is_a_constant_under_grad_as_documented(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_h11)
 
     # hand-threaded reference: every state read is a constant (stop_gradient)
@@ -919,7 +901,7 @@ def test_host_state_is_a_constant_under_grad_as_documented(write_module: Loader_
         assert_same(snapshot(plain_model), snapshot(model), "states after grad")
 
 
-def test_host_writes_in_a_scan_under_grad_happen_once_per_step(write_module: Loader_h11) -> None:
+def test_host_writes_in_a_scan_under_grad_happen_once_per_step(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_h11)
     ref = plain.Looper()
     xs = jnp.arange(1.0, 4.0)
@@ -932,7 +914,7 @@ def test_host_writes_in_a_scan_under_grad_happen_once_per_step(write_module: Loa
     assert_same(expected_out[1], 2 * jnp.cumsum(xs))
 
 
-def test_host_counter_under_vmap_is_per_example_as_documented(write_module: Loader_h11) -> None:
+def test_host_counter_under_vmap_is_per_example_as_documented(write_module: Loader) -> None:
     src = """
 @DECORATE_HOST
 class Acc:
@@ -959,7 +941,7 @@ class Acc:
     assert np.asarray(model.calls).shape == () and int(model.calls) == 2
 
 
-def test_host_state_read_before_set_names_the_users_line(write_module: Loader_h11) -> None:
+def test_host_state_read_before_set_names_the_users_line(write_module: Loader) -> None:
     src = """
 @DECORATE_HOST
 class Lazy:
@@ -979,7 +961,7 @@ class Lazy:
         assert f"{Path(dec.__file__).name}:" in str(info.value), str(info.value)
 
 
-def test_non_array_host_state_is_a_type_error_naming_the_users_line(write_module: Loader_h11) -> None:
+def test_non_array_host_state_is_a_type_error_naming_the_users_line(write_module: Loader) -> None:
     src = """
 @DECORATE_HOST
 class Named:
@@ -997,7 +979,7 @@ class Named:
     assert f"{Path(dec.__file__).name}:" in str(info.value), str(info.value)
 
 
-def test_host_model_changed_shape_error_names_the_users_line(write_module: Loader_h11) -> None:
+def test_host_model_changed_shape_error_names_the_users_line(write_module: Loader) -> None:
     src = """
 @DECORATE_HOST
 class Grow:
@@ -1018,9 +1000,9 @@ class Grow:
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "save-load", "load_state_dict"])
-def test_host_model_copied_mid_training_continues_like_plain(write_module: Loader_h11, how: str,
+def test_host_model_copied_mid_training_continues_like_plain(write_module: Loader, how: str,
                                                              tmp_path: Path) -> None:
-    plain, dec = _pair(write_module, HOST_h11)  # fresh modules: pickled by reference
+    plain, dec = pair(write_module, HOST_h11, fresh=True)  # fresh modules: pickled by reference
     ref = plain.Stats(2)
     ref(XS)
     model = dec.Stats(2)
@@ -1043,7 +1025,7 @@ def test_host_model_copied_mid_training_continues_like_plain(write_module: Loade
 
 
 @pytest.mark.parametrize("cls", ["RawNoise"])
-def test_host_rng_model_saved_and_loaded_bit_exact(write_module: Loader_h11, tmp_path: Path,
+def test_host_rng_model_saved_and_loaded_bit_exact(write_module: Loader, tmp_path: Path,
                                                    cls: str) -> None:
     plain, dec = pair(write_module, HOST_h11)
     ref = getattr(plain, cls)(5)
@@ -1056,7 +1038,7 @@ def test_host_rng_model_saved_and_loaded_bit_exact(write_module: Loader_h11, tmp
     assert_bits(ref(jnp.ones(2)), staged(lambda m, x: m(x))(loaded, jnp.ones(2)))
 
 
-def test_inference_view_of_a_host_model_follows_it_and_matches_plain(write_module: Loader_h11) -> None:
+def test_inference_view_of_a_host_model_follows_it_and_matches_plain(write_module: Loader) -> None:
     src = """
 @DECORATE_HOST
 class Scale:
@@ -1086,7 +1068,7 @@ class Scale:
 
 
 @pytest.mark.parametrize("case", ["stats", "raw-rng", "cache"])
-def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader_h11, case: str) -> None:
+def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader, case: str) -> None:
     """The use case of the fallback: a library's own lax.scan over a closure calling the model."""
     plain, dec = pair(write_module, HOST_h11)
     build, calls = HOST_CASES[case]
@@ -1103,20 +1085,9 @@ def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader_h1
     assert_same(snapshot(ref), snapshot(model))
 
 
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
-def test_inference_view_called_and_non_array_host_state(write_module: Loader_h16) -> None:
+def test_inference_view_called_and_non_array_host_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_h16)
     model = dec.Tally()
     model(1.0)
@@ -1158,13 +1129,6 @@ def run_threads(*targets: Callable[[], Any]) -> list[Any]:
     return results
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
 HOST_THREADS = """
@@ -1184,7 +1148,7 @@ class HostCounter:
 """
 
 
-def test_host_fallback_models_in_two_threads(write_module: Loader_h19) -> None:
+def test_host_fallback_models_in_two_threads(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_THREADS)
 
     def scenario(mod: types.ModuleType) -> list[Any]:
@@ -1201,59 +1165,8 @@ def test_host_fallback_models_in_two_threads(write_module: Loader_h19) -> None:
     assert_same(scenario(plain), scenario(dec))
 
 
-def tracers_in(obj: Any, path: str = "model", seen: set[int] | None = None,
-               depth: int = 0) -> list[str]:
-    """Where a ``jax.core.Tracer`` sits in ``obj``: its ``__dict__`` (raw, as
-    ``vars`` gives it), ``__slots__``, lists, tuples, dicts, sets and
-    closures, recursively."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 14:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, jax.core.Tracer):
-        return [path]
-    if obj is None or isinstance(
-        obj, jax.Array | np.ndarray | str | bytes | int | float | type | BaseException
-        | types.ModuleType
-    ):
-        return []
-    found: list[str] = []
-    if isinstance(obj, list | tuple | set | frozenset):
-        for i, v in enumerate(obj):
-            found += tracers_in(v, f"{path}[{i}]", seen, depth + 1)
-        return found
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found += tracers_in(v, f"{path}[{k!r}]", seen, depth + 1)
-        return found
-    if isinstance(obj, types.FunctionType):
-        for i, cell in enumerate(obj.__closure__ or ()):
-            try:
-                found += tracers_in(cell.cell_contents, f"{path}<cell {i}>", seen, depth + 1)
-            except ValueError:
-                pass
-        return found
-    if isinstance(obj, types.MethodType):
-        return tracers_in(obj.__self__, f"{path}.__self__", seen, depth + 1)
-    d = getattr(obj, "__dict__", None)
-    if isinstance(d, dict):
-        for k, v in d.items():
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for k in (slots,) if isinstance(slots, str) else slots:
-            try:
-                v = getattr(obj, k)
-            except Exception:  # noqa: BLE001 - an unset slot, or a read that refuses
-                continue
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    return found
 
 
-def no_tracers(*objs: Any) -> None:
-    for obj in objs:
-        where = tracers_in(obj)
-        assert not where, f"tracers left at {where}"
 
 
 def no_handler_left() -> None:
@@ -1266,7 +1179,7 @@ def ecall(model: Any, name: str, args: Sequence[Any]) -> Any:
     return (model if name == "__call__" else getattr(model, name))(*args)
 
 
-def test_host_fallback_raise_after_writes_eagerly(write_module: Loader_h32) -> None:
+def test_host_fallback_raise_after_writes_eagerly(write_module: Loader) -> None:
     """A host-fallback model keeps the partial writes of a method that
     raised, as plain Python does, and works afterwards (eagerly and jitted)."""
     plain, dec = pair(write_module, MORE)
@@ -1289,7 +1202,7 @@ def test_host_fallback_raise_after_writes_eagerly(write_module: Loader_h32) -> N
     "engine marks it lost (ControlFlowStateError on read); documented in host_fallback.md"
 ))
 @pytest.mark.parametrize("method", ["in_scan", "caught"])
-def test_host_fallback_lax_body_raises_after_a_write(write_module: Loader_h32, method: str) -> None:
+def test_host_fallback_lax_body_raises_after_a_write(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MORE)
     ref, model = plain.Host(), dec.Host()
     args = (XS_h32, True) if method == "in_scan" else (XS_h32,)
@@ -1308,12 +1221,10 @@ def test_host_fallback_lax_body_raises_after_a_write(write_module: Loader_h32, m
     same(snapshot(ref), got, "attributes")
 
 
-def no_tracer(model: Any) -> None:
-    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 def test_vmap_of_a_writing_method_with_the_host_fallback_gives_per_example_state(
-    write_module: Loader_h34,
+    write_module: Loader,
 ) -> None:
     """Documented (host_fallback.md, "vmap: per-example state"): an input-dependent
     write under ``vmap`` is per-example (stacked when read outside), a constant one shared."""

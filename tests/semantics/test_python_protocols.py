@@ -12,43 +12,29 @@ with what differs.
 from __future__ import annotations
 
 import gc
-import sys
-import types
 import weakref
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import autostate
 from autostate import errors
 from semantics.harness import (
+    Call,
     Loader,
     assert_same,
     check,
+    floats,
     pair,
+    run_case,
     same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import plain_path as plain_path_h25
-from semantics.programs import _JITS, _PAIRS, A1, A2, CMS, FRAMES, GENS, ITER, PROTO, STRUCT, X1
-from semantics.programs import Call as Call_h2
-from semantics.programs import Call as Call_h4
+from semantics.programs import A1, A2, CMS, FRAMES, GENS, ITER, PROTO, STRUCT, X1
 from semantics.programs import GENS_h33 as GENS_h33
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import HEADER_h4 as HEADER_h4
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h4
-from semantics.programs import Loader as Loader_h14
-from semantics.programs import Loader as Loader_h19
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h33
-from semantics.programs import PYLAX_h4 as PYLAX
 from semantics.programs import X2_h14 as X2
 from semantics.programs import XS_h33 as XS
 
@@ -58,123 +44,20 @@ def test_eq_override_and_unhashable_instances(write_module: Loader) -> None:
     check(plain, dec, "EqNet()", [("__call__", (1.0,)), ("__call__", (2.0,))])
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
 
 
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
 
 
-def _fcall_h2(f: Any, name: str) -> Callable[..., Any]:
-    return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key, {"m": model})  # noqa: S307
 
 
-def check_h2(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: Sequence[Call_h2],
-    modes: Sequence[str] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """Runs ``calls`` on a plain and a decorated model built by ``build``."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [getattr(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot_h2(ref)
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [getattr(model, m)(*a) for m, a in calls]
-        assert_same_h2(expected, got, "eager outputs")
-        assert_same_h2(expected_snap, snapshot_h2(model), "eager attributes")
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot_h2(model)
-        f, states = model.functionalize()
-        got = []
-        jitted: dict[str, Any] = {}
-        for m, a in calls:
-            if mode == "f":
-                out, states = _fcall_h2(f, m)(states, *a)
-            else:
-                if m not in jitted:
-                    jitted[m] = staged(lambda f, s, *a, m=m: _fcall_h2(f, m)(s, *a))
-                out, states = jitted[m](f, states, *a)
-            got.append(out)
-        assert_same_h2(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            assert_same_h2(snapshot_h2(plain_path(ref, key)), snapshot_h2(value), f"{mode} state {key}")
-        assert_same_h2(before, snapshot_h2(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            assert_same_h2(expected_snap, snapshot_h2(frozen), "frozen attributes")
 
 
-def test_weakref_to_model(write_module: Loader_h2) -> None:
-    _, dec = pair_h2(write_module, PROTO)
+def test_weakref_to_model(write_module: Loader) -> None:
+    _, dec = pair(write_module, PROTO)
     m = dec.Acc()
     r = weakref.ref(m)
     assert r() is m
@@ -186,8 +69,8 @@ def test_weakref_to_model(write_module: Loader_h2) -> None:
     assert float(out) == 3.0
 
 
-def test_default_eq_and_hash_are_identity(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
+def test_default_eq_and_hash_are_identity(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
     for mod in (plain, dec):
         a, b = mod.Acc(), mod.Acc()
         h = hash(a)
@@ -199,23 +82,23 @@ def test_default_eq_and_hash_are_identity(write_module: Loader_h2) -> None:
     assert dec.Acc.__eq__ is object.__eq__
 
 
-def test_user_dunder_protocol_methods(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
-    check_h2(plain, dec, "Buf(3)", [("push", (2.0,)), ("push", (3.0,))])
+def test_user_dunder_protocol_methods(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
+    check(plain, dec, "Buf(3)", [("push", (2.0,)), ("push", (3.0,))])
     f, states = dec.Buf(3).functionalize()
     assert f.describe(states)[0] == "Buf(n=3)"
     p, d = plain.Buf(3), dec.Buf(3)
     for m in (p, d):
         m += 1.0
         m[1] = 5.0
-    assert_same_h2(snapshot_h2(p), snapshot_h2(d))
+    assert_same(snapshot(p), snapshot(d))
     assert repr(p) == repr(d) == str(d) == "Buf(n=3)"
     assert len(d) == 3
-    assert_same_h2(list(p), list(d))
+    assert_same(list(p), list(d))
 
 
-def test_dunder_method_through_f(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, PROTO)
+def test_dunder_method_through_f(write_module: Loader) -> None:
+    plain, dec = pair(write_module, PROTO)
     p = plain.Buf(3)
     p[0] = 9.0
     f, states = dec.Buf(3).functionalize()
@@ -223,28 +106,11 @@ def test_dunder_method_through_f(write_module: Loader_h2) -> None:
         _, states = f.__setitem__(states, 0, 9.0)
     except autostate.AutostateError:
         return  # a clear refusal would do
-    assert_same_h2(p.items, states["items"])
+    assert_same(p.items, states["items"])
 
 
-def pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    return _PAIRS[source]
 
 
-def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
-    plain = write_module(
-        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
-    )
-    dec = write_module(
-        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
-        + source.replace("@DECORATE", "@autostate.stateful").replace(
-            "@AUTOCHECKPOINT", "@autostate.checkpoint"
-        )
-    )
-    return plain, dec
 
 
 SPECIAL = """
@@ -288,27 +154,27 @@ class Seq(Mixin):
         [("_private", (2.0,)), ("__call__", (1.0,)), ("_private", (3.0,))],
     ],
 )
-def test_special_and_private_methods_through_f(write_module: Loader_h4, calls: list[Call_h4]) -> None:
-    plain, dec = pair_h4(write_module, SPECIAL)
+def test_special_and_private_methods_through_f(write_module: Loader, calls: list[Call]) -> None:
+    plain, dec = pair(write_module, SPECIAL)
     check(plain, dec, "Seq()", calls)
 
 
-def test_inherited_special_method_from_plain_mixin(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, SPECIAL)
+def test_inherited_special_method_from_plain_mixin(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SPECIAL)
     f, states = dec.Seq().functionalize()
     assert len(plain.Seq()) == 3
     out, _ = f.__len__(states)
     assert out == 3
 
 
-def test_undefined_special_method_is_attribute_error(write_module: Loader_h4) -> None:
-    _, dec = pair_h4(write_module, SPECIAL)
+def test_undefined_special_method_is_attribute_error(write_module: Loader) -> None:
+    _, dec = pair(write_module, SPECIAL)
     f, _ = dec.Seq().functionalize()
     with pytest.raises(AttributeError):
         f.__pos__  # noqa: B018
 
 
-def test_context_manager_from_outside_around_f_and_eager(write_module: Loader_h14) -> None:
+def test_context_manager_from_outside_around_f_and_eager(write_module: Loader) -> None:
     """``with model.mode(2.0): model.fwd(x)`` from a training loop, eagerly."""
     plain, dec = pair(write_module, GENS)
     outs = []
@@ -321,16 +187,9 @@ def test_context_manager_from_outside_around_f_and_eager(write_module: Loader_h1
     assert_same(snapshot(models[0]), snapshot(models[1]), "attributes")
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
-def test_context_manager_exited_after_the_entering_call_returned(write_module: Loader_h19) -> None:
+def test_context_manager_exited_after_the_entering_call_returned(write_module: Loader) -> None:
     plain, dec = pair(write_module, FRAMES)
     got = []
     for mod in (plain, dec):
@@ -343,83 +202,17 @@ def test_context_manager_exited_after_the_entering_call_returned(write_module: L
     assert_same(got[0], got[1])
 
 
-class S:
-    """A static argument: baked into the jitted function instead of traced."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-def _args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.value if isinstance(a, S) else a for a in args)
 
 
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
 
 
-def _jitted(name: str, args: tuple[Any, ...]) -> Any:
-    """One jitted ``f.<name>`` per method and static-argument layout, reused across cases."""
-    layout = tuple((i, a.value) if isinstance(a, S) else None for i, a in enumerate(args))
-    key = (name, layout)
-    if key not in _JITS:
-
-        def fn(f: Any, s: Any, *traced: Any) -> Any:
-            it = iter(traced)
-            full = [lay[1] if lay is not None else next(it) for lay in layout]
-            return _call(f, name)(s, *full)
-
-        _JITS[key] = staged(fn)
-    return _JITS[key]
 
 
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*_args(a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*_args(a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            if mode == "f":
-                out, states = _call(f, m)(states, *_args(a))
-            else:
-                traced = tuple(v for v in a if not isinstance(v, S))
-                out, states = _jitted(m, a)(f, states, *traced)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path_h25(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_call(ref, m)(*_args(a)), _call(frozen, m)(*_args(a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
 
 
-def test_generator_dunder_iter_using_state_is_refused(write_module: Loader_h25) -> None:
+def test_generator_dunder_iter_using_state_is_refused(write_module: Loader) -> None:
     with pytest.raises(errors.DecorationError) as info:
         pair(write_module, """
 @DECORATE
@@ -456,7 +249,7 @@ class Countdown:
 """
 
 
-def test_iterator_next_with_python_int_position(write_module: Loader_h25) -> None:
+def test_iterator_next_with_python_int_position(write_module: Loader) -> None:
     plain, dec = pair(write_module, COUNTDOWN)
     run_case(plain, dec, "Countdown(3)", [("run", ()), ("run", ())], modes=("eager",))
     ref, model = plain.Countdown(2), dec.Countdown(2)
@@ -506,13 +299,13 @@ class Net:
 """
 
 
-def test_container_models_with_len_zero_iter_and_getitem(write_module: Loader_h25) -> None:
+def test_container_models_with_len_zero_iter_and_getitem(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONTAINERS)
     run_case(plain, dec, "Net()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
 
 
-def test_contextmanager_method_touching_state_is_refused(write_module: Loader_h25) -> None:
+def test_contextmanager_method_touching_state_is_refused(write_module: Loader) -> None:
     with pytest.raises(errors.DecorationError) as info:
         pair(write_module, """
 import contextlib
@@ -567,7 +360,7 @@ class Net:
 """
 
 
-def test_contextmanager_method_reaching_state_through_methods(write_module: Loader_h25) -> None:
+def test_contextmanager_method_reaching_state_through_methods(write_module: Loader) -> None:
     plain, dec = pair(write_module, CM_VIA_METHOD)
     run_case(plain, dec, "Net()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
@@ -600,7 +393,7 @@ class M:
 """
 
 
-def test_module_level_contextmanager_taking_the_model(write_module: Loader_h25) -> None:
+def test_module_level_contextmanager_taking_the_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, MODULE_CM)
     run_case(plain, dec, "M()", [("__call__", (A1,)), ("set", (A2,)), ("__call__", (A1,))],
              extra=("__call__", (A2,)))
@@ -625,7 +418,7 @@ class M:
 """
 
 
-def test_exitstack_callbacks_setattr_old_values_back(write_module: Loader_h25) -> None:
+def test_exitstack_callbacks_setattr_old_values_back(write_module: Loader) -> None:
     plain, dec = pair(write_module, EXITSTACK)
     run_case(plain, dec, "M()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
@@ -658,7 +451,7 @@ class Root:
 """
 
 
-def test_repr_and_str_are_never_called(write_module: Loader_h25) -> None:
+def test_repr_and_str_are_never_called(write_module: Loader) -> None:
     plain, dec = pair(write_module, REPR)
     run_case(plain, dec, "Root()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
@@ -685,7 +478,7 @@ class Table:
 """
 
 
-def test_getitem_setitem_dunders_on_the_model(write_module: Loader_h25) -> None:
+def test_getitem_setitem_dunders_on_the_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, ITEMS)
     run_case(plain, dec, "Table()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (jnp.asarray(3.0),)))
@@ -719,7 +512,7 @@ class A:
 """
 
 
-def test_every_augmented_operator_on_scalar_states(write_module: Loader_h25) -> None:
+def test_every_augmented_operator_on_scalar_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, AUG_SCALAR)
     run_case(plain, dec, "A()", [("__call__", (A2,)), ("__call__", (jnp.asarray(3.0),))],
              extra=("__call__", (A2,)))
@@ -754,7 +547,7 @@ class Pair:
 """
 
 
-def test_iadd_merging_another_models_state(write_module: Loader_h25) -> None:
+def test_iadd_merging_another_models_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, IADD)
     run_case(plain, dec, "Pair()", [("__call__", (A1,)), ("__call__", (A2,))],
              extra=("__call__", (A1,)))
@@ -779,7 +572,7 @@ class V:
 """
 
 
-def test_jax_array_protocol_reads_state(write_module: Loader_h25) -> None:
+def test_jax_array_protocol_reads_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, JAX_ARRAY)
     run_case(plain, dec, "V()", [("bump", (A1,)), ("bump", (A2,))], extra=("bump", (A1,)))
 
@@ -787,7 +580,7 @@ def test_jax_array_protocol_reads_state(write_module: Loader_h25) -> None:
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-def test_for_over_model_eagerly(write_module: Loader_h33) -> None:
+def test_for_over_model_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, GENS_h33)
     got = []
     for mod in (plain, dec):
@@ -800,7 +593,7 @@ def test_for_over_model_eagerly(write_module: Loader_h33) -> None:
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-def test_next_with_an_array_counter(write_module: Loader_h33) -> None:
+def test_next_with_an_array_counter(write_module: Loader) -> None:
     plain, dec = pair(write_module, ITER)
     check(plain, dec, "Counter()", [("for_self", ()), ("for_self", ())], modes=("eager", "f"))
     got = []
@@ -813,7 +606,7 @@ def test_next_with_an_array_counter(write_module: Loader_h33) -> None:
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-def test_next_with_an_array_counter_under_jit_is_traced_value_error(write_module: Loader_h33) -> None:
+def test_next_with_an_array_counter_under_jit_is_traced_value_error(write_module: Loader) -> None:
     _, dec = pair(write_module, ITER)
     f, s = dec.Counter().functionalize()
     with pytest.raises(errors.TracedValueError) as info:
@@ -839,7 +632,7 @@ CM_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
     "ignore:Python iterable type:DeprecationWarning"
 )
 @pytest.mark.parametrize("case", sorted(CM_CASES))
-def test_context_managers(write_module: Loader_h33, case: str) -> None:
+def test_context_managers(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, CMS)
     check(plain, dec, "Net()", CM_CASES[case])
 
@@ -847,7 +640,7 @@ def test_context_managers(write_module: Loader_h33, case: str) -> None:
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-def test_with_model_from_outside_eagerly(write_module: Loader_h33) -> None:
+def test_with_model_from_outside_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, CMS)
     got = []
     for mod in (plain, dec):

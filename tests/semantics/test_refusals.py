@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 import linecache
 import re
-import sys
 import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,33 +34,19 @@ from autostate.errors import (
     StaticStateError,
     TracedEagerStateError,
 )
-from semantics.harness import HEADER as HEADER_h18
-from semantics.harness import Loader as Loader_h3
-from semantics.harness import Loader as Loader_h23
 from semantics.harness import (
+    HEADER,
+    Loader,
+    assert_clear,
     assert_same,
     assert_user_line,
     check,
+    class_pair,
+    pair,
     raises_autostate,
     staged,
 )
-from semantics.harness import pair as pair_analysis_h12_fixes
-from semantics.harness import pair as pair_h12
-from semantics.harness import pair as pair_h20
-from semantics.harness import pair as pair_h23
-from semantics.programs import (
-    _PAIRS,
-    HELPER_WRITES,
-    NNX,
-    PLAIN_SUBMODEL,
-    PROTO,
-    RUNTIME,
-    X1,
-    Loader,
-    py312,
-)
-from semantics.programs import HEADER as HEADER_decoration_fidelity
-from semantics.programs import HEADER_h2 as HEADER
+from semantics.programs import HELPER_WRITES, NNX, PLAIN_SUBMODEL, PROTO, RUNTIME, X1, py312
 from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
 
 HERE = __file__
@@ -561,15 +545,10 @@ def test_a_marker_the_decorator_did_not_see_is_named_as_written(marker):
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 def test_a_helper_writing_a_non_state_is_refused_whatever_the_states(write_module):
-    plain_cls, cls, _ = _twice(write_module, HELPER_WRITES, "NoStates")
+    plain_cls, cls, _ = class_pair(write_module, HELPER_WRITES, "NoStates")
     plain = plain_cls()
     assert [float(plain(1.0)) for _ in range(2)] == [2.0, 3.0]
     eager = cls()
@@ -610,7 +589,7 @@ def test_slots_are_rejected_at_decoration_with_their_names(write_module, slots):
 
 
 def test_arrays_in_a_plain_object_are_refused_at_functionalize(write_module):
-    _, cls, _ = _twice(write_module, PLAIN_SUBMODEL, "Net")
+    _, cls, _ = class_pair(write_module, PLAIN_SUBMODEL, "Net")
     model = cls()
     for entry in (model.functionalize, lambda: autostate.param_dict(model)):
         with pytest.raises(autostate.errors.InvalidTypeError) as info:
@@ -620,20 +599,6 @@ def test_arrays_in_a_plain_object_are_refused_at_functionalize(write_module):
         assert "decorate Linear with @autostate.stateful" in message
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
 
 
 def test_augmented_assignment_to_self_is_a_documented_decoration_error(
@@ -776,7 +741,7 @@ make(1.0)
 
 
 @pytest.mark.parametrize("case", sorted(DOC_ERRORS))
-def test_documented_decoration_errors_name_the_user_line(write_module: Loader_h3, case: str) -> None:
+def test_documented_decoration_errors_name_the_user_line(write_module: Loader, case: str) -> None:
     text = ERR_HEAD + DOC_ERRORS[case].lstrip("\n")
     line = next(i for i, s in enumerate(text.splitlines(), 1) if "# HERE" in s)
     with pytest.raises(autostate.errors.DecorationError) as info:
@@ -785,7 +750,7 @@ def test_documented_decoration_errors_name_the_user_line(write_module: Loader_h3
     assert "fix:" in str(info.value)
 
 
-def test_slots_error_names_the_user_file(write_module: Loader_h3) -> None:
+def test_slots_error_names_the_user_file(write_module: Loader) -> None:
     text = ERR_HEAD + """
 @autostate.stateful
 class Slotted:
@@ -802,7 +767,7 @@ class Slotted:
     assert "refused_slots.py:" in str(info.value)
 
 
-def test_runtime_errors_are_autostate_errors(write_module: Loader_h3) -> None:
+def test_runtime_errors_are_autostate_errors(write_module: Loader) -> None:
     dec = write_module(ERR_HEAD + """
 @autostate.stateful
 class Flag:
@@ -876,7 +841,7 @@ def test_receiver_rebinding_is_a_decoration_error_at_its_line(
 ) -> None:
     source = REBIND_HEAD + "        " + statement + "\n"
     with raises_autostate(DecorationError) as info:
-        pair_h12(write_module, source)
+        pair(write_module, source)
     assert "rebound" in str(info.value)
     path, text = named_line(info.value)
     assert_user_line(info.value, path)
@@ -935,7 +900,7 @@ def test_decoration_errors_name_their_line(write_module: Loader, tail: str, word
     if "\t" in tail:  # a whole class indented with tabs
         source = source.replace("    ", "\t")
     with raises_autostate(DecorationError) as info:
-        pair_h12(write_module, source)
+        pair(write_module, source)
     if words:
         assert words in str(info.value)
     assert "fix:" in str(info.value)
@@ -953,7 +918,7 @@ class Slotted:
         self.c = self.c + x
 """
     with raises_autostate(DecorationError) as info:
-        pair_h12(write_module, source)
+        pair(write_module, source)
     assert "__slots__" in str(info.value)
     path, _ = named_line(info.value)
     assert_user_line(info.value, path)
@@ -975,7 +940,7 @@ class OnlySlots(Base):  # HERE
 
 def test_slots_error_of_a_class_without_functions_names_a_line(write_module: Loader) -> None:
     with raises_autostate(DecorationError) as info:
-        pair_h12(write_module, SUBCLASS_SLOTS)
+        pair(write_module, SUBCLASS_SLOTS)
     assert "__slots__" in str(info.value)
     assert_at(info.value, "# HERE")
 
@@ -994,7 +959,7 @@ class SlotDc:
     # decorated class, and the rebuilt class is decorated as it is made
     # (Python before 3.12 wraps an error of __set_name__ in a RuntimeError).
     with pytest.raises(Exception) as raised:  # noqa: PT011
-        pair_h12(write_module, source)
+        pair(write_module, source)
     error = raised.value if isinstance(raised.value, DecorationError) else raised.value.__cause__
     assert isinstance(error, DecorationError)
     assert "__slots__" in str(error)
@@ -1014,7 +979,7 @@ class SlotDc:
 def test_eager_model_under_jit_names_the_writing_line(
     write_module: Loader, call: Callable[..., Any], marker: str
 ) -> None:
-    plain, dec = pair_h12(write_module, RUNTIME)
+    plain, dec = pair(write_module, RUNTIME)
     model = dec.Tabs()
     with raises_autostate(TracedEagerStateError) as info:
         staged(lambda x: call(model, x))(X1)
@@ -1040,7 +1005,7 @@ class StaticWriter:
 
 def test_staticmethod_write_of_a_non_state_is_refused_at_its_line(write_module: Loader) -> None:
     """Static methods have no receiver (documented): ``model.c`` is not state."""
-    plain, dec = pair_h12(write_module, STATIC_WRITER)
+    plain, dec = pair(write_module, STATIC_WRITER)
     check(plain, dec, "StaticWriter()", TWO_CALLS, modes=("eager",))
     f, states = dec.StaticWriter().functionalize()
     assert states == {}
@@ -1060,17 +1025,6 @@ def test_errors_are_autostate_errors() -> None:
         assert issubclass(cls, autostate.AutostateError) and issubclass(cls, builtin)
 
 
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 def test_stateful_on_a_function_and_on_an_instance(write_module: Loader) -> None:
@@ -1131,7 +1085,7 @@ class Bad:
         return self.mean
 """
     with pytest.raises(DecorationError, match="fix") as info:
-        write_module(HEADER_h18 + src)
+        write_module(HEADER + src)
     assert ".py:" in str(info.value) and "Bad.m" in str(info.value)
     if "checkpoint" in decorator or "remat" in decorator:
         assert "autostate.checkpoint" in str(info.value)
@@ -1140,7 +1094,7 @@ class Bad:
 def test_undecorated_variable_wrapper_is_the_documented_invalid_type_error(
     write_module: Loader,
 ) -> None:
-    plain, dec = pair_h20(write_module, NNX)
+    plain, dec = pair(write_module, NNX)
     check(plain, dec, "HoldsPlain()", [("__call__", (X1,))] * 2, modes=("eager",))
     with pytest.raises(InvalidTypeError, match=r"PlainVariable.*count\.value") as err:
         dec.HoldsPlain().functionalize()
@@ -1166,7 +1120,7 @@ def assert_here(err: BaseException) -> None:
     ],
     ids=["generic_generator", "generic_async", "generator_after_docstring"],
 )
-def test_documented_errors_name_the_users_line(write_module: Loader_h23, body: str, kind: str) -> None:
+def test_documented_errors_name_the_users_line(write_module: Loader, body: str, kind: str) -> None:
     source = f"""
 @DECORATE
 class Stream[T]:
@@ -1179,14 +1133,10 @@ class Stream[T]:
     {body}
 """
     with pytest.raises(DecorationError, match=f"{kind} method 'steps' uses state 'n'") as err:
-        pair_h23(write_module, source)
+        pair(write_module, source)
     assert_here(err.value)
 
 
-def pair_decoration_fidelity(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    plain = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", ""))
-    dec = write_module(HEADER_decoration_fidelity + source.replace("@DECORATE", "@autostate.stateful"))
-    return plain, dec
 
 
 def test_state_without_any_initial_value_is_still_refused(write_module: Loader) -> None:
@@ -1201,7 +1151,7 @@ class Tracker:
         return x
 """
     with pytest.raises(autostate.errors.DecorationError, match="first assigned outside __init__"):
-        pair_decoration_fidelity(write_module, source)
+        pair(write_module, source, fresh=True)
 
 
 def assert_at_analysis_h12_fixes(err: BaseException, marker: str) -> None:
@@ -1275,7 +1225,7 @@ def test_each_form_rebinding_the_receiver_is_an_error_at_its_line(
     write_module: Loader, statement: str
 ) -> None:
     with raises_autostate(DecorationError) as info:
-        pair_analysis_h12_fixes(write_module, REBIND_HEAD_analysis_h12_fixes + "        " + statement + "\n")
+        pair(write_module, REBIND_HEAD_analysis_h12_fixes + "        " + statement + "\n")
     assert "rebound" in str(info.value)
     assert "fix:" in str(info.value)
     assert_at_analysis_h12_fixes(info.value, "# HERE")
@@ -1290,6 +1240,6 @@ class OnlySlots:  # HERE
     __slots__ = ("c",)
 """
     with raises_autostate(DecorationError) as info:
-        pair_analysis_h12_fixes(write_module, source)
+        pair(write_module, source)
     assert "__slots__" in str(info.value)
     assert_at_analysis_h12_fixes(info.value, "# HERE")
