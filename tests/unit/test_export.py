@@ -16,13 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from export_models import STATE_KEYS, XS, Net, run
-from semantics.harness import assert_same as assert_same_h11
-from semantics.harness import assert_user_line, raises_autostate
-from semantics.harness import pair as pair_h11
-from semantics.harness import pair as pair_h16
-from semantics.harness import snapshot as snapshot_h11
-from semantics.programs import _PAIRS, DTYPES, HOST, MODELS, PACK, PACK_XS, Loader
-from semantics.programs import HEADER_h2 as HEADER
+from semantics.harness import (
+    assert_bits,
+    assert_clear,
+    assert_same,
+    pair,
+    raises_autostate,
+    snapshot,
+)
+from semantics.programs import DTYPES, HOST, MODELS, PACK, PACK_XS, Loader
 from semantics.programs import XS_h11 as XS_h11
 
 import autostate
@@ -111,72 +113,6 @@ def test_save_load_export_example_runs():
     assert lines[-1] == "ok"
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
-
-
-def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
-
-
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
-
-
 def test_export_round_trip_with_prng_state(write_module: Loader) -> None:
     pytest.importorskip("flatbuffers")
     plain, dec = pair(write_module, DTYPES)
@@ -190,28 +126,8 @@ def test_export_round_trip_with_prng_state(write_module: Loader) -> None:
     assert_same(snapshot(p.key), snapshot(states["key"]))
 
 
-def _bits(a: Any) -> np.ndarray:
-    """An array's exact bits (keys as key data), for bit-for-bit comparisons."""
-    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-        a = jax.random.key_data(a)
-    return np.atleast_1d(np.asarray(a)).view(np.uint8)
-
-
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
-
-
 def test_export_of_a_host_model_threads_its_states(write_module: Loader) -> None:
-    plain, dec = pair_h11(write_module, HOST)
+    plain, dec = pair(write_module, HOST)
     ref = plain.Stats(2)
     ref(XS_h11)
     model = dec.Stats(2)
@@ -222,13 +138,13 @@ def test_export_of_a_host_model_threads_its_states(write_module: Loader) -> None
     for k in range(2):
         expected = ref(XS_h11 + k)
         out, states = program.call(states, XS_h11 + k)
-        assert_same_h11(expected, out)
-    assert_same_h11({k: snapshot_h11(getattr(ref, k)) for k in states}, {k: np.asarray(v) for k, v in states.items()})
+        assert_same(expected, out)
+    assert_same({k: snapshot(getattr(ref, k)) for k in states}, {k: np.asarray(v) for k, v in states.items()})
     assert int(model.count) == 1  # the model's store is untouched
 
 
 def test_exported_program_over_steps_matches_plain(write_module: Loader) -> None:
-    plain, dec = pair_h11(write_module, PACK)
+    plain, dec = pair(write_module, PACK)
     ref = plain.Mixed(10)
     ref(jnp.ones(3))
     model = dec.Mixed(10)
@@ -238,13 +154,13 @@ def test_exported_program_over_steps_matches_plain(write_module: Loader) -> None
     for x in PACK_XS:
         expected = ref(x)
         out, states = program.call(states, x)
-        assert_same_h11(expected, out)
+        assert_same(expected, out)
     frozen = autostate.load_state_dict(dec.Mixed(10), states)
-    assert_same_h11(snapshot_h11(ref), snapshot_h11(frozen))
+    assert_same(snapshot(ref), snapshot(frozen))
 
 
 def test_exported_other_method_reads_the_passed_states(write_module: Loader) -> None:
-    plain, dec = pair_h11(write_module, PACK)
+    plain, dec = pair(write_module, PACK)
     ref = plain.Mixed(11)
     model = dec.Mixed(11)
     for x in PACK_XS:
@@ -252,39 +168,26 @@ def test_exported_other_method_reads_the_passed_states(write_module: Loader) -> 
         model(x)
     program = autostate.export(model, 2.0, method="peek")
     out, states = program.call(autostate.state_dict(model), 2.0)
-    assert_same_h11(ref.peek(2.0), out)
-    assert_bits(autostate.state_dict(model), states)
+    assert_same(ref.peek(2.0), out)
+    assert_bits(autostate.state_dict(model), states, bitwise=True)
 
 
 def test_export_of_a_model_with_typed_key_and_bf16_states(write_module: Loader) -> None:
-    plain, dec = pair_h11(write_module, PACK)
+    plain, dec = pair(write_module, PACK)
     ref, model = plain.Mixed(12), dec.Mixed(12)
     program = jax.export.deserialize(autostate.export(model, jnp.ones(3)).serialize())
     states = autostate.state_dict(model)
     for x in PACK_XS:
         out, states = program.call(states, x)
-        assert_same_h11(ref(x), out)
+        assert_same(ref(x), out)
     loaded = autostate.load_state_dict(dec.Mixed(12), states)
-    assert_bits(states["key"], loaded.key)
-    assert_same_h11(snapshot_h11(ref), snapshot_h11(loaded))
-
-
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
+    assert_bits(states["key"], loaded.key, bitwise=True)
+    assert_same(snapshot(ref), snapshot(loaded))
 
 
 @pytest.fixture
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h16(write_module, MODELS)
+    return pair(write_module, MODELS)
 
 
 def test_export_unknown_method_and_bad_argument(mods: Any) -> None:

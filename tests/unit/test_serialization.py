@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -15,19 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from export_models import PARAM_KEYS, STATE_KEYS, XS, Net, assert_same_arrays, bits, run
-from semantics.harness import assert_same as assert_same_h22
-from semantics.harness import assert_same as assert_same_h27
 from semantics.harness import (
+    assert_bits,
+    assert_same,
     assert_user_line,
+    pair,
     raises_autostate,
+    snapshot,
 )
-from semantics.harness import pair as pair_h11
-from semantics.harness import pair as pair_h16
-from semantics.harness import pair as pair_h22
-from semantics.harness import pair as pair_h27
-from semantics.harness import snapshot as snapshot_h27
-from semantics.programs import _PAIRS, DTYPES, MODELS, NET, PACK, SOURCE, Loader
-from semantics.programs import HEADER_h2 as HEADER
+from semantics.programs import DTYPES, MODELS, NET, PACK, SOURCE, Loader
 from semantics.programs import X1_h27 as X1
 from semantics.programs import X2_h27 as X2
 
@@ -189,72 +184,6 @@ def test_pickle_round_trips_frozen_fresh_and_loaded_models(tmp_path):
     assert int(eager.blocks[0].calls) == 1 and int(eager.kv["t"]) == 1
 
 
-def pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
-
-
-def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
-
-
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
-
-
 def test_save_load_npz_then_continue(write_module: Loader, tmp_path: Path) -> None:
     plain, dec = pair(write_module, DTYPES)
     for build, name, arg in (("Keys(4)", "__call__", 1.0), ("Trees()", "step", 1.0),
@@ -272,38 +201,18 @@ def test_save_load_npz_then_continue(write_module: Loader, tmp_path: Path) -> No
         assert sorted(states) == sorted(autostate.state_dict(d))
 
 
-def _bits(a: Any) -> np.ndarray:
-    """An array's exact bits (keys as key data), for bit-for-bit comparisons."""
-    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-        a = jax.random.key_data(a)
-    return np.atleast_1d(np.asarray(a)).view(np.uint8)
-
-
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
-
-
 def test_save_load_keeps_every_dtype_bit_exact(write_module: Loader, tmp_path: Path) -> None:
-    _, dec = pair_h11(write_module, PACK)
+    _, dec = pair(write_module, PACK)
     model = dec.Mixed(9)
     model(jnp.ones(3))
     autostate.save(tmp_path / "m.npz", model)
     loaded = autostate.load(tmp_path / "m.npz", like=dec.Mixed(1))
-    assert_bits(autostate.state_dict(model), autostate.state_dict(loaded), "states")
-    assert_bits(autostate.param_dict(model), autostate.param_dict(loaded), "params")
+    assert_bits(autostate.state_dict(model), autostate.state_dict(loaded), "states", bitwise=True)
+    assert_bits(autostate.param_dict(model), autostate.param_dict(loaded), "params", bitwise=True)
     params, states = autostate.load_arrays(tmp_path / "m.npz")
     assert sorted(states) == sorted(autostate.state_dict(model))
     assert jnp.asarray(states["hb"]).dtype == jnp.bfloat16
-    assert_bits(model(jnp.arange(3.0)), loaded(jnp.arange(3.0)), "continued")
+    assert_bits(model(jnp.arange(3.0)), loaded(jnp.arange(3.0)), "continued", bitwise=True)
 
 
 def assert_clear(
@@ -321,7 +230,7 @@ def assert_clear(
 
 @pytest.fixture
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h16(write_module, MODELS)
+    return pair(write_module, MODELS)
 
 
 def test_save_f_and_load_like_f(mods: Any, tmp_path: Path) -> None:
@@ -352,7 +261,7 @@ def test_load_a_plain_npz(mods: Any, tmp_path: Path) -> None:
 
 
 def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair_h22(write_module, SOURCE)
+    return pair(write_module, SOURCE)
 
 
 def test_save_load_keeps_a_tied_array_tied(write_module: Loader, tmp_path: Path) -> None:
@@ -360,7 +269,7 @@ def test_save_load_keeps_a_tied_array_tied(write_module: Loader, tmp_path: Path)
     m = dec.LM()
     autostate.save(tmp_path / "lm.npz", m)
     loaded = autostate.load(tmp_path / "lm.npz", like=dec.LM())
-    assert_same_h22(m.embed.w, loaded.head.w)
+    assert_same(m.embed.w, loaded.head.w)
     assert loaded.head.w is loaded.embed.w
 
 
@@ -381,16 +290,16 @@ def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0)
 
 
 def test_save_load_round_trip_then_train(write_module: Loader, tmp_path: Any) -> None:
-    plain, dec = pair_h27(write_module, NET)
+    plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     path = str(tmp_path / "net.npz")
     autostate.save(path, model)
     loaded = autostate.load(path, like=dec.Net(5.0))
     assert_shared(loaded)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded from file")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded from file")
     f, states = loaded.functionalize()
     out, states = step_jit()(f, states, X1)
-    assert_same_h27(ref(X1), out, "jit after load")
+    assert_same(ref(X1), out, "jit after load")
 
 
 @autostate.stateful

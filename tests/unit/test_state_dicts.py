@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import io
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -16,25 +14,26 @@ import numpy as np
 import pytest
 from export_models import PARAM_KEYS, STATE_KEYS, XS, Net, Pairs, assert_same_arrays, bits, run
 from semantics.harness import (
-    _pair,
+    OPTIMIZERS,
+    assert_clear,
+    assert_same,
+    assert_step,
     assert_user_line,
+    build_pair,
     check,
+    data_for,
+    f_loss,
+    f_train_step,
+    library,
+    names_of,
     pair,
-    plain_path,
     raises_autostate,
+    run_reference,
+    snapshot,
 )
-from semantics.harness import assert_same as assert_same_h10
-from semantics.harness import assert_same as assert_same_h22
-from semantics.harness import assert_same as assert_same_h27
-from semantics.harness import snapshot as snapshot_h22
-from semantics.harness import snapshot as snapshot_h27
 from semantics.programs import (
-    _PAIRS,
-    BUILDS,
     CATS,
     DTYPES,
-    KEY,
-    LIBRARY,
     MODELS,
     NET,
     ODD,
@@ -45,7 +44,6 @@ from semantics.programs import (
     VARIANTS,
     Loader,
 )
-from semantics.programs import HEADER_h2 as HEADER
 from semantics.programs import TORCH_h35 as TORCH
 from semantics.programs import X1_h27 as X1
 from semantics.programs import X2_h27 as X2_h27
@@ -289,74 +287,8 @@ def test_assigning_a_loaded_sub_model_in_a_method_says_how_to_do_it_there(write_
     assert f"{dec.__file__}:" in message
 
 
-def pair_h2(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
-
-
-def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
-
-
-def assert_same(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
-
-
 def test_state_dict_round_trip_into_a_fresh_model(write_module: Loader) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+    plain, dec = pair(write_module, DTYPES)
     for build in ("Trees()", "Keys(2)", "Typed(jnp.bfloat16)", "Py()"):
         d = eval(build, vars(dec))  # noqa: S307
         p = eval(build, vars(plain))  # noqa: S307
@@ -370,7 +302,7 @@ def test_state_dict_round_trip_into_a_fresh_model(write_module: Loader) -> None:
 
 
 def test_state_dict_of_f_and_mismatch(write_module: Loader) -> None:
-    _, dec = pair_h2(write_module, VARIANTS)
+    _, dec = pair(write_module, VARIANTS)
     f, states = dec.Mixed().functionalize()
     _, states = f(states, 1.0)
     sd = autostate.state_dict(f, states)
@@ -384,7 +316,7 @@ def test_state_dict_of_f_and_mismatch(write_module: Loader) -> None:
 
 
 def test_param_dict_round_trip(write_module: Loader) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
+    plain, dec = pair(write_module, VARIANTS)
     pd = autostate.param_dict(dec.Two())
     assert sorted(pd) == ["p.shared.w"]  # the tied weight appears once
     model = autostate.load_param_dict(dec.Two(), {"p.shared.w": jnp.full(2, 3.0)})
@@ -394,162 +326,6 @@ def test_param_dict_round_trip(write_module: Loader) -> None:
     assert_same(p(1.0), model(1.0))
 
 
-def library(write_module: Loader, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair if fresh else pair)(write_module, src)
-
-
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
-
-
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
-
-
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
-
-
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path(model, k) for k in keys}
-
-
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
-
-
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
-
-
-def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
-    out, states = f(states, x)
-    return mse(out, y), states
-
-
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
-
-
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
-
-
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
-
-
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
-
-
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
-
-
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = jax.jit(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
-
-
-def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
-    _, update = OPTIMIZERS[opt]
-
-    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
-        f, opt_state = update(f, grads, opt_state)
-        return loss, f, opt_state, states
-
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
-
-
-def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
-    r_loss, r_params, r_states = ref
-    assert_same_h10(r_loss, loss, f"{where} loss")
-    assert_same_h10(r_params, names_of(f), f"{where} params")
-    assert_same_h10(r_states, states, f"{where} states")
-
-
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
-
-
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
 
 
 def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, Any, Any]:
@@ -607,7 +383,7 @@ def test_ema_of_param_dict_inside_the_jitted_step(write_module: Loader) -> None:
     data = data_for(n_out, 3)
     f, states = model.functionalize()
     ema = {k: jnp.copy(v) for k, v in autostate.param_dict(f).items()}
-    assert_same_h10(names_of(f), ema)
+    assert_same(names_of(f), ema)
     ref = run_reference(template, names_of(f), dict(states), "sgd", data)
     _, update = OPTIMIZERS["sgd"]
 
@@ -624,7 +400,7 @@ def test_ema_of_param_dict_inside_the_jitted_step(write_module: Loader) -> None:
         loss, f, ema, states = step(f, ema, states, x, y)
         assert_step(ref[i], loss, f, states, f"step {i}")
         ref_ema = {k: 0.5 * ref_ema[k] + 0.5 * ref[i][1][k] for k in ref_ema}
-        assert_same_h10(ref_ema, ema, f"ema {i}")
+        assert_same(ref_ema, ema, f"ema {i}")
 
 
 def test_loading_into_another_structure_is_a_clear_error(write_module: Loader, tmp_path: Path) -> None:
@@ -654,19 +430,6 @@ def test_load_state_dict_with_a_wrong_dtype_is_refused_not_cast(write_module: Lo
     with pytest.raises(errors.StateDictError) as info:
         autostate.load_state_dict(dec.Mixed(0), sd)
     assert "'hb'" in str(info.value) and "'steps'" in str(info.value)
-
-
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 @pytest.fixture
@@ -742,11 +505,11 @@ def test_param_dict_and_load_param_dict_of_a_shared_entry(write_module: Loader) 
     assert sorted(pd) == ["d['b'].w", "enc.w"]
     loaded = autostate.load_param_dict(dec.Paths(), {"enc.w": jnp.full((2,), 5.0), "d['b'].w": ONE})
     assert loaded.enc is loaded.dec_in is loaded.layers[1] is loaded.d["a"] is loaded.t[0]
-    assert_same_h22(np.full((2,), 5.0), loaded.t[0].w)
+    assert_same(np.full((2,), 5.0), loaded.t[0].w)
     p = plain.Paths()
     p.enc.w, p.d["b"].w = jnp.full((2,), 5.0), ONE
-    assert_same_h22(p(ONE), loaded(ONE))
-    assert_same_h22(snapshot_h22(p), snapshot_h22(loaded))
+    assert_same(p(ONE), loaded(ONE))
+    assert_same(snapshot(p), snapshot(loaded))
 
 
 def test_load_state_dict_of_a_shared_entry_and_of_an_alias_path(write_module: Loader) -> None:
@@ -754,10 +517,10 @@ def test_load_state_dict_of_a_shared_entry_and_of_an_alias_path(write_module: Lo
     sd = {"enc.n": jnp.full((), 7.0), "d['b'].n": jnp.full((), 1.0)}
     loaded = autostate.load_state_dict(dec.Paths(), sd)
     assert loaded.enc is loaded.layers[0] is loaded.d["a"]
-    assert_same_h22(np.full((), 7.0), loaded.layers[1].n)
+    assert_same(np.full((), 7.0), loaded.layers[1].n)
     p = plain.Paths()
     p.enc.n, p.d["b"].n = sd["enc.n"], sd["d['b'].n"]
-    assert_same_h22(p(ONE), loaded(ONE))
+    assert_same(p(ONE), loaded(ONE))
     # The alias path is not a key: a clear error naming the key the model has.
     with raises_autostate(errors.StateDictError) as err:
         autostate.load_state_dict(dec.Paths(), {"dec_in.n": jnp.ones(()), "d['b'].n": jnp.ones(())})
@@ -771,8 +534,8 @@ def test_tied_initial_state_loaded_separately(write_module: Loader) -> None:
     loaded = autostate.load_state_dict(dec.TiedStat(), sd)
     p = plain.TiedStat()
     p.a.mean, p.b.mean = sd["a.mean"], sd["b.mean"]
-    assert_same_h22(p(ONE), loaded(ONE))
-    assert_same_h22(snapshot_h22(p), snapshot_h22(loaded))
+    assert_same(p(ONE), loaded(ONE))
+    assert_same(snapshot(p), snapshot(loaded))
 
 
 def step_jit() -> Callable[..., Any]:
@@ -799,13 +562,13 @@ def test_state_and_param_dict_into_a_fresh_model(write_module: Loader) -> None:
     assert "by['b'].w" not in pd and "items[1].w" in pd
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
     assert_shared(loaded)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded")
-    assert_same_h27(ref(X2_h27), loaded(X2_h27), "loaded steps")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded stepped")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded")
+    assert_same(ref(X2_h27), loaded(X2_h27), "loaded steps")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded stepped")
     # the dicts of f and states name the same arrays
     f, states = loaded.functionalize()
-    assert_same_h27(autostate.state_dict(loaded), autostate.state_dict(f, states), "sd of f")
-    assert_same_h27(autostate.param_dict(loaded), autostate.param_dict(f), "pd of f")
+    assert_same(autostate.state_dict(loaded), autostate.state_dict(f, states), "sd of f")
+    assert_same(autostate.param_dict(loaded), autostate.param_dict(f), "pd of f")
 
 
 def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) -> None:
@@ -816,8 +579,8 @@ def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) ->
     for key, value in sd.items():
         exec("m." + key + " = v", {"m": ref, "v": value})  # noqa: S102
     loaded = autostate.load_state_dict(dec.Net(3.0), sd)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "states loaded, params kept")
-    assert_same_h27(ref(X1), loaded(X1), "stepped")
+    assert_same(snapshot(ref), snapshot(loaded), "states loaded, params kept")
+    assert_same(ref(X1), loaded(X1), "stepped")
     # and the parameters into a model with other states
     pd = autostate.param_dict(model)
     ref2 = plain.Net(3.0)
@@ -827,10 +590,10 @@ def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) ->
     fresh = dec.Net(3.0)
     fresh(X2_h27)
     loaded2 = autostate.load_param_dict(fresh, pd)
-    assert_same_h27(snapshot_h27(ref2), snapshot_h27(loaded2), "params loaded, states kept")
+    assert_same(snapshot(ref2), snapshot(loaded2), "params loaded, states kept")
     untouched = plain.Net(3.0)
     untouched(X2_h27)
-    assert_same_h27(snapshot_h27(untouched), snapshot_h27(fresh), "load_param_dict changed its argument")
+    assert_same(snapshot(untouched), snapshot(fresh), "load_param_dict changed its argument")
 
 
 def test_load_state_dict_does_not_touch_its_argument(write_module: Loader) -> None:
@@ -838,7 +601,7 @@ def test_load_state_dict_does_not_touch_its_argument(write_module: Loader) -> No
     _, model = _trained(plain, dec)
     fresh = dec.Net()
     autostate.load_state_dict(fresh, autostate.state_dict(model))
-    assert_same_h27(snapshot_h27(plain.Net()), snapshot_h27(fresh), "argument changed")
+    assert_same(snapshot(plain.Net()), snapshot(fresh), "argument changed")
 
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "dtype"])
@@ -865,7 +628,7 @@ def test_state_dict_that_does_not_fit_is_a_clear_error(write_module: Loader, fau
     fresh = dec.Net()
     for k, v in autostate.state_dict(loaded).items():
         expect = sd[k] if k != key[fault] else autostate.state_dict(fresh)[k]
-        assert_same_h27(expect, v, k)
+        assert_same(expect, v, k)
 
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape"])
@@ -892,14 +655,14 @@ def test_state_dict_after_a_sub_model_was_replaced(write_module: Loader) -> None
     model.pair = (model.pair[0], dec.Leaf(-3.0))
     ref(X1), model(X1)
     sd, pd = autostate.state_dict(model), autostate.param_dict(model)
-    assert_same_h27(np.full(2, 9.0), pd["items[0].w"], "new sub-model's parameter")
-    assert_same_h27(np.asarray(1), sd["items[0].count"], "new sub-model's count")
+    assert_same(np.full(2, 9.0), pd["items[0].w"], "new sub-model's parameter")
+    assert_same(np.asarray(1), sd["items[0].count"], "new sub-model's count")
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded after replacing")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded after replacing")
     f, states = loaded.functionalize()
     out, states = step_jit()(f, states, X2_h27)
-    assert_same_h27(ref(X2_h27), out, "stepped after replacing")
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(autostate.freeze(f, states)), "frozen after replacing")
+    assert_same(ref(X2_h27), out, "stepped after replacing")
+    assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen after replacing")
 
 
 def test_state_dict_of_f_inside_jit(write_module: Loader) -> None:
@@ -915,7 +678,7 @@ def test_state_dict_of_f_inside_jit(write_module: Loader) -> None:
     sd, pd = step(f, states, X2_h27)
     ref(X2_h27)
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "dicts made inside jit")
+    assert_same(snapshot(ref), snapshot(loaded), "dicts made inside jit")
 
 
 def test_odd_states_state_dict_round_trip_of_an_eager_model(write_module: Loader) -> None:
@@ -925,8 +688,8 @@ def test_odd_states_state_dict_round_trip_of_an_eager_model(write_module: Loader
     sd = autostate.state_dict(model)
     assert not any(k.startswith(("empty", "nothing")) for k in sd)
     loaded = autostate.load_state_dict(dec.Odd(), sd)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded")
-    assert_same_h27(ref(X2_h27), loaded(X2_h27), "stepped")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded")
+    assert_same(ref(X2_h27), loaded(X2_h27), "stepped")
 
 
 def test_python_float_state_state_dict_after_jit_loads_into_a_fresh_model(
@@ -938,7 +701,7 @@ def test_python_float_state_state_dict_after_jit_loads_into_a_fresh_model(
     ref(X1)
     sd = autostate.state_dict(autostate.freeze(f, states))
     loaded = autostate.load_state_dict(dec.Odd(), sd)
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded")
 
 
 def test_python_float_state_state_dict_eager_loads_into_a_jit_trained_model(
@@ -950,7 +713,7 @@ def test_python_float_state_state_dict_eager_loads_into_a_jit_trained_model(
     f, states = dec.Odd().functionalize()
     _, states = step_jit()(f, states, X1)
     loaded = autostate.load_state_dict(autostate.freeze(f, states), autostate.state_dict(eager))
-    assert_same_h27(snapshot_h27(ref), snapshot_h27(loaded), "loaded")
+    assert_same(snapshot(ref), snapshot(loaded), "loaded")
 
 
 def test_state_dict_of_f_with_a_missing_state_is_an_error(write_module: Loader) -> None:
