@@ -361,7 +361,8 @@ class InitialValue:
     """An initializer that returns a value computed once, eagerly.
 
     ``@stateful`` stores one of these in the ``InitialLocalStateRequest`` it
-    creates for ``self.x = v`` in ``__init__``. It compares by identity, as
+    creates for ``self.x = v`` in ``__init__`` (``autostate.lifetime.initial_slot``).
+    It compares by identity, as
     penzai initializers do, so ``state_sharing="allowed"`` shares a request
     only with itself. ``home`` is the JAX trace the model was built in (``None``
     outside transformations): later writes may hold that trace's values.
