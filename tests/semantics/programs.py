@@ -213,12 +213,6 @@ class NoInit:
 """
 
 
-
-
-
-
-
-
 HIDDEN_METHODS = """
 import functools
 import jax.numpy as jnp
@@ -2988,7 +2982,6 @@ class Box(typing.Generic[T]):
         old, self.v = self.v, v
         return old
 """
-
 
 
 MODELS = """
@@ -7715,29 +7708,6 @@ A1_h29 = jnp.asarray(1.5)
 XS_h29 = jnp.array([0.5, -1.0, 2.0, 1.5])
 
 
-PYLAX29 = """
-
-class _PyLax29(_PyLax):
-    _NONE = object()
-
-    @staticmethod
-    def cond(pred, t, f, *ops, operand=_NONE):
-        if operand is not _PyLax29._NONE:
-            ops = (operand,)
-        return t(*ops) if bool(pred) else f(*ops)
-
-    @staticmethod
-    def map(fn, xs, batch_size=None):
-        return jnp.stack([fn(x) for x in xs])
-
-
-lax = _PyLax29()
-"""
-
-
-_PAIRS_h29: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, Any]] = {}
-
-
 INSIDE_h29 = """
 @DECORATE
 class Inside:
@@ -7798,8 +7768,6 @@ class Inside:
         jax.debug.callback(lambda v: seen.append(float(v) + float(self.s)), x)
         return x * self.s
 """
-
-
 
 
 SYNTAX = """
@@ -10612,25 +10580,6 @@ class CachedDecoder:
         self.cache.reset()
         return jnp.stack([self.attn(x * (i + 1), self.cache) for i in range(n)])
 """
-
-
-HEADER_h4 = """
-from __future__ import annotations
-import collections
-import copy
-import dataclasses
-import functools
-import typing
-import weakref
-import jax
-import jax.numpy as jnp
-import numpy as np
-import autostate
-TRACES = []
-"""
-
-
-PYLAX_h4 = ""
 
 
 CALLABLES = """

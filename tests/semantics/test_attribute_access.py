@@ -39,9 +39,12 @@ from semantics.harness import (
     build_pair,
     check,
     check_transform,
+    class_pair,
     data_for,
+    error_line,
     library,
     load_plain,
+    modes_of,
     names_of,
     pair,
     raises_autostate,
@@ -88,11 +91,6 @@ X2 = jnp.float32(2.0)
 V2 = jnp.array([1.0, -2.0])
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
 WRITES = {
@@ -938,15 +936,10 @@ def test_the_undecorated_base_itself_is_left_as_written(write_module: Loader) ->
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 def test_a_user_setattr_is_honoured_eagerly_and_under_jit(write_module):
-    plain_cls, cls, _ = _twice(write_module, HOOKS_fidelity, "Clamped")
+    plain_cls, cls, _ = class_pair(write_module, HOOKS_fidelity, "Clamped")
     assert float(plain_cls()(1.0)) == 10.0
     assert float(cls()(1.0)) == 10.0
     f, states = cls().functionalize()
@@ -955,7 +948,7 @@ def test_a_user_setattr_is_honoured_eagerly_and_under_jit(write_module):
 
 
 def test_a_user_getattribute_sees_state_reads(write_module):
-    plain_cls, cls, _ = _twice(write_module, HOOKS_fidelity, "Counted")
+    plain_cls, cls, _ = class_pair(write_module, HOOKS_fidelity, "Counted")
     plain_cls()(1.0)
     model = cls()
     model(1.0)
@@ -1262,10 +1255,6 @@ def test_dunder_setattr_call_means_an_assignment(write_module: Loader) -> None:
         f_still_works(f, states, "__call__", 1.0)
 
 
-def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
-    """The functional call of ``method``, as is and under ``jax.jit``."""
-    call = _fcall(f, method)
-    return [call, staged(call)]
 
 
 @pytest.mark.parametrize("method", ["count_arrays", "buffers"])
@@ -1459,10 +1448,6 @@ def test_forwarded_method_eagerly_from_outside(write_module: Loader) -> None:
     assert_same(snapshot(p), snapshot(d), "attributes")
 
 
-def f_modes(f: Any, method: str) -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = f if method == "__call__" else getattr(f, method)
-    return [call, staged(call)]
 
 
 def test_setattr_registry_records_the_same_names(write_module: Loader) -> None:
@@ -1476,7 +1461,7 @@ def test_setattr_registry_records_the_same_names(write_module: Loader) -> None:
     assert_same(ref(V2_h20), model(V2_h20))
     assert ref.order() == model.order() == ["w", "mean"]
     f, states = dec.InstRecorder().functionalize()
-    for call in f_modes(f, "__call__"):
+    for call in modes_of(f, "__call__"):
         out, states = call(states, V2_h20)
     ref2 = plain.InstRecorder()
     ref2(V2_h20)
@@ -1490,7 +1475,7 @@ def test_register_buffer_method_later_is_refused_in_f_at_its_setattr(write_modul
     plain, dec = pair(write_module, TORCH_h20)
     check(plain, dec, "RegBuf()", [("__call__", (V2_h20,))] * 2, modes=("eager",))
     f, states = dec.RegBuf().functionalize()
-    for call in f_modes(f, "__call__"):
+    for call in modes_of(f, "__call__"):
         with pytest.raises(StateAccessError, match="RegBuf.running is not state") as err:
             call(states, V2_h20)
         assert "setattr(self, name, value)" in error_line(err.value)
@@ -1535,7 +1520,7 @@ def test_lazy_state_by_computed_hasattr_name(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH_h20)
     check(plain, dec, "LazyByName()", [("__call__", (X1_h20,))] * 2, modes=("eager",))
     f, states = dec.LazyByName().functionalize()
-    for call in f_modes(f, "__call__"):
+    for call in modes_of(f, "__call__"):
         with pytest.raises(StateAccessError, match="LazyByName.cache is not state") as err:
             call(states, X1_h20)
         assert "setattr(self, CACHE, x * 0)" in error_line(err.value)
@@ -1563,7 +1548,7 @@ def test_deleting_a_state_by_name_in_reset_is_refused_at_the_users_line(
     assert CACHE_LINES[reset] in error_line(err.value)
     assert_same(np.float32(1.5), model.cache)
     f, states = dec.Cache().functionalize()
-    for call in f_modes(f, reset):
+    for call in modes_of(f, reset):
         with pytest.raises(StateAccessError, match="Cannot delete state 'cache'") as err:
             call(states)
         assert CACHE_LINES[reset] in error_line(err.value)

@@ -30,9 +30,13 @@ from autostate.errors import (
     ControlFlowStateError,
 )
 from semantics.harness import (
+    Call,
     Loader,
     _fcall,
     assert_same,
+    floats,
+    modes_of,
+    no_tracers,
     pair,
     pair_with_helpers,
     plain_path,
@@ -104,10 +108,6 @@ def test_f_reused_after_exceptions(write_module: Loader) -> None:
     assert f == dec.Mixed().functionalize()[0]
 
 
-def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
-    """The functional call of ``method``, as is and under ``jax.jit``."""
-    call = _fcall(f, method)
-    return [call, staged(call)]
 
 
 @pytest.mark.parametrize("method,arg", [("scan_raises", XS), ("cond_raises", X1)])
@@ -184,13 +184,6 @@ def test_every_lax_body_that_raises_after_a_write_loses_the_state_loudly(
             mode(states, method, X1) if mode is call else mode(states, X1)
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
 def no_handler_left() -> None:
@@ -607,62 +600,10 @@ def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loa
         user_line(e.value, dec, "return self.t")
 
 
-Call = tuple[str, tuple[Any, ...]]
 
 
-def tracers_in(obj: Any, path: str = "model", seen: set[int] | None = None,
-               depth: int = 0) -> list[str]:
-    """Where a ``jax.core.Tracer`` sits in ``obj``: its ``__dict__`` (raw, as
-    ``vars`` gives it), ``__slots__``, lists, tuples, dicts, sets and
-    closures, recursively."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 14:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, jax.core.Tracer):
-        return [path]
-    if obj is None or isinstance(
-        obj, jax.Array | np.ndarray | str | bytes | int | float | type | BaseException
-        | types.ModuleType
-    ):
-        return []
-    found: list[str] = []
-    if isinstance(obj, list | tuple | set | frozenset):
-        for i, v in enumerate(obj):
-            found += tracers_in(v, f"{path}[{i}]", seen, depth + 1)
-        return found
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found += tracers_in(v, f"{path}[{k!r}]", seen, depth + 1)
-        return found
-    if isinstance(obj, types.FunctionType):
-        for i, cell in enumerate(obj.__closure__ or ()):
-            try:
-                found += tracers_in(cell.cell_contents, f"{path}<cell {i}>", seen, depth + 1)
-            except ValueError:
-                pass
-        return found
-    if isinstance(obj, types.MethodType):
-        return tracers_in(obj.__self__, f"{path}.__self__", seen, depth + 1)
-    d = getattr(obj, "__dict__", None)
-    if isinstance(d, dict):
-        for k, v in d.items():
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for k in (slots,) if isinstance(slots, str) else slots:
-            try:
-                v = getattr(obj, k)
-            except Exception:  # noqa: BLE001 - an unset slot, or a read that refuses
-                continue
-            found += tracers_in(v, f"{path}.{k}", seen, depth + 1)
-    return found
 
 
-def no_tracers(*objs: Any) -> None:
-    for obj in objs:
-        where = tracers_in(obj)
-        assert not where, f"tracers left at {where}"
 
 
 def no_handler_left_h32() -> None:

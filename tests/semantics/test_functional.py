@@ -43,14 +43,17 @@ from semantics.harness import (
     Loader,
     X,
     assert_bits,
+    assert_clear,
     assert_same,
     assert_step,
-    assert_user_line,
     build_pair,
     check,
     check_transform,
+    class_pair,
     data_for,
+    error_line,
     f_train_step,
+    floats,
     library,
     load_plain,
     names_of,
@@ -176,11 +179,6 @@ def test_pickle_frozen_model():
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 COPIES = """
@@ -230,7 +228,7 @@ class ZeroCountCopier(Copier):
 
 @pytest.mark.parametrize("name", ["Copier", "AheadCopier", "ZeroCountCopier"])
 def test_copies_inside_a_functionalized_call_own_their_state(write_module, name):
-    plain_cls, cls, module = _twice(write_module, COPIES, name)
+    plain_cls, cls, module = class_pair(write_module, COPIES, name)
     autostate.stateful(module.Leaf)
     plain = plain_cls()
     expected = [float(plain(1.0)) for _ in range(2)]
@@ -683,7 +681,6 @@ def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode:
 def source_line_of(err: BaseException) -> str:
     """The source text at the ``file:line`` an autostate message names."""
     import linecache
-    import re
 
     match = re.search(r"at (\S+\.py):(\d+)", str(err))
     assert match, f"no user file:line in: {err}"
@@ -1333,17 +1330,6 @@ def test_values_assigned_from_outside_between_jitted_calls(write_module: Loader)
         assert_typed(attrs(ref), attrs(model), f"after model.{name} = ...", jitted=True)
 
 
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 def plain_error(fn: Callable[[], Any]) -> tuple[type[BaseException], str]:
@@ -1867,13 +1853,6 @@ def test_resume_a_sampler_with_a_typed_key_state(
     assert_bits(ref_out, got, "hand-threaded")
 
 
-def floats(tree: Any) -> Any:
-    """Numbers as floats, tuples as lists, dicts as dicts: comparable across modes."""
-    if isinstance(tree, dict):
-        return {k: floats(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [floats(v) for v in tree]
-    return float(tree)
 
 
 def no_handler_left() -> None:
@@ -1988,11 +1967,6 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     assert_same(expected[2:], floats([frozen.x, frozen.n]), "frozen")
 
 
-def error_line(err: BaseException) -> str:
-    """The source text of the test module line an error names."""
-    m = re.search(r"at (\S+autostate_testmod_\d+\.py):(\d+)", str(err))
-    assert m, f"no user file:line in: {err}"
-    return Path(m.group(1)).read_text().splitlines()[int(m.group(2)) - 1]
 
 
 def test_split_merge_three_rounds(write_module: Loader) -> None:

@@ -36,6 +36,7 @@ from semantics.harness import (
     assert_user_line,
     check,
     check_transform,
+    class_pair,
     pair,
     plain_path,
     raises_autostate,
@@ -333,11 +334,6 @@ def test_a_numpy_float_state_is_concrete_in_an_eager_body() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-def _twice(write_module, source: str, cls_name: str):
-    """The classes of ``source`` twice: plain Python, and decorated."""
-    plain = getattr(write_module(source), cls_name)
-    module = write_module(source)
-    return plain, autostate.stateful(getattr(module, cls_name)), module
 
 
 NUMPY_STATE = """
@@ -357,7 +353,7 @@ class Counts:
 
 
 def test_numpy_state_has_one_meaning_eagerly_and_under_jit(write_module):
-    _, cls, _ = _twice(write_module, NUMPY_STATE, "Counts")
+    _, cls, _ = class_pair(write_module, NUMPY_STATE, "Counts")
     labels = jnp.array([0, 0, 1])
     eager = cls()
     eager_out = eager(labels)
