@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import re
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,41 +43,47 @@ from autostate.errors import (
 from autostate.lifetime import contains_tracer
 from semantics.harness import (
     HEADER,
-    PYLAX,
     Call,
+    Loader,
     _fcall,
-    _pair,
+    assert_bits,
     assert_same,
+    assert_step,
     assert_user_line,
+    build_pair,
     check,
     check_transform,
+    data_for,
+    library,
+    modes_of,
+    names_of,
+    no_tracer,
     pair,
+    pair_with_helpers,
     plain_path,
     raises_autostate,
+    read_plain,
+    refused_everywhere,
+    run_case,
+    run_reference,
     same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import Loader as Loader_h
-from semantics.harness import Loader as Loader_h3
 from semantics.harness import X as X_h8
 from semantics.harness import X as X_h9
 from semantics.harness import X as X_h26
 from semantics.harness import X as X_h28
 from semantics.harness import X as X_h29
 from semantics.harness import X as X_h30
-from semantics.harness import _pair as pair_h5
-from semantics.harness import _pair as pair_h8
 from semantics.programs import (
-    _COUNTER,
     A1,
     A2,
     ACCUM,
     AROUND,
     BEAM,
     BODIES,
-    BUILDS,
     BUILT,
     CMS,
     COPIES,
@@ -93,16 +99,13 @@ from semantics.programs import (
     HELPERS,
     INPLACE,
     INSIDE,
-    KEY,
     KV,
     LATE_METHODS,
     LAYERS,
-    LIBRARY,
     N_BLOCKS,
     NESTED,
     OUTSIDE_WRAPPED,
     PROMPT,
-    PYLAX29,
     REBUILD,
     RNG,
     RNN,
@@ -124,22 +127,6 @@ from semantics.programs import XS as XS_h3
 from semantics.programs import A1_h29 as A1_h29
 from semantics.programs import CLOSURES_h28 as CLOSURES
 from semantics.programs import INSIDE_h29 as INSIDE_h29
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h10
-from semantics.programs import Loader as Loader_h13
-from semantics.programs import Loader as Loader_h14
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h18
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h28
-from semantics.programs import Loader as Loader_h29
-from semantics.programs import Loader as Loader_h30
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import Loader as Loader_h33
-from semantics.programs import Loader as Loader_h34
 from semantics.programs import MODELS_h8 as MODELS
 from semantics.programs import RNG_h30 as RNG_h30
 from semantics.programs import TRAINER_h24 as TRAINER_h24
@@ -157,7 +144,6 @@ from semantics.programs import XS_h29 as XS_h29
 from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
-from semantics.programs import _PAIRS_h29 as _PAIRS
 
 FINALIZED: list[Any] = []
 INSIDE_PLAIN: list[tuple[str, str]] = []
@@ -437,9 +423,6 @@ def test_a_change_in_place_through_a_reference_from_outside_the_body_is_refused(
     else:
         assert "captures" in message
     assert float(model.items[0]) == 0.0 and not isinstance(model.items[0], jax.core.Tracer)
-
-
-Loader = Callable[..., types.ModuleType]
 
 
 X1 = jnp.float32(1.5)
@@ -1668,12 +1651,12 @@ class Loops:
     ],
     ids=["scan_helper", "scan_bound", "fori", "cond", "switch", "while", "nested", "map", "remat", "remat_inner"],
 )
-def test_lax_control_flow_writes_state(write_module: Loader_h, calls: list[Call]) -> None:
+def test_lax_control_flow_writes_state(write_module: Loader, calls: list[Call]) -> None:
     plain, dec = pair(write_module, CONTROL)
     check(plain, dec, "Loops()", calls, modes=("eager", "f", "jit"))
 
 
-def test_grad_through_scan_and_remat(write_module: Loader_h) -> None:
+def test_grad_through_scan_and_remat(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONTROL)
     # plain python inside a trace: a fresh model, so jax's own scan threads nothing but
     # the body runs once per trace; compare against the plain loop by hand instead.
@@ -1707,7 +1690,7 @@ class Remat:
 """
 
 
-def test_jax_checkpoint_on_a_method_is_a_clear_decoration_error(write_module: Loader_h) -> None:
+def test_jax_checkpoint_on_a_method_is_a_clear_decoration_error(write_module: Loader) -> None:
     with raises_autostate(autostate.errors.DecorationError) as err:
         pair(write_module, JAX_CHECKPOINT_ON_METHOD)
     assert_user_line(err.value, ".py")
@@ -1728,7 +1711,7 @@ HELPER_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(HELPER_CASES))
-def test_lax_wrappers_from_undecorated_helpers(write_module: Loader_h3, case: str) -> None:
+def test_lax_wrappers_from_undecorated_helpers(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, HELPERS)
     name, args = HELPER_CASES[case]
     ref = plain.Counter()
@@ -1755,7 +1738,7 @@ def test_lax_wrappers_from_undecorated_helpers(write_module: Loader_h3, case: st
         assert_same(snapshot(plain_path(ref_d, key)), snapshot(value), f"jit state {key}")
 
 
-def test_raw_lax_scan_in_an_undecorated_helper_is_a_documented_error(write_module: Loader_h3) -> None:
+def test_raw_lax_scan_in_an_undecorated_helper_is_a_documented_error(write_module: Loader) -> None:
     src = HELPERS + """
 
 def raw_scan(model, xs):
@@ -1782,7 +1765,7 @@ class RawDriver:
         staged(lambda f, s, xs: f(s, xs))(f, dec.RawDriver().functionalize()[1], XS_h3)
 
 
-def test_lax_wrapper_grad_through_helper(write_module: Loader_h3) -> None:
+def test_lax_wrapper_grad_through_helper(write_module: Loader) -> None:
     plain, dec = pair(write_module, HELPERS)
 
     def plain_loss(x: Any) -> Any:
@@ -1838,7 +1821,7 @@ class ErrDriver:
     [("map_batched", (XS_h3,)), ("while_cond_writes", ()), ("scan_changes_dtype", (XS_h3,))],
 )
 def test_documented_control_flow_errors_from_helpers(
-    write_module: Loader_h3, name: str, args: tuple[Any, ...]
+    write_module: Loader, name: str, args: tuple[Any, ...]
 ) -> None:
     _, dec = pair(write_module, HELPER_ERRORS)
     with pytest.raises(autostate.errors.ControlFlowStateError):
@@ -1848,7 +1831,7 @@ def test_documented_control_flow_errors_from_helpers(
         staged(lambda s, *a: f.go(s, name, *a))(states, *args)
 
 
-def test_fori_loop_with_traced_bounds_from_a_helper(write_module: Loader_h3) -> None:
+def test_fori_loop_with_traced_bounds_from_a_helper(write_module: Loader) -> None:
     plain, dec = pair(write_module, HELPER_ERRORS)
     ref = plain.Counter()
     expected = plain.fori_traced_bounds(ref, 3)
@@ -1859,28 +1842,28 @@ def test_fori_loop_with_traced_bounds_from_a_helper(write_module: Loader_h3) -> 
     assert_same(np.asarray(ref.total), states["c.total"])
 
 
-def test_scan_inside_a_method(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_scan_inside_a_method(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     xs = jnp.arange(4.0)
     check(plain, dec, "Scanned()", [("__call__", (xs,)), ("__call__", (xs * 2,))])
 
 
 @pytest.mark.parametrize("method", ["bound", "by_lambda", "checkpointed"])
-def test_rnn_cell_in_scan(write_module: Loader_h8, method: str) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_rnn_cell_in_scan(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     xs = jnp.arange(6.0).reshape(3, 2) / 6
     check(plain, dec, "RNN(2)", [(method, (xs,)), (method, (xs,))])
 
 
-def test_rnn_checkpoint_around_a_method_call_grad_and_vmap(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_rnn_checkpoint_around_a_method_call_grad_and_vmap(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     check(plain, dec, "RNN(2)", [("remat_call", (jnp.ones(2),))] * 2)
     for transform, x in (("grad", jnp.ones(2)), ("vmap", jnp.ones((3, 2)))):
         calls = [("remat_call", (X_h8,)), ("bound", (jnp.ones((2, 2)),))]
         check_transform(plain, dec, "RNN(2)", calls, x, transform)
 
 
-def real_lax_pair(write_module: Loader_h9, source: str) -> tuple[types.ModuleType, types.ModuleType]:
+def real_lax_pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
     """The source plain and decorated, both with JAX's own ``lax`` (for calls whose
     branches do not assign state, where undecorated JAX is the reference)."""
     plain = write_module(HEADER + "from jax import lax\n" + source.replace("@DECORATE", ""))
@@ -1888,16 +1871,6 @@ def real_lax_pair(write_module: Loader_h9, source: str) -> tuple[types.ModuleTyp
         HEADER + "from jax import lax\n" + source.replace("@DECORATE", "@autostate.stateful")
     )
     return plain, dec
-
-
-def modes_of(f: Any, method: str) -> list[Callable[..., Any]]:
-    """The functional call of ``method``, as is and under ``jax.jit``."""
-    call = _fcall(f, method)
-    return [call, staged(call)]
-
-
-def no_tracer(model: Any) -> None:
-    assert not autostate.lifetime.contains_tracer(snapshot(model)), "tracer leaked into the model"
 
 
 LAXES = """
@@ -2097,7 +2070,7 @@ LAX_CALLS = [
 
 
 @pytest.mark.parametrize("calls", [c[1] for c in LAX_CALLS], ids=[c[0] for c in LAX_CALLS])
-def test_lax_control_flow_in_methods(write_module: Loader_h9, calls: list[Any]) -> None:
+def test_lax_control_flow_in_methods(write_module: Loader, calls: list[Any]) -> None:
     plain, dec = pair(write_module, LAXES)
     check(plain, dec, "Net()", calls)
 
@@ -2118,14 +2091,14 @@ LAX_TRANSFORMED = [
     "call,x", [c[1:] for c in LAX_TRANSFORMED], ids=[c[0] for c in LAX_TRANSFORMED]
 )
 def test_lax_control_flow_under_grad_and_vmap(
-    write_module: Loader_h9, call: Any, x: Any, transform: str
+    write_module: Loader, call: Any, x: Any, transform: str
 ) -> None:
     plain, dec = pair(write_module, LAXES)
     xv = x if transform == "grad" else jnp.stack([x, x + 1])
     check_transform(plain, dec, "Net()", [call, call], xv, transform)
 
 
-def test_cond_writing_different_states_grad_and_batched_predicate(write_module: Loader_h9) -> None:
+def test_cond_writing_different_states_grad_and_batched_predicate(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAXES)
     call = ("cond_different_states", (X_h9,))
     check_transform(plain, dec, "Net()", [call, call], V3, "grad")
@@ -2194,14 +2167,14 @@ KEYWORD_OPERAND = ["cond_operand_keyword_no_state", "cond_operand_keyword",
 
 
 @pytest.mark.parametrize("method", KEYWORD_OK)
-def test_lax_keyword_forms_like_undecorated_jax(write_module: Loader_h9, method: str) -> None:
+def test_lax_keyword_forms_like_undecorated_jax(write_module: Loader, method: str) -> None:
     plain, dec = real_lax_pair(write_module, "import jax.ad_checkpoint\n" + KEYWORD_LAX)
     arg = jnp.arange(1.0, 5.0) if method == "map_batch_size" else X1_h9
     check(plain, dec, "Kw()", [(method, (arg,))] * 2)
 
 
 @pytest.mark.parametrize("method", KEYWORD_OPERAND)
-def test_lax_operand_keyword_like_undecorated_jax(write_module: Loader_h9, method: str) -> None:
+def test_lax_operand_keyword_like_undecorated_jax(write_module: Loader, method: str) -> None:
     plain, dec = real_lax_pair(write_module, "import jax.ad_checkpoint\n" + KEYWORD_LAX)
     check(plain, dec, "Kw()", [(method, (X1_h9,)), (method, (-X2,))])
 
@@ -2228,7 +2201,7 @@ def test_every_routed_wrapper_takes_every_parameter_of_jax() -> None:
 @pytest.mark.parametrize(
     "method", ["dyn_setattr_in_scan", "tied_in_scan", "keys_in_scan", "float_lr_in_scan"]
 )
-def test_lax_bodies_writing_states_of_every_kind(write_module: Loader_h9, method: str) -> None:
+def test_lax_bodies_writing_states_of_every_kind(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BODIES)
     check(plain, dec, "B()", [(method, (XS_h9,))] * 2)
 
@@ -2272,7 +2245,7 @@ PARAM_WRITERS = ["via_setattr", "via_helper", "via_helper_in_cond"]
 
 
 @pytest.mark.parametrize("method", PARAM_WRITERS)
-def test_non_state_written_in_a_lax_body_is_refused_in_f(write_module: Loader_h9, method: str) -> None:
+def test_non_state_written_in_a_lax_body_is_refused_in_f(write_module: Loader, method: str) -> None:
     _, dec = pair(write_module, PARAM_WRITES)
     f, states = dec.P().functionalize()
     for call in modes_of(f, method):
@@ -2283,7 +2256,7 @@ def test_non_state_written_in_a_lax_body_is_refused_in_f(write_module: Loader_h9
 
 
 @pytest.mark.parametrize("method", PARAM_WRITERS)
-def test_non_state_written_in_a_lax_body_eagerly(write_module: Loader_h9, method: str) -> None:
+def test_non_state_written_in_a_lax_body_eagerly(write_module: Loader, method: str) -> None:
     """Eagerly, as under f: a traced value assigned to an attribute that is not
     state inside a lax body is refused at the assignment, naming it; the model
     keeps its value and holds no tracer (it was a raw UnexpectedTracerError)."""
@@ -2306,7 +2279,7 @@ LAX_CALLS = ["scan_", "cond_", "switch_", "while_", "fori_", "map_", "checkpoint
 @pytest.mark.parametrize("method", LAX_CALLS)
 @pytest.mark.parametrize("what", ["param", "static"])
 def test_every_lax_body_refuses_what_it_cannot_thread(
-    write_module: Loader_h9, method: str, what: str
+    write_module: Loader, method: str, what: str
 ) -> None:
     _, dec = pair(write_module, EVERY_LAX_BODY)
     error, pattern = (
@@ -2328,7 +2301,7 @@ def test_every_lax_body_refuses_what_it_cannot_thread(
 
 
 def test_python_int_assigned_to_a_float_state_in_a_scan_is_a_control_flow_error(
-    write_module: Loader_h9,
+    write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, BODIES)
     model = dec.B()
@@ -2341,7 +2314,7 @@ def test_python_int_assigned_to_a_float_state_in_a_scan_is_a_control_flow_error(
     no_tracer(model)
 
 
-def test_static_counter_in_a_scan_is_refused_in_f(write_module: Loader_h9) -> None:
+def test_static_counter_in_a_scan_is_refused_in_f(write_module: Loader) -> None:
     _, dec = pair(write_module, BODIES)
     f, states = dec.B().functionalize()
     for call in modes_of(f, "static_counter_in_scan"):
@@ -2349,7 +2322,7 @@ def test_static_counter_in_a_scan_is_refused_in_f(write_module: Loader_h9) -> No
             call(states, XS_h9)
 
 
-def test_static_counter_in_a_scan_eagerly(write_module: Loader_h9) -> None:
+def test_static_counter_in_a_scan_eagerly(write_module: Loader) -> None:
     """Eagerly, as under f: a Python-int state assigned a new value in a lax
     body is a StaticStateError at that line (it counted the body's traces, 2
     per call, against plain Python's 3 iterations); the state is unchanged."""
@@ -2362,7 +2335,7 @@ def test_static_counter_in_a_scan_eagerly(write_module: Loader_h9) -> None:
     assert type(vars(model)["step"]).__name__ == "StaticState"
 
 
-def test_list_appended_in_a_scan_body_is_refused_under_jit(write_module: Loader_h9) -> None:
+def test_list_appended_in_a_scan_body_is_refused_under_jit(write_module: Loader) -> None:
     _, dec = pair(write_module, BODIES)
     f, states = dec.B().functionalize()
     with pytest.raises(StateAccessError, match="trace_log"):
@@ -2370,154 +2343,12 @@ def test_list_appended_in_a_scan_body_is_refused_under_jit(write_module: Loader_
     assert f.model.trace_log == []
 
 
-def library(write_module: Loader_h10, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair if fresh else pair)(write_module, src)
-
-
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
-
-
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
-
-
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
-
-
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path(model, k) for k in keys}
-
-
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
-
-
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
-
-
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
-
-
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
-
-
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
-
-
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
-
-
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
-
-
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = staged(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
-
-
-def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
-    r_loss, r_params, r_states = ref
-    assert_same(r_loss, loss, f"{where} loss")
-    assert_same(r_params, names_of(f), f"{where} params")
-    assert_same(r_states, states, f"{where} states")
-
-
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY})  # noqa: S307
-    return template, model, n_out
-
-
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
-
-
 def trainer_reference(template: Any, f: Any, states: Any, data: Any) -> list[tuple[Any, Any, Any]]:
     return run_reference(template, names_of(f), dict(states), "momentum", data)
 
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
-def test_trainer_fit_scans_its_own_train_step(write_module: Loader_h10, mode: str) -> None:
+def test_trainer_fit_scans_its_own_train_step(write_module: Loader, mode: str) -> None:
     """``lax.scan`` over batches inside a method whose body calls ``value_and_grad``
     and writes the trainer's f, states and optimizer state."""
     _, dec = pair(write_module, TRAINER)
@@ -2542,7 +2373,7 @@ def test_trainer_fit_scans_its_own_train_step(write_module: Loader_h10, mode: st
 
 
 def test_dtype_change_in_a_scan_body_is_the_documented_control_flow_error(
-    write_module: Loader_h13,
+    write_module: Loader,
 ) -> None:
     plain, dec = pair(write_module, FLOW)
     plain.Flow().scan_int_to_float(XS_h13)  # plain Python's loop just promotes
@@ -2553,12 +2384,7 @@ def test_dtype_change_in_a_scan_body_is_the_documented_control_flow_error(
         assert_user_line(info.value, dec.__file__)
 
 
-def modes_of_h14(f: Any, method: str) -> list[Callable[..., Any]]:
-    call = _fcall(f, method)
-    return [call, jax.jit(call)]
-
-
-def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Loader_h14) -> None:
+def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Loader) -> None:
     """``scan = lax.scan`` inside the method: the decorator routes dotted names it
     resolves in the globals, not a local alias; the write is refused, never kept."""
     _, dec = pair(write_module, NESTED)
@@ -2568,22 +2394,9 @@ def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Load
     assert_user_line(info.value, dec.__file__)
     no_tracer(model)
     f, states = dec.Nest().functionalize()
-    for call in modes_of_h14(f, "aliased_scan"):
+    for call in modes_of(f, "aliased_scan", compiled=True):
         with pytest.raises(EscapedStateError, match="State 'n'"):
             call(states, XS_h14)
-
-
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -2674,7 +2487,7 @@ def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, te
     return out, s
 
 
-def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
     plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
@@ -2687,7 +2500,7 @@ def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, di
 
 
 @pytest.mark.parametrize("method", ["greedy_fori", "greedy_scan"])
-def test_gpt_greedy_loop_inside_a_method(write_module: Loader_h17, method: str) -> None:
+def test_gpt_greedy_loop_inside_a_method(write_module: Loader, method: str) -> None:
     ref, model, f, states, p = gpt(write_module)
     want, want_s = ref_greedy_fori(p, states, PROMPT, 4)
     assert_bits(want, ref_greedy(p, states, PROMPT, 4)[0], "hand-threaded fori vs loop")
@@ -2702,7 +2515,7 @@ def test_gpt_greedy_loop_inside_a_method(write_module: Loader_h17, method: str) 
     assert_same(snapshot(ref), snapshot(model), "eager attributes")
 
 
-def test_gpt_sampling_with_a_key_state_in_fori_loop(write_module: Loader_h17) -> None:
+def test_gpt_sampling_with_a_key_state_in_fori_loop(write_module: Loader) -> None:
     ref, model, f, states, p = gpt(write_module, seed=1)
     want, want_s = ref_sample(p, states, PROMPT, 3, 0.7)
     out, s = jitted("sample_fori", 3, 0.7)(f, states, PROMPT)
@@ -2810,7 +2623,7 @@ def remat_loss(out: Any) -> Any:
 
 @pytest.mark.parametrize("how", REMAT_HOWS)
 def test_remat_in_a_block_matches_hand_threaded_and_no_remat(
-    write_module: Loader_h17, how: str
+    write_module: Loader, how: str
 ) -> None:
     plain, dec = pair(write_module, REMAT)
     ref, model = plain.RematBlock(3, how), dec.RematBlock(3, how)
@@ -2840,7 +2653,7 @@ def test_remat_in_a_block_matches_hand_threaded_and_no_remat(
     assert_same(snapshot(ref), snapshot(model), "eager attributes")
 
 
-def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
+def stack(write_module: Loader) -> tuple[Any, Any, Any]:
     _, dec = pair(write_module, STACKED)
     model = dec.Stack(2)
     assert model.layers.w.shape == (2, 3) and model.layers.mean.shape == (2, 3)
@@ -2849,7 +2662,7 @@ def stack(write_module: Loader_h17) -> tuple[Any, Any, Any]:
 
 @pytest.mark.parametrize("mode", ["eager", "f", "jit"])
 def test_scan_over_a_stacked_sub_model_reads_its_layer_state(
-    write_module: Loader_h17, mode: str
+    write_module: Loader, mode: str
 ) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
@@ -2861,7 +2674,7 @@ def test_scan_over_a_stacked_sub_model_reads_its_layer_state(
     assert_same(x * w - mean, out)
 
 
-def test_scan_over_layers_of_a_stacked_sub_model_deep(write_module: Loader_h17) -> None:
+def test_scan_over_layers_of_a_stacked_sub_model_deep(write_module: Loader) -> None:
     _, model, (w, mean) = stack(write_module)
     x = jnp.ones(3)
     want = (x * w[0] - mean[0]) * w[1] - mean[1]
@@ -2869,23 +2682,12 @@ def test_scan_over_layers_of_a_stacked_sub_model_deep(write_module: Loader_h17) 
     assert_same(want, f.deep(s, x)[0])
 
 
-def pair18(write_module: Loader_h18, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """``pair``, with ``jax.checkpoint`` / ``jax.remat`` the identity in the plain module too
-    (plain JAX would leak the tracer of a remat body that writes ``self``)."""
-    plain_src = (
-        source.replace("@jax.checkpoint", "@checkpoint")
-        .replace("jax.checkpoint(", "checkpoint(")
-        .replace("jax.remat(", "checkpoint(")
-    )
-    return pair(write_module, plain_src)[0], pair(write_module, source)[1]
-
-
-def test_while_cond_method_reading_state_under_vmap(write_module: Loader_h18) -> None:
+def test_while_cond_method_reading_state_under_vmap(write_module: Loader) -> None:
     """A batched ``while_loop`` predicate from a bound method that reads a state
     written before the loop: the reference is undecorated JAX (its body writes nothing)."""
     src = INSIDE.replace("@DECORATE", "")
     plain = write_module(HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\n" + src)
-    _, dec = pair18(write_module, INSIDE)
+    _, dec = pair(write_module, INSIDE)
     f, states = dec.Net().functionalize()
     xs = jnp.stack([V3 * 4, V3 * 8, -V3])
 
@@ -2898,7 +2700,7 @@ def test_while_cond_method_reading_state_under_vmap(write_module: Loader_h18) ->
         assert_same(jax.vmap(ref)(xs), (out, new["mean"]), "vmap")
 
 
-def _decorated_pair(write_module: Loader_h18) -> tuple[types.ModuleType, types.ModuleType]:
+def _decorated_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     plain = write_module(HEADER + "AUTOCKPT = lambda fn, **kw: fn\n"
                          + DECORATED_METHODS.replace("@DECORATE", ""))
     dec = write_module(HEADER + "AUTOCKPT = autostate.checkpoint\n"
@@ -2906,7 +2708,7 @@ def _decorated_pair(write_module: Loader_h18) -> tuple[types.ModuleType, types.M
     return plain, dec
 
 
-def test_grad_through_autostate_checkpoint_with_static_argnums(write_module: Loader_h18) -> None:
+def test_grad_through_autostate_checkpoint_with_static_argnums(write_module: Loader) -> None:
     plain, dec = _decorated_pair(write_module)
     f, states = dec.Dm().functionalize()
 
@@ -2923,7 +2725,7 @@ def test_grad_through_autostate_checkpoint_with_static_argnums(write_module: Loa
     assert_same(jax.grad(plain_loss)(plain.Dm().w), staged(jax.grad(loss))(f).model.w)
 
 
-def test_checkpoint_static_argnums_keyword_error_matches_jax(write_module: Loader_h18) -> None:
+def test_checkpoint_static_argnums_keyword_error_matches_jax(write_module: Loader) -> None:
     """Undecorated JAX says ``got (1,), while len(args) = 1``; the routed call must give
     the same message (or an autostate error naming the user's line), not ``(2,)``/``2``."""
     def undecorated(x: Any) -> Any:
@@ -2980,7 +2782,7 @@ def _hand_fit(seed: int, opt: Any) -> tuple[Any, Any]:
     return p, losses
 
 
-def test_param_trainer_scan_over_batches(write_module: Loader_h24) -> None:
+def test_param_trainer_scan_over_batches(write_module: Loader) -> None:
     plain, dec = pair(write_module, TRAINER_h24)
     check(plain, dec, "ParamTrainer(0)", [("fit", (XS_h24, YS)), ("train_step", ((XS_h24[0], YS[0]),))])
     outs, states, _ = run_f(dec, "ParamTrainer(0)", [("fit", (XS_h24, YS))], jit=True)
@@ -2989,7 +2791,7 @@ def test_param_trainer_scan_over_batches(write_module: Loader_h24) -> None:
     assert_same([np.asarray(v) for v in p], [np.asarray(v) for v in states["params"]])
 
 
-def test_trainer_scan_over_batches_matches_hand_threaded(write_module: Loader_h24) -> None:
+def test_trainer_scan_over_batches_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, TRAINER_h24)
     p, losses = _hand_fit(0, optax.adam(0.1))
     for mode, (outs, states) in run_modes(dec, "Trainer(0)", [("fit", (XS_h24, YS))],
@@ -3000,12 +2802,12 @@ def test_trainer_scan_over_batches_matches_hand_threaded(write_module: Loader_h2
         assert int(states["step"]) == 3, mode
 
 
-def test_checkpoint_around_block_methods(write_module: Loader_h24) -> None:
+def test_checkpoint_around_block_methods(write_module: Loader) -> None:
     plain, dec = pair(write_module, VMAPCK)
     check(plain, dec, "Net()", [("__call__", (XB,)), ("loss", (XB * 2,))])
 
 
-def test_checkpoint_grad_matches_without_remat(write_module: Loader_h24) -> None:
+def test_checkpoint_grad_matches_without_remat(write_module: Loader) -> None:
     _, dec = pair(write_module, VMAPCK)
     f, states = dec.Net().functionalize()
     g, s2 = staged(jax.grad(lambda f: f.loss(states, XB), has_aux=True))(f)
@@ -3027,7 +2829,7 @@ def test_checkpoint_grad_matches_without_remat(write_module: Loader_h24) -> None
 
 
 @pytest.mark.parametrize("method", ["run_bound", "run_step_direct"])
-def test_gru_hidden_state_across_calls_scan_bound(write_module: Loader_h26, method: str) -> None:
+def test_gru_hidden_state_across_calls_scan_bound(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, RNN)
     calls = [(method, (XS_h26[:3],)), ("step", (XS_h26[3],)), (method, (XS_h26[3:],)), ("reset", ()),
              (method, (XS_h26[:2],))]
@@ -3035,7 +2837,7 @@ def test_gru_hidden_state_across_calls_scan_bound(write_module: Loader_h26, meth
 
 
 @pytest.mark.parametrize("method", ["run_carry", "run_remat"])
-def test_gru_scan_carry_bound_method_and_checkpoint(write_module: Loader_h26, method: str) -> None:
+def test_gru_scan_carry_bound_method_and_checkpoint(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, RNN)
     check(plain, dec, "GRUCell(3, 2, 3)", [(method, (XS_h26[:4],)), ("step", (XS_h26[4],)),
                                             (method, (XS_h26,))])
@@ -3043,7 +2845,7 @@ def test_gru_scan_carry_bound_method_and_checkpoint(write_module: Loader_h26, me
         check_transform(plain, dec, "GRUCell(3, 2, 3)", [(method, (X_h26,))], XS_h26, "grad")
 
 
-def test_gru_scan_closure(write_module: Loader_h26) -> None:
+def test_gru_scan_closure(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNN)
     calls = [("run_closure", (XS_h26, 0.5)), ("run_closure", (XS_h26[:2], 2.0)), ("reset", ()),
              ("run_closure", (XS_h26[1:], 1.0))]
@@ -3051,7 +2853,7 @@ def test_gru_scan_closure(write_module: Loader_h26) -> None:
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_gru_scan_transforms(write_module: Loader_h26, transform: str) -> None:
+def test_gru_scan_transforms(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, RNN)
     calls = [("run_bound", (X_h26,)), ("run_closure", (X_h26, 0.5))]
     x = XS_h26 if transform == "grad" else jnp.stack([XS_h26, XS_h26 * -1, XS_h26 + 1])
@@ -3059,13 +2861,13 @@ def test_gru_scan_transforms(write_module: Loader_h26, transform: str) -> None:
 
 
 @pytest.mark.parametrize("use_dus", [False, True])
-def test_kv_cache_decode_fori_loop(write_module: Loader_h26, use_dus: bool) -> None:
+def test_kv_cache_decode_fori_loop(write_module: Loader, use_dus: bool) -> None:
     plain, dec = pair(write_module, KV)
     calls = [("step", (XK[0],)), ("decode", (XK[1], 2)), ("decode_bound", (XK[2], 2))]
     check(plain, dec, f"Decoder(0, 3, 6, use_dus={use_dus})", calls)
 
 
-def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader_h26) -> None:
+def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader) -> None:
     # vmap turns the cond into a select: the key state comes out batched, one per flag
     plain, dec = pair(write_module, RNG)
     flags = jnp.array([True, False, True])
@@ -3082,89 +2884,9 @@ def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader_
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_in_place_list_update_of_sub_model_in_scan(write_module: Loader_h26, mode: str) -> None:
+def test_in_place_list_update_of_sub_model_in_scan(write_module: Loader, mode: str) -> None:
     plain, dec = pair(write_module, INPLACE)
     check(plain, dec, "Fit(0, 2)", [("scan", (XO2, YO2))], modes=(mode,))
-
-
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
-
-
-def _out(v: Any) -> Any:
-    """A model returned by a call is compared by its attributes."""
-
-    def is_model(x: Any) -> bool:
-        return type(x).__module__.startswith("autostate_testmod") and hasattr(x, "__dict__")
-
-    if is_model(v):
-        return snapshot(v)
-    if isinstance(v, list | tuple):
-        return type(v)(_out(x) for x in v)
-    return v
-
-
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-    extra: tuple[str, tuple[Any, ...]] | None = None,
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_out(_call(ref, m)(*a)) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_out(_call(model, m)(*a)) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(_out(out))
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            frozen = autostate.freeze(f, states)
-            same(expected_snap, snapshot(frozen), "frozen attributes")
-            if extra is not None:
-                m, a = extra
-                same(_out(_call(ref, m)(*a)), _out(_call(frozen, m)(*a)), "frozen call")
-                same(snapshot(ref), snapshot(frozen), "frozen attributes after a call")
-
-
-def pair2(write_module: Loader_h28, helper: str, source: str) -> tuple[Any, Any, Any, Any]:
-    """A helper module and a model module importing it (``import HELPERS as helpers``),
-    each written plain and decorated: ``(plain, dec, plain_helpers, dec_helpers)``."""
-    n = next(_COUNTER)
-    hp = write_module(HEADER + PYLAX + "LAXW = lax\n" + helper, name=f"autostate_testmod_h28p{n}")
-    hd = write_module(
-        HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + helper,
-        name=f"autostate_testmod_h28d{n}",
-    )
-    plain_src = source.replace("HELPERS", hp.__name__).replace("@DECORATE", "")
-    plain = write_module(HEADER + PYLAX + "LAXW = lax\n" + plain_src)
-    dec_src = source.replace("HELPERS", hd.__name__).replace("@DECORATE", "@autostate.stateful")
-    dec = write_module(
-        HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n" + dec_src
-    )
-    return plain, dec, hp, hd
 
 
 @pytest.mark.parametrize(
@@ -3179,31 +2901,31 @@ def pair2(write_module: Loader_h28, helper: str, source: str) -> tuple[Any, Any,
     ids=["scan", "fori_loop", "cond", "switch-int", "switch-traced"],
 )
 def test_outside_wrapped_assigned_inherited_bound_to_lax(
-    write_module: Loader_h28, calls: list[tuple[str, tuple[Any, ...]]]
+    write_module: Loader, calls: list[tuple[str, tuple[Any, ...]]]
 ) -> None:
     plain, dec = pair(write_module, OUTSIDE_WRAPPED)
     run_case(plain, dec, "Child()", calls, extra=calls[0])
 
 
-def test_helper_module_in_checkpoint_in_method(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_in_checkpoint_in_method(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(plain, dec, "M()", [("ckpt", (A1,)), ("ckpt", (A2,))], extra=("ckpt", (A1,)))
 
 
-def test_helper_module_in_checkpoint_under_grad(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_in_checkpoint_under_grad(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     check_transform(plain, dec, "M()", [("ckpt", (X_h28,)), ("ckpt", (X_h28,))], A2, "grad")
 
 
-def test_helper_module_in_scan_body_under_grad_and_vmap(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_in_scan_body_under_grad_and_vmap(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(plain, dec, "M()", [("scanned", (XS_h28,)), ("named", (XS_h28,))], extra=("named", (XS_h28,)))
     check_transform(plain, dec, "M()", [("scanned", (X_h28,))], XS_h28, "grad")
     check_transform(plain, dec, "M()", [("named", (X_h28,))], jnp.stack([XS_h28, XS_h28 * 2]), "vmap")
 
 
-def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(
         plain,
         dec,
@@ -3213,8 +2935,8 @@ def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader_
     )
 
 
-def test_helper_module_with_autostate_scan(write_module: Loader_h28) -> None:
-    plain, dec, _, _ = pair2(write_module, HELPER_MOD, HELPER_MODEL)
+def test_helper_module_with_autostate_scan(write_module: Loader) -> None:
+    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(
         plain, dec, "M()", [("via_autostate_scan", (XS_h28,))] * 2, extra=("via_autostate_scan", (XS_h28,))
     )
@@ -3232,7 +2954,7 @@ def test_helper_module_with_autostate_scan(write_module: Loader_h28) -> None:
     ],
 )
 def test_copy_of_self_written_in_lax(
-    write_module: Loader_h28, name: str, args: tuple[Any, ...]
+    write_module: Loader, name: str, args: tuple[Any, ...]
 ) -> None:
     plain, dec = pair(write_module, COPIES)
     run_case(plain, dec, "M()", [(name, args), (name, args)], extra=(name, args))
@@ -3255,12 +2977,12 @@ class M:
 """
 
 
-def test_copy_made_in_method_written_in_scan_eagerly(write_module: Loader_h28) -> None:
+def test_copy_made_in_method_written_in_scan_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, MIN_COPY_SCAN)
     run_case(plain, dec, "M()", [("run", (XS_h28,))], modes=("eager",))
 
 
-def test_copy_made_in_method_written_in_scan_through_f(write_module: Loader_h28) -> None:
+def test_copy_made_in_method_written_in_scan_through_f(write_module: Loader) -> None:
     # plain: (4.0, 3.0, 0.0) for xs = [0.5, -1, 2, 1.5]; f and jit(f) raised
     # UnexpectedTracerError before the copy's states were threaded.
     plain, dec = pair(write_module, MIN_COPY_SCAN)
@@ -3278,7 +3000,7 @@ def test_copy_made_in_method_written_in_scan_through_f(write_module: Loader_h28)
     ],
 )
 def test_closures_kept_on_the_model_called_in_lax(
-    write_module: Loader_h28, name: str, args: tuple[Any, ...]
+    write_module: Loader, name: str, args: tuple[Any, ...]
 ) -> None:
     plain, dec = pair(write_module, CLOSURES)
     run_case(plain, dec, "M()", [(name, args), (name, args)], extra=(name, args))
@@ -3296,7 +3018,7 @@ def test_closures_kept_on_the_model_called_in_lax(
         ("tree_partial_scan", (XS_h28,)),
     ],
 )
-def test_dynamic_roads_in_lax(write_module: Loader_h28, name: str, args: tuple[Any, ...]) -> None:
+def test_dynamic_roads_in_lax(write_module: Loader, name: str, args: tuple[Any, ...]) -> None:
     plain, dec = pair(write_module, DYNAMIC)
     run_case(plain, dec, "M()", [(name, args), (name, args)], extra=(name, args))
 
@@ -3312,7 +3034,7 @@ def test_dynamic_roads_in_lax(write_module: Loader_h28, name: str, args: tuple[A
     ],
 )
 def test_static_class_methods_and_setters_in_lax(
-    write_module: Loader_h28, name: str, args: tuple[Any, ...]
+    write_module: Loader, name: str, args: tuple[Any, ...]
 ) -> None:
     plain, dec = pair(write_module, DESCRIPTORS)
     run_case(plain, dec, "M()", [(name, args), (name, args)], extra=(name, args))
@@ -3367,7 +3089,7 @@ def _jax_copy_modes(dec: types.ModuleType, name: str) -> list[Any]:
 # (in_scan and in_fori wrote the original's state through f before the
 # copy's states were threaded.)
 @pytest.mark.parametrize("name", ["direct", "in_scan", "in_fori"])
-def test_jax_made_copy_of_sub_model_written_in_lax(write_module: Loader_h28, name: str) -> None:
+def test_jax_made_copy_of_sub_model_written_in_lax(write_module: Loader, name: str) -> None:
     _, dec = pair(write_module, JAX_COPY)
     expected = ((jnp.asarray(3.0), jnp.asarray(0.0)), {"sub.s": jnp.asarray(0.0)})
     for mode, got in zip(("eager", "f", "jit"), _jax_copy_modes(dec, name), strict=True):
@@ -3389,14 +3111,14 @@ def check_vmap_loop(
     per_example = []
     for i in range(xs.shape[0]):
         m = eval(build, vars(plain))  # noqa: S307
-        outs = [_call(m, n)(*[xs[i] if v is X_h28 else v for v in a]) for n, a in calls]
+        outs = [_fcall(m, n)(*[xs[i] if v is X_h28 else v for v in a]) for n, a in calls]
         per_example.append((outs, {k: plain_path(m, k) for k in keys}))
     expected = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_example)
 
     def dec_fn(xv: Any) -> Any:
         s, outs = states0, []
         for n, a in calls:
-            out, s = _call(f, n)(s, *[xv if v is X_h28 else v for v in a])
+            out, s = _fcall(f, n)(s, *[xv if v is X_h28 else v for v in a])
             outs.append(out)
         return outs, s
 
@@ -3404,7 +3126,7 @@ def check_vmap_loop(
     same(expected, staged(jax.vmap(dec_fn))(xs), "jit vmap")
 
 
-def test_vmap_of_f_with_inherited_wrapped_methods_in_cond_and_switch(write_module: Loader_h28) -> None:
+def test_vmap_of_f_with_inherited_wrapped_methods_in_cond_and_switch(write_module: Loader) -> None:
     plain, dec = pair(write_module, OUTSIDE_WRAPPED)
     # __call__ takes both cond branches depending on the example (ys[0] > 0, -ys[-1] > 0)
     xs = jnp.array([[1.0, -2.0, 0.5], [-0.25, 0.5, -3.0], [-1.0, -1.0, -1.0]])
@@ -3447,7 +3169,7 @@ class M(Loops):
 """
 
 
-def test_while_loop_over_bound_methods_of_an_undecorated_base(write_module: Loader_h28) -> None:
+def test_while_loop_over_bound_methods_of_an_undecorated_base(write_module: Loader) -> None:
     plain, dec = pair(write_module, WHILE_MODEL)
     run_case(
         plain,
@@ -3504,7 +3226,7 @@ class M:
 """
 
 
-def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader_h28) -> None:
+def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader) -> None:
     plain, dec = pair(write_module, NESTED_h28)
     run_case(
         plain,
@@ -3517,13 +3239,13 @@ def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader_h28) -> N
     assert sorted(model.functionalize()[1]) == ["counters[0].n", "counters[1].n", "total"]
 
 
-def test_nested_lax_checkpoint_aliased_sub_models_grad_vmap(write_module: Loader_h28) -> None:
+def test_nested_lax_checkpoint_aliased_sub_models_grad_vmap(write_module: Loader) -> None:
     plain, dec = pair(write_module, NESTED_h28)
     check_transform(plain, dec, "M()", [("__call__", (X_h28,))], XS_h28, "grad")
     check_vmap_loop(plain, dec, "M()", [("__call__", (X_h28,))], jnp.stack([XS_h28, XS_h28[::-1] * 2.0]))
 
 
-def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module: Loader_h28) -> None:
+def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, LATE_METHODS)
     if not hasattr(dec.M, "cell"):
         pytest.skip("module did not load")
@@ -3539,7 +3261,7 @@ def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module
     check_transform(plain, dec, "M()", [("run", (X_h28,))], XS_h28, "grad")
 
 
-def test_lax_in_a_lambda_method_is_the_documented_error(write_module: Loader_h28) -> None:
+def test_lax_in_a_lambda_method_is_the_documented_error(write_module: Loader) -> None:
     _, dec = pair(write_module, LATE_METHODS)
     with pytest.raises(autostate.errors.TracedEagerStateError) as e:
         dec.M().run_jax(XS_h28)
@@ -3549,55 +3271,6 @@ def test_lax_in_a_lambda_method_is_the_documented_error(write_module: Loader_h28
     with pytest.raises(autostate.errors.EscapedStateError) as e:
         f.run_jax(states, XS_h28)
     assert "autostate.scan" in str(e.value) and f"{__file__}:" in str(e.value)
-
-
-def pair29(
-    write_module: Loader_h29, source: str, plain_subs: Sequence[tuple[str, str]] = ()
-) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source plain and decorated; ``plain_subs`` are replaced in the plain one only
-    (a spelling that would take JAX's own primitive there), ``jax.checkpoint(`` /
-    ``jax.remat(`` are the identity there."""
-    key = (source, tuple(plain_subs))
-    if key not in _PAIRS:
-        plain_src = source.replace("@DECORATE", "")
-        for old, new in plain_subs:
-            assert old in plain_src, old
-            plain_src = plain_src.replace(old, new)
-        plain_src = plain_src.replace("jax.checkpoint(", "checkpoint(").replace(
-            "jax.remat(", "checkpoint("
-        )
-        plain = write_module(HEADER + PYLAX + PYLAX29 + "LAXW = lax\n" + plain_src)
-        dec = write_module(
-            HEADER
-            + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[key] = (plain, dec)
-    return _PAIRS[key]
-
-
-def refused_everywhere(
-    dec: types.ModuleType, build: str, method: str, args: tuple[Any, ...], write_line: str
-) -> None:
-    """Eagerly, through ``f`` and under ``jax.jit(f)``: an autostate error, the model
-    and the given states left as they were, no tracer anywhere."""
-    model = eval(build, vars(dec))  # noqa: S307
-    before = snapshot(model)
-    with pytest.raises(TracedEagerStateError) as info:
-        getattr(model, method)(*args)
-    user_line(info.value, dec, write_line)
-    no_tracer(model)
-    assert_same(before, snapshot(model), "eager model after the refused call")
-    model = eval(build, vars(dec))  # noqa: S307
-    f, states = model.functionalize()
-    kept = snapshot(states)
-    for call in (_fcall(f, method), jax.jit(_fcall(f, method))):
-        with pytest.raises(EscapedStateError) as info:
-            call(states, *args)
-        assert "fix" in str(info.value)
-        assert __file__ in str(info.value), str(info.value)  # the line that calls f
-    assert_same(kept, snapshot(states), "states after the refused call")
-    assert_same(before, snapshot(model), "model after the refused call")
 
 
 ROUTED = """
@@ -3762,21 +3435,21 @@ ROUTED_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(ROUTED_CASES))
-def test_routed_spellings(write_module: Loader_h29, case: str) -> None:
-    plain, dec = pair29(write_module, ROUTED, ROUTED_PLAIN)
+def test_routed_spellings(write_module: Loader, case: str) -> None:
+    plain, dec = pair(write_module, ROUTED, plain_subs=ROUTED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, "Routed()", ROUTED_CASES[case])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_routed_spellings_under_grad_and_vmap(write_module: Loader_h29, transform: str) -> None:
-    plain, dec = pair29(write_module, ROUTED, ROUTED_PLAIN)
+def test_routed_spellings_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
+    plain, dec = pair(write_module, ROUTED, plain_subs=ROUTED_PLAIN, checkpoint_as_identity=True)
     x = XS_h29 if transform == "grad" else jnp.stack([XS_h29, -XS_h29, XS_h29 * 0.5])
     calls = [("mixed", (X_h29,)), ("as_alias", (X_h29,)), ("mixed", (X_h29,))]
     check_transform(plain, dec, "Routed()", calls, x, transform)
 
 
-def test_map_batch_size_writing_state_is_the_documented_error(write_module: Loader_h29) -> None:
-    _, dec = pair29(write_module, ROUTED, ROUTED_PLAIN)
+def test_map_batch_size_writing_state_is_the_documented_error(write_module: Loader) -> None:
+    _, dec = pair(write_module, ROUTED, plain_subs=ROUTED_PLAIN, checkpoint_as_identity=True)
     model = dec.Routed()
     before = snapshot(model)
     with pytest.raises(ControlFlowStateError, match="batch_size") as info:
@@ -3892,9 +3565,9 @@ UNRESOLVED_PLAIN = [
     ids=["getattr", "module-dict", "staticmethod-attr", "default-arg", "factory-closure"],
 )
 def test_unresolved_spellings_reading_state_are_exact(
-    write_module: Loader_h29, build: str, calls: list[tuple[str, tuple[Any, ...]]]
+    write_module: Loader, build: str, calls: list[tuple[str, tuple[Any, ...]]]
 ) -> None:
-    plain, dec = pair29(write_module, UNRESOLVED, UNRESOLVED_PLAIN)
+    plain, dec = pair(write_module, UNRESOLVED, plain_subs=UNRESOLVED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, build, calls)
 
 
@@ -3918,9 +3591,9 @@ def test_unresolved_spellings_reading_state_are_exact(
     ],
 )
 def test_unresolved_spellings_writing_state_are_refused(
-    write_module: Loader_h29, build: str, method: str, arg: Any, line: str
+    write_module: Loader, build: str, method: str, arg: Any, line: str
 ) -> None:
-    _, dec = pair29(write_module, UNRESOLVED, UNRESOLVED_PLAIN)
+    _, dec = pair(write_module, UNRESOLVED, plain_subs=UNRESOLVED_PLAIN, checkpoint_as_identity=True)
     refused_everywhere(dec, build, method, (arg,), line)
 
 
@@ -3978,25 +3651,25 @@ SHADOWED_PLAIN = [("from jax.lax import cond, scan", "cond, scan = lax.cond, lax
 
 @pytest.mark.parametrize("method", ["param_named_cond", "local_named_cond"])
 def test_a_local_named_like_a_routed_global_is_not_routed(
-    write_module: Loader_h29, method: str
+    write_module: Loader, method: str
 ) -> None:
-    plain, dec = pair29(write_module, SHADOWED, SHADOWED_PLAIN)
+    plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
     args = (XS_h29, XS_h29 > 0) if method == "param_named_cond" else (XS_h29,)
     check(plain, dec, "Shadowed()", [(method, args)])
 
 
-def test_a_flag_named_checkpoint_passed_on_keeps_its_value(write_module: Loader_h29) -> None:
-    plain, dec = pair29(write_module, SHADOWED, SHADOWED_PLAIN)
+def test_a_flag_named_checkpoint_passed_on_keeps_its_value(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, "Shadowed()", [("flag_named_checkpoint", (A1_h29,))])
 
 
-def test_a_local_function_named_like_a_routed_global_is_called(write_module: Loader_h29) -> None:
-    plain, dec = pair29(write_module, SHADOWED, SHADOWED_PLAIN)
+def test_a_local_function_named_like_a_routed_global_is_called(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, "Shadowed()", [("local_function_named_scan", (XS_h29,))])
 
 
-def test_a_global_alias_rebound_after_decoration_is_called(write_module: Loader_h29) -> None:
-    plain, dec = pair29(write_module, SHADOWED, SHADOWED_PLAIN)
+def test_a_global_alias_rebound_after_decoration_is_called(write_module: Loader) -> None:
+    plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, "Shadowed()", [("through_global_alias", (A1_h29,))])  # routed, both agree
     once = "lambda lo, hi, body, init: body(lo, init)"
     plain.loop = eval(once, vars(plain))  # noqa: S307
@@ -4005,8 +3678,8 @@ def test_a_global_alias_rebound_after_decoration_is_called(write_module: Loader_
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_transformations_of_carry_under_grad_and_vmap(write_module: Loader_h29, transform: str) -> None:
-    plain, dec = pair29(write_module, INSIDE_h29, INSIDE_PLAIN)
+def test_transformations_of_carry_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
+    plain, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
     x = XS_h29 if transform == "grad" else jnp.stack([XS_h29, -XS_h29, XS_h29 * 0.5])
     calls = [("grads_of_carry", (X_h29,)), ("reduce_read", (X_h29,))]
     check_transform(plain, dec, "Inside()", calls, x, transform)
@@ -4073,7 +3746,7 @@ def train_compare(
         assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
-def test_greedy_while_loop_vmapped_over_prompts(write_module: Loader_h30) -> None:
+def test_greedy_while_loop_vmapped_over_prompts(write_module: Loader) -> None:
     # plain Python's while cannot run under vmap: the reference is one prompt at a time
     plain, dec = pair(write_module, BEAM)
     prompts = jnp.array([1, 2, 3, 4], jnp.int32)
@@ -4093,7 +3766,7 @@ def test_greedy_while_loop_vmapped_over_prompts(write_module: Loader_h30) -> Non
 
 
 @pytest.mark.parametrize("typed", [False, True])
-def test_variational_mask_and_dropout_in_scan(write_module: Loader_h30, typed: bool) -> None:
+def test_variational_mask_and_dropout_in_scan(write_module: Loader, typed: bool) -> None:
     plain, dec = pair(write_module, RNG_h30)
     calls = [("__call__", (XR_h30,)), ("__call__", (XR_h30[::-1],))]
     check(plain, dec, f"VariationalRNN(0, 3, typed={typed})", calls)
@@ -4108,7 +3781,7 @@ def test_variational_mask_and_dropout_in_scan(write_module: Loader_h30, typed: b
         )
 
 
-def test_rnn_with_dropout_training_in_scan(write_module: Loader_h30) -> None:
+def test_rnn_with_dropout_training_in_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNG_h30)
     xs = jnp.stack([XR_h30, XR_h30 * 2, XR_h30[::-1]])
     train_compare(
@@ -4125,7 +3798,7 @@ def _grads(mod: types.ModuleType, n: int) -> list[Any]:
 
 
 @pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
-def test_accum_scanned_over_gradient_stream(write_module: Loader_h30, cls: str) -> None:
+def test_accum_scanned_over_gradient_stream(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, ACCUM)
     gs = _grads(plain, 8)
     ref = getattr(plain, cls)(plain.init_params(), 3, array_k=True)
@@ -4151,51 +3824,6 @@ def test_accum_scanned_over_gradient_stream(write_module: Loader_h30, cls: str) 
         jnp.array(1.5),
         "grad",
     )
-
-
-def run_case_h31(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*a) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            same(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
-
-
-def f_modes(f: Any, method: str = "__call__") -> list[Callable[..., Any]]:
-    """``f.<method>`` called directly and under ``jax.jit``."""
-    call = lambda s, *a: _call(f, method)(s, *a)  # noqa: E731
-    return [call, staged(call)]
 
 
 def has_tracer(obj: Any) -> bool:
@@ -4276,17 +3904,17 @@ def primed(model, *args):
 XR_h31 = jnp.arange(6.0).reshape(3, 2) / 6.0
 
 
-def test_lazy_sub_model_created_before_a_lax_scan(write_module: Loader_h31) -> None:
+def test_lazy_sub_model_created_before_a_lax_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAZY_IN_BODY)
     plain.XR = dec.XR = XR_h31
     calls = [("__call__", (XR_h31,)), ("__call__", (XR_h31 * 2,))]
-    run_case_h31(plain, dec, "RNN()", calls, modes=("eager",))
-    run_case_h31(plain, dec, "primed(RNN(), XR)", calls)
+    run_case(plain, dec, "RNN()", calls, modes=("eager",))
+    run_case(plain, dec, "primed(RNN(), XR)", calls)
 
 
 @pytest.mark.parametrize(("method", "arg"), [("in_body", XR_h31), ("in_cond", XR_h31[1])])
 def test_lazy_sub_model_created_inside_a_lax_body_eagerly(
-    write_module: Loader_h31, method: str, arg: Any
+    write_module: Loader, method: str, arg: Any
 ) -> None:
     plain, dec = pair(write_module, LAZY_IN_BODY)
     # Refused as through f (below), naming the line; the model is left as it was.
@@ -4297,10 +3925,10 @@ def test_lazy_sub_model_created_inside_a_lax_body_eagerly(
     assert model.cell is None and not has_tracer(model)
 
 
-def test_lazy_sub_model_created_inside_a_lax_body_through_f(write_module: Loader_h31) -> None:
+def test_lazy_sub_model_created_inside_a_lax_body_through_f(write_module: Loader) -> None:
     _, dec = pair(write_module, LAZY_IN_BODY)
     f, states = dec.RNN().functionalize()
-    for call in f_modes(f, "in_body"):
+    for call in modes_of(f, "in_body"):
         with pytest.raises(StateAccessError, match="sub-model") as err:
             call(states, XR_h31)
         user_line(err.value, dec, "# cell in body")
@@ -4311,7 +3939,7 @@ def test_lazy_sub_model_created_inside_a_lax_body_through_f(write_module: Loader
     ("array_in_checkpoint", XR_h31[1], "return checkpoint(inner)(x)"),
 ])
 def test_lazy_array_inside_a_lax_body_is_the_documented_control_flow_error(
-    write_module: Loader_h31, method: str, arg: Any, text: str
+    write_module: Loader, method: str, arg: Any, text: str
 ) -> None:
     # docs/limitations.md: a None placeholder first given its array inside a body,
     # whose carries and outputs keep their structure.
@@ -4322,13 +3950,13 @@ def test_lazy_array_inside_a_lax_body_is_the_documented_control_flow_error(
     user_line(err.value, dec, text)
     assert model.w is None
     f, states = dec.RNN().functionalize()
-    for call in f_modes(f, method):
+    for call in modes_of(f, method):
         with pytest.raises(ControlFlowStateError) as err:
             call(states, arg)
         user_line(err.value, dec, text)
 
 
-def test_outer_model_scanning_its_layers_f(write_module: Loader_h31) -> None:
+def test_outer_model_scanning_its_layers_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAYERS)
     ref = plain.ListStack(2, 3)
     expected = [ref(X23), ref(-X23)]
@@ -4369,7 +3997,7 @@ def test_outer_model_scanning_its_layers_f(write_module: Loader_h31) -> None:
     same(jnp.stack(gw), g.model.F.model.w)
 
 
-def test_equinox_stacked_sub_model_scanned_in_a_method(write_module: Loader_h31) -> None:
+def test_equinox_stacked_sub_model_scanned_in_a_method(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAYERS)
     ref = plain.ListStack(3, 4)
     expected = X23
@@ -4379,7 +4007,7 @@ def test_equinox_stacked_sub_model_scanned_in_a_method(write_module: Loader_h31)
     same(expected, model.read(X23), "eager")
     f, states = model.functionalize()
     assert sorted(states) == ["layers.mean", "layers.n"]
-    for call in f_modes(f, "read"):
+    for call in modes_of(f, "read"):
         out, _ = call(states, X23)
         same(expected, out)
     # A write through a slice of the stacked sub-model cannot land: a clear error at the
@@ -4387,13 +4015,13 @@ def test_equinox_stacked_sub_model_scanned_in_a_method(write_module: Loader_h31)
     with pytest.raises(autostate.AutostateError) as err:
         model.write(X23)
     user_line(err.value, dec, "# eqx write")
-    for call in f_modes(f, "write"):
+    for call in modes_of(f, "write"):
         with pytest.raises(autostate.AutostateError) as err:
             call(states, X23)
         user_line(err.value, dec, "# eqx write")
 
 
-def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader_h31) -> None:
+def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, BUILT)
     key = jax.random.key(0)
 
@@ -4411,7 +4039,7 @@ def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader_h31)
 
 
 @pytest.mark.parametrize("method", ["scan", "cond", "ckpt"])
-def test_sub_model_replaced_inside_a_lax_body_eagerly(write_module: Loader_h31, method: str) -> None:
+def test_sub_model_replaced_inside_a_lax_body_eagerly(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BUILT)
     model = dec.Swap()
     with pytest.raises(StateAccessError, match="sub-model") as err:
@@ -4423,11 +4051,11 @@ def test_sub_model_replaced_inside_a_lax_body_eagerly(write_module: Loader_h31, 
 @pytest.mark.parametrize(("method", "text"), [("scan", "# swap in scan"), ("cond", "# swap in cond"),
                                               ("ckpt", "# swap in checkpoint")])
 def test_sub_model_replaced_inside_a_lax_body_through_f(
-    write_module: Loader_h31, method: str, text: str
+    write_module: Loader, method: str, text: str
 ) -> None:
     _, dec = pair(write_module, BUILT)
     f, states = dec.Swap().functionalize()
-    for call in f_modes(f, method):
+    for call in modes_of(f, method):
         with pytest.raises(StateAccessError, match="sub-model") as err:
             call(states, jnp.asarray(1.0))
         user_line(err.value, dec, text)
@@ -4436,7 +4064,7 @@ def test_sub_model_replaced_inside_a_lax_body_through_f(
 @pytest.mark.parametrize(("method", "text"), [("grow_in_scan", "# grow in scan"),
                                               ("append_in_scan", "# append in scan")])
 def test_growing_a_state_inside_a_lax_scan_is_the_documented_error(
-    write_module: Loader_h31, method: str, text: str
+    write_module: Loader, method: str, text: str
 ) -> None:
     # docs/errors.md, "A state changes shape inside a loop body": the lax call's line.
     _, dec = pair(write_module, GROW)
@@ -4446,7 +4074,7 @@ def test_growing_a_state_inside_a_lax_scan_is_the_documented_error(
     user_line(err.value, dec, text)
     assert model.kv.shape == (0, 2) and model.hist == []
     f, states = dec.Cache().functionalize()
-    for call in f_modes(f, method):
+    for call in modes_of(f, method):
         with pytest.raises(ControlFlowStateError) as err:
             call(states, XR_h31)
         user_line(err.value, dec, text)
@@ -4506,7 +4134,7 @@ class B:
     "and under jit; JAX alone traces the body once",
 )
 @pytest.mark.parametrize("method", ["ckpt_iter", "cond_iter"])
-def test_iterator_advanced_in_a_lax_body(write_module: Loader_h33, method: str) -> None:
+def test_iterator_advanced_in_a_lax_body(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BODY)
     check(plain, dec, "B()", [(method, (A2,)), (method, (A2,))])
 
@@ -4523,7 +4151,7 @@ def test_iterator_advanced_in_a_lax_body(write_module: Loader_h33, method: str) 
 )
 @pytest.mark.parametrize("mode", ["eager", "f"])
 def test_generator_of_the_model_advanced_in_a_checkpoint_body(
-    write_module: Loader_h33, mode: str
+    write_module: Loader, mode: str
 ) -> None:
     plain, dec = pair(write_module, BODY)
     check(plain, dec, "B()", [("ckpt_generator", (A2,))], modes=(mode,))
@@ -4533,7 +4161,7 @@ def test_generator_of_the_model_advanced_in_a_checkpoint_body(
     "ignore:Python iterable type:DeprecationWarning"
 )
 def test_contextmanager_in_a_scan_body_that_raises_out_is_the_documented_error(
-    write_module: Loader_h33,
+    write_module: Loader,
 ) -> None:
     """Plain Python's loop keeps ``n`` (written before the raise) and restores
     the flag; a traced body that raises keeps nothing: the documented
@@ -4553,7 +4181,7 @@ def test_contextmanager_in_a_scan_body_that_raises_out_is_the_documented_error(
         user_line(info.value, dec, "# SCAN", fix=True)
 
 
-def test_python_branch_in_a_scan_body_under_disable_jit(write_module: Loader_h34) -> None:
+def test_python_branch_in_a_scan_body_under_disable_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, AROUND)
     jax_plain = write_module(HEADER + "from jax import lax\n" + AROUND.replace("@DECORATE", ""))
     calls = [("python_branch_scan", (XS_h34,)), ("python_branch_scan", (-XS_h34,))]

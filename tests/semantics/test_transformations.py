@@ -22,7 +22,7 @@ import sys
 import textwrap
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,28 +38,36 @@ from autostate import errors
 from autostate.errors import (
     TracedEagerStateError,
 )
-from semantics.harness import HEADER as HEADER_h29
-from semantics.harness import PYLAX as PYLAX_h29
 from semantics.harness import (
+    OPTIMIZERS,
     Loader,
     X,
+    assert_bits,
     assert_same,
+    assert_step,
     assert_user_line,
+    build_pair,
     check,
     check_transform,
+    data_for,
+    f_loss,
+    f_train_step,
+    library,
+    load_plain,
+    mse,
+    names_of,
     pair,
     plain_path,
     raises_autostate,
+    read_plain,
+    run_case,
+    run_reference,
     same,
     snapshot,
     staged,
     user_line,
 )
-from semantics.harness import _pair as _pair_h10
-from semantics.harness import _pair as pair_h5
-from semantics.harness import _pair as pair_h8
 from semantics.programs import (
-    _PAIRS,
     ACCUM,
     ADAM,
     BATCHNORM,
@@ -78,7 +86,6 @@ from semantics.programs import (
     KV,
     LAYERS,
     LAZY,
-    LIBRARY,
     LIGHTNING,
     LIT_STEPS,
     MISC,
@@ -89,7 +96,6 @@ from semantics.programs import (
     OPT,
     OVER,
     PROMPT,
-    PYLAX29,
     QAT,
     REBUILD,
     RNG,
@@ -116,31 +122,10 @@ from semantics.programs import AROUND as AROUND_h34
 from semantics.programs import KEY as KEY_h10
 from semantics.programs import REAL as REAL_h24
 from semantics.programs import RNN as RNN_h26
-from semantics.programs import HEADER_h2 as HEADER
-from semantics.programs import HEADER_h4 as HEADER_h4
-from semantics.programs import Loader as Loader_h2
-from semantics.programs import Loader as Loader_h4
-from semantics.programs import Loader as Loader_h5
-from semantics.programs import Loader as Loader_h8
-from semantics.programs import Loader as Loader_h9
-from semantics.programs import Loader as Loader_h10
-from semantics.programs import Loader as Loader_h13
-from semantics.programs import Loader as Loader_h17
-from semantics.programs import Loader as Loader_h18
-from semantics.programs import Loader as Loader_h24
-from semantics.programs import Loader as Loader_h25
-from semantics.programs import Loader as Loader_h26
-from semantics.programs import Loader as Loader_h27
-from semantics.programs import Loader as Loader_h29
-from semantics.programs import Loader as Loader_h30
-from semantics.programs import Loader as Loader_h31
-from semantics.programs import Loader as Loader_h34
-from semantics.programs import Loader as Loader_h35
 from semantics.programs import MODELS_h8 as MODELS
 from semantics.programs import MODELS_h9 as MODELS_h9
 from semantics.programs import MOE_h30 as MOE_h30
 from semantics.programs import OUTSIDE_h9 as OUTSIDE
-from semantics.programs import PYLAX_h4 as PYLAX
 from semantics.programs import REAL_h9 as REAL
 from semantics.programs import RNG_h30 as RNG_h30
 from semantics.programs import V2_h25 as V2
@@ -153,7 +138,6 @@ from semantics.programs import XR_h30 as XR_h30
 from semantics.programs import XS_h26 as XS_h26
 from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h34 as XS_h34
-from semantics.programs import _PAIRS_h29 as _PAIRS_h29
 
 FINALIZED: list[Any] = []
 LOGGED: list[str] = []
@@ -217,74 +201,8 @@ def test_scan_and_vmap_over_f_from_outside(write_module: Loader) -> None:
     assert_same(np.stack(refs), outs, "vmap outs")
 
 
-def pair_h2(write_module: Loader_h2, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        plain = write_module(
-            HEADER + "STATE = lambda v, **kw: v\n" + source.replace("@DECORATE", "")
-        )
-        dec = write_module(
-            HEADER + "STATE = autostate.state\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS[source] = (plain, dec)
-    for mod in _PAIRS[source]:
-        sys.modules[mod.__name__] = mod  # pickling by reference, in later tests too
-    return _PAIRS[source]
-
-
-def snapshot_h2(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
-    if depth > 6:
-        return "<deep>"
-    if isinstance(obj, list | tuple):
-        return [snapshot_h2(v, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: snapshot_h2(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, jax.Array | np.ndarray | np.generic):
-        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            return np.asarray(jax.random.key_data(obj))
-        return np.asarray(obj)
-    if isinstance(obj, bool | int | float | complex | str | type(None)):
-        return obj
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("autostate_testmod"):
-        return {
-            "__class__": type(obj).__name__,
-            **{k: snapshot_h2(getattr(obj, k), depth + 1) for k in sorted(vars(obj))
-               if not k.startswith("_ref")},
-        }
-    return f"<{type(obj).__name__}>"
-
-
-def assert_same_h2(expected: Any, got: Any, where: str = "") -> None:
-    """Equal structure and values (numbers compared as arrays)."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict), f"{where}: expected dict, got {type(got).__name__}"
-        assert sorted(map(str, expected)) == sorted(map(str, got)), f"{where}: keys differ"
-        for k in expected:
-            assert_same_h2(expected[k], got[k], f"{where}[{k!r}]")
-        return
-    if isinstance(expected, list | tuple):
-        assert isinstance(got, list | tuple), f"{where}: expected sequence, got {type(got)}"
-        assert len(expected) == len(got), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(expected, got)):
-            assert_same_h2(a, b, f"{where}[{i}]")
-        return
-    if isinstance(expected, str) or expected is None:
-        assert expected == got, f"{where}: {expected!r} != {got!r}"
-        return
-    a, b = np.asarray(expected), np.asarray(got)
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=1e-5,
-                                   err_msg=where)
-        return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-6,
-                               err_msg=where)
-
-
-def test_vmap_ensemble_over_stacked_states(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
+def test_vmap_ensemble_over_stacked_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, VARIANTS)
     f, states = dec.Mixed().functionalize()
     offsets = [0.0, 1.0, 5.0]
     stacked = jax.tree_util.tree_map(lambda v: jnp.stack([v + o for o in offsets]), states)
@@ -292,13 +210,13 @@ def test_vmap_ensemble_over_stacked_states(write_module: Loader_h2) -> None:
     for i, o in enumerate(offsets):
         p = plain.Mixed()
         p.n, p.kv = p.n + o, p.kv + o
-        assert_same_h2(p(2.0), outs[i])
-        assert_same_h2(p.n, new["n"][i])
-        assert_same_h2(p.kv, new["kv"][i])
+        assert_same(p(2.0), outs[i])
+        assert_same(p.n, new["n"][i])
+        assert_same(p.kv, new["kv"][i])
 
 
-def test_lax_scan_over_f_with_prng_state(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, DTYPES)
+def test_lax_scan_over_f_with_prng_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, DTYPES)
     xs = jnp.arange(4.0)
     p = plain.Keys(3)
     expected = [p(x) for x in xs]
@@ -309,13 +227,13 @@ def test_lax_scan_over_f_with_prng_state(write_module: Loader_h2) -> None:
         return s, out
 
     final, outs = staged(lambda s: jax.lax.scan(body, s, xs))(states)
-    assert_same_h2(np.stack([np.asarray(e) for e in expected]), outs)
-    assert_same_h2(snapshot_h2(p.key), snapshot_h2(final["key"]))
-    assert_same_h2(snapshot_h2(p.raw), snapshot_h2(final["raw"]))
+    assert_same(np.stack([np.asarray(e) for e in expected]), outs)
+    assert_same(snapshot(p.key), snapshot(final["key"]))
+    assert_same(snapshot(p.raw), snapshot(final["raw"]))
 
 
-def test_grad_wrt_states_and_params(write_module: Loader_h2) -> None:
-    plain, dec = pair_h2(write_module, VARIANTS)
+def test_grad_wrt_states_and_params(write_module: Loader) -> None:
+    plain, dec = pair(write_module, VARIANTS)
     f, states = dec.Mixed().functionalize()
 
     def plain_loss(n: jax.Array, kv: jax.Array, w: jax.Array) -> jax.Array:
@@ -330,15 +248,15 @@ def test_grad_wrt_states_and_params(write_module: Loader_h2) -> None:
 
     gn, gkv, gw = jax.grad(plain_loss, argnums=(0, 1, 2))(states["n"], states["kv"], f.model.w)
     gf, gs = staged(jax.grad(dec_loss, argnums=(0, 1)))(f, states)
-    assert_same_h2(gn, gs["n"])
-    assert_same_h2(gkv, gs["kv"])
-    assert_same_h2(gw, gf.model.w)
+    assert_same(gn, gs["n"])
+    assert_same(gkv, gs["kv"])
+    assert_same(gw, gf.model.w)
 
 
-def test_donated_states(write_module: Loader_h2) -> None:
+def test_donated_states(write_module: Loader) -> None:
     """Donating the first states dict deletes the model's arrays (they are
     shared, as docs/scaling_out.md says); donating a copy keeps the model."""
-    plain, dec = pair_h2(write_module, VARIANTS)
+    plain, dec = pair(write_module, VARIANTS)
     m = dec.Mixed()
     f, states = m.functionalize()
     states = jax.tree_util.tree_map(jnp.copy, states)
@@ -346,9 +264,9 @@ def test_donated_states(write_module: Loader_h2) -> None:
     p = plain.Mixed()
     for x in (1.0, 2.0):
         out, states = step(f, states, x)
-        assert_same_h2(p(x), out)
-    assert_same_h2(p.n, states["n"])
-    assert_same_h2(np.zeros(2), m.n)  # the eager model's buffers are not the donated ones
+        assert_same(p(x), out)
+    assert_same(p.n, states["n"])
+    assert_same(np.zeros(2), m.n)  # the eager model's buffers are not the donated ones
     assert float(m(1.0)) == 6.0
 
 
@@ -360,30 +278,9 @@ def test_eager_model_in_a_helper_wrapper_under_jit_is_documented(write_module: L
     assert_same(0, model.n)
 
 
-def pair_h4(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated, built once per source text."""
-    if source not in _PAIRS:
-        _PAIRS[source] = _pair(write_module, source)
-    return _PAIRS[source]
-
-
-def _pair(write_module: Loader_h4, source: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source as plain Python and decorated; ``lax.*`` is a Python loop in the plain one."""
-    plain = write_module(
-        HEADER_h4 + PYLAX + source.replace("@DECORATE", "").replace("@AUTOCHECKPOINT", "@checkpoint")
-    )
-    dec = write_module(
-        HEADER_h4 + "from jax import lax\ncheckpoint = jax.checkpoint\nSTATE = autostate.state\n"
-        + source.replace("@DECORATE", "@autostate.stateful").replace(
-            "@AUTOCHECKPOINT", "@autostate.checkpoint"
-        )
-    )
-    return plain, dec
-
-
-def test_kwdefaults_distinguish_jit_cache_entries(write_module: Loader_h4) -> None:
+def test_kwdefaults_distinguish_jit_cache_entries(write_module: Loader) -> None:
     """Two models whose closures differ only in a keyword-only default."""
-    plain, dec = pair_h4(write_module, CALLABLES)
+    plain, dec = pair(write_module, CALLABLES)
     step = staged(lambda f, s, x: f(s, x))
     f1, s1 = dec.KwOnly(2.0).functionalize()
     f2, s2 = dec.KwOnly(5.0).functionalize()
@@ -393,14 +290,14 @@ def test_kwdefaults_distinguish_jit_cache_entries(write_module: Loader_h4) -> No
     assert float(out2) == float(plain.KwOnly(5.0)(1.0)) == 5.0
 
 
-def test_positional_defaults_distinguish_jit_cache_entries(write_module: Loader_h4) -> None:
-    plain, dec = pair_h4(write_module, CALLABLES)
+def test_positional_defaults_distinguish_jit_cache_entries(write_module: Loader) -> None:
+    plain, dec = pair(write_module, CALLABLES)
     step = staged(lambda f, s, x: f(s, x))
     outs = [float(step(*dec.Defaults(s, 0.0).functionalize(), 1.0)[0]) for s in (2.0, 5.0)]
     assert outs == [float(plain.Defaults(s, 0.0)(1.0)) for s in (2.0, 5.0)]
 
 
-def test_closure_cell_value_distinguishes_jit_cache_entries(write_module: Loader_h4) -> None:
+def test_closure_cell_value_distinguishes_jit_cache_entries(write_module: Loader) -> None:
     src = CALLABLES + """
 @DECORATE
 class CellK:
@@ -415,22 +312,22 @@ class CellK:
     def __call__(self, x):
         return self.fn(x)
 """
-    plain, dec = pair_h4(write_module, src)
+    plain, dec = pair(write_module, src)
     step = staged(lambda f, s, x: f(s, x))
     outs = [float(step(*dec.CellK(k).functionalize(), 1.0)[0]) for k in (2.0, 5.0)]
     assert outs == [float(plain.CellK(k)(1.0)) for k in (2.0, 5.0)]
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_grad_and_vmap_over_f_with_shared_sub_models(write_module: Loader_h5, transform: str) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_grad_and_vmap_over_f_with_shared_sub_models(write_module: Loader, transform: str) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     x = jnp.asarray(1.5) if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "TwoPaths()", [("__call__", (X,)), ("__call__", (X,))], x,
                     transform)
 
 
-def test_lax_scan_over_f(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_lax_scan_over_f(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     ref = plain.TwoPaths()
     expected = [ref(float(v)) for v in range(4)]
     f, states = dec.TwoPaths().functionalize()
@@ -451,8 +348,8 @@ def test_lax_scan_over_f(write_module: Loader_h5) -> None:
     assert frozen.a is frozen.b is frozen.items[0] is frozen.table["p"]
 
 
-def test_freeze_of_a_traced_result_inside_jit(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_freeze_of_a_traced_result_inside_jit(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     ref = plain.TwoPaths()
     ref(1.0)
     expected = ref(2.0)
@@ -475,8 +372,8 @@ def test_freeze_of_a_traced_result_inside_jit(write_module: Loader_h5) -> None:
     np.testing.assert_allclose(out, expected)
 
 
-def test_retrace_with_a_new_shape_keeps_rebuilds_apart(write_module: Loader_h5) -> None:
-    plain, dec = pair_h5(write_module, REBUILD)
+def test_retrace_with_a_new_shape_keeps_rebuilds_apart(write_module: Loader) -> None:
+    plain, dec = pair(write_module, REBUILD, fresh=True)
     ref = plain.Callables()
     exp = [ref(jnp.ones(())), ref(jnp.ones(3)), ref(jnp.ones(()) * 2)]
     f, states = dec.Callables().functionalize()
@@ -491,7 +388,7 @@ def test_retrace_with_a_new_shape_keeps_rebuilds_apart(write_module: Loader_h5) 
     assert_same(exp, outs, "outs")
 
 
-def test_counter_state_under_jit_works(write_module: Loader_h5) -> None:
+def test_counter_state_under_jit_works(write_module: Loader) -> None:
     src = """
 import collections
 
@@ -506,7 +403,7 @@ class Counts:
         self.ctr["a"] += 1
         return x * self.w
 """
-    plain, dec = pair_h5(write_module, src)
+    plain, dec = pair(write_module, src, fresh=True)
     ref = plain.Counts()
     ref(jnp.ones(2))
     f, states = dec.Counts().functionalize()
@@ -601,31 +498,31 @@ WRITE_METHODS = [
 
 
 @pytest.mark.parametrize("method", WRITE_METHODS)
-def test_traced_writes_of_every_kind(write_module: Loader_h8, method: str) -> None:
-    plain, dec = pair_h8(write_module, WRITES)
+def test_traced_writes_of_every_kind(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, WRITES, fresh=True)
     check(plain, dec, "W()", [(method, (jnp.float32(1.5),)), (method, (jnp.float32(2.0),))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize("method", WRITE_METHODS)
 def test_traced_writes_of_every_kind_under_grad_and_vmap(
-    write_module: Loader_h8, method: str, transform: str
+    write_module: Loader, method: str, transform: str
 ) -> None:
-    plain, dec = pair_h8(write_module, WRITES)
+    plain, dec = pair(write_module, WRITES, fresh=True)
     x = jnp.float32(1.5) if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "W()", [(method, (X,)), (method, (X,))], x, transform)
 
 
-def test_adam_moments_as_state_in_a_training_loop(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_adam_moments_as_state_in_a_training_loop(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     params = {"w": jnp.ones(3), "b": jnp.zeros(())}
     grads = {"w": jnp.arange(3.0), "b": jnp.ones(())}
     check(plain, dec, "Adam({'w': jnp.ones(3), 'b': jnp.zeros(())})",
           [("__call__", (params, grads)), ("__call__", (params, grads))])
 
 
-def test_vmap_over_an_ensemble_of_states(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_vmap_over_an_ensemble_of_states(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     f, states = dec.BatchNorm(3).functionalize()
     ens = jax.tree_util.tree_map(lambda v: jnp.stack([v, v + 1, v * 2]), states)
     outs, new = staged(jax.vmap(lambda s: f(s, X3)))(ens)
@@ -637,8 +534,8 @@ def test_vmap_over_an_ensemble_of_states(write_module: Loader_h8) -> None:
         assert_same(np.asarray(ref.var), new["var"][i], f"member {i} var")
 
 
-def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     f, states = dec.Net().functionalize()
 
     def loss(f, states, x):
@@ -661,8 +558,8 @@ def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Load
         grads.model.head.w, grads.model.layers[0].w)
 
 
-def test_training_loop_in_lax_scan_over_f(write_module: Loader_h8) -> None:
-    plain, dec = pair_h8(write_module, MODELS)
+def test_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
+    plain, dec = pair(write_module, MODELS, fresh=True)
     f, states = dec.KVCache(4, 2).functionalize()
     ks = jnp.arange(8.0).reshape(4, 2) / 8
 
@@ -705,7 +602,7 @@ FORWARD_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Any]] = {
 
 
 @pytest.mark.parametrize("transform", list(FORWARD_TRANSFORMS))
-def test_jvp_linearize_jacobians_hessian_of_f(write_module: Loader_h9, transform: str) -> None:
+def test_jvp_linearize_jacobians_hessian_of_f(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, OUTSIDE)
     plain_fn, f_fn, (f, states) = _plain_and_f(plain, dec)
     apply = FORWARD_TRANSFORMS[transform]
@@ -714,7 +611,7 @@ def test_jvp_linearize_jacobians_hessian_of_f(write_module: Loader_h9, transform
     assert_same(plain_fn(V3), (out, new["mean"]), "f afterwards")
 
 
-def test_eval_shape_and_make_jaxpr_of_f(write_module: Loader_h9) -> None:
+def test_eval_shape_and_make_jaxpr_of_f(write_module: Loader) -> None:
     _, dec = pair(write_module, OUTSIDE)
     model = dec.Net()
     f, states = model.functionalize()
@@ -728,7 +625,7 @@ def test_eval_shape_and_make_jaxpr_of_f(write_module: Loader_h9) -> None:
     assert_same(np.asarray(V3) * 0.1, new["mean"])
 
 
-def test_jacrev_with_respect_to_f(write_module: Loader_h9) -> None:
+def test_jacrev_with_respect_to_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, OUTSIDE)
     f, states = dec.Net().functionalize()
 
@@ -741,7 +638,7 @@ def test_jacrev_with_respect_to_f(write_module: Loader_h9) -> None:
     assert_same(jax.grad(plain_loss)(plain.Net().w), g.model.w)
 
 
-def test_batchnorm_over_a_named_vmap_axis(write_module: Loader_h9) -> None:
+def test_batchnorm_over_a_named_vmap_axis(write_module: Loader) -> None:
     _, dec = pair(write_module, OUTSIDE)
     xs = jnp.arange(12.0).reshape(4, 3)
     m = np.asarray(xs).mean(0)
@@ -764,7 +661,7 @@ def test_batchnorm_over_a_named_vmap_axis(write_module: Loader_h9) -> None:
     assert_same(0.1 * m, new["mean"])
 
 
-def test_vmap_in_axes_dict_batches_one_state(write_module: Loader_h9) -> None:
+def test_vmap_in_axes_dict_batches_one_state(write_module: Loader) -> None:
     _, dec = pair(write_module, OUTSIDE)
     xs = jnp.arange(12.0).reshape(4, 3)
     f, states = dec.BN(3).functionalize()
@@ -798,7 +695,7 @@ MODEL_CASES = [
 @pytest.mark.parametrize(
     "build,calls", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES]
 )
-def test_realistic_models(write_module: Loader_h9, build: str, calls: list[Any]) -> None:
+def test_realistic_models(write_module: Loader, build: str, calls: list[Any]) -> None:
     plain, dec = pair(write_module, MODELS_h9)
     check(plain, dec, build, calls)
 
@@ -817,14 +714,14 @@ MODEL_TRANSFORMS = [
     "build,method,x", [c[1:] for c in MODEL_TRANSFORMS], ids=[c[0] for c in MODEL_TRANSFORMS]
 )
 def test_realistic_models_under_grad_and_vmap(
-    write_module: Loader_h9, build: str, method: str, x: Any, transform: str
+    write_module: Loader, build: str, method: str, x: Any, transform: str
 ) -> None:
     plain, dec = pair(write_module, MODELS_h9)
     xv = x if transform == "grad" else jnp.stack([x, -x])
     check_transform(plain, dec, build, [(method, (X,)), (method, (X,))], xv, transform)
 
 
-def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader_h9) -> None:
+def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, MODELS_h9)
     ref = plain.GAN(jax.random.PRNGKey(0))
     expected = [ref.step(Z, REAL) for _ in range(3)]
@@ -842,170 +739,8 @@ def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader_h9) -> None:
     assert_same(snapshot(ref), snapshot(frozen))
 
 
-def library(write_module: Loader_h10, base_decorated: bool = True,
-            fresh: bool = False) -> tuple[types.ModuleType, ...]:
-    """The library plain and decorated; ``fresh``: new modules, in ``sys.modules`` while
-    the test runs (for pickling by reference)."""
-    src = LIBRARY.replace("@BASEDEC\n", "@DECORATE\n" if base_decorated else "")
-    return (_pair_h10 if fresh else pair)(write_module, src)
-
-
-def names_of(f: Any) -> dict[str, Any]:
-    """``f``'s leaves by keypath, without the leading ``.model``."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(f):
-        name = jax.tree_util.keystr(path)
-        assert name.startswith(".model"), name
-        out[name.removeprefix(".model").removeprefix(".")] = leaf
-    return out
-
-
-def plain_set(model: Any, key: str, value: Any) -> None:
-    target = "m." + key if not key.startswith("[") else "m" + key
-    exec(f"{target} = v", {"m": model, "v": value})  # noqa: S102
-
-
-def load_plain(template: Any, params: dict[str, Any], states: dict[str, Any]) -> Any:
-    m = copy.deepcopy(template)
-    for k, v in {**params, **states}.items():
-        plain_set(m, k, v)
-    return m
-
-
-def read_plain(model: Any, keys: Any) -> dict[str, Any]:
-    return {k: plain_path(model, k) for k in keys}
-
-
-def mse(out: Any, y: Any) -> Any:
-    return jnp.mean((out - y) ** 2)
-
-
-def ref_loss_fn(template: Any, method: str = "__call__") -> Callable[..., Any]:
-    """The plain model's loss as a pure function of (params, states, x, y)."""
-
-    def loss(params: dict[str, Any], states: dict[str, Any], x: Any, y: Any) -> Any:
-        m = load_plain(template, params, states)
-        out = getattr(m, method)(x)
-        return mse(out, y), read_plain(m, states)
-
-    return loss
-
-
-def f_loss(f: Any, states: dict[str, Any], x: Any, y: Any) -> Any:
-    out, states = f(states, x)
-    return mse(out, y), states
-
-
-def sgd(lr: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return ()
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s
-
-    return init, update
-
-
-def momentum(lr: float, beta: float = 0.9) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-    def update(p: Any, g: Any, mu: Any) -> Any:
-        mu = jax.tree_util.tree_map(lambda m, b: beta * m + b, mu, g)
-        return jax.tree_util.tree_map(lambda a, m: a - lr * m, p, mu), mu
-
-    return init, update
-
-
-def adam(lr: float, b1: float = 0.9, b2: float = 0.99) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def init(p: Any) -> Any:
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, p)
-
-        return (jnp.zeros((), jnp.int32), zeros(), zeros())
-
-    def update(p: Any, g: Any, s: Any) -> Any:
-        t, m, v = s
-        t = t + 1
-        m = jax.tree_util.tree_map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
-        v = jax.tree_util.tree_map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-        mh = jax.tree_util.tree_map(lambda a: a / (1 - b1**t), m)
-        vh = jax.tree_util.tree_map(lambda a: a / (1 - b2**t), v)
-        p = jax.tree_util.tree_map(lambda a, b, c: a - lr * b / (jnp.sqrt(c) + 1e-8), p, mh, vh)
-        return p, (t, m, v)
-
-    return init, update
-
-
-OPTIMIZERS = {"sgd": sgd(0.1), "momentum": momentum(0.05), "adam": adam(0.01)}
-
-
-def batches(n: int, n_in: int = 3, n_out: int = 2, batch: int = 5) -> list[tuple[Any, Any]]:
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-        out.append((jax.random.normal(kx, (batch, n_in)), jax.random.normal(ky, (batch, n_out))))
-    return out
-
-
-def run_reference(template: Any, params: dict[str, Any], states: dict[str, Any], opt: str,
-                  data: list[tuple[Any, Any]], jit: bool = True,
-                  compiled: bool = False) -> list[tuple[Any, Any, Any]]:
-    """Plain model + hand-threaded params/states: (loss, params, states) after every step.
-
-    ``compiled``: under ``jax.jit`` itself, to compare with a compiled (donated) step
-    bit for bit (Adam amplifies a last-bit difference in a near-zero gradient)."""
-    init, update = OPTIMIZERS[opt]
-    grad_fn = jax.value_and_grad(ref_loss_fn(template), has_aux=True)
-
-    def step(params: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = grad_fn(params, states, x, y)
-        params, opt_state = update(params, grads, opt_state)
-        return loss, params, opt_state, states
-
-    if jit:
-        step = jax.jit(step) if compiled else staged(step)
-    opt_state = init(params)
-    trace = []
-    for x, y in data:
-        loss, params, opt_state, states = step(params, opt_state, states, x, y)
-        trace.append((loss, params, states))
-    return trace
-
-
-def f_train_step(opt: str, donate: bool = False) -> Callable[..., Any]:
-    _, update = OPTIMIZERS[opt]
-
-    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
-        (loss, states), grads = jax.value_and_grad(f_loss, has_aux=True)(f, states, x, y)
-        f, opt_state = update(f, grads, opt_state)
-        return loss, f, opt_state, states
-
-    return staged(step, donate_argnums=(0, 1, 2) if donate else ())
-
-
-def assert_step(ref: tuple[Any, Any, Any], loss: Any, f: Any, states: Any, where: str) -> None:
-    r_loss, r_params, r_states = ref
-    assert_same(r_loss, loss, f"{where} loss")
-    assert_same(r_params, names_of(f), f"{where} params")
-    assert_same(r_states, states, f"{where} states")
-
-
-def build_pair(plain: types.ModuleType, dec: types.ModuleType, kind: str) -> tuple[Any, Any, Any]:
-    src, n_out = BUILDS[kind]
-    template = eval(src, {**vars(plain), "KEY": KEY_h10})  # noqa: S307
-    model = eval(src, {**vars(dec), "KEY": KEY_h10})  # noqa: S307
-    return template, model, n_out
-
-
-def data_for(n_out: Any, n: int = 6) -> list[tuple[Any, Any]]:
-    if n_out is None:
-        return [(x, y[:, 0]) for x, y in batches(n, 3, 1)]
-    return batches(n, 3, n_out)
-
-
 @pytest.mark.parametrize("kind", list(BUILDS))
-def test_train_step_outside_the_model_matches_hand_threaded(write_module: Loader_h10, kind: str) -> None:
+def test_train_step_outside_the_model_matches_hand_threaded(write_module: Loader, kind: str) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, kind)
     data = data_for(n_out)
@@ -1024,7 +759,7 @@ def test_train_step_outside_the_model_matches_hand_threaded(write_module: Loader
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("jit", [False, True])
-def test_optimizers_eager_and_jitted(write_module: Loader_h10, opt: str, jit: bool) -> None:
+def test_optimizers_eager_and_jitted(write_module: Loader, opt: str, jit: bool) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 5)
@@ -1045,7 +780,7 @@ def test_optimizers_eager_and_jitted(write_module: Loader_h10, opt: str, jit: bo
         assert type(f).__name__ == "FunctionalModel"
 
 
-def test_donated_train_step_then_freeze_and_continue_eagerly(write_module: Loader_h10) -> None:
+def test_donated_train_step_then_freeze_and_continue_eagerly(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     data = data_for(n_out, 8)
@@ -1088,7 +823,7 @@ def user_frame_line(err: BaseException, module: types.ModuleType) -> str:
 
 
 @pytest.mark.parametrize("how", ["jit", "eval_shape_then_jit"])
-def test_model_built_inside_jit_then_trained(write_module: Loader_h10, how: str) -> None:
+def test_model_built_inside_jit_then_trained(write_module: Loader, how: str) -> None:
     plain, dec = library(write_module)
     template = plain.MLP(KEY_h10, 3, 2, rate=0.5)
     if how == "jit":
@@ -1109,7 +844,7 @@ def test_model_built_inside_jit_then_trained(write_module: Loader_h10, how: str)
         assert_step(ref[i], loss, f, states, f"step {i}")
 
 
-def test_eager_model_returned_from_jit(write_module: Loader_h10) -> None:
+def test_eager_model_returned_from_jit(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template = plain.MLP(KEY_h10, 3, 2, rate=0.5)
     model = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5))(KEY_h10)
@@ -1120,7 +855,7 @@ def test_eager_model_returned_from_jit(write_module: Loader_h10) -> None:
     assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
-def test_vmapped_ensemble_built_and_trained(write_module: Loader_h10) -> None:
+def test_vmapped_ensemble_built_and_trained(write_module: Loader) -> None:
     plain, dec = library(write_module)
     keys = jax.random.split(KEY_h10, 3)
     fs, ss = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(keys)
@@ -1149,7 +884,7 @@ def test_vmapped_ensemble_built_and_trained(write_module: Loader_h10) -> None:
 
 
 @pytest.mark.parametrize("wrap", ["jit", "grad", "vmap", "jit_grad"])
-def test_eager_model_inside_the_users_transformation_is_refused(write_module: Loader_h10,
+def test_eager_model_inside_the_users_transformation_is_refused(write_module: Loader,
                                                                 wrap: str) -> None:
     plain, dec = library(write_module)
     template, model, _ = build_pair(plain, dec, "mlp_dropout")
@@ -1181,7 +916,7 @@ def test_eager_model_inside_the_users_transformation_is_refused(write_module: Lo
 
 
 @pytest.mark.parametrize("wrap", ["jit", "grad"])
-def test_eager_model_passed_into_the_users_transformation(write_module: Loader_h10, wrap: str) -> None:
+def test_eager_model_passed_into_the_users_transformation(write_module: Loader, wrap: str) -> None:
     """Equinox style: the model itself is the argument (it is a pytree). Plain Python
     has no such thing; the state writes would be lost, so autostate must refuse them
     clearly or keep them, never leak a tracer."""
@@ -1204,7 +939,7 @@ def test_eager_model_passed_into_the_users_transformation(write_module: Loader_h
     assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
-def test_stacked_eager_ensemble_from_vmap_then_functionalized(write_module: Loader_h10) -> None:
+def test_stacked_eager_ensemble_from_vmap_then_functionalized(write_module: Loader) -> None:
     plain, dec = library(write_module)
     keys = jax.random.split(KEY_h10, 3)
     stacked = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5))(keys)
@@ -1331,7 +1066,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
     return staged(traced), traces
 
 
-def test_shape_change_retraces_once_per_shape(write_module: Loader_h13) -> None:
+def test_shape_change_retraces_once_per_shape(write_module: Loader) -> None:
     plain, dec = pair(write_module, CHANGES)
     step, traces = jit_counted(lambda f, s, x: f.push(s, x))
     drop, _ = jit_counted(lambda f, s: f.drop(s))
@@ -1350,7 +1085,7 @@ def test_shape_change_retraces_once_per_shape(write_module: Loader_h13) -> None:
     assert len(traces) == 3  # hist/log/seen lengths differ from the first call's
 
 
-def test_vmap_over_an_ensemble_of_states_of_every_kind(write_module: Loader_h13) -> None:
+def test_vmap_over_an_ensemble_of_states_of_every_kind(write_module: Loader) -> None:
     plain, dec = pair(write_module, OVER)
     refs = [plain.Noisy(seed) for seed in range(3)]
     x = jnp.array([0.5, 1.0])
@@ -1367,7 +1102,7 @@ def test_vmap_over_an_ensemble_of_states_of_every_kind(write_module: Loader_h13)
         assert_typed(attrs(r), attrs(autostate.freeze(f, one)), f"member {j}", jitted=True)
 
 
-def test_checkpointed_f_under_grad(write_module: Loader_h13) -> None:
+def test_checkpointed_f_under_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, OVER)
     x = jnp.array([0.5, 1.0])
 
@@ -1384,19 +1119,6 @@ def test_checkpointed_f_under_grad(write_module: Loader_h13) -> None:
         return (out + out2).sum()
 
     assert_typed(jax.grad(plain_loss)(x), staged(jax.grad(dec_loss))(x), "grad")
-
-
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits (typed keys compared by their key data)."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{where}[{i}]")
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -1476,7 +1198,7 @@ def ref_gpt_loss(p: dict[str, Any], s: dict[str, Any], seq: Any) -> Any:
     return -jnp.take_along_axis(logp, seq[1:, None], axis=1).mean(), s
 
 
-def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """(plain model, decorated model, f, states, params by name) for one seed."""
     plain, dec = pair(write_module, GPT)
     ref = plain.GPT(seed)
@@ -1488,7 +1210,7 @@ def gpt(write_module: Loader_h17, seed: int = 0) -> tuple[Any, Any, Any, Any, di
     return ref, model, f, states, p
 
 
-def test_gpt_greedy_through_jitted_f_step_by_step(write_module: Loader_h17) -> None:
+def test_gpt_greedy_through_jitted_f_step_by_step(write_module: Loader) -> None:
     _, _, f, states, p = gpt(write_module)
     want, want_s = ref_greedy(p, states, PROMPT, 4)
     step = jitted("next_token")
@@ -1501,7 +1223,7 @@ def test_gpt_greedy_through_jitted_f_step_by_step(write_module: Loader_h17) -> N
     assert_same(snapshot(want_s), snapshot(states), "cache")
 
 
-def test_gpt_decoding_vmapped_over_prompts(write_module: Loader_h17) -> None:
+def test_gpt_decoding_vmapped_over_prompts(write_module: Loader) -> None:
     _, _, f, states, p = gpt(write_module)
     prompts = jnp.array([[3, 4, 5], [1, 2, 3], [7, 0, 9]], jnp.int32)
     want, want_s = jax.vmap(lambda t: ref_greedy_fori(p, states, t, 4))(prompts)
@@ -1510,7 +1232,7 @@ def test_gpt_decoding_vmapped_over_prompts(write_module: Loader_h17) -> None:
     assert_same(snapshot(want_s), snapshot(got_s), "batched caches")
 
 
-def test_gpt_next_token_training_with_adam(write_module: Loader_h17) -> None:
+def test_gpt_next_token_training_with_adam(write_module: Loader) -> None:
     _, _, f, empty, p = gpt(write_module)
     seqs = [jnp.arange(i, i + 7, dtype=jnp.int32) % 11 for i in range(3)]
     opt = optax.adam(1e-2)
@@ -1565,7 +1287,7 @@ def images(i: int, n: int = 4) -> tuple[Any, Any]:
     return jax.random.normal(kx, (n, 5, 5, 1)), jax.random.randint(ky, (n,), 0, 3)
 
 
-def cnn(write_module: Loader_h17) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     plain, dec = pair(write_module, "import optax\n" + CNN)
     ref, model = plain.CNN(0), dec.CNN(0)
     f, states = model.functionalize()
@@ -1607,7 +1329,7 @@ def train_both(
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_cnn_adam_training_matches_hand_threaded(write_module: Loader_h17, jit: bool) -> None:
+def test_cnn_adam_training_matches_hand_threaded(write_module: Loader, jit: bool) -> None:
     _, _, f, s, p = cnn(write_module)
     f, s, p, _, _ = train_both(f, s, p, range(3 if jit else 2), jit=jit)
     assert int(s["steps"]) == (3 if jit else 2)
@@ -1723,13 +1445,13 @@ def seqs(i: int, t: int = 5) -> tuple[Any, Any]:
     return jax.random.normal(kx, (t, 3)), jax.random.normal(ky, (t,))
 
 
-def rnn_pair(write_module: Loader_h17) -> tuple[types.ModuleType, types.ModuleType]:
+def rnn_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, RNN)
 
 
 @pytest.mark.parametrize("cls", ["BiLSTM"])
 def test_lstm_forward_eager_f_jit_vs_plain_and_hand_threaded(
-    write_module: Loader_h17, cls: str
+    write_module: Loader, cls: str
 ) -> None:
     plain, dec = rnn_pair(write_module)
     ref, model = getattr(plain, cls)(0), getattr(dec, cls)(0)
@@ -1753,7 +1475,7 @@ def test_lstm_forward_eager_f_jit_vs_plain_and_hand_threaded(
 
 
 @pytest.mark.parametrize("cls", ["LSTM", "BiLSTM"])
-def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader_h17, cls: str) -> None:
+def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader, cls: str) -> None:
     _, dec = rnn_pair(write_module)
     f, s = getattr(dec, cls)(0).functionalize()
     p = params_of(f)
@@ -1781,7 +1503,7 @@ def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader_h
     assert int(s["steps" if cls == "LSTM" else "fwd.steps"]) == 15
 
 
-def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader_h17) -> None:
+def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader) -> None:
     plain, dec = rnn_pair(write_module)
     ref, model = plain.GRU(3), dec.GRU(3)
     f, s = model.functionalize()
@@ -1814,7 +1536,7 @@ def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader_
     assert_same(ref.h, model.h)
 
 
-def test_lstm_vmapped_over_a_batch_of_sequences(write_module: Loader_h17) -> None:
+def test_lstm_vmapped_over_a_batch_of_sequences(write_module: Loader) -> None:
     _, dec = rnn_pair(write_module)
     f, s = dec.LSTM(0).functionalize()
     p = params_of(f)
@@ -1843,7 +1565,7 @@ def ref_drop_mlp(p: Any, s: dict[str, Any], x: Any) -> Any:
 
 
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "raw"])
-def test_dropout_mlp_trained_with_value_and_grad(write_module: Loader_h17, typed: bool) -> None:
+def test_dropout_mlp_trained_with_value_and_grad(write_module: Loader, typed: bool) -> None:
     _, dec = pair(write_module, DROPOUT)
     f, s = dec.DropMLP(0, typed).functionalize()
     p = params_of(f)
@@ -1872,7 +1594,7 @@ def test_dropout_mlp_trained_with_value_and_grad(write_module: Loader_h17, typed
 
 
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "raw"])
-def test_dropout_vmapped_over_an_ensemble_of_keys(write_module: Loader_h17, typed: bool) -> None:
+def test_dropout_vmapped_over_an_ensemble_of_keys(write_module: Loader, typed: bool) -> None:
     _, dec = pair(write_module, DROPOUT)
     f, s = dec.Dropout(0, 0.5, typed).functionalize()
     if typed:
@@ -1936,7 +1658,7 @@ def member_batches(i: int) -> tuple[Any, Any]:
 SGD = optax.sgd(0.1, momentum=0.9)
 
 
-def test_ensemble_built_under_vmap_and_trained_under_vmap(write_module: Loader_h17) -> None:
+def test_ensemble_built_under_vmap_and_trained_under_vmap(write_module: Loader) -> None:
     _, dec = pair(write_module, ENSEMBLE)
     keys = jax.random.split(jax.random.key(0), 3)
     f, s = jax.vmap(lambda k: dec.Member(k).functionalize())(keys)
@@ -1984,7 +1706,7 @@ def test_ensemble_built_under_vmap_and_trained_under_vmap(write_module: Loader_h
         assert_same(want, member(x), f"member {i}")
 
 
-def test_ensemble_stacked_by_hand_from_separate_models(write_module: Loader_h17) -> None:
+def test_ensemble_stacked_by_hand_from_separate_models(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENSEMBLE)
     keys = jax.random.split(jax.random.key(1), 3)
     pairs = [dec.Member(k).functionalize() for k in keys]
@@ -2060,7 +1782,7 @@ XB_h18 = jnp.arange(12.0).reshape(4, 3) / 10
 BN_KEYS = ("mean", "var", "key", "steps")
 
 
-def _around(write_module: Loader_h18) -> tuple[types.ModuleType, types.ModuleType]:
+def _around(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, AROUND)
 
 
@@ -2076,7 +1798,7 @@ def _same_run(plain: types.ModuleType, calls: list[tuple[str, tuple]], outs: Any
     assert_same(_states_of(ref, states), snapshot(states), "states")
 
 
-def test_eval_shape_and_make_jaxpr_of_f_itself(write_module: Loader_h18) -> None:
+def test_eval_shape_and_make_jaxpr_of_f_itself(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     model = dec.BN(3)
     f, states = model.functionalize()
@@ -2096,7 +1818,7 @@ def test_eval_shape_and_make_jaxpr_of_f_itself(write_module: Loader_h18) -> None
 
 @pytest.mark.parametrize("how", ["aot", "donate", "static_argnums", "static_argnames",
                                  "named_call"])
-def test_jit_variants_of_f(write_module: Loader_h18, how: str) -> None:
+def test_jit_variants_of_f(write_module: Loader, how: str) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
     calls: list[tuple[str, tuple]] = [("__call__", (XB_h18,)), ("__call__", (XB_h18 * 2,))]
@@ -2121,7 +1843,7 @@ def test_jit_variants_of_f(write_module: Loader_h18, how: str) -> None:
 
 
 @pytest.mark.parametrize("loop", ["scan", "scan_unroll", "fori", "while", "python"])
-def test_loops_over_f_equal_a_python_loop(write_module: Loader_h18, loop: str) -> None:
+def test_loops_over_f_equal_a_python_loop(write_module: Loader, loop: str) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
     xs = jnp.stack([XB_h18, XB_h18 * 2, -XB_h18, XB_h18 + 1])
@@ -2154,7 +1876,7 @@ def test_loops_over_f_equal_a_python_loop(write_module: Loader_h18, loop: str) -
         _same_run(plain, calls, outs, states)
 
 
-def test_lax_map_over_f_with_fixed_states(write_module: Loader_h18) -> None:
+def test_lax_map_over_f_with_fixed_states(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
     xs = jnp.stack([XB_h18, XB_h18 * 2, -XB_h18])
@@ -2175,7 +1897,7 @@ CHOOSE_F = {
 
 @pytest.mark.parametrize("how", ["cond-lambdas", "switch-lambdas", "switch-f-closed-over",
                                  "cond-f-closed-over"])
-def test_cond_and_switch_between_f_calls(write_module: Loader_h18, how: str) -> None:
+def test_cond_and_switch_between_f_calls(write_module: Loader, how: str) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
     if how in CHOOSE_F:
@@ -2189,7 +1911,7 @@ def test_cond_and_switch_between_f_calls(write_module: Loader_h18, how: str) -> 
         _same_run(plain, [("other" if pick else "__call__", (XB_h18,))], [out], new)
 
 
-def test_f_twice_and_two_models_in_one_jit(write_module: Loader_h18) -> None:
+def test_f_twice_and_two_models_in_one_jit(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     f, s = dec.BN(3).functionalize()
     g, t = dec.BN(3, seed=5).functionalize()
@@ -2213,7 +1935,7 @@ def test_f_twice_and_two_models_in_one_jit(write_module: Loader_h18) -> None:
 
 
 @pytest.mark.parametrize("in_axes", ["states-and-x", "states-only", "x-only"])
-def test_vmap_of_f(write_module: Loader_h18, in_axes: str) -> None:
+def test_vmap_of_f(write_module: Loader, in_axes: str) -> None:
     plain, dec = _around(write_module)
     f, s0 = dec.BN(3).functionalize()
     s1 = dec.BN(3, seed=1).functionalize()[1]
@@ -2234,7 +1956,7 @@ def test_vmap_of_f(write_module: Loader_h18, in_axes: str) -> None:
         assert_same(_states_of(ref, BN_KEYS), snapshot(jax.tree.map(lambda a, i=i: a[i], new)))
 
 
-def test_vmap_of_f_with_an_unbatched_write_and_out_axes_none(write_module: Loader_h18) -> None:
+def test_vmap_of_f_with_an_unbatched_write_and_out_axes_none(write_module: Loader) -> None:
     """``tick`` writes a counter that does not depend on the batch: it may come out
     unbatched (``out_axes=(0, None)``), as the hand-threaded function's would."""
     plain, dec = _around(write_module)
@@ -2248,7 +1970,7 @@ def test_vmap_of_f_with_an_unbatched_write_and_out_axes_none(write_module: Loade
         assert_same(_states_of(ref, BN_KEYS), snapshot(new))
 
 
-def test_checkpoint_of_f_with_a_policy_under_grad(write_module: Loader_h18) -> None:
+def test_checkpoint_of_f_with_a_policy_under_grad(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     f, states = dec.M().functionalize()
     x = jnp.array([0.5, 1.0, -1.0])
@@ -2283,7 +2005,7 @@ FORWARD_WRT_PARAMS = ["jvp", "linearize", "vjp", "hessian", "jacfwd-of-new-state
 
 @pytest.mark.parametrize("transform", FORWARD_WRT_PARAMS)
 def test_forward_and_reverse_transforms_of_f_with_respect_to_params(
-    write_module: Loader_h18, transform: str
+    write_module: Loader, transform: str
 ) -> None:
     plain, dec = _around(write_module)
     f, states = dec.M().functionalize()
@@ -2328,7 +2050,7 @@ def test_forward_and_reverse_transforms_of_f_with_respect_to_params(
         assert_same(jax.jacfwd(pl_mean)(w0), j.model.w)
 
 
-def test_grad_has_aux_returns_the_new_states(write_module: Loader_h18) -> None:
+def test_grad_has_aux_returns_the_new_states(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     f, states = dec.M().functionalize()
     x = jnp.array([0.5, 1.0, -1.0])
@@ -2362,7 +2084,7 @@ JIT_OF_TRACED_F = {
 
 
 @pytest.mark.parametrize("how", sorted(JIT_OF_TRACED_F))
-def test_jit_of_f_whose_leaves_are_tracers(write_module: Loader_h18, how: str) -> None:
+def test_jit_of_f_whose_leaves_are_tracers(write_module: Loader, how: str) -> None:
     _, dec = _around(write_module)
     f, states = dec.M().functionalize()
     x = jnp.array([0.5, 1.0, -1.0])
@@ -2486,7 +2208,7 @@ def _reference(model: Any) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("how", ["scan", "python-loop-of-jitted-steps"])
 def test_batchnorm_dropout_training_equals_hand_threaded_jax(
-    write_module: Loader_h18, how: str
+    write_module: Loader, how: str
 ) -> None:
     _, dec = pair(write_module, TRAIN)
     xs, ys = _data()
@@ -2520,7 +2242,7 @@ def test_batchnorm_dropout_training_equals_hand_threaded_jax(
     assert_same(snapshot(s2), snapshot(s3), "eval leaves the states alone")
 
 
-def test_ensemble_of_trainings_under_vmap_equals_hand_threaded(write_module: Loader_h18) -> None:
+def test_ensemble_of_trainings_under_vmap_equals_hand_threaded(write_module: Loader) -> None:
     """The same scan of ``value_and_grad`` steps, vmapped over models stacked by
     ``jax.vmap`` of the constructor + ``functionalize``."""
     _, dec = pair(write_module, TRAIN)
@@ -2678,7 +2400,7 @@ X0 = jnp.array([[0.5, -1.0, 0.2], [1.0, 0.3, -0.4]])
 
 
 @pytest.mark.parametrize("alias", [True, False])
-def test_diffusion_train_and_sample_plain_vs_decorated(write_module: Loader_h24, alias: bool) -> None:
+def test_diffusion_train_and_sample_plain_vs_decorated(write_module: Loader, alias: bool) -> None:
     plain, dec = pair(write_module, DIFFUSION)
     calls = [("train_step", (X0, 0.1)), ("train_step", (X0 * 2, 0.1)), ("sample", (jnp.zeros(2),)),
              ("train_step", (X0, 0.05))]
@@ -2717,7 +2439,7 @@ def _diffusion_hand(seed: int, x0s: list[Any], lr: float) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_diffusion_training_matches_hand_threaded(write_module: Loader_h24, jit: bool) -> None:
+def test_diffusion_training_matches_hand_threaded(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, DIFFUSION)
     x0s = [X0, X0 * 2, X0 - 1]
     outs, states, _ = run_f(dec, "Diffusion(0)", [("train_step", (x, 0.1)) for x in x0s], jit)
@@ -2762,7 +2484,7 @@ class VAE:
 XV = jnp.array([[0.1, 0.2, -0.3, 0.4], [0.5, -0.6, 0.7, 0.0], [0.3, 0.3, 0.3, -0.3]])
 
 
-def test_vae_plain_vs_decorated(write_module: Loader_h24) -> None:
+def test_vae_plain_vs_decorated(write_module: Loader) -> None:
     plain, dec = pair(write_module, VAE)
     check(plain, dec, "VAE(3)", [("__call__", (XV,)), ("sample", (jnp.zeros(2),)), ("__call__", (XV * 2,))])
 
@@ -2784,7 +2506,7 @@ def _vae_hand(seed: int) -> tuple[dict[str, Any], Any, Callable[..., Any]]:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_vae_grad_through_f_trains_like_hand_threaded(write_module: Loader_h24, jit: bool) -> None:
+def test_vae_grad_through_f_trains_like_hand_threaded(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, VAE)
     f, states = dec.VAE(3).functionalize()
     p, key, hloss = _vae_hand(3)
@@ -2833,7 +2555,7 @@ def _gan_hand(seed: int, steps: int) -> tuple[list[Any], dict[str, Any]]:
     return outs, {"g_w": gw, "d_w": dw, "step": steps}
 
 
-def test_gan_matches_hand_threaded(write_module: Loader_h24) -> None:
+def test_gan_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, GAN)
     outs, states, _ = run_f(dec, "GAN(0)", [("train_step", (REAL_h24,))] * 3, jit=True)
     ref_outs, ref = _gan_hand(0, 3)
@@ -2843,7 +2565,7 @@ def test_gan_matches_hand_threaded(write_module: Loader_h24) -> None:
     assert int(states["step"]) == 3
 
 
-def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader_h24) -> None:
+def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, MOE)
     f, states = dec.MoE(0).functionalize()
 
@@ -2876,7 +2598,7 @@ def _dqn_calls() -> list[tuple[str, tuple[Any, ...]]]:
     return calls
 
 
-def test_dqn_matches_hand_threaded(write_module: Loader_h24) -> None:
+def test_dqn_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, DQN)
     outs, states, _ = run_f(dec, "DQN(0)", _dqn_calls(), jit=True)
     k1, _ = jax.random.split(jax.random.PRNGKey(0))
@@ -2925,7 +2647,7 @@ class BN:
 """
 
 
-def test_tree_map_over_an_eager_model(write_module: Loader_h25) -> None:
+def test_tree_map_over_an_eager_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
     model = dec.BN()
     model(jnp.ones(2))
@@ -2948,7 +2670,7 @@ def test_tree_map_over_an_eager_model(write_module: Loader_h25) -> None:
 
 @pytest.mark.parametrize("build", ["SpectralNorm(0, 3, 4)", "SpectralNorm(0, 3, 4, n_power=3)",
                                    "SpectralNorm(0, 3, 4, n_power=2, loop=True)"])
-def test_spectral_norm_power_iteration_updates_u(write_module: Loader_h26, build: str) -> None:
+def test_spectral_norm_power_iteration_updates_u(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, NORMS)
     calls = [("__call__", (XA,)), ("__call__", (XA * 2,)), ("__call__", (XA,)),
              ("weight", ())]
@@ -2957,14 +2679,14 @@ def test_spectral_norm_power_iteration_updates_u(write_module: Loader_h26, build
         check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], XA, "grad")
 
 
-def test_weight_norm_recomputed_state(write_module: Loader_h26) -> None:
+def test_weight_norm_recomputed_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
     check(plain, dec, "WeightNorm(0, 3, 2)", [("__call__", (XA,)), ("__call__", (XA * 2,))])
     check_transform(plain, dec, "WeightNorm(0, 3, 2)", [("__call__", (X,))], XA, "grad")
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_weight_norm_grad_reaches_g_and_v(write_module: Loader_h26, jit: bool) -> None:
+def test_weight_norm_grad_reaches_g_and_v(write_module: Loader, jit: bool) -> None:
     plain, dec = pair(write_module, NORMS)
     ref = plain.WeightNorm(0, 3, 2)
 
@@ -2982,7 +2704,7 @@ def test_weight_norm_grad_reaches_g_and_v(write_module: Loader_h26, jit: bool) -
     assert_same(np.asarray(gv), np.asarray(params["v"]), "dv")
 
 
-def test_gru_step_scanned_from_outside_over_f(write_module: Loader_h26) -> None:
+def test_gru_step_scanned_from_outside_over_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNN_h26)
     ref = plain.GRUCell(0, 2, 3)
     expected = [ref.step(x) for x in XS_h26]
@@ -3002,7 +2724,7 @@ def test_gru_step_scanned_from_outside_over_f(write_module: Loader_h26) -> None:
     assert_same(np.asarray(jax.grad(ref_loss)(ref.wz)), np.asarray(autostate.param_dict(g)["wz"]))
 
 
-def test_gru_truncated_bptt(write_module: Loader_h26) -> None:
+def test_gru_truncated_bptt(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNN_h26)
     check(plain, dec, "GRUCell(2, 2, 3, chunk=4)",
           [("tbptt", (XS_h26,)), ("step", (XS_h26[0],)), ("tbptt", (XS_h26 * 2,))])
@@ -3011,7 +2733,7 @@ def test_gru_truncated_bptt(write_module: Loader_h26) -> None:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_gru_tbptt_param_grad_matches_plain(write_module: Loader_h26, jit: bool) -> None:
+def test_gru_tbptt_param_grad_matches_plain(write_module: Loader, jit: bool) -> None:
     plain, dec = pair(write_module, RNN_h26)
     ref = plain.GRUCell(2, 2, 3)
     ref.step(XS_h26[0])  # a hidden state carried in from an earlier call
@@ -3032,14 +2754,14 @@ def test_gru_tbptt_param_grad_matches_plain(write_module: Loader_h26, jit: bool)
 
 
 @pytest.mark.parametrize("transform", ["vmap"])
-def test_kv_cache_decode_transforms(write_module: Loader_h26, transform: str) -> None:
+def test_kv_cache_decode_transforms(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, KV)
     calls = [("decode", (X, 2))]
     x = XK[0] if transform == "grad" else XK
     check_transform(plain, dec, "Decoder(0, 3, 4, use_dus=True)", calls, x, transform)
 
 
-def test_kv_cache_jit_traced_decode_length(write_module: Loader_h26) -> None:
+def test_kv_cache_jit_traced_decode_length(write_module: Loader) -> None:
     # the number of decode steps is a traced argument of fori_loop under jit
     plain, dec = pair(write_module, KV)
     ref = plain.Decoder(0, 3, 6)
@@ -3053,7 +2775,7 @@ def test_kv_cache_jit_traced_decode_length(write_module: Loader_h26) -> None:
     assert int(states["cache.pos"]) == 4
 
 
-def test_optimizer_matches_hand_adam(write_module: Loader_h26) -> None:
+def test_optimizer_matches_hand_adam(write_module: Loader) -> None:
     _, dec = pair(write_module, OPT)
     import optax
 
@@ -3077,14 +2799,14 @@ def test_optimizer_matches_hand_adam(write_module: Loader_h26) -> None:
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_key_split_dropout_transforms(write_module: Loader_h26, transform: str) -> None:
+def test_key_split_dropout_transforms(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, RNG)
     calls = [("dropout", (X,)), ("__call__", (X,)), ("many", (jnp.stack([XR, XR]),))]
     x = XR if transform == "grad" else jnp.stack([XR, XR * 2, -XR])
     check_transform(plain, dec, "Noisy(3)", calls, x, transform)
 
 
-def test_vmap_over_batched_key_states(write_module: Loader_h26) -> None:
+def test_vmap_over_batched_key_states(write_module: Loader) -> None:
     # an ensemble: vmap over the states themselves (one key per member)
     plain, dec = pair(write_module, RNG)
     seeds = [0, 1, 2]
@@ -3131,7 +2853,7 @@ def _plain_loss(ref: Any, params: dict[str, Any], x: Any, y: Any) -> tuple[Any, 
     return loss, m
 
 
-def test_grad_sgd_over_params_only_matches_plain(write_module: Loader_h27) -> None:
+def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     f, states = model.functionalize()
@@ -3163,7 +2885,7 @@ def test_grad_sgd_over_params_only_matches_plain(write_module: Loader_h27) -> No
     assert_same(g_plain, autostate.param_dict(g_f), "grad")
 
 
-def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader_h27) -> None:
+def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     _, model = _trained(plain, dec)
     f, states = model.functionalize()
@@ -3174,7 +2896,7 @@ def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader_h27)
     assert ints and all(g_states[k].dtype == jax.dtypes.float0 for k in ints)
 
 
-def test_vmap_over_an_ensemble_of_models(write_module: Loader_h27) -> None:
+def test_vmap_over_an_ensemble_of_models(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     scales = (0.5, 1.0, 2.0)
     refs = [plain.Net(s) for s in scales]
@@ -3200,7 +2922,7 @@ def test_vmap_over_an_ensemble_of_models(write_module: Loader_h27) -> None:
                     {k: v[i] for k, v in autostate.param_dict(grads).items()}, f"grad {i}")
 
 
-def test_donated_states_copy_then_continue(write_module: Loader_h27) -> None:
+def test_donated_states_copy_then_continue(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     f, states = model.functionalize()
@@ -3218,7 +2940,7 @@ def test_donated_states_copy_then_continue(write_module: Loader_h27) -> None:
     assert not any(v.is_deleted() for v in autostate.state_dict(model).values())
 
 
-def test_training_loop_in_lax_scan_over_f_h27(write_module: Loader_h27) -> None:
+def test_training_loop_in_lax_scan_over_f_h27(write_module: Loader) -> None:
     plain, dec = pair(write_module, TWO_PARENTS)
     ref = plain.Root()
     f, states = dec.Root().functionalize()
@@ -3244,7 +2966,7 @@ def test_training_loop_in_lax_scan_over_f_h27(write_module: Loader_h27) -> None:
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "trained in scan")
 
 
-def test_f_under_jax_checkpoint_and_grad(write_module: Loader_h27) -> None:
+def test_f_under_jax_checkpoint_and_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, TWO_PARENTS)
     ref = plain.Root()
     f, states = dec.Root().functionalize()
@@ -3254,31 +2976,6 @@ def test_f_under_jax_checkpoint_and_grad(write_module: Loader_h27) -> None:
     _, s_ck = jax.checkpoint(lambda f, s: f.loss(s, X1_h27, Y))(f, states)
     ref.loss(X1_h27, Y)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, s_ck)), "checkpointed states")
-
-
-def pair29(
-    write_module: Loader_h29, source: str, plain_subs: Sequence[tuple[str, str]] = ()
-) -> tuple[types.ModuleType, types.ModuleType]:
-    """The source plain and decorated; ``plain_subs`` are replaced in the plain one only
-    (a spelling that would take JAX's own primitive there), ``jax.checkpoint(`` /
-    ``jax.remat(`` are the identity there."""
-    key = (source, tuple(plain_subs))
-    if key not in _PAIRS_h29:
-        plain_src = source.replace("@DECORATE", "")
-        for old, new in plain_subs:
-            assert old in plain_src, old
-            plain_src = plain_src.replace(old, new)
-        plain_src = plain_src.replace("jax.checkpoint(", "checkpoint(").replace(
-            "jax.remat(", "checkpoint("
-        )
-        plain = write_module(HEADER_h29 + PYLAX_h29 + PYLAX29 + "LAXW = lax\n" + plain_src)
-        dec = write_module(
-            HEADER_h29
-            + "from jax import lax\ncheckpoint = jax.checkpoint\nLAXW = autostate\n"
-            + source.replace("@DECORATE", "@autostate.stateful")
-        )
-        _PAIRS_h29[key] = (plain, dec)
-    return _PAIRS_h29[key]
 
 
 NET_h29 = """
@@ -3349,16 +3046,16 @@ def with_w(f: Any, w: jax.Array) -> Any:
 
 
 @pytest.fixture
-def net(write_module: Loader_h29) -> tuple[Any, Any, Any]:
-    plain, dec = pair29(write_module, NET_h29)
+def net(write_module: Loader) -> tuple[Any, Any, Any]:
+    plain, dec = pair(write_module, NET_h29, checkpoint_as_identity=True)
     f, states = dec.Net().functionalize()
     assert sorted(states) == ["acc", "count", "mean"]
     assert len(jax.tree_util.tree_leaves(f)) == 1
     return plain, f, states
 
 
-def test_net_matches_plain_python(write_module: Loader_h29) -> None:
-    plain, dec = pair29(write_module, NET_h29)
+def test_net_matches_plain_python(write_module: Loader) -> None:
+    plain, dec = pair(write_module, NET_h29, checkpoint_as_identity=True)
     check(
         plain, dec, "Net()", [("__call__", (NXS,)), ("__call__", (NXS * 2,)), ("__call__", (-NXS,))]
     )
@@ -3614,7 +3311,7 @@ def train_compare(
 XQS = jnp.stack([XQ, XQ * 1.5 - 1, XQ * 0.5 + 2])
 
 
-def test_qat_straight_through_grad(write_module: Loader_h30) -> None:
+def test_qat_straight_through_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, QAT)
     check_transform(
         plain, dec, "QATLinear(0, 3, 4)", [("__call__", (X,)), ("__call__", (X,))], XQ, "grad"
@@ -3622,7 +3319,7 @@ def test_qat_straight_through_grad(write_module: Loader_h30) -> None:
 
 
 @pytest.mark.parametrize("moving", [False, True])
-def test_qat_training_loop_in_scan(write_module: Loader_h30, moving: bool) -> None:
+def test_qat_training_loop_in_scan(write_module: Loader, moving: bool) -> None:
     plain, dec = pair(write_module, QAT)
     train_compare(
         plain,
@@ -3635,7 +3332,7 @@ def test_qat_training_loop_in_scan(write_module: Loader_h30, moving: bool) -> No
 
 
 @pytest.mark.parametrize("typed", [False, True])
-def test_vmap_over_per_example_keys(write_module: Loader_h30, typed: bool) -> None:
+def test_vmap_over_per_example_keys(write_module: Loader, typed: bool) -> None:
     plain, dec = pair(write_module, RNG_h30)
     f, states = dec.VariationalRNN(0, 3, typed=typed).functionalize()
     n = 3
@@ -3670,7 +3367,7 @@ def test_vmap_over_per_example_keys(write_module: Loader_h30, typed: bool) -> No
                 )
 
 
-def test_moe_aux_loss_in_grad_training_scan(write_module: Loader_h30) -> None:
+def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, MOE_h30)
     xs = jnp.stack([XM_h30, XM_h30 * 2, -XM_h30, XM_h30[::-1]])
     train_compare(
@@ -3688,60 +3385,17 @@ def _grads(mod: types.ModuleType, n: int) -> list[Any]:
 
 
 @pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
-def test_accum_array_k_traceable(write_module: Loader_h30, cls: str) -> None:
+def test_accum_array_k_traceable(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, ACCUM)
     calls = [("update", (g,)) for g in _grads(plain, 7)]
     check(plain, dec, f"{cls}(init_params(), 3, array_k=True)", calls)
-
-
-def _call(obj: Any, name: str) -> Callable[..., Any]:
-    return obj if name == "__call__" else getattr(obj, name)
-
-
-def run_case(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    calls: list[tuple[str, tuple[Any, ...]]],
-    modes: tuple[str, ...] = ("eager", "f", "jit", "freeze"),
-) -> None:
-    """The calls on the plain model are the reference for every mode."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_call(ref, m)(*a) for m, a in calls]
-    expected_snap = snapshot(ref)
-
-    if "eager" in modes:
-        model = eval(build, vars(dec))  # noqa: S307
-        got = [_call(model, m)(*a) for m, a in calls]
-        same(expected, got, "eager outputs")
-        same(expected_snap, snapshot(model), "eager attributes")
-
-    for mode in ("f", "jit"):
-        if mode not in modes:
-            continue
-        model = eval(build, vars(dec))  # noqa: S307
-        before = snapshot(model)
-        f, states = model.functionalize()
-        got = []
-        for m, a in calls:
-            fn = lambda f, s, *a, m=m: _call(f, m)(s, *a)  # noqa: E731
-            if mode == "jit":
-                fn = staged(fn)
-            out, states = fn(f, states, *a)
-            got.append(out)
-        same(expected, got, f"{mode} outputs")
-        for key, value in states.items():
-            same(snapshot(plain_path(ref, key)), snapshot(value), f"{mode} state {key}")
-        same(before, snapshot(model), f"{mode}: the eager model changed")
-        if mode == "jit" and "freeze" in modes:
-            same(expected_snap, snapshot(autostate.freeze(f, states)), "frozen attributes")
 
 
 def stack(*trees: Any) -> Any:
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def test_lazy_init_function_under_jit_eval_shape_and_vmap(write_module: Loader_h31) -> None:
+def test_lazy_init_function_under_jit_eval_shape_and_vmap(write_module: Loader) -> None:
     """Flax's ``model.init(key, x)``: build, call once, functionalize, inside a trace."""
     plain, dec = pair(write_module, LAZY)
 
@@ -3777,7 +3431,7 @@ def test_lazy_init_function_under_jit_eval_shape_and_vmap(write_module: Loader_h
         same(snapshot(refs[i]), snapshot(member), f"member {i}")
 
 
-def test_lazy_model_primed_inside_jit_or_vmap_and_returned(write_module: Loader_h31) -> None:
+def test_lazy_model_primed_inside_jit_or_vmap_and_returned(write_module: Loader) -> None:
     # Built and lazily initialised inside the trace: the returned model holds the arrays
     # (its None became an array there) and is an ordinary eager model afterwards.
     plain, dec = pair(write_module, LAZY)
@@ -3792,7 +3446,7 @@ def test_lazy_model_primed_inside_jit_or_vmap_and_returned(write_module: Loader_
     same(jnp.stack([r.calls for r in refs]), ms.calls)
 
 
-def test_outside_built_lazy_model_under_eval_shape_is_refused(write_module: Loader_h31) -> None:
+def test_outside_built_lazy_model_under_eval_shape_is_refused(write_module: Loader) -> None:
     _, dec = pair(write_module, LAZY)
     model = dec.LazyLinear(0, 2)
     with pytest.raises(TracedEagerStateError) as err:
@@ -3841,7 +3495,7 @@ def _members(mod: types.ModuleType, n: int = 3) -> list[Any]:
     return [mod.Member(k) for k in mod.member_keys(0, n)]
 
 
-def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loader_h31) -> None:
+def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENSEMBLE_h31)
     keys = dec.member_keys(0, 3)
     ms = jax.vmap(lambda k: dec.Member(k))(keys)
@@ -3863,7 +3517,7 @@ def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loade
     same(jnp.stack([r.steps for r in refs]), states["steps"])
 
 
-def test_vmap_of_functionalize_over_keys(write_module: Loader_h31) -> None:
+def test_vmap_of_functionalize_over_keys(write_module: Loader) -> None:
     # docs/tutorials/ensemble.md
     plain, dec = pair(write_module, ENSEMBLE_h31)
     f, states = jax.vmap(lambda k: dec.Member(k).functionalize())(dec.member_keys(0, 3))
@@ -3877,7 +3531,7 @@ def test_vmap_of_functionalize_over_keys(write_module: Loader_h31) -> None:
                                                                    (f, states)))))
 
 
-def test_stacked_states_of_members_with_one_f(write_module: Loader_h31) -> None:
+def test_stacked_states_of_members_with_one_f(write_module: Loader) -> None:
     # Same parameters, per-member states: jax.vmap(f, in_axes=(0, None)).
     plain, dec = pair(write_module, ENSEMBLE_h31)
     key = jax.random.key(7)
@@ -3898,7 +3552,7 @@ def test_stacked_states_of_members_with_one_f(write_module: Loader_h31) -> None:
     same(jnp.stack([r.steps for r in refs]), states["steps"])
 
 
-def test_stacked_f_and_states_with_per_member_gradients(write_module: Loader_h31) -> None:
+def test_stacked_f_and_states_with_per_member_gradients(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENSEMBLE_h31)
     pairs = [m.functionalize() for m in _members(dec)]
     F = stack(*[f for f, _ in pairs])
@@ -3924,7 +3578,7 @@ def test_stacked_f_and_states_with_per_member_gradients(write_module: Loader_h31
     same(jnp.stack([r.mean for r in refs]), S2["mean"])
 
 
-def test_ensemble_of_a_list_of_members_against_vmap_of_one_member(write_module: Loader_h31) -> None:
+def test_ensemble_of_a_list_of_members_against_vmap_of_one_member(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENSEMBLE_h31)
     calls = [("__call__", (X23,)), ("vote", (-X23,)), ("__call__", (2 * X23,))]
     run_case(plain, dec, "Ensemble(0, 3)", calls)
@@ -3950,7 +3604,7 @@ def _scan_layers(F: Any, S: Any, x: Any) -> Any:
     return jax.lax.scan(body, x, (F, S))
 
 
-def test_scan_over_stacked_layer_states_in_a_function(write_module: Loader_h31) -> None:
+def test_scan_over_stacked_layer_states_in_a_function(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAYERS)
     F, S = jax.vmap(lambda k: dec.Layer(k).functionalize())(dec.layer_keys(1, 4))
     ref = plain.ListStack(1, 4)
@@ -3961,7 +3615,7 @@ def test_scan_over_stacked_layer_states_in_a_function(write_module: Loader_h31) 
     same(jnp.stack([r.n for r in ref.layers]), S["n"])
 
 
-def test_scan_over_layers_gradients_against_hand_written_jax(write_module: Loader_h31) -> None:
+def test_scan_over_layers_gradients_against_hand_written_jax(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAYERS)
     F, S = jax.vmap(lambda k: dec.Layer(k).functionalize())(dec.layer_keys(1, 4))
     _, S = _scan_layers(F, S, X23)  # running statistics that are not zero
@@ -3996,7 +3650,7 @@ def test_scan_over_layers_gradients_against_hand_written_jax(write_module: Loade
     np.testing.assert_allclose(float(up - down) / (2 * eps), float(directional), rtol=2e-2)
 
 
-def test_model_built_inside_jit_called_and_returned(write_module: Loader_h31) -> None:
+def test_model_built_inside_jit_called_and_returned(write_module: Loader) -> None:
     plain, dec = pair(write_module, BUILT)
     key = jax.random.key(0)
     ref = plain.Member(key)
@@ -4027,7 +3681,7 @@ def test_model_built_inside_jit_called_and_returned(write_module: Loader_h31) ->
 
 
 def test_model_built_inside_a_jax_scan_body_and_vmap_of_a_plain_function(
-    write_module: Loader_h31,
+    write_module: Loader,
 ) -> None:
     plain, dec = pair(write_module, BUILT)
     key = jax.random.key(3)
@@ -4051,7 +3705,7 @@ def test_model_built_inside_a_jax_scan_body_and_vmap_of_a_plain_function(
     same(expected_v, list(jax.vmap(lambda x: run(dec, x))(XS_h31)), "vmap")
 
 
-def test_model_built_inside_jit_of_grad_of_a_plain_function(write_module: Loader_h31) -> None:
+def test_model_built_inside_jit_of_grad_of_a_plain_function(write_module: Loader) -> None:
     plain, dec = pair(write_module, BUILT)
     key = jax.random.key(0)
 
@@ -4063,7 +3717,7 @@ def test_model_built_inside_jit_of_grad_of_a_plain_function(write_module: Loader
     same(expected, staged(jax.grad(lambda s, x: loss(dec, s, x)))(2.0, X23), "jit(grad)")
 
 
-def test_ensemble_init_under_jit_of_vmap(write_module: Loader_h31) -> None:
+def test_ensemble_init_under_jit_of_vmap(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAZY)
 
     def init(seed_key: Any, x: Any) -> Any:
@@ -4114,7 +3768,7 @@ UNDER_CONTEXT = {
 
 
 @pytest.mark.parametrize("ctx", sorted(UNDER_CONTEXT))
-def test_representative_model_under_context(write_module: Loader_h34, ctx: str) -> None:
+def test_representative_model_under_context(write_module: Loader, ctx: str) -> None:
     plain, dec = pair(write_module, AROUND_h34)
     with _context(ctx):
         for method in UNDER_CONTEXT[ctx]:
@@ -4123,7 +3777,7 @@ def test_representative_model_under_context(write_module: Loader_h34, ctx: str) 
             check(plain, dec, "Rnn()", calls[:1] if ctx == "checking_leaks" else calls)
 
 
-def test_grad_and_vmap_of_f_under_disable_jit(write_module: Loader_h34) -> None:
+def test_grad_and_vmap_of_f_under_disable_jit(write_module: Loader) -> None:
     """(Under ``checking_leaks``, ``grad`` inside a method, ``jvp`` / ``linearize`` /
     ``vjp`` and ``vmap`` of ``f`` are covered below.)"""
     plain, dec = pair(write_module, AROUND_h34)
@@ -4270,7 +3924,7 @@ AROUND_F = {
 
 
 @pytest.mark.parametrize("how", sorted(AROUND_F))
-def test_transformations_of_f(write_module: Loader_h34, how: str) -> None:
+def test_transformations_of_f(write_module: Loader, how: str) -> None:
     plain, dec = pair(write_module, AROUND_h34)
     model = dec.Rnn()
     f, states = model.functionalize()
@@ -4280,7 +3934,7 @@ def test_transformations_of_f(write_module: Loader_h34, how: str) -> None:
     assert_same(_pstates(plain.Rnn()), snapshot(model.functionalize()[1]), "model unchanged")
 
 
-def test_disable_jit_around_f_jit_of_f_and_grad(write_module: Loader_h34) -> None:
+def test_disable_jit_around_f_jit_of_f_and_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, AROUND_h34)
     f, s = dec.Rnn().functionalize()
     ref = plain.Rnn()
@@ -4298,11 +3952,11 @@ def test_disable_jit_around_f_jit_of_f_and_grad(write_module: Loader_h34) -> Non
         assert_same(jax.grad(lambda x: ref.gr(x).sum())(V3), g)
 
 
-def lightning(write_module: Loader_h35) -> tuple[types.ModuleType, types.ModuleType]:
+def lightning(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, "import weakref\n" + LIGHTNING)
 
 
-def test_lightning_trainer_passed_to_jit_directly(write_module: Loader_h35) -> None:
+def test_lightning_trainer_passed_to_jit_directly(write_module: Loader) -> None:
     """The cycle makes it no pytree: the documented InvalidTypeError; with the
     back-reference a weakref.ref, the eager model's traced write is refused clearly."""
     _, dec = lightning(write_module)
