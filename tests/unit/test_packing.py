@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from semantics.harness import (
     Loader,
+    assert_bits,
+    assert_clear,
     assert_same,
-    assert_user_line,
     check,
     pair,
     raises_autostate,
@@ -320,26 +321,6 @@ class Steps:
     assert_same(snapshot(s1), snapshot(s2.unpack()))
 
 
-def _bits(a: Any) -> np.ndarray:
-    """An array's exact bits (keys as key data), for bit-for-bit comparisons."""
-    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-        a = jax.random.key_data(a)
-    return np.atleast_1d(np.asarray(a)).view(np.uint8)
-
-
-def assert_bits(expected: Any, got: Any, where: str = "") -> None:
-    """Same structure, dtypes and bits."""
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
-    assert e_tree == g_tree, f"{where}: {e_tree} != {g_tree}"
-    for i, (a, b) in enumerate(zip(e_leaves, g_leaves)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        assert a.dtype == b.dtype, f"{where}[{i}]: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}[{i}]: shape {a.shape} != {b.shape}"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{where}[{i}]")
-
-
 def _unpacked_states(pstates: Any) -> dict[str, Any]:
     return pstates.unpack()
 
@@ -354,10 +335,10 @@ def test_packed_mixed_dtypes_bit_identical_to_unpacked(write_module: Loader_h11,
     for x in PACK_XS:
         out, states = step(f, states, x)
         pout, pstates = step(pf, pstates, x)
-        assert_bits(out, pout, "out")
-        assert_bits(states, _unpacked_states(pstates), "states")
+        assert_bits(out, pout, "out", bitwise=True)
+        assert_bits(states, _unpacked_states(pstates), "states", bitwise=True)
     peek = wrap(lambda f, s, a: f.peek(s, a))
-    assert_bits(peek(f, states, 2.0)[0], peek(pf, pstates, 2.0)[0], "peek")
+    assert_bits(peek(f, states, 2.0)[0], peek(pf, pstates, 2.0)[0], "peek", bitwise=True)
 
 
 def test_packed_mixed_dtypes_match_plain_python(write_module: Loader_h11) -> None:
@@ -386,8 +367,8 @@ def test_grad_wrt_packed_f_equals_grad_wrt_f(write_module: Loader_h11) -> None:
 
     (l1, s1), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(f, states, jnp.ones(3))
     (l2, s2), pg = jax.jit(jax.value_and_grad(loss, has_aux=True))(pf, pstates, jnp.ones(3))
-    assert_bits(l1, l2, "loss")
-    assert_bits(s1, s2.unpack(), "states")
+    assert_bits(l1, l2, "loss", bitwise=True)
+    assert_bits(s1, s2.unpack(), "states", bitwise=True)
     assert isinstance(pg, autostate.PackedModel)
     g_unpacked, _ = pg.unpack(pstates)
     assert_same(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_unpacked), "grads")
@@ -415,7 +396,7 @@ def test_sgd_by_tree_map_on_packed_f_tracks_unpacked_training(write_module: Load
     f2, s2 = pf.unpack(pstates)
     assert_same(autostate.param_dict(autostate.freeze(f, states)),
                 autostate.param_dict(autostate.freeze(f2, s2)), "params")
-    assert_bits(states, s2, "states")
+    assert_bits(states, s2, "states", bitwise=True)
 
 
 def test_vmap_of_packed_f_over_inputs(write_module: Loader_h11) -> None:
@@ -554,19 +535,6 @@ def test_unpack_of_packed_states_with_batched_states(write_module: Loader_h11, n
         _, new = step(f, batch(states), xs)
         _, pnew = step(pf, batch(pstates), xs)
     assert_same(snapshot(new), snapshot(pnew.unpack()), "vmap states")
-
-
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import pytest
 from export_models import PARAM_KEYS, STATE_KEYS, XS, Net, assert_same_arrays, bits, run
 from semantics.harness import (
     assert_bits,
+    assert_clear,
     assert_same,
-    assert_user_line,
     pair,
     raises_autostate,
     snapshot,
@@ -213,19 +213,6 @@ def test_save_load_keeps_every_dtype_bit_exact(write_module: Loader, tmp_path: P
     assert sorted(states) == sorted(autostate.state_dict(model))
     assert jnp.asarray(states["hb"]).dtype == jnp.bfloat16
     assert_bits(model(jnp.arange(3.0)), loaded(jnp.arange(3.0)), "continued", bitwise=True)
-
-
-def assert_clear(
-    err: BaseException, exc_type: type[BaseException], filename: str, *needles: str
-) -> None:
-    """An autostate error of ``exc_type`` naming ``filename:line``, with a fix and ``needles``."""
-    assert isinstance(err, exc_type), f"{type(err).__name__}: {err}"
-    assert isinstance(err, autostate.AutostateError), f"{type(err).__name__}: {err}"
-    assert_user_line(err, filename)
-    text = str(err)
-    assert "fix:" in text, f"no fix in: {text}"
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in: {text}"
 
 
 @pytest.fixture
