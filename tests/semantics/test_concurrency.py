@@ -14,7 +14,6 @@ import asyncio
 import concurrent
 import concurrent.futures
 import copy
-import dataclasses
 import inspect
 import signal
 import sys
@@ -24,7 +23,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,9 +51,12 @@ from semantics.programs import XS_h8 as XS
 from semantics.programs import XS_h19 as XS_h19
 from semantics.programs import XS_h32 as XS_h32
 from semantics.programs import XS_h33 as XS_h33
-
-FINALIZED: list[Any] = []
-LOGGED: list[str] = []
+from semantics.twins import (
+    Classes,
+    filled,
+    run_twins,
+    written,
+)
 
 
 def full(v: float) -> Any:
@@ -212,8 +213,6 @@ def run_threads(*targets: Callable[[], Any]) -> list[Any]:
         if isinstance(r, BaseException):
             raise r
     return results
-
-
 
 
 THREADS = """
@@ -655,10 +654,6 @@ def test_async_methods_of_two_models_interleaved_by_gather(write_module: Loader)
     assert_same(asyncio.run(two(plain)), asyncio.run(two(dec)))
 
 
-
-
-
-
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
     assert not _guard._GUARDED.get(), "instances are still guarded after the call"
@@ -918,509 +913,16 @@ def test_async_with_model_from_outside_eagerly(write_module: Loader) -> None:
     same(got[0], got[1])
 
 
-class PlainModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-@autostate.stateful
-class DecoratedModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-class PlainChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-@autostate.stateful
-class DecoratedChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-class PlainParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-@autostate.stateful
-class DecoratedParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-class PlainRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-@autostate.stateful
-class DecoratedRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-class PlainSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-@autostate.stateful
-class DecoratedSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-class PlainReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-@autostate.stateful
-class DecoratedReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-class PlainGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-@autostate.stateful
-class DecoratedGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-def _fresh_plain_reduce() -> Any:
-    return PlainReduce()
-
-
-def _fresh_decorated_reduce() -> Any:
-    return DecoratedReduce()
-
-
-class PlainReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_plain_reduce, ())
-
-
-@autostate.stateful
-class DecoratedReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_decorated_reduce, ())
-
-
-class PlainFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@autostate.stateful
-class DecoratedFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@dataclasses.dataclass
-class PlainData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-@dataclasses.dataclass
-class DecoratedData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-class DecoratedHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainSub(PlainModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-class DecoratedSub(DecoratedModel):  # decorated too, as a subclass of a decorated class
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """One run's classes: all plain, or all decorated."""
-
-    Model: type
-    Child: type
-    Parent: type
-    RebuiltCopy: type
-    SharedDictCopy: type
-    Replaceable: type
-    GetState: type
-    Reduce: type
-    Finalized: type
-    Data: type
-    Hooked: type
-    Sub: type
-    decorated: bool
-
-
-PLAIN = Classes(
-    PlainModel, PlainChild, PlainParent, PlainRebuiltCopy, PlainSharedDictCopy,
-    PlainReplaceable, PlainGetState, PlainReduce, PlainFinalized, PlainData, PlainHooked,
-    PlainSub, False,
-)
-
-
-DECORATED = Classes(
-    DecoratedModel, DecoratedChild, DecoratedParent, DecoratedRebuiltCopy,
-    DecoratedSharedDictCopy, DecoratedReplaceable, DecoratedGetState, DecoratedReduce,
-    DecoratedFinalized, DecoratedData, DecoratedHooked, DecoratedSub, True,
-)
-
-
-def full_eager_writes_adversarial(value: float, size: int = 3) -> jax.Array:
-    return jnp.full(size, value, jnp.float32)
-
-
-def written(k: Classes) -> Any:
-    """A model whose ``x`` and ``n`` have been written: frozen requests, not initial ones."""
-    model = k.Model()
-    model.step(full_eager_writes_adversarial(1.0))
-    return model
-
-
-def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:
-    if isinstance(plain, dict):
-        assert isinstance(decorated, dict) and list(decorated) == list(plain), where
-        for key in plain:
-            _same(plain[key], decorated[key], f"{where}[{key!r}]", dtypes)
-    elif isinstance(plain, (list, tuple)):
-        assert type(decorated) is type(plain) and len(decorated) == len(plain), where
-        for i, (a, b) in enumerate(zip(plain, decorated)):
-            _same(a, b, f"{where}[{i}]", dtypes)
-    elif plain is None or isinstance(plain, (str, bool)):
-        assert decorated == plain, where
-    else:
-        a, b = np.asarray(plain), np.asarray(decorated)
-        np.testing.assert_array_equal(b, a, err_msg=where)
-        if dtypes:
-            assert b.dtype == a.dtype, f"{where}: dtype {b.dtype} != {a.dtype}"
-
-
-def differential_eager_writes_adversarial(scenario: Callable[[Classes], Any], *, dtypes: bool = True) -> Any:
-    """Runs ``scenario`` with the plain and the decorated classes; the observations match."""
-    plain = scenario(PLAIN)
-    decorated = scenario(DECORATED)
-    _same(plain, decorated, "observation", dtypes)
-    return decorated
-
-
 def test_a_write_from_another_thread() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         twin = copy.copy(model)
-        thread = threading.Thread(target=lambda: (model.step(full_eager_writes_adversarial(2.0)), twin.add(full_eager_writes_adversarial(5.0))))
+        thread = threading.Thread(target=lambda: (model.step(filled(2.0)), twin.add(filled(5.0))))
         thread.start()
         thread.join()
         return [model.x, model.n, twin.x, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def _lines(fn: Callable[..., Any], *texts: str) -> set[int]:
@@ -1446,12 +948,12 @@ def _copy_during_a_write(k: Classes, write: Callable[[Any, Any], Any], threaded:
     is one bytecode, with no such point: its writer pauses just before it.
     """
     model = written(k)
-    model.step(full_eager_writes_adversarial(1.0))
+    model.step(filled(1.0))
     at_write, copied = threading.Event(), threading.Event()
     taken: list[Any] = []
 
     def writer() -> None:
-        write(model, full_eager_writes_adversarial(7.0))
+        write(model, filled(7.0))
 
     hooks = _LAST_STEP if k.decorated else {writer.__code__: None}
 
@@ -1504,4 +1006,4 @@ RACING_WRITES: dict[str, Callable[[Any, Any], Any]] = {
 @pytest.mark.parametrize("write", list(RACING_WRITES), ids=list(RACING_WRITES))
 def test_a_copy_taken_by_another_thread_during_a_write(write: str) -> None:
     """A thread switch inside the write: the copy keeps the value it was taken with."""
-    differential_eager_writes_adversarial(lambda k: _copy_during_a_write(k, RACING_WRITES[write], threaded=True))
+    run_twins(lambda k: _copy_during_a_write(k, RACING_WRITES[write], threaded=True))

@@ -23,7 +23,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,9 +43,21 @@ from semantics.harness import (
     staged,
 )
 from semantics.programs import CONSTRUCTS, EAGER, EMA_LR, GPT, N_BLOCKS, ONE, PROMPT, PROTO, SOURCE
-
-FINALIZED: list[Any] = []
-LOGGED: list[str] = []
+from semantics.twins import (
+    DECORATED,
+    FINALIZED,
+    LOGGED,
+    SET_ITEMS,
+    Classes,
+    DecoratedModel,
+    RecordingDict,
+    filled,
+    run_twins,
+    same_observations,
+    stepper,
+    values,
+    written,
+)
 
 
 class Plain:
@@ -262,8 +274,6 @@ def test_in_place_operators_never_change_a_state_value_in_place(write_module):
     before = model.seen
     model.step(1)
     assert before == [] and model.seen == [0, 1, 1]
-
-
 
 
 def test_identity_after_assignment(write_module: Loader) -> None:
@@ -520,8 +530,6 @@ def test_tree_map_over_an_eager_model_then_writes(write_module: Loader) -> None:
     np.testing.assert_allclose(leaves[0], full(1.5))
 
 
-
-
 def params_of(f: Any) -> dict[str, Any]:
     return dict(autostate.param_dict(f))
 
@@ -643,557 +651,38 @@ def test_ema_state_aliased_to_a_parameter_trained_through_f(write_module: Loader
     assert frozen.w is not frozen.ema_w and int(frozen.step) == 2
 
 
-class PlainModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-@autostate.stateful
-class DecoratedModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-# Generator methods that use state are refused by @stateful (their body would run
-# after the call that handles state returned), so these live outside the class and
-# reach the state through its descriptors, as any code outside the class does.
-def values(model: Any) -> Iterator[Any]:
-    while True:
-        yield model.x
-
-
-def stepper(model: Any, vs: list[Any]) -> Iterator[Any]:
-    for v in vs:
-        model.x = v
-        yield model.x
-
-
-class PlainChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-@autostate.stateful
-class DecoratedChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-class PlainParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-@autostate.stateful
-class DecoratedParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-class PlainRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-@autostate.stateful
-class DecoratedRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-class PlainSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-@autostate.stateful
-class DecoratedSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-class PlainReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-@autostate.stateful
-class DecoratedReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-class PlainGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-@autostate.stateful
-class DecoratedGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-def _fresh_plain_reduce() -> Any:
-    return PlainReduce()
-
-
-def _fresh_decorated_reduce() -> Any:
-    return DecoratedReduce()
-
-
-class PlainReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_plain_reduce, ())
-
-
-@autostate.stateful
-class DecoratedReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_decorated_reduce, ())
-
-
-class PlainFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@autostate.stateful
-class DecoratedFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@dataclasses.dataclass
-class PlainData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-@dataclasses.dataclass
-class DecoratedData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-class DecoratedHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainSub(PlainModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-class DecoratedSub(DecoratedModel):  # decorated too, as a subclass of a decorated class
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-SET_ITEMS: list[Any] = []
-
-
-class RecordingDict(dict):  # type: ignore[type-arg]
-    """An instance ``__dict__`` that records the item writes made through it."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        SET_ITEMS.append(key)
-        super().__setitem__(key, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """One run's classes: all plain, or all decorated."""
-
-    Model: type
-    Child: type
-    Parent: type
-    RebuiltCopy: type
-    SharedDictCopy: type
-    Replaceable: type
-    GetState: type
-    Reduce: type
-    Finalized: type
-    Data: type
-    Hooked: type
-    Sub: type
-    decorated: bool
-
-
-PLAIN = Classes(
-    PlainModel, PlainChild, PlainParent, PlainRebuiltCopy, PlainSharedDictCopy,
-    PlainReplaceable, PlainGetState, PlainReduce, PlainFinalized, PlainData, PlainHooked,
-    PlainSub, False,
-)
-
-
-DECORATED = Classes(
-    DecoratedModel, DecoratedChild, DecoratedParent, DecoratedRebuiltCopy,
-    DecoratedSharedDictCopy, DecoratedReplaceable, DecoratedGetState, DecoratedReduce,
-    DecoratedFinalized, DecoratedData, DecoratedHooked, DecoratedSub, True,
-)
-
-
-def full_eager_writes_adversarial(value: float, size: int = 3) -> jax.Array:
-    return jnp.full(size, value, jnp.float32)
-
-
-def written(k: Classes) -> Any:
-    """A model whose ``x`` and ``n`` have been written: frozen requests, not initial ones."""
-    model = k.Model()
-    model.step(full_eager_writes_adversarial(1.0))
-    return model
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _fast_writes_are_live() -> None:
     """The fast path needs the concrete array type, learnt from a first frozen write."""
     model = DecoratedModel()
     for v in (1.0, 2.0, 3.0):
-        model.step(full_eager_writes_adversarial(v))
-    assert runtime._CONCRETE_ARRAY is type(full_eager_writes_adversarial(0.0))
-
-
-
-def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:
-    if isinstance(plain, dict):
-        assert isinstance(decorated, dict) and list(decorated) == list(plain), where
-        for key in plain:
-            _same(plain[key], decorated[key], f"{where}[{key!r}]", dtypes)
-    elif isinstance(plain, (list, tuple)):
-        assert type(decorated) is type(plain) and len(decorated) == len(plain), where
-        for i, (a, b) in enumerate(zip(plain, decorated)):
-            _same(a, b, f"{where}[{i}]", dtypes)
-    elif plain is None or isinstance(plain, (str, bool)):
-        assert decorated == plain, where
-    else:
-        a, b = np.asarray(plain), np.asarray(decorated)
-        np.testing.assert_array_equal(b, a, err_msg=where)
-        if dtypes:
-            assert b.dtype == a.dtype, f"{where}: dtype {b.dtype} != {a.dtype}"
-
-
-def differential_eager_writes_adversarial(scenario: Callable[[Classes], Any], *, dtypes: bool = True) -> Any:
-    """Runs ``scenario`` with the plain and the decorated classes; the observations match."""
-    plain = scenario(PLAIN)
-    decorated = scenario(DECORATED)
-    _same(plain, decorated, "observation", dtypes)
-    return decorated
+        model.step(filled(v))
+    assert runtime._CONCRETE_ARRAY is type(filled(0.0))
 
 
 def test_copy_copy_then_writes_to_both() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         twin = copy.copy(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        twin.x = full_eager_writes_adversarial(5.0)
-        model.x = full_eager_writes_adversarial(3.0)
-        twin.step(full_eager_writes_adversarial(6.0))
+        model.step(filled(2.0))
+        twin.x = filled(5.0)
+        model.x = filled(3.0)
+        twin.step(filled(6.0))
         return [model.x, model.n, twin.x, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_copy_deepcopy_then_writes_to_both() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         twin = copy.deepcopy(model)
-        model.add(full_eager_writes_adversarial(1.0))
-        twin.add(full_eager_writes_adversarial(10.0))
-        model.x = full_eager_writes_adversarial(4.0)
+        model.add(filled(1.0))
+        twin.add(filled(10.0))
+        model.x = filled(4.0)
         return [model.x, model.n, twin.x, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_copy_of_a_copy_and_the_original_deleted() -> None:
@@ -1202,39 +691,39 @@ def test_copy_of_a_copy_and_the_original_deleted() -> None:
         first = copy.copy(model)
         second = copy.copy(first)
         del model
-        first.step(full_eager_writes_adversarial(2.0))  # the request is held by first and second
-        second.x = full_eager_writes_adversarial(3.0)
-        first.x = full_eager_writes_adversarial(4.0)
+        first.step(filled(2.0))  # the request is held by first and second
+        second.x = filled(3.0)
+        first.x = filled(4.0)
         return [first.x, first.n, second.x, second.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_rebuilding_user_copy() -> None:
     def scenario(k: Classes) -> Any:
         model = k.RebuiltCopy()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = copy.copy(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        twin.step(full_eager_writes_adversarial(3.0))
-        model.x = full_eager_writes_adversarial(4.0)
+        model.step(filled(2.0))
+        twin.step(filled(3.0))
+        model.x = filled(4.0)
         return [model.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_user_copy_sharing_the_dict_object_sees_every_write() -> None:
     def scenario(k: Classes) -> Any:
         model = k.SharedDictCopy()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = copy.copy(model)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         seen = [twin.x]
-        twin.x = full_eager_writes_adversarial(3.0)
+        twin.x = filled(3.0)
         seen.append(model.x)
         return seen
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_an_instance_given_the_models_dict() -> None:
@@ -1242,11 +731,11 @@ def test_an_instance_given_the_models_dict() -> None:
         model = written(k)
         other = k.Model.__new__(k.Model)
         other.__dict__ = model.__dict__
-        model.step(full_eager_writes_adversarial(2.0))
-        other.x = full_eager_writes_adversarial(3.0)
+        model.step(filled(2.0))
+        other.x = filled(3.0)
         return [model.x, other.x, model.n, other.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_copy_replace_protocol() -> None:
@@ -1254,66 +743,66 @@ def test_copy_replace_protocol() -> None:
 
     def scenario(k: Classes) -> Any:
         model = k.Replaceable()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         changed = replace(model, n=jnp.array(10, jnp.int32))
-        model.step(full_eager_writes_adversarial(2.0))
-        changed.step(full_eager_writes_adversarial(3.0))
-        model.x = full_eager_writes_adversarial(4.0)
+        model.step(filled(2.0))
+        changed.step(filled(3.0))
+        model.x = filled(4.0)
         return [model.x, model.n, changed.x, changed.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_dataclass_replace_and_asdict() -> None:
     def scenario(k: Classes) -> Any:
-        data = k.Data(full_eager_writes_adversarial(0.0))
-        data.step(full_eager_writes_adversarial(1.0))
+        data = k.Data(filled(0.0))
+        data.step(filled(1.0))
         replaced = dataclasses.replace(data, n=1)
         fields = dataclasses.asdict(data)
         as_tuple = dataclasses.astuple(data)
         twin = copy.copy(data)
-        data.step(full_eager_writes_adversarial(2.0))
-        twin.step(full_eager_writes_adversarial(3.0))
-        data.x = full_eager_writes_adversarial(4.0)
+        data.step(filled(2.0))
+        twin.step(filled(3.0))
+        data.x = filled(4.0)
         return [data.x, replaced.x, replaced.n, fields["x"], as_tuple[0], twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy"])
 def test_user_getstate_setstate_in_copies(how: str) -> None:
     def scenario(k: Classes) -> Any:
         model = k.GetState()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = getattr(copy, how)(model)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         return [model.x, model.cache, twin.x, twin.cache]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_user_getstate_setstate_in_pickle() -> None:
     def scenario(k: Classes) -> Any:
         model = k.GetState()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = pickle.loads(pickle.dumps(model))
-        model.step(full_eager_writes_adversarial(2.0))
-        twin.step(full_eager_writes_adversarial(3.0))
+        model.step(filled(2.0))
+        twin.step(filled(3.0))
         return [model.x, model.cache, twin.x, twin.cache]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy"])
 def test_user_reduce_in_copies(how: str) -> None:
     def scenario(k: Classes) -> Any:
         model = k.Reduce()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = getattr(copy, how)(model)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         return [model.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy"])
@@ -1321,37 +810,37 @@ def test_a_copyreg_reducer_in_copies(how: str, monkeypatch: pytest.MonkeyPatch) 
     def scenario(k: Classes) -> Any:
         monkeypatch.setitem(copyreg.dispatch_table, k.Child, lambda c: (type(c), ()))
         child = k.Child()
-        child.bump(full_eager_writes_adversarial(1.0, 2))
+        child.bump(filled(1.0, 2))
         twin = getattr(copy, how)(child)
-        child.bump(full_eager_writes_adversarial(2.0, 2))
+        child.bump(filled(2.0, 2))
         return [child.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_user_reduce_in_pickle() -> None:
     def scenario(k: Classes) -> Any:
         model = k.Reduce()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = pickle.loads(pickle.dumps(model))
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         return [model.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_pickle_round_trip_before_and_after_writes() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         blob = pickle.dumps(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        model.x = full_eager_writes_adversarial(3.0)
+        model.step(filled(2.0))
+        model.x = filled(3.0)
         old = pickle.loads(blob)
         new = pickle.loads(pickle.dumps(model))
-        old.step(full_eager_writes_adversarial(4.0))
+        old.step(filled(4.0))
         return [model.x, model.n, old.x, old.n, new.x, new.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
@@ -1365,12 +854,12 @@ def test_a_model_and_its_copy_pickled_together_stay_independent(how: str) -> Non
         new_model, new_twin = (
             pickle.loads(pickle.dumps(pair)) if how == "pickle" else copy.deepcopy(pair)
         )
-        new_model.step(full_eager_writes_adversarial(2.0))
-        new_twin.x = full_eager_writes_adversarial(3.0)
-        new_model.x = full_eager_writes_adversarial(4.0)
+        new_model.step(filled(2.0))
+        new_twin.x = filled(3.0)
+        new_model.x = filled(4.0)
         return [model.x, twin.x, new_model.x, new_model.n, new_twin.x, new_twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_vars_snapshots_and_the_live_vars() -> None:
@@ -1380,8 +869,8 @@ def test_vars_snapshots_and_the_live_vars() -> None:
         star = {**vars(model)}
         copied = copy.copy(vars(model))
         items = list(vars(model).items())
-        model.step(full_eager_writes_adversarial(2.0))
-        model.x = full_eager_writes_adversarial(3.0)
+        model.step(filled(2.0))
+        model.x = filled(3.0)
         return [
             unwrap(live["x"]),
             unwrap(live["n"]),
@@ -1390,51 +879,51 @@ def test_vars_snapshots_and_the_live_vars() -> None:
             [unwrap(v) for _, v in items if _ == "x"],
         ]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_vars_snapshot_restored_then_written() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         saved = dict(vars(model))
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         vars(model).update(saved)  # back to the snapshot
         restored = [model.x, model.n]
-        model.step(full_eager_writes_adversarial(3.0))  # the snapshot still holds the requests
+        model.step(filled(3.0))  # the snapshot still holds the requests
         vars(model).update(saved)
         again = [model.x, model.n]
         del saved
-        model.step(full_eager_writes_adversarial(4.0))  # the model alone holds them now
+        model.step(filled(4.0))  # the model alone holds them now
         return [restored, again, model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_raw_dict_entries_swapped_between_models() -> None:
     def scenario(k: Classes) -> Any:
         a, b = written(k), k.Model()
-        b.step(full_eager_writes_adversarial(5.0))
+        b.step(filled(5.0))
         da, db = vars(a), vars(b)
         da["x"], db["x"] = db["x"], da["x"]
-        a.step(full_eager_writes_adversarial(2.0))
-        b.x = full_eager_writes_adversarial(3.0)
+        a.step(filled(2.0))
+        b.x = filled(3.0)
         da["n"] = db["n"]  # now shared by both dicts
-        b.step(full_eager_writes_adversarial(4.0))
+        b.step(filled(4.0))
         return [a.x, a.n, b.x, b.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_raw_value_put_in_the_dict_by_hand() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
-        model.__dict__["x"] = full_eager_writes_adversarial(7.0)
+        model.__dict__["x"] = filled(7.0)
         seen = [model.x]
-        model.step(full_eager_writes_adversarial(2.0))
-        model.x = full_eager_writes_adversarial(3.0)
+        model.step(filled(2.0))
+        model.x = filled(3.0)
         return [*seen, model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_kept_values_and_the_request_kept_by_hand() -> None:
@@ -1443,38 +932,38 @@ def test_kept_values_and_the_request_kept_by_hand() -> None:
         value = model.x
         raw = model.__dict__["x"]
         by_getter = operator.attrgetter("n")(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        object.__setattr__(model, "x", full_eager_writes_adversarial(3.0))
+        model.step(filled(2.0))
+        object.__setattr__(model, "x", filled(3.0))
         return [value, unwrap(raw), by_getter, model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_second_holder_made_by_a_callback_between_two_writes() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
         copies: list[Any] = []
-        model.step_with_callback(full_eager_writes_adversarial(2.0), full_eager_writes_adversarial(3.0), lambda m: copies.append(copy.copy(m)))
+        model.step_with_callback(filled(2.0), filled(3.0), lambda m: copies.append(copy.copy(m)))
         model.step_with_callback(
-            full_eager_writes_adversarial(4.0), full_eager_writes_adversarial(5.0), lambda m: copies.append(dict(vars(m)))
+            filled(4.0), filled(5.0), lambda m: copies.append(dict(vars(m)))
         )
         return [model.x, copies[0].x, unwrap(copies[1]["x"])]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_the_same_array_written_to_two_models() -> None:
     def scenario(k: Classes) -> Any:
         a, b = written(k), written(k)
-        shared = full_eager_writes_adversarial(2.0)
+        shared = filled(2.0)
         a.x = shared
         b.step(shared)
-        a.x = full_eager_writes_adversarial(3.0)
-        b.add(full_eager_writes_adversarial(1.0))
+        a.x = filled(3.0)
+        b.add(filled(1.0))
         a.x = a.x  # a state assigned to itself
         return [a.x, b.x, shared]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_model_in_two_containers_and_a_list_of_models() -> None:
@@ -1482,56 +971,56 @@ def test_a_model_in_two_containers_and_a_list_of_models() -> None:
         model = written(k)
         listed = [model, model]
         mapped = {"a": model}
-        listed[0].step(full_eager_writes_adversarial(2.0))
+        listed[0].step(filled(2.0))
         seen = [listed[1].x, mapped["a"].x]
-        mapped["a"].x = full_eager_writes_adversarial(3.0)
+        mapped["a"].x = filled(3.0)
         copied_list = copy.copy(listed)  # a shallow copy: the same model
-        copied_list[1].step(full_eager_writes_adversarial(4.0))
+        copied_list[1].step(filled(4.0))
         return [*seen, listed[0].x, model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_child_shared_by_two_parents() -> None:
     def scenario(k: Classes) -> Any:
         child = k.Child()
-        child.bump(full_eager_writes_adversarial(1.0, 2))
+        child.bump(filled(1.0, 2))
         first, second = k.Parent(child), k.Parent(child)
-        first.bump(full_eager_writes_adversarial(1.0, 2))
+        first.bump(filled(1.0, 2))
         seen = [second.child.x]
-        second.set_child(full_eager_writes_adversarial(5.0, 2))
+        second.set_child(filled(5.0, 2))
         seen.append(first.child.x)
-        first.child.x = full_eager_writes_adversarial(6.0, 2)
+        first.child.x = filled(6.0, 2)
         return [*seen, second.child.x, child.x, first.y, second.y]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_copy_of_a_parent_shares_its_child() -> None:
     def scenario(k: Classes) -> Any:
         child = k.Child()
         parent = k.Parent(child)
-        parent.bump(full_eager_writes_adversarial(1.0, 2))
+        parent.bump(filled(1.0, 2))
         twin = copy.copy(parent)
-        parent.bump(full_eager_writes_adversarial(2.0, 2))
-        twin.set_child(full_eager_writes_adversarial(7.0, 2))
-        twin.y = full_eager_writes_adversarial(8.0, 2)
+        parent.bump(filled(2.0, 2))
+        twin.set_child(filled(7.0, 2))
+        twin.y = filled(8.0, 2)
         return [parent.child.x, twin.child.x, parent.y, twin.y, twin.child is parent.child]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_deepcopy_of_a_parent_owns_its_child() -> None:
     def scenario(k: Classes) -> Any:
         child = k.Child()
         parent = k.Parent(child)
-        parent.bump(full_eager_writes_adversarial(1.0, 2))
+        parent.bump(filled(1.0, 2))
         twin = copy.deepcopy(parent)
-        parent.bump(full_eager_writes_adversarial(2.0, 2))
-        twin.set_child(full_eager_writes_adversarial(7.0, 2))
+        parent.bump(filled(2.0, 2))
+        twin.set_child(filled(7.0, 2))
         return [parent.child.x, twin.child.x, parent.y, twin.y]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_weak_reference_reaches_the_same_model() -> None:
@@ -1539,12 +1028,12 @@ def test_a_weak_reference_reaches_the_same_model() -> None:
         model = written(k)
         ref = weakref.ref(model)
         proxy = weakref.proxy(model)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         seen = [ref().x, proxy.x]
-        proxy.x = full_eager_writes_adversarial(3.0)
+        proxy.x = filled(3.0)
         return [*seen, model.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_closures_partials_and_bound_methods() -> None:
@@ -1553,16 +1042,16 @@ def test_closures_partials_and_bound_methods() -> None:
         read_late = lambda: model.x  # noqa: E731
         early = model.x
         read_early = lambda: early  # noqa: E731
-        step = functools.partial(model.step, full_eager_writes_adversarial(2.0))
+        step = functools.partial(model.step, filled(2.0))
         assign = functools.partial(setattr, model, "x")
         bound = model.add
         step()
         seen = [read_late(), read_early()]
-        assign(full_eager_writes_adversarial(3.0))
-        bound(full_eager_writes_adversarial(1.0))
+        assign(filled(3.0))
+        bound(filled(1.0))
         return [*seen, read_late(), read_early(), model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_generators_reading_and_writing_state() -> None:
@@ -1570,7 +1059,7 @@ def test_generators_reading_and_writing_state() -> None:
         model = written(k)
         reader = values(model)
         seen = [next(reader)]
-        writer = stepper(model, [full_eager_writes_adversarial(2.0), full_eager_writes_adversarial(3.0), full_eager_writes_adversarial(4.0)])
+        writer = stepper(model, [filled(2.0), filled(3.0), filled(4.0)])
         seen.append(next(writer))
         twin = copy.copy(model)
         seen.append(next(writer))
@@ -1580,7 +1069,7 @@ def test_generators_reading_and_writing_state() -> None:
         seen.append(next(reader))
         return [*seen, twin.x, unwrap(saved["x"]), model.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_iterators_over_the_dict_and_lazy_maps() -> None:
@@ -1589,11 +1078,11 @@ def test_iterators_over_the_dict_and_lazy_maps() -> None:
         lazy_values = iter(vars(model).values())  # holds the dict, not the values
         eager_values = iter(list(vars(model).values()))
         lazy_read = map(lambda m: m.x, [model])
-        model.step(full_eager_writes_adversarial(2.0))
-        model.x = full_eager_writes_adversarial(3.0)
+        model.step(filled(2.0))
+        model.x = filled(3.0)
         return [unwrap(next(lazy_values)), unwrap(next(eager_values)), next(lazy_read)]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_writes_while_iterating_over_vars() -> None:
@@ -1602,8 +1091,8 @@ def test_writes_while_iterating_over_vars() -> None:
         seen = []
         for name in vars(model):
             if name == "x":
-                model.x = full_eager_writes_adversarial(2.0)
-                model.step(full_eager_writes_adversarial(3.0))
+                model.x = filled(2.0)
+                model.step(filled(3.0))
             seen.append(name)
         for name, value in list(vars(model).items()):
             if name in ("x", "n"):
@@ -1614,14 +1103,14 @@ def test_writes_while_iterating_over_vars() -> None:
                 model.extra = 1  # a new attribute: the dict grows
         return [*seen, model.x, model.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_writes_in_a_finalizer() -> None:
     def scenario(k: Classes) -> Any:
         FINALIZED.clear()
         model = k.Finalized()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = copy.copy(model)
         del twin  # its __del__ writes the copy, not the original
         gc.collect()
@@ -1631,7 +1120,7 @@ def test_writes_in_a_finalizer() -> None:
 
         class Closer:
             def __del__(self) -> None:
-                outside.x = full_eager_writes_adversarial(9.0)
+                outside.x = filled(9.0)
 
         closer = Closer()
         del closer
@@ -1640,7 +1129,7 @@ def test_writes_in_a_finalizer() -> None:
         gc.collect()
         return [kept, list(FINALIZED), outside.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def _lines(fn: Callable[..., Any], *texts: str) -> set[int]:
@@ -1666,12 +1155,12 @@ def _copy_during_a_write(k: Classes, write: Callable[[Any, Any], Any], threaded:
     is one bytecode, with no such point: its writer pauses just before it.
     """
     model = written(k)
-    model.step(full_eager_writes_adversarial(1.0))
+    model.step(filled(1.0))
     at_write, copied = threading.Event(), threading.Event()
     taken: list[Any] = []
 
     def writer() -> None:
-        write(model, full_eager_writes_adversarial(7.0))
+        write(model, filled(7.0))
 
     hooks = _LAST_STEP if k.decorated else {writer.__code__: None}
 
@@ -1724,7 +1213,7 @@ RACING_WRITES: dict[str, Callable[[Any, Any], Any]] = {
 @pytest.mark.parametrize("write", list(RACING_WRITES), ids=list(RACING_WRITES))
 def test_a_copy_taken_by_a_debugger_during_a_write(write: str) -> None:
     """A debugger stopped inside the write, its user copying the model."""
-    differential_eager_writes_adversarial(lambda k: _copy_during_a_write(k, RACING_WRITES[write], threaded=False))
+    run_twins(lambda k: _copy_during_a_write(k, RACING_WRITES[write], threaded=False))
 
 
 def _rebuilt(k: Classes, model: Any, how: str) -> Any:
@@ -1745,27 +1234,27 @@ def test_pytree_rebuilds_are_independent(how: str) -> None:
         model = written(k)
         leaves = [model.x, model.n]
         other = _rebuilt(k, model, how)
-        model.step(full_eager_writes_adversarial(2.0))
-        other.x = full_eager_writes_adversarial(3.0)
-        model.x = full_eager_writes_adversarial(4.0)
-        other.step(full_eager_writes_adversarial(5.0))
+        model.step(filled(2.0))
+        other.x = filled(3.0)
+        model.x = filled(4.0)
+        other.step(filled(5.0))
         return [leaves, model.x, model.n, other.x, other.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_pytree_leaves_taken_before_writes() -> None:
     model = written(DECORATED)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     path_leaves = jax.tree_util.tree_leaves_with_path(model)
-    model.step(full_eager_writes_adversarial(2.0))
-    model.x = full_eager_writes_adversarial(3.0)
+    model.step(filled(2.0))
+    model.x = filled(3.0)
     old = jax.tree_util.tree_unflatten(treedef, leaves)
-    _same([old.x, old.n, model.x, model.n], [full_eager_writes_adversarial(1.0), 1, full_eager_writes_adversarial(3.0), 2], "rebuilt", False)
-    _same([v for _, v in path_leaves], leaves, "leaves with paths", True)
-    old.x = full_eager_writes_adversarial(4.0)
-    np.testing.assert_array_equal(np.asarray(leaves[0]), full_eager_writes_adversarial(1.0))
-    np.testing.assert_array_equal(np.asarray(model.x), full_eager_writes_adversarial(3.0))
+    same_observations([old.x, old.n, model.x, model.n], [filled(1.0), 1, filled(3.0), 2], "rebuilt", False)
+    same_observations([v for _, v in path_leaves], leaves, "leaves with paths", True)
+    old.x = filled(4.0)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), filled(1.0))
+    np.testing.assert_array_equal(np.asarray(model.x), filled(3.0))
 
 
 def test_a_jitted_write_of_a_concrete_constant() -> None:
@@ -1773,15 +1262,15 @@ def test_a_jitted_write_of_a_concrete_constant() -> None:
 
     def scenario(k: Classes) -> Any:
         model = written(k)
-        constant = full_eager_writes_adversarial(6.0)
+        constant = filled(6.0)
         twin = copy.copy(model)
         fn = staged(lambda v: (setattr(model, "x", constant), v * 2)[1])
-        out = fn(full_eager_writes_adversarial(1.0))
-        model.x = full_eager_writes_adversarial(2.0)
-        out = fn(full_eager_writes_adversarial(1.0))  # cached: no trace, no write
+        out = fn(filled(1.0))
+        model.x = filled(2.0)
+        out = fn(filled(1.0))  # cached: no trace, no write
         return [out, model.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_int_bool_and_float_dtypes() -> None:
@@ -1789,7 +1278,7 @@ def test_int_bool_and_float_dtypes() -> None:
         model = written(k)
         twin = copy.copy(model)
         model.toggle()
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         model.n = model.n * 3
         model.x = model.x.astype(jnp.bfloat16)
         model.toggle()
@@ -1798,7 +1287,7 @@ def test_int_bool_and_float_dtypes() -> None:
         model.add(jnp.int32(1))
         return [model.x, model.n, model.flag, twin.flag, twin.x, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_numpy_arrays_as_state() -> None:
@@ -1813,7 +1302,7 @@ def test_numpy_arrays_as_state() -> None:
         model.add(np.ones(3))
         return [*seen, model.x, model.n, twin.x]
 
-    differential_eager_writes_adversarial(scenario, dtypes=False)
+    run_twins(scenario, dtypes=False)
 
 
 def test_python_scalars_as_state() -> None:
@@ -1827,45 +1316,45 @@ def test_python_scalars_as_state() -> None:
         model.step(4)
         model.add(1)
         seen.append((type(model.x).__name__, model.x, model.n))
-        model.x = full_eager_writes_adversarial(2.0)
-        model.x = full_eager_writes_adversarial(3.0)
+        model.x = filled(2.0)
+        model.x = filled(3.0)
         return [*seen, model.x, twin.x]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_pytree_states() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
-        model.set_pair(full_eager_writes_adversarial(1.0, 2), full_eager_writes_adversarial(2.0, 2))
+        model.set_pair(filled(1.0, 2), filled(2.0, 2))
         twin = copy.copy(model)
         kept = model.pair
-        model.set_pair(full_eager_writes_adversarial(3.0, 2), full_eager_writes_adversarial(4.0, 2))
-        model.pair = (full_eager_writes_adversarial(5.0, 2), {"k": full_eager_writes_adversarial(6.0, 2)})
-        twin.pair = {"a": full_eager_writes_adversarial(7.0, 2), "b": (full_eager_writes_adversarial(8.0, 2),)}
-        model.pair = full_eager_writes_adversarial(9.0, 2)  # a pytree state becomes an array
-        model.pair = full_eager_writes_adversarial(10.0, 2)
+        model.set_pair(filled(3.0, 2), filled(4.0, 2))
+        model.pair = (filled(5.0, 2), {"k": filled(6.0, 2)})
+        twin.pair = {"a": filled(7.0, 2), "b": (filled(8.0, 2),)}
+        model.pair = filled(9.0, 2)  # a pytree state becomes an array
+        model.pair = filled(10.0, 2)
         return [kept, model.pair, twin.pair]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_f_is_unchanged_by_eager_writes_to_its_model_and_to_frozen_models() -> None:
     model = written(DECORATED)
     f, states = model.functionalize()
     frozen = autostate.freeze(f, states)
-    model.step(full_eager_writes_adversarial(2.0))
-    frozen.step(full_eager_writes_adversarial(3.0))
-    frozen.x = full_eager_writes_adversarial(4.0)
-    out, new = f.step(states, full_eager_writes_adversarial(5.0))
-    np.testing.assert_array_equal(np.asarray(out), full_eager_writes_adversarial(10.0))
+    model.step(filled(2.0))
+    frozen.step(filled(3.0))
+    frozen.x = filled(4.0)
+    out, new = f.step(states, filled(5.0))
+    np.testing.assert_array_equal(np.asarray(out), filled(10.0))
     np.testing.assert_array_equal(np.asarray(new["n"]), 2)  # from states' 1, not 2 or 3
-    np.testing.assert_array_equal(np.asarray(states["x"]), full_eager_writes_adversarial(1.0))
+    np.testing.assert_array_equal(np.asarray(states["x"]), filled(1.0))
     np.testing.assert_array_equal(np.asarray(states["n"]), 1)
     again = autostate.freeze(f, states)
-    np.testing.assert_array_equal(np.asarray(again.x), full_eager_writes_adversarial(1.0))
-    np.testing.assert_array_equal(np.asarray(frozen.x), full_eager_writes_adversarial(4.0))
-    np.testing.assert_array_equal(np.asarray(model.x), full_eager_writes_adversarial(2.0))
+    np.testing.assert_array_equal(np.asarray(again.x), filled(1.0))
+    np.testing.assert_array_equal(np.asarray(frozen.x), filled(4.0))
+    np.testing.assert_array_equal(np.asarray(model.x), filled(2.0))
 
 
 def test_init_called_again_after_a_copy() -> None:
@@ -1874,54 +1363,54 @@ def test_init_called_again_after_a_copy() -> None:
         twin = copy.copy(model)
         model.__init__()  # type: ignore[misc]
         seen = [model.x, model.n, twin.x]
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         return [*seen, model.x, twin.x, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_multiple_targets_chained_targets_and_loop_targets() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
-        model.set_pair(full_eager_writes_adversarial(1.0, 2), full_eager_writes_adversarial(2.0, 2))
+        model.set_pair(filled(1.0, 2), filled(2.0, 2))
         twin = copy.copy(model)
         model.swap()
         seen = [model.x, model.pair]
-        model.chain(full_eager_writes_adversarial(3.0))  # one array in two states
-        model.x = full_eager_writes_adversarial(4.0)
+        model.chain(filled(3.0))  # one array in two states
+        model.x = filled(4.0)
         seen += [model.x, model.pair]
-        model.loop([full_eager_writes_adversarial(5.0), full_eager_writes_adversarial(6.0), full_eager_writes_adversarial(7.0)])
+        model.loop([filled(5.0), filled(6.0), filled(7.0)])
         return [*seen, model.x, model.n, twin.x, twin.pair, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_user_setattr_and_a_property_setter() -> None:
     def scenario(k: Classes) -> Any:
         LOGGED.clear()
         model = k.Hooked()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = copy.copy(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        model.value = full_eager_writes_adversarial(3.0)
-        model.x = full_eager_writes_adversarial(4.0)
-        twin.value = full_eager_writes_adversarial(5.0)
+        model.step(filled(2.0))
+        model.value = filled(3.0)
+        model.x = filled(4.0)
+        twin.value = filled(5.0)
         return [model.x, model.value, twin.x, list(LOGGED)]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_subclass_adding_state() -> None:
     def scenario(k: Classes) -> Any:
         model = k.Sub()
-        model.step(full_eager_writes_adversarial(1.0))
+        model.step(filled(1.0))
         twin = copy.copy(model)
-        model.step(full_eager_writes_adversarial(2.0))
-        model.extra = full_eager_writes_adversarial(9.0)
-        twin.step(full_eager_writes_adversarial(3.0))
+        model.step(filled(2.0))
+        model.extra = filled(9.0)
+        twin.step(filled(3.0))
         return [model.x, model.extra, model.n, twin.x, twin.extra, twin.n]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_an_instance_dict_of_a_dict_subclass() -> None:
@@ -1929,31 +1418,31 @@ def test_an_instance_dict_of_a_dict_subclass() -> None:
         SET_ITEMS.clear()
         model = written(k)
         model.__dict__ = RecordingDict(model.__dict__)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         twin = copy.copy(model)  # its own requests: the next writes change the model's in place
-        model.step(full_eager_writes_adversarial(3.0))
-        model.x = full_eager_writes_adversarial(4.0)
+        model.step(filled(3.0))
+        model.x = filled(4.0)
         saved = dict(vars(model))  # shares the requests: the next writes replace them
-        model.step(full_eager_writes_adversarial(5.0))
-        model.x = full_eager_writes_adversarial(6.0)
+        model.step(filled(5.0))
+        model.x = filled(6.0)
         model.__dict__.update(saved)
         return [model.x, model.n, twin.x, list(SET_ITEMS)]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_old_values_are_freed_as_in_plain_python() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)
-        model.step(full_eager_writes_adversarial(2.0))
+        model.step(filled(2.0))
         freed = []
         first = weakref.ref(model.x)
-        model.step(full_eager_writes_adversarial(3.0))  # the old array goes
+        model.step(filled(3.0))  # the old array goes
         gc.collect()
         freed.append(first() is None)
         twin = copy.copy(model)
         second = weakref.ref(model.x)
-        model.x = full_eager_writes_adversarial(4.0)  # replaced: the copy keeps the old array
+        model.x = filled(4.0)  # replaced: the copy keeps the old array
         gc.collect()
         freed.append(second() is None)
         del twin
@@ -1961,7 +1450,7 @@ def test_old_values_are_freed_as_in_plain_python() -> None:
         freed.append(second() is None)
         return freed
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_freeze_keeps_a_tied_child_tied() -> None:
@@ -1970,16 +1459,16 @@ def test_freeze_keeps_a_tied_child_tied() -> None:
     def scenario(k: Classes) -> Any:
         parent = k.Parent(k.Child())
         parent.tied = parent.child
-        parent.bump(full_eager_writes_adversarial(1.0, 2))
+        parent.bump(filled(1.0, 2))
         if k.decorated:
             frozen = autostate.freeze(*parent.functionalize())
         else:
             frozen = copy.deepcopy(parent)
-        frozen.set_child(full_eager_writes_adversarial(5.0, 2))
+        frozen.set_child(filled(5.0, 2))
         seen = [frozen.tied.x]
-        frozen.tied.x = full_eager_writes_adversarial(6.0, 2)
-        frozen.bump(full_eager_writes_adversarial(1.0, 2))
+        frozen.tied.x = filled(6.0, 2)
+        frozen.bump(filled(1.0, 2))
         return [*seen, frozen.child.x, frozen.tied.x, frozen.y, parent.child.x, parent.y,
                 frozen.tied is frozen.child]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)

@@ -12,8 +12,6 @@ with what differs.
 from __future__ import annotations
 
 import asyncio
-import copy
-import dataclasses
 import gc
 import sys
 import types
@@ -118,10 +116,14 @@ from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
 from semantics.programs import Y_h35 as Y
+from semantics.twins import (
+    DECORATED,
+    filled,
+    same_observations,
+    written,
+)
 
-FINALIZED: list[Any] = []
 INSIDE_PLAIN: list[tuple[str, str]] = []
-LOGGED: list[str] = []
 
 
 @autostate.stateful
@@ -257,8 +259,6 @@ def test_transformations_of_f_from_outside_are_not_escapes() -> None:
 
 
 jit_call = staged(lambda f, s, *a: f(s, *a))
-
-
 
 
 def test_no_tracer_is_left_in_f_after_a_refused_write(write_module):
@@ -442,10 +442,6 @@ def test_state_written_in_grad_and_overwritten_after_eager_vs_f(write_module: Lo
 def test_state_written_in_grad_and_overwritten_after_eagerly(write_module: Loader) -> None:
     plain, dec = pair(write_module, ESCAPES, fresh=True)
     check(plain, dec, "M()", [("grad_then_overwrite", (jnp.float32(1.5),))], modes=("eager",))
-
-
-
-
 
 
 def test_lazy_generator_returned_by_f_is_refused_after_the_call(write_module: Loader) -> None:
@@ -669,8 +665,6 @@ def test_stacked_sub_model_written_under_in_method_vmap_is_the_documented_error(
     assert_user_line(err.value, Path(dec.__file__).name)
 
 
-
-
 INSIDE_CALLS: dict[str, Any] = {
     "jit_lambda_after_write": V3,
     "jit_bound_twice": V3,
@@ -839,8 +833,6 @@ def test_value_and_grad_has_aux_of_a_state_writing_loss_is_the_documented_escape
         assert_user_line(info.value, __file__)
     out, new = jax.jit(f.jit_static_arg)(states, V3)  # f is left usable
     assert_same(np.asarray(V3) * 3, out)
-
-
 
 
 def no_handler_left() -> None:
@@ -1096,14 +1088,6 @@ def test_model_returned_from_f_is_a_clear_unhandled_error(write_module: Loader) 
     assert out.training is True
 
 
-
-
-
-
-
-
-
-
 def test_helper_module_with_jax_scan_is_the_documented_escape(write_module: Loader) -> None:
     _, dec, _, hd = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     f, states = dec.M().functionalize()
@@ -1176,10 +1160,6 @@ def test_vmap_inside_method_writing_state_is_the_documented_escape(write_module:
 
 def functools_partial(fn: Callable[..., Any], *a: Any) -> Callable[..., Any]:
     return lambda *b: fn(*a, *b)
-
-
-
-
 
 
 INSIDE_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
@@ -2050,278 +2030,6 @@ def test_write_to_an_object_outside_f_under_jit_is_refused(write_module: Loader,
     assert_same(jnp.float32(1.0), f.write_arg(states, 1.0, dec.Tally())[0], "f still works")
 
 
-@autostate.stateful
-class DecoratedModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-@autostate.stateful
-class DecoratedChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-@autostate.stateful
-class DecoratedParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-@autostate.stateful
-class DecoratedRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-@autostate.stateful
-class DecoratedSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-@autostate.stateful
-class DecoratedReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-@autostate.stateful
-class DecoratedGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-def _fresh_decorated_reduce() -> Any:
-    return DecoratedReduce()
-
-
-@autostate.stateful
-class DecoratedReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_decorated_reduce, ())
-
-
-@autostate.stateful
-class DecoratedFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@autostate.stateful
-@dataclasses.dataclass
-class DecoratedData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-class DecoratedHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-class DecoratedSub(DecoratedModel):  # decorated too, as a subclass of a decorated class
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """One run's classes: all plain, or all decorated."""
-
-    Model: type
-    Child: type
-    Parent: type
-    RebuiltCopy: type
-    SharedDictCopy: type
-    Replaceable: type
-    GetState: type
-    Reduce: type
-    Finalized: type
-    Data: type
-    Hooked: type
-    Sub: type
-    decorated: bool
-
-
-DECORATED = Classes(
-    DecoratedModel, DecoratedChild, DecoratedParent, DecoratedRebuiltCopy,
-    DecoratedSharedDictCopy, DecoratedReplaceable, DecoratedGetState, DecoratedReduce,
-    DecoratedFinalized, DecoratedData, DecoratedHooked, DecoratedSub, True,
-)
-
-
-def full_eager_writes_adversarial(value: float, size: int = 3) -> jax.Array:
-    return jnp.full(size, value, jnp.float32)
-
-
-def written(k: Classes) -> Any:
-    """A model whose ``x`` and ``n`` have been written: frozen requests, not initial ones."""
-    model = k.Model()
-    model.step(full_eager_writes_adversarial(1.0))
-    return model
-
-
-def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:
-    if isinstance(plain, dict):
-        assert isinstance(decorated, dict) and list(decorated) == list(plain), where
-        for key in plain:
-            _same(plain[key], decorated[key], f"{where}[{key!r}]", dtypes)
-    elif isinstance(plain, (list, tuple)):
-        assert type(decorated) is type(plain) and len(decorated) == len(plain), where
-        for i, (a, b) in enumerate(zip(plain, decorated)):
-            _same(a, b, f"{where}[{i}]", dtypes)
-    elif plain is None or isinstance(plain, (str, bool)):
-        assert decorated == plain, where
-    else:
-        a, b = np.asarray(plain), np.asarray(decorated)
-        np.testing.assert_array_equal(b, a, err_msg=where)
-        if dtypes:
-            assert b.dtype == a.dtype, f"{where}: dtype {b.dtype} != {a.dtype}"
-
-
 def has_tracer(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
@@ -2338,7 +2046,7 @@ TRACED_WRITES: dict[str, Callable[[Any, Any], Any]] = {
     "inside a method": lambda m, v: m.step(v),
     "from outside": lambda m, v: setattr(m, "x", v),
     "augmented inside a method": lambda m, v: m.add(v),
-    "a tuple state holding a tracer": lambda m, v: m.set_pair(v[:2], full_eager_writes_adversarial(1.0, 2)),
+    "a tuple state holding a tracer": lambda m, v: m.set_pair(v[:2], filled(1.0, 2)),
     "object.__setattr__": lambda m, v: object.__setattr__(m, "x", v),
 }
 
@@ -2347,13 +2055,13 @@ TRACED_WRITES: dict[str, Callable[[Any, Any], Any]] = {
 @pytest.mark.parametrize("write", list(TRACED_WRITES), ids=list(TRACED_WRITES))
 def test_a_traced_value_is_refused_and_the_model_unchanged(how: str, write: str) -> None:
     model = written(DECORATED)
-    model.step(full_eager_writes_adversarial(2.0))  # a frozen slot: the fast path
+    model.step(filled(2.0))  # a frozen slot: the fast path
     before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(model)]
     arg = jnp.ones((2, 3)) if how == "vmap" else jnp.ones(3)
     with pytest.raises(autostate.AutostateError):
         _transformed(how, lambda v: TRACED_WRITES[write](model, v))(arg)
     assert not has_tracer(vars(model)) and not has_tracer(model)
     after = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(model)]
-    _same(before, after, "model after the refused write", True)
-    model.step(full_eager_writes_adversarial(3.0))  # still a working eager model
-    np.testing.assert_array_equal(np.asarray(model.x), full_eager_writes_adversarial(3.0))
+    same_observations(before, after, "model after the refused write", True)
+    model.step(filled(3.0))  # still a working eager model
+    np.testing.assert_array_equal(np.asarray(model.x), filled(3.0))

@@ -12,7 +12,6 @@ with what differs.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import traceback
 import types
 from collections.abc import Callable, Sequence
@@ -71,9 +70,14 @@ from semantics.programs import XS_h9 as XS
 from semantics.programs import XS_h19 as XS_h19
 from semantics.programs import XS_h28 as XS_h28
 from semantics.programs import XS_h32 as XS_h32
-
-FINALIZED: list[Any] = []
-LOGGED: list[str] = []
+from semantics.twins import (
+    DECORATED,
+    PLAIN,
+    Classes,
+    filled,
+    same_observations,
+    written,
+)
 
 
 def test_exception_after_a_write_keeps_the_write_eagerly(write_module: Loader) -> None:
@@ -90,8 +94,6 @@ def test_exception_after_a_write_keeps_the_write_eagerly(write_module: Loader) -
     assert float(states2["n"]) == 2.0
 
 
-
-
 def test_f_reused_after_exceptions(write_module: Loader) -> None:
     _, dec = pair(write_module, VARIANTS)
     f, states = dec.Mixed().functionalize()
@@ -106,8 +108,6 @@ def test_f_reused_after_exceptions(write_module: Loader) -> None:
     out, s = staged(f)(states, 1.0)
     assert float(out) == 6.0
     assert f == dec.Mixed().functionalize()[0]
-
-
 
 
 @pytest.mark.parametrize("method,arg", [("scan_raises", XS), ("cond_raises", X1)])
@@ -182,8 +182,6 @@ def test_every_lax_body_that_raises_after_a_write_loses_the_state_loudly(
     for mode in (call, staged(lambda s, x: call(s, method, x))):
         with pytest.raises(ControlFlowStateError, match=r"State 'a' has no value"):
             mode(states, method, X1) if mode is call else mode(states, X1)
-
-
 
 
 def no_handler_left() -> None:
@@ -338,16 +336,6 @@ def test_keyboard_interrupt_inside_an_eager_lax_body_before_any_write(
     assert_same(got[0], got[1])
 
 
-
-
-
-
-
-
-
-
-
-
 GUARD = """
 @DECORATE
 class Guard:
@@ -489,12 +477,6 @@ def test_try_finally_with_break_continue_and_return(write_module: Loader) -> Non
              extra=("__call__", (A1,)))
 
 
-
-
-
-
-
-
 def test_helper_module_raises_after_write_caught_in_method(write_module: Loader) -> None:
     plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(
@@ -598,12 +580,6 @@ def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loa
         with pytest.raises(autostate.errors.ControlFlowStateError) as e:
             fn()
         user_line(e.value, dec, "return self.t")
-
-
-
-
-
-
 
 
 def no_handler_left_h32() -> None:
@@ -2270,496 +2246,11 @@ def test_exception_through_contextmanager_restores_eagerly_and_f_keeps_states(
     same(ref.with_self_flag(A1), out)
 
 
-class PlainModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-@autostate.stateful
-class DecoratedModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-class PlainChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-@autostate.stateful
-class DecoratedChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-class PlainParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-@autostate.stateful
-class DecoratedParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-class PlainRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-@autostate.stateful
-class DecoratedRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-class PlainSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-@autostate.stateful
-class DecoratedSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-class PlainReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-@autostate.stateful
-class DecoratedReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-class PlainGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-@autostate.stateful
-class DecoratedGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-def _fresh_plain_reduce() -> Any:
-    return PlainReduce()
-
-
-def _fresh_decorated_reduce() -> Any:
-    return DecoratedReduce()
-
-
-class PlainReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_plain_reduce, ())
-
-
-@autostate.stateful
-class DecoratedReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_decorated_reduce, ())
-
-
-class PlainFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@autostate.stateful
-class DecoratedFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@dataclasses.dataclass
-class PlainData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-@dataclasses.dataclass
-class DecoratedData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-class DecoratedHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainSub(PlainModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-class DecoratedSub(DecoratedModel):  # decorated too, as a subclass of a decorated class
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """One run's classes: all plain, or all decorated."""
-
-    Model: type
-    Child: type
-    Parent: type
-    RebuiltCopy: type
-    SharedDictCopy: type
-    Replaceable: type
-    GetState: type
-    Reduce: type
-    Finalized: type
-    Data: type
-    Hooked: type
-    Sub: type
-    decorated: bool
-
-
-PLAIN = Classes(
-    PlainModel, PlainChild, PlainParent, PlainRebuiltCopy, PlainSharedDictCopy,
-    PlainReplaceable, PlainGetState, PlainReduce, PlainFinalized, PlainData, PlainHooked,
-    PlainSub, False,
-)
-
-
-DECORATED = Classes(
-    DecoratedModel, DecoratedChild, DecoratedParent, DecoratedRebuiltCopy,
-    DecoratedSharedDictCopy, DecoratedReplaceable, DecoratedGetState, DecoratedReduce,
-    DecoratedFinalized, DecoratedData, DecoratedHooked, DecoratedSub, True,
-)
-
-
-def full(value: float, size: int = 3) -> jax.Array:
-    return jnp.full(size, value, jnp.float32)
-
-
-def written(k: Classes) -> Any:
-    """A model whose ``x`` and ``n`` have been written: frozen requests, not initial ones."""
-    model = k.Model()
-    model.step(full(1.0))
-    return model
-
-
-def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:
-    if isinstance(plain, dict):
-        assert isinstance(decorated, dict) and list(decorated) == list(plain), where
-        for key in plain:
-            _same(plain[key], decorated[key], f"{where}[{key!r}]", dtypes)
-    elif isinstance(plain, (list, tuple)):
-        assert type(decorated) is type(plain) and len(decorated) == len(plain), where
-        for i, (a, b) in enumerate(zip(plain, decorated)):
-            _same(a, b, f"{where}[{i}]", dtypes)
-    elif plain is None or isinstance(plain, (str, bool)):
-        assert decorated == plain, where
-    else:
-        a, b = np.asarray(plain), np.asarray(decorated)
-        np.testing.assert_array_equal(b, a, err_msg=where)
-        if dtypes:
-            assert b.dtype == a.dtype, f"{where}: dtype {b.dtype} != {a.dtype}"
-
-
 def differential(scenario: Callable[[Classes], Any], *, dtypes: bool = True) -> Any:
     """Runs ``scenario`` with the plain and the decorated classes; the observations match."""
     plain = scenario(PLAIN)
     decorated = scenario(DECORATED)
-    _same(plain, decorated, "observation", dtypes)
+    same_observations(plain, decorated, "observation", dtypes)
     return decorated
 
 
@@ -2772,7 +2263,7 @@ def test_an_exception_after_a_write_keeps_it() -> None:
             raise ValueError("boom")
 
         with pytest.raises(ValueError, match="boom"):
-            model.step_with_callback(full(2.0), full(3.0), fail)
+            model.step_with_callback(filled(2.0), filled(3.0), fail)
         return [model.x, twin.x]
 
     differential(scenario)

@@ -115,9 +115,15 @@ from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import X_h35 as X_h35
 from semantics.programs import XL_h35 as XL_h35
 from semantics.programs import Y_h35 as Y
-
-FINALIZED: list[Any] = []
-LOGGED: list[str] = []
+from semantics.twins import (
+    DECORATED,
+    Classes,
+    DecoratedChild,
+    DecoratedParent,
+    filled,
+    run_twins,
+    written,
+)
 
 HERE = __file__
 
@@ -177,8 +183,6 @@ def test_pickle_frozen_model():
 
 
 jit_call = staged(lambda f, s, *a: f(s, *a))
-
-
 
 
 COPIES = """
@@ -243,18 +247,6 @@ def test_copies_inside_a_functionalized_call_own_their_state(write_module, name)
     assert {k: float(v) for k, v in states.items()} == {
         "count": float(plain.count), "sub.n": float(plain.sub.n)
     }
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("method,arg", [("tolist", ()), ("grow", (1.0,))])
@@ -394,10 +386,6 @@ def test_pickle_prng_and_namedtuple_states(write_module: Loader) -> None:
     states2 = pickle.loads(pickle.dumps(states))
     assert type(states2["pt"]) is dec.Pt
     assert_same(f.step(states, 1.0), f.step(states2, 1.0))
-
-
-
-
 
 
 RETRACE = CALLABLES + """
@@ -549,42 +537,6 @@ class Outer:
     np.testing.assert_allclose(out_j, expected_k)
     np.testing.assert_allclose(st_j["sub.n"], 0.0)
     np.testing.assert_allclose(st_e["sub.n"], 0.0)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def test_round_trip_functionalize_jit_freeze_eager_functionalize(write_module: Loader) -> None:
@@ -1330,8 +1282,6 @@ def test_values_assigned_from_outside_between_jitted_calls(write_module: Loader)
         assert_typed(attrs(ref), attrs(model), f"after model.{name} = ...", jitted=True)
 
 
-
-
 def plain_error(fn: Callable[[], Any]) -> tuple[type[BaseException], str]:
     """The exception plain Python raises for ``fn()``: its type and message."""
     try:
@@ -1592,10 +1542,6 @@ def test_inference_mode_of_a_functional_model(mods: Any) -> None:
         assert_clear(info.value, errors.HostStateTypeError, HERE, 'fallback="host"')
 
 
-
-
-
-
 def params_of(f: Any) -> dict[str, Any]:
     return dict(autostate.param_dict(f))
 
@@ -1853,8 +1799,6 @@ def test_resume_a_sampler_with_a_typed_key_state(
     assert_bits(ref_out, got, "hand-threaded")
 
 
-
-
 def no_handler_left() -> None:
     assert not _engine.handler_running(), "a handler is still running after the call"
     assert not _guard._GUARDED.get(), "instances are still guarded after the call"
@@ -1965,8 +1909,6 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     assert_same(expected, floats([out1, out2, s["x"], s["n"]]))
     frozen = autostate.freeze(f, s)
     assert_same(expected[2:], floats([frozen.x, frozen.n]), "frozen")
-
-
 
 
 def test_split_merge_three_rounds(write_module: Loader) -> None:
@@ -2488,12 +2430,6 @@ def test_states_missing_or_extra_keys_in_f_are_clear_errors(write_module: Loader
             assert "total" in str(info.value) or "totl" in str(info.value)
 
 
-
-
-
-
-
-
 def test_copy_of_self_returned_from_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, COPIES_h28)
     run_case(plain, dec, "M()", [("snapshot_copy", (A1,)), ("snapshot_copy", (A2,))])
@@ -2721,499 +2657,6 @@ def test_functionalize_the_optimizer_a_trainer_holds(write_module: Loader) -> No
     assert "model.l1.w" in states and "steps" in states
 
 
-class PlainModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-@autostate.stateful
-class DecoratedModel:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-        self.flag = jnp.array(False)
-        self.pair = (jnp.zeros(2), {"k": jnp.zeros(2)})
-
-    def step(self, v: Any) -> Any:
-        self.x = v
-        self.n = self.n + 1
-        return self.x * 2
-
-    def add(self, v: Any) -> None:
-        self.x += v
-
-    def toggle(self) -> None:
-        self.flag = ~self.flag
-
-    def set_pair(self, a: Any, b: Any) -> None:
-        self.pair = (a, {"k": b})
-
-    def scan_step(self, carry: Any, v: Any) -> tuple[Any, Any]:
-        self.x = self.x + v
-        self.n = self.n + 1
-        return carry + v.sum(), self.x
-
-    def step_with_callback(self, v: Any, w: Any, callback: Callable[[Any], None]) -> None:
-        self.x = v
-        callback(self)
-        self.x = w
-
-    def swap(self) -> None:
-        self.x, self.pair = self.pair, self.x
-
-    def chain(self, v: Any) -> None:
-        self.x = self.pair = v
-
-    def loop(self, vs: list[Any]) -> None:
-        for self.x in vs:
-            self.n = self.n + 1
-
-    def scan_all(self, xs: Any) -> tuple[Any, Any]:
-        return jax.lax.scan(self.scan_step, jnp.float32(0), xs)
-
-
-class PlainChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-@autostate.stateful
-class DecoratedChild:
-    def __init__(self) -> None:
-        self.x = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.x = self.x + v
-
-
-class PlainParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-@autostate.stateful
-class DecoratedParent:
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.y = jnp.zeros(2)
-
-    def bump(self, v: Any) -> None:
-        self.child.bump(v)
-        self.y = self.y + v
-
-    def set_child(self, v: Any) -> None:
-        self.child.x = v
-
-
-class PlainRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-@autostate.stateful
-class DecoratedRebuiltCopy:
-    """A dataclass-style ``__copy__``: a new instance built from the fields."""
-
-    def __init__(self, x: Any = None) -> None:
-        self.x = jnp.zeros(3) if x is None else x
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        return type(self)(self.x)
-
-
-class PlainSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-@autostate.stateful
-class DecoratedSharedDictCopy:
-    """A ``__copy__`` whose copy shares the very ``__dict__`` object."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __copy__(self) -> Any:
-        new = type(self).__new__(type(self))
-        new.__dict__ = self.__dict__
-        return new
-
-
-class PlainReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-@autostate.stateful
-class DecoratedReplaceable:
-    """``copy.replace``'s protocol (``__replace__``), written by hand."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.n = jnp.array(0, jnp.int32)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.n = self.n + 1
-
-    def __replace__(self, **changes: Any) -> Any:
-        new = copy.copy(self)
-        for name, value in changes.items():
-            setattr(new, name, value)
-        return new
-
-
-class PlainGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-@autostate.stateful
-class DecoratedGetState:
-    """Copies and pickles drop ``cache``; ``__setstate__`` resets it."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-        self.cache = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-        self.cache = self.cache + 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["cache"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = jnp.full(3, -1.0)
-
-
-def _fresh_plain_reduce() -> Any:
-    return PlainReduce()
-
-
-def _fresh_decorated_reduce() -> Any:
-    return DecoratedReduce()
-
-
-class PlainReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_plain_reduce, ())
-
-
-@autostate.stateful
-class DecoratedReduce:
-    """Copies and pickles of this class are fresh instances."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __reduce__(self) -> Any:
-        return (_fresh_decorated_reduce, ())
-
-
-class PlainFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@autostate.stateful
-class DecoratedFinalized:
-    """``__del__`` writes state and records what it saw."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    def __del__(self) -> None:
-        self.x = self.x + 100
-        FINALIZED.append(self.x)
-
-
-@dataclasses.dataclass
-class PlainData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-@dataclasses.dataclass
-class DecoratedData:
-    x: Any
-    n: Any = None
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-@autostate.stateful
-class DecoratedHooked:
-    """A user ``__setattr__`` and a property whose setter writes state."""
-
-    def __init__(self) -> None:
-        self.x = jnp.zeros(3)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        LOGGED.append(name)
-        object.__setattr__(self, name, value)
-
-    def step(self, v: Any) -> None:
-        self.x = v
-
-    @property
-    def value(self) -> Any:
-        return self.x
-
-    @value.setter
-    def value(self, v: Any) -> None:
-        self.x = v
-
-
-class PlainSub(PlainModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-class DecoratedSub(DecoratedModel):  # decorated too, as a subclass of a decorated class
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = jnp.zeros(3)
-
-    def step(self, v: Any) -> Any:
-        out = super().step(v)
-        self.extra = self.x + 1
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """One run's classes: all plain, or all decorated."""
-
-    Model: type
-    Child: type
-    Parent: type
-    RebuiltCopy: type
-    SharedDictCopy: type
-    Replaceable: type
-    GetState: type
-    Reduce: type
-    Finalized: type
-    Data: type
-    Hooked: type
-    Sub: type
-    decorated: bool
-
-
-PLAIN = Classes(
-    PlainModel, PlainChild, PlainParent, PlainRebuiltCopy, PlainSharedDictCopy,
-    PlainReplaceable, PlainGetState, PlainReduce, PlainFinalized, PlainData, PlainHooked,
-    PlainSub, False,
-)
-
-
-DECORATED = Classes(
-    DecoratedModel, DecoratedChild, DecoratedParent, DecoratedRebuiltCopy,
-    DecoratedSharedDictCopy, DecoratedReplaceable, DecoratedGetState, DecoratedReduce,
-    DecoratedFinalized, DecoratedData, DecoratedHooked, DecoratedSub, True,
-)
-
-
-def full_eager_writes_adversarial(value: float, size: int = 3) -> jax.Array:
-    return jnp.full(size, value, jnp.float32)
-
-
-def written(k: Classes) -> Any:
-    """A model whose ``x`` and ``n`` have been written: frozen requests, not initial ones."""
-    model = k.Model()
-    model.step(full_eager_writes_adversarial(1.0))
-    return model
-
-
-def _same(plain: Any, decorated: Any, where: str, dtypes: bool) -> None:
-    if isinstance(plain, dict):
-        assert isinstance(decorated, dict) and list(decorated) == list(plain), where
-        for key in plain:
-            _same(plain[key], decorated[key], f"{where}[{key!r}]", dtypes)
-    elif isinstance(plain, (list, tuple)):
-        assert type(decorated) is type(plain) and len(decorated) == len(plain), where
-        for i, (a, b) in enumerate(zip(plain, decorated)):
-            _same(a, b, f"{where}[{i}]", dtypes)
-    elif plain is None or isinstance(plain, (str, bool)):
-        assert decorated == plain, where
-    else:
-        a, b = np.asarray(plain), np.asarray(decorated)
-        np.testing.assert_array_equal(b, a, err_msg=where)
-        if dtypes:
-            assert b.dtype == a.dtype, f"{where}: dtype {b.dtype} != {a.dtype}"
-
-
-def differential_eager_writes_adversarial(scenario: Callable[[Classes], Any], *, dtypes: bool = True) -> Any:
-    """Runs ``scenario`` with the plain and the decorated classes; the observations match."""
-    plain = scenario(PLAIN)
-    decorated = scenario(DECORATED)
-    _same(plain, decorated, "observation", dtypes)
-    return decorated
-
-
 def has_tracer(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
@@ -3230,44 +2673,44 @@ def test_functionalize_states_and_frozen_models_against_plain_copies() -> None:
         else:
             first, second = copy.copy(model), copy.copy(model)
             snapshot = {name: vars(model)[name] for name in ("x", "n", "flag", "pair")}
-        model.step(full_eager_writes_adversarial(2.0))
-        model.x = full_eager_writes_adversarial(3.0)
-        first.step(full_eager_writes_adversarial(4.0))
-        first.x = full_eager_writes_adversarial(5.0)
-        second.add(full_eager_writes_adversarial(1.0))
+        model.step(filled(2.0))
+        model.x = filled(3.0)
+        first.step(filled(4.0))
+        first.x = filled(5.0)
+        second.add(filled(1.0))
         return [
             model.x, model.n, first.x, first.n, second.x, second.n,
             snapshot["x"], snapshot["n"], snapshot["pair"],
         ]
 
-    differential_eager_writes_adversarial(scenario)
+    run_twins(scenario)
 
 
 def test_a_lazy_functionalize_is_a_snapshot_of_the_model_then() -> None:
     model = written(DECORATED)
     f, thunk = model.functionalize(lazy=True)
-    model.step(full_eager_writes_adversarial(2.0))
-    model.x = full_eager_writes_adversarial(3.0)
+    model.step(filled(2.0))
+    model.x = filled(3.0)
     states = thunk()
-    np.testing.assert_array_equal(np.asarray(states["x"]), full_eager_writes_adversarial(1.0))
+    np.testing.assert_array_equal(np.asarray(states["x"]), filled(1.0))
     np.testing.assert_array_equal(np.asarray(states["n"]), 1)
 
 
 def test_an_unhandled_category_inside_f_and_a_frozen_model() -> None:
     """States of a category functionalize did not handle stay eager slots of ``f.model``."""
     model = DecoratedParent(DecoratedChild())
-    model.bump(full_eager_writes_adversarial(1.0, 2))
+    model.bump(filled(1.0, 2))
     f, states = model.functionalize("nothing")
     assert states == {}
     frozen = autostate.freeze(f, states)
-    model.bump(full_eager_writes_adversarial(2.0, 2))
-    _, _ = f.bump(states, full_eager_writes_adversarial(10.0, 2))  # eager: updates f.model's own slots
-    frozen.set_child(full_eager_writes_adversarial(7.0, 2))
-    np.testing.assert_array_equal(np.asarray(model.child.x), full_eager_writes_adversarial(3.0, 2))
-    np.testing.assert_array_equal(np.asarray(f.model.child.x), full_eager_writes_adversarial(11.0, 2))
-    np.testing.assert_array_equal(np.asarray(frozen.child.x), full_eager_writes_adversarial(7.0, 2))
-    np.testing.assert_array_equal(np.asarray(frozen.y), full_eager_writes_adversarial(1.0, 2))
+    model.bump(filled(2.0, 2))
+    _, _ = f.bump(states, filled(10.0, 2))  # eager: updates f.model's own slots
+    frozen.set_child(filled(7.0, 2))
+    np.testing.assert_array_equal(np.asarray(model.child.x), filled(3.0, 2))
+    np.testing.assert_array_equal(np.asarray(f.model.child.x), filled(11.0, 2))
+    np.testing.assert_array_equal(np.asarray(frozen.child.x), filled(7.0, 2))
+    np.testing.assert_array_equal(np.asarray(frozen.y), filled(1.0, 2))
     with pytest.raises(autostate.AutostateError):
-        staged(lambda f, v: f.bump({}, v))(f, full_eager_writes_adversarial(1.0, 2))
-    np.testing.assert_array_equal(np.asarray(f.model.child.x), full_eager_writes_adversarial(11.0, 2))
+        staged(lambda f, v: f.bump({}, v))(f, filled(1.0, 2))
+    np.testing.assert_array_equal(np.asarray(f.model.child.x), filled(11.0, 2))
     assert not has_tracer(vars(f.model.child))
