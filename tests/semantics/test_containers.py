@@ -42,6 +42,7 @@ from semantics.harness import (
     _fcall,
     assert_bits,
     assert_same,
+    assert_typed,
     assert_user_line,
     check,
     check_transform,
@@ -1378,18 +1379,6 @@ def test_delete_item_and_fstring(write_module: Loader) -> None:
     check(plain, dec, "C()", [("fstring_len", (1.0,))], modes=("eager", "f"))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def test_namedtuple_nested_and_empty_containers(write_module: Loader) -> None:
     plain, dec = pair(write_module, DTYPES)
     check(plain, dec, "Trees()", [("step", (1.0,)), ("step", (2.0,))])
@@ -1416,10 +1405,6 @@ def test_dict_subclass_states_keep_their_type(write_module: Loader) -> None:
     assert_same(p.put("y", 2.0), d.put("y", 2.0))
     assert type(d.od) is collections.OrderedDict
     assert list(p.od) == list(d.od)
-
-
-
-
 
 
 def f_still_works(f: Any, states: dict[str, Any], name: str, *args: Any) -> None:
@@ -1449,98 +1434,6 @@ def test_tuple_of_model_and_array_state(write_module: Loader) -> None:
 def test_one_element_containers_none_and_number_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, REBUILD, fresh=True)
     check(plain, dec, "OneElement()", [("__call__", (1.0,)), ("__call__", (2.0,))])
-
-
-def _is_key(v: Any) -> bool:
-    return isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-
-
-def _bits(a: np.ndarray) -> bytes:
-    """The array's bytes, with -0.0 read as 0.0 (XLA folds ``x + 0`` under jit)."""
-    if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
-        a = np.where(a == 0, np.zeros_like(a), a)
-    return a.tobytes()
-
-
-def typed(v: Any, depth: int = 0) -> Any:
-    """A value as a comparable structure that keeps dtype, weak type and bits."""
-    if depth > 8:
-        return "<deep>"
-    if _is_key(v):
-        return ("key", str(v.dtype), v.shape, np.asarray(jax.random.key_data(v)).tobytes())
-    if isinstance(v, jax.Array):
-        return ("arr", str(v.dtype), bool(v.weak_type), v.shape, _bits(np.asarray(v)))
-    if isinstance(v, np.ndarray | np.generic):
-        a = np.asarray(v)
-        return ("arr", str(a.dtype), False, a.shape, _bits(a))
-    if isinstance(v, bool | int | str | type(None)):
-        return (type(v).__name__, v)
-    if isinstance(v, float | complex):
-        return ("py" + type(v).__name__, v)
-    if isinstance(v, dict):
-        return (type(v).__name__, [("item", k, typed(x, depth + 1)) for k, x in v.items()])
-    if isinstance(v, list | tuple):
-        return (type(v).__name__, [typed(x, depth + 1) for x in v])
-    if hasattr(v, "__dict__") and type(v).__module__.startswith("autostate_testmod"):
-        return (
-            type(v).__name__,
-            [("item", k, typed(getattr(v, k), depth + 1)) for k in sorted(vars(v))],
-        )
-    return ("obj", type(v).__name__)
-
-
-def assert_typed(
-    expected: Any,
-    got: Any,
-    where: str = "",
-    jitted: bool = False,
-    output: bool = False,
-    exact: bool = True,
-) -> None:
-    """Same structure, types, dtypes, weak types, shapes and bits.
-
-    ``jitted``: Python floats / complex numbers may have crossed a jit boundary,
-    where JAX makes them weak-typed 0-d arrays; both sides are compared so.
-    ``output``: the value is what a jitted function returned, where a Python int or
-    bool is an array too (a static state stays a Python value).
-    ``exact=False``: floating values within 1e-6 (a fused program may round
-    differently), everything else still exact.
-    """
-    e, g = typed(expected), typed(got)
-    if jitted:
-        kinds = ("pyfloat", "pycomplex", "int", "bool") if output else ("pyfloat", "pycomplex")
-        e, g = _jitted(e, kinds), _jitted(g, kinds)
-    if not exact:
-        e_vals: list[Any] = []
-        g_vals: list[Any] = []
-        e, g = _floats_out(e, e_vals), _floats_out(g, g_vals)
-        assert e == g, f"{where}:\n expected {e}\n      got {g}"
-        for a, b in zip(e_vals, g_vals):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
-        return
-    assert e == g, f"{where}:\n expected {e}\n      got {g}"
-
-
-def _floats_out(t: Any, vals: list[Any]) -> Any:
-    """``t`` with each float array's bytes replaced by a marker, the values in ``vals``."""
-    if t[0] == "arr" and jnp.issubdtype(jnp.dtype(t[1]), jnp.inexact):
-        vals.append(np.frombuffer(t[4], jnp.dtype(t[1])).astype(np.complex128))
-        return t[:4]
-    if t[0] == "item":
-        return ("item", t[1], _floats_out(t[2], vals))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_floats_out(x, vals) for x in t[1]])
-    return t
-
-
-def _jitted(t: Any, kinds: tuple[str, ...]) -> Any:
-    if t[0] in kinds:
-        return typed(jnp.asarray(t[1]))
-    if t[0] == "item":
-        return ("item", t[1], _jitted(t[2], kinds))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_jitted(x, kinds) for x in t[1]])
-    return t
 
 
 OBJECTS = """
@@ -1666,10 +1559,6 @@ def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader) -> 
     assert_same(snapshot(new1), snapshot(new2), "f is not pure (states)")
 
 
-
-
-
-
 def params_of(f: Any) -> dict[str, Any]:
     return dict(autostate.param_dict(f))
 
@@ -1780,16 +1669,6 @@ def test_dict_in_a_tuple_state_changed_in_place_leaves_callers_states(write_modu
     np.testing.assert_allclose(np.asarray(new["s"][1]["lr"]), 0.05)
     np.testing.assert_allclose(np.asarray(states["s"][1]["lr"]), 0.1, err_msg="caller's states")
     np.testing.assert_allclose(np.asarray(model.s[1]["lr"]), 0.1, err_msg="eager model")
-
-
-
-
-
-
-
-
-
-
 
 
 AUG_ITEMS = """
@@ -1934,8 +1813,6 @@ def test_list_appended_in_forward_not_state(write_module: Loader) -> None:
     assert "Logger.log" in str(err.value) and "fix:" in str(err.value)
     assert __file__.rpartition("/")[2] + ":" in str(err.value)
     assert model.log == []
-
-
 
 
 def test_flax_compact_params_dict_filled_through_f_before_the_first_call(

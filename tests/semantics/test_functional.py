@@ -46,6 +46,8 @@ from semantics.harness import (
     assert_clear,
     assert_same,
     assert_step,
+    assert_typed,
+    attrs,
     build_pair,
     check,
     check_transform,
@@ -54,6 +56,7 @@ from semantics.harness import (
     error_line,
     f_train_step,
     floats,
+    jit_counted,
     library,
     load_plain,
     names_of,
@@ -1069,114 +1072,6 @@ def test_mid_training_round_trip_continues_like_plain(write_module: Loader, how:
     _, states2, rest = _train(f2, states2, PACK_XS)
     assert_same(expected, first + rest)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f2, states2)))
-
-
-def _is_key(v: Any) -> bool:
-    return isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-
-
-def _bits(a: np.ndarray) -> bytes:
-    """The array's bytes, with -0.0 read as 0.0 (XLA folds ``x + 0`` under jit)."""
-    if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
-        a = np.where(a == 0, np.zeros_like(a), a)
-    return a.tobytes()
-
-
-def typed(v: Any, depth: int = 0) -> Any:
-    """A value as a comparable structure that keeps dtype, weak type and bits."""
-    if depth > 8:
-        return "<deep>"
-    if _is_key(v):
-        return ("key", str(v.dtype), v.shape, np.asarray(jax.random.key_data(v)).tobytes())
-    if isinstance(v, jax.Array):
-        return ("arr", str(v.dtype), bool(v.weak_type), v.shape, _bits(np.asarray(v)))
-    if isinstance(v, np.ndarray | np.generic):
-        a = np.asarray(v)
-        return ("arr", str(a.dtype), False, a.shape, _bits(a))
-    if isinstance(v, bool | int | str | type(None)):
-        return (type(v).__name__, v)
-    if isinstance(v, float | complex):
-        return ("py" + type(v).__name__, v)
-    if isinstance(v, dict):
-        return (type(v).__name__, [("item", k, typed(x, depth + 1)) for k, x in v.items()])
-    if isinstance(v, list | tuple):
-        return (type(v).__name__, [typed(x, depth + 1) for x in v])
-    if hasattr(v, "__dict__") and type(v).__module__.startswith("autostate_testmod"):
-        return (
-            type(v).__name__,
-            [("item", k, typed(getattr(v, k), depth + 1)) for k in sorted(vars(v))],
-        )
-    return ("obj", type(v).__name__)
-
-
-def assert_typed(
-    expected: Any,
-    got: Any,
-    where: str = "",
-    jitted: bool = False,
-    output: bool = False,
-    exact: bool = True,
-) -> None:
-    """Same structure, types, dtypes, weak types, shapes and bits.
-
-    ``jitted``: Python floats / complex numbers may have crossed a jit boundary,
-    where JAX makes them weak-typed 0-d arrays; both sides are compared so.
-    ``output``: the value is what a jitted function returned, where a Python int or
-    bool is an array too (a static state stays a Python value).
-    ``exact=False``: floating values within 1e-6 (a fused program may round
-    differently), everything else still exact.
-    """
-    e, g = typed(expected), typed(got)
-    if jitted:
-        kinds = ("pyfloat", "pycomplex", "int", "bool") if output else ("pyfloat", "pycomplex")
-        e, g = _jitted(e, kinds), _jitted(g, kinds)
-    if not exact:
-        e_vals: list[Any] = []
-        g_vals: list[Any] = []
-        e, g = _floats_out(e, e_vals), _floats_out(g, g_vals)
-        assert e == g, f"{where}:\n expected {e}\n      got {g}"
-        for a, b in zip(e_vals, g_vals):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
-        return
-    assert e == g, f"{where}:\n expected {e}\n      got {g}"
-
-
-def _floats_out(t: Any, vals: list[Any]) -> Any:
-    """``t`` with each float array's bytes replaced by a marker, the values in ``vals``."""
-    if t[0] == "arr" and jnp.issubdtype(jnp.dtype(t[1]), jnp.inexact):
-        vals.append(np.frombuffer(t[4], jnp.dtype(t[1])).astype(np.complex128))
-        return t[:4]
-    if t[0] == "item":
-        return ("item", t[1], _floats_out(t[2], vals))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_floats_out(x, vals) for x in t[1]])
-    return t
-
-
-def _jitted(t: Any, kinds: tuple[str, ...]) -> Any:
-    if t[0] in kinds:
-        return typed(jnp.asarray(t[1]))
-    if t[0] == "item":
-        return ("item", t[1], _jitted(t[2], kinds))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_jitted(x, kinds) for x in t[1]])
-    return t
-
-
-def attrs(model: Any) -> dict[str, Any]:
-    """Every attribute of a model, read with getattr (values, never slots)."""
-    return {k: getattr(model, k) for k in sorted(vars(model))}
-
-
-def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
-    """``jax.jit(fn)`` and a list that grows by one per trace."""
-    traces: list[int] = []
-
-    def traced(*a: Any) -> Any:
-        traces.append(1)
-        return fn(*a)
-
-    return staged(traced), traces
 
 
 def _static_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:

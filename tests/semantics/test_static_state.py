@@ -41,13 +41,16 @@ from semantics.harness import (
     _fcall,
     assert_bits,
     assert_same,
+    assert_typed,
     assert_user_line,
+    attrs,
     build_pair,
     check,
     check_transform,
     class_pair,
     data_for,
     error_line,
+    jit_counted,
     keys_of,
     library,
     modes_of,
@@ -436,8 +439,6 @@ def test_a_model_built_outside_still_refuses_tracers():
     assert float(c.count) == 0.0
 
 
-
-
 SOURCE = """
 import enum
 
@@ -787,8 +788,6 @@ def test_a_traced_value_never_stays_in_a_static_list() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-
-
 LOGGING = """
 import jax.numpy as jnp
 
@@ -835,18 +834,6 @@ def test_none_state_becomes_an_array(write_module: Loader) -> None:
 def test_for_self_i_in_python_range(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAST)
     check(plain, dec, "Loop()", [("py_range", ()), ("py_range", ())])
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("method", ["bump_int", "flip"])
@@ -1292,8 +1279,6 @@ def test_kv_cache_with_integer_position(write_module: Loader) -> None:
     check(plain, dec, "KVCache(4, 2)", calls)
 
 
-
-
 def test_eval_switched_eagerly_between_calls(write_module: Loader) -> None:
     plain, dec = pair(write_module, TORCH)
     check(plain, dec, "Mode()", [("__call__", (X1,)), ("set_eval", ()), ("__call__", (X2,))],
@@ -1347,16 +1332,6 @@ def test_cache_reset_to_none_between_jitted_calls(write_module: Loader) -> None:
         out, states = step(f, states, x)
         assert_same(ref(x), out)
     assert_same(ref.cache, states["cache"])
-
-
-
-
-
-
-
-
-
-
 
 
 def source_line_of(err: BaseException) -> str:
@@ -1445,114 +1420,6 @@ def test_static_state_in_a_tab_indented_method_names_its_line(write_module: Load
     with raises_autostate(StaticStateError) as info:
         staged(lambda f, s: f.eval(s))(f, states)
     assert_at(info.value, "# STATIC")
-
-
-def _is_key(v: Any) -> bool:
-    return isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-
-
-def _bits(a: np.ndarray) -> bytes:
-    """The array's bytes, with -0.0 read as 0.0 (XLA folds ``x + 0`` under jit)."""
-    if a.dtype.kind in "fc" or a.dtype.name == "bfloat16":
-        a = np.where(a == 0, np.zeros_like(a), a)
-    return a.tobytes()
-
-
-def typed(v: Any, depth: int = 0) -> Any:
-    """A value as a comparable structure that keeps dtype, weak type and bits."""
-    if depth > 8:
-        return "<deep>"
-    if _is_key(v):
-        return ("key", str(v.dtype), v.shape, np.asarray(jax.random.key_data(v)).tobytes())
-    if isinstance(v, jax.Array):
-        return ("arr", str(v.dtype), bool(v.weak_type), v.shape, _bits(np.asarray(v)))
-    if isinstance(v, np.ndarray | np.generic):
-        a = np.asarray(v)
-        return ("arr", str(a.dtype), False, a.shape, _bits(a))
-    if isinstance(v, bool | int | str | type(None)):
-        return (type(v).__name__, v)
-    if isinstance(v, float | complex):
-        return ("py" + type(v).__name__, v)
-    if isinstance(v, dict):
-        return (type(v).__name__, [("item", k, typed(x, depth + 1)) for k, x in v.items()])
-    if isinstance(v, list | tuple):
-        return (type(v).__name__, [typed(x, depth + 1) for x in v])
-    if hasattr(v, "__dict__") and type(v).__module__.startswith("autostate_testmod"):
-        return (
-            type(v).__name__,
-            [("item", k, typed(getattr(v, k), depth + 1)) for k in sorted(vars(v))],
-        )
-    return ("obj", type(v).__name__)
-
-
-def assert_typed(
-    expected: Any,
-    got: Any,
-    where: str = "",
-    jitted: bool = False,
-    output: bool = False,
-    exact: bool = True,
-) -> None:
-    """Same structure, types, dtypes, weak types, shapes and bits.
-
-    ``jitted``: Python floats / complex numbers may have crossed a jit boundary,
-    where JAX makes them weak-typed 0-d arrays; both sides are compared so.
-    ``output``: the value is what a jitted function returned, where a Python int or
-    bool is an array too (a static state stays a Python value).
-    ``exact=False``: floating values within 1e-6 (a fused program may round
-    differently), everything else still exact.
-    """
-    e, g = typed(expected), typed(got)
-    if jitted:
-        kinds = ("pyfloat", "pycomplex", "int", "bool") if output else ("pyfloat", "pycomplex")
-        e, g = _jitted(e, kinds), _jitted(g, kinds)
-    if not exact:
-        e_vals: list[Any] = []
-        g_vals: list[Any] = []
-        e, g = _floats_out(e, e_vals), _floats_out(g, g_vals)
-        assert e == g, f"{where}:\n expected {e}\n      got {g}"
-        for a, b in zip(e_vals, g_vals):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
-        return
-    assert e == g, f"{where}:\n expected {e}\n      got {g}"
-
-
-def _floats_out(t: Any, vals: list[Any]) -> Any:
-    """``t`` with each float array's bytes replaced by a marker, the values in ``vals``."""
-    if t[0] == "arr" and jnp.issubdtype(jnp.dtype(t[1]), jnp.inexact):
-        vals.append(np.frombuffer(t[4], jnp.dtype(t[1])).astype(np.complex128))
-        return t[:4]
-    if t[0] == "item":
-        return ("item", t[1], _floats_out(t[2], vals))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_floats_out(x, vals) for x in t[1]])
-    return t
-
-
-def _jitted(t: Any, kinds: tuple[str, ...]) -> Any:
-    if t[0] in kinds:
-        return typed(jnp.asarray(t[1]))
-    if t[0] == "item":
-        return ("item", t[1], _jitted(t[2], kinds))
-    if len(t) == 2 and isinstance(t[1], list):
-        return (t[0], [_jitted(x, kinds) for x in t[1]])
-    return t
-
-
-def attrs(model: Any) -> dict[str, Any]:
-    """Every attribute of a model, read with getattr (values, never slots)."""
-    return {k: getattr(model, k) for k in sorted(vars(model))}
-
-
-def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
-    """``jax.jit(fn)`` and a list that grows by one per trace."""
-    traces: list[int] = []
-
-    def traced(*a: Any) -> Any:
-        traces.append(1)
-        return fn(*a)
-
-    return staged(traced), traces
 
 
 def lifecycle(
@@ -1844,8 +1711,6 @@ def test_one_shot_hook_in_eager_f_runs_once_as_in_python(write_module: Loader) -
     assert len(f.model.hooks) == 0 and len(ref.hooks) == 0
 
 
-
-
 def assert_line_is(err: BaseException, module: types.ModuleType, text: str) -> None:
     """The error names ``module``'s file at a line whose source contains ``text``."""
     assert_user_line(err, module.__file__)
@@ -1878,10 +1743,6 @@ def test_post_init_python_int_counter_eagerly(write_module: Loader) -> None:
     check(
         plain, dec, "Posted()", [("bump", ()), ("bump", ()), ("__call__", (X1,))], modes=("eager",)
     )
-
-
-
-
 
 
 def params_of(f: Any) -> dict[str, Any]:
@@ -2019,8 +1880,6 @@ def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader) -> None:
     run(f, s, x)
     run(fe, s, x)
     assert len(traces) == 2
-
-
 
 
 def test_eval_toggled_eagerly_between_calls(write_module: Loader) -> None:
@@ -2219,16 +2078,6 @@ def test_actnorm_array_flag_grad_after_init(write_module: Loader) -> None:
     bias, scale = -XA.mean(0), 1.0 / (XA.std(0) + 1e-6)
     out, _ = f(states, XA * 2)
     assert_same(np.asarray((XA * 2 + bias) * scale), np.asarray(out))
-
-
-
-
-
-
-
-
-
-
 
 
 V3 = jnp.arange(3.0)
@@ -2785,8 +2634,6 @@ def test_eval_then_train_toggle_between_jitted_steps(write_module: Loader) -> No
         assert_same(snapshot(ref), snapshot(model), f"{mode} attributes")
 
 
-
-
 def test_lazy_weight_reset_to_none_eagerly_is_refilled_by_f(write_module: Loader) -> None:
     # After `model.reset()` the None is the value of an array state (it is in `states`),
     # which a call of f may fill again: the same numbers as plain Python.
@@ -2827,8 +2674,6 @@ def test_gradient_accumulation_with_grads_set_to_none(write_module: Loader) -> N
     (tests/test_static_state.py): plain Python in every mode."""
     plain, dec = torch(write_module)
     check(plain, dec, "AccumTrainer(True)", STEPS[:2], modes=("eager", "jit", "freeze"))
-
-
 
 
 def test_static_class_default_inside_f(write_module: Loader) -> None:
