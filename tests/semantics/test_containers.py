@@ -13,13 +13,11 @@ with what differs.
 from __future__ import annotations
 
 import collections
-import functools
 import re
 import sys
 import types
 import typing
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,6 @@ from semantics.harness import (
     check,
     check_transform,
     pair,
-    read_plain,
     run_case,
     same,
     snapshot,
@@ -61,7 +58,6 @@ from semantics.programs import (
     DQN,
     DTYPES,
     EMA_LR,
-    GPT,
     GROW,
     HELPER_MODULE,
     KV,
@@ -72,7 +68,6 @@ from semantics.programs import (
     PROMPT,
     REBUILD,
     SUBMODELS,
-    TRANSITIONS,
     X1,
     X23,
     XK,
@@ -82,6 +77,11 @@ from semantics.programs import (
 from semantics.programs import CONSTRUCTS_h as CONSTRUCTS
 from semantics.programs import V2_h31 as V2
 from semantics.programs import X2_h13 as X2
+from semantics.references import (
+    dqn_calls,
+    gpt,
+    jitted,
+)
 
 HEADER = """
 import collections
@@ -1559,32 +1559,6 @@ def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader) -> 
     assert_same(snapshot(new1), snapshot(new2), "f is not pure (states)")
 
 
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
-
-
 def test_gpt_cached_decode_matches_full_recompute(write_module: Loader) -> None:
     _, _, f, states, _ = gpt(write_module)
     toks, s = jitted("greedy_scan", 4)(f, states, PROMPT)
@@ -1617,19 +1591,10 @@ def test_moe_routing_and_usage_counters(write_module: Loader, use_argsort: bool)
           [("__call__", (XM,)), ("__call__", (XM[:2] * 3,)), ("loss", (XM, XM * 0.5))])
 
 
-def _dqn_calls() -> list[tuple[str, tuple[Any, ...]]]:
-    calls: list[tuple[str, tuple[Any, ...]]] = []
-    for i, t in enumerate(TRANSITIONS * 2):
-        calls.append(("add", t))
-        if i >= 1:
-            calls.append(("train_step", (0.1, 0.9)))
-    return calls
-
-
 @pytest.mark.parametrize("sync", ["where", "cond", "cond_assigns"])
 def test_dqn_replay_buffer_and_target_sync(write_module: Loader, sync: str) -> None:
     plain, dec = pair(write_module, DQN)
-    check(plain, dec, f"DQN(0, sync={sync!r})", _dqn_calls())
+    check(plain, dec, f"DQN(0, sync={sync!r})", dqn_calls())
 
 
 def test_lr_schedule_written_into_optax_state_in_place(write_module: Loader) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import gc
 import pickle
 import re
@@ -27,7 +26,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import autostate
@@ -84,12 +82,10 @@ from semantics.programs import (
     GPT,
     KEY,
     KINDS,
-    LIGHTNING,
     LIT_STEPS,
     LORA,
     MODELS,
     MULTI,
-    N_BLOCKS,
     NET,
     NNX,
     ONE,
@@ -117,7 +113,23 @@ from semantics.programs import X2_h23 as X2_h23
 from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import X_h35 as X_h35
 from semantics.programs import XL_h35 as XL_h35
-from semantics.programs import Y_h35 as Y
+from semantics.references import (
+    JF_STEP,
+    assert_shared,
+    batch,
+    cnn,
+    gpt,
+    has_tracer,
+    images,
+    jitted,
+    lightning,
+    params_of,
+    ref_gpt,
+    ref_greedy,
+    step_jit,
+    train_both,
+    trained_pair,
+)
 from semantics.twins import (
     DECORATED,
     Classes,
@@ -1437,64 +1449,6 @@ def test_inference_mode_of_a_functional_model(mods: Any) -> None:
         assert_clear(info.value, errors.HostStateTypeError, HERE, 'fallback="host"')
 
 
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
-    m = x.mean(-1, keepdims=True)
-    v = x.var(-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + 1e-5) * p[pre + "scale"] + p[pre + "bias"]
-
-
-def ref_gpt(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    """The decoder by hand: params and the cache threaded explicitly."""
-    s = dict(s)
-    pos = s["pos"]
-    t = tokens.shape[0]
-    x = p["embed"][tokens] + jax.lax.dynamic_slice_in_dim(p["pos_embed"], pos, t)
-    for i in range(N_BLOCKS):
-        b = f"blocks[{i}]."
-        h = ref_ln(p, b + "ln1.", x)
-        q = h @ p[b + "attn.wq"]
-        k = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.k"], h @ p[b + "attn.wk"], pos, 0)
-        v = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.v"], h @ p[b + "attn.wv"], pos, 0)
-        s[b + "attn.k"], s[b + "attn.v"] = k, v
-        qpos = pos + jnp.arange(t)
-        mask = jnp.arange(k.shape[0])[None, :] <= qpos[:, None]
-        sc = jnp.where(mask, q @ k.T / np.sqrt(h.shape[-1]), -1e9)
-        x = x + jax.nn.softmax(sc, axis=-1) @ v @ p[b + "attn.wo"]
-        h = ref_ln(p, b + "ln2.", x)
-        m = b + "mlp."
-        x = x + jax.nn.gelu(h @ p[m + "w1"] + p[m + "b1"]) @ p[m + "w2"] + p[m + "b2"]
-    s["pos"] = pos + t
-    return ref_ln(p, "ln_f.", x) @ p["head"], s
-
-
-def ref_next(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    logits, s = ref_gpt(p, s, tokens)
-    return jnp.argmax(logits[-1]).astype(jnp.int32), s
-
-
-def ref_greedy(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
-    tok, s = ref_next(p, s, prompt)
-    out = [tok]
-    for _ in range(steps - 1):
-        tok, s = ref_next(p, s, tok[None])
-        out.append(tok)
-    return jnp.stack(out), s
-
-
 def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, temp: float) -> Any:
     logits, s = ref_gpt(p, s, prompt)
     logits = logits[-1]
@@ -1512,18 +1466,6 @@ def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, te
     return out, s
 
 
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
-
-
 def test_gpt_reset_then_decode_again_through_f(write_module: Loader) -> None:
     _, _, f, states, p = gpt(write_module)
     run = jitted("greedy_fori", 4)
@@ -1533,74 +1475,6 @@ def test_gpt_reset_then_decode_again_through_f(write_module: Loader) -> None:
     again, s = run(f, s, PROMPT)
     assert_bits(first, again)
     assert_bits(ref_greedy(p, states, PROMPT, 4)[0], again)
-
-
-def ref_cnn(p: dict[str, Any], s: dict[str, Any], x: Any, training: bool) -> Any:
-    s = dict(s)
-    y = jax.lax.conv_general_dilated(
-        x, p["conv"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    if training:
-        m = y.mean((0, 1, 2))
-        v = y.var((0, 1, 2))
-        s["bn.mean"] = 0.9 * s["bn.mean"] + (1 - 0.9) * m
-        s["bn.var"] = 0.9 * s["bn.var"] + (1 - 0.9) * v
-        s["steps"] = s["steps"] + 1
-    else:
-        m, v = s["bn.mean"], s["bn.var"]
-    y = jax.nn.relu((y - m) / jnp.sqrt(v + 1e-5) * p["bn.scale"] + p["bn.bias"])
-    return y.mean((1, 2)) @ p["head"] + p["head_b"], s
-
-
-def ref_cnn_loss(p: dict[str, Any], s: dict[str, Any], x: Any, labels: Any) -> Any:
-    logits, s = ref_cnn(p, s, x, True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), s
-
-
-def images(i: int, n: int = 4) -> tuple[Any, Any]:
-    kx, ky = jax.random.split(jax.random.PRNGKey(50 + i))
-    return jax.random.normal(kx, (n, 5, 5, 1)), jax.random.randint(ky, (n,), 0, 3)
-
-
-def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    plain, dec = pair(write_module, "import optax\n" + CNN)
-    ref, model = plain.CNN(0), dec.CNN(0)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    return ref, model, f, states, p
-
-
-def f_step(f: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(lambda f, s: f.loss(s, x, y), has_aux=True)(f, s)
-    u, o = ADAM.update(g, o, f)
-    return loss, optax.apply_updates(f, u), o, s
-
-
-def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(ref_cnn_loss, has_aux=True)(p, s, x, y)
-    u, o = ADAM.update(g, o, p)
-    return loss, optax.apply_updates(p, u), o, s
-
-
-JF_STEP, JR_STEP = staged(f_step), staged(r_step)
-
-
-def train_both(
-    f: Any, s: Any, p: Any, steps: range, jit: bool = True, o: Any = None, ro: Any = None
-) -> Any:
-    fs, rs = (JF_STEP, JR_STEP) if jit else (f_step, r_step)
-    rsd = dict(s)
-    o = ADAM.init(f) if o is None else o
-    ro = ADAM.init(p) if ro is None else ro
-    for i in steps:
-        x, y = images(i)
-        loss, f, o, s = fs(f, o, s, x, y)
-        rloss, p, ro, rsd = rs(p, ro, rsd, x, y)
-        assert_same(rloss, loss, f"loss {i}")
-        assert_same(p, params_of(f), f"params {i}")
-        assert_same(rsd, dict(s), f"states {i}")
-    return f, s, p, o, ro
 
 
 def train_f(f: Any, s: Any, steps: range, o: Any = None) -> tuple[Any, Any, Any]:
@@ -2125,14 +1999,6 @@ def test_copy_replace_of_a_decorated_model(write_module: Loader, cls: str) -> No
     assert sorted(m2.functionalize()[1]) == sorted(model.functionalize()[1])
 
 
-def step_jit() -> Callable[..., Any]:
-    return staged(lambda f, s, x: f(s, x))
-
-
-def assert_shared(model: Any) -> None:
-    assert model.items[1] is model.by["b"], "the shared sub-model was split"
-
-
 def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: Loader) -> None:
     # Fresh modules (not the cached pair): pickling needs them in sys.modules.
     plain, dec = pair(write_module, NET, fresh=True)
@@ -2227,18 +2093,10 @@ def test_freeze_of_a_copy_of_states_and_tree_map(write_module: Loader) -> None:
     assert_same(2 * np.asarray(states["by['a'].mean"]), frozen.by["a"].mean, "doubled mean")
 
 
-def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
-    ref, model = plain.Net(scale), dec.Net(scale)
-    for x in (X1_h27, X2_h27, X1_h27):
-        ref(x)
-        model(x)
-    return ref, model
-
-
 @pytest.mark.parametrize("path", ["items[0]", "items[1]", "by['b']", "pair[1]"])
 def test_functionalize_a_sub_model_while_the_parent_exists(write_module: Loader, path: str) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     sub = plain_path(model, path)
     f, states = sub.functionalize()
     assert sorted(states) == ["count", "mean"]
@@ -2259,7 +2117,7 @@ def test_functionalize_a_sub_model_while_the_parent_exists(write_module: Loader,
 
 def test_functionalize_twice_and_use_the_older_pair(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     f1, s1 = model.functionalize()
     f2, s2 = model.functionalize()
     step = step_jit()
@@ -2280,7 +2138,7 @@ def test_functionalize_twice_and_use_the_older_pair(write_module: Loader) -> Non
 
 def test_f_after_the_model_changed_eagerly_is_a_snapshot(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     at_functionalize = copy.deepcopy(ref)
     f, states = model.functionalize()
     # eager changes after functionalize: a step, a replaced sub-model, a new parameter
@@ -2303,7 +2161,7 @@ def test_f_after_the_model_changed_eagerly_is_a_snapshot(write_module: Loader) -
 
 def test_functionalize_after_an_eager_reset_of_a_sub_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     ref.by["b"].reset()
     model.by["b"].reset()
     f, states = model.functionalize()
@@ -2422,10 +2280,6 @@ def test_lora_training_only_adapters_in_scan(write_module: Loader) -> None:
     check_transform(plain, dec, "LoRANet(0, 3, 2)", [("__call__", (X,))], XL, "grad")
 
 
-def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
-
-
 GRADS = {
     "l1.w": jnp.full((3, 4), 0.1), "l1.b": jnp.full((4,), -0.2),
     "l2.w": jnp.full((4, 2), 0.3), "l2.b": jnp.full((2,), 0.05),
@@ -2456,10 +2310,6 @@ def test_trained_trainer_saved_loaded_and_pickled_keeps_its_sharing(
         r = copy.deepcopy(ref)
         assert_same(r.fit_step(*batch(3)), t.fit_step(*batch(3)))
         assert_same(snapshot(r), snapshot(t))
-
-
-def lightning(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, "import weakref\n" + LIGHTNING)
 
 
 def test_lightning_trainer_freeze_and_deepcopy_keep_the_cycle(write_module: Loader) -> None:
@@ -2550,10 +2400,6 @@ def test_functionalize_the_optimizer_a_trainer_holds(write_module: Loader) -> No
                                             ("step", (GRADS,))])
     f, states = dec.sgd_trainer().opt.functionalize()
     assert "model.l1.w" in states and "steps" in states
-
-
-def has_tracer(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def test_functionalize_states_and_frozen_models_against_plain_copies() -> None:

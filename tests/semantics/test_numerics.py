@@ -12,7 +12,6 @@ with what differs.
 from __future__ import annotations
 
 import copy
-import functools
 import pickle
 import types
 from collections.abc import Callable
@@ -63,7 +62,6 @@ from semantics.programs import (
     X1,
     XQ,
     XR,
-    Phase,
 )
 from semantics.programs import KINDS as KINDS_h13
 from semantics.programs import RNG as RNG_h26
@@ -76,6 +74,16 @@ from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import XM_h30 as XM
 from semantics.programs import XR_h30 as XR_h30
 from semantics.programs import XS_h13 as XS_h13
+from semantics.references import (
+    grads_of,
+    jitted,
+    lifecycle,
+    module_file_name,
+    params_of,
+    ref_dropout,
+    staged_method_call,
+    step_jit,
+)
 
 XS = jnp.asarray([0.5, -1.0, 2.0])
 
@@ -541,58 +549,6 @@ def test_numpy_parameter_changed_in_place_inside_f(write_module: Loader, mode: s
     assert_same(np.zeros(3), model.buf, "the eager model's buffer changed")
 
 
-def lifecycle(
-    plain: types.ModuleType, dec: types.ModuleType, build: str, phases: list[Phase]
-) -> None:
-    """Runs every call of ``phases`` on one plain model, and on one decorated model
-    moved between modes: ``eager`` calls the model, ``f`` calls ``f(states, ...)``,
-    ``jit`` calls a jitted ``f``; moving from ``f``/``jit`` to ``eager`` freezes,
-    moving from ``eager`` to ``f``/``jit`` functionalizes. After each phase the
-    outputs and every attribute must be the plain ones, dtypes and weak types
-    included (a Python float is a weak 0-d array once it crossed jit)."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    model = eval(build, vars(dec))  # noqa: S307
-    f = states = None
-    crossed_jit = False
-    jitted: dict[str, Any] = {}
-    for i, (mode, calls) in enumerate(phases):
-        if mode == "eager" and f is not None:
-            model, f, states = autostate.freeze(f, states), None, None
-        if mode in ("f", "jit") and f is None:
-            f, states = model.functionalize()
-            model = None
-        crossed_jit = crossed_jit or mode == "jit"
-        for name, args in calls:
-            expected = getattr(ref, name)(*args)
-            if mode == "eager":
-                got = getattr(model, name)(*args)
-            elif mode == "f":
-                fn = f if name == "__call__" else getattr(f, name)
-                got, states = fn(states, *args)
-            else:
-                if name not in jitted:
-                    jitted[name] = staged(
-                        lambda f, s, *a, n=name: (f if n == "__call__" else getattr(f, n))(s, *a)
-                    )
-                got, states = jitted[name](f, states, *args)
-            # (A compiled program may round floats differently from eager ops.)
-            assert_typed(
-                expected, got, f"phase {i} ({mode}) {name} output", crossed_jit, mode == "jit",
-                exact=mode != "jit",
-            )
-        if mode == "eager":
-            assert_typed(attrs(ref), attrs(model), f"phase {i} attributes", crossed_jit)
-        else:
-            for key, value in states.items():
-                assert_typed(
-                    plain_path(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
-                    exact=mode != "jit",
-                )
-    if f is not None:
-        model = autostate.freeze(f, states)
-    assert_typed(attrs(ref), attrs(model), "final attributes", crossed_jit)
-
-
 def transform_typed(
     plain: types.ModuleType,
     dec: types.ModuleType,
@@ -962,26 +918,6 @@ def test_f_does_not_mutate_a_numpy_state_it_is_given(mods: Any) -> None:
     assert float(given) == 2.0
 
 
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def ref_dropout(key: Any, x: Any, rate: float = 0.5) -> Any:
-    key, sub = jax.random.split(key)
-    keep = jax.random.bernoulli(sub, 1 - rate, x.shape)
-    return jnp.where(keep, x / (1 - rate), 0.0), key
-
-
 def ref_split3(key: Any, x: Any) -> Any:
     key, k1, k2 = jax.random.split(key, 3)
     return x * jax.random.uniform(k1, x.shape) + jax.random.normal(k2, x.shape), key
@@ -1053,10 +989,6 @@ def test_random_streams_match_hand_threaded_bit_for_bit(
     assert_bits(rs, autostate.state_dict(autostate.freeze(f, js)), "frozen states")
 
 
-def _file(mod: types.ModuleType) -> str:
-    return mod.__file__.rsplit("/", 1)[-1]
-
-
 @pytest.mark.parametrize("new_style", [False, True])
 def test_key_split_per_call_dropout(write_module: Loader, new_style: bool) -> None:
     plain, dec = pair(write_module, RNG_h26)
@@ -1100,11 +1032,7 @@ def test_float_rate_state_under_jit(write_module: Loader) -> None:
         check(plain, dec, "Drop(0).set_rate(0.0)", [("__call__", (XR,))], modes=("jit",))
     assert isinstance(raised.value, jax.errors.TracerBoolConversionError)
     assert "'p' holds a Python number" in str(raised.value)
-    assert_user_line(raised.value, _file(dec))
-
-
-def step_jit() -> Callable[..., Any]:
-    return staged(lambda f, s, x: f(s, x))
+    assert_user_line(raised.value, module_file_name(dec))
 
 
 def test_odd_states_plain_vs_decorated(write_module: Loader) -> None:
@@ -1144,20 +1072,14 @@ def test_odd_states_ensemble_vmap(write_module: Loader) -> None:
         assert_same(snapshot(r), snapshot(member), f"member {i}")
 
 
-def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
-        f, states, *args
-    )
-
-
 def test_torch_style_moving_average_if_under_jit_is_traced_value_error(
     write_module: Loader,
 ) -> None:
     _, dec = pair(write_module, QAT)
     f, states = dec.TorchStyleMovingAverage().functionalize()
     with pytest.raises(autostate.errors.TracedValueError) as err:
-        jit_call_h30(f, states, XQ)
-    assert_user_line(err.value, _file(dec))
+        staged_method_call(f, states, XQ)
+    assert_user_line(err.value, module_file_name(dec))
     assert isinstance(err.value, jax.errors.TracerBoolConversionError)
 
 
@@ -1185,18 +1107,14 @@ def test_moe_python_float_aux_loss_init(write_module: Loader) -> None:
     assert_same(snapshot(ref), snapshot(model), "eager attributes")
 
 
-def _grads(mod: types.ModuleType, n: int) -> list[Any]:
-    return [mod.grads_at(i) for i in range(n)]
-
-
 def test_accum_array_k_python_if(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACCUM)
-    calls = [("update", (g,)) for g in _grads(plain, 7)]
+    calls = [("update", (g,)) for g in grads_of(plain, 7)]
     check(plain, dec, "AccumSGD(init_params(), 3, array_k=True)", calls, modes=("eager", "f"))
     f, states = dec.AccumSGD(dec.init_params(), 3, array_k=True).functionalize()
     with pytest.raises(autostate.errors.TracedValueError) as err:
-        jit_call_h30(f, states, plain.grads_at(0), method="update")
-    assert_user_line(err.value, _file(dec))
+        staged_method_call(f, states, plain.grads_at(0), method="update")
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:

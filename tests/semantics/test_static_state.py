@@ -13,7 +13,6 @@ with what differs.
 from __future__ import annotations
 
 import enum
-import functools
 import pickle
 import re
 import sys
@@ -25,7 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import autostate
@@ -66,12 +64,10 @@ from semantics.harness import (
 )
 from semantics.programs import (
     ACCUM,
-    ADAM,
     ASSIGN,
     BATCHNORM,
     CLASS_ATTRS,
     CLASS_DEFAULTS,
-    CNN,
     CONTROL,
     DATACLASSES,
     DTYPES,
@@ -102,7 +98,6 @@ from semantics.programs import (
     XL,
     XP,
     XQ,
-    Phase,
     py312,
 )
 from semantics.programs import SOURCE as SOURCE_h22
@@ -119,7 +114,19 @@ from semantics.programs import X2_h15 as X2_h15
 from semantics.programs import X2_h23 as X2_h23
 from semantics.programs import X_h35 as X_h35
 from semantics.programs import XM_h30 as XM
-from semantics.programs import Y_h35 as Y
+from semantics.references import (
+    batch,
+    cnn,
+    grads_of,
+    images,
+    jitted,
+    lifecycle,
+    module_file_name,
+    ref_cnn,
+    staged_method_call,
+    step_jit,
+    train_both,
+)
 
 
 class Mode(enum.Enum):
@@ -1422,58 +1429,6 @@ def test_static_state_in_a_tab_indented_method_names_its_line(write_module: Load
     assert_at(info.value, "# STATIC")
 
 
-def lifecycle(
-    plain: types.ModuleType, dec: types.ModuleType, build: str, phases: list[Phase]
-) -> None:
-    """Runs every call of ``phases`` on one plain model, and on one decorated model
-    moved between modes: ``eager`` calls the model, ``f`` calls ``f(states, ...)``,
-    ``jit`` calls a jitted ``f``; moving from ``f``/``jit`` to ``eager`` freezes,
-    moving from ``eager`` to ``f``/``jit`` functionalizes. After each phase the
-    outputs and every attribute must be the plain ones, dtypes and weak types
-    included (a Python float is a weak 0-d array once it crossed jit)."""
-    ref = eval(build, vars(plain))  # noqa: S307
-    model = eval(build, vars(dec))  # noqa: S307
-    f = states = None
-    crossed_jit = False
-    jitted: dict[str, Any] = {}
-    for i, (mode, calls) in enumerate(phases):
-        if mode == "eager" and f is not None:
-            model, f, states = autostate.freeze(f, states), None, None
-        if mode in ("f", "jit") and f is None:
-            f, states = model.functionalize()
-            model = None
-        crossed_jit = crossed_jit or mode == "jit"
-        for name, args in calls:
-            expected = getattr(ref, name)(*args)
-            if mode == "eager":
-                got = getattr(model, name)(*args)
-            elif mode == "f":
-                fn = f if name == "__call__" else getattr(f, name)
-                got, states = fn(states, *args)
-            else:
-                if name not in jitted:
-                    jitted[name] = staged(
-                        lambda f, s, *a, n=name: (f if n == "__call__" else getattr(f, n))(s, *a)
-                    )
-                got, states = jitted[name](f, states, *args)
-            # (A compiled program may round floats differently from eager ops.)
-            assert_typed(
-                expected, got, f"phase {i} ({mode}) {name} output", crossed_jit, mode == "jit",
-                exact=mode != "jit",
-            )
-        if mode == "eager":
-            assert_typed(attrs(ref), attrs(model), f"phase {i} attributes", crossed_jit)
-        else:
-            for key, value in states.items():
-                assert_typed(
-                    plain_path(ref, key), value, f"phase {i} ({mode}) state {key}", crossed_jit,
-                    exact=mode != "jit",
-                )
-    if f is not None:
-        model = autostate.freeze(f, states)
-    assert_typed(attrs(ref), attrs(model), "final attributes", crossed_jit)
-
-
 PYINSIDE = """
 class Mode(enum.Enum):
     A = 1
@@ -1743,88 +1698,6 @@ def test_post_init_python_int_counter_eagerly(write_module: Loader) -> None:
     check(
         plain, dec, "Posted()", [("bump", ()), ("bump", ()), ("__call__", (X1,))], modes=("eager",)
     )
-
-
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def ref_cnn(p: dict[str, Any], s: dict[str, Any], x: Any, training: bool) -> Any:
-    s = dict(s)
-    y = jax.lax.conv_general_dilated(
-        x, p["conv"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    if training:
-        m = y.mean((0, 1, 2))
-        v = y.var((0, 1, 2))
-        s["bn.mean"] = 0.9 * s["bn.mean"] + (1 - 0.9) * m
-        s["bn.var"] = 0.9 * s["bn.var"] + (1 - 0.9) * v
-        s["steps"] = s["steps"] + 1
-    else:
-        m, v = s["bn.mean"], s["bn.var"]
-    y = jax.nn.relu((y - m) / jnp.sqrt(v + 1e-5) * p["bn.scale"] + p["bn.bias"])
-    return y.mean((1, 2)) @ p["head"] + p["head_b"], s
-
-
-def ref_cnn_loss(p: dict[str, Any], s: dict[str, Any], x: Any, labels: Any) -> Any:
-    logits, s = ref_cnn(p, s, x, True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), s
-
-
-def images(i: int, n: int = 4) -> tuple[Any, Any]:
-    kx, ky = jax.random.split(jax.random.PRNGKey(50 + i))
-    return jax.random.normal(kx, (n, 5, 5, 1)), jax.random.randint(ky, (n,), 0, 3)
-
-
-def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    plain, dec = pair(write_module, "import optax\n" + CNN)
-    ref, model = plain.CNN(0), dec.CNN(0)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    return ref, model, f, states, p
-
-
-def f_step(f: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(lambda f, s: f.loss(s, x, y), has_aux=True)(f, s)
-    u, o = ADAM.update(g, o, f)
-    return loss, optax.apply_updates(f, u), o, s
-
-
-def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(ref_cnn_loss, has_aux=True)(p, s, x, y)
-    u, o = ADAM.update(g, o, p)
-    return loss, optax.apply_updates(p, u), o, s
-
-
-JF_STEP, JR_STEP = staged(f_step), staged(r_step)
-
-
-def train_both(
-    f: Any, s: Any, p: Any, steps: range, jit: bool = True, o: Any = None, ro: Any = None
-) -> Any:
-    fs, rs = (JF_STEP, JR_STEP) if jit else (f_step, r_step)
-    rsd = dict(s)
-    o = ADAM.init(f) if o is None else o
-    ro = ADAM.init(p) if ro is None else ro
-    for i in steps:
-        x, y = images(i)
-        loss, f, o, s = fs(f, o, s, x, y)
-        rloss, p, ro, rsd = rs(p, ro, rsd, x, y)
-        assert_same(rloss, loss, f"loss {i}")
-        assert_same(p, params_of(f), f"params {i}")
-        assert_same(rsd, dict(s), f"states {i}")
-    return f, s, p, o, ro
 
 
 def test_cnn_eval_after_training_uses_running_stats(write_module: Loader) -> None:
@@ -2150,10 +2023,6 @@ def test_static_enum_state_switched_by_eval(write_module: Loader) -> None:
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen in eval mode")
 
 
-def _file(mod: types.ModuleType) -> str:
-    return mod.__file__.rsplit("/", 1)[-1]
-
-
 def test_actnorm_python_flag_first_forward_eager(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
     calls = [("__call__", (XA_h26,)), ("__call__", (XA_h26 * 2 + 1,)), ("__call__", (XA_h26,))]
@@ -2190,7 +2059,7 @@ def test_actnorm_python_flag_uninitialised_through_f_is_documented_error(
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states, XA_h26)
     assert "initialized" in str(err.value)
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_actnorm_array_flag_h26(write_module: Loader) -> None:
@@ -2366,7 +2235,7 @@ def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Load
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states, XB_h26)
     assert "training" in str(err.value)
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -2376,7 +2245,7 @@ def test_f_eval_on_train_model_is_documented_error(write_module: Loader, jit: bo
     call = (lambda f, s: f.eval(s)[1])  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states)
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_f_train_on_train_model_keeps_states(write_module: Loader) -> None:
@@ -2409,11 +2278,7 @@ def test_torch_like_eval_through_f_is_documented_error(write_module: Loader, jit
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states)
     assert "training" in str(err.value)
-    assert_user_line(err.value, _file(dec))
-
-
-def step_jit() -> Callable[..., Any]:
-    return staged(lambda f, s, x: f(s, x))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_python_int_state_through_f_is_the_documented_error(write_module: Loader) -> None:
@@ -2436,12 +2301,6 @@ class Steps:
     with pytest.raises(autostate.errors.StaticStateError) as info:
         step_jit()(f, states, jnp.ones(2))
     assert_user_line(info.value, Path(dec.__file__).name)
-
-
-def jit_call_h30(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
-    return staged(lambda f, s, *a: (f if method == "__call__" else getattr(f, method))(s, *a))(
-        f, states, *args
-    )
 
 
 @pytest.mark.parametrize(
@@ -2490,7 +2349,7 @@ def test_disable_fake_quant_and_reenable_observer_eagerly(write_module: Loader) 
     model.disable_observer()
     ref.disable_observer()
     f, states = model.functionalize()
-    out, states = jit_call_h30(f, states, XQ * 7)
+    out, states = staged_method_call(f, states, XQ * 7)
     assert_same(ref(XQ * 7), out, "jit with observer disabled")
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
@@ -2503,7 +2362,7 @@ def test_disable_observer_through_f_is_static_state_error(write_module: Loader, 
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states)
     assert "observer_enabled" in str(err.value)
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 @pytest.mark.parametrize(
@@ -2543,14 +2402,14 @@ def test_lora_merge_through_f_is_static_state_error(write_module: Loader, jit: b
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states)
     assert "merged" in str(err.value)
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_lora_merge_of_merged_model_through_f_is_noop(write_module: Loader) -> None:
     plain, dec = pair(write_module, LORA)
     check(plain, dec, "LoRANet(0, 3, 2).merge_all()", [("merge_all", ()), ("__call__", (XL,))][1:])
     f, states = dec.LoRANet(0, 3, 2).merge_all().functionalize()
-    out, new = jit_call_h30(f, states, method="merge_all")
+    out, new = staged_method_call(f, states, method="merge_all")
     for k in states:
         assert_same(snapshot(states[k]), snapshot(new[k]), k)
 
@@ -2578,16 +2437,12 @@ def test_moe_python_int_dropped_counter_through_f(write_module: Loader, jit: boo
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states, XM)
     assert "dropped" in str(err.value)
-    assert_user_line(err.value, _file(dec))
-
-
-def _grads(mod: types.ModuleType, n: int) -> list[Any]:
-    return [mod.grads_at(i) for i in range(n)]
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_accum_python_int_k_eager(write_module: Loader) -> None:
     plain, dec = pair(write_module, ACCUM)
-    calls = [("update", (g,)) for g in _grads(plain, 7)]
+    calls = [("update", (g,)) for g in grads_of(plain, 7)]
     check(plain, dec, "AccumSGD(init_params(), 3)", calls, modes=("eager",))
 
 
@@ -2601,7 +2456,7 @@ def test_accum_python_int_k_through_f_is_static_state_error(
     with pytest.raises(autostate.errors.StaticStateError) as err:
         (staged(call) if jit else call)(f, states, plain.grads_at(0))
     assert "'k'" in str(err.value) or "k" in str(err.value).split()
-    assert_user_line(err.value, _file(dec))
+    assert_user_line(err.value, module_file_name(dec))
 
 
 def test_last_hidden_none_init(write_module: Loader) -> None:
@@ -2615,7 +2470,7 @@ def test_last_hidden_none_init(write_module: Loader) -> None:
     ref = plain.Probe(0, 3, 2, none_init=True)
     ref(XP)
     f, states = m.functionalize()
-    out, states = jit_call_h30(f, states, XP * 3)
+    out, states = staged_method_call(f, states, XP * 3)
     assert_same(ref(XP * 3), out, "after the eager first call")
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
@@ -2656,10 +2511,6 @@ def test_none_array_toggle(write_module: Loader) -> None:
     ]
     run_case(plain, dec, "Toggle()", calls)
     run_case(plain, dec, "cleared()", [("__call__", (V2_h31,)), ("clear", ()), ("__call__", (V2_h31,))])
-
-
-def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
 
 
 STEPS = [("fit_step", batch(i)) for i in range(3)]

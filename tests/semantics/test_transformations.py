@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import functools
 import subprocess
 import sys
 import textwrap
@@ -71,28 +70,23 @@ from semantics.harness import (
 )
 from semantics.programs import (
     ACCUM,
-    ADAM,
     BATCHNORM,
     BUILDS,
     BUILT,
     CALLABLES,
     CHANGES,
-    CNN,
     DQN,
     DROPOUT,
     DTYPES,
     EMA,
     GAN,
-    GPT,
     HELPERS,
     KV,
     LAYERS,
     LAZY,
-    LIGHTNING,
     LIT_STEPS,
     MISC,
     MOE,
-    N_BLOCKS,
     NET,
     NORMS,
     OPT,
@@ -140,6 +134,23 @@ from semantics.programs import XR_h30 as XR_h30
 from semantics.programs import XS_h26 as XS_h26
 from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h34 as XS_h34
+from semantics.references import (
+    assert_shared,
+    cnn,
+    dqn_calls,
+    gpt,
+    grads_of,
+    has_tracer,
+    jitted,
+    lightning,
+    params_of,
+    ref_dropout,
+    ref_gpt,
+    ref_greedy,
+    ref_next,
+    train_both,
+    trained_pair,
+)
 from semantics.twins import (
     DECORATED,
     PLAIN,
@@ -1019,64 +1030,6 @@ def test_checkpointed_f_under_grad(write_module: Loader) -> None:
     assert_typed(jax.grad(plain_loss)(x), staged(jax.grad(dec_loss))(x), "grad")
 
 
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
-    m = x.mean(-1, keepdims=True)
-    v = x.var(-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + 1e-5) * p[pre + "scale"] + p[pre + "bias"]
-
-
-def ref_gpt(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    """The decoder by hand: params and the cache threaded explicitly."""
-    s = dict(s)
-    pos = s["pos"]
-    t = tokens.shape[0]
-    x = p["embed"][tokens] + jax.lax.dynamic_slice_in_dim(p["pos_embed"], pos, t)
-    for i in range(N_BLOCKS):
-        b = f"blocks[{i}]."
-        h = ref_ln(p, b + "ln1.", x)
-        q = h @ p[b + "attn.wq"]
-        k = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.k"], h @ p[b + "attn.wk"], pos, 0)
-        v = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.v"], h @ p[b + "attn.wv"], pos, 0)
-        s[b + "attn.k"], s[b + "attn.v"] = k, v
-        qpos = pos + jnp.arange(t)
-        mask = jnp.arange(k.shape[0])[None, :] <= qpos[:, None]
-        sc = jnp.where(mask, q @ k.T / np.sqrt(h.shape[-1]), -1e9)
-        x = x + jax.nn.softmax(sc, axis=-1) @ v @ p[b + "attn.wo"]
-        h = ref_ln(p, b + "ln2.", x)
-        m = b + "mlp."
-        x = x + jax.nn.gelu(h @ p[m + "w1"] + p[m + "b1"]) @ p[m + "w2"] + p[m + "b2"]
-    s["pos"] = pos + t
-    return ref_ln(p, "ln_f.", x) @ p["head"], s
-
-
-def ref_next(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    logits, s = ref_gpt(p, s, tokens)
-    return jnp.argmax(logits[-1]).astype(jnp.int32), s
-
-
-def ref_greedy(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
-    tok, s = ref_next(p, s, prompt)
-    out = [tok]
-    for _ in range(steps - 1):
-        tok, s = ref_next(p, s, tok[None])
-        out.append(tok)
-    return jnp.stack(out), s
-
-
 def ref_greedy_fori(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
     tok, s = ref_next(p, s, prompt)
     out = jnp.zeros(steps, jnp.int32).at[0].set(tok)
@@ -1094,18 +1047,6 @@ def ref_gpt_loss(p: dict[str, Any], s: dict[str, Any], seq: Any) -> Any:
     logits, s = ref_gpt(p, s, seq[:-1])
     logp = jax.nn.log_softmax(logits)
     return -jnp.take_along_axis(logp, seq[1:, None], axis=1).mean(), s
-
-
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
 
 
 def test_gpt_greedy_through_jitted_f_step_by_step(write_module: Loader) -> None:
@@ -1156,74 +1097,6 @@ def test_gpt_next_token_training_with_adam(write_module: Loader) -> None:
     want, _ = ref_greedy(p, empty, PROMPT, 4)
     trained = autostate.freeze(f, empty)
     assert_bits(want, jitted("greedy_fori", 4)(*trained.functionalize(), PROMPT)[0], "decodes")
-
-
-def ref_cnn(p: dict[str, Any], s: dict[str, Any], x: Any, training: bool) -> Any:
-    s = dict(s)
-    y = jax.lax.conv_general_dilated(
-        x, p["conv"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    if training:
-        m = y.mean((0, 1, 2))
-        v = y.var((0, 1, 2))
-        s["bn.mean"] = 0.9 * s["bn.mean"] + (1 - 0.9) * m
-        s["bn.var"] = 0.9 * s["bn.var"] + (1 - 0.9) * v
-        s["steps"] = s["steps"] + 1
-    else:
-        m, v = s["bn.mean"], s["bn.var"]
-    y = jax.nn.relu((y - m) / jnp.sqrt(v + 1e-5) * p["bn.scale"] + p["bn.bias"])
-    return y.mean((1, 2)) @ p["head"] + p["head_b"], s
-
-
-def ref_cnn_loss(p: dict[str, Any], s: dict[str, Any], x: Any, labels: Any) -> Any:
-    logits, s = ref_cnn(p, s, x, True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), s
-
-
-def images(i: int, n: int = 4) -> tuple[Any, Any]:
-    kx, ky = jax.random.split(jax.random.PRNGKey(50 + i))
-    return jax.random.normal(kx, (n, 5, 5, 1)), jax.random.randint(ky, (n,), 0, 3)
-
-
-def cnn(write_module: Loader) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    plain, dec = pair(write_module, "import optax\n" + CNN)
-    ref, model = plain.CNN(0), dec.CNN(0)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    return ref, model, f, states, p
-
-
-def f_step(f: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(lambda f, s: f.loss(s, x, y), has_aux=True)(f, s)
-    u, o = ADAM.update(g, o, f)
-    return loss, optax.apply_updates(f, u), o, s
-
-
-def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-    (loss, s), g = jax.value_and_grad(ref_cnn_loss, has_aux=True)(p, s, x, y)
-    u, o = ADAM.update(g, o, p)
-    return loss, optax.apply_updates(p, u), o, s
-
-
-JF_STEP, JR_STEP = staged(f_step), staged(r_step)
-
-
-def train_both(
-    f: Any, s: Any, p: Any, steps: range, jit: bool = True, o: Any = None, ro: Any = None
-) -> Any:
-    fs, rs = (JF_STEP, JR_STEP) if jit else (f_step, r_step)
-    rsd = dict(s)
-    o = ADAM.init(f) if o is None else o
-    ro = ADAM.init(p) if ro is None else ro
-    for i in steps:
-        x, y = images(i)
-        loss, f, o, s = fs(f, o, s, x, y)
-        rloss, p, ro, rsd = rs(p, ro, rsd, x, y)
-        assert_same(rloss, loss, f"loss {i}")
-        assert_same(p, params_of(f), f"params {i}")
-        assert_same(rsd, dict(s), f"states {i}")
-    return f, s, p, o, ro
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -1449,12 +1322,6 @@ def test_lstm_vmapped_over_a_batch_of_sequences(write_module: Loader) -> None:
     got, got_s = jax.vmap(lambda s, x: f(s, x))(bs, xs)
     assert_same(want, got)
     assert_same(want_s, dict(got_s))
-
-
-def ref_dropout(key: Any, x: Any, rate: float = 0.5) -> Any:
-    key, sub = jax.random.split(key)
-    keep = jax.random.bernoulli(sub, 1 - rate, x.shape)
-    return jnp.where(keep, x / (1 - rate), 0.0), key
 
 
 def ref_drop_mlp(p: Any, s: dict[str, Any], x: Any) -> Any:
@@ -2487,18 +2354,9 @@ def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader) -> None:
                                   np.asarray(states2["usage"]))
 
 
-def _dqn_calls() -> list[tuple[str, tuple[Any, ...]]]:
-    calls: list[tuple[str, tuple[Any, ...]]] = []
-    for i, t in enumerate(TRANSITIONS * 2):
-        calls.append(("add", t))
-        if i >= 1:
-            calls.append(("train_step", (0.1, 0.9)))
-    return calls
-
-
 def test_dqn_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, DQN)
-    outs, states, _ = run_f(dec, "DQN(0)", _dqn_calls(), jit=True)
+    outs, states, _ = run_f(dec, "DQN(0)", dqn_calls(), jit=True)
     k1, _ = jax.random.split(jax.random.PRNGKey(0))
     w = jax.random.normal(k1, (2, 3)) * 0.5
     s = {"w": w, "target_w": w, "obs": jnp.zeros((4, 2)), "act": jnp.zeros(4, jnp.int32),
@@ -2726,18 +2584,6 @@ def test_vmap_over_batched_key_states(write_module: Loader) -> None:
         assert int(states["calls"][i]) == 2
 
 
-def assert_shared(model: Any) -> None:
-    assert model.items[1] is model.by["b"], "the shared sub-model was split"
-
-
-def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
-    ref, model = plain.Net(scale), dec.Net(scale)
-    for x in (X1_h27, X2_h27, X1_h27):
-        ref(x)
-        model(x)
-    return ref, model
-
-
 def _set(model: Any, key: str, value: Any) -> None:
     exec("m." + key + " = v", {"m": model, "v": value})  # noqa: S102
 
@@ -2753,7 +2599,7 @@ def _plain_loss(ref: Any, params: dict[str, Any], x: Any, y: Any) -> tuple[Any, 
 
 def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     f, states = model.functionalize()
     keys = list(autostate.param_dict(f))
     lr = 0.1
@@ -2785,7 +2631,7 @@ def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
 
 def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    _, model = _trained(plain, dec)
+    _, model = trained_pair(plain, dec)
     f, states = model.functionalize()
     g_states = jax.grad(
         lambda s: f.loss(s, X1_h27, Y)[0], allow_int=True)(states)
@@ -2822,7 +2668,7 @@ def test_vmap_over_an_ensemble_of_models(write_module: Loader) -> None:
 
 def test_donated_states_copy_then_continue(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     f, states = model.functionalize()
     states = jax.tree_util.tree_map(jnp.copy, states)  # documented: keep the model's arrays
     step = staged(lambda f, s, x: f(s, x), donate_argnums=1)
@@ -3278,14 +3124,10 @@ def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
     check_transform(plain, dec, "MoE(0, 3)", [("__call__", (X,)), ("__call__", (X,))], XM_h30, "grad")
 
 
-def _grads(mod: types.ModuleType, n: int) -> list[Any]:
-    return [mod.grads_at(i) for i in range(n)]
-
-
 @pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
 def test_accum_array_k_traceable(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, ACCUM)
-    calls = [("update", (g,)) for g in _grads(plain, 7)]
+    calls = [("update", (g,)) for g in grads_of(plain, 7)]
     check(plain, dec, f"{cls}(init_params(), 3, array_k=True)", calls)
 
 
@@ -3850,10 +3692,6 @@ def test_disable_jit_around_f_jit_of_f_and_grad(write_module: Loader) -> None:
         assert_same(jax.grad(lambda x: ref.gr(x).sum())(V3), g)
 
 
-def lightning(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, "import weakref\n" + LIGHTNING)
-
-
 def test_lightning_trainer_passed_to_jit_directly(write_module: Loader) -> None:
     """The cycle makes it no pytree: the documented InvalidTypeError; with the
     back-reference a weakref.ref, the eager model's traced write is refused clearly."""
@@ -3870,10 +3708,6 @@ def test_lightning_trainer_passed_to_jit_directly(write_module: Loader) -> None:
         jax.jit(lambda t, x, y: t.fit_step(x, y))(trainer, x, y)
     user_line(err2.value, dec, "self.w = self.w - self._trainer().lr * g")
     assert_same(before, snapshot(trainer))
-
-
-def has_tracer(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def test_writes_inside_a_jitted_f_are_returned_not_leaked() -> None:
