@@ -61,7 +61,6 @@ from semantics.harness import (
     pair_with_helpers,
     plain_path,
     raises_autostate,
-    read_plain,
     refused_everywhere,
     run_case,
     run_reference,
@@ -91,7 +90,6 @@ from semantics.programs import (
     DYNAMIC,
     EVERY_LAX_BODY,
     FLOW,
-    GPT,
     GROW,
     HELPER_MOD,
     HELPER_MODEL,
@@ -101,7 +99,6 @@ from semantics.programs import (
     KV,
     LATE_METHODS,
     LAYERS,
-    N_BLOCKS,
     NESTED,
     OUTSIDE_WRAPPED,
     PROMPT,
@@ -143,6 +140,14 @@ from semantics.programs import XS_h29 as XS_h29
 from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
+from semantics.references import (
+    gpt,
+    jitted,
+    params_of,
+    ref_gpt,
+    ref_greedy,
+    ref_next,
+)
 from semantics.twins import (
     DECORATED,
     PLAIN,
@@ -2403,64 +2408,6 @@ def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Load
             call(states, XS_h14)
 
 
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-@functools.cache
-def jitted(method: str, *static: Any) -> Callable[..., Any]:
-    """``f.<method>(states, *args, *static)`` under ``jax.jit``, one per method (shared by tests)."""
-
-    def call(f: Any, s: Any, *a: Any) -> Any:
-        return (f if method == "__call__" else getattr(f, method))(s, *a, *static)
-
-    return staged(call)
-
-
-def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
-    m = x.mean(-1, keepdims=True)
-    v = x.var(-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + 1e-5) * p[pre + "scale"] + p[pre + "bias"]
-
-
-def ref_gpt(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    """The decoder by hand: params and the cache threaded explicitly."""
-    s = dict(s)
-    pos = s["pos"]
-    t = tokens.shape[0]
-    x = p["embed"][tokens] + jax.lax.dynamic_slice_in_dim(p["pos_embed"], pos, t)
-    for i in range(N_BLOCKS):
-        b = f"blocks[{i}]."
-        h = ref_ln(p, b + "ln1.", x)
-        q = h @ p[b + "attn.wq"]
-        k = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.k"], h @ p[b + "attn.wk"], pos, 0)
-        v = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.v"], h @ p[b + "attn.wv"], pos, 0)
-        s[b + "attn.k"], s[b + "attn.v"] = k, v
-        qpos = pos + jnp.arange(t)
-        mask = jnp.arange(k.shape[0])[None, :] <= qpos[:, None]
-        sc = jnp.where(mask, q @ k.T / np.sqrt(h.shape[-1]), -1e9)
-        x = x + jax.nn.softmax(sc, axis=-1) @ v @ p[b + "attn.wo"]
-        h = ref_ln(p, b + "ln2.", x)
-        m = b + "mlp."
-        x = x + jax.nn.gelu(h @ p[m + "w1"] + p[m + "b1"]) @ p[m + "w2"] + p[m + "b2"]
-    s["pos"] = pos + t
-    return ref_ln(p, "ln_f.", x) @ p["head"], s
-
-
-def ref_next(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    logits, s = ref_gpt(p, s, tokens)
-    return jnp.argmax(logits[-1]).astype(jnp.int32), s
-
-
-def ref_greedy(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
-    tok, s = ref_next(p, s, prompt)
-    out = [tok]
-    for _ in range(steps - 1):
-        tok, s = ref_next(p, s, tok[None])
-        out.append(tok)
-    return jnp.stack(out), s
-
-
 def ref_greedy_fori(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
     tok, s = ref_next(p, s, prompt)
     out = jnp.zeros(steps, jnp.int32).at[0].set(tok)
@@ -2489,18 +2436,6 @@ def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, te
 
     _, out, s = jax.lax.fori_loop(0, steps, body, (logits, out, s))
     return out, s
-
-
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
 
 
 @pytest.mark.parametrize("method", ["greedy_fori", "greedy_scan"])

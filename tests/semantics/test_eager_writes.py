@@ -38,11 +38,14 @@ from semantics.harness import (
     assert_same,
     check,
     pair,
-    read_plain,
     snapshot,
     staged,
 )
-from semantics.programs import CONSTRUCTS, EAGER, EMA_LR, GPT, N_BLOCKS, ONE, PROMPT, PROTO, SOURCE
+from semantics.programs import CONSTRUCTS, EAGER, EMA_LR, ONE, PROMPT, PROTO, SOURCE
+from semantics.references import (
+    gpt,
+    ref_greedy,
+)
 from semantics.twins import (
     DECORATED,
     FINALIZED,
@@ -528,66 +531,6 @@ def test_tree_map_over_an_eager_model_then_writes(write_module: Loader) -> None:
     np.testing.assert_allclose(model.x, full(3.0))
     assert int(model.n) == 3 and int(mapped.n) == 3
     np.testing.assert_allclose(leaves[0], full(1.5))
-
-
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-def ref_ln(p: dict[str, Any], pre: str, x: Any) -> Any:
-    m = x.mean(-1, keepdims=True)
-    v = x.var(-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + 1e-5) * p[pre + "scale"] + p[pre + "bias"]
-
-
-def ref_gpt(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    """The decoder by hand: params and the cache threaded explicitly."""
-    s = dict(s)
-    pos = s["pos"]
-    t = tokens.shape[0]
-    x = p["embed"][tokens] + jax.lax.dynamic_slice_in_dim(p["pos_embed"], pos, t)
-    for i in range(N_BLOCKS):
-        b = f"blocks[{i}]."
-        h = ref_ln(p, b + "ln1.", x)
-        q = h @ p[b + "attn.wq"]
-        k = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.k"], h @ p[b + "attn.wk"], pos, 0)
-        v = jax.lax.dynamic_update_slice_in_dim(s[b + "attn.v"], h @ p[b + "attn.wv"], pos, 0)
-        s[b + "attn.k"], s[b + "attn.v"] = k, v
-        qpos = pos + jnp.arange(t)
-        mask = jnp.arange(k.shape[0])[None, :] <= qpos[:, None]
-        sc = jnp.where(mask, q @ k.T / np.sqrt(h.shape[-1]), -1e9)
-        x = x + jax.nn.softmax(sc, axis=-1) @ v @ p[b + "attn.wo"]
-        h = ref_ln(p, b + "ln2.", x)
-        m = b + "mlp."
-        x = x + jax.nn.gelu(h @ p[m + "w1"] + p[m + "b1"]) @ p[m + "w2"] + p[m + "b2"]
-    s["pos"] = pos + t
-    return ref_ln(p, "ln_f.", x) @ p["head"], s
-
-
-def ref_next(p: dict[str, Any], s: dict[str, Any], tokens: Any) -> tuple[Any, dict[str, Any]]:
-    logits, s = ref_gpt(p, s, tokens)
-    return jnp.argmax(logits[-1]).astype(jnp.int32), s
-
-
-def ref_greedy(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
-    tok, s = ref_next(p, s, prompt)
-    out = [tok]
-    for _ in range(steps - 1):
-        tok, s = ref_next(p, s, tok[None])
-        out.append(tok)
-    return jnp.stack(out), s
-
-
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
 
 
 def test_gpt_greedy_python_loop_eager_vs_plain_vs_hand_threaded(write_module: Loader) -> None:

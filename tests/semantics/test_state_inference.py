@@ -78,7 +78,6 @@ from semantics.programs import (
     DUNDERS,
     EMA,
     EQX,
-    GPT,
     HIDDEN_METHODS,
     HIER,
     MADE,
@@ -121,6 +120,9 @@ from semantics.programs import X2_h19 as X2_h19
 from semantics.programs import X2_h21 as X2_h21
 from semantics.programs import X2_h23 as X2_h23
 from semantics.programs import XM_h30 as XM
+from semantics.references import (
+    gpt,
+)
 
 HERE = __file__
 
@@ -688,8 +690,6 @@ def test_pending_subclass_hook_passes_a_keyword_named_sub_on() -> None:
 jit_call = staged(lambda f, s, *a: f(s, *a))
 
 
-
-
 @pytest.mark.parametrize("name", ["Wrapped", "Assigned", "Factory", "Mixed"])
 def test_methods_analysis_reads_only_indirectly_still_write_state(write_module, name):
     plain_cls, cls, _ = class_pair(write_module, HIDDEN_METHODS, name)
@@ -807,18 +807,6 @@ def test_mangled_private_names_and_receiver_named_me(write_module: Loader) -> No
     plain, dec = pair(write_module, STRUCT)
     check(plain, dec, "Private()", [("bump", (1.0,)), ("bump", (2.0,))])
     check(plain, dec, "PrivateChild()", [("bump", (1.0,)), ("bump", (2.0,))])
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def test_class_attribute_shadowed_by_instance_state(write_module: Loader) -> None:
@@ -939,40 +927,6 @@ def test_named_sub_models_have_path_names(write_module: Loader) -> None:
     _, dec = pair(write_module, TORCH)
     _, states = dec.NamedLayers(2).functionalize()
     assert sorted(states) == ["layer0.calls", "layer1.calls"]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, Any, Any]:
@@ -1305,8 +1259,6 @@ def test_method_calling_a_global_of_its_own_name(write_module: Loader) -> None:
     )
 
 
-
-
 HIER_KEYS = {
     "PlainSub()": (["acc", "count", "extra"], ["w"]),
     "OnUndecorated()": (["hits"], ["w"]),
@@ -1369,8 +1321,6 @@ def test_more_state_names(write_module: Loader) -> None:
     assert keys_of(dec, "S1()")[:2] == (["step"], [])
     assert keys_of(dec, "Early()")[:2] == (["k", "s"], [])
     assert keys_of(dec, "Box[jax.Array](jnp.ones(()))")[:2] == (["n", "v"], [])
-
-
 
 
 STATE_MISUSE = """
@@ -1499,26 +1449,6 @@ def test_explicit_name_equal_to_a_constant_path(write_module: Loader) -> None:
     assert_clear(info.value, errors.StateSharingError, HERE, "'b'")
 
 
-
-
-
-
-def params_of(f: Any) -> dict[str, Any]:
-    return dict(autostate.param_dict(f))
-
-
-def gpt(write_module: Loader, seed: int = 0) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """(plain model, decorated model, f, states, params by name) for one seed."""
-    plain, dec = pair(write_module, GPT)
-    ref = plain.GPT(seed)
-    model = dec.GPT(seed)
-    f, states = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p, "initial params")
-    assert_same(snapshot(read_plain(ref, states)), snapshot(states), "initial states")
-    return ref, model, f, states, p
-
-
 def test_gpt_state_and_param_names(write_module: Loader) -> None:
     _, model, f, states, p = gpt(write_module)
     assert sorted(states) == sorted(
@@ -1544,10 +1474,6 @@ def test_state_written_only_through_a_self_alias(write_module: Loader) -> None:
         f(s, X1_h19)
     assert_user_line(info.value, dec.__file__)
     no_handler_left()
-
-
-
-
 
 
 def test_torch_container_state_names(write_module: Loader) -> None:
@@ -1977,16 +1903,6 @@ def test_pep667_frame_locals_write_through(write_module: Loader) -> None:
     check(plain, dec, "C()", [("frame_write_through", (X1_h23,)), ("frame_write_through", (X2_h23,))])
 
 
-
-
-
-
-
-
-
-
-
-
 RECURSE = """
 @DECORATE
 class R:
@@ -2151,16 +2067,6 @@ def test_reset_parameters_makes_weights_states(write_module: Loader) -> None:
     gw = jax.grad(ref_loss)((ref.body.w, ref.out.w))
     assert_same(np.asarray(gw[0]), g["body.w"], "d body.w")
     assert_same(np.asarray(gw[1]), g["out.w"], "d out.w")
-
-
-
-
-
-
-
-
-
-
 
 
 def test_dunder_attributes_are_not_state(write_module: Loader) -> None:
