@@ -24,7 +24,7 @@ from semantics.harness import (
 )
 from semantics.programs import DTYPES, MODELS, NET, PACK, SOURCE, Loader
 from semantics.programs import X1_h27 as X1
-from semantics.programs import X2_h27 as X2
+from semantics.references import assert_shared, trained_pair
 
 import autostate
 from autostate import errors
@@ -264,21 +264,9 @@ def step_jit() -> Callable[..., Any]:
     return jax.jit(lambda f, s, x: f(s, x))
 
 
-def assert_shared(model: Any) -> None:
-    assert model.items[1] is model.by["b"], "the shared sub-model was split"
-
-
-def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
-    ref, model = plain.Net(scale), dec.Net(scale)
-    for x in (X1, X2, X1):
-        ref(x)
-        model(x)
-    return ref, model
-
-
 def test_save_load_round_trip_then_train(write_module: Loader, tmp_path: Any) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     path = str(tmp_path / "net.npz")
     autostate.save(path, model)
     loaded = autostate.load(path, like=dec.Net(5.0))

@@ -49,6 +49,7 @@ from semantics.programs import X1_h27 as X1
 from semantics.programs import X2_h27 as X2_h27
 from semantics.programs import X_h35 as X_h35
 from semantics.programs import Y_h35 as Y
+from semantics.references import assert_shared, trained_pair
 
 import autostate
 from autostate import errors
@@ -326,8 +327,6 @@ def test_param_dict_round_trip(write_module: Loader) -> None:
     assert_same(p(1.0), model(1.0))
 
 
-
-
 def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, Any, Any]:
     opt_state = OPTIMIZERS[opt][0](f)
     step = f_train_step(opt)
@@ -542,21 +541,9 @@ def step_jit() -> Callable[..., Any]:
     return jax.jit(lambda f, s, x: f(s, x))
 
 
-def assert_shared(model: Any) -> None:
-    assert model.items[1] is model.by["b"], "the shared sub-model was split"
-
-
-def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
-    ref, model = plain.Net(scale), dec.Net(scale)
-    for x in (X1, X2_h27, X1):
-        ref(x)
-        model(x)
-    return ref, model
-
-
 def test_state_and_param_dict_into_a_fresh_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     sd, pd = autostate.state_dict(model), autostate.param_dict(model)
     assert "by['b'].count" not in sd and "items[1].count" in sd  # first path of the shared one
     assert "by['b'].w" not in pd and "items[1].w" in pd
@@ -573,7 +560,7 @@ def test_state_and_param_dict_into_a_fresh_model(write_module: Loader) -> None:
 
 def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    _, model = _trained(plain, dec)
+    _, model = trained_pair(plain, dec)
     sd = autostate.state_dict(model)
     ref = plain.Net(3.0)  # other parameters; the states of the trained model
     for key, value in sd.items():
@@ -598,7 +585,7 @@ def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) ->
 
 def test_load_state_dict_does_not_touch_its_argument(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    _, model = _trained(plain, dec)
+    _, model = trained_pair(plain, dec)
     fresh = dec.Net()
     autostate.load_state_dict(fresh, autostate.state_dict(model))
     assert_same(snapshot(plain.Net()), snapshot(fresh), "argument changed")
@@ -607,7 +594,7 @@ def test_load_state_dict_does_not_touch_its_argument(write_module: Loader) -> No
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "dtype"])
 def test_state_dict_that_does_not_fit_is_a_clear_error(write_module: Loader, fault: str) -> None:
     plain, dec = pair(write_module, NET)
-    _, model = _trained(plain, dec)
+    _, model = trained_pair(plain, dec)
     sd = dict(autostate.state_dict(model))
     if fault == "missing":
         del sd["pair[1].mean"]
@@ -648,7 +635,7 @@ def test_param_dict_that_does_not_fit_is_a_clear_error(write_module: Loader, fau
 
 def test_state_dict_after_a_sub_model_was_replaced(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     ref.items[0] = plain.Leaf(9.0)
     model.items[0] = dec.Leaf(9.0)
     ref.pair = (ref.pair[0], plain.Leaf(-3.0))
@@ -667,7 +654,7 @@ def test_state_dict_after_a_sub_model_was_replaced(write_module: Loader) -> None
 
 def test_state_dict_of_f_inside_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
-    ref, model = _trained(plain, dec)
+    ref, model = trained_pair(plain, dec)
     f, states = model.functionalize()
 
     @jax.jit
