@@ -872,34 +872,6 @@ def test_eager_model_returned_from_jit(write_module: Loader) -> None:
     assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
-def test_vmapped_ensemble_built_and_trained(write_module: Loader) -> None:
-    plain, dec = library(write_module)
-    keys = jax.random.split(KEY_h10, 3)
-    fs, ss = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(keys)
-    data = data_for(2, 4)
-    _, update = OPTIMIZERS["momentum"]
-
-    def step(f: Any, mu: Any, s: Any, x: Any, y: Any) -> Any:
-        (loss, s), g = jax.value_and_grad(f_loss, has_aux=True)(f, s, x, y)
-        f, mu = update(f, g, mu)
-        return loss, f, mu, s
-
-    vstep = staged(jax.vmap(step, in_axes=(0, 0, 0, None, None)))
-    mus = OPTIMIZERS["momentum"][0](fs)
-    refs = []
-    for i, k in enumerate(keys):
-        template = plain.MLP(k, 3, 2, rate=0.5)
-        member = jax.tree_util.tree_map(lambda a, i=i: a[i], (names_of(fs), ss))
-        assert_same(read_plain(template, member[0]), member[0], f"member {i} init")
-        refs.append(run_reference(template, member[0], dict(member[1]), "momentum", data))
-    for t, (x, y) in enumerate(data):
-        losses, fs, mus, ss = vstep(fs, mus, ss, x, y)
-        for i in range(len(keys)):
-            member_f = jax.tree_util.tree_map(lambda a, i=i: a[i], fs)
-            member_s = jax.tree_util.tree_map(lambda a, i=i: a[i], ss)
-            assert_step(refs[i][t], losses[i], member_f, member_s, f"member {i} step {t}")
-
-
 @pytest.mark.parametrize("wrap", ["jit", "grad", "vmap", "jit_grad"])
 def test_eager_model_inside_the_users_transformation_is_refused(write_module: Loader,
                                                                 wrap: str) -> None:
