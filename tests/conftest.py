@@ -46,7 +46,8 @@ if "jax" in sys.modules:  # jax read its environment before this file ran: tell 
 # code. These flags halve a compilation on jaxlib 0.10 (about 43 -> 21 ms) and
 # cut it by a fifth on 0.12. `make bench` and users keep XLA's defaults;
 # AUTOSTATE_TEST_XLA_DEFAULTS=1 runs the suite with them too. An unknown flag
-# aborts XLA, so the fusion-emitter switch, gone in jaxlib 0.11, is gated.
+# aborts XLA, so the fusion-emitter switch (in jaxlib 0.8 to 0.10, absent
+# from 0.12) is passed only below 0.11.
 _XLA_FAST_COMPILE = [
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
