@@ -34,7 +34,6 @@ from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects.local_state import (
-    CopiedRef,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,
@@ -53,7 +52,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
-from autostate.lifetime import LostValue, contains_tracer
+from autostate.lifetime import CopiedRef, LostValue, contains_tracer
 from autostate.state_values import StaticState, _same_static, is_static_value
 
 __all__ = [

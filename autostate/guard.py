@@ -61,7 +61,6 @@ from autostate import graph as _graph
 from autostate import statics as _statics
 from autostate import tree as _tree
 from autostate.effects import StateSlot
-from autostate.effects.local_state import register_slot_hooks
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -76,6 +75,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.lifetime import LostValue, contains_tracer, holds_escaped_tracer, under_staging_trace
+from autostate.slot_hooks import register_slot_hooks
 
 __all__ = [
     "CAPTURED",

@@ -20,10 +20,15 @@ not thread) has no value. This module answers those questions, in one place:
   values);
 * the functionalized calls running in every thread, and the cells a state
   reached from another thread than its call's belongs to (refused under a
-  transformation, whose values cannot cross threads).
+  transformation, whose values cannot cross threads);
+* ``CopiedRef``: a handled state of the copy JAX makes of a running model
+  (``vmap`` over a stacked sub-model, one in ``scan``'s ``xs``), which reads
+  its own slice and writes through to the call only from inside a
+  transformation the call started; the walks' view of a handled reference
+  is registered here with it.
 
 The engine (``autostate.effects``) knows nothing of this: it asks through
-the slot protocol's hooks, registered below.
+the slot hooks (``autostate.slot_hooks``), registered below.
 """
 
 from __future__ import annotations
@@ -36,13 +41,18 @@ from typing import Any
 import jax
 from jax._src import core as _core
 
+from autostate import graph as _graph
 from autostate.effects.local_state import (
     Category,
+    FrozenLocalStateRequest,
+    HandledLocalStateRef,
     HandlerId,
     InitialLocalStateRequest,
     InitialValue,
-    register_slot_hooks,
-    running_call_traces,
+    StateSlot,
+    is_running,
+    running_call,
+    running_calls,
     with_home,
 )
 from autostate.errors import (
@@ -54,6 +64,7 @@ from autostate.errors import (
     format_error,
     user_location,
 )
+from autostate.slot_hooks import register_slot_hooks
 from autostate.state_values import (
     _CONCRETE_LEAF_TYPES,
     _is_iterator,
@@ -138,7 +149,7 @@ _DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
 def _call_started_in(trace: Any) -> bool:
     """Whether a running functionalized call started in ``trace`` or in a
     transformation inside it (its trace is then live)."""
-    for live in running_call_traces():
+    for _id, _cells, _outer, live in running_calls():
         while live is not None:
             if live is trace:
                 return True
@@ -424,6 +435,55 @@ def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
             "residual the custom_vjp's forward rule returns.",
         )
     )
+
+
+class CopiedRef(StateSlot):
+    """A handled state of a copy JAX made of a model inside the running call.
+
+    ``jax.vmap`` over a stacked sub-model, a sub-model in ``lax.scan``'s
+    ``xs`` or a ``tree_map`` that slices one flatten it and rebuild it from
+    the leaves they made: the state's value is one of those leaves
+    (``register_running_slot``), so the copy reads its own slice, as the
+    copy's parameters are sliced.
+
+    A write where the call runs (a ``tree_map`` or ``stop_gradient`` copy
+    in a method) stays the copy's, as it does eagerly: a copy is another
+    model. A write inside a transformation the call's method started (a
+    slice's write in a ``vmap`` or ``scan`` body) goes to the handler's
+    cell, as the original's would, where JAX's trace of it is caught as an
+    escaped state instead of being lost with the slice.
+    """
+
+    __slots__ = ("ref", "value", "category", "name")
+
+    def __init__(self, ref: HandledLocalStateRef, value: Any):
+        self.ref, self.value = ref, value
+        self.category, self.name = ref.category, ref.name
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
+        call = running_call(self.ref.handler_id)
+        if call is None or call[3] is current_trace():
+            self.value = value
+            return None
+        self.ref.write(value, label)
+        return self.ref
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.value, self.ref.category, None)
+
+
+def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
+    return (ref.read(), ref) if is_running(ref.handler_id) else None
+
+
+# Frozen and childless: one object per graphdef entry serves every rebuild.
+_graph.register_node_kind(
+    HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, CopiedRef)
+)
+_graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), CopiedRef))
 
 
 register_slot_hooks(

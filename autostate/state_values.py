@@ -42,7 +42,6 @@ from autostate.effects.local_state import (
     Category,
     StateSlot,
     home_of,
-    register_slot_hooks,
     written_slot,
 )
 from autostate.errors import (
@@ -52,6 +51,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.slot_hooks import register_slot_hooks
 
 # Types whose instances are pytree leaves and not tracers (a concrete array,
 # a float). Leafness is decided per type, so one leaf instance vouches for its

@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 
-from autostate.effects.local_state import register_slot_hooks
 from autostate.errors import InvalidTypeError, format_error, user_location
+from autostate.slot_hooks import register_slot_hooks
 from autostate.state_values import _is_iterator
 
 # (state name, the user's line that assigned it): where a state was given a

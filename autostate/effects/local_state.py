@@ -15,15 +15,16 @@ there. The body is therefore never rebuilt per call, any copy of a reference
 nested handlers with distinct ids only see their own states.
 
 What this module owns: penzai v1's requests and references, handling,
-freezing, hoisting, embedding and renaming, the handler ids, and the slot
-protocol (``StateSlot``, ``SlotHooks``). What it must not know about: source
-code (it walks trees with ``autostate.graph``), tracer lifetime, Python values
-that are structure (static states), dicts JAX cannot flatten, threads, the
-guard, and the wording of the front door's errors. Those are the runtime's
-questions: the engine asks them through the slot protocol's hooks, which
-``autostate.lifetime``, ``autostate.state_values``, ``autostate.unsortable``
-and ``autostate.guard`` register; a slot kind the engine does not define
-(a static state, a host store) takes part through the ``StateSlot`` methods.
+freezing, hoisting, embedding and renaming, the handler ids (and which
+handler's call runs now, in this context), and the slot protocol
+(``StateSlot``). What it must not know about: source code (it walks trees
+with ``autostate.graph``), tracer lifetime, Python values that are structure
+(static states), dicts JAX cannot flatten, threads, the guard, and the
+wording of the front door's errors. Where its semantics meet those
+questions it asks them through ``autostate.slot_hooks``, which their owners
+fill in; a slot kind the engine does not define (a static state, a host
+store, JAX's copy of a running model) takes part through the ``StateSlot``
+methods.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ import jax
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.errors import (
-    InvalidArgumentError,
-    UnhandledLocalStateError,
     category_argument_error,
     conflicting_definitions_error,
     duplicate_name_error,
@@ -60,18 +59,11 @@ from autostate.errors import (
     states_not_dict_error,
     unhandled_request_error,
 )
+from autostate.slot_hooks import WriteNote
+from autostate.slot_hooks import hooks as _hooks
 
 Category = Hashable
 StateSharing = Literal["forbidden", "allowed", "unsafe"]
-
-# handler id -> what runs under it now: ``(id, {state name -> cell}, outer,
-# trace)``, ``outer`` the entry of a call with an equal id that this one runs
-# inside (one model's ``f`` called in another's method) or None, ``trace`` the
-# JAX trace the call started in (None outside every transformation).
-_Running = tuple[Hashable, dict[str, "LocalStateEffectImpl"], Any, Any]
-_ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.ContextVar(
-    "autostate_active_handlers", default=types.MappingProxyType({})
-)
 
 
 class HandlerId:
@@ -107,8 +99,26 @@ class HandlerId:
         return (HandlerId, (self.label,))
 
 
-def _running_entry(handler_id: Hashable) -> _Running | None:
-    """What ``_ACTIVE`` holds for the running call of ``handler_id``, or None."""
+_handler_counter = itertools.count()
+
+
+def fresh_handler_id() -> str:
+    """A handler id unique within this process."""
+    return f"local_state_{next(_handler_counter)}"
+
+
+# handler id -> the call running under it now: ``(id, {state name -> cell},
+# outer, trace)``, ``outer`` the entry of a call with an equal id that this one
+# runs inside (one model's ``f`` called in another's method) or None, ``trace``
+# what the ``current_trace`` hook said when the call started (opaque here).
+_Running = tuple[Hashable, dict[str, "LocalStateEffectImpl"], Any, Any]
+_ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.ContextVar(
+    "autostate_active_handlers", default=types.MappingProxyType({})
+)
+
+
+def running_call(handler_id: Hashable) -> _Running | None:
+    """The running call of ``handler_id`` in this context, or None."""
     entry = _ACTIVE.get().get(handler_id)
     if entry is None or entry[0] is handler_id or type(handler_id) is not HandlerId:
         return entry
@@ -119,151 +129,12 @@ def _running_entry(handler_id: Hashable) -> _Running | None:
     return entry
 
 
-def _running_cells(handler_id: Hashable) -> dict[str, LocalStateEffectImpl] | None:
-    """The cells of the running call of ``handler_id``, or None."""
-    entry = _running_entry(handler_id)
-    return None if entry is None else entry[1]
-
-
-# What ``SlotHooks.check_write`` returned for a value: kept with the request
-# that holds it, for the runtime's errors (the engine does not look inside).
-WriteNote = Any
-
-
-class SlotHooks:
-    """What the runtime decides about the values a slot holds: the engine asks.
-
-    The engine is penzai's local-state effect. Whether a value may live in a
-    model after the transformation that made it (tracer lifetime), and what
-    a read of a handled state may not return, are the runtime's questions,
-    answered by the hooks it registers with ``register_slot_hooks``. These
-    defaults are penzai's: no trace is tracked and nothing is refused.
-
-    * ``current_trace()``: the JAX trace running now, or ``None``; a model
-      built (or frozen) now lives in it, its *home*, and a call started now
-      records it;
-    * ``check_write(value, label, home)``: called by an eager request's
-      ``write``; raises for a value a model living in ``home`` cannot keep,
-      and returns a note the new request keeps (``_with_note``);
-    * ``check_read(name, value)``: called by a handled reference's ``read``;
-      raises for a value with no plain meaning;
-    * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
-      context, err, notes)``: the error to raise instead of ``err``, what JAX
-      raised flattening a state's value (``context`` says where: ``"states"``,
-      a states dict; ``"threaded"``, states a running call threads), or
-      ``None`` to raise ``err``; ``note`` is what ``check_write`` returned;
-    * ``static_slot(value, category, name)``: the slot of a state given
-      ``value`` when that value is structure, not a state's value (a Python
-      value: ``autostate.state_values.StaticState``), else ``None`` (``None``
-      itself is a placeholder);
-    * ``split_statics(value)`` -> ``(stripped, statics)`` or ``None``: the
-      Python values inside a container value, kept out of the pytree leaves of
-      a ``FrozenLocalStateRequest``; ``join_statics(stripped, statics)`` puts
-      them back;
-    * ``own_value(value)``: the value a call or a frozen model keeps of a
-      states dict's entry (its own copy of what the caller may change);
-    * ``states_dict(values)``: the states dict a call returns;
-    * ``check_handled_write(name, label, old, value)``: called by a handled
-      reference's ``write``; raises for a value the running call cannot take
-      (a Python value in place of the placeholder ``None``, which would make
-      the state static);
-    * ``call_started(handler_id, cells, trace)`` -> token /
-      ``call_ended(token)``: a handler starts running its body with ``cells``
-      (``{name: LocalStateEffectImpl}``) in ``trace``, and ends;
-    * ``cells_elsewhere(ref)``: the cells a handled reference reaches when no
-      call of its handler runs in this context (a call ``call_started``
-      recorded elsewhere), or ``None``;
-    * ``unhandled_ref_error(ref, reason)``: the error of a handled reference
-      used while its handler is not running (``reason``: ``"not running"``,
-      or ``"another call"`` with an equal id is running);
-    * ``guard_call(ids)`` / ``unguard_call(token)``: called when a call starts
-      running a body whose decorated instances have ``ids``, and with what
-      ``guard_call`` returned when it ends: while it runs, their writes that
-      are not state writes are refused (``autostate.guard``).
-    """
-
-    __slots__ = (
-        "current_trace",
-        "check_write",
-        "check_read",
-        "value_flatten_error",
-        "states_flatten_error",
-        "static_slot",
-        "split_statics",
-        "join_statics",
-        "own_value",
-        "states_dict",
-        "check_handled_write",
-        "call_started",
-        "call_ended",
-        "cells_elsewhere",
-        "unhandled_ref_error",
-        "guard_call",
-        "unguard_call",
-    )
-
-    def __init__(self) -> None:
-        self.current_trace: Callable[[], Any] = lambda: None
-        self.check_write: Callable[[Any, str | None, Any], Any] = lambda value, label, home: None
-        self.check_read: Callable[[str, Any], None] = lambda name, value: None
-        self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
-            lambda value, note, name: None
-        )
-        self.states_flatten_error: Callable[
-            [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
-        ] = lambda values, context, err, notes: None
-        self.static_slot: Callable[[Any, Category, str | None], StateSlot | None] = (
-            lambda value, category, name: None
-        )
-        self.split_statics: Callable[[Any], tuple[Any, Any] | None] = lambda value: None
-        self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
-        self.own_value: Callable[[Any], Any] = lambda value: value
-        self.states_dict: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values
-        self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
-            lambda name, label, old, value: None
-        )
-        self.call_started: Callable[[Hashable, dict[str, Any], Any], Any] = (
-            lambda handler_id, cells, trace: None
-        )
-        self.call_ended: Callable[[Any], None] = lambda token: None
-        self.cells_elsewhere: Callable[[Any], Any] = lambda ref: None
-        self.unhandled_ref_error: Callable[[Any, str], UnhandledLocalStateError] = (
-            lambda ref, reason: UnhandledLocalStateError(
-                f"State {ref.name!r} is unhandled: handler {ref.handler_id!r} is not running."
-            )
-        )
-        self.guard_call: Callable[[frozenset[int]], Any] = lambda ids: None
-        self.unguard_call: Callable[[Any], None] = lambda token: None
-
-
-_hooks = SlotHooks()
-
-
-def register_slot_hooks(**hooks: Callable[..., Any]) -> None:
-    """Registers the runtime's answers to the slot protocol's questions
-    (``SlotHooks``), by name: ``register_slot_hooks(current_trace=...)``."""
-    for name, hook in hooks.items():
-        if name not in SlotHooks.__slots__:
-            raise InvalidArgumentError(f"no slot hook named {name!r}: {SlotHooks.__slots__}")
-        setattr(_hooks, name, hook)
-
-
-def running_call_traces() -> Iterator[Any]:
-    """The trace each running functionalized call started in (``current_trace``
-    when it started), innermost call of an id last."""
+def running_calls() -> Iterator[_Running]:
+    """Every call running in this context, the innermost call of an id first."""
     for entry in _ACTIVE.get().values():
         while entry is not None:
-            yield entry[3]
+            yield entry
             entry = entry[2]
-
-
-_handler_counter = itertools.count()
-
-
-def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
-    """The cells of the running handler ``handler_id`` (empty if it is not running)."""
-    cells = _running_cells(handler_id)
-    return {} if cells is None else cells
 
 
 def handler_running() -> bool:
@@ -273,22 +144,23 @@ def handler_running() -> bool:
 
 def is_running(handler_id: Hashable) -> bool:
     """Whether the handler with ``handler_id`` is running its body now."""
-    return _running_cells(handler_id) is not None
+    return running_call(handler_id) is not None
+
+
+def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
+    """The cells of the running handler ``handler_id`` (empty if it is not running)."""
+    entry = running_call(handler_id)
+    return {} if entry is None else entry[1]
 
 
 def running_cells() -> list[LocalStateEffectImpl]:
-    """The cells of every handler running in this context (what control flow threads)."""
+    """The cells of every handler running in this context."""
     found: list[LocalStateEffectImpl] = []
     for entry in _ACTIVE.get().values():
         while entry is not None:
             found.extend(entry[1].values())
             entry = entry[2]
     return found
-
-
-def fresh_handler_id() -> str:
-    """A handler id unique within this process."""
-    return f"local_state_{next(_handler_counter)}"
 
 
 def home_of(slot: Any) -> Any:
@@ -395,12 +267,12 @@ class InitialValue:
 def _written(
     value: Any, category: Category, name: str | None, home: Any, where: WriteNote | None = None
 ) -> Any:
-    """The slot a static state becomes when assigned ``value`` (same home trace).
+    """The slot a state whose kind ``value`` decides becomes (same home trace).
 
-    A static state assigned an array becomes an array state; an array state
-    never becomes static, unless it holds the placeholder ``None``, which any
-    value replaces as if it were the first (the ``static_slot`` hook decides).
-    ``where``: what the ``check_write`` hook returned for ``value``.
+    A state holding the placeholder ``None``, or a slot the ``static_slot``
+    hook made, takes its kind from the value assigned to it as if it were the
+    first: the ``static_slot`` hook's slot, else a frozen request. ``where``:
+    what the ``check_write`` hook returned for ``value``.
     """
     static = _hooks.static_slot(value, category, name)
     if static is not None:
@@ -411,8 +283,8 @@ def _written(
 def written_slot(
     value: Any, category: Category, name: str | None, label: str | None, home: Any
 ) -> Any:
-    """The slot a static state (living in ``home``) becomes when assigned
-    ``value``, which the ``check_write`` hook checks first (see ``_written``)."""
+    """``_written``, for a slot kind the engine does not define (living in
+    ``home``); the ``check_write`` hook checks ``value`` first."""
     return _written(value, category, name, home, _hooks.check_write(value, name or label, home))
 
 
@@ -815,7 +687,7 @@ class HandledLocalStateRef(StateSlot):
     handled = True
 
     def _cell(self) -> LocalStateEffectImpl:
-        running = _running_entry(self.handler_id)
+        running = running_call(self.handler_id)
         if running is not None:
             cells = running[1]
         elif self.handler_id in _ACTIVE.get():
@@ -850,54 +722,9 @@ class HandledLocalStateRef(StateSlot):
         cell.value = value
 
 
-class CopiedRef(StateSlot):
-    """A handled state of a copy JAX made of a model inside the running call.
-
-    ``jax.vmap`` over a stacked sub-model, a sub-model in ``lax.scan``'s
-    ``xs`` or a ``tree_map`` that slices one flatten it and rebuild it from
-    the leaves they made: the state's value is one of those leaves
-    (``register_running_slot``), so the copy reads its own slice, as the
-    copy's parameters are sliced.
-
-    A write where the call runs (a ``tree_map`` or ``stop_gradient`` copy
-    in a method) stays the copy's, as it does eagerly: a copy is another
-    model. A write inside a transformation the call's method started (a
-    slice's write in a ``vmap`` or ``scan`` body) goes to the handler's
-    cell, as the original's would, where JAX's trace of it is caught as an
-    escaped state instead of being lost with the slice.
-    """
-
-    __slots__ = ("ref", "value", "category", "name")
-
-    def __init__(self, ref: HandledLocalStateRef, value: Any):
-        self.ref, self.value = ref, value
-        self.category, self.name = ref.category, ref.name
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
-        entry = _running_entry(self.ref.handler_id)
-        if entry is None or entry[3] is _hooks.current_trace():
-            self.value = value
-            return None
-        self.ref.write(value, label)
-        return self.ref
-
-    def as_request(self) -> FrozenLocalStateRequest:
-        return FrozenLocalStateRequest(self.value, self.ref.category, None)
-
-
-def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
-    return (ref.read(), ref) if is_running(ref.handler_id) else None
-
-
-# Frozen and childless: one object per graphdef entry serves every rebuild.
-_graph.register_node_kind(
-    HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, CopiedRef)
-)
-_graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), CopiedRef))
-
+# How the walks see a handled reference (and what stands for it in the copy
+# JAX makes of a running model, ``CopiedRef``) is registered by
+# ``autostate.lifetime``, which owns those copies.
 
 REQUEST_TYPES = (InitialLocalStateRequest, FrozenLocalStateRequest, SharedLocalStateRequest)
 # type -> what a walk does with it: _HANDLED (a ``handled`` slot), _HANDLEABLE

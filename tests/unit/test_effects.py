@@ -35,6 +35,7 @@ from autostate.effects import (
     freeze_local_states,
     handle_local_states,
     hoist_shared_state_requests,
+    local_state,
 )
 from autostate.errors import CategoryArgumentError, StateSharingError, UnhandledLocalStateError
 
@@ -584,6 +585,31 @@ def test_ref_of_a_handler_that_is_not_running_is_unhandled():
     assert "handler((arg, states))" in message
     assert isinstance(info.value, autostate.AutostateError)
     assert isinstance(info.value, RuntimeError)
+
+
+def test_running_calls_are_seen_only_while_their_handler_runs():
+    seen: dict[str, Any] = {}
+
+    def body(x):
+        seen["running"] = local_state.handler_running()
+        seen["outer"] = local_state.is_running("outer")
+        seen["inner"] = local_state.is_running("inner")
+        seen["cells"] = dict(local_state.handler_cells("inner"))
+        seen["all"] = sorted(cell.name for cell in local_state.running_cells())
+        seen["ids"] = [call[0] for call in local_state.running_calls()]
+        return x
+
+    def outer(x):
+        return local_state.run_with_states("inner", {"b": 2.0}, body, (x,), {})[0]
+
+    out, states = local_state.run_with_states("outer", {"a": 1.0}, outer, (5.0,), {})
+    assert (out, states) == (5.0, {"a": 1.0})
+    assert seen["running"] and seen["outer"] and seen["inner"]
+    assert {name: cell.value for name, cell in seen["cells"].items()} == {"b": 2.0}
+    assert seen["all"] == ["a", "b"] and sorted(seen["ids"]) == ["inner", "outer"]
+    assert local_state.running_call("inner") is None
+    assert not local_state.handler_running() and local_state.handler_cells("inner") == {}
+    assert list(local_state.running_calls()) == []
 
 
 def test_handler_ids_are_honoured_and_fresh_ones_distinct():
