@@ -301,36 +301,48 @@ def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[An
     """Decorated instances reachable from a body: closures, bound methods,
     operands; the lists and dicts met on the way into ``containers``."""
     found: list[Any] = []
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or _values.holds_nothing(obj):
-            continue
-        seen.add(id(obj))
-        if _graph.is_stateful_instance(obj):
-            found.append(obj)
-            stack.extend(obj.__dict__.values())
-        elif isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    stack.append(cell.cell_contents)
-            stack.extend(obj.__defaults__ or ())
-            wrapped = getattr(obj, "__wrapped__", None)
-            if wrapped is not None:
-                stack.append(wrapped)
-        elif isinstance(obj, types.MethodType):
-            stack.extend((obj.__self__, obj.__func__))
-        elif isinstance(obj, functools.partial):
-            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
-        elif isinstance(obj, (list, tuple)):
-            if type(obj) is not tuple:
-                containers.append(obj)
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            containers.append(obj)
-            stack.extend(obj.values())
+    for _, node in _graph.iter_tree(
+        tuple(roots), _reached_object, into_targets=True, children=_reached_by_code, seen=set()
+    ):
+        (found if _graph.is_stateful_instance(node) else containers).append(node)
     return found
+
+
+def _reached_object(obj: Any) -> bool:
+    """A decorated instance, or a list or dict (not a tuple) a body reaches."""
+    t = type(obj)
+    return t in _graph.STATEFUL_CLASSES or (t is not tuple and isinstance(obj, (list, tuple, dict)))
+
+
+def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
+    """The step of ``_reachable_instances``'s walk: an instance's attributes, a
+    function's cells, defaults and ``__wrapped__``, a method's instance and
+    function, a partial's parts, a list's, tuple's or dict's items. Last first:
+    the order that names two instances' states ``Linear.w``, ``Linear.w'``."""
+    items: Any
+    if type(obj) in _graph.STATEFUL_CLASSES:
+        items = obj.__dict__.values()
+    elif isinstance(obj, types.FunctionType):
+        items = []
+        for cell in obj.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                items.append(cell.cell_contents)
+        items.extend(obj.__defaults__ or ())
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            items.append(wrapped)
+    elif isinstance(obj, types.MethodType):
+        items = [obj.__self__, obj.__func__]
+    elif isinstance(obj, functools.partial):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        return []
+    holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
+    return [("", item) for item in reversed(items) if not holds_nothing(item)]
 
 
 def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str) -> Any:

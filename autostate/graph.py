@@ -442,41 +442,6 @@ def map_tree(
             gc.enable()
 
 
-def iter_tree(
-    tree: Any, is_target: Callable[[Any], bool], *, into_targets: bool = False
-) -> Iterator[tuple[str, Any]]:
-    """Yields ``(path_name, node)`` for every target, copying nothing.
-
-    The walk of ``map_tree`` without the rebuild: each decorated instance is
-    walked into once (by its first path). A target is yielded on every path
-    that reaches it and not descended into; with ``into_targets`` it is
-    descended into, and a decorated instance is yielded once.
-
-    Example:
-        >>> from autostate import graph
-        >>> list(graph.iter_tree([1, {"k": 2}], lambda x: type(x) is int))
-        [('[0]', 1), ("[1]['k']", 2)]
-    """
-    seen: set[int] = set()
-    stateful = STATEFUL_CLASSES
-    stack: list[tuple[str, Any]] = [("", tree)]
-    while stack:
-        prefix, node = stack.pop()
-        hit = is_target(node)
-        if hit and not into_targets:
-            # A target is yielded on every path that reaches it, a shared
-            # instance too (``nn.torch_io`` names tied weights by each path).
-            yield path_name(prefix), node
-            continue
-        if type(node) in stateful:  # visited once, by identity
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-        if hit:
-            yield path_name(prefix), node
-        stack.extend(reversed([(prefix + sub, child) for sub, child in children_of(node)]))
-
-
 def children_of(node: Any) -> list[tuple[str, Any]]:
     """One step of the walk: ``node``'s children, each with its path suffix.
 
@@ -497,6 +462,63 @@ def children_of(node: Any) -> list[tuple[str, Any]]:
         return []
     flat, treedef = _flatten_one_level(node)
     return [] if treedef is None else flat
+
+
+def iter_tree(
+    tree: Any,
+    is_target: Callable[[Any], bool],
+    *,
+    into_targets: bool = False,
+    children: Callable[[Any], list[tuple[str, Any]]] = children_of,
+    seen: set[int] | None = None,
+) -> Iterator[tuple[str, Any]]:
+    """Yields ``(path_name, node)`` for every target, copying nothing.
+
+    The walk of ``map_tree`` without the rebuild: each decorated instance is
+    walked into once (by its first path). A target is yielded on every path
+    that reaches it and not descended into; with ``into_targets`` it is
+    descended into, and a decorated instance is yielded once.
+
+    A walk that follows other edges than the model graph's (what a ``lax``
+    body's code reaches, the containers a model holds outside its states)
+    passes its own ``children`` step (``children_of``'s signature); with
+    ``seen``, every node is visited once by identity, its id recorded there
+    (a set shared by walks from several roots visits a node once in all).
+
+    Example:
+        >>> from autostate import graph
+        >>> list(graph.iter_tree([1, {"k": 2}], lambda x: type(x) is int))
+        [('[0]', 1), ("[1]['k']", 2)]
+        >>> shared = [3]
+        >>> list(graph.iter_tree([shared, shared], lambda x: type(x) is int, seen=set()))
+        [('[0][0]', 3)]
+    """
+    every = seen is not None
+    visited: set[int] = set() if seen is None else seen
+    stateful = STATEFUL_CLASSES
+    stack: list[tuple[str, Any]] = [("", tree)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        prefix, node = pop()
+        if every:
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+        hit = is_target(node)
+        if hit and not into_targets:
+            # A target is yielded on every path that reaches it, a shared
+            # instance too (``nn.torch_io`` names tied weights by each path).
+            yield path_name(prefix), node
+            continue
+        if not every and type(node) in stateful:  # visited once, by identity
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+        if hit:
+            yield path_name(prefix), node
+        kids = children(node)
+        if kids:
+            push([(prefix + sub, child) for sub, child in reversed(kids)])
 
 
 def instances(tree: Any) -> list[tuple[str, Any]]:

@@ -1024,116 +1024,119 @@ def _is_array_object(value: Any) -> bool:
     return kind is _values.ARRAY or kind is _values.NUMPY_ARRAY
 
 
-def _hidden_array(
-    value: Any, depth: int, seen: builtins.set[int], inside: bool = False
-) -> tuple[str, str, Any] | None:
-    """``(path from value, holder, what)`` of an array inside a plain object, or
-    of a model reached where ``functionalize()`` cannot follow it.
+class _Hidden(tuple):
+    """``(what, holder)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
+
+
+def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
+    """``(where, holder, what)`` of the first array inside a plain object, or
+    model reached where ``functionalize()`` cannot follow it, in ``value``
+    (the attribute at ``where``).
 
     A sub-model in an attribute (or in a list, tuple or dict of one) is a
     graph edge, and a method, closure or weak reference bound directly to one
     is rebound to f's copy. Anything else that reaches a model (a plain
     object's attribute, a ``functools.partial``, a closure reaching it through
     another function or a list, a builtin method of a list the model holds)
-    would still reach the original: ``inside`` is true below such a holder.
+    would still reach the original: below such a holder, a node is inside.
+
+    ``graph.iter_tree`` walks with ``step``, which gives a find as a
+    ``_Hidden`` child, and any other child its context ``(inside, holder,
+    forced)``: the innermost plain holder names a find that names none; the
+    outermost ``functools.partial`` (generator, lazy map) names every find.
     """
-    if depth > 32 or id(value) in seen:
-        return None
-    seen.add(id(value))
-    t = type(value)
-    if _graph.is_stateful_instance(value):
-        return ("", "", value) if inside else None
-    if t is list or t is tuple:
-        items: Any = [(f"[{k}]", v) for k, v in enumerate(value)]
-    elif _values.kind_of(value).sealed:
-        # A set or deque is not walked by functionalize(): a model in it
-        # would be shared by f and the eager model, its states never handled.
-        # (Arrays in it are static, as a deque of a replay buffer's samples
-        # has always been.)
-        _SEALED_CONTAINERS.add(t.__name__)
-        for k, v in enumerate(value):
-            if _graph.is_stateful_instance(v):
-                return f"[{k}]", t.__name__, v
-        items = [(f"[{k}]", v) for k, v in enumerate(value)]
-        inside = True
-    elif t is dict:
-        items = [(f"[{k!r}]", v) for k, v in value.items()]
-    elif isinstance(value, (list, tuple, dict)):
-        # A subclass (an OrderedDict, a defaultdict, a NamedTuple, a user's
-        # list): its items as the builtin's. functionalize() walks a
-        # registered pytree; any other is one leaf, shared by f and the eager
-        # model: what it holds is below a holder.
-        pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        items = [(f"[{k!r}]" if isinstance(value, dict) else f"[{k}]", v) for k, v in pairs]
-        if not _graph.is_pytree_node(value):
-            _UNWALKED_CONTAINERS.add(t.__name__)
-            for k, v in items:
-                if _graph.is_stateful_instance(v) or _is_array_object(v):
-                    return k, t.__name__, v
-                found = _hidden_array(v, depth + 1, seen, True)
-                if found is not None:
-                    return f"{k}{found[0]}", found[1] or t.__name__, found[2]
-            return None
-    elif t is weakref.ProxyType or t is weakref.CallableProxyType:
-        # A proxy gives no way to its referent: f's copy cannot be rebound.
-        try:
-            held = value.__class__ in _graph.STATEFUL_CLASSES
-        except ReferenceError:  # its referent is gone
-            return None
-        return ("", "weakref.proxy", value) if held else None
-    elif t is types.BuiltinMethodType:
-        if _values.is_mutable(value.__self__):
-            return ".__self__", "builtin method", value.__self__
-        return None
-    elif t is types.MethodType or t is weakref.ReferenceType or t is weakref.WeakMethod:
-        target = value.__self__ if t is types.MethodType else value()
-        if t is weakref.WeakMethod:
-            target = getattr(target, "__self__", None)
-        if inside and _graph.is_stateful_instance(target):
-            return "", t.__name__, target
-        return None
-    elif t is types.FunctionType:
-        for k, cell in enumerate(value.__closure__ or ()):
+    root = (value,)
+    context: dict[int, tuple[bool, str, str]] = {id(value): (False, "", "")}
+    stateful = _graph.is_stateful_instance
+
+    def step(node: Any) -> list[tuple[str, Any]]:
+        if node is root:
+            return [(where, value)]
+        inside, default, forced = inner = context[id(node)]
+        t = type(node)
+        items: Any = ()
+        hit = None  # (suffix, what, holder)
+        holder = ""  # a plain holder, whose own models and arrays are finds
+        if stateful(node):
+            hit = ("", node, "") if inside else None
+        elif t is list or t is tuple:
+            items = [(f"[{k}]", v) for k, v in enumerate(node)]
+        elif _values.kind_of(node).sealed:
+            # A set or deque is not walked by functionalize(): a model in it
+            # would be shared by f and the eager model, its states never handled.
+            # (Arrays in it are static, as a deque of a replay buffer's samples
+            # has always been.)
+            _SEALED_CONTAINERS.add(t.__name__)
+            items = [(f"[{k}]", v) for k, v in enumerate(node)]
+            hit = next(((k, v, t.__name__) for k, v in items if stateful(v)), None)
+            inner = (True, default, forced)
+        elif t is dict:
+            items = [(f"[{k!r}]", v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple, dict)):
+            # A subclass (an OrderedDict, a defaultdict, a NamedTuple, a user's
+            # list): its items as the builtin's. functionalize() walks a
+            # registered pytree; any other is one leaf, shared by f and the eager
+            # model: what it holds is below a holder.
+            pairs = node.items() if isinstance(node, dict) else enumerate(node)
+            items = [(f"[{k!r}]" if isinstance(node, dict) else f"[{k}]", v) for k, v in pairs]
+            if not _graph.is_pytree_node(node):
+                _UNWALKED_CONTAINERS.add(t.__name__)
+                holder = t.__name__
+        elif t is weakref.ProxyType or t is weakref.CallableProxyType:
+            # A proxy gives no way to its referent: f's copy cannot be rebound.
             try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            # A model in the function's own cell is rebound, unless the
-            # function itself was reached through a holder.
-            if _graph.is_stateful_instance(content) and not inside:
-                continue
-            found = _hidden_array(content, depth + 1, seen, True)
-            if found is not None:
-                return f".__closure__[{k}]{found[0]}", found[1] or "closure", found[2]
-        return None
-    elif (parts := _graph.held_parts(value)) is not None:
-        # A functools.partial, a generator a method made (its frame holds
-        # ``self``), a lazy map over a method: bound to a model that f's copy
-        # cannot be put in (a method or a lambda is rebound).
-        holder = "functools.partial" if isinstance(value, functools.partial) else t.__name__
-        for where, v in parts:
-            found = _hidden_array(v, depth + 1, seen, True)
-            if found is not None:
-                return f"{where}{found[0]}", holder, found[2]
-        return None
-    elif _graph.is_dynamic(value):
-        return None
-    else:
-        attrs: Any = _graph.plain_attributes(value)
-        if attrs is None:
-            return None
-        for k, v in attrs.items():
-            if _is_array_object(v) or _graph.is_stateful_instance(v):
-                return f".{k}", t.__name__, v
-            found = _hidden_array(v, depth + 1, seen, True)
-            if found is not None:
-                return f".{k}{found[0]}", found[1] or t.__name__, found[2]
-        return None
-    for k, v in items:
-        found = _hidden_array(v, depth + 1, seen, inside)
-        if found is not None:
-            return f"{k}{found[0]}", found[1], found[2]
-    return None
+                held = node.__class__ in _graph.STATEFUL_CLASSES
+            except ReferenceError:  # its referent is gone
+                held = False
+            hit = ("", node, "weakref.proxy") if held else None
+        elif t is types.BuiltinMethodType:
+            if _values.is_mutable(node.__self__):
+                hit = (".__self__", node.__self__, "builtin method")
+        elif t is types.MethodType or t is weakref.ReferenceType or t is weakref.WeakMethod:
+            target = node.__self__ if t is types.MethodType else node()
+            if t is weakref.WeakMethod:
+                target = getattr(target, "__self__", None)
+            hit = ("", target, t.__name__) if inside and stateful(target) else None
+        elif t is types.FunctionType:
+            items = []
+            for k, cell in enumerate(node.__closure__ or ()):
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                # A model in the function's own cell is rebound, unless the
+                # function itself was reached through a holder.
+                if inside or not stateful(content):
+                    items.append((f".__closure__[{k}]", content))
+            inner = (True, "closure", forced)
+        elif (parts := _graph.held_parts(node)) is not None:
+            # A functools.partial, a generator a method made (its frame holds
+            # ``self``), a lazy map over a method: bound to a model that f's copy
+            # cannot be put in (a method or a lambda is rebound).
+            items = parts
+            name = "functools.partial" if isinstance(node, functools.partial) else t.__name__
+            inner = (True, default, forced or name)
+        elif not _graph.is_dynamic(node) and (attrs := _graph.plain_attributes(node)) is not None:
+            items = [(f".{k}", v) for k, v in attrs.items()]
+            holder = t.__name__
+        if hit is not None:
+            return [(hit[0], _Hidden((hit[1], forced or hit[2] or default)))]
+        if holder:
+            inner = (True, holder, forced)
+        out = []
+        for suffix, v in items:
+            if holder and (stateful(v) or _is_array_object(v)):
+                v = _Hidden((v, forced or holder))
+            else:
+                context[id(v)] = inner
+            out.append((suffix, v))
+        return out
+
+    found = next(
+        _graph.iter_tree(root, lambda n: type(n) is _Hidden, children=step, seen=builtins.set()),
+        None,
+    )
+    return None if found is None else (found[0], found[1][1], found[1][0])
 
 
 _ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
@@ -1165,10 +1168,10 @@ def check_no_hidden_arrays(model: Any) -> None:
                 if name in _tree.info_of(obj).state:
                     adopt = [*(adopt or ()), name]
                 continue
-            found = _hidden_array(value, 0, builtins.set())
+            found = _hidden_array(f".{path}.{name}" if path else f".{name}", value)
             if found is None:
                 continue
-            where = (f"{path}.{name}" if path else name) + found[0]
+            where = found[0]
             holder = found[1] or "plain"
             if holder == "builtin method":
                 raise InvalidTypeError(

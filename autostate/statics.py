@@ -35,50 +35,50 @@ def mutable_statics(
     contents back.
     """
     saved: list[tuple[Any, Any, str]] = []
-    seen: set[int] = set()
-    stateful, kind_of = _graph.STATEFUL_CLASSES, _values.kind_of
+    seen: set[int] = set()  # shared by the walks from every root: a container is saved once
 
-    def visit(value: Any, where: str, depth: int) -> None:
-        t = type(value)
-        kind = kind_of(value)
-        if kind.atom or kind.array or t in stateful or t is HandledLocalStateRef:
-            # No containers in it: a leaf, a slot, or a decorated instance
-            # (visited on its own, as one of ``instances``).
-            return
-        if depth > 16 or id(value) in seen:
-            return
-        if kind.mutable:
-            seen.add(id(value))
-            saved.append((value, kind.copy(value), where))  # type: ignore[misc]
-            if kind is _values.DICT or kind is _values.DICT_SUBCLASS:
-                for item in value.values():
-                    visit(item, where, depth + 1)
-            elif kind is not _values.SET and kind is not _values.BYTEARRAY:
-                for item in value:
-                    visit(item, where, depth + 1)
-        elif kind is _values.TUPLE:
-            for item in value:
-                visit(item, where, depth + 1)
-        elif (d := _graph.plain_attributes(value)) is not None:
-            seen.add(id(value))
-            saved.append((d, d.copy(), where))
-            for item in d.values():
-                visit(item, where, depth + 1)
+    def visit(value: Any, where: str) -> None:
+        walk = _graph.iter_tree(
+            value, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
+        )
+        for _, c in walk:
+            saved.append((c, _values.kind_of(c).copy(c), where))  # type: ignore[misc]
 
     classes: dict[type, None] = {}
     for obj in instances:
         cls = type(obj)
         classes[cls] = None
         for name, value in obj.__dict__.items():
-            visit(value, f"{cls.__name__}.{name}", 0)
+            if _may_hold_containers(value):  # (most attributes: no walk)
+                visit(value, f"{cls.__name__}.{name}")
     for cls in classes:
         for klass in cls.__mro__[:-1]:
             for name, value in list(vars(klass).items()):
                 if _values.is_mutable(value) and not name.startswith("__"):
-                    visit(value, f"{klass.__name__}.{name}", 0)
+                    visit(value, f"{klass.__name__}.{name}")
     for label, value in values:
-        visit(value, label, 0)
+        if _may_hold_containers(value):
+            visit(value, label)
     return saved
+
+
+def _may_hold_containers(value: Any) -> bool:
+    """Not a leaf, a slot, or a decorated instance (visited as one of the instances)."""
+    t, kind = type(value), _values.kind_of(value)
+    return not (kind.atom or kind.array or t in _graph.STATEFUL_CLASSES or t is HandledLocalStateRef)
+
+
+def _held_outside_states(value: Any) -> list[tuple[str, Any]]:
+    """The step of ``mutable_statics``'s walk: a container's items (a set's or
+    bytearray's aside), a tuple's, a plain object's ``__dict__`` (a dict)."""
+    kind = _values.kind_of(value)
+    if kind is _values.SET or kind is _values.BYTEARRAY:
+        return []
+    if kind.mutable or kind is _values.TUPLE:
+        items = value.values() if isinstance(value, dict) else value
+        return [("", item) for item in items if _may_hold_containers(item)]
+    d = _graph.plain_attributes(value)
+    return [] if d is None else [("", d)]
 
 
 def same_contents(value: Any, contents: Any) -> bool:

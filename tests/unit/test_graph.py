@@ -124,6 +124,40 @@ def test_iter_tree_yields_a_target_on_every_path_that_reaches_it():
     assert paths == ["embed", "head", "act.__self__"]
 
 
+def test_iter_tree_with_seen_visits_each_node_once_across_walks():
+    shared = [1]
+    seen: set[int] = set()
+    first = list(iter_tree({"a": shared, "b": shared}, lambda x: type(x) is list, seen=seen))
+    again = list(iter_tree((shared, [2]), lambda x: type(x) is list, seen=seen))
+    assert [(name, node) for name, node in first] == [("['a']", [1])]
+    assert again == [("[1]", [2])]  # the shared list was visited by the first walk
+
+
+def test_iter_tree_follows_the_edges_of_a_children_step():
+    # A walk with other edges than the model graph's: into a function's closure.
+    inner = {"k": 3}
+
+    def fn():
+        return inner
+
+    def step(node: Any) -> list[tuple[str, Any]]:
+        if type(node) is type(fn):
+            return [(f".__closure__[{i}]", c.cell_contents) for i, c in enumerate(node.__closure__)]
+        return graph.children_of(node)
+
+    assert list(iter_tree([fn], lambda x: type(x) is int)) == []  # a function is a leaf
+    found = list(iter_tree([fn], lambda x: type(x) is int, children=step, seen=set()))
+    assert found == [("[0].__closure__[0]['k']", 3)]
+
+
+def test_iter_tree_with_seen_and_cycles_terminates():
+    loop: list[Any] = []
+    loop.append(loop)
+    assert list(iter_tree(loop, lambda x: type(x) is list, into_targets=True, seen=set())) == [
+        ("", loop)
+    ]
+
+
 def test_map_tree_copies_each_instance_once_and_rebinds_methods():
     net = Net()
     copy = graph.map_tree(net, lambda x, name: name, _is_array)
