@@ -79,13 +79,16 @@ class Config:
     dispatch_modules: int = 100
     dispatch_rounds: int = 30
     dispatch_number: int = 50
+    # fresh processes read a bytecode cache of their own, filled by untimed
+    # processes first (smoke: the environment's as it is, nothing filled)
+    own_bytecode: bool = True
 
 
 FULL = Config()
 SMOKE = Config(trace_modules=4, trace_rounds=1, decoration_rounds=1, import_rounds=1,
                file_process_rounds=1,
                file_rounds=1, bounded_files=1, write_rounds=1, write_number=10, dispatch_modules=3,
-               dispatch_rounds=1, dispatch_number=1)
+               dispatch_rounds=1, dispatch_number=1, own_bytecode=False)
 
 _counter = itertools.count()
 
@@ -260,10 +263,11 @@ def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     # PYTHONDONTWRITEBYTECODE (set in some environments) autostate's modules
     # were compiled on every import while jax's came from its install.
     env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(directory / "warm-cache"),
-           "PYTHONPYCACHEPREFIX": str(directory / "pycache"),
            "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    for module in ("jax", "autostate"):
+    if cfg.own_bytecode:
+        env["PYTHONPYCACHEPREFIX"] = str(directory / "pycache")
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    for module in ("jax", "autostate") if cfg.own_bytecode else ():
         _import_seconds(module, env, directory)  # fills the bytecode cache
     samples: dict[str, list[float]] = {"jax": [], "autostate": []}
     for r in range(cfg.import_rounds):
@@ -296,7 +300,7 @@ def import_rows(cfg: Config, directory: Path, report: Report) -> Table:
     # earlier scenarios') the collector walks before every sample: they
     # are kept as information.
     files = {"decorated": decorated.stem, "plain": plain.stem}
-    for module in files.values():
+    for module in files.values() if cfg.own_bytecode else ():
         _file_import_seconds(module, env, directory)  # writes the .pyc files
     offsets = _collector_offsets(cfg.file_process_rounds)
     # (file, offset) -> the fastest import seen there

@@ -36,6 +36,8 @@ import pytest
 from jax.extend.core import jaxpr_as_fun
 
 import autostate
+from autostate import effects as _engine
+from autostate import guard as _guard
 from semantics.programs import BUILDS, KEY, LIBRARY
 
 Loader = Callable[..., types.ModuleType]
@@ -64,6 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import autostate
+from autostate import guard as _guard
+from autostate import effects as _engine
 TRACES = []
 """
 
@@ -1062,3 +1066,9 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
         return fn(*a)
 
     return staged(traced), traces
+
+
+def no_handler_left() -> None:
+    """Nothing of a call outlives it: no handler running, no instance guarded."""
+    assert not _engine.handler_running(), "a handler is still running after the call"
+    assert not _guard._GUARDED.get(), "instances are still guarded after the call"

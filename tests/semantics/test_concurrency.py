@@ -30,13 +30,13 @@ import pytest
 import autostate
 from autostate import guard as _guard
 from autostate import runtime
-from autostate.effects import local_state as _engine
 from semantics.harness import (
     Loader,
     assert_same,
     assert_user_line,
     check,
     floats,
+    no_handler_left,
     no_tracers,
     pair,
     plain_path,
@@ -653,10 +653,6 @@ def test_async_methods_of_two_models_interleaved_by_gather(write_module: Loader)
 
     assert_same(asyncio.run(two(plain)), asyncio.run(two(dec)))
 
-
-def no_handler_left() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
     assert not _guard._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
 
 

@@ -24,7 +24,6 @@ import pytest
 
 import autostate
 from autostate import guard as _guard
-from autostate.effects import local_state as _engine
 from autostate.errors import (
     ControlFlowStateError,
 )
@@ -35,6 +34,7 @@ from semantics.harness import (
     assert_same,
     floats,
     modes_of,
+    no_handler_left,
     no_tracers,
     pair,
     pair_with_helpers,
@@ -183,10 +183,6 @@ def test_every_lax_body_that_raises_after_a_write_loses_the_state_loudly(
         with pytest.raises(ControlFlowStateError, match=r"State 'a' has no value"):
             mode(states, method, X1) if mode is call else mode(states, X1)
 
-
-def no_handler_left() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 def _inner_states(dec: types.ModuleType) -> tuple[Any, Any]:
@@ -581,10 +577,6 @@ def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loa
             fn()
         user_line(e.value, dec, "return self.t")
 
-
-def no_handler_left_h32() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
     assert not _guard._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
 
 
@@ -660,7 +652,7 @@ def run_modes(
         frozen = autostate.freeze(f, states)
         same(expected_snap, snapshot(frozen), f"jit={jit} frozen")
         no_tracers(model, f, frozen)
-    no_handler_left_h32()
+    no_handler_left()
 
 
 def raise_and_recover(
@@ -695,7 +687,7 @@ def raise_and_recover(
         for obj in (ref, model):
             with pytest.raises(exc):
                 ecall(obj, *raising)
-        no_handler_left_h32()
+        no_handler_left()
         no_tracers(model)
         lost_paths = [p for p, _ in lost]
         for path, text in lost:
@@ -709,7 +701,7 @@ def raise_and_recover(
             with pytest.raises(autostate.errors.ControlFlowStateError) as err:
                 model.functionalize()
             user_line(err.value, dec, lost[0][1])
-            no_handler_left_h32()
+            no_handler_left()
         if repair is not None:
             for obj in (ref, model):
                 ecall(obj, *repair)
@@ -725,7 +717,7 @@ def raise_and_recover(
                 same(snapshot(ecall(ref, m, a)), snapshot(out), f"jit {m} after the raise")
             same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen after the raise")
             no_tracers(model, f)
-        no_handler_left_h32()
+        no_handler_left()
 
     for jit in (False, True):
         if ("jit" if jit else "f") not in modes:
@@ -739,7 +731,7 @@ def raise_and_recover(
         given = states_snapshot(states)
         with pytest.raises(exc):
             fcall(f, *raising[:1], states, raising[1], jit)
-        no_handler_left_h32()
+        no_handler_left()
         same(given, states_snapshot(states), f"jit={jit}: the states given changed")
         same(eager_before, snapshot(model), f"jit={jit}: the eager model changed")
         no_tracers(model, f, states)
@@ -756,7 +748,7 @@ def raise_and_recover(
             f2, s2 = model.functionalize()
             compare_states(ref2, s2, "functionalize again")
             no_tracers(model, f, f2)
-        no_handler_left_h32()
+        no_handler_left()
 
 
 EAGER_ONLY = {"set_mode"}  # a static state's change: the documented StaticStateError in f
@@ -1520,7 +1512,7 @@ def test_refusal_swallowed_by_the_users_except_through_f(
     with pytest.raises((autostate.errors.StaticStateError, autostate.errors.StateAccessError)) as err:
         fcall(f, method, states, (X1_h32,), jit)
     assert "code there caught it" in "".join(getattr(err.value, "__notes__", ()))
-    no_handler_left_h32()
+    no_handler_left()
     no_tracers(f)
     same(snapshot(plain.Caught().if_on_state(X1_h32)),
          snapshot(fcall(f, "if_on_state", states, (X1_h32,), False)[0]), "f works afterwards")
@@ -1548,7 +1540,7 @@ def test_refusal_through_f_not_caught_then_everything_works(write_module: Loader
             fcall(f, "mode_unguarded", states, (X1_h32,), jit)
         user_line(err.value, dec, 'self.mode = "eval"')
         same(given, states_snapshot(states), "states given")
-        no_handler_left_h32()
+        no_handler_left()
         no_tracers(model, f)
     ref = plain.Caught()
     for x in (X1_h32, X2_h32):
@@ -1580,7 +1572,7 @@ def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: 
     out, states = fcall(f, "step", states, (X2_h32,), True)
     same(snapshot(ref.step(X2_h32)), snapshot(out), "jit after the caught error")
     compare_states(ref, states, "jit")
-    no_handler_left_h32()
+    no_handler_left()
 
 
 def test_lost_state_error_caught_then_assigned(write_module: Loader) -> None:
@@ -1602,7 +1594,7 @@ def test_lost_state_error_caught_then_assigned(write_module: Loader) -> None:
         same(want, np.asarray(states["flag"]), f"jit={jit} flag")
         out, states = fcall(f, "step", states, (X1_h32,), jit)
         same(np.float32(-2.0 + 1.5), np.asarray(out), f"jit={jit} step after")
-    no_handler_left_h32()
+    no_handler_left()
 
 
 BASE = """
@@ -1736,7 +1728,7 @@ def test_interrupt_in_an_eager_lax_body_after_a_write(
     for obj in (ref, model):
         with pytest.raises(BASE_KINDS[kind]):
             ecall(obj, method, (arg, kind))
-    no_handler_left_h32()
+    no_handler_left()
     no_tracers(model)
     with pytest.raises(autostate.errors.ControlFlowStateError):
         model.s  # noqa: B018 - not silently wrong: what a ValueError gets
@@ -1775,7 +1767,7 @@ def test_captured_and_non_state_list_changed_in_a_body_is_refused(
             call()
         user_line(err.value, dec, "lax.scan(body, 0.0, xs)")
         no_tracers(model, f)
-        no_handler_left_h32()
+        no_handler_left()
     ref = plain.Base()
     same(snapshot(ref(X1_h32)), snapshot(model(X1_h32)), "eager after")
     same(snapshot(ref), snapshot(model), "eager attributes after")
@@ -1899,7 +1891,7 @@ def test_init_raising_midway_then_built_again(write_module: Loader, cls: str, fa
     for mod in (plain, dec):
         with pytest.raises(ValueError, match="__init__"):
             getattr(mod, cls)(fail)
-    no_handler_left_h32()
+    no_handler_left()
     run_modes(plain, dec, f"{cls}()", [("__call__", (X1_h32,)), ("scan", (XS_h32,)), ("__call__", (X2_h32,))])
 
 
@@ -1936,7 +1928,7 @@ def test_functionalize_refused_then_fixed(write_module: Loader) -> None:
         with pytest.raises(autostate.errors.InvalidTypeError) as err:
             model.functionalize()
         user_line(err.value, dec, "self.counts = {Split.TRAIN")
-    no_handler_left_h32()
+    no_handler_left()
     no_tracers(model)
     same(snapshot(ref.half(X2_h32)), snapshot(model.half(X2_h32)), "eager after the refusal")
     for obj in (ref, model):
@@ -1975,7 +1967,7 @@ def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module:
     ref.table, model.table = plain.Table(), dec.Table()
     with pytest.raises(autostate.errors.InvalidTypeError, match="Table"):
         model.functionalize()
-    no_handler_left_h32()
+    no_handler_left()
     same(snapshot(ref(X1_h32)), snapshot(model(X1_h32)), "eager after the refusal")
     del ref.table, model.table
     f, states = model.functionalize()
@@ -1994,7 +1986,7 @@ def test_eager_lax_call_refused_then_fixed(write_module: Loader) -> None:
     with pytest.raises(autostate.errors.InvalidTypeError) as err:
         model.scan(XS_h32)
     user_line(err.value, dec, "return lax.scan(body, 0.0, xs)[0]")
-    no_handler_left_h32()
+    no_handler_left()
     no_tracers(model)
     same(np.float32(100.0), np.asarray(model.a), "the write before the lax call")
     model.a = jnp.zeros(())
@@ -2029,7 +2021,7 @@ def test_freeze_with_wrong_states_then_right(write_module: Loader) -> None:
         for jit in (False, True):
             with pytest.raises(autostate.AutostateError):
                 fcall(f, "__call__", bad, (X2_h32,), jit)
-    no_handler_left_h32()
+    no_handler_left()
     out, states = fcall(f, "__call__", states, (X2_h32,), True)
     same(snapshot(ref(X2_h32)), snapshot(out), "f after the refused freeze")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
@@ -2090,7 +2082,7 @@ def test_raise_under_grad_or_vmap_of_f_then_again(write_module: Loader, transfor
     for _ in range(2):
         with pytest.raises(Exception, match="step"):
             trans(dec_fn, True)(arg)
-        no_handler_left_h32()
+        no_handler_left()
         no_tracers(f, states)
         same(snapshot(trans(plain_fn, False)(arg)), snapshot(trans(dec_fn, False)(arg)), transform)
         same(snapshot(trans(plain_fn, False)(arg)),
@@ -2203,7 +2195,7 @@ def test_generator_kept_alive_by_the_exception(write_module: Loader) -> None:
         gc.collect()
         same(given, states_snapshot(states), "states given")
         no_tracers(f, model)
-        no_handler_left_h32()
+        no_handler_left()
         out, states = fcall(f, "step", states, (X2_h32,), jit)
         same(snapshot(ref.step(X2_h32)), snapshot(out), "f after")
         same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")

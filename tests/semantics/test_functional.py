@@ -30,8 +30,6 @@ import pytest
 
 import autostate
 from autostate import errors
-from autostate import guard as _guard
-from autostate.effects import local_state as _engine
 from autostate.errors import (
     StateAccessError,
     TracedEagerStateError,
@@ -58,6 +56,7 @@ from semantics.harness import (
     library,
     load_plain,
     names_of,
+    no_handler_left,
     pair,
     plain_path,
     raises_autostate,
@@ -1567,10 +1566,6 @@ def test_resume_a_sampler_with_a_typed_key_state(
     ref_out, _ = ref_sample(p, dict(s1), PROMPT[:1], 3, 0.7)
     assert_bits(ref_out, got, "hand-threaded")
 
-
-def no_handler_left() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 SELF_F = """

@@ -31,7 +31,6 @@ import pytest
 import autostate
 from autostate import errors, host
 from autostate import guard as _guard
-from autostate.effects import local_state as _engine
 from autostate.errors import (
     HostStateError,
     HostStateTypeError,
@@ -45,6 +44,7 @@ from semantics.harness import (
     assert_same,
     check,
     floats,
+    no_handler_left,
     no_tracer,
     no_tracers,
     pair,
@@ -1168,10 +1168,6 @@ def test_host_fallback_models_in_two_threads(write_module: Loader) -> None:
 
 
 
-
-def no_handler_left() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
     assert not _guard._IN_LAX_BODY.get()[0], "instances still marked as in a lax body"
 
 
