@@ -28,8 +28,6 @@ import pytest
 
 import autostate
 from autostate import errors, runtime
-from autostate import guard as _guard
-from autostate.effects import local_state as _engine
 from autostate.errors import (
     EscapedStateError,
     TracedEagerStateError,
@@ -49,6 +47,7 @@ from semantics.harness import (
     class_pair,
     floats,
     modes_of,
+    no_handler_left,
     no_tracer,
     pair,
     pair_with_helpers,
@@ -92,29 +91,25 @@ from semantics.programs import (
     XS,
     YS,
 )
-from semantics.programs import ESCAPES as ESCAPES_h33
-from semantics.programs import OUTSIDE as OUTSIDE_h14
-from semantics.programs import A1_h29 as A1_h29
+from semantics.programs import ESCAPES as AFTER_THE_CALL
+from semantics.programs import OUTSIDE as OTHER_MODULE_HELPERS
+from semantics.programs import A1_h29 as WEAK_X
 from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
 from semantics.programs import ESCAPES_h8 as ESCAPES
-from semantics.programs import ESCAPES_h34 as ESCAPES_h34
-from semantics.programs import INSIDE_h29 as INSIDE_h29
+from semantics.programs import ESCAPES_h34 as TRANSFORMED_WRITES
+from semantics.programs import INSIDE_h29 as CLOSURE_TRANSFORMS
 from semantics.programs import OUTSIDE_h9 as OUTSIDE
-from semantics.programs import TORCH_h35 as TORCH_h35
+from semantics.programs import TORCH_h35 as TORCH_TRAINING
 from semantics.programs import TRAINER_h24 as TRAINER
-from semantics.programs import V3_h28 as V3_h28
+from semantics.programs import V3_h28 as V3_RANGE
 from semantics.programs import X2_h14 as X2
-from semantics.programs import X_h35 as X_h35
+from semantics.programs import X_h35 as X_BATCH
 from semantics.programs import XB_h24 as XB
-from semantics.programs import XS_h8 as XS_h8
-from semantics.programs import XS_h9 as XS_h9
-from semantics.programs import XS_h14 as XS_h14
-from semantics.programs import XS_h24 as XS_h24
-from semantics.programs import XS_h28 as XS_h28
-from semantics.programs import XS_h29 as XS_h29
-from semantics.programs import XS_h31 as XS_h31
-from semantics.programs import XS_h33 as XS_h33
-from semantics.programs import XS_h34 as XS_h34
+from semantics.programs import XS_h8 as XS3
+from semantics.programs import XS_h24 as TRAIN_XS
+from semantics.programs import XS_h28 as XS_SIGNED
+from semantics.programs import XS_h31 as X23_STACK
+from semantics.programs import XS_h34 as V3_STACK
 from semantics.programs import Y_h35 as Y
 from semantics.twins import (
     DECORATED,
@@ -389,10 +384,10 @@ def test_raw_scan_in_a_helper_then_overwritten_is_refused_or_works(write_module:
     f, states = dec.M().functionalize()
     for call in f_and_jit(f, "helper_then_overwrite"):
         try:
-            out, new = call(states, XS_h8)
+            out, new = call(states, XS3)
         except EscapedStateError:
             continue
-        assert_same(np.asarray(XS_h8) * 2, out)
+        assert_same(np.asarray(XS3) * 2, out)
         assert_same({"s": 0.0, "d": {"a": 0.0, "b": 1.0}, "t": (0.0, 1.0)}, new)
 
 
@@ -401,15 +396,15 @@ def test_raw_scan_in_a_helper_then_read_array_is_escaped_state_error(write_modul
     f, states = dec.M().functionalize()
     for call in f_and_jit(f, "helper_then_read_array"):
         with pytest.raises(EscapedStateError, match="State 's'"):
-            call(states, XS_h8)
+            call(states, XS3)
 
 
 ESCAPED_PYTREE_READS = [
-    ("helper_then_read_dict", XS_h8, "d"),
-    ("helper_then_read_tuple", XS_h8, "t"),
+    ("helper_then_read_dict", XS3, "d"),
+    ("helper_then_read_tuple", XS3, "t"),
     ("grad_then_read_dict", jnp.float32(1.5), "d"),
     ("grad_then_return_dict", jnp.float32(1.5), "d"),
-    ("vmap_then_read_tuple", XS_h8, "t"),
+    ("vmap_then_read_tuple", XS3, "t"),
     ("jit_then_read_dict", jnp.float32(1.5), "d"),
 ]
 
@@ -460,8 +455,8 @@ def test_a_global_eager_model_written_in_a_scan_body_is_refused(write_module: Lo
     _, dec = pair(write_module, BODIES)
     model = dec.B()
     f, states = model.functionalize()
-    calls = [lambda: model.global_model_in_scan(XS_h9), *[
-        (lambda c=c: c(states, XS_h9)) for c in modes_of(f, "global_model_in_scan")]]
+    calls = [lambda: model.global_model_in_scan(XS3), *[
+        (lambda c=c: c(states, XS3)) for c in modes_of(f, "global_model_in_scan")]]
     for call in calls:
         with pytest.raises(TracedEagerStateError, match="State 'n'"):
             call()
@@ -567,10 +562,10 @@ def test_lazy_map_returned_by_f_refuses_to_run_after_the_call(write_module: Load
     )
     plain, dec = pair(write_module, source)
     p, d = plain.Disp(), dec.Disp()
-    assert_same(list(p.lazy(XS_h14)), list(d.lazy(XS_h14)), "eager")
+    assert_same(list(p.lazy(XS3)), list(d.lazy(XS3)), "eager")
     assert_same(snapshot(p), snapshot(d), "eager attributes")
     f, states = dec.Disp().functionalize()
-    it, new = f.lazy(states, XS_h14)
+    it, new = f.lazy(states, XS3)
     with pytest.raises(UnhandledLocalStateError, match="State 'n'") as info:
         list(it)
     assert_user_line(info.value, dec.__file__)
@@ -582,7 +577,7 @@ def _outside_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleT
 
     if "written_helpers" not in sys.modules:
         write_module(HELPER_MODULE, name="written_helpers")
-    return pair(write_module, OUTSIDE_h14)
+    return pair(write_module, OTHER_MODULE_HELPERS)
 
 
 def test_helper_with_jax_scan_is_the_documented_escape(write_module: Loader) -> None:
@@ -590,42 +585,16 @@ def test_helper_with_jax_scan_is_the_documented_escape(write_module: Loader) -> 
     f, states = dec.Out().functionalize()
     for call in modes_of(f, "other_module_jax_scan", compiled=True):
         with pytest.raises(EscapedStateError, match="State '(n|hist)'") as info:
-            call(states, XS_h14)
+            call(states, XS3)
         assert_user_line(info.value, __file__)  # the call of f, as documented
     model = dec.Out()
     with pytest.raises(TracedEagerStateError, match="'n'"):
-        model.other_module_jax_scan(XS_h14)
+        model.other_module_jax_scan(XS3)
     no_tracer(model)
 
 
-NESTED_OK = {
-    "jit_read": [("jit_read", (X1,)), ("jit_read", (X2,))],
-    "vmap_read": [("vmap_read", (XS_h14,))],
-    "checkpoint_partial": [("checkpoint_partial", (X1,)), ("checkpoint_partial", (X2,))],
-    "checkpoint_static": [("checkpoint_static", (X1,))],
-    "associative": [("associative", (XS_h14,))],
-    "named": [("named", (X1,)), ("named", (X2,))],
-}
-
-
-@pytest.mark.parametrize("case", sorted(NESTED_OK))
-def test_transformations_inside_methods(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, NESTED)
-    check(plain, dec, "Nest()", NESTED_OK[case])
-
-
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_transformations_inside_methods_under_grad_and_vmap(
-    write_module: Loader, transform: str
-) -> None:
-    plain, dec = pair(write_module, NESTED)
-    x = X1 if transform == "grad" else jnp.arange(3.0)
-    calls = [("checkpoint_partial", (X,)), ("named", (X,)), ("jit_read", (X,))]
-    check_transform(plain, dec, "Nest()", calls, x, transform)
-
-
 @pytest.mark.parametrize(
-    "method,arg", [("jit_write", X1), ("vmap_write", XS_h14), ("eval_shape_write", X1)]
+    "method,arg", [("jit_write", X1), ("vmap_write", XS3), ("eval_shape_write", X1)]
 )
 def test_a_transformation_of_a_state_writing_method_is_the_documented_escape(
     write_module: Loader, method: str, arg: Any
@@ -665,6 +634,34 @@ def test_stacked_sub_model_written_under_in_method_vmap_is_the_documented_error(
     assert_user_line(err.value, Path(dec.__file__).name)
 
 
+# Transformations applied inside methods, on three programs: ``Nest`` (a write
+# under checkpoint / named_call / associative_scan, a bound method read under
+# vmap), ``Net`` (nested jit, checkpoint, naming, compile-time evaluation, lax
+# primitives handed bound methods, the vmap / grad family, callbacks, custom
+# derivatives) and ``Inside`` (transformations of closures inside scan bodies,
+# value_and_grad with a state as aux, a host callback reading a state).
+INSIDE_PROGRAMS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "nest": (NESTED, "Nest()", {}),
+    "net": (INSIDE, "Net()", {"checkpoint_as_identity": True}),
+    "closures": (
+        CLOSURE_TRANSFORMS,
+        "Inside()",
+        {"plain_subs": INSIDE_PLAIN, "checkpoint_as_identity": True},
+    ),
+}
+
+
+# Nest.jit_read (a write, then jax.jit of a bound method reading it) is
+# Net.jit_bound_twice's second call.
+NESTED_CALLS: dict[str, list[Call]] = {
+    "vmap_read": [("vmap_read", (XS3,))],
+    "checkpoint_partial": [("checkpoint_partial", (X1,)), ("checkpoint_partial", (X2,))],
+    "checkpoint_static": [("checkpoint_static", (X1,))],
+    "associative": [("associative", (XS3,))],
+    "named": [("named", (X1,)), ("named", (X2,))],
+}
+
+
 INSIDE_CALLS: dict[str, Any] = {
     "jit_lambda_after_write": V3,
     "jit_bound_twice": V3,
@@ -702,15 +699,50 @@ INSIDE_CALLS: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(INSIDE_CALLS))
-def test_transformations_inside_methods_h18(write_module: Loader, method: str) -> None:
-    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
-    arg = INSIDE_CALLS[method]
-    check(plain, dec, "Net()", [(method, (arg,)), (method, (arg * 2,))])
+CLOSURE_CALLS: dict[str, list[Call]] = {
+    "reduce-associative_scan": [("reduce_read", (XS_SIGNED,)), ("reduce_read", (XS_SIGNED,))],
+    "grad-hessian-jvp-linearize-vjp-of-carry": [("grads_of_carry", (XS_SIGNED,))],
+    "value_and_grad-has_aux": [("value_and_grad_aux", (WEAK_X,))],
+    "tree_map-in-scan-body": [("tree_map_in_body", (XS_SIGNED,))],
+    "ensure_compile_time_eval-in-body": [("compile_time_eval_in_body", (XS_SIGNED,))],
+    "debug.callback-reads-state": [("callback_reads_state", (WEAK_X,))],
+}
 
 
-# Under grad and vmap of the input (a pure_callback has no JVP, and the plain module's
-# Python while/cond cannot take a batched predicate, in plain JAX as well).
+ALL_MODES = ("eager", "f", "jit", "freeze")
+
+
+# Under jit a host callback that reads a state is refused with the fix
+# (test_a_host_callback_reading_state_under_jit_says_how_to_pass_it).
+INSIDE_CASES: dict[str, tuple[str, list[Call], tuple[str, ...]]] = {
+    **{f"nest-{k}": ("nest", calls, ALL_MODES) for k, calls in NESTED_CALLS.items()},
+    **{
+        f"net-{m}": ("net", [(m, (arg,)), (m, (arg * 2,))], ALL_MODES)
+        for m, arg in INSIDE_CALLS.items()
+    },
+    **{
+        f"closures-{k}": (
+            "closures", calls, ("eager", "f") if k == "debug.callback-reads-state" else ALL_MODES
+        )
+        for k, calls in CLOSURE_CALLS.items()
+    },
+}
+
+
+def inside_pair(write_module: Loader, program: str) -> tuple[types.ModuleType, types.ModuleType]:
+    source, _, options = INSIDE_PROGRAMS[program]
+    return pair(write_module, source, **options)
+
+
+@pytest.mark.parametrize("case", sorted(INSIDE_CASES))
+def test_transformations_inside_methods(write_module: Loader, case: str) -> None:
+    program, calls, modes = INSIDE_CASES[case]
+    plain, dec = inside_pair(write_module, program)
+    check(plain, dec, INSIDE_PROGRAMS[program][1], calls, modes=modes)
+
+
+# Net's methods under grad and vmap of the input (a pure_callback has no JVP, and the
+# plain module's Python while/cond cannot take a batched predicate, in plain JAX as well).
 UNDER_GRAD_AND_VMAP = [
     "ckpt_bound", "remat_policy", "ckpt_decorated_nested", "jit_lambda_after_write",
     "cte_write", "lax_map_partial_write", "scan_partial", "fori_partial",
@@ -718,15 +750,31 @@ UNDER_GRAD_AND_VMAP = [
 ]
 
 
+# (program, calls, the input under grad, under vmap)
+UNDER_GRAD_AND_VMAP_CASES: dict[str, tuple[str, list[Call], Any, Any]] = {
+    "nest-checkpoint_partial-named-jit_read": (
+        "nest",
+        [("checkpoint_partial", (X,)), ("named", (X,)), ("jit_read", (X,))],
+        X1,
+        jnp.arange(3.0),
+    ),
+    **{
+        f"net-{m}": ("net", [(m, (X,))] * 2, INSIDE_CALLS[m],
+                     jnp.stack([INSIDE_CALLS[m], INSIDE_CALLS[m] + 1]))
+        for m in UNDER_GRAD_AND_VMAP
+    },
+}
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("method", UNDER_GRAD_AND_VMAP)
-def test_transformations_inside_methods_under_grad_and_vmap_h18(
-    write_module: Loader, method: str, transform: str
+@pytest.mark.parametrize("case", list(UNDER_GRAD_AND_VMAP_CASES))
+def test_transformations_inside_methods_under_grad_and_vmap(
+    write_module: Loader, case: str, transform: str
 ) -> None:
-    plain, dec = pair(write_module, INSIDE, checkpoint_as_identity=True)
-    arg = INSIDE_CALLS[method]
-    x = arg if transform == "grad" else jnp.stack([arg, arg + 1])
-    check_transform(plain, dec, "Net()", [(method, (X,))] * 2, x, transform)
+    program, calls, x_grad, x_vmap = UNDER_GRAD_AND_VMAP_CASES[case]
+    plain, dec = inside_pair(write_module, program)
+    x = x_grad if transform == "grad" else x_vmap
+    check_transform(plain, dec, INSIDE_PROGRAMS[program][1], calls, x, transform)
 
 
 def test_debug_callback_sees_the_plain_values(write_module: Loader) -> None:
@@ -834,10 +882,6 @@ def test_value_and_grad_has_aux_of_a_state_writing_loss_is_the_documented_escape
     out, new = jax.jit(f.jit_static_arg)(states, V3)  # f is left usable
     assert_same(np.asarray(V3) * 3, out)
 
-
-def no_handler_left() -> None:
-    assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
 
 
 def test_coroutine_returned_by_f_refuses_to_run_after_the_call(write_module: Loader) -> None:
@@ -1003,14 +1047,14 @@ def _hand_fit(seed: int, opt: Any) -> tuple[Any, Any]:
         u, s = opt.update(g, s, p)
         return (optax.apply_updates(p, u), s), lval
 
-    (p, s), losses = jax.lax.scan(body, (p, s), (XS_h24, YS))
+    (p, s), losses = jax.lax.scan(body, (p, s), (TRAIN_XS, YS))
     return p, losses
 
 
 def test_trainer_grad_over_sub_model_inside_a_method(write_module: Loader) -> None:
     _, dec = pair(write_module, TRAINER)
     p, losses = _hand_fit(0, optax.adam(0.1))
-    calls = [("train_step", ((XS_h24[i], YS[i]),)) for i in range(3)]
+    calls = [("train_step", ((TRAIN_XS[i], YS[i]),)) for i in range(3)]
     for mode, (outs, states) in run_modes(dec, "Trainer(0)", calls,
                                           ["model.w", "model.b", "step"]).items():
         assert_same(np.asarray(losses), np.asarray(outs), f"{mode} losses")
@@ -1025,12 +1069,12 @@ def test_trainer_writing_sub_model_parameters_is_the_documented_error(write_modu
     _, dec = pair(write_module, TRAINER)
     p, losses = _hand_fit(0, optax.adam(0.1))
     model = dec.Trainer(0, cls=dec.Model)
-    got = [model.train_step((XS_h24[i], YS[i])) for i in range(3)]
+    got = [model.train_step((TRAIN_XS[i], YS[i])) for i in range(3)]
     assert_same(np.asarray(losses), np.asarray(got), "eager losses")
     assert_same(np.asarray(p[0]), np.asarray(model.model.w), "eager w")
     f, states = dec.Trainer(0, cls=dec.Model).functionalize()
     with pytest.raises(autostate.errors.StateAccessError) as err:
-        f.train_step(states, (XS_h24[0], YS[0]))
+        f.train_step(states, (TRAIN_XS[0], YS[0]))
     assert "Model.w is not state" in str(err.value)
     assert_user_line(err.value, dec.__file__.rsplit("/", 1)[-1])
 
@@ -1093,12 +1137,12 @@ def test_helper_module_with_jax_scan_is_the_documented_escape(write_module: Load
     f, states = dec.M().functionalize()
     for fn in (f.via_jax_scan, jax.jit(f.via_jax_scan)):
         with pytest.raises(autostate.AutostateError) as e:
-            fn(states, XS_h28)
+            fn(states, XS_SIGNED)
         assert isinstance(e.value, autostate.errors.EscapedStateError), repr(e.value)
         # documented: named where the tracer would escape (the return of f: this file)
         assert f"{__file__}:" in str(e.value) and "autostate.scan" in str(e.value)
     with pytest.raises(autostate.AutostateError) as e:
-        dec.M().via_jax_scan(XS_h28)
+        dec.M().via_jax_scan(XS_SIGNED)
     user_line(e.value, hd, "model.total = model.total + jnp.sin(x)")
 
 
@@ -1137,8 +1181,8 @@ def test_vmap_inside_method_reading_state(write_module: Loader) -> None:
         plain,
         dec,
         "M()",
-        [("read_after_write", (V3_h28,)), ("in_scan", (XS_h28,)), ("read_after_write", (V3_h28,))],
-        extra=("in_scan", (XS_h28,)),
+        [("read_after_write", (V3_RANGE,)), ("in_scan", (XS_SIGNED,)), ("read_after_write", (V3_RANGE,))],
+        extra=("in_scan", (XS_SIGNED,)),
     )
 
 
@@ -1151,7 +1195,7 @@ def test_vmap_inside_method_writing_state_is_the_documented_escape(write_module:
         functools_partial(staged(f.write_in_vmap), states),
     ):
         with pytest.raises(autostate.AutostateError) as e:
-            fn(V3_h28)
+            fn(V3_RANGE)
         assert isinstance(
             e.value, autostate.errors.EscapedStateError | autostate.errors.TracedEagerStateError
         ), repr(e.value)
@@ -1162,28 +1206,9 @@ def functools_partial(fn: Callable[..., Any], *a: Any) -> Callable[..., Any]:
     return lambda *b: fn(*a, *b)
 
 
-INSIDE_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
-    "reduce-associative_scan": [("reduce_read", (XS_h29,)), ("reduce_read", (XS_h29,))],
-    "grad-hessian-jvp-linearize-vjp-of-carry": [("grads_of_carry", (XS_h29,))],
-    "value_and_grad-has_aux": [("value_and_grad_aux", (A1_h29,))],
-    "tree_map-in-scan-body": [("tree_map_in_body", (XS_h29,))],
-    "ensure_compile_time_eval-in-body": [("compile_time_eval_in_body", (XS_h29,))],
-    "debug.callback-reads-state": [("callback_reads_state", (A1_h29,))],
-}
-
-
-@pytest.mark.parametrize("case", sorted(INSIDE_CASES))
-def test_transformations_inside_methods_h29(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
-    modes = (
-        ("eager", "f") if case == "debug.callback-reads-state" else ("eager", "f", "jit", "freeze")
-    )
-    check(plain, dec, "Inside()", INSIDE_CASES[case], modes=modes)
-
-
 def test_jvp_of_a_closure_that_writes_is_the_documented_escape(write_module: Loader) -> None:
-    _, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
-    refused_everywhere(dec, "Inside()", "jvp_write", (A1_h29,), "# jvp-write")
+    _, dec = inside_pair(write_module, "closures")
+    refused_everywhere(dec, "Inside()", "jvp_write", (WEAK_X,), "# jvp-write")
 
 
 def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
@@ -1193,10 +1218,10 @@ def test_a_host_callback_reading_state_under_jit_says_how_to_pass_it(
     # call ended: the read is refused with the fix (pass the value as an
     # argument); JAX reports it wrapped in its own JaxRuntimeError (eagerly
     # and through f without jit it reads the plain value: the case above).
-    _, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
+    _, dec = inside_pair(write_module, "closures")
     f, states = dec.Inside().functionalize()
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
-        out, _ = jax.jit(f.callback_reads_state)(states, A1_h29)
+        out, _ = jax.jit(f.callback_reads_state)(states, WEAK_X)
         jax.block_until_ready(out)
         jax.effects_barrier()
     assert "UnhandledLocalStateError" in str(raised.value)
@@ -1223,7 +1248,7 @@ def test_model_built_in_jit_written_in_an_inner_transformation_is_refused(
         return inner(m, xs), m.n
 
     with pytest.raises(TracedEagerStateError) as err:
-        staged(g)(jax.random.key(0), XS_h31)
+        staged(g)(jax.random.key(0), X23_STACK)
     user_line(err.value, dec, "# built mean")
 
 
@@ -1241,12 +1266,12 @@ def test_model_built_in_jit_written_in_an_inner_transformation_is_refused(
 def test_lazy_iterator_consumed_after_f_is_unhandled_state(
     write_module: Loader, method: str, text: str
 ) -> None:
-    plain, dec = pair(write_module, ESCAPES_h33)
+    plain, dec = pair(write_module, AFTER_THE_CALL)
     ref, model = plain.E(), dec.E()
-    same([float(v) for v in getattr(ref, method)(XS_h33)], [float(v) for v in getattr(model, method)(XS_h33)])
+    same([float(v) for v in getattr(ref, method)(XS3)], [float(v) for v in getattr(model, method)(XS3)])
     same(snapshot(ref), snapshot(model), "eager")
     f, states = dec.E().functionalize()
-    it, new = getattr(f, method)(states, XS_h33)
+    it, new = getattr(f, method)(states, XS3)
     same(snapshot(states), snapshot(new), "nothing ran in the call")
     with pytest.raises(errors.UnhandledLocalStateError) as info:
         next(it)
@@ -1258,7 +1283,7 @@ def test_lazy_iterator_consumed_after_f_is_unhandled_state(
 )
 @pytest.mark.parametrize("jit", [False, True])
 def test_generator_stashed_by_f_resumed_after_it(write_module: Loader, jit: bool) -> None:
-    _, dec = pair(write_module, ESCAPES_h33)
+    _, dec = pair(write_module, AFTER_THE_CALL)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
     (staged(f.stash, static_argnums=1) if jit else f.stash)(s, (1.0, 2.0))
@@ -1278,7 +1303,7 @@ def test_generator_collected_after_f_reports_its_finally(write_module: Loader) -
     """Plain Python writes ``closed`` when the dropped generator is collected;
     after ``f`` returned that write is the documented unhandled-state error,
     reported as unraisable (it runs in the garbage collector)."""
-    plain, dec = pair(write_module, ESCAPES_h33)
+    plain, dec = pair(write_module, AFTER_THE_CALL)
     ref = plain.E()
     g = ref.start_return((1.0, 2.0))
     del g
@@ -1303,7 +1328,7 @@ def test_generator_collected_after_f_reports_its_finally(write_module: Loader) -
 )
 @pytest.mark.parametrize("jit", [False, True])
 def test_callbacks_registered_in_f_called_after_it(write_module: Loader, jit: bool) -> None:
-    _, dec = pair(write_module, ESCAPES_h33)
+    _, dec = pair(write_module, AFTER_THE_CALL)
     dec.BOX.clear()
     f, s = dec.E().functionalize()
     (staged(f.register_later) if jit else f.register_later)(s, A1)
@@ -1319,7 +1344,7 @@ def test_callbacks_registered_in_f_called_after_it(write_module: Loader, jit: bo
     user_line(info.value, dec, "self.x = self.x + v")
 
 
-INSIDE_h34 = """
+CALLABLES_INSIDE = """
 @DECORATE
 class Sub:
     def __init__(self):
@@ -1563,28 +1588,28 @@ class Net:
 """
 
 
-INSIDE_CALLS_h34: dict[str, Any] = {
-    "vmap_count": XS_h34,
+CALLABLES_INSIDE_CALLS: dict[str, Any] = {
+    "vmap_count": V3_STACK,
     "jacrev_count": V3,
     "jacfwd_count": V3,
     "hessian_count": V3,
-    "vectorize_count": XS_h34,
-    "vmap_decay": XS_h34,
-    "vmap_key": XS_h34,
-    "vmap_sub": XS_h34,
-    "vmap_scan": XS_h34,
+    "vectorize_count": V3_STACK,
+    "vmap_decay": V3_STACK,
+    "vmap_key": V3_STACK,
+    "vmap_sub": V3_STACK,
+    "vmap_scan": V3_STACK,
     "grad_scan": V3,
-    "vmap_fori": XS_h34,
+    "vmap_fori": V3_STACK,
     "jacfwd_fori": V3,
-    "vmap_cond": XS_h34,
-    "vmap_pmean": XS_h34,
-    "assoc_count": XS_h34,
+    "vmap_cond": V3_STACK,
+    "vmap_pmean": V3_STACK,
+    "assoc_count": V3_STACK,
     "jacrev_aux": V3,
     "named_call_write": V3,
     "jacrev_read": V3,
-    "vectorize_scalar": XS_h34,
-    "assoc_method": XS_h34,
-    "reduce_method": XS_h34,
+    "vectorize_scalar": V3_STACK,
+    "assoc_method": V3_STACK,
+    "reduce_method": V3_STACK,
     "custom_root_read": V3,
     "linear_solve_read": V3,
     "cvjp_output_assigned": V3,
@@ -1592,23 +1617,23 @@ INSIDE_CALLS_h34: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(INSIDE_CALLS_h34))
+@pytest.mark.parametrize("method", sorted(CALLABLES_INSIDE_CALLS))
 def test_callables_inside_methods(write_module: Loader, method: str) -> None:
-    plain, dec = pair(write_module, INSIDE_h34)
-    arg = INSIDE_CALLS_h34[method]
+    plain, dec = pair(write_module, CALLABLES_INSIDE)
+    arg = CALLABLES_INSIDE_CALLS[method]
     check(plain, dec, "Net()", [(method, (arg,)), (method, (arg * 2,))])
 
 
-UNDER_GRAD_AND_VMAP_h34 = ["vmap_scan", "jacrev_aux", "custom_root_read"]
+CALLABLES_UNDER_GRAD_AND_VMAP = ["vmap_scan", "jacrev_aux", "custom_root_read"]
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("method", UNDER_GRAD_AND_VMAP_h34)
+@pytest.mark.parametrize("method", CALLABLES_UNDER_GRAD_AND_VMAP)
 def test_callables_inside_methods_under_grad_and_vmap_of_f(
     write_module: Loader, method: str, transform: str
 ) -> None:
-    plain, dec = pair(write_module, INSIDE_h34)
-    arg = INSIDE_CALLS_h34[method]
+    plain, dec = pair(write_module, CALLABLES_INSIDE)
+    arg = CALLABLES_INSIDE_CALLS[method]
     x = arg if transform == "grad" else jnp.stack([arg, arg + 1])
     check_transform(plain, dec, "Net()", [(method, (X,))] * 2, x, transform)
 
@@ -1619,14 +1644,14 @@ def test_custom_primals_writing_state_and_compile_time_eval_eagerly_and_in_f(
 ) -> None:
     """Eagerly JAX runs a custom_jvp / custom_vjp primal (and an
     ``ensure_compile_time_eval`` block) on concrete values: a write there is plain."""
-    plain, dec = pair(write_module, INSIDE_h34)
+    plain, dec = pair(write_module, CALLABLES_INSIDE)
     check(plain, dec, "Net()", [(method, (V3,)), (method, (V3 * 2,))], modes=("eager", "f"))
 
 
 def test_grad_of_f_through_a_custom_vjp_primal_that_writes_state(write_module: Loader) -> None:
     """Under ``jax.grad`` (not jitted) the ``fwd`` rule runs the primal on concrete
     values: the state it writes comes out concrete, as plain Python's would."""
-    plain, dec = pair(write_module, INSIDE_h34)
+    plain, dec = pair(write_module, CALLABLES_INSIDE)
     f, states = dec.Net().functionalize()
 
     def ref(x: Any) -> Any:
@@ -1640,7 +1665,7 @@ def test_grad_of_f_through_a_custom_vjp_primal_that_writes_state(write_module: L
 
 
 def test_grad_of_f_through_a_custom_vjp_bwd_reading_state(write_module: Loader) -> None:
-    plain, dec = pair(write_module, INSIDE_h34)
+    plain, dec = pair(write_module, CALLABLES_INSIDE)
     ref = plain.Net()
     expected = jax.grad(ref.cvjp_bwd_reads_state)(V3)
     model = dec.Net()
@@ -1661,7 +1686,7 @@ def test_custom_primal_writing_state_under_jit_is_escaped_state_error(
 ) -> None:
     """Under ``jit`` JAX traces the primal into its own jaxpr: plain JAX would leak
     that tracer into the model; autostate refuses, naming the call's line."""
-    _, dec = pair(write_module, INSIDE_h34)
+    _, dec = pair(write_module, CALLABLES_INSIDE)
     f, states = dec.Net().functionalize()
     with pytest.raises(EscapedStateError, match="State '(mean|calls)'") as info:
         jax.jit(getattr(f, method))(states, V3)
@@ -1674,7 +1699,7 @@ def test_custom_primal_writing_state_under_jit_is_escaped_state_error(
 def test_compile_time_eval_branch_on_a_state_under_jit_is_traced_value_error(
     write_module: Loader,
 ) -> None:
-    _, dec = pair(write_module, INSIDE_h34)
+    _, dec = pair(write_module, CALLABLES_INSIDE)
     f, states = dec.Net().functionalize()
     with pytest.raises(TracedValueError) as info:
         staged(f.cte_branch)(states, V3)
@@ -1682,12 +1707,12 @@ def test_compile_time_eval_branch_on_a_state_under_jit_is_traced_value_error(
 
 
 ESCAPE_CASES: dict[str, tuple[Any, str]] = {
-    "vmap_bound": (XS_h34, "# <- step writes"),
-    "vmap_lambda": (XS_h34, "# <- step writes"),
+    "vmap_bound": (V3_STACK, "# <- step writes"),
+    "vmap_lambda": (V3_STACK, "# <- step writes"),
     "jacrev_write": (V3, "# <- loss writes"),
     "jacfwd_write": (V3, "# <- loss writes"),
     "hessian_write": (V3, "# <- loss writes"),
-    "vectorize_write": (XS_h34, "# <- step writes"),
+    "vectorize_write": (V3_STACK, "# <- step writes"),
     "root_write": (V3, "# <- root writes"),
     "linsolve_count": (V3, "# <- matvec writes"),
 }
@@ -1699,7 +1724,7 @@ def test_input_dependent_write_in_a_transformed_callable_is_refused(
 ) -> None:
     """Eagerly: ``TracedEagerStateError`` at the write, the model unchanged; through
     ``f`` and ``jit(f)``: ``EscapedStateError`` naming a user line, ``f`` still usable."""
-    _, dec = pair(write_module, ESCAPES_h34)
+    _, dec = pair(write_module, TRANSFORMED_WRITES)
     arg, text = ESCAPE_CASES[method]
     model = dec.Esc()
     with pytest.raises(TracedEagerStateError) as info:
@@ -1723,8 +1748,8 @@ def test_input_dependent_write_in_a_transformed_callable_is_refused(
 def test_escaped_write_overwritten_in_the_method(write_module: Loader, method: str) -> None:
     """Plain Python leaves the tracer only until the method overwrites it: through
     ``f`` the result is plain Python's; eagerly the first write is refused (stricter)."""
-    plain, dec = pair(write_module, ESCAPES_h34)
-    arg = XS_h34 if method.startswith("vmap") else V3
+    plain, dec = pair(write_module, TRANSFORMED_WRITES)
+    arg = V3_STACK if method.startswith("vmap") else V3
     check(plain, dec, "Esc()", [(method, (arg,)), (method, (arg * 2,))], modes=("f", "jit"))
     model = dec.Esc()
     with pytest.raises(TracedEagerStateError) as info:
@@ -1736,10 +1761,10 @@ def test_escaped_write_overwritten_in_the_method(write_module: Loader, method: s
 def test_reduce_computation_writing_state_eagerly_is_traced_eager_state_error(
     write_module: Loader,
 ) -> None:
-    _, dec = pair(write_module, ESCAPES_h34)
+    _, dec = pair(write_module, TRANSFORMED_WRITES)
     model = dec.Esc()
     with pytest.raises(TracedEagerStateError) as info:
-        model.reduce_write(XS_h34)
+        model.reduce_write(V3_STACK)
     user_line(info.value, dec, "# <- reduce writes")
     no_tracer(model)
 
@@ -1753,12 +1778,12 @@ def test_reduce_computation_writing_state_eagerly_is_traced_eager_state_error(
 def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
     write_module: Loader,
 ) -> None:
-    _, dec = pair(write_module, ESCAPES_h34)
+    _, dec = pair(write_module, TRANSFORMED_WRITES)
     f, states = dec.Esc().functionalize()
     with pytest.raises(autostate.AutostateError):
-        f.reduce_write(states, XS_h34)
+        f.reduce_write(states, V3_STACK)
     with pytest.raises(autostate.AutostateError):
-        staged(lambda f, s, x: f.reduce_write(s, x))(f, states, XS_h34)
+        staged(lambda f, s, x: f.reduce_write(s, x))(f, states, V3_STACK)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -1771,10 +1796,10 @@ def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
     "referred to by <LocalStateEffectImpl>'): the functional write keeps the inner trace's "
     "tracer in the state cell until f returns"))
 def test_escaping_write_through_f_under_checking_leaks(write_module: Loader) -> None:
-    _, dec = pair(write_module, ESCAPES_h34)
+    _, dec = pair(write_module, TRANSFORMED_WRITES)
     f, states = dec.Esc().functionalize()
     with jax.checking_leaks(), pytest.raises(EscapedStateError):
-        f.vmap_bound(states, XS_h34)
+        f.vmap_bound(states, V3_STACK)
 
 
 CALLBACKS = """
@@ -1943,14 +1968,14 @@ def test_host_callback_method_writing_a_state(write_module: Loader, method: str)
 
 
 def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
+    return X_BATCH * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
 
 
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, TORCH_HEADER + TORCH_h35)
+    return pair(write_module, TORCH_HEADER + TORCH_TRAINING)
 
 
 def test_forward_inside_grad_writing_model_states(write_module: Loader) -> None:

@@ -100,19 +100,15 @@ from semantics.programs import (
     XQ,
     py312,
 )
-from semantics.programs import SOURCE as SOURCE_h22
-from semantics.programs import TORCH as TORCH_h20
-from semantics.programs import XA as XA_h26
+from semantics.programs import SOURCE as SHARED_PATHS
+from semantics.programs import TORCH as TORCH_MODULES
+from semantics.programs import XA as XA4
 from semantics.programs import MODELS_h8 as MODELS
 from semantics.programs import MOE_h30 as MOE
 from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import TORCH_h35 as TORCH_h35
-from semantics.programs import V2_h31 as V2_h31
+from semantics.programs import TORCH_h35 as TORCH_TRAINING
+from semantics.programs import V2_h31 as V2_SIGNED
 from semantics.programs import X2_h9 as X2
-from semantics.programs import X2_h13 as X2_h13
-from semantics.programs import X2_h15 as X2_h15
-from semantics.programs import X2_h23 as X2_h23
-from semantics.programs import X_h35 as X_h35
 from semantics.programs import XM_h30 as XM
 from semantics.references import (
     batch,
@@ -1013,7 +1009,7 @@ class S:
 """
 
 
-CHANGES_h5 = {
+CHANGED_STATICS = {
     "sort": "S.log",
     "popitem": "S.cfg",
     "append_tracer": "S.log",
@@ -1055,16 +1051,16 @@ def _refused_and_put_back(dec: Any, method: str, where: str, how: str = "jit") -
     assert np.all(np.isfinite(np.asarray(out)))
 
 
-@pytest.mark.parametrize("method", list(CHANGES_h5))
+@pytest.mark.parametrize("method", list(CHANGED_STATICS))
 def test_an_in_place_change_is_refused_and_put_back(write_module: Loader, method: str) -> None:
     _, dec = pair(write_module, STATICS, fresh=True)
-    _refused_and_put_back(dec, method, CHANGES_h5[method])
+    _refused_and_put_back(dec, method, CHANGED_STATICS[method])
 
 
 @pytest.mark.parametrize("method", ["append_tracer", "in_tuple"])
 def test_an_in_place_change_under_vmap_is_refused(write_module: Loader, method: str) -> None:
     _, dec = pair(write_module, STATICS, fresh=True)
-    _refused_and_put_back(dec, method, CHANGES_h5[method], "vmap")
+    _refused_and_put_back(dec, method, CHANGED_STATICS[method], "vmap")
 
 
 _SLIPS = {
@@ -1477,7 +1473,7 @@ def test_tuple_of_ints_state_eagerly_and_through_f(write_module: Loader) -> None
         "Shaped()",
         [
             ("eager", [("grow", ()), ("__call__", (X1,))]),
-            ("f", [("grow", ()), ("__call__", (X2_h13,))]),
+            ("f", [("grow", ()), ("__call__", (X2,))]),
         ],
     )
 
@@ -1499,13 +1495,13 @@ def test_tuple_of_ints_state_written_under_jit_keeps_python_ints(write_module: L
 
 def test_str_inside_a_dict_state_under_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
-    lifecycle(plain, dec, "Tagged()", [("jit", [("__call__", (X1,)), ("__call__", (X2_h13,))])])
+    lifecycle(plain, dec, "Tagged()", [("jit", [("__call__", (X1,)), ("__call__", (X2,))])])
 
 
 def test_str_inside_a_dict_state_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, "import enum\n" + PYINSIDE)
     lifecycle(
-        plain, dec, "Tagged()", [("eager", [("__call__", (X1,))]), ("f", [("__call__", (X2_h13,))])]
+        plain, dec, "Tagged()", [("eager", [("__call__", (X1,))]), ("f", [("__call__", (X2,))])]
     )
 
 
@@ -1629,7 +1625,7 @@ def test_int_state_from_init_is_static_and_a_traced_increment_names_the_line(
 ) -> None:
     source = ARRAY_TO_INT.replace("self.n = jnp.zeros((), jnp.int32)", "self.n = 0")
     plain, dec = pair(write_module, source)
-    lifecycle(plain, dec, "Steps()", [("eager", [("step", (X1,))]), ("jit", [("scaled", (X2_h13,))])])
+    lifecycle(plain, dec, "Steps()", [("eager", [("step", (X1,))]), ("jit", [("scaled", (X2,))])])
     f, states = dec.Steps().functionalize()
     assert "n" not in states
     with pytest.raises(StaticStateError, match="'n'") as info:
@@ -1680,7 +1676,7 @@ def test_a_subclass_turning_an_array_state_into_a_python_int(write_module: Loade
     so a functionalized call that counts it is the documented
     ``StaticStateError`` naming the base's line that assigns it."""
     plain, dec = pair(write_module, SHAPES)
-    calls = [("__call__", (X1,)), ("__call__", (X2_h15,)), ("__call__", (X2_h15,))]
+    calls = [("__call__", (X1,)), ("__call__", (X2,)), ("__call__", (X2,))]
     check(plain, dec, "IntStepper()", calls, modes=("eager",))
     names, _, _ = keys_of(dec, "IntStepper()")
     assert names == ["total"]
@@ -1756,7 +1752,7 @@ def test_cnn_eval_mode_is_a_new_structure_of_f(write_module: Loader) -> None:
 
 
 def test_eval_toggled_eagerly_between_calls(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
+    plain, dec = pair(write_module, TORCH_MODULES)
     calls = [("__call__", (V2,)), ("set_eval", ()), ("__call__", (V2,))]
     check(plain, dec, "Net()", calls, modes=("eager",))
     model = dec.Net()
@@ -1791,12 +1787,12 @@ def test_eager_f_on_a_plain_sub_object_leaves_the_model_alone(write_module: Load
     assert model.cfg.lr == 1.0, "the eager model changed"
 
 
-def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, SOURCE_h22)
+def shared_paths(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, SHARED_PATHS)
 
 
 def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = shared_paths(write_module)
     check(plain, dec, "Modes()", [("__call__", (ONE,)), ("eval", ()), ("__call__", (ONE,))],
           modes=("eager",))
     p, m = plain.Modes(), dec.Modes()
@@ -1812,7 +1808,7 @@ def test_static_mode_set_through_one_path_is_seen_through_the_other(write_module
 
 
 def test_static_mode_changed_inside_f_is_the_documented_error(write_module: Loader) -> None:
-    _, dec = mods_h22(write_module)
+    _, dec = shared_paths(write_module)
     f, states = dec.Modes().functionalize()
     with raises_autostate(errors.StaticStateError) as err:
         f.eval(states)
@@ -1832,7 +1828,7 @@ def assert_here(err: BaseException) -> None:
 def test_match_value_pattern_after_a_mode_change(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONTROL)
     check(plain, dec, "Ctl()", [("set_mode", (2,)), ("match_value", (X1,)),
-                                ("set_mode", (7,)), ("match_value", (X2_h23,))], modes=("eager",))
+                                ("set_mode", (7,)), ("match_value", (X2,))], modes=("eager",))
     ref, model = plain.Ctl(), dec.Ctl()
     ref.set_mode(2)
     model.set_mode(2)
@@ -1937,8 +1933,11 @@ def test_actnorm_python_flag_through_f_is_the_documented_error(write_module: Loa
 
 @pytest.mark.parametrize("build", ["ActNormArr(3)", "ActNormArr(3, use_cond=True)", "Flow(3)"])
 def test_actnorm_array_flag(write_module: Loader, build: str) -> None:
+    """A data-dependent init behind an array flag (``jnp.where``, or ``lax.cond``; two
+    of them in a flow): every mode, and grad through the initialising call."""
     plain, dec = pair(write_module, ACTNORM)
-    check(plain, dec, build, [("__call__", (XA,)), ("__call__", (XA * 2,)), ("__call__", (XA,))])
+    check(plain, dec, build, [("__call__", (XA,)), ("__call__", (XA * 2 + 1,)), ("__call__", (XA,))])
+    check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (XA,))], XA, "grad")
 
 
 def test_actnorm_array_flag_grad_after_init(write_module: Loader) -> None:
@@ -2025,7 +2024,7 @@ def test_static_enum_state_switched_by_eval(write_module: Loader) -> None:
 
 def test_actnorm_python_flag_first_forward_eager(write_module: Loader) -> None:
     plain, dec = pair(write_module, NORMS)
-    calls = [("__call__", (XA_h26,)), ("__call__", (XA_h26 * 2 + 1,)), ("__call__", (XA_h26,))]
+    calls = [("__call__", (XA4,)), ("__call__", (XA4 * 2 + 1,)), ("__call__", (XA4,))]
     check(plain, dec, "ActNorm(3)", calls, modes=("eager",))
     check(plain, dec, "Glow(3, 2)", calls, modes=("eager",))
 
@@ -2035,18 +2034,18 @@ def test_actnorm_python_flag_initialised_eagerly_then_f_jit_grad(write_module: L
                                                                  build: str) -> None:
     plain, dec = pair(write_module, NORMS)
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
-    assert_same(ref(XA_h26), model(XA_h26), "init call")
+    assert_same(ref(XA4), model(XA4), "init call")
     f, states = model.functionalize()
     assert "initialized" not in " ".join(states)  # a static state: part of f's structure
     call = staged(lambda f, s, x: f(s, x))
-    for x in (XA_h26 * 2, XA_h26 - 1):
+    for x in (XA4 * 2, XA4 - 1):
         out, states = call(f, states, x)
         assert_same(ref(x), out, "jit outputs")
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
     # grad through the initialised flow wrt its input
-    g_ref = jax.grad(lambda x: sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(ref(x))))(XA_h26)
+    g_ref = jax.grad(lambda x: sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(ref(x))))(XA4)
     g = jax.grad(lambda x: sum(jnp.sum(v) for v in
-                               jax.tree_util.tree_leaves(f(states, x)[0])))(XA_h26)
+                               jax.tree_util.tree_leaves(f(states, x)[0])))(XA4)
     assert_same(g_ref, g, "grad")
 
 
@@ -2057,17 +2056,9 @@ def test_actnorm_python_flag_uninitialised_through_f_is_documented_error(
     f, states = dec.Glow(3, 2).functionalize()
     call = (lambda f, s, x: f(s, x))  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (staged(call) if jit else call)(f, states, XA_h26)
+        (staged(call) if jit else call)(f, states, XA4)
     assert "initialized" in str(err.value)
     assert_user_line(err.value, module_file_name(dec))
-
-
-def test_actnorm_array_flag_h26(write_module: Loader) -> None:
-    plain, dec = pair(write_module, NORMS)
-    calls = [("__call__", (XA_h26,)), ("__call__", (XA_h26 * 2 + 1,)), ("__call__", (XA_h26,))]
-    check(plain, dec, "ActNormArr(3)", calls)
-    check_transform(plain, dec, "ActNormArr(3)", [("__call__", (X,)), ("__call__", (XA_h26,))], XA_h26,
-                    "grad")
 
 
 def test_spectral_norm_eval_mode_freezes_u(write_module: Loader) -> None:
@@ -2075,17 +2066,17 @@ def test_spectral_norm_eval_mode_freezes_u(write_module: Loader) -> None:
     build = "SpectralNorm(1, 3, 4, n_power=2, loop=True)"
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
     for m in (ref, model):
-        m(XA_h26)
+        m(XA4)
         assert m.eval() is m
     f, states = model.functionalize()
-    out, states2 = staged(lambda f, s, x: f(s, x))(f, states, XA_h26)
-    assert_same(ref(XA_h26), out, "eval output")
+    out, states2 = staged(lambda f, s, x: f(s, x))(f, states, XA4)
+    assert_same(ref(XA4), out, "eval output")
     assert_same(np.asarray(ref.u), np.asarray(states2["u"]), "u unchanged in eval")
     model.train()
     ref.train()
     f, states = model.functionalize()
-    out, states = staged(lambda f, s, x: f(s, x))(f, states, XA_h26)
-    assert_same(ref(XA_h26), out, "train output")
+    out, states = staged(lambda f, s, x: f(s, x))(f, states, XA4)
+    assert_same(ref(XA4), out, "train output")
     assert_same(np.asarray(ref.u), np.asarray(states["u"]), "u after train")
 
 
@@ -2176,14 +2167,11 @@ class Net:
 """
 
 
-XB_h26 = jnp.array([[1.0, 2.0, 0.0], [3.0, -2.0, 1.0], [2.0, 0.0, 5.0], [0.5, 1.0, -1.0]])
-
-
 def test_batchnorm_running_stats_train_mode(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
-    calls = [("__call__", (XB_h26,)), ("__call__", (XB_h26 * 2 - 1,)), ("__call__", (XB_h26,))]
+    calls = [("__call__", (XA4,)), ("__call__", (XA4 * 2 - 1,)), ("__call__", (XA4,))]
     check(plain, dec, "BatchNorm(3)", calls)
-    check_transform(plain, dec, "BatchNorm(3)", [("__call__", (X,)), ("__call__", (X,))], XB_h26,
+    check_transform(plain, dec, "BatchNorm(3)", [("__call__", (X,)), ("__call__", (X,))], XA4,
                     "grad")
 
 
@@ -2191,14 +2179,14 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader)
     plain, dec = pair(write_module, BN)
     ref, model = plain.Net(3), dec.Net(3)
     for m in (ref, model):
-        m(XB_h26)
+        m(XA4)
         assert m.eval() is m
     assert_same(snapshot(ref), snapshot(model), "after eval()")
     assert model.layers[0].training is False and model.heads["a"].training is False
     assert model.heads["b"].training is False and model.layers[1].training is False
     f, states = model.functionalize()
     call = staged(lambda f, s, x: f(s, x))
-    for x in (XB_h26 * 2, XB_h26 - 3):
+    for x in (XA4 * 2, XA4 - 3):
         out, states2 = call(f, states, x)
         assert_same(ref(x), out, "eval outputs")
         assert_same(snapshot({k: plain_path(ref, k) for k in states}), snapshot(states2),
@@ -2207,7 +2195,7 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader)
     model.train()
     ref.train()
     f, states = model.functionalize()
-    for x in (XB_h26 * 2, XB_h26 - 3):
+    for x in (XA4 * 2, XA4 - 3):
         out, states = call(f, states, x)
         assert_same(ref(x), out, "train outputs")
     for k, v in states.items():
@@ -2216,13 +2204,13 @@ def test_eval_returns_self_and_propagates_to_list_and_dict(write_module: Loader)
 
 def test_net_train_mode_through_check(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
-    calls = [("__call__", (XB_h26,)), ("__call__", (XB_h26 * 2,))]
+    calls = [("__call__", (XA4,)), ("__call__", (XA4 * 2,))]
     check(plain, dec, "Net(3).eval()", calls)
 
 
 def test_evaluate_toggling_mode_eager_like_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, BN)
-    calls = [("__call__", (XB_h26,)), ("evaluate", (XB_h26 * 2,)), ("__call__", (XB_h26,))]
+    calls = [("__call__", (XA4,)), ("evaluate", (XA4 * 2,)), ("__call__", (XA4,))]
     check(plain, dec, "Net(3)", calls, modes=("eager",))
 
 
@@ -2233,7 +2221,7 @@ def test_evaluate_toggling_mode_through_f_is_documented_error(write_module: Load
     f, states = dec.Net(3).functionalize()
     call = (lambda f, s, x: f.evaluate(s, x))  # noqa: E731
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        (staged(call) if jit else call)(f, states, XB_h26)
+        (staged(call) if jit else call)(f, states, XA4)
     assert "training" in str(err.value)
     assert_user_line(err.value, module_file_name(dec))
 
@@ -2503,21 +2491,21 @@ def test_lazy_weight_reset_to_none_eagerly_is_refilled_by_f(write_module: Loader
 def test_none_array_toggle(write_module: Loader) -> None:
     plain, dec = pair(write_module, GROW)
     calls = [
-        ("__call__", (V2_h31,)),
+        ("__call__", (V2_SIGNED,)),
         ("clear", ()),
-        ("__call__", (2 * V2_h31,)),
-        ("__call__", (V2_h31,)),
+        ("__call__", (2 * V2_SIGNED,)),
+        ("__call__", (V2_SIGNED,)),
         ("clear", ()),
     ]
     run_case(plain, dec, "Toggle()", calls)
-    run_case(plain, dec, "cleared()", [("__call__", (V2_h31,)), ("clear", ()), ("__call__", (V2_h31,))])
+    run_case(plain, dec, "cleared()", [("__call__", (V2_SIGNED,)), ("clear", ()), ("__call__", (V2_SIGNED,))])
 
 
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, TORCH_HEADER + TORCH_h35)
+    return pair(write_module, TORCH_HEADER + TORCH_TRAINING)
 
 
 def test_gradient_accumulation_with_grads_set_to_none(write_module: Loader) -> None:

@@ -96,24 +96,24 @@ from semantics.programs import (
     Y,
     Z,
 )
-from semantics.programs import REAL as REAL_h24
-from semantics.programs import SOURCE as SOURCE_h22
-from semantics.programs import SUBMODELS as SUBMODELS_h4
-from semantics.programs import TORCH as TORCH_h20
+from semantics.programs import REAL as REAL_SAMPLES
+from semantics.programs import SOURCE as SHARED_PATHS
+from semantics.programs import SUBMODELS as REASSIGNED_SUBMODELS
+from semantics.programs import TORCH as TORCH_MODULES
 from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import MODELS_h9 as MODELS_h9
+from semantics.programs import MODELS_h9 as REALISTIC_MODELS
 from semantics.programs import REAL_h9 as REAL
 from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import TORCH_h35 as TORCH_h35
-from semantics.programs import V2_h25 as V2_h25
-from semantics.programs import X1_h27 as X1_h27
+from semantics.programs import TORCH_h35 as TORCH_TRAINING
+from semantics.programs import V2_h25 as V2_RANGE
+from semantics.programs import X1_h27 as XV1
 from semantics.programs import X2_h9 as X2
-from semantics.programs import X2_h27 as X2_h27
-from semantics.programs import X_h35 as X_h35
+from semantics.programs import X2_h27 as XV2
+from semantics.programs import X_h35 as X_BATCH
 from semantics.programs import XL_h35 as XL
-from semantics.programs import XS_h26 as XS_h26
-from semantics.programs import XS_h31 as XS_h31
-from semantics.programs import Y_h35 as Y_h35
+from semantics.programs import XS_h26 as XS_SEQ
+from semantics.programs import XS_h31 as X23_STACK
+from semantics.programs import Y_h35 as Y_BATCH
 
 SOURCE = """
 import jax
@@ -794,17 +794,17 @@ def _either_plain_or_refused(plain: Any, dec: Any, build: str, calls: list[Call]
 
 
 def test_relisting_the_same_submodels(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     _either_plain_or_refused(plain, dec, "Blocks()", [("relist", (1.0,)), ("relist", (2.0,))])
 
 
 def test_reassigning_the_same_submodel_is_allowed(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "Blocks()", [("same", (1.0,)), ("same", (2.0,)), ("__call__", (1.0,))])
 
 
 def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "Blocks()", [("swap", (1.0,)), ("__call__", (1.0,))], modes=("eager",))
     model = dec.Blocks()
     f, states = model.functionalize()
@@ -816,7 +816,7 @@ def test_swapping_submodels_inside_f_is_refused_and_f_survives(write_module: Loa
 
 
 def test_lazily_built_submodel_eagerly_then_functionalized(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "(lambda m: (m.build(), m)[1])(Blocks())",
           [("use_lazy", (1.0,)), ("use_lazy", (2.0,))])
     model = dec.Blocks()
@@ -828,7 +828,7 @@ def test_lazily_built_submodel_eagerly_then_functionalized(write_module: Loader)
 
 
 def test_building_a_submodel_inside_f_is_refused(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "Blocks()", [("build_inside", (1.0,))], modes=("eager",))
     f, states = dec.Blocks().functionalize()
     with raises_autostate(autostate.errors.StateAccessError):
@@ -839,7 +839,7 @@ def test_building_a_submodel_inside_f_is_refused(write_module: Loader) -> None:
 
 
 def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "Blocks()", [("bind_inside", (1.0,))], modes=("eager",))
     f, states = dec.Blocks().functionalize()
     with raises_autostate(autostate.errors.StateAccessError):
@@ -848,7 +848,7 @@ def test_binding_a_submodel_method_inside_f_is_refused(write_module: Loader) -> 
 
 
 def test_submodel_assigned_in_a_helper_called_by_init(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SUBMODELS_h4)
+    plain, dec = pair(write_module, REASSIGNED_SUBMODELS)
     check(plain, dec, "Reset()", [("__call__", (1.0,)), ("__call__", (2.0,))])
     f, states = dec.Reset().functionalize()
     assert "head.c" in states
@@ -1100,18 +1100,8 @@ def test_torch_idioms(write_module: Loader, build: str, calls: list[Any]) -> Non
     check(plain, dec, build, calls)
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("build", ["Dyn(3)", "Buffers()", "Mode()"])
-def test_torch_idioms_under_grad_and_vmap(write_module: Loader, build: str, transform: str) -> None:
-    plain, dec = pair(write_module, TORCH)
-    x = X1 if transform == "grad" else jnp.arange(3.0)
-    if build == "Buffers()":
-        x = jnp.array([1.0, 2.0]) if transform == "grad" else jnp.ones((3, 2))
-    check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], x, transform)
-
-
 def test_teacher_student_shared_body_has_one_state(write_module: Loader) -> None:
-    _, dec = pair(write_module, MODELS_h9)
+    _, dec = pair(write_module, REALISTIC_MODELS)
     f, states = dec.TeacherStudent(jax.random.PRNGKey(0)).functionalize()
     assert sorted(states) == ["shared.seen", "student[1].seen", "teacher_head.seen"]
     _, states = staged(lambda f, s, x: f(s, x))(f, states, V3)
@@ -1121,7 +1111,7 @@ def test_teacher_student_shared_body_has_one_state(write_module: Loader) -> None
 
 
 def test_gan_optimizer_states_are_separate(write_module: Loader) -> None:
-    _, dec = pair(write_module, MODELS_h9)
+    _, dec = pair(write_module, REALISTIC_MODELS)
     model = dec.GAN(jax.random.PRNGKey(0))
     _, states = model.functionalize()
     assert sorted(states) == ["d_opt.m", "d_opt.t", "d_params", "g_opt.m", "g_opt.t", "g_params"]
@@ -1326,13 +1316,6 @@ def test_recursive_tree_under_grad_and_vmap(write_module: Loader, transform: str
     check_transform(plain, dec, "Node(2)", [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
 
-X2_h20 = jnp.float32(2.0)
-
-
-
-
-
-
 TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
     "setattr-getattr-loops": ("Layers(3)", [("__call__", (V2,)), ("zero", ()), ("__call__", (V2,))]),
     "zero-grad-setattr": ("ZeroGrad()", [("accumulate", (V2,)), ("zero_grad", ()),
@@ -1351,7 +1334,7 @@ TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
     "module-dict-appended": ("heads()", [("__call__", (V2,))] * 2),
     "stop-gradient": ("Ema()", [("__call__", (V2,))] * 2),
     "hooks": ("Hooked()", [("__call__", (V2,))] * 2),
-    "load-buffers": ("Buffers()", [("__call__", (V2,)), ("buffers", ()), ("scale_buffers", (X2_h20,)),
+    "load-buffers": ("Buffers()", [("__call__", (V2,)), ("buffers", ()), ("scale_buffers", (X2,)),
                                    ("__call__", (V2,)), ("buffers", ())]),
     "grown-by-setattr": ("grown(3)", [("__call__", (V2,))] * 2),
     "module-list-edited": ("edited()", [("__call__", (V2,))] * 2),
@@ -1360,21 +1343,35 @@ TORCH_CASES: dict[str, tuple[str, list[tuple[str, tuple[Any, ...]]]]] = {
 
 @pytest.mark.parametrize("case", sorted(TORCH_CASES))
 def test_torch_idioms_match_plain(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
+    plain, dec = pair(write_module, TORCH_MODULES)
     build, calls = TORCH_CASES[case]
     check(plain, dec, build, calls)
 
 
+# (program, build, the input under grad, under vmap): array attributes named by
+# setattr/getattr, a buffer dict, a train flag (TORCH); modules kept by __setattr__ /
+# __getattr__, a stop_gradient running average, an apply() visitor tree (TORCH_MODULES).
+TORCH_UNDER_GRAD_AND_VMAP: dict[str, tuple[str, str, Any, Any]] = {
+    "dyn-names": (TORCH, "Dyn(3)", X1, jnp.arange(3.0)),
+    "buffers": (TORCH, "Buffers()", jnp.array([1.0, 2.0]), jnp.ones((3, 2))),
+    "train": (TORCH, "Mode()", X1, jnp.arange(3.0)),
+    "getattr-setattr-modules": (TORCH_MODULES, "TorchLike()", V2, jnp.ones((3, 2))),
+    "stop-gradient": (TORCH_MODULES, "Ema()", V2, jnp.ones((3, 2))),
+    "apply-visitor": (TORCH_MODULES, "Tree()", V2, jnp.ones((3, 2))),
+}
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("build", ["TorchLike()", "Ema()", "Tree()"])
-def test_torch_idioms_under_grad_and_vmap_h20(write_module: Loader, build: str, transform: str) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
-    x = V2 if transform == "grad" else jnp.ones((3, 2))
+@pytest.mark.parametrize("case", list(TORCH_UNDER_GRAD_AND_VMAP))
+def test_torch_idioms_under_grad_and_vmap(write_module: Loader, case: str, transform: str) -> None:
+    source, build, x_grad, x_vmap = TORCH_UNDER_GRAD_AND_VMAP[case]
+    plain, dec = pair(write_module, source)
+    x = x_grad if transform == "grad" else x_vmap
     check_transform(plain, dec, build, [("__call__", (X,)), ("__call__", (X,))], x, transform)
 
 
 def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
+    plain, dec = pair(write_module, TORCH_MODULES)
 
     def reinit(m: Any) -> None:
         m.w = m.w * 0.5 + 1.0
@@ -1393,7 +1390,7 @@ def test_apply_reinitializing_parameters_eagerly_then_f(write_module: Loader) ->
 def test_module_dict_and_list_grown_inside_f(write_module: Loader) -> None:
     """Adding a head inside f changes the structure (refused); appending to a list that
     is not state is plain Python eagerly in f and refused under jit."""
-    _, dec = pair(write_module, TORCH_h20)
+    _, dec = pair(write_module, TORCH_MODULES)
     f, states = dec.heads().functionalize()
     with pytest.raises(StateAccessError, match="sub-model") as err:
         f.add_head(states, "c", 1.0)
@@ -1405,7 +1402,7 @@ def test_module_dict_and_list_grown_inside_f(write_module: Loader) -> None:
 
 
 def test_adding_a_layer_by_setattr_inside_f_names_the_sub_model(write_module: Loader) -> None:
-    _, dec = pair(write_module, TORCH_h20)
+    _, dec = pair(write_module, TORCH_MODULES)
     f, states = dec.grown(1).functionalize()
     with pytest.raises(StateAccessError) as err:
         f.add_layer(states, 3.0)
@@ -1432,7 +1429,7 @@ def test_copy_of_a_sub_model_inside_a_method_eager_vs_f(write_module: Loader, me
 
 
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, SOURCE_h22)
+    return pair(write_module, SHARED_PATHS)
 
 
 def leaf_names(f: Any) -> list[str]:
@@ -1748,8 +1745,8 @@ def test_reordering_a_list_of_sub_models_inside_f_is_the_documented_error(
 def test_gan_alternating_updates_plain_vs_decorated(write_module: Loader) -> None:
     plain, dec = pair(write_module, GAN)
     z = jnp.array([[0.1, -0.2]])
-    check(plain, dec, "GAN(0)", [("train_step", (REAL_h24,)), ("train_step", (REAL_h24 * 0.5,)),
-                                  ("generate", (z,)), ("train_step", (REAL_h24,))])
+    check(plain, dec, "GAN(0)", [("train_step", (REAL_SAMPLES,)), ("train_step", (REAL_SAMPLES * 0.5,)),
+                                  ("generate", (z,)), ("train_step", (REAL_SAMPLES,))])
 
 
 
@@ -1827,7 +1824,7 @@ def built():
 
 def test_list_of_submodels_appended_after_construction(write_module: Loader) -> None:
     plain, dec = pair(write_module, GROW)
-    run_case(plain, dec, "built()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_h25,))],
+    run_case(plain, dec, "built()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_RANGE,))],
              extra=("__call__", (jnp.ones(2),)))
     model = dec.Stack().add(1.0)
     f, states = model.functionalize()
@@ -1921,7 +1918,7 @@ class Cell:
 
 def test_temporary_instance_made_and_written_inside_a_call(write_module: Loader) -> None:
     plain, dec = pair(write_module, TEMPORARY)
-    run_case(plain, dec, "Cell()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_h25,))],
+    run_case(plain, dec, "Cell()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_RANGE,))],
              extra=("__call__", (jnp.ones(2),)))
 
 
@@ -1945,7 +1942,7 @@ def _file(mod: types.ModuleType) -> str:
 
 def test_encoder_decoder_hidden_handover(write_module: Loader) -> None:
     plain, dec = pair(write_module, RNN)
-    check(plain, dec, "Seq2(0, 2, 3)", [("__call__", (XS_h26,)), ("__call__", (XS_h26[::-1],))],
+    check(plain, dec, "Seq2(0, 2, 3)", [("__call__", (XS_SEQ,)), ("__call__", (XS_SEQ[::-1],))],
           modes=("eager", "jit"))
 
 
@@ -2098,17 +2095,17 @@ def test_shared_by_two_parents_life_cycle(write_module: Loader) -> None:
     ref, model = plain.Root(), dec.Root()
     f, states = model.functionalize()
     assert sorted(states) == ["dec.calls", "enc.calls", "enc.norm.mean", "enc.norm.n"]
-    for x in (X1_h27, X2_h27):
+    for x in (XV1, XV2):
         out, states = step_jit()(f, states, x)
         assert_same(ref(x), out, "jit")
     frozen = autostate.freeze(f, states)
     assert frozen.enc.norm is frozen.dec.norm
-    assert_same(ref(X1_h27), frozen(X1_h27), "eager")
+    assert_same(ref(XV1), frozen(XV1), "eager")
     back = pickle.loads(pickle.dumps(frozen))
     assert back.enc.norm is back.dec.norm
     copied = copy.deepcopy(back)
     assert copied.enc.norm is copied.dec.norm and copied.enc.norm is not back.enc.norm
-    assert_same(ref(X2_h27), copied(X2_h27), "eager after pickle and deepcopy")
+    assert_same(ref(XV2), copied(XV2), "eager after pickle and deepcopy")
     assert_same(snapshot(ref), snapshot(copied), "after pickle and deepcopy")
     loaded = autostate.load_state_dict(
         autostate.load_param_dict(dec.Root(), autostate.param_dict(copied)),
@@ -2118,8 +2115,8 @@ def test_shared_by_two_parents_life_cycle(write_module: Loader) -> None:
     # the shared sub-model alone
     nf, ns = loaded.dec.norm.functionalize()
     ref_norm = copy.deepcopy(ref.dec.norm)
-    out, ns = nf(ns, X1_h27)
-    assert_same(ref_norm(X1_h27), out, "shared sub-model alone")
+    out, ns = nf(ns, XV1)
+    assert_same(ref_norm(XV1), out, "shared sub-model alone")
     assert_same(snapshot(ref), snapshot(loaded), "parent untouched")
 
 
@@ -2128,8 +2125,8 @@ def test_shared_by_two_parents_grad_one_summed_gradient(write_module: Loader) ->
     ref = plain.Root()
     f, states = dec.Root().functionalize()
     assert "dec.norm.scale" not in autostate.param_dict(f)
-    g = jax.grad(lambda f: f.loss(states, X1_h27, Y)[0])(f)
-    g_plain = jax.grad(lambda p: _plain_loss(ref, p, X1_h27, Y)[0])(autostate.param_dict(f))
+    g = jax.grad(lambda f: f.loss(states, XV1, Y)[0])(f)
+    g_plain = jax.grad(lambda p: _plain_loss(ref, p, XV1, Y)[0])(autostate.param_dict(f))
     assert_same(g_plain, autostate.param_dict(g), "grad")
 
 
@@ -2265,8 +2262,8 @@ def test_lazy_layer_list_filled_by_append_inside_jit_is_refused(write_module: Lo
 
 def test_model_built_inside_a_method_during_its_call(write_module: Loader) -> None:
     plain, dec = pair(write_module, BUILT)
-    plain.XS = dec.XS = XS_h31
-    calls = [("__call__", (X23,)), ("scanned", (XS_h31,)), ("__call__", (-X23,))]
+    plain.XS = dec.XS = X23_STACK
+    calls = [("__call__", (X23,)), ("scanned", (X23_STACK,)), ("__call__", (-X23,))]
     run_case(plain, dec, "Outer(0)", calls)
     f, states = dec.Outer(0).functionalize()
 
@@ -2295,14 +2292,14 @@ def test_model_built_inside_a_method_in_a_jitted_grad_step(write_module: Loader)
 
 
 def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y_h35 + 0.1 * i
+    return X_BATCH * (1.0 + 0.25 * i) - 0.1 * i, Y_BATCH + 0.1 * i
 
 
 STEPS = [("fit_step", batch(i)) for i in range(3)]
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
-    return pair(write_module, TORCH_HEADER + TORCH_h35)
+    return pair(write_module, TORCH_HEADER + TORCH_TRAINING)
 
 
 ALL_MODES = ("eager", "f", "jit", "freeze")
@@ -2666,7 +2663,7 @@ def test_shared_embedding_is_one_state_named_by_its_first_path(write_module: Loa
 
 def test_running_stats_shared_by_two_models(write_module: Loader) -> None:
     plain, dec = shared(write_module)
-    calls = [("__call__", (X_h35 * (i + 1),)) for i in range(3)]
+    calls = [("__call__", (X_BATCH * (i + 1),)) for i in range(3)]
     check(plain, dec, "Pair()", calls)
 
 
@@ -2682,9 +2679,9 @@ def test_functionalize_one_model_of_two_sharing_running_stats(write_module: Load
     # f's calls are a's calls on a copy of the stats; b meanwhile runs eagerly on the original.
     ref_a = copy.deepcopy(pa)
     for i in range(3):
-        out, states = step(f, states, X_h35 + i)
-        assert_same(ref_a(X_h35 + i), out, f"f of a, call {i}")
-        assert_same(pb(X_h35 - i), b(X_h35 - i), f"eager b, call {i}")
+        out, states = step(f, states, X_BATCH + i)
+        assert_same(ref_a(X_BATCH + i), out, f"f of a, call {i}")
+        assert_same(pb(X_BATCH - i), b(X_BATCH - i), f"eager b, call {i}")
     assert_same(snapshot(ref_a.stats), {"__class__": "RunningStats", "mean": states["stats.mean"],
                                         "n": states["stats.n"]})
     assert_same(snapshot(pb.stats), snapshot(b.stats))
@@ -2745,7 +2742,7 @@ def test_registering_a_model_inside_f_is_refused(write_module: Loader, jit: bool
     assert sorted(f.model.models) == ["a", "b", "c"]
 
 
-X3_h35 = jnp.array([1.0, -0.5, 2.0])
+V3_SIGNED = jnp.array([1.0, -0.5, 2.0])
 
 
 def cross(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
@@ -2812,7 +2809,7 @@ def test_second_path_to_an_attribute_inside_f(write_module: Loader, how: str) ->
 @pytest.mark.parametrize("build", ["HookTrainer()", "hooked_model()"])
 def test_forward_hook_bound_to_another_object(write_module: Loader, build: str) -> None:
     plain, dec = cross(write_module)
-    check(plain, dec, build, [("__call__", (X3_h35,)), ("__call__", (X3_h35 - 1.0,))])
+    check(plain, dec, build, [("__call__", (V3_SIGNED,)), ("__call__", (V3_SIGNED - 1.0,))])
     f, states = eval(build, vars(dec)).functionalize()  # noqa: S307
     assert len([k for k in states if k.endswith(".calls")]) == 1, sorted(states)
     frozen = autostate.freeze(f, states)
@@ -2824,15 +2821,15 @@ def test_forward_hook_bound_to_another_object(write_module: Loader, build: str) 
 def test_cache_passed_as_an_argument_eagerly_and_through_f(write_module: Loader) -> None:
     plain, dec = cross(write_module)
     ref_a, ref_c = plain.Attn(), plain.KVCache()
-    expected = [ref_a(X3_h35 * (i + 1), ref_c) for i in range(3)]
+    expected = [ref_a(V3_SIGNED * (i + 1), ref_c) for i in range(3)]
     a, c = dec.Attn(), dec.KVCache()
-    assert_same(expected, [a(X3_h35 * (i + 1), c) for i in range(3)], "eager")
+    assert_same(expected, [a(V3_SIGNED * (i + 1), c) for i in range(3)], "eager")
     assert_same(snapshot(ref_c), snapshot(c), "eager cache")
     f, states = dec.Attn().functionalize()
     c2 = dec.KVCache()
     got = []
     for i in range(3):
-        out, states = f(states, X3_h35 * (i + 1), c2)
+        out, states = f(states, V3_SIGNED * (i + 1), c2)
         got.append(out)
     assert_same(expected, got, "f")
     assert_same(snapshot(ref_c), snapshot(c2), "the eager cache written by f's calls")
@@ -2847,9 +2844,9 @@ def test_cache_passed_as_an_argument_under_jit_is_refused(write_module: Loader, 
     before = snapshot(c)
     with raises_autostate(errors.TracedEagerStateError) as err:
         if how == "closure":
-            staged(lambda f, s, x: f(s, x, c))(f, states, X3_h35)
+            staged(lambda f, s, x: f(s, x, c))(f, states, V3_SIGNED)
         else:
-            staged(lambda f, s, x, c: f(s, x, c))(f, states, X3_h35, c)
+            staged(lambda f, s, x, c: f(s, x, c))(f, states, V3_SIGNED, c)
     user_line(err.value, dec, "cache.k = cache.k.at[cache.pos].set(x @ self.wk)")
     assert_same(before, snapshot(c))
     assert not autostate.lifetime.contains_tracer(snapshot(c))
@@ -2862,12 +2859,12 @@ def test_cache_of_another_f_passed_as_an_argument_is_refused(write_module: Loade
     f, states = dec.Attn().functionalize()
     fc, _ = dec.KVCache().functionalize()
     with raises_autostate(errors.UnhandledLocalStateError):
-        f(states, X3_h35, fc.model)
+        f(states, V3_SIGNED, fc.model)
 
 
 def test_cache_held_by_a_decoder_with_the_attention(write_module: Loader) -> None:
     plain, dec = cross(write_module)
-    calls = [("__call__", (X3_h35,)), ("__call__", (X3_h35 * 2,)), ("generate", (X3_h35,)), ("__call__", (X3_h35,))]
+    calls = [("__call__", (V3_SIGNED,)), ("__call__", (V3_SIGNED * 2,)), ("generate", (V3_SIGNED,)), ("__call__", (V3_SIGNED,))]
     check(plain, dec, "CachedDecoder()", calls)
 
 

@@ -114,26 +114,25 @@ from semantics.programs import (
     Y,
     Z,
 )
-from semantics.programs import AROUND as AROUND_h34
-from semantics.programs import KEY as KEY_h10
-from semantics.programs import REAL as REAL_h24
-from semantics.programs import RNN as RNN_h26
+from semantics.programs import AROUND as REPRESENTATIVE_RNN
+from semantics.programs import KEY as PRNG_KEY
+from semantics.programs import REAL as REAL_SAMPLES
+from semantics.programs import RNN as GRU_CELL
 from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import MODELS_h9 as MODELS_h9
-from semantics.programs import MOE_h30 as MOE_h30
+from semantics.programs import MODELS_h9 as REALISTIC_MODELS
+from semantics.programs import MOE_h30 as MOE_AUX_LOSS
 from semantics.programs import OUTSIDE_h9 as OUTSIDE
 from semantics.programs import REAL_h9 as REAL
-from semantics.programs import RNG_h30 as RNG_h30
+from semantics.programs import RNG_h30 as VARIATIONAL_RNN
 from semantics.programs import V2_h25 as V2
-from semantics.programs import X1_h27 as X1_h27
+from semantics.programs import X1_h27 as XV1
 from semantics.programs import X2_h13 as X2
-from semantics.programs import X2_h27 as X2_h27
-from semantics.programs import X_h35 as X_h35
-from semantics.programs import XM_h30 as XM_h30
-from semantics.programs import XR_h30 as XR_h30
-from semantics.programs import XS_h26 as XS_h26
-from semantics.programs import XS_h31 as XS_h31
-from semantics.programs import XS_h34 as XS_h34
+from semantics.programs import X2_h27 as XV2
+from semantics.programs import XM_h30 as XM_ROUTED
+from semantics.programs import XR_h30 as X_VRNN
+from semantics.programs import XS_h26 as XS_SEQ
+from semantics.programs import XS_h31 as X23_STACK
+from semantics.programs import XS_h34 as V3_STACK
 from semantics.references import (
     assert_shared,
     cnn,
@@ -538,19 +537,6 @@ def test_adam_moments_as_state_in_a_training_loop(write_module: Loader) -> None:
           [("__call__", (params, grads)), ("__call__", (params, grads))])
 
 
-def test_vmap_over_an_ensemble_of_states(write_module: Loader) -> None:
-    plain, dec = pair(write_module, MODELS, fresh=True)
-    f, states = dec.BatchNorm(3).functionalize()
-    ens = jax.tree_util.tree_map(lambda v: jnp.stack([v, v + 1, v * 2]), states)
-    outs, new = staged(jax.vmap(lambda s: f(s, X3)))(ens)
-    for i in range(3):
-        ref = plain.BatchNorm(3)
-        ref.mean, ref.var = ens["mean"][i], ens["var"][i]
-        assert_same(ref(X3), outs[i], f"member {i}")
-        assert_same(np.asarray(ref.mean), new["mean"][i], f"member {i} mean")
-        assert_same(np.asarray(ref.var), new["var"][i], f"member {i} var")
-
-
 def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, MODELS, fresh=True)
     f, states = dec.Net().functionalize()
@@ -575,7 +561,9 @@ def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Load
         grads.model.head.w, grads.model.layers[0].w)
 
 
-def test_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
+def test_lax_scan_over_f_fills_a_kv_cache(write_module: Loader) -> None:
+    """A decode loop as ``lax.scan`` over ``f``: the cache and its traced write position
+    are the carry (SGD steps in a scan: ``test_training_loop_in_lax_scan_over_f``)."""
     plain, dec = pair(write_module, MODELS, fresh=True)
     f, states = dec.KVCache(4, 2).functionalize()
     ks = jnp.arange(8.0).reshape(4, 2) / 8
@@ -626,20 +614,6 @@ def test_jvp_linearize_jacobians_hessian_of_f(write_module: Loader, transform: s
     assert_same(apply(plain_fn), apply(f_fn), transform)
     out, new = f(states, V3)  # f still works after the transformation
     assert_same(plain_fn(V3), (out, new["mean"]), "f afterwards")
-
-
-def test_eval_shape_and_make_jaxpr_of_f(write_module: Loader) -> None:
-    _, dec = pair(write_module, OUTSIDE)
-    model = dec.Net()
-    f, states = model.functionalize()
-    shapes = jax.eval_shape(lambda s, x: f(s, x), states, V3)
-    assert shapes[0].shape == () and shapes[1]["mean"].shape == (3,)
-    assert shapes[1]["calls"].dtype == jnp.int32
-    jaxpr = jax.make_jaxpr(lambda s, x: f(s, x))(states, V3)
-    assert len(jaxpr.out_avals) == 3
-    assert_same(np.zeros(3, np.float32), model.mean, "the eager model is unchanged")
-    _, new = f(states, V3)
-    assert_same(np.asarray(V3) * 0.1, new["mean"])
 
 
 def test_jacrev_with_respect_to_f(write_module: Loader) -> None:
@@ -713,7 +687,7 @@ MODEL_CASES = [
     "build,calls", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES]
 )
 def test_realistic_models(write_module: Loader, build: str, calls: list[Any]) -> None:
-    plain, dec = pair(write_module, MODELS_h9)
+    plain, dec = pair(write_module, REALISTIC_MODELS)
     check(plain, dec, build, calls)
 
 
@@ -733,13 +707,13 @@ MODEL_TRANSFORMS = [
 def test_realistic_models_under_grad_and_vmap(
     write_module: Loader, build: str, method: str, x: Any, transform: str
 ) -> None:
-    plain, dec = pair(write_module, MODELS_h9)
+    plain, dec = pair(write_module, REALISTIC_MODELS)
     xv = x if transform == "grad" else jnp.stack([x, -x])
     check_transform(plain, dec, build, [(method, (X,)), (method, (X,))], xv, transform)
 
 
 def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
-    plain, dec = pair(write_module, MODELS_h9)
+    plain, dec = pair(write_module, REALISTIC_MODELS)
     ref = plain.GAN(jax.random.PRNGKey(0))
     expected = [ref.step(Z, REAL) for _ in range(3)]
     f, states = dec.GAN(jax.random.PRNGKey(0)).functionalize()
@@ -842,12 +816,12 @@ def user_frame_line(err: BaseException, module: types.ModuleType) -> str:
 @pytest.mark.parametrize("how", ["jit", "eval_shape_then_jit"])
 def test_model_built_inside_jit_then_trained(write_module: Loader, how: str) -> None:
     plain, dec = library(write_module)
-    template = plain.MLP(KEY_h10, 3, 2, rate=0.5)
+    template = plain.MLP(PRNG_KEY, 3, 2, rate=0.5)
     if how == "jit":
-        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(KEY_h10)
+        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(PRNG_KEY)
     else:
-        shapes = jax.eval_shape(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(), KEY_h10)
-        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(KEY_h10)
+        shapes = jax.eval_shape(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(), PRNG_KEY)
+        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(PRNG_KEY)
         assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure((f, states))
         for a, b in zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves((f, states))):
             assert (a.shape, a.dtype) == (b.shape, b.dtype)
@@ -863,8 +837,8 @@ def test_model_built_inside_jit_then_trained(write_module: Loader, how: str) -> 
 
 def test_eager_model_returned_from_jit(write_module: Loader) -> None:
     plain, dec = library(write_module)
-    template = plain.MLP(KEY_h10, 3, 2, rate=0.5)
-    model = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5))(KEY_h10)
+    template = plain.MLP(PRNG_KEY, 3, 2, rate=0.5)
+    model = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5))(PRNG_KEY)
     assert isinstance(model, dec.MLP)
     for x, _ in data_for(2, 3):
         assert_same(template(x), model(x))
@@ -930,7 +904,7 @@ def test_eager_model_passed_into_the_users_transformation(write_module: Loader, 
 
 def test_stacked_eager_ensemble_from_vmap_then_functionalized(write_module: Loader) -> None:
     plain, dec = library(write_module)
-    keys = jax.random.split(KEY_h10, 3)
+    keys = jax.random.split(PRNG_KEY, 3)
     stacked = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5))(keys)
     assert stacked.head.w.shape == (3, 8, 2)
     x = data_for(2, 1)[0][0]
@@ -1513,7 +1487,7 @@ class M:
 """
 
 
-XB_h18 = jnp.arange(12.0).reshape(4, 3) / 10
+XB_SMALL = jnp.arange(12.0).reshape(4, 3) / 10
 
 
 BN_KEYS = ("mean", "var", "key", "steps")
@@ -1539,16 +1513,16 @@ def test_eval_shape_and_make_jaxpr_of_f_itself(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     model = dec.BN(3)
     f, states = model.functionalize()
-    out, new = jax.eval_shape(f, states, XB_h18)
-    ref = jax.eval_shape(lambda x: plain.BN(3)(x), XB_h18)
+    out, new = jax.eval_shape(f, states, XB_SMALL)
+    ref = jax.eval_shape(lambda x: plain.BN(3)(x), XB_SMALL)
     assert (out.shape, out.dtype) == (ref.shape, ref.dtype)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), new) == jax.tree.map(
         lambda a: (a.shape, a.dtype), states)
-    jaxpr = jax.make_jaxpr(f)(states, XB_h18)
+    jaxpr = jax.make_jaxpr(f)(states, XB_SMALL)
     assert len(jaxpr.out_avals) == 1 + len(jax.tree.leaves(states))
     assert "callback" not in str(jaxpr)
-    shapes = jax.eval_shape(lambda s, x: f.scaled(s, x, 3), states, XB_h18)
-    assert shapes[0].shape == XB_h18.shape
+    shapes = jax.eval_shape(lambda s, x: f.scaled(s, x, 3), states, XB_SMALL)
+    assert shapes[0].shape == XB_SMALL.shape
     assert_same(_states_of(plain.BN(3), BN_KEYS), snapshot(model.functionalize()[1]),
                 "the eager model is unchanged")
 
@@ -1558,15 +1532,15 @@ def test_eval_shape_and_make_jaxpr_of_f_itself(write_module: Loader) -> None:
 def test_jit_variants_of_f(write_module: Loader, how: str) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
-    calls: list[tuple[str, tuple]] = [("__call__", (XB_h18,)), ("__call__", (XB_h18 * 2,))]
+    calls: list[tuple[str, tuple]] = [("__call__", (XB_SMALL,)), ("__call__", (XB_SMALL * 2,))]
     if how == "aot":
-        step = jax.jit(f).lower(states, XB_h18).compile()
+        step = jax.jit(f).lower(states, XB_SMALL).compile()
     elif how == "donate":
         step = staged(f, donate_argnums=0)
     elif how == "named_call":
         step = staged(jax.named_call(f, name="model"))
     else:
-        calls = [("scaled", (XB_h18, 3)), ("scaled", (XB_h18, 1)), ("scaled", (XB_h18, 3))]
+        calls = [("scaled", (XB_SMALL, 3)), ("scaled", (XB_SMALL, 1)), ("scaled", (XB_SMALL, 3))]
     outs = []
     for _, a in calls:
         if how == "static_argnums":
@@ -1583,7 +1557,7 @@ def test_jit_variants_of_f(write_module: Loader, how: str) -> None:
 def test_loops_over_f_equal_a_python_loop(write_module: Loader, loop: str) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
-    xs = jnp.stack([XB_h18, XB_h18 * 2, -XB_h18, XB_h18 + 1])
+    xs = jnp.stack([XB_SMALL, XB_SMALL * 2, -XB_SMALL, XB_SMALL + 1])
     calls = [("__call__", (x,)) for x in xs]
     if loop.startswith("scan"):
         unroll = 2 if loop == "scan_unroll" else 1
@@ -1599,10 +1573,10 @@ def test_loops_over_f_equal_a_python_loop(write_module: Loader, loop: str) -> No
         assert_same(_states_of(ref, BN_KEYS), snapshot(new))
     elif loop == "while":
         new = staged(lambda f, s: jax.lax.while_loop(
-            lambda s: s["steps"] < 35, lambda s: f.other(s, XB_h18)[1], s))(f, states)
+            lambda s: s["steps"] < 35, lambda s: f.other(s, XB_SMALL)[1], s))(f, states)
         ref = plain.BN(3)
         while int(ref.steps) < 35:
-            ref.other(XB_h18)
+            ref.other(XB_SMALL)
         assert_same(_states_of(ref, BN_KEYS), snapshot(new))
     else:
         step = staged(lambda f, s, x: f(s, x))
@@ -1616,7 +1590,7 @@ def test_loops_over_f_equal_a_python_loop(write_module: Loader, loop: str) -> No
 def test_lax_map_over_f_with_fixed_states(write_module: Loader) -> None:
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
-    xs = jnp.stack([XB_h18, XB_h18 * 2, -XB_h18])
+    xs = jnp.stack([XB_SMALL, XB_SMALL * 2, -XB_SMALL])
     outs, news = jax.lax.map(lambda x: f(states, x), xs)
     for i, x in enumerate(xs):
         ref = plain.BN(3)
@@ -1626,9 +1600,9 @@ def test_lax_map_over_f_with_fixed_states(write_module: Loader) -> None:
 
 CHOOSE_F = {
     "cond-lambdas": lambda f, s, i: jax.lax.cond(
-        i == 1, lambda s: f.other(s, XB_h18), lambda s: f(s, XB_h18), s),
+        i == 1, lambda s: f.other(s, XB_SMALL), lambda s: f(s, XB_SMALL), s),
     "switch-lambdas": lambda f, s, i: jax.lax.switch(
-        i, [lambda s: f(s, XB_h18), lambda s: f.other(s, XB_h18)], s),
+        i, [lambda s: f(s, XB_SMALL), lambda s: f.other(s, XB_SMALL)], s),
 }
 
 
@@ -1640,12 +1614,12 @@ def test_cond_and_switch_between_f_calls(write_module: Loader, how: str) -> None
     if how in CHOOSE_F:
         step = staged(CHOOSE_F[how])
     elif how == "switch-f-closed-over":
-        step = staged(lambda f_, s, i: jax.lax.switch(i, [f, f.other], s, XB_h18))
+        step = staged(lambda f_, s, i: jax.lax.switch(i, [f, f.other], s, XB_SMALL))
     else:
-        step = staged(lambda f_, s, i: jax.lax.cond(i == 1, f.other, f, s, XB_h18))
+        step = staged(lambda f_, s, i: jax.lax.cond(i == 1, f.other, f, s, XB_SMALL))
     for pick in (0, 1):
         out, new = step(f, states, pick)
-        _same_run(plain, [("other" if pick else "__call__", (XB_h18,))], [out], new)
+        _same_run(plain, [("other" if pick else "__call__", (XB_SMALL,))], [out], new)
 
 
 def test_f_twice_and_two_models_in_one_jit(write_module: Loader) -> None:
@@ -1654,16 +1628,16 @@ def test_f_twice_and_two_models_in_one_jit(write_module: Loader) -> None:
     g, t = dec.BN(3, seed=5).functionalize()
 
     def step(f: Any, g: Any, s: Any, t: Any) -> Any:
-        o1, s = f(s, XB_h18)
-        o2, s = f.other(s, XB_h18 * 2)
+        o1, s = f(s, XB_SMALL)
+        o2, s = f.other(s, XB_SMALL * 2)
         o3, t = g(t, o1 + o2)
         o4, s = f(s, o3)
         return (o1, o2, o3, o4), s, t
 
     outs, s2, t2 = staged(step)(f, g, s, t)
     a, b = plain.BN(3), plain.BN(3, seed=5)
-    o1 = a(XB_h18)
-    o2 = a.other(XB_h18 * 2)
+    o1 = a(XB_SMALL)
+    o2 = a.other(XB_SMALL * 2)
     o3 = b(o1 + o2)
     o4 = a(o3)
     assert_same((o1, o2, o3, o4), outs)
@@ -1677,18 +1651,18 @@ def test_vmap_of_f(write_module: Loader, in_axes: str) -> None:
     f, s0 = dec.BN(3).functionalize()
     s1 = dec.BN(3, seed=1).functionalize()[1]
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), s0, s1)
-    xs = jnp.stack([XB_h18, XB_h18 * 2])
+    xs = jnp.stack([XB_SMALL, XB_SMALL * 2])
     if in_axes == "states-and-x":
         out, new = jax.vmap(f, in_axes=(0, 0))(stacked, xs)
     elif in_axes == "states-only":
-        out, new = jax.vmap(f, in_axes=(0, None))(stacked, XB_h18)
+        out, new = jax.vmap(f, in_axes=(0, None))(stacked, XB_SMALL)
     else:
         out, new = staged(jax.vmap(f, in_axes=(None, 0)))(s0, xs)
     for i in range(2):
         seed = i if in_axes != "x-only" else 0
         ref = plain.BN(3, seed=seed)
         ref.w = plain.BN(3).w  # f's parameters are seed 0's
-        x = XB_h18 if in_axes == "states-only" else xs[i]
+        x = XB_SMALL if in_axes == "states-only" else xs[i]
         assert_same(ref(x), out[i])
         assert_same(_states_of(ref, BN_KEYS), snapshot(jax.tree.map(lambda a, i=i: a[i], new)))
 
@@ -1698,12 +1672,12 @@ def test_vmap_of_f_with_an_unbatched_write_and_out_axes_none(write_module: Loade
     unbatched (``out_axes=(0, None)``), as the hand-threaded function's would."""
     plain, dec = _around(write_module)
     f, states = dec.BN(3).functionalize()
-    xs = jnp.stack([XB_h18, XB_h18 * 2, -XB_h18])
+    xs = jnp.stack([XB_SMALL, XB_SMALL * 2, -XB_SMALL])
     for run in (jax.vmap, lambda fn, **kw: staged(jax.vmap(fn, **kw))):
         out, new = run(f.tick, in_axes=(None, 0), out_axes=(0, None))(states, xs)
         ref = plain.BN(3)
         assert_same(np.stack([plain.BN(3).tick(x) for x in xs]), out)
-        ref.tick(XB_h18)
+        ref.tick(XB_SMALL)
         assert_same(_states_of(ref, BN_KEYS), snapshot(new))
 
 
@@ -2281,7 +2255,7 @@ def _gan_hand(seed: int, steps: int) -> tuple[list[Any], dict[str, Any]]:
         zd = jax.random.normal(k1, (2, 2))
         fake = jnp.tanh(zd @ gw)
         ld, g = jax.value_and_grad(
-            lambda dw: jax.nn.softplus(-(REAL_h24 @ dw)).mean() + jax.nn.softplus(fake @ dw).mean())(dw)  # noqa: B023
+            lambda dw: jax.nn.softplus(-(REAL_SAMPLES @ dw)).mean() + jax.nn.softplus(fake @ dw).mean())(dw)  # noqa: B023
         u, ds = dopt.update(g, ds, dw)
         dw = optax.apply_updates(dw, u)
         zg = jax.random.normal(k2, (2, 2))
@@ -2294,7 +2268,7 @@ def _gan_hand(seed: int, steps: int) -> tuple[list[Any], dict[str, Any]]:
 
 def test_gan_matches_hand_threaded(write_module: Loader) -> None:
     _, dec = pair(write_module, GAN)
-    outs, states, _ = run_f(dec, "GAN(0)", [("train_step", (REAL_h24,))] * 3, jit=True)
+    outs, states, _ = run_f(dec, "GAN(0)", [("train_step", (REAL_SAMPLES,))] * 3, jit=True)
     ref_outs, ref = _gan_hand(0, 3)
     assert_same(ref_outs, [tuple(np.asarray(o) for o in out) for out in outs], "losses")
     assert_same(np.asarray(ref["g_w"]), np.asarray(states["g_w"]), "g_w")
@@ -2433,49 +2407,49 @@ def test_weight_norm_grad_reaches_g_and_v(write_module: Loader, jit: bool) -> No
 
 
 def test_gru_step_scanned_from_outside_over_f(write_module: Loader) -> None:
-    plain, dec = pair(write_module, RNN_h26)
+    plain, dec = pair(write_module, GRU_CELL)
     ref = plain.GRUCell(0, 2, 3)
-    expected = [ref.step(x) for x in XS_h26]
+    expected = [ref.step(x) for x in XS_SEQ]
     f, states = dec.GRUCell(0, 2, 3).functionalize()
     body = jax.checkpoint(lambda s, x: f.step(s, x)[::-1])
-    new, hs = staged(lambda s: jax.lax.scan(body, s, XS_h26))(states)
+    new, hs = staged(lambda s: jax.lax.scan(body, s, XS_SEQ))(states)
     assert_same(expected, list(hs), "hs")
     assert_same(np.asarray(ref.h), np.asarray(new["h"]), "h")
-    assert int(new["steps"]) == len(XS_h26)
+    assert int(new["steps"]) == len(XS_SEQ)
 
     def ref_loss(wz: Any) -> Any:
         m = plain.GRUCell(0, 2, 3)
         m.wz = wz
-        return sum(m.step(x).sum() for x in XS_h26)
+        return sum(m.step(x).sum() for x in XS_SEQ)
 
-    g = jax.grad(lambda f: jax.lax.scan(lambda s, x: f.step(s, x)[::-1], states, XS_h26)[1].sum())(f)
+    g = jax.grad(lambda f: jax.lax.scan(lambda s, x: f.step(s, x)[::-1], states, XS_SEQ)[1].sum())(f)
     assert_same(np.asarray(jax.grad(ref_loss)(ref.wz)), np.asarray(autostate.param_dict(g)["wz"]))
 
 
 def test_gru_truncated_bptt(write_module: Loader) -> None:
-    plain, dec = pair(write_module, RNN_h26)
+    plain, dec = pair(write_module, GRU_CELL)
     check(plain, dec, "GRUCell(2, 2, 3, chunk=4)",
-          [("tbptt", (XS_h26,)), ("step", (XS_h26[0],)), ("tbptt", (XS_h26 * 2,))])
-    check_transform(plain, dec, "GRUCell(2, 2, 3)", [("tbptt", (X,)), ("tbptt", (X,))], XS_h26,
+          [("tbptt", (XS_SEQ,)), ("step", (XS_SEQ[0],)), ("tbptt", (XS_SEQ * 2,))])
+    check_transform(plain, dec, "GRUCell(2, 2, 3)", [("tbptt", (X,)), ("tbptt", (X,))], XS_SEQ,
                     "grad")
 
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_gru_tbptt_param_grad_matches_plain(write_module: Loader, jit: bool) -> None:
-    plain, dec = pair(write_module, RNN_h26)
+    plain, dec = pair(write_module, GRU_CELL)
     ref = plain.GRUCell(2, 2, 3)
-    ref.step(XS_h26[0])  # a hidden state carried in from an earlier call
+    ref.step(XS_SEQ[0])  # a hidden state carried in from an earlier call
 
     def ref_loss(wz: Any, wr: Any, wh: Any) -> Any:
         m = plain.GRUCell(2, 2, 3)
         m.h, m.wz, m.wr, m.wh = ref.h, wz, wr, wh
-        return m.tbptt(XS_h26)
+        return m.tbptt(XS_SEQ)
 
     expected = jax.grad(ref_loss, argnums=(0, 1, 2))(ref.wz, ref.wr, ref.wh)
     model = dec.GRUCell(2, 2, 3)
-    model.step(XS_h26[0])
+    model.step(XS_SEQ[0])
     f, states = model.functionalize()
-    grad = jax.grad(lambda f, s: f.tbptt(s, XS_h26)[0])
+    grad = jax.grad(lambda f, s: f.tbptt(s, XS_SEQ)[0])
     g = autostate.param_dict((staged(grad) if jit else grad)(f, states))
     for name, e in zip(("wz", "wr", "wh"), expected):
         assert_same(np.asarray(e), np.asarray(g[name]), name)
@@ -2556,8 +2530,12 @@ def test_vmap_over_batched_key_states(write_module: Loader) -> None:
         assert int(states["calls"][i]) == 2
 
 
-def _set(model: Any, key: str, value: Any) -> None:
-    exec("m." + key + " = v", {"m": model, "v": value})  # noqa: S102
+def _set(model: Any, path: str, value: Any) -> None:
+    """``model.<path> = value`` for a keypath name (``layers[0].w``, ``[1].b``)."""
+    exec(
+        ("m." + path if not path.startswith("[") else "m" + path) + " = v",  # noqa: S102
+        {"m": model, "v": value},
+    )
 
 
 def _plain_loss(ref: Any, params: dict[str, Any], x: Any, y: Any) -> tuple[Any, Any]:
@@ -2583,7 +2561,7 @@ def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
         return loss, jax.tree_util.tree_map(lambda p, g: p - lr * g, f, grads), states
 
     params = autostate.param_dict(model)
-    for x in (X1_h27, X2_h27, X1_h27):
+    for x in (XV1, XV2, XV1):
         g = jax.grad(lambda p, x=x: _plain_loss(ref, p, x, Y)[0])(params)
         want = ref.loss(x, Y)  # the plain model's states move as f's do
         loss, f, states = train(f, states, x, Y)
@@ -2596,8 +2574,8 @@ def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
     assert_shared(frozen)
     assert_same(snapshot(ref), snapshot(frozen), "trained model")
     # grad alone (no aux) through f: the same gradient as plain
-    g_f = jax.grad(lambda f: f.loss(states, X2_h27, Y)[0])(f)
-    g_plain = jax.grad(lambda p: _plain_loss(ref, p, X2_h27, Y)[0])(params)
+    g_f = jax.grad(lambda f: f.loss(states, XV2, Y)[0])(f)
+    g_plain = jax.grad(lambda p: _plain_loss(ref, p, XV2, Y)[0])(params)
     assert_same(g_plain, autostate.param_dict(g_f), "grad")
 
 
@@ -2606,7 +2584,7 @@ def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader) -> 
     _, model = trained_pair(plain, dec)
     f, states = model.functionalize()
     g_states = jax.grad(
-        lambda s: f.loss(s, X1_h27, Y)[0], allow_int=True)(states)
+        lambda s: f.loss(s, XV1, Y)[0], allow_int=True)(states)
     assert sorted(g_states) == sorted(states)
     ints = [k for k, v in states.items() if not jnp.issubdtype(v.dtype, jnp.floating)]
     assert ints and all(g_states[k].dtype == jax.dtypes.float0 for k in ints)
@@ -2619,7 +2597,7 @@ def test_vmap_over_an_ensemble_of_models(write_module: Loader) -> None:
     pairs = [dec.Net(s).functionalize() for s in scales]
     fs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[p[0] for p in pairs])
     ss = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[p[1] for p in pairs])
-    xs = jnp.stack([X1_h27, X2_h27, -X1_h27])
+    xs = jnp.stack([XV1, XV2, -XV1])
     step = staged(jax.vmap(lambda f, s, x: f(s, x)))
     for _ in range(2):
         out, ss = step(fs, ss, xs)
@@ -2630,9 +2608,9 @@ def test_vmap_over_an_ensemble_of_models(write_module: Loader) -> None:
         assert_shared(member)
         assert_same(snapshot(r), snapshot(member), f"member {i}")
     # a shared batch of inputs, states batched; value_and_grad of the mean loss under vmap
-    grads = jax.vmap(lambda f, s: jax.grad(lambda f: f.loss(s, X1_h27, Y)[0])(f))(fs, ss)
+    grads = jax.vmap(lambda f, s: jax.grad(lambda f: f.loss(s, XV1, Y)[0])(f))(fs, ss)
     for i in range(len(scales)):
-        gi = jax.grad(lambda f, i=i: f.loss(jax.tree_util.tree_map(lambda a: a[i], ss), X1_h27, Y)[0])(
+        gi = jax.grad(lambda f, i=i: f.loss(jax.tree_util.tree_map(lambda a: a[i], ss), XV1, Y)[0])(
             jax.tree_util.tree_map(lambda a, i=i: a[i], fs))
         assert_same(autostate.param_dict(gi),
                     {k: v[i] for k, v in autostate.param_dict(grads).items()}, f"grad {i}")
@@ -2644,23 +2622,25 @@ def test_donated_states_copy_then_continue(write_module: Loader) -> None:
     f, states = model.functionalize()
     states = jax.tree_util.tree_map(jnp.copy, states)  # documented: keep the model's arrays
     step = staged(lambda f, s, x: f(s, x), donate_argnums=1)
-    for x in (X1_h27, X2_h27, X1_h27):
+    for x in (XV1, XV2, XV1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "donated buffers were not usable" on some backends
             out, states = step(f, states, x)
         assert_same(ref(x), out, "donated step")
     frozen = autostate.freeze(f, states)
     assert_same(snapshot(ref), snapshot(frozen), "frozen after donation")
-    assert_same(ref(X2_h27), frozen(X2_h27), "eager after donation")
+    assert_same(ref(XV2), frozen(XV2), "eager after donation")
     # the model itself still works (its arrays were not donated)
     assert not any(v.is_deleted() for v in autostate.state_dict(model).values())
 
 
-def test_training_loop_in_lax_scan_over_f_h27(write_module: Loader) -> None:
+def test_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
+    """SGD steps as ``lax.scan`` over ``(f, states)`` on a model whose two blocks share a
+    sub-model, against the plain model stepped in Python."""
     plain, dec = pair(write_module, TWO_PARENTS)
     ref = plain.Root()
     f, states = dec.Root().functionalize()
-    xs = jnp.stack([X1_h27, X2_h27, -X1_h27, X2_h27 * 0.5])
+    xs = jnp.stack([XV1, XV2, -XV1, XV2 * 0.5])
     lr = 0.2
 
     def body(carry: Any, x: Any) -> Any:
@@ -2686,15 +2666,15 @@ def test_f_under_jax_checkpoint_and_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, TWO_PARENTS)
     ref = plain.Root()
     f, states = dec.Root().functionalize()
-    g_ck = staged(jax.grad(lambda f: jax.checkpoint(lambda f, s: f.loss(s, X1_h27, Y))(f, states)[0]))(f)
-    g_plain = jax.grad(lambda p: _plain_loss(ref, p, X1_h27, Y)[0])(autostate.param_dict(f))
+    g_ck = staged(jax.grad(lambda f: jax.checkpoint(lambda f, s: f.loss(s, XV1, Y))(f, states)[0]))(f)
+    g_plain = jax.grad(lambda p: _plain_loss(ref, p, XV1, Y)[0])(autostate.param_dict(f))
     assert_same(g_plain, autostate.param_dict(g_ck), "checkpointed grad")
-    _, s_ck = jax.checkpoint(lambda f, s: f.loss(s, X1_h27, Y))(f, states)
-    ref.loss(X1_h27, Y)
+    _, s_ck = jax.checkpoint(lambda f, s: f.loss(s, XV1, Y))(f, states)
+    ref.loss(XV1, Y)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, s_ck)), "checkpointed states")
 
 
-NET_h29 = """
+CONTROL_FLOW_NET = """
 @DECORATE
 class Net:
     def __init__(self):
@@ -2763,7 +2743,7 @@ def with_w(f: Any, w: jax.Array) -> Any:
 
 @pytest.fixture
 def net(write_module: Loader) -> tuple[Any, Any, Any]:
-    plain, dec = pair(write_module, NET_h29, checkpoint_as_identity=True)
+    plain, dec = pair(write_module, CONTROL_FLOW_NET, checkpoint_as_identity=True)
     f, states = dec.Net().functionalize()
     assert sorted(states) == ["acc", "count", "mean"]
     assert len(jax.tree_util.tree_leaves(f)) == 1
@@ -2771,7 +2751,7 @@ def net(write_module: Loader) -> tuple[Any, Any, Any]:
 
 
 def test_net_matches_plain_python(write_module: Loader) -> None:
-    plain, dec = pair(write_module, NET_h29, checkpoint_as_identity=True)
+    plain, dec = pair(write_module, CONTROL_FLOW_NET, checkpoint_as_identity=True)
     check(
         plain, dec, "Net()", [("__call__", (NXS,)), ("__call__", (NXS * 2,)), ("__call__", (-NXS,))]
     )
@@ -2854,18 +2834,26 @@ def test_hessian_of_f_in_the_input(net: tuple[Any, Any, Any]) -> None:
     assert_same(ref, got, "hessian")
 
 
-def test_vmap_over_an_ensemble_of_states_h29(net: tuple[Any, Any, Any]) -> None:
+@pytest.mark.parametrize("batched", ["states", "params-and-states"])
+def test_vmap_over_an_ensemble_of_states(net: tuple[Any, Any, Any], batched: str) -> None:
+    """Members' states stacked on the leading axis, one input shared; the cond predicate
+    is a batched state. Either ``f`` is closed over (one parameter for all members) or
+    its parameter is stacked too and ``f`` is an argument of the vmapped function."""
     _, f, states = net
     ens = {
         "acc": jnp.array([0.5, 2.0, -3.0]),
         "count": jnp.array([0, 5, 9], jnp.int32),
         "mean": jnp.stack([states["mean"], states["mean"] + 1.0, states["mean"] - 2.0]),
     }
-    ws = jnp.stack([f.model.w, f.model.w * 2.0, -f.model.w])
-    fs = with_w(f, ws)
-    got = staged(jax.vmap(lambda f, s, x: f(s, x), in_axes=(0, 0, None)))(fs, ens, NXS)
-    ref = jax.vmap(hand_net, in_axes=(0, 0, None))(ws, ens, NXS)
-    assert_same(ref, got, "ensemble")  # the cond predicate is a batched state here
+    if batched == "states":
+        got = staged(jax.vmap(lambda s: f(s, NXS)))(ens)
+        ref = jax.vmap(lambda s: hand_net(f.model.w, s, NXS))(ens)
+    else:
+        ws = jnp.stack([f.model.w, f.model.w * 2.0, -f.model.w])
+        fs = with_w(f, ws)
+        got = staged(jax.vmap(lambda f, s, x: f(s, x), in_axes=(0, 0, None)))(fs, ens, NXS)
+        ref = jax.vmap(hand_net, in_axes=(0, 0, None))(ws, ens, NXS)
+    assert_same(ref, got, "ensemble")
 
 
 def test_vmap_over_inputs_with_shared_states(net: tuple[Any, Any, Any]) -> None:
@@ -2924,31 +2912,63 @@ def test_checkpoint_of_f_under_grad(net: tuple[Any, Any, Any]) -> None:
     assert_same(s_ref, s, "states")
 
 
-def test_eval_shape_and_make_jaxpr_of_f_h29(net: tuple[Any, Any, Any]) -> None:
-    _, f, states = net
-    out, s = jax.eval_shape(f, states, NXS)
-    ref_out, ref_s = jax.eval_shape(lambda s, x: hand_net(f.model.w, s, x), states, NXS)
-    assert (out.shape, out.dtype) == (ref_out.shape, ref_out.dtype)
-    assert {k: (v.shape, v.dtype) for k, v in s.items()} == {
-        k: (v.shape, v.dtype) for k, v in ref_s.items()
+def _primitives(jaxpr: Any) -> list[str]:
+    """The primitives of a jaxpr and of the jaxprs nested in it, sorted."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names.extend(_primitives(sub))
+    return sorted(names)
+
+
+def _shape_and_dtype(v: Any) -> tuple[tuple[int, ...], Any]:
+    return tuple(v.shape), v.dtype
+
+
+# (source, pair options, input): a custom_jvp inside the call; lax.scan / cond /
+# checkpoint inside the call.
+ABSTRACT_PROGRAMS: dict[str, tuple[str, dict[str, Any], Any]] = {
+    "custom-jvp": (OUTSIDE, {}, V3),
+    "lax-control-flow": (CONTROL_FLOW_NET, {"checkpoint_as_identity": True}, NXS),
+}
+
+
+@pytest.mark.parametrize("program", list(ABSTRACT_PROGRAMS))
+def test_eval_shape_and_make_jaxpr_of_f(write_module: Loader, program: str) -> None:
+    """``eval_shape`` of ``f`` has the shapes and dtypes of the plain call's output and
+    states; its jaxpr returns the output and every state, with no host callback; the
+    tracing changes neither the eager model nor ``f``'s states, and ``f`` then computes
+    what plain Python does."""
+    source, options, x = ABSTRACT_PROGRAMS[program]
+    plain, dec = pair(write_module, source, **options)
+    model = dec.Net()
+    before = snapshot(model)
+    f, states = model.functionalize()
+    ref = plain.Net()
+    ref_out = ref(x)
+    ref_states = {k: plain_path(ref, k) for k in states}
+
+    out, new = jax.eval_shape(f, states, x)
+    assert _shape_and_dtype(out) == _shape_and_dtype(ref_out)
+    assert {k: _shape_and_dtype(v) for k, v in new.items()} == {
+        k: _shape_and_dtype(v) for k, v in ref_states.items()
     }
+    closed = jax.make_jaxpr(lambda f, s, x: f(s, x))(f, states, x)
+    assert len(closed.out_avals) == 1 + len(states)
+    assert not [p for p in _primitives(closed.jaxpr) if "callback" in p]
+    if program == "lax-control-flow":
+        hand = jax.make_jaxpr(hand_net)(f.model.w, states, x).jaxpr
+        control = ("scan", "cond", "checkpoint", "remat")
+        assert [p for p in _primitives(closed.jaxpr) if p in control] == [
+            p for p in _primitives(hand) if p in control
+        ]
 
-    def prims(jaxpr: Any) -> list[str]:
-        names = []
-        for eqn in jaxpr.eqns:
-            names.append(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                names.extend(prims(sub))
-        return sorted(names)
-
-    got = jax.make_jaxpr(lambda f, s, x: f(s, x))(f, states, NXS).jaxpr
-    ref = jax.make_jaxpr(lambda w, s, x: hand_net(w, s, x))(f.model.w, states, NXS).jaxpr
-    assert not [p for p in prims(got) if "callback" in p]
-    assert [p for p in prims(got) if p in ("scan", "cond", "checkpoint", "remat")] == [
-        p for p in prims(ref) if p in ("scan", "cond", "checkpoint", "remat")
-    ]
-    # the model is unchanged by all that tracing
-    assert np.asarray(autostate.freeze(f, states).count) == 0
+    assert_same(before, snapshot(model), "the eager model is unchanged")
+    assert_same(before, snapshot(autostate.freeze(f, states)), "f's states are unchanged")
+    out, new = f(states, x)
+    assert_same(ref_out, out, "f afterwards")
+    assert_same(snapshot(ref_states), snapshot(new), "f's states afterwards")
 
 
 def test_jit_of_vmap_of_grad_of_f(net: tuple[Any, Any, Any]) -> None:
@@ -2961,13 +2981,6 @@ def test_jit_of_vmap_of_grad_of_f(net: tuple[Any, Any, Any]) -> None:
     got = staged(jax.vmap(per_example, in_axes=(None, 0)))(f, xs)
     ref = jax.vmap(lambda x: jax.grad(lambda w: hand_net(w, states, x)[0])(f.model.w))(xs)
     assert_same(ref, got.model.w, "per-example grads")
-
-
-def _set_h30(model: Any, path: str, value: Any) -> None:
-    exec(
-        ("m." + path if not path.startswith("[") else "m" + path) + " = v",  # noqa: S102
-        {"m": model, "v": value},
-    )
 
 
 def train_compare(
@@ -2992,15 +3005,15 @@ def train_compare(
         def loss(params: dict[str, Any], x: Any = x) -> Any:
             m = copy.deepcopy(ref)
             for k, v in params.items():
-                _set_h30(m, k, v)
+                _set(m, k, v)
             out = getattr(m, method)(x)
             return loss_fn(out, lambda k: plain_path(m, k)), {k: plain_path(m, k) for k in states0}
 
         (val, st), g = jax.value_and_grad(loss, has_aux=True)(params)
         for k in pnames:
-            _set_h30(ref, k, params[k] - lr * g[k])
+            _set(ref, k, params[k] - lr * g[k])
         for k, v in st.items():
-            _set_h30(ref, k, v)
+            _set(ref, k, v)
         ref_losses.append(val)
 
     def step(carry: Any, x: Any) -> Any:
@@ -3049,14 +3062,14 @@ def test_qat_training_loop_in_scan(write_module: Loader, moving: bool) -> None:
 
 @pytest.mark.parametrize("typed", [False, True])
 def test_vmap_over_per_example_keys(write_module: Loader, typed: bool) -> None:
-    plain, dec = pair(write_module, RNG_h30)
+    plain, dec = pair(write_module, VARIATIONAL_RNN)
     f, states = dec.VariationalRNN(0, 3, typed=typed).functionalize()
     n = 3
     seeds = jnp.arange(n)
     make = jax.random.key if typed else jax.random.PRNGKey
     keys = jax.vmap(make)(seeds)
     dkeys = jax.vmap(make)(seeds + 100)
-    xs = jnp.stack([XR_h30 * (i + 1) for i in range(n)])
+    xs = jnp.stack([X_VRNN * (i + 1) for i in range(n)])
     expected = []
     for i in range(n):
         ref = plain.VariationalRNN(0, 3, typed=typed)
@@ -3084,8 +3097,8 @@ def test_vmap_over_per_example_keys(write_module: Loader, typed: bool) -> None:
 
 
 def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
-    plain, dec = pair(write_module, MOE_h30)
-    xs = jnp.stack([XM_h30, XM_h30 * 2, -XM_h30, XM_h30[::-1]])
+    plain, dec = pair(write_module, MOE_AUX_LOSS)
+    xs = jnp.stack([XM_ROUTED, XM_ROUTED * 2, -XM_ROUTED, XM_ROUTED[::-1]])
     train_compare(
         plain,
         dec,
@@ -3093,7 +3106,7 @@ def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
         xs,
         lambda out, get: jnp.mean(out**2) + 0.1 * get("router.aux_loss"),
     )
-    check_transform(plain, dec, "MoE(0, 3)", [("__call__", (X,)), ("__call__", (X,))], XM_h30, "grad")
+    check_transform(plain, dec, "MoE(0, 3)", [("__call__", (X,)), ("__call__", (X,))], XM_ROUTED, "grad")
 
 
 @pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
@@ -3152,8 +3165,8 @@ def test_lazy_model_primed_inside_jit_or_vmap_and_returned(write_module: Loader)
     same(snapshot(ref), snapshot(m), "jit")
     same(ref(-X23), m(-X23))
     same(snapshot(ref), snapshot(m))
-    refs = [plain.primed(plain.LazyLinear(0, 2), x) for x in XS_h31]
-    ms = jax.vmap(lambda x: dec.primed(dec.LazyLinear(0, 2), x))(XS_h31)
+    refs = [plain.primed(plain.LazyLinear(0, 2), x) for x in X23_STACK]
+    ms = jax.vmap(lambda x: dec.primed(dec.LazyLinear(0, 2), x))(X23_STACK)
     same(jnp.stack([r.w for r in refs]), ms.w)
     same(jnp.stack([r.calls for r in refs]), ms.calls)
 
@@ -3167,7 +3180,7 @@ def test_outside_built_lazy_model_under_eval_shape_is_refused(write_module: Load
     assert model.w is None and int(model.calls) == 0
 
 
-ENSEMBLE_h31 = """
+CONSTRUCTED_ENSEMBLE = """
 @DECORATE
 class Member:
     def __init__(self, key):
@@ -3208,7 +3221,7 @@ def _members(mod: types.ModuleType, n: int = 3) -> list[Any]:
 
 
 def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loader) -> None:
-    plain, dec = pair(write_module, ENSEMBLE_h31)
+    plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     keys = dec.member_keys(0, 3)
     ms = jax.vmap(lambda k: dec.Member(k))(keys)
     refs = _members(plain)
@@ -3231,7 +3244,7 @@ def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loade
 
 def test_vmap_of_functionalize_over_keys(write_module: Loader) -> None:
     # docs/tutorials/ensemble.md
-    plain, dec = pair(write_module, ENSEMBLE_h31)
+    plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     f, states = jax.vmap(lambda k: dec.Member(k).functionalize())(dec.member_keys(0, 3))
     refs = _members(plain)
     step = jax.vmap(lambda f, s, x: f(s, x), in_axes=(0, 0, None))
@@ -3245,7 +3258,7 @@ def test_vmap_of_functionalize_over_keys(write_module: Loader) -> None:
 
 def test_stacked_states_of_members_with_one_f(write_module: Loader) -> None:
     # Same parameters, per-member states: jax.vmap(f, in_axes=(0, None)).
-    plain, dec = pair(write_module, ENSEMBLE_h31)
+    plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     key = jax.random.key(7)
     warm = [X23, -X23, 2 * X23]
     models = [dec.Member(key) for _ in warm]
@@ -3265,7 +3278,7 @@ def test_stacked_states_of_members_with_one_f(write_module: Loader) -> None:
 
 
 def test_stacked_f_and_states_with_per_member_gradients(write_module: Loader) -> None:
-    plain, dec = pair(write_module, ENSEMBLE_h31)
+    plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     pairs = [m.functionalize() for m in _members(dec)]
     F = stack(*[f for f, _ in pairs])
     S = stack(*[s for _, s in pairs])
@@ -3291,7 +3304,7 @@ def test_stacked_f_and_states_with_per_member_gradients(write_module: Loader) ->
 
 
 def test_ensemble_of_a_list_of_members_against_vmap_of_one_member(write_module: Loader) -> None:
-    plain, dec = pair(write_module, ENSEMBLE_h31)
+    plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     calls = [("__call__", (X23,)), ("vote", (-X23,)), ("__call__", (2 * X23,))]
     run_case(plain, dec, "Ensemble(0, 3)", calls)
     # The ensemble's states, regrouped per member, through vmap of one member's f.
@@ -3407,14 +3420,14 @@ def test_model_built_inside_a_jax_scan_body_and_vmap_of_a_plain_function(
         return jax.lax.scan(lambda c, x: (c + run(dec, x)[0].sum(), run(dec, x)[1:]), 0.0, xs)
 
     c, ys = 0.0, []
-    for x in XS_h31:
+    for x in X23_STACK:
         c = c + run(plain, x)[0].sum()
         ys.append(run(plain, x)[1:])
     expected = (c, (jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys])))
-    same(expected, scanned(XS_h31), "scan")
-    same(expected, staged(scanned)(XS_h31), "jit scan")
-    expected_v = [jnp.stack(v) for v in zip(*[run(plain, x) for x in XS_h31], strict=True)]
-    same(expected_v, list(jax.vmap(lambda x: run(dec, x))(XS_h31)), "vmap")
+    same(expected, scanned(X23_STACK), "scan")
+    same(expected, staged(scanned)(X23_STACK), "jit scan")
+    expected_v = [jnp.stack(v) for v in zip(*[run(plain, x) for x in X23_STACK], strict=True)]
+    same(expected_v, list(jax.vmap(lambda x: run(dec, x))(X23_STACK)), "vmap")
 
 
 def test_model_built_inside_jit_of_grad_of_a_plain_function(write_module: Loader) -> None:
@@ -3452,7 +3465,7 @@ def test_ensemble_init_under_jit_of_vmap(write_module: Loader) -> None:
 
 
 AROUND_CALLS: dict[str, Any] = {
-    "__call__": XS_h34, "fori": V3, "loop": V3, "branch": V3, "noisy": V3, "vm": XS_h34, "gr": V3,
+    "__call__": V3_STACK, "fori": V3, "loop": V3, "branch": V3, "noisy": V3, "vm": V3_STACK, "gr": V3,
     "jitted_read": V3,
 }
 
@@ -3481,7 +3494,7 @@ UNDER_CONTEXT = {
 
 @pytest.mark.parametrize("ctx", sorted(UNDER_CONTEXT))
 def test_representative_model_under_context(write_module: Loader, ctx: str) -> None:
-    plain, dec = pair(write_module, AROUND_h34)
+    plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     with _context(ctx):
         for method in UNDER_CONTEXT[ctx]:
             arg = AROUND_CALLS[method]
@@ -3492,10 +3505,10 @@ def test_representative_model_under_context(write_module: Loader, ctx: str) -> N
 def test_grad_and_vmap_of_f_under_disable_jit(write_module: Loader) -> None:
     """(Under ``checking_leaks``, ``grad`` inside a method, ``jvp`` / ``linearize`` /
     ``vjp`` and ``vmap`` of ``f`` are covered below.)"""
-    plain, dec = pair(write_module, AROUND_h34)
+    plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     with jax.disable_jit():
         check_transform(plain, dec, "Rnn()", [("gr", (X,))], V3, "grad")
-        check_transform(plain, dec, "Rnn()", [("__call__", (X,))], jnp.stack([XS_h34, XS_h34 * 2]), "vmap")
+        check_transform(plain, dec, "Rnn()", [("__call__", (X,))], jnp.stack([V3_STACK, V3_STACK * 2]), "vmap")
 
 
 def _pstates(model: Any) -> dict[str, Any]:
@@ -3503,9 +3516,9 @@ def _pstates(model: Any) -> dict[str, Any]:
 
 
 def _around_f_eval_shape(plain: types.ModuleType, f: Any, s: Any) -> None:
-    out, new = jax.eval_shape(f, s, XS_h34)
+    out, new = jax.eval_shape(f, s, V3_STACK)
     ref = jax.eval_shape(lambda xs: (lambda m: (m(xs), {k: getattr(m, k) for k in RNN_KEYS}))(
-        plain.Rnn()), XS_h34)
+        plain.Rnn()), V3_STACK)
     shape = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
     assert shape((out, new)) == shape(ref)
     for method, arg in AROUND_CALLS.items():
@@ -3529,11 +3542,11 @@ def _around_f_jvp_states(plain: types.ModuleType, f: Any, s: Any) -> None:
     def pl(h: Any, mean: Any) -> Any:
         m = plain.Rnn()
         m.h, m.mean = h, mean
-        return m.fori(V3), m(XS_h34), m.h, m.mean
+        return m.fori(V3), m(V3_STACK), m.h, m.mean
 
     def dl(h: Any, mean: Any) -> Any:
         out, s2 = f.fori(dict(s, h=h, mean=mean), V3)
-        y, s2 = f(s2, XS_h34)
+        y, s2 = f(s2, V3_STACK)
         return out, y, s2["h"], s2["mean"]
 
     args = (jnp.ones(3) * 0.1, jnp.ones(3) * 0.2)
@@ -3568,7 +3581,7 @@ def _around_f_donate(plain: types.ModuleType, f: Any, s: Any) -> None:
     s = jax.tree.map(jnp.copy, s)  # the first states share the model's arrays (documented)
     ref = plain.Rnn()
     outs, expected = [], []
-    for xs in (XS_h34, -XS_h34):
+    for xs in (V3_STACK, -V3_STACK):
         out, s = step(s, xs)
         outs.append(out)
         expected.append(ref(xs))
@@ -3578,14 +3591,14 @@ def _around_f_donate(plain: types.ModuleType, f: Any, s: Any) -> None:
 
 def _around_f_aot(plain: types.ModuleType, f: Any, s: Any) -> None:
     fori = jax.jit(f.fori).lower(s, V3).compile()
-    call = jax.jit(f).lower(s, XS_h34).compile()
-    scaled = jax.jit(f.scaled, static_argnames="k").lower(s, XS_h34, k=3).compile()
+    call = jax.jit(f).lower(s, V3_STACK).compile()
+    scaled = jax.jit(f.scaled, static_argnames="k").lower(s, V3_STACK, k=3).compile()
     ref = plain.Rnn()
     outs = []
-    for fn, a in ((fori, V3), (call, XS_h34), (scaled, XS_h34), (fori, -V3)):
+    for fn, a in ((fori, V3), (call, V3_STACK), (scaled, V3_STACK), (fori, -V3)):
         out, s = fn(s, a)  # (k=3 is baked into the compiled `scaled`)
         outs.append(out)
-    assert_same([ref.fori(V3), ref(XS_h34), ref.scaled(XS_h34, 3), ref.fori(-V3)], outs)
+    assert_same([ref.fori(V3), ref(V3_STACK), ref.scaled(V3_STACK, 3), ref.fori(-V3)], outs)
     assert_same(_pstates(ref), snapshot(s))
 
 
@@ -3594,14 +3607,14 @@ def _around_f_static_argnames(plain: types.ModuleType, f: Any, s: Any) -> None:
     ref = plain.Rnn()
     outs = []
     for k in (3, 1, 2):
-        out, s = step(s, XS_h34, k=k)
+        out, s = step(s, V3_STACK, k=k)
         outs.append(out)
-    assert_same([ref.scaled(XS_h34, k) for k in (3, 1, 2)], outs)
+    assert_same([ref.scaled(V3_STACK, k) for k in (3, 1, 2)], outs)
     assert_same(_pstates(ref), snapshot(s))
 
 
 def _around_f_vmap_shared_states(plain: types.ModuleType, f: Any, s: Any) -> None:
-    xss = jnp.stack([XS_h34, XS_h34 * 2])
+    xss = jnp.stack([V3_STACK, V3_STACK * 2])
     out, new = staged(jax.vmap(f, in_axes=(None, 0)))(s, xss)
     if True:
         for i in range(2):
@@ -3611,7 +3624,7 @@ def _around_f_vmap_shared_states(plain: types.ModuleType, f: Any, s: Any) -> Non
 
 
 def _around_f_lax_map(plain: types.ModuleType, f: Any, s: Any) -> None:
-    xss = jnp.stack([XS_h34, XS_h34 * 2, -XS_h34])
+    xss = jnp.stack([V3_STACK, V3_STACK * 2, -V3_STACK])
     for kw in ({"batch_size": 2},):
         out, new = jax.lax.map(lambda x: f(s, x), xss, **kw)
         for i in range(3):
@@ -3637,7 +3650,7 @@ AROUND_F = {
 
 @pytest.mark.parametrize("how", sorted(AROUND_F))
 def test_transformations_of_f(write_module: Loader, how: str) -> None:
-    plain, dec = pair(write_module, AROUND_h34)
+    plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     model = dec.Rnn()
     f, states = model.functionalize()
     run, leaks = AROUND_F[how]
@@ -3647,12 +3660,12 @@ def test_transformations_of_f(write_module: Loader, how: str) -> None:
 
 
 def test_disable_jit_around_f_jit_of_f_and_grad(write_module: Loader) -> None:
-    plain, dec = pair(write_module, AROUND_h34)
+    plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     f, s = dec.Rnn().functionalize()
     ref = plain.Rnn()
     with jax.disable_jit():
         outs = []
-        for call, method, a in ((f, "__call__", XS_h34), (staged(f.fori), "fori", V3),
+        for call, method, a in ((f, "__call__", V3_STACK), (staged(f.fori), "fori", V3),
                                 (staged(f.loop), "loop", V3), (f.branch, "branch", -V3),
                                 (staged(f.noisy), "noisy", V3)):
             out, s = call(s, a)
