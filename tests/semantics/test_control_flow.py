@@ -69,18 +69,15 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.harness import X as X_h8
 from semantics.harness import X as X_h9
 from semantics.harness import X as X_h26
 from semantics.harness import X as X_h28
 from semantics.harness import X as X_h29
-from semantics.harness import X as X_h30
 from semantics.programs import (
     A1,
     A2,
     ACCUM,
     AROUND,
-    BEAM,
     BODIES,
     BUILT,
     CMS,
@@ -94,14 +91,11 @@ from semantics.programs import (
     HELPER_MOD,
     HELPER_MODEL,
     HELPERS,
-    INPLACE,
-    INSIDE,
     KV,
     LATE_METHODS,
     LAYERS,
     NESTED,
     OUTSIDE_WRAPPED,
-    PROMPT,
     REBUILD,
     RNG,
     RNN,
@@ -112,9 +106,7 @@ from semantics.programs import (
     VMAPCK,
     X23,
     XK,
-    XO2,
     XR,
-    YO2,
     YS,
 )
 from semantics.programs import X1 as X1_h9
@@ -141,12 +133,8 @@ from semantics.programs import XS_h31 as XS_h31
 from semantics.programs import XS_h33 as XS_h33
 from semantics.programs import XS_h34 as XS_h34
 from semantics.references import (
-    gpt,
     jitted,
     params_of,
-    ref_gpt,
-    ref_greedy,
-    ref_next,
 )
 from semantics.twins import (
     DECORATED,
@@ -989,18 +977,15 @@ class BNBlock:
 class Deep:
     """Per-block gradient checkpointing over blocks with BatchNorm statistics."""
 
-    def __init__(self, remat=True):
+    def __init__(self):
         self.blocks = [BNBlock(10 + i) for i in range(3)]
-        self.remat = remat
 
     def __call__(self, x):
         # three rows that are not multiples of each other: the statistics of
         # proportional rows make the normalized values (and the gradient) vanish
         x = jnp.stack([x, jnp.sin(3.0 * x), x * x])
         for i, block in enumerate(self.blocks):
-            if not self.remat:
-                x = block(x)
-            elif i == 0:
+            if i == 0:
                 x = jax.checkpoint(block)(x)
             elif i == 1:
                 x = jax.remat(block, policy=jax.checkpoint_policies.nothing_saveable)(x)
@@ -1063,33 +1048,23 @@ def _close(actual, expected):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_eager(case):
+def test_eager_f_and_jit(case):
     make, reference, shape = CASES[case]
     model = make()
-    _, states = make().functionalize()
+    f, expected_states = make().functionalize()
+    jit = staged(lambda f, s, x: f(s, x))
+    calls = {"f": lambda s, x: f(s, x), "jit": lambda s, x: jit(f, s, x)}
+    states = dict.fromkeys(calls, expected_states)
     for seed in (0, 1):
         x = _input(shape, seed)
-        out = model(x)
-        expected, states = reference(model, states, x)
-        _close(out, expected)
-        _close(model.functionalize()[1], states)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("jit", [False, True], ids=["f", "jit"])
-def test_functionalized(case, jit):
-    make, reference, shape = CASES[case]
-    model = make()
-    f, states = model.functionalize()
-    expected_states = states
-    call = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
-    for seed in (0, 1):
-        x = _input(shape, seed)
-        out, states = call(f, states, x)
-        assert not contains_tracer(states)
         expected, expected_states = reference(model, expected_states, x)
-        _close(out, expected)
-        _close(states, expected_states)
+        _close(model(x), expected)
+        _close(model.functionalize()[1], expected_states)
+        for mode, call in calls.items():
+            out, states[mode] = call(states[mode], x)
+            assert not contains_tracer(states[mode])
+            _close(out, expected)
+            _close(states[mode], expected_states)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -1120,36 +1095,12 @@ def test_vmap(case):
     f, states = model.functionalize()
     batch = 4
     batched = jax.tree_util.tree_map(lambda v: jnp.stack([v] * batch), states)
+    # Mixed signs: a batched cond/switch predicate, each example keeps its branch's states.
     x = _input(shape, batch=batch)
     out, new = staged(jax.vmap(lambda s, x: f(s, x)))(batched, x)
     expected, expected_new = jax.vmap(lambda s, x: reference(model, s, x))(batched, x)
     _close(out, expected)
     _close(new, expected_new)
-
-
-def test_vmap_of_cond_with_batched_predicate_updates_only_the_branch_taken():
-    f, states = CondModel().functionalize()
-    x = jnp.stack([jnp.ones(3), -jnp.ones(3), jnp.ones(3)])
-    batched = jax.tree_util.tree_map(lambda v: jnp.stack([v] * 3), states)
-    _, new = jax.vmap(lambda s, x: f(s, x))(batched, x)
-    np.testing.assert_array_equal(new["skipped"], [1.0, 0.0, 1.0])
-    np.testing.assert_array_equal(new["block.calls"], [0, 1, 0])
-    assert float(jnp.abs(new["block.mean"][0]).sum()) == 0.0
-    assert float(jnp.abs(new["block.mean"][1]).sum()) > 0.0
-
-
-def test_checkpoint_equals_the_same_model_without_remat():
-    x = _input((3,))
-    results = []
-    for remat in (True, False):
-        f, states = Deep(remat=remat).functionalize()
-
-        def loss(f, x, states=states):
-            return f(states, x)
-
-        (value, new), grads = jax.value_and_grad(loss, has_aux=True)(f, x)
-        results.append((value, new, jax.tree_util.tree_leaves(grads)))
-    _close(results[0], results[1])
 
 
 def test_every_import_form_is_routed():
@@ -1567,48 +1518,6 @@ class Loops:
     def __init__(self):
         self.acc = jnp.zeros(())
         self.n = jnp.zeros((), jnp.int32)
-        self.buf = jnp.zeros(4)
-
-    def _update(self, x):
-        self.acc = self.acc + x
-        self.n += 1
-
-    def scan_helper(self, xs):
-        def body(c, x):
-            self._update(x)
-            return c + self.acc, self.n
-        return lax.scan(body, jnp.zeros(()), xs)
-
-    def step(self, c, x):
-        self.acc = self.acc * 0.5 + x
-        self.buf = self.buf.at[self.n % 4].set(x)
-        self.n = self.n + 1
-        return c + self.acc, self.acc
-
-    def scan_bound(self, xs):
-        return lax.scan(self.step, jnp.zeros(()), xs)
-
-    def fori_closure(self, k):
-        def body(i, c):
-            self.acc = self.acc + i * k
-            self.buf = self.buf.at[i % 4].add(k)
-            return c * 2.0
-        return lax.fori_loop(0, 5, body, jnp.ones(()))
-
-    def _pos(self, x):
-        self.acc = self.acc + x
-        return x
-
-    def _neg(self, x):
-        self.n = self.n - 1
-        return -x
-
-    def cond_bound(self, p, x):
-        return lax.cond(p, self._pos, self._neg, x)
-
-    def switch_lambdas(self, i, x):
-        return lax.switch(i, [lambda v: self._pos(v), lambda v: self._neg(v),
-                                  lambda v: v * self.acc], x)
 
     def while_counter(self, limit):
         def cond(c):
@@ -1628,64 +1537,23 @@ class Loops:
             self.n += 1
             return c + self.acc, None
         return lax.scan(outer, jnp.zeros(()), xs)[0]
-
-    def map_reads(self, xs):
-        return lax.map(lambda x: x * self.acc + self.n, xs)
-
-    @AUTOCHECKPOINT
-    def remat_method(self, x):
-        self.acc = self.acc + jnp.sin(x)
-        return self.acc * x
-
-    def remat_inner(self, x):
-        @checkpoint
-        def inner(y):
-            self.acc = self.acc + jnp.cos(y)
-            return self.acc * y
-        return inner(x) + inner(2 * x)
 """
 
 
+# A bound method or a closure calling a method as the body of scan, cond and
+# switch, fori with fixed bounds, map reading state and autostate.checkpoint on a
+# method are covered the same way by CASES, GRUCell, ROUTED and REMAT.
 @pytest.mark.parametrize(
     "calls",
     [
-        [("scan_helper", (XS_h,))],
-        [("scan_bound", (XS_h,)), ("scan_bound", (XS_h * 2,))],
-        [("fori_closure", (jnp.float32(1.5),))],
-        [("cond_bound", (jnp.bool_(True), 2.0)), ("cond_bound", (jnp.bool_(False), 2.0))],
-        [("switch_lambdas", (0, 2.0)), ("switch_lambdas", (1, 3.0)), ("switch_lambdas", (2, 4.0))],
         [("while_counter", (jnp.int32(4),))],
         [("nested_scan", (XS_h.reshape(2, 2),))],
-        [("cond_bound", (jnp.bool_(True), 2.0)), ("map_reads", (XS_h,))],
-        [("remat_method", (1.0,)), ("remat_method", (2.0,))],
-        [("remat_inner", (1.0,))],
     ],
-    ids=["scan_helper", "scan_bound", "fori", "cond", "switch", "while", "nested", "map", "remat", "remat_inner"],
+    ids=["while", "nested"],
 )
 def test_lax_control_flow_writes_state(write_module: Loader, calls: list[Call]) -> None:
     plain, dec = pair(write_module, CONTROL)
     check(plain, dec, "Loops()", calls, modes=("eager", "f", "jit"))
-
-
-def test_grad_through_scan_and_remat(write_module: Loader) -> None:
-    plain, dec = pair(write_module, CONTROL)
-    # plain python inside a trace: a fresh model, so jax's own scan threads nothing but
-    # the body runs once per trace; compare against the plain loop by hand instead.
-    f, states = dec.Loops().functionalize()
-
-    def loss(x: jax.Array) -> jax.Array:
-        out, s = f.remat_method(states, x)
-        out2, s = f.remat_method(s, x)
-        return out + out2 + s["acc"]
-
-    def ref(x: jax.Array) -> jax.Array:
-        m = plain.Loops()
-        a = m.remat_method(x)
-        b = m.remat_method(x)
-        return a + b + m.acc
-
-    assert_same(jax.grad(ref)(1.3), jax.grad(loss)(1.3), "grad remat")
-    assert_same(jax.grad(ref)(1.3), staged(jax.grad(loss))(1.3), "jit grad remat")
 
 
 JAX_CHECKPOINT_ON_METHOD = """
@@ -1859,19 +1727,18 @@ def test_scan_inside_a_method(write_module: Loader) -> None:
     check(plain, dec, "Scanned()", [("__call__", (xs,)), ("__call__", (xs * 2,))])
 
 
-@pytest.mark.parametrize("method", ["bound", "by_lambda", "checkpointed"])
+# (a lambda calling the cell, unwrapped: the checkpointed case's body without checkpoint)
+@pytest.mark.parametrize("method", ["bound", "checkpointed"])
 def test_rnn_cell_in_scan(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MODELS, fresh=True)
     xs = jnp.arange(6.0).reshape(3, 2) / 6
     check(plain, dec, "RNN(2)", [(method, (xs,)), (method, (xs,))])
 
 
-def test_rnn_checkpoint_around_a_method_call_grad_and_vmap(write_module: Loader) -> None:
+def test_rnn_checkpoint_around_a_sub_model_call(write_module: Loader) -> None:
+    # (checkpoint of a sub-model under grad: REMAT's submodel; under vmap: test_vmap)
     plain, dec = pair(write_module, MODELS, fresh=True)
     check(plain, dec, "RNN(2)", [("remat_call", (jnp.ones(2),))] * 2)
-    for transform, x in (("grad", jnp.ones(2)), ("vmap", jnp.ones((3, 2)))):
-        calls = [("remat_call", (X_h8,)), ("bound", (jnp.ones((2, 2)),))]
-        check_transform(plain, dec, "RNN(2)", calls, x, transform)
 
 
 def real_lax_pair(write_module: Loader, source: str) -> tuple[types.ModuleType, types.ModuleType]:
@@ -1908,11 +1775,6 @@ class Net:
         self.calls = jnp.zeros((), jnp.int32)
         self.mean = jnp.zeros(3)
 
-    def __call__(self, x):
-        self.calls += 1
-        self.mean = 0.9 * self.mean + 0.1 * x
-        return jnp.sum(jnp.sin(x * self.w) * self.mean) + x @ x
-
     def fori(self, x, n):
         def body(i, h):
             self.calls += 1
@@ -1928,35 +1790,6 @@ class Net:
             self.calls += 1
             return (c[0] + 1, c[1] * 2)
         return lax.while_loop(cond, body, (0, x))[1]
-
-    def while_cond_reads_state(self, x):
-        def cond(v):
-            return self.calls < 3
-        def body(v):
-            self.calls += 1
-            self.mean = self.mean + v
-            return v * 2
-        return lax.while_loop(cond, body, x)
-
-    def switch(self, i, x):
-        def b0(v):
-            self.mean = self.mean + v
-            return v
-        def b1(v):
-            self.calls += 2
-            return v * 2
-        def b2(v):
-            self.mean = self.mean * v
-            self.calls += 1
-            return -v
-        return lax.switch(i, [b0, b1, b2], x)
-
-    def map_(self, xs):
-        def one(x):
-            self.calls += 1
-            self.mean = self.mean + x
-            return x * self.w
-        return lax.map(one, xs)
 
     def nested_jit_read(self, x):
         self.calls += 1
@@ -1974,19 +1807,6 @@ class Net:
             self.calls += 1
             return jnp.sin(v * self.w) * self.mean
         return checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)(x).sum()
-
-    def ckpt_policy_dots(self, x):
-        @functools.partial(checkpoint, policy=jax.checkpoint_policies.dots_saveable)
-        def block(v):
-            self.mean = self.mean + v
-            return jnp.sin(v * self.w) @ self.mean
-        return block(x)
-
-    def ckpt_static(self, x):
-        def block(v, k):
-            self.mean = self.mean + v * k
-            return v * self.mean * (2 if k > 1 else 3)
-        return checkpoint(block, static_argnums=(1,))(x, 2).sum()
 
     def assoc(self, xs):
         self.mean = self.mean + xs.sum(0)
@@ -2028,22 +1848,6 @@ class Net:
             return v
         return FORI(0, 4, body, x, unroll=2)
 
-    def scan_partial_method(self, xs):
-        return lax.scan(functools.partial(self.bump, 2.0), 0.0, xs)[1]
-
-    def bump(self, k, c, x):
-        self.mean = self.mean + k * x
-        return c, self.mean
-
-    def cond_different_states(self, x):
-        def yes(v):
-            self.mean = self.mean + v
-            return v
-        def no(v):
-            self.calls += 1
-            return v
-        return lax.cond(x.sum() > 0, yes, no, x)
-
     def cond_python_float(self, x):
         def yes(v):
             self.mean = 0.0 * self.mean + 1.0
@@ -2055,27 +1859,21 @@ class Net:
 """
 
 
+# One case per primitive and way of writing it; what another family covers the
+# same way is there: closures in switch/map/cond writing different states and
+# cond_fun reading state (CASES, against hand-threaded JAX), the switch index
+# out of range, named_scope, a partial over a bound method and checkpoint's
+# decorator / static_argnums spellings (ROUTED, DYNAMIC).
 LAX_CALLS = [
-    ("call", [("__call__", (V3,))] * 2),
     ("fori", [("fori", (V3, 3))] * 2),
     ("while", [("while_", (V3,))] * 2),
-    ("while-cond-reads-state", [("while_cond_reads_state", (V3,))] * 2),
-    ("switch", [("switch", (0, V3)), ("switch", (jnp.int32(2), V3)), ("switch", (jnp.int32(1), V3)),
-                ("switch", (jnp.int32(7), V3)), ("switch", (jnp.int32(-4), V3))]),
-    ("map", [("map_", (STACK,))] * 2),
     ("nested-jit-read", [("nested_jit_read", (V3,))] * 2),
-    ("named-scope", [("named", (V3,))] * 2),
     ("checkpoint-policy", [("ckpt_policy", (V3,))] * 2),
-    ("checkpoint-policy-decorator", [("ckpt_policy_dots", (V3,))] * 2),
-    ("checkpoint-static-argnums", [("ckpt_static", (V3,))] * 2),
     ("associative-scan", [("assoc", (STACK,))] * 2),
     ("scan-in-cond", [("scan_in_cond", (X1_h9, True)), ("scan_in_cond", (X1_h9, False))]),
     ("while-in-scan", [("while_in_scan", (XS_h9,))] * 2),
     ("scan-keywords", [("scan_keywords", (STACK,))] * 2),
     ("fori-unroll", [("fori_keywords", (V3,))] * 2),
-    ("scan-partial-method", [("scan_partial_method", (STACK,))] * 2),
-    ("cond-different-states", [("cond_different_states", (V3,)),
-                               ("cond_different_states", (-V3 * 3,))]),
     ("cond-python-float", [("cond_python_float", (V3,)), ("cond_python_float", (-V3 * 3,))]),
 ]
 
@@ -2086,14 +1884,10 @@ def test_lax_control_flow_in_methods(write_module: Loader, calls: list[Any]) -> 
     check(plain, dec, "Net()", calls)
 
 
+# grad and vmap of fori, switch, map and the other primitives: test_grad / test_vmap.
 LAX_TRANSFORMED = [
-    ("fori", ("fori", (X_h9, 3)), V3),
-    ("switch", ("switch", (jnp.int32(2), X_h9)), V3),
-    ("map", ("map_", (X_h9,)), STACK),
     ("checkpoint-policy", ("ckpt_policy", (X_h9,)), V3),
-    ("checkpoint-policy-decorator", ("ckpt_policy_dots", (X_h9,)), V3),
     ("named-scope", ("named", (X_h9,)), V3),
-    ("call", ("__call__", (X_h9,)), V3),
 ]
 
 
@@ -2107,22 +1901,6 @@ def test_lax_control_flow_under_grad_and_vmap(
     plain, dec = pair(write_module, LAXES)
     xv = x if transform == "grad" else jnp.stack([x, x + 1])
     check_transform(plain, dec, "Net()", [call, call], xv, transform)
-
-
-def test_cond_writing_different_states_grad_and_batched_predicate(write_module: Loader) -> None:
-    plain, dec = pair(write_module, LAXES)
-    call = ("cond_different_states", (X_h9,))
-    check_transform(plain, dec, "Net()", [call, call], V3, "grad")
-    # a batched predicate: each example keeps the states of the branch it took
-    xs = jnp.stack([V3, -V3 * 3, V3 * 2])
-    f, states = dec.Net().functionalize()
-    twice = jax.vmap(lambda x: [f.cond_different_states(s, x) for s in [states]][0])
-    outs, new = staged(twice)(xs)
-    for i, x in enumerate(xs):
-        ref = plain.Net()
-        assert_same(ref.cond_different_states(x), outs[i], f"output {i}")
-        assert_same({"mean": ref.mean, "calls": ref.calls},
-                    {"mean": new["mean"][i], "calls": new["calls"][i]}, f"states {i}")
 
 
 KEYWORD_LAX = """
@@ -2410,64 +2188,6 @@ def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Load
             call(states, XS_h14)
 
 
-def ref_greedy_fori(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int) -> Any:
-    tok, s = ref_next(p, s, prompt)
-    out = jnp.zeros(steps, jnp.int32).at[0].set(tok)
-
-    def body(i: Any, carry: Any) -> Any:
-        tok, out, s = carry
-        tok, s = ref_next(p, s, tok[None])
-        return tok, out.at[i].set(tok), s
-
-    _, out, s = jax.lax.fori_loop(1, steps, body, (tok, out, s))
-    return out, s
-
-
-def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, temp: float) -> Any:
-    logits, s = ref_gpt(p, s, prompt)
-    logits = logits[-1]
-    out = jnp.zeros(steps, jnp.int32)
-
-    def body(i: Any, carry: Any) -> Any:
-        logits, out, s = carry
-        s = dict(s)
-        s["rng"], sub = jax.random.split(s["rng"])
-        tok = jax.random.categorical(sub, logits / temp).astype(jnp.int32)
-        logits, s = ref_gpt(p, s, tok[None])
-        return logits[-1], out.at[i].set(tok), s
-
-    _, out, s = jax.lax.fori_loop(0, steps, body, (logits, out, s))
-    return out, s
-
-
-@pytest.mark.parametrize("method", ["greedy_fori", "greedy_scan"])
-def test_gpt_greedy_loop_inside_a_method(write_module: Loader, method: str) -> None:
-    ref, model, f, states, p = gpt(write_module)
-    want, want_s = ref_greedy_fori(p, states, PROMPT, 4)
-    assert_bits(want, ref_greedy(p, states, PROMPT, 4)[0], "hand-threaded fori vs loop")
-    assert_same(want, getattr(ref, method)(PROMPT, 4), "plain")
-    out, s1 = getattr(f, method)(states, PROMPT, 4)
-    assert_bits(want, out, "f eager")
-    assert_same(snapshot(want_s), snapshot(s1), "f states")
-    out, s2 = jitted(method, 4)(f, states, PROMPT)
-    assert_bits(want, out, "jit")
-    assert_same(snapshot(want_s), snapshot(s2), "jit states")
-    assert_same(want, getattr(model, method)(PROMPT, 4), "decorated eager")
-    assert_same(snapshot(ref), snapshot(model), "eager attributes")
-
-
-def test_gpt_sampling_with_a_key_state_in_fori_loop(write_module: Loader) -> None:
-    ref, model, f, states, p = gpt(write_module, seed=1)
-    want, want_s = ref_sample(p, states, PROMPT, 3, 0.7)
-    out, s = jitted("sample_fori", 3, 0.7)(f, states, PROMPT)
-    assert_bits(want, out, "sampled tokens")
-    assert_bits(want_s["rng"], s["rng"], "key after sampling")
-    assert_same(snapshot(want_s), snapshot(s), "states")
-    assert_bits(out, model.sample_fori(PROMPT, 3, 0.7), "decorated eager")
-    assert_bits(out, ref.sample_fori(PROMPT, 3, 0.7), "plain")
-    assert_bits(want_s["rng"], model.rng, "eager key")
-
-
 REMAT = """
 @DECORATE
 class Stats:
@@ -2504,14 +2224,6 @@ class RematBlock:
             return y + 0.1 * jax.random.normal(self._next(), x.shape)
         if self.how == "closure":
             return checkpoint(lambda x: self._noisy(x))(x)
-        if self.how == "policy":
-            f = checkpoint(self._noisy, policy=jax.checkpoint_policies.nothing_saveable)
-            return f(x)
-        if self.how == "partial_decorator":
-            @functools.partial(checkpoint, policy=jax.checkpoint_policies.dots_saveable)
-            def g(x):
-                return self._noisy(x)
-            return g(x)
         if self.how == "method":
             return self.decorated(x)
         if self.how == "in_scan":
@@ -2526,7 +2238,9 @@ class RematBlock:
 """
 
 
-REMAT_HOWS = ["submodel", "closure", "policy", "partial_decorator", "method", "in_scan"]
+# A bound method under checkpoint with a policy, and checkpoint as a decorator of a
+# closure: ROUTED's remat-policy-prevent_cse and partial-checkpoint-decorator.
+REMAT_HOWS = ["submodel", "closure", "method", "in_scan"]
 
 
 def ref_remat(p: dict[str, Any], s: dict[str, Any], x: Any, how: str) -> Any:
@@ -2623,24 +2337,6 @@ def test_scan_over_layers_of_a_stacked_sub_model_deep(write_module: Loader) -> N
     assert_same(want, f.deep(s, x)[0])
 
 
-def test_while_cond_method_reading_state_under_vmap(write_module: Loader) -> None:
-    """A batched ``while_loop`` predicate from a bound method that reads a state
-    written before the loop: the reference is undecorated JAX (its body writes nothing)."""
-    src = INSIDE.replace("@DECORATE", "")
-    plain = write_module(HEADER + "from jax import lax\ncheckpoint = jax.checkpoint\n" + src)
-    _, dec = pair(write_module, INSIDE)
-    f, states = dec.Net().functionalize()
-    xs = jnp.stack([V3 * 4, V3 * 8, -V3])
-
-    def ref(x: Any) -> Any:
-        m = plain.Net()
-        return m.while_cond_method(x), m.mean
-
-    for run in (jax.vmap, lambda fn: staged(jax.vmap(fn))):
-        out, new = run(lambda x: f.while_cond_method(states, x))(xs)
-        assert_same(jax.vmap(ref)(xs), (out, new["mean"]), "vmap")
-
-
 def _decorated_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     plain = write_module(HEADER + "AUTOCKPT = lambda fn, **kw: fn\n"
                          + DECORATED_METHODS.replace("@DECORATE", ""))
@@ -2726,10 +2422,6 @@ def _hand_fit(seed: int, opt: Any) -> tuple[Any, Any]:
 def test_param_trainer_scan_over_batches(write_module: Loader) -> None:
     plain, dec = pair(write_module, TRAINER_h24)
     check(plain, dec, "ParamTrainer(0)", [("fit", (XS_h24, YS)), ("train_step", ((XS_h24[0], YS[0]),))])
-    outs, states, _ = run_f(dec, "ParamTrainer(0)", [("fit", (XS_h24, YS))], jit=True)
-    p, losses = _hand_fit(0, optax.sgd(0.1))
-    assert_same(np.asarray(losses), np.asarray(outs[0]))
-    assert_same([np.asarray(v) for v in p], [np.asarray(v) for v in states["params"]])
 
 
 def test_trainer_scan_over_batches_matches_hand_threaded(write_module: Loader) -> None:
@@ -2769,43 +2461,31 @@ def test_checkpoint_grad_matches_without_remat(write_module: Loader) -> None:
     assert int(s2["blocks[0].calls"]) == 1
 
 
-@pytest.mark.parametrize("method", ["run_bound", "run_step_direct"])
-def test_gru_hidden_state_across_calls_scan_bound(write_module: Loader, method: str) -> None:
+# One GRU cell scanned over a sequence, its hidden state kept across calls and
+# reset: the body a bound method, a bound method whose carry is the state, the
+# bound method under checkpoint, a closure calling the cell's step.
+@pytest.mark.parametrize("method", ["run_bound", "run_carry", "run_remat", "run_closure"])
+def test_gru_in_scan(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, RNN)
-    calls = [(method, (XS_h26[:3],)), ("step", (XS_h26[3],)), (method, (XS_h26[3:],)), ("reset", ()),
-             (method, (XS_h26[:2],))]
+    more = (0.5,) if method == "run_closure" else ()
+    calls = [(method, (XS_h26[:3], *more)), ("step", (XS_h26[3],)), (method, (XS_h26[3:], *more)),
+             ("reset", ()), (method, (XS_h26[:2], *more))]
     check(plain, dec, "GRUCell(0, 2, 3)", calls)
 
 
-@pytest.mark.parametrize("method", ["run_carry", "run_remat"])
-def test_gru_scan_carry_bound_method_and_checkpoint(write_module: Loader, method: str) -> None:
+def test_gru_scan_under_grad(write_module: Loader) -> None:
+    # A checkpointed bound method as the body: what remat changes is the backward pass.
+    # (A bound-method or closure body under grad and vmap: test_grad / test_vmap.)
     plain, dec = pair(write_module, RNN)
-    check(plain, dec, "GRUCell(3, 2, 3)", [(method, (XS_h26[:4],)), ("step", (XS_h26[4],)),
-                                            (method, (XS_h26,))])
-    if method == "run_remat":
-        check_transform(plain, dec, "GRUCell(3, 2, 3)", [(method, (X_h26,))], XS_h26, "grad")
+    calls = [("run_closure", (X_h26, 0.5)), ("run_remat", (X_h26,))]
+    check_transform(plain, dec, "GRUCell(0, 2, 3)", calls, XS_h26, "grad")
 
 
-def test_gru_scan_closure(write_module: Loader) -> None:
-    plain, dec = pair(write_module, RNN)
-    calls = [("run_closure", (XS_h26, 0.5)), ("run_closure", (XS_h26[:2], 2.0)), ("reset", ()),
-             ("run_closure", (XS_h26[1:], 1.0))]
-    check(plain, dec, "GRUCell(1, 2, 3)", calls)
-
-
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_gru_scan_transforms(write_module: Loader, transform: str) -> None:
-    plain, dec = pair(write_module, RNN)
-    calls = [("run_bound", (X_h26,)), ("run_closure", (X_h26, 0.5))]
-    x = XS_h26 if transform == "grad" else jnp.stack([XS_h26, XS_h26 * -1, XS_h26 + 1])
-    check_transform(plain, dec, "GRUCell(0, 2, 3)", calls, x, transform)
-
-
-@pytest.mark.parametrize("use_dus", [False, True])
-def test_kv_cache_decode_fori_loop(write_module: Loader, use_dus: bool) -> None:
+def test_kv_cache_decode_fori_loop(write_module: Loader) -> None:
+    # (a cache written by dynamic_update_slice in a fori body: the GPT's attention)
     plain, dec = pair(write_module, KV)
     calls = [("step", (XK[0],)), ("decode", (XK[1], 2)), ("decode_bound", (XK[2], 2))]
-    check(plain, dec, f"Decoder(0, 3, 6, use_dus={use_dus})", calls)
+    check(plain, dec, "Decoder(0, 3, 6)", calls)
 
 
 def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader) -> None:
@@ -2822,12 +2502,6 @@ def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader)
         assert_same(out, outs[i], f"out {i}")
         assert_same(np.asarray(key), np.asarray(new["key"][i]), f"key {i}")
         assert int(calls) == int(new["calls"][i])
-
-
-@pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_in_place_list_update_of_sub_model_in_scan(write_module: Loader, mode: str) -> None:
-    plain, dec = pair(write_module, INPLACE)
-    check(plain, dec, "Fit(0, 2)", [("scan", (XO2, YO2))], modes=(mode,))
 
 
 @pytest.mark.parametrize(
@@ -2853,16 +2527,10 @@ def test_helper_module_in_checkpoint_in_method(write_module: Loader) -> None:
     run_case(plain, dec, "M()", [("ckpt", (A1,)), ("ckpt", (A2,))], extra=("ckpt", (A1,)))
 
 
-def test_helper_module_in_checkpoint_under_grad(write_module: Loader) -> None:
-    plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
-    check_transform(plain, dec, "M()", [("ckpt", (X_h28,)), ("ckpt", (X_h28,))], A2, "grad")
-
-
-def test_helper_module_in_scan_body_under_grad_and_vmap(write_module: Loader) -> None:
+def test_helper_module_in_scan_body(write_module: Loader) -> None:
+    # (routed where the method is decorated: under grad and vmap as any routed lax call)
     plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(plain, dec, "M()", [("scanned", (XS_h28,)), ("named", (XS_h28,))], extra=("named", (XS_h28,)))
-    check_transform(plain, dec, "M()", [("scanned", (X_h28,))], XS_h28, "grad")
-    check_transform(plain, dec, "M()", [("named", (X_h28,))], jnp.stack([XS_h28, XS_h28 * 2]), "vmap")
 
 
 def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader) -> None:
@@ -2918,16 +2586,11 @@ class M:
 """
 
 
-def test_copy_made_in_method_written_in_scan_eagerly(write_module: Loader) -> None:
-    plain, dec = pair(write_module, MIN_COPY_SCAN)
-    run_case(plain, dec, "M()", [("run", (XS_h28,))], modes=("eager",))
-
-
-def test_copy_made_in_method_written_in_scan_through_f(write_module: Loader) -> None:
+def test_copy_made_in_method_written_in_scan(write_module: Loader) -> None:
     # plain: (4.0, 3.0, 0.0) for xs = [0.5, -1, 2, 1.5]; f and jit(f) raised
     # UnexpectedTracerError before the copy's states were threaded.
     plain, dec = pair(write_module, MIN_COPY_SCAN)
-    run_case(plain, dec, "M()", [("run", (XS_h28,))], modes=("f", "jit"))
+    run_case(plain, dec, "M()", [("run", (XS_h28,))], modes=("eager", "f", "jit"))
 
 
 @pytest.mark.parametrize(
@@ -3067,14 +2730,6 @@ def check_vmap_loop(
     same(expected, staged(jax.vmap(dec_fn))(xs), "jit vmap")
 
 
-def test_vmap_of_f_with_inherited_wrapped_methods_in_cond_and_switch(write_module: Loader) -> None:
-    plain, dec = pair(write_module, OUTSIDE_WRAPPED)
-    # __call__ takes both cond branches depending on the example (ys[0] > 0, -ys[-1] > 0)
-    xs = jnp.array([[1.0, -2.0, 0.5], [-0.25, 0.5, -3.0], [-1.0, -1.0, -1.0]])
-    check_vmap_loop(plain, dec, "GrandChild()", [("__call__", (X_h28,)), ("__call__", (X_h28,))], xs)
-    check_vmap_loop(plain, dec, "Child()", [("branch", (X_h28,)), ("branch", (X_h28,))], xs[:, 0])
-
-
 WHILE_MODEL = """
 def _keep_going(self, c):
     return (self.steps < self.limit) & (c < 50.0)
@@ -3180,10 +2835,10 @@ def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader) -> None:
     assert sorted(model.functionalize()[1]) == ["counters[0].n", "counters[1].n", "total"]
 
 
-def test_nested_lax_checkpoint_aliased_sub_models_grad_vmap(write_module: Loader) -> None:
+def test_nested_lax_checkpoint_aliased_sub_models_under_grad(write_module: Loader) -> None:
+    # (a switch whose index is batched, under vmap: test_vmap)
     plain, dec = pair(write_module, NESTED_h28)
     check_transform(plain, dec, "M()", [("__call__", (X_h28,))], XS_h28, "grad")
-    check_vmap_loop(plain, dec, "M()", [("__call__", (X_h28,))], jnp.stack([XS_h28, XS_h28[::-1] * 2.0]))
 
 
 def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module: Loader) -> None:
@@ -3365,10 +3020,13 @@ ROUTED_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
         ("cond_operand_kw", (True, A1_h29)),
         ("cond_operand_kw", (jnp.asarray(False), A1_h29)),
     ],
-    "switch-python-above": [("switch", (7, A1_h29))],
-    "switch-python-below": [("switch", (-1, A1_h29))],
-    "switch-traced-above": [("switch", (jnp.asarray(5), A1_h29))],
-    "switch-traced-below": [("switch", (jnp.asarray(-4), A1_h29)), ("switch", (jnp.asarray(2), A1_h29))],
+    "switch-index-out-of-range": [  # Python and traced indices above and below: clamped
+        ("switch", (7, A1_h29)),
+        ("switch", (-1, A1_h29)),
+        ("switch", (jnp.asarray(5), A1_h29)),
+        ("switch", (jnp.asarray(-4), A1_h29)),
+        ("switch", (jnp.asarray(2), A1_h29)),
+    ],
     "map-batch_size-read": [("map_batched_read", (XS_h29,))],
     "named_scope-named_call": [("named", (A1_h29,)), ("named", (-A1_h29,))],
     "disable_jit-scan": [("scan_under_disable_jit", (XS_h29,))],
@@ -3379,14 +3037,6 @@ ROUTED_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
 def test_routed_spellings(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, ROUTED, plain_subs=ROUTED_PLAIN, checkpoint_as_identity=True)
     check(plain, dec, "Routed()", ROUTED_CASES[case])
-
-
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_routed_spellings_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
-    plain, dec = pair(write_module, ROUTED, plain_subs=ROUTED_PLAIN, checkpoint_as_identity=True)
-    x = XS_h29 if transform == "grad" else jnp.stack([XS_h29, -XS_h29, XS_h29 * 0.5])
-    calls = [("mixed", (X_h29,)), ("as_alias", (X_h29,)), ("mixed", (X_h29,))]
-    check_transform(plain, dec, "Routed()", calls, x, transform)
 
 
 def test_map_batch_size_writing_state_is_the_documented_error(write_module: Loader) -> None:
@@ -3620,10 +3270,12 @@ def test_a_global_alias_rebound_after_decoration_is_called(write_module: Loader)
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_transformations_of_carry_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
+    # grad, hessian, jvp, linearize and vjp of a state a scan body writes, under an outer
+    # grad / vmap (two steps: the second reads what the first wrote)
     plain, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
-    x = XS_h29 if transform == "grad" else jnp.stack([XS_h29, -XS_h29, XS_h29 * 0.5])
-    calls = [("grads_of_carry", (X_h29,)), ("reduce_read", (X_h29,))]
-    check_transform(plain, dec, "Inside()", calls, x, transform)
+    xs = XS_h29[:2]
+    x = xs if transform == "grad" else jnp.stack([xs, -xs, xs * 0.5])
+    check_transform(plain, dec, "Inside()", [("grads_of_carry", (X_h29,))], x, transform)
 
 
 def _set(model: Any, path: str, value: Any) -> None:
@@ -3687,39 +3339,12 @@ def train_compare(
         assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
-def test_greedy_while_loop_vmapped_over_prompts(write_module: Loader) -> None:
-    # plain Python's while cannot run under vmap: the reference is one prompt at a time
-    plain, dec = pair(write_module, BEAM)
-    prompts = jnp.array([1, 2, 3, 4], jnp.int32)
-    expected = []
-    for p in prompts:
-        ref = plain.BeamDecoder(1, 5, 4, 3)
-        expected.append((ref.greedy(p), ref.kv, ref.out, ref.pos))
-    expected = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *expected)
-    f, states = dec.BeamDecoder(1, 5, 4, 3).functionalize()
-
-    def run(p: Any) -> Any:
-        out, s = f.greedy(states, p)
-        return out, s["kv"], s["out"], s["pos"]
-
-    assert_same(expected, jax.vmap(run)(prompts), "vmap")
-    assert_same(expected, staged(jax.vmap(run))(prompts), "jit vmap")
-
-
 @pytest.mark.parametrize("typed", [False, True])
 def test_variational_mask_and_dropout_in_scan(write_module: Loader, typed: bool) -> None:
     plain, dec = pair(write_module, RNG_h30)
     calls = [("__call__", (XR_h30,)), ("__call__", (XR_h30[::-1],))]
+    # (its gradient through the scan: test_rnn_with_dropout_training_in_scan)
     check(plain, dec, f"VariationalRNN(0, 3, typed={typed})", calls)
-    if not typed:
-        check_transform(
-            plain,
-            dec,
-            f"VariationalRNN(0, 3, typed={typed})",
-            [("__call__", (X_h30,)), ("__call__", (X_h30,))],
-            XR_h30,
-            "grad",
-        )
 
 
 def test_rnn_with_dropout_training_in_scan(write_module: Loader) -> None:
@@ -3738,13 +3363,14 @@ def _grads(mod: types.ModuleType, n: int) -> list[Any]:
     return [mod.grads_at(i) for i in range(n)]
 
 
-@pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
-def test_accum_scanned_over_gradient_stream(write_module: Loader, cls: str) -> None:
+def test_accum_scanned_over_gradient_stream(write_module: Loader) -> None:
+    # f.update, whose lax.cond writes the accumulator, scanned from outside. (AccumSGDWhere,
+    # the same update with jnp.where, has no lax body; a cond under grad: test_grad.)
     plain, dec = pair(write_module, ACCUM)
     gs = _grads(plain, 8)
-    ref = getattr(plain, cls)(plain.init_params(), 3, array_k=True)
+    ref = plain.AccumSGDCond(plain.init_params(), 3, array_k=True)
     expected = [ref.update(g) for g in gs]
-    f, states = getattr(dec, cls)(dec.init_params(), 3, array_k=True).functionalize()
+    f, states = dec.AccumSGDCond(dec.init_params(), 3, array_k=True).functionalize()
     stacked = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *gs)
 
     def body(s: Any, g: Any) -> Any:
@@ -3757,14 +3383,6 @@ def test_accum_scanned_over_gradient_stream(write_module: Loader, cls: str) -> N
         for k in s:
             assert_same(snapshot(plain_path(ref, k)), snapshot(s[k]), k)
         assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
-    check_transform(
-        plain,
-        dec,
-        f"{cls}(init_params(), 2, array_k=True)",
-        [("update_scaled", (X_h30,))] * 3,
-        jnp.array(1.5),
-        "grad",
-    )
 
 
 def has_tracer(obj: Any) -> bool:
