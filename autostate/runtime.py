@@ -280,17 +280,25 @@ _HOOKED_SET: set[type] = set()
 
 
 def register_access_hooks(cls: type, *, getattribute: bool, setattr_: bool) -> None:
-    """Records whether ``cls``'s state access must go through its own hooks."""
+    """Records whether ``cls``'s state access must go through its own hooks.
+
+    ``get`` and ``set``, what rewritten methods call, are ``read_state`` and
+    ``store_state`` themselves while no class has such a hook (a state
+    access from a method is one call), and ask for the hook once one has.
+    """
+    global get, set
     for hooked, on in ((_HOOKED_GET, getattribute), (_HOOKED_SET, setattr_)):
         if on:
             hooked.add(cls)
         else:
             hooked.discard(cls)
+    get = _get_through_hooks if _HOOKED_GET else read_state
+    set = _set_through_hooks if _HOOKED_SET else store_state
 
 
-def get(obj: Any, name: str) -> Any:
-    """Current value of state ``name`` of ``obj``."""
-    if _HOOKED_GET and type(obj) in _HOOKED_GET:
+def _get_through_hooks(obj: Any, name: str) -> Any:
+    """``get`` while a class has a ``__getattribute__`` of its own."""
+    if type(obj) in _HOOKED_GET:
         return getattr(obj, name)
     return read_state(obj, name)
 
@@ -317,9 +325,9 @@ def read_state(obj: Any, name: str) -> Any:
     return slot
 
 
-def set(obj: Any, name: str, value: Any) -> None:  # noqa: A001 - generated code reads well
-    """Sets state ``name`` of ``obj`` (in place eagerly, in the handler's cell when handled)."""
-    if _HOOKED_SET and type(obj) in _HOOKED_SET:
+def _set_through_hooks(obj: Any, name: str, value: Any) -> None:
+    """``set`` while a class has a ``__setattr__`` of its own."""
+    if type(obj) in _HOOKED_SET:
         setattr(obj, name, value)
         return
     store_state(obj, name, value)
@@ -350,6 +358,13 @@ def store_state(obj: Any, name: str, value: Any) -> None:
         return
     kind = _SLOT_KINDS.get(type(slot)) or slot_kind(type(slot))
     kind.write(kind, obj, name, slot, value)
+
+
+# What rewritten methods call: the current value of state ``name`` of ``obj``
+# (``get``), and its write, in place eagerly, in the handler's cell when
+# handled (``set``); see ``register_access_hooks``.
+get: Callable[[Any, str], Any] = read_state
+set: Callable[[Any, str, Any], None] = store_state  # noqa: A001 - generated code reads well
 
 
 class SlotKind:
@@ -926,9 +941,9 @@ def _spelled(builtin: Any, access: Callable[..., Any]) -> Callable[..., Any]:
 # The state accesses the calls of ``analysis.NamedAccess`` become, by the
 # runtime function the rewrite names (``__autostate__.spelled.set``).
 spelled = types.SimpleNamespace(
-    set=_spelled(builtins.setattr, set),
+    set=_spelled(builtins.setattr, _set_through_hooks),
     init=_spelled(builtins.setattr, init),
-    get=_spelled(builtins.getattr, get),
+    get=_spelled(builtins.getattr, _get_through_hooks),
     store_state=_spelled(builtins.object.__setattr__, store_state),
     read_state=_spelled(builtins.object.__getattribute__, read_state),
 )
