@@ -471,7 +471,7 @@ class EMA:
 XS = jnp.arange(1.0, 5.0)
 
 
-CONSTRUCTS_h = """
+SYNTAX_FORMS = """
 @DECORATE
 class C:
     def __init__(self):
@@ -1372,7 +1372,7 @@ class Inner:
 """
 
 
-XS_h11 = jnp.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.25]])
+XS_PAIRS = jnp.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.25]])
 
 
 CONST_DEF = """
@@ -1455,10 +1455,10 @@ class Two:
 """
 
 
-X2_h12 = jnp.float32(2.0)
+TWO = jnp.float32(2.0)
 
 
-TWO_CALLS_h12 = [("__call__", (X1,)), ("__call__", (X2_h12,))]
+POSITIVE_CALLS = [("__call__", (X1,)), ("__call__", (TWO,))]
 
 
 SIGNATURES = """
@@ -1510,10 +1510,7 @@ RUNTIME = (
 )
 
 
-X2_h13 = jnp.float32(2.0)
-
-
-XS_h13 = jnp.arange(1.0, 4.0)
+XS3 = jnp.arange(1.0, 4.0)
 
 
 Phase = tuple[str, list[tuple[str, tuple[Any, ...]]]]
@@ -1831,12 +1828,6 @@ class Flow:
 """
 
 
-X2_h14 = jnp.float32(2.0)
-
-
-XS_h14 = jnp.arange(1.0, 4.0)
-
-
 CLOSURES = """
 @DECORATE
 class Acc:
@@ -1892,7 +1883,7 @@ class Acc:
 """
 
 
-HOOKS_h14 = """
+FORWARD_HOOKS = """
 import collections
 import functools
 
@@ -2008,7 +1999,7 @@ def cross_hooked():
 
 
 ONE_SHOT = (
-    HOOKS_h14
+    FORWARD_HOOKS
     + """
 
 def one_shot(m, y):
@@ -2310,9 +2301,6 @@ class Gen:
             y = self.fwd(x)
         return y + self.fwd(x)
 """
-
-
-X2_h15 = jnp.float32(2.0)
 
 
 HIER = """
@@ -3034,7 +3022,7 @@ class Parent:
 """
 
 
-HOST_h16 = """
+HOST_TALLY = """
 @DECORATE_HOST
 class Tally:
     def __init__(self):
@@ -3703,12 +3691,6 @@ class Dm:
 """
 
 
-X2_h19 = jnp.float32(2.0)
-
-
-XS_h19 = jnp.arange(1.0, 4.0)
-
-
 TIMEOUT = 20.0
 
 
@@ -3982,22 +3964,6 @@ class Stream:
         finally:
             self.bump(v * 10)
 """
-
-
-HEADER_h2 = """
-from __future__ import annotations
-import collections
-import enum
-import weakref
-from typing import NamedTuple
-import jax
-import jax.numpy as jnp
-import numpy as np
-import autostate
-"""
-
-
-_PAIRS: dict[str, tuple[types.ModuleType, types.ModuleType]] = {}
 
 
 PROTO = """
@@ -5427,9 +5393,6 @@ class DeclaredByHelper:
 """
 
 
-X2_h21 = jnp.float32(2.0)
-
-
 ASSIGN = """
 import contextlib
 
@@ -5961,9 +5924,6 @@ class DictOrder:
 """
 
 
-X2_h23 = jnp.float32(2.0)
-
-
 py312 = pytest.mark.skipif(sys.version_info < (3, 12), reason="Python 3.12 syntax")
 
 
@@ -6384,7 +6344,7 @@ TRANSITIONS = [
 ]
 
 
-TRAINER_h24 = """
+OPTAX_TRAINER = """
 import optax
 
 
@@ -6459,7 +6419,7 @@ class ParamTrainer:
 """
 
 
-XS_h24 = jnp.arange(18.0).reshape(3, 2, 3) / 10.0
+TRAIN_XS = jnp.arange(18.0).reshape(3, 2, 3) / 10.0
 
 
 YS = jnp.sin(jnp.arange(12.0)).reshape(3, 2, 2)
@@ -6523,7 +6483,7 @@ class Net:
 """
 
 
-XB_h24 = jnp.array([[0.1, 0.2], [0.3, -0.4], [1.0, 0.5]])
+XB_VMAP = jnp.array([[0.1, 0.2], [0.3, -0.4], [1.0, 0.5]])
 
 
 EMA_LR = """
@@ -6568,7 +6528,7 @@ A1 = jnp.asarray(1.0)
 A2 = jnp.asarray(2.0)
 
 
-V2_h25 = jnp.arange(2.0)
+V2_RANGE = jnp.arange(2.0)
 
 
 NESTED_GEN = """
@@ -6785,7 +6745,7 @@ class Seq2:
 """
 
 
-XS_h26 = jnp.array([[0.5, -1.0], [1.0, 0.3], [-0.2, 0.8], [0.0, 1.5], [0.7, -0.4], [1.1, 0.2]])
+XS_SEQ = jnp.array([[0.5, -1.0], [1.0, 0.3], [-0.2, 0.8], [0.0, 1.5], [0.7, -0.4], [1.1, 0.2]])
 
 
 KV = """
@@ -7153,10 +7113,10 @@ class Net:
 """
 
 
-X1_h27 = jnp.array([0.3, -0.7])
+XV1 = jnp.array([0.3, -0.7])
 
 
-X2_h27 = jnp.array([1.1, 0.4])
+XV2 = jnp.array([1.1, 0.4])
 
 
 Y = jnp.array([0.5, -0.5])
@@ -7240,10 +7200,10 @@ class Root:
 _COUNTER = itertools.count()
 
 
-V3_h28 = jnp.arange(3.0)
+V3_RANGE = jnp.arange(3.0)
 
 
-XS_h28 = jnp.array([0.5, -1.0, 2.0, 1.5])
+XS_SIGNED = jnp.array([0.5, -1.0, 2.0, 1.5])
 
 
 OUTSIDE_WRAPPED = """
@@ -7474,7 +7434,7 @@ class M:
 """
 
 
-CLOSURES_h28 = """
+CLOSURE_HOOKS = """
 @DECORATE
 class M:
     def __init__(self):
@@ -7702,13 +7662,10 @@ M.named = logged(lambda self, name, v: setattr(self, name, v))
 """
 
 
-A1_h29 = jnp.asarray(1.5)
+X1_WEAK = jnp.asarray(1.5)
 
 
-XS_h29 = jnp.array([0.5, -1.0, 2.0, 1.5])
-
-
-INSIDE_h29 = """
+CLOSURE_TRANSFORMS = """
 @DECORATE
 class Inside:
     def __init__(self):
@@ -8008,7 +7965,7 @@ class Unicodé:
 """
 
 
-HOST_h3 = """
+HOST_COUNTERS = """
 @DECORATE_HOST
 class HostCounter:
     def __init__(self):
@@ -8515,7 +8472,7 @@ class BeamDecoder:
 """
 
 
-RNG_h30 = """
+VARIATIONAL_RNN = """
 @DECORATE
 class Dropout:
     def __init__(self, seed, p=0.5, typed=False):
@@ -8564,10 +8521,10 @@ class VariationalRNN:
 """
 
 
-XR_h30 = jnp.arange(12.0).reshape(4, 3) / 7.0 - 0.5
+X_VRNN = jnp.arange(12.0).reshape(4, 3) / 7.0 - 0.5
 
 
-MOE_h30 = """
+MOE_AUX_LOSS = """
 @DECORATE
 class Router:
     def __init__(self, seed, d, n_experts, capacity, py_init=False):
@@ -8616,7 +8573,7 @@ def train_moe(model, xs):
 """
 
 
-XM_h30 = jnp.array(
+XM_ROUTED = jnp.array(
     [[1.0, 0.0, -1.0], [0.5, 2.0, 0.1], [-1.0, 1.0, 0.3], [0.2, -0.4, 1.5], [1.2, 0.3, 0.3]]
 )
 
@@ -8805,7 +8762,7 @@ class Head:
 X23 = jnp.arange(6.0).reshape(2, 3) / 6.0
 
 
-XS_h31 = jnp.stack([X23, -2.0 * X23, X23 + 0.5])
+X23_STACK = jnp.stack([X23, -2.0 * X23, X23 + 0.5])
 
 
 LAZY = """
@@ -9129,19 +9086,13 @@ def cleared():
 """
 
 
-V2_h31 = jnp.array([1.0, -2.0])
+V2_SIGNED = jnp.array([1.0, -2.0])
 
 
-X1_h32 = jnp.asarray(1.5)
+X2_WEAK = jnp.asarray(-0.5)
 
 
-X2_h32 = jnp.asarray(-0.5)
-
-
-XS_h32 = jnp.asarray([1.0, 2.0, 3.0])
-
-
-MORE_h32 = """
+BRANCH_EXCEPTIONS = """
 class Boom(Exception):
     pass
 
@@ -9234,10 +9185,7 @@ class Host:
 """
 
 
-XS_h33 = jnp.array([1.0, 2.0, 3.0])
-
-
-GENS_h33 = """
+GENERATOR_METHODS = """
 import itertools
 
 
@@ -9663,10 +9611,10 @@ class Net:
 """
 
 
-XS_h34 = jnp.stack([V3, V3 * 2, -V3])
+V3_STACK = jnp.stack([V3, V3 * 2, -V3])
 
 
-ESCAPES_h34 = """
+TRANSFORMED_WRITES = """
 @DECORATE
 class Esc:
     def __init__(self):
@@ -9815,13 +9763,13 @@ class Rnn:
 """
 
 
-X_h35 = jnp.array([[1.0, 2.0, 0.5], [0.0, -1.0, 2.0], [1.5, 0.5, -0.5], [-1.0, 1.0, 1.0]])
+X_BATCH = jnp.array([[1.0, 2.0, 0.5], [0.0, -1.0, 2.0], [1.5, 0.5, -0.5], [-1.0, 1.0, 1.0]])
 
 
-Y_h35 = jnp.array([[0.5, -0.5], [1.0, 0.0], [-0.5, 0.5], [0.0, 1.0]])
+Y_BATCH = jnp.array([[0.5, -0.5], [1.0, 0.0], [-0.5, 0.5], [0.0, 1.0]])
 
 
-TORCH_h35 = """
+TORCH_TRAINING = """
 def get_param(model, name):
     *path, leaf = name.split(".")
     for p in path:
@@ -10415,13 +10363,10 @@ def registry():
 """
 
 
-XL_h35 = X_h35[:, :3]
+YL = X_BATCH.sum(-1)
 
 
-YL = X_h35.sum(-1)
-
-
-LIT_STEPS = [("fit_step", (XL_h35 * (1 + 0.5 * i), YL)) for i in range(3)]
+LIT_STEPS = [("fit_step", (X_BATCH * (1 + 0.5 * i), YL)) for i in range(3)]
 
 
 CROSS = """
@@ -11234,7 +11179,7 @@ class Scanned:
 """
 
 
-HEADER_h6 = """\
+FILE_HEADER = """\
 import abc
 import copy
 import dataclasses
@@ -11249,10 +11194,7 @@ import autostate
 Build = Callable[[str], tuple[types.ModuleType, types.ModuleType]]
 
 
-XS_h8 = jnp.arange(1.0, 4.0)
-
-
-ESCAPES_h8 = """
+HELPER_ESCAPES = """
 def raw_scan(model, xs):
     def body(c, x):
         model.s = model.s + x
@@ -11419,7 +11361,7 @@ class M:
 """
 
 
-MODELS_h8 = """
+COMMON_LAYERS = """
 @DECORATE
 class Dropout:
     def __init__(self, rate, seed=0):
@@ -11570,13 +11512,7 @@ class RNN:
 X3 = jnp.arange(6.0).reshape(2, 3) / 6
 
 
-X2_h9 = jnp.float32(2.0)
-
-
-XS_h9 = jnp.arange(1.0, 4.0)
-
-
-CONSTRUCTS_h9 = """
+CONTEXT_CONSTRUCTS = """
 import contextlib
 
 
@@ -11733,7 +11669,7 @@ class Ctx:
 """
 
 
-TORCH_h9 = """
+TORCH_IDIOMS = """
 @DECORATE
 class LazyLinear:
     def __init__(self, out):
@@ -12033,7 +11969,7 @@ class Q:
 """
 
 
-OUTSIDE_h9 = """
+CUSTOM_DERIVATIVES = """
 @jax.custom_jvp
 def softplus(x):
     return jnp.log1p(jnp.exp(x))
@@ -12135,7 +12071,7 @@ class BN:
 """
 
 
-MODELS_h9 = """
+REALISTIC_MODELS = """
 @DECORATE
 class SpectralLinear:
     def __init__(self, n, m, key):
@@ -12314,4 +12250,4 @@ class Attn:
 Z = jnp.ones((4, 2)) * 0.5
 
 
-REAL_h9 = jnp.ones((4, 3))
+REAL_ONES = jnp.ones((4, 3))

@@ -39,11 +39,11 @@ from semantics.programs import (
     LIGHTNING,
     N_BLOCKS,
     TRANSITIONS,
+    X_BATCH,
+    XV1,
+    XV2,
+    Y_BATCH,
     Phase,
-    X1_h27,
-    X2_h27,
-    X_h35,
-    Y_h35,
 )
 
 
@@ -203,7 +203,7 @@ def assert_shared(model: Any) -> None:
 
 def trained_pair(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0) -> tuple[Any, Any]:
     ref, model = plain.Net(scale), dec.Net(scale)
-    for x in (X1_h27, X2_h27, X1_h27):
+    for x in (XV1, XV2, XV1):
         ref(x)
         model(x)
     return ref, model
@@ -226,7 +226,7 @@ def step_jit() -> Callable[..., Any]:
 
 
 def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y_h35 + 0.1 * i
+    return X_BATCH * (1.0 + 0.25 * i) - 0.1 * i, Y_BATCH + 0.1 * i
 
 
 def lifecycle(

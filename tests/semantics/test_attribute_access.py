@@ -65,22 +65,18 @@ from semantics.programs import (
     LATE_METHODS,
     LAZY,
     PROTO,
+    TORCH,
+    TORCH_IDIOMS,
+    TWO,
+    V2_RANGE,
     V3,
     X23,
 )
+from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
 from semantics.programs import HOOKS as HOOKS_fidelity
-from semantics.programs import TORCH as TORCH_h20
-from semantics.programs import V2 as V2_h20
-from semantics.programs import X1 as X1_h9
-from semantics.programs import X1 as X1_h14
-from semantics.programs import X1 as X1_h20
-from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
-from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
-from semantics.programs import V2_h25 as V2_h25
-from semantics.programs import X2_h12 as X2_h12
-from semantics.programs import X2_h14 as X2_h14
-from semantics.programs import XS_h28 as XS
+from semantics.programs import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs import V2 as V2_POSITIVE
+from semantics.programs import XS_SIGNED as XS
 
 X1 = jnp.float32(1.5)
 
@@ -1063,7 +1059,7 @@ def test_states_initialised_by_setattr_in_init(write_module: Loader) -> None:
     check(plain, dec, "Config(mean=jnp.zeros(()))", [("step", (1.0,)), ("step", (2.0,))])
 
 
-HOOKS_h = """
+DELEGATING_HOOKS = """
 @DECORATE
 class Inner:
     def __init__(self):
@@ -1114,13 +1110,13 @@ class Redirect:
 
 
 def test_getattr_delegation_to_a_sub_model(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOOKS_h)
+    plain, dec = pair(write_module, DELEGATING_HOOKS)
     x = jnp.array([1.0, 2.0])
     check(plain, dec, "Delegate()", [("__call__", (x,)), ("__call__", (x,))])
 
 
 def test_setattr_getattr_hooks(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOOKS_h)
+    plain, dec = pair(write_module, DELEGATING_HOOKS)
     check(plain, dec, "Redirect()", [("step", (1.0,)), ("step", (2.0,))])
     p, d = plain.Redirect(), dec.Redirect()
     p.value = 2.0
@@ -1265,17 +1261,17 @@ def test_iterating_the_instance_dict_sees_values(write_module: Loader, method: s
 
 def test_sum_over_vars_keys_under_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, CONSTRUCTS)
-    check_transform(plain, dec, "Ctx()", [("sum_over_vars_keys", (X,))], X1_h9, "grad")
+    check_transform(plain, dec, "Ctx()", [("sum_over_vars_keys", (X,))], X1, "grad")
 
 
 def test_lazy_linear_eagerly_like_plain(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH)
+    plain, dec = pair(write_module, TORCH_IDIOMS)
     check(plain, dec, "LazyLinear(2)", [("__call__", (V3,))] * 2, modes=("eager",))
 
 
 def test_lazy_linear_first_built_inside_f_means_plain_python(write_module: Loader) -> None:
     # None is a placeholder (DESIGN.md section 3): the weight built inside f lands in the states.
-    plain, dec = pair(write_module, TORCH)
+    plain, dec = pair(write_module, TORCH_IDIOMS)
     check(plain, dec, "LazyLinear(2)", [("__call__", (V3,))] * 2)
     f, states = dec.LazyLinear(2).functionalize()
     for call in modes_of(f, "__call__"):
@@ -1284,7 +1280,7 @@ def test_lazy_linear_first_built_inside_f_means_plain_python(write_module: Loade
 
 
 def test_lazy_linear_built_eagerly_then_functionalized(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH)
+    plain, dec = pair(write_module, TORCH_IDIOMS)
     ref, model = plain.LazyLinear(2), dec.LazyLinear(2)
     assert_same(ref(V3), model(V3))
     f, states = model.functionalize()
@@ -1431,53 +1427,53 @@ class Wrapper:
 
 def test_getattr_forwarding_to_a_sub_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, GETATTR)
-    check(plain, dec, "Wrapper()", [("__call__", (X1_h14,)), ("__call__", (X2_h14,))])
+    check(plain, dec, "Wrapper()", [("__call__", (X1,)), ("__call__", (TWO,))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_getattr_forwarding_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, GETATTR)
-    x = X1_h14 if transform == "grad" else jnp.arange(3.0)
+    x = X1 if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "Wrapper()", [("__call__", (X,))] * 2, x, transform)
 
 
 def test_forwarded_method_eagerly_from_outside(write_module: Loader) -> None:
     plain, dec = pair(write_module, GETATTR)
     p, d = plain.Wrapper(), dec.Wrapper()
-    assert_same([p.bump(X1_h14), p.n], [d.bump(X1_h14), d.n], "forwarded")
+    assert_same([p.bump(X1), p.n], [d.bump(X1), d.n], "forwarded")
     assert_same(snapshot(p), snapshot(d), "attributes")
 
 
 
 
 def test_setattr_registry_records_the_same_names(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
+    plain, dec = pair(write_module, TORCH)
     for mod in (plain, dec):
         mod.REGISTRY.clear()
         m = mod.Recorder()
-        m(V2_h20)
+        m(V2_POSITIVE)
     assert plain.REGISTRY == dec.REGISTRY == ["w", "mean", "steps"]
     ref, model = plain.InstRecorder(), dec.InstRecorder()
-    assert_same(ref(V2_h20), model(V2_h20))
+    assert_same(ref(V2_POSITIVE), model(V2_POSITIVE))
     assert ref.order() == model.order() == ["w", "mean"]
     f, states = dec.InstRecorder().functionalize()
     for call in modes_of(f, "__call__"):
-        out, states = call(states, V2_h20)
+        out, states = call(states, V2_POSITIVE)
     ref2 = plain.InstRecorder()
-    ref2(V2_h20)
-    assert_same(ref2(V2_h20), out)
+    ref2(V2_POSITIVE)
+    assert_same(ref2(V2_POSITIVE), out)
     assert f.order(states)[0] == ["w", "mean"]
 
 
 def test_register_buffer_method_later_is_refused_in_f_at_its_setattr(write_module: Loader) -> None:
     """`register_buffer` assigns by a computed name: not state (documented); eagerly plain,
     in f the write is refused naming the setattr line."""
-    plain, dec = pair(write_module, TORCH_h20)
-    check(plain, dec, "RegBuf()", [("__call__", (V2_h20,))] * 2, modes=("eager",))
+    plain, dec = pair(write_module, TORCH)
+    check(plain, dec, "RegBuf()", [("__call__", (V2_POSITIVE,))] * 2, modes=("eager",))
     f, states = dec.RegBuf().functionalize()
     for call in modes_of(f, "__call__"):
         with pytest.raises(StateAccessError, match="RegBuf.running is not state") as err:
-            call(states, V2_h20)
+            call(states, V2_POSITIVE)
         assert "setattr(self, name, value)" in error_line(err.value)
 
 
@@ -1508,7 +1504,7 @@ class Buf:
         return x * self.w + self.running
 """
     if source != "register-buffer":
-        check(*pair(write_module, text), "Buf()", [("__call__", (V2_h20,))] * 2)
+        check(*pair(write_module, text), "Buf()", [("__call__", (V2_POSITIVE,))] * 2)
         return
     with pytest.raises(DecorationError, match="state 'running' is first assigned outside") as err:
         pair(write_module, text)
@@ -1517,12 +1513,12 @@ class Buf:
 
 
 def test_lazy_state_by_computed_hasattr_name(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TORCH_h20)
-    check(plain, dec, "LazyByName()", [("__call__", (X1_h20,))] * 2, modes=("eager",))
+    plain, dec = pair(write_module, TORCH)
+    check(plain, dec, "LazyByName()", [("__call__", (X1,))] * 2, modes=("eager",))
     f, states = dec.LazyByName().functionalize()
     for call in modes_of(f, "__call__"):
         with pytest.raises(StateAccessError, match="LazyByName.cache is not state") as err:
-            call(states, X1_h20)
+            call(states, X1)
         assert "setattr(self, CACHE, x * 0)" in error_line(err.value)
 
 
@@ -1536,13 +1532,13 @@ def test_deleting_a_state_by_name_in_reset_is_refused_at_the_users_line(
 ) -> None:
     """Plain Python deletes and re-creates the cache; a state cannot be deleted
     (documented `StateAccessError`), eagerly and in f, and the model keeps its value."""
-    plain, dec = pair(write_module, TORCH_h20)
+    plain, dec = pair(write_module, TORCH)
     ref = plain.Cache()
-    ref(X1_h20)
+    ref(X1)
     getattr(ref, reset)()
     assert not hasattr(ref, "cache")
     model = dec.Cache()
-    model(X1_h20)
+    model(X1)
     with pytest.raises(StateAccessError, match="Cannot delete state 'cache'") as err:
         getattr(model, reset)()
     assert CACHE_LINES[reset] in error_line(err.value)
@@ -1580,7 +1576,7 @@ class Cache:
 @pytest.mark.parametrize("build", ["ObjectSetattr()", "FrozenObjectSetattr(jnp.ones(2))"])
 def test_object_setattr_in_a_method(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, EQX)
-    calls = [("__call__", (V2_h20,))] * 2
+    calls = [("__call__", (V2_POSITIVE,))] * 2
     check(plain, dec, build, calls, modes=("eager",))
     try:
         check(plain, dec, build, calls)
@@ -1653,7 +1649,7 @@ class Del:
 
 
 
-GETATTR_h25 = """
+GETATTR_FALLBACKS = """
 @DECORATE
 class Stats:
     def __init__(self):
@@ -1687,9 +1683,9 @@ class Naive:
 
 @pytest.mark.parametrize("cls", ["Stats", "Naive"])
 def test_getattr_fallbacks(write_module: Loader, cls: str) -> None:
-    plain, dec = pair(write_module, GETATTR_h25)
-    run_case(plain, dec, f"{cls}()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_h25,))],
-             extra=("__call__", (V2_h25,)))
+    plain, dec = pair(write_module, GETATTR_FALLBACKS)
+    run_case(plain, dec, f"{cls}()", [("__call__", (jnp.ones(2),)), ("__call__", (V2_RANGE,))],
+             extra=("__call__", (V2_RANGE,)))
 
 
 def test_dynamic_roads_under_vmap(write_module: Loader) -> None:

@@ -45,12 +45,9 @@ from semantics.harness import (
     staged,
 )
 from semantics.programs import A1, A2, EAGER, FRAMES, ITER, RECURSION, REENTRANT, TIMEOUT, X1
-from semantics.programs import ESCAPES_h8 as ESCAPES
-from semantics.programs import X2_h19 as X2
-from semantics.programs import XS_h8 as XS
-from semantics.programs import XS_h19 as XS_h19
-from semantics.programs import XS_h32 as XS_h32
-from semantics.programs import XS_h33 as XS_h33
+from semantics.programs import HELPER_ESCAPES as ESCAPES
+from semantics.programs import TWO as X2
+from semantics.programs import XS3 as XS
 from semantics.twins import (
     Classes,
     filled,
@@ -428,7 +425,7 @@ def _during_scan(mod: types.ModuleType, op: Callable[[Any], Any]) -> dict[str, A
     res: dict[str, Any] = {}
 
     def scanner() -> None:
-        res["scan"] = m.scan_hooked(XS_h19)
+        res["scan"] = m.scan_hooked(XS)
 
     t = threading.Thread(target=scanner, daemon=True)
     t.start()
@@ -621,7 +618,7 @@ RECURSION_CASES = {
 
 
 RECURSION_CASES |= {
-    "scan_in_scan": ("Lax()", [("deep", (XS_h19[:2],)), ("deep", (XS_h19[1:],))]),
+    "scan_in_scan": ("Lax()", [("deep", (XS[:2],)), ("deep", (XS[1:],))]),
     "cond_in_cond": ("Lax()", [("cond3", (X2,)), ("cond3", (-X1,))]),
 }
 
@@ -661,7 +658,7 @@ def compare_states(ref: Any, states: dict[str, Any], where: str) -> None:
         same(snapshot(plain_path(ref, key)), snapshot(value), f"{where} state {key}")
 
 
-THREADS_h32 = """
+RAISING_THREADS = """
 import threading
 
 
@@ -732,16 +729,16 @@ def _in_threads(*fns: Callable[[], Any]) -> list[Any]:
 
 @pytest.mark.parametrize("fail", ["body", "after"])
 def test_eager_raise_in_one_thread_while_another_scans(write_module: Loader, fail: str) -> None:
-    plain, dec = pair(write_module, THREADS_h32)
+    plain, dec = pair(write_module, RAISING_THREADS)
     refs = [plain.Worker(1.0), plain.Worker(10.0)]
     with pytest.raises(Exception, match="body|after"):
-        refs[0].scan(XS_h32, fail)
-    want_b = snapshot(refs[1].scan(XS_h32, None))
+        refs[0].scan(XS, fail)
+    want_b = snapshot(refs[1].scan(XS, None))
     models = [dec.Worker(1.0), dec.Worker(10.0)]
     dec.MEET.append(Meet(2))
     try:
-        got_a, got_b = _in_threads(lambda: models[0].scan(XS_h32, fail),
-                                   lambda: models[1].scan(XS_h32, None))
+        got_a, got_b = _in_threads(lambda: models[0].scan(XS, fail),
+                                   lambda: models[1].scan(XS, None))
     finally:
         dec.MEET.clear()
     assert isinstance(got_a, dec.Boom), repr(got_a)
@@ -757,23 +754,23 @@ def test_eager_raise_in_one_thread_while_another_scans(write_module: Loader, fai
             obj.reset()
     same(snapshot(refs[0]), snapshot(models[0]), "the raising thread's model")
     for ref, model in zip(refs, models, strict=True):
-        same(snapshot(ref.scan(XS_h32, None)), snapshot(model.scan(XS_h32, None)), "afterwards")
+        same(snapshot(ref.scan(XS, None)), snapshot(model.scan(XS, None)), "afterwards")
 
 
 def test_f_raise_in_one_thread_while_another_runs_jit(write_module: Loader) -> None:
-    plain, dec = pair(write_module, THREADS_h32)
+    plain, dec = pair(write_module, RAISING_THREADS)
     models = [dec.Worker(1.0), dec.Worker(10.0)]
     (fa, sa), (fb, sb) = (m.functionalize() for m in models)
     dec.MEET.append(Meet(2))
     try:
-        got_a, got_b = _in_threads(lambda: fa.scan(sa, XS_h32, "body"),
-                                   lambda: staged(fb.scan, static_argnums=2)(sb, XS_h32, None))
+        got_a, got_b = _in_threads(lambda: fa.scan(sa, XS, "body"),
+                                   lambda: staged(fb.scan, static_argnums=2)(sb, XS, None))
     finally:
         dec.MEET.clear()
     assert isinstance(got_a, dec.Boom), repr(got_a)
     assert not isinstance(got_b, BaseException), repr(got_b)
     ref = plain.Worker(10.0)
-    same(snapshot(ref.scan(XS_h32, None)), snapshot(got_b[0]), "the other thread's output")
+    same(snapshot(ref.scan(XS, None)), snapshot(got_b[0]), "the other thread's output")
     compare_states(ref, got_b[1], "the other thread's states")
     no_tracers(fa, fb, *models)
     no_handler_left()
@@ -874,11 +871,11 @@ class Aio:
 
 
 ASYNC_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
-    "async_generator": [("run_agen", (XS_h33,))] * 2,
-    "async_generator_closed_early": [("run_agen_partly", (XS_h33,))] * 2,
+    "async_generator": [("run_agen", (XS,))] * 2,
+    "async_generator_closed_early": [("run_agen_partly", (XS,))] * 2,
     "aenter_aexit": [("run_async_with", (A1,))] * 2,
     "asynccontextmanager": [("run_amode", (A2,))] * 2,
-    "asyncio_run_in_scan_body": [("in_scan", (XS_h33,))],
+    "asyncio_run_in_scan_body": [("in_scan", (XS,))],
 }
 
 

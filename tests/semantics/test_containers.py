@@ -51,8 +51,8 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import A1 as A1_h25
-from semantics.programs import A2 as A2_h25
+from semantics.programs import A1 as WEAK_ONE
+from semantics.programs import A2 as WEAK_TWO
 from semantics.programs import (
     BEAM,
     DQN,
@@ -74,9 +74,9 @@ from semantics.programs import (
     XM,
     XP,
 )
-from semantics.programs import CONSTRUCTS_h as CONSTRUCTS
-from semantics.programs import V2_h31 as V2
-from semantics.programs import X2_h13 as X2
+from semantics.programs import SYNTAX_FORMS as CONSTRUCTS
+from semantics.programs import TWO as X2
+from semantics.programs import V2_SIGNED as V2
 from semantics.references import (
     dqn_calls,
     gpt,
@@ -1496,7 +1496,7 @@ class History:
     assert "fix:" in str(info.value)
 
 
-HOLDERS_h14 = """
+DICT_SUBCLASS_HOLDERS = """
 import collections
 
 
@@ -1532,7 +1532,7 @@ class Holder:
 def test_plain_objects_in_dict_subclasses_are_refused_like_in_a_dict(
     write_module: Loader, kind: str, back: bool
 ) -> None:
-    _, dec = pair(write_module, HOLDERS_h14)
+    _, dec = pair(write_module, DICT_SUBCLASS_HOLDERS)
     with pytest.raises(autostate.errors.InvalidTypeError, match=r"extra\['a'\]") as info:
         dec.Holder(kind, back).functionalize()
     assert_user_line(info.value, __file__)
@@ -1689,14 +1689,14 @@ def test_state_dict_keyed_by_a_plain_enum(write_module: Loader) -> None:
     plain, dec = pair(write_module, ENUM_KEYS)
     split = plain.Split
     ref = plain.Counter()
-    expected = [ref(A1_h25, split.TRAIN), ref(A1_h25, split.TRAIN), ref(A2_h25, split.EVAL)]
+    expected = [ref(WEAK_ONE, split.TRAIN), ref(WEAK_ONE, split.TRAIN), ref(WEAK_TWO, split.EVAL)]
     model = dec.Counter()
-    got = [model(A1_h25, dec.Split.TRAIN), model(A1_h25, dec.Split.TRAIN), model(A2_h25, dec.Split.EVAL)]
+    got = [model(WEAK_ONE, dec.Split.TRAIN), model(WEAK_ONE, dec.Split.TRAIN), model(WEAK_TWO, dec.Split.EVAL)]
     same(expected, got, "eager outputs")
     assert [int(v) for v in ref.counts.values()] == [int(v) for v in model.counts.values()]
     try:
         f, states = dec.Counter().functionalize()
-        out, states = f(states, A1_h25, dec.Split.TRAIN)
+        out, states = f(states, WEAK_ONE, dec.Split.TRAIN)
     except autostate.AutostateError as err:  # a clear refusal is acceptable through f
         user_line(err, dec, "self.counts = {")
     else:

@@ -69,10 +69,7 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.harness import X as X_h9
-from semantics.harness import X as X_h26
-from semantics.harness import X as X_h28
-from semantics.harness import X as X_h29
+from semantics.harness import X as TRACED_X
 from semantics.programs import (
     A1,
     A2,
@@ -80,6 +77,7 @@ from semantics.programs import (
     AROUND,
     BODIES,
     BUILT,
+    CLOSURE_TRANSFORMS,
     CMS,
     COPIES,
     DECORATED_METHODS,
@@ -95,43 +93,36 @@ from semantics.programs import (
     LATE_METHODS,
     LAYERS,
     NESTED,
+    OPTAX_TRAINER,
     OUTSIDE_WRAPPED,
     REBUILD,
     RNG,
     RNN,
     STACK,
     STACKED,
+    TRAIN_XS,
     TRAINER,
     V3,
+    V3_RANGE,
+    V3_STACK,
+    VARIATIONAL_RNN,
     VMAPCK,
+    X1_WEAK,
     X23,
+    X23_STACK,
+    X_VRNN,
     XK,
     XR,
+    XS3,
+    XS_SEQ,
+    XS_SIGNED,
     YS,
 )
-from semantics.programs import X1 as X1_h9
-from semantics.programs import XS as XS_h
-from semantics.programs import XS as XS_h3
-from semantics.programs import A1_h29 as A1_h29
-from semantics.programs import CLOSURES_h28 as CLOSURES
-from semantics.programs import INSIDE_h29 as INSIDE_h29
-from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import RNG_h30 as RNG_h30
-from semantics.programs import TRAINER_h24 as TRAINER_h24
-from semantics.programs import V3_h28 as V3_h28
-from semantics.programs import X2_h9 as X2
-from semantics.programs import XB_h24 as XB
-from semantics.programs import XR_h30 as XR_h30
-from semantics.programs import XS_h9 as XS_h9
-from semantics.programs import XS_h13 as XS_h13
-from semantics.programs import XS_h14 as XS_h14
-from semantics.programs import XS_h24 as XS_h24
-from semantics.programs import XS_h26 as XS_h26
-from semantics.programs import XS_h28 as XS_h28
-from semantics.programs import XS_h29 as XS_h29
-from semantics.programs import XS_h31 as XS_h31
-from semantics.programs import XS_h33 as XS_h33
-from semantics.programs import XS_h34 as XS_h34
+from semantics.programs import CLOSURE_HOOKS as CLOSURES
+from semantics.programs import COMMON_LAYERS as MODELS
+from semantics.programs import TWO as X2
+from semantics.programs import XB_VMAP as XB
+from semantics.programs import XS as XS4
 from semantics.references import (
     jitted,
     params_of,
@@ -1547,7 +1538,7 @@ class Loops:
     "calls",
     [
         [("while_counter", (jnp.int32(4),))],
-        [("nested_scan", (XS_h.reshape(2, 2),))],
+        [("nested_scan", (XS4.reshape(2, 2),))],
     ],
     ids=["while", "nested"],
 )
@@ -1576,16 +1567,16 @@ def test_jax_checkpoint_on_a_method_is_a_clear_decoration_error(write_module: Lo
 
 
 HELPER_CASES = {
-    "scan": ("run_scan", (XS_h3,)),
-    "scan-reverse": ("run_scan_reverse", (XS_h3,)),
+    "scan": ("run_scan", (XS4,)),
+    "scan-reverse": ("run_scan_reverse", (XS4,)),
     "fori": ("run_fori", (3,)),
     "while": ("run_while", ()),
     "cond-true": ("run_cond", (2.0,)),
     "cond-false": ("run_cond", (-2.0,)),
     "switch": ("run_switch", (2, 1.5)),
-    "map": ("run_map", (XS_h3,)),
+    "map": ("run_map", (XS4,)),
     "checkpoint": ("run_checkpoint", (3.0,)),
-    "nested": ("run_nested", (XS_h3,)),
+    "nested": ("run_nested", (XS4,)),
 }
 
 
@@ -1634,14 +1625,14 @@ class RawDriver:
 """
     _, dec = pair(write_module, src)
     with pytest.raises(autostate.errors.TracedEagerStateError):
-        dec.raw_scan(dec.Counter(), XS_h3)
+        dec.raw_scan(dec.Counter(), XS4)
     f, states = dec.RawDriver().functionalize()
     with pytest.raises(autostate.errors.EscapedStateError) as info:
-        out, states = f(states, XS_h3)
+        out, states = f(states, XS4)
         jax.block_until_ready((out, states))
     assert "autostate.scan" in str(info.value)
     with pytest.raises(autostate.errors.EscapedStateError):
-        staged(lambda f, s, xs: f(s, xs))(f, dec.RawDriver().functionalize()[1], XS_h3)
+        staged(lambda f, s, xs: f(s, xs))(f, dec.RawDriver().functionalize()[1], XS4)
 
 
 def test_lax_wrapper_grad_through_helper(write_module: Loader) -> None:
@@ -1649,12 +1640,12 @@ def test_lax_wrapper_grad_through_helper(write_module: Loader) -> None:
 
     def plain_loss(x: Any) -> Any:
         m = plain.Counter()
-        return plain.run_scan(m, XS_h3 * x)[0] + m.total
+        return plain.run_scan(m, XS4 * x)[0] + m.total
 
     f, states = dec.Driver().functionalize()
 
     def dec_loss(x: Any) -> Any:
-        (c, _), s = f.go(states, "run_scan", XS_h3 * x)
+        (c, _), s = f.go(states, "run_scan", XS4 * x)
         return c + s["c.total"]
 
     assert_same(jax.grad(plain_loss)(2.0), jax.grad(dec_loss)(2.0))
@@ -1697,7 +1688,7 @@ class ErrDriver:
 
 @pytest.mark.parametrize(
     "name,args",
-    [("map_batched", (XS_h3,)), ("while_cond_writes", ()), ("scan_changes_dtype", (XS_h3,))],
+    [("map_batched", (XS4,)), ("while_cond_writes", ()), ("scan_changes_dtype", (XS4,))],
 )
 def test_documented_control_flow_errors_from_helpers(
     write_module: Loader, name: str, args: tuple[Any, ...]
@@ -1870,8 +1861,8 @@ LAX_CALLS = [
     ("nested-jit-read", [("nested_jit_read", (V3,))] * 2),
     ("checkpoint-policy", [("ckpt_policy", (V3,))] * 2),
     ("associative-scan", [("assoc", (STACK,))] * 2),
-    ("scan-in-cond", [("scan_in_cond", (X1_h9, True)), ("scan_in_cond", (X1_h9, False))]),
-    ("while-in-scan", [("while_in_scan", (XS_h9,))] * 2),
+    ("scan-in-cond", [("scan_in_cond", (X1, True)), ("scan_in_cond", (X1, False))]),
+    ("while-in-scan", [("while_in_scan", (XS3,))] * 2),
     ("scan-keywords", [("scan_keywords", (STACK,))] * 2),
     ("fori-unroll", [("fori_keywords", (V3,))] * 2),
     ("cond-python-float", [("cond_python_float", (V3,)), ("cond_python_float", (-V3 * 3,))]),
@@ -1886,8 +1877,8 @@ def test_lax_control_flow_in_methods(write_module: Loader, calls: list[Any]) -> 
 
 # grad and vmap of fori, switch, map and the other primitives: test_grad / test_vmap.
 LAX_TRANSFORMED = [
-    ("checkpoint-policy", ("ckpt_policy", (X_h9,)), V3),
-    ("named-scope", ("named", (X_h9,)), V3),
+    ("checkpoint-policy", ("ckpt_policy", (TRACED_X,)), V3),
+    ("named-scope", ("named", (TRACED_X,)), V3),
 ]
 
 
@@ -1958,14 +1949,14 @@ KEYWORD_OPERAND = ["cond_operand_keyword_no_state", "cond_operand_keyword",
 @pytest.mark.parametrize("method", KEYWORD_OK)
 def test_lax_keyword_forms_like_undecorated_jax(write_module: Loader, method: str) -> None:
     plain, dec = real_lax_pair(write_module, "import jax.ad_checkpoint\n" + KEYWORD_LAX)
-    arg = jnp.arange(1.0, 5.0) if method == "map_batch_size" else X1_h9
+    arg = jnp.arange(1.0, 5.0) if method == "map_batch_size" else X1
     check(plain, dec, "Kw()", [(method, (arg,))] * 2)
 
 
 @pytest.mark.parametrize("method", KEYWORD_OPERAND)
 def test_lax_operand_keyword_like_undecorated_jax(write_module: Loader, method: str) -> None:
     plain, dec = real_lax_pair(write_module, "import jax.ad_checkpoint\n" + KEYWORD_LAX)
-    check(plain, dec, "Kw()", [(method, (X1_h9,)), (method, (-X2,))])
+    check(plain, dec, "Kw()", [(method, (X1,)), (method, (-X2,))])
 
 
 def test_every_routed_wrapper_takes_every_parameter_of_jax() -> None:
@@ -1992,7 +1983,7 @@ def test_every_routed_wrapper_takes_every_parameter_of_jax() -> None:
 )
 def test_lax_bodies_writing_states_of_every_kind(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BODIES)
-    check(plain, dec, "B()", [(method, (XS_h9,))] * 2)
+    check(plain, dec, "B()", [(method, (XS3,))] * 2)
 
 
 PARAM_WRITES = """
@@ -2039,7 +2030,7 @@ def test_non_state_written_in_a_lax_body_is_refused_in_f(write_module: Loader, m
     f, states = dec.P().functionalize()
     for call in modes_of(f, method):
         with pytest.raises(StateAccessError, match="P.b is not state") as info:
-            call(states, XS_h9)
+            call(states, XS3)
         assert f"{dec.__file__}:" in str(info.value)
     assert_same(np.float32(1.0), vars(f.model)["b"], "the parameter is unchanged")
 
@@ -2052,14 +2043,14 @@ def test_non_state_written_in_a_lax_body_eagerly(write_module: Loader, method: s
     _, dec = pair(write_module, PARAM_WRITES)
     model = dec.P()
     with pytest.raises(StateAccessError, match=r"P\.b is not state") as info:
-        getattr(model, method)(XS_h9)
+        getattr(model, method)(XS3)
     assert "lax." in str(info.value) and ".py:" in str(info.value)
     no_tracer(model)
     assert_same(np.float32(1.0), model.b, "refused: the parameter is unchanged")
     f, states = dec.P().functionalize()
     for call in modes_of(f, method):
         with pytest.raises(StateAccessError, match=r"P\.b is not state"):
-            call(states, XS_h9)
+            call(states, XS3)
 
 
 LAX_CALLS = ["scan_", "cond_", "switch_", "while_", "fori_", "map_", "checkpoint_"]
@@ -2077,7 +2068,7 @@ def test_every_lax_body_refuses_what_it_cannot_thread(
     )
     model = dec.Q()
     with pytest.raises(error, match=pattern) as info:
-        getattr(model, method)(what, X1_h9)
+        getattr(model, method)(what, X1)
     assert ".py:" in str(info.value)
     no_tracer(model)
     assert model.step == 0
@@ -2086,7 +2077,7 @@ def test_every_lax_body_refuses_what_it_cannot_thread(
     call = _fcall(f, method)
     for mode in (call, staged(lambda s, x: call(s, what, x))):
         with pytest.raises(error, match=pattern):
-            mode(states, what, X1_h9) if mode is call else mode(states, X1_h9)
+            mode(states, what, X1) if mode is call else mode(states, X1)
 
 
 def test_python_int_assigned_to_a_float_state_in_a_scan_is_a_control_flow_error(
@@ -2095,8 +2086,8 @@ def test_python_int_assigned_to_a_float_state_in_a_scan_is_a_control_flow_error(
     _, dec = pair(write_module, BODIES)
     model = dec.B()
     f, states = model.functionalize()
-    for call in [lambda: model.python_int_in_scan(XS_h9),
-                 *[(lambda c=c: c(states, XS_h9)) for c in modes_of(f, "python_int_in_scan")]]:
+    for call in [lambda: model.python_int_in_scan(XS3),
+                 *[(lambda c=c: c(states, XS3)) for c in modes_of(f, "python_int_in_scan")]]:
         with pytest.raises(ControlFlowStateError, match="float32\\[\\] to int32\\[\\]") as info:
             call()
         assert f"{dec.__file__}:" in str(info.value)
@@ -2108,7 +2099,7 @@ def test_static_counter_in_a_scan_is_refused_in_f(write_module: Loader) -> None:
     f, states = dec.B().functionalize()
     for call in modes_of(f, "static_counter_in_scan"):
         with pytest.raises(StaticStateError, match="static state 'step'"):
-            call(states, XS_h9)
+            call(states, XS3)
 
 
 def test_static_counter_in_a_scan_eagerly(write_module: Loader) -> None:
@@ -2118,7 +2109,7 @@ def test_static_counter_in_a_scan_eagerly(write_module: Loader) -> None:
     _, dec = pair(write_module, BODIES)
     model = dec.B()
     with pytest.raises(StaticStateError, match=r"B\.step .* lax\.scan") as info:
-        model.static_counter_in_scan(XS_h9)
+        model.static_counter_in_scan(XS3)
     assert ".py:" in str(info.value)
     assert model.step == 0
     assert type(vars(model)["step"]).__name__ == "StaticState"
@@ -2128,7 +2119,7 @@ def test_list_appended_in_a_scan_body_is_refused_under_jit(write_module: Loader)
     _, dec = pair(write_module, BODIES)
     f, states = dec.B().functionalize()
     with pytest.raises(StateAccessError, match="trace_log"):
-        staged(f.log_in_scan)(states, XS_h9)
+        staged(f.log_in_scan)(states, XS3)
     assert f.model.trace_log == []
 
 
@@ -2165,11 +2156,11 @@ def test_dtype_change_in_a_scan_body_is_the_documented_control_flow_error(
     write_module: Loader,
 ) -> None:
     plain, dec = pair(write_module, FLOW)
-    plain.Flow().scan_int_to_float(XS_h13)  # plain Python's loop just promotes
+    plain.Flow().scan_int_to_float(XS3)  # plain Python's loop just promotes
     f, states = dec.Flow().functionalize()
     for call in (dec.Flow().scan_int_to_float, lambda xs: staged(f.scan_int_to_float)(states, xs)):
         with pytest.raises(ControlFlowStateError, match="wi") as info:
-            call(XS_h13)
+            call(XS3)
         assert_user_line(info.value, dec.__file__)
 
 
@@ -2179,13 +2170,13 @@ def test_a_locally_aliased_lax_scan_is_not_routed_and_refused(write_module: Load
     _, dec = pair(write_module, NESTED)
     model = dec.Nest()
     with pytest.raises(TracedEagerStateError, match="'n'") as info:
-        model.aliased_scan(XS_h14)
+        model.aliased_scan(XS3)
     assert_user_line(info.value, dec.__file__)
     no_tracer(model)
     f, states = dec.Nest().functionalize()
     for call in modes_of(f, "aliased_scan", compiled=True):
         with pytest.raises(EscapedStateError, match="State 'n'"):
-            call(states, XS_h14)
+            call(states, XS3)
 
 
 REMAT = """
@@ -2415,19 +2406,19 @@ def _hand_fit(seed: int, opt: Any) -> tuple[Any, Any]:
         u, s = opt.update(g, s, p)
         return (optax.apply_updates(p, u), s), lval
 
-    (p, s), losses = jax.lax.scan(body, (p, s), (XS_h24, YS))
+    (p, s), losses = jax.lax.scan(body, (p, s), (TRAIN_XS, YS))
     return p, losses
 
 
 def test_param_trainer_scan_over_batches(write_module: Loader) -> None:
-    plain, dec = pair(write_module, TRAINER_h24)
-    check(plain, dec, "ParamTrainer(0)", [("fit", (XS_h24, YS)), ("train_step", ((XS_h24[0], YS[0]),))])
+    plain, dec = pair(write_module, OPTAX_TRAINER)
+    check(plain, dec, "ParamTrainer(0)", [("fit", (TRAIN_XS, YS)), ("train_step", ((TRAIN_XS[0], YS[0]),))])
 
 
 def test_trainer_scan_over_batches_matches_hand_threaded(write_module: Loader) -> None:
-    _, dec = pair(write_module, TRAINER_h24)
+    _, dec = pair(write_module, OPTAX_TRAINER)
     p, losses = _hand_fit(0, optax.adam(0.1))
-    for mode, (outs, states) in run_modes(dec, "Trainer(0)", [("fit", (XS_h24, YS))],
+    for mode, (outs, states) in run_modes(dec, "Trainer(0)", [("fit", (TRAIN_XS, YS))],
                                           ["model.w", "model.b", "step"]).items():
         assert_same(np.asarray(losses), np.asarray(outs[0]), f"{mode} losses")
         assert_same(np.asarray(p[0]), np.asarray(states["model.w"]), f"{mode} w")
@@ -2468,8 +2459,8 @@ def test_checkpoint_grad_matches_without_remat(write_module: Loader) -> None:
 def test_gru_in_scan(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, RNN)
     more = (0.5,) if method == "run_closure" else ()
-    calls = [(method, (XS_h26[:3], *more)), ("step", (XS_h26[3],)), (method, (XS_h26[3:], *more)),
-             ("reset", ()), (method, (XS_h26[:2], *more))]
+    calls = [(method, (XS_SEQ[:3], *more)), ("step", (XS_SEQ[3],)), (method, (XS_SEQ[3:], *more)),
+             ("reset", ()), (method, (XS_SEQ[:2], *more))]
     check(plain, dec, "GRUCell(0, 2, 3)", calls)
 
 
@@ -2477,8 +2468,8 @@ def test_gru_scan_under_grad(write_module: Loader) -> None:
     # A checkpointed bound method as the body: what remat changes is the backward pass.
     # (A bound-method or closure body under grad and vmap: test_grad / test_vmap.)
     plain, dec = pair(write_module, RNN)
-    calls = [("run_closure", (X_h26, 0.5)), ("run_remat", (X_h26,))]
-    check_transform(plain, dec, "GRUCell(0, 2, 3)", calls, XS_h26, "grad")
+    calls = [("run_closure", (TRACED_X, 0.5)), ("run_remat", (TRACED_X,))]
+    check_transform(plain, dec, "GRUCell(0, 2, 3)", calls, XS_SEQ, "grad")
 
 
 def test_kv_cache_decode_fori_loop(write_module: Loader) -> None:
@@ -2507,7 +2498,7 @@ def test_dropout_in_cond_with_batched_predicate_under_vmap(write_module: Loader)
 @pytest.mark.parametrize(
     "calls",
     [
-        [("scan", (XS_h28,)), ("scan", (XS_h28 * 2,))],
+        [("scan", (XS_SIGNED,)), ("scan", (XS_SIGNED * 2,))],
         [("fori", (A1,)), ("fori", (A2,))],
         [("branch", (A1,)), ("branch", (-A2,)), ("branch", (A2,))],
         [("pick", (0, A1)), ("pick", (1, A2)), ("pick", (2, A1))],
@@ -2530,7 +2521,7 @@ def test_helper_module_in_checkpoint_in_method(write_module: Loader) -> None:
 def test_helper_module_in_scan_body(write_module: Loader) -> None:
     # (routed where the method is decorated: under grad and vmap as any routed lax call)
     plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
-    run_case(plain, dec, "M()", [("scanned", (XS_h28,)), ("named", (XS_h28,))], extra=("named", (XS_h28,)))
+    run_case(plain, dec, "M()", [("scanned", (XS_SIGNED,)), ("named", (XS_SIGNED,))], extra=("named", (XS_SIGNED,)))
 
 
 def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader) -> None:
@@ -2547,14 +2538,14 @@ def test_helper_module_setattr_computed_names_in_fori_body(write_module: Loader)
 def test_helper_module_with_autostate_scan(write_module: Loader) -> None:
     plain, dec, _, _ = pair_with_helpers(write_module, HELPER_MOD, HELPER_MODEL)
     run_case(
-        plain, dec, "M()", [("via_autostate_scan", (XS_h28,))] * 2, extra=("via_autostate_scan", (XS_h28,))
+        plain, dec, "M()", [("via_autostate_scan", (XS_SIGNED,))] * 2, extra=("via_autostate_scan", (XS_SIGNED,))
     )
 
 
 @pytest.mark.parametrize(
     "name,args",
     [
-        ("shallow_scan", (XS_h28,)),
+        ("shallow_scan", (XS_SIGNED,)),
         ("deep_fori", (A2,)),
         ("shallow_sub_shared", (A1,)),
         ("deep_sub_in_cond", (A1,)),
@@ -2590,13 +2581,13 @@ def test_copy_made_in_method_written_in_scan(write_module: Loader) -> None:
     # plain: (4.0, 3.0, 0.0) for xs = [0.5, -1, 2, 1.5]; f and jit(f) raised
     # UnexpectedTracerError before the copy's states were threaded.
     plain, dec = pair(write_module, MIN_COPY_SCAN)
-    run_case(plain, dec, "M()", [("run", (XS_h28,))], modes=("eager", "f", "jit"))
+    run_case(plain, dec, "M()", [("run", (XS_SIGNED,))], modes=("eager", "f", "jit"))
 
 
 @pytest.mark.parametrize(
     "name,args",
     [
-        ("scan_hooks", (XS_h28,)),
+        ("scan_hooks", (XS_SIGNED,)),
         ("ckpt_hook", (A2,)),
         ("cond_hooks", (A1,)),
         ("cond_hooks", (-A1,)),
@@ -2613,13 +2604,13 @@ def test_closures_kept_on_the_model_called_in_lax(
 @pytest.mark.parametrize(
     "name,args",
     [
-        ("partial_scan", (XS_h28,)),
+        ("partial_scan", (XS_SIGNED,)),
         ("methodcaller_fori", (A1,)),
         ("getattr_cond", (A2, True)),
         ("getattr_cond", (A2, False)),
-        ("setattr_loop", (XS_h28,)),
+        ("setattr_loop", (XS_SIGNED,)),
         ("dict_write_in_body", (A2,)),
-        ("tree_partial_scan", (XS_h28,)),
+        ("tree_partial_scan", (XS_SIGNED,)),
     ],
 )
 def test_dynamic_roads_in_lax(write_module: Loader, name: str, args: tuple[Any, ...]) -> None:
@@ -2630,7 +2621,7 @@ def test_dynamic_roads_in_lax(write_module: Loader, name: str, args: tuple[Any, 
 @pytest.mark.parametrize(
     "name,args",
     [
-        ("set_in_scan", (XS_h28,)),
+        ("set_in_scan", (XS_SIGNED,)),
         ("static_in_cond", (A2,)),
         ("static_in_cond", (-A2,)),
         ("set_plain", (A2,)),
@@ -2683,10 +2674,10 @@ class M:
 
 def _jax_copy_modes(dec: types.ModuleType, name: str) -> list[Any]:
     model = dec.M()
-    got = [(getattr(model, name)(V3_h28), {"sub.s": model.sub.s})]
+    got = [(getattr(model, name)(V3_RANGE), {"sub.s": model.sub.s})]
     f, states = dec.M().functionalize()
-    got.append(getattr(f, name)(states, V3_h28))
-    got.append(staged(getattr(f, name))(states, V3_h28))
+    got.append(getattr(f, name)(states, V3_RANGE))
+    got.append(staged(getattr(f, name))(states, V3_RANGE))
     return got
 
 
@@ -2715,14 +2706,14 @@ def check_vmap_loop(
     per_example = []
     for i in range(xs.shape[0]):
         m = eval(build, vars(plain))  # noqa: S307
-        outs = [_fcall(m, n)(*[xs[i] if v is X_h28 else v for v in a]) for n, a in calls]
+        outs = [_fcall(m, n)(*[xs[i] if v is TRACED_X else v for v in a]) for n, a in calls]
         per_example.append((outs, {k: plain_path(m, k) for k in keys}))
     expected = jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_example)
 
     def dec_fn(xv: Any) -> Any:
         s, outs = states0, []
         for n, a in calls:
-            out, s = _fcall(f, n)(s, *[xv if v is X_h28 else v for v in a])
+            out, s = _fcall(f, n)(s, *[xv if v is TRACED_X else v for v in a])
             outs.append(out)
         return outs, s
 
@@ -2771,15 +2762,15 @@ def test_while_loop_over_bound_methods_of_an_undecorated_base(write_module: Load
         plain,
         dec,
         "M()",
-        [("run", (A1,)), ("run", (jnp.asarray(30.0),)), ("mapped", (XS_h28,))],
+        [("run", (A1,)), ("run", (jnp.asarray(30.0),)), ("mapped", (XS_SIGNED,))],
         extra=("run", (A2,)),
     )
     check_vmap_loop(
-        plain, dec, "M()", [("run", (X_h28,)), ("run", (X_h28,))], jnp.array([0.0, 3.0, 20.0, 60.0])
+        plain, dec, "M()", [("run", (TRACED_X,)), ("run", (TRACED_X,))], jnp.array([0.0, 3.0, 20.0, 60.0])
     )
 
 
-NESTED_h28 = """
+ALIASED_SUB_MODELS = """
 @DECORATE
 class Counter:
     def __init__(self):
@@ -2823,13 +2814,13 @@ class M:
 
 
 def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader) -> None:
-    plain, dec = pair(write_module, NESTED_h28)
+    plain, dec = pair(write_module, ALIASED_SUB_MODELS)
     run_case(
         plain,
         dec,
         "M()",
-        [("__call__", (XS_h28,)), ("__call__", (XS_h28[::-1],))],
-        extra=("__call__", (XS_h28,)),
+        [("__call__", (XS_SIGNED,)), ("__call__", (XS_SIGNED[::-1],))],
+        extra=("__call__", (XS_SIGNED,)),
     )
     model = dec.M()
     assert sorted(model.functionalize()[1]) == ["counters[0].n", "counters[1].n", "total"]
@@ -2837,8 +2828,8 @@ def test_nested_lax_checkpoint_aliased_sub_models(write_module: Loader) -> None:
 
 def test_nested_lax_checkpoint_aliased_sub_models_under_grad(write_module: Loader) -> None:
     # (a switch whose index is batched, under vmap: test_vmap)
-    plain, dec = pair(write_module, NESTED_h28)
-    check_transform(plain, dec, "M()", [("__call__", (X_h28,))], XS_h28, "grad")
+    plain, dec = pair(write_module, ALIASED_SUB_MODELS)
+    check_transform(plain, dec, "M()", [("__call__", (TRACED_X,))], XS_SIGNED, "grad")
 
 
 def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module: Loader) -> None:
@@ -2846,26 +2837,26 @@ def test_methods_set_after_the_class_statement_in_checkpointed_scan(write_module
     if not hasattr(dec.M, "cell"):
         pytest.skip("module did not load")
     ref, model = plain.M(), dec.M()
-    same(ref.run(XS_h28), model.run(XS_h28), "eager")
+    same(ref.run(XS_SIGNED), model.run(XS_SIGNED), "eager")
     same(snapshot(ref), snapshot(model), "eager attributes")
     f, states = dec.M().functionalize()
     ref = plain.M()
     for fn in (f.run, staged(f.run)):
-        out, states = fn(states, XS_h28)
-        same(ref.run(XS_h28), out, "f / jit")
+        out, states = fn(states, XS_SIGNED)
+        same(ref.run(XS_SIGNED), out, "f / jit")
         same(snapshot(ref.h), snapshot(states["h"]), "state h")
-    check_transform(plain, dec, "M()", [("run", (X_h28,))], XS_h28, "grad")
+    check_transform(plain, dec, "M()", [("run", (TRACED_X,))], XS_SIGNED, "grad")
 
 
 def test_lax_in_a_lambda_method_is_the_documented_error(write_module: Loader) -> None:
     _, dec = pair(write_module, LATE_METHODS)
     with pytest.raises(autostate.errors.TracedEagerStateError) as e:
-        dec.M().run_jax(XS_h28)
+        dec.M().run_jax(XS_SIGNED)
     user_line(e.value, dec, "self.h = jnp.tanh(self.h * self.w + x)")
     assert "autostate.scan" in str(e.value)
     f, states = dec.M().functionalize()
     with pytest.raises(autostate.errors.EscapedStateError) as e:
-        f.run_jax(states, XS_h28)
+        f.run_jax(states, XS_SIGNED)
     assert "autostate.scan" in str(e.value) and f"{__file__}:" in str(e.value)
 
 
@@ -3000,36 +2991,36 @@ ROUTED_PLAIN = [
 
 
 ROUTED_CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
-    "from-import-as": [("as_alias", (XS_h29,)), ("as_alias", (XS_h29 * 2,))],
-    "import-jax.lax-as": [("module_alias", (XS_h29,))],
-    "from-jax-import-lax-as": [("from_import_module_alias", (A1_h29,))],
-    "module-global-alias": [("global_alias", (A1_h29,)), ("global_alias", (A1_h29,))],
-    "partial-fori_loop": [("partial_fori", (A1_h29,))],
-    "partial-checkpoint-decorator": [("partial_decorator", (A1_h29,))],
-    "from-jax-import-remat-as": [("ad_checkpoint", (A1_h29,))],
-    "remat-policy-prevent_cse": [("remat_policy", (A1_h29,))],
+    "from-import-as": [("as_alias", (XS_SIGNED,)), ("as_alias", (XS_SIGNED * 2,))],
+    "import-jax.lax-as": [("module_alias", (XS_SIGNED,))],
+    "from-jax-import-lax-as": [("from_import_module_alias", (X1_WEAK,))],
+    "module-global-alias": [("global_alias", (X1_WEAK,)), ("global_alias", (X1_WEAK,))],
+    "partial-fori_loop": [("partial_fori", (X1_WEAK,))],
+    "partial-checkpoint-decorator": [("partial_decorator", (X1_WEAK,))],
+    "from-jax-import-remat-as": [("ad_checkpoint", (X1_WEAK,))],
+    "remat-policy-prevent_cse": [("remat_policy", (X1_WEAK,))],
     "checkpoint-static_argnums": [
-        ("checkpoint_static", (A1_h29, 3.0)),
-        ("checkpoint_static", (A1_h29, 2.0)),
+        ("checkpoint_static", (X1_WEAK, 3.0)),
+        ("checkpoint_static", (X1_WEAK, 2.0)),
     ],
     "cond-no-operands": [
         ("cond_no_operands", (True,)),
         ("cond_no_operands", (jnp.asarray(False),)),
     ],
     "cond-operand-keyword": [
-        ("cond_operand_kw", (True, A1_h29)),
-        ("cond_operand_kw", (jnp.asarray(False), A1_h29)),
+        ("cond_operand_kw", (True, X1_WEAK)),
+        ("cond_operand_kw", (jnp.asarray(False), X1_WEAK)),
     ],
     "switch-index-out-of-range": [  # Python and traced indices above and below: clamped
-        ("switch", (7, A1_h29)),
-        ("switch", (-1, A1_h29)),
-        ("switch", (jnp.asarray(5), A1_h29)),
-        ("switch", (jnp.asarray(-4), A1_h29)),
-        ("switch", (jnp.asarray(2), A1_h29)),
+        ("switch", (7, X1_WEAK)),
+        ("switch", (-1, X1_WEAK)),
+        ("switch", (jnp.asarray(5), X1_WEAK)),
+        ("switch", (jnp.asarray(-4), X1_WEAK)),
+        ("switch", (jnp.asarray(2), X1_WEAK)),
     ],
-    "map-batch_size-read": [("map_batched_read", (XS_h29,))],
-    "named_scope-named_call": [("named", (A1_h29,)), ("named", (-A1_h29,))],
-    "disable_jit-scan": [("scan_under_disable_jit", (XS_h29,))],
+    "map-batch_size-read": [("map_batched_read", (XS_SIGNED,))],
+    "named_scope-named_call": [("named", (X1_WEAK,)), ("named", (-X1_WEAK,))],
+    "disable_jit-scan": [("scan_under_disable_jit", (XS_SIGNED,))],
 }
 
 
@@ -3044,13 +3035,13 @@ def test_map_batch_size_writing_state_is_the_documented_error(write_module: Load
     model = dec.Routed()
     before = snapshot(model)
     with pytest.raises(ControlFlowStateError, match="batch_size") as info:
-        model.map_batched_write(XS_h29)
+        model.map_batched_write(XS_SIGNED)
     user_line(info.value, dec, "return lax.map(self._up, xs, batch_size=2)")
     assert_same(before, snapshot(model), "model")
     f, states = dec.Routed().functionalize()
     for call in (f.map_batched_write, staged(f.map_batched_write)):
         with pytest.raises(ControlFlowStateError, match="batch_size") as info:
-            call(states, XS_h29)
+            call(states, XS_SIGNED)
         user_line(info.value, dec, "return lax.map(self._up, xs, batch_size=2)")
 
 
@@ -3147,11 +3138,11 @@ UNRESOLVED_PLAIN = [
 @pytest.mark.parametrize(
     "build,calls",
     [
-        ("Unresolved()", [("getattr_read", (XS_h29,)), ("getattr_read", (XS_h29,))]),
-        ("Unresolved()", [("dict_read", (A1_h29,)), ("dict_read", (-A1_h29,))]),
-        ("Unresolved()", [("class_attr_read", (XS_h29,))]),
-        ("Unresolved()", [("default_read", (XS_h29,))]),
-        ("make_cls()()", [("read", (XS_h29,)), ("read", (XS_h29,))]),
+        ("Unresolved()", [("getattr_read", (XS_SIGNED,)), ("getattr_read", (XS_SIGNED,))]),
+        ("Unresolved()", [("dict_read", (X1_WEAK,)), ("dict_read", (-X1_WEAK,))]),
+        ("Unresolved()", [("class_attr_read", (XS_SIGNED,))]),
+        ("Unresolved()", [("default_read", (XS_SIGNED,))]),
+        ("make_cls()()", [("read", (XS_SIGNED,)), ("read", (XS_SIGNED,))]),
     ],
     ids=["getattr", "module-dict", "staticmethod-attr", "default-arg", "factory-closure"],
 )
@@ -3165,12 +3156,12 @@ def test_unresolved_spellings_reading_state_are_exact(
 @pytest.mark.parametrize(
     "build,method,arg,line",
     [
-        ("Unresolved()", "getattr_write", XS_h29, "# step-write"),
-        ("Unresolved()", "dict_write", A1_h29, "# dict-write"),
-        ("Unresolved()", "class_attr_write", XS_h29, "# step-write"),
-        ("Unresolved()", "table_write", A1_h29, "# table-write"),
-        ("Unresolved()", "default_write", XS_h29, "# step-write"),
-        ("make_cls()()", "write", XS_h29, "# closed-write"),
+        ("Unresolved()", "getattr_write", XS_SIGNED, "# step-write"),
+        ("Unresolved()", "dict_write", X1_WEAK, "# dict-write"),
+        ("Unresolved()", "class_attr_write", XS_SIGNED, "# step-write"),
+        ("Unresolved()", "table_write", X1_WEAK, "# table-write"),
+        ("Unresolved()", "default_write", XS_SIGNED, "# step-write"),
+        ("make_cls()()", "write", XS_SIGNED, "# closed-write"),
     ],
     ids=[
         "getattr",
@@ -3245,37 +3236,37 @@ def test_a_local_named_like_a_routed_global_is_not_routed(
     write_module: Loader, method: str
 ) -> None:
     plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
-    args = (XS_h29, XS_h29 > 0) if method == "param_named_cond" else (XS_h29,)
+    args = (XS_SIGNED, XS_SIGNED > 0) if method == "param_named_cond" else (XS_SIGNED,)
     check(plain, dec, "Shadowed()", [(method, args)])
 
 
 def test_a_flag_named_checkpoint_passed_on_keeps_its_value(write_module: Loader) -> None:
     plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
-    check(plain, dec, "Shadowed()", [("flag_named_checkpoint", (A1_h29,))])
+    check(plain, dec, "Shadowed()", [("flag_named_checkpoint", (X1_WEAK,))])
 
 
 def test_a_local_function_named_like_a_routed_global_is_called(write_module: Loader) -> None:
     plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
-    check(plain, dec, "Shadowed()", [("local_function_named_scan", (XS_h29,))])
+    check(plain, dec, "Shadowed()", [("local_function_named_scan", (XS_SIGNED,))])
 
 
 def test_a_global_alias_rebound_after_decoration_is_called(write_module: Loader) -> None:
     plain, dec = pair(write_module, SHADOWED, plain_subs=SHADOWED_PLAIN, checkpoint_as_identity=True)
-    check(plain, dec, "Shadowed()", [("through_global_alias", (A1_h29,))])  # routed, both agree
+    check(plain, dec, "Shadowed()", [("through_global_alias", (X1_WEAK,))])  # routed, both agree
     once = "lambda lo, hi, body, init: body(lo, init)"
     plain.loop = eval(once, vars(plain))  # noqa: S307
     dec.loop = eval(once, vars(dec))  # noqa: S307
-    check(plain, dec, "Shadowed()", [("through_global_alias", (A1_h29,))])
+    check(plain, dec, "Shadowed()", [("through_global_alias", (X1_WEAK,))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_transformations_of_carry_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
     # grad, hessian, jvp, linearize and vjp of a state a scan body writes, under an outer
     # grad / vmap (two steps: the second reads what the first wrote)
-    plain, dec = pair(write_module, INSIDE_h29, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
-    xs = XS_h29[:2]
+    plain, dec = pair(write_module, CLOSURE_TRANSFORMS, plain_subs=INSIDE_PLAIN, checkpoint_as_identity=True)
+    xs = XS_SIGNED[:2]
     x = xs if transform == "grad" else jnp.stack([xs, -xs, xs * 0.5])
-    check_transform(plain, dec, "Inside()", [("grads_of_carry", (X_h29,))], x, transform)
+    check_transform(plain, dec, "Inside()", [("grads_of_carry", (TRACED_X,))], x, transform)
 
 
 def _set(model: Any, path: str, value: Any) -> None:
@@ -3341,15 +3332,15 @@ def train_compare(
 
 @pytest.mark.parametrize("typed", [False, True])
 def test_variational_mask_and_dropout_in_scan(write_module: Loader, typed: bool) -> None:
-    plain, dec = pair(write_module, RNG_h30)
-    calls = [("__call__", (XR_h30,)), ("__call__", (XR_h30[::-1],))]
+    plain, dec = pair(write_module, VARIATIONAL_RNN)
+    calls = [("__call__", (X_VRNN,)), ("__call__", (X_VRNN[::-1],))]
     # (its gradient through the scan: test_rnn_with_dropout_training_in_scan)
     check(plain, dec, f"VariationalRNN(0, 3, typed={typed})", calls)
 
 
 def test_rnn_with_dropout_training_in_scan(write_module: Loader) -> None:
-    plain, dec = pair(write_module, RNG_h30)
-    xs = jnp.stack([XR_h30, XR_h30 * 2, XR_h30[::-1]])
+    plain, dec = pair(write_module, VARIATIONAL_RNN)
+    xs = jnp.stack([X_VRNN, X_VRNN * 2, X_VRNN[::-1]])
     train_compare(
         plain,
         dec,
@@ -3460,18 +3451,18 @@ def primed(model, *args):
 """
 
 
-XR_h31 = jnp.arange(6.0).reshape(3, 2) / 6.0
+XS_LAZY = jnp.arange(6.0).reshape(3, 2) / 6.0
 
 
 def test_lazy_sub_model_created_before_a_lax_scan(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAZY_IN_BODY)
-    plain.XR = dec.XR = XR_h31
-    calls = [("__call__", (XR_h31,)), ("__call__", (XR_h31 * 2,))]
+    plain.XR = dec.XR = XS_LAZY
+    calls = [("__call__", (XS_LAZY,)), ("__call__", (XS_LAZY * 2,))]
     run_case(plain, dec, "RNN()", calls, modes=("eager",))
     run_case(plain, dec, "primed(RNN(), XR)", calls)
 
 
-@pytest.mark.parametrize(("method", "arg"), [("in_body", XR_h31), ("in_cond", XR_h31[1])])
+@pytest.mark.parametrize(("method", "arg"), [("in_body", XS_LAZY), ("in_cond", XS_LAZY[1])])
 def test_lazy_sub_model_created_inside_a_lax_body_eagerly(
     write_module: Loader, method: str, arg: Any
 ) -> None:
@@ -3489,13 +3480,13 @@ def test_lazy_sub_model_created_inside_a_lax_body_through_f(write_module: Loader
     f, states = dec.RNN().functionalize()
     for call in modes_of(f, "in_body"):
         with pytest.raises(StateAccessError, match="sub-model") as err:
-            call(states, XR_h31)
+            call(states, XS_LAZY)
         user_line(err.value, dec, "# cell in body")
 
 
 @pytest.mark.parametrize(("method", "arg", "text"), [
-    ("array_in_body", XR_h31, "return lax.scan(body, jnp.zeros(xs.shape[-1]), xs)"),
-    ("array_in_checkpoint", XR_h31[1], "return checkpoint(inner)(x)"),
+    ("array_in_body", XS_LAZY, "return lax.scan(body, jnp.zeros(xs.shape[-1]), xs)"),
+    ("array_in_checkpoint", XS_LAZY[1], "return checkpoint(inner)(x)"),
 ])
 def test_lazy_array_inside_a_lax_body_is_the_documented_control_flow_error(
     write_module: Loader, method: str, arg: Any, text: str
@@ -3591,10 +3582,10 @@ def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader) -> 
 
     ref = plain.Member(key)
     c = 0.0
-    for x in XS_h31:
+    for x in X23_STACK:
         c = c + ref(x).sum()
-    same((c, ref.n, ref.mean), g(key, XS_h31), "eager")
-    same((c, ref.n, ref.mean), staged(g)(key, XS_h31), "jit")
+    same((c, ref.n, ref.mean), g(key, X23_STACK), "eager")
+    same((c, ref.n, ref.mean), staged(g)(key, X23_STACK), "jit")
 
 
 @pytest.mark.parametrize("method", ["scan", "cond", "ckpt"])
@@ -3629,13 +3620,13 @@ def test_growing_a_state_inside_a_lax_scan_is_the_documented_error(
     _, dec = pair(write_module, GROW)
     model = dec.Cache()
     with pytest.raises(ControlFlowStateError) as err:
-        getattr(model, method)(XR_h31)
+        getattr(model, method)(XS_LAZY)
     user_line(err.value, dec, text)
     assert model.kv.shape == (0, 2) and model.hist == []
     f, states = dec.Cache().functionalize()
     for call in modes_of(f, method):
         with pytest.raises(ControlFlowStateError) as err:
-            call(states, XR_h31)
+            call(states, XS_LAZY)
         user_line(err.value, dec, text)
 
 
@@ -3727,23 +3718,23 @@ def test_contextmanager_in_a_scan_body_that_raises_out_is_the_documented_error(
     ``ControlFlowStateError`` when the lost state is read, naming the scan."""
     plain, dec = pair(write_module, CMS)
     ref = plain.Net()
-    assert bool(ref.scan_cm_raise_out(XS_h33)) and float(ref.n) == 1.0
+    assert bool(ref.scan_cm_raise_out(XS3)) and float(ref.n) == 1.0
     model = dec.Net()
-    model.scan_cm_raise_out(XS_h33)
+    model.scan_cm_raise_out(XS3)
     with pytest.raises(errors.ControlFlowStateError) as info:
         model.n  # noqa: B018
     user_line(info.value, dec, "# SCAN", fix=True)
     f, s = dec.Net().functionalize()
     for fn in (f.scan_cm_raise_out, staged(f.scan_cm_raise_out)):
         with pytest.raises(errors.ControlFlowStateError) as info:
-            fn(s, XS_h33)
+            fn(s, XS3)
         user_line(info.value, dec, "# SCAN", fix=True)
 
 
 def test_python_branch_in_a_scan_body_under_disable_jit(write_module: Loader) -> None:
     plain, dec = pair(write_module, AROUND)
     jax_plain = write_module(HEADER + "from jax import lax\n" + AROUND.replace("@DECORATE", ""))
-    calls = [("python_branch_scan", (XS_h34,)), ("python_branch_scan", (-XS_h34,))]
+    calls = [("python_branch_scan", (V3_STACK,)), ("python_branch_scan", (-V3_STACK,))]
     with jax.disable_jit():
         ref = jax_plain.Rnn()  # JAX's own scan, run per step
         expected = [ref.python_branch_scan(*a) for _, a in calls]

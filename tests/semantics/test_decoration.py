@@ -48,7 +48,7 @@ from semantics.harness import (
     staged,
 )
 from semantics.programs import _COUNTER, Build
-from semantics.programs import HEADER_h6 as HEADER
+from semantics.programs import FILE_HEADER as HEADER
 
 
 def _import(path: Path, name: str) -> types.ModuleType:
@@ -87,16 +87,16 @@ def files(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
     def make(source: str) -> tuple[types.ModuleType, Path, Callable[[str], types.ModuleType]]:
         i = next(_COUNTER)
-        plain_path_ = tmp_path / f"autostate_testmod_h6plain{i}.py"
-        dec_path = tmp_path / f"autostate_testmod_h6dec{i}.py"
+        plain_path_ = tmp_path / f"autostate_testmod_files_plain{i}.py"
+        dec_path = tmp_path / f"autostate_testmod_files_dec{i}.py"
         plain_path_.write_text(_plain(source))
         dec_path.write_text(_decorated(source))
-        name = f"autostate_testmod_h6p{i}"
+        name = f"autostate_testmod_files_p{i}"
         added.append(name)
         plain = _import(plain_path_, name)
 
         def load(tag: str) -> types.ModuleType:
-            mod_name = f"autostate_testmod_h6{tag}{i}"
+            mod_name = f"autostate_testmod_files_{tag}{i}"
             added.append(mod_name)
             return _import(dec_path, mod_name)
 
@@ -1530,7 +1530,7 @@ def test_signature_of_a_class_whose_mixin_new_comes_first(build: Build) -> None:
     differential(build, MIXINS, scenario)
 
 
-KINDS_h7 = """
+PROTOCOLS_AND_ABCS = """
 @typing.runtime_checkable
 class Bumps(typing.Protocol):
     def bump(self): ...
@@ -1624,7 +1624,7 @@ def test_protocol_bases(build: Build) -> None:
         return [sig, a.bump(), a.bump(), isinstance(a, m.Bumps), isinstance(3, m.Bumps),
                 b.bump(), b.bump(), m.ProtoNoInit.v, issubclass(m.ProtoImpl, m.Bumps)]
 
-    plain, dec = build(KINDS_h7)
+    plain, dec = build(PROTOCOLS_AND_ABCS)
     assert_same(scenario(plain), scenario(dec))
     check(plain, dec, "ProtoImpl()", [("bump", ()), ("bump", ())])
     check(plain, dec, "ProtoNoInit()", [("bump", ()), ("bump", ())])
@@ -1649,7 +1649,7 @@ def test_abstract_methods_with_bodies_before_and_after_completion(build: Build) 
                 sorted(Late.__abstractmethods__), error_text(m.Half)]
         return out
 
-    plain, dec = build(KINDS_h7)
+    plain, dec = build(PROTOCOLS_AND_ABCS)
     assert_same(scenario(plain), scenario(dec))
     check(plain, dec, "Square()", [("grow", ()), ("grow", ())])
 
@@ -1668,7 +1668,7 @@ def test_own_init_subclass_with_keywords_on_the_pending_class(build: Build) -> N
         return [t.bump(), Five().bump(), m.Hooked.__dict__.get("scale", -1.0),
                 list(m.Hooked.registry), error_text(bad_keyword), m.Bare().one()]
 
-    plain, dec = build(KINDS_h7)
+    plain, dec = build(PROTOCOLS_AND_ABCS)
     assert_same(scenario(plain), scenario(dec))
     check(plain, dec, "Triple()", [("bump", ()), ("bump", ())])
 
@@ -1803,17 +1803,17 @@ def test_a_shared_init_from_another_module_does_not_hide_a_new_class_s_error(
     tmp_path: Path,
 ) -> None:
     i = next(_NAMES)
-    helper = f"autostate_testmod_h7helper{i}"
+    helper = f"autostate_testmod_shared_helper{i}"
     (tmp_path / f"{helper}.py").write_text(SHARED_HELPER)
     sys.path.insert(0, str(tmp_path))
     names = [helper]
     try:
-        good_path = tmp_path / f"autostate_testmod_h7good{i}.py"
+        good_path = tmp_path / f"autostate_testmod_shared_good{i}.py"
         good_path.write_text(SHARED_USER.format(
             helper=helper, body="self.v = self.v + 1\n        return self.v"))
         names.append(good_path.stem)
         assert float(_import(good_path, good_path.stem).Model().bump()) == 1.0
-        bad_path = tmp_path / f"autostate_testmod_h7bad{i}.py"
+        bad_path = tmp_path / f"autostate_testmod_shared_bad{i}.py"
         bad_path.write_text(SHARED_USER.format(helper=helper, body="self.w = self.v"))
         names.append(bad_path.stem)
         with pytest.raises(DecorationError, match="first assigned outside __init__"):
@@ -2243,7 +2243,7 @@ def test_dataclass_slots_above_is_supported_or_a_clear_error(build: Build) -> No
         return  # a clear refusal is fine
 
 
-AROUND_h7 = """
+PENDING_CLASS_USES = """
 class PlainCounter:
     def __init__(self):
         self.v = jnp.zeros(())
@@ -2287,7 +2287,7 @@ def test_object_new_instance_used_after_the_completion_and_copied(build: Build) 
             out += [twin.bump(), twin.v, early.v, twin.n]
         return out
 
-    plain, dec = build(AROUND_h7)
+    plain, dec = build(PENDING_CLASS_USES)
     assert_same(scenario(plain), scenario(dec))
     continue_functional(make(plain), make(dec), "bump", ["v"])
     continue_jitted(make(plain), make(dec), "bump")
@@ -2299,7 +2299,7 @@ def test_object_new_instance_functionalized_as_the_first_use(build: Build) -> No
         model.__init__()
         return model
 
-    plain, dec = build(AROUND_h7)
+    plain, dec = build(PENDING_CLASS_USES)
     ref, model = make(plain), make(dec)
     continue_functional(ref, model, "bump", ["v"])
 
@@ -2311,7 +2311,7 @@ def test_class_assignment_to_a_pending_class(build: Build) -> None:
         obj.bump()
         return obj
 
-    plain, dec = build(AROUND_h7)
+    plain, dec = build(PENDING_CLASS_USES)
     assert_same(snapshot(make(plain)), snapshot(make(dec)))
     continue_functional(make(plain), make(dec), "bump", ["v"])
     continue_jitted(make(plain), make(dec), "bump")

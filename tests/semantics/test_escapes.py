@@ -64,6 +64,7 @@ from semantics.programs import (
     A1,
     BODIES,
     BUILT,
+    CLOSURE_TRANSFORMS,
     CLOSURES,
     CROSS,
     DISPATCH,
@@ -83,34 +84,33 @@ from semantics.programs import (
     SYNTAX,
     TORCH,
     TORCH_HEADER,
+    TORCH_TRAINING,
     TORCHLIKE,
+    TRAIN_XS,
+    TRANSFORMED_WRITES,
     TRANSFORMS_INSIDE,
     V3,
+    V3_RANGE,
+    V3_STACK,
     VMAPCK,
     X1,
+    X23_STACK,
+    X_BATCH,
     XS,
+    XS3,
+    XS_SIGNED,
     YS,
 )
+from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
+from semantics.programs import CUSTOM_DERIVATIVES as OUTSIDE
 from semantics.programs import ESCAPES as AFTER_THE_CALL
+from semantics.programs import HELPER_ESCAPES as ESCAPES
+from semantics.programs import OPTAX_TRAINER as TRAINER
 from semantics.programs import OUTSIDE as OTHER_MODULE_HELPERS
-from semantics.programs import A1_h29 as WEAK_X
-from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
-from semantics.programs import ESCAPES_h8 as ESCAPES
-from semantics.programs import ESCAPES_h34 as TRANSFORMED_WRITES
-from semantics.programs import INSIDE_h29 as CLOSURE_TRANSFORMS
-from semantics.programs import OUTSIDE_h9 as OUTSIDE
-from semantics.programs import TORCH_h35 as TORCH_TRAINING
-from semantics.programs import TRAINER_h24 as TRAINER
-from semantics.programs import V3_h28 as V3_RANGE
-from semantics.programs import X2_h14 as X2
-from semantics.programs import X_h35 as X_BATCH
-from semantics.programs import XB_h24 as XB
-from semantics.programs import XS_h8 as XS3
-from semantics.programs import XS_h24 as TRAIN_XS
-from semantics.programs import XS_h28 as XS_SIGNED
-from semantics.programs import XS_h31 as X23_STACK
-from semantics.programs import XS_h34 as V3_STACK
-from semantics.programs import Y_h35 as Y
+from semantics.programs import TWO as X2
+from semantics.programs import X1_WEAK as WEAK_X
+from semantics.programs import XB_VMAP as XB
+from semantics.programs import Y_BATCH as Y
 from semantics.twins import (
     DECORATED,
     filled,

@@ -57,19 +57,17 @@ from semantics.programs import (
     REENTRANT,
     STACK,
     V3,
+    V3_RANGE,
     VARIANTS,
     X1,
+    X1_WEAK,
+    X2_WEAK,
+    XS_SIGNED,
 )
-from semantics.programs import CONSTRUCTS_h9 as CONSTRUCTS
-from semantics.programs import MORE_h32 as MORE
-from semantics.programs import V3_h28 as V3_h28
-from semantics.programs import X1_h32 as X1_h32
-from semantics.programs import X2_h19 as X2
-from semantics.programs import X2_h32 as X2_h32
-from semantics.programs import XS_h9 as XS
-from semantics.programs import XS_h19 as XS_h19
-from semantics.programs import XS_h28 as XS_h28
-from semantics.programs import XS_h32 as XS_h32
+from semantics.programs import BRANCH_EXCEPTIONS as MORE
+from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
+from semantics.programs import TWO as X2
+from semantics.programs import XS3 as XS
 from semantics.twins import (
     DECORATED,
     PLAIN,
@@ -304,7 +302,7 @@ def test_raise_after_an_eager_lax_call_keeps_its_writes(write_module: Loader) ->
     for mod in (plain, dec):
         m = mod.Raiser()
         with pytest.raises(ValueError, match="after the scan"):
-            m.scan_then_raise(XS_h19)
+            m.scan_then_raise(XS)
         got.append(floats([m.n, m.step(X1), m.x]))
     assert_same(got[0], got[1])
     no_handler_left()
@@ -325,9 +323,9 @@ def test_keyboard_interrupt_inside_an_eager_lax_body_before_any_write(
         m = mod.Raiser()
         m.hook = interrupt
         with pytest.raises(KeyboardInterrupt):
-            m.scan_hooked(XS_h19)
+            m.scan_hooked(XS)
         m.hook = None
-        got.append(floats([m.x, m.scan_hooked(XS_h19), m.x, m.step(X1)]))
+        got.append(floats([m.x, m.scan_hooked(XS), m.x, m.step(X1)]))
         no_handler_left()
     assert_same(got[0], got[1])
 
@@ -479,8 +477,8 @@ def test_helper_module_raises_after_write_caught_in_method(write_module: Loader)
         plain,
         dec,
         "M()",
-        [("guarded", (V3_h28[:2],)), ("guarded", (V3_h28,)), ("guarded", (V3_h28[:1],))],
-        extra=("guarded", (V3_h28,)),
+        [("guarded", (V3_RANGE[:2],)), ("guarded", (V3_RANGE,)), ("guarded", (V3_RANGE[:1],))],
+        extra=("guarded", (V3_RANGE,)),
     )
 
 
@@ -569,10 +567,10 @@ def test_raise_after_writes_out_of_f_leaves_states(write_module: Loader) -> None
 
 def test_lax_body_raising_after_write_through_inherited_lambda(write_module: Loader) -> None:
     plain, dec = pair(write_module, RAISE_IN_LAX)
-    run_case(plain, dec, "M()", [("run_then_assign", (XS_h28,))], extra=("run_then_assign", (XS_h28,)))
+    run_case(plain, dec, "M()", [("run_then_assign", (XS_SIGNED,))], extra=("run_then_assign", (XS_SIGNED,)))
     # the documented ControlFlowStateError when the lost value is read
     f, states = dec.M().functionalize()
-    for fn in (lambda: dec.M().run(XS_h28), lambda: f.run(states, XS_h28)):
+    for fn in (lambda: dec.M().run(XS_SIGNED), lambda: f.run(states, XS_SIGNED)):
         with pytest.raises(autostate.errors.ControlFlowStateError) as e:
             fn()
         user_line(e.value, dec, "return self.t")
@@ -896,14 +894,14 @@ class Model:
 
 
 ROADS = [
-    ("direct", (X1_h32, True)),
-    ("via_kid", (X1_h32, True)),
-    ("via_helper", (X1_h32, True)),
-    ("via_closure", (X1_h32, True)),
-    ("via_getattr", (X1_h32, True)),
-    ("via_setter", (XS_h32,)),
-    ("via_jax_error", (X1_h32, True)),
-    ("deep", (X1_h32, 3, True)),
+    ("direct", (X1_WEAK, True)),
+    ("via_kid", (X1_WEAK, True)),
+    ("via_helper", (X1_WEAK, True)),
+    ("via_closure", (X1_WEAK, True)),
+    ("via_getattr", (X1_WEAK, True)),
+    ("via_setter", (XS,)),
+    ("via_jax_error", (X1_WEAK, True)),
+    ("deep", (X1_WEAK, 3, True)),
 ]
 
 
@@ -912,13 +910,13 @@ def test_partial_writes_then_raise(write_module: Loader, raising: Call) -> None:
     plain, dec = pair(write_module, PARTIAL)
     ok = (raising[0], tuple(False if a is True else a for a in raising[1]))
     if raising[0] == "via_setter":
-        ok = ("via_setter", (X2_h32,))
+        ok = ("via_setter", (X2_WEAK,))
     raise_and_recover(
         plain, dec, "Model()",
-        before=[("__call__", (X1_h32,)), ok],
+        before=[("__call__", (X1_WEAK,)), ok],
         raising=raising,
         exc=Exception,  # plain.Boom and dec.Boom are two classes
-        after=[("__call__", (X2_h32,)), ok, ("__call__", (X1_h32,))],
+        after=[("__call__", (X2_WEAK,)), ok, ("__call__", (X1_WEAK,))],
     )
 
 
@@ -926,8 +924,8 @@ def test_sub_model_init_raising_inside_the_method(write_module: Loader) -> None:
     """A decorated sub-model whose ``__init__`` raises midway, built and
     caught inside a method (the method goes on with another instance)."""
     plain, dec = pair(write_module, PARTIAL)
-    run_modes(plain, dec, "Model()", [("build_kid_fails", (X1_h32, True)), ("__call__", (X2_h32,)),
-                                      ("build_kid_fails", (X2_h32, False))])
+    run_modes(plain, dec, "Model()", [("build_kid_fails", (X1_WEAK, True)), ("__call__", (X2_WEAK,)),
+                                      ("build_kid_fails", (X2_WEAK, False))])
 
 
 def test_partial_writes_raise_class_is_the_users(write_module: Loader) -> None:
@@ -936,8 +934,8 @@ def test_partial_writes_raise_class_is_the_users(write_module: Loader) -> None:
     _, dec = pair(write_module, PARTIAL)
     model = dec.Model()
     f, states = model.functionalize()
-    for call in (lambda: model.via_helper(X1_h32, True), lambda: f.via_helper(states, X1_h32, True),
-                 lambda: staged(f.via_helper, static_argnums=2)(states, X1_h32, True)):
+    for call in (lambda: model.via_helper(X1_WEAK, True), lambda: f.via_helper(states, X1_WEAK, True),
+                 lambda: staged(f.via_helper, static_argnums=2)(states, X1_WEAK, True)):
         with pytest.raises(dec.Boom, match="helper") as err:
             call()
         assert type(err.value) is dec.Boom
@@ -1128,17 +1126,17 @@ class Lax:
 # method -> (argument, attribute the body writes before the raise, text of the
 # lax call's line, which the documented error names)
 LAX_ROADS = {
-    "scan": (XS_h32, "s", "return lax.scan(body, 0.0, xs)"),
-    "fori": (XS_h32, "t", "return lax.fori_loop(0, 3, body, 0.0)"),
-    "while_body": (X1_h32, "s", "return lax.while_loop(cond, body, 0)"),
-    "cond": (X1_h32, "s", "return lax.cond(x > 0, yes, no, x)"),
-    "switch": (X1_h32, "s", "return lax.switch(1, [b0, b1], x)"),
-    "map": (XS_h32, "s", "return lax.map(fn, xs)"),
-    "ckpt": (X1_h32, "s", "return checkpoint(g)(x)"),
-    "bound": (XS_h32, "kid.k", "return lax.scan(self.kid.step, 0.0, xs)"),
-    "helper": (XS_h32, "h", "return LAXW.scan(body, 0.0, xs)[0]"),
-    "carry": (XS_h32, "kid.k", "kid, _ = lax.scan(body, self.kid, xs)"),
-    "ckpt_method": (X1_h32, "s", "return self._block(x)"),
+    "scan": (XS, "s", "return lax.scan(body, 0.0, xs)"),
+    "fori": (XS, "t", "return lax.fori_loop(0, 3, body, 0.0)"),
+    "while_body": (X1_WEAK, "s", "return lax.while_loop(cond, body, 0)"),
+    "cond": (X1_WEAK, "s", "return lax.cond(x > 0, yes, no, x)"),
+    "switch": (X1_WEAK, "s", "return lax.switch(1, [b0, b1], x)"),
+    "map": (XS, "s", "return lax.map(fn, xs)"),
+    "ckpt": (X1_WEAK, "s", "return checkpoint(g)(x)"),
+    "bound": (XS, "kid.k", "return lax.scan(self.kid.step, 0.0, xs)"),
+    "helper": (XS, "h", "return LAXW.scan(body, 0.0, xs)[0]"),
+    "carry": (XS, "kid.k", "kid, _ = lax.scan(body, self.kid, xs)"),
+    "ckpt_method": (X1_WEAK, "s", "return self._block(x)"),
 }
 
 
@@ -1155,7 +1153,7 @@ def test_lax_body_raises_before_any_write(write_module: Loader, method: str) -> 
     arg, _, _ = LAX_ROADS[method]
     raise_and_recover(
         plain, dec, _lax_build(method, "before"),
-        before=[("__call__", (X1_h32,))],
+        before=[("__call__", (X1_WEAK,))],
         raising=(method, (arg, "before")),
         exc=Exception,
         after=_lax_after(method, arg),
@@ -1166,7 +1164,7 @@ def _lax_after(method: str, arg: Any) -> list[Call]:
     """What runs after the raise: a static state changed eagerly (read by the
     scan body), the method again, a plain call."""
     again = [] if method in ("bound", "ckpt_method") else [(method, (arg, None))]
-    return [("set_mode", ("double",)), ("__call__", (X2_h32,)), *again, ("scan", (XS_h32, None))]
+    return [("set_mode", ("double",)), ("__call__", (X2_WEAK,)), *again, ("scan", (XS, None))]
 
 
 @pytest.mark.parametrize("method", sorted(LAX_ROADS))
@@ -1180,7 +1178,7 @@ def test_lax_body_raises_after_a_write(write_module: Loader, method: str) -> Non
     arg, attr, text = LAX_ROADS[method]
     raise_and_recover(
         plain, dec, _lax_build(method, "after"),
-        before=[("__call__", (X1_h32,))],
+        before=[("__call__", (X1_WEAK,))],
         raising=(method, (arg, "after")),
         exc=Exception,
         lost=[(attr, text)],
@@ -1194,10 +1192,10 @@ def test_while_cond_raises(write_module: Loader) -> None:
     plain, dec = pair(write_module, LAX)
     raise_and_recover(
         plain, dec, "Lax()",
-        before=[("__call__", (X1_h32,))],
-        raising=("while_body", (X1_h32, "cond")),
+        before=[("__call__", (X1_WEAK,))],
+        raising=("while_body", (X1_WEAK, "cond")),
         exc=Exception,
-        after=[("__call__", (X2_h32,)), ("while_body", (X1_h32, None))],
+        after=[("__call__", (X2_WEAK,)), ("while_body", (X1_WEAK, None))],
     )
 
 
@@ -1370,15 +1368,15 @@ class Try:
 
 
 TRY_CALLS = {
-    "clauses": X1_h32,
-    "return_in_finally": X1_h32,
-    "suppress": X1_h32,
-    "raise_from": X1_h32,
-    "groups": X1_h32,
-    "kid_caught": X1_h32,
-    "with_exit_caught": X1_h32,
-    "in_scan": XS_h32,
-    "loop_continue": XS_h32,
+    "clauses": X1_WEAK,
+    "return_in_finally": X1_WEAK,
+    "suppress": X1_WEAK,
+    "raise_from": X1_WEAK,
+    "groups": X1_WEAK,
+    "kid_caught": X1_WEAK,
+    "with_exit_caught": X1_WEAK,
+    "in_scan": XS,
+    "loop_continue": XS,
 }
 
 
@@ -1394,10 +1392,10 @@ def test_reraise_after_except_and_finally_wrote(write_module: Loader) -> None:
     plain, dec = pair(write_module, TRY)
     raise_and_recover(
         plain, dec, "Try()",
-        before=[("clauses", (X1_h32, True))],
-        raising=("reraise", (X1_h32, True)),
+        before=[("clauses", (X1_WEAK, True))],
+        raising=("reraise", (X1_WEAK, True)),
         exc=Exception,
-        after=[("clauses", (X2_h32, False)), ("reraise", (X2_h32, False))],
+        after=[("clauses", (X2_WEAK, False)), ("reraise", (X2_WEAK, False))],
     )
 
 
@@ -1407,10 +1405,10 @@ def test_exit_writes_while_the_exception_passes(write_module: Loader) -> None:
     plain, dec = pair(write_module, TRY)
     raise_and_recover(
         plain, dec, "Try()",
-        before=[("with_exit", (X1_h32, False))],
-        raising=("with_exit", (X1_h32, True)),
+        before=[("with_exit", (X1_WEAK, False))],
+        raising=("with_exit", (X1_WEAK, True)),
         exc=Exception,
-        after=[("with_exit", (X2_h32, False))],
+        after=[("with_exit", (X2_WEAK, False))],
     )
 
 
@@ -1505,24 +1503,24 @@ def test_refusal_swallowed_by_the_users_except_through_f(
     result plain Python never gives."""
     plain, dec = pair(write_module, CAUGHT)
     ref, model = plain.Caught(), dec.Caught()
-    same(snapshot(ecall(ref, method, (X1_h32,))), snapshot(ecall(model, method, (X1_h32,))), "eager")
+    same(snapshot(ecall(ref, method, (X1_WEAK,))), snapshot(ecall(model, method, (X1_WEAK,))), "eager")
     same(snapshot(ref), snapshot(model), "eager attributes")
     f, states = dec.Caught().functionalize()
     # The refusal the method caught is raised again when the call returns.
     with pytest.raises((autostate.errors.StaticStateError, autostate.errors.StateAccessError)) as err:
-        fcall(f, method, states, (X1_h32,), jit)
+        fcall(f, method, states, (X1_WEAK,), jit)
     assert "code there caught it" in "".join(getattr(err.value, "__notes__", ()))
     no_handler_left()
     no_tracers(f)
-    same(snapshot(plain.Caught().if_on_state(X1_h32)),
-         snapshot(fcall(f, "if_on_state", states, (X1_h32,), False)[0]), "f works afterwards")
+    same(snapshot(plain.Caught().if_on_state(X1_WEAK)),
+         snapshot(fcall(f, "if_on_state", states, (X1_WEAK,), False)[0]), "f works afterwards")
 
 
 def test_static_write_refused_in_an_eager_lax_body_swallowed(write_module: Loader) -> None:
     plain, dec = pair(write_module, CAUGHT)
     ref, model = plain.Caught(), dec.Caught()
     with pytest.raises(autostate.errors.StaticStateError) as err:
-        model.mode_in_scan(XS_h32)
+        model.mode_in_scan(XS)
     assert "code there caught it" in "".join(getattr(err.value, "__notes__", ()))
     assert model.mode == ref.mode == "train"
     no_tracers(model)
@@ -1537,23 +1535,23 @@ def test_refusal_through_f_not_caught_then_everything_works(write_module: Loader
     given = states_snapshot(states)
     for jit in (False, True):
         with pytest.raises(autostate.errors.StaticStateError) as err:
-            fcall(f, "mode_unguarded", states, (X1_h32,), jit)
+            fcall(f, "mode_unguarded", states, (X1_WEAK,), jit)
         user_line(err.value, dec, 'self.mode = "eval"')
         same(given, states_snapshot(states), "states given")
         no_handler_left()
         no_tracers(model, f)
     ref = plain.Caught()
-    for x in (X1_h32, X2_h32):
+    for x in (X1_WEAK, X2_WEAK):
         out, states = fcall(f, "step", states, (x,), True)
         same(snapshot(ref.step(x)), snapshot(out), "f after the refusal")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
     ref2 = plain.Caught()
-    same(snapshot(ref2.mode_unguarded(X1_h32)), snapshot(model.mode_unguarded(X1_h32)), "eager after")
+    same(snapshot(ref2.mode_unguarded(X1_WEAK)), snapshot(model.mode_unguarded(X1_WEAK)), "eager after")
     same(snapshot(ref2), snapshot(model), "eager attributes after")
     f2, s2 = model.functionalize()
     compare_states(ref2, s2, "functionalize again")
-    out, s2 = fcall(f2, "step", s2, (X2_h32,), True)
-    same(snapshot(ref2.step(X2_h32)), snapshot(out), "new f")
+    out, s2 = fcall(f2, "step", s2, (X2_WEAK,), True)
+    same(snapshot(ref2.step(X2_WEAK)), snapshot(out), "new f")
 
 
 def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: Loader) -> None:
@@ -1562,15 +1560,15 @@ def test_traced_value_error_caught_by_except_type_error_under_jit(write_module: 
     runs, as it does in hand-written JAX, and the state it then writes is
     threaded. Eagerly and through f without jit the ``if`` is plain Python's."""
     plain, dec = pair(write_module, CAUGHT)
-    run_modes(plain, dec, "Caught()", [("if_on_state", (X1_h32,)), ("step", (X2_h32,)),
-                                        ("if_on_state", (X1_h32,))], modes=("eager", "f"))
+    run_modes(plain, dec, "Caught()", [("if_on_state", (X1_WEAK,)), ("step", (X2_WEAK,)),
+                                        ("if_on_state", (X1_WEAK,))], modes=("eager", "f"))
     f, states = dec.Caught().functionalize()
-    out, states = fcall(f, "if_on_state", states, (X1_h32,), True)
+    out, states = fcall(f, "if_on_state", states, (X1_WEAK,), True)
     same(np.float32(-100.0 + 1.5), np.asarray(out), "the except clause ran under jit")
     ref = plain.Caught()
     ref.a = jnp.asarray(-98.5)
-    out, states = fcall(f, "step", states, (X2_h32,), True)
-    same(snapshot(ref.step(X2_h32)), snapshot(out), "jit after the caught error")
+    out, states = fcall(f, "step", states, (X2_WEAK,), True)
+    same(snapshot(ref.step(X2_WEAK)), snapshot(out), "jit after the caught error")
     compare_states(ref, states, "jit")
     no_handler_left()
 
@@ -1581,18 +1579,18 @@ def test_lost_state_error_caught_then_assigned(write_module: Loader) -> None:
     through f and under jit the result is that of the method's fallback."""
     plain, dec = pair(write_module, CAUGHT)
     ref = plain.Caught()
-    ref.lost_then_caught(XS_h32)  # plain Python reads the loop's value instead: no error
+    ref.lost_then_caught(XS)  # plain Python reads the loop's value instead: no error
     want = np.float32(-1.0)
     model = dec.Caught()
-    same(want, np.asarray(model.lost_then_caught(XS_h32)), "eager")
+    same(want, np.asarray(model.lost_then_caught(XS)), "eager")
     same(want, np.asarray(model.flag), "eager flag")
     no_tracers(model)
     for jit in (False, True):
         f, states = dec.Caught().functionalize()
-        out, states = fcall(f, "lost_then_caught", states, (XS_h32,), jit)
+        out, states = fcall(f, "lost_then_caught", states, (XS,), jit)
         same(want, np.asarray(out), f"jit={jit}")
         same(want, np.asarray(states["flag"]), f"jit={jit} flag")
-        out, states = fcall(f, "step", states, (X1_h32,), jit)
+        out, states = fcall(f, "step", states, (X1_WEAK,), jit)
         same(np.float32(-2.0 + 1.5), np.asarray(out), f"jit={jit} step after")
     no_handler_left()
 
@@ -1695,10 +1693,10 @@ def test_base_exception_from_a_method_after_writes(write_module: Loader, kind: s
     plain, dec = pair(write_module, BASE)
     raise_and_recover(
         plain, dec, "Base()",
-        before=[("__call__", (X1_h32,))],
-        raising=("method", (X1_h32, kind)),
+        before=[("__call__", (X1_WEAK,))],
+        raising=("method", (X1_WEAK, kind)),
         exc=BASE_KINDS[kind],
-        after=[("__call__", (X2_h32,)), ("method", (X2_h32, None))],
+        after=[("__call__", (X2_WEAK,)), ("method", (X2_WEAK, None))],
     )
 
 
@@ -1708,12 +1706,12 @@ def test_custom_base_exception_in_an_eager_lax_body_loses_the_state(write_module
                          ("in_checkpoint", "return checkpoint(g)(x)")):
         raise_and_recover(
             plain, dec, "Base()",
-            before=[("__call__", (X1_h32,))],
-            raising=(method, (XS_h32 if method == "in_scan" else X1_h32, "stop")),
+            before=[("__call__", (X1_WEAK,))],
+            raising=(method, (XS if method == "in_scan" else X1_WEAK, "stop")),
             exc=BaseException,
             lost=[("s", text)],
             repair=("reset", ()),
-            after=[("__call__", (X2_h32,))],
+            after=[("__call__", (X2_WEAK,))],
         )
 
 
@@ -1724,7 +1722,7 @@ def test_interrupt_in_an_eager_lax_body_after_a_write(
 ) -> None:
     plain, dec = pair(write_module, BASE)
     ref, model = plain.Base(), dec.Base()
-    arg = XS_h32 if method == "in_scan" else X1_h32
+    arg = XS if method == "in_scan" else X1_WEAK
     for obj in (ref, model):
         with pytest.raises(BASE_KINDS[kind]):
             ecall(obj, method, (arg, kind))
@@ -1739,10 +1737,10 @@ def test_interrupt_in_a_lax_body_through_f(write_module: Loader, kind: str) -> N
     plain, dec = pair(write_module, BASE)
     raise_and_recover(
         plain, dec, "Base()",
-        before=[("__call__", (X1_h32,))],
-        raising=("in_scan", (XS_h32, kind)),
+        before=[("__call__", (X1_WEAK,))],
+        raising=("in_scan", (XS, kind)),
         exc=BASE_KINDS[kind],
-        after=[("__call__", (X2_h32,)), ("in_scan", (XS_h32, None))],
+        after=[("__call__", (X2_WEAK,)), ("in_scan", (XS, None))],
         modes=("f", "jit"),
     )
 
@@ -1757,11 +1755,11 @@ def test_captured_and_non_state_list_changed_in_a_body_is_refused(
     plain, dec = pair(write_module, BASE)
     model = dec.Base()
     f, states = model.functionalize()
-    calls = [lambda: model.captured(XS_h32, kind), lambda: f.captured(states, XS_h32, kind),
-             lambda: staged(f.captured, static_argnums=2)(states, XS_h32, kind)]
+    calls = [lambda: model.captured(XS, kind), lambda: f.captured(states, XS, kind),
+             lambda: staged(f.captured, static_argnums=2)(states, XS, kind)]
     if kind is not None:
-        calls += [lambda: model.leaf_items(XS_h32, kind), lambda: f.leaf_items(states, XS_h32, kind),
-                  lambda: staged(f.leaf_items, static_argnums=2)(states, XS_h32, kind)]
+        calls += [lambda: model.leaf_items(XS, kind), lambda: f.leaf_items(states, XS, kind),
+                  lambda: staged(f.leaf_items, static_argnums=2)(states, XS, kind)]
     for call in calls:
         with pytest.raises(autostate.errors.EscapedStateError) as err:
             call()
@@ -1769,11 +1767,11 @@ def test_captured_and_non_state_list_changed_in_a_body_is_refused(
         no_tracers(model, f)
         no_handler_left()
     ref = plain.Base()
-    same(snapshot(ref(X1_h32)), snapshot(model(X1_h32)), "eager after")
+    same(snapshot(ref(X1_WEAK)), snapshot(model(X1_WEAK)), "eager after")
     same(snapshot(ref), snapshot(model), "eager attributes after")
     ref = plain.Base()
-    out, states = fcall(f, "__call__", states, (X2_h32,), True)
-    same(snapshot(ref(X2_h32)), snapshot(out), "jit after")
+    out, states = fcall(f, "__call__", states, (X2_WEAK,), True)
+    same(snapshot(ref(X2_WEAK)), snapshot(out), "jit after")
 
 
 @pytest.mark.parametrize("kind", ["kb", "stop"])
@@ -1787,9 +1785,9 @@ def test_interrupt_after_a_list_changed_in_a_body_leaks_no_tracer(
     for method in ("captured", "leaf_items"):
         try:
             if road == "eager":
-                out = ecall(model, method, (XS_h32, kind))
+                out = ecall(model, method, (XS, kind))
             else:
-                out, _ = fcall(f, method, states, (XS_h32, kind), road == "jit")
+                out, _ = fcall(f, method, states, (XS, kind), road == "jit")
         except autostate.AutostateError:
             out = None  # a clear refusal would do
         except BaseException as raised:  # noqa: BLE001 - KeyboardInterrupt is the case
@@ -1797,8 +1795,8 @@ def test_interrupt_after_a_list_changed_in_a_body_leaks_no_tracer(
                 raise AssertionError(f"not an autostate error: {raised!r}") from raised
             out = None
         no_tracers(out, model, f)
-    out, _ = fcall(f, "__call__", states, (X1_h32,), road == "jit")
-    model(X1_h32)
+    out, _ = fcall(f, "__call__", states, (X1_WEAK,), road == "jit")
+    model(X1_WEAK)
 
 
 INIT = """
@@ -1892,7 +1890,7 @@ def test_init_raising_midway_then_built_again(write_module: Loader, cls: str, fa
         with pytest.raises(ValueError, match="__init__"):
             getattr(mod, cls)(fail)
     no_handler_left()
-    run_modes(plain, dec, f"{cls}()", [("__call__", (X1_h32,)), ("scan", (XS_h32,)), ("__call__", (X2_h32,))])
+    run_modes(plain, dec, f"{cls}()", [("__call__", (X1_WEAK,)), ("scan", (XS,)), ("__call__", (X2_WEAK,))])
 
 
 def test_half_built_instance_used(write_module: Loader) -> None:
@@ -1905,12 +1903,12 @@ def test_half_built_instance_used(write_module: Loader) -> None:
             mod.Model("model")
         halves.append(mod.LAST[-1])
     ref, model = halves
-    same(snapshot(ref.half(X1_h32)), snapshot(model.half(X1_h32)), "eager")
+    same(snapshot(ref.half(X1_WEAK)), snapshot(model.half(X1_WEAK)), "eager")
     same(snapshot(ref), snapshot(model), "eager attributes")
     f, states = model.functionalize()
     compare_states(ref, states, "functionalize")
-    out, states = fcall(f, "half", states, (X2_h32,), True)
-    same(snapshot(ref.half(X2_h32)), snapshot(out), "jit")
+    out, states = fcall(f, "half", states, (X2_WEAK,), True)
+    same(snapshot(ref.half(X2_WEAK)), snapshot(out), "jit")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
     no_tracers(model, f)
 
@@ -1922,7 +1920,7 @@ def test_functionalize_refused_then_fixed(write_module: Loader) -> None:
     plain, dec = pair(write_module, INIT)
     ref, model = plain.Model(), dec.Model()
     for obj in (ref, model):
-        obj(X1_h32)
+        obj(X1_WEAK)
         obj.use_enum_keys()
     for _ in range(2):
         with pytest.raises(autostate.errors.InvalidTypeError) as err:
@@ -1930,12 +1928,12 @@ def test_functionalize_refused_then_fixed(write_module: Loader) -> None:
         user_line(err.value, dec, "self.counts = {Split.TRAIN")
     no_handler_left()
     no_tracers(model)
-    same(snapshot(ref.half(X2_h32)), snapshot(model.half(X2_h32)), "eager after the refusal")
+    same(snapshot(ref.half(X2_WEAK)), snapshot(model.half(X2_WEAK)), "eager after the refusal")
     for obj in (ref, model):
         obj.use_str_keys()
     f, states = model.functionalize()
     compare_states(ref, states, "functionalize after the fix")
-    for x in (X1_h32, X2_h32):
+    for x in (X1_WEAK, X2_WEAK):
         out, states = fcall(f, "__call__", states, (x,), True)
         same(snapshot(ref(x)), snapshot(out), "jit after the fix")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
@@ -1955,7 +1953,7 @@ def test_state_holding_an_undecorated_object_with_arrays(write_module: Loader) -
     model.attach_table()
     try:
         f, states = model.functionalize()
-        fcall(f, "__call__", states, (X1_h32,), True)
+        fcall(f, "__call__", states, (X1_WEAK,), True)
     except autostate.AutostateError as err:
         user_line(err, dec, "self.extra = Table()")
 
@@ -1968,11 +1966,11 @@ def test_undecorated_object_with_arrays_in_an_attribute_is_refused(write_module:
     with pytest.raises(autostate.errors.InvalidTypeError, match="Table"):
         model.functionalize()
     no_handler_left()
-    same(snapshot(ref(X1_h32)), snapshot(model(X1_h32)), "eager after the refusal")
+    same(snapshot(ref(X1_WEAK)), snapshot(model(X1_WEAK)), "eager after the refusal")
     del ref.table, model.table
     f, states = model.functionalize()
-    out, states = fcall(f, "__call__", states, (X2_h32,), True)
-    same(snapshot(ref(X2_h32)), snapshot(out), "jit after the attribute is gone")
+    out, states = fcall(f, "__call__", states, (X2_WEAK,), True)
+    same(snapshot(ref(X2_WEAK)), snapshot(out), "jit after the attribute is gone")
 
 
 def test_eager_lax_call_refused_then_fixed(write_module: Loader) -> None:
@@ -1984,7 +1982,7 @@ def test_eager_lax_call_refused_then_fixed(write_module: Loader) -> None:
     for obj in (ref, model):
         obj.use_enum_keys()
     with pytest.raises(autostate.errors.InvalidTypeError) as err:
-        model.scan(XS_h32)
+        model.scan(XS)
     user_line(err.value, dec, "return lax.scan(body, 0.0, xs)[0]")
     no_handler_left()
     no_tracers(model)
@@ -1992,7 +1990,7 @@ def test_eager_lax_call_refused_then_fixed(write_module: Loader) -> None:
     model.a = jnp.zeros(())
     for obj in (ref, model):
         obj.use_str_keys()
-    same(snapshot(ref.scan(XS_h32)), snapshot(model.scan(XS_h32)), "scan after the fix")
+    same(snapshot(ref.scan(XS)), snapshot(model.scan(XS)), "scan after the fix")
     same(snapshot(ref), snapshot(model), "attributes after the fix")
 
 
@@ -2002,8 +2000,8 @@ def test_freeze_with_wrong_states_then_right(write_module: Loader) -> None:
     plain, dec = pair(write_module, INIT)
     ref, model = plain.Model(), dec.Model()
     f, states = model.functionalize()
-    out, states = fcall(f, "__call__", states, (X1_h32,), True)
-    ref(X1_h32)
+    out, states = fcall(f, "__call__", states, (X1_WEAK,), True)
+    ref(X1_WEAK)
     missing = {k: v for k, v in states.items() if k != "a"}
     extra = {**states, "zzz": jnp.zeros(())}
     wrong_shape = {**states, "b": jnp.zeros((3,))}
@@ -2020,20 +2018,20 @@ def test_freeze_with_wrong_states_then_right(write_module: Loader) -> None:
     for bad in (missing, extra, None, list(states.values())):
         for jit in (False, True):
             with pytest.raises(autostate.AutostateError):
-                fcall(f, "__call__", bad, (X2_h32,), jit)
+                fcall(f, "__call__", bad, (X2_WEAK,), jit)
     no_handler_left()
-    out, states = fcall(f, "__call__", states, (X2_h32,), True)
-    same(snapshot(ref(X2_h32)), snapshot(out), "f after the refused freeze")
+    out, states = fcall(f, "__call__", states, (X2_WEAK,), True)
+    same(snapshot(ref(X2_WEAK)), snapshot(out), "f after the refused freeze")
     same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
     no_tracers(model, f)
 
 
 NEVER_RUN = {
-    "cond": (X1_h32, True),
-    "switch": (X1_h32,),
-    "empty_scan": (X1_h32,),
-    "zero_fori": (X1_h32,),
-    "false_while": (X1_h32,),
+    "cond": (X1_WEAK, True),
+    "switch": (X1_WEAK,),
+    "empty_scan": (X1_WEAK,),
+    "zero_fori": (X1_WEAK,),
+    "false_while": (X1_WEAK,),
 }
 
 
@@ -2047,7 +2045,7 @@ NEVER_RUN = {
 @pytest.mark.parametrize("method", sorted(NEVER_RUN))
 def test_a_body_plain_python_never_runs_raises(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MORE)
-    run_modes(plain, dec, "Branchy()", [(method, NEVER_RUN[method]), ("step", (X2_h32, False))])
+    run_modes(plain, dec, "Branchy()", [(method, NEVER_RUN[method]), ("step", (X2_WEAK, False))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
@@ -2075,7 +2073,7 @@ def test_raise_under_grad_or_vmap_of_f_then_again(write_module: Loader, transfor
     xs = jnp.asarray([0.5, 1.0])
     if transform == "grad":
         trans = lambda fn, fail: jax.grad(lambda xv: run(fn, xv, fail))  # noqa: E731
-        arg = X1_h32
+        arg = X1_WEAK
     else:
         trans = lambda fn, fail: jax.vmap(lambda xv: fn(xv, fail))  # noqa: E731
         arg = xs
@@ -2168,7 +2166,7 @@ def test_generator_closed_or_thrown_into(write_module: Loader, method: str) -> N
     """GeneratorExit from ``close()`` runs the generator's ``finally``, a
     ``throw()`` its ``except``: both write state, in every mode."""
     plain, dec = pair(write_module, GEN)
-    run_modes(plain, dec, "Gen()", [(method, (X1_h32,)), ("step", (X2_h32,)), (method, (X2_h32,))])
+    run_modes(plain, dec, "Gen()", [(method, (X1_WEAK,)), ("step", (X2_WEAK,)), (method, (X2_WEAK,))])
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -2183,7 +2181,7 @@ def test_generator_kept_alive_by_the_exception(write_module: Loader) -> None:
     ref, model = plain.Gen(), dec.Gen()
     for obj in (ref, model):
         with pytest.raises(Exception, match="live generator"):
-            obj.alive_after_raise(X1_h32)
+            obj.alive_after_raise(X1_WEAK)
     gc.collect()
     same(snapshot(ref), snapshot(model), "eager, after the generator's finally")
     for jit in (False, True):
@@ -2191,13 +2189,13 @@ def test_generator_kept_alive_by_the_exception(write_module: Loader) -> None:
         f, states = model.functionalize()
         given = states_snapshot(states)
         with pytest.raises(Exception, match="live generator"):
-            fcall(f, "alive_after_raise", states, (X1_h32,), jit)
+            fcall(f, "alive_after_raise", states, (X1_WEAK,), jit)
         gc.collect()
         same(given, states_snapshot(states), "states given")
         no_tracers(f, model)
         no_handler_left()
-        out, states = fcall(f, "step", states, (X2_h32,), jit)
-        same(snapshot(ref.step(X2_h32)), snapshot(out), "f after")
+        out, states = fcall(f, "step", states, (X2_WEAK,), jit)
+        same(snapshot(ref.step(X2_WEAK)), snapshot(out), "f after")
         same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen")
 
 

@@ -101,17 +101,13 @@ from semantics.programs import (
     VARIANTS,
     X1,
     XL,
+    XV1,
+    XV2,
     py313,
 )
-from semantics.programs import COPIES as COPIES_h28
-from semantics.programs import TORCH_h35 as TORCH
-from semantics.programs import X1_h27 as X1_h27
-from semantics.programs import X2_h13 as X2
-from semantics.programs import X2_h19 as X2_h19
-from semantics.programs import X2_h23 as X2_h23
-from semantics.programs import X2_h27 as X2_h27
-from semantics.programs import X_h35 as X_h35
-from semantics.programs import XL_h35 as XL_h35
+from semantics.programs import COPIES as RETURNED_COPIES
+from semantics.programs import TORCH_TRAINING as TORCH
+from semantics.programs import TWO as X2
 from semantics.references import (
     JF_STEP,
     assert_shared,
@@ -1641,7 +1637,7 @@ def test_functionalize_and_freeze_self_inside_a_method(
 
 def test_deepcopy_self_inside_a_method(write_module: Loader) -> None:
     plain, dec = pair(write_module, SELF_F)
-    check(plain, dec, "Probe()", [("deepcopy_self", (X1,)), ("step", (X2_h19,)), ("deepcopy_self", (X2_h19,))])
+    check(plain, dec, "Probe()", [("deepcopy_self", (X1,)), ("step", (X2,)), ("deepcopy_self", (X2,))])
 
 
 def test_functionalize_a_sub_model_inside_the_outer_call(write_module: Loader) -> None:
@@ -1659,7 +1655,7 @@ def test_functionalize_a_sub_model_inside_the_outer_call(write_module: Loader) -
 def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> None:
     plain, dec = pair(write_module, SELF_F)
     p = plain.Probe()
-    expected = floats([p.step(X1), p.step(X2_h19), p.x, p.n])
+    expected = floats([p.step(X1), p.step(X2), p.x, p.n])
     model = dec.Probe()
     model.step(X1)  # the model's own value is not f's business after functionalize
     model = dec.Probe()
@@ -1669,7 +1665,7 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     gc.collect()
     assert alive() is None, "f keeps the eager model alive"
     out1, s = f.step(s, X1)
-    out2, s = staged(f.step)(s, X2_h19)
+    out2, s = staged(f.step)(s, X2)
     assert_same(expected, floats([out1, out2, s["x"], s["n"]]))
     frozen = autostate.freeze(f, s)
     assert_same(expected[2:], floats([frozen.x, frozen.n]), "frozen")
@@ -1784,7 +1780,7 @@ def test_tree_at_surgery_on_a_frozen_model(write_module: Loader) -> None:
     assert_same(snapshot(ref), snapshot(autostate.freeze(f2, s2)))
 
 
-def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+def source_modules(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE)
 
 
@@ -1793,7 +1789,7 @@ def leaf_names(f: Any) -> list[str]:
 
 
 def test_pickle_deepcopy_save_load_keep_the_shared_block(write_module: Loader, tmp_path: Path) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     p = plain.Paths()
     p(ONE)
     f, states = dec.Paths().functionalize()
@@ -1823,7 +1819,7 @@ def test_pickle_deepcopy_save_load_keep_the_shared_block(write_module: Loader, t
 def test_cycle_round_trips_through_deepcopy_pickle_and_save_load(
     write_module: Loader, tmp_path: Path
 ) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     p = plain.Parent()
     p(1.0)
     m = dec.Parent()
@@ -1845,7 +1841,7 @@ def test_cycle_round_trips_through_deepcopy_pickle_and_save_load(
 
 
 def test_one_states_dict_reused_for_two_calls_gives_the_same_result(write_module: Loader) -> None:
-    _, dec = mods_h22(write_module)
+    _, dec = source_modules(write_module)
     f, states = dec.Bag().functionalize()
     before = jax.tree_util.tree_map(np.asarray, dict(states))
     r1 = f(states, ONE)
@@ -1858,7 +1854,7 @@ def test_one_states_dict_reused_for_two_calls_gives_the_same_result(write_module
 
 
 def test_a_states_dict_changed_by_the_user_is_what_f_reads(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     f, states = dec.Bag().functionalize()
     states["n"] = jnp.full(2, 5.0)
     states["items"] = [jnp.zeros(()), jnp.zeros(())]
@@ -1872,7 +1868,7 @@ def test_a_states_dict_changed_by_the_user_is_what_f_reads(write_module: Loader)
 
 
 def test_freeze_twice_gives_two_independent_models(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     f, states = dec.Bag().functionalize()
     _, states = f(states, ONE)
     one, two = autostate.freeze(f, states), autostate.freeze(f, states)
@@ -1891,7 +1887,7 @@ def test_freeze_twice_gives_two_independent_models(write_module: Loader) -> None
 
 
 def test_f_is_unchanged_by_freeze_and_by_writes_to_the_frozen_model(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     f, states0 = dec.Paths().functionalize()
     leaves0 = [np.asarray(v) for v in jax.tree_util.tree_leaves(f)]
     _, states1 = f(states0, ONE)
@@ -1913,7 +1909,7 @@ def test_f_is_unchanged_by_freeze_and_by_writes_to_the_frozen_model(write_module
 def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
     write_module: Loader,
 ) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     f, states = dec.Paths().functionalize()
     _, states = f(states, ONE)
     frozen = autostate.freeze(f, states)
@@ -1936,7 +1932,7 @@ def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
     "names d['a'] (JAX's sorted order) where functionalize/param_dict name d['z']",
 )
 def test_f_keypaths_name_a_shared_sub_model_as_param_dict_does(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     check(plain, dec, "DictOrder()", [("__call__", (ONE,))])
     m = dec.DictOrder()
     f, states = m.functionalize()
@@ -1945,7 +1941,7 @@ def test_f_keypaths_name_a_shared_sub_model_as_param_dict_does(write_module: Loa
 
 
 def test_a_category_subset_on_a_shared_sub_model(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     p = plain.SharedKV()
     m = dec.SharedKV()
     fc, sc = m.functionalize("cache")
@@ -1960,7 +1956,7 @@ def test_a_category_subset_on_a_shared_sub_model(write_module: Loader) -> None:
 
 
 def test_deepcopy_pickle_and_pack_of_f_keep_the_shared_block(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     f, states = dec.Paths().functionalize()
     p = plain.Paths()
     expected = p(ONE)
@@ -1987,7 +1983,7 @@ def test_copy_replace_of_a_decorated_model(write_module: Loader, cls: str) -> No
     ref, model = eval(build, vars(plain)), eval(build, vars(dec))  # noqa: S307
     ref.step(X1)
     model.step(X1)
-    r2, m2 = copy.replace(ref, w=X2_h23), copy.replace(model, w=X2_h23)
+    r2, m2 = copy.replace(ref, w=X2), copy.replace(model, w=X2)
     assert_same(snapshot(r2), snapshot(m2), "replaced copy")
     assert_same(r2.step(X1), m2.step(X1), "replaced copy steps")
     assert_same(snapshot(ref), snapshot(model), "original untouched")
@@ -2003,7 +1999,7 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     # 1. two jitted steps through f, then freeze
     f, states = model.functionalize()
     step = step_jit()
-    for x in (X1_h27, X2_h27):
+    for x in (XV1, XV2):
         want = ref(x)
         got, states = step(f, states, x)
         assert_same(want, got, "jit out")
@@ -2015,15 +2011,15 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     assert_same(snapshot(ref), snapshot(frozen), "frozen")
 
     # 2. eager steps on the frozen model
-    for x in (X2_h27, X1_h27):
+    for x in (XV2, XV1):
         assert_same(ref(x), frozen(x), "eager after freeze")
     assert_same(snapshot(ref), snapshot(frozen), "eager after freeze")
 
     # 3. functionalize again: f without jit, then a method through jit
     f2, states2 = frozen.functionalize()
     assert sorted(states2) == sorted(states)
-    out, states2 = f2(states2, X1_h27)
-    assert_same(ref(X1_h27), out, "second f")
+    out, states2 = f2(states2, XV1)
+    assert_same(ref(XV1), out, "second f")
     out, states2 = staged(lambda f, s: f.peek(s))(f2, states2)
     assert_same(ref.peek(), out, "second f peek")
     frozen2 = autostate.freeze(f2, states2)
@@ -2035,10 +2031,10 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     model_p = pickle.loads(pickle.dumps(frozen2))
     assert_shared(model_p)
     assert_same(snapshot(ref_p), snapshot(model_p), "unpickled")
-    assert_same(ref_p(X2_h27), model_p(X2_h27), "eager after unpickle")
+    assert_same(ref_p(XV2), model_p(XV2), "eager after unpickle")
     f3, states3 = model_p.functionalize()
-    out, states3 = step(f3, states3, X1_h27)
-    assert_same(ref_p(X1_h27), out, "jit after unpickle")
+    out, states3 = step(f3, states3, XV1)
+    assert_same(ref_p(XV1), out, "jit after unpickle")
     model_p = autostate.freeze(f3, states3)
     assert_same(snapshot(ref_p), snapshot(model_p), "after unpickle")
 
@@ -2046,22 +2042,22 @@ def test_life_cycle_jit_freeze_eager_refunctionalize_pickle_copy(write_module: L
     ref_d, model_d = copy.deepcopy(ref_p), copy.deepcopy(model_p)
     assert_shared(model_d)
     assert model_d.items[0] is not model_p.items[0]
-    assert_same(ref_d(X2_h27), model_d(X2_h27), "eager after deepcopy")
+    assert_same(ref_d(XV2), model_d(XV2), "eager after deepcopy")
     assert_same(snapshot(ref_d), snapshot(model_d), "deepcopy stepped")
     assert_same(snapshot(ref_p), snapshot(model_p), "deepcopy source")
     f4, states4 = model_d.functionalize()
-    out, states4 = step(f4, states4, X1_h27)
-    assert_same(ref_d(X1_h27), out, "jit after deepcopy")
+    out, states4 = step(f4, states4, XV1)
+    assert_same(ref_d(XV1), out, "jit after deepcopy")
     assert_same(snapshot(ref_d), snapshot(autostate.freeze(f4, states4)), "last freeze")
 
 
 def test_shallow_copy_shares_sub_models_like_plain(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     ref, model = plain.Net(), dec.Net()
-    ref(X1_h27), model(X1_h27)
+    ref(XV1), model(XV1)
     ref_c, model_c = copy.copy(ref), copy.copy(model)
     assert model_c.items is model.items
-    assert_same(ref_c(X2_h27), model_c(X2_h27), "shallow copy out")
+    assert_same(ref_c(XV2), model_c(XV2), "shallow copy out")
     # the copy's own total moved; the shared sub-models moved for both
     assert_same(snapshot(ref), snapshot(model), "shallow copy source")
     assert_same(snapshot(ref_c), snapshot(model_c), "shallow copy")
@@ -2071,14 +2067,14 @@ def test_freeze_of_a_copy_of_states_and_tree_map(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     ref = plain.Net()
     f, states = dec.Net().functionalize()
-    _, states = f(states, X1_h27)
-    ref(X1_h27)
+    _, states = f(states, XV1)
+    ref(XV1)
     doubled = jax.tree_util.tree_map(lambda a: a * 2, states)
     assert type(doubled) is type(states)
     assert sorted(doubled) == sorted(states)
     copied = jax.tree_util.tree_map(jnp.copy, states)
-    out, copied = step_jit()(f, copied, X2_h27)
-    assert_same(ref(X2_h27), out, "after tree_map copy")
+    out, copied = step_jit()(f, copied, XV2)
+    assert_same(ref(XV2), out, "after tree_map copy")
     leaves, treedef = jax.tree_util.tree_flatten(copied)
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, rebuilt)), "unflattened states")
@@ -2096,17 +2092,17 @@ def test_functionalize_a_sub_model_while_the_parent_exists(write_module: Loader,
     f, states = sub.functionalize()
     assert sorted(states) == ["count", "mean"]
     ref_sub = copy.deepcopy(plain_path(ref, path))  # f is a copy: the parent does not move
-    out, states = step_jit()(f, states, X2_h27)
-    assert_same(ref_sub(X2_h27), out, "sub-model through f")
+    out, states = step_jit()(f, states, XV2)
+    assert_same(ref_sub(XV2), out, "sub-model through f")
     assert_same(snapshot(ref_sub), snapshot(autostate.freeze(f, states)), "frozen sub-model")
     # the parent is untouched and still steps like plain
     assert_same(snapshot(ref), snapshot(model), "parent after the sub-model's f")
-    assert_same(ref(X1_h27), model(X1_h27), "parent steps")
+    assert_same(ref(XV1), model(XV1), "parent steps")
     assert_same(snapshot(ref), snapshot(model), "parent stepped")
     # and the parent functionalizes with the sub-model's names under its path
     pf, pstates = model.functionalize()
-    out, pstates = pf(pstates, X2_h27)
-    assert_same(ref(X2_h27), out, "parent f")
+    out, pstates = pf(pstates, XV2)
+    assert_same(ref(XV2), out, "parent f")
     assert_same(snapshot(ref), snapshot(autostate.freeze(pf, pstates)), "parent frozen")
 
 
@@ -2117,15 +2113,15 @@ def test_functionalize_twice_and_use_the_older_pair(write_module: Loader) -> Non
     f2, s2 = model.functionalize()
     step = step_jit()
     ref_a, ref_b = copy.deepcopy(ref), copy.deepcopy(ref)
-    out1, s1 = step(f1, s1, X1_h27)
-    out2, s2 = step(f2, s2, X2_h27)
-    assert_same(ref_a(X1_h27), out1, "older f")
-    assert_same(ref_b(X2_h27), out2, "newer f")
+    out1, s1 = step(f1, s1, XV1)
+    out2, s2 = step(f2, s2, XV2)
+    assert_same(ref_a(XV1), out1, "older f")
+    assert_same(ref_b(XV2), out2, "newer f")
     # the pairs are interchangeable: same names, same structure
-    out, s_mixed = f1(s2, X1_h27)
-    assert_same(ref_b(X1_h27), out, "older f on newer states")
-    out, s1 = f2(s1, X2_h27)
-    assert_same(ref_a(X2_h27), out, "newer f on older states")
+    out, s_mixed = f1(s2, XV1)
+    assert_same(ref_b(XV1), out, "older f on newer states")
+    out, s1 = f2(s1, XV2)
+    assert_same(ref_a(XV2), out, "newer f on older states")
     assert_same(snapshot(ref_a), snapshot(autostate.freeze(f1, s1)), "older frozen")
     assert_same(snapshot(ref_b), snapshot(autostate.freeze(f2, s_mixed)), "newer frozen")
     assert_same(snapshot(ref), snapshot(model), "the model moved")
@@ -2137,21 +2133,21 @@ def test_f_after_the_model_changed_eagerly_is_a_snapshot(write_module: Loader) -
     at_functionalize = copy.deepcopy(ref)
     f, states = model.functionalize()
     # eager changes after functionalize: a step, a replaced sub-model, a new parameter
-    ref(X2_h27), model(X2_h27)
+    ref(XV2), model(XV2)
     ref.items[0] = plain.Leaf(7.0)
     model.items[0] = dec.Leaf(7.0)
     ref.bias = jnp.array([5.0, 5.0])
     model.bias = jnp.array([5.0, 5.0])
     ref.items[1].w = jnp.array([2.0, 3.0])
     model.items[1].w = jnp.array([2.0, 3.0])
-    out, states = step_jit()(f, states, X1_h27)
-    assert_same(at_functionalize(X1_h27), out, "f sees the model as it was")
+    out, states = step_jit()(f, states, XV1)
+    assert_same(at_functionalize(XV1), out, "f sees the model as it was")
     assert_same(snapshot(at_functionalize), snapshot(autostate.freeze(f, states)), "frozen")
-    assert_same(ref(X1_h27), model(X1_h27), "the model keeps going eagerly")
+    assert_same(ref(XV1), model(XV1), "the model keeps going eagerly")
     assert_same(snapshot(ref), snapshot(model), "the model")
     f2, s2 = model.functionalize()
-    out, s2 = step_jit()(f2, s2, X2_h27)
-    assert_same(ref(X2_h27), out, "functionalized again after the changes")
+    out, s2 = step_jit()(f2, s2, XV2)
+    assert_same(ref(XV2), out, "functionalized again after the changes")
 
 
 def test_functionalize_after_an_eager_reset_of_a_sub_model(write_module: Loader) -> None:
@@ -2160,8 +2156,8 @@ def test_functionalize_after_an_eager_reset_of_a_sub_model(write_module: Loader)
     ref.by["b"].reset()
     model.by["b"].reset()
     f, states = model.functionalize()
-    out, states = f(states, X1_h27)
-    assert_same(ref(X1_h27), out, "after reset")
+    out, states = f(states, XV1)
+    assert_same(ref(XV1), out, "after reset")
     _, states = staged(lambda f, s: f.peek(s))(f, states)
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "after reset, frozen")
 
@@ -2171,7 +2167,7 @@ def test_states_missing_or_extra_keys_in_f_are_clear_errors(write_module: Loader
     f, states = dec.Net().functionalize()
     partial = {k: v for k, v in states.items() if k != "total"}
     for bad in (partial, {**states, "totl": jnp.zeros(2)}):
-        for call in (lambda s: f(s, X1_h27), lambda s: step_jit()(f, s, X1_h27),
+        for call in (lambda s: f(s, XV1), lambda s: step_jit()(f, s, XV1),
                      lambda s: autostate.freeze(f, s)):
             with pytest.raises(autostate.AutostateError) as info:
                 call(bad)
@@ -2179,12 +2175,12 @@ def test_states_missing_or_extra_keys_in_f_are_clear_errors(write_module: Loader
 
 
 def test_copy_of_self_returned_from_f(write_module: Loader) -> None:
-    plain, dec = pair(write_module, COPIES_h28)
+    plain, dec = pair(write_module, RETURNED_COPIES)
     run_case(plain, dec, "M()", [("snapshot_copy", (A1,)), ("snapshot_copy", (A2,))])
 
 
 def test_copy_returned_from_f_is_usable_afterwards(write_module: Loader) -> None:
-    plain, dec = pair(write_module, COPIES_h28)
+    plain, dec = pair(write_module, RETURNED_COPIES)
     ref = plain.M()
     saved_ref = ref.snapshot_copy(A1)
     f, states = dec.M().functionalize()

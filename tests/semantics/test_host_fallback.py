@@ -53,17 +53,12 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import HOST as HOST_h11
-from semantics.programs import TIMEOUT
-from semantics.programs import ESCAPES_h34 as ESCAPES
-from semantics.programs import HOST_h3 as HOST
-from semantics.programs import HOST_h16 as HOST_h16
-from semantics.programs import MORE_h32 as MORE
-from semantics.programs import X1_h32 as X1
-from semantics.programs import X2_h32 as X2
-from semantics.programs import XS_h11 as XS
-from semantics.programs import XS_h32 as XS_h32
-from semantics.programs import XS_h34 as XS_h34
+from semantics.programs import BRANCH_EXCEPTIONS as MORE
+from semantics.programs import HOST, HOST_COUNTERS, HOST_TALLY, TIMEOUT, V3_STACK, XS3
+from semantics.programs import TRANSFORMED_WRITES as ESCAPES
+from semantics.programs import X1_WEAK as X1
+from semantics.programs import X2_WEAK as X2
+from semantics.programs import XS_PAIRS as XS
 
 HERE = __file__
 
@@ -713,7 +708,7 @@ def test_freeze_inside_a_trace_keeps_frozen_requests():
     ids=["plain", "fori", "scan-cond", "host-child", "host-parent"],
 )
 def test_host_fallback_differential(write_module: Loader, build: str, calls: list[Call]) -> None:
-    plain, dec = pair(write_module, HOST)
+    plain, dec = pair(write_module, HOST_COUNTERS)
     # `looped` takes a Python int loop bound: not jit-able as an argument
     modes = ("eager", "f") if calls[0][0] == "looped" else ("eager", "f", "jit", "freeze")
     check(plain, dec, build, calls, modes=modes)
@@ -721,7 +716,7 @@ def test_host_fallback_differential(write_module: Loader, build: str, calls: lis
 
 @pytest.mark.parametrize("build", ["HostCounter()", "Parent()", "HostParent()"])
 def test_host_fallback_eager_model_under_jit(write_module: Loader, build: str) -> None:
-    plain, dec = pair(write_module, HOST)
+    plain, dec = pair(write_module, HOST_COUNTERS)
     ref = eval(build, vars(plain))  # noqa: S307
     model = eval(build, vars(dec))  # noqa: S307
     if build == "HostCounter()":
@@ -737,7 +732,7 @@ def test_host_fallback_eager_model_under_jit(write_module: Loader, build: str) -
 
 
 def test_host_fallback_looped_in_jit_with_static_bound(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST)
+    plain, dec = pair(write_module, HOST_COUNTERS)
     ref, model = plain.HostCounter(), dec.HostCounter()
     step = staged(lambda m: m.looped(4))
     assert_same(ref.looped(4), step(model))
@@ -746,7 +741,7 @@ def test_host_fallback_looped_in_jit_with_static_bound(write_module: Loader) -> 
 
 
 def test_host_fallback_freeze_continues_from_states(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST)
+    plain, dec = pair(write_module, HOST_COUNTERS)
     f, states = dec.HostCounter().functionalize()
     _, states = f(states, 2.0)
     frozen = autostate.freeze(f, states)
@@ -790,7 +785,7 @@ def test_a_typed_key_host_state_is_a_clear_error(write_module: Loader) -> None:
     a typed PRNG key (``jax.random.key``) is refused where it is assigned, naming
     the user's line and the uint32 alternatives (it was JAX's internal
     'canonicalize_dtype called on extended dtype')."""
-    _, dec = pair(write_module, HOST_h11)
+    _, dec = pair(write_module, HOST)
     with pytest.raises(errors.HostStateTypeError, match=r"key<fry>.*typed PRNG key") as info:
         dec.Noise(3)
     assert f"{Path(dec.__file__).name}:" in str(info.value)
@@ -801,7 +796,7 @@ def test_a_typed_key_host_state_is_a_clear_error(write_module: Loader) -> None:
 @pytest.mark.parametrize("case", _host_case_params(sorted(HOST_CASES)))
 def test_host_models_match_plain_eagerly_and_passed_into_jit(write_module: Loader, case: str,
                                                              how: str) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     build, calls = HOST_CASES[case]
     ref = eval(build, vars(plain))  # noqa: S307
     expected = [getattr(ref, m)(*a) for m, a in calls]
@@ -820,14 +815,14 @@ def test_host_models_match_plain_eagerly_and_passed_into_jit(write_module: Loade
 @pytest.mark.parametrize("case", _host_case_params(["stats", "rng", "raw-rng", "cache", "scan", "cond",
                                                     "gate"]))
 def test_host_models_through_functionalize_jit_and_freeze(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     build, calls = HOST_CASES[case]
     check(plain, dec, build, calls, modes=("f", "jit", "freeze"))
 
 
 def test_functionalized_host_model_frozen_then_continued_with_closures_under_jit(
         write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     ref = plain.Looper()
     expected = [ref.scanned(jnp.arange(3.0)), ref.branched(-1.0), ref.until(9.0), ref.scanned(jnp.ones(2))]
     f, states = dec.Looper().functionalize()
@@ -842,12 +837,12 @@ def test_functionalized_host_model_frozen_then_continued_with_closures_under_jit
 
 
 def test_mixed_net_with_a_host_submodel_fully_functionalized(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     check(plain, dec, "Net()", [("__call__", (XS,)), ("__call__", (XS + 1,))])
 
 
 def test_host_submodel_of_its_own_category_stays_on_the_host(write_module: Loader) -> None:
-    src = HOST_h11.replace("@DECORATE_HOST\nclass Gate:", "@autostate.stateful(category='host', fallback='host')\nclass Gate:")
+    src = HOST.replace("@DECORATE_HOST\nclass Gate:", "@autostate.stateful(category='host', fallback='host')\nclass Gate:")
     src += """
 @DECORATE
 class Gated:
@@ -883,7 +878,7 @@ class Gated:
 
 
 def test_host_state_is_a_constant_under_grad_as_documented(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
 
     # hand-threaded reference: every state read is a constant (stop_gradient)
     def ref(x: Any, acc0: Any, total0: Any) -> Any:
@@ -902,7 +897,7 @@ def test_host_state_is_a_constant_under_grad_as_documented(write_module: Loader)
 
 
 def test_host_writes_in_a_scan_under_grad_happen_once_per_step(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     ref = plain.Looper()
     xs = jnp.arange(1.0, 4.0)
     expected_out = ref.scanned(xs)
@@ -1002,7 +997,7 @@ class Grow:
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "save-load", "load_state_dict"])
 def test_host_model_copied_mid_training_continues_like_plain(write_module: Loader, how: str,
                                                              tmp_path: Path) -> None:
-    plain, dec = pair(write_module, HOST_h11, fresh=True)  # fresh modules: pickled by reference
+    plain, dec = pair(write_module, HOST, fresh=True)  # fresh modules: pickled by reference
     ref = plain.Stats(2)
     ref(XS)
     model = dec.Stats(2)
@@ -1027,7 +1022,7 @@ def test_host_model_copied_mid_training_continues_like_plain(write_module: Loade
 @pytest.mark.parametrize("cls", ["RawNoise"])
 def test_host_rng_model_saved_and_loaded_bit_exact(write_module: Loader, tmp_path: Path,
                                                    cls: str) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     ref = getattr(plain, cls)(5)
     ref(jnp.ones(2))
     model = getattr(dec, cls)(5)
@@ -1070,7 +1065,7 @@ class Scale:
 @pytest.mark.parametrize("case", ["stats", "raw-rng", "cache"])
 def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader, case: str) -> None:
     """The use case of the fallback: a library's own lax.scan over a closure calling the model."""
-    plain, dec = pair(write_module, HOST_h11)
+    plain, dec = pair(write_module, HOST)
     build, calls = HOST_CASES[case]
     xs = jnp.stack([a[0] for _, a in calls] * 2)
     ref = eval(build, vars(plain))  # noqa: S307
@@ -1088,7 +1083,7 @@ def test_host_model_called_from_a_foreign_scan_under_jit(write_module: Loader, c
 
 
 def test_inference_view_called_and_non_array_host_state(write_module: Loader) -> None:
-    plain, dec = pair(write_module, HOST_h16)
+    plain, dec = pair(write_module, HOST_TALLY)
     model = dec.Tally()
     model(1.0)
     view = autostate.inference_mode(model)
@@ -1201,7 +1196,7 @@ def test_host_fallback_raise_after_writes_eagerly(write_module: Loader) -> None:
 def test_host_fallback_lax_body_raises_after_a_write(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MORE)
     ref, model = plain.Host(), dec.Host()
-    args = (XS_h32, True) if method == "in_scan" else (XS_h32,)
+    args = (XS3, True) if method == "in_scan" else (XS3,)
     outs = []
     for obj in (ref, model):
         try:
@@ -1228,7 +1223,7 @@ def test_vmap_of_a_writing_method_with_the_host_fallback_gives_per_example_state
     _, dec = pair(write_module, src)
     model = dec.Esc()
     with jax.checking_leaks():
-        out = model.vmap_bound(XS_h34)
-    assert_same(np.asarray(XS_h34 * jnp.array([1.0, -2.0, 0.5])), out)
-    assert_same(np.asarray(XS_h34), model.mean, "per-example means, stacked")
+        out = model.vmap_bound(V3_STACK)
+    assert_same(np.asarray(V3_STACK * jnp.array([1.0, -2.0, 0.5])), out)
+    assert_same(np.asarray(V3_STACK), model.mean, "per-example means, stacked")
     no_tracer(model)

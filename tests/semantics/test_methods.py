@@ -78,13 +78,16 @@ from semantics.programs import (
     ALIASES,
     BEHIND,
     CALLABLES,
+    CLOSURE_HOOKS,
     CLOSURES,
     DECORATED_METHODS,
     DESCRIPTORS,
     DISPATCH,
     EQX,
     ESCAPES,
+    FILE_HEADER,
     FRAMES,
+    GENERATOR_METHODS,
     GENS,
     HELPER_MODULE,
     HIDDEN_METHODS,
@@ -113,26 +116,18 @@ from semantics.programs import (
     TORCH,
     TRANSFORMS_INSIDE,
     V2,
+    V2_RANGE,
     V3,
     X1,
     XP,
+    XS3,
+    XS_SIGNED,
     Build,
     py313,
 )
-from semantics.programs import CLOSURES_h28 as CLOSURES_h28
-from semantics.programs import GENS_h33 as GENS_h33
-from semantics.programs import HEADER_h6 as HEADER_h8
-from semantics.programs import HOOKS_h14 as HOOKS
-from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
-from semantics.programs import V2_h25 as V2_h25
-from semantics.programs import X2_h12 as X2
-from semantics.programs import X2_h14 as X2_h14
-from semantics.programs import X2_h15 as X2_h15
-from semantics.programs import X2_h21 as X2_h21
-from semantics.programs import X2_h23 as X2_h23
-from semantics.programs import XS_h14 as XS_h14
-from semantics.programs import XS_h28 as XS_h28
-from semantics.programs import XS_h33 as XS_h33
+from semantics.programs import FORWARD_HOOKS as HOOKS
+from semantics.programs import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs import TWO as X2
 
 BODY_RUNS: list[str] = []
 
@@ -1407,18 +1402,18 @@ def _import(path: Path, name: str) -> types.ModuleType:
 
 def _decorated(source: str) -> str:
     return (
-        HEADER_h8
+        FILE_HEADER
         + textwrap.dedent(source)
         .replace("@DECORATE_HOST", '@autostate.stateful(fallback="host")')
         .replace("@DECORATE", "@autostate.stateful")
     )
 
 
-def _plain_h8(source: str) -> str:
+def _plain_text(source: str) -> str:
     text = textwrap.dedent(source)
     for tag in ("@DECORATE_HOST", "@DECORATE"):
         text = text.replace(tag, "")
-    return HEADER_h8 + text
+    return FILE_HEADER + text
 
 
 @pytest.fixture
@@ -1428,16 +1423,16 @@ def files(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
     def make(source: str) -> tuple[types.ModuleType, Path, Callable[[str], types.ModuleType]]:
         i = next(_COUNTER)
-        plain_path_ = tmp_path / f"autostate_testmod_h6plain{i}.py"
-        dec_path = tmp_path / f"autostate_testmod_h6dec{i}.py"
-        plain_path_.write_text(_plain_h8(source))
+        plain_path_ = tmp_path / f"autostate_testmod_files_plain{i}.py"
+        dec_path = tmp_path / f"autostate_testmod_files_dec{i}.py"
+        plain_path_.write_text(_plain_text(source))
         dec_path.write_text(_decorated(source))
-        name = f"autostate_testmod_h6p{i}"
+        name = f"autostate_testmod_files_p{i}"
         added.append(name)
         plain = _import(plain_path_, name)
 
         def load(tag: str) -> types.ModuleType:
-            mod_name = f"autostate_testmod_h6{tag}{i}"
+            mod_name = f"autostate_testmod_files_{tag}{i}"
             added.append(mod_name)
             return _import(dec_path, mod_name)
 
@@ -1932,7 +1927,7 @@ def test_method_kinds(write_module: Loader, calls: list[Any]) -> None:
     check(*pair(write_module, METHODS), "Kinds()", calls)
 
 
-CACHED_h12 = """
+CACHED_NORM = """
 @DECORATE
 class Cached:
     def __init__(self):
@@ -1949,7 +1944,7 @@ class Cached:
 
 def test_cached_property_reading_parameters(write_module: Loader) -> None:
     # Not frozen: a cached_property first used under jit is not kept (documented).
-    check(*pair(write_module, CACHED_h12), "Cached()", TWO_CALLS, modes=("eager", "f", "jit"))
+    check(*pair(write_module, CACHED_NORM), "Cached()", TWO_CALLS, modes=("eager", "f", "jit"))
 
 
 def test_positional_keyword_only_and_var_kwargs_under_jit(write_module: Loader) -> None:
@@ -2088,12 +2083,12 @@ def test_class_body_lambdas_through_f(write_module: Loader) -> None:
 
 
 CLOSURE_CALLS = {
-    "use_now": [("use_now", (X1,)), ("use_now", (X2_h14,))],
-    "use_lambda": [("use_lambda", (X1,)), ("use_lambda", (X2_h14,))],
+    "use_now": [("use_now", (X1,)), ("use_now", (X2,))],
+    "use_lambda": [("use_lambda", (X1,)), ("use_lambda", (X2,))],
     "closures_in_list": [("closures_in_list", (X1,))],
-    "closure_in_scan": [("closure_in_scan", (XS_h14,)), ("closure_in_scan", (XS_h14,))],
-    "closure_as_scan_body": [("closure_as_scan_body", (XS_h14,))],
-    "closure_in_cond": [("closure_in_cond", (X1,)), ("closure_in_cond", (X2_h14,))],
+    "closure_in_scan": [("closure_in_scan", (XS3,)), ("closure_in_scan", (XS3,))],
+    "closure_as_scan_body": [("closure_as_scan_body", (XS3,))],
+    "closure_in_cond": [("closure_in_cond", (X1,)), ("closure_in_cond", (X2,))],
     "closure_in_checkpoint": [("closure_in_checkpoint", (X1,))],
 }
 
@@ -2120,8 +2115,8 @@ def test_closure_called_after_the_method_returned_eagerly(write_module: Loader) 
     plain, dec = pair(write_module, CLOSURES)
     p, d = plain.Acc(), dec.Acc()
     bp, bd = p.make_bumper(2.0), d.make_bumper(2.0)
-    outs_p = [bp(X1), p._add(X2_h14), bp(X2_h14)]
-    outs_d = [bd(X1), d._add(X2_h14), bd(X2_h14)]
+    outs_p = [bp(X1), p._add(X2), bp(X2)]
+    outs_d = [bd(X1), d._add(X2), bd(X2)]
     assert_same(outs_p, outs_d, "outputs")
     assert_same(snapshot(p), snapshot(d), "attributes")
 
@@ -2152,7 +2147,7 @@ def test_closure_stored_in_a_state_eagerly(write_module: Loader) -> None:
     p, d = plain.Armed(), dec.Armed()
     outs = []
     for m in (p, d):
-        outs.append([m(X1), m.arm(2.0), m(X2_h14), m(X1)])
+        outs.append([m(X1), m.arm(2.0), m(X2), m(X1)])
     assert_same(outs[0], outs[1], "outputs")
     assert_same(snapshot(p), snapshot(d), "attributes")
 
@@ -2163,14 +2158,14 @@ def test_closure_stored_in_a_state_then_functionalized(write_module: Loader) -> 
     plain, dec = pair(write_module, STORED_CLOSURE)
     p = plain.Armed()
     p.arm(2.0)
-    expected = [p(X1), p(X2_h14)]
+    expected = [p(X1), p(X2)]
     model = dec.Armed()
     model.arm(2.0)
     for jit in (False, True):
         f, states = model.functionalize()
         step = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
         outs = []
-        for x in (X1, X2_h14):
+        for x in (X1, X2):
             out, states = step(f, states, x)
             outs.append(out)
         assert_same(expected, outs, f"outputs jit={jit}")
@@ -2191,7 +2186,7 @@ HOOK_BUILDS = {
 @pytest.mark.parametrize("case", sorted(HOOK_BUILDS))
 def test_hooks_registered_from_outside(write_module: Loader, case: str) -> None:
     plain, dec = pair(write_module, HOOKS)
-    check(plain, dec, HOOK_BUILDS[case], [("__call__", (X1,)), ("__call__", (X2_h14,))])
+    check(plain, dec, HOOK_BUILDS[case], [("__call__", (X1,)), ("__call__", (X2,))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
@@ -2223,14 +2218,14 @@ def test_hook_closing_over_a_model_outside_the_graph(write_module: Loader) -> No
     plain, dec = pair(write_module, HOOKS)
     p_other = plain.Layer()
     p = plain.with_foreign_hook(plain.Layer(), p_other)
-    expected = [p(X1), p(X2_h14)]
+    expected = [p(X1), p(X2)]
     d_other = dec.Layer()
     model = dec.with_foreign_hook(dec.Layer(), d_other)
     for jit in (False, True):
         f, states = model.functionalize()
         step = staged(lambda f, s, x: f(s, x)) if jit else (lambda f, s, x: f(s, x))
         outs = []
-        for x in (X1, X2_h14):
+        for x in (X1, X2):
             out, states = step(f, states, x)
             outs.append(out)
         assert_same(expected, outs, "outputs")
@@ -2268,19 +2263,19 @@ def test_one_shot_hook_eagerly_like_plain(write_module: Loader) -> None:
 
 
 DISPATCH_CASES = {
-    "via_class_table": [("via_class_table", (X1,)), ("via_class_table", (X2_h14,))],
-    "via_partialmethod": [("via_partialmethod", (X1,)), ("via_partialmethod", (X2_h14,))],
-    "via_getattr": [("via_getattr", (X1,)), ("via_getattr", (X2_h14,))],
+    "via_class_table": [("via_class_table", (X1,)), ("via_class_table", (X2,))],
+    "via_partialmethod": [("via_partialmethod", (X1,)), ("via_partialmethod", (X2,))],
+    "via_getattr": [("via_getattr", (X1,)), ("via_getattr", (X2,))],
     "via_methodcaller": [("via_methodcaller", (X1,))],
     "via_attrgetter": [("via_attrgetter", (X1,))],
-    "via_map": [("via_map", (XS_h14,)), ("via_map", (XS_h14,))],
-    "via_reduce": [("via_reduce", (XS_h14,))],
+    "via_map": [("via_map", (XS3,)), ("via_map", (XS3,))],
+    "via_reduce": [("via_reduce", (XS3,))],
     "via_tree_map": [("via_tree_map", (X1,))],
-    "via_partial": [("via_partial", (X1,)), ("via_partial", (X2_h14,))],
-    "scan_getattr": [("scan_getattr", (XS_h14,))],
-    "scan_class_table": [("scan_class_table", (XS_h14,))],
-    "scan_partial": [("scan_partial", (XS_h14,))],
-    "scan_methodcaller": [("scan_methodcaller", (XS_h14,))],
+    "via_partial": [("via_partial", (X1,)), ("via_partial", (X2,))],
+    "scan_getattr": [("scan_getattr", (XS3,))],
+    "scan_class_table": [("scan_class_table", (XS3,))],
+    "scan_partial": [("scan_partial", (XS3,))],
+    "scan_methodcaller": [("scan_methodcaller", (XS3,))],
     "fori_dispatch": [("fori_dispatch", (X1,))],
 }
 
@@ -2295,7 +2290,7 @@ def test_sorted_key_writing_state_eagerly_and_in_f(write_module: Loader) -> None
     """``float(x)`` in the key needs a concrete value: eager and un-jitted f only."""
     plain, dec = pair(write_module, DISPATCH)
     check(
-        plain, dec, "Disp()", [("via_sorted", (X1,)), ("via_sorted", (X2_h14,))], modes=("eager", "f")
+        plain, dec, "Disp()", [("via_sorted", (X1,)), ("via_sorted", (X2,))], modes=("eager", "f")
     )
 
 
@@ -2312,7 +2307,7 @@ def test_dispatch_under_grad_and_vmap(write_module: Loader, transform: str) -> N
     check_transform(plain, dec, "Disp()", calls, x, transform)
 
 
-SINGLEDISPATCH_h14 = """
+SINGLEDISPATCH_TYPED = """
 import functools
 
 
@@ -2338,11 +2333,11 @@ class Typed:
 
 
 def test_singledispatchmethod_writing_state(write_module: Loader) -> None:
-    plain, dec = pair(write_module, SINGLEDISPATCH_h14)
-    check(plain, dec, "Typed()", [("__call__", (X1,)), ("__call__", (X2_h14,))])
+    plain, dec = pair(write_module, SINGLEDISPATCH_TYPED)
+    check(plain, dec, "Typed()", [("__call__", (X1,)), ("__call__", (X2,))])
 
 
-PARTIALMETHOD_h14 = """
+PARTIALMETHOD_OF_FUNCTION = """
 def _accumulate(self, x, scale):
     self.n = self.n + x * scale
     return self.n
@@ -2358,8 +2353,8 @@ class Acc2:
 
 
 def test_partialmethod_of_a_module_function_writing_state(write_module: Loader) -> None:
-    plain, dec = pair(write_module, PARTIALMETHOD_h14)
-    check(plain, dec, "Acc2()", [("add_twice", (X1,)), ("add_twice", (X2_h14,))])
+    plain, dec = pair(write_module, PARTIALMETHOD_OF_FUNCTION)
+    check(plain, dec, "Acc2()", [("add_twice", (X1,)), ("add_twice", (X2,))])
 
 
 def _outside_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
@@ -2371,12 +2366,12 @@ def _outside_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleT
 
 
 OUTSIDE_CASES = {
-    "local": [("local", (X1,)), ("local", (X2_h14,))],
-    "other_module": [("other_module", (X1,)), ("other_module", (X2_h14,))],
-    "other_module_list": [("other_module_list", (X1,)), ("other_module_list", (X2_h14,))],
-    "method_alias_append": [("method_alias_append", (X1,)), ("method_alias_append", (X2_h14,))],
-    "other_module_autostate_scan": [("other_module_autostate_scan", (XS_h14,))],
-    "duck_typed": [("duck_typed", (X1,)), ("duck_typed", (X2_h14,))],
+    "local": [("local", (X1,)), ("local", (X2,))],
+    "other_module": [("other_module", (X1,)), ("other_module", (X2,))],
+    "other_module_list": [("other_module_list", (X1,)), ("other_module_list", (X2,))],
+    "method_alias_append": [("method_alias_append", (X1,)), ("method_alias_append", (X2,))],
+    "other_module_autostate_scan": [("other_module_autostate_scan", (XS3,))],
+    "duck_typed": [("duck_typed", (X1,)), ("duck_typed", (X2,))],
 }
 
 
@@ -2497,21 +2492,21 @@ class Parent:
 
 
 CALLBACK_CASES = {
-    "sibling_loop": [("sibling_loop", (XS_h14,)), ("sibling_loop", (XS_h14,))],
-    "sibling_scan": [("sibling_scan", (XS_h14,)), ("sibling_scan", (XS_h14,))],
-    "stored_cb_scan": [("stored_cb_scan", (XS_h14,))],
-    "parent_cb_fori": [("parent_cb_fori", (X1,)), ("parent_cb_fori", (X2_h14,))],
-    "lambda_cb_scan": [("lambda_cb_scan", (XS_h14,))],
-    "cond_between_models": [("cond_between_models", (X1,)), ("cond_between_models", (X2_h14,))],
+    "sibling_loop": [("sibling_loop", (XS3,)), ("sibling_loop", (XS3,))],
+    "sibling_scan": [("sibling_scan", (XS3,)), ("sibling_scan", (XS3,))],
+    "stored_cb_scan": [("stored_cb_scan", (XS3,))],
+    "parent_cb_fori": [("parent_cb_fori", (X1,)), ("parent_cb_fori", (X2,))],
+    "lambda_cb_scan": [("lambda_cb_scan", (XS3,))],
+    "cond_between_models": [("cond_between_models", (X1,)), ("cond_between_models", (X2,))],
     "switch_between_models": [
         ("switch_between_models", (0, X1)),
-        ("switch_between_models", (1, X2_h14)),
+        ("switch_between_models", (1, X2)),
         ("switch_between_models", (2, X1)),
     ],
-    "map_sibling": [("map_sibling", (XS_h14,))],
+    "map_sibling": [("map_sibling", (XS3,))],
     "while_sibling": [("while_sibling", (X1,))],
-    "checkpoint_runner": [("checkpoint_runner", (XS_h14,))],
-    "method_type_cb": [("method_type_cb", (X1,)), ("method_type_cb", (X2_h14,))],
+    "checkpoint_runner": [("checkpoint_runner", (XS3,))],
+    "method_type_cb": [("method_type_cb", (X1,)), ("method_type_cb", (X2,))],
 }
 
 
@@ -2523,14 +2518,14 @@ def test_model_methods_as_callbacks_of_other_models(write_module: Loader, case: 
 
 def test_weak_method_callback_follows_the_running_model(write_module: Loader) -> None:
     plain, dec = pair(write_module, CALLBACKS)
-    check(plain, dec, "Parent()", [("weak_cb", (X1,)), ("weak_cb", (X2_h14,))], modes=("f",))
+    check(plain, dec, "Parent()", [("weak_cb", (X1,)), ("weak_cb", (X2,))], modes=("f",))
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_callbacks_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
     plain, dec = pair(write_module, CALLBACKS)
     calls = [("sibling_scan", (X,)), ("stored_cb_scan", (X,)), ("lambda_cb_scan", (X,))]
-    x = XS_h14 if transform == "grad" else jnp.arange(6.0).reshape(2, 3)
+    x = XS3 if transform == "grad" else jnp.arange(6.0).reshape(2, 3)
     check_transform(plain, dec, "Parent()", calls, x, transform)
 
 
@@ -2541,23 +2536,23 @@ def test_a_callback_from_outside_passed_to_f(write_module: Loader) -> None:
     plain, dec = pair(write_module, CALLBACKS)
     p = plain.Runner()
     ps = plain.Stats()
-    expected = p.run_loop(ps.observe, XS_h14)
+    expected = p.run_loop(ps.observe, XS3)
     r, s = dec.Runner(), dec.Stats()
     f, states = r.functionalize()
-    out, states = f.run_loop(states, s.observe, XS_h14)
+    out, states = f.run_loop(states, s.observe, XS3)
     assert_same(expected, out, "output")
     assert_same(snapshot(ps), snapshot(s), "the eager Stats was written like plain Python")
     assert_same(p.ticks, states["ticks"], "ticks")
     s2 = dec.Stats()
     with pytest.raises(TracedEagerStateError, match="'mean'"):
-        staged(lambda st, xs: f.run_loop(st, s2.observe, xs))(states, XS_h14)
+        staged(lambda st, xs: f.run_loop(st, s2.observe, xs))(states, XS3)
     no_tracer(s2)
 
 
 GEN_CASES = {
-    "consume": [("consume", (X1,)), ("consume", (X2_h14,))],
-    "zipped": [("zipped", (XS_h14,))],
-    "with_mode": [("with_mode", (X1,)), ("with_mode", (X2_h14,))],
+    "consume": [("consume", (X1,)), ("consume", (X2,))],
+    "zipped": [("zipped", (XS3,))],
+    "with_mode": [("with_mode", (X1,)), ("with_mode", (X2,))],
 }
 
 
@@ -2590,7 +2585,7 @@ class Stream:
 
 
 
-WRAPPED_h15 = """
+USER_DECORATORS = """
 import time
 
 CALLS = []
@@ -2689,19 +2684,19 @@ class Wrapped:
 
 
 WRAPPED_CASES = {
-    "timed": ("Wrapped()", [("timed_step", (X1,)), ("timed_step", (X2_h15,))]),
-    "logged-no-wraps": ("Wrapped()", [("logged_step", (X1,)), ("logged_step", (X2_h15,))]),
-    "decorator-with-args": ("Wrapped()", [("thrice", (X1,)), ("thrice", (X2_h15,))]),
-    "conditional-on": ("Wrapped(True)", [("gated", (X1,)), ("gated", (X2_h15,))]),
-    "conditional-off": ("Wrapped(False)", [("gated", (X1,)), ("gated", (X2_h15,))]),
-    "calls-twice": ("Wrapped()", [("doubled", (X1,)), ("doubled", (X2_h15,))]),
-    "stacked": ("Wrapped()", [("stacked", (X1,)), ("stacked", (X2_h15,))]),
+    "timed": ("Wrapped()", [("timed_step", (X1,)), ("timed_step", (X2,))]),
+    "logged-no-wraps": ("Wrapped()", [("logged_step", (X1,)), ("logged_step", (X2,))]),
+    "decorator-with-args": ("Wrapped()", [("thrice", (X1,)), ("thrice", (X2,))]),
+    "conditional-on": ("Wrapped(True)", [("gated", (X1,)), ("gated", (X2,))]),
+    "conditional-off": ("Wrapped(False)", [("gated", (X1,)), ("gated", (X2,))]),
+    "calls-twice": ("Wrapped()", [("doubled", (X1,)), ("doubled", (X2,))]),
+    "stacked": ("Wrapped()", [("stacked", (X1,)), ("stacked", (X2,))]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(WRAPPED_CASES))
 def test_user_decorators_on_methods(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, WRAPPED_h15)
+    plain, dec = pair(write_module, USER_DECORATORS)
     build, calls = WRAPPED_CASES[case]
     plain.CALLS.clear()
     dec.CALLS.clear()
@@ -2712,16 +2707,16 @@ def test_user_decorators_on_methods(write_module: Loader, case: str) -> None:
 
 
 def test_user_decorators_under_grad_and_vmap(write_module: Loader) -> None:
-    plain, dec = pair(write_module, WRAPPED_h15)
+    plain, dec = pair(write_module, USER_DECORATORS)
     calls = [("stacked", (X,)), ("doubled", (X,)), ("thrice", (X,))]
     check_transform(plain, dec, "Wrapped()", calls, X1, "grad")
     check_transform(plain, dec, "Wrapped()", calls, jnp.arange(3.0), "vmap")
 
 
 MADE_CASES = {
-    "loop-in-class-body": ("Looped()", [("add1", (X1,)), ("add3", (X2_h15,)), ("add2", (X1,))]),
-    "factory-in-class-body": ("Looped()", [("mul", (X1,)), ("add1", (X2_h15,))]),
-    "borrowed": ("Borrower()", [("__call__", (X1,)), ("forward", (X2_h15,))]),
+    "loop-in-class-body": ("Looped()", [("add1", (X1,)), ("add3", (X2,)), ("add2", (X1,))]),
+    "factory-in-class-body": ("Looped()", [("mul", (X1,)), ("add1", (X2,))]),
+    "borrowed": ("Borrower()", [("__call__", (X1,)), ("forward", (X2,))]),
 }
 
 
@@ -2764,7 +2759,7 @@ def test_method_borrowed_from_a_completed_decorated_class(write_module: Loader) 
     p, d = plain.Borrower(), dec.Borrower()
     assert_same(p.forward(X1), d.forward(X1), "eager output")
     assert_same(snapshot(p), snapshot(d), "b.s after one eager call")  # a raw request: fails here
-    check(plain, dec, "Borrower()", [("__call__", (X1,)), ("forward", (X2_h15,))])
+    check(plain, dec, "Borrower()", [("__call__", (X1,)), ("forward", (X2,))])
     check(plain, dec, "Donor()", [("forward", (X1,))])
 
 
@@ -2844,16 +2839,16 @@ def build_instance_method():
 
 
 REPLACED_CASES = {
-    "class-call-replaced": ("build_replaced()", [("__call__", (X1,)), ("forward", (X2_h15,))]),
+    "class-call-replaced": ("build_replaced()", [("__call__", (X1,)), ("forward", (X2,))]),
     "subclass-call-replaced": (
         "build_subclass_replaced()",
-        [("__call__", (X1,)), ("forward", (X2_h15,))],
+        [("__call__", (X1,)), ("forward", (X2,))],
     ),
     "wrapped-after-first-instance": (
         "build_wrapped_later()",
-        [("forward", (X1,)), ("forward", (X2_h15,))],
+        [("forward", (X1,)), ("forward", (X2,))],
     ),
-    "instance-method-type": ("build_instance_method()", [("forward", (X1,)), ("__call__", (X2_h15,))]),
+    "instance-method-type": ("build_instance_method()", [("forward", (X1,)), ("__call__", (X2,))]),
 }
 
 
@@ -2873,8 +2868,8 @@ def test_instance_method_type_is_what_f_forward_calls(write_module: Loader) -> N
     out, states = f.forward(states, X1)
     assert_same(expected, out)
     assert_same(np.asarray(ref.s), states["s"])
-    out, states = staged(lambda f, s, x: f.forward(s, x))(f, states, X2_h15)
-    assert_same(ref.forward(X2_h15), out)
+    out, states = staged(lambda f, s, x: f.forward(s, x))(f, states, X2)
+    assert_same(ref.forward(X2), out)
     assert_same(np.asarray(ref.s), states["s"])
 
 
@@ -2905,7 +2900,7 @@ def test_partial_over_the_instance_held_as_a_method(write_module: Loader) -> Non
     holding the model), naming the line that functionalizes."""
     plain, dec = pair(write_module, SRC2)
     check(
-        plain, dec, "partial_forward()", [("forward", (X1,)), ("forward", (X2_h15,))], modes=("eager",)
+        plain, dec, "partial_forward()", [("forward", (X1,)), ("forward", (X2,))], modes=("eager",)
     )
     model = dec.partial_forward()
     with pytest.raises(InvalidTypeError, match="functools.partial") as info:
@@ -2959,19 +2954,19 @@ class AutoSub(Auto):
 @pytest.mark.parametrize("build", ["Counted()", "AutoSub()"], ids=["class-body", "init-subclass"])
 def test_a_wrapper_that_writes_state(write_module: Loader, build: str) -> None:
     plain, dec = pair(write_module, COUNTING)
-    check(plain, dec, build, [("__call__", (X1,)), ("__call__", (X2_h15,))], modes=("eager",))
-    check(plain, dec, build, [("__call__", (X1,)), ("__call__", (X2_h15,))])
+    check(plain, dec, build, [("__call__", (X1,)), ("__call__", (X2,))], modes=("eager",))
+    check(plain, dec, build, [("__call__", (X1,)), ("__call__", (X2,))])
 
 
 MORE_CASES = {
-    "template-forward": ("Lin()", [("__call__", (X1,)), ("__call__", (X2_h15,))]),
-    "instance-forward-via-call": ("patched()", [("__call__", (X1,)), ("forward", (X2_h15,))]),
-    "super-in-lambda": ("Q()", [("step", (X1,)), ("step", (X2_h15,))]),
+    "template-forward": ("Lin()", [("__call__", (X1,)), ("__call__", (X2,))]),
+    "instance-forward-via-call": ("patched()", [("__call__", (X1,)), ("forward", (X2,))]),
+    "super-in-lambda": ("Q()", [("step", (X1,)), ("step", (X2,))]),
     "super-in-scan-body": ("Q()", [("scanned", (jnp.arange(3.0),)), ("step", (X1,))]),
-    "static-base-array-sub": ("S1()", [("__call__", (X1,)), ("__call__", (X2_h15,))]),
-    "set-before-super-init": ("Early()", [("step", (X1,)), ("step", (X2_h15,))]),
-    "no-super-init": ("NoSuper()", [("step", (X1,)), ("step", (X2_h15,))]),
-    "generic-alias-instance": ("Box[jax.Array](jnp.ones(()))", [("put", (X1,)), ("put", (X2_h15,))]),
+    "static-base-array-sub": ("S1()", [("__call__", (X1,)), ("__call__", (X2,))]),
+    "set-before-super-init": ("Early()", [("step", (X1,)), ("step", (X2,))]),
+    "no-super-init": ("NoSuper()", [("step", (X1,)), ("step", (X2,))]),
+    "generic-alias-instance": ("Box[jax.Array](jnp.ones(()))", [("put", (X1,)), ("put", (X2,))]),
 }
 
 
@@ -3012,7 +3007,7 @@ def test_method_set_after_the_first_instance_writing_a_non_state(write_module: L
     its write of a state goes through the descriptor, and its write of a
     non-state is refused inside a functionalized call, naming the line."""
     plain, dec = pair(write_module, LATE_SETATTR)
-    check(plain, dec, "Late()", [("late", (X1,)), ("bump", (X2_h15,))], modes=("eager",))
+    check(plain, dec, "Late()", [("late", (X1,)), ("bump", (X2,))], modes=("eager",))
     f, states = dec.Late().functionalize()
     with pytest.raises(StateAccessError, match="Late.u is not state") as info:
         staged(lambda f, s, x: f.late(s, x))(f, states, X1)
@@ -3074,8 +3069,8 @@ class LoopSub(Base):
 @pytest.mark.parametrize(
     "build,calls",
     [
-        ("Below()", [("inc2", (X1,)), ("inc1", (X2_h15,))]),
-        ("LoopSub()", [("add2", (X1,)), ("add3", (X2_h15,)), ("add2", (X1,))]),
+        ("Below()", [("inc2", (X1,)), ("inc1", (X2,))]),
+        ("LoopSub()", [("add2", (X1,)), ("add3", (X2,)), ("add2", (X1,))]),
     ],
     ids=["class-decorator-below", "loop-methods-with-super"],
 )
@@ -3135,16 +3130,16 @@ def test_instance_method_type_survives_freeze_and_deepcopy(write_module: Loader)
     plain, dec = pair(write_module, REPLACED + "\n# freeze-method-type\n")
     ref = plain.build_instance_method()
     f, states = dec.build_instance_method().functionalize()
-    expected = [ref.forward(X1), ref(X2_h15)]
+    expected = [ref.forward(X1), ref(X2)]
     out1, states = staged(lambda f, s, x: f.forward(s, x))(f, states, X1)
-    out2, states = staged(lambda f, s, x: f(s, x))(f, states, X2_h15)
+    out2, states = staged(lambda f, s, x: f(s, x))(f, states, X2)
     assert_same(expected, [out1, out2])
     frozen = autostate.freeze(f, states)
     assert frozen.forward.__self__ is frozen
     assert_same(ref.forward(X1), frozen.forward(X1))
     assert_same(snapshot(ref), snapshot(frozen))
     clone, ref_clone = copy.deepcopy(frozen), copy.deepcopy(ref)
-    assert_same(ref_clone.forward(X2_h15), clone.forward(X2_h15))
+    assert_same(ref_clone.forward(X2), clone.forward(X2))
     assert_same(snapshot(ref), snapshot(frozen), "the original is untouched by its copy")
     assert_same(snapshot(ref_clone), snapshot(clone))
 
@@ -3353,7 +3348,7 @@ class Gen:
         yield from range(self.k)
 """
     plain, dec = pair(write_module, source)
-    check(plain, dec, "Gen()", [("step", (X1,)), ("step", (X2_h21,))])
+    check(plain, dec, "Gen()", [("step", (X1,)), ("step", (X2,))])
 
 
 def test_methods_made_by_a_loop_over_locals_in_the_class_body(write_module: Loader) -> None:
@@ -3375,7 +3370,7 @@ class Loop:
     del _name, _sign
 """
     plain, dec = pair(write_module, source)
-    check(plain, dec, "Loop()", [("inc", (X1,)), ("dec", (X2_h21,)), ("inc", (X2_h21,))])
+    check(plain, dec, "Loop()", [("inc", (X1,)), ("dec", (X2,)), ("inc", (X2,))])
     assert sorted(dec.Loop().functionalize()[1]) == ["n"]
 
 
@@ -3384,7 +3379,7 @@ def test_static_method_on_an_instance_from_outside(write_module: Loader) -> None
     p, d = plain.Rc(), dec.Rc()
     assert_same(plain.Rc.bump(p, X1), dec.Rc.bump(d, X1))
     assert_same(snapshot(p), snapshot(d))
-    assert_same(snapshot(plain.Rc.fresh(X2_h21)), snapshot(dec.Rc.fresh(X2_h21)))
+    assert_same(snapshot(plain.Rc.fresh(X2)), snapshot(dec.Rc.fresh(X2)))
 
 
 def test_annotations_of_a_nested_function_keep_their_text(write_module: Loader) -> None:
@@ -3415,9 +3410,9 @@ def test_warnings_deprecated_method(write_module: Loader) -> None:
     assert dec.Old.old_step.__deprecated__ == plain.Old.old_step.__deprecated__ == "use step"
     f, states = dec.Old().functionalize()
     with pytest.warns(DeprecationWarning, match="use step"):
-        out, states = f.old_step(states, X2_h23)
-    assert_same(X2_h23 * 0.5, out)
-    assert_same(X2_h23 * 0.5, states["n"])
+        out, states = f.old_step(states, X2)
+    assert_same(X2 * 0.5, out)
+    assert_same(X2 * 0.5, states["n"])
 
 
 
@@ -3435,7 +3430,7 @@ def test_generator_nested_in_method_consumed_in_the_call(write_module: Loader) -
     run_case(plain, dec, "G()", [("run", (A1,)), ("run", (A2,))], extra=("run", (A1,)))
 
 
-CACHED_h25 = """
+CACHED_OVER_PARAMETERS = """
 import functools
 @DECORATE
 class M:
@@ -3452,10 +3447,10 @@ class M:
 
 
 def test_cached_property_over_parameters(write_module: Loader) -> None:
-    plain, dec = pair(write_module, CACHED_h25)
-    run_case(plain, dec, "M()", [("__call__", (V2_h25,)), ("__call__", (jnp.ones(2),))],
+    plain, dec = pair(write_module, CACHED_OVER_PARAMETERS)
+    run_case(plain, dec, "M()", [("__call__", (V2_RANGE,)), ("__call__", (jnp.ones(2),))],
              modes=("eager", "f"))
-    run_case(plain, dec, "M()", [("__call__", (V2_h25,)), ("__call__", (jnp.ones(2),))],
+    run_case(plain, dec, "M()", [("__call__", (V2_RANGE,)), ("__call__", (jnp.ones(2),))],
              modes=("jit",))
 
 
@@ -3526,7 +3521,7 @@ class M:
     assert "'scale'" in str(info.value) and "M.override" in str(info.value)
 
 
-PARTIALMETHOD_h25 = """
+PARTIALMETHOD_KEYWORDS = """
 import functools
 @DECORATE
 class M:
@@ -3543,7 +3538,7 @@ class M:
 
 
 def test_partialmethod_with_keywords(write_module: Loader) -> None:
-    plain, dec = pair(write_module, PARTIALMETHOD_h25)
+    plain, dec = pair(write_module, PARTIALMETHOD_KEYWORDS)
     run_case(plain, dec, "M()", [("__call__", (A1,)), ("up", (A2,)), ("down", (A1,))],
              extra=("down", (A2,)))
 
@@ -3719,8 +3714,8 @@ def test_outside_wrapped_inherited_two_levels_call(write_module: Loader) -> None
         plain,
         dec,
         "GrandChild()",
-        [("__call__", (XS_h28,)), ("__call__", (XS_h28[::-1],))],
-        extra=("__call__", (XS_h28,)),
+        [("__call__", (XS_SIGNED,)), ("__call__", (XS_SIGNED[::-1],))],
+        extra=("__call__", (XS_SIGNED,)),
     )
 
 
@@ -3729,7 +3724,7 @@ def test_outside_wrapped_inherited_under_grad_and_vmap(
     write_module: Loader, transform: str
 ) -> None:
     plain, dec = pair(write_module, OUTSIDE_WRAPPED)
-    x = jnp.array([[0.5, 1.0, -2.0], [1.0, 2.0, 3.0]]) if transform == "vmap" else XS_h28[:3]
+    x = jnp.array([[0.5, 1.0, -2.0], [1.0, 2.0, 3.0]]) if transform == "vmap" else XS_SIGNED[:3]
     calls = (
         [("__call__", (X,)), ("fori", (A1,))]
         if transform == "grad"
@@ -3739,14 +3734,14 @@ def test_outside_wrapped_inherited_under_grad_and_vmap(
 
 
 def test_closures_kept_on_the_model_under_grad(write_module: Loader) -> None:
-    plain, dec = pair(write_module, CLOSURES_h28)
-    check_transform(plain, dec, "M()", [("scan_hooks", (X,)), ("ckpt_hook", (A1,))], XS_h28, "grad")
+    plain, dec = pair(write_module, CLOSURE_HOOKS)
+    check_transform(plain, dec, "M()", [("scan_hooks", (X,)), ("ckpt_hook", (A1,))], XS_SIGNED, "grad")
 
 
 def test_closure_made_in_init_writes_no_state(write_module: Loader) -> None:
     # A closure defined in __init__ is part of __init__: what it assigns is not state. Eagerly
     # outside lax it is plain Python; traced (a lax body, f) it is the documented guard.
-    plain, dec = pair(write_module, CLOSURES_h28)
+    plain, dec = pair(write_module, CLOSURE_HOOKS)
     run_case(plain, dec, "M()", [("init_hook_direct", (A2,))], modes=("eager",))
     with pytest.raises(autostate.errors.StateAccessError) as e:
         dec.M().init_hook_in_cond(-A1)
@@ -3768,8 +3763,8 @@ def test_property_setter_under_vmap_of_f(write_module: Loader) -> None:
         jnp.array([0.5, -3.0, 9.0]),
         "vmap",
     )
-    check_transform(plain, dec, "M()", [("set_in_scan", (X,))], jnp.stack([XS_h28, XS_h28 * 0.1]), "vmap")
-    check_transform(plain, dec, "M()", [("set_in_scan", (X,))], XS_h28 * 0.1, "grad")
+    check_transform(plain, dec, "M()", [("set_in_scan", (X,))], jnp.stack([XS_SIGNED, XS_SIGNED * 0.1]), "vmap")
+    check_transform(plain, dec, "M()", [("set_in_scan", (X,))], XS_SIGNED * 0.1, "grad")
 
 
 def test_wraps_lambda_not_closing_over_the_function_is_refused(write_module: Loader) -> None:
@@ -3876,11 +3871,11 @@ def _remote(write_module: Loader) -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     "build,name,args",
     [
-        ("Direct()", "scan", (XS_h28,)),
-        ("M()", "scan", (XS_h28,)),
+        ("Direct()", "scan", (XS_SIGNED,)),
+        ("M()", "scan", (XS_SIGNED,)),
         ("M()", "fori", (A2,)),
         ("M()", "__call__", (A2,)),
-        ("M()", "both", (XS_h28,)),
+        ("M()", "both", (XS_SIGNED,)),
     ],
 )
 def test_methods_from_another_module(
@@ -3892,7 +3887,7 @@ def test_methods_from_another_module(
 
 def test_methods_from_another_module_under_grad(write_module: Loader) -> None:
     plain, dec = _remote(write_module)
-    check_transform(plain, dec, "M()", [("both", (X,)), ("__call__", (A1,))], XS_h28, "grad")
+    check_transform(plain, dec, "M()", [("both", (X,)), ("__call__", (A1,))], XS_SIGNED, "grad")
 
 
 def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
@@ -3929,33 +3924,33 @@ def test_hook_registered_after_functionalize_is_not_seen_by_f(write_module: Load
     )
 
 
-GEN_CASES_h33: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
-    "yield_from_sub_model": [("consume", (XS_h33,)), ("consume", (XS_h33 * 2,))],
-    "send_accumulator": [("drive", (XS_h33,)), ("drive", (XS_h33,))],
-    "islice": [("islice", (XS_h33,)), ("islice", (XS_h33,))],
-    "accumulate_map": [("accumulate", (XS_h33,))],
-    "chain": [("chained", (XS_h33,))],
-    "zip_interleaved": [("zipped", (XS_h33,))],
-    "partial_consume_finally_at_frame_exit": [("partial_consume", (XS_h33,))] * 2,
-    "partial_close": [("partial_close", (XS_h33,))] * 2,
-    "throw_in": [("throw_in", (XS_h33,))] * 2,
-    "map_once": [("map_once", (XS_h33,))] * 2,
-    "comprehension_mixed": [("comprehension_mixed", (XS_h33,))],
-    "walrus": [("walrus", (XS_h33,))],
-    "setattr_in_comprehension": [("setattr_comp", (XS_h33,))],
-    "dict_comp_and_genexp": [("dict_comp", (XS_h33,))],
+CONSUMED_GENERATORS: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
+    "yield_from_sub_model": [("consume", (XS3,)), ("consume", (XS3 * 2,))],
+    "send_accumulator": [("drive", (XS3,)), ("drive", (XS3,))],
+    "islice": [("islice", (XS3,)), ("islice", (XS3,))],
+    "accumulate_map": [("accumulate", (XS3,))],
+    "chain": [("chained", (XS3,))],
+    "zip_interleaved": [("zipped", (XS3,))],
+    "partial_consume_finally_at_frame_exit": [("partial_consume", (XS3,))] * 2,
+    "partial_close": [("partial_close", (XS3,))] * 2,
+    "throw_in": [("throw_in", (XS3,))] * 2,
+    "map_once": [("map_once", (XS3,))] * 2,
+    "comprehension_mixed": [("comprehension_mixed", (XS3,))],
+    "walrus": [("walrus", (XS3,))],
+    "setattr_in_comprehension": [("setattr_comp", (XS3,))],
+    "dict_comp_and_genexp": [("dict_comp", (XS3,))],
     "iter_generator": [("iterate", ()), ("iterate", ())],
-    "generator_in_scan_body": [("scan_inner_gen", (XS_h33,)), ("scan_inner_gen", (XS_h33,))],
+    "generator_in_scan_body": [("scan_inner_gen", (XS3,)), ("scan_inner_gen", (XS3,))],
 }
 
 
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-@pytest.mark.parametrize("case", sorted(GEN_CASES_h33))
+@pytest.mark.parametrize("case", sorted(CONSUMED_GENERATORS))
 def test_generators_consumed_in_the_call(write_module: Loader, case: str) -> None:
-    plain, dec = pair(write_module, GENS_h33)
-    check(plain, dec, "M()", GEN_CASES_h33[case])
+    plain, dec = pair(write_module, GENERATOR_METHODS)
+    check(plain, dec, "M()", CONSUMED_GENERATORS[case])
 
 
 @pytest.mark.filterwarnings(
@@ -3963,9 +3958,9 @@ def test_generators_consumed_in_the_call(write_module: Loader, case: str) -> Non
 )
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_generators_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
-    plain, dec = pair(write_module, GENS_h33)
+    plain, dec = pair(write_module, GENERATOR_METHODS)
     calls = [("consume", (X,)), ("drive", (X,)), ("zipped", (X,))]
-    x = XS_h33 if transform == "grad" else jnp.arange(6.0).reshape(2, 3)
+    x = XS3 if transform == "grad" else jnp.arange(6.0).reshape(2, 3)
     check_transform(plain, dec, "M()", calls, x, transform)
 
 
@@ -3977,7 +3972,7 @@ def test_lazy_reads_see_writes_made_before_consumption_eagerly(write_module: Loa
     got = []
     for mod in (plain, dec):
         m = mod.E()
-        g = m.lazy_reads(XS_h33)
+        g = m.lazy_reads(XS3)
         m.bump(5.0)
         got.append([float(v) for v in g])
     same(got[0], got[1])
@@ -4105,7 +4100,7 @@ def test_generator_spellings_accepted_by_the_analysis(write_module: Loader, case
     user_line(info.value, dec, "# HERE")
 
 
-REFUSED_h33 = {
+SUSPENDED_ACCESS = {
     "generator_returning_state": (
         "    def steps(self, xs):\n        yield 1\n        return self.n  # HERE\n",
         "generator method 'steps'",
@@ -4164,11 +4159,11 @@ class A:
 @pytest.mark.filterwarnings(
     "ignore:Python iterable type:DeprecationWarning"
 )
-@pytest.mark.parametrize("case", sorted(REFUSED_h33))
+@pytest.mark.parametrize("case", sorted(SUSPENDED_ACCESS))
 def test_suspended_state_access_is_the_documented_decoration_error(
     write_module: Loader, case: str
 ) -> None:
-    body, what = REFUSED_h33[case]
+    body, what = SUSPENDED_ACCESS[case]
     with pytest.raises(errors.DecorationError) as info:
         pair(write_module, REFUSED_HEAD + "\n" + body)
     assert what in str(info.value)

@@ -59,21 +59,21 @@ from semantics.programs import (
     QAT,
     REBUILD,
     TORCH_HEADER,
+    VARIATIONAL_RNN,
     X1,
+    X_VRNN,
     XQ,
     XR,
+    XS3,
+    XV1,
+    XV2,
 )
-from semantics.programs import KINDS as KINDS_h13
-from semantics.programs import RNG as RNG_h26
-from semantics.programs import MOE_h30 as MOE
-from semantics.programs import RNG_h30 as RNG_h30
-from semantics.programs import TORCH_h35 as TORCH
-from semantics.programs import X1_h27 as X1_h27
-from semantics.programs import X2_h13 as X2
-from semantics.programs import X2_h27 as X2_h27
-from semantics.programs import XM_h30 as XM
-from semantics.programs import XR_h30 as XR_h30
-from semantics.programs import XS_h13 as XS_h13
+from semantics.programs import KINDS as VALUE_KINDS
+from semantics.programs import MOE_AUX_LOSS as MOE
+from semantics.programs import RNG as KEYED_NOISE
+from semantics.programs import TORCH_TRAINING as TORCH
+from semantics.programs import TWO as X2
+from semantics.programs import XM_ROUTED as XM
 from semantics.references import (
     grads_of,
     jitted,
@@ -616,13 +616,13 @@ LIFECYCLES = {
 
 @pytest.mark.parametrize("order", sorted(LIFECYCLES))
 def test_value_kinds_over_a_lifecycle(write_module: Loader, order: str) -> None:
-    plain, dec = pair(write_module, KINDS_h13)
+    plain, dec = pair(write_module, VALUE_KINDS)
     lifecycle(plain, dec, "Kinds()", LIFECYCLES[order])
 
 
 def test_value_kinds_eager_only_keep_python_types(write_module: Loader) -> None:
     """Eagerly nothing crosses jit: a Python float state stays a float."""
-    plain, dec = pair(write_module, KINDS_h13)
+    plain, dec = pair(write_module, VALUE_KINDS)
     lifecycle(plain, dec, "Kinds()", [("eager", [STEP, WEAK, STEP]), ("f", [WEAK, STEP])])
     m = dec.Kinds()
     m.step(X1)
@@ -631,7 +631,7 @@ def test_value_kinds_eager_only_keep_python_types(write_module: Loader) -> None:
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_value_kinds_under_grad_and_vmap(write_module: Loader, transform: str) -> None:
-    plain, dec = pair(write_module, KINDS_h13)
+    plain, dec = pair(write_module, VALUE_KINDS)
     x = X1 if transform == "grad" else jnp.arange(3.0)
     transform_typed(
         plain, dec, "Kinds()", [("step", (X,)), ("weak_only", ()), ("step", (X,))], x, transform
@@ -726,13 +726,13 @@ def test_grad_and_vmap_over_f_with_keys_and_low_precision(
 
 FLOW_CALLS = {
     "cond_weak": [("cond_weak", (X1,)), ("cond_weak", (-X1,))],
-    "scan_weak_to_strong": [("scan_weak_to_strong", (XS_h13,))] * 2,
+    "scan_weak_to_strong": [("scan_weak_to_strong", (XS3,))] * 2,
     "fori_wrap": [("fori_wrap", (3,)), ("fori_wrap", (2,))],
     "while_mask": [("while_mask", (X1,)), ("while_mask", (jnp.float32(0.5),))],
-    "scan_zero_and_complex": [("scan_zero_and_complex", (XS_h13,))] * 2,
+    "scan_zero_and_complex": [("scan_zero_and_complex", (XS3,))] * 2,
     "cond_key": [("cond_key", (X1,)), ("cond_key", (-X1,)), ("cond_key", (X2,))],
-    "scan_dataclass": [("scan_dataclass", (XS_h13,))] * 2,
-    "scan_bf16": [("scan_bf16", (XS_h13,))] * 2,
+    "scan_dataclass": [("scan_dataclass", (XS3,))] * 2,
+    "scan_bf16": [("scan_bf16", (XS3,))] * 2,
     "cond_reads_none": [("cond_reads_none", (X1,))],
 }
 
@@ -788,9 +788,9 @@ def test_nonempty_scan_promotes_a_python_float_state_like_plain(write_module: Lo
         dec,
         "Acc()",
         [
-            ("eager", [("add_all", (XS_h13,))]),
-            ("jit", [("add_all", (XS_h13,))]),
-            ("eager", [("add_all", (XS_h13,))]),
+            ("eager", [("add_all", (XS3,))]),
+            ("jit", [("add_all", (XS3,))]),
+            ("eager", [("add_all", (XS3,))]),
         ],
     )
 
@@ -801,7 +801,7 @@ def test_deepcopy_mid_life_keeps_dtypes_and_weak_types(write_module: Loader) -> 
     weak-typed in every later test. That is JAX's, with or without autostate.)"""
     import copy
 
-    plain, dec = pair(write_module, KINDS_h13)
+    plain, dec = pair(write_module, VALUE_KINDS)
     ref, model = plain.Kinds(), dec.Kinds()
     f, states = model.functionalize()
     _, states = staged(f.step)(states, X1)
@@ -991,7 +991,7 @@ def test_random_streams_match_hand_threaded_bit_for_bit(
 
 @pytest.mark.parametrize("new_style", [False, True])
 def test_key_split_per_call_dropout(write_module: Loader, new_style: bool) -> None:
-    plain, dec = pair(write_module, RNG_h26)
+    plain, dec = pair(write_module, KEYED_NOISE)
     calls = [("dropout", (XR,)), ("__call__", (XR,)), ("many", (jnp.stack([XR, XR * 2]),)),
              ("sample_while", (2.0,)), ("fresh", ())] if new_style else [("dropout", (XR,)),
                                                                          ("fresh", ())]
@@ -1037,8 +1037,8 @@ def test_float_rate_state_under_jit(write_module: Loader) -> None:
 
 def test_odd_states_plain_vs_decorated(write_module: Loader) -> None:
     plain, dec = pair(write_module, ODD)
-    check(plain, dec, "Odd()", [("__call__", (X1_h27,)), ("peek", ()), ("__call__", (X2_h27,)),
-                                ("__call__", (X1_h27,))])
+    check(plain, dec, "Odd()", [("__call__", (XV1,)), ("peek", ()), ("__call__", (XV2,)),
+                                ("__call__", (XV1,))])
 
 
 def test_odd_states_life_cycle(write_module: Loader) -> None:
@@ -1047,14 +1047,14 @@ def test_odd_states_life_cycle(write_module: Loader) -> None:
     f, states = model.functionalize()
     assert states["nothing"] is None  # None is a placeholder state (tests/test_static_state.py)
     step = step_jit()
-    for x in (X1_h27, X2_h27):
+    for x in (XV1, XV2):
         out, states = step(f, states, x)
         assert_same(ref(x), out, "jit")
     states = jax.tree_util.tree_map(lambda a: a, states)
     frozen = autostate.freeze(f, states)
     assert_same(snapshot(ref), snapshot(frozen), "frozen")
     again = pickle.loads(pickle.dumps(copy.deepcopy(frozen)))
-    assert_same(ref(X1_h27), again(X1_h27), "eager after pickle")
+    assert_same(ref(XV1), again(XV1), "eager after pickle")
     assert_same(snapshot(ref), snapshot(again), "after pickle")
     assert again.nothing is None and again.empty_l == [] and again.cache["k"] is None
 
@@ -1064,7 +1064,7 @@ def test_odd_states_ensemble_vmap(write_module: Loader) -> None:
     refs = [plain.Odd() for _ in range(3)]
     f, states = dec.Odd().functionalize()
     ss = jax.tree_util.tree_map(lambda a: jnp.stack([jnp.asarray(a)] * 3), states)
-    xs = jnp.stack([X1_h27, X2_h27, -X1_h27])
+    xs = jnp.stack([XV1, XV2, -XV1])
     out, ss = staged(jax.vmap(lambda s, x: f(s, x)))(ss, xs)
     assert_same(np.stack([r(x) for r, x in zip(refs, xs)]), out, "vmap")
     for i, r in enumerate(refs):
@@ -1085,8 +1085,8 @@ def test_torch_style_moving_average_if_under_jit_is_traced_value_error(
 
 @pytest.mark.parametrize("typed", [False, True])
 def test_dropout_key_split_each_call(write_module: Loader, typed: bool) -> None:
-    plain, dec = pair(write_module, RNG_h30)
-    calls = [("__call__", (XR_h30,)), ("__call__", (XR_h30,)), ("__call__", (XR_h30 * 2,))]
+    plain, dec = pair(write_module, VARIATIONAL_RNN)
+    calls = [("__call__", (X_VRNN,)), ("__call__", (X_VRNN,)), ("__call__", (X_VRNN * 2,))]
     check(plain, dec, f"Dropout(3, typed={typed})", calls)
     check(plain, dec, f"Dropout(3, typed={typed}).eval()", calls)
     check_transform(
@@ -1094,7 +1094,7 @@ def test_dropout_key_split_each_call(write_module: Loader, typed: bool) -> None:
         dec,
         f"Dropout(3, typed={typed})",
         [("__call__", (X,)), ("__call__", (X,))],
-        XR_h30,
+        X_VRNN,
         "grad",
     )
 

@@ -33,10 +33,9 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import A1, A2, CMS, FRAMES, GENS, ITER, PROTO, STRUCT, X1
-from semantics.programs import GENS_h33 as GENS_h33
-from semantics.programs import X2_h14 as X2
-from semantics.programs import XS_h33 as XS
+from semantics.programs import A1, A2, CMS, FRAMES, GENERATOR_METHODS, GENS, ITER, PROTO, STRUCT, X1
+from semantics.programs import TWO as X2
+from semantics.programs import XS3 as XS
 
 
 def test_eq_override_and_unhashable_instances(write_module: Loader) -> None:
@@ -581,7 +580,7 @@ def test_jax_array_protocol_reads_state(write_module: Loader) -> None:
     "ignore:Python iterable type:DeprecationWarning"
 )
 def test_for_over_model_eagerly(write_module: Loader) -> None:
-    plain, dec = pair(write_module, GENS_h33)
+    plain, dec = pair(write_module, GENERATOR_METHODS)
     got = []
     for mod in (plain, dec):
         m = mod.M()

@@ -47,7 +47,7 @@ from semantics.harness import (
     staged,
 )
 from semantics.programs import HELPER_WRITES, NNX, PLAIN_SUBMODEL, PROTO, RUNTIME, X1, py312
-from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
+from semantics.programs import POSITIVE_CALLS as TWO_CALLS
 
 HERE = __file__
 
@@ -1154,7 +1154,7 @@ class Tracker:
         pair(write_module, source, fresh=True)
 
 
-def assert_at_analysis_h12_fixes(err: BaseException, marker: str) -> None:
+def assert_at_marker(err: BaseException, marker: str) -> None:
     """The error names a line of the test's module holding ``marker``."""
     found = re.search(r"  at (\S+?):(\d+)", str(err))
     assert found, f"no file:line in: {err}"
@@ -1165,7 +1165,7 @@ def assert_at_analysis_h12_fixes(err: BaseException, marker: str) -> None:
     assert marker in text, f"{marker!r} is not on the line the error names: {text!r}"
 
 
-REBIND_HEAD_analysis_h12_fixes = """
+REBIND_HEAD_WITH_BOX = """
 class Box:
     def __init__(self):
         self.c = 100.0
@@ -1225,10 +1225,10 @@ def test_each_form_rebinding_the_receiver_is_an_error_at_its_line(
     write_module: Loader, statement: str
 ) -> None:
     with raises_autostate(DecorationError) as info:
-        pair(write_module, REBIND_HEAD_analysis_h12_fixes + "        " + statement + "\n")
+        pair(write_module, REBIND_HEAD_WITH_BOX + "        " + statement + "\n")
     assert "rebound" in str(info.value)
     assert "fix:" in str(info.value)
-    assert_at_analysis_h12_fixes(info.value, "# HERE")
+    assert_at_marker(info.value, "# HERE")
 
 
 def test_slots_error_of_a_decorated_class_without_functions_names_its_line(
@@ -1242,4 +1242,4 @@ class OnlySlots:  # HERE
     with raises_autostate(DecorationError) as info:
         pair(write_module, source)
     assert "__slots__" in str(info.value)
-    assert_at_analysis_h12_fixes(info.value, "# HERE")
+    assert_at_marker(info.value, "# HERE")

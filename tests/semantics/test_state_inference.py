@@ -73,6 +73,7 @@ from semantics.programs import (
     CLASS_ATTRS,
     CLASS_DEFAULTS,
     CONSTRUCTS,
+    CONTEXT_CONSTRUCTS,
     DATACLASSES,
     DUNDERS,
     EMA,
@@ -95,18 +96,17 @@ from semantics.programs import (
     SRC2,
     STRUCT,
     SYNTAX,
+    SYNTAX_FORMS,
     V2,
     XP,
     py313,
 )
+from semantics.programs import MOE_AUX_LOSS as MOE
 from semantics.programs import RECEIVERS as SHADOWED_RECEIVERS
 from semantics.programs import TORCH as TORCH_MODULES
+from semantics.programs import TORCH_IDIOMS as TORCH
+from semantics.programs import XM_ROUTED as XM
 from semantics.programs import XS as XS4
-from semantics.programs import CONSTRUCTS_h as SYNTAX_FORMS
-from semantics.programs import CONSTRUCTS_h9 as CONTEXT_CONSTRUCTS
-from semantics.programs import MOE_h30 as MOE
-from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import XM_h30 as XM
 from semantics.references import (
     gpt,
 )

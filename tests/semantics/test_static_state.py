@@ -88,9 +88,11 @@ from semantics.programs import (
     SHAPES,
     STATIC,
     TORCH_HEADER,
+    TORCH_TRAINING,
     TORCHLIKE,
     TRACEBACKS,
     V2,
+    V2_SIGNED,
     X1,
     X3,
     X23,
@@ -100,16 +102,14 @@ from semantics.programs import (
     XQ,
     py312,
 )
+from semantics.programs import COMMON_LAYERS as MODELS
+from semantics.programs import MOE_AUX_LOSS as MOE
 from semantics.programs import SOURCE as SHARED_PATHS
 from semantics.programs import TORCH as TORCH_MODULES
+from semantics.programs import TORCH_IDIOMS as TORCH
+from semantics.programs import TWO as X2
 from semantics.programs import XA as XA4
-from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import MOE_h30 as MOE
-from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import TORCH_h35 as TORCH_TRAINING
-from semantics.programs import V2_h31 as V2_SIGNED
-from semantics.programs import X2_h9 as X2
-from semantics.programs import XM_h30 as XM
+from semantics.programs import XM_ROUTED as XM
 from semantics.references import (
     batch,
     cnn,

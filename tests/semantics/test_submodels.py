@@ -75,45 +75,44 @@ from semantics.programs import (
     ONE,
     OPT,
     PROTO,
+    REALISTIC_MODELS,
     RECURSION,
     RNG,
     RNN,
     STACKED,
     STRUCT,
     TORCH_HEADER,
+    TORCH_TRAINING,
     TWO_PARENTS,
     V2,
+    V2_RANGE,
     V3,
     VARIANTS,
     X1,
     X3,
     X23,
+    X23_STACK,
+    X_BATCH,
     XO,
     XO2,
     XR,
+    XS_SEQ,
+    XV1,
+    XV2,
+    Y_BATCH,
     YO,
     YO2,
     Y,
     Z,
 )
+from semantics.programs import COMMON_LAYERS as MODELS
 from semantics.programs import REAL as REAL_SAMPLES
+from semantics.programs import REAL_ONES as REAL
 from semantics.programs import SOURCE as SHARED_PATHS
 from semantics.programs import SUBMODELS as REASSIGNED_SUBMODELS
 from semantics.programs import TORCH as TORCH_MODULES
-from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import MODELS_h9 as REALISTIC_MODELS
-from semantics.programs import REAL_h9 as REAL
-from semantics.programs import TORCH_h9 as TORCH
-from semantics.programs import TORCH_h35 as TORCH_TRAINING
-from semantics.programs import V2_h25 as V2_RANGE
-from semantics.programs import X1_h27 as XV1
-from semantics.programs import X2_h9 as X2
-from semantics.programs import X2_h27 as XV2
-from semantics.programs import X_h35 as X_BATCH
-from semantics.programs import XL_h35 as XL
-from semantics.programs import XS_h26 as XS_SEQ
-from semantics.programs import XS_h31 as X23_STACK
-from semantics.programs import Y_h35 as Y_BATCH
+from semantics.programs import TORCH_IDIOMS as TORCH
+from semantics.programs import TWO as X2
 
 SOURCE = """
 import jax
@@ -2712,8 +2711,8 @@ def test_lightning_model_functionalized_reaches_its_trainer(write_module: Loader
 
 def test_registry_of_models_on_a_manager(write_module: Loader) -> None:
     plain, dec = lightning(write_module)
-    calls = [("__call__", ("a", XL)), ("__call__", ("b", XL)), ("all", (XL,)), ("bump", ("b",)),
-             ("__call__", ("c", XL))]
+    calls = [("__call__", ("a", X_BATCH)), ("__call__", ("b", X_BATCH)), ("all", (X_BATCH,)), ("bump", ("b",)),
+             ("__call__", ("c", X_BATCH))]
     check(plain, dec, "registry()", calls, modes=("eager", "f"))
     f, states = dec.registry().functionalize()
     assert sorted(states) == ["calls", "models['a'].n", "models['b'].n"]

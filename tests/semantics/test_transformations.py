@@ -87,52 +87,52 @@ from semantics.programs import (
     LIT_STEPS,
     MISC,
     MOE,
+    MOE_AUX_LOSS,
     NET,
     NORMS,
     OPT,
     OVER,
     PROMPT,
     QAT,
+    REALISTIC_MODELS,
     REBUILD,
     RNG,
     TRANSITIONS,
     TWO_PARENTS,
     V3,
+    V3_STACK,
     VARIANTS,
+    VARIATIONAL_RNN,
     X1,
     X3,
     X23,
+    X23_STACK,
+    X_VRNN,
     XA,
     XB,
     XK,
     XM,
+    XM_ROUTED,
     XO,
     XQ,
     XR,
     XS,
+    XS_SEQ,
+    XV1,
+    XV2,
     YO,
     Y,
     Z,
 )
 from semantics.programs import AROUND as REPRESENTATIVE_RNN
+from semantics.programs import COMMON_LAYERS as MODELS
+from semantics.programs import CUSTOM_DERIVATIVES as OUTSIDE
 from semantics.programs import KEY as PRNG_KEY
 from semantics.programs import REAL as REAL_SAMPLES
+from semantics.programs import REAL_ONES as REAL
 from semantics.programs import RNN as GRU_CELL
-from semantics.programs import MODELS_h8 as MODELS
-from semantics.programs import MODELS_h9 as REALISTIC_MODELS
-from semantics.programs import MOE_h30 as MOE_AUX_LOSS
-from semantics.programs import OUTSIDE_h9 as OUTSIDE
-from semantics.programs import REAL_h9 as REAL
-from semantics.programs import RNG_h30 as VARIATIONAL_RNN
-from semantics.programs import V2_h25 as V2
-from semantics.programs import X1_h27 as XV1
-from semantics.programs import X2_h13 as X2
-from semantics.programs import X2_h27 as XV2
-from semantics.programs import XM_h30 as XM_ROUTED
-from semantics.programs import XR_h30 as X_VRNN
-from semantics.programs import XS_h26 as XS_SEQ
-from semantics.programs import XS_h31 as X23_STACK
-from semantics.programs import XS_h34 as V3_STACK
+from semantics.programs import TWO as X2
+from semantics.programs import V2_RANGE as V2
 from semantics.references import (
     assert_shared,
     cnn,

@@ -24,8 +24,7 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import DTYPES, HOST, MODELS, PACK, PACK_XS, Loader
-from semantics.programs import XS_h11 as XS_h11
+from semantics.programs import DTYPES, HOST, MODELS, PACK, PACK_XS, XS_PAIRS, Loader
 
 import autostate
 from autostate import errors
@@ -129,15 +128,15 @@ def test_export_round_trip_with_prng_state(write_module: Loader) -> None:
 def test_export_of_a_host_model_threads_its_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST)
     ref = plain.Stats(2)
-    ref(XS_h11)
+    ref(XS_PAIRS)
     model = dec.Stats(2)
-    model(XS_h11)
-    program = autostate.export(model, XS_h11)
+    model(XS_PAIRS)
+    program = autostate.export(model, XS_PAIRS)
     program = jax.export.deserialize(program.serialize())
     states = autostate.state_dict(model)
     for k in range(2):
-        expected = ref(XS_h11 + k)
-        out, states = program.call(states, XS_h11 + k)
+        expected = ref(XS_PAIRS + k)
+        out, states = program.call(states, XS_PAIRS + k)
         assert_same(expected, out)
     assert_same({k: snapshot(getattr(ref, k)) for k in states}, {k: np.asarray(v) for k, v in states.items()})
     assert int(model.count) == 1  # the model's store is untouched

@@ -19,15 +19,10 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import HOST as HOST_h11
-from semantics.programs import MODELS, NET, PACK, PACK_XS, Y
-from semantics.programs import HOST_h3 as HOST
-from semantics.programs import Loader as Loader_h11
-from semantics.programs import Loader as Loader_h16
-from semantics.programs import Loader as Loader_h27
-from semantics.programs import X1_h27 as X1
-from semantics.programs import X2_h27 as X2
-from semantics.programs import XS_h11 as XS
+from semantics.programs import HOST, HOST_COUNTERS, MODELS, NET, PACK, PACK_XS, Y
+from semantics.programs import XS_PAIRS as XS
+from semantics.programs import XV1 as X1
+from semantics.programs import XV2 as X2
 
 import autostate
 from autostate import errors
@@ -273,7 +268,7 @@ def test_pack_under_vmap_and_scan(write_module: Loader) -> None:
 
 
 def test_pack_of_host_and_category_models(write_module: Loader) -> None:
-    _, dec = pair(write_module, HOST)
+    _, dec = pair(write_module, HOST_COUNTERS)
     f, states = dec.Parent().functionalize()
     pf, pstates = autostate.pack(f, states)
     step = jax.jit(lambda f, s, x: f(s, x))
@@ -326,7 +321,7 @@ def _unpacked_states(pstates: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_packed_mixed_dtypes_bit_identical_to_unpacked(write_module: Loader_h11, jit: bool) -> None:
+def test_packed_mixed_dtypes_bit_identical_to_unpacked(write_module: Loader, jit: bool) -> None:
     _, dec = pair(write_module, PACK)
     f, states = dec.Mixed(0).functionalize()
     pf, pstates = autostate.pack(f, states)
@@ -341,7 +336,7 @@ def test_packed_mixed_dtypes_bit_identical_to_unpacked(write_module: Loader_h11,
     assert_bits(peek(f, states, 2.0)[0], peek(pf, pstates, 2.0)[0], "peek", bitwise=True)
 
 
-def test_packed_mixed_dtypes_match_plain_python(write_module: Loader_h11) -> None:
+def test_packed_mixed_dtypes_match_plain_python(write_module: Loader) -> None:
     plain, dec = pair(write_module, PACK)
     check(plain, dec, "Mixed(1)", [("__call__", (x,)) for x in PACK_XS] + [("peek", (3.0,))])
     ref = plain.Mixed(1)
@@ -356,7 +351,7 @@ def test_packed_mixed_dtypes_match_plain_python(write_module: Loader_h11) -> Non
     assert_same(snapshot(ref), snapshot(autostate.freeze(pf, pstates)), "frozen packed")
 
 
-def test_grad_wrt_packed_f_equals_grad_wrt_f(write_module: Loader_h11) -> None:
+def test_grad_wrt_packed_f_equals_grad_wrt_f(write_module: Loader) -> None:
     _, dec = pair(write_module, PACK)
     f, states = dec.Mixed(2).functionalize()
     pf, pstates = autostate.pack(f, states)
@@ -374,7 +369,7 @@ def test_grad_wrt_packed_f_equals_grad_wrt_f(write_module: Loader_h11) -> None:
     assert_same(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_unpacked), "grads")
 
 
-def test_sgd_by_tree_map_on_packed_f_tracks_unpacked_training(write_module: Loader_h11) -> None:
+def test_sgd_by_tree_map_on_packed_f_tracks_unpacked_training(write_module: Loader) -> None:
     _, dec = pair(write_module, PACK)
     f, states = dec.Mixed(3).functionalize()
     pf, pstates = autostate.pack(f, states)
@@ -399,7 +394,7 @@ def test_sgd_by_tree_map_on_packed_f_tracks_unpacked_training(write_module: Load
     assert_bits(states, s2, "states", bitwise=True)
 
 
-def test_vmap_of_packed_f_over_inputs(write_module: Loader_h11) -> None:
+def test_vmap_of_packed_f_over_inputs(write_module: Loader) -> None:
     _, dec = pair(write_module, PACK)
     f, states = dec.Mixed(4).functionalize()
     pf, pstates = autostate.pack(f, states)
@@ -415,7 +410,7 @@ def test_vmap_of_packed_f_over_inputs(write_module: Loader_h11) -> None:
     assert_same(snapshot(new), snapshot(pnew), "vmap states")
 
 
-def test_unpack_of_packed_states_batched_by_vmap(write_module: Loader_h11) -> None:
+def test_unpack_of_packed_states_batched_by_vmap(write_module: Loader) -> None:
     _, dec = pair(write_module, PACK)
     f, states = dec.Mixed(4).functionalize()
     pf, pstates = autostate.pack(f, states)
@@ -425,7 +420,7 @@ def test_unpack_of_packed_states_batched_by_vmap(write_module: Loader_h11) -> No
     assert_same(snapshot(new), snapshot(pnew.unpack()), "vmap states")
 
 
-def test_scan_over_steps_with_packed_carry(write_module: Loader_h11) -> None:
+def test_scan_over_steps_with_packed_carry(write_module: Loader) -> None:
     plain, dec = pair(write_module, PACK)
     ref = plain.Mixed(5)
     xs = jnp.stack(PACK_XS * 2)
@@ -443,7 +438,7 @@ def test_scan_over_steps_with_packed_carry(write_module: Loader_h11) -> None:
     assert_same(snapshot(ref), snapshot(autostate.freeze(pf, pstates)))
 
 
-def test_donated_packed_states_over_many_steps(write_module: Loader_h11) -> None:
+def test_donated_packed_states_over_many_steps(write_module: Loader) -> None:
     plain, dec = pair(write_module, PACK)
     ref = plain.Mixed(6)
     pf, pstates = autostate.pack(*dec.Mixed(6).functionalize())
@@ -459,7 +454,7 @@ def test_donated_packed_states_over_many_steps(write_module: Loader_h11) -> None
     assert_same(snapshot(ref), snapshot(model))
 
 
-def test_pack_of_a_category_subset_keeps_the_rest_in_f(write_module: Loader_h11) -> None:
+def test_pack_of_a_category_subset_keeps_the_rest_in_f(write_module: Loader) -> None:
     src = """
 @DECORATE
 class Dec:
@@ -492,7 +487,7 @@ class Dec:
     assert_same(snapshot(ref), snapshot(autostate.freeze(pf, pstates)))
 
 
-def test_packed_states_of_another_layout_are_refused(write_module: Loader_h11) -> None:
+def test_packed_states_of_another_layout_are_refused(write_module: Loader) -> None:
     _, dec = pair(write_module, PACK)
     pf, pstates = autostate.pack(*dec.Mixed(0).functionalize())
     f, states = dec.Mixed(0).functionalize()
@@ -500,8 +495,8 @@ def test_packed_states_of_another_layout_are_refused(write_module: Loader_h11) -
         pf(states, jnp.ones(3))
 
 
-def test_packed_host_model_functionalized_matches_plain(write_module: Loader_h11) -> None:
-    plain, dec = pair(write_module, HOST_h11)
+def test_packed_host_model_functionalized_matches_plain(write_module: Loader) -> None:
+    plain, dec = pair(write_module, HOST)
     ref = plain.Net()
     pf, pstates = autostate.pack(*dec.Net().functionalize())
     step = jax.jit(lambda f, s, x: f(s, x))
@@ -513,7 +508,7 @@ def test_packed_host_model_functionalized_matches_plain(write_module: Loader_h11
 
 
 @pytest.mark.parametrize("nested", [False, True])
-def test_unpack_of_packed_states_with_batched_states(write_module: Loader_h11, nested: bool) -> None:
+def test_unpack_of_packed_states_with_batched_states(write_module: Loader, nested: bool) -> None:
     """The family: packed states batched by vmap over the states themselves, and
     by two nested vmaps (two leading axes), unpack to what the unpacked f gives."""
     _, dec = pair(write_module, PACK)
@@ -538,7 +533,7 @@ def test_unpack_of_packed_states_with_batched_states(write_module: Loader_h11, n
 
 
 @pytest.fixture
-def mods(write_module: Loader_h16) -> tuple[types.ModuleType, types.ModuleType]:
+def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, MODELS)
 
 
@@ -590,7 +585,7 @@ def _trained(plain: types.ModuleType, dec: types.ModuleType, scale: float = 1.0)
     return ref, model
 
 
-def test_pack_equals_unpacked_under_jit_and_grad(write_module: Loader_h27) -> None:
+def test_pack_equals_unpacked_under_jit_and_grad(write_module: Loader) -> None:
     plain, dec = pair(write_module, NET)
     ref, model = _trained(plain, dec)
     f, states = model.functionalize()

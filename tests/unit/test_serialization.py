@@ -23,7 +23,7 @@ from semantics.harness import (
     snapshot,
 )
 from semantics.programs import DTYPES, MODELS, NET, PACK, SOURCE, Loader
-from semantics.programs import X1_h27 as X1
+from semantics.programs import XV1 as X1
 from semantics.references import assert_shared, trained_pair
 
 import autostate
@@ -247,12 +247,12 @@ def test_load_a_plain_npz(mods: Any, tmp_path: Path) -> None:
         assert str(path) in text  # a checkpoint error names the file (documented)
 
 
-def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+def source_modules(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE)
 
 
 def test_save_load_keeps_a_tied_array_tied(write_module: Loader, tmp_path: Path) -> None:
-    _, dec = mods_h22(write_module)
+    _, dec = source_modules(write_module)
     m = dec.LM()
     autostate.save(tmp_path / "lm.npz", m)
     loaded = autostate.load(tmp_path / "lm.npz", like=dec.LM())

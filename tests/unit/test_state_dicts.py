@@ -42,13 +42,13 @@ from semantics.programs import (
     SOURCE,
     TORCH_HEADER,
     VARIANTS,
+    X_BATCH,
+    XV2,
     Loader,
 )
-from semantics.programs import TORCH_h35 as TORCH
-from semantics.programs import X1_h27 as X1
-from semantics.programs import X2_h27 as X2_h27
-from semantics.programs import X_h35 as X_h35
-from semantics.programs import Y_h35 as Y
+from semantics.programs import TORCH_TRAINING as TORCH
+from semantics.programs import XV1 as X1
+from semantics.programs import Y_BATCH as Y
 from semantics.references import assert_shared, trained_pair
 
 import autostate
@@ -494,12 +494,12 @@ def test_state_dict_of_f_with_a_list(mods: Any) -> None:
     assert_clear(info.value, errors.InvalidTypeError, HERE)
 
 
-def mods_h22(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+def source_modules(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, SOURCE)
 
 
 def test_param_dict_and_load_param_dict_of_a_shared_entry(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     pd = autostate.param_dict(dec.Paths())
     assert sorted(pd) == ["d['b'].w", "enc.w"]
     loaded = autostate.load_param_dict(dec.Paths(), {"enc.w": jnp.full((2,), 5.0), "d['b'].w": ONE})
@@ -512,7 +512,7 @@ def test_param_dict_and_load_param_dict_of_a_shared_entry(write_module: Loader) 
 
 
 def test_load_state_dict_of_a_shared_entry_and_of_an_alias_path(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     sd = {"enc.n": jnp.full((), 7.0), "d['b'].n": jnp.full((), 1.0)}
     loaded = autostate.load_state_dict(dec.Paths(), sd)
     assert loaded.enc is loaded.layers[0] is loaded.d["a"]
@@ -528,7 +528,7 @@ def test_load_state_dict_of_a_shared_entry_and_of_an_alias_path(write_module: Lo
 
 
 def test_tied_initial_state_loaded_separately(write_module: Loader) -> None:
-    plain, dec = mods_h22(write_module)
+    plain, dec = source_modules(write_module)
     sd = {"a.mean": jnp.full(2, 1.0), "b.mean": jnp.full(2, 4.0)}
     loaded = autostate.load_state_dict(dec.TiedStat(), sd)
     p = plain.TiedStat()
@@ -550,7 +550,7 @@ def test_state_and_param_dict_into_a_fresh_model(write_module: Loader) -> None:
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
     assert_shared(loaded)
     assert_same(snapshot(ref), snapshot(loaded), "loaded")
-    assert_same(ref(X2_h27), loaded(X2_h27), "loaded steps")
+    assert_same(ref(XV2), loaded(XV2), "loaded steps")
     assert_same(snapshot(ref), snapshot(loaded), "loaded stepped")
     # the dicts of f and states name the same arrays
     f, states = loaded.functionalize()
@@ -571,15 +571,15 @@ def test_state_dict_into_a_model_with_other_init_values(write_module: Loader) ->
     # and the parameters into a model with other states
     pd = autostate.param_dict(model)
     ref2 = plain.Net(3.0)
-    ref2(X2_h27)
+    ref2(XV2)
     for key, value in pd.items():
         exec("m." + key + " = v", {"m": ref2, "v": value})  # noqa: S102
     fresh = dec.Net(3.0)
-    fresh(X2_h27)
+    fresh(XV2)
     loaded2 = autostate.load_param_dict(fresh, pd)
     assert_same(snapshot(ref2), snapshot(loaded2), "params loaded, states kept")
     untouched = plain.Net(3.0)
-    untouched(X2_h27)
+    untouched(XV2)
     assert_same(snapshot(untouched), snapshot(fresh), "load_param_dict changed its argument")
 
 
@@ -647,8 +647,8 @@ def test_state_dict_after_a_sub_model_was_replaced(write_module: Loader) -> None
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
     assert_same(snapshot(ref), snapshot(loaded), "loaded after replacing")
     f, states = loaded.functionalize()
-    out, states = step_jit()(f, states, X2_h27)
-    assert_same(ref(X2_h27), out, "stepped after replacing")
+    out, states = step_jit()(f, states, XV2)
+    assert_same(ref(XV2), out, "stepped after replacing")
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "frozen after replacing")
 
 
@@ -662,8 +662,8 @@ def test_state_dict_of_f_inside_jit(write_module: Loader) -> None:
         _, states = f(states, x)
         return autostate.state_dict(f, states), autostate.param_dict(f)
 
-    sd, pd = step(f, states, X2_h27)
-    ref(X2_h27)
+    sd, pd = step(f, states, XV2)
+    ref(XV2)
     loaded = autostate.load_state_dict(autostate.load_param_dict(dec.Net(), pd), sd)
     assert_same(snapshot(ref), snapshot(loaded), "dicts made inside jit")
 
@@ -676,7 +676,7 @@ def test_odd_states_state_dict_round_trip_of_an_eager_model(write_module: Loader
     assert not any(k.startswith(("empty", "nothing")) for k in sd)
     loaded = autostate.load_state_dict(dec.Odd(), sd)
     assert_same(snapshot(ref), snapshot(loaded), "loaded")
-    assert_same(ref(X2_h27), loaded(X2_h27), "stepped")
+    assert_same(ref(XV2), loaded(XV2), "stepped")
 
 
 def test_python_float_state_state_dict_after_jit_loads_into_a_fresh_model(
@@ -695,7 +695,7 @@ def test_python_float_state_state_dict_eager_loads_into_a_jit_trained_model(
         write_module: Loader) -> None:
     plain, dec = pair(write_module, ODD)
     ref, eager = plain.Odd(), dec.Odd()
-    for x in (X1, X2_h27):
+    for x in (X1, XV2):
         ref(x), eager(x)
     f, states = dec.Odd().functionalize()
     _, states = step_jit()(f, states, X1)
@@ -714,7 +714,7 @@ def test_state_dict_of_f_with_a_missing_state_is_an_error(write_module: Loader) 
 
 
 def batch(i: int) -> tuple[Any, Any]:
-    return X_h35 * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
+    return X_BATCH * (1.0 + 0.25 * i) - 0.1 * i, Y + 0.1 * i
 
 
 def torch(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:

@@ -31,11 +31,7 @@ from semantics.harness import (
     pair,
 )
 from semantics.programs import ASSIGN, py312
-from semantics.programs import X1 as X1_h21
-from semantics.programs import X1 as X1_h23
-from semantics.programs import Loader as Loader_analysis_h12_fixes
-from semantics.programs import X2_h21 as X2
-from semantics.programs import X2_h23 as X2_h23
+from semantics.programs import TWO as X2
 
 import autostate
 from autostate.transform import analysis, rewrite, source
@@ -1431,7 +1427,7 @@ ASSIGN_CALLS = [
 @pytest.mark.parametrize("method", ASSIGN_CALLS)
 def test_assignment_forms(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, ASSIGN)
-    check(plain, dec, "A()", [(method, (X1_h21,)), (method, (X2,))])
+    check(plain, dec, "A()", [(method, (X1,)), (method, (X2,))])
 
 
 READS = """
@@ -1596,14 +1592,14 @@ READ_CALLS = [
 @pytest.mark.parametrize("method", READ_CALLS)
 def test_reads_in_odd_places(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, READS)
-    check(plain, dec, "R()", [(method, (X1_h21,)), (method, (X2,))])
+    check(plain, dec, "R()", [(method, (X1,)), (method, (X2,))])
 
 
 def test_state_formatted_into_strings(write_module: Loader) -> None:
     plain, dec = pair(write_module, READS)
-    calls: list[Call] = [("strings", (X1_h21,)), ("set_mode", ("eval",)), ("strings", (X2,))]
+    calls: list[Call] = [("strings", (X1,)), ("set_mode", ("eval",)), ("strings", (X2,))]
     check(plain, dec, "R()", calls, modes=("eager",))
-    check(plain, dec, "R()", [("strings", (X1_h21,)), ("strings", (X2,))], modes=("eager", "f"))
+    check(plain, dec, "R()", [("strings", (X1,)), ("strings", (X2,))], modes=("eager", "f"))
 
 
 FORMS = '''
@@ -1685,13 +1681,13 @@ FORMS_CALLS = ["text", "decorated_with_args", "long_lines", "semicolons", "one_l
 @pytest.mark.parametrize("method", FORMS_CALLS)
 def test_source_forms(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, FORMS)
-    args = () if method == "one_liner" else (X1_h21,)
+    args = () if method == "one_liner" else (X1,)
     check(plain, dec, "S()", [(method, args), (method, args)])
 
 
 def test_nested_format_spec_reads_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, FORMS)
-    check(plain, dec, "S()", [("nested_fstring_spec", (X1_h21,))], modes=("eager", "f"))
+    check(plain, dec, "S()", [("nested_fstring_spec", (X1,))], modes=("eager", "f"))
 
 
 def test_comments_strings_and_docstrings_are_not_rewritten(write_module: Loader) -> None:
@@ -1701,7 +1697,7 @@ def test_comments_strings_and_docstrings_are_not_rewritten(write_module: Loader)
     assert dec.S.text.__doc__ == plain.S.text.__doc__
     assert dec.S.__doc__ == plain.S.__doc__
     assert inspect.getsource(dec.S.text) == inspect.getsource(plain.S.text)
-    assert dec.S().text(X1_h21)[0] == plain.S().text(X1_h21)[0]
+    assert dec.S().text(X1)[0] == plain.S().text(X1)[0]
 
 
 LINENO = r"""
@@ -1757,7 +1753,7 @@ b") + v
 )
 def test_line_numbers_after_continuations(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, LINENO)
-    check(plain, dec, "Ln()", [(method, (X1_h21,))], modes=("eager", "f"))
+    check(plain, dec, "Ln()", [(method, (X1,))], modes=("eager", "f"))
 
 
 MORE = """
@@ -1878,7 +1874,7 @@ MORE_CALLS = ["unpack_in_calls", "except_star", "parenthesised_with", "one_line_
 @pytest.mark.parametrize("method", MORE_CALLS)
 def test_more_statement_forms(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, MORE)
-    check(plain, dec, "M()", [(method, (X1_h21,)), (method, (X2,))])
+    check(plain, dec, "M()", [(method, (X1,)), (method, (X2,))])
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
@@ -1887,7 +1883,7 @@ def test_statement_forms_under_grad_and_vmap(
     write_module: Loader, method: str, transform: str
 ) -> None:
     plain, dec = pair(write_module, MORE)
-    x = X1_h21 if transform == "grad" else jnp.arange(3.0)
+    x = X1 if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "M()", [(method, (X,)), (method, (X,))], x, transform)
 
 
@@ -1988,7 +1984,7 @@ FSTRING_CALLS = ["same_quotes", "triple_lines", "backslash_in_field", "comment_i
 @pytest.mark.parametrize("method", FSTRING_CALLS)
 def test_pep701_fstrings(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, FSTRINGS)
-    check(plain, dec, "F()", [(method, (X1_h23,)), (method, (X2_h23,))], modes=TEXT)
+    check(plain, dec, "F()", [(method, (X1,)), (method, (X2,))], modes=TEXT)
 
 
 @py312
@@ -1996,7 +1992,7 @@ def test_pep701_fstrings(write_module: Loader, method: str) -> None:
       "the wrapper's indentation (4 spaces) where Python shows the user's (12)")
 def test_pep701_multiline_debug_field_keeps_its_indentation(write_module: Loader) -> None:
     plain, dec = pair(write_module, FSTRINGS)
-    check(plain, dec, "F()", [("debug_multiline", (X1_h23,))], modes=TEXT)
+    check(plain, dec, "F()", [("debug_multiline", (X1,))], modes=TEXT)
 
 
 def debug_source(body: str) -> str:
@@ -2044,7 +2040,7 @@ class D:
 )
 def test_pep701_debug_fields(write_module: Loader, body: str) -> None:
     plain, dec = pair(write_module, debug_source(body))
-    check(plain, dec, "D()", [("touch", ()), ("show", (X1_h23,)), ("show", (X2_h23,))], modes=TEXT)
+    check(plain, dec, "D()", [("touch", ()), ("show", (X1,)), ("show", (X2,))], modes=TEXT)
 
 
 def test_the_wrapper_declares_the_method_name_global_unless_it_is_free() -> None:
@@ -2071,7 +2067,7 @@ def test_the_wrapper_declares_the_method_name_global_unless_it_is_free() -> None
 
 
 def test_only_a_method_reading_a_global_of_its_name_gets_the_declaration(
-    write_module: Loader_analysis_h12_fixes,
+    write_module: Loader,
 ) -> None:
     module = write_module(
         """

@@ -15,9 +15,7 @@ from typing import Any
 import jax
 import pytest
 from semantics.harness import assert_same, check, pair
-from semantics.programs import TWO_CALLS as TWO_CALLS_analysis_h12_fixes
-from semantics.programs import Loader
-from semantics.programs import TWO_CALLS_h12 as TWO_CALLS
+from semantics.programs import POSITIVE_CALLS, TWO_CALLS, Loader
 
 TAB_SOURCE = (
     "import jax.numpy as jnp\n"
@@ -181,14 +179,14 @@ class Spread(
 @pytest.mark.parametrize(
     ("source", "build", "calls"),
     [
-        pytest.param(TABS, "Tabbed()", TWO_CALLS, id="tabs"),
-        pytest.param(TABS, "Outer.Inner()", TWO_CALLS, id="tabs-nested-class-continuation"),
-        pytest.param(SEMICOLONS, "Semi()", [*TWO_CALLS, ("get", ())], id="semicolons-one-liners"),
-        pytest.param(BACKSLASH, "Cont()", TWO_CALLS, id="backslash-continuations"),
-        pytest.param(DECORATORS, "Decorated()", TWO_CALLS, id="multi-line-decorators"),
-        pytest.param(FORMFEED_LINE, "Paged()", TWO_CALLS, id="form-feed-line"),
-        pytest.param(CRLF, "Crlf()", TWO_CALLS, id="crlf"),
-        pytest.param(CLASS_KEYWORDS, "Spread()", TWO_CALLS, id="class-statement-spanning-lines"),
+        pytest.param(TABS, "Tabbed()", POSITIVE_CALLS, id="tabs"),
+        pytest.param(TABS, "Outer.Inner()", POSITIVE_CALLS, id="tabs-nested-class-continuation"),
+        pytest.param(SEMICOLONS, "Semi()", [*POSITIVE_CALLS, ("get", ())], id="semicolons-one-liners"),
+        pytest.param(BACKSLASH, "Cont()", POSITIVE_CALLS, id="backslash-continuations"),
+        pytest.param(DECORATORS, "Decorated()", POSITIVE_CALLS, id="multi-line-decorators"),
+        pytest.param(FORMFEED_LINE, "Paged()", POSITIVE_CALLS, id="form-feed-line"),
+        pytest.param(CRLF, "Crlf()", POSITIVE_CALLS, id="crlf"),
+        pytest.param(CLASS_KEYWORDS, "Spread()", POSITIVE_CALLS, id="class-statement-spanning-lines"),
     ],
 )
 def test_source_layouts(write_module: Loader, source: str, build: str, calls: list[Any]) -> None:
@@ -207,7 +205,7 @@ class Narrow:
 
 
 def test_one_space_indentation(write_module: Loader) -> None:
-    check(*pair(write_module, ONE_SPACE), "Narrow()", TWO_CALLS)
+    check(*pair(write_module, ONE_SPACE), "Narrow()", POSITIVE_CALLS)
 
 
 ONE_SPACE_IN_FUNCTION = """
@@ -226,7 +224,7 @@ Narrow = make()
 
 
 def test_one_space_indentation_inside_a_function(write_module: Loader) -> None:
-    check(*pair(write_module, ONE_SPACE_IN_FUNCTION), "Narrow()", TWO_CALLS)
+    check(*pair(write_module, ONE_SPACE_IN_FUNCTION), "Narrow()", POSITIVE_CALLS)
 
 
 FORMFEED_INDENT = (
@@ -236,7 +234,7 @@ FORMFEED_INDENT = (
 
 
 def test_form_feed_before_indentation(write_module: Loader) -> None:
-    check(*pair(write_module, FORMFEED_INDENT), "Paged()", TWO_CALLS)
+    check(*pair(write_module, FORMFEED_INDENT), "Paged()", POSITIVE_CALLS)
 
 
 LATIN1 = (
@@ -248,7 +246,7 @@ LATIN1 = (
 
 
 def test_latin1_coding_cookie(load_bytes: Callable[[str, bytes], types.ModuleType]) -> None:
-    module = load_bytes("autostate_testmod_h12_latin1", LATIN1.encode("latin-1"))
+    module = load_bytes("autostate_testmod_latin1", LATIN1.encode("latin-1"))
     model = module.Cafe()
     assert_same([4.0, 8.0], [model(1.0), model(1.0)])
     f, states = module.Cafe().functionalize()
@@ -263,7 +261,7 @@ def test_utf8_bom(load_bytes: Callable[[str, bytes], types.ModuleType]) -> None:
         "    def __init__(self):\n        self.c = jnp.zeros(())\n"
         "    def __call__(self, x):\n        self.c = self.c + x\n        return self.c\n"
     )
-    module = load_bytes("autostate_testmod_h12_bom", b"\xef\xbb\xbf" + source.encode())
+    module = load_bytes("autostate_testmod_bom", b"\xef\xbb\xbf" + source.encode())
     f, states = module.Bom().functionalize()
     _, states = f(states, 1.0)
     out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, 2.0)
@@ -331,4 +329,4 @@ class Assigned:
     ],
 )
 def test_indentations(write_module: Loader, source: str, build: str) -> None:
-    check(*pair(write_module, source), build, TWO_CALLS_analysis_h12_fixes)
+    check(*pair(write_module, source), build, TWO_CALLS)
