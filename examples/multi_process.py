@@ -187,8 +187,9 @@ def free_port() -> int:
 def launch(args) -> int:
     """Starts ``args.launch`` processes of this script on 127.0.0.1 and waits for them."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu_devices}",
-               JAX_PLATFORMS="cpu")
+    # The device count joins whatever XLA flags the caller set (it comes last, so it wins).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     procs = []
     for i in range(args.launch):
         cwd = Path(args.workdir).absolute() / f"process{i}"  # this process's "host"

@@ -2,43 +2,31 @@
 
 ``tests/unit/test_sharding.py`` runs this file in its own process (the device
 count is fixed when JAX starts, and the rest of the suite keeps one device):
-``python tests/sharding_checks.py [NAME ...]`` runs the named checks (all by
-default) and prints one JSON object ``{name: "ok" | traceback}``.
+``python tests/sharding_checks.py [NAME ...] [PROGRAM.py ...]`` runs the named
+checks (all by default), then each program file as ``python PROGRAM.py`` would
+but in this process, and prints one JSON object
+``{"checks": {name: result}, "programs": {path: result}}``, each result
+``{"error": None | traceback, "stdout": what it printed}``. The programs are
+the 8-device blocks of ``docs/scaling_out.md``: one process for all of them
+pays for starting JAX once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
+import json
 import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import autostate  # noqa: E402
+import runpy
+import sys
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS: dict[str, Callable[[], None]] = {}
-
-
-def check(fn: Callable[[], None]) -> Callable[[], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 def load_file(path: Path, name: str):
@@ -49,11 +37,33 @@ def load_file(path: Path, name: str):
     return module
 
 
+# The example asks XLA for 8 devices itself, before it imports JAX; loading it
+# first is what gives this process its 8 devices (the test starts it without
+# the flag, as a user runs the example).
 example = load_file(ROOT / "examples" / "sharded_training.py", "sharded_training")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import autostate  # noqa: E402
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 bench_donation = load_file(ROOT / "benchmarks" / "bench_donation.py", "bench_donation")
 
-CFG = example.Config(d=16, heads=4, mlp=32, layers=2, batch=8, seq=4)
+# The example's --smoke configuration: the programs of its run and of these
+# checks are the same, and compile once (the persistent compilation cache).
+CFG = example.Config(d=16, mlp=32, layers=1, steps=2)
 RULES = example.RULES
 
 
@@ -94,7 +104,7 @@ def annotations_give_named_shardings():
     f_sh, s_sh = autostate.shardings(f, states, mesh, rules=RULES)
     assert jax.tree_util.tree_structure(f_sh) == jax.tree_util.tree_structure(f)
     assert set(s_sh) == set(states)
-    attn = f_sh.model.blocks[1].attn
+    attn = f_sh.model.blocks[0].attn
     assert attn.wq == NamedSharding(mesh, P(None, "model"))
     assert attn.wo == NamedSharding(mesh, P("model", None))
     assert f_sh.model.blocks[0].mlp.b1 == NamedSharding(mesh, P("model"))
@@ -381,15 +391,44 @@ def autostate_save_load_keep_the_like_models_shardings():
     assert_close((lf, ls), (f, states), "loaded values", rtol=0, atol=0)
 
 
+# --- the example, as ``python examples/sharded_training.py --smoke`` runs it --------------
+
+
+@check
+def example_trains_at_smoke_size():
+    assert jax.device_count() == 8, jax.devices()
+    example.main(["--smoke"])  # what it prints is compared by test_sharding.py
+
+
+def _run(fn: Callable[[], object]) -> dict[str, str | None]:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            fn()
+        error = None
+    except (Exception, SystemExit):  # noqa: BLE001 - reported to the pytest side
+        error = traceback.format_exc()
+    return {"error": error, "stdout": out.getvalue()}
+
+
+def _run_program(path: Path) -> None:
+    """``python path`` from its folder, in this process; the environment is restored after."""
+    environ = dict(os.environ)
+    try:
+        with contextlib.chdir(path.parent):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def main(argv: list[str]) -> int:
-    names = argv or list(CHECKS)
-    results = {}
-    for name in names:
-        try:
-            CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the pytest side
-            results[name] = traceback.format_exc()
+    programs = [arg for arg in argv if arg.endswith(".py")]
+    names = [arg for arg in argv if not arg.endswith(".py")] or list(CHECKS)
+    results = {
+        "checks": {name: _run(CHECKS[name]) for name in names},
+        "programs": {p: _run(lambda p=p: _run_program(Path(p))) for p in programs},
+    }
     print(json.dumps(results))
     return 0
 

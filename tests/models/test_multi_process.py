@@ -37,13 +37,15 @@ EXAMPLE = ROOT / "examples" / "multi_process.py"
 _TIMEOUT = 240
 
 
+def _env(devices: int, cache: Path) -> dict[str, str]:
+    """The session's environment (its XLA flags and compilation cache too), with ``devices``."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    return dict(os.environ, AUTOSTATE_CACHE_DIR=str(cache), XLA_FLAGS=flags.strip(),
+                JAX_PLATFORMS="cpu")
+
+
 def _start(args: list[str], cwd: Path, devices: int, cache: Path) -> subprocess.Popen[str]:
-    env = dict(
-        os.environ,
-        AUTOSTATE_CACHE_DIR=str(cache),
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-    )
+    env = _env(devices, cache)
     return subprocess.Popen(
         [sys.executable, str(EXAMPLE), *args],
         cwd=cwd,
@@ -174,12 +176,7 @@ def test_save_and_load_are_called_by_every_process(tmp_path: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = dict(
-        os.environ,
-        AUTOSTATE_CACHE_DIR=str(tmp_path / "cache"),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-    )
+    env = _env(4, tmp_path / "cache")
     procs = [
         subprocess.Popen(
             [sys.executable, "program.py", str(i), coordinator, str(tmp_path)],

@@ -42,7 +42,7 @@ Generated code keeps every stored array fresh (an operator or call result,
 never a bare name), so numpy's in-place ``+=`` and item writes alias
 nothing; values go through ``tanh``. Method calls only go to methods defined
 earlier in a fixed order, so there is no recursion.
-Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 40: about 15 s on 2
+Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 20: about 3 s on 2
 cores). Two gaps it found are explicit tests at the end: a lambda in the
 class body that assigns state is not analysed (a clear error through ``f``;
 declaring the state makes it work), and an item write that is an undecorated
@@ -79,7 +79,7 @@ from autostate.errors import DecorationError, StateAccessError
 
 pytestmark = pytest.mark.property
 
-EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "20"))
 STEPS = 2
 SEED = 0.25
 

@@ -29,7 +29,7 @@ operator result, never a bare name), so numpy's in-place ``+=`` and item
 assignment cannot be seen through a second reference; augmented updates and
 most assignments go through ``tanh``, so values stay small and well
 conditioned.
-Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 100: about 12 s on 2 cores); the long mode
+Size with ``AUTOSTATE_PROPERTY_EXAMPLES`` (default 50: about 6 s on 2 cores); the long mode
 ``AUTOSTATE_PROPERTY_LONG=1`` runs at least 2,000 programs.
 """
 
@@ -60,7 +60,7 @@ import autostate
 
 pytestmark = pytest.mark.property
 
-EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("AUTOSTATE_PROPERTY_EXAMPLES", "50"))
 if os.environ.get("AUTOSTATE_PROPERTY_LONG"):
     EXAMPLES = max(EXAMPLES, 2000)
 STEPS = 3

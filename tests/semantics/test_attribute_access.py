@@ -137,8 +137,13 @@ class Ema:
 CALLS = [("__call__", (V2,)), ("__call__", (V2 * 2,)), ("reset", ()), ("__call__", (V2,))]
 
 
-@pytest.mark.parametrize("write", ["setattr", "object", "super"])
-@pytest.mark.parametrize("init", ["attribute", "setattr", "object", "super"])
+# Each write spelling after a plain ``self.x = ...`` in __init__, and after the same
+# spelling there (each statement is read and rewritten on its own: not every pair).
+@pytest.mark.parametrize(
+    ("init", "write"),
+    [("attribute", "setattr"), ("attribute", "object"), ("attribute", "super"),
+     ("setattr", "setattr"), ("object", "object"), ("super", "super")],
+)
 def test_state_written_by_a_spelling(write_module: Loader, init: str, write: str) -> None:
     """Written in a method by the spelling: a state, initialized whichever way."""
     read = {"setattr": "getattr", "object": "object", "super": "attribute"}[write]

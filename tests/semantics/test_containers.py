@@ -58,11 +58,11 @@ from semantics.programs import (
     DQN,
     DTYPES,
     EMA_LR,
+    GPT,
     GROW,
     HELPER_MODULE,
     KV,
     LAZY,
-    MOE,
     OUTSIDE,
     PROBE,
     PROMPT,
@@ -71,7 +71,6 @@ from semantics.programs import (
     X1,
     X23,
     XK,
-    XM,
     XP,
 )
 from semantics.programs import SYNTAX_FORMS as CONSTRUCTS
@@ -79,7 +78,6 @@ from semantics.programs import TWO as X2
 from semantics.programs import V2_SIGNED as V2
 from semantics.references import (
     dqn_calls,
-    gpt,
     jitted,
 )
 
@@ -473,8 +471,10 @@ A1 = jnp.asarray(1.5)
 A2 = jnp.asarray(-0.5)
 
 
-NAMES = ["update", "add", "pop", "clear", "append", "extend", "insert", "remove", "setdefault",
-         "discard"]
+# A method's name is no type: whether a call is refused is one lookup in the
+# analysis's table of mutating names, the same for every name in it; one dict
+# and one list mutator stand for them all.
+NAMES = ["update", "append"]
 
 
 SUB = """
@@ -555,11 +555,10 @@ def test_a_sub_model_method_named_like_a_mutator(write_module: Loader, holder: s
 
 
 @pytest.mark.parametrize("holder", ["reset", "list", "dict"])
-@pytest.mark.parametrize("name", ["update", "pop", "clear"])
-def test_reset_then_call_eagerly(write_module: Loader, holder: str, name: str):
+def test_reset_then_call_eagerly(write_module: Loader, holder: str):
     """The reassignment runs too (eagerly: inside f it would change the
     model's structure, which is refused whatever the method's name)."""
-    plain, dec = pair(write_module, _source(holder, name))
+    plain, dec = pair(write_module, _source(holder, "update"))
     check(plain, dec, "Model()", [("__call__", (A1,)), ("reset", ()), ("__call__", (A2,))],
           modes=("eager",))
     model = dec.Model()
@@ -1354,7 +1353,7 @@ def test_kv_cache_item_writes(write_module: Loader) -> None:
     plain, dec = pair(write_module, KVCACHE)
     row = jnp.arange(3.0)
     # plain numpy arrays vs autostate's jax arrays: only eager-comparable for plain
-    check(plain, dec, "KVCache(4, 3)", [("__call__", (np.asarray(row), np.asarray(row) + 1))] * 3)
+    check(plain, dec, "KVCache(4, 3)", [("__call__", (np.asarray(row), np.asarray(row) + 1))] * 2)
 
 
 def test_kv_cache_at_set(write_module: Loader) -> None:
@@ -1560,8 +1559,9 @@ def test_helper_in_another_module_list_state_f_is_pure(write_module: Loader) -> 
 
 
 def test_gpt_cached_decode_matches_full_recompute(write_module: Loader) -> None:
-    _, _, f, states, _ = gpt(write_module)
-    toks, s = jitted("greedy_scan", 4)(f, states, PROMPT)
+    _, dec = pair(write_module, GPT)
+    f, states = dec.GPT(0, n_blocks=1, length=8).functionalize()  # one block: the same cache
+    toks, s = jitted("greedy_scan", 3)(f, states, PROMPT)
     full = jnp.concatenate([PROMPT, toks[:-1]])
     logits, _ = jitted("__call__")(f, states, full)
     assert_bits(toks, jnp.argmax(logits[2:], -1).astype(jnp.int32))
@@ -1584,17 +1584,18 @@ class DelItems:
     check(plain, dec, "DelItems()", [("drop", (X1,))])
 
 
-@pytest.mark.parametrize("use_argsort", [False, True])
-def test_moe_routing_and_usage_counters(write_module: Loader, use_argsort: bool) -> None:
-    plain, dec = pair(write_module, MOE)
-    check(plain, dec, f"MoE(0, use_argsort={use_argsort})",
-          [("__call__", (XM,)), ("__call__", (XM[:2] * 3,)), ("loss", (XM, XM * 0.5))])
-
-
-@pytest.mark.parametrize("sync", ["where", "cond", "cond_assigns"])
+# A mixture-of-experts router's counters (``self.usage.at[idx].add(1)`` in a method
+# another method calls) are the DQN's writes below (``.at[i].set`` in ``add``, the
+# key written by ``sample`` inside ``train_step``).
+# (``sync="where"`` is ``jnp.where``: the state writes the other two make too.)
+@pytest.mark.parametrize("sync", ["cond", "cond_assigns"])
 def test_dqn_replay_buffer_and_target_sync(write_module: Loader, sync: str) -> None:
     plain, dec = pair(write_module, DQN)
-    check(plain, dec, f"DQN(0, sync={sync!r})", dqn_calls())
+    # Three transitions and two train steps: the second one syncs the target. Eagerly
+    # and through f (the decorated lax.cond traces its branches there too); a key state
+    # and state writes in a cond branch under jax.jit: test_submodels.py
+    # (test_key_state_in_sub_models, test_a_model_in_the_carry_is_the_one_model).
+    check(plain, dec, f"DQN(0, sync={sync!r})", dqn_calls()[:5], modes=("eager", "f"))
 
 
 def test_lr_schedule_written_into_optax_state_in_place(write_module: Loader) -> None:
@@ -1703,11 +1704,14 @@ def test_state_dict_keyed_by_a_plain_enum(write_module: Loader) -> None:
         same(expected[0], out, "f output")
 
 
-@pytest.mark.parametrize("use_dus", [False, True])
-def test_kv_cache_prefill_reset_decode(write_module: Loader, use_dus: bool) -> None:
+def test_kv_cache_prefill_reset_decode(write_module: Loader) -> None:
+    # (``use_dus=True`` writes the cache by another JAX primitive: the same state writes.)
     plain, dec = pair(write_module, KV)
-    calls = [("prefill_then_decode", (XK[:2], 3)), ("prefill_then_decode", (XK, 2))]
-    check(plain, dec, f"Decoder(1, 3, 5, use_dus={use_dus})", calls)
+    calls = [("prefill_then_decode", (XK[:2], 2)), ("prefill_then_decode", (XK[1:], 2))]
+    # Eagerly and through f (the decorated fori_loop traces its body there too); a
+    # fori_loop writing a sub-model's states under jax.jit: test_submodels.py
+    # (test_a_model_in_the_carry_is_the_one_model[fori_init]).
+    check(plain, dec, "Decoder(1, 3, 5)", calls, modes=("eager", "f"))
 
 
 def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
@@ -1719,26 +1723,22 @@ def jit_call(f: Any, states: Any, *args: Any, method: str = "__call__") -> Any:
 TOK = jnp.array([3, 1, 2], jnp.int32)
 
 
-def test_beam_search_list_cache_reordered(write_module: Loader) -> None:
+def test_beam_search_list_cache_reordered_and_eos_finishes_beams(write_module: Loader) -> None:
     plain, dec = pair(write_module, BEAM)
-    calls = [("search", (TOK,)), ("decode_step", ()), ("search2", (TOK[::-1],))]
-    check(plain, dec, "BeamDecoder(0, 5, 4, 3)", calls)
-
-
-def test_beam_search_eos_finishes_beams(write_module: Loader) -> None:
-    plain, dec = pair(write_module, BEAM)
-    ref = plain.BeamDecoder(4, 3, 2, 3)
-    ref.search5(TOK % 3)
-    assert bool(ref.finished.any())  # the case exercises the finished mask
-    check(plain, dec, "BeamDecoder(4, 3, 2, 3)", [("search5", (TOK % 3,))])
+    ref = plain.BeamDecoder(6, 5, 4, 3)
+    ref.search2(TOK)
+    assert bool(ref.finished.any())  # the next step exercises the finished mask
+    calls = [("search2", (TOK,)), ("decode_step", ()), ("search2", (TOK[::-1],))]
+    # Eagerly and through f; a list state that grows and shrinks under jax.jit:
+    # test_growing_cache_and_list_and_tuple_states.
+    check(plain, dec, "BeamDecoder(6, 5, 4, 3)", calls, modes=("eager", "f"))
 
 
 @pytest.mark.parametrize("method", ["greedy", "greedy_python"])
 def test_greedy_decode_fixed_cache(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BEAM)
-    for seed in (0, 2):
-        calls = [(method, (jnp.int32(2),)), (method, (jnp.int32(4),))]
-        check(plain, dec, f"BeamDecoder({seed}, 5, 4, 3)", calls)
+    calls = [(method, (jnp.int32(2),)), (method, (jnp.int32(4),))]
+    check(plain, dec, "BeamDecoder(6, 5, 4, 3)", calls)
 
 
 BEAM_APPEND = """

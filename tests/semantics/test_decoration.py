@@ -1021,13 +1021,11 @@ def test_a_second_dataclass_below_fails_at_its_statement(files: Callable[..., An
         load("cold")
 
 
-def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(tmp_path / "shared-cache"),
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(tmp_path)}
-    return subprocess.run(  # noqa: S603 - our own interpreter and script
-        [sys.executable, "-c", textwrap.dedent(script), *args],
-        capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path,
-    )
+# Fresh processes: two in all, for the module, started by ``fresh_processes``.
+# Each runs ``FRESH_SCRIPT``, the first with an empty disk cache (cold), the
+# second with the cache the first wrote (warm); each part of the script is one
+# test's scenario and reports its own result (or its error), so a fresh
+# process is paid for once, not per test.
 
 
 PICKLED = """
@@ -1055,44 +1053,6 @@ class Sub(autostate.Stateful):
         self.k = self.k + 1
         return self.k
 """
-
-
-PICKLE_OUT = """
-import pickle, sys
-import h6pickled
-m = h6pickled.Model(2.0)
-m.bump()
-with open(sys.argv[1], "wb") as f:
-    pickle.dump([m, repr(m)], f)
-"""
-
-
-PICKLE_IN = """
-import json, pickle, sys
-import jax
-from autostate import tree
-import h6pickled
-with open(sys.argv[1], "rb") as f:
-    m, text = pickle.load(f)
-f, s = m.functionalize()
-out, s = jax.jit(lambda f, s: f.bump(s))(f, s)
-print(json.dumps({"repr": repr(m) == text, "v": float(m.v),
-                  "out": float(out), "states": {k: float(v) for k, v in s.items()},
-                  "eager": float(m.bump()), "fresh": float(h6pickled.Model().bump())}))
-"""
-
-
-def test_unpickle_in_a_fresh_process_before_any_instance(tmp_path: Path) -> None:
-    (tmp_path / "h6pickled.py").write_text(PICKLED)
-    blob = str(tmp_path / "model.pkl")
-    first = _run(tmp_path, PICKLE_OUT, blob)
-    assert first.returncode == 0, first.stderr
-    second = _run(tmp_path, PICKLE_IN, blob)
-    assert second.returncode == 0, second.stderr
-    got = json.loads(second.stdout.strip().splitlines()[-1])
-    # Plain Python: v=2+3=5, k=1; jit: 5+3 + (k=2) = 10; eager again: 8+3 + 2 = 13.
-    assert got == {"repr": True, "v": 5.0, "out": 10.0,
-                   "states": {"sub.k": 2.0, "v": 8.0}, "eager": 10.0, "fresh": 5.0}
 
 
 FAILING_MODULE = """
@@ -1150,40 +1110,15 @@ class Bad:
 """
 
 
-IMPORT_IT = """
-import h6failing
-print("imported")
-"""
+FAILING = {"init": BAD_WITH_INIT, "subclass": BAD_SUBCLASS, "annotated": BAD_ANNOTATED}
 
 
-def _import_twice(tmp_path: Path, bad: str) -> list[str]:
-    (tmp_path / "h6failing.py").write_text(FAILING_MODULE.format(bad=bad))
-    outcomes = []
-    for _ in range(2):
-        done = _run(tmp_path, IMPORT_IT)
-        errors = [line for line in done.stderr.splitlines() if "Error" in line.split(":")[0]]
-        outcomes.append(errors[-1] if done.returncode else "imported")
-    return outcomes
+FRESH_SCRIPT = """
+import importlib, json, pickle, sys, threading
+results = {}
 
-
-def test_a_failing_class_fails_at_import_in_every_fresh_process(tmp_path: Path) -> None:
-    first, second = _import_twice(tmp_path, BAD_WITH_INIT)
-    assert first == second and first.startswith("autostate.errors.DecorationError"), first
-    assert "del self.kv" in first
-
-
-@pytest.mark.parametrize(
-    "bad", [pytest.param(BAD_SUBCLASS, id="subclass"), pytest.param(BAD_ANNOTATED, id="annotated")]
-)
-def test_a_failing_subclass_fails_at_import_in_every_fresh_process(
-    tmp_path: Path, bad: str
-) -> None:
-    first, second = _import_twice(tmp_path, bad)
-    assert first == second and first.startswith("autostate.errors.DecorationError"), first
-
-
-THREADS_SCRIPT = """
-import json, sys, threading
+# Threads first: nine threads make the first instances of pending classes.
+old = sys.getswitchinterval()
 sys.setswitchinterval(1e-6)
 import h6threads
 bar = threading.Barrier(9)
@@ -1202,18 +1137,94 @@ def work(i):
 ts = [threading.Thread(target=work, args=(i,)) for i in range(9)]
 [t.start() for t in ts]
 [t.join() for t in ts]
-print(json.dumps(sorted(out, key=str)))
+sys.setswitchinterval(old)
+results["threads"] = sorted(out, key=str)
+
+# Unpickled before any instance of its class was made in this process.
+try:
+    import jax
+    import h6pickled
+    with open(sys.argv[1], "rb") as fh:
+        m, text = pickle.load(fh)
+    f, s = m.functionalize()
+    o, s = jax.jit(lambda f, s: f.bump(s))(f, s)
+    results["unpickle"] = {"repr": repr(m) == text, "v": float(m.v), "out": float(o),
+                           "states": {k: float(v) for k, v in s.items()},
+                           "eager": float(m.bump()), "fresh": float(h6pickled.Model().bump())}
+except Exception as e:
+    results["unpickle"] = repr(e)
+
+# Modules whose class fails its decision, imported.
+for name in sys.argv[2:]:
+    try:
+        importlib.import_module(name)
+        results[name] = "imported"
+    except Exception as e:
+        results[name] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+
+print(json.dumps(results))
 """
 
 
-def test_threads_in_a_fresh_process_cold_then_warm(tmp_path: Path) -> None:
-    (tmp_path / "h6threads.py").write_text(_decorated(THREADS))
+def _pickle_in_this_process(folder: Path) -> str:
+    """A ``PICKLED`` model pickled here, for a fresh process to load."""
+    sys.path.insert(0, str(folder))
+    try:
+        module = _import(folder / "h6pickled.py", "h6pickled")
+        m = module.Model(2.0)
+        m.bump()
+        blob = folder / "model.pkl"
+        blob.write_bytes(pickle.dumps([m, repr(m)]))
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("h6pickled", None)
+    return str(blob)
+
+
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``FRESH_SCRIPT``'s results in a cold and then a warm fresh process."""
+    folder = tmp_path_factory.mktemp("fresh")
+    (folder / "h6threads.py").write_text(_decorated(THREADS))
+    (folder / "h6pickled.py").write_text(PICKLED)
+    for tag, bad in FAILING.items():
+        (folder / f"h6failing_{tag}.py").write_text(FAILING_MODULE.format(bad=bad))
+    blob = _pickle_in_this_process(folder)
+    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(folder / "shared-cache"),
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(folder)}
+    results = {}
+    for run in ("cold", "warm"):
+        done = subprocess.run(  # noqa: S603 - our own interpreter and script
+            [sys.executable, "-c", FRESH_SCRIPT, blob, *(f"h6failing_{t}" for t in FAILING)],
+            capture_output=True, text=True, env=env, timeout=60, cwd=folder,
+        )
+        assert done.returncode == 0, done.stderr
+        results[run] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+def test_unpickle_in_a_fresh_process_before_any_instance(fresh_processes: dict[str, Any]) -> None:
+    # Plain Python: v=2+3=5, k=1; jit: 5+3 + (k=2) = 10; eager again: 8+3 + 2 = 13.
+    for run in ("cold", "warm"):
+        assert fresh_processes[run]["unpickle"] == {
+            "repr": True, "v": 5.0, "out": 10.0, "states": {"sub.k": 2.0, "v": 8.0},
+            "eager": 10.0, "fresh": 5.0}, run
+
+
+@pytest.mark.parametrize("bad", sorted(FAILING))
+def test_a_failing_class_fails_at_import_in_every_fresh_process(
+    fresh_processes: dict[str, Any], bad: str
+) -> None:
+    first, second = (fresh_processes[run][f"h6failing_{bad}"] for run in ("cold", "warm"))
+    assert first == second and first.startswith("autostate.errors.DecorationError"), first
+    assert ("del self.kv" if bad == "init" else "del self.v") in first, first
+
+
+def test_threads_in_a_fresh_process_cold_then_warm(fresh_processes: dict[str, Any]) -> None:
     expected = sorted([["Base", 1.0, 2.0, ["v"], 1.0]] * 3 + [["Leaf", 3.0, 6.0, ["u", "v"], 1.0]]
                       * 3 + [["Mid", 3.0, 6.0, ["u", "v"], 1.0]] * 3, key=str)
-    for _ in range(2):  # cold, then warm from the disk cache
-        done = _run(tmp_path, THREADS_SCRIPT)
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    for run in ("cold", "warm"):
+        assert fresh_processes[run]["threads"] == expected, run
 
 
 DIAMOND = """

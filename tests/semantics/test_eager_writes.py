@@ -361,6 +361,7 @@ def test_user_protocols_sharing_the_dict(write_module: Loader, cls: str, how: st
     differential(write_module, EAGER, scenario)
 
 
+@pytest.mark.usefixtures("young_gc")
 def test_weakref_callback_copies_the_model_as_the_old_value_dies(write_module: Loader) -> None:
     def scenario(k: Any) -> Any:
         model = _written(k, "Shared")
@@ -535,12 +536,15 @@ def test_tree_map_over_an_eager_model_then_writes(write_module: Loader) -> None:
 
 def test_gpt_greedy_python_loop_eager_vs_plain_vs_hand_threaded(write_module: Loader) -> None:
     ref, model, _, states, p = gpt(write_module)
-    want, want_s = ref_greedy(p, states, PROMPT, 5)
-    assert_same(want, ref.greedy(PROMPT, 5), "plain vs hand-threaded")
-    assert_same(want, model.greedy(PROMPT, 5), "eager decorated")
+    # a one-token prompt and two more tokens: every step runs the same shapes, so eager
+    # JAX compiles each operation once (a longer prompt is the same writes, other shapes)
+    prompt = PROMPT[:1]
+    want, want_s = ref_greedy(p, states, prompt, 3)
+    assert_same(want, ref.greedy(prompt, 3), "plain vs hand-threaded")
+    assert_same(want, model.greedy(prompt, 3), "eager decorated")
     assert_same(snapshot(want_s), snapshot(autostate.state_dict(model)), "eager states")
     assert_same(snapshot(ref), snapshot(model), "eager attributes")
-    assert int(model.pos) == 3 + 4
+    assert int(model.pos) == 1 + 2
 
 
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
@@ -1049,6 +1053,7 @@ def test_writes_while_iterating_over_vars() -> None:
     run_twins(scenario)
 
 
+@pytest.mark.usefixtures("young_gc")
 def test_writes_in_a_finalizer() -> None:
     def scenario(k: Classes) -> Any:
         FINALIZED.clear()
@@ -1374,6 +1379,7 @@ def test_an_instance_dict_of_a_dict_subclass() -> None:
     run_twins(scenario)
 
 
+@pytest.mark.usefixtures("young_gc")
 def test_old_values_are_freed_as_in_plain_python() -> None:
     def scenario(k: Classes) -> Any:
         model = written(k)

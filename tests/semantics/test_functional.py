@@ -552,10 +552,10 @@ class Outer:
 def test_round_trip_functionalize_jit_freeze_eager_functionalize(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "tracked")
-    data = data_for(n_out, 9)
+    data = data_for(n_out, 6)
     ref_model = copy.deepcopy(template)
     params = None
-    for rnd in range(3):
+    for rnd in range(2):
         f, states = model.functionalize()
         params = names_of(f)
         assert_same(read_plain(ref_model, params), params, f"round {rnd} params")
@@ -582,7 +582,7 @@ def test_trainer_holding_f_and_an_optimizer_eagerly(write_module: Loader) -> Non
     _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 5)
+    data = data_for(n_out, 3)
     trainer = dec.FTrainer(model)
     ref = trainer_reference(template, trainer.f, trainer.states, data)
     for i, (x, y) in enumerate(data):
@@ -597,7 +597,7 @@ def test_trainer_holding_f_and_an_optimizer_functionalized(write_module: Loader,
     _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 5)
+    data = data_for(n_out, 3)
     trainer = dec.FTrainer(model)
     ref = trainer_reference(template, trainer.f, trainer.states, data)
     tf, ts = trainer.functionalize()
@@ -618,7 +618,7 @@ def test_trainer_holding_the_model_and_refreezing_it(write_module: Loader, mode:
     _, dec = pair(write_module, TRAINER)
     plain, _ = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 4)
+    data = data_for(n_out, 2)
     trainer = dec.ModelTrainer(model)
     f0, s0 = model.functionalize()
     ref = trainer_reference(template, f0, s0, data)
@@ -714,10 +714,10 @@ def train_some(f: Any, states: Any, data: Any, opt: str = "sgd") -> tuple[Any, A
 def test_copy_mid_training_then_continue(write_module: Loader, how: str) -> None:
     plain, dec = library(write_module, fresh=True)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 6)
+    data = data_for(n_out, 4)
     f, states = model.functionalize()
     ref = run_reference(template, names_of(f), dict(states), "sgd", data)
-    f, states, _ = train_some(f, states, data[:3])
+    f, states, _ = train_some(f, states, data[:2])
     if how == "pickle_frozen":
         f, states = pickle.loads(pickle.dumps(autostate.freeze(f, states))).functionalize()
     elif how == "deepcopy_frozen":
@@ -727,7 +727,7 @@ def test_copy_mid_training_then_continue(write_module: Loader, how: str) -> None
     else:
         f, states = copy.deepcopy((f, states))
     step = f_train_step("sgd")
-    for i, (x, y) in enumerate(data[3:], start=3):
+    for i, (x, y) in enumerate(data[2:], start=2):
         loss, f, _, states = step(f, (), states, x, y)
         assert_step(ref[i], loss, f, states, f"{how} step {i}")
 
@@ -771,7 +771,7 @@ def test_keypaths_of_f_follow_the_model(write_module: Loader) -> None:
     for k, v in names_of(decay).items():
         factor = 0.5 if k.endswith(".w") else 1.0
         assert_same(np.asarray(plain_path(template, k)) * factor, v, k)
-    out, _ = decay(states, data_for(None, 1)[0][0])
+    out, _ = jax.jit(decay)(states, data_for(None, 1)[0][0])
     assert out.shape == (5,)
 
 
@@ -783,7 +783,7 @@ def test_ema_copy_by_deepcopy_updated_from_the_online_model(write_module: Loader
     plain, dec = multi(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
     ema = copy.deepcopy(model)
-    data = data_for(n_out, 5)
+    data = data_for(n_out, 3)
     f, states = model.functionalize()
     fe, se = ema.functionalize()
     assert jax.tree_util.tree_structure(f) == jax.tree_util.tree_structure(fe)
@@ -896,7 +896,7 @@ def test_frozen_trainer_holding_f_copied_and_continued(write_module: Loader, how
     plain, _ = library(write_module)
     _, dec = pair(write_module, TRAINER, fresh=True)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 4)
+    data = data_for(n_out, 3)
     trainer = dec.FTrainer(model)
     ref = trainer_reference(template, trainer.f, trainer.states, data)
     tf, ts = trainer.functionalize()
@@ -1463,13 +1463,15 @@ def ref_sample(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: int, te
 
 def test_gpt_reset_then_decode_again_through_f(write_module: Loader) -> None:
     _, _, f, states, p = gpt(write_module)
-    run = jitted("greedy_fori", 4)
+    run = jitted("greedy_fori", 2)
     first, s = run(f, states, PROMPT)
     _, s = jitted("reset")(f, s)
     assert_same(snapshot(states), snapshot(s), "reset gives the empty cache")
     again, s = run(f, s, PROMPT)
     assert_bits(first, again)
-    assert_bits(ref_greedy(p, states, PROMPT, 4)[0], again)
+    # the hand-threaded reference compiled as one program (its ops one by one cost
+    # a compilation each)
+    assert_bits(jax.jit(ref_greedy, static_argnums=3)(p, states, PROMPT, 2)[0], again)
 
 
 def train_f(f: Any, s: Any, steps: range, o: Any = None) -> tuple[Any, Any, Any]:
@@ -1559,7 +1561,7 @@ def test_resume_a_sampler_with_a_typed_key_state(
     f2, s2 = back.functionalize()
     got, _ = run(f2, s2, PROMPT[:1])
     assert_bits(want, got, "resumed sampling")
-    ref_out, _ = ref_sample(p, dict(s1), PROMPT[:1], 3, 0.7)
+    ref_out, _ = jax.jit(ref_sample, static_argnums=(3, 4))(p, dict(s1), PROMPT[:1], 3, 0.7)
     assert_bits(ref_out, got, "hand-threaded")
 
 
@@ -1671,8 +1673,8 @@ def test_f_used_after_its_model_is_garbage_collected(write_module: Loader) -> No
     assert_same(expected[2:], floats([frozen.x, frozen.n]), "frozen")
 
 
-def test_split_merge_three_rounds(write_module: Loader) -> None:
-    """nnx.split / train / nnx.merge three times, as functionalize / jit / freeze,
+def test_split_merge_rounds(write_module: Loader) -> None:
+    """nnx.split / train / nnx.merge twice, as functionalize / jit / freeze,
     with an eager eval call between rounds and eval mode switched at the end."""
     plain, dec = pair(write_module, NNX)
 
@@ -1680,7 +1682,7 @@ def test_split_merge_three_rounds(write_module: Loader) -> None:
         model = mod.make()
         outs = []
         step = staged(lambda f, s, x: f(s, x))
-        for r in range(3):
+        for r in range(2):
             if decorated:
                 f, states = model.functionalize()
                 for i in range(2):
@@ -2266,7 +2268,7 @@ def test_lora_training_only_adapters_in_scan(write_module: Loader) -> None:
         "layers[1].a",
         "layers[1].b",
     ]
-    xs = jnp.stack([XL, XL * 2, -XL])
+    xs = jnp.stack([XL, -XL])
     train_compare(plain, dec, "LoRANet(0, 3, 2)", xs, lambda out, get: jnp.mean(out**2))
     check_transform(plain, dec, "LoRANet(0, 3, 2)", [("__call__", (X,))], XL, "grad")
 

@@ -15,13 +15,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import subprocess
-import sys
-import textwrap
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -71,7 +67,6 @@ from semantics.harness import (
 from semantics.programs import (
     ACCUM,
     BATCHNORM,
-    BUILDS,
     BUILT,
     CALLABLES,
     CHANGES,
@@ -79,7 +74,6 @@ from semantics.programs import (
     DROPOUT,
     DTYPES,
     EMA,
-    GAN,
     HELPERS,
     KV,
     LAYERS,
@@ -128,7 +122,6 @@ from semantics.programs import AROUND as REPRESENTATIVE_RNN
 from semantics.programs import COMMON_LAYERS as MODELS
 from semantics.programs import CUSTOM_DERIVATIVES as OUTSIDE
 from semantics.programs import KEY as PRNG_KEY
-from semantics.programs import REAL as REAL_SAMPLES
 from semantics.programs import REAL_ONES as REAL
 from semantics.programs import RNN as GRU_CELL
 from semantics.programs import TWO as X2
@@ -160,15 +153,10 @@ from semantics.twins import (
 
 
 def test_batchnorm_training(write_module: Loader) -> None:
+    # (Running statistics under grad and vmap: test_vmap_of_f,
+    # test_batchnorm_dropout_training_equals_hand_threaded_jax.)
     plain, dec = pair(write_module, BATCHNORM)
     check(plain, dec, "BatchNorm(3)", [("__call__", (XB,)), ("__call__", (XB * 2,))])
-
-
-def test_batchnorm_grad_and_vmap(write_module: Loader) -> None:
-    plain, dec = pair(write_module, BATCHNORM)
-    check_transform(plain, dec, "BatchNorm(3)", [("__call__", (X,))], XB, "grad")
-    check_transform(plain, dec, "BatchNorm(3)", [("__call__", (X,))], jnp.stack([XB, XB + 1]),
-                    "vmap")
 
 
 def test_ema_grad_wrt_parameters(write_module: Loader) -> None:
@@ -515,16 +503,26 @@ WRITE_METHODS = [
 
 @pytest.mark.parametrize("method", WRITE_METHODS)
 def test_traced_writes_of_every_kind(write_module: Loader, method: str) -> None:
-    plain, dec = pair(write_module, WRITES, fresh=True)
+    plain, dec = pair(write_module, WRITES)
     check(plain, dec, "W()", [(method, (jnp.float32(1.5),)), (method, (jnp.float32(2.0),))])
 
 
+# One write per kind of state leaf under grad / vmap (a constant, an int, a dict item,
+# a tuple, a list item, a slice, a property, a dtype and a shape change): the
+# spellings that store the same kind of leaf (scalar_write, dict_write,
+# setattr_write, weak_scalar) are covered by test_traced_writes_of_every_kind.
+TRANSFORMED_WRITE_METHODS = [
+    "numpy_write", "int_counter", "dict_item_write", "tuple_write", "list_item_aug",
+    "slice_write", "property_write", "dtype_change", "shape_change",
+]
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("method", WRITE_METHODS)
+@pytest.mark.parametrize("method", TRANSFORMED_WRITE_METHODS)
 def test_traced_writes_of_every_kind_under_grad_and_vmap(
     write_module: Loader, method: str, transform: str
 ) -> None:
-    plain, dec = pair(write_module, WRITES, fresh=True)
+    plain, dec = pair(write_module, WRITES)
     x = jnp.float32(1.5) if transform == "grad" else jnp.arange(3.0)
     check_transform(plain, dec, "W()", [(method, (X,)), (method, (X,))], x, transform)
 
@@ -556,7 +554,8 @@ def test_grad_with_has_aux_through_a_model_that_updates_state(write_module: Load
         m.layers[0].w = w0
         return m(X3)
 
-    assert_same(jax.grad(ref_loss)(plain.Net().layers[0].w), grads.model.layers[0].w, "grad w0")
+    assert_same(jax.jit(jax.grad(ref_loss))(plain.Net().layers[0].w), grads.model.layers[0].w,
+                "grad w0")
     assert grads.model.head is grads.model.layers[0] or np.allclose(
         grads.model.head.w, grads.model.layers[0].w)
 
@@ -597,10 +596,8 @@ def _plain_and_f(plain: types.ModuleType, dec: types.ModuleType) -> tuple[Any, A
 FORWARD_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Any]] = {
     "jvp": lambda fn: jax.jvp(fn, (V3,), (jnp.ones(3),)),
     "linearize": lambda fn: (lambda y, lin: (y, lin(jnp.ones(3))))(*jax.linearize(fn, V3)),
-    "jacfwd": lambda fn: jax.jacfwd(fn)(V3),
-    "jacrev": lambda fn: jax.jacrev(fn)(V3),
+    # (jax.hessian is jacfwd of jacrev: it covers both.)
     "hessian": lambda fn: jax.hessian(lambda x: fn(x)[0])(V3),
-    "jit-hessian": lambda fn: staged(jax.hessian(lambda x: fn(x)[0]))(V3),
     "vjp": lambda fn: (lambda y, back: (y, back((jnp.float32(1.0), jnp.ones(3)))))(
         *jax.vjp(fn, V3)),
 }
@@ -691,18 +688,20 @@ def test_realistic_models(write_module: Loader, build: str, calls: list[Any]) ->
     check(plain, dec, build, calls)
 
 
+# Each model under the transformation that matters for it: the attention cache written
+# under vmap and read back in a scan under grad (spectral norm under grad:
+# test_spectral_norm_power_iteration_updates_u).
 MODEL_TRANSFORMS = [
-    ("spectral-norm", f"SpectralLinear(3, 2, {KEY})", "__call__", V3),
-    ("ema-teacher", f"EMATeacher({KEY})", "__call__", V3),
-    ("grad-accumulation", "Accum(2)", "__call__", jnp.array([1.0, 2.0])),
-    ("attention-kv-cache", f"Attn(3, 4, {KEY})", "__call__", V3),
-    ("attention-decode-scan", f"Attn(3, 6, {KEY})", "decode_scan", SEQ),
+    ("ema-teacher-grad", f"EMATeacher({KEY})", "__call__", V3, "grad"),
+    ("grad-accumulation-vmap", "Accum(2)", "__call__", jnp.array([1.0, 2.0]), "vmap"),
+    ("attention-kv-cache-vmap", f"Attn(3, 4, {KEY})", "__call__", V3, "vmap"),
+    ("attention-decode-scan-grad", f"Attn(3, 6, {KEY})", "decode_scan", SEQ, "grad"),
 ]
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
 @pytest.mark.parametrize(
-    "build,method,x", [c[1:] for c in MODEL_TRANSFORMS], ids=[c[0] for c in MODEL_TRANSFORMS]
+    "build,method,x,transform", [c[1:] for c in MODEL_TRANSFORMS],
+    ids=[c[0] for c in MODEL_TRANSFORMS],
 )
 def test_realistic_models_under_grad_and_vmap(
     write_module: Loader, build: str, method: str, x: Any, transform: str
@@ -713,6 +712,7 @@ def test_realistic_models_under_grad_and_vmap(
 
 
 def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
+    # also covers the optax GAN (two optimizers stepped inside a method under jit)
     plain, dec = pair(write_module, REALISTIC_MODELS)
     ref = plain.GAN(jax.random.PRNGKey(0))
     expected = [ref.step(Z, REAL) for _ in range(3)]
@@ -730,11 +730,18 @@ def test_gan_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
     assert_same(snapshot(ref), snapshot(frozen))
 
 
-@pytest.mark.parametrize("kind", list(BUILDS))
+# One build per shape of state: dropout keys and a step counter in nested sub-models,
+# sub-models in a dict and a tuple. (The other BUILDS construct these same classes
+# another way, or subclass them: a classmethod, a partial, a factory, what the state
+# inference tests cover; the train step does not see the difference.)
+TRAINED_BUILDS = ["mlp_dropout", "multihead"]
+
+
+@pytest.mark.parametrize("kind", TRAINED_BUILDS)
 def test_train_step_outside_the_model_matches_hand_threaded(write_module: Loader, kind: str) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, kind)
-    data = data_for(n_out)
+    data = data_for(n_out, 3)
     f, states = model.functionalize()
     assert_same(read_plain(template, names_of(f)), names_of(f), "initial params by name")
     assert_same(read_plain(template, states), states, "initial states by name")
@@ -748,12 +755,14 @@ def test_train_step_outside_the_model_matches_hand_threaded(write_module: Loader
     assert_same(snapshot(template), snapshot(model), "the eager model did not move")
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("jit", [False, True])
+# (The optimizer is the test's own code; the jitted step with momentum and with Adam:
+# test_train_step_outside_the_model_matches_hand_threaded,
+# test_model_built_inside_jit_then_trained.)
+@pytest.mark.parametrize("jit,opt", [(False, "sgd")])
 def test_optimizers_eager_and_jitted(write_module: Loader, opt: str, jit: bool) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 5)
+    data = data_for(n_out, 3)
     f, states = model.functionalize()
     ref = run_reference(template, names_of(f), dict(states), opt, data, jit=jit)
     init, update = OPTIMIZERS[opt]
@@ -774,21 +783,21 @@ def test_optimizers_eager_and_jitted(write_module: Loader, opt: str, jit: bool) 
 def test_donated_train_step_then_freeze_and_continue_eagerly(write_module: Loader) -> None:
     plain, dec = library(write_module)
     template, model, n_out = build_pair(plain, dec, "mlp_dropout")
-    data = data_for(n_out, 8)
+    data = data_for(n_out, 4)
     f, states = model.functionalize()
-    ref = run_reference(template, names_of(f), dict(states), "adam", data[:5], compiled=True)
+    ref = run_reference(template, names_of(f), dict(states), "adam", data[:3], compiled=True)
     # Donation deletes buffers; f and states share theirs with the eager model.
     f, states = jax.tree_util.tree_map(jnp.copy, (f, states))
     opt_state = OPTIMIZERS["adam"][0](f)
     step = f_train_step("adam", donate=True)
-    for i, (x, y) in enumerate(data[:5]):
+    for i, (x, y) in enumerate(data[:3]):
         loss, f, opt_state, states = step(f, opt_state, states, x, y)
         assert_step(ref[i], loss, f, states, f"donated step {i}")
     frozen = autostate.freeze(f, states)
     r_loss, r_params, r_states = ref[-1]
     plain_model = load_plain(template, r_params, r_states)
     assert_same(snapshot(plain_model), snapshot(frozen), "frozen after training")
-    for x, _ in data[5:]:
+    for x, _ in data[3:]:
         assert_same(plain_model(x), frozen(x), "eager call of the frozen model")
     assert_same(snapshot(plain_model), snapshot(frozen), "frozen after eager calls")
     plain_model.eval()
@@ -813,19 +822,16 @@ def user_frame_line(err: BaseException, module: types.ModuleType) -> str:
     return linecache.getline(module.__file__, found.tb_lineno)
 
 
-@pytest.mark.parametrize("how", ["jit", "eval_shape_then_jit"])
-def test_model_built_inside_jit_then_trained(write_module: Loader, how: str) -> None:
+def test_model_built_inside_jit_then_trained(write_module: Loader) -> None:
+    """Built and functionalized under ``eval_shape`` (shapes only) and under ``jit``."""
     plain, dec = library(write_module)
     template = plain.MLP(PRNG_KEY, 3, 2, rate=0.5)
-    if how == "jit":
-        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(PRNG_KEY)
-    else:
-        shapes = jax.eval_shape(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(), PRNG_KEY)
-        f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(PRNG_KEY)
-        assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure((f, states))
-        for a, b in zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves((f, states))):
-            assert (a.shape, a.dtype) == (b.shape, b.dtype)
-    data = data_for(2, 4)
+    shapes = jax.eval_shape(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize(), PRNG_KEY)
+    f, states = staged(lambda k: dec.MLP(k, 3, 2, rate=0.5).functionalize())(PRNG_KEY)
+    assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure((f, states))
+    for a, b in zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves((f, states))):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    data = data_for(2, 2)
     assert_same(read_plain(template, names_of(f)), names_of(f))
     ref = run_reference(template, names_of(f), dict(states), "adam", data)
     opt_state = OPTIMIZERS["adam"][0](f)
@@ -902,25 +908,6 @@ def test_eager_model_passed_into_the_users_transformation(write_module: Loader, 
     assert not autostate.lifetime.contains_tracer(snapshot(model))
 
 
-def test_stacked_eager_ensemble_from_vmap_then_functionalized(write_module: Loader) -> None:
-    plain, dec = library(write_module)
-    keys = jax.random.split(PRNG_KEY, 3)
-    stacked = jax.vmap(lambda k: dec.MLP(k, 3, 2, rate=0.5))(keys)
-    assert stacked.head.w.shape == (3, 8, 2)
-    x = data_for(2, 1)[0][0]
-    with pytest.raises(TracedEagerStateError):
-        jax.vmap(lambda m, x: m(x), in_axes=(0, None))(stacked, x)
-    f, states = stacked.functionalize()
-    step = staged(jax.vmap(lambda f, s, x: f(s, x), in_axes=(0, 0, None)))
-    refs = [plain.MLP(k, 3, 2, rate=0.5) for k in keys]
-    for _ in range(2):
-        outs, states = step(f, states, x)
-        for i, r in enumerate(refs):
-            assert_same(r(x), outs[i], f"member {i}")
-            assert_same(read_plain(r, states),
-                        jax.tree_util.tree_map(lambda a, i=i: a[i], states), f"member {i}")
-
-
 def test_shape_change_retraces_once_per_shape(write_module: Loader) -> None:
     plain, dec = pair(write_module, CHANGES)
     step, traces = jit_counted(lambda f, s, x: f.push(s, x))
@@ -989,35 +976,29 @@ def ref_greedy_fori(p: dict[str, Any], s: dict[str, Any], prompt: Any, steps: in
     return out, s
 
 
+# The hand-written decoder compiled whole: run op by op it would compile each of its
+# primitives at each token count, and what it computes is not under test.
+REF_GREEDY = jax.jit(ref_greedy, static_argnums=3)
+
+
 def ref_gpt_loss(p: dict[str, Any], s: dict[str, Any], seq: Any) -> Any:
     logits, s = ref_gpt(p, s, seq[:-1])
     logp = jax.nn.log_softmax(logits)
     return -jnp.take_along_axis(logp, seq[1:, None], axis=1).mean(), s
 
 
-def test_gpt_greedy_through_jitted_f_step_by_step(write_module: Loader) -> None:
-    _, _, f, states, p = gpt(write_module)
-    want, want_s = ref_greedy(p, states, PROMPT, 4)
-    step = jitted("next_token")
-    tok, states = step(f, states, PROMPT)
-    out = [tok]
-    for _ in range(3):
-        tok, states = step(f, states, tok[None])
-        out.append(tok)
-    assert_bits(want, jnp.stack(out), "tokens")
-    assert_same(snapshot(want_s), snapshot(states), "cache")
-
-
 def test_gpt_decoding_vmapped_over_prompts(write_module: Loader) -> None:
     _, _, f, states, p = gpt(write_module)
     prompts = jnp.array([[3, 4, 5], [1, 2, 3], [7, 0, 9]], jnp.int32)
-    want, want_s = jax.vmap(lambda t: ref_greedy_fori(p, states, t, 4))(prompts)
+    want, want_s = jax.jit(jax.vmap(lambda t: ref_greedy_fori(p, states, t, 4)))(prompts)
     got, got_s = staged(jax.vmap(lambda t: f.greedy_fori(states, t, 4)))(prompts)
     assert_bits(want, got, "tokens")
     assert_same(snapshot(want_s), snapshot(got_s), "batched caches")
 
 
 def test_gpt_next_token_training_with_adam(write_module: Loader) -> None:
+    # also covers greedy decoding through jitted f (its cache threaded call to call, token
+    # by token: test_kv_cache_jit_traced_decode_length)
     _, _, f, empty, p = gpt(write_module)
     seqs = [jnp.arange(i, i + 7, dtype=jnp.int32) % 11 for i in range(3)]
     opt = optax.adam(1e-2)
@@ -1040,16 +1021,16 @@ def test_gpt_next_token_training_with_adam(write_module: Loader) -> None:
         rloss, p, ro = ref_step(p, ro, seq)
         assert_same(rloss, loss, f"loss {i}")
         assert_same(p, params_of(f), f"params {i}")
-    want, _ = ref_greedy(p, empty, PROMPT, 4)
+    want, _ = REF_GREEDY(p, empty, PROMPT, 4)
     trained = autostate.freeze(f, empty)
     assert_bits(want, jitted("greedy_fori", 4)(*trained.functionalize(), PROMPT)[0], "decodes")
 
 
-@pytest.mark.parametrize("jit", [True, False])
-def test_cnn_adam_training_matches_hand_threaded(write_module: Loader, jit: bool) -> None:
+def test_cnn_adam_training_matches_hand_threaded(write_module: Loader) -> None:
+    # (un-jitted training steps through f: test_optimizers_eager_and_jitted)
     _, _, f, s, p = cnn(write_module)
-    f, s, p, _, _ = train_both(f, s, p, range(3 if jit else 2), jit=jit)
-    assert int(s["steps"]) == (3 if jit else 2)
+    f, s, p, _, _ = train_both(f, s, p, range(2), jit=True)
+    assert int(s["steps"]) == 2
 
 
 RNN = """
@@ -1166,32 +1147,10 @@ def rnn_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, RNN)
 
 
+# (BiLSTM holds two LSTMs, one scanned in reverse: it covers the LSTM. Its traced
+# outputs and states match the hand-threaded ones here; eager scans writing sub-models:
+# test_representative_model_under_context, test_stateful_gru_truncated_bptt_matches_hand_threaded.)
 @pytest.mark.parametrize("cls", ["BiLSTM"])
-def test_lstm_forward_eager_f_jit_vs_plain_and_hand_threaded(
-    write_module: Loader, cls: str
-) -> None:
-    plain, dec = rnn_pair(write_module)
-    ref, model = getattr(plain, cls)(0), getattr(dec, cls)(0)
-    f, s = model.functionalize()
-    p = params_of(f)
-    assert_same(read_plain(ref, p), p)
-    ref_fn = ref_lstm if cls == "LSTM" else ref_bilstm
-    xs = seqs(0)[0]
-    want, want_s = ref_fn(p, dict(s), xs)
-    want2, want_s2 = ref_fn(p, want_s, xs * 2)
-    assert_same(want, ref(xs), "plain")
-    assert_same(want2, ref(xs * 2), "plain 2")
-    assert_same(want, model(xs), "eager")
-    assert_same(want2, model(xs * 2), "eager 2")
-    assert_same(want_s2, read_plain(model, want_s2), "eager states")
-    run = jitted("__call__")
-    out, s = run(f, s, xs)
-    out2, s = run(f, s, xs * 2)
-    assert_same(want2, out2, "jit")
-    assert_same(want_s2, dict(s), "jit states")
-
-
-@pytest.mark.parametrize("cls", ["LSTM", "BiLSTM"])
 def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader, cls: str) -> None:
     _, dec = rnn_pair(write_module)
     f, s = getattr(dec, cls)(0).functionalize()
@@ -1209,7 +1168,7 @@ def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader, 
     fg = staged(jax.grad(f_loss, has_aux=True))
     rg = staged(jax.grad(r_loss, has_aux=True))
     rs = dict(s)
-    for i in range(3):
+    for i in range(2):
         xs, y = seqs(i)
         g, s = fg(f, s, xs, y)
         rgrad, rs = rg(p, rs, xs, y)
@@ -1217,7 +1176,7 @@ def test_lstm_trained_with_jax_grad_matches_hand_threaded(write_module: Loader, 
         assert_same(rs, dict(s), f"states {i}")
         f = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, f, g)
         p = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, rgrad)
-    assert int(s["steps" if cls == "LSTM" else "fwd.steps"]) == 15
+    assert int(s["steps" if cls == "LSTM" else "fwd.steps"]) == 10
 
 
 def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader) -> None:
@@ -1238,7 +1197,7 @@ def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader)
     fg = staged(jax.value_and_grad(f_loss, has_aux=True))
     rg = staged(jax.value_and_grad(r_loss, has_aux=True))
     rs = dict(s)
-    for i in range(3):
+    for i in range(2):
         xs, y = seqs(i)
         (loss, s), g = fg(f, s, xs, y)
         (rloss, rs), rgrad = rg(p, rs, xs, y)
@@ -1248,7 +1207,7 @@ def test_stateful_gru_truncated_bptt_matches_hand_threaded(write_module: Loader)
         f = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, f, g)
         p = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, rgrad)
     # the plain and decorated classes carry the hidden state eagerly alike
-    for i in range(3):
+    for i in range(2):
         assert_same(ref(seqs(i)[0]), model(seqs(i)[0]), f"eager segment {i}")
     assert_same(ref.h, model.h)
 
@@ -1258,13 +1217,13 @@ def test_lstm_vmapped_over_a_batch_of_sequences(write_module: Loader) -> None:
     f, s = dec.LSTM(0).functionalize()
     p = params_of(f)
     xs = jnp.stack([seqs(i)[0] for i in range(3)])
-    want, want_s = jax.vmap(lambda x: ref_lstm(p, dict(s), x))(xs)
+    want, want_s = jax.jit(jax.vmap(lambda x: ref_lstm(p, dict(s), x)))(xs)
     got, got_s = staged(jax.vmap(lambda x: f(s, x)))(xs)
     assert_same(want, got)
     assert_same(want_s, dict(got_s))
     # per-example states in, batched too
     bs = jax.tree_util.tree_map(lambda a: jnp.stack([a] * 3), dict(got_s))
-    want, want_s = jax.vmap(lambda s, x: ref_lstm(p, s, x))(dict(bs), xs)
+    want, want_s = jax.jit(jax.vmap(lambda s, x: ref_lstm(p, s, x)))(dict(bs), xs)
     got, got_s = jax.vmap(lambda s, x: f(s, x))(bs, xs)
     assert_same(want, got)
     assert_same(want_s, dict(got_s))
@@ -1293,7 +1252,7 @@ def test_dropout_mlp_trained_with_value_and_grad(write_module: Loader, typed: bo
     fg = staged(jax.value_and_grad(f_loss, has_aux=True))
     rg = staged(jax.value_and_grad(r_loss, has_aux=True))
     rs = dict(s)
-    for i in range(3):
+    for i in range(2):
         x = jnp.ones((2, 4)) * (i + 1)
         (loss, s), g = fg(f, s, x)
         (rloss, rs), rgrad = rg(p, rs, x)
@@ -1317,119 +1276,6 @@ def test_dropout_vmapped_over_an_ensemble_of_keys(write_module: Loader, typed: b
     out, s2 = staged(jax.vmap(lambda k: f({"key": k}, x)))(keys)
     assert_bits(want, out)
     assert_bits(want_k, s2["key"])
-
-
-ENSEMBLE = """
-@DECORATE
-class Member:
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.w1 = jax.random.normal(k1, (3, 6)) * 0.5
-        self.w2 = jax.random.normal(k2, (6, 2)) * 0.5
-        self.mean = jnp.zeros(6)
-        self.count = jnp.zeros((), jnp.int32)
-        self.key = k3
-        self.training = True
-
-    def __call__(self, x):
-        h = jax.nn.relu(x @ self.w1)
-        if self.training:
-            self.mean = 0.8 * self.mean + 0.2 * h.mean(0)
-            self.count += 1
-            self.key, sub = jax.random.split(self.key)
-            h = jnp.where(jax.random.bernoulli(sub, 0.75, h.shape), h / 0.75, 0.0)
-        else:
-            h = h - self.mean
-        return h @ self.w2
-
-    def eval(self):
-        self.training = False
-"""
-
-
-def ref_member_init(key: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    k1, k2, k3 = jax.random.split(key, 3)
-    p = {"w1": jax.random.normal(k1, (3, 6)) * 0.5, "w2": jax.random.normal(k2, (6, 2)) * 0.5}
-    return p, {"count": jnp.zeros((), jnp.int32), "key": k3, "mean": jnp.zeros(6)}
-
-
-def ref_member_train(p: Any, s: Any, x: Any) -> Any:
-    h = jax.nn.relu(x @ p["w1"])
-    key, sub = jax.random.split(s["key"])
-    new = {"mean": 0.8 * s["mean"] + 0.2 * h.mean(0), "count": s["count"] + 1, "key": key}
-    h = jnp.where(jax.random.bernoulli(sub, 0.75, h.shape), h / 0.75, 0.0)
-    return h @ p["w2"], new
-
-
-def member_batches(i: int) -> tuple[Any, Any]:
-    kx, ky = jax.random.split(jax.random.PRNGKey(90 + i))
-    return jax.random.normal(kx, (4, 3)), jax.random.normal(ky, (4, 2))
-
-
-SGD = optax.sgd(0.1, momentum=0.9)
-
-
-def test_ensemble_built_under_vmap_and_trained_under_vmap(write_module: Loader) -> None:
-    _, dec = pair(write_module, ENSEMBLE)
-    keys = jax.random.split(jax.random.key(0), 3)
-    f, s = jax.vmap(lambda k: dec.Member(k).functionalize())(keys)
-    p, rs = jax.vmap(ref_member_init)(keys)
-    assert_same(p, params_of(f), "stacked params")
-    assert_bits(rs, dict(s), "stacked states")
-
-    def f_step(f: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-        def loss(f: Any, s: Any) -> Any:
-            out, s = f(s, x)
-            return jnp.mean((out - y) ** 2), s
-
-        (lv, s), g = jax.value_and_grad(loss, has_aux=True)(f, s)
-        u, o = SGD.update(g, o, f)
-        return lv, optax.apply_updates(f, u), o, s
-
-    def r_step(p: Any, o: Any, s: Any, x: Any, y: Any) -> Any:
-        def loss(p: Any, s: Any) -> Any:
-            out, s = ref_member_train(p, s, x)
-            return jnp.mean((out - y) ** 2), s
-
-        (lv, s), g = jax.value_and_grad(loss, has_aux=True)(p, s)
-        u, o = SGD.update(g, o, p)
-        return lv, optax.apply_updates(p, u), o, s
-
-    fstep = staged(jax.vmap(f_step, in_axes=(0, 0, 0, None, None)))
-    rstep = staged(jax.vmap(r_step, in_axes=(0, 0, 0, None, None)))
-    o, ro = jax.vmap(SGD.init)(f), jax.vmap(SGD.init)(p)
-    for i in range(3):
-        x, y = member_batches(i)
-        loss, f, o, s = fstep(f, o, s, x, y)
-        rloss, p, ro, rs = rstep(p, ro, rs, x, y)
-        assert_same(rloss, loss, f"loss {i}")
-        assert_same(p, params_of(f), f"params {i}")
-        assert_bits(rs["key"], s["key"], f"keys {i}")
-        assert_same(snapshot(rs), snapshot(dict(s)), f"states {i}")
-    # one member out, evaluated eagerly
-    x, _ = member_batches(9)
-    for i in range(3):
-        member = autostate.freeze(*jax.tree_util.tree_map(lambda a, i=i: a[i], (f, s)))
-        member.eval()
-        pi = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
-        si = jax.tree_util.tree_map(lambda a, i=i: a[i], rs)
-        want = (jax.nn.relu(x @ pi["w1"]) - si["mean"]) @ pi["w2"]
-        assert_same(want, member(x), f"member {i}")
-
-
-def test_ensemble_stacked_by_hand_from_separate_models(write_module: Loader) -> None:
-    plain, dec = pair(write_module, ENSEMBLE)
-    keys = jax.random.split(jax.random.key(1), 3)
-    pairs = [dec.Member(k).functionalize() for k in keys]
-    f = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[fp[0] for fp in pairs])
-    s = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[fp[1] for fp in pairs])
-    x, _ = member_batches(0)
-    out, s2 = staged(jax.vmap(lambda f, s: f(s, x)))(f, s)
-    for i, k in enumerate(keys):
-        ref = plain.Member(k)
-        assert_same(ref(x), out[i], f"member {i} output")
-        assert_bits(ref.key, s2["key"][i], f"member {i} key")
-        assert_same(ref.mean, s2["mean"][i], f"member {i} mean")
 
 
 AROUND = """
@@ -1711,7 +1557,9 @@ def _plain_m_with(plain: types.ModuleType, w: Any) -> Any:
     return m
 
 
-FORWARD_WRT_PARAMS = ["jvp", "linearize", "vjp", "hessian", "jacfwd-of-new-state"]
+# (A second-order transformation of f: test_hessian_of_f_in_the_input,
+# test_jvp_linearize_jacobians_hessian_of_f.)
+FORWARD_WRT_PARAMS = ["jvp", "linearize", "vjp", "jacfwd-of-new-state"]
 
 
 @pytest.mark.parametrize("transform", FORWARD_WRT_PARAMS)
@@ -1746,10 +1594,6 @@ def test_forward_and_reverse_transforms_of_f_with_respect_to_params(
         (py, _), pback = jax.vjp(pl2, w0)
         assert_same(pback((jnp.float32(1.0), jnp.ones(3)))[0], ct.model.w)
         assert_same(py, y)
-    elif transform == "hessian":
-        leaves, tree = jax.tree.flatten(f)
-        h = jax.hessian(lambda w: jax.tree.unflatten(tree, [w])(states, x)[0])(leaves[0])
-        assert_same(jax.hessian(pl)(w0), h)
     else:
         j = jax.jacfwd(lambda f: f(states, x)[1]["mean"])(f)
 
@@ -1917,7 +1761,8 @@ def _reference(model: Any) -> tuple[dict, dict]:
     return p, dict(states)
 
 
-@pytest.mark.parametrize("how", ["scan", "python-loop-of-jitted-steps"])
+# (A Python loop of jitted train steps: test_train_step_outside_the_model_matches_hand_threaded.)
+@pytest.mark.parametrize("how", ["scan"])
 def test_batchnorm_dropout_training_equals_hand_threaded_jax(
     write_module: Loader, how: str
 ) -> None:
@@ -1955,7 +1800,9 @@ def test_batchnorm_dropout_training_equals_hand_threaded_jax(
 
 def test_ensemble_of_trainings_under_vmap_equals_hand_threaded(write_module: Loader) -> None:
     """The same scan of ``value_and_grad`` steps, vmapped over models stacked by
-    ``jax.vmap`` of the constructor + ``functionalize``."""
+    ``jax.vmap`` of the constructor + ``functionalize``. (A member frozen out of the
+    stack: test_vmap_of_functionalize_over_keys; evaluated after freeze:
+    test_batchnorm_dropout_training_equals_hand_threaded_jax.)"""
     _, dec = pair(write_module, TRAIN)
     xs, ys = _data()
     keys = jax.random.split(jax.random.key(7), 2)
@@ -2012,32 +1859,27 @@ class Stack:
     def read(self, x):
         return self.scale * x
 
-
-for build in (Parent, lambda: Stack(False), lambda: Stack(True)):
-    for use in (lambda m: jax.jit(lambda m, x: m.read(x))(m, 3.0), lambda m: jax.tree.map(jnp.abs, m)):
-        try:
-            use(build())
-            print("OK")
-        except autostate.AutostateError as e:
-            print("AutostateError", type(e).__name__, "fix:" in str(e))
-        except RecursionError:
-            print("RecursionError")
-# The interpreter is still usable, and functionalize follows the cycle.
-f, states = Parent().functionalize()
-print("alive", float(jax.jit(f.read)(states, 3.0)[0]))
 """
 
 
-def test_an_eager_model_with_a_cycle_as_a_pytree(tmp_path: Path) -> None:
-    script = tmp_path / "cycle_pytree.py"
-    script.write_text(textwrap.dedent(_CYCLE_PYTREE))
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
-    )
-    lines = done.stdout.strip().splitlines()
-    assert lines == ["AutostateError InvalidTypeError True"] * 6 + ["alive 6.0"], (
-        done.stdout + done.stderr
-    )
+def test_an_eager_model_with_a_cycle_as_a_pytree(write_module: Loader) -> None:
+    """Refused as a pytree (jit argument, tree_map) with a fix, never a RecursionError;
+    ``functionalize`` follows the cycle."""
+    mod = write_module(_CYCLE_PYTREE)
+    results = []
+    for build in (mod.Parent, lambda: mod.Stack(False), lambda: mod.Stack(True)):
+        for use in (lambda m: jax.jit(lambda m, x: m.read(x))(m, 3.0),
+                    lambda m: jax.tree.map(jnp.abs, m)):
+            try:
+                use(build())
+                results.append("OK")
+            except autostate.AutostateError as e:
+                results.append(f"AutostateError {type(e).__name__} {'fix:' in str(e)}")
+            except RecursionError:
+                results.append("RecursionError")
+    assert results == ["AutostateError InvalidTypeError True"] * 6
+    f, states = mod.Parent().functionalize()
+    assert float(jax.jit(f.read)(states, 3.0)[0]) == 6.0
 
 
 def run_f(dec: types.ModuleType, build: str, calls: list[tuple[str, tuple[Any, ...]]],
@@ -2045,11 +1887,12 @@ def run_f(dec: types.ModuleType, build: str, calls: list[tuple[str, tuple[Any, .
     model = eval(build, vars(dec))  # noqa: S307
     f, states = model.functionalize()
     outs = []
+    fns: dict[str, Any] = {}  # one (jitted) function per method, traced once per shape
     for m, a in calls:
-        fn = (lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))  # noqa: E731
-        if jit:
-            fn = staged(fn)
-        out, states = fn(f, states, *a)
+        if m not in fns:
+            fn = (lambda f, s, *a, m=m: (f if m == "__call__" else getattr(f, m))(s, *a))  # noqa: E731
+            fns[m] = staged(fn) if jit else fn
+        out, states = fns[m](f, states, *a)
         outs.append(out)
     return outs, states, f
 
@@ -2112,55 +1955,11 @@ X0 = jnp.array([[0.5, -1.0, 0.2], [1.0, 0.3, -0.4]])
 
 @pytest.mark.parametrize("alias", [True, False])
 def test_diffusion_train_and_sample_plain_vs_decorated(write_module: Loader, alias: bool) -> None:
+    # (training steps against plain Python in every mode: a hand-threaded copy adds nothing)
     plain, dec = pair(write_module, DIFFUSION)
     calls = [("train_step", (X0, 0.1)), ("train_step", (X0 * 2, 0.1)), ("sample", (jnp.zeros(2),)),
              ("train_step", (X0, 0.05))]
     check(plain, dec, f"Diffusion(0, alias={alias})", calls)
-
-
-def _diffusion_hand(seed: int, x0s: list[Any], lr: float) -> dict[str, Any]:
-    d, T, decay = 3, 5, 0.5
-    k1, _ = jax.random.split(jax.random.PRNGKey(seed))
-    w = jax.random.normal(k1, (d + 1, d)) * 0.3
-    ac = jnp.cumprod(1.0 - jnp.linspace(1e-3, 0.2, T))
-    s = {"w": w, "ema_w": w, "key": jax.random.key(seed + 7), "step": jnp.zeros((), jnp.int32)}
-
-    def loss(w, x0, t, noise):
-        a = ac[t][:, None]
-        xt = jnp.sqrt(a) * x0 + jnp.sqrt(1 - a) * noise
-        tt = (t / T)[:, None]
-        return ((jnp.concatenate([xt, tt], -1) @ w - noise) ** 2).mean()
-
-    @staged
-    def step(s, x0):
-        key, kt, kn = jax.random.split(s["key"], 3)
-        t = jax.random.randint(kt, (x0.shape[0],), 0, T)
-        noise = jax.random.normal(kn, x0.shape)
-        lval, g = jax.value_and_grad(loss)(s["w"], x0, t, noise)
-        w = s["w"] - lr * g
-        return lval, {"w": w, "ema_w": decay * s["ema_w"] + (1 - decay) * w, "key": key,
-                      "step": s["step"] + 1}
-
-    losses = []
-    for x0 in x0s:
-        lval, s = step(s, x0)
-        losses.append(lval)
-    s["losses"] = losses
-    return s
-
-
-@pytest.mark.parametrize("jit", [False, True])
-def test_diffusion_training_matches_hand_threaded(write_module: Loader, jit: bool) -> None:
-    _, dec = pair(write_module, DIFFUSION)
-    x0s = [X0, X0 * 2, X0 - 1]
-    outs, states, _ = run_f(dec, "Diffusion(0)", [("train_step", (x, 0.1)) for x in x0s], jit)
-    ref = _diffusion_hand(0, x0s, 0.1)
-    assert_same(ref["losses"], outs, "losses")
-    for k in ("w", "ema_w", "step"):
-        assert_same(np.asarray(ref[k]), np.asarray(states[k]), k)
-    np.testing.assert_array_equal(jax.random.key_data(ref["key"]),
-                                  jax.random.key_data(states["key"]))
-    assert sorted(states) == ["alphas", "alphas_cumprod", "betas", "ema_w", "key", "step", "w"]
 
 
 VAE = """
@@ -2196,84 +1995,9 @@ XV = jnp.array([[0.1, 0.2, -0.3, 0.4], [0.5, -0.6, 0.7, 0.0], [0.3, 0.3, 0.3, -0
 
 
 def test_vae_plain_vs_decorated(write_module: Loader) -> None:
+    # (grad through f of a model that splits a key: test_dropout_mlp_trained_with_value_and_grad)
     plain, dec = pair(write_module, VAE)
     check(plain, dec, "VAE(3)", [("__call__", (XV,)), ("sample", (jnp.zeros(2),)), ("__call__", (XV * 2,))])
-
-
-def _vae_hand(seed: int) -> tuple[dict[str, Any], Any, Callable[..., Any]]:
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    params = {"enc": jax.random.normal(k1, (4, 4)) * 0.3, "dec": jax.random.normal(k2, (2, 4)) * 0.3}
-
-    def loss(p, key, x):
-        h = x @ p["enc"]
-        mu, logvar = h[:, :2], h[:, 2:]
-        key, sub = jax.random.split(key)
-        z = mu + jnp.exp(0.5 * logvar) * jax.random.normal(sub, mu.shape)
-        recon = jnp.tanh(z @ p["dec"])
-        kl = -0.5 * jnp.sum(1 + logvar - mu**2 - jnp.exp(logvar), -1).mean()
-        return ((recon - x) ** 2).sum(-1).mean() + kl, key
-
-    return params, jax.random.PRNGKey(seed + 1), loss
-
-
-@pytest.mark.parametrize("jit", [False, True])
-def test_vae_grad_through_f_trains_like_hand_threaded(write_module: Loader, jit: bool) -> None:
-    _, dec = pair(write_module, VAE)
-    f, states = dec.VAE(3).functionalize()
-    p, key, hloss = _vae_hand(3)
-
-    def step(f, states, x):
-        (lval, states), g = jax.value_and_grad(lambda f: f(states, x), has_aux=True)(f)
-        return lval, jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, f, g), states
-
-    def hstep(p, key, x):
-        (lval, key), g = jax.value_and_grad(hloss, has_aux=True)(p, key, x)
-        return lval, jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g), key
-
-    if jit:
-        step, hstep = staged(step), staged(hstep)
-    for x in (XV, XV * 2, XV - 0.5):
-        l1, f, states = step(f, states, x)
-        l2, p, key = hstep(p, key, x)
-        assert_same(np.asarray(l2), np.asarray(l1), "loss")
-    got = autostate.param_dict(f)
-    assert_same({k: np.asarray(v) for k, v in p.items()}, {k: np.asarray(v) for k, v in got.items()})
-    np.testing.assert_array_equal(np.asarray(key), np.asarray(states["key"]))
-    out, states = f.sample(states, jnp.zeros(3))
-    _, sub = jax.random.split(key)
-    assert_same(np.asarray(jnp.tanh(jax.random.normal(sub, (3, 2)) @ p["dec"])), np.asarray(out))
-
-
-def _gan_hand(seed: int, steps: int) -> tuple[list[Any], dict[str, Any]]:
-    kg, kd, kk = jax.random.split(jax.random.PRNGKey(seed), 3)
-    gw, dw = jax.random.normal(kg, (2, 3)) * 0.5, jax.random.normal(kd, (3,)) * 0.5
-    gopt, dopt = optax.adam(0.05), optax.sgd(0.1, momentum=0.9)
-    gs, ds = gopt.init(gw), dopt.init(dw)
-    outs = []
-    for _ in range(steps):
-        kk, k1, k2 = jax.random.split(kk, 3)
-        zd = jax.random.normal(k1, (2, 2))
-        fake = jnp.tanh(zd @ gw)
-        ld, g = jax.value_and_grad(
-            lambda dw: jax.nn.softplus(-(REAL_SAMPLES @ dw)).mean() + jax.nn.softplus(fake @ dw).mean())(dw)  # noqa: B023
-        u, ds = dopt.update(g, ds, dw)
-        dw = optax.apply_updates(dw, u)
-        zg = jax.random.normal(k2, (2, 2))
-        lg, g = jax.value_and_grad(lambda gw: jax.nn.softplus(-(jnp.tanh(zg @ gw) @ dw)).mean())(gw)  # noqa: B023
-        u, gs = gopt.update(g, gs, gw)
-        gw = optax.apply_updates(gw, u)
-        outs.append((np.asarray(ld), np.asarray(lg)))
-    return outs, {"g_w": gw, "d_w": dw, "step": steps}
-
-
-def test_gan_matches_hand_threaded(write_module: Loader) -> None:
-    _, dec = pair(write_module, GAN)
-    outs, states, _ = run_f(dec, "GAN(0)", [("train_step", (REAL_SAMPLES,))] * 3, jit=True)
-    ref_outs, ref = _gan_hand(0, 3)
-    assert_same(ref_outs, [tuple(np.asarray(o) for o in out) for out in outs], "losses")
-    assert_same(np.asarray(ref["g_w"]), np.asarray(states["g_w"]), "g_w")
-    assert_same(np.asarray(ref["d_w"]), np.asarray(states["d_w"]), "d_w")
-    assert int(states["step"]) == 3
 
 
 def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader) -> None:
@@ -2290,7 +2014,7 @@ def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader) -> None:
         return ((out - y) ** 2).mean() + 0.01 * aux, idx
 
     p = {k: jnp.asarray(v) for k, v in autostate.param_dict(f).items()}
-    (l1, idx), g1 = jax.value_and_grad(hloss, has_aux=True)(p, XM, XM * 0.5)
+    (l1, idx), g1 = jax.jit(jax.value_and_grad(hloss, has_aux=True))(p, XM, XM * 0.5)
     (l2, states2), g2 = staged(jax.value_and_grad(lambda f: f.loss(states, XM, XM * 0.5),
                                                    has_aux=True))(f)
     assert_same(np.asarray(l1), np.asarray(l2))
@@ -2300,9 +2024,9 @@ def test_moe_grad_through_f_matches_hand_threaded(write_module: Loader) -> None:
                                   np.asarray(states2["usage"]))
 
 
-def test_dqn_matches_hand_threaded(write_module: Loader) -> None:
-    _, dec = pair(write_module, DQN)
-    outs, states, _ = run_f(dec, "DQN(0)", dqn_calls(), jit=True)
+@jax.jit
+def _dqn_hand() -> tuple[list[Any], dict[str, Any]]:
+    """The DQN's replay buffer and updates by hand, compiled whole."""
     k1, _ = jax.random.split(jax.random.PRNGKey(0))
     w = jax.random.normal(k1, (2, 3)) * 0.5
     s = {"w": w, "target_w": w, "obs": jnp.zeros((4, 2)), "act": jnp.zeros(4, jnp.int32),
@@ -2327,6 +2051,13 @@ def test_dqn_matches_hand_threaded(write_module: Loader) -> None:
             if s["step"] % 2 == 0:
                 s["target_w"] = s["w"]
             losses.append(lval)
+    return losses, s
+
+
+def test_dqn_matches_hand_threaded(write_module: Loader) -> None:
+    _, dec = pair(write_module, DQN)
+    outs, states, _ = run_f(dec, "DQN(0)", dqn_calls(), jit=True)
+    losses, s = _dqn_hand()
     got = [o for o in outs if o is not None]
     assert_same([np.asarray(v) for v in losses], [np.asarray(v) for v in got], "losses")
     for k, sk in (("w", "w"), ("target_w", "target_w"), ("obs", "obs_buf"), ("act", "act_buf"),
@@ -2387,7 +2118,7 @@ def test_weight_norm_recomputed_state(write_module: Loader) -> None:
     check_transform(plain, dec, "WeightNorm(0, 3, 2)", [("__call__", (X,))], XA, "grad")
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False])
 def test_weight_norm_grad_reaches_g_and_v(write_module: Loader, jit: bool) -> None:
     plain, dec = pair(write_module, NORMS)
     ref = plain.WeightNorm(0, 3, 2)
@@ -2427,14 +2158,13 @@ def test_gru_step_scanned_from_outside_over_f(write_module: Loader) -> None:
 
 
 def test_gru_truncated_bptt(write_module: Loader) -> None:
+    # (its gradient: test_gru_tbptt_param_grad_matches_plain)
     plain, dec = pair(write_module, GRU_CELL)
     check(plain, dec, "GRUCell(2, 2, 3, chunk=4)",
           [("tbptt", (XS_SEQ,)), ("step", (XS_SEQ[0],)), ("tbptt", (XS_SEQ * 2,))])
-    check_transform(plain, dec, "GRUCell(2, 2, 3)", [("tbptt", (X,)), ("tbptt", (X,))], XS_SEQ,
-                    "grad")
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False])
 def test_gru_tbptt_param_grad_matches_plain(write_module: Loader, jit: bool) -> None:
     plain, dec = pair(write_module, GRU_CELL)
     ref = plain.GRUCell(2, 2, 3)
@@ -2485,12 +2215,16 @@ def test_optimizer_matches_hand_adam(write_module: Loader) -> None:
     p = {"w": jax.random.normal(k1, (2, 1)) * 0.5, "b": jnp.zeros(1)}
     opt = optax.adam(0.1, b1=0.9, b2=0.99, eps=1e-8)
     s = opt.init(p)
+
+    @jax.jit
+    def hand_step(p: Any, s: Any, x: Any) -> Any:
+        lv, g = jax.value_and_grad(lambda p: (((x @ p["w"] + p["b"])[:, 0] - YO) ** 2).mean())(p)
+        u, s = opt.update(g, s, p)
+        return lv, optax.apply_updates(p, u), s
+
     losses = []
     for x in (XO, XO * 2, XO - 1):
-        lv, g = jax.value_and_grad(lambda p, x=x: (((x @ p["w"] + p["b"])[:, 0] - YO) ** 2)
-                                   .mean())(p)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
+        lv, p, s = hand_step(p, s, x)
         losses.append(lv)
     outs, states, _ = run_f(dec, "Trainer(0, 2)", [("train_step", (x, YO))
                                                    for x in (XO, XO * 2, XO - 1)], jit=True)
@@ -2591,6 +2325,7 @@ def test_grad_wrt_params_does_not_differentiate_states(write_module: Loader) -> 
 
 
 def test_vmap_over_an_ensemble_of_models(write_module: Loader) -> None:
+    # also covers members stacked by hand without a shared sub-model (the same mechanism)
     plain, dec = pair(write_module, NET)
     scales = (0.5, 1.0, 2.0)
     refs = [plain.Net(s) for s in scales]
@@ -2705,8 +2440,10 @@ class Net:
 """
 
 
+@jax.jit
 def hand_net(w: jax.Array, s: dict[str, jax.Array], xs: jax.Array) -> tuple[jax.Array, dict]:
-    """``Net.__call__`` with the states threaded by hand."""
+    """``Net.__call__`` with the states threaded by hand (compiled whole, under any
+    transformation: op by op, each of its primitives would compile on its own)."""
 
     def step(carry: Any, x: jax.Array) -> Any:
         h, mean, count = carry
@@ -2784,8 +2521,9 @@ def test_value_and_grad_with_new_states_as_aux(net: tuple[Any, Any, Any]) -> Non
         return out**2, s
 
     s, s_ref, w = states, dict(states), f.model.w
+    step = staged(jax.value_and_grad(loss, has_aux=True))
     for x in (NXS, -NXS, NXS * 3):
-        (v, s), g = staged(jax.value_and_grad(loss, has_aux=True))(f, s, x)
+        (v, s), g = step(f, s, x)
         (v_ref, s_ref), g_ref = jax.value_and_grad(hand_loss, has_aux=True)(w, s_ref, x)
         assert_same(v_ref, v, "loss")
         assert_same(g_ref, g.model.w, "grad")
@@ -2830,7 +2568,7 @@ def test_hessian_of_f_in_the_input(net: tuple[Any, Any, Any]) -> None:
     _, f, states = net
     x = NXS[:2]
     got = staged(jax.hessian(lambda x: f(states, x)[0]))(x)
-    ref = jax.hessian(lambda x: hand_net(f.model.w, states, x)[0])(x)
+    ref = jax.jit(jax.hessian(lambda x: hand_net(f.model.w, states, x)[0]))(x)
     assert_same(ref, got, "hessian")
 
 
@@ -3040,13 +2778,7 @@ def train_compare(
 XQS = jnp.stack([XQ, XQ * 1.5 - 1, XQ * 0.5 + 2])
 
 
-def test_qat_straight_through_grad(write_module: Loader) -> None:
-    plain, dec = pair(write_module, QAT)
-    check_transform(
-        plain, dec, "QATLinear(0, 3, 4)", [("__call__", (X,)), ("__call__", (X,))], XQ, "grad"
-    )
-
-
+# also covers the straight-through gradient (each step differentiates through it)
 @pytest.mark.parametrize("moving", [False, True])
 def test_qat_training_loop_in_scan(write_module: Loader, moving: bool) -> None:
     plain, dec = pair(write_module, QAT)
@@ -3084,7 +2816,7 @@ def test_vmap_over_per_example_keys(write_module: Loader, typed: bool) -> None:
         y2, s = f(s, x * 0.5)
         return [y1, y2], s
 
-    for fn in (jax.vmap(two, in_axes=(axes, 0)), staged(jax.vmap(two, in_axes=(axes, 0)))):
+    for fn in (staged(jax.vmap(two, in_axes=(axes, 0))),):
         got_ys, got_s = fn(batched, xs)
         for i in range(n):
             assert_same(expected[i][0], [y[i] for y in got_ys], f"outputs {i}")
@@ -3097,6 +2829,7 @@ def test_vmap_over_per_example_keys(write_module: Loader, typed: bool) -> None:
 
 
 def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
+    """The aux loss a sub-model writes is part of the loss differentiated in the scan."""
     plain, dec = pair(write_module, MOE_AUX_LOSS)
     xs = jnp.stack([XM_ROUTED, XM_ROUTED * 2, -XM_ROUTED, XM_ROUTED[::-1]])
     train_compare(
@@ -3106,13 +2839,12 @@ def test_moe_aux_loss_in_grad_training_scan(write_module: Loader) -> None:
         xs,
         lambda out, get: jnp.mean(out**2) + 0.1 * get("router.aux_loss"),
     )
-    check_transform(plain, dec, "MoE(0, 3)", [("__call__", (X,)), ("__call__", (X,))], XM_ROUTED, "grad")
 
 
 @pytest.mark.parametrize("cls", ["AccumSGDCond", "AccumSGDWhere"])
 def test_accum_array_k_traceable(write_module: Loader, cls: str) -> None:
     plain, dec = pair(write_module, ACCUM)
-    calls = [("update", (g,)) for g in grads_of(plain, 7)]
+    calls = [("update", (g,)) for g in grads_of(plain, 4)]
     check(plain, dec, f"{cls}(init_params(), 3, array_k=True)", calls)
 
 
@@ -3221,6 +2953,7 @@ def _members(mod: types.ModuleType, n: int = 3) -> list[Any]:
 
 
 def test_vmap_over_the_constructor_returns_the_stacked_model(write_module: Loader) -> None:
+    # also covers a library MLP stacked the same way (one mechanism: vmap of __init__)
     plain, dec = pair(write_module, CONSTRUCTED_ENSEMBLE)
     keys = dec.member_keys(0, 3)
     ms = jax.vmap(lambda k: dec.Member(k))(keys)
@@ -3488,7 +3221,7 @@ def _context(name: str) -> Iterator[None]:
 # (jax.checking_leaks() turns JAX's tracing caches off: a few calls each, kept short)
 UNDER_CONTEXT = {
     "disable_jit": ["__call__", "branch", "loop", "vm"],
-    "checking_leaks": ["__call__", "gr"],
+    "checking_leaks": ["__call__"],  # (gr traced under it: test_transformations_of_f[make_jaxpr])
 }
 
 
@@ -3499,15 +3232,17 @@ def test_representative_model_under_context(write_module: Loader, ctx: str) -> N
         for method in UNDER_CONTEXT[ctx]:
             arg = AROUND_CALLS[method]
             calls = [(method, (arg,)), (method, (-arg * 2,))]
-            check(plain, dec, "Rnn()", calls[:1] if ctx == "checking_leaks" else calls)
+            if ctx == "checking_leaks":  # eager and traced; f alone is the traced call unjitted
+                check(plain, dec, "Rnn()", calls[:1], modes=("eager", "jit"))
+            else:
+                check(plain, dec, "Rnn()", calls)
 
 
 def test_grad_and_vmap_of_f_under_disable_jit(write_module: Loader) -> None:
-    """(Under ``checking_leaks``, ``grad`` inside a method, ``jvp`` / ``linearize`` /
-    ``vjp`` and ``vmap`` of ``f`` are covered below.)"""
+    """(Under ``checking_leaks``, ``grad`` inside a method and ``jvp`` of ``f`` are
+    covered below.)"""
     plain, dec = pair(write_module, REPRESENTATIVE_RNN)
-    with jax.disable_jit():
-        check_transform(plain, dec, "Rnn()", [("gr", (X,))], V3, "grad")
+    with jax.disable_jit():  # (grad: test_disable_jit_around_f_jit_of_f_and_grad)
         check_transform(plain, dec, "Rnn()", [("__call__", (X,))], jnp.stack([V3_STACK, V3_STACK * 2]), "vmap")
 
 
@@ -3555,40 +3290,6 @@ def _around_f_jvp_states(plain: types.ModuleType, f: Any, s: Any) -> None:
                 staged(lambda a, t: jax.jvp(dl, a, t))(args, tangents))
 
 
-def _around_f_linearize_vjp(plain: types.ModuleType, f: Any, s: Any) -> None:
-    def pl(mean: Any, x: Any) -> Any:
-        m = plain.Rnn()
-        m.mean = mean
-        return m.fori(x), m.mean
-
-    def dl(mean: Any, x: Any) -> Any:
-        y, s2 = f.fori(dict(s, mean=mean), x)
-        return y, s2["mean"]
-
-    args = (jnp.ones(3) * 0.1, V3)
-    py, plin = jax.linearize(pl, *args)
-    dy, dlin = jax.linearize(dl, *args)
-    assert_same(py, dy)
-    assert_same(plin(jnp.ones(3), V3), dlin(jnp.ones(3), V3))
-    _, pback = jax.vjp(pl, *args)
-    _, dback = jax.vjp(dl, *args)
-    ct = (jnp.ones(3), -jnp.ones(3))
-    assert_same(pback(ct), dback(ct))
-
-
-def _around_f_donate(plain: types.ModuleType, f: Any, s: Any) -> None:
-    step = staged(f, donate_argnums=0)
-    s = jax.tree.map(jnp.copy, s)  # the first states share the model's arrays (documented)
-    ref = plain.Rnn()
-    outs, expected = [], []
-    for xs in (V3_STACK, -V3_STACK):
-        out, s = step(s, xs)
-        outs.append(out)
-        expected.append(ref(xs))
-    assert_same(expected, outs)
-    assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)))
-
-
 def _around_f_aot(plain: types.ModuleType, f: Any, s: Any) -> None:
     fori = jax.jit(f.fori).lower(s, V3).compile()
     call = jax.jit(f).lower(s, V3_STACK).compile()
@@ -3602,49 +3303,15 @@ def _around_f_aot(plain: types.ModuleType, f: Any, s: Any) -> None:
     assert_same(_pstates(ref), snapshot(s))
 
 
-def _around_f_static_argnames(plain: types.ModuleType, f: Any, s: Any) -> None:
-    step = staged(f.scaled, static_argnames="k")
-    ref = plain.Rnn()
-    outs = []
-    for k in (3, 1, 2):
-        out, s = step(s, V3_STACK, k=k)
-        outs.append(out)
-    assert_same([ref.scaled(V3_STACK, k) for k in (3, 1, 2)], outs)
-    assert_same(_pstates(ref), snapshot(s))
-
-
-def _around_f_vmap_shared_states(plain: types.ModuleType, f: Any, s: Any) -> None:
-    xss = jnp.stack([V3_STACK, V3_STACK * 2])
-    out, new = staged(jax.vmap(f, in_axes=(None, 0)))(s, xss)
-    if True:
-        for i in range(2):
-            ref = plain.Rnn()  # each example starts from the same states
-            assert_same(ref(xss[i]), jax.tree.map(lambda a, i=i: a[i], out))
-            assert_same(_pstates(ref), snapshot(jax.tree.map(lambda a, i=i: a[i], new)))
-
-
-def _around_f_lax_map(plain: types.ModuleType, f: Any, s: Any) -> None:
-    xss = jnp.stack([V3_STACK, V3_STACK * 2, -V3_STACK])
-    for kw in ({"batch_size": 2},):
-        out, new = jax.lax.map(lambda x: f(s, x), xss, **kw)
-        for i in range(3):
-            ref = plain.Rnn()
-            assert_same(ref(xss[i]), jax.tree.map(lambda a, i=i: a[i], out))
-            assert_same(_pstates(ref), snapshot(jax.tree.map(lambda a, i=i: a[i], new)))
-
-
-# (name: (check, under jax.checking_leaks()); the last three repeat jitted calls, each a
-# fresh compilation with the leak checker on: run plainly, to keep the file fast)
+# (name: (check, under jax.checking_leaks())). The same transformations without the leak
+# checker: donation and static arguments in test_jit_variants_of_f, linearize / vjp in
+# test_forward_and_reverse_mode_of_f, vmap with shared states in
+# test_vmap_over_inputs_with_shared_states, lax.map in test_lax_map_over_f_with_fixed_states.
 AROUND_F = {
     "eval_shape": (_around_f_eval_shape, True),
     "make_jaxpr": (_around_f_make_jaxpr, True),
     "jvp-states": (_around_f_jvp_states, True),
-    "linearize-vjp": (_around_f_linearize_vjp, True),
     "aot": (_around_f_aot, True),
-    "vmap-shared-states": (_around_f_vmap_shared_states, True),
-    "donate": (_around_f_donate, False),
-    "static_argnames": (_around_f_static_argnames, False),
-    "lax.map-batch_size": (_around_f_lax_map, False),
 }
 
 

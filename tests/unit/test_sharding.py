@@ -2,11 +2,14 @@
 
 The single-device tests run here. The multi-device ones live in
 ``tests/sharding_checks.py``, which this file runs once in a separate process
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the device count
-is fixed when JAX starts, so the rest of the suite keeps one device); each
-check is reported as its own test. The Python blocks of
-``docs/scaling_out.md`` ask for 8 devices the same way, so they run here too,
-each in its own process.
+on 8 virtual CPU devices (the device count is fixed when JAX starts, so the
+rest of the suite keeps one device); each check is reported as its own test.
+The same process runs ``examples/sharded_training.py --smoke`` and the Python
+blocks of ``docs/scaling_out.md`` that ask for 8 devices, each as its own
+``__main__``: one start of JAX for all of them. That each of these programs
+asks for the devices itself, before it imports JAX, is what gives that process
+its 8 devices (the example is loaded first) and, for the doc blocks, is read
+from their text.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ CHECKS_SCRIPT = ROOT / "tests" / "sharding_checks.py"
 DOC = ROOT / "docs" / "scaling_out.md"
 
 
+EXAMPLE = ROOT / "examples" / "sharded_training.py"
+
+
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 
@@ -52,50 +58,8 @@ CHECK_NAMES = [
     "donated_decode_updates_the_cache_in_place",
     "orbax_restores_into_the_sharded_abstract_model",
     "autostate_save_load_keep_the_like_models_shardings",
+    "example_trains_at_smoke_size",
 ]
-
-
-def _eight_device_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + EIGHT_DEVICES).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str]:
-    result = subprocess.run(
-        [sys.executable, str(CHECKS_SCRIPT)],
-        cwd=ROOT, env=_eight_device_env(), capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("name", CHECK_NAMES)
-def test_on_eight_devices(check_results: dict[str, str], name: str) -> None:
-    assert name in check_results, sorted(check_results)
-    assert check_results[name] == "ok", check_results[name]
-
-
-def test_every_check_is_listed(check_results: dict[str, str]) -> None:
-    assert sorted(check_results) == sorted(CHECK_NAMES)
-
-
-def test_the_example_asks_for_eight_devices_and_trains_at_smoke_size() -> None:
-    env = _eight_device_env()
-    env["XLA_FLAGS"] = ""  # the example sets the flag itself
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "sharded_training.py"), "--smoke"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == "mesh {'data': 2, 'model': 4}; blocks[0].attn.wq sharded as P(None, 'model')"
-    assert [line.split("  loss")[0] for line in lines[1:3]] == ["step 1", "step 2"]
-    assert all(0 < float(line.split("loss ")[1]) < 10 for line in lines[1:3])
-    assert lines[3] == "step counter 2; states kept their shardings: True"
 
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
@@ -104,32 +68,92 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 _PRINT = re.compile(r"^print\(.*\)\s*#\s*(?P<expected>.*)$")
 
 
-def _doc_blocks() -> list:
+def _doc_blocks() -> dict[str, str]:
+    """The page's Python blocks that ask for 8 devices, by ``scaling_out.md:LINE``."""
     text = DOC.read_text()
-    return [
-        pytest.param(m.group(2), id=f"scaling_out.md:{text.count(chr(10), 0, m.start()) + 1}")
+    return {
+        f"scaling_out.md:{text.count(chr(10), 0, m.start()) + 1}": m.group(2)
         for m in _FENCE.finditer(text)
         if m.group(1) == "python" and EIGHT_DEVICES in m.group(2)
-    ]
+    }
+
+
+DOC_BLOCKS = _doc_blocks()
+
+
+def _program_file(block: str) -> str:
+    return block.replace(".md:", "_md_") + ".py"
+
+
+def _asks_for_eight_devices_before_importing_jax(code: str) -> bool:
+    lines = code.splitlines()
+    flag = next(i for i, line in enumerate(lines) if EIGHT_DEVICES in line)
+    first_jax = next(i for i, line in enumerate(lines) if re.match(r"(import|from) jax\b", line))
+    return flag < first_jax
+
+
+@pytest.fixture(scope="module")
+def eight_device_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The checks' and the doc programs' results from one process on 8 devices."""
+    folder = tmp_path_factory.mktemp("scaling_out")
+    programs = []
+    for block, code in DOC_BLOCKS.items():
+        (folder / _program_file(block)).write_text(code)
+        programs.append(str(folder / _program_file(block)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # without the flag: the example sets it
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(EIGHT_DEVICES, "").strip()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(CHECKS_SCRIPT), *programs],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results["programs"] = {Path(p).name: r for p, r in results["programs"].items()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def check_results(eight_device_results: dict[str, dict]) -> dict[str, dict]:
+    return eight_device_results["checks"]
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_on_eight_devices(check_results: dict[str, dict], name: str) -> None:
+    assert name in check_results, sorted(check_results)
+    assert check_results[name]["error"] is None, check_results[name]["error"]
+
+
+def test_every_check_is_listed(check_results: dict[str, dict]) -> None:
+    assert sorted(check_results) == sorted(CHECK_NAMES)
+
+
+def test_the_example_asks_for_eight_devices_and_trains_at_smoke_size(
+    check_results: dict[str, dict],
+) -> None:
+    assert _asks_for_eight_devices_before_importing_jax(EXAMPLE.read_text())
+    result = check_results["example_trains_at_smoke_size"]
+    assert result["error"] is None, result["error"]
+    lines = result["stdout"].splitlines()
+    assert lines[0] == "mesh {'data': 2, 'model': 4}; blocks[0].attn.wq sharded as P(None, 'model')"
+    assert [line.split("  loss")[0] for line in lines[1:3]] == ["step 1", "step 2"]
+    assert all(0 < float(line.split("loss ")[1]) < 10 for line in lines[1:3])
+    assert lines[3] == "step counter 2; states kept their shardings: True"
 
 
 def test_the_docs_page_has_eight_device_programs() -> None:
-    assert len(_doc_blocks()) >= 2
+    assert len(DOC_BLOCKS) >= 2
 
 
-@pytest.mark.parametrize("code", _doc_blocks())
-def test_doc_program_on_eight_devices(code: str, tmp_path: Path) -> None:
-    (tmp_path / "example.py").write_text(code)
-    env = _eight_device_env()
-    env["XLA_FLAGS"] = ""  # the program sets the flag itself, as the page says
-    result = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("block", sorted(DOC_BLOCKS))
+def test_doc_program_on_eight_devices(eight_device_results: dict[str, dict], block: str) -> None:
+    code = DOC_BLOCKS[block]
+    assert _asks_for_eight_devices_before_importing_jax(code)
+    result = eight_device_results["programs"][_program_file(block)]
+    assert result["error"] is None, result["error"]
     prints = [_PRINT.match(line) for line in code.splitlines() if line.startswith("print(")]
-    lines = result.stdout.splitlines()
-    assert len(lines) == len(prints), result.stdout
+    lines = result["stdout"].splitlines()
+    assert len(lines) == len(prints), result["stdout"]
     for match, actual in zip(prints, lines):
         if match is not None:
             assert " ".join(match.group("expected").split()) in " ".join(actual.split())

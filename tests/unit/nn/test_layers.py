@@ -89,22 +89,20 @@ def test_batchnorm_of_one_sample_is_fine_in_eval():
 
 
 def cnn(key):
+    # The layers with states (BatchNorm's statistics, Dropout's key) between a
+    # few without, here and in TokenNet; every layer's own numbers, gradients
+    # included, are PyTorch's in test_torch_parity.py, so more stateless layers
+    # here would only add primitives to compile for the eager gradient.
     keys = nn.KeyStream(key)
     return nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1, key=keys),
         nn.BatchNorm2d(4),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2, key=keys),
-        nn.AvgPool2d(2),
-        nn.Conv2d(4, 4, 3, padding="same", groups=2, key=keys),
-        nn.GroupNorm(2, 4),
-        nn.GELU(approximate="tanh"),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Dropout(0.3, key=keys),
         nn.Linear(4, 3, key=keys),
-        nn.LayerNorm(3),
     )
 
 
@@ -113,18 +111,15 @@ class TokenNet:
     def __init__(self, key):
         keys = nn.KeyStream(key)
         self.embed = nn.Embedding(10, 4, padding_idx=0, key=keys)
+        self.norm = nn.BatchNorm1d(4, momentum=None)
         self.conv = nn.Conv1d(4, 6, 3, padding=1, key=keys)
-        self.norm = nn.BatchNorm1d(6, momentum=None)
-        self.act = nn.SiLU()
-        self.rms = nn.RMSNorm(6)
         self.drop = nn.Dropout(0.2, key=keys)
         self.head = nn.Linear(6, 10, key=keys)
-        self.out = nn.Softmax(-1)
 
     def __call__(self, tokens):
         x = self.embed(tokens).transpose(0, 2, 1)
-        x = self.act(self.norm(self.conv(x))).transpose(0, 2, 1)
-        return self.out(self.head(self.drop(self.rms(x))))
+        x = self.conv(self.norm(x)).transpose(0, 2, 1)
+        return self.head(self.drop(x))
 
 
 CASES = {
