@@ -15,9 +15,10 @@ not thread) has no value. This module answers those questions, in one place:
   that has ended;
 * ``LostValue``: what a state holds once a traced body that assigned it
   raised;
-* ``initial_slot``: the slot a state's first value makes, living in the
-  trace running now (a model built inside a transformation may keep its
-  values);
+* ``InitialValue`` / ``initial_slot``: the slot a state's first value
+  makes, living in the trace running now (a model built inside a
+  transformation may keep its values), and ``written_slot``: the slot an
+  eager write makes, living where the model lives (``home_of``);
 * the functionalized calls running in every thread, and the cells a state
   reached from another thread than its call's belongs to (refused under a
   transformation, whose values cannot cross threads);
@@ -42,18 +43,17 @@ import jax
 from jax._src import core as _core
 
 from autostate import graph as _graph
+from autostate import tree as _tree
 from autostate.effects.local_state import (
     Category,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     HandlerId,
     InitialLocalStateRequest,
-    InitialValue,
     StateSlot,
     is_running,
     running_call,
     running_calls,
-    with_home,
 )
 from autostate.errors import (
     ControlFlowStateError,
@@ -64,7 +64,7 @@ from autostate.errors import (
     format_error,
     user_location,
 )
-from autostate.slot_hooks import register_slot_hooks
+from autostate.slot_hooks import WriteNote, register_slot_hooks
 from autostate.state_values import (
     _CONCRETE_LEAF_TYPES,
     _is_iterator,
@@ -307,14 +307,58 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
     return where
 
 
+def home_of(slot: Any) -> Any:
+    """The trace a slot's model was built in (``None``: built outside every trace)."""
+    return getattr(slot, "_home", None)
+
+
+def with_home(slot: Any, home: Any) -> Any:
+    """``slot``, living in ``home`` (see ``home_of``)."""
+    if home is not None:
+        object.__setattr__(slot, "_home", home)
+    return slot
+
+
+class InitialValue:
+    """The initializer of the request ``initial_slot`` makes: the state's first
+    value, computed once, eagerly.
+
+    It compares by identity, as penzai initializers do, so
+    ``state_sharing="allowed"`` shares a request only with itself. ``home``:
+    the trace the model was built in. ``_note``: what ``check_initial_value``
+    noted about ``value``, read by the engine as a request's ``_note`` is.
+    """
+
+    __slots__ = ("value", "home", "_note")
+
+    def __init__(self, value: Any, home: Any = None, note: WriteNote | None = None):
+        self.value = value
+        self.home = home
+        self._note = note
+
+    def __call__(self) -> Any:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"InitialValue({_tree.describe(self.value)})"
+
+    def __getstate__(self):
+        return self.value
+
+    def __setstate__(self, value):
+        self.value = value
+        self.home = None
+        self._note = None
+
+
 def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
     """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
 
     A value that is structure gives its static slot
     (``autostate.state_values.static_slot``); any other an
-    ``InitialLocalStateRequest``. Either lives in the trace running now, its
-    home: tracers of that trace are accepted, the model is being built inside
-    a transformation (``check_initial_value``).
+    ``InitialLocalStateRequest`` of an ``InitialValue``. Either lives in the
+    trace running now, its home: tracers of that trace are accepted, the
+    model is being built inside a transformation (``check_initial_value``).
     """
     home = current_trace()
     static = static_slot(value, category, name)
@@ -322,6 +366,58 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
         return with_home(static, home)
     note = check_initial_value(value, name or label)
     return InitialLocalStateRequest(InitialValue(value, home, note), category, name)
+
+
+def written_slot(slot: Any, value: Any, label: str | None) -> Any:
+    """The slot that takes an eager slot's place once it is assigned ``value``
+    (the ``eager_write`` hook: the ``write`` of an unhandled request or a
+    static state).
+
+    A frozen request gives a new one holding ``value``. A state holding the
+    placeholder ``None``, or a static one, takes its kind from ``value`` as a
+    first value does: static, or a frozen request. A request of an
+    initializer gives a frozen request: the value is a pytree child, not aux
+    data jit would hash (an array state stays one when assigned a python
+    number, as it does when handled). The new slot lives where ``slot``
+    does, and ``value`` may hold only tracers that live as long
+    (``_check_not_traced``).
+    """
+    t = type(slot)
+    if t is FrozenLocalStateRequest:
+        home = slot._home
+        placeholder = slot.state is None
+    elif t is InitialLocalStateRequest:
+        init = slot.state_initializer
+        home = init.home if isinstance(init, InitialValue) else None
+        placeholder = isinstance(init, InitialValue) and init.value is None
+    else:  # a static state (``autostate.state_values.StaticState``)
+        home = home_of(slot)
+        placeholder = True
+    note = _check_not_traced(value, slot.name or label, home)
+    if t is FrozenLocalStateRequest and not placeholder:
+        new = slot.replaced(value)
+    else:
+        static = static_slot(value, slot.category, slot.name) if placeholder else None
+        if static is not None:
+            return with_home(static, home)
+        new = FrozenLocalStateRequest(value, slot.category, slot.name, _home=home)
+    if note is not None:
+        new._note = note
+    return new
+
+
+def _canonical_initial(request: InitialLocalStateRequest) -> Any:
+    # A fresh model's state is a leaf as it will be after its first write.
+    init = request.state_initializer
+    if not isinstance(init, InitialValue):
+        return request
+    frozen = FrozenLocalStateRequest(init.value, request.category, request.name)
+    if init._note is not None:
+        frozen._note = init._note
+    return frozen
+
+
+_graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
 
 
 # The names of the handled states read while ``recording_state_reads`` runs
@@ -488,7 +584,8 @@ _graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), Copied
 
 register_slot_hooks(
     current_trace=current_trace,
-    check_write=_check_not_traced,
+    eager_write=written_slot,
+    lives_in=with_home,
     check_read=_check_read,
     call_started=_call_started,
     call_ended=_ANY_THREAD.__delitem__,

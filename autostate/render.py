@@ -26,8 +26,8 @@ from autostate.effects import (
     SharedLocalStateRequest,
     StateSlot,
 )
-from autostate.effects.local_state import InitialValue
 from autostate.functional import CONSTANT, ConstantRef
+from autostate.lifetime import InitialValue
 from autostate.state_values import HandledStaticState, StaticState
 
 # --- labels -------------------------------------------------------------------------

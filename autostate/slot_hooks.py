@@ -7,16 +7,16 @@ flatten, threads or the guard. Where its semantics meet those questions, it
 asks them here: each is one field of ``hooks``, which the modules that own
 the answer fill in with ``register_slot_hooks`` when they are imported:
 
-* ``autostate.lifetime``: ``current_trace``, ``check_write``, ``check_read``,
-  ``call_started`` / ``call_ended``, ``cells_elsewhere``,
+* ``autostate.lifetime``: ``current_trace``, ``eager_write``, ``lives_in``,
+  ``check_read``, ``call_started`` / ``call_ended``, ``cells_elsewhere``,
   ``unhandled_ref_error``;
-* ``autostate.state_values``: ``static_slot``, ``split_statics`` /
-  ``join_statics``, ``own_value``, ``states_dict``, ``check_handled_write``;
+* ``autostate.state_values``: ``split_statics`` / ``join_statics``,
+  ``own_value``, ``states_dict``, ``check_handled_write``;
 * ``autostate.unsortable``: ``value_flatten_error``, ``states_flatten_error``;
 * ``autostate.guard``: ``guard_call`` / ``unguard_call``.
 
-The defaults are penzai's: no trace is tracked, nothing is refused, a value
-is kept as it is given. This module imports nothing of autostate's but its
+The defaults are penzai's: no trace is tracked, an unhandled request cannot
+be written, nothing else is refused, a value is kept as it is given. This module imports nothing of autostate's but its
 errors, so the engine may read ``hooks`` with no cycle.
 """
 
@@ -25,33 +25,36 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from autostate.errors import InvalidArgumentError, UnhandledLocalStateError
+from autostate.errors import (
+    InvalidArgumentError,
+    UnhandledLocalStateError,
+    unhandled_request_error,
+)
 
-# What ``hooks.check_write`` returned for a value: kept with the request that
-# holds it, for the runtime's errors (the engine does not look inside).
+# What the runtime noted about a state's value when it was assigned: kept with
+# the request that holds it (``_note``), for the runtime's errors (the engine
+# does not look inside).
 WriteNote = Any
 
 
 class SlotHooks:
     """What the runtime decides about the values a slot holds: the engine asks.
 
-    * ``current_trace()``: the JAX trace running now, or ``None``; a model
-      built (or frozen) now lives in it, its *home*, and a call started now
-      records it;
-    * ``check_write(value, label, home)``: called by an eager request's
-      ``write``; raises for a value a model living in ``home`` cannot keep,
-      and returns a note the new request keeps;
+    * ``current_trace()``: the JAX trace running now, or ``None``; a call
+      started now records it, and slots frozen now live in it (``lives_in``);
+    * ``eager_write(slot, value, label)``: the ``write`` of a slot outside
+      every handler (an unhandled request, a static state): the slot that
+      takes ``slot``'s place once it holds ``value`` (raises for a value it
+      cannot keep); ``label`` names an unnamed state in errors;
+    * ``lives_in(slot, trace)``: ``slot``, made by freezing while ``trace``
+      (what ``current_trace`` said) ran, living there;
     * ``check_read(name, value)``: called by a handled reference's ``read``;
       raises for a value with no plain meaning;
     * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
       context, err, notes)``: the error to raise instead of ``err``, what JAX
       raised flattening a state's value (``context`` says where: ``"states"``,
       a states dict; ``"threaded"``, states a running call threads), or
-      ``None`` to raise ``err``; ``note`` is what ``check_write`` returned;
-    * ``static_slot(value, category, name)``: the slot of a state given
-      ``value`` when that value is structure, not a state's value (a Python
-      value: ``autostate.state_values.StaticState``), else ``None`` (``None``
-      itself is a placeholder);
+      ``None`` to raise ``err``; ``note`` is the request's ``_note``;
     * ``split_statics(value)`` -> ``(stripped, statics)`` or ``None``: the
       Python values inside a container value, kept out of the pytree leaves of
       a ``FrozenLocalStateRequest``; ``join_statics(stripped, statics)`` puts
@@ -80,11 +83,11 @@ class SlotHooks:
 
     __slots__ = (
         "current_trace",
-        "check_write",
+        "eager_write",
+        "lives_in",
         "check_read",
         "value_flatten_error",
         "states_flatten_error",
-        "static_slot",
         "split_statics",
         "join_statics",
         "own_value",
@@ -100,7 +103,8 @@ class SlotHooks:
 
     def __init__(self) -> None:
         self.current_trace: Callable[[], Any] = lambda: None
-        self.check_write: Callable[[Any, str | None, Any], Any] = lambda value, label, home: None
+        self.eager_write: Callable[[Any, Any, str | None], Any] = _unhandled_write
+        self.lives_in: Callable[[Any, Any], Any] = lambda slot, trace: slot
         self.check_read: Callable[[str, Any], None] = lambda name, value: None
         self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
             lambda value, note, name: None
@@ -108,9 +112,6 @@ class SlotHooks:
         self.states_flatten_error: Callable[
             [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
         ] = lambda values, context, err, notes: None
-        self.static_slot: Callable[[Any, Hashable, str | None], Any] = (
-            lambda value, category, name: None
-        )
         self.split_statics: Callable[[Any], tuple[Any, Any] | None] = lambda value: None
         self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
         self.own_value: Callable[[Any], Any] = lambda value: value
@@ -130,6 +131,10 @@ class SlotHooks:
         )
         self.guard_call: Callable[[frozenset[int]], Any] = lambda ids: None
         self.unguard_call: Callable[[Any], None] = lambda token: None
+
+
+def _unhandled_write(slot: Any, value: Any, label: str | None) -> Any:
+    raise unhandled_request_error(slot)
 
 
 # The one set of answers the engine reads.

@@ -38,12 +38,7 @@ import numpy as np
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects.local_state import (
-    Category,
-    StateSlot,
-    home_of,
-    written_slot,
-)
+from autostate.effects.local_state import Category, StateSlot
 from autostate.errors import (
     InvalidTypeError,
     StaticStateError,
@@ -51,6 +46,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.slot_hooks import hooks as _hooks
 from autostate.slot_hooks import register_slot_hooks
 
 # Types whose instances are pytree leaves and not tracers (a concrete array,
@@ -435,7 +431,8 @@ class StaticState(StateSlot):
         return self.value
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        return written_slot(value, self.category, self.name, label, home_of(self))
+        # The slot the value makes, where the model lives: ``lifetime.written_slot``.
+        return _hooks.eager_write(self, value, label)
 
     def as_request(self) -> StaticState:
         return self
@@ -528,7 +525,6 @@ def static_slot(value: Any, category: Category, name: str | None) -> StaticState
 
 
 register_slot_hooks(
-    static_slot=static_slot,
     split_statics=_split_statics,
     join_statics=join_static_values,
     own_value=_own_value,

@@ -3,11 +3,11 @@
 What this package exports is the engine's own surface: penzai v1's requests
 and references, handling, freezing, hoisting, embedding and renaming, the
 handler ids and the slot protocol. The helpers the rest of autostate uses
-(initial values, the running calls) are internal: import them from
+(the running calls and their cells) are internal: import them from
 ``autostate.effects.local_state``. What the engine asks but does not decide
 (``autostate.slot_hooks``) lives with its owner: static states in
-``autostate.state_values``, tracer lifetime in ``autostate.lifetime``, the
-guard in ``autostate.guard``.
+``autostate.state_values``, tracer lifetime, initial values and eager
+writes in ``autostate.lifetime``, the guard in ``autostate.guard``.
 """
 
 from __future__ import annotations

@@ -14,17 +14,21 @@ there. The body is therefore never rebuilt per call, any copy of a reference
 (for instance after a ``jax.jit`` round trip) reaches the same cell, and
 nested handlers with distinct ids only see their own states.
 
+Where it departs from penzai: every request and reference is also a slot
+(``StateSlot``), what a decorated instance's state attribute holds, so an
+eager model reads and writes its requests outside any handler. Penzai has no
+such write; here it is the runtime's (the ``eager_write`` hook).
+
 What this module owns: penzai v1's requests and references, handling,
 freezing, hoisting, embedding and renaming, the handler ids (and which
-handler's call runs now, in this context), and the slot protocol
-(``StateSlot``). What it must not know about: source code (it walks trees
-with ``autostate.graph``), tracer lifetime, Python values that are structure
-(static states), dicts JAX cannot flatten, threads, the guard, and the
-wording of the front door's errors. Where its semantics meet those
-questions it asks them through ``autostate.slot_hooks``, which their owners
-fill in; a slot kind the engine does not define (a static state, a host
-store, JAX's copy of a running model) takes part through the ``StateSlot``
-methods.
+handler's call runs now, in this context), and the slot protocol. What it
+must not know about: source code (it walks trees with ``autostate.graph``),
+tracer lifetime, Python values that are structure (static states), dicts
+JAX cannot flatten, threads, the guard, and the wording of the front door's
+errors. Where its semantics meet those questions it asks them through
+``autostate.slot_hooks``, which their owners fill in; a slot kind the engine
+does not define (a static state, a host store, JAX's copy of a running
+model) takes part through the ``StateSlot`` methods.
 """
 
 from __future__ import annotations
@@ -155,24 +159,7 @@ def handler_cells(handler_id: Hashable) -> Mapping[str, LocalStateEffectImpl]:
 
 def running_cells() -> list[LocalStateEffectImpl]:
     """The cells of every handler running in this context."""
-    found: list[LocalStateEffectImpl] = []
-    for entry in _ACTIVE.get().values():
-        while entry is not None:
-            found.extend(entry[1].values())
-            entry = entry[2]
-    return found
-
-
-def home_of(slot: Any) -> Any:
-    """The trace a slot's model was built in (``None``: built outside every trace)."""
-    return getattr(slot, "_home", None)
-
-
-def with_home(slot: Any, home: Any) -> Any:
-    """``slot``, living in ``home`` (see ``home_of``)."""
-    if home is not None:
-        object.__setattr__(slot, "_home", home)
-    return slot
+    return [cell for entry in running_calls() for cell in entry[1].values()]
 
 
 class StateSlot:
@@ -229,65 +216,6 @@ class StateSlot:
         raise NotImplementedError
 
 
-class InitialValue:
-    """An initializer that returns a value computed once, eagerly.
-
-    ``@stateful`` stores one of these in the ``InitialLocalStateRequest`` it
-    creates for ``self.x = v`` in ``__init__`` (``autostate.lifetime.initial_slot``).
-    It compares by identity, as
-    penzai initializers do, so ``state_sharing="allowed"`` shares a request
-    only with itself. ``home`` is the JAX trace the model was built in (``None``
-    outside transformations): later writes may hold that trace's values.
-    ``note``: what the runtime noted about ``value``, kept as a
-    ``check_write`` note is (``_with_note``).
-    """
-
-    __slots__ = ("value", "home", "note")
-
-    def __init__(self, value: Any, home: Any = None, note: WriteNote | None = None):
-        self.value = value
-        self.home = home
-        self.note = note
-
-    def __call__(self) -> Any:
-        return self.value
-
-    def __repr__(self) -> str:
-        return f"InitialValue({_tree.describe(self.value)})"
-
-    def __getstate__(self):
-        return self.value
-
-    def __setstate__(self, value):
-        self.value = value
-        self.home = None
-        self.note = None
-
-
-def _written(
-    value: Any, category: Category, name: str | None, home: Any, where: WriteNote | None = None
-) -> Any:
-    """The slot a state whose kind ``value`` decides becomes (same home trace).
-
-    A state holding the placeholder ``None``, or a slot the ``static_slot``
-    hook made, takes its kind from the value assigned to it as if it were the
-    first: the ``static_slot`` hook's slot, else a frozen request. ``where``:
-    what the ``check_write`` hook returned for ``value``.
-    """
-    static = _hooks.static_slot(value, category, name)
-    if static is not None:
-        return with_home(static, home)
-    return with_home(_with_note(FrozenLocalStateRequest(value, category, name), where), home)
-
-
-def written_slot(
-    value: Any, category: Category, name: str | None, label: str | None, home: Any
-) -> Any:
-    """``_written``, for a slot kind the engine does not define (living in
-    ``home``); the ``check_write`` hook checks ``value`` first."""
-    return _written(value, category, name, home, _hooks.check_write(value, name or label, home))
-
-
 def _static_pytree(cls):
     """Registers a dataclass with only static fields as a childless pytree node."""
     fields = tuple(f.name for f in dataclasses.fields(cls))
@@ -334,17 +262,7 @@ class InitialLocalStateRequest(StateSlot):
         return self.state_initializer()
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        init = self.state_initializer
-        home = init.home if isinstance(init, InitialValue) else None
-        where = _hooks.check_write(value, self.name or label, home)
-        if isinstance(init, InitialValue) and init.value is None:
-            return _written(value, self.category, self.name, home, where)  # the placeholder
-        # An eager update gives a value, not an initializer: frozen, so the value
-        # is a pytree child (not static aux data that jit would hash). An array
-        # state stays one when assigned a python number, as it does when handled.
-        return with_home(
-            _with_note(FrozenLocalStateRequest(value, self.category, self.name), where), home
-        )
+        return _hooks.eager_write(self, value, label)
 
     def as_request(self) -> InitialLocalStateRequest:
         return self
@@ -399,12 +317,12 @@ class FrozenLocalStateRequest(StateSlot):
     state: Any
     category: Category
     name: str | None = None
-    # The trace the model was built in (``None``: outside every trace).
+    # Kept for the runtime, opaque here: ``_home``, where the model holding the
+    # request lives (``replaced`` keeps it: it is the model's, not the value's);
+    # ``_note``, what the runtime noted about the value, handed back to the
+    # flatten-error hooks. ``replaced`` leaves ``_note`` unset, so an eager
+    # write pays nothing for it: readers use ``getattr(..., None)``.
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
-    # What the ``check_write`` hook returned for the value, when not None
-    # (``_with_note``): the engine keeps it for the runtime's errors without
-    # looking inside. ``replaced`` leaves it unset, so an eager write pays
-    # nothing for it: readers use ``getattr(..., None)``.
     _note: WriteNote | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -425,10 +343,7 @@ class FrozenLocalStateRequest(StateSlot):
         return self.state
 
     def write(self, value: Any, label: str | None = None) -> Any:
-        where = _hooks.check_write(value, self.name or label, home_of(self))
-        if self.state is None:  # the placeholder: the value decides the kind (see _written)
-            return _written(value, self.category, self.name, self._home, where)
-        return _with_note(self.replaced(value), where)
+        return _hooks.eager_write(self, value, label)
 
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
         """This request holding ``value`` instead, unchecked (``write`` checks).
@@ -463,13 +378,6 @@ class FrozenLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
-def _with_note(request: FrozenLocalStateRequest, note: WriteNote | None) -> FrozenLocalStateRequest:
-    """``request``, keeping ``note`` (what ``check_write`` returned) when there is one."""
-    if note is not None:
-        request._note = note
-    return request
-
-
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
     # Python values inside a container state are structure here as in a
     # states dict (the runtime's ``split_statics``): a model passed to
@@ -501,19 +409,9 @@ jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
 )
 _graph.register_node_kind(FrozenLocalStateRequest, model_child=True)
-
-
-def _canonical_initial(request: InitialLocalStateRequest) -> Any:
-    # A fresh model's state is a leaf as it will be after its first write.
-    init = request.state_initializer
-    if isinstance(init, InitialValue):
-        return _with_note(
-            FrozenLocalStateRequest(init.value, request.category, request.name), init.note
-        )
-    return request
-
-
-_graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
+# ``InitialLocalStateRequest``'s node kind (a fresh model's state seen as it
+# will be after its first write) is registered by ``autostate.lifetime``,
+# which makes those initial values.
 
 
 @_static_pytree
@@ -979,8 +877,8 @@ def handle_local_states(
     initializers: dict[str, Callable[[], Any]] = {}
     valued: dict[str, Any] = {}
     paths: dict[str, str] = {}
-    # What was noted about a state's value (``check_write``, ``InitialValue.note``),
-    # for the ``states_flatten_error`` hook.
+    # The runtime's notes on the values (``_note`` of a frozen request or of an
+    # initializer), handed back to the ``states_flatten_error`` hook.
     notes: dict[str, WriteNote] = {}
 
     def is_target(node: Any) -> bool:
@@ -1011,25 +909,21 @@ def handle_local_states(
                 raise shared_request_first_error(name)
             return HandledLocalStateRef(handler_id, name, True, request.category)
         if isinstance(request, InitialLocalStateRequest):
-            value: Any = request.state_initializer
-            initializer = request.state_initializer
-            recorded = getattr(initializer, "note", None)
+            source: Any = request.state_initializer
+            initializer = source
         else:
-            value = request
+            source = request
             initializer = _frozen_initializer(request.state)
-            recorded = getattr(request, "_note", None)
-        if recorded is not None:
-            notes[name] = recorded
+        note = getattr(source, "_note", None)
+        if note is not None:
+            notes[name] = note
         if name in valued:
-            previous = valued[name]
-            same_initializer = (
-                isinstance(request, InitialLocalStateRequest) and previous is value
-            )
+            same_initializer = isinstance(request, InitialLocalStateRequest) and valued[name] is source
             if state_sharing == "forbidden" or (
                 state_sharing == "allowed" and not same_initializer
             ):
                 raise duplicate_name_error(name, paths.get(name), path or "the root")
-        valued[name] = value
+        valued[name] = source
         paths.setdefault(name, path or "the root")
         initializers[name] = initializer
         return HandledLocalStateRef(handler_id, name, explicit, request.category)
@@ -1087,17 +981,17 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
 def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     """Replaces ``handler_id``'s references in ``body`` by frozen requests.
 
-    The body is rebuilt here, so it lives in the trace running now (the
-    ``current_trace`` hook), its home, as a model built there does.
+    Each slot made here is handed to the ``lives_in`` hook with the trace
+    running now (``current_trace``): a model frozen there is built there.
     """
     emitted: set[str] = set()
-    home = _hooks.current_trace()
+    trace = _hooks.current_trace()
 
     def is_target(node: Any) -> bool:
         return _slot_role(type(node)) is _HANDLED and node.handler_id == handler_id
 
     def replace(ref: Any, _path: str) -> Any:
-        return with_home(frozen(ref), home)
+        return _hooks.lives_in(frozen(ref), trace)
 
     def frozen(ref: Any) -> Any:
         if type(ref) is not HandledLocalStateRef:

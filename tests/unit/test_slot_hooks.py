@@ -19,8 +19,10 @@ def test_the_defaults_are_penzais():
     defaults = SlotHooks()
     value = {"a": 1}
     assert defaults.current_trace() is None
-    assert defaults.check_write(value, "a", None) is None
-    assert defaults.static_slot(True, "state", None) is None
+    request = autostate.FrozenLocalStateRequest(1.0, "state")
+    with pytest.raises(UnhandledLocalStateError):
+        defaults.eager_write(request, value, "a")
+    assert defaults.lives_in(request, None) is request
     assert defaults.split_statics(value) is None
     assert defaults.own_value(value) is value
     assert defaults.states_dict(value) is value
@@ -37,7 +39,8 @@ def test_the_default_unhandled_error_names_the_state_and_its_handler():
 
 def test_importing_autostate_registers_each_owners_answers():
     assert hooks.current_trace is lifetime.current_trace
-    assert hooks.static_slot is state_values.static_slot
+    assert hooks.eager_write is lifetime.written_slot
+    assert hooks.own_value is state_values._own_value
     assert hooks.value_flatten_error is unsortable.unsortable_keys_error
     assert hooks.unguard_call == guard._GUARDED.reset
 
