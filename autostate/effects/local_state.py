@@ -270,12 +270,6 @@ class InitialLocalStateRequest(StateSlot):
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> InitialLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
 
-        Args:
-            rename_fn: old name -> new name.
-
-        Returns:
-            A new request (this one is unchanged).
-
         Examples:
             >>> from autostate import InitialLocalStateRequest
             >>> req = InitialLocalStateRequest(lambda: 0.0, category="c", name="n")
@@ -362,12 +356,6 @@ class FrozenLocalStateRequest(StateSlot):
 
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> FrozenLocalStateRequest:
         """This request with its explicit name renamed; an unnamed one is returned as is.
-
-        Args:
-            rename_fn: old name -> new name.
-
-        Returns:
-            A new request holding the same value (this one is unchanged).
 
         Examples:
             >>> from autostate import FrozenLocalStateRequest
@@ -458,12 +446,6 @@ class SharedLocalStateRequest(StateSlot):
 
     def with_renamed_parameters(self, rename_fn: Callable[[str], str]) -> SharedLocalStateRequest:
         """This request, naming ``rename_fn(name)`` (a shared request is always named).
-
-        Args:
-            rename_fn: old name -> new name.
-
-        Returns:
-            A new request (this one is unchanged).
 
         Examples:
             >>> from autostate import SharedLocalStateRequest
@@ -758,11 +740,16 @@ def run_with_states(
         _hooks.unguard_call(guard_token)
         _ACTIVE.reset(token)
         _hooks.call_ended(call_token)
-    new = {name: cell.value for name, cell in cells.items()}
+    return result, _states_dict({name: cell.value for name, cell in cells.items()}, {})
+
+
+def _states_dict(values: dict[str, Any], notes: Mapping[str, WriteNote]) -> dict[str, Any]:
+    """The states dict of ``values`` (the ``states_dict`` hook); a value JAX
+    cannot flatten is said in the runtime's words (``states_flatten_error``)."""
     try:
-        return result, _hooks.states_dict(new)
+        return _hooks.states_dict(values)
     except (ValueError, TypeError) as err:
-        error = _hooks.states_flatten_error(new, "states", err, {})
+        error = _hooks.states_flatten_error(values, "states", err, notes)
         if error is None:
             raise
         raise error from None
@@ -932,14 +919,9 @@ def handle_local_states(
     handler = WithFunctionalLocalState(handler_id, handled_body)
 
     def initial_states() -> dict[str, Any]:
-        values = {name: _hooks.own_value(init()) for name, init in initializers.items()}
-        try:
-            return _hooks.states_dict(values)
-        except (ValueError, TypeError) as err:
-            error = _hooks.states_flatten_error(values, "states", err, notes)
-            if error is None:
-                raise
-            raise error from None
+        return _states_dict(
+            {name: _hooks.own_value(init()) for name, init in initializers.items()}, notes
+        )
 
     return handler, (initial_states if lazy else initial_states())
 
