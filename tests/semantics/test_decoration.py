@@ -2415,6 +2415,7 @@ def _no_tracers_in(cls: type) -> None:
                 assert not isinstance(v, jax.core.Tracer), (k, name)
 
 
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_first_instances_made_inside_transformations(build: Build) -> None:
     def scenario(m: Any) -> Any:
         with jax.checking_leaks():
@@ -2435,6 +2436,7 @@ def test_first_instances_made_inside_transformations(build: Build) -> None:
     check(plain, dec, "Graded(jnp.float32(1.0))", [("loss", (2.0,))])
 
 
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_functionalize_as_the_first_use_inside_jit(build: Build) -> None:
     plain, dec = build(TRACED)
     with jax.checking_leaks():

@@ -1790,6 +1790,7 @@ def test_reduce_computation_writing_state_through_f_is_an_autostate_error(
     "jax.jit(f.m), a custom_vjp / custom_jvp primal ('Leaked trace DynamicJaxprTrace ... "
     "referred to by <LocalStateEffectImpl>'): the functional write keeps the inner trace's "
     "tracer in the state cell until f returns"))
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_escaping_write_through_f_under_checking_leaks(write_module: Loader) -> None:
     _, dec = pair(write_module, TRANSFORMED_WRITES)
     f, states = dec.Esc().functionalize()
@@ -1899,6 +1900,7 @@ def test_debug_callback_method_appending_to_a_list_with_f_as_a_jit_argument(
     "jax.jit with f passed as an argument: the callback keeps the traced copy of the model "
     "alive; jax.checking_leaks() reports 'Exception: Leaked trace DynamicJaxprTrace ... "
     "<Net>.w is referred to by <method> ... _FlatCallback' (jax.jit(f.m) does not leak)"))
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_host_callback_bound_method_with_f_as_a_jit_argument_does_not_leak(
     write_module: Loader,
 ) -> None:

@@ -1218,6 +1218,7 @@ def test_host_fallback_lax_body_raises_after_a_write(write_module: Loader, metho
 
 
 
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_vmap_of_a_writing_method_with_the_host_fallback_gives_per_example_state(
     write_module: Loader,
 ) -> None:

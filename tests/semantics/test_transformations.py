@@ -3226,6 +3226,7 @@ UNDER_CONTEXT = {
 
 
 @pytest.mark.parametrize("ctx", sorted(UNDER_CONTEXT))
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_representative_model_under_context(write_module: Loader, ctx: str) -> None:
     plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     with _context(ctx):
@@ -3316,6 +3317,7 @@ AROUND_F = {
 
 
 @pytest.mark.parametrize("how", sorted(AROUND_F))
+@pytest.mark.usefixtures("young_gc")  # jax.checking_leaks: see young_gc
 def test_transformations_of_f(write_module: Loader, how: str) -> None:
     plain, dec = pair(write_module, REPRESENTATIVE_RNN)
     model = dec.Rnn()
