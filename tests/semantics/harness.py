@@ -404,6 +404,22 @@ def check(
             assert_same(expected_snap, snapshot(frozen), "frozen attributes", **tol)
 
 
+def outputs_in_mode(model: Any, mode: str, xs: Sequence[Any]) -> tuple[list[float], Any]:
+    """``float(model(x))`` for each of ``xs``: eagerly (``mode="eager"``), or through
+    ``f`` (``"f"``) or ``staged(f)`` (``"jit"``) from the model's states. Returns the
+    outputs and what holds the states after the calls: ``model`` itself eagerly,
+    ``autostate.freeze(f, states)`` otherwise."""
+    if mode == "eager":
+        return [float(model(x)) for x in xs], model
+    f, states = model.functionalize()
+    call = f if mode == "f" else staged(f)
+    got = []
+    for x in xs:
+        out, states = call(states, x)
+        got.append(float(out))
+    return got, autostate.freeze(f, states)
+
+
 def check_transform(
     plain: types.ModuleType,
     dec: types.ModuleType,

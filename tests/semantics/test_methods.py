@@ -61,6 +61,7 @@ from semantics.harness import (
     load_plain,
     names_of,
     no_tracer,
+    outputs_in_mode,
     pair,
     pair_with_helpers,
     raises_autostate,
@@ -650,18 +651,9 @@ def test_a_method_switched_by_another_method_stays_bound_to_the_running_model(
         model = dec.Switchable()
         model(1.0)
         model.eval()  # eagerly: plain Python
-        if mode == "eager":
-            got = [float(model(x)) for x in (2.0, 3.0)]
-        else:
-            f, states = model.functionalize()
-            call = f if mode == "f" else staged(f)
-            got = []
-            for x in (2.0, 3.0):
-                out, states = call(states, x)
-                got.append(float(out))
-            frozen = autostate.freeze(f, states)
-            assert frozen.step_fn.__self__ is frozen
-            assert float(frozen.n) == float(expected_model.n)
+        got, after = outputs_in_mode(model, mode, (2.0, 3.0))
+        assert after.step_fn.__self__ is after
+        assert float(after.n) == float(expected_model.n)
         assert got == expected, mode
 
 

@@ -44,6 +44,7 @@ from semantics.harness import (
     error_line,
     library,
     modes_of,
+    outputs_in_mode,
     pair,
     raises_autostate,
     run_case,
@@ -273,18 +274,8 @@ def test_a_lazily_built_list_and_dict_of_sub_models_run_as_plain_python(
 
     model = dec.Lazy()
     model.build()
-    if mode == "eager":
-        got = [float(model(x)) for x in (1.0, 0.5)]
-        assert _states_of(model) == _states_of(expected_model)
-    else:
-        f, states = model.functionalize()
-        call = f if mode == "f" else staged(f)
-        got = []
-        for x in (1.0, 0.5):
-            out, states = call(states, x)
-            got.append(float(out))
-        frozen = autostate.freeze(f, states)
-        assert _states_of(frozen) == _states_of(expected_model)
+    got, after = outputs_in_mode(model, mode, (1.0, 0.5))
+    assert _states_of(after) == _states_of(expected_model)
     assert got == expected
 
 
