@@ -491,6 +491,25 @@ _BY_NAME = {"setattr": ("set", (3,)), "getattr": ("get", (2, 3)), "delattr": ("d
 _BY_DUNDER = {"__setattr__": "set", "__getattribute__": "get", "__delattr__": "del"}
 
 
+class ScopeVisits:
+    """The ``visit_``/``leave_`` methods of every scope node, for a visitor or a
+    transformer with a ``scopes`` (``ReceiverScopes``): each enters and leaves it."""
+
+    scopes: ReceiverScopes
+
+    def _enter(self, node: Any) -> None:
+        self.scopes.enter(node)
+
+    def _leave(self, original_node: Any, *updated_node: Any) -> Any:
+        self.scopes.leave(original_node)
+        return updated_node[0] if updated_node else None  # a transformer's node
+
+    visit_FunctionDef = visit_Lambda = visit_ClassDef = _enter
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _enter
+    leave_FunctionDef = leave_Lambda = leave_ClassDef = _leave
+    leave_ListComp = leave_SetComp = leave_DictComp = leave_GeneratorExp = _leave
+
+
 @dataclasses.dataclass(frozen=True)
 class NamedAccess:
     """A call that reads, writes or deletes an attribute of the receiver by a
@@ -675,7 +694,7 @@ class Line:
         return hash(int(self))
 
 
-class _FactCollector(cst.CSTVisitor):
+class _FactCollector(ScopeVisits, cst.CSTVisitor):
     def __init__(self, facts: MethodFacts, class_name: str, shift: int):
         super().__init__()
         self.facts = facts
@@ -696,52 +715,16 @@ class _FactCollector(cst.CSTVisitor):
         attr = self.scopes.attr_of(expr)
         return mangle(self.class_name, attr) if attr is not None else None
 
-    # scopes
+    # scopes (the rest are ``ScopeVisits``')
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         if node is self.facts.function:
             self.facts.is_async = node.asynchronous is not None
         self._binds(node)  # a nested ``def self():`` binds in the enclosing scope
         self.scopes.enter(node)
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.scopes.leave(original_node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.scopes.enter(node)
-
-    def leave_Lambda(self, original_node: cst.Lambda) -> None:
-        self.scopes.leave(original_node)
-
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self._binds(node)
         self.scopes.enter(node)
-
-    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
-        self.scopes.leave(original_node)
-
-    def visit_ListComp(self, node: cst.ListComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_ListComp(self, original_node: cst.ListComp) -> None:
-        self.scopes.leave(original_node)
-
-    def visit_SetComp(self, node: cst.SetComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_SetComp(self, original_node: cst.SetComp) -> None:
-        self.scopes.leave(original_node)
-
-    def visit_DictComp(self, node: cst.DictComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_DictComp(self, original_node: cst.DictComp) -> None:
-        self.scopes.leave(original_node)
-
-    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
-        self.scopes.enter(node)
-
-    def leave_GeneratorExp(self, original_node: cst.GeneratorExp) -> None:
-        self.scopes.leave(original_node)
 
     # bindings of the receiver's name (every form ``binding_names`` knows)
     def _binds(self, node: cst.CSTNode) -> None:

@@ -52,6 +52,7 @@ from autostate.transform.analysis import (
     RUNTIME_NAME,
     NamedAccess,
     ReceiverScopes,
+    ScopeVisits,
     dotted_name,
     locally_bound,
     mangle,
@@ -208,7 +209,7 @@ def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr.with_changes(lpar=[cst.LeftParen(), *expr.lpar], rpar=[*expr.rpar, cst.RightParen()])
 
 
-class StateRewriter(cst.CSTTransformer):
+class StateRewriter(ScopeVisits, cst.CSTTransformer):
     """Rewrites one method (see the module docstring for the table)."""
 
     def __init__(
@@ -301,56 +302,6 @@ class StateRewriter(cst.CSTTransformer):
 
     def _has_state_target(self, expr: cst.BaseExpression) -> bool:
         return self._proxy(expr) is not expr
-
-    # scopes
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.scopes.enter(node)
-
-    def leave_FunctionDef(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.scopes.enter(node)
-
-    def leave_Lambda(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.scopes.enter(node)
-
-    def leave_ClassDef(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_ListComp(self, node: cst.ListComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_ListComp(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_SetComp(self, node: cst.SetComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_SetComp(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_DictComp(self, node: cst.DictComp) -> None:
-        self.scopes.enter(node)
-
-    def leave_DictComp(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
-
-    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
-        self.scopes.enter(node)
-
-    def leave_GeneratorExp(self, original_node, updated_node):
-        self.scopes.leave(original_node)
-        return updated_node
 
     # patterns
     def visit_MatchValue(self, node: cst.MatchValue) -> None:
