@@ -1,15 +1,18 @@
 """State written inside ``lax`` control flow and ``jax.checkpoint``, threaded functionally.
 
 ``@stateful`` routes every call that resolves to ``jax.lax.scan``, ``cond``,
-``switch``, ``while_loop``, ``fori_loop``, ``map`` or ``jax.checkpoint`` /
-``jax.remat`` in a method to the function of the same name here (the
-rewritten line reads ``__autostate__.control.scan(...)``); they are also
-public as ``autostate.scan`` and friends for code the decorator never saw.
+``switch``, ``while_loop``, ``fori_loop``, ``map``, ``jax.checkpoint`` /
+``jax.remat`` or a derivative (``jax.grad``, ``value_and_grad``, ``jacfwd``,
+``jacrev``, ``jacobian``, ``hessian``) in a method to the function of the same
+name here (the rewritten line reads ``__autostate__.control.routed(lax.scan)(...)``);
+the lax functions and ``checkpoint`` are also public as ``autostate.scan`` and
+friends for code the decorator never saw.
 
 Each one does what hand-written JAX does with state: the live states (the
 cells of the running handlers) that the body assigns become extra carry or
-operands of the primitive, the cells are rebound to the body's own values
-while it is traced, and the final values are written back after. Which
+operands of the primitive (a derivative's auxiliary outputs), the cells are
+rebound to the body's own values while it is traced, and the final values
+are written back after. Which
 states the body assigns is found by one abstract trace (``jax.eval_shape``)
 of the body, so only those are threaded and the compiled program is the
 hand-threaded one. An eager model (no handler running) has the states of
@@ -498,13 +501,13 @@ class _StaticInBody(StateSlot):
         raise refused(StaticStateError(
             format_error(
                 f"Static state {self.label} (a Python {type(held).__name__}, holding {held!r}) "
-                f"is assigned {shown} inside {self.what}: JAX traces that body instead of "
-                "running it once per step, so a Python value assigned there would change "
-                "once per trace, not once per step as in plain Python's loop.",
-                fix="keep a value that changes inside lax control flow in an array "
+                f"is assigned {shown} inside {self.what}: JAX traces that function instead "
+                "of running it as plain Python does (a loop body once per step), so a Python "
+                "value assigned there would change once per trace.",
+                fix="keep a value that changes there in an array "
                 f"(`self.{self.label.rpartition('.')[2]} = jnp.asarray(...)` in __init__): "
-                "array states assigned in a lax body are threaded through it; or assign it "
-                "outside the lax call.",
+                "array states assigned inside are threaded through the call; or assign it "
+                "outside the call.",
             )
         ))
 
@@ -1058,6 +1061,77 @@ def _checkpoint_call(
     return out
 
 
+# --- derivatives --------------------------------------------------------------------
+
+
+def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function here that stands for the JAX derivative ``jax_fn``."""
+    name = jax_fn.__name__
+
+    def derivative(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
+                   **options: Any) -> Callable[..., Any]:
+        def differentiated(*args: Any, **kwargs: Any) -> Any:
+            return _with_eager_states(
+                (fun, args, kwargs),
+                lambda: _derivative_call(jax_fn, fun, args, kwargs, argnums, has_aux, options),
+                f"a jax.{name}",
+            )
+
+        functools.update_wrapper(differentiated, fun, updated=())
+        return differentiated
+
+    derivative.__name__ = derivative.__qualname__ = name
+    derivative.__doc__ = (
+        f"``jax.{name}`` of a function that may read and assign state (what a "
+        f"method's ``jax.{name}(...)`` calls).\n\nA state is never differentiated: "
+        "read inside, it is a constant; assigned inside, it keeps the primal value, "
+        "as the same function with the state passed in by hand would give it."
+    )
+    return derivative
+
+
+def _derivative_call(
+    jax_fn: Callable[..., Any], fun: Callable, args: tuple, kwargs: dict, argnums: Any,
+    has_aux: bool, options: dict,
+) -> Any:
+    """The states ``fun`` assigns leave the derivative as auxiliary outputs
+    (their primal values) and are assigned after; every other state is read
+    where it is, a constant of the derivative."""
+    what = f"a jax.{jax_fn.__name__}"
+    cells = running_cells()
+    written = _writes(cells, lambda: fun(*args, **kwargs), what=what)[0] if cells else []
+    if not written:
+        return jax_fn(fun, argnums=argnums, has_aux=has_aux, **options)(*args, **kwargs)
+    chosen = [cells[i] for i in written]
+    before = _current(chosen)
+
+    def threaded(*inner: Any, **inner_kwargs: Any) -> tuple[Any, tuple[Any, list[Any]]]:
+        with _bound(cells, chosen, before, what):
+            out = _settled(fun(*inner, **inner_kwargs))
+            values = _current(chosen)
+        out, aux = out if has_aux else (out, None)
+        return out, (aux, values)
+
+    result = jax_fn(threaded, argnums=argnums, has_aux=True, **options)(*args, **kwargs)
+    if jax_fn is jax.value_and_grad:
+        (value, (aux, values)), grads = result
+        result = ((value, aux) if has_aux else value), grads
+    else:
+        found, (aux, values) = result
+        result = (found, aux) if has_aux else found
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    return result
+
+
+grad = _derivative(jax.grad)
+value_and_grad = _derivative(jax.value_and_grad)
+jacfwd = _derivative(jax.jacfwd)
+jacrev = _derivative(jax.jacrev)
+jacobian = _derivative(jax.jacobian)
+hessian = _derivative(jax.hessian)
+
+
 # --- what the decorator routes here -------------------------------------------------
 
 
@@ -1071,6 +1145,12 @@ def _targets() -> dict[Any, str]:
         lax.map: "map",
         jax.checkpoint: "checkpoint",
         jax.remat: "checkpoint",
+        jax.grad: "grad",
+        jax.value_and_grad: "value_and_grad",
+        jax.jacfwd: "jacfwd",
+        jax.jacrev: "jacrev",
+        jax.jacobian: "jacobian",
+        jax.hessian: "hessian",
     }
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint

@@ -3774,3 +3774,136 @@ def test_a_bound_method_scanned_matches_a_python_loop() -> None:
         return [carry, ys, model.x, model.n, twin.x, twin.n]
 
     differential(scenario)
+
+
+# --- derivatives inside a method -----------------------------------------------------
+# ``jax.grad`` & co. of a function that reads and assigns state: a state read
+# inside is a constant of the derivative, and one assigned there keeps its
+# primal value (test-time training, MAML's inner step updating running
+# statistics). The reference is the same class with the states passed in by
+# hand and returned as auxiliary outputs.
+
+DERIVATIVES = """
+@DECORATE
+class Adapt:
+    def __init__(self):
+        self.w = jnp.arange(3.0)
+        self.mean = jnp.zeros(3)
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def forward(self, w, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        self.calls += 1
+        return jnp.sum((w * x - self.mean) ** 2)
+
+    def value_and_grad(self, x):
+        loss, g = jax.value_and_grad(lambda w: self.forward(w, x))(self.w)
+        self.w = self.w - 0.1 * g
+        return loss
+
+    def grad_with_aux(self, x):
+        g, y = jax.grad(lambda w: (self.forward(w, x), 2 * w), has_aux=True)(self.w)
+        return g + y
+
+    def jacrev(self, x):
+        return jax.jacrev(lambda w: self.forward(w, x) * w)(self.w)
+
+    def jacfwd(self, x):
+        return jax.jacfwd(lambda w: self.forward(w, x) * w)(self.w)
+
+    def hessian(self, x):
+        return jax.hessian(lambda w, x: self.forward(w, x), argnums=1)(self.w, x)
+"""
+
+DERIVATIVES_BY_HAND = HEADER + """
+class Adapt:
+    def __init__(self):
+        self.w = jnp.arange(3.0)
+        self.mean = jnp.zeros(3)
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def forward(self, w, x):
+        mean = 0.9 * self.mean + 0.1 * x
+        return jnp.sum((w * x - mean) ** 2), (mean, self.calls + 1)
+
+    def value_and_grad(self, x):
+        (loss, (self.mean, self.calls)), g = jax.value_and_grad(
+            lambda w: self.forward(w, x), has_aux=True)(self.w)
+        self.w = self.w - 0.1 * g
+        return loss
+
+    def grad_with_aux(self, x):
+        def fn(w):
+            out, states = self.forward(w, x)
+            return out, (2 * w, states)
+        g, (y, (self.mean, self.calls)) = jax.grad(fn, has_aux=True)(self.w)
+        return g + y
+
+    def _times_w(self, derivative, x):
+        def fn(w):
+            out, states = self.forward(w, x)
+            return out * w, states
+        jac, (self.mean, self.calls) = derivative(fn, has_aux=True)(self.w)
+        return jac
+
+    def jacrev(self, x):
+        return self._times_w(jax.jacrev, x)
+
+    def jacfwd(self, x):
+        return self._times_w(jax.jacfwd, x)
+
+    def hessian(self, x):
+        h, (self.mean, self.calls) = jax.hessian(
+            lambda w, x: self.forward(w, x), argnums=1, has_aux=True)(self.w, x)
+        return h
+"""
+
+DERIVATIVE_X = jnp.array([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("method", ["value_and_grad", "grad_with_aux", "jacrev", "jacfwd", "hessian"])
+def test_derivative_inside_a_method_keeps_primal_writes(write_module: Loader, method: str) -> None:
+    dec = pair(write_module, DERIVATIVES)[1]
+    by_hand = write_module(DERIVATIVES_BY_HAND)
+    calls = [(method, (DERIVATIVE_X,)), (method, (2 * DERIVATIVE_X,))]
+    check(by_hand, dec, "Adapt()", calls)
+    if method == "value_and_grad":
+        # Under grad of f from outside, and an eager model keeps no tracer.
+        check_transform(by_hand, dec, "Adapt()", [(method, (TRACED_X,))], DERIVATIVE_X, "grad")
+        model = eval("Adapt()", vars(dec))  # noqa: S307
+        model.value_and_grad(DERIVATIVE_X)
+        no_tracer(model)
+
+
+READ_ONLY_DERIVATIVE = """
+@DECORATE
+class Reads:
+    def __init__(self):
+        self.w = jnp.arange(3.0)
+        self.scale = jnp.full(3, 2.0)
+        self.steps = 0
+
+    def __call__(self, x):
+        return jax.grad(lambda w: jnp.sum(self.scale * w * x))(self.w)
+
+    def count(self, x):
+        def loss(w):
+            self.steps = self.steps + 1
+            return jnp.sum(w * x)
+        return jax.grad(loss)(self.w)
+"""
+
+
+def test_derivative_inside_a_method_that_only_reads_state(write_module: Loader) -> None:
+    plain, dec = pair(write_module, READ_ONLY_DERIVATIVE)
+    check(plain, dec, "Reads()", [("__call__", (DERIVATIVE_X,)), ("__call__", (-DERIVATIVE_X,))])
+
+
+def test_python_value_assigned_inside_a_derivative_is_refused(write_module: Loader) -> None:
+    # A static state (a Python int) assigned in a traced body would change per trace.
+    dec = pair(write_module, READ_ONLY_DERIVATIVE)[1]
+    model = eval("Reads()", vars(dec))  # noqa: S307
+    with pytest.raises(errors.StaticStateError, match=r"Reads\.steps .*inside a jax\.grad") as err:
+        model.count(DERIVATIVE_X)
+    assert_user_line(err.value, dec.__file__)
+    assert model.steps == 0
