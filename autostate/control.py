@@ -3,7 +3,7 @@
 ``@stateful`` routes every call that resolves to ``jax.lax.scan``, ``cond``,
 ``switch``, ``while_loop``, ``fori_loop``, ``map``, ``jax.checkpoint`` /
 ``jax.remat`` or a derivative (``jax.grad``, ``value_and_grad``, ``jacfwd``,
-``jacrev``, ``jacobian``, ``hessian``) in a method to the function of the same
+``jacrev``, ``jacobian``, ``hessian``, ``jvp``, ``vjp``, ``linearize``) in a method to the function of the same
 name here (the rewritten line reads ``__autostate__.control.routed(lax.scan)(...)``);
 the lax functions and ``checkpoint`` are also public as ``autostate.scan`` and
 friends for code the decorator never saw.
@@ -1062,46 +1062,21 @@ def _checkpoint_call(
 
 
 # --- derivatives --------------------------------------------------------------------
+# A derivative's placement: the states the function assigns leave it as
+# auxiliary outputs (their primal values) and are assigned after; every other
+# state is read where it is, a constant of the derivative. ``apply(g, has_aux)``
+# takes the derivative of ``g``; ``split`` takes the states' values out of
+# what it gave with ``has_aux=True``.
 
 
-def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The function here that stands for the JAX derivative ``jax_fn``."""
-    name = jax_fn.__name__
-
-    def derivative(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
-                   **options: Any) -> Callable[..., Any]:
-        def differentiated(*args: Any, **kwargs: Any) -> Any:
-            return _with_eager_states(
-                (fun, args, kwargs),
-                lambda: _derivative_call(jax_fn, fun, args, kwargs, argnums, has_aux, options),
-                f"a jax.{name}",
-            )
-
-        functools.update_wrapper(differentiated, fun, updated=())
-        return differentiated
-
-    derivative.__name__ = derivative.__qualname__ = name
-    derivative.__doc__ = (
-        f"``jax.{name}`` of a function that may read and assign state (what a "
-        f"method's ``jax.{name}(...)`` calls).\n\nA state is never differentiated: "
-        "read inside, it is a constant; assigned inside, it keeps the primal value, "
-        "as the same function with the state passed in by hand would give it."
-    )
-    return derivative
-
-
-def _derivative_call(
-    jax_fn: Callable[..., Any], fun: Callable, args: tuple, kwargs: dict, argnums: Any,
-    has_aux: bool, options: dict,
+def _with_aux_states(
+    fun: Callable, body_args: tuple, body_kwargs: dict, has_aux: bool, what: str,
+    apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, list[Any]]],
 ) -> Any:
-    """The states ``fun`` assigns leave the derivative as auxiliary outputs
-    (their primal values) and are assigned after; every other state is read
-    where it is, a constant of the derivative."""
-    what = f"a jax.{jax_fn.__name__}"
     cells = running_cells()
-    written = _writes(cells, lambda: fun(*args, **kwargs), what=what)[0] if cells else []
+    written = _writes(cells, lambda: fun(*body_args, **body_kwargs), what=what)[0] if cells else []
     if not written:
-        return jax_fn(fun, argnums=argnums, has_aux=has_aux, **options)(*args, **kwargs)
+        return apply(fun, has_aux)
     chosen = [cells[i] for i in written]
     before = _current(chosen)
 
@@ -1112,16 +1087,91 @@ def _derivative_call(
         out, aux = out if has_aux else (out, None)
         return out, (aux, values)
 
-    result = jax_fn(threaded, argnums=argnums, has_aux=True, **options)(*args, **kwargs)
-    if jax_fn is jax.value_and_grad:
-        (value, (aux, values)), grads = result
-        result = ((value, aux) if has_aux else value), grads
-    else:
-        found, (aux, values) = result
-        result = (found, aux) if has_aux else found
+    result, values = split(apply(threaded, True), has_aux)
     for cell, value in zip(chosen, values):
         cell.value = value
     return result
+
+
+def _split_pair(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+    """``(derivative, aux)``: grad, jacfwd, jacrev, jacobian, hessian."""
+    found, (aux, values) = raw
+    return ((found, aux) if has_aux else found), values
+
+
+def _split_value(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+    """``((value, aux), grad)``: value_and_grad."""
+    (value, (aux, values)), grads = raw
+    return (((value, aux) if has_aux else value), grads), values
+
+
+def _split_last(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+    """``(..., aux)``: jvp, vjp, linearize."""
+    *rest, (aux, values) = raw
+    return ((*rest, aux) if has_aux else tuple(rest)), values
+
+
+def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What stands for ``jax_fn``, a transformation of ``fun`` taking ``argnums``."""
+    name = jax_fn.__name__
+    split = _split_value if jax_fn is jax.value_and_grad else _split_pair
+
+    def derivative(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
+                   **options: Any) -> Callable[..., Any]:
+        def differentiated(*args: Any, **kwargs: Any) -> Any:
+            def apply(g: Callable, aux: bool) -> Any:
+                return jax_fn(g, argnums=argnums, has_aux=aux, **options)(*args, **kwargs)
+
+            return _with_eager_states(
+                (fun, args, kwargs),
+                lambda: _with_aux_states(fun, args, kwargs, has_aux, f"a jax.{name}", apply, split),
+                f"a jax.{name}",
+            )
+
+        functools.update_wrapper(differentiated, fun, updated=())
+        return differentiated
+
+    return _documented(derivative, name)
+
+
+def _at_primals(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What stands for ``jax_fn``, applied at ``*primals`` (vjp, linearize)."""
+    name = jax_fn.__name__
+
+    def derivative(fun: Callable[..., Any], *primals: Any, has_aux: bool = False,
+                   **options: Any) -> Any:
+        def apply(g: Callable, aux: bool) -> Any:
+            return jax_fn(g, *primals, has_aux=aux, **options)
+
+        return _with_eager_states(
+            (fun, primals),
+            lambda: _with_aux_states(fun, primals, {}, has_aux, f"a jax.{name}", apply, _split_last),
+            f"a jax.{name}",
+        )
+
+    return _documented(derivative, name)
+
+
+def jvp(fun: Callable[..., Any], primals: Any, tangents: Any, has_aux: bool = False) -> Any:
+    def apply(g: Callable, aux: bool) -> Any:
+        return jax.jvp(g, primals, tangents, has_aux=aux)
+
+    return _with_eager_states(
+        (fun, primals, tangents),
+        lambda: _with_aux_states(fun, tuple(primals), {}, has_aux, "a jax.jvp", apply, _split_last),
+        "a jax.jvp",
+    )
+
+
+def _documented(derivative: Callable[..., Any], name: str) -> Callable[..., Any]:
+    derivative.__name__ = derivative.__qualname__ = name
+    derivative.__doc__ = (
+        f"``jax.{name}`` of a function that may read and assign state (what a "
+        f"method's ``jax.{name}(...)`` calls).\n\nA state is never differentiated: "
+        "read inside, it is a constant; assigned inside, it keeps the primal value, "
+        "as the same function with the state passed in by hand would give it."
+    )
+    return derivative
 
 
 grad = _derivative(jax.grad)
@@ -1130,6 +1180,9 @@ jacfwd = _derivative(jax.jacfwd)
 jacrev = _derivative(jax.jacrev)
 jacobian = _derivative(jax.jacobian)
 hessian = _derivative(jax.hessian)
+vjp = _at_primals(jax.vjp)
+linearize = _at_primals(jax.linearize)
+jvp = _documented(jvp, "jvp")
 
 
 # --- what the decorator routes here -------------------------------------------------
@@ -1151,6 +1204,9 @@ def _targets() -> dict[Any, str]:
         jax.jacrev: "jacrev",
         jax.jacobian: "jacobian",
         jax.hessian: "hessian",
+        jax.jvp: "jvp",
+        jax.vjp: "vjp",
+        jax.linearize: "linearize",
     }
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint

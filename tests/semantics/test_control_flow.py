@@ -3813,6 +3813,17 @@ class Adapt:
 
     def hessian(self, x):
         return jax.hessian(lambda w, x: self.forward(w, x), argnums=1)(self.w, x)
+
+    def jvp(self, x):
+        return jax.jvp(lambda w: self.forward(w, x), (self.w,), (x,))
+
+    def vjp(self, x):
+        out, pullback = jax.vjp(lambda w: self.forward(w, x) * w, self.w)
+        return out, pullback(x)
+
+    def linearize(self, x):
+        out, tangent = jax.linearize(lambda w: self.forward(w, x), self.w)
+        return out, tangent(x)
 """
 
 DERIVATIVES_BY_HAND = HEADER + """
@@ -3856,12 +3867,32 @@ class Adapt:
         h, (self.mean, self.calls) = jax.hessian(
             lambda w, x: self.forward(w, x), argnums=1, has_aux=True)(self.w, x)
         return h
+
+    def jvp(self, x):
+        out, tangent, (self.mean, self.calls) = jax.jvp(
+            lambda w: self.forward(w, x), (self.w,), (x,), has_aux=True)
+        return out, tangent
+
+    def vjp(self, x):
+        def fn(w):
+            out, states = self.forward(w, x)
+            return out * w, states
+        out, pullback, (self.mean, self.calls) = jax.vjp(fn, self.w, has_aux=True)
+        return out, pullback(x)
+
+    def linearize(self, x):
+        out, tangent, (self.mean, self.calls) = jax.linearize(
+            lambda w: self.forward(w, x), self.w, has_aux=True)
+        return out, tangent(x)
 """
 
 DERIVATIVE_X = jnp.array([1.0, 2.0, 3.0])
 
 
-@pytest.mark.parametrize("method", ["value_and_grad", "grad_with_aux", "jacrev", "jacfwd", "hessian"])
+@pytest.mark.parametrize(
+    "method",
+    ["value_and_grad", "grad_with_aux", "jacrev", "jacfwd", "hessian", "jvp", "vjp", "linearize"],
+)
 def test_derivative_inside_a_method_keeps_primal_writes(write_module: Loader, method: str) -> None:
     dec = pair(write_module, DERIVATIVES)[1]
     by_hand = write_module(DERIVATIVES_BY_HAND)
