@@ -333,8 +333,8 @@ class Guard:
             return None
         if self.lax_body:
             where = (
-                f"{self.what}: JAX traces it instead of running it once per step, so its "
-                "carry and operands are traced values, and so is each state it assigns "
+                f"{self.what}: JAX traces it instead of running it as plain Python does, so "
+                "its carry, operands or arguments are traced values, and so is each state it assigns "
                 "(threaded through it), and in a call of f under jax.jit every state"
             )
         else:
@@ -351,13 +351,13 @@ class Guard:
         if all(where == CAPTURED for where in changed):
             return EscapedStateError(format_error(
                 f"{what} changed {CAPTURED} in place (a variable of the enclosing function, "
-                "or a state read before the call): JAX traces the body once instead of "
-                "running it each step, so the change would hold the body's traced value "
+                "or a state read before the call): JAX traces the body instead of running "
+                "it as plain Python does, so the change would hold the body's traced value "
                 "after the call.",
                 where=user_location(),
-                fix="carry the value through the loop (or return it from the branch); for a "
-                "model's state, read it inside the body (`self.items[0] = v`), where its "
-                "changes are threaded.",
+                fix="return the value from the body (a loop's carry, a branch's output, a "
+                "derivative's auxiliary output with has_aux=True); for a model's state, read "
+                "it inside the body (`self.items[0] = v`), where its changes are threaded.",
             ))
         names = ", ".join(changed)
         if all(where.startswith("state ") for where in changed):
@@ -372,7 +372,7 @@ class Guard:
             ))
         return EscapedStateError(format_error(
             f"{what} changed {names} in place, an attribute that is not state: JAX traces "
-            "the body once instead of running it each step, so the change would hold the "
+            "the body instead of running it as plain Python does, so the change would hold the "
             "body's traced value after the call.",
             where=user_location(),
             fix="make it state (assign the attribute in one of its class's methods, or wrap "

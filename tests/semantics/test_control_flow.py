@@ -3922,12 +3922,42 @@ class Reads:
             self.steps = self.steps + 1
             return jnp.sum(w * x)
         return jax.grad(loss)(self.w)
+
+    def log_value(self, x):
+        log = []
+        def loss(w):
+            log.append(1.0)
+            return jnp.sum(self.scale * w * x)
+        return jax.grad(loss)(self.w), len(log)
+
+    def log_traced(self, x):
+        log = []
+        def loss(w):
+            log.append(w.sum())  # traced
+            return jnp.sum(self.scale * w * x)
+        return jax.grad(loss)(self.w), len(log)
 """
 
 
 def test_derivative_inside_a_method_that_only_reads_state(write_module: Loader) -> None:
     plain, dec = pair(write_module, READ_ONLY_DERIVATIVE)
     check(plain, dec, "Reads()", [("__call__", (DERIVATIVE_X,)), ("__call__", (-DERIVATIVE_X,))])
+    # A Python value put in a list the function captures: plain Python's, once per call.
+    check(plain, dec, "Reads()", [("log_value", (DERIVATIVE_X,))])
+
+
+def test_traced_value_put_in_a_captured_list_inside_a_derivative_is_refused(
+    write_module: Loader,
+) -> None:
+    # Plain JAX leaves the derivative's tracer in the list; the guard of lax bodies refuses.
+    dec = pair(write_module, READ_ONLY_DERIVATIVE)[1]
+    model = eval("Reads()", vars(dec))  # noqa: S307
+    f, states = model.functionalize()
+    for call in (lambda: model.log_traced(DERIVATIVE_X), lambda: f.log_traced(states, DERIVATIVE_X)):
+        with pytest.raises(errors.EscapedStateError, match="jax.grad changed a list or dict") as err:
+            call()
+        assert "has_aux=True" in str(err.value)
+    no_tracer(model)
 
 
 def test_python_value_assigned_inside_a_derivative_is_refused(write_module: Loader) -> None:
