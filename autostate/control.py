@@ -12,12 +12,14 @@ Each one does what hand-written JAX does with state: the live states (the
 cells of the running handlers) that the body assigns become extra carry or
 operands of the primitive (a derivative's auxiliary outputs), the cells are
 rebound to the body's own values while it is traced, and the final values
-are written back after. Which
-states the body assigns is found by one abstract trace (``jax.eval_shape``)
-of the body, so only those are threaded and the compiled program is the
-hand-threaded one. An eager model (no handler running) has the states of
-the instances reachable from the body and operands handed to a temporary
-handler for the call, then written back as eager slots.
+are written back after. Which states the body assigns is found by one
+abstract trace (``jax.eval_shape``) of the body, so only those are threaded
+and the compiled program is the hand-threaded one. (A derivative's function
+runs once, as in plain Python, and every live state passes through its
+auxiliary outputs, unchanged unless assigned.) An eager model (no handler
+running) has the states of the instances reachable from the body and
+operands handed to a temporary handler for the call, then written back as
+eager slots.
 
 This module knows the slot types of ``effects`` but nothing of source code.
 """
@@ -348,7 +350,9 @@ def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
     return [("", item) for item in reversed(items) if not holds_nothing(item)]
 
 
-def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str) -> Any:
+def _with_eager_states(
+    roots: Sequence[Any], call: Callable[[], Any], what: str, once: bool = False
+) -> Any:
     """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
 
     Their slots become references of a temporary handler for the call, so the
@@ -361,6 +365,9 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
     that is not state is refused (``guard.check_write``): plain
     Python's loop would change them every step, and a trace would leave a
     count of traces or a tracer. An ``f`` refuses both the same way.
+    ``once``: the body runs once per call, as plain Python's does (a
+    derivative's function), so a static state takes the Python values it
+    is assigned there.
     """
     captured: list[Any] = []
     instances = _reachable_instances(roots, captured)
@@ -371,7 +378,8 @@ def _with_eager_states(roots: Sequence[Any], call: Callable[[], Any], what: str)
         for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
             if type(slot) is StaticState:
-                statics.append((obj, attr, slot))
+                if not once:
+                    statics.append((obj, attr, slot))
                 continue
             if type(slot) not in _OWN_VALUE_SLOTS:
                 continue
@@ -1062,33 +1070,35 @@ def _checkpoint_call(
 
 
 # --- derivatives --------------------------------------------------------------------
-# A derivative's placement: the states the function assigns leave it as
-# auxiliary outputs (their primal values) and are assigned after; every other
-# state is read where it is, a constant of the derivative. ``apply(g, has_aux)``
+# A derivative's placement: the live states leave it as auxiliary outputs and
+# are assigned after, so one the function assigns keeps its primal value; one
+# it reads is a constant of the derivative. ``apply(g, has_aux)``
 # takes the derivative of ``g``; ``split`` takes the states' values out of
 # what it gave with ``has_aux=True``.
 
 
 def _with_aux_states(
-    fun: Callable, body_args: tuple, body_kwargs: dict, has_aux: bool, what: str,
+    fun: Callable, has_aux: bool, what: str,
     apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, list[Any]]],
 ) -> Any:
+    """``fun``'s derivative, ``apply(fun, has_aux)``, with the live states leaving
+    it as auxiliary outputs. It runs ``fun`` once, as plain Python does: a state
+    it does not assign comes back as the very value it held (JAX hands an
+    auxiliary value that is not its own tracer back as it is)."""
     cells = running_cells()
-    written = _writes(cells, lambda: fun(*body_args, **body_kwargs), what=what)[0] if cells else []
-    if not written:
+    if not cells:
         return apply(fun, has_aux)
-    chosen = [cells[i] for i in written]
-    before = _current(chosen)
+    before = _current(cells)
 
     def threaded(*inner: Any, **inner_kwargs: Any) -> tuple[Any, tuple[Any, list[Any]]]:
-        with _bound(cells, chosen, before, what):
+        with _bound(cells, cells, before, what):
             out = _settled(fun(*inner, **inner_kwargs))
-            values = _current(chosen)
+            values = _current(cells)
         out, aux = out if has_aux else (out, None)
         return out, (aux, values)
 
     result, values = split(apply(threaded, True), has_aux)
-    for cell, value in zip(chosen, values):
+    for cell, value in zip(cells, values):
         cell.value = value
     return result
 
@@ -1124,8 +1134,9 @@ def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
 
             return _with_eager_states(
                 (fun, args, kwargs),
-                lambda: _with_aux_states(fun, args, kwargs, has_aux, f"a jax.{name}", apply, split),
+                lambda: _with_aux_states(fun, has_aux, f"a jax.{name}", apply, split),
                 f"a jax.{name}",
+                once=True,
             )
 
         functools.update_wrapper(differentiated, fun, updated=())
@@ -1145,8 +1156,9 @@ def _at_primals(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
 
         return _with_eager_states(
             (fun, primals),
-            lambda: _with_aux_states(fun, primals, {}, has_aux, f"a jax.{name}", apply, _split_last),
+            lambda: _with_aux_states(fun, has_aux, f"a jax.{name}", apply, _split_last),
             f"a jax.{name}",
+            once=True,
         )
 
     return _documented(derivative, name)
@@ -1158,8 +1170,9 @@ def jvp(fun: Callable[..., Any], primals: Any, tangents: Any, has_aux: bool = Fa
 
     return _with_eager_states(
         (fun, primals, tangents),
-        lambda: _with_aux_states(fun, tuple(primals), {}, has_aux, "a jax.jvp", apply, _split_last),
+        lambda: _with_aux_states(fun, has_aux, "a jax.jvp", apply, _split_last),
         "a jax.jvp",
+        once=True,
     )
 
 
