@@ -3824,6 +3824,13 @@ class Adapt:
     def linearize(self, x):
         out, tangent = jax.linearize(lambda w: self.forward(w, x), self.w)
         return out, tangent(x)
+
+    def scanned(self, xs):
+        def body(total, x):
+            loss, g = jax.value_and_grad(lambda w: self.forward(w, x))(self.w)
+            self.w = self.w - 0.1 * g
+            return total + loss, None
+        return jax.lax.scan(body, jnp.zeros(()), xs)[0]
 """
 
 DERIVATIVES_BY_HAND = HEADER + """
@@ -3884,6 +3891,20 @@ class Adapt:
         out, tangent, (self.mean, self.calls) = jax.linearize(
             lambda w: self.forward(w, x), self.w, has_aux=True)
         return out, tangent(x)
+
+    def scanned(self, xs):
+        def step(w, x, mean, calls):
+            mean = 0.9 * mean + 0.1 * x
+            return jnp.sum((w * x - mean) ** 2), (mean, calls + 1)
+
+        def body(carry, x):
+            total, w, mean, calls = carry
+            (loss, (mean, calls)), g = jax.value_and_grad(step, has_aux=True)(w, x, mean, calls)
+            return (total + loss, w - 0.1 * g, mean, calls), None
+
+        carry = (jnp.zeros(()), self.w, self.mean, self.calls)
+        (total, self.w, self.mean, self.calls), _ = jax.lax.scan(body, carry, xs)
+        return total
 """
 
 DERIVATIVE_X = jnp.array([1.0, 2.0, 3.0])
@@ -3904,6 +3925,15 @@ def test_derivative_inside_a_method_keeps_primal_writes(write_module: Loader, me
         model = eval("Adapt()", vars(dec))  # noqa: S307
         model.value_and_grad(DERIVATIVE_X)
         no_tracer(model)
+
+
+def test_derivative_inside_a_scan_body_inside_a_method(write_module: Loader) -> None:
+    # A MAML-style inner step per scan step: the scan threads the weights and the
+    # statistics the derivative's function updates.
+    dec = pair(write_module, DERIVATIVES)[1]
+    by_hand = write_module(DERIVATIVES_BY_HAND)
+    xs = jnp.arange(12.0).reshape(4, 3) / 10
+    check(by_hand, dec, "Adapt()", [("scanned", (xs,)), ("scanned", (-xs,))])
 
 
 READ_ONLY_DERIVATIVE = """
