@@ -15,8 +15,8 @@ rebound to the body's own values while it is traced, and the final values
 are written back after. Which states the body assigns is found by one
 abstract trace (``jax.eval_shape``) of the body, so only those are threaded
 and the compiled program is the hand-threaded one. (A derivative's function
-runs once, as in plain Python, and every live state passes through its
-auxiliary outputs, unchanged unless assigned.) An eager model (no handler
+runs once, as in plain Python, and the states it assigned leave through its
+auxiliary outputs.) An eager model (no handler
 running) has the states of the instances reachable from the body and
 operands handed to a temporary handler for the call, then written back as
 eager slots.
@@ -168,7 +168,10 @@ def _writes(
     """
     written: list[int] = []
     current = _current(cells)
-    concrete = {i: v for i, v in enumerate(current) if _concrete_leaf(v)}
+    # (A value JAX cannot trace, a deque or a plain object, is kept as it is.)
+    concrete = {
+        i: v for i, v in enumerate(current) if _concrete_leaf(v) or not _traceable(v)
+    }
 
     def probe(abstract: list[Any], *inner: Any) -> Any:
         rest = iter(abstract)
@@ -185,6 +188,15 @@ def _writes(
     abstract = [v for i, v in enumerate(current) if i not in concrete]
     _, new = jax.eval_shape(probe, abstract, *args)
     return written, new
+
+
+def _traceable(value: Any) -> bool:
+    """Whether every leaf of ``value`` is an array or a number, which JAX can trace."""
+    for leaf in jax.tree_util.tree_leaves(value):
+        kind = _values.kind_of(leaf)
+        if not (kind.array or kind.number):
+            return False
+    return True
 
 
 def _concrete_leaf(value: Any) -> bool:
@@ -1070,52 +1082,53 @@ def _checkpoint_call(
 
 
 # --- derivatives --------------------------------------------------------------------
-# A derivative's placement: the live states leave it as auxiliary outputs and
-# are assigned after, so one the function assigns keeps its primal value; one
-# it reads is a constant of the derivative. ``apply(g, has_aux)``
+# A derivative's placement: the states the function assigns leave it as
+# auxiliary outputs and are assigned after, so each keeps its primal value;
+# one it only reads is a constant of the derivative. ``apply(g, has_aux)``
 # takes the derivative of ``g``; ``split`` takes the states' values out of
 # what it gave with ``has_aux=True``.
 
 
 def _with_aux_states(
     fun: Callable, has_aux: bool, what: str,
-    apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, list[Any]]],
+    apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, dict[int, Any]]],
 ) -> Any:
-    """``fun``'s derivative, ``apply(fun, has_aux)``, with the live states leaving
-    it as auxiliary outputs. It runs ``fun`` once, as plain Python does: a state
-    it does not assign comes back as the very value it held (JAX hands an
-    auxiliary value that is not its own tracer back as it is)."""
+    """``fun``'s derivative, ``apply(fun, has_aux)``, with the states ``fun``
+    assigns leaving it as auxiliary outputs. It runs ``fun`` once, as plain
+    Python does, and sees what was assigned when it returns: only those
+    states travel (a state holding a value that is not a JAX type, a deque or
+    a plain object, would be refused as an output of ``jacfwd``'s batching)."""
     cells = running_cells()
     if not cells:
         return apply(fun, has_aux)
     before = _current(cells)
 
-    def threaded(*inner: Any, **inner_kwargs: Any) -> tuple[Any, tuple[Any, list[Any]]]:
+    def threaded(*inner: Any, **inner_kwargs: Any) -> tuple[Any, tuple[Any, dict[int, Any]]]:
         with _bound(cells, cells, before, what):
             out = _settled(fun(*inner, **inner_kwargs))
-            values = _current(cells)
+            after = _current(cells)
         out, aux = out if has_aux else (out, None)
-        return out, (aux, values)
+        return out, (aux, {i: v for i, (v, b) in enumerate(zip(after, before)) if v is not b})
 
-    result, values = split(apply(threaded, True), has_aux)
-    for cell, value in zip(cells, values):
-        cell.value = value
+    result, assigned = split(apply(threaded, True), has_aux)
+    for i, value in assigned.items():
+        cells[i].value = value
     return result
 
 
-def _split_pair(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+def _split_pair(raw: Any, has_aux: bool) -> tuple[Any, dict[int, Any]]:
     """``(derivative, aux)``: grad, jacfwd, jacrev, jacobian, hessian."""
     found, (aux, values) = raw
     return ((found, aux) if has_aux else found), values
 
 
-def _split_value(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+def _split_value(raw: Any, has_aux: bool) -> tuple[Any, dict[int, Any]]:
     """``((value, aux), grad)``: value_and_grad."""
     (value, (aux, values)), grads = raw
     return (((value, aux) if has_aux else value), grads), values
 
 
-def _split_last(raw: Any, has_aux: bool) -> tuple[Any, list[Any]]:
+def _split_last(raw: Any, has_aux: bool) -> tuple[Any, dict[int, Any]]:
     """``(..., aux)``: jvp, vjp, linearize."""
     *rest, (aux, values) = raw
     return ((*rest, aux) if has_aux else tuple(rest)), values

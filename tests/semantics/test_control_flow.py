@@ -3790,6 +3790,10 @@ class Adapt:
         self.w = jnp.arange(3.0)
         self.mean = jnp.zeros(3)
         self.calls = jnp.zeros((), jnp.int32)
+        self.seen = collections.deque(maxlen=2)  # a state JAX cannot batch as an output
+
+    def forget(self):
+        self.seen = collections.deque(maxlen=2)
 
     def forward(self, w, x):
         self.mean = 0.9 * self.mean + 0.1 * x
@@ -3839,6 +3843,10 @@ class Adapt:
         self.w = jnp.arange(3.0)
         self.mean = jnp.zeros(3)
         self.calls = jnp.zeros((), jnp.int32)
+        self.seen = collections.deque(maxlen=2)  # a state JAX cannot batch as an output
+
+    def forget(self):
+        self.seen = collections.deque(maxlen=2)
 
     def forward(self, w, x):
         mean = 0.9 * self.mean + 0.1 * x
