@@ -16,10 +16,9 @@ are written back after. Which states the body assigns is found by one
 abstract trace (``jax.eval_shape``) of the body, so only those are threaded
 and the compiled program is the hand-threaded one. (A derivative's function
 runs once, as in plain Python, and the states it assigned leave through its
-auxiliary outputs.) An eager model (no handler
-running) has the states of the instances reachable from the body and
-operands handed to a temporary handler for the call, then written back as
-eager slots.
+auxiliary outputs.) An eager model (no handler running) has the states of
+the instances reachable from the body and operands handed to a temporary
+handler for the call, then written back as eager slots.
 
 This module knows the slot types of ``effects`` but nothing of source code.
 """
@@ -1134,10 +1133,22 @@ def _split_last(raw: Any, has_aux: bool) -> tuple[Any, dict[int, Any]]:
     return ((*rest, aux) if has_aux else tuple(rest)), values
 
 
-def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+def _lifted(
+    name: str, roots: tuple, fun: Callable, has_aux: bool,
+    apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, dict[int, Any]]],
+) -> Any:
+    """``jax.<name>`` of ``fun`` (``apply``), eager models' states handled for the call."""
+    what = f"a jax.{name}"
+    return _with_eager_states(
+        roots, lambda: _with_aux_states(fun, has_aux, what, apply, split), what, once=True
+    )
+
+
+def _derivative(
+    jax_fn: Callable[..., Any], split: Callable[[Any, bool], tuple[Any, dict[int, Any]]]
+) -> Callable[..., Any]:
     """What stands for ``jax_fn``, a transformation of ``fun`` taking ``argnums``."""
     name = jax_fn.__name__
-    split = _split_value if jax_fn is jax.value_and_grad else _split_pair
 
     def derivative(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False,
                    **options: Any) -> Callable[..., Any]:
@@ -1145,12 +1156,7 @@ def _derivative(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
             def apply(g: Callable, aux: bool) -> Any:
                 return jax_fn(g, argnums=argnums, has_aux=aux, **options)(*args, **kwargs)
 
-            return _with_eager_states(
-                (fun, args, kwargs),
-                lambda: _with_aux_states(fun, has_aux, f"a jax.{name}", apply, split),
-                f"a jax.{name}",
-                once=True,
-            )
+            return _lifted(name, (fun, args, kwargs), fun, has_aux, apply, split)
 
         functools.update_wrapper(differentiated, fun, updated=())
         return differentiated
@@ -1167,12 +1173,7 @@ def _at_primals(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
         def apply(g: Callable, aux: bool) -> Any:
             return jax_fn(g, *primals, has_aux=aux, **options)
 
-        return _with_eager_states(
-            (fun, primals),
-            lambda: _with_aux_states(fun, has_aux, f"a jax.{name}", apply, _split_last),
-            f"a jax.{name}",
-            once=True,
-        )
+        return _lifted(name, (fun, primals), fun, has_aux, apply, _split_last)
 
     return _documented(derivative, name)
 
@@ -1181,12 +1182,7 @@ def jvp(fun: Callable[..., Any], primals: Any, tangents: Any, has_aux: bool = Fa
     def apply(g: Callable, aux: bool) -> Any:
         return jax.jvp(g, primals, tangents, has_aux=aux)
 
-    return _with_eager_states(
-        (fun, primals, tangents),
-        lambda: _with_aux_states(fun, has_aux, "a jax.jvp", apply, _split_last),
-        "a jax.jvp",
-        once=True,
-    )
+    return _lifted("jvp", (fun, primals, tangents), fun, has_aux, apply, _split_last)
 
 
 def _documented(derivative: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -1200,12 +1196,12 @@ def _documented(derivative: Callable[..., Any], name: str) -> Callable[..., Any]
     return derivative
 
 
-grad = _derivative(jax.grad)
-value_and_grad = _derivative(jax.value_and_grad)
-jacfwd = _derivative(jax.jacfwd)
-jacrev = _derivative(jax.jacrev)
-jacobian = _derivative(jax.jacobian)
-hessian = _derivative(jax.hessian)
+grad = _derivative(jax.grad, _split_pair)
+value_and_grad = _derivative(jax.value_and_grad, _split_value)
+jacfwd = _derivative(jax.jacfwd, _split_pair)
+jacrev = _derivative(jax.jacrev, _split_pair)
+jacobian = _derivative(jax.jacobian, _split_pair)
+hessian = _derivative(jax.hessian, _split_pair)
 vjp = _at_primals(jax.vjp)
 linearize = _at_primals(jax.linearize)
 jvp = _documented(jvp, "jvp")
