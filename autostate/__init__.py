@@ -11,7 +11,17 @@ from autostate.api import (
     state,
     stateful,
 )
-from autostate.control import checkpoint, cond, fori_loop, map, remat, scan, switch, while_loop
+from autostate.control import (
+    checkpoint,
+    cond,
+    fori_loop,
+    map,
+    remat,
+    scan,
+    switch,
+    vmap,
+    while_loop,
+)
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -58,6 +68,7 @@ __all__ = [
     "remat",
     "scan",
     "switch",
+    "vmap",
     "while_loop",
     "FunctionalModel",
     "Stateful",

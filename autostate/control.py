@@ -68,6 +68,7 @@ __all__ = [
     "routed",
     "scan",
     "switch",
+    "vmap",
     "while_loop",
     "wrapper_name",
 ]
@@ -534,6 +535,92 @@ class _StaticInBody(StateSlot):
         raise NotImplementedError
 
 
+# --- stacked sub-models -------------------------------------------------------------
+# A sub-model handed to a mapping transformation (``jax.vmap``'s mapped
+# arguments, ``lax.scan``'s ``xs``, ``lax.map``) is a list of members: each
+# of its states is one slice per member along the mapped axis, each member
+# reads and writes its own slice, and the slices written come back stacked.
+
+
+def _members(cells: Cells, tree: Any) -> list[int]:
+    """The cells (indices into ``cells``) of the states of the decorated
+    instances in ``tree`` that hold JAX values: those a mapping transformation
+    slices, one slice per member (a deque or a plain object is not sliced)."""
+    index = {id(cell): i for i, cell in enumerate(cells)}
+    found: dict[int, None] = {}
+    for obj in _graph.instances_of(tree):
+        for attr in _tree.info_of(obj).state:
+            slot = obj.__dict__.get(attr)
+            if type(slot) is not HandledLocalStateRef:
+                continue
+            cell = handler_cells(slot.handler_id).get(slot.name)
+            i = index.get(id(cell))
+            if cell is not None and i is not None and _traceable(cell.value):
+                found[i] = None
+    return list(found)
+
+
+def _check_stacked(cells: Cells, axes: Sequence[int], size: int | None, what: str) -> int | None:
+    """Every array of the member states ``cells`` has the mapped axis (its entry
+    of ``axes``), of one size (``size`` where the call fixes it): the members
+    agree, as a stack ``jax.vmap(Layer)(keys)`` builds does. The size, or ``None``."""
+    for cell, axis in zip(cells, axes):
+        for leaf in jax.tree_util.tree_leaves(cell.value):
+            shape = jax.numpy.shape(leaf)
+            n = shape[axis] if -len(shape) <= axis < len(shape) else None
+            if n is None or (size is not None and n != size):
+                count = f" ({size} here)" if size is not None else ""
+                raise ControlFlowStateError(
+                    format_error(
+                        f"State {cell.name!r} holds {_describe(cell.value)}, but it belongs to "
+                        f"a sub-model passed to {what} as a mapped argument, which makes the "
+                        f"sub-model a stack of members: each of its states needs axis {axis}, "
+                        f"one entry per member{count}, and this one "
+                        + ("lacks it." if n is None else f"has {n}: the members disagree."),
+                        where=user_location(),
+                        fix="build the stack with one call, `jax.vmap(Layer)(keys)`, so every "
+                        "state has the members' axis; or pass the sub-model unmapped (in_axes "
+                        "None) if it is one model every example shares.",
+                    )
+                )
+            size = n
+    return size
+
+
+def _member_body(
+    cells: Cells, members: Sequence[int], body: Callable[[Any, Any], Any]
+) -> Callable[[Any, tuple[Any, list[Any]]], Any]:
+    """``body(carry, x)`` of a scan whose ``x`` is ``(x, member slices)``: the
+    member cells hold this step's slices while it runs, and the slices it
+    assigned leave as part of its ``y`` (stacked by the scan), so they are
+    never a carry. The other cells are left to the caller's threading."""
+    chosen = [cells[i] for i in members]
+
+    def run(carry: Any, x: tuple[Any, list[Any]]) -> Any:
+        x, slices = x
+        saved = [cell.value for cell in chosen]
+        for cell, value in zip(chosen, slices):
+            cell.value = value
+        signatures = [_signature(v) for v in slices]
+        ok = False
+        try:
+            carry, y = _settled(body(carry, x))
+            after = _current(chosen)
+            ok = True
+        finally:
+            # (When it raised, a slice it assigned stays: the caller marks it lost.)
+            for cell, value, old in zip(chosen, slices, saved):
+                if ok or cell.value is value:
+                    cell.value = old
+        written = {
+            k: v for k, (v, b, sig) in enumerate(zip(after, slices, signatures))
+            if _assigned(b, sig, v)
+        }
+        return carry, (y, written)
+
+    return run
+
+
 # --- the primitives ---------------------------------------------------------------
 
 
@@ -601,6 +688,25 @@ def _scan(
     f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str = "the body of a lax.scan"
 ) -> tuple[Any, Any]:
     cells = running_cells()
+    members = _members(cells, xs) if cells else []
+    if not members:
+        return _scan_threaded(cells, f, init, xs, options, what)
+    # A stacked sub-model in ``xs``: its states are scanned over with it.
+    chosen = [cells[i] for i in members]
+    _check_stacked(chosen, [0] * len(chosen), _scan_length(xs, options.get("length")), what)
+    body = _member_body(cells, members, f)
+    carry, (ys, written) = _scan_threaded(
+        cells, body, init, (xs, _current(chosen)), options, what
+    )
+    for k, value in written.items():
+        chosen[k].value = value
+    return carry, ys
+
+
+def _scan_threaded(
+    cells: Cells, f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str
+) -> tuple[Any, Any]:
+    """``lax.scan``, the states ``f`` assigns threaded as carry."""
     if not cells:
         return lax.scan(f, init, xs, **options)
     if _scan_length(xs, options.get("length")) == 0:
@@ -826,15 +932,28 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
 
 def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
     cells = running_cells()
+    what = "the function of a lax.map"
     if not cells:
         return lax.map(f, xs, **options)
+    if options.get("batch_size") is None:
+        _, ys = _scan(lambda carry, x: (carry, f(x)), None, xs, {}, what)
+        return ys
+    members = _members(cells, xs)
+    if members:
+        raise ControlFlowStateError(
+            format_error(
+                f"A lax.map with batch_size maps over a stacked sub-model (state "
+                f"{cells[members[0]].name!r}); its batched elements run under jax.vmap, "
+                "which lax.map does not give the members' states to.",
+                where=user_location(),
+                fix="drop batch_size, or call jax.vmap over the sub-model for each batch.",
+            )
+        )
     x_slice = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
     )
-    written, _ = _writes(cells, f, x_slice, what="the function of a lax.map")
-    if not written:
-        return lax.map(f, xs, **options)
-    if options.get("batch_size") is not None:
+    written, _ = _writes(cells, f, x_slice, what=what)
+    if written:
         raise ControlFlowStateError(
             format_error(
                 f"The function of a lax.map with batch_size assigns state "
@@ -845,8 +964,7 @@ def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
                 "state outside the map.",
             )
         )
-    _, ys = _scan(lambda carry, x: (carry, f(x)), None, xs, {}, "the function of a lax.map")
-    return ys
+    return lax.map(f, xs, **options)
 
 
 def _branches(
@@ -1080,6 +1198,154 @@ def _checkpoint_call(
     return out
 
 
+# --- vmap ---------------------------------------------------------------------------
+# ``jax.vmap``'s placement: the states of a sub-model in a mapped argument
+# are mapped with it (in and out axes its argument's), each example reading
+# and writing its own member; any other state is broadcast: read as it is,
+# and assigned only with a value every example agrees on (``out_axes=None``,
+# a statistic reduced over the ``axis_name``), which plain Python's loop
+# over the examples would leave.
+
+
+def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options: Any) -> Callable[..., Any]:
+    """``jax.vmap`` of a function that may read and assign state (what a
+    method's ``jax.vmap(...)`` calls).
+
+    A sub-model in a mapped argument is a stack of members (one built by
+    ``jax.vmap(Layer)(keys)``): each example reads and writes its own
+    member, as a loop over the members would. A state reached any other way
+    is shared by every example: reading it is free, and it may be assigned
+    a value that does not vary over the examples (reduced with
+    ``lax.pmean``/``psum`` over the ``axis_name``); a per-example value is
+    refused, as no single value means what the loop would leave.
+
+    Args:
+        fun: the function to vectorize.
+        in_axes: as ``jax.vmap``'s; the states of a sub-model in an argument
+            share that argument's axis.
+        out_axes: as ``jax.vmap``'s; the states of a mapped sub-model come back
+            on their argument's axis.
+        **options: the other options of ``jax.vmap`` (``axis_name``, ``axis_size``,
+            ``spmd_axis_name``).
+
+    Returns:
+        The vectorized function.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Member:
+        ...     def __init__(self, key):
+        ...         self.w = jax.random.normal(key, (2,))
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return x @ self.w
+        >>> members = jax.vmap(Member)(jax.random.split(jax.random.key(0), 3))
+        >>> ys = autostate.vmap(lambda m, x: m(x))(members, jnp.ones((3, 2)))
+        >>> print(ys.shape, members.calls)
+        (3,) [1 1 1]
+    """
+
+    def batched(*args: Any, **kwargs: Any) -> Any:
+        return _with_eager_states(
+            (fun, args, kwargs),
+            lambda: _vmap_call(fun, in_axes, out_axes, options, args, kwargs),
+            "a jax.vmap",
+        )
+
+    functools.update_wrapper(batched, fun, updated=())
+    return batched
+
+
+def _vmap_call(
+    fun: Callable, in_axes: Any, out_axes: Any, options: dict, args: tuple, kwargs: dict
+) -> Any:
+    cells = running_cells()
+    if not cells:
+        return jax.vmap(fun, in_axes=in_axes, out_axes=out_axes, **options)(*args, **kwargs)
+    what = "a jax.vmap"
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)  # (as jax.vmap reads a list)
+    if not isinstance(in_axes, tuple):
+        in_axes = (in_axes,) * len(args)
+    axis_of: dict[int, int] = {}
+
+    def visit(axis: Any, part: Any) -> None:
+        if isinstance(axis, int):
+            for i in _members(cells, part):
+                axis_of.setdefault(i, axis)
+
+    with contextlib.suppress(ValueError, TypeError):  # (jax.vmap says what does not match)
+        jax.tree_util.tree_map(visit, in_axes, args, is_leaf=lambda a: a is None)
+    visit(0, kwargs)
+    members = list(axis_of)
+    chosen = [cells[i] for i in members]
+    axes = [axis_of[i] for i in members]
+    _check_stacked(chosen, axes, options.get("axis_size"), what)
+    groups = sorted(set(axes))
+    assigned: list[int] = []
+
+    def inner(values: list[Any], args: tuple, kwargs: dict) -> Any:
+        with _bound(cells, chosen, values, what):
+            before = _current(cells)
+            signatures = [_signature(v) for v in before]
+            out = _settled(fun(*args, **kwargs))
+            after = _current(cells)
+        changed = {
+            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
+        }
+        stacked: dict[int, dict[int, Any]] = {axis: {} for axis in groups}
+        for k, i in enumerate(members):
+            if i in changed:
+                stacked[axes[k]][k] = after[i]
+        shared = {i: after[i] for i in sorted(changed) if i not in axis_of}
+        assigned[:] = list(shared)
+        return out, stacked, shared
+
+    vmapped = functools.partial(
+        jax.vmap, inner, in_axes=(axes, in_axes, 0), **options
+    )
+    values = _current(chosen)
+    try:
+        out, stacked, shared = vmapped(out_axes=(out_axes, {a: a for a in groups}, None))(
+            values, args, kwargs
+        )
+    except ValueError as error:
+        if "out_axes" not in str(error) or not assigned:
+            raise
+        for i in list(assigned):
+            try:
+                jax.eval_shape(
+                    vmapped(out_axes=(0, 0, {i: None})), values, args, kwargs
+                )
+            except ValueError:
+                raise _per_example_write(cells[i]) from None
+        raise
+    for axis in groups:
+        for k, value in stacked[axis].items():
+            chosen[k].value = value
+    for i, value in shared.items():
+        cells[i].value = value
+    return out
+
+
+def _per_example_write(cell: LocalStateEffectImpl) -> Exception:
+    return ControlFlowStateError(
+        format_error(
+            f"State {cell.name!r} is assigned a value that differs from example to example "
+            "inside a jax.vmap, but the state is shared by every example (it is not part of "
+            "a sub-model passed as a mapped argument): no single value means what a loop "
+            "over the examples would leave. The model keeps its value from before the call.",
+            where=user_location(),
+            fix="reduce the value over the vmap's axis (`jax.vmap(fn, axis_name='batch')` "
+            "and `lax.pmean(value, 'batch')`), or make the state part of a stacked "
+            "sub-model (`jax.vmap(Layer)(keys)`) passed as a mapped argument, so each "
+            "example keeps its own.",
+        )
+    )
+
+
 # --- derivatives --------------------------------------------------------------------
 # A derivative's placement: the states the function assigns leave it as
 # auxiliary outputs and are assigned after, so each keeps its primal value;
@@ -1229,6 +1495,7 @@ def _targets() -> dict[Any, str]:
         jax.jvp: "jvp",
         jax.vjp: "vjp",
         jax.linearize: "linearize",
+        jax.vmap: "vmap",
     }
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint

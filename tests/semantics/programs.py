@@ -8943,7 +8943,7 @@ class EqxStack:
         return lax.scan(lambda h, layer: (layer.forward(h), None), x, self.layers)[0]
 
     def write(self, x):
-        return lax.scan(lambda h, layer: (layer(h), None), x, self.layers)[0]  # eqx write
+        return lax.scan(lambda h, layer: (layer(h), None), x, self.layers)[0]
 """
 
 
@@ -12251,3 +12251,124 @@ Z = jnp.ones((4, 2)) * 0.5
 
 
 REAL_ONES = jnp.ones((4, 3))
+
+
+# A stack of members (``jax.vmap(Member)(keys)``) handed to jax.vmap, lax.scan
+# and lax.map in methods, and ``ListEnsemble``, its plain reference: the same
+# members built one by one in a list, run by Python loops.
+STACKED_MEMBERS = """
+@DECORATE
+class Member:
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.w = jax.random.normal(k1, (3,))
+        self.mean = jnp.zeros(())
+        self.calls = jnp.zeros((), jnp.int32)
+        self.key = k2
+
+    def __call__(self, x):
+        self.key, sub = jax.random.split(self.key)
+        keep = jax.random.bernoulli(sub, 0.7, jnp.shape(x)[:-1])  # each member its own mask
+        y = (x @ self.w) * keep
+        self.mean = 0.9 * self.mean + 0.1 * y.mean()
+        self.calls += 1
+        return y
+
+
+def member_keys(n):
+    return jax.random.split(jax.random.key(0), n)
+
+
+@DECORATE
+class Ensemble:
+    def __init__(self, n):
+        self.members = jax.vmap(Member)(member_keys(n))
+        self.shared = jnp.zeros(())
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.steps += 1
+        return jax.vmap(lambda m: m(x))(self.members)
+
+    def per_member(self, xs):
+        return jax.vmap(lambda m, x: m(x))(self.members, xs)
+
+    def member_axis_1(self, xs):
+        return jax.vmap(lambda x, m: m(x), in_axes=(1, 0))(xs, self.members)
+
+    def scanned(self, h):
+        return lax.scan(lambda h, m: (jnp.tanh(m(h) + h), None), h, self.members)[0]
+
+    def mapped(self, x):
+        return lax.map(lambda m: m(x), self.members)
+
+    def decode(self, h):
+        return lax.fori_loop(0, 2, lambda i, h: self.scanned(h), h)
+
+    def vmap_of_scan(self, xs):
+        def run(m, seq):
+            return lax.scan(lambda c, x: (c + m(x).sum(), None), jnp.zeros(()), seq)[0]
+        return jax.vmap(run)(self.members, xs)
+
+    def reduced(self, xs):
+        def one(x):
+            self.shared = lax.pmean(x.mean(), "batch")
+            return 2 * x
+        return jax.vmap(one, axis_name="batch")(xs)
+
+    def per_example(self, xs):
+        def one(x):
+            self.shared = x.mean()
+            return 2 * x
+        return jax.vmap(one)(xs)  # per-example write
+
+    def unstacked(self, xs):
+        one = Member(jax.random.key(1))
+        return jax.vmap(lambda m, x: m(x))(one, xs)  # unstacked member
+
+
+class ListEnsemble:
+    def __init__(self, n):
+        self.members = [Member(k) for k in member_keys(n)]
+        self.shared = jnp.zeros(())
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.steps += 1
+        return jnp.stack([m(x) for m in self.members])
+
+    def per_member(self, xs):
+        return jnp.stack([m(x) for m, x in zip(self.members, xs)])
+
+    def member_axis_1(self, xs):
+        return jnp.stack([m(xs[:, i]) for i, m in enumerate(self.members)])
+
+    def scanned(self, h):
+        for m in self.members:
+            h = jnp.tanh(m(h) + h)
+        return h
+
+    def mapped(self, x):
+        return jnp.stack([m(x) for m in self.members])
+
+    def decode(self, h):
+        for _ in range(2):
+            h = self.scanned(h)
+        return h
+
+    def vmap_of_scan(self, xs):
+        outs = []
+        for m, seq in zip(self.members, xs):
+            c = jnp.zeros(())
+            for x in seq:
+                c = c + m(x).sum()
+            outs.append(c)
+        return jnp.stack(outs)
+
+    def reduced(self, xs):
+        outs = []
+        for x in xs:
+            self.shared = jnp.mean(jnp.stack([e.mean() for e in xs]))
+            outs.append(2 * x)
+        return jnp.stack(outs)
+"""
