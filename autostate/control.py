@@ -1346,6 +1346,104 @@ def _per_example_write(cell: LocalStateEffectImpl) -> Exception:
     )
 
 
+# --- jit ----------------------------------------------------------------------------
+# ``jax.jit``'s placement: the live states JAX can trace are extra arguments
+# of the jitted function and the ones it assigns extra outputs, so a write
+# inside lands with its value, as if the function ran eagerly, and a read is
+# the state's value at the call, never a constant of an earlier trace.
+
+
+def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``jax.jit`` of a function that may read and assign state (what a
+    method's ``jax.jit(...)`` calls).
+
+    The states are arguments and outputs of the compiled function: a read is
+    the state's value at the call, and a write lands, as if the function ran
+    eagerly. A static state (a Python value) may not be assigned there.
+
+    Args:
+        fun: the function to compile.
+        **options: those of ``jax.jit`` (``static_argnums``, ``donate_argnums``, ...),
+            numbered as the arguments of ``fun``.
+
+    Returns:
+        The compiled function.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.n = jnp.zeros((), jnp.int32)
+        ...
+        ...     def step(self, k):
+        ...         self.n += k
+        ...         return self.n
+        >>> counter = Counter()
+        >>> step = autostate.jit(counter.step)
+        >>> print(step(2), step(3), counter.n)
+        2 5 5
+    """
+    shifted = dict(options)
+    for name in ("static_argnums", "donate_argnums"):
+        numbers = options.get(name)
+        if numbers is not None:
+            numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
+            shifted[name] = tuple(i + 1 if i >= 0 else i for i in numbers)
+
+    def jitted(*args: Any, **kwargs: Any) -> Any:
+        return _with_eager_states(
+            (fun, args, kwargs),
+            lambda: _jit_call(fun, options, shifted, args, kwargs),
+            "a jax.jit",
+        )
+
+    functools.update_wrapper(jitted, fun, updated=())
+    return jitted
+
+
+def _jit_call(
+    fun: Callable, options: dict, shifted: dict, args: tuple, kwargs: dict
+) -> Any:
+    cells = running_cells()
+    if not cells:
+        return jax.jit(fun, **options)(*args, **kwargs)
+    what = "a jax.jit"
+    passed = [i for i, cell in enumerate(cells) if _traceable(cell.value)]
+    chosen = [cells[i] for i in passed]
+
+    def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> Any:
+        with _bound(cells, chosen, values, what):
+            before = _current(cells)
+            signatures = [_signature(v) for v in before]
+            out = _settled(fun(*inner, **inner_kwargs))
+            after = _current(cells)
+        changed = {
+            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
+        }
+        for i in sorted(changed - set(passed)):
+            raise _untraceable_write(cells[i], after[i], what)
+        return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+
+    threaded.__name__ = getattr(fun, "__name__", threaded.__name__)  # (the jaxpr's name)
+    out, new = jax.jit(threaded, **shifted)(_current(chosen), *args, **kwargs)
+    for k, value in new.items():
+        chosen[k].value = value
+    return out
+
+
+def _untraceable_write(cell: LocalStateEffectImpl, value: Any, what: str) -> Exception:
+    return ControlFlowStateError(
+        format_error(
+            f"State {cell.name!r} is assigned {type(value).__name__} inside {what}, a value "
+            "JAX cannot return from a compiled function: the assignment would happen when "
+            "JAX traces the function, not each time it runs.",
+            where=user_location(),
+            fix="keep what changes there in arrays, or change the state outside the "
+            "compiled function.",
+        )
+    )
+
+
 # --- derivatives --------------------------------------------------------------------
 # A derivative's placement: the states the function assigns leave it as
 # auxiliary outputs and are assigned after, so each keeps its primal value;
@@ -1496,6 +1594,7 @@ def _targets() -> dict[Any, str]:
         jax.vjp: "vjp",
         jax.linearize: "linearize",
         jax.vmap: "vmap",
+        jax.jit: "jit",
     }
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint

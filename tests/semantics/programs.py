@@ -12305,6 +12305,13 @@ class Ensemble:
     def decode(self, h):
         return lax.fori_loop(0, 2, lambda i, h: self.scanned(h), h)
 
+    def jit_of_vmap(self, xs):
+        return jax.jit(jax.vmap(lambda m, x: m(x)))(self.members, xs)
+
+    def remat_scanned(self, h):
+        body = jax.checkpoint(lambda h, m: (jnp.tanh(m(h) + h), None))
+        return lax.scan(body, h, self.members)[0]
+
     def vmap_of_scan(self, xs):
         def run(m, seq):
             return lax.scan(lambda c, x: (c + m(x).sum(), None), jnp.zeros(()), seq)[0]
@@ -12355,6 +12362,9 @@ class ListEnsemble:
         for _ in range(2):
             h = self.scanned(h)
         return h
+
+    jit_of_vmap = per_member
+    remat_scanned = scanned
 
     def vmap_of_scan(self, xs):
         outs = []

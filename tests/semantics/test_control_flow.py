@@ -86,6 +86,7 @@ from semantics.programs import (
     EVERY_LAX_BODY,
     FLOW,
     GROW,
+    HELPER_ESCAPES,
     HELPER_MOD,
     HELPER_MODEL,
     HELPERS,
@@ -103,6 +104,7 @@ from semantics.programs import (
     STACKED_MEMBERS,
     TRAIN_XS,
     TRAINER,
+    TRANSFORMS_INSIDE,
     V3,
     V3_RANGE,
     V3_STACK,
@@ -4044,6 +4046,8 @@ STACKED_CALLS: dict[str, Any] = {
     "scanned": jnp.array([0.5, -1.0, 2.0]),
     "mapped": _XB,
     "decode": jnp.array([0.5, -1.0, 2.0]),
+    "jit_of_vmap": jnp.stack([_XB, 2 * _XB, -_XB]),
+    "remat_scanned": jnp.array([0.5, -1.0, 2.0]),
     "vmap_of_scan": jnp.stack([jnp.stack([_XB, -_XB])] * STACK_N) * jnp.arange(1.0, 4.0)[:, None, None, None],
     "reduced": jnp.arange(12.0).reshape(4, 3),
 }
@@ -4137,3 +4141,104 @@ def test_what_a_stack_cannot_mean_is_refused_at_the_line(write_module: Loader, m
         user_line(err.value, dec, text)
     out, states = modes_of(f, "__call__")[1](states, arg)  # f is left usable
     same(2, states["steps"] + 1)
+
+
+# --- jax.jit inside a method ------------------------------------------------------------
+# The states are arguments and outputs of the compiled function: a write inside
+# lands with its value, and a read is the state's value at this call, as if the
+# function ran eagerly (the plain reference: ``jax.jit`` is the identity there;
+# plain JAX would leak the write's tracer, and bake the first call's reads).
+
+JIT_INSIDE = """
+@DECORATE
+class Tracker:
+    def __init__(self):
+        self.w = jnp.arange(3.0)
+        self.mean = jnp.zeros(3)
+        self.n = jnp.zeros((), jnp.int32)
+        self.seen = collections.deque(maxlen=2)
+
+    def _update(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x * self.w
+        self.n += 1
+        return self.mean.sum()
+
+    def __call__(self, x):
+        return jax.jit(self._update)(x)
+
+    def static_arg(self, x):
+        return jax.jit(lambda x, k: self._update(x * k), static_argnums=1)(x, 2)
+
+    def decorated(self, x):
+        @jax.jit
+        def inner(v):
+            self.mean = self.mean + v
+            return v * self.w
+        return inner(x)
+
+    def in_scan(self, xs):
+        return lax.scan(lambda c, x: (c + jax.jit(self._update)(x), None), jnp.zeros(()), xs)[0]
+
+    def reads_only(self, x):
+        return jax.jit(lambda x: x * self.mean + self.n)(x)
+
+    def appends(self, x):
+        jax.jit(lambda x: self.seen.append(1))(x)
+        return x
+"""
+
+JIT_PLAIN = [
+    ("jax.jit(lambda x, k", "(lambda fn, **kw: fn)(lambda x, k"),
+    ("jax.jit(self._update)", "self._update"),
+    ("jax.jit(lambda x: x", "(lambda x: x"),
+    ("jax.jit(lambda x: self.seen", "(lambda x: self.seen"),
+    ("@jax.jit", ""),
+]
+
+
+@pytest.mark.parametrize("method", ["__call__", "static_arg", "decorated", "reads_only"])
+def test_jit_inside_a_method_means_the_eager_call(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    x = jnp.array([1.0, -2.0, 0.5])
+    calls = [("__call__", (x,)), (method, (x,)), (method, (2 * x,))]
+    check(plain, dec, "Tracker()", calls)
+    # A parameter changed between calls is read at the call, not baked in.
+    check_transform(plain, dec, "Tracker()", [(method, (TRACED_X,))], x, "grad")
+
+
+JIT_WRITES = {
+    # (plain JAX leaks the tracer of each of these writes)
+    "bound": (TRANSFORMS_INSIDE, "T()", "jit_bound", ("jax.jit(self.bump)", "self.bump")),
+    "nested": (NESTED, "Nest()", "jit_write", ("jax.jit(self.step)", "self.step")),
+    "decorator": (HELPER_ESCAPES, "M()", "jit_then_read_dict", ("@jax.jit", "")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JIT_WRITES))
+def test_jit_of_a_function_that_writes(write_module: Loader, case: str) -> None:
+    source, build, method, sub = JIT_WRITES[case]
+    plain, dec = pair(write_module, source, plain_subs=[sub])
+    check(plain, dec, build, [(method, (jnp.float32(1.5),)), (method, (jnp.float32(2.0),))])
+
+
+def test_jit_inside_a_scan_body(write_module: Loader) -> None:
+    plain, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    xs = jnp.arange(6.0).reshape(2, 3)
+    check(plain, dec, "Tracker()", [("in_scan", (xs,)), ("in_scan", (-xs,))])
+
+
+def test_jit_inside_a_method_reads_parameters_at_the_call(write_module: Loader) -> None:
+    _, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    model = dec.Tracker()
+    x = jnp.ones(3)
+    model.reads_only(x)
+    model.w = 10 * model.w
+    same(0.1 * x * model.w, model(x) * 0 + model.mean, "the new w")
+
+
+def test_python_container_changed_inside_jit(write_module: Loader) -> None:
+    # Eagerly the function is traced at each call, so a deque it appends to grows
+    # once per call, as plain Python's does (through f, changing it in place is
+    # refused, as anywhere in f).
+    plain, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    check(plain, dec, "Tracker()", [("appends", (jnp.ones(3),))] * 3, modes=("eager",))
