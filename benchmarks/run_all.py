@@ -45,6 +45,7 @@ SCENARIOS = {
     "donation": "bench_donation",
     "perf": "bench_perf",
     "nn": "bench_nn",
+    "stacked": "bench_stacked",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 
