@@ -50,13 +50,14 @@ from autostate.effects.local_state import (
 )
 from autostate.errors import (
     ControlFlowStateError,
+    EscapedStateError,
     StaticStateError,
     format_error,
     refused,
     user_location,
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
-from autostate.lifetime import CopiedRef, LostValue, contains_tracer
+from autostate.lifetime import CopiedRef, LostValue, contains_tracer, holds_escaped_tracer
 from autostate.state_values import StaticState, _same_static, is_static_value
 
 __all__ = [
@@ -1573,6 +1574,65 @@ linearize = _at_primals(jax.linearize)
 jvp = _documented(jvp, "jvp")
 
 
+# --- custom derivatives ------------------------------------------------------------
+# A function with a custom derivative runs as plain Python where JAX calls it
+# on concrete values (eagerly, ``f`` outside ``jit``), so a state it assigns
+# there lands. Where JAX traces it into its own sub-program (under ``jit``)
+# no placement can return the write: a state left holding a tracer of that
+# finished trace is refused at the call, naming the state and the line, and
+# the states are put back.
+
+
+def _custom_call(call: Callable[[], Any], roots: tuple, what: str) -> Any:
+    def checked() -> Any:
+        cells = running_cells()
+        before = [cell.value for cell in cells]
+        out = call()
+        for cell, value in zip(cells, before):
+            if cell.value is not value and holds_escaped_tracer(cell.value):
+                name = cell.name
+                for c, v in zip(cells, before):
+                    c.value = v
+                raise EscapedStateError(
+                    format_error(
+                        f"State {name!r} is assigned inside {what} (or its rules) that JAX "
+                        "traced into its own program, so the state would hold a tracer of "
+                        "that finished program.",
+                        where=user_location(),
+                        fix="assign the state outside the function with the custom "
+                        "derivative: return the new value from it and assign it after the "
+                        "call.",
+                    )
+                )
+        return out
+
+    return _with_eager_states(roots, checked, what)
+
+
+class custom_vjp(jax.custom_vjp):  # noqa: N801 - jax's name
+    """``jax.custom_vjp`` whose function may assign state where JAX runs it on
+    concrete values (what a method's ``jax.custom_vjp`` calls); a write JAX
+    traces away is refused at the call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().__call__
+        return _custom_call(
+            lambda: call(*args, **kwargs), (self.fun, args, kwargs), "a jax.custom_vjp function"
+        )
+
+
+class custom_jvp(jax.custom_jvp):  # noqa: N801 - jax's name
+    """``jax.custom_jvp`` whose function may assign state where JAX runs it on
+    concrete values (what a method's ``jax.custom_jvp`` calls); a write JAX
+    traces away is refused at the call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().__call__
+        return _custom_call(
+            lambda: call(*args, **kwargs), (self.fun, args, kwargs), "a jax.custom_jvp function"
+        )
+
+
 # --- what the decorator routes here -------------------------------------------------
 
 
@@ -1597,6 +1657,8 @@ def _targets() -> dict[Any, str]:
         jax.linearize: "linearize",
         jax.vmap: "vmap",
         jax.jit: "jit",
+        jax.custom_vjp: "custom_vjp",
+        jax.custom_jvp: "custom_jvp",
     }
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint

@@ -285,8 +285,8 @@ def run(smoke: bool = False) -> Report:
         my_run, my_step, my_args = mine(cfg, arg)
         ref_run, ref_step, ref_args = by_hand(cfg, arg)
         timings = time_interleaved(
-            {"autostate": lambda: jax.block_until_ready(my_run()),
-             REFERENCE: lambda: jax.block_until_ready(ref_run())},
+            {"autostate": lambda run=my_run: jax.block_until_ready(run()),
+             REFERENCE: lambda run=ref_run: jax.block_until_ready(run())},
             rounds=cfg.rounds, number=cfg.number,
         )
         ratio = paired_ratio(timings["autostate"], timings[REFERENCE])

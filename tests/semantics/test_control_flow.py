@@ -4242,3 +4242,113 @@ def test_python_container_changed_inside_jit(write_module: Loader) -> None:
     # refused, as anywhere in f).
     plain, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
     check(plain, dec, "Tracker()", [("appends", (jnp.ones(3),))] * 3, modes=("eager",))
+
+
+# --- custom derivative rules ---------------------------------------------------------------
+# Where JAX runs a function with a custom derivative (or a rule) on concrete
+# values, or inside the trace of the call, a state it assigns lands as plain
+# Python's would. Under jit JAX traces the function into its own program, which
+# no placement can return a write from: refused at the call, naming the state
+# and the line, the states left as they were.
+
+CUSTOM_RULES = """
+@DECORATE
+class Rules:
+    def __init__(self):
+        self.n = jnp.ones(())
+
+    def _vjp(self, write):
+        @jax.custom_vjp
+        def g(x):
+            if write == "function":
+                self.n = self.n + x
+            return 2 * x * self.n
+
+        def fwd(x):
+            if write == "forward":
+                self.n = self.n + x
+            return 2 * x * self.n, self.n
+
+        def bwd(n, ct):
+            if write == "backward":
+                self.n = self.n + ct
+            return (2 * ct * n,)
+
+        g.defvjp(fwd, bwd)
+        return g
+
+    def _jvp(self, write):
+        @jax.custom_jvp
+        def g(x):
+            if write == "function":
+                self.n = self.n + x
+            return 2 * x * self.n
+
+        @g.defjvp
+        def g_jvp(primals, tangents):
+            if write == "rule":
+                self.n = self.n + 1.0
+            return g(primals[0]), 2 * self.n * tangents[0]
+
+        return g
+
+    def reads(self, x):
+        return self._vjp(None)(x), jax.grad(self._vjp(None))(x), jax.grad(self._jvp(None))(x)
+
+    def vjp_function(self, x):
+        return self._vjp("function")(x)  # custom rule line
+
+    def vjp_forward(self, x):
+        return jax.grad(self._vjp("forward"))(x)  # custom rule line
+
+    def vjp_backward(self, x):
+        return jax.grad(self._vjp("backward"))(x)  # custom rule line
+
+    def jvp_function(self, x):
+        return self._jvp("function")(x)  # custom rule line
+
+    def jvp_rule(self, x):
+        return jax.grad(self._jvp("rule"))(x)  # custom rule line
+"""
+
+
+CUSTOM_METHODS = ["reads", "vjp_function", "vjp_forward", "vjp_backward", "jvp_function", "jvp_rule"]
+
+
+@pytest.mark.parametrize("method", CUSTOM_METHODS)
+def test_custom_derivative_rules_run_as_plain_python(write_module: Loader, method: str) -> None:
+    plain, dec = pair(write_module, CUSTOM_RULES)
+    x = jnp.float32(1.5)
+    traced_away = method in ("vjp_function", "jvp_function")  # (refused under jit: below)
+    modes = ("eager", "f") if traced_away else ("eager", "f", "jit", "freeze")
+    check(plain, dec, "Rules()", [(method, (x,)), (method, (2 * x,))], modes=modes)
+
+
+@pytest.mark.parametrize("method", ["vjp_function", "jvp_function"])
+def test_state_assigned_in_a_traced_custom_derivative_is_refused_at_the_line(
+    write_module: Loader, method: str
+) -> None:
+    _, dec = pair(write_module, CUSTOM_RULES)
+    f, states = dec.Rules().functionalize()
+    with pytest.raises(EscapedStateError, match=r"State 'n' is assigned inside a jax\.custom") as err:
+        jax.jit(_fcall(f, method))(states, jnp.float32(1.5))
+    user_line(err.value, dec, "# custom rule line")
+    out, new = jax.jit(f.reads)(states, jnp.float32(1.5))  # f is left usable
+    same(jnp.ones(()), new["n"])
+
+
+def test_outer_vmap_of_f_over_a_stack_of_members(write_module: Loader) -> None:
+    # jax.vmap of f over inputs, the states shared: each input's run of the
+    # stack is the list's run on that input alone.
+    plain, dec = pair(write_module, STACKED_MEMBERS)
+    xs = jnp.stack([_XB, -_XB, 2 * _XB])
+    f, states = dec.Ensemble(STACK_N).functionalize()
+    for method in ("__call__", "scanned"):
+        batch = xs if method == "__call__" else xs[:, 0]
+        call = modes_of(f, method)[0]
+        outs, new = staged(jax.vmap(call, in_axes=(None, 0)))(states, batch)
+        for i, x in enumerate(batch):
+            ref = plain.ListEnsemble(STACK_N)
+            same(getattr(ref, method)(x), outs[i], f"{method} output {i}")
+            same(_member_values(ref.members, "mean"), new["members.mean"][i], f"{method} mean {i}")
+            same(_member_values(ref.members, "key"), jax.random.key_data(new["members.key"][i]))
