@@ -1447,6 +1447,105 @@ def _untraceable_write(cell: LocalStateEffectImpl, value: Any, what: str) -> Exc
     )
 
 
+# --- shard_map -----------------------------------------------------------------------
+# ``jax.shard_map``'s placement: the live states JAX can trace enter every
+# shard replicated, as extra arguments, and the ones the function assigns
+# leave replicated, so a write lands only with a value every shard agrees on
+# (reduced with ``lax.pmean``/``psum`` over the mesh axes); a per-shard value
+# is refused, as a per-example one under ``jax.vmap`` is.
+
+
+def shard_map(f: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """``jax.shard_map`` of a function that may read and assign state (what a
+    method's ``jax.shard_map`` calls). The states enter every shard
+    replicated; one the function assigns must leave with a value every shard
+    agrees on (reduced over the mesh axes), or it is refused.
+
+    Args:
+        f: the per-shard function (or ``None``: ``shard_map`` used as a decorator
+            factory, as ``jax.shard_map(mesh=..., ...)``).
+        **options: those of ``jax.shard_map`` (``mesh``, ``in_specs``, ``out_specs``, ...).
+
+    Returns:
+        The mapped function.
+    """
+    if f is None:
+        return functools.partial(shard_map, **options)
+    fun = f
+
+    def mapped(*args: Any) -> Any:
+        return _with_eager_states(
+            (fun, args), lambda: _shard_map_call(fun, options, args), "a jax.shard_map"
+        )
+
+    functools.update_wrapper(mapped, fun, updated=())
+    return mapped
+
+
+def _shard_map_call(f: Callable, options: dict, args: tuple) -> Any:
+    cells = running_cells()
+    if not cells:
+        return jax.shard_map(f, **options)(*args)
+    what = "a jax.shard_map"
+    passed = [i for i, cell in enumerate(cells) if _traceable(cell.value)]
+    chosen = [cells[i] for i in passed]
+    replicated = jax.sharding.PartitionSpec()
+    lifted = dict(options)
+    if "in_specs" in options:
+        specs = options["in_specs"]
+        per_arg = specs if isinstance(specs, tuple) else (specs,) * len(args)
+        lifted["in_specs"] = ([replicated] * len(chosen), *per_arg)
+    assigned: list[int] = []
+
+    def threaded(values: list[Any], *inner: Any) -> Any:
+        with _bound(cells, chosen, values, what):
+            before = _current(cells)
+            signatures = [_signature(v) for v in before]
+            out = _settled(f(*inner))
+            after = _current(cells)
+        changed = {
+            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
+        }
+        for i in sorted(changed - set(passed)):
+            raise _untraceable_write(cells[i], after[i], what)
+        written = {k: after[i] for k, i in enumerate(passed) if i in changed}
+        assigned[:] = list(written)
+        return out, written
+
+    values = _current(chosen)
+    try:
+        out, new = jax.shard_map(
+            threaded, **{**lifted, "out_specs": (options.get("out_specs"), replicated)}
+        )(values, *args)
+    except ValueError:
+        for k in list(assigned):
+            one = functools.partial(lambda k, *a: threaded(*a)[1][k], k)
+            try:
+                jax.eval_shape(
+                    jax.shard_map(one, **{**lifted, "out_specs": replicated}), values, *args
+                )
+            except ValueError:
+                raise _per_shard_write(chosen[k]) from None
+        raise
+    for k, value in new.items():
+        chosen[k].value = value
+    return out
+
+
+def _per_shard_write(cell: LocalStateEffectImpl) -> Exception:
+    return ControlFlowStateError(
+        format_error(
+            f"State {cell.name!r} is assigned a value that differs from shard to shard inside "
+            "a jax.shard_map, but the state is one value every shard shares: no single value "
+            "means what the program would leave. The model keeps its value from before the call.",
+            where=user_location(),
+            fix="reduce the value over the mesh axes (`lax.pmean(value, 'data')`) before "
+            "assigning it, or return the per-shard values and assign their reduction after "
+            "the call.",
+        )
+    )
+
+
 # --- derivatives --------------------------------------------------------------------
 # A derivative's placement: the states the function assigns leave it as
 # auxiliary outputs and are assigned after, so each keeps its primal value;
@@ -1660,6 +1759,8 @@ def _targets() -> dict[Any, str]:
         jax.custom_vjp: "custom_vjp",
         jax.custom_jvp: "custom_jvp",
     }
+    with contextlib.suppress(AttributeError):
+        targets[jax.shard_map] = "shard_map"
     with contextlib.suppress(ImportError, AttributeError):
         from jax import ad_checkpoint
 

@@ -317,6 +317,57 @@ def shard_map_pmean_statistics_equal_full_batch():
     assert not np.allclose(np.asarray(per_shard["mean"])[: CFG.d], mean, rtol=1e-3)
 
 
+MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+@autostate.stateful
+class ShardedNorm:
+    """Running statistics written inside a jax.shard_map in its own method."""
+
+    def __init__(self):
+        self.mean = jnp.zeros(CFG.d)
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        def shard(x):
+            self.mean = 0.9 * self.mean + 0.1 * jax.lax.pmean(x.mean((0, 1)), "data")
+            self.calls += 1  # the same on every shard
+            return x - self.mean
+        return jax.shard_map(shard, mesh=MESH, in_specs=P("data"), out_specs=P("data"))(x)
+
+    def per_shard(self, x):
+        def shard(x):
+            self.mean = x.mean((0, 1))
+            return x
+        return jax.shard_map(shard, mesh=MESH, in_specs=P("data"), out_specs=P("data"))(x)
+
+
+@check
+def shard_map_inside_a_method_writes_reduced_states():
+    x = jax.random.normal(jax.random.key(3), (CFG.batch, CFG.seq, CFG.d)) * 3 + 1
+    expected_mean = 0.1 * x.mean((0, 1))
+    model = ShardedNorm()
+    out = model(x)
+    np.testing.assert_allclose(model.mean, expected_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, x - expected_mean, rtol=1e-5, atol=1e-6)
+    assert int(model.calls) == 1
+    f, states = autostate.functionalize(ShardedNorm())
+    for call in (f, jax.jit(f)):
+        out, new = call(states, x)
+        np.testing.assert_allclose(new["mean"], expected_mean, rtol=1e-5, atol=1e-6)
+        assert int(new["calls"]) == 1
+    # A per-shard value: refused, naming the state, the model unchanged.
+    for run in (lambda: model.per_shard(x), lambda: jax.jit(f.per_shard)(states, x)):
+        try:
+            run()
+        except autostate.errors.ControlFlowStateError as e:
+            assert "'mean'" in str(e) or "'ShardedNorm.mean'" in str(e), str(e)
+            assert "differs from shard to shard" in str(e) and "sharding_checks.py:" in str(e)
+        else:
+            raise AssertionError("a per-shard write to a shared state was accepted")
+    np.testing.assert_allclose(model.mean, expected_mean, rtol=1e-5, atol=1e-6)
+
+
 # --- item 5: donation ------------------------------------------------------------------
 
 

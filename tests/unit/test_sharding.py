@@ -55,6 +55,7 @@ CHECK_NAMES = [
     "dp_tp_step_equals_single_device",
     "jit_level_statistics_equal_full_batch",
     "shard_map_pmean_statistics_equal_full_batch",
+    "shard_map_inside_a_method_writes_reduced_states",
     "donated_decode_updates_the_cache_in_place",
     "orbax_restores_into_the_sharded_abstract_model",
     "autostate_save_load_keep_the_like_models_shardings",
