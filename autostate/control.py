@@ -300,6 +300,57 @@ def _check_untouched(
             )
 
 
+def _run_bound(
+    cells: Cells, chosen: Cells, values: Sequence[Any], what: str, call: Callable[[], Any]
+) -> tuple[Any, list[Any], set[int]]:
+    """``call()`` traced with ``chosen`` bound to ``values``: its output, every
+    cell's value after it, and which cells it assigned."""
+    with _bound(cells, chosen, values, what):
+        before = _current(cells)
+        signatures = [_signature(v) for v in before]
+        out = _settled(call())
+        after = _current(cells)
+    changed = {
+        i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
+    }
+    return out, after, changed
+
+
+def _argument_writes(
+    cells: Cells, passed: Sequence[int], values: Sequence[Any], what: str, call: Callable[[], Any]
+) -> tuple[Any, dict[int, Any]]:
+    """``call()`` with the cells ``passed`` (those JAX can trace, handed to a
+    transformation as arguments) bound to ``values``: its output and the new
+    values of those it assigned, by position; one that is not passed is refused."""
+    out, after, changed = _run_bound(cells, [cells[i] for i in passed], values, what, call)
+    for i in sorted(changed - set(passed)):
+        raise ControlFlowStateError(
+            format_error(
+                f"State {cells[i].name!r} is assigned {type(after[i]).__name__} inside {what}, "
+                "a value JAX cannot return from the function it transforms: the assignment "
+                "would happen when JAX traces the function, not each time it runs.",
+                where=user_location(),
+                fix="keep what changes there in arrays, or change the state outside the "
+                "transformed function.",
+            )
+        )
+    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+
+
+def _shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -> Exception:
+    """A state every ``unit`` (example, shard) of a transformation shares,
+    assigned a value that differs between them."""
+    return ControlFlowStateError(
+        format_error(
+            f"State {cell.name!r} is assigned a value that differs from {unit} to {unit} inside "
+            f"{inside}, but every {unit} shares the state: no single value means what the "
+            "plain program would leave. The model keeps its value from before the call.",
+            where=user_location(),
+            fix=fix,
+        )
+    )
+
+
 # --- eager models ---------------------------------------------------------------
 
 # The slots that hold their state's value themselves: an eager model's, and
@@ -1288,14 +1339,7 @@ def _vmap_call(
     assigned: list[int] = []
 
     def inner(values: list[Any], args: tuple, kwargs: dict) -> Any:
-        with _bound(cells, chosen, values, what):
-            before = _current(cells)
-            signatures = [_signature(v) for v in before]
-            out = _settled(fun(*args, **kwargs))
-            after = _current(cells)
-        changed = {
-            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
-        }
+        out, after, changed = _run_bound(cells, chosen, values, what, lambda: fun(*args, **kwargs))
         stacked: dict[int, dict[int, Any]] = {axis: {} for axis in groups}
         for k, i in enumerate(members):
             if i in changed:
@@ -1321,7 +1365,7 @@ def _vmap_call(
                     vmapped(out_axes=(0, 0, {i: None})), values, args, kwargs
                 )
             except ValueError:
-                raise _per_example_write(cells[i]) from None
+                raise _shared_write(cells[i], what, "example", _REDUCE_EXAMPLES) from None
         raise
     for axis in groups:
         for k, value in stacked[axis].items():
@@ -1331,20 +1375,11 @@ def _vmap_call(
     return out
 
 
-def _per_example_write(cell: LocalStateEffectImpl) -> Exception:
-    return ControlFlowStateError(
-        format_error(
-            f"State {cell.name!r} is assigned a value that differs from example to example "
-            "inside a jax.vmap, but the state is shared by every example (it is not part of "
-            "a sub-model passed as a mapped argument): no single value means what a loop "
-            "over the examples would leave. The model keeps its value from before the call.",
-            where=user_location(),
-            fix="reduce the value over the vmap's axis (`jax.vmap(fn, axis_name='batch')` "
-            "and `lax.pmean(value, 'batch')`), or make the state part of a stacked "
-            "sub-model (`jax.vmap(Layer)(keys)`) passed as a mapped argument, so each "
-            "example keeps its own.",
-        )
-    )
+_REDUCE_EXAMPLES = (
+    "reduce the value over the vmap's axis (`jax.vmap(fn, axis_name='batch')` and "
+    "`lax.pmean(value, 'batch')`), or make the state part of a stacked sub-model "
+    "(`jax.vmap(Layer)(keys)`) passed as a mapped argument, so each example keeps its own."
+)
 
 
 # --- jit ----------------------------------------------------------------------------
@@ -1415,17 +1450,7 @@ def _jit_call(
     chosen = [cells[i] for i in passed]
 
     def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> Any:
-        with _bound(cells, chosen, values, what):
-            before = _current(cells)
-            signatures = [_signature(v) for v in before]
-            out = _settled(fun(*inner, **inner_kwargs))
-            after = _current(cells)
-        changed = {
-            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
-        }
-        for i in sorted(changed - set(passed)):
-            raise _untraceable_write(cells[i], after[i], what)
-        return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+        return _argument_writes(cells, passed, values, what, lambda: fun(*inner, **inner_kwargs))
 
     threaded.__name__ = getattr(fun, "__name__", threaded.__name__)  # (the jaxpr's name)
     out, new = jax.jit(threaded, **shifted)(_current(chosen), *args, **kwargs)
@@ -1434,32 +1459,22 @@ def _jit_call(
     return out
 
 
-def _untraceable_write(cell: LocalStateEffectImpl, value: Any, what: str) -> Exception:
-    return ControlFlowStateError(
-        format_error(
-            f"State {cell.name!r} is assigned {type(value).__name__} inside {what}, a value "
-            "JAX cannot return from a compiled function: the assignment would happen when "
-            "JAX traces the function, not each time it runs.",
-            where=user_location(),
-            fix="keep what changes there in arrays, or change the state outside the "
-            "compiled function.",
-        )
-    )
-
-
 # --- shard_map -----------------------------------------------------------------------
-# ``jax.shard_map``'s placement: the live states JAX can trace enter every
-# shard replicated, as extra arguments, and the ones the function assigns
-# leave replicated, so a write lands only with a value every shard agrees on
-# (reduced with ``lax.pmean``/``psum`` over the mesh axes); a per-shard value
-# is refused, as a per-example one under ``jax.vmap`` is.
+# ``jax.shard_map``'s placement: the live states JAX can trace are extra
+# arguments, each with the partition spec its annotation gives (replicated
+# without one), and come back with it. A replicated state assigned there
+# lands only with a value every shard agrees on (reduced with
+# ``lax.pmean``/``psum`` over the mesh axes); a per-shard value is refused,
+# as a per-example one under ``jax.vmap`` is.
 
 
 def shard_map(f: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """``jax.shard_map`` of a function that may read and assign state (what a
-    method's ``jax.shard_map`` calls). The states enter every shard
-    replicated; one the function assigns must leave with a value every shard
-    agrees on (reduced over the mesh axes), or it is refused.
+    method's ``jax.shard_map`` calls). A state enters every shard with the
+    partition spec its annotation gives (``autostate.sharded``), replicated
+    otherwise, and leaves the same way: a replicated one the function assigns
+    must have a value every shard agrees on (reduced over the mesh axes), or
+    it is refused.
 
     Args:
         f: the per-shard function (or ``None``: ``shard_map`` used as a decorator
@@ -1490,60 +1505,68 @@ def _shard_map_call(f: Callable, options: dict, args: tuple) -> Any:
     passed = [i for i, cell in enumerate(cells) if _traceable(cell.value)]
     chosen = [cells[i] for i in passed]
     replicated = jax.sharding.PartitionSpec()
+    annotated = _annotated_specs(cells, (f, args))
+    specs = [annotated.get(i, replicated) for i in passed]
+    sharded = [k for k, i in enumerate(passed) if i in annotated]
     lifted = dict(options)
     if "in_specs" in options:
-        specs = options["in_specs"]
-        per_arg = specs if isinstance(specs, tuple) else (specs,) * len(args)
-        lifted["in_specs"] = ([replicated] * len(chosen), *per_arg)
+        given = options["in_specs"]
+        per_arg = given if isinstance(given, tuple) else (given,) * len(args)
+        lifted["in_specs"] = (specs, *per_arg)
     assigned: list[int] = []
 
     def threaded(values: list[Any], *inner: Any) -> Any:
-        with _bound(cells, chosen, values, what):
-            before = _current(cells)
-            signatures = [_signature(v) for v in before]
-            out = _settled(f(*inner))
-            after = _current(cells)
-        changed = {
-            i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
-        }
-        for i in sorted(changed - set(passed)):
-            raise _untraceable_write(cells[i], after[i], what)
-        written = {k: after[i] for k, i in enumerate(passed) if i in changed}
-        assigned[:] = list(written)
-        return out, written
+        out, written = _argument_writes(cells, passed, values, what, lambda: f(*inner))
+        assigned[:] = [k for k in written if k not in sharded]
+        # An annotated state leaves with its own spec, assigned or not; the
+        # others replicated, only those assigned.
+        return out, (
+            {k: written.get(k, values[k]) for k in sharded},
+            {k: v for k, v in written.items() if k not in sharded},
+        )
 
+    out_specs = (options.get("out_specs"), ({k: specs[k] for k in sharded}, replicated))
     values = _current(chosen)
     try:
-        out, new = jax.shard_map(
-            threaded, **{**lifted, "out_specs": (options.get("out_specs"), replicated)}
-        )(values, *args)
+        out, (kept, new) = jax.shard_map(threaded, **{**lifted, "out_specs": out_specs})(
+            values, *args
+        )
     except ValueError:
         for k in list(assigned):
-            one = functools.partial(lambda k, *a: threaded(*a)[1][k], k)
+            one = functools.partial(lambda k, *a: threaded(*a)[1][1][k], k)
             try:
                 jax.eval_shape(
                     jax.shard_map(one, **{**lifted, "out_specs": replicated}), values, *args
                 )
             except ValueError:
-                raise _per_shard_write(chosen[k]) from None
+                raise _shared_write(chosen[k], what, "shard", _REDUCE_SHARDS) from None
         raise
-    for k, value in new.items():
+    for k, value in {**kept, **new}.items():
         chosen[k].value = value
     return out
 
 
-def _per_shard_write(cell: LocalStateEffectImpl) -> Exception:
-    return ControlFlowStateError(
-        format_error(
-            f"State {cell.name!r} is assigned a value that differs from shard to shard inside "
-            "a jax.shard_map, but the state is one value every shard shares: no single value "
-            "means what the program would leave. The model keeps its value from before the call.",
-            where=user_location(),
-            fix="reduce the value over the mesh axes (`lax.pmean(value, 'data')`) before "
-            "assigning it, or return the per-shard values and assign their reduction after "
-            "the call.",
-        )
-    )
+def _annotated_specs(cells: Cells, roots: tuple) -> dict[int, Any]:
+    """The partition specs the models reachable from ``roots`` annotate their
+    states with (``autostate.sharded``), by index into ``cells``."""
+    from autostate.sharding import ANNOTATIONS
+
+    index = {id(cell): i for i, cell in enumerate(cells)}
+    found: dict[int, Any] = {}
+    for obj in _reachable_instances(roots, []):
+        for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
+            slot = obj.__dict__.get(attr)
+            if type(slot) is HandledLocalStateRef:
+                i = index.get(id(handler_cells(slot.handler_id).get(slot.name)))
+                if i is not None:
+                    found.setdefault(i, spec)
+    return found
+
+
+_REDUCE_SHARDS = (
+    "reduce the value over the mesh axes (`lax.pmean(value, 'data')`) before assigning "
+    "it, or return the per-shard values and assign their reduction after the call."
+)
 
 
 # --- derivatives --------------------------------------------------------------------

@@ -327,11 +327,13 @@ class ShardedNorm:
     def __init__(self):
         self.mean = jnp.zeros(CFG.d)
         self.calls = jnp.zeros((), jnp.int32)
+        self.rows = autostate.sharded(jnp.zeros((CFG.batch, CFG.d)), P("data"))
 
     def __call__(self, x):
         def shard(x):
             self.mean = 0.9 * self.mean + 0.1 * jax.lax.pmean(x.mean((0, 1)), "data")
             self.calls += 1  # the same on every shard
+            self.rows = self.rows + x.mean(1)  # each shard its own rows
             return x - self.mean
         return jax.shard_map(shard, mesh=MESH, in_specs=P("data"), out_specs=P("data"))(x)
 
@@ -351,11 +353,14 @@ def shard_map_inside_a_method_writes_reduced_states():
     np.testing.assert_allclose(model.mean, expected_mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out, x - expected_mean, rtol=1e-5, atol=1e-6)
     assert int(model.calls) == 1
+    np.testing.assert_allclose(model.rows, x.mean(1), rtol=1e-5, atol=1e-6)
     f, states = autostate.functionalize(ShardedNorm())
     for call in (f, jax.jit(f)):
         out, new = call(states, x)
         np.testing.assert_allclose(new["mean"], expected_mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(new["rows"], x.mean(1), rtol=1e-5, atol=1e-6)
         assert int(new["calls"]) == 1
+        assert tuple(new["rows"].sharding.spec)[:1] == ("data",), new["rows"].sharding
     # A per-shard value: refused, naming the state, the model unchanged.
     for run in (lambda: model.per_shard(x), lambda: jax.jit(f.per_shard)(states, x)):
         try:

@@ -4157,6 +4157,7 @@ class Tracker:
         self.mean = jnp.zeros(3)
         self.n = jnp.zeros((), jnp.int32)
         self.seen = collections.deque(maxlen=2)
+        self.history = collections.deque(maxlen=2)
 
     def _update(self, x):
         self.mean = 0.9 * self.mean + 0.1 * x * self.w
@@ -4185,11 +4186,19 @@ class Tracker:
     def appends(self, x):
         jax.jit(lambda x: self.seen.append(1))(x)
         return x
+
+    def _new_history(self, x):
+        self.history = collections.deque([1], maxlen=2)
+        return x
+
+    def replaces(self, x):
+        return jax.jit(self._new_history)(x)  # deque assigned in jit
 """
 
 JIT_PLAIN = [
     ("jax.jit(lambda x, k", "(lambda fn, **kw: fn)(lambda x, k"),
     ("jax.jit(self._update)", "self._update"),
+    ("jax.jit(self._new_history)", "self._new_history"),
     ("jax.jit(lambda x: x", "(lambda x: x"),
     ("jax.jit(lambda x: self.seen", "(lambda x: self.seen"),
     ("@jax.jit", ""),
@@ -4234,6 +4243,17 @@ def test_jit_inside_a_method_reads_parameters_at_the_call(write_module: Loader) 
     model.reads_only(x)
     model.w = 10 * model.w
     same(0.1 * x * model.w, model(x) * 0 + model.mean, "the new w")
+
+
+def test_a_state_assigned_a_python_object_inside_jit_is_refused(write_module: Loader) -> None:
+    # A compiled function cannot return a deque: refused at the line, states unchanged.
+    _, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    model = dec.Tracker()
+    with pytest.raises(ControlFlowStateError, match="State '.*history' is assigned deque inside a jax.jit") as err:
+        model.replaces(jnp.ones(3))
+    user_line(err.value, dec, "# deque assigned in jit")
+    assert len(model.history) == 0
+    no_tracer(model)
 
 
 def test_python_container_changed_inside_jit(write_module: Loader) -> None:
@@ -4352,3 +4372,23 @@ def test_outer_vmap_of_f_over_a_stack_of_members(write_module: Loader) -> None:
             same(getattr(ref, method)(x), outs[i], f"{method} output {i}")
             same(_member_values(ref.members, "mean"), new["members.mean"][i], f"{method} mean {i}")
             same(_member_values(ref.members, "key"), jax.random.key_data(new["members.key"][i]))
+
+
+def test_a_stack_of_members_saves_loads_and_prints_with_its_axis(
+    write_module: Loader, tmp_path: Any
+) -> None:
+    plain, dec = pair(write_module, STACKED_MEMBERS)
+    model = dec.Ensemble(STACK_N)
+    model(_XB)
+    path = tmp_path / "ensemble.npz"
+    autostate.save(path, model)
+    params, states = autostate.load_arrays(path)
+    assert sorted(params) == ["members.w"] and params["members.w"].shape == (STACK_N, 3)
+    assert sorted(states) == ["members.calls", "members.key", "members.mean", "shared", "steps"]
+    loaded = autostate.load(path, like=dec.Ensemble(STACK_N))
+    ref = plain.ListEnsemble(STACK_N)
+    ref(_XB)
+    same(ref(-_XB), loaded(-_XB), "the loaded stack runs on")
+    _same_ensemble(ref, loaded, "loaded")
+    assert re.search(rf"members\.mean +state +\({STACK_N},\)", str(autostate.summary(model)))
+    assert f"mean=<state 'members.mean' category='state' value: f32[{STACK_N}]>" in repr(model)
