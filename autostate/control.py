@@ -1,24 +1,28 @@
-"""State written inside ``lax`` control flow and ``jax.checkpoint``, threaded functionally.
+"""State read and assigned inside ``lax`` control flow and JAX transformations.
 
-``@stateful`` routes every call that resolves to ``jax.lax.scan``, ``cond``,
-``switch``, ``while_loop``, ``fori_loop``, ``map``, ``jax.checkpoint`` /
-``jax.remat`` or a derivative (``jax.grad``, ``value_and_grad``, ``jacfwd``,
-``jacrev``, ``jacobian``, ``hessian``, ``jvp``, ``vjp``, ``linearize``) in a method to the function of the same
-name here (the rewritten line reads ``__autostate__.control.routed(lax.scan)(...)``);
-the lax functions and ``checkpoint`` are also public as ``autostate.scan`` and
-friends for code the decorator never saw.
+``@stateful`` routes every call in a method that resolves to ``jax.lax.scan``,
+``cond``, ``switch``, ``while_loop``, ``fori_loop``, ``map``,
+``jax.checkpoint`` / ``jax.remat``, a derivative (``jax.grad``,
+``value_and_grad``, ``jacfwd``, ``jacrev``, ``jacobian``, ``hessian``,
+``jvp``, ``vjp``, ``linearize``), ``jax.vmap``, ``jax.jit``,
+``jax.shard_map``, ``jax.custom_vjp`` or ``jax.custom_jvp`` to the function
+of the same name here (the rewritten line reads
+``__autostate__.control.routed(lax.scan)(...)``); the lax functions,
+``checkpoint`` and ``vmap`` are also public as ``autostate.scan`` and friends
+for code the decorator never saw.
 
-Each one does what hand-written JAX does with state: the live states (the
-cells of the running handlers) that the body assigns become extra carry or
-operands of the primitive (a derivative's auxiliary outputs), the cells are
-rebound to the body's own values while it is traced, and the final values
-are written back after. Which states the body assigns is found by one
-abstract trace (``jax.eval_shape``) of the body, so only those are threaded
-and the compiled program is the hand-threaded one. (A derivative's function
-runs once, as in plain Python, and the states it assigned leave through its
-auxiliary outputs.) An eager model (no handler running) has the states of
-the instances reachable from the body and operands handed to a temporary
-handler for the call, then written back as eager slots.
+Each one places the live states (the cells of the running handlers) where
+hand-written JAX would: the states a body assigns become extra carry or
+operands of a primitive, a derivative's auxiliary outputs, a jitted or
+shard-mapped function's arguments and outputs; a stacked sub-model's states
+are mapped with it (``vmap`` axes, scan ``xs``/``ys``). The cells are bound
+to the body's own values while it is traced, and the final values are
+written back after. Which states a loop or branch body assigns is found by
+one abstract trace (``jax.eval_shape``), so only those are threaded and the
+compiled program is the hand-threaded one. An eager model (no handler
+running) has the states of the instances reachable from the body and
+operands handed to a temporary handler for the call, then written back as
+eager slots.
 
 This module knows the slot types of ``effects`` but nothing of source code.
 """
