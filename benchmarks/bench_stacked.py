@@ -100,8 +100,24 @@ class Ensemble:
         return jax.vmap(lambda m: m(x))(self.members)
 
 
-def _sgd(params: Any, grads: Any) -> Any:
-    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+def _training(
+    loss: Callable, params: Any, states: Any, data: tuple, read: Callable[[Any], tuple]
+) -> tuple[Callable[[], Any], Callable, tuple]:
+    """A jitted SGD step on ``loss(params, states, x, y) -> (value, states)``:
+    a runner returning the loss and ``read(states)``, the step, its arguments."""
+
+    def step(p: Any, s: Any, x: Any, y: Any) -> Any:
+        (value, s), g = jax.value_and_grad(loss, has_aux=True)(p, s, x, y)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, p, g), s, value
+
+    jitted = jax.jit(step)
+    box = [params, states]
+
+    def run() -> Any:
+        box[0], box[1], value = jitted(box[0], box[1], *data)
+        return (value, *read(box[1]))
+
+    return run, step, (params, states, *data)
 
 
 def ensemble_autostate(cfg: Config, data: tuple) -> tuple[Callable[[], Any], Callable, tuple]:
@@ -111,18 +127,7 @@ def ensemble_autostate(cfg: Config, data: tuple) -> tuple[Callable[[], Any], Cal
         out, s = f(s, x)
         return jnp.mean((out - y) ** 2), s
 
-    def step(f: Any, s: Any, x: Any, y: Any) -> Any:
-        (value, s), g = jax.value_and_grad(loss, has_aux=True)(f, s, x, y)
-        return _sgd(f, g), s, value
-
-    jitted = jax.jit(step)
-    box = [f, states]
-
-    def run() -> Any:
-        box[0], box[1], value = jitted(box[0], box[1], *data)
-        return value, box[1]["members.mean"], box[1]["members.var"]
-
-    return run, step, (f, states, *data)
+    return _training(loss, f, states, data, lambda s: (s["members.mean"], s["members.var"]))
 
 
 def ensemble_by_hand(cfg: Config, data: tuple) -> tuple[Callable[[], Any], Callable, tuple]:
@@ -140,18 +145,7 @@ def ensemble_by_hand(cfg: Config, data: tuple) -> tuple[Callable[[], Any], Calla
         out, s = jax.vmap(member, in_axes=(0, 0, None))(p, s, x)
         return jnp.mean((out - y) ** 2), s
 
-    def step(p: Any, s: Any, x: Any, y: Any) -> Any:
-        (value, s), g = jax.value_and_grad(loss, has_aux=True)(p, s, x, y)
-        return _sgd(p, g), s, value
-
-    jitted = jax.jit(step)
-    box = [params, stats]
-
-    def run() -> Any:
-        box[0], box[1], value = jitted(box[0], box[1], *data)
-        return value, box[1]["mean"], box[1]["var"]
-
-    return run, step, (params, stats, *data)
+    return _training(loss, params, stats, data, lambda s: (s["mean"], s["var"]))
 
 
 # --- the scanned decoder ----------------------------------------------------------------
