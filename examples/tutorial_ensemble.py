@@ -1,11 +1,14 @@
-"""Tutorial: an ensemble of models with ``jax.vmap``.
+"""Tutorial: an ensemble of models as one model.
 
-``jax.vmap`` over random keys builds the ensemble: ``Classifier(key)`` and
-``functionalize()`` run once per key, and what comes out is one ``f`` and one
-``states`` dict whose arrays have a leading ensemble axis. Training vmaps the
-same step over that axis (each member sees its own shuffle of the data), the
-optax state included; the members' BatchNorm statistics stay separate.
-Averaging the members' probabilities beats the average member.
+``jax.vmap`` over the constructor builds the ensemble inside a model:
+``self.members = jax.vmap(Classifier)(keys)`` is one stacked sub-model whose
+arrays have a leading member axis. A plain ``jax.vmap`` over it in a method
+runs each member on its own batch (each member sees its own shuffle of the
+data); each member reads and writes its own BatchNorm statistics, as a loop
+over a list of members would. Training is the single-model step on the whole
+ensemble, the optax state included (Adam's updates are elementwise, so the
+members train apart). Averaging the members' probabilities beats the average
+member.
 
 Run: ``python examples/tutorial_ensemble.py`` (``--smoke`` for fewer steps).
 """
@@ -17,11 +20,28 @@ import argparse
 import jax
 import numpy as np
 import optax
-from tutorial_train import Classifier, load_data, loss_fn
+from tutorial_train import Classifier, load_data
 
 import autostate
 
 MEMBERS, BATCH = 4, 64
+
+
+class Ensemble(autostate.Stateful):
+    def __init__(self, key, members):
+        self.members = jax.vmap(Classifier)(jax.random.split(key, members))
+
+    def __call__(self, x):  # x: (members, batch, features), one batch per member
+        return jax.vmap(lambda member, x: member(x))(self.members, x)
+
+    def probabilities(self, x):  # the same x for every member: (members, N, classes)
+        return jax.vmap(lambda member: jax.nn.softmax(member(x)))(self.members)
+
+
+def member_losses(f, states, x, y):
+    logits, states = f(states, x)  # training mode: each member's batch statistics
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(-1)
+    return losses.sum(), (losses, states)  # the members' losses are independent
 
 
 def main() -> None:
@@ -33,25 +53,18 @@ def main() -> None:
         args.steps = 40
     x_train, y_train, x_test, y_test = load_data(seed=0)
 
-    keys = jax.random.split(jax.random.key(0), MEMBERS)
-    f, states = jax.vmap(lambda key: Classifier(key).functionalize())(keys)
-    print("stacked parameters:", {k: v.shape for k, v in autostate.param_dict(autostate.freeze(f, states)).items()})
+    f, states = Ensemble(jax.random.key(0), MEMBERS).functionalize()
+    print("stacked parameters:", {k: v.shape for k, v in autostate.param_dict(f).items()})
     print("stacked states:", {k: v.shape for k, v in states.items()})
 
     optimizer = optax.adam(3e-3)
-    opt_state = jax.vmap(optimizer.init)(f)
-
-    def member_step(f, states, opt_state, x, y):
-        (loss, states), grads = jax.value_and_grad(loss_fn, has_aux=True)(f, states, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, f)
-        return optax.apply_updates(f, updates), states, opt_state, loss
-
-    train_step = jax.jit(jax.vmap(member_step))  # every argument has the ensemble axis
+    opt_state = optimizer.init(f)
 
     @jax.jit
-    def probabilities(f, states, x):
-        member = lambda f, states: jax.nn.softmax(f(states, x)[0])  # noqa: E731
-        return jax.vmap(member)(f, states)  # (MEMBERS, N, classes)
+    def train_step(f, states, opt_state, x, y):
+        grads, (losses, states) = jax.grad(member_losses, has_aux=True)(f, states, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, f)
+        return optax.apply_updates(f, updates), states, opt_state, losses
 
     rng = np.random.default_rng(0)
     loss = np.full(MEMBERS, np.nan)  # each member's last loss
@@ -61,8 +74,9 @@ def main() -> None:
     print(f"trained {args.steps} steps, member losses {[round(v, 3) for v in np.asarray(loss).tolist()]}")
 
     # Evaluation mode for every member at once: training is static, shared by the stack.
-    f_eval, states = autostate.freeze(f, states).eval().functionalize()
-    probs = probabilities(f_eval, states, x_test)
+    model = autostate.freeze(f, states).eval()
+    f_eval, states = model.functionalize()
+    probs, _ = jax.jit(f_eval.probabilities)(states, x_test)
     members = (probs.argmax(-1) == y_test).mean(-1)
     ensemble = float((probs.mean(0).argmax(-1) == y_test).mean())
     print("member test accuracies:", [f"{a:.1%}" for a in members.tolist()])
@@ -70,10 +84,10 @@ def main() -> None:
     assert len(set(np.round(np.asarray(members), 6).tolist())) > 1, "members must differ"
     assert ensemble >= float(members.mean()), (ensemble, members)
 
-    # One member out of the ensemble is an ordinary Classifier again.
-    first = autostate.freeze(*jax.tree.map(lambda a: a[0], (f_eval, states)))
+    # One member out of the stack is an ordinary Classifier again.
+    first = jax.tree.map(lambda a: a[0], model.members)
     eager = float((np.asarray(first(x_test)).argmax(-1) == y_test).mean())
-    print(f"member 0 frozen, called eagerly: test accuracy {eager:.1%}")
+    print(f"member 0 taken out of the stack, called eagerly: test accuracy {eager:.1%}")
     assert abs(eager - float(members[0])) < 1e-6
     print("ok")
 
