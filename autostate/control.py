@@ -513,6 +513,26 @@ def _guarded(guard: Guard, call: Callable[[], Any]) -> Any:
         return call()
 
 
+def _transformed(
+    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any]
+) -> Callable[..., Any]:
+    """What stands for a JAX transformation of ``fun``: each call runs
+    ``call(args, kwargs)`` with eager models' states handled (``_with_eager_states``)."""
+
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        return _with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what)
+
+    functools.update_wrapper(transformed, fun, updated=())
+    return transformed
+
+
+def _after_states(numbers: Any) -> tuple[int, ...]:
+    """Argument numbers (``static_argnums``, ``donate_argnums``) of a function
+    that now takes the states first: a non-negative one moves up by one."""
+    numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
+    return tuple(i + 1 if i >= 0 else i for i in numbers)
+
+
 def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:
     """``call()``; if it raises, the states its body lost (see ``_bound``) into ``lost``."""
     try:
@@ -767,10 +787,7 @@ def _scan_threaded(
         return lax.scan(f, init, xs, **options)
     if _scan_length(xs, options.get("length")) == 0:
         return lax.scan(_never_run(cells, f, what), init, xs, **options)
-    x_slice = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
-    )
-    written, new = _writes(cells, f, _abstract(init), x_slice, what=what)
+    written, new = _writes(cells, f, _abstract(init), _step_slice(xs), what=what)
     if not written:
         return lax.scan(f, init, xs, **options)
     chosen = [cells[i] for i in written]
@@ -787,6 +804,13 @@ def _scan_threaded(
     for cell, value in zip(chosen, values):
         cell.value = value
     return carry, ys
+
+
+def _step_slice(xs: Any) -> Any:
+    """The abstract value of one step's slice of ``xs`` (its leading axis dropped)."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
+    )
 
 
 def _scan_length(xs: Any, length: int | None) -> int | None:
@@ -1005,10 +1029,7 @@ def _map(f: Callable, xs: Any, options: dict[str, Any]) -> Any:
                 fix="drop batch_size, or call jax.vmap over the sub-model for each batch.",
             )
         )
-    x_slice = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
-    )
-    written, _ = _writes(cells, f, x_slice, what=what)
+    written, _ = _writes(cells, f, _step_slice(xs), what=what)
     if written:
         raise ControlFlowStateError(
             format_error(
@@ -1206,19 +1227,14 @@ def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         >>> print(y, states["calls"], grads.model.w)
         0.0 1 [0. 0.]
     """
-    static = tuple(options.pop("static_argnums", ()) or ())
-    if isinstance(static, int):
-        static = (static,)
+    static = options.pop("static_argnums", None) or ()
+    static = (static,) if isinstance(static, int) else tuple(static)
 
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return _with_eager_states(
-            (fun, args, kwargs),
-            lambda: _checkpoint_call(fun, args, kwargs, static, options),
-            "a jax.checkpoint",
-        )
-
-    functools.update_wrapper(checkpointed, fun, updated=())
-    return checkpointed
+    return _transformed(
+        fun,
+        "a jax.checkpoint",
+        lambda args, kwargs: _checkpoint_call(fun, args, kwargs, static, options),
+    )
 
 
 remat = checkpoint
@@ -1246,8 +1262,7 @@ def _checkpoint_call(
     if any(i >= len(args) or i < -len(args) for i in static):
         # A static argument given by keyword: JAX's own error, its numbers the user's.
         return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
-    shifted = tuple(i + 1 if i >= 0 else i for i in static)
-    rematted = jax.checkpoint(threaded, static_argnums=shifted, **options)
+    rematted = jax.checkpoint(threaded, static_argnums=_after_states(static), **options)
     out, values = rematted(_current(chosen), *args, **kwargs)
     for cell, value in zip(chosen, values):
         cell.value = value
@@ -1303,15 +1318,11 @@ def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options
         (3,) [1 1 1]
     """
 
-    def batched(*args: Any, **kwargs: Any) -> Any:
-        return _with_eager_states(
-            (fun, args, kwargs),
-            lambda: _vmap_call(fun, in_axes, out_axes, options, args, kwargs),
-            "a jax.vmap",
-        )
-
-    functools.update_wrapper(batched, fun, updated=())
-    return batched
+    return _transformed(
+        fun,
+        "a jax.vmap",
+        lambda args, kwargs: _vmap_call(fun, in_axes, out_axes, options, args, kwargs),
+    )
 
 
 def _vmap_call(
@@ -1352,9 +1363,7 @@ def _vmap_call(
         assigned[:] = list(shared)
         return out, stacked, shared
 
-    vmapped = functools.partial(
-        jax.vmap, inner, in_axes=(axes, in_axes, 0), **options
-    )
+    vmapped = functools.partial(jax.vmap, inner, in_axes=(axes, in_axes, 0), **options)
     values = _current(chosen)
     try:
         out, stacked, shared = vmapped(out_axes=(out_axes, {a: a for a in groups}, None))(
@@ -1365,9 +1374,7 @@ def _vmap_call(
             raise
         for i in list(assigned):
             try:
-                jax.eval_shape(
-                    vmapped(out_axes=(0, 0, {i: None})), values, args, kwargs
-                )
+                jax.eval_shape(vmapped(out_axes=(0, 0, {i: None})), values, args, kwargs)
             except ValueError:
                 raise _shared_write(cells[i], what, "example", _REDUCE_EXAMPLES) from None
         raise
@@ -1427,20 +1434,11 @@ def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """
     shifted = dict(options)
     for name in ("static_argnums", "donate_argnums"):
-        numbers = options.get(name)
-        if numbers is not None:
-            numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
-            shifted[name] = tuple(i + 1 if i >= 0 else i for i in numbers)
-
-    def jitted(*args: Any, **kwargs: Any) -> Any:
-        return _with_eager_states(
-            (fun, args, kwargs),
-            lambda: _jit_call(fun, options, shifted, args, kwargs),
-            "a jax.jit",
-        )
-
-    functools.update_wrapper(jitted, fun, updated=())
-    return jitted
+        if options.get(name) is not None:
+            shifted[name] = _after_states(options[name])
+    return _transformed(
+        fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs)
+    )
 
 
 def _jit_call(
@@ -1491,20 +1489,15 @@ def shard_map(f: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     if f is None:
         return functools.partial(shard_map, **options)
     fun = f
-
-    def mapped(*args: Any) -> Any:
-        return _with_eager_states(
-            (fun, args), lambda: _shard_map_call(fun, options, args), "a jax.shard_map"
-        )
-
-    functools.update_wrapper(mapped, fun, updated=())
-    return mapped
+    return _transformed(
+        fun, "a jax.shard_map", lambda args, kwargs: _shard_map_call(fun, options, args, kwargs)
+    )
 
 
-def _shard_map_call(f: Callable, options: dict, args: tuple) -> Any:
+def _shard_map_call(f: Callable, options: dict, args: tuple, kwargs: dict) -> Any:
     cells = running_cells()
-    if not cells:
-        return jax.shard_map(f, **options)(*args)
+    if not cells or kwargs:  # (jax.shard_map takes no keywords: its own error)
+        return jax.shard_map(f, **options)(*args, **kwargs)
     what = "a jax.shard_map"
     passed = [i for i, cell in enumerate(cells) if _traceable(cell.value)]
     chosen = [cells[i] for i in passed]
