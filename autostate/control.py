@@ -1373,8 +1373,9 @@ def _vmap_call(
         if "out_axes" not in str(error) or not assigned:
             raise
         for i in list(assigned):
+            only_i = {j: None if j == i else 0 for j in assigned}  # (the others batched)
             try:
-                jax.eval_shape(vmapped(out_axes=(0, 0, {i: None})), values, args, kwargs)
+                jax.eval_shape(vmapped(out_axes=(0, 0, only_i)), values, args, kwargs)
             except ValueError:
                 raise _shared_write(cells[i], what, "example", _REDUCE_EXAMPLES) from None
         raise

@@ -12329,6 +12329,13 @@ class Ensemble:
             return 2 * x
         return jax.vmap(one)(xs)  # per-example write
 
+    def per_example_steps(self, xs):
+        def one(x):
+            self.shared = jnp.zeros(())  # the same for every example
+            self.steps = self.steps + (x.sum() > 0)
+            return 2 * x
+        return jax.vmap(one)(xs)  # per-example steps
+
     def unstacked(self, xs):
         one = Member(jax.random.key(1))
         return jax.vmap(lambda m, x: m(x))(one, xs)  # unstacked member

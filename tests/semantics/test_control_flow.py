@@ -4116,15 +4116,17 @@ def test_gradient_through_a_stack_of_members(write_module: Loader) -> None:
         _same_ensemble(ref, autostate.freeze(f, new), "states after grad")
 
 
-@pytest.mark.parametrize("method", ["per_example", "unstacked"])
+@pytest.mark.parametrize("method", ["per_example", "per_example_steps", "unstacked"])
 def test_what_a_stack_cannot_mean_is_refused_at_the_line(write_module: Loader, method: str) -> None:
     # A per-example value assigned to a state every example shares, and a sub-model
     # passed as mapped whose states lack the members' axis: clear errors naming the
     # state and the line, the model and states unchanged, no tracer left.
     _, dec = pair(write_module, STACKED_MEMBERS)
-    arg = STACKED_CALLS["__call__"] if method == "per_example" else STACKED_CALLS["per_member"]
+    arg = STACKED_CALLS["per_member" if method == "unstacked" else "__call__"]
     text, pattern = {
         "per_example": ("# per-example write", "State '.*shared' is assigned a value that differs"),
+        # (of two shared states assigned, the one whose value differs is named)
+        "per_example_steps": ("# per-example steps", "State '.*steps' is assigned a value that differs"),
         "unstacked": ("# unstacked member", "State '.*' holds .*\\[\\], but .* stack of members"),
     }[method]
     model = dec.Ensemble(STACK_N)
