@@ -4394,3 +4394,24 @@ def test_a_stack_of_members_saves_loads_and_prints_with_its_axis(
     _same_ensemble(ref, loaded, "loaded")
     assert re.search(rf"members\.mean +state +\({STACK_N},\)", str(autostate.summary(model)))
     assert f"mean=<state 'members.mean' category='state' value: f32[{STACK_N}]>" in repr(model)
+
+
+def test_checkpoint_static_argnums_given_as_an_int() -> None:
+    # jax.checkpoint takes static_argnums=1 as well as (1,).
+    @autostate.stateful
+    class Scaled:
+        def __init__(self):
+            self.calls = jnp.zeros((), jnp.int32)
+
+        def block(self, x, k):
+            self.calls += 1
+            return x * k if k > 1 else x
+
+        def __call__(self, x):
+            return jax.checkpoint(self.block, static_argnums=1)(x, 3.0)
+
+    model = Scaled()
+    same(jnp.float32(6.0), model(jnp.float32(2.0)))
+    f, states = model.functionalize()
+    out, states = staged(f)(states, jnp.float32(2.0))
+    same((jnp.float32(6.0), 2), (out, states["calls"]))
