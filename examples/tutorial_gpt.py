@@ -3,7 +3,8 @@
 The decoder is written for one sequence, the way one writes it in PyTorch:
 each attention layer appends the new keys and values to its cache
 (``self.k``, ``self.v``) and the decoder advances its position
-(``self.length``). Those attributes are states, so ``functionalize()`` turns
+(``self.length``). Its blocks are stacked (``jax.vmap`` of the constructor)
+and run by one ``jax.lax.scan``, each layer writing its own cache. Those attributes are states, so ``functionalize()`` turns
 the model into ``f(states, tokens) -> (logits, new_states)``. Then:
 
 1. train it (batched with ``jax.vmap``, optax adam) to continue counting
@@ -79,15 +80,19 @@ class Decoder:
         keys = jax.random.split(key, layers + 2)
         self.embed = jax.random.normal(keys[0], (vocab, d)) * 0.1
         self.positions = jax.random.normal(keys[1], (max_len, d)) * 0.1
-        self.blocks = [Block(k, d, heads, max_len) for k in keys[2:]]
+        # The blocks are stacked: one Block whose arrays carry a leading layer
+        # axis, built by jax.vmap of the constructor. Each layer has its own
+        # weights and its own KV cache (``blocks.attention.k``: layers, max_len, ...).
+        self.blocks = jax.vmap(lambda k: Block(k, d, heads, max_len))(keys[2:])
         self.length = jnp.zeros((), jnp.int32)  # tokens seen so far: a state
 
     def __call__(self, tokens):
         """Logits ``(T, vocab)`` for the next token after each of ``tokens``."""
         start = self.length
         x = self.embed[tokens] + jax.lax.dynamic_slice_in_dim(self.positions, start, len(tokens))
-        for block in self.blocks:
-            x = block(x, start)
+        # One lax.scan over the stacked layers: each step gets one layer, which
+        # writes its own cache row; the program does not grow with depth.
+        x, _ = jax.lax.scan(lambda x, block: (block(x, start), None), x, self.blocks)
         self.length += len(tokens)
         return rms_norm(x) @ self.embed.T
 
@@ -174,7 +179,7 @@ def main() -> None:
     exported_out, exported_states = program.call(empty, jnp.array([9, 10, 11], jnp.int32))
     print(f"exported ({len(blob)} bytes): [9, 10, 11] ->", exported_out.tolist())
     assert exported_out.tolist() == [(12 + i) % VOCAB for i in range(n_new)], exported_out
-    np.testing.assert_array_equal(exported_states["blocks[0].attention.k"].shape, (MAX_LEN, 4, 8))
+    np.testing.assert_array_equal(exported_states["blocks.attention.k"].shape, (2, MAX_LEN, 4, 8))
 
     # The trained model exported with autostate.export: the program takes and
     # returns the flat state_dict. One prefill step, then the generate method.
