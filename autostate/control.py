@@ -11,18 +11,40 @@ of the same name here (the rewritten line reads
 ``checkpoint`` and ``vmap`` are also public as ``autostate.scan`` and friends
 for code the decorator never saw.
 
-Each one places the live states (the cells of the running handlers) where
-hand-written JAX would: the states a body assigns become extra carry or
-operands of a primitive, a derivative's auxiliary outputs, a jitted or
-shard-mapped function's arguments and outputs; a stacked sub-model's states
-are mapped with it (``vmap`` axes, scan ``xs``/``ys``). The cells are bound
-to the body's own values while it is traced, and the final values are
-written back after. Which states a loop or branch body assigns is found by
-one abstract trace (``jax.eval_shape``), so only those are threaded and the
-compiled program is the hand-threaded one. An eager model (no handler
-running) has the states of the instances reachable from the body and
-operands handed to a temporary handler for the call, then written back as
-eager slots.
+Every one of them is the same lifting:
+
+1. find the live states (the cells of the running handlers) the function
+   assigns: one abstract trace (``_probed``, so only those are threaded and
+   the compiled program is the hand-threaded one), or, where JAX traces the
+   function once anyway (jit, shard_map, vmap, a derivative), that trace;
+2. make the function pure in them: their values in, their new values out
+   (``_pure``; ``_run_bound`` where step 1 is the same trace);
+3. call the JAX function with those values placed by its own rules;
+4. write the new values back (``_land``).
+
+Only step 3 differs from one function to the next; ``_lift`` runs steps 1,
+2 and 4 around it for the loops, the branches and ``checkpoint``. The
+placements::
+
+    JAX function             the states go                          step 3 is in
+    lax.scan, lax.map        into the carry; a stacked sub-model's   _scan_threaded,
+                             into xs and ys                          _member_body
+    lax.while_loop           into the carry (cond_fun only reads)    _while_loop
+    lax.fori_loop            into the carry                          _fori_loop
+    lax.cond, lax.switch     into every branch's operands, output    _branches
+    jax.checkpoint           into the arguments, output              _checkpoint_call
+    jax.jit                  into the arguments, output              _jit_call
+    jax.shard_map            into the arguments (with their          _shard_map_call
+                             partition specs), output
+    jax.vmap                 a stacked sub-model's: in/out axes;     _vmap_call
+                             any other: shared, out_axes None
+    derivatives              into the auxiliary output               _with_aux_states
+    custom_vjp, custom_jvp   nowhere: run as plain Python, or a      _custom_call
+                             write JAX traces away is refused
+
+An eager model (no handler running) has the states of the instances
+reachable from the function and operands handed to a temporary handler for
+the call (``_with_eager_states``), then written back as eager slots.
 
 This module knows the slot types of ``effects`` but nothing of source code.
 """
@@ -318,6 +340,69 @@ def _run_bound(
         i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if _assigned(b, sig, a)
     }
     return out, after, changed
+
+
+def _probed(cells: Cells, what: str, body: Callable[..., Any], *args: Any) -> list[int]:
+    """Step 1 of the lifting: which cells ``body(*args)`` assigns (one abstract
+    trace, ``_writes``), each checked to keep its type, as a carry or a branch
+    output must."""
+    written, new = _writes(cells, body, *args, what=what)
+    _check_kept([cells[i] for i in written], new, what)
+    return written
+
+
+def _pure(
+    cells: Cells, chosen: Cells, fun: Callable[..., Any], what: str, reads_only: bool = False
+) -> Callable[..., tuple[Any, list[Any]]]:
+    """Step 2 of the lifting: ``fun`` as a pure function of the ``chosen``
+    states' values, ``(values, *args) -> (out, new values)``. ``reads_only``:
+    a function that decides and must not assign (a ``while_loop``'s
+    ``cond_fun``), refused where it does."""
+
+    def pure(values: list[Any], *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+        with _bound(cells, chosen, values, what):
+            if not reads_only:
+                return _settled(fun(*args, **kwargs)), _current(chosen)
+            before = _current(cells)
+            signatures = [_signature(v) for v in before]
+            out = fun(*args, **kwargs)
+            _check_untouched(cells, before, signatures, (), what)
+            return out, values
+
+    return pure
+
+
+def _lift(
+    cells: Cells,
+    written: Sequence[int],
+    what: str,
+    place: Callable[[Callable[..., Callable[..., Any]], list[Any]], tuple[Any, list[Any]]],
+    plain: Callable[[], Any] | None = None,
+) -> Any:
+    """The one lifting of the loops, branches and ``checkpoint``: the states
+    ``written`` (step 1, ``_probed``) are threaded (none: ``plain()``, the
+    JAX function as it is, where given). ``place(pure_of, values)`` calls
+    the JAX function with the states placed by its rules (step 3: carry,
+    operands, arguments), ``pure_of(fn)`` being ``fn`` as a pure function of
+    them (step 2, ``_pure``), and returns the output and the states' new
+    values, which land (step 4)."""
+    if not written and plain is not None:
+        return plain()
+    chosen = [cells[i] for i in written]
+
+    def pure_of(fun: Callable[..., Any], inside: str = what, reads_only: bool = False) -> Any:
+        return _pure(cells, chosen, fun, inside, reads_only)
+
+    out, values = place(pure_of, _current(chosen))
+    _land(chosen, dict(enumerate(values)))
+    return out
+
+
+def _land(cells: Cells, new: dict[int, Any]) -> None:
+    """Step 4 of every lifting: the states take the values the JAX function
+    returned (``new``: by index into ``cells``)."""
+    for i, value in new.items():
+        cells[i].value = value
 
 
 def _argument_writes(
@@ -774,8 +859,7 @@ def _scan(
     carry, (ys, written) = _scan_threaded(
         cells, body, init, (xs, _current(chosen)), options, what
     )
-    for k, value in written.items():
-        chosen[k].value = value
+    _land(chosen, written)
     return carry, ys
 
 
@@ -787,23 +871,19 @@ def _scan_threaded(
         return lax.scan(f, init, xs, **options)
     if _scan_length(xs, options.get("length")) == 0:
         return lax.scan(_never_run(cells, f, what), init, xs, **options)
-    written, new = _writes(cells, f, _abstract(init), _step_slice(xs), what=what)
-    if not written:
-        return lax.scan(f, init, xs, **options)
-    chosen = [cells[i] for i in written]
-    _check_kept(chosen, new, what)
 
-    def body(carry: tuple[Any, list[Any]], x: Any) -> tuple[tuple[Any, list[Any]], Any]:
-        inner, values = carry
-        with _bound(cells, chosen, values, what):
-            inner, y = _settled(f(inner, x))
-            values = _current(chosen)
-        return (inner, values), y
+    def as_carry(pure_of: Callable, values: list[Any]) -> tuple[Any, list[Any]]:
+        step = pure_of(f)
 
-    (carry, values), ys = lax.scan(body, (init, _current(chosen)), xs, **options)
-    for cell, value in zip(chosen, values):
-        cell.value = value
-    return carry, ys
+        def body(carry: tuple[Any, list[Any]], x: Any) -> tuple[tuple[Any, list[Any]], Any]:
+            (inner, y), values = step(carry[1], carry[0], x)
+            return (inner, values), y
+
+        (carry, values), ys = lax.scan(body, (init, values), xs, **options)
+        return (carry, ys), values
+
+    written = _probed(cells, what, f, _abstract(init), _step_slice(xs))
+    return _lift(cells, written, what, as_carry, lambda: lax.scan(f, init, xs, **options))
 
 
 def _step_slice(xs: Any) -> Any:
@@ -882,30 +962,19 @@ def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
     cells = running_cells()
     if not cells:
         return lax.while_loop(cond_fun, body_fun, init_val)
-    written, new = _writes(cells, body_fun, _abstract(init_val), what="the body of a lax.while_loop")
-    chosen = [cells[i] for i in written]
-    _check_kept(chosen, new, "the body of a lax.while_loop")
+    what = "the body of a lax.while_loop"
 
-    def cond(carry: tuple[Any, list[Any]]) -> Any:
-        inner, values = carry
-        with _bound(cells, chosen, values, "the cond_fun of a lax.while_loop"):
-            before = _current(cells)
-            signatures = [_signature(v) for v in before]
-            keep_going = cond_fun(inner)
-            _check_untouched(cells, before, signatures, (), "the cond_fun of a lax.while_loop")
-        return keep_going
+    def as_carry(pure_of: Callable, values: list[Any]) -> tuple[Any, list[Any]]:
+        test = pure_of(cond_fun, "the cond_fun of a lax.while_loop", reads_only=True)
+        step = pure_of(body_fun)
+        return lax.while_loop(
+            lambda carry: test(carry[1], carry[0])[0],
+            lambda carry: step(carry[1], carry[0]),
+            (init_val, values),
+        )
 
-    def body(carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
-        inner, values = carry
-        with _bound(cells, chosen, values, "the body of a lax.while_loop"):
-            inner = _settled(body_fun(inner))
-            values = _current(chosen)
-        return inner, values
-
-    out, values = lax.while_loop(cond, body, (init_val, _current(chosen)))
-    for cell, value in zip(chosen, values):
-        cell.value = value
-    return out
+    # (No plain call when the body assigns nothing: cond_fun is checked all the same.)
+    return _lift(cells, _probed(cells, what, body_fun, _abstract(init_val)), what, as_carry)
 
 
 def fori_loop(
@@ -958,25 +1027,18 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, option
     if low is not None and high is not None and high <= low:
         return lax.fori_loop(lower, upper, _never_run(cells, body_fun, what), init_val, **options)
     index = jax.ShapeDtypeStruct((), jax.numpy.result_type(lower, upper))
-    written, new = _writes(
-        cells, body_fun, index, _abstract(init_val), what="the body of a lax.fori_loop"
+
+    def as_carry(pure_of: Callable, values: list[Any]) -> tuple[Any, list[Any]]:
+        step = pure_of(body_fun)
+        return lax.fori_loop(
+            lower, upper, lambda i, carry: step(carry[1], i, carry[0]), (init_val, values),
+            **options,
+        )
+
+    return _lift(
+        cells, _probed(cells, what, body_fun, index, _abstract(init_val)), what, as_carry,
+        lambda: lax.fori_loop(lower, upper, body_fun, init_val, **options),
     )
-    if not written:
-        return lax.fori_loop(lower, upper, body_fun, init_val, **options)
-    chosen = [cells[i] for i in written]
-    _check_kept(chosen, new, "the body of a lax.fori_loop")
-
-    def body(i: Any, carry: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
-        inner, values = carry
-        with _bound(cells, chosen, values, "the body of a lax.fori_loop"):
-            inner = _settled(body_fun(i, inner))
-            values = _current(chosen)
-        return inner, values
-
-    out, values = lax.fori_loop(lower, upper, body, (init_val, _current(chosen)), **options)
-    for cell, value in zip(chosen, values):
-        cell.value = value
-    return out
 
 
 def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 - jax's name
@@ -1059,32 +1121,29 @@ def _branches(
         indices, new = _writes(cells, lambda branch=branch: branch(*operands), what=f"a branch of {what}")
         written.update(indices)
         news.append((indices, new))
-    if not written:
-        return call(branches, operands)
     order = sorted(written)
-    chosen = [cells[i] for i in order]
     for indices, new in news:
         _check_kept([cells[i] for i in indices], new, f"a branch of {what}")
-    before = _current(chosen)
-    outcomes = [
-        [dict(zip(indices, new)).get(i, value) for i, value in zip(order, before)]
-        for indices, new in news
-    ]
-    strong = _strong_where_mixed(outcomes)
 
-    def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
-        def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
-            with _bound(cells, chosen, values, f"a branch of {what}"):
-                out = _settled(branch(*inner))
-                values = _current(chosen)
-            return out, [_strong(v) if s else v for v, s in zip(values, strong)]
+    def as_operands(pure_of: Callable, values: list[Any]) -> tuple[Any, list[Any]]:
+        outcomes = [
+            [dict(zip(indices, new)).get(i, value) for i, value in zip(order, values)]
+            for indices, new in news
+        ]
+        strong = _strong_where_mixed(outcomes)
 
-        return run
+        def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
+            pure = pure_of(branch, f"a branch of {what}")
 
-    out, values = call([threaded(b) for b in branches], (operands, _current(chosen)))
-    for cell, value in zip(chosen, values):
-        cell.value = value
-    return out
+            def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
+                out, values = pure(values, *inner)
+                return out, [_strong(v) if s else v for v, s in zip(values, strong)]
+
+            return run
+
+        return call([threaded(b) for b in branches], (operands, values))
+
+    return _lift(cells, order, what, as_operands, lambda: call(branches, operands))
 
 
 # ``operand=`` not given (``None`` is an operand).
@@ -1247,26 +1306,19 @@ def _checkpoint_call(
     plain = functools.partial(jax.checkpoint, static_argnums=static, **options)
     if not cells:
         return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
-    written, new = _writes(cells, lambda: fun(*args, **kwargs), what="a jax.checkpoint")
-    if not written:
-        return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
-    chosen = [cells[i] for i in written]
-    _check_kept(chosen, new, "a jax.checkpoint")
-
-    def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> tuple[Any, list[Any]]:
-        with _bound(cells, chosen, values, "a jax.checkpoint"):
-            out = _settled(fun(*inner, **inner_kwargs))
-            values = _current(chosen)
-        return out, values
-
+    what = "a jax.checkpoint"
+    written = _probed(cells, what, lambda: fun(*args, **kwargs))
     if any(i >= len(args) or i < -len(args) for i in static):
-        # A static argument given by keyword: JAX's own error, its numbers the user's.
-        return plain(fun)(*args, **kwargs)  # type: ignore[call-arg]
-    rematted = jax.checkpoint(threaded, static_argnums=_after_states(static), **options)
-    out, values = rematted(_current(chosen), *args, **kwargs)
-    for cell, value in zip(chosen, values):
-        cell.value = value
-    return out
+        written = []  # a static argument given by keyword: JAX's own error, its numbers the user's
+
+    def as_arguments(pure_of: Callable, values: list[Any]) -> tuple[Any, list[Any]]:
+        rematted = jax.checkpoint(pure_of(fun), static_argnums=_after_states(static), **options)
+        return rematted(values, *args, **kwargs)
+
+    return _lift(
+        cells, written, what, as_arguments,
+        lambda: plain(fun)(*args, **kwargs),  # type: ignore[call-arg]
+    )
 
 
 # --- vmap ---------------------------------------------------------------------------
@@ -1380,10 +1432,8 @@ def _vmap_call(
                 raise _shared_write(cells[i], what, "example", _REDUCE_EXAMPLES) from None
         raise
     for axis in groups:
-        for k, value in stacked[axis].items():
-            chosen[k].value = value
-    for i, value in shared.items():
-        cells[i].value = value
+        _land(chosen, stacked[axis])
+    _land(cells, shared)
     return out
 
 
@@ -1457,8 +1507,7 @@ def _jit_call(
 
     threaded.__name__ = getattr(fun, "__name__", threaded.__name__)  # (the jaxpr's name)
     out, new = jax.jit(threaded, **shifted)(_current(chosen), *args, **kwargs)
-    for k, value in new.items():
-        chosen[k].value = value
+    _land(chosen, new)
     return out
 
 
@@ -1539,8 +1588,7 @@ def _shard_map_call(f: Callable, options: dict, args: tuple, kwargs: dict) -> An
             except ValueError:
                 raise _shared_write(chosen[k], what, "shard", _REDUCE_SHARDS) from None
         raise
-    for k, value in {**kept, **new}.items():
-        chosen[k].value = value
+    _land(chosen, {**kept, **new})
     return out
 
 
@@ -1597,8 +1645,7 @@ def _with_aux_states(
         return out, (aux, {i: v for i, (v, b) in enumerate(zip(after, before)) if v is not b})
 
     result, assigned = split(apply(threaded, True), has_aux)
-    for i, value in assigned.items():
-        cells[i].value = value
+    _land(cells, assigned)
     return result
 
 
