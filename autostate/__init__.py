@@ -11,6 +11,7 @@ from autostate.api import (
     state,
     stateful,
 )
+from autostate.compiled import Compiled, jit
 from autostate.control import (
     checkpoint,
     cond,
@@ -45,6 +46,7 @@ from autostate.sharding import partition_specs, sharded, shardings
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 from autostate.state_values import States
 from autostate.summary import summary
+from autostate.training import Optimizer, grad, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -61,6 +63,11 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AutostateError",
+    "Compiled",
+    "jit",
+    "Optimizer",
+    "grad",
+    "value_and_grad",
     "checkpoint",
     "cond",
     "fori_loop",

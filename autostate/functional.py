@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import io
 import pickle
@@ -41,6 +42,8 @@ from autostate.errors import (
 )
 from autostate.guard import Guard
 from autostate.lifetime import contains_tracer
+
+_ABSENT: Any = object()
 
 CONSTANT = "constant"
 """The category of non-trainable arrays: ``autostate.constant(...)`` and every
@@ -305,9 +308,11 @@ class FunctionalModel(Generic[M]):
         return has
 
     def _run(
-        self, states: dict[str, Any], method: str | None, args: tuple, kwargs: dict
+        self, states: dict[str, Any], method: str | Callable[..., Any] | None, args: tuple,
+        kwargs: dict,
     ) -> tuple[Any, dict[str, Any]]:
-        """Calls ``method`` of the model (``__call__`` for None) with ``states``.
+        """Calls ``method`` of the model (``__call__`` for None; a function:
+        ``method(model, *args)``) with ``states``.
 
         - bind: check the states dict's keys and put the constants it
           carries into a copy of the model (``_bind``);
@@ -325,7 +330,12 @@ class FunctionalModel(Generic[M]):
           left unhandled, which live in the model).
         """
         model = self._bind(states)
-        fn = model if method is None else getattr(model, method)
+        if method is None:
+            fn = model
+        elif isinstance(method, str):
+            fn = getattr(model, method)
+        else:
+            fn = functools.partial(method, model)
         guard = self._guard(model, states, args, kwargs)
         try:
             with guard:
@@ -390,6 +400,13 @@ class FunctionalModel(Generic[M]):
                 raise AttributeError(name)
         model = self.model
         method = getattr(type(model), name, None)
+        held = model.__dict__.get(name, _ABSENT)
+        if method is None and held is not _ABSENT and not isinstance(held, StateSlot) and (
+            _graph.is_stateful_instance(held) or not callable(held)
+        ):
+            # A parameter, a sub-model or static config: read as the model's
+            # (``grads.norm.scale`` on a gradient shaped like f).
+            return held
         if method is None:
             # A callable the instance holds (``model.forward = types.MethodType(fn,
             # model)``, PyTorch's way of replacing one model's method): called as

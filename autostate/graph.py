@@ -46,7 +46,7 @@ import functools
 import gc
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -1000,7 +1000,7 @@ def _graph_leaf(x: Any) -> bool:
     return type(x) in STATEFUL_CLASSES or is_static_leaf(x)
 
 
-def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
+def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any], GraphDef]:
     """Flattens a model graph with each instance once: ``(leaves, graphdef)``.
 
     Unlike the per-instance pytree registration, an instance (or an array)
@@ -1009,7 +1009,8 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
     gradient. The leaves are arrays only: every other value (a python scalar
     in a list, a function or a string inside a foreign pytree node) is
     static, in the graphdef. ``graphdef.keys`` holds each leaf's keypath from
-    the root. ``graph_unchanged``, next, is its mirror.
+    the root. ``graph_unchanged``, next, is its mirror. ``objects``, where
+    given, receives the instances in graphdef order (the root first).
 
     Example:
         >>> @autostate.stateful
@@ -1043,6 +1044,8 @@ def flatten_graph(root: Any) -> tuple[list[Any], GraphDef]:
         i = len(instances)
         index[id(obj)] = i
         instances.append(None)
+        if objects is not None:
+            objects.append(obj)
         entries: list[Any] = []
         for name, value in obj.__dict__.items():
             canonical = _CANONICAL.get(type(value))
@@ -1232,10 +1235,25 @@ def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
     return plan
 
 
-def rebuild_instances(graphdef: GraphDef, leaves: list[Any]) -> list[Any]:
-    """``unflatten_graph``, giving every instance of the graph (in graphdef order)."""
+def rebuild_instances(
+    graphdef: GraphDef, leaves: list[Any], into: Sequence[Any | None] = ()
+) -> list[Any]:
+    """``unflatten_graph``, giving every instance of the graph (in graphdef order).
+
+    ``into``: existing objects to fill instead of new ones, by graphdef index
+    (``None``, or past its end: a new one). Each keeps its identity, and its
+    attributes become exactly the graphdef's.
+    """
     plan = _rebuild_plan(graphdef)
-    objs: list[Any] = [object.__new__(cls) for cls, _ in plan]
+    objs: list[Any] = [object.__new__(cls) for cls, _ in plan[len(into):]]
+    if into:
+        objs = [
+            obj if obj is not None else object.__new__(cls)
+            for obj, (cls, _) in zip(into, plan)
+        ] + objs
+        for obj, _ in zip(into, plan):
+            if obj is not None:
+                obj.__dict__.clear()
     statics: dict[int, Any] = {}  # this model's own copies of static containers
     for obj, (_, steps) in zip(objs, plan):
         d = obj.__dict__

@@ -22,8 +22,10 @@ a base) defines itself is left alone, as at run time.
 It also types ``f.<method>(states, ...)`` from the model's method:
 ``f.generate(states, x)`` on a ``FunctionalModel[Net]`` takes
 ``Net.generate``'s arguments after ``states`` and returns
-``tuple[<its return type>, dict[str, Any]]``; a name the class has no method
-for is an error, as it is at run time. (``f(states, ...)`` is typed from
+``tuple[<its return type>, dict[str, Any]]``; a parameter, sub-model or
+config attribute has the model's type (``grads.norm`` on a gradient shaped
+like ``f``); a name the class has neither for is an error, as it is at run
+time. (``f(states, ...)`` is typed from
 ``Net.__call__`` without the plugin.)
 """
 
@@ -148,7 +150,9 @@ def _method_through_f(ctx: AttributeContext) -> Type:
         return ctx.default_attr_type  # (the hook sees f's own attributes too: f.model)
     found = find_member(name, model, model) if model.type.get(name) is not None else None
     method = get_proper_type(found)
-    if method is None or not isinstance(method, (CallableType, Overloaded, AnyType)):
+    if method is not None and not isinstance(method, (CallableType, Overloaded, AnyType)):
+        return method  # a parameter, sub-model or config: read as the model's
+    if method is None:
         if model.type.get("__getattr__") is None:
             ctx.api.fail(
                 f'"{model.type.name}" has no method "{name}" to call functionally',

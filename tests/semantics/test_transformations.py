@@ -53,6 +53,7 @@ from semantics.harness import (
     load_plain,
     mse,
     names_of,
+    no_tracer,
     pair,
     plain_path,
     raises_autostate,
@@ -3399,3 +3400,390 @@ def test_jit_of_the_model_as_an_argument_after_eager_writes() -> None:
         staged(lambda m, v: m.step(v))(model, filled(1.0))
     np.testing.assert_array_equal(np.asarray(model.x), filled(6.0))
     assert not has_tracer(vars(model))
+
+
+# --- autostate.jit: compiled calls that update the model in place -------------------------
+# The plain reference is the same function called as it is (``autostate.jit`` is the
+# identity there): after each call the model holds what plain Python leaves in it,
+# in the same Python objects, and the call returns the same values.
+
+COMPILED = """
+@DECORATE
+class Norm:
+    def __init__(self, d):
+        self.scale = jnp.ones(d)
+        self.mean = jnp.zeros(d)
+        self.training = True
+
+    def __call__(self, x):
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return (x - self.mean) * self.scale
+
+
+@DECORATE
+class Net:
+    def __init__(self, key, d=3):
+        self.w = jax.random.normal(key, (d, d))
+        self.norm = Norm(d)
+        self.steps = jnp.zeros((), jnp.int32)
+        self.history = [jnp.zeros(())]
+
+    def __call__(self, x):
+        self.steps += 1
+        return jnp.tanh(self.norm(x) @ self.w)
+
+    def step(self, x, lr):
+        y = self(x)
+        return y.sum()
+
+
+def train_step(model, x, lr):
+    TRACES.append("train_step")
+    y = model(x)
+    err = y - 1.0
+    model.w = model.w - lr * (x.T @ err) / len(x)  # a parameter assigned from outside
+    model.norm.scale = model.norm.scale * 0.99
+    return (err ** 2).mean()
+
+
+def evaluate(model, x):
+    TRACES.append("evaluate")
+    model.eval()
+    out = model(x).sum()
+    model.norm.train()
+    return out
+
+
+def PLAIN_MODE(model, mode):  # what train() / eval() do, for the plain classes
+    for m in (model, getattr(model, "norm", model)):
+        m.training = mode
+
+
+def shared_step(a, b, x):
+    return a(x).sum() + b(x).sum()
+
+
+def failing_step(model, x):
+    model(x)
+    model.w = model.w * 2
+    raise ValueError("stop")
+
+
+def with_static(model, x, power):
+    return (model(x) ** power).sum()
+
+
+def returns_model(model, x):
+    model(x)
+    return model
+
+
+def appends(model, box, x):
+    box.append(model(x).sum())  # a list argument changed in place
+    return x
+
+
+STEP = autostate.jit(train_step)
+EVALUATE = autostate.jit(evaluate)
+SHARED = autostate.jit(shared_step)
+FAILING = autostate.jit(failing_step)
+STATIC = autostate.jit(with_static, static_argnums=2)
+RETURNS = autostate.jit(returns_model)
+APPENDS = autostate.jit(appends)
+KEEP = autostate.jit(train_step, donate_models=False)
+GLOBAL_NET = Net(jax.random.key(1))
+
+
+def uses_global(x):
+    return GLOBAL_NET(x).sum()  # a model reached as a global
+
+
+USES_GLOBAL = autostate.jit(uses_global)
+"""
+
+COMPILED_PLAIN = [
+    ("autostate.jit(train_step, donate_models=False)", "train_step"),
+    ("model.eval()", "PLAIN_MODE(model, False)"),
+    ("model.norm.train()", "PLAIN_MODE(model.norm, True)"),
+] + [
+    (f"autostate.jit({name})", name)
+    for name in ("train_step", "evaluate", "shared_step", "failing_step", "returns_model",
+                 "appends", "uses_global")
+] + [("autostate.jit(with_static, static_argnums=2)", "with_static")]
+
+COMPILED_X = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+
+def _compiled_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, COMPILED, plain_subs=COMPILED_PLAIN)
+
+
+@pytest.mark.parametrize("step", ["STEP", "KEEP"])
+def test_compiled_step_updates_the_model_in_place(write_module: Loader, step: str) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    norm, history = d.norm, d.history
+    for i in range(3):
+        x = COMPILED_X * (i + 1)
+        same(getattr(plain, step)(p, x, 0.1), getattr(dec, step)(d, x, 0.1), f"loss {i}")
+        same(snapshot(p), snapshot(d), f"model after call {i}")
+    assert d.norm is norm and d.history is history  # the same Python objects
+    no_tracer(d)
+    d(COMPILED_X)  # the model goes on eagerly
+    p(COMPILED_X)
+    same(snapshot(p), snapshot(d), "after an eager call")
+
+
+def test_compiled_step_compiles_once_per_mode(write_module: Loader) -> None:
+    _, dec = pair(write_module, COMPILED, fresh=True, plain_subs=COMPILED_PLAIN)
+    model = dec.Net(jax.random.key(0)).train()  # (train() gives Net its `training` too)
+    for _ in range(3):
+        dec.STEP(model, COMPILED_X, 0.1)
+    assert dec.TRACES == ["train_step"]
+    model.eval()
+    dec.STEP(model, COMPILED_X, 0.1)
+    dec.STEP(model, COMPILED_X, 0.1)
+    model.train()
+    dec.STEP(model, COMPILED_X, 0.1)
+    assert dec.TRACES == ["train_step"] * 2  # one trace per mode
+    dec.STEP(model, COMPILED_X[:2], 0.1)  # a new shape: a new trace, as jax.jit's
+    assert len(dec.TRACES) == 3
+
+
+def test_compiled_mode_switch_inside_lands(write_module: Loader) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    same(plain.EVALUATE(p, COMPILED_X), dec.EVALUATE(d, COMPILED_X), "eval output")
+    same(snapshot(p), snapshot(d), "after")
+    assert d.training is False and d.norm.training is True  # as the function left them
+    d.eval()
+    plain.PLAIN_MODE(p, False)
+    same(plain.EVALUATE(p, COMPILED_X), dec.EVALUATE(d, COMPILED_X), "from eval mode")
+    same(snapshot(p), snapshot(d), "after the second call")
+
+
+def test_compiled_instances_shared_between_arguments_stay_shared(write_module: Loader) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p = plain.Net(jax.random.key(0))
+    d = dec.Net(jax.random.key(0))
+    same(plain.SHARED(p, p, COMPILED_X), dec.SHARED(d, d, COMPILED_X), "out")
+    same(snapshot(p), snapshot(d), "one model passed twice")
+    assert int(d.steps) == 2
+    a, b = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1))
+    b.norm = a.norm  # one sub-model in two models
+    dec.SHARED(a, b, COMPILED_X)
+    assert b.norm is a.norm
+    pa, pb = plain.Net(jax.random.key(0)), plain.Net(jax.random.key(1))
+    pb.norm = pa.norm
+    plain.SHARED(pa, pb, COMPILED_X)
+    same(snapshot((pa, pb)), snapshot((a, b)), "a shared sub-model")
+
+
+def test_compiled_method_of_the_model(write_module: Loader) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    step = autostate.jit(d.step)
+    for _ in range(2):
+        same(p.step(COMPILED_X, 0.1), step(COMPILED_X, 0.1), "out")
+    same(snapshot(p), snapshot(d), "after")
+
+
+def test_compiled_static_arguments(write_module: Loader) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    for power in (1, 2, 2):
+        same(plain.STATIC(p, COMPILED_X, power), dec.STATIC(d, COMPILED_X, power), f"power {power}")
+    same(snapshot(p), snapshot(d), "after")
+
+
+def test_compiled_donates_the_old_arrays(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    donated, kept = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    old = [donated.w, donated.norm.mean]
+    dec.STEP(donated, COMPILED_X, 0.1)
+    assert all(a.is_deleted() for a in old)
+    old = [kept.w, kept.norm.mean]
+    dec.KEEP(kept, COMPILED_X, 0.1)
+    assert not any(a.is_deleted() for a in old)
+
+
+def test_compiled_function_that_raises_leaves_the_model(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="stop"):
+        dec.FAILING(model, COMPILED_X)
+    same(before, snapshot(model), "unchanged")
+    no_tracer(model)
+    dec.STEP(model, COMPILED_X, 0.1)  # usable after
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("USES_GLOBAL", lambda m: (COMPILED_X,)),
+        ("RETURNS", lambda m: (m, COMPILED_X)),
+        ("APPENDS", lambda m: (m, [], COMPILED_X)),
+    ],
+)
+def test_compiled_refusals(write_module: Loader, name: str, args: Callable) -> None:
+    # A model reached by a global (its changes would be lost), a model returned, a list
+    # argument changed in place: each a clear error at the call, the models as before.
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    before = snapshot((model, dec.GLOBAL_NET))
+    with pytest.raises(autostate.errors.InvalidArgumentError) as err:
+        getattr(dec, name)(*args(model))
+    assert "fix" in str(err.value)
+    assert f"{__file__}:" in str(err.value)  # the line of the call
+    same(before, snapshot((model, dec.GLOBAL_NET)), "unchanged")
+    no_tracer(model)
+
+
+def test_compiled_inside_a_transformation_runs_the_function(write_module: Loader) -> None:
+    # Under an outer jit or vmap the function runs as it is (JAX inlines a nested jit): a
+    # model built inside is updated there; one from outside written with a traced value
+    # is refused as any eager write of a tracer is.
+    _, dec = _compiled_pair(write_module)
+
+    def inside(x):
+        model = dec.Net(jax.random.key(0))
+        dec.STEP(model, x, 0.1)
+        return model.w
+
+    expected = dec.Net(jax.random.key(0))
+    dec.STEP(expected, COMPILED_X, 0.1)
+    same(np.asarray(expected.w), np.asarray(jax.jit(inside)(COMPILED_X)), "inside jit")
+    ws = jax.vmap(inside)(jnp.stack([COMPILED_X, COMPILED_X]))
+    same(np.asarray(expected.w), np.asarray(ws[1]), "inside vmap")
+    outside = dec.Net(jax.random.key(0))
+    before = snapshot(outside)
+    with pytest.raises(TracedEagerStateError):
+        jax.jit(lambda x: dec.STEP(outside, x, 0.1))(COMPILED_X)
+    same(before, snapshot(outside), "unchanged")
+
+
+def test_compiled_calls_from_two_threads_are_serialised(write_module: Loader) -> None:
+    import threading
+
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    dec.STEP(model, COMPILED_X, 0.1)  # compiled before the threads start
+    threads = [
+        threading.Thread(target=lambda: [dec.STEP(model, COMPILED_X, 0.0) for _ in range(5)])
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert int(model.steps) == 11  # no call's write lost
+
+
+# autostate.value_and_grad / grad / Optimizer: the gradient with respect to a model's
+# trainable parameters (shaped like its f, read like the model), the forward's state
+# writes landing with their primal values, and optax updates applied in place; the
+# reference is the explicit path, f and optax by hand.
+
+
+def _mse(model: Any, x: Any, y: Any) -> Any:
+    return ((model(x) - y) ** 2).mean()
+
+
+def _explicit_step(tx: Any) -> Callable:
+    @jax.jit
+    def step(f: Any, opt_state: Any, states: Any, x: Any, y: Any) -> Any:
+        def loss(f: Any) -> Any:
+            out, new = f(states, x)
+            return ((out - y) ** 2).mean(), new
+
+        (value, states), grads = jax.value_and_grad(loss, has_aux=True)(f)
+        updates, opt_state = tx.update(grads, opt_state, f)
+        return optax.apply_updates(f, updates), opt_state, states, value
+
+    return step
+
+
+def _no_decay_on_norm(f: Any) -> Any:  # a mask by path, as the optax docs write them for f
+    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), f)
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [optax.sgd(0.1), optax.adamw(1e-2), optax.adamw(1e-2, mask=_no_decay_on_norm)],
+    ids=["sgd", "adamw", "masked"],
+)
+def test_compiled_training_step_equals_the_explicit_path(write_module: Loader, tx: Any) -> None:
+    _, dec = _compiled_pair(write_module)
+
+    @autostate.jit
+    def train_step(model: Any, opt: Any, x: Any, y: Any) -> Any:
+        loss, grads = autostate.value_and_grad(_mse)(model, x, y)
+        opt.update(grads)
+        return loss
+
+    model = dec.Net(jax.random.key(0))
+    opt = autostate.Optimizer(model, tx)
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    opt_state = tx.init(f)
+    step = _explicit_step(tx)
+    y = jnp.ones((4, 3))
+    for i in range(3):
+        x = COMPILED_X * (i + 1)
+        loss = train_step(model, opt, x, y)
+        f, opt_state, states, expected = step(f, opt_state, states, x, y)
+        same(np.asarray(expected), np.asarray(loss), f"loss {i}")
+    same(snapshot(autostate.freeze(f, states)), snapshot(model), "the trained model")
+    assert opt.model is model and int(opt.step) == 3
+    no_tracer(model)
+    model.eval()  # a mode is part of f's structure; the optimizer state is not
+    train_step(model, opt, COMPILED_X, y)
+    assert int(opt.step) == 4 and model.training is False
+
+
+def test_value_and_grad_of_a_model(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    y = jnp.ones((4, 3))
+    loss, grads = autostate.value_and_grad(_mse)(model, COMPILED_X, y)
+    (expected, states), expected_grads = jax.value_and_grad(
+        lambda f: (lambda o: (((o[0] - y) ** 2).mean(), o[1]))(f(states, COMPILED_X)), has_aux=True
+    )(f)
+    same(np.asarray(expected), np.asarray(loss), "value")
+    same(jax.tree.map(np.asarray, expected_grads), jax.tree.map(np.asarray, grads), "grads")
+    assert jax.tree.structure(grads) == jax.tree.structure(f)  # optax-ready: f's structure
+    same(np.asarray(expected_grads.model.norm.scale), np.asarray(grads.norm.scale), "read as the model")
+    # The forward's writes landed with their primal values; states are not differentiated.
+    same(np.asarray(states["norm.mean"]), np.asarray(model.norm.mean), "running mean")
+    assert int(model.steps) == 1
+    (_, aux), _ = autostate.value_and_grad(lambda m, x: (m(x).sum(), m.steps), has_aux=True)(
+        model, COMPILED_X
+    )
+    assert int(aux) == 2 and int(model.steps) == 2
+    fresh_f, fresh_states = dec.Net(jax.random.key(0)).functionalize()
+    expected_w = jax.grad(lambda f: f(fresh_states, COMPILED_X)[0].sum())(fresh_f).model.w
+    got = autostate.grad(lambda m, x: m(x).sum())(dec.Net(jax.random.key(0)), COMPILED_X)
+    same(np.asarray(expected_w), np.asarray(got.w), "grad")
+    a, b = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1))
+    ga, gb = autostate.grad(lambda a, b, x: (a(x) * b(x)).sum(), argnums=(0, 1))(a, b, COMPILED_X)
+    assert jax.tree.structure(ga) == jax.tree.structure(gb) and int(a.steps) == int(b.steps) == 1
+
+
+def test_value_and_grad_refusals(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="argument 1") as err:
+        autostate.grad(lambda x, m: m(x).sum(), argnums=1)(COMPILED_X, COMPILED_X)
+    assert f"{__file__}:" in str(err.value)
+    before = snapshot(model)
+
+    def assigns(m: Any, x: Any) -> Any:
+        m.w = m.w * 2  # a parameter assigned inside the differentiated function
+        return m(x).sum()
+
+    with pytest.raises(autostate.AutostateError):
+        autostate.grad(assigns)(model, COMPILED_X)
+    same(before, snapshot(model), "unchanged")
+    no_tracer(model)

@@ -111,8 +111,11 @@ def test_functional_model_method_access_and_equality():
     leaves_f = jax.tree_util.tree_leaves(f)
     leaves_g = jax.tree_util.tree_leaves(g)
     np.testing.assert_array_equal(leaves_f[0], leaves_g[0])
-    with pytest.raises(AttributeError, match="no method 'encoder'"):
-        getattr(f, "encoder")  # noqa: B009 - the attribute access is what is tested
+    # A sub-model (or a parameter) reads as the model's: a gradient shaped like f
+    # reads ``grads.encoder.w``; a name that is neither is no method.
+    assert f.encoder is f.model.encoder
+    with pytest.raises(AttributeError, match="no method 'missing'"):
+        getattr(f, "missing")  # noqa: B009 - the attribute access is what is tested
 
 
 @autostate.stateful

@@ -1,0 +1,332 @@
+"""Compiled calls that update models in place: ``autostate.jit``.
+
+``autostate.jit(fn)(model, batch)`` runs ``fn`` as one compiled program and
+leaves the model as the plain call ``fn(model, batch)`` would: its
+parameters, states and static config (``model.eval()`` inside) changed in
+place, sub-models and shared instances the same Python objects.
+
+How one call goes:
+
+1. the decorated instances among the arguments (at any depth of their
+   pytrees) are flattened with the one walk (``graph.flatten_graph``), each
+   instance once: their arrays are the leaves, everything else (classes,
+   static config, the way instances hold one another) is the graphdef;
+2. the compiled program (one ``jax.jit`` per graphdef: one compile per
+   structure and mode) rebuilds copies of the instances from the leaves,
+   living in its trace, runs ``fn`` on them, and flattens them again: the new
+   leaves are its output, and the new graphdef (with which copy each
+   instance is) is kept with the trace;
+3. the new graphdef and leaves are written back into the same Python
+   objects (``graph.rebuild_instances(..., into=...)``).
+
+The model's old buffers are donated to the program. When ``fn`` raises,
+nothing is written back: the models keep their values from before the call.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import jax
+
+from autostate import graph as _graph
+from autostate.effects.local_state import StateSlot
+from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.lifetime import current_trace, under_staging_trace, with_home
+
+__all__ = ["Compiled", "jit"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Calls of compiled functions, one at a time: a call reads its models, runs,
+# and writes them back; two threads interleaving those steps on one model
+# would each write back what the other never saw.
+_CALLS = threading.RLock()
+
+
+class _Models:
+    """The root the flatten walks: the models among a call's arguments."""
+
+    def __init__(self, models: list[Any]):
+        self.models = models
+
+
+class _Key:
+    """What one compiled program is for: hashed and compared by JAX's cache."""
+
+    __slots__ = ("graphdef", "treedef", "where", "statics", "_hash")
+
+    def __init__(self, graphdef: Any, treedef: Any, where: tuple[int, ...], statics: tuple):
+        self.graphdef = graphdef
+        self.treedef = treedef
+        self.where = where  # positions of the models among the flat arguments
+        self.statics = statics  # (position, value) of each static argument
+        self._hash = hash((graphdef, treedef, where, statics))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is _Key
+            and self._hash == other._hash
+            and self.graphdef == other.graphdef
+            and self.treedef == other.treedef
+            and self.where == other.where
+            and self.statics == other.statics
+        )
+
+
+class Compiled(Generic[P, R]):
+    """A function compiled by ``autostate.jit``: call it as the function.
+
+    ``lower(*args)`` is not offered: the program takes the models' flattened
+    arrays, an internal layout; export a model with ``autostate.export``.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.n = jnp.zeros((), jnp.int32)
+        ...
+        ...     def tick(self):
+        ...         self.n += 1
+        ...         return self.n
+        >>> counter = Counter()
+        >>> tick = autostate.jit(counter.tick)  # a method: the model is its first argument
+        >>> isinstance(tick, autostate.Compiled), int(tick()), int(tick()), int(counter.n)
+        (True, 1, 2, 2)
+    """
+
+    def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
+        self._self: Any = None
+        if isinstance(fn, types.MethodType) and _graph.is_stateful_instance(fn.__self__):
+            # ``autostate.jit(model.step)``: the model is the first argument.
+            self._self, fn = fn.__self__, fn.__func__
+        self.fn = fn
+        static = options.pop("static_argnums", ())
+        self._static = (static,) if isinstance(static, int) else tuple(static)
+        donate = options.pop("donate_models", True)
+        for name in ("donate_argnums", "donate_argnames", "static_argnames"):
+            if name in options:
+                raise InvalidArgumentError(
+                    format_error(
+                        f"autostate.jit does not take {name}.",
+                        where=user_location(),
+                        fix="the models' arrays are donated (donate_models=False keeps "
+                        "them); give static arguments by position, static_argnums.",
+                    )
+                )
+        # key -> (the graphdef after the call, each instance's index before it)
+        self._after: dict[_Key, tuple[Any, list[int | None]]] = {}
+        self._jitted = jax.jit(
+            self._pure, static_argnums=(0,), donate_argnums=(1,) if donate else (), **options
+        )
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._self is not None:
+            args = (self._self, *args)  # type: ignore[assignment]
+        if under_staging_trace():
+            return self.fn(*args, **kwargs)  # (see _call)
+        with _CALLS:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        statics = tuple((i, args[i]) for i in self._static if -len(args) <= i < len(args))
+        static_at = {i % len(args) for i, _ in statics}
+        dynamic = tuple(a for i, a in enumerate(args) if i not in static_at)
+        flat, treedef = jax.tree_util.tree_flatten(
+            (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
+        )
+        where = tuple(i for i, x in enumerate(flat) if _graph.is_stateful_instance(x))
+        taken = set(where)
+        objects: list[Any] = []
+        leaves, graphdef = _graph.flatten_graph(_Models([flat[i] for i in where]), objects)
+        others = [x for i, x in enumerate(flat) if i not in taken]
+        if any(isinstance(x, jax.core.Tracer) for x in (*leaves, *others)):
+            # Inside a transformation (JAX would inline a nested jit): the
+            # function runs as it is, under that transformation's rules.
+            return self.fn(*args, **kwargs)
+        key = _Key(graphdef, treedef, where, statics)
+        out, new_leaves = self._jitted(key, leaves, others)
+        new_graphdef, origin = self._after[key]
+        targets = [None if i is None else objects[i] for i in origin]
+        held = [None if obj is None else dict(obj.__dict__) for obj in targets]
+        _graph.rebuild_instances(new_graphdef, new_leaves, targets)
+        for obj, before in zip(targets, held):
+            if before:
+                d = obj.__dict__
+                for name, value in d.items():
+                    if name in before:
+                        d[name] = _kept(before[name], value)
+        return out
+
+    def _pure(self, key: _Key, leaves: list[Any], others: list[Any]) -> tuple[Any, list[Any]]:
+        """The compiled program: ``fn`` on copies of the models, living in this trace."""
+        copies = _graph.rebuild_instances(key.graphdef, leaves)
+        home = current_trace()
+        for obj in copies:
+            for value in obj.__dict__.values():
+                if isinstance(value, StateSlot):
+                    with_home(value, home)
+        root = copies[key.graphdef.root]
+        flat = list(others)
+        for position, model in zip(key.where, root.models):
+            flat.insert(position, model)
+        dynamic, kwargs = jax.tree_util.tree_unflatten(key.treedef, flat)
+        args = list(dynamic)
+        for i, value in sorted((i % (len(args) + len(key.statics)), v) for i, v in key.statics):
+            args.insert(i, value)
+        _check_reached(self.fn, copies)
+        out = self.fn(*args, **kwargs)
+        _check_plain_output(out)
+        after, treedef = jax.tree_util.tree_flatten(
+            (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
+        )
+        if treedef != key.treedef or any(a is not b for a, b in zip(after, flat)):
+            raise InvalidArgumentError(
+                format_error(
+                    "A function compiled by autostate.jit changed a list, dict or other "
+                    "container passed to it in place: the compiled program gets copies of "
+                    "its arguments' containers, so the change would be lost.",
+                    where=user_location(),
+                    fix="return the new value from the function and assign it after the "
+                    "call, or keep it in a model (a model passed in is updated in place).",
+                )
+            )
+        objects: list[Any] = []
+        new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
+        index = {id(obj): i for i, obj in enumerate(copies)}
+        self._after[key] = (new_graphdef, [index.get(id(obj)) for obj in objects])
+        return out, new_leaves
+
+
+def _kept(old: Any, new: Any) -> Any:
+    """``new``, in ``old``'s list and dict objects where both are of one such
+    type (at any depth): a list a model holds stays the same list, as plain
+    Python's call leaves it."""
+    if type(old) is not type(new):
+        return new
+    if isinstance(old, list):
+        old[:] = [_kept(o, n) for o, n in zip(old, new)] + new[len(old):]
+        return old
+    if isinstance(old, dict):
+        items = {k: _kept(old[k], v) if k in old else v for k, v in new.items()}
+        old.clear()
+        old.update(items)
+        return old
+    return new
+
+
+def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
+    """Refuses a model ``fn`` reaches by its closure, defaults or globals: the
+    program would read it as constants and leave it unchanged (a silent copy)."""
+    from autostate.control import _reachable_instances
+
+    reached = _reachable_instances((fn,), [])
+    code = getattr(fn, "__code__", None)
+    found = [("its closure", obj) for obj in reached]
+    if code is not None:
+        globals_ = getattr(fn, "__globals__", {})
+        for name in _global_names(code):
+            value = globals_.get(name)
+            if value is not None and _graph.holds_instance(value):
+                found.append((f"the global {name!r}", value))
+    ids = {id(c) for c in copies}
+    for how, value in found:
+        for obj in _graph.instances_of(value):
+            if id(obj) not in ids:
+                raise InvalidArgumentError(
+                    format_error(
+                        f"{getattr(fn, '__qualname__', fn)!r}, compiled by autostate.jit, reaches "
+                        f"a {type(obj).__name__} model through {how} instead of an argument: "
+                        "the compiled program would read it as constants and leave every "
+                        "change to it out.",
+                        where=user_location(),
+                        fix="pass the model as an argument of the compiled function "
+                        "(`step(model, batch)`), or compile a method of it "
+                        "(`autostate.jit(model.step)`).",
+                    )
+                )
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions nested in it load (not the
+    attribute names, which ``co_names`` holds too)."""
+    names = {
+        str(op.argval) for op in dis.get_instructions(code)
+        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _check_plain_output(out: Any) -> None:
+    if _graph.holds_instance(out):
+        raise InvalidArgumentError(
+            format_error(
+                "A function compiled by autostate.jit returns a model: the values it "
+                "returns leave the compiled program as plain arrays.",
+                where=user_location(),
+                fix="change the model passed in (it is updated in place) and return "
+                "arrays, or build the model outside the compiled function.",
+            )
+        )
+
+
+def jit(fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
+    """Compiles ``fn``, a function of models and pytrees, and updates the models in place.
+
+    ``fn`` may call the methods of the models it is given, assign their
+    attributes and switch their mode (``model.eval()``). After each call every
+    change is in the same Python objects, as the plain call ``fn(...)`` would
+    leave them: sub-models and instances shared between arguments stay the
+    same objects. ``fn`` is traced once per structure and mode of its models
+    (and per shape of its other arguments, as ``jax.jit``); the models' old
+    arrays are donated to the program. When ``fn`` raises, the models keep
+    their values from before the call.
+
+    Args:
+        fn: the function; a method of a model (``model.step``) takes the model
+            as its first argument. Used bare as ``@autostate.jit`` or with
+            options as ``@autostate.jit(static_argnums=...)``.
+        **options: those of ``jax.jit`` (``static_argnums`` by position, and
+            not ``donate_argnums``); ``donate_models=False`` keeps the
+            models' old arrays valid.
+
+    Returns:
+        The compiled function: it returns what ``fn`` returns, as arrays.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return self.w * x
+        >>> @autostate.jit
+        ... def step(model, x):
+        ...     y = model(x)
+        ...     model.w = model.w - 0.5  # a parameter assigned from outside
+        ...     return y.sum()
+        >>> model = Counter()
+        >>> print(step(model, jnp.ones(2)), step(model, jnp.ones(2)))
+        2.0 1.0
+        >>> print(model.calls, model.w)
+        2 [0. 0.]
+    """
+    if fn is None:
+        return functools.partial(jit, **options)
+    return Compiled(fn, dict(options))

@@ -1,0 +1,263 @@
+"""Gradients and an optimizer for models kept as objects.
+
+``autostate.value_and_grad(loss)(model, batch)`` differentiates a function of
+a model with respect to its trainable parameters (the leaves of its ``f``)
+and leaves the model as the plain call would: a state the forward pass
+assigns (running statistics, a step counter) lands in the model with its
+primal value. ``autostate.Optimizer(model, tx)`` holds an optax-style
+transformation's state and updates the model's parameters in place.
+
+Both work eagerly and inside ``autostate.jit``, where they make one compiled
+training step of a model object::
+
+    @autostate.jit
+    def train_step(model, opt, x, y):
+        loss, grads = autostate.value_and_grad(loss_fn)(model, x, y)
+        opt.update(grads)
+        return loss
+
+The gradients are a ``FunctionalModel``: a pytree of the trainable
+parameters with the paths of ``f`` (so optax masks written for ``f`` apply),
+read like the model (``grads.norm.scale``, ``grads.blocks[0].w``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autostate import graph as _graph
+from autostate import tree as _tree
+from autostate.api import functionalize, stateful
+from autostate.effects.local_state import HandledLocalStateRef
+from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.functional import FunctionalModel
+
+__all__ = ["Optimizer", "grad", "value_and_grad"]
+
+
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
+    **options: Any,
+) -> Callable[..., tuple[Any, Any]]:
+    """The value of ``fn`` and its gradient with respect to the trainable
+    parameters of the model(s) at ``argnums``.
+
+    ``fn`` takes models (and anything else) and returns a scalar (with
+    ``has_aux``, ``(scalar, aux)``). It may call the models' methods, which
+    may assign their states: those writes land in the models with their
+    primal values, as the plain call would leave them, and states are never
+    differentiated. A model's parameters may not be assigned inside ``fn``
+    (do that after, with the gradient: ``Optimizer.update``).
+
+    Args:
+        fn: the function to differentiate.
+        argnums: which positional argument(s) are the differentiated models.
+        has_aux: ``fn`` returns ``(value, aux)``.
+        **options: the other options of ``jax.value_and_grad`` (``holomorphic``,
+            ``allow_int``, ``reduce_axes``).
+
+    Returns:
+        A function returning ``(value, grads)`` (``((value, aux), grads)`` with
+        ``has_aux``). ``grads`` is shaped like ``f`` of the model, a
+        ``FunctionalModel`` of gradients read like the model
+        (``grads.norm.scale``); a tuple of them for a tuple ``argnums``.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.full(2, 3.0)
+        ...         self.calls = jnp.zeros((), jnp.int32)
+        ...
+        ...     def __call__(self, x):
+        ...         self.calls += 1
+        ...         return (self.w * x).sum()
+        >>> model = Scale()
+        >>> loss, grads = autostate.value_and_grad(lambda m, x: m(x))(model, jnp.ones(2))
+        >>> print(loss, grads.w, model.calls)
+        6.0 [1. 1.] 1
+    """
+    numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        models = [_model_at(args, i) for i in numbers]
+        pairs = [functionalize(model) for model in models]
+        fs = [f for f, _ in pairs]
+        written: list[dict[str, Any]] = [{} for _ in pairs]
+
+        def loss(*diffed: FunctionalModel) -> tuple[Any, Any]:
+            def nested(k: int, handled: list[Any]) -> Any:
+                if k == len(diffed):
+                    called = list(args)
+                    for i, model in zip(numbers, handled):
+                        called[i] = model
+                    return fn(*called, **kwargs)
+                out, written[k] = diffed[k]._run(
+                    pairs[k][1], lambda model: nested(k + 1, [*handled, model]), (), {}
+                )
+                return out
+
+            out = nested(0, [])
+            value, aux = out if has_aux else (out, None)
+            return value, (aux, written)
+
+        (value, (aux, new)), grads = jax.value_and_grad(
+            loss, argnums=tuple(range(len(fs))), has_aux=True, **options
+        )(*fs)
+        for model, f, states in zip(models, fs, new):
+            _assign_states(model, f, states)
+        grads = grads[0] if isinstance(argnums, int) else grads
+        return ((value, aux) if has_aux else value), grads
+
+    functools.update_wrapper(run, fn, updated=())
+    return run
+
+
+def grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
+    **options: Any,
+) -> Callable[..., Any]:
+    """The gradient of ``fn`` with respect to the trainable parameters of the
+    model(s) at ``argnums``: ``value_and_grad`` without the value (with
+    ``has_aux``, ``(grads, aux)``).
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.full(2, 3.0)
+        ...
+        ...     def __call__(self, x):
+        ...         return (self.w * x).sum()
+        >>> print(autostate.grad(lambda m, x: m(x))(Scale(), jnp.arange(2.0)).w)
+        [0. 1.]
+    """
+    both = value_and_grad(fn, argnums, has_aux, **options)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    functools.update_wrapper(run, fn, updated=())
+    return run
+
+
+def _model_at(args: tuple, i: int) -> Any:
+    model = args[i] if -len(args) <= i < len(args) else None
+    if not _graph.is_stateful_instance(model):
+        raise InvalidArgumentError(
+            format_error(
+                f"autostate.value_and_grad differentiates the model at argument {i}, but it "
+                f"is {type(model).__name__}, not an instance of a @stateful class.",
+                where=user_location(),
+                fix="pass the model at that position, or set argnums to the models' "
+                "positions; for arrays and pytrees use jax.value_and_grad.",
+            )
+        )
+    return model
+
+
+def _pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
+    """Each instance of ``model`` with its twin in ``f``'s model (the same walk)."""
+    return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))
+
+
+def _assign_states(model: Any, f: FunctionalModel, states: dict[str, Any]) -> None:
+    """Assigns the new ``states`` of a call of ``f`` to ``model``'s states, as
+    the plain call's writes would have (through ``setattr``: the model's own
+    rules for an assigned state apply)."""
+    for obj, twin in _pairs(model, f):
+        for attr in _tree.info_of(obj).state:
+            slot = twin.__dict__.get(attr)
+            if type(slot) is HandledLocalStateRef and slot.name in states:
+                value = states[slot.name]
+                if value is not getattr(obj, attr):
+                    setattr(obj, attr, value)
+
+
+def _assign_params(model: Any, f: FunctionalModel, new: FunctionalModel) -> None:
+    """Assigns the parameters of ``new`` (``f`` with new leaves) to ``model``,
+    attribute by attribute; sub-models stay the same objects."""
+    for (obj, _), (_, twin) in zip(_pairs(model, f), _pairs(model, new)):
+        states = _tree.info_of(obj).state
+        for attr, value in twin.__dict__.items():
+            if attr in states or _graph.holds_instance(value):
+                continue
+            if value is not obj.__dict__.get(attr):
+                setattr(obj, attr, value)
+
+
+@stateful
+class Optimizer:
+    """An optax-style transformation's state for one model, updating the
+    model's trainable parameters in place.
+
+    ``tx`` is anything with optax's ``init(params)`` and ``update(grads,
+    state, params)`` (an ``optax.GradientTransformation``); the parameters it
+    sees are the model's ``f``, so masks written for ``f``'s paths apply.
+    Eagerly and inside ``autostate.jit``.
+
+    Args:
+        model: the model to train.
+        tx: the transformation.
+
+    Examples:
+        >>> import optax
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.full(2, 3.0)
+        ...
+        ...     def __call__(self, x):
+        ...         return (self.w * x).sum()
+        >>> model = Scale()
+        >>> opt = autostate.Optimizer(model, optax.sgd(0.5))
+        >>> opt.update(autostate.grad(lambda m, x: m(x))(model, jnp.ones(2)))
+        >>> print(model.w, opt.step)
+        [2.5 2.5] 1
+    """
+
+    def __init__(self, model: Any, tx: Any):
+        self.model = model
+        self.tx = tx
+        f, _ = functionalize(model)
+        # The structure the transformation's state follows: f's in the mode
+        # the model had here (a mode is part of f's structure; the
+        # parameters are the same in every mode).
+        self.params_def = jax.tree_util.tree_structure(f)
+        self.opt_state = tx.init(f)
+        self.step = jnp.zeros((), jnp.int32)
+
+    def update(self, grads: Any) -> None:
+        """Applies ``grads`` (shaped like the model's ``f``, as ``autostate.grad``
+        gives them) to the model's parameters."""
+        f, _ = functionalize(self.model)
+        params, grads = (_as(self.params_def, tree, self.model) for tree in (f, grads))
+        updates, self.opt_state = self.tx.update(grads, self.opt_state, params)
+        new = jax.tree_util.tree_map(
+            lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
+        )
+        _assign_params(self.model, f, _as(jax.tree_util.tree_structure(f), new, self.model))
+        self.step += 1
+
+
+def _as(treedef: Any, tree: Any, model: Any) -> Any:
+    """``tree``'s leaves in the structure ``treedef`` (``f``'s in another mode)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) != treedef.num_leaves:
+        raise InvalidArgumentError(
+            format_error(
+                f"The optimizer of a {type(model).__name__} was made for "
+                f"{treedef.num_leaves} trainable parameters, and the model now has "
+                f"{len(leaves)}: its parameters were replaced or added since.",
+                where=user_location(),
+                fix="make a new autostate.Optimizer(model, tx) after changing which "
+                "parameters the model holds.",
+            )
+        )
+    return jax.tree_util.tree_unflatten(treedef, leaves)
