@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -51,7 +52,7 @@ from autostate.effects.local_state import (
     HandlerId,
     InitialLocalStateRequest,
     StateSlot,
-    is_running,
+    handler_cells,
     running_call,
     running_calls,
 )
@@ -463,7 +464,19 @@ _ANY_THREAD: dict[int, tuple[Hashable, dict[str, Any], Any]] = {}
 def _call_started(handler_id: Hashable, cells: dict[str, Any], trace: Any) -> int:
     call = (handler_id, cells, trace)
     _ANY_THREAD[id(call)] = call
+    _SERIALS[id(cells)] = next(_SERIAL)
     return id(call)
+
+
+def _call_ended(token: int) -> None:
+    _, cells, _ = _ANY_THREAD.pop(token)
+    del _SERIALS[id(cells)]
+
+
+# id of a running call's cells -> a number no other call gets: part of the
+# key a running model's state flattens with (``_split_running_ref``).
+_SERIALS: dict[int, int] = {}
+_SERIAL = itertools.count()
 
 
 def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], Any]]:
@@ -533,6 +546,9 @@ def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
     )
 
 
+_UNSET: Any = object()
+
+
 class CopiedRef(StateSlot):
     """A handled state of a copy JAX made of a model inside the running call.
 
@@ -550,13 +566,26 @@ class CopiedRef(StateSlot):
     escaped state instead of being lost with the slice.
     """
 
-    __slots__ = ("ref", "value", "category", "name")
+    __slots__ = ("ref", "value", "category", "name", "origin")
 
     def __init__(self, ref: HandledLocalStateRef, value: Any):
         self.ref, self.value = ref, value
         self.category, self.name = ref.category, ref.name
+        cell = handler_cells(ref.handler_id).get(ref.name)
+        # What the cell held when JAX made the copy: another value there
+        # since is the state as the transformation's body has it.
+        self.origin = _UNSET if cell is None else cell.value
 
     def read(self) -> Any:
+        # Inside a transformation the call started, the cell is the state
+        # (bound to this step's slice, or written through another copy of
+        # the same model: one passed twice, ``vmap(f)(m, m)``) once it holds
+        # another value than when the copy was made.
+        call = running_call(self.ref.handler_id)
+        if call is not None and call[3] is not current_trace():
+            cell = call[1].get(self.name)
+            if cell is not None and cell.value is not self.origin:
+                return cell.value
         return self.value
 
     def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
@@ -572,14 +601,32 @@ class CopiedRef(StateSlot):
 
 
 def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
-    return (ref.read(), ref) if is_running(ref.handler_id) else None
+    """A running model's state, flattened by JAX (``vmap``, ``scan``'s ``xs``,
+    a ``jax.jit`` the decorator never saw): its value is a child, and the key
+    names the call. A cache of JAX's (a jitted helper's) then never replays
+    one call's trace in another: the function runs, and its use of the
+    state is seen (an escaped write refused) at every call."""
+    call = running_call(ref.handler_id)
+    if call is None:
+        return None
+    return ref.read(), (ref, _SERIALS.get(id(call[1])))
+
+
+def _split_copy(copy: CopiedRef) -> tuple[Any, Any]:
+    """A copy's state, flattened again (a copy of the copy): keyed as above."""
+    call = running_call(copy.ref.handler_id)
+    return copy.value, (copy.ref, None if call is None else _SERIALS.get(id(call[1])))
+
+
+def _copied(key: tuple[HandledLocalStateRef, Any], value: Any) -> CopiedRef:
+    return CopiedRef(key[0], value)
 
 
 # Frozen and childless: one object per graphdef entry serves every rebuild.
 _graph.register_node_kind(
-    HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, CopiedRef)
+    HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, _copied)
 )
-_graph.register_node_kind(CopiedRef, running=(lambda c: (c.value, c.ref), CopiedRef))
+_graph.register_node_kind(CopiedRef, running=(_split_copy, _copied))
 
 
 register_slot_hooks(
@@ -588,7 +635,7 @@ register_slot_hooks(
     lives_in=with_home,
     check_read=_check_read,
     call_started=_call_started,
-    call_ended=_ANY_THREAD.__delitem__,
+    call_ended=_call_ended,
     cells_elsewhere=_cells_in_another_thread,
     unhandled_ref_error=_unhandled_ref_error,
 )

@@ -12340,6 +12340,14 @@ class Ensemble:
         one = Member(jax.random.key(1))
         return jax.vmap(lambda m, x: m(x))(one, xs)  # unstacked member
 
+    def twice(self, xs):  # the stack passed twice: each member called twice
+        return jax.vmap(lambda a, b, x: b(x + a(x)[..., None]))(self.members, self.members, xs)
+
+    def scanned_twice(self, h):
+        def step(h, ab):
+            return jnp.tanh(h + ab[1](h + ab[0](h))), None
+        return lax.scan(step, h, (self.members, self.members))[0]
+
 
 class ListEnsemble:
     def __init__(self, n):
@@ -12388,4 +12396,12 @@ class ListEnsemble:
             self.shared = jnp.mean(jnp.stack([e.mean() for e in xs]))
             outs.append(2 * x)
         return jnp.stack(outs)
+
+    def twice(self, xs):
+        return jnp.stack([m(x + m(x)[..., None]) for m, x in zip(self.members, xs)])
+
+    def scanned_twice(self, h):
+        for m in self.members:
+            h = jnp.tanh(h + m(h + m(h)))
+        return h
 """

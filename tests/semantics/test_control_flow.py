@@ -4050,6 +4050,9 @@ STACKED_CALLS: dict[str, Any] = {
     "remat_scanned": jnp.array([0.5, -1.0, 2.0]),
     "vmap_of_scan": jnp.stack([jnp.stack([_XB, -_XB])] * STACK_N) * jnp.arange(1.0, 4.0)[:, None, None, None],
     "reduced": jnp.arange(12.0).reshape(4, 3),
+    # (the stack passed twice: each member's writes seen by its second call)
+    "twice": jnp.stack([_XB, 2 * _XB, -_XB]),
+    "scanned_twice": jnp.array([0.5, -1.0, 2.0]),
 }
 
 

@@ -2097,3 +2097,48 @@ def test_per_example_write_to_a_shared_state_is_refused_at_the_vmap(
         with pytest.raises(ControlFlowStateError, match=pattern) as info:
             call(states, arg)
         assert f"{dec.__file__}:" in str(info.value)
+
+
+# A jax.jit helper the decorator never saw, handed a running sub-model: its trace
+# writes a state JAX gives no way back, refused. JAX's cache would replay that
+# trace on the next call without running the function, so a running model's
+# states flatten with a key of their call: the helper is traced, and the write
+# refused, at every call (it was silently lost from the second call on).
+JITTED_HELPER = """
+@jax.jit
+def apply(m, x):
+    return m(x)
+
+
+@DECORATE
+class Norm:
+    def __init__(self):
+        self.mean = jnp.zeros(2)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        return x - self.mean
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.norm = Norm()
+
+    def __call__(self, x):
+        return apply(self.norm, x)
+"""
+
+
+def test_a_jitted_helper_writing_a_running_state_is_refused_at_every_call(write_module: Loader) -> None:
+    _, dec = pair(write_module, JITTED_HELPER, fresh=True)
+    x = jnp.array([0.3, -0.7])
+    model = dec.Net()
+    for _ in range(2):
+        with pytest.raises(TracedEagerStateError):
+            model(x)
+        no_tracer(model)
+    f, states = dec.Net().functionalize()
+    for call in (f, staged(f), f, staged(f)):
+        with pytest.raises(EscapedStateError, match="norm.mean"):
+            call(states, x)

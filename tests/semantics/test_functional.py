@@ -1372,13 +1372,23 @@ def test_stale_states_and_states_of_another_instance(mods: Any) -> None:
     assert float(model.count) == 2.0  # the eager model is untouched by f
 
 
-@pytest.mark.parametrize("name", ["nonexistent", "doubled", "w", "count"])
+@pytest.mark.parametrize("name", ["nonexistent", "doubled", "count"])
 def test_f_method_that_is_not_a_method(mods: Any, name: str) -> None:
     _, dec = mods
     f, states = dec.Counter().functionalize()
     with raises_autostate(errors.MethodNotFoundError) as info:
         getattr(f, name)(states)
     assert_clear(info.value, errors.MethodNotFoundError, HERE, repr(name))
+
+
+def test_f_reads_a_parameter_as_the_model(mods: Any) -> None:
+    # A parameter (or sub-model) reads as the model's, as a gradient shaped like f
+    # is read (``grads.w``); a state is no attribute of f (its value is in states).
+    _, dec = mods
+    f, _ = dec.Counter().functionalize()
+    assert f.w is f.model.w
+    grads = jax.grad(lambda f: jnp.sum(f.model.w))(f)
+    assert_same(snapshot(jnp.ones_like(f.w)), snapshot(grads.w))
 
 
 def test_freeze_of_a_model(mods: Any) -> None:
