@@ -75,6 +75,7 @@ from autostate.effects.local_state import (
     running_cells,
 )
 from autostate.errors import (
+    AutostateError,
     ControlFlowStateError,
     EscapedStateError,
     StaticStateError,
@@ -83,7 +84,13 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
-from autostate.lifetime import CopiedRef, LostValue, contains_tracer, holds_escaped_tracer
+from autostate.lifetime import (
+    MEMBER_CELLS,
+    CopiedRef,
+    LostValue,
+    contains_tracer,
+    holds_escaped_tracer,
+)
 from autostate.state_values import StaticState, _same_static, is_static_value
 
 __all__ = [
@@ -113,7 +120,9 @@ def _bound(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Ite
     A body that raises leaves each cell it assigned holding a ``LostValue``
     (reading it says what happened) instead of its value before the call: JAX
     keeps nothing that body computed, and plain Python's loop would have kept
-    the assignment, so the old value would be silently wrong.
+    the assignment, so the old value would be silently wrong. A refusal of
+    autostate's (an ``AutostateError``) ends the whole call instead, which
+    leaves the model as it was before it: the cells take their old values.
     """
     saved = [cell.value for cell in cells]
     for cell, value in zip(chosen, values):
@@ -125,7 +134,7 @@ def _bound(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Ite
         written = [cell for cell, value in zip(cells, bound) if cell.value is not value]
         for cell, value in zip(cells, saved):
             cell.value = value
-        if written:
+        if written and not isinstance(raised, AutostateError):
             # (A KeyboardInterrupt too: plain Python's loop kept what ran.)
             where = user_location()
             for cell in written:
@@ -748,6 +757,33 @@ def _check_stacked(cells: Cells, axes: Sequence[int], size: int | None, what: st
     return size
 
 
+def _guarding_copies(tree: Any, what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, the copies JAX made of the models in ``tree`` (a mapped
+    argument's members, a scan step's slice) guarded as a lax body's eager
+    models are: a traced value assigned to an attribute that is not state,
+    or put in a list or dict they hold, would be lost with the copy, where
+    plain Python's loop keeps one per member; it is refused."""
+    copies = _graph.instances_of(tree)
+    if not copies:
+        return call()
+    guard = Guard.for_lax_body(
+        what, copies, [], lambda: ((cell.name, cell.value) for cell in running_cells())
+    )
+    with eager_lax_body(copies, what):
+        return _guarded(guard, call)
+
+
+@contextlib.contextmanager
+def _member_slices(chosen: Cells) -> Iterator[None]:
+    """While the cells ``chosen`` hold one member's slice of a stacked
+    sub-model: read only through the members (``lifetime.MEMBER_CELLS``)."""
+    token = MEMBER_CELLS.set(MEMBER_CELLS.get() | {id(cell) for cell in chosen})
+    try:
+        yield
+    finally:
+        MEMBER_CELLS.reset(token)
+
+
 def _member_body(
     cells: Cells, members: Sequence[int], body: Callable[[Any, Any], Any]
 ) -> Callable[[Any, tuple[Any, list[Any]]], Any]:
@@ -765,7 +801,8 @@ def _member_body(
         signatures = [_signature(v) for v in slices]
         ok = False
         try:
-            carry, y = _settled(body(carry, x))
+            with _member_slices(chosen):
+                carry, y = _settled(body(carry, x))
             after = _current(chosen)
             ok = True
         finally:
@@ -848,6 +885,12 @@ def scan(
 def _scan(
     f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str = "the body of a lax.scan"
 ) -> tuple[Any, Any]:
+    if _graph.holds_instance(xs):  # a sub-model scanned over: each step's copy guarded
+        step = f
+
+        def f(carry: Any, x: Any) -> Any:
+            return _guarding_copies(x, what, lambda: step(carry, x))
+
     cells = running_cells()
     members = _members(cells, xs) if cells else []
     if not members:
@@ -1380,6 +1423,14 @@ def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options
 def _vmap_call(
     fun: Callable, in_axes: Any, out_axes: Any, options: dict, args: tuple, kwargs: dict
 ) -> Any:
+    if _graph.holds_instance((args, kwargs)):  # a mapped sub-model: the copies guarded
+        mapped = fun
+
+        def fun(*inner: Any, **inner_kwargs: Any) -> Any:
+            return _guarding_copies(
+                (inner, inner_kwargs), "a jax.vmap", lambda: mapped(*inner, **inner_kwargs)
+            )
+
     cells = running_cells()
     if not cells:
         return jax.vmap(fun, in_axes=in_axes, out_axes=out_axes, **options)(*args, **kwargs)
@@ -1406,7 +1457,10 @@ def _vmap_call(
     assigned: list[int] = []
 
     def inner(values: list[Any], args: tuple, kwargs: dict) -> Any:
-        out, after, changed = _run_bound(cells, chosen, values, what, lambda: fun(*args, **kwargs))
+        with _member_slices(chosen):
+            out, after, changed = _run_bound(
+                cells, chosen, values, what, lambda: fun(*args, **kwargs)
+            )
         stacked: dict[int, dict[int, Any]] = {axis: {} for axis in groups}
         for k, i in enumerate(members):
             if i in changed:

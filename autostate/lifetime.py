@@ -443,16 +443,36 @@ def recording_state_reads() -> Iterator[list[str]]:
             outer.extend(reads)
 
 
-def _check_read(name: str, value: Any) -> None:
+def _check_read(name: str, value: Any, cell: Any) -> None:
     """A handled state's value read: recorded (``recording_state_reads``), and
     refused when it has no plain meaning."""
     reads = _STATE_READS.get()
     if reads is not None:
         reads.append(name)
+    if id(cell) in MEMBER_CELLS.get():
+        raise ControlFlowStateError(
+            format_error(
+                f"State {name!r} of a stacked sub-model is read through the stack itself "
+                "inside a transformation that maps over its members (a jax.vmap or "
+                "lax.scan given the stack): each step holds only its member's slice, so "
+                "the whole stack's value has no meaning there, and a slice would be "
+                "silently read as it.",
+                where=user_location(),
+                fix="read it through the member the step gets (the body's argument), or "
+                "before or after the call and pass it in.",
+            )
+        )
     if holds_escaped_tracer(value):
         raise EscapedStateError(escaped_state_message(name, user_location()))
     if type(value) is LostValue:  # (after the check above: tracers come first)
         raise value.error()
+
+
+# Ids of the cells bound to a member's slice while a transformation maps over
+# a stacked sub-model (set by ``control``): read only through the members.
+MEMBER_CELLS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_member_cells", default=frozenset()
+)
 
 
 # The functionalized calls running now in every thread (id of the record ->
@@ -594,7 +614,7 @@ class CopiedRef(StateSlot):
             self.value = value
             return None
         self.ref.write(value, label)
-        return self.ref
+        return None  # (the copy reads the cell from now on: ``read``)
 
     def as_request(self) -> FrozenLocalStateRequest:
         return FrozenLocalStateRequest(self.value, self.ref.category, None)

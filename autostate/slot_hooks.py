@@ -48,8 +48,8 @@ class SlotHooks:
       cannot keep); ``label`` names an unnamed state in errors;
     * ``lives_in(slot, trace)``: ``slot``, made by freezing while ``trace``
       (what ``current_trace`` said) ran, living there;
-    * ``check_read(name, value)``: called by a handled reference's ``read``;
-      raises for a value with no plain meaning;
+    * ``check_read(name, value, cell)``: called by a handled reference's
+      ``read`` of ``cell``; raises for a value with no plain meaning;
     * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
       context, err, notes)``: the error to raise instead of ``err``, what JAX
       raised flattening a state's value (``context`` says where: ``"states"``,
@@ -105,7 +105,7 @@ class SlotHooks:
         self.current_trace: Callable[[], Any] = lambda: None
         self.eager_write: Callable[[Any, Any, str | None], Any] = _unhandled_write
         self.lives_in: Callable[[Any, Any], Any] = lambda slot, trace: slot
-        self.check_read: Callable[[str, Any], None] = lambda name, value: None
+        self.check_read: Callable[[str, Any, Any], None] = lambda name, value, cell: None
         self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
             lambda value, note, name: None
         )

@@ -592,8 +592,9 @@ class HandledLocalStateRef(StateSlot):
         self._cell().value = value
 
     def read(self) -> Any:
-        value = self._cell().value
-        _hooks.check_read(self.name, value)
+        cell = self._cell()
+        value = cell.value
+        _hooks.check_read(self.name, value, cell)
         return value
 
     def write(self, value: Any, label: str | None = None) -> None:

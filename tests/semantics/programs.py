@@ -12340,6 +12340,11 @@ class Ensemble:
         one = Member(jax.random.key(1))
         return jax.vmap(lambda m, x: m(x))(one, xs)  # unstacked member
 
+    def stack_read(self, xs):
+        def one(m, x):
+            return m(x) + self.members.mean.sum()  # the stack read inside
+        return jax.vmap(one)(self.members, xs)
+
     def twice(self, xs):  # the stack passed twice: each member called twice
         return jax.vmap(lambda a, b, x: b(x + a(x)[..., None]))(self.members, self.members, xs)
 

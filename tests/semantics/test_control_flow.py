@@ -4119,18 +4119,21 @@ def test_gradient_through_a_stack_of_members(write_module: Loader) -> None:
         _same_ensemble(ref, autostate.freeze(f, new), "states after grad")
 
 
-@pytest.mark.parametrize("method", ["per_example", "per_example_steps", "unstacked"])
+@pytest.mark.parametrize("method", ["per_example", "per_example_steps", "unstacked", "stack_read"])
 def test_what_a_stack_cannot_mean_is_refused_at_the_line(write_module: Loader, method: str) -> None:
-    # A per-example value assigned to a state every example shares, and a sub-model
-    # passed as mapped whose states lack the members' axis: clear errors naming the
-    # state and the line, the model and states unchanged, no tracer left.
+    # A per-example value assigned to a state every example shares, a sub-model
+    # passed as mapped whose states lack the members' axis, and a stack's state read
+    # through the stack inside the map over its members (each step holds one slice):
+    # clear errors naming the state and the line, the model and states unchanged, no
+    # tracer left.
     _, dec = pair(write_module, STACKED_MEMBERS)
-    arg = STACKED_CALLS["per_member" if method == "unstacked" else "__call__"]
+    arg = STACKED_CALLS["per_member" if method in ("unstacked", "stack_read") else "__call__"]
     text, pattern = {
         "per_example": ("# per-example write", "State '.*shared' is assigned a value that differs"),
         # (of two shared states assigned, the one whose value differs is named)
         "per_example_steps": ("# per-example steps", "State '.*steps' is assigned a value that differs"),
         "unstacked": ("# unstacked member", "State '.*' holds .*\\[\\], but .* stack of members"),
+        "stack_read": ("# the stack read inside", "State '.*mean' of a stacked sub-model is read"),
     }[method]
     model = dec.Ensemble(STACK_N)
     before = snapshot(model)
@@ -4146,6 +4149,66 @@ def test_what_a_stack_cannot_mean_is_refused_at_the_line(write_module: Loader, m
         user_line(err.value, dec, text)
     out, states = modes_of(f, "__call__")[1](states, arg)  # f is left usable
     same(2, states["steps"] + 1)
+
+
+# A member's attribute that is not state, changed under the map (a list appended to,
+# an attribute assigned): the map runs on copies of the members, and plain Python's
+# loop would leave one change per member in objects the stack does not have. Refused
+# at the line, as in a lax body over a single sub-model; nothing is left behind.
+STACK_NOT_STATE = """
+@DECORATE
+class Logged:
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (3,))
+        self.log = [jnp.zeros(3)]  # no method assigns it: not state
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        y = jnp.tanh(x * self.w)
+        self.log.append(y)  # appended in place
+        return y
+
+
+@DECORATE
+class LoggedStack:
+    def __init__(self):
+        self.members = jax.vmap(Logged)(jax.random.split(jax.random.key(0), 2))
+
+    def mapped(self, xs):
+        return jax.vmap(lambda m, x: m(x))(self.members, xs)
+
+    def scanned(self, xs):
+        return lax.scan(lambda c, m: (c, m(xs[0])), 0.0, self.members)[1]
+
+    def tagged(self, xs):
+        def one(m, x):
+            m.tag = x.sum()  # a member's attribute assigned
+            return x
+        return jax.vmap(one)(self.members, xs)
+"""
+
+
+@pytest.mark.parametrize("method", ["mapped", "scanned", "tagged"])
+def test_a_members_attribute_that_is_not_state_is_refused_under_the_map(
+    write_module: Loader, method: str
+) -> None:
+    _, dec = pair(write_module, STACK_NOT_STATE)
+    text = "m.tag = x.sum()" if method == "tagged" else "return jax.vmap(lambda m, x: m(x))"
+    if method == "scanned":
+        text = "return lax.scan(lambda c, m:"
+    xs = jnp.ones((2, 3))
+    model = dec.LoggedStack()
+    before = snapshot(model)
+    with pytest.raises(autostate.AutostateError, match="Logged.(log|tag)") as err:
+        getattr(model, method)(xs)
+    user_line(err.value, dec, text)
+    assert_same(before, snapshot(model), "model unchanged")
+    no_tracer(model)
+    f, states = dec.LoggedStack().functionalize()
+    for call in modes_of(f, method):
+        with pytest.raises(autostate.AutostateError, match="Logged.(log|tag)"):
+            call(states, xs)
 
 
 # --- jax.jit inside a method ------------------------------------------------------------
