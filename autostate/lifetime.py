@@ -52,7 +52,6 @@ from autostate.effects.local_state import (
     HandlerId,
     InitialLocalStateRequest,
     StateSlot,
-    handler_cells,
     running_call,
     running_calls,
 )
@@ -491,6 +490,9 @@ def _call_started(handler_id: Hashable, cells: dict[str, Any], trace: Any) -> in
 def _call_ended(token: int) -> None:
     _, cells, _ = _ANY_THREAD.pop(token)
     del _SERIALS[id(cells)]
+    if _WRITTEN_THROUGH:
+        for cell in cells.values():
+            _WRITTEN_THROUGH.pop(id(cell), None)
 
 
 # id of a running call's cells -> a number no other call gets: part of the
@@ -567,6 +569,9 @@ def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
 
 
 _UNSET: Any = object()
+# id of a running call's cell -> the value a copy wrote through to it last
+# (dropped when the call ends: ``_call_ended``).
+_WRITTEN_THROUGH: dict[int, Any] = {}
 
 
 class CopiedRef(StateSlot):
@@ -586,25 +591,21 @@ class CopiedRef(StateSlot):
     escaped state instead of being lost with the slice.
     """
 
-    __slots__ = ("ref", "value", "category", "name", "origin")
+    __slots__ = ("ref", "value", "category", "name")
 
     def __init__(self, ref: HandledLocalStateRef, value: Any):
         self.ref, self.value = ref, value
         self.category, self.name = ref.category, ref.name
-        cell = handler_cells(ref.handler_id).get(ref.name)
-        # What the cell held when JAX made the copy: another value there
-        # since is the state as the transformation's body has it.
-        self.origin = _UNSET if cell is None else cell.value
 
     def read(self) -> Any:
-        # Inside a transformation the call started, the cell is the state
-        # (bound to this step's slice, or written through another copy of
-        # the same model: one passed twice, ``vmap(f)(m, m)``) once it holds
-        # another value than when the copy was made.
+        # Inside a transformation the call started, a value another copy of
+        # the same model wrote through to the cell (one model passed twice,
+        # ``vmap(f)(m, m)``) is the state from then on, as for the one
+        # object plain Python has.
         call = running_call(self.ref.handler_id)
         if call is not None and call[3] is not current_trace():
             cell = call[1].get(self.name)
-            if cell is not None and cell.value is not self.origin:
+            if cell is not None and _WRITTEN_THROUGH.get(id(cell), _UNSET) is cell.value:
                 return cell.value
         return self.value
 
@@ -614,10 +615,13 @@ class CopiedRef(StateSlot):
             self.value = value
             return None
         self.ref.write(value, label)
+        cell = call[1].get(self.name)
+        if cell is not None:
+            _WRITTEN_THROUGH[id(cell)] = cell.value
         return None  # (the copy reads the cell from now on: ``read``)
 
     def as_request(self) -> FrozenLocalStateRequest:
-        return FrozenLocalStateRequest(self.value, self.ref.category, None)
+        return FrozenLocalStateRequest(self.read(), self.ref.category, None)
 
 
 def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
@@ -635,7 +639,7 @@ def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
 def _split_copy(copy: CopiedRef) -> tuple[Any, Any]:
     """A copy's state, flattened again (a copy of the copy): keyed as above."""
     call = running_call(copy.ref.handler_id)
-    return copy.value, (copy.ref, None if call is None else _SERIALS.get(id(call[1])))
+    return copy.read(), (copy.ref, None if call is None else _SERIALS.get(id(call[1])))
 
 
 def _copied(key: tuple[HandledLocalStateRef, Any], value: Any) -> CopiedRef:

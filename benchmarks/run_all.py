@@ -46,6 +46,7 @@ SCENARIOS = {
     "perf": "bench_perf",
     "nn": "bench_nn",
     "stacked": "bench_stacked",
+    "model_api": "bench_model_api",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 

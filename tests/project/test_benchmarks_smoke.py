@@ -27,6 +27,7 @@ SCENARIOS = {
     "bench_perf": ["Scenario 7a: trace-only time", "Scenario 7e: dispatch", "packed"],
     "bench_nn": ["Scenario 8a: ResNet-18-style training step", "Scenario 8b: GPT block training step"],
     "bench_stacked": ["Scenario 9: stacked sub-models inside methods", "scanned decoder"],
+    "bench_model_api": ["Scenario 10: per-call cost of a jitted step", "autostate.jit (in place)"],
 }
 
 
