@@ -284,7 +284,7 @@ def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsorta
             "model inside it (values created while it is built are its initial "
             'values), or decorate the class with @autostate.stateful(fallback="host"); '
             "inside jax.lax control flow in code @stateful did not rewrite, call "
-            "autostate.scan/cond/switch/while_loop/fori_loop/map/checkpoint instead.",
+            "autostate.scan/cond/switch/while_loop/fori_loop/map/vmap/checkpoint instead.",
         )
     )
 

@@ -78,8 +78,9 @@ def _cases(n: int) -> dict[str, Any]:
     model = Stack(n)
     step = autostate.jit(lambda m, x: m(x).sum())
 
-    params = {f"layers[{i}].w": layer.w for i, layer in enumerate(model.layers)}
-    hand_states = [{f"layers[{i}].count": layer.count for i, layer in enumerate(model.layers)}]
+    ref = Stack(n)  # (the model's own arrays are donated by its calls)
+    params = {f"layers[{i}].w": layer.w for i, layer in enumerate(ref.layers)}
+    hand_states = [{f"layers[{i}].count": layer.count for i, layer in enumerate(ref.layers)}]
 
     @jax.jit
     def by_hand(params: dict, states: dict, x: Any) -> Any:

@@ -1210,8 +1210,8 @@ def analyze_class(
                         "place, which a pure function cannot see.",
                         src,
                         line,
-                        f"assign a new value instead, e.g. `{facts.receiver}.{attr} = "
-                        f"{facts.receiver}.{attr} + [item]`.",
+                        f"assign a new value instead, e.g. "
+                        f"`{_rebuilt(f'{facts.receiver}.{attr}', method)}`.",
                     )
         if touched and facts.rebinds:
             raise _fail(
@@ -1279,3 +1279,12 @@ def analyze_class(
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
     )
+
+
+def _rebuilt(target: str, method: str) -> str:
+    """An assignment that makes the change of ``target.method(...)`` as a new value."""
+    if method in ("update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"):
+        return f'{target} = {{**{target}, "key": value}}'
+    if method in ("add", "discard", "remove", "difference_update", "intersection_update"):
+        return f"{target} = {target} | {{item}}"
+    return f"{target} = {target} + [item]"

@@ -350,7 +350,9 @@ def _unreachable_wrapper(cls: type, old: Any) -> DecorationError:
             where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
             fix="write the decorator with functools.wraps and a closure over the wrapped "
             "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
-            "a method, use @autostate.checkpoint.",
+            "a method, use @autostate.checkpoint; for @jax.jit on a method, compile it "
+            "from outside with `autostate.jit(model.method)`, or call `jax.jit(...)` "
+            "inside the method.",
         )
     )
 
