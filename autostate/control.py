@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -89,7 +90,9 @@ from autostate.lifetime import (
     CopiedRef,
     LostValue,
     contains_tracer,
+    current_trace,
     holds_escaped_tracer,
+    with_home,
 )
 from autostate.state_values import StaticState, _same_static, is_static_value
 
@@ -543,6 +546,10 @@ def _with_eager_states(
                 if not once:
                     statics.append((obj, attr, slot))
                 continue
+            if type(slot) is _LostState:
+                # (An earlier body raised after assigning it: it has no value
+                # for this one, as reading it says; JAX would meet the slot.)
+                raise slot.lost.error()
             if type(slot) not in _OWN_VALUE_SLOTS:
                 continue
             name = f"{type(obj).__name__}.{attr}"
@@ -618,6 +625,20 @@ def _transformed(
 
     functools.update_wrapper(transformed, fun, updated=())
     return transformed
+
+
+def _with_states_first(threaded: Callable[..., Any], fun: Callable[..., Any]) -> None:
+    """Gives ``threaded`` (``(values, *args, **kwargs)``) ``fun``'s signature
+    after its first argument, so that JAX matches ``static_argnames`` and
+    static arguments given by keyword as it would for ``fun``."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return
+    first = inspect.Parameter("__autostate_states", inspect.Parameter.POSITIONAL_ONLY)
+    threaded.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[first, *signature.parameters.values()]
+    )
 
 
 def _after_states(numbers: Any) -> tuple[int, ...]:
@@ -1416,8 +1437,22 @@ def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options
     return _transformed(
         fun,
         "a jax.vmap",
-        lambda args, kwargs: _vmap_call(fun, in_axes, out_axes, options, args, kwargs),
+        lambda args, kwargs: _living_here(_vmap_call(fun, in_axes, out_axes, options, args, kwargs)),
     )
+
+
+def _living_here(out: Any) -> Any:
+    """``out``, the models in it (a stack ``jax.vmap(Layer)(keys)`` built)
+    living in the trace the ``vmap`` was called in: JAX made them there from
+    the batched values, as a model built in that trace is (``lifetime``)."""
+    if not _graph.holds_instance(out):
+        return out
+    home = current_trace()
+    for obj in _graph.instances_of(out):
+        for value in obj.__dict__.values():
+            if isinstance(value, StateSlot) and hasattr(value, "_home"):
+                with_home(value, home)
+    return out
 
 
 def _vmap_call(
@@ -1537,10 +1572,25 @@ def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         >>> print(counter.step(2), counter.step(3), counter.n)
         2 5 5
     """
-    shifted = dict(options)
-    for name in ("static_argnums", "donate_argnums"):
+    for name in ("in_shardings", "out_shardings"):
         if options.get(name) is not None:
-            shifted[name] = _after_states(options[name])
+            raise ControlFlowStateError(
+                format_error(
+                    f"jax.jit with {name} inside a method: the states the function reads "
+                    "and assigns are extra arguments and outputs of the compiled function, "
+                    f"so {name} given for the function's own would not line up with them.",
+                    where=user_location(),
+                    fix="annotate the states with autostate.sharded(value, spec) and jit the "
+                    "outer step (f) with the shardings autostate.shardings gives, or "
+                    "constrain values inside with jax.lax.with_sharding_constraint.",
+                )
+            )
+    # Donation is left out: a donated state would delete the caller's states
+    # dict (through f) or the model's old arrays, which plain Python keeps.
+    options = {k: v for k, v in options.items() if k not in ("donate_argnums", "donate_argnames")}
+    shifted = dict(options)
+    if options.get("static_argnums") is not None:
+        shifted["static_argnums"] = _after_states(options["static_argnums"])
     return _transformed(
         fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs)
     )
@@ -1560,6 +1610,7 @@ def _jit_call(
         return _argument_writes(cells, passed, values, what, lambda: fun(*inner, **inner_kwargs))
 
     threaded.__name__ = getattr(fun, "__name__", threaded.__name__)  # (the jaxpr's name)
+    _with_states_first(threaded, fun)
     out, new = jax.jit(threaded, **shifted)(_current(chosen), *args, **kwargs)
     _land(chosen, new)
     return out
@@ -1692,11 +1743,20 @@ def _with_aux_states(
     before = _current(cells)
 
     def threaded(*inner: Any, **inner_kwargs: Any) -> tuple[Any, tuple[Any, dict[int, Any]]]:
-        with _bound(cells, cells, before, what):
+        # A container of arrays is the body's own copy, so a change in place
+        # (``d = self.stats; d["m"] = ...``) is seen, and leaves it as an
+        # assignment does, with its primal value.
+        values = [_settled(v) if _traceable(v) else v for v in before]
+        signatures = [_signature(v) for v in values]
+        with _bound(cells, cells, values, what):
             out = _settled(fun(*inner, **inner_kwargs))
             after = _current(cells)
         out, aux = out if has_aux else (out, None)
-        return out, (aux, {i: v for i, (v, b) in enumerate(zip(after, before)) if v is not b})
+        written = {
+            i: v for i, (v, b, sig) in enumerate(zip(after, values, signatures))
+            if _assigned(b, sig, v)
+        }
+        return out, (aux, written)
 
     result, assigned = split(apply(threaded, True), has_aux)
     _land(cells, assigned)

@@ -12348,6 +12348,16 @@ class Ensemble:
     def twice(self, xs):  # the stack passed twice: each member called twice
         return jax.vmap(lambda a, b, x: b(x + a(x)[..., None]))(self.members, self.members, xs)
 
+    def local_stack(self, xs):  # a stack built in the method (under jit: in its trace)
+        local = jax.vmap(Member)(member_keys(3))
+        return jax.vmap(lambda m, x: m(x))(local, xs) + local.calls[:, None]
+
+    def boom(self, xs):
+        def one(m, x):
+            m(x)
+            raise RuntimeError("a member failed")
+        return jax.vmap(one)(self.members, xs)
+
     def scanned_twice(self, h):
         def step(h, ab):
             return jnp.tanh(h + ab[1](h + ab[0](h))), None
@@ -12404,6 +12414,11 @@ class ListEnsemble:
 
     def twice(self, xs):
         return jnp.stack([m(x + m(x)[..., None]) for m, x in zip(self.members, xs)])
+
+    def local_stack(self, xs):
+        local = [Member(k) for k in member_keys(3)]
+        out = jnp.stack([m(x) for m, x in zip(local, xs)])
+        return out + jnp.stack([m.calls for m in local])[:, None]
 
     def scanned_twice(self, h):
         for m in self.members:

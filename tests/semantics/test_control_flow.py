@@ -4016,6 +4016,36 @@ def test_traced_value_put_in_a_captured_list_inside_a_derivative_is_refused(
     no_tracer(model)
 
 
+INPLACE_IN_DERIVATIVE = """
+@DECORATE
+class Stats:
+    def __init__(self):
+        self.w = jnp.array([1.0, 2.0])
+        self.stats = {"m": jnp.zeros(2)}
+
+    def reset(self):
+        self.stats = {"m": jnp.zeros(2)}
+
+    def forward(self, w, x):
+        d = self.stats  # a reference taken inside the differentiated function
+        d["m"] = w * x  # changed in place
+        return jnp.sum(w * x)
+
+    def with_grad(self, x):
+        return jax.grad(self.forward)(self.w, x)
+"""
+
+
+def test_a_state_changed_in_place_inside_a_derivative(write_module: Loader) -> None:
+    # As an assignment there: the primal value lands (the gradient is the plain one).
+    plain, dec = pair(
+        write_module, INPLACE_IN_DERIVATIVE,
+        plain_subs=[("jax.grad(self.forward)(self.w, x)", "(self.forward(self.w, x), x)[1]")],
+    )
+    x = jnp.array([0.3, -0.7])
+    check(plain, dec, "Stats()", [("with_grad", (x,)), ("with_grad", (2 * x,))])
+
+
 def test_python_value_assigned_inside_a_derivative(write_module: Loader) -> None:
     # The function runs once per call, as in plain Python: an eager model's static
     # state (a Python int) counts the calls. In f it is part of the structure, fixed
@@ -4053,6 +4083,8 @@ STACKED_CALLS: dict[str, Any] = {
     # (the stack passed twice: each member's writes seen by its second call)
     "twice": jnp.stack([_XB, 2 * _XB, -_XB]),
     "scanned_twice": jnp.array([0.5, -1.0, 2.0]),
+    # (a stack built inside the method: under jit(f) it lives in the trace)
+    "local_stack": jnp.stack([_XB, 2 * _XB, -_XB]),
 }
 
 
@@ -4211,6 +4243,18 @@ def test_a_members_attribute_that_is_not_state_is_refused_under_the_map(
             call(states, xs)
 
 
+def test_a_state_lost_in_a_map_over_a_stack_is_said_at_the_next_call(write_module: Loader) -> None:
+    # A member's body raised after assigning its state: the state has no value, and the
+    # next call that maps over the stack says so (it was JAX's TypeError on the slot).
+    _, dec = pair(write_module, STACKED_MEMBERS)
+    model = dec.Ensemble(STACK_N)
+    with pytest.raises(RuntimeError, match="a member failed"):
+        model.boom(STACKED_CALLS["per_member"])
+    for call in (lambda: model.members.calls, lambda: model.per_member(STACKED_CALLS["per_member"])):
+        with pytest.raises(ControlFlowStateError, match="has no value"):
+            call()
+
+
 # --- jax.jit inside a method ------------------------------------------------------------
 # The states are arguments and outputs of the compiled function: a write inside
 # lands with its value, and a read is the state's value at this call, as if the
@@ -4237,6 +4281,21 @@ class Tracker:
 
     def static_arg(self, x):
         return jax.jit(lambda x, k: self._update(x * k), static_argnums=1)(x, 2)
+
+    def static_by_keyword(self, x):
+        return jax.jit(lambda x, k: self._update(x * k), static_argnums=1)(x, k=2)
+
+    def static_named(self, x):
+        return jax.jit(lambda x, mode: self._update(x if mode == "same" else -x),
+                       static_argnames="mode")(x, mode="neg")
+
+    def donated(self, x):
+        self.mean = jax.jit(lambda m, x: m + x, donate_argnums=0)(self.mean, x)
+        return self.mean.sum()
+
+    def sharded(self, x):
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.jit(self._update, in_shardings=one)(x)  # shardings of a jit inside
 
     def decorated(self, x):
         @jax.jit
@@ -4265,6 +4324,8 @@ class Tracker:
 
 JIT_PLAIN = [
     ("jax.jit(lambda x, k", "(lambda fn, **kw: fn)(lambda x, k"),
+    ("jax.jit(lambda x, mode", "(lambda fn, **kw: fn)(lambda x, mode"),
+    ("jax.jit(lambda m, x", "(lambda fn, **kw: fn)(lambda m, x"),
     ("jax.jit(self._update)", "self._update"),
     ("jax.jit(self._new_history)", "self._new_history"),
     ("jax.jit(lambda x: x", "(lambda x: x"),
@@ -4273,7 +4334,11 @@ JIT_PLAIN = [
 ]
 
 
-@pytest.mark.parametrize("method", ["__call__", "static_arg", "decorated", "reads_only"])
+@pytest.mark.parametrize(
+    "method",
+    ["__call__", "static_arg", "static_by_keyword", "static_named", "donated", "decorated",
+     "reads_only"],
+)
 def test_jit_inside_a_method_means_the_eager_call(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
     x = jnp.array([1.0, -2.0, 0.5])
@@ -4289,6 +4354,25 @@ JIT_WRITES = {
     "nested": (NESTED, "Nest()", "jit_write", ("jax.jit(self.step)", "self.step")),
     "decorator": (HELPER_ESCAPES, "M()", "jit_then_read_dict", ("@jax.jit", "")),
 }
+
+
+def test_donation_inside_a_method_leaves_the_callers_states(write_module: Loader) -> None:
+    # A jit inside a method that donates a state's buffer: the donation is left out, so
+    # the states dict given to f (and the model it came from) stay valid.
+    _, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    model = dec.Tracker()
+    f, states = model.functionalize()
+    first, _ = f.donated(states, jnp.ones(3))
+    again, _ = f.donated(states, jnp.ones(3))
+    same(first, again, "the same states, twice")
+    same(np.zeros(3, np.float32), np.asarray(model.mean), "the model's own")
+
+
+def test_shardings_of_a_jit_inside_a_method_are_refused(write_module: Loader) -> None:
+    _, dec = pair(write_module, JIT_INSIDE, plain_subs=JIT_PLAIN)
+    with pytest.raises(ControlFlowStateError, match="in_shardings inside a method") as err:
+        dec.Tracker().sharded(jnp.ones(3))
+    user_line(err.value, dec, "# shardings of a jit inside")
 
 
 @pytest.mark.parametrize("case", sorted(JIT_WRITES))
