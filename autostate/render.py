@@ -65,6 +65,8 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
         return f"{head} static", slot.value
     if isinstance(slot, HandledStaticState):
         return f"{head} static, fixed in {slot.handler_id!r}", slot.value
+    if getattr(slot, "lost", None) is not None:  # (``control``'s: its body raised)
+        return f"{head} with no value (assigned in a body that raised)", _NO_VALUE
     # Another engine's slot (the host fallback): its value lives elsewhere.
     return f"{head} in a host store", _NO_VALUE
 

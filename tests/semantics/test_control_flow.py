@@ -4253,6 +4253,7 @@ def test_a_state_lost_in_a_map_over_a_stack_is_said_at_the_next_call(write_modul
     for call in (lambda: model.members.calls, lambda: model.per_member(STACKED_CALLS["per_member"])):
         with pytest.raises(ControlFlowStateError, match="has no value"):
             call()
+    assert "'members.calls' category='state' with no value" in repr(model)
 
 
 # --- jax.jit inside a method ------------------------------------------------------------
