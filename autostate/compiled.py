@@ -25,8 +25,10 @@ nothing is written back: the models keep their values from before the call.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
+import inspect
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -60,14 +62,22 @@ class _Models:
 class _Key:
     """What one compiled program is for: hashed and compared by JAX's cache."""
 
-    __slots__ = ("graphdef", "treedef", "where", "statics", "_hash")
+    __slots__ = ("graphdef", "treedef", "where", "statics", "named", "shapes", "_hash")
 
-    def __init__(self, graphdef: Any, treedef: Any, where: tuple[int, ...], statics: tuple):
+    def __init__(
+        self, graphdef: Any, treedef: Any, where: tuple[int, ...], statics: tuple,
+        named: tuple, shapes: tuple,
+    ):
         self.graphdef = graphdef
         self.treedef = treedef
         self.where = where  # positions of the models among the flat arguments
         self.statics = statics  # (position, value) of each static argument
-        self._hash = hash((graphdef, treedef, where, statics))
+        self.named = named  # (name, value) of each static argument given by keyword
+        # Every array's shape and dtype: JAX traces once per shapes, and what
+        # the function leaves in the models (a Python value read from a
+        # shape) is that trace's.
+        self.shapes = shapes
+        self._hash = hash((graphdef, treedef, where, statics, named, shapes))
 
     def __hash__(self) -> int:
         return self._hash
@@ -80,6 +90,8 @@ class _Key:
             and self.treedef == other.treedef
             and self.where == other.where
             and self.statics == other.statics
+            and self.named == other.named
+            and self.shapes == other.shapes
         )
 
 
@@ -112,22 +124,37 @@ class Compiled(Generic[P, R]):
         self.fn = fn
         static = options.pop("static_argnums", ())
         self._static = (static,) if isinstance(static, int) else tuple(static)
+        if self._self is not None:  # (numbered as the bound method's: the model comes first)
+            self._static = tuple(i + 1 if i >= 0 else i for i in self._static)
+        names = options.pop("static_argnames", ())
+        self._static_names = {names} if isinstance(names, str) else set(names)
+        with contextlib.suppress(TypeError, ValueError):  # (no signature: positions only)
+            params = list(inspect.signature(fn).parameters.values())
+            for i in self._static:
+                if -len(params) <= i < len(params) and params[i].kind in (
+                    params[i].POSITIONAL_OR_KEYWORD, params[i].KEYWORD_ONLY
+                ):
+                    self._static_names.add(params[i].name)
         donate = options.pop("donate_models", True)
-        for name in ("donate_argnums", "donate_argnames", "static_argnames"):
+        for name in ("donate_argnums", "donate_argnames"):
             if name in options:
                 raise InvalidArgumentError(
                     format_error(
                         f"autostate.jit does not take {name}.",
                         where=user_location(),
                         fix="the models' arrays are donated (donate_models=False keeps "
-                        "them); give static arguments by position, static_argnums.",
+                        "them).",
                     )
                 )
-        # key -> (the graphdef after the call, each instance's index before it)
-        self._after: dict[_Key, tuple[Any, list[int | None]]] = {}
+        # key -> (the graphdef after the call, each instance's index before it,
+        # the (index, attribute) pairs the function rebound)
+        self._after: dict[_Key, tuple[Any, list[int | None], frozenset]] = {}
         self._jitted = jax.jit(
             self._pure, static_argnums=(0,), donate_argnums=(1,) if donate else (), **options
         )
+        # (For a call whose other arguments hold one of the models' arrays,
+        # which XLA cannot take donated and passed at once.)
+        self._kept_jitted = jax.jit(self._pure, static_argnums=(0,), **options) if donate else None
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -142,6 +169,9 @@ class Compiled(Generic[P, R]):
         statics = tuple((i, args[i]) for i in self._static if -len(args) <= i < len(args))
         static_at = {i % len(args) for i, _ in statics}
         dynamic = tuple(a for i, a in enumerate(args) if i not in static_at)
+        named = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
+        if named:
+            kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
         flat, treedef = jax.tree_util.tree_flatten(
             (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
         )
@@ -154,17 +184,23 @@ class Compiled(Generic[P, R]):
             # Inside a transformation (JAX would inline a nested jit): the
             # function runs as it is, under that transformation's rules.
             return self.fn(*args, **kwargs)
-        key = _Key(graphdef, treedef, where, statics)
-        out, new_leaves = self._jitted(key, leaves, others)
-        new_graphdef, origin = self._after[key]
+        shapes = tuple(_shape_of(x) for x in (*leaves, *others))
+        key = _Key(graphdef, treedef, where, statics, named, shapes)
+        jitted = self._jitted
+        if self._kept_jitted is not None and others:
+            held_ids = {id(x) for x in leaves}
+            if any(id(x) in held_ids for x in others):
+                jitted = self._kept_jitted
+        out, new_leaves = jitted(key, leaves, others)
+        new_graphdef, origin, rebound = self._after[key]
         targets = [None if i is None else objects[i] for i in origin]
         held = [None if obj is None else dict(obj.__dict__) for obj in targets]
         _graph.rebuild_instances(new_graphdef, new_leaves, targets)
-        for obj, before in zip(targets, held):
+        for k, (obj, before) in enumerate(zip(targets, held)):
             if before:
                 d = obj.__dict__
                 for name, value in d.items():
-                    if name in before:
+                    if name in before and (origin[k], name) not in rebound:
                         d[name] = _kept(before[name], value)
         return out
 
@@ -174,13 +210,15 @@ class Compiled(Generic[P, R]):
         home = current_trace()
         for obj in copies:
             for value in obj.__dict__.values():
-                if isinstance(value, StateSlot):
+                if isinstance(value, StateSlot) and hasattr(value, "_home"):
                     with_home(value, home)
+        started = [dict(obj.__dict__) for obj in copies]
         root = copies[key.graphdef.root]
         flat = list(others)
         for position, model in zip(key.where, root.models):
             flat.insert(position, model)
         dynamic, kwargs = jax.tree_util.tree_unflatten(key.treedef, flat)
+        kwargs = {**kwargs, **dict(key.named)}
         args = list(dynamic)
         for i, value in sorted((i % (len(args) + len(key.statics)), v) for i, v in key.statics):
             args.insert(i, value)
@@ -188,7 +226,8 @@ class Compiled(Generic[P, R]):
         out = self.fn(*args, **kwargs)
         _check_plain_output(out)
         after, treedef = jax.tree_util.tree_flatten(
-            (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
+            (dynamic, {k: v for k, v in kwargs.items() if k not in dict(key.named)}),
+            is_leaf=_graph.is_stateful_instance,
         )
         if treedef != key.treedef or any(a is not b for a, b in zip(after, flat)):
             raise InvalidArgumentError(
@@ -201,44 +240,76 @@ class Compiled(Generic[P, R]):
                     "call, or keep it in a model (a model passed in is updated in place).",
                 )
             )
+        # Every instance the call started with is written back, the ones the
+        # function detached (a sub-model replaced: the caller may hold it) too.
+        root.__dict__["detached"] = [c for c in copies if c is not root]
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         index = {id(obj): i for i, obj in enumerate(copies)}
-        self._after[key] = (new_graphdef, [index.get(id(obj)) for obj in objects])
+        # The attributes the function rebound to another object: they are the
+        # new one after the call, where one changed in place stays the same.
+        rebound = frozenset(
+            (i, name) for i, (obj, before) in enumerate(zip(copies, started))
+            for name, value in obj.__dict__.items() if before.get(name, _UNSET) is not value
+        )
+        self._after[key] = (new_graphdef, [index.get(id(obj)) for obj in objects], rebound)
         return out, new_leaves
 
 
 def _kept(old: Any, new: Any) -> Any:
-    """``new``, in ``old``'s list and dict objects where both are of one such
-    type (at any depth): a list a model holds stays the same list, as plain
-    Python's call leaves it."""
+    """``new``, in ``old``'s list or dict object where both are of one such
+    type: a list an attribute holds, changed in place or not, stays the same
+    list, as plain Python's call leaves it."""
     if type(old) is not type(new):
         return new
     if isinstance(old, list):
-        old[:] = [_kept(o, n) for o, n in zip(old, new)] + new[len(old):]
+        old[:] = new
         return old
     if isinstance(old, dict):
-        items = {k: _kept(old[k], v) if k in old else v for k, v in new.items()}
         old.clear()
-        old.update(items)
+        old.update(new)
         return old
     return new
 
 
+def _shape_of(x: Any) -> Any:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return type(x)
+    return shape, getattr(x, "dtype", None), getattr(x, "weak_type", False)
+
+
+_UNSET: Any = object()
+
+
 def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
-    """Refuses a model ``fn`` reaches by its closure, defaults or globals: the
-    program would read it as constants and leave it unchanged (a silent copy)."""
+    """Refuses a model ``fn`` reaches by its closure, defaults or globals, or
+    through those of the functions it calls by a global name: the program
+    would read it as constants and leave it unchanged (a silent copy)."""
     from autostate.control import _reachable_instances
 
-    reached = _reachable_instances((fn,), [])
-    code = getattr(fn, "__code__", None)
-    found = [("its closure", obj) for obj in reached]
-    if code is not None:
-        globals_ = getattr(fn, "__globals__", {})
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(function: Any, depth: int) -> None:
+        if id(function) in seen or depth > 4:
+            return
+        seen.add(id(function))
+        found.extend(("its closure", obj) for obj in _reachable_instances((function,), []))
+        code = getattr(function, "__code__", None)
+        if code is None:
+            return
+        globals_ = getattr(function, "__globals__", {})
         for name in _global_names(code):
             value = globals_.get(name)
-            if value is not None and _graph.holds_instance(value):
+            if value is None:
+                continue
+            if _graph.holds_instance(value):
                 found.append((f"the global {name!r}", value))
+            elif isinstance(value, types.FunctionType) and not _library(value):
+                visit(value, depth + 1)
+
+    visit(getattr(fn, "__func__", fn), 0)
     ids = {id(c) for c in copies}
     for how, value in found:
         for obj in _graph.instances_of(value):
@@ -255,6 +326,16 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                         "(`autostate.jit(model.step)`).",
                     )
                 )
+
+
+def _library(function: Any) -> bool:
+    """A function of JAX, NumPy, autostate or another library the walk skips."""
+    module = getattr(function, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "autostate", "optax", "flax", "equinox",
+                        "haiku", "functools", "typing", "builtins"})
 
 
 def _global_names(code: types.CodeType) -> set[str]:

@@ -35,7 +35,7 @@ from autostate import tree as _tree
 from autostate.api import functionalize, stateful
 from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidArgumentError, format_error, user_location
-from autostate.functional import FunctionalModel
+from autostate.functional import ConstantRef, FunctionalModel
 
 __all__ = ["Optimizer", "grad", "value_and_grad"]
 
@@ -86,6 +86,7 @@ def value_and_grad(
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         models = [_model_at(args, i) for i in numbers]
+        _check_apart(models, numbers)
         pairs = [functionalize(model) for model in models]
         fs = [f for f, _ in pairs]
         written: list[dict[str, Any]] = [{} for _ in pairs]
@@ -162,6 +163,28 @@ def _model_at(args: tuple, i: int) -> Any:
     return model
 
 
+def _check_apart(models: Sequence[Any], numbers: Sequence[int]) -> None:
+    """Refuses differentiated models that share an instance: each is
+    differentiated through its own ``f``, and a shared sub-model's state
+    written through both would keep only one of the writes."""
+    seen: dict[int, int] = {}
+    for model, i in zip(models, numbers):
+        for obj in _graph.instances_of(model):
+            j = seen.setdefault(id(obj), i)
+            if j != i:
+                raise InvalidArgumentError(
+                    format_error(
+                        f"autostate.value_and_grad differentiates the models at arguments "
+                        f"{j} and {i}, which share a {type(obj).__name__}: each is "
+                        "differentiated on its own, so the shared instance's state writes "
+                        "would not add up.",
+                        where=user_location(),
+                        fix="hold both in one @stateful model and differentiate that one "
+                        "argument; its gradient then reads as both.",
+                    )
+                )
+
+
 def _pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
     """Each instance of ``model`` with its twin in ``f``'s model (the same walk)."""
     return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))
@@ -182,14 +205,32 @@ def _assign_states(model: Any, f: FunctionalModel, states: dict[str, Any]) -> No
 
 def _assign_params(model: Any, f: FunctionalModel, new: FunctionalModel) -> None:
     """Assigns the parameters of ``new`` (``f`` with new leaves) to ``model``,
-    attribute by attribute; sub-models stay the same objects."""
+    attribute by attribute; sub-models stay the same objects, and what ``f``
+    keeps among its states (an integer array, a key: ``ConstantRef``) keeps
+    the model's value."""
     for (obj, _), (_, twin) in zip(_pairs(model, f), _pairs(model, new)):
         states = _tree.info_of(obj).state
         for attr, value in twin.__dict__.items():
             if attr in states or _graph.holds_instance(value):
                 continue
-            if value is not obj.__dict__.get(attr):
-                setattr(obj, attr, value)
+            old = obj.__dict__.get(attr)
+            if value is old:
+                continue
+            if _holds_constant(value):
+                value = jax.tree_util.tree_map(
+                    lambda n, o: o if type(n) is ConstantRef else n, value, old,
+                    is_leaf=lambda x: type(x) is ConstantRef,
+                )
+                if value is old:
+                    continue
+            setattr(obj, attr, value)
+
+
+def _holds_constant(value: Any) -> bool:
+    return any(
+        type(leaf) is ConstantRef
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=lambda x: type(x) is ConstantRef)
+    )
 
 
 @stateful

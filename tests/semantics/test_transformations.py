@@ -3499,17 +3499,57 @@ def uses_global(x):
     return GLOBAL_NET(x).sum()  # a model reached as a global
 
 
+def _global_helper(x):
+    return GLOBAL_NET(x).sum()
+
+
+def uses_helper(model, x):
+    return model(x).sum() + _global_helper(x)  # a global model read by a helper
+
+
+def records_batch(model, x):
+    model.last_batch = x.shape[0]  # a Python value from a shape
+    return model(x).sum()
+
+
+def replaces_norm(model, x):
+    y = model(x).sum()
+    model.norm = Norm(3)  # the old Norm, still held by the caller, ran once
+    return y
+
+
+def extends_history(model, x):
+    model.history = model.history + [x.sum()]  # rebound: the old list unchanged
+    return x
+
+
+def with_keyword_static(model, x, power=1):
+    return (model(x) ** power).sum()
+
+
+def aliased(model, w, x):
+    return model(x).sum() + w.sum()
+
+
 USES_GLOBAL = autostate.jit(uses_global)
+USES_HELPER = autostate.jit(uses_helper)
+RECORDS = autostate.jit(records_batch)
+REPLACES = autostate.jit(replaces_norm)
+EXTENDS = autostate.jit(extends_history)
+KEYWORD_STATIC = autostate.jit(with_keyword_static, static_argnames="power")
+ALIASED = autostate.jit(aliased)
 """
 
 COMPILED_PLAIN = [
     ("autostate.jit(train_step, donate_models=False)", "train_step"),
+    ('autostate.jit(with_keyword_static, static_argnames="power")', "with_keyword_static"),
     ("model.eval()", "PLAIN_MODE(model, False)"),
     ("model.norm.train()", "PLAIN_MODE(model.norm, True)"),
 ] + [
     (f"autostate.jit({name})", name)
     for name in ("train_step", "evaluate", "shared_step", "failing_step", "returns_model",
-                 "appends", "uses_global")
+                 "appends", "uses_global", "uses_helper", "records_batch", "replaces_norm",
+                 "extends_history", "aliased")
 ] + [("autostate.jit(with_static, static_argnums=2)", "with_static")]
 
 COMPILED_X = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
@@ -3625,6 +3665,7 @@ def test_compiled_function_that_raises_leaves_the_model(write_module: Loader) ->
         ("USES_GLOBAL", lambda m: (COMPILED_X,)),
         ("RETURNS", lambda m: (m, COMPILED_X)),
         ("APPENDS", lambda m: (m, [], COMPILED_X)),
+        ("USES_HELPER", lambda m: (m, COMPILED_X)),
     ],
 )
 def test_compiled_refusals(write_module: Loader, name: str, args: Callable) -> None:
@@ -3787,3 +3828,54 @@ def test_value_and_grad_refusals(write_module: Loader) -> None:
         autostate.grad(assigns)(model, COMPILED_X)
     same(before, snapshot(model), "unchanged")
     no_tracer(model)
+
+
+def test_compiled_calls_leave_what_the_plain_calls_leave(write_module: Loader) -> None:
+    # A Python value read from a shape, per shape (JAX traces per shape); a sub-model
+    # replaced (the caller's old one still updated, its arrays valid); a list attribute
+    # rebound (the old list unchanged); a static argument by keyword; an argument that is
+    # one of the model's own arrays (not donated twice).
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    for rows in (4, 2, 4):
+        x = COMPILED_X[:rows]
+        same(plain.RECORDS(p, x), dec.RECORDS(d, x), f"{rows} rows")
+        assert d.last_batch == p.last_batch == rows
+    old_p, old_d = p.norm, d.norm
+    history_d = d.history
+    same(plain.REPLACES(p, COMPILED_X), dec.REPLACES(d, COMPILED_X), "replaced")
+    same(plain.EXTENDS(p, COMPILED_X), dec.EXTENDS(d, COMPILED_X), "extended")
+    # (the old list's array was donated with the model's: a reference kept from before)
+    assert d.norm is not old_d and d.history is not history_d and len(history_d) == 1
+    same(snapshot((p, old_p)), snapshot((d, old_d)), "after")
+    same(plain.KEYWORD_STATIC(p, COMPILED_X, power=3), dec.KEYWORD_STATIC(d, COMPILED_X, power=3), "kw")
+    same(plain.ALIASED(p, p.w, COMPILED_X), dec.ALIASED(d, d.w, COMPILED_X), "aliased")
+    same(snapshot(p), snapshot(d), "at the end")
+
+
+def test_optimizer_keeps_the_models_integer_arrays(write_module: Loader) -> None:
+    source = """
+@DECORATE
+class Indexed:
+    def __init__(self):
+        self.w = jnp.ones(3)
+        self.idx = jnp.arange(3)  # an integer array: never trained
+
+    def __call__(self, x):
+        return (self.w[self.idx] * x).sum()
+"""
+    _, dec = pair(write_module, source)
+    model = dec.Indexed()
+    opt = autostate.Optimizer(model, optax.sgd(0.1))
+    opt.update(autostate.grad(lambda m, x: m(x))(model, jnp.ones(3)))
+    same(np.arange(3, dtype=np.int32), np.asarray(model.idx), "idx")
+    same(np.full(3, 0.9, np.float32), np.asarray(model.w), "w")
+
+
+def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    a, b = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1))
+    b.norm = a.norm
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="share a Norm") as err:
+        autostate.grad(lambda a, b, x: (a(x) + b(x)).sum(), argnums=(0, 1))(a, b, COMPILED_X)
+    assert f"{__file__}:" in str(err.value)

@@ -109,7 +109,8 @@ def test_dropout_eagerly_splits_its_key_once_per_training_call():
     key = jax.random.key(5)
     for _ in range(2):
         y = drop(x)
-        np.testing.assert_allclose(y, _dropout(x, key, 0.25))
+        # (x * (1 / 0.75) and x / 0.75 may differ in the last bit, as jax 0.12 runs them)
+        np.testing.assert_allclose(y, _dropout(x, key, 0.25), rtol=1e-6)
         key = _advanced(key, 1)
         np.testing.assert_array_equal(_data(drop.key), _data(key))
     drop.eval()
