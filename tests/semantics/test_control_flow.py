@@ -4295,7 +4295,8 @@ class Tracker:
         return self.mean.sum()
 
     def sharded(self, x):
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return jax.jit(self._update, in_shardings=one)(x)  # shardings of a jit inside
 
     def decorated(self, x):
