@@ -1890,28 +1890,27 @@ def _custom_call(call: Callable[[], Any], roots: tuple, what: str) -> Any:
     return _with_eager_states(roots, checked, what)
 
 
-class custom_vjp(jax.custom_vjp):  # noqa: N801 - jax's name
+class _StateChecked:
+    """The call of a function with a custom derivative, its states checked (``_custom_call``)."""
+
+    fun: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().__call__  # type: ignore[misc]
+        what = f"a jax.{type(self).__name__} function"
+        return _custom_call(lambda: call(*args, **kwargs), (self.fun, args, kwargs), what)
+
+
+class custom_vjp(_StateChecked, jax.custom_vjp):  # noqa: N801 - jax's name
     """``jax.custom_vjp`` whose function may assign state where JAX runs it on
     concrete values (what a method's ``jax.custom_vjp`` calls); a write JAX
     traces away is refused at the call."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = super().__call__
-        return _custom_call(
-            lambda: call(*args, **kwargs), (self.fun, args, kwargs), "a jax.custom_vjp function"
-        )
 
-
-class custom_jvp(jax.custom_jvp):  # noqa: N801 - jax's name
+class custom_jvp(_StateChecked, jax.custom_jvp):  # noqa: N801 - jax's name
     """``jax.custom_jvp`` whose function may assign state where JAX runs it on
     concrete values (what a method's ``jax.custom_jvp`` calls); a write JAX
     traces away is refused at the call."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = super().__call__
-        return _custom_call(
-            lambda: call(*args, **kwargs), (self.fun, args, kwargs), "a jax.custom_jvp function"
-        )
 
 
 # --- what the decorator routes here -------------------------------------------------

@@ -203,12 +203,12 @@ def _assign_states(model: Any, f: FunctionalModel, states: dict[str, Any]) -> No
                     setattr(obj, attr, value)
 
 
-def _assign_params(model: Any, f: FunctionalModel, new: FunctionalModel) -> None:
-    """Assigns the parameters of ``new`` (``f`` with new leaves) to ``model``,
-    attribute by attribute; sub-models stay the same objects, and what ``f``
-    keeps among its states (an integer array, a key: ``ConstantRef``) keeps
-    the model's value."""
-    for (obj, _), (_, twin) in zip(_pairs(model, f), _pairs(model, new)):
+def _assign_params(model: Any, new: FunctionalModel) -> None:
+    """Assigns the parameters of ``new`` (the model's ``f`` with new leaves) to
+    ``model``, attribute by attribute; sub-models stay the same objects, and
+    what ``f`` keeps among its states (an integer array, a key:
+    ``ConstantRef``) keeps the model's value."""
+    for obj, twin in _pairs(model, new):
         states = _tree.info_of(obj).state
         for attr, value in twin.__dict__.items():
             if attr in states or _graph.holds_instance(value):
@@ -283,7 +283,7 @@ class Optimizer:
         new = jax.tree_util.tree_map(
             lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
         )
-        _assign_params(self.model, f, _as(jax.tree_util.tree_structure(f), new, self.model))
+        _assign_params(self.model, _as(jax.tree_util.tree_structure(f), new, self.model))
         self.step += 1
 
 
