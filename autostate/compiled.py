@@ -76,11 +76,11 @@ class _Key:
     """What one compiled program is for: hashed and compared by JAX's cache."""
 
     __slots__ = ("graphdef", "treedef", "where", "statics", "named", "shapes", "layout",
-                 "packs", "loose", "_hash")
+                 "packs", "shardings", "loose", "_hash")
 
     def __init__(
         self, graphdef: Any, treedef: Any, where: tuple[int, ...], statics: tuple,
-        named: tuple, shapes: tuple, layout: Layout, packs: bool,
+        named: tuple, shapes: tuple, layout: Layout, packs: bool, shardings: tuple = (),
     ):
         self.graphdef = graphdef
         self.treedef = treedef
@@ -93,8 +93,10 @@ class _Key:
         self.shapes = shapes
         self.layout = layout  # which leaves travel packed, where
         self.packs = packs  # whether small arrays are packed (all on one device)
+        # Across devices: each array's sharding, which its new value keeps.
+        self.shardings = shardings
         self.loose = tuple(j for j, slot in enumerate(layout.slots) if slot is None)
-        self._hash = hash((graphdef, treedef, where, statics, named, shapes, layout))
+        self._hash = hash((graphdef, treedef, where, statics, named, shapes, layout, shardings))
 
     def __hash__(self) -> int:
         return self._hash
@@ -111,6 +113,7 @@ class _Key:
             and self.shapes == other.shapes
             and self.layout == other.layout
             and self.packs == other.packs
+            and self.shardings == other.shardings
         )
 
 
@@ -279,8 +282,9 @@ class Compiled(Generic[P, R]):
             return None
         packs = _one_device(leaves)
         layout = Layout.of(leaves, None, _small if packs else _never)
+        shardings = () if packs else tuple(getattr(x, "sharding", None) for x in leaves)
         key = _Key(graphdef, treedef, where, statics, named,
-                   tuple(_shape_of(x) for x in leaves), layout, packs)
+                   tuple(_shape_of(x) for x in leaves), layout, packs, shardings)
         buffers = _packer(layout)(leaves) if layout.dtypes else []
         return _Entry(key, leaves, buffers, objects, Witness.of(objects))  # type: ignore[arg-type]
 
@@ -387,12 +391,16 @@ class Compiled(Generic[P, R]):
         # The models as the next call will find them.
         fresh_objects: list[Any] = []
         fresh_leaves, fresh_graphdef = _graph.flatten_graph(root, fresh_objects)
+        swap = _keep_layouts(key, fresh_leaves, fresh_graphdef) if key.shardings else {}
         # Every instance the call started with is written back, the ones the
         # function detached (a sub-model replaced: the caller may hold it) too.
         root.__dict__["detached"] = [c for c in copies if c is not root]
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         del root.__dict__["detached"]
+        if swap:
+            fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
+            new_leaves = [swap.get(id(x), x) for x in new_leaves]
         index = {id(obj): i for i, obj in enumerate(copies)}
         origin = [index.get(id(obj)) for obj in objects]
         # The attributes the function rebound to another object: they are the
@@ -415,6 +423,8 @@ class Compiled(Generic[P, R]):
         next_key = _Key(
             fresh_graphdef, key.treedef, key.where, key.statics, key.named,
             tuple(_shape_of(x) for x in fresh_leaves), next_layout, key.packs,
+            key.shardings if next_layout == key.layout and fresh_graphdef == key.graphdef
+            else (),
         )
         steady = (
             next_key == key
@@ -447,6 +457,23 @@ class Compiled(Generic[P, R]):
         )
         new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
         return out, new_buffers, changed
+
+
+def _keep_layouts(key: _Key, leaves: list[Any], graphdef: Any) -> dict[int, Any]:
+    """Each new array of a sharded model constrained to the sharding its path
+    had when the call began (where its shape is the same), by the id of the
+    array: a model keeps its arrays' layouts across calls."""
+    before = {
+        name: (sharding, shape)
+        for name, sharding, shape in zip(key.graphdef.names, key.shardings, key.shapes)
+        if isinstance(sharding, jax.sharding.NamedSharding)
+    }
+    swap = {}
+    for name, x in zip(graphdef.names, leaves):
+        found = before.get(name)
+        if found is not None and found[1] == _shape_of(x):
+            swap[id(x)] = jax.lax.with_sharding_constraint(x, found[0])
+    return swap
 
 
 def _one_device(leaves: list[Any]) -> bool:

@@ -1233,8 +1233,8 @@ class Witness:
 
         def held(value: Any) -> bool:
             t = type(value)
-            if t in STATEFUL_CLASSES:
-                return True  # (among ``objects``: witnessed on its own)
+            if t in _PLAIN or t in STATEFUL_CLASSES:
+                return True  # (an instance is among ``objects``: witnessed on its own)
             kind = kind_of(value)
             if kind.static or kind.array:
                 return not kind.numpy  # (a numpy array changes in place)
@@ -1247,6 +1247,8 @@ class Witness:
             if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
                 return all(held(v) for v in value)
             if t in _WITNESSED_SLOTS:
+                if not _WITNESSED_SLOTS[t]:
+                    return True  # (immutable)
                 state = value.state
                 slots.append((value, state))
                 return held(state)
@@ -1254,9 +1256,11 @@ class Witness:
 
         for obj in objects:
             d = obj.__dict__
-            dicts.append((d, tuple(d), tuple(d.values())))
-            if not all(held(v) for v in d.values()):
-                return None
+            values = tuple(d.values())
+            dicts.append((d, tuple(d), values))
+            for v in values:
+                if not held(v):
+                    return None
         return cls(dicts, lists, slots)
 
     def unchanged(self) -> bool:
@@ -1270,14 +1274,19 @@ class Witness:
         return all(slot.state is state for slot, state in self.slots)
 
 
-# Slot types whose value a ``Witness`` compares (``.state``): registered by the
-# engine (``witness_slot``).
-_WITNESSED_SLOTS: set[type] = set()
+# Types a ``Witness`` takes as they are, first (immutable); an array's kind
+# says the same, one look-up later.
+_PLAIN: set[type] = {int, float, bool, str, type(None)}
+
+# Slot types a ``Witness`` knows, registered by the engine (``witness_slot``):
+# whether it compares their value (``.state``), or their identity is enough.
+_WITNESSED_SLOTS: dict[type, bool] = {}
 
 
-def witness_slot(cls: type) -> None:
-    """Lets ``Witness`` see into slots of ``cls`` (which keep their value in ``.state``)."""
-    _WITNESSED_SLOTS.add(cls)
+def witness_slot(cls: type, holds_state: bool) -> None:
+    """Lets ``Witness`` see slots of ``cls``: ``holds_state``, they keep a
+    value in ``.state`` that may change in place; else they are immutable."""
+    _WITNESSED_SLOTS[cls] = holds_state
 
 
 def _identity_is_value(t: type, value: Any) -> bool:

@@ -3575,6 +3575,38 @@ def test_compiled_step_updates_the_model_in_place(write_module: Loader, step: st
     same(snapshot(p), snapshot(d), "after an eager call")
 
 
+# Changes made to a model between two compiled calls, (plain, decorated): the
+# next call starts from them (its cached flatten and packed arrays are stale).
+BETWEEN_CALLS = {
+    "an eager call": (lambda m: m(COMPILED_X), None),
+    "a parameter assigned": (lambda m: setattr(m, "w", m.w * 0.5), None),
+    "a sub-model's state assigned": (lambda m: setattr(m.norm, "mean", m.norm.mean + 1), None),
+    "a list attribute appended to": (lambda m: m.history.append(jnp.ones(())), None),
+    "a list item replaced": (lambda m: m.history.__setitem__(0, m.history[0] + 3), None),
+    "a sub-model replaced": (lambda m: setattr(m, "norm", type(m.norm)(3)), None),
+    "the mode switched": (lambda m: setattr(m.norm, "training", False), lambda m: m.norm.eval()),
+    "an attribute added": (lambda m: setattr(m, "tag", "x"), None),
+}
+
+
+@pytest.mark.parametrize("edit", list(BETWEEN_CALLS))
+def test_compiled_calls_see_changes_made_between_them(write_module: Loader, edit: str) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    on_plain, on_dec = BETWEEN_CALLS[edit]
+    for i in range(2):
+        same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), f"call {i}")
+    copied_p, copied_d = copy.copy(p), copy.copy(d)
+    on_plain(p)
+    (on_dec or on_plain)(d)
+    same(snapshot(p), snapshot(d), "after the change")
+    for i in range(2):
+        same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), f"call {i} after")
+        same(snapshot(p), snapshot(d), f"model after call {i}")
+    same(snapshot(copied_p), snapshot(copied_d), "a copy made before")  # (left as it was)
+    no_tracer(d)
+
+
 def test_compiled_step_compiles_once_per_mode(write_module: Loader) -> None:
     _, dec = pair(write_module, COMPILED, fresh=True, plain_subs=COMPILED_PLAIN)
     model = dec.Net(jax.random.key(0)).train()  # (train() gives Net its `training` too)
