@@ -484,11 +484,11 @@ def _one_device(leaves: list[Any]) -> bool:
         sharding = getattr(x, "sharding", None)
         if sharding is None:
             continue
-        if type(sharding) is not jax.sharding.SingleDeviceSharding:
-            return False
         if found is None:
+            if len(sharding.device_set) != 1:
+                return False
             found = sharding
-        elif sharding != found:
+        elif type(sharding) is not type(found) or sharding != found:
             return False
     return True
 
