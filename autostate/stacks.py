@@ -56,9 +56,11 @@ class Stack:
     stack``) one layer: an instance of the layer class that reads and writes
     its slice of the stacked states, as the i-th layer of a list would
     (a new view object on each access). ``stack.stacked`` is the stacked
-    model itself, every array with the leading layer axis. A stack is a
-    pytree; its states and parameters are named as the stacked model's
-    (``blocks.w``).
+    model itself, every array with the leading layer axis, and
+    ``stack.<attribute>`` reads the stacked model's attributes (not its
+    methods: those are called on a layer). A stack is a pytree; its states
+    and parameters are named as the stacked model's (``blocks.w``, which
+    ``model.blocks.w`` reads).
 
     Examples:
         >>> @autostate.stateful
@@ -76,7 +78,7 @@ class Stack:
         >>> x = jnp.ones(3)
         >>> for block in blocks:
         ...     x = block(x)
-        >>> print(blocks.stacked.calls, blocks[-1].calls)
+        >>> print(blocks.calls, blocks[-1].calls)
         [1 1 1 1] 1
     """
 
@@ -95,6 +97,19 @@ class Stack:
     def depth(self) -> int:
         """The number of layers (``len(stack)``)."""
         return self._depth
+
+    def __getattr__(self, name: str) -> Any:
+        # The stacked model's attributes (its parameters, states, sub-models),
+        # so that a state's name reads as a path: ``model.blocks.attention.k``.
+        # Its methods are the layers': call them on a layer.
+        stacked = self._stacked if not name.startswith("_") else None
+        if stacked is not None and name in getattr(stacked, "__dict__", ()):
+            return getattr(stacked, name)
+        raise AttributeError(
+            f"'Stack' object has no attribute {name!r}: a stack reads the attributes its "
+            "stacked model holds (with the layer axis); call methods on a layer "
+            "(`stack[0]`, `for layer in stack`)"
+        )
 
     def __len__(self) -> int:
         return self._depth
@@ -545,12 +560,15 @@ class LayerSlot(StateSlot):
         full = _runtime.read_state(self.owner, self.attr)
         if full is None or is_static_value(full):
             return full  # (one static value: every layer's)
-        return jax.tree_util.tree_map(
-            lambda a: _slice(a, self.index, self.depth, self.label()), full
+        label = self.label()
+        return _unchangeable(
+            jax.tree_util.tree_map(lambda a: _slice(a, self.index, self.depth, label), full),
+            label,
         )
 
     def write(self, value: Any, label: str | None = None) -> None:
         full = _runtime.read_state(self.owner, self.attr)
+        value = jax.tree_util.tree_map(lambda leaf: leaf, value)  # (plain dicts and lists)
         new = _with_layer(full, value, self.index, self.depth, self.label())
         if new is not full:
             _runtime.store_state(self.owner, self.attr, new)
@@ -574,6 +592,108 @@ class LayerSlot(StateSlot):
 
     def __hash__(self) -> int:
         return hash((id(self.owner), self.attr, self.index))
+
+
+# --- a layer's dicts and lists ------------------------------------------------------
+# A layer's state read through its view is a new value made of slices; a dict or
+# list in it changed in place would change that copy alone, where a list of
+# layers changes the layer's state. So they are refused: a layer's dicts and
+# lists are ``_LayerDict`` / ``_LayerList``, whose copies (a state write of
+# ``self.cache['k'] = v`` copies, then assigns) and pytree rebuilds are plain.
+
+
+def _in_place_refusal(container: Any, label: str) -> StackError:
+    kind = "dict" if isinstance(container, dict) else "list"
+    return StackError(
+        format_error(
+            f"A {kind} of {label} is changed in place, but a layer of a stack reads its "
+            f"state as a new {kind} of slices of the stacked state: the change would not "
+            "reach the stack, where a list of layers changes the layer's state.",
+            fix="assign the state instead: `layer.cache = {**layer.cache, 'k': v}` (inside "
+            "the layer's own methods, `self.cache['k'] = v` is such an assignment).",
+        )
+    )
+
+
+def _refuse_in_place(name: str) -> Any:
+    def refuse(self: Any, *_args: Any, **_kwargs: Any) -> Any:
+        raise _in_place_refusal(self, self._label)
+
+    refuse.__name__ = name
+    return refuse
+
+
+class _LayerDict(dict):
+    """A dict of a layer's state: read-only, copied and rebuilt as a plain dict."""
+
+    __slots__ = ("_label",)
+    _label: str
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict:
+        import copy
+
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
+
+
+class _LayerList(list):
+    """A list of a layer's state: read-only, copied and rebuilt as a plain list."""
+
+    __slots__ = ("_label",)
+    _label: str
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list:
+        import copy
+
+        return [copy.deepcopy(v, memo) for v in self]
+
+    def __reduce__(self) -> Any:
+        return (list, (list(self),))
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "update", "pop", "popitem", "setdefault", "clear"):
+    setattr(_LayerDict, _name, _refuse_in_place(_name))
+for _name in (
+    "__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
+    "pop", "remove", "clear", "sort", "reverse",
+):
+    setattr(_LayerList, _name, _refuse_in_place(_name))
+
+jax.tree_util.register_pytree_with_keys(
+    _LayerDict,
+    lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
+    lambda keys, values: dict(zip(keys, values)),
+    lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
+)
+jax.tree_util.register_pytree_with_keys(
+    _LayerList,
+    lambda items: ([(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(items)], None),
+    lambda _, values: list(values),
+    lambda items: (list(items), None),
+)
+
+
+def _unchangeable(value: Any, label: str) -> Any:
+    """``value`` with its dicts and lists (inside tuples too) as a layer's, read-only."""
+    t = type(value)
+    if t is dict:
+        out: Any = _LayerDict((k, _unchangeable(v, label)) for k, v in value.items())
+    elif t is list:
+        out = _LayerList(_unchangeable(v, label) for v in value)
+    elif t is tuple:
+        return tuple(_unchangeable(v, label) for v in value)
+    else:
+        return value
+    out._label = label
+    return out
 
 
 def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
