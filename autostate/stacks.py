@@ -493,7 +493,7 @@ def _sliced(value: Any, i: int, depth: int, memo: dict[int, Any], where: str) ->
             return _view(node, i, depth, memo, f"{where}{'.' if name[:1] not in '[' else ''}{name}")
         return _slice(node, i, depth, f"{where}{name}")
 
-    return _graph.map_tree(value, replace, _param_or_model)
+    return _unchangeable(_graph.map_tree(value, replace, _param_or_model), where)
 
 
 def _slice(array: Any, i: int, depth: int, where: str) -> Any:
@@ -595,22 +595,24 @@ class LayerSlot(StateSlot):
 
 
 # --- a layer's dicts and lists ------------------------------------------------------
-# A layer's state read through its view is a new value made of slices; a dict or
-# list in it changed in place would change that copy alone, where a list of
-# layers changes the layer's state. So they are refused: a layer's dicts and
-# lists are ``_LayerDict`` / ``_LayerList``, whose copies (a state write of
-# ``self.cache['k'] = v`` copies, then assigns) and pytree rebuilds are plain.
+# A layer's state read through its view, and a dict or list attribute of the
+# view, are new values made of slices; a dict or list in them changed in place
+# would change that copy alone, where a list of layers changes the layer. So
+# it is refused: a layer's dicts and lists are ``_LayerDict`` / ``_LayerList``,
+# whose copies (a state write of ``self.cache['k'] = v`` copies, then
+# assigns) and pytree rebuilds are plain.
 
 
 def _in_place_refusal(container: Any, label: str) -> StackError:
     kind = "dict" if isinstance(container, dict) else "list"
     return StackError(
         format_error(
-            f"A {kind} of {label} is changed in place, but a layer of a stack reads its "
-            f"state as a new {kind} of slices of the stacked state: the change would not "
-            "reach the stack, where a list of layers changes the layer's state.",
-            fix="assign the state instead: `layer.cache = {**layer.cache, 'k': v}` (inside "
-            "the layer's own methods, `self.cache['k'] = v` is such an assignment).",
+            f"A {kind} of {label} is changed in place, but a layer of a stack holds its "
+            f"dicts and lists as new ones, made of slices of the stacked model's: the change "
+            "would not reach the stack, where a list of layers changes the layer.",
+            fix="make it state and assign it: `layer.cache = {**layer.cache, 'k': v}` "
+            "(inside the layer's own methods, `self.cache['k'] = v` is such an "
+            "assignment of a state).",
         )
     )
 
