@@ -30,6 +30,7 @@ This module knows the runtime's one write path and the guard; ``control``,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -140,7 +141,11 @@ class Stack:
         )
 
     def __repr__(self) -> str:
-        inner = repr(self._stacked).replace("\n", "\n  ")
+        inner = repr(self._stacked)
+        line = f"Stack(depth={self._depth}, stacked={inner})"
+        if len(line) <= 80 and "\n" not in line:
+            return line
+        inner = inner.replace("\n", "\n  ")
         return f"Stack(\n  depth={self._depth},\n  stacked={inner},\n)"
 
     def __reduce__(self) -> tuple:
@@ -373,11 +378,15 @@ def _param_or_model(value: Any) -> bool:
     return _values.is_array(value) or _graph.is_stateful_instance(value)
 
 
+_REQUEST_KEY = re.compile(r"\.state(?=$|\[|\.)")
+
+
 def _stacked_depth(model: Any) -> int:
     """The leading axis every array of a stacked ``model`` shares."""
     leaves, graphdef = _graph.flatten_graph(model)
     depth: int | None = None
-    for name, leaf in zip(graphdef.names, leaves):
+    for path, leaf in zip(graphdef.names, leaves):
+        name = _REQUEST_KEY.sub("", path)  # (a state's request adds ``.state``)
         shape = jnp.shape(leaf)
         n = shape[0] if shape else None
         if n is None or (depth is not None and n != depth):
