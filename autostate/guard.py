@@ -482,10 +482,10 @@ def _same_entry(a: Any, b: Any) -> bool:
 # data (a layer of a stack, ``autostate.stacks``): a write to an attribute
 # that is not state would change the stand-in alone, where plain Python
 # changes the one object. Dropped when the object is.
-_VIEWS: dict[int, Callable[[Any, str], Exception]] = {}
+_VIEWS: dict[int, Callable[[Any, str], AutostateError]] = {}
 
 
-def register_view(obj: Any, refusal: Callable[[Any, str], Exception]) -> None:
+def register_view(obj: Any, refusal: Callable[[Any, str], AutostateError]) -> None:
     """Refuses every write to an attribute of ``obj`` that is not state, with
     ``refusal(obj, name)``, for as long as ``obj`` lives."""
     key = id(obj)

@@ -254,7 +254,7 @@ def stack(layers: Iterable[Any] | Any) -> Stack:
         ...
         autostate.errors.StackError: Layer 1 differs from layer 0 at scale: f32[4] against f32[3]...
     """
-    if is_stack(layers):
+    if isinstance(layers, Stack):
         return layers
     if _graph.is_stateful_instance(layers):
         _check_eager(layers, 0)
@@ -521,7 +521,7 @@ def _slice(array: Any, i: int, depth: int, where: str) -> Any:
     return array[i]
 
 
-def _attribute_refusal(obj: Any, name: str) -> Exception:
+def _attribute_refusal(obj: Any, name: str) -> StateAccessError:
     return StateAccessError(
         format_error(
             f"{type(obj).__name__}.{name} is not state, and this {type(obj).__name__} is a "
@@ -678,16 +678,24 @@ for _name in (
 ):
     setattr(_LayerList, _name, _refuse_in_place(_name))
 
+def _plain_dict(keys: tuple, values: Iterable[Any]) -> Any:
+    return dict(zip(keys, values))
+
+
+def _plain_list(_: None, values: Iterable[Any]) -> Any:
+    return list(values)
+
+
 jax.tree_util.register_pytree_with_keys(
     _LayerDict,
     lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
-    lambda keys, values: dict(zip(keys, values)),
+    _plain_dict,
     lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
 )
 jax.tree_util.register_pytree_with_keys(
     _LayerList,
     lambda items: ([(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(items)], None),
-    lambda _, values: list(values),
+    _plain_list,
     lambda items: (list(items), None),
 )
 
@@ -725,6 +733,7 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
         )
     leaves, treedef = jax.tree_util.tree_flatten(full)
     given, given_def = jax.tree_util.tree_flatten(value)
+    treedef, given_def = _any(treedef), _any(given_def)
     if given_def != treedef:
         raise _slice_error(label, f"a {given_def}", f"a {treedef}")
     new = []
@@ -737,6 +746,10 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
             raise _slice_error(label, _tree.format_spec(*got), _tree.format_spec(*want))
         new.append(a.at[i].set(v))
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _any(value: Any) -> Any:
+    return value
 
 
 def _dtype(value: Any) -> Any:

@@ -280,10 +280,11 @@ def _fit_layers(
             stacked = key[: found.start()] + key[found.end() :]
             if stacked in given and stacked not in template:
                 splits.setdefault(stacked, {})[int(found.group(1))] = key
-    for stacked, keys in splits.items():
+    for stacked, layer_keys in splits.items():
         value = given[stacked]
-        if stacked in out and sorted(keys) == list(range(np.shape(value)[0] if np.ndim(value) else -1)):
-            for i, key in keys.items():
+        depth = np.shape(value)[0] if np.ndim(value) else -1
+        if stacked in out and sorted(layer_keys) == list(range(depth)):
+            for i, key in layer_keys.items():
                 out[key] = value[i]
             del out[stacked]
     return out
