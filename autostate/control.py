@@ -46,6 +46,11 @@ An eager model (no handler running) has the states of the instances
 reachable from the function and operands handed to a temporary handler for
 the call (``_with_eager_states``), then written back as eager slots.
 
+A stack of layers (``autostate.stack``) registers here: code reaching it
+reaches its stacked model (``register_reached_through``), and a stack in a
+mapped argument of ``lax.scan``, ``lax.map`` or ``jax.vmap`` is its stacked
+model, so each step gets one layer (``register_stack_type``).
+
 This module knows the slot types of ``effects`` but nothing of source code.
 """
 
