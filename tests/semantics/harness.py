@@ -354,7 +354,7 @@ def _fcall(f: Any, name: str) -> Callable[..., Any]:
     return f if name == "__call__" else getattr(f, name)
 
 
-_PATH_STEP = re.compile(r"\.?([A-Za-z_]\w*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*')\]")
+_PATH_STEP = re.compile(r"\.?([^\W\d]\w*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*')\]")
 
 
 def plain_path(model: Any, key: str, at: int = 0) -> Any:
@@ -364,7 +364,9 @@ def plain_path(model: Any, key: str, at: int = 0) -> Any:
     obj = model
     while at < len(key):
         step = _PATH_STEP.match(key, at)
-        assert step is not None, f"bad state name {key!r} at {at}"
+        if step is None:  # (a key only Python reads: a tuple, a float, a double-quoted str)
+            rest = key[at:] if key[at] in ".[" else "." + key[at:]
+            return eval("m" + rest, {"m": obj})  # noqa: S307
         attr, index, item = step.groups()
         if attr is not None and isinstance(obj, list):
             values = [plain_path(layer, key, at) for layer in obj]
