@@ -226,6 +226,29 @@ def mapping_name(key: Any) -> str:
     return f"[{key!r}]"
 
 
+class PassKey:
+    """The keypath entry of a node that adds nothing to the names under it.
+
+    A stack (``autostate.stack``) holds one stacked model whose states and
+    parameters keep the names they would have in its place: ``blocks.w``,
+    not ``blocks.stacked.w``.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return "PassKey()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PassKey
+
+    def __hash__(self) -> int:
+        return hash(PassKey)
+
+
 def key_name(key: Any) -> str:
     """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
     if isinstance(key, jax.tree_util.GetAttrKey):
@@ -236,6 +259,8 @@ def key_name(key: Any) -> str:
         return mapping_name(key.key)
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
         return index_name(key.key)
+    if type(key) is PassKey:
+        return ""
     return mapping_name(key)
 
 
