@@ -1303,14 +1303,15 @@ class Witness:
 # says the same, one look-up later.
 _PLAIN: set[type] = {int, float, bool, str, type(None)}
 
-# Slot types a ``Witness`` knows, registered by the engine (``witness_slot``):
+# Types a ``Witness`` knows, registered where they are defined (``register_witnessed``):
 # whether it compares their value (``.state``), or their identity is enough.
 _WITNESSED_SLOTS: dict[type, bool] = {}
 
 
-def witness_slot(cls: type, holds_state: bool) -> None:
-    """Lets ``Witness`` see slots of ``cls``: ``holds_state``, they keep a
-    value in ``.state`` that may change in place; else they are immutable."""
+def register_witnessed(cls: type, holds_state: bool) -> None:
+    """Lets ``Witness`` see values of ``cls`` (state slots, wrappers):
+    ``holds_state``, they keep a value in ``.state`` that may change in
+    place; else they are immutable, and what they hold is witnessed apart."""
     _WITNESSED_SLOTS[cls] = holds_state
 
 

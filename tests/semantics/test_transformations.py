@@ -3917,3 +3917,40 @@ def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: L
     with pytest.raises(autostate.errors.InvalidArgumentError, match="share a Norm") as err:
         autostate.grad(lambda a, b, x: (a(x) + b(x)).sum(), argnums=(0, 1))(a, b, COMPILED_X)
     assert f"{__file__}:" in str(err.value)
+
+
+def test_compiled_step_on_a_stack_is_the_step_on_the_list(write_module: Loader) -> None:
+    source = """
+@DECORATE
+class Block:
+    def __init__(self, k):
+        self.w = jax.random.normal(k, (4, 4)) * 0.5
+        self.mean = jnp.zeros(4)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return jnp.tanh(x @ self.w)
+
+
+@DECORATE
+class Net:
+    def __init__(self, n, stacked):
+        blocks = [Block(k) for k in jax.random.split(jax.random.key(0), n)]
+        self.blocks = autostate.stack(blocks) if stacked else blocks
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+STEP = autostate.jit(lambda model, x: model(x).sum())
+"""
+    _, mod = pair(write_module, source)
+    stacked, listed = mod.Net(3, True), mod.Net(3, False)
+    for i in range(3):
+        x = COMPILED_X[:, :1] * jnp.ones((1, 4)) * (i + 1)
+        same(mod.STEP(stacked, x), mod.STEP(listed, x), f"call {i}")
+        same(autostate.state_dict(stacked, per_layer=True), autostate.state_dict(listed),
+             f"states after call {i}")
+    no_tracer(stacked)
