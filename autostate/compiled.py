@@ -33,6 +33,7 @@ import inspect
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -124,7 +125,9 @@ class _Entry:
 
     __slots__ = ("key", "leaves", "buffers", "objects", "witness")
 
-    def __init__(self, key: _Key, leaves: list, buffers: list, objects: list, witness: Witness):
+    def __init__(
+        self, key: _Key, leaves: list, buffers: list, objects: list, witness: Witness | None
+    ):
         self.key = key
         self.leaves = leaves
         self.buffers = buffers
@@ -208,6 +211,7 @@ class Compiled(Generic[P, R]):
         # The last calls' models (by the arguments' structure and the models'
         # identities) -> what the call left on them.
         self._entries: dict[tuple, _Entry] = {}
+        self._watched: set[tuple] = set()  # (model id, cache id) with a finalizer
         self._jitted = jax.jit(
             self._pure, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
         )
@@ -286,7 +290,7 @@ class Compiled(Generic[P, R]):
         key = _Key(graphdef, treedef, where, statics, named,
                    tuple(_shape_of(x) for x in leaves), layout, packs, shardings)
         buffers = _packer(layout)(leaves) if layout.dtypes else []
-        return _Entry(key, leaves, buffers, objects, Witness.of(objects))  # type: ignore[arg-type]
+        return _Entry(key, leaves, buffers, objects, None)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         call = self._arguments(args, kwargs)
@@ -296,12 +300,13 @@ class Compiled(Generic[P, R]):
             return self.fn(*args, **kwargs)
         models, treedef, where, statics, named, others = call
         cache_id = (treedef, where, statics, named, *[id(m) for m in models])
-        entry = self._entries.pop(cache_id, None)
-        if entry is None or entry.witness is None or not entry.witness.unchanged():
+        entry = self._kept_entry(cache_id)
+        if entry is None:
             entry = self._flattened(models, treedef, where, statics, named)
             if entry is None:
                 return self.fn(*args, **kwargs)
         key = entry.key
+        _check_alive(entry, key.loose if entry.witness is not None else range(len(entry.leaves)))
         shapes = tuple(_shape_of(x) for x in others)
         loose = [entry.leaves[j] for j in key.loose]
         jitted = self._jitted
@@ -341,12 +346,37 @@ class Compiled(Generic[P, R]):
                             d[name] = _kept(before[name], value)
             objs = [objs[i] for i in after.fresh_objects]
         fresh = [new_leaves[i] for i in after.fresh_leaves]
-        witness = Witness.of(objs)
-        if witness is not None:
-            if len(self._entries) >= _ENTRIES:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[cache_id] = _Entry(after.next_key, fresh, buffers, objs, witness)
+        objs[0].__dict__["models"] = []  # (the root of the walk holds no model between calls)
+        self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, None))
         return out
+
+    def _keep(self, cache_id: tuple, models: list, entry: _Entry) -> None:
+        """Keeps what a call left for the next one on the same models, holding
+        the models' instances weakly (a model deleted is forgotten)."""
+        entry.witness = Witness.of(entry.objects[1:])
+        if entry.witness is None:
+            return
+        try:
+            entry.objects = [entry.objects[0], *[weakref.ref(o) for o in entry.objects[1:]]]
+            for model in models:
+                if (id(model), cache_id) not in self._watched:
+                    self._watched.add((id(model), cache_id))
+                    weakref.finalize(model, _forget, weakref.ref(self), id(model), cache_id)
+        except TypeError:  # (an instance that takes no weak reference)
+            return
+        if len(self._entries) >= _ENTRIES:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[cache_id] = entry
+
+    def _kept_entry(self, cache_id: tuple) -> _Entry | None:
+        """What the last call on these models left, if nothing changed them since."""
+        kept = self._entries.pop(cache_id, None)
+        if kept is None or kept.witness is None or not kept.witness.unchanged():
+            return None
+        objects = [kept.objects[0], *[ref() for ref in kept.objects[1:]]]
+        if any(obj is None for obj in objects):
+            return None
+        return _Entry(kept.key, kept.leaves, kept.buffers, objects, kept.witness)
 
     def _pure(
         self, key_shapes: tuple, buffers: list[Any], loose: list[Any], others: list[Any]
@@ -476,6 +506,43 @@ def _keep_layouts(key: _Key, leaves: list[Any], graphdef: Any) -> dict[int, Any]
     return swap
 
 
+def _forget(compiled: Any, model_id: int, cache_id: tuple) -> None:
+    """A model was deleted: what its compiled calls kept goes with it."""
+    compiled = compiled()
+    if compiled is not None:
+        compiled._entries.pop(cache_id, None)
+        compiled._watched.discard((model_id, cache_id))
+
+
+def _check_alive(entry: _Entry, indices: Any) -> None:
+    """Refuses a call whose models hold an array an earlier call donated (a
+    copy of the model, or another model sharing the array, was compiled
+    with): a clear error instead of XLA's."""
+    for j in indices:
+        x = entry.leaves[j]
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise InvalidArgumentError(
+                format_error(
+                    f"The array {_user_path(entry.key.graphdef.names[j])} of a model passed to "
+                    "a function compiled by autostate.jit was deleted: an earlier compiled call "
+                    "donated it, through another model holding the same array (a copy.copy "
+                    "of this one, or a model it was loaded from).",
+                    where=user_location(),
+                    fix="give each model arrays of its own (copy.deepcopy), or compile with "
+                    "donate_models=False.",
+                )
+            )
+
+
+def _user_path(name: str) -> str:
+    """A leaf's path from the walk's root (``models[0].norm.mean.state``) as
+    the user names it: ``norm.mean`` (of the first model argument)."""
+    head, _, rest = name.partition("].")
+    path = rest.removesuffix(".state")
+    which = int(head.removeprefix("models[")) + 1 if head.startswith("models[") else 1
+    return f"`{path}` (of model argument {which})"
+
+
 def _one_device(leaves: list[Any]) -> bool:
     """Whether the arrays among ``leaves`` all live on one device (then the
     small ones are packed; a sharded model keeps every array's layout)."""
@@ -568,7 +635,25 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                 found.append((f"the global {name!r}", value))
             elif isinstance(value, types.FunctionType) and not _library(value):
                 visit(value, depth + 1)
+            elif isinstance(value, types.ModuleType) and not _library(value):
+                # ``module.MODEL`` read by the code: an attribute of a global module.
+                for attr in code.co_names:
+                    held = getattr(value, attr, None)
+                    if held is not None and _graph.holds_instance(held):
+                        found.append((f"the module attribute {name}.{attr}", held))
 
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        # A method of a plain object (``autostate.jit(evaluator.run)``): the
+        # models that object holds are read through ``self``.
+        held = getattr(owner, "__dict__", None)
+        if held is not None:
+            found.extend(("the object its method is bound to", obj)
+                         for obj in _graph.instances_of(held))
+    elif not isinstance(fn, types.FunctionType | types.MethodType):
+        held = getattr(fn, "__dict__", None)  # (a callable object's)
+        if held is not None:
+            found.extend(("the callable object", obj) for obj in _graph.instances_of(held))
     visit(getattr(fn, "__func__", fn), 0)
     ids = {id(c) for c in copies}
     for how, value in found:
@@ -589,8 +674,10 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
 
 
 def _library(function: Any) -> bool:
-    """A function of JAX, NumPy, autostate or another library the walk skips."""
-    module = getattr(function, "__module__", None) or ""
+    """A function (or module) of JAX, NumPy, autostate or another library the walk skips."""
+    module = getattr(function, "__module__", None) or getattr(function, "__name__", "") or ""
+    if isinstance(function, types.ModuleType):
+        module = function.__name__
     return module.split(".")[0] in _LIBRARIES
 
 

@@ -1243,12 +1243,13 @@ class Witness:
         False
     """
 
-    __slots__ = ("dicts", "lists", "slots")
+    __slots__ = ("objects", "dicts", "lists", "slots")
 
-    def __init__(self, dicts: list, lists: list, slots: list):
+    def __init__(self, objects: list, dicts: list, lists: list, slots: list):
+        self.objects = objects  # (weak reference to an instance, its class, its __dict__)
         self.dicts = dicts  # (dict, its keys, its values)
         self.lists = lists  # (list, its items)
-        self.slots = slots  # (state slot, its value)
+        self.slots = slots  # (state slot, how to read its value, the value)
 
     @classmethod
     def of(cls, objects: Sequence[Any]) -> Witness | None:
@@ -1271,48 +1272,59 @@ class Witness:
                 return all(held(v) for v in value.values())
             if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
                 return all(held(v) for v in value)
-            if t in _WITNESSED_SLOTS:
-                if not _WITNESSED_SLOTS[t]:
-                    return True  # (immutable)
-                state = value.state
-                slots.append((value, state))
-                return held(state)
+            if t in _WITNESSED:
+                read = _WITNESSED[t]
+                if read is None:
+                    return True  # (immutable, what it holds witnessed apart)
+                inner = read(value)
+                slots.append((value, read, inner))
+                return held(inner)
             return _identity_is_value(t, value)
 
+        own = []
         for obj in objects:
             d = obj.__dict__
+            try:
+                own.append((weakref.ref(obj), type(obj), d))
+            except TypeError:  # (no weak reference to it)
+                return None
             values = tuple(d.values())
             dicts.append((d, tuple(d), values))
             for v in values:
                 if not held(v):
                     return None
-        return cls(dicts, lists, slots)
+        return cls(own, dicts, lists, slots)
 
     def unchanged(self) -> bool:
         is_ = operator.is_
+        for ref, t, d in self.objects:
+            obj = ref()
+            if type(obj) is not t or obj.__dict__ is not d:
+                return False
         for d, keys, values in self.dicts:
             if len(d) != len(keys) or not all(map(is_, d.values(), values)) or tuple(d) != keys:
                 return False
         for lst, items in self.lists:
             if len(lst) != len(items) or not all(map(is_, lst, items)):
                 return False
-        return all(slot.state is state for slot, state in self.slots)
+        return all(read(slot) is value for slot, read, value in self.slots)
 
 
 # Types a ``Witness`` takes as they are, first (immutable); an array's kind
 # says the same, one look-up later.
-_PLAIN: set[type] = {int, float, bool, str, type(None)}
+_PLAIN: set[type] = {int, float, bool, str, type(None), type(jax.tree_util.tree_structure(0))}
 
-# Types a ``Witness`` knows, registered where they are defined (``register_witnessed``):
-# whether it compares their value (``.state``), or their identity is enough.
-_WITNESSED_SLOTS: dict[type, bool] = {}
+# Types a ``Witness`` knows, registered where they are defined
+# (``register_witnessed``): how to read the value one holds, which may change
+# in place, or ``None`` for an immutable one.
+_WITNESSED: dict[type, Callable[[Any], Any] | None] = {}
 
 
-def register_witnessed(cls: type, holds_state: bool) -> None:
-    """Lets ``Witness`` see values of ``cls`` (state slots, wrappers):
-    ``holds_state``, they keep a value in ``.state`` that may change in
-    place; else they are immutable, and what they hold is witnessed apart."""
-    _WITNESSED_SLOTS[cls] = holds_state
+def register_witnessed(cls: type, value: Callable[[Any], Any] | None) -> None:
+    """Lets ``Witness`` see values of ``cls`` (state slots, wrappers): ``value``
+    reads what one holds (compared by identity, and looked into); ``None``:
+    they are immutable, and what they hold is witnessed apart."""
+    _WITNESSED[cls] = value
 
 
 def _identity_is_value(t: type, value: Any) -> bool:

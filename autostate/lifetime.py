@@ -418,6 +418,11 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
 
 
 _graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
+# (Its first value, a list or dict the model may still change in place.)
+_graph.register_witnessed(
+    InitialLocalStateRequest,
+    lambda r: getattr(r.state_initializer, "value", r.state_initializer),
+)
 
 
 # The names of the handled states read while ``recording_state_reads`` runs

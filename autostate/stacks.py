@@ -773,4 +773,4 @@ _control.register_reached_through(LayerSlot, lambda slot: [slot.owner])
 
 # A stack never changes what it wraps; the stacked model is witnessed as an
 # instance of its own (``autostate.jit``'s kept flatten).
-_graph.register_witnessed(Stack, holds_state=False)
+_graph.register_witnessed(Stack, None)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -3538,6 +3540,25 @@ REPLACES = autostate.jit(replaces_norm)
 EXTENDS = autostate.jit(extends_history)
 KEYWORD_STATIC = autostate.jit(with_keyword_static, static_argnames="power")
 ALIASED = autostate.jit(aliased)
+
+
+class Holder:  # a plain object holding a model
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, x):
+        return self.model(x).sum()
+
+
+NAMESPACE = type(jax)("namespace")  # a module holding a model
+
+
+def uses_module(x):
+    return NAMESPACE.MODEL(x).sum()
+
+
+BOUND_TO_HOLDER = autostate.jit(Holder(GLOBAL_NET).run)
+USES_MODULE = autostate.jit(uses_module)
 """
 
 COMPILED_PLAIN = [
@@ -3586,6 +3607,7 @@ BETWEEN_CALLS = {
     "a sub-model replaced": (lambda m: setattr(m, "norm", type(m.norm)(3)), None),
     "the mode switched": (lambda m: setattr(m.norm, "training", False), lambda m: m.norm.eval()),
     "an attribute added": (lambda m: setattr(m, "tag", "x"), None),
+    "the __dict__ replaced": (lambda m: setattr(m, "__dict__", {**m.__dict__, "w": m.w * 2}), None),
 }
 
 
@@ -3704,12 +3726,16 @@ def test_compiled_function_that_raises_leaves_the_model(write_module: Loader) ->
         ("RETURNS", lambda m: (m, COMPILED_X)),
         ("APPENDS", lambda m: (m, [], COMPILED_X)),
         ("USES_HELPER", lambda m: (m, COMPILED_X)),
+        ("BOUND_TO_HOLDER", lambda m: (COMPILED_X,)),
+        ("USES_MODULE", lambda m: (COMPILED_X,)),
     ],
 )
 def test_compiled_refusals(write_module: Loader, name: str, args: Callable) -> None:
-    # A model reached by a global (its changes would be lost), a model returned, a list
-    # argument changed in place: each a clear error at the call, the models as before.
+    # A model reached by a global, a module's attribute or a plain object's self (its
+    # changes would be lost), a model returned, a list argument changed in place: each a
+    # clear error at the call, the models as before.
     _, dec = _compiled_pair(write_module)
+    dec.NAMESPACE.MODEL = dec.GLOBAL_NET
     model = dec.Net(jax.random.key(0))
     before = snapshot((model, dec.GLOBAL_NET))
     with pytest.raises(autostate.errors.InvalidArgumentError) as err:
@@ -3954,3 +3980,64 @@ STEP = autostate.jit(lambda model, x: model(x).sum())
         same(autostate.state_dict(stacked, per_layer=True), autostate.state_dict(listed),
              f"states after call {i}")
     no_tracer(stacked)
+
+
+def test_compiled_calls_see_container_states_changed_in_place(write_module: Loader) -> None:
+    # A list or dict state no traced call wrote yet (still its first value), changed in
+    # place between two compiled calls: from outside, and by an eager method.
+    source = """
+@DECORATE
+class Cache:
+    def __init__(self):
+        self.entries = {"k": jnp.ones(2)}
+        self.log = [jnp.ones(2)]
+        self.w = jnp.ones(2)
+
+    def remember(self, x):
+        self.entries["k"] = x
+        self.log.append(x)
+
+
+def read(model):
+    return model.w.sum() + sum(v.sum() for v in model.entries.values()) + len(model.log)
+
+
+READ = autostate.jit(read)
+"""
+    plain, dec = pair(write_module, source, plain_subs=[("autostate.jit(read)", "read")])
+    p, d = plain.Cache(), dec.Cache()
+    edits = [
+        lambda m: m.entries.__setitem__("k", jnp.full(2, 10.0)),
+        lambda m: m.entries.__setitem__("v", jnp.ones(2)),
+        lambda m: m.log.append(jnp.zeros(2)),
+        lambda m: m.remember(jnp.full(2, 3.0)),
+    ]
+    same(plain.READ(p), dec.READ(d), "first")
+    for i, edit in enumerate(edits):
+        edit(p)
+        edit(d)
+        same(plain.READ(p), dec.READ(d), f"after edit {i}")
+
+
+def test_compiled_call_on_a_model_whose_array_a_copy_donated(write_module: Loader) -> None:
+    # A copy.copy shares the model's arrays; a compiled call on it donates the big ones:
+    # the call on the original names the array and the fix, instead of XLA's error.
+    _, dec = _compiled_pair(write_module)
+    x = jnp.full((4, 160), 0.01)
+    model = dec.Net(jax.random.key(0), 160)
+    dec.STEP(model, x, 0.1)
+    dec.STEP(copy.copy(model), x, 0.1)
+    with pytest.raises(autostate.errors.InvalidArgumentError, match=r"(?s)`w`.*deepcopy") as err:
+        dec.STEP(model, x, 0.1)
+    assert f"{__file__}:" in str(err.value)
+
+
+def test_compiled_function_forgets_a_deleted_model(write_module: Loader) -> None:
+    _, dec = _compiled_pair(write_module)
+    model = dec.Net(jax.random.key(0))
+    for _ in range(2):
+        dec.STEP(model, COMPILED_X, 0.1)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and not dec.STEP._entries

@@ -554,6 +554,7 @@ class _Witnessed:
 
     def tick(self) -> None:
         self.count = self.count + 1
+        self.table = dict(self.table)  # (a state: its first value is the dict above)
 
 
 @dataclasses.dataclass
@@ -590,3 +591,20 @@ def test_witness_gives_up_on_values_changed_in_place_unseen(value: Any) -> None:
     assert graph.Witness.of([model]) is None
     model.extra = functools.partial(max, 1)  # compared by identity: witnessed
     assert graph.Witness.of([model]) is not None
+
+
+def test_witness_sees_the_instance_replaced_around_its_dict() -> None:
+    model = _Witnessed()
+    witness = graph.Witness.of([model])
+    assert witness is not None
+    model.__dict__ = dict(model.__dict__)  # the same values, another dict
+    assert not witness.unchanged()
+
+
+def test_witness_sees_a_first_value_changed_in_place() -> None:
+    model = _Witnessed()  # ``table`` is a state still holding its first value
+    assert type(vars(model)["table"]).__name__ == "InitialLocalStateRequest"
+    witness = graph.Witness.of([model])
+    assert witness is not None
+    model.table["a"] = jnp.zeros(1)
+    assert not witness.unchanged()
