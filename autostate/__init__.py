@@ -43,6 +43,7 @@ from autostate.functional import FunctionalModel
 from autostate.packing import PackedModel, PackedStates, pack
 from autostate.serialization import load, load_arrays, save
 from autostate.sharding import partition_specs, sharded, shardings
+from autostate.stacks import Stack, stack
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
 from autostate.state_values import States
 from autostate.summary import summary
@@ -114,4 +115,6 @@ __all__ = [
     "partition_specs",
     "sharded",
     "shardings",
+    "Stack",
+    "stack",
 ]

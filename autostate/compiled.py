@@ -26,20 +26,25 @@ nothing is written back: the models keep their values from before the call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import functools
 import inspect
 import threading
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import jax
+import numpy as np
 
 from autostate import graph as _graph
 from autostate.effects.local_state import StateSlot
 from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.graph import Witness
 from autostate.lifetime import current_trace, under_staging_trace, with_home
+from autostate.packing import Layout
 
 __all__ = ["Compiled", "jit"]
 
@@ -59,14 +64,23 @@ class _Models:
         self.models = models
 
 
+# Arrays of at most this many bytes, on one device, travel packed: one buffer
+# per dtype in, one out. A step's dispatch cost is per buffer, and a model of
+# many small arrays (biases, norm scales, counters) pays it per array; a big
+# array's cost is its arithmetic. The packed buffers are kept between calls
+# (a copy of the small arrays, next to the model's own).
+_SMALL = 1 << 16
+
+
 class _Key:
     """What one compiled program is for: hashed and compared by JAX's cache."""
 
-    __slots__ = ("graphdef", "treedef", "where", "statics", "named", "shapes", "_hash")
+    __slots__ = ("graphdef", "treedef", "where", "statics", "named", "shapes", "layout",
+                 "packs", "shardings", "loose", "_hash")
 
     def __init__(
         self, graphdef: Any, treedef: Any, where: tuple[int, ...], statics: tuple,
-        named: tuple, shapes: tuple,
+        named: tuple, shapes: tuple, layout: Layout, packs: bool, shardings: tuple = (),
     ):
         self.graphdef = graphdef
         self.treedef = treedef
@@ -77,13 +91,18 @@ class _Key:
         # the function leaves in the models (a Python value read from a
         # shape) is that trace's.
         self.shapes = shapes
-        self._hash = hash((graphdef, treedef, where, statics, named, shapes))
+        self.layout = layout  # which leaves travel packed, where
+        self.packs = packs  # whether small arrays are packed (all on one device)
+        # Across devices: each array's sharding, which its new value keeps.
+        self.shardings = shardings
+        self.loose = tuple(j for j, slot in enumerate(layout.slots) if slot is None)
+        self._hash = hash((graphdef, treedef, where, statics, named, shapes, layout, shardings))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return (
+        return self is other or (
             type(other) is _Key
             and self._hash == other._hash
             and self.graphdef == other.graphdef
@@ -92,14 +111,50 @@ class _Key:
             and self.statics == other.statics
             and self.named == other.named
             and self.shapes == other.shapes
+            and self.layout == other.layout
+            and self.packs == other.packs
+            and self.shardings == other.shardings
         )
+
+
+class _Entry:
+    """What a call left on its models, for the next call on the same models:
+    the flatten (valid while ``witness`` says nothing changed) and the packed
+    buffers of its small arrays."""
+
+    __slots__ = ("key", "leaves", "buffers", "objects", "witness")
+
+    def __init__(self, key: _Key, leaves: list, buffers: list, objects: list, witness: Witness):
+        self.key = key
+        self.leaves = leaves
+        self.buffers = buffers
+        self.objects = objects
+        self.witness = witness
+
+
+@dataclasses.dataclass(slots=True)
+class _After:
+    """What one trace of the program left, for every call of it: how to write
+    its results back, and the next call's key."""
+
+    graphdef: Any  # the models after the call, with every instance it started with
+    origin: list[int | None]  # per instance of ``graphdef``: its index before the call
+    rebound: frozenset  # (index before the call, attribute) the function rebound
+    sources: list[int | None]  # per leaf: the unchanged packed leaf it is, or an output
+    next_key: _Key  # the next call's key, on the models as the call leaves them
+    fresh_leaves: list[int]  # the next call's leaves, as indices into ``graphdef``'s
+    fresh_objects: list[int]  # the next call's instances, likewise
+    steady: bool  # the same structure after as before: only ``touched`` is rewritten
+    touched: list[tuple[int, int]]  # (instance, attribute) indices to rewrite
 
 
 class Compiled(Generic[P, R]):
     """A function compiled by ``autostate.jit``: call it as the function.
 
-    ``lower(*args)`` is not offered: the program takes the models' flattened
-    arrays, an internal layout; export a model with ``autostate.export``.
+    ``lower(*args)`` lowers the program one call with these arguments runs
+    (its inputs are the models' arrays in an internal layout: use it to read
+    the compiled program, its cost and memory; export a model with
+    ``autostate.export``).
 
     Examples:
         >>> @autostate.stateful
@@ -114,6 +169,8 @@ class Compiled(Generic[P, R]):
         >>> tick = autostate.jit(counter.tick)  # a method: the model is its first argument
         >>> isinstance(tick, autostate.Compiled), int(tick()), int(tick()), int(counter.n)
         (True, 1, 2, 2)
+        >>> tick.lower().compile().memory_analysis() is not None
+        True
     """
 
     def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
@@ -146,15 +203,20 @@ class Compiled(Generic[P, R]):
                         "them).",
                     )
                 )
-        # key -> (the graphdef after the call, each instance's index before it,
-        # the (index, attribute) pairs the function rebound)
-        self._after: dict[_Key, tuple[Any, list[int | None], frozenset]] = {}
+        # (key, shapes of the other arguments) -> what its trace left
+        self._after: dict[tuple, _After] = {}
+        # The last calls' models (by the arguments' structure and the models'
+        # identities) -> what the call left on them.
+        self._entries: dict[tuple, _Entry] = {}
         self._jitted = jax.jit(
-            self._pure, static_argnums=(0,), donate_argnums=(1,) if donate else (), **options
+            self._pure, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
         )
         # (For a call whose other arguments hold one of the models' arrays,
         # which XLA cannot take donated and passed at once.)
-        self._kept_jitted = jax.jit(self._pure, static_argnums=(0,), **options) if donate else None
+        self._kept_jitted = (
+            jax.jit(self._pure, static_argnums=(0,), donate_argnums=(1,), **options)
+            if donate else None
+        )
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -165,7 +227,34 @@ class Compiled(Generic[P, R]):
         with _CALLS:
             return self._call(args, kwargs)
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The program a call with these arguments runs, lowered (``jax.jit``'s ``Lowered``).
+
+        Its arguments are the models' arrays in the call's internal layout:
+        read it (``.as_text()``, ``.compile().memory_analysis()``), do not
+        call it.
+        """
+        if self._self is not None:
+            args = (self._self, *args)
+        with _CALLS:
+            call = self._arguments(args, kwargs)
+            entry = None if call is None else self._flattened(*call[:5])
+            if call is None or entry is None:
+                raise InvalidArgumentError(
+                    format_error(
+                        "Compiled.lower was given traced arguments.",
+                        where=user_location(),
+                        fix="lower with concrete arrays, outside any transformation.",
+                    )
+                )
+            others = call[5]
+            shapes = tuple(_shape_of(x) for x in others)
+            loose = [entry.leaves[j] for j in entry.key.loose]
+            return self._jitted.lower((entry.key, shapes), entry.buffers, loose, others)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple | None:
+        """``(models, treedef, where, statics, named, others, kwargs)`` of a
+        call, or ``None`` when an argument is traced."""
         statics = tuple((i, args[i]) for i in self._static if -len(args) <= i < len(args))
         static_at = {i % len(args) for i, _ in statics}
         dynamic = tuple(a for i, a in enumerate(args) if i not in static_at)
@@ -177,35 +266,94 @@ class Compiled(Generic[P, R]):
         )
         where = tuple(i for i, x in enumerate(flat) if _graph.is_stateful_instance(x))
         taken = set(where)
-        objects: list[Any] = []
-        leaves, graphdef = _graph.flatten_graph(_Models([flat[i] for i in where]), objects)
         others = [x for i, x in enumerate(flat) if i not in taken]
-        if any(isinstance(x, jax.core.Tracer) for x in (*leaves, *others)):
+        if any(isinstance(x, jax.core.Tracer) for x in others):
+            return None
+        return [flat[i] for i in where], treedef, where, statics, named, others
+
+    def _flattened(
+        self, models: list, treedef: Any, where: tuple, statics: tuple, named: tuple
+    ) -> _Entry | None:
+        """The models flattened by the one walk, their small arrays packed
+        (``None`` when one of their arrays is traced)."""
+        objects: list[Any] = []
+        leaves, graphdef = _graph.flatten_graph(_Models(models), objects)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return None
+        packs = _one_device(leaves)
+        layout = Layout.of(leaves, None, _small if packs else _never)
+        shardings = () if packs else tuple(getattr(x, "sharding", None) for x in leaves)
+        key = _Key(graphdef, treedef, where, statics, named,
+                   tuple(_shape_of(x) for x in leaves), layout, packs, shardings)
+        buffers = _packer(layout)(leaves) if layout.dtypes else []
+        return _Entry(key, leaves, buffers, objects, Witness.of(objects))  # type: ignore[arg-type]
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        call = self._arguments(args, kwargs)
+        if call is None:
             # Inside a transformation (JAX would inline a nested jit): the
             # function runs as it is, under that transformation's rules.
             return self.fn(*args, **kwargs)
-        shapes = tuple(_shape_of(x) for x in (*leaves, *others))
-        key = _Key(graphdef, treedef, where, statics, named, shapes)
+        models, treedef, where, statics, named, others = call
+        cache_id = (treedef, where, statics, named, *[id(m) for m in models])
+        entry = self._entries.pop(cache_id, None)
+        if entry is None or entry.witness is None or not entry.witness.unchanged():
+            entry = self._flattened(models, treedef, where, statics, named)
+            if entry is None:
+                return self.fn(*args, **kwargs)
+        key = entry.key
+        shapes = tuple(_shape_of(x) for x in others)
+        loose = [entry.leaves[j] for j in key.loose]
         jitted = self._jitted
-        if self._kept_jitted is not None and others:
-            held_ids = {id(x) for x in leaves}
+        if self._kept_jitted is not None and others and loose:
+            held_ids = {id(x) for x in loose}
             if any(id(x) in held_ids for x in others):
                 jitted = self._kept_jitted
-        out, new_leaves = jitted(key, leaves, others)
-        new_graphdef, origin, rebound = self._after[key]
-        targets = [None if i is None else objects[i] for i in origin]
-        held = [None if obj is None else dict(obj.__dict__) for obj in targets]
-        _graph.rebuild_instances(new_graphdef, new_leaves, targets)
-        for k, (obj, before) in enumerate(zip(targets, held)):
-            if before:
-                d = obj.__dict__
-                for name, value in d.items():
-                    if name in before and (origin[k], name) not in rebound:
-                        d[name] = _kept(before[name], value)
+        if (key, shapes) in self._after:
+            out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
+        else:
+            with warnings.catch_warnings():
+                # (Where the call changes the models' structure, the old buffers
+                # cannot all be reused; donating them is this module's choice.)
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
+        after = self._after[(key, shapes)]
+        old = entry.leaves
+        it = iter(changed)
+        new_leaves = [next(it) if j is None else old[j] for j in after.sources]
+        if after.steady:
+            objs = entry.objects
+            for i, name, before in _graph.rewrite_attributes(
+                after.graphdef, new_leaves, objs, after.touched
+            ):
+                if (i, name) not in after.rebound:
+                    d = objs[i].__dict__
+                    d[name] = _kept(before, d[name])
+        else:
+            targets = [None if i is None else entry.objects[i] for i in after.origin]
+            held = [None if obj is None else dict(obj.__dict__) for obj in targets]
+            objs = _graph.rebuild_instances(after.graphdef, new_leaves, targets)
+            for k, (obj, before) in enumerate(zip(targets, held)):
+                if before:
+                    d = obj.__dict__
+                    for name, value in d.items():
+                        if name in before and (after.origin[k], name) not in after.rebound:
+                            d[name] = _kept(before[name], value)
+            objs = [objs[i] for i in after.fresh_objects]
+        fresh = [new_leaves[i] for i in after.fresh_leaves]
+        witness = Witness.of(objs)
+        if witness is not None:
+            if len(self._entries) >= _ENTRIES:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[cache_id] = _Entry(after.next_key, fresh, buffers, objs, witness)
         return out
 
-    def _pure(self, key: _Key, leaves: list[Any], others: list[Any]) -> tuple[Any, list[Any]]:
+    def _pure(
+        self, key_shapes: tuple, buffers: list[Any], loose: list[Any], others: list[Any]
+    ) -> tuple[Any, list[Any], list[Any]]:
         """The compiled program: ``fn`` on copies of the models, living in this trace."""
+        key = key_shapes[0]
+        leaves = key.layout.unpack(buffers, loose)
         copies = _graph.rebuild_instances(key.graphdef, leaves)
         home = current_trace()
         for obj in copies:
@@ -240,20 +388,132 @@ class Compiled(Generic[P, R]):
                     "call, or keep it in a model (a model passed in is updated in place).",
                 )
             )
+        # The models as the next call will find them.
+        fresh_objects: list[Any] = []
+        fresh_leaves, fresh_graphdef = _graph.flatten_graph(root, fresh_objects)
+        swap = _keep_layouts(key, fresh_leaves, fresh_graphdef) if key.shardings else {}
         # Every instance the call started with is written back, the ones the
         # function detached (a sub-model replaced: the caller may hold it) too.
         root.__dict__["detached"] = [c for c in copies if c is not root]
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
+        del root.__dict__["detached"]
+        if swap:
+            fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
+            new_leaves = [swap.get(id(x), x) for x in new_leaves]
         index = {id(obj): i for i, obj in enumerate(copies)}
+        origin = [index.get(id(obj)) for obj in objects]
         # The attributes the function rebound to another object: they are the
         # new one after the call, where one changed in place stays the same.
         rebound = frozenset(
             (i, name) for i, (obj, before) in enumerate(zip(copies, started))
             for name, value in obj.__dict__.items() if before.get(name, _UNSET) is not value
         )
-        self._after[key] = (new_graphdef, [index.get(id(obj)) for obj in objects], rebound)
-        return out, new_leaves
+        # Each new array: a packed one unchanged is the model's own (the
+        # caller's array, not donated); any other is an output.
+        packed_in = {id(x): j for j, x in enumerate(leaves) if key.layout.slots[j] is not None}
+        sources = [packed_in.get(id(x)) for x in new_leaves]
+        changed = [x for x, j in zip(new_leaves, sources) if j is None]
+        at = {id(x): i for i, x in enumerate(new_leaves)}
+        at_object = {id(obj): i for i, obj in enumerate(objects)}
+        next_layout = Layout.of(
+            [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak(x)) for x in fresh_leaves],
+            None, _small if key.packs else _never,
+        )
+        next_key = _Key(
+            fresh_graphdef, key.treedef, key.where, key.statics, key.named,
+            tuple(_shape_of(x) for x in fresh_leaves), next_layout, key.packs,
+            key.shardings if next_layout == key.layout and fresh_graphdef == key.graphdef
+            else (),
+        )
+        steady = (
+            next_key == key
+            and len(objects) == len(copies) == len(fresh_objects)
+            and all(a is b for a, b in zip(objects, copies))
+            and len(new_leaves) == len(fresh_leaves)
+        )
+        touched: list[tuple[int, int]] = []
+        if steady:
+            next_key = key
+            steps = _graph.leaf_attributes(key.graphdef)
+            names = [
+                {name: k for k, (name, *_) in enumerate(entries)}
+                for _, entries in key.graphdef.instances
+            ]
+            touched = sorted(
+                {steps[i] for i, j in enumerate(sources) if j != i}
+                | {(i, names[i][name]) for i, name in rebound if name in names[i]}
+            )
+        self._after[key_shapes] = _After(
+            graphdef=new_graphdef,
+            origin=origin,
+            rebound=rebound,
+            sources=sources,
+            next_key=next_key,
+            fresh_leaves=[at[id(x)] for x in fresh_leaves],
+            fresh_objects=[at_object[id(obj)] for obj in fresh_objects],
+            steady=steady,
+            touched=touched,
+        )
+        new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
+        return out, new_buffers, changed
+
+
+def _keep_layouts(key: _Key, leaves: list[Any], graphdef: Any) -> dict[int, Any]:
+    """Each new array of a sharded model constrained to the sharding its path
+    had when the call began (where its shape is the same), by the id of the
+    array: a model keeps its arrays' layouts across calls."""
+    before = {
+        name: (sharding, shape)
+        for name, sharding, shape in zip(key.graphdef.names, key.shardings, key.shapes)
+        if isinstance(sharding, jax.sharding.NamedSharding)
+    }
+    swap = {}
+    for name, x in zip(graphdef.names, leaves):
+        found = before.get(name)
+        if found is not None and found[1] == _shape_of(x):
+            swap[id(x)] = jax.lax.with_sharding_constraint(x, found[0])
+    return swap
+
+
+def _one_device(leaves: list[Any]) -> bool:
+    """Whether the arrays among ``leaves`` all live on one device (then the
+    small ones are packed; a sharded model keeps every array's layout)."""
+    found = None
+    for x in leaves:
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            continue
+        if found is None:
+            if len(sharding.device_set) != 1:
+                return False
+            found = sharding
+        elif type(sharding) is not type(found) or sharding != found:
+            return False
+    return True
+
+
+def _small(x: Any) -> bool:
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize <= _SMALL
+
+
+def _never(x: Any) -> bool:
+    return False
+
+
+def _weak(x: Any) -> bool:
+    aval = getattr(x, "aval", None)  # (a tracer's)
+    return bool(getattr(x if aval is None else aval, "weak_type", False))
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(layout: Layout) -> Callable[[list[Any]], list[Any]]:
+    """A compiled function packing a flatten's small arrays into ``layout``'s buffers."""
+    return jax.jit(lambda leaves: layout.pack(leaves)[0])
+
+
+# Models remembered per compiled function (the last ones called).
+_ENTRIES = 8
 
 
 def _kept(old: Any, new: Any) -> Any:

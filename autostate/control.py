@@ -46,6 +46,11 @@ An eager model (no handler running) has the states of the instances
 reachable from the function and operands handed to a temporary handler for
 the call (``_with_eager_states``), then written back as eager slots.
 
+A stack of layers (``autostate.stack``) registers here: code reaching it
+reaches its stacked model (``register_reached_through``), and a stack in a
+mapped argument of ``lax.scan``, ``lax.map`` or ``jax.vmap`` is its stacked
+model, so each step gets one layer (``register_stack_type``).
+
 This module knows the slot types of ``effects`` but nothing of source code.
 """
 
@@ -467,6 +472,61 @@ def register_own_value_slot(slot_type: type) -> None:
     _OWN_VALUE_SLOTS.add(slot_type)
 
 
+# Node types through which code reaches models it does not hold as attributes
+# (a stack's stacked model, the stacked model a layer's view slot reads): type ->
+# what it reaches. And the stack types: type -> its stacked model, which a
+# mapping transformation maps over (``autostate.stacks`` registers both).
+_REACHED_THROUGH: dict[type, Callable[[Any], list[Any]]] = {}
+_STACK_TYPES: dict[type, Callable[[Any], Any]] = {}
+
+
+def register_reached_through(node_type: type, reached: Callable[[Any], list[Any]]) -> None:
+    """Code that reaches a ``node_type`` node reaches ``reached(node)`` too: a lax
+    body's eager states include theirs."""
+    _REACHED_THROUGH[node_type] = reached
+
+
+def register_stack_type(stack_type: type, stacked: Callable[[Any], Any]) -> None:
+    """A ``stack_type`` node (a sequence of layers held as one stacked model) in a
+    mapped argument (``lax.scan``'s ``xs``, ``lax.map``'s, a ``jax.vmap`` argument
+    mapped on an axis) is its stacked model ``stacked(node)``: each step, each
+    example, gets one layer."""
+    _STACK_TYPES[stack_type] = stacked
+    _REACHED_THROUGH[stack_type] = lambda node: [stacked(node)]
+
+
+def _layers_mapped(tree: Any) -> Any:
+    """``tree`` (a mapped argument) with each stack in it, and in the lists,
+    tuples and dicts it holds, replaced by its stacked model; the same object
+    when it holds none."""
+    if not _STACK_TYPES:
+        return tree
+    t = type(tree)
+    stacked = _STACK_TYPES.get(t)
+    if stacked is not None:
+        return stacked(tree)
+    if t is tuple or t is list:
+        items = [_layers_mapped(v) for v in tree]
+        return tree if all(a is b for a, b in zip(items, tree)) else t(items)
+    if t is dict:
+        mapped = {k: _layers_mapped(v) for k, v in tree.items()}
+        return tree if all(mapped[k] is v for k, v in tree.items()) else mapped
+    return tree
+
+
+def _vmap_layers(in_axes: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``jax.vmap``'s arguments with the stacks of the mapped ones as their
+    stacked models (``_layers_mapped``); an argument with in_axes ``None`` keeps
+    its stack whole (every example iterates all of its layers)."""
+    if not _STACK_TYPES:
+        return args, kwargs
+    axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    if len(axes) != len(args):
+        return args, kwargs  # (jax.vmap says what does not match)
+    mapped = tuple(a if axis is None else _layers_mapped(a) for axis, a in zip(axes, args))
+    return mapped, _layers_mapped(kwargs)
+
+
 def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
     """Decorated instances reachable from a body: closures, bound methods,
     operands; the lists and dicts met on the way into ``containers``."""
@@ -509,6 +569,8 @@ def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
         items = obj
     elif isinstance(obj, dict):
         items = obj.values()
+    elif (through := _REACHED_THROUGH.get(type(obj))) is not None:
+        items = through(obj)
     else:
         return []
     holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
@@ -895,6 +957,7 @@ def scan(
         >>> print(cell.steps)
         5
     """
+    xs = _layers_mapped(xs)
     if _jit_disabled():
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
     options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
@@ -1131,6 +1194,7 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
         >>> print(autostate.map(total, jnp.arange(4.0)), total.sum)
         [0. 1. 3. 6.] 6.0
     """
+    xs = _layers_mapped(xs)
     if _jit_disabled():
         return lax.map(f, xs, **kwargs)
     return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs), "the function of a lax.map")
@@ -1434,11 +1498,11 @@ def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options
         (3,) [1 1 1]
     """
 
-    return _transformed(
-        fun,
-        "a jax.vmap",
-        lambda args, kwargs: _living_here(_vmap_call(fun, in_axes, out_axes, options, args, kwargs)),
-    )
+    def call(args: tuple, kwargs: dict) -> Any:
+        args, kwargs = _vmap_layers(in_axes, args, kwargs)
+        return _living_here(_vmap_call(fun, in_axes, out_axes, options, args, kwargs))
+
+    return _transformed(fun, "a jax.vmap", call)
 
 
 def _living_here(out: Any) -> Any:

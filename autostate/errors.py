@@ -158,6 +158,10 @@ class EscapedStateError(AutostateError, RuntimeError):
     """A state holds a tracer of a ``lax`` body that autostate did not thread."""
 
 
+class StackError(AutostateError, ValueError):
+    """Layers that cannot be one stack, or a layer of a stack asked what its slice cannot hold."""
+
+
 def user_location(tb: Any = None) -> str | None:
     """``file:line`` of the innermost frame of the user's code on the stack
     (or in the traceback ``tb`` of an exception that was raised).

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -225,6 +226,29 @@ def mapping_name(key: Any) -> str:
     return f"[{key!r}]"
 
 
+class PassKey:
+    """The keypath entry of a node that adds nothing to the names under it.
+
+    A stack (``autostate.stack``) holds one stacked model whose states and
+    parameters keep the names they would have in its place: ``blocks.w``,
+    not ``blocks.stacked.w``.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return "PassKey()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PassKey
+
+    def __hash__(self) -> int:
+        return hash(PassKey)
+
+
 def key_name(key: Any) -> str:
     """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
     if isinstance(key, jax.tree_util.GetAttrKey):
@@ -235,6 +259,8 @@ def key_name(key: Any) -> str:
         return mapping_name(key.key)
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
         return index_name(key.key)
+    if type(key) is PassKey:
+        return ""
     return mapping_name(key)
 
 
@@ -1189,6 +1215,121 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
     return same(root) and len(index) == len(instances) and graphdef.root == 0
 
 
+class Witness:
+    """What a set of instances held, by identity: ``unchanged()`` says whether
+    they still hold it, so that an earlier ``flatten_graph`` of them still stands.
+
+    The cheap, conservative sibling of ``graph_unchanged``: it compares
+    identities only (each instance's attributes, the lists, dicts and state
+    slots they hold, at any depth), builds no graphdef and flattens nothing,
+    and so costs one pass over the attributes. A value whose equality the
+    graphdef compares but whose identity cannot tell a change (a numpy
+    array, which changes in place; a mutable object with an ``__eq__`` of its
+    own; a foreign pytree node) makes ``of`` give ``None``: no witness, the
+    caller flattens again.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Layer:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        ...         self.sizes = [2]
+        >>> layer = Layer()
+        >>> witness = Witness.of([layer])
+        >>> witness.unchanged()
+        True
+        >>> layer.sizes.append(3)
+        >>> witness.unchanged()
+        False
+    """
+
+    __slots__ = ("dicts", "lists", "slots")
+
+    def __init__(self, dicts: list, lists: list, slots: list):
+        self.dicts = dicts  # (dict, its keys, its values)
+        self.lists = lists  # (list, its items)
+        self.slots = slots  # (state slot, its value)
+
+    @classmethod
+    def of(cls, objects: Sequence[Any]) -> Witness | None:
+        dicts: list[Any] = []
+        lists: list[Any] = []
+        slots: list[Any] = []
+
+        def held(value: Any) -> bool:
+            t = type(value)
+            if t in _PLAIN or t in STATEFUL_CLASSES:
+                return True  # (an instance is among ``objects``: witnessed on its own)
+            kind = kind_of(value)
+            if kind.static or kind.array:
+                return not kind.numpy  # (a numpy array changes in place)
+            if t is list:
+                lists.append((value, tuple(value)))
+                return all(held(v) for v in value)
+            if t is dict:
+                dicts.append((value, tuple(value), tuple(value.values())))
+                return all(held(v) for v in value.values())
+            if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
+                return all(held(v) for v in value)
+            if t in _WITNESSED_SLOTS:
+                if not _WITNESSED_SLOTS[t]:
+                    return True  # (immutable)
+                state = value.state
+                slots.append((value, state))
+                return held(state)
+            return _identity_is_value(t, value)
+
+        for obj in objects:
+            d = obj.__dict__
+            values = tuple(d.values())
+            dicts.append((d, tuple(d), values))
+            for v in values:
+                if not held(v):
+                    return None
+        return cls(dicts, lists, slots)
+
+    def unchanged(self) -> bool:
+        is_ = operator.is_
+        for d, keys, values in self.dicts:
+            if len(d) != len(keys) or not all(map(is_, d.values(), values)) or tuple(d) != keys:
+                return False
+        for lst, items in self.lists:
+            if len(lst) != len(items) or not all(map(is_, lst, items)):
+                return False
+        return all(slot.state is state for slot, state in self.slots)
+
+
+# Types a ``Witness`` takes as they are, first (immutable); an array's kind
+# says the same, one look-up later.
+_PLAIN: set[type] = {int, float, bool, str, type(None)}
+
+# Types a ``Witness`` knows, registered where they are defined (``register_witnessed``):
+# whether it compares their value (``.state``), or their identity is enough.
+_WITNESSED_SLOTS: dict[type, bool] = {}
+
+
+def register_witnessed(cls: type, holds_state: bool) -> None:
+    """Lets ``Witness`` see values of ``cls`` (state slots, wrappers):
+    ``holds_state``, they keep a value in ``.state`` that may change in
+    place; else they are immutable, and what they hold is witnessed apart."""
+    _WITNESSED_SLOTS[cls] = holds_state
+
+
+def _identity_is_value(t: type, value: Any) -> bool:
+    """Whether values of type ``t`` are static values the graphdef compares by
+    identity and holding no arrays: the default ``__eq__``, not a pytree node
+    (decided by the first value met, for the type)."""
+    found = _IDENTITY_IS_VALUE.get(t)
+    if found is None:
+        found = _IDENTITY_IS_VALUE[t] = t.__eq__ is object.__eq__ and (
+            jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+        )
+    return found
+
+
+_IDENTITY_IS_VALUE: dict[type, bool] = {}
+
+
 def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
     """Rebuilds the model graph of ``flatten_graph`` around new leaves."""
     return rebuild_instances(graphdef, leaves)[graphdef.root]
@@ -1258,27 +1399,65 @@ def rebuild_instances(
     for obj, (_, steps) in zip(objs, plan):
         d = obj.__dict__
         for name, how, what in steps:
-            if how == _LEAF:
-                d[name] = leaves[what]
-            elif how == _SHARED or how == _STATIC:
-                d[name] = what
-            elif how == _STATIC_COPY:
-                d[name] = copy_static(what, statics)
-            elif how == _BOUND:
-                d[name] = what.rebind(objs)
-            else:
-                treedef, parts = what
-                d[name] = treedef.unflatten(
-                    [
-                        (objs[-1 - p] if p < 0 else leaves[p])
-                        if type(p) is int
-                        else p.rebind(objs)
-                        if type(p) is _BoundRef
-                        else copy_static(p.value, statics)
-                        for p in parts
-                    ]
-                )
+            d[name] = _rebuilt(how, what, leaves, objs, statics)
     return objs
+
+
+def rewrite_attributes(
+    graphdef: GraphDef, leaves: list[Any], objs: list[Any], at: Sequence[tuple[int, int]]
+) -> list[tuple[Any, str, Any]]:
+    """Rebuilds only the attributes ``at`` (``(instance, attribute)`` indices in
+    ``graphdef``) of ``objs``, which already hold the rest of ``graphdef``.
+
+    Returns ``(instance index, name, old value)`` for each attribute rewritten.
+    """
+    plan = _rebuild_plan(graphdef)
+    statics: dict[int, Any] = {}
+    done = []
+    for i, k in at:
+        name, how, what = plan[i][1][k]
+        d = objs[i].__dict__
+        done.append((i, name, d.get(name)))
+        d[name] = _rebuilt(how, what, leaves, objs, statics)
+    return done
+
+
+def leaf_attributes(graphdef: GraphDef) -> list[tuple[int, int]]:
+    """Per leaf of ``graphdef``, the ``(instance, attribute)`` indices of the
+    first attribute holding it (what ``rewrite_attributes`` takes)."""
+    found: dict[int, tuple[int, int]] = {}
+    for i, (_, steps) in enumerate(_rebuild_plan(graphdef)):
+        for k, (_, how, what) in enumerate(steps):
+            if how == _LEAF:
+                found.setdefault(what, (i, k))
+            elif how == _GENERAL:
+                for p in what[1]:
+                    if type(p) is int and p >= 0:
+                        found.setdefault(p, (i, k))
+    return [found[j] for j in range(len(graphdef.names))]
+
+
+def _rebuilt(how: int, what: Any, leaves: list[Any], objs: list[Any], statics: dict) -> Any:
+    """One attribute's value, as the rebuild plan says."""
+    if how == _LEAF:
+        return leaves[what]
+    if how == _SHARED or how == _STATIC:
+        return what
+    if how == _STATIC_COPY:
+        return copy_static(what, statics)
+    if how == _BOUND:
+        return what.rebind(objs)
+    treedef, parts = what
+    return treedef.unflatten(
+        [
+            (objs[-1 - p] if p < 0 else leaves[p])
+            if type(p) is int
+            else p.rebind(objs)
+            if type(p) is _BoundRef
+            else copy_static(p.value, statics)
+            for p in parts
+        ]
+    )
 
 
 # --- the builtin kinds ----------------------------------------------------------

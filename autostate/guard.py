@@ -52,6 +52,7 @@ import contextlib
 import contextvars
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -86,6 +87,7 @@ __all__ = [
     "is_guarded",
     "lax_body_of",
     "refuse_submodel_swap",
+    "register_view",
     "traced_numbers",
 ]
 
@@ -476,6 +478,21 @@ def _same_entry(a: Any, b: Any) -> bool:
 # --- refusing as it happens: the setattr guard ------------------------------------
 
 
+# id -> the refusal of an attribute write, for objects that stand for another's
+# data (a layer of a stack, ``autostate.stacks``): a write to an attribute
+# that is not state would change the stand-in alone, where plain Python
+# changes the one object. Dropped when the object is.
+_VIEWS: dict[int, Callable[[Any, str], AutostateError]] = {}
+
+
+def register_view(obj: Any, refusal: Callable[[Any, str], AutostateError]) -> None:
+    """Refuses every write to an attribute of ``obj`` that is not state, with
+    ``refusal(obj, name)``, for as long as ``obj`` lives."""
+    key = id(obj)
+    _VIEWS[key] = refusal
+    weakref.finalize(obj, _VIEWS.pop, key, None)
+
+
 def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
     """The setattr guard: refuses a write to ``obj.name`` that cannot be a state write.
 
@@ -491,6 +508,8 @@ def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
     recorded (``errors.refused``): code that catches it has it raised again
     when the guarded call returns.
     """
+    if _VIEWS and id(obj) in _VIEWS and not _state_or_descriptor(obj, name):
+        raise refused(_VIEWS[id(obj)](obj, name))
     if not is_guarded(obj):
         if value is not _ABSENT:
             what = lax_body_of(obj)

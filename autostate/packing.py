@@ -49,7 +49,11 @@ class Layout:
         self._hash = hash((treedef, dtypes, slots))
 
     @classmethod
-    def of(cls, leaves: Sequence[Any], treedef: Any) -> Layout:
+    def of(
+        cls, leaves: Sequence[Any], treedef: Any, packable: Callable[[Any], bool] | None = None
+    ) -> Layout:
+        """The layout of ``leaves``; ``packable``, where given, says which arrays
+        may be packed (the others travel on their own)."""
         dtypes: list[Any] = []
         sizes: list[int] = []
         slots: list[tuple | None] = []
@@ -57,8 +61,9 @@ class Layout:
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
             if dtype is None or shape is None or jax.dtypes.issubdtype(
                 dtype, jax.dtypes.extended
-            ):
-                # Not an array (a Python number), or a typed PRNG key: on its own.
+            ) or (packable is not None and not packable(leaf)):
+                # Not an array (a Python number), a typed PRNG key, or one the
+                # caller keeps apart: on its own.
                 slots.append(None)
                 continue
             dtype = (np.dtype(dtype), bool(getattr(leaf, "weak_type", False)))

@@ -28,6 +28,7 @@ from autostate.effects import (
 )
 from autostate.functional import CONSTANT, ConstantRef
 from autostate.lifetime import InitialValue
+from autostate.stacks import LayerSlot, Stack
 from autostate.state_values import HandledStaticState, StaticState
 
 # --- labels -------------------------------------------------------------------------
@@ -65,6 +66,8 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
         return f"{head} static", slot.value
     if isinstance(slot, HandledStaticState):
         return f"{head} static, fixed in {slot.handler_id!r}", slot.value
+    if isinstance(slot, LayerSlot):
+        return f"{head} of layer {slot.index} of a stack", slot.read()
     if getattr(slot, "lost", None) is not None:  # (``control``'s: its body raised)
         return f"{head} with no value (assigned in a body that raised)", _NO_VALUE
     # Another engine's slot (the host fallback): its value lives elsewhere.
@@ -109,6 +112,10 @@ class _ReprWriter:
             return self.instance(value, path)
         if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
+        if t is Stack:  # (adds nothing to the names under it)
+            return _layout(
+                "Stack(", [f"depth={len(value)}", f"stacked={self.node(value.stacked, path)}"], ")"
+            )
         if _values.is_array_or_spec(value):
             return _tree.describe(value)
         if t is list or t is tuple:

@@ -8,6 +8,11 @@
 * ``param_dict`` / ``load_param_dict``: every other array leaf of the model,
   named by its path the same way (``blocks[0].w``); a sub-model reachable
   from two paths appears once, under its first path.
+* Stacks (``autostate.stack``): an entry of a stacked model is one array
+  with the layer axis under the stack's own path (``blocks.w``), or, with
+  ``per_layer=True``, one entry per layer (``blocks[0].w``, as a list of
+  layers names it). Loading takes either form, and a stacked entry loads
+  into a list of layers (``_fit_layers``).
 
 Loading never mutates the model it is given: everything is validated first,
 then a new model is built with ``freeze``. Checkpoint files (``checkpoint``)
@@ -16,6 +21,7 @@ and ``jax.export`` programs (``export``) are built on these dicts.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +31,7 @@ import numpy as np
 
 from autostate import api as _api
 from autostate import graph as _graph
+from autostate import stacks as _stacks
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
@@ -162,6 +169,127 @@ def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]
     return params, {k: _as_array(v, "state", k) for k, v in flat.items()}
 
 
+# --- stacks: per-layer names -------------------------------------------------------
+
+
+def _stacks_above(key: str, stacks: Mapping[str, int]) -> list[str]:
+    """The stack paths ``key`` lies under, outermost first."""
+    return sorted(
+        (
+            p
+            for p in stacks
+            if not p or key == p or key.startswith(p + ".") or key.startswith(p + "[")
+        ),
+        key=len,
+    )
+
+
+def _layer_key(key: str, prefixes: Sequence[str], index: Sequence[int]) -> str:
+    """``key`` with ``[i]`` after each stack path: ``blocks.w`` -> ``blocks[2].w``."""
+    for prefix, i in sorted(zip(prefixes, index), key=lambda pair: -len(pair[0])):
+        rest = key[len(prefix) :]
+        # (Under a stack at the root, an attribute's name gets its dot: ``[0].w``.)
+        dot = "." if not prefix and rest[:1] not in ("", "[", ".") else ""
+        key = key[: len(prefix)] + f"[{i}]" + dot + rest
+    return key
+
+
+def split_layers(flat: Mapping[str, Any], stacks: Mapping[str, int]) -> dict[str, Any]:
+    """``flat`` with each entry under a stack split into one entry per layer.
+
+    Example:
+        >>> from autostate.state_dicts import split_layers
+        >>> split_layers({"blocks.w": jnp.zeros((2, 3)), "head": jnp.ones(3)}, {"blocks": 2})
+        {'blocks[0].w': Array([0., 0., 0.], dtype=float32), 'blocks[1].w': Array([0., 0., 0.], dtype=float32), 'head': Array([1., 1., 1.], dtype=float32)}
+    """
+    if not stacks:
+        return dict(flat)
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        prefixes = _stacks_above(key, stacks)
+        if not prefixes:
+            out[key] = value
+            continue
+        for index in np.ndindex(*np.shape(value)[: len(prefixes)]):
+            out[_layer_key(key, prefixes, index)] = value[index]
+    return out
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _stacked_key(key: str, stacks: Mapping[str, int]) -> tuple[str, tuple[int, ...]] | None:
+    """``(stacked key, layer index)`` of a per-layer key (``blocks[2].w`` ->
+    ``("blocks.w", (2,))``), or ``None`` when ``key`` is under no stack."""
+    index: list[int] = []
+    for prefix in sorted(stacks, key=len):
+        if key.startswith(prefix + "["):
+            found = _INDEX.match(key, len(prefix))
+            if found is None:
+                return None
+            index.append(int(found.group(1)))
+            rest = key[found.end() :]
+            key = key[: len(prefix)] + (rest[1:] if not prefix and rest[:1] == "." else rest)
+    return (key, tuple(index)) if index else None
+
+
+def _stacked_values(values: list[Any], shape: tuple[int, ...]) -> Any:
+    stack = jax.numpy.stack if any(isinstance(v, jax.Array) for v in values) else np.stack
+    joined = stack(values)
+    return joined.reshape(shape + joined.shape[1:])
+
+
+def _fit_layers(
+    template: Mapping[str, Any], given: Mapping[str, Any], stacks: Mapping[str, int]
+) -> Mapping[str, Any]:
+    """``given`` with layer entries joined or split to the form of ``template``.
+
+    Per-layer entries (``blocks[0].w``, ``blocks[1].w``, ...) of a stack of
+    the model become its stacked entry (``blocks.w``) when every layer is
+    there; a stacked entry the model does not have (``blocks.w``) becomes the
+    per-layer entries it has (a list of layers: ``blocks[0].w``, ...) when
+    its layer axis matches their number. Anything else is left for the
+    report (missing, unexpected).
+    """
+    if all(key in template for key in given) and all(key in given for key in template):
+        return given
+    out = dict(given)
+    # Per-layer entries into a stack's stacked entry.
+    groups: dict[str, dict[tuple[int, ...], str]] = {}
+    for key in given:
+        if key in template or not stacks:
+            continue
+        parsed = _stacked_key(key, stacks)
+        if parsed is not None and parsed[0] in template and parsed[0] not in given:
+            stacked, index = parsed
+            if len(index) == len(_stacks_above(stacked, stacks)):
+                groups.setdefault(stacked, {})[index] = key
+    for stacked, keys in groups.items():
+        shape = tuple(np.shape(template[stacked])[: len(next(iter(keys)))])
+        wanted = list(np.ndindex(*shape))
+        if sorted(keys) == wanted:
+            out[stacked] = _stacked_values([given[keys[i]] for i in wanted], shape)
+            for key in keys.values():
+                del out[key]
+    # A stacked entry into the entries of a list of layers.
+    splits: dict[str, dict[int, str]] = {}
+    for key in template:
+        if key in given:
+            continue
+        for found in _INDEX.finditer(key):
+            stacked = key[: found.start()] + key[found.end() :]
+            if stacked in given and stacked not in template:
+                splits.setdefault(stacked, {})[int(found.group(1))] = key
+    for stacked, layer_keys in splits.items():
+        value = given[stacked]
+        depth = np.shape(value)[0] if np.ndim(value) else -1
+        if stacked in out and sorted(layer_keys) == list(range(depth)):
+            for i, key in layer_keys.items():
+                out[key] = value[i]
+            del out[stacked]
+    return out
+
+
 def require_dict(given: Any, caller: str, expected: str, fix: str) -> Mapping[str, Any]:
     """``given`` if it is a dict (any ``Mapping``); otherwise an error naming the user's line.
 
@@ -190,7 +318,7 @@ def _require_loadable(given: Any, kind: str, caller: str) -> Mapping[str, Any]:
 
 
 def state_dict(
-    model: Any, states: Mapping[str, Any] | PackedStates | None = None
+    model: Any, states: Mapping[str, Any] | PackedStates | None = None, *, per_layer: bool = False
 ) -> dict[str, Any]:
     """Every state of ``model`` as a flat ``{name: array}`` dict.
 
@@ -206,9 +334,15 @@ def state_dict(
             ``autostate.pack``.
         states: with ``f``, its states dict (``f`` holds no states itself);
             with ``pf``, its ``PackedStates``. It works inside a jitted step.
+        per_layer: a state of a stack (``autostate.stack``) as one entry per
+            layer, ``blocks[0].mean``, as a list of layers names it, instead
+            of one array with the layer axis, ``blocks.mean`` (the default,
+            the names ``functionalize()`` gives). A state given an explicit
+            name stays one entry.
 
     Returns:
-        A new dict; the arrays are the model's own (not copied).
+        A new dict; the arrays are the model's own (not copied), or their
+        slices with ``per_layer``.
 
     Raises:
         InvalidTypeError: ``f`` or ``pf`` without its states, or states with
@@ -232,7 +366,23 @@ def state_dict(
         >>> f, states = model.functionalize()
         >>> autostate.state_dict(f, states)  # the same, from functionalize()'s pair
         {'mean': Array([0.1, 0.1], dtype=float32)}
+        >>> norms = autostate.stack([Norm(2), Norm(2)])
+        >>> list(autostate.state_dict(norms)), list(autostate.state_dict(norms, per_layer=True))
+        (['mean'], ['[0].mean', '[1].mean'])
     """
+    flat = _state_dict(model, states)
+    return per_layer_of(model, flat) if per_layer else flat
+
+
+def per_layer_of(model: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` (a dict of ``model``'s) with the entries of its stacks per layer."""
+    if isinstance(model, PackedModel):
+        model = model.unpack()
+    body = model.model if isinstance(model, FunctionalModel) else model
+    return split_layers(flat, _stacks.stacks_in(body))
+
+
+def _state_dict(model: Any, states: Mapping[str, Any] | PackedStates | None) -> dict[str, Any]:
     if isinstance(model, PackedModel):
         if states is None:
             raise InvalidTypeError(
@@ -282,7 +432,7 @@ def state_dict(
     return flat_dicts(model, "state_dict")[1]
 
 
-def param_dict(model: Any) -> dict[str, Any]:
+def param_dict(model: Any, *, per_layer: bool = False) -> dict[str, Any]:
     """Every parameter (non-state array leaf) of ``model`` as ``{path: array}``.
 
     Paths are built as state names are: attributes joined by ``.``, ``[0]``
@@ -298,9 +448,13 @@ def param_dict(model: Any) -> dict[str, Any]:
             an EMA of the parameters needs no ``freeze``), or the ``pf`` of
             ``autostate.pack`` (the same names as its ``f``; the arrays are
             slices of the packed buffers).
+        per_layer: a parameter of a stack (``autostate.stack``) as one entry
+            per layer, ``blocks[0].w``, instead of one array with the layer
+            axis, ``blocks.w`` (the default).
 
     Returns:
-        A new dict; the arrays are the model's own (not copied).
+        A new dict; the arrays are the model's own (not copied), or their
+        slices with ``per_layer``.
 
     Examples:
         >>> @autostate.stateful
@@ -317,13 +471,18 @@ def param_dict(model: Any) -> dict[str, Any]:
         >>> f, states = model.functionalize()
         >>> list(autostate.param_dict(f))  # the same names, from f (what is trained)
         ['w', 'b']
+        >>> layers = autostate.stack([Linear(2, 3), Linear(2, 3)])
+        >>> list(autostate.param_dict(layers, per_layer=True))
+        ['[0].w', '[1].w', '[0].b', '[1].b']
     """
     if isinstance(model, PackedModel):
         model = model.unpack()
     if isinstance(model, FunctionalModel):
         leaves, graphdef = model._flattened()
-        return dict(zip(graphdef.names, leaves))
-    return flat_dicts(model, "param_dict")[0]
+        flat = dict(zip(graphdef.names, leaves))
+    else:
+        flat = flat_dicts(model, "param_dict")[0]
+    return per_layer_of(model, flat) if per_layer else flat
 
 
 # --- loading -----------------------------------------------------------------
@@ -447,11 +606,14 @@ def rebuild(
     report = _Report()
     param_leaves: dict[str, Any] = {}
     new_params: dict[str, Any] = {}
+    stacks = _stacks.stacks_in(f.model)
     if params is not None:
         param_leaves = _params(f.model)
+        params = _fit_layers(param_leaves, params, stacks)
         new_params = report.match("parameter", param_leaves, params)
     if states is not None:
         flat, layout = flatten_states(nested)
+        states = _fit_layers(flat, states, stacks)
         new_states = report.match("state", flat, states)
     if report:
         given = (

@@ -2,7 +2,8 @@
 
 ``f`` (the parameters), ``states`` (the running statistics) and the optax
 state are pytrees, so one orbax checkpoint holds all three. The script trains
-the tutorial classifier (``tutorial_train.py``), saving every few steps with
+the tutorial classifier (``tutorial_train.py``) on the layer beneath the
+model object, ``f, states = model.functionalize()``, saving every few steps with
 ``CheckpointManager``; then it builds the model under ``jax.eval_shape`` (an
 abstract target: shapes and dtypes only, nothing allocated), restores the
 latest step into it and finishes training. The resumed run must end exactly where an
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from tutorial_train import Classifier, load_data, loss_fn, make_optimizer
+from tutorial_train import Classifier, cross_entropy, load_data, make_optimizer
 
 import autostate
 
@@ -32,6 +33,12 @@ def batches(x, y, steps, first):
     for step in range(first, first + steps):
         idx = np.random.default_rng(step).choice(len(x), BATCH, replace=False)
         yield step + 1, x[idx], y[idx]
+
+
+def loss_fn(f, states, x, y):
+    """The first tutorial's loss on ``f``: the new states come back with it."""
+    logits, states = f(states, x)  # training mode: batch statistics, states updated
+    return cross_entropy(logits, y), states
 
 
 def make_train_step(optimizer):
@@ -70,7 +77,7 @@ def main() -> None:
     half = args.steps // 2
 
     f, states = Classifier(jax.random.key(0)).functionalize()
-    optimizer = make_optimizer(f)
+    optimizer = make_optimizer()
     opt_state = optimizer.init(f)
     train_step = make_train_step(optimizer)
 

@@ -2,18 +2,17 @@
 
 A small classifier for scikit-learn's bundled 8x8 digits (no download), written
 as a plain Python class of ``autostate.nn`` layers, PyTorch's way:
-``BatchNorm1d`` updates its running mean and variance in ``__call__``. The
-steps:
+``BatchNorm1d`` updates its running mean and variance in ``__call__``. One
+model object, from start to finish:
 
 1. write the model and call it eagerly, like PyTorch;
-2. ``f, states = model.functionalize()``: ``f`` is a pytree of the parameters,
-   ``states`` a dict of the running statistics;
-3. train with ``optax.adamw``, weight decay masked by path (Linear weights
-   only, not biases or BatchNorm scales);
-4. evaluate under ``jit`` with the running statistics: ``model.eval()``, as
-   in PyTorch, and from a trained ``f``:
-   ``autostate.freeze(f, states).eval().functionalize()``;
-5. ``autostate.freeze(f, states)`` gives the trained model back as an object.
+2. a training step compiled with ``autostate.jit``: ``autostate.value_and_grad``
+   of the loss and ``autostate.Optimizer(model, optax.adamw(...))``, weight
+   decay masked by path (Linear weights only, not biases or BatchNorm scales),
+   update the model in place;
+3. ``model.train()`` / ``model.eval()`` between epochs, as in PyTorch: the
+   evaluation runs on the same object with the running statistics;
+4. ``autostate.save`` / ``autostate.load`` the trained model.
 
 Run: ``python examples/tutorial_train.py`` (``--smoke`` for a short run).
 """
@@ -21,6 +20,8 @@ Run: ``python examples/tutorial_train.py`` (``--smoke`` for a short run).
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -50,39 +51,48 @@ class Classifier(autostate.Stateful):
         return self.head(jax.nn.relu(self.norm(self.hidden(x))))
 
 
-# --- 2. Pure functions of (f, states) ----------------------------------------------
-def loss_fn(f, states, x, y):
-    logits, states = f(states, x)  # training mode: batch statistics, states updated
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), states
+# --- 2. The loss, the optimizer, the compiled steps ------------------------------
+def cross_entropy(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def weight_decay_mask(f):
-    """True for the Linear weights: paths ending in ``.weight`` with two axes.
+def loss_fn(model, x, y):
+    return cross_entropy(model(x), y)  # in training mode the running statistics move
+
+
+def decays(path: str, leaf) -> bool:
+    """Weight decay on the Linear weights: paths ending in ``.weight`` with two axes.
 
     BatchNorm's scale is a ``.weight`` too, with one axis: no decay on it.
     """
+    return path.endswith(".weight") and leaf.ndim == 2
+
+
+def weight_decay_mask(params):
+    """optax's mask: a tree of booleans shaped like the parameters it is given."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jax.tree_util.keystr(path).endswith(".weight") and leaf.ndim == 2, f
+        lambda path, leaf: decays(jax.tree_util.keystr(path), leaf), params
     )
 
 
-def make_optimizer(f, learning_rate=3e-3):
-    return optax.adamw(learning_rate, weight_decay=1e-2, mask=weight_decay_mask(f))
+def make_optimizer(learning_rate=3e-3):
+    return optax.adamw(learning_rate, weight_decay=1e-2, mask=weight_decay_mask)
 
 
-@jax.jit
-def predict(f, states, x):
-    return f(states, x)[0].argmax(-1)
+@autostate.jit
+def train_step(model, opt, x, y):
+    loss, grads = autostate.value_and_grad(loss_fn)(model, x, y)  # grads.head.weight, ...
+    opt.update(grads)  # the model's parameters change in place
+    return loss
 
 
-def accuracy(f, states, x, y):
-    """Test accuracy in evaluation mode: the running statistics, not updated.
+@autostate.jit
+def predict(model, x):
+    return model(x).argmax(-1)
 
-    ``training`` is static, part of ``f``'s structure: the evaluation ``f`` is
-    made from the trained values, and ``predict`` compiles once per mode.
-    """
-    f_eval, states = autostate.freeze(f, states).eval().functionalize()
-    return float(jnp.mean(predict(f_eval, states, x) == y))
+
+def accuracy(model, x, y):
+    return float(jnp.mean(predict(model, x) == y))
 
 
 def load_data(seed):
@@ -106,42 +116,35 @@ def main() -> None:
     model = Classifier(jax.random.key(0))
     model(x_train[:8])  # eager, plain Python: the running mean moves in place
     print(f"eager call moved the running mean: {bool(jnp.any(model.norm.running_mean != 0))}")
+    print("states:", sorted(autostate.state_dict(model)))
+    params = autostate.param_dict(model)
+    print("parameters:", sorted(params))
+    print("weight decay on:", [name for name, leaf in params.items() if decays(name, leaf)])
 
-    f, states = model.functionalize()
-    print("states:", sorted(states))
-    print("parameters:", sorted(autostate.param_dict(model)))
-    mask = weight_decay_mask(f)
-    leaves = jax.tree_util.tree_flatten_with_path(mask)[0]
-    print("weight decay on:", [jax.tree_util.keystr(path) for path, decay in leaves if decay])
-
-    optimizer = make_optimizer(f)
-    opt_state = optimizer.init(f)  # f is a pytree: optax takes it as it is
-
-    @jax.jit
-    def train_step(f, states, opt_state, x, y):
-        (loss, states), grads = jax.value_and_grad(loss_fn, has_aux=True)(f, states, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, f)
-        return optax.apply_updates(f, updates), states, opt_state, loss
-
+    opt = autostate.Optimizer(model, make_optimizer())
+    norm = model.norm
     rng = np.random.default_rng(0)
-    before = acc = accuracy(f, states, x_test, y_test)
+    before = acc = accuracy(model.eval(), x_test, y_test)
     for epoch in range(1, args.epochs + 1):
+        model.train()  # batch statistics; the running ones move
         order = rng.permutation(len(x_train))
         losses = []
         for i in range(len(x_train) // args.batch_size):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            f, states, opt_state, loss = train_step(f, states, opt_state, x_train[idx], y_train[idx])
-            losses.append(float(loss))
-        acc = accuracy(f, states, x_test, y_test)
+            losses.append(float(train_step(model, opt, x_train[idx], y_train[idx])))
+        model.eval()  # the running statistics, not updated
+        acc = accuracy(model, x_test, y_test)
         print(f"epoch {epoch}  loss {np.mean(losses):.4f}  test accuracy {acc:.1%}")
     assert acc > max(before, 0.8), (before, acc)
+    print(f"steps: {int(opt.step)}, the same sub-models: {model.norm is norm}")
 
-    # Training returned new f and states; the model object it started from is unchanged.
-    trained = autostate.freeze(f, states)
-    print(f"original model unchanged: {bool(jnp.all(model.head.weight != trained.head.weight))}")
-    trained.eval()  # PyTorch's idiom: every sub-model now uses its running statistics
-    eager = float(np.mean(np.asarray(trained(x_test)).argmax(-1) == y_test))
-    print(f"frozen {type(trained).__name__}, called eagerly: test accuracy {eager:.1%}")
+    # --- 3. Save the trained model, load it into a fresh one ------------------------
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "classifier.npz"
+        autostate.save(path, model)  # parameters and states; the path comes first
+        loaded = autostate.load(path, like=Classifier(jax.random.key(1))).eval()
+    eager = float(np.mean(np.asarray(loaded(x_test)).argmax(-1) == y_test))
+    print(f"loaded {type(loaded).__name__}, called eagerly: test accuracy {eager:.1%}")
     assert abs(eager - acc) < 1e-6
     print("ok")
 

@@ -247,6 +247,57 @@ def dp_tp_step_equals_single_device():
     assert len(s8["blocks[0].norm.mean"].addressable_shards) == 8
 
 
+@check
+def compiled_step_keeps_each_arrays_layout():
+    # autostate.jit on a sharded model object: the numbers of the f path, and
+    # every array keeps the layout its annotation gave it, call after call.
+    import optax
+
+    mesh = mesh_2x4()
+    init, _, _ = sharded_init(mesh)
+    model = autostate.freeze(*init(jax.random.key(0)))
+    f1, s1 = example.Transformer(jax.random.key(0), CFG).functionalize()
+    single = jax.jit(lambda f, s, x, y: example.train_step(f, s, x, y, CFG.lr))
+
+    def loss_of(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    @autostate.jit
+    def step(opt, x, y):
+        loss, grads = autostate.value_and_grad(loss_of)(opt.model, x, y)
+        opt.update(grads)
+        return loss
+
+    def arrays(m):
+        return {**autostate.param_dict(m), **autostate.state_dict(m)}
+
+    placed = {name: x.sharding for name, x in arrays(model).items()}
+    assert any(len(sh.device_set) == 8 for sh in placed.values())
+    opt = autostate.Optimizer(model, optax.sgd(CFG.lr))
+    for i, (x, y) in enumerate(example.batches(CFG, 3)):
+        loss1, _, f1, s1 = single(f1, s1, x, y)
+        assert_close(step(opt, x, y), loss1, f"loss, step {i}")
+        assert_close(model.functionalize(), (f1, s1), f"model after step {i}")
+        for name, x8 in arrays(model).items():
+            assert x8.sharding.is_equivalent_to(placed[name], x8.ndim), (i, name, x8.sharding)
+    # A donated decode step on a sharded cache: in place, in its layout.
+    cfg = bench_donation.DecodeConfig(batch=8, max_len=256, heads=4, head_dim=16, tokens=4)
+    f, states = bench_donation.CachedAttention(jax.random.key(0), cfg).functionalize()
+    shardings = autostate.shardings(f, states, mesh, rules={"batch": "data", "heads": "model"})
+    decoder = autostate.freeze(*jax.device_put((f, states), shardings))
+    decode = autostate.jit(lambda m, x: m(x))
+    x = jnp.ones((cfg.batch, cfg.d))
+    for _ in range(3):
+        old = decoder.k_cache
+        pointers = [s.data.unsafe_buffer_pointer() for s in old.addressable_shards]
+        x = decode(decoder, x)
+        assert old.is_deleted()
+        new = decoder.k_cache
+        assert [s.data.unsafe_buffer_pointer() for s in new.addressable_shards] == pointers
+        assert new.sharding.is_equivalent_to(shardings[1]["k_cache"], new.ndim), new.sharding
+    assert int(decoder.pos) == 3
+
+
 # --- item 4: cross-device statistics ---------------------------------------------------
 
 

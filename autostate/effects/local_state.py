@@ -397,6 +397,8 @@ jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
 )
 _graph.register_node_kind(FrozenLocalStateRequest, model_child=True)
+_graph.register_witnessed(FrozenLocalStateRequest, holds_state=True)
+_graph.register_witnessed(InitialLocalStateRequest, holds_state=False)
 # ``InitialLocalStateRequest``'s node kind (a fresh model's state seen as it
 # will be after its first write) is registered by ``autostate.lifetime``,
 # which makes those initial values.

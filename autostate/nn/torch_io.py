@@ -22,6 +22,10 @@ and loads through ``state_dicts.rebuild``, so every check and conversion of
   array when its values fit.
 * Random keys (a ``Dropout``'s key state) are in no PyTorch ``state_dict``:
   they are neither written nor expected, and keep the model's values.
+* Stacks (``autostate.stack``): PyTorch keeps layers in a ``ModuleList``,
+  so an array of a stack is one entry per layer, the layer's index after the
+  stack's path (``blocks.0.weight``), written and loaded as a slice of the
+  stacked array.
 
 Nothing here imports torch; a tensor is read through its ``numpy()``.
 """
@@ -40,6 +44,7 @@ import jax
 import numpy as np
 
 from autostate import graph as _graph
+from autostate import stacks as _stacks
 from autostate import state_dicts as _state_dicts
 from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
@@ -59,7 +64,9 @@ class _Entry:
     ``kind`` is ``"parameter"`` or ``"state"``, ``key`` its name in
     ``param_dict``/``state_dict`` (several entries share a key when the
     array is reachable from several paths); ``first`` marks the entry of
-    the first path PyTorch names it by.
+    the first path PyTorch names it by. Under a stack, ``layer`` is the
+    index of the layer (one per stack it is under) and ``template`` that
+    layer's slice.
     """
 
     name: str
@@ -67,6 +74,7 @@ class _Entry:
     key: str
     template: Any
     first: bool
+    layer: tuple[int, ...] = ()
 
 
 def _is_target(x: Any) -> bool:
@@ -75,8 +83,10 @@ def _is_target(x: Any) -> bool:
 
 def _paths(
     node: Any, caller: str, ancestors: tuple[int, ...] = ()
-) -> Iterator[tuple[list[str], Any]]:
-    """Every path (as PyTorch name parts) to every array and state of ``node``.
+) -> Iterator[tuple[list[str], Any, tuple[int, ...]]]:
+    """Every path (as PyTorch name parts) to every array and state of ``node``,
+    with the positions in the parts where the index of a layer goes (one per
+    stack the path goes through, outermost first).
 
     ``tree.iter_tree`` walks one instance's own attributes, yielding each
     target on every path and stopping at sub-models; each sub-model is
@@ -87,7 +97,9 @@ def _paths(
     """
 
     def is_target(x: Any) -> bool:
-        return x is not node and (_is_target(x) or _graph.is_stateful_instance(x))
+        return x is not node and (
+            _is_target(x) or _graph.is_stateful_instance(x) or _stacks.is_stack(x)
+        )
 
     skip = getattr(type(node), "_torch_children", None)
     # States a class names in ``_torch_not_persistent`` (a KV cache, a carried
@@ -101,11 +113,14 @@ def _paths(
             continue
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
-        if not _graph.is_stateful_instance(value):
-            yield parts, value
+        if _stacks.is_stack(value):
+            for sub, leaf, at in _paths(value.stacked, caller, (*ancestors, id(node))):
+                yield parts + sub, leaf, (len(parts), *(len(parts) + a for a in at))
+        elif not _graph.is_stateful_instance(value):
+            yield parts, value, ()
         elif id(value) not in ancestors:
-            for sub, leaf in _paths(value, caller, (*ancestors, id(node))):
-                yield parts + sub, leaf
+            for sub, leaf, at in _paths(value, caller, (*ancestors, id(node))):
+                yield parts + sub, leaf, tuple(len(parts) + a for a in at)
 
 
 def _torch_parts(path: str, caller: str) -> list[str]:
@@ -142,9 +157,14 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
     flat, layout = _state_dicts.flatten_states(states)
     state_keys = {name: [k for k in keys if k in flat] for name, _, keys, _ in layout}
     entries: list[_Entry] = []
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, tuple[int, ...]]] = set()
     by_name: dict[str, str] = {}
-    for parts, value in _paths(f.model, caller):
+    # PyTorch lists a ModuleList layer by layer: the entries of a stack are
+    # ordered by layer, then as the model's attributes are (``order``).
+    order: list[tuple[int, tuple[int, ...], int]] = []
+    first_of_stack: dict[tuple[str, ...], int] = {}
+    for parts, value, at in _paths(f.model, caller):
+        run = first_of_stack.setdefault(tuple(parts[: at[0]]), len(order)) if at else len(order)
         if _values.is_array(value):
             key = param_key[id(value)]
             found = [("parameter", key, "", value)]
@@ -154,23 +174,30 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
                 for key in state_keys[value.name]
                 if not _is_key(flat[key])
             ]
-        for kind, key, suffix, template in found:
-            name = ".".join(parts + _torch_parts(suffix, caller))
-            if name in by_name:
-                if by_name[name] == key:
-                    continue
-                raise StateDictError(
-                    format_error(
-                        f"autostate.{caller}: {by_name[name]!r} and {key!r} both have the PyTorch "
-                        f"name {name!r}.",
-                        fix="give them paths that differ once written with dots (dict keys 1 "
-                        "and '1' in one dict collide); see docs/limitations.md.",
+        for kind, key, suffix, whole in found:
+            for layer in np.ndindex(*np.shape(whole)[: len(at)]):
+                here = parts + _torch_parts(suffix, caller)
+                for position, i in sorted(zip(at, layer), reverse=True):
+                    here.insert(position, str(i))
+                name = ".".join(here)
+                template = whole[layer] if layer else whole
+                if name in by_name:
+                    if by_name[name] == key:
+                        continue
+                    raise StateDictError(
+                        format_error(
+                            f"autostate.{caller}: {by_name[name]!r} and {key!r} both have the "
+                            f"PyTorch name {name!r}.",
+                            fix="give them paths that differ once written with dots (dict keys "
+                            "1 and '1' in one dict collide); see docs/limitations.md.",
+                        )
                     )
-                )
-            by_name[name] = key
-            first = (kind, key) not in seen
-            seen.add((kind, key))
-            entries.append(_Entry(name, kind, key, template, first))
+                by_name[name] = key
+                first = (kind, key, layer) not in seen
+                seen.add((kind, key, layer))
+                order.append((run, layer[:1], len(order)))
+                entries.append(_Entry(name, kind, key, template, first, layer))
+    entries = [entries[i] for *_, i in sorted(order)]
     return entries, params, flat
 
 
@@ -305,7 +332,8 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
     entries, all_params, all_states = _entries(model, _CALLER)
     by_name = {e.name: e for e in entries}
     report = _TorchReport()
-    chosen: dict[tuple[str, str], tuple[str, Any]] = {}  # (kind, key) -> (name, value)
+    # (kind, key, layer) -> (name, value)
+    chosen: dict[tuple[str, str, tuple[int, ...]], tuple[str, Any]] = {}
     for name, given in state_dict.items():
         entry = by_name.get(name)
         if entry is None:
@@ -314,7 +342,7 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
         value = _fitted(entry, _as_array(given, name), report)
         if value is None:
             continue
-        slot = (entry.kind, entry.key)
+        slot = (entry.kind, entry.key, entry.layer)
         if slot in chosen:
             other, before = chosen[slot]
             if not np.array_equal(np.asarray(before), np.asarray(value)):
@@ -329,9 +357,9 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
                 )
             continue
         chosen[slot] = (name, value)
-    listed = {(e.kind, e.key) for e in entries if e.name in state_dict}
+    listed = {(e.kind, e.key, e.layer) for e in entries if e.name in state_dict}
     report.missing = [
-        (e.kind, e.name) for e in entries if e.first and (e.kind, e.key) not in listed
+        (e.kind, e.name) for e in entries if e.first and (e.kind, e.key, e.layer) not in listed
     ]
     if report:
         what = f"autostate.{_CALLER}: the state_dict does not fit {type(model).__name__}"
@@ -356,8 +384,9 @@ def load_torch_state_dict(model: Any, state_dict: Mapping[str, Any], strict: boo
         )
     # What is not loaded keeps the model's values: rebuild sees complete dicts.
     params, states = dict(all_params), dict(all_states)
-    for (kind, key), (_, value) in chosen.items():
-        (params if kind == "parameter" else states)[key] = value
+    for (kind, key, layer), (_, value) in chosen.items():
+        into = params if kind == "parameter" else states
+        into[key] = _with_layer(into[key], layer, value) if layer else value
     return _state_dicts.rebuild(
         model, params, states, strict=True, caller=_CALLER, error=StateDictError
     )
@@ -393,6 +422,15 @@ class _TorchReport:
                 f"  shape/dtype mismatches ({len(self.mismatched)}): " + ", ".join(self.details)
             )
         return out
+
+
+def _with_layer(whole: Any, layer: tuple[int, ...], value: Any) -> Any:
+    """A stacked array with one layer's slice replaced (a new array)."""
+    if isinstance(whole, jax.Array):
+        return whole.at[layer].set(value)
+    whole = np.array(whole, copy=True)
+    whole[layer] = np.asarray(value)
+    return whole
 
 
 def _as_array(value: Any, name: str) -> Any:

@@ -87,6 +87,22 @@ class MLP:
         return x
 
 
+@autostate.stateful
+class StackedMLP:
+    """Equal blocks held as one stack (``autostate.stack``), run by a Python loop."""
+
+    def __init__(self, key, width, depth, stacked=True):
+        blocks = [Block(k, width, width) for k in jax.random.split(key, depth)]
+        self.blocks = autostate.stack(blocks) if stacked else blocks
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x, *, train=None):
+        self.steps += 1
+        for block in self.blocks:
+            x = x + block(x, train=train)
+        return x
+
+
 def set_training(model, flag):
     """A helper outside the class that flips every BatchNorm's (static) flag."""
     for block in model.blocks:

@@ -283,6 +283,8 @@ def snapshot(obj: Any, depth: int = 0) -> Any:
     """Every attribute of a (plain or decorated) model, read with getattr."""
     if depth > 6:
         return "<deep>"
+    if isinstance(obj, autostate.Stack):  # (its plain reference: the list of its layers)
+        return [snapshot(layer, depth + 1) for layer in obj]
     if isinstance(obj, list | tuple):
         return type(obj)(snapshot(v, depth + 1) for v in obj) if not hasattr(obj, "_fields") else (
             tuple(snapshot(v, depth + 1) for v in obj)
@@ -352,8 +354,29 @@ def _fcall(f: Any, name: str) -> Callable[..., Any]:
     return f if name == "__call__" else getattr(f, name)
 
 
-def plain_path(model: Any, key: str) -> Any:
-    return eval("m." + key if not key.startswith("[") else "m" + key, {"m": model})  # noqa: S307
+_PATH_STEP = re.compile(r"\.?([^\W\d]\w*)|\[(-?\d+)\]|\[('(?:[^'\\]|\\.)*')\]")
+
+
+def plain_path(model: Any, key: str, at: int = 0) -> Any:
+    """The value a state name (``blocks[0].bn.mean``) names in a plain model. A
+    name through a stack (``blocks.mean``, ``autostate.stack``) meets the plain
+    reference's list of layers: the value is the layers' values, stacked."""
+    obj = model
+    while at < len(key):
+        step = _PATH_STEP.match(key, at)
+        if step is None:  # (a key only Python reads: a tuple, a float, a double-quoted str)
+            rest = key[at:] if key[at] in ".[" else "." + key[at:]
+            return eval("m" + rest, {"m": obj})  # noqa: S307
+        attr, index, item = step.groups()
+        if attr is not None and isinstance(obj, list):
+            values = [plain_path(layer, key, at) for layer in obj]
+            return jax.tree_util.tree_map(lambda *v: jnp.stack(v), *values)
+        if attr is not None:
+            obj = getattr(obj, attr)
+        else:
+            obj = obj[int(index)] if index is not None else obj[eval(item)]  # noqa: S307
+        at = step.end()
+    return obj
 
 
 def check(

@@ -12425,3 +12425,100 @@ class ListEnsemble:
             h = jnp.tanh(h + m(h + m(h)))
         return h
 """
+
+
+# A stack of layers (``autostate.stack``) iterated by Python loops (and scanned
+# over: each step one layer): each layer a view reading and writing its slice
+# of the stacked states. The plain reference is the same source with
+# ``autostate.stack(`` read as ``list(`` (the layers built one by one in a
+# list) and the scan as the loop over them.
+STACK_LOOP = """
+@DECORATE
+class Block:
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.w = jax.random.normal(k1, (3,))
+        self.mean = jnp.zeros(3)
+        self.calls = jnp.zeros((), jnp.int32)
+        self.key = k2
+        self.cache = {"last": jnp.zeros(3)}
+        self.act = "tanh"
+
+    def __call__(self, x):
+        self.key, sub = jax.random.split(self.key)
+        keep = jax.random.bernoulli(sub, 0.8, jnp.shape(x))  # each layer its own mask
+        self.mean = 0.9 * self.mean + 0.1 * x
+        self.calls += 1
+        self.cache["last"] = x
+        y = jnp.tanh(x * self.w) * keep + self.mean
+        return lax.cond(y.sum() > 0, lambda: y, lambda: -y)
+
+    def bump(self, by):
+        self.calls += by
+        return self.calls
+
+
+def block_keys(n):
+    return jax.random.split(jax.random.key(0), n)
+
+
+def scale_layers(blocks, by):  # a helper outside any class
+    for block in blocks:
+        block.mean = block.mean * by
+        block.calls += 1
+
+
+@DECORATE
+class Net:
+    def __init__(self, n):
+        self.blocks = autostate.stack([Block(k) for k in block_keys(n)])
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.steps += 1
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def counted(self, x):
+        outs = []
+        for i, block in enumerate(self.blocks):
+            outs.append(block(x * (i + 1)))
+        return jnp.stack(outs) + len(self.blocks)
+
+    def zipped(self, xs):
+        return jnp.stack([block(x) for block, x in zip(self.blocks, xs)])
+
+    def backwards(self, x):
+        for block in reversed(self.blocks):
+            x = block(x)
+        return x
+
+    def indexed(self, x):
+        return self.blocks[-1](self.blocks[0](x)) + self.blocks[1].bump(2)
+
+    def sliced(self, x):
+        for block in self.blocks[1:]:
+            x = block(x)
+        return x
+
+    def written(self, x):
+        for block in self.blocks:
+            block.mean = block.mean + x  # a layer's state assigned from outside its class
+            block.cache = {"last": block.cache["last"] - x}
+        scale_layers(self.blocks, 0.5)
+        return self.blocks[0].mean.sum() + self.blocks[2].calls
+
+    def repeated(self, x):
+        return lax.fori_loop(0, 2, lambda i, x: self(x), x)
+
+    def scanned(self, x):
+        return lax.scan(lambda x, block: (block(x), None), x, self.blocks)[0]
+
+    def taken(self, x):
+        layers = list(self.blocks)  # layers kept, then used
+        first = layers[0]
+        for block in layers:
+            x = block(x)
+        return x + first.mean
+"""

@@ -35,6 +35,7 @@ from autostate import errors
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
+    StackError,
     StateAccessError,
     StaticStateError,
     TracedEagerStateError,
@@ -100,6 +101,7 @@ from semantics.programs import (
     RNG,
     RNN,
     STACK,
+    STACK_LOOP,
     STACKED,
     STACKED_MEMBERS,
     TRAIN_XS,
@@ -4254,6 +4256,168 @@ def test_a_state_lost_in_a_map_over_a_stack_is_said_at_the_next_call(write_modul
         with pytest.raises(ControlFlowStateError, match="has no value"):
             call()
     assert "'members.calls' category='state' with no value" in repr(model)
+
+
+# --- a Python loop over a stack (autostate.stack) ----------------------------------------
+# ``for block in self.blocks`` over ``autostate.stack([...])``: each layer a view
+# whose states are its slices of the stacked states (a key, statistics, a counter,
+# a dict; a lax.cond inside), read and written as the layers of a list are, by
+# the layer's methods and by code outside its class; ``enumerate``, ``zip``,
+# ``reversed``, ``len``, indexing and slicing as for the list; ``lax.scan`` over
+# the stack gives each step one layer, as the loop does. The reference is the
+# same source with the list itself.
+
+STACK_LOOP_PLAIN = [
+    ("autostate.stack(", "list("),
+    (
+        "lax.scan(lambda x, block: (block(x), None), x, self.blocks)[0]",
+        "functools.reduce(lambda x, block: block(x), self.blocks, x)",
+    ),
+]
+_SX = jnp.array([0.5, -1.0, 2.0])
+STACK_LOOP_CALLS: dict[str, Any] = {
+    "__call__": _SX,
+    "counted": _SX,
+    "zipped": jnp.stack([_SX, -_SX, 2 * _SX]),
+    "backwards": _SX,
+    "indexed": _SX,
+    "sliced": _SX,
+    "written": _SX,
+    "repeated": _SX,
+    "taken": _SX,
+    "scanned": _SX,
+}
+
+
+@pytest.mark.parametrize("method", sorted(STACK_LOOP_CALLS))
+def test_a_loop_over_a_stack_is_the_loop_over_the_list_of_layers(
+    write_module: Loader, method: str
+) -> None:
+    plain, dec = pair(write_module, STACK_LOOP, plain_subs=STACK_LOOP_PLAIN)
+    arg = STACK_LOOP_CALLS[method]
+    check(plain, dec, "Net(3)", [(method, (arg,)), (method, (-arg,))])
+
+
+def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader) -> None:
+    # grad of f: the stacked parameters' gradient is each layer's gradient, stacked,
+    # and the states the forward pass writes come back with their primal values.
+    plain, dec = pair(write_module, STACK_LOOP, plain_subs=STACK_LOOP_PLAIN)
+
+    def plain_loss(ws: Any) -> Any:
+        ref = plain.Net(3)
+        for block, w in zip(ref.blocks, ws, strict=True):
+            block.w = w
+        return (ref(_SX) ** 2).sum(), ref
+
+    ws = [block.w for block in plain.Net(3).blocks]
+    expected = jnp.stack(jax.grad(lambda ws: plain_loss(ws)[0])(ws))
+    ref = plain_loss(ws)[1]
+    f, states = dec.Net(3).functionalize()
+
+    def loss(f: Any, s: Any) -> Any:
+        out, s = f(s, _SX)
+        return (out**2).sum(), s
+
+    for fn in (jax.grad, lambda fn, **kw: staged(jax.grad(fn, **kw))):
+        g, new = fn(loss, has_aux=True)(f, states)
+        same(expected, g.model.blocks.stacked.w, "grad")
+        for key, value in new.items():
+            assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"state {key}")
+
+
+STACK_REFUSALS = """
+@DECORATE
+class Block:
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (3,))
+        self.mean = jnp.zeros(3)
+        self.cache = {"last": jnp.zeros(3)}
+        self.log = [jnp.zeros(3)]  # no method assigns it: not state
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        self.cache = {"last": x}
+        return x * self.w
+
+
+def blocks(n):
+    return autostate.stack([Block(k) for k in jax.random.split(jax.random.key(0), n)])
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = blocks(3)
+
+    def retuned(self, x):
+        for block in self.blocks:
+            block.w = block.w * 2  # a parameter of a layer assigned
+        return x
+
+    def reshaped(self, x):
+        for block in self.blocks:
+            block.mean = jnp.zeros(4)  # another shape
+        return x
+
+    def in_place(self, x):
+        for block in self.blocks:
+            block.cache["last"] = x  # a layer's dict changed in place
+        return x
+
+    def logged(self, x):
+        for block in self.blocks:
+            block.log.append(x)  # a layer's list (not state) changed in place
+        return x
+
+
+@DECORATE
+class HoldsALayer:
+    def __init__(self):
+        self.blocks = blocks(2)
+        self.first = self.blocks[0]
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "text", "error", "pattern"),
+    [
+        ("retuned", "block.w = block.w * 2", StateAccessError, "Block.w is not state, and this Block is a layer of a stack"),
+        ("reshaped", "block.mean = jnp.zeros(4)", StackError, "Block.mean of layer 0 is assigned f32\\[4\\], but its slice .* f32\\[3\\]"),
+        ("in_place", 'block.cache["last"] = x', StackError, "A dict of Block.cache of layer 0 is changed in place"),
+        ("logged", "block.log.append(x)", StackError, "A list of Block.log is changed in place"),
+    ],
+)
+def test_what_a_layer_of_a_stack_cannot_hold_is_refused_at_the_line(
+    write_module: Loader, method: str, text: str, error: type, pattern: str
+) -> None:
+    # A layer is a view: an assigned parameter, a state of another shape, or a dict
+    # of its state changed in place would change the view alone (or cannot be a
+    # slice), where a list of layers changes the layer. Refused where it is
+    # written, eagerly, through f and under jit; the model unchanged, no tracer.
+    _, dec = pair(write_module, STACK_REFUSALS)
+    model = dec.Net()
+    before = snapshot(model)
+    with pytest.raises(error, match=pattern) as err:
+        getattr(model, method)(_SX)
+    user_line(err.value, dec, text)
+    if method != "retuned":  # (the layers written before the refusal keep their writes)
+        assert_same(before["blocks"][1:], snapshot(model)["blocks"][1:], "later layers")
+    no_tracer(model)
+    f, states = dec.Net().functionalize()
+    for call in modes_of(f, method):
+        with pytest.raises(error, match=pattern) as err:
+            call(states, _SX)
+        user_line(err.value, dec, text)
+
+
+def test_a_model_holding_a_layer_of_a_stack_is_refused_when_functionalized(
+    write_module: Loader,
+) -> None:
+    _, dec = pair(write_module, STACK_REFUSALS)
+    model = dec.HoldsALayer()
+    same(model.blocks.mean[0], model.first.mean, "the layer reads its slice")
+    with pytest.raises(StackError, match="holds a layer of a stack"):
+        model.functionalize()
 
 
 # --- jax.jit inside a method ------------------------------------------------------------

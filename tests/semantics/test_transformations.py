@@ -3575,6 +3575,38 @@ def test_compiled_step_updates_the_model_in_place(write_module: Loader, step: st
     same(snapshot(p), snapshot(d), "after an eager call")
 
 
+# Changes made to a model between two compiled calls, (plain, decorated): the
+# next call starts from them (its cached flatten and packed arrays are stale).
+BETWEEN_CALLS = {
+    "an eager call": (lambda m: m(COMPILED_X), None),
+    "a parameter assigned": (lambda m: setattr(m, "w", m.w * 0.5), None),
+    "a sub-model's state assigned": (lambda m: setattr(m.norm, "mean", m.norm.mean + 1), None),
+    "a list attribute appended to": (lambda m: m.history.append(jnp.ones(())), None),
+    "a list item replaced": (lambda m: m.history.__setitem__(0, m.history[0] + 3), None),
+    "a sub-model replaced": (lambda m: setattr(m, "norm", type(m.norm)(3)), None),
+    "the mode switched": (lambda m: setattr(m.norm, "training", False), lambda m: m.norm.eval()),
+    "an attribute added": (lambda m: setattr(m, "tag", "x"), None),
+}
+
+
+@pytest.mark.parametrize("edit", list(BETWEEN_CALLS))
+def test_compiled_calls_see_changes_made_between_them(write_module: Loader, edit: str) -> None:
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    on_plain, on_dec = BETWEEN_CALLS[edit]
+    for i in range(2):
+        same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), f"call {i}")
+    copied_p, copied_d = copy.copy(p), copy.copy(d)
+    on_plain(p)
+    (on_dec or on_plain)(d)
+    same(snapshot(p), snapshot(d), "after the change")
+    for i in range(2):
+        same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), f"call {i} after")
+        same(snapshot(p), snapshot(d), f"model after call {i}")
+    same(snapshot(copied_p), snapshot(copied_d), "a copy made before")  # (left as it was)
+    no_tracer(d)
+
+
 def test_compiled_step_compiles_once_per_mode(write_module: Loader) -> None:
     _, dec = pair(write_module, COMPILED, fresh=True, plain_subs=COMPILED_PLAIN)
     model = dec.Net(jax.random.key(0)).train()  # (train() gives Net its `training` too)
@@ -3639,12 +3671,18 @@ def test_compiled_static_arguments(write_module: Loader) -> None:
 
 def test_compiled_donates_the_old_arrays(write_module: Loader) -> None:
     _, dec = _compiled_pair(write_module)
-    donated, kept = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
-    old = [donated.w, donated.norm.mean]
-    dec.STEP(donated, COMPILED_X, 0.1)
-    assert all(a.is_deleted() for a in old)
+    # A big array is donated; a small one travels in the packed buffers (a
+    # copy, donated in its place), and the model's own stays valid.
+    x = jnp.full((4, 160), 0.01)
+    donated, kept = dec.Net(jax.random.key(0), 160), dec.Net(jax.random.key(0), 160)
+    big, small = donated.w, donated.norm.mean
+    assert big.nbytes > 1 << 16 > small.nbytes
+    for _ in range(2):
+        dec.STEP(donated, x, 0.1)
+        assert big.is_deleted() and not small.is_deleted()
+        big, small = donated.w, donated.norm.mean
     old = [kept.w, kept.norm.mean]
-    dec.KEEP(kept, COMPILED_X, 0.1)
+    dec.KEEP(kept, x, 0.1)
     assert not any(a.is_deleted() for a in old)
 
 
@@ -3879,3 +3917,40 @@ def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: L
     with pytest.raises(autostate.errors.InvalidArgumentError, match="share a Norm") as err:
         autostate.grad(lambda a, b, x: (a(x) + b(x)).sum(), argnums=(0, 1))(a, b, COMPILED_X)
     assert f"{__file__}:" in str(err.value)
+
+
+def test_compiled_step_on_a_stack_is_the_step_on_the_list(write_module: Loader) -> None:
+    source = """
+@DECORATE
+class Block:
+    def __init__(self, k):
+        self.w = jax.random.normal(k, (4, 4)) * 0.5
+        self.mean = jnp.zeros(4)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return jnp.tanh(x @ self.w)
+
+
+@DECORATE
+class Net:
+    def __init__(self, n, stacked):
+        blocks = [Block(k) for k in jax.random.split(jax.random.key(0), n)]
+        self.blocks = autostate.stack(blocks) if stacked else blocks
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+STEP = autostate.jit(lambda model, x: model(x).sum())
+"""
+    _, mod = pair(write_module, source)
+    stacked, listed = mod.Net(3, True), mod.Net(3, False)
+    for i in range(3):
+        x = COMPILED_X[:, :1] * jnp.ones((1, 4)) * (i + 1)
+        same(mod.STEP(stacked, x), mod.STEP(listed, x), f"call {i}")
+        same(autostate.state_dict(stacked, per_layer=True), autostate.state_dict(listed),
+             f"states after call {i}")
+    no_tracer(stacked)

@@ -539,3 +539,54 @@ def test_iter_tree_and_map_tree_reach_the_same_states_through_every_holder() -> 
     assert float(out) == 10.0
     frozen = autostate.freeze(f, new)
     assert float(frozen(1.0)) == 15.0
+
+
+# --- Witness: a flatten still standing, by identity ----------------------------------
+
+
+@autostate.stateful
+class _Witnessed:
+    def __init__(self) -> None:
+        self.w = jnp.ones(2)
+        self.count = jnp.zeros(())
+        self.sizes = [2, (3, [4])]
+        self.table = {"a": jnp.ones(1)}
+
+    def tick(self) -> None:
+        self.count = self.count + 1
+
+
+@dataclasses.dataclass
+class _MutableConfig:  # an __eq__ of its own: the graphdef compares it by value
+    scale: float
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.tick(),  # a state written in place (its slot kept)
+        lambda m: setattr(m, "w", m.w + 1),
+        lambda m: m.sizes[1][1].append(5),  # a list inside a tuple inside a list
+        lambda m: m.table.update(b=jnp.zeros(1)),
+        lambda m: m.table.__setitem__("a", jnp.zeros(1)),
+        lambda m: setattr(m, "extra", None),
+        lambda m: m.__dict__.pop("sizes"),
+    ],
+)
+def test_witness_sees_each_change(change: Any) -> None:
+    model = _Witnessed()
+    witness = graph.Witness.of([model])
+    assert witness is not None and witness.unchanged()
+    change(model)
+    assert not witness.unchanged()
+
+
+@pytest.mark.parametrize(
+    "value", [np.ones(2), _MutableConfig(1.0), collections.deque([1]), {1, 2}]
+)
+def test_witness_gives_up_on_values_changed_in_place_unseen(value: Any) -> None:
+    model = _Witnessed()
+    model.extra = value
+    assert graph.Witness.of([model]) is None
+    model.extra = functools.partial(max, 1)  # compared by identity: witnessed
+    assert graph.Witness.of([model]) is not None

@@ -56,6 +56,57 @@ def test_repr_shows_parameters_and_states_with_their_kind():
     )
 
 
+STACKED = """
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.scale = jnp.ones(3)
+        self.mean = jnp.zeros(3)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        return x * self.scale
+
+
+@autostate.stateful
+class Net:
+    def __init__(self):
+        self.blocks = autostate.stack([Norm() for _ in range(4)])
+"""
+
+
+def test_repr_shows_a_stack_its_depth_and_a_layer_its_slice(write_module):
+    mod = write_module(STACKED)
+    model = mod.Net()
+    assert repr(model) == (
+        "Net(\n"
+        "  blocks=Stack(\n"
+        "    depth=4,\n"
+        "    stacked=Norm(\n"
+        "      scale=f32[4,3],\n"
+        "      mean=<state 'blocks.mean' category='state' value: f32[4,3]>,\n"
+        "    ),\n"
+        "  ),\n"
+        ")"
+    )
+    assert repr(model.blocks) == (
+        "Stack(\n"
+        "  depth=4,\n"
+        "  stacked=Norm(scale=f32[4,3], mean=<state 'mean' category='state' value: f32[4,3]>),\n"
+        ")"
+    )
+    assert repr(model.blocks[2]) == (
+        "Norm(\n"
+        "  scale=f32[3],\n"
+        "  mean=<state 'mean' category='state' of layer 2 of a stack: f32[3]>,\n"
+        ")"
+    )
+
+
 def test_repr_keeps_a_repr_the_class_or_a_base_defines():
     assert repr(Labelled()) == "Labelled!"
     assert repr(LabelledChild()) == "Labelled!"

@@ -808,3 +808,68 @@ def test_state_dict_of_f_with_states_not_a_dict(kind: str) -> None:
     with pytest.raises(errors.InvalidTypeError) as info:
         autostate.state_dict(f, given)
     assert_clear_api_misuse_fixes(info.value, errors.InvalidTypeError, "autostate.state_dict", "states dict")
+
+
+# --- stacks: per-layer entries ------------------------------------------------------------
+
+STACKED_MODEL = """
+import jax
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class Norm:
+    def __init__(self, n):
+        self.scale = jnp.ones(n)
+        self.mean = jnp.zeros(n)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        return (x - self.mean) * self.scale
+
+
+@autostate.stateful
+class Net:
+    def __init__(self, depth, stacked=True):
+        norms = [Norm(3) for _ in range(depth)]
+        self.blocks = autostate.stack(norms) if stacked else norms
+        self.head = jnp.ones(3)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.head
+"""
+
+
+def test_a_stack_gives_its_entries_per_layer_and_loads_either_form(write_module: Loader) -> None:
+    mod = write_module(STACKED_MODEL)
+    listed = mod.Net(3, stacked=False)
+    listed(jnp.arange(3.0))
+    listed.blocks[2].scale = jnp.full(3, 2.0)
+    stacked = mod.Net(3)
+    assert list(autostate.param_dict(stacked)) == ["blocks.scale", "head"]
+    assert list(autostate.param_dict(stacked, per_layer=True)) == [
+        "blocks[0].scale", "blocks[1].scale", "blocks[2].scale", "head",
+    ]
+    # The list's per-layer dicts load into the stack, and the stack's into the list.
+    loaded = autostate.load_param_dict(
+        autostate.load_state_dict(stacked, autostate.state_dict(listed)), autostate.param_dict(listed)
+    )
+    np.testing.assert_array_equal(loaded.blocks.scale[2], jnp.full(3, 2.0))
+    for kind in ("state_dict", "param_dict"):
+        assert_same(getattr(autostate, kind)(listed), getattr(autostate, kind)(loaded, per_layer=True))
+    back = autostate.load_param_dict(
+        autostate.load_state_dict(mod.Net(3, stacked=False), autostate.state_dict(loaded)),
+        autostate.param_dict(loaded),
+    )
+    assert_same(snapshot(listed), snapshot(back))
+    f, states = loaded.functionalize()
+    assert list(autostate.state_dict(f, states, per_layer=True)) == [
+        "blocks[0].mean", "blocks[1].mean", "blocks[2].mean",
+    ]
+    # A layer missing is named (the stacked entry is not assembled from part of its layers).
+    partial = {k: v for k, v in autostate.param_dict(listed).items() if k != "blocks[1].scale"}
+    with pytest.raises(StateDictError, match="missing parameter keys \\(1\\): 'blocks.scale'"):
+        autostate.load_param_dict(stacked, partial)

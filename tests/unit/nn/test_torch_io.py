@@ -129,11 +129,12 @@ class Block:
 
 @autostate.stateful
 class TinyGPT:
-    def __init__(self, vocab=32, block=8, layers=2, heads=2, d=16):
+    def __init__(self, vocab=32, block=8, layers=2, heads=2, d=16, stacked=False):
+        blocks = [Block(d, heads) for _ in range(layers)]
         self.transformer = {
             "wte": nn.Embedding(vocab, d),
             "wpe": nn.Embedding(block, d),
-            "h": [Block(d, heads) for _ in range(layers)],
+            "h": autostate.stack(blocks) if stacked else blocks,
             "ln_f": nn.LayerNorm(d),
         }
         self.lm_head = nn.Linear(d, vocab, bias=False)
@@ -177,6 +178,24 @@ def test_nanogpt_loads_with_its_tied_head_and_matches_torch():
     assert model.lm_head.weight is model.transformer["wte"].weight
     np.testing.assert_allclose(_forward(model, idx), y, rtol=1e-5, atol=1e-5)
     _assert_same_dict(torch_state_dict(model), sd)
+
+
+def test_a_stacked_nanogpt_loads_the_torch_checkpoint_layer_by_layer():
+    # PyTorch's ModuleList names each layer (``transformer.h.1.attn.c_attn.weight``);
+    # a stack of the blocks takes and writes those entries as slices of its arrays.
+    sd, idx, y = _fixture("nanogpt")
+    model = load_torch_state_dict(TinyGPT(stacked=True), sd)
+    assert model.transformer["h"].attn.c_attn.weight.shape == (2, 48, 16)
+    np.testing.assert_array_equal(
+        model.transformer["h"].attn.c_attn.weight[1], sd["transformer.h.1.attn.c_attn.weight"]
+    )
+    np.testing.assert_allclose(_forward(model, idx), y, rtol=1e-5, atol=1e-5)
+    _assert_same_dict(torch_state_dict(model), sd)  # PyTorch's names, in its order
+    listed = torch_state_dict(load_torch_state_dict(TinyGPT(), sd))
+    _assert_same_dict(torch_state_dict(load_torch_state_dict(TinyGPT(stacked=True), listed)), sd)
+    del sd["transformer.h.1.mlp.c_fc.bias"]
+    with pytest.raises(StateDictError, match="missing keys .*'transformer.h.1.mlp.c_fc.bias'"):
+        load_torch_state_dict(TinyGPT(stacked=True), sd)
 
 
 def test_a_tied_weight_is_written_under_one_or_every_path_and_loads_from_either():

@@ -1,0 +1,205 @@
+"""``autostate/stacks.py``: building a stack, its sequence protocol, names and pytree."""
+
+from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autostate
+from autostate import stacks
+from autostate.errors import InvalidTypeError, StackError
+
+Loader = Callable[..., types.ModuleType]
+
+LAYERS = """
+import jax
+import jax.numpy as jnp
+import autostate
+
+
+@autostate.stateful
+class Norm:
+    def __init__(self, n, act="tanh"):
+        self.scale = jnp.ones(n)
+        self.mean = jnp.zeros(n)
+        self.act = act
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x
+        return (x - self.mean) * self.scale
+
+
+@autostate.stateful
+class Pair:
+    def __init__(self, n):
+        self.a = Norm(n)
+        self.b = self.a  # one sub-model under two names
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+@autostate.stateful
+class Model:
+    def __init__(self, n, depth):
+        self.blocks = autostate.stack([Norm(n) for _ in range(depth)])
+        self.head = jnp.ones(n)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.head
+
+
+@autostate.stateful
+class Floating:
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, x):
+        self.scale = self.scale * 0.5
+        return x * self.scale
+"""
+
+
+@pytest.fixture
+def mod(write_module: Loader) -> types.ModuleType:
+    return write_module(LAYERS)
+
+
+def test_a_stack_of_layers_holds_their_arrays_on_a_leading_axis(mod: types.ModuleType) -> None:
+    layers = [mod.Norm(3) for _ in range(4)]
+    layers[2].mean = jnp.full(3, 2.0)
+    s = autostate.stack(layers)
+    assert len(s) == s.depth == 4
+    assert type(s.stacked) is mod.Norm
+    np.testing.assert_array_equal(s.stacked.mean[2], jnp.full(3, 2.0))
+    assert s.scale.shape == (4, 3) and s.act == "tanh"  # the stacked model's attributes
+    layers[0].mean = jnp.ones(3)  # the layers given are not part of the stack
+    np.testing.assert_array_equal(s.stacked.mean[0], jnp.zeros(3))
+
+
+def test_a_stacked_model_is_taken_as_it_is(mod: types.ModuleType) -> None:
+    stacked = jax.vmap(lambda _: mod.Norm(3))(jnp.arange(5))
+    s = autostate.stack(stacked)
+    assert s.stacked is stacked and len(s) == 5
+    assert autostate.stack(s) is s
+
+
+def test_a_stack_keeps_what_a_layer_shares_inside_itself(mod: types.ModuleType) -> None:
+    s = autostate.stack([mod.Pair(2), mod.Pair(2)])
+    assert s.stacked.a is s.stacked.b
+    layer = s[1]
+    assert layer.a is layer.b
+
+
+@pytest.mark.parametrize(
+    ("build", "pattern"),
+    [
+        (lambda m: [m.Norm(3), m.Norm(4)], "Layer 1 differs from layer 0 at scale: f32\\[4\\] against f32\\[3\\]"),
+        (lambda m: [m.Norm(3), m.Norm(3, act="relu")], "Layer 1 differs from layer 0 at act: 'relu' against 'tanh'"),
+        (lambda m: [m.Norm(2), m.Pair(2)], "Layer 1 differs from layer 0 at the layer: a Pair against a Norm"),
+        (lambda m: [], "got no layers"),
+        (lambda m: [m.Floating(), m.Floating()], "State 'scale' of layer 0 holds a Python float"),
+    ],
+)
+def test_layers_that_cannot_be_one_stack_are_refused_with_the_first_difference(
+    mod: types.ModuleType, build: Callable, pattern: str
+) -> None:
+    with pytest.raises(StackError, match=pattern):
+        autostate.stack(build(mod))
+
+
+def test_layers_sharing_a_sub_model_or_an_array_are_refused(mod: types.ModuleType) -> None:
+    shared = mod.Norm(3)
+    with pytest.raises(StackError, match="Layers 0 and 1 share one sub-model"):
+        autostate.stack([shared, shared])
+    a, b = mod.Norm(3), mod.Norm(3)
+    b.__dict__["scale"] = a.scale  # one parameter array in both (tied)
+    with pytest.raises(StackError, match="Layers 0 and 1 share one array .*'scale'"):
+        autostate.stack([a, b])
+
+
+def test_what_is_not_a_layer_or_not_stacked_is_refused(mod: types.ModuleType) -> None:
+    with pytest.raises(InvalidTypeError, match="Layer 1 .* is a int"):
+        autostate.stack([mod.Norm(2), 3])
+    with pytest.raises(InvalidTypeError, match="takes a list of layers"):
+        autostate.stack(3)
+    unstacked = mod.Norm(3)
+    unstacked.mean = jnp.zeros(4)
+    with pytest.raises(StackError, match="Norm is not stacked: its array 'mean' is f32\\[4\\], where"):
+        autostate.stack(unstacked)
+
+
+def test_indexing_a_stack_is_indexing_its_list_of_layers(mod: types.ModuleType) -> None:
+    s = autostate.stack([mod.Norm(3) for _ in range(3)])
+    for i in range(3):
+        s.stacked.mean = s.stacked.mean.at[i].set(i)
+    assert [float(layer.mean[0]) for layer in s] == [0.0, 1.0, 2.0]
+    assert float(s[-1].mean[0]) == 2.0
+    assert [float(layer.mean[0]) for layer in s[1:]] == [1.0, 2.0]
+    assert [float(layer.mean[0]) for layer in reversed(s)] == [2.0, 1.0, 0.0]
+    with pytest.raises(IndexError, match="out of range"):
+        s[3]
+    with pytest.raises(AttributeError, match="call methods on a layer"):
+        s.missing  # noqa: B018
+    with pytest.raises(InvalidTypeError, match="not a layer: it cannot be called"):
+        s(jnp.ones(3))
+
+
+def test_a_layer_reads_and_writes_its_slice(mod: types.ModuleType) -> None:
+    s = autostate.stack([mod.Norm(3) for _ in range(2)])
+    layer = s[1]
+    assert type(layer) is mod.Norm and layer.scale.shape == (3,)
+    layer(jnp.ones(3))
+    np.testing.assert_allclose(s.stacked.mean, [[0, 0, 0], [0.1, 0.1, 0.1]])
+    layer.mean = jnp.full(3, 5.0)  # from outside the class: a state write
+    np.testing.assert_allclose(s.stacked.mean[1], [5, 5, 5])
+    with pytest.raises(StackError, match="assigned i32\\[3\\], but its slice .* f32\\[3\\]"):
+        layer.mean = jnp.zeros(3, jnp.int32)
+    with pytest.raises(autostate.errors.StateAccessError, match="layer of a stack"):
+        layer.act = "relu"
+
+
+def test_state_names_pass_through_the_stack(mod: types.ModuleType) -> None:
+    model = mod.Model(3, 4)
+    f, states = model.functionalize()
+    assert sorted(states) == ["blocks.mean"] and states["blocks.mean"].shape == (4, 3)
+    assert list(autostate.param_dict(model)) == ["blocks.scale", "head"]
+    assert stacks.stacks_in(model) == {"blocks": 4}
+    frozen = autostate.freeze(f, states)
+    assert type(frozen.blocks) is autostate.Stack and len(frozen.blocks) == 4
+
+
+def test_a_stack_is_a_pytree_and_pickles(mod: types.ModuleType) -> None:
+    s = autostate.stack([mod.Norm(3) for _ in range(2)])
+    doubled = jax.tree.map(lambda a: 2 * a, s)
+    assert type(doubled) is autostate.Stack and len(doubled) == 2
+    np.testing.assert_array_equal(doubled.scale, 2 * s.scale)
+    def paths(tree: object) -> list[str]:
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert paths(s) == paths(s.stacked)  # (the stack adds no key)
+    back = pickle.loads(pickle.dumps(s))
+    assert len(back) == 2 and back.act == "tanh"
+    np.testing.assert_array_equal(back.scale, s.scale)
+
+
+def test_a_stack_sliced_outside_a_decorated_method_says_what_to_call(mod: types.ModuleType) -> None:
+    # Plain jax.lax.scan gives each step a Stack of one layer's arrays: iterating it
+    # says so (autostate.scan gives each step one layer).
+    s = autostate.stack([mod.Norm(3) for _ in range(2)])
+
+    def body(x, step):
+        return list(step)[0](x), None
+
+    with pytest.raises(StackError, match="(?s)lacks the layer axis .* autostate.scan"):
+        jax.lax.scan(body, jnp.ones(3), s)
+    out, _ = autostate.scan(lambda x, layer: (layer(x), None), jnp.ones(3), s)
+    assert out.shape == (3,) and s.stacked.mean.shape == (2, 3)
