@@ -469,6 +469,10 @@ def _per_call_table(
             table.add(str(n), name, fmt_seconds(timings[name].median), fmt_ratio(ratio))
         ratio = (paired_ratio(timings[AUTOSTATE], timings[REFERENCE])
                  if AUTOSTATE in timings else None)
+        # (Each size's programs are large at 1,000 modules: the compiled
+        # executables of the size before are let go.)
+        del cases
+        jax.clear_caches()
         report.targets.append(target_below(
             "10", f"autostate.jit{what} at {n} modules within 0.5x of hand-written jax.jit",
             ratio, 0.5, "" if ratio is not None else f"{NOT_INSTALLED}: optax",
