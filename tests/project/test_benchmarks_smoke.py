@@ -27,7 +27,9 @@ SCENARIOS = {
     "bench_perf": ["Scenario 7a: trace-only time", "Scenario 7e: dispatch", "packed"],
     "bench_nn": ["Scenario 8a: ResNet-18-style training step", "Scenario 8b: GPT block training step"],
     "bench_stacked": ["Scenario 9: stacked sub-models inside methods", "scanned decoder"],
-    "bench_model_api": ["Scenario 10: per-call cost of a jitted step", "autostate.jit (in place)"],
+    "bench_model_api": ["Scenario 10: per-call cost of a jitted step", "autostate.jit (in place)",
+                        "Scenario 10b: per-call cost of a jitted training step",
+                        "Scenario 10c: peak memory of a donated decode step"],
 }
 
 
