@@ -70,7 +70,7 @@ class _Models:
 # many small arrays (biases, norm scales, counters) pays it per array; a big
 # array's cost is its arithmetic. The packed buffers are kept between calls
 # (a copy of the small arrays, next to the model's own).
-_SMALL = 1 << 16
+_SMALL = 1 << 14
 
 
 class _Key:
@@ -486,6 +486,15 @@ class Compiled(Generic[P, R]):
             touched=touched,
         )
         new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
+        if next_layout == key.layout and len(fresh_leaves) == len(leaves):
+            # A buffer none of whose arrays changed (the parameters of a
+            # forward step) is returned as it came: donated, it is reused in
+            # place, with no copy.
+            moved = {b for j, slot in enumerate(key.layout.slots)
+                     if slot is not None and fresh_leaves[j] is not leaves[j]
+                     for b in (slot[0],)}
+            new_buffers = [new if b in moved else buffers[b]
+                           for b, new in enumerate(new_buffers)]
         return out, new_buffers, changed
 
 
