@@ -301,12 +301,14 @@ class Compiled(Generic[P, R]):
         models, treedef, where, statics, named, others = call
         cache_id = (treedef, where, statics, named, *[id(m) for m in models])
         entry = self._kept_entry(cache_id)
-        if entry is None:
+        if entry is not None:
+            _check_alive(entry, entry.key.loose)  # (the small ones travel in the kept buffers)
+        else:
             entry = self._flattened(models, treedef, where, statics, named)
             if entry is None:
                 return self.fn(*args, **kwargs)
+            _check_alive(entry, range(len(entry.leaves)))
         key = entry.key
-        _check_alive(entry, key.loose if entry.witness is not None else range(len(entry.leaves)))
         shapes = tuple(_shape_of(x) for x in others)
         loose = [entry.leaves[j] for j in key.loose]
         jitted = self._jitted
@@ -447,7 +449,8 @@ class Compiled(Generic[P, R]):
         at = {id(x): i for i, x in enumerate(new_leaves)}
         at_object = {id(obj): i for i, obj in enumerate(objects)}
         next_layout = Layout.of(
-            [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak(x)) for x in fresh_leaves],
+            [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=bool(getattr(x, "weak_type", False)))
+             for x in fresh_leaves],
             None, _small if key.packs else _never,
         )
         next_key = _Key(
@@ -577,11 +580,6 @@ def _never(x: Any) -> bool:
     return False
 
 
-def _weak(x: Any) -> bool:
-    aval = getattr(x, "aval", None)  # (a tracer's)
-    return bool(getattr(x if aval is None else aval, "weak_type", False))
-
-
 @functools.lru_cache(maxsize=64)
 def _packer(layout: Layout) -> Callable[[list[Any]], list[Any]]:
     """A compiled function packing a flatten's small arrays into ``layout``'s buffers."""
@@ -684,9 +682,10 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
 
 def _library(function: Any) -> bool:
     """A function (or module) of JAX, NumPy, autostate or another library the walk skips."""
-    module = getattr(function, "__module__", None) or getattr(function, "__name__", "") or ""
     if isinstance(function, types.ModuleType):
         module = function.__name__
+    else:
+        module = getattr(function, "__module__", None) or ""
     return module.split(".")[0] in _LIBRARIES
 
 
