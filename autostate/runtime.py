@@ -31,6 +31,7 @@ import numpy as np
 
 # Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``.
 from autostate import control
+from autostate import loops  # (rolled loops read ``__autostate__.loops.over``)
 from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
