@@ -194,9 +194,10 @@ def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | 
                 return f"a call of `{node.func.id}()` in its body"
         if isinstance(node, ast.Name) and node.id == "__class__":
             return "`__class__` in its body"
-        changed = _changed_in_place(node)
-        if changed is not None and changed not in assigned and changed not in targets:
-            return f"its body changes `{changed}` in place"
+        changed, attribute = _changed_in_place(node)
+        if changed is None or changed in assigned or (attribute and changed in targets):
+            continue  # (an attribute of a layer assigned: a state write, as a list's layer)
+        return f"its body changes `{changed}` in place"
     if _breaks(body):
         return "a `break` or `continue` in its body"
     if set(targets) & assigned:
@@ -217,9 +218,10 @@ def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | 
     return None
 
 
-def _changed_in_place(node: ast.AST) -> str | None:
-    """The name whose object ``node`` changes in place: ``a[i] = v``,
-    ``a.b = v``, ``del a[i]``, ``a[i] += v``, ``a.append(v)``."""
+def _changed_in_place(node: ast.AST) -> tuple[str | None, bool]:
+    """The name whose object ``node`` changes in place (``a[i] = v``, ``a.b =
+    v``, ``del a[i]``, ``a[i] += v``, ``a.append(v)``), and whether only by
+    assigning attributes (``a.b = v``, ``a.b.c += v``)."""
     targets: list[ast.expr] = []
     if isinstance(node, ast.Assign):
         targets = node.targets
@@ -229,15 +231,19 @@ def _changed_in_place(node: ast.AST) -> str | None:
         targets = node.targets
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         if node.func.attr in _MUTATING:
-            return _base_name(node.func.value)
-        return None
+            return _base_name(node.func.value), False
+        return None, False
     for target in targets:
         for part in ast.walk(target):
             if isinstance(part, (ast.Subscript, ast.Attribute)) and isinstance(
                 part.ctx, (ast.Store, ast.Del)
             ):
-                return _base_name(part)
-    return None
+                chain: ast.expr = part
+                while isinstance(chain, ast.Attribute):
+                    chain = chain.value
+                attribute = isinstance(chain, ast.Name) and not isinstance(node, ast.Delete)
+                return _base_name(part), attribute
+    return None, False
 
 
 def _breaks(body: list[ast.stmt]) -> bool:
