@@ -42,7 +42,13 @@ import jax.numpy as jnp
 
 from autostate import control as _control
 from autostate.effects.local_state import running_cells
-from autostate.errors import StackError, format_error, refusals_kept_apart, user_location
+from autostate.errors import (
+    StackError,
+    TracedValueError,
+    format_error,
+    refusals_kept_apart,
+    user_location,
+)
 from autostate.lifetime import contains_tracer, current_trace
 from autostate.state_values import _same_static
 
@@ -124,9 +130,10 @@ def _plan(source: Any) -> _Plan | None:
         if len(args) not in (1, 2) or set(kwargs) - {"start"} or (len(args) == 2 and kwargs):
             return None
         start = args[1] if len(args) == 2 else kwargs.get("start", 0)
-        inner = _plan(args[0])
-        if inner is None or inner.reverse or type(start) is not int:
+        found = _plan(args[0])
+        if found is None or found.reverse or type(start) is not int:
             return None
+        inner = found
         index = jnp.arange(start, start + inner.length)
         return _Plan(
             (index, inner.xs), lambda x: (x[0], inner.item(x[1])), inner.length, inner.stacks,
@@ -147,10 +154,10 @@ def _plan(source: Any) -> _Plan | None:
             lambda: tuple(p.last() for p in plans),
         )
     if func is builtins.reversed and len(args) == 1 and not kwargs:
-        inner = _leaf_plan(args[0])
-        if inner is None:
+        leaf = _leaf_plan(args[0])
+        if leaf is None:
             return None
-        return _Plan(inner.xs, inner.item, inner.length, inner.stacks, lambda: args[0][0], True)
+        return _Plan(leaf.xs, leaf.item, leaf.length, leaf.stacks, lambda: args[0][0], True)
     return None
 
 
@@ -315,6 +322,11 @@ class Rolling:
 def _reason(raised: BaseException) -> str:
     if isinstance(raised, _CannotRoll):
         return str(raised)
+    if isinstance(raised, (jax.errors.ConcretizationTypeError, TracedValueError)):
+        return (
+            "its body uses a value that differs from layer to layer (the layer index, a "
+            "carried local) where Python needs a concrete one, as in `if i == 0:`"
+        )
     first = str(raised).strip().splitlines()
     return f"running its body as one step raised {type(raised).__name__}" + (
         f" ({first[0]})" if first else ""

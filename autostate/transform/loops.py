@@ -96,19 +96,20 @@ def _find_method(tree: ast.Module, name: str) -> ast.FunctionDef | ast.AsyncFunc
 def _own_nodes(nodes: list[ast.stmt] | ast.AST) -> Iterator[ast.AST]:
     """Every node under ``nodes`` that runs in their scope: not inside a nested
     function, lambda or class (their default values and decorators are)."""
-    pending = list(nodes) if isinstance(nodes, list) else [nodes]
+    pending: list[ast.AST] = list(nodes) if isinstance(nodes, list) else [nodes]
     while pending:
         node = pending.pop()
         yield node
+        inner: list[ast.AST | None]
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            pending += [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]
-            pending = [n for n in pending if n is not None]
+            inner = [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]
         elif isinstance(node, ast.Lambda):
-            pending += [d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None]
+            inner = [*node.args.defaults, *node.args.kw_defaults]
         elif isinstance(node, ast.ClassDef):
-            pending += [*node.decorator_list, *node.bases, *node.keywords]
+            inner = [*node.decorator_list, *node.bases, *node.keywords]
         else:
-            pending += ast.iter_child_nodes(node)
+            inner = list(ast.iter_child_nodes(node))
+        pending += [n for n in inner if n is not None]
 
 
 def _bound_names(nodes: list[ast.stmt]) -> set[str]:
@@ -399,7 +400,7 @@ class _Roller:
             body=function_body, decorator_list=[], returns=None,
         )
         if "type_params" in ast.FunctionDef._fields:  # (Python 3.12+)
-            function.type_params = []
+            function.type_params = []  # type: ignore[attr-defined]
         landed: list[ast.stmt] = []
         for k, v in enumerate(needed):
             value = ast.Subscript(
@@ -477,5 +478,6 @@ def _locate(node: ast.AST, at: ast.AST) -> None:
     line, col = getattr(at, "lineno", 1), getattr(at, "col_offset", 0)
     for part in ast.walk(node):
         if "lineno" in part._attributes and getattr(part, "lineno", None) is None:
-            part.lineno, part.col_offset = line, col
-            part.end_lineno, part.end_col_offset = line, col
+            for attr, value in (("lineno", line), ("col_offset", col),
+                                ("end_lineno", line), ("end_col_offset", col)):
+                setattr(part, attr, value)
