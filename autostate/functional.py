@@ -402,7 +402,7 @@ class FunctionalModel(Generic[M]):
         method = getattr(type(model), name, None)
         held = model.__dict__.get(name, _ABSENT)
         if method is None and held is not _ABSENT and not isinstance(held, StateSlot) and (
-            _graph.is_stateful_instance(held) or not callable(held)
+            _graph.is_model_child(held) or not callable(held)
         ):
             # A parameter, a sub-model or static config: read as the model's
             # (``grads.norm.scale`` on a gradient shaped like f).
@@ -415,7 +415,7 @@ class FunctionalModel(Generic[M]):
             if (
                 callable(held)
                 and not isinstance(held, (StateSlot, type))
-                and not _graph.is_stateful_instance(held)  # a sub-model is no method
+                and not _graph.is_model_child(held)  # a sub-model (a stack) is no method
             ):
                 method = held
         if name.startswith("_") and (method is None or not callable(method)):

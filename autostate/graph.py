@@ -302,6 +302,12 @@ def is_static_leaf(value: Any) -> bool:
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
 
+def is_model_child(value: Any) -> bool:
+    """Whether ``value`` is a node a model holds as a child model (a decorated
+    instance, a stack of layers), never a method to call."""
+    return type(value) in _MODEL_CHILD
+
+
 def is_dynamic(value: Any) -> bool:
     """Whether an attribute value is a pytree child (else it is static aux data)."""
     t = type(value)

@@ -203,3 +203,26 @@ def test_a_stack_sliced_outside_a_decorated_method_says_what_to_call(mod: types.
         jax.lax.scan(body, jnp.ones(3), s)
     out, _ = autostate.scan(lambda x, layer: (layer(x), None), jnp.ones(3), s)
     assert out.shape == (3,) and s.stacked.mean.shape == (2, 3)
+
+
+def test_a_gradient_reads_a_stack_as_the_model_does(mod: types.ModuleType) -> None:
+    # f (and a gradient shaped like it) reads a stack attribute as the stack, not as
+    # a method to call: grads.blocks.scale has the layer axis.
+    f, states = mod.Model(3, 4).functionalize()
+    grads = jax.grad(lambda f: f(states, jnp.ones(3))[0])(f)
+    assert type(grads.blocks) is autostate.Stack and grads.blocks.scale.shape == (4, 3)
+
+
+def test_stacking_gives_each_annotation_the_layer_axis(mod: types.ModuleType) -> None:
+    # A layer's spec is written for the layer; the stack's arrays have the layer axis
+    # in front, unsplit or split over the axis the stack names.
+    from jax.sharding import PartitionSpec as P
+
+    layers = [mod.Norm(3) for _ in range(2)]
+    for layer in layers:
+        layer.scale = autostate.sharded(layer.scale, P("model"))
+    for axis in (None, "stage"):
+        s = autostate.stack(layers, layer_axis=axis)
+        specs, _ = autostate.partition_specs(*autostate.functionalize(s.stacked))
+        assert specs.model.scale == P(axis, "model")
+    assert autostate.partition_specs(*autostate.functionalize(layers[0]))[0].model.scale == P("model")
