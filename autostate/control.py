@@ -868,7 +868,7 @@ def _member_slices(chosen: Cells) -> Iterator[None]:
 
 
 def _member_body(
-    cells: Cells, members: Sequence[int], body: Callable[[Any, Any], Any]
+    cells: Cells, members: Sequence[int], body: Callable[[Any, Any], Any], what: str
 ) -> Callable[[Any, tuple[Any, list[Any]]], Any]:
     """``body(carry, x)`` of a scan whose ``x`` is ``(x, member slices)``: the
     member cells hold this step's slices while it runs, and the slices it
@@ -897,6 +897,18 @@ def _member_body(
             k: v for k, (v, b, sig) in enumerate(zip(after, slices, signatures))
             if _assigned(b, sig, v)
         }
+        for k, value in written.items():
+            if _type_of(value) != _type_of(slices[k]):
+                raise ControlFlowStateError(
+                    format_error(
+                        f"State {chosen[k].name!r} of one member of a stacked sub-model is "
+                        f"assigned {_describe(value)} inside {what}, but its slice of the "
+                        f"stacked state is {_describe(slices[k])}: the slices a scan stacks "
+                        "keep their shape, dtype and structure.",
+                        where=user_location(),
+                        fix="assign a value of the slice's shape and dtype.",
+                    )
+                )
         return carry, (y, written)
 
     return run
@@ -982,7 +994,7 @@ def _scan(
     # A stacked sub-model in ``xs``: its states are scanned over with it.
     chosen = [cells[i] for i in members]
     _check_stacked(chosen, [0] * len(chosen), _scan_length(xs, options.get("length")), what)
-    body = _member_body(cells, members, f)
+    body = _member_body(cells, members, f, what)
     carry, (ys, written) = _scan_threaded(
         cells, body, init, (xs, _current(chosen)), options, what
     )

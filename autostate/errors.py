@@ -93,6 +93,21 @@ def refusals_raised_again(what: str) -> Iterator[None]:
         raise refused(error)
 
 
+@contextlib.contextmanager
+def refusals_kept_apart() -> Iterator[list[AutostateError]]:
+    """Records the write refusals made inside the block in a list of its own
+    (yielded): an attempt that fails and is undone clears it; one that
+    succeeds hands them on to the running call, as if made there."""
+    found: list[AutostateError] = []
+    token = _REFUSALS.set(found)
+    try:
+        yield found
+    finally:
+        _REFUSALS.reset(token)
+    for error in found:
+        refused(error)
+
+
 def format_error(what: str, *, where: str | None = _USER_LINE, fix: str | None = None) -> str:
     """Builds the "what / where / fix" message every autostate error uses.
 

@@ -29,8 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
-# Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``.
-from autostate import control
+# Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``,
+# rolled loops ``__autostate__.loops.over(...)``.
+from autostate import control, loops  # noqa: F401 - read by the rewritten code
 from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree

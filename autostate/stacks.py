@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from autostate import control as _control
 from autostate import graph as _graph
 from autostate import guard as _guard
+from autostate import loops as _loops
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate import values as _values
@@ -83,11 +84,12 @@ class Stack:
         [1 1 1 1] 1
     """
 
-    __slots__ = ("_stacked", "_depth", "__weakref__")
+    __slots__ = ("_stacked", "_depth", "_require_scan", "__weakref__")
 
-    def __init__(self, stacked: Any, depth: int):
+    def __init__(self, stacked: Any, depth: int, require_scan: bool = False):
         self._stacked = stacked
         self._depth = depth
+        self._require_scan = require_scan
 
     @property
     def stacked(self) -> Any:
@@ -98,6 +100,11 @@ class Stack:
     def depth(self) -> int:
         """The number of layers (``len(stack)``)."""
         return self._depth
+
+    @property
+    def require_scan(self) -> bool:
+        """Whether a loop over the stack that cannot be rolled into one scan is an error."""
+        return self._require_scan
 
     def __getattr__(self, name: str) -> Any:
         # The stacked model's attributes (its parameters, states, sub-models),
@@ -142,14 +149,16 @@ class Stack:
 
     def __repr__(self) -> str:
         inner = repr(self._stacked)
-        line = f"Stack(depth={self._depth}, stacked={inner})"
+        strict = ", require_scan=True" if self._require_scan else ""
+        line = f"Stack(depth={self._depth}{strict}, stacked={inner})"
         if len(line) <= 80 and "\n" not in line:
             return line
         inner = inner.replace("\n", "\n  ")
-        return f"Stack(\n  depth={self._depth},\n  stacked={inner},\n)"
+        strict = "\n  require_scan=True," if self._require_scan else ""
+        return f"Stack(\n  depth={self._depth},{strict}\n  stacked={inner},\n)"
 
     def __reduce__(self) -> tuple:
-        return (Stack, (self._stacked, self._depth))
+        return (Stack, (self._stacked, self._depth, self._require_scan))
 
 
 def is_stack(value: Any) -> bool:
@@ -157,23 +166,24 @@ def is_stack(value: Any) -> bool:
     return type(value) is Stack
 
 
-def _stack_with_keys(s: Stack) -> tuple[list[tuple[Any, Any]], int]:
-    return [(_graph.PassKey(), s._stacked)], s._depth
+def _stack_with_keys(s: Stack) -> tuple[list[tuple[Any, Any]], tuple[int, bool]]:
+    return [(_graph.PassKey(), s._stacked)], (s._depth, s._require_scan)
 
 
 jax.tree_util.register_pytree_with_keys(
     Stack,
     _stack_with_keys,
-    lambda depth, children: Stack(next(iter(children)), depth),
-    lambda s: ([s._stacked], s._depth),
+    lambda aux, children: Stack(next(iter(children)), *aux),
+    lambda s: ([s._stacked], (s._depth, s._require_scan)),
 )
 _graph.register_node_kind(
     Stack,
     children=lambda s: [("", s._stacked)],
-    rebuild=lambda s, children: Stack(children[0], s._depth),
+    rebuild=lambda s, children: Stack(children[0], s._depth, s._require_scan),
     model_child=True,
 )
 _control.register_stack_type(Stack, lambda s: s._stacked)
+_loops.register_stack(Stack, lambda s: s._require_scan)
 
 
 def stacks_in(tree: Any) -> dict[str, int]:
@@ -203,7 +213,7 @@ def stacks_in(tree: Any) -> dict[str, int]:
 # --- building a stack ---------------------------------------------------------------
 
 
-def stack(layers: Iterable[Any] | Any) -> Stack:
+def stack(layers: Iterable[Any] | Any, *, require_scan: bool = False) -> Stack:
     """One stack of layers: a model whose arrays carry a leading layer axis.
 
     From a list of layers of one class and one structure (equal static
@@ -217,12 +227,18 @@ def stack(layers: Iterable[Any] | Any) -> Stack:
     mean what they mean for the list of layers, eagerly, inside ``f`` and
     under ``jax.jit``: a layer's state reads and writes are its slice of the
     stacked state. ``lax.scan`` over the stack gives each step one layer.
-    Nothing is rolled: a Python loop over a stack runs layer by layer (see
-    ``docs/control_flow.md``).
+    A plain ``for`` loop over the stack in a ``@stateful`` method, run under
+    a JAX trace (``jax.jit``, ``autostate.jit``, ``jax.grad``), is rolled
+    into one ``lax.scan`` with the same results; one that cannot be (a
+    ``break``, Python branching on the layer index) runs layer by layer
+    (see ``docs/scaling_depth.md``).
 
     Args:
         layers: a list (or any iterable) of ``@stateful`` instances of one
             class, or one ``@stateful`` instance stacked already.
+        require_scan: make a loop over the stack that cannot be rolled a
+            ``StackError`` naming the reason and the loop's line, rather
+            than a loop that runs layer by layer.
 
     Returns:
         The ``Stack``.
@@ -255,10 +271,12 @@ def stack(layers: Iterable[Any] | Any) -> Stack:
         autostate.errors.StackError: Layer 1 differs from layer 0 at scale: f32[4] against f32[3]...
     """
     if isinstance(layers, Stack):
-        return layers
+        if layers._require_scan == require_scan:
+            return layers
+        return Stack(layers._stacked, layers._depth, require_scan)
     if _graph.is_stateful_instance(layers):
         _check_eager(layers, 0)
-        return Stack(layers, _stacked_depth(layers))
+        return Stack(layers, _stacked_depth(layers), require_scan)
     if not isinstance(layers, Iterable):
         raise InvalidTypeError(
             format_error(
@@ -304,7 +322,7 @@ def stack(layers: Iterable[Any] | Any) -> Stack:
                 )
             )
     stacked = [jnp.stack(column) for column in zip(*(leaves for leaves, _ in flats))]
-    return Stack(_graph.unflatten_graph(graphdef, stacked), len(given))
+    return Stack(_graph.unflatten_graph(graphdef, stacked), len(given), require_scan)
 
 
 def _spec(leaf: Any) -> tuple[tuple[int, ...], Any]:

@@ -108,17 +108,29 @@ def _drop_columns(code: types.CodeType, lines: set[int]) -> types.CodeType:
 
 
 def compile_method(
-    source: str, filename: str, class_name: str, function_name: str, shift: int, flags: int
+    source: str, filename: str, class_name: str, function_name: str, shift: int, flags: int,
+    runtime: str | None = None,
 ) -> types.CodeType:
     """Compiles wrapper source and returns the code of the method inside it.
 
     Line ``n`` of ``source`` is line ``n + shift`` of ``filename``; blank lines
     in front put it there (when the header leaves room), so the code objects
-    carry the user's line numbers from the compiler itself.
+    carry the user's line numbers from the compiler itself. With ``runtime``
+    (the name the method reaches the runtime by), its ``for`` loops are given
+    their rolled form (``loops.roll_loops``) on the way.
     """
     pad = max(shift, 0)
+    text: Any = "\n" * pad + source
+    if runtime is not None:
+        import ast
+
+        from autostate.transform import loops
+
+        tree = ast.parse(text, filename)
+        if loops.roll_loops(tree, function_name, runtime):
+            text = tree
     module_code = compile(
-        "\n" * pad + source, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
+        text, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
     )
     outer = _find_code(_find_code(module_code, class_name), OUTER_NAME)
     code = _find_code(outer, function_name)

@@ -447,7 +447,7 @@ def _transform(
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
     # Only a cache miss parses: libcst's import is a third of jax's, and a
     # warm start (every class cached) never pays it.
-    from autostate.transform import analysis, rewrite
+    from autostate.transform import analysis, loops, rewrite
 
     facts, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
@@ -515,8 +515,10 @@ def _transform(
             for dotted in sorted(method.references)
             if (name := control_flow_name(_resolve(globals_, dotted))) is not None
         }
+        rolls = loops.has_loops(method.source.text)
         if (
             not control
+            and not rolls
             and (method.receiver is None or not (method.touched() & result.state))
             and not _reads_instance_dict(method.source.text)
         ):
@@ -540,6 +542,7 @@ def _transform(
             slot.function.__code__.co_name,
             shift,
             slot.function.__code__.co_flags,
+            runtime=method.runtime if rolls else None,
         )
     return result.state, result.initialized | initialized, codes
 

@@ -12522,3 +12522,152 @@ class Net:
             x = block(x)
         return x + first.mean
 """
+
+
+STACK_ROLL = """
+@DECORATE
+class Block:
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (3,))
+        self.mean = jnp.zeros(3)
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        self.mean = 0.9 * self.mean + 0.1 * x
+        return jnp.tanh(x * self.w) + self.mean
+
+
+def block_keys(n):
+    return jax.random.split(jax.random.key(1), n)
+
+
+def remember(log, x):  # a helper outside any class, changing a list in place
+    log.append(x)
+
+
+@DECORATE
+class Net:
+    def __init__(self, n):
+        self.blocks = autostate.stack([Block(k) for k in block_keys(n)])
+        self.scales = [jnp.full(3, 1.0 + i) for i in range(n)]
+        self.steps = jnp.zeros((), jnp.int32)
+        self.mode = "sum"
+
+    # Rolled under a trace: one lax.scan.
+    def carried(self, x):
+        aux, mode = 0.0, self.mode
+        for block in self.blocks:
+            x = block(x)
+            aux = aux + x.sum()  # a Python float, an array from the first step on
+            h = x * 2  # read after the loop only
+            mode = self.mode  # a string, the same at every step
+        return (x + aux + h.sum() + block.w) * len(mode)  # (block: the last layer)
+
+    def enumerated(self, x):
+        for i, block in enumerate(self.blocks, 1):
+            x = block(x) * i
+        return x
+
+    def zipped(self, x):
+        for block, scale in zip(self.blocks, self.scales):
+            x = block(x * scale)
+        return x
+
+    def threaded(self, x):
+        for block in self.blocks:
+            self.steps += 1  # a state of the model, threaded through the loop
+            x = block(x) + self.steps
+        return x
+
+    def nested(self, x):
+        for block in self.blocks:
+            for _ in range(2):
+                x = block(x)
+        return x
+
+    def checkpointed(self, x):
+        for block in self.blocks:
+            x = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)(x)
+        return x
+
+    def backwards(self, x):
+        for block in reversed(self.blocks):
+            x = block(x)
+        else:
+            x = x + 1
+        return x
+
+    # Not rolled: they run layer by layer, as written.
+    def first_differs(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == 0:  # Python branching on the layer index
+                x = x * 2
+            x = block(x)
+        return x
+
+    def early(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.ndim == 1:
+                return x * 3
+        return x
+
+    def stops(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.ndim > 1:
+                break
+        return x
+
+    def counted(self, x):
+        n = 0
+        for block in self.blocks:
+            x = block(x)
+            n += 1  # a Python int that changes at every step
+        return jnp.tile(x, n)
+
+    def remembered(self, x):
+        log = []
+        for block in self.blocks:
+            x = block(x)
+            remember(log, x)
+        return x + len(log)
+"""
+
+STACK_ROLL_STRICT = """
+@DECORATE
+class Block:
+    def __init__(self, w):
+        self.w = w
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        return jnp.tanh(x * self.w)
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = autostate.stack([Block(jnp.full(3, i + 1.0)) for i in range(3)], require_scan=True)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def first_differs(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == 0:
+                x = x * 2
+            x = block(x)
+        return x
+
+    def stops(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.ndim > 1:
+                break
+        return x
+"""

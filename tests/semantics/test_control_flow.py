@@ -54,6 +54,7 @@ from semantics.harness import (
     check,
     check_transform,
     data_for,
+    error_line,
     library,
     modes_of,
     names_of,
@@ -102,6 +103,8 @@ from semantics.programs import (
     RNN,
     STACK,
     STACK_LOOP,
+    STACK_ROLL,
+    STACK_ROLL_STRICT,
     STACKED,
     STACKED_MEMBERS,
     TRAIN_XS,
@@ -4323,6 +4326,87 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
         same(expected, g.model.blocks.stacked.w, "grad")
         for key, value in new.items():
             assert_same(snapshot(plain_path(ref, key)), snapshot(value), f"state {key}")
+
+
+# --- loop rolling: a Python loop over a stack runs as one lax.scan -----------------------
+# Under a trace, ``for block in self.blocks`` over a stack is rolled into one
+# lax.scan: the locals the body reads are the carry (a Python float becoming an
+# array, a string kept as it is), a local only read after the loop and the loop
+# variable keep their last values, the model's other states are threaded, the
+# layers' writes stacked; ``enumerate``, ``zip`` with a list of arrays,
+# ``reversed``, a loop nested in it and ``jax.checkpoint`` per block too. What
+# cannot be rolled (branching on the index, ``return``, ``break``, a Python int
+# that changes, a list a helper changes in place) runs layer by layer. Each is
+# the loop over the list, eagerly, in f and under jit.
+
+STACK_ROLLED = ["carried", "enumerated", "zipped", "threaded", "nested", "checkpointed", "backwards"]
+STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered"]
+
+
+@pytest.mark.parametrize("method", STACK_ROLLED + STACK_UNROLLED)
+def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Loader, method: str) -> None:
+    plain, dec = pair(
+        write_module, STACK_ROLL, plain_subs=STACK_LOOP_PLAIN[:1], checkpoint_as_identity=True
+    )
+    check(plain, dec, "Net(3)", [(method, (_SX,)), (method, (-_SX,))])
+    f, states = dec.Net(3).functionalize()
+    call = jax.jit(lambda s, x: getattr(f, method)(s, x))
+    # (A failed attempt's scan is dead code, gone from the compiled program.)
+    assert ("while" in call.lower(states, _SX).as_text()) == (method in STACK_ROLLED)
+    if method == "checkpointed":
+        assert "remat" in str(jax.make_jaxpr(call)(states, _SX))
+
+
+def test_gradient_through_a_rolled_loop_is_the_lists(write_module: Loader) -> None:
+    # grad of a loop rolled into one scan (carry, stacked layer writes, a threaded
+    # state, jax.checkpoint per block): each layer's gradient, stacked.
+    plain, dec = pair(
+        write_module, STACK_ROLL, plain_subs=STACK_LOOP_PLAIN[:1], checkpoint_as_identity=True
+    )
+    for method in ("threaded", "checkpointed", "zipped"):
+
+        def plain_loss(ws: Any, method: str = method) -> Any:
+            ref = plain.Net(3)
+            for block, w in zip(ref.blocks, ws, strict=True):
+                block.w = w
+            return (getattr(ref, method)(_SX) ** 2).sum()
+
+        ws = [block.w for block in plain.Net(3).blocks]
+        expected = jnp.stack(jax.grad(plain_loss)(ws))
+        f, states = dec.Net(3).functionalize()
+
+        def loss(f: Any, s: Any, method: str = method) -> Any:
+            return (getattr(f, method)(s, _SX)[0] ** 2).sum()
+
+        for fn in (jax.grad, lambda fn: staged(jax.grad(fn))):
+            same(expected, fn(loss)(f, states).model.blocks.stacked.w, f"grad {method}")
+
+
+@pytest.mark.parametrize(
+    ("method", "reason", "text"),
+    [
+        ("first_differs", "where Python needs a concrete one", "for i, block in enumerate(self.blocks):"),
+        ("stops", "a `break` or `continue` in its body", "for block in self.blocks:"),
+    ],
+)
+def test_require_scan_makes_a_loop_that_cannot_roll_an_error(
+    write_module: Loader, method: str, reason: str, text: str
+) -> None:
+    # A stack made with require_scan=True: the loop that rolls runs as one scan;
+    # one that cannot is a StackError naming why and where, under a trace. Eagerly
+    # the loop runs layer by layer, as always.
+    _, dec = pair(write_module, STACK_ROLL_STRICT)
+    model = dec.Net()
+    f, states = model.functionalize()
+    assert "scan[" in str(jax.make_jaxpr(f)(states, _SX))
+    getattr(model, method)(_SX)  # eager: layer by layer
+    for call in modes_of(f, method)[1:]:
+        with pytest.raises(StackError, match="require_scan=True cannot be rolled") as err:
+            call(states, _SX)
+        assert reason in str(err.value)
+        assert error_line(err.value).strip() == text
+    assert "require_scan=True" in repr(model.blocks)
+    assert autostate.stack(model.blocks, require_scan=False).require_scan is False
 
 
 STACK_REFUSALS = """

@@ -1,0 +1,483 @@
+"""Loop rolling, the rewrite: a ``for`` loop's body also as a function.
+
+A decorated method's ``for`` statement is compiled so that, when what it
+iterates is a stack of layers and a JAX trace is running, the runtime
+(``autostate.loops``) can run the body as one ``lax.scan`` instead of once
+per layer. The loop stays in the code exactly as written; in front of it
+the rewrite adds its body as a function of the locals it carries::
+
+    def __autostate_body_1(__autostate_item, __autostate_values):
+        (x, h) = __autostate_values
+        if h is UNBOUND: del h                # a local the loop found unbound
+        block = __autostate_item
+        x = block(x)                          # the body, as written
+        h = x.mean()
+        return (x, h)                         # each, or UNBOUND
+    __autostate_it_1 = loops.over(self.blocks)
+    if type(__autostate_it_1) is loops.Rolling:
+        __autostate_r_1 = __autostate_it_1.run(__autostate_body_1, (x, h), (True, False))
+        if __autostate_r_1 is None:           # it could not roll: the plain loop
+            __autostate_it_1 = __autostate_it_1.plain()
+        else:
+            (x, h) = __autostate_r_1[0]       # those the scan left bound
+            __autostate_it_1 = ()
+    for block in __autostate_it_1:            # the loop as written
+        x = block(x)
+        h = x.mean()
+
+Outside a trace, or over anything but a stack, ``over`` gives the iterable
+itself and the plain loop runs. Both copies of the body keep the user's
+line numbers; what is added takes the line of the ``for``.
+
+A loop whose meaning a function of its locals cannot carry is left as it
+is, its iterable wrapped in ``loops.unrolled(..., reason)`` (so that a stack
+made with ``require_scan=True`` can say why): ``break``, ``continue``,
+``return``, ``yield`` or ``await`` in the body, ``global`` / ``nonlocal``,
+``del`` of a local, a nested ``def`` or ``class``, zero-argument
+``super()``, ``locals()``, a target other than names, a local the body
+changes in place, or one a function defined outside the loop reads.
+
+This is an ``ast`` pass over the wrapper source the state rewrite produced
+(``rewrite.rewrite_method``), run by ``loader.compile_method``; it needs
+nothing but the source.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from collections.abc import Iterator
+
+# Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
+# they are deferred, so the runtime sees the stack rather than an iterator.
+_DEFERRED = frozenset({"enumerate", "zip", "reversed"})
+# Methods that change their object in place (``outs.append(x)``).
+_MUTATING = frozenset(
+    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
+     "sort", "reverse", "add", "discard", "__setitem__", "__delitem__"}
+)
+# Calls that see the running function's own scope.
+_SCOPE_READERS = frozenset({"locals", "vars", "dir", "eval", "exec"})
+_PREFIX = "__autostate_"
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_SCOPES = (*_FUNCTIONS, ast.ClassDef)
+
+
+def has_loops(text: str) -> bool:
+    """Whether ``text`` (a method's source) may hold a ``for`` statement."""
+    return "for " in text or "for\t" in text
+
+
+def roll_loops(tree: ast.Module, method_name: str, runtime: str) -> bool:
+    """Adds the rolled form to each ``for`` loop of the method ``method_name``
+    in ``tree`` (a wrapper module: ``class C: def outer(): def method``);
+    whether any was changed."""
+    method = _find_method(tree, method_name)
+    if method is None:
+        return False
+    roller = _Roller(runtime)
+    roller.visit_function(method)
+    return roller.changed
+
+
+def _find_method(tree: ast.Module, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    wrapper = tree.body[-1] if tree.body else None
+    if not isinstance(wrapper, ast.ClassDef) or not wrapper.body:
+        return None
+    outer = wrapper.body[0]
+    if not isinstance(outer, ast.FunctionDef):
+        return None
+    for node in reversed(outer.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    return None
+
+
+def _own_nodes(nodes: list[ast.stmt] | ast.AST) -> Iterator[ast.AST]:
+    """Every node under ``nodes`` that runs in their scope: not inside a nested
+    function, lambda or class (their default values and decorators are)."""
+    pending: list[ast.AST] = list(nodes) if isinstance(nodes, list) else [nodes]
+    while pending:
+        node = pending.pop()
+        yield node
+        inner: list[ast.AST | None]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner = [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]
+        elif isinstance(node, ast.Lambda):
+            inner = [*node.args.defaults, *node.args.kw_defaults]
+        elif isinstance(node, ast.ClassDef):
+            inner = [*node.decorator_list, *node.bases, *node.keywords]
+        else:
+            inner = list(ast.iter_child_nodes(node))
+        pending += [n for n in inner if n is not None]
+
+
+def _bound_names(nodes: list[ast.stmt]) -> set[str]:
+    """Names the statements bind in their own scope (walrus targets in
+    comprehensions included, as Python binds them there)."""
+    names: set[str] = set()
+    for node in _own_nodes(nodes):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).partition(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    for node in ast.walk(ast.Module(body=list(nodes), type_ignores=[])):
+        if isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)  # (binds in the function, even in a comprehension)
+    return names
+
+
+def _loaded(nodes: list[ast.stmt] | ast.AST) -> set[str]:
+    """Every name read anywhere under ``nodes``, nested scopes included."""
+    roots = nodes if isinstance(nodes, list) else [nodes]
+    return {
+        n.id
+        for root in roots
+        for n in ast.walk(root)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+
+
+def _target_names(target: ast.expr) -> list[str] | None:
+    """The names of a loop target made of names only (``x``, ``i, (a, b)``)."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        names: list[str] = []
+        for element in target.elts:
+            inner = _target_names(element)
+            if inner is None:
+                return None
+            names += inner
+        return names
+    return None
+
+
+def _base_name(node: ast.expr) -> str | None:
+    """``a`` of ``a.b[c].d``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | None:
+    """Why ``loop`` (in function ``scope``) cannot be rolled, or ``None``."""
+    if targets is None:
+        return "its target is not a name or a tuple of names"
+    body = loop.body
+    assigned = _bound_names(body)
+    for node in _own_nodes(body):
+        if isinstance(node, ast.Return):
+            return "a `return` in its body"
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return "a `yield` in its body"
+        if isinstance(node, ast.Await):
+            return "an `await` in its body"
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            return "a `global` or `nonlocal` statement in its body"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if not node.name.startswith(_PREFIX):
+                return f"a nested `{'class' if isinstance(node, ast.ClassDef) else 'def'}` in its body"
+        if isinstance(node, ast.Delete) and any(isinstance(t, ast.Name) for t in node.targets):
+            return "a `del` of a local in its body"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "super" and not node.args:
+                return "a zero-argument `super()` in its body"
+            if node.func.id in _SCOPE_READERS and not node.args:
+                return f"a call of `{node.func.id}()` in its body"
+        if isinstance(node, ast.Name) and node.id == "__class__":
+            return "`__class__` in its body"
+        changed, attribute = _changed_in_place(node)
+        if changed is None or changed in assigned or (attribute and changed in targets):
+            continue  # (an attribute of a layer assigned: a state write, as a list's layer)
+        return f"its body changes `{changed}` in place"
+    if _breaks(body):
+        return "a `break` or `continue` in its body"
+    if set(targets) & assigned:
+        return "its body assigns the loop variable"
+    declared = {
+        name
+        for node in _own_nodes(getattr(scope, "body", []))
+        if isinstance(node, (ast.Global, ast.Nonlocal))
+        for name in node.names
+    }
+    if declared & (assigned | set(targets)):
+        return "it assigns a name declared `global` or `nonlocal`"
+    for node in _own_nodes(getattr(scope, "body", [])):
+        generated = getattr(node, "name", "").startswith(_PREFIX)
+        if isinstance(node, _FUNCTIONS) and not generated and not _inside(node, loop):
+            if _loaded(node) & assigned:
+                return "a function defined outside the loop reads a local its body assigns"
+    return None
+
+
+def _changed_in_place(node: ast.AST) -> tuple[str | None, bool]:
+    """The name whose object ``node`` changes in place (``a[i] = v``, ``a.b =
+    v``, ``del a[i]``, ``a[i] += v``, ``a.append(v)``), and whether only by
+    assigning attributes (``a.b = v``, ``a.b.c += v``)."""
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = node.targets
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in _MUTATING:
+            return _base_name(node.func.value), False
+        return None, False
+    for target in targets:
+        for part in ast.walk(target):
+            if isinstance(part, (ast.Subscript, ast.Attribute)) and isinstance(
+                part.ctx, (ast.Store, ast.Del)
+            ):
+                chain: ast.expr = part
+                while isinstance(chain, ast.Attribute):
+                    chain = chain.value
+                attribute = isinstance(chain, ast.Name) and not isinstance(node, ast.Delete)
+                return _base_name(part), attribute
+    return None, False
+
+
+def _breaks(body: list[ast.stmt]) -> bool:
+    """Whether a ``break`` or ``continue`` of this loop (not of a loop inside it) is in ``body``."""
+    pending: list[ast.AST] = list(body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Break, ast.Continue)):
+            return True
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            pending += node.orelse  # (its body's belong to it)
+        elif not isinstance(node, _SCOPES):
+            pending += ast.iter_child_nodes(node)
+    return False
+
+
+def _inside(node: ast.AST, container: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(container))
+
+
+class _Roller:
+    """Walks one method, innermost loops first, adding each loop's rolled form."""
+
+    def __init__(self, runtime: str):
+        self.runtime = runtime
+        self.count = 0
+        self.changed = False
+
+    def visit_function(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._statements(function.body, function)
+
+    def _statements(self, statements: list[ast.stmt], scope: ast.AST) -> None:
+        i = 0
+        while i < len(statements):
+            node = statements[i]
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                inner = getattr(node, field, None)
+                if not isinstance(inner, list) or isinstance(node, ast.ClassDef):
+                    continue
+                nested = node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope
+                for part in inner:
+                    if isinstance(part, (ast.ExceptHandler, ast.match_case)):
+                        self._statements(part.body, nested)
+                if inner and isinstance(inner[0], ast.stmt):
+                    self._statements(inner, nested)
+            if isinstance(node, ast.For) and not self._plainly_not_a_stack(node.iter):
+                replacement = self._rolled(node, scope)
+                statements[i : i + 1] = replacement
+                i += len(replacement)
+                self.changed = True
+                continue
+            i += 1
+
+    @staticmethod
+    def _plainly_not_a_stack(iterable: ast.expr) -> bool:
+        """``range(...)``, a literal, a comprehension, ``d.items()``: never a stack."""
+        if isinstance(iterable, (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict,
+                                 ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+                                 ast.JoinedStr)):
+            return True
+        if isinstance(iterable, ast.Call):
+            func = iterable.func
+            if isinstance(func, ast.Name) and func.id == "range":
+                return True
+            if isinstance(func, ast.Attribute) and func.attr in ("items", "keys", "values"):
+                return True
+        return False
+
+    def _runtime(self, attr: str) -> ast.expr:
+        return ast.Attribute(
+            ast.Attribute(ast.Name(self.runtime, ast.Load()), "loops", ast.Load()), attr, ast.Load()
+        )
+
+    def _deferred(self, expr: ast.expr) -> ast.expr:
+        """``enumerate(a)`` as ``loops.Deferred(enumerate, (a,), {})``, inner calls too."""
+        if not (
+            isinstance(expr, ast.Call)
+            and isinstance(expr.func, ast.Name)
+            and expr.func.id in _DEFERRED
+            and not any(isinstance(a, ast.Starred) for a in expr.args)
+            and all(k.arg is not None for k in expr.keywords)
+        ):
+            return expr
+        return ast.Call(
+            self._runtime("Deferred"),
+            [
+                expr.func,
+                ast.Tuple([self._deferred(a) for a in expr.args], ast.Load()),
+                ast.Dict([ast.Constant(k.arg) for k in expr.keywords],
+                         [k.value for k in expr.keywords]),
+            ],
+            [],
+        )
+
+    def _rolled(self, loop: ast.For, scope: ast.AST) -> list[ast.stmt]:
+        targets = _target_names(loop.target)
+        reason = _why_not(loop, scope, targets)
+        source = self._deferred(loop.iter)
+        if reason is not None or targets is None:
+            loop.iter = ast.Call(self._runtime("unrolled"), [source, ast.Constant(reason)], [])
+            _locate(loop.iter, loop)
+            return [loop]
+        self.count += 1
+        n = self.count
+        body_name, it, result = f"{_PREFIX}body_{n}", f"{_PREFIX}it_{n}", f"{_PREFIX}r_{n}"
+        assigned = _bound_names(loop.body)
+        read = _loaded(loop.body)
+        live = self._live_after(scope, loop)
+        everything = live is None
+        needed = sorted(
+            name for name in assigned - set(targets)
+            if not name.startswith(_PREFIX)
+            and (name in read or everything or name in (live or set()))
+        )
+        live_targets = everything or bool(set(targets) & (live or set()))
+        unbound = self._runtime("UNBOUND")
+
+        def name(id_: str, ctx: ast.expr_context | None = None) -> ast.Name:
+            return ast.Name(id_, ctx or ast.Load())
+
+        def grab(into: str, value: str) -> ast.stmt:
+            # try: into = value / except NameError: into = UNBOUND
+            return ast.Try(
+                body=[ast.Assign([name(into, ast.Store())], name(value))],
+                handlers=[ast.ExceptHandler(
+                    name("NameError"), None, [ast.Assign([name(into, ast.Store())], unbound)]
+                )],
+                orelse=[], finalbody=[],
+            )
+
+        temps = [f"{_PREFIX}v{n}_{k}" for k in range(len(needed))]
+        function_body: list[ast.stmt] = []
+        if needed:
+            function_body.append(ast.Assign(
+                [ast.Tuple([name(v, ast.Store()) for v in needed], ast.Store())],
+                name(f"{_PREFIX}values"),
+            ))
+            function_body += [
+                ast.If(ast.Compare(name(v), [ast.Is()], [unbound]),
+                       [ast.Delete([name(v, ast.Del())])], [])
+                for v in needed
+            ]
+        function_body.append(ast.Assign([_stored(loop.target)], name(f"{_PREFIX}item")))
+        function_body += copy.deepcopy(loop.body)
+        function_body += [grab(t, v) for t, v in zip(temps, needed)]
+        function_body.append(ast.Return(ast.Tuple([name(t) for t in temps], ast.Load())))
+        function = ast.FunctionDef(
+            name=body_name,
+            args=ast.arguments(
+                posonlyargs=[], args=[ast.arg(f"{_PREFIX}item"), ast.arg(f"{_PREFIX}values")],
+                kwonlyargs=[], kw_defaults=[], defaults=[],
+            ),
+            body=function_body, decorator_list=[], returns=None,
+        )
+        if "type_params" in ast.FunctionDef._fields:  # (Python 3.12+)
+            function.type_params = []  # type: ignore[attr-defined]
+        landed: list[ast.stmt] = []
+        for k, v in enumerate(needed):
+            value = ast.Subscript(
+                ast.Subscript(name(result), ast.Constant(0), ast.Load()), ast.Constant(k), ast.Load()
+            )
+            landed.append(ast.If(
+                ast.Compare(value, [ast.IsNot()], [unbound]),
+                [ast.Assign([name(v, ast.Store())], copy.deepcopy(value))], [],
+            ))
+        if live_targets:
+            last = ast.Subscript(name(result), ast.Constant(1), ast.Load())
+            landed.append(ast.Assign([_stored(loop.target)], last))
+        landed.append(ast.Assign([name(it, ast.Store())], ast.Tuple([], ast.Load())))
+        run = ast.Call(
+            ast.Attribute(name(it), "run", ast.Load()),
+            [
+                name(body_name),
+                ast.Tuple([name(t) for t in temps], ast.Load()),
+                ast.Tuple([ast.Constant(v) for v in needed], ast.Load()),
+                ast.Tuple([ast.Constant(v in read) for v in needed], ast.Load()),
+                ast.Constant(live_targets),
+            ],
+            [],
+        )
+        attempt = ast.If(
+            ast.Compare(ast.Call(name("type"), [name(it)], []), [ast.Is()], [self._runtime("Rolling")]),
+            [
+                *[grab(t, v) for t, v in zip(temps, needed)],
+                ast.Assign([name(result, ast.Store())], run),
+                ast.If(
+                    ast.Compare(name(result), [ast.Is()], [ast.Constant(None)]),
+                    [ast.Assign([name(it, ast.Store())],
+                                ast.Call(ast.Attribute(name(it), "plain", ast.Load()), [], []))],
+                    landed,
+                ),
+            ],
+            [],
+        )
+        start = ast.Assign([name(it, ast.Store())], ast.Call(self._runtime("over"), [source], []))
+        loop.iter = name(it)
+        added = [function, start, attempt]
+        for node in added:
+            _locate(node, loop)
+        _locate(loop.iter, loop)
+        return [*added, loop]
+
+    def _live_after(self, scope: ast.AST, loop: ast.For) -> set[str] | None:
+        """Names read in ``scope`` outside ``loop``'s body (``None``: any may be,
+        the scope reads its own locals by name)."""
+        names: set[str] = set()
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id in _SCOPE_READERS and not node.args:
+                    return None
+        body_ids = {id(n) for stmt in loop.body for n in ast.walk(stmt)}
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                if id(node) not in body_ids:
+                    names.add(node.id)
+        return names
+
+
+def _stored(target: ast.expr) -> ast.expr:
+    """A copy of the loop target, as an assignment target."""
+    stored = copy.deepcopy(target)
+    for node in ast.walk(stored):
+        if isinstance(node, (ast.Name, ast.Tuple, ast.List)):
+            node.ctx = ast.Store()
+    return stored
+
+
+def _locate(node: ast.AST, at: ast.AST) -> None:
+    """Gives the nodes added under ``node`` the location of ``at`` (the loop's
+    ``for``); those copied from the user's code keep their own."""
+    line, col = getattr(at, "lineno", 1), getattr(at, "col_offset", 0)
+    for part in ast.walk(node):
+        if "lineno" in part._attributes and getattr(part, "lineno", None) is None:
+            for attr, value in (("lineno", line), ("col_offset", col),
+                                ("end_lineno", line), ("end_col_offset", col)):
+                setattr(part, attr, value)
