@@ -36,8 +36,10 @@ Run: ``python benchmarks/bench_depth.py [--smoke]``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +51,7 @@ import numpy as np
 from _timing import (
     Report,
     Table,
+    Target,
     fmt_ratio,
     fmt_seconds,
     paired_ratio,
@@ -286,8 +289,9 @@ def _check(results: dict[str, dict[str, Any]], what: str) -> None:
 
 
 def _measure(impls: dict[str, Impl], args: tuple, *, train: bool, donate: tuple[int, ...],
-             cfg: Config, what: str) -> tuple[dict[str, float], dict[str, Any]]:
-    """Trace + compile seconds and step timings of each implementation.
+             cfg: Config, what: str) -> tuple[dict[str, float], dict[str, Any], dict[str, Any]]:
+    """Trace + compile seconds, step timings and HLO instruction counts of
+    each implementation.
 
     Each is compiled ``cfg.compile_rounds`` times, interleaved, from a fresh
     ``jax.jit`` (the median kept; once, when that takes over
@@ -306,6 +310,7 @@ def _measure(impls: dict[str, Impl], args: tuple, *, train: bool, donate: tuple[
             executables[name] = fresh.lower(params, states, *args).compile()
             seconds[name].append(time.perf_counter() - start)
     compiled = {name: statistics.median(s) for name, s in seconds.items()}
+    programs = {name: _hlo_ops(executable.as_text()) for name, executable in executables.items()}
 
     def call(name: str, params: Any, states: Any) -> tuple[Any, Any, Any]:
         if train:
@@ -333,22 +338,38 @@ def _measure(impls: dict[str, Impl], args: tuple, *, train: bool, donate: tuple[
 
     timings = time_interleaved({name: runner(name) for name in impls}, rounds=cfg.rounds,
                                number=cfg.number)
-    return compiled, timings
+    return compiled, timings, programs
+
+
+_HLO_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(")
+
+
+def _hlo_ops(text: str) -> collections.Counter[str]:
+    """How many of each instruction a compiled program's HLO holds."""
+    found = (_HLO_INSTRUCTION.match(line) for line in text.splitlines())
+    return collections.Counter(m.group(1) for m in found if m)
 
 
 def _rows(table: Table, report: Report, label: Any, impls: dict[str, Impl],
-          compiled: dict[str, float], timings: dict[str, Any], what: str) -> None:
+          measured: tuple[dict[str, float], dict[str, Any], dict[str, Any]], what: str) -> None:
+    compiled, timings, programs = measured
     ratios = {name: paired_ratio(timings[name], timings[REFERENCE]) for name in impls}
     for name in impls:
         table.add(label, name, fmt_seconds(compiled[name]),
                   fmt_ratio(compiled[name] / compiled[REFERENCE]),
-                  fmt_seconds(timings[name].median), fmt_ratio(ratios[name]))
+                  fmt_seconds(timings[name].median), fmt_ratio(ratios[name]),
+                  f"{sum(programs[name].values()):,}")
     report.targets.append(target_below(
         "11", f"{what}: loop over a stack's trace + compile within 1.2x of a hand-written scan",
         compiled[STACK] / compiled[REFERENCE], 1.2))
     report.targets.append(target_below(
         "11", f"{what}: loop over a stack's step within 1.05x of a hand-written scan",
         ratios[STACK], 1.05))
+    same = programs[STACK] == programs[REFERENCE]
+    differ = (programs[STACK] - programs[REFERENCE]) + (programs[REFERENCE] - programs[STACK])
+    report.targets.append(Target(
+        "11", f"{what}: loop over a stack compiles to the hand-written scan's program (HLO "
+        "instruction counts)", None, same, "" if same else f"differ: {dict(differ)}"))
 
 
 def _check_gradients(loss: Callable[[Any, Any], Any], stack_model: Any, list_model: Any,
@@ -372,7 +393,7 @@ def _gpt_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table:
         f"{cfg.heads} heads, KV cache of {cfg.context} positions, batch {cfg.batch}; "
         f"{jax.default_backend()})",
         ("layers", "implementation", "trace + compile", f"vs {REFERENCE}", "per step",
-         f"vs {REFERENCE}"),
+         f"vs {REFERENCE}", "HLO instructions"),
     )
     x = jnp.asarray(rng.normal(size=(cfg.batch, cfg.dim)), jnp.float32)
     pos = jnp.asarray(cfg.context // 2, jnp.int32)
@@ -396,9 +417,9 @@ def _gpt_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table:
                    lambda out, f, s: {"out": out, **_per_layer(s, "blocks")}),
         }
         del layers, stack_model
-        compiled, timings = _measure(impls, (x, pos), train=False, donate=(1,), cfg=cfg,
-                                     what=f"GPT {depth} layers")
-        _rows(table, report, depth, impls, compiled, timings, f"GPT {depth} layers")
+        measured = _measure(impls, (x, pos), train=False, donate=(1,), cfg=cfg,
+                            what=f"GPT {depth} layers")
+        _rows(table, report, depth, impls, measured, f"GPT {depth} layers")
     table.notes.append(
         f"trace + compile: `jax.jit(step).lower(...).compile()`, median of {cfg.compile_rounds} "
         f"interleaved rounds (one when it took over {cfg.compile_once_above:g} s), a fresh "
@@ -417,7 +438,7 @@ def _small_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table
         f"Scenario 11: depth, {cfg.small_depth:,} residual tanh layers ({cfg.small_dim} wide, "
         f"a running mean each; batch {cfg.small_batch}; {jax.default_backend()})",
         ("step", "implementation", "trace + compile", f"vs {REFERENCE}", "per step",
-         f"vs {REFERENCE}"),
+         f"vs {REFERENCE}", "HLO instructions"),
     )
     x = jnp.asarray(rng.normal(size=(cfg.small_batch, cfg.small_dim)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(cfg.small_batch, cfg.small_dim)), jnp.float32)
@@ -452,9 +473,9 @@ def _small_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table
             impls[name] = (_sgd(_functional_step) if train else _functional_step, f, states,
                            canonical[name])
         what = f"{cfg.small_depth:,} residual layers, {kind}"
-        compiled, timings = _measure(impls, (x, y) if train else (x,), train=train,
-                                     donate=(0, 1) if train else (1,), cfg=cfg, what=what)
-        _rows(table, report, kind, impls, compiled, timings, what)
+        measured = _measure(impls, (x, y) if train else (x,), train=train,
+                            donate=(0, 1) if train else (1,), cfg=cfg, what=what)
+        _rows(table, report, kind, impls, measured, what)
     table.notes.append("measured as the decode step (table above)")
     table.notes.append("the training step: `jax.value_and_grad` of a mean squared error of the "
                        "output, an SGD update of the parameters; parameters and states donated")
