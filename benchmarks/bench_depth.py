@@ -1,16 +1,17 @@
 """Scenario 11: depth: a Python loop over a stack of layers against a hand-written scan.
 
-A model holds its layers as ``autostate.stack([...])`` and runs them with a
-plain ``for block in self.blocks: x = block(x)`` in a method. Traced (here:
-``jax.jit`` of ``model.functionalize()``'s ``f``), that loop is meant to
-become one ``lax.scan`` over the stacked layers (loop rolling), so that
-trace + compile time stays flat with depth and the step costs what a
-hand-written scan costs. Three implementations of each model:
+A model holds its layers as ``autostate.stack([...], require_scan=True)``
+and runs them with a plain ``for block in self.blocks: x = block(x)`` in a
+method. Traced (here: ``jax.jit`` of ``model.functionalize()``'s ``f``),
+the loop is one ``lax.scan`` over the stacked layers (loop rolling;
+``require_scan`` makes a loop that would unroll an error, so no row
+measures one by mistake): trace + compile time stays flat with depth and
+the step costs what a hand-written scan costs. Three implementations of
+each model:
 
-* **hand-written JAX**: ``lax.scan`` over the stacked weights and states, the
-  states threaded by hand (the reference);
-* **loop over a stack**: the ``@stateful`` model, its layers an
-  ``autostate.stack``;
+* **hand-written scan**: ``lax.scan`` over the stacked weights and states,
+  the states threaded by hand (the reference);
+* **loop over a stack**: the ``@stateful`` model, its layers a stack;
 * **loop over a list**: the same class, its layers a plain list (unrolled
   when traced, one copy of the layer per layer).
 
@@ -24,12 +25,14 @@ Two models:
   running mean of the activations as state); a jitted forward step and a
   jitted SGD training step (``jax.value_and_grad`` of a loss of ``f``).
 
-Before any timing, the stack model's outputs, states and gradients are
-checked against the list model's (``np.testing.assert_allclose``), and the
-hand-written step's against the stack model's. Trace + compile is one
-``jax.jit(step).lower(...).compile()`` of a fresh ``jax.jit`` each time;
-per step is ``time_interleaved`` with the hand-written step, the ratio the
-median of the per-round ratios.
+Trace + compile is ``jax.jit(step).lower(...).compile()`` of a new function
+each time (the median of a few rounds); that executable is then checked
+and timed: two steps of each give the stack model's outputs, states and
+updated parameters (``np.testing.assert_allclose``), the stack model's
+gradients equal the list model's (at a smaller depth), and per step is
+``time_interleaved`` with the hand-written step, the ratio the median of
+the per-round ratios. The HLO instructions of each compiled program are
+counted: the rolled loop's are the hand-written scan's.
 
 Run: ``python benchmarks/bench_depth.py [--smoke]``.
 """
@@ -295,8 +298,9 @@ def _measure(impls: dict[str, Impl], args: tuple, *, train: bool, donate: tuple[
 
     Each is compiled ``cfg.compile_rounds`` times, interleaved, from a fresh
     ``jax.jit`` (the median kept; once, when that takes over
-    ``cfg.compile_once_above`` seconds); the executable is checked (two steps from the same initial values, every output, state
-    and, training, updated parameter equal to the stack model's) and timed.
+    ``cfg.compile_once_above`` seconds); the executable is checked (two
+    steps from the same initial values, every output, state and, training,
+    updated parameter equal to the stack model's) and timed.
     """
     seconds: dict[str, list[float]] = {name: [] for name in impls}
     executables: dict[str, Any] = {}
