@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from autostate import control as _control
+from autostate import graph as _graph
 from autostate.effects.local_state import running_cells
 from autostate.errors import (
     StackError,
@@ -215,9 +216,25 @@ class _Promote(Exception):  # noqa: N818 - a signal, not an error
 
 
 def _arrays(value: Any) -> bool:
-    """Whether ``value`` is an array or a tree of arrays only (what a scan carries)."""
+    """Whether ``value`` is an array or a tree of arrays only, what a scan
+    carries (a model is not: its states are the scan's own to thread)."""
     leaves = jax.tree_util.tree_leaves(value)
-    return bool(leaves) and all(isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves)
+    return (
+        bool(leaves)
+        and all(isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves)
+        and not _graph.holds_instance(value)
+    )
+
+
+class _Kept:
+    """What the last trace of a rolled body left in the locals it does not
+    carry or stack: Python values, the same at every step (an attribute, not
+    a dict the body's guard would see change)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: dict[int, Any] = {}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -274,7 +291,7 @@ class Rolling:
             jax.tree_util.tree_map(jnp.asarray, values[k]) if k in promoted else values[k]
             for k in dynamic
         ]
-        assigned: dict[int, Any] = {}
+        kept = _Kept()
 
         def step(carry: list[Any], x: Any) -> tuple[list[Any], dict[int, Any]]:
             now = list(given)
@@ -292,7 +309,7 @@ class Rolling:
             for k in dynamic:
                 if not _arrays(out[k]):
                     raise _CannotRoll(f"its body makes `{names[k]}` a value a scan cannot carry")
-            ys = {}
+            ys, statics = {}, {}
             for k, v in enumerate(out):
                 if k in carried:
                     continue
@@ -304,7 +321,8 @@ class Rolling:
                         "and other values"
                     )
                 else:
-                    assigned[k] = v
+                    statics[k] = v
+            kept.values = statics
             return [out[k] for k in dynamic], ys
 
         carry, ys = _control.scan(step, init, plan.xs, reverse=plan.reverse)
@@ -314,7 +332,7 @@ class Rolling:
         result_last = 0 if plan.reverse else -1
         for k, y in ys.items():
             result[k] = jax.tree_util.tree_map(lambda a: a[result_last], y)
-        for k, v in assigned.items():
+        for k, v in kept.values.items():
             result[k] = v
         return tuple(result)
 

@@ -36,12 +36,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from autostate import control as _control
 from autostate import graph as _graph
 from autostate import guard as _guard
 from autostate import loops as _loops
 from autostate import runtime as _runtime
+from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects import FrozenLocalStateRequest, InitialLocalStateRequest, StateSlot
@@ -213,7 +215,9 @@ def stacks_in(tree: Any) -> dict[str, int]:
 # --- building a stack ---------------------------------------------------------------
 
 
-def stack(layers: Iterable[Any] | Any, *, require_scan: bool = False) -> Stack:
+def stack(
+    layers: Iterable[Any] | Any, *, require_scan: bool = False, layer_axis: str | None = None
+) -> Stack:
     """One stack of layers: a model whose arrays carry a leading layer axis.
 
     From a list of layers of one class and one structure (equal static
@@ -239,6 +243,11 @@ def stack(layers: Iterable[Any] | Any, *, require_scan: bool = False) -> Stack:
         require_scan: make a loop over the stack that cannot be rolled a
             ``StackError`` naming the reason and the loop's line, rather
             than a loop that runs layer by layer.
+        layer_axis: the mesh axis (or logical axis name, which ``rules``
+            map) the layer axis is split over; ``None``, the default, keeps
+            every layer on every device that holds its shard. The layers'
+            sharding annotations (``autostate.sharded``, ``state(...,
+            sharding=)``) gain this entry in front, for the layer axis.
 
     Returns:
         The ``Stack``.
@@ -276,7 +285,7 @@ def stack(layers: Iterable[Any] | Any, *, require_scan: bool = False) -> Stack:
         return Stack(layers._stacked, layers._depth, require_scan)
     if _graph.is_stateful_instance(layers):
         _check_eager(layers, 0)
-        return Stack(layers, _stacked_depth(layers), require_scan)
+        return Stack(_with_layer_axis(layers, layer_axis), _stacked_depth(layers), require_scan)
     if not isinstance(layers, Iterable):
         raise InvalidTypeError(
             format_error(
@@ -322,7 +331,25 @@ def stack(layers: Iterable[Any] | Any, *, require_scan: bool = False) -> Stack:
                 )
             )
     stacked = [jnp.stack(column) for column in zip(*(leaves for leaves, _ in flats))]
-    return Stack(_graph.unflatten_graph(graphdef, stacked), len(given), require_scan)
+    model = _with_layer_axis(_graph.unflatten_graph(graphdef, stacked), layer_axis)
+    return Stack(model, len(given), require_scan)
+
+
+def _with_layer_axis(model: Any, axis: str | None) -> Any:
+    """``model`` (stacked) with each sharding annotation of its instances given
+    the layer axis's entry in front: ``P(None, "model")`` of a layer's ``w``
+    is ``P(axis, None, "model")`` of the stacked ``w``."""
+    for obj in _graph.instances_of(model):
+        specs = obj.__dict__.get(_sharding.ANNOTATIONS)
+        if specs:
+            obj.__dict__[_sharding.ANNOTATIONS] = {  # (a new table: copies share the old one)
+                attr: jax.tree_util.tree_map(
+                    lambda spec: PartitionSpec(axis, *spec), spec,
+                    is_leaf=lambda x: isinstance(x, PartitionSpec),
+                )
+                for attr, spec in specs.items()
+            }
+    return model
 
 
 def _spec(leaf: Any) -> tuple[tuple[int, ...], Any]:

@@ -3,9 +3,11 @@
 The decoder is written for one sequence, the way one writes it in PyTorch:
 each attention layer appends the new keys and values to its cache
 (``self.k``, ``self.v``) and the decoder advances its position
-(``self.length``). Its blocks are stacked (``jax.vmap`` of the constructor)
-and run by one ``jax.lax.scan``, each layer writing its own cache. Those attributes are states, so ``functionalize()`` turns
-the model into ``f(states, tokens) -> (logits, new_states)``. Then:
+(``self.length``). Its blocks are an ``autostate.stack`` (``jax.vmap`` of the
+constructor) run by a plain ``for`` loop, which autostate rolls into one
+``lax.scan`` under a trace, each layer writing its own cache. Those
+attributes are states, so ``functionalize()`` turns the model into
+``f(states, tokens) -> (logits, new_states)``. Then:
 
 1. train it (batched with ``jax.vmap``, optax adam) to continue counting
    modulo the vocabulary: after ``3 4 5`` comes ``6 7 8 ...``;
@@ -80,19 +82,21 @@ class Decoder:
         keys = jax.random.split(key, layers + 2)
         self.embed = jax.random.normal(keys[0], (vocab, d)) * 0.1
         self.positions = jax.random.normal(keys[1], (max_len, d)) * 0.1
-        # The blocks are stacked: one Block whose arrays carry a leading layer
+        # The blocks are a stack: one Block whose arrays carry a leading layer
         # axis, built by jax.vmap of the constructor. Each layer has its own
         # weights and its own KV cache (``blocks.attention.k``: layers, max_len, ...).
-        self.blocks = jax.vmap(lambda k: Block(k, d, heads, max_len))(keys[2:])
+        self.blocks = autostate.stack(jax.vmap(lambda k: Block(k, d, heads, max_len))(keys[2:]))
         self.length = jnp.zeros((), jnp.int32)  # tokens seen so far: a state
 
     def __call__(self, tokens):
         """Logits ``(T, vocab)`` for the next token after each of ``tokens``."""
         start = self.length
         x = self.embed[tokens] + jax.lax.dynamic_slice_in_dim(self.positions, start, len(tokens))
-        # One lax.scan over the stacked layers: each step gets one layer, which
-        # writes its own cache row; the program does not grow with depth.
-        x, _ = jax.lax.scan(lambda x, block: (block(x, start), None), x, self.blocks)
+        # A plain loop over the stack: under a trace it runs as one lax.scan, each
+        # step one layer writing its own cache rows; the program does not grow
+        # with depth.
+        for block in self.blocks:
+            x = block(x, start)
         self.length += len(tokens)
         return rms_norm(x) @ self.embed.T
 
@@ -154,6 +158,9 @@ def main() -> None:
     model = Decoder(jax.random.key(0))
     f, empty = autostate.functionalize(model)
     print(f"{len(empty)} states:", ", ".join(sorted(empty)))
+    # Under a trace the loop over the blocks is one lax.scan, whatever the depth.
+    jaxpr = str(jax.make_jaxpr(f)(empty, jnp.arange(4)))
+    print("the loop over the blocks is one scan:", jaxpr.count("scan[") == 1)
     f, loss = train(f, empty, args.steps)
     print(f"trained {args.steps} steps, loss {loss:.4f}")
 

@@ -301,6 +301,42 @@ def compiled_step_keeps_each_arrays_layout():
 # --- item 4: cross-device statistics ---------------------------------------------------
 
 
+@check
+def rolled_loop_over_a_sharded_stack():
+    # A stack of annotated layers: each annotation gains the layer axis in front
+    # (unsplit, or split over the mesh axis the stack names); a Python loop over it
+    # rolls into one scan under jit, with the numbers of the eager loop, on the
+    # 2x4 mesh, the layer axis unsplit and split over "data".
+    mesh = mesh_2x4()
+    norms = [example.RunningNorm(CFG.d) for _ in range(4)]
+
+    @autostate.stateful
+    class Stacked:
+        def __init__(self, layer_axis):
+            self.norms = autostate.stack(norms, layer_axis=layer_axis)
+
+        def __call__(self, x):
+            for norm in self.norms:
+                x = jnp.tanh(norm(x))
+            return x
+
+    x = jax.random.normal(jax.random.key(3), (8, 4, CFG.d))
+    for layer_axis in (None, "data"):
+        model = Stacked(layer_axis)
+        f, states = model.functionalize()
+        shardings = autostate.shardings(f, states, mesh, rules=RULES)
+        spec = shardings[1]["norms.mean"].spec  # (RunningNorm's P("embed"), "embed" unsplit)
+        assert tuple(spec) == (layer_axis, None), spec
+        eager = Stacked(layer_axis)
+        expected = eager(x)
+        f, states = jax.device_put((f, states), shardings)
+        step = jax.jit(f)
+        assert "while" in step.lower(states, x).as_text()
+        out, new = step(states, x)
+        assert_close(out, expected, f"output, layer axis {layer_axis}")
+        assert_close(new["norms.mean"], eager.norms.mean, f"running mean, layer axis {layer_axis}")
+
+
 def full_batch_stats(x, momentum=0.9):
     """Running mean and var after one update from their initial 0 and 1, in float64."""
     x = np.asarray(x, np.float64)

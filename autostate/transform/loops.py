@@ -212,8 +212,9 @@ def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | 
     if declared & (assigned | set(targets)):
         return "it assigns a name declared `global` or `nonlocal`"
     for node in _own_nodes(getattr(scope, "body", [])):
-        generated = getattr(node, "name", "").startswith(_PREFIX)
-        if isinstance(node, _FUNCTIONS) and not generated and not _inside(node, loop):
+        if not isinstance(node, _FUNCTIONS) or getattr(node, "name", "").startswith(_PREFIX):
+            continue
+        if not _inside(node, loop):
             if _loaded(node) & assigned:
                 return "a function defined outside the loop reads a local its body assigns"
     return None

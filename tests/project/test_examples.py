@@ -83,6 +83,7 @@ def test_tutorial_checkpoint_resumes_exactly_from_an_abstract_target():
 
 def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop():
     out = run_example("tutorial_gpt.py", "--smoke")
+    assert "the loop over the blocks is one scan: True" in out
     assert "prompt [3, 4, 5] -> greedy [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]" in out
     assert "cache length after decoding: 13" in out
     assert "cached decoding == full recompute: True" in out

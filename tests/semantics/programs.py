@@ -12633,6 +12633,13 @@ class Net:
             x = block(x)
             remember(log, x)
         return x + len(log)
+
+    def previous(self, x):
+        last = self.blocks[0]
+        for block in self.blocks:
+            x = block(x) + last.w  # a layer carried from one step to the next
+            last = block
+        return x + last.w
 """
 
 STACK_ROLL_STRICT = """

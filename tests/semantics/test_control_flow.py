@@ -4336,11 +4336,12 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # layers' writes stacked; ``enumerate``, ``zip`` with a list of arrays,
 # ``reversed``, a loop nested in it and ``jax.checkpoint`` per block too. What
 # cannot be rolled (branching on the index, ``return``, ``break``, a Python int
-# that changes, a list a helper changes in place) runs layer by layer. Each is
-# the loop over the list, eagerly, in f and under jit.
+# that changes, a list a helper changes in place, a layer carried to the next
+# step) runs layer by layer. Each is the loop over the list, eagerly, in f and
+# under jit.
 
 STACK_ROLLED = ["carried", "enumerated", "zipped", "threaded", "nested", "checkpointed", "backwards"]
-STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered"]
+STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered", "previous"]
 
 
 @pytest.mark.parametrize("method", STACK_ROLLED + STACK_UNROLLED)

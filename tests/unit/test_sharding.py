@@ -54,6 +54,7 @@ CHECK_NAMES = [
     "sharded_init_materializes_each_array_in_its_layout",
     "dp_tp_step_equals_single_device",
     "compiled_step_keeps_each_arrays_layout",
+    "rolled_loop_over_a_sharded_stack",
     "jit_level_statistics_equal_full_batch",
     "shard_map_pmean_statistics_equal_full_batch",
     "shard_map_inside_a_method_writes_reduced_states",
