@@ -47,6 +47,7 @@ SCENARIOS = {
     "nn": "bench_nn",
     "stacked": "bench_stacked",
     "model_api": "bench_model_api",
+    "depth": "bench_depth",
 }
 PACKAGES = ("autostate", "jax", "jaxlib", "flax", "equinox", "dm-haiku", "penzai", "optax")
 

@@ -30,6 +30,8 @@ SCENARIOS = {
     "bench_model_api": ["Scenario 10: per-call cost of a jitted step", "autostate.jit (in place)",
                         "Scenario 10b: per-call cost of a jitted training step",
                         "Scenario 10c: peak memory of a donated decode step"],
+    "bench_depth": ["Scenario 11: depth, a jitted decode step of a GPT decoder",
+                    "Scenario 11: depth, 4 residual tanh layers", "loop over a stack"],
 }
 
 
