@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ class Block:
 class Deep:
     def __init__(self, keys, stacked=True):
         blocks = [Block(k) for k in keys]
-        self.blocks = autostate.stack(blocks) if stacked else blocks
+        self.blocks: Any = autostate.stack(blocks) if stacked else blocks
 
     def __call__(self, x):
         for block in self.blocks:
@@ -82,8 +83,8 @@ def pure(params, states, x):
 
 def variants(depth):
     keys = jax.random.split(jax.random.key(0), depth)
-    f_stack, s_stack = Deep(keys).functionalize()
-    f_list, s_list = Deep(keys, stacked=False).functionalize()
+    f_stack, s_stack = autostate.functionalize(Deep(keys))
+    f_list, s_list = autostate.functionalize(Deep(keys, stacked=False))
     params = {"w": jnp.stack([Block(k).w for k in keys])}
     return {
         "stack, for loop": (lambda s, x: f_stack(s, x), s_stack),
@@ -96,6 +97,7 @@ def variants(depth):
 
 def measure(fn, states, x, repeat):
     best = [np.inf, np.inf, np.inf]
+    compiled: Any = None
     for _ in range(repeat):
         jax.clear_caches()
         t0 = time.perf_counter()
@@ -106,7 +108,7 @@ def measure(fn, states, x, repeat):
         compiled = lowered.compile()
         t3 = time.perf_counter()
         best = [min(b, t) for b, t in zip(best, (t1 - t0, t2 - t1, t3 - t2))]
-    loops = compiled.as_text().count(" while(")
+    loops = str(compiled.as_text()).count(" while(")
     out = compiled(states, x)[0]
     return best, loops, out
 
