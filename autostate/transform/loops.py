@@ -15,7 +15,9 @@ the rewrite adds its body as a function of the locals it carries::
         return (x, h)                         # each, or UNBOUND
     __autostate_it_1 = loops.over(self.blocks)
     if type(__autostate_it_1) is loops.Rolling:
-        __autostate_r_1 = __autostate_it_1.run(__autostate_body_1, (x, h), (True, False))
+        __autostate_r_1 = __autostate_it_1.run(
+            __autostate_body_1, (x, h), ("x", "h"), (True, False), False
+        )                                     # (values, names, read in the body?, last item?)
         if __autostate_r_1 is None:           # it could not roll: the plain loop
             __autostate_it_1 = __autostate_it_1.plain()
         else:

@@ -101,3 +101,18 @@ def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
     assert len(members) == 4 and ensemble >= sum(members) / 4 - 0.05
     assert f"member 0 taken out of the stack, called eagerly: test accuracy {members[0]}%" in out
     assert out.endswith("ok\n")
+
+
+def test_scaling_depth_times_five_forms_that_agree():
+    # Every variant gives the same output (the script checks it); the loop over a
+    # stack and both scans compile one loop, the list and the loop that cannot
+    # roll none.
+    out = run_example("scaling_depth.py", "--depths", "4", "--repeat", "1")
+    loops = dict(re.findall(r"^ +4  (.+?) +\S+ +\S+ +\S+ +\S+  (\d+)$", out, re.M))
+    assert loops == {
+        "stack, for loop": "1",
+        "stack, lax.scan": "1",
+        "stack, not rolled": "0",
+        "list, for loop": "0",
+        "pure JAX, lax.scan": "1",
+    }, out
