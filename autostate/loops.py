@@ -16,9 +16,9 @@ the loop starts (``x = block(x)``); a local it only assigns and the code
 after the loop reads (``h = ...``) leaves the scan stacked, its last entry
 kept. A carried local that is no array (a Python number, a string, a
 config object) must come out of the body as it went in, since a scan
-carries arrays only: one that becomes an array (``aux = 0.0`` then ``aux
-= aux + loss``) is carried as one from the start; any other change can
-not be rolled.
+carries arrays only: a number that becomes an array (``aux = 0`` then
+``aux = aux + loss``) is carried from the start as an array of the dtype
+it becomes; any other change cannot be rolled.
 
 A loop that cannot be rolled runs unrolled, with the plain meaning: the
 attempt is undone (the states it touched, the refusals it recorded) and
@@ -64,6 +64,8 @@ class _Unbound:
 
 
 UNBOUND = _Unbound()
+_NUMBERS = (int, float, bool, complex)
+_ARRAY_TYPES = (jax.Array, jax.core.Tracer)
 
 # Each stack type (``autostate.stacks`` registers ``Stack``) -> whether it
 # asks that loops over it be rolled (``require_scan``).
@@ -111,11 +113,11 @@ def _leaf_plan(source: Any) -> _Plan | None:
     if t in _STRICT:
         n = len(source)
         return _Plan(source, lambda x: x, n, [source], lambda: source[n - 1])
-    if isinstance(source, (jax.Array, jax.core.Tracer)) and jnp.ndim(source) >= 1:
+    if isinstance(source, _ARRAY_TYPES) and jnp.ndim(source) >= 1:
         n = jnp.shape(source)[0]
         return _Plan(source, lambda x: x, n, [], lambda: source[n - 1])
     if (t is list or t is tuple) and source and all(
-        isinstance(v, (jax.Array, jax.core.Tracer)) for v in source
+        isinstance(v, _ARRAY_TYPES) for v in source
     ):
         kinds = {(jnp.shape(v), jnp.result_type(v), _control._weak_types(v)) for v in source}
         if len(kinds) == 1:
@@ -211,8 +213,10 @@ class _CannotRoll(Exception):
 
 
 class _Promote(Exception):  # noqa: N818 - a signal, not an error
-    def __init__(self, k: int):
-        self.k = k
+    """Local ``k``, a Python value, became an array of ``dtype`` in the body."""
+
+    def __init__(self, k: int, dtype: Any):
+        self.k, self.dtype = k, dtype
 
 
 def _arrays(value: Any) -> bool:
@@ -221,7 +225,7 @@ def _arrays(value: Any) -> bool:
     leaves = jax.tree_util.tree_leaves(value)
     return (
         bool(leaves)
-        and all(isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves)
+        and all(isinstance(v, _ARRAY_TYPES) for v in leaves)
         and not _graph.holds_instance(value)
     )
 
@@ -238,7 +242,7 @@ class _Kept:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) in (int, float, bool, complex, str) and _same_static(a, b))
+    return a is b or (type(a) in (*_NUMBERS, str) and _same_static(a, b))
 
 
 class Rolling:
@@ -261,13 +265,13 @@ class Rolling:
         """Runs the loop as one scan of ``body(item, values) -> values``:
         ``(each local's value after the loop or UNBOUND, the last item)``,
         or ``None`` where it cannot (the plain loop then runs)."""
-        promoted: set[int] = set()
+        promoted: dict[int, Any] = {}
         while True:
             try:
                 with _undone_on_failure(body, self.plan.xs, values):
                     out = self._scan(body, values, names, reads, promoted)
             except _Promote as signal:
-                promoted.add(signal.k)
+                promoted[signal.k] = signal.dtype
                 continue
             except Exception as raised:  # noqa: BLE001 - any failure means: the plain loop
                 if _strict(self.plan.stacks):
@@ -278,7 +282,7 @@ class Rolling:
 
     def _scan(
         self, body: Callable[[Any, tuple], tuple], values: tuple, names: tuple, reads: tuple,
-        promoted: set[int],
+        promoted: dict[int, Any],
     ) -> tuple:
         plan = self.plan
         carried = [k for k, v in enumerate(values) if reads[k] and v is not UNBOUND]
@@ -288,7 +292,7 @@ class Rolling:
         for k in static:
             given[k] = values[k]
         init = [
-            jax.tree_util.tree_map(jnp.asarray, values[k]) if k in promoted else values[k]
+            jnp.asarray(values[k], promoted[k]) if k in promoted else values[k]
             for k in dynamic
         ]
         kept = _Kept()
@@ -300,8 +304,8 @@ class Rolling:
             out = body(plan.item(x), tuple(now))
             for k in static:
                 if not _same(out[k], values[k]):
-                    if _arrays(out[k]):
-                        raise _Promote(k)
+                    if type(values[k]) in _NUMBERS and isinstance(out[k], _ARRAY_TYPES):
+                        raise _Promote(k, jnp.result_type(out[k]))
                     raise _CannotRoll(
                         f"its body changes `{names[k]}` ({type(values[k]).__name__}), which a "
                         "scan cannot carry"

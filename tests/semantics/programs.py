@@ -12556,13 +12556,14 @@ class Net:
 
     # Rolled under a trace: one lax.scan.
     def carried(self, x):
-        aux, mode = 0.0, self.mode
+        aux, count, mode = 0.0, 0, self.mode
         for block in self.blocks:
             x = block(x)
             aux = aux + x.sum()  # a Python float, an array from the first step on
+            count = count + x.mean()  # a Python int, a float array from the first step on
             h = x * 2  # read after the loop only
             mode = self.mode  # a string, the same at every step
-        return (x + aux + h.sum() + block.w) * len(mode)  # (block: the last layer)
+        return (x + aux + count + h.sum() + block.w) * len(mode)  # (block: the last layer)
 
     def enumerated(self, x):
         for i, block in enumerate(self.blocks, 1):
