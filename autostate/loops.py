@@ -179,9 +179,12 @@ def over(source: Any) -> Any:
     as one scan, else ``source`` itself (a ``Deferred`` called)."""
     if current_trace() is None or not _STRICT or _control._jit_disabled():
         return _plain(source)
+    stacks = _stacks_in(source)
+    if not stacks:  # (a list of arrays alone is never stacked: the plain loop)
+        return _plain(source)
     plan = _plan(source)
-    if plan is None or not plan.stacks or plan.length < 1:
-        if _strict(_stacks_in(source)):
+    if plan is None or plan.length < 1:
+        if _strict(stacks):
             what = "what it iterates is not one stack (or stacks, arrays and lists of one length)"
             raise _not_rolled(what)
         return _plain(source)
