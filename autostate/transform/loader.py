@@ -120,7 +120,8 @@ def compile_method(
     their rolled form (``loops.roll_loops``) on the way.
     """
     pad = max(shift, 0)
-    text: Any = "\n" * pad + source
+    text = "\n" * pad + source
+    module_code = None
     if runtime is not None:
         import ast
 
@@ -128,10 +129,18 @@ def compile_method(
 
         tree = ast.parse(text, filename)
         if loops.roll_loops(tree, function_name, runtime):
-            text = tree
-    module_code = compile(
-        text, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
-    )
+            try:
+                module_code = compile(
+                    tree, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
+                )
+            except (SyntaxError, ValueError, TypeError):
+                # (A loop form the rolling does not know how to write: its loops
+                # then run as written, layer by layer, as plain Python's do.)
+                module_code = None
+    if module_code is None:
+        module_code = compile(
+            text, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True
+        )
     outer = _find_code(_find_code(module_code, class_name), OUTER_NAME)
     code = _find_code(outer, function_name)
     if sys.version_info >= (3, 11):

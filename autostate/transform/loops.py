@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import ast
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
@@ -137,15 +137,39 @@ def _bound_names(nodes: list[ast.stmt]) -> set[str]:
     return names
 
 
-def _loaded(nodes: list[ast.stmt] | ast.AST) -> set[str]:
-    """Every name read anywhere under ``nodes``, nested scopes included."""
-    roots = nodes if isinstance(nodes, list) else [nodes]
-    return {
-        n.id
-        for root in roots
-        for n in ast.walk(root)
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-    }
+def _loaded(nodes: list[ast.stmt] | ast.AST, skip: Sequence[ast.stmt] = ()) -> set[str]:
+    """Every name read anywhere under ``nodes`` (nested scopes included; ``x``
+    of ``x += 1`` too), except under the statements ``skip``."""
+    pending: list[ast.AST] = list(nodes) if isinstance(nodes, list) else [nodes]
+    skipped = {id(s) for s in skip}
+    names: set[str] = set()
+    while pending:
+        node = pending.pop()
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        pending += ast.iter_child_nodes(node)
+    return names
+
+
+def _read_first(body: list[ast.stmt]) -> set[str]:
+    """Names the body may read before it assigns them: read in a statement
+    before the first one that surely binds them (an assignment at the body's
+    top level; one inside an ``if`` may not run)."""
+    bound: set[str] = set()
+    read: set[str] = set()
+    for statement in body:
+        read |= _loaded([statement]) - bound
+        if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            if isinstance(statement, ast.AnnAssign) and statement.value is None:
+                continue
+            for target in targets:
+                bound.update(_target_names(target) or ())
+    return read
 
 
 def _target_names(target: ast.expr) -> list[str] | None:
@@ -354,7 +378,7 @@ class _Roller:
         n = self.count
         body_name, it, result = f"{_PREFIX}body_{n}", f"{_PREFIX}it_{n}", f"{_PREFIX}r_{n}"
         assigned = _bound_names(loop.body)
-        read = _loaded(loop.body)
+        read = _read_first(loop.body)
         live = self._live_after(scope, loop)
         everything = live is None
         needed = sorted(
@@ -453,17 +477,11 @@ class _Roller:
     def _live_after(self, scope: ast.AST, loop: ast.For) -> set[str] | None:
         """Names read in ``scope`` outside ``loop``'s body (``None``: any may be,
         the scope reads its own locals by name)."""
-        names: set[str] = set()
         for node in ast.walk(scope):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 if node.func.id in _SCOPE_READERS and not node.args:
                     return None
-        body_ids = {id(n) for stmt in loop.body for n in ast.walk(stmt)}
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                if id(node) not in body_ids:
-                    names.add(node.id)
-        return names
+        return _loaded(scope, skip=loop.body)
 
 
 def _stored(target: ast.expr) -> ast.expr:

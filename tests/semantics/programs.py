@@ -12592,6 +12592,14 @@ class Net:
             x = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)(x)
         return x
 
+    def assigned_first(self, x):
+        h = None
+        for block in self.blocks:
+            h = block(x)  # assigned before the body reads it: not carried
+            x = x + h
+        h += 1  # (read after the loop by an augmented assignment)
+        return x + h
+
     def backwards(self, x):
         for block in reversed(self.blocks):
             x = block(x)

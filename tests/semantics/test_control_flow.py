@@ -4340,7 +4340,10 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # step) runs layer by layer. Each is the loop over the list, eagerly, in f and
 # under jit.
 
-STACK_ROLLED = ["carried", "enumerated", "zipped", "threaded", "nested", "checkpointed", "backwards"]
+STACK_ROLLED = [
+    "carried", "enumerated", "zipped", "threaded", "nested", "checkpointed", "backwards",
+    "assigned_first",
+]
 STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered", "previous"]
 
 

@@ -55,6 +55,22 @@ def test_a_loop_gets_its_body_as_a_function_of_what_it_carries() -> None:
     assert body.lineno == for_line and for_line + 1 in lines
 
 
+def test_a_local_assigned_before_the_body_reads_it_is_not_carried() -> None:
+    method = rolled("""
+        h, n = None, 0
+        for block in self.blocks:
+            h = block(x)
+            x = x + h
+            n += 1
+        h += 1
+        return x
+    """)
+    run = next(n for n in ast.walk(method) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run")
+    names, reads, _ = (ast.literal_eval(a) for a in run.args[2:])
+    # h: assigned first, read after the loop (by `h += 1`); n: read first (`n += 1`).
+    assert names == ("h", "n", "x") and reads == (False, True, True)
+
+
 @pytest.mark.parametrize(
     ("loop", "reason"),
     [
