@@ -11,10 +11,10 @@ come back stacked; the model's other states are threaded as carry).
 Anything else, and any loop outside a trace, is the plain iterable: the
 loop runs as written, layer by layer.
 
-What the scan carries are the locals the body reads and finds bound when
-the loop starts (``x = block(x)``); a local it only assigns and the code
-after the loop reads (``h = ...``) leaves the scan stacked, its last entry
-kept. A carried local that is no array (a Python number, a string, a
+What the scan carries are the locals the body may read before it assigns
+them and finds bound when the loop starts (``x = block(x)``); a local it
+assigns first and the code after the loop reads (``h = ...``) leaves the
+scan stacked, its last entry kept. A carried local that is no array (a Python number, a string, a
 config object) must come out of the body as it went in, since a scan
 carries arrays only: a number that becomes an array (``aux = 0`` then
 ``aux = aux + loss``) is carried from the start as an array of the dtype
