@@ -12551,6 +12551,7 @@ class Net:
     def __init__(self, n):
         self.blocks = autostate.stack([Block(k) for k in block_keys(n)])
         self.scales = [jnp.full(3, 1.0 + i) for i in range(n)]
+        self.gates = autostate.stack([Block(k) for k in block_keys(n + 1)[1:]])
         self.steps = jnp.zeros((), jnp.int32)
         self.mode = "sum"
 
@@ -12573,6 +12574,11 @@ class Net:
     def zipped(self, x):
         for block, scale in zip(self.blocks, self.scales):
             x = block(x * scale)
+        return x
+
+    def two_stacks(self, x):
+        for block, gate in zip(self.blocks, self.gates):  # two stacks, one step each
+            x = block(x) * jax.nn.sigmoid(gate(x))
         return x
 
     def threaded(self, x):

@@ -4341,8 +4341,8 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # under jit.
 
 STACK_ROLLED = [
-    "carried", "enumerated", "zipped", "threaded", "nested", "checkpointed", "backwards",
-    "assigned_first",
+    "carried", "enumerated", "zipped", "two_stacks", "threaded", "nested", "checkpointed",
+    "backwards", "assigned_first",
 ]
 STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered", "previous"]
 
