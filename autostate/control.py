@@ -1028,7 +1028,10 @@ def _scan_threaded(
 def _step_slice(xs: Any) -> Any:
     """The abstract value of one step's slice of ``xs`` (its leading axis dropped)."""
     return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a)[1:], jax.numpy.result_type(a)), xs
+        lambda a: jax.ShapeDtypeStruct(
+            jax.numpy.shape(a)[1:], jax.numpy.result_type(a), weak_type=_weak_types(a)[0]
+        ),
+        xs,
     )
 
 

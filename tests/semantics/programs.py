@@ -12567,9 +12567,11 @@ class Net:
         return (x + aux + count + h.sum() + block.w) * len(mode)  # (block: the last layer)
 
     def enumerated(self, x):
+        small = jnp.zeros(3, jnp.int8)
         for i, block in enumerate(self.blocks, 1):
             x = block(x) * i
-        return x
+            small = small + jnp.ones(3, jnp.int8) * i  # (an int8 array times an int: int8)
+        return x, small
 
     def zipped(self, x):
         for block, scale in zip(self.blocks, self.scales):

@@ -4359,6 +4359,8 @@ def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Load
     assert ("while" in call.lower(states, _SX).as_text()) == (method in STACK_ROLLED)
     if method == "checkpointed":
         assert "remat" in str(jax.make_jaxpr(call)(states, _SX))
+    if method == "enumerated":  # the index is weakly typed, as a Python int
+        assert call(states, _SX)[0][1].dtype == jnp.int8
 
 
 def test_gradient_through_a_rolled_loop_is_the_lists(write_module: Loader) -> None:
