@@ -223,9 +223,10 @@ def _transform_fingerprint() -> str:
     for name in sorted(os.listdir(here)):
         if name.endswith(".py"):
             digest.update((here / name).read_bytes())
-    # The runtime the rewritten code calls, and control.py, whose table says
-    # which JAX functions a method's calls are routed from.
-    for name in ("runtime.py", "control.py"):
+    # The runtime the rewritten code calls (loops.py: a rolled loop's), and
+    # control.py, whose table says which JAX functions a method's calls are
+    # routed from.
+    for name in ("runtime.py", "loops.py", "control.py"):
         path = here.parent / name
         if path.exists():
             digest.update(path.read_bytes())
