@@ -49,6 +49,7 @@ from __future__ import annotations
 import ast
 import copy
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
@@ -375,104 +376,25 @@ class _Roller:
             _locate(loop.iter, loop)
             return [loop]
         self.count += 1
-        n = self.count
-        body_name, it, result = f"{_PREFIX}body_{n}", f"{_PREFIX}it_{n}", f"{_PREFIX}r_{n}"
         assigned = _bound_names(loop.body)
         read = _read_first(loop.body)
         live = self._live_after(scope, loop)
-        everything = live is None
         needed = sorted(
             name for name in assigned - set(targets)
-            if not name.startswith(_PREFIX)
-            and (name in read or everything or name in (live or set()))
+            if not name.startswith(_PREFIX) and (name in read or live is None or name in live)
         )
-        live_targets = everything or bool(set(targets) & (live or set()))
-        unbound = self._runtime("UNBOUND")
-
-        def name(id_: str, ctx: ast.expr_context | None = None) -> ast.Name:
-            return ast.Name(id_, ctx or ast.Load())
-
-        def grab(into: str, value: str) -> ast.stmt:
-            # try: into = value / except NameError: into = UNBOUND
-            return ast.Try(
-                body=[ast.Assign([name(into, ast.Store())], name(value))],
-                handlers=[ast.ExceptHandler(
-                    name("NameError"), None, [ast.Assign([name(into, ast.Store())], unbound)]
-                )],
-                orelse=[], finalbody=[],
-            )
-
-        temps = [f"{_PREFIX}v{n}_{k}" for k in range(len(needed))]
-        function_body: list[ast.stmt] = []
-        if needed:
-            function_body.append(ast.Assign(
-                [ast.Tuple([name(v, ast.Store()) for v in needed], ast.Store())],
-                name(f"{_PREFIX}values"),
-            ))
-            function_body += [
-                ast.If(ast.Compare(name(v), [ast.Is()], [unbound]),
-                       [ast.Delete([name(v, ast.Del())])], [])
-                for v in needed
-            ]
-        function_body.append(ast.Assign([_stored(loop.target)], name(f"{_PREFIX}item")))
-        function_body += copy.deepcopy(loop.body)
-        function_body += [grab(t, v) for t, v in zip(temps, needed)]
-        function_body.append(ast.Return(ast.Tuple([name(t) for t in temps], ast.Load())))
-        function = ast.FunctionDef(
-            name=body_name,
-            args=ast.arguments(
-                posonlyargs=[], args=[ast.arg(f"{_PREFIX}item"), ast.arg(f"{_PREFIX}values")],
-                kwonlyargs=[], kw_defaults=[], defaults=[],
-            ),
-            body=function_body, decorator_list=[], returns=None,
+        wants_last = live is None or bool(set(targets) & live)
+        text = _rolled_form(
+            self.count, self.runtime, needed, read, ast.unparse(loop.target), wants_last
         )
-        if "type_params" in ast.FunctionDef._fields:  # (Python 3.12+)
-            function.type_params = []  # type: ignore[attr-defined]
-        landed: list[ast.stmt] = []
-        for k, v in enumerate(needed):
-            value = ast.Subscript(
-                ast.Subscript(name(result), ast.Constant(0), ast.Load()), ast.Constant(k), ast.Load()
-            )
-            landed.append(ast.If(
-                ast.Compare(value, [ast.IsNot()], [unbound]),
-                [ast.Assign([name(v, ast.Store())], copy.deepcopy(value))], [],
-            ))
-        if live_targets:
-            last = ast.Subscript(name(result), ast.Constant(1), ast.Load())
-            landed.append(ast.Assign([_stored(loop.target)], last))
-        landed.append(ast.Assign([name(it, ast.Store())], ast.Tuple([], ast.Load())))
-        run = ast.Call(
-            ast.Attribute(name(it), "run", ast.Load()),
-            [
-                name(body_name),
-                ast.Tuple([name(t) for t in temps], ast.Load()),
-                ast.Tuple([ast.Constant(v) for v in needed], ast.Load()),
-                ast.Tuple([ast.Constant(v in read) for v in needed], ast.Load()),
-                ast.Constant(live_targets),
-            ],
-            [],
-        )
-        attempt = ast.If(
-            ast.Compare(ast.Call(name("type"), [name(it)], []), [ast.Is()], [self._runtime("Rolling")]),
-            [
-                *[grab(t, v) for t, v in zip(temps, needed)],
-                ast.Assign([name(result, ast.Store())], run),
-                ast.If(
-                    ast.Compare(name(result), [ast.Is()], [ast.Constant(None)]),
-                    [ast.Assign([name(it, ast.Store())],
-                                ast.Call(ast.Attribute(name(it), "plain", ast.Load()), [], []))],
-                    landed,
-                ),
-            ],
-            [],
-        )
-        start = ast.Assign([name(it, ast.Store())], ast.Call(self._runtime("over"), [source], []))
-        loop.iter = name(it)
-        added = [function, start, attempt]
+        added = ast.parse(text).body
+        _locate(source, loop)
         for node in added:
-            _locate(node, loop)
+            _locate(node, loop, every=True)
+        filled = [_Filled(loop.body, source).visit(node) for node in added]
+        loop.iter = ast.Name(f"{_PREFIX}it_{self.count}", ast.Load())
         _locate(loop.iter, loop)
-        return [*added, loop]
+        return [*filled, loop]
 
     def _live_after(self, scope: ast.AST, loop: ast.For) -> set[str] | None:
         """Names read in ``scope`` outside ``loop``'s body (``None``: any may be,
@@ -484,21 +406,85 @@ class _Roller:
         return _loaded(scope, skip=loop.body)
 
 
-def _stored(target: ast.expr) -> ast.expr:
-    """A copy of the loop target, as an assignment target."""
-    stored = copy.deepcopy(target)
-    for node in ast.walk(stored):
-        if isinstance(node, (ast.Name, ast.Tuple, ast.List)):
-            node.ctx = ast.Store()
-    return stored
+# Where the rolled form's text holds the loop's body and its iterable.
+_BODY, _SOURCE = f"{_PREFIX}body__", f"{_PREFIX}source__"
 
 
-def _locate(node: ast.AST, at: ast.AST) -> None:
+class _Filled(ast.NodeTransformer):
+    """The rolled form with its placeholders replaced: a copy of the loop's
+    body, its iterable (each keeping the user's own lines)."""
+
+    def __init__(self, body: list[ast.stmt], source: ast.expr):
+        self.body, self.source = body, source
+
+    def visit_Expr(self, node: ast.Expr) -> Any:
+        if isinstance(node.value, ast.Name) and node.value.id == _BODY:
+            return copy.deepcopy(self.body)
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return self.source if node.id == _SOURCE else node
+
+
+def _rolled_form(
+    n: int, runtime: str, needed: list[str], read: set[str], target: str, wants_last: bool
+) -> str:
+    """The statements added in front of loop ``n``, as text: ``needed`` are the
+    locals it hands to its body function and takes back (``read``: those the
+    body may read first), ``target`` its loop variable (names only)."""
+    loops = f"{runtime}.loops"
+    temps = [f"{_PREFIX}v{n}_{k}" for k in range(len(needed))]
+
+    def grab(indent: str) -> str:  # each local's value, or UNBOUND
+        return "".join(
+            f"{indent}try:\n{indent}    {t} = {v}\n"
+            f"{indent}except NameError:\n{indent}    {t} = {loops}.UNBOUND\n"
+            for t, v in zip(temps, needed)
+        )
+
+    values = "".join(f"{v}, " for v in needed)
+    unbind = "".join(f"    if {v} is {loops}.UNBOUND:\n        del {v}\n" for v in needed)
+    land = "".join(
+        f"        if {_PREFIX}r_{n}[0][{k}] is not {loops}.UNBOUND:\n"
+        f"            {v} = {_PREFIX}r_{n}[0][{k}]\n"
+        for k, v in enumerate(needed)
+    )
+    last = f"        {target} = {_PREFIX}r_{n}[1]\n" if wants_last else ""
+    arguments = ", ".join([
+        f"{_PREFIX}body_{n}",
+        f"({''.join(f'{t}, ' for t in temps)})",
+        repr(tuple(needed)),
+        repr(tuple(v in read for v in needed)),
+        repr(wants_last),
+    ])
+    return (
+        f"def {_PREFIX}body_{n}({_PREFIX}item, {_PREFIX}values):\n"
+        + (f"    ({values}) = {_PREFIX}values\n" if needed else "")
+        + unbind
+        + f"    {target} = {_PREFIX}item\n"
+        + f"    {_BODY}\n"
+        + grab("    ")
+        + f"    return ({''.join(f'{t}, ' for t in temps)})\n"
+        + f"{_PREFIX}it_{n} = {loops}.over({_SOURCE})\n"
+        + f"if type({_PREFIX}it_{n}) is {loops}.Rolling:\n"
+        + grab("    ")
+        + f"    {_PREFIX}r_{n} = {_PREFIX}it_{n}.run({arguments})\n"
+        + f"    if {_PREFIX}r_{n} is None:\n"
+        + f"        {_PREFIX}it_{n} = {_PREFIX}it_{n}.plain()\n"
+        + "    else:\n"
+        + land
+        + last
+        + f"        {_PREFIX}it_{n} = ()\n"
+    )
+
+
+def _locate(node: ast.AST, at: ast.AST, every: bool = False) -> None:
     """Gives the nodes added under ``node`` the location of ``at`` (the loop's
-    ``for``); those copied from the user's code keep their own."""
+    ``for``); those copied from the user's code keep their own (``every``:
+    all nodes under ``node`` are added ones)."""
     line, col = getattr(at, "lineno", 1), getattr(at, "col_offset", 0)
     for part in ast.walk(node):
-        if "lineno" in part._attributes and getattr(part, "lineno", None) is None:
+        if "lineno" in part._attributes and (every or getattr(part, "lineno", None) is None):
             for attr, value in (("lineno", line), ("col_offset", col),
                                 ("end_lineno", line), ("end_col_offset", col)):
                 setattr(part, attr, value)
