@@ -15,7 +15,7 @@ short; ``docs/rewrite_rules.md`` section 9 prints the exact code)::
         h = x.mean()
         return (x, h)                         # each, or UNBOUND
     __autostate_it_1 = loops.over(self.blocks)
-    if type(__autostate_it_1) is loops.Rolling:
+    if __autostate_it_1.__class__ is loops.Rolling:
         __autostate_r_1 = __autostate_it_1.run(
             __autostate_body_1, (x, h), ("x", "h"), (True, False), False
         )                                     # (values, names, read in the body?, last item?)
@@ -467,7 +467,7 @@ def _rolled_form(
         + grab("    ")
         + f"    return ({''.join(f'{t}, ' for t in temps)})\n"
         + f"{_PREFIX}it_{n} = {loops}.over({_SOURCE})\n"
-        + f"if type({_PREFIX}it_{n}) is {loops}.Rolling:\n"
+        + f"if {_PREFIX}it_{n}.__class__ is {loops}.Rolling:\n"  # (no builtin: `type` may be a local)
         + grab("    ")
         + f"    {_PREFIX}r_{n} = {_PREFIX}it_{n}.run({arguments})\n"
         + f"    if {_PREFIX}r_{n} is None:\n"

@@ -4342,7 +4342,7 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 
 STACK_ROLLED = [
     "carried", "enumerated", "zipped", "two_stacks", "threaded", "nested", "checkpointed",
-    "backwards", "assigned_first",
+    "backwards", "assigned_first", "typed",
 ]
 STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered", "previous"]
 
