@@ -62,6 +62,15 @@ _MUTATING = frozenset(
 )
 # Calls that see the running function's own scope.
 _SCOPE_READERS = frozenset({"locals", "vars", "dir", "eval", "exec"})
+
+
+def _reads_scope(node: ast.AST) -> bool:
+    """``locals()``, ``vars()``, ``dir()``: the running function's locals by
+    name; ``eval(...)`` and ``exec(...)`` too (without their own namespaces)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        return False
+    name = node.func.id
+    return name in _SCOPE_READERS and (not node.args or (name in ("eval", "exec") and len(node.args) < 2))
 _PREFIX = "__autostate_"
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 _SCOPES = (*_FUNCTIONS, ast.ClassDef)
@@ -219,7 +228,7 @@ def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | 
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id == "super" and not node.args:
                 return "a zero-argument `super()` in its body"
-            if node.func.id in _SCOPE_READERS and not node.args:
+            if _reads_scope(node):
                 return f"a call of `{node.func.id}()` in its body"
         if isinstance(node, ast.Name) and node.id == "__class__":
             return "`__class__` in its body"
@@ -400,10 +409,8 @@ class _Roller:
     def _live_after(self, scope: ast.AST, loop: ast.For) -> set[str] | None:
         """Names read in ``scope`` outside ``loop``'s body (``None``: any may be,
         the scope reads its own locals by name)."""
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                if node.func.id in _SCOPE_READERS and not node.args:
-                    return None
+        if any(_reads_scope(node) for node in ast.walk(scope)):
+            return None
         return _loaded(scope, skip=loop.body)
 
 

@@ -83,6 +83,7 @@ def test_a_local_assigned_before_the_body_reads_it_is_not_carried() -> None:
         ("for b in self.blocks:\n    def g():\n        pass", "a nested `def` in its body"),
         ("for b in self.blocks:\n    x = super().f(b)", "a zero-argument `super()` in its body"),
         ("for b in self.blocks:\n    x = locals()", "a call of `locals()` in its body"),
+        ("for b in self.blocks:\n    x = eval('b(x)')", "a call of `eval()` in its body"),
         ("for self.b in self.blocks:\n    pass", "its target is not a name or a tuple of names"),
         ("for b in self.blocks:\n    xs.append(b(x))", "its body changes `xs` in place"),
         ("for b in self.blocks:\n    xs[0] = b(x)", "its body changes `xs` in place"),
