@@ -4,8 +4,9 @@ Hypothesis writes a ``Net`` whose method runs one ``for`` loop over its
 layers, with a header drawn from ``for b in self.blocks``, ``enumerate``
 (with a start), ``zip`` with a list of per-layer arrays and ``reversed``,
 and a body of statements drawn from the idioms of real layer loops: the
-residual stream carried (``x = b(x)``), a layer's state assigned from the
-loop (``b.mean = ...``), a state of the model threaded (``self.steps +=
+residual stream carried (``x = b(x)``), a layer's parameter read and its
+state assigned from the loop (``b.mean = ...``), a layer run twice in a
+nested ``range`` loop, a state of the model threaded (``self.steps +=
 1``), accumulators that start as Python numbers, a local assigned first
 and read after the loop, the index in arithmetic, Python branching on
 static config; and the constructs that keep the loop unrolled: Python
@@ -98,6 +99,8 @@ STATEMENTS: list[tuple[str, bool]] = [
     ("h = x * 2", True),
     ("tmp = b(x)\nx = x + 0.5 * tmp", True),
     ("b.mean = b.mean * 0.5", True),
+    ("x = x + b.w", True),
+    ("for _ in range(2):\n    x = b(x)", True),
     ("self.steps = self.steps + 1", True),
     ("if self.wide:\n    x = x * 1.5", True),
     ("if {i} == 1:\n    x = -x", False),
