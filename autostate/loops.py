@@ -90,7 +90,10 @@ class Deferred:
 
     def plain(self) -> Any:
         """The call, as the loop header spells it."""
-        return self.func(*(_plain(a) for a in self.args), **self.kwargs)
+        args = self.args
+        if any(type(a) is Deferred for a in args):
+            args = tuple(_plain(a) for a in args)
+        return self.func(*args, **self.kwargs)
 
 
 def _plain(source: Any) -> Any:
