@@ -335,6 +335,17 @@ def rolled_loop_over_a_sharded_stack():
         out, new = step(states, x)
         assert_close(out, expected, f"output, layer axis {layer_axis}")
         assert_close(new["norms.mean"], eager.norms.mean, f"running mean, layer axis {layer_axis}")
+        # The model object compiled (autostate.jit): rolled too, each array in its layout.
+        model = autostate.freeze(f, new)  # (one step taken, as the eager model's)
+        placed = model.norms.mean.sharding
+        compiled = autostate.jit(lambda m, x: m(x))
+        assert "while" in compiled.lower(model, x).as_text()
+        for _ in range(2):
+            out = compiled(model, x)
+            expected = eager(x)
+        assert_close(out, expected, f"autostate.jit output, layer axis {layer_axis}")
+        assert_close(model.norms.mean, eager.norms.mean, f"autostate.jit mean, {layer_axis}")
+        assert model.norms.mean.sharding.is_equivalent_to(placed, 2), model.norms.mean.sharding
 
 
 def full_batch_stats(x, momentum=0.9):
