@@ -113,9 +113,9 @@ class _ReprWriter:
         if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
         if t is Stack:  # (adds nothing to the names under it)
-            return _layout(
-                "Stack(", [f"depth={len(value)}", f"stacked={self.node(value.stacked, path)}"], ")"
-            )
+            strict = ["require_scan=True"] if value.require_scan else []
+            parts = [f"depth={len(value)}", *strict, f"stacked={self.node(value.stacked, path)}"]
+            return _layout("Stack(", parts, ")")
         if _values.is_array_or_spec(value):
             return _tree.describe(value)
         if t is list or t is tuple:

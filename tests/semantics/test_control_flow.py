@@ -4411,7 +4411,7 @@ def test_require_scan_makes_a_loop_that_cannot_roll_an_error(
             call(states, _SX)
         assert reason in str(err.value)
         assert error_line(err.value).strip() == text
-    assert "require_scan=True" in repr(model.blocks)
+    assert "require_scan=True" in repr(model.blocks) and "require_scan=True" in repr(model)
     assert autostate.stack(model.blocks, require_scan=False).require_scan is False
 
 
