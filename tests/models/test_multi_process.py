@@ -38,10 +38,13 @@ _TIMEOUT = 240
 
 
 def _env(devices: int, cache: Path) -> dict[str, str]:
-    """The session's environment (its XLA flags and compilation cache too), with ``devices``."""
+    """The session's environment (its XLA flags too), with ``devices``, and the
+    test's own caches: on jax 0.12 a process that reads an executable another
+    test's processes compiled into the session's XLA cache waits in its
+    collectives forever."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     return dict(os.environ, AUTOSTATE_CACHE_DIR=str(cache), XLA_FLAGS=flags.strip(),
-                JAX_PLATFORMS="cpu")
+                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache / "xla"))
 
 
 def _start(args: list[str], cwd: Path, devices: int, cache: Path) -> subprocess.Popen[str]:
