@@ -105,27 +105,24 @@ class _Plan:
     becomes the loop's item, and the item after the last step."""
 
     def __init__(
-        self, xs: Any, item: Callable[[Any], Any], length: int, stacks: list[Any],
+        self, xs: Any, item: Callable[[Any], Any], length: int,
         last: Callable[[], Any], reverse: bool = False,
     ):
-        self.xs, self.item, self.length, self.stacks = xs, item, length, stacks
+        self.xs, self.item, self.length = xs, item, length
         self.last, self.reverse = last, reverse
 
 
 def _leaf_plan(source: Any) -> _Plan | None:
     t = type(source)
-    if t in _STRICT:
-        n = len(source)
-        return _Plan(source, lambda x: x, n, [source], lambda: source[n - 1])
-    if isinstance(source, _ARRAY_TYPES) and jnp.ndim(source) >= 1:
-        n = jnp.shape(source)[0]
-        return _Plan(source, lambda x: x, n, [], lambda: source[n - 1])
+    if t in _STRICT or (isinstance(source, _ARRAY_TYPES) and jnp.ndim(source) >= 1):
+        n = len(source)  # (a stack's depth, an array's leading axis)
+        return _Plan(source, lambda x: x, n, lambda: source[n - 1])
     if (t is list or t is tuple) and source and all(
         isinstance(v, _ARRAY_TYPES) for v in source
     ):
         kinds = {(jnp.shape(v), jnp.result_type(v), _control._weak_types(v)) for v in source}
         if len(kinds) == 1:
-            return _Plan(jnp.stack(source), lambda x: x, len(source), [], lambda: source[-1])
+            return _Plan(jnp.stack(source), lambda x: x, len(source), lambda: source[-1])
     return None
 
 
@@ -143,7 +140,7 @@ def _plan(source: Any) -> _Plan | None:
         inner = found
         index = _weak(jnp.arange(start, start + inner.length))
         return _Plan(
-            (index, inner.xs), lambda x: (x[0], inner.item(x[1])), inner.length, inner.stacks,
+            (index, inner.xs), lambda x: (x[0], inner.item(x[1])), inner.length,
             lambda: (start + inner.length - 1, inner.last()),
         )
     if func is builtins.zip:
@@ -157,14 +154,14 @@ def _plan(source: Any) -> _Plan | None:
         return _Plan(
             tuple(p.xs for p in plans),
             lambda x: tuple(p.item(v) for p, v in zip(plans, x)),
-            plans[0].length, [s for p in plans for s in p.stacks],
+            plans[0].length,
             lambda: tuple(p.last() for p in plans),
         )
     if func is builtins.reversed and len(args) == 1 and not kwargs:
         leaf = _leaf_plan(args[0])
         if leaf is None:
             return None
-        return _Plan(leaf.xs, leaf.item, leaf.length, leaf.stacks, lambda: args[0][0], True)
+        return _Plan(leaf.xs, leaf.item, leaf.length, lambda: args[0][0], True)
     return None
 
 
@@ -287,7 +284,7 @@ class Rolling:
                 promoted[signal.k] = signal.dtype
                 continue
             except Exception as raised:  # noqa: BLE001 - any failure means: the plain loop
-                if _strict(self.plan.stacks):
+                if _strict(_stacks_in(self.source)):
                     raise _not_rolled(_reason(raised)) from raised
                 return None
             last = self.plan.last() if wants_last else UNBOUND
