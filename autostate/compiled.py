@@ -474,7 +474,7 @@ class Compiled(Generic[P, R]):
                 for _, entries in key.graphdef.instances
             ]
             touched = sorted(
-                {steps[i] for i, j in enumerate(sources) if j != i}
+                {at for i, j in enumerate(sources) if j != i for at in steps[i]}
                 | {(i, names[i][name]) for i, name in rebound if name in names[i]}
             )
         self._after[key_shapes] = _After(
@@ -537,8 +537,10 @@ def _check_alive(entry: _Entry, indices: Any) -> None:
                 format_error(
                     f"The array {_user_path(entry.key.graphdef.names[j])} of a model passed to "
                     "a function compiled by autostate.jit was deleted: an earlier compiled call "
-                    "donated it, through another model holding the same array (a copy.copy "
-                    "of this one, or a model it was loaded from).",
+                    "donated it while this model held it too. That call was given another "
+                    "model holding the same array (a copy.copy of this one, a model it was "
+                    "loaded from, or one its array was assigned to) and not this one, so only "
+                    "the other model received the new value.",
                     where=user_location(),
                     fix="give each model arrays of its own (copy.deepcopy), or compile with "
                     "donate_models=False.",

@@ -1440,19 +1440,20 @@ def rewrite_attributes(
     return done
 
 
-def leaf_attributes(graphdef: GraphDef) -> list[tuple[int, int]]:
-    """Per leaf of ``graphdef``, the ``(instance, attribute)`` indices of the
-    first attribute holding it (what ``rewrite_attributes`` takes)."""
-    found: dict[int, tuple[int, int]] = {}
+def leaf_attributes(graphdef: GraphDef) -> list[list[tuple[int, int]]]:
+    """Per leaf of ``graphdef``, the ``(instance, attribute)`` indices of every
+    attribute holding it (what ``rewrite_attributes`` takes): a tied weight
+    (``head.weight = emb.weight``) is one leaf held by two attributes, and a
+    new value of it is written to both."""
+    found: list[list[tuple[int, int]]] = [[] for _ in graphdef.names]
     for i, (_, steps) in enumerate(_rebuild_plan(graphdef)):
         for k, (_, how, what) in enumerate(steps):
             if how == _LEAF:
-                found.setdefault(what, (i, k))
+                found[what].append((i, k))
             elif how == _GENERAL:
-                for p in what[1]:
-                    if type(p) is int and p >= 0:
-                        found.setdefault(p, (i, k))
-    return [found[j] for j in range(len(graphdef.names))]
+                for p in sorted({p for p in what[1] if type(p) is int and p >= 0}):
+                    found[p].append((i, k))
+    return found
 
 
 def _rebuilt(how: int, what: Any, leaves: list[Any], objs: list[Any], statics: dict) -> Any:

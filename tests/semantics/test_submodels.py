@@ -2899,3 +2899,188 @@ def test_aliases_are_one_object(write_module: Loader) -> None:
         assert vars(W)["alias_value"] is vars(W)["value"]
         assert vars(W)["bump_alias"] is vars(W)["bump"]
         assert vars(W)["kind_alias"] is vars(W)["kind"]
+
+
+# --- sharing through every pure-call path -------------------------------------
+#
+# Three kinds of sharing: a tied weight across sub-models (GPT-2's
+# ``lm_head.weight is wte.weight``, big enough to travel unpacked through
+# ``autostate.jit``, and a small one that travels packed), one sub-model held by
+# two parents, and one array held by two attributes of one instance. Each pure
+# call path (eager, ``f``, ``jax.jit`` of ``f``, ``autostate.jit`` forward and
+# training with donation on and off, ``grad`` and ``Optimizer`` eagerly, a
+# rolled loop and ``vmap`` over a stack) must keep all three, leave no
+# attribute holding a deleted array, and compute what plain Python computes.
+
+
+class _SharedCounter(autostate.Stateful):
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.w = jnp.full(3, 0.5)
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return x * self.w
+
+
+class _Parent(autostate.Stateful):
+    def __init__(self, shared):
+        self.shared = shared
+
+    def __call__(self, x):
+        return self.shared(x)
+
+
+class _Table(autostate.Stateful):
+    def __init__(self, rows):
+        self.weight = jnp.linspace(-1.0, 1.0, rows * 3).reshape(rows, 3)
+
+
+class _StackLayer(autostate.Stateful):
+    def __init__(self, scale):
+        self.scale = jnp.full(3, scale)
+        self.seen = jnp.zeros(())
+
+    def __call__(self, x):
+        self.seen = self.seen + 1
+        return jnp.tanh(x * self.scale)
+
+
+class _Sharing(autostate.Stateful):
+    def __init__(self):
+        self.emb, self.head = _Table(3000), _Table(3000)  # 36 KB: travels unpacked
+        self.head.weight = self.emb.weight
+        self.small_in, self.small_out = _Table(4), _Table(4)  # travels packed
+        self.small_out.weight = self.small_in.weight
+        shared = _SharedCounter()
+        self.p, self.q = _Parent(shared), _Parent(shared)
+        self.a = jnp.ones(3)
+        self.b = self.a
+        self.blocks = autostate.stack([_StackLayer(0.5), _StackLayer(1.5)])
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x, mapped=False):
+        self.steps += 1
+        h = self.p(x * self.a) + self.q(x * self.b)
+        h = h + self.emb.weight[7] * self.head.weight[11] + self.small_in.weight[1]
+        if mapped:
+            h = h + jax.vmap(lambda layer: layer(h))(self.blocks).sum(0)
+        else:
+            for layer in self.blocks:
+                h = layer(h)
+        return (h * self.small_out.weight[2]).sum()
+
+
+def _assert_sharing_kept(m: Any) -> None:
+    assert m.head.weight is m.emb.weight
+    assert m.small_out.weight is m.small_in.weight
+    assert m.p.shared is m.q.shared
+    assert m.b is m.a
+    objects: list[Any] = []
+    leaves, _ = autostate.graph.flatten_graph(m, objects)
+    for obj in objects:
+        for name, value in vars(obj).items():
+            assert not (isinstance(value, jax.Array) and value.is_deleted()), (type(obj), name)
+    assert not any(x.is_deleted() for x in leaves if isinstance(x, jax.Array))
+
+
+def _sharing_loss(m: Any, x: Any) -> Any:
+    return m(x) ** 2
+
+
+_SHARING_X = jnp.array([0.1, -0.2, 0.3])
+
+
+def _sharing_path(path: str, donate: bool) -> Callable[[Any], Any]:
+    """One call of ``path`` on the model: a function changing it in place."""
+    import optax
+
+    def eager(m: Any) -> None:
+        m(_SHARING_X)
+
+    def through_f(m: Any, jitted: bool, mapped: bool = False) -> Any:
+        f, states = m.functionalize()
+        call = jax.jit(lambda f, s, x: f(s, x, mapped)) if jitted else (
+            lambda f, s, x: f(s, x, mapped))
+        _, states = call(f, states, _SHARING_X)
+        return autostate.freeze(f, states)
+
+    def compiled_forward(m: Any) -> None:
+        autostate.jit(lambda m, x: m(x), donate_models=donate)(m, _SHARING_X)
+
+    def compiled_mapped(m: Any) -> None:
+        autostate.jit(lambda m, x: m(x, True), donate_models=donate)(m, _SHARING_X)
+
+    def compiled_training(m: Any) -> None:
+        opt = autostate.Optimizer(m, optax.sgd(0.1))
+
+        @autostate.jit
+        def step(m: Any, opt: Any, x: Any) -> Any:
+            loss, grads = autostate.value_and_grad(_sharing_loss)(m, x)
+            opt.update(grads)
+            return loss
+
+        step = autostate.jit(step.fn, donate_models=donate)
+        step(m, opt, _SHARING_X)
+        step(m, opt, _SHARING_X)
+
+    def eager_training(m: Any) -> None:
+        opt = autostate.Optimizer(m, optax.sgd(0.1))
+        _, grads = autostate.value_and_grad(_sharing_loss)(m, _SHARING_X)
+        opt.update(grads)
+
+    return {
+        "eager": eager,
+        "f": lambda m: through_f(m, False),
+        "jax.jit(f)": lambda m: through_f(m, True),
+        "jax.jit(f) vmap over the stack": lambda m: through_f(m, True, True),
+        "autostate.jit forward": compiled_forward,
+        "autostate.jit vmap over the stack": compiled_mapped,
+        "autostate.jit training": compiled_training,
+        "value_and_grad and Optimizer eagerly": eager_training,
+    }[path]
+
+
+_SHARING_CASES = [
+    *[(path, True) for path in (
+        "eager", "f", "jax.jit(f)", "jax.jit(f) vmap over the stack",
+        "value_and_grad and Optimizer eagerly",
+    )],  # (these paths donate nothing)
+    *[(path, donate) for path in (
+        "autostate.jit forward", "autostate.jit vmap over the stack", "autostate.jit training",
+    ) for donate in (True, False)],
+]
+
+
+@pytest.mark.parametrize(("path", "donate"), _SHARING_CASES)
+def test_sharing_is_kept_by_every_pure_call_path(path: str, donate: bool) -> None:
+    m = _Sharing()
+    expected = _Sharing()
+    call = _sharing_path(path, donate)
+    for _ in range(2):  # (the second call reuses what the first kept)
+        got = call(m)
+        m = m if got is None else got
+        _assert_sharing_kept(m)
+        m(_SHARING_X)  # an eager call after it works on live arrays
+        _assert_sharing_kept(m)
+    if "training" in path:
+        return  # (the parameters moved: sharing and liveness are what is checked)
+    for _ in range(2):
+        expected(_SHARING_X, "vmap" in path)
+        expected(_SHARING_X)
+    assert int(m.steps) == int(expected.steps) == 4
+    assert_same(expected.p.shared.n, m.p.shared.n)
+    assert_same(expected.blocks.seen, m.blocks.seen)
+
+
+def test_an_array_donated_through_another_model_is_named_in_the_error() -> None:
+    m = _Table(3000)  # 36 KB: donated by a compiled call
+    other = copy.copy(m)  # a shallow copy: the same array, another model
+    autostate.jit(lambda m: m.weight.sum())(other)
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        autostate.jit(lambda m: m.weight.sum())(m)
+    message = str(info.value)
+    assert "`weight` (of model argument 1)" in message
+    assert "another model holding the same array" in message
+    assert "copy.deepcopy" in message and "donate_models=False" in message
+    assert __file__ in message  # (the user's line)
