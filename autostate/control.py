@@ -78,6 +78,8 @@ from autostate.effects.local_state import (
     fresh_handler_id,
     handler_cells,
     run_with_states,
+    running_call,
+    running_calls,
     running_cells,
 )
 from autostate.errors import (
@@ -795,6 +797,100 @@ class _StaticInBody(StateSlot):
 # reads and writes its own slice, and the slices written come back stacked.
 
 
+def _with_layer_views(mapped: Any, what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, the states of the layer views in ``mapped`` (a mapped
+    argument) handled as states of their own while it runs.
+
+    A stack held by a layer of an outer stack (``self.sub`` of the view
+    ``self.blocks[0]``) is a view too: its states are slots reading and
+    writing their part of the outer stacked state (``StateSlot.part_of``).
+    Mapped over, it is a stacked sub-model like any other: each member's
+    slice comes from that part, and the slices written come back stacked
+    and are written through the view, into the outer state. While the call
+    runs, the outer state itself cannot be read by another path (it would
+    read the value from before the call): that is refused.
+    """
+    swapped: list[tuple[Any, str, StateSlot, str]] = []
+    names: set[str] = set()
+    for obj in _graph.instances_of(mapped):
+        for attr in _tree.info_of(obj).state:
+            slot = obj.__dict__.get(attr)
+            if not isinstance(slot, StateSlot) or slot.part_of() is None:
+                continue
+            name = f"{type(obj).__name__}.{attr}"
+            while name in names:
+                name += "'"
+            names.add(name)
+            swapped.append((obj, attr, slot, name))
+    if not swapped:
+        return call()
+    states = {name: slot.read() for _, _, slot, name in swapped}
+    swapped = [entry for entry in swapped if _traceable(states[entry[3]])]
+    if not swapped:
+        return call()
+    handler_id = fresh_handler_id()
+    wholes: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    for obj, attr, slot, name in swapped:
+        owner, owner_attr = slot.part_of()  # type: ignore[misc]
+        wholes.setdefault((id(owner), owner_attr), (owner, owner_attr, owner.__dict__[owner_attr]))
+        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+    for owner, owner_attr, held in wholes.values():
+        owner.__dict__[owner_attr] = _WholeOfMappedViews(held, type(owner).__name__, owner_attr, what)
+    try:
+        out, new = run_with_states(handler_id, states, call, (), {})
+    finally:
+        for owner, owner_attr, held in wholes.values():
+            owner.__dict__[owner_attr] = held
+        for obj, attr, slot, _ in swapped:
+            obj.__dict__[attr] = slot
+    for obj, attr, slot, name in swapped:
+        if new[name] is not states[name]:
+            replacement = slot.write(new[name], attr)
+            if replacement is not None:
+                obj.__dict__[attr] = replacement
+    return out
+
+
+class _WholeOfMappedViews(StateSlot):
+    """A stacked state while a mapping transformation maps over a view of
+    part of it (``_with_layer_views``): refused to every other path."""
+
+    __slots__ = ("slot", "owner", "attr", "what")
+    handleable = False
+
+    def __init__(self, slot: Any, owner: str, attr: str, what: str):
+        self.slot = slot
+        self.owner = owner
+        self.attr = attr
+        self.what = what
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.slot.category
+
+    def _refusal(self) -> Exception:
+        return ControlFlowStateError(
+            format_error(
+                f"State {self.owner}.{self.attr} of a stack is used inside {self.what}, which "
+                "maps over a layer of that stack (a stack held by a layer: its states are "
+                "parts of this one): the mapped layer's slices and this state would be two "
+                "values of one state.",
+                where=user_location(),
+                fix="use the stack through the layer alone inside the mapped function, or "
+                "map over the whole outer stack (`for block in self.blocks`).",
+            )
+        )
+
+    def read(self) -> Any:
+        raise self._refusal()
+
+    def write(self, value: Any, label: str | None = None) -> None:
+        raise self._refusal()
+
+    def as_request(self) -> Any:
+        raise self._refusal()
+
+
 def _members(cells: Cells, tree: Any) -> list[int]:
     """The cells (indices into ``cells``) of the states of the decorated
     instances in ``tree`` that hold JAX values: those a mapping transformation
@@ -980,6 +1076,12 @@ def scan(
 
 def _scan(
     f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str = "the body of a lax.scan"
+) -> tuple[Any, Any]:
+    return _with_layer_views(xs, what, lambda: _scan_members(f, init, xs, options, what))
+
+
+def _scan_members(
+    f: Callable, init: Any, xs: Any, options: dict[str, Any], what: str
 ) -> tuple[Any, Any]:
     if _graph.holds_instance(xs):  # a sub-model scanned over: each step's copy guarded
         step = f
@@ -1515,7 +1617,12 @@ def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options
 
     def call(args: tuple, kwargs: dict) -> Any:
         args, kwargs = _vmap_layers(in_axes, args, kwargs)
-        return _living_here(_vmap_call(fun, in_axes, out_axes, options, args, kwargs))
+        axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        mapped = ([a for a, axis in zip(args, axes) if axis is not None], kwargs)
+        return _living_here(_with_layer_views(
+            mapped, "a jax.vmap",
+            lambda: _vmap_call(fun, in_axes, out_axes, options, args, kwargs),
+        ))
 
     return _transformed(fun, "a jax.vmap", call)
 
@@ -1969,15 +2076,80 @@ def _custom_call(call: Callable[[], Any], roots: tuple, what: str) -> Any:
     return _with_eager_states(roots, checked, what)
 
 
+def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
+                what: str) -> Callable[..., Any]:
+    """``fn``, a function with a custom derivative or its forward rule, which
+    JAX may trace after the call that called it has ended (a forward rule
+    traced lazily for an outer ``jax.grad`` of a ``jax.checkpoint``): then it
+    reads the states of the handlers running at the call (``calls``), with
+    the values they had there, as it would have run at that line. It cannot
+    assign them any more (the call is over): refused."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        gone = [(hid, values) for hid, values in calls if running_call(hid) is None]
+
+        def within(k: int) -> Any:
+            if k == len(gone):
+                return fn(*args, **kwargs)
+            cells = handler_cells(gone[k][0])
+            before = {name: cell.value for name, cell in cells.items()}
+            out = within(k + 1)
+            for name, cell in cells.items():
+                if cell.value is not before[name]:
+                    raise EscapedStateError(
+                        format_error(
+                            f"State {name!r} is assigned inside {what}, which JAX traced "
+                            "after the call that called it had ended (under jax.checkpoint), "
+                            "so the write has no call to land in.",
+                            where=user_location(),
+                            fix="assign the state outside the function with the custom "
+                            "derivative: return the new value from it and assign it after "
+                            "the call.",
+                        )
+                    )
+            return out
+
+        if not gone:
+            return fn(*args, **kwargs)
+        run_in = within
+        for hid, values in reversed(gone):
+            run_in = functools.partial(_run_states, hid, values, run_in)
+        return run_in(0)
+
+    functools.update_wrapper(run, fn)
+    return run
+
+
+def _run_states(handler_id: Any, values: dict[str, Any], call: Callable[[int], Any],
+                k: int) -> Any:
+    return run_with_states(handler_id, values, call, (k,), {})[0]
+
+
 class _StateChecked:
-    """The call of a function with a custom derivative, its states checked (``_custom_call``)."""
+    """The call of a function with a custom derivative, its states checked
+    (``_custom_call``); the function and the rules JAX may trace after the
+    call has ended read the states as they were at the call (``_reentering``)."""
 
     fun: Callable[..., Any]
+    _deferred: tuple[str, ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = super().__call__  # type: ignore[misc]
         what = f"a jax.{type(self).__name__} function"
-        return _custom_call(lambda: call(*args, **kwargs), (self.fun, args, kwargs), what)
+
+        def call() -> Any:
+            calls = [(entry[0], {name: cell.value for name, cell in entry[1].items()})
+                     for entry in running_calls()]
+            target = self
+            if calls:
+                target = object.__new__(type(self))  # (custom_vjp's __new__ takes fun)
+                target.__dict__.update(self.__dict__)
+                for name in self._deferred:
+                    rule = getattr(self, name, None)
+                    if rule is not None:
+                        setattr(target, name, _reentering(rule, calls, what))
+            return super(_StateChecked, target).__call__(*args, **kwargs)  # type: ignore[misc]
+
+        return _custom_call(call, (self.fun, args, kwargs), what)
 
 
 class custom_vjp(_StateChecked, jax.custom_vjp):  # noqa: N801 - jax's name
@@ -1985,11 +2157,15 @@ class custom_vjp(_StateChecked, jax.custom_vjp):  # noqa: N801 - jax's name
     concrete values (what a method's ``jax.custom_vjp`` calls); a write JAX
     traces away is refused at the call."""
 
+    _deferred = ("fun", "fwd")
+
 
 class custom_jvp(_StateChecked, jax.custom_jvp):  # noqa: N801 - jax's name
     """``jax.custom_jvp`` whose function may assign state where JAX runs it on
     concrete values (what a method's ``jax.custom_jvp`` calls); a write JAX
     traces away is refused at the call."""
+
+    _deferred = ("fun", "jvp")
 
 
 # --- what the decorator routes here -------------------------------------------------

@@ -47,7 +47,14 @@ from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects import FrozenLocalStateRequest, InitialLocalStateRequest, StateSlot
-from autostate.errors import InvalidTypeError, StackError, StateAccessError, format_error
+from autostate.errors import (
+    InvalidTypeError,
+    StackError,
+    StateAccessError,
+    format_error,
+    traced_value_error,
+    user_location,
+)
 from autostate.state_values import StaticState, _same_static, is_static_value
 
 __all__ = ["LayerSlot", "Stack", "is_stack", "stack", "stacks_in"]
@@ -130,6 +137,22 @@ class Stack:
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return [self._layer(i) for i in range(self._depth)[index]]
+        if isinstance(index, jax.core.Tracer):
+            # (Also JAX's error for int() of a tracer, as every TracedValueError is.)
+            jax_error = Exception.__new__(jax.errors.ConcretizationTypeError)
+            raise traced_value_error(
+                jax_error,
+                format_error(
+                    f"A layer of a stack of {self._depth} is chosen by a traced index: a "
+                    "layer is a view whose position must be a Python int, and under a trace "
+                    "the index is a value of the compiled program.",
+                    where=user_location(),
+                    fix="choose the layer inside the program: `jax.lax.switch(i, "
+                    "[self.layers[k] for k in range(len(self.layers))], x)` runs layer i "
+                    "(its state writes land), or index the stacked arrays directly "
+                    "(`self.layers.w[i]`) to read one layer's parameter.",
+                ),
+            ) from None
         i = int(index)
         if not -self._depth <= i < self._depth:
             raise IndexError(f"stack index {index} out of range for a stack of {self._depth} layers")
@@ -638,6 +661,9 @@ class LayerSlot(StateSlot):
                 "(`copy.deepcopy(layer)`).",
             )
         )
+
+    def part_of(self) -> tuple[Any, str]:
+        return self.owner, self.attr
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not LayerSlot:

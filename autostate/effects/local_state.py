@@ -216,6 +216,12 @@ class StateSlot:
         ``handled_in_structure`` made."""
         raise NotImplementedError
 
+    def part_of(self) -> tuple[Any, str] | None:
+        """``(instance, attribute)`` of the state this slot reads and writes a
+        part of (a layer's slice of a stack's state), or ``None`` for a state
+        of its own."""
+        return None
+
 
 def _static_pytree(cls):
     """Registers a dataclass with only static fields as a childless pytree node."""

@@ -4737,6 +4737,9 @@ class Rules:
 
     def jvp_rule(self, x):
         return jax.grad(self._jvp("rule"))(x)  # custom rule line
+
+    def applied(self, x):
+        return self._vjp(None)(x) + self._jvp(None)(x) * x
 """
 
 
@@ -4763,6 +4766,37 @@ def test_state_assigned_in_a_traced_custom_derivative_is_refused_at_the_line(
     user_line(err.value, dec, "# custom rule line")
     out, new = jax.jit(f.reads)(states, jnp.float32(1.5))  # f is left usable
     same(jnp.ones(()), new["n"])
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jax.jit(f)"])
+def test_grad_of_a_checkpoint_through_custom_derivatives_reading_state(
+    write_module: Loader, mode: str
+) -> None:
+    # Under an outer jax.grad of a jax.checkpoint, JAX traces a custom_vjp's forward
+    # rule (and a custom_jvp's rule) after the call has ended: they read the states
+    # as they were at the call, as plain JAX's closures read the attributes.
+    plain, dec = pair(write_module, CUSTOM_RULES)
+    x = jnp.float32(1.5)
+    expected = jax.grad(lambda x: jax.checkpoint(plain.Rules().applied)(x))(x)
+    if mode == "eager":
+        got = jax.grad(lambda x: jax.checkpoint(dec.Rules().applied)(x))(x)
+    else:
+        f, states = dec.Rules().functionalize()
+        grad = jax.grad(lambda x: jax.checkpoint(lambda x: f.applied(states, x)[0])(x))
+        got = (jax.jit(grad) if mode == "jax.jit(f)" else grad)(x)
+    same(expected, got)
+
+
+def test_a_write_in_a_custom_function_traced_after_the_call_is_refused(
+    write_module: Loader,
+) -> None:
+    _, dec = pair(write_module, CUSTOM_RULES)
+    f, states = dec.Rules().functionalize()
+    with pytest.raises(EscapedStateError, match="State 'n' is assigned") as err:
+        jax.grad(lambda x: jax.checkpoint(lambda x: f.vjp_function(states, x)[0])(x))(
+            jnp.float32(1.5)
+        )
+    assert "return the new value" in str(err.value)
 
 
 def test_outer_vmap_of_f_over_a_stack_of_members(write_module: Loader) -> None:

@@ -3072,15 +3072,3 @@ def test_sharing_is_kept_by_every_pure_call_path(path: str, donate: bool) -> Non
     assert_same(expected.p.shared.n, m.p.shared.n)
     assert_same(expected.blocks.seen, m.blocks.seen)
 
-
-def test_an_array_donated_through_another_model_is_named_in_the_error() -> None:
-    m = _Table(3000)  # 36 KB: donated by a compiled call
-    other = copy.copy(m)  # a shallow copy: the same array, another model
-    autostate.jit(lambda m: m.weight.sum())(other)
-    with pytest.raises(errors.InvalidArgumentError) as info:
-        autostate.jit(lambda m: m.weight.sum())(m)
-    message = str(info.value)
-    assert "`weight` (of model argument 1)" in message
-    assert "another model holding the same array" in message
-    assert "copy.deepcopy" in message and "donate_models=False" in message
-    assert __file__ in message  # (the user's line)

@@ -4041,3 +4041,125 @@ def test_compiled_function_forgets_a_deleted_model(write_module: Loader) -> None
     del model
     gc.collect()
     assert ref() is None and not dec.STEP._entries
+
+
+# A stack held by a layer of an outer stack: the layer (a view, ``self.blocks[0]``)
+# loops or maps over its inner stack, inside a rolled loop, a lax body, a derivative,
+# under jax.jit of f and autostate.jit. Every inner layer keeps its own state: the
+# states are those of the same model built from lists of layers.
+_NESTED_STACKS = """
+@DECORATE
+class Sub:
+    def __init__(self, s):
+        self.s = jnp.full(3, s)
+        self.mean = jnp.zeros(3)
+
+    def __call__(self, x):
+        self.mean = self.mean + x * self.s
+        return jnp.tanh(x + self.s)
+
+
+@DECORATE
+class Block:
+    def __init__(self, s):
+        self.sub = STACK([Sub(s), Sub(s + 1.0), Sub(s + 2.0)])
+
+    def __call__(self, x):
+        for layer in self.sub:
+            x = layer(x)
+        return x
+
+    def mapped(self, x):
+        if STACKED:
+            return jax.vmap(lambda layer: layer(x))(self.sub).sum(0)
+        return sum(layer(x) for layer in self.sub)
+
+    def mapped_by_lax(self, x):
+        if STACKED:
+            return lax.map(lambda layer: layer(x), self.sub).sum(0)
+        return sum(layer(x) for layer in self.sub)
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = STACK([Block(0.1), Block(0.5)])
+
+    def first(self, x):
+        return self.blocks[0](x)
+
+    def in_cond(self, x):
+        return lax.cond(x.sum() > 0, self.blocks[1], self.blocks[0], x)
+
+    def in_switch(self, x):
+        return lax.switch(1, [self.blocks[0], self.blocks[1]], x)
+
+    def in_fori(self, x):
+        return lax.fori_loop(0, 2, lambda i, h: self.blocks[0](h), x)
+
+    def in_grad(self, x):
+        return jax.grad(lambda h: self.blocks[1](h).sum())(x)
+
+    def in_checkpoint(self, x):
+        return jax.checkpoint(lambda h: self.blocks[1](h))(x)
+
+    def mapped(self, x):
+        return self.blocks[1].mapped(x)
+
+    def mapped_by_lax(self, x):
+        return self.blocks[0].mapped_by_lax(x)
+
+    def rolled(self, x):
+        for block in self.blocks:
+            x = block.mapped(x) + block(x)
+        return x
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jax.jit(f)", "autostate.jit"])
+@pytest.mark.parametrize("method", [
+    "first", "in_cond", "in_switch", "in_fori", "in_grad", "in_checkpoint", "mapped",
+    "mapped_by_lax", "rolled",
+])
+def test_a_stack_inside_a_layer_of_a_stack_keeps_each_inner_layers_state(
+    write_module: Loader, method: str, mode: str
+) -> None:
+    stacked = pair(write_module, "STACK = autostate.stack\nSTACKED = True\n" + _NESTED_STACKS)[1]
+    listed = pair(write_module, "STACK = list\nSTACKED = False\n" + _NESTED_STACKS)[1]
+    x = jnp.array([0.3, -0.2, 0.1])
+    results = []
+    for mod in (stacked, listed):
+        net = mod.Net()
+        for _ in range(2):
+            if mode == "eager":
+                out = getattr(net, method)(x)
+            elif mode == "autostate.jit":
+                out = autostate.jit(lambda m, x: getattr(m, method)(x))(net, x)
+            else:
+                f, states = net.functionalize()
+                call = getattr(f, method)
+                out, states = (jax.jit(call) if mode == "jax.jit(f)" else call)(states, x)
+                net = autostate.freeze(f, states)
+        no_tracer(net)
+        results.append((out, autostate.state_dict(net, per_layer=True)))
+    same(results[1][0], results[0][0], "output")
+    same(results[1][1], results[0][1], "states")
+
+
+def test_a_stack_inside_a_mapped_layer_is_not_also_read_whole(write_module: Loader) -> None:
+    source = _NESTED_STACKS + """
+
+@DECORATE
+class Both:
+    def __init__(self):
+        self.blocks = STACK([Block(0.1), Block(0.5)])
+
+    def __call__(self, x):
+        inner = self.blocks.stacked.sub.stacked
+        return jax.vmap(lambda layer: layer(x) + inner.mean.sum())(self.blocks[0].sub)
+"""
+    dec = pair(write_module, "STACK = autostate.stack\nSTACKED = True\n" + source)[1]
+    model = dec.Both()
+    with pytest.raises(errors.ControlFlowStateError, match="Sub.mean of a stack") as err:
+        jax.jit(model.functionalize()[0])(model.functionalize()[1], jnp.ones(3))
+    assert "map over the whole outer stack" in str(err.value)

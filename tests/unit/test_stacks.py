@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import types
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import pytest
 
 import autostate
 from autostate import stacks
-from autostate.errors import InvalidTypeError, StackError
+from autostate.errors import InvalidTypeError, StackError, TracedValueError
 
 Loader = Callable[..., types.ModuleType]
 
@@ -151,6 +153,29 @@ def test_indexing_a_stack_is_indexing_its_list_of_layers(mod: types.ModuleType) 
         s.missing  # noqa: B018
     with pytest.raises(InvalidTypeError, match="not a layer: it cannot be called"):
         s(jnp.ones(3))
+
+
+def test_a_layer_chosen_by_a_traced_index_is_refused_with_the_ways_that_work(
+    mod: types.ModuleType,
+) -> None:
+    model = mod.Model(3, 3)
+    model.blocks.stacked.scale = jnp.arange(9.0).reshape(3, 3)
+    f, states = model.functionalize()
+    x = jnp.ones(3)
+
+    def traced_index(f: Any, states: Any, i: Any) -> Any:
+        return f.blocks[i](x)
+
+    with pytest.raises(TracedValueError, match="chosen by a traced index") as err:
+        jax.jit(traced_index)(f, states, 1)
+    assert isinstance(err.value, jax.errors.ConcretizationTypeError)
+    assert "jax.lax.switch" in str(err.value) and "self.layers.w[i]" in str(err.value)
+    # The two ways the error names: lax.switch over the layers, the stacked arrays indexed.
+    expected = copy.deepcopy(model)
+    switched = autostate.jit(lambda m, i: autostate.switch(i, list(m.blocks), x))
+    np.testing.assert_allclose(switched(model, 1), expected.blocks[1](x))
+    np.testing.assert_allclose(model.blocks.mean, expected.blocks.mean)  # layer 1's write
+    np.testing.assert_allclose(jax.jit(lambda i: model.blocks.scale[i])(2), [6.0, 7.0, 8.0])
 
 
 def test_a_layer_reads_and_writes_its_slice(mod: types.ModuleType) -> None:
