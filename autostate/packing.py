@@ -40,13 +40,18 @@ class Layout:
     the layout of its arguments on every call.
     """
 
-    __slots__ = ("treedef", "dtypes", "slots", "_hash")
+    __slots__ = ("treedef", "dtypes", "slots", "_hash", "_ends")
 
     def __init__(self, treedef: Any, dtypes: tuple, slots: tuple):
         self.treedef = treedef
         self.dtypes = dtypes
         self.slots = slots
         self._hash = hash((treedef, dtypes, slots))
+        # Per buffer, where each of its leaves ends (in order): how unpack splits it.
+        self._ends: list[list[int]] = [[] for _ in dtypes]
+        for slot in slots:
+            if slot is not None:
+                self._ends[slot[0]].append(slot[1] + int(np.prod(slot[2], dtype=np.int64)))
 
     @classmethod
     def of(
@@ -112,22 +117,31 @@ class Layout:
         return buffers, loose
 
     def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
-        """The leaves again: slices of the buffers, reshaped, and the loose leaves in place.
+        """The leaves again: each buffer split into its leaves, reshaped, and the
+        loose leaves in place.
 
+        One split per buffer, not a slice per leaf: the transpose of a split
+        (under ``jax.grad``) is one concatenation, where each slice's would pad
+        its cotangent to the whole buffer (a training step on packed state
+        would cost the number of leaves times the buffer's size).
         A buffer with leading axes (packed states returned by ``jax.vmap``, one
         row per example) gives leaves with the same leading axes.
         """
+        parts: list[list[Any]] = []
+        for b, buffer in enumerate(buffers):
+            ends = self._ends[b]
+            parts.append([buffer] if len(ends) == 1 else jnp.split(buffer, ends[:-1], axis=-1))
+        taken = [0] * len(parts)
         leaves = []
         it = iter(loose)
         for slot in self.slots:
             if slot is None:
                 leaves.append(next(it))
                 continue
-            b, offset, shape = slot
-            size = int(np.prod(shape, dtype=np.int64))
-            buffer = buffers[b]
-            lead = tuple(jnp.shape(buffer)[:-1])
-            leaves.append(jnp.reshape(buffer[..., offset : offset + size], (*lead, *shape)))
+            b, _, shape = slot
+            part = parts[b][taken[b]]
+            taken[b] += 1
+            leaves.append(jnp.reshape(part, (*jnp.shape(part)[:-1], *shape)))
         return leaves
 
     def __hash__(self) -> int:

@@ -86,6 +86,32 @@ def test_packed_step_gives_the_numbers_of_the_unpacked_one():
     assert pstates.unpack().keys() == states.keys()
 
 
+def test_the_gradient_of_unpacking_is_one_concatenation_per_buffer():
+    # Unpacking splits each buffer once: under jax.grad its transpose is one
+    # concatenation, where a slice per leaf would pad each cotangent to the whole
+    # buffer (a training step on packed state would grow with leaves x size).
+    leaves = [jnp.full((3, 2), float(i)) for i in range(40)] + [jnp.ones(5, jnp.int32)]
+    layout = autostate.packing.Layout.of(leaves, None)
+    buffers, loose = layout.pack(leaves)
+    assert len(buffers) == 2 and not loose
+    back = layout.unpack(buffers, loose)
+    for a, b in zip(leaves, back):
+        assert_bits(a, b)
+
+    def loss(buffer: Any) -> Any:
+        floats = [x for x in layout.unpack([buffer, buffers[1]], []) if x.dtype == jnp.float32]
+        return sum(((k + 1.0) * x).sum() for k, x in enumerate(floats))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(buffers[0])
+    counts: dict[str, int] = {}
+    for eqn in jaxpr.jaxpr.eqns:
+        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    assert counts.get("pad", 0) == 0 and counts.get("dynamic_update_slice", 0) == 0, counts
+    assert counts.get("concatenate", 0) == 1, counts
+    grad = jax.grad(loss)(buffers[0])
+    np.testing.assert_array_equal(grad, np.repeat(np.arange(1.0, 41.0), 6))
+
+
 def test_eager_calls_of_the_packed_model():
     f, states = Stack(2).functionalize()
     pf, pstates = autostate.pack(f, states)
