@@ -679,13 +679,14 @@ def _guarded(guard: Guard, call: Callable[[], Any]) -> Any:
 
 
 def _transformed(
-    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any]
+    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any], once: bool = False
 ) -> Callable[..., Any]:
     """What stands for a JAX transformation of ``fun``: each call runs
-    ``call(args, kwargs)`` with eager models' states handled (``_with_eager_states``)."""
+    ``call(args, kwargs)`` with eager models' states handled
+    (``_with_eager_states``; ``once``: ``fun`` runs once per call)."""
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        return _with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what)
+        return _with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what, once)
 
     functools.update_wrapper(transformed, fun, updated=())
     return transformed
@@ -1777,8 +1778,12 @@ def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     shifted = dict(options)
     if options.get("static_argnums") is not None:
         shifted["static_argnums"] = _after_states(options["static_argnums"])
+    # An object boundary (DESIGN.md section 8): the function is traced on every
+    # call, once, so a static config it switches (``self.training = False``) is
+    # written back as the plain call leaves it.
     return _transformed(
-        fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs)
+        fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs),
+        once=True,
     )
 
 
@@ -1787,6 +1792,10 @@ def _jit_call(
 ) -> Any:
     cells = running_cells()
     if not cells:
+        if _graph.holds_instance((fun, args, kwargs)):
+            # (Traced afresh, as below: a static config the function assigns
+            # is assigned on every call, never skipped by JAX's cache.)
+            fun = functools.wraps(fun)(functools.partial(fun))
         return jax.jit(fun, **options)(*args, **kwargs)
     what = "a jax.jit"
     passed = [i for i, cell in enumerate(cells) if _traceable(cell.value)]

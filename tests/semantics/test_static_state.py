@@ -52,6 +52,7 @@ from semantics.harness import (
     keys_of,
     library,
     modes_of,
+    no_tracer,
     pair,
     plain_path,
     raises_autostate,
@@ -2527,3 +2528,74 @@ def test_static_class_default_inside_f(write_module: Loader) -> None:
     model.remember(jnp.ones(2))  # eagerly plain Python: None, then an array
     f, states = model.functionalize()
     assert list(states) == ["cache"]
+
+
+# --- the one rule for changes outside states (DESIGN.md section 8) ------------------
+# At an object boundary (autostate.jit, a jax.jit inside a method) a change of static
+# config is written back as the plain call makes it, one trace per new mode; inside a
+# traced body (a lax loop here) and in f it is refused at the user's line, with the fix.
+
+_BOUNDARIES = """
+@DECORATE
+class Switch:
+    def __init__(self):
+        self.w = jnp.ones(3)
+        self.training = True
+        self.steps = jnp.zeros(())
+
+    def switch_off(self, x):
+        self.training = not self.training
+        self.steps = self.steps + 1
+        return x * self.w * (2.0 if self.training else 1.0)
+
+    def inner_jit(self, x):
+        return jax.jit(self.switch_off)(x)
+
+    def in_scan(self, x):
+        def body(c, _):
+            return c + self.switch_off(x), None  # <- switched in a body
+        return jax.lax.scan(body, x, None, length=2)[0]
+"""
+
+
+@pytest.mark.parametrize("boundary", ["autostate.jit", "jax.jit in a method",
+                                      "jax.jit in a method under autostate.jit"])
+def test_a_static_config_switched_at_an_object_boundary_is_written_back(
+    write_module: Any, boundary: str
+) -> None:
+    dec = pair(write_module, _BOUNDARIES)[1]
+    model = dec.Switch()
+    x = jnp.ones(3)
+    if boundary == "autostate.jit":
+        call = autostate.jit(lambda m, x: m.switch_off(x))
+    elif boundary == "jax.jit in a method":
+        call = lambda m, x: m.inner_jit(x)  # noqa: E731
+    else:
+        call = autostate.jit(lambda m, x: m.inner_jit(x))
+    outs = [call(model, x) for _ in range(3)]
+    # The plain call flips the mode each time: False (x1), True (x2), False (x1).
+    assert model.training is False and float(model.steps) == 3.0
+    same([x, 2 * x, x], outs)
+    no_tracer(model)
+
+
+@pytest.mark.parametrize(("name", "mode"), [
+    *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
+    ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),
+])
+def test_a_static_config_switched_in_a_traced_body_or_in_f_is_refused_at_the_line(
+    write_module: Any, name: str, mode: str
+) -> None:
+    dec = pair(write_module, _BOUNDARIES)[1]
+    model = dec.Switch()
+    with pytest.raises(StaticStateError) as err:
+        if mode == "eager":
+            getattr(model, name)(jnp.ones(3))
+        elif mode == "autostate.jit":
+            autostate.jit(lambda m, x: getattr(m, name)(x))(model, jnp.ones(3))
+        else:
+            f, states = model.functionalize()
+            call = getattr(f, name)
+            (jax.jit(call) if mode == "jax.jit(f)" else call)(states, jnp.ones(3))
+    assert "training" in str(err.value) and "fix:" in str(err.value)
+    assert model.training is True and float(model.steps) == 0.0
