@@ -328,14 +328,21 @@ class Compiled(Generic[P, R]):
         old = entry.leaves
         it = iter(changed)
         new_leaves = [next(it) if j is None else old[j] for j in after.sources]
+        witness = None
         if after.steady:
             objs = entry.objects
-            for i, name, before in _graph.rewrite_attributes(
-                after.graphdef, new_leaves, objs, after.touched
-            ):
+            rewritten = _graph.rewrite_attributes(after.graphdef, new_leaves, objs, after.touched)
+            for i, name, before in rewritten:
                 if (i, name) not in after.rebound:
                     d = objs[i].__dict__
                     d[name] = _kept(before, d[name])
+            # The same instances and structure: what the last call's witness saw
+            # stands but for the attributes rewritten (instance 0 is the walk's root).
+            witness = entry.witness
+            if witness is not None and not witness.patch(
+                (i - 1, name) for i, name, _ in rewritten if i
+            ):
+                witness = None
         else:
             targets = [None if i is None else entry.objects[i] for i in after.origin]
             held = [None if obj is None else dict(obj.__dict__) for obj in targets]
@@ -349,13 +356,15 @@ class Compiled(Generic[P, R]):
             objs = [objs[i] for i in after.fresh_objects]
         fresh = [new_leaves[i] for i in after.fresh_leaves]
         objs[0].__dict__["models"] = []  # (the root of the walk holds no model between calls)
-        self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, None))
+        self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, witness))
         return out
 
     def _keep(self, cache_id: tuple, models: list, entry: _Entry) -> None:
         """Keeps what a call left for the next one on the same models, holding
-        the models' instances weakly (a model deleted is forgotten)."""
-        entry.witness = Witness.of(entry.objects[1:])
+        the models' instances weakly (a model deleted is forgotten); its
+        witness is made where the call did not bring one up to date."""
+        if entry.witness is None:
+            entry.witness = Witness.of(entry.objects[1:])
         if entry.witness is None:
             return
         try:

@@ -47,7 +47,7 @@ import gc
 import operator
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -1249,71 +1249,103 @@ class Witness:
         False
     """
 
-    __slots__ = ("objects", "dicts", "lists", "slots")
+    __slots__ = ("objects", "held")
 
-    def __init__(self, objects: list, dicts: list, lists: list, slots: list):
-        self.objects = objects  # (weak reference to an instance, its class, its __dict__)
-        self.dicts = dicts  # (dict, its keys, its values)
-        self.lists = lists  # (list, its items)
-        self.slots = slots  # (state slot, how to read its value, the value)
+    def __init__(self, objects: list, held: list):
+        # Per instance: (weak reference to it, its class, its __dict__, the
+        # dict's keys, its values), and, by attribute name, what the value
+        # holds that can change in place: (dicts, lists, slots) records,
+        # ``(dict, keys, values)``, ``(list, items)``, ``(slot, read, value)``.
+        self.objects = objects
+        self.held = held
 
     @classmethod
     def of(cls, objects: Sequence[Any]) -> Witness | None:
-        dicts: list[Any] = []
-        lists: list[Any] = []
-        slots: list[Any] = []
-
-        def held(value: Any) -> bool:
-            t = type(value)
-            if t in _PLAIN or t in STATEFUL_CLASSES:
-                return True  # (an instance is among ``objects``: witnessed on its own)
-            kind = kind_of(value)
-            if kind.static or kind.array:
-                return not kind.numpy  # (a numpy array changes in place)
-            if t is list:
-                lists.append((value, tuple(value)))
-                return all(held(v) for v in value)
-            if t is dict:
-                dicts.append((value, tuple(value), tuple(value.values())))
-                return all(held(v) for v in value.values())
-            if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
-                return all(held(v) for v in value)
-            if t in _WITNESSED:
-                read = _WITNESSED[t]
-                if read is None:
-                    return True  # (immutable, what it holds witnessed apart)
-                inner = read(value)
-                slots.append((value, read, inner))
-                return held(inner)
-            return _identity_is_value(t, value)
-
         own = []
+        held: list[dict[str, tuple[list, list, list]]] = []
         for obj in objects:
             d = obj.__dict__
             try:
-                own.append((weakref.ref(obj), type(obj), d))
+                ref = weakref.ref(obj)
             except TypeError:  # (no weak reference to it)
                 return None
-            values = tuple(d.values())
-            dicts.append((d, tuple(d), values))
-            for v in values:
-                if not held(v):
+            own.append((ref, type(obj), d, tuple(d), tuple(d.values())))
+            parts: dict[str, tuple[list, list, list]] = {}
+            for name, v in d.items():
+                record: tuple[list, list, list] = ([], [], [])
+                if not _witnessed(v, record):
                     return None
-        return cls(own, dicts, lists, slots)
+                if record[0] or record[1] or record[2]:
+                    parts[name] = record
+            held.append(parts)
+        return cls(own, held)
+
+    def patch(self, touched: Iterable[tuple[int, str]]) -> bool:
+        """Witnesses anew the attributes ``touched`` (``(instance index, name)``:
+        what a call rewrote), the rest as it was: whether it still can (else
+        the caller makes a new one with ``of``)."""
+        seen = -1
+        for i, name in touched:  # (in instance order)
+            ref, t, d, _, _ = self.objects[i]
+            if i != seen:
+                self.objects[i] = (ref, t, d, tuple(d), tuple(d.values()))
+                seen = i
+            record: tuple[list, list, list] = ([], [], [])
+            if not _witnessed(d.get(name), record):
+                return False
+            parts = self.held[i]
+            if record[0] or record[1] or record[2]:
+                parts[name] = record
+            else:
+                parts.pop(name, None)
+        return True
 
     def unchanged(self) -> bool:
         is_ = operator.is_
-        for ref, t, d in self.objects:
+        for (ref, t, d, keys, values), parts in zip(self.objects, self.held):
             obj = ref()
             if type(obj) is not t or obj.__dict__ is not d:
                 return False
-        for d, keys, values in self.dicts:
             if len(d) != len(keys) or not all(map(is_, d.values(), values)) or tuple(d) != keys:
                 return False
-        for lst, items in self.lists:
-            if len(lst) != len(items) or not all(map(is_, lst, items)):
-                return False
-        return all(read(slot) is value for slot, read, value in self.slots)
+            for dicts, lists, slots in parts.values():
+                for c, keys, values in dicts:
+                    if (len(c) != len(keys) or not all(map(is_, c.values(), values))
+                            or tuple(c) != keys):
+                        return False
+                for lst, items in lists:
+                    if len(lst) != len(items) or not all(map(is_, lst, items)):
+                        return False
+                if not all(read(slot) is value for slot, read, value in slots):
+                    return False
+        return True
+
+
+def _witnessed(value: Any, record: tuple[list, list, list]) -> bool:
+    """Whether a ``Witness`` can see every change of ``value`` by identity; the
+    dicts, lists and slots it holds into ``record``."""
+    t = type(value)
+    if t in _PLAIN or t in STATEFUL_CLASSES:
+        return True  # (an instance is among the witnessed objects: witnessed on its own)
+    kind = kind_of(value)
+    if kind.static or kind.array:
+        return not kind.numpy  # (a numpy array changes in place)
+    if t is list:
+        record[1].append((value, tuple(value)))
+        return all(_witnessed(v, record) for v in value)
+    if t is dict:
+        record[0].append((value, tuple(value), tuple(value.values())))
+        return all(_witnessed(v, record) for v in value.values())
+    if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
+        return all(_witnessed(v, record) for v in value)
+    if t in _WITNESSED:
+        read = _WITNESSED[t]
+        if read is None:
+            return True  # (immutable, what it holds witnessed apart)
+        inner = read(value)
+        record[2].append((value, read, inner))
+        return _witnessed(inner, record)
+    return _identity_is_value(t, value)
 
 
 # Types a ``Witness`` takes as they are, first (immutable); an array's kind

@@ -608,3 +608,33 @@ def test_witness_sees_a_first_value_changed_in_place() -> None:
     assert witness is not None
     model.table["a"] = jnp.zeros(1)
     assert not witness.unchanged()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.tick(),
+        lambda m: m.sizes[1][1].append(5),
+        lambda m: m.table.update(b=jnp.zeros(1)),
+        lambda m: setattr(m, "extra", None),
+    ],
+)
+def test_a_patched_witness_sees_what_a_new_one_sees(change: Any) -> None:
+    # A compiled call rewrites some attributes and patches the witness for them
+    # alone: the patched witness stands where a new one would, and sees each
+    # later change a new one sees.
+    model = _Witnessed()
+    witness = graph.Witness.of([model])
+    assert witness is not None
+    model.w = model.w + 1
+    model.table = {"a": jnp.zeros(1), "c": jnp.ones(1)}
+    assert not witness.unchanged()
+    assert witness.patch([(0, "table"), (0, "w")])
+    assert witness.unchanged()
+    change(model)
+    assert not witness.unchanged()
+    model2 = _Witnessed()
+    witness2 = graph.Witness.of([model2])
+    assert witness2 is not None
+    model2.table = {"a": np.ones(1)}  # a numpy array: nothing to witness by identity
+    assert not witness2.patch([(0, "table")])
