@@ -631,7 +631,7 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
     """Refuses a model ``fn`` reaches by its closure, defaults or globals, or
     through those of the functions it calls by a global name: the program
     would read it as constants and leave it unchanged (a silent copy)."""
-    from autostate.control import _reachable_instances
+    from autostate.control import reachable_instances
 
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
@@ -640,7 +640,7 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
         if id(function) in seen or depth > 4:
             return
         seen.add(id(function))
-        found.extend(("its closure", obj) for obj in _reachable_instances((function,), []))
+        found.extend(("its closure", obj) for obj in reachable_instances((function,), []))
         code = getattr(function, "__code__", None)
         if code is None:
             return

@@ -101,7 +101,7 @@ from autostate.lifetime import (
     holds_escaped_tracer,
     with_home,
 )
-from autostate.state_values import StaticState, _same_static, is_static_value
+from autostate.state_values import StaticState, is_static_value, same_static
 
 __all__ = [
     "checkpoint",
@@ -175,7 +175,7 @@ def _current(cells: Cells) -> list[Any]:
 def _abstract(value: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda leaf: jax.ShapeDtypeStruct(
-            jax.numpy.shape(leaf), jax.numpy.result_type(leaf), weak_type=_weak_types(leaf)[0]
+            jax.numpy.shape(leaf), jax.numpy.result_type(leaf), weak_type=weak_types(leaf)[0]
         ),
         value,
     )
@@ -193,7 +193,7 @@ def _describe(value: Any, weak: bool = False) -> str:
     treedef, leaves = _type_of(value)
     parts = [f"{dtype}{list(shape)}" for shape, dtype in leaves]
     if weak:
-        parts = [f"weak {p}" if w else p for p, w in zip(parts, _weak_types(value))]
+        parts = [f"weak {p}" if w else p for p, w in zip(parts, weak_types(value))]
     if treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef):
         return parts[0]
     return f"{treedef} of {', '.join(parts)}"
@@ -292,7 +292,7 @@ def _check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
             )
 
 
-def _weak_types(value: Any) -> tuple[bool, ...]:
+def weak_types(value: Any) -> tuple[bool, ...]:
     """Which leaves of ``value`` are weakly typed: Python scalars, ``jnp.asarray(0.0)``.
 
     ``_type_of``, like JAX's check of a carry or branch output, does not tell them from
@@ -318,7 +318,7 @@ def _strong_where_mixed(outcomes: Sequence[Sequence[Any]]) -> list[bool]:
     which branch runs: such a state comes out strong, as after the branch that
     makes it strong (a loop carry does the same, as JAX promotes it).
     """
-    kinds = [[_weak_types(value) for value in branch] for branch in outcomes]
+    kinds = [[weak_types(value) for value in branch] for branch in outcomes]
     return [len({branch[k] for branch in kinds}) > 1 for k in range(len(outcomes[0]))]
 
 
@@ -529,7 +529,7 @@ def _vmap_layers(in_axes: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return mapped, _layers_mapped(kwargs)
 
 
-def _reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
+def reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
     """Decorated instances reachable from a body: closures, bound methods,
     operands; the lists and dicts met on the way into ``containers``."""
     found: list[Any] = []
@@ -547,7 +547,7 @@ def _reached_object(obj: Any) -> bool:
 
 
 def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
-    """The step of ``_reachable_instances``'s walk: an instance's attributes, a
+    """The step of ``reachable_instances``'s walk: an instance's attributes, a
     function's cells, defaults and ``__wrapped__``, a method's instance and
     function, a partial's parts, a list's, tuple's or dict's items. Last first:
     the order that names two instances' states ``Linear.w``, ``Linear.w'``."""
@@ -599,7 +599,7 @@ def _with_eager_states(
     is assigned there.
     """
     captured: list[Any] = []
-    instances = _reachable_instances(roots, captured)
+    instances = reachable_instances(roots, captured)
     swapped: list[tuple[Any, str, Any, str]] = []
     statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()
@@ -610,7 +610,7 @@ def _with_eager_states(
                 if not once:
                     statics.append((obj, attr, slot))
                 continue
-            if type(slot) is _LostState:
+            if type(slot) is LostState:
                 # (An earlier body raised after assigning it: it has no value
                 # for this one, as reading it says; JAX would meet the slot.)
                 raise slot.lost.error()
@@ -658,7 +658,7 @@ def _with_eager_states(
                 )
             finally:
                 for obj, attr, slot, name in swapped:
-                    obj.__dict__[attr] = _LostState(slot, lost[name]) if name in lost else slot
+                    obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
     finally:
         for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
@@ -724,7 +724,7 @@ def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, Lost
         raise
 
 
-class _LostState(StateSlot):
+class LostState(StateSlot):
     """An eager state whose lax body raised after assigning it (``_bound``):
     reading it raises what happened; assigning it gives it a value again."""
 
@@ -771,7 +771,7 @@ class _StaticInBody(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> None:
         held = self.slot.value
-        if is_static_value(value) and _same_static(value, held):
+        if is_static_value(value) and same_static(value, held):
             return None
         shown = _tree.describe(value) if contains_tracer(value) else repr(value)
         raise refused(StaticStateError(
@@ -1014,7 +1014,7 @@ def _member_body(
 # --- the primitives ---------------------------------------------------------------
 
 
-def _jit_disabled() -> bool:
+def jit_disabled() -> bool:
     """Under ``jax.disable_jit()`` JAX runs a loop's body once per step, and
     only the branch taken, with concrete values, as plain Python would: a
     body's assignments are then eager writes, and nothing is threaded."""
@@ -1067,7 +1067,7 @@ def scan(
         5
     """
     xs = _layers_mapped(xs)
-    if _jit_disabled():
+    if jit_disabled():
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
     options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
     return _with_eager_states(
@@ -1132,7 +1132,7 @@ def _step_slice(xs: Any) -> Any:
     """The abstract value of one step's slice of ``xs`` (its leading axis dropped)."""
     return jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(
-            jax.numpy.shape(a)[1:], jax.numpy.result_type(a), weak_type=_weak_types(a)[0]
+            jax.numpy.shape(a)[1:], jax.numpy.result_type(a), weak_type=weak_types(a)[0]
         ),
         xs,
     )
@@ -1195,7 +1195,7 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
         >>> print(counter.run(3), counter.n)
         3 3
     """
-    if _jit_disabled():
+    if jit_disabled():
         return lax.while_loop(cond_fun, body_fun, init_val)
     roots = (cond_fun, body_fun, init_val)
     return _with_eager_states(
@@ -1253,7 +1253,7 @@ def fori_loop(
         >>> print(decoder.fill(), decoder.cache)
         5.0 [1. 2. 3. 4.]
     """
-    if _jit_disabled():
+    if jit_disabled():
         return lax.fori_loop(lower, upper, body_fun, init_val, **kwargs)
     roots = (body_fun, init_val)
     return _with_eager_states(
@@ -1313,7 +1313,7 @@ def map(f: Callable[[Any], Any], xs: Any, **kwargs: Any) -> Any:  # noqa: A001 -
         [0. 1. 3. 6.] 6.0
     """
     xs = _layers_mapped(xs)
-    if _jit_disabled():
+    if jit_disabled():
         return lax.map(f, xs, **kwargs)
     return _with_eager_states((f, xs), lambda: _map(f, xs, kwargs), "the function of a lax.map")
 
@@ -1446,7 +1446,7 @@ def cond(
         2.0 1
     """
     operands = _operands(operands, operand, "lax.cond")
-    if _jit_disabled():
+    if jit_disabled():
         return lax.cond(pred, true_fun, false_fun, *operands)
     roots = (true_fun, false_fun, operands)
     return _with_eager_states(
@@ -1490,7 +1490,7 @@ def switch(
     """
     operands = _operands(operands, operand, "lax.switch")
     branches = list(branches)
-    if _jit_disabled():
+    if jit_disabled():
         return lax.switch(index, branches, *operands)
     return _with_eager_states(
         (branches, operands),
@@ -1899,7 +1899,7 @@ def _annotated_specs(cells: Cells, roots: tuple) -> dict[int, Any]:
 
     index = {id(cell): i for i, cell in enumerate(cells)}
     found: dict[int, Any] = {}
-    for obj in _reachable_instances(roots, []):
+    for obj in reachable_instances(roots, []):
         for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
             slot = obj.__dict__.get(attr)
             if type(slot) is HandledLocalStateRef:

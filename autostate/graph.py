@@ -54,7 +54,7 @@ import jax
 
 from autostate import values as _values
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
-from autostate.tree import INFO_ATTR, _Static
+from autostate.tree import INFO_ATTR, StaticLeaf
 from autostate.values import copy_static, is_array_or_spec, is_mutable_static, kind_of
 
 # --- the registry -------------------------------------------------------------
@@ -362,7 +362,7 @@ def _wrap_statics(value: Any, path: tuple = ()) -> tuple[Any, tuple]:
     out = []
     for k, v in items:
         if is_static_leaf(v):
-            out.append((k, _Static(v)))
+            out.append((k, StaticLeaf(v)))
             positions.append((*path, k))
             changed = True
             continue
@@ -392,13 +392,13 @@ def _replace_at(value: Any, path: tuple, fn: Callable[[Any], Any]) -> Any:
 
 def _wrap_at(value: Any, positions: tuple) -> Any:
     for path in positions:
-        value = _replace_at(value, path, _Static)
+        value = _replace_at(value, path, StaticLeaf)
     return value
 
 
 def _unwrap_at(value: Any, positions: tuple) -> Any:
     for path in positions:
-        value = _replace_at(value, path, lambda s: s.value if type(s) is _Static else s)
+        value = _replace_at(value, path, lambda s: s.value if type(s) is StaticLeaf else s)
     return value
 
 
@@ -681,7 +681,7 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
             aux.append(("c", name, positions) if positions else name)
             children.append(value)
         else:
-            aux.append(("s", name, _Static(value)))
+            aux.append(("s", name, StaticLeaf(value)))
     return children, tuple(aux)
 
 
@@ -749,7 +749,7 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         elif (bound := _bound_to_self(obj, value)) is not None:
             aux.append(("m", name, bound))
         else:
-            aux.append(("s", name, _Static(value)))
+            aux.append(("s", name, StaticLeaf(value)))
     return children, tuple(aux)
 
 
@@ -1091,7 +1091,7 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
                     indices = [-1 if h is None else visit(h, here, here_keys) for h in held]
                     entries.append((name, None, _bound_ref(value, indices)))
                 else:
-                    entries.append((name, None, _Static(copy_static(value, statics))))
+                    entries.append((name, None, StaticLeaf(copy_static(value, statics))))
                 continue
             flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_graph_leaf)
             parts: list[Any] = []
@@ -1116,7 +1116,7 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
                     indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
                     parts.append(_bound_ref(leaf, indices))
                 else:
-                    parts.append(_Static(copy_static(leaf, statics)))
+                    parts.append(StaticLeaf(copy_static(leaf, statics)))
             entries.append((name, treedef, tuple(parts)))
         instances[i] = (type(obj), tuple(entries))
         return i
@@ -1130,7 +1130,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
 
     The declared mirror of ``flatten_graph``, entry for entry: an attribute
     the flatten keeps as a leaf is compared by identity, one kept as static
-    aux data by value (``_Static``'s ``==``), a bound method or closure by
+    aux data by value (``StaticLeaf``'s ``==``), a bound method or closure by
     its code and the graph indices of its instances, a ``shared`` node by
     identity with the one the rebuild put there, a sub-model by its index in
     the walk order; values are seen in their ``canonical`` form, as the
@@ -1167,7 +1167,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                     if not _same_instance(value, parts):
                         return False
                     continue
-                if is_dynamic(value) or not (value is parts.value or _Static(value) == parts):
+                if is_dynamic(value) or not (value is parts.value or StaticLeaf(value) == parts):
                     return False
                 continue
             if (
@@ -1184,11 +1184,11 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                 if type(p) is _BoundRef:
                     if not _same_instance(leaf, p):
                         return False
-                elif type(p) is _Static:
+                elif type(p) is StaticLeaf:
                     # A python value inside a container: structure, compared by value.
                     if type(leaf) in STATEFUL_CLASSES or is_array_or_spec(leaf):
                         return False
-                    if not (leaf is p.value or _Static(leaf) == p):
+                    if not (leaf is p.value or StaticLeaf(leaf) == p):
                         return False
                 elif type(leaf) in STATEFUL_CLASSES:
                     seen = index.get(id(leaf))

@@ -66,13 +66,13 @@ from autostate.errors import (
 )
 from autostate.slot_hooks import WriteNote, register_slot_hooks
 from autostate.state_values import (
-    _CONCRETE_LEAF_TYPES,
-    _is_iterator,
+    CONCRETE_LEAF_TYPES,
+    is_iterator,
     leaves_within_opaque,
     opaque_items,
     static_slot,
 )
-from autostate.unsortable import Unsortable, _leaves_in_own_order
+from autostate.unsortable import Unsortable, leaves_in_own_order
 
 
 class LostValue:
@@ -163,35 +163,35 @@ def holds_escaped_tracer(value: Any) -> bool:
     walking a tree: most state reads, and most states a call returns."""
     if isinstance(value, jax.core.Tracer):
         return is_escaped_tracer(value)
-    if type(value) in _CONCRETE_LEAF_TYPES:
+    if type(value) in CONCRETE_LEAF_TYPES:
         return False
     try:
         leaves = jax.tree_util.tree_leaves(value)
     except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
+        leaves = leaves_in_own_order(value, err)
     return any(is_escaped_tracer(leaf) for leaf in leaves_within_opaque(leaves))
 
 
 def contains_tracer(value: Any) -> bool:
     """Whether any leaf of ``value`` is a JAX tracer."""
     t = type(value)
-    if t in _CONCRETE_LEAF_TYPES:
+    if t in CONCRETE_LEAF_TYPES:
         return False
     # (An iterator -- a generator passed to ``f`` -- is a leaf: no tracer
     # there, and JAX warns when it meets one unasked.)
     try:
-        leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_iterator)
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=is_iterator)
     except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
+        leaves = leaves_in_own_order(value, err)
         return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
     if len(leaves) == 1 and leaves[0] is value and not isinstance(value, jax.core.Tracer):
         if opaque_items(value) is not None:
             return contains_tracer_in_opaque(value)
-        _CONCRETE_LEAF_TYPES.add(t)
+        CONCRETE_LEAF_TYPES.add(t)
         return False
     return any(
         isinstance(leaf, jax.core.Tracer)
-        or (type(leaf) not in _CONCRETE_LEAF_TYPES and contains_tracer_in_opaque(leaf))
+        or (type(leaf) not in CONCRETE_LEAF_TYPES and contains_tracer_in_opaque(leaf))
         for leaf in leaves
     )
 
@@ -244,12 +244,12 @@ def _tracers(value: Any) -> tuple[list[Any], bool]:
     try:
         leaves = jax.tree_util.tree_leaves(value)
     except (ValueError, TypeError) as err:
-        leaves = _leaves_in_own_order(value, err)
+        leaves = leaves_in_own_order(value, err)
         return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
     return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
 
 
-def _check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
+def check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
     """Refuses to store a tracer that would outlive its trace in an eager model.
 
     A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
@@ -294,7 +294,7 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
 
     That is a model being built inside a transformation: its initial values
     are values of that trace. A tracer of a finished trace is a leak.
-    Returns what ``_check_not_traced`` returns.
+    Returns what ``check_not_traced`` returns.
     """
     tracers, unsortable = _tracers(value)
     where = (name or "?", user_location()) if unsortable else None
@@ -303,7 +303,7 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
     live = _live_traces()
     if all(id(_trace_of(t)) in live for t in tracers):
         return where
-    _check_not_traced(value, name)
+    check_not_traced(value, name)
     return where
 
 
@@ -380,7 +380,7 @@ def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     data jit would hash (an array state stays one when assigned a python
     number, as it does when handled). The new slot lives where ``slot``
     does, and ``value`` may hold only tracers that live as long
-    (``_check_not_traced``).
+    (``check_not_traced``).
     """
     t = type(slot)
     if t is FrozenLocalStateRequest:
@@ -393,7 +393,7 @@ def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     else:  # a static state (``autostate.state_values.StaticState``)
         home = home_of(slot)
         placeholder = True
-    note = _check_not_traced(value, slot.name or label, home)
+    note = check_not_traced(value, slot.name or label, home)
     if t is FrozenLocalStateRequest and not placeholder:
         new = slot.replaced(value)
     else:

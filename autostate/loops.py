@@ -52,7 +52,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.lifetime import contains_tracer, current_trace
-from autostate.state_values import _same_static
+from autostate.state_values import same_static
 
 __all__ = ["UNBOUND", "Deferred", "Rolling", "over", "unrolled"]
 
@@ -120,7 +120,7 @@ def _leaf_plan(source: Any) -> _Plan | None:
     if (t is list or t is tuple) and source and all(
         isinstance(v, _ARRAY_TYPES) for v in source
     ):
-        kinds = {(jnp.shape(v), jnp.result_type(v), _control._weak_types(v)) for v in source}
+        kinds = {(jnp.shape(v), jnp.result_type(v), _control.weak_types(v)) for v in source}
         if len(kinds) == 1:
             return _Plan(jnp.stack(source), lambda x: x, len(source), lambda: source[-1])
     return None
@@ -184,7 +184,7 @@ def _strict(stacks: Sequence[Any]) -> bool:
 def over(source: Any) -> Any:
     """What a rewritten loop iterates: a ``Rolling`` where the loop can run
     as one scan, else ``source`` itself (a ``Deferred`` called)."""
-    if current_trace() is None or not _STRICT or _control._jit_disabled():
+    if current_trace() is None or not _STRICT or _control.jit_disabled():
         return _plain(source)
     stacks = _stacks_in(source)
     if not stacks:  # (a list of arrays alone is never stacked: the plain loop)
@@ -252,7 +252,7 @@ class _Kept:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) in (*_NUMBERS, str) and _same_static(a, b))
+    return a is b or (type(a) in (*_NUMBERS, str) and same_static(a, b))
 
 
 class Rolling:
@@ -377,9 +377,9 @@ def _undone_on_failure(body: Any, xs: Any, values: tuple) -> Iterator[None]:
         except BaseException:
             for cell, value in zip(cells, saved):
                 cell.value = value
-            for obj in _control._reachable_instances((body, xs, values), []):
+            for obj in _control.reachable_instances((body, xs, values), []):
                 for attr, slot in list(vars(obj).items()):
-                    if type(slot) is _control._LostState:
+                    if type(slot) is _control.LostState:
                         obj.__dict__[attr] = slot.slot
             kept.clear()
             raise

@@ -57,7 +57,7 @@ from autostate.guard import check_write as check_guarded_write
 from autostate.guard import is_guarded, lax_body_of
 from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import (
-    _check_not_traced,
+    check_not_traced,
     contains_tracer,
     initial_slot,
     recording_state_reads,
@@ -174,7 +174,7 @@ def make_slot(obj: Any, name: str, value: Any) -> Any:
         # its own states stay states, as if __init__ had assigned it.
         return value
     if info.slot_factory is not None:
-        unsortable = _check_not_traced(value, explicit or name)
+        unsortable = check_not_traced(value, explicit or name)
         error = unsortable and unsortable_keys_error(value, unsortable, None, _HOST_STORE)
         if error:
             raise error

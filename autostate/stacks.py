@@ -55,7 +55,7 @@ from autostate.errors import (
     traced_value_error,
     user_location,
 )
-from autostate.state_values import StaticState, _same_static, is_static_value
+from autostate.state_values import StaticState, is_static_value, same_static
 
 __all__ = ["LayerSlot", "Stack", "is_stack", "stack", "stacks_in"]
 
@@ -789,7 +789,7 @@ def _unchangeable(value: Any, label: str) -> Any:
 def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
     """The stacked state ``full`` with layer ``i``'s slice replaced by ``value``."""
     if full is None or is_static_value(full):
-        if _same_static(value, full):
+        if same_static(value, full):
             return full
         what = "is None" if full is None else f"is {full!r} for every layer"
         raise StackError(

@@ -89,7 +89,7 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
     return _api.functionalize(model, state_sharing="allowed")
 
 
-def _params(body: Any) -> dict[str, Any]:
+def parameters_of(body: Any) -> dict[str, Any]:
     # One array in two places (tied weights) is one parameter, named by its
     # first path, as f has it as one leaf.
     params: dict[str, Any] = {}
@@ -164,7 +164,7 @@ def _python_scalar_dtype(value: Any) -> np.dtype:
 
 def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
     f, states = handle_for_reading(model, caller)
-    params = {k: _as_array(v, "parameter", k) for k, v in _params(f.model).items()}
+    params = {k: _as_array(v, "parameter", k) for k, v in parameters_of(f.model).items()}
     flat, _ = flatten_states(states)
     return params, {k: _as_array(v, "state", k) for k, v in flat.items()}
 
@@ -500,7 +500,7 @@ def array_spec(x: Any) -> tuple[tuple[int, ...], Any] | None:
     return None
 
 
-def _format_spec(spec: tuple[tuple[int, ...], np.dtype] | None, value: Any = None) -> str:
+def format_spec(spec: tuple[tuple[int, ...], np.dtype] | None, value: Any = None) -> str:
     return type(value).__name__ if spec is None else _tree.format_spec(*spec)
 
 
@@ -525,7 +525,7 @@ class _Report:
                 continue
             want, got = array_spec(leaf), array_spec(given[key])
             if want != got:
-                detail = f"{key!r} (model {_format_spec(want, leaf)}, given {_format_spec(got, given[key])})"
+                detail = f"{key!r} (model {format_spec(want, leaf)}, given {format_spec(got, given[key])})"
                 self.mismatched.append((kind, key, detail))
                 continue
             fitting[key] = given[key]
@@ -608,7 +608,7 @@ def rebuild(
     new_params: dict[str, Any] = {}
     stacks = _stacks.stacks_in(f.model)
     if params is not None:
-        param_leaves = _params(f.model)
+        param_leaves = parameters_of(f.model)
         params = _fit_layers(param_leaves, params, stacks)
         new_params = report.match("parameter", param_leaves, params)
     if states is not None:

@@ -52,7 +52,7 @@ from autostate.slot_hooks import register_slot_hooks
 # Types whose instances are pytree leaves and not tracers (a concrete array,
 # a float). Leafness is decided per type, so one leaf instance vouches for its
 # type; an eager state write then skips ``tree_leaves``, most of its cost.
-_CONCRETE_LEAF_TYPES: set[type] = set()
+CONCRETE_LEAF_TYPES: set[type] = set()
 
 
 def _static_key(value: Any) -> tuple:
@@ -60,7 +60,7 @@ def _static_key(value: Any) -> tuple:
     return (type(value), value)
 
 
-def _same_static(a: Any, b: Any) -> bool:
+def same_static(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
@@ -68,7 +68,7 @@ def opaque_items(value: Any) -> dict | list | None:
     """A container JAX takes as one leaf (``values.Kind.items``), as a plain
     dict or list of its items; None for anything else."""
     t = type(value)
-    if t is dict or t is list or t in _CONCRETE_LEAF_TYPES:
+    if t is dict or t is list or t in CONCRETE_LEAF_TYPES:
         return None
     items = _values.kind_of(value).items
     if items is None:
@@ -141,7 +141,7 @@ class _Rebuilt:
 _ITERATOR_TYPES: dict[type, bool] = {}
 
 
-def _is_iterator(value: Any) -> bool:
+def is_iterator(value: Any) -> bool:
     t = type(value)
     found = _ITERATOR_TYPES.get(t)
     if found is None:
@@ -210,7 +210,7 @@ def holds_static_values(value: Any) -> bool:
     keeps the meaning a number has under ``jax.jit``.
     """
     t = type(value)
-    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+    if t in CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
         return False
     leaves = jax.tree_util.tree_leaves(value)
     if len(leaves) == 1 and leaves[0] is value:
@@ -298,7 +298,7 @@ def states_dict(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` as the states dict ``f`` takes: a ``States`` when a
     container state holds Python values, else ``values`` itself."""
     for value in values.values():
-        if type(value) not in _CONCRETE_LEAF_TYPES and holds_static_values(value):
+        if type(value) not in CONCRETE_LEAF_TYPES and holds_static_values(value):
             return States(values)
     return values
 
@@ -344,7 +344,7 @@ def _own_value(value: Any) -> Any:
     t = type(value)
     if t is np.ndarray:
         return jax.numpy.asarray(value)
-    if t in _CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+    if t in CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
         return value  # the common state, decided by one look-up: a call is per state
     return _values.copy_static(value, {}) if _values.is_mutable_static(value) else value
 
@@ -400,7 +400,7 @@ def _check_handled_write(name: str, label: str | None, old: Any, value: Any) -> 
 
 def _split_statics(value: Any) -> tuple[Any, Any] | None:
     """``split_static_values`` of a value holding Python values, else None."""
-    if type(value) in _CONCRETE_LEAF_TYPES or not holds_static_values(value):
+    if type(value) in CONCRETE_LEAF_TYPES or not holds_static_values(value):
         return None
     return split_static_values(value)
 
@@ -445,7 +445,7 @@ class StaticState(StateSlot):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StaticState):
             return NotImplemented
-        return _same_static(self.value, other.value) and (self.category, self.name) == (
+        return same_static(self.value, other.value) and (self.category, self.name) == (
             other.category,
             other.name,
         )
@@ -482,7 +482,7 @@ class HandledStaticState(StateSlot):
         return self.value
 
     def write(self, value: Any, label: str | None = None) -> None:
-        if _same_static(value, self.value):
+        if same_static(value, self.value):
             return None
         raise refused(_static_write_error(self, value, label))
 
@@ -495,7 +495,7 @@ class HandledStaticState(StateSlot):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HandledStaticState):
             return NotImplemented
-        return _same_static(self.value, other.value) and (
+        return same_static(self.value, other.value) and (
             self.handler_id,
             self.name,
             self.was_explicitly_named,

@@ -1,6 +1,6 @@
 """What every layer says about a decorated class, and how a value is shown.
 
-* ``_Static``, the hashable wrapper that keeps a python value in pytree aux
+* ``StaticLeaf``, the hashable wrapper that keeps a python value in pytree aux
   data (what kind of value a value is: ``autostate.values``);
 * the decoration info of a class (``class_info``, ``info_of``);
 * how an array is written in messages (``describe``).
@@ -50,7 +50,7 @@ def format_spec(shape: Any, dtype: Any) -> str:
     return f"{name}[{','.join(map(str, shape))}]"
 
 
-class _Static:
+class StaticLeaf:
     """Hashable wrapper for a static value kept in pytree aux data.
 
     Used so that unhashable python values (lists of ints, dicts of config)
@@ -66,7 +66,7 @@ class _Static:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Static):
+        if not isinstance(other, StaticLeaf):
             return NotImplemented
         if self.value is other.value:
             return True
@@ -87,4 +87,4 @@ class _Static:
         return f"static({self.value!r})"
 
 
-jax.tree_util.register_pytree_node(_Static, lambda s: ((), s), lambda aux, _children: aux)
+jax.tree_util.register_pytree_node(StaticLeaf, lambda s: ((), s), lambda aux, _children: aux)

@@ -21,7 +21,7 @@ import jax
 
 from autostate.errors import InvalidTypeError, format_error, user_location
 from autostate.slot_hooks import register_slot_hooks
-from autostate.state_values import _is_iterator
+from autostate.state_values import is_iterator
 
 # (state name, the user's line that assigned it): where a state was given a
 # value holding a dict whose keys do not sort.
@@ -51,7 +51,7 @@ def unsortable_dicts(value: Any) -> tuple[list[Any], list[Any]]:
                 visit(child)
             return
         for leaf in jax.tree_util.tree_leaves(
-            node, is_leaf=lambda v: v is not node and (type(v) in _SORTED_DICTS or _is_iterator(v))
+            node, is_leaf=lambda v: v is not node and (type(v) in _SORTED_DICTS or is_iterator(v))
         ):
             if type(leaf) in _SORTED_DICTS:
                 visit(leaf)
@@ -62,7 +62,7 @@ def unsortable_dicts(value: Any) -> tuple[list[Any], list[Any]]:
     return leaves, unsortable
 
 
-def _leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
+def leaves_in_own_order(value: Any, error: Exception) -> list[Any]:
     """The leaves of a ``value`` JAX failed to flatten with ``error``, when a
     dict in it whose keys do not sort is why; else ``error`` again."""
     leaves, unsortable = unsortable_dicts(value)

@@ -152,7 +152,7 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
     """The model's arrays under their PyTorch names, in the model's order, and
     every parameter and (flat) state under its own name."""
     f, states = _state_dicts.handle_for_reading(model, caller)
-    params = _state_dicts._params(f.model)
+    params = _state_dicts.parameters_of(f.model)
     param_key = {id(leaf): name for name, leaf in params.items()}
     flat, layout = _state_dicts.flatten_states(states)
     state_keys = {name: [k for k in keys if k in flat] for name, _, keys, _ in layout}
@@ -471,7 +471,7 @@ def _fitted(entry: _Entry, value: Any, report: _TorchReport) -> Any:
         return value
     report.mismatched.append((entry.kind, entry.name))
     report.details.append(
-        f"{entry.name!r} (model {_state_dicts._format_spec(want, entry.template)}, "
-        f"given {_state_dicts._format_spec(got, value)})"
+        f"{entry.name!r} (model {_state_dicts.format_spec(want, entry.template)}, "
+        f"given {_state_dicts.format_spec(got, value)})"
     )
     return None

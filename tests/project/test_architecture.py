@@ -2,8 +2,9 @@
 
 Every ``import`` in ``autostate/`` — at module level or inside a function —
 is an edge of the module graph; the graph must have no cycle, ``transform``
-must not import JAX, ``effects`` must not import libcst, and no module may
-assign an attribute of another module (no hooks set from outside).
+must not import JAX, ``effects`` must not import libcst, no module may
+assign an attribute of another module (no hooks set from outside), and no
+module uses a private name (``_name``) of another.
 """
 
 from __future__ import annotations
@@ -133,6 +134,43 @@ def test_no_module_assigns_attributes_of_another_module():
                     pytest.fail(f"{module}:{node.lineno} assigns {target.value.id}.{target.attr}")
 
 
+def _private_uses(module: str) -> list[str]:
+    """The private names of other modules of the package that ``module`` uses:
+    imported by name (``from autostate.x import _y``) or read through a module
+    it imported (``_x._y``)."""
+    tree = ast.parse(MODULES[module].read_text())
+    modules: dict[str, str] = {}  # local name -> a module of the package
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autostate"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if _resolve(full) == full:
+                    modules[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{module}:{node.lineno} imports {full}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("autostate") and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and modules[node.value.id] != module
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{module}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_a_private_name_of_another():
+    found = [use for module in MODULES for use in _private_uses(module)]
+    assert not found, "\n".join(found)
+
+
 def test_the_checks_see_the_real_imports():
     # Guards the checks above against passing vacuously.
     graph = _graph()
@@ -141,3 +179,5 @@ def test_the_checks_see_the_real_imports():
     assert {"autostate.tree", "autostate.errors"} <= graph["autostate.effects.local_state"]
     assert any(name == "libcst" for name, _ in _imports("autostate.transform.analysis"))
     assert any(name == "jax" for name, _ in _imports("autostate.effects.local_state"))
+    assert "autostate.loops" in graph and not _private_uses("autostate.loops")
+    assert "control" in MODULES["autostate.loops"].read_text()
