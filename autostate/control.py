@@ -47,9 +47,9 @@ reachable from the function and operands handed to a temporary handler for
 the call (``_with_eager_states``), then written back as eager slots.
 
 A stack of layers (``autostate.stack``) registers here: code reaching it
-reaches its stacked model (``register_reached_through``), and a stack in a
-mapped argument of ``lax.scan``, ``lax.map`` or ``jax.vmap`` is its stacked
-model, so each step gets one layer (``register_stack_type``).
+reaches its stacked model, and a stack in a mapped argument of ``lax.scan``,
+``lax.map`` or ``jax.vmap`` is its stacked model, so each step gets one layer
+(its node kind's ``stacked``, ``graph.NodeKind``).
 
 This module knows the slot types of ``effects`` but nothing of source code.
 """
@@ -70,9 +70,7 @@ from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects.local_state import (
-    FrozenLocalStateRequest,
     HandledLocalStateRef,
-    InitialLocalStateRequest,
     LocalStateEffectImpl,
     StateSlot,
     fresh_handler_id,
@@ -94,7 +92,6 @@ from autostate.errors import (
 from autostate.guard import CAPTURED, Guard, eager_lax_body
 from autostate.lifetime import (
     MEMBER_CELLS,
-    CopiedRef,
     LostValue,
     contains_tracer,
     current_trace,
@@ -461,50 +458,22 @@ def _shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) 
 
 # --- eager models ---------------------------------------------------------------
 
-# The slots that hold their state's value themselves: an eager model's, and
-# those of a copy made inside a running call (``copy.copy(self)``, a
-# ``tree_map`` copy: ``register_own_value_slot``), whose writes stay the
-# copy's. A body that reaches them has them threaded like an eager model's.
-_OWN_VALUE_SLOTS: set[type] = {InitialLocalStateRequest, FrozenLocalStateRequest, CopiedRef}
-
-
-def register_own_value_slot(slot_type: type) -> None:
-    """Threads the states of ``slot_type`` (a slot holding its own value)
-    through lax bodies that reach them, as an eager model's are."""
-    _OWN_VALUE_SLOTS.add(slot_type)
-
-
-# Node types through which code reaches models it does not hold as attributes
-# (a stack's stacked model, the stacked model a layer's view slot reads): type ->
-# what it reaches. And the stack types: type -> its stacked model, which a
-# mapping transformation maps over (``autostate.stacks`` registers both).
-_REACHED_THROUGH: dict[type, Callable[[Any], list[Any]]] = {}
-_STACK_TYPES: dict[type, Callable[[Any], Any]] = {}
-
-
-def register_reached_through(node_type: type, reached: Callable[[Any], list[Any]]) -> None:
-    """Code that reaches a ``node_type`` node reaches ``reached(node)`` too: a lax
-    body's eager states include theirs."""
-    _REACHED_THROUGH[node_type] = reached
-
-
-def register_stack_type(stack_type: type, stacked: Callable[[Any], Any]) -> None:
-    """A ``stack_type`` node (a sequence of layers held as one stacked model) in a
-    mapped argument (``lax.scan``'s ``xs``, ``lax.map``'s, a ``jax.vmap`` argument
-    mapped on an axis) is its stacked model ``stacked(node)``: each step, each
-    example, gets one layer."""
-    _STACK_TYPES[stack_type] = stacked
-    _REACHED_THROUGH[stack_type] = lambda node: [stacked(node)]
+# The slots that hold their state's value themselves (an eager model's, and
+# those of a copy made inside a running call: ``copy.copy(self)``, a
+# ``tree_map`` copy), whose writes stay the copy's, the stacks and what code
+# reaches through a node are fields of the node kinds (``graph.NodeKind``:
+# ``own_value``, ``stacked``, ``reached``). A body that reaches an own-value
+# slot has it threaded like an eager model's.
 
 
 def _layers_mapped(tree: Any) -> Any:
     """``tree`` (a mapped argument) with each stack in it, and in the lists,
     tuples and dicts it holds, replaced by its stacked model; the same object
     when it holds none."""
-    if not _STACK_TYPES:
+    if not _graph.STACKS:
         return tree
     t = type(tree)
-    stacked = _STACK_TYPES.get(t)
+    stacked = _graph.STACKS.get(t)
     if stacked is not None:
         return stacked(tree)
     if t is tuple or t is list:
@@ -520,7 +489,7 @@ def _vmap_layers(in_axes: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``jax.vmap``'s arguments with the stacks of the mapped ones as their
     stacked models (``_layers_mapped``); an argument with in_axes ``None`` keeps
     its stack whole (every example iterates all of its layers)."""
-    if not _STACK_TYPES:
+    if not _graph.STACKS:
         return args, kwargs
     axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
     if len(axes) != len(args):
@@ -571,7 +540,7 @@ def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
         items = obj
     elif isinstance(obj, dict):
         items = obj.values()
-    elif (through := _REACHED_THROUGH.get(type(obj))) is not None:
+    elif (through := _graph.REACHED.get(type(obj))) is not None:
         items = through(obj)
     else:
         return []
@@ -614,7 +583,7 @@ def _with_eager_states(
                 # (An earlier body raised after assigning it: it has no value
                 # for this one, as reading it says; JAX would meet the slot.)
                 raise slot.lost.error()
-            if type(slot) not in _OWN_VALUE_SLOTS:
+            if type(slot) not in _graph.OWN_VALUE_SLOTS:
                 continue
             name = f"{type(obj).__name__}.{attr}"
             while name in names:

@@ -638,10 +638,9 @@ def _unflatten_functional(aux: tuple, children) -> FunctionalModel:
 jax.tree_util.register_pytree_with_keys(
     FunctionalModel, _flatten_functional_with_keys, _unflatten_functional, _flatten_functional
 )
-_graph.register_node_kind(FunctionalModel, model_child=True)
 # Never changed in place (a new f is a new object): an optimizer's moments
 # held as an f are witnessed by identity (``autostate.jit``'s kept flatten).
-_graph.register_witnessed(FunctionalModel, None)
+_graph.register_node_kind(FunctionalModel, model_child=True, immutable=True)
 
 
 def _by_name(obj: Any) -> tuple[str, str] | None:

@@ -100,6 +100,22 @@ class NodeKind:
             generator's frame locals), for ``holds_instance``.
         after_copy: a decorated class's hook, run on every copy ``map_tree``
             makes of an instance once its attributes are in place.
+        witnessed: ``value -> held``: how ``Witness`` sees a value that may
+            change in place (a state slot): what it holds now, compared by
+            identity and looked into.
+        immutable: ``Witness`` takes such a value as it is: it never changes
+            in place, and what it holds is witnessed apart.
+        stacked: ``node -> model``: the node is a stack of layers held as one
+            stacked model; in a mapped argument (``lax.scan``'s ``xs``,
+            ``lax.map``'s, a ``jax.vmap`` argument) it is that model, so each
+            step or example gets one layer; a ``for`` loop over it is rolled.
+        must_roll: ``node -> bool``: whether a loop over such a stack that
+            cannot be rolled into one scan is an error.
+        reached: ``node -> [object]``: what code that reaches the node reaches
+            besides its children (a layer's state slot: the stacked model it
+            reads; a stack: its stacked model).
+        own_value: a state slot holding its own value: the eager states a
+            ``lax`` body reaches in it are threaded through the body.
     """
 
     type: type
@@ -115,6 +131,12 @@ class NodeKind:
     running: tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None = None
     held: Callable[[Any], list[tuple[str, Any]]] | None = None
     after_copy: Callable[[Any], None] | None = None
+    witnessed: Callable[[Any], Any] | None = None
+    immutable: bool = False
+    stacked: Callable[[Any], Any] | None = None
+    must_roll: Callable[[Any], bool] | None = None
+    reached: Callable[[Any], list[Any]] | None = None
+    own_value: bool = False
 
 
 _KINDS: dict[type, NodeKind] = {}
@@ -127,6 +149,15 @@ _CANONICAL: dict[type, Callable[[Any], Any]] = {}
 _SHARED_NODES: set[type] = set()
 _RUNNING: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {}
 _HELD: dict[type, Callable[[Any], list[tuple[str, Any]]]] = {}
+# ``Witness``'s: how to read what a value holds, or ``None`` for an immutable one.
+_WITNESSED: dict[type, Callable[[Any], Any] | None] = {}
+# The transformations' and loop rolling's: a stack's stacked model, whether a
+# loop over it must roll, what code reaching a node reaches, and the slots
+# that hold their own value.
+STACKS: dict[type, Callable[[Any], Any]] = {}
+MUST_ROLL: dict[type, Callable[[Any], bool]] = {}
+REACHED: dict[type, Callable[[Any], list[Any]]] = {}
+OWN_VALUE_SLOTS: set[type] = set()
 
 
 def node_kind(cls: type) -> NodeKind | None:
@@ -201,6 +232,17 @@ def _install(kind: NodeKind) -> None:
         _RUNNING[cls] = kind.running
     if kind.held is not None:
         _HELD[cls] = kind.held
+    if kind.witnessed is not None or kind.immutable:
+        _WITNESSED[cls] = kind.witnessed
+    if kind.stacked is not None:
+        stacked = kind.stacked
+        STACKS[cls] = stacked
+        MUST_ROLL[cls] = kind.must_roll or (lambda node: False)
+        REACHED[cls] = lambda node: [stacked(node)]
+    if kind.reached is not None:
+        REACHED[cls] = kind.reached
+    if kind.own_value:
+        OWN_VALUE_SLOTS.add(cls)
 
 
 def is_stateful_instance(value: Any) -> bool:
@@ -1351,19 +1393,6 @@ def _witnessed(value: Any, record: tuple[list, list, list]) -> bool:
 # Types a ``Witness`` takes as they are, first (immutable); an array's kind
 # says the same, one look-up later.
 _PLAIN: set[type] = {int, float, bool, str, type(None), type(jax.tree_util.tree_structure(0))}
-
-# Types a ``Witness`` knows, registered where they are defined
-# (``register_witnessed``): how to read the value one holds, which may change
-# in place, or ``None`` for an immutable one.
-_WITNESSED: dict[type, Callable[[Any], Any] | None] = {}
-
-
-def register_witnessed(cls: type, value: Callable[[Any], Any] | None) -> None:
-    """Lets ``Witness`` see values of ``cls`` (state slots, wrappers): ``value``
-    reads what one holds (compared by identity, and looked into); ``None``:
-    they are immutable, and what they hold is witnessed apart."""
-    _WITNESSED[cls] = value
-
 
 def _identity_is_value(t: type, value: Any) -> bool:
     """Whether values of type ``t`` are static values the graphdef compares by

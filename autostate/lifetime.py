@@ -417,11 +417,13 @@ def _canonical_initial(request: InitialLocalStateRequest) -> Any:
     return frozen
 
 
-_graph.register_node_kind(InitialLocalStateRequest, model_child=True, canonical=_canonical_initial)
-# (Its first value, a list or dict the model may still change in place.)
-_graph.register_witnessed(
+_graph.register_node_kind(
     InitialLocalStateRequest,
-    lambda r: getattr(r.state_initializer, "value", r.state_initializer),
+    model_child=True,
+    canonical=_canonical_initial,
+    # (Its first value, a list or dict the model may still change in place.)
+    witnessed=lambda r: getattr(r.state_initializer, "value", r.state_initializer),
+    own_value=True,
 )
 
 
@@ -655,7 +657,7 @@ def _copied(key: tuple[HandledLocalStateRef, Any], value: Any) -> CopiedRef:
 _graph.register_node_kind(
     HandledLocalStateRef, model_child=True, shared=True, running=(_split_running_ref, _copied)
 )
-_graph.register_node_kind(CopiedRef, running=(_split_copy, _copied))
+_graph.register_node_kind(CopiedRef, running=(_split_copy, _copied), own_value=True)
 
 
 register_slot_hooks(

@@ -68,15 +68,9 @@ UNBOUND = _Unbound()
 _NUMBERS = (int, float, bool, complex)
 _ARRAY_TYPES = (jax.Array, jax.core.Tracer)
 
-# Each stack type (``autostate.stacks`` registers ``Stack``) -> whether it
-# asks that loops over it be rolled (``require_scan``).
-_STRICT: dict[type, Callable[[Any], bool]] = {}
-
-
-def register_stack(stack_type: type, strict: Callable[[Any], bool]) -> None:
-    """Loops over a ``stack_type`` are rolled; ``strict(stack)`` says whether
-    one that cannot be is an error."""
-    _STRICT[stack_type] = strict
+# The stack types and whether a loop over one must roll (``require_scan``):
+# fields of their node kinds (``graph.NodeKind.stacked`` / ``must_roll``).
+_STRICT = _graph.MUST_ROLL
 
 
 class Deferred:

@@ -1299,8 +1299,7 @@ jax.tree_util.register_pytree_node(
     lambda s: ((s.value,), (s.category, s.name)),
     lambda aux, children: DetachedState(children[0], *aux),
 )
-_graph.register_node_kind(DetachedState, model_child=True)
-control.register_own_value_slot(DetachedState)
+_graph.register_node_kind(DetachedState, model_child=True, own_value=True)
 
 
 def _detached(value: Any) -> Any:

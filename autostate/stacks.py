@@ -21,11 +21,14 @@ model stacked already. What the rest of autostate sees:
   a list of layers changes the layer: refused (``guard.register_view``).
 * **Mapping transformations.** A stack in ``lax.scan``'s ``xs``,
   ``lax.map``'s or a mapped ``jax.vmap`` argument is its stacked model:
-  each step gets one layer, whose states are its slices
-  (``control.register_stack_type``).
+  each step gets one layer, whose states are its slices; a ``for`` loop
+  over it is rolled into one scan (``loops``).
 
-This module knows the runtime's one write path and the guard; ``control``,
-``render`` and ``state_dicts`` see a stack through what is registered here.
+Everything the walks, the transformations and loop rolling know of a stack
+is one record, its node kind (``graph.NodeKind``: children, ``stacked``,
+``must_roll``, ``immutable``), registered here once; a layer's state slot is
+another (``reached``). This module knows the runtime's one write path and
+the guard.
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from autostate import control as _control
 from autostate import graph as _graph
 from autostate import guard as _guard
-from autostate import loops as _loops
 from autostate import runtime as _runtime
 from autostate import sharding as _sharding
 from autostate import tree as _tree
@@ -206,9 +207,12 @@ _graph.register_node_kind(
     children=lambda s: [("", s._stacked)],
     rebuild=lambda s, children: Stack(children[0], s._depth, s._require_scan),
     model_child=True,
+    # A stack never changes what it wraps; the stacked model is witnessed as an
+    # instance of its own (``autostate.jit``'s kept flatten).
+    immutable=True,
+    stacked=lambda s: s._stacked,
+    must_roll=lambda s: s._require_scan,
 )
-_control.register_stack_type(Stack, lambda s: s._stacked)
-_loops.register_stack(Stack, lambda s: s._require_scan)
 
 
 def stacks_in(tree: Any) -> dict[str, int]:
@@ -839,9 +843,5 @@ def _slice_error(label: str, got: str, want: str) -> StackError:
     )
 
 
-_control.register_reached_through(LayerSlot, lambda slot: [slot.owner])
-
-
-# A stack never changes what it wraps; the stacked model is witnessed as an
-# instance of its own (``autostate.jit``'s kept flatten).
-_graph.register_witnessed(Stack, None)
+# Code reaching a layer's state reaches the stacked model whose state it slices.
+_graph.register_node_kind(LayerSlot, reached=lambda slot: [slot.owner])

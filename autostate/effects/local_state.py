@@ -403,8 +403,10 @@ def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
 jax.tree_util.register_pytree_with_keys(
     FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
 )
-_graph.register_node_kind(FrozenLocalStateRequest, model_child=True)
-_graph.register_witnessed(FrozenLocalStateRequest, operator.attrgetter("state"))
+_graph.register_node_kind(
+    FrozenLocalStateRequest, model_child=True, witnessed=operator.attrgetter("state"),
+    own_value=True,
+)
 # ``InitialLocalStateRequest``'s node kind (a fresh model's state seen as it
 # will be after its first write) is registered by ``autostate.lifetime``,
 # which makes those initial values.

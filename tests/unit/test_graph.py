@@ -638,3 +638,31 @@ def test_a_patched_witness_sees_what_a_new_one_sees(change: Any) -> None:
     assert witness2 is not None
     model2.table = {"a": np.ones(1)}  # a numpy array: nothing to witness by identity
     assert not witness2.patch([(0, "table")])
+
+
+def test_a_node_kind_is_one_record_every_walk_and_transformation_reads() -> None:
+    # A stack-like wrapper: one register_node_kind call tells the walks its
+    # child, the witness that it never changes, the transformations its stacked
+    # model, loop rolling its strictness.
+    class Wrapped:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+    kind = graph.register_node_kind(
+        Wrapped,
+        children=lambda w: [(".inner", w.inner)],
+        rebuild=lambda w, children: Wrapped(children[0]),
+        immutable=True,
+        stacked=lambda w: w.inner,
+        must_roll=lambda w: True,
+    )
+    assert graph.node_kind(Wrapped) is kind
+    node = Wrapped(jnp.ones(2))
+    assert graph.STACKS[Wrapped](node) is node.inner
+    assert graph.MUST_ROLL[Wrapped](node) is True
+    assert graph.REACHED[Wrapped](node) == [node.inner]
+    model = _Witnessed()
+    model.extra = node
+    witness = graph.Witness.of([model])
+    assert witness is not None and witness.unchanged()  # (immutable: taken as it is)
+    assert graph.children_of(node) == [(".inner", node.inner)]
