@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from autostate import graph as _graph
+from autostate import values as _values
 from autostate.effects.local_state import StateSlot
 from autostate.errors import InvalidArgumentError, format_error, user_location
 from autostate.graph import Witness
@@ -602,19 +603,16 @@ _ENTRIES = 8
 
 
 def _kept(old: Any, new: Any) -> Any:
-    """``new``, in ``old``'s list or dict object where both are of one such
-    type: a list an attribute holds, changed in place or not, stays the same
-    list, as plain Python's call leaves it."""
+    """``new``, in ``old``'s container object where both are of one mutable
+    type (its kind's ``restore``): a list an attribute holds, changed in place
+    or not, stays the same list, as plain Python's call leaves it."""
     if type(old) is not type(new):
         return new
-    if isinstance(old, list):
-        old[:] = new
-        return old
-    if isinstance(old, dict):
-        old.clear()
-        old.update(new)
-        return old
-    return new
+    restore = _values.kind_of(old).restore
+    if restore is None:
+        return new
+    restore(old, new)
+    return old
 
 
 def _shape_of(x: Any) -> Any:

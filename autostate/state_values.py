@@ -125,14 +125,7 @@ class _Rebuilt:
             items = join_static_values(items, self.inner)
         cls: Any = self.cls
         new = cls.__new__(cls)
-        if issubclass(self.cls, (collections.UserDict, collections.UserList)):
-            new.data = items
-        elif issubclass(self.cls, collections.deque):
-            collections.deque.__init__(new, items, self.maxlen)
-        elif issubclass(self.cls, dict):
-            dict.update(new, items)
-        else:
-            list.extend(new, items)
+        _values.kind_of(new).fill(new, items, self.maxlen)  # type: ignore[misc]
         for name, key in self.attributes:
             object.__setattr__(new, name, key[1])
         return new

@@ -61,6 +61,7 @@ import collections
 import copy as _copy
 import dataclasses
 import enum
+import operator
 import types
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,15 @@ class Kind:
         delete: ``(c, key) -> copy of c without c[key]``; ``None`` if unsupported.
         items: ``c -> its items as a plain dict or list``, for a container JAX
             may take as one leaf; ``None`` for other kinds.
+        same: ``(c, contents) -> bool``: whether a mutable container holds
+            exactly what ``contents`` (its ``copy``) holds, by identity (an
+            item may be a tracer, whose ``==`` would be traced).
+        restore: ``(c, contents) -> None``: puts ``contents`` back into ``c``
+            itself, for a mutable container: a change in place undone, or a
+            new value taken in without a new object.
+        fill: ``(empty, items, maxlen) -> None``: fills a new, empty container
+            of a subclass (made by ``cls.__new__``) with ``items``, the
+            kind's ``items`` of an old one (and a deque's ``maxlen``).
     """
 
     name: str
@@ -118,6 +128,9 @@ class Kind:
     update: Callable[[Any, Any, Any], Any] | None = None
     delete: Callable[[Any, Any], Any] | None = None
     items: Callable[[Any], dict | list] | None = None
+    same: Callable[[Any, Any], bool] | None = None
+    restore: Callable[[Any, Any], None] | None = None
+    fill: Callable[[Any, Any, int | None], None] | None = None
 
     def __repr__(self) -> str:
         return f"<value kind {self.name}>"
@@ -186,6 +199,54 @@ def _user_list_items(c: Any) -> list:
     return list(c.data)
 
 
+def _same_items(c: Any, contents: Any) -> bool:
+    return len(c) == len(contents) and all(map(operator.is_, c, contents))
+
+
+def _same_mapping(c: Any, contents: Any) -> bool:
+    return list(c) == list(contents) and all(map(operator.is_, c.values(), contents.values()))
+
+
+def _same_value(c: Any, contents: Any) -> bool:
+    return bool(c == contents)  # (a set's or bytearray's items are hashable atoms)
+
+
+def _restore_slice(c: Any, contents: Any) -> None:
+    c[:] = contents
+
+
+def _restore_mapping(c: Any, contents: Any) -> None:
+    # (The subclass's own methods: an OrderedDict keeps its order apart from dict's.)
+    c.clear()
+    c.update(contents)
+
+
+def _restore_set(c: Any, contents: Any) -> None:
+    c.clear()
+    c.update(contents)
+
+
+def _restore_deque(c: Any, contents: Any) -> None:
+    c.clear()
+    c.extend(contents)
+
+
+def _fill_list(new: Any, items: Any, maxlen: int | None) -> None:
+    list.extend(new, items)
+
+
+def _fill_dict(new: Any, items: Any, maxlen: int | None) -> None:
+    new.update(items)  # (the subclass's own: an OrderedDict keeps its order apart)
+
+
+def _fill_deque(new: Any, items: Any, maxlen: int | None) -> None:
+    collections.deque.__init__(new, items, maxlen)
+
+
+def _fill_user(new: Any, items: Any, maxlen: int | None) -> None:
+    new.data = items
+
+
 _same_type_copy = _copy.copy  # keeps the subclass (a defaultdict's factory, a deque's maxlen)
 _same_type_update = _updated_with(_same_type_copy)
 _same_type_delete = _deleted_with(_same_type_copy)
@@ -217,6 +278,8 @@ LIST = Kind(
     copy=_list_copy,
     update=_updated_with(_list_copy),
     delete=_deleted_with(_list_copy),
+    same=_same_items,
+    restore=_restore_slice,
 )
 DICT = Kind(
     "dict",
@@ -224,9 +287,16 @@ DICT = Kind(
     copy=_dict_copy,
     update=_updated_with(_dict_copy),
     delete=_deleted_with(_dict_copy),
+    same=_same_mapping,
+    restore=_restore_mapping,
 )
-SET = Kind("set", mutable=True, sealed=True, copy=_same_type_copy)
-BYTEARRAY = Kind("bytearray", mutable=True, copy=_same_type_copy)
+SET = Kind(
+    "set", mutable=True, sealed=True, copy=_same_type_copy, same=_same_value,
+    restore=_restore_set,
+)
+BYTEARRAY = Kind(
+    "bytearray", mutable=True, copy=_same_type_copy, same=_same_value, restore=_restore_slice
+)
 DEQUE = Kind(
     "deque",
     mutable=True,
@@ -235,6 +305,9 @@ DEQUE = Kind(
     update=_same_type_update,
     delete=_same_type_delete,
     items=list,
+    same=_same_items,
+    restore=_restore_deque,
+    fill=_fill_deque,
 )
 LIST_SUBCLASS = Kind(
     "list subclass",
@@ -243,6 +316,9 @@ LIST_SUBCLASS = Kind(
     update=_same_type_update,
     delete=_same_type_delete,
     items=list,
+    same=_same_items,
+    restore=_restore_slice,
+    fill=_fill_list,
 )
 """A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
 DICT_SUBCLASS = Kind(
@@ -252,6 +328,9 @@ DICT_SUBCLASS = Kind(
     update=_same_type_update,
     delete=_same_type_delete,
     items=_own_dict_items,
+    same=_same_mapping,
+    restore=_restore_mapping,
+    fill=_fill_dict,
 )
 """A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
 USER_DICT = Kind(
@@ -260,6 +339,7 @@ USER_DICT = Kind(
     update=_same_type_update,
     delete=_same_type_delete,
     items=_user_dict_items,
+    fill=_fill_user,
 )
 USER_LIST = Kind(
     "UserList",
@@ -267,6 +347,7 @@ USER_LIST = Kind(
     update=_same_type_update,
     delete=_same_type_delete,
     items=_user_list_items,
+    fill=_fill_user,
 )
 TUPLE = Kind("tuple", update=_tuple_update)
 NAMED_TUPLE = Kind("named tuple", update=_tuple_update)

@@ -7,6 +7,8 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -319,3 +321,48 @@ class _Holder:
 def test_a_model_in_any_sealed_collection_is_refused_alike(make):
     with pytest.raises(InvalidTypeError, match="which functionalize\\(\\) follows"):
         _Holder(make([_Leaf()])).functionalize()
+
+
+@pytest.mark.parametrize(
+    ("make", "change"),
+    [
+        (lambda: [1, 2], lambda c: c.append(3)),
+        (lambda: {"a": 1}, lambda c: c.update(b=2)),
+        (lambda: collections.OrderedDict(a=1, c=3), lambda c: c.move_to_end("a")),
+        (lambda: collections.defaultdict(list, a=[1]), lambda c: c["b"].append(2)),
+        (lambda: collections.Counter("aab"), lambda c: c.update("b")),
+        (lambda: {1, 2}, lambda c: c.add(3)),
+        (lambda: bytearray(b"ab"), lambda c: c.extend(b"c")),
+        (lambda: collections.deque([1, 2], maxlen=3), lambda c: c.appendleft(0)),
+        (lambda: type("L", (list,), {})([1]), lambda c: c.insert(0, 5)),
+    ],
+)
+def test_a_mutable_kind_compares_and_restores_its_contents_in_place(
+    make: Callable[[], Any], change: Callable[[Any], None]
+) -> None:
+    c = make()
+    kind = values.kind_of(c)
+    contents = kind.copy(c)
+    assert kind.same(c, contents)
+    change(c)
+    assert not kind.same(c, contents)
+    kind.restore(c, contents)
+    assert kind.same(c, contents) and c == make() and list(c) == list(make())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        collections.deque([1, 2], maxlen=2),
+        collections.UserDict(a=1),
+        collections.UserList([1]),
+        collections.OrderedDict(a=1),
+        type("L", (list,), {})([1, 2]),
+    ],
+)
+def test_a_container_subclass_is_filled_by_its_kind(value: Any) -> None:
+    kind = values.kind_of(value)
+    new = type(value).__new__(type(value))
+    kind.fill(new, kind.items(value), getattr(value, "maxlen", None))
+    assert type(new) is type(value) and new == value
+    assert getattr(new, "maxlen", None) == getattr(value, "maxlen", None)
