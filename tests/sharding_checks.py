@@ -633,6 +633,12 @@ def orbax_saves_a_stack_and_restores_it_in_another_layout():
         assert_close(restored, {"f": f, "states": states}, f"restored, {what}", rtol=0, atol=0)
         model = autostate.freeze(restored["f"], restored["states"])
         assert type(model.blocks) is (autostate.Stack if stacked else list), what
+        # The per-layer names load into the stack (or the list), in the like model's layout.
+        like = autostate.freeze(*target_build(jax.random.key(2)))
+        loaded = autostate.load_param_dict(like, autostate.param_dict(model, per_layer=True))
+        loaded = autostate.load_state_dict(loaded, autostate.state_dict(model, per_layer=True))
+        assert_shardings(loaded.functionalize(), (f_sh, s_sh), f"loaded per layer, {what}")
+        assert_close(loaded.functionalize(), (f, states), f"loaded per layer, {what}", rtol=0, atol=0)
 
 
 @check

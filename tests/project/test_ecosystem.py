@@ -298,6 +298,8 @@ def test_every_keypath_is_one_of_jaxs_key_entries(stacked):
     assert stacked_w in model_names and ".norms[0].stacked.scale" in model_names
     assert ".norms[0].stacked.mean.state" in model_names
     assert keystrs(autostate.freeze(f, states)) == model_names
+    pf, pstates = autostate.pack(f, states)
+    assert keystrs(pf) and keystrs(pstates)
     assert keystrs(opt) == [
         *(".model" + n for n in model_names),
         ".opt_state['count']",
