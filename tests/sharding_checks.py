@@ -694,6 +694,29 @@ def optimizer_moments_take_their_parameters_shardings():
             check_moments(opt, f"after step {i}, {what}")
 
 
+@check
+def an_eager_cache_reset_keeps_the_caches_sharding():
+    # nn.MultiheadAttention.reset_cache() on a sharded model, eagerly: new zeros in
+    # the cache's own layout (never gathered on the default device).
+    from autostate import nn
+
+    mesh = mesh_2x4()
+    layer = nn.MultiheadAttention(16, 4, batch_first=True, max_len=8, cache_batch_size=4,
+                                  key=jax.random.key(0))
+    f, states = layer.functionalize()
+    specs = {"k_cache": P("data", None, "model"), "v_cache": P("data", None, "model"),
+             "cache_pos": P()}
+    placed = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+    layer = autostate.freeze(f, jax.device_put(states, placed))
+    layer(jnp.ones((4, 1, 16)), jnp.ones((4, 1, 16)), jnp.ones((4, 1, 16)))
+    assert int(layer.cache_pos) == 1
+    layer.reset_cache()
+    for name, sharding in placed.items():
+        value = getattr(layer, name)
+        assert value.sharding.is_equivalent_to(sharding, value.ndim), (name, value.sharding)
+        assert not value.any(), name
+
+
 # --- the example, as ``python examples/sharded_training.py --smoke`` runs it --------------
 
 

@@ -63,6 +63,7 @@ CHECK_NAMES = [
     "autostate_save_load_keep_the_like_models_shardings",
     "orbax_saves_a_stack_and_restores_it_in_another_layout",
     "optimizer_moments_take_their_parameters_shardings",
+    "an_eager_cache_reset_keeps_the_caches_sharding",
     "example_trains_at_smoke_size",
 ]
 
