@@ -244,7 +244,9 @@ class Optimizer:
     sees are the model's ``f``, so masks written for ``f``'s paths apply.
     Eagerly and inside ``autostate.jit``. The state is made with every array
     that stands for a parameter (Adam's moments) in that parameter's
-    sharding, shard by shard (``sharding.made_in_layout``).
+    sharding, shard by shard: on a model placed on devices, ``tx.init`` runs
+    under ``jax.jit`` (``sharding.made_in_layout``), so it must be traceable,
+    as optax's are.
 
     Args:
         model: the model to train.
