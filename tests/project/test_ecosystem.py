@@ -355,9 +355,10 @@ def test_optax_masks_by_path_and_multi_transform():
     assert not np.allclose(new.model.blocks[1].w, f.model.blocks[1].w)
 
 
-def test_jax_export_serializes_a_step_that_takes_f():
+@pytest.mark.parametrize("make", [Net, Deep], ids=["list", "stack"])
+def test_jax_export_serializes_a_step_that_takes_f(make):
     pytest.importorskip("flatbuffers")
-    f, states = Net(KEY).functionalize()
+    f, states = make(KEY).functionalize()
     exported = jax.export.export(jax.jit(loss))(f, states, X)
     again = jax.export.deserialize(exported.serialize())
     out, new_states = again.call(f, states, X)
