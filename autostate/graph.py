@@ -258,7 +258,7 @@ def _is_passing(key: Any) -> bool:
 
 def _named_keys(path: tuple) -> tuple:
     """``path`` without the entries that add nothing to names (``passing_key``)."""
-    if _PASSING and any(map(_is_passing, path)):
+    if any(map(_is_passing, path)):
         return tuple(k for k in path if not _is_passing(k))
     return path
 
@@ -1053,9 +1053,10 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
     gradient. The leaves are arrays only: every other value (a python scalar
     in a list, a function or a string inside a foreign pytree node) is
     static, in the graphdef. ``graphdef.keys`` holds each leaf's keypath from
-    the root, which reads as its name (a stack's own entry, ``passing_key``,
-    is in neither), in JAX's own key entries. ``graph_unchanged``, next, is its mirror. ``objects``, where
-    given, receives the instances in graphdef order (the root first).
+    the root, in JAX's own key entries, which reads as its name (a stack's
+    own entry, ``passing_key``, is in neither). ``graph_unchanged``, next,
+    is its mirror. ``objects``, where given, receives the instances in
+    graphdef order (the root first).
 
     Example:
         >>> @autostate.stateful
