@@ -660,10 +660,9 @@ def optimizer_moments_take_their_parameters_shardings():
         opt.update(grads)
         return loss
 
-    def check_moments(opt, what):
+    def check_moments(opt, f_sh, what):
         params = leaves(opt.model.functionalize()[0])
-        assert any(p.weak_type for p in params) or "after" in what, what
-        assert any(p.dtype == jnp.bfloat16 for p in params), what
+        assert_shardings(params, f_sh, f"parameters, {what}")  # as annotated
         moments = [t for t in jax.tree_util.tree_leaves(
             opt.opt_state, is_leaf=lambda t: isinstance(t, autostate.FunctionalModel))
             if isinstance(t, autostate.FunctionalModel)]
@@ -674,24 +673,27 @@ def optimizer_moments_take_their_parameters_shardings():
                 assert m.shape == p.shape and m.dtype == p.dtype, (what, m, p)
                 assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (
                     f"{what}: moment {m.sharding} of a parameter {p.sharding}")
-                assert len(p.sharding.device_set) == 8, (what, p.sharding)
         (count,) = [x for x in leaves(opt.opt_state) if x.ndim == 0]
         assert count.sharding.is_fully_replicated, (what, count.sharding)
 
     x = jax.random.normal(jax.random.key(2), (8, 8))
     for stacked, layer_axis in ((True, None), (True, "data"), (False, None)):
-        init = mlp_init(stacked, layer_axis)
-        build, _ = built_in_layout(init, mesh, rules)
-        model = autostate.freeze(*build(jax.random.key(0)))
-        single = autostate.freeze(*init(jax.random.key(0)))
-        opt, opt1 = autostate.Optimizer(model, optax.adam(1e-2)), autostate.Optimizer(
-            single, optax.adam(1e-2))
         what = f"stacked={stacked}, layer_axis={layer_axis}"
-        check_moments(opt, f"made, {what}")
+        init = mlp_init(stacked, layer_axis)
+        build, (f_sh, _) = built_in_layout(init, mesh, rules)
+        model = autostate.freeze(*build(jax.random.key(0)))
+        params = leaves(model.functionalize()[0])
+        assert any(p.weak_type for p in params) and any(p.dtype == jnp.bfloat16 for p in params)
+        single = autostate.freeze(*init(jax.random.key(0)))
+        opt = autostate.Optimizer(model, optax.adam(1e-2))
+        opt1 = autostate.Optimizer(single, optax.adam(1e-2))
+        check_moments(opt, f_sh, f"made, {what}")
         for i in range(3):
             loss, loss1 = step(opt, x), step(opt1, x)
             assert_close(loss, loss1, f"loss, step {i}, {what}", rtol=1e-2, atol=1e-3)
-            check_moments(opt, f"after step {i}, {what}")
+            assert_close(opt.opt_state, opt1.opt_state, f"moments, step {i}, {what}",
+                         rtol=2e-2, atol=1e-3)
+            check_moments(opt, f_sh, f"after step {i}, {what}")
 
 
 @check
