@@ -268,41 +268,53 @@ def mapping_name(key: Any) -> str:
     return f"[{key!r}]"
 
 
-class PassKey:
+_PASSING: dict[str, jax.tree_util.GetAttrKey] = {}
+
+
+def passing_key(attr: str) -> jax.tree_util.GetAttrKey:
     """The keypath entry of a node that adds nothing to the names under it.
 
     A stack (``autostate.stack``) holds one stacked model whose states and
     parameters keep the names they would have in its place: ``blocks.w``,
-    not ``blocks.stacked.w``.
+    not ``blocks.stacked.w``. JAX's flatten of such a node gives its one
+    child under this entry: one of JAX's own ``GetAttrKey``, naming the
+    attribute that holds the child (``keystr`` reads it as Python, orbax and
+    other tree tools take it), made once per ``attr``. The names, and ``f``'s
+    keypaths (``graphdef.keys``), skip exactly this object: a
+    ``GetAttrKey(attr)`` of anyone else's is an ordinary entry.
+
+    Example:
+        >>> key = passing_key("stacked")
+        >>> key is passing_key("stacked"), key_name(key), key_name(jax.tree_util.GetAttrKey("stacked"))
+        (True, '', '.stacked')
     """
+    key = _PASSING.get(attr)
+    if key is None:
+        key = _PASSING[attr] = jax.tree_util.GetAttrKey(attr)
+    return key
 
-    __slots__ = ()
 
-    def __str__(self) -> str:
-        return ""
+def _is_passing(key: Any) -> bool:
+    return type(key) is jax.tree_util.GetAttrKey and _PASSING.get(key.name) is key
 
-    def __repr__(self) -> str:
-        return "PassKey()"
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is PassKey
-
-    def __hash__(self) -> int:
-        return hash(PassKey)
+def _named_keys(path: tuple) -> tuple:
+    """``path`` without the entries that add nothing to names (``passing_key``)."""
+    if any(map(_is_passing, path)):
+        return tuple(k for k in path if not _is_passing(k))
+    return path
 
 
 def key_name(key: Any) -> str:
     """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return attr_name(key.name)
+        return "" if _is_passing(key) else attr_name(key.name)
     if isinstance(key, jax.tree_util.SequenceKey):
         return index_name(key.idx)
     if isinstance(key, jax.tree_util.DictKey):
         return mapping_name(key.key)
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
         return index_name(key.key)
-    if type(key) is PassKey:
-        return ""
     return mapping_name(key)
 
 
@@ -1083,8 +1095,10 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
     gradient. The leaves are arrays only: every other value (a python scalar
     in a list, a function or a string inside a foreign pytree node) is
     static, in the graphdef. ``graphdef.keys`` holds each leaf's keypath from
-    the root. ``graph_unchanged``, next, is its mirror. ``objects``, where
-    given, receives the instances in graphdef order (the root first).
+    the root, in JAX's own key entries, which reads as its name (a stack's
+    own entry, ``passing_key``, is in neither). ``graph_unchanged``, next,
+    is its mirror. ``objects``, where given, receives the instances in
+    graphdef order (the root first).
 
     Example:
         >>> @autostate.stateful
@@ -1142,7 +1156,7 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
             for path, leaf in flat:
                 sub = here + "".join(key_name(k) for k in path)
                 if type(leaf) in STATEFUL_CLASSES:
-                    parts.append(-1 - visit(leaf, sub, (*here_keys, *path)))
+                    parts.append(-1 - visit(leaf, sub, (*here_keys, *_named_keys(path))))
                 elif is_array_or_spec(leaf):
                     # One array in two places (``self.head.w = self.embed.w``)
                     # is one leaf, as a shared sub-model is.
@@ -1151,10 +1165,10 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
                         at = arrays[id(leaf)] = len(leaves)
                         leaves.append(leaf)
                         names.append(path_name(sub))
-                        keys.append((*here_keys, *path))
+                        keys.append((*here_keys, *_named_keys(path)))
                     parts.append(at)
                 elif type(leaf) in _CALLABLES and (held := _held_instances(leaf)) is not None:
-                    where, where_keys = f"{sub}.__self__", (*here_keys, *path)
+                    where, where_keys = f"{sub}.__self__", (*here_keys, *_named_keys(path))
                     indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
                     parts.append(_bound_ref(leaf, indices))
                 else:

@@ -28,7 +28,7 @@ This module knows nothing of source code. ``runtime`` calls
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, Union, cast
 
 import jax
@@ -430,3 +430,71 @@ def shardings(
             is_leaf=_is_spec,
         )
     return f_shardings, state_shardings
+
+
+# --- arrays made from the parameters, in the parameters' layout -----------------------
+
+
+def _own_sharding(leaf: Any) -> Any:
+    """The sharding ``leaf`` was placed with, or ``None``: a tracer (its layout
+    is its program's), a NumPy array, or an array left on the default device
+    (not committed: JAX moves it where it is used)."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed:
+        return leaf.sharding
+    return None
+
+
+def made_in_layout(fn: Callable[[T], Any], params: T) -> Any:
+    """``fn(params)``, each array of the result that stands for a parameter
+    made directly in that parameter's sharding.
+
+    An optimizer's state (``tx.init(f)``) holds, for each parameter, arrays
+    shaped like it (Adam's moments) in trees shaped like ``params``. Made
+    eagerly, they land where JAX's defaults put them: ``jnp.zeros_like`` of
+    a weakly typed array (``jnp.full(n, 0.01)``), or ``jnp.zeros(p.shape)``,
+    is on the default device whatever the parameter's sharding, so a large
+    model's moments would gather on one device. Here ``fn`` runs under
+    ``jax.jit`` with ``out_shardings``: a leaf of the result at a parameter's
+    place in a subtree shaped like ``params``, with that parameter's shape,
+    is made with its sharding, shard by shard; every other leaf (a step
+    count, a factored moment) is left to XLA, on the parameters' devices.
+    Parameters with no sharding of their own (``_own_sharding``) place
+    nothing; when no parameter has one, ``fn(params)`` just runs.
+
+    Example:
+        >>> w = jax.device_put(jnp.full(4, 0.5), jax.devices()[0])  # weakly typed
+        >>> eager = jnp.zeros_like(w)
+        >>> made = made_in_layout(lambda p: {"m": jnp.zeros_like(p)}, w)["m"]
+        >>> eager.committed, made.committed, made.sharding == w.sharding
+        (False, True, True)
+    """
+    leaves, treedef_ = jax.tree_util.tree_flatten(params)
+    treedef: Any = treedef_
+    owned = [_own_sharding(leaf) for leaf in leaves]
+    if all(s is None for s in owned):
+        return fn(params)
+    shapes = [_shape(leaf) for leaf in leaves]
+
+    def parts(node: Any) -> list[Any] | None:
+        """``node``'s subtrees at the parameters' places, if it is shaped like ``params``."""
+        if jax.tree_util.treedef_is_leaf(treedef):  # one array: only a leaf stands for it
+            return [node] if isinstance(node, jax.ShapeDtypeStruct) else None
+        try:
+            return treedef.flatten_up_to(node)
+        except (ValueError, TypeError):
+            return None
+
+    def out_sharding(node: Any) -> Any:
+        found = parts(node)
+        if found is None:
+            return None
+        return jax.tree_util.tree_unflatten(treedef, [
+            s if isinstance(part, jax.ShapeDtypeStruct) and part.shape == shape else None
+            for part, s, shape in zip(found, owned, shapes)
+        ])
+
+    result = jax.eval_shape(fn, params)
+    out_shardings = jax.tree_util.tree_map(
+        out_sharding, result, is_leaf=lambda node: parts(node) is not None
+    )
+    return jax.jit(fn, out_shardings=out_shardings)(params)

@@ -8,7 +8,7 @@ model stacked already. What the rest of autostate sees:
 
 * **Names.** The stack adds nothing to the names under it: the states and
   parameters of ``self.blocks = autostate.stack(...)`` are ``blocks.w``,
-  ``blocks.attention.k``, as for the stacked model itself (``graph.PassKey``).
+  ``blocks.attention.k``, as for the stacked model itself (``graph.passing_key``).
   ``state_dict(model, per_layer=True)`` writes them per layer,
   ``blocks[0].w``; loading takes either form (``state_dicts``).
 * **Python iteration.** ``len(stack)`` is its depth; ``stack[i]`` and
@@ -192,8 +192,11 @@ def is_stack(value: Any) -> bool:
     return type(value) is Stack
 
 
+_STACKED_KEY = _graph.passing_key("stacked")
+
+
 def _stack_with_keys(s: Stack) -> tuple[list[tuple[Any, Any]], tuple[int, bool]]:
-    return [(_graph.PassKey(), s._stacked)], (s._depth, s._require_scan)
+    return [(_STACKED_KEY, s._stacked)], (s._depth, s._require_scan)
 
 
 jax.tree_util.register_pytree_with_keys(

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from autostate import graph as _graph
+from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.api import functionalize, stateful
 from autostate.effects.local_state import HandledLocalStateRef
@@ -241,7 +242,11 @@ class Optimizer:
     ``tx`` is anything with optax's ``init(params)`` and ``update(grads,
     state, params)`` (an ``optax.GradientTransformation``); the parameters it
     sees are the model's ``f``, so masks written for ``f``'s paths apply.
-    Eagerly and inside ``autostate.jit``.
+    Eagerly and inside ``autostate.jit``. The state is made with every array
+    that stands for a parameter (Adam's moments) in that parameter's
+    sharding, shard by shard: on a model placed on devices, ``tx.init`` runs
+    under ``jax.jit`` (``sharding.made_in_layout``), so it must be traceable,
+    as optax's are.
 
     Args:
         model: the model to train.
@@ -271,7 +276,9 @@ class Optimizer:
         # the model had here (a mode is part of f's structure; the
         # parameters are the same in every mode).
         self.params_def = jax.tree_util.tree_structure(f)
-        self.opt_state = tx.init(f)
+        # Each moment made in its parameter's sharding, shard by shard: eagerly,
+        # zeros_like of a weakly typed array lands on the default device.
+        self.opt_state = _sharding.made_in_layout(tx.init, f)
         self.step = jnp.zeros((), jnp.int32)
 
     def update(self, grads: Any) -> None:

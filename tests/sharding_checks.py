@@ -6,7 +6,9 @@ count is fixed when JAX starts, and the rest of the suite keeps one device):
 checks (all by default), then each program file as ``python PROGRAM.py`` would
 but in this process, and prints one JSON object
 ``{"checks": {name: result}, "programs": {path: result}}``, each result
-``{"error": None | traceback, "stdout": what it printed}``. The programs are
+``{"error": None | traceback, "skipped": None | why, "stdout": what it printed}``
+(skipped: it imports a library of the test extra, ``OPTIONAL``, that is not
+installed). The programs are
 the 8-device blocks of ``docs/scaling_out.md``: one process for all of them
 pays for starting JAX once.
 """
@@ -545,6 +547,183 @@ def autostate_save_load_keep_the_like_models_shardings():
     assert_close((lf, ls), (f, states), "loaded values", rtol=0, atol=0)
 
 
+# --- a stack and an optimizer on the mesh: keypaths, checkpoints, moments ---------------------
+
+
+@autostate.stateful
+class MLPBlock:
+    """A weakly typed bias (``jnp.full``), a bf16 weight and a running mean, annotated."""
+
+    def __init__(self, key, d=8, hidden=16):
+        k1, k2 = jax.random.split(key)
+        self.w1 = autostate.sharded(jax.random.normal(k1, (d, hidden)) / d**0.5, P("embed", "mlp"))
+        self.b1 = autostate.sharded(jnp.full(hidden, 0.01), P("mlp"))
+        w2 = jax.random.normal(k2, (hidden, d)) / hidden**0.5
+        self.w2 = autostate.sharded(w2.astype(jnp.bfloat16), P("mlp", "embed"))
+        self.mean = autostate.state(jnp.zeros(d), sharding=P("embed"))
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        h = jax.nn.relu(x @ self.w1 + self.b1)
+        return x + (h.astype(jnp.bfloat16) @ self.w2).astype(jnp.float32)
+
+
+@autostate.stateful
+class MLPStack:
+    """Four blocks: a stack (``layer_axis`` as given) or, with ``stacked=False``, a list."""
+
+    def __init__(self, key, stacked=True, layer_axis=None):
+        blocks = [MLPBlock(k) for k in jax.random.split(key, 4)]
+        self.blocks = autostate.stack(blocks, layer_axis=layer_axis) if stacked else blocks
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def mlp_init(stacked, layer_axis=None):
+    return lambda key: MLPStack(key, stacked, layer_axis).functionalize()
+
+
+def built_in_layout(init, mesh, rules):
+    """``init`` jitted to build in the layout its annotations and ``rules`` give."""
+    shardings = autostate.shardings(*jax.eval_shape(init, jax.random.key(0)), mesh, rules=rules)
+    return jax.jit(init, out_shardings=shardings), shardings
+
+
+def assert_standard_keypaths(tree, what):
+    standard = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey, jax.tree_util.SequenceKey,
+                jax.tree_util.FlattenedIndexKey)
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        assert all(type(k) in standard for k in path), (what, path)
+        jax.tree_util.keystr(path)
+
+
+@check
+def orbax_saves_a_stack_and_restores_it_in_another_layout():
+    import orbax.checkpoint as ocp
+
+    mesh = mesh_2x4()
+    saved_rules = {"embed": None, "mlp": "model"}
+    target_rules = {"embed": "model", "mlp": "data"}
+    # (stacked, the saved stack's layer axis, the target's)
+    for stacked, layer_axis, target_axis in (
+        (True, None, None), (True, "data", "data"), (True, None, "data"), (False, None, None),
+    ):
+        init = mlp_init(stacked, layer_axis)
+        rules = {**target_rules, "mlp": None} if target_axis == "data" else target_rules
+        build, _ = built_in_layout(init, mesh, saved_rules)
+        f, states = build(jax.random.key(0))
+        assert_standard_keypaths({"f": f, "states": states}, "saved")
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(f)]
+        want = (".model.blocks.w1" if stacked else ".model.blocks[0].w1")
+        assert names[0] == want, names  # the names of param_dict, after f's ".model"
+        assert names == [".model." + n for n in autostate.param_dict(autostate.freeze(f, states))]
+        what = f"stacked={stacked}, layer axis {layer_axis} into {target_axis}"
+        target_build, (f_sh, s_sh) = built_in_layout(mlp_init(stacked, target_axis), mesh, rules)
+        abstract_f, abstract_states = jax.eval_shape(target_build, jax.random.key(1))
+        moved = [x.sharding.spec != sh.spec for x, sh in zip(leaves(f), leaves(f_sh), strict=True)]
+        assert all(moved), what  # every parameter restored into another layout
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ckpt"
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(path, {"f": f, "states": states})
+            with ocp.StandardCheckpointer() as ckptr:
+                restored = ckptr.restore(path, {"f": abstract_f, "states": abstract_states})
+        assert_shardings(restored["f"], f_sh, f"restored parameters, {what}")
+        assert_shardings(restored["states"], s_sh, f"restored states, {what}")
+        saved = leaves({"f": f, "states": states})
+        assert_close(leaves(restored), saved, f"restored, {what}", rtol=0, atol=0)
+        model = autostate.freeze(restored["f"], restored["states"])
+        assert type(model.blocks) is (autostate.Stack if stacked else list), what
+        # The per-layer names load into the stack (or the list), in the like model's layout.
+        like = autostate.freeze(*target_build(jax.random.key(2)))
+        loaded = autostate.load_param_dict(like, autostate.param_dict(model, per_layer=True))
+        loaded = autostate.load_state_dict(loaded, autostate.state_dict(model, per_layer=True))
+        assert_shardings(loaded.functionalize(), (f_sh, s_sh), f"loaded per layer, {what}")
+        assert_close(leaves(loaded.functionalize()), leaves((f, states)), f"loaded per layer, {what}",
+                     rtol=0, atol=0)
+
+
+@check
+def optimizer_moments_take_their_parameters_shardings():
+    # Adam's moments of a weakly typed, a bf16 and a stacked parameter: each in its
+    # parameter's sharding when the optimizer is made (never gathered on one device),
+    # and after each compiled step; the numbers those of one device.
+    import optax
+
+    mesh = mesh_2x4()
+    rules = {"embed": None, "mlp": "model"}
+
+    def loss_of(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    @autostate.jit
+    def step(opt, x):
+        loss, grads = autostate.value_and_grad(loss_of)(opt.model, x)
+        opt.update(grads)
+        return loss
+
+    def check_moments(opt, f_sh, what):
+        params = leaves(opt.model.functionalize()[0])
+        assert_shardings(params, f_sh, f"parameters, {what}")  # as annotated
+        moments = [t for t in jax.tree_util.tree_leaves(
+            opt.opt_state, is_leaf=lambda t: isinstance(t, autostate.FunctionalModel))
+            if isinstance(t, autostate.FunctionalModel)]
+        assert len(moments) == 2, what  # mu and nu
+        for moment in moments:
+            assert_standard_keypaths(moment, what)
+            for m, p in zip(leaves(moment), params, strict=True):
+                assert m.shape == p.shape and m.dtype == p.dtype, (what, m, p)
+                assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (
+                    f"{what}: moment {m.sharding} of a parameter {p.sharding}")
+        (count,) = [x for x in leaves(opt.opt_state) if x.ndim == 0]
+        assert count.sharding.is_fully_replicated, (what, count.sharding)
+
+    x = jax.random.normal(jax.random.key(2), (8, 8))
+    for stacked, layer_axis in ((True, None), (True, "data"), (False, None)):
+        what = f"stacked={stacked}, layer_axis={layer_axis}"
+        init = mlp_init(stacked, layer_axis)
+        build, (f_sh, _) = built_in_layout(init, mesh, rules)
+        model = autostate.freeze(*build(jax.random.key(0)))
+        params = leaves(model.functionalize()[0])
+        assert any(p.weak_type for p in params) and any(p.dtype == jnp.bfloat16 for p in params)
+        single = autostate.freeze(*init(jax.random.key(0)))
+        opt = autostate.Optimizer(model, optax.adam(1e-2))
+        opt1 = autostate.Optimizer(single, optax.adam(1e-2))
+        check_moments(opt, f_sh, f"made, {what}")
+        for i in range(3):
+            loss, loss1 = step(opt, x), step(opt1, x)
+            assert_close(loss, loss1, f"loss, step {i}, {what}", rtol=1e-2, atol=1e-3)
+            assert_close(opt.opt_state, opt1.opt_state, f"moments, step {i}, {what}",
+                         rtol=2e-2, atol=1e-3)
+            check_moments(opt, f_sh, f"after step {i}, {what}")
+
+
+@check
+def an_eager_cache_reset_keeps_the_caches_sharding():
+    # nn.MultiheadAttention.reset_cache() on a sharded model, eagerly: new zeros in
+    # the cache's own layout (never gathered on the default device).
+    from autostate import nn
+
+    mesh = mesh_2x4()
+    layer = nn.MultiheadAttention(16, 4, batch_first=True, max_len=8, cache_batch_size=4,
+                                  key=jax.random.key(0))
+    f, states = layer.functionalize()
+    specs = {"k_cache": P("data", None, "model"), "v_cache": P("data", None, "model"),
+             "cache_pos": P()}
+    placed = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+    layer = autostate.freeze(f, jax.device_put(states, placed))
+    layer(jnp.ones((4, 1, 16)), jnp.ones((4, 1, 16)), jnp.ones((4, 1, 16)))
+    assert int(layer.cache_pos) == 1
+    layer.reset_cache()
+    for name, sharding in placed.items():
+        value = getattr(layer, name)
+        assert value.sharding.is_equivalent_to(sharding, value.ndim), (name, value.sharding)
+        assert not value.any(), name
+
+
 # --- the example, as ``python examples/sharded_training.py --smoke`` runs it --------------
 
 
@@ -554,15 +733,24 @@ def example_trains_at_smoke_size():
     example.main(["--smoke"])  # what it prints is compared by test_sharding.py
 
 
+# Libraries of the test extra that the package does not need: a check or a
+# program that imports one reports itself skipped where it is not installed.
+OPTIONAL = ("orbax", "optax")
+
+
 def _run(fn: Callable[[], object]) -> dict[str, str | None]:
     out = io.StringIO()
+    error = skipped = None
     try:
         with contextlib.redirect_stdout(out):
             fn()
-        error = None
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in OPTIONAL:
+            error = traceback.format_exc()
+        skipped = f"{e.name} is not installed"
     except (Exception, SystemExit):  # noqa: BLE001 - reported to the pytest side
         error = traceback.format_exc()
-    return {"error": error, "stdout": out.getvalue()}
+    return {"error": error, "skipped": skipped, "stdout": out.getvalue()}
 
 
 def _run_program(path: Path) -> None:

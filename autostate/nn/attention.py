@@ -288,6 +288,10 @@ class MultiheadAttention(Stateful):
     def reset_cache(self, batch_size: int | None = None) -> None:
         """Empties the KV cache: zeros, position 0, for ``batch_size`` sequences if given.
 
+        A cache of the same size keeps its sharding (also eagerly, on a model
+        placed on a mesh); one of another batch size is made where JAX
+        puts new arrays.
+
         Raises:
             InvalidArgumentError: the layer has no cache (built without ``max_len``).
         """
@@ -297,6 +301,7 @@ class MultiheadAttention(Stateful):
                 "build it with max_len=... to decode with a cache.",
             )
         n = self.k_cache.shape[0] if batch_size is None else batch_size
-        self.k_cache = jnp.zeros((n, *self.k_cache.shape[1:]), self.k_cache.dtype)
-        self.v_cache = jnp.zeros((n, *self.v_cache.shape[1:]), self.v_cache.dtype)
-        self.cache_pos = jnp.zeros((), jnp.int32)
+        # zeros_like: a cache of the same shape keeps its sharding, eagerly too.
+        self.k_cache = jnp.zeros_like(self.k_cache, shape=(n, *self.k_cache.shape[1:]))
+        self.v_cache = jnp.zeros_like(self.v_cache, shape=(n, *self.v_cache.shape[1:]))
+        self.cache_pos = jnp.zeros_like(self.cache_pos)

@@ -214,6 +214,123 @@ def test_keypaths_are_per_level():
     )
 
 
+@autostate.stateful
+class ScaledNorm:
+    def __init__(self, n):
+        self.scale = jnp.full(n, 1.5)  # weakly typed
+        self.mean = jnp.zeros(n)
+
+    def __call__(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return jnp.tanh((x - self.mean) * self.scale)
+
+
+@autostate.stateful
+class Deep:
+    """Layers as a stack (or a list), a stack inside a list, a state of the model's own."""
+
+    def __init__(self, key, stacked=True):
+        layers = [Linear(k, 4, 4) for k in jax.random.split(key, 3)]
+        self.layers = autostate.stack(layers) if stacked else layers
+        self.norms = [autostate.stack([ScaledNorm(4), ScaledNorm(4)])]
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        for layer in self.layers:
+            x = layer(x)
+        for norm in self.norms[0]:
+            x = norm(x)
+        return x.sum()
+
+
+class MomentumSGD:
+    """An optax-style transformation written out, so this test needs no optax."""
+
+    def init(self, params):
+        return {"trace": jax.tree.map(jnp.zeros_like, params), "count": jnp.zeros((), jnp.int32)}
+
+    def update(self, grads, state, params=None):
+        trace = jax.tree.map(lambda t, g: 0.9 * t + g, state["trace"], grads)
+        updates = jax.tree.map(lambda t: -0.1 * t, trace)
+        return updates, {"trace": trace, "count": state["count"] + 1}
+
+
+STANDARD_KEYS = (
+    jax.tree_util.DictKey,
+    jax.tree_util.GetAttrKey,
+    jax.tree_util.SequenceKey,
+    jax.tree_util.FlattenedIndexKey,
+)
+
+
+def keystrs(tree):
+    """Each leaf's keystr, after checking every entry is one of JAX's own."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path in paths:
+        assert all(type(k) in STANDARD_KEYS for k in path), path
+    return [jax.tree_util.keystr(path) for path in paths]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_every_keypath_is_one_of_jaxs_key_entries(stacked):
+    # f, the states, the gradients, an optimizer's state and the model object:
+    # orbax, keystr and other tree tools take every keypath. f's read as the
+    # parameters' names (a stack adds nothing to them: blocks.w, with the layer
+    # axis, as state_dict names it); the model object's name the stacked model
+    # under the stack's attribute that holds it.
+    model = Deep(KEY, stacked)
+    f, states = model.functionalize()
+    names = keystrs(f)
+    assert names == [".model." + n for n in autostate.param_dict(model)]
+    assert names[:2] == ([".model.layers.w", ".model.layers.b"] if stacked
+                         else [".model.layers[0].w", ".model.layers[0].b"])
+    assert ".model.norms[0].scale" in names
+    assert keystrs(states) == [f"['{n}']" for n in sorted(states)]
+    assert "norms[0].mean" in states
+    grads = autostate.grad(lambda m, x: m(x))(model, X)
+    assert keystrs(grads) == names
+    opt = autostate.Optimizer(model, MomentumSGD())
+    assert keystrs(opt.opt_state) == ["['count']"] + [f"['trace']{n}" for n in names]
+    opt.update(grads)
+    model_names = keystrs(model)
+    stacked_w = ".layers.stacked.w" if stacked else ".layers[0].w"
+    assert stacked_w in model_names and ".norms[0].stacked.scale" in model_names
+    assert ".norms[0].stacked.mean.state" in model_names
+    assert keystrs(autostate.freeze(f, states)) == model_names
+    pf, pstates = autostate.pack(f, states)
+    assert keystrs(pf) and keystrs(pstates)
+    assert keystrs(opt) == [
+        *(".model" + n for n in model_names),
+        ".opt_state['count']",
+        *(".opt_state['trace']" + n for n in names),
+        ".step",
+    ]
+
+
+def test_orbax_saves_and_restores_a_model_holding_a_stack(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    f, states = Deep(KEY).functionalize()
+    _, states = f(states, X)
+    path = os.fspath(tmp_path / "ckpt")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, {"f": f, "states": states})  # docs/scaling_out.md's recipe
+    abstract_f, abstract_states = jax.eval_shape(lambda k: Deep(k).functionalize(), KEY)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, {"f": abstract_f, "states": abstract_states})
+    assert restored["f"] == f
+    for name in states:
+        np.testing.assert_array_equal(restored["states"][name], states[name])
+    model = autostate.freeze(restored["f"], restored["states"])
+    assert type(model.layers) is autostate.Stack and int(model.calls) == 1
+    with ocp.StandardCheckpointer() as checkpointer:  # and the model object itself
+        checkpointer.save(os.fspath(tmp_path / "model"), model)
+    with ocp.StandardCheckpointer() as checkpointer:
+        again = checkpointer.restore(os.fspath(tmp_path / "model"), jax.eval_shape(lambda: model))
+    assert type(again.layers) is autostate.Stack
+    np.testing.assert_array_equal(again.norms[0].mean, model.norms[0].mean)
+
+
 def test_optax_masks_by_path_and_multi_transform():
     optax = pytest.importorskip("optax")
     f, states = Net(KEY).functionalize()
@@ -238,9 +355,10 @@ def test_optax_masks_by_path_and_multi_transform():
     assert not np.allclose(new.model.blocks[1].w, f.model.blocks[1].w)
 
 
-def test_jax_export_serializes_a_step_that_takes_f():
+@pytest.mark.parametrize("make", [Net, Deep], ids=["list", "stack"])
+def test_jax_export_serializes_a_step_that_takes_f(make):
     pytest.importorskip("flatbuffers")
-    f, states = Net(KEY).functionalize()
+    f, states = make(KEY).functionalize()
     exported = jax.export.export(jax.jit(loss))(f, states, X)
     again = jax.export.deserialize(exported.serialize())
     out, new_states = again.call(f, states, X)

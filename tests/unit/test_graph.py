@@ -314,6 +314,35 @@ def test_key_name(key, expected):
     assert key_name(key) == expected
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HasStacked:
+    stacked: Any
+
+
+def test_only_the_passing_key_itself_adds_nothing_to_names():
+    # A stack's entry is JAX's own GetAttrKey("stacked") (orbax and keystr take
+    # it); names and graphdef.keys skip that object, not a user's field of that name.
+    @autostate.stateful
+    class Layer:
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+    @autostate.stateful
+    class Holder:
+        def __init__(self):
+            self.blocks = autostate.stack([Layer(), Layer()])
+            self.mine = HasStacked(Layer())
+
+    leaves, graphdef = graph.flatten_graph(Holder())
+    assert graphdef.names == ("blocks.w", "mine.stacked.w")
+    assert [jax.tree_util.keystr(k) for k in graphdef.keys] == [".blocks.w", ".mine.stacked.w"]
+    standard = (jax.tree_util.GetAttrKey, jax.tree_util.SequenceKey, jax.tree_util.DictKey)
+    assert all(type(k) in standard for path in graphdef.keys for k in path)
+    assert graph.passing_key("stacked") is graph.passing_key("stacked")
+    assert key_name(jax.tree_util.GetAttrKey("stacked")) == ".stacked"
+
+
 @pytest.mark.parametrize(
     ("prefix", "expected"),
     [(".blocks[0].attn", "blocks[0].attn"), ("[0].a", "[0].a"), ("['k'].v", "['k'].v"), ("", "")],

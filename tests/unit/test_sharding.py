@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -30,7 +31,7 @@ from semantics.harness import assert_same, check, pair, snapshot
 from semantics.programs import Loader
 
 import autostate
-from autostate import errors
+from autostate import errors, sharding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +62,9 @@ CHECK_NAMES = [
     "donated_decode_updates_the_cache_in_place",
     "orbax_restores_into_the_sharded_abstract_model",
     "autostate_save_load_keep_the_like_models_shardings",
+    "orbax_saves_a_stack_and_restores_it_in_another_layout",
+    "optimizer_moments_take_their_parameters_shardings",
+    "an_eager_cache_reset_keeps_the_caches_sharding",
     "example_trains_at_smoke_size",
 ]
 
@@ -121,9 +125,17 @@ def check_results(eight_device_results: dict[str, dict]) -> dict[str, dict]:
     return eight_device_results["checks"]
 
 
+def _skip_without_its_library(result: dict) -> None:
+    """A check or program that needs a library of the test extra (orbax, optax)
+    the environment lacks is skipped, as ``pytest.importorskip`` would."""
+    if result.get("skipped"):
+        pytest.skip(result["skipped"])
+
+
 @pytest.mark.parametrize("name", CHECK_NAMES)
 def test_on_eight_devices(check_results: dict[str, dict], name: str) -> None:
     assert name in check_results, sorted(check_results)
+    _skip_without_its_library(check_results[name])
     assert check_results[name]["error"] is None, check_results[name]["error"]
 
 
@@ -153,6 +165,7 @@ def test_doc_program_on_eight_devices(eight_device_results: dict[str, dict], blo
     code = DOC_BLOCKS[block]
     assert _asks_for_eight_devices_before_importing_jax(code)
     result = eight_device_results["programs"][_program_file(block)]
+    _skip_without_its_library(result)
     assert result["error"] is None, result["error"]
     prints = [_PRINT.match(line) for line in code.splitlines() if line.startswith("print(")]
     lines = result["stdout"].splitlines()
@@ -399,3 +412,40 @@ class Bad:
         return
     assert repr(attr) in str(info.value) or f".{attr}" in str(info.value), str(info.value)
     assert "fix" in str(info.value)
+
+
+class FactoredTx:
+    """An optimizer state with a moment per parameter, a factored (other-shaped)
+    one, a masked-out place and a count: what ``made_in_layout`` must tell apart."""
+
+    def init(self, params):
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        moment = jax.tree.map(jnp.zeros_like, params)
+        rows = treedef.unflatten([jnp.zeros(leaf.shape[:1]) for leaf in leaves])
+        masked = treedef.unflatten([jnp.zeros_like(leaf) if leaf.ndim == 2 else None
+                                    for leaf in leaves])
+        return {"moment": moment, "rows": rows, "masked": masked,
+                "count": jnp.zeros((), jnp.int32)}
+
+
+def test_made_in_layout_places_what_stands_for_a_parameter() -> None:
+    params = {"w": jnp.ones((4, 3)), "b": jnp.full(4, 0.5)}  # b weakly typed
+    # Nothing placed: init runs as it is (nothing committed, nothing compiled).
+    eager = sharding.made_in_layout(FactoredTx().init, params)
+    assert not any(x.committed for x in jax.tree_util.tree_leaves(eager))
+    # Placed on a device: each parameter-shaped array made there, values unchanged.
+    device = jax.devices()[-1]
+    placed = jax.device_put(params, device)
+    made = sharding.made_in_layout(FactoredTx().init, placed)
+    assert jax.tree_util.tree_structure(made) == jax.tree_util.tree_structure(eager)
+    for x, y in zip(jax.tree_util.tree_leaves(made), jax.tree_util.tree_leaves(eager)):
+        assert x.shape == y.shape and x.dtype == y.dtype and x.weak_type == y.weak_type
+        np.testing.assert_array_equal(x, y)
+    for name in ("moment", "masked"):
+        for x in jax.tree_util.tree_leaves(made[name]):
+            assert x.committed and x.sharding == jax.sharding.SingleDeviceSharding(device)
+    assert made["moment"]["b"].weak_type and made["masked"]["b"] is None
+    assert made["rows"]["w"].shape == (4,) and made["count"].dtype == jnp.int32
+    # Under a trace (an optimizer made inside a compiled step): as it is.
+    traced = jax.jit(lambda p: sharding.made_in_layout(FactoredTx().init, p))(placed)
+    assert jax.tree_util.tree_structure(traced) == jax.tree_util.tree_structure(eager)
