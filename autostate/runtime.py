@@ -808,8 +808,9 @@ class InPlace:
                         f"{type(key).__name__} {key!r}: in PyTorch such an index (advanced "
                         "indexing) gives a copy, so the in-place update would change nothing.",
                         where=user_location(),
-                        fix=f"assign the item to write it: `{self.name}[idx] = ...` on the "
-                        "attribute, which autostate makes a functional update.",
+                        fix=f"assign the item to write it (`{self._spelling().removesuffix('[...]')}"
+                        "[idx] = v`, a functional update here as in PyTorch), or drop the update "
+                        "if the copy's change was not meant to last.",
                     )
                 )
             part = part[key]
@@ -919,16 +920,18 @@ def inplace_attribute(obj: Any, name: str, *keys: Any) -> InPlace:
 def tensor_method(value: Any, method: str) -> Any:
     """``value.<method>`` for a PyTorch in-place method name on anything but
     an attribute: the value's own method, or the error a JAX array gets."""
-    if _values.is_array(value) or _values.kind_of(value).number:
+    kind = _values.kind_of(value)
+    if kind.array or kind.number:
+        what = "a numpy array" if kind.numpy else "a JAX array" if kind.array else "a number"
         raise InvalidTypeError(
             format_error(
-                f"`.{method}(...)` on a {type(value).__name__} that no attribute holds: JAX "
+                f"`.{method}(...)` on {what} that no attribute holds: JAX "
                 "arrays never change in place; autostate gives PyTorch's in-place methods "
                 "their meaning on an attribute (`self.x.mul_(m)` updates state x), not on a "
                 "local value.",
                 where=user_location(),
-                fix=f"assign the new value instead: {_functional_spelling(method, 'x')}, "
-                "where x is the local.",
+                fix=f"assign the new value to the local instead: "
+                f"{_functional_spelling(method, 'x')}, with x the local's name.",
             )
         )
     return getattr(value, method)
