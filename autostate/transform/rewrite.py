@@ -10,6 +10,9 @@ stays on the line it came from:
 ``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.iop(__autostate__.get(self, "x"), v))``
 ``self.x[i] = v``                ``__autostate__.setitem(self, "x", v, __autostate__.ix[i])``
 ``self.x[i] op= v``              ``__autostate__.augitem(__autostate__.item(self, "x", __autostate__.ix[i]), "op", v)``
+``self.x.mul_(m).add_(v)``       ``__autostate__.inplace(self, "x").mul_(m).add_(v).value``: PyTorch's in-place
+(``INPLACE_TENSOR_METHODS``)     tensor methods (``StateRewriter._inplace``; another object's attribute:
+                                 ``inplace_attribute``, any other value: ``tensor_method``)
 other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
 ``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
 ``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved

@@ -34,7 +34,6 @@ from autostate.errors import (
     TracedEagerStateError,
 )
 from semantics.harness import (
-    HEADER,
     Call,
     Loader,
     X,
