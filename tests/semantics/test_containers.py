@@ -2079,3 +2079,18 @@ def test_inplace_errors_say_what_to_write(write_module: Loader, method: str, arg
         assert "fix:" in text and " = " in text, text
         assert needle in error_line(info.value), text
         assert_same(before, snapshot(model), f"{mode}: model after the error")
+
+
+def test_inplace_running_stats_trace_the_functional_steps_primitives(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    # The same class decorated, its updates spelled functionally (as a port would write them).
+    source = INPLACE.replace("@DECORATE", "@autostate.stateful")
+    for inplace, spelled in INPLACE_FUNCTIONAL[:3]:
+        source = source.replace(inplace, spelled)
+    functional = write_module(HEADER + source)
+    x = jnp.ones((4, 3))
+    programs = []
+    for module in (dec, functional):
+        f, states = module.RunningStats(3).functionalize()
+        programs.append([e.primitive.name for e in jax.make_jaxpr(f)(states, x).jaxpr.eqns])
+    assert programs[0] == programs[1]
