@@ -57,6 +57,8 @@ from autostate.transform.method import MUTATING_METHODS
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
 _DEFERRED = frozenset({"enumerate", "zip", "reversed"})
+# Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``).
+_MUTATING = MUTATING_METHODS | {"__setitem__", "__delitem__"}
 # Calls that see the running function's own scope.
 _SCOPE_READERS = frozenset({"locals", "vars", "dir", "eval", "exec"})
 
@@ -266,7 +268,7 @@ def _changed_in_place(node: ast.AST) -> tuple[str | None, bool]:
     elif isinstance(node, ast.Delete):
         targets = node.targets
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in MUTATING_METHODS:
+        if node.func.attr in _MUTATING:
             return _base_name(node.func.value), False
         return None, False
     for target in targets:

@@ -20,11 +20,11 @@ ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object
 # analysis refuses them (a name is no type: a sub-model may have an ``update``
 # too, so only where no value of the attribute can be such an object,
 # ``analysis.holds_plain_values``), and a rolled loop stays unrolled around a
-# local one changes.
+# local one changes (there ``__setitem__`` / ``__delitem__`` called by name
+# too, which on a state the run time threads).
 MUTATING_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
-     "sort", "reverse", "add", "discard", "fill", "resize", "itemset", "__setitem__",
-     "__delitem__"}
+     "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
 )
 # PyTorch's in-place tensor methods (the trailing underscore), each with what
 # it means: name -> (its parameters after the tensor ``x``, the new value of

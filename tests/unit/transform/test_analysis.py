@@ -854,6 +854,7 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
     from autostate.transform import loops
 
     assert loops.MUTATING_METHODS is MUTATING_METHODS  # one list, shared with rolling
+    assert MUTATING_METHODS < loops._MUTATING
 
 
 @pytest.mark.parametrize(
