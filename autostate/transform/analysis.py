@@ -62,6 +62,7 @@ class Assignment:
     # The expression a "set" assigns, where the source spells one for this
     # attribute alone (``self.x = v``, ``self.x: T = v``, ``setattr(self,
     # "x", v)``); None for the others (``self.a, self.b = v``, ``for self.x in``).
+    # For "inplace", the call itself (``self.x.mul_(m)``).
     value: cst.BaseExpression | None = None
 
 
@@ -1046,7 +1047,7 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             if attr is not None and not is_dunder(attr):
                 # ``self.x.mul_(m)``: a write of ``x``, as ``self.x = self.x * m``.
                 self.facts.assignments.append(
-                    Assignment(attr, self._line(node), "inplace", self.scopes.nested)
+                    Assignment(attr, self._line(node), "inplace", self.scopes.nested, node)
                 )
         if isinstance(func, cst.Attribute) and func.attr.value in MUTATING_METHODS:
             owner = self._attr(subscript_base(func.value))
@@ -1319,7 +1320,7 @@ def analyze_class(
 
     # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``).
     updated_in_place = {
-        a.attr: (facts, a.line)
+        a.attr: (facts, a)
         for facts in methods
         for a in facts.assignments
         if a.kind == "inplace" and facts.receiver is not None
@@ -1330,16 +1331,19 @@ def analyze_class(
             what, line, fix = facts.alias_problem
             raise _fail(class_name, what, src, line, fix)
         for assignment in facts.assignments if updated_in_place else ():
-            aliased = None if assignment.value is None else _aliased(assignment.value)
+            if assignment.kind != "set" or assignment.value is None:
+                continue
+            aliased = _aliased(assignment.value)
             head, _, attr = (aliased or "").partition(".")
             if head != facts.receiver or attr not in updated_in_place or attr == assignment.attr:
                 continue
-            where, line = updated_in_place[attr]
+            where, update = updated_in_place[attr]
+            method = update.value.func.attr.value  # type: ignore[union-attr]
             raise _fail(
                 class_name,
                 f"`{facts.receiver}.{assignment.attr} = {aliased}` keeps a second reference to "
-                f"state {attr!r}, which `{where.receiver}.{attr}.<method>_(...)` updates in place "
-                f"({where.source.filename}:{line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
+                f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
+                f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
                 "would see every such update, here it keeps the value it was given.",
                 src,
                 assignment.line,

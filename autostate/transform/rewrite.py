@@ -393,15 +393,16 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
                 for o, a in zip(original_node.args, updated_node.args)
             ])
         receiver = func.value
+        original_base = subscript_base(original.value)
         if id(receiver) in self._links:
             target = receiver.value  # type: ignore[attr-defined]
         else:
             base = subscript_base(receiver)
-            attr = self._state_attr(subscript_base(original.value))
+            attr = self._state_attr(original_base)
             if attr is not None:
                 target = self._call("inplace", self._receiver(), _string(attr, quotes), *self._indices(receiver))
                 target = _keep_lines(target, _code(base), before=2)
-            elif isinstance(base, cst.Attribute):
+            elif isinstance(original_base, cst.Attribute) and isinstance(base, cst.Attribute):
                 name = _string(mangle(self.class_name, base.attr.value), quotes)
                 target = self._call("inplace_attribute", base.value, name, *self._indices(receiver))
                 target = _keep_lines(target, _code(base.dot, base.attr), before=1)

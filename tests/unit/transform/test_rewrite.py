@@ -479,13 +479,16 @@ def test_inplace_tensor_methods_are_one_rule() -> None:
         "    y = self.a[0, 1:].zero_()\n"
         "    self.b.w.fill_(self.x)\n"
         "    h.clamp_(min=0)\n"
+        "    self.x.mul_(2)[0].add_(1)\n"
     )
     _, new = _rewritten(body, frozenset({"x", "a"}))
-    assert [line.strip() for line in new[-4:]] == [
+    assert [line.strip() for line in new[-5:]] == [
         '__autostate__.inplace(self, "x").mul_(v).add_(v, alpha=0.5).value',
         'y = __autostate__.inplace(self, "a", __autostate__.ix[0, 1:]).zero_().value',
         '__autostate__.inplace_attribute(self.b, "w").fill_(__autostate__.get(self, "x")).value',
         '__autostate__.tensor_method(h, "clamp_")(min=0)',
+        # (an item of the updated tensor is a value no attribute holds: the clear error)
+        '__autostate__.tensor_method(__autostate__.inplace(self, "x").mul_(2).value[0], "add_")(1)',
     ]
 
 
