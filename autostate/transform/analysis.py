@@ -688,6 +688,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         # name -> its reads (node, loops around it) since its binding
         self.reads: dict[str, list[tuple[cst.Name, tuple[int, ...]]]] = {}
         self.skipped: set[int] = set()
+        self.shadowed: list[set[str]] = []
         self.problem: tuple[str, int, str] | None = None
 
     def visit_While(self, node: cst.While) -> None:
@@ -705,6 +706,28 @@ class _InPlaceAliases(cst.CSTVisitor):
     def visit_Arg(self, node: cst.Arg) -> None:
         if node.keyword is not None:
             self.skipped.add(id(node.keyword))
+
+    # Names a nested function's parameters or a comprehension's ``for`` bind
+    # are that scope's own: no read of the method's local.
+    def _enter_scope(self, node: Any) -> None:
+        if node is self.facts.function:
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            self.shadowed.append(_comprehension_names(node))
+        else:
+            self.shadowed.append(set(_param_names(node.params)))
+
+    def _leave_scope(self, original_node: Any) -> None:
+        if original_node is not self.facts.function:
+            self.shadowed.pop()
+
+    visit_FunctionDef = visit_Lambda = _enter_scope
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _enter_scope
+    leave_FunctionDef = leave_Lambda = _leave_scope
+    leave_ListComp = leave_SetComp = leave_DictComp = leave_GeneratorExp = _leave_scope
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self.skipped.add(id(node.name))
 
     def _bind(self, node: cst.CSTNode, value: cst.BaseExpression | None) -> None:
         for name in binding_names(node):
@@ -747,6 +770,8 @@ class _InPlaceAliases(cst.CSTVisitor):
     def visit_Name(self, node: cst.Name) -> None:
         name = identifier(node.value)
         if id(node) in self.skipped or name not in self.aliases or self.problem:
+            return
+        if any(name in names for names in self.shadowed):
             return
         if name in self.stale:
             self._refuse(name, self.stale[name], node)

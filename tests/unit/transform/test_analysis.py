@@ -886,6 +886,7 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "m = self.x.sum()\nself.x.mul_(2)\nreturn m",  # a new value, no alias
         "for i in range(3):\n    m = self.x\n    y = m + i\nself.x.mul_(2)",  # loop before it
         "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
+        "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
 )
 def test_inplace_update_with_no_alias_reading_it_is_accepted(body):
