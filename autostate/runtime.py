@@ -20,6 +20,7 @@ import copy as _copy
 import copyreg
 import functools
 import operator
+import re
 import sys
 import types
 import weakref
@@ -64,6 +65,7 @@ from autostate.lifetime import (
 )
 from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
+from autostate.transform.method import INPLACE_TENSOR_METHODS
 from autostate.unsortable import unsortable_keys_error
 
 _MISSING = object()
@@ -732,6 +734,207 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
             )
         )
     set(obj, name, shrunk if len(keys) == 1 else _set_path(current, keys[:-1], shrunk))
+
+
+# --- PyTorch's in-place tensor methods (``transform.method.INPLACE_TENSOR_METHODS``) ---
+
+
+def _compiled_inplace_methods() -> dict[str, Callable[..., Any]]:
+    """Each table row's functional expression as a function of ``x`` and the
+    method's own parameters, named as the method (what a traceback shows)."""
+    functions: dict[str, Callable[..., Any]] = {}
+    for method, (params, expression, _casting) in INPLACE_TENSOR_METHODS.items():
+        namespace: dict[str, Any] = {"jnp": jax.numpy}
+        exec(f"def {method}(x, {params}):\n    return {expression}", namespace)  # noqa: S102
+        functions[method] = namespace[method]
+    return functions
+
+
+_INPLACE_FUNCTIONS = _compiled_inplace_methods()
+
+
+def _functional_spelling(method: str, target: str) -> str:
+    """``self.x = self.x * other``: what ``target.<method>(...)`` means, as an assignment."""
+    params, expression, _casting = INPLACE_TENSOR_METHODS[method]
+    value = re.sub(r"\bx\b", target, expression)
+    return f"`{target} = {value}` (the parameters as in `{method}({params})`)"
+
+
+def _is_view_key(key: Any) -> bool:
+    """Whether ``key`` indexes an array as PyTorch's view does (basic indexing:
+    ints, slices, ``None``, ``...``, a 0-d integer array), not as a copy
+    (a list, an integer or boolean array: advanced indexing)."""
+    if isinstance(key, tuple):
+        return all(_is_view_key(k) for k in key)
+    if key is None or key is Ellipsis or isinstance(key, (slice, int, np.integer)):
+        return not isinstance(key, bool)
+    return _values.is_array(key) and key.ndim == 0 and jax.numpy.issubdtype(key.dtype, np.integer)
+
+
+class InPlace:
+    """The tensor that PyTorch's in-place methods update: ``self.x``, an item
+    of it (``self.x[i]``), or an attribute of another object (``self.bn.mean``).
+
+    ``self.x.mul_(m).add_(v, alpha=a)`` is rewritten as
+    ``__autostate__.inplace(self, "x").mul_(m).add_(v, alpha=a).value``: each
+    method reads the current value, computes the row's functional expression,
+    keeps the tensor's shape and dtype, and writes the result back (state
+    ``x`` through ``set``, so every path to the model sees it; an item as
+    ``self.x[i] = ...`` does; another object's attribute by ``setattr``).
+    It returns the target, so a chain goes on; ``value`` is what PyTorch's
+    call returns, the updated tensor (the item, for an item).
+    A value with such a method of its own (not an array) is called as written.
+    """
+
+    __slots__ = ("obj", "name", "keys", "own", "value")
+
+    def __init__(self, obj: Any, name: str, keys: tuple, own: bool):
+        self.obj, self.name, self.keys, self.own = obj, name, keys, own
+        self.value: Any = None
+
+    def _spelling(self) -> str:
+        owner = "self" if self.own else "obj"
+        keys = "[...]" if self.keys else ""
+        return f"{owner}.{self.name}{keys}"
+
+    def update(self, method: str, args: tuple, kwargs: dict[str, Any]) -> InPlace:
+        whole = get(self.obj, self.name) if self.own else getattr(self.obj, self.name)
+        part = whole
+        for key in self.keys:
+            if _values.is_array(part) and not _is_view_key(key):
+                raise InvalidTypeError(
+                    format_error(
+                        f"`{self._spelling()}.{method}(...)` indexes {self.name!r} with "
+                        f"{type(key).__name__} {key!r}: in PyTorch such an index (advanced "
+                        "indexing) gives a copy, so the in-place update would change nothing.",
+                        where=user_location(),
+                        fix=f"assign the item to write it (`{self._spelling().removesuffix('[...]')}"
+                        "[idx] = v`, a functional update here as in PyTorch), or drop the update "
+                        "if the copy's change was not meant to last.",
+                    )
+                )
+            part = part[key]
+        if not _values.is_array(part):
+            own_method = getattr(part, method, None)
+            if own_method is None:
+                raise InvalidTypeError(
+                    format_error(
+                        f"`{self._spelling()}.{method}(...)`: {self.name!r} holds a "
+                        f"{type(part).__name__}, which has no in-place tensor method "
+                        f"{method!r}.",
+                        where=user_location(),
+                        fix=f"keep an array there, or assign the new value: "
+                        f"{_functional_spelling(method, self._spelling())}.",
+                    )
+                )
+            self.value = own_method(*args, **kwargs)  # (an object's own method, as written)
+            return self
+        try:
+            new = _INPLACE_FUNCTIONS[method](part, *args, **kwargs)
+        except TypeError as err:
+            if "argument" not in str(err):
+                raise
+            params = INPLACE_TENSOR_METHODS[method][0]
+            raise InvalidTypeError(
+                format_error(
+                    f"`{self._spelling()}.{method}(...)`: {err} (autostate's {method} takes "
+                    f"({params})).",
+                    where=user_location(),
+                    fix=f"pass {method}'s arguments as PyTorch names them, or write the "
+                    f"functional value: {_functional_spelling(method, self._spelling())}.",
+                )
+            ) from None
+        new = self._kept_like(part, new, method)
+        if self.keys:
+            new_whole = _set_path(whole, self.keys, new)
+        else:
+            new_whole = new
+        if self.own:
+            set(self.obj, self.name, new_whole)
+        else:
+            setattr(self.obj, self.name, new_whole)
+        self.value = new
+        return self
+
+    def _kept_like(self, x: Any, new: Any, method: str) -> Any:
+        """``new`` as an in-place update leaves it: ``x``'s shape and dtype."""
+        jnp = jax.numpy
+        new = jnp.asarray(new)
+        if new.shape != x.shape:
+            try:
+                fits = jnp.broadcast_shapes(new.shape, x.shape) == x.shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise InvalidTypeError(
+                    format_error(
+                        f"`{self._spelling()}.{method}(...)` gives shape {new.shape} for "
+                        f"{self.name!r} of shape {x.shape}: an in-place update keeps its "
+                        "tensor's shape.",
+                        where=user_location(),
+                        fix="pass values that broadcast to the tensor's shape, or assign the "
+                        f"new value: {_functional_spelling(method, self._spelling())}.",
+                    )
+                )
+            new = jnp.broadcast_to(new, x.shape)
+        if new.dtype != x.dtype:
+            casting = INPLACE_TENSOR_METHODS[method][2]
+            if casting == "same_kind" and not jnp.can_cast(new.dtype, x.dtype, casting="same_kind"):
+                raise InvalidTypeError(
+                    format_error(
+                        f"`{self._spelling()}.{method}(...)` gives dtype {new.dtype} for "
+                        f"{self.name!r} of dtype {x.dtype}: an in-place update keeps its "
+                        "tensor's dtype, and PyTorch refuses this cast too.",
+                        where=user_location(),
+                        fix=f"cast the argument to {x.dtype}, or assign the new value: "
+                        f"{_functional_spelling(method, self._spelling())}.",
+                    )
+                )
+            new = new.astype(x.dtype)
+        return new
+
+
+def _inplace_method(method: str) -> Callable[..., InPlace]:
+    def call(self: InPlace, *args: Any, **kwargs: Any) -> InPlace:
+        return self.update(method, args, kwargs)
+
+    call.__name__ = call.__qualname__ = method
+    return call
+
+
+for _method in INPLACE_TENSOR_METHODS:
+    setattr(InPlace, _method, _inplace_method(_method))
+
+
+def inplace(obj: Any, name: str, *keys: Any) -> InPlace:
+    """``self.x`` (or ``self.x[k]``) before an in-place tensor method: state ``x``."""
+    return InPlace(obj, name, keys, True)
+
+
+def inplace_attribute(obj: Any, name: str, *keys: Any) -> InPlace:
+    """``obj.x`` (or ``obj.x[k]``) before an in-place tensor method, where
+    ``obj`` is not the method's receiver (``self.bn.running_mean.zero_()``)."""
+    return InPlace(obj, name, keys, False)
+
+
+def tensor_method(value: Any, method: str) -> Any:
+    """``value.<method>`` for a PyTorch in-place method name on anything but
+    an attribute: the value's own method, or the error a JAX array gets."""
+    kind = _values.kind_of(value)
+    if kind.array or kind.number:
+        what = "a numpy array" if kind.numpy else "a JAX array" if kind.array else "a number"
+        raise InvalidTypeError(
+            format_error(
+                f"`.{method}(...)` on {what} that no attribute holds: JAX "
+                "arrays never change in place; autostate gives PyTorch's in-place methods "
+                "their meaning on an attribute (`self.x.mul_(m)` updates state x), not on a "
+                "local value.",
+                where=user_location(),
+                fix=f"assign the new value to the local instead: "
+                f"{_functional_spelling(method, 'x')}, with x the local's name.",
+            )
+        )
+    return getattr(value, method)
 
 
 class _ItemTarget:

@@ -28,6 +28,8 @@ from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
 from autostate.transform.method import (
     ACCESS_BUILTINS,
+    INPLACE_TENSOR_METHODS,
+    MUTATING_METHODS,
     OUTER_NAME,
     RUNTIME_NAME,
     MethodSource,
@@ -36,14 +38,6 @@ from autostate.transform.method import (
     runtime_name,
 )
 
-# Methods that mutate a container in place; calling one on state would change
-# the value behind the effect system's back. A name is no type: a sub-model or
-# any other object may have an ``update`` too, so a call is only refused where
-# no value of the attribute can be such an object (``holds_plain_values``).
-_MUTATING_METHODS = frozenset(
-    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
-     "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
-)
 # Calls whose result is a mutable container, by the dotted name they spell.
 _CONTAINER_CONSTRUCTORS = frozenset(
     {"list", "dict", "set", "bytearray", "collections.deque", "collections.OrderedDict",
@@ -63,11 +57,12 @@ _LITERALS = (
 class Assignment:
     attr: str
     line: int
-    kind: str  # "set", "aug", "item"
+    kind: str  # "set", "aug", "item", "inplace" (``self.x.mul_(m)``, ``self.x[i].add_(v)``)
     nested: bool
     # The expression a "set" assigns, where the source spells one for this
     # attribute alone (``self.x = v``, ``self.x: T = v``, ``setattr(self,
     # "x", v)``); None for the others (``self.a, self.b = v``, ``for self.x in``).
+    # For "inplace", the call itself (``self.x.mul_(m)``).
     value: cst.BaseExpression | None = None
 
 
@@ -90,6 +85,11 @@ class MethodFacts:
     # One per ``mutating_calls`` entry: how many subscripts lie between the
     # attribute and the method (``self.x[i].append``: 1, an item's method).
     mutating_depths: list[int] = dataclasses.field(default_factory=list)
+    # Whether the method calls one of PyTorch's in-place tensor methods on an
+    # attribute (``inplace_receiver``): only then are its aliases checked.
+    updates_in_place: bool = False
+    # A local alias PyTorch would see change (``_InPlaceAliases.problem``).
+    alias_problem: tuple[str, int, str] | None = None
     rebinds: list[int] = dataclasses.field(default_factory=list)
     # Methods called through the receiver (``self.m()``) or taken from the
     # class (``type(self).m``, ``self.__class__.m``, ``Cls.m``).
@@ -641,6 +641,188 @@ def _subscript_depth(expr: cst.BaseExpression) -> int:
     return depth
 
 
+def inplace_receiver(call: cst.Call) -> cst.BaseExpression | None:
+    """What a call of one of PyTorch's in-place tensor methods updates, else
+    None: ``self.x`` for ``self.x.mul_(m)``, ``self.x[i]`` for
+    ``self.x[i].add_(v)``, and for each call of a chain
+    (``self.x.mul_(m).add_(v)``: the first call returns the tensor itself).
+    The analysis and the rewrite share it."""
+    func = call.func
+    if not isinstance(func, cst.Attribute) or func.attr.value not in INPLACE_TENSOR_METHODS:
+        return None
+    receiver = func.value
+    if isinstance(receiver, cst.Call):
+        return inplace_receiver(receiver) or receiver
+    return receiver
+
+
+def _aliased(expr: cst.BaseExpression) -> str | None:
+    """The dotted name of the tensor ``expr`` is (``self.x``), or a view of
+    in PyTorch (``self.x[i]``, ``self.x.mul_(m)``), else None."""
+    if isinstance(expr, cst.Call):
+        receiver = inplace_receiver(expr)
+        return None if receiver is None else _aliased(receiver)
+    return dotted_name(subscript_base(expr))
+
+
+class _InPlaceAliases(cst.CSTVisitor):
+    """Finds, in source order, a local name that PyTorch would see change when
+    the tensor it names is updated in place later in the method:
+    ``m = self.x`` (or ``self.x[i]``, ``self.x.mul_(a)``), then
+    ``self.x.mul_(b)``, then a read of ``m`` (after it, or before it in a loop
+    around both that the binding is outside of); and an in-place call on such
+    a name (``m.mul_(b)``, which updates ``self.x`` in PyTorch). Here ``m``
+    keeps the value it was given. ``problem``: (what, line, fix) of the first.
+    """
+
+    def __init__(self, facts: MethodFacts, line: Callable[[cst.CSTNode], int]):
+        super().__init__()
+        self.facts = facts
+        self.line = line
+        self.order = 0
+        self.loops: list[int] = []
+        # name -> (the dotted name it aliases, the loops around its binding)
+        self.aliases: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # name -> the in-place call after which it is stale (its node)
+        self.stale: dict[str, cst.Call] = {}
+        # name -> its reads (node, loops around it) since its binding
+        self.reads: dict[str, list[tuple[cst.Name, tuple[int, ...]]]] = {}
+        self.skipped: set[int] = set()
+        self.shadowed: list[set[str]] = []
+        self.problem: tuple[str, int, str] | None = None
+
+    def visit_While(self, node: cst.While) -> None:
+        self.loops.append(id(node))
+
+    def leave_While(self, original_node: cst.While) -> None:
+        self.loops.pop()
+
+    def leave_For(self, original_node: cst.For) -> None:
+        self.loops.pop()
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.skipped.add(id(node.attr))
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if node.keyword is not None:
+            self.skipped.add(id(node.keyword))
+
+    # Names a nested function's parameters or a comprehension's ``for`` bind
+    # are that scope's own: no read of the method's local.
+    def _enter_scope(self, node: Any) -> None:
+        if node is self.facts.function:
+            return
+        if isinstance(node, _COMPREHENSIONS):
+            self.shadowed.append(_comprehension_names(node))
+        else:
+            self.shadowed.append(set(_param_names(node.params)))
+
+    def _leave_scope(self, original_node: Any) -> None:
+        if original_node is not self.facts.function:
+            self.shadowed.pop()
+
+    visit_FunctionDef = visit_Lambda = _enter_scope
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _enter_scope
+    leave_FunctionDef = leave_Lambda = _leave_scope
+    leave_ListComp = leave_SetComp = leave_DictComp = leave_GeneratorExp = _leave_scope
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self.skipped.add(id(node.name))
+
+    def _bind(self, node: cst.CSTNode, value: cst.BaseExpression | None) -> None:
+        for name in binding_names(node):
+            self.skipped.add(id(name))
+            key = identifier(name.value)
+            self.aliases.pop(key, None)
+            self.stale.pop(key, None)
+            self.reads.pop(key, None)
+            if value is None:
+                continue
+            aliased = _aliased(value)
+            if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
+                aliased = self.aliases[identifier(value.value)][0]
+            if aliased is not None and "." in aliased:
+                self.aliases[key] = (aliased, tuple(self.loops))
+                self.reads[key] = []
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self.skipped.update(id(n) for n in binding_names(node))
+
+    def leave_Assign(self, original_node: cst.Assign) -> None:
+        self._bind(original_node, original_node.value)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self.skipped.update(id(n) for n in binding_names(node))
+
+    def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
+        self._bind(original_node, None)
+
+    def leave_AnnAssign(self, original_node: cst.AnnAssign) -> None:
+        self._bind(original_node, original_node.value)
+
+    def leave_NamedExpr(self, original_node: cst.NamedExpr) -> None:
+        self._bind(original_node, original_node.value)
+
+    def visit_For(self, node: cst.For) -> None:  # (the target binds in the loop)
+        self._bind(node, None)
+        self.loops.append(id(node))
+
+    def visit_Name(self, node: cst.Name) -> None:
+        name = identifier(node.value)
+        if id(node) in self.skipped or name not in self.aliases or self.problem:
+            return
+        if any(name in names for names in self.shadowed):
+            return
+        if name in self.stale:
+            self._refuse(name, self.stale[name], node)
+        else:
+            self.reads[name].append((node, tuple(self.loops)))
+
+    def leave_Call(self, original_node: cst.Call) -> None:
+        receiver = inplace_receiver(original_node)
+        if receiver is None or self.problem:
+            return
+        base = subscript_base(receiver)
+        if isinstance(base, cst.Name) and identifier(base.value) in self.aliases:
+            name = identifier(base.value)
+            method = original_node.func.attr.value  # type: ignore[attr-defined]
+            target = self.aliases[name][0]
+            self.problem = (
+                f"`{name}.{method}(...)` updates local `{name}` in place, which PyTorch would "
+                f"see as an update of `{target}` (`{name}` is bound to it); here `{name}` is a "
+                "value of its own, and the update would not reach the model.",
+                self.line(original_node),
+                f"call it on the attribute: `{target}.{method}(...)`.",
+            )
+            return
+        updated = dotted_name(base)
+        if updated is None:
+            return
+        for name, (aliased, bound_in) in self.aliases.items():
+            if aliased != updated:
+                continue
+            self.stale.setdefault(name, original_node)
+            for read, loops in self.reads[name]:
+                shared = [loop for loop in loops if loop in self.loops and loop not in bound_in]
+                if shared:
+                    self._refuse(name, original_node, read)
+                    return
+
+    def _refuse(self, name: str, call: cst.Call, read: cst.Name) -> None:
+        aliased = self.aliases[name][0]
+        method = call.func.attr.value  # type: ignore[attr-defined]
+        self.problem = (
+            f"`{aliased}.{method}(...)` updates `{aliased}` in place while local `{name}` is "
+            f"bound to it and read afterwards (line {self.line(read)}): in PyTorch `{name}` "
+            "would see the update, here it keeps the value it was given.",
+            self.line(call),
+            f"take a copy where the old value is meant (`{name} = jnp.array({aliased})`, "
+            f"PyTorch's `.clone()`), or read `{aliased}` again where the new one is meant; "
+            f"or write the update functionally (`{aliased} = ...`), which `{name}` does not "
+            "follow in PyTorch either.",
+        )
+
+
 class _Positions:
     """Start lines of a parsed method's nodes, computed on first use.
 
@@ -883,7 +1065,16 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         attr = self._attr(func)
         if attr is not None:
             self.facts.self_calls.add(attr)
-        if isinstance(func, cst.Attribute) and func.attr.value in _MUTATING_METHODS:
+        receiver = inplace_receiver(node)
+        if receiver is not None:
+            self.facts.updates_in_place = True
+            attr = self._attr(subscript_base(receiver))
+            if attr is not None and not is_dunder(attr):
+                # ``self.x.mul_(m)``: a write of ``x``, as ``self.x = self.x * m``.
+                self.facts.assignments.append(
+                    Assignment(attr, self._line(node), "inplace", self.scopes.nested, node)
+                )
+        if isinstance(func, cst.Attribute) and func.attr.value in MUTATING_METHODS:
             owner = self._attr(subscript_base(func.value))
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
@@ -916,7 +1107,12 @@ def collect_facts(
         shadowed_outside=shadowed | (ACCESS_BUILTINS & frozenset(source.freevars)),
         runtime=runtime_name(source.text),
     )
-    walk.visit(module, _FactCollector(facts, source.mangle_as or class_name, shift))
+    collector = _FactCollector(facts, source.mangle_as or class_name, shift)
+    walk.visit(module, collector)
+    if facts.updates_in_place:
+        aliases = _InPlaceAliases(facts, collector._line)
+        walk.visit(function, aliases)
+        facts.alias_problem = aliases.problem
     return facts
 
 
@@ -1147,8 +1343,39 @@ def analyze_class(
     for facts in methods:
         by_attr.setdefault(facts.source.attr, []).append(facts)
 
+    # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``).
+    updated_in_place = {
+        a.attr: (facts, a)
+        for facts in methods
+        for a in facts.assignments
+        if a.kind == "inplace" and facts.receiver is not None
+    }
     for facts in methods:
         src = facts.source
+        if facts.alias_problem is not None:
+            what, line, fix = facts.alias_problem
+            raise _fail(class_name, what, src, line, fix)
+        for assignment in facts.assignments if updated_in_place else ():
+            if assignment.kind != "set" or assignment.value is None:
+                continue
+            aliased = _aliased(assignment.value)
+            head, _, attr = (aliased or "").partition(".")
+            if head != facts.receiver or attr not in updated_in_place or attr == assignment.attr:
+                continue
+            where, update = updated_in_place[attr]
+            method = update.value.func.attr.value  # type: ignore[union-attr]
+            raise _fail(
+                class_name,
+                f"`{facts.receiver}.{assignment.attr} = {aliased}` keeps a second reference to "
+                f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
+                f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
+                "would see every such update, here it keeps the value it was given.",
+                src,
+                assignment.line,
+                f"read `{facts.receiver}.{attr}` where its current value is meant (a @property "
+                f"`{assignment.attr}` returning it), or assign a copy where the value of this "
+                f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
+            )
         touched = facts.touched() & state
         for attr, line in facts.deletes:
             if attr in state:

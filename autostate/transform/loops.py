@@ -52,14 +52,13 @@ import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from autostate.transform.method import MUTATING_METHODS
+
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
 _DEFERRED = frozenset({"enumerate", "zip", "reversed"})
-# Methods that change their object in place (``outs.append(x)``).
-_MUTATING = frozenset(
-    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
-     "sort", "reverse", "add", "discard", "__setitem__", "__delitem__"}
-)
+# Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``).
+_MUTATING = MUTATING_METHODS | {"__setitem__", "__delitem__"}
 # Calls that see the running function's own scope.
 _SCOPE_READERS = frozenset({"locals", "vars", "dir", "eval", "exec"})
 

@@ -16,6 +16,46 @@ RUNTIME_NAME = "__autostate__"
 # (``setattr(self, "x", v)``), unless the method's module or closure rebinds
 # them. Here, libcst-free, so that a warm decoration can check them too.
 ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object", "super"})
+# Methods that change a container in place (``outs.append(x)``): on state the
+# analysis refuses them (a name is no type: a sub-model may have an ``update``
+# too, so only where no value of the attribute can be such an object,
+# ``analysis.holds_plain_values``), and a rolled loop stays unrolled around a
+# local one changes (there ``__setitem__`` / ``__delitem__`` called by name
+# too, which on a state the run time threads).
+MUTATING_METHODS = frozenset(
+    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
+     "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
+)
+# PyTorch's in-place tensor methods (the trailing underscore), each with what
+# it means: name -> (its parameters after the tensor ``x``, the new value of
+# ``x`` as a functional expression, how that value may be cast into ``x``'s
+# dtype). The one table of the rule: the analysis makes ``self.x.<name>(...)``
+# a write of state ``x``, the rewrite routes every call of one through the
+# runtime, which compiles each expression once (``jnp`` is jax.numpy) and keeps
+# ``x``'s shape and dtype as an in-place update does; errors and docs show the
+# expression as the functional spelling. Casting ``"same_kind"`` refuses what
+# PyTorch refuses (a float result into an int tensor); ``"unsafe"`` converts.
+INPLACE_TENSOR_METHODS: dict[str, tuple[str, str, str]] = {
+    "add_": ("other, *, alpha=1", "x + alpha * other", "same_kind"),
+    "sub_": ("other, *, alpha=1", "x - alpha * other", "same_kind"),
+    "mul_": ("other", "x * other", "same_kind"),
+    "div_": ("other", "x / other", "same_kind"),
+    "pow_": ("exponent", "x ** exponent", "same_kind"),
+    "neg_": ("", "-x", "same_kind"),
+    "abs_": ("", "jnp.abs(x)", "same_kind"),
+    "sqrt_": ("", "jnp.sqrt(x)", "same_kind"),
+    "exp_": ("", "jnp.exp(x)", "same_kind"),
+    "clamp_": ("min=None, max=None", "jnp.clip(x, min, max)", "same_kind"),
+    "clamp_min_": ("min", "jnp.maximum(x, min)", "same_kind"),
+    "clamp_max_": ("max", "jnp.minimum(x, max)", "same_kind"),
+    "lerp_": ("end, weight", "x + weight * (end - x)", "same_kind"),
+    "addcmul_": ("tensor1, tensor2, *, value=1", "x + value * tensor1 * tensor2", "same_kind"),
+    "addcdiv_": ("tensor1, tensor2, *, value=1", "x + value * tensor1 / tensor2", "same_kind"),
+    "copy_": ("src, non_blocking=False", "src", "unsafe"),
+    "zero_": ("", "jnp.zeros_like(x)", "unsafe"),
+    "fill_": ("value", "jnp.full_like(x, value)", "unsafe"),
+    "masked_fill_": ("mask, value", "jnp.where(mask, value, x)", "unsafe"),
+}
 
 
 @dataclasses.dataclass(frozen=True)

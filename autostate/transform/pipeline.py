@@ -485,7 +485,9 @@ def _transform(
                 continue
             initialized.update(a.attr for a in base_facts.assignments)
             if base_facts.source.attr != "__init__":
-                base_writes.update(a.attr for a in base_facts.assignments if a.kind != "item")
+                base_writes.update(
+                    a.attr for a in base_facts.assignments if a.kind not in ("item", "inplace")
+                )
     # A generated __init__ (dataclass, attrs) has no source to check; it sets
     # every field, so treat what the methods assign as initialized.
     initialized |= set(getattr(cls, "__dataclass_fields__", ()))
@@ -520,6 +522,7 @@ def _transform(
             not control
             and not rolls
             and (method.receiver is None or not (method.touched() & result.state))
+            and not method.updates_in_place  # (``h.mul_(m)`` on a local: a clear error)
             and not _reads_instance_dict(method.source.text)
         ):
             continue
@@ -579,6 +582,13 @@ def _check_undecorated_bases(
                 (a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...", True)
                 for a in facts.assignments
                 if a.kind == "item"
+            ]
+            # So is a PyTorch in-place method (``self.x.mul_(m)``), which only
+            # the rewrite makes a write.
+            changes += [
+                (a.attr, a.line, f"{facts.receiver}.{a.attr}.<method>_(...)", True)
+                for a in facts.assignments
+                if a.kind == "inplace"
             ]
             # A method's name is no type (``self.ema.update(x)`` on a sub-model):
             # a call is refused as in a decorated class, where no value

@@ -10,6 +10,9 @@ stays on the line it came from:
 ``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.iop(__autostate__.get(self, "x"), v))``
 ``self.x[i] = v``                ``__autostate__.setitem(self, "x", v, __autostate__.ix[i])``
 ``self.x[i] op= v``              ``__autostate__.augitem(__autostate__.item(self, "x", __autostate__.ix[i]), "op", v)``
+``self.x.mul_(m).add_(v)``       ``__autostate__.inplace(self, "x").mul_(m).add_(v).value``: PyTorch's in-place
+(``INPLACE_TENSOR_METHODS``)     tensor methods (``StateRewriter._inplace``; another object's attribute:
+                                 ``inplace_attribute``, any other value: ``tensor_method``)
 other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
 ``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
 ``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved
@@ -54,6 +57,7 @@ from autostate.transform.analysis import (
     ReceiverScopes,
     ScopeVisits,
     dotted_name,
+    inplace_receiver,
     locally_bound,
     mangle,
     named_access,
@@ -237,6 +241,9 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         self.class_name = class_name
         self.is_init = is_init
         self._targets: set[int] = set()
+        # The ``.value`` of each in-place call rewritten onto a target
+        # (``_inplace``): a chain's next call goes on with the target.
+        self._links: set[int] = set()
         # ``X.__dict__`` / ``vars(X)`` nodes kept as written: assigned to
         # (``self.__dict__ = d``), or the dict so assigned (``= self.__dict__``).
         self._dict_targets: set[int] = set()
@@ -360,7 +367,59 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             return "read_state" if access.via == "object" else "get"
         return None
 
+    def visit_Call(self, node: cst.Call) -> None:
+        receiver = inplace_receiver(node)
+        if receiver is not None:
+            base = subscript_base(receiver)
+            if self._state_attr(base) is not None:
+                self._targets.add(id(base))  # (``self.x`` stays: ``_inplace`` reads it)
+
+    def _inplace(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        """A call of one of PyTorch's in-place tensor methods (the rule of
+        ``runtime.InPlace``): ``self.x.mul_(m)`` as
+        ``__autostate__.inplace(self, "x").mul_(m).value``, ``self.x[i].add_(v)``
+        with the keys after the name (``__autostate__.ix[i]``), another
+        object's attribute (``self.bn.mean.zero_()``) as
+        ``__autostate__.inplace_attribute(self.bn, "mean").zero_().value``, a
+        chain's next call on the target (``....mul_(m).add_(v).value``), and
+        any other receiver as ``__autostate__.tensor_method(v, "mul_")(m)``
+        (its own method, or the error a JAX array gets)."""
+        func: cst.Attribute = updated_node.func  # type: ignore[assignment]
+        original: cst.Attribute = original_node.func  # type: ignore[assignment]
+        quotes = frozenset(self._fstring_quotes)
+        if self.control:
+            updated_node = updated_node.with_changes(args=[
+                a.with_changes(value=self._control(o.value, a.value))
+                for o, a in zip(original_node.args, updated_node.args)
+            ])
+        receiver = func.value
+        original_base = subscript_base(original.value)
+        if id(receiver) in self._links:
+            target = receiver.value  # type: ignore[attr-defined]
+        else:
+            base = subscript_base(receiver)
+            attr = self._state_attr(original_base)
+            if attr is not None:
+                target = self._call("inplace", self._receiver(), _string(attr, quotes), *self._indices(receiver))
+                target = _keep_lines(target, _code(base), before=2)
+            elif isinstance(original_base, cst.Attribute) and isinstance(base, cst.Attribute):
+                name = _string(mangle(self.class_name, base.attr.value), quotes)
+                target = self._call("inplace_attribute", base.value, name, *self._indices(receiver))
+                target = _keep_lines(target, _code(base.dot, base.attr), before=1)
+            else:
+                method = self._call("tensor_method", receiver, _string(original.attr.value, quotes))
+                method = _keep_lines(method, _code(func.dot, func.attr), before=1)
+                return updated_node.with_changes(func=method)
+        call = updated_node.with_changes(func=func.with_changes(value=target), lpar=[], rpar=[])
+        result = cst.Attribute(
+            value=call, attr=cst.Name("value"), lpar=updated_node.lpar, rpar=updated_node.rpar
+        )
+        self._links.add(id(result))
+        return result
+
     def leave_Call(self, original_node, updated_node):
+        if inplace_receiver(original_node) is not None:
+            return self._inplace(original_node, updated_node)
         func, args = original_node.func, original_node.args
         runtime_name = self._named_access(original_node)
         if runtime_name is not None:

@@ -44,6 +44,7 @@ from semantics.harness import (
     assert_user_line,
     check,
     check_transform,
+    error_line,
     pair,
     run_case,
     same,
@@ -1800,3 +1801,296 @@ def test_growing_cache_and_list_and_tuple_states(write_module: Loader) -> None:
         ("__call__", (V2 + 1,)),
     ]
     run_case(plain, dec, "Cache()", calls)
+
+
+# ---------------------------------------------------------------------------
+# PyTorch's in-place tensor methods on a state (``self.x.mul_(m)``): the plain
+# reference is the same class with each update spelled functionally, which is
+# what PyTorch's in-place update means for the model.
+
+INPLACE = """
+@DECORATE
+class RunningStats:
+    def __init__(self, n, momentum=0.1):
+        self.running_mean = jnp.zeros(n)
+        self.running_var = jnp.ones(n)
+        self.num_batches_tracked = jnp.zeros((), jnp.int32)
+        self.momentum = momentum
+
+    def __call__(self, x):
+        m = self.momentum
+        mean = self.running_mean.mul_(1 - m).add_(x.mean(0), alpha=m)
+        self.running_var.mul_(1 - m).add_(x.var(0), alpha=m)
+        self.num_batches_tracked.add_(1)
+        return (x - mean) / jnp.sqrt(self.running_var + 1e-5)
+
+
+@DECORATE
+class Methods:
+    def __init__(self):
+        self.x = jnp.arange(4.0)
+        self.i = jnp.arange(4, dtype=jnp.int32)
+        self.cache = jnp.zeros((2, 3))
+        self.d = {"a": jnp.ones(2), "b": jnp.zeros(2)}
+
+    def __call__(self, v, pos):
+        self.x.sub_(v, alpha=2.0).div_(4.0).clamp_(min=-1.0, max=0.5)
+        self.i.mul_(3).clamp_max_(7)
+        self.cache[:, pos].copy_(v[:2])
+        self.cache[0].add_(1.0)
+        self.d["a"].mul_(v[0])
+        self.d["b"].fill_(3).lerp_(v[:2], 0.25)
+        return self.x.sum() + self.cache.sum()
+
+    def reset(self):
+        self.x.zero_()
+        self.cache.masked_fill_(self.cache > 1.5, -1.0)
+        return self.x
+
+
+@DECORATE
+class Looped:
+    def __init__(self):
+        self.h = jnp.zeros(3)
+        self.steps = jnp.zeros((), jnp.int32)
+
+    def scan(self, xs):
+        def body(carry, x):
+            self.h.mul_(0.5).add_(x)
+            self.steps.add_(1)
+            return carry + self.h.sum(), self.h
+
+        return lax.scan(body, 0.0, xs)
+
+    def fori(self, x):
+        def body(i, acc):
+            self.h.addcmul_(x, x, value=0.5)
+            return acc + self.h[i]
+
+        return lax.fori_loop(0, 3, body, 0.0)
+
+
+@DECORATE
+class Shared:
+    \"\"\"One running-stats module reachable from two paths: one state, both see it.\"\"\"
+
+    def __init__(self):
+        self.a = RunningStats(3)
+        self.b = self.a
+
+    def __call__(self, x):
+        return self.a(x) + self.b(2 * x)
+"""
+
+INPLACE_FUNCTIONAL = [
+    ("mean = self.running_mean.mul_(1 - m).add_(x.mean(0), alpha=m)",
+     "self.running_mean = self.running_mean * (1 - m) + m * x.mean(0); mean = self.running_mean"),
+    ("self.running_var.mul_(1 - m).add_(x.var(0), alpha=m)",
+     "self.running_var = self.running_var * (1 - m) + m * x.var(0)"),
+    ("self.num_batches_tracked.add_(1)", "self.num_batches_tracked = self.num_batches_tracked + 1"),
+    ("self.x.sub_(v, alpha=2.0).div_(4.0).clamp_(min=-1.0, max=0.5)",
+     "self.x = jnp.clip((self.x - 2.0 * v) / 4.0, -1.0, 0.5)"),
+    ("self.i.mul_(3).clamp_max_(7)", "self.i = jnp.minimum(self.i * 3, 7)"),
+    ("self.cache[:, pos].copy_(v[:2])", "self.cache = self.cache.at[:, pos].set(v[:2])"),
+    ("self.cache[0].add_(1.0)", "self.cache = self.cache.at[0].add(1.0)"),
+    ('self.d["a"].mul_(v[0])', 'self.d = {**self.d, "a": self.d["a"] * v[0]}'),
+    ('self.d["b"].fill_(3).lerp_(v[:2], 0.25)',
+     'self.d = {**self.d, "b": 3.0 + 0.25 * (v[:2] - 3.0)}'),
+    ("self.x.zero_()", "self.x = jnp.zeros_like(self.x)"),
+    ("self.cache.masked_fill_(self.cache > 1.5, -1.0)",
+     "self.cache = jnp.where(self.cache > 1.5, -1.0, self.cache)"),
+    ("self.h.mul_(0.5).add_(x)", "self.h = self.h * 0.5 + x"),
+    ("self.steps.add_(1)", "self.steps = self.steps + 1"),
+    ("self.h.addcmul_(x, x, value=0.5)", "self.h = self.h + 0.5 * x * x"),
+]
+
+
+def _inplace_pair(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
+    return pair(write_module, INPLACE, plain_subs=INPLACE_FUNCTIONAL)
+
+
+def test_inplace_running_stats_update_and_chain_value(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    x = jnp.arange(12.0).reshape(4, 3)
+    check(plain, dec, "RunningStats(3)", [("__call__", (x,)), ("__call__", (x * x,))])
+    f, states = dec.RunningStats(3).functionalize()
+    assert sorted(states) == ["num_batches_tracked", "running_mean", "running_var"]
+    assert states["num_batches_tracked"].dtype == jnp.int32
+
+
+def test_inplace_methods_items_and_containers(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    v = jnp.array([1.0, -2.0, 3.0, 0.5])
+    calls = [("__call__", (v, 1)), ("__call__", (-v, 2)), ("reset", ())]
+    check(plain, dec, "Methods()", calls)
+    model = dec.Methods()
+    model(v, 0)
+    assert model.i.dtype == jnp.int32 and model.x.dtype == jnp.float32
+
+
+def test_inplace_in_lax_bodies(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    xs = jnp.arange(6.0).reshape(2, 3)
+    check(plain, dec, "Looped()", [("scan", (xs,)), ("fori", (xs[1],)), ("scan", (-xs,))])
+    check_transform(plain, dec, "Looped()", [("scan", (X,))], jnp.stack([xs, 2 * xs]), "vmap")
+    check_transform(plain, dec, "Looped()", [("fori", (X,))], xs[0], "grad")
+
+
+def test_inplace_reaches_every_path_of_a_shared_module(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    x = jnp.arange(6.0).reshape(2, 3)
+    check(plain, dec, "Shared()", [("__call__", (x,)), ("__call__", (x + 1,))])
+    model = dec.Shared()
+    f, states = model.functionalize()
+    assert sorted(states) == ["a.num_batches_tracked", "a.running_mean", "a.running_var"]
+    model(x)
+    assert model.a is model.b and int(model.b.num_batches_tracked) == 2
+
+
+INPLACE_REFUSED = {
+    "local_alias": """
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.running_mean = jnp.zeros(2)
+
+    def __call__(self, x):
+        m = self.running_mean
+        self.running_mean.mul_(0.9)
+        return x - m
+""",
+    "alias_in_loop": """
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.running_mean = jnp.zeros(2)
+
+    def __call__(self, xs):
+        m = self.running_mean[0]
+        out = []
+        for x in xs:
+            out.append(x - m)
+            self.running_mean.mul_(0.9)
+        return out
+""",
+    "update_through_alias": """
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.running_mean = jnp.zeros(2)
+
+    def __call__(self, x):
+        m = self.running_mean
+        m.mul_(0.9)
+        return x
+""",
+    "attribute_alias": """
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.running_mean = jnp.zeros(2)
+        self.mean_alias = self.running_mean
+
+    def __call__(self, x):
+        self.running_mean.mul_(0.9)
+        return x - self.mean_alias
+""",
+}
+
+
+@pytest.mark.parametrize("case", list(INPLACE_REFUSED))
+def test_inplace_alias_that_would_see_the_update_is_refused(write_module: Loader, case: str) -> None:
+    with pytest.raises(errors.DecorationError) as info:
+        write_module(HEADER + INPLACE_REFUSED[case])
+    text = str(info.value)
+    assert "Norm" in text and "running_mean" in text and "fix:" in text
+    assert re.search(r"autostate_testmod_\d+\.py:\d+", text), text
+    line = error_line(info.value)
+    wanted = {"local_alias": "self.running_mean.mul_(0.9)", "alias_in_loop": "mul_(0.9)",
+              "update_through_alias": "m.mul_(0.9)", "attribute_alias": "self.mean_alias ="}
+    assert wanted[case] in line, (line, text)
+
+
+def test_inplace_alias_not_read_after_the_update_is_accepted(write_module: Loader) -> None:
+    module = write_module(HEADER + """
+@autostate.stateful
+class Norm:
+    def __init__(self):
+        self.running_mean = jnp.zeros(2)
+
+    def __call__(self, x):
+        m = self.running_mean
+        y = x - m
+        self.running_mean.mul_(0.5).add_(x)
+        m = self.running_mean
+        return y + m
+""")
+    model = module.Norm()
+    out = model(jnp.ones(2))
+    np.testing.assert_allclose(model.running_mean, np.ones(2))
+    np.testing.assert_allclose(out, np.ones(2) * 2)
+
+
+INPLACE_RUNTIME_ERRORS = """
+@autostate.stateful
+class Bad:
+    def __init__(self):
+        self.i = jnp.zeros(3, jnp.int32)
+        self.x = jnp.zeros(3)
+
+    def local(self, v):
+        h = v * 2
+        h.mul_(0.5)
+        return h
+
+    def to_int(self):
+        self.i.mul_(0.5)
+
+    def shape(self):
+        self.x.add_(jnp.ones((2, 3)))
+
+    def advanced(self):
+        self.x[jnp.array([0, 2])].add_(1.0)
+
+    def arguments(self):
+        self.x.add_(1.0, beta=2.0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "needle"),
+    [("local", (jnp.ones(2),), "h.mul_(0.5)"), ("to_int", (), "self.i.mul_(0.5)"),
+     ("shape", (), "self.x.add_("), ("advanced", (), "self.x[jnp.array"),
+     ("arguments", (), "self.x.add_(1.0, beta")],
+)
+def test_inplace_errors_say_what_to_write(write_module: Loader, method: str, args: Any,
+                                          needle: str) -> None:
+    module = write_module(HEADER + INPLACE_RUNTIME_ERRORS)
+    for mode in ("eager", "jit"):
+        model = module.Bad()
+        before = snapshot(model)
+        with pytest.raises(InvalidTypeError) as info:
+            if mode == "eager":
+                getattr(model, method)(*args)
+            else:
+                f, states = model.functionalize()
+                jax.jit(_fcall(f, method))(states, *args)
+        text = str(info.value)
+        assert "fix:" in text and " = " in text, text
+        assert needle in error_line(info.value), text
+        assert_same(before, snapshot(model), f"{mode}: model after the error")
+
+
+def test_inplace_running_stats_trace_the_functional_steps_primitives(write_module: Loader) -> None:
+    plain, dec = _inplace_pair(write_module)
+    # The same class decorated, its updates spelled functionally (as a port would write them).
+    source = INPLACE.replace("@DECORATE", "@autostate.stateful")
+    for inplace, spelled in INPLACE_FUNCTIONAL[:3]:
+        source = source.replace(inplace, spelled)
+    functional = write_module(HEADER + source)
+    x = jnp.ones((4, 3))
+    programs = []
+    for module in (dec, functional):
+        f, states = module.RunningStats(3).functionalize()
+        programs.append([e.primitive.name for e in jax.make_jaxpr(f)(states, x).jaxpr.eqns])
+    assert programs[0] == programs[1]

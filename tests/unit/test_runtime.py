@@ -114,3 +114,47 @@ def test_handled_writes_land_in_the_call_and_its_states():
     f, states = m.functionalize()
     out, new = jax.jit(f.step)(states, jnp.full((), 7.0))
     assert float(out) == 7.0 and float(new["n"]) == 7.0 and float(m.n) == 0.0
+
+
+# --- PyTorch's in-place tensor methods: one table, compiled once ---
+
+# Arguments for each row of ``INPLACE_TENSOR_METHODS`` and the value it gives
+# ``x = [1, 4, 9]`` (what PyTorch's method leaves in ``x``).
+_INPLACE_CASES = {
+    "add_": ((jnp.ones(3),), {"alpha": 2}, [3.0, 6.0, 11.0]),
+    "sub_": ((1.0,), {}, [0.0, 3.0, 8.0]),
+    "mul_": ((2.0,), {}, [2.0, 8.0, 18.0]),
+    "div_": ((2.0,), {}, [0.5, 2.0, 4.5]),
+    "pow_": ((2,), {}, [1.0, 16.0, 81.0]),
+    "neg_": ((), {}, [-1.0, -4.0, -9.0]),
+    "abs_": ((), {}, [1.0, 4.0, 9.0]),
+    "sqrt_": ((), {}, [1.0, 2.0, 3.0]),
+    "exp_": ((), {}, list(np.exp([1.0, 4.0, 9.0]))),
+    "clamp_": ((), {"min": 2.0, "max": 5.0}, [2.0, 4.0, 5.0]),
+    "clamp_min_": ((3.0,), {}, [3.0, 4.0, 9.0]),
+    "clamp_max_": ((3.0,), {}, [1.0, 3.0, 3.0]),
+    "lerp_": ((jnp.zeros(3), 0.5), {}, [0.5, 2.0, 4.5]),
+    "addcmul_": ((jnp.ones(3), jnp.full(3, 2.0)), {"value": 0.5}, [2.0, 5.0, 10.0]),
+    "addcdiv_": ((jnp.ones(3), jnp.full(3, 2.0)), {}, [1.5, 4.5, 9.5]),
+    "copy_": ((jnp.array([7, 8, 9]),), {}, [7.0, 8.0, 9.0]),
+    "zero_": ((), {}, [0.0, 0.0, 0.0]),
+    "fill_": ((2,), {}, [2.0, 2.0, 2.0]),
+    "masked_fill_": ((jnp.array([True, False, True]), -1.0), {}, [-1.0, 4.0, -1.0]),
+}
+
+
+def test_every_inplace_method_of_the_table_is_a_method_of_the_target() -> None:
+    from autostate.transform.method import INPLACE_TENSOR_METHODS
+
+    assert set(_INPLACE_CASES) == set(INPLACE_TENSOR_METHODS)
+
+    class Holder:
+        x = jnp.array([1.0, 4.0, 9.0])
+
+    for method, (args, kwargs, expected) in _INPLACE_CASES.items():
+        holder = Holder()
+        target = runtime.inplace_attribute(holder, "x")
+        assert getattr(target, method).__name__ == method
+        value = getattr(target, method)(*args, **kwargs).value
+        np.testing.assert_allclose(holder.x, expected, rtol=1e-6, err_msg=method)
+        assert value is holder.x and holder.x.dtype == jnp.float32 and holder.x.shape == (3,)

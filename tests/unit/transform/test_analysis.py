@@ -802,3 +802,102 @@ class Late:
         pair(write_module, source)
     assert "first assigned outside __init__" in str(info.value)
     assert_at(info.value, "# HERE")
+
+
+# ---------------------------------------------------------------------------
+# PyTorch's in-place tensor methods (``method.INPLACE_TENSOR_METHODS``)
+
+
+def test_inplace_tensor_methods_are_writes_of_their_attribute():
+    facts = analysis.collect_facts(
+        "M",
+        method(
+            """
+            def step(self, v, h):
+                self.a.mul_(v)
+                self.b[0].add_(v, alpha=2)
+                self.c.mul_(v).add_(v)
+                y = self.d.zero_() + self.e.sum()
+                self.sub.f.fill_(1.0)
+                h.copy_(v)
+            """,
+            first_line=20,
+        ),
+    )
+    kinds = [(a.attr, a.kind, a.line) for a in facts.assignments]
+    assert kinds == [
+        ("a", "inplace", 21), ("b", "inplace", 22), ("c", "inplace", 23), ("c", "inplace", 23),
+        ("d", "inplace", 24),
+    ]
+    assert facts.updates_in_place and facts.alias_problem is None
+    assert facts.mutating_calls == []  # (not a container's in-place method)
+
+
+def test_inplace_update_makes_state_as_an_assignment_does():
+    result = analyze(
+        "M", INIT_XYZ, "def step(self, v):\n    self.x.mul_(v)\n    self.y[0].clamp_(min=0)\n"
+    )
+    assert result.state == {"x", "y"}
+    # In __init__ (a parameter set up in place) it makes no state.
+    init = "def __init__(self):\n    self.x = 0\n    self.x.zero_()\n"
+    assert analyze("M", init, "def f(self):\n    return self.x\n").state == frozenset()
+
+
+def test_one_table_names_the_inplace_methods_and_no_container_method():
+    from autostate.transform.method import INPLACE_TENSOR_METHODS, MUTATING_METHODS
+
+    assert {"mul_", "add_", "sub_", "div_", "copy_", "zero_", "fill_", "clamp_"} <= set(
+        INPLACE_TENSOR_METHODS
+    )
+    assert all(name.endswith("_") and not name.startswith("_") for name in INPLACE_TENSOR_METHODS)
+    assert not set(INPLACE_TENSOR_METHODS) & MUTATING_METHODS
+    from autostate.transform import loops
+
+    assert loops.MUTATING_METHODS is MUTATING_METHODS  # one list, shared with rolling
+    assert MUTATING_METHODS < loops._MUTATING
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "needle"),
+    [
+        ("m = self.x\nself.x.mul_(2)\nreturn m", 12, "local `m` is bound to it"),
+        ("m = self.x[0]\nself.x.mul_(2).add_(1)\nreturn m", 12, "local `m`"),
+        ("m = self.x.mul_(2)\nself.x.add_(1)\nreturn m", 12, "local `m`"),
+        ("n = self.x\nm = n\nself.x.mul_(2)\nreturn m", 13, "local `m`"),
+        ("m = self.x\nm.mul_(2)", 12, "call it on the attribute: `self.x.mul_(...)`"),
+        ("m = self.x\nfor i in range(3):\n    y = m + i\n    self.x.mul_(2)", 14, "local `m`"),
+        ("m = self.sub.x\nself.sub.x.zero_()\nreturn m", 12, "`self.sub.x.zero_(...)`"),
+    ],
+)
+def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
+    text = "def step(self):\n" + textwrap.indent(body, "    ") + "\n"
+    with pytest.raises(DecorationError) as info:
+        analyze("M", INIT_XYZ, text)
+    message = str(info.value)
+    assert f"model.py:{line} (in M.step)" in message, message
+    assert needle in message and "fix:" in message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "m = self.x\ny = m + 1\nself.x.mul_(2)\nreturn y",  # read before the update
+        "m = self.x\nself.x.mul_(2)\nm = self.x\nreturn m",  # rebound after it
+        "m = self.x.sum()\nself.x.mul_(2)\nreturn m",  # a new value, no alias
+        "for i in range(3):\n    m = self.x\n    y = m + i\nself.x.mul_(2)",  # loop before it
+        "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
+        "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
+    ],
+)
+def test_inplace_update_with_no_alias_reading_it_is_accepted(body):
+    text = "def step(self):\n" + textwrap.indent(body, "    ") + "\n"
+    assert analyze("M", INIT_XYZ, text).state == {"x"}
+
+
+def test_inplace_update_of_a_state_another_attribute_keeps_is_refused():
+    init = "def __init__(self):\n    self.x = 0\n    self.y = self.x\n    self.z = 0\n"
+    with pytest.raises(DecorationError) as info:
+        analyze("M", init, "def step(self):\n    self.x.mul_(2)\n")
+    message = str(info.value)
+    assert "`self.y = self.x` keeps a second reference to state 'x'" in message
+    assert "model.py:12 (in M.__init__)" in message and "jnp.array(self.x)" in message

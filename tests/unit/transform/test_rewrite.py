@@ -418,6 +418,12 @@ STATEMENTS = {
     "fstring_read": 'y = f"""{self\n    .x}""", mark()',
     "fstring_self_documenting": 'y = f"""{self\n    .x\n    = }""", mark()',
     "fstring_getattribute": 'y = f"""{object\n    .__getattribute__(self, "x")}""", mark()',
+    "inplace": "self.x \\\n    .mul_(mark())",
+    "inplace_dot": "self \\\n    .x.add_(mark())",
+    "inplace_chain": "self.x.mul_(2) \\\n    .add_(mark())",
+    "inplace_item": "self.a[0] \\\n    .add_(mark())",
+    "inplace_other_object": "self.b.x \\\n    .zero_(); mark()",
+    "inplace_local": "y \\\n    .mul_(mark())",
 }
 
 
@@ -464,6 +470,26 @@ def test_one_line_statements_are_unchanged_in_shape() -> None:
         '__autostate__.set(self, "x", __autostate__.iadd(__autostate__.get(self, "x"), '
         '__autostate__.get(self, "x")))'
     )
+
+
+def test_inplace_tensor_methods_are_one_rule() -> None:
+    body = (
+        "def m(self, v, h):\n"
+        "    self.x.mul_(v).add_(v, alpha=0.5)\n"
+        "    y = self.a[0, 1:].zero_()\n"
+        "    self.b.w.fill_(self.x)\n"
+        "    h.clamp_(min=0)\n"
+        "    self.x.mul_(2)[0].add_(1)\n"
+    )
+    _, new = _rewritten(body, frozenset({"x", "a"}))
+    assert [line.strip() for line in new[-5:]] == [
+        '__autostate__.inplace(self, "x").mul_(v).add_(v, alpha=0.5).value',
+        'y = __autostate__.inplace(self, "a", __autostate__.ix[0, 1:]).zero_().value',
+        '__autostate__.inplace_attribute(self.b, "w").fill_(__autostate__.get(self, "x")).value',
+        '__autostate__.tensor_method(h, "clamp_")(min=0)',
+        # (an item of the updated tensor is a value no attribute holds: the clear error)
+        '__autostate__.tensor_method(__autostate__.inplace(self, "x").mul_(2).value[0], "add_")(1)',
+    ]
 
 
 def assert_same(a: Any, b: Any) -> None:
