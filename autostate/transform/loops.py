@@ -247,13 +247,29 @@ def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | 
     }
     if declared & (assigned | set(targets)):
         return "it assigns a name declared `global` or `nonlocal`"
+    repeated = _in_a_loop(scope, loop)
     for node in _own_nodes(getattr(scope, "body", [])):
         if not isinstance(node, _FUNCTIONS) or getattr(node, "name", "").startswith(_PREFIX):
             continue
-        if not _inside(node, loop):
-            if _loaded(node) & assigned:
-                return "a function defined outside the loop reads a local its body assigns"
+        if _inside(node, loop):
+            continue
+        # A function made after the loop cannot run during it (unless a loop
+        # around both makes it on an earlier trip): it sees the locals after
+        # the loop, which the rolled loop leaves as the plain one does.
+        if not repeated and node.lineno > (loop.end_lineno or loop.lineno):
+            continue
+        if _loaded(node) & assigned:
+            return "a function defined outside the loop reads a local its body assigns"
     return None
+
+
+def _in_a_loop(scope: ast.AST, loop: ast.AST) -> bool:
+    """Whether ``loop`` runs inside another loop of its own scope."""
+    return any(
+        isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node is not loop
+        and _inside(loop, node)
+        for node in _own_nodes(getattr(scope, "body", []))
+    )
 
 
 def _changed_in_place(node: ast.AST) -> tuple[str | None, bool]:

@@ -90,12 +90,21 @@ def test_a_local_assigned_before_the_body_reads_it_is_not_carried() -> None:
         ("for b in self.blocks:\n    b.cache['k'] = x", "its body changes `b` in place"),
         ("for b in self.blocks:\n    b = b.inner", "its body assigns the loop variable"),
         ("g = lambda: x\nfor b in self.blocks:\n    x = b(g())", "a function defined outside the loop reads a local its body assigns"),
+        # Made after the loop, but on an earlier trip of a loop around both: it may run in it.
+        ("g = None\nfor _ in range(2):\n    for b in self.blocks:\n        x = b(g() if g else x)\n    g = lambda: x", "a function defined outside the loop reads a local its body assigns"),
     ],
 )
 def test_a_loop_a_function_cannot_carry_stays_as_written(loop: str, reason: str) -> None:
     method = rolled(loop + "\nreturn x\n")
     assert not functions(method) or all(f.name == "g" for f in functions(method))
     assert unrolled_reasons(method) == [reason]
+
+
+def test_a_function_made_after_the_loop_does_not_keep_it_from_rolling() -> None:
+    # It cannot run while the loop runs: it reads the locals the loop leaves.
+    method = rolled("for b in self.blocks:\n    x = b(x)\ng = lambda: x\nreturn g()\n")
+    assert not unrolled_reasons(method)
+    assert any(f.name.startswith("__autostate_body") for f in functions(method))
 
 
 def test_what_is_never_a_stack_is_left_alone() -> None:
