@@ -17,7 +17,6 @@ import inspect
 import pickle
 import re
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +58,13 @@ from semantics.harness import (
     names_of,
     no_handler_left,
     pair,
-    plain_path,
     raises_autostate,
     read_plain,
     run_case,
     run_reference,
     snapshot,
     staged,
+    train_compare,
 )
 from semantics.programs import (
     B3,
@@ -1920,66 +1919,6 @@ def test_recursion_and_augmented_assignment_order(write_module: Loader) -> None:
     plain, dec = pair(write_module, RECURSE)
     run_case(plain, dec, "R()", [("walk", (S(3),)), ("walk", (S(2),))], extra=("walk", (S(1),)))
 
-
-def _set(model: Any, path: str, value: Any) -> None:
-    exec(
-        ("m." + path if not path.startswith("[") else "m" + path) + " = v",  # noqa: S102
-        {"m": model, "v": value},
-    )
-
-
-def train_compare(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    xs: Any,
-    loss_fn: Callable[[Any, Callable[[str], Any]], Any],
-    lr: float = 0.1,
-    method: str = "__call__",
-) -> None:
-    """SGD over ``xs``: plain model stepped in Python vs ``lax.scan`` over ``(f, states)``."""
-    model = eval(build, vars(dec))  # noqa: S307
-    f0, states0 = model.functionalize()
-    pnames = sorted(autostate.param_dict(f0))
-    ref = eval(build, vars(plain))  # noqa: S307
-    ref_losses = []
-    for i in range(len(jax.tree_util.tree_leaves(xs)[0])):
-        x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
-        params = {k: plain_path(ref, k) for k in pnames}
-
-        def loss(params: dict[str, Any], x: Any = x) -> Any:
-            m = copy.deepcopy(ref)
-            for k, v in params.items():
-                _set(m, k, v)
-            out = getattr(m, method)(x)
-            return loss_fn(out, lambda k: plain_path(m, k)), {k: plain_path(m, k) for k in states0}
-
-        (val, st), g = jax.value_and_grad(loss, has_aux=True)(params)
-        for k in pnames:
-            _set(ref, k, params[k] - lr * g[k])
-        for k, v in st.items():
-            _set(ref, k, v)
-        ref_losses.append(val)
-
-    def step(carry: Any, x: Any) -> Any:
-        f, s = carry
-
-        def loss(f: Any) -> Any:
-            out, s2 = (f if method == "__call__" else getattr(f, method))(s, x)
-            return loss_fn(out, lambda k: s2[k]), s2
-
-        (val, s2), g = jax.value_and_grad(loss, has_aux=True)(f)
-        return (jax.tree_util.tree_map(lambda p, d: p - lr * d, f, g), s2), val
-
-    for run in (staged(jax.lax.scan, static_argnums=0),):
-        (f, s), losses = run(step, (f0, states0), xs)
-        assert_same(np.stack(ref_losses), losses, "losses")
-        got = autostate.param_dict(f)
-        for k in pnames:
-            assert_same(np.asarray(plain_path(ref, k)), got[k], f"param {k}")
-        for k in s:
-            assert_same(snapshot(plain_path(ref, k)), snapshot(s[k]), f"state {k}")
-        assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
 def test_moe_counters_capacity_aux_loss(write_module: Loader) -> None:

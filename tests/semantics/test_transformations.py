@@ -58,6 +58,7 @@ from semantics.harness import (
     no_tracer,
     pair,
     plain_path,
+    plain_set,
     raises_autostate,
     read_plain,
     run_case,
@@ -65,6 +66,7 @@ from semantics.harness import (
     same,
     snapshot,
     staged,
+    train_compare,
     user_line,
 )
 from semantics.programs import (
@@ -2267,19 +2269,12 @@ def test_vmap_over_batched_key_states(write_module: Loader) -> None:
         assert int(states["calls"][i]) == 2
 
 
-def _set(model: Any, path: str, value: Any) -> None:
-    """``model.<path> = value`` for a keypath name (``layers[0].w``, ``[1].b``)."""
-    exec(
-        ("m." + path if not path.startswith("[") else "m" + path) + " = v",  # noqa: S102
-        {"m": model, "v": value},
-    )
-
 
 def _plain_loss(ref: Any, params: dict[str, Any], x: Any, y: Any) -> tuple[Any, Any]:
     """The plain model's loss with ``params`` injected; its states after, as aux."""
     m = copy.deepcopy(ref)
     for key, value in params.items():
-        _set(m, key, value)
+        plain_set(m, key, value)
     loss = m.loss(x, y)
     return loss, m
 
@@ -2305,7 +2300,7 @@ def test_grad_sgd_over_params_only_matches_plain(write_module: Loader) -> None:
         assert_same(want, loss, "loss")
         params = {k: params[k] - lr * g[k] for k in keys}
         for k in keys:
-            _set(ref, k, params[k])
+            plain_set(ref, k, params[k])
         assert_same(params, autostate.param_dict(f), "params after sgd")
     frozen = autostate.freeze(f, states)
     assert_shared(frozen)
@@ -2395,7 +2390,7 @@ def test_training_loop_in_lax_scan_over_f(write_module: Loader) -> None:
         want.append(ref.loss(x, Y))
         params = {k: params[k] - lr * g[k] for k in keys}
         for k in keys:
-            _set(ref, k, params[k])
+            plain_set(ref, k, params[k])
     assert_same(np.stack(want), losses, "losses")
     assert_same(snapshot(ref), snapshot(autostate.freeze(f, states)), "trained in scan")
 
@@ -2723,59 +2718,6 @@ def test_jit_of_vmap_of_grad_of_f(net: tuple[Any, Any, Any]) -> None:
     ref = jax.vmap(lambda x: jax.grad(lambda w: hand_net(w, states, x)[0])(f.model.w))(xs)
     assert_same(ref, got.model.w, "per-example grads")
 
-
-def train_compare(
-    plain: types.ModuleType,
-    dec: types.ModuleType,
-    build: str,
-    xs: Any,
-    loss_fn: Callable[[Any, Callable[[str], Any]], Any],
-    lr: float = 0.1,
-    method: str = "__call__",
-) -> None:
-    """SGD over ``xs``: plain model stepped in Python vs ``lax.scan`` over ``(f, states)``."""
-    model = eval(build, vars(dec))  # noqa: S307
-    f0, states0 = model.functionalize()
-    pnames = sorted(autostate.param_dict(f0))
-    ref = eval(build, vars(plain))  # noqa: S307
-    ref_losses = []
-    for i in range(len(jax.tree_util.tree_leaves(xs)[0])):
-        x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
-        params = {k: plain_path(ref, k) for k in pnames}
-
-        def loss(params: dict[str, Any], x: Any = x) -> Any:
-            m = copy.deepcopy(ref)
-            for k, v in params.items():
-                _set(m, k, v)
-            out = getattr(m, method)(x)
-            return loss_fn(out, lambda k: plain_path(m, k)), {k: plain_path(m, k) for k in states0}
-
-        (val, st), g = jax.value_and_grad(loss, has_aux=True)(params)
-        for k in pnames:
-            _set(ref, k, params[k] - lr * g[k])
-        for k, v in st.items():
-            _set(ref, k, v)
-        ref_losses.append(val)
-
-    def step(carry: Any, x: Any) -> Any:
-        f, s = carry
-
-        def loss(f: Any) -> Any:
-            out, s2 = (f if method == "__call__" else getattr(f, method))(s, x)
-            return loss_fn(out, lambda k: s2[k]), s2
-
-        (val, s2), g = jax.value_and_grad(loss, has_aux=True)(f)
-        return (jax.tree_util.tree_map(lambda p, d: p - lr * d, f, g), s2), val
-
-    for run in (staged(jax.lax.scan, static_argnums=0),):
-        (f, s), losses = run(step, (f0, states0), xs)
-        assert_same(np.stack(ref_losses), losses, "losses")
-        got = autostate.param_dict(f)
-        for k in pnames:
-            assert_same(np.asarray(plain_path(ref, k)), got[k], f"param {k}")
-        for k in s:
-            assert_same(snapshot(plain_path(ref, k)), snapshot(s[k]), f"state {k}")
-        assert_same(snapshot(ref), snapshot(autostate.freeze(f, s)), "frozen")
 
 
 XQS = jnp.stack([XQ, XQ * 1.5 - 1, XQ * 0.5 + 2])
