@@ -1149,7 +1149,9 @@ def test_compiled_program_equals_hand_threaded(case):
     x = _input(shape)
     text, ops = _opcodes(lambda s, x: f(s, x), states, x)
     ref_text, ref_ops = _opcodes(lambda s, x: reference(model, s, x), states, x)
-    assert "custom-call" not in text and "callback" not in text.lower()
+    # No host callback; every other instruction, a backend's own custom calls
+    # (a TPU's AllocateBuffer) included, as many as in the hand-threaded program.
+    assert "callback" not in text.lower()
     assert ops == ref_ops, (ops - ref_ops, ref_ops - ops)
 
 
