@@ -1254,6 +1254,7 @@ def _branches(
     branches: Sequence[Callable[..., Any]],
     operands: tuple,
     what: str,
+    decider: Any,
 ) -> Any:
     cells = running_cells()
     if not cells:
@@ -1274,13 +1275,22 @@ def _branches(
             for indices, new in news
         ]
         strong = _strong_where_mixed(outcomes)
+        # Outside a trace JAX compiles the call as a program of its own, and the
+        # TPU compiler (jaxlib 0.10) fails on one whose branches return a value
+        # at two positions that differ from branch to branch (a state and the
+        # output, two aliases): a RET_CHECK in its layout assignment, reproduced
+        # without autostate by benchmarks/tpu_cond_repro.py. There each branch's
+        # results pass an optimization barrier, which the same program accepts.
+        # Inside a trace the call is part of a larger program, compiled as it is.
+        alone = not contains_tracer((decider, operands, values))
 
         def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
             pure = pure_of(branch, f"a branch of {what}")
 
             def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
                 out, values = pure(values, *inner)
-                return out, [_strong(v) if s else v for v, s in zip(values, strong)]
+                result = out, [_strong(v) if s else v for v, s in zip(values, strong)]
+                return lax.optimization_barrier(result) if alone else result
 
             return run
 
@@ -1353,6 +1363,7 @@ def cond(
             (true_fun, false_fun),
             operands,
             "a lax.cond",
+            pred,
         ),
         "a branch of a lax.cond",
     )
@@ -1392,7 +1403,8 @@ def switch(
     return _with_eager_states(
         (branches, operands),
         lambda: _branches(
-            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch"
+            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch",
+            index,
         ),
         "a branch of a lax.switch",
     )
