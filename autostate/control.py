@@ -1254,7 +1254,6 @@ def _branches(
     branches: Sequence[Callable[..., Any]],
     operands: tuple,
     what: str,
-    decider: Any,
 ) -> Any:
     cells = running_cells()
     if not cells:
@@ -1275,14 +1274,6 @@ def _branches(
             for indices, new in news
         ]
         strong = _strong_where_mixed(outcomes)
-        # Outside a trace JAX compiles the call as a program of its own, and the
-        # TPU compiler (jaxlib 0.10) fails on one whose branches return a value
-        # at two positions that differ from branch to branch (a state and the
-        # output, two aliases): a RET_CHECK in its layout assignment, reproduced
-        # without autostate by benchmarks/tpu_cond_repro.py. There each branch's
-        # results pass an optimization barrier, which the same program accepts.
-        # Inside a trace the call is part of a larger program, compiled as it is.
-        alone = not contains_tracer((decider, operands, values))
 
         def threaded(branch: Callable[..., Any]) -> Callable[..., Any]:
             pure = pure_of(branch, f"a branch of {what}")
@@ -1290,7 +1281,16 @@ def _branches(
             def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
                 out, values = pure(values, *inner)
                 result = out, [_strong(v) if s else v for v, s in zip(values, strong)]
-                return lax.optimization_barrier(result) if alone else result
+                # The TPU compiler (jaxlib 0.10) fails on a conditional compiled
+                # on its own (eagerly, under eager grad or vmap) whose branches
+                # return one value at two positions that differ from branch to
+                # branch (a state and the output; two aliases): a RET_CHECK in
+                # its layout assignment, reproduced without autostate by
+                # benchmarks/tpu_cond_repro.py. It accepts the program whose
+                # branch results pass an optimization barrier, which changes
+                # no value and, inside a larger jitted program, no instruction
+                # that computes.
+                return lax.optimization_barrier(result)
 
             return run
 
@@ -1363,7 +1363,6 @@ def cond(
             (true_fun, false_fun),
             operands,
             "a lax.cond",
-            pred,
         ),
         "a branch of a lax.cond",
     )
@@ -1403,8 +1402,7 @@ def switch(
     return _with_eager_states(
         (branches, operands),
         lambda: _branches(
-            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch",
-            index,
+            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch"
         ),
         "a branch of a lax.switch",
     )
