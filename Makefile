@@ -13,7 +13,7 @@ PYTHONS := $(foreach v,3.11 3.12 3.13,$(call find_python,$(v)))
 MIN_PYTHON ?= python3.11
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test docs docs-serve test-min test-all dist bench lint clean
+.PHONY: demo test test-accel accel-wheels docs docs-serve test-min test-all dist bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,31 @@ test: $(VENV)/.installed-test
 	$(BIN)/mypy -p autostate
 	$(MKDOCS_STRICT)
 	$(BIN)/python -m pytest -q -n auto  # one worker per core (pytest-xdist)
+
+# The suite on an accelerator (a TPU, a GPU) in one process: one program at a
+# time may hold a TPU, and the tests' subprocesses run on its host's CPU
+# (tests/conftest.py). XLA keeps its default flags (the suite's fast-compile
+# flags are CPU's); tests/tolerance.py is the precision policy. No venv is made:
+# ACCEL_PYTHON is the interpreter whose JAX sees the accelerator, with the
+# test dependencies importable (CONTRIBUTING.md: a machine without network).
+# ARGS: what pytest runs (default: the whole suite), e.g. ARGS=tests/unit.
+ACCEL_PYTHON ?= python3
+ARGS ?= tests
+test-accel:
+	AUTOSTATE_TEST_XLA_DEFAULTS=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  $(ACCEL_PYTHON) -m pytest -q -rs -p no:xdist -p no:cacheprovider $(ARGS)
+
+# Wheels of the dependencies an offline accelerator machine may lack, for its
+# Python (ACCEL_PY_VERSION), into ACCEL_WHEELS; carry that folder there and
+# install it as CONTRIBUTING.md says.
+ACCEL_WHEELS ?= .wheels-accel
+ACCEL_PY_VERSION ?= 3.11
+ACCEL_WHEEL_NAMES ?= libcst pyyaml typing_extensions
+accel-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --implementation cp \
+	  --python-version $(ACCEL_PY_VERSION) --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(ACCEL_WHEELS) $(ACCEL_WHEEL_NAMES)
 
 # The documentation site, strict: a warning (a broken link, a missing page, a
 # docstring that does not render) fails the build. Output: site/. Only what is
@@ -98,4 +123,4 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-min .venv-3.* .venv-dist build dist site *.egg-info
+	rm -rf $(VENV) .venv-min .venv-3.* .venv-dist build dist site *.egg-info $(ACCEL_WHEELS)

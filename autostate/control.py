@@ -1352,7 +1352,17 @@ def _branches(
 
             def run(inner: tuple, values: list[Any]) -> tuple[Any, list[Any]]:
                 out, values = pure(values, *inner)
-                return out, [_strong(v) if s else v for v, s in zip(values, strong)]
+                result = out, [_strong(v) if s else v for v, s in zip(values, strong)]
+                # The TPU compiler (jaxlib 0.10) fails on a conditional compiled
+                # on its own (eagerly, under eager grad or vmap) whose branches
+                # return one value at two positions that differ from branch to
+                # branch (a state and the output; two aliases): a RET_CHECK in
+                # its layout assignment, reproduced without autostate by
+                # benchmarks/tpu_cond_repro.py. It accepts the program whose
+                # branch results pass an optimization barrier, which changes
+                # no value and, inside a larger jitted program, no instruction
+                # that computes.
+                return lax.optimization_barrier(result)
 
             return run
 

@@ -20,10 +20,19 @@ import importlib
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+# The pre-checks (each implementation's result against the reference before
+# it is timed) follow the suite's one tolerance policy, tests/tolerance.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tolerance import tolerance, use_backend_precision  # noqa: E402
 
 # Every benchmark script imports this module: their decorations cache in a
 # temp dir, never in the user's home (bench_decoration sets its own per run),
@@ -33,6 +42,21 @@ if "AUTOSTATE_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["AUTOSTATE_CACHE_DIR"], ignore_errors=True)
 
 NOT_INSTALLED = "not installed"
+
+
+def assert_close(got: Any, want: Any, *, rtol: float = 1e-5, atol: float = 1e-6,
+                 err_msg: str = "") -> None:
+    """A pre-check: ``np.testing.assert_allclose`` at ``rtol``/``atol`` on CPU,
+    at the accelerator's tolerance elsewhere (``tests/tolerance.py``)."""
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tolerance(rtol, atol),
+                               err_msg=err_msg)
+
+
+def checked_precision() -> None:
+    """Full float32 matrix products on an accelerator (the suite's policy): a
+    scenario whose pre-check compares float32 programs calls this first; on
+    CPU it changes nothing."""
+    use_backend_precision()
 
 
 class PeerMissing(Exception):

@@ -55,6 +55,8 @@ from _timing import (
     Report,
     Table,
     Target,
+    assert_close,
+    checked_precision,
     fmt_ratio,
     fmt_seconds,
     paired_ratio,
@@ -287,8 +289,7 @@ def _check(results: dict[str, dict[str, Any]], what: str) -> None:
         if set(got) != set(want):
             raise AssertionError(f"{what}: {name} gives {sorted(got)}, the stack {sorted(want)}")
         for key, value in got.items():
-            np.testing.assert_allclose(np.asarray(value), np.asarray(want[key]), rtol=1e-5,
-                                       atol=1e-6, err_msg=f"{what}: {name} against {STACK}: {key}")
+            assert_close(value, want[key], err_msg=f"{what}: {name} against {STACK}: {key}")
 
 
 def _measure(impls: dict[str, Impl], args: tuple, *, train: bool, donate: tuple[int, ...],
@@ -492,6 +493,7 @@ def _small_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table
 
 def run(smoke: bool = False) -> Report:
     cfg = SMOKE if smoke else FULL
+    checked_precision()
     rng = np.random.default_rng(0)
     report = Report()
     jax.jit(lambda a: jnp.tanh(a) @ a).lower(jnp.ones((4, 4))).compile()  # (warm-up of JAX)

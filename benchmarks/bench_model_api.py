@@ -59,6 +59,8 @@ from _timing import (
     Report,
     Table,
     Target,
+    assert_close,
+    checked_precision,
     fmt_ratio,
     fmt_seconds,
     optional_import,
@@ -467,7 +469,7 @@ def _per_call_table(
         for name in list(cases):
             fn = cases.pop(name)
             got = [np.asarray(fn()) for _ in range(calls_checked)]
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+            assert_close(got, expected, err_msg=name)
             timings = time_interleaved(
                 {name: _blocked(fn), REFERENCE: _blocked(reference)},
                 rounds=cfg.rounds, number=cfg.number,
@@ -594,8 +596,7 @@ def decode_memory(cfg: DecodeConfig, report: Report) -> Table:
     got = step(model, x)
     in_place = before.is_deleted() and model.k_cache.unsafe_buffer_pointer() == pointer
     for name, out in (("jax.jit of f", got_f), (AUTOSTATE, got)):
-        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        assert_close(out, expected, err_msg=name)
 
     table = Table(
         "Scenario 10c: peak memory of a donated decode step "
@@ -632,6 +633,7 @@ def decode_memory(cfg: DecodeConfig, report: Report) -> Table:
 
 def run(smoke: bool = False) -> Report:
     cfg = SMOKE if smoke else FULL
+    checked_precision()
     report = Report()
     backend = jax.default_backend()
     report.tables.append(_per_call_table(

@@ -38,6 +38,8 @@ from _timing import (
     Report,
     Table,
     Target,
+    assert_close,
+    checked_precision,
     fmt_ratio,
     fmt_seconds,
     paired_ratio,
@@ -254,11 +256,12 @@ def _compile_seconds(model: Any, h: Any) -> float:
 def _check(name: str, got: Callable[[], Any], want: Callable[[], Any]) -> None:
     for _ in range(2):
         for g, w in zip(got(), want()):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5, err_msg=name)
+            assert_close(g, w, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
 def run(smoke: bool = False) -> Report:
     cfg = SMOKE if smoke else FULL
+    checked_precision()
     rng = np.random.default_rng(0)
     data = (jnp.asarray(rng.normal(size=(cfg.batch, cfg.d_in)), jnp.float32),
             jnp.asarray(rng.normal(size=(cfg.batch,)), jnp.float32))

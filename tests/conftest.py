@@ -62,6 +62,20 @@ if not os.environ.get(
         [os.environ.get("XLA_FLAGS", ""), *_XLA_FAST_COMPILE]
     ).strip()
 
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an accelerator: the backend's precision policy (``tests/tolerance.py``),
+    and the CPU for the subprocesses the tests start, since one process at a
+    time can hold a TPU (this one does)."""
+    from tolerance import on_accelerator, use_backend_precision
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu" or not on_accelerator():
+        return
+    use_backend_precision()
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX in the subprocesses only: this one has started
+
+
 _module_counter = itertools.count()
 
 

@@ -29,12 +29,30 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import autostate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multi_process.py"
 _TIMEOUT = 240
+
+
+def _loopback_refused() -> str | None:
+    """Why no TCP socket opens on 127.0.0.1 here (a sandbox that lets none), or None."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_REFUSED = _loopback_refused()
+pytestmark = pytest.mark.skipif(
+    _REFUSED is not None,
+    reason=f"needs TCP sockets on 127.0.0.1 for jax.distributed, and this machine refuses them ({_REFUSED})",
+)
 
 
 def _env(devices: int, cache: Path) -> dict[str, str]:

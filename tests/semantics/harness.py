@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxpr_as_fun
+from tolerance import tolerance
 
 import autostate
 from autostate import effects as _engine
@@ -338,12 +339,12 @@ def assert_same(
         return
     a, b = np.asarray(expected), np.asarray(got)
     assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+    tol = tolerance(rtol, atol)
     if np.iscomplexobj(a) or np.iscomplexobj(b):
-        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=rtol,
-                                   atol=atol, err_msg=where)
+        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), **tol,
+                                   err_msg=where)
         return
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=rtol, atol=atol,
-                               err_msg=where)
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), **tol, err_msg=where)
 
 
 def _method(obj: Any, name: str) -> Callable[..., Any]:
@@ -527,7 +528,7 @@ def same(expected: Any, got: Any, where: str = "") -> None:
     assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
     assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
     if np.issubdtype(a.dtype, np.inexact):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
+        np.testing.assert_allclose(a, b, **tolerance(1e-6, 1e-6), err_msg=where)
     else:
         np.testing.assert_array_equal(a, b, err_msg=where)
 
@@ -1064,7 +1065,7 @@ def assert_typed(
         e, g = _floats_out(e, e_vals), _floats_out(g, g_vals)
         assert e == g, f"{where}:\n expected {e}\n      got {g}"
         for a, b in zip(e_vals, g_vals):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=where)
+            np.testing.assert_allclose(a, b, **tolerance(1e-6, 1e-6), err_msg=where)
         return
     assert e == g, f"{where}:\n expected {e}\n      got {g}"
 

@@ -1129,6 +1129,12 @@ def test_every_import_form_is_routed():
 _OPCODE = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-]*)\(")
 
 
+# How a backend groups the computing instructions into fusions (a fusion, its
+# parameters and the tuple elements it reads): its own choice, which differs
+# with the order of the arguments on a TPU. What is compared is what computes.
+_PLUMBING = {"fusion", "parameter", "get-tuple-element", "tuple"}
+
+
 def _opcodes(fn, *args):
     text = jax.jit(fn).lower(*args).compile().as_text()
     ops = collections.Counter()
@@ -1137,7 +1143,7 @@ def _opcodes(fn, *args):
         if line.startswith(("HloModule", "ENTRY", "}", "//")) or "=" not in line:
             continue
         match = _OPCODE.search(line)
-        if match:
+        if match and match.group(1) not in _PLUMBING:
             ops[match.group(1)] += 1
     return text, ops
 
@@ -1150,7 +1156,9 @@ def test_compiled_program_equals_hand_threaded(case):
     x = _input(shape)
     text, ops = _opcodes(lambda s, x: f(s, x), states, x)
     ref_text, ref_ops = _opcodes(lambda s, x: reference(model, s, x), states, x)
-    assert "custom-call" not in text and "callback" not in text.lower()
+    # No host callback; every other instruction, a backend's own custom calls
+    # (a TPU's AllocateBuffer) included, as many as in the hand-threaded program.
+    assert "callback" not in text.lower()
     assert ops == ref_ops, (ops - ref_ops, ref_ops - ops)
 
 
