@@ -24,6 +24,7 @@ read like the model (``grads.norm.scale``, ``grads.blocks[0].w``).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate.api import functionalize, stateful
 from autostate.effects.local_state import HandledLocalStateRef
-from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
 from autostate.functional import ConstantRef, FunctionalModel
 
 __all__ = ["Optimizer", "grad", "value_and_grad"]
@@ -146,6 +147,40 @@ def grad(
 
     functools.update_wrapper(run, fn, updated=())
     return run
+
+
+def _refuse_jax_grad(model: Any, jax_frame: types.FrameType) -> None:
+    """``jax.grad(loss)(model)``: JAX differentiates every array of the model,
+    states included, and refuses an integer or key state in its own words
+    ("grad requires real- or complex-valued inputs"). Said here in the
+    model's: which states, and what differentiates the parameters alone."""
+    if jax_frame.f_locals.get("allow_int") or jax_frame.f_locals.get("holomorphic"):
+        return
+    from autostate.state_dicts import state_dict
+
+    kept = [
+        f"{name!r} ({value.dtype})"
+        for name, value in state_dict(model).items()
+        if isinstance(value, jax.Array) and not jnp.issubdtype(value.dtype, jnp.inexact)
+    ]
+    if not kept:
+        return
+    raise InvalidTypeError(
+        format_error(
+            f"jax.grad differentiates every array of the {type(model).__name__} it is "
+            f"given, its states included, and cannot differentiate its state"
+            f"{'s' if len(kept) > 1 else ''} {', '.join(kept[:3])}"
+            f"{', ...' if len(kept) > 3 else ''}.",
+            where=user_location(),
+            fix="use `autostate.grad(loss)(model)` (or `autostate.value_and_grad`): it "
+            "differentiates the model's parameters, gives their gradients in the model's "
+            "shape, and lets the loss update its states (running statistics, counters, "
+            "keys).",
+        )
+    )
+
+
+_graph.on_jax_grad(_refuse_jax_grad)
 
 
 def _model_at(args: tuple, i: int) -> Any:
