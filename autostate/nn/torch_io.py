@@ -158,6 +158,7 @@ def _entries(
     gradients ``autostate.grad`` gives, ``jax.grad`` over ``f``): its leaves
     are the parameters, and it holds no states to list.
     """
+    states: dict[str, Any]
     if parameters_of_f and isinstance(model, FunctionalModel):
         f, states = model, {}
     else:
