@@ -36,7 +36,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 import numpy as np
@@ -822,6 +822,14 @@ def _check_plain_output(out: Any) -> None:
                 "arrays, or build the model outside the compiled function.",
             )
         )
+
+
+@overload
+def jit(fn: Callable[P, R], /, **options: Any) -> Compiled[P, R]: ...
+
+
+@overload
+def jit(fn: None = None, /, **options: Any) -> Callable[[Callable[P, R]], Compiled[P, R]]: ...
 
 
 def jit(fn: Callable[P, R] | None = None, /, **options: Any) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,49 @@ from autostate.errors import InvalidArgumentError, InvalidTypeError, format_erro
 from autostate.functional import ConstantRef, FunctionalModel
 
 __all__ = ["Optimizer", "grad", "value_and_grad"]
+
+
+M = TypeVar("M")
+P = ParamSpec("P")
+V = TypeVar("V", covariant=True)
+A = TypeVar("A", covariant=True)
+
+
+# The types. With the model first (``argnums=0``, the default) the gradient
+# is shaped like that model's f: ``FunctionalModel[Net]``, read like the
+# model (``grads.fc.weight``). ``Net`` is taken from the model a call is
+# given, not from ``fn``'s first parameter, so an unannotated lambda
+# (``value_and_grad(lambda m: ...)``) types as well; the value is what ``fn``
+# returns, the other arguments are ``fn``'s. With ``argnums`` given (other
+# models), ``Any``.
+class _ValueAndGrad(Protocol[P, V]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[
+        V, FunctionalModel[M]
+    ]: ...
+
+
+class _Grad(Protocol[P]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> FunctionalModel[M]: ...
+
+
+class _GradAux(Protocol[P, A]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[
+        FunctionalModel[M], A
+    ]: ...
+
+
+@overload
+def value_and_grad(
+    fn: Callable[Concatenate[Any, P], V], argnums: Literal[0] = 0, has_aux: bool = False,
+    **options: Any,
+) -> _ValueAndGrad[P, V]: ...
+
+
+@overload
+def value_and_grad(
+    fn: Callable[P, Any], argnums: int | Sequence[int], has_aux: bool = False,
+    **options: Any,
+) -> Callable[P, tuple[Any, Any]]: ...
 
 
 def value_and_grad(
@@ -118,6 +161,27 @@ def value_and_grad(
 
     functools.update_wrapper(run, fn, updated=())
     return run
+
+
+@overload
+def grad(
+    fn: Callable[Concatenate[Any, P], Any], argnums: Literal[0] = 0,
+    has_aux: Literal[False] = False, **options: Any,
+) -> _Grad[P]: ...
+
+
+@overload
+def grad(
+    fn: Callable[Concatenate[Any, P], tuple[Any, A]], argnums: Literal[0] = 0, *,
+    has_aux: Literal[True], **options: Any,
+) -> _GradAux[P, A]: ...
+
+
+@overload
+def grad(
+    fn: Callable[P, Any], argnums: int | Sequence[int], has_aux: bool = False,
+    **options: Any,
+) -> Callable[P, Any]: ...
 
 
 def grad(
