@@ -273,7 +273,7 @@ def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
         f"mypy_path = {','.join(PATHS)}\n"
         "follow_imports = silent\n"
         "plugins = autostate.mypy_plugin\n"
-        "[mypy-optax.*,orbax.*,sklearn.*]\n"  # no type information
+        "[mypy-optax.*,orbax.*,sklearn.*,tqdm.*]\n"  # no type information
         "ignore_missing_imports = True\n"
     )
     stdout, stderr, _ = api.run(
