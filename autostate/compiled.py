@@ -226,7 +226,8 @@ class Compiled(Generic[P, R]):
         self._entries: dict[tuple, _Entry] = {}
         self._watched: set[tuple] = set()  # (model id, cache id) with a finalizer
         # What the call being traced was given, for the names JAX's errors print.
-        self._tracing: tuple[tuple, dict, _Key] | None = None
+        # (args, kwargs, key, how many arrays the program takes)
+        self._tracing: tuple[tuple, dict, _Key, int] | None = None
         program = _Program(self)
         self._jitted = jax.jit(
             program, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
@@ -271,7 +272,7 @@ class Compiled(Generic[P, R]):
             others = call[5]
             shapes = tuple(_shape_of(x) for x in others)
             loose = [entry.leaves[j] for j in entry.key.loose]
-            self._tracing = (args, kwargs, entry.key)
+            self._tracing = (args, kwargs, entry.key, len(entry.buffers) + len(loose) + len(others))
             try:
                 return self._jitted.lower((entry.key, shapes), entry.buffers, loose, others)
             finally:
@@ -340,7 +341,7 @@ class Compiled(Generic[P, R]):
         if (key, shapes) in self._after:
             out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
         else:
-            self._tracing = (args, kwargs, key)
+            self._tracing = (args, kwargs, key, len(entry.buffers) + len(loose) + len(others))
             try:
                 with warnings.catch_warnings():
                     # (Where the call changes the models' structure, the old buffers
@@ -572,9 +573,11 @@ class _Program:
             return None
         fn = compiled.fn
         try:
-            args, kwargs, key = tracing
+            args, kwargs, key, count = tracing
             names = _argument_names(fn, args, kwargs, key, compiled._static, compiled._static_names)
         except Exception:  # (names are a courtesy: JAX's own stand where they fail)
+            names = None
+        if names is not None and len(names) != count:  # (one name per array argument, or none)
             names = None
         return _api_util.debug_info(
             "autostate.jit", fn, (), {}, sourceinfo=_api_util.fun_sourceinfo(fn),
