@@ -19,12 +19,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# Editable in setuptools' compat mode: the clone goes on sys.path through a
+# .pth file, which mypy and pyright follow (the default mode's import hook
+# they cannot), so a program outside the clone type-checks against it.
+EDITABLE := --config-settings editable_mode=compat
+
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test,examples,docs]"
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e ".[test,examples,docs]"
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test,examples,docs,bench]"
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e ".[test,examples,docs,bench]"
 	touch $@
 
 demo: $(VENV)/.installed-test

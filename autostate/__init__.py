@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 from autostate.api import (
     Stateful,
     constant,
@@ -49,7 +51,10 @@ from autostate.state_values import States
 from autostate.summary import summary
 from autostate.training import Optimizer, grad, value_and_grad
 
-__version__ = "0.1.0"
+try:  # The version is written once, in pyproject.toml; installing records it.
+    __version__ = _metadata.version("autostate")
+except _metadata.PackageNotFoundError:  # (a source tree on sys.path, never installed)
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> object:

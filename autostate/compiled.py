@@ -30,15 +30,18 @@ import dataclasses
 import dis
 import functools
 import inspect
+import os
 import threading
 import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 import numpy as np
+from jax._src import api_util as _api_util
+from jax._src import traceback_util as _traceback_util
 
 from autostate import graph as _graph
 from autostate import values as _values
@@ -52,6 +55,16 @@ __all__ = ["Compiled", "jit"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# JAX's traceback filter (at ``jax.jit`` and at ``Compiled.__call__``) hides
+# autostate's own frames, as it hides JAX's: an error raised inside a
+# compiled function shows the user's lines, and JAX_TRACEBACK_FILTERING=off
+# shows every frame. The layers (``autostate.nn``) are code a user reads, and
+# stay.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+for _name in sorted(os.listdir(_PACKAGE)):
+    if _name != "nn" and (_name.endswith(".py") or _name in ("effects", "transform")):
+        _traceback_util.register_exclusion(os.path.join(_PACKAGE, _name))
 
 # Calls of compiled functions, one at a time: a call reads its models, runs,
 # and writes them back; two threads interleaving those steps on one model
@@ -213,17 +226,22 @@ class Compiled(Generic[P, R]):
         # identities) -> what the call left on them.
         self._entries: dict[tuple, _Entry] = {}
         self._watched: set[tuple] = set()  # (model id, cache id) with a finalizer
+        # What the call being traced was given, for the names JAX's errors print.
+        # (args, kwargs, key, how many arrays the program takes)
+        self._tracing: tuple[tuple, dict, _Key, int] | None = None
+        program = _Program(self)
         self._jitted = jax.jit(
-            self._pure, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
+            program, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
         )
         # (For a call whose other arguments hold one of the models' arrays,
         # which XLA cannot take donated and passed at once.)
         self._kept_jitted = (
-            jax.jit(self._pure, static_argnums=(0,), donate_argnums=(1,), **options)
+            jax.jit(program, static_argnums=(0,), donate_argnums=(1,), **options)
             if donate else None
         )
         functools.update_wrapper(self, fn)
 
+    @_traceback_util.api_boundary
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._self is not None:
             args = (self._self, *args)  # type: ignore[assignment]
@@ -255,7 +273,11 @@ class Compiled(Generic[P, R]):
             others = call[5]
             shapes = tuple(_shape_of(x) for x in others)
             loose = [entry.leaves[j] for j in entry.key.loose]
-            return self._jitted.lower((entry.key, shapes), entry.buffers, loose, others)
+            self._tracing = (args, kwargs, entry.key, len(entry.buffers) + len(loose) + len(others))
+            try:
+                return self._jitted.lower((entry.key, shapes), entry.buffers, loose, others)
+            finally:
+                self._tracing = None
 
     def _arguments(self, args: tuple, kwargs: dict) -> tuple | None:
         """``(models, treedef, where, statics, named, others, kwargs)`` of a
@@ -320,11 +342,15 @@ class Compiled(Generic[P, R]):
         if (key, shapes) in self._after:
             out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
         else:
-            with warnings.catch_warnings():
-                # (Where the call changes the models' structure, the old buffers
-                # cannot all be reused; donating them is this module's choice.)
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
+            self._tracing = (args, kwargs, key, len(entry.buffers) + len(loose) + len(others))
+            try:
+                with warnings.catch_warnings():
+                    # (Where the call changes the models' structure, the old buffers
+                    # cannot all be reused; donating them is this module's choice.)
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                    out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
+            finally:
+                self._tracing = None
         after = self._after[(key, shapes)]
         old = entry.leaves
         it = iter(changed)
@@ -528,6 +554,88 @@ def _keep_layouts(key: _Key, leaves: list[Any], graphdef: Any) -> dict[int, Any]
     return swap
 
 
+class _Program:
+    """What ``jax.jit`` compiles for a ``Compiled``: its ``_pure``, named in
+    the user's words.
+
+    JAX names the traced function and its arguments in its errors ("while
+    tracing the function ... it depends on the values of the arguments
+    ...") and in the compiled program. Here that is the user's function, its
+    arguments' names, and the path of each model array (``model.fc.weight``),
+    where JAX would name ``_pure`` and its ``buffers[0]``.
+    """
+
+    def __init__(self, compiled: Compiled):
+        self._compiled = weakref.ref(compiled)
+
+    def __call__(
+        self, key_shapes: tuple, buffers: list[Any], loose: list[Any], others: list[Any]
+    ) -> tuple[Any, list[Any], list[Any]]:
+        compiled = self._compiled()
+        assert compiled is not None  # (the Compiled holds its jitted program)
+        return compiled._pure(key_shapes, buffers, loose, others)
+
+    @property
+    def __fun_debug_info__(self) -> Any:
+        compiled = self._compiled()
+        tracing = None if compiled is None else compiled._tracing
+        if compiled is None or tracing is None:
+            return None
+        fn = compiled.fn
+        try:
+            args, kwargs, key, count = tracing
+            names = _argument_names(fn, args, kwargs, key, compiled._static, compiled._static_names)
+        except Exception:  # (names are a courtesy: JAX's own stand where they fail)
+            names = None
+        if names is not None and len(names) != count:  # (one name per array argument, or none)
+            names = None
+        return _api_util.debug_info(
+            "autostate.jit", fn, (), {}, sourceinfo=_api_util.fun_sourceinfo(fn),
+        )._replace(arg_names=names)
+
+
+def _argument_names(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, key: _Key,
+    static: tuple[int, ...], static_names: set[str],
+) -> tuple[str, ...]:
+    """The names of the compiled program's array arguments, in its order
+    (the packed buffers, the loose model arrays, the other arguments' leaves):
+    each model array by its path from the argument that holds it, each other
+    leaf as ``jax.jit`` names it."""
+    is_model = _graph.is_stateful_instance
+    model = object()  # (stands for a model: one leaf, as ``_arguments`` flattens it)
+    marked_args, marked_kwargs = jax.tree_util.tree_map(
+        lambda x: model if is_model(x) else x, (args, kwargs), is_leaf=is_model
+    )
+    try:
+        signature: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None
+    flat = _api_util._non_static_arg_names(
+        signature, marked_args, marked_kwargs, static, tuple(static_names)
+    )
+    models = [flat[i] for i in key.where]
+    taken = set(key.where)
+    others = [name for i, name in enumerate(flat) if i not in taken]
+
+    def leaf_name(name: str) -> str:  # ``models[k].fc.weight`` -> ``model.fc.weight``
+        k, _, rest = name.removeprefix("models[").partition("]")
+        return models[int(k)] + rest
+
+    leaves = [leaf_name(name) for name in key.graphdef.names]
+    packed: list[list[str]] = [[] for _ in key.layout.dtypes]
+    for name, slot in zip(leaves, key.layout.slots):
+        if slot is not None:
+            packed[slot[0]].append(name)
+    buffers = [
+        names[0] if len(names) == 1
+        else f"{names[0]} (packed with {len(names) - 1} more small array"
+        f"{'s' if len(names) > 2 else ''})"
+        for names in packed
+    ]
+    return (*buffers, *(leaves[j] for j in key.loose), *others)
+
+
 def _forget(compiled: Any, model_id: int, cache_id: tuple) -> None:
     """A model was deleted: what its compiled calls kept goes with it."""
     compiled = compiled()
@@ -726,6 +834,14 @@ def _check_plain_output(out: Any) -> None:
                 "arrays, or build the model outside the compiled function.",
             )
         )
+
+
+@overload
+def jit(fn: Callable[P, R], /, **options: Any) -> Compiled[P, R]: ...
+
+
+@overload
+def jit(fn: None = None, /, **options: Any) -> Callable[[Callable[P, R]], Compiled[P, R]]: ...
 
 
 def jit(fn: Callable[P, R] | None = None, /, **options: Any) -> Any:

@@ -1,6 +1,6 @@
 """Exceptions raised by autostate, and the one place that formats them.
 
-Every error subclasses :class:`AutostateError` and the builtin exception the
+Every error subclasses ``AutostateError`` and the builtin exception the
 situation calls for (``ValueError``, ``TypeError``, ``RuntimeError``), so both
 ``except autostate.AutostateError`` and ``except ValueError`` catch it.
 Messages say what went wrong, where (``file:line`` of the user's code when

@@ -387,7 +387,10 @@ class FunctionalModel(Generic[M]):
             traced=traced, on_copy=not own, graph=graph, states=states,
         )
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
+    def __getattr__(self, name: str) -> Any:
+        # (``Any``: a method called through f, or a parameter, sub-model or
+        # config read like the model's, as on a gradient shaped like f:
+        # ``grads.norm.scale``. The mypy plugin types each from the model.)
         if name in FunctionalModel.__slots__ or name == "model":
             # A slot not set yet (unpickling), or the model property failing:
             # its own error, not this lookup again.

@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import gc
 import operator
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -711,7 +712,31 @@ def _running_part(value: Any) -> Any:
     return None if how is None else how[0](value)
 
 
+# ``jax.grad`` / ``jax.value_and_grad`` take their arguments' leaves (through
+# ``jax.tree_util.tree_leaves``) in this function of JAX's, then refuse an
+# integer or key leaf in words that name neither the model nor its state.
+# The flatten of an instance seen from there calls the hook
+# ``autostate.training`` (which owns ``autostate.grad``) sets, to say it in
+# the model's words first.
+_JAX_GRAD = ("value_and_grad_f", jax._src.api.__file__)
+_JAX_TREE_UTIL = jax._src.tree_util.__file__
+_on_jax_grad: Callable[[Any, types.FrameType], None] | None = None
+
+
+def on_jax_grad(hook: Callable[[Any, types.FrameType], None]) -> None:
+    """Sets what a decorated instance flattened by ``jax.grad`` for its
+    argument check calls: ``hook(instance, jax's frame)``."""
+    global _on_jax_grad
+    _on_jax_grad = hook
+
+
 def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
+    caller = sys._getframe(1)
+    if caller.f_code.co_filename == _JAX_TREE_UTIL:  # (``jax.tree_util.tree_leaves``)
+        caller = caller.f_back  # type: ignore[assignment]
+        if caller.f_code.co_name == _JAX_GRAD[0] and caller.f_code.co_filename == _JAX_GRAD[1]:
+            if _on_jax_grad is not None:
+                _on_jax_grad(obj, caller)
     d = obj.__dict__
     remembered = _LAYOUTS.get(id(obj))
     if remembered is not None and remembered[0]() is obj and remembered[1] == tuple(d):

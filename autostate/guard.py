@@ -563,9 +563,11 @@ def _check_concrete_kept(obj: Any, name: str) -> None:
         "a JAX tracer: the model was made outside the running jax.jit/grad/vmap trace, "
         "so it would keep a value that only exists inside that trace.",
         where=user_location(),
-        fix="return the new value from the transformed function and assign it outside, "
-        "or make the model part of what is functionalized (an attribute of the model "
-        "whose f is called, or its own `f, states = model.functionalize()`).",
+        fix="compile the step with `autostate.jit` instead of jax.jit (it threads the "
+        "model's arrays and writes them back), return the new value from the transformed "
+        "function and assign it outside, or make the model part of what is functionalized "
+        "(an attribute of the model whose f is called, or its own "
+        "`f, states = model.functionalize()`).",
     )))
 
 

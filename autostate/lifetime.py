@@ -274,12 +274,33 @@ def check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortab
         around = _enclosing_traces(home)
         if all(id(_trace_of(t)) in around for t in tracers):
             return where
+    if home is not None:
+        # The model lives in a trace (the copy `autostate.jit` or `jax.jit`
+        # makes of a model argument): the tracer comes from a transformation
+        # applied inside it, which does not carry the model's states out.
+        raise TracedEagerStateError(
+            format_error(
+                f"State {name!r} was assigned a value of a transformation (jax.eval_shape, "
+                "jax.vmap, jax.grad, ...) applied to the model inside the trace it lives in "
+                "(the function autostate.jit compiles, or the one that built it): that "
+                "transformation does not carry the model's states out, so the model would "
+                "keep a value that only exists inside it.",
+                fix="apply the inner transformation to a function of the states: "
+                "`f, states = model.functionalize()`, then `jax.eval_shape(f, states, x)` "
+                "(or `autostate.vmap`/`autostate.grad`, which thread them); a function "
+                "that only reads the model's states needs no change.",
+            )
+        )
     raise TracedEagerStateError(
         format_error(
             f"State {name!r} was assigned a JAX tracer on a model that is not "
-            "functionalized and was built outside the current jax.jit/grad/vmap "
-            "trace: the model would keep a value that only exists inside that trace.",
-            fix="call `f, states = model.functionalize()` and use "
+            "functionalized and was built outside the running transformation "
+            "(jax.jit, grad, vmap, eval_shape): the model would keep a value that only "
+            "exists inside its trace.",
+            fix="use autostate's transformation, which threads the model's states and "
+            "writes them back: `autostate.jit(fn)(model, x)` for jax.jit "
+            "(`autostate.grad`, `autostate.vmap` for jax.grad, jax.vmap), or call "
+            "`f, states = model.functionalize()` and use "
             "`out, states = f(states, ...)` inside the transformation, build the "
             "model inside it (values created while it is built are its initial "
             'values), or decorate the class with @autostate.stateful(fallback="host"); '

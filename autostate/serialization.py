@@ -8,24 +8,26 @@ never a half-loaded model. Nothing is pickled.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import ml_dtypes
 import numpy as np
 from jax.experimental import multihost_utils
 
-from autostate.errors import CheckpointError, format_error
+from autostate.errors import CheckpointError, InvalidTypeError, format_error, user_location
 from autostate.state_dicts import flat_dicts, rebuild
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 _FORMAT = "autostate-checkpoint"
 _VERSION = 1
@@ -128,6 +130,49 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
+def _path_first(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn`` (``save`` or ``load``), refusing torch's argument order in words.
+
+    ``torch.save(obj, path)`` takes the object first, and a model is loaded
+    into with ``model.load_state_dict(torch.load(path))``; here the path comes
+    first and ``load`` takes the model to fill as ``like=``. Without this,
+    ``save(model, path)`` fails inside ``pathlib``.
+    """
+    name = fn.__name__
+    usage = {
+        "save": "`autostate.save(path, model)`",
+        "load": "`model = autostate.load(path, like=model)` (a new model; the one given "
+        "is not changed)",
+    }[name]
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        first = args[0] if args else kwargs.get("path")
+        if not isinstance(first, (str, os.PathLike)):
+            problem = (
+                f"autostate.{name} takes the file's path first, and got a "
+                f"{type(first).__name__}"
+            )
+            if name == "save" and len(args) > 1 and isinstance(args[1], (str, os.PathLike)):
+                problem += " (torch.save takes the object first; autostate.save the path)"
+            raise InvalidTypeError(
+                format_error(problem + ".", where=user_location(), fix=f"call {usage}.")
+            )
+        if name == "load" and len(args) > 1:
+            raise InvalidTypeError(
+                format_error(
+                    f"autostate.load takes the model to load into as the keyword `like=`, "
+                    f"and got a {type(args[1]).__name__} as a second positional argument.",
+                    where=user_location(),
+                    fix=f"call {usage}.",
+                )
+            )
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+@_path_first
 def save(path: str | os.PathLike[str], model: Any) -> None:
     """Writes every parameter and state of ``model`` to ``path`` (``.npz``).
 
@@ -245,6 +290,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
     return out["params"], out["states"], manifest.get("model")
 
 
+@_path_first
 def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     """Reads a checkpoint written by ``save`` into a copy of ``like``.
 

@@ -55,8 +55,13 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
     if isinstance(model, FunctionalModel):
         raise InvalidTypeError(
             format_error(
-                f"autostate.{caller} expects a model, got the f returned by functionalize().",
-                fix="pass the model autostate.freeze(f, states) returns instead of f.",
+                f"autostate.{caller} expects a model, and got a FunctionalModel: the f "
+                "functionalize() returns, or a tree shaped like it (the gradients "
+                "autostate.grad returns, or jax.grad's of f), which holds the parameters "
+                "and no states.",
+                fix="for a model, pass autostate.freeze(f, states); for the names of "
+                "gradients, nn.torch_state_dict(grads) lists them by PyTorch's names "
+                "(as `{n: p.grad for n, p in model.named_parameters()}`).",
             )
         )
     if isinstance(model, PackedModel):

@@ -24,8 +24,9 @@ read like the model (``grads.norm.scale``, ``grads.blocks[0].w``).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,53 @@ from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.api import functionalize, stateful
 from autostate.effects.local_state import HandledLocalStateRef
-from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
 from autostate.functional import ConstantRef, FunctionalModel
 
 __all__ = ["Optimizer", "grad", "value_and_grad"]
+
+
+M = TypeVar("M")
+P = ParamSpec("P")
+V = TypeVar("V", covariant=True)
+A = TypeVar("A", covariant=True)
+
+
+# The types. With the model first (``argnums=0``, the default) the gradient
+# is shaped like that model's f: ``FunctionalModel[Net]``, read like the
+# model (``grads.fc.weight``). ``Net`` is taken from the model a call is
+# given, not from ``fn``'s first parameter, so an unannotated lambda
+# (``value_and_grad(lambda m: ...)``) types as well; the value is what ``fn``
+# returns, the other arguments are ``fn``'s. With ``argnums`` given (other
+# models), ``Any``.
+class _ValueAndGrad(Protocol[P, V]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[
+        V, FunctionalModel[M]
+    ]: ...
+
+
+class _Grad(Protocol[P]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> FunctionalModel[M]: ...
+
+
+class _GradAux(Protocol[P, A]):
+    def __call__(self, model: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[
+        FunctionalModel[M], A
+    ]: ...
+
+
+@overload
+def value_and_grad(
+    fn: Callable[Concatenate[Any, P], V], argnums: Literal[0] = 0, has_aux: bool = False,
+    **options: Any,
+) -> _ValueAndGrad[P, V]: ...
+
+
+@overload
+def value_and_grad(
+    fn: Callable[P, Any], argnums: int | Sequence[int], has_aux: bool = False,
+    **options: Any,
+) -> Callable[P, tuple[Any, Any]]: ...
 
 
 def value_and_grad(
@@ -120,6 +164,27 @@ def value_and_grad(
     return run
 
 
+@overload
+def grad(
+    fn: Callable[Concatenate[Any, P], Any], argnums: Literal[0] = 0,
+    has_aux: Literal[False] = False, **options: Any,
+) -> _Grad[P]: ...
+
+
+@overload
+def grad(
+    fn: Callable[Concatenate[Any, P], tuple[Any, A]], argnums: Literal[0] = 0, *,
+    has_aux: Literal[True], **options: Any,
+) -> _GradAux[P, A]: ...
+
+
+@overload
+def grad(
+    fn: Callable[P, Any], argnums: int | Sequence[int], has_aux: bool = False,
+    **options: Any,
+) -> Callable[P, Any]: ...
+
+
 def grad(
     fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
     **options: Any,
@@ -147,6 +212,40 @@ def grad(
 
     functools.update_wrapper(run, fn, updated=())
     return run
+
+
+def _refuse_jax_grad(model: Any, jax_frame: types.FrameType) -> None:
+    """``jax.grad(loss)(model)``: JAX differentiates every array of the model,
+    states included, and refuses an integer or key state in its own words
+    ("grad requires real- or complex-valued inputs"). Said here in the
+    model's: which states, and what differentiates the parameters alone."""
+    if jax_frame.f_locals.get("allow_int") or jax_frame.f_locals.get("holomorphic"):
+        return
+    from autostate.state_dicts import state_dict
+
+    kept = [
+        f"{name!r} ({value.dtype})"
+        for name, value in state_dict(model).items()
+        if isinstance(value, jax.Array) and not jnp.issubdtype(value.dtype, jnp.inexact)
+    ]
+    if not kept:
+        return
+    raise InvalidTypeError(
+        format_error(
+            f"jax.grad differentiates every array of the {type(model).__name__} it is "
+            f"given, its states included, and cannot differentiate its state"
+            f"{'s' if len(kept) > 1 else ''} {', '.join(kept[:3])}"
+            f"{', ...' if len(kept) > 3 else ''}.",
+            where=user_location(),
+            fix="use `autostate.grad(loss)(model)` (or `autostate.value_and_grad`): it "
+            "differentiates the model's parameters, gives their gradients in the model's "
+            "shape, and lets the loss update its states (running statistics, counters, "
+            "keys).",
+        )
+    )
+
+
+_graph.on_jax_grad(_refuse_jax_grad)
 
 
 def _model_at(args: tuple, i: int) -> Any:

@@ -377,6 +377,53 @@ def _rows(table: Table, report: Report, label: Any, impls: dict[str, Impl],
         "instruction counts)", None, same, "" if same else f"differ: {dict(differ)}"))
 
 
+def _plotted(report: Report, depth: int, measured: tuple) -> None:
+    """Keeps one depth's trace + compile seconds and HLO instruction counts
+    for ``plot`` (``report.plot``: ``{"compile"|"hlo": {implementation: {depth:
+    value}}, "backend": ...}``)."""
+    compiled, _, programs = measured
+    data = report.plot if report.plot is not None else {"backend": jax.default_backend()}
+    report.plot = data
+    for name, seconds in compiled.items():
+        data.setdefault("compile", {}).setdefault(name, {})[depth] = seconds
+        data.setdefault("hlo", {}).setdefault(name, {})[depth] = sum(programs[name].values())
+
+
+def plot(data: dict[str, Any], path: str) -> str | None:
+    """Writes the depth figure (trace + compile time and program size against
+    the number of layers, one panel above the other); returns why not when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"matplotlib is not installed ({e})"
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 9), sharex=True)
+    styles = {REFERENCE: {"color": "black", "linestyle": "--"},
+              STACK: {"color": "tab:blue"}, LIST: {"color": "tab:red"}}
+    for ax, key, ylabel in ((top, "compile", "trace + compile (s)"),
+                            (bottom, "hlo", "HLO instructions")):
+        for name, by_depth in data[key].items():
+            depths = sorted(by_depth)
+            ax.plot(depths, [by_depth[d] for d in depths], marker="o", linewidth=2,
+                    label=name, **styles.get(name, {}))
+        ax.set_ylabel(ylabel, fontsize=12)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=11, loc="upper left")
+        ax.tick_params(labelsize=11)
+    top.set_title(f"A jitted GPT decode step against its depth ({data['backend']})",
+                  fontsize=13)
+    bottom.set_xlabel("layers", fontsize=12)
+    bottom.set_xticks(sorted(next(iter(data["compile"].values()))))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return None
+
+
 def _check_gradients(loss: Callable[[Any, Any], Any], stack_model: Any, list_model: Any,
                      prefix: str, what: str) -> None:
     """The gradients of ``loss(f, states)`` with respect to the parameters of
@@ -425,6 +472,7 @@ def _gpt_table(cfg: Config, rng: np.random.Generator, report: Report) -> Table:
         measured = _measure(impls, (x, pos), train=False, donate=(1,), cfg=cfg,
                             what=f"GPT {depth} layers")
         _rows(table, report, depth, impls, measured, f"GPT {depth} layers")
+        _plotted(report, depth, measured)
     table.notes.append(
         f"trace + compile: `jax.jit(step).lower(...).compile()`, median of {cfg.compile_rounds} "
         f"interleaved rounds (one when it took over {cfg.compile_once_above:g} s), a fresh "

@@ -466,7 +466,10 @@ def plot(data: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"matplotlib {NOT_INSTALLED} ({e})"
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5), sharex=True)
+    # The panels stacked, each the page's width: the docs show the figure
+    # at the width of their text column, where four side by side were
+    # unreadable.
+    fig, axes = plt.subplots(4, 1, figsize=(8, 17), sharex=True)
     for name, by_size in data["results"].items():
         if not by_size:
             continue
@@ -486,13 +489,14 @@ def plot(data: dict[str, Any], path: str) -> str | None:
     for ax, title in zip(axes, ("extract (functionalize / split / partition / handle)",
                                 "rebuild (freeze / merge / combine / freeze)", "total",
                                 "trace of the jitted step (jax.jit(...).trace)")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("modules (2 params + 2 states each)")
+        ax.set_title(title, fontsize=12)
         ax.set_ylabel("seconds (median)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        # Outside the axes: the lines are not hidden, and the labels not cut.
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    axes[-1].set_xlabel("modules (2 params + 2 states each)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return None
 

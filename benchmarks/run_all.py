@@ -1,10 +1,11 @@
 """Runs every benchmark scenario and writes the results (``make bench``).
 
 Each scenario module has ``run(smoke) -> Report``; this prints each report,
-collects every target into one summary, and writes ``results.md`` and the
-scaling plot ``scaling.png`` into ``--out`` (default: this directory for a
-full run; a ``--smoke`` run writes files only when ``--out`` is given, so that
-the test suite never overwrites real results).
+collects every target into one summary, and writes ``results.md``, the
+scaling plot ``scaling.png`` and the depth plot ``depth.png`` into ``--out``
+(default: this directory for a full run; a ``--smoke`` run writes files
+only when ``--out`` is given, so that the test suite never overwrites real
+results).
 
 Each scenario runs in a fresh process of its own: the heap one scenario
 leaves (the 10,000-module models of the scaling scenario) would otherwise be
@@ -144,7 +145,7 @@ def _child(module_name: str, result: Path, smoke: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round each")
-    parser.add_argument("--out", type=Path, help="directory for results.md and scaling.png")
+    parser.add_argument("--out", type=Path, help="directory for results.md, scaling.png and depth.png")
     parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run only these")
     parser.add_argument("--child", nargs=2, metavar=("MODULE", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     reports: list[Report] = []
     notes: list[str] = []
     scaling: Report | None = None
+    depth: Report | None = None
     for key, module_name in SCENARIOS.items():
         if args.only and key not in args.only:
             continue
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(report)
         if key == "scaling":
             scaling = report
+        if key == "depth":
+            depth = report
         if key == "decoration":
             host, why_not = _in_fresh_process("host_fallback", args.smoke)  # type: ignore[misc]
             if host is not None:
@@ -187,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         why_not = bench_scaling.plot(scaling.plot, str(png))
         notes.append(f"scaling plot not written: {why_not}" if why_not else
                      f"scaling plot: [{png.name}]({png.name})")
+    if depth is not None and depth.plot is not None:
+        import bench_depth
+
+        png = out / "depth.png"
+        why_not = bench_depth.plot(depth.plot, str(png))
+        notes.append(f"depth plot not written: {why_not}" if why_not else
+                     f"depth plot: [{png.name}]({png.name})")
     write_markdown(out / "results.md", environment(args.smoke), reports, notes)
     print(f"wrote {out / 'results.md'}")
     return 0

@@ -20,6 +20,7 @@ import argparse
 import jax
 import numpy as np
 import optax
+from tqdm import tqdm
 from tutorial_train import Classifier, load_data
 
 import autostate
@@ -68,9 +69,20 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     loss = np.full(MEMBERS, np.nan)  # each member's last loss
-    for _ in range(args.steps):
-        idx = np.stack([rng.choice(len(x_train), BATCH, replace=False) for _m in range(MEMBERS)])
-        f, states, opt_state, loss = train_step(f, states, opt_state, x_train[idx], y_train[idx])
+    # A progress bar (on stderr): examples per second over all members, and
+    # the members' mean loss, read every 10 steps.
+    with tqdm(total=args.steps * MEMBERS * BATCH, desc="training", unit=" examples",
+              unit_scale=True) as bar:
+        for i in range(args.steps):
+            idx = np.stack(
+                [rng.choice(len(x_train), BATCH, replace=False) for _m in range(MEMBERS)]
+            )
+            f, states, opt_state, loss = train_step(
+                f, states, opt_state, x_train[idx], y_train[idx]
+            )
+            bar.update(MEMBERS * BATCH)
+            if i % 10 == 0 or i == args.steps - 1:
+                bar.set_postfix(mean_loss=f"{float(np.mean(loss)):.4f}")
     print(f"trained {args.steps} steps, member losses {[round(v, 3) for v in np.asarray(loss).tolist()]}")
 
     # Evaluation mode for every member at once: training is static, shared by the stack.

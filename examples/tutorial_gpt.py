@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 import autostate
 
@@ -142,8 +143,14 @@ def train(f, empty, steps):
 
     opt_state = optimizer.init(f)
     loss = np.nan  # the last step's loss
-    for i in range(steps):
-        f, opt_state, loss = step(f, opt_state, jax.random.key(i))
+    # A progress bar (on stderr): sequences per second and the loss, read
+    # every 10 steps (reading it waits for the step to finish).
+    with tqdm(total=steps * 32, desc="training", unit=" seqs", unit_scale=True) as bar:
+        for i in range(steps):
+            f, opt_state, loss = step(f, opt_state, jax.random.key(i))
+            bar.update(32)
+            if i % 10 == 0 or i == steps - 1:
+                bar.set_postfix(loss=f"{float(loss):.4f}")
     return f, float(loss)
 
 

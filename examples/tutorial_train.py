@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from tqdm import tqdm
 
 import autostate
 from autostate import nn
@@ -125,13 +126,19 @@ def main() -> None:
     norm = model.norm
     rng = np.random.default_rng(0)
     before = acc = accuracy(model.eval(), x_test, y_test)
+    steps = len(x_train) // args.batch_size
     for epoch in range(1, args.epochs + 1):
         model.train()  # batch statistics; the running ones move
         order = rng.permutation(len(x_train))
         losses = []
-        for i in range(len(x_train) // args.batch_size):
-            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            losses.append(float(train_step(model, opt, x_train[idx], y_train[idx])))
+        # A progress bar (on stderr): examples per second and the running loss.
+        with tqdm(total=steps * args.batch_size, desc=f"epoch {epoch}", unit=" examples",
+                  unit_scale=True, leave=False) as bar:
+            for i in range(steps):
+                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                losses.append(float(train_step(model, opt, x_train[idx], y_train[idx])))
+                bar.update(args.batch_size)
+                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}", refresh=False)
         model.eval()  # the running statistics, not updated
         acc = accuracy(model, x_test, y_test)
         print(f"epoch {epoch}  loss {np.mean(losses):.4f}  test accuracy {acc:.1%}")

@@ -22,9 +22,9 @@ a trained ``f`` into its evaluation ``f``.
 that draws random numbers takes ``key=``:
 
 - nothing: the next key of a module-level default stream, which
-  :func:`manual_seed` reseeds, as ``torch.manual_seed`` does; two layers
+  ``manual_seed`` reseeds, as ``torch.manual_seed`` does; two layers
   never get the same key;
-- a :class:`KeyStream` (``nnx.Rngs``'s role): a model hands one stream to
+- a ``KeyStream`` (``nnx.Rngs``'s role): a model hands one stream to
   its layers, each takes the stream's next key;
 - a JAX key or an int seed.
 

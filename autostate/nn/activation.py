@@ -19,7 +19,12 @@ __all__ = ["GELU", "Flatten", "Identity", "ReLU", "SiLU", "Sigmoid", "Softmax", 
 
 
 class ReLU(Stateful):
-    """``max(x, 0)``."""
+    """``max(x, 0)``.
+
+    Differences from PyTorch:
+        ``torch.nn.ReLU``. JAX arrays are immutable, so the output is always a new
+        array, where torch's ``inplace=True`` overwrites the input.
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
@@ -30,6 +35,11 @@ class GELU(Stateful):
 
     Args:
         approximate: ``'none'`` (PyTorch's default) or ``'tanh'``.
+
+    Differences from PyTorch:
+        ``approximate`` as in ``torch.nn.GELU`` (``'none'``, the exact ``erf`` form, by
+        default). Hugging Face's ``gelu_new`` and ``gelu_pytorch_tanh`` are
+        ``GELU(approximate='tanh')``; ``jax.nn.gelu`` defaults to the tanh form.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -56,21 +66,34 @@ class GELU(Stateful):
 
 
 class SiLU(Stateful):
-    """``x * sigmoid(x)`` (swish)."""
+    """``x * sigmoid(x)`` (swish).
+
+    Differences from PyTorch:
+        ``torch.nn.SiLU``. The output is always a new array (JAX arrays are
+        immutable), where torch's ``inplace=True`` overwrites the input.
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x * jax.nn.sigmoid(x)
 
 
 class Tanh(Stateful):
-    """``tanh(x)``."""
+    """``tanh(x)``.
+
+    Differences from PyTorch:
+        ``torch.nn.Tanh``.
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(x)
 
 
 class Sigmoid(Stateful):
-    """``1 / (1 + exp(-x))``."""
+    """``1 / (1 + exp(-x))``.
+
+    Differences from PyTorch:
+        ``torch.nn.Sigmoid``.
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(x)
@@ -82,6 +105,10 @@ class Softmax(Stateful):
     Args:
         dim: the axis; ``None`` picks PyTorch's legacy choice (axis 0 for 0-,
             1- and 3-dimensional inputs, else axis 1).
+
+    Differences from PyTorch:
+        ``torch.nn.Softmax``, the implicit ``dim=None`` choice included (PyTorch warns
+        about it; pass ``dim``).
     """
 
     def __init__(self, dim: int | None = None):
@@ -95,7 +122,11 @@ class Softmax(Stateful):
 
 
 class Identity(Stateful):
-    """Returns its input (a placeholder layer)."""
+    """Returns its input (a placeholder layer).
+
+    Differences from PyTorch:
+        ``torch.nn.Identity`` ignores any arguments it is built with; this one takes none.
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x
@@ -103,6 +134,9 @@ class Identity(Stateful):
 
 class Flatten(Stateful):
     """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
+
+    Differences from PyTorch:
+        ``torch.nn.Flatten``; a 0-d input becomes 1-d, as in torch.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -93,6 +93,16 @@ class MultiheadAttention(Stateful):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
+    Differences from PyTorch:
+        ``add_bias_kv``, ``add_zero_attn`` must be ``False`` (not built); otherwise the
+        arguments and call of ``torch.nn.MultiheadAttention``, plus keyword-only
+        ``key=`` (where the initial weights come from: an int, a JAX key or a
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
+        ``dtype=``; no ``device=`` (JAX places arrays).
+
+        ``max_len`` and ``cache_batch_size`` add a KV cache (states) for decoding, which
+        torch leaves to the model; its arrays are no part of the PyTorch ``state_dict``.
+
     Raises:
         InvalidArgumentError: ``embed_dim`` does not divide by ``num_heads``,
             or an option that is not built.

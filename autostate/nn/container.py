@@ -22,6 +22,11 @@ class Sequential(Stateful):
     Args:
         *layers: callables, usually models.
 
+    Differences from PyTorch:
+        The layers live in the list ``layers``: autostate's paths are
+        ``layers[0].weight`` where torch writes ``0.weight`` (``nn.torch_state_dict``
+        writes torch's names). An ``OrderedDict`` of named layers is not taken.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn

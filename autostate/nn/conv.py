@@ -145,6 +145,12 @@ class Conv1d(_ConvNd):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
+    Differences from PyTorch:
+        The arguments of ``torch.nn.Conv1d`` but ``padding_mode`` (zeros only), plus
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
+        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
+        ``dtype=``; no ``device=`` (JAX places arrays).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
@@ -196,6 +202,12 @@ class Conv2d(_ConvNd):
         bias: whether to add a learned bias.
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.Conv2d`` but ``padding_mode`` (zeros only), plus
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
+        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
+        ``dtype=``; no ``device=`` (JAX places arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -255,6 +267,14 @@ class ConvTranspose2d(Stateful):
         dilation: an int or ``(dh, dw)``.
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.ConvTranspose2d`` but ``padding_mode``, plus
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
+        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
+        ``dtype=``; no ``device=`` (JAX places arrays).
+
+        A call takes no ``output_size``: give ``output_padding`` when building it.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -26,6 +26,13 @@ class Dropout(Stateful):
         p: the probability of zeroing an element.
         key: where the layer's key comes from (see ``autostate.nn.random``).
 
+    Differences from PyTorch:
+        ``torch.nn.Dropout`` draws from a global generator; here the layer holds its own
+        key as a state (keyword-only ``key=``), split once per training call, so
+        ``f(states, ...)`` returns the next key and a compiled step draws new masks each
+        call. The output is always a new array (torch's ``inplace=True`` overwrites the
+        input).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn

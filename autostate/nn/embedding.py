@@ -28,6 +28,13 @@ class Embedding(Stateful):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the table's dtype.
 
+    Differences from PyTorch:
+        ``max_norm``, ``norm_type``, ``scale_grad_by_freq`` and ``sparse`` are not built
+        (``optax`` and ``jnp`` do their jobs); otherwise the arguments of
+        ``torch.nn.Embedding``, plus keyword-only ``key=`` (where the initial weights
+        come from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
+        ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX places arrays).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn

@@ -27,6 +27,14 @@ class Linear(Stateful):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
+    Differences from PyTorch:
+        The arguments of ``torch.nn.Linear``, plus keyword-only ``key=`` (where the
+        initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
+        default stream ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX places
+        arrays).
+
+        ``bias=False`` leaves ``self.bias`` as ``None``, as torch does.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn

@@ -118,6 +118,15 @@ class BatchNorm1d(_BatchNorm):
             batch statistics in evaluation too).
         dtype: the dtype of the parameters and running statistics.
 
+    Differences from PyTorch:
+        The arguments of ``torch.nn.BatchNorm1d``, plus keyword-only ``dtype=``; no
+        ``device=`` (JAX places arrays).
+
+        The running statistics and ``num_batches_tracked`` are states: a compiled step
+        (``autostate.jit``) or ``f(states, ...)`` returns their new values, and
+        ``autostate.grad`` never differentiates them. ``num_batches_tracked`` is int32
+        (torch's int64 loads into it when it fits).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
@@ -142,6 +151,12 @@ class BatchNorm2d(_BatchNorm):
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
         dtype: the dtype of the parameters and running statistics.
+
+    Differences from PyTorch:
+        As ``BatchNorm1d``: the arguments of ``torch.nn.BatchNorm2d``, plus keyword-only
+        ``dtype=``; no ``device=`` (JAX places arrays).
+
+        Running statistics and ``num_batches_tracked`` (int32) are states.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -169,6 +184,10 @@ class LayerNorm(Stateful):
         elementwise_affine: whether to learn ``weight`` (and ``bias``).
         bias: whether to learn ``bias`` (with ``elementwise_affine``).
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.LayerNorm``, plus keyword-only ``dtype=``; no
+        ``device=`` (JAX places arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -215,6 +234,10 @@ class GroupNorm(Stateful):
         eps: added to the variance.
         affine: whether to learn a per-channel ``weight`` and ``bias``.
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.GroupNorm``, plus keyword-only ``dtype=``; no
+        ``device=`` (JAX places arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -270,6 +293,10 @@ class RMSNorm(Stateful):
             epsilon, as in PyTorch.
         elementwise_affine: whether to learn ``weight``.
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.RMSNorm``, plus keyword-only ``dtype=``; no
+        ``device=`` (JAX places arrays).
 
     Examples:
         >>> import jax.numpy as jnp

@@ -49,6 +49,10 @@ class MaxPool2d(Stateful):
         padding: an int or ``(ph, pw)``, at most half the kernel.
         dilation: an int or ``(dh, dw)``.
 
+    Differences from PyTorch:
+        ``return_indices`` and ``ceil_mode`` are not built; otherwise the arguments of
+        ``torch.nn.MaxPool2d``.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
@@ -105,6 +109,10 @@ class AvgPool2d(Stateful):
         padding: zeros added on each side, at most half the kernel.
         count_include_pad: whether padded zeros count in the mean's divisor.
 
+    Differences from PyTorch:
+        ``ceil_mode`` and ``divisor_override`` are not built; otherwise the arguments of
+        ``torch.nn.AvgPool2d``.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
@@ -154,6 +162,9 @@ class AdaptiveAvgPool2d(Stateful):
     Args:
         output_size: an int or ``(oh, ow)``; ``None`` in either place keeps
             the input's size there.
+
+    Differences from PyTorch:
+        None: the argument of ``torch.nn.AdaptiveAvgPool2d``, and its windows.
 
     Examples:
         >>> import jax.numpy as jnp

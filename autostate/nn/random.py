@@ -4,8 +4,8 @@ A layer that draws random numbers (an initialiser, a dropout mask) takes one
 ``key=`` argument, which may be:
 
 - ``None``: the next key of the module-level default stream, which
-  :func:`manual_seed` reseeds (PyTorch's ``torch.manual_seed``);
-- a :class:`KeyStream`: its next key (the role of ``nnx.Rngs``: one stream
+  ``manual_seed`` reseeds (PyTorch's ``torch.manual_seed``);
+- a ``KeyStream``: its next key (the role of ``nnx.Rngs``: one stream
   hands each layer of a model its own key);
 - a JAX key (``jax.random.key(0)``, or a raw ``uint32[2]`` key) or an int seed.
 
@@ -36,6 +36,10 @@ class KeyStream:
     Args:
         key: the parent key (a JAX key, a raw ``uint32[2]`` key, or an int seed);
             ``None`` takes the next key of the default stream.
+
+    Differences from PyTorch:
+        PyTorch has no equivalent: its layers draw from one global generator. A stream
+        is ``flax.nnx.Rngs``'s role: one key, handed to every layer of a model.
 
     Examples:
         >>> import autostate.nn as nn
@@ -85,7 +89,7 @@ def manual_seed(seed: int) -> None:
 
 
 def next_key() -> jax.Array:
-    """The next key of the default stream (see :func:`manual_seed`).
+    """The next key of the default stream (see ``manual_seed``).
 
     Raises:
         InvalidArgumentError: called while JAX traces a function (``jax.jit``,

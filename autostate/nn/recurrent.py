@@ -95,6 +95,14 @@ class LSTMCell(Stateful):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
+    Differences from PyTorch:
+        The arguments and call of ``torch.nn.LSTMCell``, plus keyword-only ``key=``
+        (where the initial weights come from: an int, a JAX key or a ``KeyStream``;
+        omitted, the default stream ``manual_seed`` seeds) and ``dtype=``; no
+        ``device=`` (JAX places arrays).
+
+        ``carry_state=True`` keeps ``(h, c)`` as states for the next call.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> cell = LSTMCell(3, 4, key=jax.random.key(0))
@@ -155,6 +163,14 @@ class GRUCell(Stateful):
             ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments and call of ``torch.nn.GRUCell``, plus keyword-only ``key=``
+        (where the initial weights come from: an int, a JAX key or a ``KeyStream``;
+        omitted, the default stream ``manual_seed`` seeds) and ``dtype=``; no
+        ``device=`` (JAX places arrays).
+
+        ``carry_state=True`` keeps ``h`` as a state for the next call.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -299,6 +315,16 @@ class LSTM(Stateful):
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
 
+    Differences from PyTorch:
+        ``proj_size`` must be 0 (not built); otherwise the arguments and call of
+        ``torch.nn.LSTM``, plus keyword-only ``key=`` (where the initial weights come
+        from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
+        ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX places arrays).
+
+        ``carry_state=True`` keeps ``(h_n, c_n)`` as states for the next call (a
+        stateful RNN), which torch leaves to the caller; they are no part of the PyTorch
+        ``state_dict``.
+
     Raises:
         InvalidArgumentError: for ``proj_size > 0`` (not built).
 
@@ -389,7 +415,7 @@ class LSTM(Stateful):
 class GRU(Stateful):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
 
-    Shapes as :class:`LSTM`'s, with ``hx`` a single ``h_0``; a call returns
+    Shapes as ``LSTM``'s, with ``hx`` a single ``h_0``; a call returns
     ``(output, h_n)``.
 
     Args:
@@ -404,6 +430,14 @@ class GRU(Stateful):
             ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the parameters' dtype.
+
+    Differences from PyTorch:
+        The arguments and call of ``torch.nn.GRU``, plus keyword-only ``key=`` (where
+        the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted,
+        the default stream ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX
+        places arrays).
+
+        ``carry_state=True`` keeps ``h_n`` as a state for the next call.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -49,7 +49,7 @@ from autostate import state_dicts as _state_dicts
 from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
-from autostate.functional import ConstantRef
+from autostate.functional import ConstantRef, FunctionalModel
 
 _CALLER = "nn.load_torch_state_dict"
 
@@ -148,10 +148,21 @@ def _torch_parts(path: str, caller: str) -> list[str]:
     return parts
 
 
-def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dict[str, Any]]:
+def _entries(
+    model: Any, caller: str, parameters_of_f: bool = False
+) -> tuple[list[_Entry], dict[str, Any], dict[str, Any]]:
     """The model's arrays under their PyTorch names, in the model's order, and
-    every parameter and (flat) state under its own name."""
-    f, states = _state_dicts.handle_for_reading(model, caller)
+    every parameter and (flat) state under its own name.
+
+    With ``parameters_of_f``, ``model`` may also be shaped like an ``f`` (the
+    gradients ``autostate.grad`` gives, ``jax.grad`` over ``f``): its leaves
+    are the parameters, and it holds no states to list.
+    """
+    states: dict[str, Any]
+    if parameters_of_f and isinstance(model, FunctionalModel):
+        f, states = model, {}
+    else:
+        f, states = _state_dicts.handle_for_reading(model, caller)
     params = _state_dicts.parameters_of(f.model)
     param_key = {id(leaf): name for name, leaf in params.items()}
     flat, layout = _state_dicts.flatten_states(states)
@@ -171,7 +182,7 @@ def _entries(model: Any, caller: str) -> tuple[list[_Entry], dict[str, Any], dic
         else:
             found = [
                 ("state", key, key[len(value.name) :], flat[key])
-                for key in state_keys[value.name]
+                for key in state_keys.get(value.name, ())
                 if not _is_key(flat[key])
             ]
         for kind, key, suffix, whole in found:
@@ -216,9 +227,19 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
     (PyTorch's buffers: ``running_mean``, ``num_batches_tracked``, constants)
     are listed in the model's attribute order. Static values are not listed.
 
+    Gradients by PyTorch name: given a tree shaped like ``f`` (the gradients
+    ``autostate.grad`` and ``autostate.value_and_grad`` return, or
+    ``jax.grad``'s over ``f``), it lists the parameters only, as PyTorch's
+    ``{n: p.grad for n, p in model.named_parameters()}``: no states (a
+    BatchNorm's running statistics are not gradients). ``tied="first"`` lists
+    a tied weight once, as ``named_parameters()`` does. Such a tree lists a
+    dict's items in sorted key order (JAX's, which the tree keeps), where the
+    model lists them in insertion order.
+
     Args:
-        model: a ``@stateful`` model (for an ``f, states`` pair, pass
-            ``autostate.freeze(f, states)``).
+        model: a ``@stateful`` model, or a tree shaped like its ``f`` (its
+            parameters, or their gradients). For an ``f, states`` pair, pass
+            ``autostate.freeze(f, states)`` to list the states too.
         tied: an array reachable from two paths (a tied weight, a shared
             sub-model) is listed under every path with ``"both"``, as
             PyTorch lists it, or once, under its first path, with ``"first"``.
@@ -249,6 +270,9 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
         >>> sd = torch_state_dict(Net())  # the shared Norm under its second path too
         >>> len(sd), list(sd)[-1]
         (6, 'head.norm.running_mean')
+        >>> grads = autostate.grad(lambda m: sum((n.weight ** 2).sum() for n in m.h))(Net())
+        >>> {name: g.tolist() for name, g in torch_state_dict(grads, tied="first").items()}
+        {'h.0.weight': [2.0, 2.0], 'h.1.weight': [2.0, 2.0]}
     """
     if tied not in ("both", "first"):
         raise InvalidTypeError(
@@ -257,7 +281,7 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
                 fix='pass tied="both" (every path, as PyTorch) or tied="first".',
             )
         )
-    entries, _, _ = _entries(model, "nn.torch_state_dict")
+    entries, _, _ = _entries(model, "nn.torch_state_dict", parameters_of_f=True)
     return {e.name: np.array(e.template, copy=True) for e in entries if e.first or tied == "both"}
 
 

@@ -63,6 +63,7 @@ def test_every_scenario_runs_at_smoke_size_and_writes_results(tmp_path: Path) ->
     assert "callbacks run / update" in results
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "scaling.png").stat().st_size > 0
+        assert (tmp_path / "depth.png").stat().st_size > 0
 
 
 def test_a_scenario_script_runs_on_its_own() -> None:
@@ -89,7 +90,7 @@ def test_run_all_smoke_writes_nothing_without_out(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(run_all, "_in_fresh_process", lambda module, smoke: (
         (None, "no host fallback here") if module == "host_fallback" else timing.Report()
     ))
-    outputs = [BENCHMARKS / "results.md", BENCHMARKS / "scaling.png"]
+    outputs = [BENCHMARKS / "results.md", BENCHMARKS / "scaling.png", BENCHMARKS / "depth.png"]
 
     def stamps() -> list[float | None]:
         return [p.stat().st_mtime if p.exists() else None for p in outputs]

@@ -125,3 +125,21 @@ def test_rewrite_rules_show_the_generated_code(tmp_path: Path, monkeypatch):
         )
         methods.append(text.split(f"def {analysis.OUTER_NAME}(", 1)[1].split("\n", 1)[1].rstrip())
     assert "\n\n".join(methods) == documented.rstrip()
+
+
+def test_every_public_layer_has_a_reference_entry():
+    """``docs/nn.md`` has one ``::: autostate.nn.<name>`` entry per public name
+    of ``autostate.nn`` (and none for a name it does not export); every layer
+    class says what differs from PyTorch, in a section the reference renders."""
+    import inspect
+
+    import autostate.nn as nn
+
+    text = (ROOT / "docs" / "nn.md").read_text()
+    entries = re.findall(r"^::: autostate\.nn\.(\w+)$", text, re.M)
+    assert sorted(entries) == sorted(nn.__all__)
+    assert len(entries) == len(set(entries))
+    for name in nn.__all__:
+        value = getattr(nn, name)
+        if inspect.isclass(value):
+            assert "\nDifferences from PyTorch:\n" in inspect.getdoc(value), name

@@ -15,9 +15,14 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
 def test_the_version_is_written_once_and_the_metadata_reads_it():
-    assert "version" not in PYPROJECT and "version" in PYPROJECT["dynamic"]
+    """pyproject.toml holds the version; ``autostate.__version__`` is the
+    installed package's metadata (an editable install's too), never a copy."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", PYPROJECT["version"])
+    assert "version" not in PYPROJECT.get("dynamic", [])
     assert importlib.metadata.version("autostate") == autostate.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", autostate.__version__)
+    source = (ROOT / "autostate" / "__init__.py").read_text()
+    assert PYPROJECT["version"] not in source
 
 
 def test_the_licence_is_apache_2_and_ships_with_the_package():

@@ -84,6 +84,41 @@ TYPED = textwrap.dedent(
     reveal_type(model.kv)
     reveal_type(Counter().train())
     reveal_type(autostate.load("ckpt.npz", like=Plain()))
+
+
+    def loss(model: Counter, x: jax.Array) -> jax.Array:
+        return model(x).sum()
+
+
+    step = autostate.jit(loss)
+    reveal_type(step(Counter(), jnp.ones(2)))
+    reveal_type(autostate.jit(static_argnums=1)(loss)(Counter(), jnp.ones(2)))
+    reveal_type(autostate.value_and_grad(loss)(Counter(), jnp.ones(2)))
+    reveal_type(autostate.grad(lambda m: m(jnp.ones(2)).sum())(Counter()))
+    reveal_type(autostate.grad(lambda m: (m(jnp.ones(2)).sum(), "aux"), has_aux=True)(Counter()))
+    """
+)
+# A compiled function keeps its parameters: a wrong argument is an error in both.
+WRONG = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import autostate
+
+
+    class Counter(autostate.Stateful):
+        def __init__(self) -> None:
+            self.count = jnp.zeros(())
+
+
+    @autostate.jit
+    def step(model: Counter, x: jax.Array) -> jax.Array:
+        return x
+
+
+    step(Counter(), "x")  # E: not an Array
+    step(jnp.ones(2), jnp.ones(2))  # E: not a Counter
     """
 )
 TYPED_REVEALS = [
@@ -97,6 +132,11 @@ TYPED_REVEALS = [
     "Array",
     "Counter",
     "Plain",
+    "Array",
+    "Array",
+    "tuple[Array, FunctionalModel[Counter]]",
+    "FunctionalModel[Counter]",
+    "tuple[FunctionalModel[Counter], str]",
 ]
 
 # mypy with the plugin: the decorator form, ``train``/``eval`` and ``f.<method>``.
@@ -218,7 +258,7 @@ def _write_programs(tmp: Path) -> tuple[Path, dict[str, str]]:
     """The documented programs and the usage files, one module each, under ``tmp/src``."""
     src = tmp / "src"
     src.mkdir()
-    files = {**_programs(), "typed.py": TYPED, "decorated.py": DECORATED}
+    files = {**_programs(), "typed.py": TYPED, "decorated.py": DECORATED, "wrong.py": WRONG}
     for name, code in files.items():
         (src / name).write_text(code)
     return src, files
@@ -237,7 +277,7 @@ def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
         f"mypy_path = {','.join(PATHS)}\n"
         "follow_imports = silent\n"
         "plugins = autostate.mypy_plugin\n"
-        "[mypy-optax.*,orbax.*,sklearn.*]\n"  # no type information
+        "[mypy-optax.*,orbax.*,sklearn.*,tqdm.*]\n"  # no type information
         "ignore_missing_imports = True\n"
     )
     stdout, stderr, _ = api.run(
@@ -335,6 +375,15 @@ def test_mypy_with_the_plugin_types_the_documented_programs(tmp_path):
     assert [lines[line - 1].split("  # E: ")[1] for line, _ in errors] == ["no method", "not an Array"]
     assert '"Counter" has no method "missing" to call functionally' in errors[0][1]
     assert 'has incompatible type "str"; expected "Array"' in errors[1][1]
+    _assert_wrong_arguments_reported(found)
+
+
+def _assert_wrong_arguments_reported(found) -> None:
+    lines = WRONG.splitlines()
+    errors = _errors(found, "wrong.py")
+    assert [lines[line - 1].split("  # E: ")[1] for line, _ in errors] == [
+        "not an Array", "not a Counter"
+    ], errors
 
 
 def test_pyright_types_the_documented_programs(tmp_path):
@@ -353,6 +402,7 @@ def test_pyright_types_the_documented_programs(tmp_path):
     names = [m[1] for _, message in errors if (m := PYRIGHT_DECORATOR_FORM.search(message))]
     assert names == ["functionalize", "train", "eval", "functionalize", "eval", "train"]
     assert len(names) == len(errors)
+    _assert_wrong_arguments_reported(found)
 
 
 

@@ -454,6 +454,9 @@ def check_traced_error(err: TracedEagerStateError) -> None:
     assert "functionalize()" in message
     assert "'x'" in message
     assert 'fallback="host"' in message
+    # autostate's own transformation is the first fix named, then the others.
+    fix = message.split("fix:", 1)[1]
+    assert fix.index("autostate.jit") < fix.index("functionalize()") < fix.index("fallback=")
 
 
 @pytest.mark.parametrize(
@@ -483,6 +486,107 @@ def test_functionalized_model_under_the_same_transformations_works():
     assert float(grad) == 7.0  # d/dv sum((x + v) * v) = sum(x + 2v) at v=1
     outs, _ = jax.vmap(lambda v: f(states, v))(jnp.ones(3))
     np.testing.assert_array_equal(outs, [5.0, 5.0, 5.0])
+
+
+@autostate.stateful
+class Counted:
+    def __init__(self):
+        self.w = jnp.array([1.0, 2.0])
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, v):
+        self.calls += 1
+        return (self.w * v).sum()
+
+
+def test_jax_grad_of_a_model_names_its_integer_state_and_autostate_grad():
+    model = Counted()
+    with pytest.raises(InvalidTypeError) as info:
+        jax.grad(lambda m: m(2.0))(model)  # JAX_GRAD_OF_MODEL
+    err = info.value
+    assert isinstance(err, TypeError)  # (as JAX's own refusal)
+    assert "'calls' (int32)" in str(err)
+    assert f"{HERE}:{line_of('# JAX_GRAD_OF_MODEL')}" in str(err)
+    assert "autostate.grad(loss)(model)" in str(err).split("fix:", 1)[1]
+    with pytest.raises(InvalidTypeError, match="'calls'"):
+        jax.value_and_grad(lambda m: m(2.0))(model)
+    assert int(model.calls) == 0  # refused before the call ran
+    # What the fix says: the parameters' gradient, the state written as the call would.
+    grads = autostate.grad(lambda m: m(2.0))(model)
+    np.testing.assert_array_equal(grads.w, [2.0, 2.0])
+    assert int(model.calls) == 1
+
+
+def test_jax_grad_of_a_model_is_jaxs_where_jax_would_accept_it():
+    """allow_int (JAX differentiates the integer leaves as float0), a model with
+    floating arrays only, and jax.grad of f: JAX's own meaning, unchanged."""
+    model = Counted()
+    grads = jax.grad(lambda m: (m.w * 3.0).sum(), allow_int=True)(model)
+    np.testing.assert_array_equal(grads.w, [3.0, 3.0])
+    floats = Eager()
+    grads = jax.grad(lambda m: (m.x * 2.0).sum())(floats)
+    np.testing.assert_array_equal(grads.x, [2.0, 2.0])
+    f, states = Counted().functionalize()
+    grads = jax.grad(lambda f: f(states, 1.0)[0])(f)
+    np.testing.assert_array_equal(grads.model.w, [1.0, 1.0])
+
+
+def test_eval_shape_of_a_model_that_writes_state():
+    """Eagerly and inside autostate.jit: refused at the write, naming eval_shape;
+    the spelling the fix gives runs."""
+    model = Eager()
+    with pytest.raises(TracedEagerStateError, match="eval_shape"):
+        jax.eval_shape(model, 1.0)
+    assert_untouched(model)
+
+    @autostate.jit
+    def step(model, v):
+        jax.eval_shape(model, v)
+        return model(v)
+
+    model = Eager()
+    with pytest.raises(TracedEagerStateError) as info:
+        step(model, 1.0)
+    message = str(info.value)
+    assert "jax.eval_shape" in message and "inside the trace it lives in" in message
+    assert "built outside" not in message
+    assert "jax.eval_shape(f, states, x)" in message.split("fix:", 1)[1]
+    assert_untouched(model)
+
+    @autostate.jit
+    def fixed(model, v):
+        f, states = model.functionalize()
+        out, new = jax.eval_shape(f, states, v)
+        assert out.shape == () and new["x"].shape == (2,)
+        return model(v)
+
+    model = Eager()
+    assert float(fixed(model, 1.0)) == 5.0
+    np.testing.assert_array_equal(model.x, [2.0, 3.0])
+
+
+def test_an_error_inside_autostate_jit_names_the_users_function_and_arguments():
+    """JAX's words for a traced value used as a Python one name the function
+    autostate.jit compiled and its arguments (each model array by its path),
+    and the traceback shows no frame of autostate's own code."""
+
+    @autostate.jit
+    def step(model, v, *, scale):
+        return model(v * scale).item()  # ITEM_IN_JIT
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        step(Eager(), 1.0, scale=jnp.float32(2.0))
+    message = str(info.value)
+    assert f"the function step at {HERE}:" in message
+    assert "for autostate.jit" in message
+    assert "model.x" in message and "v" in message and "scale" in message
+    assert "_pure" not in message and "buffers[" not in message and "others[" not in message
+    package = Path(autostate.__file__).parent
+    frames = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    assert not [f for f in frames if Path(f).is_relative_to(package)], frames
+    assert any(f == HERE for f in frames)
+    assert line_of("# ITEM_IN_JIT") in [f.lineno for f in traceback.extract_tb(
+        info.value.__traceback__) if f.filename == HERE]
 
 
 def test_user_location_skips_only_autostate_jax_and_the_standard_library(tmp_path, monkeypatch) -> None:

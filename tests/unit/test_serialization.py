@@ -329,3 +329,25 @@ class _Wider:
     def __call__(self, x):
         self.count += 1
         return x * self.w
+
+
+def test_torch_argument_order_is_refused_in_words(tmp_path: Path) -> None:
+    """``save(model, path)`` (torch.save's order), ``load(model, path)`` and
+    ``load(path, model)``: an error naming the order, at the user's line, and
+    nothing written; the documented spelling round-trips."""
+    model = Net()
+    path = tmp_path / "ckpt.npz"
+    with pytest.raises(errors.InvalidTypeError) as info:
+        autostate.save(model, path)  # SAVE_SWAPPED
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "path first", "torch.save",
+                 "autostate.save(path, model)")
+    assert not path.exists()
+    with pytest.raises(errors.InvalidTypeError) as info:
+        autostate.load(model, path)
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "path first", "like=model")
+    autostate.save(str(path), model)
+    with pytest.raises(errors.InvalidTypeError) as info:
+        autostate.load(path, model)
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "`like=`", "like=model")
+    loaded = autostate.load(path=path, like=Net(seed=3))
+    assert_same_arrays(autostate.param_dict(loaded), autostate.param_dict(model))

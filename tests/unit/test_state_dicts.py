@@ -464,7 +464,7 @@ def test_load_state_dict_not_a_dict(mods: Any) -> None:
     f, _ = dec.Counter().functionalize()
     with raises_autostate(errors.InvalidTypeError) as info:
         autostate.load_state_dict(f, {"count": jnp.ones(())})
-    assert_clear(info.value, errors.InvalidTypeError, HERE, "got the f")
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "got a FunctionalModel", "autostate.freeze(f, states)")
 
 
 @pytest.mark.parametrize("load", ["load_state_dict", "load_param_dict"])

@@ -376,3 +376,58 @@ def test_a_bound_method_is_no_module_path():
     assert list(sd) == ["sub.weight", "sub.bias"]
     loaded = load_torch_state_dict(Holder(), {k: v + 1 for k, v in sd.items()})
     np.testing.assert_array_equal(loaded.sub.bias, sd["sub.bias"] + 1)
+
+
+# --- gradients by PyTorch name -------------------------------------------------------
+
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def test_gradients_take_torchs_parameter_names_without_states():
+    """``nn.torch_state_dict(grads)``: PyTorch's ``named_parameters()`` names, in its
+    order (the checkpoint's keys less the buffers), each the gradient at that path;
+    no running statistics. The same for ``value_and_grad`` and ``jax.grad`` over f."""
+    sd, x, _ = _fixture("resnet_blocks")
+    model = load_torch_state_dict(TinyResNet(), sd)
+    x = jnp.asarray(x)
+
+    def loss(m):
+        return (m(x) ** 2).mean()
+
+    grads = autostate.grad(loss)(model)
+    named = torch_state_dict(grads)
+    assert list(named) == [k for k in sd if k.rsplit(".", 1)[-1] not in _BUFFERS]
+    np.testing.assert_array_equal(named["conv1.weight"], grads.conv1.weight)
+    np.testing.assert_array_equal(
+        named["layer2.0.downsample.1.weight"], grads.layer2.layers[0].downsample.layers[1].weight
+    )
+    assert np.abs(named["layer1.1.conv2.weight"]).sum() > 0
+    _, again = autostate.value_and_grad(loss)(model)
+    assert list(torch_state_dict(again)) == list(named)
+    f, states = model.functionalize()
+    by_jax = jax.grad(lambda f: (f(states, x)[0] ** 2).mean())(f)
+    assert list(torch_state_dict(by_jax)) == list(named)
+
+
+def test_a_tied_weights_gradient_is_listed_under_each_path_or_once():
+    sd, idx, _ = _fixture("nanogpt")
+    model = load_torch_state_dict(TinyGPT(), sd)
+    grads = autostate.grad(lambda m: m(jnp.asarray(idx)).sum())(model)
+    both, first = torch_state_dict(grads), torch_state_dict(grads, tied="first")
+    # nanoGPT has no buffers: state_dict's names. (Its ``transformer`` is a dict:
+    # a tree shaped like f lists a dict's items in JAX's sorted key order.)
+    assert sorted(both) == sorted(sd)
+    assert list(both)[:2] == ["transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias"]
+    assert "lm_head.weight" in both and "lm_head.weight" not in first  # (named_parameters)
+    np.testing.assert_array_equal(both["lm_head.weight"], both["transformer.wte.weight"])
+
+
+def test_a_gradient_tree_given_where_a_model_is_expected_says_what_it_is():
+    model = nn.Sequential(nn.Linear(2, 2, key=jax.random.key(0)), nn.BatchNorm1d(2))
+    grads = autostate.grad(lambda m: m(jnp.ones((3, 2))).sum())(model)
+    with pytest.raises(autostate.errors.InvalidTypeError) as info:
+        load_torch_state_dict(grads, {})
+    message = str(info.value)
+    assert "gradients autostate.grad returns" in message
+    assert "nn.torch_state_dict(grads)" in message.split("fix:", 1)[1]
+    assert "expects a model, got the f" not in message
