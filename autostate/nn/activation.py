@@ -1,31 +1,136 @@
-"""Activations and shape helpers: ``ReLU``, ``GELU``, ``SiLU``, ``Tanh``,
-``Sigmoid``, ``Softmax``, ``Identity``, ``Flatten``, as in ``torch.nn``.
+"""Activations and shape helpers: ``ReLU``, ``ReLU6``, ``LeakyReLU``, ``ELU``,
+``Hardtanh``, ``GELU``, ``SiLU``, ``Tanh``, ``Sigmoid``, ``Softmax``,
+``Identity``, ``Flatten``, as in ``torch.nn``.
 
 They hold no arrays, only their configuration, so ``functionalize()`` gives
-them no states and no parameters.
+them no states and no parameters. ``inplace=`` is accepted wherever PyTorch
+accepts it (by keyword or position) and changes nothing: JAX arrays are
+values, so the result is the same array PyTorch's in-place call leaves in
+the input, and the input a caller still holds is unchanged. PyTorch code that
+relies on ``inplace=True`` changing a tensor the caller still reads
+afterwards (rare: autograd refuses most of it) sees the old value here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 
-__all__ = ["GELU", "Flatten", "Identity", "ReLU", "SiLU", "Sigmoid", "Softmax", "Tanh"]
+__all__ = [
+    "ELU",
+    "GELU",
+    "Flatten",
+    "Hardtanh",
+    "Identity",
+    "LeakyReLU",
+    "ReLU",
+    "ReLU6",
+    "SiLU",
+    "Sigmoid",
+    "Softmax",
+    "Tanh",
+]
 
 
-class ReLU(Stateful):
-    """``max(x, 0)``."""
+class ReLU(Module):
+    """``max(x, 0)``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> print(nn.ReLU(inplace=True)(jnp.array([-1.0, 2.0])))
+        [0. 2.]
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
 
-class GELU(Stateful):
+class ReLU6(Module):
+    """``min(max(x, 0), 6)``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x, 0.0, 6.0)
+
+
+class LeakyReLU(Module):
+    """``x`` where positive, ``negative_slope * x`` elsewhere.
+
+    Args:
+        negative_slope: the slope below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, negative_slope: float = 1e-2, inplace: bool = False):
+        self.negative_slope = negative_slope
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x >= 0, x, x * self.negative_slope)
+
+
+class ELU(Module):
+    """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere.
+
+    Args:
+        alpha: the scale below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        self.alpha = alpha
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0)))
+
+
+class Hardtanh(Module):
+    """``x`` clipped to ``[min_val, max_val]``.
+
+    Args:
+        min_val: the lower bound.
+        max_val: the upper bound.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
+        if max_val <= min_val:
+            raise InvalidArgumentError(
+                format_error(
+                    f"Hardtanh(min_val={min_val}, max_val={max_val}): max_val must be greater "
+                    "than min_val.",
+                    fix="pass min_val < max_val.",
+                )
+            )
+        self.min_val = min_val
+        self.max_val = max_val
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x, self.min_val, self.max_val)
+
+
+class GELU(Module):
     """The Gaussian error linear unit, exact (``erf``) or ``approximate='tanh'``.
 
     Args:
@@ -55,28 +160,35 @@ class GELU(Stateful):
         return 0.5 * x * (1 + jax.lax.erf(x / math.sqrt(2)))
 
 
-class SiLU(Stateful):
-    """``x * sigmoid(x)`` (swish)."""
+class SiLU(Module):
+    """``x * sigmoid(x)`` (swish).
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x * jax.nn.sigmoid(x)
 
 
-class Tanh(Stateful):
+class Tanh(Module):
     """``tanh(x)``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(x)
 
 
-class Sigmoid(Stateful):
+class Sigmoid(Module):
     """``1 / (1 + exp(-x))``."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(x)
 
 
-class Softmax(Stateful):
+class Softmax(Module):
     """``softmax`` along ``dim``.
 
     Args:
@@ -94,14 +206,18 @@ class Softmax(Stateful):
         return jax.nn.softmax(x, axis=dim)
 
 
-class Identity(Stateful):
-    """Returns its input (a placeholder layer)."""
+class Identity(Module):
+    """Returns its input (a placeholder layer); any arguments are ignored, as
+    PyTorch's ``Identity(*args, **kwargs)`` ignores them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x
 
 
-class Flatten(Stateful):
+class Flatten(Module):
     """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
 
     Examples:

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
@@ -57,7 +57,7 @@ def _refuse(message: str, fix: str) -> InvalidArgumentError:
     return InvalidArgumentError(format_error(message, fix=fix))
 
 
-class MultiheadAttention(Stateful):
+class MultiheadAttention(Module):
     """Multi-head attention, as ``torch.nn.MultiheadAttention``, with an optional KV cache.
 
     ``query`` is ``[L, N, E]`` (``[N, L, E]`` with ``batch_first=True``) or

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import fan_in_bound, uniform
 from autostate.nn.random import KeyLike, split_key
@@ -56,7 +56,7 @@ def _check_groups(in_channels: int, out_channels: int, groups: int) -> None:
         )
 
 
-class _ConvNd(Stateful):
+class _ConvNd(Module):
     """An ``n``-dimensional convolution (``Conv1d`` and ``Conv2d`` fix ``n``)."""
 
     def __init__(
@@ -234,7 +234,7 @@ class Conv2d(_ConvNd):
         )
 
 
-class ConvTranspose2d(Stateful):
+class ConvTranspose2d(Module):
     """A transposed 2-d convolution (the gradient of ``Conv2d`` with respect
     to its input), as ``torch.nn.ConvTranspose2d``.
 

@@ -7,14 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Embedding"]
 
 
-class Embedding(Stateful):
+class Embedding(Module):
     """Rows of ``weight`` (``[num_embeddings, embedding_dim]``, drawn from
     ``N(0, 1)``) picked by integer indices.
 

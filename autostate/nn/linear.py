@@ -7,14 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.nn._init import fan_in_bound, uniform
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Linear"]
 
 
-class Linear(Stateful):
+class Linear(Module):
     """``y = x @ weight.T + bias``, as ``torch.nn.Linear``.
 
     ``weight`` is ``[out_features, in_features]`` and both it and ``bias``

@@ -20,13 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 
-class _BatchNorm(Stateful):
+class _BatchNorm(Module):
     """Batch normalisation over axis 1 (channels) of ``[N, C, *spatial]``."""
 
     input_ranks: tuple[int, ...] = ()
@@ -160,7 +160,7 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(normalized_shape)
 
 
-class LayerNorm(Stateful):
+class LayerNorm(Module):
     """Normalises over the last ``len(normalized_shape)`` axes, as ``torch.nn.LayerNorm``.
 
     Args:
@@ -205,7 +205,7 @@ class LayerNorm(Stateful):
         return y
 
 
-class GroupNorm(Stateful):
+class GroupNorm(Module):
     """Normalises each of ``num_groups`` channel groups of ``[N, C, *]``
     inputs over the group's channels and positions, as ``torch.nn.GroupNorm``.
 
@@ -260,7 +260,7 @@ class GroupNorm(Stateful):
         return y
 
 
-class RMSNorm(Stateful):
+class RMSNorm(Module):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last
     ``len(normalized_shape)`` axes, as ``torch.nn.RMSNorm``.
 

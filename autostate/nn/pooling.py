@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 
 __all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d"]
@@ -40,7 +40,7 @@ def _check_padding(kernel: tuple[int, int], padding: tuple[int, int]) -> None:
         )
 
 
-class MaxPool2d(Stateful):
+class MaxPool2d(Module):
     """The maximum of each window; padding counts as ``-inf``.
 
     Args:
@@ -96,7 +96,7 @@ class MaxPool2d(Stateful):
         return result
 
 
-class AvgPool2d(Stateful):
+class AvgPool2d(Module):
     """The mean of each window.
 
     Args:
@@ -145,7 +145,7 @@ def _adaptive_weights(size_in: int, size_out: int) -> jax.Array:
     return jnp.array(rows)
 
 
-class AdaptiveAvgPool2d(Stateful):
+class AdaptiveAvgPool2d(Module):
     """Averages to a fixed ``output_size``, whatever the input's size.
 
     An output size that divides the input's averages equal blocks; any other

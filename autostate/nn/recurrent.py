@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
@@ -83,7 +83,7 @@ def _check_carried(layer: object, carried: Array | None, expected: tuple[int, ..
     return carried
 
 
-class LSTMCell(Stateful):
+class LSTMCell(Module):
     """One LSTM step, as ``torch.nn.LSTMCell``.
 
     Args:
@@ -144,7 +144,7 @@ class LSTMCell(Stateful):
         self.c = None
 
 
-class GRUCell(Stateful):
+class GRUCell(Module):
     """One GRU step, as ``torch.nn.GRUCell``.
 
     Args:
@@ -276,7 +276,7 @@ def _check_proj_size(proj_size: int) -> None:
         )
 
 
-class LSTM(Stateful):
+class LSTM(Module):
     """A multi-layer LSTM over a sequence, as ``torch.nn.LSTM``.
 
     ``input`` is ``[seq, batch, input_size]`` (``[batch, seq, input_size]``
@@ -386,7 +386,7 @@ class LSTM(Stateful):
         self.c = None
 
 
-class GRU(Stateful):
+class GRU(Module):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
 
     Shapes as :class:`LSTM`'s, with ``hx`` a single ``h_0``; a call returns

@@ -44,6 +44,10 @@ _MUTATING_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
 )
+# ``self.register_buffer("x", v)``: PyTorch's spelling of a declared buffer
+# (``autostate.nn.Module.register_buffer``), which declares ``x`` as
+# ``self.x = autostate.constant(v)`` does: a name the decision must see.
+_DECLARING_METHODS = frozenset({"register_buffer"})
 # Calls whose result is a mutable container, by the dotted name they spell.
 _CONTAINER_CONSTRUCTORS = frozenset(
     {"list", "dict", "set", "bytearray", "collections.deque", "collections.OrderedDict",
@@ -95,6 +99,9 @@ class MethodFacts:
     # class (``type(self).m``, ``self.__class__.m``, ``Cls.m``).
     self_calls: set[str] = dataclasses.field(default_factory=set)
     declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    # ``self.register_buffer("x", v)`` (``_DECLARING_METHODS``), with its line:
+    # ``x`` is a declared state wherever the call is.
+    buffers: dict[str, int] = dataclasses.field(default_factory=dict)
     # Dotted names called (or passed to a call, or used as a decorator): the
     # caller resolves them to find jax.lax control flow to route to autostate.
     references: set[str] = dataclasses.field(default_factory=set)
@@ -883,11 +890,26 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         attr = self._attr(func)
         if attr is not None:
             self.facts.self_calls.add(attr)
+            if attr in _DECLARING_METHODS:
+                self._declared_buffer(node)
         if isinstance(func, cst.Attribute) and func.attr.value in _MUTATING_METHODS:
             owner = self._attr(subscript_base(func.value))
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
                 self.facts.mutating_depths.append(_subscript_depth(func.value))
+
+    def _declared_buffer(self, node: cst.Call) -> None:
+        """``self.register_buffer("x", v, ...)``: a write of ``x`` that declares it."""
+        positional = [a.value for a in node.args if a.keyword is None and a.star == ""]
+        named = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        name_expr = positional[0] if positional else named.get("name")
+        name = _literal_name(name_expr) if name_expr is not None else None
+        if name is None:
+            return  # a computed name: ``Module.register_buffer`` checks it at run time
+        value = positional[1] if len(positional) > 1 else named.get("tensor")
+        line = self._line(node)
+        self.facts.buffers.setdefault(name, line)
+        self.facts.assignments.append(Assignment(name, line, "set", self.scopes.nested, value))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         dotted = dotted_name(node.decorator)
@@ -1137,6 +1159,7 @@ def analyze_class(
         for assignment in facts.assignments:
             if not is_init and assignment.attr not in properties:
                 state.add(assignment.attr)
+        state.update(attr for attr in facts.buffers if attr not in properties)
         if is_init:
             for attr, (func, _line) in facts.declarations.items():
                 if attr not in properties and is_state_declaration(facts, func):
