@@ -28,11 +28,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
 from autostate.nn.linear import Linear
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["MultiheadAttention"]

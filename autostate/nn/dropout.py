@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Dropout"]

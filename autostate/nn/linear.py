@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.nn._init import fan_in_bound, uniform
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Linear"]

@@ -455,7 +455,7 @@ def _is_module(value: Any) -> bool:
 def _items(model: ModuleList) -> list[Any]:
     """A ``ModuleList``'s modules: its attributes ``"0"``, ``"1"``, ..."""
     attrs = vars(model)
-    items = []
+    items: list[Any] = []
     while (key := str(len(items))) in attrs:
         items.append(getattr(model, key))
     return items

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 
 __all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d"]
 

@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.nn.module import Module
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["GRU", "LSTM", "GRUCell", "LSTMCell", "gru_step", "lstm_step"]

@@ -8,7 +8,7 @@ initialisation written with ``nn.init``. ``tests/models/test_ports.py``
 counts the edited lines and checks the numbers against PyTorch's.
 """
 
-# ruff: noqa: UP006, UP007 (transformers' own spelling, kept as it is)
+# ruff: noqa: UP006, UP007, UP035, B007 (transformers' own spelling, kept as it is)
 
 import math
 from typing import Optional, Tuple
