@@ -257,7 +257,10 @@ def _checked(tensor: Any, fn: str, random: bool = False) -> Any:
 
 def _write(old: Any, new: jax.Array, fn: str) -> jax.Array:
     """Puts ``new`` wherever a constructed module holds ``old``; returns ``new``."""
-    holders = holders_of(old)
+    # A traced value for a concrete array: the holders live outside the
+    # running trace (a parameter closed over by a jitted f), fixed there.
+    outside = isinstance(new, jax.core.Tracer) and not isinstance(old, jax.core.Tracer)
+    holders = [] if outside else holders_of(old)
     if not holders:
         raise InvalidArgumentError(
             format_error(

@@ -403,7 +403,7 @@ def _check_name(model: Any, name: Any, what: str, entry: bool = False) -> None:
         problem = f"a name is a string, got {type(name).__name__}"
     elif not name or "." in name:
         problem = "a name is not empty and has no '.'"
-    elif hasattr(type(model), name):
+    elif hasattr(type(model), name) or name == "training":
         problem = f"{type(model).__name__} has a class attribute {name!r}"
     elif entry and name in vars(model) and not _is_module(vars(model)[name]):
         problem = f"attribute {name!r} already exists"
