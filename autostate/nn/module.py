@@ -237,7 +237,7 @@ class ModuleList(Module):
     Examples:
         >>> import autostate, autostate.nn as nn
         >>> layers = nn.ModuleList([nn.Linear(2, 2, key=0) for _ in range(2)])
-        >>> layers.append(nn.ReLU())
+        >>> layers = layers.append(nn.ReLU())  # returns the list, as in PyTorch
         >>> len(layers), type(layers[-1]).__name__
         (3, 'ReLU')
         >>> sorted(autostate.param_dict(layers))
