@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import jax
 
@@ -89,6 +89,11 @@ class Module(Stateful):
         >>> [name for name, _ in model.named_modules()]
         ['', 'fc', 'act']
     """
+
+    if TYPE_CHECKING:
+        # As PyTorch types its Module: an attribute set by name
+        # (``register_buffer("scale", ...)``, a ``ModuleDict`` entry) is known.
+        def __getattr__(self, name: str) -> Any: ...
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         obj = super().__new__(cls)
