@@ -266,8 +266,9 @@ def _write(old: Any, new: jax.Array, fn: str) -> jax.Array:
             format_error(
                 f"nn.init.{fn}: no module built here holds this array, so there is nothing to "
                 "write in place (a JAX array never changes itself). It is a local array, an "
-                "array of a model autostate made (freeze, load_state_dict), or a parameter "
-                "inside a functionalized call (f, autostate.jit), where parameters are fixed.",
+                "array of a model made from another (autostate.freeze, load_state_dict, what "
+                "jax.vmap returns), or a parameter inside a functionalized call (f, "
+                "autostate.jit), where parameters are fixed.",
                 fix=f"assign the result where the array belongs: `m.weight = nn.init.{fn}("
                 "m.weight, ...)`, outside the functionalized call.",
             )
