@@ -4,7 +4,8 @@ PyTorch module file names, so that it ports by changing its imports.
 ``Module`` is ``autostate.Stateful`` (a base class is ``@stateful``) with
 PyTorch's module protocol on top:
 
-* ``model(x)`` calls ``forward``; ``super().__init__()`` is accepted;
+* ``model(x)`` calls ``forward``; ``super().__init__()`` sets ``training``
+  to ``True`` (a class attribute gives it to a module that skips the call);
 * ``register_buffer(name, value, persistent=True)`` declares a buffer as
   ``self.name = autostate.constant(value)`` does (the rewrite reads the
   literal name, so a float buffer is never trained); ``persistent=False``
@@ -90,6 +91,10 @@ class Module(Stateful):
         ['', 'fc', 'act']
     """
 
+    # PyTorch's mode flag, readable before any train()/eval() (a layer that
+    # never calls ``super().__init__()`` reads this one); static config.
+    training: bool = True
+
     if TYPE_CHECKING:
         # As PyTorch types its Module: an attribute set by name
         # (``register_buffer("scale", ...)``, a ``ModuleDict`` entry) is known.
@@ -99,6 +104,9 @@ class Module(Stateful):
         obj = super().__new__(cls)
         _BUILT.add(obj)
         return obj
+
+    def __init__(self) -> None:
+        self.training = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)

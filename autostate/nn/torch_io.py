@@ -129,14 +129,21 @@ def _paths(
     stack the path goes through, outermost first).
 
     ``own_members`` gives one instance's own arrays and states (every
-    persistent one, on each path) and its sub-models; each sub-model is
-    walked again under every path that reaches it, as PyTorch's
-    ``state_dict`` recurses into a shared module once per parent. A path
-    back to an enclosing instance is not followed.
+    persistent one, on each path) and its sub-models. As PyTorch's
+    ``state_dict``, an instance lists its parameters, then its buffers
+    (states and constants), then its sub-models; each sub-model is walked
+    again under every path that reaches it, as PyTorch recurses into a
+    shared module once per parent. A path back to an enclosing instance is
+    not followed.
     """
-    for parts, value, persistent in own_members(node, caller, _is_target):
-        if not persistent:
-            continue
+    members = [(p, v) for p, v, persistent in own_members(node, caller, _is_target) if persistent]
+
+    def rank(value: Any) -> int:
+        if _values.is_array(value):
+            return 0  # a parameter (the constants of f.model are ConstantRefs)
+        return 1 if type(value) in (HandledLocalStateRef, ConstantRef) else 2
+
+    for parts, value in sorted(members, key=lambda m: rank(m[1])):  # stable: in order
         if _stacks.is_stack(value):
             for sub, leaf, at in _paths(value.stacked, caller, (*ancestors, id(node))):
                 yield parts + sub, leaf, (len(parts), *(len(parts) + a for a in at))
@@ -245,7 +252,8 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
     item ``h['wte'].weight`` is ``h.wte.weight``, a ``Sequential``'s layers
     are numbered directly under it (``0.weight``). Parameters and states
     (PyTorch's buffers: ``running_mean``, ``num_batches_tracked``, constants)
-    are listed in the model's attribute order. Static values are not listed.
+    are listed in PyTorch's order: a module's parameters, its buffers, then
+    its sub-modules, each in attribute order. Static values are not listed.
 
     Args:
         model: a ``@stateful`` model (for an ``f, states`` pair, pass

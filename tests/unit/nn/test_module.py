@@ -105,8 +105,13 @@ def test_state_dicts_name_entries_as_pytorch_and_leave_out_non_persistent_buffer
         "blocks.0.fc.bias", "blocks.0.fc.weight", "blocks.1.fc.bias", "blocks.1.fc.weight",
         "heads.a.bias", "heads.a.weight", "weight",
     ]  # fmt: skip
-    torch_names = list(nn.torch_state_dict(net, tied="first"))
-    assert "blocks.0.mask" not in torch_names and "blocks.0.scale" in torch_names
+    # PyTorch's state_dict order: a module's parameters, its buffers, its
+    # children; a shared module under each path; non-persistent buffers left out.
+    assert list(nn.torch_state_dict(net)) == [
+        "weight", "head_b_bias", "steps", "blocks.0.scale", "blocks.0.fc.weight",
+        "blocks.0.fc.bias", "blocks.1.scale", "blocks.1.fc.weight", "blocks.1.fc.bias",
+        "heads.a.weight", "heads.a.bias", "heads.b.scale", "heads.b.fc.weight", "heads.b.fc.bias",
+    ]  # fmt: skip
     loaded = nn.load_torch_state_dict(net, nn.torch_state_dict(net))
     np.testing.assert_array_equal(loaded.blocks[1].mask, net.blocks[1].mask)
 
