@@ -91,6 +91,10 @@ class Module(Stateful):
         ['', 'fc', 'act']
     """
 
+    # ``self.register_buffer("x", v)`` in a subclass declares ``x``, as
+    # ``self.x = autostate.constant(v)`` does (read by the decoration).
+    _autostate_declaring_methods = ("register_buffer",)
+
     # PyTorch's mode flag, readable before any train()/eval() (a layer that
     # never calls ``super().__init__()`` reads this one); static config.
     training: bool = True

@@ -44,9 +44,11 @@ _MUTATING_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
 )
-# ``self.register_buffer("x", v)``: PyTorch's spelling of a declared buffer
-# (``autostate.nn.Module.register_buffer``), which declares ``x`` as
-# ``self.x = autostate.constant(v)`` does: a name the decision must see.
+# ``self.register_buffer("x", v)``: PyTorch's spelling of a declared buffer.
+# Recorded for every class; it declares ``x`` (as ``self.x =
+# autostate.constant(v)`` does) only in a class that says its
+# ``register_buffer`` declares (``analyze_class``'s ``declaring_methods``:
+# ``autostate.nn.Module``), not where a class of its own defines one.
 _DECLARING_METHODS = frozenset({"register_buffer"})
 # Calls whose result is a mutable container, by the dotted name they spell.
 _CONTAINER_CONSTRUCTORS = frozenset(
@@ -100,7 +102,8 @@ class MethodFacts:
     self_calls: set[str] = dataclasses.field(default_factory=set)
     declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     # ``self.register_buffer("x", v)`` (``_DECLARING_METHODS``), with its line:
-    # ``x`` is a declared state wherever the call is.
+    # where the class's ``register_buffer`` declares, ``x`` is a declared
+    # state wherever the call is.
     buffers: dict[str, int] = dataclasses.field(default_factory=dict)
     # Dotted names called (or passed to a call, or used as a decorator): the
     # caller resolves them to find jax.lax control flow to route to autostate.
@@ -906,10 +909,7 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         name = _literal_name(name_expr) if name_expr is not None else None
         if name is None:
             return  # a computed name: ``Module.register_buffer`` checks it at run time
-        value = positional[1] if len(positional) > 1 else named.get("tensor")
-        line = self._line(node)
-        self.facts.buffers.setdefault(name, line)
-        self.facts.assignments.append(Assignment(name, line, "set", self.scopes.nested, value))
+        self.facts.buffers.setdefault(name, self._line(node))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         dotted = dotted_name(node.decorator)
@@ -1119,6 +1119,7 @@ def analyze_class(
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
     inherited_properties: frozenset[str] = frozenset(),
+    declaring_methods: frozenset[str] = frozenset(),
 ) -> ClassAnalysis:
     """Decides the state set of a class from the facts of its methods.
 
@@ -1136,6 +1137,10 @@ def analyze_class(
         inherited_properties: properties of base classes; like the class's
             own properties they are never state (assigning one calls its
             setter).
+        declaring_methods: the class's methods that declare a state by a
+            literal name (``{"register_buffer"}`` for ``autostate.nn.Module``):
+            ``self.register_buffer("x", v)`` anywhere is ``self.x =
+            autostate.constant(v)``.
 
     Returns:
         The state set and what construction initializes.
@@ -1159,7 +1164,7 @@ def analyze_class(
         for assignment in facts.assignments:
             if not is_init and assignment.attr not in properties:
                 state.add(assignment.attr)
-        state.update(attr for attr in facts.buffers if attr not in properties)
+        state.update(attr for attr in _buffers(facts, declaring_methods) if attr not in properties)
         if is_init:
             for attr, (func, _line) in facts.declarations.items():
                 if attr not in properties and is_state_declaration(facts, func):
@@ -1276,6 +1281,7 @@ def analyze_class(
             for assignment in facts.assignments:
                 initialized.add(assignment.attr)
                 pending.append(assignment.attr)  # property setters
+            initialized.update(_buffers(facts, declaring_methods))
             # Whatever the method takes from its receiver may run: a call
             # (``self.reset()``), a bound method kept (``r = self.reset``), a
             # property read; and methods taken from its class (``self_calls``).
@@ -1302,6 +1308,12 @@ def analyze_class(
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
     )
+
+
+def _buffers(facts: MethodFacts, declaring_methods: frozenset[str]) -> list[str]:
+    """What ``self.register_buffer("x", ...)`` calls declare, where the class's
+    ``register_buffer`` declares (else nothing: a method of the user's own)."""
+    return list(facts.buffers) if "register_buffer" in declaring_methods else []
 
 
 def _rebuilt(target: str, method: str) -> str:

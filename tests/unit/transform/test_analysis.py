@@ -438,11 +438,13 @@ def test_register_buffer_with_a_literal_name_declares_state():
     ]
     line = facts[0].source.first_line
     assert facts[0].buffers == {"mask": line + 1, "scale": line + 2}
-    result = analysis.analyze_class("M", facts)
+    result = analysis.analyze_class("M", facts, declaring_methods=frozenset({"register_buffer"}))
     # Declared wherever the call is, as ``self.x = autostate.constant(v)``;
     # a computed name is checked at run time by ``Module.register_buffer``.
     assert result.state == {"mask", "scale"}
     assert {"mask", "scale", "weight"} <= result.initialized
+    # A class whose register_buffer is its own: a plain call.
+    assert analysis.analyze_class("M", facts).state == frozenset()
 
 
 def test_inherited_state_and_initialization():
