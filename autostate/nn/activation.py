@@ -1,6 +1,7 @@
 """Activations and shape helpers: ``ReLU``, ``ReLU6``, ``LeakyReLU``, ``ELU``,
-``Hardtanh``, ``GELU``, ``SiLU``, ``Tanh``, ``Sigmoid``, ``Softmax``,
-``Identity``, ``Flatten``, as in ``torch.nn``.
+``SELU``, ``CELU``, ``Hardtanh``, ``Hardsigmoid``, ``Hardswish``, ``Mish``,
+``GELU``, ``SiLU``, ``Tanh``, ``Sigmoid``, ``Softmax``, ``Identity``,
+``Flatten``, as in ``torch.nn``.
 
 They hold no arrays, only their configuration, so ``functionalize()`` gives
 them no states and no parameters. ``inplace=`` is accepted wherever PyTorch
@@ -23,14 +24,19 @@ from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn.module import Module
 
 __all__ = [
+    "CELU",
     "ELU",
     "GELU",
     "Flatten",
+    "Hardsigmoid",
+    "Hardswish",
     "Hardtanh",
     "Identity",
     "LeakyReLU",
+    "Mish",
     "ReLU",
     "ReLU6",
+    "SELU",
     "SiLU",
     "Sigmoid",
     "Softmax",
@@ -128,6 +134,79 @@ class Hardtanh(Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.clip(x, self.min_val, self.max_val)
+
+
+class SELU(Module):
+    """``scale * (x if x > 0 else alpha * (exp(x) - 1))`` with PyTorch's constants.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        alpha, scale = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+        return scale * jnp.where(x > 0, x, alpha * jnp.expm1(jnp.minimum(x, 0.0)))
+
+
+class CELU(Module):
+    """``x`` where positive, ``alpha * (exp(x / alpha) - 1)`` elsewhere.
+
+    Args:
+        alpha: the scale below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        self.alpha = alpha
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0) / self.alpha))
+
+
+class Hardsigmoid(Module):
+    """``relu6(x + 3) / 6``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+class Hardswish(Module):
+    """``x * relu6(x + 3) / 6`` (MobileNetV3's activation).
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+class Mish(Module):
+    """``x * tanh(softplus(x))``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x * jnp.tanh(jax.nn.softplus(x))
 
 
 class GELU(Module):

@@ -199,6 +199,11 @@ def test_apply_visits_children_first():
         ("ELU", [0.5], {"inplace": True}),
         ("Hardtanh", [-0.5, 0.5, True], {}),
         ("SiLU", [], {"inplace": True}),
+        ("SELU", [True], {}),
+        ("CELU", [0.5, True], {}),
+        ("Hardsigmoid", [], {"inplace": True}),
+        ("Hardswish", [True], {}),
+        ("Mish", [], {"inplace": True}),
         ("Dropout", [0.5, True], {"key": 0}),
     ],
 )
