@@ -60,7 +60,7 @@ class ReLU(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
 
@@ -74,7 +74,7 @@ class ReLU6(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.clip(x, 0.0, 6.0)
 
 
@@ -90,7 +90,7 @@ class LeakyReLU(Module):
         self.negative_slope = negative_slope
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.where(x >= 0, x, x * self.negative_slope)
 
 
@@ -106,7 +106,7 @@ class ELU(Module):
         self.alpha = alpha
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0)))
 
 
@@ -132,7 +132,7 @@ class Hardtanh(Module):
         self.max_val = max_val
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.clip(x, self.min_val, self.max_val)
 
 
@@ -146,7 +146,7 @@ class SELU(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         alpha, scale = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
         return scale * jnp.where(x > 0, x, alpha * jnp.expm1(jnp.minimum(x, 0.0)))
 
@@ -163,7 +163,7 @@ class CELU(Module):
         self.alpha = alpha
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0) / self.alpha))
 
 
@@ -177,7 +177,7 @@ class Hardsigmoid(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
 
 
@@ -191,7 +191,7 @@ class Hardswish(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return x * jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
 
 
@@ -205,7 +205,7 @@ class Mish(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return x * jnp.tanh(jax.nn.softplus(x))
 
 
@@ -232,7 +232,7 @@ class GELU(Module):
             )
         self.approximate = approximate
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if self.approximate == "tanh":
             inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
             return 0.5 * x * (1 + jnp.tanh(inner))
@@ -249,21 +249,21 @@ class SiLU(Module):
     def __init__(self, inplace: bool = False):
         self.inplace = inplace
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return x * jax.nn.sigmoid(x)
 
 
 class Tanh(Module):
     """``tanh(x)``."""
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(x)
 
 
 class Sigmoid(Module):
     """``1 / (1 + exp(-x))``."""
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(x)
 
 
@@ -278,7 +278,7 @@ class Softmax(Module):
     def __init__(self, dim: int | None = None):
         self.dim = dim
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         dim = self.dim
         if dim is None:
             dim = 0 if x.ndim in (0, 1, 3) else 1
@@ -292,7 +292,7 @@ class Identity(Module):
     def __init__(self, *args: Any, **kwargs: Any):
         pass
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return x
 
 
@@ -310,7 +310,7 @@ class Flatten(Module):
         self.start_dim = start_dim
         self.end_dim = end_dim
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if x.ndim == 0:
             return x.reshape(1)
         start, end = self.start_dim % x.ndim, self.end_dim % x.ndim

@@ -175,7 +175,7 @@ class MultiheadAttention(Module):
             self.v_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), dtype)
             self.cache_pos = jnp.zeros((), jnp.int32)
 
-    def __call__(
+    def forward(
         self,
         query: Array,
         key: Array,
@@ -213,8 +213,6 @@ class MultiheadAttention(Module):
         if not need_weights:
             return output, None
         return output, weights.mean(-3) if average_attn_weights else weights
-
-    forward = __call__
 
     def _project(self, query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
         """The input projections: ``[N, L, E]`` queries, ``[N, S, E]`` keys and values."""
@@ -254,7 +252,7 @@ class MultiheadAttention(Module):
                 f"build the layer with cache_batch_size={batch}, or call reset_cache(batch_size={batch}).",
             )
         position = self.cache_pos
-        known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in __call__
+        known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in forward
         if length > max_len or known and int(position) + length > max_len:
             written = int(position) if known else "some"
             raise _refuse(

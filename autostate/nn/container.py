@@ -40,7 +40,7 @@ class Sequential(Module):
     def __init__(self, *layers: Callable[..., Any]):
         self.layers = list(layers)
 
-    def __call__(self, x: Any) -> Any:
+    def forward(self, x: Any) -> Any:
         for layer in self.layers:
             x = layer(x)
         return x

@@ -114,7 +114,7 @@ class _ConvNd(Module):
             return [(t // 2, t - t // 2) for t in totals]
         return [(p, p) for p in self.padding if isinstance(p, int)]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         n = len(self.kernel_size)
         y = jax.lax.conv_general_dilated(
             x,
@@ -312,7 +312,7 @@ class ConvTranspose2d(Module):
         w = self.weight.reshape(g, i // g, o, kh, kw).transpose(0, 2, 1, 3, 4)
         return w.reshape(g * o, i // g, kh, kw)[:, :, ::-1, ::-1]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         pads = []
         for k, p, op, d in zip(
             self.kernel_size, self.padding, self.output_padding, self.dilation, strict=True

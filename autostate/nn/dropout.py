@@ -52,7 +52,7 @@ class Dropout(Module):
         self.training = True
         self.key = split_key(key)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if not self.training:
             return x
         self.key, mask_key = jax.random.split(self.key)

@@ -62,7 +62,7 @@ class Embedding(Module):
             weight = weight.at[padding_idx].set(0)
         self.weight = weight
 
-    def __call__(self, indices: jax.Array) -> jax.Array:
+    def forward(self, indices: jax.Array) -> jax.Array:
         weight = self.weight
         if self.padding_idx is not None:
             # The padding row keeps its value but passes no gradient back.

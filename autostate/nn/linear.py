@@ -51,7 +51,7 @@ class Linear(Module):
         self.weight = uniform(weight_key, (out_features, in_features), bound, dtype)
         self.bias = uniform(bias_key, (out_features,), bound, dtype) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         y = x @ self.weight.T
         if self.bias is not None:
             y = y + self.bias

@@ -8,7 +8,7 @@ with the unbiased variance) by ``momentum``, or by the cumulative average
 ``model.eval()``) it normalises with the running statistics. With
 ``track_running_stats=False`` there are no running statistics and the batch's
 are used in both modes. The running statistics and ``num_batches_tracked``
-are states (``__call__`` assigns them); ``weight`` and ``bias`` are
+are states (``forward`` assigns them); ``weight`` and ``bias`` are
 parameters.
 """
 
@@ -62,7 +62,7 @@ class _BatchNorm(Module):
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if x.ndim not in self.input_ranks:
             raise InvalidArgumentError(
                 format_error(
@@ -193,7 +193,7 @@ class LayerNorm(Module):
         self.weight = jnp.ones(self.normalized_shape, dtype) if affine else None
         self.bias = jnp.zeros(self.normalized_shape, dtype) if affine and bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
         mean = x.mean(axes, keepdims=True)
         var = x.var(axes, keepdims=True)
@@ -246,7 +246,7 @@ class GroupNorm(Module):
         self.weight = jnp.ones(num_channels, dtype) if affine else None
         self.bias = jnp.zeros(num_channels, dtype) if affine else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         n = x.shape[0]
         grouped = x.reshape(n, self.num_groups, -1)
         mean = grouped.mean(-1, keepdims=True)
@@ -291,7 +291,7 @@ class RMSNorm(Module):
         self.elementwise_affine = elementwise_affine
         self.weight = jnp.ones(self.normalized_shape, dtype) if elementwise_affine else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
         eps = jnp.finfo(x.dtype).eps if self.eps is None else self.eps
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + eps)

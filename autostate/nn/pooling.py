@@ -70,7 +70,7 @@ class MaxPool2d(Module):
         self.dilation = _pair(dilation)
         _check_padding(self.kernel_size, self.padding)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if self.dilation != (1, 1):
             return self._dilated(x)
         return jax.lax.reduce_window(
@@ -126,7 +126,7 @@ class AvgPool2d(Module):
         self.count_include_pad = count_include_pad
         _check_padding(self.kernel_size, self.padding)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         window = _window(self.kernel_size, self.stride, self.padding)
         total = jax.lax.reduce_window(x, 0.0, jax.lax.add, **window)
         if self.count_include_pad or self.padding == (0, 0):
@@ -167,7 +167,7 @@ class AdaptiveAvgPool2d(Module):
             output_size = (output_size, output_size)
         self.output_size = tuple(output_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         *batch, height, width = x.shape
         out_h, out_w = (
             size if out is None else out

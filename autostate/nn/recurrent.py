@@ -8,7 +8,7 @@ initialisation is torch's: every weight and bias uniform in
 ``±1/sqrt(hidden_size)``.
 
 A sequence runs as one ``jax.lax.scan`` per layer and direction, written
-plainly inside ``__call__`` (``forward`` is the same method, as in torch).
+plainly inside ``forward`` (``model(x)`` calls it, as in torch).
 
 **State carried between calls.** With ``carry_state=True`` a layer keeps its
 last hidden state (``h``, plus ``c`` for the LSTM) as state: a call without
@@ -123,7 +123,7 @@ class LSTMCell(Module):
         self.h: Array | None = None
         self.c: Array | None = None
 
-    def __call__(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
+    def forward(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
         """Returns ``(h, c)`` after one step; ``input`` is ``[batch, input_size]`` or ``[input_size]``."""
         if hx is None:
             shape = (*input.shape[:-1], self.hidden_size)
@@ -136,7 +136,6 @@ class LSTMCell(Module):
             self.h, self.c = h, c
         return h, c
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``(h, c)``: the next call starts from zeros."""
@@ -183,7 +182,7 @@ class GRUCell(Module):
         self.bias_hh = uniform(k_bhh, (3 * hidden_size,), bound, dtype) if bias else None
         self.h: Array | None = None
 
-    def __call__(self, input: Array, hx: Array | None = None) -> Array:
+    def forward(self, input: Array, hx: Array | None = None) -> Array:
         """Returns ``h`` after one step; ``input`` is ``[batch, input_size]`` or ``[input_size]``."""
         if hx is None:
             shape = (*input.shape[:-1], self.hidden_size)
@@ -196,7 +195,6 @@ class GRUCell(Module):
             self.h = h
         return h
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``h``: the next call starts from zeros."""
@@ -345,7 +343,7 @@ class LSTM(Module):
         self.h: Array | None = None
         self.c: Array | None = None
 
-    def __call__(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array]]:
+    def forward(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array]]:
         """Runs the sequence; returns ``(output, (h_n, c_n))`` as torch does."""
         x, restore = _time_major(input, self.batch_first)
         if hx is None:
@@ -378,7 +376,6 @@ class LSTM(Module):
             self.h, self.c = final
         return restore(x), final
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``(h_n, c_n)``: the next call starts from zeros."""
@@ -446,7 +443,7 @@ class GRU(Module):
         self.inter_layer_dropout = Dropout(dropout, key=dropout_key) if dropout > 0 else None
         self.h: Array | None = None
 
-    def __call__(self, input: Array, hx: Array | None = None) -> tuple[Array, Array]:
+    def forward(self, input: Array, hx: Array | None = None) -> tuple[Array, Array]:
         """Runs the sequence; returns ``(output, h_n)`` as torch does."""
         x, restore = _time_major(input, self.batch_first)
         if hx is None:
@@ -478,7 +475,6 @@ class GRU(Module):
             self.h = final
         return restore(x), final
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``h_n``: the next call starts from zeros."""

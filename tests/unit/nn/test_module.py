@@ -215,3 +215,15 @@ def test_inplace_is_accepted_and_changes_nothing(cls, args, kwargs):
     assert layer.inplace is True
     np.testing.assert_array_equal(layer(x), plain(x))
     np.testing.assert_array_equal(x, jnp.linspace(-3.0, 8.0, 12))
+
+
+def test_a_layer_subclass_overrides_forward():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = Scaled(2, 3, key=0)
+    x = jnp.ones((1, 2))
+    np.testing.assert_allclose(layer(x), 2 * (x @ layer.weight.T + layer.bias), rtol=1e-6)
+    f, states = layer.functionalize()
+    np.testing.assert_allclose(jax.jit(f)(states, x)[0], layer(x), rtol=1e-6)
