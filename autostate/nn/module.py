@@ -116,7 +116,7 @@ class Module(Stateful):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """What calling the model computes; a subclass defines it (or ``__call__``)."""
+        """What calling the model computes: a subclass defines it (or ``__call__``)."""
         return _forward_of_call(self, args, kwargs)
 
     def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
@@ -401,8 +401,9 @@ class ModuleDict(Module):
 
 
 def _forward_of_call(model: Any, args: tuple, kwargs: dict) -> Any:
-    """``Module.forward`` of a class that defines ``__call__`` instead (the
-    layers of ``autostate.nn``): its ``__call__``; neither is an error."""
+    """``Module.forward`` of a class that defines ``__call__`` instead (a model
+    written the autostate way on the ``nn.Module`` base): its ``__call__``;
+    neither is an error, as in PyTorch."""
     if type(model).__call__ is not Module.__call__:
         return model(*args, **kwargs)
     raise NotImplementedError(
