@@ -421,7 +421,7 @@ def _check_name(model: Any, name: Any, what: str, entry: bool = False) -> None:
         problem = f"a name is a string, got {type(name).__name__}"
     elif not name or "." in name:
         problem = "a name is not empty and has no '.'"
-    elif hasattr(type(model), name) or name == "training":
+    elif _class_attribute(type(model), name) or name == "training":
         problem = f"{type(model).__name__} has a class attribute {name!r}"
     elif entry and name in vars(model) and not _is_module(vars(model)[name]):
         problem = f"attribute {name!r} already exists"
@@ -429,6 +429,13 @@ def _check_name(model: Any, name: Any, what: str, entry: bool = False) -> None:
         raise InvalidArgumentError(
             format_error(f"{what}: {name!r}: {problem}.", fix="pick another name.")
         )
+
+
+def _class_attribute(cls: type, name: str) -> bool:
+    """Whether ``cls`` has an attribute ``name`` (a method, a property, a
+    value) other than the descriptor autostate keeps a state's value in."""
+    held = any(name in k.__dict__ for k in cls.__mro__)
+    return held and _runtime.state_descriptor(cls, name) is None
 
 
 def _register_buffer(model: Any, name: str, tensor: Any, persistent: bool) -> None:
