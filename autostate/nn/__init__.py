@@ -1,15 +1,18 @@
-"""PyTorch-style layers written as plain ``autostate.Stateful`` classes.
+"""PyTorch-style layers written as plain ``nn.Module`` classes.
 
 Each layer is an ordinary class that mutates ``self``, readable as an example
-of the decorator (subclassing ``autostate.Stateful`` is ``@autostate.stateful``
-with the added methods visible to type checkers, as ``nn.Module`` is in
-PyTorch), with PyTorch's semantics and names: default initialisation,
+of the decorator (``nn.Module`` is ``autostate.Stateful``, the base-class
+spelling of ``@autostate.stateful``, with PyTorch's module protocol:
+``forward``, ``register_buffer``, ``named_parameters``, ``modules``,
+``apply``; see ``autostate.nn.module``), with PyTorch's semantics and names: default initialisation,
 weight layouts (``Linear.weight`` is ``[out, in]``, ``Conv2d.weight``
 ``[out, in / groups, kh, kw]``), channels-first inputs, attribute names
 (``weight``, ``bias``, ``running_mean``, ``running_var``,
 ``num_batches_tracked``), so a PyTorch checkpoint's arrays copy over as they
 are. Paths differ only in spelling: PyTorch's ``layers.0.weight`` is
-``layers[0].weight`` here.
+``layers[0].weight`` here for a plain list (a ``ModuleList`` or
+``ModuleDict`` keeps PyTorch's spelling: ``h.0.weight``). ``nn.init`` has
+PyTorch's initialisers, which write the model in place.
 
 **Train and eval.** Every decorated class has ``model.train(mode=True)`` and
 ``model.eval()`` (unless it defines its own), which set ``training`` on the
@@ -51,13 +54,33 @@ Examples:
 
 from __future__ import annotations
 
-from autostate.nn.activation import GELU, Flatten, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
+from autostate.nn import init
+from autostate.nn.activation import (
+    CELU,
+    ELU,
+    GELU,
+    SELU,
+    Flatten,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
+    Identity,
+    LeakyReLU,
+    Mish,
+    ReLU,
+    ReLU6,
+    Sigmoid,
+    SiLU,
+    Softmax,
+    Tanh,
+)
 from autostate.nn.attention import MultiheadAttention
 from autostate.nn.container import Sequential
 from autostate.nn.conv import Conv1d, Conv2d, ConvTranspose2d
 from autostate.nn.dropout import Dropout
 from autostate.nn.embedding import Embedding
 from autostate.nn.linear import Linear
+from autostate.nn.module import Module, ModuleDict, ModuleList, Parameter
 from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from autostate.nn.random import KeyStream, manual_seed
@@ -69,31 +92,45 @@ __all__: list[str] = [
     "AvgPool2d",
     "BatchNorm1d",
     "BatchNorm2d",
+    "CELU",
     "Conv1d",
     "Conv2d",
     "ConvTranspose2d",
     "Dropout",
+    "ELU",
     "Embedding",
     "Flatten",
     "GELU",
     "GRU",
     "GRUCell",
     "GroupNorm",
+    "Hardsigmoid",
+    "Hardswish",
+    "Hardtanh",
     "Identity",
     "KeyStream",
     "LSTM",
     "LSTMCell",
     "LayerNorm",
+    "LeakyReLU",
     "Linear",
     "MaxPool2d",
+    "Mish",
+    "Module",
+    "ModuleDict",
+    "ModuleList",
     "MultiheadAttention",
+    "Parameter",
     "RMSNorm",
     "ReLU",
+    "ReLU6",
+    "SELU",
     "Sequential",
     "SiLU",
     "Sigmoid",
     "Softmax",
     "Tanh",
+    "init",
     "load_torch_state_dict",
     "manual_seed",
     "torch_state_dict",

@@ -1,36 +1,219 @@
-"""Activations and shape helpers: ``ReLU``, ``GELU``, ``SiLU``, ``Tanh``,
-``Sigmoid``, ``Softmax``, ``Identity``, ``Flatten``, as in ``torch.nn``.
+"""Activations and shape helpers: ``ReLU``, ``ReLU6``, ``LeakyReLU``, ``ELU``,
+``SELU``, ``CELU``, ``Hardtanh``, ``Hardsigmoid``, ``Hardswish``, ``Mish``,
+``GELU``, ``SiLU``, ``Tanh``, ``Sigmoid``, ``Softmax``, ``Identity``,
+``Flatten``, as in ``torch.nn``.
 
 They hold no arrays, only their configuration, so ``functionalize()`` gives
-them no states and no parameters.
+them no states and no parameters. ``inplace=`` is accepted wherever PyTorch
+accepts it (by keyword or position) and changes nothing: JAX arrays are
+values, so the result is the same array PyTorch's in-place call leaves in
+the input, and the input a caller still holds is unchanged. PyTorch code that
+relies on ``inplace=True`` changing a tensor the caller still reads
+afterwards (rare: autograd refuses most of it) sees the old value here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 
-__all__ = ["GELU", "Flatten", "Identity", "ReLU", "SiLU", "Sigmoid", "Softmax", "Tanh"]
+__all__ = [
+    "CELU",
+    "ELU",
+    "GELU",
+    "Flatten",
+    "Hardsigmoid",
+    "Hardswish",
+    "Hardtanh",
+    "Identity",
+    "LeakyReLU",
+    "Mish",
+    "ReLU",
+    "ReLU6",
+    "SELU",
+    "SiLU",
+    "Sigmoid",
+    "Softmax",
+    "Tanh",
+]
 
 
-class ReLU(Stateful):
+class ReLU(Module):
     """``max(x, 0)``.
 
     Differences from PyTorch:
-        ``torch.nn.ReLU``. JAX arrays are immutable, so the output is always a new
-        array, where torch's ``inplace=True`` overwrites the input.
+        ``torch.nn.ReLU``. JAX arrays are immutable: the output is always a new
+        array, and ``inplace=True`` is accepted and changes nothing.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> print(nn.ReLU(inplace=True)(jnp.array([-1.0, 2.0])))
+        [0. 2.]
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
 
-class GELU(Stateful):
+class ReLU6(Module):
+    """``min(max(x, 0), 6)``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x, 0.0, 6.0)
+
+
+class LeakyReLU(Module):
+    """``x`` where positive, ``negative_slope * x`` elsewhere.
+
+    Args:
+        negative_slope: the slope below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, negative_slope: float = 1e-2, inplace: bool = False):
+        self.negative_slope = negative_slope
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x >= 0, x, x * self.negative_slope)
+
+
+class ELU(Module):
+    """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere.
+
+    Args:
+        alpha: the scale below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        self.alpha = alpha
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0)))
+
+
+class Hardtanh(Module):
+    """``x`` clipped to ``[min_val, max_val]``.
+
+    Args:
+        min_val: the lower bound.
+        max_val: the upper bound.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
+        if max_val <= min_val:
+            raise InvalidArgumentError(
+                format_error(
+                    f"Hardtanh(min_val={min_val}, max_val={max_val}): max_val must be greater "
+                    "than min_val.",
+                    fix="pass min_val < max_val.",
+                )
+            )
+        self.min_val = min_val
+        self.max_val = max_val
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x, self.min_val, self.max_val)
+
+
+class SELU(Module):
+    """``scale * (x if x > 0 else alpha * (exp(x) - 1))`` with PyTorch's constants.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        alpha, scale = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+        return scale * jnp.where(x > 0, x, alpha * jnp.expm1(jnp.minimum(x, 0.0)))
+
+
+class CELU(Module):
+    """``x`` where positive, ``alpha * (exp(x / alpha) - 1)`` elsewhere.
+
+    Args:
+        alpha: the scale below zero.
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        self.alpha = alpha
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x > 0, x, self.alpha * jnp.expm1(jnp.minimum(x, 0.0) / self.alpha))
+
+
+class Hardsigmoid(Module):
+    """``relu6(x + 3) / 6``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+class Hardswish(Module):
+    """``x * relu6(x + 3) / 6`` (MobileNetV3's activation).
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return x * jnp.clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+class Mish(Module):
+    """``x * tanh(softplus(x))``.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
+    """
+
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return x * jnp.tanh(jax.nn.softplus(x))
+
+
+class GELU(Module):
     """The Gaussian error linear unit, exact (``erf``) or ``approximate='tanh'``.
 
     Args:
@@ -58,48 +241,54 @@ class GELU(Stateful):
             )
         self.approximate = approximate
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if self.approximate == "tanh":
             inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
             return 0.5 * x * (1 + jnp.tanh(inner))
         return 0.5 * x * (1 + jax.lax.erf(x / math.sqrt(2)))
 
 
-class SiLU(Stateful):
+class SiLU(Module):
     """``x * sigmoid(x)`` (swish).
 
     Differences from PyTorch:
         ``torch.nn.SiLU``. The output is always a new array (JAX arrays are
-        immutable), where torch's ``inplace=True`` overwrites the input.
+        immutable); ``inplace=True`` is accepted and changes nothing.
+
+    Args:
+        inplace: accepted for PyTorch's signature; changes nothing.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __init__(self, inplace: bool = False):
+        self.inplace = inplace
+
+    def forward(self, x: jax.Array) -> jax.Array:
         return x * jax.nn.sigmoid(x)
 
 
-class Tanh(Stateful):
+class Tanh(Module):
     """``tanh(x)``.
 
     Differences from PyTorch:
         ``torch.nn.Tanh``.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jnp.tanh(x)
 
 
-class Sigmoid(Stateful):
+class Sigmoid(Module):
     """``1 / (1 + exp(-x))``.
 
     Differences from PyTorch:
         ``torch.nn.Sigmoid``.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(x)
 
 
-class Softmax(Stateful):
+class Softmax(Module):
     """``softmax`` along ``dim``.
 
     Args:
@@ -114,25 +303,29 @@ class Softmax(Stateful):
     def __init__(self, dim: int | None = None):
         self.dim = dim
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         dim = self.dim
         if dim is None:
             dim = 0 if x.ndim in (0, 1, 3) else 1
         return jax.nn.softmax(x, axis=dim)
 
 
-class Identity(Stateful):
+class Identity(Module):
     """Returns its input (a placeholder layer).
 
     Differences from PyTorch:
-        ``torch.nn.Identity`` ignores any arguments it is built with; this one takes none.
+        ``torch.nn.Identity``: any arguments it is built with are ignored, as
+        torch ignores them.
     """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def forward(self, x: jax.Array) -> jax.Array:
         return x
 
 
-class Flatten(Stateful):
+class Flatten(Module):
     """Flattens axes ``start_dim`` to ``end_dim`` (both included) into one.
 
     Differences from PyTorch:
@@ -149,7 +342,7 @@ class Flatten(Stateful):
         self.start_dim = start_dim
         self.end_dim = end_dim
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if x.ndim == 0:
             return x.reshape(1)
         start, end = self.start_dim % x.ndim, self.end_dim % x.ndim

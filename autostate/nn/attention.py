@@ -28,11 +28,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
 from autostate.nn.linear import Linear
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["MultiheadAttention"]
@@ -57,7 +57,7 @@ def _refuse(message: str, fix: str) -> InvalidArgumentError:
     return InvalidArgumentError(format_error(message, fix=fix))
 
 
-class MultiheadAttention(Stateful):
+class MultiheadAttention(Module):
     """Multi-head attention, as ``torch.nn.MultiheadAttention``, with an optional KV cache.
 
     ``query`` is ``[L, N, E]`` (``[N, L, E]`` with ``batch_first=True``) or
@@ -185,7 +185,7 @@ class MultiheadAttention(Stateful):
             self.v_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), dtype)
             self.cache_pos = jnp.zeros((), jnp.int32)
 
-    def __call__(
+    def forward(
         self,
         query: Array,
         key: Array,
@@ -223,8 +223,6 @@ class MultiheadAttention(Stateful):
         if not need_weights:
             return output, None
         return output, weights.mean(-3) if average_attn_weights else weights
-
-    forward = __call__
 
     def _project(self, query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
         """The input projections: ``[N, L, E]`` queries, ``[N, S, E]`` keys and values."""
@@ -264,7 +262,7 @@ class MultiheadAttention(Stateful):
                 f"build the layer with cache_batch_size={batch}, or call reset_cache(batch_size={batch}).",
             )
         position = self.cache_pos
-        known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in __call__
+        known = not isinstance(position, jax.core.Tracer)  # eagerly; under jit, NaN in forward
         if length > max_len or known and int(position) + length > max_len:
             written = int(position) if known else "some"
             raise _refuse(

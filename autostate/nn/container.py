@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autostate.api import Stateful
+from autostate.nn.module import Module
 
 __all__ = ["Sequential"]
 
 
-class Sequential(Stateful):
+class Sequential(Module):
     """Calls its layers in order, each on the previous one's output, as
     ``torch.nn.Sequential``.
 
@@ -45,7 +45,7 @@ class Sequential(Stateful):
     def __init__(self, *layers: Callable[..., Any]):
         self.layers = list(layers)
 
-    def __call__(self, x: Any) -> Any:
+    def forward(self, x: Any) -> Any:
         for layer in self.layers:
             x = layer(x)
         return x

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import fan_in_bound, uniform
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Conv1d", "Conv2d", "ConvTranspose2d"]
@@ -56,7 +56,7 @@ def _check_groups(in_channels: int, out_channels: int, groups: int) -> None:
         )
 
 
-class _ConvNd(Stateful):
+class _ConvNd(Module):
     """An ``n``-dimensional convolution (``Conv1d`` and ``Conv2d`` fix ``n``)."""
 
     def __init__(
@@ -114,7 +114,7 @@ class _ConvNd(Stateful):
             return [(t // 2, t - t // 2) for t in totals]
         return [(p, p) for p in self.padding if isinstance(p, int)]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         n = len(self.kernel_size)
         y = jax.lax.conv_general_dilated(
             x,
@@ -246,7 +246,7 @@ class Conv2d(_ConvNd):
         )
 
 
-class ConvTranspose2d(Stateful):
+class ConvTranspose2d(Module):
     """A transposed 2-d convolution (the gradient of ``Conv2d`` with respect
     to its input), as ``torch.nn.ConvTranspose2d``.
 
@@ -332,7 +332,7 @@ class ConvTranspose2d(Stateful):
         w = self.weight.reshape(g, i // g, o, kh, kw).transpose(0, 2, 1, 3, 4)
         return w.reshape(g * o, i // g, kh, kw)[:, :, ::-1, ::-1]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         pads = []
         for k, p, op, d in zip(
             self.kernel_size, self.padding, self.output_padding, self.dilation, strict=True

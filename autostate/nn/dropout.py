@@ -5,14 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Dropout"]
 
 
-class Dropout(Stateful):
+class Dropout(Module):
     """Zeroes each element with probability ``p`` and scales the rest by
     ``1 / (1 - p)`` in training; the identity in evaluation, as ``torch.nn.Dropout``.
 
@@ -24,6 +24,8 @@ class Dropout(Stateful):
 
     Args:
         p: the probability of zeroing an element.
+        inplace: accepted for PyTorch's signature; changes nothing (JAX
+            arrays are values).
         key: where the layer's key comes from (see ``autostate.nn.random``).
 
     Differences from PyTorch:
@@ -44,7 +46,7 @@ class Dropout(Stateful):
         [1. 1. 1.]
     """
 
-    def __init__(self, p: float = 0.5, *, key: KeyLike = None):
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, key: KeyLike = None):
         if not 0 <= p <= 1:
             raise InvalidArgumentError(
                 format_error(
@@ -53,10 +55,11 @@ class Dropout(Stateful):
                 )
             )
         self.p = p
+        self.inplace = inplace
         self.training = True
         self.key = split_key(key)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if not self.training:
             return x
         self.key, mask_key = jax.random.split(self.key)

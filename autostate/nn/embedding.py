@@ -7,14 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Embedding"]
 
 
-class Embedding(Stateful):
+class Embedding(Module):
     """Rows of ``weight`` (``[num_embeddings, embedding_dim]``, drawn from
     ``N(0, 1)``) picked by integer indices.
 
@@ -69,7 +69,7 @@ class Embedding(Stateful):
             weight = weight.at[padding_idx].set(0)
         self.weight = weight
 
-    def __call__(self, indices: jax.Array) -> jax.Array:
+    def forward(self, indices: jax.Array) -> jax.Array:
         weight = self.weight
         if self.padding_idx is not None:
             # The padding row keeps its value but passes no gradient back.

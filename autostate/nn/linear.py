@@ -7,14 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.nn._init import fan_in_bound, uniform
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["Linear"]
 
 
-class Linear(Stateful):
+class Linear(Module):
     """``y = x @ weight.T + bias``, as ``torch.nn.Linear``.
 
     ``weight`` is ``[out_features, in_features]`` and both it and ``bias``
@@ -59,7 +59,7 @@ class Linear(Stateful):
         self.weight = uniform(weight_key, (out_features, in_features), bound, dtype)
         self.bias = uniform(bias_key, (out_features,), bound, dtype) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         y = x @ self.weight.T
         if self.bias is not None:
             y = y + self.bias

@@ -8,7 +8,7 @@ with the unbiased variance) by ``momentum``, or by the cumulative average
 ``model.eval()``) it normalises with the running statistics. With
 ``track_running_stats=False`` there are no running statistics and the batch's
 are used in both modes. The running statistics and ``num_batches_tracked``
-are states (``__call__`` assigns them); ``weight`` and ``bias`` are
+are states (``forward`` assigns them); ``weight`` and ``bias`` are
 parameters.
 """
 
@@ -20,13 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 
-class _BatchNorm(Stateful):
+class _BatchNorm(Module):
     """Batch normalisation over axis 1 (channels) of ``[N, C, *spatial]``."""
 
     input_ranks: tuple[int, ...] = ()
@@ -62,7 +62,7 @@ class _BatchNorm(Stateful):
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if x.ndim not in self.input_ranks:
             raise InvalidArgumentError(
                 format_error(
@@ -175,7 +175,7 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(normalized_shape)
 
 
-class LayerNorm(Stateful):
+class LayerNorm(Module):
     """Normalises over the last ``len(normalized_shape)`` axes, as ``torch.nn.LayerNorm``.
 
     Args:
@@ -212,7 +212,7 @@ class LayerNorm(Stateful):
         self.weight = jnp.ones(self.normalized_shape, dtype) if affine else None
         self.bias = jnp.zeros(self.normalized_shape, dtype) if affine and bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
         mean = x.mean(axes, keepdims=True)
         var = x.var(axes, keepdims=True)
@@ -224,7 +224,7 @@ class LayerNorm(Stateful):
         return y
 
 
-class GroupNorm(Stateful):
+class GroupNorm(Module):
     """Normalises each of ``num_groups`` channel groups of ``[N, C, *]``
     inputs over the group's channels and positions, as ``torch.nn.GroupNorm``.
 
@@ -269,7 +269,7 @@ class GroupNorm(Stateful):
         self.weight = jnp.ones(num_channels, dtype) if affine else None
         self.bias = jnp.zeros(num_channels, dtype) if affine else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         n = x.shape[0]
         grouped = x.reshape(n, self.num_groups, -1)
         mean = grouped.mean(-1, keepdims=True)
@@ -283,7 +283,7 @@ class GroupNorm(Stateful):
         return y
 
 
-class RMSNorm(Stateful):
+class RMSNorm(Module):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last
     ``len(normalized_shape)`` axes, as ``torch.nn.RMSNorm``.
 
@@ -318,7 +318,7 @@ class RMSNorm(Stateful):
         self.elementwise_affine = elementwise_affine
         self.weight = jnp.ones(self.normalized_shape, dtype) if elementwise_affine else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
         eps = jnp.finfo(x.dtype).eps if self.eps is None else self.eps
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + eps)

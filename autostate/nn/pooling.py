@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn.module import Module
 
 __all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d"]
 
@@ -40,7 +40,7 @@ def _check_padding(kernel: tuple[int, int], padding: tuple[int, int]) -> None:
         )
 
 
-class MaxPool2d(Stateful):
+class MaxPool2d(Module):
     """The maximum of each window; padding counts as ``-inf``.
 
     Args:
@@ -74,7 +74,7 @@ class MaxPool2d(Stateful):
         self.dilation = _pair(dilation)
         _check_padding(self.kernel_size, self.padding)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         if self.dilation != (1, 1):
             return self._dilated(x)
         return jax.lax.reduce_window(
@@ -100,7 +100,7 @@ class MaxPool2d(Stateful):
         return result
 
 
-class AvgPool2d(Stateful):
+class AvgPool2d(Module):
     """The mean of each window.
 
     Args:
@@ -134,7 +134,7 @@ class AvgPool2d(Stateful):
         self.count_include_pad = count_include_pad
         _check_padding(self.kernel_size, self.padding)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         window = _window(self.kernel_size, self.stride, self.padding)
         total = jax.lax.reduce_window(x, 0.0, jax.lax.add, **window)
         if self.count_include_pad or self.padding == (0, 0):
@@ -153,7 +153,7 @@ def _adaptive_weights(size_in: int, size_out: int) -> jax.Array:
     return jnp.array(rows)
 
 
-class AdaptiveAvgPool2d(Stateful):
+class AdaptiveAvgPool2d(Module):
     """Averages to a fixed ``output_size``, whatever the input's size.
 
     An output size that divides the input's averages equal blocks; any other
@@ -178,7 +178,7 @@ class AdaptiveAvgPool2d(Stateful):
             output_size = (output_size, output_size)
         self.output_size = tuple(output_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def forward(self, x: jax.Array) -> jax.Array:
         *batch, height, width = x.shape
         out_h, out_w = (
             size if out is None else out

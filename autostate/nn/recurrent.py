@@ -8,7 +8,7 @@ initialisation is torch's: every weight and bias uniform in
 ``±1/sqrt(hidden_size)``.
 
 A sequence runs as one ``jax.lax.scan`` per layer and direction, written
-plainly inside ``__call__`` (``forward`` is the same method, as in torch).
+plainly inside ``forward`` (``model(x)`` calls it, as in torch).
 
 **State carried between calls.** With ``carry_state=True`` a layer keeps its
 last hidden state (``h``, plus ``c`` for the LSTM) as state: a call without
@@ -31,10 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
 from autostate.nn.dropout import Dropout
+from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
 __all__ = ["GRU", "LSTM", "GRUCell", "LSTMCell", "gru_step", "lstm_step"]
@@ -83,7 +83,7 @@ def _check_carried(layer: object, carried: Array | None, expected: tuple[int, ..
     return carried
 
 
-class LSTMCell(Stateful):
+class LSTMCell(Module):
     """One LSTM step, as ``torch.nn.LSTMCell``.
 
     Args:
@@ -131,7 +131,7 @@ class LSTMCell(Stateful):
         self.h: Array | None = None
         self.c: Array | None = None
 
-    def __call__(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
+    def forward(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
         """Returns ``(h, c)`` after one step; ``input`` is ``[batch, input_size]`` or ``[input_size]``."""
         if hx is None:
             shape = (*input.shape[:-1], self.hidden_size)
@@ -144,7 +144,6 @@ class LSTMCell(Stateful):
             self.h, self.c = h, c
         return h, c
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``(h, c)``: the next call starts from zeros."""
@@ -152,7 +151,7 @@ class LSTMCell(Stateful):
         self.c = None
 
 
-class GRUCell(Stateful):
+class GRUCell(Module):
     """One GRU step, as ``torch.nn.GRUCell``.
 
     Args:
@@ -199,7 +198,7 @@ class GRUCell(Stateful):
         self.bias_hh = uniform(k_bhh, (3 * hidden_size,), bound, dtype) if bias else None
         self.h: Array | None = None
 
-    def __call__(self, input: Array, hx: Array | None = None) -> Array:
+    def forward(self, input: Array, hx: Array | None = None) -> Array:
         """Returns ``h`` after one step; ``input`` is ``[batch, input_size]`` or ``[input_size]``."""
         if hx is None:
             shape = (*input.shape[:-1], self.hidden_size)
@@ -212,7 +211,6 @@ class GRUCell(Stateful):
             self.h = h
         return h
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``h``: the next call starts from zeros."""
@@ -292,7 +290,7 @@ def _check_proj_size(proj_size: int) -> None:
         )
 
 
-class LSTM(Stateful):
+class LSTM(Module):
     """A multi-layer LSTM over a sequence, as ``torch.nn.LSTM``.
 
     ``input`` is ``[seq, batch, input_size]`` (``[batch, seq, input_size]``
@@ -371,7 +369,7 @@ class LSTM(Stateful):
         self.h: Array | None = None
         self.c: Array | None = None
 
-    def __call__(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array]]:
+    def forward(self, input: Array, hx: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array]]:
         """Runs the sequence; returns ``(output, (h_n, c_n))`` as torch does."""
         x, restore = _time_major(input, self.batch_first)
         if hx is None:
@@ -404,7 +402,6 @@ class LSTM(Stateful):
             self.h, self.c = final
         return restore(x), final
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``(h_n, c_n)``: the next call starts from zeros."""
@@ -412,7 +409,7 @@ class LSTM(Stateful):
         self.c = None
 
 
-class GRU(Stateful):
+class GRU(Module):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
 
     Shapes as ``LSTM``'s, with ``hx`` a single ``h_0``; a call returns
@@ -480,7 +477,7 @@ class GRU(Stateful):
         self.inter_layer_dropout = Dropout(dropout, key=dropout_key) if dropout > 0 else None
         self.h: Array | None = None
 
-    def __call__(self, input: Array, hx: Array | None = None) -> tuple[Array, Array]:
+    def forward(self, input: Array, hx: Array | None = None) -> tuple[Array, Array]:
         """Runs the sequence; returns ``(output, h_n)`` as torch does."""
         x, restore = _time_major(input, self.batch_first)
         if hx is None:
@@ -512,7 +509,6 @@ class GRU(Stateful):
             self.h = final
         return restore(x), final
 
-    forward = __call__
 
     def reset_state(self) -> None:
         """Forgets the carried ``h_n``: the next call starts from zeros."""

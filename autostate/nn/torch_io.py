@@ -37,7 +37,7 @@ import dataclasses
 import difflib
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
@@ -81,6 +81,46 @@ def _is_target(x: Any) -> bool:
     return _values.is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef)
 
 
+def own_members(
+    node: Any, caller: str, is_member: Callable[[Any], bool]
+) -> Iterator[tuple[list[str], Any, bool]]:
+    """What one instance holds itself, under PyTorch's names (relative to it):
+    ``(name parts, value, persistent)``.
+
+    A value is a member picked by ``is_member`` (an array, a state) or a
+    sub-model (a decorated instance or a stack), where the walk stops; lists,
+    dicts and tuples on the way are walked into (``layers[0]`` is
+    ``layers.0``). A class that keeps its layers in one list attribute
+    named in ``_torch_children`` (``Sequential``) has that attribute left out
+    of the names. A path through a bound method (``self.act =
+    self.sub.forward``) is no module path, as in PyTorch, and is not
+    yielded. ``persistent`` is false for a state the instance or its class
+    lists in ``_torch_not_persistent`` (a KV cache, a carried hidden state, a
+    ``register_buffer(..., persistent=False)``): PyTorch's non-persistent
+    buffers, in no ``state_dict``.
+
+    This is the one step from an instance to its torch-named contents that
+    ``torch_state_dict``, ``load_torch_state_dict`` and ``nn.Module``'s
+    ``named_modules`` / ``named_parameters`` / ``named_buffers`` share.
+    """
+
+    def is_target(x: Any) -> bool:
+        return x is not node and (
+            is_member(x) or _graph.is_stateful_instance(x) or _stacks.is_stack(x)
+        )
+
+    skip = getattr(type(node), "_torch_children", None)
+    not_persistent = getattr(node, "_torch_not_persistent", ())
+    for path, value in _graph.iter_tree(node, is_target):
+        parts = torch_parts(path, caller)
+        if "__self__" in parts:
+            continue
+        persistent = parts[0] not in not_persistent
+        if skip is not None and parts[:1] == [skip]:
+            parts = parts[1:]
+        yield parts, value, persistent
+
+
 def _paths(
     node: Any, caller: str, ancestors: tuple[int, ...] = ()
 ) -> Iterator[tuple[list[str], Any, tuple[int, ...]]]:
@@ -88,31 +128,22 @@ def _paths(
     with the positions in the parts where the index of a layer goes (one per
     stack the path goes through, outermost first).
 
-    ``tree.iter_tree`` walks one instance's own attributes, yielding each
-    target on every path and stopping at sub-models; each sub-model is
-    walked again under every path that reaches it, as PyTorch's
-    ``state_dict`` recurses into a shared module once per parent. A path
-    back to an enclosing instance, or through a bound method
-    (``self.act = self.sub.forward``), is not followed.
+    ``own_members`` gives one instance's own arrays and states (every
+    persistent one, on each path) and its sub-models. As PyTorch's
+    ``state_dict``, an instance lists its parameters, then its buffers
+    (states and constants), then its sub-models; each sub-model is walked
+    again under every path that reaches it, as PyTorch recurses into a
+    shared module once per parent. A path back to an enclosing instance is
+    not followed.
     """
+    members = [(p, v) for p, v, persistent in own_members(node, caller, _is_target) if persistent]
 
-    def is_target(x: Any) -> bool:
-        return x is not node and (
-            _is_target(x) or _graph.is_stateful_instance(x) or _stacks.is_stack(x)
-        )
+    def rank(value: Any) -> int:
+        if _values.is_array(value):
+            return 0  # a parameter (the constants of f.model are ConstantRefs)
+        return 1 if type(value) in (HandledLocalStateRef, ConstantRef) else 2
 
-    skip = getattr(type(node), "_torch_children", None)
-    # States a class names in ``_torch_not_persistent`` (a KV cache, a carried
-    # hidden state) are PyTorch's non-persistent buffers: in no state_dict.
-    not_persistent = getattr(type(node), "_torch_not_persistent", ())
-    for path, value in _graph.iter_tree(node, is_target):
-        parts = _torch_parts(path, caller)
-        if "__self__" in parts:  # through a bound method: no module path, as in PyTorch
-            continue
-        if parts[0] in not_persistent:
-            continue
-        if skip is not None and parts[:1] == [skip]:
-            parts = parts[1:]
+    for parts, value in sorted(members, key=lambda m: rank(m[1])):  # stable: in order
         if _stacks.is_stack(value):
             for sub, leaf, at in _paths(value.stacked, caller, (*ancestors, id(node))):
                 yield parts + sub, leaf, (len(parts), *(len(parts) + a for a in at))
@@ -123,7 +154,14 @@ def _paths(
                 yield parts + sub, leaf, tuple(len(parts) + a for a in at)
 
 
-def _torch_parts(path: str, caller: str) -> list[str]:
+def torch_parts(path: str, caller: str) -> list[str]:
+    """An autostate path as PyTorch's name parts: ``blocks[0].attn`` is
+    ``["blocks", "0", "attn"]``, ``h['wte']`` is ``["h", "wte"]``.
+
+    Raises:
+        StateDictError: a step that is not an attribute, an index or a
+            string/int mapping key (``caller`` names the function asked).
+    """
     parts: list[str] = []
     at = 0
     text = path if not path or path[0] in ".[" else "." + path
@@ -187,7 +225,7 @@ def _entries(
             ]
         for kind, key, suffix, whole in found:
             for layer in np.ndindex(*np.shape(whole)[: len(at)]):
-                here = parts + _torch_parts(suffix, caller)
+                here = parts + torch_parts(suffix, caller)
                 for position, i in sorted(zip(at, layer), reverse=True):
                     here.insert(position, str(i))
                 name = ".".join(here)
@@ -225,7 +263,8 @@ def torch_state_dict(model: Any, tied: Literal["both", "first"] = "both") -> dic
     item ``h['wte'].weight`` is ``h.wte.weight``, a ``Sequential``'s layers
     are numbered directly under it (``0.weight``). Parameters and states
     (PyTorch's buffers: ``running_mean``, ``num_batches_tracked``, constants)
-    are listed in the model's attribute order. Static values are not listed.
+    are listed in PyTorch's order: a module's parameters, its buffers, then
+    its sub-modules, each in attribute order. Static values are not listed.
 
     Gradients by PyTorch name: given a tree shaped like ``f`` (the gradients
     ``autostate.grad`` and ``autostate.value_and_grad`` return, or

@@ -38,6 +38,12 @@ from autostate.transform.method import (
     runtime_name,
 )
 
+# ``self.register_buffer("x", v)``: PyTorch's spelling of a declared buffer.
+# Recorded for every class; it declares ``x`` (as ``self.x =
+# autostate.constant(v)`` does) only in a class that says its
+# ``register_buffer`` declares (``analyze_class``'s ``declaring_methods``:
+# ``autostate.nn.Module``), not where a class of its own defines one.
+_DECLARING_METHODS = frozenset({"register_buffer"})
 # Calls whose result is a mutable container, by the dotted name they spell.
 _CONTAINER_CONSTRUCTORS = frozenset(
     {"list", "dict", "set", "bytearray", "collections.deque", "collections.OrderedDict",
@@ -95,6 +101,10 @@ class MethodFacts:
     # class (``type(self).m``, ``self.__class__.m``, ``Cls.m``).
     self_calls: set[str] = dataclasses.field(default_factory=set)
     declarations: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    # ``self.register_buffer("x", v)`` (``_DECLARING_METHODS``), with its line:
+    # where the class's ``register_buffer`` declares, ``x`` is a declared
+    # state wherever the call is.
+    buffers: dict[str, int] = dataclasses.field(default_factory=dict)
     # Dotted names called (or passed to a call, or used as a decorator): the
     # caller resolves them to find jax.lax control flow to route to autostate.
     references: set[str] = dataclasses.field(default_factory=set)
@@ -1065,6 +1075,8 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         attr = self._attr(func)
         if attr is not None:
             self.facts.self_calls.add(attr)
+            if attr in _DECLARING_METHODS:
+                self._declared_buffer(node)
         receiver = inplace_receiver(node)
         if receiver is not None:
             self.facts.updates_in_place = True
@@ -1079,6 +1091,16 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
                 self.facts.mutating_depths.append(_subscript_depth(func.value))
+
+    def _declared_buffer(self, node: cst.Call) -> None:
+        """``self.register_buffer("x", v, ...)``: a write of ``x`` that declares it."""
+        positional = [a.value for a in node.args if a.keyword is None and a.star == ""]
+        named = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        name_expr = positional[0] if positional else named.get("name")
+        name = _literal_name(name_expr) if name_expr is not None else None
+        if name is None:
+            return  # a computed name: ``Module.register_buffer`` checks it at run time
+        self.facts.buffers.setdefault(name, self._line(node))
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         dotted = dotted_name(node.decorator)
@@ -1293,6 +1315,7 @@ def analyze_class(
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
     inherited_properties: frozenset[str] = frozenset(),
+    declaring_methods: frozenset[str] = frozenset(),
 ) -> ClassAnalysis:
     """Decides the state set of a class from the facts of its methods.
 
@@ -1310,6 +1333,10 @@ def analyze_class(
         inherited_properties: properties of base classes; like the class's
             own properties they are never state (assigning one calls its
             setter).
+        declaring_methods: the class's methods that declare a state by a
+            literal name (``{"register_buffer"}`` for ``autostate.nn.Module``):
+            ``self.register_buffer("x", v)`` anywhere is ``self.x =
+            autostate.constant(v)``.
 
     Returns:
         The state set and what construction initializes.
@@ -1333,6 +1360,7 @@ def analyze_class(
         for assignment in facts.assignments:
             if not is_init and assignment.attr not in properties:
                 state.add(assignment.attr)
+        state.update(attr for attr in _buffers(facts, declaring_methods) if attr not in properties)
         if is_init:
             for attr, (func, _line) in facts.declarations.items():
                 if attr not in properties and is_state_declaration(facts, func):
@@ -1480,6 +1508,7 @@ def analyze_class(
             for assignment in facts.assignments:
                 initialized.add(assignment.attr)
                 pending.append(assignment.attr)  # property setters
+            initialized.update(_buffers(facts, declaring_methods))
             # Whatever the method takes from its receiver may run: a call
             # (``self.reset()``), a bound method kept (``r = self.reset``), a
             # property read; and methods taken from its class (``self_calls``).
@@ -1506,6 +1535,12 @@ def analyze_class(
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
     )
+
+
+def _buffers(facts: MethodFacts, declaring_methods: frozenset[str]) -> list[str]:
+    """What ``self.register_buffer("x", ...)`` calls declare, where the class's
+    ``register_buffer`` declares (else nothing: a method of the user's own)."""
+    return list(facts.buffers) if "register_buffer" in declaring_methods else []
 
 
 def _rebuilt(target: str, method: str) -> str:

@@ -107,6 +107,7 @@ def decide_class(
         sorted(set().union(*(_shadowed_builtins(s.function) for s in slots))),
         sorted(class_defaults),
         sorted(_dataclass_pending(cls)),
+        sorted(declaring_methods(cls)),
         sys.version,
     )
     base_files = [f for f in (_module_file(b) for b in user_bases) if f]
@@ -129,6 +130,13 @@ def decide_class(
     originals = {s.key: s.function for s in slots}
     decision = ClassDecision(state, initialized, originals, codes, state & class_defaults)
     return decision, slots
+
+
+def declaring_methods(cls: type) -> frozenset[str]:
+    """The methods of ``cls`` that declare a state by a literal name, as its
+    class attribute ``_autostate_declaring_methods`` lists them
+    (``autostate.nn.Module``: ``("register_buffer",)``)."""
+    return frozenset(getattr(cls, "_autostate_declaring_methods", ()))
 
 
 def _is_plain_value(value: Any) -> bool:
@@ -507,6 +515,7 @@ def _transform(
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
         inherited_properties=properties,
+        declaring_methods=declaring_methods(cls),
     )
     _check_undecorated_bases(cls, bases, result.state, facts)
     codes: dict[str, types.CodeType] = {}

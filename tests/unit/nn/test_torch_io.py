@@ -253,7 +253,8 @@ def test_dict_keys_and_pytree_states_take_dotted_names():
             self.kv = autostate.state({"k": jnp.zeros(3), "v": jnp.ones(3)}, name="cache")
 
     sd = torch_state_dict(Cache())
-    assert list(sd) == ["heads.q.weight", "heads.q.bias", "heads.k.weight", "kv.k", "kv.v"]
+    # PyTorch's order: a module's own buffers before its sub-modules' entries.
+    assert list(sd) == ["kv.k", "kv.v", "heads.q.weight", "heads.q.bias", "heads.k.weight"]
     sd["kv.v"] = np.full(3, 7.0, np.float32)
     np.testing.assert_array_equal(load_torch_state_dict(Cache(), sd).kv["v"], [7.0] * 3)
 

@@ -421,6 +421,32 @@ def test_state_declarations_are_resolved_by_the_caller():
     assert result.declared == {"kv": "autostate.state"}
 
 
+def test_register_buffer_with_a_literal_name_declares_state():
+    facts = [
+        analysis.collect_facts(
+            "M",
+            method(
+                """
+                def __init__(self):
+                    self.register_buffer("mask", make(), persistent=False)
+                    self.register_buffer(name="scale", tensor=make())
+                    self.register_buffer(computed, make())
+                    self.weight = make()
+                """
+            ),
+        )
+    ]
+    line = facts[0].source.first_line
+    assert facts[0].buffers == {"mask": line + 1, "scale": line + 2}
+    result = analysis.analyze_class("M", facts, declaring_methods=frozenset({"register_buffer"}))
+    # Declared wherever the call is, as ``self.x = autostate.constant(v)``;
+    # a computed name is checked at run time by ``Module.register_buffer``.
+    assert result.state == {"mask", "scale"}
+    assert {"mask", "scale", "weight"} <= result.initialized
+    # A class whose register_buffer is its own: a plain call.
+    assert analysis.analyze_class("M", facts).state == frozenset()
+
+
 def test_inherited_state_and_initialization():
     result = analyze(
         "Child",
