@@ -71,6 +71,10 @@ class ReLU(Module):
 class ReLU6(Module):
     """``min(max(x, 0), 6)``.
 
+    Differences from PyTorch:
+        ``torch.nn.ReLU6``; ``inplace=True`` is accepted and changes nothing (JAX
+        arrays are values).
+
     Args:
         inplace: accepted for PyTorch's signature; changes nothing.
     """
@@ -84,6 +88,9 @@ class ReLU6(Module):
 
 class LeakyReLU(Module):
     """``x`` where positive, ``negative_slope * x`` elsewhere.
+
+    Differences from PyTorch:
+        ``torch.nn.LeakyReLU``; ``inplace=True`` is accepted and changes nothing.
 
     Args:
         negative_slope: the slope below zero.
@@ -101,6 +108,9 @@ class LeakyReLU(Module):
 class ELU(Module):
     """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere.
 
+    Differences from PyTorch:
+        ``torch.nn.ELU``; ``inplace=True`` is accepted and changes nothing.
+
     Args:
         alpha: the scale below zero.
         inplace: accepted for PyTorch's signature; changes nothing.
@@ -116,6 +126,9 @@ class ELU(Module):
 
 class Hardtanh(Module):
     """``x`` clipped to ``[min_val, max_val]``.
+
+    Differences from PyTorch:
+        ``torch.nn.Hardtanh``; ``inplace=True`` is accepted and changes nothing.
 
     Args:
         min_val: the lower bound.
@@ -143,6 +156,9 @@ class Hardtanh(Module):
 class SELU(Module):
     """``scale * (x if x > 0 else alpha * (exp(x) - 1))`` with PyTorch's constants.
 
+    Differences from PyTorch:
+        ``torch.nn.SELU``; ``inplace=True`` is accepted and changes nothing.
+
     Args:
         inplace: accepted for PyTorch's signature; changes nothing.
     """
@@ -157,6 +173,9 @@ class SELU(Module):
 
 class CELU(Module):
     """``x`` where positive, ``alpha * (exp(x / alpha) - 1)`` elsewhere.
+
+    Differences from PyTorch:
+        ``torch.nn.CELU``; ``inplace=True`` is accepted and changes nothing.
 
     Args:
         alpha: the scale below zero.
@@ -174,6 +193,9 @@ class CELU(Module):
 class Hardsigmoid(Module):
     """``relu6(x + 3) / 6``.
 
+    Differences from PyTorch:
+        ``torch.nn.Hardsigmoid``; ``inplace=True`` is accepted and changes nothing.
+
     Args:
         inplace: accepted for PyTorch's signature; changes nothing.
     """
@@ -188,6 +210,9 @@ class Hardsigmoid(Module):
 class Hardswish(Module):
     """``x * relu6(x + 3) / 6`` (MobileNetV3's activation).
 
+    Differences from PyTorch:
+        ``torch.nn.Hardswish``; ``inplace=True`` is accepted and changes nothing.
+
     Args:
         inplace: accepted for PyTorch's signature; changes nothing.
     """
@@ -201,6 +226,9 @@ class Hardswish(Module):
 
 class Mish(Module):
     """``x * tanh(softplus(x))``.
+
+    Differences from PyTorch:
+        ``torch.nn.Mish``; ``inplace=True`` is accepted and changes nothing.
 
     Args:
         inplace: accepted for PyTorch's signature; changes nothing.

@@ -68,6 +68,13 @@ class Module(Stateful):
     ``named_parameters``, ``modules``, ``apply`` and their kin mean what they
     mean in PyTorch. Every layer of ``autostate.nn`` is a ``Module``.
 
+    Differences from PyTorch:
+        Sub-models, parameters and buffers are found by walking the attributes
+        (registration is optional); a parameter is a JAX array (immutable: an
+        in-place method on a state is a write of it, ``t.data`` does not exist);
+        ``.to(device)``, hooks and ``state_dict()`` as a method are not provided
+        (use ``autostate.state_dict`` and ``nn.torch_state_dict``).
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import autostate.nn as nn
@@ -248,6 +255,10 @@ class ModuleList(Module):
     PyTorch's in ``param_dict``, ``state_dict`` and ``torch_state_dict``
     alike: ``h.0.attn.weight``.
 
+    Differences from PyTorch:
+        ``torch.nn.ModuleList``; a plain Python list of layers works too (named
+        ``layers[0].w`` in ``param_dict``).
+
     Args:
         modules: the initial sub-models.
 
@@ -326,6 +337,10 @@ class ModuleDict(Module):
     Each entry is an attribute of the dict, so its names are PyTorch's
     (``transformer.wte.weight``). Keys are strings that are not names the
     class uses (``keys``, ``training``), as PyTorch requires.
+
+    Differences from PyTorch:
+        ``torch.nn.ModuleDict``; a plain dict of layers works too (named
+        ``layers['k'].w`` in ``param_dict``).
 
     Args:
         modules: a mapping (or pairs) of name to sub-model.
