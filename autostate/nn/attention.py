@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
+from autostate.nn._precision import precision, promote, statistics_dtype
 from autostate.nn.dropout import Dropout
 from autostate.nn.linear import Linear
 from autostate.nn.module import Module
@@ -91,14 +92,17 @@ class MultiheadAttention(Module):
         max_len: keep a KV cache of this many positions (``None``: no cache).
         cache_batch_size: the batch size ``N`` the cache holds.
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         ``add_bias_kv``, ``add_zero_attn`` must be ``False`` (not built); otherwise the
-        arguments and call of ``torch.nn.MultiheadAttention``, plus keyword-only
-        ``key=`` (where the initial weights come from: an int, a JAX key or a
-        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
-        ``dtype=``; no ``device=`` (JAX places arrays).
+        arguments and call of ``torch.nn.MultiheadAttention``, plus keyword-only ``key=``
+        (where the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted,
+        the default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``max_len`` and ``cache_batch_size`` add a KV cache (states) for decoding, which
         torch leaves to the model; its arrays are no part of the PyTorch ``state_dict``.
@@ -145,6 +149,7 @@ class MultiheadAttention(Module):
         cache_batch_size: int = 1,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         if embed_dim % num_heads:
             raise _refuse(
@@ -166,6 +171,8 @@ class MultiheadAttention(Module):
         self.dropout = dropout
         self.batch_first = batch_first
         keys = jax.random.split(split_key(key), 5)
+        compute = dtype
+        dtype = precision(self, dtype, param_dtype)
         # torch's layout: one packed matrix, or one per input when kdim/vdim differ.
         if self._qkv_same_embed_dim:
             self.in_proj_weight = _xavier_uniform(keys[0], (3 * embed_dim, embed_dim), dtype)
@@ -174,15 +181,18 @@ class MultiheadAttention(Module):
             self.k_proj_weight = _xavier_uniform(keys[1], (embed_dim, self.kdim), dtype)
             self.v_proj_weight = _xavier_uniform(keys[2], (embed_dim, self.vdim), dtype)
         self.in_proj_bias = jnp.zeros(3 * embed_dim, dtype) if bias else None
-        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, key=keys[3], dtype=dtype)
+        self.out_proj = Linear(
+            embed_dim, embed_dim, bias=bias, key=keys[3], dtype=compute, param_dtype=param_dtype
+        )
         if bias:
             self.out_proj.bias = jnp.zeros(embed_dim, dtype)
         # Dropout on the attention weights, with its own key (no layer when p = 0).
         self.attn_dropout = Dropout(dropout, key=keys[4]) if dropout > 0 else None
         self.max_len = max_len
         if max_len is not None:
-            self.k_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), dtype)
-            self.v_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), dtype)
+            # The cache holds activations: it is kept in the compute dtype.
+            self.k_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), self.dtype)
+            self.v_cache = jnp.zeros((cache_batch_size, max_len, embed_dim), self.dtype)
             self.cache_pos = jnp.zeros((), jnp.int32)
 
     def forward(
@@ -204,7 +214,7 @@ class MultiheadAttention(Module):
             query, key, value = (jnp.swapaxes(x, 0, 1) for x in (query, key, value))
         q, k, v = self._project(query, key, value)
         if self.max_len is None:
-            bias = self._mask(query, key, key_padding_mask, attn_mask, is_causal)
+            bias = self._mask(q, key, key_padding_mask, attn_mask, is_causal)
         else:
             if key_padding_mask is not None or attn_mask is not None:
                 raise _refuse(
@@ -230,10 +240,13 @@ class MultiheadAttention(Module):
             w_q, w_k, w_v = jnp.split(self.in_proj_weight, 3)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        query, key, value, w_q, w_k, w_v, in_proj_bias = promote(
+            self, query, key, value, w_q, w_k, w_v, self.in_proj_bias
+        )
         q, k, v = query @ w_q.T, key @ w_k.T, value @ w_v.T
-        if self.in_proj_bias is None:
+        if in_proj_bias is None:
             return q, k, v
-        b_q, b_k, b_v = jnp.split(self.in_proj_bias, 3)
+        b_q, b_k, b_v = jnp.split(in_proj_bias, 3)
         return q + b_q, k + b_k, v + b_v
 
     def _mask(
@@ -287,7 +300,8 @@ class MultiheadAttention(Module):
         scores = (heads(q) * math.sqrt(1.0 / self.head_dim)) @ heads(k).swapaxes(-1, -2)
         if bias is not None:
             scores = scores + bias
-        weights = jax.nn.softmax(scores, axis=-1)
+        # The softmax in float32 at least (its sum), in the scores' dtype after.
+        weights = jax.nn.softmax(scores.astype(statistics_dtype(scores)), axis=-1).astype(scores.dtype)
         if self.attn_dropout is not None:
             weights = self.attn_dropout(weights)
         attended = (weights @ heads(v)).swapaxes(1, 2).reshape(n, length, self.embed_dim)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import fan_in_bound, uniform
+from autostate.nn._precision import precision, promote
 from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
@@ -73,6 +74,7 @@ class _ConvNd(Module):
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         _check_groups(in_channels, out_channels, groups)
         self.in_channels = in_channels
@@ -100,6 +102,7 @@ class _ConvNd(Module):
         else:
             self.padding = _tuple(padding, n, "padding")
         weight_key, bias_key = jax.random.split(split_key(key))
+        dtype = precision(self, dtype, param_dtype)
         bound = fan_in_bound(in_channels // groups * math.prod(self.kernel_size))
         shape = (out_channels, in_channels // groups, *self.kernel_size)
         self.weight = uniform(weight_key, shape, bound, dtype)
@@ -116,17 +119,18 @@ class _ConvNd(Module):
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = len(self.kernel_size)
+        x, weight, bias = promote(self, x, self.weight, self.bias)
         y = jax.lax.conv_general_dilated(
             x,
-            self.weight,
+            weight,
             window_strides=self.stride,
             padding=self._pads(),
             rhs_dilation=self.dilation,
             dimension_numbers=_dimension_numbers(n),
             feature_group_count=self.groups,
         )
-        if self.bias is not None:
-            y = y + self.bias.reshape((-1,) + (1,) * n)
+        if bias is not None:
+            y = y + bias.reshape((-1,) + (1,) * n)
         return y
 
 
@@ -143,13 +147,17 @@ class Conv1d(_ConvNd):
         groups: independent channel groups (``in_channels`` for depthwise).
         bias: whether to add a learned bias.
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         The arguments of ``torch.nn.Conv1d`` but ``padding_mode`` (zeros only), plus
-        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
-        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
-        ``dtype=``; no ``device=`` (JAX places arrays).
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -171,6 +179,7 @@ class Conv1d(_ConvNd):
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         super().__init__(
             1,
@@ -184,6 +193,7 @@ class Conv1d(_ConvNd):
             bias,
             key=key,
             dtype=dtype,
+            param_dtype=param_dtype,
         )
 
 
@@ -201,13 +211,17 @@ class Conv2d(_ConvNd):
         groups: independent channel groups (``in_channels`` for depthwise).
         bias: whether to add a learned bias.
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         The arguments of ``torch.nn.Conv2d`` but ``padding_mode`` (zeros only), plus
-        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
-        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
-        ``dtype=``; no ``device=`` (JAX places arrays).
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -230,6 +244,7 @@ class Conv2d(_ConvNd):
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         super().__init__(
             2,
@@ -243,6 +258,7 @@ class Conv2d(_ConvNd):
             bias,
             key=key,
             dtype=dtype,
+            param_dtype=param_dtype,
         )
 
 
@@ -266,13 +282,17 @@ class ConvTranspose2d(Module):
         bias: whether to add a learned bias.
         dilation: an int or ``(dh, dw)``.
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         The arguments of ``torch.nn.ConvTranspose2d`` but ``padding_mode``, plus
-        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or
-        a ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and
-        ``dtype=``; no ``device=`` (JAX places arrays).
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
         A call takes no ``output_size``: give ``output_padding`` when building it.
 
@@ -298,6 +318,7 @@ class ConvTranspose2d(Module):
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         _check_groups(in_channels, out_channels, groups)
         self.in_channels = in_channels
@@ -318,6 +339,7 @@ class ConvTranspose2d(Module):
                     )
                 )
         weight_key, bias_key = jax.random.split(split_key(key))
+        dtype = precision(self, dtype, param_dtype)
         bound = fan_in_bound(out_channels // groups * math.prod(self.kernel_size))
         shape = (in_channels, out_channels // groups, *self.kernel_size)
         self.weight = uniform(weight_key, shape, bound, dtype)
@@ -339,9 +361,10 @@ class ConvTranspose2d(Module):
         ):
             edge = d * (k - 1) - p
             pads.append((edge, edge + op))
+        x, kernel, bias = promote(self, x, self._forward_kernel(), self.bias)
         y = jax.lax.conv_general_dilated(
             x,
-            self._forward_kernel(),
+            kernel,
             window_strides=(1, 1),
             padding=pads,
             lhs_dilation=self.stride,
@@ -349,6 +372,6 @@ class ConvTranspose2d(Module):
             dimension_numbers=_dimension_numbers(2),
             feature_group_count=self.groups,
         )
-        if self.bias is not None:
-            y = y + self.bias.reshape(-1, 1, 1)
+        if bias is not None:
+            y = y + bias.reshape(-1, 1, 1)
         return y

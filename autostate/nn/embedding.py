@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn._precision import precision, promote
 from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
@@ -26,14 +27,18 @@ class Embedding(Module):
         padding_idx: a row that stays zero and is not trained (negative
             counts from the end).
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the table's dtype.
+        dtype: the compute dtype, and the table's dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the table's storage dtype (Flax's meaning); given, each
+            call casts the table and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         ``max_norm``, ``norm_type``, ``scale_grad_by_freq`` and ``sparse`` are not built
         (``optax`` and ``jnp`` do their jobs); otherwise the arguments of
-        ``torch.nn.Embedding``, plus keyword-only ``key=`` (where the initial weights
-        come from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
-        ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX places arrays).
+        ``torch.nn.Embedding``, plus keyword-only ``key=`` (where the initial weights come
+        from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
+        ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed precision, which
+        torch has not); no ``device=`` (JAX places arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -51,6 +56,7 @@ class Embedding(Module):
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -64,13 +70,14 @@ class Embedding(Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
+        dtype = precision(self, dtype, param_dtype)
         weight = jax.random.normal(split_key(key), (num_embeddings, embedding_dim), dtype)
         if padding_idx is not None:
             weight = weight.at[padding_idx].set(0)
         self.weight = weight
 
     def forward(self, indices: jax.Array) -> jax.Array:
-        weight = self.weight
+        (weight,) = promote(self, self.weight)
         if self.padding_idx is not None:
             # The padding row keeps its value but passes no gradient back.
             row = jax.lax.stop_gradient(weight[self.padding_idx])

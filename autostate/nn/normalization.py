@@ -10,6 +10,11 @@ with the unbiased variance) by ``momentum``, or by the cumulative average
 are used in both modes. The running statistics and ``num_batches_tracked``
 are states (``forward`` assigns them); ``weight`` and ``bias`` are
 parameters.
+
+Statistics (means, variances, mean squares) are computed in float32 at
+least, also for bfloat16 or float16 inputs, and the output is cast back to
+the dtype ``jnp`` promotion of the input and the parameters gives (``dtype``
+with ``param_dtype``, see ``autostate.nn``'s mixed precision).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn._precision import precision, promote, statistics_dtype
 from autostate.nn.module import Module
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
@@ -46,6 +52,7 @@ class _BatchNorm(Module):
         track_running_stats: bool = True,
         *,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         self.num_features = num_features
         self.eps = eps
@@ -53,6 +60,7 @@ class _BatchNorm(Module):
         self.affine = affine
         self.track_running_stats = track_running_stats
         self.training = True
+        dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_features, dtype) if affine else None
         self.bias = jnp.zeros(num_features, dtype) if affine else None
         if track_running_stats:
@@ -74,6 +82,9 @@ class _BatchNorm(Module):
             )
         axes = (0, *range(2, x.ndim))
         per_channel = (1, -1) + (1,) * (x.ndim - 2)
+        x, weight, bias = promote(self, x, self.weight, self.bias)
+        out = _result_type(x, weight, bias)
+        x = x.astype(statistics_dtype(x))
         if self.training or self.running_mean is None:
             mean = x.mean(axes)
             var = x.var(axes)
@@ -93,16 +104,20 @@ class _BatchNorm(Module):
                 else:
                     factor = jnp.asarray(self.momentum, x.dtype)
                 unbiased = var * (count / (count - 1))
-                self.running_mean = (1 - factor) * self.running_mean + factor * mean
-                self.running_var = (1 - factor) * self.running_var + factor * unbiased
+                # The running statistics keep their (storage) dtype.
+                running_mean, running_var = self.running_mean, self.running_var
+                new_mean = (1 - factor) * running_mean + factor * mean
+                new_var = (1 - factor) * running_var + factor * unbiased
+                self.running_mean = new_mean.astype(running_mean.dtype)
+                self.running_var = new_var.astype(running_var.dtype)
         else:
-            mean, var = self.running_mean, self.running_var
+            mean, var = self.running_mean.astype(x.dtype), self.running_var.astype(x.dtype)
         y = (x - mean.reshape(per_channel)) * jax.lax.rsqrt(var.reshape(per_channel) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight.reshape(per_channel)
-        if self.bias is not None:
-            y = y + self.bias.reshape(per_channel)
-        return y
+        if weight is not None:
+            y = y * weight.reshape(per_channel)
+        if bias is not None:
+            y = y + bias.reshape(per_channel)
+        return y.astype(out)
 
 
 class BatchNorm1d(_BatchNorm):
@@ -116,11 +131,16 @@ class BatchNorm1d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
-        dtype: the dtype of the parameters and running statistics.
+        dtype: the compute dtype, and the dtype of the parameters and running
+            statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
+        param_dtype: the storage dtype of the parameters and running statistics
+            (Flax's meaning); given, each call casts the parameters and the input
+            to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.BatchNorm1d``, plus keyword-only ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments of ``torch.nn.BatchNorm1d``, plus keyword-only ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
         The running statistics and ``num_batches_tracked`` are states: a compiled step
         (``autostate.jit``) or ``f(states, ...)`` returns their new values, and
@@ -150,11 +170,16 @@ class BatchNorm2d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
-        dtype: the dtype of the parameters and running statistics.
+        dtype: the compute dtype, and the dtype of the parameters and running
+            statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
+        param_dtype: the storage dtype of the parameters and running statistics
+            (Flax's meaning); given, each call casts the parameters and the input
+            to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         As ``BatchNorm1d``: the arguments of ``torch.nn.BatchNorm2d``, plus keyword-only
-        ``dtype=``; no ``device=`` (JAX places arrays).
+        ``dtype=`` and ``param_dtype=`` (mixed precision, which torch has not); no
+        ``device=`` (JAX places arrays).
 
         Running statistics and ``num_batches_tracked`` (int32) are states.
 
@@ -167,6 +192,11 @@ class BatchNorm2d(_BatchNorm):
     """
 
     input_ranks = (4,)
+
+
+def _result_type(*arrays: jax.Array | None) -> Any:
+    """The dtype of a normalisation's output: ``jnp`` promotion of its input and parameters."""
+    return jnp.result_type(*(a for a in arrays if a is not None))
 
 
 def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -183,11 +213,15 @@ class LayerNorm(Module):
         eps: added to the variance.
         elementwise_affine: whether to learn ``weight`` (and ``bias``).
         bias: whether to learn ``bias`` (with ``elementwise_affine``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.LayerNorm``, plus keyword-only ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments of ``torch.nn.LayerNorm``, plus keyword-only ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -204,24 +238,29 @@ class LayerNorm(Module):
         bias: bool = True,
         *,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         affine = elementwise_affine
+        dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(self.normalized_shape, dtype) if affine else None
         self.bias = jnp.zeros(self.normalized_shape, dtype) if affine and bias else None
 
     def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
+        x, weight, bias = promote(self, x, self.weight, self.bias)
+        out = _result_type(x, weight, bias)
+        x = x.astype(statistics_dtype(x))
         mean = x.mean(axes, keepdims=True)
         var = x.var(axes, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        if self.weight is not None:
-            y = y * self.weight
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y.astype(out)
 
 
 class GroupNorm(Module):
@@ -233,11 +272,15 @@ class GroupNorm(Module):
         num_channels: ``C``.
         eps: added to the variance.
         affine: whether to learn a per-channel ``weight`` and ``bias``.
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.GroupNorm``, plus keyword-only ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments of ``torch.nn.GroupNorm``, plus keyword-only ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -254,6 +297,7 @@ class GroupNorm(Module):
         affine: bool = True,
         *,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         if num_channels % num_groups:
             raise InvalidArgumentError(
@@ -266,21 +310,24 @@ class GroupNorm(Module):
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
+        dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_channels, dtype) if affine else None
         self.bias = jnp.zeros(num_channels, dtype) if affine else None
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = x.shape[0]
-        grouped = x.reshape(n, self.num_groups, -1)
+        x, weight, bias = promote(self, x, self.weight, self.bias)
+        out = _result_type(x, weight, bias)
+        grouped = x.astype(statistics_dtype(x)).reshape(n, self.num_groups, -1)
         mean = grouped.mean(-1, keepdims=True)
         var = grouped.var(-1, keepdims=True)
         y = ((grouped - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
-        if self.weight is not None:
-            per_channel = (1, -1) + (1,) * (x.ndim - 2)
-            y = y * self.weight.reshape(per_channel)
-        if self.bias is not None:
-            y = y + self.bias.reshape((1, -1) + (1,) * (x.ndim - 2))
-        return y
+        per_channel = (1, -1) + (1,) * (x.ndim - 2)
+        if weight is not None:
+            y = y * weight.reshape(per_channel)
+        if bias is not None:
+            y = y + bias.reshape(per_channel)
+        return y.astype(out)
 
 
 class RMSNorm(Module):
@@ -292,11 +339,15 @@ class RMSNorm(Module):
         eps: added to the mean square; ``None`` is the input dtype's machine
             epsilon, as in PyTorch.
         elementwise_affine: whether to learn ``weight``.
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.RMSNorm``, plus keyword-only ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments of ``torch.nn.RMSNorm``, plus keyword-only ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -312,16 +363,21 @@ class RMSNorm(Module):
         elementwise_affine: bool = True,
         *,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(self.normalized_shape, dtype) if elementwise_affine else None
 
     def forward(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
+        x, weight = promote(self, x, self.weight)
+        out = _result_type(x, weight)
         eps = jnp.finfo(x.dtype).eps if self.eps is None else self.eps
+        x = x.astype(statistics_dtype(x))
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + eps)
-        if self.weight is not None:
-            y = y * self.weight
-        return y
+        if weight is not None:
+            y = y * weight
+        return y.astype(out)

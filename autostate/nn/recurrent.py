@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import uniform
+from autostate.nn._precision import precision, promote
 from autostate.nn.dropout import Dropout
 from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
@@ -93,13 +94,16 @@ class LSTMCell(Module):
         carry_state: keep ``(h, c)`` as state and start the next call
             without ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments and call of ``torch.nn.LSTMCell``, plus keyword-only ``key=``
-        (where the initial weights come from: an int, a JAX key or a ``KeyStream``;
-        omitted, the default stream ``manual_seed`` seeds) and ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments and call of ``torch.nn.LSTMCell``, plus keyword-only ``key=`` (where
+        the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
+        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``(h, c)`` as states for the next call.
 
@@ -117,6 +121,7 @@ class LSTMCell(Module):
     def __init__(
         self, input_size: int, hidden_size: int, bias: bool = True, *, carry_state: bool = False, key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ) -> None:
         self.input_size = input_size
         self.hidden_size = hidden_size
@@ -124,6 +129,7 @@ class LSTMCell(Module):
         self.carry_state = carry_state
         bound = 1 / math.sqrt(hidden_size)
         k_ih, k_hh, k_bih, k_bhh = jax.random.split(split_key(key), 4)
+        dtype = precision(self, dtype, param_dtype)
         self.weight_ih = uniform(k_ih, (4 * hidden_size, input_size), bound, dtype)
         self.weight_hh = uniform(k_hh, (4 * hidden_size, hidden_size), bound, dtype)
         self.bias_ih = uniform(k_bih, (4 * hidden_size,), bound, dtype) if bias else None
@@ -139,7 +145,9 @@ class LSTMCell(Module):
                 hx = (_check_carried(self, self.h, shape), _check_carried(self, self.c, shape))
             else:
                 hx = (jnp.zeros(shape, input.dtype), jnp.zeros(shape, input.dtype))
-        h, c = lstm_step(input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        h, c = lstm_step(
+            *promote(self, input, hx[0], hx[1], self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        )
         if self.carry_state:
             self.h, self.c = h, c
         return h, c
@@ -161,13 +169,16 @@ class GRUCell(Module):
         carry_state: keep ``h`` as state and start the next call without
             ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments and call of ``torch.nn.GRUCell``, plus keyword-only ``key=``
-        (where the initial weights come from: an int, a JAX key or a ``KeyStream``;
-        omitted, the default stream ``manual_seed`` seeds) and ``dtype=``; no
-        ``device=`` (JAX places arrays).
+        The arguments and call of ``torch.nn.GRUCell``, plus keyword-only ``key=`` (where
+        the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
+        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h`` as a state for the next call.
 
@@ -185,6 +196,7 @@ class GRUCell(Module):
     def __init__(
         self, input_size: int, hidden_size: int, bias: bool = True, *, carry_state: bool = False, key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ) -> None:
         self.input_size = input_size
         self.hidden_size = hidden_size
@@ -192,6 +204,7 @@ class GRUCell(Module):
         self.carry_state = carry_state
         bound = 1 / math.sqrt(hidden_size)
         k_ih, k_hh, k_bih, k_bhh = jax.random.split(split_key(key), 4)
+        dtype = precision(self, dtype, param_dtype)
         self.weight_ih = uniform(k_ih, (3 * hidden_size, input_size), bound, dtype)
         self.weight_hh = uniform(k_hh, (3 * hidden_size, hidden_size), bound, dtype)
         self.bias_ih = uniform(k_bih, (3 * hidden_size,), bound, dtype) if bias else None
@@ -206,7 +219,7 @@ class GRUCell(Module):
                 hx = _check_carried(self, self.h, shape)
             else:
                 hx = jnp.zeros(shape, input.dtype)
-        h = gru_step(input, hx, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        h = gru_step(*promote(self, input, hx, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh))
         if self.carry_state:
             self.h = h
         return h
@@ -311,13 +324,17 @@ class LSTM(Module):
         carry_state: keep ``(h_n, c_n)`` as state and start the next call
             without ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
         ``proj_size`` must be 0 (not built); otherwise the arguments and call of
-        ``torch.nn.LSTM``, plus keyword-only ``key=`` (where the initial weights come
-        from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
-        ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX places arrays).
+        ``torch.nn.LSTM``, plus keyword-only ``key=`` (where the initial weights come from:
+        an int, a JAX key or a ``KeyStream``; omitted, the default stream ``manual_seed``
+        seeds) and ``dtype=`` and ``param_dtype=`` (mixed precision, which torch has not);
+        no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``(h_n, c_n)`` as states for the next call (a
         stateful RNN), which torch leaves to the caller; they are no part of the PyTorch
@@ -351,6 +368,7 @@ class LSTM(Module):
         carry_state: bool = False,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ) -> None:
         _check_proj_size(proj_size)
         self.input_size = input_size
@@ -363,6 +381,7 @@ class LSTM(Module):
         self.proj_size = proj_size
         self.carry_state = carry_state
         init_key, dropout_key = jax.random.split(split_key(key))
+        dtype = precision(self, dtype, param_dtype)
         _init_layers(self, 4, input_size, hidden_size, num_layers, bias, bidirectional, init_key, dtype)
         # Dropout on each layer's output but the last's, in training (no layer when p = 0).
         self.inter_layer_dropout = Dropout(dropout, key=dropout_key) if dropout > 0 else None
@@ -378,12 +397,13 @@ class LSTM(Module):
                 hx = (_check_carried(self, self.h, shape), _check_carried(self, self.c, shape))
             else:
                 hx = (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype))
-        h_0, c_0 = (h if input.ndim == 3 else h[:, None] for h in hx)
+        x, h_0, c_0 = promote(self, x, *hx)
+        h_0, c_0 = (h if input.ndim == 3 else h[:, None] for h in (h_0, c_0))
         h_n, c_n = [], []
         for number in range(self.num_layers):
             outputs = []
             for direction, suffix in enumerate(_suffixes(self)):
-                weights = _layer_weights(self, number, suffix)
+                weights = promote(self, *_layer_weights(self, number, suffix))
 
                 def step(carry: tuple[Array, Array], x_t: Array) -> tuple[tuple[Array, Array], Array]:
                     h, c = lstm_step(x_t, carry[0], carry[1], *weights)  # noqa: B023 (scanned in this iteration)
@@ -426,13 +446,16 @@ class GRU(Module):
         carry_state: keep ``h_n`` as state and start the next call without
             ``hx`` from it (see the module docstring).
         key: where the initial weights come from (see ``autostate.nn.random``).
-        dtype: the parameters' dtype.
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments and call of ``torch.nn.GRU``, plus keyword-only ``key=`` (where
-        the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted,
-        the default stream ``manual_seed`` seeds) and ``dtype=``; no ``device=`` (JAX
-        places arrays).
+        The arguments and call of ``torch.nn.GRU``, plus keyword-only ``key=`` (where the
+        initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
+        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h_n`` as a state for the next call.
 
@@ -462,6 +485,7 @@ class GRU(Module):
         carry_state: bool = False,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
+        param_dtype: Any = None,
     ) -> None:
         self.input_size = input_size
         self.hidden_size = hidden_size
@@ -472,6 +496,7 @@ class GRU(Module):
         self.bidirectional = bidirectional
         self.carry_state = carry_state
         init_key, dropout_key = jax.random.split(split_key(key))
+        dtype = precision(self, dtype, param_dtype)
         _init_layers(self, 3, input_size, hidden_size, num_layers, bias, bidirectional, init_key, dtype)
         # Dropout on each layer's output but the last's, in training (no layer when p = 0).
         self.inter_layer_dropout = Dropout(dropout, key=dropout_key) if dropout > 0 else None
@@ -486,12 +511,13 @@ class GRU(Module):
                 hx = _check_carried(self, self.h, shape)
             else:
                 hx = jnp.zeros(shape, x.dtype)
+        x, hx = promote(self, x, hx)
         h_0 = hx if input.ndim == 3 else hx[:, None]
         h_n = []
         for number in range(self.num_layers):
             outputs = []
             for direction, suffix in enumerate(_suffixes(self)):
-                weights = _layer_weights(self, number, suffix)
+                weights = promote(self, *_layer_weights(self, number, suffix))
 
                 def step(h: Array, x_t: Array) -> tuple[Array, Array]:
                     h = gru_step(x_t, h, *weights)  # noqa: B023 (scanned in this iteration)
