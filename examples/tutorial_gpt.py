@@ -19,7 +19,13 @@ attributes are states, so ``functionalize()`` turns the model into
    serialize it, and run the deserialized program; export ``generate`` with
    ``autostate.export`` too.
 
-Run: ``python examples/tutorial_gpt.py`` (``--smoke`` for a shorter training).
+With ``--bf16`` the model computes in bfloat16 while its parameters, the
+optimizer's moments and the KV cache stay float32 (mixed precision): each
+weight is cast to the activations' dtype where it is used, the norms and the
+softmax compute in float32, and the logits come back in float32 for the loss.
+
+Run: ``python examples/tutorial_gpt.py`` (``--smoke`` for a shorter training,
+``--bf16`` for bfloat16 compute).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ VOCAB, SEQ, MAX_LEN = 16, 12, 32
 
 
 def rms_norm(x):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    """Normalises in float32 (at least), returns ``x``'s dtype."""
+    y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
 @autostate.stateful
@@ -54,14 +62,16 @@ class Attention:
 
     def __call__(self, x, start):
         """``x``: the ``(T, d)`` activations of positions ``start .. start+T-1``."""
-        (t, d), h = x.shape, self.heads
-        q, k, v = (a.reshape(t, h, d // h) for a in jnp.split(x @ self.qkv, 3, axis=-1))
-        self.k = jax.lax.dynamic_update_slice(self.k, k, (start, 0, 0))
-        self.v = jax.lax.dynamic_update_slice(self.v, v, (start, 0, 0))
-        scores = jnp.einsum("thd,shd->hts", q, self.k) / jnp.sqrt(d // h)
+        (t, d), h, dtype = x.shape, self.heads, x.dtype  # compute in x's dtype
+        q, k, v = (a.reshape(t, h, d // h) for a in jnp.split(x @ self.qkv.astype(dtype), 3, axis=-1))
+        self.k = jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), (start, 0, 0))
+        self.v = jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), (start, 0, 0))
+        scores = jnp.einsum("thd,shd->hts", q, self.k.astype(dtype)) / jnp.sqrt(d // h)
         causal = jnp.arange(self.k.shape[0])[None, :] <= (start + jnp.arange(t))[:, None]
-        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        return jnp.einsum("hts,shd->thd", weights, self.v).reshape(t, d) @ self.out
+        scores = jnp.where(causal, scores, -jnp.inf).astype(jnp.float32)  # softmax in float32
+        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        attended = jnp.einsum("hts,shd->thd", weights, self.v.astype(dtype)).reshape(t, d)
+        return attended @ self.out.astype(dtype)
 
 
 @autostate.stateful
@@ -74,13 +84,15 @@ class Block:
 
     def __call__(self, x, start):
         x = x + self.attention(rms_norm(x), start)
-        return x + jax.nn.gelu(rms_norm(x) @ self.up) @ self.down
+        up, down = self.up.astype(x.dtype), self.down.astype(x.dtype)
+        return x + jax.nn.gelu(rms_norm(x) @ up) @ down
 
 
 @autostate.stateful
 class Decoder:
-    def __init__(self, key, vocab=VOCAB, d=32, heads=4, layers=2, max_len=MAX_LEN):
+    def __init__(self, key, vocab=VOCAB, d=32, heads=4, layers=2, max_len=MAX_LEN, dtype=jnp.float32):
         keys = jax.random.split(key, layers + 2)
+        self.dtype = dtype  # the compute dtype; the parameters are float32
         self.embed = jax.random.normal(keys[0], (vocab, d)) * 0.1
         self.positions = jax.random.normal(keys[1], (max_len, d)) * 0.1
         # The blocks are a stack: one Block whose arrays carry a leading layer
@@ -93,13 +105,14 @@ class Decoder:
         """Logits ``(T, vocab)`` for the next token after each of ``tokens``."""
         start = self.length
         x = self.embed[tokens] + jax.lax.dynamic_slice_in_dim(self.positions, start, len(tokens))
+        x = x.astype(self.dtype)
         # A plain loop over the stack: under a trace it runs as one lax.scan, each
         # step one layer writing its own cache rows; the program does not grow
         # with depth.
         for block in self.blocks:
             x = block(x, start)
         self.length += len(tokens)
-        return rms_norm(x) @ self.embed.T
+        return (rms_norm(x) @ self.embed.T.astype(x.dtype)).astype(jnp.float32)
 
     def generate(self, prompt, n_new):
         """Greedy decoding: prefill ``prompt``, then ``n_new`` one-token steps.
@@ -127,7 +140,11 @@ def counting_batch(key, batch):
 
 
 def train(f, empty, steps):
-    """Next-token training; every sequence starts from the empty cache ``empty``."""
+    """Next-token training; every sequence starts from the empty cache ``empty``.
+
+    Returns the trained ``f``, the last loss and the loss curve ``{step: loss}``
+    (read every 10 steps).
+    """
 
     def loss_fn(f, seqs):
         logits = jax.vmap(lambda seq: f(empty, seq[:-1])[0])(seqs)
@@ -142,7 +159,7 @@ def train(f, empty, steps):
         return optax.apply_updates(f, updates), opt_state, loss
 
     opt_state = optimizer.init(f)
-    loss = np.nan  # the last step's loss
+    loss, curve = np.nan, {}  # the last step's loss, and the losses read
     # A progress bar (on stderr): sequences per second and the loss, read
     # every 10 steps (reading it waits for the step to finish).
     with tqdm(total=steps * 32, desc="training", unit=" seqs", unit_scale=True) as bar:
@@ -150,26 +167,32 @@ def train(f, empty, steps):
             f, opt_state, loss = step(f, opt_state, jax.random.key(i))
             bar.update(32)
             if i % 10 == 0 or i == steps - 1:
-                bar.set_postfix(loss=f"{float(loss):.4f}")
-    return f, float(loss)
+                curve[i] = float(loss)
+                bar.set_postfix(loss=f"{curve[i]:.4f}")
+    return f, float(loss), curve
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--smoke", action="store_true", help="120 training steps")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 parameters")
     args = parser.parse_args()
     if args.smoke:
         args.steps = 120
 
-    model = Decoder(jax.random.key(0))
+    model = Decoder(jax.random.key(0), dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
     f, empty = autostate.functionalize(model)
     print(f"{len(empty)} states:", ", ".join(sorted(empty)))
     # Under a trace the loop over the blocks is one lax.scan, whatever the depth.
     jaxpr = str(jax.make_jaxpr(f)(empty, jnp.arange(4)))
     print("the loop over the blocks is one scan:", jaxpr.count("scan[") == 1)
-    f, loss = train(f, empty, args.steps)
+    f, loss, curve = train(f, empty, args.steps)
     print(f"trained {args.steps} steps, loss {loss:.4f}")
+    shown = [i for i in curve if i % 30 == 0 or i == args.steps - 1]
+    print("loss by step:", ", ".join(f"{i}: {curve[i]:.4f}" for i in shown))
+    dtypes = {a.dtype.name for a in jax.tree_util.tree_leaves((f, empty)) if a.dtype != jnp.int32}
+    print(f"compute {jnp.dtype(model.dtype).name}, parameters and states {sorted(dtypes)}")
 
     prompt, n_new = jnp.array([3, 4, 5], jnp.int32), 10
     decode = jax.jit(lambda f, states, prompt: f.generate(states, prompt, n_new))

@@ -7,6 +7,7 @@ epoch on a subset, which exercises the same code.
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -84,12 +85,35 @@ def test_tutorial_checkpoint_resumes_exactly_from_an_abstract_target():
 def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop():
     out = run_example("tutorial_gpt.py", "--smoke")
     assert "the loop over the blocks is one scan: True" in out
+    assert re.search(r"^loss by step: 0: \d\.\d+, 30: .*, 119: 0\.0\d+$", out, re.M), out
+    assert "compute float32, parameters and states ['float32']" in out
     assert "prompt [3, 4, 5] -> greedy [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]" in out
     assert "cache length after decoding: 13" in out
     assert "cached decoding == full recompute: True" in out
     assert re.search(r"^exported \(\d+ bytes\): \[9, 10, 11\] -> \[12, 13, 14, 15, 0, 1, 2, 3, 4, 5\]$", out, re.M)
     assert "autostate.export prefill: next token 6 length 3" in out
     assert out.endswith("ok\n")
+
+
+def test_tutorial_gpt_bf16_computes_in_bfloat16_and_keeps_float32_parameters():
+    # `--smoke --bf16` takes about 40 s on CPU (bfloat16 is emulated there); the same
+    # code for a few steps here. The option only picks Decoder's dtype.
+    import jax
+    import jax.numpy as jnp
+
+    import autostate
+
+    gpt = runpy.run_path(str(EXAMPLES / "tutorial_gpt.py"))  # defines; main() does not run
+    f, empty = autostate.functionalize(gpt["Decoder"](jax.random.key(0), dtype=jnp.bfloat16))
+    assert "bf16" in str(jax.make_jaxpr(f)(empty, jnp.arange(4)))
+    f32, f32_empty = autostate.functionalize(gpt["Decoder"](jax.random.key(0)))
+    logits, states = f(empty, jnp.arange(4))
+    assert logits.dtype == jnp.float32 and states["blocks.attention.k"].dtype == jnp.float32
+    reference, _ = f32(f32_empty, jnp.arange(4))
+    assert 0 < float(jnp.abs(logits - reference).max()) < 0.05  # bf16 compute, close to float32
+    trained, loss, curve = gpt["train"](f, empty, 12)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(trained)} == {jnp.dtype(jnp.float32)}
+    assert loss < curve[0] / 2  # it trains
 
 
 def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
