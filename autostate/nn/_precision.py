@@ -14,15 +14,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autostate.errors import InvalidArgumentError, format_error
+
 
 def precision(layer: Any, dtype: Any, param_dtype: Any) -> Any:
     """Records ``dtype`` and ``param_dtype`` on ``layer``; returns the storage dtype.
 
     ``dtype=None`` is float32; ``param_dtype=None`` stores in ``dtype`` and casts nothing.
     """
-    layer.dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
-    layer.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
+    layer.dtype = _floating(type(layer).__name__, "dtype", jnp.float32 if dtype is None else dtype)
+    layer.param_dtype = None if param_dtype is None else _floating(type(layer).__name__, "param_dtype", param_dtype)
     return layer.dtype if layer.param_dtype is None else layer.param_dtype
+
+
+def _floating(layer: str, name: str, value: Any) -> Any:
+    """``value`` as a floating dtype, or a clear error."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise InvalidArgumentError(
+            format_error(
+                f"{layer}({name}={value!r}): {name} must be a floating dtype.",
+                fix=f"pass e.g. {name}=jnp.float32 or jnp.bfloat16.",
+            )
+        )
+    return dtype
 
 
 def promote(layer: Any, *arrays: Any) -> tuple[Any, ...]:

@@ -20,6 +20,7 @@ import pytest
 
 import autostate
 from autostate import nn
+from autostate.errors import InvalidArgumentError
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -133,6 +134,12 @@ def test_dtype_alone_is_the_parameters_dtype_as_in_pytorch(name):
     assert out.dtype == BF16
     for key, value in _arrays(layer).items():  # running statistics keep their dtype
         assert value.dtype == BF16, key
+
+
+@pytest.mark.parametrize("dtypes", [{"dtype": "float33"}, {"param_dtype": jnp.int32}, {"dtype": object}])
+def test_a_dtype_that_is_not_floating_is_a_clear_error(dtypes):
+    with pytest.raises(InvalidArgumentError, match=r"Linear\((param_)?dtype=.*must be a floating dtype"):
+        nn.Linear(2, 3, key=0, **dtypes)
 
 
 def test_norm_statistics_are_computed_in_float32():
