@@ -153,11 +153,12 @@ def test_norm_statistics_are_computed_in_float32():
 class Net(nn.Module):
     def __init__(self, **dtypes: Any):
         self.embed = nn.Embedding(10, 8, key=0, **dtypes)
+        self.batch_norm = nn.BatchNorm1d(8, **dtypes)
         self.norm = nn.LayerNorm(8, **dtypes)
         self.head = nn.Linear(8, 10, key=1, **dtypes)
 
     def forward(self, tokens: jax.Array) -> jax.Array:
-        return self.head(self.norm(self.embed(tokens)))
+        return self.head(self.norm(self.batch_norm(self.embed(tokens))))
 
 
 def test_a_jit_training_step_keeps_parameters_and_adam_moments_float32():
@@ -182,4 +183,6 @@ def test_a_jit_training_step_keeps_parameters_and_adam_moments_float32():
     moments = [leaf for leaf in jax.tree_util.tree_leaves(optimizer.opt_state) if leaf.ndim > 0]
     assert len(moments) == 2 * len(autostate.param_dict(model))  # mu and nu per parameter
     assert all(leaf.dtype == F32 for leaf in moments)
+    states = autostate.state_dict(model)  # running statistics written back by the compiled step
+    assert states["batch_norm.running_mean"].dtype == F32 and int(states["batch_norm.num_batches_tracked"]) == 30
     assert model(tokens).dtype == BF16
