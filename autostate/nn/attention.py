@@ -101,7 +101,7 @@ class MultiheadAttention(Module):
         ``add_bias_kv``, ``add_zero_attn`` must be ``False`` (not built); otherwise the
         arguments and call of ``torch.nn.MultiheadAttention``, plus keyword-only ``key=``
         (where the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted,
-        the default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        the default stream ``manual_seed`` seeds), ``dtype=`` and ``param_dtype=`` (mixed
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``max_len`` and ``cache_batch_size`` add a KV cache (states) for decoding, which

@@ -155,7 +155,7 @@ class Conv1d(_ConvNd):
     Differences from PyTorch:
         The arguments of ``torch.nn.Conv1d`` but ``padding_mode`` (zeros only), plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
-        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
         arrays).
 
@@ -219,7 +219,7 @@ class Conv2d(_ConvNd):
     Differences from PyTorch:
         The arguments of ``torch.nn.Conv2d`` but ``padding_mode`` (zeros only), plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
-        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
         arrays).
 
@@ -290,7 +290,7 @@ class ConvTranspose2d(Module):
     Differences from PyTorch:
         The arguments of ``torch.nn.ConvTranspose2d`` but ``padding_mode``, plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
-        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds) and ``dtype=`` and
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
         arrays).
 

@@ -37,7 +37,7 @@ class Embedding(Module):
         (``optax`` and ``jnp`` do their jobs); otherwise the arguments of
         ``torch.nn.Embedding``, plus keyword-only ``key=`` (where the initial weights come
         from: an int, a JAX key or a ``KeyStream``; omitted, the default stream
-        ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed precision, which
+        ``manual_seed`` seeds), ``dtype=`` and ``param_dtype=`` (mixed precision, which
         torch has not); no ``device=`` (JAX places arrays).
 
     Examples:

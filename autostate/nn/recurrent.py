@@ -102,7 +102,7 @@ class LSTMCell(Module):
     Differences from PyTorch:
         The arguments and call of ``torch.nn.LSTMCell``, plus keyword-only ``key=`` (where
         the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
-        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        default stream ``manual_seed`` seeds), ``dtype=`` and ``param_dtype=`` (mixed
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``(h, c)`` as states for the next call.
@@ -177,7 +177,7 @@ class GRUCell(Module):
     Differences from PyTorch:
         The arguments and call of ``torch.nn.GRUCell``, plus keyword-only ``key=`` (where
         the initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
-        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        default stream ``manual_seed`` seeds), ``dtype=`` and ``param_dtype=`` (mixed
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h`` as a state for the next call.
@@ -333,7 +333,7 @@ class LSTM(Module):
         ``proj_size`` must be 0 (not built); otherwise the arguments and call of
         ``torch.nn.LSTM``, plus keyword-only ``key=`` (where the initial weights come from:
         an int, a JAX key or a ``KeyStream``; omitted, the default stream ``manual_seed``
-        seeds) and ``dtype=`` and ``param_dtype=`` (mixed precision, which torch has not);
+        seeds), ``dtype=`` and ``param_dtype=`` (mixed precision, which torch has not);
         no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``(h_n, c_n)`` as states for the next call (a
@@ -454,7 +454,7 @@ class GRU(Module):
     Differences from PyTorch:
         The arguments and call of ``torch.nn.GRU``, plus keyword-only ``key=`` (where the
         initial weights come from: an int, a JAX key or a ``KeyStream``; omitted, the
-        default stream ``manual_seed`` seeds) and ``dtype=`` and ``param_dtype=`` (mixed
+        default stream ``manual_seed`` seeds), ``dtype=`` and ``param_dtype=`` (mixed
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h_n`` as a state for the next call.
