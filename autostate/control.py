@@ -693,7 +693,19 @@ def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, Lost
         raise
 
 
-class LostState(StateSlot):
+class _StandIn(StateSlot):
+    """A slot standing in for another (``slot``) while a call runs: the state
+    keeps that slot's category."""
+
+    __slots__ = ()
+    slot: Any
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.slot.category
+
+
+class LostState(_StandIn):
     """An eager state whose lax body raised after assigning it (``_bound``):
     reading it raises what happened; assigning it gives it a value again."""
 
@@ -703,10 +715,6 @@ class LostState(StateSlot):
     def __init__(self, slot: Any, lost: LostValue):
         self.slot = slot
         self.lost = lost
-
-    @property
-    def category(self) -> Any:  # type: ignore[override]
-        return self.slot.category
 
     def read(self) -> Any:
         raise self.lost.error()
@@ -719,7 +727,7 @@ class LostState(StateSlot):
         raise self.lost.error()
 
 
-class _StaticInBody(StateSlot):
+class _StaticInBody(_StandIn):
     """An eager static state while a lax body that reaches it is traced:
     readable, and assignable only to the value it holds."""
 
@@ -730,10 +738,6 @@ class _StaticInBody(StateSlot):
         self.slot = slot
         self.label = label
         self.what = what
-
-    @property
-    def category(self) -> Any:  # type: ignore[override]
-        return self.slot.category
 
     def read(self) -> Any:
         return self.slot.value
@@ -821,7 +825,7 @@ def _with_layer_views(mapped: Any, what: str, call: Callable[[], Any]) -> Any:
     return out
 
 
-class _WholeOfMappedViews(StateSlot):
+class _WholeOfMappedViews(_StandIn):
     """A stacked state while a mapping transformation maps over a view of
     part of it (``_with_layer_views``): refused to every other path."""
 
@@ -833,10 +837,6 @@ class _WholeOfMappedViews(StateSlot):
         self.owner = owner
         self.attr = attr
         self.what = what
-
-    @property
-    def category(self) -> Any:  # type: ignore[override]
-        return self.slot.category
 
     def _refusal(self) -> Exception:
         return ControlFlowStateError(
