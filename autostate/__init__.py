@@ -14,17 +14,6 @@ from autostate.api import (
     stateful,
 )
 from autostate.compiled import Compiled, jit
-from autostate.control import (
-    checkpoint,
-    cond,
-    fori_loop,
-    map,
-    remat,
-    scan,
-    switch,
-    vmap,
-    while_loop,
-)
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -42,6 +31,17 @@ from autostate.effects import (
 from autostate.errors import AutostateError
 from autostate.export import export
 from autostate.functional import FunctionalModel
+from autostate.lifting import (
+    checkpoint,
+    cond,
+    fori_loop,
+    map,
+    remat,
+    scan,
+    switch,
+    vmap,
+    while_loop,
+)
 from autostate.packing import PackedModel, PackedStates, pack
 from autostate.serialization import load, load_arrays, save
 from autostate.sharding import partition_specs, sharded, shardings

@@ -15,7 +15,6 @@ import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
-from autostate import control as _control
 from autostate import graph as _graph
 from autostate import render as _render
 from autostate import runtime as _runtime
@@ -48,6 +47,7 @@ from autostate.functional import (
     extract_constants,
     handler_id_for,
 )
+from autostate.lifting import routes as _routes
 from autostate.packing import PackedModel
 from autostate.state_values import HandledStaticState, states_dict
 from autostate.transform import loader
@@ -265,7 +265,7 @@ def _decide(
         previous=previous.decision if previous is not None else None,
         state_marker=(state, constant),
         is_decorated=lambda base: _tree.class_info(base) is not None,
-        control_flow_name=_control.wrapper_name,
+        control_flow_name=_routes.wrapper_name,
     )
 
 

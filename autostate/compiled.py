@@ -737,7 +737,7 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
     """Refuses a model ``fn`` reaches by its closure, defaults or globals, or
     through those of the functions it calls by a global name: the program
     would read it as constants and leave it unchanged (a silent copy)."""
-    from autostate.control import reachable_instances
+    from autostate.lifting.core import reachable_instances
 
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()

@@ -6,7 +6,7 @@ starts, ``over`` looks at what it iterates: under a JAX trace, a stack of
 layers (``autostate.stack``), or ``enumerate``, ``zip`` or ``reversed`` of
 one (zipped with other stacks, arrays or lists of like arrays), gives a
 ``Rolling``, whose ``run`` calls the body through ``lax.scan`` (the
-lifting of ``control.scan``: each step gets one layer, whose state writes
+lifting of ``lifting.scan``: each step gets one layer, whose state writes
 come back stacked; the model's other states are threaded as carry).
 Anything else, and any loop outside a trace, is the plain iterable: the
 loop runs as written, layer by layer.
@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax._src.lax import lax as _lax_internal  # (a weakly typed index: no public spelling)
 
-from autostate import control as _control
 from autostate import graph as _graph
 from autostate.effects.local_state import running_cells
 from autostate.errors import (
@@ -52,6 +51,8 @@ from autostate.errors import (
     user_location,
 )
 from autostate.lifetime import contains_tracer, current_trace
+from autostate.lifting import core as _lift
+from autostate.lifting import loops as _lax_loops
 from autostate.state_values import same_static
 
 __all__ = ["UNBOUND", "Deferred", "Rolling", "over", "unrolled"]
@@ -114,7 +115,7 @@ def _leaf_plan(source: Any) -> _Plan | None:
     if (t is list or t is tuple) and source and all(
         isinstance(v, _ARRAY_TYPES) for v in source
     ):
-        kinds = {(jnp.shape(v), jnp.result_type(v), _control.weak_types(v)) for v in source}
+        kinds = {(jnp.shape(v), jnp.result_type(v), _lift.weak_types(v)) for v in source}
         if len(kinds) == 1:
             return _Plan(jnp.stack(source), lambda x: x, len(source), lambda: source[-1])
     return None
@@ -178,7 +179,7 @@ def _strict(stacks: Sequence[Any]) -> bool:
 def over(source: Any) -> Any:
     """What a rewritten loop iterates: a ``Rolling`` where the loop can run
     as one scan, else ``source`` itself (a ``Deferred`` called)."""
-    if current_trace() is None or not _STRICT or _control.jit_disabled():
+    if current_trace() is None or not _STRICT or _lift.jit_disabled():
         return _plain(source)
     stacks = _stacks_in(source)
     if not stacks:  # (a list of arrays alone is never stacked: the plain loop)
@@ -333,7 +334,7 @@ class Rolling:
             kept.values = statics
             return [out[k] for k in dynamic], ys
 
-        carry, ys = _control.scan(step, init, plan.xs, reverse=plan.reverse)
+        carry, ys = _lax_loops.scan(step, init, plan.xs, reverse=plan.reverse)
         result = [UNBOUND] * len(values)
         for k, v in zip(dynamic, carry):
             result[k] = v
@@ -371,9 +372,9 @@ def _undone_on_failure(body: Any, xs: Any, values: tuple) -> Iterator[None]:
         except BaseException:
             for cell, value in zip(cells, saved):
                 cell.value = value
-            for obj in _control.reachable_instances((body, xs, values), []):
+            for obj in _lift.reachable_instances((body, xs, values), []):
                 for attr, slot in list(vars(obj).items()):
-                    if type(slot) is _control.LostState:
+                    if type(slot) is _lift.LostState:
                         obj.__dict__[attr] = slot.slot
             kept.clear()
             raise

@@ -30,10 +30,11 @@ from typing import Any
 import jax
 import numpy as np
 
-# Rewritten calls of jax.lax control flow read ``__autostate__.control.routed(lax.scan)(...)``,
-# rolled loops ``__autostate__.loops.over(...)``.
-from autostate import control, loops  # noqa: F401 - read by the rewritten code
 from autostate import graph as _graph
+
+# Rewritten calls of jax.lax control flow read ``__autostate__.lifting.routed(lax.scan)(...)``,
+# rolled loops ``__autostate__.loops.over(...)``.
+from autostate import lifting, loops  # noqa: F401 - read by the rewritten code
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values

@@ -31,7 +31,7 @@ every variant compiles. So the TPU compiler rejects a valid program: an
 eagerly compiled conditional whose branches return one value at two result
 positions that differ from branch to branch. autostate passes each branch's
 results through an optimization barrier in every ``cond``/``switch`` that
-threads state (``autostate/control.py``, ``_branches``; the variant ``all
+threads state (``autostate/lifting/branches.py``, ``_branches``; the variant ``all
 results behind an optimization barrier``); with it the three failing tests of
 the suite passed on that TPU.
 """

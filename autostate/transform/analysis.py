@@ -1320,7 +1320,7 @@ def analyze_class(
     """Decides the state set of a class from the facts of its methods.
 
     A nested function or lambda that assigns state is accepted: its writes
-    are threaded at run time (``autostate.control``, or the host store).
+    are threaded at run time (``autostate.lifting``, or the host store).
 
     Args:
         class_name: the class's name, for error messages.

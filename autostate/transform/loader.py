@@ -224,9 +224,9 @@ def _transform_fingerprint() -> str:
         if name.endswith(".py"):
             digest.update((here / name).read_bytes())
     # The runtime the rewritten code calls (loops.py: a rolled loop's), and
-    # control.py, whose table says which JAX functions a method's calls are
-    # routed from.
-    for name in ("runtime.py", "loops.py", "control.py"):
+    # lifting/routes.py, whose table says which JAX functions a method's
+    # calls are routed from.
+    for name in ("runtime.py", "loops.py", "lifting/routes.py"):
         path = here.parent / name
         if path.exists():
             digest.update(path.read_bytes())

@@ -74,7 +74,7 @@ def decide_class(
             is in ``bases``; undecorated user bases are analysed here).
         control_flow_name: for an object a method's name resolves to, the
             runtime wrapper that replaces it (``jax.lax.scan`` -> ``"scan"``),
-            or ``None``; calls to it are routed to ``__autostate__.control``.
+            or ``None``; calls to it are routed to ``__autostate__.lifting``.
 
     Returns:
         ``(decision, slots)``; ``slots`` say where each function lives, so the

@@ -15,7 +15,7 @@ stays on the line it came from:
                                  ``inplace_attribute``, any other value: ``tensor_method``)
 other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
 ``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
-``lax.scan(...)`` and the other  ``__autostate__.control.scan(...)``: the names the caller resolved
+``lax.scan(...)`` and the other  ``__autostate__.lifting.scan(...)``: the names the caller resolved
 control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint``, called, passed to
                                  a call or used as a decorator
 ``vars(obj)``, ``obj.__dict__``  ``__autostate__.vars_of(vars, obj)``, ``__autostate__.dict_of(obj)``:
@@ -328,7 +328,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
     # control flow
     def _control(self, original: cst.BaseExpression, updated: cst.BaseExpression):
         """``lax.scan`` (a name that resolved to a JAX control-flow function at
-        decoration) as ``__autostate__.control.routed(lax.scan)``: the name is
+        decoration) as ``__autostate__.lifting.routed(lax.scan)``: the name is
         still evaluated where the method runs, so a local or a parameter of
         the same name (``def f(self, x, checkpoint=False)``), or a global
         rebound since, is itself; only the JAX function is routed."""
@@ -336,7 +336,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         if dotted is None or dotted not in self.control:
             return updated
         return cst.Call(
-            func=cst.Attribute(value=self._runtime("control"), attr=cst.Name("routed")),
+            func=cst.Attribute(value=self._runtime("lifting"), attr=cst.Name("routed")),
             args=[cst.Arg(_narrowed(updated))],
         )
 
@@ -741,7 +741,7 @@ def rewrite_method(
 ) -> str:
     """Returns the wrapper module's source with ``method`` rewritten.
 
-    ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.control``
+    ``control`` maps dotted names (``"lax.scan"``) to the ``autostate.lifting``
     function each call of them goes through (``"scan"``); ``shadowed`` names
     the builtins of ``method.ACCESS_BUILTINS`` the method's module or
     closure binds to something else; ``runtime`` is the name the wrapper

@@ -180,4 +180,4 @@ def test_the_checks_see_the_real_imports():
     assert any(name == "libcst" for name, _ in _imports("autostate.transform.analysis"))
     assert any(name == "jax" for name, _ in _imports("autostate.effects.local_state"))
     assert "autostate.loops" in graph and not _private_uses("autostate.loops")
-    assert "control" in MODULES["autostate.loops"].read_text()
+    assert "lifting" in MODULES["autostate.loops"].read_text()

@@ -232,7 +232,7 @@ def test_a_lax_call_threading_the_state(write_module: Loader) -> None:
     module = write_module(COUNTER)
     model = module.Counter()
     assert float(model.total(jnp.ones(3))) == 3.0  # a body that assigns no state
-    # A body that assigns a state threads every state of the model (control.py).
+    # A body that assigns a state threads every state of the model (autostate/lifting).
     with pytest.raises(InvalidTypeError) as err:
         model.scan(jnp.ones(3))
     assert_clear(err, line_of(module, "jax.lax.scan(body, jnp.zeros"), "Split")

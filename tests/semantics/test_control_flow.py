@@ -1427,10 +1427,10 @@ def test_rewrite_routes_control_flow_on_the_same_line():
     lines = code.splitlines()
     # Line n of the generated text is line n + shift of the file.
     shift = analysis.wrapper_source("M", source)[1]
-    assert lines[20 - shift].strip() == "h, _ = __autostate__.control.routed(lax.scan)("
+    assert lines[20 - shift].strip() == "h, _ = __autostate__.lifting.routed(lax.scan)("
     assert (
         lines[22 - shift].strip()
-        == "return __autostate__.control.routed(jax.checkpoint)(self.block)(h)"
+        == "return __autostate__.lifting.routed(jax.checkpoint)(self.block)(h)"
     )
 
 
@@ -1988,15 +1988,15 @@ def test_lax_operand_keyword_like_undecorated_jax(write_module: Loader, method: 
 
 def test_every_routed_wrapper_takes_every_parameter_of_jax() -> None:
     """The family of the operand= bug: a call that resolves to a JAX function is
-    routed to ``autostate.control``, so each wrapper must take every parameter
+    routed to ``autostate.lifting``, so each wrapper must take every parameter
     the JAX function takes, by the same name (or through ``**kwargs``)."""
     import inspect
 
-    from autostate import control
+    from autostate.lifting import routes
 
-    for target, name in control._TARGETS.items():
+    for target, name, through in routes.ROWS:
         theirs = inspect.signature(target).parameters
-        ours = inspect.signature(getattr(control, name)).parameters
+        ours = inspect.signature(through).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in ours.values())
         for pname, param in theirs.items():
             if param.kind is param.VAR_POSITIONAL:

@@ -213,7 +213,7 @@ def test_nested_write_is_accepted_by_analysis():
         True,
     )
     facts = [analysis.collect_facts("M", init), analysis.collect_facts("M", step)]
-    # Its writes are threaded at run time (autostate.control, or the host store).
+    # Its writes are threaded at run time (autostate.lifting, or the host store).
     result = analysis.analyze_class("M", facts)
     assert result.state == {"x"}
 

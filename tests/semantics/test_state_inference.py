@@ -588,12 +588,12 @@ def test_a_global_rebound_to_jax_again_is_routed_again(write_module: Loader) -> 
 
 
 def test_the_routing_is_evaluated_where_the_method_runs() -> None:
-    assert autostate.control.routed(jax.lax.scan) is autostate.control.scan
-    assert autostate.control.routed(jax.checkpoint) is autostate.control.checkpoint
-    assert autostate.control.routed(jax.remat) is autostate.control.checkpoint
+    assert autostate.lifting.routed(jax.lax.scan) is autostate.lifting.scan
+    assert autostate.lifting.routed(jax.checkpoint) is autostate.lifting.checkpoint
+    assert autostate.lifting.routed(jax.remat) is autostate.lifting.checkpoint
     flag = jnp.ones(3) > 0  # unhashable: returned as it is
-    assert autostate.control.routed(flag) is flag
-    assert autostate.control.routed(False) is False
+    assert autostate.lifting.routed(flag) is flag
+    assert autostate.lifting.routed(False) is False
 
 
 @autostate.stateful

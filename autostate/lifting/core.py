@@ -1,0 +1,677 @@
+"""The lifting every JAX function of ``autostate.lifting`` shares.
+
+Binding the live states' cells to the values a trace gives them
+(``bound_to``), the four steps of the lift (``probed``, ``lift``'s
+``pure_of``, the family's placement, ``land``), the checks a threaded state
+passes (``check_kept``: a carry keeps its type), and the eager models'
+states handed to a temporary handler for a call (``with_eager_states``),
+with the slots that stand in for theirs while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from autostate import graph as _graph
+from autostate import tree as _tree
+from autostate import values as _values
+from autostate.effects.local_state import (
+    HandledLocalStateRef,
+    LocalStateEffectImpl,
+    StateSlot,
+    fresh_handler_id,
+    handler_cells,
+    run_with_states,
+    running_cells,
+)
+from autostate.errors import (
+    AutostateError,
+    ControlFlowStateError,
+    StaticStateError,
+    format_error,
+    refused,
+    user_location,
+)
+from autostate.guard import CAPTURED, Guard, eager_lax_body
+from autostate.lifetime import (
+    LostValue,
+    contains_tracer,
+)
+from autostate.state_values import StaticState, is_static_value, same_static
+
+Cells = Sequence[LocalStateEffectImpl]
+
+
+# --- binding cells ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bound_to(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Iterator[None]:
+    """Binds ``chosen`` to ``values`` while a body is traced; restores every cell after.
+
+    A body that raises leaves each cell it assigned holding a ``LostValue``
+    (reading it says what happened) instead of its value before the call: JAX
+    keeps nothing that body computed, and plain Python's loop would have kept
+    the assignment, so the old value would be silently wrong. A refusal of
+    autostate's (an ``AutostateError``) ends the whole call instead, which
+    leaves the model as it was before it: the cells take their old values.
+    """
+    saved = [cell.value for cell in cells]
+    for cell, value in zip(chosen, values):
+        cell.value = value
+    bound = [cell.value for cell in cells]
+    try:
+        yield
+    except BaseException as raised:
+        written = [cell for cell, value in zip(cells, bound) if cell.value is not value]
+        for cell, value in zip(cells, saved):
+            cell.value = value
+        if written and not isinstance(raised, AutostateError):
+            # (A KeyboardInterrupt too: plain Python's loop kept what ran.)
+            where = user_location()
+            for cell in written:
+                cell.value = LostValue(cell.name, what, raised, where)
+        raise
+    else:
+        for cell, value in zip(cells, saved):
+            cell.value = value
+
+
+def settled(tree: Any) -> Any:
+    """``tree`` rebuilt from its leaves while the body's cells are still
+    bound: a model in what the body returns (its carry, a branch's output)
+    then carries its states as the body left them, as plain Python's one
+    object would, rather than as they are once the cells are restored."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def current_values(cells: Cells) -> list[Any]:
+    values = [cell.value for cell in cells]
+    for value in values:
+        if type(value) is LostValue:
+            raise value.error()  # a nested body raised and the outer one went on
+    return values
+
+
+def abstract_of(value: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(
+            jax.numpy.shape(leaf), jax.numpy.result_type(leaf), weak_type=weak_types(leaf)[0]
+        ),
+        value,
+    )
+
+
+def type_of(value: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, tuple(
+        (tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for x in leaves
+    )
+
+
+def describe(value: Any, weak: bool = False) -> str:
+    """``float32[3]``, or a tree of them; ``weak`` marks weakly typed leaves ``weak float32[]``."""
+    treedef, leaves = type_of(value)
+    parts = [f"{dtype}{list(shape)}" for shape, dtype in leaves]
+    if weak:
+        parts = [f"weak {p}" if w else p for p, w in zip(parts, weak_types(value))]
+    if treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef):
+        return parts[0]
+    return f"{treedef} of {', '.join(parts)}"
+
+
+def writes_of(
+    cells: Cells, body: Callable[..., Any], *args: Any, what: str
+) -> tuple[list[int], list[Any]]:
+    """Which cells ``body(*args)`` assigns, and their new abstract values.
+
+    One abstract trace with every cell rebound to a fresh abstract value: a
+    cell whose value is another object afterwards was assigned. A cell holding
+    a concrete number or array (an eager model's, or ``f``'s outside ``jit``)
+    keeps it: the real trace binds only the assigned cells to traced values,
+    so a body that only reads it (``if self.p > 0:``, ``float(self.scale)``)
+    has it concrete there, as plain Python's loop does. (A container is
+    still rebuilt abstract: the body may change it in place.)
+    """
+    written: list[int] = []
+    current = current_values(cells)
+    # (A value JAX cannot trace, a deque or a plain object, is kept as it is.)
+    concrete = {
+        i: v for i, v in enumerate(current) if _concrete_leaf(v) or not traceable(v)
+    }
+
+    def probe(abstract: list[Any], *inner: Any) -> Any:
+        rest = iter(abstract)
+        values = [concrete[i] if i in concrete else next(rest) for i in range(len(cells))]
+        with bound_to(cells, cells, values, what):
+            signatures = [signature_of(v) for v in values]
+            out = settled(body(*inner))
+            after = current_values(cells)
+        written[:] = [
+            i for i, (a, b, sig) in enumerate(zip(values, after, signatures)) if was_assigned(a, sig, b)
+        ]
+        return out, [after[i] for i in written]
+
+    abstract = [v for i, v in enumerate(current) if i not in concrete]
+    _, new = jax.eval_shape(probe, abstract, *args)
+    return written, new
+
+
+def traceable(value: Any) -> bool:
+    """Whether every leaf of ``value`` is an array or a number, which JAX can trace."""
+    for leaf in jax.tree_util.tree_leaves(value):
+        kind = _values.kind_of(leaf)
+        if not (kind.array or kind.number):
+            return False
+    return True
+
+
+def _concrete_leaf(value: Any) -> bool:
+    """A Python float or complex, a numpy number, or a JAX array that is not traced."""
+    kind = _values.kind_of(value)
+    if kind is _values.ARRAY:
+        return not isinstance(value, jax.core.Tracer)
+    return kind is _values.NUMPY_SCALAR or isinstance(value, (float, complex))
+
+
+def signature_of(value: Any) -> tuple[Any, list[Any]] | None:
+    """A state value's structure and leaves (by identity), to tell a change in
+    place (``self.sub.items[0] = v``, ``d = self.d; d["k"] = v``) from none;
+    ``None`` for an array, which cannot change in place."""
+    if _values.kind_of(value) is _values.ARRAY:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, leaves
+
+
+def was_assigned(before: Any, signature: tuple[Any, list[Any]] | None, after: Any) -> bool:
+    """Whether a cell that held ``before`` (with ``signature``) now holding
+    ``after`` was written: assigned another value, or its container changed
+    in place, which plain Python's loop would keep as well."""
+    if after is not before:
+        return True
+    if signature is None:
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(after)
+    return treedef != signature[0] or any(a is not b for a, b in zip(leaves, signature[1]))
+
+
+def check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
+    for cell, value in zip(cells, new):
+        if type_of(cell.value) != type_of(value):
+            raise ControlFlowStateError(
+                format_error(
+                    f"State {cell.name!r} changes from {describe(cell.value)} to "
+                    f"{describe(value)} inside {what}; a state assigned there is threaded "
+                    "as a loop carry (or a branch output), and loop carries and branch "
+                    "outputs keep their shape, dtype and structure.",
+                    where=user_location(),
+                    fix="assign a value of the same shape and dtype (cast with "
+                    ".astype(...), pad to a fixed size), or assign it outside the "
+                    "control-flow call.",
+                )
+            )
+
+
+def weak_types(value: Any) -> tuple[bool, ...]:
+    """Which leaves of ``value`` are weakly typed: Python scalars, ``jnp.asarray(0.0)``.
+
+    ``type_of``, like JAX's check of a carry or branch output, does not tell them from
+    arrays of their dtype; but a weak value takes the dtype of what it meets
+    (``0.0 + bfloat16`` is bfloat16) and a strong one does not, so it is part of what a
+    state means.
+    """
+
+    def weak(leaf: Any) -> bool:
+        try:
+            return bool(getattr(jax.typeof(leaf), "weak_type", False))
+        except TypeError:
+            return False
+
+    return tuple(weak(leaf) for leaf in jax.tree_util.tree_leaves(value))
+
+
+def strong_where_mixed(outcomes: Sequence[Sequence[Any]]) -> list[bool]:
+    """Per state, whether it is weakly typed after one branch and strongly after another.
+
+    ``outcomes[b][k]`` is state ``k`` after branch ``b``. The state after the
+    call has one type, fixed when it is traced, while plain Python's depends on
+    which branch runs: such a state comes out strong, as after the branch that
+    makes it strong (a loop carry does the same, as JAX promotes it).
+    """
+    kinds = [[weak_types(value) for value in branch] for branch in outcomes]
+    return [len({branch[k] for branch in kinds}) > 1 for k in range(len(outcomes[0]))]
+
+
+def strengthened(value: Any) -> Any:
+    """``value`` with its weakly typed leaves made strong, of the same dtype."""
+    return jax.tree_util.tree_map(
+        lambda leaf: lax.convert_element_type(leaf, jax.numpy.result_type(leaf)), value
+    )
+
+
+def _check_untouched(
+    cells: Cells, before: Sequence[Any], signatures: Sequence[Any], chosen: Cells, what: str
+) -> None:
+    chosen_ids = {id(c) for c in chosen}
+    for cell, value, signature in zip(cells, before, signatures):
+        if id(cell) not in chosen_ids and was_assigned(value, signature, cell.value):
+            raise ControlFlowStateError(
+                format_error(
+                    f"State {cell.name!r} is assigned in {what}, which must not change "
+                    "state (it only decides; JAX may call it any number of times).",
+                    where=user_location(),
+                    fix="assign the state in the loop body instead.",
+                )
+            )
+
+
+def run_bound(
+    cells: Cells, chosen: Cells, values: Sequence[Any], what: str, call: Callable[[], Any]
+) -> tuple[Any, list[Any], set[int]]:
+    """``call()`` traced with ``chosen`` bound to ``values``: its output, every
+    cell's value after it, and which cells it assigned."""
+    with bound_to(cells, chosen, values, what):
+        before = current_values(cells)
+        signatures = [signature_of(v) for v in before]
+        out = settled(call())
+        after = current_values(cells)
+    changed = {
+        i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if was_assigned(b, sig, a)
+    }
+    return out, after, changed
+
+
+def probed(cells: Cells, what: str, body: Callable[..., Any], *args: Any) -> list[int]:
+    """Step 1 of the lifting: which cells ``body(*args)`` assigns (one abstract
+    trace, ``writes_of``), each checked to keep its type, as a carry or a branch
+    output must."""
+    written, new = writes_of(cells, body, *args, what=what)
+    check_kept([cells[i] for i in written], new, what)
+    return written
+
+
+def _pure(
+    cells: Cells, chosen: Cells, fun: Callable[..., Any], what: str, reads_only: bool = False
+) -> Callable[..., tuple[Any, list[Any]]]:
+    """Step 2 of the lifting: ``fun`` as a pure function of the ``chosen``
+    states' values, ``(values, *args) -> (out, new values)``. ``reads_only``:
+    a function that decides and must not assign (a ``while_loop``'s
+    ``cond_fun``), refused where it does."""
+
+    def pure(values: list[Any], *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+        with bound_to(cells, chosen, values, what):
+            if not reads_only:
+                return settled(fun(*args, **kwargs)), current_values(chosen)
+            before = current_values(cells)
+            signatures = [signature_of(v) for v in before]
+            out = fun(*args, **kwargs)
+            _check_untouched(cells, before, signatures, (), what)
+            return out, values
+
+    return pure
+
+
+def lift(
+    cells: Cells,
+    written: Sequence[int],
+    what: str,
+    place: Callable[[Callable[..., Callable[..., Any]], list[Any]], tuple[Any, list[Any]]],
+    plain: Callable[[], Any] | None = None,
+) -> Any:
+    """The one lifting of the loops, branches and ``checkpoint``: the states
+    ``written`` (step 1, ``probed``) are threaded (none: ``plain()``, the
+    JAX function as it is, where given). ``place(pure_of, values)`` calls
+    the JAX function with the states placed by its rules (step 3: carry,
+    operands, arguments), ``pure_of(fn)`` being ``fn`` as a pure function of
+    them (step 2, ``_pure``), and returns the output and the states' new
+    values, which land (step 4)."""
+    if not written and plain is not None:
+        return plain()
+    chosen = [cells[i] for i in written]
+
+    def pure_of(fun: Callable[..., Any], inside: str = what, reads_only: bool = False) -> Any:
+        return _pure(cells, chosen, fun, inside, reads_only)
+
+    out, values = place(pure_of, current_values(chosen))
+    land(chosen, dict(enumerate(values)))
+    return out
+
+
+def land(cells: Cells, new: dict[int, Any]) -> None:
+    """Step 4 of every lifting: the states take the values the JAX function
+    returned (``new``: by index into ``cells``)."""
+    for i, value in new.items():
+        cells[i].value = value
+
+
+def argument_writes(
+    cells: Cells, passed: Sequence[int], values: Sequence[Any], what: str, call: Callable[[], Any]
+) -> tuple[Any, dict[int, Any]]:
+    """``call()`` with the cells ``passed`` (those JAX can trace, handed to a
+    transformation as arguments) bound to ``values``: its output and the new
+    values of those it assigned, by position; one that is not passed is refused."""
+    out, after, changed = run_bound(cells, [cells[i] for i in passed], values, what, call)
+    for i in sorted(changed - set(passed)):
+        raise ControlFlowStateError(
+            format_error(
+                f"State {cells[i].name!r} is assigned {type(after[i]).__name__} inside {what}, "
+                "a value JAX cannot return from the function it transforms: the assignment "
+                "would happen when JAX traces the function, not each time it runs.",
+                where=user_location(),
+                fix="keep what changes there in arrays, or change the state outside the "
+                "transformed function.",
+            )
+        )
+    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+
+
+def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -> Exception:
+    """A state every ``unit`` (example, shard) of a transformation shares,
+    assigned a value that differs between them."""
+    return ControlFlowStateError(
+        format_error(
+            f"State {cell.name!r} is assigned a value that differs from {unit} to {unit} inside "
+            f"{inside}, but every {unit} shares the state: no single value means what the "
+            "plain program would leave. The model keeps its value from before the call.",
+            where=user_location(),
+            fix=fix,
+        )
+    )
+
+
+# --- eager models ---------------------------------------------------------------
+
+# The slots that hold their state's value themselves (an eager model's, and
+# those of a copy made inside a running call: ``copy.copy(self)``, a
+# ``tree_map`` copy), whose writes stay the copy's, the stacks and what code
+# reaches through a node are fields of the node kinds (``graph.NodeKind``:
+# ``own_value``, ``stacked``, ``reached``). A body that reaches an own-value
+# slot has it threaded like an eager model's.
+
+
+def reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
+    """Decorated instances reachable from a body: closures, bound methods,
+    operands; the lists and dicts met on the way into ``containers``."""
+    found: list[Any] = []
+    for _, node in _graph.iter_tree(
+        tuple(roots), _reached_object, into_targets=True, children=_reached_by_code, seen=set()
+    ):
+        (found if _graph.is_stateful_instance(node) else containers).append(node)
+    return found
+
+
+def _reached_object(obj: Any) -> bool:
+    """A decorated instance, or a list or dict (not a tuple) a body reaches."""
+    t = type(obj)
+    return t in _graph.STATEFUL_CLASSES or (t is not tuple and isinstance(obj, (list, tuple, dict)))
+
+
+def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
+    """The step of ``reachable_instances``'s walk: an instance's attributes, a
+    function's cells, defaults and ``__wrapped__``, a method's instance and
+    function, a partial's parts, a list's, tuple's or dict's items. Last first:
+    the order that names two instances' states ``Linear.w``, ``Linear.w'``."""
+    items: Any
+    if type(obj) in _graph.STATEFUL_CLASSES:
+        items = obj.__dict__.values()
+    elif isinstance(obj, types.FunctionType):
+        items = []
+        for cell in obj.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                items.append(cell.cell_contents)
+        items.extend(obj.__defaults__ or ())
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            items.append(wrapped)
+    elif isinstance(obj, types.MethodType):
+        items = [obj.__self__, obj.__func__]
+    elif isinstance(obj, functools.partial):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif (through := _graph.REACHED.get(type(obj))) is not None:
+        items = through(obj)
+    else:
+        return []
+    holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
+    return [("", item) for item in reversed(items) if not holds_nothing(item)]
+
+
+def with_eager_states(
+    roots: Sequence[Any], call: Callable[[], Any], what: str, once: bool = False
+) -> Any:
+    """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
+
+    Their slots become references of a temporary handler for the call, so the
+    body's writes are threaded like a functionalized model's; afterwards the
+    slots are put back and assigned the final values, as eager writes.
+
+    JAX traces the body of ``what`` rather than running it once per step, so
+    while it runs, a static state (a Python value) of these instances takes
+    no new value, and a traced value assigned to one of their attributes
+    that is not state is refused (``guard.check_write``): plain
+    Python's loop would change them every step, and a trace would leave a
+    count of traces or a tracer. An ``f`` refuses both the same way.
+    ``once``: the body runs once per call, as plain Python's does (a
+    derivative's function), so a static state takes the Python values it
+    is assigned there.
+    """
+    captured: list[Any] = []
+    instances = reachable_instances(roots, captured)
+    swapped: list[tuple[Any, str, Any, str]] = []
+    statics: list[tuple[Any, str, Any]] = []
+    names: set[str] = set()
+    for obj in instances:
+        for attr in _tree.info_of(obj).state:
+            slot = obj.__dict__.get(attr)
+            if type(slot) is StaticState:
+                if not once:
+                    statics.append((obj, attr, slot))
+                continue
+            if type(slot) is LostState:
+                # (An earlier body raised after assigning it: it has no value
+                # for this one, as reading it says; JAX would meet the slot.)
+                raise slot.lost.error()
+            if type(slot) not in _graph.OWN_VALUE_SLOTS:
+                continue
+            name = f"{type(obj).__name__}.{attr}"
+            while name in names:
+                name += "'"
+            names.add(name)
+            swapped.append((obj, attr, slot, name))
+    # What a change in place inside the body must not reach: it is made once
+    # per trace, and a traced value put there outlives the trace. The
+    # containers the instances hold outside their states; those of the
+    # states themselves as they are before the call (the body changes
+    # threaded copies, never these, unless it holds a reference taken before
+    # the call); and the lists and dicts the body captures.
+    cells = running_cells()
+    if not instances and not cells and not captured:
+        return call()
+    guard = Guard.for_lax_body(
+        what,
+        instances,
+        [(f"state {cell.name!r}", cell.value) for cell in cells]
+        + [(f"state {name!r}", slot.read()) for _, _, slot, name in swapped]
+        + [(CAPTURED, c) for c in captured],
+        lambda: ((cell.name, cell.value) for cell in running_cells()),
+    )
+    call = functools.partial(guarded, guard, call)
+    if not instances:
+        return call()
+    for obj, attr, slot in statics:
+        obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
+    try:
+        with eager_lax_body(instances, what):
+            if not swapped:
+                return call()
+            handler_id = fresh_handler_id()
+            states = {name: slot.read() for _, _, slot, name in swapped}
+            for obj, attr, slot, name in swapped:
+                obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+            lost: dict[str, LostValue] = {}
+            try:
+                out, new = run_with_states(
+                    handler_id, states, _keeping_lost, (call, handler_id, lost), {}
+                )
+            finally:
+                for obj, attr, slot, name in swapped:
+                    obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
+    finally:
+        for obj, attr, slot in statics:
+            obj.__dict__[attr] = slot
+    for obj, attr, slot, name in swapped:
+        if new[name] is not states[name]:
+            replacement = slot.write(new[name], attr)
+            if replacement is not None:
+                obj.__dict__[attr] = replacement
+    return out
+
+
+def guarded(guard: Guard, call: Callable[[], Any]) -> Any:
+    """``call()`` under ``guard``; also when it raised the guard looks: JAX
+    may meet the body's escaped tracer first (a later trace of the body, or
+    where the value is used)."""
+    with guard:
+        return call()
+
+
+def transformation(
+    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any], once: bool = False
+) -> Callable[..., Any]:
+    """What stands for a JAX transformation of ``fun``: each call runs
+    ``call(args, kwargs)`` with eager models' states handled
+    (``with_eager_states``; ``once``: ``fun`` runs once per call)."""
+
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        return with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what, once)
+
+    functools.update_wrapper(transformed, fun, updated=())
+    return transformed
+
+
+def with_states_first(threaded: Callable[..., Any], fun: Callable[..., Any]) -> None:
+    """Gives ``threaded`` (``(values, *args, **kwargs)``) ``fun``'s signature
+    after its first argument, so that JAX matches ``static_argnames`` and
+    static arguments given by keyword as it would for ``fun``."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return
+    first = inspect.Parameter("__autostate_states", inspect.Parameter.POSITIONAL_ONLY)
+    threaded.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[first, *signature.parameters.values()]
+    )
+
+
+def after_states(numbers: Any) -> tuple[int, ...]:
+    """Argument numbers (``static_argnums``, ``donate_argnums``) of a function
+    that now takes the states first: a non-negative one moves up by one."""
+    numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
+    return tuple(i + 1 if i >= 0 else i for i in numbers)
+
+
+def _keeping_lost(call: Callable[[], Any], handler_id: Any, lost: dict[str, LostValue]) -> Any:
+    """``call()``; if it raises, the states its body lost (see ``bound_to``) into ``lost``."""
+    try:
+        return call()
+    except BaseException:
+        for name, cell in handler_cells(handler_id).items():
+            if type(cell.value) is LostValue:
+                lost[name] = cell.value
+        raise
+
+
+class StandIn(StateSlot):
+    """A slot standing in for another (``slot``) while a call runs: the state
+    keeps that slot's category."""
+
+    __slots__ = ()
+    slot: Any
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.slot.category
+
+
+class LostState(StandIn):
+    """An eager state whose lax body raised after assigning it (``bound_to``):
+    reading it raises what happened; assigning it gives it a value again."""
+
+    __slots__ = ("slot", "lost")
+    handleable = True
+
+    def __init__(self, slot: Any, lost: LostValue):
+        self.slot = slot
+        self.lost = lost
+
+    def read(self) -> Any:
+        raise self.lost.error()
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        replacement = self.slot.write(value, label)
+        return self.slot if replacement is None else replacement
+
+    def as_request(self) -> Any:
+        raise self.lost.error()
+
+
+class _StaticInBody(StandIn):
+    """An eager static state while a lax body that reaches it is traced:
+    readable, and assignable only to the value it holds."""
+
+    __slots__ = ("slot", "label", "what")
+    handleable = False
+
+    def __init__(self, slot: StaticState, label: str, what: str):
+        self.slot = slot
+        self.label = label
+        self.what = what
+
+    def read(self) -> Any:
+        return self.slot.value
+
+    def write(self, value: Any, label: str | None = None) -> None:
+        held = self.slot.value
+        if is_static_value(value) and same_static(value, held):
+            return None
+        shown = _tree.describe(value) if contains_tracer(value) else repr(value)
+        raise refused(StaticStateError(
+            format_error(
+                f"Static state {self.label} (a Python {type(held).__name__}, holding {held!r}) "
+                f"is assigned {shown} inside {self.what}: JAX traces that function instead "
+                "of running it as plain Python does (a loop body once per step), so a Python "
+                "value assigned there would change once per trace.",
+                fix="keep a value that changes there in an array "
+                f"(`self.{self.label.rpartition('.')[2]} = jnp.asarray(...)` in __init__): "
+                "array states assigned inside are threaded through the call; or assign it "
+                "outside the call.",
+            )
+        ))
+
+    def as_request(self) -> Any:
+        raise NotImplementedError
+
+
+# --- the primitives ---------------------------------------------------------------
+
+
+def jit_disabled() -> bool:
+    """Under ``jax.disable_jit()`` JAX runs a loop's body once per step, and
+    only the branch taken, with concrete values, as plain Python would: a
+    body's assignments are then eager writes, and nothing is threaded."""
+    return bool(jax.config.jax_disable_jit)  # type: ignore[attr-defined]  # (not in its stubs)
+
+

@@ -1,0 +1,125 @@
+"""``jax.jit`` inside a method: the states the function assigns go into
+its arguments and come out of its output. It is an object boundary: the
+function runs once per call, as plain Python's does."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from autostate import graph as _graph
+from autostate.effects.local_state import (
+    running_cells,
+)
+from autostate.errors import (
+    ControlFlowStateError,
+    format_error,
+    user_location,
+)
+from autostate.lifting.core import (
+    after_states,
+    argument_writes,
+    current_values,
+    land,
+    traceable,
+    transformation,
+    with_states_first,
+)
+
+
+def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``jax.jit`` of a function that may read and assign state (what a
+    method's ``jax.jit(...)`` calls).
+
+    The states are arguments and outputs of the compiled function: a read is
+    the state's value at the call, and a write lands, as if the function ran
+    eagerly. A static state (a Python value) may not be assigned there.
+
+    Args:
+        fun: the function to compile.
+        **options: those of ``jax.jit`` (``static_argnums``, ``donate_argnums``, ...),
+            numbered as the arguments of ``fun``.
+
+    Returns:
+        The compiled function.
+
+    Examples:
+        >>> @autostate.stateful
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.n = jnp.zeros((), jnp.int32)
+        ...
+        ...     def _add(self, k):
+        ...         self.n += k
+        ...         return self.n
+        ...
+        ...     def step(self, k):
+        ...         return jax.jit(self._add)(k)  # routed here
+        >>> counter = Counter()
+        >>> print(counter.step(2), counter.step(3), counter.n)
+        2 5 5
+    """
+    for name in ("in_shardings", "out_shardings"):
+        if options.get(name) is not None:
+            raise ControlFlowStateError(
+                format_error(
+                    f"jax.jit with {name} inside a method: the states the function reads "
+                    "and assigns are extra arguments and outputs of the compiled function, "
+                    f"so {name} given for the function's own would not line up with them.",
+                    where=user_location(),
+                    fix="annotate the states with autostate.sharded(value, spec) and jit the "
+                    "outer step (f) with the shardings autostate.shardings gives, or "
+                    "constrain values inside with jax.lax.with_sharding_constraint.",
+                )
+            )
+    # Donation is left out: a donated state would delete the caller's states
+    # dict (through f) or the model's old arrays, which plain Python keeps.
+    options = {k: v for k, v in options.items() if k not in ("donate_argnums", "donate_argnames")}
+    shifted = dict(options)
+    if options.get("static_argnums") is not None:
+        shifted["static_argnums"] = after_states(options["static_argnums"])
+    # An object boundary (DESIGN.md section 8): the function is traced on every
+    # call, once, so a static config it switches (``self.training = False``) is
+    # written back as the plain call leaves it.
+    return transformation(
+        fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs),
+        once=True,
+    )
+
+
+def _jit_call(
+    fun: Callable, options: dict, shifted: dict, args: tuple, kwargs: dict
+) -> Any:
+    cells = running_cells()
+    if not cells:
+        if _graph.holds_instance((fun, args, kwargs)):
+            # (Traced afresh, as below: a static config the function assigns
+            # is assigned on every call, never skipped by JAX's cache.)
+            fun = functools.wraps(fun)(functools.partial(fun))
+        return jax.jit(fun, **options)(*args, **kwargs)
+    what = "a jax.jit"
+    passed = [i for i, cell in enumerate(cells) if traceable(cell.value)]
+    chosen = [cells[i] for i in passed]
+
+    def threaded(values: list[Any], *inner: Any, **inner_kwargs: Any) -> Any:
+        return argument_writes(cells, passed, values, what, lambda: fun(*inner, **inner_kwargs))
+
+    threaded.__name__ = getattr(fun, "__name__", threaded.__name__)  # (the jaxpr's name)
+    with_states_first(threaded, fun)
+    out, new = jax.jit(threaded, **shifted)(current_values(chosen), *args, **kwargs)
+    land(chosen, new)
+    return out
+
+
+# --- shard_map -----------------------------------------------------------------------
+# ``jax.shard_map``'s placement: the live states JAX can trace are extra
+# arguments, each with the partition spec its annotation gives (replicated
+# without one), and come back with it. A replicated state assigned there
+# lands only with a value every shard agrees on (reduced with
+# ``lax.pmean``/``psum`` over the mesh axes); a per-shard value is refused,
+# as a per-example one under ``jax.vmap`` is.
+
+
