@@ -1986,25 +1986,6 @@ def test_lax_operand_keyword_like_undecorated_jax(write_module: Loader, method: 
     check(plain, dec, "Kw()", [(method, (X1,)), (method, (-X2,))])
 
 
-def test_every_routed_wrapper_takes_every_parameter_of_jax() -> None:
-    """The family of the operand= bug: a call that resolves to a JAX function is
-    routed to ``autostate.lifting``, so each wrapper must take every parameter
-    the JAX function takes, by the same name (or through ``**kwargs``)."""
-    import inspect
-
-    from autostate.lifting import routes
-
-    for target, name, through in routes.ROWS:
-        theirs = inspect.signature(target).parameters
-        ours = inspect.signature(through).parameters
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in ours.values())
-        for pname, param in theirs.items():
-            if param.kind is param.VAR_POSITIONAL:
-                assert any(p.kind is p.VAR_POSITIONAL for p in ours.values()), (name, pname)
-            elif param.kind is not param.VAR_KEYWORD:
-                assert pname in ours or takes_any, f"autostate.{name} lacks {pname!r}"
-
-
 @pytest.mark.parametrize(
     "method", ["dyn_setattr_in_scan", "tied_in_scan", "keys_in_scan", "float_lr_in_scan"]
 )
