@@ -48,6 +48,8 @@ from autostate.lifetime import (
 from autostate.state_values import StaticState, is_static_value, same_static
 
 Cells = Sequence[LocalStateEffectImpl]
+# Slots handed to a handler for a call: (instance, attribute, slot, state name)
+Swapped = list[tuple[Any, str, StateSlot, str]]
 
 
 # --- binding cells ------------------------------------------------------------
@@ -470,7 +472,7 @@ def with_eager_states(
     """
     captured: list[Any] = []
     instances = reachable_instances(roots, captured)
-    swapped: list[tuple[Any, str, Any, str]] = []
+    swapped: Swapped = []
     statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()
     for obj in instances:
@@ -486,11 +488,7 @@ def with_eager_states(
                 raise slot.lost.error()
             if type(slot) not in _graph.OWN_VALUE_SLOTS:
                 continue
-            name = f"{type(obj).__name__}.{attr}"
-            while name in names:
-                name += "'"
-            names.add(name)
-            swapped.append((obj, attr, slot, name))
+            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
     # What a change in place inside the body must not reach: it is made once
     # per trace, and a traced value put there outlives the trace. The
     # containers the instances hold outside their states; those of the
@@ -517,27 +515,54 @@ def with_eager_states(
         with eager_lax_body(instances, what):
             if not swapped:
                 return call()
-            handler_id = fresh_handler_id()
             states = {name: slot.read() for _, _, slot, name in swapped}
-            for obj, attr, slot, name in swapped:
-                obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
-            lost: dict[str, LostValue] = {}
-            try:
-                out, new = run_with_states(
-                    handler_id, states, _keeping_lost, (call, handler_id, lost), {}
-                )
-            finally:
-                for obj, attr, slot, name in swapped:
-                    obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
+            out, new = run_handled(swapped, states, call)
     finally:
         for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
+    write_back(swapped, states, new)
+    return out
+
+
+
+def state_name(obj: Any, attr: str, names: set[str]) -> str:
+    """The name a handler gives ``obj``'s state ``attr`` for one call
+    (``Linear.w``, then ``Linear.w'`` for another instance's), added to ``names``."""
+    name = f"{type(obj).__name__}.{attr}"
+    while name in names:
+        name += "'"
+    names.add(name)
+    return name
+
+
+def run_handled(
+    swapped: Swapped, states: dict[str, Any], call: Callable[[], Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``call()`` with the slots ``swapped`` (``(instance, attribute, slot,
+    name)``) made references of a fresh handler that holds ``states`` by
+    name: its output and the states' new values (``write_back`` lands them).
+    The slots are put back after; a call that raises leaves each state its
+    traced body assigned lost (``LostState``: reading it says what happened)."""
+    handler_id = fresh_handler_id()
+    for obj, attr, slot, name in swapped:
+        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+    lost: dict[str, LostValue] = {}
+    try:
+        out, new = run_with_states(handler_id, states, _keeping_lost, (call, handler_id, lost), {})
+    finally:
+        for obj, attr, slot, name in swapped:
+            obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
+    return out, new
+
+
+def write_back(swapped: Swapped, states: dict[str, Any], new: dict[str, Any]) -> None:
+    """The last step of a handled call (``run_handled``): each slot of
+    ``swapped`` whose state has a new value is assigned it, as an eager write."""
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
             replacement = slot.write(new[name], attr)
             if replacement is not None:
                 obj.__dict__[attr] = replacement
-    return out
 
 
 def guarded(guard: Guard, call: Callable[[], Any]) -> Any:

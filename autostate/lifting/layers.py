@@ -21,9 +21,7 @@ from autostate import tree as _tree
 from autostate.effects.local_state import (
     HandledLocalStateRef,
     StateSlot,
-    fresh_handler_id,
     handler_cells,
-    run_with_states,
     running_cells,
 )
 from autostate.errors import (
@@ -38,14 +36,18 @@ from autostate.lifetime import (
 from autostate.lifting.core import (
     Cells,
     StandIn,
+    Swapped,
     current_values,
     describe,
     guarded,
+    run_handled,
     settled,
     signature_of,
+    state_name,
     traceable,
     type_of,
     was_assigned,
+    write_back,
 )
 
 
@@ -101,44 +103,32 @@ def with_layer_views(mapped: Any, what: str, call: Callable[[], Any]) -> Any:
     runs, the outer state itself cannot be read by another path (it would
     read the value from before the call): that is refused.
     """
-    swapped: list[tuple[Any, str, StateSlot, str]] = []
+    swapped: Swapped = []
     names: set[str] = set()
     for obj in _graph.instances_of(mapped):
         for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
             if not isinstance(slot, StateSlot) or slot.part_of() is None:
                 continue
-            name = f"{type(obj).__name__}.{attr}"
-            while name in names:
-                name += "'"
-            names.add(name)
-            swapped.append((obj, attr, slot, name))
+            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
     if not swapped:
         return call()
     states = {name: slot.read() for _, _, slot, name in swapped}
     swapped = [entry for entry in swapped if traceable(states[entry[3]])]
     if not swapped:
         return call()
-    handler_id = fresh_handler_id()
     wholes: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    for obj, attr, slot, name in swapped:
+    for _, _, slot, _ in swapped:
         owner, owner_attr = slot.part_of()  # type: ignore[misc]
         wholes.setdefault((id(owner), owner_attr), (owner, owner_attr, owner.__dict__[owner_attr]))
-        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
     for owner, owner_attr, held in wholes.values():
         owner.__dict__[owner_attr] = _WholeOfMappedViews(held, type(owner).__name__, owner_attr, what)
     try:
-        out, new = run_with_states(handler_id, states, call, (), {})
+        out, new = run_handled(swapped, states, call)
     finally:
         for owner, owner_attr, held in wholes.values():
             owner.__dict__[owner_attr] = held
-        for obj, attr, slot, _ in swapped:
-            obj.__dict__[attr] = slot
-    for obj, attr, slot, name in swapped:
-        if new[name] is not states[name]:
-            replacement = slot.write(new[name], attr)
-            if replacement is not None:
-                obj.__dict__[attr] = replacement
+    write_back(swapped, states, new)
     return out
 
 
