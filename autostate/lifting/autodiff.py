@@ -19,14 +19,8 @@ from autostate.effects.local_state import (
     running_calls,
     running_cells,
 )
-from autostate.errors import (
-    EscapedStateError,
-    format_error,
-    user_location,
-)
-from autostate.lifetime import (
-    holds_escaped_tracer,
-)
+from autostate.errors import EscapedStateError, format_error, user_location
+from autostate.lifetime import holds_escaped_tracer
 from autostate.lifting.core import (
     after_states,
     bound_to,
@@ -109,13 +103,12 @@ def _checkpoint_call(
     )
 
 
-# --- vmap ---------------------------------------------------------------------------
-# ``jax.vmap``'s placement: the states of a sub-model in a mapped argument
-# are mapped with it (in and out axes its argument's), each example reading
-# and writing its own member; any other state is broadcast: read as it is,
-# and assigned only with a value every example agrees on (``out_axes=None``,
-# a statistic reduced over the ``axis_name``), which plain Python's loop
-# over the examples would leave.
+# --- derivatives --------------------------------------------------------------------
+# A derivative's placement: the states the function assigns leave it as
+# auxiliary outputs and are assigned after, so each keeps its primal value;
+# one it only reads is a constant of the derivative. ``apply(g, has_aux)``
+# takes the derivative of ``g``; ``split`` takes the states' values out of
+# what it gave with ``has_aux=True``.
 
 
 def _with_aux_states(
@@ -370,8 +363,3 @@ class custom_jvp(_StateChecked, jax.custom_jvp):  # noqa: N801 - jax's name
     traces away is refused at the call."""
 
     _deferred = ("fun", "jvp")
-
-
-# --- what the decorator routes here -------------------------------------------------
-
-

@@ -8,9 +8,7 @@ from typing import Any
 
 from jax import lax
 
-from autostate.effects.local_state import (
-    running_cells,
-)
+from autostate.effects.local_state import running_cells
 from autostate.lifting.core import (
     check_kept,
     jit_disabled,

@@ -41,10 +41,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
-from autostate.lifetime import (
-    LostValue,
-    contains_tracer,
-)
+from autostate.lifetime import LostValue, contains_tracer
 from autostate.state_values import StaticState, is_static_value, same_static
 
 Cells = Sequence[LocalStateEffectImpl]
@@ -524,7 +521,6 @@ def with_eager_states(
     return out
 
 
-
 def state_name(obj: Any, attr: str, names: set[str]) -> str:
     """The name a handler gives ``obj``'s state ``attr`` for one call
     (``Linear.w``, then ``Linear.w'`` for another instance's), added to ``names``."""
@@ -690,13 +686,8 @@ class _StaticInBody(StandIn):
         raise NotImplementedError
 
 
-# --- the primitives ---------------------------------------------------------------
-
-
 def jit_disabled() -> bool:
     """Under ``jax.disable_jit()`` JAX runs a loop's body once per step, and
     only the branch taken, with concrete values, as plain Python would: a
     body's assignments are then eager writes, and nothing is threaded."""
     return bool(jax.config.jax_disable_jit)  # type: ignore[attr-defined]  # (not in its stubs)
-
-

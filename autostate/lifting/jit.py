@@ -11,14 +11,8 @@ from typing import Any
 import jax
 
 from autostate import graph as _graph
-from autostate.effects.local_state import (
-    running_cells,
-)
-from autostate.errors import (
-    ControlFlowStateError,
-    format_error,
-    user_location,
-)
+from autostate.effects.local_state import running_cells
+from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
     after_states,
     argument_writes,
@@ -28,6 +22,12 @@ from autostate.lifting.core import (
     transformation,
     with_states_first,
 )
+
+# --- jit ----------------------------------------------------------------------------
+# ``jax.jit``'s placement: the live states JAX can trace are extra arguments
+# of the jitted function and the ones it assigns extra outputs, so a write
+# inside lands with its value, as if the function ran eagerly, and a read is
+# the state's value at the call, never a constant of an earlier trace.
 
 
 def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
@@ -112,14 +112,3 @@ def _jit_call(
     out, new = jax.jit(threaded, **shifted)(current_values(chosen), *args, **kwargs)
     land(chosen, new)
     return out
-
-
-# --- shard_map -----------------------------------------------------------------------
-# ``jax.shard_map``'s placement: the live states JAX can trace are extra
-# arguments, each with the partition spec its annotation gives (replicated
-# without one), and come back with it. A replicated state assigned there
-# lands only with a value every shard agrees on (reduced with
-# ``lax.pmean``/``psum`` over the mesh axes); a per-shard value is refused,
-# as a per-example one under ``jax.vmap`` is.
-
-

@@ -24,15 +24,9 @@ from autostate.effects.local_state import (
     handler_cells,
     running_cells,
 )
-from autostate.errors import (
-    ControlFlowStateError,
-    format_error,
-    user_location,
-)
+from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.guard import Guard, eager_lax_body
-from autostate.lifetime import (
-    MEMBER_CELLS,
-)
+from autostate.lifetime import MEMBER_CELLS
 from autostate.lifting.core import (
     Cells,
     StandIn,

@@ -11,14 +11,8 @@ import jax
 from jax import lax
 
 from autostate import graph as _graph
-from autostate.effects.local_state import (
-    running_cells,
-)
-from autostate.errors import (
-    ControlFlowStateError,
-    format_error,
-    user_location,
-)
+from autostate.effects.local_state import running_cells
+from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
     Cells,
     abstract_of,

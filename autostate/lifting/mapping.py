@@ -18,10 +18,7 @@ from autostate.effects.local_state import (
     handler_cells,
     running_cells,
 )
-from autostate.lifetime import (
-    current_trace,
-    with_home,
-)
+from autostate.lifetime import current_trace, with_home
 from autostate.lifting.core import (
     Cells,
     argument_writes,
@@ -41,6 +38,14 @@ from autostate.lifting.layers import (
     vmap_layers,
     with_layer_views,
 )
+
+# --- vmap ---------------------------------------------------------------------------
+# ``jax.vmap``'s placement: the states of a sub-model in a mapped argument
+# are mapped with it (in and out axes its argument's), each example reading
+# and writing its own member; any other state is broadcast: read as it is,
+# and assigned only with a value every example agrees on (``out_axes=None``,
+# a statistic reduced over the ``axis_name``), which plain Python's loop
+# over the examples would leave.
 
 
 def vmap(fun: Callable[..., Any], in_axes: Any = 0, out_axes: Any = 0, **options: Any) -> Callable[..., Any]:
@@ -187,11 +192,13 @@ _REDUCE_EXAMPLES = (
 )
 
 
-# --- jit ----------------------------------------------------------------------------
-# ``jax.jit``'s placement: the live states JAX can trace are extra arguments
-# of the jitted function and the ones it assigns extra outputs, so a write
-# inside lands with its value, as if the function ran eagerly, and a read is
-# the state's value at the call, never a constant of an earlier trace.
+# --- shard_map -----------------------------------------------------------------------
+# ``jax.shard_map``'s placement: the live states JAX can trace are extra
+# arguments, each with the partition spec its annotation gives (replicated
+# without one), and come back with it. A replicated state assigned there
+# lands only with a value every shard agrees on (reduced with
+# ``lax.pmean``/``psum`` over the mesh axes); a per-shard value is refused,
+# as a per-example one under ``jax.vmap`` is.
 
 
 def shard_map(f: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -287,13 +294,3 @@ _REDUCE_SHARDS = (
     "reduce the value over the mesh axes (`lax.pmean(value, 'data')`) before assigning "
     "it, or return the per-shard values and assign their reduction after the call."
 )
-
-
-# --- derivatives --------------------------------------------------------------------
-# A derivative's placement: the states the function assigns leave it as
-# auxiliary outputs and are assigned after, so each keeps its primal value;
-# one it only reads is a constant of the derivative. ``apply(g, has_aux)``
-# takes the derivative of ``g``; ``split`` takes the states' values out of
-# what it gave with ``has_aux=True``.
-
-
