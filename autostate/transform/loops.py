@@ -52,15 +52,13 @@ import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from autostate.transform.method import MUTATING_METHODS
+from autostate.transform.method import MUTATING_METHODS, SCOPE_READERS
 
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
 _DEFERRED = frozenset({"enumerate", "zip", "reversed"})
 # Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``).
 _MUTATING = MUTATING_METHODS | {"__setitem__", "__delitem__"}
-# Calls that see the running function's own scope.
-_SCOPE_READERS = frozenset({"locals", "vars", "dir", "eval", "exec"})
 
 
 def _reads_scope(node: ast.AST) -> bool:
@@ -69,7 +67,7 @@ def _reads_scope(node: ast.AST) -> bool:
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         return False
     name = node.func.id
-    return name in _SCOPE_READERS and (not node.args or (name in ("eval", "exec") and len(node.args) < 2))
+    return name in SCOPE_READERS and (not node.args or (name in ("eval", "exec") and len(node.args) < 2))
 _PREFIX = "__autostate_"
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 _SCOPES = (*_FUNCTIONS, ast.ClassDef)

@@ -16,6 +16,12 @@ RUNTIME_NAME = "__autostate__"
 # (``setattr(self, "x", v)``), unless the method's module or closure rebinds
 # them. Here, libcst-free, so that a warm decoration can check them too.
 ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object", "super"})
+# Builtins that, called with no argument, list the calling function's locals
+# by name (the rewrite drops the runtime's own name from what they give); with
+# ``eval`` and ``exec`` (without namespaces of their own), the calls that see
+# the running function's scope, around which a loop stays unrolled.
+SCOPE_LISTERS = frozenset({"locals", "vars", "dir"})
+SCOPE_READERS = SCOPE_LISTERS | {"eval", "exec"}
 # Methods that change a container in place (``outs.append(x)``): on state the
 # analysis refuses them (a name is no type: a sub-model may have an ``update``
 # too, so only where no value of the attribute can be such an object,

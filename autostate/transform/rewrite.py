@@ -63,6 +63,7 @@ from autostate.transform.analysis import (
     named_access,
     subscript_base,
 )
+from autostate.transform.method import SCOPE_LISTERS
 
 # The runtime function of each in-place operator (``iadd`` for ``+=``): it
 # follows ``__iadd__`` like Python, on a copy of a list, dict or set state.
@@ -89,9 +90,6 @@ _AUG_TO_BINARY = {
 }
 
 
-# ``locals()``, ``vars()`` and ``dir()`` called with no argument list the
-# caller's local names, which in rewritten code include the runtime's.
-_SCOPE_BUILTINS = frozenset({"locals", "vars", "dir"})
 
 
 def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
@@ -442,7 +440,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             )
         if (
             isinstance(func, cst.Name)
-            and func.value in _SCOPE_BUILTINS
+            and func.value in SCOPE_LISTERS
             and not args
             and not {"'", '"'} <= set(self._fstring_quotes)  # (no quote left for the name)
         ):
