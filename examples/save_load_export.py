@@ -10,6 +10,7 @@ program is called on the saved states and checked against the live model.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -74,13 +75,14 @@ def train(model, steps, first_batch):
     return autostate.freeze(f, states)
 
 
-def resume(folder: Path) -> None:
+def resume(folder: Path, platforms: list[str]) -> None:
     """The second process: load, continue training, save, export."""
     print("[new process] loading the checkpoint into a fresh Regressor")
     model = autostate.load(folder / "ckpt.npz", like=Regressor(N_IN, N_HIDDEN, seed=123))
     model = train(model, steps=3, first_batch=3)
     autostate.save(folder / "resumed.npz", model)
-    exported = autostate.export(model, jax.ShapeDtypeStruct((BATCH, N_IN), jnp.float32))
+    spec = jax.ShapeDtypeStruct((BATCH, N_IN), jnp.float32)
+    exported = autostate.export(model, spec, platforms=platforms)
     blob = exported.serialize()
     (folder / "regressor.jax").write_bytes(blob)
     print(f"[new process] saved resumed.npz and regressor.jax ({len(blob)} bytes)")
@@ -89,9 +91,10 @@ def resume(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--resume", type=Path, help="(used by the second process)")
+    parser.add_argument("--platforms", nargs="+", help="(used by the second process)")
     args = parser.parse_args()
     if args.resume is not None:
-        resume(args.resume)
+        resume(args.resume, args.platforms)
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +103,13 @@ def main() -> None:
         model = train(Regressor(N_IN, N_HIDDEN), steps=3, first_batch=0)
         print(model)
         autostate.save(folder / "ckpt.npz", model)
-        subprocess.run([sys.executable, __file__, "--resume", str(folder)], check=True)
+        # One process at a time can hold a TPU: on an accelerator the second
+        # process runs on the CPU, and exports for both platforms.
+        here = jax.default_backend()
+        env = None if here == "cpu" else {**os.environ, "JAX_PLATFORMS": "cpu"}
+        platforms = sorted({"cpu", here})
+        subprocess.run([sys.executable, __file__, "--resume", str(folder), "--platforms", *platforms],
+                       check=True, env=env)
 
         # The exported program needs neither the Regressor class nor its
         # parameters: they are baked in. The states come from the checkpoint.

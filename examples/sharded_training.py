@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = Config(d=16, mlp=32, layers=1, steps=2) if args.smoke else Config()
     if jax.device_count() < 8:
-        raise SystemExit(f"needs 8 devices, found {jax.device_count()}")
+        raise SystemExit(
+            f"needs 8 devices, found {jax.device_count()} ({jax.default_backend()}): "
+            "JAX_PLATFORMS=cpu runs it on 8 virtual CPU devices"
+        )
     mesh = make_mesh()
 
     def init(key):

@@ -62,6 +62,13 @@ if not os.environ.get(
         [os.environ.get("XLA_FLAGS", ""), *_XLA_FAST_COMPILE]
     ).strip()
 
+# The tolerance policy's one XLA flag (tests/tolerance.py): a jitted program
+# rounds to bfloat16/float16 where the Python code does, on every backend.
+from tolerance import EXCESS_PRECISION_FLAG  # noqa: E402
+
+if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EXCESS_PRECISION_FLAG}".strip()
+
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,6 +14,15 @@ JAX) asks for the precision the backend documents, not for CPU's bits:
   program differently from the same operations run one at a time, so two
   correct programs agree to about six digits there, not seven.
 
+* on every backend, ``EXCESS_PRECISION_FLAG`` is in ``XLA_FLAGS`` (set by
+  ``tests/conftest.py`` before JAX starts): by default XLA on a TPU or GPU
+  may drop a rounding to bfloat16 or float16 inside a jitted program
+  (``convert(convert(x, bf16), f32)`` becomes ``x``: JAX issue 23007), so a
+  value the plain Python rounds to bfloat16 would keep float32 bits under
+  ``jit``, a difference of up to half a bfloat16 step (0.4 %), not a few
+  ulps. With the flag off, the compiled program rounds where the Python
+  code does, as XLA:CPU always does; no tolerance has to cover it.
+
 ``tests/conftest.py`` calls ``use_backend_precision`` once per process; the
 harness (``tests/semantics/harness.py``) and the benchmarks' pre-checks
 (``benchmarks/_timing.py``) take their tolerances from ``tolerance``.
@@ -24,6 +33,7 @@ from __future__ import annotations
 import jax
 
 ACCELERATOR_FACTOR = 10.0
+EXCESS_PRECISION_FLAG = "--xla_allow_excess_precision=false"
 
 
 def on_accelerator() -> bool:

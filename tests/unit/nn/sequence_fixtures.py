@@ -15,11 +15,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from tolerance import tolerance
 
 import autostate
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "torch"
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+TOLERANCE = tolerance(rtol=1e-5, atol=1e-5)
 
 
 class Fixture:

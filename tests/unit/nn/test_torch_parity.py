@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import tolerance
 
 import autostate
 from autostate import nn
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "torch"
 NAMES = sorted(p.stem.removeprefix("layer_") for p in FIXTURES.glob("layer_*.npz"))
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+TOL = tolerance(rtol=1e-5, atol=1e-5)
 
 
 def _tuples(value: Any) -> Any:
