@@ -61,7 +61,7 @@ import jax
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects import HandledLocalStateRef, StateSlot
+from autostate.effects.local_state import HandledLocalStateRef, StateSlot
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -75,7 +75,6 @@ from autostate.errors import (
     traced_value_error,
     user_location,
 )
-from autostate.lifetime import LostValue, contains_tracer, holds_escaped_tracer, under_staging_trace
 from autostate.slot_hooks import register_slot_hooks
 
 __all__ = [
@@ -288,6 +287,8 @@ class Guard:
         """Where a container changed: for a ``lax`` body, only a change that
         holds a tracer (a Python value it appends is appended once per trace,
         as JAX runs the body, and stays)."""
+        from autostate.lifetime import contains_tracer  # (the layer above: see check_write)
+
         same = _same_contents
         return list(dict.fromkeys(
             where
@@ -401,6 +402,8 @@ class Guard:
 
 def _check_states(states: dict[str, Any]) -> None:
     """Refuses new states holding a tracer of a ``lax`` body that has ended."""
+    from autostate.lifetime import LostValue, holds_escaped_tracer  # (see check_write)
+
     for name, value in states.items():
         if holds_escaped_tracer(value):
             raise EscapedStateError(escaped_state_message(name, user_location()))
@@ -514,6 +517,10 @@ def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
         if value is not _ABSENT:
             what = lax_body_of(obj)
             if what is not None:
+                # (``lifetime``'s tracer questions stand on the slots a guard
+                # sees, so they are the layer above: imported when asked.)
+                from autostate.lifetime import contains_tracer
+
                 if contains_tracer(value):
                     _check_lax_body_write(obj, name, what)
             elif isinstance(value, jax.core.Tracer):
@@ -552,11 +559,11 @@ def _check_concrete_kept(obj: Any, name: str) -> None:
     # (A concrete jax array, under jax.jit: made outside it, where a model
     # built inside holds its tracers. Nothing else says the model is older;
     # under grad or vmap alone an array made inside may be concrete.)
-    if (
-        not isinstance(old, jax.Array)
-        or isinstance(old, jax.core.Tracer)
-        or not under_staging_trace()
-    ):
+    if not isinstance(old, jax.Array) or isinstance(old, jax.core.Tracer):
+        return
+    from autostate.lifetime import under_staging_trace  # (see check_write)
+
+    if not under_staging_trace():
         return
     raise refused(TracedEagerStateError(format_error(
         f"{type(obj).__name__}.{name} (not a state) held a concrete array and is assigned "

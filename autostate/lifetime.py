@@ -65,14 +65,8 @@ from autostate.errors import (
     user_location,
 )
 from autostate.slot_hooks import WriteNote, register_slot_hooks
-from autostate.state_values import (
-    CONCRETE_LEAF_TYPES,
-    is_iterator,
-    leaves_within_opaque,
-    opaque_items,
-    static_slot,
-)
 from autostate.unsortable import Unsortable, leaves_in_own_order
+from autostate.values import CONCRETE_LEAF_TYPES, is_iterator, leaves_within_opaque, opaque_items
 
 
 class LostValue:
@@ -381,6 +375,10 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     trace running now, its home: tracers of that trace are accepted, the
     model is being built inside a transformation (``check_initial_value``).
     """
+    # (Static slots are ``state_values``'s, a module above this one: the
+    # states dict's rules stand on the slots defined here.)
+    from autostate.state_values import static_slot
+
     home = current_trace()
     static = static_slot(value, category, name)
     if static is not None:
@@ -418,6 +416,8 @@ def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     if t is FrozenLocalStateRequest and not placeholder:
         new = slot.replaced(value)
     else:
+        from autostate.state_values import static_slot  # (above this module)
+
         static = static_slot(value, slot.category, slot.name) if placeholder else None
         if static is not None:
             return with_home(static, home)

@@ -28,7 +28,6 @@ from autostate.effects import (
 )
 from autostate.functional import CONSTANT, ConstantRef
 from autostate.lifetime import InitialValue
-from autostate.stacks import LayerSlot, Stack
 from autostate.state_values import HandledStaticState, StaticState
 
 # --- labels -------------------------------------------------------------------------
@@ -66,6 +65,8 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
         return f"{head} static", slot.value
     if isinstance(slot, HandledStaticState):
         return f"{head} static, fixed in {slot.handler_id!r}", slot.value
+    from autostate.stacks import LayerSlot  # (a feature this rendering names: read when asked)
+
     if isinstance(slot, LayerSlot):
         return f"{head} of layer {slot.index} of a stack", slot.read()
     if getattr(slot, "lost", None) is not None:  # (``control``'s: its body raised)
@@ -112,6 +113,8 @@ class _ReprWriter:
             return self.instance(value, path)
         if isinstance(value, StateSlot) or type(value) is ConstantRef:
             return self.state(value, path)
+        from autostate.stacks import Stack  # (see state_label)
+
         if t is Stack:  # (adds nothing to the names under it)
             strict = ["require_scan=True"] if value.require_scan else []
             parts = [f"depth={len(value)}", *strict, f"stacked={self.node(value.stacked, path)}"]

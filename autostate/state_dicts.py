@@ -29,9 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autostate import api as _api
 from autostate import graph as _graph
-from autostate import stacks as _stacks
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects import HandledLocalStateRef
@@ -89,9 +87,13 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
                 fix="pass autostate.freeze(f, states) with that call's f and states.",
             )
         )
+    # (The front door's functionalize and freeze, and stacks, are read when a
+    # call needs them: state dicts are a feature those modules stand beside.)
+    from autostate.api import functionalize
+
     # "allowed" only differs from the default by accepting models that a
     # sharing-enabled freeze produced; names are the same either way.
-    return _api.functionalize(model, state_sharing="allowed")
+    return functionalize(model, state_sharing="allowed")
 
 
 def parameters_of(body: Any) -> dict[str, Any]:
@@ -384,7 +386,9 @@ def per_layer_of(model: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(model, PackedModel):
         model = model.unpack()
     body = model.model if isinstance(model, FunctionalModel) else model
-    return split_layers(flat, _stacks.stacks_in(body))
+    from autostate.stacks import stacks_in  # (see handle_for_reading)
+
+    return split_layers(flat, stacks_in(body))
 
 
 def _state_dict(model: Any, states: Mapping[str, Any] | PackedStates | None) -> dict[str, Any]:
@@ -607,11 +611,14 @@ def rebuild(
     public callers have checked that what they were given is a dict
     (``require_dict``), so ``None`` here only ever means "not loaded".
     """
+    from autostate.api import freeze  # (see handle_for_reading)
+    from autostate.stacks import stacks_in
+
     f, nested = handle_for_reading(model, caller)
     report = _Report()
     param_leaves: dict[str, Any] = {}
     new_params: dict[str, Any] = {}
-    stacks = _stacks.stacks_in(f.model)
+    stacks = stacks_in(f.model)
     if params is not None:
         param_leaves = parameters_of(f.model)
         params = _fit_layers(param_leaves, params, stacks)
@@ -657,7 +664,7 @@ def rebuild(
         # By the array replaced, so that every place of a tied one takes its new value.
         by_id = {id(param_leaves[k]): _converted_like(param_leaves[k], v) for k, v in new_params.items()}
         body = _graph.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _values.is_array)
-    return _api.freeze(FunctionalModel(f.handler_id, body), nested)
+    return freeze(FunctionalModel(f.handler_id, body), nested)
 
 
 def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:

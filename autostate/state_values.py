@@ -15,8 +15,8 @@ pytree leaves, and put them back. This module owns those rules:
   model (fixed for the call); ``static_slot``: the slot a value makes, if
   static;
 * ``split_static_values`` / ``join_static_values``: a container value's
-  Python values out of its leaves and back; ``opaque_items`` and
-  ``_Rebuilt``: a container JAX takes as one leaf, as its items and back;
+  Python values out of its leaves and back; ``_Rebuilt``: a container JAX
+  takes as one leaf (``values.opaque_items``), as its items and back;
 * ``States`` / ``states_dict``: the states dict that keeps them;
 * ``_own_value``: the copy of a states dict's entry a call keeps.
 
@@ -48,11 +48,7 @@ from autostate.errors import (
 )
 from autostate.slot_hooks import hooks as _hooks
 from autostate.slot_hooks import register_slot_hooks
-
-# Types whose instances are pytree leaves and not tracers (a concrete array,
-# a float). Leafness is decided per type, so one leaf instance vouches for its
-# type; an eager state write then skips ``tree_leaves``, most of its cost.
-CONCRETE_LEAF_TYPES: set[type] = set()
+from autostate.values import CONCRETE_LEAF_TYPES, TAKING_APART, opaque_items
 
 
 def _static_key(value: Any) -> tuple:
@@ -62,23 +58,6 @@ def _static_key(value: Any) -> tuple:
 
 def same_static(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
-
-
-def opaque_items(value: Any) -> dict | list | None:
-    """A container JAX takes as one leaf (``values.Kind.items``), as a plain
-    dict or list of its items; None for anything else."""
-    t = type(value)
-    if t is dict or t is list or t in CONCRETE_LEAF_TYPES:
-        return None
-    items = _values.kind_of(value).items
-    if items is None:
-        # (Not a plain object's attributes: JAX keeps any object as a leaf,
-        # and a pytree JAX rebuilt with objects for leaves, as orbax's
-        # restore arguments, must keep them.)
-        return None
-    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-        return None  # (registered with JAX: an OrderedDict, a defaultdict)
-    return items(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +72,7 @@ class _Rebuilt:
 
     @staticmethod
     def of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
-        if id(value) in _EXPANDING:
+        if id(value) in TAKING_APART:
             raise InvalidTypeError(
                 format_error(
                     f"A state holds a {type(value).__name__} that holds itself; a states dict "
@@ -102,11 +81,11 @@ class _Rebuilt:
                     "list of its own.",
                 )
             )
-        _EXPANDING.add(id(value))
+        TAKING_APART.add(id(value))
         try:
             return _Rebuilt._of(value, items)
         finally:
-            _EXPANDING.discard(id(value))
+            TAKING_APART.discard(id(value))
 
     @staticmethod
     def _of(value: Any, items: Any) -> tuple[Any, _Rebuilt]:
@@ -129,39 +108,6 @@ class _Rebuilt:
         for name, key in self.attributes:
             object.__setattr__(new, name, key[1])
         return new
-
-
-_ITERATOR_TYPES: dict[type, bool] = {}
-
-
-def is_iterator(value: Any) -> bool:
-    t = type(value)
-    found = _ITERATOR_TYPES.get(t)
-    if found is None:
-        found = _ITERATOR_TYPES[t] = hasattr(t, "__next__") and hasattr(t, "__iter__")
-    return found
-
-
-# Ids of the containers ``opaque_items`` is taking apart now: one that holds
-# itself is taken apart once.
-_EXPANDING: set[int] = set()
-
-
-def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
-    """``leaves``, with the leaves of the containers JAX took as one leaf
-    (``opaque_items``) in their place."""
-    out: list[Any] = []
-    for leaf in leaves:
-        items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
-        if items is None or id(leaf) in _EXPANDING:
-            out.append(leaf)
-            continue
-        _EXPANDING.add(id(leaf))
-        try:
-            out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
-        finally:
-            _EXPANDING.discard(id(leaf))
-    return out
 
 
 def is_static_value(value: Any) -> bool:

@@ -21,7 +21,7 @@ import jax
 
 from autostate.errors import InvalidTypeError, format_error, user_location
 from autostate.slot_hooks import register_slot_hooks
-from autostate.state_values import is_iterator
+from autostate.values import is_iterator
 
 # (state name, the user's line that assigned it): where a state was given a
 # value holding a dict whose keys do not sort.

@@ -38,6 +38,9 @@ The questions, each asked in one place:
   a ``deque``, a ``UserDict``/``UserList``) as a plain dict or list of its
   items; whether JAX flattens the type after all (``OrderedDict``) is asked of
   JAX at the call, since a type may be registered after it was first met.
+* ``opaque_items`` / ``leaves_within_opaque``: a container JAX takes as one
+  leaf, as its items; ``CONCRETE_LEAF_TYPES``: the types met as leaves that
+  are not tracers (no walk needed); ``is_iterator``: an iterator, a leaf.
 * ``Kind.sealed``: a collection the model graph does not walk into (``set``,
   ``frozenset``, ``deque``): a sub-model inside one would not be functionalized.
 
@@ -80,6 +83,11 @@ __all__ = [
     "is_mutable",
     "is_mutable_static",
     "copy_static",
+    "CONCRETE_LEAF_TYPES",
+    "is_iterator",
+    "TAKING_APART",
+    "opaque_items",
+    "leaves_within_opaque",
 ]
 
 
@@ -579,3 +587,60 @@ def copy_static(value: Any, memo: dict[int, Any]) -> Any:
             new.extend(items_list)
     memo[id(value)] = new
     return new
+
+
+# Types whose instances are pytree leaves and not tracers (a concrete array,
+# a float). Leafness is decided per type, so one leaf instance vouches for its
+# type; an eager state write then skips ``tree_leaves``, most of its cost.
+CONCRETE_LEAF_TYPES: set[type] = set()
+
+
+_ITERATOR_TYPES: dict[type, bool] = {}
+
+
+def is_iterator(value: Any) -> bool:
+    """Whether ``value`` is an iterator (a generator): a leaf no walk looks into."""
+    t = type(value)
+    found = _ITERATOR_TYPES.get(t)
+    if found is None:
+        found = _ITERATOR_TYPES[t] = hasattr(t, "__next__") and hasattr(t, "__iter__")
+    return found
+
+
+# Ids of the containers ``opaque_items`` is taking apart now: one that holds
+# itself is taken apart once.
+TAKING_APART: set[int] = set()
+
+
+def opaque_items(value: Any) -> dict | list | None:
+    """A container JAX takes as one leaf (``values.Kind.items``), as a plain
+    dict or list of its items; None for anything else."""
+    t = type(value)
+    if t is dict or t is list or t in CONCRETE_LEAF_TYPES:
+        return None
+    items = kind_of(value).items
+    if items is None:
+        # (Not a plain object's attributes: JAX keeps any object as a leaf,
+        # and a pytree JAX rebuilt with objects for leaves, as orbax's
+        # restore arguments, must keep them.)
+        return None
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+        return None  # (registered with JAX: an OrderedDict, a defaultdict)
+    return items(value)
+
+
+def leaves_within_opaque(leaves: list[Any]) -> list[Any]:
+    """``leaves``, with the leaves of the containers JAX took as one leaf
+    (``opaque_items``) in their place."""
+    out: list[Any] = []
+    for leaf in leaves:
+        items = None if isinstance(leaf, jax.core.Tracer) else opaque_items(leaf)
+        if items is None or id(leaf) in TAKING_APART:
+            out.append(leaf)
+            continue
+        TAKING_APART.add(id(leaf))
+        try:
+            out.extend(leaves_within_opaque(jax.tree_util.tree_leaves(items)))
+        finally:
+            TAKING_APART.discard(id(leaf))
+    return out

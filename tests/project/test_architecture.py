@@ -88,6 +88,60 @@ def test_the_module_graph_has_no_cycle():
         visit(module, [])
 
 
+def _runs_at_import(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements of ``body`` that run when the module is imported: not
+    those inside functions, nor under ``if TYPE_CHECKING:``."""
+    found = []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        found.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            found += _runs_at_import(node.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                found += _runs_at_import(inner)
+    return found
+
+
+def _import_time_graph() -> dict[str, set[str]]:
+    """The edges ``_graph`` has, for the imports that run at import time."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        lines = {
+            node.lineno
+            for node in _runs_at_import(ast.parse(MODULES[module].read_text()).body)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        }
+        graph[module] = {
+            _resolve(name)
+            for name, line in _imports(module)
+            if line in lines and name.split(".")[0] == "autostate" and _resolve(name) != module
+        }
+    return graph
+
+
+def _longest_chain(graph: dict[str, set[str]], module: str, memo: dict) -> list[str]:
+    if module not in memo:
+        below = [_longest_chain(graph, m, memo) for m in sorted(graph[module])]
+        memo[module] = [module, *max(below, key=len, default=[])]
+    return memo[module]
+
+
+def test_import_autostate_runs_at_most_ten_floors_of_modules():
+    # One floor per layer (DESIGN.md section 4): ground (values, errors),
+    # core (graph, effects, guard, runtime), the lift and its
+    # transformations, the features, the front door. A chain that grows a
+    # floor per concern is a dependency pointing the wrong way: move the
+    # definition to its layer, or import what only a call needs in the call.
+    # (Counted from the root: ``autostate.nn``, imported on first use, stands
+    # on the front door, as a user's layers do.)
+    chain = _longest_chain(_import_time_graph(), "autostate", {})
+    assert len(chain) <= 10, f"{len(chain)} floors: " + " -> ".join(chain)
+
+
 @pytest.mark.parametrize(
     ("layer", "forbidden"), [("autostate.transform", "jax"), ("autostate.effects", "libcst")]
 )
@@ -181,3 +235,7 @@ def test_the_checks_see_the_real_imports():
     assert any(name == "jax" for name, _ in _imports("autostate.effects.local_state"))
     assert "autostate.loops" in graph and not _private_uses("autostate.loops")
     assert "lifting" in MODULES["autostate.loops"].read_text()
+    # Imports inside a function are edges, but not floors.
+    assert "autostate.api" in graph["autostate.state_dicts"]
+    assert "autostate.api" not in _import_time_graph()["autostate.state_dicts"]
+    assert "autostate.effects.local_state" in _import_time_graph()["autostate.state_values"]
