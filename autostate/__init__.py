@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+from typing import TYPE_CHECKING
 
 from autostate.api import (
     Stateful,
@@ -43,7 +43,6 @@ from autostate.lifting import (
     while_loop,
 )
 from autostate.packing import PackedModel, PackedStates, pack
-from autostate.serialization import load, load_arrays, save
 from autostate.sharding import partition_specs, sharded, shardings
 from autostate.stacks import Stack, stack
 from autostate.state_dicts import load_param_dict, load_state_dict, param_dict, state_dict
@@ -51,20 +50,47 @@ from autostate.state_values import States
 from autostate.summary import summary
 from autostate.training import Optimizer, grad, value_and_grad
 
-try:  # The version is written once, in pyproject.toml; installing records it.
-    __version__ = _metadata.version("autostate")
-except _metadata.PackageNotFoundError:  # (a source tree on sys.path, never installed)
-    __version__ = "0+unknown"
+if TYPE_CHECKING:
+    from autostate.serialization import load, load_arrays, save
+
+    __version__: str
+
+# What a call needs, imported by its first use rather than by every ``import
+# autostate``: the layers (forty classes to decorate) and saving to files.
+# (A module whose name is also a public function's, ``summary``, ``export``,
+# stays above: importing the module would set the package's attribute.)
+_ON_FIRST_USE = {
+    "nn": ("autostate.nn", None),
+    "serialization": ("autostate.serialization", None),
+    "load": ("autostate.serialization", "load"),
+    "load_arrays": ("autostate.serialization", "load_arrays"),
+    "save": ("autostate.serialization", "save"),
+}
 
 
 def __getattr__(name: str) -> object:
-    # ``autostate.nn`` (the layers) is imported on first use: its forty
-    # classes would otherwise be decorated by every ``import autostate``.
-    if name == "nn":
+    if name in _ON_FIRST_USE:
         import importlib
 
-        return importlib.import_module("autostate.nn")
+        module_name, attribute = _ON_FIRST_USE[name]
+        module = importlib.import_module(module_name)
+        value = module if attribute is None else getattr(module, attribute)
+        globals()[name] = value
+        return value
+    if name == "__version__":
+        from importlib import metadata
+
+        try:  # The version is written once, in pyproject.toml; installing records it.
+            version = metadata.version("autostate")
+        except metadata.PackageNotFoundError:  # (a source tree on sys.path, never installed)
+            version = "0+unknown"
+        globals()["__version__"] = version
+        return version
     raise AttributeError(f"module 'autostate' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ON_FIRST_USE, "__version__"})
 
 
 __all__ = [
