@@ -13,7 +13,6 @@ from autostate.api import (
     state,
     stateful,
 )
-from autostate.compiled import Compiled, jit
 from autostate.effects import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
@@ -51,16 +50,21 @@ from autostate.summary import summary
 from autostate.training import Optimizer, grad, value_and_grad
 
 if TYPE_CHECKING:
+    from autostate.compiled import Compiled, jit
     from autostate.serialization import load, load_arrays, save
 
     __version__: str
 
 # What a call needs, imported by its first use rather than by every ``import
-# autostate``: the layers (forty classes to decorate) and saving to files.
+# autostate``: the layers (forty classes to decorate), compiled calls and
+# saving to files.
 # (A module whose name is also a public function's, ``summary``, ``export``,
 # stays above: importing the module would set the package's attribute.)
 _ON_FIRST_USE = {
     "nn": ("autostate.nn", None),
+    "compiled": ("autostate.compiled", None),
+    "Compiled": ("autostate.compiled", "Compiled"),
+    "jit": ("autostate.compiled", "jit"),
     "serialization": ("autostate.serialization", None),
     "load": ("autostate.serialization", "load"),
     "load_arrays": ("autostate.serialization", "load_arrays"),
