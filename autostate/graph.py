@@ -118,6 +118,11 @@ class NodeKind:
             reads; a stack: its stacked model).
         own_value: a state slot holding its own value: the eager states a
             ``lax`` body reaches in it are threaded through the body.
+        from_leaves: ``(aux, leaves) -> node``: the node made straight from
+            its leaves (in JAX's flatten order) and its node data, without
+            the subtree its flatten gives (a ``FunctionalModel``, whose view
+            is made when asked): a rebuild of an attribute holding one makes
+            none of that subtree's nodes.
     """
 
     type: type
@@ -139,6 +144,7 @@ class NodeKind:
     must_roll: Callable[[Any], bool] | None = None
     reached: Callable[[Any], list[Any]] | None = None
     own_value: bool = False
+    from_leaves: Callable[[Any, list[Any]], Any] | None = None
 
 
 _KINDS: dict[type, NodeKind] = {}
@@ -160,6 +166,8 @@ STACKS: dict[type, Callable[[Any], Any]] = {}
 MUST_ROLL: dict[type, Callable[[Any], bool]] = {}
 REACHED: dict[type, Callable[[Any], list[Any]]] = {}
 OWN_VALUE_SLOTS: set[type] = set()
+# The rebuild's: the kinds made straight from their leaves.
+_FROM_LEAVES: dict[type, Callable[[Any, list[Any]], Any]] = {}
 
 
 def node_kind(cls: type) -> NodeKind | None:
@@ -245,6 +253,8 @@ def _install(kind: NodeKind) -> None:
         REACHED[cls] = kind.reached
     if kind.own_value:
         OWN_VALUE_SLOTS.add(cls)
+    if kind.from_leaves is not None:
+        _FROM_LEAVES[cls] = kind.from_leaves
 
 
 def is_stateful_instance(value: Any) -> bool:
@@ -1664,7 +1674,7 @@ def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
                 ):
                     steps.append((name, _LEAF, parts[0]))
                 else:
-                    steps.append((name, _GENERAL, (treedef, parts)))
+                    steps.append((name, _GENERAL, (treedef, parts, _short_unflatten(treedef))))
             plan.append((cls, tuple(steps)))
         graphdef.cache["rebuild"] = plan
     return plan
@@ -1742,17 +1752,48 @@ def _rebuilt(how: int, what: Any, leaves: list[Any], objs: list[Any], statics: d
         return copy_static(what, statics)
     if how == _BOUND:
         return what.rebind(objs)
-    treedef, parts = what
-    return treedef.unflatten(
-        [
-            (objs[-1 - p] if p < 0 else leaves[p])
-            if type(p) is int
-            else p.rebind(objs)
-            if type(p) is _BoundRef
-            else copy_static(p.value, statics)
-            for p in parts
-        ]
+    treedef, parts, short = what
+    children = [
+        (objs[-1 - p] if p < 0 else leaves[p])
+        if type(p) is int
+        else p.rebind(objs)
+        if type(p) is _BoundRef
+        else copy_static(p.value, statics)
+        for p in parts
+    ]
+    return treedef.unflatten(children) if short is None else short(iter(children))
+
+
+def _short_unflatten(treedef: Any) -> Callable[[Iterator[Any]], Any] | None:
+    """``treedef.unflatten`` of the leaves an iterator gives, making each node of
+    a ``from_leaves`` kind straight from its leaves (``None``: the tree holds
+    no such node, and ``unflatten`` itself is the shortest)."""
+    data = treedef.node_data()
+    if data is None:  # (a leaf)
+        return None
+    if data[0] in _FROM_LEAVES:
+        make, aux, count = _FROM_LEAVES[data[0]], data[1], treedef.num_leaves
+        return lambda leaves: make(aux, list(itertools.islice(leaves, count)))
+    children = treedef.children()
+    inner = [_short_unflatten(child) for child in children]
+    if all(b is None for b in inner):
+        return None
+    builders = [
+        b if b is not None
+        else functools.partial(_unflatten_next, child, child.num_leaves)
+        for b, child in zip(inner, children)
+    ]
+    level = jax.tree_util.PyTreeDef.from_node_data_and_children(
+        jax.tree_util.default_registry, data, [_LEAF_DEF] * len(children)
     )
+    return lambda leaves: level.unflatten([build(leaves) for build in builders])
+
+
+def _unflatten_next(treedef: Any, count: int, leaves: Iterator[Any]) -> Any:
+    return treedef.unflatten(list(itertools.islice(leaves, count)))
+
+
+_LEAF_DEF = jax.tree_util.tree_structure(0)
 
 
 # --- the builtin kinds ----------------------------------------------------------
