@@ -357,7 +357,8 @@ class Compiled(Generic[P, R]):
             held_ids = {id(x) for x in loose}
             if any(id(x) in held_ids for x in others):
                 jitted = self._kept_jitted
-        if (key, shapes) in self._after:
+        after = self._after.get((key, shapes))
+        if after is not None:
             out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
         else:
             self._tracing = (args, kwargs, key, len(entry.buffers) + len(loose) + len(others))
@@ -369,7 +370,7 @@ class Compiled(Generic[P, R]):
                     out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
             finally:
                 self._tracing = None
-        after = self._after[(key, shapes)]
+            after = self._after[(key, shapes)]
         new_leaves = list(map([*entry.leaves, *changed].__getitem__, after.merge))
         witness = None
         if after.steady:

@@ -1356,8 +1356,8 @@ class Witness:
         self.keys = list(itertools.chain.from_iterable(self.dicts))
         self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
         self.held = held  # what the attributes hold that can change in place
-        # Per set of attributes a call rewrites: how ``patch`` takes them.
-        self._plans: dict[tuple, _Patch] = {}
+        # Per set of attributes a call rewrites (by id): it, and how ``patch`` takes them.
+        self._plans: dict[int, tuple[tuple, _Patch]] = {}
 
     @classmethod
     def of(cls, objects: Sequence[Any]) -> Witness | None:
@@ -1379,13 +1379,17 @@ class Witness:
         witnessed for it in whole lists, and only an attribute whose value
         is another shape is witnessed anew on its own.
         """
-        touched = tuple(touched)
-        plan = self._plans.get(touched)
-        if plan is None:
-            plan = _Patch.of(self, touched)
-            if plan is None:
+        # (By identity: a compiled call gives the same tuple each time.)
+        found = self._plans.get(id(touched))
+        if found is not None and found[0] is touched:
+            plan = found[1]
+        else:
+            touched = tuple(touched)
+            made = _Patch.of(self, touched)
+            if made is None:
                 return False
-            self._plans[touched] = plan
+            plan = made
+            self._plans[id(touched)] = (touched, plan)
         if list(map(len, self.dicts)) != self.lens:
             return False
         new = list(map(dict.get, map(self.dicts.__getitem__, plan.instances), plan.names))
@@ -1418,10 +1422,10 @@ class Witness:
                 return False
             if not held.replace(touched[k], record):
                 # Another shape (a dict with a key more): all held, anew.
-                found = _Held.of(self.dicts)
-                if found is None:
+                anew = _Held.of(self.dicts)
+                if anew is None:
                     return False
-                self.held, self._plans = found, {}
+                self.held, self._plans = anew, {}
                 break
         return True
 
