@@ -163,6 +163,24 @@ class _After:
     fresh_objects: list[int]  # the next call's instances, likewise
     steady: bool  # the same structure after as before: only ``touched`` is rewritten
     touched: list[tuple[int, int]]  # (instance, attribute) indices to rewrite
+    # (instance, name) of each rewritten attribute whose container object is
+    # kept (``_kept``: a list the call changed stays the same list)
+    kept: frozenset = frozenset()
+    # ``touched`` as the witness names them: (instance index among the
+    # models', attribute name); the walk's root, instance 0, is not witnessed.
+    patched: tuple[tuple[int, str], ...] = ()
+    inputs: int = 0  # how many leaves the call started with
+    # The gathers of a call, made once: each new leaf's index in the old
+    # leaves followed by the outputs (``sources``), and each of the next
+    # call's leaves' in the new (``None``: the new leaves as they are).
+    merge: tuple[int, ...] = dataclasses.field(init=False)
+    fresh: tuple[int, ...] | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        outputs = iter(range(self.inputs, self.inputs + len(self.sources)))
+        self.merge = tuple(next(outputs) if j is None else j for j in self.sources)
+        identity = self.fresh_leaves == list(range(len(self.sources)))
+        self.fresh = None if identity else tuple(self.fresh_leaves)
 
 
 class Compiled(Generic[P, R]):
@@ -333,13 +351,14 @@ class Compiled(Generic[P, R]):
             _check_alive(entry, range(len(entry.leaves)))
         key = entry.key
         shapes = tuple(_shape_of(x) for x in others)
-        loose = [entry.leaves[j] for j in key.loose]
+        loose = list(map(entry.leaves.__getitem__, key.loose))
         jitted = self._jitted
         if self._kept_jitted is not None and others and loose:
             held_ids = {id(x) for x in loose}
             if any(id(x) in held_ids for x in others):
                 jitted = self._kept_jitted
-        if (key, shapes) in self._after:
+        after = self._after.get((key, shapes))
+        if after is not None:
             out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
         else:
             self._tracing = (args, kwargs, key, len(entry.buffers) + len(loose) + len(others))
@@ -351,24 +370,21 @@ class Compiled(Generic[P, R]):
                     out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
             finally:
                 self._tracing = None
-        after = self._after[(key, shapes)]
-        old = entry.leaves
-        it = iter(changed)
-        new_leaves = [next(it) if j is None else old[j] for j in after.sources]
+            after = self._after[(key, shapes)]
+        new_leaves = list(map([*entry.leaves, *changed].__getitem__, after.merge))
         witness = None
         if after.steady:
             objs = entry.objects
             rewritten = _graph.rewrite_attributes(after.graphdef, new_leaves, objs, after.touched)
-            for i, name, before in rewritten:
-                if (i, name) not in after.rebound:
-                    d = objs[i].__dict__
-                    d[name] = _kept(before, d[name])
+            if after.kept:
+                for i, name, before in rewritten:
+                    if (i, name) in after.kept:
+                        d = objs[i].__dict__
+                        d[name] = _kept(before, d[name])
             # The same instances and structure: what the last call's witness saw
             # stands but for the attributes rewritten (instance 0 is the walk's root).
             witness = entry.witness
-            if witness is not None and not witness.patch(
-                (i - 1, name) for i, name, _ in rewritten if i
-            ):
+            if witness is not None and not witness.patch(after.patched):
                 witness = None
         else:
             targets = [None if i is None else entry.objects[i] for i in after.origin]
@@ -381,21 +397,22 @@ class Compiled(Generic[P, R]):
                         if name in before and (after.origin[k], name) not in after.rebound:
                             d[name] = _kept(before[name], value)
             objs = [objs[i] for i in after.fresh_objects]
-        fresh = [new_leaves[i] for i in after.fresh_leaves]
+        fresh = new_leaves if after.fresh is None else list(map(new_leaves.__getitem__, after.fresh))
         objs[0].__dict__["models"] = []  # (the root of the walk holds no model between calls)
         self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, witness))
         return out
 
     def _keep(self, cache_id: tuple, models: list, entry: _Entry) -> None:
         """Keeps what a call left for the next one on the same models, holding
-        the models' instances weakly (a model deleted is forgotten); its
-        witness is made where the call did not bring one up to date."""
+        the models' instances weakly, in its witness (a model deleted is
+        forgotten); the witness is made where the call did not bring one up
+        to date."""
         if entry.witness is None:
             entry.witness = Witness.of(entry.objects[1:])
         if entry.witness is None:
             return
+        entry.objects = entry.objects[:1]  # (the walk's root; the witness has the rest)
         try:
-            entry.objects = [entry.objects[0], *[weakref.ref(o) for o in entry.objects[1:]]]
             for model in models:
                 if (id(model), cache_id) not in self._watched:
                     self._watched.add((id(model), cache_id))
@@ -409,12 +426,13 @@ class Compiled(Generic[P, R]):
     def _kept_entry(self, cache_id: tuple) -> _Entry | None:
         """What the last call on these models left, if nothing changed them since."""
         kept = self._entries.pop(cache_id, None)
-        if kept is None or kept.witness is None or not kept.witness.unchanged():
+        if kept is None or kept.witness is None:
             return None
-        objects = [kept.objects[0], *[ref() for ref in kept.objects[1:]]]
-        if any(obj is None for obj in objects):
+        objects = kept.witness.instances()
+        if objects is None:
             return None
-        return _Entry(kept.key, kept.leaves, kept.buffers, objects, kept.witness)
+        kept.objects = [kept.objects[0], *objects]
+        return kept
 
     def _pure(
         self, key_shapes: tuple, buffers: list[Any], loose: list[Any], others: list[Any]
@@ -502,6 +520,7 @@ class Compiled(Generic[P, R]):
             and len(new_leaves) == len(fresh_leaves)
         )
         touched: list[tuple[int, int]] = []
+        kept: set[tuple[int, str]] = set()
         if steady:
             next_key = key
             steps = _graph.leaf_attributes(key.graphdef)
@@ -513,6 +532,14 @@ class Compiled(Generic[P, R]):
                 {at for i, j in enumerate(sources) if j != i for at in steps[i]}
                 | {(i, names[i][name]) for i, name in rebound if name in names[i]}
             )
+            # The rewritten attributes whose old container stays (see
+            # ``_kept``): by type, which the structure fixes for every call.
+            for i, k in touched:
+                name = key.graphdef.instances[i][1][k][0]
+                before, value = started[i].get(name), copies[i].__dict__.get(name)
+                if ((i, name) not in rebound and type(before) is type(value)
+                        and _values.kind_of(before).restore is not None):
+                    kept.add((i, name))
         self._after[key_shapes] = _After(
             graphdef=new_graphdef,
             origin=origin,
@@ -523,6 +550,9 @@ class Compiled(Generic[P, R]):
             fresh_objects=[at_object[id(obj)] for obj in fresh_objects],
             steady=steady,
             touched=touched,
+            kept=frozenset(kept),
+            patched=tuple((i - 1, key.graphdef.instances[i][1][k][0]) for i, k in touched if i),
+            inputs=len(leaves),
         )
         new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
         if next_layout == key.layout and len(fresh_leaves) == len(leaves):

@@ -641,9 +641,24 @@ def _unflatten_functional(aux: tuple, children) -> FunctionalModel:
 jax.tree_util.register_pytree_with_keys(
     FunctionalModel, _flatten_functional_with_keys, _unflatten_functional, _flatten_functional
 )
+def _functional_from_leaves(aux: tuple, leaves: list[Any]) -> FunctionalModel:
+    """An ``f`` from its leaves in its flatten's order: its keyed view is made
+    when it is flattened (a compiled call writing an optimizer's moments back
+    makes none of the view's nodes)."""
+    handler_id, graphdef = aux
+    inverse = graphdef.cache.get("keyed_inverse")
+    if inverse is None:
+        _, order = _view_layout(graphdef)
+        at = {i: k for k, i in enumerate(order)}
+        inverse = graphdef.cache["keyed_inverse"] = tuple(at[i] for i in range(len(order)))
+    return FunctionalModel(handler_id, None, (list(map(leaves.__getitem__, inverse)), graphdef))
+
+
 # Never changed in place (a new f is a new object): an optimizer's moments
 # held as an f are witnessed by identity (``autostate.jit``'s kept flatten).
-_graph.register_node_kind(FunctionalModel, model_child=True, immutable=True)
+_graph.register_node_kind(
+    FunctionalModel, model_child=True, immutable=True, from_leaves=_functional_from_leaves
+)
 
 
 def _by_name(obj: Any) -> tuple[str, str] | None:

@@ -3554,6 +3554,12 @@ BETWEEN_CALLS = {
     "the mode switched": (lambda m: setattr(m.norm, "training", False), lambda m: m.norm.eval()),
     "an attribute added": (lambda m: setattr(m, "tag", "x"), None),
     "the __dict__ replaced": (lambda m: setattr(m, "__dict__", {**m.__dict__, "w": m.w * 2}), None),
+    # Past ``__setattr__``: no guard sees these, the next call still must.
+    "a value put in __dict__": (lambda m: m.__dict__.__setitem__("w", m.w * 0.5), None),
+    "object.__setattr__ from outside": (lambda m: object.__setattr__(m, "w", m.w * 0.5), None),
+    "a sub-model's __dict__ updated": (
+        lambda m: vars(m.norm).update(scale=m.norm.scale + 1), None
+    ),
 }
 
 
@@ -3786,6 +3792,13 @@ def test_compiled_training_step_equals_the_explicit_path(write_module: Loader, t
         f, opt_state, states, expected = step(f, opt_state, states, x, y)
         same(np.asarray(expected), np.asarray(loss), f"loss {i}")
     same(snapshot(autostate.freeze(f, states)), snapshot(model), "the trained model")
+    # The optimizer's state, written back by every call: the explicit one, path by path.
+    moments = jax.tree_util.tree_leaves_with_path(opt.opt_state)
+    assert [jax.tree_util.keystr(k) for k, _ in moments] == [
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(opt_state)
+    ]
+    same([np.asarray(v) for v in jax.tree_util.tree_leaves(opt_state)],
+         [np.asarray(v) for _, v in moments], "the optimizer state")
     assert opt.model is model and int(opt.step) == 3
     no_tracer(model)
     model.eval()  # a mode is part of f's structure; the optimizer state is not
