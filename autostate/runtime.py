@@ -19,6 +19,7 @@ import collections.abc
 import copy as _copy
 import copyreg
 import functools
+import importlib
 import operator
 import re
 import sys
@@ -31,10 +32,6 @@ import jax
 import numpy as np
 
 from autostate import graph as _graph
-
-# Rewritten calls of jax.lax control flow read ``__autostate__.lifting.routed(lax.scan)(...)``,
-# rolled loops ``__autostate__.loops.over(...)``.
-from autostate import lifting, loops  # noqa: F401 - read by the rewritten code
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values
@@ -1717,3 +1714,19 @@ def install_class_defaults(cls: type, names: frozenset[str]) -> None:
     current = cls.__new__
     if not isinstance(current, ClassDefaultsNew):
         cls.__new__ = staticmethod(ClassDefaultsNew(cls, current))  # type: ignore[method-assign]
+
+
+# --- what the rewritten code reaches through this module ---------------------------
+# The rewritten code reaches the lift and the rolled loops through here:
+# ``__autostate__.lifting.routed(lax.scan)(...)``, ``__autostate__.loops.over(...)``.
+# They sit above this module (they call its reads and writes), so they are
+# imported when the rewritten code first asks, then kept as this module's own.
+_ABOVE = {"lifting": "autostate.lifting", "loops": "autostate.loops"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ABOVE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value = importlib.import_module(module)
+    return value

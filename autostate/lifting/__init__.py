@@ -48,7 +48,7 @@ the call (``core.with_eager_states``), then written back as eager slots.
 A stack of layers (``autostate.stack``) in a mapped argument of
 ``lax.scan``, ``lax.map`` or ``jax.vmap`` is its stacked model, so each
 step gets one layer (its node kind's ``stacked``, ``graph.NodeKind``;
-``layers``).
+``core``).
 
 This package knows the slot types of ``effects`` but nothing of source code.
 """

@@ -1,6 +1,6 @@
 """``lax.scan``, ``lax.while_loop``, ``lax.fori_loop`` and ``lax.map``: the
 states the body assigns go into the carry; a stacked sub-model's into
-``xs`` and ``ys`` (``layers``)."""
+``xs`` and ``ys`` (``core``)."""
 
 from __future__ import annotations
 
@@ -17,22 +17,20 @@ from autostate.lifting.core import (
     Cells,
     abstract_of,
     bound_to,
+    check_stacked,
     current_values,
+    guarding_copies,
     jit_disabled,
     land,
+    layers_mapped,
     lift,
+    member_body,
+    members_of,
     probed,
     weak_types,
     with_eager_states,
-    writes_of,
-)
-from autostate.lifting.layers import (
-    check_stacked,
-    guarding_copies,
-    layers_mapped,
-    member_body,
-    members_of,
     with_layer_views,
+    writes_of,
 )
 
 

@@ -22,19 +22,17 @@ from autostate.lifetime import current_trace, with_home
 from autostate.lifting.core import (
     Cells,
     argument_writes,
+    check_stacked,
     current_values,
+    guarding_copies,
     land,
+    member_slices,
+    members_of,
     reachable_instances,
     run_bound,
     shared_write,
     traceable,
     transformation,
-)
-from autostate.lifting.layers import (
-    check_stacked,
-    guarding_copies,
-    member_slices,
-    members_of,
     vmap_layers,
     with_layer_views,
 )
