@@ -19,9 +19,10 @@ from autostate import graph as _graph
 from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
-from autostate.effects import (
+from autostate.effects.local_state import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
+    StateSharing,
     WithFunctionalLocalState,
     freeze_body,
     freeze_local_states,
@@ -29,7 +30,6 @@ from autostate.effects import (
     handler_running,
     is_running,
 )
-from autostate.effects.local_state import StateSharing
 from autostate.errors import (
     DecorationError,
     InvalidArgumentError,

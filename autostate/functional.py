@@ -26,7 +26,7 @@ import numpy as np
 
 from autostate import graph as _graph
 from autostate import values as _values
-from autostate.effects import (
+from autostate.effects.local_state import (
     HandledLocalStateRef,
     HandlerId,
     StateSlot,

@@ -61,7 +61,7 @@ from jax.interpreters import partial_eval as pe
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects import FrozenLocalStateRequest, StateSlot
+from autostate.effects.local_state import FrozenLocalStateRequest, StateSlot
 from autostate.errors import (
     HostStateChangeError,
     HostStateError,

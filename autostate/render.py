@@ -19,7 +19,7 @@ from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects import (
+from autostate.effects.local_state import (
     FrozenLocalStateRequest,
     HandledLocalStateRef,
     InitialLocalStateRequest,

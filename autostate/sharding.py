@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autostate import graph as _graph
 from autostate import tree as _tree
-from autostate.effects import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
+from autostate.effects.local_state import FrozenLocalStateRequest, HandledLocalStateRef, StateSlot
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import FunctionalModel
 from autostate.state_values import (

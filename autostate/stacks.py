@@ -47,7 +47,11 @@ from autostate import runtime as _runtime
 from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects import FrozenLocalStateRequest, InitialLocalStateRequest, StateSlot
+from autostate.effects.local_state import (
+    FrozenLocalStateRequest,
+    InitialLocalStateRequest,
+    StateSlot,
+)
 from autostate.errors import (
     InvalidTypeError,
     StackError,

@@ -32,8 +32,7 @@ import numpy as np
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects import HandledLocalStateRef
-from autostate.effects.local_state import is_running
+from autostate.effects.local_state import HandledLocalStateRef, is_running
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates

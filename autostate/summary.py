@@ -24,7 +24,7 @@ from autostate import graph as _graph
 from autostate import render as _render
 from autostate import state_dicts as _state_dicts
 from autostate import values as _values
-from autostate.effects import HandledLocalStateRef, StateSlot
+from autostate.effects.local_state import HandledLocalStateRef, StateSlot
 from autostate.errors import InvalidTypeError, format_error
 from autostate.functional import CONSTANT, ConstantRef, FunctionalModel
 from autostate.packing import PackedModel, PackedStates

@@ -47,7 +47,7 @@ from autostate import graph as _graph
 from autostate import stacks as _stacks
 from autostate import state_dicts as _state_dicts
 from autostate import values as _values
-from autostate.effects import HandledLocalStateRef
+from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidTypeError, StateDictError, StateDictWarning, format_error
 from autostate.functional import ConstantRef, FunctionalModel
 
