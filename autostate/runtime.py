@@ -26,7 +26,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -1724,9 +1724,11 @@ def install_class_defaults(cls: type, names: frozenset[str]) -> None:
 _ABOVE = {"lifting": "autostate.lifting", "loops": "autostate.loops"}
 
 
-def __getattr__(name: str) -> Any:
-    module = _ABOVE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value = importlib.import_module(module)
-    return value
+if not TYPE_CHECKING:  # (mypy keeps checking every other name read from this module)
+
+    def __getattr__(name: str) -> Any:
+        module = _ABOVE.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value = importlib.import_module(module)
+        return value
