@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import itertools
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,7 @@ import types
 from collections.abc import Callable, Iterator
 from importlib import metadata as _version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +76,50 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     use_backend_precision()
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX in the subprocesses only: this one has started
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test file's last test, JAX's in-memory caches are emptied: each
+    file compiles its own programs (new function objects, new models), which a
+    later file never calls again, and a worker that keeps them all grows by
+    gigabytes over the session. A program a later file compiles again is read
+    from the session's compilation cache on disk (above)."""
+    if nextitem is None or nextitem.path != item.path:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # (bytes there, KiB here)
+
+
+_peaks: dict[str, float] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Each xdist worker hands its peak resident memory to the controller
+    (``make test`` prints them: a worker must stay under 3 GB)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["peak_rss_mb"] = _peak_rss_mb()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    peak = getattr(node, "workeroutput", {}).get("peak_rss_mb")
+    if peak is not None:
+        _peaks[node.gateway.id] = peak
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    peaks = _peaks or {"this process": _peak_rss_mb()}
+    terminalreporter.write_line(
+        "peak resident memory: "
+        + ", ".join(f"{name} {mb / 1024:.2f} GB" for name, mb in sorted(peaks.items()))
+    )
 
 
 _module_counter = itertools.count()
