@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import importlib.util
 import itertools
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -15,6 +17,7 @@ import types
 from collections.abc import Callable, Iterator
 from importlib import metadata as _version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +84,80 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     use_backend_precision()
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX in the subprocesses only: this one has started
+
+
+# Resident memory (MB) above which a test's teardown empties JAX's caches even
+# inside a test file (a file of many cases, each compiling its own programs).
+_RSS_LIMIT_MB = float(os.environ.get("AUTOSTATE_TEST_RSS_LIMIT_MB", "2000"))
+
+
+def _rss_mb() -> float:
+    """The resident memory now (Linux; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return _peak_rss_mb()
+
+
+def _release_memory() -> None:
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    try:  # hand the freed memory back to the system (glibc keeps it otherwise)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test file's last test, JAX's in-memory caches are emptied: each
+    file compiles its own programs (new function objects, new models), which a
+    later file never calls again, and a worker that keeps them all grows by
+    gigabytes over the session. A program a later file compiles again is read
+    from the session's compilation cache on disk (above). Inside a file they
+    are emptied too once the worker holds more than ``_RSS_LIMIT_MB`` (and a
+    quarter GB more than after the last time)."""
+    global _rss_after_release
+    last_of_file = nextitem is None or nextitem.path != item.path
+    if last_of_file or _rss_mb() > max(_RSS_LIMIT_MB, _rss_after_release + 256):
+        _release_memory()
+        _rss_after_release = _rss_mb()  # (what stays is not the caches': no release per test)
+
+
+_rss_after_release = 0.0
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # (bytes there, KiB here)
+
+
+_peaks: dict[str, float] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Each xdist worker hands its peak resident memory to the controller
+    (``make test`` prints them: a worker must stay under 3 GB)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["peak_rss_mb"] = _peak_rss_mb()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    peak = getattr(node, "workeroutput", {}).get("peak_rss_mb")
+    if peak is not None:
+        _peaks[node.gateway.id] = peak
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    peaks = _peaks or {"this process": _peak_rss_mb()}
+    terminalreporter.write_line(
+        "peak resident memory: "
+        + ", ".join(f"{name} {mb / 1024:.2f} GB" for name, mb in sorted(peaks.items()))
+    )
 
 
 _module_counter = itertools.count()

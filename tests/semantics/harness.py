@@ -39,7 +39,7 @@ from tolerance import tolerance
 import autostate
 from autostate import effects as _engine
 from autostate import guard as _guard
-from semantics.programs import BUILDS, KEY, LIBRARY
+from semantics.programs_shared import BUILDS, KEY, LIBRARY
 
 Loader = Callable[..., types.ModuleType]
 Call = tuple[str, tuple[Any, ...]]

@@ -32,19 +32,11 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import (
-    ADAM,
-    CNN,
-    GPT,
-    LIGHTNING,
-    N_BLOCKS,
-    TRANSITIONS,
-    X_BATCH,
-    XV1,
-    XV2,
-    Y_BATCH,
-    Phase,
-)
+from semantics.programs_containers import GPT
+from semantics.programs_functional import CNN
+from semantics.programs_shared import ADAM, N_BLOCKS, X_BATCH, XV1, XV2, Y_BATCH, Phase
+from semantics.programs_submodels import LIGHTNING
+from semantics.programs_transformations import TRANSITIONS
 
 
 def params_of(f: Any) -> dict[str, Any]:

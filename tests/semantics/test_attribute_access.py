@@ -55,28 +55,18 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import (
-    A1,
-    A2,
-    BEHIND,
-    DUNDERS,
-    DYNAMIC,
-    EQX,
-    LATE_METHODS,
-    LAZY,
-    PROTO,
-    TORCH,
-    TORCH_IDIOMS,
-    TWO,
-    V2_RANGE,
-    V3,
-    X23,
-)
-from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
-from semantics.programs import HOOKS as HOOKS_fidelity
-from semantics.programs import POSITIVE_CALLS as TWO_CALLS
-from semantics.programs import V2 as V2_POSITIVE
-from semantics.programs import XS_SIGNED as XS
+from semantics.programs_attribute_access import BEHIND, DUNDERS, DYNAMIC, PROTO
+from semantics.programs_attribute_access import CONTEXT_CONSTRUCTS as CONSTRUCTS
+from semantics.programs_attribute_access import HOOKS as HOOKS_fidelity
+from semantics.programs_class_shapes import EQX
+from semantics.programs_control_flow import LATE_METHODS
+from semantics.programs_shared import A1, A2, TWO, V2_RANGE, V3, X23
+from semantics.programs_shared import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs_shared import V2 as V2_POSITIVE
+from semantics.programs_shared import XS_SIGNED as XS
+from semantics.programs_static_state import TORCH_IDIOMS
+from semantics.programs_submodels import TORCH
+from semantics.programs_transformations import LAZY
 
 X1 = jnp.float32(1.5)
 

@@ -61,33 +61,23 @@ from semantics.harness import (
     staged,
     train_against_reference,
 )
-from semantics.programs import (
-    A1,
-    A2,
+from semantics.programs_attribute_access import DUNDERS, HOOKS, PROTO
+from semantics.programs_class_shapes import (
     CONTROL,
     DATACLASSES,
-    DUNDERS,
     EQX,
     HIER,
-    HOOKS,
-    KEY,
     LATE,
-    LIBRARY,
     MORE,
     MORE_DEFS,
-    PROTO,
     PY313,
     SRC2,
-    V2,
-    V2_RANGE,
-    X1,
-    py312,
-    py313,
 )
-from semantics.programs import POSITIVE_CALLS as TWO_CALLS
-from semantics.programs import SHAPES as CLASS_SHAPES
-from semantics.programs import TWO as X2
-from semantics.programs import XS_SIGNED as XS
+from semantics.programs_class_shapes import SHAPES as CLASS_SHAPES
+from semantics.programs_shared import A1, A2, KEY, LIBRARY, V2, V2_RANGE, X1, py312, py313
+from semantics.programs_shared import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XS_SIGNED as XS
 
 BODY_RUNS: list[str] = []
 

@@ -44,10 +44,14 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import A1, A2, EAGER, FRAMES, ITER, RECURSION, REENTRANT, TIMEOUT, X1
-from semantics.programs import HELPER_ESCAPES as ESCAPES
-from semantics.programs import TWO as X2
-from semantics.programs import XS3 as XS
+from semantics.programs_concurrency import RECURSION, REENTRANT
+from semantics.programs_eager_writes import EAGER
+from semantics.programs_escapes import HELPER_ESCAPES as ESCAPES
+from semantics.programs_methods import FRAMES
+from semantics.programs_python_protocols import ITER
+from semantics.programs_shared import A1, A2, TIMEOUT, X1
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XS3 as XS
 from semantics.twins import (
     Classes,
     filled,

@@ -52,31 +52,18 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import A1 as WEAK_ONE
-from semantics.programs import A2 as WEAK_TWO
-from semantics.programs import (
-    BEAM,
-    DQN,
-    DTYPES,
-    EMA_LR,
-    GPT,
-    GROW,
-    HELPER_MODULE,
-    KV,
-    LAZY,
-    OUTSIDE,
-    PROBE,
-    PROMPT,
-    REBUILD,
-    SUBMODELS,
-    X1,
-    X23,
-    XK,
-    XP,
-)
-from semantics.programs import SYNTAX_FORMS as CONSTRUCTS
-from semantics.programs import TWO as X2
-from semantics.programs import V2_SIGNED as V2
+from semantics.programs_containers import BEAM, DQN, EMA_LR, GPT, GROW, HELPER_MODULE, OUTSIDE
+from semantics.programs_containers import SYNTAX_FORMS as CONSTRUCTS
+from semantics.programs_functional import REBUILD
+from semantics.programs_methods import PROBE
+from semantics.programs_numerics import DTYPES
+from semantics.programs_shared import A1 as WEAK_ONE
+from semantics.programs_shared import A2 as WEAK_TWO
+from semantics.programs_shared import PROMPT, X1, X23, XK, XP
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import V2_SIGNED as V2
+from semantics.programs_submodels import SUBMODELS
+from semantics.programs_transformations import KV, LAZY
 from semantics.references import (
     dqn_calls,
     jitted,

@@ -73,49 +73,42 @@ from semantics.harness import (
     user_line,
 )
 from semantics.harness import X as TRACED_X
-from semantics.programs import (
-    A1,
-    A2,
-    ACCUM,
-    AROUND,
+from semantics.programs_attribute_access import DYNAMIC
+from semantics.programs_containers import GROW
+from semantics.programs_control_flow import (
     BODIES,
     BUILT,
     CLOSURE_TRANSFORMS,
-    CMS,
-    COPIES,
     DECORATED_METHODS,
     DESCRIPTORS,
-    DYNAMIC,
     EVERY_LAX_BODY,
     FLOW,
-    GROW,
-    HELPER_ESCAPES,
     HELPER_MOD,
     HELPER_MODEL,
     HELPERS,
-    KV,
     LATE_METHODS,
     LAYERS,
-    NESTED,
     OPTAX_TRAINER,
-    OUTSIDE_WRAPPED,
-    REBUILD,
-    RNG,
-    RNN,
-    STACK,
     STACK_LOOP,
     STACK_ROLL,
     STACK_ROLL_STRICT,
     STACKED,
     STACKED_MEMBERS,
+    VARIATIONAL_RNN,
+)
+from semantics.programs_escapes import HELPER_ESCAPES, NESTED, TRANSFORMS_INSIDE, VMAPCK
+from semantics.programs_functional import COPIES, REBUILD, TRAINER
+from semantics.programs_methods import CLOSURE_HOOKS as CLOSURES
+from semantics.programs_methods import OUTSIDE_WRAPPED
+from semantics.programs_python_protocols import CMS
+from semantics.programs_shared import (
+    A1,
+    A2,
+    STACK,
     TRAIN_XS,
-    TRAINER,
-    TRANSFORMS_INSIDE,
     V3,
     V3_RANGE,
     V3_STACK,
-    VARIATIONAL_RNN,
-    VMAPCK,
     X1_WEAK,
     X23,
     X23_STACK,
@@ -127,11 +120,12 @@ from semantics.programs import (
     XS_SIGNED,
     YS,
 )
-from semantics.programs import CLOSURE_HOOKS as CLOSURES
-from semantics.programs import COMMON_LAYERS as MODELS
-from semantics.programs import TWO as X2
-from semantics.programs import XB_VMAP as XB
-from semantics.programs import XS as XS4
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XB_VMAP as XB
+from semantics.programs_shared import XS as XS4
+from semantics.programs_static_state import ACCUM
+from semantics.programs_static_state import COMMON_LAYERS as MODELS
+from semantics.programs_transformations import AROUND, KV, RNG, RNN
 from semantics.references import (
     jitted,
     params_of,

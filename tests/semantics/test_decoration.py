@@ -47,8 +47,8 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import _COUNTER, Build
-from semantics.programs import FILE_HEADER as HEADER
+from semantics.programs_shared import _COUNTER, Build
+from semantics.programs_shared import FILE_HEADER as HEADER
 
 
 def _import(path: Path, name: str) -> types.ModuleType:

@@ -41,7 +41,11 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import CONSTRUCTS, EAGER, EMA_LR, ONE, PROMPT, PROTO, SOURCE
+from semantics.programs_attribute_access import PROTO
+from semantics.programs_containers import EMA_LR
+from semantics.programs_eager_writes import EAGER, SOURCE
+from semantics.programs_shared import ONE, PROMPT
+from semantics.programs_state_inference import CONSTRUCTS
 from semantics.references import (
     gpt,
     ref_greedy,

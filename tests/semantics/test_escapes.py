@@ -59,39 +59,44 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import (
-    A1,
+from semantics.programs_attribute_access import CONTEXT_CONSTRUCTS as CONSTRUCTS
+from semantics.programs_class_shapes import LATE
+from semantics.programs_containers import HELPER_MODULE
+from semantics.programs_containers import OUTSIDE as OTHER_MODULE_HELPERS
+from semantics.programs_control_flow import (
     BODIES,
     BUILT,
     CLOSURE_TRANSFORMS,
-    CLOSURES,
-    CROSS,
-    DISPATCH,
-    EAGER,
-    FRAMES,
     HELPER_MOD,
     HELPER_MODEL,
-    HELPER_MODULE,
+    STACKED,
+)
+from semantics.programs_control_flow import OPTAX_TRAINER as TRAINER
+from semantics.programs_eager_writes import EAGER
+from semantics.programs_escapes import (
+    CROSS,
     HELPER_WRITES,
     INSIDE,
-    LATE,
     NESTED,
     NESTED_GEN,
-    REAL,
-    STACK,
-    STACKED,
     SYNTAX,
-    TORCH,
-    TORCH_HEADER,
     TORCH_TRAINING,
-    TORCHLIKE,
-    TRAIN_XS,
     TRANSFORMED_WRITES,
     TRANSFORMS_INSIDE,
+    VMAPCK,
+)
+from semantics.programs_escapes import ESCAPES as AFTER_THE_CALL
+from semantics.programs_escapes import HELPER_ESCAPES as ESCAPES
+from semantics.programs_methods import CLOSURES, DISPATCH, FRAMES
+from semantics.programs_shared import (
+    A1,
+    REAL,
+    STACK,
+    TORCH_HEADER,
+    TRAIN_XS,
     V3,
     V3_RANGE,
     V3_STACK,
-    VMAPCK,
     X1,
     X23_STACK,
     X_BATCH,
@@ -100,16 +105,13 @@ from semantics.programs import (
     XS_SIGNED,
     YS,
 )
-from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
-from semantics.programs import CUSTOM_DERIVATIVES as OUTSIDE
-from semantics.programs import ESCAPES as AFTER_THE_CALL
-from semantics.programs import HELPER_ESCAPES as ESCAPES
-from semantics.programs import OPTAX_TRAINER as TRAINER
-from semantics.programs import OUTSIDE as OTHER_MODULE_HELPERS
-from semantics.programs import TWO as X2
-from semantics.programs import X1_WEAK as WEAK_X
-from semantics.programs import XB_VMAP as XB
-from semantics.programs import Y_BATCH as Y
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import X1_WEAK as WEAK_X
+from semantics.programs_shared import XB_VMAP as XB
+from semantics.programs_shared import Y_BATCH as Y
+from semantics.programs_static_state import TORCHLIKE
+from semantics.programs_submodels import TORCH
+from semantics.programs_transformations import CUSTOM_DERIVATIVES as OUTSIDE
 from semantics.twins import (
     DECORATED,
     filled,

@@ -46,27 +46,17 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import (
-    A1,
-    A2,
-    CMS,
-    EVERY_LAX_BODY,
-    HELPER_MOD,
-    HELPER_MODEL,
-    MISC,
-    RAISE_IN_LAX,
-    REENTRANT,
-    V3_RANGE,
-    VARIANTS,
-    X1,
-    X1_WEAK,
-    X2_WEAK,
-    XS_SIGNED,
-)
-from semantics.programs import BRANCH_EXCEPTIONS as MORE
-from semantics.programs import CONTEXT_CONSTRUCTS as CONSTRUCTS
-from semantics.programs import TWO as X2
-from semantics.programs import XS3 as XS
+from semantics.programs_attribute_access import CONTEXT_CONSTRUCTS as CONSTRUCTS
+from semantics.programs_concurrency import REENTRANT
+from semantics.programs_control_flow import EVERY_LAX_BODY, HELPER_MOD, HELPER_MODEL
+from semantics.programs_exceptions import BRANCH_EXCEPTIONS as MORE
+from semantics.programs_exceptions import RAISE_IN_LAX
+from semantics.programs_functional import VARIANTS
+from semantics.programs_methods import MISC
+from semantics.programs_python_protocols import CMS
+from semantics.programs_shared import A1, A2, V3_RANGE, X1, X1_WEAK, X2_WEAK, XS_SIGNED
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XS3 as XS
 from semantics.twins import (
     DECORATED,
     PLAIN,

@@ -68,47 +68,46 @@ from semantics.harness import (
     staged,
     train_compare,
 )
-from semantics.programs import (
+from semantics.programs_class_shapes import EQX, PY313
+from semantics.programs_containers import GPT
+from semantics.programs_eager_writes import EAGER, SOURCE
+from semantics.programs_escapes import TORCH_TRAINING as TORCH
+from semantics.programs_functional import (
+    CATS,
+    CNN,
+    MODELS,
+    MULTI,
+    NET,
+    PACK,
+    REBUILD,
+    STATIC,
+    TRAINER,
+    VARIANTS,
+)
+from semantics.programs_functional import COPIES as RETURNED_COPIES
+from semantics.programs_methods import CALLABLES
+from semantics.programs_numerics import DTYPES, KINDS
+from semantics.programs_shared import (
     A1,
     A2,
     ADAM,
     B3,
-    CALLABLES,
-    CATS,
-    CNN,
-    DTYPES,
-    EAGER,
-    EQX,
-    GPT,
     KEY,
-    KINDS,
     LIT_STEPS,
-    LORA,
-    MODELS,
-    MULTI,
-    NET,
-    NNX,
     ONE,
-    PACK,
     PACK_XS,
     PROMPT,
-    PY313,
-    REBUILD,
-    SOURCE,
-    STATIC,
     TORCH_HEADER,
-    TRAINER,
     V2,
-    VARIANTS,
     X1,
     XL,
     XV1,
     XV2,
     py313,
 )
-from semantics.programs import COPIES as RETURNED_COPIES
-from semantics.programs import TORCH_TRAINING as TORCH
-from semantics.programs import TWO as X2
+from semantics.programs_shared import TWO as X2
+from semantics.programs_state_inference import NNX
+from semantics.programs_static_state import LORA
 from semantics.references import (
     JF_STEP,
     assert_shared,

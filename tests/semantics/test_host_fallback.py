@@ -53,12 +53,13 @@ from semantics.harness import (
     snapshot,
     staged,
 )
-from semantics.programs import BRANCH_EXCEPTIONS as MORE
-from semantics.programs import HOST, HOST_COUNTERS, HOST_TALLY, TIMEOUT, V3_STACK, XS3
-from semantics.programs import TRANSFORMED_WRITES as ESCAPES
-from semantics.programs import X1_WEAK as X1
-from semantics.programs import X2_WEAK as X2
-from semantics.programs import XS_PAIRS as XS
+from semantics.programs_escapes import TRANSFORMED_WRITES as ESCAPES
+from semantics.programs_exceptions import BRANCH_EXCEPTIONS as MORE
+from semantics.programs_host_fallback import HOST, HOST_COUNTERS, HOST_TALLY
+from semantics.programs_shared import TIMEOUT, V3_STACK, XS3
+from semantics.programs_shared import X1_WEAK as X1
+from semantics.programs_shared import X2_WEAK as X2
+from semantics.programs_shared import XS_PAIRS as XS
 
 HERE = __file__
 

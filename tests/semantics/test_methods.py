@@ -72,50 +72,40 @@ from semantics.harness import (
     train_against_reference,
     user_line,
 )
-from semantics.programs import (
-    _COUNTER,
-    A1,
-    A2,
+from semantics.programs_attribute_access import BEHIND
+from semantics.programs_class_shapes import EQX, LATE, MORE, MORE_DEFS, PY313, SRC2
+from semantics.programs_containers import HELPER_MODULE, OUTSIDE
+from semantics.programs_control_flow import DECORATED_METHODS, DESCRIPTORS
+from semantics.programs_escapes import ESCAPES, NESTED_GEN, TRANSFORMS_INSIDE
+from semantics.programs_exceptions import RAISE_IN_LAX
+from semantics.programs_functional import MODELS, MULTI
+from semantics.programs_methods import (
     ALIASES,
-    BEHIND,
     CALLABLES,
     CLOSURE_HOOKS,
     CLOSURES,
-    DECORATED_METHODS,
-    DESCRIPTORS,
     DISPATCH,
-    EQX,
-    ESCAPES,
-    FILE_HEADER,
     FRAMES,
     GENERATOR_METHODS,
     GENS,
-    HELPER_MODULE,
     HIDDEN_METHODS,
-    KEY,
     LAST,
-    LATE,
     MADE,
     MISC,
-    MODELS,
-    MORE,
-    MORE_DEFS,
-    MULTI,
-    NESTED_GEN,
-    ONE_SHOT,
-    OUTSIDE,
     OUTSIDE_WRAPPED,
     PROBE,
-    PY313,
-    RAISE_IN_LAX,
     RECEIVERS,
     RUNTIME,
     SIGNATURES,
-    SRC2,
+)
+from semantics.programs_methods import FORWARD_HOOKS as HOOKS
+from semantics.programs_shared import (
+    _COUNTER,
+    A1,
+    A2,
+    FILE_HEADER,
+    KEY,
     STACK,
-    STRUCT,
-    TORCH,
-    TRANSFORMS_INSIDE,
     V2,
     V2_RANGE,
     V3,
@@ -126,9 +116,10 @@ from semantics.programs import (
     Build,
     py313,
 )
-from semantics.programs import FORWARD_HOOKS as HOOKS
-from semantics.programs import POSITIVE_CALLS as TWO_CALLS
-from semantics.programs import TWO as X2
+from semantics.programs_shared import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs_shared import TWO as X2
+from semantics.programs_static_state import ONE_SHOT
+from semantics.programs_submodels import STRUCT, TORCH
 
 BODY_RUNS: list[str] = []
 

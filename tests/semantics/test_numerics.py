@@ -46,33 +46,18 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import (
-    ACCUM,
-    CHANGES,
-    DROPOUT,
-    DTYPES,
-    FLOW,
-    MODELS,
-    ODD,
-    OVER,
-    QAT,
-    REBUILD,
-    TORCH_HEADER,
-    VARIATIONAL_RNN,
-    X1,
-    X_VRNN,
-    XQ,
-    XR,
-    XS3,
-    XV1,
-    XV2,
-)
-from semantics.programs import KINDS as VALUE_KINDS
-from semantics.programs import MOE_AUX_LOSS as MOE
-from semantics.programs import RNG as KEYED_NOISE
-from semantics.programs import TORCH_TRAINING as TORCH
-from semantics.programs import TWO as X2
-from semantics.programs import XM_ROUTED as XM
+from semantics.programs_control_flow import FLOW, VARIATIONAL_RNN
+from semantics.programs_escapes import TORCH_TRAINING as TORCH
+from semantics.programs_functional import MODELS, REBUILD
+from semantics.programs_numerics import CHANGES, DTYPES, ODD, OVER
+from semantics.programs_numerics import KINDS as VALUE_KINDS
+from semantics.programs_shared import TORCH_HEADER, X1, X_VRNN, XQ, XR, XS3, XV1, XV2
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XM_ROUTED as XM
+from semantics.programs_state_inference import MOE_AUX_LOSS as MOE
+from semantics.programs_static_state import ACCUM, QAT
+from semantics.programs_transformations import DROPOUT
+from semantics.programs_transformations import RNG as KEYED_NOISE
 from semantics.references import (
     grads_of,
     jitted,

@@ -33,9 +33,13 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import A1, A2, CMS, FRAMES, GENERATOR_METHODS, GENS, ITER, PROTO, STRUCT, X1
-from semantics.programs import TWO as X2
-from semantics.programs import XS3 as XS
+from semantics.programs_attribute_access import PROTO
+from semantics.programs_methods import FRAMES, GENERATOR_METHODS, GENS
+from semantics.programs_python_protocols import CMS, ITER
+from semantics.programs_shared import A1, A2, X1
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XS3 as XS
+from semantics.programs_submodels import STRUCT
 
 
 def test_eq_override_and_unhashable_instances(write_module: Loader) -> None:

@@ -46,8 +46,12 @@ from semantics.harness import (
     raises_autostate,
     staged,
 )
-from semantics.programs import HELPER_WRITES, NNX, PLAIN_SUBMODEL, PROTO, RUNTIME, X1, py312
-from semantics.programs import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs_attribute_access import PROTO
+from semantics.programs_escapes import HELPER_WRITES
+from semantics.programs_methods import RUNTIME
+from semantics.programs_shared import POSITIVE_CALLS as TWO_CALLS
+from semantics.programs_shared import X1, py312
+from semantics.programs_state_inference import NNX, PLAIN_SUBMODEL
 
 HERE = __file__
 

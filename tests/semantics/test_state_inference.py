@@ -66,46 +66,32 @@ from semantics.harness import (
     staged,
     train_compare,
 )
-from semantics.programs import (
-    B3,
-    CATS,
+from semantics.programs_attribute_access import CONTEXT_CONSTRUCTS, DUNDERS, PROTO
+from semantics.programs_class_shapes import DATACLASSES, EQX, HIER, MORE, SRC2
+from semantics.programs_concurrency import RECURSION
+from semantics.programs_containers import SYNTAX_FORMS
+from semantics.programs_eager_writes import SOURCE
+from semantics.programs_escapes import SYNTAX
+from semantics.programs_functional import CATS
+from semantics.programs_methods import HIDDEN_METHODS, MADE, MISC, PROBE, SIGNATURES
+from semantics.programs_methods import RECEIVERS as SHADOWED_RECEIVERS
+from semantics.programs_shared import B3, N_BLOCKS, V2, XP, py313
+from semantics.programs_shared import XM_ROUTED as XM
+from semantics.programs_shared import XS as XS4
+from semantics.programs_state_inference import (
     CLASS_ATTRS,
     CLASS_DEFAULTS,
     CONSTRUCTS,
-    CONTEXT_CONSTRUCTS,
-    DATACLASSES,
-    DUNDERS,
     EMA,
-    EQX,
-    HIDDEN_METHODS,
-    HIER,
-    MADE,
-    MISC,
-    MORE,
-    N_BLOCKS,
     NNX,
     PLAIN_SUB,
     PLAIN_SUBMODEL,
-    PROBE,
-    PROTO,
-    RECURSION,
     RESET,
-    SIGNATURES,
-    SOURCE,
-    SRC2,
-    STRUCT,
-    SYNTAX,
-    SYNTAX_FORMS,
-    V2,
-    XP,
-    py313,
 )
-from semantics.programs import MOE_AUX_LOSS as MOE
-from semantics.programs import RECEIVERS as SHADOWED_RECEIVERS
-from semantics.programs import TORCH as TORCH_MODULES
-from semantics.programs import TORCH_IDIOMS as TORCH
-from semantics.programs import XM_ROUTED as XM
-from semantics.programs import XS as XS4
+from semantics.programs_state_inference import MOE_AUX_LOSS as MOE
+from semantics.programs_static_state import TORCH_IDIOMS as TORCH
+from semantics.programs_submodels import STRUCT
+from semantics.programs_submodels import TORCH as TORCH_MODULES
 from semantics.references import (
     gpt,
 )

@@ -63,35 +63,16 @@ from semantics.harness import (
     staged,
     user_line,
 )
-from semantics.programs import (
-    ACCUM,
-    ASSIGN,
-    BATCHNORM,
-    CLASS_ATTRS,
-    CLASS_DEFAULTS,
-    CONTROL,
-    DATACLASSES,
-    DTYPES,
-    GROW,
-    HELD,
-    LAST,
-    LAZY,
-    LORA,
-    MISC,
-    NORMS,
+from semantics.programs_class_shapes import CONTROL, DATACLASSES, SHAPES
+from semantics.programs_containers import GROW
+from semantics.programs_eager_writes import SOURCE as SHARED_PATHS
+from semantics.programs_escapes import TORCH_TRAINING
+from semantics.programs_functional import STATIC
+from semantics.programs_methods import LAST, MISC, PROBE, RUNTIME
+from semantics.programs_numerics import DTYPES
+from semantics.programs_shared import (
     ONE,
-    ONE_SHOT,
-    PLAIN_SUB,
-    PROBE,
-    QAT,
-    RESET,
-    RUNTIME,
-    SHAPES,
-    STATIC,
     TORCH_HEADER,
-    TORCH_TRAINING,
-    TORCHLIKE,
-    TRACEBACKS,
     V2,
     V2_SIGNED,
     X1,
@@ -103,14 +84,27 @@ from semantics.programs import (
     XQ,
     py312,
 )
-from semantics.programs import COMMON_LAYERS as MODELS
-from semantics.programs import MOE_AUX_LOSS as MOE
-from semantics.programs import SOURCE as SHARED_PATHS
-from semantics.programs import TORCH as TORCH_MODULES
-from semantics.programs import TORCH_IDIOMS as TORCH
-from semantics.programs import TWO as X2
-from semantics.programs import XA as XA4
-from semantics.programs import XM_ROUTED as XM
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import XA as XA4
+from semantics.programs_shared import XM_ROUTED as XM
+from semantics.programs_state_inference import CLASS_ATTRS, CLASS_DEFAULTS, PLAIN_SUB, RESET
+from semantics.programs_state_inference import MOE_AUX_LOSS as MOE
+from semantics.programs_static_state import (
+    ACCUM,
+    ASSIGN,
+    BATCHNORM,
+    HELD,
+    LORA,
+    NORMS,
+    ONE_SHOT,
+    QAT,
+    TORCHLIKE,
+    TRACEBACKS,
+)
+from semantics.programs_static_state import COMMON_LAYERS as MODELS
+from semantics.programs_static_state import TORCH_IDIOMS as TORCH
+from semantics.programs_submodels import TORCH as TORCH_MODULES
+from semantics.programs_transformations import LAZY
 from semantics.references import (
     batch,
     cnn,

@@ -54,39 +54,24 @@ from semantics.harness import (
     train_against_reference,
     user_line,
 )
-from semantics.programs import (
+from semantics.programs_attribute_access import PROTO
+from semantics.programs_class_shapes import EQX
+from semantics.programs_concurrency import RECURSION
+from semantics.programs_control_flow import BUILT, STACKED
+from semantics.programs_eager_writes import SOURCE as SHARED_PATHS
+from semantics.programs_escapes import CROSS, TORCH_TRAINING
+from semantics.programs_functional import CATS, MULTI, VARIANTS
+from semantics.programs_methods import ALIASES, CALLABLES
+from semantics.programs_shared import (
     A1,
     A2,
-    ALIASES,
-    BUILT,
-    CALLABLES,
-    CATS,
-    CROSS,
-    EQX,
-    GAN,
-    HELD,
-    INPLACE,
     KEY,
-    LAZY,
-    LIGHTNING,
     LIT_STEPS,
-    MULTI,
     ONE,
-    OPT,
-    PROTO,
-    REALISTIC_MODELS,
-    RECURSION,
-    RNG,
-    RNN,
-    STACKED,
-    STRUCT,
     TORCH_HEADER,
-    TORCH_TRAINING,
-    TWO_PARENTS,
     V2,
     V2_RANGE,
     V3,
-    VARIANTS,
     X1,
     X3,
     X23,
@@ -104,14 +89,16 @@ from semantics.programs import (
     Y,
     Z,
 )
-from semantics.programs import COMMON_LAYERS as MODELS
-from semantics.programs import REAL as REAL_SAMPLES
-from semantics.programs import REAL_ONES as REAL
-from semantics.programs import SOURCE as SHARED_PATHS
-from semantics.programs import SUBMODELS as REASSIGNED_SUBMODELS
-from semantics.programs import TORCH as TORCH_MODULES
-from semantics.programs import TORCH_IDIOMS as TORCH
-from semantics.programs import TWO as X2
+from semantics.programs_shared import REAL as REAL_SAMPLES
+from semantics.programs_shared import REAL_ONES as REAL
+from semantics.programs_shared import TWO as X2
+from semantics.programs_static_state import COMMON_LAYERS as MODELS
+from semantics.programs_static_state import HELD
+from semantics.programs_static_state import TORCH_IDIOMS as TORCH
+from semantics.programs_submodels import GAN, INPLACE, LIGHTNING, OPT, STRUCT, TWO_PARENTS
+from semantics.programs_submodels import SUBMODELS as REASSIGNED_SUBMODELS
+from semantics.programs_submodels import TORCH as TORCH_MODULES
+from semantics.programs_transformations import LAZY, REALISTIC_MODELS, RNG, RNN
 
 SOURCE = """
 import jax

@@ -69,39 +69,17 @@ from semantics.harness import (
     train_compare,
     user_line,
 )
-from semantics.programs import (
-    ACCUM,
-    BATCHNORM,
-    BUILT,
-    CALLABLES,
-    CHANGES,
-    DQN,
-    DROPOUT,
-    DTYPES,
-    EMA,
-    HELPERS,
-    KV,
-    LAYERS,
-    LAZY,
+from semantics.programs_containers import DQN
+from semantics.programs_control_flow import BUILT, HELPERS, LAYERS, VARIATIONAL_RNN
+from semantics.programs_functional import NET, REBUILD, VARIANTS
+from semantics.programs_methods import CALLABLES, MISC
+from semantics.programs_numerics import CHANGES, DTYPES, OVER
+from semantics.programs_shared import KEY as PRNG_KEY
+from semantics.programs_shared import (
     LIT_STEPS,
-    MISC,
-    MOE,
-    MOE_AUX_LOSS,
-    NET,
-    NORMS,
-    OPT,
-    OVER,
     PROMPT,
-    QAT,
-    REALISTIC_MODELS,
-    REBUILD,
-    RNG,
-    TRANSITIONS,
-    TWO_PARENTS,
     V3,
     V3_STACK,
-    VARIANTS,
-    VARIATIONAL_RNN,
     X1,
     X3,
     X23,
@@ -123,14 +101,25 @@ from semantics.programs import (
     Y,
     Z,
 )
-from semantics.programs import AROUND as REPRESENTATIVE_RNN
-from semantics.programs import COMMON_LAYERS as MODELS
-from semantics.programs import CUSTOM_DERIVATIVES as OUTSIDE
-from semantics.programs import KEY as PRNG_KEY
-from semantics.programs import REAL_ONES as REAL
-from semantics.programs import RNN as GRU_CELL
-from semantics.programs import TWO as X2
-from semantics.programs import V2_RANGE as V2
+from semantics.programs_shared import REAL_ONES as REAL
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import V2_RANGE as V2
+from semantics.programs_state_inference import EMA, MOE_AUX_LOSS
+from semantics.programs_static_state import ACCUM, BATCHNORM, NORMS, QAT
+from semantics.programs_static_state import COMMON_LAYERS as MODELS
+from semantics.programs_submodels import OPT, TWO_PARENTS
+from semantics.programs_transformations import AROUND as REPRESENTATIVE_RNN
+from semantics.programs_transformations import CUSTOM_DERIVATIVES as OUTSIDE
+from semantics.programs_transformations import (
+    DROPOUT,
+    KV,
+    LAZY,
+    MOE,
+    REALISTIC_MODELS,
+    RNG,
+    TRANSITIONS,
+)
+from semantics.programs_transformations import RNN as GRU_CELL
 from semantics.references import (
     assert_shared,
     cnn,

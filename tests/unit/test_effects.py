@@ -21,7 +21,8 @@ from semantics.harness import (
     pair,
     snapshot,
 )
-from semantics.programs import CATS, PACK, Loader
+from semantics.programs_functional import CATS, PACK
+from semantics.programs_shared import Loader
 
 import autostate
 from autostate import errors

@@ -25,7 +25,10 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import DTYPES, HOST, MODELS, PACK, PACK_XS, XS_PAIRS, Loader
+from semantics.programs_functional import MODELS, PACK
+from semantics.programs_host_fallback import HOST
+from semantics.programs_numerics import DTYPES
+from semantics.programs_shared import PACK_XS, XS_PAIRS, Loader
 from tolerance import tolerance
 
 import autostate

@@ -19,10 +19,12 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import HOST, HOST_COUNTERS, MODELS, NET, PACK, PACK_XS, Y
-from semantics.programs import XS_PAIRS as XS
-from semantics.programs import XV1 as X1
-from semantics.programs import XV2 as X2
+from semantics.programs_functional import MODELS, NET, PACK
+from semantics.programs_host_fallback import HOST, HOST_COUNTERS
+from semantics.programs_shared import PACK_XS, Y
+from semantics.programs_shared import XS_PAIRS as XS
+from semantics.programs_shared import XV1 as X1
+from semantics.programs_shared import XV2 as X2
 
 import autostate
 from autostate import errors

@@ -22,8 +22,11 @@ from semantics.harness import (
     raises_autostate,
     snapshot,
 )
-from semantics.programs import DTYPES, MODELS, NET, PACK, SOURCE, Loader
-from semantics.programs import XV1 as X1
+from semantics.programs_eager_writes import SOURCE
+from semantics.programs_functional import MODELS, NET, PACK
+from semantics.programs_numerics import DTYPES
+from semantics.programs_shared import XV1 as X1
+from semantics.programs_shared import Loader
 from semantics.references import assert_shared, trained_pair
 
 import autostate

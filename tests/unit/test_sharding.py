@@ -28,7 +28,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from semantics.harness import assert_same, check, pair, snapshot
-from semantics.programs import Loader
+from semantics.programs_shared import Loader
 
 import autostate
 from autostate import errors, sharding

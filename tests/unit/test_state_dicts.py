@@ -31,24 +31,13 @@ from semantics.harness import (
     run_reference,
     snapshot,
 )
-from semantics.programs import (
-    CATS,
-    DTYPES,
-    MODELS,
-    NET,
-    ODD,
-    ONE,
-    PACK,
-    SOURCE,
-    TORCH_HEADER,
-    VARIANTS,
-    X_BATCH,
-    XV2,
-    Loader,
-)
-from semantics.programs import TORCH_TRAINING as TORCH
-from semantics.programs import XV1 as X1
-from semantics.programs import Y_BATCH as Y
+from semantics.programs_eager_writes import SOURCE
+from semantics.programs_escapes import TORCH_TRAINING as TORCH
+from semantics.programs_functional import CATS, MODELS, NET, PACK, VARIANTS
+from semantics.programs_numerics import DTYPES, ODD
+from semantics.programs_shared import ONE, TORCH_HEADER, X_BATCH, XV2, Loader
+from semantics.programs_shared import XV1 as X1
+from semantics.programs_shared import Y_BATCH as Y
 from semantics.references import assert_shared, trained_pair
 
 import autostate

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from semantics.harness import assert_user_line, check, pair, raises_autostate
-from semantics.programs import TWO_CALLS, Loader
+from semantics.programs_shared import TWO_CALLS, Loader
 
 import autostate
 from autostate.errors import DecorationError

@@ -19,7 +19,8 @@ from semantics.harness import (
     Loader,
     pair,
 )
-from semantics.programs import TRACEBACKS, X1, py312
+from semantics.programs_shared import X1, py312
+from semantics.programs_static_state import TRACEBACKS
 
 import autostate
 from autostate.transform import analysis, loader

@@ -30,8 +30,9 @@ from semantics.harness import (
     check_transform,
     pair,
 )
-from semantics.programs import ASSIGN, py312
-from semantics.programs import TWO as X2
+from semantics.programs_shared import TWO as X2
+from semantics.programs_shared import py312
+from semantics.programs_static_state import ASSIGN
 
 import autostate
 from autostate.transform import analysis, rewrite, source

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import pytest
 from semantics.harness import assert_same, check, pair
-from semantics.programs import POSITIVE_CALLS, TWO_CALLS, Loader
+from semantics.programs_shared import POSITIVE_CALLS, TWO_CALLS, Loader
 
 TAB_SOURCE = (
     "import jax.numpy as jnp\n"
