@@ -398,7 +398,7 @@ jax.tree_util.register_pytree_node(
     lambda s: ((), (_static_key(s.value), s.category, s.name)),
     lambda aux, _children: StaticState(aux[0][1], aux[1], aux[2]),
 )
-_graph.register_node_kind(StaticState, model_child=True)
+_graph.register_node_kind(StaticState, model_child=True, immutable=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -453,7 +453,7 @@ jax.tree_util.register_pytree_node(
     ),
     lambda aux, _children: HandledStaticState(aux[0], aux[1], aux[2][1], aux[3], aux[4]),
 )
-_graph.register_node_kind(HandledStaticState, model_child=True)
+_graph.register_node_kind(HandledStaticState, model_child=True, immutable=True)
 
 
 

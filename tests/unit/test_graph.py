@@ -580,10 +580,14 @@ class _Witnessed:
         self.count = jnp.zeros(())
         self.sizes = [2, (3, [4])]
         self.table = {"a": jnp.ones(1)}
+        self.training = True
 
     def tick(self) -> None:
         self.count = self.count + 1
         self.table = dict(self.table)  # (a state: its first value is the dict above)
+
+    def eval(self) -> None:
+        self.training = False  # (a static state: its slot is replaced)
 
 
 @dataclasses.dataclass
@@ -595,6 +599,7 @@ class _MutableConfig:  # an __eq__ of its own: the graphdef compares it by value
     "change",
     [
         lambda m: m.tick(),  # a state written in place (its slot kept)
+        lambda m: m.eval(),  # a static state (a Python bool) assigned
         lambda m: setattr(m, "w", m.w + 1),
         lambda m: m.sizes[1][1].append(5),  # a list inside a tuple inside a list
         lambda m: m.table.update(b=jnp.zeros(1)),
