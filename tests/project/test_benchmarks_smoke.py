@@ -35,35 +35,56 @@ SCENARIOS = {
 }
 
 
-def test_every_scenario_runs_at_smoke_size_and_writes_results(tmp_path: Path) -> None:
-    """One ``run_all.py --smoke`` (each scenario in a process of its own, as
-    ``make bench`` runs them): every script's tables, the summary, results.md
-    and the scaling plot."""
+# ``run_all.py --only`` groups, each one smoke run (the scenarios of a group
+# in processes of their own, one after another, as ``make bench`` runs them):
+# three tests that the suite's workers share rather than one that holds a
+# worker for every scenario in a row.
+GROUPS = {
+    "steps": ["mlp", "dispatch", "scaling", "decoration", "control_flow", "nn"],
+    "depth": ["stacked", "depth"],
+    "calls": ["donation", "perf", "model_api"],
+}
+
+
+def test_the_groups_cover_every_scenario_once() -> None:
+    groups = [key for keys in GROUPS.values() for key in keys]
+    assert len(groups) == len(set(groups)) == len(SCENARIOS)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_scenario_runs_at_smoke_size_and_writes_results(group: str, tmp_path: Path) -> None:
+    """A ``run_all.py --smoke --only ...`` of ``group``: its scripts' tables,
+    the summary, results.md, and the plot of the scaling or depth scenario."""
+    keys = GROUPS[group]
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run_all.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / "run_all.py"), "--smoke", "--out", str(tmp_path),
+         "--only", *keys],
         capture_output=True,
         text=True,
         timeout=900,
     )
     out = result.stdout
     assert result.returncode == 0, f"run_all.py failed:\n{out}\n{result.stderr}"
-    for scenario, expected in SCENARIOS.items():
+    for key in keys:
+        scenario = f"bench_{key}"
         assert f"[{scenario}: " in out, scenario
-        for text in expected:
+        for text in SCENARIOS[scenario]:
             assert text in out, (scenario, text)
     assert "Targets (summary)" in out
     results = (tmp_path / "results.md").read_text()
     assert results.startswith("# autostate benchmarks")
     assert "mode: smoke" in results
-    for title in ("### Targets (summary)", "### Scenario 1:", "### Scenario 2:", "### Scenario 4b:",
-                  "### Scenario 5:", "### Scenario 8a:"):
-        assert title in results
-    # The host fallback rows follow the decoration scenario, with their target.
-    assert "host fallback: at most one callback per state access" in results
-    assert "callbacks run / update" in results
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "scaling.png").stat().st_size > 0
-        assert (tmp_path / "depth.png").stat().st_size > 0
+    plotted = importlib.util.find_spec("matplotlib") is not None
+    if group == "steps":
+        for title in ("### Targets (summary)", "### Scenario 1:", "### Scenario 2:",
+                      "### Scenario 4b:", "### Scenario 5:", "### Scenario 8a:"):
+            assert title in results
+        # The host fallback rows follow the decoration scenario, with their target.
+        assert "host fallback: at most one callback per state access" in results
+        assert "callbacks run / update" in results
+        assert not plotted or (tmp_path / "scaling.png").stat().st_size > 0
+    if group == "depth":
+        assert not plotted or (tmp_path / "depth.png").stat().st_size > 0
 
 
 def test_a_scenario_script_runs_on_its_own() -> None:

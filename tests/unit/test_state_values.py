@@ -13,6 +13,7 @@ import pytest
 
 import autostate
 from autostate import state_values as sv
+from autostate import values
 from autostate.errors import InvalidTypeError, StaticStateError
 
 
@@ -130,15 +131,15 @@ def test_split_and_join_static_values_round_trip():
 def test_a_container_jax_takes_as_one_leaf_travels_as_its_items():
     queue = Queue([jnp.ones(1), 2], maxlen=3)
     queue.tag = "q"
-    assert sv.opaque_items(queue) is not None
-    assert sv.opaque_items([1]) is None and sv.opaque_items({"a": 1}) is None
-    assert sv.opaque_items(collections.OrderedDict(a=1)) is None  # (a pytree JAX flattens)
+    assert values.opaque_items(queue) is not None
+    assert values.opaque_items([1]) is None and values.opaque_items({"a": 1}) is None
+    assert values.opaque_items(collections.OrderedDict(a=1)) is None  # (a pytree JAX flattens)
     stripped, static = sv.split_static_values({"q": queue})
     assert jax.tree_util.tree_leaves(stripped) == [queue[0]]
     back = sv.join_static_values(stripped, static)["q"]
     assert type(back) is Queue and back.maxlen == 3 and back is not queue
     assert back[1] == 2 and back.tag == "q"
-    assert sv.leaves_within_opaque([queue, 5]) == [queue[0], 2, 5]
+    assert values.leaves_within_opaque([queue, 5]) == [queue[0], 2, 5]
 
 
 def test_a_container_that_holds_itself_is_refused_not_walked_forever():
@@ -146,7 +147,7 @@ def test_a_container_that_holds_itself_is_refused_not_walked_forever():
     queue.append(queue)
     with pytest.raises(InvalidTypeError, match="holds itself"):
         sv.split_static_values({"q": queue})
-    assert sv.leaves_within_opaque([queue]) == [1, queue]  # (taken apart once)
+    assert values.leaves_within_opaque([queue]) == [1, queue]  # (taken apart once)
 
 
 def test_states_keeps_python_values_as_structure():
@@ -189,8 +190,3 @@ def test_own_value_copies_containers_and_makes_numpy_arrays_jax_arrays():
     assert copy["xs"][0] is array
     frozen = (1, 2)
     assert sv._own_value(frozen) is frozen
-
-
-def test_is_iterator_is_decided_per_type():
-    assert sv.is_iterator(iter([1])) and sv.is_iterator(x for x in ())
-    assert not sv.is_iterator([1]) and not sv.is_iterator(jnp.zeros(1))

@@ -366,3 +366,8 @@ def test_a_container_subclass_is_filled_by_its_kind(value: Any) -> None:
     kind.fill(new, kind.items(value), getattr(value, "maxlen", None))
     assert type(new) is type(value) and new == value
     assert getattr(new, "maxlen", None) == getattr(value, "maxlen", None)
+
+
+def test_is_iterator_is_decided_per_type():
+    assert values.is_iterator(iter([1])) and values.is_iterator(x for x in ())
+    assert not values.is_iterator([1]) and not values.is_iterator(jnp.zeros(1))
