@@ -37,7 +37,12 @@ from ``compiled.memory_analysis()``: peak
 = arguments + outputs + temporaries - aliased bytes, as a multiple of the
 cache's size (goal: about 1x).
 
-Run: ``python benchmarks/bench_model_api.py [--smoke]``.
+Run: ``python benchmarks/bench_model_api.py [--smoke]``. Where one command may
+run only so long (an accelerator lent for minutes), ``AUTOSTATE_BENCH_MODEL_API``
+overrides the full run's sizes, rounds and calls per round, e.g.
+``AUTOSTATE_BENCH_MODEL_API="sizes=100,1000 rounds=3 number=10"``; the tables'
+notes say what was used. Each path's row is printed to stderr as it is measured,
+with the seconds since the scenario started.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ import dataclasses
 import functools
 import gc
 import inspect
+import os
 import statistics
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +106,7 @@ class Config:
 
 
 FULL = Config()
+OVERRIDE = "AUTOSTATE_BENCH_MODEL_API"
 SMOKE = Config(sizes=(10,), rounds=2, number=3,
                decode=DecodeConfig(batch=1, max_len=1024, heads=2, head_dim=16))
 
@@ -437,6 +446,14 @@ TRAINING_PEERS: dict[str, Callable[[int], Callable[[], Any]]] = {
 # --- the per-call tables -----------------------------------------------------
 
 
+_START = time.perf_counter()
+
+
+def _progress(line: str) -> None:
+    """One measured row on stderr, with the seconds since the scenario's import."""
+    print(f"[{time.perf_counter() - _START:6.0f} s] {line}", file=sys.stderr, flush=True)
+
+
 def _blocked(fn: Callable[[], Any]) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(fn())
 
@@ -464,6 +481,7 @@ def _per_call_table(
         reference = cases.pop(REFERENCE)
         # (A training step's second loss reads the first step's update.)
         expected = [np.asarray(reference()) for _ in range(calls_checked)]
+        _progress(f"{title.split(':')[0]}, {n} modules: the paths built, {REFERENCE} called")
         rows: dict[str, tuple[float, float]] = {}
         reference_medians = []
         for name in list(cases):
@@ -478,6 +496,8 @@ def _per_call_table(
             gc.collect()
             rows[name] = timings[name].median, paired_ratio(timings[name], timings[REFERENCE])
             reference_medians.append(timings[REFERENCE].median)
+            _progress(f"{title.split(':')[0]}, {n} modules, {name}: "
+                      f"{fmt_seconds(rows[name][0])} ({fmt_ratio(rows[name][1])})")
         rows[REFERENCE] = statistics.median(reference_medians), 1.0
         for name in order:
             table.add(str(n), name, fmt_seconds(rows[name][0]), fmt_ratio(rows[name][1]))
@@ -631,8 +651,25 @@ def decode_memory(cfg: DecodeConfig, report: Report) -> Table:
     return table
 
 
+def config(smoke: bool) -> Config:
+    """SMOKE, or FULL with the fields ``AUTOSTATE_BENCH_MODEL_API`` names
+    (``"sizes=100,1000 rounds=3 number=10"``)."""
+    if smoke:
+        return SMOKE
+    fields: dict[str, Any] = {}
+    for item in os.environ.get(OVERRIDE, "").split():
+        key, _, value = item.partition("=")
+        if key == "sizes":
+            fields[key] = tuple(int(n) for n in value.split(","))
+        elif key in ("rounds", "number"):
+            fields[key] = int(value)
+        else:
+            raise ValueError(f"{OVERRIDE}: {item!r} is not sizes=N,M, rounds=N or number=N")
+    return dataclasses.replace(FULL, **fields)
+
+
 def run(smoke: bool = False) -> Report:
-    cfg = SMOKE if smoke else FULL
+    cfg = config(smoke)
     checked_precision()
     report = Report()
     backend = jax.default_backend()
