@@ -75,8 +75,12 @@ def train(model, steps, first_batch):
     return autostate.freeze(f, states)
 
 
-def resume(folder: Path, platforms: list[str]) -> None:
+def resume(folder: Path, platforms: list[str], precision: str | None) -> None:
     """The second process: load, continue training, save, export."""
+    if precision is not None:
+        # An export keeps the matrix-product precision it was traced at: the
+        # first process's, which the live model it is checked against runs at.
+        jax.config.update("jax_default_matmul_precision", precision)
     print("[new process] loading the checkpoint into a fresh Regressor")
     model = autostate.load(folder / "ckpt.npz", like=Regressor(N_IN, N_HIDDEN, seed=123))
     model = train(model, steps=3, first_batch=3)
@@ -92,9 +96,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--resume", type=Path, help="(used by the second process)")
     parser.add_argument("--platforms", nargs="+", help="(used by the second process)")
+    parser.add_argument("--precision", help="(used by the second process)")
     args = parser.parse_args()
     if args.resume is not None:
-        resume(args.resume, args.platforms)
+        resume(args.resume, args.platforms, args.precision)
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,8 +113,11 @@ def main() -> None:
         here = jax.default_backend()
         env = None if here == "cpu" else {**os.environ, "JAX_PLATFORMS": "cpu"}
         platforms = sorted({"cpu", here})
-        subprocess.run([sys.executable, __file__, "--resume", str(folder), "--platforms", *platforms],
-                       check=True, env=env)
+        command = [sys.executable, __file__, "--resume", str(folder), "--platforms", *platforms]
+        precision = jax.config.jax_default_matmul_precision
+        if precision is not None:
+            command += ["--precision", precision]
+        subprocess.run(command, check=True, env=env)
 
         # The exported program needs neither the Regressor class nor its
         # parameters: they are baked in. The states come from the checkpoint.

@@ -8,8 +8,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tolerance import tolerance
 
-# Eager (op by op) and jitted (fused) float32 results may differ in the last bits.
+# Eager (op by op) and jitted (fused) float32 results may differ in the last bits;
+# on an accelerator, the tolerance policy widens them (tests/tolerance.py).
 RTOL = 1e-5
 ATOL = 1e-6
 
@@ -32,7 +34,7 @@ def assert_trees_close(actual: Any, expected: Any) -> None:
         a, e = as_numpy(a), as_numpy(e)
         assert a.shape == e.shape, (a.shape, e.shape)
         if np.issubdtype(e.dtype, np.inexact):
-            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(a, e, **tolerance(RTOL, ATOL))
         else:
             assert a.dtype == e.dtype, (a.dtype, e.dtype)
             np.testing.assert_array_equal(a, e)
@@ -41,8 +43,8 @@ def assert_trees_close(actual: Any, expected: Any) -> None:
 def assert_generated_close(
     actual: Any, expected: Any, what: str, source: str, *, rtol: float, atol: float
 ) -> None:
-    """Same structure, dtypes and shapes; floats within ``rtol``/``atol``,
-    the rest exactly. A mismatch names ``what`` and shows the generated
+    """Same structure, dtypes and shapes; floats within ``rtol``/``atol`` (the
+    tolerance policy's, ``tests/tolerance.py``), the rest exactly. A mismatch names ``what`` and shows the generated
     program's ``source`` (the property tests)."""
     try:
         leaves_a, def_a = jax.tree_util.tree_flatten(actual)
@@ -52,7 +54,7 @@ def assert_generated_close(
             a, e = np.asarray(a), np.asarray(e)
             assert a.shape == e.shape and a.dtype == e.dtype, (a.dtype, e.dtype, a.shape, e.shape)
             if np.issubdtype(e.dtype, np.inexact):
-                np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+                np.testing.assert_allclose(a, e, **tolerance(rtol, atol))
             else:
                 np.testing.assert_array_equal(a, e)
     except AssertionError as exc:

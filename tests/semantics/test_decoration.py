@@ -1190,8 +1190,10 @@ def fresh_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for tag, bad in FAILING.items():
         (folder / f"h6failing_{tag}.py").write_text(FAILING_MODULE.format(bad=bad))
     blob = _pickle_in_this_process(folder)
+    # (PYTHONPATH extended, not replaced: where JAX lives on it, the child needs it too)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(folder / "shared-cache"),
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(folder)}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     results = {}
     for run in ("cold", "warm"):
         done = subprocess.run(  # noqa: S603 - our own interpreter and script

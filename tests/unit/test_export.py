@@ -60,7 +60,8 @@ _FRESH_PROCESS = textwrap.dedent(
 def test_export_runs_in_a_fresh_process_like_the_live_model(tmp_path):
     _, model = run(Net(), XS[:1])
     # The fresh process runs on the CPU where this one holds an accelerator
-    # (tests/conftest.py): the program is lowered for both.
+    # (tests/conftest.py): the program is lowered for both, and the live
+    # model's steps it is compared with run on the CPU too.
     exported = autostate.export(model, XS[0], platforms=sorted({"cpu", jax.default_backend()}))
     assert isinstance(exported, jax.export.Exported)
     (tmp_path / "net.jax").write_bytes(exported.serialize())
@@ -77,11 +78,12 @@ def test_export_runs_in_a_fresh_process_like_the_live_model(tmp_path):
     with open(tmp_path / "results.pkl", "rb") as fh:
         results = pickle.load(fh)
 
-    f, states = model.functionalize()
+    cpu = jax.devices("cpu")[0]
+    f, states = jax.device_put(model.functionalize(), cpu)
     step = jax.jit(lambda f, s, x: f(s, x))
     assert len(results) == 3
     for x, (out, flat_states) in zip(XS[1:4], results):
-        want_out, states = step(f, states, x)
+        want_out, states = step(f, states, jax.device_put(x, cpu))
         np.testing.assert_allclose(out, want_out, **tolerance(rtol=1e-6, atol=1e-6))
         want_states = autostate.state_dict(autostate.freeze(f, states))
         assert list(flat_states) == sorted(STATE_KEYS)

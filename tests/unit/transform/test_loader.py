@@ -497,7 +497,9 @@ def test_editing_a_base_in_another_file_changes_the_decision_in_a_fresh_process(
 
     (tmp_path / "cache_base_mod.py").write_text(BASE_V1)
     (tmp_path / "cache_child_mod.py").write_text(CHILD)
-    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+    # (PYTHONPATH extended, not replaced: where JAX lives on it, the child needs it too)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path}
 
     def decision() -> str:
         run = subprocess.run(
