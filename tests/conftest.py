@@ -76,14 +76,19 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 
 def pytest_configure(config: pytest.Config) -> None:
     """On an accelerator: the backend's precision policy (``tests/tolerance.py``),
-    and the CPU for the subprocesses the tests start, since one process at a
-    time can hold a TPU (this one does)."""
+    the CPU for the subprocesses the tests start, since one process at a
+    time can hold a TPU (this one does), and generated programs that fail
+    reported as drawn, not shrunk (each shrinking step compiles again: one
+    took over five minutes on a TPU v5e)."""
+    from hypothesis import Phase, settings
     from tolerance import on_accelerator, use_backend_precision
 
     if os.environ.get("JAX_PLATFORMS") == "cpu" or not on_accelerator():
         return
     use_backend_precision()
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX in the subprocesses only: this one has started
+    settings.register_profile("accelerator", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    settings.load_profile("accelerator")
 
 
 # Resident memory (MB) above which a test's teardown empties JAX's caches even
