@@ -15,6 +15,7 @@ import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
+from autostate import copies as _copies
 from autostate import graph as _graph
 from autostate import render as _render
 from autostate import runtime as _runtime
@@ -391,9 +392,9 @@ def _install_defaults(cls: type) -> None:
         setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
     )
     if not hasattr(cls, "__copy__"):
-        cls.__copy__ = _runtime.copy_instance  # type: ignore[attr-defined]
+        cls.__copy__ = _copies.copy_instance  # type: ignore[attr-defined]
     if not hasattr(cls, "__deepcopy__"):
-        cls.__deepcopy__ = _runtime.deepcopy_instance  # type: ignore[attr-defined]
+        cls.__deepcopy__ = _copies.deepcopy_instance  # type: ignore[attr-defined]
     if not hasattr(cls, "functionalize"):
         cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
     if not hasattr(cls, "train"):

@@ -63,8 +63,9 @@ R = TypeVar("R")
 # stay.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 for _name in sorted(os.listdir(_PACKAGE)):
-    if _name != "nn" and (_name.endswith(".py") or _name in ("effects", "transform")):
-        _traceback_util.register_exclusion(os.path.join(_PACKAGE, _name))
+    _path = os.path.join(_PACKAGE, _name)
+    if _name != "nn" and (_name.endswith(".py") or os.path.isfile(os.path.join(_path, "__init__.py"))):
+        _traceback_util.register_exclusion(_path)
 
 # Calls of compiled functions, one at a time: a call reads its models, runs,
 # and writes them back; two threads interleaving those steps on one model

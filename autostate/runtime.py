@@ -16,8 +16,6 @@ from __future__ import annotations
 import builtins
 import collections
 import collections.abc
-import copy as _copy
-import copyreg
 import functools
 import importlib
 import operator
@@ -41,7 +39,6 @@ from autostate.effects.local_state import (
     InitialLocalStateRequest,
     StateSlot,
     handler_running,
-    is_running,
 )
 from autostate.errors import (
     InvalidArgumentError,
@@ -1467,122 +1464,6 @@ def check_no_hidden_arrays(model: Any) -> None:
         # use, or ``__class__`` set to one). Its value becomes the state's.
         for name in adopt or ():
             _dict_setitem(obj.__dict__, name, make_slot(obj, name, obj.__dict__[name]))
-
-
-# --- copies -----------------------------------------------------------------
-
-
-class DetachedState(StateSlot):
-    """A state of a copy made inside a functionalized call (``copy.copy(self)``).
-
-    The copy holds its own value, as a plain Python copy would, instead of
-    sharing the original's handler cell; it may be traced (the copy is a
-    temporary of the running call).
-    """
-
-    __slots__ = ("value", "category", "name")
-
-    def __init__(self, value: Any, category: Any, name: str | None):
-        self.value, self.category, self.name = value, category, name
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> DetachedState:
-        return DetachedState(value, self.category, self.name)
-
-    def as_request(self) -> FrozenLocalStateRequest:
-        return FrozenLocalStateRequest(self.value, self.category, self.name)
-
-
-jax.tree_util.register_pytree_node(
-    DetachedState,
-    lambda s: ((s.value,), (s.category, s.name)),
-    lambda aux, children: DetachedState(children[0], *aux),
-)
-_graph.register_node_kind(DetachedState, model_child=True, own_value=True)
-
-
-def _detached(value: Any) -> Any:
-    if type(value) is HandledLocalStateRef and is_running(value.handler_id):
-        return DetachedState(
-            value.read(), value.category, value.name if value.was_explicitly_named else None
-        )
-    if type(value) is DetachedState:
-        return DetachedState(value.value, value.category, value.name)
-    return value
-
-
-def _own_slot(value: Any) -> Any:
-    """``_detached`` for a shallow copy, whose requests are its own too: an
-    eager write changes a request nothing else holds in place (see
-    ``_SOLE_HOLDER``), and a copy sharing it, made at any moment of a write
-    (by another thread, at a debugger's prompt), must not see that."""
-    if type(value) is FrozenLocalStateRequest:
-        return value.replaced(value.state)
-    return _detached(value)
-
-
-_REDUCTION_METHODS = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
-
-
-def _user_reduction(obj: Any) -> tuple | str | None:
-    """What ``copy`` would reduce ``obj`` to when its class customises that
-    (``__reduce__``, ``__getstate__``/``__setstate__``, a ``copyreg`` entry);
-    ``None`` for the default, which copies ``__dict__``."""
-    cls = type(obj)
-    reductor = copyreg.dispatch_table.get(cls)
-    if reductor is not None:
-        return reductor(obj)
-    if all(getattr(cls, m, None) is getattr(object, m, None) for m in _REDUCTION_METHODS):
-        return None
-    return obj.__reduce_ex__(4)
-
-
-def _copy_by_protocol(obj: Any, reduction: tuple | str, memo: dict[int, Any] | None) -> Any:
-    """``copy`` of ``obj`` through its class's own reduction (deep with a
-    ``memo``), its running states then detached, as the default copy does."""
-    if isinstance(reduction, str):
-        return obj  # a global: copy returns the object itself
-    new = _copy._reconstruct(obj, memo, *reduction)  # type: ignore[attr-defined]
-    d = new.__dict__
-    own = _own_slot if memo is None else _detached
-    for k, v in list(d.items()):
-        detached = own(v)
-        if detached is not v:
-            d[k] = detached
-    return new
-
-
-def copy_instance(self: Any) -> Any:
-    """``copy.copy`` of a decorated instance: its states are its own.
-
-    A class's own copy protocol (``__reduce__``, ``__getstate__`` and
-    ``__setstate__``, a ``copyreg`` entry) is followed, as ``copy`` would.
-    """
-    reduction = _user_reduction(self)
-    if reduction is not None:
-        return _copy_by_protocol(self, reduction, None)
-    cls = type(self)
-    new = cls.__new__(cls)  # type: ignore[call-overload]
-    new.__dict__.update({k: _own_slot(v) for k, v in self.__dict__.items()})
-    return new
-
-
-def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
-    """``copy.deepcopy`` of a decorated instance: its states are its own
-    (following the class's own copy protocol, as ``copy_instance`` does)."""
-    reduction = _user_reduction(self)
-    if reduction is not None:
-        return _copy_by_protocol(self, reduction, memo)
-    cls = type(self)
-    new = cls.__new__(cls)  # type: ignore[call-overload]
-    memo[id(self)] = new
-    d = new.__dict__
-    for k, v in self.__dict__.items():
-        detached = _detached(v)
-        d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
-    return new
 
 
 class StateAttribute:

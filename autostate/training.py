@@ -38,6 +38,7 @@ from autostate.api import functionalize, stateful
 from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
 from autostate.functional import ConstantRef, FunctionalModel
+from autostate.lifting.core import Swapped, write_back
 
 __all__ = ["Optimizer", "grad", "value_and_grad"]
 
@@ -155,8 +156,9 @@ def value_and_grad(
         (value, (aux, new)), grads = jax.value_and_grad(
             loss, argnums=tuple(range(len(fs))), has_aux=True, **options
         )(*fs)
-        for model, f, states in zip(models, fs, new):
-            _assign_states(model, f, states)
+        for model, (f, before), states in zip(models, pairs, new):
+            # The states land as a lax body's do: the lift's one write-back.
+            write_back(_own_states(model, f), before, states)
         grads = grads[0] if isinstance(argnums, int) else grads
         return ((value, aux) if has_aux else value), grads
 
@@ -290,17 +292,14 @@ def _pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
     return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))
 
 
-def _assign_states(model: Any, f: FunctionalModel, states: dict[str, Any]) -> None:
-    """Assigns the new ``states`` of a call of ``f`` to ``model``'s states, as
-    the plain call's writes would have (through ``setattr``: the model's own
-    rules for an assigned state apply)."""
-    for obj, twin in _pairs(model, f):
-        for attr in _tree.info_of(obj).state:
-            slot = twin.__dict__.get(attr)
-            if type(slot) is HandledLocalStateRef and slot.name in states:
-                value = states[slot.name]
-                if value is not getattr(obj, attr):
-                    setattr(obj, attr, value)
+def _own_states(model: Any, f: FunctionalModel) -> Swapped:
+    """``model``'s eager state slots, each named as ``f``'s states dict names it."""
+    return [
+        (obj, attr, obj.__dict__[attr], ref.name)
+        for obj, twin in _pairs(model, f)
+        for attr in _tree.info_of(obj).state
+        if type(ref := twin.__dict__.get(attr)) is HandledLocalStateRef
+    ]
 
 
 def _assign_params(model: Any, new: FunctionalModel) -> None:

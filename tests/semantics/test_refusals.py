@@ -593,6 +593,30 @@ def test_an_error_inside_autostate_jit_names_the_users_function_and_arguments():
         info.value.__traceback__) if f.filename == HERE]
 
 
+@autostate.stateful
+class ScanItem:
+    def __init__(self):
+        self.total = jnp.zeros(())
+
+    def __call__(self, xs):
+        def body(carry, x):
+            self.total = self.total + x
+            return carry + float(x), None  # FLOAT_IN_SCAN
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+
+def test_an_error_in_a_lax_body_inside_autostate_jit_shows_only_the_users_frames():
+    """The lift's own frames (``autostate.lifting``) are hidden from the
+    traceback as the rest of autostate's are."""
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        autostate.jit(lambda m, xs: m(xs))(ScanItem(), jnp.ones(3))
+    package = Path(autostate.__file__).parent
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert not [f.filename for f in frames if Path(f.filename).is_relative_to(package)]
+    assert line_of("# FLOAT_IN_SCAN") in [f.lineno for f in frames if f.filename == HERE]
+
+
 def test_user_location_skips_only_autostate_jax_and_the_standard_library(tmp_path, monkeypatch) -> None:
     """A user's folder named like a skipped one (``jax_md``, ``autostate_examples``)
     or a package installed in the standard library's site-packages is the user's."""
