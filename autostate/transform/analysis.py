@@ -1572,7 +1572,6 @@ def _rebuilt(target: str, method: str) -> str:
 _NEVER_STACKS = (
     *_LITERALS, cst.List, cst.Tuple, cst.Set, cst.Dict, *_CONTAINER_DISPLAYS, cst.GeneratorExp,
 )
-_FUNCTION_NODES = (cst.FunctionDef, cst.Lambda)
 _SCOPE_NODES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)
 
 
@@ -1910,8 +1909,6 @@ def _why_not(
                 return "a zero-argument `super()` in its body"
             if reads_scope(node):
                 return f"a call of `{node.func.value}()` in its body"
-        if isinstance(node, cst.Name) and node.value == "__class__":
-            return "`__class__` in its body"
         for changed, attribute in _changed_in_place(node):
             name, attr = _base(changed)
             if name is None or name in bound or (attribute and name in targets):
@@ -1920,6 +1917,8 @@ def _why_not(
                 receiver_changes.add(identifier(attr))  # (a state's write, or not: ``why_not``)
                 continue
             return f"its body changes `{name}` in place"
+    if "__class__" in _read_names(loop.body):
+        return "`__class__` in its body"
     if _breaks(loop.body):
         return "a `break` or `continue` in its body"
     if set(targets) & bound:
@@ -1973,14 +1972,14 @@ def _observed(
                     f"`{name}`, a function its body makes that reads a local the body assigns, "
                     "is read after the loop"
                 )
-    functions = [
+    functions: list[cst.FunctionDef | cst.Lambda] = [
         n for i, n in enumerate(scope_own)
-        if isinstance(n, _FUNCTION_NODES)
+        if isinstance(n, (cst.FunctionDef, cst.Lambda))
         and not body_start <= i < body_end
         and (repeated or i < body_start)
     ]
     seeing = set(per_step)
-    observers: list[cst.CSTNode] = []
+    observers: list[cst.FunctionDef | cst.Lambda] = []
     changed = True
     while changed:  # (one that calls a function that can see a step's locals can too)
         changed = False
@@ -1999,25 +1998,24 @@ def _observed(
         id(n.func) for n in _all_nodes(scope_own[0])
         if isinstance(n, cst.Call) and isinstance(n.func, cst.Name)
     }
-    for function in observers:
-        name = held.get(id(function))
-        if name is None:
+    for observer in observers:
+        holder = held.get(id(observer))
+        if holder is None:
             return "a function defined outside the loop reads a local its body assigns and is handed on"
-        if name in body_reads:
+        if holder in body_reads:
             return (
-                f"its body calls `{name}`, a function defined outside the loop that reads a "
+                f"its body calls `{holder}`, a function defined outside the loop that reads a "
                 "local the body assigns"
             )
-        if any(identifier(n.value) == name and id(n) not in called for n in loads):
+        if any(identifier(n.value) == holder and id(n) not in called for n in loads):
             return (
-                f"`{name}`, a function defined outside the loop that reads a local its body "
+                f"`{holder}`, a function defined outside the loop that reads a local its body "
                 "assigns, is handed on"
             )
     return None
 
 
-def _free_reads(function: cst.CSTNode) -> set[str]:
+def _free_reads(function: cst.FunctionDef | cst.Lambda) -> set[str]:
     """The names a function's (or lambda's) body reads from enclosing scopes."""
-    assert isinstance(function, (cst.FunctionDef, cst.Lambda))
     bound, declared = _scope_names(function)
     return _read_names(function.body) - bound - {n for n, is_global in declared.items() if is_global}

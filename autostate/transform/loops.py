@@ -137,7 +137,7 @@ class _Roller:
                         self.statements(inner)
             facts = self.facts.get(id(node)) if isinstance(node, ast.For) else None
             if facts is not None and facts.may_roll:
-                replacement = self._rolled(node, facts)  # type: ignore[arg-type]
+                replacement = self._rolled(node, facts)
                 statements[i : i + 1] = replacement
                 i += len(replacement)
                 self.changed = True

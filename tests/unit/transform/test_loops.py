@@ -100,6 +100,7 @@ _HANDED = "a function defined outside the loop reads a local its body assigns an
         ("for b in self.blocks:\n    b.cache['k'] = x", "its body changes `b` in place"),
         ("for b in self.blocks:\n    b = b.inner", "its body assigns the loop variable"),
         ("for b in self.blocks:\n    self.log.append(x)", "its body changes `self` in place"),
+        ("for b in self.blocks:\n    x = b(x) if __class__ else x", "`__class__` in its body"),
         # A function that can see one step's locals: called in the body (itself,
         # through another, or reading the loop variable), or handed on.
         ("g = lambda: x\nfor b in self.blocks:\n    x = b(g())", _CALLS_G),
@@ -130,6 +131,7 @@ def test_a_loop_a_function_cannot_carry_stays_as_written(loop: str, reason: str)
         # Reading no local the body assigns; made in the body and used in its step.
         "act = lambda v: v * 2\nxs.register(act)\nfor b in self.blocks:\n    x = b(act(x))\nreturn x",
         "for b in self.blocks:\n    f = lambda v: v * x\n    x = b(f(x))\nreturn x",
+        "for b in self.blocks:\n    x = b(x) if type(x) is b.__class__ else x\nreturn x",
     ],
 )
 def test_a_function_that_cannot_see_a_step_does_not_keep_it_from_rolling(body: str) -> None:
