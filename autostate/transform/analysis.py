@@ -10,6 +10,7 @@ nothing here rewrites code (``rewrite.py`` does, from the result).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import io
@@ -1635,23 +1636,74 @@ def loop_facts(
     """The facts of every (not ``async``) ``for`` statement of ``function``
     and of the functions nested in it (not of class bodies), in source order."""
     found: list[LoopFacts] = []
+    scopes: dict[int, _Scope] = {}
 
     def statements(node: cst.CSTNode, scope: cst.FunctionDef, ancestors: list[cst.CSTNode]) -> None:
         for child in walk.children(node):
             if isinstance(child, (cst.ClassDef, cst.BaseExpression, cst.SimpleStatementLine)):
                 continue
             if isinstance(child, cst.For) and child.asynchronous is None:
-                here = receiver if receiver is not None and not (
-                    scope is not function and _hides(scope, receiver)
-                ) else None
-                found.append(_one_loop(child, scope, ancestors, here, class_name))
+                here = scopes.get(id(scope))
+                if here is None:
+                    here = scopes[id(scope)] = _Scope(scope, None if receiver is None or (
+                        scope is not function and _hides(scope, receiver)
+                    ) else receiver)
+                found.append(_one_loop(child, here, bool(ancestors), class_name))
             if isinstance(child, cst.FunctionDef):
                 statements(child.body, child, [])
             else:
-                statements(child, scope, [*ancestors, child] if isinstance(child, (cst.For, cst.While)) else ancestors)
+                looped = isinstance(child, (cst.For, cst.While))
+                statements(child, scope, [*ancestors, child] if looped else ancestors)
 
     statements(function.body, function, [])
     return tuple(found)
+
+
+class _Scope:
+    """What the loops of one function share: its own nodes, the names it reads,
+    the functions it makes (computed once, whatever the number of its loops)."""
+
+    def __init__(self, function: cst.FunctionDef, receiver: str | None):
+        self.receiver = receiver
+        self.own = _own_nodes(function.body)
+        self.called: set[int] = set()  # the name nodes called (``g`` of ``g(...)``)
+        self.loads = _loads(function.body, called=self.called)
+        self.reads = collections.Counter(identifier(n.value) for n in self.loads)
+        # Whether it reads its own locals by name: then any may be read after a loop.
+        self.by_name = not SCOPE_READERS.isdisjoint(self.reads) and any(
+            reads_scope(n) for n in _all_nodes(function)
+        )
+        self.declared = {
+            identifier(item.name.value)
+            for node in self.own
+            if isinstance(node, (cst.Global, cst.Nonlocal))
+            for item in node.names
+        }
+        self.functions = [
+            (i, n) for i, n in enumerate(self.own) if isinstance(n, (cst.FunctionDef, cst.Lambda))
+        ]
+        # The functions held by a name (``def g``, ``g = lambda ...``), the only
+        # way a function is kept without being handed on.
+        self.held: dict[int, str] = {}
+        for node in self.own:
+            if isinstance(node, cst.FunctionDef) and not node.decorators:
+                self.held[id(node)] = identifier(node.name.value)
+            elif (
+                isinstance(node, cst.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0].target, cst.Name)
+                and isinstance(node.value, cst.Lambda)
+            ):
+                self.held[id(node.value)] = identifier(node.targets[0].target.value)
+        self._free: dict[int, set[str]] = {}
+
+    def free_reads(self, function: cst.FunctionDef | cst.Lambda) -> set[str]:
+        """The names a function's (or lambda's) body reads from enclosing scopes."""
+        found = self._free.get(id(function))
+        if found is None:
+            bound, declared = _scope_names(function)
+            globals_ = {n for n, is_global in declared.items() if is_global}
+            found = self._free[id(function)] = _read_names(function.body) - bound - globals_
+        return found
 
 
 def _read_names(root: cst.CSTNode, skip: cst.CSTNode | None = None) -> set[str]:
@@ -1660,8 +1712,19 @@ def _read_names(root: cst.CSTNode, skip: cst.CSTNode | None = None) -> set[str]:
     return {identifier(n.value) for n in _loads(root, skip)}
 
 
-def _loads(root: cst.CSTNode, skip: cst.CSTNode | None = None) -> list[cst.Name]:
-    """The name nodes under ``root`` that read a name, except under ``skip``."""
+# The nodes ``binding_names`` finds names in.
+_BINDERS = frozenset({
+    cst.Assign, cst.AnnAssign, cst.NamedExpr, cst.For, cst.Del, cst.WithItem, cst.ExceptHandler,
+    cst.ExceptStarHandler, cst.MatchAs, cst.MatchStar, cst.MatchMapping, cst.FunctionDef,
+    cst.ClassDef, cst.TypeAlias,
+})
+
+
+def _loads(
+    root: cst.CSTNode, skip: cst.CSTNode | None = None, called: set[int] | None = None
+) -> list[cst.Name]:
+    """The name nodes under ``root`` that read a name, except under ``skip``
+    (``called`` collects those called, ``g`` of ``g(...)``)."""
     names: list[cst.Name] = []
     stores: set[int] = set()
     pending = [root]
@@ -1687,8 +1750,10 @@ def _loads(root: cst.CSTNode, skip: cst.CSTNode | None = None) -> list[cst.Name]
             continue
         if t is cst.CompFor:
             stores.update(id(n) for n in _name_nodes(node.target))  # type: ignore[attr-defined]
-        elif t is not cst.AugAssign:
+        elif t in _BINDERS:
             stores.update(id(n) for n in binding_names(node))
+        elif t is cst.Call and called is not None and type(node.func) is cst.Name:  # type: ignore[attr-defined]
+            called.add(id(node.func))  # type: ignore[attr-defined]
         pending.extend(walk.children(node))
     return names
 
@@ -1819,20 +1884,17 @@ def _breaks(body: cst.BaseSuite) -> bool:
     return False
 
 
-def _bound_in(own: list[cst.CSTNode]) -> set[str]:
-    """Names the nodes ``own`` (a body's own nodes) bind (``:=`` in a
-    comprehension too, as Python binds it there)."""
-    return {identifier(n.value) for node in own for n in binding_names(node)}
-
-
-def _read_first(body: cst.BaseSuite) -> set[str]:
-    """Names the body may read before it binds them: read in a statement before
-    the first one that surely binds them (an assignment at the body's top
-    level; one inside an ``if`` may not run)."""
+def _body_reads(body: cst.BaseSuite) -> tuple[set[str], collections.Counter[str]]:
+    """The names the body may read before it binds them (read in a statement
+    before the first one that surely binds them: an assignment at the body's
+    top level; one inside an ``if`` may not run), and how often it reads each."""
     bound: set[str] = set()
-    read: set[str] = set()
+    first: set[str] = set()
+    counts: collections.Counter[str] = collections.Counter()
     for statement in _statements_of(body):
-        read |= _read_names(statement) - bound
+        read = [identifier(n.value) for n in _loads(statement)]
+        counts.update(read)
+        first.update(n for n in read if n not in bound)
         if isinstance(statement, cst.AnnAssign) and statement.value is None:
             continue
         if isinstance(statement, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
@@ -1842,28 +1904,24 @@ def _read_first(body: cst.BaseSuite) -> set[str]:
             )
             for target in targets:
                 bound.update(_target_names(target) or ())
-    return read
+    return first, counts
 
 
-def _one_loop(
-    loop: cst.For, scope: cst.FunctionDef, ancestors: list[cst.CSTNode], receiver: str | None,
-    class_name: str,
-) -> LoopFacts:
+def _one_loop(loop: cst.For, scope: _Scope, repeated: bool, class_name: str) -> LoopFacts:
     targets = _target_names(loop.target)
     if _never_a_stack(loop.iter):
         return LoopFacts(targets, may_roll=False)
-    scope_own = _own_nodes(scope.body)
-    live: frozenset[str] | None = None
-    if not any(reads_scope(n) for n in _all_nodes(scope)):
-        live = frozenset(_read_names(scope.body, skip=loop.body))
     own = _own_nodes(loop.body)
-    bound = frozenset(_bound_in(own))
-    facts = LoopFacts(targets, bound, frozenset(_read_first(loop.body)), live, receiver=receiver)
+    bound = frozenset(identifier(n.value) for node in own for n in binding_names(node))
+    first, counts = _body_reads(loop.body)
+    live = None if scope.by_name else frozenset(
+        name for name, n in scope.reads.items() if n > counts.get(name, 0)
+    )
     changes: set[str] = set()
-    reason = _why_not(loop, scope, scope_own, own, ancestors, targets, bound, live, receiver, changes)
-    return dataclasses.replace(
-        facts, reason=reason,
-        receiver_changes=frozenset(mangle(class_name, a) for a in changes),
+    reason = _why_not(loop, scope, own, repeated, targets, bound, counts, live, changes)
+    return LoopFacts(
+        targets, bound, frozenset(first), live, reason, scope.receiver,
+        frozenset(mangle(class_name, a) for a in changes),
     )
 
 
@@ -1877,14 +1935,15 @@ def _all_nodes(root: cst.CSTNode) -> list[cst.CSTNode]:
 
 
 def _why_not(
-    loop: cst.For, scope: cst.FunctionDef, scope_own: list[cst.CSTNode], own: list[cst.CSTNode],
-    ancestors: list[cst.CSTNode], targets: tuple[str, ...] | None, bound: frozenset[str],
-    live: frozenset[str] | None, receiver: str | None, receiver_changes: set[str],
+    loop: cst.For, scope: _Scope, own: list[cst.CSTNode], repeated: bool,
+    targets: tuple[str, ...] | None, bound: frozenset[str], reads: collections.Counter[str],
+    live: frozenset[str] | None, receiver_changes: set[str],
 ) -> str | None:
-    """Why ``loop`` (in function ``scope``) cannot be rolled, or ``None``;
-    fills ``receiver_changes``."""
+    """Why ``loop`` cannot be rolled, or ``None``; fills ``receiver_changes``
+    (``own``: its body's own nodes, ``reads``: the names its body reads)."""
     if targets is None:
         return "its target is not a name or a tuple of names"
+    receiver = scope.receiver
     for node in own[1:]:
         if isinstance(node, cst.Return):
             return "a `return` in its body"
@@ -1917,26 +1976,22 @@ def _why_not(
                 receiver_changes.add(identifier(attr))  # (a state's write, or not: ``why_not``)
                 continue
             return f"its body changes `{name}` in place"
-    if "__class__" in _read_names(loop.body):
+    if "__class__" in reads:
         return "`__class__` in its body"
     if _breaks(loop.body):
         return "a `break` or `continue` in its body"
     if set(targets) & bound:
         return "its body assigns the loop variable"
-    declared = {
-        identifier(item.name.value)
-        for node in scope_own
-        if isinstance(node, (cst.Global, cst.Nonlocal))
-        for item in node.names
-    }
-    if declared & (bound | set(targets)):
+    if scope.declared & (bound | set(targets)):
         return "it assigns a name declared `global` or `nonlocal`"
-    return _observed(loop, scope_own, own, bool(ancestors), set(bound) | set(targets), live)
+    if not scope.functions:
+        return None
+    return _observed(loop, scope, own, repeated, set(bound) | set(targets), set(reads), live)
 
 
 def _observed(
-    loop: cst.For, scope_own: list[cst.CSTNode], own: list[cst.CSTNode], repeated: bool,
-    per_step: set[str], live: frozenset[str] | None,
+    loop: cst.For, scope: _Scope, own: list[cst.CSTNode], repeated: bool,
+    per_step: set[str], body_reads: set[str], live: frozenset[str] | None,
 ) -> str | None:
     """Why a function defined in the method could see the locals of one step
     (which the rolled body keeps in a frame of its own), or ``None``.
@@ -1951,32 +2006,20 @@ def _observed(
     the body (a lambda), it reads that step's locals as the plain loop's
     would, unless the code after the loop keeps it.
     """
-    body_start = next(i for i, n in enumerate(scope_own) if n is loop.body)
-    body_end = body_start + len(own)
-    # The functions held by a name (``def g``, ``g = lambda ...``), the only
-    # way a function is kept without being handed on.
-    held: dict[int, str] = {}
-    for node in scope_own:
-        if isinstance(node, cst.FunctionDef) and not node.decorators:
-            held[id(node)] = identifier(node.name.value)
-        elif (
-            isinstance(node, cst.Assign) and len(node.targets) == 1
-            and isinstance(node.targets[0].target, cst.Name) and isinstance(node.value, cst.Lambda)
-        ):
-            held[id(node.value)] = identifier(node.targets[0].target.value)
+    held = scope.held
     for node in own[1:]:
         if isinstance(node, cst.Lambda) and id(node) in held:
             name = held[id(node)]
-            if (live is None or name in live) and _free_reads(node) & per_step:
+            if (live is None or name in live) and scope.free_reads(node) & per_step:
                 return (
                     f"`{name}`, a function its body makes that reads a local the body assigns, "
                     "is read after the loop"
                 )
-    functions: list[cst.FunctionDef | cst.Lambda] = [
-        n for i, n in enumerate(scope_own)
-        if isinstance(n, (cst.FunctionDef, cst.Lambda))
-        and not body_start <= i < body_end
-        and (repeated or i < body_start)
+    body_start = next(i for i, n in enumerate(scope.own) if n is loop.body)
+    body_end = body_start + len(own)
+    functions = [
+        n for i, n in scope.functions
+        if not body_start <= i < body_end and (repeated or i < body_start)
     ]
     seeing = set(per_step)
     observers: list[cst.FunctionDef | cst.Lambda] = []
@@ -1984,20 +2027,12 @@ def _observed(
     while changed:  # (one that calls a function that can see a step's locals can too)
         changed = False
         for function in functions:
-            if any(f is function for f in observers) or not _free_reads(function) & seeing:
+            if any(f is function for f in observers) or not scope.free_reads(function) & seeing:
                 continue
             observers.append(function)
             changed = True
             if id(function) in held:
                 seeing.add(held[id(function)])
-    if not observers:
-        return None
-    body_reads = _read_names(loop.body)
-    loads = _loads(scope_own[0])
-    called = {
-        id(n.func) for n in _all_nodes(scope_own[0])
-        if isinstance(n, cst.Call) and isinstance(n.func, cst.Name)
-    }
     for observer in observers:
         holder = held.get(id(observer))
         if holder is None:
@@ -2007,15 +2042,9 @@ def _observed(
                 f"its body calls `{holder}`, a function defined outside the loop that reads a "
                 "local the body assigns"
             )
-        if any(identifier(n.value) == holder and id(n) not in called for n in loads):
+        if any(identifier(n.value) == holder and id(n) not in scope.called for n in scope.loads):
             return (
                 f"`{holder}`, a function defined outside the loop that reads a local its body "
                 "assigns, is handed on"
             )
     return None
-
-
-def _free_reads(function: cst.FunctionDef | cst.Lambda) -> set[str]:
-    """The names a function's (or lambda's) body reads from enclosing scopes."""
-    bound, declared = _scope_names(function)
-    return _read_names(function.body) - bound - {n for n, is_global in declared.items() if is_global}
