@@ -245,7 +245,9 @@ FALLBACKS: dict[str, str] = {
     "state-structure": "its body changes a state's shape, dtype, structure or static value",
     # A change outside the states (a captured list changed in place, a traced
     # value given to an attribute that is no state): the guard's refusal under
-    # the scan, which the plain loop either makes at the line or does not need.
+    # the scan, which the plain loop either makes at the line or does not need;
+    # or a traced value kept outside the states from one trace of the body to
+    # the next (JAX's UnexpectedTracerError: a cache on an undecorated object).
     "outside-states": "its body changes something outside the states, which a scan cannot carry",
 }
 
@@ -279,7 +281,7 @@ def _fallback(raised: BaseException) -> tuple[str, str] | None:
         name = "concrete-value"
     elif isinstance(raised, (ControlFlowStateError, StaticStateError)):
         name = "state-structure"
-    elif isinstance(raised, (EscapedStateError, StateAccessError)):
+    elif isinstance(raised, (EscapedStateError, StateAccessError, jax.errors.UnexpectedTracerError)):
         name = "outside-states"
     else:
         return None
