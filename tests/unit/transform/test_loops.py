@@ -172,3 +172,37 @@ def test_layer_attributes_and_nested_loops_roll() -> None:
     assert sorted(f.name for f in functions(method)) == ["__autostate_body_1"] * 2 + ["__autostate_body_2"]
     deferred = [n for n in ast.walk(method) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "Deferred"]
     assert [d.args[0].id for d in deferred] == ["enumerate", "zip"]  # type: ignore[attr-defined]
+
+
+def test_the_analysis_loops_and_the_trees_match_in_every_block() -> None:
+    # The facts are the analysis's, in source order; the tree's ``for``
+    # statements are found in the same order in every kind of block.
+    method = rolled("""
+        try:
+            for a in self.blocks:
+                x = a(x)
+        except ValueError:
+            for b in self.blocks:
+                x = b(x)
+        else:
+            async def later():
+                for c in self.blocks:
+                    await c
+        finally:
+            for d in self.blocks:
+                x = d(x)
+        match x:
+            case None:
+                with xs:
+                    for e in self.blocks:
+                        x = e(x)
+        while x is None:
+            for f in self.blocks:
+                break
+        return x
+    """)
+    bodies = sorted(f.name for f in functions(method) if f.name.startswith("__autostate_body"))
+    assert bodies == [f"__autostate_body_{n}" for n in (1, 2, 3, 4)]
+    assert sorted(unrolled_reasons(method)) == [
+        "a `break` or `continue` in its body", "an `await` in its body",
+    ]
