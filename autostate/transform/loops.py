@@ -40,10 +40,10 @@ made with ``require_scan=True`` can say why): ``break``, ``continue``,
 ``super()``, ``locals()``, a target other than names, a local the body
 changes in place, or a function that could see one step's locals.
 
-Which locals are carried, and why a loop cannot roll, are the analysis's
-facts (``analysis.loop_facts``, one ``LoopFacts`` per ``for`` statement,
-read from the method's source with the rest of its facts); this module only
-fills the template below with them. It works on the ``ast`` of the wrapper
+Which locals are carried, and why a loop cannot roll, are facts of the
+source analysis (``loop_facts``: one ``LoopFacts`` per ``for`` statement,
+read from the method's libcst tree with the analysis's binding and scope
+rules); this module only fills the template below with them. It works on the ``ast`` of the wrapper
 source the state rewrite produced (``rewrite.rewrite_method``), run by
 ``loader.compile_method``, since only a tree lets both copies of the body
 keep the user's line numbers; the rewrite keeps every ``for`` statement, so
@@ -58,7 +58,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autostate.transform.analysis import LoopFacts
+    from autostate.transform.loop_facts import LoopFacts
 
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
@@ -103,7 +103,7 @@ _BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 def _for_statements(statements: list[Any]) -> Iterator[ast.For]:
     """The ``for`` statements among ``statements`` and the blocks under them
-    (functions' bodies included, class bodies not), as ``analysis.loop_facts``
+    (functions' bodies included, class bodies not), as ``loop_facts.loop_facts``
     lists them."""
     for node in statements:
         if isinstance(node, ast.ClassDef):

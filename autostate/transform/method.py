@@ -20,7 +20,7 @@ ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object
 # by name (the rewrite drops the runtime's own name from what they give); with
 # ``eval`` and ``exec`` (without namespaces of their own), the calls that see
 # the running function's scope, around which a loop stays unrolled
-# (``analysis.reads_scope``: the one list of them).
+# (``loop_facts.reads_scope``: the one list of them).
 SCOPE_LISTERS = frozenset({"locals", "vars", "dir"})
 SCOPE_READERS = SCOPE_LISTERS | {"eval", "exec"}
 # Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``),
@@ -29,7 +29,7 @@ SCOPE_READERS = SCOPE_LISTERS | {"eval", "exec"}
 # of the attribute can be such an object, ``analysis.holds_plain_values``;
 # ``__setitem__`` / ``__delitem__`` called by name on a state the run time
 # threads), and a loop whose body changes a local by one is not rolled
-# (``analysis.loop_facts``).
+# (``loop_facts``).
 IN_PLACE_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset", "__setitem__", "__delitem__"}

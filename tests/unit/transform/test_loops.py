@@ -8,17 +8,17 @@ import textwrap
 import libcst as cst
 import pytest
 
-from autostate.transform import analysis, loops
+from autostate.transform import loop_facts, loops
 from autostate.transform.method import OUTER_NAME
 
 
 def rolled(body: str, state: frozenset[str] = frozenset()) -> ast.FunctionDef:
     """The method ``m`` of a wrapper module around ``body``, after ``roll_loops``
-    with the facts ``analysis.loop_facts`` finds (in a class whose states are ``state``)."""
+    with the facts ``loop_facts.loop_facts`` finds (in a class whose states are ``state``)."""
     method = textwrap.indent(textwrap.dedent(body), " " * 12)
     text = f"class C:\n    def {OUTER_NAME}():\n        def m(self, x, xs):\n{method}"
     function = cst.parse_module(text).body[0].body.body[0].body.body[0]  # type: ignore[attr-defined]
-    facts = analysis.loop_facts(function, "self", "C")
+    facts = loop_facts.loop_facts(function, "self", "C")
     tree = ast.parse(text)
     loops.roll_loops(tree, "m", "__autostate__", facts, state)
     compile(tree, "<test>", "exec")  # (what it made compiles)
