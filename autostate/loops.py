@@ -20,20 +20,25 @@ carries arrays only: a number that becomes an array (``aux = 0`` then
 ``aux = aux + loss``) is carried from the start as an array of the dtype
 it becomes; any other change cannot be rolled.
 
-A loop that cannot be rolled runs unrolled, with the plain meaning: the
-attempt is undone (the states it touched, the refusals it recorded) and
-the plain loop runs. That covers what the rewrite sees (``break``,
-``return``, ...: ``unrolled``) and what only running the body shows:
-Python branching on the layer index (``if i == 0:``), a Python value that
-changes each step, a change outside the states the guard refuses. A stack
-made with ``require_scan=True`` turns "could not roll" into a
-``StackError`` that names the reason and the loop's line.
+A loop that cannot be rolled runs unrolled, with the plain meaning. What
+the rewrite sees (``break``, ``return``, ...) never starts a scan
+(``unrolled``); what only running the body shows is one of the named
+reasons of ``FALLBACKS`` (Python branching on the layer index, ``if i ==
+0:``; a Python value that changes each step; a carried local that changes
+shape; a state's structure that changes; a change outside the states the
+guard refuses): then the attempt is undone (the states it touched, the
+refusals it recorded), the reason logged (``logging``, ``autostate.loops``,
+at DEBUG) and the plain loop runs. Any other exception of the body reaches
+the user at their line, as the plain loop would raise it. A stack made with
+``require_scan=True`` turns "could not roll" into a ``StackError`` that
+names the reason and the loop's line.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,7 +49,11 @@ from jax._src.lax import lax as _lax_internal  # (a weakly typed index: no publi
 from autostate import graph as _graph
 from autostate.effects.local_state import running_cells
 from autostate.errors import (
+    ControlFlowStateError,
+    EscapedStateError,
     StackError,
+    StateAccessError,
+    StaticStateError,
     TracedValueError,
     format_error,
     refusals_kept_apart,
@@ -55,7 +64,7 @@ from autostate.lifting import core as _lift
 from autostate.lifting import loops as _lax_loops
 from autostate.state_values import same_static
 
-__all__ = ["UNBOUND", "Deferred", "Rolling", "over", "unrolled"]
+__all__ = ["FALLBACKS", "UNBOUND", "Deferred", "Rolling", "over", "unrolled"]
 
 
 class _Unbound:
@@ -66,6 +75,7 @@ class _Unbound:
 
 
 UNBOUND = _Unbound()
+_log = logging.getLogger(__name__)
 _NUMBERS = (int, float, bool, complex)
 _ARRAY_TYPES = (jax.Array, jax.core.Tracer)
 
@@ -213,8 +223,71 @@ def _not_rolled(reason: str) -> StackError:
     )
 
 
+# Why a loop that started to roll runs as written after all: the one list of
+# them. Each says that the body cannot be one step of a scan (name -> what the
+# message says); ``_fallback`` tells them from any other exception, which
+# reaches the user as the body raised it, at their line (as the plain loop,
+# which would raise it too, does). The rewrite's reasons (``break``, ``return``,
+# ...: ``unrolled``) never start a scan.
+FALLBACKS: dict[str, str] = {
+    # A local of Python value (not carried: a scan carries arrays) that the body changes.
+    "python-value": "its body changes a Python value from step to step, which a scan cannot carry",
+    # A carried array local that comes out of a step with another shape, dtype or structure.
+    "carry-changes": "its body changes the shape, dtype or structure of a local it carries",
+    # A value that differs from step to step (the layer index, a carried local)
+    # where Python needs a concrete one: ``if i == 0:``, ``int(i)``, ``xs[i]``.
+    "concrete-value": (
+        "its body uses a value that differs from layer to layer (the layer index, a "
+        "carried local) where Python needs a concrete one, as in `if i == 0:`"
+    ),
+    # A state whose shape, dtype or structure (or static value) a step changes:
+    # the lifting's refusal, which the plain loop may make layer by layer.
+    "state-structure": "its body changes a state's shape, dtype, structure or static value",
+    # A change outside the states (a captured list changed in place, a traced
+    # value given to an attribute that is no state): the guard's refusal under
+    # the scan, which the plain loop either makes at the line or does not need;
+    # or a traced value kept outside the states from one trace of the body to
+    # the next (JAX's UnexpectedTracerError: a cache on an undecorated object).
+    "outside-states": "its body changes something outside the states, which a scan cannot carry",
+}
+
+
 class _CannotRoll(Exception):
-    pass
+    """One of ``FALLBACKS`` (``name``), found while the body runs as one step."""
+
+    def __init__(self, name: str, detail: str):
+        super().__init__(detail)
+        self.name = name
+
+
+_CONCRETE_ERRORS = (
+    jax.errors.ConcretizationTypeError,  # (TracerBoolConversionError too)
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+    TracedValueError,
+)
+
+
+def _fallback(raised: BaseException) -> tuple[str, str] | None:
+    """``(name, message)`` of the ``FALLBACKS`` reason ``raised`` says, or
+    ``None``: then it is the body's own error."""
+    if isinstance(raised, _CannotRoll):
+        return raised.name, str(raised)
+    if isinstance(raised, _CONCRETE_ERRORS) or (
+        # Python's and JAX's own checks on a traced index or size (``d[i]``,
+        # ``x[:i]``, ``jnp.zeros(i)``) say so by naming the tracer.
+        type(raised) in (TypeError, IndexError) and "Tracer" in str(raised)
+    ):
+        name = "concrete-value"
+    elif isinstance(raised, (ControlFlowStateError, StaticStateError)):
+        name = "state-structure"
+    elif isinstance(raised, (EscapedStateError, StateAccessError, jax.errors.UnexpectedTracerError)):
+        name = "outside-states"
+    else:
+        return None
+    first = str(raised).strip().splitlines()
+    detail = f" ({type(raised).__name__}: {first[0]})" if first else ""
+    return name, FALLBACKS[name] + detail
 
 
 class _Promote(Exception):  # noqa: N818 - a signal, not an error
@@ -278,9 +351,14 @@ class Rolling:
             except _Promote as signal:
                 promoted[signal.k] = signal.dtype
                 continue
-            except Exception as raised:  # noqa: BLE001 - any failure means: the plain loop
+            except Exception as raised:
+                found = _fallback(raised)
+                if found is None:
+                    raise  # (the body's own error, at the user's line)
+                name, reason = found
                 if _strict(_stacks_in(self.source)):
-                    raise _not_rolled(_reason(raised)) from raised
+                    raise _not_rolled(f"{reason} [{name}]") from raised
+                _log.debug("a loop at %s runs as written: %s [%s]", user_location(), reason, name)
                 return None
             last = self.plan.last() if wants_last else UNBOUND
             return out, last
@@ -312,12 +390,21 @@ class Rolling:
                     if type(values[k]) in _NUMBERS and isinstance(out[k], _ARRAY_TYPES):
                         raise _Promote(k, jnp.result_type(out[k]))
                     raise _CannotRoll(
+                        "python-value",
                         f"its body changes `{names[k]}` ({type(values[k]).__name__}), which a "
-                        "scan cannot carry"
+                        "scan cannot carry",
                     )
-            for k in dynamic:
+            for k, v in zip(dynamic, carry):
                 if not _arrays(out[k]):
-                    raise _CannotRoll(f"its body makes `{names[k]}` a value a scan cannot carry")
+                    raise _CannotRoll(
+                        "python-value", f"its body makes `{names[k]}` a value a scan cannot carry"
+                    )
+                if _kinds(out[k]) != _kinds(v):
+                    raise _CannotRoll(
+                        "carry-changes",
+                        f"its body changes the shape, dtype or structure of `{names[k]}`, which "
+                        "a scan carries",
+                    )
             ys, statics = {}, {}
             for k, v in enumerate(out):
                 if k in carried:
@@ -326,8 +413,9 @@ class Rolling:
                     ys[k] = v
                 elif contains_tracer(v):
                     raise _CannotRoll(
+                        "python-value",
                         f"`{names[k]}`, which the code after the loop reads, holds arrays "
-                        "and other values"
+                        "and other values",
                     )
                 else:
                     statics[k] = v
@@ -346,18 +434,10 @@ class Rolling:
         return tuple(result)
 
 
-def _reason(raised: BaseException) -> str:
-    if isinstance(raised, _CannotRoll):
-        return str(raised)
-    if isinstance(raised, (jax.errors.ConcretizationTypeError, TracedValueError)):
-        return (
-            "its body uses a value that differs from layer to layer (the layer index, a "
-            "carried local) where Python needs a concrete one, as in `if i == 0:`"
-        )
-    first = str(raised).strip().splitlines()
-    return f"running its body as one step raised {type(raised).__name__}" + (
-        f" ({first[0]})" if first else ""
-    )
+def _kinds(value: Any) -> Any:
+    """The structure, shapes and dtypes of a tree of arrays (what a carry keeps)."""
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree, [(jnp.shape(v), jnp.result_type(v)) for v in leaves]
 
 
 @contextlib.contextmanager

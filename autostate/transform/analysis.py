@@ -28,8 +28,8 @@ from autostate.errors import DecorationError, format_error
 from autostate.transform import walk
 from autostate.transform.method import (
     ACCESS_BUILTINS,
+    IN_PLACE_METHODS,
     INPLACE_TENSOR_METHODS,
-    MUTATING_METHODS,
     OUTER_NAME,
     RUNTIME_NAME,
     MethodSource,
@@ -302,14 +302,14 @@ def dotted_name(expr: cst.BaseExpression) -> str | None:
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
 
 
-def _name_nodes(target: cst.CSTNode) -> list[cst.Name]:
+def name_nodes(target: cst.CSTNode) -> list[cst.Name]:
     """The names an assignment target binds (``a``, ``a, *b``; not ``a.x`` or ``a[i]``)."""
     if isinstance(target, cst.Name):
         return [target]
     if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in _name_nodes(e.value)]
+        return [n for e in target.elements for n in name_nodes(e.value)]
     if isinstance(target, cst.StarredElement):
-        return _name_nodes(target.value)
+        return name_nodes(target.value)
     return []
 
 
@@ -353,19 +353,19 @@ def binding_names(node: cst.CSTNode) -> list[cst.Name]:
         targets = [node.name]
     else:
         return []
-    return [n for t in targets for n in _name_nodes(t)]
+    return [n for t in targets for n in name_nodes(t)]
 
 
 def _comprehension_names(node: cst.CSTNode) -> set[str]:
     names: set[str] = set()
     clause = getattr(node, "for_in", None)
     while clause is not None:
-        names.update(identifier(n.value) for n in _name_nodes(clause.target))
+        names.update(identifier(n.value) for n in name_nodes(clause.target))
         clause = clause.inner_for_in
     return names
 
 
-def _scope_names(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef) -> tuple[set[str], dict[str, bool]]:
+def scope_names(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef) -> tuple[set[str], dict[str, bool]]:
     """The names ``scope`` binds of its own (parameters included, not a class
     body's), and those it declares: name -> ``True`` for ``global``, ``False``
     for ``nonlocal``."""
@@ -391,13 +391,13 @@ def _scope_names(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef) -> tuple[se
     return bound, declared
 
 
-def _hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool:
+def hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool:
     """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
     a parameter, bound there (Python makes it local to the whole body) and not
     declared ``nonlocal``, or declared ``global``."""
     if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
         return True
-    bound, declared = _scope_names(scope)
+    bound, declared = scope_names(scope)
     if name in declared:
         return declared[name]
     return name in bound
@@ -409,7 +409,7 @@ class ReceiverScopes:
     Nested functions, lambdas and classes push a scope, and so does a
     comprehension whose ``for`` binds the receiver's name. Inside, the name
     is the receiver unless the innermost scope that has it of its own hides
-    it (``_hides``: a parameter, a local, a ``global``); class bodies count
+    it (``hides``: a parameter, a local, a ``global``); class bodies count
     only for their own statements, as in Python's name resolution. Shared by
     the analysis visitor and the rewriter so both agree on what ``self.x``
     refers to.
@@ -440,8 +440,8 @@ class ReceiverScopes:
                 self.stack.append((True, False))
             return
         if isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
-            hides = self.receiver is not None and _hides(node, self.receiver)
-            self.stack.append((hides, isinstance(node, cst.ClassDef)))
+            hidden = self.receiver is not None and hides(node, self.receiver)
+            self.stack.append((hidden, isinstance(node, cst.ClassDef)))
         else:
             self.stack.append((False, False))
 
@@ -634,7 +634,7 @@ def named_access(
 def locally_bound(function: cst.FunctionDef, names: frozenset[str] = ACCESS_BUILTINS) -> frozenset[str]:
     """Which of ``names`` the method binds itself (a parameter, a local, a
     ``global`` declaration), so that there they are not the builtins."""
-    bound, declared = _scope_names(function)
+    bound, declared = scope_names(function)
     return frozenset(n for n in names if n in bound or n in declared)
 
 
@@ -1086,7 +1086,10 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
                 self.facts.assignments.append(
                     Assignment(attr, self._line(node), "inplace", self.scopes.nested, node)
                 )
-        if isinstance(func, cst.Attribute) and func.attr.value in MUTATING_METHODS:
+        if (
+            isinstance(func, cst.Attribute) and func.attr.value in IN_PLACE_METHODS
+            and not is_dunder(func.attr.value)  # (``__setitem__`` on a state: threaded)
+        ):
             owner = self._attr(subscript_base(func.value))
             if owner is not None:
                 self.facts.mutating_calls.append((owner, func.attr.value, self._line(node)))
@@ -1550,3 +1553,4 @@ def _rebuilt(target: str, method: str) -> str:
     if method in ("add", "discard", "remove", "difference_update", "intersection_update"):
         return f"{target} = {target} | {{item}}"
     return f"{target} = {target} + [item]"
+

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,26 +110,28 @@ def _drop_columns(code: types.CodeType, lines: set[int]) -> types.CodeType:
 
 def compile_method(
     source: str, filename: str, class_name: str, function_name: str, shift: int, flags: int,
-    runtime: str | None = None,
+    runtime: str | None = None, loops: Sequence[Any] = (), state: frozenset[str] = frozenset(),
 ) -> types.CodeType:
     """Compiles wrapper source and returns the code of the method inside it.
 
     Line ``n`` of ``source`` is line ``n + shift`` of ``filename``; blank lines
     in front put it there (when the header leaves room), so the code objects
     carry the user's line numbers from the compiler itself. With ``runtime``
-    (the name the method reaches the runtime by), its ``for`` loops are given
-    their rolled form (``loops.roll_loops``) on the way.
+    (the name the method reaches the runtime by) and ``loops`` (the
+    analysis's facts of its ``for`` statements), its loops are given their
+    rolled form (``loops.roll_loops``, in a class whose states are ``state``)
+    on the way.
     """
     pad = max(shift, 0)
     text = "\n" * pad + source
     module_code = None
-    if runtime is not None:
+    if runtime is not None and loops:
         import ast
 
-        from autostate.transform import loops
+        from autostate.transform import loops as rolling
 
         tree = ast.parse(text, filename)
-        if loops.roll_loops(tree, function_name, runtime):
+        if rolling.roll_loops(tree, function_name, runtime, loops, state):
             try:
                 module_code = compile(
                     tree, filename, "exec", flags=flags & _FUTURE_FLAGS, dont_inherit=True

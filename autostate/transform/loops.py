@@ -38,11 +38,16 @@ made with ``require_scan=True`` can say why): ``break``, ``continue``,
 ``return``, ``yield`` or ``await`` in the body, ``global`` / ``nonlocal``,
 ``del`` of a local, a nested ``def`` or ``class``, zero-argument
 ``super()``, ``locals()``, a target other than names, a local the body
-changes in place, or one a function defined outside the loop reads.
+changes in place, or a function that could see one step's locals.
 
-This is an ``ast`` pass over the wrapper source the state rewrite produced
-(``rewrite.rewrite_method``), run by ``loader.compile_method``; it needs
-nothing but the source.
+Which locals are carried, and why a loop cannot roll, are facts of the
+source analysis (``loop_facts``: one ``LoopFacts`` per ``for`` statement,
+read from the method's libcst tree with the analysis's binding and scope
+rules); this module only fills the template below with them. It works on the ``ast`` of the wrapper
+source the state rewrite produced (``rewrite.rewrite_method``), run by
+``loader.compile_method``, since only a tree lets both copies of the body
+keep the user's line numbers; the rewrite keeps every ``for`` statement, so
+the analysis's loops and the tree's match in source order.
 """
 
 from __future__ import annotations
@@ -50,43 +55,33 @@ from __future__ import annotations
 import ast
 import copy
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autostate.transform.method import MUTATING_METHODS, SCOPE_READERS
+if TYPE_CHECKING:
+    from autostate.transform.loop_facts import LoopFacts
 
 # Calls whose arguments the runtime looks into (``enumerate(self.blocks)``):
 # they are deferred, so the runtime sees the stack rather than an iterator.
 _DEFERRED = frozenset({"enumerate", "zip", "reversed"})
-# Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``).
-_MUTATING = MUTATING_METHODS | {"__setitem__", "__delitem__"}
-
-
-def _reads_scope(node: ast.AST) -> bool:
-    """``locals()``, ``vars()``, ``dir()``: the running function's locals by
-    name; ``eval(...)`` and ``exec(...)`` too (without their own namespaces)."""
-    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
-        return False
-    name = node.func.id
-    return name in SCOPE_READERS and (not node.args or (name in ("eval", "exec") and len(node.args) < 2))
 _PREFIX = "__autostate_"
-_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-_SCOPES = (*_FUNCTIONS, ast.ClassDef)
 
 
-def has_loops(text: str) -> bool:
-    """Whether ``text`` (a method's source) may hold a ``for`` statement."""
-    return "for " in text or "for\t" in text
-
-
-def roll_loops(tree: ast.Module, method_name: str, runtime: str) -> bool:
+def roll_loops(
+    tree: ast.Module, method_name: str, runtime: str, loops: Sequence[LoopFacts],
+    state: frozenset[str],
+) -> bool:
     """Adds the rolled form to each ``for`` loop of the method ``method_name``
-    in ``tree`` (a wrapper module: ``class C: def outer(): def method``);
-    whether any was changed."""
+    in ``tree`` (a wrapper module: ``class C: def outer(): def method``), as
+    ``loops`` (the analysis's facts of its ``for`` statements, in source
+    order) say, in a class whose states are ``state``; whether any was changed."""
     method = _find_method(tree, method_name)
     if method is None:
         return False
-    roller = _Roller(runtime)
-    roller.visit_function(method)
+    found = sorted(_for_statements(method.body), key=lambda n: (n.lineno, n.col_offset))
+    if len(found) != len(loops):
+        return False  # (not the statements analysed: every loop runs as written)
+    roller = _Roller(runtime, {id(n): f for n, f in zip(found, loops)}, state)
+    roller.statements(method.body)
     return roller.changed
 
 
@@ -103,266 +98,51 @@ def _find_method(tree: ast.Module, name: str) -> ast.FunctionDef | ast.AsyncFunc
     return None
 
 
-def _own_nodes(nodes: list[ast.stmt] | ast.AST) -> Iterator[ast.AST]:
-    """Every node under ``nodes`` that runs in their scope: not inside a nested
-    function, lambda or class (their default values and decorators are)."""
-    pending: list[ast.AST] = list(nodes) if isinstance(nodes, list) else [nodes]
-    while pending:
-        node = pending.pop()
-        yield node
-        inner: list[ast.AST | None]
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            inner = [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]
-        elif isinstance(node, ast.Lambda):
-            inner = [*node.args.defaults, *node.args.kw_defaults]
-        elif isinstance(node, ast.ClassDef):
-            inner = [*node.decorator_list, *node.bases, *node.keywords]
-        else:
-            inner = list(ast.iter_child_nodes(node))
-        pending += [n for n in inner if n is not None]
+_BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
-def _bound_names(nodes: list[ast.stmt]) -> set[str]:
-    """Names the statements bind in their own scope (walrus targets in
-    comprehensions included, as Python binds them there)."""
-    names: set[str] = set()
-    for node in _own_nodes(nodes):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).partition(".")[0])
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-    for node in ast.walk(ast.Module(body=list(nodes), type_ignores=[])):
-        if isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)  # (binds in the function, even in a comprehension)
-    return names
-
-
-def _loaded(nodes: list[ast.stmt] | ast.AST, skip: Sequence[ast.stmt] = ()) -> set[str]:
-    """Every name read anywhere under ``nodes`` (nested scopes included; ``x``
-    of ``x += 1`` too), except under the statements ``skip``."""
-    pending: list[ast.AST] = list(nodes) if isinstance(nodes, list) else [nodes]
-    skipped = {id(s) for s in skip}
-    names: set[str] = set()
-    while pending:
-        node = pending.pop()
-        if id(node) in skipped:
+def _for_statements(statements: list[Any]) -> Iterator[ast.For]:
+    """The ``for`` statements among ``statements`` and the blocks under them
+    (functions' bodies included, class bodies not), as ``loop_facts.loop_facts``
+    lists them."""
+    for node in statements:
+        if isinstance(node, ast.ClassDef):
             continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            names.add(node.id)
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        pending += ast.iter_child_nodes(node)
-    return names
-
-
-def _read_first(body: list[ast.stmt]) -> set[str]:
-    """Names the body may read before it assigns them: read in a statement
-    before the first one that surely binds them (an assignment at the body's
-    top level; one inside an ``if`` may not run)."""
-    bound: set[str] = set()
-    read: set[str] = set()
-    for statement in body:
-        read |= _loaded([statement]) - bound
-        if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
-            if isinstance(statement, ast.AnnAssign) and statement.value is None:
-                continue
-            for target in targets:
-                bound.update(_target_names(target) or ())
-    return read
-
-
-def _target_names(target: ast.expr) -> list[str] | None:
-    """The names of a loop target made of names only (``x``, ``i, (a, b)``)."""
-    if isinstance(target, ast.Name):
-        return [target.id]
-    if isinstance(target, (ast.Tuple, ast.List)):
-        names: list[str] = []
-        for element in target.elts:
-            inner = _target_names(element)
-            if inner is None:
-                return None
-            names += inner
-        return names
-    return None
-
-
-def _base_name(node: ast.expr) -> str | None:
-    """``a`` of ``a.b[c].d``."""
-    while isinstance(node, (ast.Attribute, ast.Subscript)):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _why_not(loop: ast.For, scope: ast.AST, targets: list[str] | None) -> str | None:
-    """Why ``loop`` (in function ``scope``) cannot be rolled, or ``None``."""
-    if targets is None:
-        return "its target is not a name or a tuple of names"
-    body = loop.body
-    assigned = _bound_names(body)
-    for node in _own_nodes(body):
-        if isinstance(node, ast.Return):
-            return "a `return` in its body"
-        if isinstance(node, (ast.Yield, ast.YieldFrom)):
-            return "a `yield` in its body"
-        if isinstance(node, ast.Await):
-            return "an `await` in its body"
-        if isinstance(node, (ast.Global, ast.Nonlocal)):
-            return "a `global` or `nonlocal` statement in its body"
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if not node.name.startswith(_PREFIX):
-                return f"a nested `{'class' if isinstance(node, ast.ClassDef) else 'def'}` in its body"
-        if isinstance(node, ast.Delete) and any(isinstance(t, ast.Name) for t in node.targets):
-            return "a `del` of a local in its body"
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id == "super" and not node.args:
-                return "a zero-argument `super()` in its body"
-            if _reads_scope(node):
-                return f"a call of `{node.func.id}()` in its body"
-        if isinstance(node, ast.Name) and node.id == "__class__":
-            return "`__class__` in its body"
-        changed, attribute = _changed_in_place(node)
-        if changed is None or changed in assigned or (attribute and changed in targets):
-            continue  # (an attribute of a layer assigned: a state write, as a list's layer)
-        return f"its body changes `{changed}` in place"
-    if _breaks(body):
-        return "a `break` or `continue` in its body"
-    if set(targets) & assigned:
-        return "its body assigns the loop variable"
-    declared = {
-        name
-        for node in _own_nodes(getattr(scope, "body", []))
-        if isinstance(node, (ast.Global, ast.Nonlocal))
-        for name in node.names
-    }
-    if declared & (assigned | set(targets)):
-        return "it assigns a name declared `global` or `nonlocal`"
-    repeated = _in_a_loop(scope, loop)
-    for node in _own_nodes(getattr(scope, "body", [])):
-        if not isinstance(node, _FUNCTIONS) or getattr(node, "name", "").startswith(_PREFIX):
-            continue
-        if _inside(node, loop):
-            continue
-        # A function made after the loop cannot run during it (unless a loop
-        # around both makes it on an earlier trip): it sees the locals after
-        # the loop, which the rolled loop leaves as the plain one does.
-        if not repeated and node.lineno > (loop.end_lineno or loop.lineno):
-            continue
-        if _loaded(node) & assigned:
-            return "a function defined outside the loop reads a local its body assigns"
-    return None
-
-
-def _in_a_loop(scope: ast.AST, loop: ast.AST) -> bool:
-    """Whether ``loop`` runs inside another loop of its own scope."""
-    return any(
-        isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node is not loop
-        and _inside(loop, node)
-        for node in _own_nodes(getattr(scope, "body", []))
-    )
-
-
-def _changed_in_place(node: ast.AST) -> tuple[str | None, bool]:
-    """The name whose object ``node`` changes in place (``a[i] = v``, ``a.b =
-    v``, ``del a[i]``, ``a[i] += v``, ``a.append(v)``), and whether only by
-    assigning attributes (``a.b = v``, ``a.b.c += v``)."""
-    targets: list[ast.expr] = []
-    if isinstance(node, ast.Assign):
-        targets = node.targets
-    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-        targets = [node.target]
-    elif isinstance(node, ast.Delete):
-        targets = node.targets
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in _MUTATING:
-            return _base_name(node.func.value), False
-        return None, False
-    for target in targets:
-        for part in ast.walk(target):
-            if isinstance(part, (ast.Subscript, ast.Attribute)) and isinstance(
-                part.ctx, (ast.Store, ast.Del)
-            ):
-                chain: ast.expr = part
-                while isinstance(chain, ast.Attribute):
-                    chain = chain.value
-                attribute = isinstance(chain, ast.Name) and not isinstance(node, ast.Delete)
-                return _base_name(part), attribute
-    return None, False
-
-
-def _breaks(body: list[ast.stmt]) -> bool:
-    """Whether a ``break`` or ``continue`` of this loop (not of a loop inside it) is in ``body``."""
-    pending: list[ast.AST] = list(body)
-    while pending:
-        node = pending.pop()
-        if isinstance(node, (ast.Break, ast.Continue)):
-            return True
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-            pending += node.orelse  # (its body's belong to it)
-        elif not isinstance(node, _SCOPES):
-            pending += ast.iter_child_nodes(node)
-    return False
-
-
-def _inside(node: ast.AST, container: ast.AST) -> bool:
-    return any(n is node for n in ast.walk(container))
+        if isinstance(node, ast.For):
+            yield node
+        for field in _BLOCKS:
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                yield from _for_statements(inner)
 
 
 class _Roller:
     """Walks one method, innermost loops first, adding each loop's rolled form."""
 
-    def __init__(self, runtime: str):
+    def __init__(self, runtime: str, facts: dict[int, LoopFacts], state: frozenset[str]):
         self.runtime = runtime
+        self.facts = facts
+        self.state = state
         self.count = 0
         self.changed = False
 
-    def visit_function(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
-        self._statements(function.body, function)
-
-    def _statements(self, statements: list[ast.stmt], scope: ast.AST) -> None:
+    def statements(self, statements: list[Any]) -> None:
         i = 0
         while i < len(statements):
             node = statements[i]
-            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-                inner = getattr(node, field, None)
-                if not isinstance(inner, list) or isinstance(node, ast.ClassDef):
-                    continue
-                nested = node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope
-                for part in inner:
-                    if isinstance(part, (ast.ExceptHandler, ast.match_case)):
-                        self._statements(part.body, nested)
-                if inner and isinstance(inner[0], ast.stmt):
-                    self._statements(inner, nested)
-            if isinstance(node, ast.For) and not self._plainly_not_a_stack(node.iter):
-                replacement = self._rolled(node, scope)
+            if not isinstance(node, ast.ClassDef):
+                for field in _BLOCKS:
+                    inner = getattr(node, field, None)
+                    if isinstance(inner, list):
+                        self.statements(inner)
+            facts = self.facts.get(id(node)) if isinstance(node, ast.For) else None
+            if facts is not None and facts.may_roll:
+                replacement = self._rolled(node, facts)
                 statements[i : i + 1] = replacement
                 i += len(replacement)
                 self.changed = True
                 continue
             i += 1
-
-    @staticmethod
-    def _plainly_not_a_stack(iterable: ast.expr) -> bool:
-        """``range(...)``, a literal, a comprehension, ``d.items()``: never a stack."""
-        if isinstance(iterable, (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict,
-                                 ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
-                                 ast.JoinedStr)):
-            return True
-        if isinstance(iterable, ast.Call):
-            func = iterable.func
-            if isinstance(func, ast.Name) and func.id == "range":
-                return True
-            if isinstance(func, ast.Attribute) and func.attr in ("items", "keys", "values"):
-                return True
-        return False
 
     def _runtime(self, attr: str) -> ast.expr:
         return ast.Attribute(
@@ -390,25 +170,18 @@ class _Roller:
             [],
         )
 
-    def _rolled(self, loop: ast.For, scope: ast.AST) -> list[ast.stmt]:
-        targets = _target_names(loop.target)
-        reason = _why_not(loop, scope, targets)
+    def _rolled(self, loop: ast.For, facts: LoopFacts) -> list[ast.stmt]:
+        reason = facts.why_not(self.state)
         source = self._deferred(loop.iter)
-        if reason is not None or targets is None:
+        if reason is not None:
             loop.iter = ast.Call(self._runtime("unrolled"), [source, ast.Constant(reason)], [])
             _locate(loop.iter, loop)
             return [loop]
         self.count += 1
-        assigned = _bound_names(loop.body)
-        read = _read_first(loop.body)
-        live = self._live_after(scope, loop)
-        needed = sorted(
-            name for name in assigned - set(targets)
-            if not name.startswith(_PREFIX) and (name in read or live is None or name in live)
-        )
-        wants_last = live is None or bool(set(targets) & live)
+        needed = list(facts.carried)
         text = _rolled_form(
-            self.count, self.runtime, needed, read, ast.unparse(loop.target), wants_last
+            self.count, self.runtime, needed, facts.read_first, ast.unparse(loop.target),
+            facts.wants_last,
         )
         added = ast.parse(text).body
         _locate(source, loop)
@@ -418,13 +191,6 @@ class _Roller:
         loop.iter = ast.Name(f"{_PREFIX}it_{self.count}", ast.Load())
         _locate(loop.iter, loop)
         return [*filled, loop]
-
-    def _live_after(self, scope: ast.AST, loop: ast.For) -> set[str] | None:
-        """Names read in ``scope`` outside ``loop``'s body (``None``: any may be,
-        the scope reads its own locals by name)."""
-        if any(_reads_scope(node) for node in ast.walk(scope)):
-            return None
-        return _loaded(scope, skip=loop.body)
 
 
 # Where the rolled form's text holds the loop's body and its iterable.
@@ -448,7 +214,7 @@ class _Filled(ast.NodeTransformer):
 
 
 def _rolled_form(
-    n: int, runtime: str, needed: list[str], read: set[str], target: str, wants_last: bool
+    n: int, runtime: str, needed: list[str], read: frozenset[str], target: str, wants_last: bool
 ) -> str:
     """The statements added in front of loop ``n``, as text: ``needed`` are the
     locals it hands to its body function and takes back (``read``: those the

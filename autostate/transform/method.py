@@ -19,18 +19,20 @@ ACCESS_BUILTINS = frozenset({"setattr", "getattr", "delattr", "hasattr", "object
 # Builtins that, called with no argument, list the calling function's locals
 # by name (the rewrite drops the runtime's own name from what they give); with
 # ``eval`` and ``exec`` (without namespaces of their own), the calls that see
-# the running function's scope, around which a loop stays unrolled.
+# the running function's scope, around which a loop stays unrolled
+# (``loop_facts.reads_scope``: the one list of them).
 SCOPE_LISTERS = frozenset({"locals", "vars", "dir"})
 SCOPE_READERS = SCOPE_LISTERS | {"eval", "exec"}
-# Methods that change a container in place (``outs.append(x)``): on state the
-# analysis refuses them (a name is no type: a sub-model may have an ``update``
-# too, so only where no value of the attribute can be such an object,
-# ``analysis.holds_plain_values``), and a rolled loop stays unrolled around a
-# local one changes (there ``__setitem__`` / ``__delitem__`` called by name
-# too, which on a state the run time threads).
-MUTATING_METHODS = frozenset(
+# Methods that change their object in place (``outs.append(x)``, ``d.__setitem__(k, v)``),
+# the one list of them: on state the analysis refuses the named ones (a name
+# is no type: a sub-model may have an ``update`` too, so only where no value
+# of the attribute can be such an object, ``analysis.holds_plain_values``;
+# ``__setitem__`` / ``__delitem__`` called by name on a state the run time
+# threads), and a loop whose body changes a local by one is not rolled
+# (``loop_facts``).
+IN_PLACE_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
-     "sort", "reverse", "add", "discard", "fill", "resize", "itemset"}
+     "sort", "reverse", "add", "discard", "fill", "resize", "itemset", "__setitem__", "__delitem__"}
 )
 # PyTorch's in-place tensor methods (the trailing underscore), each with what
 # it means: name -> (its parameters after the tensor ``x``, the new value of

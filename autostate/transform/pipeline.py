@@ -455,7 +455,7 @@ def _transform(
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
     # Only a cache miss parses: libcst's import is a third of jax's, and a
     # warm start (every class cached) never pays it.
-    from autostate.transform import analysis, loops, rewrite
+    from autostate.transform import analysis, loop_facts, rewrite
 
     facts, slots, skipped, unavailable = [], list(slots), [], None
     for slot in list(slots):
@@ -526,7 +526,12 @@ def _transform(
             for dotted in sorted(method.references)
             if (name := control_flow_name(_resolve(globals_, dotted))) is not None
         }
-        rolls = loops.has_loops(method.source.text)
+        class_name = method.source.mangle_as or cls.__name__
+        loops = (
+            loop_facts.loop_facts(method.function, method.receiver, class_name)
+            if loop_facts.may_hold_loops(method.source.text) else ()
+        )
+        rolls = any(loop.may_roll for loop in loops)
         if (
             not control
             and not rolls
@@ -555,6 +560,8 @@ def _transform(
             shift,
             slot.function.__code__.co_flags,
             runtime=method.runtime if rolls else None,
+            loops=loops,
+            state=result.state,
         )
     return result.state, result.initialized | initialized, codes
 

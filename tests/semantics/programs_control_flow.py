@@ -1277,7 +1277,35 @@ class Net:
             x = x + 1
         return x
 
+    def observed_after(self, x):
+        total = lambda: x.sum()  # made before the loop, reading x; called after it only
+        for block in self.blocks:
+            x = block(x)
+        return x * total()
+
     # Not rolled: they run layer by layer, as written.
+    def called_in_body(self, x):
+        peek = lambda: x.sum()  # reads x, which the loop assigns
+        for block in self.blocks:
+            x = block(x) + peek()  # called in the body: each step's x
+        return x
+
+    def grown(self, x):
+        for block in self.blocks:
+            x = jnp.concatenate([block(x[:3]), x[:1]])  # a carried local that changes shape
+        return x
+
+    def keyed(self, x):
+        weights = {0: 1.0, 1: 0.5, 2: 2.0}
+        for i, block in enumerate(self.blocks):
+            x = block(x) * weights[i]  # a dict looked up by the layer index
+        return x
+
+    def failing(self, x):
+        for block in self.blocks:
+            x = block(x).reshape(4)  # an error of the body's own
+        return x
+
     def first_differs(self, x):
         for i, block in enumerate(self.blocks):
             if i == 0:  # Python branching on the layer index

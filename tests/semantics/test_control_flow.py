@@ -16,6 +16,7 @@ import collections
 import copy
 import functools
 import re
+import traceback
 import types
 from collections.abc import Callable
 from typing import Any
@@ -4266,9 +4267,12 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 
 STACK_ROLLED = [
     "carried", "enumerated", "zipped", "two_stacks", "threaded", "nested", "checkpointed",
-    "backwards", "assigned_first", "typed",
+    "backwards", "assigned_first", "typed", "observed_after",
 ]
-STACK_UNROLLED = ["first_differs", "early", "stops", "counted", "remembered", "previous"]
+STACK_UNROLLED = [
+    "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
+    "grown", "keyed",
+]
 
 
 @pytest.mark.parametrize("method", STACK_ROLLED + STACK_UNROLLED)
@@ -4285,6 +4289,24 @@ def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Load
         assert "remat" in str(jax.make_jaxpr(call)(states, _SX))
     if method == "enumerated":  # the index is weakly typed, as a Python int
         assert call(states, _SX)[0][1].dtype == jnp.int8
+
+
+def test_an_error_of_a_rolled_body_reaches_the_user_at_their_line(write_module: Loader) -> None:
+    # Only the named reasons (autostate.loops.FALLBACKS) turn a rolled loop back
+    # into the plain one; the body's own error is raised as the plain loop raises
+    # it, from the user's line.
+    plain, dec = pair(
+        write_module, STACK_ROLL, plain_subs=STACK_LOOP_PLAIN[:1], checkpoint_as_identity=True
+    )
+    with pytest.raises(TypeError) as expected:
+        plain.Net(3).failing(_SX)
+    f, states = dec.Net(3).functionalize()
+    for call in [lambda s, x: dec.Net(3).failing(x), *modes_of(f, "failing")]:
+        with pytest.raises(type(expected.value)) as err:
+            call(states, _SX)
+        assert str(err.value) == str(expected.value) and not isinstance(err.value, StackError)
+        frames = traceback.extract_tb(err.value.__traceback__)
+        assert any(fr.filename == dec.__file__ and "reshape(4)" in (fr.line or "") for fr in frames)
 
 
 def test_gradient_through_a_rolled_loop_is_the_lists(write_module: Loader) -> None:

@@ -84,3 +84,31 @@ def test_deferred_calls_in_the_order_python_would() -> None:
 
     deferred = loops.Deferred(lambda *a: spy("outer", list(a)), (loops.Deferred(lambda: spy("inner", 1), (), {}),), {})
     assert deferred.plain() == [1] and called == ["inner", "outer"]
+
+
+def test_only_the_named_reasons_fall_back_to_the_plain_loop(caplog: pytest.LogCaptureFixture) -> None:
+    # Each reason of FALLBACKS makes ``run`` give None (the plain loop runs),
+    # logged with its name; the body's own error reaches the caller as raised.
+    stack = layers()
+    assert set(loops.FALLBACKS) == {
+        "python-value", "carry-changes", "concrete-value", "state-structure", "outside-states",
+    }
+
+    def run(body, value):
+        return loops.over(stack).run(lambda item, values: (body(item, values[0]),), (value,), ("v",), (True,), False)
+
+    def traced(x):
+        assert run(lambda b, v: v * int(v.sum()), x) is None  # concrete-value (JAX's error)
+        assert run(lambda b, v: v * {0: 1.0}[v.sum()], x) is None  # concrete-value (Python's)
+        assert run(lambda b, v: jnp.concatenate([v, v]), x) is None  # carry-changes
+        assert run(lambda b, v: v + b.w.sum(), 0) is not None  # a number becoming an array: carried
+        assert run(lambda b, v: v + 1, 0) is None  # python-value
+        with pytest.raises(ZeroDivisionError):
+            run(lambda b, v: 1 / 0, x)
+        out, last = run(lambda b, v: b(v), x)
+        return out[0]
+
+    with caplog.at_level("DEBUG", logger="autostate.loops"):
+        assert jnp.allclose(jax.jit(traced)(jnp.ones(2)), 6.0)
+    found = [r.getMessage().rpartition("[")[2].rstrip("]") for r in caplog.records]
+    assert found == ["concrete-value", "concrete-value", "carry-changes", "python-value"]

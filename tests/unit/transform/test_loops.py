@@ -1,22 +1,26 @@
-"""transform/loops.py: which ``for`` loops get a rolled form, and what it is."""
+"""transform/loops.py: the rolled form each ``for`` loop gets from the analysis's facts."""
 
 from __future__ import annotations
 
 import ast
 import textwrap
 
+import libcst as cst
 import pytest
 
-from autostate.transform import loops
+from autostate.transform import loop_facts, loops
 from autostate.transform.method import OUTER_NAME
 
 
-def rolled(body: str) -> ast.FunctionDef:
-    """The method ``m`` of a wrapper module around ``body``, after ``roll_loops``."""
+def rolled(body: str, state: frozenset[str] = frozenset()) -> ast.FunctionDef:
+    """The method ``m`` of a wrapper module around ``body``, after ``roll_loops``
+    with the facts ``loop_facts.loop_facts`` finds (in a class whose states are ``state``)."""
     method = textwrap.indent(textwrap.dedent(body), " " * 12)
     text = f"class C:\n    def {OUTER_NAME}():\n        def m(self, x, xs):\n{method}"
+    function = cst.parse_module(text).body[0].body.body[0].body.body[0]  # type: ignore[attr-defined]
+    facts = loop_facts.loop_facts(function, "self", "C")
     tree = ast.parse(text)
-    loops.roll_loops(tree, "m", "__autostate__")
+    loops.roll_loops(tree, "m", "__autostate__", facts, state)
     compile(tree, "<test>", "exec")  # (what it made compiles)
     outer = tree.body[0].body[0]  # type: ignore[attr-defined]
     return outer.body[-1]
@@ -71,6 +75,12 @@ def test_a_local_assigned_before_the_body_reads_it_is_not_carried() -> None:
     assert names == ("h", "n", "x") and reads == (False, True, True)
 
 
+_CALLS_G = "its body calls `g`, a function defined outside the loop that reads a local the body assigns"
+_CALLS_H = _CALLS_G.replace("`g`", "`h`")
+_HANDED_G = "`g`, a function defined outside the loop that reads a local its body assigns, is handed on"
+_HANDED = "a function defined outside the loop reads a local its body assigns and is handed on"
+
+
 @pytest.mark.parametrize(
     ("loop", "reason"),
     [
@@ -89,9 +99,19 @@ def test_a_local_assigned_before_the_body_reads_it_is_not_carried() -> None:
         ("for b in self.blocks:\n    xs[0] = b(x)", "its body changes `xs` in place"),
         ("for b in self.blocks:\n    b.cache['k'] = x", "its body changes `b` in place"),
         ("for b in self.blocks:\n    b = b.inner", "its body assigns the loop variable"),
-        ("g = lambda: x\nfor b in self.blocks:\n    x = b(g())", "a function defined outside the loop reads a local its body assigns"),
+        ("for b in self.blocks:\n    self.log.append(x)", "its body changes `self` in place"),
+        ("for b in self.blocks:\n    x = b(x) if __class__ else x", "`__class__` in its body"),
+        # A function that can see one step's locals: called in the body (itself,
+        # through another, or reading the loop variable), or handed on.
+        ("g = lambda: x\nfor b in self.blocks:\n    x = b(g())", _CALLS_G),
+        ("def g():\n    return x\nh = lambda: g()\nfor b in self.blocks:\n    x = b(h())", _CALLS_H),
+        ("g = lambda: b\nfor b in self.blocks:\n    x = g()(x)", _CALLS_G),
+        ("g = lambda: x\nhooks = [g]\nfor b in self.blocks:\n    x = b(x)", _HANDED_G),
+        ("xs.register(lambda: x)\nfor b in self.blocks:\n    x = b(x)", _HANDED),
         # Made after the loop, but on an earlier trip of a loop around both: it may run in it.
-        ("g = None\nfor _ in range(2):\n    for b in self.blocks:\n        x = b(g() if g else x)\n    g = lambda: x", "a function defined outside the loop reads a local its body assigns"),
+        ("g = None\nfor _ in range(2):\n    for b in self.blocks:\n        x = b(g() if g else x)\n    g = lambda: x", _CALLS_G),
+        # Made in the body and kept after the loop: it would see the scan's values.
+        ("for b in self.blocks:\n    x = b(x)\n    g = lambda: x\ny = g()", "`g`, a function its body makes that reads a local the body assigns, is read after the loop"),
     ],
 )
 def test_a_loop_a_function_cannot_carry_stays_as_written(loop: str, reason: str) -> None:
@@ -100,11 +120,31 @@ def test_a_loop_a_function_cannot_carry_stays_as_written(loop: str, reason: str)
     assert unrolled_reasons(method) == [reason]
 
 
-def test_a_function_made_after_the_loop_does_not_keep_it_from_rolling() -> None:
-    # It cannot run while the loop runs: it reads the locals the loop leaves.
-    method = rolled("for b in self.blocks:\n    x = b(x)\ng = lambda: x\nreturn g()\n")
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Made after the loop: it reads the locals the loop leaves.
+        "for b in self.blocks:\n    x = b(x)\ng = lambda: x\nreturn g()",
+        # Made before, only ever called outside the body: the same.
+        "g = lambda: x\nfor b in self.blocks:\n    x = b(x)\nreturn g()",
+        "def g(scale):\n    return x * scale\ny = g(1)\nfor b in self.blocks:\n    x = b(x)\nreturn g(2) + y",
+        # Reading no local the body assigns; made in the body and used in its step.
+        "act = lambda v: v * 2\nxs.register(act)\nfor b in self.blocks:\n    x = b(act(x))\nreturn x",
+        "for b in self.blocks:\n    f = lambda v: v * x\n    x = b(f(x))\nreturn x",
+        "for b in self.blocks:\n    x = b(x) if type(x) is b.__class__ else x\nreturn x",
+    ],
+)
+def test_a_function_that_cannot_see_a_step_does_not_keep_it_from_rolling(body: str) -> None:
+    method = rolled(body + "\n")
     assert not unrolled_reasons(method)
     assert any(f.name.startswith("__autostate_body") for f in functions(method))
+
+
+def test_a_state_write_through_the_receiver_rolls() -> None:
+    # ``self.log`` changed in place is a state's write where ``log`` is a state
+    # (the rewrite threads it), else a change of ``self`` (above).
+    method = rolled("for b in self.blocks:\n    self.log.append(x)\nreturn x\n", frozenset({"log"}))
+    assert not unrolled_reasons(method)
 
 
 def test_what_is_never_a_stack_is_left_alone() -> None:
@@ -132,3 +172,37 @@ def test_layer_attributes_and_nested_loops_roll() -> None:
     assert sorted(f.name for f in functions(method)) == ["__autostate_body_1"] * 2 + ["__autostate_body_2"]
     deferred = [n for n in ast.walk(method) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "Deferred"]
     assert [d.args[0].id for d in deferred] == ["enumerate", "zip"]  # type: ignore[attr-defined]
+
+
+def test_the_analysis_loops_and_the_trees_match_in_every_block() -> None:
+    # The facts are the analysis's, in source order; the tree's ``for``
+    # statements are found in the same order in every kind of block.
+    method = rolled("""
+        try:
+            for a in self.blocks:
+                x = a(x)
+        except ValueError:
+            for b in self.blocks:
+                x = b(x)
+        else:
+            async def later():
+                for c in self.blocks:
+                    await c
+        finally:
+            for d in self.blocks:
+                x = d(x)
+        match x:
+            case None:
+                with xs:
+                    for e in self.blocks:
+                        x = e(x)
+        while x is None:
+            for f in self.blocks:
+                break
+        return x
+    """)
+    bodies = sorted(f.name for f in functions(method) if f.name.startswith("__autostate_body"))
+    assert bodies == [f"__autostate_body_{n}" for n in (1, 2, 3, 4)]
+    assert sorted(unrolled_reasons(method)) == [
+        "a `break` or `continue` in its body", "an `await` in its body",
+    ]
