@@ -274,9 +274,10 @@ def _fallback(raised: BaseException) -> tuple[str, str] | None:
     if isinstance(raised, _CannotRoll):
         return raised.name, str(raised)
     if isinstance(raised, _CONCRETE_ERRORS) or (
-        # Python's and JAX's own checks on a traced index or size (``d[i]``,
-        # ``x[:i]``, ``jnp.zeros(i)``) say so by naming the tracer.
-        type(raised) in (TypeError, IndexError) and "Tracer" in str(raised)
+        # Python's and JAX's own checks on a traced index, key or size
+        # (``d[i]``, ``x[:i]``, ``jnp.zeros(i)``) say so by naming the tracer.
+        isinstance(raised, (TypeError, IndexError, KeyError, ValueError))
+        and "Tracer" in str(raised)
     ):
         name = "concrete-value"
     elif isinstance(raised, (ControlFlowStateError, StaticStateError)):
