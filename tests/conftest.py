@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import gc
 import importlib.util
 import itertools
+import json
 import os
 import resource
 import shutil
@@ -158,6 +160,32 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         "peak resident memory: "
         + ", ".join(f"{name} {mb / 1024:.2f} GB" for name, mb in sorted(peaks.items()))
     )
+
+
+@pytest.fixture(scope="session")
+def once_per_session(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, Callable[[Path], Any]], Any]:
+    """``once_per_session(name, compute)``: ``compute(folder)``'s result
+    (JSON), computed once per session.
+
+    For a module fixture that starts a process: such a fixture runs once in
+    each pytest-xdist worker that runs a test of its module. Here the first
+    worker that asks computes the result and the others read it.
+    """
+
+    def once(name: str, compute: Callable[[Path], Any]) -> Any:
+        if "PYTEST_XDIST_WORKER" not in os.environ:
+            return compute(tmp_path_factory.mktemp(name))
+        shared = tmp_path_factory.getbasetemp().parent  # the session's, above each worker's
+        result = shared / f"{name}.json"
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not result.exists():
+                result.write_text(json.dumps(compute(tmp_path_factory.mktemp(name))))
+        return json.loads(result.read_text())
+
+    return once
 
 
 _module_counter = itertools.count()
