@@ -102,11 +102,28 @@ def _rss_mb() -> float:
         return _peak_rss_mb()
 
 
+# Python's cyclic collector walks every object of its oldest generation,
+# and a test session's heap is large and long-lived (JAX, the test modules,
+# their programs). What survives the full collection after collection and at
+# each release (below) is set aside (``gc.freeze``) until the next release,
+# which collects everything again; the young generation is collected every
+# 10,000 allocations rather than 700. On two semantics files the collector's
+# own time went from 2.1 to 0.6 of 31 CPU-seconds, peak memory the same.
+gc.set_threshold(10_000, 20, 20)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
+
+
 def _release_memory() -> None:
     import jax
 
     jax.clear_caches()
+    gc.unfreeze()
     gc.collect()
+    gc.freeze()
     try:  # hand the freed memory back to the system (glibc keeps it otherwise)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -194,14 +211,12 @@ _module_counter = itertools.count()
 @pytest.fixture
 def young_gc() -> Iterator[None]:
     """``gc.collect()`` in the test looks only at what the test made: what was made
-    before it is set aside (``gc.freeze``), so a collection does not walk every
-    object of the session (nor does ``jax.checking_leaks``, which collects and
-    searches a leaked tracer's referrers). A cycle the test leaves is still collected."""
+    before it is set aside (``gc.freeze``) until the next release of memory
+    (above), so a collection does not walk every object of the session (nor
+    does ``jax.checking_leaks``, which collects and searches a leaked tracer's
+    referrers). A cycle the test leaves is still collected."""
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    yield
 
 
 @pytest.fixture
