@@ -35,11 +35,23 @@ $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-test
 	$(BIN)/python examples/demo.py
 
+# pytest runs one worker per core (pytest-xdist); mypy and the strict docs
+# build, one process each, run beside it (a worker leaves its core idle at
+# times, and neither reads what the other writes). Their output follows
+# pytest's; the target fails if any of the four does.
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/mypy -p autostate
-	$(MKDOCS_STRICT)
-	$(BIN)/python -m pytest -q -n auto  # one worker per core (pytest-xdist)
+	@logs=$$(mktemp -d); \
+	{ $(BIN)/mypy -p autostate > $$logs/mypy 2>&1; echo $$? > $$logs/mypy.rc; } & \
+	{ ( $(MKDOCS_STRICT) ) > $$logs/docs 2>&1; echo $$? > $$logs/docs.rc; } & \
+	$(BIN)/python -m pytest -q -n auto; rc=$$?; wait; \
+	echo "mypy -p autostate:"; cat $$logs/mypy; \
+	echo "mkdocs build --strict:"; cat $$logs/docs; \
+	failed=; [ $$rc -eq 0 ] || failed="$$failed pytest"; \
+	[ "$$(cat $$logs/mypy.rc)" = 0 ] || failed="$$failed mypy"; \
+	[ "$$(cat $$logs/docs.rc)" = 0 ] || failed="$$failed docs"; \
+	rm -rf $$logs; \
+	if [ -n "$$failed" ]; then echo "make test failed:$$failed"; exit 1; fi
 
 # The suite on an accelerator (a TPU, a GPU) in one process: one program at a
 # time may hold a TPU, and the tests' subprocesses run on its host's CPU

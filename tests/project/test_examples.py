@@ -2,33 +2,92 @@
 
 The full demo (10 epochs) is too slow for the suite; ``--smoke`` runs one
 epoch on a subset, which exercises the same code.
+
+Every example runs as ``__main__`` with its command line, one after another
+in one fresh process (one start of JAX for all of them, with ``examples/`` on
+``sys.path`` as ``python examples/NAME.py`` puts it there); each test reads
+its example's output.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
+# Each example's arguments, in the order the process runs them.
+RUNS: dict[str, list[str]] = {
+    "counter.py": [],
+    "demo.py": ["--smoke"],
+    "tutorial_train.py": ["--smoke"],
+    "tutorial_checkpoint.py": ["--smoke"],
+    "tutorial_gpt.py": ["--smoke"],
+    "tutorial_ensemble.py": ["--smoke"],
+    "scaling_depth.py": ["--depths", "4", "--repeat", "1"],
+}
 
-def run_example(name: str, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+# Runs each example as ``python examples/NAME.py ARGS`` would (``sys.argv``,
+# ``__main__``, its folder first on ``sys.path``), its stdout captured; prints
+# ``{name: {"out": ..., "error": traceback or None}}`` as JSON, last.
+_RUNNER = """
+import contextlib, io, json, runpy, sys, traceback
+folder, runs = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, folder)
+results = {}
+for name, args in runs.items():
+    out, error = io.StringIO(), None
+    sys.argv = [f"{folder}/{name}", *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        error = None if e.code in (None, 0) else f"SystemExit({e.code!r})"
+    except BaseException:
+        error = traceback.format_exc()
+    results[name] = {"out": out.getvalue(), "error": error}
+print(json.dumps(results))
+"""
 
 
-def test_counter_prints_eager_functional_and_frozen_counts():
+@pytest.fixture(scope="module")
+def example_outputs(once_per_session: Callable[..., Any]) -> dict[str, dict[str, str | None]]:
+    def run(folder: Path) -> dict[str, dict[str, str | None]]:
+        result = subprocess.run(
+            [sys.executable, "-c", _RUNNER, str(EXAMPLES), json.dumps(RUNS)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    return once_per_session("examples", run)
+
+
+@pytest.fixture
+def run_example(example_outputs: dict[str, dict[str, str | None]]) -> Callable[[str], str]:
+    """What ``python examples/NAME`` with its ``RUNS`` arguments printed."""
+
+    def output(name: str) -> str:
+        result = example_outputs[name]
+        assert result["error"] is None, result["error"]
+        return result["out"]
+
+    return output
+
+
+def test_counter_prints_eager_functional_and_frozen_counts(run_example):
     assert run_example("counter.py").splitlines() == [
         "2.0 1",
         "4.0 {'count': Array(2, dtype=int32)}",
@@ -43,8 +102,8 @@ def test_counter_is_the_readme_snippet():
     assert f"```python\n{code}\n```" in readme
 
 
-def test_demo_smoke_trains_and_lists_the_states():
-    out = run_example("demo.py", "--smoke")
+def test_demo_smoke_trains_and_lists_the_states(run_example):
+    out = run_example("demo.py")
     assert re.search(r"^digits: 256 train / 360 test", out, re.M)
     match = re.search(r"^epoch  1  loss (\d+\.\d+)  test accuracy (\d+\.\d)%$", out, re.M)
     assert match, out
@@ -59,8 +118,8 @@ def test_demo_smoke_trains_and_lists_the_states():
     ]
 
 
-def test_tutorial_train_updates_one_model_with_masked_adamw_and_evaluates_it_with_running_statistics():
-    out = run_example("tutorial_train.py", "--smoke")
+def test_tutorial_train_updates_one_model_with_masked_adamw_and_evaluates_it_with_running_statistics(run_example):
+    out = run_example("tutorial_train.py")
     assert "eager call moved the running mean: True" in out
     assert "states: ['norm.num_batches_tracked', 'norm.running_mean', 'norm.running_var']" in out
     decayed = re.search(r"^weight decay on: \[(.*)\]$", out, re.M).group(1)
@@ -74,16 +133,16 @@ def test_tutorial_train_updates_one_model_with_masked_adamw_and_evaluates_it_wit
     assert out.endswith("ok\n")
 
 
-def test_tutorial_checkpoint_resumes_exactly_from_an_abstract_target():
-    out = run_example("tutorial_checkpoint.py", "--smoke")
+def test_tutorial_checkpoint_resumes_exactly_from_an_abstract_target(run_example):
+    out = run_example("tutorial_checkpoint.py")
     assert "kept steps [1, 4]" in out
     assert "restored step 4 into a FunctionalModel of Classifier" in out
     assert "max |resumed - uninterrupted| = 0.0e+00" in out
     assert out.endswith("ok\n")
 
 
-def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop():
-    out = run_example("tutorial_gpt.py", "--smoke")
+def test_tutorial_gpt_decodes_greedily_with_the_cache_and_exports_the_loop(run_example):
+    out = run_example("tutorial_gpt.py")
     assert "the loop over the blocks is one scan: True" in out
     assert re.search(r"^loss by step: 0: \d\.\d+, 30: .*, 119: 0\.0\d+$", out, re.M), out
     assert "compute float32, parameters and states ['float32']" in out
@@ -116,8 +175,8 @@ def test_tutorial_gpt_bf16_computes_in_bfloat16_and_keeps_float32_parameters():
     assert loss < curve[0] / 2  # it trains
 
 
-def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
-    out = run_example("tutorial_ensemble.py", "--smoke")
+def test_tutorial_ensemble_trains_members_apart_and_the_average_wins(run_example):
+    out = run_example("tutorial_ensemble.py")
     assert "'members.hidden.weight': (4, 64, 64)" in out
     assert "'members.norm.running_mean': (4, 64)" in out
     members = [float(a) for a in re.findall(r"'(\d+\.\d)%'", out)]
@@ -127,11 +186,11 @@ def test_tutorial_ensemble_trains_members_apart_and_the_average_wins():
     assert out.endswith("ok\n")
 
 
-def test_scaling_depth_times_five_forms_that_agree():
+def test_scaling_depth_times_five_forms_that_agree(run_example):
     # Every variant gives the same output (the script checks it); the loop over a
     # stack and both scans compile one loop, the list and the loop that cannot
     # roll none.
-    out = run_example("scaling_depth.py", "--depths", "4", "--repeat", "1")
+    out = run_example("scaling_depth.py")
     loops = dict(re.findall(r"^ +4  (.+?) +\S+ +\S+ +\S+ +\S+  (\d+)$", out, re.M))
     assert loops == {
         "stack, for loop": "1",

@@ -269,9 +269,10 @@ PATHS = [str(ROOT), str(ROOT / "examples")]
 
 
 def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
-    """One mypy run with the plugin: ``(file, line, message)`` of each error and reveal."""
-    from mypy import api
+    """One mypy run with the plugin: ``(file, line, message)`` of each error and reveal.
 
+    In a process of its own: what mypy builds (every module of JAX the programs
+    import) is gone when it ends, rather than left in this worker's memory."""
     (tmp / "mypy.ini").write_text(
         "[mypy]\n"
         f"mypy_path = {','.join(PATHS)}\n"
@@ -280,15 +281,18 @@ def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
         "[mypy-optax.*,orbax.*,sklearn.*,tqdm.*]\n"  # no type information
         "ignore_missing_imports = True\n"
     )
-    stdout, stderr, _ = api.run(
+    run = subprocess.run(
         [
-            str(src),
+            sys.executable, "-m", "mypy", str(src),
             "--config-file", str(tmp / "mypy.ini"),
             "--cache-dir", str(tmp / "mypy-cache"),
             "--no-error-summary",
             "--show-absolute-path",
-        ]
+        ],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
+    stdout, stderr = run.stdout, run.stderr
     found = []
     for line in stdout.splitlines():
         m = re.match(r"(?P<file>[^:]+):(?P<line>\d+): (?P<kind>error|note): (?P<message>.*)", line)

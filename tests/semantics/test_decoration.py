@@ -1182,27 +1182,30 @@ def _pickle_in_this_process(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def fresh_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def fresh_processes(once_per_session: Callable[..., Any]) -> dict[str, Any]:
     """``FRESH_SCRIPT``'s results in a cold and then a warm fresh process."""
-    folder = tmp_path_factory.mktemp("fresh")
-    (folder / "h6threads.py").write_text(_decorated(THREADS))
-    (folder / "h6pickled.py").write_text(PICKLED)
-    for tag, bad in FAILING.items():
-        (folder / f"h6failing_{tag}.py").write_text(FAILING_MODULE.format(bad=bad))
-    blob = _pickle_in_this_process(folder)
-    # (PYTHONPATH extended, not replaced: where JAX lives on it, the child needs it too)
-    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(folder / "shared-cache"),
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    results = {}
-    for run in ("cold", "warm"):
-        done = subprocess.run(  # noqa: S603 - our own interpreter and script
-            [sys.executable, "-c", FRESH_SCRIPT, blob, *(f"h6failing_{t}" for t in FAILING)],
-            capture_output=True, text=True, env=env, timeout=60, cwd=folder,
-        )
-        assert done.returncode == 0, done.stderr
-        results[run] = json.loads(done.stdout.strip().splitlines()[-1])
-    return results
+
+    def cold_then_warm(folder: Path) -> dict[str, Any]:
+        (folder / "h6threads.py").write_text(_decorated(THREADS))
+        (folder / "h6pickled.py").write_text(PICKLED)
+        for tag, bad in FAILING.items():
+            (folder / f"h6failing_{tag}.py").write_text(FAILING_MODULE.format(bad=bad))
+        blob = _pickle_in_this_process(folder)
+        # (PYTHONPATH extended, not replaced: where JAX lives on it, the child needs it too)
+        path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(folder / "shared-cache"),
+               "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+        results = {}
+        for run in ("cold", "warm"):
+            done = subprocess.run(  # noqa: S603 - our own interpreter and script
+                [sys.executable, "-c", FRESH_SCRIPT, blob, *(f"h6failing_{t}" for t in FAILING)],
+                capture_output=True, text=True, env=env, timeout=300, cwd=folder,
+            )
+            assert done.returncode == 0, done.stderr
+            results[run] = json.loads(done.stdout.strip().splitlines()[-1])
+        return results
+
+    return once_per_session("fresh_processes", cold_then_warm)
 
 
 def test_unpickle_in_a_fresh_process_before_any_instance(fresh_processes: dict[str, Any]) -> None:

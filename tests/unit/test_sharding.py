@@ -19,7 +19,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,24 +102,27 @@ def _asks_for_eight_devices_before_importing_jax(code: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def eight_device_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def eight_device_results(once_per_session: Callable[..., Any]) -> dict[str, dict]:
     """The checks' and the doc programs' results from one process on 8 devices."""
-    folder = tmp_path_factory.mktemp("scaling_out")
-    programs = []
-    for block, code in DOC_BLOCKS.items():
-        (folder / _program_file(block)).write_text(code)
-        programs.append(str(folder / _program_file(block)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")  # without the flag: the example sets it
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(EIGHT_DEVICES, "").strip()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, str(CHECKS_SCRIPT), *programs],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr
-    results = json.loads(result.stdout.strip().splitlines()[-1])
-    results["programs"] = {Path(p).name: r for p, r in results["programs"].items()}
-    return results
+
+    def run(folder: Path) -> dict[str, dict]:
+        programs = []
+        for block, code in DOC_BLOCKS.items():
+            (folder / _program_file(block)).write_text(code)
+            programs.append(str(folder / _program_file(block)))
+        env = dict(os.environ, JAX_PLATFORMS="cpu")  # without the flag: the example sets it
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(EIGHT_DEVICES, "").strip()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        result = subprocess.run(
+            [sys.executable, str(CHECKS_SCRIPT), *programs],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        results = json.loads(result.stdout.strip().splitlines()[-1])
+        results["programs"] = {Path(p).name: r for p, r in results["programs"].items()}
+        return results
+
+    return once_per_session("eight_devices", run)
 
 
 @pytest.fixture(scope="module")
