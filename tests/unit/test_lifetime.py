@@ -20,7 +20,6 @@ from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
     TracedEagerStateError,
-    UnhandledLocalStateError,
 )
 from autostate.state_values import StaticState
 
