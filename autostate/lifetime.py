@@ -19,8 +19,10 @@ not thread) has no value. This module answers those questions, in one place:
   makes, living in the trace running now (a model built inside a
   transformation may keep its values), and ``written_slot``: the slot an
   eager write makes, living where the model lives (``home_of``);
-* the functionalized calls running in every thread, and the cells a state
-  reached from another thread than its call's belongs to (refused under a
+* ``made_here``: slots a freeze makes live in the trace running now;
+* the functionalized calls running in every thread, with the trace each
+  started in (``trace_of_call``), and the cells a state reached from
+  another thread than its call's belongs to (refused under a
   transformation, whose values cannot cross threads);
 * ``CopiedRef``: a handled state of the copy JAX makes of a running model
   (``vmap`` over a stacked sub-model, one in ``scan``'s ``xs``), which reads

@@ -21,14 +21,20 @@ such write; here it is the runtime's (the ``eager_write`` hook).
 
 What this module owns: penzai v1's requests and references, handling,
 freezing, hoisting, embedding and renaming, the handler ids (and which
-handler's call runs now, in this context), and the slot protocol. What it
-must not know about: source code (it walks trees with ``autostate.graph``),
-tracer lifetime, Python values that are structure (static states), dicts
-JAX cannot flatten, threads, the guard, and the wording of the front door's
-errors. Where its semantics meet those questions it asks them through
-``autostate.slot_hooks``, which their owners fill in; a slot kind the engine
-does not define (a static state, a host store, JAX's copy of a running
-model) takes part through the ``StateSlot`` methods.
+handler's call runs now, in this context, on which instances:
+``in_running_body``), and the slot protocol. What it must not know about:
+source code (it walks trees with ``autostate.graph``), tracer lifetime,
+Python values that are structure (static states), dicts JAX cannot flatten,
+threads and the guard. What can be an argument is one (the instances a
+call's caller names, ``run_with_states``'s ``instances``); a value's own copy
+is the value table's (``values.own_value``); the frozen request's pytree
+flatten is registered by the owner of static values
+(``autostate.state_values``); a slot kind the engine does not define (a
+static state, a host store, JAX's copy of a running model) takes part
+through the ``StateSlot`` methods. What is left, reached from penzai's front
+door or through the slot protocol on the engine's own slot types, it asks
+through ``autostate.slot_hooks`` (which says why each question stays there),
+whose answers their owners fill in.
 """
 
 from __future__ import annotations
@@ -333,8 +339,8 @@ class FrozenLocalStateRequest(StateSlot):
     name: str | None = None
     # Kept for the runtime, opaque here: ``_home``, where the model holding the
     # request lives (``replaced`` keeps it: it is the model's, not the value's);
-    # ``_note``, what the runtime noted about the value, handed back to the
-    # flatten-error hooks. ``replaced`` leaves ``_note`` unset, so an eager
+    # ``_note``, what the runtime noted about the value, for its errors where
+    # JAX cannot flatten the value. ``replaced`` leaves ``_note`` unset, so an eager
     # write pays nothing for it: readers use ``getattr(..., None)``.
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
     _note: WriteNote | None = dataclasses.field(
