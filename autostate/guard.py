@@ -131,8 +131,6 @@ def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
         _IN_LAX_BODY.reset(token)
 
 
-
-
 class Guard:
     """One call's guard: the snapshot is taken when it is made; ``with guard:``
     around the call compares, restores and refuses when it is left.

@@ -472,8 +472,6 @@ jax.tree_util.register_pytree_node(
 _graph.register_node_kind(HandledStaticState, model_child=True, immutable=True)
 
 
-
-
 def static_slot(value: Any, category: Category, name: str | None) -> StaticState | None:
     """The slot of a state given ``value`` when that makes it static (``makes_static_state``)."""
     return StaticState(value, category, name) if makes_static_state(value) else None
