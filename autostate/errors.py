@@ -318,6 +318,38 @@ def unhandled_request_error(request: Any) -> UnhandledLocalStateError:
     )
 
 
+def unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
+    """A handled reference used while its handler's call is not running:
+    ``reason`` is ``"not running"``, or ``"another call"`` (a call with an
+    equal id runs instead)."""
+    if reason == "another call":
+        return UnhandledLocalStateError(
+            format_error(
+                f"State {ref.name!r} (category {ref.category!r}) belongs to a "
+                "functionalized call that is not running: it was reached inside "
+                "another model's call (a generator, closure or bound method of the "
+                "model, kept after its own call returned).",
+                fix="use the model's state inside its own call, or freeze it first "
+                "(autostate.freeze(f, states)) and pass the frozen model.",
+            )
+        )
+    return UnhandledLocalStateError(
+        format_error(
+            f"State {ref.name!r} (category {ref.category!r}) is unhandled: it "
+            f"belongs to handler {ref.handler_id!r}, which is not running.",
+            fix="call the handler instead of its body: `out, states = "
+            "handler((arg, states))`, or for a functionalized model `out, states = "
+            "f(states, *args)`; use autostate.freeze(f, states) to get a model "
+            "that runs on its own again. A function JAX runs after the call has "
+            "ended cannot read a state either: a host callback (jax.debug.callback, "
+            "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
+            "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
+            "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
+            "residual the custom_vjp's forward rule returns.",
+        )
+    )
+
+
 def duplicate_name_error(
     name: str, first: str | None = None, second: str | None = None
 ) -> StateSharingError:

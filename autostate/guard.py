@@ -61,7 +61,7 @@ import jax
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects.local_state import HandledLocalStateRef, StateSlot
+from autostate.effects.local_state import HandledLocalStateRef, StateSlot, in_running_body
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -75,7 +75,6 @@ from autostate.errors import (
     traced_value_error,
     user_location,
 )
-from autostate.slot_hooks import register_slot_hooks
 
 __all__ = [
     "CAPTURED",
@@ -98,14 +97,6 @@ CAPTURED = "a list or dict it captures"
 
 # --- which instances are guarded now --------------------------------------------
 
-# ids of the decorated instances of every body a handler is running now: the
-# instances whose non-state writes the run-time guard refuses. Set by the
-# engine's ``run_with_states`` through the ``guard_call`` slot hook.
-_GUARDED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "autostate_guarded_instances", default=frozenset()
-)
-
-
 # (ids of the eager instances a lax call's body reaches, what the call is):
 # set while an eager model's lax call runs (``control``), whose body JAX
 # traces, so that a traced value assigned to one of them that is not state is
@@ -115,10 +106,11 @@ _IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.C
 )
 
 
-def is_guarded(obj: Any) -> bool:
-    """Whether ``obj`` belongs to a body that a handler is running now."""
-    guarded = _GUARDED.get()
-    return bool(guarded) and id(obj) in guarded
+# Whether ``obj`` belongs to a body that a handler is running now: one of the
+# instances its caller named (``run_with_states``'s ``instances``), whose
+# non-state writes the run-time guard refuses. The engine knows which bodies
+# run; what is refused there is this module's.
+is_guarded = in_running_body
 
 
 def lax_body_of(obj: Any) -> str | None:
@@ -137,16 +129,6 @@ def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
         yield
     finally:
         _IN_LAX_BODY.reset(token)
-
-
-def _guard_call(ids: frozenset[int]) -> contextvars.Token[frozenset[int]]:
-    """A call starts running a body with decorated instances ``ids``: guarded
-    until ``_GUARDED.reset`` with what this returns (the slot hooks)."""
-    outer = _GUARDED.get()
-    return _GUARDED.set(outer | ids if outer else ids)
-
-
-register_slot_hooks(guard_call=_guard_call, unguard_call=_GUARDED.reset)
 
 
 class Guard:

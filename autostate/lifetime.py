@@ -19,8 +19,10 @@ not thread) has no value. This module answers those questions, in one place:
   makes, living in the trace running now (a model built inside a
   transformation may keep its values), and ``written_slot``: the slot an
   eager write makes, living where the model lives (``home_of``);
-* the functionalized calls running in every thread, and the cells a state
-  reached from another thread than its call's belongs to (refused under a
+* ``made_here``: slots a freeze makes live in the trace running now;
+* the functionalized calls running in every thread, with the trace each
+  started in (``trace_of_call``), and the cells a state reached from
+  another thread than its call's belongs to (refused under a
   transformation, whose values cannot cross threads);
 * ``CopiedRef``: a handled state of the copy JAX makes of a running model
   (``vmap`` over a stacked sub-model, one in ``scan``'s ``xs``), which reads
@@ -36,8 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -143,7 +146,8 @@ _DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
 def _call_started_in(trace: Any) -> bool:
     """Whether a running functionalized call started in ``trace`` or in a
     transformation inside it (its trace is then live)."""
-    for _id, _cells, _outer, live in running_calls():
+    for call in running_calls():
+        live = trace_of_call(call)
         while live is not None:
             if live is trace:
                 return True
@@ -334,6 +338,16 @@ def with_home(slot: Any, home: Any) -> Any:
     return slot
 
 
+def made_here(slots: Iterable[Any]) -> None:
+    """``slots``, made now (by freezing a model), live in the trace running
+    now: a model frozen inside a transformation is built there (the
+    ``made_here`` slot hook)."""
+    home = current_trace()
+    if home is not None:
+        for slot in slots:
+            object.__setattr__(slot, "_home", home)
+
+
 class InitialValue:
     """The initializer of the request ``initial_slot`` makes: the state's first
     value, computed once, eagerly.
@@ -502,31 +516,41 @@ MEMBER_CELLS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 )
 
 
-# The functionalized calls running now in every thread (id of the record ->
-# ``(handler id, cells, trace)``), for a state reached from a thread the
-# call's method started (the ``call_started`` / ``cells_elsewhere`` hooks).
-_ANY_THREAD: dict[int, tuple[Hashable, dict[str, Any], Any]] = {}
+# The functionalized calls running now in every thread: id of a call's cells
+# -> ``(handler id, cells, trace it started in, serial)``, the serial a number
+# no other call gets (part of the key a running model's state flattens with:
+# ``_split_running_ref``). Kept by the ``call_started`` slot hook, for a state
+# reached from a thread the call's method started (``cells_elsewhere``) and
+# for the trace a running call started in (``trace_of_call``).
+_CALLS: dict[int, tuple[Hashable, dict[str, Any], Any, int]] = {}
+_SERIAL = itertools.count()
 
 
-def _call_started(handler_id: Hashable, cells: dict[str, Any], trace: Any) -> int:
-    call = (handler_id, cells, trace)
-    _ANY_THREAD[id(call)] = call
-    _SERIALS[id(cells)] = next(_SERIAL)
-    return id(call)
+def _call_started(handler_id: Hashable, cells: dict[str, Any]) -> Callable[[], None]:
+    """A functionalized call starts with ``cells``: recorded, with the trace
+    running now, until the function returned is called (when it ends)."""
+    key = id(cells)
+    _CALLS[key] = (handler_id, cells, current_trace(), next(_SERIAL))
+    return functools.partial(_call_ended, key)
 
 
-def _call_ended(token: int) -> None:
-    _, cells, _ = _ANY_THREAD.pop(token)
-    del _SERIALS[id(cells)]
+def _call_ended(key: int) -> None:
+    _, cells, _, _ = _CALLS.pop(key)
     if _WRITTEN_THROUGH:
         for cell in cells.values():
             _WRITTEN_THROUGH.pop(id(cell), None)
 
 
-# id of a running call's cells -> a number no other call gets: part of the
-# key a running model's state flattens with (``_split_running_ref``).
-_SERIALS: dict[int, int] = {}
-_SERIAL = itertools.count()
+def trace_of_call(call: Any) -> Any:
+    """The trace a running call (an entry of the engine's ``running_call``)
+    started in: ``None`` outside every transformation."""
+    record = _CALLS.get(id(call[1]))
+    return None if record is None else record[2]
+
+
+def _serial_of_call(call: Any) -> int | None:
+    record = _CALLS.get(id(call[1]))
+    return None if record is None else record[3]
 
 
 def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], Any]]:
@@ -534,7 +558,7 @@ def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], A
     thread (by identity for a ``HandlerId``, else by equality)."""
     return [
         (cells, trace)
-        for running_id, cells, trace in list(_ANY_THREAD.values())
+        for running_id, cells, trace, _serial in list(_CALLS.values())
         if running_id is handler_id
         or (type(handler_id) is not HandlerId and running_id == handler_id)
     ]
@@ -564,36 +588,6 @@ def _cells_in_another_thread(ref: Any) -> dict[str, Any] | None:
             )
         )
     return cells
-
-
-def _unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
-    """A handled reference used while its handler's call is not running."""
-    if reason == "another call":
-        return UnhandledLocalStateError(
-            format_error(
-                f"State {ref.name!r} (category {ref.category!r}) belongs to a "
-                "functionalized call that is not running: it was reached inside "
-                "another model's call (a generator, closure or bound method of the "
-                "model, kept after its own call returned).",
-                fix="use the model's state inside its own call, or freeze it first "
-                "(autostate.freeze(f, states)) and pass the frozen model.",
-            )
-        )
-    return UnhandledLocalStateError(
-        format_error(
-            f"State {ref.name!r} (category {ref.category!r}) is unhandled: it "
-            f"belongs to handler {ref.handler_id!r}, which is not running.",
-            fix="call the handler instead of its body: `out, states = "
-            "handler((arg, states))`, or for a functionalized model `out, states = "
-            "f(states, *args)`; use autostate.freeze(f, states) to get a model "
-            "that runs on its own again. A function JAX runs after the call has "
-            "ended cannot read a state either: a host callback (jax.debug.callback, "
-            "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
-            "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
-            "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
-            "residual the custom_vjp's forward rule returns.",
-        )
-    )
 
 
 _UNSET: Any = object()
@@ -631,7 +625,7 @@ class CopiedRef(StateSlot):
         # ``vmap(f)(m, m)``) is the state from then on, as for the one
         # object plain Python has.
         call = running_call(self.ref.handler_id)
-        if call is not None and call[3] is not current_trace():
+        if call is not None and trace_of_call(call) is not current_trace():
             cell = call[1].get(self.name)
             if cell is not None and _WRITTEN_THROUGH.get(id(cell), _UNSET) is cell.value:
                 return cell.value
@@ -639,7 +633,7 @@ class CopiedRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
         call = running_call(self.ref.handler_id)
-        if call is None or call[3] is current_trace():
+        if call is None or trace_of_call(call) is current_trace():
             self.value = value
             return None
         self.ref.write(value, label)
@@ -661,13 +655,13 @@ def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
     call = running_call(ref.handler_id)
     if call is None:
         return None
-    return ref.read(), (ref, _SERIALS.get(id(call[1])))
+    return ref.read(), (ref, _serial_of_call(call))
 
 
 def _split_copy(copy: CopiedRef) -> tuple[Any, Any]:
     """A copy's state, flattened again (a copy of the copy): keyed as above."""
     call = running_call(copy.ref.handler_id)
-    return copy.read(), (copy.ref, None if call is None else _SERIALS.get(id(call[1])))
+    return copy.read(), (copy.ref, None if call is None else _serial_of_call(call))
 
 
 def _copied(key: tuple[HandledLocalStateRef, Any], value: Any) -> CopiedRef:
@@ -682,12 +676,9 @@ _graph.register_node_kind(CopiedRef, running=(_split_copy, _copied), own_value=T
 
 
 register_slot_hooks(
-    current_trace=current_trace,
     eager_write=written_slot,
-    lives_in=with_home,
+    made_here=made_here,
     check_read=_check_read,
     call_started=_call_started,
-    call_ended=_call_ended,
     cells_elsewhere=_cells_in_another_thread,
-    unhandled_ref_error=_unhandled_ref_error,
 )

@@ -1,35 +1,55 @@
-"""What the runtime answers when the local-state engine asks.
+"""What the runtime answers when the local-state engine asks, and why it must ask.
 
 The engine (``autostate.effects``) is penzai v1's local-state effect: it
 knows requests, handled references, handlers and the slot protocol, and
 nothing of tracer lifetime, Python values that are structure, dicts JAX cannot
-flatten, threads or the guard. Where its semantics meet those questions, it
-asks them here: each is one field of ``hooks``, which the modules that own
-the answer fill in with ``register_slot_hooks`` when they are imported:
+flatten, threads or the guard. Where a question can be an argument or a
+method, it is one:
 
-* ``autostate.lifetime``: ``current_trace``, ``eager_write``, ``lives_in``,
-  ``check_read``, ``call_started`` / ``call_ended``, ``cells_elsewhere``,
-  ``unhandled_ref_error``;
-* ``autostate.state_values``: ``split_statics`` / ``join_statics``,
-  ``own_value``, ``states_dict``, ``check_handled_write``;
-* ``autostate.unsortable``: ``value_flatten_error``, ``states_flatten_error``;
-* ``autostate.guard``: ``guard_call`` / ``unguard_call``.
+* the guard: a caller names its body's instances (``run_with_states``'s
+  ``instances``) and the guard asks the engine (``in_running_body``);
+* the copy a call keeps of a states dict's entry: the value table's
+  ``values.own_value``;
+* the flatten of a frozen request: registered with JAX by
+  ``autostate.state_values``, which owns which values are structure;
+* the wording of a handled reference's errors: ``errors.unhandled_ref_error``;
+* the trace a call started in: kept by ``autostate.lifetime`` itself
+  (``trace_of_call``), not by the engine.
 
-The defaults are penzai's: no trace is tracked, an unhandled request cannot
-be written, nothing else is refused, a value is kept as it is given. This module imports nothing of autostate's but its
-errors, so the engine may read ``hooks`` with no cycle.
+What is left is asked here, one field of ``hooks`` each, filled in by the
+module that owns the answer (``register_slot_hooks``) when it is imported.
+Each is reached where no caller of the runtime's stands between the user and
+the engine, so no argument can carry the answer: penzai's front door
+(``handle_local_states``, ``handler((x, states))``, ``freeze_local_states``
+on a body holding decorated models), or the slot protocol on a slot type the
+engine defines (what a decorated model's attribute holds), called by whoever
+holds the slot. The owners cannot be imported by the engine, which they stand
+on:
+
+* ``autostate.lifetime``: ``eager_write`` (the write of an engine request
+  outside every handler: penzai has none; the slot that takes its place
+  depends on tracer lifetime and on static kinds), ``made_here`` (slots a
+  freeze makes live in the trace running now), ``check_read`` (a handled
+  reference's read: escaped tracers, lost values, stacked members),
+  ``call_started`` (a call's trace and the calls of every thread) and
+  ``cells_elsewhere`` (a state reached from another thread);
+* ``autostate.state_values``: ``states_dict`` (the dict a call or handling
+  returns keeps Python values as structure), ``check_handled_write`` (a
+  Python value in place of the placeholder ``None`` inside a call);
+* ``autostate.unsortable``: ``states_flatten_error`` (a dict whose keys do
+  not sort, said in autostate's words where JAX failed).
+
+The defaults are penzai's: an unhandled request cannot be written, nothing is
+tracked or refused, the dict is kept as it is. This module imports nothing
+of autostate's but its errors, so the engine may read ``hooks`` with no cycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from autostate.errors import (
-    InvalidArgumentError,
-    UnhandledLocalStateError,
-    unhandled_request_error,
-)
+from autostate.errors import InvalidArgumentError, unhandled_request_error
 
 # What the runtime noted about a state's value when it was assigned: kept with
 # the request that holds it (``_note``), for the runtime's errors (the engine
@@ -40,101 +60,64 @@ WriteNote = Any
 class SlotHooks:
     """What the runtime decides about the values a slot holds: the engine asks.
 
-    * ``current_trace()``: the JAX trace running now, or ``None``; a call
-      started now records it, and slots frozen now live in it (``lives_in``);
-    * ``eager_write(slot, value, label)``: the ``write`` of a slot outside
-      every handler (an unhandled request, a static state): the slot that
-      takes ``slot``'s place once it holds ``value`` (raises for a value it
-      cannot keep); ``label`` names an unnamed state in errors;
-    * ``lives_in(slot, trace)``: ``slot``, made by freezing while ``trace``
-      (what ``current_trace`` said) ran, living there;
+    * ``eager_write(slot, value, label)``: the ``write`` of an engine request
+      outside every handler: the slot that takes ``slot``'s place once it
+      holds ``value`` (raises for a value it cannot keep); ``label`` names an
+      unnamed state in errors;
+    * ``made_here(slots)``: the slots a freeze just made (they live where it
+      ran);
     * ``check_read(name, value, cell)``: called by a handled reference's
       ``read`` of ``cell``; raises for a value with no plain meaning;
-    * ``value_flatten_error(value, note, name)`` / ``states_flatten_error(values,
-      context, err, notes)``: the error to raise instead of ``err``, what JAX
-      raised flattening a state's value (``context`` says where: ``"states"``,
-      a states dict; ``"threaded"``, states a running call threads), or
-      ``None`` to raise ``err``; ``note`` is the request's ``_note``;
-    * ``split_statics(value)`` -> ``(stripped, statics)`` or ``None``: the
-      Python values inside a container value, kept out of the pytree leaves of
-      a ``FrozenLocalStateRequest``; ``join_statics(stripped, statics)`` puts
-      them back;
-    * ``own_value(value)``: the value a call or a frozen model keeps of a
-      states dict's entry (its own copy of what the caller may change);
-    * ``states_dict(values)``: the states dict a call returns;
     * ``check_handled_write(name, label, old, value)``: called by a handled
-      reference's ``write``; raises for a value the running call cannot take
-      (a Python value in place of the placeholder ``None``, which would make
-      the state static);
-    * ``call_started(handler_id, cells, trace)`` -> token /
-      ``call_ended(token)``: a handler starts running its body with ``cells``
-      (``{name: LocalStateEffectImpl}``) in ``trace``, and ends;
+      reference's ``write``; raises for a value the running call cannot take;
+    * ``call_started(handler_id, cells)`` -> ``ended()``: a handler starts
+      running its body with ``cells`` (``{name: LocalStateEffectImpl}``);
+      calling what it returns says the call ended;
     * ``cells_elsewhere(ref)``: the cells a handled reference reaches when no
       call of its handler runs in this context (a call ``call_started``
-      recorded elsewhere), or ``None``;
-    * ``unhandled_ref_error(ref, reason)``: the error of a handled reference
-      used while its handler is not running (``reason``: ``"not running"``,
-      or ``"another call"`` with an equal id is running);
-    * ``guard_call(ids)`` / ``unguard_call(token)``: called when a call starts
-      running a body whose decorated instances have ``ids``, and with what
-      ``guard_call`` returned when it ends: while it runs, their writes that
-      are not state writes are refused (``autostate.guard``).
+      recorded in another thread), or ``None``;
+    * ``states_dict(values)``: the states dict a call or handling returns;
+    * ``states_flatten_error(values, context, err, notes)``: the error to
+      raise instead of ``err``, what JAX raised flattening states
+      (``context``: ``"states"``, a states dict; ``"threaded"``, the states a
+      running call threads), or ``None`` to raise ``err``; ``notes`` are the
+      requests' ``_note``.
     """
 
     __slots__ = (
-        "current_trace",
         "eager_write",
-        "lives_in",
+        "made_here",
         "check_read",
-        "value_flatten_error",
-        "states_flatten_error",
-        "split_statics",
-        "join_statics",
-        "own_value",
-        "states_dict",
         "check_handled_write",
         "call_started",
-        "call_ended",
         "cells_elsewhere",
-        "unhandled_ref_error",
-        "guard_call",
-        "unguard_call",
+        "states_dict",
+        "states_flatten_error",
     )
 
     def __init__(self) -> None:
-        self.current_trace: Callable[[], Any] = lambda: None
         self.eager_write: Callable[[Any, Any, str | None], Any] = _unhandled_write
-        self.lives_in: Callable[[Any, Any], Any] = lambda slot, trace: slot
+        self.made_here: Callable[[Iterable[Any]], None] = lambda slots: None
         self.check_read: Callable[[str, Any, Any], None] = lambda name, value, cell: None
-        self.value_flatten_error: Callable[[Any, Any, str | None], Exception | None] = (
-            lambda value, note, name: None
-        )
-        self.states_flatten_error: Callable[
-            [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
-        ] = lambda values, context, err, notes: None
-        self.split_statics: Callable[[Any], tuple[Any, Any] | None] = lambda value: None
-        self.join_statics: Callable[[Any, Any], Any] = lambda stripped, statics: stripped
-        self.own_value: Callable[[Any], Any] = lambda value: value
-        self.states_dict: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values
         self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
             lambda name, label, old, value: None
         )
-        self.call_started: Callable[[Hashable, dict[str, Any], Any], Any] = (
-            lambda handler_id, cells, trace: None
+        self.call_started: Callable[[Hashable, dict[str, Any]], Callable[[], None]] = (
+            lambda handler_id, cells: _nothing
         )
-        self.call_ended: Callable[[Any], None] = lambda token: None
         self.cells_elsewhere: Callable[[Any], Any] = lambda ref: None
-        self.unhandled_ref_error: Callable[[Any, str], UnhandledLocalStateError] = (
-            lambda ref, reason: UnhandledLocalStateError(
-                f"State {ref.name!r} is unhandled: handler {ref.handler_id!r} is not running."
-            )
-        )
-        self.guard_call: Callable[[frozenset[int]], Any] = lambda ids: None
-        self.unguard_call: Callable[[Any], None] = lambda token: None
+        self.states_dict: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values
+        self.states_flatten_error: Callable[
+            [Mapping[str, Any], str, BaseException, Mapping[str, Any]], Exception | None
+        ] = lambda values, context, err, notes: None
 
 
 def _unhandled_write(slot: Any, value: Any, label: str | None) -> Any:
     raise unhandled_request_error(slot)
+
+
+def _nothing() -> None:
+    return None
 
 
 # The one set of answers the engine reads.
@@ -143,7 +126,7 @@ hooks = SlotHooks()
 
 def register_slot_hooks(**answers: Callable[..., Any]) -> None:
     """Registers the runtime's answers to the engine's questions (``SlotHooks``),
-    by name: ``register_slot_hooks(current_trace=...)``."""
+    by name: ``register_slot_hooks(check_read=...)``."""
     for name, answer in answers.items():
         if name not in SlotHooks.__slots__:
             raise InvalidArgumentError(f"no slot hook named {name!r}: {SlotHooks.__slots__}")

@@ -17,8 +17,7 @@ pytree leaves, and put them back. This module owns those rules:
 * ``split_static_values`` / ``join_static_values``: a container value's
   Python values out of its leaves and back; ``_Rebuilt``: a container JAX
   takes as one leaf (``values.opaque_items``), as its items and back;
-* ``States`` / ``states_dict``: the states dict that keeps them;
-* ``_own_value``: the copy of a states dict's entry a call keeps.
+* ``States`` / ``states_dict``: the states dict that keeps them.
 
 The engine (``autostate.effects``) knows nothing of this: it asks through
 the slot protocol's hooks, registered below.
@@ -33,12 +32,11 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
-import numpy as np
 
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects.local_state import Category, StateSlot
+from autostate.effects.local_state import Category, FrozenLocalStateRequest, StateSlot
 from autostate.errors import (
     InvalidTypeError,
     StaticStateError,
@@ -48,6 +46,7 @@ from autostate.errors import (
 )
 from autostate.slot_hooks import hooks as _hooks
 from autostate.slot_hooks import register_slot_hooks
+from autostate.unsortable import unsortable_keys_error
 from autostate.values import CONCRETE_LEAF_TYPES, TAKING_APART, opaque_items
 
 
@@ -275,19 +274,6 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _own_value(value: Any) -> Any:
-    """``value``, its lists and dicts copied: a states dict of its own, which
-    code changing the model's list in place (a helper's ``append``) leaves
-    alone. A numpy array becomes a jax array, as an assignment makes it (numpy's
-    ``+=`` would change the caller's array in place)."""
-    t = type(value)
-    if t is np.ndarray:
-        return jax.numpy.asarray(value)
-    if t in CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
-        return value  # the common state, decided by one look-up: a call is per state
-    return _values.copy_static(value, {}) if _values.is_mutable_static(value) else value
-
-
 def _static_write_error(slot: Any, value: Any, label: str | None) -> StaticStateError:
     """A functionalized call assigned another value to static state ``slot``
     (a ``HandledStaticState``): its value is ``f``'s structure."""
@@ -337,11 +323,41 @@ def _check_handled_write(name: str, label: str | None, old: Any, value: Any) -> 
         raise refused(_static_in_placeholder_error(name, label, value))
 
 
-def _split_statics(value: Any) -> tuple[Any, Any] | None:
-    """``split_static_values`` of a value holding Python values, else None."""
-    if type(value) in CONCRETE_LEAF_TYPES or not holds_static_values(value):
-        return None
-    return split_static_values(value)
+def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
+    """A frozen request's value is its child; the Python values inside a
+    container value are structure, as in a states dict (``States``), so a
+    model passed to ``jax.jit`` keeps them. A dict whose keys do not sort is
+    said in autostate's words (``unsortable_keys_error``)."""
+    value = r.state
+    try:
+        if type(value) in CONCRETE_LEAF_TYPES or not holds_static_values(value):
+            return (value,), (r.category, r.name, None)
+        stripped, static = split_static_values(value)
+    except (ValueError, TypeError):
+        error = unsortable_keys_error(value, getattr(r, "_note", None), r.name)
+        if error is None:
+            raise
+        raise error from None
+    return (stripped,), (r.category, r.name, static)
+
+
+def _flatten_frozen_with_keys(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
+    (value,), aux = _flatten_frozen(r)
+    return ((jax.tree_util.GetAttrKey("state"), value),), aux
+
+
+def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
+    category, name, static = aux
+    value = children[0] if static is None else join_static_values(children[0], static)
+    return FrozenLocalStateRequest(value, category, name)
+
+
+# The engine's frozen request is a pytree whose child is its value; which
+# values inside it are structure is this module's rule, so its flatten is
+# registered here, beside the states dict's.
+jax.tree_util.register_pytree_with_keys(
+    FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -456,17 +472,9 @@ jax.tree_util.register_pytree_node(
 _graph.register_node_kind(HandledStaticState, model_child=True, immutable=True)
 
 
-
-
 def static_slot(value: Any, category: Category, name: str | None) -> StaticState | None:
     """The slot of a state given ``value`` when that makes it static (``makes_static_state``)."""
     return StaticState(value, category, name) if makes_static_state(value) else None
 
 
-register_slot_hooks(
-    split_statics=_split_statics,
-    join_statics=join_static_values,
-    own_value=_own_value,
-    states_dict=states_dict,
-    check_handled_write=_check_handled_write,
-)
+register_slot_hooks(states_dict=states_dict, check_handled_write=_check_handled_write)

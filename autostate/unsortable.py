@@ -153,6 +153,4 @@ def _states_flatten_error(
     return _unsortable_states_error(values, _PROBLEMS[context], err, notes)
 
 
-register_slot_hooks(
-    value_flatten_error=unsortable_keys_error, states_flatten_error=_states_flatten_error
-)
+register_slot_hooks(states_flatten_error=_states_flatten_error)

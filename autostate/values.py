@@ -595,6 +595,29 @@ def copy_static(value: Any, memo: dict[int, Any]) -> Any:
 CONCRETE_LEAF_TYPES: set[type] = set()
 
 
+def own_value(value: Any) -> Any:
+    """``value`` as a state's holder keeps it: its mutable containers copied
+    (``copy_static``), so code changing the caller's list in place (a
+    helper's ``append``) leaves it alone, and a numpy array made a jax array,
+    as an assignment makes it (numpy's ``+=`` would change the caller's
+    array in place). A call binding a states dict, and a model frozen from
+    one, keep this of each entry.
+
+    Example:
+        >>> from autostate.values import own_value
+        >>> inner = [1]
+        >>> out = own_value({"a": inner})
+        >>> out == {"a": inner}, out["a"] is inner, type(own_value(np.ones(2))).__name__
+        (True, False, 'ArrayImpl')
+    """
+    t = type(value)
+    if t is np.ndarray:
+        return jax.numpy.asarray(value)
+    if t in CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
+        return value  # the common state, decided by one look-up: a call is per state
+    return copy_static(value, {}) if is_mutable_static(value) else value
+
+
 _ITERATOR_TYPES: dict[type, bool] = {}
 
 

@@ -7,7 +7,8 @@ handler ids and the slot protocol. The helpers the rest of autostate uses
 ``autostate.effects.local_state``. What the engine asks but does not decide
 (``autostate.slot_hooks``) lives with its owner: static states in
 ``autostate.state_values``, tracer lifetime, initial values and eager
-writes in ``autostate.lifetime``, the guard in ``autostate.guard``.
+writes in ``autostate.lifetime``; the guard asks the engine which instances
+run in a body (``in_running_body``).
 """
 
 from __future__ import annotations

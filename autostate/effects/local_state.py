@@ -21,14 +21,20 @@ such write; here it is the runtime's (the ``eager_write`` hook).
 
 What this module owns: penzai v1's requests and references, handling,
 freezing, hoisting, embedding and renaming, the handler ids (and which
-handler's call runs now, in this context), and the slot protocol. What it
-must not know about: source code (it walks trees with ``autostate.graph``),
-tracer lifetime, Python values that are structure (static states), dicts
-JAX cannot flatten, threads, the guard, and the wording of the front door's
-errors. Where its semantics meet those questions it asks them through
-``autostate.slot_hooks``, which their owners fill in; a slot kind the engine
-does not define (a static state, a host store, JAX's copy of a running
-model) takes part through the ``StateSlot`` methods.
+handler's call runs now, in this context, on which instances:
+``in_running_body``), and the slot protocol. What it must not know about:
+source code (it walks trees with ``autostate.graph``), tracer lifetime,
+Python values that are structure (static states), dicts JAX cannot flatten,
+threads and the guard. What can be an argument is one (the instances a
+call's caller names, ``run_with_states``'s ``instances``); a value's own copy
+is the value table's (``values.own_value``); the frozen request's pytree
+flatten is registered by the owner of static values
+(``autostate.state_values``); a slot kind the engine does not define (a
+static state, a host store, JAX's copy of a running model) takes part
+through the ``StateSlot`` methods. What is left, reached from penzai's front
+door or through the slot protocol on the engine's own slot types, it asks
+through ``autostate.slot_hooks`` (which says why each question stays there),
+whose answers their owners fill in.
 """
 
 from __future__ import annotations
@@ -62,10 +68,12 @@ from autostate.errors import (
     shared_request_read_error,
     sharing_mode_error,
     states_not_dict_error,
+    unhandled_ref_error,
     unhandled_request_error,
 )
 from autostate.slot_hooks import WriteNote
 from autostate.slot_hooks import hooks as _hooks
+from autostate.values import own_value
 
 Category = Hashable
 StateSharing = Literal["forbidden", "allowed", "unsafe"]
@@ -113,12 +121,16 @@ def fresh_handler_id() -> str:
 
 
 # handler id -> the call running under it now: ``(id, {state name -> cell},
-# outer, trace)``, ``outer`` the entry of a call with an equal id that this one
-# runs inside (one model's ``f`` called in another's method) or None, ``trace``
-# what the ``current_trace`` hook said when the call started (opaque here).
-_Running = tuple[Hashable, dict[str, "LocalStateEffectImpl"], Any, Any]
+# outer)``, ``outer`` the entry of a call with an equal id that this one runs
+# inside (one model's ``f`` called in another's method) or None.
+_Running = tuple[Hashable, dict[str, "LocalStateEffectImpl"], Any]
 _ACTIVE: contextvars.ContextVar[Mapping[Hashable, _Running]] = contextvars.ContextVar(
     "autostate_active_handlers", default=types.MappingProxyType({})
+)
+# The ids of the objects the bodies running now are made of, as their callers
+# named them (``run_with_states``'s ``instances``): what ``in_running_body`` asks.
+_BODY_INSTANCES: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_running_body_instances", default=frozenset()
 )
 
 
@@ -140,6 +152,13 @@ def running_calls() -> Iterator[_Running]:
         while entry is not None:
             yield entry
             entry = entry[2]
+
+
+def in_running_body(obj: Any) -> bool:
+    """Whether ``obj`` is one of the instances a running call named as its
+    body's (``run_with_states``'s ``instances``)."""
+    ids = _BODY_INSTANCES.get()
+    return bool(ids) and id(obj) in ids
 
 
 def handler_running() -> bool:
@@ -320,8 +339,8 @@ class FrozenLocalStateRequest(StateSlot):
     name: str | None = None
     # Kept for the runtime, opaque here: ``_home``, where the model holding the
     # request lives (``replaced`` keeps it: it is the model's, not the value's);
-    # ``_note``, what the runtime noted about the value, handed back to the
-    # flatten-error hooks. ``replaced`` leaves ``_note`` unset, so an eager
+    # ``_note``, what the runtime noted about the value, for its errors where
+    # JAX cannot flatten the value. ``replaced`` leaves ``_note`` unset, so an eager
     # write pays nothing for it: readers use ``getattr(..., None)``.
     _home: Any = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
     _note: WriteNote | None = dataclasses.field(
@@ -373,36 +392,9 @@ class FrozenLocalStateRequest(StateSlot):
         return _renamed(self, rename_fn)
 
 
-def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
-    # Python values inside a container state are structure here as in a
-    # states dict (the runtime's ``split_statics``): a model passed to
-    # ``jax.jit`` keeps them.
-    try:
-        split = _hooks.split_statics(r.state)
-    except (ValueError, TypeError):
-        error = _hooks.value_flatten_error(r.state, getattr(r, "_note", None), r.name)
-        if error is None:
-            raise
-        raise error from None
-    if split is not None:
-        return (split[0],), (r.category, r.name, split[1])
-    return (r.state,), (r.category, r.name, None)
-
-
-def _flatten_frozen_with_keys(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
-    (state,), aux = _flatten_frozen(r)
-    return ((jax.tree_util.GetAttrKey("state"), state),), aux
-
-
-def _unflatten_frozen(aux: tuple, children: Any) -> FrozenLocalStateRequest:
-    category, name, static = aux
-    state = children[0] if static is None else _hooks.join_statics(children[0], static)
-    return FrozenLocalStateRequest(state, category, name)
-
-
-jax.tree_util.register_pytree_with_keys(
-    FrozenLocalStateRequest, _flatten_frozen_with_keys, _unflatten_frozen, _flatten_frozen
-)
+# Its pytree flatten (the value a child; the Python values inside a container
+# value structure, as in a states dict) is registered by
+# ``autostate.state_values``, which owns which values are structure.
 _graph.register_node_kind(
     FrozenLocalStateRequest, model_child=True, witnessed=operator.attrgetter("state"),
     own_value=True,
@@ -582,11 +574,11 @@ class HandledLocalStateRef(StateSlot):
             cells = running[1]
         elif self.handler_id in _ACTIVE.get():
             # Another functionalized call with an equal id is running.
-            raise _hooks.unhandled_ref_error(self, "another call")
+            raise unhandled_ref_error(self, "another call")
         else:
             found = _hooks.cells_elsewhere(self)
             if found is None:
-                raise _hooks.unhandled_ref_error(self, "not running")
+                raise unhandled_ref_error(self, "not running")
             cells = found
         try:
             return cells[self.name]
@@ -669,8 +661,8 @@ class WithFunctionalLocalState:
 
     def __call__(self, argument: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         inner, states = argument
-        guard = _graph.instance_ids(self.body)
-        return run_with_states(self.handler_id, states, self.body, (inner,), {}, guard)
+        instances = _graph.instance_ids(self.body)
+        return run_with_states(self.handler_id, states, self.body, (inner,), {}, instances)
 
 
 class _BodyHolder:
@@ -714,28 +706,30 @@ def run_with_states(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict[str, Any],
-    guard: frozenset[int] = frozenset(),
+    instances: frozenset[int] = frozenset(),
 ) -> tuple[Any, dict[str, Any]]:
     """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``.
 
-    ``guard`` holds the ids of the body's decorated instances (the
-    ``guard_call`` hook): while ``fn`` runs, writes to them that are not state
-    writes are refused instead of landing on a copy the call throws away.
+    ``instances`` holds the ids of the objects the body is made of, as the
+    caller knows them (``in_running_body`` answers for them while ``fn``
+    runs: the guard refuses their writes that are not state writes, which
+    would land on a copy the call throws away).
     """
     if not isinstance(states, dict):
         raise states_not_dict_error(states)
     cells = {
-        # The call's own copy (the ``own_value`` hook): the caller's states,
+        # The call's own copy (``values.own_value``): the caller's states,
         # and a model sharing them, stay as they were.
-        name: LocalStateEffectImpl(_hooks.own_value(value), name)
+        name: LocalStateEffectImpl(own_value(value), name)
         for name, value in states.items()
     }
     outer = _ACTIVE.get()
-    trace = _hooks.current_trace()
-    running = (handler_id, cells, outer.get(handler_id) if outer else None, trace)
+    running = (handler_id, cells, outer.get(handler_id) if outer else None)
     token = _ACTIVE.set({**outer, handler_id: running} if outer else {handler_id: running})
-    call_token = _hooks.call_started(handler_id, cells, trace)
-    guard_token = _hooks.guard_call(guard)
+    ended = _hooks.call_started(handler_id, cells)
+    if instances:
+        around = _BODY_INSTANCES.get()
+        body_token = _BODY_INSTANCES.set(around | instances if around else instances)
     try:
         result = fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
@@ -748,9 +742,10 @@ def run_with_states(
             raise
         raise error from None
     finally:
-        _hooks.unguard_call(guard_token)
+        if instances:
+            _BODY_INSTANCES.reset(body_token)
         _ACTIVE.reset(token)
-        _hooks.call_ended(call_token)
+        ended()
     return result, _states_dict({name: cell.value for name, cell in cells.items()}, {})
 
 
@@ -931,7 +926,7 @@ def handle_local_states(
 
     def initial_states() -> dict[str, Any]:
         return _states_dict(
-            {name: _hooks.own_value(init()) for name, init in initializers.items()}, notes
+            {name: own_value(init()) for name, init in initializers.items()}, notes
         )
 
     return handler, (initial_states if lazy else initial_states())
@@ -974,24 +969,26 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
 def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
     """Replaces ``handler_id``'s references in ``body`` by frozen requests.
 
-    Each slot made here is handed to the ``lives_in`` hook with the trace
-    running now (``current_trace``): a model frozen there is built there.
+    The slots made here are handed to the ``made_here`` hook: a model frozen
+    inside a transformation is built there.
     """
     emitted: set[str] = set()
-    trace = _hooks.current_trace()
+    made: list[StateSlot] = []
 
     def is_target(node: Any) -> bool:
         return _slot_role(type(node)) is _HANDLED and node.handler_id == handler_id
 
     def replace(ref: Any, _path: str) -> Any:
-        return _hooks.lives_in(frozen(ref), trace)
+        slot = frozen(ref)
+        made.append(slot)
+        return slot
 
     def frozen(ref: Any) -> Any:
         if type(ref) is not HandledLocalStateRef:
             return ref.frozen()  # held in the structure (``handled_in_structure``)
         if ref.name not in states:
             raise freeze_missing_state_error(ref.name, states)
-        value = _hooks.own_value(states[ref.name])  # the model's own: the dict is the caller's
+        value = own_value(states[ref.name])  # the model's own: the dict is the caller's
         if not ref.was_explicitly_named:
             return FrozenLocalStateRequest(value, ref.category, None)
         if ref.name in emitted:
@@ -999,7 +996,9 @@ def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
         emitted.add(ref.name)
         return FrozenLocalStateRequest(value, ref.category, ref.name)
 
-    return _graph.map_tree(body, replace, is_target)
+    frozen_body = _graph.map_tree(body, replace, is_target)
+    _hooks.made_here(made)
+    return frozen_body
 
 
 def hoist_shared_state_requests(tree: Any, unsafe: bool = False) -> tuple[Any, dict[str, Any]]:

@@ -192,11 +192,12 @@ def test_no_module_assigns_attributes_of_another_module():
                     pytest.fail(f"{module}:{node.lineno} assigns {target.value.id}.{target.attr}")
 
 
-def _private_uses(module: str) -> list[str]:
+def _private_uses(module: str, source: str | None = None) -> list[str]:
     """The private names of other modules of the package that ``module`` uses:
-    imported by name (``from autostate.x import _y``) or read through a module
-    it imported (``_x._y``)."""
-    tree = ast.parse(MODULES[module].read_text())
+    imported by name (``from autostate.x import _y``), read through a module
+    it imported (``_x._y``, ``autostate.x._y``) or fetched by name
+    (``getattr(_x, "_y")``). ``source`` stands for the module's text."""
+    tree = ast.parse(MODULES[module].read_text() if source is None else source)
     modules: dict[str, str] = {}  # local name -> a module of the package
     found = []
     for node in ast.walk(tree):
@@ -209,24 +210,74 @@ def _private_uses(module: str) -> list[str]:
                     found.append(f"{module}:{node.lineno} imports {full}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("autostate") and alias.asname:
-                    modules[alias.asname] = alias.name
+                if alias.name.startswith("autostate"):
+                    # ``import autostate.x`` binds ``autostate``: ``autostate.x._y``
+                    # is read through the dotted name, below.
+                    modules[alias.asname or "autostate"] = alias.name if alias.asname else "autostate"
+
+    def module_of(value: ast.expr) -> str | None:
+        """The package's module an expression names (``_x``, ``autostate.x``)."""
+        if isinstance(value, ast.Name):
+            return modules.get(value.id)
+        if isinstance(value, ast.Attribute):
+            base = module_of(value.value)
+            dotted = f"{base}.{value.attr}" if base else None
+            return dotted if dotted in MODULES else None
+        return None
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id in modules
-            and modules[node.value.id] != module
-            and node.attr.startswith("_")
-            and not node.attr.startswith("__")
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            owner = module_of(node.value)
+            if owner is not None and owner != module:
+                found.append(f"{module}:{node.lineno} reads {owner}.{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and private(node.args[1].value)
         ):
-            found.append(f"{module}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
+            owner = module_of(node.args[0])
+            if owner is not None and owner != module:
+                found.append(f"{module}:{node.lineno} reads {owner}.{node.args[1].value}")
     return found
 
 
 def test_no_module_uses_a_private_name_of_another():
     found = [use for module in MODULES for use in _private_uses(module)]
     assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_sees_every_way_of_reaching_one():
+    source = """
+from autostate.graph import _walk
+from autostate import graph as _g
+from autostate.effects import local_state
+import autostate.effects.local_state
+import autostate.values as v
+_g._kinds
+local_state._ACTIVE
+autostate.effects.local_state._ACTIVE
+v._classify
+getattr(_g, "_kinds")
+_g.map_tree, v.kind_of, getattr(_g, "__name__"), vars(_g)["x"]
+"""
+    found = [use.split(" ", 1)[1] for use in _private_uses("autostate.api", source)]
+    assert sorted(found) == sorted([
+        "imports autostate.graph._walk",
+        "reads autostate.graph._kinds",
+        "reads autostate.effects.local_state._ACTIVE",
+        "reads autostate.effects.local_state._ACTIVE",
+        "reads autostate.values._classify",
+        "reads autostate.graph._kinds",
+    ])
+    # A module's own private names are its own.
+    assert _private_uses("autostate.graph", "from autostate import graph as g\ng._x") == []
 
 
 def test_the_checks_see_the_real_imports():

@@ -38,7 +38,7 @@ from tolerance import tolerance
 
 import autostate
 from autostate import effects as _engine
-from autostate import guard as _guard
+from autostate.effects import local_state as _local_state
 from semantics.programs_shared import BUILDS, KEY, LIBRARY
 
 Loader = Callable[..., types.ModuleType]
@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 import autostate
 from autostate import guard as _guard
+from autostate.effects import local_state as _local_state
 from autostate import effects as _engine
 TRACES = []
 """
@@ -1111,7 +1112,7 @@ def jit_counted(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
 def no_handler_left() -> None:
     """Nothing of a call outlives it: no handler running, no instance guarded."""
     assert not _engine.handler_running(), "a handler is still running after the call"
-    assert not _guard._GUARDED.get(), "instances are still guarded after the call"
+    assert not _local_state._BODY_INSTANCES.get(), "instances are still guarded after the call"
 
 
 def train_compare(

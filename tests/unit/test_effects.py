@@ -852,3 +852,12 @@ def test_lazy_handler_states_equal_eager_ones(write_module: Loader) -> None:
     assert_bits(states, thunk(), bitwise=True)
     out, _ = f(thunk(), jnp.ones(3))
     assert_bits(dec.Mixed(3)(jnp.ones(3)), out, bitwise=True)
+
+
+def test_a_reference_used_after_its_call_names_the_reason():
+    ref = autostate.HandledLocalStateRef("h", "count", True, "state")
+    with pytest.raises(UnhandledLocalStateError, match="handler 'h', which is not running"):
+        ref.get()
+    another = errors.unhandled_ref_error(ref, "another call")
+    assert type(another) is UnhandledLocalStateError
+    assert "another model's call" in str(another) and "'count'" in str(another)

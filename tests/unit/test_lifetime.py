@@ -11,12 +11,15 @@ import pytest
 
 import autostate
 from autostate import lifetime
-from autostate.effects.local_state import FrozenLocalStateRequest, InitialLocalStateRequest
+from autostate.effects.local_state import (
+    FrozenLocalStateRequest,
+    InitialLocalStateRequest,
+    running_calls,
+)
 from autostate.errors import (
     ControlFlowStateError,
     EscapedStateError,
     TracedEagerStateError,
-    UnhandledLocalStateError,
 )
 from autostate.state_values import StaticState
 
@@ -227,15 +230,6 @@ def test_recording_state_reads_collects_the_handled_states_read_in_nested_blocks
     assert outer == ["n"] * 4
 
 
-def test_a_reference_used_after_its_call_names_the_reason():
-    ref = autostate.HandledLocalStateRef("h", "count", True, "state")
-    another = lifetime._unhandled_ref_error(ref, "another call")
-    assert type(another) is UnhandledLocalStateError
-    assert "another model's call" in str(another) and "'count'" in str(another)
-    ended = lifetime._unhandled_ref_error(ref, "not running")
-    assert "handler 'h'" in str(ended) and "not running" in str(ended)
-
-
 def test_the_calls_running_are_tracked_and_forgotten_when_they_end():
     seen = []
 
@@ -245,12 +239,15 @@ def test_the_calls_running_are_tracked_and_forgotten_when_they_end():
             self.n = jnp.zeros(())
 
         def __call__(self, x):
-            seen.append(len(lifetime._ANY_THREAD))
+            seen.append((len(lifetime._CALLS), lifetime.trace_of_call(next(running_calls()))))
             self.n = self.n + x
             return self.n
 
-    before = len(lifetime._ANY_THREAD)
+    before = len(lifetime._CALLS)
     f, states = Probe().functionalize()
     f(states, 1.0)
-    assert seen == [before + 1]
-    assert len(lifetime._ANY_THREAD) == before
+    assert seen == [(before + 1, None)]
+    assert len(lifetime._CALLS) == before
+    traces = []
+    jax.jit(lambda s, x: traces.append(lifetime.current_trace()) or f(s, x))(states, 1.0)
+    assert seen[-1][1] is traces[0] is not None  # the trace the call started in

@@ -2,15 +2,18 @@
 
 The defaults are penzai's (nothing tracked, nothing refused); importing
 ``autostate`` registers the runtime's answers; a hook name the engine does not
-ask is refused.
+ask is refused. What can be an argument or a method is one, and asks no hook.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import autostate
 from autostate import guard, lifetime, state_values, unsortable
+from autostate.effects import local_state
 from autostate.errors import InvalidArgumentError, UnhandledLocalStateError
 from autostate.slot_hooks import SlotHooks, hooks, register_slot_hooks
 
@@ -18,33 +21,67 @@ from autostate.slot_hooks import SlotHooks, hooks, register_slot_hooks
 def test_the_defaults_are_penzais():
     defaults = SlotHooks()
     value = {"a": 1}
-    assert defaults.current_trace() is None
     request = autostate.FrozenLocalStateRequest(1.0, "state")
     with pytest.raises(UnhandledLocalStateError):
         defaults.eager_write(request, value, "a")
-    assert defaults.lives_in(request, None) is request
-    assert defaults.split_statics(value) is None
-    assert defaults.own_value(value) is value
+    assert defaults.made_here([request]) is None and request._home is None
+    assert defaults.check_read("a", value, None) is None
+    assert defaults.check_handled_write("a", None, None, 1) is None
+    assert defaults.cells_elsewhere(None) is None
+    defaults.call_started("h", {})()  # nothing recorded, nothing to end
     assert defaults.states_dict(value) is value
-    assert defaults.join_statics(value, None) is value
     assert defaults.states_flatten_error(value, "states", ValueError(), {}) is None
 
 
-def test_the_default_unhandled_error_names_the_state_and_its_handler():
-    ref = autostate.HandledLocalStateRef("h", "count", True, "state")
-    error = SlotHooks().unhandled_ref_error(ref, "not running")
-    assert type(error) is UnhandledLocalStateError
-    assert "'count'" in str(error) and "'h'" in str(error)
-
-
 def test_importing_autostate_registers_each_owners_answers():
-    assert hooks.current_trace is lifetime.current_trace
     assert hooks.eager_write is lifetime.written_slot
-    assert hooks.own_value is state_values._own_value
-    assert hooks.value_flatten_error is unsortable.unsortable_keys_error
-    assert hooks.unguard_call == guard._GUARDED.reset
+    assert hooks.made_here is lifetime.made_here
+    assert hooks.states_dict is state_values.states_dict
+    assert hooks.states_flatten_error.__module__ == unsortable.__name__
+
+
+def test_eight_questions_are_left():
+    # Each is reached from penzai's front door or through the slot protocol on
+    # a slot type the engine defines: no caller of the runtime's can pass it.
+    assert SlotHooks.__slots__ == (
+        "eager_write",
+        "made_here",
+        "check_read",
+        "check_handled_write",
+        "call_started",
+        "cells_elsewhere",
+        "states_dict",
+        "states_flatten_error",
+    )
 
 
 def test_a_hook_the_engine_does_not_ask_is_refused():
-    with pytest.raises(InvalidArgumentError, match="no slot hook named 'check_writes'"):
-        register_slot_hooks(check_writes=lambda value, label, home: None)
+    with pytest.raises(InvalidArgumentError, match="no slot hook named 'guard_call'"):
+        register_slot_hooks(guard_call=lambda ids: None)
+
+
+def test_the_guard_asks_the_engine_which_instances_run_in_a_body():
+    body = {"x": 1}
+    seen = []
+
+    def call(x):
+        seen.append(guard.is_guarded(body))
+        return x
+
+    local_state.run_with_states("h", {}, call, (1.0,), {}, frozenset({id(body)}))
+    local_state.run_with_states("h", {}, call, (1.0,), {})
+    assert seen == [True, False]
+    assert not local_state.in_running_body(body)
+
+
+def test_a_model_frozen_inside_a_trace_lives_there():
+    @jax.jit
+    def step(x):
+        handler, states = autostate.handle_local_states(
+            [autostate.FrozenLocalStateRequest(x, "c")], category="c"
+        )
+        frozen = autostate.freeze_local_states(handler, states)
+        assert lifetime.home_of(frozen[0]) is lifetime.current_trace() is not None
+        return frozen[0].state
+
+    assert step(jnp.ones(())) == 1.0

@@ -176,17 +176,3 @@ def test_jit_traces_once_per_python_value_in_a_states_dict():
     assert jitted(sv.States({"shape": (2,)})).shape == (2,)
     assert jitted(sv.States({"shape": (3,)})).shape == (3,)
     assert traces == [(2,), (3,)]
-
-
-def test_own_value_copies_containers_and_makes_numpy_arrays_jax_arrays():
-    array = jnp.ones(2)
-    assert sv._own_value(array) is array
-    got = sv._own_value(np.ones(2))
-    assert isinstance(got, jax.Array)
-    inner = [array]
-    value = {"xs": inner}
-    copy = sv._own_value(value)
-    assert copy == value and copy is not value and copy["xs"] is not inner
-    assert copy["xs"][0] is array
-    frozen = (1, 2)
-    assert sv._own_value(frozen) is frozen

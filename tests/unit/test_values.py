@@ -371,3 +371,17 @@ def test_a_container_subclass_is_filled_by_its_kind(value: Any) -> None:
 def test_is_iterator_is_decided_per_type():
     assert values.is_iterator(iter([1])) and values.is_iterator(x for x in ())
     assert not values.is_iterator([1]) and not values.is_iterator(jnp.zeros(1))
+
+
+def test_own_value_copies_containers_and_makes_numpy_arrays_jax_arrays():
+    array = jnp.ones(2)
+    assert values.own_value(array) is array
+    got = values.own_value(np.ones(2))
+    assert isinstance(got, jax.Array)
+    inner = [array]
+    value = {"xs": inner}
+    copy = values.own_value(value)
+    assert copy == value and copy is not value and copy["xs"] is not inner
+    assert copy["xs"][0] is array
+    frozen = (1, 2)
+    assert values.own_value(frozen) is frozen
