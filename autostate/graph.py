@@ -41,7 +41,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import dis
 import functools
 import gc
 import itertools
@@ -113,9 +115,12 @@ class NodeKind:
             step or example gets one layer; a ``for`` loop over it is rolled.
         must_roll: ``node -> bool``: whether a loop over such a stack that
             cannot be rolled into one scan is an error.
-        reached: ``node -> [object]``: what code that reaches the node reaches
-            besides its children (a layer's state slot: the stacked model it
-            reads; a stack: its stacked model).
+        reached: ``node -> [object]``: what code that holds the node reaches
+            through it, the step of ``reachable_instances``' walk (a list's
+            items, a function's cells and defaults, a method's instance and
+            function, an instance's attributes, a layer's state slot: the
+            stacked model it reads; a stack: its stacked model). ``None``:
+            code reaches nothing through it.
         own_value: a state slot holding its own value: the eager states a
             ``lax`` body reaches in it are threaded through the body.
         from_leaves: ``(aux, leaves) -> node``: the node made straight from
@@ -164,8 +169,11 @@ _WITNESSED: dict[type, Callable[[Any], Any] | None] = {}
 # that hold their own value.
 STACKS: dict[type, Callable[[Any], Any]] = {}
 MUST_ROLL: dict[type, Callable[[Any], bool]] = {}
-REACHED: dict[type, Callable[[Any], list[Any]]] = {}
 OWN_VALUE_SLOTS: set[type] = set()
+# ``reachable_instances``': per type, its ``reached`` step and what a node of
+# it is there (``_REACHED_ONLY``, ``_REACHED_INSTANCE``, ``_REACHED_CONTAINER``).
+_REACHED: dict[type, tuple[Callable[[Any], Iterable[Any]], int]] = {}
+_REACHED_ONLY, _REACHED_INSTANCE, _REACHED_CONTAINER = range(3)
 # The rebuild's: the kinds made straight from their leaves.
 _FROM_LEAVES: dict[type, Callable[[Any, list[Any]], Any]] = {}
 
@@ -244,17 +252,30 @@ def _install(kind: NodeKind) -> None:
         _HELD[cls] = kind.held
     if kind.witnessed is not None or kind.immutable:
         _WITNESSED[cls] = kind.witnessed
+    reached = kind.reached
     if kind.stacked is not None:
         stacked = kind.stacked
         STACKS[cls] = stacked
         MUST_ROLL[cls] = kind.must_roll or (lambda node: False)
-        REACHED[cls] = lambda node: [stacked(node)]
-    if kind.reached is not None:
-        REACHED[cls] = kind.reached
+        if reached is None:
+            reached = lambda node: [stacked(node)]  # noqa: E731
+    if reached is not None:
+        _REACHED[cls] = (reached, _reached_role(cls, kind.by_identity))
     if kind.own_value:
         OWN_VALUE_SLOTS.add(cls)
     if kind.from_leaves is not None:
         _FROM_LEAVES[cls] = kind.from_leaves
+
+
+def _reached_role(cls: type, by_identity: bool) -> int:
+    """What ``reachable_instances`` takes a ``cls`` node it reaches for: an
+    instance, a container a body may change in place (a list or dict, or a
+    subclass of one; a tuple subclass too), or neither."""
+    if by_identity:
+        return _REACHED_INSTANCE
+    if cls is not tuple and issubclass(cls, (list, tuple, dict)):
+        return _REACHED_CONTAINER
+    return _REACHED_ONLY
 
 
 def is_stateful_instance(value: Any) -> bool:
@@ -696,6 +717,246 @@ def held_parts(value: Any) -> list[tuple[str, Any]] | None:
     return None if how is None else how(value)
 
 
+# --- the containers a model holds outside its states ----------------------------
+# Inside a traced call (a jitted ``f``, a ``lax`` body) a list or dict that is
+# not state cannot change in place as plain Python would change it: the change
+# is made once per trace, and a traced value put there outlives the trace. The
+# guard snapshots these containers before such a call (``mutable_statics``),
+# and each container's value kind compares and restores it
+# (``values.Kind.same`` / ``restore``). They are not nodes of the model graph
+# (a list of numbers is static data there): the walk follows the value kinds
+# (a container's items, a tuple's, a plain object's ``__dict__``) with the one
+# loop of ``iter_tree``.
+
+
+def mutable_statics(
+    instances: list[Any], values: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[Any, Any, str]]:
+    """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
+    deque or bytearray the model's instances hold outside their states, at
+    any depth of containers, tuples and plain objects (whose ``__dict__`` is
+    taken as one), and for those of the instances' classes (``shared = []``
+    in a class body); and for those in ``values`` (``(label, value)``: the
+    states a ``lax`` body may reach through a reference taken outside it).
+
+    Inside a traced call such a container is a copy the call throws away
+    (or, for ``f``'s own model, one a later call starts from): a change in
+    place (``self.log.append(x)``) would be lost with the trace, or keep a
+    tracer. The guard refuses it; a refused call puts the old contents back.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Logged:
+        ...     def __init__(self):
+        ...         self.log = [[1], (2, {3: 4})]
+        >>> [(c, where) for c, _, where in mutable_statics([Logged()])]
+        [([[1], (2, {3: 4})], 'Logged.log'), ([1], 'Logged.log'), ({3: 4}, 'Logged.log')]
+    """
+    saved: list[tuple[Any, Any, str]] = []
+    seen: set[int] = set()  # shared by the walks from every root: a container is saved once
+
+    def visit(value: Any, where: str) -> None:
+        walk = iter_tree(
+            value, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
+        )
+        for _, c in walk:
+            saved.append((c, kind_of(c).copy(c), where))  # type: ignore[misc]
+
+    classes: dict[type, None] = {}
+    for obj in instances:
+        cls = type(obj)
+        classes[cls] = None
+        for name, value in obj.__dict__.items():
+            if _may_hold_containers(value):  # (most attributes: no walk)
+                visit(value, f"{cls.__name__}.{name}")
+    for cls in classes:
+        for klass in cls.__mro__[:-1]:
+            for name, value in list(vars(klass).items()):
+                if _values.is_mutable(value) and not name.startswith("__"):
+                    visit(value, f"{klass.__name__}.{name}")
+    for label, value in values:
+        if _may_hold_containers(value):
+            visit(value, label)
+    return saved
+
+
+def _may_hold_containers(value: Any) -> bool:
+    """Not a leaf, a decorated instance (visited as one of the instances) or a
+    ``shared`` node (a handled slot: frozen and childless)."""
+    t, kind = type(value), kind_of(value)
+    return not (kind.atom or kind.array or t in STATEFUL_CLASSES or t in _SHARED_NODES)
+
+
+def _held_outside_states(value: Any) -> list[tuple[str, Any]]:
+    """The step of ``mutable_statics``'s walk: a container's items (a set's or
+    bytearray's aside), a tuple's, a plain object's ``__dict__`` (a dict)."""
+    kind = kind_of(value)
+    if kind is _values.SET or kind is _values.BYTEARRAY:
+        return []
+    if kind.mutable or kind is _values.TUPLE:
+        items = value.values() if isinstance(value, dict) else value
+        return [("", item) for item in items if _may_hold_containers(item)]
+    d = plain_attributes(value)
+    return [] if d is None else [("", d)]
+
+
+# --- what code reaches ----------------------------------------------------------
+# A ``lax`` body, or a function ``autostate.jit`` compiles, reaches models through
+# what its code holds: its closure cells and defaults, a bound method's
+# instance, a partial's arguments, and what those hold in turn. The step from
+# a node is its kind's ``reached`` field (one dict look-up per node); a
+# subclass of a list, tuple, dict or ``functools.partial`` is walked as its
+# base is.
+
+
+def reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
+    """Decorated instances code holding ``roots`` reaches (closures, bound
+    methods, operands), once each; the lists and dicts met on the way go into
+    ``containers``. Last first: the order that names two instances' states
+    ``Linear.w``, ``Linear.w'``.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> model, log = Scale(), []
+        >>> body = lambda x, m=model: m.w * x  # (reaches its defaults and cells)
+        >>> found = reachable_instances((body, [log]), containers := [])
+        >>> found == [model], containers == [[log], log]
+        (True, True)
+    """
+    found: list[Any] = []
+    visited: set[int] = set()
+    steps = _REACHED
+    holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
+    stack = [root for root in roots if not holds_nothing(root)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        node = pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        step = steps.get(type(node)) or _reached_by_base(node)
+        if step is None:
+            continue
+        reached, role = step
+        if role == _REACHED_INSTANCE:
+            found.append(node)
+        elif role == _REACHED_CONTAINER:
+            containers.append(node)
+        push([item for item in reached(node) if not holds_nothing(item)])
+    return found
+
+
+def _reached_by_base(node: Any) -> tuple[Callable[[Any], Iterable[Any]], int] | None:
+    """The ``reached`` step of a subclass of a list, tuple, dict or partial
+    (none of its own): its base's."""
+    for base in (list, dict, tuple, functools.partial):
+        if isinstance(node, base):
+            return _REACHED[base][0], _reached_role(type(node), False)
+    return None
+
+
+def _function_reached(function: Any) -> list[Any]:
+    """What a function's code holds: its cells, defaults and ``__wrapped__``."""
+    items = []
+    for cell in function.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            items.append(cell.cell_contents)
+    items.extend(function.__defaults__ or ())
+    wrapped = getattr(function, "__wrapped__", None)
+    if wrapped is not None:
+        items.append(wrapped)
+    return items
+
+
+def code_reaches(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """``(how, value)`` for what ``fn``'s code reaches that may hold a model:
+    what its closure and defaults reach (``reachable_instances``), the
+    globals it and the functions it calls by a global name load (to a depth
+    of four, libraries aside), the attributes of a global module its code
+    reads, and the ``__dict__`` of the plain object it is a method of (or of
+    a callable object). ``autostate.jit`` refuses a model found there that is
+    not an argument.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> MODEL = Scale()
+        >>> [how for how, _ in code_reaches(lambda x: MODEL.w * x)]
+        ["the global 'MODEL'"]
+    """
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(function: Any, depth: int) -> None:
+        if id(function) in seen or depth > 4:
+            return
+        seen.add(id(function))
+        found.extend(("its closure", obj) for obj in reachable_instances((function,), []))
+        code = getattr(function, "__code__", None)
+        if code is None:
+            return
+        globals_ = getattr(function, "__globals__", {})
+        for name in _global_names(code):
+            value = globals_.get(name)
+            if value is None:
+                continue
+            if holds_instance(value):
+                found.append((f"the global {name!r}", value))
+            elif isinstance(value, types.FunctionType) and not _library(value):
+                visit(value, depth + 1)
+            elif isinstance(value, types.ModuleType) and not _library(value):
+                # ``module.MODEL`` read by the code: an attribute of a global module.
+                for attr in code.co_names:
+                    held = getattr(value, attr, None)
+                    if held is not None and holds_instance(held):
+                        found.append((f"the module attribute {name}.{attr}", held))
+
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        # A method of a plain object (``autostate.jit(evaluator.run)``): the
+        # models that object holds are read through ``self``.
+        held = getattr(owner, "__dict__", None)
+        if held is not None:
+            found.append(("the object its method is bound to", held))
+    elif not isinstance(fn, types.FunctionType | types.MethodType):
+        held = getattr(fn, "__dict__", None)  # (a callable object's)
+        if held is not None:
+            found.append(("the callable object", held))
+    visit(getattr(fn, "__func__", fn), 0)
+    return found
+
+
+def _library(function: Any) -> bool:
+    """A function (or module) of JAX, NumPy, autostate or another library the walk skips."""
+    if isinstance(function, types.ModuleType):
+        module = function.__name__
+    else:
+        module = getattr(function, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "autostate", "optax", "flax", "equinox",
+                        "haiku", "functools", "typing", "builtins"})
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions nested in it load (not the
+    attribute names, which ``co_names`` holds too)."""
+    names = {
+        str(op.argval) for op in dis.get_instructions(code)
+        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
 # --- per-instance pytree ------------------------------------------------------
 
 # id(instance) -> (weakref, attribute names, aux) for instances built by unflatten:
@@ -903,9 +1164,14 @@ def register_stateful_class(
             fill=_fill_instance,
             model_child=True,
             after_copy=after_copy,
+            reached=_instance_reached,
         )
     elif kind.after_copy is not after_copy:
         _install(dataclasses.replace(kind, after_copy=after_copy))
+
+
+def _instance_reached(obj: Any) -> Iterable[Any]:
+    return obj.__dict__.values()
 
 
 def _instance_children(obj: Any) -> list[tuple[str, Any]]:
@@ -1824,22 +2090,36 @@ register_node_kind(
     children=lambda v: [(f"[{i}]", x) for i, x in enumerate(v)],
     rebuild=lambda _v, children: children,
     copied=True,
+    reached=iter,
 )
 register_node_kind(
     tuple,
     children=lambda v: [(f"[{i}]", x) for i, x in enumerate(v)],
     rebuild=lambda _v, children: tuple(children),
     copied=True,
+    reached=iter,
 )
 register_node_kind(
     dict,
     children=lambda v: [(f"[{k!r}]", x) for k, x in v.items()],
     rebuild=lambda v, children: dict(zip(v, children)),
     copied=True,
+    reached=dict.values,
 )
+# Code reaching a method reaches its instance and its function; one reaching a
+# function, its cells, defaults and ``__wrapped__`` (a weak reference: nothing).
+_CALLABLE_REACHED: dict[type, Callable[[Any], Iterable[Any]]] = {
+    types.MethodType: lambda m: (m.__self__, m.__func__),
+    types.FunctionType: _function_reached,
+}
 for _callable in _CALLABLES:
-    register_node_kind(_callable, children=_callable_children, rebuild=_rebind_callable)
-del _callable
+    register_node_kind(
+        _callable,
+        children=_callable_children,
+        rebuild=_rebind_callable,
+        reached=_CALLABLE_REACHED.get(_callable),
+    )
+del _callable, _CALLABLE_REACHED
 
 # What reaches a model through another object JAX takes as one leaf, which
 # f's copy cannot be rebound through: a ``functools.partial`` of a method, a
@@ -1855,5 +2135,11 @@ _held_by: tuple[tuple[type, Callable[[Any], list[tuple[str, Any]]]], ...] = (
     (filter, _lazy_parts),
 )
 for _type, _held in _held_by:
-    register_node_kind(_type, held=_held)
+    register_node_kind(
+        _type,
+        held=_held,
+        # Code reaching a partial reaches its function and arguments.
+        reached=(lambda p: (p.func, *p.args, *p.keywords.values()))
+        if _type is functools.partial else None,
+    )
 del _held_by, _type, _held

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import types
 import weakref
 from typing import Any
 
@@ -694,9 +695,72 @@ def test_a_node_kind_is_one_record_every_walk_and_transformation_reads() -> None
     node = Wrapped(jnp.ones(2))
     assert graph.STACKS[Wrapped](node) is node.inner
     assert graph.MUST_ROLL[Wrapped](node) is True
-    assert graph.REACHED[Wrapped](node) == [node.inner]
     model = _Witnessed()
+    assert graph.reachable_instances((Wrapped(model),), []) == [model]  # (through its stacked model)
     model.extra = node
     witness = graph.Witness.of([model])
     assert witness is not None and witness.unchanged()  # (immutable: taken as it is)
     assert graph.children_of(node) == [(".inner", node.inner)]
+
+
+# --- what code reaches -----------------------------------------------------------
+
+
+def test_reachable_instances_follow_code_last_first_and_collect_containers() -> None:
+    first, second = Leaf(1), Leaf(2)
+    log: list[Any] = []
+    table = {"k": second}
+    ordered = collections.OrderedDict(k=first)  # (a dict subclass: walked as a dict)
+
+    def body(x: Any, scale: Any = table) -> Any:  # a cell and a default
+        return first(x) * len(log)
+
+    containers: list[Any] = []
+    found = graph.reachable_instances((functools.partial(body, 1.0),), containers)
+    # Last first: the default (the dict) before the cells.
+    assert found == [second, first]
+    assert table in containers and log in containers
+    assert graph.reachable_instances((second.__call__, ordered), []) == [first, second]
+    assert graph.reachable_instances((weakref.ref(first), 3, jnp.ones(2)), []) == []
+
+
+def test_code_reaches_closures_globals_called_functions_and_module_attributes() -> None:
+    model, other = Leaf(1), Leaf(2)
+    module = types.ModuleType("user_module")
+    module.MODEL = other  # type: ignore[attr-defined]
+    namespace: dict[str, Any] = {"MODEL": model, "jnp": jnp, "mod": module}
+    exec(  # (functions of a user module: globals of their own)
+        "def helper(x):\n    return MODEL.w * x\n\n"
+        "def step(x):\n    return helper(x) + mod.MODEL.w + jnp.ones(2)\n",
+        namespace,
+    )
+    found = graph.code_reaches(namespace["step"])
+    assert ("the global 'MODEL'", model) in found  # through the function it calls
+    assert ("the module attribute mod.MODEL", other) in found
+    assert graph.code_reaches(lambda x: model(x)) == [("its closure", model)]
+
+    class Evaluator:
+        def __init__(self) -> None:
+            self.model = model
+
+        def run(self, x: Any) -> Any:
+            return x
+
+    evaluator = Evaluator()
+    assert graph.code_reaches(evaluator.run) == [
+        ("the object its method is bound to", evaluator.__dict__)
+    ]
+
+
+def test_global_names_and_libraries_of_a_function() -> None:
+    def outer():
+        def inner():
+            return np.zeros(1) + jnp.ones(1)
+
+        return inner
+
+    assert {"np", "jnp"} <= graph._global_names(outer.__code__)
+    assert graph._library(np.zeros) and graph._library(jnp)
+    assert graph._library(autostate.jit)
+    assert not graph._library(outer)
+    assert not graph._library(types.ModuleType("user_module"))
