@@ -541,7 +541,11 @@ def _shown(value: Any) -> str:
 def _view(obj: Any, i: int, depth: int, memo: dict[int, Any], where: str) -> Any:
     """Layer ``i`` of the stacked instance ``obj``: a new instance of its class whose
     states read and write their slice of ``obj``'s and whose other arrays are their
-    slices; sub-models are views too (``memo``: one per stacked instance)."""
+    slices; sub-models are views too (``memo``: one per stacked instance).
+
+    Every attribute is rebuilt by the graph's walk (``graph.map_tree``); the
+    instances are made here, since a state's ``LayerSlot`` needs its owner and
+    attribute, which ``map_tree``'s ``replace(node, name)`` does not see."""
     seen = memo.get(id(obj))
     if seen is not None:
         return seen

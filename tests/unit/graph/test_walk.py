@@ -546,3 +546,34 @@ def test_global_names_and_libraries_of_a_function() -> None:
     assert graph.walk._library(autostate.jit)
     assert not graph.walk._library(outer)
     assert not graph.walk._library(types.ModuleType("user_module"))
+
+
+# --- the containers outside states -------------------------------------------------
+
+
+def test_mutable_statics_finds_each_container_outside_states_once() -> None:
+    @autostate.stateful
+    class Holder:
+        registry: Any = []  # (a class attribute: shared by every instance)
+
+        def __init__(self) -> None:
+            self.log = [[1], (2, {3: 4})]
+            self.again = self.log  # (one container, saved once)
+            self.tags = {"a"}  # (a set: saved, its items not walked)
+            self.plain = types.SimpleNamespace(items=[5])
+
+    holder = Holder()
+    saved = graph.mutable_statics([holder], [("captured", [6])])
+    found = [(c, where) for c, _, where in saved]
+    assert found == [
+        (holder.log, "Holder.log"),
+        (holder.log[0], "Holder.log"),
+        (holder.log[1][1], "Holder.log"),
+        (holder.tags, "Holder.tags"),
+        (vars(holder.plain), "Holder.plain"),
+        (holder.plain.items, "Holder.plain"),
+        (Holder.registry, "Holder.registry"),
+        ([6], "captured"),
+    ]
+    holder.log[0].append(2)
+    assert [c is holder.log[0] for c, copy, _ in saved if c != copy] == [True]
