@@ -13,7 +13,9 @@ in four steps:
 - **snapshot** before the call: the instances' ``__dict__`` (``f``), the
   lists, dicts, sets and deques they hold outside their states (under a
   trace, or on a copy of ``f``'s model; always for a ``lax`` body), and the
-  flattened graph (``f`` under a trace);
+  flattened graph (``f`` under a trace): what changed is graph's to say
+  (``graph.mutable_statics`` / ``changed_statics`` / ``restore_statics``,
+  ``graph.graph_unchanged``);
 - **refuse as it happens** a write that cannot be a state write
   (``check_write``, the setattr guard; ``refuse_submodel_swap``): it is
   recorded, so a refusal the user's code catches is raised again when the
@@ -60,7 +62,6 @@ import jax
 
 from autostate import graph as _graph
 from autostate import tree as _tree
-from autostate import values as _values
 from autostate.effects.local_state import StateSlot
 from autostate.errors import (
     AutostateError,
@@ -289,11 +290,10 @@ class Guard:
         as JAX runs the body, and stays)."""
         from autostate.lifetime import contains_tracer  # (the layer above: see check_write)
 
-        same = _same_contents
         return list(dict.fromkeys(
             where
-            for value, contents, where in self.containers
-            if not same(value, contents) and (not self.lax_body or contains_tracer(value))
+            for value, where in _graph.changed_statics(self.containers)
+            if not self.lax_body or contains_tracer(value)
         ))
 
     def _compare(self) -> None:
@@ -316,7 +316,7 @@ class Guard:
         ``lax`` body's tracer in a container stands in for a plain error."""
         changed = self._changed_containers() if self.containers else []
         if changed or not self.lax_body:
-            _restore_containers(self.containers)
+            _graph.restore_statics(self.containers)
         for obj, before in self.dicts:
             d = obj.__dict__
             if not _dict_kept(d, before):
@@ -680,26 +680,3 @@ def explain_traced_value(
         "keeps static (one compilation per value), or pass it as a static argument.",
     )
     return traced_value_error(raised, "\n".join([message, "  JAX's error:", *jax_lines]))
-
-
-# --- the containers a model holds outside its states: found, compared, put back ------
-# Inside a traced call (a jitted ``f``, a ``lax`` body) a list or dict that is
-# not state cannot change in place as plain Python would change it: the change
-# is made once per trace, and a traced value put there outlives the trace. The
-# guard snapshots these containers before such a call, and refuses (and undoes)
-# a change after it; each container's kind compares and restores it
-# (``values.Kind.same`` / ``restore``).
-
-
-def _same_contents(value: Any, contents: Any) -> bool:
-    """Whether a container holds exactly what its copy held (its kind's ``same``)."""
-    return _values.kind_of(value).same(value, contents)  # type: ignore[misc]
-
-
-def _restore_containers(saved: Any) -> None:
-    """Puts back the contents of every container of ``saved`` (``mutable_statics``)
-    that changed (its kind's ``restore``)."""
-    for value, contents, _where in saved:
-        kind = _values.kind_of(value)
-        if not kind.same(value, contents):  # type: ignore[misc]
-            kind.restore(value, contents)  # type: ignore[misc]

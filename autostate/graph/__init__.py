@@ -52,6 +52,7 @@ from autostate.graph.kinds import (
 if TYPE_CHECKING:
     from autostate.graph.walk import (
         GraphDef,
+        changed_statics,
         children_of,
         code_reaches,
         flatten_graph,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
         reachable_instances,
         rebuild_instances,
         register_stateful_class,
+        restore_statics,
         rewrite_attributes,
         unflatten_graph,
     )
@@ -87,6 +89,7 @@ __all__ = [
     "NodeKind",
     "Witness",
     "attr_name",
+    "changed_statics",
     "children_of",
     "code_reaches",
     "flatten_graph",
@@ -117,6 +120,7 @@ __all__ = [
     "rebuild_instances",
     "register_node_kind",
     "register_stateful_class",
+    "restore_statics",
     "rewrite_attributes",
     "unflatten_graph",
 ]

@@ -73,6 +73,7 @@ from autostate.values import copy_static, is_array_or_spec, is_mutable_static, k
 
 __all__ = [
     "GraphDef",
+    "changed_statics",
     "children_of",
     "code_reaches",
     "flatten_graph",
@@ -93,6 +94,7 @@ __all__ = [
     "plain_attributes",
     "reachable_instances",
     "rebuild_instances",
+    "restore_statics",
     "register_stateful_class",
     "rewrite_attributes",
     "unflatten_graph",
@@ -428,8 +430,9 @@ def _instance_or_bound(value: Any) -> bool:
 # not state cannot change in place as plain Python would change it: the change
 # is made once per trace, and a traced value put there outlives the trace. The
 # guard snapshots these containers before such a call (``mutable_statics``),
-# and each container's value kind compares and restores it
-# (``values.Kind.same`` / ``restore``). They are not nodes of the model graph
+# and refuses and undoes a change after it (``changed_statics``,
+# ``restore_statics``: each container's value kind compares and restores it,
+# ``values.Kind.same`` / ``restore``). They are not nodes of the model graph
 # (a list of numbers is static data there): the walk follows the value kinds
 # (a container's items, a tuple's, a plain object's ``__dict__``) with the one
 # loop of ``iter_tree``.
@@ -484,6 +487,21 @@ def mutable_statics(
         if _may_hold_containers(value):
             visit(value, label)
     return saved
+
+
+def changed_statics(saved: Sequence[tuple[Any, Any, str]]) -> list[tuple[Any, str]]:
+    """``(container, where)`` for each container of ``saved`` (``mutable_statics``)
+    that no longer holds what its copy holds (its value kind's ``same``)."""
+    return [(c, where) for c, contents, where in saved if not kind_of(c).same(c, contents)]  # type: ignore[misc]
+
+
+def restore_statics(saved: Sequence[tuple[Any, Any, str]]) -> None:
+    """Puts back the contents of each container of ``saved`` (``mutable_statics``)
+    that changed (its value kind's ``restore``)."""
+    for c, contents, _where in saved:
+        kind = kind_of(c)
+        if not kind.same(c, contents):  # type: ignore[misc]
+            kind.restore(c, contents)  # type: ignore[misc]
 
 
 def _may_hold_containers(value: Any) -> bool:

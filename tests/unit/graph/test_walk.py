@@ -551,7 +551,7 @@ def test_global_names_and_libraries_of_a_function() -> None:
 # --- the containers outside states -------------------------------------------------
 
 
-def test_mutable_statics_finds_each_container_outside_states_once() -> None:
+def test_mutable_statics_finds_each_container_outside_states_once_and_puts_it_back() -> None:
     @autostate.stateful
     class Holder:
         registry: Any = []  # (a class attribute: shared by every instance)
@@ -575,5 +575,10 @@ def test_mutable_statics_finds_each_container_outside_states_once() -> None:
         (Holder.registry, "Holder.registry"),
         ([6], "captured"),
     ]
+    assert graph.changed_statics(saved) == []
     holder.log[0].append(2)
-    assert [c is holder.log[0] for c, copy, _ in saved if c != copy] == [True]
+    holder.tags.add("b")
+    assert graph.changed_statics(saved) == [(holder.log[0], "Holder.log"), (holder.tags, "Holder.tags")]
+    graph.restore_statics(saved)
+    assert holder.log == [[1], (2, {3: 4})] and holder.tags == {"a"}
+    assert graph.changed_statics(saved) == []
