@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import dis
 import functools
 import inspect
 import os
@@ -766,52 +765,11 @@ _UNSET: Any = object()
 
 def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
     """Refuses a model ``fn`` reaches by its closure, defaults or globals, or
-    through those of the functions it calls by a global name: the program
-    would read it as constants and leave it unchanged (a silent copy)."""
-    from autostate.lifting.core import reachable_instances
-
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-
-    def visit(function: Any, depth: int) -> None:
-        if id(function) in seen or depth > 4:
-            return
-        seen.add(id(function))
-        found.extend(("its closure", obj) for obj in reachable_instances((function,), []))
-        code = getattr(function, "__code__", None)
-        if code is None:
-            return
-        globals_ = getattr(function, "__globals__", {})
-        for name in _global_names(code):
-            value = globals_.get(name)
-            if value is None:
-                continue
-            if _graph.holds_instance(value):
-                found.append((f"the global {name!r}", value))
-            elif isinstance(value, types.FunctionType) and not _library(value):
-                visit(value, depth + 1)
-            elif isinstance(value, types.ModuleType) and not _library(value):
-                # ``module.MODEL`` read by the code: an attribute of a global module.
-                for attr in code.co_names:
-                    held = getattr(value, attr, None)
-                    if held is not None and _graph.holds_instance(held):
-                        found.append((f"the module attribute {name}.{attr}", held))
-
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and not isinstance(owner, types.ModuleType):
-        # A method of a plain object (``autostate.jit(evaluator.run)``): the
-        # models that object holds are read through ``self``.
-        held = getattr(owner, "__dict__", None)
-        if held is not None:
-            found.extend(("the object its method is bound to", obj)
-                         for obj in _graph.instances_of(held))
-    elif not isinstance(fn, types.FunctionType | types.MethodType):
-        held = getattr(fn, "__dict__", None)  # (a callable object's)
-        if held is not None:
-            found.extend(("the callable object", obj) for obj in _graph.instances_of(held))
-    visit(getattr(fn, "__func__", fn), 0)
+    through those of the functions it calls by a global name
+    (``graph.code_reaches``): the program would read it as constants and
+    leave it unchanged (a silent copy)."""
     ids = {id(c) for c in copies}
-    for how, value in found:
+    for how, value in _graph.code_reaches(fn):
         for obj in _graph.instances_of(value):
             if id(obj) not in ids:
                 raise InvalidArgumentError(
@@ -826,32 +784,6 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                         "(`autostate.jit(model.step)`).",
                     )
                 )
-
-
-def _library(function: Any) -> bool:
-    """A function (or module) of JAX, NumPy, autostate or another library the walk skips."""
-    if isinstance(function, types.ModuleType):
-        module = function.__name__
-    else:
-        module = getattr(function, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARIES
-
-
-_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "autostate", "optax", "flax", "equinox",
-                        "haiku", "functools", "typing", "builtins"})
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and the functions nested in it load (not the
-    attribute names, which ``co_names`` holds too)."""
-    names = {
-        str(op.argval) for op in dis.get_instructions(code)
-        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    }
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
 
 
 def _check_plain_output(out: Any) -> None:

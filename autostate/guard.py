@@ -13,7 +13,9 @@ in four steps:
 - **snapshot** before the call: the instances' ``__dict__`` (``f``), the
   lists, dicts, sets and deques they hold outside their states (under a
   trace, or on a copy of ``f``'s model; always for a ``lax`` body), and the
-  flattened graph (``f`` under a trace);
+  flattened graph (``f`` under a trace): what changed is graph's to say
+  (``graph.mutable_statics`` / ``changed_statics`` / ``restore_statics``,
+  ``graph.graph_unchanged``);
 - **refuse as it happens** a write that cannot be a state write
   (``check_write``, the setattr guard; ``refuse_submodel_swap``): it is
   recorded, so a refusal the user's code catches is raised again when the
@@ -60,8 +62,7 @@ import jax
 
 from autostate import graph as _graph
 from autostate import tree as _tree
-from autostate import values as _values
-from autostate.effects.local_state import HandledLocalStateRef, StateSlot, in_running_body
+from autostate.effects.local_state import StateSlot, in_running_body
 from autostate.errors import (
     AutostateError,
     EscapedStateError,
@@ -204,7 +205,7 @@ class Guard:
             model,
             ids,
             [(obj, obj.__dict__.copy()) for obj in instances],
-            _mutable_statics(instances) if traced or on_copy else (),
+            _graph.mutable_statics(instances) if traced or on_copy else (),
             graph,
             traced=traced,
             on_copy=on_copy,
@@ -227,7 +228,7 @@ class Guard:
         captures, ``CAPTURED``) free of the body's tracers. (The writes to
         the instances' attributes are guarded as they happen: ``check_write``.)
         """
-        containers = _mutable_statics(instances, values)
+        containers = _graph.mutable_statics(instances, values)
         return cls(
             what, None, frozenset(), [], containers, None,
             traced=True, lax_body=True, traced_states=traced_states,
@@ -271,11 +272,10 @@ class Guard:
         as JAX runs the body, and stays)."""
         from autostate.lifetime import contains_tracer  # (the layer above: see check_write)
 
-        same = _same_contents
         return list(dict.fromkeys(
             where
-            for value, contents, where in self.containers
-            if not same(value, contents) and (not self.lax_body or contains_tracer(value))
+            for value, where in _graph.changed_statics(self.containers)
+            if not self.lax_body or contains_tracer(value)
         ))
 
     def _compare(self) -> None:
@@ -298,7 +298,7 @@ class Guard:
         ``lax`` body's tracer in a container stands in for a plain error."""
         changed = self._changed_containers() if self.containers else []
         if changed or not self.lax_body:
-            _restore_containers(self.containers)
+            _graph.restore_statics(self.containers)
         for obj, before in self.dicts:
             d = obj.__dict__
             if not _dict_kept(d, before):
@@ -662,89 +662,3 @@ def explain_traced_value(
         "keeps static (one compilation per value), or pass it as a static argument.",
     )
     return traced_value_error(raised, "\n".join([message, "  JAX's error:", *jax_lines]))
-
-
-# --- the containers a model holds outside its states: found, compared, put back ------
-# Inside a traced call (a jitted ``f``, a ``lax`` body) a list or dict that is
-# not state cannot change in place as plain Python would change it: the change
-# is made once per trace, and a traced value put there outlives the trace. The
-# guard snapshots these containers before such a call, and refuses (and undoes)
-# a change after it; each container's kind compares and restores it
-# (``values.Kind.same`` / ``restore``).
-
-
-def _mutable_statics(
-    instances: list[Any], values: Sequence[tuple[str, Any]] = ()
-) -> list[tuple[Any, Any, str]]:
-    """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
-    deque or bytearray the model's instances hold outside their states, at
-    any depth of containers, tuples and plain objects (whose ``__dict__`` is
-    taken as one), and for those of the instances' classes (``shared = []``
-    in a class body); and for those in ``values`` (``(label, value)``: the
-    states a ``lax`` body may reach through a reference taken outside it).
-
-    Inside a traced call such a container is a copy the call throws away
-    (or, for ``f``'s own model, one a later call starts from): a change in
-    place (``self.log.append(x)``) would be lost with the trace, or keep a
-    tracer. ``functional`` and ``control`` refuse it; a refused call puts the old
-    contents back.
-    """
-    saved: list[tuple[Any, Any, str]] = []
-    seen: set[int] = set()  # shared by the walks from every root: a container is saved once
-
-    def visit(value: Any, where: str) -> None:
-        walk = _graph.iter_tree(
-            value, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
-        )
-        for _, c in walk:
-            saved.append((c, _values.kind_of(c).copy(c), where))  # type: ignore[misc]
-
-    classes: dict[type, None] = {}
-    for obj in instances:
-        cls = type(obj)
-        classes[cls] = None
-        for name, value in obj.__dict__.items():
-            if _may_hold_containers(value):  # (most attributes: no walk)
-                visit(value, f"{cls.__name__}.{name}")
-    for cls in classes:
-        for klass in cls.__mro__[:-1]:
-            for name, value in list(vars(klass).items()):
-                if _values.is_mutable(value) and not name.startswith("__"):
-                    visit(value, f"{klass.__name__}.{name}")
-    for label, value in values:
-        if _may_hold_containers(value):
-            visit(value, label)
-    return saved
-
-
-def _may_hold_containers(value: Any) -> bool:
-    """Not a leaf, a slot, or a decorated instance (visited as one of the instances)."""
-    t, kind = type(value), _values.kind_of(value)
-    return not (kind.atom or kind.array or t in _graph.STATEFUL_CLASSES or t is HandledLocalStateRef)
-
-
-def _held_outside_states(value: Any) -> list[tuple[str, Any]]:
-    """The step of ``mutable_statics``'s walk: a container's items (a set's or
-    bytearray's aside), a tuple's, a plain object's ``__dict__`` (a dict)."""
-    kind = _values.kind_of(value)
-    if kind is _values.SET or kind is _values.BYTEARRAY:
-        return []
-    if kind.mutable or kind is _values.TUPLE:
-        items = value.values() if isinstance(value, dict) else value
-        return [("", item) for item in items if _may_hold_containers(item)]
-    d = _graph.plain_attributes(value)
-    return [] if d is None else [("", d)]
-
-
-def _same_contents(value: Any, contents: Any) -> bool:
-    """Whether a container holds exactly what its copy held (its kind's ``same``)."""
-    return _values.kind_of(value).same(value, contents)  # type: ignore[misc]
-
-
-def _restore_containers(saved: Any) -> None:
-    """Puts back the contents of every container of ``saved`` (``mutable_statics``)
-    that changed (its kind's ``restore``)."""
-    for value, contents, _where in saved:
-        kind = _values.kind_of(value)
-        if not kind.same(value, contents):  # type: ignore[misc]
-            kind.restore(value, contents)  # type: ignore[misc]

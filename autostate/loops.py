@@ -453,7 +453,7 @@ def _undone_on_failure(body: Any, xs: Any, values: tuple) -> Iterator[None]:
         except BaseException:
             for cell, value in zip(cells, saved):
                 cell.value = value
-            for obj in _lift.reachable_instances((body, xs, values), []):
+            for obj in _graph.reachable_instances((body, xs, values), []):
                 for attr, slot in list(vars(obj).items()):
                     if type(slot) is _lift.LostState:
                         obj.__dict__[attr] = slot.slot

@@ -1258,6 +1258,11 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
     ``_Hidden`` child, and any other child its context ``(inside, holder,
     forced)``: the innermost plain holder names a find that names none; the
     outermost ``functools.partial`` (generator, lazy map) names every find.
+
+    (Its step is no node kind's field: it sees what the graph does not follow
+    (plain objects, sets, proxies, builtin methods, unregistered container
+    subclasses), and whether a model is an edge or hidden depends on the
+    path's holders, not on the node's type alone.)
     """
     root = (value,)
     context: dict[int, tuple[bool, str, str]] = {id(value): (False, "", "")}

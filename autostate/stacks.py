@@ -491,36 +491,31 @@ def _stacked_depth(model: Any) -> int:
 
 
 def _difference(a: Any, b: Any, path: str, seen: set[int]) -> str | None:
-    """Where layer ``b`` first differs from layer ``a`` (``path: a's against b's``)."""
+    """Where layer ``b`` first differs from layer ``a`` (``path: a's against b's``).
+
+    Both are walked in step through the graph's one step (``graph.children_of``:
+    an instance's attributes, a container's items, a registered node's
+    children), a state by its value; each instance once."""
     here = path or "the layer"
     if type(a) is not type(b):
         return f"{here}: a {type(b).__name__} against a {type(a).__name__}"
-    if _graph.is_stateful_instance(a):
+    instance = _graph.is_stateful_instance(a)
+    if instance:
         if id(a) in seen:
             return None
         seen.add(id(a))
-        if list(vars(a)) != list(vars(b)):
-            return f"{here}: attributes {list(vars(b))} against {list(vars(a))}"
-        for attr in vars(a):
-            found = _difference(
-                _value_of(vars(a)[attr]),
-                _value_of(vars(b)[attr]),
-                _graph.path_name(f"{'.' + path if path else ''}.{attr}"),
-                seen,
-            )
-            if found:
-                return found
-        return None
-    if _values.is_array_or_spec(a):
+    elif _values.is_array_or_spec(a):
         if _spec(a) != _spec(b):
             return f"{here}: {_tree.describe(b)} against {_tree.describe(a)}"
         return None
     kids_a, kids_b = _graph.children_of(a), _graph.children_of(b)
-    if kids_a or kids_b:
+    if instance or kids_a or kids_b:
         if [s for s, _ in kids_a] != [s for s, _ in kids_b]:
+            if instance:
+                return f"{here}: attributes {list(vars(b))} against {list(vars(a))}"
             return f"{here}: {_shown(b)} against {_shown(a)}"
         for (sub, x), (_, y) in zip(kids_a, kids_b):
-            found = _difference(x, y, path + sub, seen)
+            found = _difference(_value_of(x), _value_of(y), _graph.path_name(path + sub), seen)
             if found:
                 return found
         return None
@@ -546,7 +541,11 @@ def _shown(value: Any) -> str:
 def _view(obj: Any, i: int, depth: int, memo: dict[int, Any], where: str) -> Any:
     """Layer ``i`` of the stacked instance ``obj``: a new instance of its class whose
     states read and write their slice of ``obj``'s and whose other arrays are their
-    slices; sub-models are views too (``memo``: one per stacked instance)."""
+    slices; sub-models are views too (``memo``: one per stacked instance).
+
+    Every attribute is rebuilt by the graph's walk (``graph.map_tree``); the
+    instances are made here, since a state's ``LayerSlot`` needs its owner and
+    attribute, which ``map_tree``'s ``replace(node, name)`` does not see."""
     seen = memo.get(id(obj))
     if seen is not None:
         return seen

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -397,58 +396,9 @@ def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -
 # those of a copy made inside a running call: ``copy.copy(self)``, a
 # ``tree_map`` copy), whose writes stay the copy's, the stacks and what code
 # reaches through a node are fields of the node kinds (``graph.NodeKind``:
-# ``own_value``, ``stacked``, ``reached``). A body that reaches an own-value
-# slot has it threaded like an eager model's.
-
-
-def reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
-    """Decorated instances reachable from a body: closures, bound methods,
-    operands; the lists and dicts met on the way into ``containers``."""
-    found: list[Any] = []
-    for _, node in _graph.iter_tree(
-        tuple(roots), _reached_object, into_targets=True, children=_reached_by_code, seen=set()
-    ):
-        (found if _graph.is_stateful_instance(node) else containers).append(node)
-    return found
-
-
-def _reached_object(obj: Any) -> bool:
-    """A decorated instance, or a list or dict (not a tuple) a body reaches."""
-    t = type(obj)
-    return t in _graph.STATEFUL_CLASSES or (t is not tuple and isinstance(obj, (list, tuple, dict)))
-
-
-def _reached_by_code(obj: Any) -> list[tuple[str, Any]]:
-    """The step of ``reachable_instances``'s walk: an instance's attributes, a
-    function's cells, defaults and ``__wrapped__``, a method's instance and
-    function, a partial's parts, a list's, tuple's or dict's items. Last first:
-    the order that names two instances' states ``Linear.w``, ``Linear.w'``."""
-    items: Any
-    if type(obj) in _graph.STATEFUL_CLASSES:
-        items = obj.__dict__.values()
-    elif isinstance(obj, types.FunctionType):
-        items = []
-        for cell in obj.__closure__ or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                items.append(cell.cell_contents)
-        items.extend(obj.__defaults__ or ())
-        wrapped = getattr(obj, "__wrapped__", None)
-        if wrapped is not None:
-            items.append(wrapped)
-    elif isinstance(obj, types.MethodType):
-        items = [obj.__self__, obj.__func__]
-    elif isinstance(obj, functools.partial):
-        items = [obj.func, *obj.args, *obj.keywords.values()]
-    elif isinstance(obj, (list, tuple)):
-        items = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    elif (through := _graph.REACHED.get(type(obj))) is not None:
-        items = through(obj)
-    else:
-        return []
-    holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
-    return [("", item) for item in reversed(items) if not holds_nothing(item)]
+# ``own_value``, ``stacked``, ``reached``); what a body reaches is
+# ``graph.reachable_instances``. A body that reaches an own-value slot has it
+# threaded like an eager model's.
 
 
 def with_eager_states(
@@ -471,7 +421,7 @@ def with_eager_states(
     is assigned there.
     """
     captured: list[Any] = []
-    instances = reachable_instances(roots, captured)
+    instances = _graph.reachable_instances(roots, captured)
     swapped: Swapped = []
     statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()

@@ -28,7 +28,6 @@ from autostate.lifting.core import (
     land,
     member_slices,
     members_of,
-    reachable_instances,
     run_bound,
     shared_write,
     traceable,
@@ -278,7 +277,7 @@ def _annotated_specs(cells: Cells, roots: tuple) -> dict[int, Any]:
 
     index = {id(cell): i for i, cell in enumerate(cells)}
     found: dict[int, Any] = {}
-    for obj in reachable_instances(roots, []):
+    for obj in _graph.reachable_instances(roots, []):
         for attr, spec in vars(obj).get(ANNOTATIONS, {}).items():
             slot = obj.__dict__.get(attr)
             if type(slot) is HandledLocalStateRef:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import copy
 import gc
-import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import autostate
@@ -264,15 +262,3 @@ def test_one_device_packs_only_single_device_arrays():
     assert compiled._one_device([])
 
 
-def test_global_names_and_libraries_of_a_function():
-    def outer():
-        def inner():
-            return np.zeros(1) + jnp.ones(1)
-
-        return inner
-
-    assert {"np", "jnp"} <= compiled._global_names(outer.__code__)
-    assert compiled._library(np.zeros) and compiled._library(jnp)
-    assert compiled._library(autostate.jit)
-    assert not compiled._library(step)
-    assert not compiled._library(types.ModuleType("user_module"))

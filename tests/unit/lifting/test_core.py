@@ -111,19 +111,6 @@ def test_an_eager_models_states_are_handled_for_the_call_and_written_back():
     assert type(counter.__dict__["n"]) in graph.OWN_VALUE_SLOTS
 
 
-def test_code_reaches_instances_through_closures_methods_partials_and_containers():
-    a, b, c = Counter(), Counter(), Counter()
-    import functools
-
-    def closure():
-        return a
-
-    containers: list = []
-    found = core.reachable_instances((closure, b.bump, functools.partial(print, [c])), containers)
-    assert {id(x) for x in found} == {id(a), id(b), id(c)}
-    assert any(type(x) is list for x in containers)
-
-
 def test_jit_disabled_is_jaxs_switch():
     assert not core.jit_disabled()
     with jax.disable_jit():

@@ -1,16 +1,17 @@
-"""``autostate/graph.py``: the node-kind registry and the one walk.
+"""``autostate/graph/walk.py``: the one walk.
 
-The registry holds one record per type, registered once; the walk
-(``map_tree`` / ``iter_tree`` / ``instances``) and the flatten
-(``flatten_graph``) agree on order and path names, and the change check
+The walk (``map_tree`` / ``iter_tree`` / ``instances``) and the flatten
+(``flatten_graph``) agree on order and path names; the change check
 (``graph_unchanged``) says yes exactly when a new flatten would give the
-same graphdef and the very same leaves."""
+same graphdef and the very same leaves; what code reaches follows each
+kind's ``reached`` step, and a function's globals."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
+import types
 import weakref
 from typing import Any
 
@@ -21,7 +22,6 @@ import pytest
 
 import autostate
 from autostate import graph
-from autostate.errors import InvalidArgumentError
 from autostate.graph import (
     is_dynamic,
     is_stateful_instance,
@@ -31,44 +31,6 @@ from autostate.graph import (
     path_name,
     register_stateful_class,
 )
-
-
-def test_builtin_containers_and_callables_have_one_record_each():
-    for cls in (list, tuple, dict, functools.partial, map, filter):
-        kind = graph.node_kind(cls)
-        assert kind is not None and kind.type is cls
-    assert graph.node_kind(list).children(["a", "b"]) == [("[0]", "a"), ("[1]", "b")]
-    assert graph.node_kind(dict).children({"k": 1, 2: 3}) == [("['k']", 1), ("[2]", 3)]
-    assert graph.node_kind(tuple).rebuild((1, 2), [3, 4]) == (3, 4)
-    assert graph.node_kind(int) is None
-    # Exactly the type: a subclass is not its base's kind.
-    assert graph.node_kind(type("MyList", (list,), {})) is None
-
-
-def test_a_second_registration_of_a_type_is_refused():
-    class Once:
-        pass
-
-    graph.register_node_kind(Once, model_child=True)
-    with pytest.raises(InvalidArgumentError, match="registered as a node kind already"):
-        graph.register_node_kind(Once, model_child=False)
-    assert graph.node_kind(Once).model_child is True  # the first record stands
-
-
-def test_engine_types_are_registered_once_with_all_their_fields():
-    from autostate.effects import (
-        FrozenLocalStateRequest,
-        HandledLocalStateRef,
-        InitialLocalStateRequest,
-        WithFunctionalLocalState,
-    )
-
-    ref = graph.node_kind(HandledLocalStateRef)
-    assert ref.model_child and ref.shared and ref.running is not None
-    assert graph.node_kind(InitialLocalStateRequest).canonical is not None
-    assert graph.node_kind(FrozenLocalStateRequest).model_child
-    handler = graph.node_kind(WithFunctionalLocalState)
-    assert handler.children is not None and handler.rebuild is not None
 
 
 @autostate.stateful
@@ -300,55 +262,7 @@ class Cell:
 register_stateful_class(Cell, info=None)
 
 
-@pytest.mark.parametrize(
-    ("key", "expected"),
-    [
-        (jax.tree_util.GetAttrKey("attn"), ".attn"),
-        (jax.tree_util.SequenceKey(3), "[3]"),
-        (jax.tree_util.DictKey("k"), "['k']"),
-        (jax.tree_util.DictKey(7), "[7]"),
-        (jax.tree_util.FlattenedIndexKey(2), "[2]"),
-    ],
-)
-def test_key_name(key, expected):
-    assert key_name(key) == expected
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class HasStacked:
-    stacked: Any
-
-
-def test_only_the_passing_key_itself_adds_nothing_to_names():
-    # A stack's entry is JAX's own GetAttrKey("stacked") (orbax and keystr take
-    # it); names and graphdef.keys skip that object, not a user's field of that name.
-    @autostate.stateful
-    class Layer:
-        def __init__(self):
-            self.w = jnp.ones(2)
-
-    @autostate.stateful
-    class Holder:
-        def __init__(self):
-            self.blocks = autostate.stack([Layer(), Layer()])
-            self.mine = HasStacked(Layer())
-
-    leaves, graphdef = graph.flatten_graph(Holder())
-    assert graphdef.names == ("blocks.w", "mine.stacked.w")
-    assert [jax.tree_util.keystr(k) for k in graphdef.keys] == [".blocks.w", ".mine.stacked.w"]
-    standard = (jax.tree_util.GetAttrKey, jax.tree_util.SequenceKey, jax.tree_util.DictKey)
-    assert all(type(k) in standard for path in graphdef.keys for k in path)
-    assert graph.passing_key("stacked") is graph.passing_key("stacked")
-    assert key_name(jax.tree_util.GetAttrKey("stacked")) == ".stacked"
-
-
-@pytest.mark.parametrize(
-    ("prefix", "expected"),
-    [(".blocks[0].attn", "blocks[0].attn"), ("[0].a", "[0].a"), ("['k'].v", "['k'].v"), ("", "")],
-)
-def test_path_name_drops_only_a_leading_dot(prefix, expected):
-    assert path_name(prefix) == expected
 
 
 def sample_tree():
@@ -469,7 +383,7 @@ def test_is_dynamic(value, expected):
 
 
 def test_traced_rebuilds_share_handled_slots_but_never_mutable_attributes():
-    """The rebuild plan (``graph._rebuild_plan``): a handled slot is one frozen
+    """The rebuild plan (``graph.walk._rebuild_plan``): a handled slot is one frozen
     object per graphdef entry, so every trace's model may hold the same one;
     a list or dict attribute is copied for each model, so a change in place
     reaches no other model and the change check sees it."""
@@ -570,133 +484,101 @@ def test_iter_tree_and_map_tree_reach_the_same_states_through_every_holder() -> 
     assert float(frozen(1.0)) == 15.0
 
 
-# --- Witness: a flatten still standing, by identity ----------------------------------
+
+# --- what code reaches -----------------------------------------------------------
 
 
-@autostate.stateful
-class _Witnessed:
-    def __init__(self) -> None:
-        self.w = jnp.ones(2)
-        self.count = jnp.zeros(())
-        self.sizes = [2, (3, [4])]
-        self.table = {"a": jnp.ones(1)}
-        self.training = True
+def test_reachable_instances_follow_code_last_first_and_collect_containers() -> None:
+    first, second = Leaf(1), Leaf(2)
+    log: list[Any] = []
+    table = {"k": second}
+    ordered = collections.OrderedDict(k=first)  # (a dict subclass: walked as a dict)
 
-    def tick(self) -> None:
-        self.count = self.count + 1
-        self.table = dict(self.table)  # (a state: its first value is the dict above)
+    def body(x: Any, scale: Any = table) -> Any:  # a cell and a default
+        return first(x) * len(log)
 
-    def eval(self) -> None:
-        self.training = False  # (a static state: its slot is replaced)
-
-
-@dataclasses.dataclass
-class _MutableConfig:  # an __eq__ of its own: the graphdef compares it by value
-    scale: float
+    containers: list[Any] = []
+    found = graph.reachable_instances((functools.partial(body, 1.0),), containers)
+    # Last first: the default (the dict) before the cells.
+    assert found == [second, first]
+    assert table in containers and log in containers
+    assert graph.reachable_instances((second.__call__, ordered), []) == [first, second]
+    assert graph.reachable_instances((weakref.ref(first), 3, jnp.ones(2)), []) == []
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda m: m.tick(),  # a state written in place (its slot kept)
-        lambda m: m.eval(),  # a static state (a Python bool) assigned
-        lambda m: setattr(m, "w", m.w + 1),
-        lambda m: m.sizes[1][1].append(5),  # a list inside a tuple inside a list
-        lambda m: m.table.update(b=jnp.zeros(1)),
-        lambda m: m.table.__setitem__("a", jnp.zeros(1)),
-        lambda m: setattr(m, "extra", None),
-        lambda m: m.__dict__.pop("sizes"),
-    ],
-)
-def test_witness_sees_each_change(change: Any) -> None:
-    model = _Witnessed()
-    witness = graph.Witness.of([model])
-    assert witness is not None and witness.unchanged()
-    change(model)
-    assert not witness.unchanged()
-
-
-@pytest.mark.parametrize(
-    "value", [np.ones(2), _MutableConfig(1.0), collections.deque([1]), {1, 2}]
-)
-def test_witness_gives_up_on_values_changed_in_place_unseen(value: Any) -> None:
-    model = _Witnessed()
-    model.extra = value
-    assert graph.Witness.of([model]) is None
-    model.extra = functools.partial(max, 1)  # compared by identity: witnessed
-    assert graph.Witness.of([model]) is not None
-
-
-def test_witness_sees_the_instance_replaced_around_its_dict() -> None:
-    model = _Witnessed()
-    witness = graph.Witness.of([model])
-    assert witness is not None
-    model.__dict__ = dict(model.__dict__)  # the same values, another dict
-    assert not witness.unchanged()
-
-
-def test_witness_sees_a_first_value_changed_in_place() -> None:
-    model = _Witnessed()  # ``table`` is a state still holding its first value
-    assert type(vars(model)["table"]).__name__ == "InitialLocalStateRequest"
-    witness = graph.Witness.of([model])
-    assert witness is not None
-    model.table["a"] = jnp.zeros(1)
-    assert not witness.unchanged()
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda m: m.tick(),
-        lambda m: m.sizes[1][1].append(5),
-        lambda m: m.table.update(b=jnp.zeros(1)),
-        lambda m: setattr(m, "extra", None),
-    ],
-)
-def test_a_patched_witness_sees_what_a_new_one_sees(change: Any) -> None:
-    # A compiled call rewrites some attributes and patches the witness for them
-    # alone: the patched witness stands where a new one would, and sees each
-    # later change a new one sees.
-    model = _Witnessed()
-    witness = graph.Witness.of([model])
-    assert witness is not None
-    model.w = model.w + 1
-    model.table = {"a": jnp.zeros(1), "c": jnp.ones(1)}
-    assert not witness.unchanged()
-    assert witness.patch([(0, "table"), (0, "w")])
-    assert witness.unchanged()
-    change(model)
-    assert not witness.unchanged()
-    model2 = _Witnessed()
-    witness2 = graph.Witness.of([model2])
-    assert witness2 is not None
-    model2.table = {"a": np.ones(1)}  # a numpy array: nothing to witness by identity
-    assert not witness2.patch([(0, "table")])
-
-
-def test_a_node_kind_is_one_record_every_walk_and_transformation_reads() -> None:
-    # A stack-like wrapper: one register_node_kind call tells the walks its
-    # child, the witness that it never changes, the transformations its stacked
-    # model, loop rolling its strictness.
-    class Wrapped:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-    kind = graph.register_node_kind(
-        Wrapped,
-        children=lambda w: [(".inner", w.inner)],
-        rebuild=lambda w, children: Wrapped(children[0]),
-        immutable=True,
-        stacked=lambda w: w.inner,
-        must_roll=lambda w: True,
+def test_code_reaches_closures_globals_called_functions_and_module_attributes() -> None:
+    model, other = Leaf(1), Leaf(2)
+    module = types.ModuleType("user_module")
+    module.MODEL = other  # type: ignore[attr-defined]
+    namespace: dict[str, Any] = {"MODEL": model, "jnp": jnp, "mod": module}
+    exec(  # (functions of a user module: globals of their own)
+        "def helper(x):\n    return MODEL.w * x\n\n"
+        "def step(x):\n    return helper(x) + mod.MODEL.w + jnp.ones(2)\n",
+        namespace,
     )
-    assert graph.node_kind(Wrapped) is kind
-    node = Wrapped(jnp.ones(2))
-    assert graph.STACKS[Wrapped](node) is node.inner
-    assert graph.MUST_ROLL[Wrapped](node) is True
-    assert graph.REACHED[Wrapped](node) == [node.inner]
-    model = _Witnessed()
-    model.extra = node
-    witness = graph.Witness.of([model])
-    assert witness is not None and witness.unchanged()  # (immutable: taken as it is)
-    assert graph.children_of(node) == [(".inner", node.inner)]
+    found = graph.code_reaches(namespace["step"])
+    assert ("the global 'MODEL'", model) in found  # through the function it calls
+    assert ("the module attribute mod.MODEL", other) in found
+    assert graph.code_reaches(lambda x: model(x)) == [("its closure", model)]
+
+    class Evaluator:
+        def __init__(self) -> None:
+            self.model = model
+
+        def run(self, x: Any) -> Any:
+            return x
+
+    evaluator = Evaluator()
+    assert graph.code_reaches(evaluator.run) == [
+        ("the object its method is bound to", evaluator.__dict__)
+    ]
+
+
+def test_global_names_and_libraries_of_a_function() -> None:
+    def outer():
+        def inner():
+            return np.zeros(1) + jnp.ones(1)
+
+        return inner
+
+    assert {"np", "jnp"} <= graph.walk._global_names(outer.__code__)
+    assert graph.walk._library(np.zeros) and graph.walk._library(jnp)
+    assert graph.walk._library(autostate.jit)
+    assert not graph.walk._library(outer)
+    assert not graph.walk._library(types.ModuleType("user_module"))
+
+
+# --- the containers outside states -------------------------------------------------
+
+
+def test_mutable_statics_finds_each_container_outside_states_once_and_puts_it_back() -> None:
+    @autostate.stateful
+    class Holder:
+        registry: Any = []  # (a class attribute: shared by every instance)
+
+        def __init__(self) -> None:
+            self.log = [[1], (2, {3: 4})]
+            self.again = self.log  # (one container, saved once)
+            self.tags = {"a"}  # (a set: saved, its items not walked)
+            self.plain = types.SimpleNamespace(items=[5])
+
+    holder = Holder()
+    saved = graph.mutable_statics([holder], [("captured", [6])])
+    found = [(c, where) for c, _, where in saved]
+    assert found == [
+        (holder.log, "Holder.log"),
+        (holder.log[0], "Holder.log"),
+        (holder.log[1][1], "Holder.log"),
+        (holder.tags, "Holder.tags"),
+        (vars(holder.plain), "Holder.plain"),
+        (holder.plain.items, "Holder.plain"),
+        (Holder.registry, "Holder.registry"),
+        ([6], "captured"),
+    ]
+    assert graph.changed_statics(saved) == []
+    holder.log[0].append(2)
+    holder.tags.add("b")
+    assert graph.changed_statics(saved) == [(holder.log[0], "Holder.log"), (holder.tags, "Holder.tags")]
+    graph.restore_statics(saved)
+    assert holder.log == [[1], (2, {3: 4})] and holder.tags == {"a"}
+    assert graph.changed_statics(saved) == []

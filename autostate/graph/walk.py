@@ -1,27 +1,17 @@
-"""The model graph: the one node-kind registry and the one walk.
+"""The one walk of the model graph: find, rebuild, flatten, reach.
 
-A model is a graph: decorated instances hold arrays, static values, request
-objects, other instances (directly or in lists, tuples, dicts and foreign
-pytree nodes) and callables bound to instances (``self.act = self._gelu``).
-This module owns how that graph is seen, in two parts.
-
-* **The registry.** Every node type the walks treat specially is described
-  by one ``NodeKind`` record: which children the walk descends into and how
-  each child's path is named (``.w``, ``[0]``, ``['k']``), how the node is
-  rebuilt around new children, whether a value of the type is a pytree child
-  of a decorated instance, the form the flatten and the change check see it
-  in, and how the slot of a running call flattens. A type is registered once
-  (``register_node_kind``; a second registration is an error) and looked up
-  by ``node_kind``. Builtin containers and callables are registered here;
-  decorated classes by ``register_stateful_class``; the engine and the
-  runtime register their slot types.
-* **The walk.** ``map_tree`` (rebuild) and ``iter_tree`` (find) visit any
-  pytree through the registry, falling back to JAX's own one-level flatten
-  for other registered pytree nodes. A decorated instance is visited once,
-  by identity, so one instance reachable from two paths stays one instance
-  (aliasing follows Python) and is named by its first path. ``instances``,
-  ``instances_of`` and ``holds_instance`` are built on it.
-  ``flatten_graph`` / ``unflatten_graph`` turn a model into
+* ``map_tree`` (rebuild) and ``iter_tree`` (find) visit any pytree through
+  the node-kind records (``graph.kinds``), falling back to JAX's own
+  one-level flatten for other registered pytree nodes. A decorated instance
+  is visited once, by identity, so one instance reachable from two paths
+  stays one instance (aliasing follows Python) and is named by its first
+  path. ``instances``, ``instances_of`` and ``holds_instance`` are built on
+  it.
+* ``reachable_instances`` follows what code reaches (each kind's
+  ``reached`` step), ``code_reaches`` adds a function's globals, and
+  ``mutable_statics`` finds the containers a model holds outside its states
+  (the guard's snapshot).
+* ``flatten_graph`` / ``unflatten_graph`` turn a model into
   ``(leaves, GraphDef)`` and back, and ``graph_unchanged``, defined next to
   the flatten as its declared mirror, says whether a flatten would give the
   same graphdef and the very same leaves, without building names. The
@@ -29,23 +19,20 @@ This module owns how that graph is seen, in two parts.
   and ``jax.tree.map`` see one instance) is here too.
 
 It knows nothing of the effect engine or of source code: the kinds of
-values (arrays, static scalars, containers) come from ``autostate.tree``.
+values (arrays, static scalars, containers) come from ``autostate.values``.
 
 Example:
     >>> from autostate import graph
-    >>> graph.node_kind(list).children([1, 2])
-    [('[0]', 1), ('[1]', 2)]
     >>> [name for name, _ in graph.iter_tree({"a": [1, (2, 3)]}, lambda x: type(x) is int)]
     ["['a'][0]", "['a'][1][0]", "['a'][1][1]"]
 """
 
 from __future__ import annotations
 
-import dataclasses
+import dis
 import functools
 import gc
 import itertools
-import operator
 import sys
 import types
 import weakref
@@ -55,284 +42,64 @@ from typing import Any
 import jax
 
 from autostate import values as _values
-from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
+from autostate.errors import InvalidTypeError, format_error, user_location
+from autostate.graph.kinds import (
+    CALLABLES,
+    CANONICAL,
+    FROM_LEAVES,
+    HELD,
+    KINDS,
+    MODEL_CHILD,
+    REACHED,
+    REACHED_CONTAINER,
+    REACHED_INSTANCE,
+    RUNNING,
+    SHARED_NODES,
+    STATEFUL_CLASSES,
+    BoundRef,
+    attr_name,
+    bound_ref,
+    held_instances,
+    is_stateful_instance,
+    key_name,
+    named_keys,
+    path_name,
+    reached_role,
+    register_node_kind,
+    set_after_copy,
+)
 from autostate.tree import INFO_ATTR, StaticLeaf
 from autostate.values import copy_static, is_array_or_spec, is_mutable_static, kind_of
 
-# --- the registry -------------------------------------------------------------
+__all__ = [
+    "GraphDef",
+    "changed_statics",
+    "children_of",
+    "code_reaches",
+    "flatten_graph",
+    "graph_unchanged",
+    "holds_instance",
+    "instance_ids",
+    "instances",
+    "instances_of",
+    "is_dynamic",
+    "is_model_child",
+    "is_pytree_node",
+    "is_static_leaf",
+    "iter_tree",
+    "leaf_attributes",
+    "map_tree",
+    "mutable_statics",
+    "on_jax_grad",
+    "plain_attributes",
+    "reachable_instances",
+    "rebuild_instances",
+    "restore_statics",
+    "register_stateful_class",
+    "rewrite_attributes",
+    "unflatten_graph",
+]
 
-
-@dataclasses.dataclass(frozen=True)
-class NodeKind:
-    """How the walks, the flatten and the change check see one node type.
-
-    One record per type; every field but ``type`` is optional: a kind says
-    only what differs from a plain value.
-
-    Attributes:
-        type: the node type (exactly: a subclass is a kind of its own).
-        children: ``node -> [(path suffix, child)]``: what the walk descends
-            into, each child with its path suffix (``.w``, ``[0]``,
-            ``['k']``, ``.__self__``). ``None``: the walk treats the node as
-            JAX flattens it (one level of its pytree registration).
-        rebuild: ``(node, new children) -> node``: ``node`` around new
-            children, in ``children``'s order (``map_tree``).
-        copied: the walk's copy of such a node is always a new object, even
-            when no child changed (a list: a copy never shares it).
-        by_identity: visited once per object (a decorated instance): the
-            walk's copy is ``empty(node)``, remembered before its children
-            are walked (cycles, aliasing), then ``fill(copy, node, children)``.
-        empty: see ``by_identity``.
-        fill: see ``by_identity``.
-        model_child: a value of this type in a decorated instance's
-            attribute is a pytree child of the instance (else static aux data).
-        canonical: ``value -> value``: the form in which the flatten and
-            the change check see an attribute value (a fresh state is
-            flattened as it will be after its first write).
-        shared: frozen and childless: one object per graphdef entry serves
-            every model rebuilt from it, and the change check compares it by
-            identity.
-        running: ``(split, join)`` for a slot of a running call: JAX's
-            flatten of an instance gives the state's current value as a
-            leaf. ``split(slot)`` is ``(value, key)``, or ``None`` when not
-            running (the slot is then flattened as usual); ``join(key,
-            value)`` is the rebuilt copy's slot.
-        held: ``value -> [(where, value)]``: what an object JAX takes as one
-            leaf holds (a ``functools.partial``'s function and arguments, a
-            generator's frame locals), for ``holds_instance``.
-        after_copy: a decorated class's hook, run on every copy ``map_tree``
-            makes of an instance once its attributes are in place.
-        witnessed: ``value -> held``: how ``Witness`` sees a value that may
-            change in place (a state slot): what it holds now, compared by
-            identity and looked into.
-        immutable: ``Witness`` takes such a value as it is: it never changes
-            in place, and what it holds is witnessed apart.
-        stacked: ``node -> model``: the node is a stack of layers held as one
-            stacked model; in a mapped argument (``lax.scan``'s ``xs``,
-            ``lax.map``'s, a ``jax.vmap`` argument) it is that model, so each
-            step or example gets one layer; a ``for`` loop over it is rolled.
-        must_roll: ``node -> bool``: whether a loop over such a stack that
-            cannot be rolled into one scan is an error.
-        reached: ``node -> [object]``: what code that reaches the node reaches
-            besides its children (a layer's state slot: the stacked model it
-            reads; a stack: its stacked model).
-        own_value: a state slot holding its own value: the eager states a
-            ``lax`` body reaches in it are threaded through the body.
-        from_leaves: ``(aux, leaves) -> node``: the node made straight from
-            its leaves (in JAX's flatten order) and its node data, without
-            the subtree its flatten gives (a ``FunctionalModel``, whose view
-            is made when asked): a rebuild of an attribute holding one makes
-            none of that subtree's nodes.
-    """
-
-    type: type
-    children: Callable[[Any], list[tuple[str, Any]]] | None = None
-    rebuild: Callable[[Any, list[Any]], Any] | None = None
-    copied: bool = False
-    by_identity: bool = False
-    empty: Callable[[Any], Any] | None = None
-    fill: Callable[[Any, Any, list[Any]], None] | None = None
-    model_child: bool = False
-    canonical: Callable[[Any], Any] | None = None
-    shared: bool = False
-    running: tuple[Callable[[Any], Any], Callable[[Any, Any], Any]] | None = None
-    held: Callable[[Any], list[tuple[str, Any]]] | None = None
-    after_copy: Callable[[Any], None] | None = None
-    witnessed: Callable[[Any], Any] | None = None
-    immutable: bool = False
-    stacked: Callable[[Any], Any] | None = None
-    must_roll: Callable[[Any], bool] | None = None
-    reached: Callable[[Any], list[Any]] | None = None
-    own_value: bool = False
-    from_leaves: Callable[[Any, list[Any]], Any] | None = None
-
-
-_KINDS: dict[type, NodeKind] = {}
-
-# Views of ``_KINDS`` by field, for the hot loops of the flatten and the change
-# check (one set or dict lookup per attribute). Only ``_install`` writes them.
-STATEFUL_CLASSES: dict[type, Callable[[Any], None] | None] = {}  # decorated class -> after_copy
-_MODEL_CHILD: set[type] = set()
-_CANONICAL: dict[type, Callable[[Any], Any]] = {}
-_SHARED_NODES: set[type] = set()
-_RUNNING: dict[type, tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]] = {}
-_HELD: dict[type, Callable[[Any], list[tuple[str, Any]]]] = {}
-# ``Witness``'s: how to read what a value holds, or ``None`` for an immutable one.
-_WITNESSED: dict[type, Callable[[Any], Any] | None] = {}
-# The transformations' and loop rolling's: a stack's stacked model, whether a
-# loop over it must roll, what code reaching a node reaches, and the slots
-# that hold their own value.
-STACKS: dict[type, Callable[[Any], Any]] = {}
-MUST_ROLL: dict[type, Callable[[Any], bool]] = {}
-REACHED: dict[type, Callable[[Any], list[Any]]] = {}
-OWN_VALUE_SLOTS: set[type] = set()
-# The rebuild's: the kinds made straight from their leaves.
-_FROM_LEAVES: dict[type, Callable[[Any, list[Any]], Any]] = {}
-
-
-def node_kind(cls: type) -> NodeKind | None:
-    """The registered kind of ``cls`` (exactly that type), or ``None``.
-
-    Example:
-        >>> from autostate import graph
-        >>> graph.node_kind(dict).children({"k": 1})
-        [("['k']", 1)]
-        >>> graph.node_kind(int) is None
-        True
-    """
-    return _KINDS.get(cls)
-
-
-def register_node_kind(cls: type, **fields: Any) -> NodeKind:
-    """Registers how the walks see ``cls`` nodes (the fields of ``NodeKind``).
-
-    Args:
-        cls: the node type.
-        **fields: ``NodeKind``'s fields other than ``type``.
-
-    Returns:
-        The new record.
-
-    Raises:
-        InvalidArgumentError: ``cls`` is registered already (one record per type).
-
-    Example:
-        >>> from autostate import graph
-        >>> class Holder:
-        ...     def __init__(self, item):
-        ...         self.item = item
-        >>> kind = graph.register_node_kind(
-        ...     Holder,
-        ...     children=lambda h: [(".item", h.item)],
-        ...     rebuild=lambda h, new: Holder(new[0]),
-        ... )
-        >>> graph.map_tree(Holder(1), lambda x, name: name, lambda x: x == 1).item
-        'item'
-        >>> graph.register_node_kind(Holder)
-        Traceback (most recent call last):
-        ...
-        autostate.errors.InvalidArgumentError: Holder is registered as a node kind already...
-    """
-    if cls in _KINDS:
-        raise InvalidArgumentError(
-            format_error(
-                f"{cls.__name__} is registered as a node kind already: a type has one record.",
-                where=None,
-                fix="register every field of the type's kind in one register_node_kind call.",
-            )
-        )
-    kind = NodeKind(cls, **fields)
-    _install(kind)
-    return kind
-
-
-def _install(kind: NodeKind) -> None:
-    """Puts ``kind`` in the registry and its fields in the views."""
-    cls = kind.type
-    _KINDS[cls] = kind
-    if kind.by_identity:
-        STATEFUL_CLASSES[cls] = kind.after_copy
-    if kind.model_child:
-        _MODEL_CHILD.add(cls)
-    if kind.canonical is not None:
-        _CANONICAL[cls] = kind.canonical
-    if kind.shared:
-        _SHARED_NODES.add(cls)
-    if kind.running is not None:
-        _RUNNING[cls] = kind.running
-    if kind.held is not None:
-        _HELD[cls] = kind.held
-    if kind.witnessed is not None or kind.immutable:
-        _WITNESSED[cls] = kind.witnessed
-    if kind.stacked is not None:
-        stacked = kind.stacked
-        STACKS[cls] = stacked
-        MUST_ROLL[cls] = kind.must_roll or (lambda node: False)
-        REACHED[cls] = lambda node: [stacked(node)]
-    if kind.reached is not None:
-        REACHED[cls] = kind.reached
-    if kind.own_value:
-        OWN_VALUE_SLOTS.add(cls)
-    if kind.from_leaves is not None:
-        _FROM_LEAVES[cls] = kind.from_leaves
-
-
-def is_stateful_instance(value: Any) -> bool:
-    """True for instances of ``@stateful`` classes."""
-    return type(value) in STATEFUL_CLASSES
-
-
-# --- path names -----------------------------------------------------------
-
-
-def attr_name(attr: str) -> str:
-    """An attribute as a path suffix: ``.w``."""
-    return "." + attr
-
-
-def index_name(index: int) -> str:
-    """A sequence index as a path suffix: ``[0]``."""
-    return f"[{index}]"
-
-
-def mapping_name(key: Any) -> str:
-    """A mapping key as a path suffix: ``['k']``."""
-    return f"[{key!r}]"
-
-
-_PASSING: dict[str, jax.tree_util.GetAttrKey] = {}
-
-
-def passing_key(attr: str) -> jax.tree_util.GetAttrKey:
-    """The keypath entry of a node that adds nothing to the names under it.
-
-    A stack (``autostate.stack``) holds one stacked model whose states and
-    parameters keep the names they would have in its place: ``blocks.w``,
-    not ``blocks.stacked.w``. JAX's flatten of such a node gives its one
-    child under this entry: one of JAX's own ``GetAttrKey``, naming the
-    attribute that holds the child (``keystr`` reads it as Python, orbax and
-    other tree tools take it), made once per ``attr``. The names, and ``f``'s
-    keypaths (``graphdef.keys``), skip exactly this object: a
-    ``GetAttrKey(attr)`` of anyone else's is an ordinary entry.
-
-    Example:
-        >>> key = passing_key("stacked")
-        >>> key is passing_key("stacked"), key_name(key), key_name(jax.tree_util.GetAttrKey("stacked"))
-        (True, '', '.stacked')
-    """
-    key = _PASSING.get(attr)
-    if key is None:
-        key = _PASSING[attr] = jax.tree_util.GetAttrKey(attr)
-    return key
-
-
-def _is_passing(key: Any) -> bool:
-    return type(key) is jax.tree_util.GetAttrKey and _PASSING.get(key.name) is key
-
-
-def _named_keys(path: tuple) -> tuple:
-    """``path`` without the entries that add nothing to names (``passing_key``)."""
-    if any(map(_is_passing, path)):
-        return tuple(k for k in path if not _is_passing(k))
-    return path
-
-
-def key_name(key: Any) -> str:
-    """One keypath entry as it appears in a state name (``.a``, ``[0]``, ``['k']``)."""
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return "" if _is_passing(key) else attr_name(key.name)
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return index_name(key.idx)
-    if isinstance(key, jax.tree_util.DictKey):
-        return mapping_name(key.key)
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return index_name(key.key)
-    return mapping_name(key)
-
-
-def path_name(prefix: str) -> str:
-    """A state name from an accumulated path string: no leading dot."""
-    return prefix[1:] if prefix.startswith(".") else prefix
 
 
 def _flatten_one_level(node: Any):
@@ -363,7 +130,7 @@ def is_static_leaf(value: Any) -> bool:
     if vkind.static:
         return True
     t = type(value)
-    if t is list or t is tuple or t is dict or t in _MODEL_CHILD:
+    if t is list or t is tuple or t is dict or t in MODEL_CHILD:
         return False
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
@@ -371,7 +138,7 @@ def is_static_leaf(value: Any) -> bool:
 def is_model_child(value: Any) -> bool:
     """Whether ``value`` is a node a model holds as a child model (a decorated
     instance, a stack of layers), never a method to call."""
-    return type(value) in _MODEL_CHILD
+    return type(value) in MODEL_CHILD
 
 
 def is_dynamic(value: Any) -> bool:
@@ -380,7 +147,7 @@ def is_dynamic(value: Any) -> bool:
     vkind = kind_of(value)
     if vkind.static:
         return False
-    if t in _MODEL_CHILD:
+    if t in MODEL_CHILD:
         return True
     if vkind.array or vkind.spec:
         return True
@@ -491,7 +258,7 @@ def map_tree(
         {'a': ["['a'][0]", 'x']}
     """
     memo: dict[int, Any] = {}
-    kinds = _KINDS
+    kinds = KINDS
 
     def walk(node: Any, prefix: str) -> Any:
         if is_target(node):
@@ -553,7 +320,7 @@ def children_of(node: Any) -> list[tuple[str, Any]]:
         ([("['k']", [1])], [])
     """
     t = type(node)
-    kind = _KINDS.get(t)
+    kind = KINDS.get(t)
     if kind is not None and kind.children is not None:
         return kind.children(node)
     if (vkind := kind_of(node)).static or vkind.array:
@@ -635,17 +402,14 @@ def instance_ids(tree: Any) -> frozenset[int]:
     return frozenset(map(id, instances_of(tree)))
 
 
-_CALLABLES = (types.MethodType, types.FunctionType, weakref.ReferenceType, weakref.WeakMethod)
-
-
 def holds_instance(value: Any) -> bool:
     """Whether ``value`` is, or contains, a decorated instance (a sub-model) or
     a method bound to one (``self._eval``)."""
     t = type(value)
     if t in STATEFUL_CLASSES:
         return True
-    if t in _CALLABLES:
-        return _held_instances(value) is not None
+    if t in CALLABLES:
+        return held_instances(value) is not None
     if (vkind := kind_of(value)).static or vkind.array:
         return False
     return next(iter_tree(value, _instance_or_bound), None) is not None
@@ -655,45 +419,253 @@ def _instance_or_bound(value: Any) -> bool:
     t = type(value)
     if t in STATEFUL_CLASSES:
         return True
-    held = _HELD.get(t)
+    held = HELD.get(t)
     if held is not None:
         return any(holds_instance(v) for _, v in held(value))
     return _bound_to_instance(value)
 
 
-def _frame_locals(attribute: str) -> Callable[[Any], list[tuple[str, Any]]]:
-    def parts(value: Any) -> list[tuple[str, Any]]:
-        frame = getattr(value, attribute)  # (None once finished: it holds nothing)
-        return (
-            [] if frame is None else [(f" (its local {k!r})", v) for k, v in frame.f_locals.items()]
+# --- the containers a model holds outside its states ----------------------------
+# Inside a traced call (a jitted ``f``, a ``lax`` body) a list or dict that is
+# not state cannot change in place as plain Python would change it: the change
+# is made once per trace, and a traced value put there outlives the trace. The
+# guard snapshots these containers before such a call (``mutable_statics``),
+# and refuses and undoes a change after it (``changed_statics``,
+# ``restore_statics``: each container's value kind compares and restores it,
+# ``values.Kind.same`` / ``restore``). They are not nodes of the model graph
+# (a list of numbers is static data there): the walk follows the value kinds
+# (a container's items, a tuple's, a plain object's ``__dict__``) with the one
+# loop of ``iter_tree``.
+
+
+def mutable_statics(
+    instances: list[Any], values: Sequence[tuple[str, Any]] = ()
+) -> list[tuple[Any, Any, str]]:
+    """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
+    deque or bytearray the model's instances hold outside their states, at
+    any depth of containers, tuples and plain objects (whose ``__dict__`` is
+    taken as one), and for those of the instances' classes (``shared = []``
+    in a class body); and for those in ``values`` (``(label, value)``: the
+    states a ``lax`` body may reach through a reference taken outside it).
+
+    Inside a traced call such a container is a copy the call throws away
+    (or, for ``f``'s own model, one a later call starts from): a change in
+    place (``self.log.append(x)``) would be lost with the trace, or keep a
+    tracer. The guard refuses it; a refused call puts the old contents back.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Logged:
+        ...     def __init__(self):
+        ...         self.log = [[1], (2, {3: 4})]
+        >>> [(c, where) for c, _, where in mutable_statics([Logged()])]
+        [([[1], (2, {3: 4})], 'Logged.log'), ([1], 'Logged.log'), ({3: 4}, 'Logged.log')]
+    """
+    saved: list[tuple[Any, Any, str]] = []
+    seen: set[int] = set()  # shared by the walks from every root: a container is saved once
+
+    def visit(value: Any, where: str) -> None:
+        walk = iter_tree(
+            value, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
         )
+        for _, c in walk:
+            saved.append((c, kind_of(c).copy(c), where))  # type: ignore[misc]
 
-    return parts
+    classes: dict[type, None] = {}
+    for obj in instances:
+        cls = type(obj)
+        classes[cls] = None
+        for name, value in obj.__dict__.items():
+            if _may_hold_containers(value):  # (most attributes: no walk)
+                visit(value, f"{cls.__name__}.{name}")
+    for cls in classes:
+        for klass in cls.__mro__[:-1]:
+            for name, value in list(vars(klass).items()):
+                if _values.is_mutable(value) and not name.startswith("__"):
+                    visit(value, f"{klass.__name__}.{name}")
+    for label, value in values:
+        if _may_hold_containers(value):
+            visit(value, label)
+    return saved
 
 
-def _partial_parts(p: Any) -> list[tuple[str, Any]]:
-    return [
-        (".func", p.func),
-        *((f".args[{i}]", a) for i, a in enumerate(p.args)),
-        *((f".keywords[{k!r}]", a) for k, a in p.keywords.items()),
-    ]
+def changed_statics(saved: Sequence[tuple[Any, Any, str]]) -> list[tuple[Any, str]]:
+    """``(container, where)`` for each container of ``saved`` (``mutable_statics``)
+    that no longer holds what its copy holds (its value kind's ``same``)."""
+    return [(c, where) for c, contents, where in saved if not kind_of(c).same(c, contents)]  # type: ignore[misc]
 
 
-def _lazy_parts(m: Any) -> list[tuple[str, Any]]:
-    return [
-        (" (its function)" if i == 0 else " (its iterable)", v)
-        for i, v in enumerate(m.__reduce__()[1])
-    ]
+def restore_statics(saved: Sequence[tuple[Any, Any, str]]) -> None:
+    """Puts back the contents of each container of ``saved`` (``mutable_statics``)
+    that changed (its value kind's ``restore``)."""
+    for c, contents, _where in saved:
+        kind = kind_of(c)
+        if not kind.same(c, contents):  # type: ignore[misc]
+            kind.restore(c, contents)  # type: ignore[misc]
 
 
-def held_parts(value: Any) -> list[tuple[str, Any]] | None:
-    """``(where, value)`` for what a ``functools.partial`` (or a subclass), a
-    suspended generator or coroutine, or a lazy ``map`` / ``filter`` holds;
-    None for anything else."""
-    how = _HELD.get(type(value))
-    if how is None and isinstance(value, functools.partial):
-        how = _partial_parts
-    return None if how is None else how(value)
+def _may_hold_containers(value: Any) -> bool:
+    """Not a leaf, a decorated instance (visited as one of the instances) or a
+    ``shared`` node (a handled slot: frozen and childless)."""
+    t, kind = type(value), kind_of(value)
+    return not (kind.atom or kind.array or t in STATEFUL_CLASSES or t in SHARED_NODES)
+
+
+def _held_outside_states(value: Any) -> list[tuple[str, Any]]:
+    """The step of ``mutable_statics``'s walk: a container's items (a set's or
+    bytearray's aside), a tuple's, a plain object's ``__dict__`` (a dict)."""
+    kind = kind_of(value)
+    if kind is _values.SET or kind is _values.BYTEARRAY:
+        return []
+    if kind.mutable or kind is _values.TUPLE:
+        items = value.values() if isinstance(value, dict) else value
+        return [("", item) for item in items if _may_hold_containers(item)]
+    d = plain_attributes(value)
+    return [] if d is None else [("", d)]
+
+
+# --- what code reaches ----------------------------------------------------------
+# A ``lax`` body, or a function ``autostate.jit`` compiles, reaches models through
+# what its code holds: its closure cells and defaults, a bound method's
+# instance, a partial's arguments, and what those hold in turn. The step from
+# a node is its kind's ``reached`` field (one dict look-up per node); a
+# subclass of a list, tuple, dict or ``functools.partial`` is walked as its
+# base is.
+
+
+def reachable_instances(roots: Sequence[Any], containers: list[Any]) -> list[Any]:
+    """Decorated instances code holding ``roots`` reaches (closures, bound
+    methods, operands), once each; the lists and dicts met on the way go into
+    ``containers``. Last first: the order that names two instances' states
+    ``Linear.w``, ``Linear.w'``.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> model, log = Scale(), []
+        >>> body = lambda x, m=model: m.w * x  # (reaches its defaults and cells)
+        >>> found = reachable_instances((body, [log]), containers := [])
+        >>> found == [model], containers == [[log], log]
+        (True, True)
+    """
+    found: list[Any] = []
+    visited: set[int] = set()
+    steps = REACHED
+    holds_nothing = _values.holds_nothing  # (an atom or an array: no node)
+    stack = [root for root in roots if not holds_nothing(root)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        node = pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        step = steps.get(type(node)) or _reached_by_base(node)
+        if step is None:
+            continue
+        reached, role = step
+        if role == REACHED_INSTANCE:
+            found.append(node)
+        elif role == REACHED_CONTAINER:
+            containers.append(node)
+        push([item for item in reached(node) if not holds_nothing(item)])
+    return found
+
+
+def _reached_by_base(node: Any) -> tuple[Callable[[Any], Iterable[Any]], int] | None:
+    """The ``reached`` step of a subclass of a list, tuple, dict or partial
+    (none of its own): its base's."""
+    for base in (list, dict, tuple, functools.partial):
+        if isinstance(node, base):
+            return REACHED[base][0], reached_role(type(node), False)
+    return None
+
+
+def code_reaches(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """``(how, value)`` for what ``fn``'s code reaches that may hold a model:
+    what its closure and defaults reach (``reachable_instances``), the
+    globals it and the functions it calls by a global name load (to a depth
+    of four, libraries aside), the attributes of a global module its code
+    reads, and the ``__dict__`` of the plain object it is a method of (or of
+    a callable object). ``autostate.jit`` refuses a model found there that is
+    not an argument.
+
+    Example:
+        >>> @autostate.stateful
+        ... class Scale:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> MODEL = Scale()
+        >>> [how for how, _ in code_reaches(lambda x: MODEL.w * x)]
+        ["the global 'MODEL'"]
+    """
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(function: Any, depth: int) -> None:
+        if id(function) in seen or depth > 4:
+            return
+        seen.add(id(function))
+        found.extend(("its closure", obj) for obj in reachable_instances((function,), []))
+        code = getattr(function, "__code__", None)
+        if code is None:
+            return
+        globals_ = getattr(function, "__globals__", {})
+        for name in _global_names(code):
+            value = globals_.get(name)
+            if value is None:
+                continue
+            if holds_instance(value):
+                found.append((f"the global {name!r}", value))
+            elif isinstance(value, types.FunctionType) and not _library(value):
+                visit(value, depth + 1)
+            elif isinstance(value, types.ModuleType) and not _library(value):
+                # ``module.MODEL`` read by the code: an attribute of a global module.
+                for attr in code.co_names:
+                    held = getattr(value, attr, None)
+                    if held is not None and holds_instance(held):
+                        found.append((f"the module attribute {name}.{attr}", held))
+
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        # A method of a plain object (``autostate.jit(evaluator.run)``): the
+        # models that object holds are read through ``self``.
+        held = getattr(owner, "__dict__", None)
+        if held is not None:
+            found.append(("the object its method is bound to", held))
+    elif not isinstance(fn, types.FunctionType | types.MethodType):
+        held = getattr(fn, "__dict__", None)  # (a callable object's)
+        if held is not None:
+            found.append(("the callable object", held))
+    visit(getattr(fn, "__func__", fn), 0)
+    return found
+
+
+def _library(function: Any) -> bool:
+    """A function (or module) of JAX, NumPy, autostate or another library the walk skips."""
+    if isinstance(function, types.ModuleType):
+        module = function.__name__
+    else:
+        module = getattr(function, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "autostate", "optax", "flax", "equinox",
+                        "haiku", "functools", "typing", "builtins"})
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions nested in it load (not the
+    attribute names, which ``co_names`` holds too)."""
+    names = {
+        str(op.argval) for op in dis.get_instructions(code)
+        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 # --- per-instance pytree ------------------------------------------------------
@@ -719,7 +691,7 @@ def _entry_name(entry: Any) -> str:
 
 def _running_part(value: Any) -> Any:
     """``(value, key)`` of a slot of a running call (a ``running`` kind), else None."""
-    how = _RUNNING.get(type(value))
+    how = RUNNING.get(type(value))
     return None if how is None else how[0](value)
 
 
@@ -755,13 +727,13 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
     aux: list[Any] = []
     children: list[Any] = []
     for name, value in d.items():
-        canonical = _CANONICAL.get(type(value))
+        canonical = CANONICAL.get(type(value))
         if canonical is not None:
             value = canonical(value)
         bound = _bound_to_self(obj, value)
         if bound is not None:
             aux.append(("m", name, bound))  # rebound to the rebuilt instance
-        elif _RUNNING and (running := _running_part(value)) is not None:
+        elif RUNNING and (running := _running_part(value)) is not None:
             aux.append(("r", name, (type(value), running[1])))
             children.append(running[0])
         elif is_dynamic(value):
@@ -807,15 +779,15 @@ def _cycle_error(obj: Any, name: str, child: Any) -> Exception:
     )
 
 
-def _bound_to_self(obj: Any, value: Any) -> _BoundRef | None:
+def _bound_to_self(obj: Any, value: Any) -> BoundRef | None:
     """A method of, closure over or weak reference to ``obj`` alone, as the
     per-instance flatten keeps it (rebound to each rebuilt instance)."""
-    if type(value) not in _CALLABLES:
+    if type(value) not in CALLABLES:
         return None
-    held = _held_instances(value)
+    held = held_instances(value)
     if held is None or any(h is not None and h is not obj for h in held):
         return None
-    return _bound_ref(value, [-1 if h is None else 0 for h in held])
+    return bound_ref(value, [-1 if h is None else 0 for h in held])
 
 
 def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
@@ -824,10 +796,10 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
     for entry in layout:
         name = _entry_name(entry)
         value = d[name]
-        canonical = _CANONICAL.get(type(value))
+        canonical = CANONICAL.get(type(value))
         if canonical is not None:
             value = canonical(value)
-        if _RUNNING and (running := _running_part(value)) is not None:
+        if RUNNING and (running := _running_part(value)) is not None:
             aux.append(("r", name, (type(value), running[1])))
             children.append(running[0])
         elif type(entry) is str:
@@ -869,7 +841,7 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
                 d[entry[1]] = entry[2].rebind([obj])
             elif entry[0] == "r":
                 slot_type, key = entry[2]
-                d[entry[1]] = _RUNNING[slot_type][1](key, next(it))
+                d[entry[1]] = RUNNING[slot_type][1](key, next(it))
             else:
                 d[entry[1]] = entry[2].value
         _remember_layout(obj, aux)
@@ -890,7 +862,7 @@ def register_stateful_class(
     kind's ``after_copy``: it stays one record, and one pytree registration.
     """
     setattr(cls, INFO_ATTR, info)
-    kind = _KINDS.get(cls)
+    kind = KINDS.get(cls)
     if kind is None:
         jax.tree_util.register_pytree_with_keys(
             cls, _flatten_instance_with_keys, _make_unflatten(cls), _flatten_instance
@@ -903,9 +875,14 @@ def register_stateful_class(
             fill=_fill_instance,
             model_child=True,
             after_copy=after_copy,
+            reached=_instance_reached,
         )
     elif kind.after_copy is not after_copy:
-        _install(dataclasses.replace(kind, after_copy=after_copy))
+        set_after_copy(cls, after_copy)
+
+
+def _instance_reached(obj: Any) -> Iterable[Any]:
+    return obj.__dict__.values()
 
 
 def _instance_children(obj: Any) -> list[tuple[str, Any]]:
@@ -971,126 +948,12 @@ class GraphDef:
         return f"GraphDef({len(self.instances)} instances)"
 
 
-class _BoundRef:
-    """A callable bound to instances of the model, in a graphdef.
-
-    A method bound to a decorated instance (``self.act = self._gelu``), a
-    function closing over one (``self.score = lambda x: self.w @ x``) or a
-    weak reference to one (``self._parent = weakref.ref(parent)``, or a
-    ``weakref.WeakMethod`` of one's method) is kept
-    as its function and the graph indices of those instances, so the rebuilt
-    model's one reads and writes the rebuilt instances, never the original
-    ones. Equal for the same code bound to the same places.
-    """
-
-    __slots__ = ("func", "index", "kind")
-
-    def __init__(self, func: Any, index: tuple[int, ...], kind: str):
-        # A method's function (a weak method's too), the closure itself (its
-        # other cells kept), or None for a weak reference.
-        self.func = func
-        # Per instance held: a method's one, or a closure's per cell (-1: none).
-        self.index = index
-        self.kind = kind  # "method", "closure", "weakref" or "weakmethod"
-
-    def rebind(self, objs: list[Any]) -> Any:
-        func = self.func
-        if self.kind == "method":
-            return types.MethodType(func, objs[self.index[0]])
-        if self.kind == "weakref":
-            return weakref.ref(objs[self.index[0]])
-        if self.kind == "weakmethod":
-            return weakref.WeakMethod(types.MethodType(func, objs[self.index[0]]))
-        cells = tuple(
-            cell if i < 0 else types.CellType(objs[i])
-            for cell, i in zip(func.__closure__, self.index)
-        )
-        new = types.FunctionType(
-            func.__code__, func.__globals__, func.__name__, func.__defaults__, cells
-        )
-        new.__kwdefaults__ = func.__kwdefaults__
-        new.__qualname__ = func.__qualname__
-        new.__dict__.update(func.__dict__)
-        return new
-
-    def _key(self) -> tuple:
-        func = self.func
-        if self.kind == "closure":
-            # The code and what its other cells hold, by identity: a rebuilt
-            # closure shares those cells, so it compares equal to its template.
-            others = tuple(
-                id(cell.cell_contents) if i < 0 else None
-                for cell, i in zip(func.__closure__, self.index)
-            )
-            return (func.__code__, id(func.__defaults__), id(func.__kwdefaults__), others)
-        return (func,)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not _BoundRef:
-            return NotImplemented
-        if self.index != other.index or self.kind != other.kind:
-            return False
-        if self.func is other.func:
-            return True
-        try:
-            return bool(self._key() == other._key())
-        except Exception:
-            return False
-
-    def __hash__(self) -> int:
-        try:
-            return hash((self._key(), self.index))
-        except TypeError:
-            return hash(self.index)
-
-
-def _held_instances(value: Any) -> list[Any] | None:
-    """The decorated instances a method, closure or weak reference is bound to
-    (None: not one).
-
-    A method: its ``__self__``; a weak reference: its referent; a closure:
-    each cell's value (``None`` in the place of a cell holding no instance).
-    """
-    t = type(value)
-    if t is types.MethodType:
-        return [value.__self__] if type(value.__self__) in STATEFUL_CLASSES else None
-    if t is weakref.ReferenceType:
-        target = value()
-        return [target] if type(target) in STATEFUL_CLASSES else None
-    if t is weakref.WeakMethod:
-        method = value()
-        target = getattr(method, "__self__", None)
-        return [target] if type(target) in STATEFUL_CLASSES else None
-    if t is types.FunctionType and value.__closure__ is not None:
-        held = []
-        for cell in value.__closure__:
-            try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
-                content = None
-            held.append(content if type(content) in STATEFUL_CLASSES else None)
-        return held if any(h is not None for h in held) else None
-    return None
-
-
 def _bound_to_instance(value: Any) -> bool:
     """Whether ``value`` is a method of, or a closure over, a decorated instance."""
-    return _held_instances(value) is not None
+    return held_instances(value) is not None
 
 
-def _bound_ref(value: Any, indices: list[int]) -> _BoundRef:
-    """The graphdef entry of ``value``, given its held instances' graph indices."""
-    if type(value) is types.MethodType:
-        return _BoundRef(value.__func__, (indices[0],), "method")
-    if type(value) is weakref.ReferenceType:
-        return _BoundRef(None, (indices[0],), "weakref")
-    if type(value) is weakref.WeakMethod:
-        method: Any = value()  # alive: it was found bound to an instance
-        return _BoundRef(method.__func__, (indices[0],), "weakmethod")
-    return _BoundRef(value, tuple(indices), "closure")
-
-
-def _same_function(value: Any, ref: _BoundRef) -> bool:
+def _same_function(value: Any, ref: BoundRef) -> bool:
     if ref.kind == "method":
         return type(value) is types.MethodType and (
             value.__func__ is ref.func or value.__func__ == ref.func
@@ -1172,16 +1035,16 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
             objects.append(obj)
         entries: list[Any] = []
         for name, value in obj.__dict__.items():
-            canonical = _CANONICAL.get(type(value))
+            canonical = CANONICAL.get(type(value))
             if canonical is not None:
                 value = canonical(value)
             if not is_dynamic(value):
-                held = _held_instances(value) if type(value) in _CALLABLES else None
+                held = held_instances(value) if type(value) in CALLABLES else None
                 if held is not None:
                     here = prefix + attr_name(name) + ".__self__"
                     here_keys = (*prefix_keys, attr_key(name))
                     indices = [-1 if h is None else visit(h, here, here_keys) for h in held]
-                    entries.append((name, None, _bound_ref(value, indices)))
+                    entries.append((name, None, bound_ref(value, indices)))
                 else:
                     entries.append((name, None, StaticLeaf(copy_static(value, statics))))
                 continue
@@ -1192,7 +1055,7 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
             for path, leaf in flat:
                 sub = here + "".join(key_name(k) for k in path)
                 if type(leaf) in STATEFUL_CLASSES:
-                    parts.append(-1 - visit(leaf, sub, (*here_keys, *_named_keys(path))))
+                    parts.append(-1 - visit(leaf, sub, (*here_keys, *named_keys(path))))
                 elif is_array_or_spec(leaf):
                     # One array in two places (``self.head.w = self.embed.w``)
                     # is one leaf, as a shared sub-model is.
@@ -1201,12 +1064,12 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
                         at = arrays[id(leaf)] = len(leaves)
                         leaves.append(leaf)
                         names.append(path_name(sub))
-                        keys.append((*here_keys, *_named_keys(path)))
+                        keys.append((*here_keys, *named_keys(path)))
                     parts.append(at)
-                elif type(leaf) in _CALLABLES and (held := _held_instances(leaf)) is not None:
-                    where, where_keys = f"{sub}.__self__", (*here_keys, *_named_keys(path))
+                elif type(leaf) in CALLABLES and (held := held_instances(leaf)) is not None:
+                    where, where_keys = f"{sub}.__self__", (*here_keys, *named_keys(path))
                     indices = [-1 if h is None else visit(h, where, where_keys) for h in held]
-                    parts.append(_bound_ref(leaf, indices))
+                    parts.append(bound_ref(leaf, indices))
                 else:
                     parts.append(StaticLeaf(copy_static(leaf, statics)))
             entries.append((name, treedef, tuple(parts)))
@@ -1251,11 +1114,11 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                 return False
             if how == _SHARED and value is what:
                 continue  # the handled slot the rebuild put there
-            canonical = _CANONICAL.get(type(value))
+            canonical = CANONICAL.get(type(value))
             if canonical is not None:
                 value = canonical(value)
             if treedef is None:
-                if type(parts) is _BoundRef:
+                if type(parts) is BoundRef:
                     if not _same_instance(value, parts):
                         return False
                     continue
@@ -1273,7 +1136,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
             if new_def != treedef or len(flat) != len(parts):
                 return False
             for leaf, p in zip(flat, parts):
-                if type(p) is _BoundRef:
+                if type(p) is BoundRef:
                     if not _same_instance(leaf, p):
                         return False
                 elif type(p) is StaticLeaf:
@@ -1292,9 +1155,9 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                     return False
         return True
 
-    def _same_instance(value: Any, ref: _BoundRef) -> bool:
+    def _same_instance(value: Any, ref: BoundRef) -> bool:
         """A method or closure in the place of ``ref``: its code, its instances' indices."""
-        held = _held_instances(value) if _same_function(value, ref) else None
+        held = held_instances(value) if _same_function(value, ref) else None
         if held is None or len(held) != len(ref.index):
             return False
         for instance, expected in zip(held, ref.index):
@@ -1311,331 +1174,6 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
         return True
 
     return same(root) and len(index) == len(instances) and graphdef.root == 0
-
-
-class Witness:
-    """What a set of instances held, by identity: ``unchanged()`` says whether
-    they still hold it, so that an earlier ``flatten_graph`` of them still stands.
-
-    The cheap, conservative sibling of ``graph_unchanged``: it compares
-    identities only (each instance's attributes, the lists, dicts and state
-    slots they hold, at any depth), builds no graphdef and flattens nothing.
-    What it saw is kept flat (every instance's keys and values in one list,
-    every list's items in another, ...), so that a check is a few
-    comparisons of whole lists in C, whatever the number of instances. A
-    value whose equality the graphdef compares but whose identity cannot tell
-    a change (a numpy array, which changes in place; a mutable object with an
-    ``__eq__`` of its own; a foreign pytree node) makes ``of`` give ``None``:
-    no witness, the caller flattens again.
-
-    Example:
-        >>> @autostate.stateful
-        ... class Layer:
-        ...     def __init__(self):
-        ...         self.w = jnp.ones(2)
-        ...         self.sizes = [2]
-        >>> layer = Layer()
-        >>> witness = Witness.of([layer])
-        >>> witness.unchanged()
-        True
-        >>> layer.sizes.append(3)
-        >>> witness.unchanged()
-        False
-    """
-
-    __slots__ = ("refs", "types", "dicts", "lens", "keys", "values", "starts", "held", "_plans")
-
-    def __init__(self, objects: Sequence[Any], held: _Held):
-        # Per instance: a weak reference to it, its class, its __dict__, the
-        # dict's length and where its keys and values start in the flat lists.
-        self.refs = [weakref.ref(obj) for obj in objects]
-        self.types = list(map(type, objects))
-        self.dicts = [obj.__dict__ for obj in objects]
-        self.lens = list(map(len, self.dicts))
-        self.starts = list(itertools.accumulate(self.lens, initial=0))
-        self.keys = list(itertools.chain.from_iterable(self.dicts))
-        self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
-        self.held = held  # what the attributes hold that can change in place
-        # Per set of attributes a call rewrites (by id): it, and how ``patch`` takes them.
-        self._plans: dict[int, tuple[tuple, _Patch]] = {}
-
-    @classmethod
-    def of(cls, objects: Sequence[Any]) -> Witness | None:
-        held = _Held.of([obj.__dict__ for obj in objects])
-        if held is None:
-            return None
-        try:
-            return cls(objects, held)
-        except TypeError:  # (an instance that takes no weak reference)
-            return None
-
-    def patch(self, touched: Iterable[tuple[int, str]]) -> bool:
-        """Witnesses anew the attributes ``touched`` (``(instance index, name)``:
-        what a call rewrote), the rest as it was: whether it still can (else
-        the caller makes a new one with ``of``).
-
-        One call's rewrites are many (a state per layer) and alike (a new
-        array, or a new slot holding one): each is written over what was
-        witnessed for it in whole lists, and only an attribute whose value
-        is another shape is witnessed anew on its own.
-        """
-        # (By identity: a compiled call gives the same tuple each time.)
-        found = self._plans.get(id(touched))
-        if found is not None and found[0] is touched:
-            plan = found[1]
-        else:
-            touched = tuple(touched)
-            made = _Patch.of(self, touched)
-            if made is None:
-                return False
-            plan = made
-            self._plans[id(touched)] = (touched, plan)
-        if list(map(len, self.dicts)) != self.lens:
-            return False
-        new = list(map(dict.get, map(self.dicts.__getitem__, plan.instances), plan.names))
-        set_value = self.values.__setitem__
-        for _ in map(set_value, plan.positions, new):
-            pass
-        held = self.held
-        others = list(plan.others)
-        # Values holding nothing to witness (a new array): nothing held before either.
-        plain = list(map(new.__getitem__, plan.plain))
-        if not all(map(_PLAIN.__contains__, map(type, plain))):
-            others += plan.plain
-        # A new slot of the kind before, holding a value of its own (a state's).
-        slots = list(map(new.__getitem__, plan.slots))
-        inner = None
-        if list(map(type, slots)) == plan.slot_types:
-            inner = list(map(operator.call, map(held.reads.__getitem__, plan.slot_at), slots))
-            if not all(map(_PLAIN.__contains__, map(type, inner))):
-                inner = None
-        if inner is None:
-            others += plan.slots
-        else:
-            for _ in map(held.slots.__setitem__, plan.slot_at, slots):
-                pass
-            for _ in map(held.inner.__setitem__, plan.slot_at, inner):
-                pass
-        for k in others:  # (anything else, one by one)
-            record: tuple[list, list, list] = ([], [], [])
-            if not _witnessed(new[k], record):
-                return False
-            if not held.replace(touched[k], record):
-                # Another shape (a dict with a key more): all held, anew.
-                anew = _Held.of(self.dicts)
-                if anew is None:
-                    return False
-                self.held, self._plans = anew, {}
-                break
-        return True
-
-    def instances(self) -> list[Any] | None:
-        """The instances witnessed, where they still hold what they held (else ``None``)."""
-        objs = list(map(operator.call, self.refs))
-        if list(map(type, objs)) != self.types:  # (a dead instance reads as None)
-            return None
-        dicts = self.dicts
-        if not all(map(operator.is_, map(_DICT_OF, objs), dicts)):
-            return None
-        if list(map(len, dicts)) != self.lens:
-            return None
-        if not all(map(operator.is_, itertools.chain.from_iterable(dicts), self.keys)):
-            return None
-        if not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, dicts)),
-                       self.values)):
-            return None
-        return objs if self.held.unchanged() else None
-
-    def unchanged(self) -> bool:
-        return self.instances() is not None
-
-
-_DICT_OF = operator.attrgetter("__dict__")
-
-
-class _Held:
-    """What a ``Witness``'s attributes hold that can change in place, flat:
-    every list, dict and state slot in one list each, their contents in
-    another (records ``(dict, keys, values)``, ``(list, items)``, ``(slot,
-    read, value)``), so that a check compares whole lists; ``spans`` says
-    where each attribute's records start, and their shape, so that a record
-    of the same shape is written over them in place."""
-
-    __slots__ = ("lists", "list_lens", "items", "dicts", "dict_lens", "dict_keys",
-                 "dict_values", "slots", "reads", "inner", "spans")
-
-    def __init__(self) -> None:
-        self.lists: list = []
-        self.list_lens: list[int] = []
-        self.items: list = []
-        self.dicts: list = []
-        self.dict_lens: list[int] = []
-        self.dict_keys: list = []
-        self.dict_values: list = []
-        self.slots: list = []
-        self.reads: list = []
-        self.inner: list = []
-        # (instance, name) -> (starts in dicts, dict_keys, lists, items, slots; shape)
-        self.spans: dict[tuple[int, str], tuple[int, int, int, int, int, tuple]] = {}
-
-    @classmethod
-    def of(cls, dicts: Sequence[dict]) -> _Held | None:
-        """What the attributes in ``dicts`` hold (``None``: one can change unseen)."""
-        held = cls()
-        for i, d in enumerate(dicts):
-            for name, v in d.items():
-                record: tuple[list, list, list] = ([], [], [])
-                if not _witnessed(v, record):
-                    return None
-                if record[0] or record[1] or record[2]:
-                    held.add((i, name), record)
-        return held
-
-    def add(self, at: tuple[int, str], record: tuple[list, list, list]) -> None:
-        self.spans[at] = (len(self.dicts), len(self.dict_keys), len(self.lists),
-                          len(self.items), len(self.slots), _shape(record))
-        for c, keys, values in record[0]:
-            self.dicts.append(c)
-            self.dict_lens.append(len(keys))
-            self.dict_keys.extend(keys)
-            self.dict_values.extend(values)
-        for c, items in record[1]:
-            self.lists.append(c)
-            self.list_lens.append(len(items))
-            self.items.extend(items)
-        for slot, read, value in record[2]:
-            self.slots.append(slot)
-            self.reads.append(read)
-            self.inner.append(value)
-
-    def replace(self, at: tuple[int, str], record: tuple[list, list, list]) -> bool:
-        """Writes ``record`` over the attribute's, where both have one shape."""
-        span = self.spans.get(at)
-        if span is None:
-            return not (record[0] or record[1] or record[2])
-        d, k, lst, it, s, shape = span
-        if _shape(record) != shape:
-            return False
-        for c, keys, values in record[0]:
-            self.dicts[d] = c
-            self.dict_keys[k:k + len(keys)] = keys
-            self.dict_values[k:k + len(keys)] = values
-            d, k = d + 1, k + len(keys)
-        for c, items in record[1]:
-            self.lists[lst] = c
-            self.items[it:it + len(items)] = items
-            lst, it = lst + 1, it + len(items)
-        for slot, read, value in record[2]:
-            self.slots[s], self.reads[s], self.inner[s] = slot, read, value
-            s += 1
-        return True
-
-    def unchanged(self) -> bool:
-        is_, chain = operator.is_, itertools.chain.from_iterable
-        return (
-            list(map(len, self.lists)) == self.list_lens
-            and all(map(is_, chain(self.lists), self.items))
-            and list(map(len, self.dicts)) == self.dict_lens
-            and all(map(is_, chain(self.dicts), self.dict_keys))
-            and all(map(is_, chain(map(dict.values, self.dicts)), self.dict_values))
-            and all(map(is_, map(operator.call, self.reads, self.slots), self.inner))
-        )
-
-
-def _shape(record: tuple[list, list, list]) -> tuple:
-    return (tuple(len(keys) for _, keys, _ in record[0]),
-            tuple(len(items) for _, items in record[1]), len(record[2]))
-
-
-@dataclasses.dataclass(slots=True)
-class _Patch:
-    """How ``Witness.patch`` takes one set of rewritten attributes, by their
-    order in it: each one's instance, name and place among the witness's
-    values; which held nothing to witness (``plain``), which held one slot
-    and nothing else (``slots``, of ``slot_types``, at ``slot_at``), and the
-    rest."""
-
-    instances: list[int]
-    names: list[str]
-    positions: list[int]
-    plain: list[int]
-    slots: list[int]
-    slot_types: list[type]
-    slot_at: list[int]
-    others: list[int]
-
-    @classmethod
-    def of(cls, witness: Witness, touched: tuple[tuple[int, str], ...]) -> _Patch | None:
-        plan = cls([], [], [], [], [], [], [], [])
-        held = witness.held
-        for k, (i, name) in enumerate(touched):
-            start, end = witness.starts[i], witness.starts[i + 1]
-            try:
-                position = witness.keys.index(name, start, end)
-            except ValueError:
-                return None
-            plan.instances.append(i)
-            plan.names.append(name)
-            plan.positions.append(position)
-            span = held.spans.get((i, name))
-            if span is None:
-                plan.plain.append(k)
-            elif span[5] == ((), (), 1):
-                plan.slots.append(k)
-                plan.slot_types.append(type(held.slots[span[4]]))
-                plan.slot_at.append(span[4])
-            else:
-                plan.others.append(k)
-        return plan
-
-
-def _witnessed(value: Any, record: tuple[list, list, list]) -> bool:
-    """Whether a ``Witness`` can see every change of ``value`` by identity; the
-    dicts, lists and slots it holds into ``record``."""
-    t = type(value)
-    if t in _PLAIN or t in STATEFUL_CLASSES:
-        return True  # (an instance is among the witnessed objects: witnessed on its own)
-    kind = kind_of(value)
-    if kind.static or kind.array:
-        if kind.numpy:
-            return False  # (a numpy array changes in place)
-        _PLAIN.add(t)  # (by type: the next one is taken at the first look)
-        return True
-    if t is list:
-        record[1].append((value, tuple(value)))
-        return all(_witnessed(v, record) for v in value)
-    if t is dict:
-        record[0].append((value, tuple(value), tuple(value.values())))
-        return all(_witnessed(v, record) for v in value.values())
-    if kind is _values.TUPLE or kind is _values.NAMED_TUPLE or kind is _values.FROZENSET:
-        return all(_witnessed(v, record) for v in value)
-    if t in _WITNESSED:
-        read = _WITNESSED[t]
-        if read is None:
-            return True  # (immutable, what it holds witnessed apart)
-        inner = read(value)
-        record[2].append((value, read, inner))
-        return _witnessed(inner, record)
-    return _identity_is_value(t, value)
-
-
-# Types a ``Witness`` takes as they are, first (immutable); an array's kind
-# says the same, one look-up later.
-_PLAIN: set[type] = {int, float, bool, str, type(None), type(jax.tree_util.tree_structure(0))}
-
-def _identity_is_value(t: type, value: Any) -> bool:
-    """Whether values of type ``t`` are static values the graphdef compares by
-    identity and holding no arrays: the default ``__eq__``, not a pytree node
-    (decided by the first value met, for the type)."""
-    found = _IDENTITY_IS_VALUE.get(t)
-    if found is None:
-        found = _IDENTITY_IS_VALUE[t] = t.__eq__ is object.__eq__ and (
-            jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
-        )
-    return found
-
-
-_IDENTITY_IS_VALUE: dict[type, bool] = {}
 
 
 def unflatten_graph(graphdef: GraphDef, leaves: list[Any]) -> Any:
@@ -1662,12 +1200,12 @@ def _rebuild_plan(graphdef: GraphDef) -> list[tuple[type, tuple]]:
             steps: list[tuple[str, int, Any]] = []
             for name, treedef, parts in entries:
                 if treedef is None:
-                    if type(parts) is _BoundRef:
+                    if type(parts) is BoundRef:
                         steps.append((name, _BOUND, parts))
                     else:
                         how = _STATIC_COPY if is_mutable_static(parts.value) else _STATIC
                         steps.append((name, how, parts.value))
-                elif not parts and type(shared := treedef.unflatten([])) in _SHARED_NODES:
+                elif not parts and type(shared := treedef.unflatten([])) in SHARED_NODES:
                     steps.append((name, _SHARED, shared))
                 elif (
                     len(parts) == 1
@@ -1761,7 +1299,7 @@ def _rebuilt(how: int, what: Any, leaves: list[Any], objs: list[Any], statics: d
         (objs[-1 - p] if p < 0 else leaves[p])
         if type(p) is int
         else p.rebind(objs)
-        if type(p) is _BoundRef
+        if type(p) is BoundRef
         else copy_static(p.value, statics)
         for p in parts
     ]
@@ -1775,8 +1313,8 @@ def _short_unflatten(treedef: Any) -> Callable[[Iterator[Any]], Any] | None:
     data = treedef.node_data()
     if data is None:  # (a leaf)
         return None
-    if data[0] in _FROM_LEAVES:
-        make, aux, count = _FROM_LEAVES[data[0]], data[1], treedef.num_leaves
+    if data[0] in FROM_LEAVES:
+        make, aux, count = FROM_LEAVES[data[0]], data[1], treedef.num_leaves
         return lambda leaves: make(aux, list(itertools.islice(leaves, count)))
     children = treedef.children()
     inner = [_short_unflatten(child) for child in children]
@@ -1798,62 +1336,3 @@ def _unflatten_next(treedef: Any, count: int, leaves: Iterator[Any]) -> Any:
 
 
 _LEAF_DEF = jax.tree_util.tree_structure(0)
-
-
-# --- the builtin kinds ----------------------------------------------------------
-
-
-def _callable_children(value: Any) -> list[tuple[str, Any]]:
-    """The instances a method, closure or weak reference is bound to, at
-    ``.__self__`` (none for one bound to no decorated instance)."""
-    held = _held_instances(value)
-    return [] if held is None else [(".__self__", h) for h in held if h is not None]
-
-
-def _rebind_callable(value: Any, copies: list[Any]) -> Any:
-    """``value`` bound to ``copies`` of its instances, as ``flatten_graph`` rebinds."""
-    held = _held_instances(value)
-    assert held is not None  # it had children
-    it = iter(copies)
-    bound = [None if h is None else next(it) for h in held]
-    return _bound_ref(value, [-1 if h is None else k for k, h in enumerate(held)]).rebind(bound)
-
-
-register_node_kind(
-    list,
-    children=lambda v: [(f"[{i}]", x) for i, x in enumerate(v)],
-    rebuild=lambda _v, children: children,
-    copied=True,
-)
-register_node_kind(
-    tuple,
-    children=lambda v: [(f"[{i}]", x) for i, x in enumerate(v)],
-    rebuild=lambda _v, children: tuple(children),
-    copied=True,
-)
-register_node_kind(
-    dict,
-    children=lambda v: [(f"[{k!r}]", x) for k, x in v.items()],
-    rebuild=lambda v, children: dict(zip(v, children)),
-    copied=True,
-)
-for _callable in _CALLABLES:
-    register_node_kind(_callable, children=_callable_children, rebuild=_rebind_callable)
-del _callable
-
-# What reaches a model through another object JAX takes as one leaf, which
-# f's copy cannot be rebound through: a ``functools.partial`` of a method, a
-# generator a method made (its frame holds ``self``), a lazy ``map`` /
-# ``filter`` over a method. The walks do not go into them; ``holds_instance``
-# and ``held_parts`` look through them (``where`` is a path suffix for messages).
-_held_by: tuple[tuple[type, Callable[[Any], list[tuple[str, Any]]]], ...] = (
-    (functools.partial, _partial_parts),
-    (types.GeneratorType, _frame_locals("gi_frame")),
-    (types.CoroutineType, _frame_locals("cr_frame")),
-    (types.AsyncGeneratorType, _frame_locals("ag_frame")),
-    (map, _lazy_parts),
-    (filter, _lazy_parts),
-)
-for _type, _held in _held_by:
-    register_node_kind(_type, held=_held)
-del _held_by, _type, _held
