@@ -573,7 +573,9 @@ def _functionalize_method(
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
-    _runtime.check_no_hidden_arrays(self)
+    from autostate.hidden import check_no_hidden_arrays  # (above runtime: imported on first use)
+
+    check_no_hidden_arrays(self)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
     handler, initial = handle_local_states(
