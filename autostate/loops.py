@@ -287,7 +287,8 @@ def _fallback(raised: BaseException) -> tuple[str, str] | None:
     else:
         return None
     first = str(raised).strip().splitlines()
-    detail = f" ({type(raised).__name__}: {first[0]})" if first else ""
+    # (The reason says all of a concrete value; a refusal's first line says which state or value.)
+    detail = f" ({type(raised).__name__}: {first[0]})" if first and name != "concrete-value" else ""
     return name, FALLBACKS[name] + detail
 
 
