@@ -44,10 +44,11 @@ from jax._src import traceback_util as _traceback_util
 
 from autostate import graph as _graph
 from autostate import values as _values
-from autostate.effects.local_state import StateSlot
+from autostate.effects.local_state import StateSlot, handler_running, running_cells
 from autostate.errors import InvalidArgumentError, format_error, user_location
 from autostate.graph import Witness
 from autostate.lifetime import current_trace, under_staging_trace, with_home
+from autostate.lifting.core import own_states, with_states_handled
 from autostate.packing import Layout
 
 __all__ = ["Compiled", "jit"]
@@ -248,6 +249,13 @@ class Compiled(Generic[P, R]):
         # (args, kwargs, key, how many arrays the program takes)
         self._tracing: tuple[tuple, dict, _Key, int] | None = None
         program = _Program(self)
+        # A call made while a functionalized call runs (a method of ``f``'s
+        # model calls it) is a ``jax.jit`` inside a method: the one ``jit``
+        # that threads the running states (``lifting.jit``), made on first use.
+        self._in_call_options = {
+            **options, "static_argnums": self._static, "static_argnames": tuple(self._static_names)
+        }
+        self._in_call: Callable[..., Any] | None = None
         self._jitted = jax.jit(
             program, static_argnums=(0,), donate_argnums=(1, 2) if donate else (), **options
         )
@@ -265,6 +273,12 @@ class Compiled(Generic[P, R]):
             args = (self._self, *args)  # type: ignore[assignment]
         if under_staging_trace():
             return self.fn(*args, **kwargs)  # (see _call)
+        if handler_running() and running_cells():
+            if self._in_call is None:
+                from autostate.lifting.jit import jit as _jit_in_method  # (above this module)
+
+                self._in_call = _jit_in_method(self.fn, **self._in_call_options)
+            return self._in_call(*args, **kwargs)
         with _CALLS:
             return self._call(args, kwargs)
 
@@ -457,7 +471,11 @@ class Compiled(Generic[P, R]):
         for i, value in sorted((i % (len(args) + len(key.statics)), v) for i, v in key.statics):
             args.insert(i, value)
         _check_reached(self.fn, copies)
-        out = self.fn(*args, **kwargs)
+        # The one lift (``lifting.core``): the copies' states are a handler's
+        # cells while ``fn`` runs, as a functionalized call's and an eager
+        # model's in a lax body are, and the states it assigned are written back.
+        swapped, _ = own_states([c for c in copies if c is not root])
+        out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
         _check_plain_output(out)
         after, treedef = jax.tree_util.tree_flatten(
             (dynamic, {k: v for k, v in kwargs.items() if k not in dict(key.named)}),

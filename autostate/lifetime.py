@@ -247,13 +247,19 @@ def _tracers(value: Any) -> tuple[list[Any], bool]:
     return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
 
 
-def check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortable | None:
+def check_not_traced(
+    value: Any, name: str | None, home: Any = None, inside_call: bool = False
+) -> Unsortable | None:
     """Refuses to store a tracer that would outlive its trace in an eager model.
 
     A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
     a temporary instance inside a jitted step) lives in that trace, its
     ``home``: it may keep that trace's values. Any other tracer comes from a
     transformation of a model built outside it, and would leak.
+
+    ``inside_call``: the state is a running call's, which a copy of its
+    model writes through to (``CopiedRef``): a tracer of a transformation
+    inside the call is refused in the same words.
 
     Returns ``(name, the user's line)`` when ``value`` holds a dict whose
     keys do not sort, else None: the slot keeps it for the error raised
@@ -272,15 +278,17 @@ def check_not_traced(value: Any, name: str | None, home: Any = None) -> Unsortab
         around = _enclosing_traces(home)
         if all(id(_trace_of(t)) in around for t in tracers):
             return where
-    if home is not None:
+    if home is not None or inside_call:
         # The model lives in a trace (the copy `autostate.jit` or `jax.jit`
-        # makes of a model argument): the tracer comes from a transformation
-        # applied inside it, which does not carry the model's states out.
+        # makes of a model argument) or in a call of ``f`` (``inside_call``):
+        # the tracer comes from a transformation applied inside it, which
+        # does not carry the model's states out.
         raise TracedEagerStateError(
             format_error(
                 f"State {name!r} was assigned a value of a transformation (jax.eval_shape, "
-                "jax.vmap, jax.grad, ...) applied to the model inside the trace it lives in "
-                "(the function autostate.jit compiles, or the one that built it): that "
+                "jax.vmap, jax.grad, ...) applied to the model inside the trace or call it "
+                "lives in (the function autostate.jit compiles, a call of f, or the function "
+                "that built the model): that "
                 "transformation does not carry the model's states out, so the model would "
                 "keep a value that only exists inside it.",
                 fix="apply the inner transformation to a function of the states: "
@@ -509,6 +517,55 @@ def _check_read(name: str, value: Any, cell: Any) -> None:
         raise value.error()
 
 
+# Ids of the traces of the lifted bodies running now (``lifting.core`` binds
+# the call's cells there): a copy of a model may write through to a cell there.
+LIFT_TRACES: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "autostate_lift_traces", default=frozenset()
+)
+
+
+# Handlers running a call on models that hold their own states (an eager
+# model's in a lax body, the copies ``autostate.jit`` traces): ``lifting.core``.
+OWN_STATE_HANDLERS: set[Any] = set()
+
+
+def check_written_inside(ref: Any, value: Any) -> None:
+    """A call on models that hold their own states (``OWN_STATE_HANDLERS``)
+    refuses, at the write, a value of a transformation it does not place
+    states in (``jax.eval_shape`` of the model, a ``jax.jit`` the decorator
+    never saw), as the models' own slots do: the call's trace, and the
+    models, outlive it. (``f``'s calls refuse it where the state is next
+    read, as documented.)"""
+    if ref.handler_id not in OWN_STATE_HANDLERS or type(value) in CONCRETE_LEAF_TYPES:
+        return
+    call = running_call(ref.handler_id)
+    trace = current_trace()
+    if call is None or trace is trace_of_call(call) or id(trace) in LIFT_TRACES.get():
+        return
+    check_not_traced(value, ref.name, trace_of_call(call), inside_call=True)
+
+
+def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> None:
+    """What a handled state's write refuses: a Python value in place of the
+    placeholder ``None`` (``state_values.check_placeholder_write``), and a
+    value that outlives its transformation (``check_written_inside``)."""
+    if old is None:
+        from autostate.state_values import check_placeholder_write  # (above this module)
+
+        check_placeholder_write(ref.name, label, value)
+    check_written_inside(ref, value)
+
+
+@contextlib.contextmanager
+def lifted_body() -> Iterator[None]:
+    """While a lifted body runs in the current trace (see ``LIFT_TRACES``)."""
+    token = LIFT_TRACES.set(LIFT_TRACES.get() | {id(current_trace())})
+    try:
+        yield
+    finally:
+        LIFT_TRACES.reset(token)
+
+
 # Ids of the cells bound to a member's slice while a transformation maps over
 # a stacked sub-model (set by ``control``): read only through the members.
 MEMBER_CELLS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -633,10 +690,11 @@ class CopiedRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
         call = running_call(self.ref.handler_id)
-        if call is None or trace_of_call(call) is current_trace():
+        trace = current_trace()
+        if call is None or trace_of_call(call) is trace:
             self.value = value
             return None
-        self.ref.write(value, label)
+        self.ref.write(value, label)  # (checked there: ``check_written_inside``)
         cell = call[1].get(self.name)
         if cell is not None:
             _WRITTEN_THROUGH[id(cell)] = cell.value
@@ -677,6 +735,7 @@ _graph.register_node_kind(CopiedRef, running=(_split_copy, _copied), own_value=T
 
 register_slot_hooks(
     eager_write=written_slot,
+    check_handled_write=_check_handled_write,
     made_here=made_here,
     check_read=_check_read,
     call_started=_call_started,

@@ -31,11 +31,13 @@ on:
   depends on tracer lifetime and on static kinds), ``made_here`` (slots a
   freeze makes live in the trace running now), ``check_read`` (a handled
   reference's read: escaped tracers, lost values, stacked members),
-  ``call_started`` (a call's trace and the calls of every thread) and
-  ``cells_elsewhere`` (a state reached from another thread);
+  ``check_handled_write`` (its write: a Python value in place of the
+  placeholder ``None``, a value of a transformation inside a call on
+  models that hold their own states), ``call_started`` (a call's trace
+  and the calls of every thread) and ``cells_elsewhere`` (a state reached
+  from another thread);
 * ``autostate.state_values``: ``states_dict`` (the dict a call or handling
-  returns keeps Python values as structure), ``check_handled_write`` (a
-  Python value in place of the placeholder ``None`` inside a call);
+  returns keeps Python values as structure);
 * ``autostate.unsortable``: ``states_flatten_error`` (a dict whose keys do
   not sort, said in autostate's words where JAX failed).
 
@@ -68,8 +70,8 @@ class SlotHooks:
       ran);
     * ``check_read(name, value, cell)``: called by a handled reference's
       ``read`` of ``cell``; raises for a value with no plain meaning;
-    * ``check_handled_write(name, label, old, value)``: called by a handled
-      reference's ``write``; raises for a value the running call cannot take;
+    * ``check_handled_write(ref, label, old, value)``: called by a handled
+      reference ``ref``'s ``write``; raises for a value the running call cannot take;
     * ``call_started(handler_id, cells)`` -> ``ended()``: a handler starts
       running its body with ``cells`` (``{name: LocalStateEffectImpl}``);
       calling what it returns says the call ended;
@@ -99,8 +101,8 @@ class SlotHooks:
         self.eager_write: Callable[[Any, Any, str | None], Any] = _unhandled_write
         self.made_here: Callable[[Iterable[Any]], None] = lambda slots: None
         self.check_read: Callable[[str, Any, Any], None] = lambda name, value, cell: None
-        self.check_handled_write: Callable[[str, str | None, Any, Any], None] = (
-            lambda name, label, old, value: None
+        self.check_handled_write: Callable[[Any, str | None, Any, Any], None] = (
+            lambda ref, label, old, value: None
         )
         self.call_started: Callable[[Hashable, dict[str, Any]], Callable[[], None]] = (
             lambda handler_id, cells: _nothing

@@ -316,10 +316,11 @@ def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> St
     )
 
 
-def _check_handled_write(name: str, label: str | None, old: Any, value: Any) -> None:
+def check_placeholder_write(name: str, label: str | None, value: Any) -> None:
     """A Python value in place of the placeholder ``None`` inside a call would
-    make the state static: refused (``makes_static_state``)."""
-    if old is None and makes_static_state(value):
+    make the state static: refused (``makes_static_state``); what a handled
+    write checks (``lifetime``'s ``check_handled_write``)."""
+    if makes_static_state(value):
         raise refused(_static_in_placeholder_error(name, label, value))
 
 
@@ -477,4 +478,4 @@ def static_slot(value: Any, category: Category, name: str | None) -> StaticState
     return StaticState(value, category, name) if makes_static_state(value) else None
 
 
-register_slot_hooks(states_dict=states_dict, check_handled_write=_check_handled_write)
+register_slot_hooks(states_dict=states_dict)

@@ -601,7 +601,7 @@ class HandledLocalStateRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> None:
         cell = self._cell()
-        _hooks.check_handled_write(self.name, label, cell.value, value)
+        _hooks.check_handled_write(self, label, cell.value, value)
         cell.value = value
 
 

@@ -43,7 +43,13 @@ from autostate.errors import (
     user_location,
 )
 from autostate.guard import CAPTURED, Guard, eager_lax_body
-from autostate.lifetime import MEMBER_CELLS, LostValue, contains_tracer
+from autostate.lifetime import (
+    MEMBER_CELLS,
+    OWN_STATE_HANDLERS,
+    LostValue,
+    contains_tracer,
+    lifted_body,
+)
 from autostate.state_values import StaticState, is_static_value, same_static
 
 Cells = Sequence[LocalStateEffectImpl]
@@ -70,7 +76,8 @@ def bound_to(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> I
         cell.value = value
     bound = [cell.value for cell in cells]
     try:
-        yield
+        with lifted_body():
+            yield
     except BaseException as raised:
         written = [cell for cell, value in zip(cells, bound) if cell.value is not value]
         for cell, value in zip(cells, saved):
@@ -422,23 +429,9 @@ def with_eager_states(
     """
     captured: list[Any] = []
     instances = _graph.reachable_instances(roots, captured)
-    swapped: Swapped = []
-    statics: list[tuple[Any, str, Any]] = []
-    names: set[str] = set()
-    for obj in instances:
-        for attr in _tree.info_of(obj).state:
-            slot = obj.__dict__.get(attr)
-            if type(slot) is StaticState:
-                if not once:
-                    statics.append((obj, attr, slot))
-                continue
-            if type(slot) is LostState:
-                # (An earlier body raised after assigning it: it has no value
-                # for this one, as reading it says; JAX would meet the slot.)
-                raise slot.lost.error()
-            if type(slot) not in _graph.OWN_VALUE_SLOTS:
-                continue
-            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
+    swapped, statics = own_states(instances)
+    if once:
+        statics = []
     # What a change in place inside the body must not reach: it is made once
     # per trace, and a traced value put there outlives the trace. The
     # containers the instances hold outside their states; those of the
@@ -463,13 +456,45 @@ def with_eager_states(
         obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
     try:
         with eager_lax_body(instances, what):
-            if not swapped:
-                return call()
-            states = {name: slot.read() for _, _, slot, name in swapped}
-            out, new = run_handled(swapped, states, call)
+            return with_states_handled(swapped, call)
     finally:
         for obj, attr, slot in statics:
             obj.__dict__[attr] = slot
+
+
+def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, Any]]]:
+    """The states ``instances`` hold themselves (an eager model's, the copies
+    ``autostate.jit`` traces), each ``(instance, attribute, slot, name)``,
+    and their static states ``(instance, attribute, slot)``, which a
+    handler does not take."""
+    swapped: Swapped = []
+    statics: list[tuple[Any, str, Any]] = []
+    names: set[str] = set()
+    for obj in instances:
+        for attr in _tree.info_of(obj).state:
+            slot = obj.__dict__.get(attr)
+            if type(slot) is StaticState:
+                statics.append((obj, attr, slot))
+                continue
+            if type(slot) is LostState:
+                # (An earlier body raised after assigning it: it has no value
+                # for this one, as reading it says; JAX would meet the slot.)
+                raise slot.lost.error()
+            if type(slot) not in _graph.OWN_VALUE_SLOTS:
+                continue
+            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
+    return swapped, statics
+
+
+def with_states_handled(swapped: Swapped, call: Callable[[], Any]) -> Any:
+    """The one lift of a call on models that hold their states (``own_states``):
+    bind them to a handler's cells (``run_handled``), run ``call`` with its
+    writes threaded as a functionalized call's, and write back the states
+    it assigned (``write_back``)."""
+    if not swapped:
+        return call()
+    states = {name: slot.read() for _, _, slot, name in swapped}
+    out, new = run_handled(swapped, states, call)
     write_back(swapped, states, new)
     return out
 
@@ -496,9 +521,11 @@ def run_handled(
     for obj, attr, slot, name in swapped:
         obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
     lost: dict[str, LostValue] = {}
+    OWN_STATE_HANDLERS.add(handler_id)
     try:
         out, new = run_with_states(handler_id, states, _keeping_lost, (call, handler_id, lost), {})
     finally:
+        OWN_STATE_HANDLERS.discard(handler_id)
         for obj, attr, slot, name in swapped:
             obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
     return out, new
@@ -851,7 +878,7 @@ def member_body(
         signatures = [signature_of(v) for v in slices]
         ok = False
         try:
-            with member_slices(chosen):
+            with member_slices(chosen), lifted_body():
                 carry, y = settled(body(carry, x))
             after = current_values(chosen)
             ok = True

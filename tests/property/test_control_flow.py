@@ -18,7 +18,8 @@ The source goes to a fresh ``.py`` file that is imported twice:
    (the body's writes to ``self`` happen once per trip: the reference);
 2. decorated with ``@stateful``, ``xp = jax.numpy`` and ``lx`` JAX's own
    ``jax.lax.*`` / ``jax.checkpoint`` (so ``@stateful`` routes them), run
-   (b) eagerly, (c) as ``f(states, x)`` and (d) under one ``jax.jit``.
+   (b) eagerly, (c) as ``f(states, x)``, (d) under one ``jax.jit`` and (d')
+   through ``autostate.jit`` on the model.
 
 All must give the same outputs and states, and the functional states must be
 exactly the attributes the source assigns (by their first path). Then
@@ -741,6 +742,11 @@ def _run(program: Program) -> None:
         assert not any(
             isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((f, states))
         )
+        compiled = decorated.Model()
+        step = autostate.jit(lambda model, x: model(x))
+        compiled_outs = [step(compiled, jnp.asarray(x)) for x in xs]
+        _assert_close(compiled_outs, plain_outs, "autostate.jit and plain outputs", source)
+        _assert_close(_snapshot(compiled), final_plain, "autostate.jit and plain states", source)
         _check_vmap(plain, decorated, xs, source)
         _check_grad(program, decorated, xs[0])
     finally:

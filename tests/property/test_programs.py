@@ -10,9 +10,10 @@ to a fresh ``.py`` file (``@stateful`` reads source) that is imported twice:
 
 1. undecorated, with ``xp = numpy`` (plain Python, the reference);
 2. decorated with ``@stateful``, ``xp = jax.numpy``, called eagerly;
-3. the same, functionalized and stepped by one ``jax.jit``.
+3. the same, functionalized and stepped by one ``jax.jit``;
+4. the same model stepped by ``autostate.jit`` (updated in place).
 
-All three must give the same outputs and final states; the functional states
+All four must give the same outputs and final states; the functional states
 must be exactly the attributes the source assigns (by their first path).
 
 Construct families beyond plain methods (issue 11): a ``functools.wraps``
@@ -542,12 +543,20 @@ def _run(program: Program) -> None:
             out, states = jit_step(f, states, jnp.asarray(x))
             jit_outs.append(out)
         frozen = autostate.freeze(f, states)
+        compiled = decorated.Model()
+        step = autostate.jit(lambda model, x: model(x))
+        compiled_outs = [step(compiled, jnp.asarray(x)) for x in xs]
 
         _assert_close(eager_outs, plain_outs, "eager and plain outputs", program.source)
+        _assert_close(compiled_outs, eager_outs, "autostate.jit and eager outputs", program.source)
         _assert_close(jit_outs, eager_outs, "jit and eager outputs", program.source)
         final_plain = _snapshot(reference, paths)
         final_eager = _snapshot(eager, paths)
         _assert_close(final_eager, final_plain, "eager and plain states", program.source)
+        _assert_close(
+            _snapshot(compiled, paths), final_eager, "autostate.jit and eager states", program.source
+        )
+        assert (compiled.alias is compiled.sub) if program.has_alias else True
         _assert_close(_snapshot(frozen, paths), final_eager, "frozen and eager states", program.source)
         for state_name, value in states.items():
             assert_trees_close(value, final_eager[state_name])

@@ -552,7 +552,7 @@ def test_eval_shape_of_a_model_that_writes_state():
     with pytest.raises(TracedEagerStateError) as info:
         step(model, 1.0)
     message = str(info.value)
-    assert "jax.eval_shape" in message and "inside the trace it lives in" in message
+    assert "jax.eval_shape" in message and "inside the trace or call it lives in" in message
     assert "built outside" not in message
     assert "jax.eval_shape(f, states, x)" in message.split("fix:", 1)[1]
     assert_untouched(model)

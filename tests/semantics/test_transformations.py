@@ -3494,6 +3494,24 @@ def uses_module(x):
 
 BOUND_TO_HOLDER = autostate.jit(Holder(GLOBAL_NET).run)
 USES_MODULE = autostate.jit(uses_module)
+
+
+def forward(model, x):
+    return model(x).sum()
+
+
+FORWARD = autostate.jit(forward)
+
+
+@DECORATE
+class Trainer:  # a compiled call made inside a method
+    def __init__(self, key):
+        self.net = Net(key)
+        self.total = jnp.zeros(())
+
+    def __call__(self, x):
+        self.total = self.total + FORWARD(self.net, x)
+        return self.total
 """
 
 COMPILED_PLAIN = [
@@ -3505,7 +3523,7 @@ COMPILED_PLAIN = [
     (f"autostate.jit({name})", name)
     for name in ("train_step", "evaluate", "shared_step", "failing_step", "returns_model",
                  "appends", "uses_global", "uses_helper", "records_batch", "replaces_norm",
-                 "extends_history", "aliased")
+                 "extends_history", "aliased", "forward")
 ] + [("autostate.jit(with_static, static_argnums=2)", "with_static")]
 
 COMPILED_X = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
@@ -3708,6 +3726,15 @@ def test_compiled_inside_a_transformation_runs_the_function(write_module: Loader
     with pytest.raises(TracedEagerStateError):
         jax.jit(lambda x: dec.STEP(outside, x, 0.1))(COMPILED_X)
     same(before, snapshot(outside), "unchanged")
+
+
+def test_compiled_call_inside_a_method_means_the_plain_call(write_module: Loader) -> None:
+    """A compiled function a method calls on its sub-model: eagerly it is a compiled
+    call; while ``f`` runs it is a ``jax.jit`` inside a method, the running states
+    threaded through it (the one jit), so ``f`` and ``jax.jit(f)`` leave what plain
+    Python leaves."""
+    plain, dec = _compiled_pair(write_module)
+    check(plain, dec, "Trainer(jax.random.key(0))", [("__call__", (COMPILED_X,))] * 2)
 
 
 def test_compiled_calls_from_two_threads_are_serialised(write_module: Loader) -> None:

@@ -26,7 +26,7 @@ def test_the_defaults_are_penzais():
         defaults.eager_write(request, value, "a")
     assert defaults.made_here([request]) is None and request._home is None
     assert defaults.check_read("a", value, None) is None
-    assert defaults.check_handled_write("a", None, None, 1) is None
+    assert defaults.check_handled_write(object(), None, None, 1) is None
     assert defaults.cells_elsewhere(None) is None
     defaults.call_started("h", {})()  # nothing recorded, nothing to end
     assert defaults.states_dict(value) is value

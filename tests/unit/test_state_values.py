@@ -100,10 +100,9 @@ def test_a_static_write_error_shows_a_traced_value_without_its_repr():
 
 
 def test_a_python_value_in_place_of_the_placeholder_none_is_refused_inside_a_call():
-    sv._check_handled_write("h", "hidden", None, jnp.zeros(2))  # an array may replace None
-    sv._check_handled_write("h", "hidden", jnp.zeros(2), 3)  # (not a placeholder)
+    sv.check_placeholder_write("h", "hidden", jnp.zeros(2))  # an array may replace None
     with pytest.raises(StaticStateError, match="placeholder None"):
-        sv._check_handled_write("h", "hidden", None, 3)
+        sv.check_placeholder_write("h", "hidden", 3)
 
 
 def test_holds_static_values_looks_inside_containers_only():
