@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as jax_dispatch  # no public way to drop a failed ordering token
 from jax._src import effects as jax_effects  # no public registry of kept effects
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
@@ -463,8 +464,17 @@ def _wait_for_dispatched_programs() -> None:
     # an eager access must come after their writes, and a trace must see the
     # batch axes they leave. A thread Python did not start is XLA's own, running
     # a callback: waiting there would wait for the program it belongs to.
-    if not isinstance(threading.current_thread(), threading._DummyThread):
+    if isinstance(threading.current_thread(), threading._DummyThread):
+        return
+    try:
         jax.effects_barrier()
+    except jax.errors.JaxRuntimeError:
+        # A program whose callback raised: CPU reports it at the call, an accelerator
+        # (which runs it after the call returned) here. JAX keeps its failed ordering
+        # token and hands it to every later ordered program, so every later access
+        # would fail with the same error: report it once, then start a new order.
+        jax_dispatch.runtime_tokens.clear()
+        raise
 
 
 # --- primitives ---------------------------------------------------------------------

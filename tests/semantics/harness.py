@@ -282,7 +282,11 @@ def _is_model(obj: Any) -> bool:
 
 
 def snapshot(obj: Any, depth: int = 0) -> Any:
-    """Every attribute of a (plain or decorated) model, read with getattr."""
+    """Every attribute of a (plain or decorated) model, read with getattr, once the
+    programs dispatched before have run (an accelerator runs them after the call
+    returned, and their callbacks may write the model)."""
+    if depth == 0:
+        jax.effects_barrier()
     if depth > 6:
         return "<deep>"
     if isinstance(obj, autostate.Stack):  # (its plain reference: the list of its layers)

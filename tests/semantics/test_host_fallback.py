@@ -302,7 +302,33 @@ def test_a_program_traced_before_its_state_was_batched_fails_at_run_time():
     # The compiled read expects a scalar; the state now holds three examples.
     with pytest.raises(RuntimeError, match="Counter.n now holds values for vmap axes of sizes"):
         read()
+        # (CPU raises at the call; an accelerator runs the program after the call
+        # returned, and the next access of a host state, which waits for it, raises)
+        c.n  # noqa: B018
     np.testing.assert_allclose(jax.jit(lambda: c.n + 0.0)(), [0.0, 1.0, 2.0])
+
+
+def test_a_failed_program_is_reported_once_then_host_state_works_again():
+    """JAX keeps the ordering token of a program whose callback failed after its
+    call returned (an accelerator's asynchronous run) and hands it to every later
+    ordered program: the next access of a host state reports the failure once, and
+    the accesses after it work (on a TPU v5e every later access failed before)."""
+    from jax._src import dispatch
+
+    class FailedToken:
+        def block_until_ready(self) -> None:
+            raise jax.errors.JaxRuntimeError("INTERNAL: CpuCallback error: a failed callback")
+
+    c = Counter(1.0)
+    dispatch.runtime_tokens.current_tokens[host._ordered_io_effect()] = FailedToken()
+    try:
+        with pytest.raises(RuntimeError, match="a failed callback"):
+            c.n  # noqa: B018
+        assert float(c.n) == 1.0
+        assert float(jax.jit(lambda: c(1.0))()) == 4.0
+        assert float(c.n) == 2.0
+    finally:
+        dispatch.runtime_tokens.clear()
 
 
 def test_grad_reads_and_writes_state_as_a_constant():

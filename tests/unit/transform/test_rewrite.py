@@ -642,9 +642,13 @@ W = np.array([[0.0, 1.0], [1.0, 0.0]])
 )
 def test_augmented_operators(method, arg, expected):
     out, states = run_three_ways(Scalars, method, arg)
-    assert np.asarray(out).item() == expected
     name = "i" if isinstance(arg, int) else "f"
-    assert np.asarray(states[name]).item() == expected
+    if name == "i":
+        assert np.asarray(out).item() == expected
+        assert np.asarray(states[name]).item() == expected
+    else:  # (float32; an accelerator's pow is exp(y * log(x)): 48.99995 on a TPU v5e)
+        np.testing.assert_allclose(out, expected, **tolerance(1e-6, 0.0))
+        np.testing.assert_allclose(states[name], expected, **tolerance(1e-6, 0.0))
 
 
 def test_augmented_matmul():
