@@ -224,15 +224,6 @@ def _space_indented(text: str) -> tuple[str, str]:
     return "".join(lines), " " * width
 
 
-def _location(source: MethodSource, line: int, shift: int) -> str:
-    return f"{source.filename}:{line + shift}"
-
-
-def parse_method(class_name: str, source: MethodSource) -> tuple[cst.Module, int]:
-    text, shift = wrapper_source(class_name, source)
-    return _parse(text, shift, class_name, source), shift
-
-
 def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.Module:
     try:
         module = cst.parse_module(text)
@@ -241,7 +232,7 @@ def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.
             format_error(
                 f"@stateful could not parse the source of {class_name}.{source.key}: "
                 f"{exc.message}",
-                where=_location(source, exc.raw_line, shift),
+                where=f"{source.filename}:{exc.raw_line + shift}",
                 fix="make sure the file on disk matches the code that was imported "
                 "(reload the module after editing it).",
             )
@@ -395,12 +386,8 @@ def hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool
     """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
     a parameter, bound there (Python makes it local to the whole body) and not
     declared ``nonlocal``, or declared ``global``."""
-    if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
-        return True
     bound, declared = scope_names(scope)
-    if name in declared:
-        return declared[name]
-    return name in bound
+    return declared[name] if name in declared else name in bound
 
 
 class ReceiverScopes:
@@ -621,14 +608,8 @@ def named_access(
         return None
     if spelling.partition(".")[0].partition("(")[0] in shadowed():
         return None
-    return NamedAccess(
-        kind,
-        name,
-        via,
-        spelling,
-        rest[1].value if kind == "set" else None,
-        kind == "get" and len(rest) == 2,
-    )
+    value = rest[1].value if kind == "set" else None
+    return NamedAccess(kind, name, via, spelling, value, kind == "get" and len(rest) == 2)
 
 
 def locally_bound(function: cst.FunctionDef, names: frozenset[str] = ACCESS_BUILTINS) -> frozenset[str]:
@@ -755,14 +736,13 @@ class _InPlaceAliases(cst.CSTVisitor):
                 self.aliases[key] = (aliased, tuple(self.loops))
                 self.reads[key] = []
 
-    def visit_Assign(self, node: cst.Assign) -> None:
+    def _skip_targets(self, node: cst.Assign | cst.AugAssign) -> None:
         self.skipped.update(id(n) for n in binding_names(node))
+
+    visit_Assign = visit_AugAssign = _skip_targets
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
         self._bind(original_node, original_node.value)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self.skipped.update(id(n) for n in binding_names(node))
 
     def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
         self._bind(original_node, None)
@@ -926,29 +906,8 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             if identifier(name.value) == self.facts.receiver:
                 self.facts.rebinds.append(self._line(name))
 
-    def visit_Import(self, node: cst.Import) -> None:
-        self._binds(node)
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        self._binds(node)
-
-    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
-        self._binds(node)
-
-    def visit_ExceptStarHandler(self, node: cst.ExceptStarHandler) -> None:
-        self._binds(node)
-
-    def visit_MatchAs(self, node: cst.MatchAs) -> None:
-        self._binds(node)
-
-    def visit_MatchStar(self, node: cst.MatchStar) -> None:
-        self._binds(node)
-
-    def visit_MatchMapping(self, node: cst.MatchMapping) -> None:
-        self._binds(node)
-
-    def visit_TypeAlias(self, node: cst.TypeAlias) -> None:
-        self._binds(node)
+    visit_Import = visit_ImportFrom = visit_ExceptHandler = visit_ExceptStarHandler = _binds
+    visit_MatchAs = visit_MatchStar = visit_MatchMapping = visit_TypeAlias = _binds
 
     # targets
     def _target(
@@ -964,15 +923,10 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         item = isinstance(expr, cst.Subscript)
         attr = self._attr(subscript_base(expr))
         if attr is not None and not is_dunder(attr):
-            self.facts.assignments.append(
-                Assignment(
-                    attr,
-                    self._line(expr),
-                    "item" if item else kind,
-                    self.scopes.nested,
-                    None if item else value,
-                )
-            )
+            self.facts.assignments.append(Assignment(
+                attr, self._line(expr), "item" if item else kind, self.scopes.nested,
+                None if item else value,
+            ))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._binds(node)
@@ -1401,8 +1355,7 @@ def analyze_class(
                 f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
                 f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
                 "would see every such update, here it keeps the value it was given.",
-                src,
-                assignment.line,
+                src, assignment.line,
                 f"read `{facts.receiver}.{attr}` where its current value is meant (a @property "
                 f"`{assignment.attr}` returning it), or assign a copy where the value of this "
                 f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
@@ -1414,8 +1367,7 @@ def analyze_class(
                     class_name,
                     f"`del {facts.receiver}.{attr}` deletes state {attr!r}; a state cannot be "
                     "removed from a pure function's inputs.",
-                    src,
-                    line,
+                    src, line,
                     f"assign a placeholder instead (`{facts.receiver}.{attr} = None`) or keep "
                     "the attribute.",
                 )
@@ -1426,8 +1378,7 @@ def analyze_class(
                     f"`{access.text(facts.receiver or 'self')}` deletes state {access.name!r}, as "
                     f"`del {facts.receiver}.{access.name}` does; a state cannot be removed from a "
                     "pure function's inputs.",
-                    src,
-                    line,
+                    src, line,
                     f"assign a placeholder instead (`{facts.receiver}.{access.name} = None`) or "
                     "keep the attribute.",
                 )
@@ -1437,8 +1388,7 @@ def analyze_class(
                     class_name,
                     f"`hasattr({facts.receiver}, {attr!r})` tests state {attr!r} by name; a state "
                     "exists from __init__ on, so the rewrite has no test to follow.",
-                    src,
-                    line,
+                    src, line,
                     f"drop the test, and give the state its initial value in __init__ "
                     f"(`{facts.receiver}.{attr} = jnp.zeros(...)`).",
                 )
@@ -1447,8 +1397,7 @@ def analyze_class(
                     class_name,
                     f"`{func}({facts.receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
                     "which the rewrite cannot follow.",
-                    src,
-                    line,
+                    src, line,
                     f"use `{facts.receiver}.{attr}` directly.",
                 )
         if src.attr != "__init__":
@@ -1466,8 +1415,7 @@ def analyze_class(
                         class_name,
                         f"`{facts.receiver}.{attr}.{method}(...)` mutates state {attr!r} in "
                         "place, which a pure function cannot see.",
-                        src,
-                        line,
+                        src, line,
                         f"assign a new value instead, e.g. "
                         f"`{_rebuilt(f'{facts.receiver}.{attr}', method)}`.",
                     )
@@ -1476,8 +1424,7 @@ def analyze_class(
                 class_name,
                 f"the receiver `{facts.receiver}` is rebound in a method that uses state "
                 f"{sorted(touched)[0]!r}.",
-                src,
-                facts.rebinds[0],
+                src, facts.rebinds[0],
                 f"use another local name instead of reassigning `{facts.receiver}`.",
             )
         if touched and (facts.is_async or facts.is_generator):
@@ -1486,8 +1433,7 @@ def analyze_class(
                 class_name,
                 f"{kind} method {src.key!r} uses state {sorted(touched)[0]!r}; its body runs "
                 "after the call that handles state has returned.",
-                src,
-                facts.reads.get(sorted(touched)[0], src.first_line),
+                src, facts.reads.get(sorted(touched)[0], src.first_line),
                 "move the state access into a regular (non-async) method and call it "
                 "before awaiting"
                 if facts.is_async
@@ -1527,13 +1473,10 @@ def analyze_class(
                     f"initial value when the model is built, and no `self.{attr} = ...` runs in "
                     "__init__ or a method it calls (setattr with a computed name and "
                     "self.__dict__ updates are not read).",
-                    facts.source,
-                    first.line,
+                    facts.source, first.line,
                     f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
                     f"(or `self.{attr} = autostate.state(...)`).",
                 )
-                # A decorator above @stateful (@dataclass) may initialize it yet.
-                error.uninitialized = attr  # type: ignore[attr-defined]
                 raise error
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)

@@ -507,8 +507,7 @@ def _transform(
         initialized |= {a.attr for f in facts for a in f.assignments}
     properties = frozenset(_base_properties(cls))
     result = analysis.analyze_class(
-        cls.__name__,
-        facts,
+        cls.__name__, facts,
         # What an undecorated base or mixin assigns is state too: its methods
         # are not rewritten, but reach state through the class's descriptors.
         inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
@@ -541,27 +540,14 @@ def _transform(
         ):
             continue
         text = rewrite.rewrite_method(
-            method.module,
-            method.function,
-            method.receiver,
-            result.state,
-            method.source.mangle_as or cls.__name__,
-            is_init=slot.attr == "__init__",
-            control=control,
-            shadowed=method.shadowed_outside,
+            method.module, method.function, method.receiver, result.state, class_name,
+            is_init=slot.attr == "__init__", control=control, shadowed=method.shadowed_outside,
             runtime=method.runtime,
         )
-        shift = method.shift
+        code = slot.function.__code__
         codes[slot.key] = loader.compile_method(
-            text,
-            method.source.filename,
-            method.source.mangle_as or cls.__name__,
-            slot.function.__code__.co_name,
-            shift,
-            slot.function.__code__.co_flags,
-            runtime=method.runtime if rolls else None,
-            loops=loops,
-            state=result.state,
+            text, method.source.filename, class_name, code.co_name, method.shift, code.co_flags,
+            runtime=method.runtime if rolls else None, loops=loops, state=result.state,
         )
     return result.state, result.initialized | initialized, codes
 
@@ -594,17 +580,14 @@ def _check_undecorated_bases(
             # An item write is refused on a state, and on a JAX array that is
             # not state (its only write): JAX's arrays do not change in place,
             # and only the rewrite makes it a functional update.
-            changes = [
-                (a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...", True)
-                for a in facts.assignments
-                if a.kind == "item"
-            ]
             # So is a PyTorch in-place method (``self.x.mul_(m)``), which only
             # the rewrite makes a write.
-            changes += [
-                (a.attr, a.line, f"{facts.receiver}.{a.attr}.<method>_(...)", True)
+            spelled = {"item": "[...] = ...", "inplace": ".<method>_(...)"}
+            changes = [
+                (a.attr, a.line, f"{facts.receiver}.{a.attr}{spelled[kind]}", True)
+                for kind in spelled
                 for a in facts.assignments
-                if a.kind == "inplace"
+                if a.kind == kind
             ]
             # A method's name is no type (``self.ema.update(x)`` on a sub-model):
             # a call is refused as in a decorated class, where no value
