@@ -192,10 +192,7 @@ class _Store:
     def __reduce__(self):
         _wait_for_dispatched_programs()
         with self.lock:
-            saved = [
-                (attr, e.label, _unflatten_value(e), e.dims)
-                for attr, e in self.entries.items()
-            ]
+            saved = [(attr, e.label, _unflatten_value(e), e.dims) for attr, e in self.entries.items()]
         return _restore_store, (self.owner, saved)
 
 
@@ -224,21 +221,16 @@ def _restore_store(owner: str, saved: list) -> _Store:
 def _new_entry(label: str, value: Any) -> _Entry:
     """An entry for an initial value, or for a declared spec (pytree of ShapeDtypeStruct)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    if leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
-        spec = _Spec(
-            treedef,
-            tuple(tuple(leaf.shape) for leaf in leaves),
-            tuple(_canonical_dtype(leaf.dtype) for leaf in leaves),
-        )
-        return _Entry(label, spec, None)
-    leaves, treedef = _array_leaves(value, label, "was given the")
-    arrays = tuple(jnp.asarray(leaf) for leaf in leaves)
+    declared = leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    if not declared:
+        leaves, treedef = _array_leaves(value, label, "was given the")
+        leaves = [jnp.asarray(leaf) for leaf in leaves]
     spec = _Spec(
         treedef,
-        tuple(tuple(a.shape) for a in arrays),
-        tuple(_canonical_dtype(a.dtype) for a in arrays),
+        tuple(tuple(leaf.shape) for leaf in leaves),
+        tuple(_canonical_dtype(leaf.dtype) for leaf in leaves),
     )
-    return _Entry(label, spec, arrays)
+    return _Entry(label, spec, None if declared else tuple(leaves))
 
 
 def live_store_count() -> int:
@@ -383,26 +375,18 @@ def _reset_hint(label: str) -> str:
     return f"reset it outside vmap first (`model.{attr} = value` with the per-example shape)"
 
 
-def _read_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
-    return HostStateError(
-        format_error(
-            f"State {label} holds per-example values for vmap axes of sizes "
-            f"{_describe_dims(dims)}, but it is read under vmap axes of sizes {axes}.",
-            fix="read it under the vmap nesting and sizes it was written under, or "
-            + _reset_hint(label)
-            + ".",
-        )
+def _vmap_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...], write: bool = False) -> HostStateError:
+    """A read (or ``write``) under vmap ``axes`` of a state whose leaves hold ``dims``."""
+    how = (
+        f"; a write under vmap axes of sizes {axes} does not match." if write
+        else f", but it is read under vmap axes of sizes {axes}."
     )
-
-
-def _write_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
     return HostStateError(
         format_error(
             f"State {label} holds per-example values for vmap axes of sizes "
-            f"{_describe_dims(dims)}; a write under vmap axes of sizes {axes} does not match.",
-            fix="write it under the vmap nesting and sizes it was written under, or "
-            + _reset_hint(label)
-            + ".",
+            f"{_describe_dims(dims)}{how}",
+            fix=f"{'write' if write else 'read'} it under the vmap nesting and sizes it was "
+            f"written under, or {_reset_hint(label)}.",
         )
     )
 
@@ -422,7 +406,7 @@ def _new_dims(
     only be the stacked examples of the levels the write is outside of.
     """
     if _conflicts(axes, old):
-        raise _write_mismatch(label, axes, old)
+        raise _vmap_mismatch(label, axes, old, write=True)
     new = []
     for leaf, (before, stacked) in enumerate(zip(old, extra)):
         dims = tuple(axes[level] if mapped[level][leaf] else None for level in range(len(axes)))
@@ -490,15 +474,17 @@ host_set_p = Primitive("host_set")
 host_set_p.multiple_results = True
 
 
+def _read_types(make: Callable[..., Any], spec: _Spec, axes: tuple, stored: tuple) -> list[Any]:
+    """What a read under vmap ``axes`` of a state whose leaves hold ``stored``
+    gives, each leaf's type made by ``make(shape, dtype)``."""
+    return [make(_read_shape(axes, d, s), t) for d, s, t in zip(stored, spec.shapes, spec.dtypes)]
+
+
 def _get_abstract_eval(anchor, *, state, spec, axes, stored):
     del anchor
     if _conflicts(axes, stored):
-        raise _read_mismatch(state.label, axes, stored)
-    avals = [
-        jax.core.ShapedArray(_read_shape(axes, d, s), t)
-        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
-    ]
-    return avals, {_ordered_io_effect()}
+        raise _vmap_mismatch(state.label, axes, stored)
+    return _read_types(jax.core.ShapedArray, spec, axes, stored), {_ordered_io_effect()}
 
 
 def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) -> list[Any]:
@@ -510,21 +496,15 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
     if value is None:
         raise _unset_error(entry.label)
     if _conflicts(axes, dims):
-        raise _read_mismatch(entry.label, axes, dims)
-    if (
-        expected is not None
-        and not axes
-        and [_lead(d) for d in dims] != [_lead(d) for d in expected]
-    ):
+        raise _vmap_mismatch(entry.label, axes, dims)
+    if expected is not None and not axes and [_lead(d) for d in dims] != [_lead(d) for d in expected]:
         raise HostStateError(
             format_error(
                 f"State {entry.label} now holds values for vmap axes of sizes "
                 f"{_describe_dims(dims)}; this compiled program was traced when it held "
                 f"values for {_describe_dims(expected)}.",
                 fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
-                "function after changing how a state is batched, or "
-                + _reset_hint(entry.label)
-                + ".",
+                f"function after changing how a state is batched, or {_reset_hint(entry.label)}.",
             )
         )
     return [_broadcast_leaf(v, d, axes, xp) for v, d in zip(value, dims)]
@@ -541,18 +521,13 @@ def _get_lowering(anchor, *, state, spec, axes, stored):
     def callback():
         return tuple(np.asarray(v) for v in _read_now(state, axes, stored, np))
 
-    results = tuple(
-        jax.ShapeDtypeStruct(_read_shape(axes, d, s), t)
-        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
-    )
+    results = tuple(_read_types(jax.ShapeDtypeStruct, spec, axes, stored))
     return list(io_callback(callback, results, ordered=True))
 
 
 def _get_batching(axis_data, vals, dims, *, state, spec, axes, stored):
     del vals, dims
-    outs = host_get_p.bind(
-        _anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored
-    )
+    outs = host_get_p.bind(_anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored)
     return outs, [0] * len(outs)
 
 
@@ -568,14 +543,8 @@ def _set_abstract_eval(anchor, *avals, state, spec, axes, mapped, extra, stored)
 
 
 def _write_now(
-    state: _StateKey,
-    axes: tuple,
-    mapped: tuple,
-    extra: tuple,
-    leaves: list[Any],
-    *,
-    callback: bool,
-    xp: Any,
+    state: _StateKey, axes: tuple, mapped: tuple, extra: tuple, leaves: list[Any], *,
+    callback: bool, xp: Any,
 ) -> None:
     store, entry = state.resolve()
     with store.lock:
@@ -602,9 +571,7 @@ def _set_lowering(anchor, *leaves, state, spec, axes, mapped, extra, stored):
 
     def callback(*values):
         # io_callback hands us arrays it owns (copied to the host), safe to keep.
-        _write_now(
-            state, axes, mapped, extra, [np.asarray(v) for v in values], callback=True, xp=np
-        )
+        _write_now(state, axes, mapped, extra, [np.asarray(v) for v in values], callback=True, xp=np)
 
     io_callback(callback, None, *leaves, ordered=True)
     return []
@@ -616,14 +583,8 @@ def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, st
     vals, dims = vals[1:], dims[1:]
     front = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
     host_set_p.bind(
-        _anchor(),
-        *front,
-        state=state,
-        spec=spec,
-        axes=(axis_data.size, *axes),
-        mapped=(tuple(d is not None for d in dims), *mapped),
-        extra=extra,
-        stored=stored,
+        _anchor(), *front, state=state, spec=spec, axes=(axis_data.size, *axes),
+        mapped=(tuple(d is not None for d in dims), *mapped), extra=extra, stored=stored,
     )
     return [], []
 
@@ -686,7 +647,7 @@ _view_p.multiple_results = True
 
 def _view_abstract_eval(*avals, label, dims, axes):
     if _conflicts(axes, dims):
-        raise _read_mismatch(label, axes, dims)
+        raise _vmap_mismatch(label, axes, dims)
     return [
         jax.core.ShapedArray(_read_shape(axes, d, a.shape[len(_lead(d)) :]), a.dtype)
         for a, d in zip(avals, dims)
@@ -695,7 +656,7 @@ def _view_abstract_eval(*avals, label, dims, axes):
 
 def _view_impl(*leaves, label, dims, axes):
     if _conflicts(axes, dims):
-        raise _read_mismatch(label, axes, dims)
+        raise _vmap_mismatch(label, axes, dims)
     return [_broadcast_leaf(leaf, d, axes, jnp) for leaf, d in zip(leaves, dims)]
 
 
@@ -766,9 +727,7 @@ class HostSlot(StateSlot):
             stored = entry.dims
         if unset:
             raise _unset_error(entry.label)
-        leaves = host_get_p.bind(
-            _anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored
-        )
+        leaves = host_get_p.bind(_anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored)
         return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
     def as_request(self) -> FrozenLocalStateRequest:
@@ -779,21 +738,15 @@ class HostSlot(StateSlot):
         _wait_for_dispatched_programs()
         with self.store.lock:
             stored = entry.dims
-        leaves, extra = _checked_leaves(entry, value, stored)
+        leaves, extra = _checked_leaves(entry, value)
         leaves = [jax.lax.stop_gradient(leaf) for leaf in leaves]
         host_set_p.bind(
-            _anchor(),
-            *leaves,
-            state=self.key,
-            spec=entry.spec,
-            axes=(),
-            mapped=(),
-            extra=extra,
+            _anchor(), *leaves, state=self.key, spec=entry.spec, axes=(), mapped=(), extra=extra,
             stored=stored,
         )
 
 
-def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any], tuple]:
+def _checked_leaves(entry: _Entry, value: Any) -> tuple[list[Any], tuple]:
     """The leaves of a written value and each one's leading stacked axes, or the seed's errors."""
     spec, label = entry.spec, entry.label
     leaves, treedef = _array_leaves(value, label, "was assigned a")
@@ -822,7 +775,6 @@ def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any]
     # Leading axes beyond the per-example shape are only the stacked examples
     # of a per-example leaf (written outside the vmap that batched it); the
     # write checks them once it knows the vmap levels around it.
-    del stored
     return leaves, tuple(extras)
 
 
@@ -1006,9 +958,7 @@ def restore_host_slots(owner: Any) -> None:
     # new store rather than the store of a host slot `owner` still holds.
     fresh = object.__new__(type(owner))
     for name, request in frozen.items():
-        fresh.__dict__[name] = make_host_slot(
-            fresh, name, request.state, request.category, request.name
-        )
+        fresh.__dict__[name] = make_host_slot(fresh, name, request.state, request.category, request.name)
     owner.__dict__.update(fresh.__dict__)
 
 
