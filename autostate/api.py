@@ -308,18 +308,12 @@ def _decorated_bases(cls: type) -> list[StatefulInfo]:
     return [info for info in infos if info is not None]
 
 
-def _check_installable(slots: list, decision: ClassDecision) -> None:
-    """Raises what installing ``decision`` would refuse (a wrapper it cannot
-    reach into), without installing anything."""
+def _install_methods(slots: list, decision: ClassDecision) -> None:
+    # Every refusal first (a wrapper it cannot reach into): a decoration that
+    # fails leaves the class as it was, so that the next use fails the same way.
     for slot in slots:
         if slot.check is not None and slot.key in decision.codes:
             slot.check()
-
-
-def _install_methods(slots: list, decision: ClassDecision) -> None:
-    # Every refusal first: a decoration that fails leaves the class as it was,
-    # so that the next use fails the same way.
-    _check_installable(slots, decision)
     for slot in slots:
         code = decision.codes.get(slot.key)
         if code is not None:
@@ -391,20 +385,15 @@ def _install_defaults(cls: type) -> None:
         getattribute=cls.__getattribute__ is not object.__getattribute__,
         setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
     )
-    if not hasattr(cls, "__copy__"):
-        cls.__copy__ = _copies.copy_instance  # type: ignore[attr-defined]
-    if not hasattr(cls, "__deepcopy__"):
-        cls.__deepcopy__ = _copies.deepcopy_instance  # type: ignore[attr-defined]
-    if not hasattr(cls, "functionalize"):
-        cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
-    if not hasattr(cls, "train"):
-        cls.train = _train_method  # type: ignore[attr-defined]
-    if not hasattr(cls, "eval"):
-        cls.eval = _eval_method  # type: ignore[attr-defined]
+    for name, default in (
+        ("__copy__", _copies.copy_instance), ("__deepcopy__", _copies.deepcopy_instance),
+        ("functionalize", _functionalize_method), ("train", _train_method),
+        ("eval", _eval_method), ("__treescope_repr__", _render.model_treescope_repr),
+    ):
+        if not hasattr(cls, name):
+            setattr(cls, name, default)
     if cls.__repr__ is object.__repr__ and not awaits_generated_init(cls):
         cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
-    if not hasattr(cls, "__treescope_repr__"):
-        cls.__treescope_repr__ = _render.model_treescope_repr  # type: ignore[attr-defined]
 
 
 def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
@@ -494,9 +483,7 @@ def _refuse_mode_change(model: Any, mode: bool) -> None:
     ))
 
 
-def _check_functionalize_arguments(
-    model: Any, category: Any, category_predicate: Any
-) -> None:
+def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
     """Refuses what cannot be functionalized, before anything walks it."""
     what = None
     if model is None:
@@ -608,9 +595,7 @@ def _with_running_states_read(model: Any) -> Any:
     as it would eagerly, and leaves the running call's states alone."""
     def running(node: Any) -> bool:
         t = type(node)
-        return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(
-            node.handler_id
-        )
+        return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(node.handler_id)
 
     def current(ref: Any, _name: str) -> Any:
         if type(ref) is HandledStaticState:  # a static state: its value is f's structure
@@ -675,11 +660,7 @@ def functionalize(
         0
     """
     return _functionalize_method(
-        model,
-        category,
-        category_predicate=category_predicate,
-        lazy=lazy,
-        state_sharing=state_sharing,
+        model, category, category_predicate=category_predicate, lazy=lazy, state_sharing=state_sharing
     )
 
 

@@ -241,9 +241,7 @@ def stacks_in(tree: Any) -> dict[str, int]:
         >>> stacks.stacks_in(Net())
         {'blocks': 3}
     """
-    return {
-        name: s._depth for name, s in _graph.iter_tree(tree, is_stack, into_targets=True)
-    }
+    return {name: s._depth for name, s in _graph.iter_tree(tree, is_stack, into_targets=True)}
 
 
 # --- building a stack ---------------------------------------------------------------
@@ -648,10 +646,7 @@ class LayerSlot(StateSlot):
         if full is None or is_static_value(full):
             return full  # (one static value: every layer's)
         label = self.label()
-        return _unchangeable(
-            jax.tree_util.tree_map(lambda a: _slice(a, self.index, self.depth, label), full),
-            label,
-        )
+        return _unchangeable(jax.tree_util.tree_map(lambda a: _slice(a, self.index, self.depth, label), full), label)
 
     def write(self, value: Any, label: str | None = None) -> None:
         full = _runtime.read_state(self.owner, self.attr)
@@ -715,40 +710,34 @@ def _refuse_in_place(name: str) -> Any:
     return refuse
 
 
-class _LayerDict(dict):
-    """A dict of a layer's state: read-only, copied and rebuilt as a plain dict."""
+class _LayerContainer:
+    """A dict or list of a layer's state: read-only, copied and rebuilt as a
+    plain one (``_plain``)."""
 
-    __slots__ = ("_label",)
+    __slots__ = ()
     _label: str
+    _plain: Any
 
-    def __copy__(self) -> dict:
-        return dict(self)
+    def __copy__(self) -> Any:
+        return self._plain(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         import copy
 
-        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+        return copy.deepcopy(self._plain(self), memo)
 
     def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
+        return (self._plain, (self._plain(self),))
 
 
-class _LayerList(list):
-    """A list of a layer's state: read-only, copied and rebuilt as a plain list."""
-
+class _LayerDict(_LayerContainer, dict):
     __slots__ = ("_label",)
-    _label: str
+    _plain = dict
 
-    def __copy__(self) -> list:
-        return list(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> list:
-        import copy
-
-        return [copy.deepcopy(v, memo) for v in self]
-
-    def __reduce__(self) -> Any:
-        return (list, (list(self),))
+class _LayerList(_LayerContainer, list):
+    __slots__ = ("_label",)
+    _plain = list
 
 
 for _name in ("__setitem__", "__delitem__", "__ior__", "update", "pop", "popitem", "setdefault", "clear"):
@@ -759,24 +748,16 @@ for _name in (
 ):
     setattr(_LayerList, _name, _refuse_in_place(_name))
 
-def _plain_dict(keys: tuple, values: Iterable[Any]) -> Any:
-    return dict(zip(keys, values))
-
-
-def _plain_list(_: None, values: Iterable[Any]) -> Any:
-    return list(values)
-
-
 jax.tree_util.register_pytree_with_keys(
     _LayerDict,
     lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
-    _plain_dict,
+    lambda keys, values: dict(zip(keys, values)),
     lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
 )
 jax.tree_util.register_pytree_with_keys(
     _LayerList,
     lambda items: ([(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(items)], None),
-    _plain_list,
+    lambda _, values: list(values),
     lambda items: (list(items), None),
 )
 
@@ -814,7 +795,6 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
         )
     leaves, treedef = jax.tree_util.tree_flatten(full)
     given, given_def = jax.tree_util.tree_flatten(value)
-    treedef, given_def = _any(treedef), _any(given_def)
     if given_def != treedef:
         raise _slice_error(label, f"a {given_def}", f"a {treedef}")
     new = []
@@ -827,10 +807,6 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
             raise _slice_error(label, _tree.format_spec(*got), _tree.format_spec(*want))
         new.append(a.at[i].set(v))
     return jax.tree_util.tree_unflatten(treedef, new)
-
-
-def _any(value: Any) -> Any:
-    return value
 
 
 def _dtype(value: Any) -> Any:

@@ -38,7 +38,6 @@ from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates
 from autostate.state_values import is_static_value, states_dict
 
-# state name -> (treedef of its value, the flat keys of its leaves)
 # Per state: its name, treedef, the flat keys of its leaves, and the Python
 # values (bools, ints, strings, enums) among them, by key: structure, not data.
 _Layout = list[tuple[str, Any, list[str], dict[str, Any]]]
@@ -181,12 +180,7 @@ def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]
 def _stacks_above(key: str, stacks: Mapping[str, int]) -> list[str]:
     """The stack paths ``key`` lies under, outermost first."""
     return sorted(
-        (
-            p
-            for p in stacks
-            if not p or key == p or key.startswith(p + ".") or key.startswith(p + "[")
-        ),
-        key=len,
+        (p for p in stacks if not p or key == p or key.startswith((p + ".", p + "["))), key=len
     )
 
 
@@ -316,9 +310,7 @@ def require_dict(given: Any, caller: str, expected: str, fix: str) -> Mapping[st
 def _require_loadable(given: Any, kind: str, caller: str) -> Mapping[str, Any]:
     short = "state" if kind == "state" else "param"
     return require_dict(
-        given,
-        caller,
-        f"a dict of {kind} name -> array",
+        given, caller, f"a dict of {kind} name -> array",
         f"pass the dict autostate.{short}_dict(model) returns (or one with the same keys).",
     )
 
@@ -409,9 +401,7 @@ def _state_dict(model: Any, states: Mapping[str, Any] | PackedStates | None) -> 
                 )
             )
         states = require_dict(
-            states,
-            "state_dict",
-            "the states dict of f (name -> value)",
+            states, "state_dict", "the states dict of f (name -> value)",
             "pass the states dict that functionalize() (or the last call of f) returned; "
             "PackedStates go with the pf of autostate.pack: state_dict(pf, pstates).",
         )
@@ -627,10 +617,8 @@ def rebuild(
         states = _fit_layers(flat, states, stacks)
         new_states = report.match("state", flat, states)
     if report:
-        given = (
-            f"checkpoint {checkpoint}"
-            if checkpoint
-            else ("state" if params is None else "parameter") + " dict"
+        given = f"checkpoint {checkpoint}" if checkpoint else (
+            ("state" if params is None else "parameter") + " dict"
         )
         what = f"autostate.{caller}: the {given} does not fit {type(model).__name__}"
         if saved_from:
@@ -701,9 +689,7 @@ def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = Tr
         [0.1 0.1]
     """
     state_dict = _require_loadable(state_dict, "state", "load_state_dict")
-    return rebuild(
-        model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError
-    )
+    return rebuild(model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError)
 
 
 def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = True) -> Any:
@@ -736,8 +722,6 @@ def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = Tr
         [3. 3. 3.]
     """
     param_dict = _require_loadable(param_dict, "parameter", "load_param_dict")
-    return rebuild(
-        model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError
-    )
+    return rebuild(model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError)
 
 
