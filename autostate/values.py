@@ -73,21 +73,9 @@ import jax
 import numpy as np
 
 __all__ = [
-    "Kind",
-    "kind_of",
-    "is_array",
-    "is_array_or_spec",
-    "is_numpy",
-    "is_python_number",
-    "holds_nothing",
-    "is_mutable",
-    "is_mutable_static",
-    "copy_static",
-    "CONCRETE_LEAF_TYPES",
-    "is_iterator",
-    "TAKING_APART",
-    "opaque_items",
-    "leaves_within_opaque",
+    "Kind", "kind_of", "is_array", "is_array_or_spec", "is_numpy", "is_python_number",
+    "holds_nothing", "is_mutable", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
+    "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque",
 ]
 
 
@@ -148,6 +136,7 @@ class Kind:
 
 
 def _array_update(a: Any, key: Any, v: Any) -> Any:
+    # (Also another array type with JAX's ``.at``: the only objects taking item writes.)
     return a.at[key].set(v)
 
 
@@ -155,19 +144,6 @@ def _numpy_update(a: Any, key: Any, v: Any) -> Any:
     out = a.copy()
     out[key] = v
     return out
-
-
-def _object_update(c: Any, key: Any, v: Any) -> Any:
-    # Another array type with JAX's ``.at`` (the only objects taking item writes).
-    return c.at[key].set(v)
-
-
-def _list_copy(c: Any) -> Any:
-    return list(c)
-
-
-def _dict_copy(c: Any) -> Any:
-    return dict(c)
 
 
 def _updated_with(copy: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
@@ -195,18 +171,6 @@ def _tuple_update(c: Any, key: Any, v: Any) -> Any:
     return type(c)(*items) if hasattr(c, "_fields") else tuple(items)
 
 
-def _own_dict_items(c: Any) -> dict:
-    return dict(dict.items(c))
-
-
-def _user_dict_items(c: Any) -> dict:
-    return dict(c.data)
-
-
-def _user_list_items(c: Any) -> list:
-    return list(c.data)
-
-
 def _same_items(c: Any, contents: Any) -> bool:
     return len(c) == len(contents) and all(map(operator.is_, c, contents))
 
@@ -224,12 +188,8 @@ def _restore_slice(c: Any, contents: Any) -> None:
 
 
 def _restore_mapping(c: Any, contents: Any) -> None:
-    # (The subclass's own methods: an OrderedDict keeps its order apart from dict's.)
-    c.clear()
-    c.update(contents)
-
-
-def _restore_set(c: Any, contents: Any) -> None:
+    # (Also a set's. The subclass's own methods: an OrderedDict keeps its order
+    # apart from dict's.)
     c.clear()
     c.update(contents)
 
@@ -281,82 +241,40 @@ CODE = Kind("code", static=True)
 """A class, function, method, builtin function or module."""
 
 LIST = Kind(
-    "list",
-    mutable=True,
-    copy=_list_copy,
-    update=_updated_with(_list_copy),
-    delete=_deleted_with(_list_copy),
-    same=_same_items,
-    restore=_restore_slice,
+    "list", mutable=True, copy=list, update=_updated_with(list), delete=_deleted_with(list),
+    same=_same_items, restore=_restore_slice,
 )
 DICT = Kind(
-    "dict",
-    mutable=True,
-    copy=_dict_copy,
-    update=_updated_with(_dict_copy),
-    delete=_deleted_with(_dict_copy),
-    same=_same_mapping,
-    restore=_restore_mapping,
+    "dict", mutable=True, copy=dict, update=_updated_with(dict), delete=_deleted_with(dict),
+    same=_same_mapping, restore=_restore_mapping,
 )
 SET = Kind(
     "set", mutable=True, sealed=True, copy=_same_type_copy, same=_same_value,
-    restore=_restore_set,
+    restore=_restore_mapping,
 )
 BYTEARRAY = Kind(
     "bytearray", mutable=True, copy=_same_type_copy, same=_same_value, restore=_restore_slice
 )
+# The operations of a container copied as its own type (a subclass keeps its class).
+_SAME_TYPE: dict[str, Any] = dict(
+    copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete
+)
 DEQUE = Kind(
-    "deque",
-    mutable=True,
-    sealed=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=list,
-    same=_same_items,
-    restore=_restore_deque,
-    fill=_fill_deque,
+    "deque", mutable=True, sealed=True, **_SAME_TYPE, items=list, same=_same_items,
+    restore=_restore_deque, fill=_fill_deque,
 )
 LIST_SUBCLASS = Kind(
-    "list subclass",
-    mutable=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=list,
-    same=_same_items,
-    restore=_restore_slice,
-    fill=_fill_list,
+    "list subclass", mutable=True, **_SAME_TYPE, items=list, same=_same_items,
+    restore=_restore_slice, fill=_fill_list,
 )
 """A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
 DICT_SUBCLASS = Kind(
-    "dict subclass",
-    mutable=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_own_dict_items,
-    same=_same_mapping,
-    restore=_restore_mapping,
-    fill=_fill_dict,
+    "dict subclass", mutable=True, **_SAME_TYPE, items=lambda c: dict(dict.items(c)),
+    same=_same_mapping, restore=_restore_mapping, fill=_fill_dict,
 )
 """A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
-USER_DICT = Kind(
-    "UserDict",
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_user_dict_items,
-    fill=_fill_user,
-)
-USER_LIST = Kind(
-    "UserList",
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_user_list_items,
-    fill=_fill_user,
-)
+USER_DICT = Kind("UserDict", **_SAME_TYPE, items=lambda c: dict(c.data), fill=_fill_user)
+USER_LIST = Kind("UserList", **_SAME_TYPE, items=lambda c: list(c.data), fill=_fill_user)
 TUPLE = Kind("tuple", update=_tuple_update)
 NAMED_TUPLE = Kind("named tuple", update=_tuple_update)
 """A tuple subclass with ``_fields`` and ``_make`` (``typing.NamedTuple``: optax's states)."""
@@ -364,15 +282,9 @@ TUPLE_SUBCLASS = Kind("tuple subclass", update=_tuple_update)
 FROZENSET = Kind("frozenset", sealed=True)
 OBJECT = Kind("object", update=None)
 """Anything else: a decorated instance, a plain object, a registered pytree node."""
-ARRAY_LIKE_OBJECT = Kind("object with .at", update=_object_update)
+ARRAY_LIKE_OBJECT = Kind("object with .at", update=_array_update)
 
-_CODE_TYPES = (
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-)
+_CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 # Base type -> kind, most specific first: the first base a type subclasses decides.
 _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
@@ -393,20 +305,9 @@ _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
 )
 
 _KIND_BY_TYPE: dict[type, Kind] = {
-    bool: NUMBER,
-    int: NUMBER,
-    float: NUMBER,
-    complex: NUMBER,
-    str: TEXT,
-    bytes: TEXT,
-    type(None): NONE,
-    list: LIST,
-    dict: DICT,
-    tuple: TUPLE,
-    set: SET,
-    frozenset: FROZENSET,
-    bytearray: BYTEARRAY,
-    collections.deque: DEQUE,
+    bool: NUMBER, int: NUMBER, float: NUMBER, complex: NUMBER, str: TEXT, bytes: TEXT,
+    type(None): NONE, list: LIST, dict: DICT, tuple: TUPLE, set: SET, frozenset: FROZENSET,
+    bytearray: BYTEARRAY, collections.deque: DEQUE,
 }
 
 
@@ -416,10 +317,7 @@ def _classify(t: type) -> Kind:
     if issubclass(t, enum.Enum):
         kind = NUMBER_ENUM if issubclass(t, (int, float, complex)) else ENUM
     elif issubclass(t, tuple):
-        if hasattr(t, "_fields") and hasattr(t, "_make"):
-            kind = NAMED_TUPLE
-        else:
-            kind = TUPLE_SUBCLASS
+        kind = NAMED_TUPLE if hasattr(t, "_fields") and hasattr(t, "_make") else TUPLE_SUBCLASS
     elif issubclass(t, list):
         kind = LIST_SUBCLASS
     elif issubclass(t, dict):
