@@ -217,11 +217,9 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
         4.0 2
     """
     if fallback is not None and fallback != "host":
-        raise InvalidArgumentError(
-            format_error(
-                f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
-            )
-        )
+        raise InvalidArgumentError(format_error(
+            f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
+        ))
     if cls is None:
         return lambda c: stateful(c, category=category, fallback=fallback)
     return _decorate(cls, category, fallback)
@@ -272,12 +270,10 @@ def _decide(
 
 def _check_is_class(cls: Any) -> None:
     if not isinstance(cls, type):
-        raise InvalidTypeError(
-            format_error(
-                f"@stateful decorates classes, got {type(cls).__name__}.",
-                fix="put @autostate.stateful on a class statement.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"@stateful decorates classes, got {type(cls).__name__}.",
+            fix="put @autostate.stateful on a class statement.",
+        ))
     builtin = next(
         (b for b in cls.__mro__[1:-1] if b.__module__ == "builtins" and b is not object), None
     )
@@ -285,16 +281,14 @@ def _check_is_class(cls: Any) -> None:
         # A model is copied and rebuilt from its __dict__ (functionalize, jit,
         # freeze); an int, a tuple, a dict or an exception keeps its data
         # elsewhere, and object.__new__ cannot make one.
-        raise DecorationError(
-            format_error(
-                f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
-                f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
-                "f's copy of the model could not be rebuilt.",
-                where=_class_line(cls),
-                fix=f"hold the {builtin.__name__} in an attribute of a plain class "
-                f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
-            )
-        )
+        raise DecorationError(format_error(
+            f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
+            f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
+            "f's copy of the model could not be rebuilt.",
+            where=_class_line(cls),
+            fix=f"hold the {builtin.__name__} in an attribute of a plain class "
+            f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
+        ))
 
 
 def _class_line(cls: type) -> str | None:
@@ -339,19 +333,17 @@ def _check_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
         ):
             continue
         owner = next(k for k in cls.__mro__ if attr in k.__dict__)
-        raise DecorationError(
-            format_error(
-                f"{owner.__qualname__}.{attr} is a data descriptor ({kind.__qualname__}, "
-                f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
-                "state: autostate keeps a state's value itself, so the descriptor's "
-                "__get__ and __set__ would never run.",
-                where=_class_line(owner),
-                fix=f"keep the value in a plain attribute and make {attr} a property: "
-                f"`@property def {attr}(self): return self._{attr}`, with a setter that "
-                f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
-                f"(autostate tracks _{attr} as the state).",
-            )
-        )
+        raise DecorationError(format_error(
+            f"{owner.__qualname__}.{attr} is a data descriptor ({kind.__qualname__}, "
+            f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
+            "state: autostate keeps a state's value itself, so the descriptor's "
+            "__get__ and __set__ would never run.",
+            where=_class_line(owner),
+            fix=f"keep the value in a plain attribute and make {attr} a property: "
+            f"`@property def {attr}(self): return self._{attr}`, with a setter that "
+            f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
+            f"(autostate tracks _{attr} as the state).",
+        ))
 
 
 def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
@@ -444,12 +436,10 @@ def _train_method(self: M, mode: bool = True) -> M:
             where it would change a mode.
     """
     if not isinstance(mode, bool):
-        raise InvalidArgumentError(
-            format_error(
-                f"train(mode) takes a bool, got {mode!r}.",
-                fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
-            )
-        )
+        raise InvalidArgumentError(format_error(
+            f"train(mode) takes a bool, got {mode!r}.",
+            fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
+        ))
     for model in _graph.instances_of(self):
         if model is not self and type(model).train is not _train_method:
             model.train(mode)  # a sub-model's own train(), as PyTorch calls it
@@ -472,15 +462,13 @@ def _eval_method(self: M) -> M:
 
 def _refuse_mode_change(model: Any, mode: bool) -> None:
     method = "train()" if mode else "eval()"
-    raise refused(StaticStateError(
-        format_error(
-            f"{method} inside a functionalized call would switch "
-            f"{type(model).__name__}.training to {mode}: `training` is static config, part "
-            "of f's structure (one compile per mode), fixed for the call.",
-            fix=f"switch the mode on a model made from f's states: `f_{method[:-2]}, states = "
-            f"autostate.freeze(f, states).{method[:-1]}).functionalize()`.",
-        )
-    ))
+    raise refused(StaticStateError(format_error(
+        f"{method} inside a functionalized call would switch "
+        f"{type(model).__name__}.training to {mode}: `training` is static config, part "
+        "of f's structure (one compile per mode), fixed for the call.",
+        fix=f"switch the mode on a model made from f's states: `f_{method[:-2]}, states = "
+        f"autostate.freeze(f, states).{method[:-1]}).functionalize()`.",
+    )))
 
 
 def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
@@ -493,33 +481,27 @@ def _check_functionalize_arguments(model: Any, category: Any, category_predicate
     elif isinstance(model, (FunctionalModel, PackedModel)):
         what = f"a {type(model).__name__} (what functionalize() returned)"
     if what is not None:
-        raise InvalidTypeError(
-            format_error(
-                f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
-                fix="build the model first (`Model(...)`) and functionalize that instance; an f "
-                "is functional already (autostate.freeze(f, states) gives the model back).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
+            fix="build the model first (`Model(...)`) and functionalize that instance; an f "
+            "is functional already (autostate.freeze(f, states) gives the model back).",
+        ))
     if category_predicate is not None and not callable(category_predicate):
-        raise InvalidTypeError(
-            format_error(
-                f"category_predicate must be a function of a category, got "
-                f"{type(category_predicate).__name__} {category_predicate!r}.",
-                fix=f"pass category={category_predicate!r} to select one category, or "
-                "category_predicate=lambda c: ... to select several.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"category_predicate must be a function of a category, got "
+            f"{type(category_predicate).__name__} {category_predicate!r}.",
+            fix=f"pass category={category_predicate!r} to select one category, or "
+            "category_predicate=lambda c: ... to select several.",
+        ))
     try:
         hash(category)
     except TypeError:
-        raise InvalidTypeError(
-            format_error(
-                f"A category is a hashable value (a string), got {type(category).__name__} "
-                f"{category!r}.",
-                fix="pass one category (category='state'), or category_predicate=lambda c: "
-                "c in (...) to select several.",
-            )
-        ) from None
+        raise InvalidTypeError(format_error(
+            f"A category is a hashable value (a string), got {type(category).__name__} "
+            f"{category!r}.",
+            fix="pass one category (category='state'), or category_predicate=lambda c: "
+            "c in (...) to select several.",
+        )) from None
 
 
 def _functionalize_method(
@@ -759,12 +741,10 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
     elif isinstance(f, WithFunctionalLocalState):
         frozen = freeze_local_states(f, dict(states))
     else:
-        raise InvalidTypeError(
-            format_error(
-                f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
-                fix="call `f, states = model.functionalize()` and pass both to freeze.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
+            fix="call `f, states = model.functionalize()` and pass both to freeze.",
+        ))
     return frozen
 
 

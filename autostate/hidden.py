@@ -188,27 +188,23 @@ def check_no_hidden_arrays(model: Any) -> None:
             where = found[0]
             holder = found[1] or "plain"
             if holder == "builtin method":
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} is a method of a "
-                        f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
-                        "of the model has its own copy of that container, so calls through "
-                        "it inside f would change the original model's.",
-                        fix="call the container's method where it is needed "
-                        "(`self.log.append(v)`), or keep a method of the model instead.",
-                    )
-                )
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} is a method of a "
+                    f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
+                    "of the model has its own copy of that container, so calls through "
+                    "it inside f would change the original model's.",
+                    fix="call the container's method where it is needed "
+                    "(`self.log.append(v)`), or keep a method of the model instead.",
+                ))
             if holder == "weakref.proxy":
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
-                        f"model (at {where}); a proxy gives no way to its model, so f's copy "
-                        "could not be pointed at f's copy of that model: calls through it "
-                        "inside f would read and write the original model instead of f's states.",
-                        fix="keep a weakref.ref(model) (call it to reach the model), which "
-                        "f's copy rebinds to itself, or the model itself.",
-                    )
-                )
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
+                    f"model (at {where}); a proxy gives no way to its model, so f's copy "
+                    "could not be pointed at f's copy of that model: calls through it "
+                    "inside f would read and write the original model instead of f's states.",
+                    fix="keep a weakref.ref(model) (call it to reach the model), which "
+                    "f's copy rebinds to itself, or the model itself.",
+                ))
             if _graph.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
@@ -240,25 +236,21 @@ def check_no_hidden_arrays(model: Any) -> None:
                         "(`self.fn = lambda x: self.method(x, k=2)`), which f's copy rebinds "
                         "to itself."
                     )
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
-                        f"{holder} object (at {where}); functionalize() copies the model "
-                        f"but not the {holder}, so calls through it inside f would read and "
-                        "write the original model instead of f's states.",
-                        fix=fix,
-                    )
-                )
-            raise InvalidTypeError(
-                format_error(
-                    f"{type(obj).__name__}.{name} holds an array inside a plain "
-                    f"{holder} object (at {where}); functionalize() would bake it into "
-                    "f as a constant: no gradient, not in param_dict, not saved.",
-                    fix=f"decorate {holder} with @autostate.stateful (or "
-                    f"register it as a JAX pytree), or store the array on "
-                    f"{type(obj).__name__} itself.",
-                )
-            )
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
+                    f"{holder} object (at {where}); functionalize() copies the model "
+                    f"but not the {holder}, so calls through it inside f would read and "
+                    "write the original model instead of f's states.",
+                    fix=fix,
+                ))
+            raise InvalidTypeError(format_error(
+                f"{type(obj).__name__}.{name} holds an array inside a plain "
+                f"{holder} object (at {where}); functionalize() would bake it into "
+                "f as a constant: no gradient, not in param_dict, not saved.",
+                fix=f"decorate {holder} with @autostate.stateful (or "
+                f"register it as a JAX pytree), or store the array on "
+                f"{type(obj).__name__} itself.",
+            ))
         # A state held as a plain array: the instance was made before its class
         # was decorated (``object.__new__`` of a class waiting for its first
         # use, or ``__class__`` set to one). Its value becomes the state's.

@@ -99,15 +99,13 @@ class _Spec:
 
 
 def _non_array_error(label: str, value: Any, what: str) -> HostStateTypeError:
-    return HostStateTypeError(
-        format_error(
-            f"State {label} {what} {type(value).__name__} value {value!r:.80}; a host-fallback "
-            "state must be a JAX/NumPy array or a pytree of them, because every traced read "
-            "needs a fixed shape and dtype.",
-            fix="store an array (e.g. `jnp.asarray(...)`), or keep non-array values as "
-            "ordinary attributes set only in __init__.",
-        )
-    )
+    return HostStateTypeError(format_error(
+        f"State {label} {what} {type(value).__name__} value {value!r:.80}; a host-fallback "
+        "state must be a JAX/NumPy array or a pytree of them, because every traced read "
+        "needs a fixed shape and dtype.",
+        fix="store an array (e.g. `jnp.asarray(...)`), or keep non-array values as "
+        "ordinary attributes set only in __init__.",
+    ))
 
 
 def _array_leaves(value: Any, label: str, what: str) -> tuple[list[Any], Any]:
@@ -129,15 +127,13 @@ def _array_leaves(value: Any, label: str, what: str) -> tuple[list[Any], Any]:
 
 def _extended_dtype_error(label: str, leaf: Any) -> HostStateTypeError:
     attr = label.rsplit(".", 1)[-1]
-    return HostStateTypeError(
-        format_error(
-            f"State {label} holds a {leaf.dtype} array (a typed PRNG key); host-fallback "
-            "states travel through host callbacks, which carry plain dtypes only.",
-            fix=f"keep the key's data (`self.{attr} = jax.random.key_data(key)`, and "
-            "`jax.random.wrap_key_data(...)` where it is used), use a uint32 key "
-            "(`jax.random.PRNGKey(seed)`), or drop fallback=\"host\" for this class.",
-        )
-    )
+    return HostStateTypeError(format_error(
+        f"State {label} holds a {leaf.dtype} array (a typed PRNG key); host-fallback "
+        "states travel through host callbacks, which carry plain dtypes only.",
+        fix=f"keep the key's data (`self.{attr} = jax.random.key_data(key)`, and "
+        "`jax.random.wrap_key_data(...)` where it is used), use a uint32 key "
+        "(`jax.random.PRNGKey(seed)`), or drop fallback=\"host\" for this class.",
+    ))
 
 
 def _canonical_dtype(dtype: Any) -> np.dtype:
@@ -292,13 +288,11 @@ class _StateKey:
     def resolve(self) -> tuple[_Store, _Entry]:
         store = self._store()
         if store is None:
-            raise HostStateError(
-                format_error(
-                    f"Host state {self.label} belongs to a model that was garbage-collected, "
-                    "but a compiled program still calls back into it.",
-                    fix="keep the model alive while calling functions traced with it.",
-                )
-            )
+            raise HostStateError(format_error(
+                f"Host state {self.label} belongs to a model that was garbage-collected, "
+                "but a compiled program still calls back into it.",
+                fix="keep the model alive while calling functions traced with it.",
+            ))
         return store, store.entries[self.attr]
 
     def __eq__(self, other: object) -> bool:
@@ -381,14 +375,12 @@ def _vmap_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...], write: bool 
         f"; a write under vmap axes of sizes {axes} does not match." if write
         else f", but it is read under vmap axes of sizes {axes}."
     )
-    return HostStateError(
-        format_error(
-            f"State {label} holds per-example values for vmap axes of sizes "
-            f"{_describe_dims(dims)}{how}",
-            fix=f"{'write' if write else 'read'} it under the vmap nesting and sizes it was "
-            f"written under, or {_reset_hint(label)}.",
-        )
-    )
+    return HostStateError(format_error(
+        f"State {label} holds per-example values for vmap axes of sizes "
+        f"{_describe_dims(dims)}{how}",
+        fix=f"{'write' if write else 'read'} it under the vmap nesting and sizes it was "
+        f"written under, or {_reset_hint(label)}.",
+    ))
 
 
 def _new_dims(
@@ -498,15 +490,13 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
     if _conflicts(axes, dims):
         raise _vmap_mismatch(entry.label, axes, dims)
     if expected is not None and not axes and [_lead(d) for d in dims] != [_lead(d) for d in expected]:
-        raise HostStateError(
-            format_error(
-                f"State {entry.label} now holds values for vmap axes of sizes "
-                f"{_describe_dims(dims)}; this compiled program was traced when it held "
-                f"values for {_describe_dims(expected)}.",
-                fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
-                f"function after changing how a state is batched, or {_reset_hint(entry.label)}.",
-            )
-        )
+        raise HostStateError(format_error(
+            f"State {entry.label} now holds values for vmap axes of sizes "
+            f"{_describe_dims(dims)}; this compiled program was traced when it held "
+            f"values for {_describe_dims(expected)}.",
+            fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
+            f"function after changing how a state is batched, or {_reset_hint(entry.label)}.",
+        ))
     return [_broadcast_leaf(v, d, axes, xp) for v, d in zip(value, dims)]
 
 
@@ -662,13 +652,11 @@ def _view_impl(*leaves, label, dims, axes):
 
 def _view_batching(axis_data, vals, in_dims, *, label, dims, axes):
     if any(d is not None for d in in_dims):
-        raise HostStateError(
-            format_error(
-                f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
-                "per-example values are chosen by the vmaps it was written under.",
-                fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
-            )
-        )
+        raise HostStateError(format_error(
+            f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
+            "per-example values are chosen by the vmaps it was written under.",
+            fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
+        ))
     outs = _view_p.bind(*vals, label=label, dims=dims, axes=(axis_data.size, *axes))
     return outs, [0] * len(outs)
 
@@ -681,12 +669,10 @@ batching.fancy_primitive_batchers[_view_p] = _view_batching
 
 def _unset_error(label: str) -> HostStateError:
     attr = label.rsplit(".", 1)[-1]
-    return HostStateError(
-        format_error(
-            f"State {label} was read before it was set: it was declared with a shape only.",
-            fix=f"assign it (`self.{attr} = value`) before the first read.",
-        )
-    )
+    return HostStateError(format_error(
+        f"State {label} was read before it was set: it was declared with a shape only.",
+        fix=f"assign it (`self.{attr} = value`) before the first read.",
+    ))
 
 
 # --- slots --------------------------------------------------------------------------
@@ -751,23 +737,19 @@ def _checked_leaves(entry: _Entry, value: Any) -> tuple[list[Any], tuple]:
     spec, label = entry.spec, entry.label
     leaves, treedef = _array_leaves(value, label, "was assigned a")
     if treedef != spec.treedef:
-        raise HostStateChangeError(
-            format_error(
-                f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
-                fix="a host-fallback state keeps the structure of its first value; assign "
-                "values with the same containers and keys.",
-            )
-        )
+        raise HostStateChangeError(format_error(
+            f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
+            fix="a host-fallback state keeps the structure of its first value; assign "
+            "values with the same containers and keys.",
+        ))
     extras: list[tuple[int, ...]] = []
     for leaf, shape, dtype in zip(leaves, spec.shapes, spec.dtypes):
         got = tuple(jnp.shape(leaf))
         if _canonical_dtype(leaf.dtype) != dtype:
-            raise HostStateChangeError(
-                format_error(
-                    f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
-                    fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
-                )
-            )
+            raise HostStateChangeError(format_error(
+                f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
+                fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
+            ))
         n = len(got) - len(shape)
         if n < 0 or got[n:] != shape:
             raise _shape_error(label, spec, shape, got)
@@ -779,13 +761,11 @@ def _checked_leaves(entry: _Entry, value: Any) -> tuple[list[Any], tuple]:
 
 
 def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostStateTypeError:
-    return HostStateChangeError(
-        format_error(
-            f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
-            fix="a host-fallback state keeps the shape of its first value, because traced "
-            "reads need it; keep the shape, or use the functional engine (no fallback).",
-        )
-    )
+    return HostStateChangeError(format_error(
+        f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
+        fix="a host-fallback state keeps the shape of its first value, because traced "
+        "reads need it; keep the shape, or use the functional engine (no fallback).",
+    ))
 
 
 def make_host_slot(
@@ -878,14 +858,12 @@ class _InferenceSlot(StateSlot):
         return self.slot.category
 
     def write(self, value: Any, label: str | None = None) -> None:
-        raise HostStateError(
-            format_error(
-                f"State {self.slot._entry().label} was set in inference mode, where host "
-                "state is read-only.",
-                fix="call the original model (not autostate.inference_mode(model)) to update "
-                "its state.",
-            )
-        )
+        raise HostStateError(format_error(
+            f"State {self.slot._entry().label} was set in inference mode, where host "
+            "state is read-only.",
+            fix="call the original model (not autostate.inference_mode(model)) to update "
+            "its state.",
+        ))
 
     def __reduce__(self):
         return _InferenceSlot, (self.slot,) if self.value is _UNREAD else (self.slot, self.value)
@@ -904,18 +882,16 @@ def inference_mode(model: Any) -> Any:
     state then holds. That is refused.
     """
     if under_staging_trace():
-        raise HostStateError(
-            format_error(
-                "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
-                "lax body): the view's host state enters a program where the view is passed "
-                "into jax.jit, so a view made inside would bake the value read while "
-                "tracing into the program, and later calls would not see the host state change.",
-                fix="make the view outside and pass it in: `view = "
-                "autostate.inference_mode(model)`, then `jax.jit(lambda v, x: v(x))(view, x)`; "
-                "or call the model itself inside the trace (its host state is read by a "
-                "callback on every call).",
-            )
-        )
+        raise HostStateError(format_error(
+            "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
+            "lax body): the view's host state enters a program where the view is passed "
+            "into jax.jit, so a view made inside would bake the value read while "
+            "tracing into the program, and later calls would not see the host state change.",
+            fix="make the view outside and pass it in: `view = "
+            "autostate.inference_mode(model)`, then `jax.jit(lambda v, x: v(x))(view, x)`; "
+            "or call the model itself inside the trace (its host state is read by a "
+            "callback on every call).",
+        ))
     found = False
 
     def replace(slot: HostSlot, _path: str) -> _InferenceSlot:
@@ -925,13 +901,11 @@ def inference_mode(model: Any) -> Any:
 
     view = _graph.map_tree(model, replace, lambda node: type(node) is HostSlot)
     if not found:
-        raise HostStateTypeError(
-            format_error(
-                f"inference_mode expects a model with host-fallback state; "
-                f"{type(model).__name__} has none.",
-                fix='decorate the class with @autostate.stateful(fallback="host").',
-            )
-        )
+        raise HostStateTypeError(format_error(
+            f"inference_mode expects a model with host-fallback state; "
+            f"{type(model).__name__} has none.",
+            fix='decorate the class with @autostate.stateful(fallback="host").',
+        ))
     return view
 
 

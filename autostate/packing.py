@@ -306,12 +306,10 @@ jax.tree_util.register_pytree_node(
 def _unpacked_states(states: Any) -> dict[str, Any]:
     if isinstance(states, PackedStates):
         return states.unpack()
-    raise InvalidTypeError(
-        format_error(
-            f"A PackedModel takes PackedStates, got {type(states).__name__}.",
-            fix="pass the states returned by autostate.pack(f, states) (or by the last call).",
-        )
-    )
+    raise InvalidTypeError(format_error(
+        f"A PackedModel takes PackedStates, got {type(states).__name__}.",
+        fix="pass the states returned by autostate.pack(f, states) (or by the last call).",
+    ))
 
 
 def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
@@ -354,28 +352,22 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
     # packed states would otherwise pack without complaint and fail later
     # with a raw TypeError from inside the packed call.
     if isinstance(f, PackedModel) or isinstance(states, PackedStates):
-        raise InvalidTypeError(
-            format_error(
-                "autostate.pack: this f and its states are packed already.",
-                fix="pass the pf and packed states as they are (pf.unpack(pstates) gives "
-                "f and states back).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "autostate.pack: this f and its states are packed already.",
+            fix="pass the pf and packed states as they are (pf.unpack(pstates) gives "
+            "f and states back).",
+        ))
     if is_stateful_instance(f) or not callable(f):
         got = f"the model {type(f).__name__}" if is_stateful_instance(f) else type(f).__name__
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.pack expects the f that functionalize() returned, got {got}.",
-                fix="call f, states = model.functionalize() and pass "
-                "autostate.pack(f, states).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.pack expects the f that functionalize() returned, got {got}.",
+            fix="call f, states = model.functionalize() and pass "
+            "autostate.pack(f, states).",
+        ))
     if not isinstance(states, Mapping):
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.pack expects the states dict of f, got {type(states).__name__}.",
-                fix="pass the states dict that functionalize() (or the last call of f) "
-                "returned.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.pack expects the states dict of f, got {type(states).__name__}.",
+            fix="pass the states dict that functionalize() (or the last call of f) "
+            "returned.",
+        ))
     return PackedModel(*_pack_tree(f)), PackedStates.of(states)

@@ -108,13 +108,11 @@ def _write_from_process_zero(path: Path, arrays: dict[str, np.ndarray]) -> None:
     if error is not None:
         raise error
     if not written:
-        raise CheckpointError(
-            format_error(
-                f"autostate.save: process 0 failed to write {path}; see its error.",
-                fix="make the path writable by process 0 (the one process that writes it), "
-                "then save again from every process.",
-            )
-        )
+        raise CheckpointError(format_error(
+            f"autostate.save: process 0 failed to write {path}; see its error.",
+            fix="make the path writable by process 0 (the one process that writes it), "
+            "then save again from every process.",
+        ))
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -159,14 +157,12 @@ def _path_first(fn: Callable[P, T]) -> Callable[P, T]:
                 format_error(problem + ".", where=user_location(), fix=f"call {usage}.")
             )
         if name == "load" and len(args) > 1:
-            raise InvalidTypeError(
-                format_error(
-                    f"autostate.load takes the model to load into as the keyword `like=`, "
-                    f"and got a {type(args[1]).__name__} as a second positional argument.",
-                    where=user_location(),
-                    fix=f"call {usage}.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"autostate.load takes the model to load into as the keyword `like=`, "
+                f"and got a {type(args[1]).__name__} as a second positional argument.",
+                where=user_location(),
+                fix=f"call {usage}.",
+            ))
         return fn(*args, **kwargs)
 
     return checked
@@ -234,13 +230,11 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
 
 
 def _corrupt(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        format_error(
-            f"Checkpoint {path} is corrupted: {what}.",
-            fix="load an intact copy; autostate.save writes atomically, so a file it "
-            "wrote is complete unless something changed it afterwards.",
-        )
-    )
+    return CheckpointError(format_error(
+        f"Checkpoint {path} is corrupted: {what}.",
+        fix="load an intact copy; autostate.save writes atomically, so a file it "
+        "wrote is complete unless something changed it afterwards.",
+    ))
 
 
 def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
@@ -266,13 +260,11 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
     try:
         with np.load(path, allow_pickle=False) as npz:
             if not isinstance(npz, np.lib.npyio.NpzFile) or _MANIFEST not in npz.files:
-                raise CheckpointError(
-                    format_error(
-                        f"Not an autostate checkpoint: {path} has no autostate manifest.",
-                        fix="load files written by autostate.save; for a bare .npz of a "
-                        "flat dict use numpy.load and autostate.load_state_dict.",
-                    )
-                )
+                raise CheckpointError(format_error(
+                    f"Not an autostate checkpoint: {path} has no autostate manifest.",
+                    fix="load files written by autostate.save; for a bare .npz of a "
+                    "flat dict use numpy.load and autostate.load_state_dict.",
+                ))
             manifest = json.loads(npz[_MANIFEST].item())
             if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
                 raise _corrupt(

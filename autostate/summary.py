@@ -291,22 +291,18 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
     """
     if isinstance(model, PackedModel):
         if states is None:
-            raise InvalidTypeError(
-                format_error(
-                    "autostate.summary(pf) needs the packed states: pf holds no states.",
-                    fix="call autostate.summary(pf, pstates).",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                "autostate.summary(pf) needs the packed states: pf holds no states.",
+                fix="call autostate.summary(pf, pstates).",
+            ))
         model, states = model.unpack(states)  # type: ignore[arg-type]  # checked there
     if isinstance(model, FunctionalModel):
         _state_dicts.state_dict(model, states)  # the same checks of the states dict
         return Summary(type(model.model).__name__, _rows(model.model, states))  # type: ignore[arg-type]
     if states is not None:
-        raise InvalidTypeError(
-            format_error(
-                "autostate.summary takes a states dict only with an f (or a packed pf).",
-                fix="call autostate.summary(model) or autostate.summary(f, states).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "autostate.summary takes a states dict only with an f (or a packed pf).",
+            fix="call autostate.summary(model) or autostate.summary(f, states).",
+        ))
     f, handled = _state_dicts.handle_for_reading(model, "summary")
     return Summary(type(model).__name__, _rows(f.model, handled))

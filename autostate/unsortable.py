@@ -108,18 +108,16 @@ def unsortable_keys_error(
     label, where = recorded if recorded is not None else (name, user_location())
     subject = f"State {label!r}" if label else "A state"
     kinds = sorted({type(key).__name__ for d in unsortable for key in d})
-    return InvalidTypeError(
-        format_error(
-            f"{subject} holds a dict whose keys cannot be sorted (keys of "
-            f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
-            f"in the sorted order of its keys, {problem}.",
-            where=where,
-            fix="key the dict by str, int or IntEnum values (an enum member's value: "
-            "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
-            "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
-            "JAX flattens in insertion order.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"{subject} holds a dict whose keys cannot be sorted (keys of "
+        f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
+        f"in the sorted order of its keys, {problem}.",
+        where=where,
+        fix="key the dict by str, int or IntEnum values (an enum member's value: "
+        "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
+        "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
+        "JAX flattens in insertion order.",
+    ))
 
 
 def _unsortable_states_error(

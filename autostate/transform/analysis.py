@@ -228,15 +228,13 @@ def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise DecorationError(
-            format_error(
-                f"@stateful could not parse the source of {class_name}.{source.key}: "
-                f"{exc.message}",
-                where=f"{source.filename}:{exc.raw_line + shift}",
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        ) from None
+        raise DecorationError(format_error(
+            f"@stateful could not parse the source of {class_name}.{source.key}: "
+            f"{exc.message}",
+            where=f"{source.filename}:{exc.raw_line + shift}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        )) from None
     return module
 
 
@@ -248,17 +246,15 @@ def _method_node(module: cst.Module, class_name: str, source: MethodSource) -> c
     if not isinstance(node, cst.FunctionDef):
         # The lines at the function's first line are no function definition:
         # the file holds other text than the code was compiled from.
-        raise DecorationError(
-            format_error(
-                f"@stateful could not find the source of {class_name}.{source.key}: "
-                f"{source.filename!r} holds no function definition at line {source.first_line} "
-                "(the file was edited after the import, or the code was compiled from other "
-                "text under this file name).",
-                where=f"{source.filename}:{source.first_line}",
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        )
+        raise DecorationError(format_error(
+            f"@stateful could not find the source of {class_name}.{source.key}: "
+            f"{source.filename!r} holds no function definition at line {source.first_line} "
+            "(the file was edited after the import, or the code was compiled from other "
+            "text under this file name).",
+            where=f"{source.filename}:{source.first_line}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        ))
     return node
 
 
@@ -1128,13 +1124,11 @@ def without_decorator_helpers(class_name: str, methods: Sequence[MethodFacts]) -
 
 
 def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str) -> DecorationError:
-    return DecorationError(
-        format_error(
-            f"@stateful cannot rewrite class {class_name}: {what}",
-            where=f"{source.filename}:{line} (in {class_name}.{source.key})",
-            fix=fix,
-        )
-    )
+    return DecorationError(format_error(
+        f"@stateful cannot rewrite class {class_name}: {what}",
+        where=f"{source.filename}:{line} (in {class_name}.{source.key})",
+        fix=fix,
+    ))
 
 
 def may_be_object(

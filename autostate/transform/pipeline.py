@@ -195,16 +195,14 @@ def _check_layout(cls: type) -> None:
     ]
     if slotted or cls.__dictoffset__ == 0:
         names = ", ".join(f"{k}.{n}" for k, n in slotted) or "no __dict__"
-        raise DecorationError(
-            format_error(
-                f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
-                f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
-                "in the instance __dict__.",
-                where=class_location(cls),
-                fix="remove __slots__ from the class (and its bases), or keep the slotted "
-                "values on an undecorated object outside the model.",
-            )
-        )
+        raise DecorationError(format_error(
+            f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
+            f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
+            "in the instance __dict__.",
+            where=class_location(cls),
+            fix="remove __slots__ from the class (and its bases), or keep the slotted "
+            "values on an undecorated object outside the model.",
+        ))
 
 
 def _slot_names(k: type) -> list[str]:
@@ -431,15 +429,13 @@ def _read_facts(
         return None, exc
     if not same:
         code = slot.function.__code__
-        return None, DecorationError(
-            format_error(
-                f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
-                f"{code.co_filename!r} no longer holds the code that was imported at line "
-                f"{code.co_firstlineno} (the file was edited or the function moved).",
-                where=f"{code.co_filename}:{code.co_firstlineno}",
-                fix="reload the module after editing it (importlib.reload), or restart.",
-            )
-        )
+        return None, DecorationError(format_error(
+            f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
+            f"{code.co_filename!r} no longer holds the code that was imported at line "
+            f"{code.co_firstlineno} (the file was edited or the function moved).",
+            where=f"{code.co_filename}:{code.co_firstlineno}",
+            fix="reload the module after editing it (importlib.reload), or restart.",
+        ))
     return facts, None
 
 
@@ -605,13 +601,11 @@ def _check_undecorated_bases(
                 )
                 if attr in state_attrs or array:
                     kind = "the JAX array" if array else "state"
-                    raise DecorationError(
-                        format_error(
-                            f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
-                            f"class {base.__name__} changes {kind} {attr!r} in place "
-                            f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
-                            "be rewritten.",
-                            where=f"{facts.source.filename}:{line}",
-                            fix=f"decorate {base.__name__} with @autostate.stateful too.",
-                        )
-                    )
+                    raise DecorationError(format_error(
+                        f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
+                        f"class {base.__name__} changes {kind} {attr!r} in place "
+                        f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
+                        "be rewritten.",
+                        where=f"{facts.source.filename}:{line}",
+                        fix=f"decorate {base.__name__} with @autostate.stateful too.",
+                    ))

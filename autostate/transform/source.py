@@ -343,18 +343,16 @@ def _check_in_wrapper(cls: type, wrapper: Any, old: Any) -> None:
 
 
 def _unreachable_wrapper(cls: type, old: Any) -> DecorationError:
-    return DecorationError(
-        format_error(
-            f"@stateful cannot reach the function inside the decorator wrapping "
-            f"{cls.__name__}.{old.__name__}, which uses state.",
-            where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
-            fix="write the decorator with functools.wraps and a closure over the wrapped "
-            "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
-            "a method, use @autostate.checkpoint; for @jax.jit on a method, compile it "
-            "from outside with `autostate.jit(model.method)`, or call `jax.jit(...)` "
-            "inside the method.",
-        )
-    )
+    return DecorationError(format_error(
+        f"@stateful cannot reach the function inside the decorator wrapping "
+        f"{cls.__name__}.{old.__name__}, which uses state.",
+        where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
+        fix="write the decorator with functools.wraps and a closure over the wrapped "
+        "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
+        "a method, use @autostate.checkpoint; for @jax.jit on a method, compile it "
+        "from outside with `autostate.jit(model.method)`, or call `jax.jit(...)` "
+        "inside the method.",
+    ))
 
 
 def source_lines(filename: str) -> list[str]:
@@ -385,26 +383,22 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
     try:
         block = read_block(code)
     except (tokenize.TokenError, SyntaxError):
-        raise DecorationError(
-            format_error(
-                f"@stateful could not read the source of {cls.__qualname__}.{slot.key}: "
-                f"{code.co_filename!r} no longer holds a complete definition there.",
-                where=f"{code.co_filename}:{first}",
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        ) from None
+        raise DecorationError(format_error(
+            f"@stateful could not read the source of {cls.__qualname__}.{slot.key}: "
+            f"{code.co_filename!r} no longer holds a complete definition there.",
+            where=f"{code.co_filename}:{first}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        )) from None
     if block is None:
-        raise SourceUnavailableError(
-            format_error(
-                f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
-                f"{code.co_filename!r} has none (a class built by exec/eval or in an "
-                "interactive session without source).",
-                where=f"{code.co_filename}:{first}",
-                fix="define the class in a .py file (or a notebook cell), so its source "
-                "can be read.",
-            )
-        )
+        raise SourceUnavailableError(format_error(
+            f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
+            f"{code.co_filename!r} has none (a class built by exec/eval or in an "
+            "interactive session without source).",
+            where=f"{code.co_filename}:{first}",
+            fix="define the class in a .py file (or a notebook cell), so its source "
+            "can be read.",
+        ))
     text = "".join(block)
     if not text.endswith("\n"):
         text += "\n"
