@@ -111,10 +111,7 @@ class Layout:
                 loose.append(leaf)
             else:
                 parts[slot[0]].append(jnp.ravel(leaf))
-        buffers = [
-            p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts
-        ]
-        return buffers, loose
+        return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts], loose
 
     def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
         """The leaves again: each buffer split into its leaves, reshaped, and the
@@ -174,7 +171,22 @@ def _pack_tree(tree: Any, like: Layout | None = None) -> tuple[Layout, list[Any]
     return layout, buffers, loose
 
 
-class PackedStates:
+class _Packed:
+    """A tree laid out by ``layout``: its packed ``buffers`` and its ``loose`` leaves."""
+
+    __slots__ = ("layout", "buffers", "loose")
+
+    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
+        self.layout = layout
+        self.buffers = list(buffers)
+        self.loose = list(loose)
+
+    def _tree(self) -> Any:
+        leaves = self.layout.unpack(self.buffers, self.loose)
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+
+class PackedStates(_Packed):
     """The states of a ``PackedModel``: one buffer per dtype (a pytree of them).
 
     ``.unpack()`` gives the states dict back; ``.buffers`` are the arrays
@@ -199,12 +211,7 @@ class PackedStates:
         {'mean': Array([0.5, 0.5], dtype=float32), 'var': Array([0.625, 0.625], dtype=float32)}
     """
 
-    __slots__ = ("layout", "buffers", "loose")
-
-    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
-        self.layout = layout
-        self.buffers = list(buffers)
-        self.loose = list(loose)
+    __slots__ = ()
 
     @classmethod
     def of(cls, states: dict[str, Any], like: Layout | None = None) -> PackedStates:
@@ -212,21 +219,13 @@ class PackedStates:
 
     def unpack(self) -> dict[str, Any]:
         """The states dict, as the unpacked ``f`` takes and returns it."""
-        leaves = self.layout.unpack(self.buffers, self.loose)
-        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+        return self._tree()
 
     def __repr__(self) -> str:
         return f"PackedStates({self.layout!r})"
 
 
-jax.tree_util.register_pytree_node(
-    PackedStates,
-    lambda s: ((*s.buffers, *s.loose), (s.layout, len(s.buffers))),
-    lambda aux, children: PackedStates(aux[0], children[: aux[1]], children[aux[1] :]),
-)
-
-
-class PackedModel:
+class PackedModel(_Packed):
     """A functionalized model whose parameters travel as one buffer per dtype.
 
     ``pf(packed_states, *args)`` returns ``(out, new_packed_states)`` and
@@ -256,18 +255,12 @@ class PackedModel:
         [3. 3.] [2. 2.] 1
     """
 
-    __slots__ = ("layout", "buffers", "loose")
-
-    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
-        self.layout = layout
-        self.buffers = list(buffers)
-        self.loose = list(loose)
+    __slots__ = ()
 
     @property
     def f(self) -> Any:
         """The unpacked functional model (its arrays are slices of the buffers)."""
-        leaves = self.layout.unpack(self.buffers, self.loose)
-        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+        return self._tree()
 
     def unpack(self, states: PackedStates | None = None) -> Any:
         """``(f, states)`` as ``functionalize`` gave them (``f`` alone without states)."""
@@ -296,11 +289,12 @@ class PackedModel:
         return f"PackedModel({self.layout!r})"
 
 
-jax.tree_util.register_pytree_node(
-    PackedModel,
-    lambda m: ((*m.buffers, *m.loose), (m.layout, len(m.buffers))),
-    lambda aux, children: PackedModel(aux[0], children[: aux[1]], children[aux[1] :]),
-)
+for _cls in (PackedStates, PackedModel):
+    jax.tree_util.register_pytree_node(
+        _cls,
+        lambda p: ((*p.buffers, *p.loose), (p.layout, len(p.buffers))),
+        lambda aux, children, cls=_cls: cls(aux[0], children[: aux[1]], children[aux[1] :]),
+    )
 
 
 def _unpacked_states(states: Any) -> dict[str, Any]:

@@ -82,11 +82,7 @@ def _host_copy(value: Any) -> np.ndarray:
     reaches it, in the same order (the arrays' order and shardings are the
     same in every process of an SPMD program).
     """
-    if (
-        isinstance(value, jax.Array)
-        and not value.is_fully_addressable
-        and not value.is_fully_replicated
-    ):
+    if isinstance(value, jax.Array) and not value.is_fully_addressable and not value.is_fully_replicated:
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(value)
 
@@ -147,10 +143,7 @@ def _path_first(fn: Callable[P, T]) -> Callable[P, T]:
     def checked(*args: P.args, **kwargs: P.kwargs) -> T:
         first = args[0] if args else kwargs.get("path")
         if not isinstance(first, (str, os.PathLike)):
-            problem = (
-                f"autostate.{name} takes the file's path first, and got a "
-                f"{type(first).__name__}"
-            )
+            problem = f"autostate.{name} takes the file's path first, and got a {type(first).__name__}"
             if name == "save" and len(args) > 1 and isinstance(args[1], (str, os.PathLike)):
                 problem += " (torch.save takes the object first; autostate.save the path)"
             raise InvalidTypeError(
@@ -216,17 +209,10 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
             member = f"a{len(entries)}"
             arrays[member], entry = _encode(value)
             entries.append({"kind": kind, "name": name, "member": member, **entry})
-    manifest = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "arrays": entries,
-    }
+    model_name = f"{type(model).__module__}.{type(model).__qualname__}"
+    manifest = {"format": _FORMAT, "version": _VERSION, "model": model_name, "arrays": entries}
     arrays[_MANIFEST] = np.array(json.dumps(manifest))
-    if jax.process_count() > 1:
-        _write_from_process_zero(Path(path), arrays)
-    else:
-        _write_atomically(Path(path), arrays)
+    (_write_from_process_zero if jax.process_count() > 1 else _write_atomically)(Path(path), arrays)
 
 
 def _corrupt(path: Path, what: str) -> CheckpointError:
@@ -326,14 +312,8 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     """
     params, states, saved_from = _read(path)
     return rebuild(
-        like,
-        params,
-        states,
-        strict=strict,
-        caller="load",
-        error=CheckpointError,
-        checkpoint=str(path),
-        saved_from=saved_from,
+        like, params, states, strict=strict, caller="load", error=CheckpointError,
+        checkpoint=str(path), saved_from=saved_from,
     )
 
 
