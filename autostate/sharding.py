@@ -131,9 +131,7 @@ def sharded(value: T, spec: PartitionSpec) -> T:
 
 def split_annotation(value: Any) -> tuple[Any, Any]:
     """``(value, spec)`` for a ``sharded(...)`` marker, ``(value, None)`` otherwise."""
-    if type(value) is Annotated:
-        return value.value, value.spec
-    return value, None
+    return (value.value, value.spec) if type(value) is Annotated else (value, None)
 
 
 def record(obj: Any, attr: str, spec: Any) -> None:
@@ -315,10 +313,7 @@ def resolve_spec(
             entries.append(entry)
             continue
         axes = _mesh_axes(entry, rules)
-        if mesh is None:
-            entries.append(axes[0] if len(axes) == 1 else (axes or None))
-            continue
-        unknown = [a for a in axes if a not in mesh.axis_names]
+        unknown = [a for a in axes if a not in mesh.axis_names] if mesh is not None else []
         if unknown:
             raise InvalidArgumentError(format_error(
                 f"The sharding {spec} of {where} names {unknown[0]!r}, which is neither an "
@@ -326,7 +321,7 @@ def resolve_spec(
                 fix=f"add {unknown[0]!r} to `rules` (logical name -> mesh axis or None), "
                 "or build the mesh with that axis.",
             ))
-        if shape is not None and dim < len(shape):
+        if mesh is not None and shape is not None and dim < len(shape):
             parts = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
             if shape[dim] % parts:
                 raise InvalidArgumentError(format_error(
@@ -346,10 +341,7 @@ def resolve_spec(
 
 
 def shardings(
-    f: Any,
-    states: Mapping[str, Any],
-    mesh: jax.sharding.Mesh,
-    *,
+    f: Any, states: Mapping[str, Any], mesh: jax.sharding.Mesh, *,
     rules: Mapping[str, AxisRule] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The ``NamedSharding`` trees of ``f`` and ``states`` on ``mesh``.
@@ -401,16 +393,15 @@ def shardings(
         spec = resolve_spec(spec, mesh, rules, shape=_shape(leaf), where=repr(where))
         out.append(NamedSharding(mesh, spec))
     f_shardings = jax.tree_util.tree_unflatten(treedef, out)
-    state_shardings = {}
-    for name, specs in _state_specs(resolved, states).items():
-        state_shardings[name] = jax.tree_util.tree_map(
+    state_shardings = {
+        name: jax.tree_util.tree_map(
             lambda s, v, name=name: NamedSharding(
                 mesh, resolve_spec(s, mesh, rules, shape=_shape(v), where=f"state {name!r}")
             ),
-            specs,
-            states[name],
-            is_leaf=_is_spec,
+            specs, states[name], is_leaf=_is_spec,
         )
+        for name, specs in _state_specs(resolved, states).items()
+    }
     return f_shardings, state_shardings
 
 
