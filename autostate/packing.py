@@ -181,6 +181,13 @@ class _Packed:
         self.buffers = list(buffers)
         self.loose = list(loose)
 
+    def _children(self) -> tuple[tuple[Any, ...], tuple[Layout, int]]:
+        return (*self.buffers, *self.loose), (self.layout, len(self.buffers))
+
+    @classmethod
+    def _rebuilt(cls, aux: tuple[Layout, int], children: Sequence[Any]) -> Any:
+        return cls(aux[0], children[: aux[1]], children[aux[1] :])
+
     def _tree(self) -> Any:
         leaves = self.layout.unpack(self.buffers, self.loose)
         return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
@@ -290,11 +297,7 @@ class PackedModel(_Packed):
 
 
 for _cls in (PackedStates, PackedModel):
-    jax.tree_util.register_pytree_node(
-        _cls,
-        lambda p: ((*p.buffers, *p.loose), (p.layout, len(p.buffers))),
-        lambda aux, children, cls=_cls: cls(aux[0], children[: aux[1]], children[aux[1] :]),
-    )
+    jax.tree_util.register_pytree_node(_cls, _cls._children, _cls._rebuilt)
 
 
 def _unpacked_states(states: Any) -> dict[str, Any]:

@@ -314,7 +314,7 @@ def resolve_spec(
             continue
         axes = _mesh_axes(entry, rules)
         unknown = [a for a in axes if a not in mesh.axis_names] if mesh is not None else []
-        if unknown:
+        if unknown and mesh is not None:
             raise InvalidArgumentError(format_error(
                 f"The sharding {spec} of {where} names {unknown[0]!r}, which is neither an "
                 f"axis of the mesh {tuple(mesh.axis_names)} nor mapped by the rules.",

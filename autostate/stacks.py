@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -718,16 +718,20 @@ for _name in (
 ):
     setattr(_LayerList, _name, _refuse_in_place(_name))
 
+def _plain(value: Any) -> Any:
+    return value  # (typed Any: a layer's dict or list rebuilds as a plain one)
+
+
 jax.tree_util.register_pytree_with_keys(
     _LayerDict,
     lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
-    lambda keys, values: dict(zip(keys, values)),
+    lambda keys, values: _plain(dict(zip(keys, values))),
     lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
 )
 jax.tree_util.register_pytree_with_keys(
     _LayerList,
     lambda items: ([(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(items)], None),
-    lambda _, values: list(values),
+    lambda _, values: _plain(list(values)),
     lambda items: (list(items), None),
 )
 
@@ -763,7 +767,7 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
         ))
     leaves, treedef = jax.tree_util.tree_flatten(full)
     given, given_def = jax.tree_util.tree_flatten(value)
-    if given_def != treedef:
+    if cast(Any, given_def) != treedef:  # (jax's stubs leave PyTreeDef untyped)
         raise _slice_error(label, f"a {given_def}", f"a {treedef}")
     new = []
     for a, v in zip(leaves, given):
