@@ -1355,29 +1355,25 @@ def analyze_class(
                 f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
             )
         touched = facts.touched() & state
-        for attr, line in facts.deletes:
+        receiver = facts.receiver
+        deletes = [(attr, line, f"`del {receiver}.{attr}` deletes state {attr!r}")
+                   for attr, line in facts.deletes]
+        deletes += [
+            (a.name, line, f"`{a.text(receiver or 'self')}` deletes state {a.name!r}, as "
+             f"`del {receiver}.{a.name}` does")
+            for a, line in facts.named_deletes
+        ]
+        for attr, line, what in deletes:
             if attr in state:
                 raise _fail(
-                    class_name,
-                    f"`del {facts.receiver}.{attr}` deletes state {attr!r}; a state cannot be "
-                    "removed from a pure function's inputs.",
+                    class_name, f"{what}; a state cannot be removed from a pure function's inputs.",
                     src, line,
-                    f"assign a placeholder instead (`{facts.receiver}.{attr} = None`) or keep "
-                    "the attribute.",
-                )
-        for access, line in facts.named_deletes:
-            if access.name in state:
-                raise _fail(
-                    class_name,
-                    f"`{access.text(facts.receiver or 'self')}` deletes state {access.name!r}, as "
-                    f"`del {facts.receiver}.{access.name}` does; a state cannot be removed from a "
-                    "pure function's inputs.",
-                    src, line,
-                    f"assign a placeholder instead (`{facts.receiver}.{access.name} = None`) or "
-                    "keep the attribute.",
+                    f"assign a placeholder instead (`{receiver}.{attr} = None`) or keep the attribute.",
                 )
         for func, attr, line in facts.reflective:
-            if attr in state and func == "hasattr":
+            if attr not in state:
+                continue
+            if func == "hasattr":
                 raise _fail(
                     class_name,
                     f"`hasattr({facts.receiver}, {attr!r})` tests state {attr!r} by name; a state "
@@ -1386,14 +1382,12 @@ def analyze_class(
                     f"drop the test, and give the state its initial value in __init__ "
                     f"(`{facts.receiver}.{attr} = jnp.zeros(...)`).",
                 )
-            if attr in state:
-                raise _fail(
-                    class_name,
-                    f"`{func}({facts.receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
-                    "which the rewrite cannot follow.",
-                    src, line,
-                    f"use `{facts.receiver}.{attr}` directly.",
-                )
+            raise _fail(
+                class_name,
+                f"`{func}({receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
+                "which the rewrite cannot follow.",
+                src, line, f"use `{receiver}.{attr}` directly.",
+            )
         if src.attr != "__init__":
             for (attr, method, line), depth in zip(
                 facts.mutating_calls, facts.mutating_depths, strict=True

@@ -424,7 +424,7 @@ def _read_facts(
     try:
         text = source.method_source(cls, slot)
         facts = _collect_facts(cls.__name__, text, slot.function)
-        same = loader.compiles_to(facts.text, text, facts.shift, slot.function.__code__)
+        same = loader.compiles_to(facts.text, text, slot.function.__code__)
     except (SourceUnavailableError, DecorationError) as exc:
         return None, exc
     if not same:

@@ -22,17 +22,9 @@ import libcst as cst
 from libcst._nodes import op as _op
 
 _TOKENS: tuple[type, ...] = (
-    cst.BaseParenthesizableWhitespace,
-    cst.EmptyLine,
-    cst.TrailingWhitespace,
-    cst.Newline,
-    cst.Comment,
-    cst.LeftParen,
-    cst.RightParen,
-    cst.LeftSquareBracket,
-    cst.RightSquareBracket,
-    cst.LeftCurlyBrace,
-    cst.RightCurlyBrace,
+    cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitespace, cst.Newline,
+    cst.Comment, cst.LeftParen, cst.RightParen, cst.LeftSquareBracket, cst.RightSquareBracket,
+    cst.LeftCurlyBrace, cst.RightCurlyBrace,
     *(
         t for t in vars(_op).values()
         if isinstance(t, type) and issubclass(t, cst.CSTNode) and t.__module__ == _op.__name__
