@@ -52,11 +52,7 @@ from autostate.lifting import routes as _routes
 from autostate.packing import PackedModel
 from autostate.state_values import HandledStaticState, states_dict
 from autostate.transform import loader
-from autostate.transform.pipeline import (
-    ClassDecision,
-    awaits_generated_init,
-    decide_class,
-)
+from autostate.transform.pipeline import ClassDecision, awaits_generated_init, decide_class
 from autostate.tree import INFO_ATTR
 
 T = TypeVar("T", bound=type)

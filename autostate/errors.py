@@ -71,15 +71,22 @@ def refused(error: E) -> E:
 
 
 @contextlib.contextmanager
-def refusals_raised_again(what: str) -> Iterator[None]:
-    """Raises again, when the block returns, a write refusal that code inside
-    it caught; ``what`` names the block (``"the call of f"``)."""
+def _recorded() -> Iterator[list[AutostateError]]:
+    """The write refusals made inside the block, in a list of its own (yielded)."""
     found: list[AutostateError] = []
     token = _REFUSALS.set(found)
     try:
-        yield
+        yield found
     finally:
         _REFUSALS.reset(token)
+
+
+@contextlib.contextmanager
+def refusals_raised_again(what: str) -> Iterator[None]:
+    """Raises again, when the block returns, a write refusal that code inside
+    it caught; ``what`` names the block (``"the call of f"``)."""
+    with _recorded() as found:
+        yield
     if found:
         error = found[0]
         note = (
@@ -98,12 +105,8 @@ def refusals_kept_apart() -> Iterator[list[AutostateError]]:
     """Records the write refusals made inside the block in a list of its own
     (yielded): an attempt that fails and is undone clears it; one that
     succeeds hands them on to the running call, as if made there."""
-    found: list[AutostateError] = []
-    token = _REFUSALS.set(found)
-    try:
+    with _recorded() as found:
         yield found
-    finally:
-        _REFUSALS.reset(token)
     for error in found:
         refused(error)
 
@@ -201,15 +204,11 @@ def user_location(tb: Any = None) -> str | None:
             continue
         # The standard library, but not the packages installed inside it
         # (a Python without a virtual environment keeps site-packages there).
-        if filename.startswith(stdlib) and not _installed_package(filename[len(stdlib):]):
+        top = filename[len(stdlib):].split(os.sep, 1)[0]
+        if filename.startswith(stdlib) and top not in ("site-packages", "dist-packages"):
             continue
         return f"{filename}:{frame.lineno}"
     return None
-
-
-def _installed_package(relative: str) -> bool:
-    top = relative.split(os.sep, 1)[0]
-    return top in ("site-packages", "dist-packages")
 
 
 def escaped_state_message(name: str, where: str | None = None) -> str:

@@ -62,20 +62,11 @@ from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects.local_state import FrozenLocalStateRequest, StateSlot
-from autostate.errors import (
-    HostStateChangeError,
-    HostStateError,
-    HostStateTypeError,
-    format_error,
-)
+from autostate.errors import HostStateChangeError, HostStateError, HostStateTypeError, format_error
 from autostate.lifetime import contains_tracer, under_staging_trace
 
 __all__ = [
-    "HostSlot",
-    "callback_count",
-    "inference_mode",
-    "live_store_count",
-    "make_host_slot",
+    "HostSlot", "callback_count", "inference_mode", "live_store_count", "make_host_slot",
     "restore_host_slots",
 ]
 
