@@ -52,7 +52,12 @@ from autostate.lifting import routes as _routes
 from autostate.packing import PackedModel
 from autostate.state_values import HandledStaticState, states_dict
 from autostate.transform import loader
-from autostate.transform.pipeline import ClassDecision, awaits_generated_init, decide_class
+from autostate.transform.pipeline import (
+    ClassDecision,
+    awaits_generated_init,
+    class_location,
+    decide_class,
+)
 from autostate.tree import INFO_ATTR
 
 T = TypeVar("T", bound=type)
@@ -230,7 +235,15 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         and _state_descriptors_in_place(cls, previous.state)
     ):
         return cls
-    decision, slots = _decide(cls, fallback, previous)
+    decision, slots = decide_class(
+        cls,
+        fallback=fallback,
+        bases=[info.decision for k in cls.__mro__[1:] if (info := _tree.class_info(k)) is not None],
+        previous=previous.decision if previous is not None else None,
+        state_marker=(state, constant),
+        is_decorated=lambda base: _tree.class_info(base) is not None,
+        control_flow_name=_routes.wrapper_name,
+    )
     _check_state_descriptors(cls, decision.state)
     _install_methods(slots, decision)
     _install_state_descriptors(cls, decision.state)
@@ -250,20 +263,6 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     return cls
 
 
-def _decide(
-    cls: type, fallback: str | None, previous: StatefulInfo | None
-) -> tuple[ClassDecision, list]:
-    return decide_class(
-        cls,
-        fallback=fallback,
-        bases=[info.decision for info in _decorated_bases(cls)],
-        previous=previous.decision if previous is not None else None,
-        state_marker=(state, constant),
-        is_decorated=lambda base: _tree.class_info(base) is not None,
-        control_flow_name=_routes.wrapper_name,
-    )
-
-
 def _check_is_class(cls: Any) -> None:
     if not isinstance(cls, type):
         raise InvalidTypeError(format_error(
@@ -281,21 +280,10 @@ def _check_is_class(cls: Any) -> None:
             f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
             f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
             "f's copy of the model could not be rebuilt.",
-            where=_class_line(cls),
+            where=class_location(cls),
             fix=f"hold the {builtin.__name__} in an attribute of a plain class "
             f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
         ))
-
-
-def _class_line(cls: type) -> str | None:
-    from autostate.transform import pipeline
-
-    return pipeline.class_location(cls)
-
-
-def _decorated_bases(cls: type) -> list[StatefulInfo]:
-    infos = (_tree.class_info(base) for base in cls.__mro__[1:])
-    return [info for info in infos if info is not None]
 
 
 def _install_methods(slots: list, decision: ClassDecision) -> None:
@@ -334,7 +322,7 @@ def _check_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
             f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
             "state: autostate keeps a state's value itself, so the descriptor's "
             "__get__ and __set__ would never run.",
-            where=_class_line(owner),
+            where=class_location(owner),
             fix=f"keep the value in a plain attribute and make {attr} a property: "
             f"`@property def {attr}(self): return self._{attr}`, with a setter that "
             f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
