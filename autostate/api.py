@@ -541,7 +541,8 @@ def _functionalize_method(
     )
     states: Any
     if callable(initial):
-        names = frozenset(_state_names(handler.body, handler.handler_id))
+        refs = _graph.iter_tree(handler.body, lambda x: type(x) is HandledLocalStateRef)
+        names = frozenset(ref.name for _, ref in refs if ref.handler_id == handler.handler_id)
         body, constants = extract_constants(handler.handler_id, handler.body, names)
         thunk = initial
 
@@ -572,15 +573,6 @@ def _with_running_states_read(model: Any) -> Any:
     if not handler_running() or next(_graph.iter_tree(model, running), None) is None:
         return model  # (outside every functionalized call: no walk)
     return _graph.map_tree(model, current, running)
-
-
-def _state_names(body: Any, handler_id: Hashable) -> list[str]:
-    return [
-        ref.name
-        for _, ref in _graph.iter_tree(
-            body, lambda x: type(x) is HandledLocalStateRef and x.handler_id == handler_id
-        )
-    ]
 
 
 def functionalize(

@@ -81,25 +81,18 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of value: the answers to the questions above, and its operations.
+    """One kind of value: the answers to the questions the module docstring
+    lists (``array`` ... ``items``; ``spec``: a ``jax.ShapeDtypeStruct``), and
+    its operations (``None`` where the kind has none).
 
     Attributes:
         name: the kind's name, as ``repr`` shows it.
-        array: JAX or numpy array data (a tracer too).
-        numpy: a numpy array or scalar.
-        spec: an abstract array (``jax.ShapeDtypeStruct``).
-        number: a Python number.
-        atom: holds no other value (a number, ``str``, ``bytes``, ``None``).
-        static: never a pytree child of a model.
-        mutable: a builtin container code changes in place.
-        sealed: a collection the model graph does not walk into.
         copy: shallow copy of the same type, for a container an in-place
-            operator would change; ``None`` for values that do not change in place.
-        update: ``(c, key, v) -> copy of c with c[key] = v``; ``None`` if the
-            kind takes no item writes.
-        delete: ``(c, key) -> copy of c without c[key]``; ``None`` if unsupported.
+            operator would change.
+        update: ``(c, key, v) -> copy of c with c[key] = v``.
+        delete: ``(c, key) -> copy of c without c[key]``.
         items: ``c -> its items as a plain dict or list``, for a container JAX
-            may take as one leaf; ``None`` for other kinds.
+            may take as one leaf.
         same: ``(c, contents) -> bool``: whether a mutable container holds
             exactly what ``contents`` (its ``copy``) holds, by identity (an
             item may be a tracer, whose ``==`` would be traced).
@@ -138,12 +131,6 @@ class Kind:
 def _array_update(a: Any, key: Any, v: Any) -> Any:
     # (Also another array type with JAX's ``.at``: the only objects taking item writes.)
     return a.at[key].set(v)
-
-
-def _numpy_update(a: Any, key: Any, v: Any) -> Any:
-    out = a.copy()
-    out[key] = v
-    return out
 
 
 def _updated_with(copy: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
@@ -187,28 +174,16 @@ def _restore_slice(c: Any, contents: Any) -> None:
     c[:] = contents
 
 
-def _restore_mapping(c: Any, contents: Any) -> None:
-    # (Also a set's. The subclass's own methods: an OrderedDict keeps its order
-    # apart from dict's.)
-    c.clear()
-    c.update(contents)
-
-
 def _restore_deque(c: Any, contents: Any) -> None:
     c.clear()
     c.extend(contents)
 
 
-def _fill_list(new: Any, items: Any, maxlen: int | None) -> None:
-    list.extend(new, items)
-
-
-def _fill_dict(new: Any, items: Any, maxlen: int | None) -> None:
-    new.update(items)  # (the subclass's own: an OrderedDict keeps its order apart)
-
-
-def _fill_deque(new: Any, items: Any, maxlen: int | None) -> None:
-    collections.deque.__init__(new, items, maxlen)
+def _restore_mapping(c: Any, contents: Any) -> None:
+    # (Also a set's. The subclass's own methods: an OrderedDict keeps its order
+    # apart from dict's.)
+    c.clear()
+    c.update(contents)
 
 
 def _fill_user(new: Any, items: Any, maxlen: int | None) -> None:
@@ -224,7 +199,7 @@ _same_type_delete = _deleted_with(_same_type_copy)
 
 ARRAY = Kind("array", array=True, update=_array_update)
 """A JAX array, concrete or traced."""
-NUMPY_ARRAY = Kind("numpy array", array=True, numpy=True, update=_numpy_update)
+NUMPY_ARRAY = Kind("numpy array", array=True, numpy=True, update=_updated_with(np.ndarray.copy))
 NUMPY_SCALAR = Kind("numpy scalar", array=True, numpy=True)
 ARRAY_SPEC = Kind("array spec", spec=True)
 """``jax.ShapeDtypeStruct``: an array's shape and dtype, no data."""
@@ -261,16 +236,19 @@ _SAME_TYPE: dict[str, Any] = dict(
 )
 DEQUE = Kind(
     "deque", mutable=True, sealed=True, **_SAME_TYPE, items=list, same=_same_items,
-    restore=_restore_deque, fill=_fill_deque,
+    restore=_restore_deque,
+    fill=lambda new, items, maxlen: collections.deque.__init__(new, items, maxlen),
 )
 LIST_SUBCLASS = Kind(
     "list subclass", mutable=True, **_SAME_TYPE, items=list, same=_same_items,
-    restore=_restore_slice, fill=_fill_list,
+    restore=_restore_slice, fill=lambda new, items, maxlen: list.extend(new, items),
 )
 """A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
 DICT_SUBCLASS = Kind(
     "dict subclass", mutable=True, **_SAME_TYPE, items=lambda c: dict(dict.items(c)),
-    same=_same_mapping, restore=_restore_mapping, fill=_fill_dict,
+    same=_same_mapping, restore=_restore_mapping,
+    # (The subclass's own ``update``: an OrderedDict keeps its order apart.)
+    fill=lambda new, items, maxlen: new.update(items),
 )
 """A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
 USER_DICT = Kind("UserDict", **_SAME_TYPE, items=lambda c: dict(c.data), fill=_fill_user)
