@@ -236,6 +236,10 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
     def _call(self, name: str, *args: cst.BaseExpression) -> cst.Call:
         return cst.Call(func=self._runtime(name), args=[cst.Arg(a) for a in args])
 
+    def _write(self, attr: str, value: cst.BaseExpression) -> cst.Call:
+        """``self.<attr> = value`` as the runtime's call (``init`` in ``__init__``)."""
+        return self._call("init" if self.is_init else "set", self._receiver(), _string(attr), value)
+
     def _state_attr(self, expr: cst.CSTNode) -> str | None:
         attr = self.scopes.attr_of(expr)
         if attr is None:
@@ -515,8 +519,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             target = targets[0].target
             attr = self._state_attr(target)
             if attr is not None:
-                name = "init" if self.is_init else "set"
-                call = self._call(name, self._receiver(), _string(attr), updated_node.value)
+                call = self._write(attr, updated_node.value)
                 # What precedes the value (the target and ``=``) is left out.
                 return _statement(_keep_lines(call, _code(targets[0]), before=2), updated_node)
             base_attr = self._state_attr(subscript_base(target))
@@ -586,8 +589,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         # The annotation and ``=`` are left out (the target too, for a state).
         dropped = _annotation_code(updated_node.annotation) + _code(*_present(updated_node.equal))
         if attr is not None:
-            name = "init" if self.is_init else "set"
-            call = self._call(name, self._receiver(), _string(attr), updated_node.value)
+            call = self._write(attr, updated_node.value)
             return _statement(
                 _keep_lines(call, _code(updated_node.target) + dropped, before=2), updated_node
             )
