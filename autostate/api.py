@@ -89,11 +89,7 @@ class StatefulInfo:
 
 
 def state(
-    value: V,
-    *,
-    category: Hashable | None = None,
-    name: str | None = None,
-    sharding: Any = None,
+    value: V, *, category: Hashable | None = None, name: str | None = None, sharding: Any = None,
 ) -> V:
     """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
 
@@ -489,11 +485,8 @@ def _check_functionalize_arguments(model: Any, category: Any, category_predicate
 
 
 def _functionalize_method(
-    self: M,
-    category: Hashable | None = None,
-    *,
-    category_predicate: Callable[[Hashable], bool] | None = None,
-    lazy: bool = False,
+    self: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
     state_sharing: StateSharing = "forbidden",
 ) -> tuple[FunctionalModel[M], Any]:
     """Returns ``(f, states)``: a pure function of the model's states.
@@ -576,11 +569,8 @@ def _with_running_states_read(model: Any) -> Any:
 
 
 def functionalize(
-    model: M,
-    category: Hashable | None = None,
-    *,
-    category_predicate: Callable[[Hashable], bool] | None = None,
-    lazy: bool = False,
+    model: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
     state_sharing: StateSharing = "forbidden",
 ) -> tuple[FunctionalModel[M], dict[str, Any]]:
     """Function form of ``model.functionalize(...)``, typed for any model class.
@@ -652,11 +642,8 @@ class Stateful:
     if TYPE_CHECKING:
 
         def functionalize(
-            self,
-            category: Hashable | None = None,
-            *,
-            category_predicate: Callable[[Hashable], bool] | None = None,
-            lazy: bool = False,
+            self, category: Hashable | None = None, *,
+            category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
             state_sharing: StateSharing = "forbidden",
         ) -> tuple[FunctionalModel[Self], dict[str, Any]]: ...
 

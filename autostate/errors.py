@@ -288,11 +288,8 @@ class StateDictWarning(UserWarning):
     """
 
     def __init__(
-        self,
-        message: str,
-        missing: tuple[tuple[str, str], ...] = (),
-        unexpected: tuple[tuple[str, str], ...] = (),
-        mismatched: tuple[tuple[str, str], ...] = (),
+        self, message: str, missing: tuple[tuple[str, str], ...] = (),
+        unexpected: tuple[tuple[str, str], ...] = (), mismatched: tuple[tuple[str, str], ...] = (),
     ):
         super().__init__(message)
         self.missing = missing

@@ -375,12 +375,8 @@ def _vmap_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...], write: bool 
 
 
 def _new_dims(
-    label: str,
-    spec: _Spec,
-    axes: tuple[int, ...],
-    mapped: tuple[tuple[bool, ...], ...],
-    extra: tuple[tuple[int, ...], ...],
-    old: tuple[Dims, ...],
+    label: str, spec: _Spec, axes: tuple[int, ...], mapped: tuple[tuple[bool, ...], ...],
+    extra: tuple[tuple[int, ...], ...], old: tuple[Dims, ...],
 ) -> list[Dims]:
     """Per-leaf batch axes of a write under vmap ``axes``, before merging equal examples.
 

@@ -296,11 +296,8 @@ def _mesh_axes(entry: Any, rules: Mapping[str, AxisRule] | None) -> tuple[str, .
 
 
 def resolve_spec(
-    spec: PartitionSpec,
-    mesh: jax.sharding.Mesh | None,
-    rules: Mapping[str, AxisRule] | None = None,
-    *,
-    shape: tuple[int, ...] | None = None,
+    spec: PartitionSpec, mesh: jax.sharding.Mesh | None,
+    rules: Mapping[str, AxisRule] | None = None, *, shape: tuple[int, ...] | None = None,
     where: str = "an array",
 ) -> PartitionSpec:
     """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``.

@@ -564,14 +564,8 @@ def _converted_like(template: Any, value: Any) -> Any:
 
 
 def rebuild(
-    model: Any,
-    params: Mapping[str, Any] | None,
-    states: Mapping[str, Any] | None,
-    *,
-    strict: bool,
-    caller: str,
-    error: type[Exception],
-    checkpoint: str | None = None,
+    model: Any, params: Mapping[str, Any] | None, states: Mapping[str, Any] | None, *, strict: bool,
+    caller: str, error: type[Exception], checkpoint: str | None = None,
     saved_from: str | None = None,
 ) -> Any:
     """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the model's).

@@ -1132,9 +1132,7 @@ def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str)
 
 
 def may_be_object(
-    value: cst.BaseExpression | None,
-    depth: int,
-    bound: Callable[[], frozenset[str]],
+    value: cst.BaseExpression | None, depth: int, bound: Callable[[], frozenset[str]],
     declared: Callable[[str], bool],
 ) -> bool:
     """Whether ``value`` (its items ``depth`` subscripts deep) may be an
@@ -1186,9 +1184,7 @@ def may_be_object(
 
 
 def holds_plain_values(
-    attr: str,
-    methods: Sequence[MethodFacts],
-    depth: int = 0,
+    attr: str, methods: Sequence[MethodFacts], depth: int = 0,
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
 ) -> bool:
     """Whether no value the class's methods assign to ``attr`` (its items
@@ -1259,9 +1255,7 @@ def _declared_value(call: cst.Call) -> cst.BaseExpression | None:
 
 
 def analyze_class(
-    class_name: str,
-    methods: Sequence[MethodFacts],
-    *,
+    class_name: str, methods: Sequence[MethodFacts], *,
     inherited_state: frozenset[str] = frozenset(),
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,

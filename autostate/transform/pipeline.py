@@ -50,13 +50,8 @@ class ClassDecision:
 
 
 def decide_class(
-    cls: type,
-    *,
-    fallback: str | None,
-    bases: Sequence[ClassDecision],
-    previous: ClassDecision | None,
-    state_marker: Any,
-    is_decorated: Callable[[type], bool],
+    cls: type, *, fallback: str | None, bases: Sequence[ClassDecision],
+    previous: ClassDecision | None, state_marker: Any, is_decorated: Callable[[type], bool],
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[ClassDecision, list[source.MethodSlot]]:
     """Decides which attributes of ``cls`` are state and rewrites its methods.
@@ -440,12 +435,8 @@ def _read_facts(
 
 
 def _transform(
-    cls: type,
-    slots: list[source.MethodSlot],
-    inherited: frozenset[str],
-    inherited_init: frozenset[str],
-    state_marker: Any,
-    user_bases: list[type],
+    cls: type, slots: list[source.MethodSlot], inherited: frozenset[str],
+    inherited_init: frozenset[str], state_marker: Any, user_bases: list[type],
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
@@ -559,9 +550,7 @@ def _own_properties(cls: type) -> frozenset[str]:
 
 
 def _check_undecorated_bases(
-    cls: type,
-    bases: list[tuple[type, list[analysis.MethodFacts]]],
-    state_attrs: frozenset[str],
+    cls: type, bases: list[tuple[type, list[analysis.MethodFacts]]], state_attrs: frozenset[str],
     own: list[analysis.MethodFacts],
 ) -> None:
     from autostate.transform import analysis

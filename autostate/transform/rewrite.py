@@ -194,16 +194,9 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
     """Rewrites one method (see the module docstring for the table)."""
 
     def __init__(
-        self,
-        method: cst.FunctionDef,
-        receiver: str,
-        state: frozenset[str],
-        class_name: str,
-        *,
-        is_init: bool,
-        control: Mapping[str, str] | None = None,
-        shadowed: frozenset[str] = frozenset(),
-        runtime: str = RUNTIME_NAME,
+        self, method: cst.FunctionDef, receiver: str, state: frozenset[str], class_name: str, *,
+        is_init: bool, control: Mapping[str, str] | None = None,
+        shadowed: frozenset[str] = frozenset(), runtime: str = RUNTIME_NAME,
     ):
         super().__init__()
         self.runtime = runtime
@@ -694,16 +687,9 @@ def _literal_text(text: str, quote: str) -> str:
 
 
 def rewrite_method(
-    module: cst.Module,
-    method: cst.FunctionDef,
-    receiver: str | None,
-    state: frozenset[str],
-    class_name: str,
-    *,
-    is_init: bool,
-    control: Mapping[str, str] | None = None,
-    shadowed: frozenset[str] = frozenset(),
-    runtime: str = RUNTIME_NAME,
+    module: cst.Module, method: cst.FunctionDef, receiver: str | None, state: frozenset[str],
+    class_name: str, *, is_init: bool, control: Mapping[str, str] | None = None,
+    shadowed: frozenset[str] = frozenset(), runtime: str = RUNTIME_NAME,
 ) -> str:
     """Returns the wrapper module's source with ``method`` rewritten.
 
