@@ -271,9 +271,7 @@ class PackedModel(_Packed):
 
     def unpack(self, states: PackedStates | None = None) -> Any:
         """``(f, states)`` as ``functionalize`` gave them (``f`` alone without states)."""
-        if states is None:
-            return self.f
-        return self.f, _unpacked_states(states)
+        return self.f if states is None else (self.f, _unpacked_states(states))
 
     def _run(self, method: Callable[[Any], Callable[..., Any]], states: Any, args, kwargs):
         out, new_states = method(self.f)(_unpacked_states(states), *args, **kwargs)

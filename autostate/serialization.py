@@ -236,9 +236,7 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
     if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:  # type: ignore[arg-type]
         raise _corrupt(path, f"checksum mismatch in {entry['kind']} {entry['name']!r}")
     data = raw if stored == dtype else raw.view(dtype)
-    if "key_impl" in entry:
-        return jax.random.wrap_key_data(data, impl=entry["key_impl"])
-    return data
+    return jax.random.wrap_key_data(data, impl=entry["key_impl"]) if "key_impl" in entry else data
 
 
 def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:

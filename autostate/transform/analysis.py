@@ -943,9 +943,11 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             self._binds(node)
             self._target(node.target, "set", node.value)
 
-    def visit_For(self, node: cst.For) -> None:
+    def _binds_target(self, node: cst.For | cst.NamedExpr) -> None:
         self._binds(node)
         self._target(node.target, "set")
+
+    visit_For = visit_NamedExpr = _binds_target
 
     def visit_CompFor(self, node: cst.CompFor) -> None:
         self._target(node.target, "set")
@@ -954,10 +956,6 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         self._binds(node)
         if node.asname is not None:
             self._target(node.asname.name, "set")
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._binds(node)
-        self._target(node.target, "set")
 
     def visit_Del(self, node: cst.Del) -> None:
         self._binds(node)

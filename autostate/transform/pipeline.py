@@ -228,9 +228,7 @@ def class_location(cls: type) -> str | None:
         line = getattr(cls, "__firstlineno__", None)  # Python 3.13+: its first decorator's
     if filename and line is not None:
         return f"{filename}:{line}"
-    if code is not None:
-        return f"{code.co_filename}:{code.co_firstlineno}"
-    return filename
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else filename
 
 
 def _class_statement_line(cls: type, filename: str | None, before: int | None) -> int | None:
@@ -497,7 +495,9 @@ def _transform(
         cls.__name__, facts,
         # What an undecorated base or mixin assigns is state too: its methods
         # are not rewritten, but reach state through the class's descriptors.
-        inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
+        inherited_state=inherited | (
+            base_writes - properties - {n for n, v in vars(cls).items() if isinstance(v, property)}
+        ),
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
         inherited_properties=properties,
@@ -543,10 +543,6 @@ def _reads_instance_dict(text: str) -> bool:
     """Whether a method may read a model's instance dict (``vars(self)``,
     ``self.__dict__``), which the rewrite gives the states' values."""
     return "__dict__" in text or "vars(" in text
-
-
-def _own_properties(cls: type) -> frozenset[str]:
-    return frozenset(name for name, v in vars(cls).items() if isinstance(v, property))
 
 
 def _check_undecorated_bases(

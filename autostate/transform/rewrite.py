@@ -532,9 +532,6 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             targets=[t.with_changes(target=self._proxy(t.target)) for t in targets]
         )
 
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._mark(node.target)
-
     def leave_AugAssign(self, original_node, updated_node):
         target = updated_node.target
         symbol = _code(updated_node.operator).strip(" \t\f\\\r\n")[:-1]  # `` += `` -> ``+``
@@ -598,13 +595,13 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             semicolon=updated_node.semicolon,
         )
 
-    def _mark_target(self, node: cst.For | cst.CompFor | cst.Del) -> None:
+    def _mark_target(self, node: cst.For | cst.CompFor | cst.Del | cst.AugAssign) -> None:
         self._mark(node.target)
 
     def _proxy_target(self, original_node, updated_node):
         return updated_node.with_changes(target=self._proxy(updated_node.target))
 
-    visit_For = visit_CompFor = visit_Del = _mark_target
+    visit_For = visit_CompFor = visit_Del = visit_AugAssign = _mark_target
     leave_For = leave_CompFor = leave_Del = _proxy_target
 
     def visit_WithItem(self, node: cst.WithItem) -> None:

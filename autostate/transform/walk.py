@@ -133,9 +133,7 @@ def transform(node: cst.CSTNode, transformer: cst.CSTTransformer) -> Any:
                     changes[name] = new
         if changes:
             updated = node.with_changes(**changes)
-    if leave is not None:
-        return leave(transformer, node, updated)
-    return updated
+    return leave(transformer, node, updated) if leave is not None else updated
 
 
 def _transform_sequence(values: Any, transformer: cst.CSTTransformer) -> list[Any] | None:
