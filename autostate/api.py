@@ -376,9 +376,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     re-decorates it.
     """
     own: Any = cls.__dict__.get("__init_subclass__")
-    if getattr(own, "__func__", None) is not None and getattr(
-        own.__func__, "_autostate_hook", False
-    ):
+    if getattr(getattr(own, "__func__", None), "_autostate_hook", False):
         own = own.__func__._autostate_own  # re-decoration: wrap what the user wrote
 
     def __init_subclass__(sub: type, /, **kwargs: Any) -> None:

@@ -516,17 +516,12 @@ class _Report:
     def lines(self) -> list[str]:
         out = []
         for kind in ("parameter", "state"):
-            missing = [k for c, k in self.missing if c == kind]
-            unexpected = [k for c, k in self.unexpected if c == kind]
-            mismatched = [d for c, _, d in self.mismatched if c == kind]
-            if missing:
-                out.append(f"  missing {kind} keys ({len(missing)}): {_quoted(missing)}")
-            if unexpected:
-                out.append(f"  unexpected {kind} keys ({len(unexpected)}): {_quoted(unexpected)}")
-            if mismatched:
-                out.append(
-                    f"  {kind} shape/dtype mismatches ({len(mismatched)}): {', '.join(mismatched)}"
-                )
+            found = (
+                (f"missing {kind} keys", [repr(k) for c, k in self.missing if c == kind]),
+                (f"unexpected {kind} keys", [repr(k) for c, k in self.unexpected if c == kind]),
+                (f"{kind} shape/dtype mismatches", [d for c, _, d in self.mismatched if c == kind]),
+            )
+            out += [f"  {what} ({len(items)}): {', '.join(items)}" for what, items in found if items]
         return out
 
     def warning(self, message: str) -> StateDictWarning:
