@@ -55,6 +55,7 @@ from autostate.transform import loader
 from autostate.transform.pipeline import (
     ClassDecision,
     awaits_generated_init,
+    class_location,
     decide_class,
 )
 from autostate.tree import INFO_ATTR
@@ -88,11 +89,7 @@ class StatefulInfo:
 
 
 def state(
-    value: V,
-    *,
-    category: Hashable | None = None,
-    name: str | None = None,
-    sharding: Any = None,
+    value: V, *, category: Hashable | None = None, name: str | None = None, sharding: Any = None,
 ) -> V:
     """Declares ``self.x`` as state in ``__init__``, even if no method assigns it.
 
@@ -217,11 +214,9 @@ def stateful(cls=None, *, category=DEFAULT_CATEGORY, fallback=None):
         4.0 2
     """
     if fallback is not None and fallback != "host":
-        raise InvalidArgumentError(
-            format_error(
-                f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
-            )
-        )
+        raise InvalidArgumentError(format_error(
+            f"Unknown fallback {fallback!r}.", fix='use fallback=None or fallback="host".'
+        ))
     if cls is None:
         return lambda c: stateful(c, category=category, fallback=fallback)
     return _decorate(cls, category, fallback)
@@ -236,7 +231,15 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
         and _state_descriptors_in_place(cls, previous.state)
     ):
         return cls
-    decision, slots = _decide(cls, fallback, previous)
+    decision, slots = decide_class(
+        cls,
+        fallback=fallback,
+        bases=[info.decision for k in cls.__mro__[1:] if (info := _tree.class_info(k)) is not None],
+        previous=previous.decision if previous is not None else None,
+        state_marker=(state, constant),
+        is_decorated=lambda base: _tree.class_info(base) is not None,
+        control_flow_name=_routes.wrapper_name,
+    )
     _check_state_descriptors(cls, decision.state)
     _install_methods(slots, decision)
     _install_state_descriptors(cls, decision.state)
@@ -256,28 +259,12 @@ def _decorate(cls: T, category: Hashable, fallback: str | None) -> T:
     return cls
 
 
-def _decide(
-    cls: type, fallback: str | None, previous: StatefulInfo | None
-) -> tuple[ClassDecision, list]:
-    return decide_class(
-        cls,
-        fallback=fallback,
-        bases=[info.decision for info in _decorated_bases(cls)],
-        previous=previous.decision if previous is not None else None,
-        state_marker=(state, constant),
-        is_decorated=lambda base: _tree.class_info(base) is not None,
-        control_flow_name=_routes.wrapper_name,
-    )
-
-
 def _check_is_class(cls: Any) -> None:
     if not isinstance(cls, type):
-        raise InvalidTypeError(
-            format_error(
-                f"@stateful decorates classes, got {type(cls).__name__}.",
-                fix="put @autostate.stateful on a class statement.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"@stateful decorates classes, got {type(cls).__name__}.",
+            fix="put @autostate.stateful on a class statement.",
+        ))
     builtin = next(
         (b for b in cls.__mro__[1:-1] if b.__module__ == "builtins" and b is not object), None
     )
@@ -285,41 +272,22 @@ def _check_is_class(cls: Any) -> None:
         # A model is copied and rebuilt from its __dict__ (functionalize, jit,
         # freeze); an int, a tuple, a dict or an exception keeps its data
         # elsewhere, and object.__new__ cannot make one.
-        raise DecorationError(
-            format_error(
-                f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
-                f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
-                "f's copy of the model could not be rebuilt.",
-                where=_class_line(cls),
-                fix=f"hold the {builtin.__name__} in an attribute of a plain class "
-                f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
-            )
-        )
-
-
-def _class_line(cls: type) -> str | None:
-    from autostate.transform import pipeline
-
-    return pipeline.class_location(cls)
-
-
-def _decorated_bases(cls: type) -> list[StatefulInfo]:
-    infos = (_tree.class_info(base) for base in cls.__mro__[1:])
-    return [info for info in infos if info is not None]
-
-
-def _check_installable(slots: list, decision: ClassDecision) -> None:
-    """Raises what installing ``decision`` would refuse (a wrapper it cannot
-    reach into), without installing anything."""
-    for slot in slots:
-        if slot.check is not None and slot.key in decision.codes:
-            slot.check()
+        raise DecorationError(format_error(
+            f"@stateful cannot decorate {cls.__qualname__}: it subclasses the builtin "
+            f"{builtin.__name__}, whose data lives outside the instance's attributes, so "
+            "f's copy of the model could not be rebuilt.",
+            where=class_location(cls),
+            fix=f"hold the {builtin.__name__} in an attribute of a plain class "
+            f"(`self.data = {builtin.__name__}(...)`) instead of subclassing it.",
+        ))
 
 
 def _install_methods(slots: list, decision: ClassDecision) -> None:
-    # Every refusal first: a decoration that fails leaves the class as it was,
-    # so that the next use fails the same way.
-    _check_installable(slots, decision)
+    # Every refusal first (a wrapper it cannot reach into): a decoration that
+    # fails leaves the class as it was, so that the next use fails the same way.
+    for slot in slots:
+        if slot.check is not None and slot.key in decision.codes:
+            slot.check()
     for slot in slots:
         code = decision.codes.get(slot.key)
         if code is not None:
@@ -345,19 +313,17 @@ def _check_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
         ):
             continue
         owner = next(k for k in cls.__mro__ if attr in k.__dict__)
-        raise DecorationError(
-            format_error(
-                f"{owner.__qualname__}.{attr} is a data descriptor ({kind.__qualname__}, "
-                f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
-                "state: autostate keeps a state's value itself, so the descriptor's "
-                "__get__ and __set__ would never run.",
-                where=_class_line(owner),
-                fix=f"keep the value in a plain attribute and make {attr} a property: "
-                f"`@property def {attr}(self): return self._{attr}`, with a setter that "
-                f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
-                f"(autostate tracks _{attr} as the state).",
-            )
-        )
+        raise DecorationError(format_error(
+            f"{owner.__qualname__}.{attr} is a data descriptor ({kind.__qualname__}, "
+            f"which defines __set__), and {cls.__qualname__} assigns self.{attr} as a "
+            "state: autostate keeps a state's value itself, so the descriptor's "
+            "__get__ and __set__ would never run.",
+            where=class_location(owner),
+            fix=f"keep the value in a plain attribute and make {attr} a property: "
+            f"`@property def {attr}(self): return self._{attr}`, with a setter that "
+            f"does what {kind.__qualname__}.__set__ does and assigns `self._{attr} = ...` "
+            f"(autostate tracks _{attr} as the state).",
+        ))
 
 
 def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
@@ -391,20 +357,15 @@ def _install_defaults(cls: type) -> None:
         getattribute=cls.__getattribute__ is not object.__getattribute__,
         setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
     )
-    if not hasattr(cls, "__copy__"):
-        cls.__copy__ = _copies.copy_instance  # type: ignore[attr-defined]
-    if not hasattr(cls, "__deepcopy__"):
-        cls.__deepcopy__ = _copies.deepcopy_instance  # type: ignore[attr-defined]
-    if not hasattr(cls, "functionalize"):
-        cls.functionalize = _functionalize_method  # type: ignore[attr-defined]
-    if not hasattr(cls, "train"):
-        cls.train = _train_method  # type: ignore[attr-defined]
-    if not hasattr(cls, "eval"):
-        cls.eval = _eval_method  # type: ignore[attr-defined]
+    for name, default in (
+        ("__copy__", _copies.copy_instance), ("__deepcopy__", _copies.deepcopy_instance),
+        ("functionalize", _functionalize_method), ("train", _train_method),
+        ("eval", _eval_method), ("__treescope_repr__", _render.model_treescope_repr),
+    ):
+        if not hasattr(cls, name):
+            setattr(cls, name, default)
     if cls.__repr__ is object.__repr__ and not awaits_generated_init(cls):
         cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
-    if not hasattr(cls, "__treescope_repr__"):
-        cls.__treescope_repr__ = _render.model_treescope_repr  # type: ignore[attr-defined]
 
 
 def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
@@ -415,9 +376,7 @@ def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) 
     re-decorates it.
     """
     own: Any = cls.__dict__.get("__init_subclass__")
-    if getattr(own, "__func__", None) is not None and getattr(
-        own.__func__, "_autostate_hook", False
-    ):
+    if getattr(getattr(own, "__func__", None), "_autostate_hook", False):
         own = own.__func__._autostate_own  # re-decoration: wrap what the user wrote
 
     def __init_subclass__(sub: type, /, **kwargs: Any) -> None:
@@ -455,12 +414,10 @@ def _train_method(self: M, mode: bool = True) -> M:
             where it would change a mode.
     """
     if not isinstance(mode, bool):
-        raise InvalidArgumentError(
-            format_error(
-                f"train(mode) takes a bool, got {mode!r}.",
-                fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
-            )
-        )
+        raise InvalidArgumentError(format_error(
+            f"train(mode) takes a bool, got {mode!r}.",
+            fix="call `model.train()`, `model.train(False)` or `model.eval()`.",
+        ))
     for model in _graph.instances_of(self):
         if model is not self and type(model).train is not _train_method:
             model.train(mode)  # a sub-model's own train(), as PyTorch calls it
@@ -483,20 +440,16 @@ def _eval_method(self: M) -> M:
 
 def _refuse_mode_change(model: Any, mode: bool) -> None:
     method = "train()" if mode else "eval()"
-    raise refused(StaticStateError(
-        format_error(
-            f"{method} inside a functionalized call would switch "
-            f"{type(model).__name__}.training to {mode}: `training` is static config, part "
-            "of f's structure (one compile per mode), fixed for the call.",
-            fix=f"switch the mode on a model made from f's states: `f_{method[:-2]}, states = "
-            f"autostate.freeze(f, states).{method[:-1]}).functionalize()`.",
-        )
-    ))
+    raise refused(StaticStateError(format_error(
+        f"{method} inside a functionalized call would switch "
+        f"{type(model).__name__}.training to {mode}: `training` is static config, part "
+        "of f's structure (one compile per mode), fixed for the call.",
+        fix=f"switch the mode on a model made from f's states: `f_{method[:-2]}, states = "
+        f"autostate.freeze(f, states).{method[:-1]}).functionalize()`.",
+    )))
 
 
-def _check_functionalize_arguments(
-    model: Any, category: Any, category_predicate: Any
-) -> None:
+def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
     """Refuses what cannot be functionalized, before anything walks it."""
     what = None
     if model is None:
@@ -506,41 +459,32 @@ def _check_functionalize_arguments(
     elif isinstance(model, (FunctionalModel, PackedModel)):
         what = f"a {type(model).__name__} (what functionalize() returned)"
     if what is not None:
-        raise InvalidTypeError(
-            format_error(
-                f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
-                fix="build the model first (`Model(...)`) and functionalize that instance; an f "
-                "is functional already (autostate.freeze(f, states) gives the model back).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
+            fix="build the model first (`Model(...)`) and functionalize that instance; an f "
+            "is functional already (autostate.freeze(f, states) gives the model back).",
+        ))
     if category_predicate is not None and not callable(category_predicate):
-        raise InvalidTypeError(
-            format_error(
-                f"category_predicate must be a function of a category, got "
-                f"{type(category_predicate).__name__} {category_predicate!r}.",
-                fix=f"pass category={category_predicate!r} to select one category, or "
-                "category_predicate=lambda c: ... to select several.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"category_predicate must be a function of a category, got "
+            f"{type(category_predicate).__name__} {category_predicate!r}.",
+            fix=f"pass category={category_predicate!r} to select one category, or "
+            "category_predicate=lambda c: ... to select several.",
+        ))
     try:
         hash(category)
     except TypeError:
-        raise InvalidTypeError(
-            format_error(
-                f"A category is a hashable value (a string), got {type(category).__name__} "
-                f"{category!r}.",
-                fix="pass one category (category='state'), or category_predicate=lambda c: "
-                "c in (...) to select several.",
-            )
-        ) from None
+        raise InvalidTypeError(format_error(
+            f"A category is a hashable value (a string), got {type(category).__name__} "
+            f"{category!r}.",
+            fix="pass one category (category='state'), or category_predicate=lambda c: "
+            "c in (...) to select several.",
+        )) from None
 
 
 def _functionalize_method(
-    self: M,
-    category: Hashable | None = None,
-    *,
-    category_predicate: Callable[[Hashable], bool] | None = None,
-    lazy: bool = False,
+    self: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
     state_sharing: StateSharing = "forbidden",
 ) -> tuple[FunctionalModel[M], Any]:
     """Returns ``(f, states)``: a pure function of the model's states.
@@ -588,7 +532,8 @@ def _functionalize_method(
     )
     states: Any
     if callable(initial):
-        names = frozenset(_state_names(handler.body, handler.handler_id))
+        refs = _graph.iter_tree(handler.body, lambda x: type(x) is HandledLocalStateRef)
+        names = frozenset(ref.name for _, ref in refs if ref.handler_id == handler.handler_id)
         body, constants = extract_constants(handler.handler_id, handler.body, names)
         thunk = initial
 
@@ -608,9 +553,7 @@ def _with_running_states_read(model: Any) -> Any:
     as it would eagerly, and leaves the running call's states alone."""
     def running(node: Any) -> bool:
         t = type(node)
-        return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(
-            node.handler_id
-        )
+        return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(node.handler_id)
 
     def current(ref: Any, _name: str) -> Any:
         if type(ref) is HandledStaticState:  # a static state: its value is f's structure
@@ -623,21 +566,9 @@ def _with_running_states_read(model: Any) -> Any:
     return _graph.map_tree(model, current, running)
 
 
-def _state_names(body: Any, handler_id: Hashable) -> list[str]:
-    return [
-        ref.name
-        for _, ref in _graph.iter_tree(
-            body, lambda x: type(x) is HandledLocalStateRef and x.handler_id == handler_id
-        )
-    ]
-
-
 def functionalize(
-    model: M,
-    category: Hashable | None = None,
-    *,
-    category_predicate: Callable[[Hashable], bool] | None = None,
-    lazy: bool = False,
+    model: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
     state_sharing: StateSharing = "forbidden",
 ) -> tuple[FunctionalModel[M], dict[str, Any]]:
     """Function form of ``model.functionalize(...)``, typed for any model class.
@@ -675,11 +606,7 @@ def functionalize(
         0
     """
     return _functionalize_method(
-        model,
-        category,
-        category_predicate=category_predicate,
-        lazy=lazy,
-        state_sharing=state_sharing,
+        model, category, category_predicate=category_predicate, lazy=lazy, state_sharing=state_sharing
     )
 
 
@@ -713,11 +640,8 @@ class Stateful:
     if TYPE_CHECKING:
 
         def functionalize(
-            self,
-            category: Hashable | None = None,
-            *,
-            category_predicate: Callable[[Hashable], bool] | None = None,
-            lazy: bool = False,
+            self, category: Hashable | None = None, *,
+            category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
             state_sharing: StateSharing = "forbidden",
         ) -> tuple[FunctionalModel[Self], dict[str, Any]]: ...
 
@@ -778,12 +702,10 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
     elif isinstance(f, WithFunctionalLocalState):
         frozen = freeze_local_states(f, dict(states))
     else:
-        raise InvalidTypeError(
-            format_error(
-                f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
-                fix="call `f, states = model.functionalize()` and pass both to freeze.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"freeze expects the f returned by functionalize(), got {type(f).__name__}.",
+            fix="call `f, states = model.functionalize()` and pass both to freeze.",
+        ))
     return frozen
 
 

@@ -71,15 +71,22 @@ def refused(error: E) -> E:
 
 
 @contextlib.contextmanager
-def refusals_raised_again(what: str) -> Iterator[None]:
-    """Raises again, when the block returns, a write refusal that code inside
-    it caught; ``what`` names the block (``"the call of f"``)."""
+def _recorded() -> Iterator[list[AutostateError]]:
+    """The write refusals made inside the block, in a list of its own (yielded)."""
     found: list[AutostateError] = []
     token = _REFUSALS.set(found)
     try:
-        yield
+        yield found
     finally:
         _REFUSALS.reset(token)
+
+
+@contextlib.contextmanager
+def refusals_raised_again(what: str) -> Iterator[None]:
+    """Raises again, when the block returns, a write refusal that code inside
+    it caught; ``what`` names the block (``"the call of f"``)."""
+    with _recorded() as found:
+        yield
     if found:
         error = found[0]
         note = (
@@ -98,12 +105,8 @@ def refusals_kept_apart() -> Iterator[list[AutostateError]]:
     """Records the write refusals made inside the block in a list of its own
     (yielded): an attempt that fails and is undone clears it; one that
     succeeds hands them on to the running call, as if made there."""
-    found: list[AutostateError] = []
-    token = _REFUSALS.set(found)
-    try:
+    with _recorded() as found:
         yield found
-    finally:
-        _REFUSALS.reset(token)
     for error in found:
         refused(error)
 
@@ -201,15 +204,11 @@ def user_location(tb: Any = None) -> str | None:
             continue
         # The standard library, but not the packages installed inside it
         # (a Python without a virtual environment keeps site-packages there).
-        if filename.startswith(stdlib) and not _installed_package(filename[len(stdlib):]):
+        top = filename[len(stdlib):].split(os.sep, 1)[0]
+        if filename.startswith(stdlib) and top not in ("site-packages", "dist-packages"):
             continue
         return f"{filename}:{frame.lineno}"
     return None
-
-
-def _installed_package(relative: str) -> bool:
-    top = relative.split(os.sep, 1)[0]
-    return top in ("site-packages", "dist-packages")
 
 
 def escaped_state_message(name: str, where: str | None = None) -> str:
@@ -289,11 +288,8 @@ class StateDictWarning(UserWarning):
     """
 
     def __init__(
-        self,
-        message: str,
-        missing: tuple[tuple[str, str], ...] = (),
-        unexpected: tuple[tuple[str, str], ...] = (),
-        mismatched: tuple[tuple[str, str], ...] = (),
+        self, message: str, missing: tuple[tuple[str, str], ...] = (),
+        unexpected: tuple[tuple[str, str], ...] = (), mismatched: tuple[tuple[str, str], ...] = (),
     ):
         super().__init__(message)
         self.missing = missing
@@ -308,14 +304,12 @@ def unhandled_request_error(request: Any) -> UnhandledLocalStateError:
     """A request's ``get`` / ``set`` outside a handler."""
     # Mirrors penzai v1, where the effect methods of an unhandled request raise.
     label = repr(request.name) if request.name is not None else "(unnamed)"
-    return UnhandledLocalStateError(
-        format_error(
-            f"State {label} (category {request.category!r}) is unhandled: the body "
-            f"still holds its {type(request).__name__}, which has no running value.",
-            fix="handle it first, `handler, states = handle_local_states(body, "
-            "category=...)`, then call `out, states = handler((arg, states))`.",
-        )
-    )
+    return UnhandledLocalStateError(format_error(
+        f"State {label} (category {request.category!r}) is unhandled: the body "
+        f"still holds its {type(request).__name__}, which has no running value.",
+        fix="handle it first, `handler, states = handle_local_states(body, "
+        "category=...)`, then call `out, states = handler((arg, states))`.",
+    ))
 
 
 def unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
@@ -323,31 +317,27 @@ def unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
     ``reason`` is ``"not running"``, or ``"another call"`` (a call with an
     equal id runs instead)."""
     if reason == "another call":
-        return UnhandledLocalStateError(
-            format_error(
-                f"State {ref.name!r} (category {ref.category!r}) belongs to a "
-                "functionalized call that is not running: it was reached inside "
-                "another model's call (a generator, closure or bound method of the "
-                "model, kept after its own call returned).",
-                fix="use the model's state inside its own call, or freeze it first "
-                "(autostate.freeze(f, states)) and pass the frozen model.",
-            )
-        )
-    return UnhandledLocalStateError(
-        format_error(
-            f"State {ref.name!r} (category {ref.category!r}) is unhandled: it "
-            f"belongs to handler {ref.handler_id!r}, which is not running.",
-            fix="call the handler instead of its body: `out, states = "
-            "handler((arg, states))`, or for a functionalized model `out, states = "
-            "f(states, *args)`; use autostate.freeze(f, states) to get a model "
-            "that runs on its own again. A function JAX runs after the call has "
-            "ended cannot read a state either: a host callback (jax.debug.callback, "
-            "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
-            "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
-            "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
-            "residual the custom_vjp's forward rule returns.",
-        )
-    )
+        return UnhandledLocalStateError(format_error(
+            f"State {ref.name!r} (category {ref.category!r}) belongs to a "
+            "functionalized call that is not running: it was reached inside "
+            "another model's call (a generator, closure or bound method of the "
+            "model, kept after its own call returned).",
+            fix="use the model's state inside its own call, or freeze it first "
+            "(autostate.freeze(f, states)) and pass the frozen model.",
+        ))
+    return UnhandledLocalStateError(format_error(
+        f"State {ref.name!r} (category {ref.category!r}) is unhandled: it "
+        f"belongs to handler {ref.handler_id!r}, which is not running.",
+        fix="call the handler instead of its body: `out, states = "
+        "handler((arg, states))`, or for a functionalized model `out, states = "
+        "f(states, *args)`; use autostate.freeze(f, states) to get a model "
+        "that runs on its own again. A function JAX runs after the call has "
+        "ended cannot read a state either: a host callback (jax.debug.callback, "
+        "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
+        "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
+        "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
+        "residual the custom_vjp's forward rule returns.",
+    ))
 
 
 def duplicate_name_error(
@@ -355,172 +345,142 @@ def duplicate_name_error(
 ) -> StateSharingError:
     """Two states handled together with one explicit name, where sharing does not allow it."""
     where = f" (at {first} and at {second})" if first and second and first != second else ""
-    return StateSharingError(
-        format_error(
-            f"Detected two local states with the same explicit name {name!r}{where}.",
-            fix="give the states distinct names (autostate.state(..., name=...)); to share "
-            "one state between two places, reach the same model instance from both (or "
-            "reuse one InitialLocalStateRequest object and handle with "
-            "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
-        )
-    )
+    return StateSharingError(format_error(
+        f"Detected two local states with the same explicit name {name!r}{where}.",
+        fix="give the states distinct names (autostate.state(..., name=...)); to share "
+        "one state between two places, reach the same model instance from both (or "
+        "reuse one InitialLocalStateRequest object and handle with "
+        "state_sharing='allowed'); state_sharing='unsafe' merges same-named states.",
+    ))
 
 
 def handled_twice_error(name: str, handler_id: Any, path: str) -> StateSharingError:
     """A body handled again with the id of the handler whose state it already holds."""
-    return StateSharingError(
-        format_error(
-            f"The body already holds state {name!r} handled by a handler with "
-            f"id {handler_id!r} (at {path or 'the root'}); handling it again with the "
-            "same id would mix the two handlers' states.",
-            fix="freeze the body first (freeze_local_states / autostate.freeze), or "
-            "pass another handler_id (or another category to functionalize()).",
-        )
-    )
+    return StateSharingError(format_error(
+        f"The body already holds state {name!r} handled by a handler with "
+        f"id {handler_id!r} (at {path or 'the root'}); handling it again with the "
+        "same id would mix the two handlers' states.",
+        fix="freeze the body first (freeze_local_states / autostate.freeze), or "
+        "pass another handler_id (or another category to functionalize()).",
+    ))
 
 
 def states_not_dict_error(states: Any) -> InvalidTypeError:
     """A handler called with states that are not a dict."""
-    return InvalidTypeError(
-        format_error(
-            f"States must be a dict of name -> value, got {type(states).__name__}.",
-            fix="pass the dict returned by handle_local_states/functionalize.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"States must be a dict of name -> value, got {type(states).__name__}.",
+        fix="pass the dict returned by handle_local_states/functionalize.",
+    ))
 
 
 def missing_state_error(name: str, handler_id: Any, names: Any) -> UnhandledLocalStateError:
     """A handled reference whose state is not among ``names``, the states its
     running handler was given."""
-    return UnhandledLocalStateError(
-        format_error(
-            f"State {name!r} is missing from the states dict given to handler "
-            f"{handler_id!r} (it has {sorted(names)}).",
-            fix="pass the states dict returned by handle_local_states/functionalize "
-            "(or by the previous call) unchanged in its keys.",
-        )
-    )
+    return UnhandledLocalStateError(format_error(
+        f"State {name!r} is missing from the states dict given to handler "
+        f"{handler_id!r} (it has {sorted(names)}).",
+        fix="pass the states dict returned by handle_local_states/functionalize "
+        "(or by the previous call) unchanged in its keys.",
+    ))
 
 
 def shared_request_read_error(name: str) -> UnhandledLocalStateError:
     """A ``SharedLocalStateRequest`` read or written outside a handler."""
-    return UnhandledLocalStateError(
-        format_error(
-            f"Shared state {name!r} has no value outside a handler.",
-            fix="handle the tree with handle_local_states(..., state_sharing='allowed').",
-        )
-    )
+    return UnhandledLocalStateError(format_error(
+        f"Shared state {name!r} has no value outside a handler.",
+        fix="handle the tree with handle_local_states(..., state_sharing='allowed').",
+    ))
 
 
 def category_argument_error(category: Any, category_predicate: Any) -> CategoryArgumentError:
     """Neither or both of ``category`` and ``category_predicate`` given."""
-    return CategoryArgumentError(
-        format_error(
-            "Exactly one of `category` and `category_predicate` must be given "
-            f"(got category={category!r}, category_predicate={category_predicate!r}).",
-            fix="pass category='state' to handle one category, or "
-            "category_predicate=lambda c: True to handle all of them.",
-        )
-    )
+    return CategoryArgumentError(format_error(
+        "Exactly one of `category` and `category_predicate` must be given "
+        f"(got category={category!r}, category_predicate={category_predicate!r}).",
+        fix="pass category='state' to handle one category, or "
+        "category_predicate=lambda c: True to handle all of them.",
+    ))
 
 
 def sharing_mode_error(state_sharing: Any) -> InvalidArgumentError:
     """A ``state_sharing`` argument that is not one of the three modes."""
-    return InvalidArgumentError(
-        format_error(
-            f"Unknown state_sharing mode {state_sharing!r}.",
-            fix="use 'forbidden', 'allowed' or 'unsafe'.",
-        )
-    )
+    return InvalidArgumentError(format_error(
+        f"Unknown state_sharing mode {state_sharing!r}.",
+        fix="use 'forbidden', 'allowed' or 'unsafe'.",
+    ))
 
 
 def shared_request_forbidden_error(name: str) -> StateSharingError:
     """A ``SharedLocalStateRequest`` handled with ``state_sharing="forbidden"``."""
-    return StateSharingError(
-        format_error(
-            "SharedLocalStateRequest must only be used when state_sharing is set "
-            f"to 'allowed' or 'unsafe' (state {name!r}).",
-            fix="handle with state_sharing='allowed'.",
-        )
-    )
+    return StateSharingError(format_error(
+        "SharedLocalStateRequest must only be used when state_sharing is set "
+        f"to 'allowed' or 'unsafe' (state {name!r}).",
+        fix="handle with state_sharing='allowed'.",
+    ))
 
 
 def shared_request_first_error(name: str) -> StateSharingError:
     """A ``SharedLocalStateRequest`` met before any request giving its state a value."""
-    return StateSharingError(
-        format_error(
-            f"SharedLocalStateRequest {name!r} must appear after some other state "
-            "request with the same name and an explicit value.",
-            fix="put the Initial/Frozen request with this name first in the tree.",
-        )
-    )
+    return StateSharingError(format_error(
+        f"SharedLocalStateRequest {name!r} must appear after some other state "
+        "request with the same name and an explicit value.",
+        fix="put the Initial/Frozen request with this name first in the tree.",
+    ))
 
 
 def freeze_handler_type_error(handler: Any) -> InvalidTypeError:
     """``freeze_local_states`` given something other than a handler."""
-    return InvalidTypeError(
-        format_error(
-            f"freeze_local_states expects a WithFunctionalLocalState, got "
-            f"{type(handler).__name__}.",
-            fix="pass the handler returned by handle_local_states.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"freeze_local_states expects a WithFunctionalLocalState, got "
+        f"{type(handler).__name__}.",
+        fix="pass the handler returned by handle_local_states.",
+    ))
 
 
 def freeze_missing_state_error(name: str, names: Any) -> UnhandledLocalStateError:
     """Freezing a body whose state ``name`` is not among ``names``, the states given."""
-    return UnhandledLocalStateError(
-        format_error(
-            f"Cannot freeze: state {name!r} is missing from the states dict "
-            f"(it has {sorted(names)}).",
-            fix="pass the states dict returned by functionalize/the last call.",
-        )
-    )
+    return UnhandledLocalStateError(format_error(
+        f"Cannot freeze: state {name!r} is missing from the states dict "
+        f"(it has {sorted(names)}).",
+        fix="pass the states dict returned by functionalize/the last call.",
+    ))
 
 
 def conflicting_definitions_error(name: str) -> StateSharingError:
     """Hoisting two definitions of one shared state that are not the same initializer."""
-    return StateSharingError(
-        format_error(
-            "Detected two local states with the same explicit name "
-            f"{name!r} but different initializers or values! This is only "
-            "allowed `unsafe` is set to `True`.",
-            fix="define a shared state once (one FrozenLocalStateRequest, or "
-            "InitialLocalStateRequests sharing one initializer object) and use "
-            "SharedLocalStateRequests elsewhere, or pass unsafe=True to keep the "
-            "first definition.",
-        )
-    )
+    return StateSharingError(format_error(
+        "Detected two local states with the same explicit name "
+        f"{name!r} but different initializers or values! This is only "
+        "allowed `unsafe` is set to `True`.",
+        fix="define a shared state once (one FrozenLocalStateRequest, or "
+        "InitialLocalStateRequests sharing one initializer object) and use "
+        "SharedLocalStateRequests elsewhere, or pass unsafe=True to keep the "
+        "first definition.",
+    ))
 
 
 def mismatched_category_error(name: str, got: Any, expected: Any) -> StateSharingError:
     """Embedding a request whose category differs from the shared request it replaces."""
-    return StateSharingError(
-        format_error(
-            "Tried to substitute values with mismatched categories! Got "
-            f"{got}, expected {expected} (state {name!r}).",
-            fix="embed requests of the category the tree's SharedLocalStateRequest "
-            "asks for (the requests dict returned by hoist_shared_state_requests).",
-        )
-    )
+    return StateSharingError(format_error(
+        "Tried to substitute values with mismatched categories! Got "
+        f"{got}, expected {expected} (state {name!r}).",
+        fix="embed requests of the category the tree's SharedLocalStateRequest "
+        "asks for (the requests dict returned by hoist_shared_state_requests).",
+    ))
 
 
 def rename_fn_type_error(rename_fn: Any) -> InvalidTypeError:
     """``rename_local_states`` given a ``rename_fn`` that is not callable."""
-    return InvalidTypeError(
-        format_error(
-            f"rename_fn must be a function of a state name, got {type(rename_fn).__name__}.",
-            fix="pass e.g. `lambda name: 'encoder.' + name`.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"rename_fn must be a function of a state name, got {type(rename_fn).__name__}.",
+        fix="pass e.g. `lambda name: 'encoder.' + name`.",
+    ))
 
 
 def renamed_to_non_str_error(name: str, new_name: Any) -> InvalidTypeError:
     """A ``rename_fn`` that returned something other than a str for state ``name``."""
-    return InvalidTypeError(
-        format_error(
-            f"rename_fn returned {type(new_name).__name__} {new_name!r:.80} for state "
-            f"{name!r}; a state name must be a str.",
-            fix="return the new name as a string, e.g. `lambda name: 'encoder.' + name`.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"rename_fn returned {type(new_name).__name__} {new_name!r:.80} for state "
+        f"{name!r}; a state name must be a str.",
+        fix="return the new name as a string, e.g. `lambda name: 'encoder.' + name`.",
+    ))

@@ -159,6 +159,22 @@ _UNWALKED_CONTAINERS: builtins.set[str] = builtins.set()
 # Names of the sets, frozensets and deques met (which the graph does not walk).
 _SEALED_CONTAINERS: builtins.set[str] = builtins.set()
 
+# The fix for a model found below a holder of each kind (``{holder}``: its name).
+_DECORATE_HOLDER = (
+    "decorate {holder} with @autostate.stateful (its reference is then followed like any "
+    "sub-model's), or pass the model to its methods as an argument instead of storing it."
+)
+_MODEL_FIXES = (
+    (_UNWALKED_CONTAINERS, "hold the model in a plain list, tuple or dict, or register {holder} "
+     "as a JAX pytree (jax.tree_util.register_pytree_node), which functionalize() follows."),
+    (_SEALED_CONTAINERS, "hold the model in a list, tuple or dict, which functionalize() follows."),
+    (_ITERATOR_HOLDERS, "make the iterator inside the call that uses it, or keep what it iterates "
+     "over on the model (a counter state, a list) and step through it in a method."),
+    (("functools.partial", "closure", "method", "weakref"), "store the method itself or a lambda "
+     "that names the model directly (`self.fn = lambda x: self.method(x, k=2)`), which f's copy "
+     "rebinds to itself."),
+)
+
 
 def check_no_hidden_arrays(model: Any) -> None:
     """Refuses a model holding arrays inside plain (undecorated) objects, and
@@ -188,77 +204,42 @@ def check_no_hidden_arrays(model: Any) -> None:
             where = found[0]
             holder = found[1] or "plain"
             if holder == "builtin method":
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} is a method of a "
-                        f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
-                        "of the model has its own copy of that container, so calls through "
-                        "it inside f would change the original model's.",
-                        fix="call the container's method where it is needed "
-                        "(`self.log.append(v)`), or keep a method of the model instead.",
-                    )
-                )
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} is a method of a "
+                    f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
+                    "of the model has its own copy of that container, so calls through "
+                    "it inside f would change the original model's.",
+                    fix="call the container's method where it is needed "
+                    "(`self.log.append(v)`), or keep a method of the model instead.",
+                ))
             if holder == "weakref.proxy":
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
-                        f"model (at {where}); a proxy gives no way to its model, so f's copy "
-                        "could not be pointed at f's copy of that model: calls through it "
-                        "inside f would read and write the original model instead of f's states.",
-                        fix="keep a weakref.ref(model) (call it to reach the model), which "
-                        "f's copy rebinds to itself, or the model itself.",
-                    )
-                )
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
+                    f"model (at {where}); a proxy gives no way to its model, so f's copy "
+                    "could not be pointed at f's copy of that model: calls through it "
+                    "inside f would read and write the original model instead of f's states.",
+                    fix="keep a weakref.ref(model) (call it to reach the model), which "
+                    "f's copy rebinds to itself, or the model itself.",
+                ))
             if _graph.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
-                fix = (
-                    f"decorate {holder} with @autostate.stateful (its reference is then "
-                    "followed like any sub-model's), or pass the model to its methods as an "
-                    "argument instead of storing it."
-                )
-                if holder in _UNWALKED_CONTAINERS:
-                    fix = (
-                        f"hold the model in a plain list, tuple or dict, or register {holder} "
-                        "as a JAX pytree (jax.tree_util.register_pytree_node), which "
-                        "functionalize() follows."
-                    )
-                elif holder in _SEALED_CONTAINERS:
-                    fix = (
-                        "hold the model in a list, tuple or dict, which functionalize() "
-                        "follows."
-                    )
-                elif holder in _ITERATOR_HOLDERS:
-                    fix = (
-                        "make the iterator inside the call that uses it, or keep what it "
-                        "iterates over on the model (a counter state, a list) and step "
-                        "through it in a method."
-                    )
-                elif holder in ("functools.partial", "closure", "method", "weakref"):
-                    fix = (
-                        "store the method itself or a lambda that names the model directly "
-                        "(`self.fn = lambda x: self.method(x, k=2)`), which f's copy rebinds "
-                        "to itself."
-                    )
-                raise InvalidTypeError(
-                    format_error(
-                        f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
-                        f"{holder} object (at {where}); functionalize() copies the model "
-                        f"but not the {holder}, so calls through it inside f would read and "
-                        "write the original model instead of f's states.",
-                        fix=fix,
-                    )
-                )
-            raise InvalidTypeError(
-                format_error(
-                    f"{type(obj).__name__}.{name} holds an array inside a plain "
-                    f"{holder} object (at {where}); functionalize() would bake it into "
-                    "f as a constant: no gradient, not in param_dict, not saved.",
-                    fix=f"decorate {holder} with @autostate.stateful (or "
-                    f"register it as a JAX pytree), or store the array on "
-                    f"{type(obj).__name__} itself.",
-                )
-            )
+                fix = next((f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER)
+                raise InvalidTypeError(format_error(
+                    f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
+                    f"{holder} object (at {where}); functionalize() copies the model "
+                    f"but not the {holder}, so calls through it inside f would read and "
+                    "write the original model instead of f's states.",
+                    fix=fix.format(holder=holder),
+                ))
+            raise InvalidTypeError(format_error(
+                f"{type(obj).__name__}.{name} holds an array inside a plain "
+                f"{holder} object (at {where}); functionalize() would bake it into "
+                "f as a constant: no gradient, not in param_dict, not saved.",
+                fix=f"decorate {holder} with @autostate.stateful (or "
+                f"register it as a JAX pytree), or store the array on "
+                f"{type(obj).__name__} itself.",
+            ))
         # A state held as a plain array: the instance was made before its class
         # was decorated (``object.__new__`` of a class waiting for its first
         # use, or ``__class__`` set to one). Its value becomes the state's.

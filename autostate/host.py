@@ -63,20 +63,11 @@ from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
 from autostate.effects.local_state import FrozenLocalStateRequest, StateSlot
-from autostate.errors import (
-    HostStateChangeError,
-    HostStateError,
-    HostStateTypeError,
-    format_error,
-)
+from autostate.errors import HostStateChangeError, HostStateError, HostStateTypeError, format_error
 from autostate.lifetime import contains_tracer, under_staging_trace
 
 __all__ = [
-    "HostSlot",
-    "callback_count",
-    "inference_mode",
-    "live_store_count",
-    "make_host_slot",
+    "HostSlot", "callback_count", "inference_mode", "live_store_count", "make_host_slot",
     "restore_host_slots",
 ]
 
@@ -100,15 +91,13 @@ class _Spec:
 
 
 def _non_array_error(label: str, value: Any, what: str) -> HostStateTypeError:
-    return HostStateTypeError(
-        format_error(
-            f"State {label} {what} {type(value).__name__} value {value!r:.80}; a host-fallback "
-            "state must be a JAX/NumPy array or a pytree of them, because every traced read "
-            "needs a fixed shape and dtype.",
-            fix="store an array (e.g. `jnp.asarray(...)`), or keep non-array values as "
-            "ordinary attributes set only in __init__.",
-        )
-    )
+    return HostStateTypeError(format_error(
+        f"State {label} {what} {type(value).__name__} value {value!r:.80}; a host-fallback "
+        "state must be a JAX/NumPy array or a pytree of them, because every traced read "
+        "needs a fixed shape and dtype.",
+        fix="store an array (e.g. `jnp.asarray(...)`), or keep non-array values as "
+        "ordinary attributes set only in __init__.",
+    ))
 
 
 def _array_leaves(value: Any, label: str, what: str) -> tuple[list[Any], Any]:
@@ -130,15 +119,13 @@ def _array_leaves(value: Any, label: str, what: str) -> tuple[list[Any], Any]:
 
 def _extended_dtype_error(label: str, leaf: Any) -> HostStateTypeError:
     attr = label.rsplit(".", 1)[-1]
-    return HostStateTypeError(
-        format_error(
-            f"State {label} holds a {leaf.dtype} array (a typed PRNG key); host-fallback "
-            "states travel through host callbacks, which carry plain dtypes only.",
-            fix=f"keep the key's data (`self.{attr} = jax.random.key_data(key)`, and "
-            "`jax.random.wrap_key_data(...)` where it is used), use a uint32 key "
-            "(`jax.random.PRNGKey(seed)`), or drop fallback=\"host\" for this class.",
-        )
-    )
+    return HostStateTypeError(format_error(
+        f"State {label} holds a {leaf.dtype} array (a typed PRNG key); host-fallback "
+        "states travel through host callbacks, which carry plain dtypes only.",
+        fix=f"keep the key's data (`self.{attr} = jax.random.key_data(key)`, and "
+        "`jax.random.wrap_key_data(...)` where it is used), use a uint32 key "
+        "(`jax.random.PRNGKey(seed)`), or drop fallback=\"host\" for this class.",
+    ))
 
 
 def _canonical_dtype(dtype: Any) -> np.dtype:
@@ -193,10 +180,7 @@ class _Store:
     def __reduce__(self):
         _wait_for_dispatched_programs()
         with self.lock:
-            saved = [
-                (attr, e.label, _unflatten_value(e), e.dims)
-                for attr, e in self.entries.items()
-            ]
+            saved = [(attr, e.label, _unflatten_value(e), e.dims) for attr, e in self.entries.items()]
         return _restore_store, (self.owner, saved)
 
 
@@ -225,21 +209,16 @@ def _restore_store(owner: str, saved: list) -> _Store:
 def _new_entry(label: str, value: Any) -> _Entry:
     """An entry for an initial value, or for a declared spec (pytree of ShapeDtypeStruct)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    if leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
-        spec = _Spec(
-            treedef,
-            tuple(tuple(leaf.shape) for leaf in leaves),
-            tuple(_canonical_dtype(leaf.dtype) for leaf in leaves),
-        )
-        return _Entry(label, spec, None)
-    leaves, treedef = _array_leaves(value, label, "was given the")
-    arrays = tuple(jnp.asarray(leaf) for leaf in leaves)
+    declared = leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    if not declared:
+        leaves, treedef = _array_leaves(value, label, "was given the")
+        leaves = [jnp.asarray(leaf) for leaf in leaves]
     spec = _Spec(
         treedef,
-        tuple(tuple(a.shape) for a in arrays),
-        tuple(_canonical_dtype(a.dtype) for a in arrays),
+        tuple(tuple(leaf.shape) for leaf in leaves),
+        tuple(_canonical_dtype(leaf.dtype) for leaf in leaves),
     )
-    return _Entry(label, spec, arrays)
+    return _Entry(label, spec, None if declared else tuple(leaves))
 
 
 def live_store_count() -> int:
@@ -301,13 +280,11 @@ class _StateKey:
     def resolve(self) -> tuple[_Store, _Entry]:
         store = self._store()
         if store is None:
-            raise HostStateError(
-                format_error(
-                    f"Host state {self.label} belongs to a model that was garbage-collected, "
-                    "but a compiled program still calls back into it.",
-                    fix="keep the model alive while calling functions traced with it.",
-                )
-            )
+            raise HostStateError(format_error(
+                f"Host state {self.label} belongs to a model that was garbage-collected, "
+                "but a compiled program still calls back into it.",
+                fix="keep the model alive while calling functions traced with it.",
+            ))
         return store, store.entries[self.attr]
 
     def __eq__(self, other: object) -> bool:
@@ -384,37 +361,23 @@ def _reset_hint(label: str) -> str:
     return f"reset it outside vmap first (`model.{attr} = value` with the per-example shape)"
 
 
-def _read_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
-    return HostStateError(
-        format_error(
-            f"State {label} holds per-example values for vmap axes of sizes "
-            f"{_describe_dims(dims)}, but it is read under vmap axes of sizes {axes}.",
-            fix="read it under the vmap nesting and sizes it was written under, or "
-            + _reset_hint(label)
-            + ".",
-        )
+def _vmap_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...], write: bool = False) -> HostStateError:
+    """A read (or ``write``) under vmap ``axes`` of a state whose leaves hold ``dims``."""
+    how = (
+        f"; a write under vmap axes of sizes {axes} does not match." if write
+        else f", but it is read under vmap axes of sizes {axes}."
     )
-
-
-def _write_mismatch(label: str, axes: tuple, dims: tuple[Dims, ...]) -> HostStateError:
-    return HostStateError(
-        format_error(
-            f"State {label} holds per-example values for vmap axes of sizes "
-            f"{_describe_dims(dims)}; a write under vmap axes of sizes {axes} does not match.",
-            fix="write it under the vmap nesting and sizes it was written under, or "
-            + _reset_hint(label)
-            + ".",
-        )
-    )
+    return HostStateError(format_error(
+        f"State {label} holds per-example values for vmap axes of sizes "
+        f"{_describe_dims(dims)}{how}",
+        fix=f"{'write' if write else 'read'} it under the vmap nesting and sizes it was "
+        f"written under, or {_reset_hint(label)}.",
+    ))
 
 
 def _new_dims(
-    label: str,
-    spec: _Spec,
-    axes: tuple[int, ...],
-    mapped: tuple[tuple[bool, ...], ...],
-    extra: tuple[tuple[int, ...], ...],
-    old: tuple[Dims, ...],
+    label: str, spec: _Spec, axes: tuple[int, ...], mapped: tuple[tuple[bool, ...], ...],
+    extra: tuple[tuple[int, ...], ...], old: tuple[Dims, ...],
 ) -> list[Dims]:
     """Per-leaf batch axes of a write under vmap ``axes``, before merging equal examples.
 
@@ -423,7 +386,7 @@ def _new_dims(
     only be the stacked examples of the levels the write is outside of.
     """
     if _conflicts(axes, old):
-        raise _write_mismatch(label, axes, old)
+        raise _vmap_mismatch(label, axes, old, write=True)
     new = []
     for leaf, (before, stacked) in enumerate(zip(old, extra)):
         dims = tuple(axes[level] if mapped[level][leaf] else None for level in range(len(axes)))
@@ -500,15 +463,17 @@ host_set_p = Primitive("host_set")
 host_set_p.multiple_results = True
 
 
+def _read_types(make: Callable[..., Any], spec: _Spec, axes: tuple, stored: tuple) -> list[Any]:
+    """What a read under vmap ``axes`` of a state whose leaves hold ``stored``
+    gives, each leaf's type made by ``make(shape, dtype)``."""
+    return [make(_read_shape(axes, d, s), t) for d, s, t in zip(stored, spec.shapes, spec.dtypes)]
+
+
 def _get_abstract_eval(anchor, *, state, spec, axes, stored):
     del anchor
     if _conflicts(axes, stored):
-        raise _read_mismatch(state.label, axes, stored)
-    avals = [
-        jax.core.ShapedArray(_read_shape(axes, d, s), t)
-        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
-    ]
-    return avals, {_ordered_io_effect()}
+        raise _vmap_mismatch(state.label, axes, stored)
+    return _read_types(jax.core.ShapedArray, spec, axes, stored), {_ordered_io_effect()}
 
 
 def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) -> list[Any]:
@@ -520,23 +485,15 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
     if value is None:
         raise _unset_error(entry.label)
     if _conflicts(axes, dims):
-        raise _read_mismatch(entry.label, axes, dims)
-    if (
-        expected is not None
-        and not axes
-        and [_lead(d) for d in dims] != [_lead(d) for d in expected]
-    ):
-        raise HostStateError(
-            format_error(
-                f"State {entry.label} now holds values for vmap axes of sizes "
-                f"{_describe_dims(dims)}; this compiled program was traced when it held "
-                f"values for {_describe_dims(expected)}.",
-                fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
-                "function after changing how a state is batched, or "
-                + _reset_hint(entry.label)
-                + ".",
-            )
-        )
+        raise _vmap_mismatch(entry.label, axes, dims)
+    if expected is not None and not axes and [_lead(d) for d in dims] != [_lead(d) for d in expected]:
+        raise HostStateError(format_error(
+            f"State {entry.label} now holds values for vmap axes of sizes "
+            f"{_describe_dims(dims)}; this compiled program was traced when it held "
+            f"values for {_describe_dims(expected)}.",
+            fix="jax.jit re-traces only for new argument shapes: call a freshly jitted "
+            f"function after changing how a state is batched, or {_reset_hint(entry.label)}.",
+        ))
     return [_broadcast_leaf(v, d, axes, xp) for v, d in zip(value, dims)]
 
 
@@ -551,18 +508,13 @@ def _get_lowering(anchor, *, state, spec, axes, stored):
     def callback():
         return tuple(np.asarray(v) for v in _read_now(state, axes, stored, np))
 
-    results = tuple(
-        jax.ShapeDtypeStruct(_read_shape(axes, d, s), t)
-        for d, s, t in zip(stored, spec.shapes, spec.dtypes)
-    )
+    results = tuple(_read_types(jax.ShapeDtypeStruct, spec, axes, stored))
     return list(io_callback(callback, results, ordered=True))
 
 
 def _get_batching(axis_data, vals, dims, *, state, spec, axes, stored):
     del vals, dims
-    outs = host_get_p.bind(
-        _anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored
-    )
+    outs = host_get_p.bind(_anchor(), state=state, spec=spec, axes=(axis_data.size, *axes), stored=stored)
     return outs, [0] * len(outs)
 
 
@@ -578,14 +530,8 @@ def _set_abstract_eval(anchor, *avals, state, spec, axes, mapped, extra, stored)
 
 
 def _write_now(
-    state: _StateKey,
-    axes: tuple,
-    mapped: tuple,
-    extra: tuple,
-    leaves: list[Any],
-    *,
-    callback: bool,
-    xp: Any,
+    state: _StateKey, axes: tuple, mapped: tuple, extra: tuple, leaves: list[Any], *,
+    callback: bool, xp: Any,
 ) -> None:
     store, entry = state.resolve()
     with store.lock:
@@ -612,9 +558,7 @@ def _set_lowering(anchor, *leaves, state, spec, axes, mapped, extra, stored):
 
     def callback(*values):
         # io_callback hands us arrays it owns (copied to the host), safe to keep.
-        _write_now(
-            state, axes, mapped, extra, [np.asarray(v) for v in values], callback=True, xp=np
-        )
+        _write_now(state, axes, mapped, extra, [np.asarray(v) for v in values], callback=True, xp=np)
 
     io_callback(callback, None, *leaves, ordered=True)
     return []
@@ -626,14 +570,8 @@ def _set_batching(axis_data, vals, dims, *, state, spec, axes, mapped, extra, st
     vals, dims = vals[1:], dims[1:]
     front = [v if d is None else jnp.moveaxis(v, d, 0) for v, d in zip(vals, dims)]
     host_set_p.bind(
-        _anchor(),
-        *front,
-        state=state,
-        spec=spec,
-        axes=(axis_data.size, *axes),
-        mapped=(tuple(d is not None for d in dims), *mapped),
-        extra=extra,
-        stored=stored,
+        _anchor(), *front, state=state, spec=spec, axes=(axis_data.size, *axes),
+        mapped=(tuple(d is not None for d in dims), *mapped), extra=extra, stored=stored,
     )
     return [], []
 
@@ -696,7 +634,7 @@ _view_p.multiple_results = True
 
 def _view_abstract_eval(*avals, label, dims, axes):
     if _conflicts(axes, dims):
-        raise _read_mismatch(label, axes, dims)
+        raise _vmap_mismatch(label, axes, dims)
     return [
         jax.core.ShapedArray(_read_shape(axes, d, a.shape[len(_lead(d)) :]), a.dtype)
         for a, d in zip(avals, dims)
@@ -705,19 +643,17 @@ def _view_abstract_eval(*avals, label, dims, axes):
 
 def _view_impl(*leaves, label, dims, axes):
     if _conflicts(axes, dims):
-        raise _read_mismatch(label, axes, dims)
+        raise _vmap_mismatch(label, axes, dims)
     return [_broadcast_leaf(leaf, d, axes, jnp) for leaf, d in zip(leaves, dims)]
 
 
 def _view_batching(axis_data, vals, in_dims, *, label, dims, axes):
     if any(d is not None for d in in_dims):
-        raise HostStateError(
-            format_error(
-                f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
-                "per-example values are chosen by the vmaps it was written under.",
-                fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
-            )
-        )
+        raise HostStateError(format_error(
+            f"Inference-mode state {label} was mapped over by vmap (in_axes); its "
+            "per-example values are chosen by the vmaps it was written under.",
+            fix="pass the inference view to vmap unmapped (in_axes=None) or capture it.",
+        ))
     outs = _view_p.bind(*vals, label=label, dims=dims, axes=(axis_data.size, *axes))
     return outs, [0] * len(outs)
 
@@ -730,12 +666,10 @@ batching.fancy_primitive_batchers[_view_p] = _view_batching
 
 def _unset_error(label: str) -> HostStateError:
     attr = label.rsplit(".", 1)[-1]
-    return HostStateError(
-        format_error(
-            f"State {label} was read before it was set: it was declared with a shape only.",
-            fix=f"assign it (`self.{attr} = value`) before the first read.",
-        )
-    )
+    return HostStateError(format_error(
+        f"State {label} was read before it was set: it was declared with a shape only.",
+        fix=f"assign it (`self.{attr} = value`) before the first read.",
+    ))
 
 
 # --- slots --------------------------------------------------------------------------
@@ -776,9 +710,7 @@ class HostSlot(StateSlot):
             stored = entry.dims
         if unset:
             raise _unset_error(entry.label)
-        leaves = host_get_p.bind(
-            _anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored
-        )
+        leaves = host_get_p.bind(_anchor(), state=self.key, spec=entry.spec, axes=(), stored=stored)
         return jax.tree_util.tree_unflatten(entry.spec.treedef, leaves)
 
     def as_request(self) -> FrozenLocalStateRequest:
@@ -789,42 +721,32 @@ class HostSlot(StateSlot):
         _wait_for_dispatched_programs()
         with self.store.lock:
             stored = entry.dims
-        leaves, extra = _checked_leaves(entry, value, stored)
+        leaves, extra = _checked_leaves(entry, value)
         leaves = [jax.lax.stop_gradient(leaf) for leaf in leaves]
         host_set_p.bind(
-            _anchor(),
-            *leaves,
-            state=self.key,
-            spec=entry.spec,
-            axes=(),
-            mapped=(),
-            extra=extra,
+            _anchor(), *leaves, state=self.key, spec=entry.spec, axes=(), mapped=(), extra=extra,
             stored=stored,
         )
 
 
-def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any], tuple]:
+def _checked_leaves(entry: _Entry, value: Any) -> tuple[list[Any], tuple]:
     """The leaves of a written value and each one's leading stacked axes, or the seed's errors."""
     spec, label = entry.spec, entry.label
     leaves, treedef = _array_leaves(value, label, "was assigned a")
     if treedef != spec.treedef:
-        raise HostStateChangeError(
-            format_error(
-                f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
-                fix="a host-fallback state keeps the structure of its first value; assign "
-                "values with the same containers and keys.",
-            )
-        )
+        raise HostStateChangeError(format_error(
+            f"State {label} changed pytree structure from {spec.treedef} to {treedef}.",
+            fix="a host-fallback state keeps the structure of its first value; assign "
+            "values with the same containers and keys.",
+        ))
     extras: list[tuple[int, ...]] = []
     for leaf, shape, dtype in zip(leaves, spec.shapes, spec.dtypes):
         got = tuple(jnp.shape(leaf))
         if _canonical_dtype(leaf.dtype) != dtype:
-            raise HostStateChangeError(
-                format_error(
-                    f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
-                    fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
-                )
-            )
+            raise HostStateChangeError(format_error(
+                f"State {label} changed dtype from {dtype} to {leaf.dtype}.",
+                fix=f"cast before assigning, e.g. `.astype(jnp.{dtype})`.",
+            ))
         n = len(got) - len(shape)
         if n < 0 or got[n:] != shape:
             raise _shape_error(label, spec, shape, got)
@@ -832,18 +754,15 @@ def _checked_leaves(entry: _Entry, value: Any, stored: tuple) -> tuple[list[Any]
     # Leading axes beyond the per-example shape are only the stacked examples
     # of a per-example leaf (written outside the vmap that batched it); the
     # write checks them once it knows the vmap levels around it.
-    del stored
     return leaves, tuple(extras)
 
 
 def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostStateTypeError:
-    return HostStateChangeError(
-        format_error(
-            f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
-            fix="a host-fallback state keeps the shape of its first value, because traced "
-            "reads need it; keep the shape, or use the functional engine (no fallback).",
-        )
-    )
+    return HostStateChangeError(format_error(
+        f"State {label} changed shape from {shape} to {got} (it holds {spec.describe()}).",
+        fix="a host-fallback state keeps the shape of its first value, because traced "
+        "reads need it; keep the shape, or use the functional engine (no fallback).",
+    ))
 
 
 def make_host_slot(
@@ -936,14 +855,12 @@ class _InferenceSlot(StateSlot):
         return self.slot.category
 
     def write(self, value: Any, label: str | None = None) -> None:
-        raise HostStateError(
-            format_error(
-                f"State {self.slot._entry().label} was set in inference mode, where host "
-                "state is read-only.",
-                fix="call the original model (not autostate.inference_mode(model)) to update "
-                "its state.",
-            )
-        )
+        raise HostStateError(format_error(
+            f"State {self.slot._entry().label} was set in inference mode, where host "
+            "state is read-only.",
+            fix="call the original model (not autostate.inference_mode(model)) to update "
+            "its state.",
+        ))
 
     def __reduce__(self):
         return _InferenceSlot, (self.slot,) if self.value is _UNREAD else (self.slot, self.value)
@@ -962,18 +879,16 @@ def inference_mode(model: Any) -> Any:
     state then holds. That is refused.
     """
     if under_staging_trace():
-        raise HostStateError(
-            format_error(
-                "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
-                "lax body): the view's host state enters a program where the view is passed "
-                "into jax.jit, so a view made inside would bake the value read while "
-                "tracing into the program, and later calls would not see the host state change.",
-                fix="make the view outside and pass it in: `view = "
-                "autostate.inference_mode(model)`, then `jax.jit(lambda v, x: v(x))(view, x)`; "
-                "or call the model itself inside the trace (its host state is read by a "
-                "callback on every call).",
-            )
-        )
+        raise HostStateError(format_error(
+            "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
+            "lax body): the view's host state enters a program where the view is passed "
+            "into jax.jit, so a view made inside would bake the value read while "
+            "tracing into the program, and later calls would not see the host state change.",
+            fix="make the view outside and pass it in: `view = "
+            "autostate.inference_mode(model)`, then `jax.jit(lambda v, x: v(x))(view, x)`; "
+            "or call the model itself inside the trace (its host state is read by a "
+            "callback on every call).",
+        ))
     found = False
 
     def replace(slot: HostSlot, _path: str) -> _InferenceSlot:
@@ -983,13 +898,11 @@ def inference_mode(model: Any) -> Any:
 
     view = _graph.map_tree(model, replace, lambda node: type(node) is HostSlot)
     if not found:
-        raise HostStateTypeError(
-            format_error(
-                f"inference_mode expects a model with host-fallback state; "
-                f"{type(model).__name__} has none.",
-                fix='decorate the class with @autostate.stateful(fallback="host").',
-            )
-        )
+        raise HostStateTypeError(format_error(
+            f"inference_mode expects a model with host-fallback state; "
+            f"{type(model).__name__} has none.",
+            fix='decorate the class with @autostate.stateful(fallback="host").',
+        ))
     return view
 
 
@@ -1016,9 +929,7 @@ def restore_host_slots(owner: Any) -> None:
     # new store rather than the store of a host slot `owner` still holds.
     fresh = object.__new__(type(owner))
     for name, request in frozen.items():
-        fresh.__dict__[name] = make_host_slot(
-            fresh, name, request.state, request.category, request.name
-        )
+        fresh.__dict__[name] = make_host_slot(fresh, name, request.state, request.category, request.name)
     owner.__dict__.update(fresh.__dict__)
 
 

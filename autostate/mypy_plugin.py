@@ -95,8 +95,7 @@ def _add_methods(ctx: ClassDefContext) -> bool:
         if _defined(info, name):
             continue
         declared = base.node.names.get(name)
-        sig = declared.type if declared is not None else None
-        sig = get_proper_type(sig)
+        sig = get_proper_type(declared.type if declared is not None else None)
         if not isinstance(sig, CallableType) or base.node.self_type is None:
             return False  # Stateful is not analyzed yet: called again
         self_type = _self_type(info, name)
@@ -104,9 +103,7 @@ def _add_methods(ctx: ClassDefContext) -> bool:
         assert isinstance(sig, CallableType)
         args = [
             Argument(Var(arg_name or f"__arg{i}", typ), typ, None, kind)
-            for i, (arg_name, typ, kind) in enumerate(
-                zip(sig.arg_names, sig.arg_types, sig.arg_kinds)
-            )
+            for i, (arg_name, typ, kind) in enumerate(zip(sig.arg_names, sig.arg_types, sig.arg_kinds))
         ][1:]
         add_method_to_class(
             ctx.api, ctx.cls, name, args, sig.ret_type, self_type=self_type, tvar_def=self_type
@@ -154,11 +151,8 @@ def _method_through_f(ctx: AttributeContext) -> Type:
         return method  # a parameter, sub-model or config: read as the model's
     if method is None:
         if model.type.get("__getattr__") is None:
-            ctx.api.fail(
-                f'"{model.type.name}" has no method "{name}" to call functionally',
-                context,
-                code=ATTR_DEFINED,
-            )
+            message = f'"{model.type.name}" has no method "{name}" to call functionally'
+            ctx.api.fail(message, context, code=ATTR_DEFINED)
         return ctx.default_attr_type
     states = ctx.api.named_generic_type(
         "builtins.dict", [ctx.api.named_type("builtins.str"), AnyType(TypeOfAny.explicit)]

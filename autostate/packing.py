@@ -111,10 +111,7 @@ class Layout:
                 loose.append(leaf)
             else:
                 parts[slot[0]].append(jnp.ravel(leaf))
-        buffers = [
-            p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts
-        ]
-        return buffers, loose
+        return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts], loose
 
     def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
         """The leaves again: each buffer split into its leaves, reshaped, and the
@@ -174,7 +171,29 @@ def _pack_tree(tree: Any, like: Layout | None = None) -> tuple[Layout, list[Any]
     return layout, buffers, loose
 
 
-class PackedStates:
+class _Packed:
+    """A tree laid out by ``layout``: its packed ``buffers`` and its ``loose`` leaves."""
+
+    __slots__ = ("layout", "buffers", "loose")
+
+    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
+        self.layout = layout
+        self.buffers = list(buffers)
+        self.loose = list(loose)
+
+    def _children(self) -> tuple[tuple[Any, ...], tuple[Layout, int]]:
+        return (*self.buffers, *self.loose), (self.layout, len(self.buffers))
+
+    @classmethod
+    def _rebuilt(cls, aux: tuple[Layout, int], children: Sequence[Any]) -> Any:
+        return cls(aux[0], children[: aux[1]], children[aux[1] :])
+
+    def _tree(self) -> Any:
+        leaves = self.layout.unpack(self.buffers, self.loose)
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+
+class PackedStates(_Packed):
     """The states of a ``PackedModel``: one buffer per dtype (a pytree of them).
 
     ``.unpack()`` gives the states dict back; ``.buffers`` are the arrays
@@ -199,12 +218,7 @@ class PackedStates:
         {'mean': Array([0.5, 0.5], dtype=float32), 'var': Array([0.625, 0.625], dtype=float32)}
     """
 
-    __slots__ = ("layout", "buffers", "loose")
-
-    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
-        self.layout = layout
-        self.buffers = list(buffers)
-        self.loose = list(loose)
+    __slots__ = ()
 
     @classmethod
     def of(cls, states: dict[str, Any], like: Layout | None = None) -> PackedStates:
@@ -212,21 +226,13 @@ class PackedStates:
 
     def unpack(self) -> dict[str, Any]:
         """The states dict, as the unpacked ``f`` takes and returns it."""
-        leaves = self.layout.unpack(self.buffers, self.loose)
-        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+        return self._tree()
 
     def __repr__(self) -> str:
         return f"PackedStates({self.layout!r})"
 
 
-jax.tree_util.register_pytree_node(
-    PackedStates,
-    lambda s: ((*s.buffers, *s.loose), (s.layout, len(s.buffers))),
-    lambda aux, children: PackedStates(aux[0], children[: aux[1]], children[aux[1] :]),
-)
-
-
-class PackedModel:
+class PackedModel(_Packed):
     """A functionalized model whose parameters travel as one buffer per dtype.
 
     ``pf(packed_states, *args)`` returns ``(out, new_packed_states)`` and
@@ -256,24 +262,16 @@ class PackedModel:
         [3. 3.] [2. 2.] 1
     """
 
-    __slots__ = ("layout", "buffers", "loose")
-
-    def __init__(self, layout: Layout, buffers: Sequence[Any], loose: Sequence[Any] = ()):
-        self.layout = layout
-        self.buffers = list(buffers)
-        self.loose = list(loose)
+    __slots__ = ()
 
     @property
     def f(self) -> Any:
         """The unpacked functional model (its arrays are slices of the buffers)."""
-        leaves = self.layout.unpack(self.buffers, self.loose)
-        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+        return self._tree()
 
     def unpack(self, states: PackedStates | None = None) -> Any:
         """``(f, states)`` as ``functionalize`` gave them (``f`` alone without states)."""
-        if states is None:
-            return self.f
-        return self.f, _unpacked_states(states)
+        return self.f if states is None else (self.f, _unpacked_states(states))
 
     def _run(self, method: Callable[[Any], Callable[..., Any]], states: Any, args, kwargs):
         out, new_states = method(self.f)(_unpacked_states(states), *args, **kwargs)
@@ -296,22 +294,17 @@ class PackedModel:
         return f"PackedModel({self.layout!r})"
 
 
-jax.tree_util.register_pytree_node(
-    PackedModel,
-    lambda m: ((*m.buffers, *m.loose), (m.layout, len(m.buffers))),
-    lambda aux, children: PackedModel(aux[0], children[: aux[1]], children[aux[1] :]),
-)
+for _cls in (PackedStates, PackedModel):
+    jax.tree_util.register_pytree_node(_cls, _cls._children, _cls._rebuilt)
 
 
 def _unpacked_states(states: Any) -> dict[str, Any]:
     if isinstance(states, PackedStates):
         return states.unpack()
-    raise InvalidTypeError(
-        format_error(
-            f"A PackedModel takes PackedStates, got {type(states).__name__}.",
-            fix="pass the states returned by autostate.pack(f, states) (or by the last call).",
-        )
-    )
+    raise InvalidTypeError(format_error(
+        f"A PackedModel takes PackedStates, got {type(states).__name__}.",
+        fix="pass the states returned by autostate.pack(f, states) (or by the last call).",
+    ))
 
 
 def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
@@ -354,28 +347,22 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
     # packed states would otherwise pack without complaint and fail later
     # with a raw TypeError from inside the packed call.
     if isinstance(f, PackedModel) or isinstance(states, PackedStates):
-        raise InvalidTypeError(
-            format_error(
-                "autostate.pack: this f and its states are packed already.",
-                fix="pass the pf and packed states as they are (pf.unpack(pstates) gives "
-                "f and states back).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "autostate.pack: this f and its states are packed already.",
+            fix="pass the pf and packed states as they are (pf.unpack(pstates) gives "
+            "f and states back).",
+        ))
     if is_stateful_instance(f) or not callable(f):
         got = f"the model {type(f).__name__}" if is_stateful_instance(f) else type(f).__name__
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.pack expects the f that functionalize() returned, got {got}.",
-                fix="call f, states = model.functionalize() and pass "
-                "autostate.pack(f, states).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.pack expects the f that functionalize() returned, got {got}.",
+            fix="call f, states = model.functionalize() and pass "
+            "autostate.pack(f, states).",
+        ))
     if not isinstance(states, Mapping):
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.pack expects the states dict of f, got {type(states).__name__}.",
-                fix="pass the states dict that functionalize() (or the last call of f) "
-                "returned.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.pack expects the states dict of f, got {type(states).__name__}.",
+            fix="pass the states dict that functionalize() (or the last call of f) "
+            "returned.",
+        ))
     return PackedModel(*_pack_tree(f)), PackedStates.of(states)

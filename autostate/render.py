@@ -42,16 +42,13 @@ def state_label(slot: Any, name: str) -> tuple[str, Any]:
     ``... value`` (embedded by ``freeze``/``load``), ``... handled by <id>``
     (inside a functionalized model), ``constant 'table' ...`` for constants
     (``autostate.constant``, and integer/bool/key arrays inside ``f``),
-    ``... static`` (a Python bool, int, str,
-    enum or None: part of the structure), ``... shared`` or ``... in a host store``.
+    ``... static`` (a Python bool, int, str, enum or None: part of the
+    structure), ``... shared`` or ``... in a host store``.
     """
     category = getattr(slot, "category", None)
     if type(slot) is ConstantRef:
         return f"constant {name!r} handled by {slot.handler_id!r}", _NO_VALUE
-    if category == CONSTANT:
-        head = f"constant {name!r}"
-    else:
-        head = f"state {name!r} category={category!r}"
+    head = f"constant {name!r}" if category == CONSTANT else f"state {name!r} category={category!r}"
     if isinstance(slot, InitialLocalStateRequest):
         init = slot.state_initializer
         return f"{head} initial value", init.value if isinstance(init, InitialValue) else init
@@ -242,11 +239,8 @@ class _TreescopeState:
                 parts.siblings("<", label, ">"), path, background_color=TREESCOPE_STATE_COLOR
             )
         return parts.build_foldable_tree_node_from_children(
-            prefix=parts.siblings("<", label, ": "),
-            children=[subtree_renderer(self.value, path=path)],
-            suffix=">",
-            path=path,
-            background_color=TREESCOPE_STATE_COLOR,
+            prefix=parts.siblings("<", label, ": "), children=[subtree_renderer(self.value, path=path)],
+            suffix=">", path=path, background_color=TREESCOPE_STATE_COLOR,
         )
 
 
@@ -281,10 +275,7 @@ def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> A
                 name = _graph.path_name(relative)
             attributes[attr] = _TreescopeState(value, name)
         return repr_lib.render_object_constructor(
-            object_type=type(obj),
-            attributes=attributes,
-            path=path,
-            subtree_renderer=subtree_renderer,
+            object_type=type(obj), attributes=attributes, path=path, subtree_renderer=subtree_renderer
         )
     finally:
         if token is not None:

@@ -82,11 +82,7 @@ def _host_copy(value: Any) -> np.ndarray:
     reaches it, in the same order (the arrays' order and shardings are the
     same in every process of an SPMD program).
     """
-    if (
-        isinstance(value, jax.Array)
-        and not value.is_fully_addressable
-        and not value.is_fully_replicated
-    ):
+    if isinstance(value, jax.Array) and not value.is_fully_addressable and not value.is_fully_replicated:
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(value)
 
@@ -108,13 +104,11 @@ def _write_from_process_zero(path: Path, arrays: dict[str, np.ndarray]) -> None:
     if error is not None:
         raise error
     if not written:
-        raise CheckpointError(
-            format_error(
-                f"autostate.save: process 0 failed to write {path}; see its error.",
-                fix="make the path writable by process 0 (the one process that writes it), "
-                "then save again from every process.",
-            )
-        )
+        raise CheckpointError(format_error(
+            f"autostate.save: process 0 failed to write {path}; see its error.",
+            fix="make the path writable by process 0 (the one process that writes it), "
+            "then save again from every process.",
+        ))
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -149,24 +143,19 @@ def _path_first(fn: Callable[P, T]) -> Callable[P, T]:
     def checked(*args: P.args, **kwargs: P.kwargs) -> T:
         first = args[0] if args else kwargs.get("path")
         if not isinstance(first, (str, os.PathLike)):
-            problem = (
-                f"autostate.{name} takes the file's path first, and got a "
-                f"{type(first).__name__}"
-            )
+            problem = f"autostate.{name} takes the file's path first, and got a {type(first).__name__}"
             if name == "save" and len(args) > 1 and isinstance(args[1], (str, os.PathLike)):
                 problem += " (torch.save takes the object first; autostate.save the path)"
             raise InvalidTypeError(
                 format_error(problem + ".", where=user_location(), fix=f"call {usage}.")
             )
         if name == "load" and len(args) > 1:
-            raise InvalidTypeError(
-                format_error(
-                    f"autostate.load takes the model to load into as the keyword `like=`, "
-                    f"and got a {type(args[1]).__name__} as a second positional argument.",
-                    where=user_location(),
-                    fix=f"call {usage}.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"autostate.load takes the model to load into as the keyword `like=`, "
+                f"and got a {type(args[1]).__name__} as a second positional argument.",
+                where=user_location(),
+                fix=f"call {usage}.",
+            ))
         return fn(*args, **kwargs)
 
     return checked
@@ -220,27 +209,18 @@ def save(path: str | os.PathLike[str], model: Any) -> None:
             member = f"a{len(entries)}"
             arrays[member], entry = _encode(value)
             entries.append({"kind": kind, "name": name, "member": member, **entry})
-    manifest = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
-        "arrays": entries,
-    }
+    model_name = f"{type(model).__module__}.{type(model).__qualname__}"
+    manifest = {"format": _FORMAT, "version": _VERSION, "model": model_name, "arrays": entries}
     arrays[_MANIFEST] = np.array(json.dumps(manifest))
-    if jax.process_count() > 1:
-        _write_from_process_zero(Path(path), arrays)
-    else:
-        _write_atomically(Path(path), arrays)
+    (_write_from_process_zero if jax.process_count() > 1 else _write_atomically)(Path(path), arrays)
 
 
 def _corrupt(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        format_error(
-            f"Checkpoint {path} is corrupted: {what}.",
-            fix="load an intact copy; autostate.save writes atomically, so a file it "
-            "wrote is complete unless something changed it afterwards.",
-        )
-    )
+    return CheckpointError(format_error(
+        f"Checkpoint {path} is corrupted: {what}.",
+        fix="load an intact copy; autostate.save writes atomically, so a file it "
+        "wrote is complete unless something changed it afterwards.",
+    ))
 
 
 def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
@@ -256,9 +236,7 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
     if hashlib.sha256(_bytes_of(raw)).hexdigest() != entry["sha256"]:  # type: ignore[arg-type]
         raise _corrupt(path, f"checksum mismatch in {entry['kind']} {entry['name']!r}")
     data = raw if stored == dtype else raw.view(dtype)
-    if "key_impl" in entry:
-        return jax.random.wrap_key_data(data, impl=entry["key_impl"])
-    return data
+    return jax.random.wrap_key_data(data, impl=entry["key_impl"]) if "key_impl" in entry else data
 
 
 def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
@@ -266,13 +244,11 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
     try:
         with np.load(path, allow_pickle=False) as npz:
             if not isinstance(npz, np.lib.npyio.NpzFile) or _MANIFEST not in npz.files:
-                raise CheckpointError(
-                    format_error(
-                        f"Not an autostate checkpoint: {path} has no autostate manifest.",
-                        fix="load files written by autostate.save; for a bare .npz of a "
-                        "flat dict use numpy.load and autostate.load_state_dict.",
-                    )
-                )
+                raise CheckpointError(format_error(
+                    f"Not an autostate checkpoint: {path} has no autostate manifest.",
+                    fix="load files written by autostate.save; for a bare .npz of a "
+                    "flat dict use numpy.load and autostate.load_state_dict.",
+                ))
             manifest = json.loads(npz[_MANIFEST].item())
             if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
                 raise _corrupt(
@@ -334,14 +310,8 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
     """
     params, states, saved_from = _read(path)
     return rebuild(
-        like,
-        params,
-        states,
-        strict=strict,
-        caller="load",
-        error=CheckpointError,
-        checkpoint=str(path),
-        saved_from=saved_from,
+        like, params, states, strict=strict, caller="load", error=CheckpointError,
+        checkpoint=str(path), saved_from=saved_from,
     )
 
 

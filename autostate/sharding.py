@@ -77,14 +77,12 @@ def check_spec(spec: Any, where: str) -> Any:
     """``spec`` if it is a PartitionSpec or a pytree of them, else a clear error."""
     leaves = jax.tree_util.tree_leaves(spec, is_leaf=_is_spec)
     if not leaves or not all(_is_spec(leaf) for leaf in leaves):
-        raise InvalidTypeError(
-            format_error(
-                f"{where}: a sharding annotation is a jax.sharding.PartitionSpec "
-                f"(or a pytree of them for a pytree value), got {spec!r}.",
-                fix='write `P(None, "model")` with `from jax.sharding import PartitionSpec as '
-                "P`; P() means replicated.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"{where}: a sharding annotation is a jax.sharding.PartitionSpec "
+            f"(or a pytree of them for a pytree value), got {spec!r}.",
+            fix='write `P(None, "model")` with `from jax.sharding import PartitionSpec as '
+            "P`; P() means replicated.",
+        ))
     return spec
 
 
@@ -133,9 +131,7 @@ def sharded(value: T, spec: PartitionSpec) -> T:
 
 def split_annotation(value: Any) -> tuple[Any, Any]:
     """``(value, spec)`` for a ``sharded(...)`` marker, ``(value, None)`` otherwise."""
-    if type(value) is Annotated:
-        return value.value, value.spec
-    return value, None
+    return (value.value, value.spec) if type(value) is Annotated else (value, None)
 
 
 def record(obj: Any, attr: str, spec: Any) -> None:
@@ -160,13 +156,11 @@ def _broadcast(spec: Any, value: Any, where: str) -> Any:
             lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, value, is_leaf=_is_spec
         )
     except ValueError as e:
-        raise InvalidArgumentError(
-            format_error(
-                f"The sharding annotation of {where} does not match its value's structure: {e}",
-                fix="give one PartitionSpec for all leaves, or a pytree of them with the "
-                "value's structure.",
-            )
-        ) from None
+        raise InvalidArgumentError(format_error(
+            f"The sharding annotation of {where} does not match its value's structure: {e}",
+            fix="give one PartitionSpec for all leaves, or a pytree of them with the "
+            "value's structure.",
+        )) from None
 
 
 def _check_unwrapped(obj: Any, prefix: str) -> None:
@@ -174,14 +168,12 @@ def _check_unwrapped(obj: Any, prefix: str) -> None:
     for attr, value in vars(obj).items():
         if type(value) is Annotated:
             where = _graph.path_name(prefix + _graph.attr_name(attr))
-            raise InvalidTypeError(
-                format_error(
-                    f"{where} holds autostate.sharded(...) itself, not its array: "
-                    f"{type(obj).__name__} defines its own __setattr__, which stored the marker.",
-                    fix="remove the class's own __setattr__ (the one @stateful installs "
-                    "unwraps the marker), or assign the plain array and leave it unannotated.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"{where} holds autostate.sharded(...) itself, not its array: "
+                f"{type(obj).__name__} defines its own __setattr__, which stored the marker.",
+                fix="remove the class's own __setattr__ (the one @stateful installs "
+                "unwraps the marker), or assign the plain array and leave it unannotated.",
+            ))
 
 
 class _Resolved:
@@ -189,12 +181,10 @@ class _Resolved:
 
     def __init__(self, f: Any):
         if not isinstance(f, FunctionalModel):
-            raise InvalidTypeError(
-                format_error(
-                    f"Expected the f returned by functionalize(), got {type(f).__name__}.",
-                    fix="call `f, states = model.functionalize()` and pass both.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"Expected the f returned by functionalize(), got {type(f).__name__}.",
+                fix="call `f, states = model.functionalize()` and pass both.",
+            ))
         self.by_leaf: dict[int, tuple[Any, str]] = {}
         self.by_state: dict[str, Any] = {}
         for prefix, obj in _graph.instances(f.model):
@@ -215,12 +205,10 @@ class _Resolved:
     def _add_param(self, value: Any, spec: Any, where: str) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=_graph.is_stateful_instance)
         if any(_graph.is_stateful_instance(leaf) for leaf in leaves):
-            raise InvalidTypeError(
-                format_error(
-                    f"{where} holds decorated models, so it cannot be given a sharding.",
-                    fix="annotate the arrays inside the sub-models, in their own __init__.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"{where} holds decorated models, so it cannot be given a sharding.",
+                fix="annotate the arrays inside the sub-models, in their own __init__.",
+            ))
         specs = jax.tree_util.tree_leaves(_broadcast(spec, value, where), is_leaf=_is_spec)
         for leaf, leaf_spec in zip(leaves, specs):
             self.by_leaf.setdefault(id(leaf), (leaf_spec, where))
@@ -228,13 +216,11 @@ class _Resolved:
 
 def _state_specs(resolved: _Resolved, states: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(states, Mapping):
-        raise InvalidTypeError(
-            format_error(
-                f"Expected the states dict returned by functionalize(), got "
-                f"{type(states).__name__}.",
-                fix="call `f, states = model.functionalize()` and pass both.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"Expected the states dict returned by functionalize(), got "
+            f"{type(states).__name__}.",
+            fix="call `f, states = model.functionalize()` and pass both.",
+        ))
     specs = {}
     for name, value in states.items():
         spec = resolved.by_state.get(name, PartitionSpec())
@@ -310,11 +296,8 @@ def _mesh_axes(entry: Any, rules: Mapping[str, AxisRule] | None) -> tuple[str, .
 
 
 def resolve_spec(
-    spec: PartitionSpec,
-    mesh: jax.sharding.Mesh | None,
-    rules: Mapping[str, AxisRule] | None = None,
-    *,
-    shape: tuple[int, ...] | None = None,
+    spec: PartitionSpec, mesh: jax.sharding.Mesh | None,
+    rules: Mapping[str, AxisRule] | None = None, *, shape: tuple[int, ...] | None = None,
     where: str = "an array",
 ) -> PartitionSpec:
     """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``.
@@ -327,47 +310,35 @@ def resolve_spec(
             entries.append(entry)
             continue
         axes = _mesh_axes(entry, rules)
-        if mesh is None:
-            entries.append(axes[0] if len(axes) == 1 else (axes or None))
-            continue
-        unknown = [a for a in axes if a not in mesh.axis_names]
-        if unknown:
-            raise InvalidArgumentError(
-                format_error(
-                    f"The sharding {spec} of {where} names {unknown[0]!r}, which is neither an "
-                    f"axis of the mesh {tuple(mesh.axis_names)} nor mapped by the rules.",
-                    fix=f"add {unknown[0]!r} to `rules` (logical name -> mesh axis or None), "
-                    "or build the mesh with that axis.",
-                )
-            )
-        if shape is not None and dim < len(shape):
+        unknown = [a for a in axes if a not in mesh.axis_names] if mesh is not None else []
+        if unknown and mesh is not None:
+            raise InvalidArgumentError(format_error(
+                f"The sharding {spec} of {where} names {unknown[0]!r}, which is neither an "
+                f"axis of the mesh {tuple(mesh.axis_names)} nor mapped by the rules.",
+                fix=f"add {unknown[0]!r} to `rules` (logical name -> mesh axis or None), "
+                "or build the mesh with that axis.",
+            ))
+        if mesh is not None and shape is not None and dim < len(shape):
             parts = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
             if shape[dim] % parts:
-                raise InvalidArgumentError(
-                    format_error(
-                        f"The sharding {spec} of {where} splits dimension {dim} "
-                        f"(size {shape[dim]}) into {parts} parts, which does not divide it.",
-                        fix="choose sizes divisible by the mesh axes, or shard another "
-                        "dimension.",
-                    )
-                )
+                raise InvalidArgumentError(format_error(
+                    f"The sharding {spec} of {where} splits dimension {dim} "
+                    f"(size {shape[dim]}) into {parts} parts, which does not divide it.",
+                    fix="choose sizes divisible by the mesh axes, or shard another "
+                    "dimension.",
+                ))
         entries.append(axes[0] if len(axes) == 1 else (axes or None))
     if shape is not None and len(entries) > len(shape):
-        raise InvalidArgumentError(
-            format_error(
-                f"The sharding {spec} of {where} has {len(entries)} entries, but the array has "
-                f"{len(shape)} dimension(s).",
-                fix="give at most one entry per dimension.",
-            )
-        )
+        raise InvalidArgumentError(format_error(
+            f"The sharding {spec} of {where} has {len(entries)} entries, but the array has "
+            f"{len(shape)} dimension(s).",
+            fix="give at most one entry per dimension.",
+        ))
     return PartitionSpec(*entries)
 
 
 def shardings(
-    f: Any,
-    states: Mapping[str, Any],
-    mesh: jax.sharding.Mesh,
-    *,
+    f: Any, states: Mapping[str, Any], mesh: jax.sharding.Mesh, *,
     rules: Mapping[str, AxisRule] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The ``NamedSharding`` trees of ``f`` and ``states`` on ``mesh``.
@@ -419,16 +390,15 @@ def shardings(
         spec = resolve_spec(spec, mesh, rules, shape=_shape(leaf), where=repr(where))
         out.append(NamedSharding(mesh, spec))
     f_shardings = jax.tree_util.tree_unflatten(treedef, out)
-    state_shardings = {}
-    for name, specs in _state_specs(resolved, states).items():
-        state_shardings[name] = jax.tree_util.tree_map(
+    state_shardings = {
+        name: jax.tree_util.tree_map(
             lambda s, v, name=name: NamedSharding(
                 mesh, resolve_spec(s, mesh, rules, shape=_shape(v), where=f"state {name!r}")
             ),
-            specs,
-            states[name],
-            is_leaf=_is_spec,
+            specs, states[name], is_leaf=_is_spec,
         )
+        for name, specs in _state_specs(resolved, states).items()
+    }
     return f_shardings, state_shardings
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -167,15 +167,13 @@ class Stack:
         return _view(self._stacked, i, self._depth, {}, "")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise InvalidTypeError(
-            format_error(
-                "A Stack is a sequence of layers, not a layer: it cannot be called.",
-                fix="call its layers (`for layer in stack: x = layer(x)`); a stack sliced "
-                "by jax.lax.scan or jax.vmap outside a @stateful method gives each step a "
-                "Stack: call autostate.scan / autostate.vmap there (each step then gets one "
-                "layer), or map over `stack.stacked`.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "A Stack is a sequence of layers, not a layer: it cannot be called.",
+            fix="call its layers (`for layer in stack: x = layer(x)`); a stack sliced "
+            "by jax.lax.scan or jax.vmap outside a @stateful method gives each step a "
+            "Stack: call autostate.scan / autostate.vmap there (each step then gets one "
+            "layer), or map over `stack.stacked`.",
+        ))
 
     def __repr__(self) -> str:
         inner = repr(self._stacked)
@@ -241,9 +239,7 @@ def stacks_in(tree: Any) -> dict[str, int]:
         >>> stacks.stacks_in(Net())
         {'blocks': 3}
     """
-    return {
-        name: s._depth for name, s in _graph.iter_tree(tree, is_stack, into_targets=True)
-    }
+    return {name: s._depth for name, s in _graph.iter_tree(tree, is_stack, into_targets=True)}
 
 
 # --- building a stack ---------------------------------------------------------------
@@ -321,31 +317,25 @@ def stack(
         _check_eager(layers, 0)
         return Stack(_with_layer_axis(layers, layer_axis), _stacked_depth(layers), require_scan)
     if not isinstance(layers, Iterable):
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.stack takes a list of layers or one stacked model, got "
-                f"{type(layers).__name__}.",
-                fix="pass a list of @stateful instances of one class: "
-                "`autostate.stack([Block(k) for k in keys])`.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.stack takes a list of layers or one stacked model, got "
+            f"{type(layers).__name__}.",
+            fix="pass a list of @stateful instances of one class: "
+            "`autostate.stack([Block(k) for k in keys])`.",
+        ))
     given = list(layers)
     if not given:
-        raise StackError(
-            format_error(
-                "autostate.stack got no layers: a stack takes its structure from them.",
-                fix="pass at least one layer.",
-            )
-        )
+        raise StackError(format_error(
+            "autostate.stack got no layers: a stack takes its structure from them.",
+            fix="pass at least one layer.",
+        ))
     for k, layer in enumerate(given):
         if not _graph.is_stateful_instance(layer):
-            raise InvalidTypeError(
-                format_error(
-                    f"Layer {k} given to autostate.stack is a {type(layer).__name__}, not an "
-                    "instance of a @stateful class.",
-                    fix="stack instances of one @stateful class.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                f"Layer {k} given to autostate.stack is a {type(layer).__name__}, not an "
+                "instance of a @stateful class.",
+                fix="stack instances of one @stateful class.",
+            ))
         _check_eager(layer, k)
     _check_unshared(given)
     flats = [_graph.flatten_graph(layer) for layer in given]
@@ -354,16 +344,14 @@ def stack(
     for k, (leaves, other) in enumerate(flats[1:], 1):
         if other != graphdef or [_spec(leaf) for leaf in leaves] != first_specs:
             found = _difference(given[0], given[k], "", set())
-            raise StackError(
-                format_error(
-                    f"Layer {k} differs from layer 0 "
-                    + (f"at {found}" if found else "in its structure")
-                    + ": a stack holds layers of one class and one structure (static "
-                    "configuration, array shapes and dtypes).",
-                    fix="build every layer with the same configuration; keep layers that "
-                    "differ in a list, or in stacks of their own.",
-                )
-            )
+            raise StackError(format_error(
+                f"Layer {k} differs from layer 0 "
+                + (f"at {found}" if found else "in its structure")
+                + ": a stack holds layers of one class and one structure (static "
+                "configuration, array shapes and dtypes).",
+                fix="build every layer with the same configuration; keep layers that "
+                "differ in a list, or in stacks of their own.",
+            ))
     stacked = [jnp.stack(column) for column in zip(*(leaves for leaves, _ in flats))]
     model = _with_layer_axis(_graph.unflatten_graph(graphdef, stacked), layer_axis)
     return Stack(model, len(given), require_scan)
@@ -402,25 +390,21 @@ def _check_eager(layer: Any, k: int) -> None:
                 continue
             where = f"{path}.{attr}" if path else attr
             if not isinstance(slot, _EAGER_SLOTS):
-                raise InvalidTypeError(
-                    format_error(
-                        f"State {where!r} of layer {k} is held by a {type(slot).__name__}, "
-                        "not by the model: autostate.stack stacks eager models, whose "
-                        "states hold their values.",
-                        fix="stack layers built eagerly (not a fallback=\"host\" model, nor "
-                        "sub-models of a model a functionalized call is running).",
-                    )
-                )
+                raise InvalidTypeError(format_error(
+                    f"State {where!r} of layer {k} is held by a {type(slot).__name__}, "
+                    "not by the model: autostate.stack stacks eager models, whose "
+                    "states hold their values.",
+                    fix="stack layers built eagerly (not a fallback=\"host\" model, nor "
+                    "sub-models of a model a functionalized call is running).",
+                ))
             for leaf in jax.tree_util.tree_leaves(slot.read()):
                 if _values.kind_of(leaf).number and not is_static_value(leaf):
-                    raise StackError(
-                        format_error(
-                            f"State {where!r} of layer {k} holds a Python "
-                            f"{type(leaf).__name__}: a stack holds each state as an array "
-                            "with the layer axis.",
-                            fix=f"make it an array in __init__ (`jnp.asarray({leaf!r})`).",
-                        )
-                    )
+                    raise StackError(format_error(
+                        f"State {where!r} of layer {k} holds a Python "
+                        f"{type(leaf).__name__}: a stack holds each state as an array "
+                        "with the layer axis.",
+                        fix=f"make it an array in __init__ (`jnp.asarray({leaf!r})`).",
+                    ))
 
 
 def _check_unshared(layers: list[Any]) -> None:
@@ -442,15 +426,13 @@ def _check_unshared(layers: list[Any]) -> None:
                 seen = owner.setdefault(id(item), (k, where))
                 if seen[0] != k:
                     what = "sub-model" if _graph.is_stateful_instance(item) else "array"
-                    raise StackError(
-                        format_error(
-                            f"Layers {seen[0]} and {k} share one {what} ({seen[1]!r} of layer "
-                            f"{seen[0]}, {where!r} of layer {k}): a stack holds each layer's "
-                            "own copy, so what the layers share would no longer be shared.",
-                            fix="give each layer its own, or keep the shared part outside the "
-                            "stack (an attribute of the model that holds the stack).",
-                        )
-                    )
+                    raise StackError(format_error(
+                        f"Layers {seen[0]} and {k} share one {what} ({seen[1]!r} of layer "
+                        f"{seen[0]}, {where!r} of layer {k}): a stack holds each layer's "
+                        "own copy, so what the layers share would no longer be shared.",
+                        fix="give each layer its own, or keep the shared part outside the "
+                        "stack (an attribute of the model that holds the stack).",
+                    ))
 
 
 def _param_or_model(value: Any) -> bool:
@@ -469,24 +451,20 @@ def _stacked_depth(model: Any) -> int:
         shape = jnp.shape(leaf)
         n = shape[0] if shape else None
         if n is None or (depth is not None and n != depth):
-            raise StackError(
-                format_error(
-                    f"{type(model).__name__} is not stacked: its array {name!r} is "
-                    f"{_tree.describe(leaf)}"
-                    + ("" if depth is None else f", where the others have {depth} layers")
-                    + ". A stacked model has every array on one leading layer axis.",
-                    fix="build it with one call, `jax.vmap(Layer)(keys)`, or pass the list "
-                    "of layers: `autostate.stack([Layer(k) for k in keys])`.",
-                )
-            )
+            raise StackError(format_error(
+                f"{type(model).__name__} is not stacked: its array {name!r} is "
+                f"{_tree.describe(leaf)}"
+                + ("" if depth is None else f", where the others have {depth} layers")
+                + ". A stacked model has every array on one leading layer axis.",
+                fix="build it with one call, `jax.vmap(Layer)(keys)`, or pass the list "
+                "of layers: `autostate.stack([Layer(k) for k in keys])`.",
+            ))
         depth = n
     if depth is None:
-        raise StackError(
-            format_error(
-                f"{type(model).__name__} holds no array, so its number of layers is unknown.",
-                fix="pass the list of layers: `autostate.stack([Layer(k) for k in keys])`.",
-            )
-        )
+        raise StackError(format_error(
+            f"{type(model).__name__} holds no array, so its number of layers is unknown.",
+            fix="pass the list of layers: `autostate.stack([Layer(k) for k in keys])`.",
+        ))
     return depth
 
 
@@ -564,13 +542,11 @@ def _view(obj: Any, i: int, depth: int, memo: dict[int, Any], where: str) -> Any
     try:
         _guard.register_view(view, _attribute_refusal)
     except TypeError:
-        raise InvalidTypeError(
-            format_error(
-                f"{cls.__name__} has __slots__ without '__weakref__', so a layer of a stack "
-                "of it cannot be tracked.",
-                fix="add '__weakref__' to its __slots__.",
-            )
-        ) from None
+        raise InvalidTypeError(format_error(
+            f"{cls.__name__} has __slots__ without '__weakref__', so a layer of a stack "
+            "of it cannot be tracked.",
+            fix="add '__weakref__' to its __slots__.",
+        )) from None
     return view
 
 
@@ -586,32 +562,28 @@ def _sliced(value: Any, i: int, depth: int, memo: dict[int, Any], where: str) ->
 def _slice(array: Any, i: int, depth: int, where: str) -> Any:
     shape = jnp.shape(array)
     if not shape or shape[0] != depth:
-        raise StackError(
-            format_error(
-                f"{where} is {_tree.describe(array)}: it lacks the layer axis of a stack of "
-                f"{depth} layers.",
-                fix="keep every array of a stacked model on its leading layer axis; a stack "
-                "sliced by jax.lax.scan or jax.vmap outside a @stateful method is one "
-                "layer's arrays: call autostate.scan / autostate.vmap there, which give "
-                "each step one layer.",
-            )
-        )
+        raise StackError(format_error(
+            f"{where} is {_tree.describe(array)}: it lacks the layer axis of a stack of "
+            f"{depth} layers.",
+            fix="keep every array of a stacked model on its leading layer axis; a stack "
+            "sliced by jax.lax.scan or jax.vmap outside a @stateful method is one "
+            "layer's arrays: call autostate.scan / autostate.vmap there, which give "
+            "each step one layer.",
+        ))
     return array[i]
 
 
 def _attribute_refusal(obj: Any, name: str) -> StateAccessError:
-    return StateAccessError(
-        format_error(
-            f"{type(obj).__name__}.{name} is not state, and this {type(obj).__name__} is a "
-            "layer of a stack: its attributes that are not state are slices of the stacked "
-            "model's, so assigning one would change this view alone, where a list of layers "
-            "changes the layer.",
-            fix=f"make {name} state (assign `self.{name}` in a method, or declare it with "
-            "autostate.state(...) in __init__): each layer then writes its own slice; or "
-            f"assign every layer's value at once on `stack.stacked.{name}` (with the layer "
-            "axis).",
-        )
-    )
+    return StateAccessError(format_error(
+        f"{type(obj).__name__}.{name} is not state, and this {type(obj).__name__} is a "
+        "layer of a stack: its attributes that are not state are slices of the stacked "
+        "model's, so assigning one would change this view alone, where a list of layers "
+        "changes the layer.",
+        fix=f"make {name} state (assign `self.{name}` in a method, or declare it with "
+        "autostate.state(...) in __init__): each layer then writes its own slice; or "
+        f"assign every layer's value at once on `stack.stacked.{name}` (with the layer "
+        "axis).",
+    ))
 
 
 class LayerSlot(StateSlot):
@@ -648,10 +620,7 @@ class LayerSlot(StateSlot):
         if full is None or is_static_value(full):
             return full  # (one static value: every layer's)
         label = self.label()
-        return _unchangeable(
-            jax.tree_util.tree_map(lambda a: _slice(a, self.index, self.depth, label), full),
-            label,
-        )
+        return _unchangeable(jax.tree_util.tree_map(lambda a: _slice(a, self.index, self.depth, label), full), label)
 
     def write(self, value: Any, label: str | None = None) -> None:
         full = _runtime.read_state(self.owner, self.attr)
@@ -661,16 +630,14 @@ class LayerSlot(StateSlot):
             _runtime.store_state(self.owner, self.attr, new)
 
     def as_request(self) -> Any:
-        raise StackError(
-            format_error(
-                f"The model holds a layer of a stack ({type(self.owner).__name__}, layer "
-                f"{self.index}): a layer is a view of the stack, whose states are the "
-                "stack's, so it cannot be functionalized, saved or frozen on its own.",
-                fix="keep the stack in the model and take the layer from it when it is "
-                "used (`self.blocks[0]`), or keep the layer as a model of its own "
-                "(`copy.deepcopy(layer)`).",
-            )
-        )
+        raise StackError(format_error(
+            f"The model holds a layer of a stack ({type(self.owner).__name__}, layer "
+            f"{self.index}): a layer is a view of the stack, whose states are the "
+            "stack's, so it cannot be functionalized, saved or frozen on its own.",
+            fix="keep the stack in the model and take the layer from it when it is "
+            "used (`self.blocks[0]`), or keep the layer as a model of its own "
+            "(`copy.deepcopy(layer)`).",
+        ))
 
     def part_of(self) -> tuple[Any, str]:
         return self.owner, self.attr
@@ -695,16 +662,14 @@ class LayerSlot(StateSlot):
 
 def _in_place_refusal(container: Any, label: str) -> StackError:
     kind = "dict" if isinstance(container, dict) else "list"
-    return StackError(
-        format_error(
-            f"A {kind} of {label} is changed in place, but a layer of a stack holds its "
-            f"dicts and lists as new ones, made of slices of the stacked model's: the change "
-            "would not reach the stack, where a list of layers changes the layer.",
-            fix="make it state and assign it: `layer.cache = {**layer.cache, 'k': v}` "
-            "(inside the layer's own methods, `self.cache['k'] = v` is such an "
-            "assignment of a state).",
-        )
-    )
+    return StackError(format_error(
+        f"A {kind} of {label} is changed in place, but a layer of a stack holds its "
+        f"dicts and lists as new ones, made of slices of the stacked model's: the change "
+        "would not reach the stack, where a list of layers changes the layer.",
+        fix="make it state and assign it: `layer.cache = {**layer.cache, 'k': v}` "
+        "(inside the layer's own methods, `self.cache['k'] = v` is such an "
+        "assignment of a state).",
+    ))
 
 
 def _refuse_in_place(name: str) -> Any:
@@ -715,40 +680,34 @@ def _refuse_in_place(name: str) -> Any:
     return refuse
 
 
-class _LayerDict(dict):
-    """A dict of a layer's state: read-only, copied and rebuilt as a plain dict."""
+class _LayerContainer:
+    """A dict or list of a layer's state: read-only, copied and rebuilt as a
+    plain one (``_plain``)."""
 
-    __slots__ = ("_label",)
+    __slots__ = ()
     _label: str
+    _plain: Any
 
-    def __copy__(self) -> dict:
-        return dict(self)
+    def __copy__(self) -> Any:
+        return self._plain(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         import copy
 
-        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+        return copy.deepcopy(self._plain(self), memo)
 
     def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
+        return (self._plain, (self._plain(self),))
 
 
-class _LayerList(list):
-    """A list of a layer's state: read-only, copied and rebuilt as a plain list."""
-
+class _LayerDict(_LayerContainer, dict):
     __slots__ = ("_label",)
-    _label: str
+    _plain = dict
 
-    def __copy__(self) -> list:
-        return list(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> list:
-        import copy
-
-        return [copy.deepcopy(v, memo) for v in self]
-
-    def __reduce__(self) -> Any:
-        return (list, (list(self),))
+class _LayerList(_LayerContainer, list):
+    __slots__ = ("_label",)
+    _plain = list
 
 
 for _name in ("__setitem__", "__delitem__", "__ior__", "update", "pop", "popitem", "setdefault", "clear"):
@@ -759,24 +718,20 @@ for _name in (
 ):
     setattr(_LayerList, _name, _refuse_in_place(_name))
 
-def _plain_dict(keys: tuple, values: Iterable[Any]) -> Any:
-    return dict(zip(keys, values))
-
-
-def _plain_list(_: None, values: Iterable[Any]) -> Any:
-    return list(values)
+def _plain(value: Any) -> Any:
+    return value  # (typed Any: a layer's dict or list rebuilds as a plain one)
 
 
 jax.tree_util.register_pytree_with_keys(
     _LayerDict,
     lambda d: ([(jax.tree_util.DictKey(k), d[k]) for k in sorted(d)], tuple(sorted(d))),
-    _plain_dict,
+    lambda keys, values: _plain(dict(zip(keys, values))),
     lambda d: ([d[k] for k in sorted(d)], tuple(sorted(d))),
 )
 jax.tree_util.register_pytree_with_keys(
     _LayerList,
     lambda items: ([(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(items)], None),
-    _plain_list,
+    lambda _, values: _plain(list(values)),
     lambda items: (list(items), None),
 )
 
@@ -802,20 +757,17 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
         if same_static(value, full):
             return full
         what = "is None" if full is None else f"is {full!r} for every layer"
-        raise StackError(
-            format_error(
-                f"{label} is assigned {_tree.describe(value)}, but the stacked state {what}: "
-                "a stack holds one such value for all its layers, so one layer cannot "
-                "take another.",
-                fix="give the state an array value in __init__ (it then has a slice per "
-                "layer), or assign every layer the same value through the stacked model "
-                "(`stack.stacked`).",
-            )
-        )
+        raise StackError(format_error(
+            f"{label} is assigned {_tree.describe(value)}, but the stacked state {what}: "
+            "a stack holds one such value for all its layers, so one layer cannot "
+            "take another.",
+            fix="give the state an array value in __init__ (it then has a slice per "
+            "layer), or assign every layer the same value through the stacked model "
+            "(`stack.stacked`).",
+        ))
     leaves, treedef = jax.tree_util.tree_flatten(full)
     given, given_def = jax.tree_util.tree_flatten(value)
-    treedef, given_def = _any(treedef), _any(given_def)
-    if given_def != treedef:
+    if cast(Any, given_def) != treedef:  # (jax's stubs leave PyTreeDef untyped)
         raise _slice_error(label, f"a {given_def}", f"a {treedef}")
     new = []
     for a, v in zip(leaves, given):
@@ -829,24 +781,18 @@ def _with_layer(full: Any, value: Any, i: int, depth: int, label: str) -> Any:
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
-def _any(value: Any) -> Any:
-    return value
-
-
 def _dtype(value: Any) -> Any:
     dtype = getattr(value, "dtype", None)
     return dtype if dtype is not None else jnp.asarray(value).dtype
 
 
 def _slice_error(label: str, got: str, want: str) -> StackError:
-    return StackError(
-        format_error(
-            f"{label} is assigned {got}, but its slice of the stacked state is {want}: a "
-            "stack holds one shape, dtype and structure per state for all its layers.",
-            fix="assign a value of the slice's shape and dtype (`.astype(...)`, a reshape), "
-            "or keep layers whose states change shape in a list.",
-        )
-    )
+    return StackError(format_error(
+        f"{label} is assigned {got}, but its slice of the stacked state is {want}: a "
+        "stack holds one shape, dtype and structure per state for all its layers.",
+        fix="assign a value of the slice's shape and dtype (`.astype(...)`, a reshape), "
+        "or keep layers whose states change shape in a list.",
+    ))
 
 
 # Code reaching a layer's state reaches the stacked model whose state it slices.

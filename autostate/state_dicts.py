@@ -38,7 +38,6 @@ from autostate.functional import FunctionalModel, check_state_keys
 from autostate.packing import PackedModel, PackedStates
 from autostate.state_values import is_static_value, states_dict
 
-# state name -> (treedef of its value, the flat keys of its leaves)
 # Per state: its name, treedef, the flat keys of its leaves, and the Python
 # values (bools, ints, strings, enums) among them, by key: structure, not data.
 _Layout = list[tuple[str, Any, list[str], dict[str, Any]]]
@@ -50,24 +49,20 @@ _Layout = list[tuple[str, Any, list[str], dict[str, Any]]]
 def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[str, Any]]:
     """``functionalize`` for reading: every category, shared names allowed."""
     if isinstance(model, FunctionalModel):
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.{caller} expects a model, and got a FunctionalModel: the f "
-                "functionalize() returns, or a tree shaped like it (the gradients "
-                "autostate.grad returns, or jax.grad's of f), which holds the parameters "
-                "and no states.",
-                fix="for a model, pass autostate.freeze(f, states); for the names of "
-                "gradients, nn.torch_state_dict(grads) lists them by PyTorch's names "
-                "(as `{n: p.grad for n, p in model.named_parameters()}`).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.{caller} expects a model, and got a FunctionalModel: the f "
+            "functionalize() returns, or a tree shaped like it (the gradients "
+            "autostate.grad returns, or jax.grad's of f), which holds the parameters "
+            "and no states.",
+            fix="for a model, pass autostate.freeze(f, states); for the names of "
+            "gradients, nn.torch_state_dict(grads) lists them by PyTorch's names "
+            "(as `{n: p.grad for n, p in model.named_parameters()}`).",
+        ))
     if isinstance(model, PackedModel):
-        raise InvalidTypeError(
-            format_error(
-                f"autostate.{caller} expects a model, got the pf returned by autostate.pack.",
-                fix="pass the model autostate.freeze(pf, pstates) returns instead of pf.",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            f"autostate.{caller} expects a model, got the pf returned by autostate.pack.",
+            fix="pass the model autostate.freeze(pf, pstates) returns instead of pf.",
+        ))
     # Checked on the model given: handler ids can repeat across calls, so a
     # reference cannot be told apart from the ones functionalize adds below.
     # A reference of a call running now (``param_dict(self.model)`` in a
@@ -79,13 +74,11 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
         )
     })
     if handled:
-        raise StateDictError(
-            format_error(
-                f"autostate.{caller}: the model holds states handled by a functionalize() "
-                f"call, whose values live in that call's states dict: {_quoted(handled)}.",
-                fix="pass autostate.freeze(f, states) with that call's f and states.",
-            )
-        )
+        raise StateDictError(format_error(
+            f"autostate.{caller}: the model holds states handled by a functionalize() "
+            f"call, whose values live in that call's states dict: {_quoted(handled)}.",
+            fix="pass autostate.freeze(f, states) with that call's f and states.",
+        ))
     # (The front door's functionalize and freeze, and stacks, are read when a
     # call needs them: state dicts are a feature those modules stand beside.)
     from autostate.api import functionalize
@@ -123,13 +116,11 @@ def flatten_states(states: Mapping[str, Any]) -> tuple[dict[str, Any], _Layout]:
             if key in statics:
                 continue
             if key in flat:
-                raise StateDictError(
-                    format_error(
-                        f"Two states flatten to the same key {key!r}: a pytree-valued state "
-                        "and an explicitly named one collide.",
-                        fix="rename the explicit state (autostate.state(..., name=...)).",
-                    )
-                )
+                raise StateDictError(format_error(
+                    f"Two states flatten to the same key {key!r}: a pytree-valued state "
+                    "and an explicitly named one collide.",
+                    fix="rename the explicit state (autostate.state(..., name=...)).",
+                ))
             flat[key] = leaf
         layout.append((name, treedef, [key for key, _ in keyed], statics))
     return flat, layout
@@ -153,12 +144,10 @@ def _as_array(value: Any, kind: str, key: str) -> Any:
         return np.asarray(value)
     elif value_kind.number:
         return np.asarray(value, _python_scalar_dtype(value))
-    raise StateDictError(
-        format_error(
-            f"The {kind} {key!r} holds a {type(value).__name__}, not an array.",
-            fix="keep arrays (or pytrees of arrays) in parameters and states.",
-        )
-    )
+    raise StateDictError(format_error(
+        f"The {kind} {key!r} holds a {type(value).__name__}, not an array.",
+        fix="keep arrays (or pytrees of arrays) in parameters and states.",
+    ))
 
 
 def _python_scalar_dtype(value: Any) -> np.dtype:
@@ -181,12 +170,7 @@ def flat_dicts(model: Any, caller: str) -> tuple[dict[str, Any], dict[str, Any]]
 def _stacks_above(key: str, stacks: Mapping[str, int]) -> list[str]:
     """The stack paths ``key`` lies under, outermost first."""
     return sorted(
-        (
-            p
-            for p in stacks
-            if not p or key == p or key.startswith(p + ".") or key.startswith(p + "[")
-        ),
-        key=len,
+        (p for p in stacks if not p or key == p or key.startswith((p + ".", p + "["))), key=len
     )
 
 
@@ -306,19 +290,15 @@ def require_dict(given: Any, caller: str, expected: str, fix: str) -> Mapping[st
     """
     if isinstance(given, Mapping):
         return given
-    raise InvalidTypeError(
-        format_error(
-            f"autostate.{caller}: expected {expected}, got {type(given).__name__}.", fix=fix
-        )
-    )
+    raise InvalidTypeError(format_error(
+        f"autostate.{caller}: expected {expected}, got {type(given).__name__}.", fix=fix
+    ))
 
 
 def _require_loadable(given: Any, kind: str, caller: str) -> Mapping[str, Any]:
     short = "state" if kind == "state" else "param"
     return require_dict(
-        given,
-        caller,
-        f"a dict of {kind} name -> array",
+        given, caller, f"a dict of {kind} name -> array",
         f"pass the dict autostate.{short}_dict(model) returns (or one with the same keys).",
     )
 
@@ -393,25 +373,19 @@ def per_layer_of(model: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
 def _state_dict(model: Any, states: Mapping[str, Any] | PackedStates | None) -> dict[str, Any]:
     if isinstance(model, PackedModel):
         if states is None:
-            raise InvalidTypeError(
-                format_error(
-                    "autostate.state_dict(pf) needs the packed states: pf holds no states.",
-                    fix="call autostate.state_dict(pf, pstates) with the PackedStates of that pf.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                "autostate.state_dict(pf) needs the packed states: pf holds no states.",
+                fix="call autostate.state_dict(pf, pstates) with the PackedStates of that pf.",
+            ))
         model, states = model.unpack(states)  # type: ignore[arg-type]  # checked there
     if isinstance(model, FunctionalModel):
         if states is None:
-            raise InvalidTypeError(
-                format_error(
-                    "autostate.state_dict(f) needs the states dict: f holds no states.",
-                    fix="call autostate.state_dict(f, states) with the states of that f.",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                "autostate.state_dict(f) needs the states dict: f holds no states.",
+                fix="call autostate.state_dict(f, states) with the states of that f.",
+            ))
         states = require_dict(
-            states,
-            "state_dict",
-            "the states dict of f (name -> value)",
+            states, "state_dict", "the states dict of f (name -> value)",
             "pass the states dict that functionalize() (or the last call of f) returned; "
             "PackedStates go with the pf of autostate.pack: state_dict(pf, pstates).",
         )
@@ -419,24 +393,20 @@ def _state_dict(model: Any, states: Mapping[str, Any] | PackedStates | None) -> 
         check_state_keys(states, names, "autostate.state_dict")
         missing = sorted(names.difference(states))
         if missing:  # (as f, jit(f) and freeze refuse it: the dict would lack them silently)
-            raise StateDictError(
-                format_error(
-                    f"autostate.state_dict: the states dict lacks {_quoted(missing)}, "
-                    f"states of this f (it has {_quoted(sorted(states))}).",
-                    fix="pass the whole states dict that functionalize() (or the last call "
-                    "of f) returned.",
-                )
-            )
+            raise StateDictError(format_error(
+                f"autostate.state_dict: the states dict lacks {_quoted(missing)}, "
+                f"states of this f (it has {_quoted(sorted(states))}).",
+                fix="pass the whole states dict that functionalize() (or the last call "
+                "of f) returned.",
+            ))
         flat, _ = flatten_states(states)
         return {k: _as_array(v, "state", k) for k, v in flat.items()}
     if states is not None:
-        raise InvalidTypeError(
-            format_error(
-                "autostate.state_dict takes a states dict only with an f (or a packed pf).",
-                fix="call autostate.state_dict(model), autostate.state_dict(f, states) or "
-                "autostate.state_dict(pf, pstates).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "autostate.state_dict takes a states dict only with an f (or a packed pf).",
+            fix="call autostate.state_dict(model), autostate.state_dict(f, states) or "
+            "autostate.state_dict(pf, pstates).",
+        ))
     return flat_dicts(model, "state_dict")[1]
 
 
@@ -546,17 +516,12 @@ class _Report:
     def lines(self) -> list[str]:
         out = []
         for kind in ("parameter", "state"):
-            missing = [k for c, k in self.missing if c == kind]
-            unexpected = [k for c, k in self.unexpected if c == kind]
-            mismatched = [d for c, _, d in self.mismatched if c == kind]
-            if missing:
-                out.append(f"  missing {kind} keys ({len(missing)}): {_quoted(missing)}")
-            if unexpected:
-                out.append(f"  unexpected {kind} keys ({len(unexpected)}): {_quoted(unexpected)}")
-            if mismatched:
-                out.append(
-                    f"  {kind} shape/dtype mismatches ({len(mismatched)}): {', '.join(mismatched)}"
-                )
+            found = (
+                (f"missing {kind} keys", [repr(k) for c, k in self.missing if c == kind]),
+                (f"unexpected {kind} keys", [repr(k) for c, k in self.unexpected if c == kind]),
+                (f"{kind} shape/dtype mismatches", [d for c, _, d in self.mismatched if c == kind]),
+            )
+            out += [f"  {what} ({len(items)}): {', '.join(items)}" for what, items in found if items]
         return out
 
     def warning(self, message: str) -> StateDictWarning:
@@ -594,14 +559,8 @@ def _converted_like(template: Any, value: Any) -> Any:
 
 
 def rebuild(
-    model: Any,
-    params: Mapping[str, Any] | None,
-    states: Mapping[str, Any] | None,
-    *,
-    strict: bool,
-    caller: str,
-    error: type[Exception],
-    checkpoint: str | None = None,
+    model: Any, params: Mapping[str, Any] | None, states: Mapping[str, Any] | None, *, strict: bool,
+    caller: str, error: type[Exception], checkpoint: str | None = None,
     saved_from: str | None = None,
 ) -> Any:
     """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the model's).
@@ -627,10 +586,8 @@ def rebuild(
         states = _fit_layers(flat, states, stacks)
         new_states = report.match("state", flat, states)
     if report:
-        given = (
-            f"checkpoint {checkpoint}"
-            if checkpoint
-            else ("state" if params is None else "parameter") + " dict"
+        given = f"checkpoint {checkpoint}" if checkpoint else (
+            ("state" if params is None else "parameter") + " dict"
         )
         what = f"autostate.{caller}: the {given} does not fit {type(model).__name__}"
         if saved_from:
@@ -701,9 +658,7 @@ def load_state_dict(model: Any, state_dict: Mapping[str, Any], strict: bool = Tr
         [0.1 0.1]
     """
     state_dict = _require_loadable(state_dict, "state", "load_state_dict")
-    return rebuild(
-        model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError
-    )
+    return rebuild(model, None, state_dict, strict=strict, caller="load_state_dict", error=StateDictError)
 
 
 def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = True) -> Any:
@@ -736,8 +691,6 @@ def load_param_dict(model: Any, param_dict: Mapping[str, Any], strict: bool = Tr
         [3. 3. 3.]
     """
     param_dict = _require_loadable(param_dict, "parameter", "load_param_dict")
-    return rebuild(
-        model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError
-    )
+    return rebuild(model, param_dict, None, strict=strict, caller="load_param_dict", error=StateDictError)
 
 

@@ -89,9 +89,7 @@ class Summary:
         for kind in KINDS:
             rows = [r for r in self.rows if r.kind == kind and r.tied_to is None]
             if rows:
-                out[kind] = KindTotal(
-                    sum(r.count for r in rows), sum(r.bytes for r in rows), len(rows)
-                )
+                out[kind] = KindTotal(sum(r.count for r in rows), sum(r.bytes for r in rows), len(rows))
         return out
 
     @property
@@ -170,12 +168,12 @@ def _array_row(path: str, kind: str, leaf: Any, **extra: Any) -> SummaryRow:
     return SummaryRow(path, kind, shape, str(dtype), count, count * dtype.itemsize, **extra)
 
 
+def _static_row(name: str, value: Any, category: Hashable | None) -> SummaryRow:
+    return SummaryRow(name, "static", None, type(value).__name__, 0, 0, category, value)
+
+
 def _is_row(x: Any) -> bool:
-    return (
-        _values.is_array(x)
-        or type(x) in (HandledLocalStateRef, ConstantRef)
-        or isinstance(x, StateSlot)
-    )
+    return _values.is_array(x) or type(x) in (HandledLocalStateRef, ConstantRef) or isinstance(x, StateSlot)
 
 
 def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
@@ -194,19 +192,13 @@ def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
             rows.append(SummaryRow(name, kind, None, type(states[name]).__name__, 0, 0, category))
         for key in state_keys:
             if key in statics:
-                value = statics[key]
-                rows.append(
-                    SummaryRow(key, "static", None, type(value).__name__, 0, 0, category, value)
-                )
+                rows.append(_static_row(key, statics[key], category))
             else:
                 rows.append(_array_row(key, kind, flat[key], category=category))
 
     for path, node in _graph.iter_tree(body, _is_row):
         if type(node) in (HandledStaticState, StaticState):
-            name, value, category = getattr(node, "name", None) or path, node.value, node.category
-            rows.append(
-                SummaryRow(name, "static", None, type(value).__name__, 0, 0, category, value)
-            )
+            rows.append(_static_row(getattr(node, "name", None) or path, node.value, node.category))
         elif type(node) is ConstantRef:
             state_rows(node.name, "constant", CONSTANT)
         elif type(node) is HandledLocalStateRef:
@@ -217,10 +209,7 @@ def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
             category = getattr(node, "category", None)
             _, value = _render.state_label(node, name)
             kind = "constant" if category == CONSTANT else "state"
-            if _state_dicts.array_spec(value) is not None:
-                rows.append(_array_row(name, kind, value, category=category))
-            else:
-                rows.append(SummaryRow(name, kind, None, type(value).__name__, 0, 0, category))
+            rows.append(_array_row(name, kind, value, category=category))
         elif id(node) in first_path:
             row = _array_row(path, "parameter", node, tied_to=first_path[id(node)])
             rows.append(dataclasses.replace(row, count=0, bytes=0))  # counted at its first path
@@ -291,22 +280,18 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
     """
     if isinstance(model, PackedModel):
         if states is None:
-            raise InvalidTypeError(
-                format_error(
-                    "autostate.summary(pf) needs the packed states: pf holds no states.",
-                    fix="call autostate.summary(pf, pstates).",
-                )
-            )
+            raise InvalidTypeError(format_error(
+                "autostate.summary(pf) needs the packed states: pf holds no states.",
+                fix="call autostate.summary(pf, pstates).",
+            ))
         model, states = model.unpack(states)  # type: ignore[arg-type]  # checked there
     if isinstance(model, FunctionalModel):
         _state_dicts.state_dict(model, states)  # the same checks of the states dict
         return Summary(type(model.model).__name__, _rows(model.model, states))  # type: ignore[arg-type]
     if states is not None:
-        raise InvalidTypeError(
-            format_error(
-                "autostate.summary takes a states dict only with an f (or a packed pf).",
-                fix="call autostate.summary(model) or autostate.summary(f, states).",
-            )
-        )
+        raise InvalidTypeError(format_error(
+            "autostate.summary takes a states dict only with an f (or a packed pf).",
+            fix="call autostate.summary(model) or autostate.summary(f, states).",
+        ))
     f, handled = _state_dicts.handle_for_reading(model, "summary")
     return Summary(type(model).__name__, _rows(f.model, handled))

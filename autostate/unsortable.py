@@ -13,7 +13,6 @@ slot protocol's hooks, registered below.
 from __future__ import annotations
 
 import collections
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,15 +78,6 @@ _MODEL_FLATTENED = (
 )
 
 
-_IN_STATES = "so it cannot be one of the states a functionalized call takes and returns"
-
-
-_THREADED = (
-    "so it cannot be one of the states a functionalized call or a lax call (scan, cond, "
-    "while_loop, ...) threads"
-)
-
-
 def unsortable_keys_error(
     value: Any, recorded: Unsortable | None, name: str | None, problem: str = _MODEL_FLATTENED
 ) -> InvalidTypeError | None:
@@ -108,49 +98,43 @@ def unsortable_keys_error(
     label, where = recorded if recorded is not None else (name, user_location())
     subject = f"State {label!r}" if label else "A state"
     kinds = sorted({type(key).__name__ for d in unsortable for key in d})
-    return InvalidTypeError(
-        format_error(
-            f"{subject} holds a dict whose keys cannot be sorted (keys of "
-            f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
-            f"in the sorted order of its keys, {problem}.",
-            where=where,
-            fix="key the dict by str, int or IntEnum values (an enum member's value: "
-            "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
-            "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
-            "JAX flattens in insertion order.",
-        )
-    )
+    return InvalidTypeError(format_error(
+        f"{subject} holds a dict whose keys cannot be sorted (keys of "
+        f"type{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}); JAX flattens a dict "
+        f"in the sorted order of its keys, {problem}.",
+        where=where,
+        fix="key the dict by str, int or IntEnum values (an enum member's value: "
+        "`{split.value: ...}`, `self.counts[split.value] += 1`; or make the enum a "
+        "StrEnum or IntEnum), or keep these keys in a collections.OrderedDict, which "
+        "JAX flattens in insertion order.",
+    ))
 
 
-def _unsortable_states_error(
-    values: Mapping[str, Any],
-    problem: str,
-    err: BaseException,
-    recorded: Mapping[str, Unsortable] = types.MappingProxyType({}),
+# What a states dict cannot be, by the context it is flattened in.
+_PROBLEMS = {
+    "states": "so it cannot be one of the states a functionalized call takes and returns",
+    "threaded": "so it cannot be one of the states a functionalized call or a lax call (scan, "
+    "cond, while_loop, ...) threads",
+}
+
+
+def _states_flatten_error(
+    values: Mapping[str, Any], context: str, err: BaseException, notes: Mapping[str, Unsortable]
 ) -> InvalidTypeError | None:
     """``unsortable_keys_error`` for the first of ``values`` (a states dict)
     holding a dict whose keys do not sort, naming the line that assigned it
-    when ``recorded`` knows it, else the line running now; None if there is
-    none, or if ``err`` (what JAX raised) is not about sorting keys.
+    when ``notes`` (what the slots recorded) knows it, else the line running
+    now; None if there is none, or if ``err`` (what JAX raised) is not about
+    sorting keys.
     """
     if "dictionary keys" not in str(err):
         return None
     for name, value in values.items():
-        where = recorded.get(name)
-        error = unsortable_keys_error(value, where and (name, where[1]), name, problem)
+        where = notes.get(name)
+        error = unsortable_keys_error(value, where and (name, where[1]), name, _PROBLEMS[context])
         if error is not None:
             return error
     return None
-
-
-
-_PROBLEMS = {"states": _IN_STATES, "threaded": _THREADED}
-
-
-def _states_flatten_error(
-    values: Mapping[str, Any], context: str, err: BaseException, notes: Mapping[str, Any]
-) -> InvalidTypeError | None:
-    return _unsortable_states_error(values, _PROBLEMS[context], err, notes)
 
 
 register_slot_hooks(states_flatten_error=_states_flatten_error)

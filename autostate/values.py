@@ -73,45 +73,26 @@ import jax
 import numpy as np
 
 __all__ = [
-    "Kind",
-    "kind_of",
-    "is_array",
-    "is_array_or_spec",
-    "is_numpy",
-    "is_python_number",
-    "holds_nothing",
-    "is_mutable",
-    "is_mutable_static",
-    "copy_static",
-    "CONCRETE_LEAF_TYPES",
-    "is_iterator",
-    "TAKING_APART",
-    "opaque_items",
-    "leaves_within_opaque",
+    "Kind", "kind_of", "is_array", "is_array_or_spec", "is_numpy", "is_python_number",
+    "holds_nothing", "is_mutable", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
+    "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque",
 ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of value: the answers to the questions above, and its operations.
+    """One kind of value: the answers to the questions the module docstring
+    lists (``array`` ... ``items``; ``spec``: a ``jax.ShapeDtypeStruct``), and
+    its operations (``None`` where the kind has none).
 
     Attributes:
         name: the kind's name, as ``repr`` shows it.
-        array: JAX or numpy array data (a tracer too).
-        numpy: a numpy array or scalar.
-        spec: an abstract array (``jax.ShapeDtypeStruct``).
-        number: a Python number.
-        atom: holds no other value (a number, ``str``, ``bytes``, ``None``).
-        static: never a pytree child of a model.
-        mutable: a builtin container code changes in place.
-        sealed: a collection the model graph does not walk into.
         copy: shallow copy of the same type, for a container an in-place
-            operator would change; ``None`` for values that do not change in place.
-        update: ``(c, key, v) -> copy of c with c[key] = v``; ``None`` if the
-            kind takes no item writes.
-        delete: ``(c, key) -> copy of c without c[key]``; ``None`` if unsupported.
+            operator would change.
+        update: ``(c, key, v) -> copy of c with c[key] = v``.
+        delete: ``(c, key) -> copy of c without c[key]``.
         items: ``c -> its items as a plain dict or list``, for a container JAX
-            may take as one leaf; ``None`` for other kinds.
+            may take as one leaf.
         same: ``(c, contents) -> bool``: whether a mutable container holds
             exactly what ``contents`` (its ``copy``) holds, by identity (an
             item may be a tracer, whose ``==`` would be traced).
@@ -148,26 +129,8 @@ class Kind:
 
 
 def _array_update(a: Any, key: Any, v: Any) -> Any:
+    # (Also another array type with JAX's ``.at``: the only objects taking item writes.)
     return a.at[key].set(v)
-
-
-def _numpy_update(a: Any, key: Any, v: Any) -> Any:
-    out = a.copy()
-    out[key] = v
-    return out
-
-
-def _object_update(c: Any, key: Any, v: Any) -> Any:
-    # Another array type with JAX's ``.at`` (the only objects taking item writes).
-    return c.at[key].set(v)
-
-
-def _list_copy(c: Any) -> Any:
-    return list(c)
-
-
-def _dict_copy(c: Any) -> Any:
-    return dict(c)
 
 
 def _updated_with(copy: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
@@ -195,18 +158,6 @@ def _tuple_update(c: Any, key: Any, v: Any) -> Any:
     return type(c)(*items) if hasattr(c, "_fields") else tuple(items)
 
 
-def _own_dict_items(c: Any) -> dict:
-    return dict(dict.items(c))
-
-
-def _user_dict_items(c: Any) -> dict:
-    return dict(c.data)
-
-
-def _user_list_items(c: Any) -> list:
-    return list(c.data)
-
-
 def _same_items(c: Any, contents: Any) -> bool:
     return len(c) == len(contents) and all(map(operator.is_, c, contents))
 
@@ -223,32 +174,16 @@ def _restore_slice(c: Any, contents: Any) -> None:
     c[:] = contents
 
 
-def _restore_mapping(c: Any, contents: Any) -> None:
-    # (The subclass's own methods: an OrderedDict keeps its order apart from dict's.)
-    c.clear()
-    c.update(contents)
-
-
-def _restore_set(c: Any, contents: Any) -> None:
-    c.clear()
-    c.update(contents)
-
-
 def _restore_deque(c: Any, contents: Any) -> None:
     c.clear()
     c.extend(contents)
 
 
-def _fill_list(new: Any, items: Any, maxlen: int | None) -> None:
-    list.extend(new, items)
-
-
-def _fill_dict(new: Any, items: Any, maxlen: int | None) -> None:
-    new.update(items)  # (the subclass's own: an OrderedDict keeps its order apart)
-
-
-def _fill_deque(new: Any, items: Any, maxlen: int | None) -> None:
-    collections.deque.__init__(new, items, maxlen)
+def _restore_mapping(c: Any, contents: Any) -> None:
+    # (Also a set's. The subclass's own methods: an OrderedDict keeps its order
+    # apart from dict's.)
+    c.clear()
+    c.update(contents)
 
 
 def _fill_user(new: Any, items: Any, maxlen: int | None) -> None:
@@ -264,7 +199,7 @@ _same_type_delete = _deleted_with(_same_type_copy)
 
 ARRAY = Kind("array", array=True, update=_array_update)
 """A JAX array, concrete or traced."""
-NUMPY_ARRAY = Kind("numpy array", array=True, numpy=True, update=_numpy_update)
+NUMPY_ARRAY = Kind("numpy array", array=True, numpy=True, update=_updated_with(np.ndarray.copy))
 NUMPY_SCALAR = Kind("numpy scalar", array=True, numpy=True)
 ARRAY_SPEC = Kind("array spec", spec=True)
 """``jax.ShapeDtypeStruct``: an array's shape and dtype, no data."""
@@ -281,82 +216,43 @@ CODE = Kind("code", static=True)
 """A class, function, method, builtin function or module."""
 
 LIST = Kind(
-    "list",
-    mutable=True,
-    copy=_list_copy,
-    update=_updated_with(_list_copy),
-    delete=_deleted_with(_list_copy),
-    same=_same_items,
-    restore=_restore_slice,
+    "list", mutable=True, copy=list, update=_updated_with(list), delete=_deleted_with(list),
+    same=_same_items, restore=_restore_slice,
 )
 DICT = Kind(
-    "dict",
-    mutable=True,
-    copy=_dict_copy,
-    update=_updated_with(_dict_copy),
-    delete=_deleted_with(_dict_copy),
-    same=_same_mapping,
-    restore=_restore_mapping,
+    "dict", mutable=True, copy=dict, update=_updated_with(dict), delete=_deleted_with(dict),
+    same=_same_mapping, restore=_restore_mapping,
 )
 SET = Kind(
     "set", mutable=True, sealed=True, copy=_same_type_copy, same=_same_value,
-    restore=_restore_set,
+    restore=_restore_mapping,
 )
 BYTEARRAY = Kind(
     "bytearray", mutable=True, copy=_same_type_copy, same=_same_value, restore=_restore_slice
 )
+# The operations of a container copied as its own type (a subclass keeps its class).
+_SAME_TYPE: dict[str, Any] = dict(
+    copy=_same_type_copy, update=_same_type_update, delete=_same_type_delete
+)
 DEQUE = Kind(
-    "deque",
-    mutable=True,
-    sealed=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=list,
-    same=_same_items,
+    "deque", mutable=True, sealed=True, **_SAME_TYPE, items=list, same=_same_items,
     restore=_restore_deque,
-    fill=_fill_deque,
+    fill=lambda new, items, maxlen: collections.deque.__init__(new, items, maxlen),
 )
 LIST_SUBCLASS = Kind(
-    "list subclass",
-    mutable=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=list,
-    same=_same_items,
-    restore=_restore_slice,
-    fill=_fill_list,
+    "list subclass", mutable=True, **_SAME_TYPE, items=list, same=_same_items,
+    restore=_restore_slice, fill=lambda new, items, maxlen: list.extend(new, items),
 )
 """A subclass of ``list``: JAX takes one as one leaf unless it is registered."""
 DICT_SUBCLASS = Kind(
-    "dict subclass",
-    mutable=True,
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_own_dict_items,
-    same=_same_mapping,
-    restore=_restore_mapping,
-    fill=_fill_dict,
+    "dict subclass", mutable=True, **_SAME_TYPE, items=lambda c: dict(dict.items(c)),
+    same=_same_mapping, restore=_restore_mapping,
+    # (The subclass's own ``update``: an OrderedDict keeps its order apart.)
+    fill=lambda new, items, maxlen: new.update(items),
 )
 """A subclass of ``dict`` (``Counter``; ``OrderedDict`` and ``defaultdict``, which JAX flattens)."""
-USER_DICT = Kind(
-    "UserDict",
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_user_dict_items,
-    fill=_fill_user,
-)
-USER_LIST = Kind(
-    "UserList",
-    copy=_same_type_copy,
-    update=_same_type_update,
-    delete=_same_type_delete,
-    items=_user_list_items,
-    fill=_fill_user,
-)
+USER_DICT = Kind("UserDict", **_SAME_TYPE, items=lambda c: dict(c.data), fill=_fill_user)
+USER_LIST = Kind("UserList", **_SAME_TYPE, items=lambda c: list(c.data), fill=_fill_user)
 TUPLE = Kind("tuple", update=_tuple_update)
 NAMED_TUPLE = Kind("named tuple", update=_tuple_update)
 """A tuple subclass with ``_fields`` and ``_make`` (``typing.NamedTuple``: optax's states)."""
@@ -364,15 +260,9 @@ TUPLE_SUBCLASS = Kind("tuple subclass", update=_tuple_update)
 FROZENSET = Kind("frozenset", sealed=True)
 OBJECT = Kind("object", update=None)
 """Anything else: a decorated instance, a plain object, a registered pytree node."""
-ARRAY_LIKE_OBJECT = Kind("object with .at", update=_object_update)
+ARRAY_LIKE_OBJECT = Kind("object with .at", update=_array_update)
 
-_CODE_TYPES = (
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-)
+_CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 # Base type -> kind, most specific first: the first base a type subclasses decides.
 _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
@@ -393,20 +283,9 @@ _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
 )
 
 _KIND_BY_TYPE: dict[type, Kind] = {
-    bool: NUMBER,
-    int: NUMBER,
-    float: NUMBER,
-    complex: NUMBER,
-    str: TEXT,
-    bytes: TEXT,
-    type(None): NONE,
-    list: LIST,
-    dict: DICT,
-    tuple: TUPLE,
-    set: SET,
-    frozenset: FROZENSET,
-    bytearray: BYTEARRAY,
-    collections.deque: DEQUE,
+    bool: NUMBER, int: NUMBER, float: NUMBER, complex: NUMBER, str: TEXT, bytes: TEXT,
+    type(None): NONE, list: LIST, dict: DICT, tuple: TUPLE, set: SET, frozenset: FROZENSET,
+    bytearray: BYTEARRAY, collections.deque: DEQUE,
 }
 
 
@@ -416,10 +295,7 @@ def _classify(t: type) -> Kind:
     if issubclass(t, enum.Enum):
         kind = NUMBER_ENUM if issubclass(t, (int, float, complex)) else ENUM
     elif issubclass(t, tuple):
-        if hasattr(t, "_fields") and hasattr(t, "_make"):
-            kind = NAMED_TUPLE
-        else:
-            kind = TUPLE_SUBCLASS
+        kind = NAMED_TUPLE if hasattr(t, "_fields") and hasattr(t, "_make") else TUPLE_SUBCLASS
     elif issubclass(t, list):
         kind = LIST_SUBCLASS
     elif issubclass(t, dict):

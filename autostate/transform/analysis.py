@@ -224,28 +224,17 @@ def _space_indented(text: str) -> tuple[str, str]:
     return "".join(lines), " " * width
 
 
-def _location(source: MethodSource, line: int, shift: int) -> str:
-    return f"{source.filename}:{line + shift}"
-
-
-def parse_method(class_name: str, source: MethodSource) -> tuple[cst.Module, int]:
-    text, shift = wrapper_source(class_name, source)
-    return _parse(text, shift, class_name, source), shift
-
-
 def _parse(text: str, shift: int, class_name: str, source: MethodSource) -> cst.Module:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise DecorationError(
-            format_error(
-                f"@stateful could not parse the source of {class_name}.{source.key}: "
-                f"{exc.message}",
-                where=_location(source, exc.raw_line, shift),
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        ) from None
+        raise DecorationError(format_error(
+            f"@stateful could not parse the source of {class_name}.{source.key}: "
+            f"{exc.message}",
+            where=f"{source.filename}:{exc.raw_line + shift}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        )) from None
     return module
 
 
@@ -257,17 +246,15 @@ def _method_node(module: cst.Module, class_name: str, source: MethodSource) -> c
     if not isinstance(node, cst.FunctionDef):
         # The lines at the function's first line are no function definition:
         # the file holds other text than the code was compiled from.
-        raise DecorationError(
-            format_error(
-                f"@stateful could not find the source of {class_name}.{source.key}: "
-                f"{source.filename!r} holds no function definition at line {source.first_line} "
-                "(the file was edited after the import, or the code was compiled from other "
-                "text under this file name).",
-                where=f"{source.filename}:{source.first_line}",
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        )
+        raise DecorationError(format_error(
+            f"@stateful could not find the source of {class_name}.{source.key}: "
+            f"{source.filename!r} holds no function definition at line {source.first_line} "
+            "(the file was edited after the import, or the code was compiled from other "
+            "text under this file name).",
+            where=f"{source.filename}:{source.first_line}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        ))
     return node
 
 
@@ -395,12 +382,8 @@ def hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool
     """Whether ``name`` inside ``scope`` is not the enclosing scope's ``name``:
     a parameter, bound there (Python makes it local to the whole body) and not
     declared ``nonlocal``, or declared ``global``."""
-    if not isinstance(scope, cst.ClassDef) and name in _param_names(scope.params):
-        return True
     bound, declared = scope_names(scope)
-    if name in declared:
-        return declared[name]
-    return name in bound
+    return declared[name] if name in declared else name in bound
 
 
 class ReceiverScopes:
@@ -621,14 +604,8 @@ def named_access(
         return None
     if spelling.partition(".")[0].partition("(")[0] in shadowed():
         return None
-    return NamedAccess(
-        kind,
-        name,
-        via,
-        spelling,
-        rest[1].value if kind == "set" else None,
-        kind == "get" and len(rest) == 2,
-    )
+    value = rest[1].value if kind == "set" else None
+    return NamedAccess(kind, name, via, spelling, value, kind == "get" and len(rest) == 2)
 
 
 def locally_bound(function: cst.FunctionDef, names: frozenset[str] = ACCESS_BUILTINS) -> frozenset[str]:
@@ -755,14 +732,13 @@ class _InPlaceAliases(cst.CSTVisitor):
                 self.aliases[key] = (aliased, tuple(self.loops))
                 self.reads[key] = []
 
-    def visit_Assign(self, node: cst.Assign) -> None:
+    def _skip_targets(self, node: cst.Assign | cst.AugAssign) -> None:
         self.skipped.update(id(n) for n in binding_names(node))
+
+    visit_Assign = visit_AugAssign = _skip_targets
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
         self._bind(original_node, original_node.value)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self.skipped.update(id(n) for n in binding_names(node))
 
     def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
         self._bind(original_node, None)
@@ -926,29 +902,8 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             if identifier(name.value) == self.facts.receiver:
                 self.facts.rebinds.append(self._line(name))
 
-    def visit_Import(self, node: cst.Import) -> None:
-        self._binds(node)
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        self._binds(node)
-
-    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
-        self._binds(node)
-
-    def visit_ExceptStarHandler(self, node: cst.ExceptStarHandler) -> None:
-        self._binds(node)
-
-    def visit_MatchAs(self, node: cst.MatchAs) -> None:
-        self._binds(node)
-
-    def visit_MatchStar(self, node: cst.MatchStar) -> None:
-        self._binds(node)
-
-    def visit_MatchMapping(self, node: cst.MatchMapping) -> None:
-        self._binds(node)
-
-    def visit_TypeAlias(self, node: cst.TypeAlias) -> None:
-        self._binds(node)
+    visit_Import = visit_ImportFrom = visit_ExceptHandler = visit_ExceptStarHandler = _binds
+    visit_MatchAs = visit_MatchStar = visit_MatchMapping = visit_TypeAlias = _binds
 
     # targets
     def _target(
@@ -964,15 +919,10 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         item = isinstance(expr, cst.Subscript)
         attr = self._attr(subscript_base(expr))
         if attr is not None and not is_dunder(attr):
-            self.facts.assignments.append(
-                Assignment(
-                    attr,
-                    self._line(expr),
-                    "item" if item else kind,
-                    self.scopes.nested,
-                    None if item else value,
-                )
-            )
+            self.facts.assignments.append(Assignment(
+                attr, self._line(expr), "item" if item else kind, self.scopes.nested,
+                None if item else value,
+            ))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         self._binds(node)
@@ -993,9 +943,11 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
             self._binds(node)
             self._target(node.target, "set", node.value)
 
-    def visit_For(self, node: cst.For) -> None:
+    def _binds_target(self, node: cst.For | cst.NamedExpr) -> None:
         self._binds(node)
         self._target(node.target, "set")
+
+    visit_For = visit_NamedExpr = _binds_target
 
     def visit_CompFor(self, node: cst.CompFor) -> None:
         self._target(node.target, "set")
@@ -1004,10 +956,6 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         self._binds(node)
         if node.asname is not None:
             self._target(node.asname.name, "set")
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._binds(node)
-        self._target(node.target, "set")
 
     def visit_Del(self, node: cst.Del) -> None:
         self._binds(node)
@@ -1174,19 +1122,15 @@ def without_decorator_helpers(class_name: str, methods: Sequence[MethodFacts]) -
 
 
 def _fail(class_name: str, what: str, source: MethodSource, line: int, fix: str) -> DecorationError:
-    return DecorationError(
-        format_error(
-            f"@stateful cannot rewrite class {class_name}: {what}",
-            where=f"{source.filename}:{line} (in {class_name}.{source.key})",
-            fix=fix,
-        )
-    )
+    return DecorationError(format_error(
+        f"@stateful cannot rewrite class {class_name}: {what}",
+        where=f"{source.filename}:{line} (in {class_name}.{source.key})",
+        fix=fix,
+    ))
 
 
 def may_be_object(
-    value: cst.BaseExpression | None,
-    depth: int,
-    bound: Callable[[], frozenset[str]],
+    value: cst.BaseExpression | None, depth: int, bound: Callable[[], frozenset[str]],
     declared: Callable[[str], bool],
 ) -> bool:
     """Whether ``value`` (its items ``depth`` subscripts deep) may be an
@@ -1238,9 +1182,7 @@ def may_be_object(
 
 
 def holds_plain_values(
-    attr: str,
-    methods: Sequence[MethodFacts],
-    depth: int = 0,
+    attr: str, methods: Sequence[MethodFacts], depth: int = 0,
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
 ) -> bool:
     """Whether no value the class's methods assign to ``attr`` (its items
@@ -1311,9 +1253,7 @@ def _declared_value(call: cst.Call) -> cst.BaseExpression | None:
 
 
 def analyze_class(
-    class_name: str,
-    methods: Sequence[MethodFacts],
-    *,
+    class_name: str, methods: Sequence[MethodFacts], *,
     inherited_state: frozenset[str] = frozenset(),
     inherited_initialized: frozenset[str] = frozenset(),
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
@@ -1401,56 +1341,45 @@ def analyze_class(
                 f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
                 f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
                 "would see every such update, here it keeps the value it was given.",
-                src,
-                assignment.line,
+                src, assignment.line,
                 f"read `{facts.receiver}.{attr}` where its current value is meant (a @property "
                 f"`{assignment.attr}` returning it), or assign a copy where the value of this "
                 f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
             )
         touched = facts.touched() & state
-        for attr, line in facts.deletes:
+        receiver = facts.receiver
+        deletes = [(attr, line, f"`del {receiver}.{attr}` deletes state {attr!r}")
+                   for attr, line in facts.deletes]
+        deletes += [
+            (a.name, line, f"`{a.text(receiver or 'self')}` deletes state {a.name!r}, as "
+             f"`del {receiver}.{a.name}` does")
+            for a, line in facts.named_deletes
+        ]
+        for attr, line, what in deletes:
             if attr in state:
                 raise _fail(
-                    class_name,
-                    f"`del {facts.receiver}.{attr}` deletes state {attr!r}; a state cannot be "
-                    "removed from a pure function's inputs.",
-                    src,
-                    line,
-                    f"assign a placeholder instead (`{facts.receiver}.{attr} = None`) or keep "
-                    "the attribute.",
-                )
-        for access, line in facts.named_deletes:
-            if access.name in state:
-                raise _fail(
-                    class_name,
-                    f"`{access.text(facts.receiver or 'self')}` deletes state {access.name!r}, as "
-                    f"`del {facts.receiver}.{access.name}` does; a state cannot be removed from a "
-                    "pure function's inputs.",
-                    src,
-                    line,
-                    f"assign a placeholder instead (`{facts.receiver}.{access.name} = None`) or "
-                    "keep the attribute.",
+                    class_name, f"{what}; a state cannot be removed from a pure function's inputs.",
+                    src, line,
+                    f"assign a placeholder instead (`{receiver}.{attr} = None`) or keep the attribute.",
                 )
         for func, attr, line in facts.reflective:
-            if attr in state and func == "hasattr":
+            if attr not in state:
+                continue
+            if func == "hasattr":
                 raise _fail(
                     class_name,
                     f"`hasattr({facts.receiver}, {attr!r})` tests state {attr!r} by name; a state "
                     "exists from __init__ on, so the rewrite has no test to follow.",
-                    src,
-                    line,
+                    src, line,
                     f"drop the test, and give the state its initial value in __init__ "
                     f"(`{facts.receiver}.{attr} = jnp.zeros(...)`).",
                 )
-            if attr in state:
-                raise _fail(
-                    class_name,
-                    f"`{func}({facts.receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
-                    "which the rewrite cannot follow.",
-                    src,
-                    line,
-                    f"use `{facts.receiver}.{attr}` directly.",
-                )
+            raise _fail(
+                class_name,
+                f"`{func}({receiver}, {attr!r}, ...)` accesses state {attr!r} by name, "
+                "which the rewrite cannot follow.",
+                src, line, f"use `{receiver}.{attr}` directly.",
+            )
         if src.attr != "__init__":
             for (attr, method, line), depth in zip(
                 facts.mutating_calls, facts.mutating_depths, strict=True
@@ -1466,8 +1395,7 @@ def analyze_class(
                         class_name,
                         f"`{facts.receiver}.{attr}.{method}(...)` mutates state {attr!r} in "
                         "place, which a pure function cannot see.",
-                        src,
-                        line,
+                        src, line,
                         f"assign a new value instead, e.g. "
                         f"`{_rebuilt(f'{facts.receiver}.{attr}', method)}`.",
                     )
@@ -1476,8 +1404,7 @@ def analyze_class(
                 class_name,
                 f"the receiver `{facts.receiver}` is rebound in a method that uses state "
                 f"{sorted(touched)[0]!r}.",
-                src,
-                facts.rebinds[0],
+                src, facts.rebinds[0],
                 f"use another local name instead of reassigning `{facts.receiver}`.",
             )
         if touched and (facts.is_async or facts.is_generator):
@@ -1486,8 +1413,7 @@ def analyze_class(
                 class_name,
                 f"{kind} method {src.key!r} uses state {sorted(touched)[0]!r}; its body runs "
                 "after the call that handles state has returned.",
-                src,
-                facts.reads.get(sorted(touched)[0], src.first_line),
+                src, facts.reads.get(sorted(touched)[0], src.first_line),
                 "move the state access into a regular (non-async) method and call it "
                 "before awaiting"
                 if facts.is_async
@@ -1527,13 +1453,10 @@ def analyze_class(
                     f"initial value when the model is built, and no `self.{attr} = ...` runs in "
                     "__init__ or a method it calls (setattr with a computed name and "
                     "self.__dict__ updates are not read).",
-                    facts.source,
-                    first.line,
+                    facts.source, first.line,
                     f"assign an initial value in __init__, e.g. `self.{attr} = jnp.zeros(...)` "
                     f"(or `self.{attr} = autostate.state(...)`).",
                 )
-                # A decorator above @stateful (@dataclass) may initialize it yet.
-                error.uninitialized = attr  # type: ignore[attr-defined]
                 raise error
     return ClassAnalysis(
         class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)

@@ -146,14 +146,13 @@ def compile_method(
         )
     outer = _find_code(_find_code(module_code, class_name), OUTER_NAME)
     code = _find_code(outer, function_name)
-    if sys.version_info >= (3, 11):
-        original = source_lines(filename)
-        changed = {
-            number + pad
-            for number, text in enumerate(source.splitlines(keepends=True), start=1)
-            if not 0 < number + shift <= len(original) or original[number + shift - 1] != text
-        }
-        code = _drop_columns(code, changed)
+    original = source_lines(filename)
+    changed = {
+        number + pad
+        for number, text in enumerate(source.splitlines(keepends=True), start=1)
+        if not 0 < number + shift <= len(original) or original[number + shift - 1] != text
+    }
+    code = _drop_columns(code, changed)
     return _shift_lines(code, shift - pad) if shift != pad else code
 
 
@@ -171,13 +170,13 @@ def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
     return len(nested_a) == len(nested_b) and all(map(_same_code, nested_a, nested_b))
 
 
-def compiles_to(wrapper_source: str, source: Any, shift: int, code: types.CodeType) -> bool:
-    """Whether the (unrewritten) wrapper source of ``source`` compiles to ``code``.
+def compiles_to(wrapper_source: str, source: Any, code: types.CodeType) -> bool:
+    """Whether the (unrewritten) wrapper source of ``source`` compiles to ``code``
+    (line numbers are not compared).
 
     The check that the block found in the file at ``code``'s first line is the
     function that was imported, not another one edited or moved there since.
     """
-    del shift  # line numbers are not compared
     try:
         module_code = compile(
             wrapper_source, source.filename, "exec",
@@ -301,11 +300,6 @@ def cache_key(
     if bundle is None:
         bundle = _BUNDLE_NAMES[digests[0]] = hashlib.sha256(_FINGERPRINT_BYTES + digests[0]).hexdigest()
     return key, bundle
-
-
-def _cache_dir() -> Path | None:
-    name = _cache_dir_name()
-    return None if name is None else Path(name)
 
 
 # The variables the cache's folder depends on, as keys of os.environ's own
@@ -439,9 +433,10 @@ def cache_store(key: str, value: Any, bundle: str | None = None) -> None:
     # Merged with what is on disk now: another process may have added entries.
     entries = {**_read_bundle(name), **_MEMORY_CACHE.get("bundle:" + name, {}), key: value}
     _remember("bundle:" + name, entries)
-    directory = _cache_dir()
-    if directory is None:
+    folder = _cache_dir_name()
+    if folder is None:
         return
+    directory = Path(folder)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")

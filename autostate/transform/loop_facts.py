@@ -297,9 +297,7 @@ def _changed_in_place(node: cst.CSTNode) -> list[tuple[cst.BaseExpression, bool]
     elif isinstance(node, (cst.AugAssign, cst.AnnAssign, cst.Del)):
         targets = [node.target]
     elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        if node.func.attr.value in IN_PLACE_METHODS:
-            return [(node.func.value, False)]
-        return []
+        return [(node.func.value, False)] if node.func.attr.value in IN_PLACE_METHODS else []
     out: list[tuple[cst.BaseExpression, bool]] = []
     while targets:
         target = targets.pop()

@@ -50,13 +50,8 @@ class ClassDecision:
 
 
 def decide_class(
-    cls: type,
-    *,
-    fallback: str | None,
-    bases: Sequence[ClassDecision],
-    previous: ClassDecision | None,
-    state_marker: Any,
-    is_decorated: Callable[[type], bool],
+    cls: type, *, fallback: str | None, bases: Sequence[ClassDecision],
+    previous: ClassDecision | None, state_marker: Any, is_decorated: Callable[[type], bool],
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[ClassDecision, list[source.MethodSlot]]:
     """Decides which attributes of ``cls`` are state and rewrites its methods.
@@ -195,16 +190,14 @@ def _check_layout(cls: type) -> None:
     ]
     if slotted or cls.__dictoffset__ == 0:
         names = ", ".join(f"{k}.{n}" for k, n in slotted) or "no __dict__"
-        raise DecorationError(
-            format_error(
-                f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
-                f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
-                "in the instance __dict__.",
-                where=class_location(cls),
-                fix="remove __slots__ from the class (and its bases), or keep the slotted "
-                "values on an undecorated object outside the model.",
-            )
-        )
+        raise DecorationError(format_error(
+            f"@stateful cannot decorate class {cls.__name__}: it declares __slots__ "
+            f"({names}); autostate keeps every attribute (parameters, states, sub-models) "
+            "in the instance __dict__.",
+            where=class_location(cls),
+            fix="remove __slots__ from the class (and its bases), or keep the slotted "
+            "values on an undecorated object outside the model.",
+        ))
 
 
 def _slot_names(k: type) -> list[str]:
@@ -235,9 +228,7 @@ def class_location(cls: type) -> str | None:
         line = getattr(cls, "__firstlineno__", None)  # Python 3.13+: its first decorator's
     if filename and line is not None:
         return f"{filename}:{line}"
-    if code is not None:
-        return f"{code.co_filename}:{code.co_firstlineno}"
-    return filename
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else filename
 
 
 def _class_statement_line(cls: type, filename: str | None, before: int | None) -> int | None:
@@ -426,30 +417,24 @@ def _read_facts(
     try:
         text = source.method_source(cls, slot)
         facts = _collect_facts(cls.__name__, text, slot.function)
-        same = loader.compiles_to(facts.text, text, facts.shift, slot.function.__code__)
+        same = loader.compiles_to(facts.text, text, slot.function.__code__)
     except (SourceUnavailableError, DecorationError) as exc:
         return None, exc
     if not same:
         code = slot.function.__code__
-        return None, DecorationError(
-            format_error(
-                f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
-                f"{code.co_filename!r} no longer holds the code that was imported at line "
-                f"{code.co_firstlineno} (the file was edited or the function moved).",
-                where=f"{code.co_filename}:{code.co_firstlineno}",
-                fix="reload the module after editing it (importlib.reload), or restart.",
-            )
-        )
+        return None, DecorationError(format_error(
+            f"@stateful could not find the source of {cls.__qualname__}.{slot.key}: "
+            f"{code.co_filename!r} no longer holds the code that was imported at line "
+            f"{code.co_firstlineno} (the file was edited or the function moved).",
+            where=f"{code.co_filename}:{code.co_firstlineno}",
+            fix="reload the module after editing it (importlib.reload), or restart.",
+        ))
     return facts, None
 
 
 def _transform(
-    cls: type,
-    slots: list[source.MethodSlot],
-    inherited: frozenset[str],
-    inherited_init: frozenset[str],
-    state_marker: Any,
-    user_bases: list[type],
+    cls: type, slots: list[source.MethodSlot], inherited: frozenset[str],
+    inherited_init: frozenset[str], state_marker: Any, user_bases: list[type],
     control_flow_name: Callable[[Any], str | None],
 ) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
     """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
@@ -507,11 +492,12 @@ def _transform(
         initialized |= {a.attr for f in facts for a in f.assignments}
     properties = frozenset(_base_properties(cls))
     result = analysis.analyze_class(
-        cls.__name__,
-        facts,
+        cls.__name__, facts,
         # What an undecorated base or mixin assigns is state too: its methods
         # are not rewritten, but reach state through the class's descriptors.
-        inherited_state=inherited | (base_writes - properties - _own_properties(cls)),
+        inherited_state=inherited | (
+            base_writes - properties - {n for n, v in vars(cls).items() if isinstance(v, property)}
+        ),
         inherited_initialized=frozenset(initialized),
         is_state_declaration=is_state_declaration,
         inherited_properties=properties,
@@ -541,27 +527,14 @@ def _transform(
         ):
             continue
         text = rewrite.rewrite_method(
-            method.module,
-            method.function,
-            method.receiver,
-            result.state,
-            method.source.mangle_as or cls.__name__,
-            is_init=slot.attr == "__init__",
-            control=control,
-            shadowed=method.shadowed_outside,
+            method.module, method.function, method.receiver, result.state, class_name,
+            is_init=slot.attr == "__init__", control=control, shadowed=method.shadowed_outside,
             runtime=method.runtime,
         )
-        shift = method.shift
+        code = slot.function.__code__
         codes[slot.key] = loader.compile_method(
-            text,
-            method.source.filename,
-            method.source.mangle_as or cls.__name__,
-            slot.function.__code__.co_name,
-            shift,
-            slot.function.__code__.co_flags,
-            runtime=method.runtime if rolls else None,
-            loops=loops,
-            state=result.state,
+            text, method.source.filename, class_name, code.co_name, method.shift, code.co_flags,
+            runtime=method.runtime if rolls else None, loops=loops, state=result.state,
         )
     return result.state, result.initialized | initialized, codes
 
@@ -572,14 +545,8 @@ def _reads_instance_dict(text: str) -> bool:
     return "__dict__" in text or "vars(" in text
 
 
-def _own_properties(cls: type) -> frozenset[str]:
-    return frozenset(name for name, v in vars(cls).items() if isinstance(v, property))
-
-
 def _check_undecorated_bases(
-    cls: type,
-    bases: list[tuple[type, list[analysis.MethodFacts]]],
-    state_attrs: frozenset[str],
+    cls: type, bases: list[tuple[type, list[analysis.MethodFacts]]], state_attrs: frozenset[str],
     own: list[analysis.MethodFacts],
 ) -> None:
     from autostate.transform import analysis
@@ -594,17 +561,14 @@ def _check_undecorated_bases(
             # An item write is refused on a state, and on a JAX array that is
             # not state (its only write): JAX's arrays do not change in place,
             # and only the rewrite makes it a functional update.
-            changes = [
-                (a.attr, a.line, f"{facts.receiver}.{a.attr}[...] = ...", True)
-                for a in facts.assignments
-                if a.kind == "item"
-            ]
             # So is a PyTorch in-place method (``self.x.mul_(m)``), which only
             # the rewrite makes a write.
-            changes += [
-                (a.attr, a.line, f"{facts.receiver}.{a.attr}.<method>_(...)", True)
+            spelled = {"item": "[...] = ...", "inplace": ".<method>_(...)"}
+            changes = [
+                (a.attr, a.line, f"{facts.receiver}.{a.attr}{spelled[kind]}", True)
+                for kind in spelled
                 for a in facts.assignments
-                if a.kind == "inplace"
+                if a.kind == kind
             ]
             # A method's name is no type (``self.ema.update(x)`` on a sub-model):
             # a call is refused as in a decorated class, where no value
@@ -622,13 +586,11 @@ def _check_undecorated_bases(
                 )
                 if attr in state_attrs or array:
                     kind = "the JAX array" if array else "state"
-                    raise DecorationError(
-                        format_error(
-                            f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
-                            f"class {base.__name__} changes {kind} {attr!r} in place "
-                            f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
-                            "be rewritten.",
-                            where=f"{facts.source.filename}:{line}",
-                            fix=f"decorate {base.__name__} with @autostate.stateful too.",
-                        )
-                    )
+                    raise DecorationError(format_error(
+                        f"@stateful cannot rewrite class {cls.__name__}: its undecorated base "
+                        f"class {base.__name__} changes {kind} {attr!r} in place "
+                        f"(`{what}` in {base.__name__}.{facts.source.key}), which would not "
+                        "be rewritten.",
+                        where=f"{facts.source.filename}:{line}",
+                        fix=f"decorate {base.__name__} with @autostate.stateful too.",
+                    ))

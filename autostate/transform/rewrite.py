@@ -73,23 +73,6 @@ INPLACE_NAMES = {
     "&": "iand", "|": "ior", "^": "ixor",
 }
 
-_AUG_TO_BINARY = {
-    cst.AddAssign: (cst.Add, "+"),
-    cst.SubtractAssign: (cst.Subtract, "-"),
-    cst.MultiplyAssign: (cst.Multiply, "*"),
-    cst.DivideAssign: (cst.Divide, "/"),
-    cst.FloorDivideAssign: (cst.FloorDivide, "//"),
-    cst.ModuloAssign: (cst.Modulo, "%"),
-    cst.PowerAssign: (cst.Power, "**"),
-    cst.MatrixMultiplyAssign: (cst.MatrixMultiply, "@"),
-    cst.LeftShiftAssign: (cst.LeftShift, "<<"),
-    cst.RightShiftAssign: (cst.RightShift, ">>"),
-    cst.BitAndAssign: (cst.BitAnd, "&"),
-    cst.BitOrAssign: (cst.BitOr, "|"),
-    cst.BitXorAssign: (cst.BitXor, "^"),
-}
-
-
 
 
 def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
@@ -207,24 +190,13 @@ def _narrowed(expr: cst.BaseExpression) -> cst.BaseExpression:
     return expr
 
 
-def _parenthesized(expr: cst.BaseExpression) -> cst.BaseExpression:
-    return expr.with_changes(lpar=[cst.LeftParen(), *expr.lpar], rpar=[*expr.rpar, cst.RightParen()])
-
-
 class StateRewriter(ScopeVisits, cst.CSTTransformer):
     """Rewrites one method (see the module docstring for the table)."""
 
     def __init__(
-        self,
-        method: cst.FunctionDef,
-        receiver: str,
-        state: frozenset[str],
-        class_name: str,
-        *,
-        is_init: bool,
-        control: Mapping[str, str] | None = None,
-        shadowed: frozenset[str] = frozenset(),
-        runtime: str = RUNTIME_NAME,
+        self, method: cst.FunctionDef, receiver: str, state: frozenset[str], class_name: str, *,
+        is_init: bool, control: Mapping[str, str] | None = None,
+        shadowed: frozenset[str] = frozenset(), runtime: str = RUNTIME_NAME,
     ):
         super().__init__()
         self.runtime = runtime
@@ -256,6 +228,10 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
 
     def _call(self, name: str, *args: cst.BaseExpression) -> cst.Call:
         return cst.Call(func=self._runtime(name), args=[cst.Arg(a) for a in args])
+
+    def _write(self, attr: str, value: cst.BaseExpression) -> cst.Call:
+        """``self.<attr> = value`` as the runtime's call (``init`` in ``__init__``)."""
+        return self._call("init" if self.is_init else "set", self._receiver(), _string(attr), value)
 
     def _state_attr(self, expr: cst.CSTNode) -> str | None:
         attr = self.scopes.attr_of(expr)
@@ -309,19 +285,15 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         return self._proxy(expr) is not expr
 
     # patterns
-    def visit_MatchValue(self, node: cst.MatchValue) -> None:
+    def _enter_pattern(self, node: cst.MatchValue | cst.MatchMappingElement) -> None:
         self._in_pattern += 1
 
-    def leave_MatchValue(self, original_node, updated_node):
+    def _leave_pattern(self, original_node, updated_node):
         self._in_pattern -= 1
         return updated_node
 
-    def visit_MatchMappingElement(self, node: cst.MatchMappingElement) -> None:
-        self._in_pattern += 1
-
-    def leave_MatchMappingElement(self, original_node, updated_node):
-        self._in_pattern -= 1
-        return updated_node
+    visit_MatchValue = visit_MatchMappingElement = _enter_pattern
+    leave_MatchValue = leave_MatchMappingElement = _leave_pattern
 
     # control flow
     def _control(self, original: cst.BaseExpression, updated: cst.BaseExpression):
@@ -540,8 +512,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             target = targets[0].target
             attr = self._state_attr(target)
             if attr is not None:
-                name = "init" if self.is_init else "set"
-                call = self._call(name, self._receiver(), _string(attr), updated_node.value)
+                call = self._write(attr, updated_node.value)
                 # What precedes the value (the target and ``=``) is left out.
                 return _statement(_keep_lines(call, _code(targets[0]), before=2), updated_node)
             base_attr = self._state_attr(subscript_base(target))
@@ -561,12 +532,9 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             targets=[t.with_changes(target=self._proxy(t.target)) for t in targets]
         )
 
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._mark(node.target)
-
     def leave_AugAssign(self, original_node, updated_node):
         target = updated_node.target
-        _, symbol = _AUG_TO_BINARY[type(updated_node.operator)]
+        symbol = _code(updated_node.operator).strip(" \t\f\\\r\n")[:-1]  # `` += `` -> ``+``
         attr = self._state_attr(target)
         if attr is not None:
             current = self._call("get", self._receiver(), _string(attr))
@@ -611,8 +579,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         # The annotation and ``=`` are left out (the target too, for a state).
         dropped = _annotation_code(updated_node.annotation) + _code(*_present(updated_node.equal))
         if attr is not None:
-            name = "init" if self.is_init else "set"
-            call = self._call(name, self._receiver(), _string(attr), updated_node.value)
+            call = self._write(attr, updated_node.value)
             return _statement(
                 _keep_lines(call, _code(updated_node.target) + dropped, before=2), updated_node
             )
@@ -628,17 +595,14 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
             semicolon=updated_node.semicolon,
         )
 
-    def visit_For(self, node: cst.For) -> None:
+    def _mark_target(self, node: cst.For | cst.CompFor | cst.Del | cst.AugAssign) -> None:
         self._mark(node.target)
 
-    def leave_For(self, original_node, updated_node):
+    def _proxy_target(self, original_node, updated_node):
         return updated_node.with_changes(target=self._proxy(updated_node.target))
 
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._mark(node.target)
-
-    def leave_CompFor(self, original_node, updated_node):
-        return updated_node.with_changes(target=self._proxy(updated_node.target))
+    visit_For = visit_CompFor = visit_Del = visit_AugAssign = _mark_target
+    leave_For = leave_CompFor = leave_Del = _proxy_target
 
     def visit_WithItem(self, node: cst.WithItem) -> None:
         if node.asname is not None:
@@ -650,12 +614,6 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         return updated_node.with_changes(
             asname=updated_node.asname.with_changes(name=self._proxy(updated_node.asname.name))
         )
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._mark(node.target)
-
-    def leave_Del(self, original_node, updated_node):
-        return updated_node.with_changes(target=self._proxy(updated_node.target))
 
 
 def _self_documenting(
@@ -726,16 +684,9 @@ def _literal_text(text: str, quote: str) -> str:
 
 
 def rewrite_method(
-    module: cst.Module,
-    method: cst.FunctionDef,
-    receiver: str | None,
-    state: frozenset[str],
-    class_name: str,
-    *,
-    is_init: bool,
-    control: Mapping[str, str] | None = None,
-    shadowed: frozenset[str] = frozenset(),
-    runtime: str = RUNTIME_NAME,
+    module: cst.Module, method: cst.FunctionDef, receiver: str | None, state: frozenset[str],
+    class_name: str, *, is_init: bool, control: Mapping[str, str] | None = None,
+    shadowed: frozenset[str] = frozenset(), runtime: str = RUNTIME_NAME,
 ) -> str:
     """Returns the wrapper module's source with ``method`` rewritten.
 

@@ -196,86 +196,53 @@ def find_methods(cls: type) -> list[MethodSlot]:
             setattr(cls, a, obj)
 
     slots: list[MethodSlot] = []
+
+    def add(
+        attr: str, value: Any, fn: Any, put: Callable[..., None] | None, *, key: str = "",
+        part: str = "", receiver: bool = True,
+    ) -> None:
+        """A slot for ``fn`` (if it is a function), put back by ``put(aliases, new)``;
+        ``put=None``: ``fn`` is the innermost function of the wrapper ``value``."""
+        if not isinstance(fn, types.FunctionType):
+            return
+        check = None
+        if put is None:
+            put = functools.partial(_install_in_wrapper, cls, value, fn)
+            check = functools.partial(_check_in_wrapper, cls, value, fn)
+        slots.append(MethodSlot(key or attr, attr, fn, receiver, installer(value, part, put), check=check))
+
     for attr, value in items:
         if isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
             fn = _wrapped_function(value.__wrapped__)
             if fn is not None:
-                slots.append(
-                    MethodSlot(
-                        attr, attr, fn, True,
-                        installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
-                        check=functools.partial(_check_in_wrapper, cls, value, fn),
-                    )
-                )
+                add(attr, value, fn, None)
                 # The wrapper runs as the method too (``self.calls += 1`` around
                 # the call): analysed and rewritten as well, sharing its cells,
                 # so it calls the rewritten function above.
-                slots.append(
-                    MethodSlot(f"{attr}.<wrapper>", attr, value, True, installer(value, "wrapper", set_all))
-                )
+                add(attr, value, value, set_all, key=f"{attr}.<wrapper>", part="wrapper")
         elif isinstance(value, types.FunctionType):
-            slots.append(MethodSlot(attr, attr, value, True, installer(value, "", set_all)))
+            add(attr, value, value, set_all)
         elif isinstance(value, (staticmethod, classmethod)):
-            fn = value.__func__  # type: ignore[assignment]
-            if isinstance(fn, types.FunctionType):
-                kind = type(value)
-                slots.append(
-                    MethodSlot(
-                        attr, attr, fn, False,
-                        installer(value, "", lambda aliases, new, k=kind: set_all(aliases, k(new))),
-                    )
-                )
+            kind = type(value)
+            add(attr, value, value.__func__, lambda aliases, new, k=kind: set_all(aliases, k(new)),
+                receiver=False)
         elif isinstance(value, functools.partialmethod):
-            fn = value.func  # type: ignore[assignment]
-            if isinstance(fn, types.FunctionType):
-                slots.append(
-                    MethodSlot(
-                        attr, attr, fn, True,
-                        installer(value, "", lambda aliases, new, p=value: set_all(
-                            aliases, functools.partialmethod(new, *p.args, **p.keywords))),
-                    )
-                )
+            add(attr, value, value.func, lambda aliases, new, p=value: set_all(
+                aliases, functools.partialmethod(new, *p.args, **p.keywords)))
         elif isinstance(value, functools.cached_property):
-            fn = value.func  # type: ignore[assignment]
-            if isinstance(fn, types.FunctionType):
-                slots.append(
-                    MethodSlot(
-                        attr, attr, fn, True,
-                        installer(value, "", lambda aliases, new: _set_cached(cls, aliases, new)),
-                    )
-                )
+            add(attr, value, value.func, lambda aliases, new: _set_cached(cls, aliases, new))
         elif isinstance(value, functools.singledispatchmethod):
             # The function per registered type (``object``: the undecorated
             # one); each rewritten one is registered again for its type.
             for klass, fn in value.dispatcher.registry.items():  # type: ignore[assignment]
-                if isinstance(fn, types.FunctionType):
-                    key = attr if klass is object else f"{attr}[{klass.__module__}.{klass.__qualname__}]"
-                    slots.append(
-                        MethodSlot(
-                            key, attr, fn, True,
-                            installer(value, key, lambda _a, new, d=value, k=klass: _register(d, k, new)),
-                        )
-                    )
+                key = attr if klass is object else f"{attr}[{klass.__module__}.{klass.__qualname__}]"
+                add(attr, value, fn, lambda _a, new, d=value, k=klass: _register(d, k, new), key=key, part=key)
         elif isinstance(value, property):
             for part in ("fget", "fset", "fdel"):
-                fn = getattr(value, part)
-                if isinstance(fn, types.FunctionType):
-                    slots.append(
-                        MethodSlot(
-                            f"{attr}.{part}", attr, fn, True,
-                            installer(value, part, lambda aliases, new, p=part: _replace_property_part(cls, aliases, p, new)),
-                        )
-                    )
+                add(attr, value, getattr(value, part), key=f"{attr}.{part}", part=part,
+                    put=lambda aliases, new, p=part: _replace_property_part(cls, aliases, p, new))
         else:
-            fn = _wrapped_function(value)
-            if fn is not None:
-                slots.append(
-                    MethodSlot(
-                        attr, attr, fn, True,
-                        installer(value, "", lambda _a, new, w=value, old=fn: _install_in_wrapper(cls, w, old, new)),
-                        check=functools.partial(_check_in_wrapper, cls, value, fn),
-                    )
-                )
+            add(attr, value, _wrapped_function(value), None)
     found = []
     for slot in slots:
         slot.function = original_of(slot.function)
@@ -332,7 +299,7 @@ def _replace_property_part(
         setattr(cls, attr, new)
 
 
-def _install_in_wrapper(cls: type, wrapper: Any, old: Any, new: types.FunctionType) -> None:
+def _install_in_wrapper(cls: type, wrapper: Any, old: Any, _aliases: Any, new: types.FunctionType) -> None:
     _check_in_wrapper(cls, wrapper, old)  # before changing anything: a failure changes nothing
     replace_in_wrapper(wrapper, old, new)
 
@@ -343,18 +310,16 @@ def _check_in_wrapper(cls: type, wrapper: Any, old: Any) -> None:
 
 
 def _unreachable_wrapper(cls: type, old: Any) -> DecorationError:
-    return DecorationError(
-        format_error(
-            f"@stateful cannot reach the function inside the decorator wrapping "
-            f"{cls.__name__}.{old.__name__}, which uses state.",
-            where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
-            fix="write the decorator with functools.wraps and a closure over the wrapped "
-            "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
-            "a method, use @autostate.checkpoint; for @jax.jit on a method, compile it "
-            "from outside with `autostate.jit(model.method)`, or call `jax.jit(...)` "
-            "inside the method.",
-        )
-    )
+    return DecorationError(format_error(
+        f"@stateful cannot reach the function inside the decorator wrapping "
+        f"{cls.__name__}.{old.__name__}, which uses state.",
+        where=f"{old.__code__.co_filename}:{old.__code__.co_firstlineno}",
+        fix="write the decorator with functools.wraps and a closure over the wrapped "
+        "function, or apply it outside @stateful; for @jax.checkpoint / @jax.remat on "
+        "a method, use @autostate.checkpoint; for @jax.jit on a method, compile it "
+        "from outside with `autostate.jit(model.method)`, or call `jax.jit(...)` "
+        "inside the method.",
+    ))
 
 
 def source_lines(filename: str) -> list[str]:
@@ -385,39 +350,29 @@ def method_source(cls: type, slot: MethodSlot) -> MethodSource:
     try:
         block = read_block(code)
     except (tokenize.TokenError, SyntaxError):
-        raise DecorationError(
-            format_error(
-                f"@stateful could not read the source of {cls.__qualname__}.{slot.key}: "
-                f"{code.co_filename!r} no longer holds a complete definition there.",
-                where=f"{code.co_filename}:{first}",
-                fix="make sure the file on disk matches the code that was imported "
-                "(reload the module after editing it).",
-            )
-        ) from None
+        raise DecorationError(format_error(
+            f"@stateful could not read the source of {cls.__qualname__}.{slot.key}: "
+            f"{code.co_filename!r} no longer holds a complete definition there.",
+            where=f"{code.co_filename}:{first}",
+            fix="make sure the file on disk matches the code that was imported "
+            "(reload the module after editing it).",
+        )) from None
     if block is None:
-        raise SourceUnavailableError(
-            format_error(
-                f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
-                f"{code.co_filename!r} has none (a class built by exec/eval or in an "
-                "interactive session without source).",
-                where=f"{code.co_filename}:{first}",
-                fix="define the class in a .py file (or a notebook cell), so its source "
-                "can be read.",
-            )
-        )
+        raise SourceUnavailableError(format_error(
+            f"@stateful needs the source of {cls.__qualname__}.{slot.key}, but "
+            f"{code.co_filename!r} has none (a class built by exec/eval or in an "
+            "interactive session without source).",
+            where=f"{code.co_filename}:{first}",
+            fix="define the class in a .py file (or a notebook cell), so its source "
+            "can be read.",
+        ))
     text = "".join(block)
     if not text.endswith("\n"):
         text += "\n"
     mangle_as = mangling_class(slot.function) or "_"
     return MethodSource(
-        key=slot.key,
-        attr=slot.attr,
-        filename=code.co_filename,
-        first_line=first,
-        text=text,
-        freevars=code.co_freevars,
-        has_receiver=slot.has_receiver,
-        mangle_as=mangle_as,
+        key=slot.key, attr=slot.attr, filename=code.co_filename, first_line=first, text=text,
+        freevars=code.co_freevars, has_receiver=slot.has_receiver, mangle_as=mangle_as,
         code_name=code.co_name,
         global_names=(code.co_name,) if _reads_global(code, mangle(mangle_as, code.co_name)) else (),
     )

@@ -22,17 +22,9 @@ import libcst as cst
 from libcst._nodes import op as _op
 
 _TOKENS: tuple[type, ...] = (
-    cst.BaseParenthesizableWhitespace,
-    cst.EmptyLine,
-    cst.TrailingWhitespace,
-    cst.Newline,
-    cst.Comment,
-    cst.LeftParen,
-    cst.RightParen,
-    cst.LeftSquareBracket,
-    cst.RightSquareBracket,
-    cst.LeftCurlyBrace,
-    cst.RightCurlyBrace,
+    cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitespace, cst.Newline,
+    cst.Comment, cst.LeftParen, cst.RightParen, cst.LeftSquareBracket, cst.RightSquareBracket,
+    cst.LeftCurlyBrace, cst.RightCurlyBrace,
     *(
         t for t in vars(_op).values()
         if isinstance(t, type) and issubclass(t, cst.CSTNode) and t.__module__ == _op.__name__
@@ -141,9 +133,7 @@ def transform(node: cst.CSTNode, transformer: cst.CSTTransformer) -> Any:
                     changes[name] = new
         if changes:
             updated = node.with_changes(**changes)
-    if leave is not None:
-        return leave(transformer, node, updated)
-    return updated
+    return leave(transformer, node, updated) if leave is not None else updated
 
 
 def _transform_sequence(values: Any, transformer: cst.CSTTransformer) -> list[Any] | None:
