@@ -59,7 +59,7 @@ from autostate.lifetime import (
 )
 from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
-from autostate.transform.method import INPLACE_TENSOR_METHODS
+from autostate.transform.method import INPLACE_OPERATORS, INPLACE_TENSOR_METHODS
 from autostate.unsortable import unsortable_keys_error
 
 _MISSING = object()
@@ -657,23 +657,10 @@ def _inplace(op: Any) -> Any:
     return apply
 
 
-iadd = _inplace(operator.iadd)
-isub = _inplace(operator.isub)
-imul = _inplace(operator.imul)
-itruediv = _inplace(operator.itruediv)
-ifloordiv = _inplace(operator.ifloordiv)
-imod = _inplace(operator.imod)
-ipow = _inplace(operator.ipow)
-imatmul = _inplace(operator.imatmul)
-ilshift = _inplace(operator.ilshift)
-irshift = _inplace(operator.irshift)
-iand = _inplace(operator.iand)
-ior = _inplace(operator.ior)
-ixor = _inplace(operator.ixor)
-_INPLACE = {
-    "+": iadd, "-": isub, "*": imul, "/": itruediv, "//": ifloordiv, "%": imod, "**": ipow,
-    "@": imatmul, "<<": ilshift, ">>": irshift, "&": iand, "|": ior, "^": ixor,
-}
+# The runtime function of each in-place operator, by the name generated code
+# calls (``__autostate__.iadd`` for ``+=``: ``transform.method.INPLACE_OPERATORS``).
+_INPLACE = {op: _inplace(getattr(operator, name)) for op, name in INPLACE_OPERATORS.items()}
+globals().update({name: _INPLACE[op] for op, name in INPLACE_OPERATORS.items()})
 
 
 class _Item:
@@ -839,10 +826,7 @@ class InPlace:
                 )
             ) from None
         new = self._kept_like(part, new, method)
-        if self.keys:
-            new_whole = _set_path(whole, self.keys, new)
-        else:
-            new_whole = new
+        new_whole = _set_path(whole, self.keys, new) if self.keys else new
         if self.own:
             set(self.obj, self.name, new_whole)
         else:

@@ -34,6 +34,13 @@ IN_PLACE_METHODS = frozenset(
     {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
      "sort", "reverse", "add", "discard", "fill", "resize", "itemset", "__setitem__", "__delitem__"}
 )
+# The runtime function of each in-place operator (``iadd`` for ``+=``): it
+# follows ``__iadd__`` like Python, on a copy of a list, dict or set state.
+INPLACE_OPERATORS = {
+    "+": "iadd", "-": "isub", "*": "imul", "/": "itruediv", "//": "ifloordiv",
+    "%": "imod", "**": "ipow", "@": "imatmul", "<<": "ilshift", ">>": "irshift",
+    "&": "iand", "|": "ior", "^": "ixor",
+}
 # PyTorch's in-place tensor methods (the trailing underscore), each with what
 # it means: name -> (its parameters after the tensor ``x``, the new value of
 # ``x`` as a functional expression, how that value may be cast into ``x``'s

@@ -63,16 +63,7 @@ from autostate.transform.analysis import (
     named_access,
     subscript_base,
 )
-from autostate.transform.method import SCOPE_LISTERS
-
-# The runtime function of each in-place operator (``iadd`` for ``+=``): it
-# follows ``__iadd__`` like Python, on a copy of a list, dict or set state.
-INPLACE_NAMES = {
-    "+": "iadd", "-": "isub", "*": "imul", "/": "itruediv", "//": "ifloordiv",
-    "%": "imod", "**": "ipow", "@": "imatmul", "<<": "ilshift", ">>": "irshift",
-    "&": "iand", "|": "ior", "^": "ixor",
-}
-
+from autostate.transform.method import INPLACE_OPERATORS, SCOPE_LISTERS
 
 
 def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
@@ -539,7 +530,7 @@ class StateRewriter(ScopeVisits, cst.CSTTransformer):
         if attr is not None:
             current = self._call("get", self._receiver(), _string(attr))
             combined = _keep_lines(
-                self._call(INPLACE_NAMES[symbol], current, updated_node.value),
+                self._call(INPLACE_OPERATORS[symbol], current, updated_node.value),
                 _code(target, updated_node.operator),  # what precedes the value
                 before=1,
             )

@@ -1425,7 +1425,7 @@ def test_match_value_patterns_and_doubly_nested_f_strings_stay_dotted_names():
 def test_in_place_runtime_operators_copy_mutable_containers(op, start, operand, expected):
     from autostate import runtime
 
-    function = getattr(runtime, rewrite.INPLACE_NAMES[op])
+    function = getattr(runtime, rewrite.INPLACE_OPERATORS[op])
     result = function(start, operand)
     assert result == expected and result is not start
     assert start != expected  # the old value is unchanged
