@@ -131,8 +131,8 @@ _SUBMODULES = ("walk", "witness")
 
 def __getattr__(name: str) -> Any:
     """A name of ``walk`` or ``witness``, read for the first time: both are
-    imported, and their names become the package's own (a later read is a
-    plain attribute's)."""
+    imported, and the names ``__all__`` lists become the package's own (a
+    later read is a plain attribute's)."""
     if name.startswith("__") or name in _SUBMODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
@@ -140,8 +140,9 @@ def __getattr__(name: str) -> Any:
     space = globals()
     for submodule in _SUBMODULES:
         module = importlib.import_module(f"{__name__}.{submodule}")
-        for public in module.__all__:
-            space.setdefault(public, getattr(module, public))
+        for public in __all__:
+            if public not in space and hasattr(module, public):
+                space[public] = getattr(module, public)
     if name not in space:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return space[name]

@@ -210,22 +210,28 @@ def register_node_kind(cls: type, **fields: Any) -> NodeKind:
     return kind
 
 
+# The views that copy one field each: a set holds the types whose field is
+# true, a dict maps a type to its field's value where it is set.
+_FIELD_VIEWS: tuple[tuple[str, set[type] | dict[type, Any]], ...] = (
+    ("model_child", MODEL_CHILD), ("canonical", CANONICAL), ("shared", SHARED_NODES),
+    ("running", RUNNING), ("held", HELD), ("own_value", OWN_VALUE_SLOTS),
+    ("from_leaves", FROM_LEAVES),
+)
+
+
 def _install(kind: NodeKind) -> None:
     """Puts ``kind`` in the registry and its fields in the views."""
     cls = kind.type
     KINDS[cls] = kind
+    for field, view in _FIELD_VIEWS:
+        value = getattr(kind, field)
+        if isinstance(view, set):
+            if value:
+                view.add(cls)
+        elif value is not None:
+            view[cls] = value
     if kind.by_identity:
         STATEFUL_CLASSES[cls] = kind.after_copy
-    if kind.model_child:
-        MODEL_CHILD.add(cls)
-    if kind.canonical is not None:
-        CANONICAL[cls] = kind.canonical
-    if kind.shared:
-        SHARED_NODES.add(cls)
-    if kind.running is not None:
-        RUNNING[cls] = kind.running
-    if kind.held is not None:
-        HELD[cls] = kind.held
     if kind.witnessed is not None or kind.immutable:
         WITNESSED[cls] = kind.witnessed
     reached = kind.reached
@@ -237,10 +243,6 @@ def _install(kind: NodeKind) -> None:
             reached = lambda node: [stacked(node)]  # noqa: E731
     if reached is not None:
         REACHED[cls] = (reached, reached_role(cls, kind.by_identity))
-    if kind.own_value:
-        OWN_VALUE_SLOTS.add(cls)
-    if kind.from_leaves is not None:
-        FROM_LEAVES[cls] = kind.from_leaves
 
 
 def set_after_copy(cls: type, after_copy: Callable[[Any], None] | None) -> None:

@@ -71,36 +71,6 @@ from autostate.graph.kinds import (
 from autostate.tree import INFO_ATTR, StaticLeaf
 from autostate.values import copy_static, is_array_or_spec, is_mutable_static, kind_of
 
-__all__ = [
-    "GraphDef",
-    "changed_statics",
-    "children_of",
-    "code_reaches",
-    "flatten_graph",
-    "graph_unchanged",
-    "holds_instance",
-    "instance_ids",
-    "instances",
-    "instances_of",
-    "is_dynamic",
-    "is_model_child",
-    "is_pytree_node",
-    "is_static_leaf",
-    "iter_tree",
-    "leaf_attributes",
-    "map_tree",
-    "mutable_statics",
-    "on_jax_grad",
-    "plain_attributes",
-    "reachable_instances",
-    "rebuild_instances",
-    "restore_statics",
-    "register_stateful_class",
-    "rewrite_attributes",
-    "unflatten_graph",
-]
-
-
 
 def _flatten_one_level(node: Any):
     """Children (with their path strings) of a registered pytree node, or None."""
@@ -147,9 +117,7 @@ def is_dynamic(value: Any) -> bool:
     vkind = kind_of(value)
     if vkind.static:
         return False
-    if t in MODEL_CHILD:
-        return True
-    if vkind.array or vkind.spec:
+    if t in MODEL_CHILD or vkind.array or vkind.spec:
         return True
     if t is list or t is tuple:
         return any(is_dynamic(v) for v in value)
@@ -191,22 +159,19 @@ def _wrap_statics(value: Any, path: tuple = ()) -> tuple[Any, tuple]:
     else:
         return value, ()
     positions: list[tuple] = []
-    changed = False
     out = []
     for k, v in items:
         if is_static_leaf(v):
             out.append((k, StaticLeaf(v)))
             positions.append((*path, k))
-            changed = True
-            continue
-        new, sub = _wrap_statics(v, (*path, k))
-        positions.extend(sub)
-        changed = changed or new is not v
-        out.append((k, new))
-    if not changed:
+        else:
+            new, sub = _wrap_statics(v, (*path, k))  # (``v`` itself where ``sub`` is empty)
+            positions.extend(sub)
+            out.append((k, new))
+    if not positions:
         return value, ()
     if t is dict:
-        return {k: v for k, v in out}, tuple(positions)
+        return dict(out), tuple(positions)
     return t(v for _, v in out), tuple(positions)
 
 
@@ -214,13 +179,9 @@ def _replace_at(value: Any, path: tuple, fn: Callable[[Any], Any]) -> Any:
     if not path:
         return fn(value)
     head, rest = path[0], path[1:]
-    if type(value) is dict:
-        out = dict(value)
-        out[head] = _replace_at(value[head], rest, fn)
-        return out
-    items = list(value)
+    items = dict(value) if type(value) is dict else list(value)
     items[head] = _replace_at(items[head], rest, fn)
-    return type(value)(items)
+    return items if type(value) is dict else type(value)(items)
 
 
 def _wrap_at(value: Any, positions: tuple) -> Any:

@@ -28,9 +28,6 @@ from autostate import values as _values
 from autostate.graph.kinds import STATEFUL_CLASSES, WITNESSED
 from autostate.values import kind_of
 
-__all__ = ["Witness"]
-
-
 
 class Witness:
     """What a set of instances held, by identity: ``unchanged()`` says whether
