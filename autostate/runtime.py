@@ -980,12 +980,6 @@ class InstanceDict(dict):
         value = self._obj.__dict__[key]
         return value.read() if is_slot(value) else value
 
-    def get(self, key: Any, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
     def _keys(self) -> list[Any]:
         return [k for k in self._obj.__dict__ if k not in _HIDDEN_KEYS]
 
@@ -1001,14 +995,11 @@ class InstanceDict(dict):
     def __contains__(self, key: object) -> bool:
         return key in self._obj.__dict__ and key not in _HIDDEN_KEYS
 
-    def keys(self) -> Any:
-        return collections.abc.KeysView(self)
-
-    def values(self) -> Any:
-        return collections.abc.ValuesView(self)
-
-    def items(self) -> Any:
-        return collections.abc.ItemsView(self)
+    # (As a mapping makes them from its reads: ``dict``'s own read the raw slots.)
+    get = collections.abc.Mapping.get  # type: ignore[assignment]
+    keys = collections.abc.Mapping.keys  # type: ignore[assignment]
+    values = collections.abc.Mapping.values  # type: ignore[assignment]
+    items = collections.abc.Mapping.items  # type: ignore[assignment]
 
     def copy(self) -> dict[Any, Any]:
         return {key: self[key] for key in self}
