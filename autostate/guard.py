@@ -77,19 +77,6 @@ from autostate.errors import (
     user_location,
 )
 
-__all__ = [
-    "CAPTURED",
-    "Guard",
-    "check_write",
-    "eager_lax_body",
-    "explain_traced_value",
-    "is_guarded",
-    "lax_body_of",
-    "refuse_submodel_swap",
-    "register_view",
-    "traced_numbers",
-]
-
 _ABSENT: Any = object()
 
 CAPTURED = "a list or dict it captures"
