@@ -414,7 +414,6 @@ class FunctionalModel(Generic[M]):
             # A callable the instance holds (``model.forward = types.MethodType(fn,
             # model)``, PyTorch's way of replacing one model's method): called as
             # plain Python calls ``model.forward(...)``, on f's copy.
-            held = model.__dict__.get(name)
             if (
                 callable(held)
                 and not isinstance(held, (StateSlot, type))
