@@ -230,11 +230,6 @@ def _enclosing_traces(trace: Any) -> set[int]:
     return set(map(id, _trace_chain(trace)))
 
 
-def _live_traces() -> set[int]:
-    """Ids of the running trace and of the traces it runs inside."""
-    return _enclosing_traces(current_trace())
-
-
 def _tracers(value: Any) -> tuple[list[Any], bool]:
     """The tracers among ``value``'s leaves, and whether ``value`` holds a dict
     whose keys do not sort (a state eager Python keeps, but that JAX cannot
@@ -327,7 +322,7 @@ def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
     where = (name or "?", user_location()) if unsortable else None
     if not tracers:
         return where
-    live = _live_traces()
+    live = _enclosing_traces(current_trace())
     if all(id(_trace_of(t)) in live for t in tracers):
         return where
     check_not_traced(value, name)
