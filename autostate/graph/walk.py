@@ -830,28 +830,16 @@ def register_stateful_class(
         )
         register_node_kind(
             cls,
-            children=_instance_children,
+            children=lambda obj: [("." + k, v) for k, v in obj.__dict__.items()],
             by_identity=True,
-            empty=_empty_instance,
+            empty=lambda obj: object.__new__(type(obj)),
             fill=_fill_instance,
             model_child=True,
             after_copy=after_copy,
-            reached=_instance_reached,
+            reached=lambda obj: obj.__dict__.values(),
         )
     elif kind.after_copy is not after_copy:
         set_after_copy(cls, after_copy)
-
-
-def _instance_reached(obj: Any) -> Iterable[Any]:
-    return obj.__dict__.values()
-
-
-def _instance_children(obj: Any) -> list[tuple[str, Any]]:
-    return [("." + k, v) for k, v in obj.__dict__.items()]
-
-
-def _empty_instance(obj: Any) -> Any:
-    return object.__new__(type(obj))
 
 
 def _fill_instance(new: Any, obj: Any, children: list[Any]) -> None:
