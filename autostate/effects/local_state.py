@@ -771,11 +771,6 @@ def _category_predicate(
     return lambda c: c == category
 
 
-def _check_sharing_mode(state_sharing: str) -> None:
-    if state_sharing not in ("forbidden", "allowed", "unsafe"):
-        raise sharing_mode_error(state_sharing)
-
-
 # Typed by ``lazy``: the states dict, or (lazy=True) a function that builds it.
 @overload
 def handle_local_states(
@@ -864,7 +859,8 @@ def handle_local_states(
         'FrozenLocalStateRequest'
     """
     predicate = _category_predicate(category, category_predicate)
-    _check_sharing_mode(state_sharing)
+    if state_sharing not in ("forbidden", "allowed", "unsafe"):
+        raise sharing_mode_error(state_sharing)
     if handler_id is None:
         handler_id = fresh_handler_id()
     initializers: dict[str, Callable[[], Any]] = {}
