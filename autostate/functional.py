@@ -707,15 +707,11 @@ def _serialize_aux(aux: tuple) -> bytes:
     return buffer.getvalue()
 
 
-def _deserialize_aux(data: bytes) -> tuple:
-    return _AuxUnpickler(io.BytesIO(data)).load()
-
-
 jax.export.register_pytree_node_serialization(
     FunctionalModel,
     serialized_name="autostate.FunctionalModel",
     serialize_auxdata=_serialize_aux,
-    deserialize_auxdata=_deserialize_aux,
+    deserialize_auxdata=lambda data: _AuxUnpickler(io.BytesIO(data)).load(),
 )
 
 

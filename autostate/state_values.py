@@ -136,10 +136,6 @@ def makes_static_state(value: Any) -> bool:
     return value is not None and is_static_value(value)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def holds_static_values(value: Any) -> bool:
     """Whether a container state value holds a Python bool, int, str or enum member.
 
@@ -166,7 +162,7 @@ def split_static_values(value: Any) -> tuple[Any, Any]:
     A container JAX does not flatten (``opaque_items``) is replaced by its
     items, as a plain dict or list, and rebuilt by ``join_static_values``.
     """
-    positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_none)
+    positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=lambda x: x is None)
     held: list[tuple[int, Any]] = []
     for i, leaf in enumerate(positions):
         if leaf is None:

@@ -368,10 +368,6 @@ def _lazy_parts(m: Any) -> list[tuple[str, Any]]:
     ]
 
 
-def _partial_reached(p: Any) -> list[Any]:
-    return [part for _, part in _partial_parts(p)]
-
-
 def held_parts(value: Any) -> list[tuple[str, Any]] | None:
     """``(where, value)`` for what a ``functools.partial`` (or a subclass), a
     suspended generator or coroutine, or a lazy ``map`` / ``filter`` holds;
@@ -583,6 +579,7 @@ for _type, _held in _held_by:
         held=_held,
         # Code reaching a partial reaches what it holds: its function and
         # arguments. (A generator's frame or a lazy map is not code a body runs.)
-        reached=_partial_reached if _type is functools.partial else None,
+        reached=(lambda p: [part for _, part in _partial_parts(p)])
+        if _type is functools.partial else None,
     )
 del _held_by, _type, _held
