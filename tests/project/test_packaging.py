@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 import autostate
 
