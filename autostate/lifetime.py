@@ -252,9 +252,8 @@ def check_not_traced(
     ``home``: it may keep that trace's values. Any other tracer comes from a
     transformation of a model built outside it, and would leak.
 
-    ``inside_call``: the state is a running call's, which a copy of its
-    model writes through to (``CopiedRef``): a tracer of a transformation
-    inside the call is refused in the same words.
+    ``inside_call``: the state is a running call's (``check_written_inside``):
+    a tracer of a transformation inside the call is refused in the same words.
 
     Returns ``(name, the user's line)`` when ``value`` holds a dict whose
     keys do not sort, else None: the slot keeps it for the error raised
@@ -685,8 +684,7 @@ class CopiedRef(StateSlot):
 
     def write(self, value: Any, label: str | None = None) -> HandledLocalStateRef | None:
         call = running_call(self.ref.handler_id)
-        trace = current_trace()
-        if call is None or trace_of_call(call) is trace:
+        if call is None or trace_of_call(call) is current_trace():
             self.value = value
             return None
         self.ref.write(value, label)  # (checked there: ``check_written_inside``)
