@@ -1339,7 +1339,7 @@ def install_class_defaults(cls: type, names: frozenset[str]) -> None:
 # ``__autostate__.lifting.routed(lax.scan)(...)``, ``__autostate__.loops.over(...)``.
 # They sit above this module (they call its reads and writes), so they are
 # imported when the rewritten code first asks, then kept as this module's own.
-_ABOVE = {"lifting": "autostate.lifting", "loops": "autostate.loops"}
+_ABOVE = {"lifting": "autostate.lifting", "loops": "autostate.lifting.loops"}
 
 
 if not TYPE_CHECKING:  # (mypy keeps checking every other name read from this module)

@@ -1,7 +1,7 @@
 """Loop facts: what the rolling rewrite needs of each ``for`` statement.
 
 A ``for`` loop's body also becomes a function of the locals it carries
-(``transform.loops`` writes it; ``autostate.loops`` runs it as one scan).
+(``transform.loops`` writes it; ``lifting.loops`` runs it as one scan).
 What that function is follows from the facts found here, on the method's
 libcst tree that ``analysis`` parsed and with its rules of which names a
 node binds and which scope a name is in: the names the body binds, those it

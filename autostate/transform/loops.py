@@ -2,7 +2,7 @@
 
 A decorated method's ``for`` statement is compiled so that, when what it
 iterates is a stack of layers and a JAX trace is running, the runtime
-(``autostate.loops``) can run the body as one ``lax.scan`` instead of once
+(``lifting.loops``) can run the body as one ``lax.scan`` instead of once
 per layer. The loop stays in the code exactly as written; in front of it
 the rewrite adds its body as a function of the locals it carries (in
 short; ``docs/rewrite_rules.md`` section 9 prints the exact code)::

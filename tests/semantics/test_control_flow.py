@@ -4303,7 +4303,7 @@ def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Load
 
 
 def test_an_error_of_a_rolled_body_reaches_the_user_at_their_line(write_module: Loader) -> None:
-    # Only the named reasons (autostate.loops.FALLBACKS) turn a rolled loop back
+    # Only the named reasons (autostate.lifting.loops.FALLBACKS) turn a rolled loop back
     # into the plain one; the body's own error is raised as the plain loop raises
     # it, from the user's line.
     plain, dec = pair(
