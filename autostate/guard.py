@@ -120,20 +120,11 @@ def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
 
 
 class Guard:
-    """One call's guard: the snapshot is taken when it is made; ``with guard:``
-    around the call compares, restores and refuses when it is left.
-
-    Make one with ``Guard.for_call`` (``f``'s model) or ``Guard.for_lax_body``
-    (the eager instances a ``lax`` body reaches). Leaving the block:
-
-    - normally: a write refusal caught inside is raised again; then the
-      snapshot is compared, and a change is put back and refused;
-    - with an error: what changed is put back; an error JAX raises for a
-      traced value used where Python needs a concrete one is explained
-      (``explain_traced_value``); a ``lax`` body's tracer left in a
-      container is refused in place of a plain error (JAX may have met the
-      escaped tracer first).
-    """
+    """One call's guard: the snapshot is taken when it is made (``for_call``,
+    ``for_lax_body``); leaving ``with guard:`` re-raises a caught write refusal,
+    then compares, puts back and refuses a change. Leaving with an error, it
+    puts back, explains JAX's concrete-value error (``explain_traced_value``),
+    and refuses a lax body's tracer left in a container in place of the error."""
 
     __slots__ = (
         "what", "model", "ids", "dicts", "containers", "graph", "traced", "on_copy",
@@ -178,15 +169,10 @@ class Guard:
         graph: tuple | None,
         states: dict[str, Any],
     ) -> Guard:
-        """The guard of one call of ``f`` on ``model`` (whose decorated
-        instances are ``instances``, their ids ``ids``).
-
-        Eagerly only the instances' ``__dict__``s are copied: a container
-        changed in place is plain Python's change to ``f``'s model, kept for
-        its next call. Under a trace (``traced``), or on a copy of ``f``'s
-        model (``on_copy``), the containers are copied too, and under a
-        trace ``graph`` (the flatten the call starts from) is compared.
-        """
+        """The guard of one call of ``f`` on ``model``. Eagerly only the ``__dict__``s
+        are copied (a container changed in place is plain Python's change to ``f``'s
+        model); under a trace or on a copy the containers too, and under a trace
+        ``graph`` is compared."""
         return cls(
             "the call of f",
             model,
@@ -207,14 +193,9 @@ class Guard:
         values: Sequence[tuple[str, Any]],
         traced_states: Callable[[], Iterable[tuple[str, Any]]],
     ) -> Guard:
-        """The guard of the traced body of ``what`` (``"the body of a lax.scan"``).
-
-        It keeps the containers ``instances`` hold outside their states and
-        those in ``values`` (``(label, value)``: the states as they are
-        before the call, ``"state 'name'"``, and the lists and dicts the body
-        captures, ``CAPTURED``) free of the body's tracers. (The writes to
-        the instances' attributes are guarded as they happen: ``check_write``.)
-        """
+        """The guard of the traced body of ``what``: the containers ``instances`` hold
+        outside their states and those in ``values`` (``(label, value)``) stay free
+        of the body's tracers; attribute writes are guarded as they happen."""
         containers = _graph.mutable_statics(instances, values)
         return cls(
             what, None, frozenset(), [], containers, None,
@@ -386,17 +367,10 @@ def _dict_kept(d: dict[str, Any], before: dict[str, Any]) -> bool:
 
 
 def _check_attributes_kept(obj: Any, before: dict[str, Any], traced: bool) -> None:
-    """Refuses a call that changed ``obj``'s attributes behind their descriptors.
-
-    Inside a functionalized call every change of the model goes through its
-    states: a state is a slot (a handled reference, or a request of a
-    category the call leaves alone, replaced by each eager write). A value
-    put into ``__dict__`` directly (``vars(self)["x"] = v``,
-    ``self.__dict__.update(...)``), or a key added or removed, bypasses them:
-    the states returned would silently miss it. A ``functools.cached_property``
-    filled or cleared in the call is cached or cleared as Python does it,
-    except under a trace: there a value it computes is dropped afterwards.
-    """
+    """Refuses a call that changed ``obj``'s ``__dict__`` behind its descriptors
+    (``vars(self)["x"] = v``, a key added or removed): the states returned would
+    miss it. A ``cached_property`` is cached or cleared as Python does, except
+    a value computed under a trace, dropped afterwards."""
     d = obj.__dict__
     for name in [*before, *(k for k in d if k not in before)]:
         old, new = before.get(name, _ABSENT), d.get(name, _ABSENT)
@@ -468,18 +442,11 @@ def register_view(obj: Any, refusal: Callable[[Any, str], AutostateError]) -> No
 def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
     """The setattr guard: refuses a write to ``obj.name`` that cannot be a state write.
 
-    Inside a functionalized call (``f(states, ...)``, ``handler((x, states))``)
-    the model is ``f``'s own copy, so a write that is not a state write would
-    be lost when the call returns, or keep a tracer in ``f``; this holds
-    whether the states are traced, concrete or empty, and whatever analysis
-    saw (a wrapped or assigned method, a helper outside the class).
-
-    An eager model is guarded while a lax call whose body reaches it runs:
-    a traced ``value`` assigned to an attribute that is not state would stay
-    in the model as a tracer, so it is refused the same way. The refusal is
-    recorded (``errors.refused``): code that catches it has it raised again
-    when the guarded call returns.
-    """
+    Inside a functionalized call the model is ``f``'s own copy, so such a write
+    would be lost or keep a tracer, whatever analysis saw. An eager model is
+    guarded while a lax body that reaches it runs: a traced value in a plain
+    attribute would stay a tracer. The refusal is recorded
+    (``errors.refused``), so catching it does not hide it."""
     if _VIEWS and id(obj) in _VIEWS and not _state_or_descriptor(obj, name):
         raise refused(_VIEWS[id(obj)](obj, name))
     if not is_guarded(obj):
@@ -520,10 +487,9 @@ def _state_or_descriptor(obj: Any, name: str) -> bool:
 
 
 def _check_concrete_kept(obj: Any, name: str) -> None:
-    """A traced value assigned to an attribute (not a state) of an eager model
-    that held a concrete array there: the model was made outside the running
-    trace (an optimizer written PyTorch's way, ``model.w = model.w - lr * g``
-    under ``jax.jit``), and would keep the tracer after it."""
+    """A traced value assigned over a concrete array in a plain attribute of a
+    model made outside the trace (``model.w = model.w - lr * g`` under
+    ``jax.jit``): the model would keep the tracer."""
     old = obj.__dict__.get(name, _ABSENT)
     # (A concrete jax array, under jax.jit: made outside it, where a model
     # built inside holds its tracers. Nothing else says the model is older;
@@ -619,11 +585,10 @@ _CONCRETE_NEEDED = (
 def explain_traced_value(
     raised: BaseException, where_traced: str, numbers: Sequence[str] = ()
 ) -> TracedValueError | None:
-    """JAX's error for a traced value used where Python needs a concrete one
-    (``if``, ``float()``, ``numpy``), raised in code that reads state while
-    traced, as a ``TracedValueError`` (of the same JAX type) that says why
-    the value is traced and what to write instead; None for another error.
-    ``numbers``: the states holding Python numbers (traced as scalars)."""
+    """JAX's error for a traced value used where Python needs a concrete one, as a
+    ``TracedValueError`` (of the same JAX type) saying why it is traced and
+    what to write instead; None for another error. ``numbers``: the states
+    holding Python numbers."""
     if isinstance(raised, AutostateError) or not isinstance(raised, _CONCRETE_NEEDED):
         return None
     what = f"A traced value is used where Python needs a concrete one, in {where_traced}."

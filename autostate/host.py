@@ -321,12 +321,9 @@ def _describe_dims(dims: tuple[Dims, ...]) -> str:
 
 
 def _fits(axes: tuple[int, ...], dims: Dims) -> bool:
-    """Whether a leaf with ``dims`` can be read or written under vmap ``axes``.
-
-    As in the seed, a per-example leaf needs the nesting it was written under;
-    autostate also lets more (inner) vmaps share it, and reads it outside vmap
-    as the stack of its examples.
-    """
+    """Whether a leaf with ``dims`` can be read or written under vmap ``axes``:
+    as in the seed, plus inner vmaps may share it, and outside vmap it reads
+    as the stack of its examples."""
     if not axes or not _lead(dims):
         return True
     if len(axes) < len(dims):
@@ -379,12 +376,9 @@ def _new_dims(
     label: str, spec: _Spec, axes: tuple[int, ...], mapped: tuple[tuple[bool, ...], ...],
     extra: tuple[tuple[int, ...], ...], old: tuple[Dims, ...],
 ) -> list[Dims]:
-    """Per-leaf batch axes of a write under vmap ``axes``, before merging equal examples.
-
-    ``mapped[level][leaf]`` says whether that vmap batched the written leaf;
-    ``extra[leaf]`` are leading axes beyond the per-example shape, which may
-    only be the stacked examples of the levels the write is outside of.
-    """
+    """Per-leaf batch axes of a write under vmap ``axes``: ``mapped[level][leaf]``
+    whether that vmap batched it, ``extra[leaf]`` leading axes beyond the
+    per-example shape (only the stacked examples of outer levels)."""
     if _conflicts(axes, old):
         raise _vmap_mismatch(label, axes, old, write=True)
     new = []
@@ -402,13 +396,9 @@ def _new_dims(
 
 
 def _merge_equal_examples(value: Any, dims: Dims, before: Dims, xp: Any) -> tuple[Any, Dims]:
-    """Stores one value for a vmap level whose examples all wrote the same value.
-
-    A read under vmap is batched even for a shared leaf, so an update such as
-    ``mean = m * mean + (1 - m) * pmean(x)`` is batched although every example
-    computes the same value; keeping it shared is what the seed's per-leaf
-    tracking gave. A leaf that was already per-example at a level stays so.
-    """
+    """Stores one value for a vmap level whose examples all wrote the same value
+    (``mean = m * mean + (1 - m) * pmean(x)`` is batched but equal), as the
+    seed's per-leaf tracking did; per-example leaves stay so."""
     dims = list(dims)  # type: ignore[assignment]
     for level in reversed(range(len(dims))):
         # One example says nothing about whether examples agree: keep its axis.
@@ -676,13 +666,9 @@ def _unset_error(label: str) -> HostStateError:
 
 
 class HostSlot(StateSlot):
-    """What a host-fallback state attribute holds in ``obj.__dict__``.
-
-    It is a childless pytree node that is its own aux data, so every pytree
-    copy of a model (inside ``jax.jit``, after ``jax.tree.map``) holds this
-    same object: the same store, and no re-trace per call (it hashes and
-    compares by identity).
-    """
+    """What a host-fallback state attribute holds: a childless pytree node that
+    is its own aux data, so every pytree copy of a model holds the same store
+    (hashed by identity: no re-trace per call)."""
 
     __slots__ = ("store", "attr", "category", "name", "key")
 
@@ -768,13 +754,9 @@ def _shape_error(label: str, spec: _Spec, shape: tuple, got: tuple) -> HostState
 def make_host_slot(
     obj: Any, name: str, value: Any, category: Hashable, explicit: str | None
 ) -> HostSlot:
-    """The slot for state ``name`` of ``obj``, first assigned ``value`` in ``__init__``.
-
-    All host states of one instance share one store; two instances never do.
-    ``value`` may also be a pytree of ``jax.ShapeDtypeStruct``: the state is
-    then declared with that structure and reading it before a write is an
-    error.
-    """
+    """The slot for state ``name`` of ``obj``, first assigned ``value``. One store
+    per instance; ``value`` may be a tree of ``jax.ShapeDtypeStruct`` (declared,
+    unreadable before a write)."""
     store = next((v.store for v in obj.__dict__.values() if type(v) is HostSlot), None)
     if store is None:
         store = _Store(type(obj).__name__)
@@ -790,11 +772,8 @@ _UNREAD = object()
 
 
 class _ViewValue:
-    """An inference view's value as read at flattening, with its leaves' batch axes.
-
-    A pytree: the leaves are children (what enters the program), the batch axes
-    are aux data, so a view whose state changed batching re-traces.
-    """
+    """An inference view's value as read at flattening: leaves are children, batch
+    axes aux data (a change of batching re-traces)."""
 
     __slots__ = ("label", "treedef", "leaves", "dims")
 
@@ -820,13 +799,8 @@ jax.tree_util.register_pytree_node(
 
 
 class _InferenceSlot(StateSlot):
-    """A host state seen read-only: its value is a pytree child, read at flattening.
-
-    Flattening happens at the ``jax.jit`` boundary, so the state is read once
-    per call, on the host, and enters the program as an ordinary input. A view
-    captured by a closure is read when the trace reads it: like any closed-over
-    array, its value is baked into the program (the seed's behaviour).
-    """
+    """A host state seen read-only: read once per call at the ``jax.jit`` boundary
+    and passed as an input; captured by a closure, it is baked in (as the seed)."""
 
     __slots__ = ("slot", "value")
     handleable = False
@@ -870,14 +844,9 @@ class _InferenceSlot(StateSlot):
 
 
 def inference_mode(model: Any) -> Any:
-    """The body of ``autostate.inference_mode`` (``api.inference_mode``).
-
-    A view's state enters a program when the view is flattened at a
-    ``jax.jit`` boundary. Made inside a staged trace (``jax.jit``, a lax
-    body), there is no boundary left: the value read while tracing would be
-    baked into the program and reused by every later call, whatever the host
-    state then holds. That is refused.
-    """
+    """The body of ``autostate.inference_mode``. Made inside a staged trace there
+    is no boundary left to read the state at, so the value would be baked in
+    and reused by every later call: refused."""
     if under_staging_trace():
         raise HostStateError(format_error(
             "autostate.inference_mode(model) was called inside a jax.jit trace (or a "
@@ -910,14 +879,9 @@ def inference_mode(model: Any) -> Any:
 
 
 def restore_host_slots(owner: Any) -> None:
-    """Gives a copied host-fallback instance host slots for its frozen states.
-
-    ``owner`` is a copy that a walk (``freeze``, loading) just built, so its
-    slots are swapped in place. Its frozen states share one new store (host
-    slots it still holds, of categories ``functionalize`` did not handle, keep
-    the original model's store). A traced value (``freeze`` called inside a
-    transformation) stays a frozen request: a store must not keep a tracer.
-    """
+    """Gives a copy a walk just built (``freeze``, loading) host slots for its
+    frozen states, sharing one new store; a traced value stays a frozen request
+    (a store must not keep a tracer)."""
     frozen = {
         name: request
         for name, request in owner.__dict__.items()

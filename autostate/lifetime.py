@@ -73,12 +73,9 @@ from autostate.values import CONCRETE_LEAF_TYPES, is_iterator, leaves_within_opa
 
 
 class LostValue:
-    """What a state holds once the traced body of a lax call (or
-    ``jax.checkpoint``) that assigned it raised: JAX keeps nothing a body
-    that raises computed, so the state has no value plain Python would agree
-    with (its loop kept the assignment). Reading it raises; assigning it
-    gives it a value again.
-    """
+    """What a state holds once the traced body that assigned it raised: JAX kept
+    nothing it computed, while plain Python's loop kept the assignment. Reading
+    it raises; assigning it gives it a value again."""
 
     __slots__ = ("name", "what", "raised", "where")
 
@@ -106,11 +103,8 @@ class LostValue:
 
 
 def is_escaped_tracer(value: Any) -> bool:
-    """Whether ``value`` is a tracer of a trace that has already ended.
-
-    A state assigned inside a ``jax.lax`` body that autostate did not thread
-    (a raw ``lax.scan`` in a helper outside any class) holds one.
-    """
+    """Whether ``value`` is a tracer of a trace that has ended (a state assigned
+    in a ``lax`` body autostate did not thread holds one)."""
     if not isinstance(value, jax.core.Tracer):
         return False
     trace = value._trace
@@ -247,18 +241,11 @@ def check_not_traced(
 ) -> Unsortable | None:
     """Refuses to store a tracer that would outlive its trace in an eager model.
 
-    A model built inside a trace (``jax.jit(lambda k: Net(k).functionalize())``,
-    a temporary instance inside a jitted step) lives in that trace, its
-    ``home``: it may keep that trace's values. Any other tracer comes from a
-    transformation of a model built outside it, and would leak.
-
-    ``inside_call``: the state is a running call's (``check_written_inside``):
-    a tracer of a transformation inside the call is refused in the same words.
-
-    Returns ``(name, the user's line)`` when ``value`` holds a dict whose
-    keys do not sort, else None: the slot keeps it for the error raised
-    where the state must be flattened (see ``unsortable_keys_error``).
-    """
+    A model built inside a trace lives there (its ``home``) and may keep that
+    trace's values; any other tracer would leak. ``inside_call``: the state is
+    a running call's (``check_written_inside``). Returns ``(name, the user's
+    line)`` when ``value`` holds a dict whose keys do not sort, for the error
+    raised where the state must be flattened, else None."""
     tracers, unsortable = _tracers(value)
     where = (name or "?", user_location()) if unsortable else None
     if not tracers:
@@ -311,12 +298,9 @@ def check_not_traced(
 
 
 def check_initial_value(value: Any, name: str | None) -> Unsortable | None:
-    """A state's first value may hold tracers of the running trace (or its parents).
-
-    That is a model being built inside a transformation: its initial values
-    are values of that trace. A tracer of a finished trace is a leak.
-    Returns what ``check_not_traced`` returns.
-    """
+    """A state's first value may hold tracers of the running trace or its
+    parents (a model built inside a transformation); a finished trace's is a
+    leak. Returns what ``check_not_traced`` returns."""
     tracers, unsortable = _tracers(value)
     where = (name or "?", user_location()) if unsortable else None
     if not tracers:
@@ -351,14 +335,9 @@ def made_here(slots: Iterable[Any]) -> None:
 
 
 class InitialValue:
-    """The initializer of the request ``initial_slot`` makes: the state's first
-    value, computed once, eagerly.
-
-    It compares by identity, as penzai initializers do, so
-    ``state_sharing="allowed"`` shares a request only with itself. ``home``:
-    the trace the model was built in. ``_note``: what ``check_initial_value``
-    noted about ``value``, read by the engine as a request's ``_note`` is.
-    """
+    """The initializer ``initial_slot`` makes: the state's first value, computed
+    once. It compares by identity, as penzai's initializers do; ``home`` is the
+    trace the model was built in, ``_note`` what ``check_initial_value`` noted."""
 
     __slots__ = ("value", "home", "_note")
 
@@ -383,14 +362,9 @@ class InitialValue:
 
 
 def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:
-    """The slot ``@stateful`` puts where ``__init__`` first assigns a state.
-
-    A value that is structure gives its static slot
-    (``autostate.state_values.static_slot``); any other an
-    ``InitialLocalStateRequest`` of an ``InitialValue``. Either lives in the
-    trace running now, its home: tracers of that trace are accepted, the
-    model is being built inside a transformation (``check_initial_value``).
-    """
+    """The slot where ``__init__`` first assigns a state: a static slot for a
+    value that is structure, else an ``InitialLocalStateRequest``; it lives in
+    the trace running now (``check_initial_value``)."""
     # (Static slots are ``state_values``'s, a module above this one: the
     # states dict's rules stand on the slots defined here.)
     from autostate.state_values import static_slot
@@ -404,19 +378,14 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
 
 
 def written_slot(slot: Any, value: Any, label: str | None) -> Any:
-    """The slot that takes an eager slot's place once it is assigned ``value``
-    (the ``eager_write`` hook: the ``write`` of an unhandled request or a
-    static state).
+    """The slot that takes an eager slot's place once assigned ``value`` (the
+    ``eager_write`` hook).
 
-    A frozen request gives a new one holding ``value``. A state holding the
-    placeholder ``None``, or a static one, takes its kind from ``value`` as a
-    first value does: static, or a frozen request. A request of an
-    initializer gives a frozen request: the value is a pytree child, not aux
-    data jit would hash (an array state stays one when assigned a python
-    number, as it does when handled). The new slot lives where ``slot``
-    does, and ``value`` may hold only tracers that live as long
-    (``check_not_traced``).
-    """
+    A frozen request gives a new one. A placeholder ``None`` or a static state
+    takes its kind from ``value`` as a first value does. An initializer's
+    request gives a frozen request (an array state stays one when assigned a
+    Python number, as when handled). The new slot lives where ``slot`` does
+    (``check_not_traced``)."""
     t = type(slot)
     if t is FrozenLocalStateRequest:
         home = slot._home
@@ -524,12 +493,9 @@ OWN_STATE_HANDLERS: set[Any] = set()
 
 
 def check_written_inside(ref: Any, value: Any) -> None:
-    """A call on models that hold their own states (``OWN_STATE_HANDLERS``)
-    refuses, at the write, a value of a transformation it does not place
-    states in (``jax.eval_shape`` of the model, a ``jax.jit`` the decorator
-    never saw), as the models' own slots do: the call's trace, and the
-    models, outlive it. (``f``'s calls refuse it where the state is next
-    read, as documented.)"""
+    """A call on models that hold their own states refuses at the write a value
+    of a transformation it does not place states in (``jax.eval_shape``, a
+    ``jax.jit`` the decorator never saw): the models outlive its trace."""
     if ref.handler_id not in OWN_STATE_HANDLERS or type(value) in CONCRETE_LEAF_TYPES:
         return
     call = running_call(ref.handler_id)
@@ -616,10 +582,8 @@ def _calls_in_every_thread(handler_id: Hashable) -> list[tuple[dict[str, Any], A
 
 
 def _cells_in_another_thread(ref: Any) -> dict[str, Any] | None:
-    """The cells of a state's call running in another thread, which
-    handed this thread a method of its model (a thread pool in a method):
-    plain Python's threads share the model, and an eager call's values do
-    too. Under a transformation they cannot: that is refused here."""
+    """The cells of a state's call running in another thread that handed this
+    one a method of its model: shared eagerly, refused under a transformation."""
     calls = _calls_in_every_thread(ref.handler_id)
     if len(calls) != 1:
         return None
@@ -650,19 +614,11 @@ _WRITTEN_THROUGH: dict[int, Any] = {}
 class CopiedRef(StateSlot):
     """A handled state of a copy JAX made of a model inside the running call.
 
-    ``jax.vmap`` over a stacked sub-model, a sub-model in ``lax.scan``'s
-    ``xs`` or a ``tree_map`` that slices one flatten it and rebuild it from
-    the leaves they made: the state's value is one of those leaves
-    (``register_running_slot``), so the copy reads its own slice, as the
-    copy's parameters are sliced.
-
-    A write where the call runs (a ``tree_map`` or ``stop_gradient`` copy
-    in a method) stays the copy's, as it does eagerly: a copy is another
-    model. A write inside a transformation the call's method started (a
-    slice's write in a ``vmap`` or ``scan`` body) goes to the handler's
-    cell, as the original's would, where JAX's trace of it is caught as an
-    escaped state instead of being lost with the slice.
-    """
+    ``jax.vmap`` over a stacked sub-model, ``lax.scan``'s ``xs`` or a slicing
+    ``tree_map`` rebuild the model from leaves they made, so the copy reads its
+    own slice. A write where the call runs stays the copy's, as eagerly; a
+    write inside a transformation the call's method started goes to the
+    handler's cell, where an escaped trace of it is caught."""
 
     __slots__ = ("ref", "value", "category", "name")
 
@@ -698,11 +654,8 @@ class CopiedRef(StateSlot):
 
 
 def _split_running_ref(ref: HandledLocalStateRef) -> tuple[Any, Any] | None:
-    """A running model's state, flattened by JAX (``vmap``, ``scan``'s ``xs``,
-    a ``jax.jit`` the decorator never saw): its value is a child, and the key
-    names the call. A cache of JAX's (a jitted helper's) then never replays
-    one call's trace in another: the function runs, and its use of the
-    state is seen (an escaped write refused) at every call."""
+    """A running model's state flattened by JAX: its value is a child and the key
+    names the call, so JAX's caches never replay one call's trace in another."""
     call = running_call(ref.handler_id)
     if call is None:
         return None

@@ -195,23 +195,16 @@ _dict_setitem = dict.__setitem__
 
 
 def _sole_holder_count() -> int:
-    """What ``request._holders`` (its reference count) reads, in the write
-    paths below, for a request that only the instance's ``__dict__`` holds;
-    ``-1`` where it cannot tell.
+    """What ``request._holders`` (its reference count) reads in the write paths
+    below for a request only the instance's ``__dict__`` holds; ``-1`` where it
+    cannot tell (a free-threaded build).
 
-    An eager write changes such a request in place, allocating nothing, when
-    no one can tell the difference: nothing else holds the request (no copy
-    of the model sharing it, such as a user's ``__copy__`` or a saved
-    ``vars()``; no tied attribute; no running walk of the model; ``copy.copy``
-    gives a copy requests of its own). Between the count and the store no
-    other code runs: the count is an attribute read computed from C (no
-    signal handler, thread switch or profiler hook comes between bytecodes
-    that call nothing), and both are on one line (no debugger's line event).
-    Otherwise the write puts a new request in, and every holder of the old
-    one keeps its value, as in plain Python. The probe has the write paths'
-    shape; a build whose counts do not tell one holder more apart
-    (free-threaded, deferred reference counting) always makes a new request.
-    """
+    An eager write changes such a request in place only when no one can tell:
+    nothing else holds it (no copy sharing it, no saved ``vars()``, no tied
+    attribute, no running walk). Between the count and the store no other code
+    runs: the count is read from C and both sit on one line (no debugger's line
+    event). Otherwise a new request goes in and every holder of the old one
+    keeps its value, as in plain Python."""
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         return -1
 
@@ -236,12 +229,8 @@ _SOLE_HOLDER = _sole_holder_count()
 
 
 def as_state_value(value: Any, name: str = "") -> Any:
-    """A value as state holds it: numpy arrays become jax arrays.
-
-    Under ``jax.jit`` a numpy state arrives as a jax array, so converting
-    when it is assigned gives eager calls the same meaning (jax dtype
-    promotion, ``.at[]`` scatter for ``x[i] += v``) as jitted ones.
-    """
+    """A value as state holds it: numpy arrays become jax arrays, as ``jax.jit``
+    would see them, so eager calls mean what jitted ones do."""
     if _values.is_numpy(value):
         if value.dtype.kind not in _JAX_KINDS:
             # Strings, objects, datetimes: no jax array holds them.
@@ -277,12 +266,8 @@ _HOOKED_SET: set[type] = set()
 
 
 def register_access_hooks(cls: type, *, getattribute: bool, setattr_: bool) -> None:
-    """Records whether ``cls``'s state access must go through its own hooks.
-
-    ``get`` and ``set``, what rewritten methods call, are ``read_state`` and
-    ``store_state`` themselves while no class has such a hook (a state
-    access from a method is one call), and ask for the hook once one has.
-    """
+    """Records whether ``cls``'s state access must go through its own hooks:
+    ``get``/``set`` are ``read_state``/``store_state`` themselves until a class has one."""
     global get, set
     for hooked, on in ((_HOOKED_GET, getattribute), (_HOOKED_SET, setattr_)):
         if on:
@@ -332,20 +317,12 @@ def _set_through_hooks(obj: Any, name: str, value: Any) -> None:
 
 def store_state(obj: Any, name: str, value: Any) -> None:
     """``set`` without the class's ``__setattr__`` (the descriptor's write), and
-    the ``__setattr__`` of a decorated class without one of its own
-    (``guarded_setattr``): ``model.x = v`` from outside.
+    ``model.x = v`` from outside (``guarded_setattr``).
 
-    The one write path: whatever ``obj.__dict__`` holds for ``name`` (its
-    slot, or nothing yet) has a kind in ``_SLOT_KINDS``, and the kind says
-    what the write does; an attribute that is not state is assigned as plain
-    Python assigns it, guarded (``assign_attribute``). Its first lines are the one fast path, the common
-    eager write: a concrete jax array (never a tracer, never numpy) into an
-    unhandled request. What the request's kind concludes for it, without its
-    checks: they were nine tenths of the write. The request is changed in
-    place only when no one can tell (see ``_sole_holder_count``); otherwise a
-    copy of the model or a saved ``vars()`` may hold it, and a new request
-    keeps their value.
-    """
+    The one write path: what ``obj.__dict__`` holds for ``name`` has a kind in
+    ``_SLOT_KINDS`` that says what the write does. Its first lines are the one
+    fast path: a concrete jax array into an unhandled request, changed in place
+    only when no one can tell (``_sole_holder_count``)."""
     d = obj.__dict__
     slot = d.get(name, _MISSING)
     if type(slot) is FrozenLocalStateRequest and type(value) is _CONCRETE_ARRAY:
@@ -365,22 +342,12 @@ set: Callable[[Any, str, Any], None] = store_state  # noqa: A001 - generated cod
 
 
 class SlotKind:
-    """What a write does with one kind of slot: an entry of ``_SLOT_KINDS``.
-
-    Each kind of thing ``obj.__dict__`` can hold for a state is described
-    once, here, instead of by a branch in ``store_state``:
-
-    * ``is_slot``: a slot at all (a ``StateSlot``), or a plain value (a
-      sub-model, or nothing yet: the state's first value makes its slot);
-    * ``handled``: the slot of a running functionalized call, which a
-      sub-model cannot replace;
-    * ``jax_values``: the slot holds jax arrays, so a numpy value is
-      converted as ``jax.jit`` would see it;
-    * ``eager_request``: an eager model's own request, which a running call
-      of another category must not give a tracer; its writes teach the fast
-      path the concrete array type;
-    * ``write``: the write itself, ``write(kind, obj, name, slot, value)``.
-    """
+    """What a write does with one kind of slot (an entry of ``_SLOT_KINDS``),
+    instead of a branch in ``store_state``: ``is_slot`` (else a plain value: a
+    sub-model, or nothing yet), ``handled`` (a running call's slot, which a
+    sub-model cannot replace), ``jax_values`` (numpy is converted),
+    ``eager_request`` (an eager model's own request, which a running call must
+    not give a tracer), and ``write(kind, obj, name, slot, value)``."""
 
     __slots__ = ("is_slot", "handled", "jax_values", "eager_request", "write")
 
@@ -469,11 +436,8 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
 
 def _restore_descriptor(cls: type, name: str) -> None:
     """Puts back the descriptor of state ``name`` when the class lost it after
-    decoration, before an instance first holds the state's slot: a class
-    decorator applied after ``@stateful`` (``@dataclass`` above it deletes its
-    fields' class attributes) or a class attribute assigned or deleted after
-    the class statement (``Model.v = jnp.ones(3)``: the new value is the
-    default). Without it, code outside would read the raw slot."""
+    decoration (``@dataclass`` above ``@stateful``, ``Model.v = ...`` after the
+    class statement); without it, code outside would read the raw slot."""
     if state_descriptor(cls, name) is None:
         setattr(cls, name, StateAttribute(name, _class_value(cls, name)))
 
@@ -502,10 +466,8 @@ def slot_kind(t: type) -> SlotKind:
 
 
 def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) -> Any:
-    """The value of ``self.x = autostate.state(v)`` where ``x`` is a state
-    already: ``v``, as the declaration's options are the state's own; other
-    options are refused (a state's category and name are fixed where it is
-    first assigned)."""
+    """The value of ``self.x = autostate.state(v)`` where ``x`` is a state already;
+    another category or name is refused (they are fixed where first assigned)."""
     category = getattr(slot, "category", None)
     if (declared.category is not None and declared.category != category) or (
         declared.name is not None and declared.name != getattr(slot, "name", None)
@@ -525,14 +487,9 @@ def _declared_value(obj: Any, name: str, slot: Any, declared: StateDeclaration) 
 def compute_cached_property(compute: Callable[[], Any], obj: Any, name: str) -> Any:
     """``obj.<name>`` of a ``functools.cached_property``, computed by ``compute``.
 
-    Plain Python keeps the first value for every later call. Inside a
-    functionalized call under a trace, a value computed from a state is a
-    value of that trace: it cannot be kept (the call drops it, see
-    ``guard.Guard``), so each call would compute it
-    again from the states it is given. That is refused the first time. A
-    value computed from parameters or config only is the same each time it
-    is computed again, as plain Python's cache.
-    """
+    Plain Python keeps the first value. A value computed from a state inside a
+    traced functionalized call is a value of that trace, which the call drops:
+    refused the first time. One computed from config only is kept."""
     if not handler_running():
         return compute()
     with recording_state_reads() as reads:
@@ -753,19 +710,13 @@ def _is_view_key(key: Any) -> bool:
 
 
 class InPlace:
-    """The tensor that PyTorch's in-place methods update: ``self.x``, an item
-    of it (``self.x[i]``), or an attribute of another object (``self.bn.mean``).
+    """The tensor PyTorch's in-place methods update: ``self.x``, an item of it,
+    or an attribute of another object (``self.bn.mean``).
 
-    ``self.x.mul_(m).add_(v, alpha=a)`` is rewritten as
-    ``__autostate__.inplace(self, "x").mul_(m).add_(v, alpha=a).value``: each
-    method reads the current value, computes the row's functional expression,
-    keeps the tensor's shape and dtype, and writes the result back (state
-    ``x`` through ``set``, so every path to the model sees it; an item as
-    ``self.x[i] = ...`` does; another object's attribute by ``setattr``).
-    It returns the target, so a chain goes on; ``value`` is what PyTorch's
-    call returns, the updated tensor (the item, for an item).
-    A value with such a method of its own (not an array) is called as written.
-    """
+    Each method reads the current value, computes the functional expression,
+    keeps shape and dtype, and writes back (a state through ``set``, an item as
+    ``self.x[i] = ...``, another object's attribute by ``setattr``). It returns
+    the target, so a chain goes on; ``value`` is what PyTorch's call returns."""
 
     __slots__ = ("obj", "name", "keys", "own", "value")
 
@@ -952,17 +903,10 @@ class _Target:
 
 
 class InstanceDict(dict):
-    """``vars(model)`` / ``model.__dict__`` as a decorated method reads it.
-
-    A model keeps each state's *slot* in its instance dict (section 3 of
-    rewrite_rules.md); plain Python's dict holds the value. This is a live
-    view of the model's dict that reads each state's value, as plain
-    Python's dict does, and writes into the model as plain Python writes into
-    ``__dict__``: a state through its slot (``vars(self)["n"] = v`` is
-    ``self.n = v``, in ``f`` too), any other name into the instance dict.
-    A ``dict`` for ``isinstance``; copies, pickles and pytree flattens of it
-    are plain dicts of the values.
-    """
+    """``vars(model)`` / ``model.__dict__`` as a decorated method reads it: a live
+    view that reads each state's value and writes a state through its slot
+    (``vars(self)["n"] = v`` is ``self.n = v``), any other name into the
+    instance dict. A ``dict`` for ``isinstance``; copies are plain dicts."""
 
     __slots__ = ("_obj",)
 
@@ -1093,14 +1037,9 @@ def vars_of(vars_fn: Any, obj: Any) -> Any:
 
 
 def _spelled(builtin: Any, access: Callable[..., Any]) -> Callable[..., Any]:
-    """``access`` where a call by name spells it, as ``builtin`` spells it.
-
-    ``setattr(self, "x", v)`` becomes ``spelled.set(setattr, self, "x", v)``:
-    the name is evaluated where the method runs, as Python does at each call,
-    so the state access happens only when it is still the builtin; a name
-    rebound since decoration (a module's ``setattr = mine`` below the class)
-    is called with the arguments as written.
-    """
+    """``access`` where a call by name spells it, as ``builtin`` spells it: the
+    name is evaluated where the method runs, so a name rebound since decoration
+    is called with the arguments as written."""
 
     def call(fn: Any, *args: Any) -> Any:
         if fn is builtin:
@@ -1123,15 +1062,9 @@ spelled = types.SimpleNamespace(
 
 
 def without_runtime(names: Any, scope_fn: Any, runtime_name: str) -> Any:
-    """``locals()``, ``vars()`` or ``dir()`` called with no argument in a decorated
-    method (``names`` is its result, ``scope_fn`` what the name reads there),
-    without the closure variable ``runtime_name`` that holds this module.
-
-    Plain Python has no such variable. A dict that holds it is a snapshot of
-    the frame (the one kind ``locals()`` returns where it can appear), so a
-    copy stands in for it; a class body's namespace never holds it and is
-    returned as it is, as is what a ``locals`` of the user's own returns.
-    """
+    """``locals()``, ``vars()`` or ``dir()`` with no argument in a decorated method
+    (``names`` its result, ``scope_fn`` what the name reads there), without the
+    closure variable ``runtime_name``: a frame snapshot is copied without it."""
     if scope_fn is builtins.dir:
         return [n for n in names if n != runtime_name] if runtime_name in names else names
     if scope_fn is builtins.locals or scope_fn is builtins.vars:
@@ -1204,13 +1137,8 @@ def guard_setattr(user_setattr: Any) -> Any:
 
 
 class StateAttribute:
-    """Class-level descriptor for a state attribute.
-
-    Code that is not rewritten (a training loop, a helper function, an
-    undecorated base class) reads and assigns ``model.x`` like plain Python;
-    the descriptor routes it through ``get``/``set`` so it sees and changes
-    the same state the rewritten methods do, eagerly or functionalized.
-    """
+    """Class-level descriptor for a state attribute: code that is not rewritten
+    reads and assigns ``model.x`` through ``get``/``set``, the same state."""
 
     __slots__ = ("name", "class_value")
 
@@ -1266,16 +1194,9 @@ def _no_arguments(self):  # noqa: ANN001, ANN202
 
 
 class ClassDefaultsNew:
-    """``cls.__new__`` of a class with states that start from a class
-    attribute (``training = True`` in the class body).
-
-    In plain Python such an instance reads the class attribute until it
-    assigns its own; here each new instance gets the class value as the
-    initial value of its state slot before ``__init__`` runs, so
-    ``functionalize()`` sees the state. The class's own (or inherited)
-    ``__new__`` still makes the object, and ``inspect.signature(cls)`` still
-    shows ``__init__``'s parameters.
-    """
+    """``cls.__new__`` of a class whose states start from a class attribute: each
+    new instance gets the class value in its state slot before ``__init__``, so
+    ``functionalize()`` sees it; the class's own ``__new__`` still makes it."""
 
     def __init__(self, owner: type, original: Any):
         self.owner = owner
@@ -1316,14 +1237,10 @@ def fill_class_defaults(obj: Any) -> Any:
 def install_class_defaults(cls: type, names: frozenset[str]) -> None:
     """States ``names`` of ``cls`` start from a class attribute's value.
 
-    A static value (bool, int, str, enum, None: ``training = True``) stays
-    the class's, as in plain Python: an instance reads it until it assigns its
-    own (``vars(model)`` has no entry until then), and a functionalized call,
-    whose structure holds it, may not assign it another value. Any other
-    value (an array) is given to each new instance as the initial value of
-    its state slot, so ``functionalize()`` has it in the states dict (see
-    ``ClassDefaultsNew``).
-    """
+    A static value (``training = True``) stays the class's, as in plain Python,
+    until the instance assigns its own (a functionalized call may not assign
+    another). Any other value is given to each new instance's state slot
+    (``ClassDefaultsNew``), so the states dict has it."""
     filled = tuple(sorted(n for n in names if not is_static_value(_class_value(cls, n))))
     if not filled:
         _CLASS_DEFAULTS.pop(cls, None)

@@ -1,49 +1,18 @@
 """What the runtime answers when the local-state engine asks, and why it must ask.
 
-The engine (``autostate.effects``) is penzai v1's local-state effect: it
-knows requests, handled references, handlers and the slot protocol, and
-nothing of tracer lifetime, Python values that are structure, dicts JAX cannot
-flatten, threads or the guard. Where a question can be an argument or a
-method, it is one:
-
-* the guard: a caller names its body's instances (``run_with_states``'s
-  ``instances``) and the guard asks the engine (``in_running_body``);
-* the copy a call keeps of a states dict's entry: the value table's
-  ``values.own_value``;
-* the flatten of a frozen request: registered with JAX by
-  ``autostate.state_values``, which owns which values are structure;
-* the wording of a handled reference's errors: ``errors.unhandled_ref_error``;
-* the trace a call started in: kept by ``autostate.lifetime`` itself
-  (``trace_of_call``), not by the engine.
-
-What is left is asked here, one field of ``hooks`` each, filled in by the
-module that owns the answer (``register_slot_hooks``) when it is imported.
-Each is reached where no caller of the runtime's stands between the user and
-the engine, so no argument can carry the answer: penzai's front door
-(``handle_local_states``, ``handler((x, states))``, ``freeze_local_states``
-on a body holding decorated models), or the slot protocol on a slot type the
-engine defines (what a decorated model's attribute holds), called by whoever
-holds the slot. The owners cannot be imported by the engine, which they stand
-on:
-
-* ``autostate.lifetime``: ``eager_write`` (the write of an engine request
-  outside every handler: penzai has none; the slot that takes its place
-  depends on tracer lifetime and on static kinds), ``made_here`` (slots a
-  freeze makes live in the trace running now), ``check_read`` (a handled
-  reference's read: escaped tracers, lost values, stacked members),
-  ``check_handled_write`` (its write: a Python value in place of the
-  placeholder ``None``, a value of a transformation inside a call on
-  models that hold their own states), ``call_started`` (a call's trace
-  and the calls of every thread) and ``cells_elsewhere`` (a state reached
-  from another thread);
-* ``autostate.state_values``: ``states_dict`` (the dict a call or handling
-  returns keeps Python values as structure);
-* ``autostate.unsortable``: ``states_flatten_error`` (a dict whose keys do
-  not sort, said in autostate's words where JAX failed).
-
-The defaults are penzai's: an unhandled request cannot be written, nothing is
-tracked or refused, the dict is kept as it is. This module imports nothing
-of autostate's but its errors, so the engine may read ``hooks`` with no cycle.
+The engine (``autostate.effects``) is penzai v1's local-state effect and
+knows nothing of tracer lifetime, static values, unsortable dicts, threads
+or the guard. Where a question can be an argument or a method, it is one
+(``run_with_states``'s ``instances``, ``values.own_value``, the frozen
+request's flatten registered by ``state_values``, ``errors``' wording,
+``lifetime.trace_of_call``). What is left is asked here, one field of
+``hooks`` each (``SlotHooks``), filled in by its owner at import
+(``register_slot_hooks``): ``lifetime``, ``state_values`` and
+``unsortable``, which stand on the engine, so it cannot import them. Each
+question is reached where no caller of the runtime's stands between the user
+and the engine (penzai's front door, or the slot protocol on the engine's
+own slot types), so no argument can carry the answer. The defaults are
+penzai's; this module imports nothing of autostate's but its errors.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The lifting every JAX function of ``autostate.lifting`` shares.
-
-Binding the live states' cells to the values a trace gives them
-(``bound_to``), the four steps of the lift (``probed``, ``lift``'s
-``pure_of``, the family's placement, ``land``), the checks a threaded state
-passes (``check_kept``: a carry keeps its type), the eager models' states
-handed to a temporary handler for a call (``with_eager_states``), with the
-slots that stand in for theirs while it runs, and the placement the mapping
-families share: a stacked sub-model's members (``members_of``,
-``member_body``) and the layer views of a stack held by a layer
-(``with_layer_views``).
-"""
+"""The lifting every JAX function of ``autostate.lifting`` shares: binding
+cells (``bound_to``), the four steps (``probed``, ``lift``'s ``pure_of``,
+the family's placement, ``land``), eager models' states handed to a
+temporary handler (``with_eager_states``), and the placement the mapping
+families share (``members_of``, ``member_body``, ``with_layer_views``)."""
 
 from __future__ import annotations
 
@@ -64,13 +57,10 @@ Swapped = list[tuple[Any, str, StateSlot, str]]
 def bound_to(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> Iterator[None]:
     """Binds ``chosen`` to ``values`` while a body is traced; restores every cell after.
 
-    A body that raises leaves each cell it assigned holding a ``LostValue``
-    (reading it says what happened) instead of its value before the call: JAX
-    keeps nothing that body computed, and plain Python's loop would have kept
-    the assignment, so the old value would be silently wrong. A refusal of
-    autostate's (an ``AutostateError``) ends the whole call instead, which
-    leaves the model as it was before it: the cells take their old values.
-    """
+    A body that raises leaves each cell it assigned a ``LostValue``: JAX keeps
+    nothing it computed, while plain Python's loop would have kept the
+    assignment. A refusal of autostate's ends the whole call instead, so the
+    cells take their old values."""
     saved = [cell.value for cell in cells]
     for cell, value in zip(chosen, values):
         cell.value = value
@@ -94,10 +84,8 @@ def bound_to(cells: Cells, chosen: Cells, values: Sequence[Any], what: str) -> I
 
 
 def settled(tree: Any) -> Any:
-    """``tree`` rebuilt from its leaves while the body's cells are still
-    bound: a model in what the body returns (its carry, a branch's output)
-    then carries its states as the body left them, as plain Python's one
-    object would, rather than as they are once the cells are restored."""
+    """``tree`` rebuilt while the body's cells are still bound, so a model in
+    what the body returns carries its states as the body left them."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -142,14 +130,10 @@ def writes_of(
 ) -> tuple[list[int], list[Any]]:
     """Which cells ``body(*args)`` assigns, and their new abstract values.
 
-    One abstract trace with every cell rebound to a fresh abstract value: a
-    cell whose value is another object afterwards was assigned. A cell holding
-    a concrete number or array (an eager model's, or ``f``'s outside ``jit``)
-    keeps it: the real trace binds only the assigned cells to traced values,
-    so a body that only reads it (``if self.p > 0:``, ``float(self.scale)``)
-    has it concrete there, as plain Python's loop does. (A container is
-    still rebuilt abstract: the body may change it in place.)
-    """
+    One abstract trace with every cell rebound to a fresh abstract value,
+    except cells holding a concrete number or array: the real trace binds only
+    the assigned cells to traced values, so a body that only reads one
+    (``if self.p > 0:``) has it concrete there, as plain Python does."""
     written: list[int] = []
     current = current_values(cells)
     # (A value JAX cannot trace, a deque or a plain object, is kept as it is.)
@@ -192,9 +176,8 @@ def _concrete_leaf(value: Any) -> bool:
 
 
 def signature_of(value: Any) -> tuple[Any, list[Any]] | None:
-    """A state value's structure and leaves (by identity), to tell a change in
-    place (``self.sub.items[0] = v``, ``d = self.d; d["k"] = v``) from none;
-    ``None`` for an array, which cannot change in place."""
+    """A value's structure and leaves (by identity), to tell a change in place
+    from none; ``None`` for an array, which cannot change in place."""
     if _values.kind_of(value) is _values.ARRAY:
         return None
     leaves, treedef = jax.tree_util.tree_flatten(value)
@@ -202,9 +185,8 @@ def signature_of(value: Any) -> tuple[Any, list[Any]] | None:
 
 
 def was_assigned(before: Any, signature: tuple[Any, list[Any]] | None, after: Any) -> bool:
-    """Whether a cell that held ``before`` (with ``signature``) now holding
-    ``after`` was written: assigned another value, or its container changed
-    in place, which plain Python's loop would keep as well."""
+    """Whether a cell that held ``before`` (with ``signature``) and now holds
+    ``after`` was assigned, or its container changed in place."""
     if after is not before:
         return True
     if signature is None:
@@ -231,13 +213,8 @@ def check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
 
 
 def weak_types(value: Any) -> tuple[bool, ...]:
-    """Which leaves of ``value`` are weakly typed: Python scalars, ``jnp.asarray(0.0)``.
-
-    ``type_of``, like JAX's check of a carry or branch output, does not tell them from
-    arrays of their dtype; but a weak value takes the dtype of what it meets
-    (``0.0 + bfloat16`` is bfloat16) and a strong one does not, so it is part of what a
-    state means.
-    """
+    """Which leaves of ``value`` are weakly typed (Python scalars, ``jnp.asarray(0.0)``):
+    part of what a state means, as a weak value takes the dtype of what it meets."""
 
     def weak(leaf: Any) -> bool:
         try:
@@ -249,13 +226,9 @@ def weak_types(value: Any) -> tuple[bool, ...]:
 
 
 def strong_where_mixed(outcomes: Sequence[Sequence[Any]]) -> list[bool]:
-    """Per state, whether it is weakly typed after one branch and strongly after another.
-
-    ``outcomes[b][k]`` is state ``k`` after branch ``b``. The state after the
-    call has one type, fixed when it is traced, while plain Python's depends on
-    which branch runs: such a state comes out strong, as after the branch that
-    makes it strong (a loop carry does the same, as JAX promotes it).
-    """
+    """Per state, whether it is weak after one branch and strong after another
+    (``outcomes[b][k]``): the traced call has one type, so such a state comes out
+    strong, as a loop carry does."""
     kinds = [[weak_types(value) for value in branch] for branch in outcomes]
     return [len({branch[k] for branch in kinds}) > 1 for k in range(len(outcomes[0]))]
 
@@ -300,9 +273,8 @@ def run_bound(
 
 
 def probed(cells: Cells, what: str, body: Callable[..., Any], *args: Any) -> list[int]:
-    """Step 1 of the lifting: which cells ``body(*args)`` assigns (one abstract
-    trace, ``writes_of``), each checked to keep its type, as a carry or a branch
-    output must."""
+    """Step 1: which cells ``body(*args)`` assigns (``writes_of``), each checked
+    to keep its type, as a carry or a branch output must."""
     written, new = writes_of(cells, body, *args, what=what)
     check_kept([cells[i] for i in written], new, what)
     return written
@@ -311,10 +283,8 @@ def probed(cells: Cells, what: str, body: Callable[..., Any], *args: Any) -> lis
 def _pure(
     cells: Cells, chosen: Cells, fun: Callable[..., Any], what: str, reads_only: bool = False
 ) -> Callable[..., tuple[Any, list[Any]]]:
-    """Step 2 of the lifting: ``fun`` as a pure function of the ``chosen``
-    states' values, ``(values, *args) -> (out, new values)``. ``reads_only``:
-    a function that decides and must not assign (a ``while_loop``'s
-    ``cond_fun``), refused where it does."""
+    """Step 2: ``fun`` as ``(values, *args) -> (out, new values)`` of the ``chosen``
+    states; ``reads_only`` (a ``cond_fun``) refuses an assignment."""
 
     def pure(values: list[Any], *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
         with bound_to(cells, chosen, values, what):
@@ -337,12 +307,10 @@ def lift(
     plain: Callable[[], Any] | None = None,
 ) -> Any:
     """The one lifting of the loops, branches and ``checkpoint``: the states
-    ``written`` (step 1, ``probed``) are threaded (none: ``plain()``, the
-    JAX function as it is, where given). ``place(pure_of, values)`` calls
-    the JAX function with the states placed by its rules (step 3: carry,
-    operands, arguments), ``pure_of(fn)`` being ``fn`` as a pure function of
-    them (step 2, ``_pure``), and returns the output and the states' new
-    values, which land (step 4)."""
+    ``written`` (step 1) are threaded by ``place(pure_of, values)``, which
+    calls the JAX function with them placed (step 3; ``pure_of`` is step 2) and
+    returns the output and new values, which land (step 4). None written:
+    ``plain()``, where given."""
     if not written and plain is not None:
         return plain()
     chosen = [cells[i] for i in written]
@@ -356,8 +324,7 @@ def lift(
 
 
 def land(cells: Cells, new: dict[int, Any]) -> None:
-    """Step 4 of every lifting: the states take the values the JAX function
-    returned (``new``: by index into ``cells``)."""
+    """Step 4: the states take the values the JAX function returned (by index)."""
     for i, value in new.items():
         cells[i].value = value
 
@@ -365,9 +332,8 @@ def land(cells: Cells, new: dict[int, Any]) -> None:
 def argument_writes(
     cells: Cells, passed: Sequence[int], values: Sequence[Any], what: str, call: Callable[[], Any]
 ) -> tuple[Any, dict[int, Any]]:
-    """``call()`` with the cells ``passed`` (those JAX can trace, handed to a
-    transformation as arguments) bound to ``values``: its output and the new
-    values of those it assigned, by position; one that is not passed is refused."""
+    """``call()`` with the cells ``passed`` bound to ``values``: its output and the
+    new values of those it assigned; an assigned cell not passed is refused."""
     out, after, changed = run_bound(cells, [cells[i] for i in passed], values, what, call)
     for i in sorted(changed - set(passed)):
         raise ControlFlowStateError(
@@ -399,13 +365,8 @@ def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -
 
 # --- eager models ---------------------------------------------------------------
 
-# The slots that hold their state's value themselves (an eager model's, and
-# those of a copy made inside a running call: ``copy.copy(self)``, a
-# ``tree_map`` copy), whose writes stay the copy's, the stacks and what code
-# reaches through a node are fields of the node kinds (``graph.NodeKind``:
-# ``own_value``, ``stacked``, ``reached``); what a body reaches is
-# ``graph.reachable_instances``. A body that reaches an own-value slot has it
-# threaded like an eager model's.
+# A body that reaches a slot holding its own value (an eager model's, a copy's:
+# ``graph.OWN_VALUE_SLOTS``) has it threaded like an eager model's.
 
 
 def with_eager_states(
@@ -413,20 +374,12 @@ def with_eager_states(
 ) -> Any:
     """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
 
-    Their slots become references of a temporary handler for the call, so the
-    body's writes are threaded like a functionalized model's; afterwards the
-    slots are put back and assigned the final values, as eager writes.
-
-    JAX traces the body of ``what`` rather than running it once per step, so
-    while it runs, a static state (a Python value) of these instances takes
-    no new value, and a traced value assigned to one of their attributes
-    that is not state is refused (``guard.check_write``): plain
-    Python's loop would change them every step, and a trace would leave a
-    count of traces or a tracer. An ``f`` refuses both the same way.
-    ``once``: the body runs once per call, as plain Python's does (a
-    derivative's function), so a static state takes the Python values it
-    is assigned there.
-    """
+    Their slots become references of a temporary handler, so the body's writes
+    are threaded like a functionalized model's, then written back as eager
+    writes. JAX traces the body rather than running it per step, so a static
+    state takes no new value there and a traced value in a plain attribute is
+    refused (as ``f`` does). ``once``: the body runs once per call (a
+    derivative's function), so a static state may change."""
     captured: list[Any] = []
     instances = _graph.reachable_instances(roots, captured)
     swapped, statics = own_states(instances)
@@ -463,10 +416,9 @@ def with_eager_states(
 
 
 def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, Any]]]:
-    """The states ``instances`` hold themselves (an eager model's, the copies
-    ``autostate.jit`` traces), each ``(instance, attribute, slot, name)``,
-    and their static states ``(instance, attribute, slot)``, which a
-    handler does not take."""
+    """The states ``instances`` hold themselves, each ``(instance, attribute,
+    slot, name)``, and their static states ``(instance, attribute, slot)``,
+    which a handler does not take."""
     swapped: Swapped = []
     statics: list[tuple[Any, str, Any]] = []
     names: set[str] = set()
@@ -487,10 +439,8 @@ def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, 
 
 
 def with_states_handled(swapped: Swapped, call: Callable[[], Any]) -> Any:
-    """The one lift of a call on models that hold their states (``own_states``):
-    bind them to a handler's cells (``run_handled``), run ``call`` with its
-    writes threaded as a functionalized call's, and write back the states
-    it assigned (``write_back``)."""
+    """The one lift of a call on models that hold their states: bind them to a
+    handler's cells, run ``call``, write back what it assigned."""
     if not swapped:
         return call()
     states = {name: slot.read() for _, _, slot, name in swapped}
@@ -512,11 +462,9 @@ def state_name(obj: Any, attr: str, names: set[str]) -> str:
 def run_handled(
     swapped: Swapped, states: dict[str, Any], call: Callable[[], Any]
 ) -> tuple[Any, dict[str, Any]]:
-    """``call()`` with the slots ``swapped`` (``(instance, attribute, slot,
-    name)``) made references of a fresh handler that holds ``states`` by
-    name: its output and the states' new values (``write_back`` lands them).
-    The slots are put back after; a call that raises leaves each state its
-    traced body assigned lost (``LostState``: reading it says what happened)."""
+    """``call()`` with the slots ``swapped`` made references of a fresh handler
+    holding ``states``: its output and the new values (for ``write_back``).
+    A call that raises leaves each state its body assigned a ``LostState``."""
     handler_id = fresh_handler_id()
     for obj, attr, slot, name in swapped:
         obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
@@ -532,8 +480,7 @@ def run_handled(
 
 
 def write_back(swapped: Swapped, states: dict[str, Any], new: dict[str, Any]) -> None:
-    """The last step of a handled call (``run_handled``): each slot of
-    ``swapped`` whose state has a new value is assigned it, as an eager write."""
+    """Each slot of ``swapped`` whose state has a new value is assigned it, as an eager write."""
     for obj, attr, slot, name in swapped:
         if new[name] is not states[name]:
             replacement = slot.write(new[name], attr)
@@ -542,9 +489,8 @@ def write_back(swapped: Swapped, states: dict[str, Any], new: dict[str, Any]) ->
 
 
 def guarded(guard: Guard, call: Callable[[], Any]) -> Any:
-    """``call()`` under ``guard``; also when it raised the guard looks: JAX
-    may meet the body's escaped tracer first (a later trace of the body, or
-    where the value is used)."""
+    """``call()`` under ``guard``, which also looks when it raised: JAX may meet an
+    escaped tracer first."""
     with guard:
         return call()
 
@@ -552,9 +498,8 @@ def guarded(guard: Guard, call: Callable[[], Any]) -> Any:
 def transformation(
     fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any], once: bool = False
 ) -> Callable[..., Any]:
-    """What stands for a JAX transformation of ``fun``: each call runs
-    ``call(args, kwargs)`` with eager models' states handled
-    (``with_eager_states``; ``once``: ``fun`` runs once per call)."""
+    """A JAX transformation of ``fun`` whose calls run ``call(args, kwargs)``
+    with eager models' states handled (``once``: ``fun`` runs once per call)."""
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
         return with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what, once)
@@ -564,9 +509,8 @@ def transformation(
 
 
 def with_states_first(threaded: Callable[..., Any], fun: Callable[..., Any]) -> None:
-    """Gives ``threaded`` (``(values, *args, **kwargs)``) ``fun``'s signature
-    after its first argument, so that JAX matches ``static_argnames`` and
-    static arguments given by keyword as it would for ``fun``."""
+    """Gives ``threaded`` ``fun``'s signature after a first states argument, so
+    JAX matches ``static_argnames`` as it would for ``fun``."""
     try:
         signature = inspect.signature(fun)
     except (TypeError, ValueError):
@@ -578,8 +522,8 @@ def with_states_first(threaded: Callable[..., Any], fun: Callable[..., Any]) -> 
 
 
 def after_states(numbers: Any) -> tuple[int, ...]:
-    """Argument numbers (``static_argnums``, ``donate_argnums``) of a function
-    that now takes the states first: a non-negative one moves up by one."""
+    """Argument numbers of a function that now takes the states first: a
+    non-negative one moves up by one."""
     numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
     return tuple(i + 1 if i >= 0 else i for i in numbers)
 
@@ -608,8 +552,8 @@ class StandIn(StateSlot):
 
 
 class LostState(StandIn):
-    """An eager state whose lax body raised after assigning it (``bound_to``):
-    reading it raises what happened; assigning it gives it a value again."""
+    """An eager state whose lax body raised after assigning it: reading it raises
+    what happened; assigning it gives it a value again."""
 
     __slots__ = ("slot", "lost")
     handleable = True
@@ -667,15 +611,13 @@ class _StaticInBody(StandIn):
 
 
 def jit_disabled() -> bool:
-    """Under ``jax.disable_jit()`` JAX runs a loop's body once per step, and
-    only the branch taken, with concrete values, as plain Python would: a
-    body's assignments are then eager writes, and nothing is threaded."""
+    """Under ``jax.disable_jit()`` JAX runs bodies as plain Python would: their
+    assignments are eager writes, and nothing is threaded."""
     return bool(jax.config.jax_disable_jit)  # type: ignore[attr-defined]  # (not in its stubs)
 
 def layers_mapped(tree: Any) -> Any:
-    """``tree`` (a mapped argument) with each stack in it, and in the lists,
-    tuples and dicts it holds, replaced by its stacked model; the same object
-    when it holds none."""
+    """``tree`` with each stack in it (and in its lists, tuples and dicts) as its
+    stacked model; the same object when it holds none."""
     if not _graph.STACKS:
         return tree
     t = type(tree)
@@ -693,8 +635,7 @@ def layers_mapped(tree: Any) -> Any:
 
 def vmap_layers(in_axes: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``jax.vmap``'s arguments with the stacks of the mapped ones as their
-    stacked models (``layers_mapped``); an argument with in_axes ``None`` keeps
-    its stack whole (every example iterates all of its layers)."""
+    stacked models; one with in_axes ``None`` keeps its stack whole."""
     if not _graph.STACKS:
         return args, kwargs
     axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
@@ -705,25 +646,19 @@ def vmap_layers(in_axes: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 # --- stacked sub-models -------------------------------------------------------------
-# A sub-model handed to a mapping transformation (``jax.vmap``'s mapped
-# arguments, ``lax.scan``'s ``xs``, ``lax.map``) is a list of members: each
-# of its states is one slice per member along the mapped axis, each member
-# reads and writes its own slice, and the slices written come back stacked.
+# A sub-model in a mapped argument is a list of members: each reads and writes
+# its own slice of every state, and the slices written come back stacked.
 
 
 def with_layer_views(mapped: Any, what: str, call: Callable[[], Any]) -> Any:
-    """``call()``, the states of the layer views in ``mapped`` (a mapped
-    argument) handled as states of their own while it runs.
+    """``call()``, the states of the layer views in ``mapped`` handled as states
+    of their own while it runs.
 
-    A stack held by a layer of an outer stack (``self.sub`` of the view
-    ``self.blocks[0]``) is a view too: its states are slots reading and
-    writing their part of the outer stacked state (``StateSlot.part_of``).
-    Mapped over, it is a stacked sub-model like any other: each member's
-    slice comes from that part, and the slices written come back stacked
-    and are written through the view, into the outer state. While the call
-    runs, the outer state itself cannot be read by another path (it would
-    read the value from before the call): that is refused.
-    """
+    A stack held by a layer of an outer stack is a view: its states read and
+    write their part of the outer stacked state (``StateSlot.part_of``). Mapped
+    over, the slices written come back stacked and are written through the
+    view. Meanwhile the outer state cannot be read by another path (it would be
+    stale): refused."""
     swapped: Swapped = []
     names: set[str] = set()
     for obj in _graph.instances_of(mapped):
@@ -790,9 +725,8 @@ class _WholeOfMappedViews(StandIn):
 
 
 def members_of(cells: Cells, tree: Any) -> list[int]:
-    """The cells (indices into ``cells``) of the states of the decorated
-    instances in ``tree`` that hold JAX values: those a mapping transformation
-    slices, one slice per member (a deque or a plain object is not sliced)."""
+    """The cells of the states of the decorated instances in ``tree`` that hold
+    JAX values: those a mapping transformation slices, one slice per member."""
     index = {id(cell): i for i, cell in enumerate(cells)}
     found: dict[int, None] = {}
     for obj in _graph.instances_of(tree):
@@ -808,9 +742,8 @@ def members_of(cells: Cells, tree: Any) -> list[int]:
 
 
 def check_stacked(cells: Cells, axes: Sequence[int], size: int | None, what: str) -> int | None:
-    """Every array of the member states ``cells`` has the mapped axis (its entry
-    of ``axes``), of one size (``size`` where the call fixes it): the members
-    agree, as a stack ``jax.vmap(Layer)(keys)`` builds does. The size, or ``None``."""
+    """Every array of the member states ``cells`` has the mapped axis, of one
+    size (``size`` where the call fixes it). The size, or ``None``."""
     for cell, axis in zip(cells, axes):
         for leaf in jax.tree_util.tree_leaves(cell.value):
             shape = jax.numpy.shape(leaf)
@@ -835,11 +768,8 @@ def check_stacked(cells: Cells, axes: Sequence[int], size: int | None, what: str
 
 
 def guarding_copies(tree: Any, what: str, call: Callable[[], Any]) -> Any:
-    """``call()``, the copies JAX made of the models in ``tree`` (a mapped
-    argument's members, a scan step's slice) guarded as a lax body's eager
-    models are: a traced value assigned to an attribute that is not state,
-    or put in a list or dict they hold, would be lost with the copy, where
-    plain Python's loop keeps one per member; it is refused."""
+    """``call()``, the copies JAX made of the models in ``tree`` guarded as a lax
+    body's eager models: a change outside their states would be lost with the copy."""
     copies = _graph.instances_of(tree)
     if not copies:
         return call()
@@ -852,8 +782,7 @@ def guarding_copies(tree: Any, what: str, call: Callable[[], Any]) -> Any:
 
 @contextlib.contextmanager
 def member_slices(chosen: Cells) -> Iterator[None]:
-    """While the cells ``chosen`` hold one member's slice of a stacked
-    sub-model: read only through the members (``lifetime.MEMBER_CELLS``)."""
+    """While ``chosen`` hold one member's slice: read only through the members."""
     token = MEMBER_CELLS.set(MEMBER_CELLS.get() | {id(cell) for cell in chosen})
     try:
         yield
@@ -865,9 +794,8 @@ def member_body(
     cells: Cells, members: Sequence[int], body: Callable[[Any, Any], Any], what: str
 ) -> Callable[[Any, tuple[Any, list[Any]]], Any]:
     """``body(carry, x)`` of a scan whose ``x`` is ``(x, member slices)``: the
-    member cells hold this step's slices while it runs, and the slices it
-    assigned leave as part of its ``y`` (stacked by the scan), so they are
-    never a carry. The other cells are left to the caller's threading."""
+    member cells hold this step's slices, and the slices it assigned leave in
+    its ``y`` (stacked by the scan), never as a carry."""
     chosen = [cells[i] for i in members]
 
     def run(carry: Any, x: tuple[Any, list[Any]]) -> Any:

@@ -3,51 +3,20 @@
 A decorated method's ``for`` statement is compiled so that, when what it
 iterates is a stack of layers and a JAX trace is running, the runtime
 (``lifting.loops``) can run the body as one ``lax.scan`` instead of once
-per layer. The loop stays in the code exactly as written; in front of it
-the rewrite adds its body as a function of the locals it carries (in
-short; ``docs/rewrite_rules.md`` section 9 prints the exact code)::
+per layer. The loop stays exactly as written; in front of it the rewrite
+adds its body as a function of the locals it carries, and a call of
+``loops.over`` that decides (``docs/rewrite_rules.md`` section 9 prints the
+generated code). Both copies of the body keep the user's line numbers; what
+is added takes the line of the ``for``. A loop whose meaning such a function
+cannot carry (``break``, ``return``, ``yield``, ``global``, a nested
+``def``, ...) keeps its iterable wrapped in ``loops.unrolled(..., reason)``,
+so that a stack made with ``require_scan=True`` can say why.
 
-    def __autostate_body_1(__autostate_item, __autostate_values):
-        (x, h) = __autostate_values
-        if h is UNBOUND: del h                # a local the loop found unbound
-        block = __autostate_item
-        x = block(x)                          # the body, as written
-        h = x.mean()
-        return (x, h)                         # each, or UNBOUND
-    __autostate_it_1 = loops.over(self.blocks)
-    if __autostate_it_1.__class__ is loops.Rolling:
-        __autostate_r_1 = __autostate_it_1.run(
-            __autostate_body_1, (x, h), ("x", "h"), (True, False), False
-        )                                     # (values, names, read in the body?, last item?)
-        if __autostate_r_1 is None:           # it could not roll: the plain loop
-            __autostate_it_1 = __autostate_it_1.plain()
-        else:
-            (x, h) = __autostate_r_1[0]       # those the scan left bound
-            __autostate_it_1 = ()
-    for block in __autostate_it_1:            # the loop as written
-        x = block(x)
-        h = x.mean()
-
-Outside a trace, or over anything but a stack, ``over`` gives the iterable
-itself and the plain loop runs. Both copies of the body keep the user's
-line numbers; what is added takes the line of the ``for``.
-
-A loop whose meaning a function of its locals cannot carry is left as it
-is, its iterable wrapped in ``loops.unrolled(..., reason)`` (so that a stack
-made with ``require_scan=True`` can say why): ``break``, ``continue``,
-``return``, ``yield`` or ``await`` in the body, ``global`` / ``nonlocal``,
-``del`` of a local, a nested ``def`` or ``class``, zero-argument
-``super()``, ``locals()``, a target other than names, a local the body
-changes in place, or a function that could see one step's locals.
-
-Which locals are carried, and why a loop cannot roll, are facts of the
-source analysis (``loop_facts``: one ``LoopFacts`` per ``for`` statement,
-read from the method's libcst tree with the analysis's binding and scope
-rules); this module only fills the template below with them. It works on the ``ast`` of the wrapper
-source the state rewrite produced (``rewrite.rewrite_method``), run by
-``loader.compile_method``, since only a tree lets both copies of the body
-keep the user's line numbers; the rewrite keeps every ``for`` statement, so
-the analysis's loops and the tree's match in source order.
+Which locals are carried and why a loop cannot roll are facts of the source
+analysis (``loop_facts``); this module only fills the template below. It
+works on the ``ast`` of the wrapper source the state rewrite produced, since
+only a tree lets both copies keep the user's lines; the rewrite keeps every
+``for`` statement, so the analysis's loops and the tree's match in order.
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """The libcst transformer: state reads and writes become runtime calls.
 
 It only rewrites what ``analysis.py`` decided is state, and every rewrite
-stays on the line it came from:
-
-===============================  =============================================
-``self.x`` (read)                ``__autostate__.get(self, "x")``
-``self.x = v``                   ``__autostate__.set(self, "x", v)``
-``self.x = v`` in ``__init__``   ``__autostate__.init(self, "x", v)``
-``self.x op= v``                 ``__autostate__.set(self, "x", __autostate__.iop(__autostate__.get(self, "x"), v))``
-``self.x[i] = v``                ``__autostate__.setitem(self, "x", v, __autostate__.ix[i])``
-``self.x[i] op= v``              ``__autostate__.augitem(__autostate__.item(self, "x", __autostate__.ix[i]), "op", v)``
-``self.x.mul_(m).add_(v)``       ``__autostate__.inplace(self, "x").mul_(m).add_(v).value``: PyTorch's in-place
-(``INPLACE_TENSOR_METHODS``)     tensor methods (``StateRewriter._inplace``; another object's attribute:
-                                 ``inplace_attribute``, any other value: ``tensor_method``)
-other targets (tuples, chains,   ``__autostate__.target(self).x`` (a proxy whose attribute and item
-``for``, ``with``, ``del``)      assignment call ``set`` / ``setitem``, so Python's own order holds)
-``lax.scan(...)`` and the other  ``__autostate__.lifting.scan(...)``: the names the caller resolved
-control flow (``control``)       to ``jax.lax`` control flow or ``jax.checkpoint``, called, passed to
-                                 a call or used as a decorator
-``vars(obj)``, ``obj.__dict__``  ``__autostate__.vars_of(vars, obj)``, ``__autostate__.dict_of(obj)``:
-(read)                           for a model, its instance dict with the states' values
-``locals()``, ``vars()``,        ``__autostate__.without_runtime(locals(), locals, "__autostate__")``:
-``dir()`` (no argument)          the result without the runtime's own name
-``setattr(self, "x", v)``        ``__autostate__.spelled.set(setattr, self, "x", v)`` (``init`` in
-                                 ``__init__``): the state's write while the name is the builtin,
-                                 else the call as written (a name rebound after the class)
-``getattr(self, "x")``           ``__autostate__.spelled.get(getattr, self, "x")``
-``object.__setattr__`` /         ``__autostate__.spelled.store_state(object.__setattr__, self, "x", v)`` /
-``object.__getattribute__``      ``__autostate__.spelled.read_state(object.__getattribute__, self, "x")``:
-                                 past the class's own hooks
-===============================  =============================================
-
-Where a rewrite leaves out source that spanned lines (a backslash after
-``=``, ``self \\`` before ``.x``, a newline in a target's brackets), the new
-code holds as many line breaks in its place (``_keep_lines``): the statement
-spans its original lines, the code after it keeps its line, and so does each
-part kept from it, unless the call takes it in another order (the keys of
-``setitem`` follow the value).
+stays on the line it came from: ``self.x`` becomes ``__autostate__.get(self,
+"x")``, ``self.x = v`` ``__autostate__.set(self, "x", v)``, and so on (the
+table of rules with the generated code is ``docs/rewrite_rules.md``
+section 2). Where a rewrite leaves out source that spanned lines, the new
+code holds as many line breaks in its place (``_keep_lines``), so the code
+after it keeps its line.
 
 No JAX here: the runtime the generated code calls is ``autostate.runtime``,
 a closure variable named ``__autostate__`` (``__autostate_1__``, ... in a
