@@ -295,13 +295,9 @@ def _install_methods(slots: list, decision: ClassDecision) -> None:
 
 
 def _check_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
-    """Refuses a state whose name a data descriptor of the user's holds.
-
-    A state's value is kept by autostate's own descriptor, which takes the
-    name's place on the class; a descriptor there (one with ``__set__``: a
-    clamp, a validator, a unit conversion) would then never run, and every
-    write would silently skip its code.
-    """
+    """Refuses a state whose name a data descriptor of the user's holds (a clamp,
+    a validator): autostate's descriptor takes its place, so its code would
+    silently never run."""
     for attr in state_attrs:
         found = next((k.__dict__[attr] for k in cls.__mro__ if attr in k.__dict__), None)
         kind = type(found)
@@ -336,10 +332,9 @@ def _install_state_descriptors(cls: type, state_attrs: frozenset[str]) -> None:
 
 
 def _state_descriptors_in_place(cls: type, state_attrs: frozenset[str]) -> bool:
-    """Whether a decorated class still has its states' descriptors: a class
-    decorator applied after decoration (``@dataclass`` below ``@stateful`` on
-    a subclass, which the subclass hook decorated first) may have replaced
-    them, and the class is then decorated again."""
+    """Whether a decorated class still has its states' descriptors (a class
+    decorator applied after decoration may have replaced them: then it is
+    decorated again)."""
     return all(_runtime.state_descriptor(cls, a) is not None for a in state_attrs)
 
 
@@ -369,12 +364,9 @@ def _install_defaults(cls: type) -> None:
 
 
 def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
-    """Subclasses are decorated too, as an ``nn.Module`` subclass is a module.
-
-    The class's own ``__init_subclass__`` (if it wrote one) still runs first.
-    An explicit ``@stateful(...)`` on the subclass with other options
-    re-decorates it.
-    """
+    """Subclasses are decorated too, as an ``nn.Module`` subclass is a module; the
+    class's own ``__init_subclass__`` runs first, and an explicit
+    ``@stateful(...)`` with other options re-decorates."""
     own: Any = cls.__dict__.get("__init_subclass__")
     if getattr(getattr(own, "__func__", None), "_autostate_hook", False):
         own = own.__func__._autostate_own  # re-decoration: wrap what the user wrote
@@ -547,10 +539,9 @@ def _functionalize_method(
 
 
 def _with_running_states_read(model: Any) -> Any:
-    """``model``, or (called inside a running functionalized call, as
-    ``self.inner.functionalize()`` in a method) a copy whose states handled
-    by that call hold their current values: the new ``f`` starts from them,
-    as it would eagerly, and leaves the running call's states alone."""
+    """``model``, or inside a running functionalized call a copy whose states that
+    call handles hold their current values: the new ``f`` starts from them, and
+    the running call's states are left alone."""
     def running(node: Any) -> bool:
         t = type(node)
         return (t is HandledLocalStateRef or t is HandledStaticState) and is_running(node.handler_id)

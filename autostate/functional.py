@@ -62,14 +62,9 @@ def is_trainable(leaf: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ConstantRef:
-    """Stands in ``f.model`` where the model holds a non-trainable array.
-
-    Integer, bool and PRNG-key arrays that are not states (positions, causal
-    masks, a key fixed in ``__init__``) travel in the states dict under their
-    path, so ``jax.grad`` and optax over ``f`` see only what is trained;
-    ``f`` puts them back before it runs the model, ``freeze`` embeds them as
-    the plain attributes they were.
-    """
+    """Stands in ``f.model`` for a non-trainable array that is no state (a
+    position table, a mask, a fixed key): it travels in the states dict under
+    its path, so ``jax.grad`` and optax see only what is trained."""
 
     handler_id: Hashable
     name: str
@@ -82,11 +77,8 @@ _graph.register_node_kind(ConstantRef, model_child=True)
 
 
 def extract_constants(handler_id: Hashable, body: Any, taken: Any) -> tuple[Any, dict[str, Any]]:
-    """``body`` with its non-trainable, non-state arrays replaced by ``ConstantRef``s.
-
-    Returns the new body and ``{path name: array}``; ``taken`` are the names
-    the states already use. The body is copied only when it holds such arrays.
-    """
+    """``body`` with its non-trainable, non-state arrays replaced by
+    ``ConstantRef``s, and ``{path: array}`` (``taken``: the states' names)."""
 
     def is_target(node: Any) -> bool:
         return isinstance(node, StateSlot) or (
@@ -312,23 +304,11 @@ class FunctionalModel(Generic[M]):
         kwargs: dict,
     ) -> tuple[Any, dict[str, Any]]:
         """Calls ``method`` of the model (``__call__`` for None; a function:
-        ``method(model, *args)``) with ``states``.
-
-        - bind: check the states dict's keys and put the constants it
-          carries into a copy of the model (``_bind``);
-        - guard: snapshot what the call may not change (``_guard``): the
-          instances' attributes, and under a trace (or on a copy) the
-          containers they hold and the flattened graph;
-        - call: run the method with the states bound to this ``f``'s handler;
-          a write to the model that is not a state write is refused as it
-          happens;
-        - check: the new states hold no tracer of a finished ``lax`` body, and
-          nothing outside the states changed; otherwise it is put back and
-          refused (``guard.Guard``);
-        - unbind: return ``(out, new_states)``; the cached flatten of ``f`` is
-          dropped (an eager call may have replaced the states of categories
-          left unhandled, which live in the model).
-        """
+        ``method(model, *args)``) with ``states``: bind (check the keys, put the
+        constants into a copy: ``_bind``), guard (``_guard``), call with the states
+        bound to this handler, check (no escaped tracer, nothing else changed:
+        ``guard.Guard``), unbind (``(out, new_states)``; the cached flatten is
+        dropped, as states of unhandled categories may have changed)."""
         model = self._bind(states)
         if method is None:
             fn = model
@@ -502,12 +482,8 @@ def _trees_equal(a: Any, b: Any) -> bool:
 # --- the keyed view: one pytree level per model level --------------------------
 
 class Fields:
-    """One attribute level of ``f``'s keyed view: children under ``GetAttrKey``s.
-
-    A class per set of attribute names, registered as a JAX dataclass node,
-    so flattening ``f`` on every call of a jitted step runs in JAX's C++
-    pytree code, as a dict of arrays does.
-    """
+    """One attribute level of ``f``'s keyed view: a class per set of names,
+    registered as a JAX dataclass node so flattening ``f`` runs in JAX's C++."""
 
     _fields: tuple[str, ...] = ()
 
@@ -722,13 +698,9 @@ def all_categories(_category: Hashable) -> bool:
 def handler_id_for(
     category: Hashable | None, category_predicate: Callable[[Hashable], bool] | None
 ) -> Hashable | None:
-    """A handler id that depends only on which states are handled.
-
-    So functionalizing a frozen model again gives an *equal* ``f`` (and a
-    jitted step sees the same pytree structure: no recompilation), while
-    functionalizing one category inside another's call still nests: their
-    ids differ. A custom predicate cannot be named; it gets a fresh id.
-    """
+    """A handler id that depends only on which states are handled: functionalizing
+    a frozen model again gives an equal ``f`` (no recompilation), while nested
+    categories still differ. A custom predicate gets a fresh id."""
     if category_predicate is all_categories:
         return HandlerId("autostate:*")
     if category_predicate is None:

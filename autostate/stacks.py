@@ -469,11 +469,8 @@ def _stacked_depth(model: Any) -> int:
 
 
 def _difference(a: Any, b: Any, path: str, seen: set[int]) -> str | None:
-    """Where layer ``b`` first differs from layer ``a`` (``path: a's against b's``).
-
-    Both are walked in step through the graph's one step (``graph.children_of``:
-    an instance's attributes, a container's items, a registered node's
-    children), a state by its value; each instance once."""
+    """Where layer ``b`` first differs from layer ``a`` (``path: a's against b's``),
+    both walked in step by the graph's one step (``graph.children_of``)."""
     here = path or "the layer"
     if type(a) is not type(b):
         return f"{here}: a {type(b).__name__} against a {type(a).__name__}"
@@ -517,13 +514,10 @@ def _shown(value: Any) -> str:
 
 
 def _view(obj: Any, i: int, depth: int, memo: dict[int, Any], where: str) -> Any:
-    """Layer ``i`` of the stacked instance ``obj``: a new instance of its class whose
-    states read and write their slice of ``obj``'s and whose other arrays are their
-    slices; sub-models are views too (``memo``: one per stacked instance).
-
-    Every attribute is rebuilt by the graph's walk (``graph.map_tree``); the
-    instances are made here, since a state's ``LayerSlot`` needs its owner and
-    attribute, which ``map_tree``'s ``replace(node, name)`` does not see."""
+    """Layer ``i`` of the stacked instance ``obj``: an instance of its class whose
+    states are ``LayerSlot``s and other arrays slices; sub-models are views too
+    (``memo``). Made here, not by ``graph.map_tree``, since a ``LayerSlot`` needs
+    its owner and attribute."""
     seen = memo.get(id(obj))
     if seen is not None:
         return seen
@@ -589,15 +583,11 @@ def _attribute_refusal(obj: Any, name: str) -> StateAccessError:
 class LayerSlot(StateSlot):
     """A state of a layer of a stack: the layer's slice of the stacked state.
 
-    ``read()`` is the stacked state's current value at the layer's index;
-    ``write(v)`` writes the stacked state with that slice replaced, through
-    the stacked model's own slot, so the write means the same in every mode
-    (eager, ``f``, ``jax.jit``, a ``lax`` body). A value the slice cannot hold
-    (another shape, dtype or structure; another static value than the one
-    every layer shares) is refused: a list of layers could hold it, a stack
-    cannot. A layer held by a model (``self.first = self.blocks[0]``) cannot
-    be functionalized: its state belongs to the stack.
-    """
+    ``read()`` is the slice at the layer's index; ``write(v)`` writes the stacked
+    state with the slice replaced, through the stacked model's own slot, so it
+    means the same in every mode. A value the slice cannot hold is refused (a
+    list of layers could hold it, a stack cannot); a layer held by a model
+    cannot be functionalized (its state belongs to the stack)."""
 
     __slots__ = ("owner", "attr", "index", "depth")
     handleable = True

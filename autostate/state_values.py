@@ -110,11 +110,8 @@ class _Rebuilt:
 
 
 def is_static_value(value: Any) -> bool:
-    """Whether a state value is static: a Python bool, int, str, enum member or None.
-
-    Static states are part of a model's structure (pytree aux data), not of
-    its states dict, so ``if self.training:`` works under ``jax.jit``.
-    """
+    """Whether a state value is static (a Python bool, int, str, enum member or
+    None): part of a model's structure, so ``if self.training:`` works under jit."""
     t = type(value)
     return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
 
@@ -123,26 +120,16 @@ _STATIC_STATE_TYPES = (bool, int, str, type(None))
 
 
 def makes_static_state(value: Any) -> bool:
-    """Whether a state given ``value`` is static: a Python bool, int, str or enum member.
-
-    ``None`` is not a mode but a placeholder (a lazily sized hidden state, a
-    captured activation): a state holding it is an array state whose value
-    is ``None``, so ``f`` carries it in its states dict and an array may
-    replace it inside ``f`` (the new states carry the array). The first value
-    that replaces it decides the kind, as if it were the state's first: a
-    Python value makes the state static again (eagerly; inside ``f`` that is
-    refused, since a static value is ``f``'s structure).
-    """
+    """Whether a state given ``value`` is static. ``None`` is a placeholder, not a
+    mode: the state stays an array state holding ``None``, and the first value
+    that replaces it decides the kind (static again eagerly; refused in ``f``,
+    whose structure a static value is)."""
     return value is not None and is_static_value(value)
 
 
 def holds_static_values(value: Any) -> bool:
-    """Whether a container state value holds a Python bool, int, str or enum member.
-
-    A state whose whole value is one Python number stays a leaf: an array
-    state assigned a number (``self.count = 0`` after ``jnp.zeros(())``)
-    keeps the meaning a number has under ``jax.jit``.
-    """
+    """Whether a container state value holds a Python bool, int, str or enum
+    member (one whole Python number stays a leaf, as under ``jax.jit``)."""
     t = type(value)
     if t in CONCRETE_LEAF_TYPES or isinstance(value, jax.core.Tracer):
         return False
@@ -153,15 +140,9 @@ def holds_static_values(value: Any) -> bool:
 
 
 def split_static_values(value: Any) -> tuple[Any, Any]:
-    """``value`` with its Python values replaced by None, and what puts them back.
-
-    The treedef counts None as a leaf, so the Python values' positions are
-    positions of the stripped value too, whatever JAX later puts at the
-    others (tracers, ``None`` axes, specs).
-
-    A container JAX does not flatten (``opaque_items``) is replaced by its
-    items, as a plain dict or list, and rebuilt by ``join_static_values``.
-    """
+    """``value`` with its Python values replaced by None, and what puts them back
+    (the treedef counts None as a leaf, so positions stay whatever JAX puts at
+    the others). A container JAX does not flatten becomes its items."""
     positions, treedef = jax.tree_util.tree_flatten(value, is_leaf=lambda x: x is None)
     held: list[tuple[int, Any]] = []
     for i, leaf in enumerate(positions):
@@ -321,10 +302,8 @@ def check_placeholder_write(name: str, label: str | None, value: Any) -> None:
 
 
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:
-    """A frozen request's value is its child; the Python values inside a
-    container value are structure, as in a states dict (``States``), so a
-    model passed to ``jax.jit`` keeps them. A dict whose keys do not sort is
-    said in autostate's words (``unsortable_keys_error``)."""
+    """A frozen request's value is its child, its Python values structure (as in
+    ``States``); an unsortable dict is said in autostate's words."""
     value = r.state
     try:
         if type(value) in CONCRETE_LEAF_TYPES or not holds_static_values(value):
@@ -416,11 +395,8 @@ _graph.register_node_kind(StaticState, model_child=True, immutable=True)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HandledStaticState(StateSlot):
-    """A static state inside a functionalized model: readable, fixed for the call.
-
-    ``f`` is pure and its structure holds the value, so a functionalized call
-    may assign the same value again but not another one.
-    """
+    """A static state inside a functionalized model: readable, and assignable only
+    its own value (``f``'s structure holds it)."""
 
     handler_id: Hashable
     name: str

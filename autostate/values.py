@@ -81,28 +81,13 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of value: the answers to the questions the module docstring
-    lists (``array`` ... ``items``; ``spec``: a ``jax.ShapeDtypeStruct``), and
-    its operations (``None`` where the kind has none).
-
-    Attributes:
-        name: the kind's name, as ``repr`` shows it.
-        copy: shallow copy of the same type, for a container an in-place
-            operator would change.
-        update: ``(c, key, v) -> copy of c with c[key] = v``.
-        delete: ``(c, key) -> copy of c without c[key]``.
-        items: ``c -> its items as a plain dict or list``, for a container JAX
-            may take as one leaf.
-        same: ``(c, contents) -> bool``: whether a mutable container holds
-            exactly what ``contents`` (its ``copy``) holds, by identity (an
-            item may be a tracer, whose ``==`` would be traced).
-        restore: ``(c, contents) -> None``: puts ``contents`` back into ``c``
-            itself, for a mutable container: a change in place undone, or a
-            new value taken in without a new object.
-        fill: ``(empty, items, maxlen) -> None``: fills a new, empty container
-            of a subclass (made by ``cls.__new__``) with ``items``, the
-            kind's ``items`` of an old one (and a deque's ``maxlen``).
-    """
+    """One kind of value: the answers to the module docstring's questions
+    (``spec``: a ``jax.ShapeDtypeStruct``) and its operations, ``None`` where it
+    has none: ``copy`` (shallow, same type), ``update(c, key, v)`` and
+    ``delete(c, key)`` (copies), ``items(c)`` (a plain dict or list of them),
+    ``same(c, contents)`` (by identity: an item may be a tracer),
+    ``restore(c, contents)`` (into ``c`` itself) and ``fill(empty, items,
+    maxlen)`` (a new container of a subclass, made by ``cls.__new__``)."""
 
     name: str
     array: bool = False

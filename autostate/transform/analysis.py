@@ -141,21 +141,14 @@ class ClassAnalysis:
 def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
     """Source to parse and compile for one method, and its line shift.
 
-    The method text sits inside ``class <Name>:`` (so the compiler mangles
-    private names as in the original class) and a function whose parameters
-    are the method's free variables and the runtime's name
-    (``method.runtime_name``), so they compile as closure variables.
-    That function declares ``global`` the names ``source.global_names`` (the
-    method's own name, when its code reads a global of that name): in the
-    class body the ``def`` binds a class attribute, which the method's code
-    cannot see, so the ``relu`` that ``def relu(self, x): return relu(x)``
-    calls is the module's; a local of the wrapper function would make it a
-    closure variable instead. Line ``n`` of the text is line ``n + shift`` of
-    the user's file. No blank lines pad it to its place: libcst would parse
-    them, and decoration would slow down with the class's line number
-    (``loader.compile_method`` pads for the compiler, which skips them for
-    free).
-    """
+    The method sits inside ``class <Name>:`` (so private names mangle as in the
+    original class) inside a function whose parameters are the method's free
+    variables and the runtime's name, so they compile as closure variables.
+    That function declares ``global`` the names of ``source.global_names``: in
+    the class body the ``def`` binds a class attribute, so the ``relu`` that
+    ``def relu(self, x): return relu(x)`` calls is the module's. Line ``n`` of
+    the text is line ``n + shift`` of the file; no blank lines pad it (libcst
+    would parse them; ``loader.compile_method`` pads for the compiler)."""
     text, indent = _space_indented(source.text)
     params = ", ".join((*source.freevars, runtime_name(source.text)))
     header = f"class {source.mangle_as or class_name}:\n def {OUTER_NAME}({params}):\n"
@@ -180,18 +173,11 @@ def _column(indent: str) -> int:
 
 
 def _space_indented(text: str) -> tuple[str, str]:
-    """``text`` indented so that it nests under the one-space wrapper header,
-    and the indentation of its first line there.
-
-    A method indented by spaces, two or more, is left as written. Any other
-    indentation (one space, tabs, a form feed in front, none for a function
-    written at module level and assigned in the class body) cannot sit under
-    the header: the tokenizer rejects the mix or finds no deeper block, and
-    libcst's rejects form feeds. Then every logical line's indentation becomes
-    spaces, as many as its column is deeper than the first line's, plus two
-    (columns as the tokenizer counts them, so the blocks nest as in the
-    file); continuation lines and lines inside multi-line strings keep theirs.
-    """
+    """``text`` indented to nest under the one-space wrapper header, and its first
+    line's indentation there. Two or more spaces are left as written; any other
+    indentation (one space, tabs, a form feed, none) becomes spaces per logical
+    line, as many as its column is deeper than the first line's, plus two;
+    continuation lines and multi-line strings keep theirs."""
     indent = _LEADING.match(text).group()  # type: ignore[union-attr]
     if "\f" not in text and len(indent) >= 2 and not indent.strip(" "):
         return text, indent
@@ -310,16 +296,11 @@ def _imported_name(alias: cst.ImportAlias) -> cst.CSTNode:
 
 
 def binding_names(node: cst.CSTNode) -> list[cst.Name]:
-    """The names ``node`` binds in the scope it runs in.
-
-    Every binding form of Python but parameters and a comprehension's ``for``
-    targets (which bind in scopes of their own): assignment, augmented and
-    annotated targets, ``for``, ``with ... as``, ``:=``, ``del``, ``except
-    ... as``, match captures (``case x``, ``as x``, ``*x``, ``**x``),
-    imports, and the name of a ``def``, ``class`` or ``type`` statement.
-    ``ReceiverScopes`` and the analysis share it, so what binds the receiver's
-    name is decided in one place.
-    """
+    """The names ``node`` binds in the scope it runs in: every binding form but
+    parameters and a comprehension's ``for`` targets (assignment targets,
+    ``for``, ``with ... as``, ``:=``, ``del``, ``except ... as``, match
+    captures, imports, ``def``/``class``/``type`` names). Shared, so what binds
+    the receiver's name is decided in one place."""
     targets: list[cst.CSTNode]
     if isinstance(node, cst.Assign):
         targets = [t.target for t in node.targets]
@@ -387,16 +368,10 @@ def hides(scope: cst.FunctionDef | cst.Lambda | cst.ClassDef, name: str) -> bool
 
 
 class ReceiverScopes:
-    """Tracks whether the method's receiver name is visible at a node.
-
-    Nested functions, lambdas and classes push a scope, and so does a
-    comprehension whose ``for`` binds the receiver's name. Inside, the name
-    is the receiver unless the innermost scope that has it of its own hides
-    it (``hides``: a parameter, a local, a ``global``); class bodies count
-    only for their own statements, as in Python's name resolution. Shared by
-    the analysis visitor and the rewriter so both agree on what ``self.x``
-    refers to.
-    """
+    """Tracks whether the method's receiver name is visible at a node: functions,
+    lambdas, classes and comprehensions that bind it push a scope; the innermost
+    scope with the name of its own decides (``hides``); class bodies count only
+    for their own statements. Shared by the analysis and the rewriter."""
 
     def __init__(self, method: cst.FunctionDef, receiver: str | None):
         self.method = method
@@ -505,18 +480,11 @@ class ScopeVisits:
 
 @dataclasses.dataclass(frozen=True)
 class NamedAccess:
-    """A call that reads, writes or deletes an attribute of the receiver by a
-    literal name: ``setattr(self, "x", v)``, ``object.__setattr__(self, "x",
-    v)``, ``super().__setattr__("x", v)``, ``getattr(self, "x"[, d])``,
-    ``object.__getattribute__(self, "x")``, ``delattr(self, "x")``, ... .
-
-    ``name`` is the attribute as the string spells it: Python neither
-    mangles nor normalizes it. ``via`` says whose hooks it goes through:
-    ``"class"`` (the class's own ``__setattr__`` / ``__getattribute__``, as
-    ``self.x`` does), ``"object"`` (none of them), ``"super"`` (the next
-    class's in the MRO) or ``"self"`` (``self.__setattr__("x", v)``: the
-    class's own, called on the receiver).
-    """
+    """A call that reads, writes or deletes a receiver's attribute by a literal
+    name (``setattr(self, "x", v)``, ``object.__getattribute__(self, "x")``,
+    ``super().__setattr__("x", v)``, ...). ``name`` as the string spells it
+    (never mangled); ``via``: whose hooks it goes through, ``"class"``,
+    ``"object"`` (none), ``"super"`` (the next in the MRO) or ``"self"``."""
 
     kind: str  # "set", "get", "del", "has"
     name: str
@@ -546,14 +514,10 @@ def _literal_name(expr: cst.BaseExpression) -> str | None:
 def named_access(
     call: cst.Call, scopes: ReceiverScopes, shadowed: Callable[[], frozenset[str]]
 ) -> NamedAccess | None:
-    """``call`` as a ``NamedAccess`` of the receiver ``scopes`` tracks, else None.
-
-    Only plain positional arguments, a literal name and the builtin meaning
-    of the function name count (``shadowed()`` gives the names of
-    ``ACCESS_BUILTINS`` bound to something else where the method runs); a
-    computed name is left to the run-time guard. Shared by the analysis and
-    the rewriter, so both agree on which calls are attribute statements.
-    """
+    """``call`` as a ``NamedAccess`` of the receiver ``scopes`` tracks, else None:
+    only plain positional arguments, a literal name and the builtin meaning of
+    the function's name (``shadowed()``) count; a computed name is left to the
+    run-time guard. Shared by the analysis and the rewriter."""
     func, args = call.func, call.args
     if not args or any(a.star or a.keyword is not None for a in args):
         return None
@@ -629,11 +593,9 @@ def _subscript_depth(expr: cst.BaseExpression) -> int:
 
 
 def inplace_receiver(call: cst.Call) -> cst.BaseExpression | None:
-    """What a call of one of PyTorch's in-place tensor methods updates, else
-    None: ``self.x`` for ``self.x.mul_(m)``, ``self.x[i]`` for
-    ``self.x[i].add_(v)``, and for each call of a chain
-    (``self.x.mul_(m).add_(v)``: the first call returns the tensor itself).
-    The analysis and the rewrite share it."""
+    """What a call of a PyTorch in-place tensor method updates, else None:
+    ``self.x`` for ``self.x.mul_(m)``, ``self.x[i]`` for ``self.x[i].add_(v)``,
+    also along a chain. Shared by the analysis and the rewrite."""
     func = call.func
     if not isinstance(func, cst.Attribute) or func.attr.value not in INPLACE_TENSOR_METHODS:
         return None
@@ -653,14 +615,10 @@ def _aliased(expr: cst.BaseExpression) -> str | None:
 
 
 class _InPlaceAliases(cst.CSTVisitor):
-    """Finds, in source order, a local name that PyTorch would see change when
-    the tensor it names is updated in place later in the method:
-    ``m = self.x`` (or ``self.x[i]``, ``self.x.mul_(a)``), then
-    ``self.x.mul_(b)``, then a read of ``m`` (after it, or before it in a loop
-    around both that the binding is outside of); and an in-place call on such
-    a name (``m.mul_(b)``, which updates ``self.x`` in PyTorch). Here ``m``
-    keeps the value it was given. ``problem``: (what, line, fix) of the first.
-    """
+    """Finds the first local that PyTorch would see change when the tensor it
+    names is updated in place later (``m = self.x``, ``self.x.mul_(b)``, then a
+    read of ``m``), or an in-place call on such a name; here ``m`` keeps its
+    value. ``problem``: (what, line, fix)."""
 
     def __init__(self, facts: MethodFacts, line: Callable[[cst.CSTNode], int]):
         super().__init__()
@@ -810,12 +768,8 @@ class _InPlaceAliases(cst.CSTVisitor):
 
 
 class _Positions:
-    """Start lines of a parsed method's nodes, computed on first use.
-
-    libcst computes positions by generating the code of every node again;
-    that was a third of a cold decoration, and lines are only read when a
-    message names one.
-    """
+    """Start lines of a parsed method's nodes, computed on first use (libcst
+    regenerates every node's code for them: a third of a cold decoration)."""
 
     def __init__(self, module: cst.Module, shift: int):
         self.module = module
@@ -1090,15 +1044,9 @@ def collect_facts(
 
 
 def without_decorator_helpers(class_name: str, methods: Sequence[MethodFacts]) -> list[MethodFacts]:
-    """``methods``, where a function the class body uses as a decorator is
-    taken as a function without a receiver.
-
-    ``def _tag(fn): ...`` applied as ``@_tag`` or ``@_tag(...)`` above a
-    ``def`` of the same class body ran while the body executed, on the
-    function below it; it stays in the class dict, but its first parameter
-    is no instance, so what it assigns is no state. (Written after the
-    ``def`` it decorates, the name was still another object there.)
-    """
+    """``methods``, where a function the class body uses as a decorator above a
+    ``def`` of the same body is taken as having no receiver: it ran on the
+    function below it, so what it assigns is no state."""
     used: dict[tuple[str, str], int] = {}  # (file, name) -> the last line it decorates
     for facts in methods:
         for decorator in facts.function.decorators:
@@ -1133,16 +1081,11 @@ def may_be_object(
     value: cst.BaseExpression | None, depth: int, bound: Callable[[], frozenset[str]],
     declared: Callable[[str], bool],
 ) -> bool:
-    """Whether ``value`` (its items ``depth`` subscripts deep) may be an
-    object with methods of its own, such as a sub-model: anything but what its
-    spelling shows to be a container (``[]``, ``{}``, a comprehension,
-    ``list(xs)``), an array (``jnp.zeros(3)``, ``self.c + x``), a literal or
-    ``None``. A value spelled any other way (a call, a name, ``self.x[1:]``)
-    may be one; so may ``None`` (no expression: a tuple target, a ``for``).
-
-    ``bound()``: the constructors' names the method binds itself;
-    ``declared(dotted)``: whether a call of ``dotted`` is ``autostate.state``.
-    """
+    """Whether ``value`` (its items ``depth`` subscripts deep) may be an object
+    with methods of its own, such as a sub-model: anything but what its
+    spelling shows to be a container, an array, a literal or ``None`` (and no
+    expression at all may be one). ``bound()``: constructor names the method
+    binds; ``declared(dotted)``: whether ``dotted(...)`` is ``autostate.state``."""
     if value is None:
         return True
     if isinstance(value, cst.Call):
@@ -1185,15 +1128,10 @@ def holds_plain_values(
     attr: str, methods: Sequence[MethodFacts], depth: int = 0,
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
 ) -> bool:
-    """Whether no value the class's methods assign to ``attr`` (its items
-    ``depth`` subscripts deep) may be an object with methods of its own
-    (``may_be_object``), and there is one value at least.
-
-    The analysis sees source, not types: ``self.ema.update(x)`` changes a
-    container in place only if ``ema`` holds one, and a sub-model (or any
-    other object) may have an ``update`` method. An attribute assigned only in
-    a base class shows nothing.
-    """
+    """Whether no value the methods assign to ``attr`` (``depth`` subscripts deep)
+    may be an object with methods (``may_be_object``), and there is one: source
+    shows no types, and ``self.ema.update(x)`` changes a container in place
+    only if ``ema`` holds one."""
     heads = frozenset(name.partition(".")[0] for name in _CONTAINER_CONSTRUCTORS | _ARRAY_MODULES)
     found = False
     for facts in methods:
@@ -1218,11 +1156,9 @@ def holds_plain_values(
 
 
 def holds_jax_arrays(attr: str, methods: Sequence[MethodFacts]) -> bool:
-    """Whether every value the methods assign to ``attr`` is, by its
-    spelling, a JAX array (a call of ``jnp.*``, ``jax.*`` or ``lax.*`` whose
-    module name the method does not bind itself), and there is one at least:
-    an item write on it cannot work unless the rewrite makes it a
-    functional update."""
+    """Whether every value the methods assign to ``attr`` is, by its spelling, a
+    JAX array (``jnp.*``, ``jax.*``, ``lax.*``), and there is one: then an item
+    write needs the functional update."""
     found = False
     for facts in methods:
         if facts.receiver is None:

@@ -32,17 +32,11 @@ _SCOPE_NODES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)
 
 @dataclasses.dataclass(frozen=True)
 class LoopFacts:
-    """One ``for`` statement of a method (``loop_facts`` lists them in source order).
-
-    ``targets``: the names of its target (``None``: not names only);
-    ``bound``: what its body binds; ``read_first``: what the body may read
-    before it binds it; ``live``: the names read outside the body (``None``:
-    any, the function reads its locals by name); ``reason``: why the body
-    cannot be one step of a scan, as a message completes it ("... cannot be
-    rolled into one lax.scan: <reason>"); ``receiver_changes``: attributes of
-    the receiver the body changes in place other than by a state write (which
-    ones are states the class decides later: ``why_not``).
-    """
+    """One ``for`` statement of a method: ``targets`` (``None``: not names only),
+    ``bound`` (what the body binds), ``read_first`` (what it may read before
+    binding), ``live`` (names read outside the body; ``None``: any),
+    ``reason`` (why it cannot be one step of a scan), ``receiver_changes``
+    (receiver attributes changed in place other than by a state write)."""
 
     targets: tuple[str, ...] | None
     bound: frozenset[str] = frozenset()
@@ -445,19 +439,11 @@ def _observed(
     loop: cst.For, scope: _Scope, own: list[cst.CSTNode], repeated: bool,
     per_step: set[str], body_reads: set[str], live: frozenset[str] | None,
 ) -> str | None:
-    """Why a function defined in the method could see the locals of one step
-    (which the rolled body keeps in a frame of its own), or ``None``.
-
-    A function reading such a local sees its value of the moment it runs.
-    Made after the loop (and no loop around both makes it on an earlier
-    trip), it cannot run during the loop: it sees the locals the loop leaves,
-    which the rolled loop leaves as the plain one does. Made before, it can
-    run during the loop only if the body calls it (or a function the body
-    calls does), or if it was handed on (to a call, a container, a
-    decorator): held by a name that is only ever called, it cannot. Made in
-    the body (a lambda), it reads that step's locals as the plain loop's
-    would, unless the code after the loop keeps it.
-    """
+    """Why a function defined in the method could see one step's locals, or
+    ``None``. Made after the loop, it sees what the loop leaves (as the rolled
+    loop leaves it). Made before, only if the body calls it or it was handed
+    on. Made in the body, it reads that step's locals, unless the code after
+    the loop keeps it."""
     held = scope.held
     for node in own[1:]:
         if isinstance(node, cst.Lambda) and id(node) in held:

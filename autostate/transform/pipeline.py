@@ -32,13 +32,9 @@ _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 @dataclasses.dataclass(frozen=True)
 class ClassDecision:
-    """What the transform decided for one class.
-
-    ``state`` and ``initialized`` include what the bases contribute;
-    ``originals`` maps each slot key (``"step"``, ``"value.fset"``) to the
-    function as the user wrote it, so decorating again (other options, a
-    subclass) starts from the user's code, never from rewritten code.
-    """
+    """What the transform decided for one class, bases included; ``originals``
+    maps each slot key (``"step"``, ``"value.fset"``) to the user's function, so
+    decorating again starts from the user's code."""
 
     state: frozenset[str]
     initialized: frozenset[str]
@@ -168,11 +164,9 @@ def awaits_generated_init(cls: type) -> bool:
 
 
 def _dataclass_pending(cls: type) -> frozenset[str]:
-    """Fields that the ``__init__`` ``@dataclass`` has yet to write will
-    assign (a class decorated before ``@dataclass`` runs: ``@dataclass``
-    above ``@stateful``, or a subclass of a decorated class, decorated as its
-    class statement ends): those written as ``x: T = dataclasses.field(...)``
-    and, in a class that awaits its ``__init__``, every annotated name."""
+    """Fields ``@dataclass``'s ``__init__`` has yet to write will assign (a class
+    decorated before ``@dataclass`` runs): those given ``dataclasses.field(...)``
+    and, in a class awaiting its ``__init__``, every annotated name."""
     own = vars(cls)
     fields = {k for k, v in own.items() if isinstance(v, dataclasses.Field)}
     if awaits_generated_init(cls):
@@ -339,13 +333,9 @@ def _undecorated_user_bases(cls: type, is_decorated: Callable[[type], bool]) -> 
 
 def _copy_dict_readers(cls: type, user_bases: list[type]) -> None:
     """Puts into ``cls``'s dict each method of an undecorated user base that
-    reads an instance dict (``vars(self)``, ``self.__dict__``) and that
-    ``cls`` would run: it is then rewritten and installed as one of ``cls``'s
-    own (assigned) functions, so it reads the states' values, as the same
-    method written in ``cls`` does. The base keeps its function; other
-    subclasses of it are unchanged. Dunder methods stay where they are (a
-    base's ``__setattr__`` / ``__getattr__`` is wrapped, not rewritten).
-    """
+    reads an instance dict and that ``cls`` would run, so it is rewritten as
+    ``cls``'s own and reads the states' values; the base keeps its function,
+    and dunder methods stay where they are."""
     for base in user_bases:
         for name, fn in list(vars(base).items()):
             if type(fn) is not types.FunctionType or is_dunder(name):
@@ -406,14 +396,9 @@ def _base_facts(base: type) -> list[analysis.MethodFacts]:
 def _read_facts(
     cls: type, slot: source.MethodSlot
 ) -> tuple[analysis.MethodFacts | None, Exception | None]:
-    """Facts of one function, located by its code object.
-
-    The block found at the code's first line must compile to that very code:
-    a file edited or moved since import would otherwise install another
-    body. A function not written in this class body (assigned, made by a
-    factory) whose source cannot be read is skipped: its writes meet the
-    run-time guard instead.
-    """
+    """Facts of one function, located by its code object. The block must compile
+    to that very code (a file edited since import would install another body);
+    a function whose source cannot be read is skipped (the guard meets it)."""
     try:
         text = source.method_source(cls, slot)
         facts = _collect_facts(cls.__name__, text, slot.function)
