@@ -112,12 +112,8 @@ def refusals_kept_apart() -> Iterator[list[AutostateError]]:
 
 
 def format_error(what: str, *, where: str | None = _USER_LINE, fix: str | None = None) -> str:
-    """Builds the "what / where / fix" message every autostate error uses.
-
-    ``where`` is the ``file:line`` the error is about; by default the line of
-    the user's code that led here (``user_location``), so that every error
-    names one; ``None`` for none.
-    """
+    """Builds the "what / where / fix" message every autostate error uses;
+    ``where`` defaults to the user's line that led here, ``None`` for none."""
     if where is _USER_LINE:
         where = user_location()
     parts = [what]
@@ -181,12 +177,8 @@ class StackError(AutostateError, ValueError):
 
 
 def user_location(tb: Any = None) -> str | None:
-    """``file:line`` of the innermost frame of the user's code on the stack
-    (or in the traceback ``tb`` of an exception that was raised).
-
-    For errors raised at run time deep inside autostate and JAX (a control-flow
-    body), so that they still say which line of the user's code they are about.
-    """
+    """``file:line`` of the innermost frame of the user's code on the stack (or in
+    traceback ``tb``), so errors raised deep inside still name the user's line."""
     # Folders, each ending in a separator: ``.../jax/`` is not a prefix of a
     # user's ``.../jax_md/``, nor autostate's folder of ``autostate_examples/``.
     skip = [os.path.join(os.path.dirname(__file__), "")]

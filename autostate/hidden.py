@@ -38,27 +38,16 @@ class _Hidden(tuple):
 
 
 def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
-    """``(where, holder, what)`` of the first array inside a plain object, or
-    model reached where ``functionalize()`` cannot follow it, in ``value``
-    (the attribute at ``where``).
+    """``(where, holder, what)`` of the first array in a plain object, or model
+    reached where ``functionalize()`` cannot follow it, in ``value``.
 
-    A sub-model in an attribute (or in a list, tuple or dict of one) is a
-    graph edge, and a method, closure or weak reference bound directly to one
-    is rebound to f's copy. Anything else that reaches a model (a plain
-    object's attribute, a ``functools.partial``, a closure reaching it through
-    another function or a list, a builtin method of a list the model holds)
-    would still reach the original: below such a holder, a node is inside.
-
-    ``graph.iter_tree`` walks with ``step``, which gives a find as a
-    ``_Hidden`` child, and any other child its context ``(inside, holder,
-    forced)``: the innermost plain holder names a find that names none; the
-    outermost ``functools.partial`` (generator, lazy map) names every find.
-
-    (Its step is no node kind's field: it sees what the graph does not follow
-    (plain objects, sets, proxies, builtin methods, unregistered container
-    subclasses), and whether a model is an edge or hidden depends on the
-    path's holders, not on the node's type alone.)
-    """
+    A sub-model in an attribute or container is a graph edge, and a method,
+    closure or weak reference bound directly to one is rebound to f's copy;
+    anything else reaching a model (a plain object, a ``functools.partial``, a
+    closure through another function) would reach the original. The walk's
+    ``step`` gives a find as a ``_Hidden`` child, and any other child its
+    context ``(inside, holder, forced)``. It is no node kind's field: it sees
+    what the graph does not follow, and depends on the path's holders."""
     root = (value,)
     context: dict[int, tuple[bool, str, str]] = {id(value): (False, "", "")}
     stateful = _graph.is_stateful_instance
@@ -177,13 +166,9 @@ _MODEL_FIXES = (
 
 
 def check_no_hidden_arrays(model: Any) -> None:
-    """Refuses a model holding arrays inside plain (undecorated) objects, and
-    makes a state an instance holds as a plain array a slot.
-
-    Such an object is static pytree data, so its arrays would be baked into
-    ``f`` as jit constants: no gradient, absent from ``param_dict`` and from
-    checkpoints. Decorating its class makes them parameters and state.
-    """
+    """Refuses a model holding arrays inside plain objects (static pytree data:
+    baked into ``f`` as constants, with no gradient and absent from
+    checkpoints), and makes a state held as a plain array a slot."""
     if not _graph.is_stateful_instance(model):
         return
     for path, obj in _graph.instances(model):

@@ -1,42 +1,20 @@
 """The host-callback engine behind ``@stateful(fallback="host")`` (DESIGN.md section 5).
 
-The functional engine threads state through a call as values; it cannot follow
-a closure that assigns ``self.x`` and is handed to ``lax.cond``/``scan``/
-``while_loop`` or to another library. Under this fallback each state lives in a
-host-side store instead, and every read or write is one ordered
-``jax.experimental.io_callback`` into that store, so it works wherever JAX can
-place a callback.
+The functional engine threads state through a call as values; it cannot
+follow a closure that assigns ``self.x`` and is handed to a lax function or
+another library. Under this fallback each state lives in a host-side store,
+and every read or write is one ordered ``io_callback`` into it, so it works
+wherever JAX can place a callback.
 
-This module owns:
-
-* the stores: one ``_Store`` per model instance (a dict of entries, one lock),
-  owned by the model's ``HostSlot`` objects, so a pytree copy of the model
-  (``jax.tree.map``, an optax update) keeps using the same store and the store
-  is freed with the last of them. Compiled programs and the registry hold it
-  only weakly;
-* two primitives, ``host_get`` and ``host_set``. They carry the state's fixed
-  per-example structure (treedef, shapes, dtypes) as parameters, so traced
-  reads have known result shapes; run eagerly they touch the store directly;
-  lowered they become one ordered ``io_callback`` each (whatever the number of
-  leaves); under ``vmap`` their batching rules record the vmap axis sizes, and
-  each leaf of a state records which of those levels it holds one value per
-  example for (per leaf, as the seed's ``StateIndex`` did); the written value
-  is ``stop_gradient``-ed: state is a constant for differentiation. Under
-  ``jax.grad`` a ``scan`` body with host accesses is kept in its loop (see
-  ``_stay_in_scan_loops``);
-* ``inference_mode``: a view whose state is read once, when the model is
-  flattened at the ``jit`` boundary, and passed in as an input (no callbacks);
-  under ``vmap`` it reads per-example values, and captured by a closure its
-  value is baked in;
-* ``restore_host_slots``: what a host-fallback instance does with frozen
-  values when a walk (``freeze``, loading) copies it.
-
-Host slots speak the one slot protocol (``effects.StateSlot``), so
-``functionalize()`` finds them in the same walk as every other state and
-takes each as the frozen request of its current value. It knows nothing
-about source code: ``api`` creates slots through ``make_host_slot`` and
-``runtime`` calls their ``read``/``write``.
-"""
+It owns the stores (one ``_Store`` per instance, owned by its ``HostSlot``s,
+so a pytree copy of the model keeps the same store; programs hold it only
+weakly), the ``host_get``/``host_set`` primitives (they carry each state's
+per-example structure, touch the store eagerly, lower to one ordered
+callback, and record per leaf which vmap levels it holds one value per
+example for; a written value is a constant for differentiation),
+``inference_mode`` (a view read once at the ``jit`` boundary) and
+``restore_host_slots``. Host slots speak the one slot protocol, so
+``functionalize()`` finds them in the same walk; no source code here."""
 
 from __future__ import annotations
 

@@ -1,38 +1,16 @@
 """Tracer lifetime: which JAX values a model may keep, and for how long.
 
-A JAX tracer lives as long as its trace. A model built inside a trace (a
-temporary instance in a jitted step, ``jax.jit(lambda k: Net(k))``, or a
-model frozen there by ``freeze`` or ``load_param_dict``) lives there too,
-its *home*, and may keep that trace's values; any other tracer
-stored in an eager model would outlive its trace (a leak), and a handled
-state holding the tracer of a finished trace (a ``lax`` body autostate did
-not thread) has no value. This module answers those questions, in one place:
-
-* ``current_trace`` / ``under_staging_trace``: the trace running now;
-* ``contains_tracer``: whether a value holds a tracer (containers JAX takes
-  as one leaf included);
-* ``is_escaped_tracer`` / ``holds_escaped_tracer``: a tracer of a trace
-  that has ended;
-* ``LostValue``: what a state holds once a traced body that assigned it
-  raised;
-* ``InitialValue`` / ``initial_slot``: the slot a state's first value
-  makes, living in the trace running now (a model built inside a
-  transformation may keep its values), and ``written_slot``: the slot an
-  eager write makes, living where the model lives (``home_of``);
-* ``made_here``: slots a freeze makes live in the trace running now;
-* the functionalized calls running in every thread, with the trace each
-  started in (``trace_of_call``), and the cells a state reached from
-  another thread than its call's belongs to (refused under a
-  transformation, whose values cannot cross threads);
-* ``CopiedRef``: a handled state of the copy JAX makes of a running model
-  (``vmap`` over a stacked sub-model, one in ``scan``'s ``xs``), which reads
-  its own slice and writes through to the call only from inside a
-  transformation the call started; the walks' view of a handled reference
-  is registered here with it.
-
-The engine (``autostate.effects``) knows nothing of this: it asks through
-the slot hooks (``autostate.slot_hooks``), registered below.
-"""
+A tracer lives as long as its trace. A model built inside a trace (a
+temporary instance in a jitted step, a model frozen there) lives there too,
+its *home*, and may keep that trace's values; any other tracer stored in an
+eager model would outlive its trace, and a handled state holding a finished
+trace's tracer has no value. This module answers those questions in one
+place: the trace running now, whether a value holds a (escaped) tracer, the
+slots a state's first value or an eager write makes and where they live
+(``initial_slot``, ``written_slot``, ``home_of``), what a state holds once
+its traced body raised (``LostValue``), the functionalized calls running in
+every thread, and ``CopiedRef``, a running model's state in the copy JAX
+makes of it. The engine asks it through the slot hooks, registered below."""
 
 from __future__ import annotations
 

@@ -135,11 +135,8 @@ def split_annotation(value: Any) -> tuple[Any, Any]:
 
 
 def record(obj: Any, attr: str, spec: Any) -> None:
-    """Records ``spec`` as the annotation of ``obj.attr``.
-
-    The table is replaced, never changed in place: copies of an instance
-    share it, and one copy's annotations must not leak into another.
-    """
+    """Records ``spec`` as the annotation of ``obj.attr``; the table is replaced,
+    never changed in place, as copies of an instance share it."""
     d = obj.__dict__
     d[ANNOTATIONS] = {**d.get(ANNOTATIONS, {}), attr: check_spec(spec, f"{attr!r}")}
 
@@ -300,10 +297,8 @@ def resolve_spec(
     rules: Mapping[str, AxisRule] | None = None, *, shape: tuple[int, ...] | None = None,
     where: str = "an array",
 ) -> PartitionSpec:
-    """``spec`` with logical names mapped by ``rules``, checked against ``mesh`` and ``shape``.
-
-    Without a mesh only the mapping is done.
-    """
+    """``spec`` with logical names mapped by ``rules``, checked against ``mesh``
+    and ``shape`` (without a mesh, only mapped)."""
     entries: list[Any] = []
     for dim, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:

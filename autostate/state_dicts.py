@@ -232,15 +232,11 @@ def _stacked_values(values: list[Any], shape: tuple[int, ...]) -> Any:
 def _fit_layers(
     template: Mapping[str, Any], given: Mapping[str, Any], stacks: Mapping[str, int]
 ) -> Mapping[str, Any]:
-    """``given`` with layer entries joined or split to the form of ``template``.
-
-    Per-layer entries (``blocks[0].w``, ``blocks[1].w``, ...) of a stack of
-    the model become its stacked entry (``blocks.w``) when every layer is
-    there; a stacked entry the model does not have (``blocks.w``) becomes the
-    per-layer entries it has (a list of layers: ``blocks[0].w``, ...) when
-    its layer axis matches their number. Anything else is left for the
-    report (missing, unexpected).
-    """
+    """``given`` with layer entries joined or split to the form of ``template``:
+    per-layer entries (``blocks[0].w``, ...) become the stack's ``blocks.w``
+    when every layer is there; a stacked entry becomes the per-layer entries a
+    list of layers has when its axis matches. Anything else is left for the
+    report."""
     if all(key in template for key in given) and all(key in given for key in template):
         return given
     out = dict(given)
@@ -281,13 +277,8 @@ def _fit_layers(
 
 
 def require_dict(given: Any, caller: str, expected: str, fix: str) -> Mapping[str, Any]:
-    """``given`` if it is a dict (any ``Mapping``); otherwise an error naming the user's line.
-
-    Every public function here that takes a dict checks it with this before
-    anything reads it, so ``None``, a list of arrays or a ``PackedStates`` is
-    refused in one wording instead of failing deep inside (or, for ``None``,
-    being taken for "nothing to load").
-    """
+    """``given`` if it is a ``Mapping``; otherwise an error naming the user's line,
+    so ``None`` or a list is refused in one wording before anything reads it."""
     if isinstance(given, Mapping):
         return given
     raise InvalidTypeError(format_error(
@@ -563,12 +554,8 @@ def rebuild(
     caller: str, error: type[Exception], checkpoint: str | None = None,
     saved_from: str | None = None,
 ) -> Any:
-    """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the model's).
-
-    ``checkpoint`` is the path they were read from, named in the error. The
-    public callers have checked that what they were given is a dict
-    (``require_dict``), so ``None`` here only ever means "not loaded".
-    """
+    """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the
+    model's); ``checkpoint`` is the path named in errors."""
     from autostate.api import freeze  # (see handle_for_reading)
     from autostate.stacks import stacks_in
 

@@ -1,27 +1,14 @@
 """Python values in states: what is structure, what is a leaf, what is copied.
 
-A state may hold Python values inside a container (``self.shape = (2,)``,
-``self.cfg = {"m": jnp.zeros(2), "name": "relu"}``), and containers JAX
-takes as one leaf (a ``deque``, a ``Counter``, a ``UserDict``). Python
-bools, ints, strings and enum members are structure, as everywhere else in a
-model: a states dict (``States``) and a frozen request keep them out of the
-pytree leaves, and put them back. This module owns those rules:
-
-* ``is_static_value`` / ``makes_static_state``: a Python value that is
-  structure, and when assigning one makes a state static (``None`` is a
-  placeholder, not a mode);
-* ``StaticState`` / ``HandledStaticState``: the slot of a state holding one,
-  part of a model's structure, and what stands for it in a functionalized
-  model (fixed for the call); ``static_slot``: the slot a value makes, if
-  static;
-* ``split_static_values`` / ``join_static_values``: a container value's
-  Python values out of its leaves and back; ``_Rebuilt``: a container JAX
-  takes as one leaf (``values.opaque_items``), as its items and back;
-* ``States`` / ``states_dict``: the states dict that keeps them.
-
-The engine (``autostate.effects``) knows nothing of this: it asks through
-the slot protocol's hooks, registered below.
-"""
+A state may hold Python values inside a container (``self.cfg = {"m":
+jnp.zeros(2), "name": "relu"}``) and containers JAX takes as one leaf (a
+``deque``, a ``Counter``). Python bools, ints, strings and enum members are
+structure, as everywhere else in a model: a states dict (``States``) and a
+frozen request keep them out of the leaves and put them back. This module
+owns those rules: which values are static, the static state's slots
+(``StaticState``, ``HandledStaticState``), splitting and joining a
+container's Python values, and the states dict that keeps them. The engine
+asks it through the slot hooks, registered below."""
 
 from __future__ import annotations
 

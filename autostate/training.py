@@ -217,10 +217,8 @@ def grad(
 
 
 def _refuse_jax_grad(model: Any, jax_frame: types.FrameType) -> None:
-    """``jax.grad(loss)(model)``: JAX differentiates every array of the model,
-    states included, and refuses an integer or key state in its own words
-    ("grad requires real- or complex-valued inputs"). Said here in the
-    model's: which states, and what differentiates the parameters alone."""
+    """``jax.grad(loss)(model)`` with an integer or key state: JAX's refusal said
+    in the model's words (which states, and what differentiates the parameters)."""
     if jax_frame.f_locals.get("allow_int") or jax_frame.f_locals.get("holomorphic"):
         return
     from autostate.state_dicts import state_dict
@@ -304,9 +302,8 @@ def _own_states(model: Any, f: FunctionalModel) -> Swapped:
 
 def _assign_params(model: Any, new: FunctionalModel) -> None:
     """Assigns the parameters of ``new`` (the model's ``f`` with new leaves) to
-    ``model``, attribute by attribute; sub-models stay the same objects, and
-    what ``f`` keeps among its states (an integer array, a key:
-    ``ConstantRef``) keeps the model's value."""
+    ``model`` attribute by attribute; sub-models stay the same objects, and
+    ``ConstantRef`` entries keep the model's value."""
     for obj, twin in _pairs(model, new):
         states = _tree.info_of(obj).state
         for attr, value in twin.__dict__.items():

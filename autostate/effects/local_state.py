@@ -1,41 +1,28 @@
 """The local-state effect: requests, handled references, handlers, freezing.
 
-A model tree holds *requests* where it wants state: an
-``InitialLocalStateRequest`` (an initializer), a ``FrozenLocalStateRequest``
-(a value) or a ``SharedLocalStateRequest`` (another request's value, by name).
-``handle_local_states`` swaps each request for a ``HandledLocalStateRef`` and
-returns the states as a plain dict, so the tree plus the dict are a pure
-function's inputs; ``freeze_local_states`` swaps them back.
+A model tree holds *requests* where it wants state (``Initial``, ``Frozen``
+or ``SharedLocalStateRequest``). ``handle_local_states`` swaps each for a
+``HandledLocalStateRef`` and returns the states as a plain dict, so the
+tree plus the dict are a pure function's inputs; ``freeze_local_states``
+swaps them back.
 
 Design choice: a handled reference does not carry its value. While a handler
-runs its body, it publishes one mutable ``LocalStateEffectImpl`` cell per state
-in a context variable keyed by handler id, and references look their cell up
-there. The body is therefore never rebuilt per call, any copy of a reference
-(for instance after a ``jax.jit`` round trip) reaches the same cell, and
-nested handlers with distinct ids only see their own states.
+runs its body it publishes one mutable ``LocalStateEffectImpl`` cell per
+state in a context variable keyed by handler id, and references look their
+cell up there: the body is never rebuilt per call, any copy of a reference
+(after a ``jax.jit`` round trip) reaches the same cell, and nested handlers
+with distinct ids see only their own states.
 
 Where it departs from penzai: every request and reference is also a slot
 (``StateSlot``), what a decorated instance's state attribute holds, so an
-eager model reads and writes its requests outside any handler. Penzai has no
-such write; here it is the runtime's (the ``eager_write`` hook).
+eager model reads and writes its requests outside any handler (the
+runtime's ``eager_write`` hook).
 
-What this module owns: penzai v1's requests and references, handling,
-freezing, hoisting, embedding and renaming, the handler ids (and which
-handler's call runs now, in this context, on which instances:
-``in_running_body``), and the slot protocol. What it must not know about:
-source code (it walks trees with ``autostate.graph``), tracer lifetime,
-Python values that are structure (static states), dicts JAX cannot flatten,
-threads and the guard. What can be an argument is one (the instances a
-call's caller names, ``run_with_states``'s ``instances``); a value's own copy
-is the value table's (``values.own_value``); the frozen request's pytree
-flatten is registered by the owner of static values
-(``autostate.state_values``); a slot kind the engine does not define (a
-static state, a host store, JAX's copy of a running model) takes part
-through the ``StateSlot`` methods. What is left, reached from penzai's front
-door or through the slot protocol on the engine's own slot types, it asks
-through ``autostate.slot_hooks`` (which says why each question stays there),
-whose answers their owners fill in.
-"""
+It must not know about source code, tracer lifetime, static values,
+unsortable dicts, threads or the guard: what can be an argument is one
+(``run_with_states``'s ``instances``), a slot kind it does not define takes
+part through ``StateSlot``'s methods, and what is left it asks through
+``autostate.slot_hooks``."""
 
 from __future__ import annotations
 
@@ -81,16 +68,10 @@ StateSharing = Literal["forbidden", "allowed", "unsafe"]
 
 class HandlerId:
     """The handler id of one ``functionalize()``: equal to every other of its
-    label, told apart from them by identity.
-
-    Equal, so that functionalizing a frozen model again gives an equal ``f``
-    (a jitted step is not traced again). Told apart, so that one model's
-    ``f`` called inside another's (or the same class's) reads its own states,
-    and the outer call's model reached from there reads the outer call's:
-    a running handler's state is found by the identity of the id its
-    references carry (copies of ``f`` -- pickling, ``deepcopy``, export --
-    copy the id once for ``f`` and its references).
-    """
+    label (functionalizing a frozen model again gives an equal ``f``, so a
+    jitted step is not traced again), told apart by identity (one model's ``f``
+    called inside another's reads its own states; copies of ``f`` copy the id
+    once for ``f`` and its references)."""
 
     __slots__ = ("label",)
 
@@ -185,25 +166,14 @@ def running_cells() -> list[LocalStateEffectImpl]:
 class StateSlot:
     """What a state attribute holds: the one protocol every kind of state shares.
 
-    The runtime that rewritten methods call, the engine's walks and the host
-    fallback all talk to a state through these three methods, whatever holds
-    its value (an initializer, an embedded value, a running handler's cell, a
-    host-side store):
-
-    * ``read()``: the current value;
-    * ``write(value)``: stores a new value; returns the slot that must take
-      this one's place (immutable slots), or ``None`` when the value was
-      stored in place (a handler's cell, a host store). Whoever holds the
-      slot puts the replacement where the old one was; no slot writes into
-      its holder;
-    * ``as_request()``: the request ``handle_local_states`` handles in this
-      slot's place; only called when the class says ``handleable``.
-
-    A slot whose value is part of the body's structure rather than of the
-    states dict (a static state) says so by ``handled_in_structure``, and the
-    slot that stands for it while handled (``handled``) gives it back by
-    ``frozen``.
-    """
+    ``read()`` gives the current value; ``write(value)`` stores a new one and
+    returns the slot that must take this one's place, or ``None`` when stored in
+    place (a handler's cell, a host store): the holder puts the replacement in,
+    no slot writes into its holder; ``as_request()`` is the request handling
+    takes in its place (when the class says ``handleable``). A slot that is
+    part of the structure rather than of the states dict (a static state) says
+    so by ``handled_in_structure``; its handled stand-in gives it back by
+    ``frozen``."""
 
     __slots__ = ()
     category: Category
@@ -366,10 +336,8 @@ class FrozenLocalStateRequest(StateSlot):
         return _hooks.eager_write(self, value, label)
 
     def replaced(self, value: Any) -> FrozenLocalStateRequest:
-        """This request holding ``value`` instead, unchecked (``write`` checks).
-
-        Filled slot by slot, without ``__init__``: an eager write's whole cost.
-        """
+        """This request holding ``value`` instead, unchecked (``write`` checks),
+        filled without ``__init__``: an eager write's whole cost."""
         new = _new_object(FrozenLocalStateRequest)
         new.state = value
         new.category = self.category
@@ -708,13 +676,9 @@ def run_with_states(
     kwargs: dict[str, Any],
     instances: frozenset[int] = frozenset(),
 ) -> tuple[Any, dict[str, Any]]:
-    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``.
-
-    ``instances`` holds the ids of the objects the body is made of, as the
-    caller knows them (``in_running_body`` answers for them while ``fn``
-    runs: the guard refuses their writes that are not state writes, which
-    would land on a copy the call throws away).
-    """
+    """Calls ``fn(*args, **kwargs)`` with ``states`` bound to ``handler_id``;
+    ``instances``: the ids of the objects the body is made of, for
+    ``in_running_body`` (the guard refuses their non-state writes)."""
     if not isinstance(states, dict):
         raise states_not_dict_error(states)
     cells = {
@@ -963,11 +927,8 @@ def freeze_local_states(handler: WithFunctionalLocalState, states: dict[str, Any
 
 
 def freeze_body(handler_id: Hashable, body: Any, states: dict[str, Any]) -> Any:
-    """Replaces ``handler_id``'s references in ``body`` by frozen requests.
-
-    The slots made here are handed to the ``made_here`` hook: a model frozen
-    inside a transformation is built there.
-    """
+    """Replaces ``handler_id``'s references in ``body`` by frozen requests, handed
+    to the ``made_here`` hook (a model frozen inside a transformation lives there)."""
     emitted: set[str] = set()
     made: list[StateSlot] = []
 
