@@ -114,12 +114,10 @@ def type_of(value: Any) -> tuple:
     )
 
 
-def describe(value: Any, weak: bool = False) -> str:
-    """``float32[3]``, or a tree of them; ``weak`` marks weakly typed leaves ``weak float32[]``."""
+def describe(value: Any) -> str:
+    """``float32[3]``, or a tree of them."""
     treedef, leaves = type_of(value)
     parts = [f"{dtype}{list(shape)}" for shape, dtype in leaves]
-    if weak:
-        parts = [f"weak {p}" if w else p for p, w in zip(parts, weak_types(value))]
     if treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(treedef):
         return parts[0]
     return f"{treedef} of {', '.join(parts)}"
