@@ -30,6 +30,7 @@ holds only that placement::
                              into xs and ys
     lax.while_loop           into the carry (cond_fun only reads)    loops
     lax.fori_loop            into the carry                          loops
+    a for loop over a stack  rolled into one lax.scan (``over``)     loops
     lax.cond, lax.switch     into every branch's operands, output    branches
     jax.checkpoint           into the arguments, output              autodiff
     derivatives              into the auxiliary output               autodiff
