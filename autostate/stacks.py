@@ -250,22 +250,13 @@ def stack(
 ) -> Stack:
     """One stack of layers: a model whose arrays carry a leading layer axis.
 
-    From a list of layers of one class and one structure (equal static
-    configuration, arrays of equal shapes and dtypes), their parameters and
-    states are stacked along a new leading axis into one model of that class;
-    the layers given are not part of the stack (their values are copied).
-    From a model stacked already (``jax.vmap(Layer)(keys)``), the stack holds
-    that model; its depth is the leading axis its arrays share.
-
-    Iterating the stack (``for layer in stack``), ``stack[i]`` and ``len``
-    mean what they mean for the list of layers, eagerly, inside ``f`` and
-    under ``jax.jit``: a layer's state reads and writes are its slice of the
-    stacked state. ``lax.scan`` over the stack gives each step one layer.
-    A plain ``for`` loop over the stack in a ``@stateful`` method, run under
-    a JAX trace (``jax.jit``, ``autostate.jit``, ``jax.grad``), is rolled
-    into one ``lax.scan`` with the same results; one that cannot be (a
-    ``break``, Python branching on the layer index) runs layer by layer
-    (see ``docs/scaling_depth.md``).
+    From a list of layers of one class and one structure, their parameters and
+    states are stacked along a new leading axis into one model of that class
+    (the layers given are copied, not kept); from a model stacked already
+    (``jax.vmap(Layer)(keys)``), the stack holds it. Iterating it, ``stack[i]``
+    and ``len`` mean what they mean for the list of layers in every mode, and a
+    ``for`` loop over it in a ``@stateful`` method under a JAX trace is rolled
+    into one ``lax.scan`` (``docs/scaling_depth.md``).
 
     Args:
         layers: a list (or any iterable) of ``@stateful`` instances of one
