@@ -23,16 +23,15 @@ from autostate.errors import EscapedStateError, format_error, user_location
 from autostate.lifetime import holds_escaped_tracer
 from autostate.lifting.core import (
     after_states,
+    assigned_since,
     bound_to,
     current_values,
     land,
     lift,
     probed,
     settled,
-    signature_of,
     traceable,
     transformation,
-    was_assigned,
     with_eager_states,
 )
 
@@ -130,15 +129,12 @@ def _with_aux_states(
         # (``d = self.stats; d["m"] = ...``) is seen, and leaves it as an
         # assignment does, with its primal value.
         values = [settled(v) if traceable(v) else v for v in before]
-        signatures = [signature_of(v) for v in values]
+        changed = assigned_since(values)
         with bound_to(cells, cells, values, what):
             out = settled(fun(*inner, **inner_kwargs))
             after = current_values(cells)
         out, aux = out if has_aux else (out, None)
-        written = {
-            i: v for i, (v, b, sig) in enumerate(zip(after, values, signatures))
-            if was_assigned(b, sig, v)
-        }
+        written = {i: after[i] for i in changed(after)}
         return out, (aux, written)
 
     result, assigned = split(apply(threaded, True), has_aux)

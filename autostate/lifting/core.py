@@ -143,12 +143,10 @@ def writes_of(
         rest = iter(abstract)
         values = [concrete[i] if i in concrete else next(rest) for i in range(len(cells))]
         with bound_to(cells, cells, values, what):
-            signatures = [signature_of(v) for v in values]
+            assigned = assigned_since(values)
             out = settled(body(*inner))
             after = current_values(cells)
-        written[:] = [
-            i for i, (a, b, sig) in enumerate(zip(values, after, signatures)) if was_assigned(a, sig, b)
-        ]
+        written[:] = assigned(after)
         return out, [after[i] for i in written]
 
     abstract = [v for i, v in enumerate(current) if i not in concrete]
@@ -173,24 +171,29 @@ def _concrete_leaf(value: Any) -> bool:
     return kind is _values.NUMPY_SCALAR or isinstance(value, (float, complex))
 
 
-def signature_of(value: Any) -> tuple[Any, list[Any]] | None:
-    """A value's structure and leaves (by identity), to tell a change in place
-    from none; ``None`` for an array, which cannot change in place."""
-    if _values.kind_of(value) is _values.ARRAY:
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    return treedef, leaves
+def assigned_since(before: Sequence[Any]) -> Callable[[Sequence[Any]], list[int]]:
+    """Which of the values ``before`` a body then assigned, given the values
+    after it: another object, or a container changed in place (its structure
+    or a leaf, by identity: ``self.sub.items[0] = v``, ``d = self.d; d["k"] =
+    v``), which plain Python's loop would keep as well. An array cannot change
+    in place."""
+    signatures: list[tuple[list[Any], Any] | None] = [
+        None if _values.kind_of(v) is _values.ARRAY else jax.tree_util.tree_flatten(v)
+        for v in before
+    ]
 
+    def assigned(after: Sequence[Any]) -> list[int]:
+        found = []
+        for i, (b, sig, a) in enumerate(zip(before, signatures, after)):
+            if a is not b:
+                found.append(i)
+            elif sig is not None:
+                leaves, treedef = jax.tree_util.tree_flatten(a)
+                if treedef != sig[1] or any(x is not y for x, y in zip(leaves, sig[0])):
+                    found.append(i)
+        return found
 
-def was_assigned(before: Any, signature: tuple[Any, list[Any]] | None, after: Any) -> bool:
-    """Whether a cell that held ``before`` (with ``signature``) and now holds
-    ``after`` was assigned, or its container changed in place."""
-    if after is not before:
-        return True
-    if signature is None:
-        return False
-    leaves, treedef = jax.tree_util.tree_flatten(after)
-    return treedef != signature[0] or any(a is not b for a, b in zip(leaves, signature[1]))
+    return assigned
 
 
 def check_kept(cells: Cells, new: Sequence[Any], what: str) -> None:
@@ -238,36 +241,16 @@ def strengthened(value: Any) -> Any:
     )
 
 
-def _check_untouched(
-    cells: Cells, before: Sequence[Any], signatures: Sequence[Any], chosen: Cells, what: str
-) -> None:
-    chosen_ids = {id(c) for c in chosen}
-    for cell, value, signature in zip(cells, before, signatures):
-        if id(cell) not in chosen_ids and was_assigned(value, signature, cell.value):
-            raise ControlFlowStateError(
-                format_error(
-                    f"State {cell.name!r} is assigned in {what}, which must not change "
-                    "state (it only decides; JAX may call it any number of times).",
-                    where=user_location(),
-                    fix="assign the state in the loop body instead.",
-                )
-            )
-
-
 def run_bound(
     cells: Cells, chosen: Cells, values: Sequence[Any], what: str, call: Callable[[], Any]
 ) -> tuple[Any, list[Any], set[int]]:
     """``call()`` traced with ``chosen`` bound to ``values``: its output, every
     cell's value after it, and which cells it assigned."""
     with bound_to(cells, chosen, values, what):
-        before = current_values(cells)
-        signatures = [signature_of(v) for v in before]
+        assigned = assigned_since(current_values(cells))
         out = settled(call())
         after = current_values(cells)
-    changed = {
-        i for i, (b, sig, a) in enumerate(zip(before, signatures, after)) if was_assigned(b, sig, a)
-    }
-    return out, after, changed
+    return out, after, set(assigned(after))
 
 
 def probed(cells: Cells, what: str, body: Callable[..., Any], *args: Any) -> list[int]:
@@ -288,10 +271,17 @@ def _pure(
         with bound_to(cells, chosen, values, what):
             if not reads_only:
                 return settled(fun(*args, **kwargs)), current_values(chosen)
-            before = current_values(cells)
-            signatures = [signature_of(v) for v in before]
+            assigned = assigned_since(current_values(cells))
             out = fun(*args, **kwargs)
-            _check_untouched(cells, before, signatures, (), what)
+            for i in assigned([cell.value for cell in cells]):
+                raise ControlFlowStateError(
+                    format_error(
+                        f"State {cells[i].name!r} is assigned in {what}, which must not change "
+                        "state (it only decides; JAX may call it any number of times).",
+                        where=user_location(),
+                        fix="assign the state in the loop body instead.",
+                    )
+                )
             return out, values
 
     return pure
@@ -801,7 +791,7 @@ def member_body(
         saved = [cell.value for cell in chosen]
         for cell, value in zip(chosen, slices):
             cell.value = value
-        signatures = [signature_of(v) for v in slices]
+        assigned = assigned_since(slices)
         ok = False
         try:
             with member_slices(chosen), lifted_body():
@@ -813,10 +803,7 @@ def member_body(
             for cell, value, old in zip(chosen, slices, saved):
                 if ok or cell.value is value:
                     cell.value = old
-        written = {
-            k: v for k, (v, b, sig) in enumerate(zip(after, slices, signatures))
-            if was_assigned(b, sig, v)
-        }
+        written = {k: after[k] for k in assigned(after)}
         for k, value in written.items():
             if type_of(value) != type_of(slices[k]):
                 raise ControlFlowStateError(
