@@ -30,12 +30,8 @@ __all__ = ["DetachedState", "copy_instance", "deepcopy_instance"]
 
 
 class DetachedState(StateSlot):
-    """A state of a copy made inside a functionalized call (``copy.copy(self)``).
-
-    The copy holds its own value, as a plain Python copy would, instead of
-    sharing the original's handler cell; it may be traced (the copy is a
-    temporary of the running call).
-    """
+    """A state of a copy made inside a functionalized call: it holds its own value
+    (maybe traced: the copy is a temporary of the call), as a Python copy would."""
 
     __slots__ = ("value", "category", "name")
 
@@ -71,10 +67,8 @@ def _detached(value: Any) -> Any:
 
 
 def _own_slot(value: Any) -> Any:
-    """``_detached`` for a shallow copy, whose requests are its own too: an
-    eager write changes a request nothing else holds in place (see
-    ``_SOLE_HOLDER``), and a copy sharing it, made at any moment of a write
-    (by another thread, at a debugger's prompt), must not see that."""
+    """``_detached`` for a shallow copy, whose requests are its own too: an eager
+    write changes a request nothing else holds in place (``_SOLE_HOLDER``)."""
     if type(value) is FrozenLocalStateRequest:
         return value.replaced(value.state)
     return _detached(value)
@@ -112,11 +106,8 @@ def _copy_by_protocol(obj: Any, reduction: tuple | str, memo: dict[int, Any] | N
 
 
 def copy_instance(self: Any) -> Any:
-    """``copy.copy`` of a decorated instance: its states are its own.
-
-    A class's own copy protocol (``__reduce__``, ``__getstate__`` and
-    ``__setstate__``, a ``copyreg`` entry) is followed, as ``copy`` would.
-    """
+    """``copy.copy`` of a decorated instance: its states are its own; a class's
+    own copy protocol is followed, as ``copy`` would."""
     reduction = _user_reduction(self)
     if reduction is not None:
         return _copy_by_protocol(self, reduction, None)

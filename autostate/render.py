@@ -36,15 +36,10 @@ _NO_VALUE = object()
 
 
 def state_label(slot: Any, name: str) -> tuple[str, Any]:
-    """A state's label and the value to show after it (``_NO_VALUE``: none).
-
-    ``state 'mean' category='state' initial value`` (as constructed),
-    ``... value`` (embedded by ``freeze``/``load``), ``... handled by <id>``
-    (inside a functionalized model), ``constant 'table' ...`` for constants
-    (``autostate.constant``, and integer/bool/key arrays inside ``f``),
-    ``... static`` (a Python bool, int, str, enum or None: part of the
-    structure), ``... shared`` or ``... in a host store``.
-    """
+    """A state's label and the value to show after it (``_NO_VALUE``: none), such
+    as ``state 'mean' category='state' initial value``, ``... value``, ``...
+    handled by <id>``, ``constant 'table' ...``, ``... static``, ``... shared``
+    or ``... in a host store``."""
     category = getattr(slot, "category", None)
     if type(slot) is ConstantRef:
         return f"constant {name!r} handled by {slot.handler_id!r}", _NO_VALUE
@@ -245,15 +240,10 @@ class _TreescopeState:
 
 
 def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> Any:
-    """``__treescope_repr__`` of a ``@stateful`` instance (needs ``treescope``).
-
-    ``treescope.render_to_text(model)`` and treescope's HTML view show the
-    class with its parameters and sub-models as children; each state is a box
-    highlighted in ``TREESCOPE_STATE_COLOR`` labelled like the plain repr,
-    e.g. ``<state 'blocks[0].norm.mean' category='state' initial value: ...>``, with
-    names relative to the outermost model rendered. ``@stateful`` installs
-    this on classes that define no ``__treescope_repr__`` of their own.
-    """
+    """``__treescope_repr__`` of a ``@stateful`` instance (needs ``treescope``):
+    parameters and sub-models as children, each state a box in
+    ``TREESCOPE_STATE_COLOR`` labelled like the plain repr, named relative to
+    the outermost model rendered."""
     from treescope import repr_lib  # optional: pip install autostate[treescope]
 
     root = _treescope_root.get()

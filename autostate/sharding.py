@@ -1,30 +1,19 @@
 """Sharding annotations on parameters and states, and the shardings of ``f`` and ``states``.
 
-A model says where its arrays should live in its own ``__init__``, in plain
-Python, without knowing the mesh::
+A model says where its arrays should live in its own ``__init__``, without
+knowing the mesh::
 
     self.w = autostate.sharded(w, P(None, "model"))                # a parameter
     self.cache = autostate.state(zeros, sharding=P("data", None))  # a state
 
-An annotation is a ``PartitionSpec`` whose entries are mesh axis names or
-*logical* axis names (``P("embed", "mlp")``) that ``rules`` map to mesh axes
-when the shardings are made. It is kept on the instance, in a static table
-``{attribute: spec}`` (``ANNOTATIONS``), so it is part of the model's
-structure, not of its leaves: it survives ``functionalize``, ``freeze``,
-``jax.jit`` and ``jax.eval_shape`` round trips, copies and pickling, and the
-repr shows it next to the attribute.
-
-``partition_specs(f, states)`` and ``shardings(f, states, mesh)`` read those
-tables and give trees with exactly the structure of ``f`` and ``states``
-(unannotated arrays replicated), ready for ``jax.jit(in_shardings=...,
-out_shardings=...)``, ``jax.device_put`` and ``shard_map``. Leaves are
-matched to annotations by identity, which holds for any ``f`` (built by
-``functionalize``, returned by ``jit`` or ``eval_shape``) because ``f.model``
-is rebuilt around ``f``'s own leaves.
-
-This module knows nothing of source code. ``runtime`` calls
-``split_annotation``/``record`` when ``__init__`` assigns an annotated value.
-"""
+An annotation is a ``PartitionSpec`` of mesh or *logical* axis names (which
+``rules`` map to mesh axes), kept on the instance in a static table
+(``ANNOTATIONS``): part of the model's structure, so it survives
+``functionalize``, ``freeze``, ``jax.jit``, copies and pickling.
+``partition_specs`` and ``shardings`` read those tables into trees of exactly
+the structure of ``f`` and ``states``, matching leaves by identity (``f.model``
+is rebuilt around ``f``'s own leaves). No source code here: ``runtime`` calls
+``split_annotation``/``record`` when ``__init__`` assigns an annotated value."""
 
 from __future__ import annotations
 

@@ -1,35 +1,21 @@
 """Stacks of identical layers: ``autostate.stack`` and the ``Stack`` a model holds.
 
-A stack is one model whose arrays carry a leading layer axis, one entry per
-layer (what ``jax.vmap(Layer)(keys)`` builds), held as a sequence of its
-layers. ``autostate.stack([Block(k) for k in keys])`` builds one from a list
-of layers of one class and structure; ``autostate.stack(stacked)`` takes a
-model stacked already. What the rest of autostate sees:
+A stack is one model whose arrays carry a leading layer axis (what
+``jax.vmap(Layer)(keys)`` builds), held as a sequence of its layers. Its
+states and parameters are named as the stacked model's (``blocks.w``:
+``graph.passing_key``); ``state_dict(..., per_layer=True)`` writes them per
+layer. A layer (``stack[i]``, ``for layer in stack``) is a *view*: an
+instance of the layer class whose states are ``LayerSlot``s, reading and
+writing its slice of the stacked state through the stacked model's own
+slot, so it means the same in every mode; assigning a layer's attribute
+that is not state is refused (``guard.register_view``). Mapped over
+(``lax.scan``'s ``xs``, ``jax.vmap``) a stack is its stacked model, and a
+``for`` loop over it rolls into one scan (``lifting.loops``).
 
-* **Names.** The stack adds nothing to the names under it: the states and
-  parameters of ``self.blocks = autostate.stack(...)`` are ``blocks.w``,
-  ``blocks.attention.k``, as for the stacked model itself (``graph.passing_key``).
-  ``state_dict(model, per_layer=True)`` writes them per layer,
-  ``blocks[0].w``; loading takes either form (``state_dicts``).
-* **Python iteration.** ``len(stack)`` is its depth; ``stack[i]`` and
-  ``for layer in stack`` give layers. A layer is a *view*: an instance of the
-  layer class whose states are ``LayerSlot``s, reading and writing the
-  layer's slice of the stacked state through the stacked model's own slot
-  (so it means the same eagerly, inside ``f`` and under ``jax.jit``, in a
-  ``lax`` body too), and whose parameters are their slices. Assigning an
-  attribute of a layer that is not state would change the view alone, where
-  a list of layers changes the layer: refused (``guard.register_view``).
-* **Mapping transformations.** A stack in ``lax.scan``'s ``xs``,
-  ``lax.map``'s or a mapped ``jax.vmap`` argument is its stacked model:
-  each step gets one layer, whose states are its slices; a ``for`` loop
-  over it is rolled into one scan (``loops``).
-
-Everything the walks, the transformations and loop rolling know of a stack
-is one record, its node kind (``graph.NodeKind``: children, ``stacked``,
-``must_roll``, ``immutable``), registered here once; a layer's state slot is
-another (``reached``). This module knows the runtime's one write path and
-the guard.
-"""
+Everything the walks, the transformations and rolling know of a stack is one
+record, its node kind (``graph.NodeKind``), registered here once; a layer's
+state slot is another. This module knows the runtime's one write path and
+the guard."""
 
 from __future__ import annotations
 

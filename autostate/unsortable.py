@@ -82,13 +82,8 @@ def unsortable_keys_error(
     value: Any, recorded: Unsortable | None, name: str | None, problem: str = _MODEL_FLATTENED
 ) -> InvalidTypeError | None:
     """The error for a state holding a dict whose keys do not sort, or ``None``
-    when ``value`` holds none (JAX failed to flatten it for another reason,
-    which its own error says).
-
-    ``recorded`` is what the slot kept when the value was assigned (the
-    state's name and the user's line); without it, ``name`` names the state
-    and the line running now is named.
-    """
+    when it holds none. ``recorded`` (what the slot kept: the state's name and
+    the user's line) names them; without it, ``name`` and the line now."""
     try:
         _, unsortable = unsortable_dicts(value)
     except Exception:
@@ -121,12 +116,9 @@ _PROBLEMS = {
 def _states_flatten_error(
     values: Mapping[str, Any], context: str, err: BaseException, notes: Mapping[str, Unsortable]
 ) -> InvalidTypeError | None:
-    """``unsortable_keys_error`` for the first of ``values`` (a states dict)
-    holding a dict whose keys do not sort, naming the line that assigned it
-    when ``notes`` (what the slots recorded) knows it, else the line running
-    now; None if there is none, or if ``err`` (what JAX raised) is not about
-    sorting keys.
-    """
+    """``unsortable_keys_error`` for the first of ``values`` holding such a dict,
+    naming the line ``notes`` recorded, else the line now; None if there is none
+    or ``err`` is not about sorting keys."""
     if "dictionary keys" not in str(err):
         return None
     for name, value in values.items():

@@ -115,10 +115,8 @@ def _with_aux_states(
     apply: Callable[[Callable, bool], Any], split: Callable[[Any, bool], tuple[Any, dict[int, Any]]],
 ) -> Any:
     """``fun``'s derivative, ``apply(fun, has_aux)``, with the states ``fun``
-    assigns leaving it as auxiliary outputs. It runs ``fun`` once, as plain
-    Python does, and sees what was assigned when it returns: only those
-    states travel (a state holding a value that is not a JAX type, a deque or
-    a plain object, would be refused as an output of ``jacfwd``'s batching)."""
+    assigns leaving it as auxiliary outputs: it runs once, as plain Python
+    does, and only the states it assigned travel."""
     cells = running_cells()
     if not cells:
         return apply(fun, has_aux)
@@ -271,12 +269,9 @@ def _custom_call(call: Callable[[], Any], roots: tuple, what: str) -> Any:
 
 def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
                 what: str) -> Callable[..., Any]:
-    """``fn``, a function with a custom derivative or its forward rule, which
-    JAX may trace after the call that called it has ended (a forward rule
-    traced lazily for an outer ``jax.grad`` of a ``jax.checkpoint``): then it
-    reads the states of the handlers running at the call (``calls``), with
-    the values they had there, as it would have run at that line. It cannot
-    assign them any more (the call is over): refused."""
+    """``fn`` (a custom derivative or its forward rule), which JAX may trace after
+    its call ended: then it reads the states the handlers running at the call
+    (``calls``) had there; assigning them is refused (the call is over)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         gone = [(hid, values) for hid, values in calls if running_call(hid) is None]

@@ -152,14 +152,9 @@ _NEVER_METHODS = frozenset(
 
 
 class _InstallOnce:
-    """Puts one rewritten function back for a class-dict object, under every
-    name the class binds that object to.
-
-    A class body may bind one object to several names (``__call__ = step``):
-    each name gets a slot (the analysis sees every name), but the object is
-    rewritten and installed once, so the names still share one object, as
-    in plain Python, and a wrapper's closure is not replaced twice.
-    """
+    """Puts one rewritten function back for a class-dict object under every name
+    the class binds it to (``__call__ = step``): installed once, so the names
+    still share one object and a wrapper's closure is replaced once."""
 
     def __init__(self, install: Callable[[types.FunctionType], None]):
         self._install = install
@@ -172,13 +167,10 @@ class _InstallOnce:
 
 
 def find_methods(cls: type) -> list[MethodSlot]:
-    """Every user function that can run as a method of ``cls``, found in its
-    class dict, each with a way to replace it: functions written in the body,
-    functions assigned to a name there (``log = external_log``) or made by a
-    factory (``inc = make_method(2)``), and the innermost function of a
-    ``functools.wraps``-style wrapper chain. An object bound to several names
-    (``__call__ = step``) has a slot per name, and is installed once, under
-    all of them."""
+    """Every user function that can run as a method of ``cls``, each with a way to
+    replace it: written in the body, assigned there (``log = external_log``),
+    made by a factory, or the innermost of a ``functools.wraps`` chain; one slot
+    per name an object is bound to."""
     items = [(a, v) for a, v in list(vars(cls).items()) if type(v) not in _NEVER_METHODS]
     names: dict[int, tuple[str, ...]] = {}
     for attr, value in items:
@@ -253,11 +245,9 @@ def find_methods(cls: type) -> list[MethodSlot]:
 
 
 class CachedProperty(functools.cached_property):
-    """The ``functools.cached_property`` a decorated class gets around the
-    rewritten function: the same, except that the value it computes is handed
-    to the runtime's check (``on_cached_compute``), which refuses one
-    computed from a state under a trace: it could not be kept for later calls
-    as plain Python keeps it."""
+    """The ``functools.cached_property`` around a rewritten function: its value
+    goes through ``on_cached_compute``, which refuses one computed from a state
+    under a trace (it could not be kept, as plain Python keeps it)."""
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None or _compute_cached is None:
@@ -323,11 +313,8 @@ def _unreachable_wrapper(cls: type, old: Any) -> DecorationError:
 
 
 def source_lines(filename: str) -> list[str]:
-    """The current lines of ``filename``.
-
-    Checked against the file first, as ``inspect.getsource`` does: a module
-    edited and imported again must not be rewritten from stale cached lines.
-    """
+    """The current lines of ``filename``, checked against the file first, as
+    ``inspect.getsource`` does (a module edited and imported again)."""
     linecache.checkcache(filename)
     return linecache.getlines(filename)
 
