@@ -69,6 +69,7 @@ from autostate.lifting.core import (
     member_body,
     members_of,
     probed,
+    type_of,
     weak_types,
     with_eager_states,
     with_layer_views,
@@ -745,7 +746,7 @@ class Rolling:
                     raise _CannotRoll(
                         "python-value", f"its body makes `{names[k]}` a value a scan cannot carry"
                     )
-                if _kinds(out[k]) != _kinds(v):
+                if type_of(out[k]) != type_of(v):
                     raise _CannotRoll(
                         "carry-changes",
                         f"its body changes the shape, dtype or structure of `{names[k]}`, which "
@@ -778,12 +779,6 @@ class Rolling:
         for k, v in kept.values.items():
             result[k] = v
         return tuple(result)
-
-
-def _kinds(value: Any) -> Any:
-    """The structure, shapes and dtypes of a tree of arrays (what a carry keeps)."""
-    leaves, tree = jax.tree_util.tree_flatten(value)
-    return tree, [(jnp.shape(v), jnp.result_type(v)) for v in leaves]
 
 
 @contextlib.contextmanager
