@@ -466,7 +466,11 @@ def _read_now(state: _StateKey, axes: tuple, expected: tuple | None, xp: Any) ->
 
 
 def _get_impl(anchor, *, state, spec, axes, stored):
+    # Bound eagerly: from HostSlot.read, or one equation of a program that is
+    # evaluated equation by equation (jax.core.eval_jaxpr), where the equation
+    # before may be a dispatched program (a lax.cond) whose writes are pending.
     del anchor, spec, stored
+    _wait_for_dispatched_programs()
     return [jnp.asarray(v) for v in _read_now(state, axes, None, jnp)]
 
 
@@ -516,6 +520,7 @@ def _write_now(
 
 def _set_impl(anchor, *leaves, state, spec, axes, mapped, extra, stored):
     del anchor, spec, stored
+    _wait_for_dispatched_programs()  # after the writes of dispatched programs, as _get_impl
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     _write_now(state, axes, mapped, extra, leaves, callback=False, xp=jnp)
     return []

@@ -17,6 +17,7 @@ staged program is JAX's. ``AUTOSTATE_TEST_COMPILE=1`` makes ``staged`` plain
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import functools
@@ -25,7 +26,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import dispatch as _jax_dispatch  # no public way to drop a failed runtime token
 from jax.extend.core import jaxpr_as_fun
 from tolerance import tolerance
 
@@ -283,8 +285,9 @@ def _is_model(obj: Any) -> bool:
 
 def snapshot(obj: Any, depth: int = 0) -> Any:
     """Every attribute of a (plain or decorated) model, read with getattr, once the
-    programs dispatched before have run (an accelerator runs them after the call
-    returned, and their callbacks may write the model)."""
+    effects of the programs dispatched before have run (an accelerator runs them
+    after the call returned, and their callbacks may write the model). A callback
+    without an effect runs when its program's outputs are ready: block on them first."""
     if depth == 0:
         jax.effects_barrier()
     if depth > 6:
@@ -399,12 +402,14 @@ def check(
     attributes equal (to ``rtol`` / ``atol``) in every mode."""
     tol = {"rtol": rtol, "atol": atol}
     ref = eval(build, vars(plain))  # noqa: S307
-    expected = [_method(ref, m)(*a) for m, a in calls]
+    # Outputs ready before a snapshot: a callback without an effect (jax.pure_callback)
+    # that writes the model runs with its program, after the call on an accelerator.
+    expected = jax.block_until_ready([_method(ref, m)(*a) for m, a in calls])
     expected_snap = snapshot(ref)
 
     if "eager" in modes:
         model = eval(build, vars(dec))  # noqa: S307
-        got = [_method(model, m)(*a) for m, a in calls]
+        got = jax.block_until_ready([_method(model, m)(*a) for m, a in calls])
         assert_same(expected, got, "eager outputs", **tol)
         assert_same(expected_snap, snapshot(model), "eager attributes", **tol)
 
@@ -557,6 +562,22 @@ def user_line(
 
 def raises_autostate(exc: type[BaseException] = autostate.AutostateError) -> Any:
     return pytest.raises(exc)
+
+
+@contextlib.contextmanager
+def raises_after_the_call() -> Iterator[pytest.ExceptionInfo[jax.errors.JaxRuntimeError]]:
+    """``pytest.raises(JaxRuntimeError)`` for a callback that fails while its program
+    runs: at the call on CPU, after the call returned on an accelerator (waited for
+    here; inside the ``with``, block on the outputs of a callback without an effect,
+    ``jax.pure_callback``). JAX keeps the failed program's runtime token and raises
+    its error again at every later ``jax.effects_barrier``: it is dropped here, so
+    what runs next does not fail with it."""
+    try:
+        with pytest.raises(jax.errors.JaxRuntimeError) as info:
+            yield info
+            jax.effects_barrier()
+    finally:
+        _jax_dispatch.runtime_tokens.clear()
 
 
 def assert_user_line(err: BaseException, filename: str) -> None:

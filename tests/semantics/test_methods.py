@@ -383,7 +383,8 @@ def test_a_plain_function_held_by_the_instance() -> None:
     model.act = jnp.tanh
     f, states = model.functionalize()
     out, new = f.act(states, 0.5)
-    np.testing.assert_allclose(out, np.tanh(0.5), **tolerance(1e-6, 0.0))
+    # The plain call's value on this backend (an accelerator's tanh is not NumPy's).
+    np.testing.assert_allclose(out, jnp.tanh(0.5), **tolerance(1e-6, 0.0))
     assert new == states
 
 
