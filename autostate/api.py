@@ -13,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Self, TypeGuard, TypeVar, overload
 
-from autostate import copies as _copies
 from autostate import graph as _graph
-from autostate import render as _render
 from autostate import runtime as _runtime
 from autostate import tree as _tree
 from autostate.effects.local_state import (
@@ -49,7 +47,6 @@ from autostate.functional import (
     handler_id_for,
 )
 from autostate.lifting import routes as _routes
-from autostate.packing import PackedModel
 from autostate.state_values import HandledStaticState, states_dict
 from autostate.transform import loader
 from autostate.transform.pipeline import (
@@ -59,6 +56,9 @@ from autostate.transform.pipeline import (
     decide_class,
 )
 from autostate.tree import INFO_ATTR
+
+if TYPE_CHECKING:
+    from autostate.packing import PackedModel
 
 T = TypeVar("T", bound=type)
 M = TypeVar("M")
@@ -353,14 +353,40 @@ def _install_defaults(cls: type) -> None:
         setattr_=cls.__setattr__ is not _runtime.guarded_setattr,
     )
     for name, default in (
-        ("__copy__", _copies.copy_instance), ("__deepcopy__", _copies.deepcopy_instance),
+        ("__copy__", _copy_method), ("__deepcopy__", _deepcopy_method),
         ("functionalize", _functionalize_method), ("train", _train_method),
-        ("eval", _eval_method), ("__treescope_repr__", _render.model_treescope_repr),
+        ("eval", _eval_method), ("__treescope_repr__", _treescope_repr_method),
     ):
         if not hasattr(cls, name):
             setattr(cls, name, default)
     if cls.__repr__ is object.__repr__ and not awaits_generated_init(cls):
-        cls.__repr__ = _render.model_repr  # type: ignore[method-assign, assignment]
+        cls.__repr__ = _repr_method  # type: ignore[method-assign, assignment]
+
+
+# A decorated class's copies and repr: ``copies`` and ``render`` are imported
+# by the first copy or repr, not by every ``import autostate``.
+def _copy_method(self: Any) -> Any:
+    from autostate.copies import copy_instance
+
+    return copy_instance(self)
+
+
+def _deepcopy_method(self: Any, memo: dict[int, Any]) -> Any:
+    from autostate.copies import deepcopy_instance
+
+    return deepcopy_instance(self, memo)
+
+
+def _repr_method(self: Any) -> str:
+    from autostate.render import model_repr
+
+    return model_repr(self)
+
+
+def _treescope_repr_method(self: Any, path: str | None, subtree_renderer: Any) -> Any:
+    from autostate.render import model_treescope_repr
+
+    return model_treescope_repr(self, path, subtree_renderer)
 
 
 def _install_subclass_hook(cls: type, category: Hashable, fallback: str | None) -> None:
@@ -448,7 +474,7 @@ def _check_functionalize_arguments(model: Any, category: Any, category_predicate
         what = "None"
     elif isinstance(model, type):
         what = f"the class {model.__name__} itself"
-    elif isinstance(model, (FunctionalModel, PackedModel)):
+    elif isinstance(model, FunctionalModel) or _is_packed(model):
         what = f"a {type(model).__name__} (what functionalize() returned)"
     if what is not None:
         raise InvalidTypeError(format_error(
@@ -641,6 +667,14 @@ class Stateful:
         def eval(self) -> Self: ...
 
 
+def _is_packed(value: Any) -> TypeGuard[PackedModel]:
+    """Whether ``value`` is a ``PackedModel`` (``packing`` is imported by the
+    first packed call: before it, nothing is one)."""
+    from autostate.packing import PackedModel
+
+    return isinstance(value, PackedModel)
+
+
 @overload
 def freeze(f: FunctionalModel[M], states: Mapping[str, Any]) -> M: ...
 @overload
@@ -682,7 +716,7 @@ def freeze(f: Any, states: Mapping[str, Any]) -> Any:
         >>> print(counter())
         2
     """
-    if isinstance(f, PackedModel):
+    if _is_packed(f):
         f, states = f.unpack(states)  # type: ignore[arg-type]
     if isinstance(f, FunctionalModel):
         check_state_keys(states, f.state_names(), "autostate.freeze")

@@ -13,12 +13,17 @@ import jax
 import jax.export
 
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
-from autostate.state_dicts import array_spec, flatten_states, handle_for_reading, unflatten_states
+
+# (``state_dicts`` is imported by the first export: this module is imported by
+# every ``import autostate``, as the package's ``export`` is this module's
+# function.)
 
 
 def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
+    from autostate.state_dicts import array_spec
+
     spec = array_spec(x)
     if spec is None:
         raise InvalidTypeError(
@@ -64,6 +69,8 @@ def _static_positions(static_argnums: int | Sequence[int], count: int) -> set[in
 
 
 def _is_traced_argument(value: Any) -> bool:
+    from autostate.state_dicts import array_spec
+
     leaves = jax.tree_util.tree_leaves(value)
     return bool(leaves) and all(array_spec(leaf) is not None for leaf in leaves) and not any(
         isinstance(leaf, (bool, str)) for leaf in leaves
@@ -129,6 +136,8 @@ def export(
         >>> print(program.call(autostate.state_dict(model), jnp.full(2, 2.0))[0])
         [12. 12.]
     """
+    from autostate.state_dicts import flatten_states, handle_for_reading, unflatten_states
+
     f, states = handle_for_reading(model, "export")
     flat, layout = flatten_states(states)
     call = f if method == "__call__" else getattr(f, method)

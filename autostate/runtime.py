@@ -677,18 +677,15 @@ def delitem(obj: Any, name: str, *keys: Any) -> None:
 # --- PyTorch's in-place tensor methods (``transform.method.INPLACE_TENSOR_METHODS``) ---
 
 
-def _compiled_inplace_methods() -> dict[str, Callable[..., Any]]:
-    """Each table row's functional expression as a function of ``x`` and the
-    method's own parameters, named as the method (what a traceback shows)."""
-    functions: dict[str, Callable[..., Any]] = {}
-    for method, (params, expression, _casting) in INPLACE_TENSOR_METHODS.items():
-        namespace: dict[str, Any] = {"jnp": jax.numpy}
-        exec(f"def {method}(x, {params}):\n    return {expression}", namespace)  # noqa: S102
-        functions[method] = namespace[method]
-    return functions
-
-
-_INPLACE_FUNCTIONS = _compiled_inplace_methods()
+@functools.cache
+def _inplace_function(method: str) -> Callable[..., Any]:
+    """The table row's functional expression as a function of ``x`` and the
+    method's own parameters, named as the method (what a traceback shows);
+    compiled by the method's first call, not by ``import autostate``."""
+    params, expression, _casting = INPLACE_TENSOR_METHODS[method]
+    namespace: dict[str, Any] = {"jnp": jax.numpy}
+    exec(f"def {method}(x, {params}):\n    return {expression}", namespace)  # noqa: S102
+    return namespace[method]
 
 
 def _functional_spelling(method: str, target: str) -> str:
@@ -762,7 +759,7 @@ class InPlace:
             self.value = own_method(*args, **kwargs)  # (an object's own method, as written)
             return self
         try:
-            new = _INPLACE_FUNCTIONS[method](part, *args, **kwargs)
+            new = _inplace_function(method)(part, *args, **kwargs)
         except TypeError as err:
             if "argument" not in str(err):
                 raise

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autostate import graph as _graph
-from autostate import render as _render
-from autostate import state_dicts as _state_dicts
 from autostate import values as _values
 from autostate.effects.local_state import HandledLocalStateRef, StateSlot
 from autostate.errors import InvalidTypeError, format_error
 from autostate.functional import CONSTANT, ConstantRef, FunctionalModel
-from autostate.packing import PackedModel, PackedStates
 from autostate.state_values import HandledStaticState, StaticState
+
+if TYPE_CHECKING:
+    from autostate.packing import PackedStates
+
+# (``render``, ``state_dicts`` and ``packing`` are imported by the first
+# summary: this module is imported by every ``import autostate``, as the
+# package's ``summary`` is this module's function.)
 
 KINDS = ("parameter", "state", "constant", "static")
 
@@ -160,7 +164,9 @@ def _human(n: int) -> str:
 
 
 def _array_row(path: str, kind: str, leaf: Any, **extra: Any) -> SummaryRow:
-    spec = _state_dicts.array_spec(leaf)
+    from autostate.state_dicts import array_spec
+
+    spec = array_spec(leaf)
     if spec is None:  # a state holding a non-array leaf
         return SummaryRow(path, kind, None, type(leaf).__name__, 0, 0, **extra)
     shape, dtype = spec
@@ -177,7 +183,10 @@ def _is_row(x: Any) -> bool:
 
 
 def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
-    flat, layout = _state_dicts.flatten_states(states)
+    from autostate.render import state_label
+    from autostate.state_dicts import flatten_states
+
+    flat, layout = flatten_states(states)
     keys = {name: (state_keys, statics) for name, _, state_keys, statics in layout}
     rows: list[SummaryRow] = []
     first_path: dict[int, str] = {}
@@ -207,7 +216,7 @@ def _rows(body: Any, states: Mapping[str, Any]) -> tuple[SummaryRow, ...]:
         elif isinstance(node, StateSlot):  # a category this f does not handle: in f itself
             name = getattr(node, "name", None) or path
             category = getattr(node, "category", None)
-            _, value = _render.state_label(node, name)
+            _, value = state_label(node, name)
             kind = "constant" if category == CONSTANT else "state"
             rows.append(_array_row(name, kind, value, category=category))
         elif id(node) in first_path:
@@ -278,6 +287,9 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
         static states: 1
         total: 6 elements, 24 B
     """
+    from autostate.packing import PackedModel
+    from autostate.state_dicts import handle_for_reading, state_dict
+
     if isinstance(model, PackedModel):
         if states is None:
             raise InvalidTypeError(format_error(
@@ -286,12 +298,12 @@ def summary(model: Any, states: Mapping[str, Any] | PackedStates | None = None) 
             ))
         model, states = model.unpack(states)  # type: ignore[arg-type]  # checked there
     if isinstance(model, FunctionalModel):
-        _state_dicts.state_dict(model, states)  # the same checks of the states dict
+        state_dict(model, states)  # the same checks of the states dict
         return Summary(type(model.model).__name__, _rows(model.model, states))  # type: ignore[arg-type]
     if states is not None:
         raise InvalidTypeError(format_error(
             "autostate.summary takes a states dict only with an f (or a packed pf).",
             fix="call autostate.summary(model) or autostate.summary(f, states).",
         ))
-    f, handled = _state_dicts.handle_for_reading(model, "summary")
+    f, handled = handle_for_reading(model, "summary")
     return Summary(type(model).__name__, _rows(f.model, handled))

@@ -1,11 +1,10 @@
-"""Gradients and an optimizer for models kept as objects.
+"""Gradients of functions of models kept as objects.
 
 ``autostate.value_and_grad(loss)(model, batch)`` differentiates a function of
 a model with respect to its trainable parameters (the leaves of its ``f``)
 and leaves the model as the plain call would: a state the forward pass
 assigns (running statistics, a step counter) lands in the model with its
-primal value. ``autostate.Optimizer(model, tx)`` holds an optax-style
-transformation's state and updates the model's parameters in place.
+primal value; ``optimizers.Optimizer`` applies the gradients.
 
 Both work eagerly and inside ``autostate.jit``, where they make one compiled
 training step of a model object::
@@ -26,21 +25,22 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
 
 from autostate import graph as _graph
-from autostate import sharding as _sharding
 from autostate import tree as _tree
-from autostate.api import functionalize, stateful
+from autostate.api import functionalize
 from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
-from autostate.functional import ConstantRef, FunctionalModel
-from autostate.lifting.core import Swapped, write_back
+from autostate.functional import FunctionalModel
 
-__all__ = ["Optimizer", "grad", "value_and_grad"]
+if TYPE_CHECKING:
+    from autostate.lifting.core import Swapped
+
+__all__ = ["grad", "instance_pairs", "value_and_grad"]
 
 
 M = TypeVar("M")
@@ -131,6 +131,8 @@ def value_and_grad(
     numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        from autostate.lifting.core import write_back  # (the lift: read by the first call)
+
         models = [_model_at(args, i) for i in numbers]
         _check_apart(models, numbers)
         pairs = [functionalize(model) for model in models]
@@ -285,7 +287,7 @@ def _check_apart(models: Sequence[Any], numbers: Sequence[int]) -> None:
                 )
 
 
-def _pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
+def instance_pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
     """Each instance of ``model`` with its twin in ``f``'s model (the same walk)."""
     return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))
 
@@ -294,113 +296,7 @@ def _own_states(model: Any, f: FunctionalModel) -> Swapped:
     """``model``'s eager state slots, each named as ``f``'s states dict names it."""
     return [
         (obj, attr, obj.__dict__[attr], ref.name)
-        for obj, twin in _pairs(model, f)
+        for obj, twin in instance_pairs(model, f)
         for attr in _tree.info_of(obj).state
         if type(ref := twin.__dict__.get(attr)) is HandledLocalStateRef
     ]
-
-
-def _assign_params(model: Any, new: FunctionalModel) -> None:
-    """Assigns the parameters of ``new`` (the model's ``f`` with new leaves) to
-    ``model`` attribute by attribute; sub-models stay the same objects, and
-    ``ConstantRef`` entries keep the model's value."""
-    for obj, twin in _pairs(model, new):
-        states = _tree.info_of(obj).state
-        for attr, value in twin.__dict__.items():
-            if attr in states or _graph.holds_instance(value):
-                continue
-            old = obj.__dict__.get(attr)
-            if value is old:
-                continue
-            if _holds_constant(value):
-                value = jax.tree_util.tree_map(
-                    lambda n, o: o if type(n) is ConstantRef else n, value, old,
-                    is_leaf=lambda x: type(x) is ConstantRef,
-                )
-                if value is old:
-                    continue
-            setattr(obj, attr, value)
-
-
-def _holds_constant(value: Any) -> bool:
-    return any(
-        type(leaf) is ConstantRef
-        for leaf in jax.tree_util.tree_leaves(value, is_leaf=lambda x: type(x) is ConstantRef)
-    )
-
-
-@stateful
-class Optimizer:
-    """An optax-style transformation's state for one model, updating the
-    model's trainable parameters in place.
-
-    ``tx`` is anything with optax's ``init(params)`` and ``update(grads,
-    state, params)`` (an ``optax.GradientTransformation``); the parameters it
-    sees are the model's ``f``, so masks written for ``f``'s paths apply.
-    Eagerly and inside ``autostate.jit``. The state is made with every array
-    that stands for a parameter (Adam's moments) in that parameter's
-    sharding, shard by shard: on a model placed on devices, ``tx.init`` runs
-    under ``jax.jit`` (``sharding.made_in_layout``), so it must be traceable,
-    as optax's are.
-
-    Args:
-        model: the model to train.
-        tx: the transformation.
-
-    Examples:
-        >>> import optax
-        >>> @autostate.stateful
-        ... class Scale:
-        ...     def __init__(self):
-        ...         self.w = jnp.full(2, 3.0)
-        ...
-        ...     def __call__(self, x):
-        ...         return (self.w * x).sum()
-        >>> model = Scale()
-        >>> opt = autostate.Optimizer(model, optax.sgd(0.5))
-        >>> opt.update(autostate.grad(lambda m, x: m(x))(model, jnp.ones(2)))
-        >>> print(model.w, opt.step)
-        [2.5 2.5] 1
-    """
-
-    def __init__(self, model: Any, tx: Any):
-        self.model = model
-        self.tx = tx
-        f, _ = functionalize(model)
-        # The structure the transformation's state follows: f's in the mode
-        # the model had here (a mode is part of f's structure; the
-        # parameters are the same in every mode).
-        self.params_def = jax.tree_util.tree_structure(f)
-        # Each moment made in its parameter's sharding, shard by shard: eagerly,
-        # zeros_like of a weakly typed array lands on the default device.
-        self.opt_state = _sharding.made_in_layout(tx.init, f)
-        self.step = jnp.zeros((), jnp.int32)
-
-    def update(self, grads: Any) -> None:
-        """Applies ``grads`` (shaped like the model's ``f``, as ``autostate.grad``
-        gives them) to the model's parameters."""
-        f, _ = functionalize(self.model)
-        params, grads = (_as(self.params_def, tree, self.model) for tree in (f, grads))
-        updates, self.opt_state = self.tx.update(grads, self.opt_state, params)
-        new = jax.tree_util.tree_map(
-            lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates
-        )
-        _assign_params(self.model, _as(jax.tree_util.tree_structure(f), new, self.model))
-        self.step += 1
-
-
-def _as(treedef: Any, tree: Any, model: Any) -> Any:
-    """``tree``'s leaves in the structure ``treedef`` (``f``'s in another mode)."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if len(leaves) != treedef.num_leaves:
-        raise InvalidArgumentError(
-            format_error(
-                f"The optimizer of a {type(model).__name__} was made for "
-                f"{treedef.num_leaves} trainable parameters, and the model now has "
-                f"{len(leaves)}: its parameters were replaced or added since.",
-                where=user_location(),
-                fix="make a new autostate.Optimizer(model, tx) after changing which "
-                "parameters the model holds.",
-            )
-        )
-    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -56,12 +56,16 @@ This package knows the slot types of ``effects`` but nothing of source code.
 
 from __future__ import annotations
 
-from autostate.lifting.autodiff import checkpoint, remat
-from autostate.lifting.branches import cond, switch
-from autostate.lifting.core import jit_disabled
-from autostate.lifting.loops import fori_loop, map, scan, while_loop
-from autostate.lifting.mapping import vmap
+from typing import TYPE_CHECKING, Any
+
 from autostate.lifting.routes import routed, wrapper_name
+
+if TYPE_CHECKING:
+    from autostate.lifting.autodiff import checkpoint, remat
+    from autostate.lifting.branches import cond, switch
+    from autostate.lifting.core import jit_disabled
+    from autostate.lifting.loops import fori_loop, map, scan, while_loop
+    from autostate.lifting.mapping import vmap
 
 __all__ = [
     "checkpoint",
@@ -77,3 +81,29 @@ __all__ = [
     "while_loop",
     "wrapper_name",
 ]
+
+# name -> the family module that defines it: imported when the name is first
+# read (PEP 562), as the routes import a family by the first call routed to it.
+_FAMILIES = {
+    "checkpoint": "autodiff",
+    "remat": "autodiff",
+    "cond": "branches",
+    "switch": "branches",
+    "jit_disabled": "core",
+    "fori_loop": "loops",
+    "map": "loops",
+    "scan": "loops",
+    "while_loop": "loops",
+    "vmap": "mapping",
+}
+
+
+def __getattr__(name: str) -> Any:
+    family = _FAMILIES.get(name)
+    if family is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{family}"), name)
+    globals()[name] = value
+    return value

@@ -219,7 +219,11 @@ def build_function(
 # --- cache ----------------------------------------------------------------
 
 
-def _transform_fingerprint() -> str:
+@functools.cache
+def _fingerprint() -> bytes:
+    """What the cache's keys depend on besides a class's own source: Python's
+    version and the code that makes and runs a decision. Read by the first
+    class's key, not by ``import autostate`` (a dozen files read and hashed)."""
     digest = hashlib.sha256(sys.version.encode())
     here = Path(__file__).parent
     for name in sorted(os.listdir(here)):
@@ -232,11 +236,9 @@ def _transform_fingerprint() -> str:
         path = here.parent / name
         if path.exists():
             digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16].encode()
 
 
-_FINGERPRINT = _transform_fingerprint()
-_FINGERPRINT_BYTES = _FINGERPRINT.encode()
 _MEMORY_CACHE: dict[str, Any] = {}
 # Bounds of the two caches: entries kept in this process, bytes kept on disk
 # (``AUTOSTATE_CACHE_MAX_BYTES``). One entry is a class's code objects, a few
@@ -295,10 +297,11 @@ def cache_key(
             for c in (s.function.__code__,)
         ],
     ))
-    key = hashlib.sha256(b"".join((_FINGERPRINT_BYTES, *digests, described.encode()))).hexdigest()
+    fingerprint = _fingerprint()
+    key = hashlib.sha256(b"".join((fingerprint, *digests, described.encode()))).hexdigest()
     bundle = _BUNDLE_NAMES.get(digests[0])
     if bundle is None:
-        bundle = _BUNDLE_NAMES[digests[0]] = hashlib.sha256(_FINGERPRINT_BYTES + digests[0]).hexdigest()
+        bundle = _BUNDLE_NAMES[digests[0]] = hashlib.sha256(fingerprint + digests[0]).hexdigest()
     return key, bundle
 
 

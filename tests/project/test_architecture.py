@@ -10,6 +10,10 @@ module uses a private name (``_name``) of another.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,6 +148,50 @@ def test_import_autostate_runs_few_floors_of_modules():
     # first use, stands on the front door, as a user's layers do.)
     chain = _longest_chain(_import_time_graph(), "autostate", {})
     assert len(chain) <= IMPORT_FLOORS, f"{len(chain)} floors: " + " -> ".join(chain)
+
+
+# What a call needs is imported by the call (``autostate/__init__.py``'s
+# ``_ON_FIRST_USE``, the lift's families by the first call routed to them):
+# never by ``import autostate``, whose cost every program pays.
+_ON_FIRST_USE = [
+    "libcst", "autostate.transform.analysis", "autostate.nn", "autostate.compiled",
+    "autostate.optimizers", "autostate.packing", "autostate.serialization", "autostate.stacks",
+    "autostate.state_dicts", "autostate.render", "autostate.copies", "autostate.host",
+    "autostate.lifting.core", "autostate.lifting.loops", "autostate.lifting.branches",
+    "autostate.lifting.autodiff", "autostate.lifting.mapping", "autostate.lifting.jit",
+]
+_FIRST_USE_PROCESS = """
+import json, sys
+import autostate
+imported = sorted(m for m in {names} if m in sys.modules)
+# The names are the modules' own objects, read on first use.
+import autostate.lifting.loops, autostate.optimizers, autostate.state_dicts, autostate.stacks
+from autostate import Optimizer, Stack, load_state_dict, scan
+import autostate.summary, autostate.export
+same = [
+    scan is autostate.lifting.loops.scan, autostate.map is autostate.lifting.loops.map,
+    Optimizer is autostate.optimizers.Optimizer, Stack is autostate.stacks.Stack,
+    load_state_dict is autostate.state_dicts.load_state_dict,
+    # a module named as a public function leaves the function in place
+    callable(autostate.summary), callable(autostate.export),
+    "scan" in dir(autostate), sorted(autostate.__all__) == sorted(set(autostate.__all__)),
+]
+print(json.dumps([imported, same]))
+"""
+
+
+def test_import_autostate_leaves_what_a_call_needs_to_the_call(tmp_path):
+    # A fresh process with an empty decoration cache: nothing is decorated at
+    # import (a decoration from a cold cache would import libcst).
+    env = {**os.environ, "AUTOSTATE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    script = _FIRST_USE_PROCESS.format(names=repr(_ON_FIRST_USE))
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    imported, same = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == []
+    assert all(same), same
 
 
 @pytest.mark.parametrize(
