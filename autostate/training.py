@@ -300,3 +300,14 @@ def _own_states(model: Any, f: FunctionalModel) -> Swapped:
         for attr in _tree.info_of(obj).state
         if type(ref := twin.__dict__.get(attr)) is HandledLocalStateRef
     ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``Optimizer`` lived here until it moved to ``optimizers`` (so that this
+    # module, imported by ``import autostate``, decorates nothing): pickles
+    # made before name it here.
+    if name == "Optimizer":
+        from autostate.optimizers import Optimizer
+
+        return Optimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -354,3 +354,10 @@ def test_torch_argument_order_is_refused_in_words(tmp_path: Path) -> None:
     assert_clear(info.value, errors.InvalidTypeError, HERE, "`like=`", "like=model")
     loaded = autostate.load(path=path, like=Net(seed=3))
     assert_same_arrays(autostate.param_dict(loaded), autostate.param_dict(model))
+
+
+def test_a_pickle_naming_the_optimizers_old_module_loads_the_optimizer_class() -> None:
+    # Pickles made before ``Optimizer`` moved to ``autostate.optimizers`` name
+    # ``autostate.training.Optimizer``.
+    old = b"\x80\x04\x8c\x12autostate.training\x94\x8c\tOptimizer\x94\x93\x94."
+    assert pickle.loads(old) is autostate.Optimizer
