@@ -10,7 +10,9 @@ results).
 Each scenario runs in a fresh process of its own: the heap one scenario
 leaves (the 10,000-module models of the scaling scenario) would otherwise be
 walked by every garbage collection of the scenarios after it, and land in
-their timings.
+their timings. A ``--smoke`` run, whose numbers mean nothing, runs them in
+its own process, one after another: it pays for starting Python and JAX
+once, not once per scenario.
 
 Run: ``python benchmarks/run_all.py [--smoke] [--out DIR] [--only NAME ...]``.
 """
@@ -133,12 +135,16 @@ def _in_fresh_process(module_name: str, smoke: bool) -> object:
         return pickle.loads(result.read_bytes())
 
 
-def _child(module_name: str, result: Path, smoke: bool) -> int:
+def _in_this_process(module_name: str, smoke: bool) -> object:
+    """What ``module_name``'s ``run(smoke)`` returns (``host_fallback``: what
+    ``host_fallback_report`` returns), run here."""
     if module_name == "host_fallback":
-        value: object = host_fallback_report(smoke)
-    else:
-        value = importlib.import_module(module_name).run(smoke=smoke)
-    result.write_bytes(pickle.dumps(value))
+        return host_fallback_report(smoke)
+    return importlib.import_module(module_name).run(smoke=smoke)
+
+
+def _child(module_name: str, result: Path, smoke: bool) -> int:
+    result.write_bytes(pickle.dumps(_in_this_process(module_name, smoke)))
     return 0
 
 
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return _child(args.child[0], Path(args.child[1]), args.smoke)
     out = args.out if args.out is not None else (None if args.smoke else HERE)
+    run_scenario = _in_this_process if args.smoke else _in_fresh_process
 
     reports: list[Report] = []
     notes: list[str] = []
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and key not in args.only:
             continue
         start = time.perf_counter()
-        report = _in_fresh_process(module_name, args.smoke)
+        report = run_scenario(module_name, args.smoke)
         assert isinstance(report, Report), module_name
         report.print()
         print(f"[{module_name}: {time.perf_counter() - start:.1f} s]\n", flush=True)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if key == "depth":
             depth = report
         if key == "decoration":
-            host, why_not = _in_fresh_process("host_fallback", args.smoke)  # type: ignore[misc]
+            host, why_not = run_scenario("host_fallback", args.smoke)  # type: ignore[misc]
             if host is not None:
                 host.print()
                 reports.append(host)

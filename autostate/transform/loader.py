@@ -363,6 +363,18 @@ def _bundle(name: str) -> dict[str, Any]:
     return entries
 
 
+# A bundle on disk is a sequence of records, one per entry: the length of
+# ``marshal.dumps((key, value))`` (4 bytes, little-endian), then those bytes.
+# A store appends its record (one write), so that decorating a file of n
+# classes writes n records, not n bundles of up to n entries each. A reader
+# keeps the whole records; a corrupt one, or a tail another process is still
+# writing, ends the bundle there, and the next store in that bundle rewrites it.
+_LENGTH = 4
+# Bundle name -> whether the last read found it whole (or absent), so that a
+# store may append to it.
+_APPENDABLE: dict[str, bool] = {}
+
+
 def _read_bundle(name: str) -> dict[str, Any]:
     directory = _cache_dir_name()
     if directory is None:
@@ -386,10 +398,37 @@ def _read_bundle(name: str) -> dict[str, Any]:
                 os.utime(fd)
         finally:
             os.close(fd)
-        entries = marshal.loads(data)
-    except (OSError, ValueError, EOFError, TypeError):
+    except FileNotFoundError:
+        _APPENDABLE[name] = True
         return {}
-    return entries if isinstance(entries, dict) else {}
+    except OSError:
+        _APPENDABLE[name] = False
+        return {}
+    entries, whole = _records(data)
+    _APPENDABLE[name] = whole
+    return entries
+
+
+def _records(data: bytes) -> tuple[dict[str, Any], bool]:
+    """The entries of a bundle's bytes, and whether every byte was a whole record."""
+    entries: dict[str, Any] = {}
+    at = 0
+    while at < len(data):
+        end = at + _LENGTH + int.from_bytes(data[at : at + _LENGTH], "little")
+        if end > len(data):
+            return entries, False
+        try:
+            key, value = marshal.loads(data[at + _LENGTH : end])
+        except (ValueError, EOFError, TypeError):
+            return entries, False
+        entries[key] = value
+        at = end
+    return entries, True
+
+
+def _record(key: str, value: Any) -> bytes:
+    payload = marshal.dumps((key, value))
+    return len(payload).to_bytes(_LENGTH, "little") + payload
 
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0)
@@ -433,20 +472,32 @@ def cache_store(key: str, value: Any, bundle: str | None = None) -> None:
     """Caches ``value`` under ``key``, in memory and in ``bundle`` (by default its own) on disk."""
     _remember(key, value)
     name = bundle or key
-    # Merged with what is on disk now: another process may have added entries.
-    entries = {**_read_bundle(name), **_MEMORY_CACHE.get("bundle:" + name, {}), key: value}
+    entries = _bundle(name)  # (read from disk once per process: whether it is whole)
+    entries[key] = value
     _remember("bundle:" + name, entries)
     folder = _cache_dir_name()
     if folder is None:
         return
-    directory = Path(folder)
+    path = os.path.join(folder, name + ".bin")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(marshal.dumps(entries))
-        os.replace(tmp, directory / f"{name}.bin")
+        os.makedirs(folder, exist_ok=True)
+        if _APPENDABLE.get(name):
+            # Appended in one write: another process's records stay, before or after it.
+            fd = os.open(path, _APPEND_FLAGS, 0o644)
+            try:
+                os.write(fd, _record(key, value))
+            finally:
+                os.close(fd)
+        else:  # corrupt or unreadable: written anew, whole
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"".join(_record(k, v) for k, v in entries.items()))
+            os.replace(tmp, path)
+            _APPENDABLE[name] = True
     except (OSError, ValueError):
         return
     # Only a miss stores, and a miss parses for milliseconds: the scan is cheap here.
-    evict(directory, _disk_cache_limit())
+    evict(Path(folder), _disk_cache_limit())
+
+
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)

@@ -108,7 +108,7 @@ def test_run_all_smoke_writes_nothing_without_out(monkeypatch: pytest.MonkeyPatc
         timing = importlib.import_module("_timing")
     finally:
         sys.path.remove(str(BENCHMARKS))
-    monkeypatch.setattr(run_all, "_in_fresh_process", lambda module, smoke: (
+    monkeypatch.setattr(run_all, "_in_this_process", lambda module, smoke: (
         (None, "no host fallback here") if module == "host_fallback" else timing.Report()
     ))
     outputs = [BENCHMARKS / "results.md", BENCHMARKS / "scaling.png", BENCHMARKS / "depth.png"]

@@ -293,6 +293,35 @@ def test_a_module_s_classes_are_read_from_disk_with_one_open(
     assert analysis_calls == [] and len(reads) == 1
 
 
+def test_each_class_of_a_file_adds_its_own_record_to_the_bundle(fresh_cache, monkeypatch):
+    """A store writes one record, not the whole bundle again (a file of n classes
+    wrote n bundles of up to n entries: quadratic); a torn tail, as a reader may
+    see while another process appends, ends the bundle; a bundle that did not
+    read whole is written anew by the next store."""
+    written: list[int] = []
+    original_write = loader.os.write
+    monkeypatch.setattr(loader.os, "write", lambda fd, data: written.append(len(data))
+                        or original_write(fd, data))
+    values = {f"{i:064x}": ([f"state{i}"], [], {"x": i}) for i in range(20)}
+    for key, value in values.items():
+        loader.cache_store(key, value, "bundle")
+    path = fresh_cache / "bundle.bin"
+    assert len(written) == 20 and path.stat().st_size == sum(written)  # each record written once
+    _empty_memory_caches(monkeypatch)
+    assert all(loader.cache_load(key, "bundle") == value for key, value in values.items())
+
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole[:7])  # another process's record, half written
+    _empty_memory_caches(monkeypatch)
+    assert loader.cache_load(f"{3:064x}", "bundle") == values[f"{3:064x}"]
+    loader.cache_store("e" * 64, (["late"], [], {}), "bundle")
+    # Written anew: the torn record dropped.
+    assert path.stat().st_size == len(whole) + len(loader._record("e" * 64, (["late"], [], {})))
+    _empty_memory_caches(monkeypatch)
+    assert loader.cache_load("e" * 64, "bundle") == (["late"], [], {})
+    assert all(loader.cache_load(key, "bundle") == value for key, value in values.items())
+
+
 def _import(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
