@@ -706,3 +706,8 @@ def handler_id_for(
     if category_predicate is None:
         return HandlerId(f"autostate:{category!r}")
     return None
+
+
+def instance_pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
+    """Each instance of ``model`` with its twin in ``f``'s model (the same walk)."""
+    return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))

@@ -19,8 +19,7 @@ from autostate import sharding as _sharding
 from autostate import tree as _tree
 from autostate.api import functionalize, stateful
 from autostate.errors import InvalidArgumentError, format_error, user_location
-from autostate.functional import ConstantRef, FunctionalModel
-from autostate.training import instance_pairs
+from autostate.functional import ConstantRef, FunctionalModel, instance_pairs
 
 __all__ = ["Optimizer"]
 

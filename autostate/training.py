@@ -35,12 +35,12 @@ from autostate import tree as _tree
 from autostate.api import functionalize
 from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
-from autostate.functional import FunctionalModel
+from autostate.functional import FunctionalModel, instance_pairs
 
 if TYPE_CHECKING:
     from autostate.lifting.core import Swapped
 
-__all__ = ["grad", "instance_pairs", "value_and_grad"]
+__all__ = ["grad", "value_and_grad"]
 
 
 M = TypeVar("M")
@@ -285,11 +285,6 @@ def _check_apart(models: Sequence[Any], numbers: Sequence[int]) -> None:
                         "argument; its gradient then reads as both.",
                     )
                 )
-
-
-def instance_pairs(model: Any, f: FunctionalModel) -> list[tuple[Any, Any]]:
-    """Each instance of ``model`` with its twin in ``f``'s model (the same walk)."""
-    return list(zip(_graph.instances_of(model), _graph.instances_of(f.model)))
 
 
 def _own_states(model: Any, f: FunctionalModel) -> Swapped:
