@@ -61,6 +61,7 @@ _graph.register_node_kind(DetachedState, model_child=True, own_value=True)
 
 
 def _detached(value: Any) -> Any:
+    value = _graph.materialized(value)  # (a value a compiled call left packed: made)
     if type(value) is HandledLocalStateRef and is_running(value.handler_id):
         return DetachedState(
             value.read(), value.category, value.name if value.was_explicitly_named else None
@@ -75,6 +76,7 @@ def _own_slot(value: Any) -> Any:
     eager write changes a request nothing else holds in place (see
     ``_SOLE_HOLDER``), and a copy sharing it, made at any moment of a write
     (by another thread, at a debugger's prompt), must not see that."""
+    value = _graph.materialized(value)
     if type(value) is FrozenLocalStateRequest:
         return value.replaced(value.state)
     return _detached(value)
@@ -137,6 +139,7 @@ def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
     memo[id(self)] = new
     d = new.__dict__
     for k, v in self.__dict__.items():
+        v = _graph.materialized(v)
         detached = _detached(v)
         d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
     return new
