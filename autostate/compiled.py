@@ -62,6 +62,7 @@ from autostate.packing import (
     PackedValues,
     lazy_attribute_allowed,
 )
+from autostate.tree import StaticLeaf
 
 __all__ = ["Compiled", "jit"]
 
@@ -194,10 +195,11 @@ class _After:
     lazy: tuple = ()
     lazy_at: tuple[int, ...] = ()
     lazy_only: frozenset[int] = frozenset()
-    # ``touched`` and ``patched`` but for the lazy attributes: what a call
-    # that keeps the last one's lazy values rewrites.
+    # ``touched`` but for the lazy attributes; and of those, what a call that
+    # keeps the last one's lazy values rewrites, with its ``patched``.
     eager: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    eager_patched: tuple[tuple[int, str], ...] = ()
+    renewed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    renewed_patched: tuple[tuple[int, str], ...] = ()
     # The gathers of a call, made once: each new leaf's index in the old
     # leaves followed by the outputs and ``_IN_BUFFERS`` (``sources``), and
     # each of the next call's leaves' in the new (``None``: the new leaves as
@@ -432,11 +434,11 @@ class Compiled(Generic[P, R]):
             # last call left them: they now stand for this call's buffers.
             holder.renew(buffers)
             fresh = entry.leaves
-            if after.eager:
+            if after.renewed:
                 new_leaves = list(map([*entry.leaves, *changed, _IN_BUFFERS].__getitem__,
                                       after.merge))
-                self._rewrite(after, after.eager, new_leaves, objs)
-                if witness is not None and not witness.patch(after.eager_patched):
+                self._rewrite(after, after.renewed, new_leaves, objs)
+                if witness is not None and not witness.patch(after.renewed_patched):
                     witness = None
                 fresh = new_leaves if after.fresh is None else list(
                     map(new_leaves.__getitem__, after.fresh))
@@ -593,8 +595,17 @@ class Compiled(Generic[P, R]):
              for x in fresh_leaves],
             None, _small if key.packs else _never,
         )
+        # (What the function rebound, by instance and attribute of the new flatten.)
+        rebound_at: set[tuple[int, int]] = set()
+        for i, name in rebound:
+            n = at_object.get(id(copies[i]))
+            if n is not None:
+                found = [k for k, entry in enumerate(new_graphdef.instances[n][1])
+                         if entry[0] == name]
+                rebound_at.update((n, k) for k in found)
         lazy, lazy_at, lazy_only = _lazy_plan(
-            new_graphdef, objects, fresh_objects, new_leaves, sources, fresh_leaves, next_layout
+            new_graphdef, objects, fresh_objects, new_leaves, sources, fresh_leaves, next_layout,
+            rebound_at,
         )
         changed = [x for i, (x, j) in enumerate(zip(new_leaves, sources))
                    if j is None and i not in lazy_only]
@@ -634,6 +645,10 @@ class Compiled(Generic[P, R]):
         lazy_names = {(i, name) for i, name, *_ in lazy}
         eager = [(i, k) for i, k in touched
                  if (i, key.graphdef.instances[i][1][k][0]) not in lazy_names]
+        # Of those, the ones a call after the first rewrites: an attribute
+        # rebound to an immutable Python value (an optimizer's empty state)
+        # holds the structure's own object since the first.
+        renewed = [(i, k) for i, k in eager if not _static_entry(key.graphdef, i, k)]
         self._after[key_shapes] = _After(
             graphdef=new_graphdef,
             origin=origin,
@@ -651,8 +666,9 @@ class Compiled(Generic[P, R]):
             lazy_at=lazy_at,
             lazy_only=lazy_only,
             eager=eager,
-            eager_patched=tuple(
-                (i - 1, key.graphdef.instances[i][1][k][0]) for i, k in eager if i
+            renewed=renewed,
+            renewed_patched=tuple(
+                (i - 1, key.graphdef.instances[i][1][k][0]) for i, k in renewed if i
             ),
         )
         new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
@@ -671,8 +687,9 @@ class Compiled(Generic[P, R]):
 def _lazy_plan(
     graphdef: Any, objects: list[Any], fresh_objects: list[Any], new_leaves: list[Any],
     sources: list[int | None], fresh_leaves: list[Any], layout: Layout,
+    rebound: set[tuple[int, int]],
 ) -> tuple[tuple, tuple[int, ...], frozenset[int]]:
-    """Which attributes the call changed stay in its packed buffers after it
+    """Which attributes the call changed (or ``rebound``) stay in its packed buffers after it
     (``(lazy, at, only)``): each ``(instance, name, state, index, build)``
     of ``lazy`` gets a lazy value of the call's ``PackedValues`` (a state a
     ``LazyState``, any other attribute a ``LazyValue``: ``index`` of one
@@ -694,7 +711,8 @@ def _lazy_plan(
     holds = _graph.lazy_attributes(graphdef)
     steps = _graph.leaf_attributes(graphdef)
     chosen: dict[tuple[int, int], tuple[str, bool, tuple[int, ...]]] = {}
-    for i, k in sorted({at for p, j in enumerate(sources) if j is None for at in steps[p]}):
+    changed = {at for p, j in enumerate(sources) if j is None for at in steps[p]}
+    for i, k in sorted(changed | rebound):
         obj, held = objects[i], holds[i][k]
         if held is None or id(obj) not in fresh_ids or not _graph.is_stateful_instance(obj):
             continue
@@ -735,6 +753,14 @@ def _attribute_of(
     """The value of attribute ``at`` made from a ``PackedValues``' ``values``
     (``places``: each of its leaves' index there)."""
     return _graph.attribute_value(graphdef, at, {p: values[k] for p, k in places})
+
+
+def _static_entry(graphdef: Any, i: int, k: int) -> bool:
+    """Whether attribute ``k`` of instance ``i`` holds an immutable static
+    value in ``graphdef`` (the rebuild puts the graphdef's own object there)."""
+    _, treedef, parts = graphdef.instances[i][1][k]
+    return (treedef is None and type(parts) is StaticLeaf
+            and not _values.is_mutable_static(parts.value))
 
 
 # What the leaves of a call's flatten hold for an array only lazy attributes

@@ -556,23 +556,22 @@ class LazyAttribute:
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            owner_name = owner.__name__ if owner is not None else "object"
-            raise AttributeError(f"type object {owner_name!r} has no attribute {self.name!r}")
         try:
             value = obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(
-                f"{type(obj).__name__!r} object has no attribute {self.name!r}"
-            ) from None
-        if type(value) is LazyValue:
-            if value.build is None:
-                values = value.holder.values
-                if values is None:
-                    values = value.holder.materialize()
-                return values[value.index]
+        except (KeyError, AttributeError):  # (no such attribute; read from the class)
+            raise self._missing(obj, owner) from None
+        if type(value) is not LazyValue:
+            return value
+        values = value.holder.values
+        if values is None or value.build is not None:
             return value.value()
-        return value
+        return values[value.index]
+
+    def _missing(self, obj: Any, owner: type | None) -> AttributeError:
+        if obj is None:
+            owner_name = owner.__name__ if owner is not None else "object"
+            return AttributeError(f"type object {owner_name!r} has no attribute {self.name!r}")
+        return AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}")
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__[self.name] = value
@@ -587,13 +586,11 @@ class LazyAttribute:
 def lazy_attribute_allowed(cls: type, name: str) -> bool:
     """Whether attribute ``name`` of ``cls``'s instances may hold a
     ``LazyValue``: read through a ``LazyAttribute`` of the class (installed
-    here), which no class of its MRO has another attribute of that name for."""
+    here, or a base's), which no class of its MRO has another attribute of
+    that name for."""
     for klass in cls.__mro__:
-        found = klass.__dict__.get(name)
-        if found is not None or name in klass.__dict__:
-            if type(found) is LazyAttribute and klass is cls:
-                return True
-            return False
+        if name in klass.__dict__:
+            return type(klass.__dict__[name]) is LazyAttribute  # (a base's serves a subclass)
     try:
         setattr(cls, name, LazyAttribute(name))
     except (TypeError, AttributeError):
