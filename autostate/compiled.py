@@ -17,9 +17,15 @@ How one call goes:
    leaves are its output, and the new graphdef (with which copy each
    instance is) is kept with the trace;
 3. the new graphdef and leaves are written back into the same Python
-   objects (``graph.rebuild_instances(..., into=...)``).
+   objects (``graph.rebuild_instances(..., into=...)``); an attribute whose
+   small arrays changed gets a lazy value instead (``packing.LazyValue``,
+   ``LazyState``) of the call's packed output buffers (``PackedValues``),
+   made on the first eager read. The next call on the same models, when
+   nothing changed them, passes those buffers on as they are and only
+   swaps the ones the lazy values read (``PackedValues.renew``).
 
-The model's old buffers are donated to the program. When ``fn`` raises,
+The model's old buffers are donated to the program; lazy values that a call
+does not pass on are made for good first (``_release``). When ``fn`` raises,
 nothing is written back: the models keep their values from before the call.
 """
 
