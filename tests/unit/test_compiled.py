@@ -125,6 +125,22 @@ def test_the_arrays_a_call_changed_stay_packed_until_an_eager_read(monkeypatch):
     assert type(vars(model)["calls"]) is not packing.LazyState and int(model.calls) == 0
 
 
+def test_two_compiled_functions_take_turns_on_one_model():
+    def bump(model):
+        model.b = model.b * 2.0
+        return model.calls
+
+    first, second = autostate.jit(step), autostate.jit(bump)
+    model, plain = Net(), Net()  # (``plain``: the same calls, eagerly)
+    for i in range(4):
+        for compiled_fn, fn in ((first, step), (second, bump), (second, bump)):
+            args = (jnp.ones(2),) if fn is step else ()
+            assert compiled_fn(model, *args).tolist() == fn(plain, *args).tolist()
+        if i % 2:
+            assert model.b.tolist() == plain.b.tolist()  # (read between the turns)
+    assert model.b.tolist() == plain.b.tolist() and int(model.calls) == int(plain.calls) == 4
+
+
 def test_a_model_sharing_a_donated_array_is_refused_by_name():
     model = Net(big=True)
     twin = copy.copy(model)  # (holds the same arrays)
