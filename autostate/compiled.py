@@ -17,9 +17,15 @@ How one call goes:
    leaves are its output, and the new graphdef (with which copy each
    instance is) is kept with the trace;
 3. the new graphdef and leaves are written back into the same Python
-   objects (``graph.rebuild_instances(..., into=...)``).
+   objects (``graph.rebuild_instances(..., into=...)``); an attribute whose
+   small arrays changed gets a lazy value instead (``packing.LazyValue``,
+   ``LazyState``) of the call's packed output buffers (``PackedValues``),
+   made on the first eager read. The next call on the same models, when
+   nothing changed them, passes those buffers on as they are and only
+   swaps the ones the lazy values read (``PackedValues.renew``).
 
-The model's old buffers are donated to the program. When ``fn`` raises,
+The model's old buffers are donated to the program; lazy values that a call
+does not pass on are made for good first (``_release``). When ``fn`` raises,
 nothing is written back: the models keep their values from before the call.
 """
 
@@ -43,13 +49,26 @@ from jax._src import api_util as _api_util
 from jax._src import traceback_util as _traceback_util
 
 from autostate import graph as _graph
+from autostate import tree as _tree
 from autostate import values as _values
-from autostate.effects.local_state import StateSlot, handler_running, running_cells
+from autostate.effects.local_state import (
+    FrozenLocalStateRequest,
+    StateSlot,
+    handler_running,
+    running_cells,
+)
 from autostate.errors import InvalidArgumentError, format_error, user_location
 from autostate.graph import Witness
 from autostate.lifetime import current_trace, under_staging_trace, with_home
 from autostate.lifting.core import own_states, with_states_handled
-from autostate.packing import Layout
+from autostate.packing import (
+    Layout,
+    LazyState,
+    LazyValue,
+    PackedValues,
+    lazy_attribute_allowed,
+)
+from autostate.tree import StaticLeaf
 
 __all__ = ["Compiled", "jit"]
 
@@ -135,19 +154,24 @@ class _Key:
 
 class _Entry:
     """What a call left on its models, for the next call on the same models:
-    the flatten (valid while ``witness`` says nothing changed) and the packed
-    buffers of its small arrays."""
+    the flatten (valid while ``witness`` says nothing changed), the packed
+    buffers of its small arrays, and what its lazy attributes read them by."""
 
-    __slots__ = ("key", "leaves", "buffers", "objects", "witness")
+    __slots__ = ("key", "leaves", "buffers", "objects", "witness", "holder", "made_by")
 
     def __init__(
-        self, key: _Key, leaves: list, buffers: list, objects: list, witness: Witness | None
+        self, key: _Key, leaves: list, buffers: list, objects: list, witness: Witness | None,
+        holder: PackedValues | None = None, made_by: _After | None = None,
     ):
         self.key = key
-        self.leaves = leaves
+        self.leaves = leaves  # (``_IN_BUFFERS`` for an array only lazy attributes hold)
         self.buffers = buffers
         self.objects = objects
         self.witness = witness
+        # The ``PackedValues`` of the models' lazy attributes (whose buffers
+        # are ``buffers``), and the call's ``_After`` that made them.
+        self.holder = holder
+        self.made_by = made_by
 
 
 @dataclasses.dataclass(slots=True)
@@ -171,15 +195,32 @@ class _After:
     # models', attribute name); the walk's root, instance 0, is not witnessed.
     patched: tuple[tuple[int, str], ...] = ()
     inputs: int = 0  # how many leaves the call started with
+    # The attributes left in the packed buffers (``_lazy_plan``): each
+    # ``(instance, name, state, index, build)``, the packed slots of their
+    # arrays, and the new leaves only they hold (no output of the program).
+    lazy: tuple = ()
+    lazy_at: tuple[int, ...] = ()
+    lazy_only: frozenset[int] = frozenset()
+    # ``touched`` but for the lazy attributes; and of those, what a call that
+    # keeps the last one's lazy values rewrites, with its ``patched``.
+    eager: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    renewed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    renewed_patched: tuple[tuple[int, str], ...] = ()
     # The gathers of a call, made once: each new leaf's index in the old
-    # leaves followed by the outputs (``sources``), and each of the next
-    # call's leaves' in the new (``None``: the new leaves as they are).
+    # leaves followed by the outputs and ``_IN_BUFFERS`` (``sources``), and
+    # each of the next call's leaves' in the new (``None``: the new leaves as
+    # they are).
     merge: tuple[int, ...] = dataclasses.field(init=False)
     fresh: tuple[int, ...] | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        outputs = iter(range(self.inputs, self.inputs + len(self.sources)))
-        self.merge = tuple(next(outputs) if j is None else j for j in self.sources)
+        count = sum(j is None and i not in self.lazy_only for i, j in enumerate(self.sources))
+        outputs = iter(range(self.inputs, self.inputs + count))
+        in_buffers = self.inputs + count
+        self.merge = tuple(
+            in_buffers if i in self.lazy_only else next(outputs) if j is None else j
+            for i, j in enumerate(self.sources)
+        )
         identity = self.fresh_leaves == list(range(len(self.sources)))
         self.fresh = None if identity else tuple(self.fresh_leaves)
 
@@ -372,6 +413,13 @@ class Compiled(Generic[P, R]):
             if any(id(x) in held_ids for x in others):
                 jitted = self._kept_jitted
         after = self._after.get((key, shapes))
+        holder = entry.holder
+        if holder is not None and not (after is not None and after.steady
+                                       and after is entry.made_by):
+            # Another program than the one that left the lazy values: they are
+            # made for good before their buffers are donated.
+            _release(entry)
+            holder = None
         if after is not None:
             out, buffers, changed = jitted((key, shapes), entry.buffers, loose, others)
         else:
@@ -385,36 +433,64 @@ class Compiled(Generic[P, R]):
             finally:
                 self._tracing = None
             after = self._after[(key, shapes)]
-        new_leaves = list(map([*entry.leaves, *changed].__getitem__, after.merge))
-        witness = None
-        if after.steady:
-            objs = entry.objects
-            rewritten = _graph.rewrite_attributes(after.graphdef, new_leaves, objs, after.touched)
-            if after.kept:
-                for i, name, before in rewritten:
-                    if (i, name) in after.kept:
-                        d = objs[i].__dict__
-                        d[name] = _kept(before, d[name])
-            # The same instances and structure: what the last call's witness saw
-            # stands but for the attributes rewritten (instance 0 is the walk's root).
-            witness = entry.witness
-            if witness is not None and not witness.patch(after.patched):
-                witness = None
+        objs = entry.objects
+        witness = entry.witness if after.steady else None
+        if holder is not None:
+            # The models hold this program's lazy values of ``holder``, as the
+            # last call left them: they now stand for this call's buffers.
+            holder.renew(buffers)
+            fresh = entry.leaves
+            if after.renewed:
+                new_leaves = list(map([*entry.leaves, *changed, _IN_BUFFERS].__getitem__,
+                                      after.merge))
+                self._rewrite(after, after.renewed, new_leaves, objs)
+                if witness is not None and not witness.patch(after.renewed_patched):
+                    witness = None
+                fresh = new_leaves if after.fresh is None else list(
+                    map(new_leaves.__getitem__, after.fresh))
         else:
-            targets = [None if i is None else entry.objects[i] for i in after.origin]
-            held = [None if obj is None else dict(obj.__dict__) for obj in targets]
-            objs = _graph.rebuild_instances(after.graphdef, new_leaves, targets)
-            for k, (obj, before) in enumerate(zip(targets, held)):
-                if before:
-                    d = obj.__dict__
-                    for name, value in d.items():
-                        if name in before and (after.origin[k], name) not in after.rebound:
-                            d[name] = _kept(before[name], value)
-            objs = [objs[i] for i in after.fresh_objects]
-        fresh = new_leaves if after.fresh is None else list(map(new_leaves.__getitem__, after.fresh))
+            if after.lazy:
+                holder = PackedValues(after.next_key.layout, after.lazy_at, buffers, _CALLS)
+            new_leaves = list(map([*entry.leaves, *changed, _IN_BUFFERS].__getitem__,
+                                  after.merge))
+            if after.steady:
+                self._rewrite(after, after.eager, new_leaves, objs)
+                if holder is not None:
+                    _lazy_values(after.lazy, holder, objs)
+                # The same instances and structure: what the last call's witness saw
+                # stands but for the attributes rewritten (instance 0 is the walk's root).
+                if witness is not None and not witness.patch(after.patched):
+                    witness = None
+            else:
+                targets = [None if i is None else entry.objects[i] for i in after.origin]
+                held = [None if obj is None else dict(obj.__dict__) for obj in targets]
+                objs = _graph.rebuild_instances(after.graphdef, new_leaves, targets)
+                for k, (obj, before) in enumerate(zip(targets, held)):
+                    if before:
+                        d = obj.__dict__
+                        for name, value in d.items():
+                            if name in before and (after.origin[k], name) not in after.rebound:
+                                d[name] = _kept(before[name], value)
+                if holder is not None:
+                    _lazy_values(after.lazy, holder, objs)
+                objs = [objs[i] for i in after.fresh_objects]
+            fresh = new_leaves if after.fresh is None else list(
+                map(new_leaves.__getitem__, after.fresh))
         objs[0].__dict__["models"] = []  # (the root of the walk holds no model between calls)
-        self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, witness))
+        self._keep(cache_id, models, _Entry(after.next_key, fresh, buffers, objs, witness,
+                                            holder, after if holder is not None else None))
         return out
+
+    @staticmethod
+    def _rewrite(after: _After, at: list[tuple[int, int]], leaves: list, objs: list) -> None:
+        """Rewrites the attributes ``at`` of ``objs`` (the same structure as
+        before the call) from the new ``leaves``, keeping the containers ``after`` says."""
+        rewritten = _graph.rewrite_attributes(after.graphdef, leaves, objs, at)
+        if after.kept:
+            for i, name, before in rewritten:
+                if (i, name) in after.kept:
+                    d = objs[i].__dict__
+                    d[name] = _kept(before, d[name])
 
     def _keep(self, cache_id: tuple, models: list, entry: _Entry) -> None:
         """Keeps what a call left for the next one on the same models, holding
@@ -514,10 +590,10 @@ class Compiled(Generic[P, R]):
             for name, value in obj.__dict__.items() if before.get(name, _UNSET) is not value
         )
         # Each new array: a packed one unchanged is the model's own (the
-        # caller's array, not donated); any other is an output.
+        # caller's array, not donated); any other is an output, or stays in the
+        # next call's packed buffers where only lazy attributes hold it.
         packed_in = {id(x): j for j, x in enumerate(leaves) if key.layout.slots[j] is not None}
         sources = [packed_in.get(id(x)) for x in new_leaves]
-        changed = [x for x, j in zip(new_leaves, sources) if j is None]
         at = {id(x): i for i, x in enumerate(new_leaves)}
         at_object = {id(obj): i for i, obj in enumerate(objects)}
         next_layout = Layout.of(
@@ -525,6 +601,20 @@ class Compiled(Generic[P, R]):
              for x in fresh_leaves],
             None, _small if key.packs else _never,
         )
+        # (What the function rebound, by instance and attribute of the new flatten.)
+        rebound_at: set[tuple[int, int]] = set()
+        for i, name in rebound:
+            n = at_object.get(id(copies[i]))
+            if n is not None:
+                found = [k for k, entry in enumerate(new_graphdef.instances[n][1])
+                         if entry[0] == name]
+                rebound_at.update((n, k) for k in found)
+        lazy, lazy_at, lazy_only = _lazy_plan(
+            new_graphdef, objects, fresh_objects, new_leaves, sources, fresh_leaves, next_layout,
+            rebound_at,
+        )
+        changed = [x for i, (x, j) in enumerate(zip(new_leaves, sources))
+                   if j is None and i not in lazy_only]
         next_key = _Key(
             fresh_graphdef, key.treedef, key.where, key.statics, key.named,
             tuple(_shape_of(x) for x in fresh_leaves), next_layout, key.packs,
@@ -558,6 +648,13 @@ class Compiled(Generic[P, R]):
                 if ((i, name) not in rebound and type(before) is type(value)
                         and _values.kind_of(before).restore is not None):
                     kept.add((i, name))
+        lazy_names = {(i, name) for i, name, *_ in lazy}
+        eager = [(i, k) for i, k in touched
+                 if (i, key.graphdef.instances[i][1][k][0]) not in lazy_names]
+        # Of those, the ones a call after the first rewrites: an attribute
+        # rebound to an immutable Python value (an optimizer's empty state)
+        # holds the structure's own object since the first.
+        renewed = [(i, k) for i, k in eager if not _static_entry(key.graphdef, i, k)]
         self._after[key_shapes] = _After(
             graphdef=new_graphdef,
             origin=origin,
@@ -571,6 +668,14 @@ class Compiled(Generic[P, R]):
             kept=frozenset(kept),
             patched=tuple((i - 1, key.graphdef.instances[i][1][k][0]) for i, k in touched if i),
             inputs=len(leaves),
+            lazy=lazy,
+            lazy_at=lazy_at,
+            lazy_only=lazy_only,
+            eager=eager,
+            renewed=renewed,
+            renewed_patched=tuple(
+                (i - 1, key.graphdef.instances[i][1][k][0]) for i, k in renewed if i
+            ),
         )
         new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
         if next_layout == key.layout and len(fresh_leaves) == len(leaves):
@@ -583,6 +688,110 @@ class Compiled(Generic[P, R]):
             new_buffers = [new if b in moved else buffers[b]
                            for b, new in enumerate(new_buffers)]
         return out, new_buffers, changed
+
+
+def _lazy_plan(
+    graphdef: Any, objects: list[Any], fresh_objects: list[Any], new_leaves: list[Any],
+    sources: list[int | None], fresh_leaves: list[Any], layout: Layout,
+    rebound: set[tuple[int, int]],
+) -> tuple[tuple, tuple[int, ...], frozenset[int]]:
+    """Which attributes the call changed (or ``rebound``) stay in its packed buffers after it
+    (``(lazy, at, only)``): each ``(instance, name, state, index, build)``
+    of ``lazy`` gets a lazy value of the call's ``PackedValues`` (a state a
+    ``LazyState``, any other attribute a ``LazyValue``: ``index`` of one
+    array, or ``build`` of a tree), ``at`` are the packed slots of its
+    arrays, ``only`` the new leaves no other attribute holds, which are no
+    output of the program.
+
+    An attribute stays packed where its value can be made again from its
+    arrays alone (``graph.lazy_attributes``: no list or dict a user could
+    change in place, no sub-model), every array of it travels packed in the
+    next call, its instance is one the next call is given (not one the call
+    detached), and, for an attribute that is not state, its class reads it
+    through a ``LazyAttribute``.
+    """
+    if not layout.dtypes:
+        return (), (), frozenset()
+    fresh_at = {id(x): f for f, x in enumerate(fresh_leaves)}
+    fresh_ids = {id(obj) for obj in fresh_objects}
+    holds = _graph.lazy_attributes(graphdef)
+    steps = _graph.leaf_attributes(graphdef)
+    chosen: dict[tuple[int, int], tuple[str, bool, tuple[int, ...]]] = {}
+    changed = {at for p, j in enumerate(sources) if j is None for at in steps[p]}
+    for i, k in sorted(changed | rebound):
+        obj, held = objects[i], holds[i][k]
+        if held is None or id(obj) not in fresh_ids or not _graph.is_stateful_instance(obj):
+            continue
+        slots = [fresh_at.get(id(new_leaves[p])) for p in held]
+        if any(f is None or layout.slots[f] is None for f in slots):
+            continue
+        name, treedef, _ = graphdef.instances[i][1][k]
+        state = name in _tree.info_of(obj).state
+        if state:
+            data = treedef.node_data()
+            if data is None or data[0] is not FrozenLocalStateRequest:
+                continue
+        elif not lazy_attribute_allowed(type(obj), name):
+            continue
+        chosen[(i, k)] = (name, state, held)
+    only = frozenset(
+        p for p, j in enumerate(sources)
+        if j is None and steps[p] and all(at in chosen for at in steps[p])
+    )
+    packed = sorted({p for _, _, held in chosen.values() for p in held})
+    index = {p: k for k, p in enumerate(packed)}
+    lazy: list[tuple[int, str, bool, int, Callable[[list[Any]], Any] | None]] = []
+    for (i, k), (name, state, held) in chosen.items():
+        treedef = graphdef.instances[i][1][k][1]
+        if not state and treedef.num_nodes == 1:
+            lazy.append((i, name, False, index[held[0]], None))
+        else:
+            build = functools.partial(
+                _attribute_of, graphdef, (i, k), tuple((p, index[p]) for p in held)
+            )
+            lazy.append((i, name, state, -1, build))
+    return tuple(lazy), tuple(fresh_at[id(new_leaves[p])] for p in packed), only
+
+
+def _attribute_of(
+    graphdef: Any, at: tuple[int, int], places: tuple[tuple[int, int], ...], values: list[Any]
+) -> Any:
+    """The value of attribute ``at`` made from a ``PackedValues``' ``values``
+    (``places``: each of its leaves' index there)."""
+    return _graph.attribute_value(graphdef, at, {p: values[k] for p, k in places})
+
+
+def _static_entry(graphdef: Any, i: int, k: int) -> bool:
+    """Whether attribute ``k`` of instance ``i`` holds an immutable static
+    value in ``graphdef`` (the rebuild puts the graphdef's own object there)."""
+    _, treedef, parts = graphdef.instances[i][1][k]
+    return (treedef is None and type(parts) is StaticLeaf
+            and not _values.is_mutable_static(parts.value))
+
+
+# What the leaves of a call's flatten hold for an array only lazy attributes
+# hold: it is in the packed buffers, and no attribute is rebuilt from it.
+_IN_BUFFERS: Any = object()
+
+
+def _release(entry: _Entry) -> None:
+    """The lazy values of ``entry``'s models made for good (``PackedValues.release``),
+    and its leaves with them, before its buffers are donated."""
+    holder = entry.holder
+    assert holder is not None
+    values = holder.release()
+    leaves = list(entry.leaves)
+    for k, f in enumerate(holder.at):
+        leaves[f] = values[k]
+    entry.leaves, entry.holder, entry.made_by = leaves, None, None
+
+
+def _lazy_values(lazy: tuple, holder: PackedValues, objs: list[Any]) -> None:
+    """Gives the attributes ``lazy`` (``_lazy_plan``) of ``objs`` their lazy values of ``holder``."""
+    for i, name, state, index, build in lazy:
+        objs[i].__dict__[name] = (
+            LazyState(holder, build) if state else LazyValue(holder, index, build)
+        )
 
 
 def _keep_layouts(key: _Key, leaves: list[Any], graphdef: Any) -> dict[int, Any]:

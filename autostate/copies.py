@@ -57,6 +57,7 @@ _graph.register_node_kind(DetachedState, model_child=True, own_value=True)
 
 
 def _detached(value: Any) -> Any:
+    value = _graph.materialized(value)  # (a value a compiled call left packed: made)
     if type(value) is HandledLocalStateRef and is_running(value.handler_id):
         return DetachedState(
             value.read(), value.category, value.name if value.was_explicitly_named else None
@@ -69,6 +70,7 @@ def _detached(value: Any) -> Any:
 def _own_slot(value: Any) -> Any:
     """``_detached`` for a shallow copy, whose requests are its own too: an eager
     write changes a request nothing else holds in place (``_SOLE_HOLDER``)."""
+    value = _graph.materialized(value)
     if type(value) is FrozenLocalStateRequest:
         return value.replaced(value.state)
     return _detached(value)
@@ -128,6 +130,7 @@ def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
     memo[id(self)] = new
     d = new.__dict__
     for k, v in self.__dict__.items():
+        v = _graph.materialized(v)
         detached = _detached(v)
         d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
     return new

@@ -174,6 +174,7 @@ def check_no_hidden_arrays(model: Any) -> None:
     for path, obj in _graph.instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
+            value = _graph.materialized(value)  # (a value a compiled call left packed)
             kind = _values.kind_of(value)
             if kind.atom:
                 continue  # the common attributes: nothing hidden in them

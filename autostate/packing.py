@@ -17,6 +17,8 @@ place of ``f``).
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autostate.effects.local_state import StateSlot
 from autostate.errors import InvalidTypeError, format_error
-from autostate.graph import is_stateful_instance
+from autostate.graph import is_stateful_instance, register_node_kind
 
 
 class Layout:
@@ -366,3 +369,230 @@ def pack(f: Any, states: dict[str, Any]) -> tuple[PackedModel, PackedStates]:
             "returned.",
         ))
     return PackedModel(*_pack_tree(f)), PackedStates.of(states)
+
+
+# --- lazy packed values ---------------------------------------------------------
+# Between compiled calls (``autostate.jit``, DESIGN.md section 8) the arrays a
+# call changed stay in its packed output buffers: the model's attributes hold
+# lazy values of one ``PackedValues``, which the next call on the same models
+# passes on as its buffers, swapping them for the new ones. The first eager
+# read of any of them unpacks that call's values in one batched call; every
+# walk and copy sees them made (their node kind's ``canonical``).
+
+
+class PackedValues:
+    """The packed buffers a compiled call left its models, and the arrays of
+    them that its lazy attributes stand for (``at``: their slots in ``layout``).
+
+    ``values`` is ``None`` until an eager read asks for them (``materialize``);
+    the next compiled call on the same models swaps ``buffers`` for its own
+    (``renew``). ``lock`` is the one its compiled calls hold: a read on
+    another thread never meets buffers a call is donating.
+    """
+
+    __slots__ = ("layout", "at", "buffers", "values", "lock", "__weakref__")
+
+    def __init__(self, layout: Layout, at: tuple[int, ...], buffers: list[Any], lock: Any):
+        self.layout = layout
+        self.at = at
+        self.buffers: list[Any] | None = buffers
+        self.values: list[Any] | None = None
+        self.lock = lock
+
+    def materialize(self) -> list[Any]:
+        """The arrays, unpacked from the buffers in one call the first time."""
+        with self.lock:
+            if self.values is None:
+                assert self.buffers is not None  # (given up only once materialized)
+                self.values = _unpacker(self.layout, self.at)(self.buffers)
+            return self.values
+
+    def renew(self, buffers: list[Any]) -> None:
+        """The next call's buffers: what they hold is read when asked."""
+        self.buffers = buffers
+        self.values = None
+
+    def release(self) -> list[Any]:
+        """The arrays, made for good: the buffers go (a call donates them)."""
+        values = self.materialize()
+        self.buffers = None
+        return values
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacker(layout: Layout, at: tuple[int, ...]) -> Callable[[list[Any]], list[Any]]:
+    """A compiled function giving the arrays of ``layout``'s slots ``at`` from its buffers.
+
+    Each is an array of its own, never one of the buffers (a buffer of one
+    array unpacks to itself, which JAX would return as it came): the buffers
+    are donated to the next call, and what a user holds must outlive it.
+    """
+    loose = [None] * sum(slot is None for slot in layout.slots)
+
+    def unpack(buffers: list[Any]) -> list[Any]:
+        leaves = layout.unpack(buffers, loose)
+        held = {id(b) for b in buffers}
+        return [jnp.copy(leaves[j]) if id(leaves[j]) in held else leaves[j] for j in at]
+
+    return jax.jit(unpack)
+
+
+def _itself(value: Any) -> Any:
+    """What a lazy value pickles as: the value it stands for."""
+    return value
+
+
+class LazyValue:
+    """An attribute that is not state (a parameter, an optimizer's moments)
+    whose value is in a ``PackedValues``: ``index`` of its arrays, or, for a
+    tree of them, ``build(values)``. Reading the attribute gives the value
+    (``LazyAttribute``, the class's descriptor)."""
+
+    __slots__ = ("holder", "index", "build", "_seen", "_value")
+
+    def __init__(self, holder: PackedValues, index: int, build: Callable[[list[Any]], Any] | None):
+        self.holder = holder
+        self.index = index
+        self.build = build
+        self._seen: list[Any] | None = None
+        self._value: Any = None
+
+    def value(self) -> Any:
+        values = self.holder.values
+        if values is None:
+            values = self.holder.materialize()
+        if self.build is None:
+            return values[self.index]
+        if self._seen is not values:  # (one value per call's values: the same tree on each read)
+            self._value, self._seen = self.build(values), values
+        return self._value
+
+    def __copy__(self) -> Any:
+        return self.value()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.value(), memo)
+
+    def __reduce__(self) -> Any:
+        return _itself, (self.value(),)
+
+    def __repr__(self) -> str:
+        return f"LazyValue({self.value()!r})"
+
+
+class LazyState(StateSlot):
+    """A state whose value is in a ``PackedValues``: the slot ``build(values)``
+    makes (a ``FrozenLocalStateRequest``) stands in its place until then; a
+    write replaces it, as one of that slot."""
+
+    __slots__ = ("holder", "build", "_seen", "_slot")
+    handleable = True
+
+    def __init__(self, holder: PackedValues, build: Callable[[list[Any]], Any]):
+        self.holder = holder
+        self.build = build
+        self._seen: list[Any] | None = None
+        self._slot: Any = None
+
+    def made(self) -> Any:
+        """The slot this one stands for, made from this call's values."""
+        values = self.holder.values
+        if values is None:
+            values = self.holder.materialize()
+        if self._seen is not values:
+            self._slot, self._seen = self.build(values), values
+        return self._slot
+
+    @property
+    def category(self) -> Any:  # type: ignore[override]
+        return self.made().category
+
+    @property
+    def name(self) -> Any:
+        return self.made().name
+
+    def read(self) -> Any:
+        return self.made().read()
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        replacement = self.made().write(value, label)
+        return self.made() if replacement is None else replacement
+
+    def as_request(self) -> Any:
+        return self.made()
+
+    def __copy__(self) -> Any:
+        return copy.copy(self.made())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.made(), memo)
+
+    def __reduce__(self) -> Any:
+        return _itself, (self.made(),)
+
+    def __repr__(self) -> str:
+        return f"LazyState({self.made()!r})"
+
+
+# Every walk and copy sees a lazy value made: a parameter's array (tree), a
+# state's slot. Immutable for the witness: only the compiled call that made it
+# changes what it stands for, and it does so for the models it keeps.
+register_node_kind(LazyValue, canonical=LazyValue.value, lazy=True, immutable=True)
+register_node_kind(
+    LazyState, canonical=LazyState.made, lazy=True, immutable=True, model_child=True,
+    own_value=True,
+)
+
+
+class LazyAttribute:
+    """The class-level descriptor of an attribute that is not state, once a
+    compiled call leaves it a ``LazyValue``: reading it gives the value
+    (made on the first read), assigning and deleting it are plain Python's.
+    An attribute holding anything else reads as it is."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        try:
+            value = obj.__dict__[self.name]
+        except (KeyError, AttributeError):  # (no such attribute; read from the class)
+            raise self._missing(obj, owner) from None
+        if type(value) is not LazyValue:
+            return value
+        values = value.holder.values
+        if values is None or value.build is not None:
+            return value.value()
+        return values[value.index]
+
+    def _missing(self, obj: Any, owner: type | None) -> AttributeError:
+        if obj is None:
+            owner_name = owner.__name__ if owner is not None else "object"
+            return AttributeError(f"type object {owner_name!r} has no attribute {self.name!r}")
+        return AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}")
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+    def __delete__(self, obj: Any) -> None:
+        try:
+            del obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+
+def lazy_attribute_allowed(cls: type, name: str) -> bool:
+    """Whether attribute ``name`` of ``cls``'s instances may hold a
+    ``LazyValue``: read through a ``LazyAttribute`` of the class (installed
+    here, or a base's), which no class of its MRO has another attribute of
+    that name for."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return type(klass.__dict__[name]) is LazyAttribute  # (a base's serves a subclass)
+    try:
+        setattr(cls, name, LazyAttribute(name))
+    except (TypeError, AttributeError):
+        return False
+    return True

@@ -137,7 +137,7 @@ class _ReprWriter:
         self.seen[id(obj)] = _graph.path_name(path) or "self"
         specs = vars(obj).get(_sharding.ANNOTATIONS, {})
         items = [
-            f"{attr}={self.node(value, path + _graph.attr_name(attr))}"
+            f"{attr}={self.node(_graph.materialized(value), path + _graph.attr_name(attr))}"
             + (f" sharded {specs[attr]}" if attr in specs else "")
             for attr, value in vars(obj).items()
             if attr != _sharding.ANNOTATIONS
@@ -255,6 +255,7 @@ def model_treescope_repr(obj: Any, path: str | None, subtree_renderer: Any) -> A
         root_path, slot_names = root
         attributes: dict[str, Any] = {}
         for attr, value in vars(obj).items():
+            value = _graph.materialized(value)
             if not isinstance(value, StateSlot) and type(value) is not ConstantRef:
                 attributes[attr] = value
                 continue

@@ -57,6 +57,7 @@ from autostate.lifetime import (
     initial_slot,
     recording_state_reads,
 )
+from autostate.packing import LazyState
 from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
 from autostate.transform.method import INPLACE_OPERATORS, INPLACE_TENSOR_METHODS
@@ -454,6 +455,8 @@ _SLOT_KINDS: dict[type, SlotKind] = {
     FrozenLocalStateRequest: _EAGER_REQUEST,
     HandledLocalStateRef: SlotKind(_write_into_slot, handled=True, jax_values=True),
     HandledStaticState: SlotKind(_write_into_slot, handled=True),
+    # (A state a compiled call left packed: written as the request it stands for.)
+    LazyState: _EAGER_REQUEST,
 }
 
 

@@ -363,6 +363,7 @@ def _check_eager(layer: Any, k: int) -> None:
     for path, obj in _graph.instances(layer):
         states = _tree.info_of(obj).state
         for attr, slot in obj.__dict__.items():
+            slot = _graph.materialized(slot)
             if attr not in states or not _runtime.is_slot(slot):
                 continue
             where = f"{path}.{attr}" if path else attr
@@ -395,6 +396,7 @@ def _check_unshared(layers: list[Any]) -> None:
             for attr, value in obj.__dict__.items():
                 if attr in states:
                     continue
+                value = _graph.materialized(value)
                 for sub, leaf in _graph.iter_tree(value, _param_or_model):
                     if _values.is_array(leaf):
                         where = _graph.path_name(f"{'.' + path if path else ''}.{attr}{sub}")
@@ -505,6 +507,7 @@ def _view(obj: Any, i: int, depth: int, memo: dict[int, Any], where: str) -> Any
     here = where or cls.__name__
     attributes = {}
     for attr, value in obj.__dict__.items():
+        value = _graph.materialized(value)  # (a value a compiled call left packed: made)
         if attr in states and not _graph.holds_instance(value):
             attributes[attr] = LayerSlot(obj, attr, i, depth)
         else:

@@ -102,6 +102,10 @@ class NodeKind:
             the subtree its flatten gives (a ``FunctionalModel``, whose view
             is made when asked): a rebuild of an attribute holding one makes
             none of that subtree's nodes.
+        lazy: the value stands for another, ``canonical(value)``, not made
+            until read (an attribute a compiled call left in its packed
+            buffers): every walk of an instance's attributes and every copy
+            sees that one (``materialized``).
     """
 
     type: type
@@ -124,6 +128,7 @@ class NodeKind:
     reached: Callable[[Any], list[Any]] | None = None
     own_value: bool = False
     from_leaves: Callable[[Any, list[Any]], Any] | None = None
+    lazy: bool = False
 
 
 KINDS: dict[type, NodeKind] = {}
@@ -150,6 +155,8 @@ REACHED: dict[type, tuple[Callable[[Any], Iterable[Any]], int]] = {}
 REACHED_ONLY, REACHED_INSTANCE, REACHED_CONTAINER = range(3)
 # The rebuild's: the kinds made straight from their leaves.
 FROM_LEAVES: dict[type, Callable[[Any, list[Any]], Any]] = {}
+# The values that stand for another until read (``lazy``).
+LAZY: set[type] = set()
 
 
 def node_kind(cls: type) -> NodeKind | None:
@@ -215,7 +222,7 @@ def register_node_kind(cls: type, **fields: Any) -> NodeKind:
 _FIELD_VIEWS: tuple[tuple[str, set[type] | dict[type, Any]], ...] = (
     ("model_child", MODEL_CHILD), ("canonical", CANONICAL), ("shared", SHARED_NODES),
     ("running", RUNNING), ("held", HELD), ("own_value", OWN_VALUE_SLOTS),
-    ("from_leaves", FROM_LEAVES),
+    ("from_leaves", FROM_LEAVES), ("lazy", LAZY),
 )
 
 
@@ -243,6 +250,19 @@ def _install(kind: NodeKind) -> None:
             reached = lambda node: [stacked(node)]  # noqa: E731
     if reached is not None:
         REACHED[cls] = (reached, reached_role(cls, kind.by_identity))
+
+
+def materialized(value: Any) -> Any:
+    """``value`` as every walk and copy sees it: a ``lazy`` kind's value is
+    made (its ``canonical``), any other is itself.
+
+    Example:
+        >>> materialized(3)
+        3
+    """
+    if type(value) in LAZY:
+        return CANONICAL[type(value)](value)
+    return value
 
 
 def set_after_copy(cls: type, after_copy: Callable[[Any], None] | None) -> None:

@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import dis
 import functools
 import gc
@@ -49,6 +51,7 @@ from autostate.graph.kinds import (
     FROM_LEAVES,
     HELD,
     KINDS,
+    LAZY,
     MODEL_CHILD,
     REACHED,
     REACHED_CONTAINER,
@@ -62,6 +65,7 @@ from autostate.graph.kinds import (
     held_instances,
     is_stateful_instance,
     key_name,
+    materialized,
     named_keys,
     path_name,
     reached_role,
@@ -830,7 +834,11 @@ def register_stateful_class(
         )
         register_node_kind(
             cls,
-            children=lambda obj: [("." + k, v) for k, v in obj.__dict__.items()],
+            # (A lazy attribute as the value it stands for: see ``materialized``.)
+            children=lambda obj: [
+                ("." + k, materialized(v) if type(v) in LAZY else v)
+                for k, v in obj.__dict__.items()
+            ],
             by_identity=True,
             empty=lambda obj: object.__new__(type(obj)),
             fill=_fill_instance,
@@ -1215,6 +1223,60 @@ def rewrite_attributes(
         done.append((i, name, d.get(name)))
         d[name] = _rebuilt(how, what, leaves, objs, statics)
     return done
+
+
+def attribute_value(graphdef: GraphDef, at: tuple[int, int], leaves: Any) -> Any:
+    """The value ``rebuild_instances`` gives attribute ``at`` (``(instance,
+    attribute)`` indices) from ``leaves`` (anything indexed by leaf number);
+    for an attribute holding no sub-model and no bound method."""
+    _, how, what = _rebuild_plan(graphdef)[at[0]][1][at[1]]
+    return _rebuilt(how, what, leaves, [], {})
+
+
+def lazy_attributes(graphdef: GraphDef) -> list[list[tuple[int, ...] | None]]:
+    """Per instance of ``graphdef``, per attribute: the leaves it holds where
+    its value may stand in a lazy slot (one array, or a tree of arrays in
+    tuples and other nodes that never change in place, with static values
+    that do not either), else ``None``: nothing in it but its leaves can
+    change, so a value made from the leaves later is the same value."""
+    found = graphdef.cache.get("lazy")
+    if found is None:
+        found = []
+        for _, steps in _rebuild_plan(graphdef):
+            row: list[tuple[int, ...] | None] = []
+            for _, how, what in steps:
+                if how == _LEAF:
+                    row.append((what,))
+                elif how == _GENERAL and _immutable_tree(what[0]) and all(
+                    (type(p) is int and p >= 0)
+                    or (type(p) is StaticLeaf and not is_mutable_static(p.value))
+                    for p in what[1]
+                ):
+                    row.append(tuple(p for p in what[1] if type(p) is int))
+                else:
+                    row.append(None)
+            found.append(row)
+        graphdef.cache["lazy"] = found
+    return found
+
+
+def _immutable_tree(treedef: Any) -> bool:
+    """Whether no node of ``treedef`` is a list or a dict (or another mutable container)."""
+    data = treedef.node_data()
+    if data is None:
+        return True
+    t = data[0]
+    if _mutable_node(t):
+        return False
+    return all(_immutable_tree(child) for child in treedef.children())
+
+
+def _mutable_node(t: type) -> bool:
+    """Whether a pytree node of type ``t`` is a container changed in place (a
+    list, a dict, a subclass of one, a deque, another mutable mapping or
+    sequence)."""
+    return issubclass(t, (list, dict, collections.deque, collections.abc.MutableMapping,
+                          collections.abc.MutableSequence))
 
 
 def leaf_attributes(graphdef: GraphDef) -> list[list[tuple[int, int]]]:

@@ -155,7 +155,9 @@ class Witness:
             return None
         if list(map(len, dicts)) != self.lens:
             return None
-        if not all(map(operator.is_, itertools.chain.from_iterable(dicts), self.keys)):
+        # (Keys by equality, which a list compares by identity first: the
+        # same names are the same attributes.)
+        if list(itertools.chain.from_iterable(dicts)) != self.keys:
             return None
         if not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, dicts)),
                        self.values)):

@@ -47,6 +47,7 @@ from autostate.api import Stateful
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 from autostate.functional import CONSTANT, is_trainable
 from autostate.nn import torch_io as _torch_io
+from autostate.packing import LazyAttribute
 
 __all__ = ["Module", "ModuleDict", "ModuleList", "Parameter", "holders_of"]
 
@@ -448,8 +449,11 @@ def _check_name(model: Any, name: Any, what: str, entry: bool = False) -> None:
 
 def _class_attribute(cls: type, name: str) -> bool:
     """Whether ``cls`` has an attribute ``name`` (a method, a property, a
-    value) other than the descriptor autostate keeps a state's value in."""
-    held = any(name in k.__dict__ for k in cls.__mro__)
+    value) other than the descriptors autostate reads a state's value, or a
+    value a compiled call left packed, through."""
+    held = any(
+        name in k.__dict__ and type(k.__dict__[name]) is not LazyAttribute for k in cls.__mro__
+    )
     return held and _runtime.state_descriptor(cls, name) is None
 
 

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import copy
 import gc
+import pickle
 import types
 import warnings
 import weakref
@@ -3585,6 +3586,47 @@ def test_compiled_calls_see_changes_made_between_them(write_module: Loader, edit
         same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), f"call {i} after")
         same(snapshot(p), snapshot(d), f"model after call {i}")
     same(snapshot(copied_p), snapshot(copied_d), "a copy made before")  # (left as it was)
+    no_tracer(d)
+
+
+def test_compiled_models_read_copied_pickled_and_saved_between_calls(
+    write_module: Loader, tmp_path: Any
+) -> None:
+    """Between compiled calls the arrays a call changed stay in its packed buffers
+    (DESIGN.md section 8): whatever reads the model between two calls (an attribute,
+    a copy, a deep copy, pickle, a state dict, save, repr) sees what the plain model
+    holds, a value read stays that value after later calls donate the buffers, and
+    the calls go on from the model as they left it, read or not."""
+    plain, dec = _compiled_pair(write_module)
+    p, d = plain.Net(jax.random.key(0)), dec.Net(jax.random.key(0))
+    held: list[tuple[Any, Any]] = []  # (plain, decorated) taken between calls
+    for i in range(5):
+        x = COMPILED_X * (i + 1)
+        same(plain.STEP(p, x, 0.1), dec.STEP(d, x, 0.1), f"loss {i}")
+        if i == 1:
+            continue  # (a call after a call nothing read between)
+        if i % 2 == 0:
+            # One attribute read first: the call's values are made for every reader.
+            same(p.norm.mean, d.norm.mean, f"a state read after call {i}")
+            same(p.w, d.w, f"a parameter read after call {i}")
+        held.append(((p.w, p.norm.scale), (d.w, d.norm.scale)))
+        held.append((copy.copy(p), copy.copy(d)))
+        held.append((copy.deepcopy(p), copy.deepcopy(d)))
+        held.append((snapshot(p), pickle.loads(pickle.dumps(d))))
+        same({"norm.mean": p.norm.mean, "steps": p.steps}, autostate.state_dict(d),
+             f"state dict after call {i}")
+        autostate.save(tmp_path / f"{i}.npz", d)
+        loaded = autostate.load(tmp_path / f"{i}.npz", like=dec.Net(jax.random.key(1)))
+        same(snapshot(p), snapshot(loaded), f"saved after call {i}")
+        assert "Lazy" not in repr(d) and "host store" not in repr(d)
+        same(snapshot(p), snapshot(d), f"the model after call {i}")
+    for k, (expected, got) in enumerate(held):  # (later calls changed none of them)
+        same(snapshot(expected), snapshot(got), f"taken between calls ({k})")
+    d(COMPILED_X)  # the model goes on eagerly
+    p(COMPILED_X)
+    same(snapshot(p), snapshot(d), "after an eager call")
+    same(plain.STEP(p, COMPILED_X, 0.1), dec.STEP(d, COMPILED_X, 0.1), "a call after it")
+    same(snapshot(p), snapshot(d), "after the last call")
     no_tracer(d)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import autostate
-from autostate import compiled
+from autostate import compiled, packing
 from autostate.errors import InvalidArgumentError
 
 
@@ -96,6 +96,49 @@ def test_the_models_old_arrays_are_donated_unless_kept():
     assert not old.is_deleted()
     with pytest.raises(InvalidArgumentError, match="does not take donate_argnums"):
         autostate.jit(step, donate_argnums=0)
+
+
+def test_the_arrays_a_call_changed_stay_packed_until_an_eager_read(monkeypatch):
+    unpacks: list[int] = []
+    materialize = packing.PackedValues.materialize
+
+    def counted(self):
+        if self.values is None:
+            unpacks.append(1)
+        return materialize(self)
+
+    monkeypatch.setattr(packing.PackedValues, "materialize", counted)
+    model, compiled_step = Net(), autostate.jit(step)
+    for _ in range(3):
+        compiled_step(model, jnp.ones(2))
+    d = vars(model)  # b and calls changed: lazy values of the buffers; w is the array
+    assert type(d["b"]) is packing.LazyValue and type(d["calls"]) is packing.LazyState
+    assert d["w"] is model.w and unpacks == []  # (the calls passed the buffers on)
+    b, calls = model.b, model.calls
+    assert unpacks == [1]  # one unpack for every value of the call
+    assert model.b is b and unpacks == [1]
+    compiled_step(model, jnp.ones(2))  # donates the buffers: what was read stays
+    assert b.tolist() == [3.0, 3.0] and int(calls) == 3 and not b.is_deleted()
+    assert model.b.tolist() == [4.0, 4.0] and int(model.calls) == 4
+    assert vars(copy.copy(model))["b"] is model.b  # a copy holds the arrays
+    model.calls = jnp.zeros((), jnp.int32)  # an eager write replaces the lazy state
+    assert type(vars(model)["calls"]) is not packing.LazyState and int(model.calls) == 0
+
+
+def test_two_compiled_functions_take_turns_on_one_model():
+    def bump(model):
+        model.b = model.b * 2.0
+        return model.calls
+
+    first, second = autostate.jit(step), autostate.jit(bump)
+    model, plain = Net(), Net()  # (``plain``: the same calls, eagerly)
+    for i in range(4):
+        for compiled_fn, fn in ((first, step), (second, bump), (second, bump)):
+            args = (jnp.ones(2),) if fn is step else ()
+            assert compiled_fn(model, *args).tolist() == fn(plain, *args).tolist()
+        if i % 2:
+            assert model.b.tolist() == plain.b.tolist()  # (read between the turns)
+    assert model.b.tolist() == plain.b.tolist() and int(model.calls) == int(plain.calls) == 4
 
 
 def test_a_model_sharing_a_donated_array_is_refused_by_name():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Any
 
@@ -646,3 +647,52 @@ def test_state_dict_of_a_packed_f_with_wrong_states() -> None:
     with pytest.raises(errors.InvalidTypeError) as info:
         autostate.state_dict(pf, states)
     assert_clear_api_misuse_fixes(info.value, errors.InvalidTypeError, "PackedStates")
+
+
+# --- lazy packed values (what autostate.jit leaves a model between calls) ----------
+
+
+def test_unpacked_values_are_arrays_of_their_own_never_a_buffer():
+    from autostate.packing import Layout, PackedValues
+
+    one, two = jnp.arange(3.0), jnp.ones((2, 2))
+    layout = Layout.of([one, two, 1.5], None)
+    alone = Layout.of([one], None)  # (a buffer of one array unpacks to itself)
+    for lay, leaves, at in ((layout, [one, two, 1.5], (0, 1)), (alone, [one], (0,))):
+        buffers = lay.pack(leaves)[0]
+        holder = PackedValues(lay, at, buffers, threading.RLock())
+        values = holder.materialize()
+        assert holder.materialize() is values  # (made once per buffers)
+        assert all(v is not b for v in values for b in buffers)
+        for b in buffers:
+            b.delete()  # (a call donates them)
+        assert [v.tolist() for v in values] == [x.tolist() for x in leaves[: len(at)]]
+
+
+def test_a_lazy_attribute_reads_as_a_plain_attribute():
+    from autostate.packing import LazyAttribute, lazy_attribute_allowed
+
+    class Holder:
+        w = 1.0
+
+    class Sub(Holder):
+        pass
+
+    class Own:
+        pass
+
+    assert not lazy_attribute_allowed(Holder, "w")  # (the class has its own `w`)
+    assert lazy_attribute_allowed(Own, "v") and type(vars(Own)["v"]) is LazyAttribute
+    assert lazy_attribute_allowed(Own, "v")  # (installed once)
+    obj = Own()
+    with pytest.raises(AttributeError, match="'Own' object has no attribute 'v'"):
+        _ = obj.v
+    with pytest.raises(AttributeError, match="type object 'Own' has no attribute 'v'"):
+        _ = Own.v
+    assert not hasattr(Own, "v")
+    obj.v = 3
+    assert obj.v == 3 and vars(obj) == {"v": 3}
+    del obj.v
+    assert not hasattr(obj, "v")
+    lazy_attribute_allowed(Holder, "u")
+    assert lazy_attribute_allowed(Sub, "u") and "u" not in vars(Sub)  # (the base's serves)

@@ -582,3 +582,24 @@ def test_mutable_statics_finds_each_container_outside_states_once_and_puts_it_ba
     graph.restore_statics(saved)
     assert holder.log == [[1], (2, {3: 4})] and holder.tags == {"a"}
     assert graph.changed_statics(saved) == []
+
+
+def test_lazy_attributes_are_those_made_again_from_their_leaves_alone():
+    @autostate.stateful
+    class Holder:
+        def __init__(self):
+            self.w = jnp.ones(2)
+            self.pair = (jnp.zeros(2), 3)
+            self.items = [jnp.ones(1)]
+            self.n = jnp.zeros(())
+
+        def tick(self):
+            self.n = self.n + 1
+
+    leaves, graphdef = graph.flatten_graph(Holder())
+    (row,) = graph.lazy_attributes(graphdef)
+    assert row == [(0,), (1,), None, (3,)]  # (a list can change in place unseen)
+    values = {0: "w", 1: "p", 3: "n"}
+    assert graph.attribute_value(graphdef, (0, 1), values) == ("p", 3)
+    assert graph.attribute_value(graphdef, (0, 0), values) == "w"
+    assert graph.materialized(leaves[0]) is leaves[0]
