@@ -487,6 +487,8 @@ class LazyState(StateSlot):
 
     __slots__ = ("holder", "build", "_seen", "_slot")
     handleable = True
+    # ``runtime.slot_kind``: an eager write treats it as the request it stands for.
+    written_as_request = True
 
     def __init__(self, holder: PackedValues, build: Callable[[list[Any]], Any]):
         self.holder = holder

@@ -57,7 +57,6 @@ from autostate.lifetime import (
     initial_slot,
     recording_state_reads,
 )
-from autostate.packing import LazyState
 from autostate.state_values import HandledStaticState, is_static_value
 from autostate.transform import source as _source
 from autostate.transform.method import INPLACE_OPERATORS, INPLACE_TENSOR_METHODS
@@ -448,15 +447,14 @@ _FOREIGN_SLOT = SlotKind(_write_into_slot)
 _PLAIN_VALUE = SlotKind(_write_plain, is_slot=False)
 # The kind of each type a state's entry in ``__dict__`` may have. The
 # engine's slots are listed; another ``StateSlot`` (a host store, a copy's
-# state, a lax body's placeholder) is a foreign slot, any other type a plain
-# value: both found once per type by ``slot_kind``.
+# state, a lax body's placeholder) is a foreign slot unless its class says it is
+# ``written_as_request`` (a state a compiled call left packed), any other type
+# a plain value: each found once per type by ``slot_kind``.
 _SLOT_KINDS: dict[type, SlotKind] = {
     InitialLocalStateRequest: _EAGER_REQUEST,
     FrozenLocalStateRequest: _EAGER_REQUEST,
     HandledLocalStateRef: SlotKind(_write_into_slot, handled=True, jax_values=True),
     HandledStaticState: SlotKind(_write_into_slot, handled=True),
-    # (A state a compiled call left packed: written as the request it stands for.)
-    LazyState: _EAGER_REQUEST,
 }
 
 
@@ -464,7 +462,14 @@ def slot_kind(t: type) -> SlotKind:
     """The ``SlotKind`` of a type ``obj.__dict__`` holds for a state."""
     kind = _SLOT_KINDS.get(t)
     if kind is None:
-        kind = _SLOT_KINDS[t] = _FOREIGN_SLOT if issubclass(t, StateSlot) else _PLAIN_VALUE
+        if not issubclass(t, StateSlot):
+            kind = _PLAIN_VALUE
+        elif getattr(t, "written_as_request", False):
+            # (A state a compiled call left packed: written as the request it stands for.)
+            kind = _EAGER_REQUEST
+        else:
+            kind = _FOREIGN_SLOT
+        _SLOT_KINDS[t] = kind
     return kind
 
 
