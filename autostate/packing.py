@@ -442,30 +442,37 @@ def _itself(value: Any) -> Any:
     return value
 
 
+def _built(lazy: LazyValue | LazyState, build: Callable[[list[Any]], Any]) -> Any:
+    """``build`` (``lazy.build``) of its call's values (unpacked on the first read), made
+    once per call's values: the same object on each read."""
+    values = lazy.holder.values
+    if values is None:
+        values = lazy.holder.materialize()
+    if lazy._seen is not values:
+        lazy._made, lazy._seen = build(values), values
+    return lazy._made
+
+
 class LazyValue:
     """An attribute that is not state (a parameter, an optimizer's moments)
     whose value is in a ``PackedValues``: ``index`` of its arrays, or, for a
     tree of them, ``build(values)``. Reading the attribute gives the value
     (``LazyAttribute``, the class's descriptor)."""
 
-    __slots__ = ("holder", "index", "build", "_seen", "_value")
+    __slots__ = ("holder", "index", "build", "_seen", "_made")
 
     def __init__(self, holder: PackedValues, index: int, build: Callable[[list[Any]], Any] | None):
         self.holder = holder
         self.index = index
         self.build = build
         self._seen: list[Any] | None = None
-        self._value: Any = None
+        self._made: Any = None
 
     def value(self) -> Any:
+        if self.build is not None:
+            return _built(self, self.build)
         values = self.holder.values
-        if values is None:
-            values = self.holder.materialize()
-        if self.build is None:
-            return values[self.index]
-        if self._seen is not values:  # (one value per call's values: the same tree on each read)
-            self._value, self._seen = self.build(values), values
-        return self._value
+        return (self.holder.materialize() if values is None else values)[self.index]
 
     def __copy__(self) -> Any:
         return self.value()
@@ -485,7 +492,7 @@ class LazyState(StateSlot):
     makes (a ``FrozenLocalStateRequest``) stands in its place until then; a
     write replaces it, as one of that slot."""
 
-    __slots__ = ("holder", "build", "_seen", "_slot")
+    __slots__ = ("holder", "build", "_seen", "_made")
     handleable = True
     # ``runtime.slot_kind``: an eager write treats it as the request it stands for.
     written_as_request = True
@@ -494,16 +501,11 @@ class LazyState(StateSlot):
         self.holder = holder
         self.build = build
         self._seen: list[Any] | None = None
-        self._slot: Any = None
+        self._made: Any = None
 
     def made(self) -> Any:
         """The slot this one stands for, made from this call's values."""
-        values = self.holder.values
-        if values is None:
-            values = self.holder.materialize()
-        if self._seen is not values:
-            self._slot, self._seen = self.build(values), values
-        return self._slot
+        return _built(self, self.build)
 
     @property
     def category(self) -> Any:  # type: ignore[override]
