@@ -4,27 +4,30 @@ A model of ``N`` tiny modules (a 4x4 weight and a call counter each) and two
 jitted steps that call it:
 
 * **10a, forward**: the forward pass updates every counter;
-* **10b, training**: a loss, the gradient of the weights, an SGD update of
-  them, and the counters updated by the forward pass.
+* **10b, training**: a loss, the gradient of the weights, an AdamW update of
+  them (two moments per weight and a step count, carried from call to call),
+  and the counters updated by the forward pass.
 
 Per call, against hand-written ``jax.jit`` of a function of dicts (parameters
 and states in; new states, and for training new parameters, out; the
-training step's inputs donated):
+training step's inputs, the optimizer state among them, donated; AdamW as
+``optax.adamw`` computes it, written by hand on the pytree):
 
 * ``autostate.jit(step)(model, ...)``: the model updated in place (flattened,
   called, written back, old arrays donated); the training step with
-  ``autostate.value_and_grad`` and ``autostate.Optimizer`` (optax ``sgd``);
+  ``autostate.value_and_grad`` and ``autostate.Optimizer`` (``optax.adamw``);
 * ``jax.jit`` of ``f(states, ...)``: the explicit layer beneath;
 * ``jax.jit`` of ``pf(pstates, ...)``: ``autostate.pack``'s buffers;
 * the floor: hand-written ``jax.jit`` of the same step over one flat float32
-  buffer of the weights and counters, in and out, donated, split inside with
+  buffer of the weights and counters (for training, and AdamW's moments and
+  step), in and out, donated, split inside with
   ``jnp.split`` (for training, inside the differentiated function) and
   concatenated back;
 * where installed, the same model and step written as their users write
   them in Flax NNX (``nnx.jit``; tree mode ``nnx.jit(graph=False)`` and
   ``nnx.jit_partial(graph=False)`` where the installed flax has them;
   ``nnx.Optimizer``) and in Equinox (``eqx.filter_jit`` of a step returning
-  the new model; optax ``sgd``).
+  the new model; ``optax.adamw``).
 
 Every path's output is checked equal to the reference's before it is timed.
 Each module multiplies by its weight matrix rather than elementwise: XLA:CPU
@@ -178,8 +181,33 @@ def _sq_error(out: Any, y: Any) -> Any:
     return jnp.sum((out - y) ** 2)
 
 
-def _sgd(params: Any, grads: Any) -> Any:
-    return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
+# AdamW's constants (optax's defaults but the learning rate), for every path.
+B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 1e-4
+
+
+def _optax_adamw(optax: Any) -> Any:
+    return optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+
+
+def _adamw_init(params: Any) -> tuple[Any, Any, Any]:
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    return jnp.zeros((), jnp.int32), zeros, jax.tree_util.tree_map(jnp.zeros_like, params)
+
+
+def _adamw(params: Any, grads: Any, state: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+    """AdamW written by hand (``optax.adamw``'s arithmetic) on any pytree:
+    the new parameters and state ``(step, mu, nu)``."""
+    step, mu, nu = state
+    step = step + 1
+    tree_map = jax.tree_util.tree_map
+    mu = tree_map(lambda m, g: B1 * m + (1 - B1) * g, mu, grads)
+    nu = tree_map(lambda v, g: B2 * v + (1 - B2) * g * g, nu, grads)
+
+    def new(p: Any, m: Any, v: Any) -> Any:
+        m_hat, v_hat = m / (1 - B1**step), v / (1 - B2**step)
+        return p - LR * (m_hat / (jnp.sqrt(v_hat) + EPS) + WD * p)
+
+    return tree_map(new, params, mu, nu), (step, mu, nu)
 
 
 # --- 10a: the forward step ---------------------------------------------------
@@ -254,7 +282,7 @@ def _training_cases(n: int) -> dict[str, Callable[[], Any]]:
         optax = None  # (the autostate.Optimizer row needs it: left out, noted)
     if optax is not None:
         model = Stack(n)
-        opt = autostate.Optimizer(model, optax.sgd(LR))
+        opt = autostate.Optimizer(model, _optax_adamw(optax))
 
         @autostate.jit
         def train_step(model: Stack, opt: autostate.Optimizer, x: Any, y: Any) -> Any:
@@ -264,57 +292,63 @@ def _training_cases(n: int) -> dict[str, Callable[[], Any]]:
 
         cases[AUTOSTATE] = lambda: train_step(model, opt, x, y)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def by_hand(params: dict, states: dict, x: Any, y: Any) -> Any:
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def by_hand(params: dict, states: dict, opt_state: Any, x: Any, y: Any) -> Any:
         def loss(params: dict) -> Any:
             out, new = _hand_forward(n, params, states, x)
             return _sq_error(out, y), new
 
         (value, new), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return value, _sgd(params, grads), new
+        return value, *_adamw(params, grads, opt_state), new
 
-    hand_io = list(_dicts(n))
+    params, states = _dicts(n)
+    hand_io = [params, states, _adamw_init(params)]
 
     def hand() -> Any:
-        loss, hand_io[0], hand_io[1] = by_hand(*hand_io, x, y)
+        loss, hand_io[0], hand_io[2], hand_io[1] = by_hand(*hand_io, x, y)
         return loss
 
     cases[REFERENCE] = hand
 
     # The f path (and pack's buffers): f is the pytree of the trainable
-    # parameters, so jax.value_and_grad and an SGD step take it as it is.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_f(f: Any, states: Any, x: Any, y: Any) -> Any:
+    # parameters, so jax.value_and_grad and the AdamW step take it as it is.
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_f(f: Any, states: Any, opt_state: Any, x: Any, y: Any) -> Any:
         def loss(f: Any) -> Any:
             out, new = f(states, x)
             return _sq_error(out, y), new
 
         (value, new), grads = jax.value_and_grad(loss, has_aux=True)(f)
-        return value, _sgd(f, grads), new
+        return value, *_adamw(f, grads, opt_state), new
 
-    f_io = list(Stack(n).functionalize())
-    p_io = list(autostate.pack(*Stack(n).functionalize()))
+    f, states = Stack(n).functionalize()
+    f_io = [f, states, _adamw_init(f)]
+    pf, pstates = autostate.pack(*Stack(n).functionalize())
+    p_io = [pf, pstates, _adamw_init(pf)]
 
     def through_f() -> Any:
-        loss, f_io[0], f_io[1] = train_f(*f_io, x, y)
+        loss, f_io[0], f_io[2], f_io[1] = train_f(*f_io, x, y)
         return loss
 
     def packed() -> Any:
-        loss, p_io[0], p_io[1] = train_f(*p_io, x, y)
+        loss, p_io[0], p_io[2], p_io[1] = train_f(*p_io, x, y)
         return loss
 
+    # The floor's one buffer: the weights, the counters, AdamW's two moments
+    # of the weights and its step count (a float).
     @functools.partial(jax.jit, donate_argnums=0)
     def floor_step(flat: Any, x: Any, y: Any) -> tuple[Any, Any]:
-        weights, counts = jnp.split(flat, [16 * n])
+        weights, counts, mu, nu, step = jnp.split(flat, [16 * n, 17 * n, 33 * n, 49 * n])
 
         def loss(weights: Any) -> Any:
             out, new = _floor_forward(n, weights, counts, x)
             return _sq_error(out, y), new
 
         (value, counts), grads = jax.value_and_grad(loss, has_aux=True)(weights)
-        return value, jnp.concatenate([weights - LR * grads, counts])
+        weights, (step, mu, nu) = _adamw(weights, grads, (step, mu, nu))
+        return value, jnp.concatenate([weights, counts, mu, nu, step])
 
-    flat = [_flat(n)]
+    flat = [jnp.concatenate([_flat(n), jnp.zeros(32 * n + 1)])]
 
     def floor() -> Any:
         loss, flat[0] = floor_step(flat[0], x, y)
@@ -389,7 +423,7 @@ def _nnx_training(mode: str) -> Callable[[int], Callable[[], Any]]:
         optax = optional_import("optax")
         x, y = _inputs()
         model = _nnx_model(nnx, _weights(n))
-        optimizer = nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, _optax_adamw(optax), wrt=nnx.Param)
 
         def train_step(model: Any, optimizer: Any, x: Any, y: Any) -> Any:
             loss, grads = nnx.value_and_grad(lambda model: _sq_error(model(x), y))(model)
@@ -447,7 +481,7 @@ def _eqx_training(n: int) -> Callable[[], Any]:
     eqx = optional_import("equinox")
     optax = optional_import("optax")
     x, y = _inputs()
-    optim = optax.sgd(LR)
+    optim = _optax_adamw(optax)
 
     def trainable(model: Any) -> Any:
         """The filter spec of the weights (the counters are not trained)."""
@@ -737,7 +771,7 @@ def run(smoke: bool = False) -> Report:
     ))
     report.tables.append(_per_call_table(
         f"Scenario 10b: per-call cost of a jitted training step on a model object (loss, "
-        f"gradient, SGD update, counters; {backend})",
+        f"gradient, AdamW update, counters; {backend})",
         " training step", cfg, report, _training_cases, TRAINING_PEERS, calls_checked=2,
     ))
     report.tables.append(decode_memory(cfg.decode, report))
