@@ -20,9 +20,9 @@ training step's inputs, the optimizer state among them, donated; AdamW as
 * ``jax.jit`` of ``pf(pstates, ...)``: ``autostate.pack``'s buffers;
 * the floor: hand-written ``jax.jit`` of the same step over one flat float32
   buffer of the weights and counters (for training, and AdamW's moments and
-  step), in and out, donated, split inside with
-  ``jnp.split`` (for training, inside the differentiated function) and
-  concatenated back;
+  step), in and out, donated, split inside with ``jnp.split`` (for
+  training, inside the differentiated function), computed module by module
+  as the other paths compute it, and concatenated back;
 * where installed, the same model and step written as their users write
   them in Flax NNX (``nnx.jit``; tree mode ``nnx.jit(graph=False)`` and
   ``nnx.jit_partial(graph=False)`` where the installed flax has them;
@@ -171,10 +171,13 @@ def _flat(n: int) -> Any:
 
 
 def _floor_forward(n: int, weights: Any, counts: Any, x: Any) -> tuple[Any, Any]:
-    """The hand-written forward on the flat buffer's parts: the output, the new counters."""
-    for w in jnp.split(weights, n):
+    """The hand-written forward on the flat buffer's parts, module by module
+    as the model computes it: the output, the new counters."""
+    new = []
+    for w, count in zip(jnp.split(weights, n), jnp.split(counts, n), strict=True):
+        new.append(count + 1.0)
         x = jnp.tanh(x @ w.reshape(4, 4))
-    return x, counts + 1.0
+    return x, jnp.concatenate(new)
 
 
 def _sq_error(out: Any, y: Any) -> Any:
@@ -345,8 +348,10 @@ def _training_cases(n: int) -> dict[str, Callable[[], Any]]:
             return _sq_error(out, y), new
 
         (value, counts), grads = jax.value_and_grad(loss, has_aux=True)(weights)
-        weights, (step, mu, nu) = _adamw(weights, grads, (step, mu, nu))
-        return value, jnp.concatenate([weights, counts, mu, nu, step])
+        # (AdamW module by module, as on the model's tree of weights.)
+        parts = [jnp.split(a, n) for a in (weights, grads, mu, nu)]
+        new, (step, mu, nu) = _adamw(parts[0], parts[1], (step, parts[2], parts[3]))
+        return value, jnp.concatenate([*new, counts, *mu, *nu, step])
 
     flat = [jnp.concatenate([_flat(n), jnp.zeros(32 * n + 1)])]
 
