@@ -677,16 +677,14 @@ class Compiled(Generic[P, R]):
                 (i - 1, key.graphdef.instances[i][1][k][0]) for i, k in renewed if i
             ),
         )
-        new_buffers = next_layout.pack(fresh_leaves)[0] if next_layout.dtypes else []
-        if next_layout == key.layout and len(fresh_leaves) == len(leaves):
-            # A buffer none of whose arrays changed (the parameters of a
-            # forward step) is returned as it came: donated, it is reused in
-            # place, with no copy.
-            moved = {b for j, slot in enumerate(key.layout.slots)
-                     if slot is not None and fresh_leaves[j] is not leaves[j]
-                     for b in (slot[0],)}
-            new_buffers = [new if b in moved else buffers[b]
-                           for b, new in enumerate(new_buffers)]
+        if not next_layout.dtypes:
+            new_buffers = []
+        elif next_layout == key.layout and len(fresh_leaves) == len(leaves):
+            # Only what changed is written into the (donated) buffers: those
+            # of the parameters of a forward step are returned as they came.
+            new_buffers = key.layout.repack(buffers, fresh_leaves, leaves)
+        else:
+            new_buffers = next_layout.pack(fresh_leaves)[0]
         return out, new_buffers, changed
 
 

@@ -116,6 +116,32 @@ class Layout:
                 parts[slot[0]].append(jnp.ravel(leaf))
         return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts], loose
 
+    def repack(
+        self, buffers: Sequence[Any], leaves: Sequence[Any], before: Sequence[Any]
+    ) -> list[Any]:
+        """The buffers of ``leaves``, given ``buffers`` that packed ``before``
+        in this layout: a buffer none of whose leaves changed is returned as
+        it came; one some of whose leaves changed gets those written over it
+        (``lax.dynamic_update_slice``, in place where it is donated: the
+        unchanged ones are neither sliced out nor copied back); one all of
+        whose leaves changed is packed anew."""
+        members: list[list[int]] = [[] for _ in self.dtypes]
+        for j, slot in enumerate(self.slots):
+            if slot is not None:
+                members[slot[0]].append(j)
+        new = []
+        for buffer, js in zip(buffers, members, strict=True):
+            changed = [j for j in js if leaves[j] is not before[j]]
+            if len(changed) == len(js):
+                parts = [jnp.ravel(leaves[j]) for j in js]
+                buffer = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            for j in changed if len(changed) < len(js) else ():
+                buffer = jax.lax.dynamic_update_slice(
+                    buffer, jnp.ravel(leaves[j]).astype(buffer.dtype), (self.slots[j][1],)
+                )
+            new.append(buffer)
+        return new
+
     def unpack(self, buffers: Sequence[Any], loose: Sequence[Any]) -> list[Any]:
         """The leaves again: each buffer split into its leaves, reshaped, and the
         loose leaves in place.

@@ -115,6 +115,46 @@ def test_the_gradient_of_unpacking_is_one_concatenation_per_buffer():
     np.testing.assert_array_equal(grad, np.repeat(np.arange(1.0, 41.0), 6))
 
 
+def test_repacking_writes_only_the_leaves_that_changed():
+    # A compiled call's new buffers: one whose leaves are all the old ones is
+    # the old buffer; one with a few changed gets those written over it (in
+    # place when donated), not every leaf sliced out and concatenated back;
+    # one all of whose leaves changed is packed anew.
+    floats = [jnp.full((2, 2), float(i)) for i in range(6)]
+    ints = [jnp.arange(3) + i for i in range(2)]
+    halves = [jnp.ones(4, jnp.float16)]
+    leaves = floats + ints + halves
+    layout = autostate.packing.Layout.of(leaves, None)
+    buffers, _ = layout.pack(leaves)
+
+    def step(buffers: list[Any]) -> list[Any]:
+        before = layout.unpack(buffers, [])
+        after = list(before)
+        after[1] = before[1] * 3.0  # (two of the six floats)
+        after[4] = before[4] + 1.0
+        after[6], after[7] = before[7], before[6]  # (every int)
+        return layout.repack(buffers, after, before)
+
+    jaxpr = jax.make_jaxpr(step)(buffers)
+    counts: dict[str, int] = {}
+    for eqn in jaxpr.jaxpr.eqns:
+        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    assert counts.get("dynamic_update_slice", 0) == 2, counts
+    assert counts.get("concatenate", 0) == 1, counts  # (the ints, packed anew)
+    new = jax.jit(step)(buffers)
+    assert len(new) == 3
+    expected = [*floats[:1], floats[1] * 3.0, *floats[2:4], floats[4] + 1.0, floats[5],
+                ints[1], ints[0], halves[0]]
+    for a, b in zip(expected, layout.unpack(new, []), strict=True):
+        assert_bits(a, b)
+
+    def unchanged(buffers: list[Any]) -> list[Any]:
+        before = layout.unpack(buffers, [])
+        return layout.repack(buffers, list(before), before)
+
+    assert all(a is b for a, b in zip(unchanged(buffers), buffers, strict=True))
+
+
 def test_eager_calls_of_the_packed_model():
     f, states = Stack(2).functionalize()
     pf, pstates = autostate.pack(f, states)
