@@ -271,9 +271,10 @@ _module_counter = itertools.count()
 def young_gc() -> Iterator[None]:
     """``gc.collect()`` in the test looks only at what the test made: what was made
     before it is set aside (``gc.freeze``) until the next release of memory
-    (above), so a collection does not walk every object of the session (nor
-    does ``jax.checking_leaks``, which collects and searches a leaked tracer's
-    referrers). A cycle the test leaves is still collected."""
+    that walks the whole heap (above), so a collection does not walk every
+    object of the session (nor does ``jax.checking_leaks``, which collects and
+    searches a leaked tracer's referrers). A cycle the test leaves is still
+    collected."""
     gc.freeze()
     yield
 
