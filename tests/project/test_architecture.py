@@ -10,6 +10,7 @@ module uses a private name (``_name``) of another.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -36,9 +37,16 @@ def _resolve(name: str) -> str:
     return name
 
 
-def _imports(module: str) -> list[tuple[str, int]]:
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    """``module``'s syntax tree, parsed once: every check reads the same files."""
+    return ast.parse(MODULES[module].read_text())
+
+
+@functools.cache
+def _imports(module: str) -> tuple[tuple[str, int], ...]:
     """``(imported module, line)`` for every import statement in ``module``."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = _tree(module)
     package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
@@ -52,7 +60,7 @@ def _imports(module: str) -> list[tuple[str, int]]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 found.append((full if _resolve(full) == full else base, node.lineno))
-    return found
+    return tuple(found)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -116,7 +124,7 @@ def _import_time_graph() -> dict[str, set[str]]:
     for module in MODULES:
         lines = {
             node.lineno
-            for node in _runs_at_import(ast.parse(MODULES[module].read_text()).body)
+            for node in _runs_at_import(_tree(module).body)
             if isinstance(node, (ast.Import, ast.ImportFrom))
         }
         graph[module] = {
@@ -205,8 +213,8 @@ def test_layers_do_not_import_what_they_must_not_know(layer, forbidden):
 
 
 def test_no_module_assigns_attributes_of_another_module():
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text())
+    for module in MODULES:
+        tree = _tree(module)
         aliases = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -245,7 +253,7 @@ def _private_uses(module: str, source: str | None = None) -> list[str]:
     imported by name (``from autostate.x import _y``), read through a module
     it imported (``_x._y``, ``autostate.x._y``) or fetched by name
     (``getattr(_x, "_y")``). ``source`` stands for the module's text."""
-    tree = ast.parse(MODULES[module].read_text() if source is None else source)
+    tree = _tree(module) if source is None else ast.parse(source)
     modules: dict[str, str] = {}  # local name -> a module of the package
     found = []
     for node in ast.walk(tree):

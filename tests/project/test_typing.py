@@ -272,7 +272,9 @@ def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
     """One mypy run with the plugin: ``(file, line, message)`` of each error and reveal.
 
     In a process of its own: what mypy builds (every module of JAX the programs
-    import) is gone when it ends, rather than left in this worker's memory."""
+    import) is gone when it ends, rather than left in this worker's memory.
+    With no cache written (``os.devnull``, as mypy documents): one run never
+    reads one back (14.3-15.1 -> 13.2 CPU-seconds, the same report)."""
     (tmp / "mypy.ini").write_text(
         "[mypy]\n"
         f"mypy_path = {','.join(PATHS)}\n"
@@ -285,7 +287,7 @@ def _mypy(tmp: Path, src: Path) -> list[tuple[str, int, str]]:
         [
             sys.executable, "-m", "mypy", str(src),
             "--config-file", str(tmp / "mypy.ini"),
-            "--cache-dir", str(tmp / "mypy-cache"),
+            "--cache-dir", os.devnull,
             "--no-error-summary",
             "--show-absolute-path",
         ],
