@@ -114,7 +114,7 @@ class Layout:
                 loose.append(leaf)
             else:
                 parts[slot[0]].append(jnp.ravel(leaf))
-        return [p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts], loose
+        return [_joined(p) for p in parts], loose
 
     def repack(
         self, buffers: Sequence[Any], leaves: Sequence[Any], before: Sequence[Any]
@@ -133,12 +133,12 @@ class Layout:
         for buffer, js in zip(buffers, members, strict=True):
             changed = [j for j in js if leaves[j] is not before[j]]
             if len(changed) == len(js):
-                parts = [jnp.ravel(leaves[j]) for j in js]
-                buffer = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            for j in changed if len(changed) < len(js) else ():
-                buffer = jax.lax.dynamic_update_slice(
-                    buffer, jnp.ravel(leaves[j]).astype(buffer.dtype), (self.slots[j][1],)
-                )
+                buffer = _joined([jnp.ravel(leaves[j]) for j in js])
+            else:
+                for j in changed:
+                    buffer = jax.lax.dynamic_update_slice(
+                        buffer, jnp.ravel(leaves[j]).astype(buffer.dtype), (self.slots[j][1],)
+                    )
             new.append(buffer)
         return new
 
@@ -187,6 +187,11 @@ class Layout:
 
 
 _LAYOUTS: dict[Layout, Layout] = {}
+
+
+def _joined(parts: list[Any]) -> Any:
+    """One buffer of flat ``parts`` (a single part as it is)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def _pack_tree(tree: Any, like: Layout | None = None) -> tuple[Layout, list[Any], list[Any]]:

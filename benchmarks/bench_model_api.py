@@ -193,8 +193,9 @@ def _optax_adamw(optax: Any) -> Any:
 
 
 def _adamw_init(params: Any) -> tuple[Any, Any, Any]:
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return jnp.zeros((), jnp.int32), zeros, jax.tree_util.tree_map(jnp.zeros_like, params)
+    """AdamW's state ``(step, mu, nu)``: two moments of their own (both are donated)."""
+    mu, nu = (jax.tree_util.tree_map(jnp.zeros_like, params) for _ in range(2))
+    return jnp.zeros((), jnp.int32), mu, nu
 
 
 def _adamw(params: Any, grads: Any, state: tuple[Any, Any, Any]) -> tuple[Any, Any]:
