@@ -210,6 +210,34 @@ def test_inside_a_staging_trace_the_function_runs_as_it_is():
     assert model.b.tolist() == [1.0, 1.0]
 
 
+def test_called_while_f_runs_its_writes_meet_f_s_rules():
+    # A jax.jit inside a method, given the sub-model itself: its state lands in f's
+    # states, and a parameter it assigns is refused as f refuses it (never lost).
+    def rescale(model, x):
+        y = model(x)
+        model.w = model.w * 2
+        return y.sum()
+
+    compiled_rescale = autostate.jit(rescale)
+    compiled_forward = autostate.jit(lambda model, x: model(x).sum())
+
+    @autostate.stateful
+    class Outer:
+        def __init__(self, fn):
+            self.net = Net()
+            self.fn = fn
+
+        def __call__(self, x):
+            return self.fn(self.net, x)
+
+    f, states = Outer(compiled_forward).functionalize()
+    out, states = f(states, jnp.ones(2))
+    assert float(out) == 4.0 and int(states["net.calls"]) == 1
+    f, states = Outer(compiled_rescale).functionalize()
+    with pytest.raises(autostate.AutostateError, match="Net.w is not state"):
+        f(states, jnp.ones(2))
+
+
 def test_lower_gives_the_program_and_refuses_traced_arguments():
     compiled_step = autostate.jit(step)
     model = Net()
