@@ -361,6 +361,8 @@ class Compiled(Generic[P, R]):
         named = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
         if named:
             kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        if statics or named:
+            _check_static(statics, named)
         flat, treedef = jax.tree_util.tree_flatten(
             (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
         )
@@ -547,6 +549,7 @@ class Compiled(Generic[P, R]):
         for i, value in sorted((i % (len(args) + len(key.statics)), v) for i, v in key.statics):
             args.insert(i, value)
         _check_reached(self.fn, copies)
+        _check_static_models(key.statics, key.named)
         # The one lift (``lifting.core``): the copies' states are a handler's
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
@@ -1009,6 +1012,46 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                         "(`autostate.jit(model.step)`).",
                     )
                 )
+
+
+def _check_static(statics: tuple, named: tuple) -> None:
+    """Refuses a static argument that cannot be hashed: it is part of the
+    program's cache key (as for ``jax.jit``)."""
+    for value in (*(v for _, v in statics), *(v for _, v in named)):
+        try:
+            hash(value)
+        except TypeError:
+            shown = repr(value)
+            raise InvalidArgumentError(
+                format_error(
+                    f"The static argument {shown if len(shown) <= 40 else shown[:37] + '...'} "
+                    f"of a function compiled by autostate.jit is a {type(value).__name__}, "
+                    "which cannot be hashed: a static argument "
+                    "is part of the compiled program's cache key.",
+                    where=user_location(),
+                    fix="pass a hashable value (a tuple for a list, a frozen dataclass), or "
+                    "leave the argument out of static_argnums/static_argnames.",
+                )
+            ) from None
+
+
+def _check_static_models(statics: tuple, named: tuple) -> None:
+    """Refuses a model given as a static argument: the program would read its
+    arrays as constants of the trace, stale at the next call, and leave every
+    change to it out."""
+    for value in (*(v for _, v in statics), *(v for _, v in named)):
+        if _graph.holds_instance(value):
+            raise InvalidArgumentError(
+                format_error(
+                    f"A static argument of a function compiled by autostate.jit holds a "
+                    f"{type(_graph.instances_of(value)[0]).__name__} model: the compiled "
+                    "program would read its arrays as constants (stale at the next call) and "
+                    "leave every change to it out.",
+                    where=user_location(),
+                    fix="pass the model as an argument that is not static (leave it out of "
+                    "static_argnums/static_argnames).",
+                )
+            )
 
 
 def _check_plain_output(out: Any) -> None:

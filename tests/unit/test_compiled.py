@@ -285,6 +285,19 @@ def test_a_model_reached_other_than_through_an_argument_is_refused():
         autostate.jit(Holder().run)(jnp.ones(2))
 
 
+def test_a_static_argument_is_hashable_and_holds_no_model():
+    model = Net()
+    with pytest.raises(InvalidArgumentError, match=r"static argument \[2\] .* cannot be hashed"):
+        autostate.jit(lambda m, x, p: m(x) ** p[0], static_argnums=2)(model, jnp.ones(2), [2])
+    # A model given as static is read as constants: stale after an eager change.
+    forward = autostate.jit(lambda m, x: m(x).sum(), static_argnums=0)
+    by_name = autostate.jit(lambda x, m: m(x).sum(), static_argnames="m")
+    for call in (lambda: forward(model, jnp.ones(2)), lambda: by_name(jnp.ones(2), m=model)):
+        with pytest.raises(InvalidArgumentError, match="static argument .* holds a Net model"):
+            call()
+    assert int(model.calls) == 0
+
+
 def test_returning_a_model_or_changing_an_argument_container_is_refused():
     with pytest.raises(InvalidArgumentError, match="returns a model"):
         autostate.jit(lambda model: model)(Net())
