@@ -833,6 +833,10 @@ class _Program:
         assert compiled is not None  # (the Compiled holds its jitted program)
         return compiled._pure(key_shapes, buffers, loose, others)
 
+    def __repr__(self) -> str:  # (JAX's errors name the function by it)
+        compiled = self._compiled()
+        return object.__repr__(self) if compiled is None else repr(compiled.fn)
+
     @property
     def __fun_debug_info__(self) -> Any:
         compiled = self._compiled()

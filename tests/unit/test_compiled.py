@@ -265,6 +265,14 @@ def test_the_program_names_the_model_arrays_by_their_paths():
     assert big == ("model.b", "model.calls.state", "model.w", "x")
 
 
+def test_jax_s_errors_name_the_user_s_function():
+    def forward(model, tag):
+        return model(jnp.ones(2)).sum()
+
+    with pytest.raises(TypeError, match="argument to <function .*forward at .* path tag"):
+        autostate.jit(forward)(Net(), "a string")
+
+
 def test_a_model_reached_other_than_through_an_argument_is_refused():
     held = Net()
 
