@@ -252,6 +252,8 @@ class Compiled(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
         self._self: Any = None
+        if _graph.is_stateful_instance(fn):  # ``autostate.jit(model)``: its ``__call__``
+            fn = types.MethodType(type(fn).__call__, fn)
         if isinstance(fn, types.MethodType) and _graph.is_stateful_instance(fn.__self__):
             # ``autostate.jit(model.step)``: the model is the first argument.
             self._self, fn = fn.__self__, fn.__func__
@@ -1093,7 +1095,7 @@ def jit(fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
 
     Args:
         fn: the function; a method of a model (``model.step``) takes the model
-            as its first argument. Used bare as ``@autostate.jit`` or with
+            as its first argument, and a model itself compiles its ``__call__``. Used bare as ``@autostate.jit`` or with
             options as ``@autostate.jit(static_argnums=...)``.
         **options: those of ``jax.jit`` (``static_argnums`` by position, and
             not ``donate_argnums``); ``donate_models=False`` keeps the

@@ -197,6 +197,14 @@ def test_static_arguments_of_a_bound_method_are_numbered_as_the_methods():
     assert float(scaler.s) == 4.0
 
 
+def test_a_model_itself_compiles_its_call():
+    model = Net()
+    forward = autostate.jit(model)  # as autostate.jit(model.__call__)
+    assert forward(jnp.ones(2)).tolist() == [2.0, 2.0] and int(model.calls) == 1
+    forward(jnp.ones(2))
+    assert int(model.calls) == 2
+
+
 def test_inside_a_staging_trace_the_function_runs_as_it_is():
     compiled_step = autostate.jit(step)
 
