@@ -33,7 +33,7 @@ def _assign_params(model: Any, new: FunctionalModel) -> None:
         for attr, value in twin.__dict__.items():
             if attr in states or _graph.holds_instance(value):
                 continue
-            old = obj.__dict__.get(attr)
+            old = _graph.materialized(obj.__dict__.get(attr))  # (a compiled call's lazy value)
             if value is old:
                 continue
             if _holds_constant(value):
