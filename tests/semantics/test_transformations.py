@@ -3961,6 +3961,10 @@ class Indexed:
     step(model, opt)
     same(np.full(2, 0.7, np.float32), np.asarray(model.pair[0]), "pair's trained array")
     same(np.arange(2, dtype=np.int32), np.asarray(model.pair[1]), "pair's integer array")
+    # Gradients of another shape would be matched to the parameters by position.
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="not shaped like") as err:
+        opt.update({"pair": jnp.ones(2), "w": jnp.ones(3)})
+    assert f"{__file__}:" in str(err.value)
 
 
 def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: Loader) -> None:
