@@ -125,6 +125,24 @@ def test_the_arrays_a_call_changed_stay_packed_until_an_eager_read(monkeypatch):
     assert type(vars(model)["calls"]) is not packing.LazyState and int(model.calls) == 0
 
 
+def test_a_weakly_typed_buffer_some_of_whose_arrays_changed_stays_weak():
+    @autostate.stateful
+    class Weak:
+        def __init__(self):
+            self.x = jnp.ones(3)
+            self.a = jnp.full(2, 1.0)  # weakly typed, as the plain call keeps them
+            self.b = jnp.full(2, 1.0)
+
+    def scale(model):
+        model.a = model.a * 3
+
+    compiled_scale, model = autostate.jit(scale), Weak()
+    for expected in (3.0, 9.0, 27.0):  # (the next call's buffers: the layout it was traced for)
+        compiled_scale(model)
+        assert model.a.tolist() == [expected] * 2 and model.a.weak_type and model.b.weak_type
+    assert len(compiled_scale._after) == 1
+
+
 def test_two_compiled_functions_take_turns_on_one_model():
     def bump(model):
         model.b = model.b * 2.0
