@@ -252,6 +252,8 @@ class Compiled(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
         self._self: Any = None
+        if _graph.is_stateful_instance(fn):  # ``autostate.jit(model)``: its ``__call__``
+            fn = types.MethodType(type(fn).__call__, fn)
         if isinstance(fn, types.MethodType) and _graph.is_stateful_instance(fn.__self__):
             # ``autostate.jit(model.step)``: the model is the first argument.
             self._self, fn = fn.__self__, fn.__func__
@@ -361,6 +363,8 @@ class Compiled(Generic[P, R]):
         named = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
         if named:
             kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        if statics or named:
+            _check_static(statics, named)
         flat, treedef = jax.tree_util.tree_flatten(
             (dynamic, kwargs), is_leaf=_graph.is_stateful_instance
         )
@@ -547,6 +551,7 @@ class Compiled(Generic[P, R]):
         for i, value in sorted((i % (len(args) + len(key.statics)), v) for i, v in key.statics):
             args.insert(i, value)
         _check_reached(self.fn, copies)
+        _check_static_models(key.statics, key.named)
         # The one lift (``lifting.core``): the copies' states are a handler's
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
@@ -830,6 +835,10 @@ class _Program:
         assert compiled is not None  # (the Compiled holds its jitted program)
         return compiled._pure(key_shapes, buffers, loose, others)
 
+    def __repr__(self) -> str:  # (JAX's errors name the function by it)
+        compiled = self._compiled()
+        return object.__repr__(self) if compiled is None else repr(compiled.fn)
+
     @property
     def __fun_debug_info__(self) -> Any:
         compiled = self._compiled()
@@ -1011,6 +1020,46 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                 )
 
 
+def _check_static(statics: tuple, named: tuple) -> None:
+    """Refuses a static argument that cannot be hashed: it is part of the
+    program's cache key (as for ``jax.jit``)."""
+    for value in (*(v for _, v in statics), *(v for _, v in named)):
+        try:
+            hash(value)
+        except TypeError:
+            shown = repr(value)
+            raise InvalidArgumentError(
+                format_error(
+                    f"The static argument {shown if len(shown) <= 40 else shown[:37] + '...'} "
+                    f"of a function compiled by autostate.jit is a {type(value).__name__}, "
+                    "which cannot be hashed: a static argument "
+                    "is part of the compiled program's cache key.",
+                    where=user_location(),
+                    fix="pass a hashable value (a tuple for a list, a frozen dataclass), or "
+                    "leave the argument out of static_argnums/static_argnames.",
+                )
+            ) from None
+
+
+def _check_static_models(statics: tuple, named: tuple) -> None:
+    """Refuses a model given as a static argument: the program would read its
+    arrays as constants of the trace, stale at the next call, and leave every
+    change to it out."""
+    for value in (*(v for _, v in statics), *(v for _, v in named)):
+        if _graph.holds_instance(value):
+            raise InvalidArgumentError(
+                format_error(
+                    f"A static argument of a function compiled by autostate.jit holds a "
+                    f"{type(_graph.instances_of(value)[0]).__name__} model: the compiled "
+                    "program would read its arrays as constants (stale at the next call) and "
+                    "leave every change to it out.",
+                    where=user_location(),
+                    fix="pass the model as an argument that is not static (leave it out of "
+                    "static_argnums/static_argnames).",
+                )
+            )
+
+
 def _check_plain_output(out: Any) -> None:
     if _graph.holds_instance(out):
         raise InvalidArgumentError(
@@ -1046,7 +1095,7 @@ def jit(fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
 
     Args:
         fn: the function; a method of a model (``model.step``) takes the model
-            as its first argument. Used bare as ``@autostate.jit`` or with
+            as its first argument, and a model itself compiles its ``__call__``. Used bare as ``@autostate.jit`` or with
             options as ``@autostate.jit(static_argnums=...)``.
         **options: those of ``jax.jit`` (``static_argnums`` by position, and
             not ``donate_argnums``); ``donate_models=False`` keeps the

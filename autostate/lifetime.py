@@ -330,13 +330,10 @@ class InitialValue:
     def __repr__(self) -> str:
         return f"InitialValue({_tree.describe(self.value)})"
 
-    def __getstate__(self):
-        return self.value
-
-    def __setstate__(self, value):
-        self.value = value
-        self.home = None
-        self._note = None
+    def __reduce__(self) -> tuple[type, tuple[Any]]:
+        # (Its value alone: a trace and a note belong to the process that made it.
+        # Not __getstate__, whose value pickle drops when it is falsy: None, 0.)
+        return InitialValue, (self.value,)
 
 
 def initial_slot(value: Any, category: Category, name: str | None, label: str | None) -> Any:

@@ -33,7 +33,7 @@ def _assign_params(model: Any, new: FunctionalModel) -> None:
         for attr, value in twin.__dict__.items():
             if attr in states or _graph.holds_instance(value):
                 continue
-            old = obj.__dict__.get(attr)
+            old = _graph.materialized(obj.__dict__.get(attr))  # (a compiled call's lazy value)
             if value is old:
                 continue
             if _holds_constant(value):
@@ -104,6 +104,7 @@ class Optimizer:
         """Applies ``grads`` (shaped like the model's ``f``, as ``autostate.grad``
         gives them) to the model's parameters."""
         f, _ = functionalize(self.model)
+        _check_grads(grads, f, self.model)
         params, grads = (_as(self.params_def, tree, self.model) for tree in (f, grads))
         updates, self.opt_state = self.tx.update(grads, self.opt_state, params)
         new = jax.tree_util.tree_map(
@@ -111,6 +112,29 @@ class Optimizer:
         )
         _assign_params(self.model, _as(jax.tree_util.tree_structure(f), new, self.model))
         self.step += 1
+
+
+def _check_grads(grads: Any, f: FunctionalModel, model: Any) -> None:
+    """Refuses gradients not shaped like ``model``'s ``f`` (in any mode): their
+    arrays would be matched to its parameters by position alone."""
+    count = len(jax.tree_util.tree_leaves(f))
+    if isinstance(grads, FunctionalModel):
+        fits = type(grads.model) is type(f.model) and len(jax.tree_util.tree_leaves(grads)) == count
+    else:
+        given: Any = jax.tree_util.tree_structure(grads)
+        fits = given == jax.tree_util.tree_structure(f)
+    if not fits:
+        raise InvalidArgumentError(
+            format_error(
+                f"Optimizer.update was given gradients that are not shaped like the "
+                f"{type(model).__name__}'s f (a {type(grads).__name__} of "
+                f"{len(jax.tree_util.tree_leaves(grads))} arrays, for {count} trainable "
+                "parameters): they would be matched to its parameters by position alone.",
+                where=user_location(),
+                fix="pass the gradients autostate.grad(loss)(model, ...) returns (or jax.grad "
+                "with respect to f), transformed leaf by leaf if need be.",
+            )
+        )
 
 
 def _as(treedef: Any, tree: Any, model: Any) -> Any:

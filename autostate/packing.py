@@ -122,7 +122,7 @@ class Layout:
         """The buffers of ``leaves``, given ``buffers`` that packed ``before``
         in this layout: a buffer none of whose leaves changed is returned as
         it came; one some of whose leaves changed gets those written over it
-        (``lax.dynamic_update_slice``, in place where it is donated: the
+        (a dynamic_update_slice once compiled, in place where it is donated: the
         unchanged ones are neither sliced out nor copied back); one all of
         whose leaves changed is packed anew."""
         members: list[list[int]] = [[] for _ in self.dtypes]
@@ -136,9 +136,11 @@ class Layout:
                 buffer = _joined([jnp.ravel(leaves[j]) for j in js])
             else:
                 for j in changed:
-                    buffer = jax.lax.dynamic_update_slice(
-                        buffer, jnp.ravel(leaves[j]).astype(buffer.dtype), (self.slots[j][1],)
-                    )
+                    part, at = jnp.ravel(leaves[j]), self.slots[j][1]
+                    # (A scatter of a static slice, which XLA compiles to a
+                    # dynamic_update_slice: lax's own would make a weakly typed
+                    # buffer strongly typed, another layout than the next call's.)
+                    buffer = buffer.at[at:at + part.size].set(part)
             new.append(buffer)
         return new
 

@@ -93,6 +93,7 @@ def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 def _jit_call(
     fun: Callable, options: dict, shifted: dict, args: tuple, kwargs: dict
 ) -> Any:
+    fun, args, kwargs = _models_held(fun, args, kwargs)
     cells = running_cells()
     if not cells:
         if _graph.holds_instance((fun, args, kwargs)):
@@ -112,3 +113,31 @@ def _jit_call(
     out, new = jax.jit(threaded, **shifted)(current_values(chosen), *args, **kwargs)
     land(chosen, new)
     return out
+
+
+def _models_held(fun: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """``fun`` and its arguments, with the models among them (at any depth)
+    held by ``fun`` instead: the function is given the same objects, as the
+    plain call is, where JAX would flatten each into a copy whose writes (a
+    parameter, ``self.training = False``) nothing reads back. Their states are
+    threaded as any running state is; every other write meets the guard."""
+    def hole_or_model(x: Any) -> bool:
+        return x is None or _graph.is_stateful_instance(x)
+
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=hole_or_model)
+    models = {i: x for i, x in enumerate(flat) if _graph.is_stateful_instance(x)}
+    if not models:
+        return fun, args, kwargs
+    args, kwargs = jax.tree_util.tree_unflatten(
+        treedef, [None if i in models else x for i, x in enumerate(flat)]
+    )
+
+    @functools.wraps(fun)
+    def holding(*inner: Any, **inner_kwargs: Any) -> Any:
+        given = jax.tree_util.tree_leaves((inner, inner_kwargs), is_leaf=hole_or_model)
+        for i, model in models.items():
+            given[i] = model
+        inner, inner_kwargs = jax.tree_util.tree_unflatten(treedef, given)
+        return fun(*inner, **inner_kwargs)
+
+    return holding, args, kwargs

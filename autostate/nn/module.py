@@ -612,6 +612,7 @@ def holders_of(array: Any) -> list[tuple[Any, str]]:
     found = []
     for module in list(_BUILT):
         for attr, value in list(vars(module).items()):
+            value = _graph.materialized(value)  # (what a compiled call left packed: made)
             if value is array or (_runtime.is_slot(value) and getattr(module, attr) is array):
                 found.append((module, attr))
     return found

@@ -3941,16 +3941,30 @@ class Indexed:
     def __init__(self):
         self.w = jnp.ones(3)
         self.idx = jnp.arange(3)  # an integer array: never trained
+        self.pair = (jnp.ones(2), jnp.arange(2))  # one trained, one not
 
     def __call__(self, x):
-        return (self.w[self.idx] * x).sum()
+        return (self.w[self.idx] * x).sum() + self.pair[0].sum()
 """
     _, dec = pair(write_module, source)
     model = dec.Indexed()
     opt = autostate.Optimizer(model, optax.sgd(0.1))
-    opt.update(autostate.grad(lambda m, x: m(x))(model, jnp.ones(3)))
+
+    def step(model: Any, opt: Any) -> None:
+        opt.update(autostate.grad(lambda m, x: m(x))(model, jnp.ones(3)))
+
+    step(model, opt)
     same(np.arange(3, dtype=np.int32), np.asarray(model.idx), "idx")
     same(np.full(3, 0.9, np.float32), np.asarray(model.w), "w")
+    # Compiled, then eagerly: the tuple a compiled step left packed is updated too.
+    autostate.jit(step)(model, opt)
+    step(model, opt)
+    same(np.full(2, 0.7, np.float32), np.asarray(model.pair[0]), "pair's trained array")
+    same(np.arange(2, dtype=np.int32), np.asarray(model.pair[1]), "pair's integer array")
+    # Gradients of another shape would be matched to the parameters by position.
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="not shaped like") as err:
+        opt.update({"pair": jnp.ones(2), "w": jnp.ones(3)})
+    assert f"{__file__}:" in str(err.value)
 
 
 def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: Loader) -> None:

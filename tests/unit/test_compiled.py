@@ -125,6 +125,24 @@ def test_the_arrays_a_call_changed_stay_packed_until_an_eager_read(monkeypatch):
     assert type(vars(model)["calls"]) is not packing.LazyState and int(model.calls) == 0
 
 
+def test_a_weakly_typed_buffer_some_of_whose_arrays_changed_stays_weak():
+    @autostate.stateful
+    class Weak:
+        def __init__(self):
+            self.x = jnp.ones(3)
+            self.a = jnp.full(2, 1.0)  # weakly typed, as the plain call keeps them
+            self.b = jnp.full(2, 1.0)
+
+    def scale(model):
+        model.a = model.a * 3
+
+    compiled_scale, model = autostate.jit(scale), Weak()
+    for expected in (3.0, 9.0, 27.0):  # (the next call's buffers: the layout it was traced for)
+        compiled_scale(model)
+        assert model.a.tolist() == [expected] * 2 and model.a.weak_type and model.b.weak_type
+    assert len(compiled_scale._after) == 1
+
+
 def test_two_compiled_functions_take_turns_on_one_model():
     def bump(model):
         model.b = model.b * 2.0
@@ -197,6 +215,14 @@ def test_static_arguments_of_a_bound_method_are_numbered_as_the_methods():
     assert float(scaler.s) == 4.0
 
 
+def test_a_model_itself_compiles_its_call():
+    model = Net()
+    forward = autostate.jit(model)  # as autostate.jit(model.__call__)
+    assert forward(jnp.ones(2)).tolist() == [2.0, 2.0] and int(model.calls) == 1
+    forward(jnp.ones(2))
+    assert int(model.calls) == 2
+
+
 def test_inside_a_staging_trace_the_function_runs_as_it_is():
     compiled_step = autostate.jit(step)
 
@@ -208,6 +234,34 @@ def test_inside_a_staging_trace_the_function_runs_as_it_is():
     assert float(outer(model, jnp.ones(2))) == 8.0
     assert compiled_step._entries == {} and compiled_step._after == {}
     assert model.b.tolist() == [1.0, 1.0]
+
+
+def test_called_while_f_runs_its_writes_meet_f_s_rules():
+    # A jax.jit inside a method, given the sub-model itself: its state lands in f's
+    # states, and a parameter it assigns is refused as f refuses it (never lost).
+    def rescale(model, x):
+        y = model(x)
+        model.w = model.w * 2
+        return y.sum()
+
+    compiled_rescale = autostate.jit(rescale)
+    compiled_forward = autostate.jit(lambda model, x: model(x).sum())
+
+    @autostate.stateful
+    class Outer:
+        def __init__(self, fn):
+            self.net = Net()
+            self.fn = fn
+
+        def __call__(self, x):
+            return self.fn(self.net, x)
+
+    f, states = Outer(compiled_forward).functionalize()
+    out, states = f(states, jnp.ones(2))
+    assert float(out) == 4.0 and int(states["net.calls"]) == 1
+    f, states = Outer(compiled_rescale).functionalize()
+    with pytest.raises(autostate.AutostateError, match="Net.w is not state"):
+        f(states, jnp.ones(2))
 
 
 def test_lower_gives_the_program_and_refuses_traced_arguments():
@@ -237,6 +291,14 @@ def test_the_program_names_the_model_arrays_by_their_paths():
     assert big == ("model.b", "model.calls.state", "model.w", "x")
 
 
+def test_jax_s_errors_name_the_user_s_function():
+    def forward(model, tag):
+        return model(jnp.ones(2)).sum()
+
+    with pytest.raises(TypeError, match="argument to <function .*forward at .* path tag"):
+        autostate.jit(forward)(Net(), "a string")
+
+
 def test_a_model_reached_other_than_through_an_argument_is_refused():
     held = Net()
 
@@ -255,6 +317,19 @@ def test_a_model_reached_other_than_through_an_argument_is_refused():
 
     with pytest.raises(InvalidArgumentError, match="the object its method is bound to"):
         autostate.jit(Holder().run)(jnp.ones(2))
+
+
+def test_a_static_argument_is_hashable_and_holds_no_model():
+    model = Net()
+    with pytest.raises(InvalidArgumentError, match=r"static argument \[2\] .* cannot be hashed"):
+        autostate.jit(lambda m, x, p: m(x) ** p[0], static_argnums=2)(model, jnp.ones(2), [2])
+    # A model given as static is read as constants: stale after an eager change.
+    forward = autostate.jit(lambda m, x: m(x).sum(), static_argnums=0)
+    by_name = autostate.jit(lambda x, m: m(x).sum(), static_argnames="m")
+    for call in (lambda: forward(model, jnp.ones(2)), lambda: by_name(jnp.ones(2), m=model)):
+        with pytest.raises(InvalidArgumentError, match="static argument .* holds a Net model"):
+            call()
+    assert int(model.calls) == 0
 
 
 def test_returning_a_model_or_changing_an_argument_container_is_refused():

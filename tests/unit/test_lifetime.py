@@ -180,6 +180,9 @@ def test_an_initial_value_pickles_without_its_home():
     back = pickle.loads(pickle.dumps(init))
     assert back.value == [1, 2] and back.home is None and back() == [1, 2]
     assert init != lifetime.InitialValue([1, 2])  # (compared by identity)
+    for falsy in (None, 0, ()):  # (a state declared None: nn.LSTM's carried h)
+        back = pickle.loads(pickle.dumps(lifetime.InitialValue(falsy, home="some trace")))
+        assert back() == falsy and back.home is None
 
 
 def test_written_slot_takes_its_kind_from_the_value_where_the_state_was_a_placeholder():

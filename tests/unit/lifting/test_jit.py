@@ -48,3 +48,49 @@ def test_a_jit_inside_a_method_is_an_object_boundary():
     f, states = Step().functionalize()
     with pytest.raises(StaticStateError, match="'mode'"):  # f is no object boundary
         f.evaluate(states)
+
+
+@autostate.stateful
+class Inner:
+    def __init__(self):
+        self.w = jnp.ones(2)
+        self.count = jnp.zeros((), jnp.int32)
+        self.training = True
+
+    def __call__(self, x):
+        self.count += 1
+        return self.w * x
+
+
+def _switch_off(inner, x):
+    inner.training = False
+    return inner(x)
+
+
+def _rescale(inner, x):
+    inner.w = inner.w * 2  # a parameter: not state
+    return inner(x)
+
+
+@autostate.stateful
+class Outer:
+    def __init__(self, fn):
+        self.inner = Inner()
+        self.fn = fn
+
+    def __call__(self, x):
+        return jax.jit(self.fn)(self.inner, x)  # the model as an argument
+
+
+def test_a_model_passed_to_the_jit_is_the_same_object_inside():
+    # JAX would flatten the argument into a copy, whose writes nothing reads back.
+    model = Outer(_switch_off)
+    model(jnp.ones(2))
+    assert model.inner.training is False and int(model.inner.count) == 1
+    f, states = Outer(_switch_off).functionalize()  # f is no object boundary: refused
+    with pytest.raises(autostate.AutostateError, match="training"):
+        f(states, jnp.ones(2))
+    f, states = Outer(_rescale).functionalize()
+    for call in (Outer(_rescale), lambda x: f(states, x)):  # a parameter: refused, never lost
+        with pytest.raises(autostate.AutostateError, match="Inner.w is not state"):
+            call(jnp.ones(2))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import autostate
 import autostate.nn as nn
 from autostate.errors import InvalidArgumentError, InvalidTypeError
 
@@ -31,6 +32,23 @@ def test_a_write_reaches_every_holder_and_returns_the_array():
     nn.init.constant_(model.scale, 7.0)
     f, states = model.functionalize()
     np.testing.assert_array_equal(states["scale"], 7.0)
+
+
+def test_a_write_reaches_the_holders_a_compiled_call_left_packed():
+    model = Tied()
+
+    @autostate.jit
+    def step(model):
+        model.head.weight = model.embed.weight = model.head.weight * 2  # (still tied)
+        model.scale = model.scale + 1
+
+    step(model)  # small arrays: left in the call's packed buffers
+    new = nn.init.zeros_(model.head.weight)
+    assert model.embed.weight is new and model.head.weight is new
+    nn.init.constant_(model.scale, 7.0)
+    step(model)
+    assert float(jnp.abs(model.embed.weight).sum()) == 0.0
+    np.testing.assert_array_equal(model.scale, 8.0)
 
 
 @pytest.mark.parametrize(
