@@ -4159,29 +4159,51 @@ class LoggedStack:
             m.tag = x.sum()  # a member's attribute assigned
             return x
         return jax.vmap(one)(self.members, xs)
+
+    def flagged(self, xs):
+        def one(m, x):
+            m.quiet = True  # a Python value: the copy alone would keep it
+            return m(x)
+        return jax.vmap(one)(self.members, xs)
+
+    def flagged_in_scan(self, xs):
+        def step(c, m):
+            m.quiet = True
+            return c, m(xs[0])
+        return lax.scan(step, 0.0, self.members)[1]
 """
 
+_NOT_STATE_LINES = {
+    "tagged": "m.tag = x.sum()",
+    "flagged": "m.quiet = True",
+    "flagged_in_scan": "m.quiet = True",
+    "scanned": "return lax.scan(lambda c, m:",
+    "mapped": "return jax.vmap(lambda m, x: m(x))",
+}
 
-@pytest.mark.parametrize("method", ["mapped", "scanned", "tagged"])
+
+@pytest.mark.parametrize("method", sorted(_NOT_STATE_LINES))
 def test_a_members_attribute_that_is_not_state_is_refused_under_the_map(
     write_module: Loader, method: str
 ) -> None:
     _, dec = pair(write_module, STACK_NOT_STATE)
-    text = "m.tag = x.sum()" if method == "tagged" else "return jax.vmap(lambda m, x: m(x))"
-    if method == "scanned":
-        text = "return lax.scan(lambda c, m:"
+    text = _NOT_STATE_LINES[method]
     xs = jnp.ones((2, 3))
     model = dec.LoggedStack()
     before = snapshot(model)
-    with pytest.raises(autostate.AutostateError, match="Logged.(log|tag)") as err:
+    with pytest.raises(autostate.AutostateError, match="Logged.(log|tag|quiet)") as err:
         getattr(model, method)(xs)
     user_line(err.value, dec, text)
     assert_same(before, snapshot(model), "model unchanged")
     no_tracer(model)
     f, states = dec.LoggedStack().functionalize()
     for call in modes_of(f, method):
-        with pytest.raises(autostate.AutostateError, match="Logged.(log|tag)"):
+        with pytest.raises(autostate.AutostateError, match="Logged.(log|tag|quiet)"):
             call(states, xs)
+    compiled = autostate.jit(lambda m, xs: getattr(m, method)(xs))
+    with pytest.raises(autostate.AutostateError, match="Logged.(log|tag|quiet)"):
+        compiled(model, xs)
+    assert_same(before, snapshot(model), "model unchanged by autostate.jit")
 
 
 def test_a_state_lost_in_a_map_over_a_stack_is_said_at_the_next_call(write_module: Loader) -> None:
@@ -4416,6 +4438,11 @@ class Net:
             block.log.append(x)  # a layer's list (not state) changed in place
         return x
 
+    def quieted(self, x):
+        for block in self.blocks:
+            block.quiet = True  # a Python value: rolled, the layer is a copy of one step
+        return x
+
 
 @DECORATE
 class HoldsALayer:
@@ -4432,6 +4459,7 @@ class HoldsALayer:
         ("reshaped", "block.mean = jnp.zeros(4)", StackError, "Block.mean of layer 0 is assigned f32\\[4\\], but its slice .* f32\\[3\\]"),
         ("in_place", 'block.cache["last"] = x', StackError, "A dict of Block.cache of layer 0 is changed in place"),
         ("logged", "block.log.append(x)", StackError, "A list of Block.log is changed in place"),
+        ("quieted", "block.quiet = True", StateAccessError, "Block.quiet is not state, and this Block is a layer of a stack"),
     ],
 )
 def test_what_a_layer_of_a_stack_cannot_hold_is_refused_at_the_line(
@@ -4447,7 +4475,7 @@ def test_what_a_layer_of_a_stack_cannot_hold_is_refused_at_the_line(
     with pytest.raises(error, match=pattern) as err:
         getattr(model, method)(_SX)
     user_line(err.value, dec, text)
-    if method != "retuned":  # (the layers written before the refusal keep their writes)
+    if method not in ("retuned", "quieted"):  # (the layers written before keep their writes)
         assert_same(before["blocks"][1:], snapshot(model)["blocks"][1:], "later layers")
     no_tracer(model)
     f, states = dec.Net().functionalize()
