@@ -4495,6 +4495,33 @@ def test_a_model_holding_a_layer_of_a_stack_is_refused_when_functionalized(
         model.functionalize()
 
 
+@pytest.mark.parametrize("call", ["layer(x)", "layer.w * x", "model(x)"])
+def test_a_layer_of_a_stack_given_to_autostate_jit_is_refused_with_the_way_that_works(
+    write_module: Loader, call: str
+) -> None:
+    # The program would hold the layer, not the stack its states belong to: a
+    # write would leave a tracer in the stack, a read bake its values in. Refused
+    # as functionalize() refuses it; the same call through the model compiles.
+    _, dec = pair(write_module, STACK_REFUSALS)
+    net = dec.Net()
+    before = snapshot(net)
+    step = autostate.jit(eval(f"lambda layer, model, x: {call}"))
+    arguments = (net.blocks[1], dec.HoldsALayer(), _SX) if call == "model(x)" else (
+        net.blocks[1], None, _SX
+    )
+    if call == "model(x)":  # (a model that holds a layer, as functionalize() meets it)
+        step = autostate.jit(lambda layer, model, x: model.first.w * x)
+    with pytest.raises(StackError, match="holds a layer of a stack") as err:
+        step(*arguments)
+    assert "autostate.jit(lambda m, x: m.blocks[0](x))(model, x)" in str(err.value)
+    assert_same(before, snapshot(net), "the stack unchanged")
+    no_tracer(net)
+    out = autostate.jit(lambda m, x: m.blocks[1](x))(net, _SX)
+    plain = dec.Net()
+    same(plain.blocks[1](_SX), out, "through the model")
+    same(plain.blocks.mean, net.blocks.mean, "the layer's slice written")
+
+
 # --- jax.jit inside a method ------------------------------------------------------------
 # The states are arguments and outputs of the compiled function: a write inside
 # lands with its value, and a read is the state's value at this call, as if the
