@@ -4752,10 +4752,19 @@ class Rules:
 
     def applied(self, x):
         return self._vjp(None)(x) + self._jvp(None)(x) * x
+
+    def in_scan(self, x):  # the rules read the state inside a lax body (and its probe)
+        return lax.scan(lambda c, _: (self.applied(c) * 0.5, None), x, None, length=2)[0]
+
+    def in_checkpoint_grad(self, x):
+        return jax.grad(jax.checkpoint(self.applied))(x)
 """
 
 
-CUSTOM_METHODS = ["reads", "vjp_function", "vjp_forward", "vjp_backward", "jvp_function", "jvp_rule"]
+CUSTOM_METHODS = [
+    "reads", "vjp_function", "vjp_forward", "vjp_backward", "jvp_function", "jvp_rule",
+    "in_scan", "in_checkpoint_grad",
+]
 
 
 @pytest.mark.parametrize("method", CUSTOM_METHODS)
