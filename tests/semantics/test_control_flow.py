@@ -4808,6 +4808,89 @@ def test_grad_of_a_checkpoint_through_custom_derivatives_reading_state(
     same(expected, got)
 
 
+# A custom_vjp defined in a layer's method, its rules reading the layer's state. Over a
+# stack inside a lax.scan (or a loop over the stack rolled into one), that state is the
+# step's slice, a value of the scan body; under a derivative JAX traces the forward
+# rule again after the scan, where the slice is gone. Refused at the line with the fix
+# (pass it as an argument: ``passed``, which means what the plain loop means).
+CUSTOM_IN_LAYERS = """
+@DECORATE
+class Layer:
+    def __init__(self, k):
+        self.w = jnp.full(3, 0.1 * k)
+        self.seen = jnp.full(3, 0.01 * k)
+
+    def reset(self):
+        self.seen = jnp.zeros(3)  # (assigned in a method: a state)
+
+    def closed(self, x):
+        @jax.custom_vjp
+        def g(v):
+            return jnp.sin(v) + self.seen
+        def fwd(v):
+            return g(v), v
+        def bwd(v, ct):
+            return (ct * jnp.cos(v) * 0.5,)
+        g.defvjp(fwd, bwd)
+        return g(x)
+
+    def passed(self, x):
+        @jax.custom_vjp
+        def g(v, w, seen):
+            return jnp.sin(v) * w + seen
+        def fwd(v, w, seen):
+            return g(v, w, seen), v
+        def bwd(v, ct):
+            return (ct * jnp.cos(v) * 0.5, jnp.zeros(3), jnp.zeros(3))
+        g.defvjp(fwd, bwd)
+        return g(x, self.w, self.seen)
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = STACK([Layer(1), Layer(3)])
+
+    def rolled(self, x):
+        def loss(x):
+            for block in self.blocks:
+                x = block.closed(x)
+            return x.sum()
+        return jax.grad(jax.checkpoint(loss))(x)  # grad line
+
+    def scanned(self, x):
+        return jax.grad(lambda x: lax.scan(lambda c, b: (b.closed(c), None), x, self.blocks)[0].sum())(x)  # grad line
+
+    def passed(self, x):
+        def loss(x):
+            for block in self.blocks:
+                x = block.passed(x)
+            return x.sum()
+        return jax.grad(jax.checkpoint(loss))(x)
+"""
+
+
+@pytest.mark.parametrize("method", ["rolled", "scanned"])
+def test_a_custom_rule_reading_a_layers_slice_after_the_scan_is_refused_with_the_fix(
+    write_module: Loader, method: str
+) -> None:
+    _, dec = pair(write_module, "STACK = autostate.stack\n" + CUSTOM_IN_LAYERS)
+    f, states = dec.Net().functionalize()
+    for call in modes_of(f, method, compiled=True):
+        with pytest.raises(EscapedStateError, match="reads a value that lived only inside") as err:
+            call(states, _SX)
+        user_line(err.value, dec, "# grad line")
+        assert "g(x, self.scale)" in str(err.value)
+    model = dec.Net()
+    with pytest.raises(EscapedStateError, match="reads a value that lived only inside"):
+        autostate.jit(lambda m, x: getattr(m, method)(x))(model, _SX)
+    no_tracer(model)
+    listed = pair(write_module, "STACK = list\n" + CUSTOM_IN_LAYERS)[1].Net()
+    expected = listed.passed(_SX)
+    for call in modes_of(f, "passed", compiled=True):
+        same(expected, call(states, _SX)[0])
+
+
 def test_a_write_in_a_custom_function_traced_after_the_call_is_refused(
     write_module: Loader,
 ) -> None:
