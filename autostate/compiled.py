@@ -384,6 +384,12 @@ class Compiled(Generic[P, R]):
         leaves, graphdef = _graph.flatten_graph(_Models(models), objects)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return None
+        for obj in objects:
+            for value in obj.__dict__.values():
+                if isinstance(value, StateSlot) and value.part_of() is not None:
+                    # (A layer of a stack: its states are a part of the stack's,
+                    # which the program would not hold. The slot says why.)
+                    value.as_request()
         packs = _one_device(leaves)
         layout = Layout.of(leaves, None, _small if packs else _never)
         shardings = () if packs else tuple(getattr(x, "sharding", None) for x in leaves)

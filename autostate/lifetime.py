@@ -102,11 +102,13 @@ def is_escaped_tracer(value: Any) -> bool:
         if parent is None:
             # The chain of a function JAX traces on its own (a custom_jvp's,
             # a custom_vjp's) reaches the root without the trace of the call
-            # around it, which is live: a functionalized call started in it.
+            # around it, which is live: a functionalized call started in it,
+            # or a lifted body (a lax body, its abstract probe) runs in it.
             # (JAX refuses such a function closing over a value it
             # differentiates: that one is refused here, at the user's line.)
             return isinstance(live, _core.EvalTrace) and not (
-                type(trace).__name__ not in _DIFFERENTIATING and _call_started_in(trace)
+                type(trace).__name__ not in _DIFFERENTIATING
+                and (id(trace) in LIFT_TRACES.get() or _call_started_in(trace))
             )
         live = parent
     return False

@@ -603,10 +603,12 @@ class LayerSlot(StateSlot):
         raise StackError(format_error(
             f"The model holds a layer of a stack ({type(self.owner).__name__}, layer "
             f"{self.index}): a layer is a view of the stack, whose states are the "
-            "stack's, so it cannot be functionalized, saved or frozen on its own.",
+            "stack's, so it cannot be functionalized, compiled by autostate.jit, saved "
+            "or frozen on its own.",
             fix="keep the stack in the model and take the layer from it when it is "
-            "used (`self.blocks[0]`), or keep the layer as a model of its own "
-            "(`copy.deepcopy(layer)`).",
+            "used (`self.blocks[0]`; to compile a call of one layer, pass the model: "
+            "`autostate.jit(lambda m, x: m.blocks[0](x))(model, x)`), or keep the layer "
+            "as a model of its own (`copy.deepcopy(layer)`).",
         ))
 
     def part_of(self) -> tuple[Any, str]:

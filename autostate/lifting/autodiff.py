@@ -275,6 +275,7 @@ def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
 
     def run(*args: Any, **kwargs: Any) -> Any:
         gone = [(hid, values) for hid, values in calls if running_call(hid) is None]
+        refused: list[BaseException] = []
 
         def within(k: int) -> Any:
             if k == len(gone):
@@ -284,7 +285,7 @@ def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
             out = within(k + 1)
             for name, cell in cells.items():
                 if cell.value is not before[name]:
-                    raise EscapedStateError(
+                    refused.append(EscapedStateError(
                         format_error(
                             f"State {name!r} is assigned inside {what}, which JAX traced "
                             "after the call that called it had ended (under jax.checkpoint), "
@@ -294,18 +295,40 @@ def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
                             "derivative: return the new value from it and assign it after "
                             "the call.",
                         )
-                    )
+                    ))
+                    raise refused[-1]
             return out
 
-        if not gone:
-            return fn(*args, **kwargs)
         run_in = within
         for hid, values in reversed(gone):
             run_in = functools.partial(_run_states, hid, values, run_in)
-        return run_in(0)
+        try:
+            return run_in(0)
+        except jax.errors.UnexpectedTracerError:
+            # A value it reads (a parameter, a state) was one of a lax body or
+            # vmap that has ended by now: JAX's own closure, or a state's cell.
+            raise EscapedStateError(_late_read_message(what)) from None
+        except EscapedStateError as error:
+            if not gone or any(error is r for r in refused):
+                raise
+            raise EscapedStateError(_late_read_message(what)) from None
 
     functools.update_wrapper(run, fn)
     return run
+
+
+def _late_read_message(what: str) -> str:
+    return format_error(
+        f"{what[0].upper()}{what[1:]} reads a value that lived only inside a lax body or "
+        "jax.vmap that has ended: JAX traced the function (or its forward rule) again "
+        "after the call, for a derivative. Such a value is a layer's slice of a stacked "
+        "sub-model in a lax.scan, jax.vmap or a loop over the stack rolled into a scan, or "
+        "a state the body assigned before the call.",
+        where=user_location(),
+        fix="pass what the function and its rules read as arguments of the function "
+        "(`g(x, self.scale)` with `def g(x, scale)`, its cotangent zeros), so that JAX "
+        "carries them.",
+    )
 
 
 def _run_states(handler_id: Any, values: dict[str, Any], call: Callable[[int], Any],

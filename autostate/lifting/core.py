@@ -30,12 +30,13 @@ from autostate.effects.local_state import (
 from autostate.errors import (
     AutostateError,
     ControlFlowStateError,
+    StateAccessError,
     StaticStateError,
     format_error,
     refused,
     user_location,
 )
-from autostate.guard import CAPTURED, Guard, eager_lax_body
+from autostate.guard import CAPTURED, Guard, eager_lax_body, register_view
 from autostate.lifetime import (
     MEMBER_CELLS,
     OWN_STATE_HANDLERS,
@@ -757,15 +758,33 @@ def check_stacked(cells: Cells, axes: Sequence[int], size: int | None, what: str
 
 def guarding_copies(tree: Any, what: str, call: Callable[[], Any]) -> Any:
     """``call()``, the copies JAX made of the models in ``tree`` guarded as a lax
-    body's eager models: a change outside their states would be lost with the copy."""
+    body's eager models: a change outside their states would be lost with the copy.
+    Each copy stands for a model's data, as a layer view does: an attribute that
+    is not state, assigned any value, is refused at the line."""
     copies = _graph.instances_of(tree)
     if not copies:
         return call()
+    for copy in copies:
+        register_view(copy, functools.partial(_copy_attribute_refusal, what))
     guard = Guard.for_lax_body(
         what, copies, [], lambda: ((cell.name, cell.value) for cell in running_cells())
     )
     with eager_lax_body(copies, what):
         return guarded(guard, call)
+
+
+def _copy_attribute_refusal(what: str, obj: Any, name: str) -> AutostateError:
+    kind = type(obj).__name__
+    return StateAccessError(format_error(
+        f"{kind}.{name} is not state, and this {kind} is the copy JAX made of a sub-model "
+        f"handed to {what} (one member of a stack, or the sub-model itself): assigning it "
+        "would change the copy alone, lost when the step ends, where plain Python's loop "
+        "changes each member.",
+        where=user_location(),
+        fix=f"make {name} state (assign `self.{name}` in a method of {kind}, or declare it "
+        "with autostate.state(...) in __init__): each member then writes its own slice; "
+        "or assign it outside the call.",
+    ))
 
 
 @contextlib.contextmanager
