@@ -108,6 +108,22 @@ def _wrapper_chain(obj: Any) -> Iterator[Any]:
         obj = getattr(obj, "__wrapped__", None)
 
 
+def _consumed_method(cls: type, wrapper: types.FunctionType) -> types.FunctionType | None:
+    """The function of ``cls``'s body that ``wrapper``, a function written
+    elsewhere without ``__wrapped__``, holds in its closure: what a decorator
+    without ``functools.wraps`` made of a method (``@twice`` on ``def step``)."""
+    if _defined_in(cls, wrapper):
+        return None
+    for cell in wrapper.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(held, types.FunctionType) and _defined_in(cls, held):
+            return held
+    return None
+
+
 def _defined_in(cls: type, fn: types.FunctionType) -> bool:
     return fn.__qualname__.rpartition(".")[0] == cls.__qualname__
 
@@ -212,6 +228,11 @@ def find_methods(cls: type) -> list[MethodSlot]:
                 # the call): analysed and rewritten as well, sharing its cells,
                 # so it calls the rewritten function above.
                 add(attr, value, value, set_all, key=f"{attr}.<wrapper>", part="wrapper")
+        elif isinstance(value, types.FunctionType) and (inner := _consumed_method(cls, value)):
+            # A decorator written without functools.wraps: the method the body
+            # wrote is in its wrapper's closure, rewritten there as above.
+            add(attr, value, inner, None)
+            add(attr, value, value, set_all, key=f"{attr}.<wrapper>", part="wrapper")
         elif isinstance(value, types.FunctionType):
             add(attr, value, value, set_all)
         elif isinstance(value, (staticmethod, classmethod)):

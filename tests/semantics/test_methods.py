@@ -2619,6 +2619,7 @@ class Wrapped:
         self.on = on
         self.s = jnp.zeros(())
         self.n = jnp.zeros((), jnp.int32)
+        self.hits = jnp.zeros(())  # a state only the method under `logged` assigns
 
     @timed
     def timed_step(self, x):
@@ -2627,6 +2628,7 @@ class Wrapped:
 
     @logged
     def logged_step(self, x):
+        self.hits = self.hits + x
         self.n = self.n + 1
         self.s = self.s * 2 + x
         return self.s
