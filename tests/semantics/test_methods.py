@@ -2620,6 +2620,8 @@ class Wrapped:
         self.s = jnp.zeros(())
         self.n = jnp.zeros((), jnp.int32)
         self.hits = jnp.zeros(())  # a state only the method under `logged` assigns
+        self.deep = jnp.zeros(())  # only `stacked` (`logged` under wraps-style ones)
+        self.outer = jnp.zeros(())  # only `logged_timed` (`logged` over `timed`)
 
     @timed
     def timed_step(self, x):
@@ -2653,9 +2655,16 @@ class Wrapped:
     @repeat(2)
     @logged
     def stacked(self, x):
+        self.deep = self.deep + x
         self.n = self.n + 1
         self.s = self.s + x * self.n
         return self.s
+
+    @logged
+    @timed
+    def logged_timed(self, x):
+        self.outer = self.outer + x
+        return self.outer
 """
 
 
@@ -2667,6 +2676,7 @@ WRAPPED_CASES = {
     "conditional-off": ("Wrapped(False)", [("gated", (X1,)), ("gated", (X2,))]),
     "calls-twice": ("Wrapped()", [("doubled", (X1,)), ("doubled", (X2,))]),
     "stacked": ("Wrapped()", [("stacked", (X1,)), ("stacked", (X2,))]),
+    "logged-over-timed": ("Wrapped()", [("logged_timed", (X1,)), ("logged_timed", (X2,))]),
 }
 
 
