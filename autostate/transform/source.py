@@ -133,13 +133,16 @@ def _consumed_method(cls: type, wrapper: Any) -> types.FunctionType | None:
     """The function of ``cls``'s body that ``wrapper``, a function written
     elsewhere, wraps through closures (and ``__wrapped__`` links): what a
     decorator without ``functools.wraps`` made of a method (``@twice`` on
-    ``def step``), alone or among other decorators."""
+    ``def step``), alone or among other decorators. A function the class
+    also binds (a helper the decorator was given) is that name's method,
+    not the one consumed."""
     if isinstance(wrapper, types.FunctionType) and _defined_in(cls, wrapper):
         return None
+    bound = {id(v) for v in vars(cls).values()}
     return next(
         (fn for fn in _wrapper_chain(wrapper)  # (functools.wraps copies a qualname)
          if isinstance(fn, types.FunctionType) and _defined_in(cls, fn)
-         and not hasattr(fn, "__wrapped__")),
+         and not hasattr(fn, "__wrapped__") and id(fn) not in bound),
         None,
     )
 
