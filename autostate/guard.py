@@ -79,6 +79,9 @@ from autostate.errors import (
 
 _ABSENT: Any = object()
 
+COMPILED = "the function compiled by autostate.jit"
+"""What ``Guard.for_compiled`` guards (named in its refusal)."""
+
 CAPTURED = "a list or dict it captures"
 """The label of a container a ``lax`` body captures (a variable of the enclosing function)."""
 
@@ -200,6 +203,18 @@ class Guard:
         return cls(
             what, None, frozenset(), [], containers, None,
             traced=True, lax_body=True, traced_states=traced_states,
+        )
+
+    @classmethod
+    def for_compiled(cls, instances: list[Any]) -> Guard:
+        """The guard of the trace of a function ``autostate.jit`` compiles, on
+        ``instances``, the models rebuilt in it: what they hold that the call
+        does not write back (a plain object's attributes, a class's list) stays
+        as it was, since the compiled program changes it once per trace, not
+        once per call."""
+        return cls(
+            COMPILED, None, frozenset(), [], _graph.mutable_statics(instances, shared=True),
+            None, traced=True,
         )
 
     # --- the block -------------------------------------------------------------
@@ -335,6 +350,18 @@ class Guard:
 
     def _change_error(self, changed: list[str]) -> StateAccessError:
         where = f" (at {', '.join(changed[:3])})" if changed else ""
+        if self.what == COMPILED:
+            return StateAccessError(format_error(
+                f"A function compiled by autostate.jit changed an object its models hold{where} "
+                "in place, one that is neither a model nor a list or dict of one (a plain "
+                "object's attribute, a class's list): the compiled call writes back only the "
+                "models, so the change would be made once when the function is traced, not at "
+                "every call, and would hold the trace's values.",
+                where=user_location(),
+                fix="decorate the object's class with @autostate.stateful (a change to a "
+                "model's attributes is written back at every call), assign the model a new "
+                "object, or keep such bookkeeping out of the compiled call.",
+            ))
         lost = (
             "this call runs on a copy of f's model (its integer, bool and key arrays that are "
             "not states travel in the states dict and are put into a copy), so the change "

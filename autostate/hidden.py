@@ -122,6 +122,13 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
         elif not _graph.is_dynamic(node) and (attrs := _graph.plain_attributes(node)) is not None:
             items = [(f".{k}", v) for k, v in attrs.items()]
             holder = t.__name__
+        if (
+            not holder and inside and default and default != "closure"
+            and isinstance(node, (list, tuple, dict)) and not stateful(node)
+        ):
+            # A list, tuple or dict a plain object holds is that object's data,
+            # static as the object is: its arrays and models are its finds.
+            holder = default
         if hit is not None:
             return [(hit[0], _Hidden((hit[1], forced or hit[2] or default)))]
         if holder:

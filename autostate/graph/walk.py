@@ -404,7 +404,7 @@ def _instance_or_bound(value: Any) -> bool:
 
 
 def mutable_statics(
-    instances: list[Any], values: Sequence[tuple[str, Any]] = ()
+    instances: list[Any], values: Sequence[tuple[str, Any]] = (), *, shared: bool = False
 ) -> list[tuple[Any, Any, str]]:
     """``(container, shallow copy, "Class.attr")`` for every list, dict, set,
     deque or bytearray the model's instances hold outside their states, at
@@ -418,6 +418,11 @@ def mutable_statics(
     place (``self.log.append(x)``) would be lost with the trace, or keep a
     tracer. The guard refuses it; a refused call puts the old contents back.
 
+    ``shared``: only those every rebuild of the instances shares
+    (``rebuild_instances``): the instances' own lists and dicts, at any depth,
+    are copied into each rebuild (``values.copy_static``), but what a plain
+    object or a class holds is not: a change to it outlives the call.
+
     Example:
         >>> @autostate.stateful
         ... class Logged:
@@ -430,11 +435,12 @@ def mutable_statics(
     seen: set[int] = set()  # shared by the walks from every root: a container is saved once
 
     def visit(value: Any, where: str) -> None:
-        walk = iter_tree(
-            value, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
-        )
-        for _, c in walk:
-            saved.append((c, kind_of(c).copy(c), where))  # type: ignore[misc]
+        for root in _shared_parts(value) if shared else (value,):
+            walk = iter_tree(
+                root, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
+            )
+            for _, c in walk:
+                saved.append((c, kind_of(c).copy(c), where))  # type: ignore[misc]
 
     classes: dict[type, None] = {}
     for obj in instances:
@@ -474,6 +480,19 @@ def _may_hold_containers(value: Any) -> bool:
     ``shared`` node (a handled slot: frozen and childless)."""
     t, kind = type(value), kind_of(value)
     return not (kind.atom or kind.array or t in STATEFUL_CLASSES or t in SHARED_NODES)
+
+
+def _is_plain_holder(value: Any) -> bool:
+    """An object ``_held_outside_states`` steps into through its ``__dict__``."""
+    kind = kind_of(value)
+    return not (kind.mutable or kind is _values.TUPLE) and plain_attributes(value) is not None
+
+
+def _shared_parts(value: Any) -> list[Any]:
+    """The ``__dict__``s of the plain objects ``value`` holds through its lists,
+    dicts and tuples (which a rebuild copies; a plain object it shares)."""
+    holders = iter_tree(value, _is_plain_holder, children=_held_outside_states, seen=set())
+    return [plain_attributes(obj) for _, obj in holders]
 
 
 def _held_outside_states(value: Any) -> list[tuple[str, Any]]:

@@ -136,6 +136,10 @@ class ClassAnalysis:
     # What construction assigns (own __init__, what it calls, and the bases'),
     # so a subclass may turn any of it into state.
     initialized: frozenset[str] = frozenset()
+    # The names construction reaches on the receiver (``__init__``, the
+    # methods it calls, what they read): in a subclass, its override of one
+    # (``reset`` that a base's ``__init__`` calls) runs when it is built.
+    constructs: frozenset[str] = frozenset()
 
 
 def wrapper_source(class_name: str, source: MethodSource) -> tuple[str, int]:
@@ -1195,6 +1199,7 @@ def analyze_class(
     is_state_declaration: Callable[[MethodFacts, str], bool] = lambda facts, func: False,
     inherited_properties: frozenset[str] = frozenset(),
     declaring_methods: frozenset[str] = frozenset(),
+    inherited_constructs: frozenset[str] = frozenset(),
 ) -> ClassAnalysis:
     """Decides the state set of a class from the facts of its methods.
 
@@ -1216,6 +1221,9 @@ def analyze_class(
             literal name (``{"register_buffer"}`` for ``autostate.nn.Module``):
             ``self.register_buffer("x", v)`` anywhere is ``self.x =
             autostate.constant(v)``.
+        inherited_constructs: the names the bases' construction reaches on
+            the receiver (``ClassAnalysis.constructs``): this class's methods
+            of those names run when an instance is built.
 
     Returns:
         The state set and what construction initializes.
@@ -1360,7 +1368,7 @@ def analyze_class(
     initialized = set(inherited_initialized)
     # A base's __init__ assigning a name this class makes a property runs
     # the property's setter (``self.scale = v`` into ``self._scale``).
-    pending = ["__init__", *sorted(inherited_initialized & properties)]
+    pending = ["__init__", *sorted(inherited_initialized & properties), *sorted(inherited_constructs)]
     visited: set[str] = set()
     while pending:
         attr = pending.pop()
@@ -1395,7 +1403,8 @@ def analyze_class(
                 )
                 raise error
     return ClassAnalysis(
-        class_name, frozenset(state), declared, tuple(methods), frozenset(initialized)
+        class_name, frozenset(state), declared, tuple(methods), frozenset(initialized),
+        frozenset(visited),
     )
 
 

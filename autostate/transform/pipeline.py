@@ -43,6 +43,8 @@ class ClassDecision:
     # States whose initial value is a class attribute (``training = True`` in
     # the class body, or a base's): each instance gets it when constructed.
     defaults: frozenset[str] = frozenset()
+    # The names construction reaches on the receiver (``analysis.ClassAnalysis``).
+    constructs: frozenset[str] = frozenset()
 
 
 def decide_class(
@@ -82,6 +84,7 @@ def decide_class(
     _check_layout(cls)
     inherited = frozenset().union(*(b.state for b in bases))
     inherited_init = frozenset().union(*(b.initialized for b in bases))
+    inherited_constructs = frozenset().union(*(b.constructs for b in bases))
     class_defaults = _class_defaults(cls).union(*(b.defaults for b in bases))
     # Everything the decision depends on besides the class's own files: the
     # options, what decorated bases decided, every base (and its properties),
@@ -92,6 +95,7 @@ def decide_class(
         fallback,
         sorted(inherited),
         sorted(inherited_init),
+        sorted(inherited_constructs),
         _base_properties(cls),
         [b.__qualname__ for b in cls.__mro__[1:]],
         _marker_names(slots, state_marker),
@@ -109,17 +113,22 @@ def decide_class(
         keys = loader.cache_key(cls, slots, extra, [own_file, *base_files])
     cached = loader.cache_load(*keys) if keys else None
     if cached is not None:
-        state_list, initialized_list, codes = cached
+        state_list, initialized_list, constructs_list, codes = cached
         state, initialized = frozenset(state_list), frozenset(initialized_list)
+        constructs = frozenset(constructs_list)
     else:
-        state, initialized, codes = _transform(
-            cls, slots, inherited, inherited_init | class_defaults, state_marker, user_bases,
-            control_flow_name,
+        state, initialized, constructs, codes = _transform(
+            cls, slots, inherited, inherited_init | class_defaults, inherited_constructs,
+            state_marker, user_bases, control_flow_name,
         )
         if keys:
-            loader.cache_store(keys[0], (sorted(state), sorted(initialized), codes), keys[1])
+            loader.cache_store(
+                keys[0], (sorted(state), sorted(initialized), sorted(constructs), codes), keys[1]
+            )
     originals = {s.key: s.function for s in slots}
-    decision = ClassDecision(state, initialized, originals, codes, state & class_defaults)
+    decision = ClassDecision(
+        state, initialized, originals, codes, state & class_defaults, constructs
+    )
     return decision, slots
 
 
@@ -419,10 +428,10 @@ def _read_facts(
 
 def _transform(
     cls: type, slots: list[source.MethodSlot], inherited: frozenset[str],
-    inherited_init: frozenset[str], state_marker: Any, user_bases: list[type],
-    control_flow_name: Callable[[Any], str | None],
-) -> tuple[frozenset[str], frozenset[str], dict[str, types.CodeType]]:
-    """Analyses and rewrites: ``(state, initialized, {slot key: code})``."""
+    inherited_init: frozenset[str], inherited_constructs: frozenset[str], state_marker: Any,
+    user_bases: list[type], control_flow_name: Callable[[Any], str | None],
+) -> tuple[frozenset[str], frozenset[str], frozenset[str], dict[str, types.CodeType]]:
+    """Analyses and rewrites: ``(state, initialized, constructs, {slot key: code})``."""
     # Only a cache miss parses: libcst's import is a third of jax's, and a
     # warm start (every class cached) never pays it.
     from autostate.transform import analysis, loop_facts, rewrite
@@ -455,6 +464,7 @@ def _transform(
         return any(found is marker for marker in markers)
 
     initialized: set[str] = set(inherited_init)
+    constructs: set[str] = set(inherited_constructs)
     bases = [(base, _base_facts(base)) for base in user_bases]
     base_writes: set[str] = set()
     for _base, base_facts_list in bases:
@@ -462,6 +472,8 @@ def _transform(
             if base_facts.receiver is None:
                 continue
             initialized.update(a.attr for a in base_facts.assignments)
+            if base_facts.source.attr == "__init__":  # (what it calls may be overridden here)
+                constructs.update(base_facts.self_calls)
             if base_facts.source.attr != "__init__":
                 base_writes.update(
                     a.attr for a in base_facts.assignments if a.kind not in ("item", "inplace")
@@ -487,6 +499,7 @@ def _transform(
         is_state_declaration=is_state_declaration,
         inherited_properties=properties,
         declaring_methods=declaring_methods(cls),
+        inherited_constructs=frozenset(constructs),
     )
     _check_undecorated_bases(cls, bases, result.state, facts)
     codes: dict[str, types.CodeType] = {}
@@ -521,7 +534,7 @@ def _transform(
             text, method.source.filename, class_name, code.co_name, method.shift, code.co_flags,
             runtime=method.runtime if rolls else None, loops=loops, state=result.state,
         )
-    return result.state, result.initialized | initialized, codes
+    return result.state, result.initialized | initialized, result.constructs | constructs, codes
 
 
 def _reads_instance_dict(text: str) -> bool:

@@ -99,13 +99,52 @@ def _cells_holding(holder: Any, old: types.FunctionType) -> list[types.CellType]
 
 
 def _wrapper_chain(obj: Any) -> Iterator[Any]:
-    for _ in range(32):
-        if obj is None or isinstance(obj, types.FunctionType) and not hasattr(obj, "__wrapped__"):
-            if obj is not None:
-                yield obj
-            return
+    """``obj`` and what it wraps, down a ``__wrapped__`` chain, and through
+    the functions a wrapper without ``__wrapped__`` closes over."""
+    pending: list[Any] = [obj]
+    seen: set[int] = set()
+    while pending and len(seen) < 32:
+        obj = pending.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
         yield obj
-        obj = getattr(obj, "__wrapped__", None)
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is not None:
+            pending.append(inner)
+        elif isinstance(obj, types.FunctionType):
+            pending.extend(reversed(_closure_functions(obj)))
+
+
+def _closure_functions(fn: types.FunctionType) -> list[types.FunctionType]:
+    """The functions in ``fn``'s closure cells (a decorator's ``fn``)."""
+    found = []
+    for cell in fn.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(held, types.FunctionType):
+            found.append(held)
+    return found
+
+
+def _consumed_method(cls: type, wrapper: Any) -> types.FunctionType | None:
+    """The function of ``cls``'s body that ``wrapper``, a function written
+    elsewhere, wraps through closures (and ``__wrapped__`` links): what a
+    decorator without ``functools.wraps`` made of a method (``@twice`` on
+    ``def step``), alone or among other decorators. A function the class
+    also binds (a helper the decorator was given) is that name's method,
+    not the one consumed."""
+    if isinstance(wrapper, types.FunctionType) and _defined_in(cls, wrapper):
+        return None
+    bound = {id(v) for v in vars(cls).values()}
+    return next(
+        (fn for fn in _wrapper_chain(wrapper)  # (functools.wraps copies a qualname)
+         if isinstance(fn, types.FunctionType) and _defined_in(cls, fn)
+         and not hasattr(fn, "__wrapped__") and id(fn) not in bound),
+        None,
+    )
 
 
 def _defined_in(cls: type, fn: types.FunctionType) -> bool:
@@ -206,12 +245,19 @@ def find_methods(cls: type) -> list[MethodSlot]:
     for attr, value in items:
         if isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
             fn = _wrapped_function(value.__wrapped__)
+            if fn is not None and not _defined_in(cls, fn):
+                fn = _consumed_method(cls, fn) or fn  # (a wrapper without wraps inside)
             if fn is not None:
                 add(attr, value, fn, None)
                 # The wrapper runs as the method too (``self.calls += 1`` around
                 # the call): analysed and rewritten as well, sharing its cells,
                 # so it calls the rewritten function above.
                 add(attr, value, value, set_all, key=f"{attr}.<wrapper>", part="wrapper")
+        elif isinstance(value, types.FunctionType) and (inner := _consumed_method(cls, value)):
+            # A decorator written without functools.wraps: the method the body
+            # wrote is in its wrapper's closure, rewritten there as above.
+            add(attr, value, inner, None)
+            add(attr, value, value, set_all, key=f"{attr}.<wrapper>", part="wrapper")
         elif isinstance(value, types.FunctionType):
             add(attr, value, value, set_all)
         elif isinstance(value, (staticmethod, classmethod)):

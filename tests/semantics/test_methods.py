@@ -2606,6 +2606,15 @@ def when(flag_name):
     return deco
 
 
+def using(ahelper):
+    # no functools.wraps, and a function of the class body in the closure besides
+    def deco(zfn):
+        def wrapper(self, x):
+            return zfn(self, ahelper(self, x))
+        return wrapper
+    return deco
+
+
 def twice_sum(fn):
     @functools.wraps(fn)
     def wrapper(self, x):
@@ -2619,6 +2628,10 @@ class Wrapped:
         self.on = on
         self.s = jnp.zeros(())
         self.n = jnp.zeros((), jnp.int32)
+        self.hits = jnp.zeros(())  # a state only the method under `logged` assigns
+        self.deep = jnp.zeros(())  # only `stacked` (`logged` under wraps-style ones)
+        self.outer = jnp.zeros(())  # only `logged_timed` (`logged` over `timed`)
+        self.helped_total = jnp.zeros(())  # only `helped` (`using(doubled_input)`)
 
     @timed
     def timed_step(self, x):
@@ -2627,6 +2640,7 @@ class Wrapped:
 
     @logged
     def logged_step(self, x):
+        self.hits = self.hits + x
         self.n = self.n + 1
         self.s = self.s * 2 + x
         return self.s
@@ -2651,9 +2665,24 @@ class Wrapped:
     @repeat(2)
     @logged
     def stacked(self, x):
+        self.deep = self.deep + x
         self.n = self.n + 1
         self.s = self.s + x * self.n
         return self.s
+
+    def doubled_input(self, x):
+        return x * 2
+
+    @using(doubled_input)
+    def helped(self, x):
+        self.helped_total = self.helped_total + x
+        return self.helped_total
+
+    @logged
+    @timed
+    def logged_timed(self, x):
+        self.outer = self.outer + x
+        return self.outer
 """
 
 
@@ -2665,6 +2694,8 @@ WRAPPED_CASES = {
     "conditional-off": ("Wrapped(False)", [("gated", (X1,)), ("gated", (X2,))]),
     "calls-twice": ("Wrapped()", [("doubled", (X1,)), ("doubled", (X2,))]),
     "stacked": ("Wrapped()", [("stacked", (X1,)), ("stacked", (X2,))]),
+    "logged-over-timed": ("Wrapped()", [("logged_timed", (X1,)), ("logged_timed", (X2,))]),
+    "given-a-helper": ("Wrapped()", [("helped", (X1,)), ("helped", (X2,))]),
 }
 
 

@@ -1564,6 +1564,62 @@ def test_linen_setup_called_from_init_matches_plain(write_module: Loader) -> Non
     assert autostate.param_dict(model) == {}
 
 
+OVERRIDDEN_SETUP = """
+class Plain:  # undecorated: its __init__ calls a method a subclass overrides
+    def __init__(self):
+        self.w = jnp.ones(2)
+        self.reset()
+
+    def reset(self):
+        pass
+
+
+@DECORATE
+class Base:
+    def __init__(self):
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.w = jnp.ones(2)
+        self.steps = jnp.zeros(())
+
+    def __call__(self, x):
+        self.steps = self.steps + 1
+        return x * self.w
+
+
+class Counted(Base):  # decorated by the base's subclass hook
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.seen = jnp.zeros(())  # a state only the override initializes
+
+    def __call__(self, x):
+        self.seen = self.seen + x.sum()
+        return super().__call__(x) + self.seen
+
+
+@DECORATE
+class Reset(Plain):
+    def reset(self):
+        self.h = jnp.zeros(())
+
+    def __call__(self, x):
+        self.h = self.h + x.sum()
+        return x * self.w + self.h
+"""
+
+
+@pytest.mark.parametrize("build", ["Counted()", "Reset()"])
+def test_a_method_a_base_init_calls_overridden_to_initialize_a_state(
+    write_module: Loader, build: str
+) -> None:
+    """A base's __init__ calling ``self.reset_parameters()`` runs the subclass's
+    override, as in plain Python: what the override assigns is initialized when
+    the model is built (it was refused as first assigned outside __init__)."""
+    plain, dec = pair(write_module, OVERRIDDEN_SETUP)
+    check(plain, dec, build, [("__call__", (V2,))] * 2)
+
+
 MANGLE = """
 @DECORATE
 class Base:

@@ -2593,3 +2593,50 @@ def test_a_static_config_switched_in_a_traced_body_or_in_f_is_refused_at_the_lin
             (jax.jit(call) if mode == "jax.jit(f)" else call)(states, jnp.ones(3))
     assert "training" in str(err.value) and "fix:" in str(err.value)
     assert model.training is True and float(model.steps) == 0.0
+
+
+_PLAIN_HELD = """
+class Config:  # a plain object the model holds: static, shared by every trace
+    def __init__(self):
+        self.count = 0
+        self.log = []
+        self.last = None
+
+
+@DECORATE
+class Holder:
+    def __init__(self):
+        self.w = jnp.ones(3)
+        self.cfg = Config()
+
+    def count(self, x):
+        self.cfg.count += 1
+        return x * self.w
+
+    def log(self, x):
+        self.cfg.log.append(1)
+        return x * self.w
+
+    def keep(self, x):
+        self.cfg.last = x * self.w
+        return x * self.w
+"""
+
+
+@pytest.mark.parametrize("name", ["count", "log", "keep"])
+def test_a_plain_object_changed_in_place_in_a_compiled_call_is_refused(
+    write_module: Any, name: str
+) -> None:
+    """autostate.jit writes back the models, not a plain object they hold: a change
+    to it would be made once per trace, not once per call (``count`` stayed 1 after
+    two calls), or keep the trace's tracer (``keep``). Refused, as in ``jax.jit(f)``,
+    and put back."""
+    dec = pair(write_module, _PLAIN_HELD)[1]
+    model = dec.Holder()
+    call = autostate.jit(lambda m, x: getattr(m, name)(x))
+    with pytest.raises(StateAccessError) as err:
+        call(model, jnp.ones(3))
+    assert "Holder.cfg" in str(err.value) and "fix:" in str(err.value)
+    assert_user_line(err.value, __file__)
+    assert (model.cfg.count, model.cfg.log, model.cfg.last) == (0, [], None)
+    no_tracer(model)

@@ -34,6 +34,18 @@ def test_an_array_in_a_plain_object_is_refused_with_its_path():
         check_no_hidden_arrays(Holder(Box(jnp.zeros(3))))
 
 
+@pytest.mark.parametrize(("value", "at"), [
+    ([jnp.zeros(3)], r"held\.value\[0\]"),
+    ((1, {"k": jnp.zeros(3)}), r"held\.value\[1\]\['k'\]"),
+    ({"w": [jnp.zeros(3)]}, r"held\.value\['w'\]\[0\]"),
+])
+def test_an_array_in_a_container_of_a_plain_object_is_refused_with_its_path(value, at):
+    """The plain object's list is as static as the object: its arrays would be
+    baked into f as constants, as one held directly would."""
+    with pytest.raises(InvalidTypeError, match=rf"inside a plain Box object \(at {at}\)"):
+        check_no_hidden_arrays(Holder(Box(value)))
+
+
 def test_a_model_behind_a_partial_is_refused_with_the_fix_for_partials():
     inner = Holder(None)
     with pytest.raises(InvalidTypeError) as info:
