@@ -85,19 +85,29 @@ class _BatchNorm(Module):
         x, weight, bias = promote(self, x, self.weight, self.bias)
         out = _result_type(x, weight, bias)
         x = x.astype(statistics_dtype(x))
+        if x.shape[1] != self.num_features:
+            raise InvalidArgumentError(
+                format_error(
+                    f"{type(self).__name__}({self.num_features}) got {x.shape[1]} channels on "
+                    f"axis 1 (input shape {tuple(x.shape)}).",
+                    fix=f"pass an input of {self.num_features} channels on axis 1 [N, C, ...].",
+                )
+            )
         if self.training or self.running_mean is None:
+            # Batch statistics (also in evaluation without running statistics).
+            count = x.size // x.shape[1]
+            if count < 2:
+                raise InvalidArgumentError(
+                    format_error(
+                        "BatchNorm with batch statistics needs more than 1 value per channel, "
+                        f"got input shape {tuple(x.shape)}, as in PyTorch.",
+                        fix="use a batch of 2 or more, or call model.eval() on a layer that "
+                        "tracks running statistics.",
+                    )
+                )
             mean = x.mean(axes)
             var = x.var(axes)
             if self.training and self.running_mean is not None:
-                count = x.size // x.shape[1]
-                if count < 2:
-                    raise InvalidArgumentError(
-                        format_error(
-                            "BatchNorm in training needs more than 1 value per channel, got "
-                            f"input shape {tuple(x.shape)}.",
-                            fix="use a batch of 2 or more, or call model.eval().",
-                        )
-                    )
                 self.num_batches_tracked += 1
                 if self.momentum is None:  # a cumulative average
                     factor = 1.0 / self.num_batches_tracked

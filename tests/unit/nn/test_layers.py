@@ -81,6 +81,11 @@ def test_sequential_indexes_iterates_and_names_its_layers():
         (lambda: nn.AvgPool2d(2)(jnp.ones((4, 4))), "3-d \\(unbatched\\)"),
         (lambda: nn.BatchNorm2d(3)(jnp.ones((2, 3, 4))), "4-dimensional"),
         (lambda: nn.BatchNorm1d(3)(jnp.ones((1, 3))), "more than 1 value per channel"),
+        (
+            lambda: nn.BatchNorm1d(3, track_running_stats=False).eval()(jnp.ones((1, 3))),
+            "more than 1 value per channel",
+        ),
+        (lambda: nn.BatchNorm1d(3)(jnp.ones((3, 5))), "got 5 channels"),
     ],
 )
 def test_clear_errors(build, match):
