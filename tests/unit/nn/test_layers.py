@@ -61,6 +61,27 @@ def test_sequential_indexes_iterates_and_names_its_layers():
     ]
 
 
+def test_sequential_changes_as_pytorchs():
+    # Each step's names are what torch.nn.Sequential lists after the same step.
+    seq = nn.Sequential(nn.Linear(2, 3, key=0), nn.ReLU(), nn.Linear(3, 1, key=1))
+    assert seq.append(nn.Tanh()) is seq and seq.insert(0, nn.Identity()) is seq
+    assert [name for name, _ in seq.named_modules()] == ["", "0", "1", "2", "3", "4"]
+    assert type(seq.pop(0)).__name__ == "Identity"
+    assert list(nn.torch_state_dict(seq)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    del seq[1]
+    seq[0] = nn.Linear(2, 5, key=2)
+    assert list(nn.torch_state_dict(seq)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert seq.extend([nn.ReLU()]) is seq and len(seq) == 4
+    assert len(seq + seq) == len(seq * 2) == len(2 * seq) == 8
+    seq.pop(-1)
+    seq.pop(-1)
+    seq[1] = nn.BatchNorm1d(5)
+    out = autostate.jit(lambda m, x: m(x))(seq, jnp.ones((3, 2)))
+    assert out.shape == (3, 5) and int(seq[1].num_batches_tracked) == 1
+    with pytest.raises(IndexError):
+        seq.insert(4, nn.ReLU())
+
+
 @pytest.mark.parametrize(
     ("build", "match"),
     [
