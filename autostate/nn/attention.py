@@ -107,6 +107,11 @@ class MultiheadAttention(Module):
         ``max_len`` and ``cache_batch_size`` add a KV cache (states) for decoding, which
         torch leaves to the model; its arrays are no part of the PyTorch ``state_dict``.
 
+        With ``dropout > 0`` the attention weights' dropout is a sub-model, ``attn_dropout``
+        (an ``nn.Dropout`` holding its key), which ``named_modules()`` and ``modules()`` list
+        after ``out_proj``; torch's layer has no such sub-model. It holds no parameter or
+        buffer, so parameter and ``state_dict`` names are torch's.
+
     Raises:
         InvalidArgumentError: ``embed_dim`` does not divide by ``num_heads``,
             or an option that is not built.

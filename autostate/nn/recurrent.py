@@ -340,6 +340,11 @@ class LSTM(Module):
         stateful RNN), which torch leaves to the caller; they are no part of the PyTorch
         ``state_dict``.
 
+        With ``dropout > 0`` the dropout between layers is a sub-model,
+        ``inter_layer_dropout`` (an ``nn.Dropout`` holding its key), which
+        ``named_modules()`` and ``modules()`` list; torch's layer has none. It holds no
+        parameter or buffer, so parameter and ``state_dict`` names are torch's.
+
     Raises:
         InvalidArgumentError: for ``proj_size > 0`` (not built).
 
@@ -458,6 +463,11 @@ class GRU(Module):
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h_n`` as a state for the next call.
+
+        With ``dropout > 0`` the dropout between layers is a sub-model,
+        ``inter_layer_dropout`` (an ``nn.Dropout`` holding its key), which
+        ``named_modules()`` and ``modules()`` list; torch's layer has none. It holds no
+        parameter or buffer, so parameter and ``state_dict`` names are torch's.
 
     Example:
         >>> import jax, jax.numpy as jnp
