@@ -82,6 +82,18 @@ def test_sequential_changes_as_pytorchs():
         seq.insert(4, nn.ReLU())
 
 
+def test_embedding_from_pretrained_and_torchs_signature():
+    table = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+    emb = nn.Embedding.from_pretrained(table, freeze=False, padding_idx=1)
+    assert (emb.num_embeddings, emb.embedding_dim, emb.padding_idx) == (4, 3, 1)
+    np.testing.assert_array_equal(emb(jnp.array([[1, 3]])), table[[[1, 3]]])  # kept as given
+    grad = autostate.grad(lambda m: m(jnp.array([0, 1, 1])).sum())(emb)
+    np.testing.assert_array_equal(grad.weight, [[1.0] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3])
+    # torch's positional arguments, defaults given explicitly
+    dense = nn.Embedding(4, 3, None, None, 2.0, False, True, key=0)
+    assert dense.weight.shape == (4, 3) and dense.sparse
+
+
 @pytest.mark.parametrize(
     ("build", "match"),
     [
@@ -96,6 +108,10 @@ def test_sequential_changes_as_pytorchs():
         (lambda: nn.GroupNorm(3, 4), "must divide"),
         (lambda: nn.GELU("fast"), "'none' or 'tanh'"),
         (lambda: nn.Embedding(4, 2, padding_idx=4, key=0), "outside"),
+        (lambda: nn.Embedding(4, 2, max_norm=1.0, key=0), "max_norm"),
+        (lambda: nn.Embedding(4, 2, scale_grad_by_freq=True, key=0), "scale_grad_by_freq"),
+        (lambda: nn.Embedding.from_pretrained(jnp.ones((4, 2))), "freeze=True"),
+        (lambda: nn.Embedding(4, 2, _weight=jnp.ones((3, 2))), "_weight has shape"),
         (lambda: nn.MaxPool2d(2, padding=2), "half of kernel_size"),
         (lambda: nn.MaxPool2d(2, return_indices=True), "return_indices"),
         (lambda: nn.AvgPool2d(2, divisor_override=0), "divisor_override=0"),
