@@ -51,6 +51,7 @@ class _BatchNorm(Module):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -62,7 +63,7 @@ class _BatchNorm(Module):
         self.training = True
         dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_features, dtype) if affine else None
-        self.bias = jnp.zeros(num_features, dtype) if affine else None
+        self.bias = jnp.zeros(num_features, dtype) if affine and bias else None
         if track_running_stats:
             self.running_mean = jnp.zeros(num_features, dtype)
             self.running_var = jnp.ones(num_features, dtype)
@@ -141,6 +142,7 @@ class BatchNorm1d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the dtype of the parameters and running
             statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
         param_dtype: the storage dtype of the parameters and running statistics
@@ -180,6 +182,7 @@ class BatchNorm2d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the dtype of the parameters and running
             statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
         param_dtype: the storage dtype of the parameters and running statistics
@@ -282,6 +285,7 @@ class GroupNorm(Module):
         num_channels: ``C``.
         eps: added to the variance.
         affine: whether to learn a per-channel ``weight`` and ``bias``.
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
             is ``None`` (PyTorch's meaning).
         param_dtype: the parameters' storage dtype (Flax's meaning); given, each
@@ -306,6 +310,7 @@ class GroupNorm(Module):
         eps: float = 1e-5,
         affine: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -322,7 +327,7 @@ class GroupNorm(Module):
         self.affine = affine
         dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_channels, dtype) if affine else None
-        self.bias = jnp.zeros(num_channels, dtype) if affine else None
+        self.bias = jnp.zeros(num_channels, dtype) if affine and bias else None
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = x.shape[0]
