@@ -433,6 +433,10 @@ class LSTM(Module):
         self.h = None
         self.c = None
 
+    def flatten_parameters(self) -> None:
+        """Does nothing, as torch's does off cuDNN: ported code calls it before a
+        call, and the weights are already the arrays a call reads."""
+
 
 class GRU(Module):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
@@ -549,3 +553,7 @@ class GRU(Module):
     def reset_state(self) -> None:
         """Forgets the carried ``h_n``: the next call starts from zeros."""
         self.h = None
+
+    def flatten_parameters(self) -> None:
+        """Does nothing, as torch's does off cuDNN: ported code calls it before a
+        call, and the weights are already the arrays a call reads."""
