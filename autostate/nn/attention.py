@@ -179,13 +179,18 @@ class MultiheadAttention(Module):
         compute = dtype
         dtype = precision(self, dtype, param_dtype)
         # torch's layout: one packed matrix, or one per input when kdim/vdim differ.
+        # The layout not used is None, as torch registers it.
         if self._qkv_same_embed_dim:
             self.in_proj_weight = _xavier_uniform(keys[0], (3 * embed_dim, embed_dim), dtype)
+            self.q_proj_weight = self.k_proj_weight = self.v_proj_weight = None
         else:
             self.q_proj_weight = _xavier_uniform(keys[0], (embed_dim, embed_dim), dtype)
             self.k_proj_weight = _xavier_uniform(keys[1], (embed_dim, self.kdim), dtype)
             self.v_proj_weight = _xavier_uniform(keys[2], (embed_dim, self.vdim), dtype)
+            self.in_proj_weight = None
         self.in_proj_bias = jnp.zeros(3 * embed_dim, dtype) if bias else None
+        self.bias_k = self.bias_v = None  # add_bias_kv is not built
+        self.add_zero_attn = add_zero_attn
         self.out_proj = Linear(
             embed_dim, embed_dim, bias=bias, key=keys[3], dtype=compute, param_dtype=param_dtype
         )

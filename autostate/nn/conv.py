@@ -117,6 +117,8 @@ class _ConvNd(Module):
         self.stride = _tuple(stride, n, "stride")
         self.dilation = _tuple(dilation, n, "dilation")
         self.groups = groups
+        self.transposed = False  # torch's attributes of a convolution
+        self.output_padding = (0,) * n
         if isinstance(padding, str):
             if padding not in ("same", "valid"):
                 raise InvalidArgumentError(
@@ -380,6 +382,7 @@ class ConvTranspose2d(Module):
         self.output_padding = _tuple(output_padding, 2, "output_padding")
         self.dilation = _tuple(dilation, 2, "dilation")
         self.groups = groups
+        self.transposed = True
         for op, s, d in zip(self.output_padding, self.stride, self.dilation, strict=True):
             if op >= max(s, d):
                 raise InvalidArgumentError(

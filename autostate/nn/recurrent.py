@@ -376,6 +376,7 @@ class LSTM(Module):
         param_dtype: Any = None,
     ) -> None:
         _check_proj_size(proj_size)
+        self.mode = "LSTM"
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -508,6 +509,8 @@ class GRU(Module):
         self.batch_first = batch_first
         self.dropout = dropout
         self.bidirectional = bidirectional
+        self.proj_size = 0
+        self.mode = "GRU"
         self.carry_state = carry_state
         init_key, dropout_key = jax.random.split(split_key(key))
         dtype = precision(self, dtype, param_dtype)

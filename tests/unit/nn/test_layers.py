@@ -94,6 +94,17 @@ def test_embedding_from_pretrained_and_torchs_signature():
     assert dense.weight.shape == (4, 3) and dense.sparse
 
 
+def test_torchs_configuration_attributes():
+    conv, up = nn.Conv2d(2, 4, 3, key=0), nn.ConvTranspose2d(2, 4, 3, key=0)
+    assert (conv.transposed, conv.output_padding, conv.padding_mode) == (False, (0, 0), "zeros")
+    assert up.transposed and up.padding_mode == "zeros"
+    assert (nn.LSTM(3, 4, key=0).mode, nn.GRU(3, 4, key=0).mode, nn.GRU(3, 4, key=0).proj_size) == (
+        "LSTM",
+        "GRU",
+        0,
+    )
+
+
 @pytest.mark.parametrize(
     ("build", "match"),
     [
