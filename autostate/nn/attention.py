@@ -23,7 +23,7 @@ eagerly, in ``f(states, ...)`` under ``jax.jit``, and inside
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,11 @@ class MultiheadAttention(Module):
 
     # The cache is no part of a torch checkpoint (a non-persistent buffer).
     _torch_not_persistent = ("k_cache", "v_cache", "cache_pos")
+    # One layout is built, the other is None (as torch registers it).
+    in_proj_weight: Array | None
+    q_proj_weight: Array | None
+    k_proj_weight: Array | None
+    v_proj_weight: Array | None
 
     def __init__(
         self,
@@ -247,9 +252,10 @@ class MultiheadAttention(Module):
     def _project(self, query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
         """The input projections: ``[N, L, E]`` queries, ``[N, S, E]`` keys and values."""
         if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = jnp.split(self.in_proj_weight, 3)
+            w_q, w_k, w_v = jnp.split(cast(Array, self.in_proj_weight), 3)
         else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            w_q, w_k, w_v = cast("tuple[Array, Array, Array]", separate)
         query, key, value, w_q, w_k, w_v, in_proj_bias = promote(
             self, query, key, value, w_q, w_k, w_v, self.in_proj_bias
         )
