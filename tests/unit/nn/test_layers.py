@@ -82,6 +82,29 @@ def test_sequential_changes_as_pytorchs():
         seq.insert(4, nn.ReLU())
 
 
+def test_sequential_of_named_layers_runs_and_names_them_as_pytorchs():
+    # torch: Sequential(OrderedDict(...)) and add_module add layers that forward
+    # calls, named by their names; a slice keeps its layers' names.
+    from collections import OrderedDict
+
+    seq = nn.Sequential(OrderedDict([("conv0", nn.Conv2d(2, 3, 3, key=0)), ("norm0", nn.BatchNorm2d(3))]))
+    seq.add_module("relu0", nn.ReLU())
+    seq.add_module("flat", nn.Flatten())
+    assert len(seq) == 4 and seq.conv0 is seq[0] and type(seq.flat).__name__ == "Flatten"
+    assert list(nn.torch_state_dict(seq))[:3] == ["conv0.weight", "conv0.bias", "norm0.weight"]
+    assert list(nn.torch_state_dict(seq[1:]))[0] == "norm0.weight"
+    assert [name for name, _ in seq.named_modules()] == ["", "conv0", "norm0", "relu0", "flat"]
+    x = jnp.ones((2, 2, 5, 5)).at[0].set(2.0)
+    eager = seq(x)
+    assert eager.shape == (2, 27)  # every layer ran, in order
+    loaded = nn.load_torch_state_dict(seq, nn.torch_state_dict(seq))
+    np.testing.assert_allclose(autostate.jit(lambda m, x: m(x))(loaded, x), eager, rtol=1e-6)
+    with pytest.raises(AttributeError):
+        _ = seq.conv1
+    del seq[0]
+    assert list(nn.torch_state_dict(seq))[0] == "0.weight"  # numbered anew, as torch does
+
+
 def test_embedding_from_pretrained_and_torchs_signature():
     table = np.arange(12.0, dtype=np.float32).reshape(4, 3)
     emb = nn.Embedding.from_pretrained(table, freeze=False, padding_idx=1)
