@@ -23,7 +23,7 @@ eagerly, in ``f(states, ...)`` under ``jax.jit``, and inside
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +107,11 @@ class MultiheadAttention(Module):
         ``max_len`` and ``cache_batch_size`` add a KV cache (states) for decoding, which
         torch leaves to the model; its arrays are no part of the PyTorch ``state_dict``.
 
+        With ``dropout > 0`` the attention weights' dropout is a sub-model, ``attn_dropout``
+        (an ``nn.Dropout`` holding its key), which ``named_modules()`` and ``modules()`` list
+        after ``out_proj``; torch's layer has no such sub-model. It holds no parameter or
+        buffer, so parameter and ``state_dict`` names are torch's.
+
     Raises:
         InvalidArgumentError: ``embed_dim`` does not divide by ``num_heads``,
             or an option that is not built.
@@ -132,6 +137,11 @@ class MultiheadAttention(Module):
 
     # The cache is no part of a torch checkpoint (a non-persistent buffer).
     _torch_not_persistent = ("k_cache", "v_cache", "cache_pos")
+    # One layout is built, the other is None (as torch registers it).
+    in_proj_weight: Array | None
+    q_proj_weight: Array | None
+    k_proj_weight: Array | None
+    v_proj_weight: Array | None
 
     def __init__(
         self,
@@ -174,13 +184,18 @@ class MultiheadAttention(Module):
         compute = dtype
         dtype = precision(self, dtype, param_dtype)
         # torch's layout: one packed matrix, or one per input when kdim/vdim differ.
+        # The layout not used is None, as torch registers it.
         if self._qkv_same_embed_dim:
             self.in_proj_weight = _xavier_uniform(keys[0], (3 * embed_dim, embed_dim), dtype)
+            self.q_proj_weight = self.k_proj_weight = self.v_proj_weight = None
         else:
             self.q_proj_weight = _xavier_uniform(keys[0], (embed_dim, embed_dim), dtype)
             self.k_proj_weight = _xavier_uniform(keys[1], (embed_dim, self.kdim), dtype)
             self.v_proj_weight = _xavier_uniform(keys[2], (embed_dim, self.vdim), dtype)
+            self.in_proj_weight = None
         self.in_proj_bias = jnp.zeros(3 * embed_dim, dtype) if bias else None
+        self.bias_k = self.bias_v = None  # add_bias_kv is not built
+        self.add_zero_attn = add_zero_attn
         self.out_proj = Linear(
             embed_dim, embed_dim, bias=bias, key=keys[3], dtype=compute, param_dtype=param_dtype
         )
@@ -237,9 +252,10 @@ class MultiheadAttention(Module):
     def _project(self, query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
         """The input projections: ``[N, L, E]`` queries, ``[N, S, E]`` keys and values."""
         if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = jnp.split(self.in_proj_weight, 3)
+            w_q, w_k, w_v = jnp.split(cast(Array, self.in_proj_weight), 3)
         else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            separate = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            w_q, w_k, w_v = cast("tuple[Array, Array, Array]", separate)
         query, key, value, w_q, w_k, w_v, in_proj_bias = promote(
             self, query, key, value, w_q, w_k, w_v, self.in_proj_bias
         )

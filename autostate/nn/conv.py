@@ -46,6 +46,38 @@ def _dimension_numbers(n: int) -> tuple[str, str, str]:
     return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
 
 
+# torch's padding_mode -> ``jnp.pad``'s mode (``"zeros"`` pads inside the convolution).
+_PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def _check_padding_mode(padding_mode: str, allowed: tuple[str, ...]) -> str:
+    if padding_mode not in allowed:
+        raise InvalidArgumentError(
+            format_error(
+                f"padding_mode={padding_mode!r}: it is one of "
+                f"{', '.join(repr(m) for m in allowed)}, as in PyTorch.",
+                fix="pass one of those.",
+            )
+        )
+    return padding_mode
+
+
+def _batched(x: jax.Array, n: int, layer: object) -> tuple[jax.Array, bool]:
+    """``x`` with a batch axis, and whether it had one: PyTorch takes an
+    unbatched ``[C, *spatial]`` input too."""
+    if x.ndim == n + 2:
+        return x, True
+    if x.ndim == n + 1:
+        return x[None], False
+    raise InvalidArgumentError(
+        format_error(
+            f"{type(layer).__name__} expects a {n + 1}-d (unbatched) or {n + 2}-d (batched) "
+            f"input [N, C, ...], got shape {tuple(x.shape)}.",
+            fix="pass channels first, with or without a batch axis in front.",
+        )
+    )
+
+
 def _check_groups(in_channels: int, out_channels: int, groups: int) -> None:
     if groups < 1 or in_channels % groups or out_channels % groups:
         raise InvalidArgumentError(
@@ -71,18 +103,22 @@ class _ConvNd(Module):
         dilation: IntOrTuple = 1,
         groups: int = 1,
         bias: bool = True,
+        padding_mode: str = "zeros",
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
         _check_groups(in_channels, out_channels, groups)
+        self.padding_mode = _check_padding_mode(padding_mode, tuple(_PAD_MODES))
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size = _tuple(kernel_size, n, "kernel_size")
         self.stride = _tuple(stride, n, "stride")
         self.dilation = _tuple(dilation, n, "dilation")
         self.groups = groups
+        self.transposed = False  # torch's attributes of a convolution
+        self.output_padding = (0,) * n
         if isinstance(padding, str):
             if padding not in ("same", "valid"):
                 raise InvalidArgumentError(
@@ -119,19 +155,24 @@ class _ConvNd(Module):
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = len(self.kernel_size)
+        x, batched = _batched(x, n, self)
         x, weight, bias = promote(self, x, self.weight, self.bias)
+        pads = self._pads()
+        if self.padding_mode != "zeros":  # padded first, as PyTorch does
+            x = jnp.pad(x, [(0, 0), (0, 0), *pads], mode=_PAD_MODES[self.padding_mode])
+            pads = [(0, 0)] * n
         y = jax.lax.conv_general_dilated(
             x,
             weight,
             window_strides=self.stride,
-            padding=self._pads(),
+            padding=pads,
             rhs_dilation=self.dilation,
             dimension_numbers=_dimension_numbers(n),
             feature_group_count=self.groups,
         )
         if bias is not None:
             y = y + bias.reshape((-1,) + (1,) * n)
-        return y
+        return y if batched else y[0]
 
 
 class Conv1d(_ConvNd):
@@ -146,6 +187,8 @@ class Conv1d(_ConvNd):
         dilation: the spacing between kernel elements.
         groups: independent channel groups (``in_channels`` for depthwise).
         bias: whether to add a learned bias.
+        padding_mode: what the padding holds: ``'zeros'``, ``'reflect'``,
+            ``'replicate'`` or ``'circular'``.
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
             is ``None`` (PyTorch's meaning).
@@ -153,7 +196,7 @@ class Conv1d(_ConvNd):
             call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.Conv1d`` but ``padding_mode`` (zeros only), plus
+        The arguments of ``torch.nn.Conv1d``, plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
         ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
@@ -176,6 +219,7 @@ class Conv1d(_ConvNd):
         dilation: IntOrTuple = 1,
         groups: int = 1,
         bias: bool = True,
+        padding_mode: str = "zeros",
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
@@ -191,6 +235,7 @@ class Conv1d(_ConvNd):
             dilation,
             groups,
             bias,
+            padding_mode,
             key=key,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -210,6 +255,8 @@ class Conv2d(_ConvNd):
         dilation: an int or ``(dh, dw)``.
         groups: independent channel groups (``in_channels`` for depthwise).
         bias: whether to add a learned bias.
+        padding_mode: what the padding holds: ``'zeros'``, ``'reflect'``,
+            ``'replicate'`` or ``'circular'``.
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
             is ``None`` (PyTorch's meaning).
@@ -217,7 +264,7 @@ class Conv2d(_ConvNd):
             call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.Conv2d`` but ``padding_mode`` (zeros only), plus
+        The arguments of ``torch.nn.Conv2d``, plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
         ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
@@ -241,6 +288,7 @@ class Conv2d(_ConvNd):
         dilation: IntOrTuple = 1,
         groups: int = 1,
         bias: bool = True,
+        padding_mode: str = "zeros",
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
@@ -256,6 +304,7 @@ class Conv2d(_ConvNd):
             dilation,
             groups,
             bias,
+            padding_mode,
             key=key,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -281,6 +330,7 @@ class ConvTranspose2d(Module):
         groups: independent channel groups.
         bias: whether to add a learned bias.
         dilation: an int or ``(dh, dw)``.
+        padding_mode: ``'zeros'``, the only mode PyTorch builds for it.
         key: where the initial weights come from (see ``autostate.nn.random``).
         dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
             is ``None`` (PyTorch's meaning).
@@ -288,7 +338,8 @@ class ConvTranspose2d(Module):
             call casts the parameters and the input to ``dtype`` (mixed precision).
 
     Differences from PyTorch:
-        The arguments of ``torch.nn.ConvTranspose2d`` but ``padding_mode``, plus
+        The arguments of ``torch.nn.ConvTranspose2d`` (whose ``padding_mode`` is
+        ``'zeros'`` only, as in PyTorch), plus
         keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
         ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
         ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
@@ -315,12 +366,14 @@ class ConvTranspose2d(Module):
         groups: int = 1,
         bias: bool = True,
         dilation: IntOrTuple = 1,
+        padding_mode: str = "zeros",
         *,
         key: KeyLike = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
         _check_groups(in_channels, out_channels, groups)
+        self.padding_mode = _check_padding_mode(padding_mode, ("zeros",))
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size = _tuple(kernel_size, 2, "kernel_size")
@@ -329,6 +382,7 @@ class ConvTranspose2d(Module):
         self.output_padding = _tuple(output_padding, 2, "output_padding")
         self.dilation = _tuple(dilation, 2, "dilation")
         self.groups = groups
+        self.transposed = True
         for op, s, d in zip(self.output_padding, self.stride, self.dilation, strict=True):
             if op >= max(s, d):
                 raise InvalidArgumentError(
@@ -361,6 +415,7 @@ class ConvTranspose2d(Module):
         ):
             edge = d * (k - 1) - p
             pads.append((edge, edge + op))
+        x, batched = _batched(x, 2, self)
         x, kernel, bias = promote(self, x, self._forward_kernel(), self.bias)
         y = jax.lax.conv_general_dilated(
             x,
@@ -374,4 +429,4 @@ class ConvTranspose2d(Module):
         )
         if bias is not None:
             y = y + bias.reshape(-1, 1, 1)
-        return y
+        return y if batched else y[0]

@@ -51,6 +51,7 @@ class _BatchNorm(Module):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -62,7 +63,7 @@ class _BatchNorm(Module):
         self.training = True
         dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_features, dtype) if affine else None
-        self.bias = jnp.zeros(num_features, dtype) if affine else None
+        self.bias = jnp.zeros(num_features, dtype) if affine and bias else None
         if track_running_stats:
             self.running_mean = jnp.zeros(num_features, dtype)
             self.running_var = jnp.ones(num_features, dtype)
@@ -85,19 +86,29 @@ class _BatchNorm(Module):
         x, weight, bias = promote(self, x, self.weight, self.bias)
         out = _result_type(x, weight, bias)
         x = x.astype(statistics_dtype(x))
+        if x.shape[1] != self.num_features:
+            raise InvalidArgumentError(
+                format_error(
+                    f"{type(self).__name__}({self.num_features}) got {x.shape[1]} channels on "
+                    f"axis 1 (input shape {tuple(x.shape)}).",
+                    fix=f"pass an input of {self.num_features} channels on axis 1 [N, C, ...].",
+                )
+            )
         if self.training or self.running_mean is None:
+            # Batch statistics (also in evaluation without running statistics).
+            count = x.size // x.shape[1]
+            if count < 2:
+                raise InvalidArgumentError(
+                    format_error(
+                        "BatchNorm with batch statistics needs more than 1 value per channel, "
+                        f"got input shape {tuple(x.shape)}, as in PyTorch.",
+                        fix="use a batch of 2 or more, or call model.eval() on a layer that "
+                        "tracks running statistics.",
+                    )
+                )
             mean = x.mean(axes)
             var = x.var(axes)
             if self.training and self.running_mean is not None:
-                count = x.size // x.shape[1]
-                if count < 2:
-                    raise InvalidArgumentError(
-                        format_error(
-                            "BatchNorm in training needs more than 1 value per channel, got "
-                            f"input shape {tuple(x.shape)}.",
-                            fix="use a batch of 2 or more, or call model.eval().",
-                        )
-                    )
                 self.num_batches_tracked += 1
                 if self.momentum is None:  # a cumulative average
                     factor = 1.0 / self.num_batches_tracked
@@ -131,6 +142,7 @@ class BatchNorm1d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the dtype of the parameters and running
             statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
         param_dtype: the storage dtype of the parameters and running statistics
@@ -170,6 +182,7 @@ class BatchNorm2d(_BatchNorm):
         affine: whether to learn ``weight`` and ``bias``.
         track_running_stats: whether to keep running statistics (``False``:
             batch statistics in evaluation too).
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the dtype of the parameters and running
             statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
         param_dtype: the storage dtype of the parameters and running statistics
@@ -272,6 +285,7 @@ class GroupNorm(Module):
         num_channels: ``C``.
         eps: added to the variance.
         affine: whether to learn a per-channel ``weight`` and ``bias``.
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
         dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
             is ``None`` (PyTorch's meaning).
         param_dtype: the parameters' storage dtype (Flax's meaning); given, each
@@ -296,6 +310,7 @@ class GroupNorm(Module):
         eps: float = 1e-5,
         affine: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -312,7 +327,7 @@ class GroupNorm(Module):
         self.affine = affine
         dtype = precision(self, dtype, param_dtype)
         self.weight = jnp.ones(num_channels, dtype) if affine else None
-        self.bias = jnp.zeros(num_channels, dtype) if affine else None
+        self.bias = jnp.zeros(num_channels, dtype) if affine and bias else None
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = x.shape[0]

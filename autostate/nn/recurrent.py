@@ -340,6 +340,11 @@ class LSTM(Module):
         stateful RNN), which torch leaves to the caller; they are no part of the PyTorch
         ``state_dict``.
 
+        With ``dropout > 0`` the dropout between layers is a sub-model,
+        ``inter_layer_dropout`` (an ``nn.Dropout`` holding its key), which
+        ``named_modules()`` and ``modules()`` list; torch's layer has none. It holds no
+        parameter or buffer, so parameter and ``state_dict`` names are torch's.
+
     Raises:
         InvalidArgumentError: for ``proj_size > 0`` (not built).
 
@@ -371,6 +376,7 @@ class LSTM(Module):
         param_dtype: Any = None,
     ) -> None:
         _check_proj_size(proj_size)
+        self.mode = "LSTM"
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -428,6 +434,10 @@ class LSTM(Module):
         self.h = None
         self.c = None
 
+    def flatten_parameters(self) -> None:
+        """Does nothing, as torch's does off cuDNN: ported code calls it before a
+        call, and the weights are already the arrays a call reads."""
+
 
 class GRU(Module):
     """A multi-layer GRU over a sequence, as ``torch.nn.GRU``.
@@ -458,6 +468,11 @@ class GRU(Module):
         precision, which torch has not); no ``device=`` (JAX places arrays).
 
         ``carry_state=True`` keeps ``h_n`` as a state for the next call.
+
+        With ``dropout > 0`` the dropout between layers is a sub-model,
+        ``inter_layer_dropout`` (an ``nn.Dropout`` holding its key), which
+        ``named_modules()`` and ``modules()`` list; torch's layer has none. It holds no
+        parameter or buffer, so parameter and ``state_dict`` names are torch's.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -494,6 +509,8 @@ class GRU(Module):
         self.batch_first = batch_first
         self.dropout = dropout
         self.bidirectional = bidirectional
+        self.proj_size = 0
+        self.mode = "GRU"
         self.carry_state = carry_state
         init_key, dropout_key = jax.random.split(split_key(key))
         dtype = precision(self, dtype, param_dtype)
@@ -539,3 +556,7 @@ class GRU(Module):
     def reset_state(self) -> None:
         """Forgets the carried ``h_n``: the next call starts from zeros."""
         self.h = None
+
+    def flatten_parameters(self) -> None:
+        """Does nothing, as torch's does off cuDNN: ported code calls it before a
+        call, and the weights are already the arrays a call reads."""

@@ -92,7 +92,8 @@ def own_members(
     dicts and tuples on the way are walked into (``layers[0]`` is
     ``layers.0``). A class that keeps its layers in one list attribute
     named in ``_torch_children`` (``Sequential``) has that attribute left out
-    of the names. A path through a bound method (``self.act =
+    of the names, and its item ``i`` named ``_torch_names[i]`` when it has
+    those (torch's named layers: ``conv0``). A path through a bound method (``self.act =
     self.sub.forward``) is no module path, as in PyTorch, and is not
     yielded. ``persistent`` is false for a state the instance or its class
     lists in ``_torch_not_persistent`` (a KV cache, a carried hidden state, a
@@ -118,6 +119,9 @@ def own_members(
         persistent = parts[0] not in not_persistent
         if skip is not None and parts[:1] == [skip]:
             parts = parts[1:]
+            names = getattr(node, "_torch_names", None)  # a Sequential's named layers
+            if names and parts and parts[0].isdigit():
+                parts = [names[int(parts[0])], *parts[1:]]
         yield parts, value, persistent
 
 

@@ -167,3 +167,15 @@ def test_a_torch_checkpoint_loads_into_a_cached_decoder() -> None:
     steps = [decoder(x[t : t + 1], x[t : t + 1], x[t : t + 1])[0] for t in range(2)]
     expected, _ = fixture.load(nn.MultiheadAttention(**fixture.config, key=0))(x[:2], x[:2], x[:2], is_causal=True)
     np.testing.assert_allclose(jnp.concatenate(steps), expected, **TOLERANCE)
+
+
+def test_torchs_attributes_of_the_unused_layout_are_none():
+    # torch registers the layout it does not use, and bias_k / bias_v, as None:
+    # ported init code tests them (`if m.in_proj_weight is not None`).
+    packed = nn.MultiheadAttention(8, 2, key=0)
+    split = nn.MultiheadAttention(8, 2, kdim=4, key=0)
+    assert packed.q_proj_weight is packed.k_proj_weight is packed.v_proj_weight is None
+    assert split.in_proj_weight is None and split.q_proj_weight.shape == (8, 8)
+    assert packed.bias_k is packed.bias_v is None and packed.add_zero_attn is False
+    names = ["q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias"]
+    assert list(nn.torch_state_dict(split))[:4] == names

@@ -61,6 +61,73 @@ def test_sequential_indexes_iterates_and_names_its_layers():
     ]
 
 
+def test_sequential_changes_as_pytorchs():
+    # Each step's names are what torch.nn.Sequential lists after the same step.
+    seq = nn.Sequential(nn.Linear(2, 3, key=0), nn.ReLU(), nn.Linear(3, 1, key=1))
+    assert seq.append(nn.Tanh()) is seq and seq.insert(0, nn.Identity()) is seq
+    assert [name for name, _ in seq.named_modules()] == ["", "0", "1", "2", "3", "4"]
+    assert type(seq.pop(0)).__name__ == "Identity"
+    assert list(nn.torch_state_dict(seq)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    del seq[1]
+    seq[0] = nn.Linear(2, 5, key=2)
+    assert list(nn.torch_state_dict(seq)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert seq.extend([nn.ReLU()]) is seq and len(seq) == 4
+    assert len(seq + seq) == len(seq * 2) == len(2 * seq) == 8
+    seq.pop(-1)
+    seq.pop(-1)
+    seq[1] = nn.BatchNorm1d(5)
+    out = autostate.jit(lambda m, x: m(x))(seq, jnp.ones((3, 2)))
+    assert out.shape == (3, 5) and int(seq[1].num_batches_tracked) == 1
+    with pytest.raises(IndexError):
+        seq.insert(4, nn.ReLU())
+
+
+def test_sequential_of_named_layers_runs_and_names_them_as_pytorchs():
+    # torch: Sequential(OrderedDict(...)) and add_module add layers that forward
+    # calls, named by their names; a slice keeps its layers' names.
+    from collections import OrderedDict
+
+    seq = nn.Sequential(OrderedDict([("conv0", nn.Conv2d(2, 3, 3, key=0)), ("norm0", nn.BatchNorm2d(3))]))
+    seq.add_module("relu0", nn.ReLU())
+    seq.add_module("flat", nn.Flatten())
+    assert len(seq) == 4 and seq.conv0 is seq[0] and type(seq.flat).__name__ == "Flatten"
+    assert list(nn.torch_state_dict(seq))[:3] == ["conv0.weight", "conv0.bias", "norm0.weight"]
+    assert list(nn.torch_state_dict(seq[1:]))[0] == "norm0.weight"
+    assert [name for name, _ in seq.named_modules()] == ["", "conv0", "norm0", "relu0", "flat"]
+    x = jnp.ones((2, 2, 5, 5)).at[0].set(2.0)
+    eager = seq(x)
+    assert eager.shape == (2, 27)  # every layer ran, in order
+    loaded = nn.load_torch_state_dict(seq, nn.torch_state_dict(seq))
+    np.testing.assert_allclose(autostate.jit(lambda m, x: m(x))(loaded, x), eager, rtol=1e-6)
+    with pytest.raises(AttributeError):
+        _ = seq.conv1
+    del seq[0]
+    assert list(nn.torch_state_dict(seq))[0] == "0.weight"  # numbered anew, as torch does
+
+
+def test_embedding_from_pretrained_and_torchs_signature():
+    table = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+    emb = nn.Embedding.from_pretrained(table, freeze=False, padding_idx=1)
+    assert (emb.num_embeddings, emb.embedding_dim, emb.padding_idx) == (4, 3, 1)
+    np.testing.assert_array_equal(emb(jnp.array([[1, 3]])), table[[[1, 3]]])  # kept as given
+    grad = autostate.grad(lambda m: m(jnp.array([0, 1, 1])).sum())(emb)
+    np.testing.assert_array_equal(grad.weight, [[1.0] * 3, [0.0] * 3, [0.0] * 3, [0.0] * 3])
+    # torch's positional arguments, defaults given explicitly
+    dense = nn.Embedding(4, 3, None, None, 2.0, False, True, key=0)
+    assert dense.weight.shape == (4, 3) and dense.sparse
+
+
+def test_torchs_configuration_attributes():
+    conv, up = nn.Conv2d(2, 4, 3, key=0), nn.ConvTranspose2d(2, 4, 3, key=0)
+    assert (conv.transposed, conv.output_padding, conv.padding_mode) == (False, (0, 0), "zeros")
+    assert up.transposed and up.padding_mode == "zeros"
+    assert (nn.LSTM(3, 4, key=0).mode, nn.GRU(3, 4, key=0).mode, nn.GRU(3, 4, key=0).proj_size) == (
+        "LSTM",
+        "GRU",
+        0,
+    )
+
+
 @pytest.mark.parametrize(
     ("build", "match"),
     [
@@ -69,12 +136,27 @@ def test_sequential_indexes_iterates_and_names_its_layers():
         (lambda: nn.Conv1d(4, 6, 3, groups=4, key=0), "must divide"),
         (lambda: nn.Conv2d(4, 4, (3, 3, 3), key=0), "2 ints"),
         (lambda: nn.ConvTranspose2d(2, 2, 3, stride=2, output_padding=2, key=0), "output_padding"),
+        (lambda: nn.Conv2d(2, 2, 3, padding_mode="mirror", key=0), "padding_mode='mirror'"),
+        (lambda: nn.ConvTranspose2d(2, 2, 3, padding_mode="reflect", key=0), "padding_mode"),
+        (lambda: nn.Conv2d(2, 2, 3, key=0)(jnp.ones((1, 1, 2, 5, 5))), "4-d \\(batched\\)"),
         (lambda: nn.GroupNorm(3, 4), "must divide"),
         (lambda: nn.GELU("fast"), "'none' or 'tanh'"),
         (lambda: nn.Embedding(4, 2, padding_idx=4, key=0), "outside"),
+        (lambda: nn.Embedding(4, 2, max_norm=1.0, key=0), "max_norm"),
+        (lambda: nn.Embedding(4, 2, scale_grad_by_freq=True, key=0), "scale_grad_by_freq"),
+        (lambda: nn.Embedding.from_pretrained(jnp.ones((4, 2))), "freeze=True"),
+        (lambda: nn.Embedding(4, 2, _weight=jnp.ones((3, 2))), "_weight has shape"),
         (lambda: nn.MaxPool2d(2, padding=2), "half of kernel_size"),
+        (lambda: nn.MaxPool2d(2, return_indices=True), "return_indices"),
+        (lambda: nn.AvgPool2d(2, divisor_override=0), "divisor_override=0"),
+        (lambda: nn.AvgPool2d(2)(jnp.ones((4, 4))), "3-d \\(unbatched\\)"),
         (lambda: nn.BatchNorm2d(3)(jnp.ones((2, 3, 4))), "4-dimensional"),
         (lambda: nn.BatchNorm1d(3)(jnp.ones((1, 3))), "more than 1 value per channel"),
+        (
+            lambda: nn.BatchNorm1d(3, track_running_stats=False).eval()(jnp.ones((1, 3))),
+            "more than 1 value per channel",
+        ),
+        (lambda: nn.BatchNorm1d(3)(jnp.ones((3, 5))), "got 5 channels"),
     ],
 )
 def test_clear_errors(build, match):

@@ -151,3 +151,12 @@ def test_dropout_between_layers_in_training_only() -> None:
 def test_projection_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="proj_size"):
         nn.LSTM(3, 4, proj_size=2, key=0)
+
+
+def test_flatten_parameters_is_accepted_and_changes_nothing():
+    # torch code calls it before each call (a cuDNN layout step there).
+    for layer in (nn.LSTM(3, 4, key=0), nn.GRU(3, 4, key=0)):
+        before = autostate.param_dict(layer)
+        assert layer.flatten_parameters() is None
+        assert autostate.param_dict(layer).keys() == before.keys()
+        assert all(autostate.param_dict(layer)[k] is v for k, v in before.items())
