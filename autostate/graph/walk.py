@@ -957,6 +957,52 @@ def _same_function(value: Any, ref: BoundRef) -> bool:
     )
 
 
+class _InOrder(dict):
+    """A dict whose keys are not in sorted order, as the graph flattens it:
+    JAX orders a dict by its keys, so a dict rebuilt from a treedef (the copy a
+    compiled call's program runs on) would iterate in another order than the
+    model's (``for block in self.blocks.values()``). This node keeps the keys
+    in their own order in the treedef, and its rebuild is a plain dict in
+    that order. It lives only inside treedefs; the model never holds one."""
+
+
+def _plain_dict(keys: tuple, children: Iterable[Any]) -> Any:
+    return dict(zip(keys, children))
+
+
+jax.tree_util.register_pytree_with_keys(
+    _InOrder,
+    lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
+    _plain_dict,
+    flatten_func=lambda d: (list(d.values()), tuple(d)),
+)
+
+
+def _in_order(value: Any) -> Any:
+    """``value`` with each dict (in its lists, tuples and dicts) whose keys are
+    not in sorted order made an ``_InOrder``, for the graph's flatten; the
+    value itself when there is none. A dict whose keys do not sort is left as
+    it is (JAX refuses it, with autostate's error where it must flatten)."""
+    t = type(value)
+    if t is dict:
+        children = {k: _in_order(v) for k, v in value.items()}
+        keys = list(value)
+        try:
+            ordered = keys == sorted(keys)
+        except TypeError:
+            ordered = True
+        if not ordered:
+            return _InOrder(children)
+        if any(children[k] is not v for k, v in value.items()):
+            return children
+        return value
+    if t is list or t is tuple:
+        items = [_in_order(v) for v in value]
+        if any(a is not b for a, b in zip(items, value)):
+            return t(items)
+    return value
+
+
 def _graph_leaf(x: Any) -> bool:
     return type(x) in STATEFUL_CLASSES or is_static_leaf(x)
 
@@ -1024,7 +1070,9 @@ def flatten_graph(root: Any, objects: list[Any] | None = None) -> tuple[list[Any
                 else:
                     entries.append((name, None, StaticLeaf(copy_static(value, statics))))
                 continue
-            flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_graph_leaf)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(
+                _in_order(value), is_leaf=_graph_leaf
+            )
             parts: list[Any] = []
             here = prefix + attr_name(name)
             here_keys = (*prefix_keys, attr_key(name))
@@ -1108,7 +1156,7 @@ def graph_unchanged(root: Any, leaves: list[Any], graphdef: GraphDef) -> bool:
                 and value is leaves[parts[0]]
             ):
                 continue
-            flat, new_def = jax.tree_util.tree_flatten(value, is_leaf=_graph_leaf)
+            flat, new_def = jax.tree_util.tree_flatten(_in_order(value), is_leaf=_graph_leaf)
             if new_def != treedef or len(flat) != len(parts):
                 return False
             for leaf, p in zip(flat, parts):

@@ -4050,6 +4050,61 @@ READ = autostate.jit(read)
         same(plain.READ(p), dec.READ(d), f"after edit {i}")
 
 
+def test_compiled_calls_iterate_a_dict_of_layers_in_its_own_order(write_module: Loader) -> None:
+    # JAX orders a dict by its keys; the copy a compiled call runs on iterates
+    # the model's dict in its insertion order, as the plain call does, also
+    # after the order changes between calls (in place, or a new dict).
+    source = """
+@DECORATE
+class Affine:
+    def __init__(self, a):
+        self.a = jnp.float32(a)
+        self.n = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.n += 1
+        return x * self.a + 1.0
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = {"z": Affine(2.0), "a": Affine(3.0), "m": Affine(-1.0)}
+        self.nested = [{"y": jnp.ones(()), "b": jnp.full((), 5.0)}]
+
+    def __call__(self, x):
+        for block in self.blocks.values():
+            x = block(x)
+        for v in self.nested[0].values():
+            x = x * 2.0 - v
+        return x
+
+
+STEP = autostate.jit(lambda model, x: model(x))
+"""
+    plain, dec = pair(
+        write_module, source, plain_subs=[("autostate.jit(lambda model, x: model(x))",
+                                           "lambda model, x: model(x)")]
+    )
+    p, d = plain.Net(), dec.Net()
+    x = jnp.float32(0.5)
+    edits = [
+        lambda m: m.blocks.__setitem__("z", m.blocks.pop("z")),  # in place: "z" last
+        lambda m: setattr(m, "blocks", dict(reversed(list(m.blocks.items())))),
+        lambda m: m.nested[0].__setitem__("y", m.nested[0].pop("y")),
+    ]
+    for i in range(2):
+        same(plain.STEP(p, x), dec.STEP(d, x), f"call {i}")
+    for k, edit in enumerate(edits):
+        edit(p)
+        edit(d)
+        for i in range(2):
+            same(plain.STEP(p, x), dec.STEP(d, x), f"call {i} after edit {k}")
+            same(snapshot(p), snapshot(d), f"model after call {i}, edit {k}")
+            assert list(d.blocks) == list(p.blocks) and list(d.nested[0]) == list(p.nested[0])
+    check(plain, dec, "Net()", [("__call__", (x,))] * 2)
+
+
 def test_compiled_call_on_a_model_whose_array_a_copy_donated(write_module: Loader) -> None:
     # A copy.copy shares the model's arrays; a compiled call on it donates the big ones:
     # the call on the original names the array and the fix, instead of XLA's error.
