@@ -1935,11 +1935,6 @@ def test_frozen_shared_block_refunctionalized_is_independent_of_the_first_f(
     assert_same(p(ONE), out2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a sub-model shared under dict keys not in sorted order: f's keypath "
-    "names d['a'] (JAX's sorted order) where functionalize/param_dict name d['z']",
-)
 def test_f_keypaths_name_a_shared_sub_model_as_param_dict_does(write_module: Loader) -> None:
     plain, dec = source_modules(write_module)
     check(plain, dec, "DictOrder()", [("__call__", (ONE,))])
