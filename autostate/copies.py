@@ -4,7 +4,9 @@ A copy is another model, as in plain Python: its states are its own. A copy
 made inside a functionalized call holds the running state's value in a
 ``DetachedState`` instead of sharing the original's handler cell, and an
 eager copy gets its own requests (an eager write changes a request nothing
-else holds in place). A class's own copy protocol (``__reduce__``,
+else holds in place). A host-fallback model's copy gets its own host store,
+holding the values (``HostSlot``s of one instance share one store, so one
+memo copies it once). A class's own copy protocol (``__reduce__``,
 ``__getstate__``/``__setstate__``, a ``copyreg`` entry) is followed, its
 states then detached the same way. ``api`` installs ``copy_instance`` and
 ``deepcopy_instance`` as a decorated class's ``__copy__``/``__deepcopy__``.
@@ -25,6 +27,7 @@ from autostate.effects.local_state import (
     StateSlot,
     is_running,
 )
+from autostate.host import HostSlot
 
 __all__ = ["DetachedState", "copy_instance", "deepcopy_instance"]
 
@@ -67,12 +70,15 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _own_slot(value: Any) -> Any:
+def _own_slot(value: Any, memo: dict[int, Any]) -> Any:
     """``_detached`` for a shallow copy, whose requests are its own too: an eager
-    write changes a request nothing else holds in place (``_SOLE_HOLDER``)."""
+    write changes a request nothing else holds in place (``_SOLE_HOLDER``), and
+    a host state is written into a store of the copy's own (one per ``memo``)."""
     value = _graph.materialized(value)
     if type(value) is FrozenLocalStateRequest:
         return value.replaced(value.state)
+    if type(value) is HostSlot:
+        return _copy.deepcopy(value, memo)
     return _detached(value)
 
 
@@ -99,9 +105,9 @@ def _copy_by_protocol(obj: Any, reduction: tuple | str, memo: dict[int, Any] | N
         return obj  # a global: copy returns the object itself
     new = _copy._reconstruct(obj, memo, *reduction)  # type: ignore[attr-defined]
     d = new.__dict__
-    own = _own_slot if memo is None else _detached
+    stores: dict[int, Any] = {}
     for k, v in list(d.items()):
-        detached = own(v)
+        detached = _own_slot(v, stores) if memo is None else _detached(v)
         if detached is not v:
             d[k] = detached
     return new
@@ -115,7 +121,8 @@ def copy_instance(self: Any) -> Any:
         return _copy_by_protocol(self, reduction, None)
     cls = type(self)
     new = cls.__new__(cls)  # type: ignore[call-overload]
-    new.__dict__.update({k: _own_slot(v) for k, v in self.__dict__.items()})
+    stores: dict[int, Any] = {}
+    new.__dict__.update({k: _own_slot(v, stores) for k, v in self.__dict__.items()})
     return new
 
 

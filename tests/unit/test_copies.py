@@ -65,3 +65,39 @@ def test_a_class_copy_protocol_is_followed():
     assert copy.copy(model).copied == 1
     assert copy.deepcopy(model).copied == 1
     assert model.copied == 0
+
+
+@autostate.stateful(fallback="host")
+class HostCounter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.m = jnp.zeros(())
+
+    def bump(self):
+        self.n = self.n + 1
+        self.m = self.m + 2
+
+
+class PlainCounter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.m = jnp.zeros(())
+
+    def bump(self):
+        self.n = self.n + 1
+        self.m = self.m + 2
+
+
+def test_a_shallow_copy_of_a_host_model_writes_a_store_of_its_own():
+    # (a shared store wrote the copy's bumps into the original, silently)
+    for make in (PlainCounter, HostCounter):
+        model = make()
+        model.bump()
+        twin = copy.copy(model)
+        twin.bump()
+        model.bump()
+        model.bump()
+        assert (float(model.n), float(model.m)) == (3.0, 6.0), make
+        assert (float(twin.n), float(twin.m)) == (2.0, 4.0), make
+    twin_slots = copy.copy(HostCounter()).__dict__
+    assert twin_slots["n"].store is twin_slots["m"].store  # one store per copy
