@@ -256,6 +256,8 @@ def as_state_value(value: Any, name: str = "") -> Any:
     # Another pytree node (a NamedTuple, an OrderedDict): its own flatten
     # keeps its order; a plain dict inside it is rebuilt as above.
     leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=lambda v: type(v) is dict)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return value  # a leaf JAX does not flatten (a ShapeDtypeStruct): held as is
     return jax.tree_util.tree_unflatten(treedef, [as_state_value(v, name) for v in leaves])
 
 

@@ -159,3 +159,24 @@ def test_every_inplace_method_of_the_table_is_a_method_of_the_target() -> None:
         value = getattr(target, method)(*args, **kwargs).value
         np.testing.assert_allclose(holder.x, expected, **tolerance(rtol=1e-6, atol=0.0), err_msg=method)
         assert value is holder.x and holder.x.dtype == jnp.float32 and holder.x.shape == (3,)
+
+
+def test_a_leaf_jax_does_not_flatten_is_held_as_state_as_is():
+    # (a ShapeDtypeStruct recursed in as_state_value until RecursionError)
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+    @autostate.stateful
+    class Declared:
+        def __init__(self):
+            self.kv = autostate.state(spec, category="cache")
+
+        def __call__(self, x):
+            self.kv = x
+            return x
+
+    model = Declared()
+    assert model.kv == spec  # what the plain class holds
+    _, states = model.functionalize()
+    assert states["kv"] == spec
+    model(jnp.ones(2))
+    np.testing.assert_array_equal(model.kv, np.ones(2))
