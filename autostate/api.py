@@ -15,6 +15,8 @@ import types
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeGuard, TypeVar, overload
 
+import jax
+
 from autostate import graph as _graph
 from autostate import runtime as _runtime
 from autostate import tree as _tree
@@ -467,6 +469,17 @@ def _refuse_mode_change(model: Any, mode: bool) -> None:
     )))
 
 
+def _undecorated_arrays(model: Any) -> list[str]:
+    """The array attributes of an instance of a plain class that JAX sees as one
+    opaque leaf (no @stateful, no pytree registration): what a walk would miss."""
+    if _graph.is_dynamic(model) or not isinstance(getattr(model, "__dict__", None), dict):
+        return []
+    return [
+        k for k, v in vars(model).items()
+        if any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(v))
+    ]
+
+
 def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
     """Refuses what cannot be functionalized, before anything walks it."""
     what = None
@@ -476,11 +489,18 @@ def _check_functionalize_arguments(model: Any, category: Any, category_predicate
         what = f"the class {model.__name__} itself"
     elif isinstance(model, FunctionalModel) or _is_packed(model):
         what = f"a {type(model).__name__} (what functionalize() returned)"
+    elif _undecorated_arrays(model):
+        what = (
+            f"a {type(model).__name__}, whose class is not decorated: its arrays "
+            f"({', '.join(_undecorated_arrays(model))}) are invisible to autostate and would "
+            "be left out silently"
+        )
     if what is not None:
         raise InvalidTypeError(format_error(
             f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
-            fix="build the model first (`Model(...)`) and functionalize that instance; an f "
-            "is functional already (autostate.freeze(f, states) gives the model back).",
+            fix="build the model first (`Model(...)`, its class decorated with "
+            "@autostate.stateful) and pass that instance; an f is functional already "
+            "(autostate.freeze(f, states) gives the model back).",
         ))
     if category_predicate is not None and not callable(category_predicate):
         raise InvalidTypeError(format_error(

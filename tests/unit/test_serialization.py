@@ -235,6 +235,24 @@ def test_save_f_and_load_like_f(mods: Any, tmp_path: Path) -> None:
     assert_clear(info.value, errors.InvalidTypeError, HERE, "autostate.load expects a model")
 
 
+def test_an_undecorated_model_is_refused_not_saved_empty(mods: Any, tmp_path: Path) -> None:
+    # (its arrays were invisible: save wrote an empty checkpoint, param_dict gave {})
+    plain, dec = mods
+    for use in (
+        lambda m: autostate.save(tmp_path / "p.npz", m),
+        autostate.param_dict,
+        autostate.state_dict,
+        lambda m: m.functionalize() if hasattr(m, "functionalize") else autostate.functionalize(m),
+    ):
+        with raises_autostate(errors.InvalidTypeError) as info:
+            use(plain.Counter())
+        assert_clear(info.value, errors.InvalidTypeError, HERE, "whose class is not decorated")
+    autostate.save(tmp_path / "m.npz", dec.Counter())
+    with raises_autostate(errors.InvalidTypeError) as info:
+        autostate.load(tmp_path / "m.npz", like=plain.Counter())
+    assert_clear(info.value, errors.InvalidTypeError, HERE, "whose class is not decorated")
+
+
 def test_load_a_plain_npz(mods: Any, tmp_path: Path) -> None:
     _, dec = mods
     path = tmp_path / "plain.npz"
