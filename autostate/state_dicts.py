@@ -541,7 +541,9 @@ def _converted_like(template: Any, value: Any) -> Any:
     if kind is _values.ARRAY:
         if isinstance(template, jax.core.Tracer):
             return jax.numpy.asarray(value)
-        return jax.device_put(value, template.sharding)
+        # A copy, as for numpy below: the loaded array is the model's own, so
+        # an array another model holds is not tied to it (arrays tie by identity).
+        return jax.device_put(value, template.sharding, may_alias=False)
     if kind is _values.NUMPY_ARRAY:
         return np.array(value, copy=True)
     if kind is _values.NUMPY_SCALAR:

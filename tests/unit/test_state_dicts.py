@@ -176,6 +176,42 @@ def test_load_param_dict_round_trips_and_checks():
     assert "'half' (model bf16[3], given f32[3])" in message
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_load_param_dict_copies_so_a_target_network_is_not_tied_to_its_source(compiled):
+    # A DQN's sync: the target takes the online network's values, then only the
+    # online one trains. Arrays tie by identity, so a loaded array must be a copy.
+    import optax
+
+    from autostate import nn
+
+    class Agent(nn.Module):
+        def __init__(self):
+            self.q, self.target = nn.Linear(3, 2, key=0), nn.Linear(3, 2, key=1)
+
+        def forward(self, x):
+            return jnp.sum((self.q(x) - 1.0 - jax.lax.stop_gradient(self.target(x))) ** 2)
+
+    agent = Agent()
+    opt = autostate.Optimizer(agent, optax.sgd(0.1))
+
+    def step(agent, opt, x):
+        _, grads = autostate.value_and_grad(lambda a, x: a(x))(agent, x)
+        opt.update(grads)
+
+    step = autostate.jit(step) if compiled else step
+    x = jnp.arange(6.0).reshape(2, 3)
+    for _ in range(2):  # from the second sync on the arrays are committed: device_put aliased them
+        step(agent, opt, x)
+        agent.target = autostate.load_param_dict(agent.target, autostate.param_dict(agent.q))
+    synced = np.asarray(agent.target.weight)
+    assert sorted(autostate.param_dict(agent)) == [
+        "q.bias", "q.weight", "target.bias", "target.weight"
+    ]
+    step(agent, opt, x + 1)
+    np.testing.assert_array_equal(np.asarray(agent.target.weight), synced)
+    assert not np.array_equal(np.asarray(agent.q.weight), synced)
+
+
 def test_whole_model_round_trips_through_flat_dicts():
     _, trained = run(Net(seed=0), XS[:2])
     flat = {"params": autostate.param_dict(trained), "states": autostate.state_dict(trained)}
