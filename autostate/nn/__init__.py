@@ -66,18 +66,20 @@ from autostate.nn.activation import (
     Hardtanh,
     Identity,
     LeakyReLU,
+    LogSoftmax,
     Mish,
     ReLU,
     ReLU6,
     Sigmoid,
     SiLU,
     Softmax,
+    Softplus,
     Tanh,
 )
 from autostate.nn.attention import MultiheadAttention
 from autostate.nn.container import Sequential
 from autostate.nn.conv import Conv1d, Conv2d, ConvTranspose2d
-from autostate.nn.dropout import Dropout
+from autostate.nn.dropout import Dropout, Dropout1d, Dropout2d
 from autostate.nn.embedding import Embedding
 from autostate.nn.linear import Linear
 from autostate.nn.module import Module, ModuleDict, ModuleList, Parameter
@@ -86,6 +88,7 @@ from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from autostate.nn.random import KeyStream, manual_seed
 from autostate.nn.recurrent import GRU, LSTM, GRUCell, LSTMCell
 from autostate.nn.torch_io import load_torch_state_dict, torch_state_dict
+from autostate.nn.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__: list[str] = [
     "AdaptiveAvgPool2d",
@@ -97,6 +100,8 @@ __all__: list[str] = [
     "Conv2d",
     "ConvTranspose2d",
     "Dropout",
+    "Dropout1d",
+    "Dropout2d",
     "ELU",
     "Embedding",
     "Flatten",
@@ -114,6 +119,7 @@ __all__: list[str] = [
     "LayerNorm",
     "LeakyReLU",
     "Linear",
+    "LogSoftmax",
     "MaxPool2d",
     "Mish",
     "Module",
@@ -129,7 +135,11 @@ __all__: list[str] = [
     "SiLU",
     "Sigmoid",
     "Softmax",
+    "Softplus",
     "Tanh",
+    "Upsample",
+    "UpsamplingBilinear2d",
+    "UpsamplingNearest2d",
     "init",
     "load_torch_state_dict",
     "manual_seed",

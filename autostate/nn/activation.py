@@ -1,7 +1,7 @@
 """Activations and shape helpers: ``ReLU``, ``ReLU6``, ``LeakyReLU``, ``ELU``,
 ``SELU``, ``CELU``, ``Hardtanh``, ``Hardsigmoid``, ``Hardswish``, ``Mish``,
-``GELU``, ``SiLU``, ``Tanh``, ``Sigmoid``, ``Softmax``, ``Identity``,
-``Flatten``, as in ``torch.nn``.
+``GELU``, ``SiLU``, ``Softplus``, ``Tanh``, ``Sigmoid``, ``Softmax``,
+``LogSoftmax``, ``Identity``, ``Flatten``, as in ``torch.nn``.
 
 They hold no arrays, only their configuration, so ``functionalize()`` gives
 them no states and no parameters. ``inplace=`` is accepted wherever PyTorch
@@ -33,6 +33,7 @@ __all__ = [
     "Hardtanh",
     "Identity",
     "LeakyReLU",
+    "LogSoftmax",
     "Mish",
     "ReLU",
     "ReLU6",
@@ -40,6 +41,7 @@ __all__ = [
     "SiLU",
     "Sigmoid",
     "Softmax",
+    "Softplus",
     "Tanh",
 ]
 
@@ -294,6 +296,35 @@ class SiLU(Module):
         return x * jax.nn.sigmoid(x)
 
 
+class Softplus(Module):
+    """``log(1 + exp(beta * x)) / beta``, and ``x`` itself where ``beta * x > threshold``.
+
+    Args:
+        beta: the sharpness.
+        threshold: above this value of ``beta * x`` the result is ``x``
+            (PyTorch's switch for numerical stability; its gradient there is 1).
+
+    Differences from PyTorch:
+        None: ``torch.nn.Softplus``, its ``threshold`` switch included.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> [round(v, 4) for v in nn.Softplus(beta=2.0)(jnp.array([0.0, 30.0])).tolist()]
+        [0.3466, 30.0]
+    """
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0):
+        self.beta = beta
+        self.threshold = threshold
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        scaled = x * self.beta
+        # The branch not taken is finite (logaddexp does not overflow), so its
+        # zero gradient stays zero.
+        return jnp.where(scaled > self.threshold, x, jnp.logaddexp(scaled, 0.0) / self.beta)
+
+
 class Tanh(Module):
     """``tanh(x)``.
 
@@ -332,10 +363,39 @@ class Softmax(Module):
         self.dim = dim
 
     def forward(self, x: jax.Array) -> jax.Array:
-        dim = self.dim
-        if dim is None:
-            dim = 0 if x.ndim in (0, 1, 3) else 1
-        return jax.nn.softmax(x, axis=dim)
+        return jax.nn.softmax(x, axis=_softmax_dim(self.dim, x))
+
+
+class LogSoftmax(Module):
+    """``log(softmax(x))`` along ``dim``, computed stably (``x - logsumexp(x)``).
+
+    Args:
+        dim: the axis; ``None`` picks PyTorch's legacy choice (axis 0 for 0-,
+            1- and 3-dimensional inputs, else axis 1).
+
+    Differences from PyTorch:
+        ``torch.nn.LogSoftmax``, the implicit ``dim=None`` choice included (PyTorch warns
+        about it; pass ``dim``).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> [round(v, 4) for v in nn.LogSoftmax(dim=-1)(jnp.array([0.0, 0.0])).tolist()]
+        [-0.6931, -0.6931]
+    """
+
+    def __init__(self, dim: int | None = None):
+        self.dim = dim
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return jax.nn.log_softmax(x, axis=_softmax_dim(self.dim, x))
+
+
+def _softmax_dim(dim: int | None, x: jax.Array) -> int:
+    """``dim``, or PyTorch's legacy implicit choice for ``None``."""
+    if dim is None:
+        return 0 if x.ndim in (0, 1, 3) else 1
+    return dim
 
 
 class Identity(Module):

@@ -157,11 +157,48 @@ def test_torchs_configuration_attributes():
             "more than 1 value per channel",
         ),
         (lambda: nn.BatchNorm1d(3)(jnp.ones((3, 5))), "got 5 channels"),
+        (lambda: nn.Upsample(scale_factor=2, mode="bicubic"), "mode='bicubic'\\) is not built"),
+        (lambda: nn.Upsample(), "either size or scale_factor"),
+        (lambda: nn.Upsample(size=2, scale_factor=2), "either size or scale_factor"),
+        (lambda: nn.Upsample(scale_factor=2, align_corners=True), "interpolating modes"),
+        (
+            lambda: nn.Upsample(scale_factor=2, mode="bilinear")(jnp.ones((2, 3, 4))),
+            "takes a 4-d input",
+        ),
+        (lambda: nn.Upsample(size=(2, 3))(jnp.ones((1, 1, 4))), "has 2 entries"),
+        (lambda: nn.Dropout2d(0.5, key=0)(jnp.ones((2, 3))), "3 or 4-d input"),
+        (lambda: nn.Dropout1d(0.5, key=0)(jnp.ones((1, 2, 3, 3))), "2 or 3-d input"),
     ],
 )
 def test_clear_errors(build, match):
     with pytest.raises(InvalidArgumentError, match=match):
         build()
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "channel_axes"),
+    [
+        (nn.Dropout1d, (40, 16, 3), 2),
+        (nn.Dropout1d, (300, 3), 1),  # unbatched [C, L]
+        (nn.Dropout2d, (40, 16, 3, 2), 2),
+        (nn.Dropout2d, (40, 16, 3), 2),  # PyTorch reads a 3-d input as [N, C, L]
+    ],
+)
+def test_channel_dropout_zeroes_whole_channels(layer, shape, channel_axes):
+    # torch's masks come from its own generator: what must match is the law,
+    # whole channels kept (scaled by 1 / (1 - p)) or zeroed, and eval's identity.
+    drop = layer(0.25, key=0)
+    x = jnp.ones(shape)
+    y = np.asarray(drop(x))
+    per_channel = y.reshape(*shape[:channel_axes], -1)
+    assert (per_channel.min(-1) == per_channel.max(-1)).all()
+    np.testing.assert_allclose(np.unique(per_channel), [0.0, 1 / 0.75], rtol=1e-6)
+    assert abs((per_channel[..., 0] == 0).mean() - 0.25) < 0.05
+    assert not np.array_equal(drop(x), y)  # the key moved on
+    f, states = layer(0.25, key=0).functionalize()
+    out, _ = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+    np.testing.assert_array_equal(out, y)  # the same draw in f under jax.jit
+    np.testing.assert_array_equal(drop.eval()(x), x)
 
 
 def test_batchnorm_of_one_sample_is_fine_in_eval():
@@ -204,8 +241,25 @@ class TokenNet:
         return self.head(self.drop(x))
 
 
+def upsampler(key):
+    # Item by item, the layers a realistic decoder file adds: resizing,
+    # channel dropout, smooth activations, log-probabilities.
+    keys = nn.KeyStream(key)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, key=keys),
+        nn.BatchNorm2d(4),
+        nn.Softplus(beta=2.0),
+        nn.Dropout2d(0.3, key=keys),
+        nn.Upsample(scale_factor=1.5, mode="bilinear"),
+        nn.Upsample(size=(5, 4)),
+        nn.Conv2d(4, 3, 1, key=keys),
+        nn.LogSoftmax(dim=1),
+    )
+
+
 CASES = {
     "cnn": (cnn, lambda k: jax.random.normal(k, (3, 1, 8, 8))),
+    "upsampler": (upsampler, lambda k: jax.random.normal(k, (3, 2, 4, 3))),
     "tokens": (TokenNet, lambda k: jax.random.randint(k, (3, 5), 0, 10)),
 }
 
@@ -252,3 +306,16 @@ def test_eager_f_under_jit_grad_and_freeze_agree(case):
     _assert_states_equal(eager, after)
     frozen.eval()
     np.testing.assert_allclose(frozen(inputs[1]), eager.eval()(inputs[1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_autostate_jit_agrees_with_eager(case):
+    build, data = CASES[case]
+    eager, compiled = build(1), build(1)
+    step = autostate.jit(lambda m, x: m(x))
+    for i in range(2):
+        x = data(jax.random.key(i))
+        np.testing.assert_allclose(step(compiled, x), eager(x), rtol=1e-5, atol=1e-6)
+    _assert_states_equal(eager, autostate.state_dict(compiled))
+    x = data(jax.random.key(2))
+    np.testing.assert_allclose(step(compiled.eval(), x), eager.eval()(x), rtol=1e-5, atol=1e-6)
