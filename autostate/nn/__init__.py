@@ -84,14 +84,27 @@ from autostate.nn.embedding import Embedding
 from autostate.nn.linear import Linear
 from autostate.nn.module import Module, ModuleDict, ModuleList, Parameter
 from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
-from autostate.nn.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
+from autostate.nn.pooling import (
+    AdaptiveAvgPool1d,
+    AdaptiveAvgPool2d,
+    AdaptiveMaxPool1d,
+    AdaptiveMaxPool2d,
+    AvgPool1d,
+    AvgPool2d,
+    MaxPool1d,
+    MaxPool2d,
+)
 from autostate.nn.random import KeyStream, manual_seed
 from autostate.nn.recurrent import GRU, LSTM, GRUCell, LSTMCell
 from autostate.nn.torch_io import load_torch_state_dict, torch_state_dict
 from autostate.nn.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__: list[str] = [
+    "AdaptiveAvgPool1d",
     "AdaptiveAvgPool2d",
+    "AdaptiveMaxPool1d",
+    "AdaptiveMaxPool2d",
+    "AvgPool1d",
     "AvgPool2d",
     "BatchNorm1d",
     "BatchNorm2d",
@@ -120,6 +133,7 @@ __all__: list[str] = [
     "LeakyReLU",
     "Linear",
     "LogSoftmax",
+    "MaxPool1d",
     "MaxPool2d",
     "Mish",
     "Module",

@@ -168,6 +168,10 @@ def test_torchs_configuration_attributes():
         (lambda: nn.Upsample(size=(2, 3))(jnp.ones((1, 1, 4))), "has 2 entries"),
         (lambda: nn.Dropout2d(0.5, key=0)(jnp.ones((2, 3))), "3 or 4-d input"),
         (lambda: nn.Dropout1d(0.5, key=0)(jnp.ones((1, 2, 3, 3))), "2 or 3-d input"),
+        (lambda: nn.MaxPool1d(2)(jnp.ones((1, 2, 3, 4))), "2-d \\(unbatched\\) or 3-d"),
+        (lambda: nn.AvgPool1d(2, padding=2), "half of kernel_size"),
+        (lambda: nn.MaxPool1d((2, 2)), "an int or 1 ints"),
+        (lambda: nn.AdaptiveMaxPool2d(2, return_indices=True), "return_indices"),
     ],
 )
 def test_clear_errors(build, match):
@@ -253,13 +257,31 @@ def upsampler(key):
         nn.Upsample(scale_factor=1.5, mode="bilinear"),
         nn.Upsample(size=(5, 4)),
         nn.Conv2d(4, 3, 1, key=keys),
+        nn.AdaptiveMaxPool2d((3, None)),
         nn.LogSoftmax(dim=1),
+    )
+
+
+def signal(key):
+    keys = nn.KeyStream(key)
+    return nn.Sequential(
+        nn.Conv1d(2, 4, 3, padding=1, key=keys),
+        nn.BatchNorm1d(4),
+        nn.ReLU(),
+        nn.MaxPool1d(2, ceil_mode=True),
+        nn.Dropout1d(0.2, key=keys),
+        nn.AvgPool1d(3, stride=1, padding=1, count_include_pad=False),
+        nn.AdaptiveAvgPool1d(4),
+        nn.AdaptiveMaxPool1d(3),
+        nn.Flatten(),
+        nn.Linear(12, 3, key=keys),
     )
 
 
 CASES = {
     "cnn": (cnn, lambda k: jax.random.normal(k, (3, 1, 8, 8))),
     "upsampler": (upsampler, lambda k: jax.random.normal(k, (3, 2, 4, 3))),
+    "signal": (signal, lambda k: jax.random.normal(k, (3, 2, 9))),
     "tokens": (TokenNet, lambda k: jax.random.randint(k, (3, 5), 0, 10)),
 }
 
