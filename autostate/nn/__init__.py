@@ -78,12 +78,19 @@ from autostate.nn.activation import (
 )
 from autostate.nn.attention import MultiheadAttention
 from autostate.nn.container import Sequential
-from autostate.nn.conv import Conv1d, Conv2d, ConvTranspose2d
+from autostate.nn.conv import Conv1d, Conv2d, Conv3d, ConvTranspose2d
 from autostate.nn.dropout import Dropout, Dropout1d, Dropout2d
 from autostate.nn.embedding import Embedding
 from autostate.nn.linear import Linear
 from autostate.nn.module import Module, ModuleDict, ModuleList, Parameter
-from autostate.nn.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
+from autostate.nn.normalization import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    LayerNorm,
+    RMSNorm,
+)
 from autostate.nn.pooling import (
     AdaptiveAvgPool1d,
     AdaptiveAvgPool2d,
@@ -108,9 +115,11 @@ __all__: list[str] = [
     "AvgPool2d",
     "BatchNorm1d",
     "BatchNorm2d",
+    "BatchNorm3d",
     "CELU",
     "Conv1d",
     "Conv2d",
+    "Conv3d",
     "ConvTranspose2d",
     "Dropout",
     "Dropout1d",

@@ -1,6 +1,6 @@
-"""Convolutions: ``Conv1d``, ``Conv2d``, ``ConvTranspose2d``, as in ``torch.nn``.
+"""Convolutions: ``Conv1d``, ``Conv2d``, ``Conv3d``, ``ConvTranspose2d``, as in ``torch.nn``.
 
-Inputs are channels-first (``NCL``, ``NCHW``); weights have PyTorch's
+Inputs are channels-first (``NCL``, ``NCHW``, ``NCDHW``); weights have PyTorch's
 layouts, so a PyTorch checkpoint's arrays copy over as they are:
 ``Conv`` weights are ``[out, in / groups, *kernel]``, ``ConvTranspose``
 weights ``[in, out / groups, *kernel]``. Initialisation is PyTorch's:
@@ -24,10 +24,10 @@ from autostate.nn._precision import precision, promote
 from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
 
-__all__ = ["Conv1d", "Conv2d", "ConvTranspose2d"]
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose2d"]
 
 IntOrTuple = int | Sequence[int]
-_SPATIAL = {1: "H", 2: "HW"}
+_SPATIAL = {1: "H", 2: "HW", 3: "DHW"}
 
 
 def _tuple(value: IntOrTuple, n: int, what: str) -> tuple[int, ...]:
@@ -90,7 +90,7 @@ def _check_groups(in_channels: int, out_channels: int, groups: int) -> None:
 
 
 class _ConvNd(Module):
-    """An ``n``-dimensional convolution (``Conv1d`` and ``Conv2d`` fix ``n``)."""
+    """An ``n``-dimensional convolution (``Conv1d``, ``Conv2d`` and ``Conv3d`` fix ``n``)."""
 
     def __init__(
         self,
@@ -296,6 +296,75 @@ class Conv2d(_ConvNd):
     ):
         super().__init__(
             2,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            key=key,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+
+
+class Conv3d(_ConvNd):
+    """A 3-d convolution over ``[N, C, D, H, W]`` inputs, as ``torch.nn.Conv3d``.
+
+    Args:
+        in_channels: input channels.
+        out_channels: output channels.
+        kernel_size: an int or ``(kd, kh, kw)``.
+        stride: an int or ``(sd, sh, sw)``.
+        padding: zeros added on each side (an int or ``(pd, ph, pw)``), or
+            ``'same'`` / ``'valid'``.
+        dilation: an int or ``(dd, dh, dw)``.
+        groups: independent channel groups (``in_channels`` for depthwise).
+        bias: whether to add a learned bias.
+        padding_mode: what the padding holds: ``'zeros'``, ``'reflect'``,
+            ``'replicate'`` or ``'circular'``.
+        key: where the initial weights come from (see ``autostate.nn.random``).
+        dtype: the compute dtype, and the parameters' dtype when ``param_dtype``
+            is ``None`` (PyTorch's meaning).
+        param_dtype: the parameters' storage dtype (Flax's meaning); given, each
+            call casts the parameters and the input to ``dtype`` (mixed precision).
+
+    Differences from PyTorch:
+        The arguments of ``torch.nn.Conv3d``, plus
+        keyword-only ``key=`` (where the initial weights come from: an int, a JAX key or a
+        ``KeyStream``; omitted, the default stream ``manual_seed`` seeds), ``dtype=`` and
+        ``param_dtype=`` (mixed precision, which torch has not); no ``device=`` (JAX places
+        arrays).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> conv = nn.Conv3d(2, 4, 3, padding=(0, 1, 1), key=0)
+        >>> conv.weight.shape, conv(jnp.ones((1, 2, 5, 6, 6))).shape
+        ((4, 2, 3, 3, 3), (1, 4, 3, 6, 6))
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: IntOrTuple,
+        stride: IntOrTuple = 1,
+        padding: str | IntOrTuple = 0,
+        dilation: IntOrTuple = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        key: KeyLike = None,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+    ):
+        super().__init__(
+            3,
             in_channels,
             out_channels,
             kernel_size,

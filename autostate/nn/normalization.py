@@ -1,4 +1,4 @@
-"""Normalisation layers: ``BatchNorm1d``, ``BatchNorm2d``, ``LayerNorm``,
+"""Normalisation layers: ``BatchNorm1d``, ``BatchNorm2d``, ``BatchNorm3d``, ``LayerNorm``,
 ``GroupNorm``, ``RMSNorm``, as in ``torch.nn``.
 
 BatchNorm follows PyTorch exactly: in training it normalises with the batch's
@@ -29,7 +29,7 @@ from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._precision import precision, promote, statistics_dtype
 from autostate.nn.module import Module
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 
 class _BatchNorm(Module):
@@ -205,6 +205,41 @@ class BatchNorm2d(_BatchNorm):
     """
 
     input_ranks = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    """Batch normalisation of ``[N, C, D, H, W]`` inputs, as ``torch.nn.BatchNorm3d``.
+
+    Args:
+        num_features: ``C``.
+        eps: added to the variance.
+        momentum: the running statistics' update factor; ``None`` for a
+            cumulative average.
+        affine: whether to learn ``weight`` and ``bias``.
+        track_running_stats: whether to keep running statistics (``False``:
+            batch statistics in evaluation too).
+        bias: whether to learn ``bias`` (with ``affine``), keyword-only as in PyTorch.
+        dtype: the compute dtype, and the dtype of the parameters and running
+            statistics when ``param_dtype`` is ``None`` (PyTorch's meaning).
+        param_dtype: the storage dtype of the parameters and running statistics
+            (Flax's meaning); given, each call casts the parameters and the input
+            to ``dtype`` (mixed precision).
+
+    Differences from PyTorch:
+        As ``BatchNorm1d``: the arguments of ``torch.nn.BatchNorm3d``, plus keyword-only
+        ``dtype=`` and ``param_dtype=`` (mixed precision, which torch has not); no
+        ``device=`` (JAX places arrays).
+
+        Running statistics and ``num_batches_tracked`` (int32) are states.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import autostate.nn as nn
+        >>> nn.BatchNorm3d(3)(jnp.ones((2, 3, 2, 4, 4))).shape
+        (2, 3, 2, 4, 4)
+    """
+
+    input_ranks = (5,)
 
 
 def _result_type(*arrays: jax.Array | None) -> Any:

@@ -29,6 +29,10 @@ def test_default_initialisation_is_pytorchs():
     conv = nn.Conv2d(4, 8, 3, groups=2, key=0)
     assert conv.weight.shape == (8, 2, 3, 3)
     assert _spans_bound(conv.weight, 1 / math.sqrt(2 * 9))
+    volume = nn.Conv3d(4, 6, (2, 3, 3), groups=2, key=0)
+    assert volume.weight.shape == (6, 2, 2, 3, 3) and volume.bias.shape == (6,)
+    assert _spans_bound(volume.weight, 1 / math.sqrt(2 * 18))
+    assert _spans_bound(volume.bias, 1 / math.sqrt(2 * 18))
     up = nn.ConvTranspose2d(4, 6, 3, groups=2, key=0)
     assert up.weight.shape == (4, 3, 3, 3)  # [in, out / groups, kh, kw]
     assert _spans_bound(up.weight, 1 / math.sqrt(3 * 9)) and _spans_bound(up.bias, 1 / 3 / 3**0.5)
@@ -135,6 +139,9 @@ def test_torchs_configuration_attributes():
         (lambda: nn.Conv2d(4, 4, 3, padding="full", key=0), "'same' or 'valid'"),
         (lambda: nn.Conv1d(4, 6, 3, groups=4, key=0), "must divide"),
         (lambda: nn.Conv2d(4, 4, (3, 3, 3), key=0), "2 ints"),
+        (lambda: nn.Conv3d(4, 4, (3, 3), key=0), "3 ints"),
+        (lambda: nn.Conv3d(2, 2, 3, key=0)(jnp.ones((5, 5, 5))), "5-d \\(batched\\)"),
+        (lambda: nn.BatchNorm3d(2)(jnp.ones((2, 2, 4, 4))), "5-dimensional"),
         (lambda: nn.ConvTranspose2d(2, 2, 3, stride=2, output_padding=2, key=0), "output_padding"),
         (lambda: nn.Conv2d(2, 2, 3, padding_mode="mirror", key=0), "padding_mode='mirror'"),
         (lambda: nn.ConvTranspose2d(2, 2, 3, padding_mode="reflect", key=0), "padding_mode"),
@@ -278,10 +285,23 @@ def signal(key):
     )
 
 
+def volume(key):
+    keys = nn.KeyStream(key)
+    return nn.Sequential(
+        nn.Conv3d(1, 2, 3, stride=2, padding=1, padding_mode="replicate", key=keys),
+        nn.BatchNorm3d(2),
+        nn.ReLU(),
+        nn.Dropout(0.2, key=keys),
+        nn.Flatten(),
+        nn.Linear(16, 3, key=keys),
+    )
+
+
 CASES = {
     "cnn": (cnn, lambda k: jax.random.normal(k, (3, 1, 8, 8))),
     "upsampler": (upsampler, lambda k: jax.random.normal(k, (3, 2, 4, 3))),
     "signal": (signal, lambda k: jax.random.normal(k, (3, 2, 9))),
+    "volume": (volume, lambda k: jax.random.normal(k, (3, 1, 4, 4, 4))),
     "tokens": (TokenNet, lambda k: jax.random.randint(k, (3, 5), 0, 10)),
 }
 

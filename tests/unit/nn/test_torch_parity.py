@@ -49,7 +49,9 @@ def load(name: str) -> tuple[Any, dict[str, np.ndarray]]:
 
 def _key(cls: str) -> dict[str, Any]:
     return (
-        {"key": 0} if cls in ("Linear", "Conv1d", "Conv2d", "ConvTranspose2d", "Embedding") else {}
+        {"key": 0}
+        if cls in ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose2d", "Embedding")
+        else {}
     )
 
 
