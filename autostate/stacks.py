@@ -119,6 +119,18 @@ class Stack:
             "(`stack[0]`, `for layer in stack`)"
         )
 
+    def train(self, mode: bool = True) -> Stack:
+        """Sets ``training`` to ``mode`` on every layer, as a module list's
+        ``train`` does (the stacked model's ``train``, or its class's own);
+        returns the stack. A single layer (a view) cannot change mode alone:
+        the layers share the stacked model's static config."""
+        self._stacked.train(mode)
+        return self
+
+    def eval(self) -> Stack:
+        """Evaluation mode on every layer: ``train(False)``; returns the stack."""
+        return self.train(False)
+
     def __len__(self) -> int:
         return self._depth
 
@@ -548,6 +560,14 @@ def _slice(array: Any, i: int, depth: int, where: str) -> Any:
 
 
 def _attribute_refusal(obj: Any, name: str) -> StateAccessError:
+    if name == "training":  # static config every layer shares: switched on the stack
+        return StateAccessError(format_error(
+            f"{type(obj).__name__}.training is switched on one layer of a stack (by "
+            "train(), eval() or an assignment): the layers share the stacked model's "
+            "mode, so one layer cannot switch alone.",
+            fix="switch every layer at once: `stack.train()` / `stack.eval()`, or "
+            "`model.train()` / `model.eval()` on the model holding the stack.",
+        ))
     return StateAccessError(format_error(
         f"{type(obj).__name__}.{name} is not state, and this {type(obj).__name__} is a "
         "layer of a stack: its attributes that are not state are slices of the stacked "

@@ -10,7 +10,7 @@ import pytest
 
 import autostate
 from autostate import nn
-from autostate.errors import InvalidArgumentError, StaticStateError
+from autostate.errors import InvalidArgumentError, StateAccessError, StaticStateError
 
 
 @autostate.stateful
@@ -155,3 +155,68 @@ def test_eval_of_the_frozen_trained_model_uses_its_running_statistics():
     frozen = autostate.freeze(f, states).eval()
     np.testing.assert_allclose(out, frozen(x), rtol=1e-6)
     np.testing.assert_array_equal(after["norm.running_mean"], states["norm.running_mean"])
+
+
+class Tower(nn.Module):
+    """nn layers under autostate.stack, looped over as a ModuleList would be."""
+
+    def __init__(self, key, depth=3):
+        super().__init__()
+        keys = jax.random.split(jax.random.key(key), depth)
+        self.blocks = autostate.stack([_block(k) for k in keys])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _block(key):
+    return nn.Sequential(nn.Linear(4, 4, key=key), nn.BatchNorm1d(4), nn.Dropout(0.3, key=key))
+
+
+def _listed(key, depth=3):
+    return [_block(k) for k in jax.random.split(jax.random.key(key), depth)]
+
+
+def _run_list(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def test_a_stack_of_layers_switches_mode_as_a_module_list():
+    tower = Tower(0)
+    assert tower.blocks.eval() is tower.blocks
+    assert all(not layer.training and not layer[2].training for layer in tower.blocks)
+    assert tower.blocks.train() is tower.blocks and tower.blocks[1][1].training
+    assert tower.eval() is tower and not tower.blocks.stacked.layers[1].training
+    with pytest.raises(StateAccessError, match=r"stack\.train\(\)"):
+        tower.blocks[0].train()  # one layer cannot switch alone
+    tower.blocks.train(False)  # the stack's mode is a bool, as a module's
+    with pytest.raises(InvalidArgumentError, match="takes a bool"):
+        tower.blocks.train(1)
+
+
+def test_a_stack_of_layers_trains_and_evaluates_as_the_list_of_them():
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    listed, eager, compiled = _listed(0), Tower(0), Tower(0)
+    step = autostate.jit(lambda m, x: m(x))
+    f, states = Tower(0).functionalize()
+    out_f, states = jax.jit(lambda f, s, x: f(s, x))(f, states, x)
+    expected = _run_list(listed, x)  # training: batch statistics, dropout
+    for out in (eager(x), step(compiled, x), out_f):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    for i, layer in enumerate(listed):
+        for model in (eager, compiled, autostate.freeze(f, states)):
+            np.testing.assert_allclose(
+                model.blocks[i][1].running_var, layer[1].running_var, rtol=1e-6
+            )
+    for layer in listed:
+        layer.eval()
+    expected = _run_list(listed, x)  # evaluation: running statistics, no dropout
+    f_eval, states = autostate.freeze(f, states).eval().functionalize()
+    out_f, _ = jax.jit(lambda f, s, x: f(s, x))(f_eval, states, x)
+    eager.blocks.eval()  # the stack's own eval(), as a ModuleList's
+    for out in (eager(x), step(compiled.eval(), x), out_f):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
