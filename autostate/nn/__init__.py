@@ -104,6 +104,7 @@ from autostate.nn.pooling import (
 from autostate.nn.random import KeyStream, manual_seed
 from autostate.nn.recurrent import GRU, LSTM, GRUCell, LSTMCell
 from autostate.nn.torch_io import load_torch_state_dict, torch_state_dict
+from autostate.nn.transformer import TransformerEncoder, TransformerEncoderLayer
 from autostate.nn.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__: list[str] = [
@@ -160,6 +161,8 @@ __all__: list[str] = [
     "Softmax",
     "Softplus",
     "Tanh",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
     "Upsample",
     "UpsamplingBilinear2d",
     "UpsamplingNearest2d",

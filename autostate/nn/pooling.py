@@ -226,7 +226,7 @@ def _adaptive_windows(size_in: int, size_out: int) -> list[tuple[int, int]]:
     ]
 
 
-def _adaptive_mean(x: jax.Array, axis: int, size_out: int) -> jax.Array:
+def adaptive_mean(x: jax.Array, axis: int, size_out: int) -> jax.Array:
     """The mean of each adaptive window along ``axis``: equal blocks when
     ``size_out`` divides the size, else one weighted sum per window."""
     size_in = x.shape[axis]
@@ -439,7 +439,7 @@ class AdaptiveAvgPool1d(_AdaptivePoolNd):
     """
 
     _dims = 1
-    _reduce = staticmethod(_adaptive_mean)
+    _reduce = staticmethod(adaptive_mean)
 
     def __init__(self, output_size: int):
         super().__init__(output_size)
@@ -466,7 +466,7 @@ class AdaptiveAvgPool2d(_AdaptivePoolNd):
     """
 
     _dims = 2
-    _reduce = staticmethod(_adaptive_mean)
+    _reduce = staticmethod(adaptive_mean)
 
     def __init__(self, output_size: int | tuple[int | None, int | None]):
         super().__init__(output_size)

@@ -20,6 +20,7 @@ import numpy as np
 
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn.module import Module
+from autostate.nn.pooling import adaptive_mean
 
 __all__ = ["Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d"]
 
@@ -30,6 +31,7 @@ _MODES: dict[str, int | None] = {
     "linear": 3,
     "bilinear": 4,
     "trilinear": 5,
+    "area": None,
 }
 
 
@@ -55,7 +57,8 @@ class Upsample(Module):
     to ``size`` or by ``scale_factor``, as ``torch.nn.Upsample``.
 
     ``'nearest'`` takes source index ``floor(i * scale)``, ``'nearest-exact'``
-    ``floor((i + 0.5) * scale)``; ``'linear'`` (3-d input), ``'bilinear'``
+    ``floor((i + 0.5) * scale)``; ``'area'`` averages PyTorch's adaptive
+    windows (``AdaptiveAvgPool``'s); ``'linear'`` (3-d input), ``'bilinear'``
     (4-d) and ``'trilinear'`` (5-d) interpolate between the two nearest
     inputs along each spatial axis, at ``i * (in - 1) / (out - 1)`` with
     ``align_corners=True`` and at ``(i + 0.5) * scale - 0.5`` (at least 0)
@@ -66,15 +69,15 @@ class Upsample(Module):
         size: the output's spatial size: an int (every axis) or one per axis.
         scale_factor: the output is ``floor(in * scale_factor)`` per axis: a
             number or one per axis. Give ``size`` or ``scale_factor``, not both.
-        mode: ``'nearest'``, ``'nearest-exact'``, ``'linear'``, ``'bilinear'``
-            or ``'trilinear'``.
+        mode: ``'nearest'``, ``'nearest-exact'``, ``'linear'``, ``'bilinear'``,
+            ``'trilinear'`` or ``'area'``.
         align_corners: for the linear modes only: whether the corner pixels
             of input and output line up (``None`` is ``False``).
         recompute_scale_factor: with ``scale_factor``, place the sources by
             the sizes' ratio instead of the factor, as in PyTorch.
 
     Differences from PyTorch:
-        ``mode='bicubic'`` and ``'area'`` are not built (a clear error); otherwise the
+        ``mode='bicubic'`` is not built (a clear error); otherwise the
         arguments of ``torch.nn.Upsample``. There is no unbatched input: as PyTorch, a
         3-d input is ``[N, C, L]``.
 
@@ -105,8 +108,8 @@ class Upsample(Module):
             raise _refuse(
                 f"Upsample(mode={mode!r}) is not built: the modes are "
                 f"{', '.join(repr(m) for m in _MODES)}.",
-                "use one of those (for 'bicubic' or 'area', jax.image.resize is close to "
-                "PyTorch's but not equal at the edges).",
+                "use one of those (for 'bicubic', jax.image.resize(..., 'cubic') is close "
+                "to PyTorch's but not equal at the edges).",
             )
         if (size is None) == (scale_factor is None):
             raise _refuse(
@@ -170,6 +173,8 @@ class Upsample(Module):
         f32 = np.float32
         scale = f32(1.0 / factor) if factor is not None and factor > 0 else f32(size_in) / f32(size_out)
         out = np.arange(size_out, dtype=f32)
+        if self.mode == "area":
+            return adaptive_mean(x, axis, size_out)
         if self.mode.startswith("nearest"):
             # PyTorch's shortcuts for 'nearest' (not 'nearest-exact'), whatever the factor.
             if size_out == size_in and self.mode == "nearest":

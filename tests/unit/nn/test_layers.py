@@ -47,6 +47,58 @@ def test_default_initialisation_is_pytorchs():
     assert nn.Linear(2, 2, key=0, dtype=jnp.bfloat16).weight.dtype == jnp.bfloat16
 
 
+def test_transformer_encoder_layer_is_torchs_names_shapes_and_initialisation():
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, key=0)
+    shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+    assert shapes == {  # torch.nn.TransformerEncoderLayer(16, 4, 32).named_parameters(), in order
+        "self_attn.in_proj_weight": (48, 16),
+        "self_attn.in_proj_bias": (48,),
+        "self_attn.out_proj.weight": (16, 16),
+        "self_attn.out_proj.bias": (16,),
+        "linear1.weight": (32, 16),
+        "linear1.bias": (32,),
+        "linear2.weight": (16, 32),
+        "linear2.bias": (16,),
+        "norm1.weight": (16,),
+        "norm1.bias": (16,),
+        "norm2.weight": (16,),
+        "norm2.bias": (16,),
+    }
+    assert list(shapes) == list(nn.torch_state_dict(layer))
+    assert _spans_bound(layer.self_attn.in_proj_weight, math.sqrt(6 / (48 + 16)))
+    assert _spans_bound(layer.self_attn.out_proj.weight, 1 / 4)
+    assert _spans_bound(layer.linear1.weight, 1 / 4) and _spans_bound(layer.linear1.bias, 1 / 4)
+    assert _spans_bound(layer.linear2.weight, 1 / math.sqrt(32))
+    assert not np.asarray(layer.self_attn.in_proj_bias).any()
+    assert not np.asarray(layer.self_attn.out_proj.bias).any()
+    np.testing.assert_array_equal(layer.norm2.weight, np.ones(16, np.float32))
+    assert (layer.dropout.p, layer.dropout1.p, layer.self_attn.dropout) == (0.1, 0.1, 0.1)
+    assert nn.TransformerEncoderLayer(8, 2, bias=False, key=0).norm1.bias is None
+
+
+def test_transformer_encoder_copies_the_layer_with_keys_of_its_own():
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, key=0)
+    encoder = nn.TransformerEncoder(layer, 3, norm=nn.LayerNorm(8), key=1)
+    assert len(encoder.layers) == 3 and encoder.num_layers == 3
+    first, second = encoder.layers[0], encoder.layers[1]
+    assert first is not layer and first.linear1 is not second.linear1
+    np.testing.assert_array_equal(first.linear1.weight, layer.linear1.weight)
+    np.testing.assert_array_equal(second.self_attn.in_proj_weight, layer.self_attn.in_proj_weight)
+    data = [jax.random.key_data(m.dropout1.key) for m in (layer, first, second)]
+    assert not np.array_equal(data[0], data[1]) and not np.array_equal(data[1], data[2])
+    names = list(nn.torch_state_dict(encoder))
+    assert names[0] == "layers.0.self_attn.in_proj_weight" and names[-1] == "norm.bias"
+    assert len(names) == 3 * 12 + 2
+    x = jax.random.normal(jax.random.key(0), (5, 2, 8))
+    encoder.eval()
+    expected = encoder.norm(encoder.layers[2](encoder.layers[1](encoder.layers[0](x))))
+    np.testing.assert_allclose(encoder(x), expected, rtol=1e-6)
+    causal = jnp.triu(jnp.ones((5, 5), bool), 1)
+    np.testing.assert_allclose(  # is_causal without a mask applies the causal one
+        encoder(x, is_causal=True), encoder(x, mask=causal), rtol=1e-6
+    )
+
+
 def test_sequential_indexes_iterates_and_names_its_layers():
     first, act, last = nn.Linear(3, 4, key=0), nn.ReLU(), nn.Linear(4, 2, key=1)
     net = nn.Sequential(first, act, last)
@@ -179,6 +231,8 @@ def test_torchs_configuration_attributes():
         (lambda: nn.AvgPool1d(2, padding=2), "half of kernel_size"),
         (lambda: nn.MaxPool1d((2, 2)), "an int or 1 ints"),
         (lambda: nn.AdaptiveMaxPool2d(2, return_indices=True), "return_indices"),
+        (lambda: nn.TransformerEncoderLayer(8, 2, activation="swish", key=0), "'relu' or 'gelu'"),
+        (lambda: nn.TransformerEncoderLayer(8, 3, key=0), "divide by num_heads"),
     ],
 )
 def test_clear_errors(build, match):
@@ -297,11 +351,32 @@ def volume(key):
     )
 
 
+@autostate.stateful
+class Classifier:
+    # A text classifier as a ported file writes it: padding masked in every
+    # layer, dropout (attention included) and a norm with running statistics.
+    def __init__(self, key):
+        keys = nn.KeyStream(key)
+        self.embed = nn.Embedding(10, 8, padding_idx=0, key=keys)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True, key=keys)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8), key=keys)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3, key=keys)
+
+    def __call__(self, tokens):
+        padding = tokens == 0
+        x = self.encoder(self.embed(tokens), src_key_padding_mask=padding)
+        kept = (~padding)[..., None]
+        pooled = (x * kept).sum(1) / jnp.maximum(kept.sum(1), 1)
+        return self.head(self.norm(pooled))
+
+
 CASES = {
     "cnn": (cnn, lambda k: jax.random.normal(k, (3, 1, 8, 8))),
     "upsampler": (upsampler, lambda k: jax.random.normal(k, (3, 2, 4, 3))),
     "signal": (signal, lambda k: jax.random.normal(k, (3, 2, 9))),
     "volume": (volume, lambda k: jax.random.normal(k, (3, 1, 4, 4, 4))),
+    "classifier": (Classifier, lambda k: jax.random.randint(k, (3, 5), 0, 10).at[:, 0].set(1)),
     "tokens": (TokenNet, lambda k: jax.random.randint(k, (3, 5), 0, 10)),
 }
 
