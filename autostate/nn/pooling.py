@@ -41,7 +41,10 @@ def _tuple(value: IntOrTuple, n: int) -> tuple[int, ...]:
     value = tuple(value)
     if len(value) != n:
         raise InvalidArgumentError(
-            format_error(f"pooling takes an int or {n} ints, got {value!r}.", fix=None)
+            format_error(
+                f"a {n}-d pooling takes an int or a tuple of {n} per size, got {value!r}.",
+                fix=f"pass an int or {n} ints.",
+            )
         )
     return value
 
