@@ -54,6 +54,20 @@ def _additive(mask: Array | None, dtype: Any) -> Array | None:
     return jnp.where(mask, jnp.array(-jnp.inf, dtype), jnp.array(0, dtype))
 
 
+def _check_mask_shape(name: str, mask: Array | None, shapes: list[tuple[int, ...]]) -> None:
+    """Refuses a mask of another shape than PyTorch takes (a ``[S, N]`` padding
+    mask of a sequence-first model, say), which would otherwise broadcast or fail
+    deep inside the scores."""
+    if mask is None or tuple(mask.shape) in shapes:
+        return
+    wanted = " or ".join(str(list(shape)) for shape in shapes)
+    raise _refuse(
+        f"MultiheadAttention: {name} has shape {list(mask.shape)}; for these inputs it is "
+        f"{wanted}, as PyTorch takes it.",
+        f"pass {name} as {wanted} ([N, S] for a padding mask, also with batch_first=False).",
+    )
+
+
 def _refuse(message: str, fix: str) -> InvalidArgumentError:
     return InvalidArgumentError(format_error(message, fix=fix))
 
@@ -270,6 +284,9 @@ class MultiheadAttention(Module):
     ) -> Array | None:
         """One additive mask, broadcastable to ``[N, num_heads, L, S]``, or ``None``."""
         n, length, source = query.shape[0], query.shape[1], key.shape[1]
+        heads = n * self.num_heads
+        _check_mask_shape("attn_mask", attn_mask, [(length, source), (heads, length, source)])
+        _check_mask_shape("key_padding_mask", key_padding_mask, [(n, source)])
         if is_causal and attn_mask is None:
             attn_mask = jnp.triu(jnp.ones((length, source), jnp.bool_), 1)
         bias = _additive(attn_mask, query.dtype)

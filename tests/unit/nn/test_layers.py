@@ -265,6 +265,18 @@ def test_torchs_configuration_attributes():
         (lambda: nn.AdaptiveMaxPool2d(2, return_indices=True), "return_indices"),
         (lambda: nn.TransformerEncoderLayer(8, 2, activation="swish", key=0), "'relu' or 'gelu'"),
         (lambda: nn.TransformerEncoderLayer(8, 3, key=0), "divide by num_heads"),
+        (  # a sequence-first model's padding mask is still [N, S]
+            lambda: nn.TransformerEncoderLayer(8, 2, key=0)(
+                jnp.ones((5, 2, 8)), src_key_padding_mask=jnp.zeros((5, 2), bool)
+            ),
+            r"key_padding_mask has shape \[5, 2\]; for these inputs it is \[2, 5\]",
+        ),
+        (
+            lambda: nn.TransformerEncoderLayer(8, 2, key=0)(
+                jnp.ones((5, 2, 8)), src_mask=jnp.zeros((2, 5, 5), bool)
+            ),
+            r"attn_mask has shape \[2, 5, 5\]; for these inputs it is \[5, 5\] or \[4, 5, 5\]",
+        ),
     ],
 )
 def test_clear_errors(build, match):
