@@ -18,13 +18,11 @@ import copy as _copy
 import copyreg
 from typing import Any
 
-import jax
-
 from autostate import graph as _graph
 from autostate.effects.local_state import (
+    DetachedState,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    StateSlot,
     is_running,
 )
 from autostate.host import HostSlot
@@ -32,39 +30,10 @@ from autostate.host import HostSlot
 __all__ = ["DetachedState", "copy_instance", "deepcopy_instance"]
 
 
-class DetachedState(StateSlot):
-    """A state of a copy made inside a functionalized call: it holds its own value
-    (maybe traced: the copy is a temporary of the call), as a Python copy would."""
-
-    __slots__ = ("value", "category", "name")
-
-    def __init__(self, value: Any, category: Any, name: str | None):
-        self.value, self.category, self.name = value, category, name
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> DetachedState:
-        return DetachedState(value, self.category, self.name)
-
-    def as_request(self) -> FrozenLocalStateRequest:
-        return FrozenLocalStateRequest(self.value, self.category, self.name)
-
-
-jax.tree_util.register_pytree_node(
-    DetachedState,
-    lambda s: ((s.value,), (s.category, s.name)),
-    lambda aux, children: DetachedState(children[0], *aux),
-)
-_graph.register_node_kind(DetachedState, model_child=True, own_value=True)
-
-
 def _detached(value: Any) -> Any:
     value = _graph.materialized(value)  # (a value a compiled call left packed: made)
     if type(value) is HandledLocalStateRef and is_running(value.handler_id):
-        return DetachedState(
-            value.read(), value.category, value.name if value.was_explicitly_named else None
-        )
+        return value.detached()
     if type(value) is DetachedState:
         return DetachedState(value.value, value.category, value.name)
     return value
