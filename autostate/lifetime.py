@@ -354,6 +354,15 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     return InitialLocalStateRequest(InitialValue(value, home, note), category, name)
 
 
+def eager_home(slot: Any) -> Any:
+    """The trace an eager slot's model was built in (``None``: outside every
+    trace, where no tracer may be written into it)."""
+    if type(slot) is InitialLocalStateRequest:
+        init = slot.state_initializer
+        return init.home if isinstance(init, InitialValue) else None
+    return home_of(slot)
+
+
 def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     """The slot that takes an eager slot's place once assigned ``value`` (the
     ``eager_write`` hook).
@@ -364,15 +373,13 @@ def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     Python number, as when handled). The new slot lives where ``slot`` does
     (``check_not_traced``)."""
     t = type(slot)
+    home = eager_home(slot)
     if t is FrozenLocalStateRequest:
-        home = slot._home
         placeholder = slot.state is None
     elif t is InitialLocalStateRequest:
         init = slot.state_initializer
-        home = init.home if isinstance(init, InitialValue) else None
         placeholder = isinstance(init, InitialValue) and init.value is None
     else:  # a static state (``autostate.state_values.StaticState``)
-        home = home_of(slot)
         placeholder = True
     note = check_not_traced(value, slot.name or label, home)
     if t is FrozenLocalStateRequest and not placeholder:
