@@ -57,9 +57,15 @@ from autostate.effects.local_state import (
     handler_running,
     running_cells,
 )
-from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.errors import (
+    InvalidArgumentError,
+    TracedEagerStateError,
+    format_error,
+    user_location,
+)
 from autostate.graph import Witness
 from autostate.guard import Guard
+from autostate.hidden import hidden_model_error
 from autostate.lifetime import current_trace, under_staging_trace, with_home
 from autostate.lifting.core import own_states, with_states_handled
 from autostate.packing import (
@@ -563,8 +569,17 @@ class Compiled(Generic[P, R]):
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
         swapped, _ = own_states([c for c in copies if c is not root])
-        with Guard.for_compiled([c for c in copies if c is not root]):
-            out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
+        try:
+            with Guard.for_compiled([c for c in copies if c is not root]):
+                out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
+        except TracedEagerStateError:
+            # A model the copies reach where the graph does not (inside a plain
+            # object): its refusal names the holder, where the tracer's
+            # advises autostate.jit, the call running now.
+            hidden = hidden_model_error(copies, "autostate.jit", "the compiled function")
+            if hidden is None:
+                raise
+            raise hidden from None
         _check_plain_output(out)
         after, treedef = jax.tree_util.tree_flatten(
             (dynamic, {k: v for k, v in kwargs.items() if k not in dict(key.named)}),

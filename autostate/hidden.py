@@ -24,7 +24,7 @@ from autostate import values as _values
 from autostate.errors import InvalidTypeError, format_error
 from autostate.runtime import is_slot, make_slot
 
-__all__ = ["check_no_hidden_arrays"]
+__all__ = ["check_no_hidden_arrays", "hidden_model_error"]
 
 
 def _is_array_object(value: Any) -> bool:
@@ -37,7 +37,7 @@ class _Hidden(tuple):
     """``(what, holder)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
 
 
-def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
+def _hidden_array(where: str, value: Any, arrays: bool = True) -> tuple[str, str, Any] | None:
     """``(where, holder, what)`` of the first array in a plain object, or model
     reached where ``functionalize()`` cannot follow it, in ``value``.
 
@@ -47,7 +47,8 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
     closure through another function) would reach the original. The walk's
     ``step`` gives a find as a ``_Hidden`` child, and any other child its
     context ``(inside, holder, forced)``. It is no node kind's field: it sees
-    what the graph does not follow, and depends on the path's holders."""
+    what the graph does not follow, and depends on the path's holders.
+    ``arrays=False``: models only (an array in a plain object is no find)."""
     root = (value,)
     context: dict[int, tuple[bool, str, str]] = {id(value): (False, "", "")}
     stateful = _graph.is_stateful_instance
@@ -135,7 +136,7 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
             inner = (True, holder, forced)
         out = []
         for suffix, v in items:
-            if holder and (stateful(v) or _is_array_object(v)):
+            if holder and (stateful(v) or (arrays and _is_array_object(v))):
                 v = _Hidden((v, forced or holder))
             else:
                 context[id(v)] = inner
@@ -178,6 +179,24 @@ def check_no_hidden_arrays(model: Any) -> None:
     checkpoints), and makes a state held as a plain array a slot."""
     if not _graph.is_stateful_instance(model):
         return
+    _refuse_hidden(model, arrays=True, by="functionalize()", inside="f")
+
+
+def hidden_model_error(models: Any, by: str, inside: str) -> InvalidTypeError | None:
+    """The refusal of the first model found among ``models`` (or below them) that
+    is held where ``by`` cannot follow it (inside a plain object, a closure, a
+    ``functools.partial``), or None: ``autostate.jit`` asks it of its models when
+    a call through such a model wrote a tracer into the original."""
+    try:
+        for model in models:
+            if _graph.is_stateful_instance(model):
+                _refuse_hidden(model, arrays=False, by=by, inside=inside)
+    except InvalidTypeError as err:
+        return err
+    return None
+
+
+def _refuse_hidden(model: Any, arrays: bool, by: str, inside: str) -> None:
     for path, obj in _graph.instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
@@ -191,12 +210,14 @@ def check_no_hidden_arrays(model: Any) -> None:
                 if name in _tree.info_of(obj).state:
                     adopt = [*(adopt or ()), name]
                 continue
-            found = _hidden_array(f".{path}.{name}" if path else f".{name}", value)
+            found = _hidden_array(f".{path}.{name}" if path else f".{name}", value, arrays)
             if found is None:
                 continue
             where = found[0]
             holder = found[1] or "plain"
             if holder == "builtin method":
+                if not arrays:
+                    continue
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} is a method of a "
                     f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
@@ -208,9 +229,10 @@ def check_no_hidden_arrays(model: Any) -> None:
             if holder == "weakref.proxy":
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
-                    f"model (at {where}); a proxy gives no way to its model, so f's copy "
-                    "could not be pointed at f's copy of that model: calls through it "
-                    "inside f would read and write the original model instead of f's states.",
+                    f"model (at {where}); a proxy gives no way to its model, so {inside}'s "
+                    "copy could not be pointed at {inside}'s copy of that model: calls through it "
+                    f"inside {inside} would read and write the original model instead of "
+                    f"{inside}'s states.",
                     fix="keep a weakref.ref(model) (call it to reach the model), which "
                     "f's copy rebinds to itself, or the model itself.",
                 ))
@@ -220,11 +242,13 @@ def check_no_hidden_arrays(model: Any) -> None:
                 fix = next((f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER)
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
-                    f"{holder} object (at {where}); functionalize() copies the model "
-                    f"but not the {holder}, so calls through it inside f would read and "
-                    "write the original model instead of f's states.",
+                    f"{holder} object (at {where}); {by} copies the model "
+                    f"but not the {holder}, so calls through it inside {inside} would read "
+                    f"and write the original model instead of {inside}'s states.",
                     fix=fix.format(holder=holder),
                 ))
+            if not arrays:
+                continue
             raise InvalidTypeError(format_error(
                 f"{type(obj).__name__}.{name} holds an array inside a plain "
                 f"{holder} object (at {where}); functionalize() would bake it into "
@@ -236,5 +260,5 @@ def check_no_hidden_arrays(model: Any) -> None:
         # A state held as a plain array: the instance was made before its class
         # was decorated (``object.__new__`` of a class waiting for its first
         # use, or ``__class__`` set to one). Its value becomes the state's.
-        for name in adopt or ():
+        for name in adopt or () if arrays else ():
             dict.__setitem__(obj.__dict__, name, make_slot(obj, name, obj.__dict__[name]))
