@@ -21,7 +21,7 @@ from typing import Any
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.errors import InvalidTypeError, format_error
+from autostate.errors import InvalidTypeError, format_error, holder_fix
 from autostate.runtime import is_slot, make_slot
 
 __all__ = ["check_no_hidden_arrays", "hidden_model_error"]
@@ -34,12 +34,15 @@ def _is_array_object(value: Any) -> bool:
 
 
 class _Hidden(tuple):
-    """``(what, holder)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
+    """``(what, holder, fix)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
 
 
-def _hidden_array(where: str, value: Any, arrays: bool = True) -> tuple[str, str, Any] | None:
-    """``(where, holder, what)`` of the first array in a plain object, or model
-    reached where ``functionalize()`` cannot follow it, in ``value``.
+def _hidden_array(
+    where: str, value: Any, arrays: bool = True
+) -> tuple[str, str, Any, str | None] | None:
+    """``(where, holder, what, fix)`` of the first array in a plain object, or
+    model reached where ``functionalize()`` cannot follow it, in ``value``
+    (``fix``: the holder's own, ``errors.holder_fix``).
 
     A sub-model in an attribute or container is a graph edge, and a method,
     closure or weak reference bound directly to one is rebound to f's copy;
@@ -131,13 +134,13 @@ def _hidden_array(where: str, value: Any, arrays: bool = True) -> tuple[str, str
             # static as the object is: its arrays and models are its finds.
             holder = default
         if hit is not None:
-            return [(hit[0], _Hidden((hit[1], forced or hit[2] or default)))]
+            return [(hit[0], _Hidden((hit[1], forced or hit[2] or default, None)))]
         if holder:
             inner = (True, holder, forced)
         out = []
         for suffix, v in items:
             if holder and (stateful(v) or (arrays and _is_array_object(v))):
-                v = _Hidden((v, forced or holder))
+                v = _Hidden((v, forced or holder, None if forced else holder_fix(node)))
             else:
                 context[id(v)] = inner
             out.append((suffix, v))
@@ -147,7 +150,7 @@ def _hidden_array(where: str, value: Any, arrays: bool = True) -> tuple[str, str
         _graph.iter_tree(root, lambda n: type(n) is _Hidden, children=step, seen=builtins.set()),
         None,
     )
-    return None if found is None else (found[0], found[1][1], found[1][0])
+    return None if found is None else (found[0], found[1][1], found[1][0], found[1][2])
 
 
 _ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
@@ -239,13 +242,15 @@ def _refuse_hidden(model: Any, arrays: bool, by: str, inside: str) -> None:
             if _graph.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
-                fix = next((f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER)
+                fix = found[3] or next(
+                    (f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER
+                ).format(holder=holder)
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
                     f"{holder} object (at {where}); {by} copies the model "
                     f"but not the {holder}, so calls through it inside {inside} would read "
                     f"and write the original model instead of {inside}'s states.",
-                    fix=fix.format(holder=holder),
+                    fix=fix,
                 ))
             if not arrays:
                 continue
@@ -253,7 +258,7 @@ def _refuse_hidden(model: Any, arrays: bool, by: str, inside: str) -> None:
                 f"{type(obj).__name__}.{name} holds an array inside a plain "
                 f"{holder} object (at {where}); functionalize() would bake it into "
                 "f as a constant: no gradient, not in param_dict, not saved.",
-                fix=f"decorate {holder} with @autostate.stateful (or "
+                fix=found[3] or f"decorate {holder} with @autostate.stateful (or "
                 f"register it as a JAX pytree), or store the array on "
                 f"{type(obj).__name__} itself.",
             ))
