@@ -63,8 +63,10 @@ from autostate.graph.kinds import (
     attr_name,
     bound_ref,
     held_instances,
+    index_name,
     is_stateful_instance,
     key_name,
+    mapping_name,
     materialized,
     named_keys,
     path_name,
@@ -355,6 +357,54 @@ def instances(tree: Any) -> list[tuple[str, Any]]:
     """``(path name, instance)`` for every decorated instance reachable in
     ``tree``, once each (named by its first path), in walk order."""
     return list(iter_tree(tree, is_stateful_instance, into_targets=True))
+
+
+def _held_instances_step(node: Any) -> list[tuple[str, Any]]:
+    """The children that may lead to a decorated instance: an instance's
+    attributes, a list's, tuple's or dict's items (a state's value is not walked)."""
+    t = type(node)
+    if t in STATEFUL_CLASSES:
+        items = node.__dict__.items()
+        return [(attr_name(k), v) for k, v in items if type(v) in _HOLDERS or type(v) in STATEFUL_CLASSES]
+    if t is list or t is tuple:
+        return [(index_name(i), v) for i, v in enumerate(node)]
+    if t is dict:
+        return [(mapping_name(k), v) for k, v in node.items()]
+    return []
+
+
+_HOLDERS = (list, tuple, dict)
+
+
+def instance_paths(tops: Sequence[Any]) -> dict[int, str]:
+    """``id -> "Class.path"`` of the decorated instances ``tops`` hold in their
+    attributes, lists, tuples and dicts, each named from the first top that
+    reaches it (``Net.blocks[1].norm``): how an error tells apart two
+    instances of one class.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> @autostate.stateful
+        ... class Leaf:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> @autostate.stateful
+        ... class Pair:
+        ...     def __init__(self):
+        ...         self.leaves = [Leaf(), Leaf()]
+        >>> pair = Pair()
+        >>> instance_paths([pair])[id(pair.leaves[1])]
+        'Pair.leaves[1]'
+    """
+    paths: dict[int, str] = {}
+    for top in tops:
+        if id(top) in paths:
+            continue
+        for path, sub in iter_tree(top, is_stateful_instance, into_targets=True,
+                                   children=_held_instances_step):
+            if path and id(sub) not in paths:
+                paths[id(sub)] = f"{type(top).__name__}.{path}"
+    return paths
 
 
 def instances_of(tree: Any) -> list[Any]:
