@@ -480,27 +480,35 @@ def _undecorated_arrays(model: Any) -> list[str]:
     ]
 
 
-def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
-    """Refuses what cannot be functionalized, before anything walks it."""
+def _check_functionalize_arguments(
+    model: Any, category: Any, category_predicate: Any, caller: str
+) -> None:
+    """Refuses what cannot be functionalized, before anything walks it
+    (``caller``: what the user called, as its refusals name it)."""
     what = None
+    fix = (
+        "build the model first (`Model(...)`, its class decorated with @autostate.stateful) "
+        "and pass that instance"
+    )
     if model is None:
         what = "None"
     elif isinstance(model, type):
         what = f"the class {model.__name__} itself"
+        fix = f"build the model first and pass that instance (`{model.__name__}(...)`)"
     elif isinstance(model, FunctionalModel) or _is_packed(model):
         what = f"a {type(model).__name__} (what functionalize() returned)"
+        fix = "pass the model: autostate.freeze(f, states) gives it back (an f is functional already)"
     elif _undecorated_arrays(model):
         what = (
             f"a {type(model).__name__}, whose class is not decorated: its arrays "
             f"({', '.join(_undecorated_arrays(model))}) are invisible to autostate and would "
             "be left out silently"
         )
+        fix = f"decorate {type(model).__name__} with @autostate.stateful"
     if what is not None:
         raise InvalidTypeError(format_error(
-            f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
-            fix="build the model first (`Model(...)`, its class decorated with "
-            "@autostate.stateful) and pass that instance; an f is functional already "
-            "(autostate.freeze(f, states) gives the model back).",
+            f"{caller} expects a model (an instance of a @stateful class), got {what}.",
+            fix=fix + ".",
         ))
     if category_predicate is not None and not callable(category_predicate):
         raise InvalidTypeError(format_error(
@@ -550,14 +558,28 @@ def _functionalize_method(
         >>> print(out, autostate.freeze(f, states).count)
         3.0 1
     """
-    _check_functionalize_arguments(self, category, category_predicate)
+    return functionalize_as(
+        "functionalize()", self, category, category_predicate=category_predicate, lazy=lazy,
+        state_sharing=state_sharing,
+    )
+
+
+def functionalize_as(
+    caller: str, model: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
+    state_sharing: StateSharing = "forbidden",
+) -> tuple[FunctionalModel[M], Any]:
+    """``functionalize`` as a step of ``caller`` (what the user called:
+    ``autostate.save``), whose name its refusals give."""
+    self = model
+    _check_functionalize_arguments(self, category, category_predicate, caller)
     if category is not None and category_predicate is not None:
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
     from autostate.hidden import check_no_hidden_arrays  # (above runtime: imported on first use)
 
-    check_no_hidden_arrays(self)
+    check_no_hidden_arrays(self, caller)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
     handler, initial = handle_local_states(

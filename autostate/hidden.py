@@ -176,13 +176,15 @@ _MODEL_FIXES = (
 )
 
 
-def check_no_hidden_arrays(model: Any) -> None:
+def check_no_hidden_arrays(model: Any, caller: str = "functionalize()") -> None:
     """Refuses a model holding arrays inside plain objects (static pytree data:
     baked into ``f`` as constants, with no gradient and absent from
-    checkpoints), and makes a state held as a plain array a slot."""
+    checkpoints), and makes a state held as a plain array a slot
+    (``caller``: what the user called, which functionalizes the model)."""
     if not _graph.is_stateful_instance(model):
         return
-    _refuse_hidden(model, arrays=True, by="functionalize()", inside="f")
+    by = caller if caller == "functionalize()" else f"{caller} (which functionalizes the model)"
+    _refuse_hidden(model, arrays=True, by=by, inside="f")
 
 
 def hidden_model_error(models: Any, by: str, inside: str) -> InvalidTypeError | None:
@@ -256,7 +258,7 @@ def _refuse_hidden(model: Any, arrays: bool, by: str, inside: str) -> None:
                 continue
             raise InvalidTypeError(format_error(
                 f"{type(obj).__name__}.{name} holds an array inside a plain "
-                f"{holder} object (at {where}); functionalize() would bake it into "
+                f"{holder} object (at {where}); {by} would bake it into "
                 "f as a constant: no gradient, not in param_dict, not saved.",
                 fix=found[3] or f"decorate {holder} with @autostate.stateful (or "
                 f"register it as a JAX pytree), or store the array on "

@@ -81,11 +81,11 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
         ))
     # (The front door's functionalize and freeze, and stacks, are read when a
     # call needs them: state dicts are a feature those modules stand beside.)
-    from autostate.api import functionalize
+    from autostate.api import functionalize_as
 
     # "allowed" only differs from the default by accepting models that a
     # sharing-enabled freeze produced; names are the same either way.
-    return functionalize(model, state_sharing="allowed")
+    return functionalize_as(f"autostate.{caller}", model, state_sharing="allowed")
 
 
 def parameters_of(body: Any) -> dict[str, Any]:
