@@ -1030,9 +1030,11 @@ jax.tree_util.register_pytree_with_keys(
 
 def _in_order(value: Any) -> Any:
     """``value`` with each dict (in its lists, tuples and dicts) whose keys are
-    not in sorted order made an ``_InOrder``, for the graph's flatten; the
-    value itself when there is none. A dict whose keys do not sort is left as
-    it is (JAX refuses it, with autostate's error where it must flatten)."""
+    not in sorted order, or do not sort (``{1: a, (2, 'x'): b}``: JAX's
+    flatten sorts them, and raises), made an ``_InOrder``, for the graph's
+    flatten; the value itself when there is none. (A state's value is not
+    walked here: a states dict holding such a dict is refused where JAX must
+    flatten it, ``unsortable``.)"""
     t = type(value)
     if t is dict:
         children = {k: _in_order(v) for k, v in value.items()}
@@ -1040,7 +1042,7 @@ def _in_order(value: Any) -> Any:
         try:
             ordered = keys == sorted(keys)
         except TypeError:
-            ordered = True
+            ordered = False
         if not ordered:
             return _InOrder(children)
         if any(children[k] is not v for k, v in value.items()):
