@@ -774,6 +774,11 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
             if type(value) in STATEFUL_CLASSES and _leads_back(value, obj):
                 raise _cycle_error(obj, name, value)
             value, positions = _wrap_statics(value)
+            kept = _in_order(value, sorted_too=False)
+            if kept is not value:  # (a dict whose keys do not sort: JAX's flatten raised)
+                aux.append(("o", name, positions))
+                children.append(kept)
+                continue
             aux.append(("c", name, positions) if positions else name)
             children.append(value)
         else:
@@ -842,6 +847,9 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         elif entry[0] == "c":
             aux.append(entry)
             children.append(_wrap_at(value, entry[2]))
+        elif entry[0] == "o":
+            aux.append(entry)
+            children.append(_in_order(_wrap_at(value, entry[2]), sorted_too=False))
         elif (bound := _bound_to_self(obj, value)) is not None:
             aux.append(("m", name, bound))
         else:
@@ -854,7 +862,7 @@ def _flatten_instance_with_keys(obj: Any):
     keys = [
         jax.tree_util.GetAttrKey(_entry_name(entry))
         for entry in aux
-        if type(entry) is str or entry[0] in "cr"
+        if type(entry) is str or entry[0] in "cor"
     ]
     return list(zip(keys, children)), aux
 
@@ -869,7 +877,7 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
         for entry in aux:
             if type(entry) is str:
                 d[entry] = next(it)
-            elif entry[0] == "c":
+            elif entry[0] == "c" or entry[0] == "o":
                 d[entry[1]] = _unwrap_at(next(it), entry[2])
             elif entry[0] == "m":
                 d[entry[1]] = entry[2].rebind([obj])
@@ -1028,19 +1036,21 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _in_order(value: Any) -> Any:
+def _in_order(value: Any, sorted_too: bool = True) -> Any:
     """``value`` with each dict (in its lists, tuples and dicts) whose keys are
     not in sorted order, or do not sort (``{1: a, (2, 'x'): b}``: JAX's
     flatten sorts them, and raises), made an ``_InOrder``, for the graph's
-    flatten; the value itself when there is none. (A state's value is not
-    walked here: a states dict holding such a dict is refused where JAX must
-    flatten it, ``unsortable``.)"""
+    flatten; the value itself when there is none. ``sorted_too=False``: only
+    the dicts whose keys do not sort (the per-instance flatten, where JAX's
+    order of the others is the pytree's). (A state's value is not walked
+    here: a states dict holding such a dict is refused where JAX must flatten
+    it, ``unsortable``.)"""
     t = type(value)
     if t is dict:
-        children = {k: _in_order(v) for k, v in value.items()}
+        children = {k: _in_order(v, sorted_too) for k, v in value.items()}
         keys = list(value)
         try:
-            ordered = keys == sorted(keys)
+            ordered = keys == sorted(keys) or not sorted_too
         except TypeError:
             ordered = False
         if not ordered:
@@ -1049,7 +1059,7 @@ def _in_order(value: Any) -> Any:
             return children
         return value
     if t is list or t is tuple:
-        items = [_in_order(v) for v in value]
+        items = [_in_order(v, sorted_too) for v in value]
         if any(a is not b for a, b in zip(items, value)):
             return t(items)
     return value

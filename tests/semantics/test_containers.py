@@ -270,6 +270,9 @@ class ByMixedKeys:
         for k in self.leaves:
             x = self.leaves[k](x)
         return (x * self.tables["a"] + self.tables[1]).sum()
+
+    def peek(self, x):
+        return sum((self.leaves[k].w * x).sum() for k in self.leaves)
 """
 
 
@@ -284,6 +287,11 @@ def test_sub_models_and_parameters_under_keys_that_do_not_sort(write_module: Loa
     for _ in range(2):
         assert_same(ref(jnp.arange(3.0)), step(model, jnp.arange(3.0)), "autostate.jit output")
     assert_same(snapshot(ref), snapshot(model), "autostate.jit attributes")
+    # The model as JAX's pytree (jax.jit given the model itself).
+    rebuilt = jax.tree_util.tree_map(lambda a: a, model)
+    assert list(rebuilt.leaves) == list(model.leaves) and list(rebuilt.tables) == [1, "a"]
+    x = jnp.arange(3.0)
+    assert_same(ref.peek(x), jax.jit(lambda m, x: m.peek(x))(model, x), "jax.jit of the model")
 
 
 CUSTOM = HEADER + """
