@@ -505,6 +505,14 @@ def _check_functionalize_arguments(
             "be left out silently"
         )
         fix = f"decorate {type(model).__name__} with @autostate.stateful"
+    elif not _graph.is_stateful_instance(model) and type(model) not in _graph.STACKS:
+        # (A list, an array, a number: f's structure is a model's graph, so
+        # such an f ran eagerly and broke under jax.jit.)
+        what = f"a value of type {type(model).__name__}"
+        fix = (
+            "pass one model; for several, hold them in a model of their own (a "
+            "@stateful class whose __init__ keeps them as attributes, or a list attribute)"
+        )
     if what is not None:
         raise InvalidTypeError(format_error(
             f"{caller} expects a model (an instance of a @stateful class), got {what}.",

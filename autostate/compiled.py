@@ -59,6 +59,7 @@ from autostate.effects.local_state import (
 )
 from autostate.errors import (
     InvalidArgumentError,
+    InvalidTypeError,
     TracedEagerStateError,
     format_error,
     user_location,
@@ -259,6 +260,12 @@ class Compiled(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
         self._self: Any = None
+        if not callable(fn):
+            raise InvalidTypeError(format_error(
+                f"autostate.jit compiles a function, got {type(fn).__name__} {fn!r}.",
+                fix="pass the function (`autostate.jit(step)`, or `@autostate.jit` above "
+                "its def), a model's method (`autostate.jit(model.step)`) or a model.",
+            ))
         if _graph.is_stateful_instance(fn):  # ``autostate.jit(model)``: its ``__call__``
             fn = types.MethodType(type(fn).__call__, fn)
         if isinstance(fn, types.MethodType) and _graph.is_stateful_instance(fn.__self__):

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import autostate
@@ -1240,6 +1241,26 @@ def test_none_as_model(api: str, tmp_path: Path) -> None:
     with raises_autostate(errors.InvalidTypeError) as info:
         calls[api]()
     assert_clear(info.value, errors.InvalidTypeError, HERE)
+
+
+@pytest.mark.parametrize("given", ["int", "array", "list of models"])
+def test_what_is_not_a_model_is_refused_where_f_would_break(
+    mods: Any, given: str, tmp_path: Path
+) -> None:
+    # (functionalize took it: f ran eagerly and raised AttributeError
+    # "'list' object has no attribute '__dict__'" under jax.jit; save wrote an
+    # empty checkpoint; autostate.Optimizer raised that AttributeError)
+    _, dec = mods
+    value = {"int": 3, "array": jnp.ones(3), "list of models": [dec.Counter()]}[given]
+    for api, call in (
+        ("functionalize()", lambda: autostate.functionalize(value)),
+        ("autostate.save", lambda: autostate.save(tmp_path / "v.npz", value)),
+        ("autostate.param_dict", lambda: autostate.param_dict(value)),
+        ("autostate.Optimizer", lambda: autostate.Optimizer(value, optax.sgd(0.1))),
+    ):
+        with raises_autostate(errors.InvalidTypeError) as info:
+            call()
+        assert_clear(info.value, errors.InvalidTypeError, HERE, f"{api} expects a model")
 
 
 @pytest.mark.parametrize("api", ["functionalize", "state_dict", "save", "export"])

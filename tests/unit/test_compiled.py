@@ -353,6 +353,12 @@ def test_a_model_inside_a_plain_object_of_an_argument_names_the_holder():
     assert int(model.holder.net.calls) == 1
 
 
+def test_what_is_not_callable_is_refused_when_compiled():
+    # (it was taken, and its first call raised "the first argument must be callable")
+    with pytest.raises(InvalidTypeError, match="autostate.jit compiles a function, got int 3"):
+        autostate.jit(3)  # type: ignore[call-overload]
+
+
 def test_a_static_argument_is_hashable_and_holds_no_model():
     model = Net()
     with pytest.raises(InvalidArgumentError, match=r"static argument \[2\] .* cannot be hashed"):
