@@ -481,10 +481,11 @@ def _undecorated_arrays(model: Any) -> list[str]:
 
 
 def _check_functionalize_arguments(
-    model: Any, category: Any, category_predicate: Any, caller: str
+    model: Any, category: Any, category_predicate: Any, caller: str, rebuilds: bool = True
 ) -> None:
     """Refuses what cannot be functionalized, before anything walks it
-    (``caller``: what the user called, as its refusals name it)."""
+    (``caller``: what the user called, as its refusals name it; ``rebuilds``:
+    its ``f`` is run, jitted or frozen, not only read)."""
     what = None
     fix = (
         "build the model first (`Model(...)`, its class decorated with @autostate.stateful) "
@@ -505,6 +506,14 @@ def _check_functionalize_arguments(
             "be left out silently"
         )
         fix = f"decorate {type(model).__name__} with @autostate.stateful"
+    elif type(model) in _graph.STACKS and rebuilds:
+        # (Its f is read by state_dict, param_dict, summary; rebuilt, the
+        # stack has no instance dict for the graph to fill.)
+        what = "a bare stack"
+        fix = (
+            "hold the stack in a model (`self.blocks = autostate.stack([...])` in its "
+            "__init__) and pass the model, or pass the stacked model, `stack.stacked`"
+        )
     elif not _graph.is_stateful_instance(model) and type(model) not in _graph.STACKS:
         # (A list, an array, a number: f's structure is a model's graph, so
         # such an f ran eagerly and broke under jax.jit.)
@@ -575,12 +584,13 @@ def _functionalize_method(
 def functionalize_as(
     caller: str, model: M, category: Hashable | None = None, *,
     category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
-    state_sharing: StateSharing = "forbidden",
+    state_sharing: StateSharing = "forbidden", rebuilds: bool = True,
 ) -> tuple[FunctionalModel[M], Any]:
     """``functionalize`` as a step of ``caller`` (what the user called:
-    ``autostate.save``), whose name its refusals give."""
+    ``autostate.save``), whose name its refusals give (``rebuilds=False``: its
+    ``f`` is only read, as a reader of names and arrays does)."""
     self = model
-    _check_functionalize_arguments(self, category, category_predicate, caller)
+    _check_functionalize_arguments(self, category, category_predicate, caller, rebuilds)
     if category is not None and category_predicate is not None:
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
