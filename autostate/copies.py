@@ -30,13 +30,20 @@ from autostate.host import HostSlot
 __all__ = ["DetachedState", "copy_instance", "deepcopy_instance"]
 
 
-def _detached(value: Any) -> Any:
+def _detached(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A running call's state (or a copy's) as a state of the copy's own; with
+    a deep copy's ``memo``, what it holds is copied too, as Python's deepcopy
+    copies an attribute's list (a list the copy changed was the call's)."""
     value = _graph.materialized(value)  # (a value a compiled call left packed: made)
     if type(value) is HandledLocalStateRef and is_running(value.handler_id):
-        return value.detached()
-    if type(value) is DetachedState:
-        return DetachedState(value.value, value.category, value.name)
-    return value
+        detached = value.detached()
+    elif type(value) is DetachedState:
+        detached = DetachedState(value.value, value.category, value.name)
+    else:
+        return value
+    if memo is not None:
+        detached.value = _copy.deepcopy(detached.value, memo)
+    return detached
 
 
 def _own_slot(value: Any, memo: dict[int, Any]) -> Any:
@@ -107,6 +114,6 @@ def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
     d = new.__dict__
     for k, v in self.__dict__.items():
         v = _graph.materialized(v)
-        detached = _detached(v)
+        detached = _detached(v, memo)
         d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
     return new

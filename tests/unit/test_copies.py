@@ -87,6 +87,32 @@ def test_a_pickle_made_inside_a_call_holds_the_running_values():
     assert float(new["counter.n"]) == 2.0 and float(new["total"]) == 4.0
 
 
+@autostate.stateful
+class Logged:
+    def __init__(self):
+        self.hist = [jnp.zeros(())]
+
+    def step(self, x):
+        self.hist = self.hist + [x]
+        for twin in (copy.deepcopy(self), copy.deepcopy(copy.deepcopy(self))):
+            twin.hist.append(jnp.full((), 100.0))  # the copy's own list
+            twin.hist[0] = jnp.full((), 7.0)
+        return sum(self.hist) + len(self.hist)
+
+
+def test_a_deep_copy_made_inside_a_call_copies_what_the_state_holds():
+    # (the copy held the running state's own list: its changes were the call's,
+    # and f returned them: 113 where plain Python gives 5)
+    eager = Logged()
+    assert float(eager.step(jnp.float32(3.0))) == 5.0
+    f, states = Logged().functionalize()
+    out, new = f.step(states, jnp.float32(3.0))
+    assert float(out) == 5.0 and [float(v) for v in new["hist"]] == [0.0, 3.0]
+    model = Logged()
+    assert float(autostate.jit(lambda m, x: m.step(x))(model, jnp.float32(3.0))) == 5.0
+    assert [float(v) for v in model.hist] == [0.0, 3.0]
+
+
 def test_a_class_copy_protocol_is_followed():
     model = Reduced()
     assert copy.copy(model).copied == 1
