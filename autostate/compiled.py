@@ -60,6 +60,7 @@ from autostate.effects.local_state import (
 from autostate.errors import (
     InvalidArgumentError,
     InvalidTypeError,
+    StateAccessError,
     TracedEagerStateError,
     format_error,
     user_location,
@@ -67,7 +68,7 @@ from autostate.errors import (
 from autostate.graph import Witness
 from autostate.guard import Guard
 from autostate.hidden import hidden_model_error
-from autostate.lifetime import current_trace, under_staging_trace, with_home
+from autostate.lifetime import current_trace, held_tracers, under_staging_trace, with_home
 from autostate.lifting.core import own_states, with_states_handled
 from autostate.packing import (
     Layout,
@@ -613,6 +614,7 @@ class Compiled(Generic[P, R]):
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         del root.__dict__["detached"]
+        _check_no_value_of_the_trace(new_graphdef)
         if swap:
             fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
             new_leaves = [swap.get(id(x), x) for x in new_leaves]
@@ -1048,6 +1050,27 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                         "(`autostate.jit(model.step)`).",
                     )
                 )
+
+
+def _check_no_value_of_the_trace(graphdef: Any) -> None:
+    """Refuses a static value the models will hold after the call that keeps a
+    value of the compiled trace (a function closing over one, an object holding
+    one: ``self.fn = lambda: x * 2``): written back, it would be a leaked tracer."""
+    for cls, entries in graphdef.instances:
+        for name, _treedef, parts in entries:
+            kept = [p.value for p in (parts if type(parts) is tuple else (parts,))
+                    if type(p) is StaticLeaf]
+            if kept and held_tracers(kept):
+                raise StateAccessError(format_error(
+                    f"A function compiled by autostate.jit assigned {cls.__name__}.{name} a "
+                    "value that keeps a value of the compiled program (a function closing "
+                    "over an array of the call, an object holding one): after the call the "
+                    "model would hold a tracer of a finished trace.",
+                    where=user_location(),
+                    fix="keep arrays in states (`self.scale = x * 2`, and the function "
+                    "reads the state), or make the function or object outside the compiled "
+                    "call from the arrays it returns.",
+                ))
 
 
 def _check_static(statics: tuple, named: tuple) -> None:
