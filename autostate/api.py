@@ -480,27 +480,52 @@ def _undecorated_arrays(model: Any) -> list[str]:
     ]
 
 
-def _check_functionalize_arguments(model: Any, category: Any, category_predicate: Any) -> None:
-    """Refuses what cannot be functionalized, before anything walks it."""
+def _check_functionalize_arguments(
+    model: Any, category: Any, category_predicate: Any, caller: str, rebuilds: bool = True
+) -> None:
+    """Refuses what cannot be functionalized, before anything walks it
+    (``caller``: what the user called, as its refusals name it; ``rebuilds``:
+    its ``f`` is run, jitted or frozen, not only read)."""
     what = None
+    fix = (
+        "build the model first (`Model(...)`, its class decorated with @autostate.stateful) "
+        "and pass that instance"
+    )
     if model is None:
         what = "None"
     elif isinstance(model, type):
         what = f"the class {model.__name__} itself"
+        fix = f"build the model first and pass that instance (`{model.__name__}(...)`)"
     elif isinstance(model, FunctionalModel) or _is_packed(model):
         what = f"a {type(model).__name__} (what functionalize() returned)"
+        fix = "pass the model: autostate.freeze(f, states) gives it back (an f is functional already)"
     elif _undecorated_arrays(model):
         what = (
             f"a {type(model).__name__}, whose class is not decorated: its arrays "
             f"({', '.join(_undecorated_arrays(model))}) are invisible to autostate and would "
             "be left out silently"
         )
+        fix = f"decorate {type(model).__name__} with @autostate.stateful"
+    elif type(model) in _graph.STACKS and rebuilds:
+        # (Its f is read by state_dict, param_dict, summary; rebuilt, the
+        # stack has no instance dict for the graph to fill.)
+        what = "a bare stack"
+        fix = (
+            "hold the stack in a model (`self.blocks = autostate.stack([...])` in its "
+            "__init__) and pass the model, or pass the stacked model, `stack.stacked`"
+        )
+    elif not _graph.is_stateful_instance(model) and type(model) not in _graph.STACKS:
+        # (A list, an array, a number: f's structure is a model's graph, so
+        # such an f ran eagerly and broke under jax.jit.)
+        what = f"a value of type {type(model).__name__}"
+        fix = (
+            "pass one model; for several, hold them in a model of their own (a "
+            "@stateful class whose __init__ keeps them as attributes, or a list attribute)"
+        )
     if what is not None:
         raise InvalidTypeError(format_error(
-            f"functionalize() expects a model (an instance of a @stateful class), got {what}.",
-            fix="build the model first (`Model(...)`, its class decorated with "
-            "@autostate.stateful) and pass that instance; an f is functional already "
-            "(autostate.freeze(f, states) gives the model back).",
+            f"{caller} expects a model (an instance of a @stateful class), got {what}.",
+            fix=fix + ".",
         ))
     if category_predicate is not None and not callable(category_predicate):
         raise InvalidTypeError(format_error(
@@ -550,14 +575,29 @@ def _functionalize_method(
         >>> print(out, autostate.freeze(f, states).count)
         3.0 1
     """
-    _check_functionalize_arguments(self, category, category_predicate)
+    return functionalize_as(
+        "functionalize()", self, category, category_predicate=category_predicate, lazy=lazy,
+        state_sharing=state_sharing,
+    )
+
+
+def functionalize_as(
+    caller: str, model: M, category: Hashable | None = None, *,
+    category_predicate: Callable[[Hashable], bool] | None = None, lazy: bool = False,
+    state_sharing: StateSharing = "forbidden", rebuilds: bool = True,
+) -> tuple[FunctionalModel[M], Any]:
+    """``functionalize`` as a step of ``caller`` (what the user called:
+    ``autostate.save``), whose name its refusals give (``rebuilds=False``: its
+    ``f`` is only read, as a reader of names and arrays does)."""
+    self = model
+    _check_functionalize_arguments(self, category, category_predicate, caller, rebuilds)
     if category is not None and category_predicate is not None:
         handle_local_states(self, category=category, category_predicate=category_predicate)
     if category is None and category_predicate is None:
         category_predicate = all_categories
     from autostate.hidden import check_no_hidden_arrays  # (above runtime: imported on first use)
 
-    check_no_hidden_arrays(self)
+    check_no_hidden_arrays(self, caller)
     handler_id = handler_id_for(category, category_predicate)
     selected = category_predicate or (lambda c: c == category)
     handler, initial = handle_local_states(

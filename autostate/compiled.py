@@ -57,10 +57,18 @@ from autostate.effects.local_state import (
     handler_running,
     running_cells,
 )
-from autostate.errors import InvalidArgumentError, format_error, user_location
+from autostate.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    StateAccessError,
+    TracedEagerStateError,
+    format_error,
+    user_location,
+)
 from autostate.graph import Witness
 from autostate.guard import Guard
-from autostate.lifetime import current_trace, under_staging_trace, with_home
+from autostate.hidden import hidden_model_error
+from autostate.lifetime import current_trace, held_tracers, under_staging_trace, with_home
 from autostate.lifting.core import own_states, with_states_handled
 from autostate.packing import (
     Layout,
@@ -253,6 +261,12 @@ class Compiled(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], options: dict[str, Any]):
         self._self: Any = None
+        if not callable(fn):
+            raise InvalidTypeError(format_error(
+                f"autostate.jit compiles a function, got {type(fn).__name__} {fn!r}.",
+                fix="pass the function (`autostate.jit(step)`, or `@autostate.jit` above "
+                "its def), a model's method (`autostate.jit(model.step)`) or a model.",
+            ))
         if _graph.is_stateful_instance(fn):  # ``autostate.jit(model)``: its ``__call__``
             fn = types.MethodType(type(fn).__call__, fn)
         if isinstance(fn, types.MethodType) and _graph.is_stateful_instance(fn.__self__):
@@ -563,8 +577,17 @@ class Compiled(Generic[P, R]):
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
         swapped, _ = own_states([c for c in copies if c is not root])
-        with Guard.for_compiled([c for c in copies if c is not root]):
-            out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
+        try:
+            with Guard.for_compiled([c for c in copies if c is not root]):
+                out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
+        except TracedEagerStateError:
+            # A model the copies reach where the graph does not (inside a plain
+            # object): its refusal names the holder, where the tracer's
+            # advises autostate.jit, the call running now.
+            hidden = hidden_model_error(copies, "autostate.jit", "the compiled function")
+            if hidden is None:
+                raise
+            raise hidden from None
         _check_plain_output(out)
         after, treedef = jax.tree_util.tree_flatten(
             (dynamic, {k: v for k, v in kwargs.items() if k not in dict(key.named)}),
@@ -591,6 +614,7 @@ class Compiled(Generic[P, R]):
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         del root.__dict__["detached"]
+        _check_no_value_of_the_trace(new_graphdef)
         if swap:
             fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
             new_leaves = [swap.get(id(x), x) for x in new_leaves]
@@ -1026,6 +1050,27 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                         "(`autostate.jit(model.step)`).",
                     )
                 )
+
+
+def _check_no_value_of_the_trace(graphdef: Any) -> None:
+    """Refuses a static value the models will hold after the call that keeps a
+    value of the compiled trace (a function closing over one, an object holding
+    one: ``self.fn = lambda: x * 2``): written back, it would be a leaked tracer."""
+    for cls, entries in graphdef.instances:
+        for name, _treedef, parts in entries:
+            kept = [p.value for p in (parts if type(parts) is tuple else (parts,))
+                    if type(p) is StaticLeaf]
+            if kept and held_tracers(kept):
+                raise StateAccessError(format_error(
+                    f"A function compiled by autostate.jit assigned {cls.__name__}.{name} a "
+                    "value that keeps a value of the compiled program (a function closing "
+                    "over an array of the call, an object holding one): after the call the "
+                    "model would hold a tracer of a finished trace.",
+                    where=user_location(),
+                    fix="keep arrays in states (`self.scale = x * 2`, and the function "
+                    "reads the state), or make the function or object outside the compiled "
+                    "call from the arrays it returns.",
+                ))
 
 
 def _check_static(statics: tuple, named: tuple) -> None:

@@ -18,13 +18,11 @@ import copy as _copy
 import copyreg
 from typing import Any
 
-import jax
-
 from autostate import graph as _graph
 from autostate.effects.local_state import (
+    DetachedState,
     FrozenLocalStateRequest,
     HandledLocalStateRef,
-    StateSlot,
     is_running,
 )
 from autostate.host import HostSlot
@@ -32,42 +30,20 @@ from autostate.host import HostSlot
 __all__ = ["DetachedState", "copy_instance", "deepcopy_instance"]
 
 
-class DetachedState(StateSlot):
-    """A state of a copy made inside a functionalized call: it holds its own value
-    (maybe traced: the copy is a temporary of the call), as a Python copy would."""
-
-    __slots__ = ("value", "category", "name")
-
-    def __init__(self, value: Any, category: Any, name: str | None):
-        self.value, self.category, self.name = value, category, name
-
-    def read(self) -> Any:
-        return self.value
-
-    def write(self, value: Any, label: str | None = None) -> DetachedState:
-        return DetachedState(value, self.category, self.name)
-
-    def as_request(self) -> FrozenLocalStateRequest:
-        return FrozenLocalStateRequest(self.value, self.category, self.name)
-
-
-jax.tree_util.register_pytree_node(
-    DetachedState,
-    lambda s: ((s.value,), (s.category, s.name)),
-    lambda aux, children: DetachedState(children[0], *aux),
-)
-_graph.register_node_kind(DetachedState, model_child=True, own_value=True)
-
-
-def _detached(value: Any) -> Any:
+def _detached(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A running call's state (or a copy's) as a state of the copy's own; with
+    a deep copy's ``memo``, what it holds is copied too, as Python's deepcopy
+    copies an attribute's list (a list the copy changed was the call's)."""
     value = _graph.materialized(value)  # (a value a compiled call left packed: made)
     if type(value) is HandledLocalStateRef and is_running(value.handler_id):
-        return DetachedState(
-            value.read(), value.category, value.name if value.was_explicitly_named else None
-        )
-    if type(value) is DetachedState:
-        return DetachedState(value.value, value.category, value.name)
-    return value
+        detached = value.detached()
+    elif type(value) is DetachedState:
+        detached = DetachedState(value.value, value.category, value.name)
+    else:
+        return value
+    if memo is not None:
+        detached.value = _copy.deepcopy(detached.value, memo)
+    return detached
 
 
 def _own_slot(value: Any, memo: dict[int, Any]) -> Any:
@@ -138,6 +114,6 @@ def deepcopy_instance(self: Any, memo: dict[int, Any]) -> Any:
     d = new.__dict__
     for k, v in self.__dict__.items():
         v = _graph.materialized(v)
-        detached = _detached(v)
+        detached = _detached(v, memo)
         d[k] = detached if detached is not v else _copy.deepcopy(v, memo)
     return new

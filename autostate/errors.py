@@ -124,6 +124,15 @@ def format_error(what: str, *, where: str | None = _USER_LINE, fix: str | None =
     return "\n".join(parts)
 
 
+def holder_fix(value: Any) -> str | None:
+    """The fix a class of plain objects gives for a model that keeps one of them
+    where autostate cannot follow it (its class attribute
+    ``_autostate_holder_fix``, as ``autostate.nn.KeyStream``'s), where the
+    general fix would be to decorate the class: None if it gives none."""
+    fix = getattr(type(value), "_autostate_holder_fix", None)
+    return fix if isinstance(fix, str) else None
+
+
 class InvalidArgumentError(AutostateError, ValueError):
     """An argument has a value autostate does not accept (an unknown mode)."""
 

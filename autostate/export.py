@@ -138,7 +138,7 @@ def export(
     """
     from autostate.state_dicts import flatten_states, handle_for_reading, unflatten_states
 
-    f, states = handle_for_reading(model, "export")
+    f, states = handle_for_reading(model, "export", rebuilds=True)
     flat, layout = flatten_states(states)
     call = f if method == "__call__" else getattr(f, method)
     static_pos = _static_positions(static_argnums, len(example_args))

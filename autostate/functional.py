@@ -525,7 +525,8 @@ def fields_class(names: tuple[str, ...]) -> type:
 
 
 class _Keyed:
-    """A level whose keys are of no kind JAX builds natively (a foreign node's keys)."""
+    """A level whose keys are of no kind JAX builds natively (a foreign node's
+    keys), or dict keys that do not sort."""
 
     __slots__ = ("keys", "children")
 
@@ -562,9 +563,19 @@ def _build_level(trie: dict) -> Any:
         by_index = {k.idx: c for k, c in zip(keys, children)}
         # Holes (an element without leaves) stay holes, so indices stay the model's.
         return tuple(by_index.get(i) for i in range(max(by_index) + 1))
-    if kinds == {jax.tree_util.DictKey}:
+    if kinds == {jax.tree_util.DictKey} and _sortable(k.key for k in keys):
         return {k.key: c for k, c in zip(keys, children)}
+    # (Also a dict whose keys do not sort, `{1: a, (2, 'x'): b}`: JAX's dict
+    # sorts them; this level keeps them, under the same keys.)
     return _Keyed(tuple(keys), children)
+
+
+def _sortable(keys: Any) -> bool:
+    try:
+        sorted(keys)
+    except TypeError:
+        return False
+    return True
 
 
 def _view_layout(graphdef: _graph.GraphDef) -> tuple:

@@ -71,6 +71,7 @@ from autostate.errors import (
     TracedValueError,
     escaped_state_message,
     format_error,
+    holder_fix,
     refusals_raised_again,
     refused,
     traced_value_error,
@@ -131,7 +132,7 @@ class Guard:
 
     __slots__ = (
         "what", "model", "ids", "dicts", "containers", "graph", "traced", "on_copy",
-        "lax_body", "traced_states", "states", "_refusals",
+        "lax_body", "traced_states", "states", "instances", "_refusals",
     )
 
     def __init__(
@@ -159,6 +160,7 @@ class Guard:
         self.lax_body = lax_body
         self.traced_states = traced_states  # the states a traced-value error may name
         self.states: dict[str, Any] | None = None  # what the call returned (``returned``)
+        self.instances: list[Any] = []  # a compiled call's models (``for_compiled``)
 
     @classmethod
     def for_call(
@@ -212,10 +214,12 @@ class Guard:
         does not write back (a plain object's attributes, a class's list) stays
         as it was, since the compiled program changes it once per trace, not
         once per call."""
-        return cls(
+        guard = cls(
             COMPILED, None, frozenset(), [], _graph.mutable_statics(instances, shared=True),
             None, traced=True,
         )
+        guard.instances = instances
+        return guard
 
     # --- the block -------------------------------------------------------------
 
@@ -348,6 +352,14 @@ class Guard:
             "is threaded through the body.",
         ))
 
+    def _holder_fix(self, changed: list[str]) -> str | None:
+        """The fix the class of a changed attribute's object gives (``holder_fix``)."""
+        for obj in self.instances:
+            for name, value in obj.__dict__.items():
+                if f"{type(obj).__name__}.{name}" in changed and holder_fix(value):
+                    return holder_fix(value)
+        return None
+
     def _change_error(self, changed: list[str]) -> StateAccessError:
         where = f" (at {', '.join(changed[:3])})" if changed else ""
         if self.what == COMPILED:
@@ -358,9 +370,10 @@ class Guard:
                 "models, so the change would be made once when the function is traced, not at "
                 "every call, and would hold the trace's values.",
                 where=user_location(),
-                fix="decorate the object's class with @autostate.stateful (a change to a "
-                "model's attributes is written back at every call), assign the model a new "
-                "object, or keep such bookkeeping out of the compiled call.",
+                fix=self._holder_fix(changed) or "decorate the object's class with "
+                "@autostate.stateful (a change to a model's attributes is written back at "
+                "every call), assign the model a new object, or keep such bookkeeping out "
+                "of the compiled call.",
             ))
         lost = (
             "this call runs on a copy of f's model (its integer, bool and key arrays that are "

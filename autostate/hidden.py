@@ -21,10 +21,10 @@ from typing import Any
 from autostate import graph as _graph
 from autostate import tree as _tree
 from autostate import values as _values
-from autostate.errors import InvalidTypeError, format_error
+from autostate.errors import InvalidTypeError, format_error, holder_fix
 from autostate.runtime import is_slot, make_slot
 
-__all__ = ["check_no_hidden_arrays"]
+__all__ = ["check_no_hidden_arrays", "hidden_model_error"]
 
 
 def _is_array_object(value: Any) -> bool:
@@ -34,12 +34,15 @@ def _is_array_object(value: Any) -> bool:
 
 
 class _Hidden(tuple):
-    """``(what, holder)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
+    """``(what, holder, fix)`` that ``_hidden_array`` found: a fresh node, the walk's target."""
 
 
-def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
-    """``(where, holder, what)`` of the first array in a plain object, or model
-    reached where ``functionalize()`` cannot follow it, in ``value``.
+def _hidden_array(
+    where: str, value: Any, arrays: bool = True
+) -> tuple[str, str, Any, str | None] | None:
+    """``(where, holder, what, fix)`` of the first array in a plain object, or
+    model reached where ``functionalize()`` cannot follow it, in ``value``
+    (``fix``: the holder's own, ``errors.holder_fix``).
 
     A sub-model in an attribute or container is a graph edge, and a method,
     closure or weak reference bound directly to one is rebound to f's copy;
@@ -47,7 +50,8 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
     closure through another function) would reach the original. The walk's
     ``step`` gives a find as a ``_Hidden`` child, and any other child its
     context ``(inside, holder, forced)``. It is no node kind's field: it sees
-    what the graph does not follow, and depends on the path's holders."""
+    what the graph does not follow, and depends on the path's holders.
+    ``arrays=False``: models only (an array in a plain object is no find)."""
     root = (value,)
     context: dict[int, tuple[bool, str, str]] = {id(value): (False, "", "")}
     stateful = _graph.is_stateful_instance
@@ -130,13 +134,13 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
             # static as the object is: its arrays and models are its finds.
             holder = default
         if hit is not None:
-            return [(hit[0], _Hidden((hit[1], forced or hit[2] or default)))]
+            return [(hit[0], _Hidden((hit[1], forced or hit[2] or default, None)))]
         if holder:
             inner = (True, holder, forced)
         out = []
         for suffix, v in items:
-            if holder and (stateful(v) or _is_array_object(v)):
-                v = _Hidden((v, forced or holder))
+            if holder and (stateful(v) or (arrays and _is_array_object(v))):
+                v = _Hidden((v, forced or holder, None if forced else holder_fix(node)))
             else:
                 context[id(v)] = inner
             out.append((suffix, v))
@@ -146,7 +150,7 @@ def _hidden_array(where: str, value: Any) -> tuple[str, str, Any] | None:
         _graph.iter_tree(root, lambda n: type(n) is _Hidden, children=step, seen=builtins.set()),
         None,
     )
-    return None if found is None else (found[0], found[1][1], found[1][0])
+    return None if found is None else (found[0], found[1][1], found[1][0], found[1][2])
 
 
 _ITERATOR_HOLDERS = frozenset({"generator", "coroutine", "async_generator", "map", "filter"})
@@ -172,12 +176,32 @@ _MODEL_FIXES = (
 )
 
 
-def check_no_hidden_arrays(model: Any) -> None:
+def check_no_hidden_arrays(model: Any, caller: str = "functionalize()") -> None:
     """Refuses a model holding arrays inside plain objects (static pytree data:
     baked into ``f`` as constants, with no gradient and absent from
-    checkpoints), and makes a state held as a plain array a slot."""
+    checkpoints), and makes a state held as a plain array a slot
+    (``caller``: what the user called, which functionalizes the model)."""
     if not _graph.is_stateful_instance(model):
         return
+    by = caller if caller == "functionalize()" else f"{caller} (which functionalizes the model)"
+    _refuse_hidden(model, arrays=True, by=by, inside="f")
+
+
+def hidden_model_error(models: Any, by: str, inside: str) -> InvalidTypeError | None:
+    """The refusal of the first model found among ``models`` (or below them) that
+    is held where ``by`` cannot follow it (inside a plain object, a closure, a
+    ``functools.partial``), or None: ``autostate.jit`` asks it of its models when
+    a call through such a model wrote a tracer into the original."""
+    try:
+        for model in models:
+            if _graph.is_stateful_instance(model):
+                _refuse_hidden(model, arrays=False, by=by, inside=inside)
+    except InvalidTypeError as err:
+        return err
+    return None
+
+
+def _refuse_hidden(model: Any, arrays: bool, by: str, inside: str) -> None:
     for path, obj in _graph.instances(model):
         adopt = None
         for name, value in obj.__dict__.items():
@@ -191,12 +215,14 @@ def check_no_hidden_arrays(model: Any) -> None:
                 if name in _tree.info_of(obj).state:
                     adopt = [*(adopt or ()), name]
                 continue
-            found = _hidden_array(f".{path}.{name}" if path else f".{name}", value)
+            found = _hidden_array(f".{path}.{name}" if path else f".{name}", value, arrays)
             if found is None:
                 continue
             where = found[0]
             holder = found[1] or "plain"
             if holder == "builtin method":
+                if not arrays:
+                    continue
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} is a method of a "
                     f"{type(found[2]).__name__} the model holds (at {where}); f's copy "
@@ -208,33 +234,38 @@ def check_no_hidden_arrays(model: Any) -> None:
             if holder == "weakref.proxy":
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} holds a weakref.proxy to a @stateful "
-                    f"model (at {where}); a proxy gives no way to its model, so f's copy "
-                    "could not be pointed at f's copy of that model: calls through it "
-                    "inside f would read and write the original model instead of f's states.",
+                    f"model (at {where}); a proxy gives no way to its model, so {inside}'s "
+                    "copy could not be pointed at {inside}'s copy of that model: calls through it "
+                    f"inside {inside} would read and write the original model instead of "
+                    f"{inside}'s states.",
                     fix="keep a weakref.ref(model) (call it to reach the model), which "
                     "f's copy rebinds to itself, or the model itself.",
                 ))
             if _graph.is_stateful_instance(found[2]):
                 # A back-reference (``self.hook = Hook(self)``): f's copy of the
                 # model would still reach the original through it.
-                fix = next((f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER)
+                fix = found[3] or next(
+                    (f for holders, f in _MODEL_FIXES if holder in holders), _DECORATE_HOLDER
+                ).format(holder=holder)
                 raise InvalidTypeError(format_error(
                     f"{type(obj).__name__}.{name} holds a @stateful model inside a plain "
-                    f"{holder} object (at {where}); functionalize() copies the model "
-                    f"but not the {holder}, so calls through it inside f would read and "
-                    "write the original model instead of f's states.",
-                    fix=fix.format(holder=holder),
+                    f"{holder} object (at {where}); {by} copies the model "
+                    f"but not the {holder}, so calls through it inside {inside} would read "
+                    f"and write the original model instead of {inside}'s states.",
+                    fix=fix,
                 ))
+            if not arrays:
+                continue
             raise InvalidTypeError(format_error(
                 f"{type(obj).__name__}.{name} holds an array inside a plain "
-                f"{holder} object (at {where}); functionalize() would bake it into "
+                f"{holder} object (at {where}); {by} would bake it into "
                 "f as a constant: no gradient, not in param_dict, not saved.",
-                fix=f"decorate {holder} with @autostate.stateful (or "
+                fix=found[3] or f"decorate {holder} with @autostate.stateful (or "
                 f"register it as a JAX pytree), or store the array on "
                 f"{type(obj).__name__} itself.",
             ))
         # A state held as a plain array: the instance was made before its class
         # was decorated (``object.__new__`` of a class waiting for its first
         # use, or ``__class__`` set to one). Its value becomes the state's.
-        for name in adopt or ():
+        for name in adopt or () if arrays else ():
             dict.__setitem__(obj.__dict__, name, make_slot(obj, name, obj.__dict__[name]))

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import types
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
@@ -207,13 +208,62 @@ def _enclosing_traces(trace: Any) -> set[int]:
 def _tracers(value: Any) -> tuple[list[Any], bool]:
     """The tracers among ``value``'s leaves, and whether ``value`` holds a dict
     whose keys do not sort (a state eager Python keeps, but that JAX cannot
-    flatten: ``unsortable_keys_error`` refuses it where ``f`` would need it)."""
+    flatten: ``unsortable_keys_error`` refuses it where ``f`` would need it).
+    Under a trace, a leaf that is a function, a ``functools.partial`` or a
+    plain object is looked into too (``held_tracers``)."""
     try:
         leaves = jax.tree_util.tree_leaves(value)
     except (ValueError, TypeError) as err:
         leaves = leaves_in_own_order(value, err)
         return [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)], True
-    return [leaf for leaf in leaves_within_opaque(leaves) if isinstance(leaf, jax.core.Tracer)], False
+    leaves = leaves_within_opaque(leaves)
+    found = [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
+    if current_trace() is not None:
+        found += held_tracers([leaf for leaf in leaves if not isinstance(leaf, jax.core.Tracer)])
+    return found, False
+
+
+_HOLDERS_OF_NOTHING = (type, types.ModuleType, types.BuiltinFunctionType)
+
+
+def held_tracers(leaves: Iterable[Any]) -> list[Any]:
+    """The tracers that the functions (closures, defaults), ``functools.partial``s,
+    bound methods and plain objects among ``leaves`` hold, at any depth: a value
+    that JAX takes as one leaf but that keeps a value of the trace (`self.fn =
+    lambda: x * 2`, `self.box = Box(x)`), which would outlive it. A decorated
+    instance is not looked into (its states are checked as they are written)."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    stack = list(leaves)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, jax.core.Tracer):
+            found.append(value)
+            continue
+        t = type(value)
+        if id(value) in seen or t in CONCRETE_LEAF_TYPES or isinstance(value, _HOLDERS_OF_NOTHING):
+            continue
+        seen.add(id(value))
+        if t is types.FunctionType:
+            for cell in value.__closure__ or ():
+                with contextlib.suppress(ValueError):  # (an empty cell)
+                    stack.append(cell.cell_contents)
+            stack.extend(value.__defaults__ or ())
+        elif t is functools.partial:
+            stack.extend((value.func, *value.args, *value.keywords.values()))
+        elif t is types.MethodType:
+            stack.append(value.__func__)
+        elif t is list or t is tuple or t is set or t is frozenset:
+            stack.extend(value)
+        elif t is dict:
+            stack.extend(value.values())
+        elif t in _graph.STATEFUL_CLASSES or isinstance(value, jax.Array):
+            continue
+        else:
+            attrs = getattr(value, "__dict__", None)
+            if type(attrs) is dict:
+                stack.extend(attrs.values())
+    return found
 
 
 def check_not_traced(
@@ -354,6 +404,15 @@ def initial_slot(value: Any, category: Category, name: str | None, label: str | 
     return InitialLocalStateRequest(InitialValue(value, home, note), category, name)
 
 
+def eager_home(slot: Any) -> Any:
+    """The trace an eager slot's model was built in (``None``: outside every
+    trace, where no tracer may be written into it)."""
+    if type(slot) is InitialLocalStateRequest:
+        init = slot.state_initializer
+        return init.home if isinstance(init, InitialValue) else None
+    return home_of(slot)
+
+
 def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     """The slot that takes an eager slot's place once assigned ``value`` (the
     ``eager_write`` hook).
@@ -364,15 +423,13 @@ def written_slot(slot: Any, value: Any, label: str | None) -> Any:
     Python number, as when handled). The new slot lives where ``slot`` does
     (``check_not_traced``)."""
     t = type(slot)
+    home = eager_home(slot)
     if t is FrozenLocalStateRequest:
-        home = slot._home
         placeholder = slot.state is None
     elif t is InitialLocalStateRequest:
         init = slot.state_initializer
-        home = init.home if isinstance(init, InitialValue) else None
         placeholder = isinstance(init, InitialValue) and init.value is None
     else:  # a static state (``autostate.state_values.StaticState``)
-        home = home_of(slot)
         placeholder = True
     note = check_not_traced(value, slot.name or label, home)
     if t is FrozenLocalStateRequest and not placeholder:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from autostate import graph as _graph
 from autostate import sharding as _sharding
 from autostate import tree as _tree
-from autostate.api import functionalize, stateful
+from autostate.api import functionalize, functionalize_as, stateful
 from autostate.errors import InvalidArgumentError, format_error, user_location
 from autostate.functional import ConstantRef, FunctionalModel, instance_pairs
 
@@ -90,7 +90,7 @@ class Optimizer:
     def __init__(self, model: Any, tx: Any):
         self.model = model
         self.tx = tx
-        f, _ = functionalize(model)
+        f, _ = functionalize_as("autostate.Optimizer", model)
         # The structure the transformation's state follows: f's in the mode
         # the model had here (a mode is part of f's structure; the
         # parameters are the same in every mode).

@@ -11,6 +11,7 @@ store. Nothing here changes a model.
 from __future__ import annotations
 
 import contextvars
+import types
 from typing import Any
 
 import jax
@@ -122,6 +123,11 @@ class _ReprWriter:
             children = zip(value, _graph.children_of(value))
             items = [f"{k!r}: {self.node(v, path + sub)}" for k, (sub, v) in children]
             return _layout("{", items, "}")
+        if t is types.MethodType and _graph.is_stateful_instance(value.__self__):
+            # (Its own repr is the model's: a method of the model kept by
+            # the model, `self.fn = self._a`, recursed without end.)
+            name = getattr(value.__func__, "__qualname__", "?")
+            return f"<bound method {name} of {self.node(value.__self__, path + '.__self__')}>"
         if _graph.is_dynamic(value):
             try:
                 shown = jax.tree_util.tree_map(_Shown.of, value)

@@ -367,6 +367,13 @@ def shardings(
         True
     """
     resolved = _Resolved(f)
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise InvalidTypeError(format_error(
+            f"autostate.shardings places on a jax.sharding.Mesh, got {type(mesh).__name__} "
+            f"{mesh!r}.",
+            fix="make one with `jax.make_mesh(shape, axis_names)` and pass it third: "
+            "`autostate.shardings(f, states, mesh)`.",
+        ))
     leaves, treedef = jax.tree_util.tree_flatten(f)
     out = []
     for leaf in leaves:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 
 from autostate import graph as _graph
 from autostate import guard as _guard
+from autostate import lifetime as _lifetime
 from autostate import runtime as _runtime
 from autostate import sharding as _sharding
 from autostate import tree as _tree
@@ -42,6 +43,7 @@ from autostate.errors import (
     InvalidTypeError,
     StackError,
     StateAccessError,
+    TracedEagerStateError,
     format_error,
     traced_value_error,
     user_location,
@@ -617,7 +619,29 @@ class LayerSlot(StateSlot):
         value = jax.tree_util.tree_map(lambda leaf: leaf, value)  # (plain dicts and lists)
         new = _with_layer(full, value, self.index, self.depth, self.label())
         if new is not full:
-            _runtime.store_state(self.owner, self.attr, new)
+            try:
+                _runtime.store_state(self.owner, self.attr, new)
+            except TracedEagerStateError:
+                slot = self.owner.__dict__.get(self.attr)
+                if getattr(slot, "handled", False) or _lifetime.eager_home(slot) is not None:
+                    raise  # (a transformation applied inside a call or trace)
+                # The stacked state's own refusal advises functionalizing the
+                # model it reached, which a layer cannot be.
+                raise self._traced_refusal() from None
+
+    def _traced_refusal(self) -> TracedEagerStateError:
+        return TracedEagerStateError(format_error(
+            f"{self.label()} was assigned a JAX tracer, but the stack holding it is not "
+            "functionalized and was built outside the running transformation (jax.jit, "
+            "grad, vmap, eval_shape): the stack would keep a value that only exists "
+            "inside its trace.",
+            fix="apply autostate's transformation to the model (or the stack) that holds "
+            "the layer, and take the layer inside the function: "
+            "`autostate.jit(lambda m, x: m.blocks[0](x))(model, x)` (a layer itself "
+            "cannot be given to autostate.jit or functionalize(): its states are the "
+            "stack's); or call `f, states = model.functionalize()` and use "
+            "`out, states = f(states, ...)` inside the transformation.",
+        ))
 
     def as_request(self) -> Any:
         raise StackError(format_error(

@@ -46,8 +46,11 @@ _Layout = list[tuple[str, Any, list[str], dict[str, Any]]]
 # --- the flat view of a model ------------------------------------------------
 
 
-def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[str, Any]]:
-    """``functionalize`` for reading: every category, shared names allowed."""
+def handle_for_reading(
+    model: Any, caller: str, rebuilds: bool = False
+) -> tuple[FunctionalModel, dict[str, Any]]:
+    """``functionalize`` for reading: every category, shared names allowed
+    (``rebuilds``: the model is then rebuilt from its ``f``, as a load does)."""
     if isinstance(model, FunctionalModel):
         raise InvalidTypeError(format_error(
             f"autostate.{caller} expects a model, and got a FunctionalModel: the f "
@@ -81,11 +84,13 @@ def handle_for_reading(model: Any, caller: str) -> tuple[FunctionalModel, dict[s
         ))
     # (The front door's functionalize and freeze, and stacks, are read when a
     # call needs them: state dicts are a feature those modules stand beside.)
-    from autostate.api import functionalize
+    from autostate.api import functionalize_as
 
     # "allowed" only differs from the default by accepting models that a
     # sharing-enabled freeze produced; names are the same either way.
-    return functionalize(model, state_sharing="allowed")
+    return functionalize_as(
+        f"autostate.{caller}", model, state_sharing="allowed", rebuilds=rebuilds
+    )
 
 
 def parameters_of(body: Any) -> dict[str, Any]:
@@ -561,7 +566,7 @@ def rebuild(
     from autostate.api import freeze  # (see handle_for_reading)
     from autostate.stacks import stacks_in
 
-    f, nested = handle_for_reading(model, caller)
+    f, nested = handle_for_reading(model, caller, rebuilds=True)
     report = _Report()
     param_leaves: dict[str, Any] = {}
     new_params: dict[str, Any] = {}

@@ -572,6 +572,52 @@ class HandledLocalStateRef(StateSlot):
         _hooks.check_handled_write(self, label, cell.value, value)
         cell.value = value
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A pickle made inside the running call (``pickle.dumps(self)`` in a
+        # method) holds the state's value now, as ``copy.deepcopy`` of the
+        # model there does: the unpickled model's state is its own.
+        if is_running(self.handler_id):
+            return (DetachedState, self.detached().__reduce__()[1])
+        return super().__reduce_ex__(protocol)
+
+    def detached(self) -> DetachedState:
+        """A state holding this running state's value, its own from now on:
+        what a copy of the model made inside the call holds."""
+        return DetachedState(
+            self.read(), self.category, self.name if self.was_explicitly_named else None
+        )
+
+
+class DetachedState(StateSlot):
+    """A state of a copy made inside a functionalized call (``copy``, ``deepcopy``
+    or ``pickle`` of the model there): it holds its own value (maybe traced: the
+    copy is a temporary of the call), as a Python copy would."""
+
+    __slots__ = ("value", "category", "name")
+
+    def __init__(self, value: Any, category: Any, name: str | None):
+        self.value, self.category, self.name = value, category, name
+
+    def read(self) -> Any:
+        return self.value
+
+    def write(self, value: Any, label: str | None = None) -> DetachedState:
+        return DetachedState(value, self.category, self.name)
+
+    def as_request(self) -> FrozenLocalStateRequest:
+        return FrozenLocalStateRequest(self.value, self.category, self.name)
+
+    def __reduce__(self) -> tuple[type, tuple[Any, Any, str | None]]:
+        return (DetachedState, (self.value, self.category, self.name))
+
+
+jax.tree_util.register_pytree_node(
+    DetachedState,
+    lambda s: ((s.value,), (s.category, s.name)),
+    lambda aux, children: DetachedState(children[0], *aux),
+)
+_graph.register_node_kind(DetachedState, model_child=True, own_value=True)
+
 
 # How the walks see a handled reference (and what stands for it in the copy
 # JAX makes of a running model, ``CopiedRef``) is registered by

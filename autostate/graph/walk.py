@@ -63,8 +63,10 @@ from autostate.graph.kinds import (
     attr_name,
     bound_ref,
     held_instances,
+    index_name,
     is_stateful_instance,
     key_name,
+    mapping_name,
     materialized,
     named_keys,
     path_name,
@@ -355,6 +357,54 @@ def instances(tree: Any) -> list[tuple[str, Any]]:
     """``(path name, instance)`` for every decorated instance reachable in
     ``tree``, once each (named by its first path), in walk order."""
     return list(iter_tree(tree, is_stateful_instance, into_targets=True))
+
+
+def _held_instances_step(node: Any) -> list[tuple[str, Any]]:
+    """The children that may lead to a decorated instance: an instance's
+    attributes, a list's, tuple's or dict's items (a state's value is not walked)."""
+    t = type(node)
+    if t in STATEFUL_CLASSES:
+        items = node.__dict__.items()
+        return [(attr_name(k), v) for k, v in items if type(v) in _HOLDERS or type(v) in STATEFUL_CLASSES]
+    if t is list or t is tuple:
+        return [(index_name(i), v) for i, v in enumerate(node)]
+    if t is dict:
+        return [(mapping_name(k), v) for k, v in node.items()]
+    return []
+
+
+_HOLDERS = (list, tuple, dict)
+
+
+def instance_paths(tops: Sequence[Any]) -> dict[int, str]:
+    """``id -> "Class.path"`` of the decorated instances ``tops`` hold in their
+    attributes, lists, tuples and dicts, each named from the first top that
+    reaches it (``Net.blocks[1].norm``): how an error tells apart two
+    instances of one class.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> @autostate.stateful
+        ... class Leaf:
+        ...     def __init__(self):
+        ...         self.w = jnp.ones(2)
+        >>> @autostate.stateful
+        ... class Pair:
+        ...     def __init__(self):
+        ...         self.leaves = [Leaf(), Leaf()]
+        >>> pair = Pair()
+        >>> instance_paths([pair])[id(pair.leaves[1])]
+        'Pair.leaves[1]'
+    """
+    paths: dict[int, str] = {}
+    for top in tops:
+        if id(top) in paths:
+            continue
+        for path, sub in iter_tree(top, is_stateful_instance, into_targets=True,
+                                   children=_held_instances_step):
+            if path and id(sub) not in paths:
+                paths[id(sub)] = f"{type(top).__name__}.{path}"
+    return paths
 
 
 def instances_of(tree: Any) -> list[Any]:
@@ -724,6 +774,11 @@ def _flatten_instance(obj: Any) -> tuple[list[Any], tuple]:
             if type(value) in STATEFUL_CLASSES and _leads_back(value, obj):
                 raise _cycle_error(obj, name, value)
             value, positions = _wrap_statics(value)
+            kept = _in_order(value, sorted_too=False)
+            if kept is not value:  # (a dict whose keys do not sort: JAX's flatten raised)
+                aux.append(("o", name, positions))
+                children.append(kept)
+                continue
             aux.append(("c", name, positions) if positions else name)
             children.append(value)
         else:
@@ -792,6 +847,9 @@ def _flatten_as(obj: Any, d: dict, layout: tuple) -> tuple[list[Any], tuple]:
         elif entry[0] == "c":
             aux.append(entry)
             children.append(_wrap_at(value, entry[2]))
+        elif entry[0] == "o":
+            aux.append(entry)
+            children.append(_in_order(_wrap_at(value, entry[2]), sorted_too=False))
         elif (bound := _bound_to_self(obj, value)) is not None:
             aux.append(("m", name, bound))
         else:
@@ -804,7 +862,7 @@ def _flatten_instance_with_keys(obj: Any):
     keys = [
         jax.tree_util.GetAttrKey(_entry_name(entry))
         for entry in aux
-        if type(entry) is str or entry[0] in "cr"
+        if type(entry) is str or entry[0] in "cor"
     ]
     return list(zip(keys, children)), aux
 
@@ -819,7 +877,7 @@ def _make_unflatten(cls: type) -> Callable[[tuple, Any], Any]:
         for entry in aux:
             if type(entry) is str:
                 d[entry] = next(it)
-            elif entry[0] == "c":
+            elif entry[0] == "c" or entry[0] == "o":
                 d[entry[1]] = _unwrap_at(next(it), entry[2])
             elif entry[0] == "m":
                 d[entry[1]] = entry[2].rebind([obj])
@@ -978,26 +1036,30 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _in_order(value: Any) -> Any:
+def _in_order(value: Any, sorted_too: bool = True) -> Any:
     """``value`` with each dict (in its lists, tuples and dicts) whose keys are
-    not in sorted order made an ``_InOrder``, for the graph's flatten; the
-    value itself when there is none. A dict whose keys do not sort is left as
-    it is (JAX refuses it, with autostate's error where it must flatten)."""
+    not in sorted order, or do not sort (``{1: a, (2, 'x'): b}``: JAX's
+    flatten sorts them, and raises), made an ``_InOrder``, for the graph's
+    flatten; the value itself when there is none. ``sorted_too=False``: only
+    the dicts whose keys do not sort (the per-instance flatten, where JAX's
+    order of the others is the pytree's). (A state's value is not walked
+    here: a states dict holding such a dict is refused where JAX must flatten
+    it, ``unsortable``.)"""
     t = type(value)
     if t is dict:
-        children = {k: _in_order(v) for k, v in value.items()}
+        children = {k: _in_order(v, sorted_too) for k, v in value.items()}
         keys = list(value)
         try:
-            ordered = keys == sorted(keys)
+            ordered = keys == sorted(keys) or not sorted_too
         except TypeError:
-            ordered = True
+            ordered = False
         if not ordered:
             return _InOrder(children)
         if any(children[k] is not v for k, v in value.items()):
             return children
         return value
     if t is list or t is tuple:
-        items = [_in_order(v) for v in value]
+        items = [_in_order(v, sorted_too) for v in value]
         if any(a is not b for a, b in zip(items, value)):
             return t(items)
     return value

@@ -408,9 +408,8 @@ def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, 
     """The states ``instances`` hold themselves, each ``(instance, attribute,
     slot, name)``, and their static states ``(instance, attribute, slot)``,
     which a handler does not take."""
-    swapped: Swapped = []
+    found: list[tuple[Any, str, Any]] = []
     statics: list[tuple[Any, str, Any]] = []
-    names: set[str] = set()
     for obj in instances:
         for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
@@ -423,8 +422,26 @@ def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, 
                 raise slot.lost.error()
             if type(slot) not in _graph.OWN_VALUE_SLOTS:
                 continue
-            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
-    return swapped, statics
+            found.append((obj, attr, slot))
+    return named_states(found, instances), statics
+
+
+def named_states(found: list[tuple[Any, str, Any]], instances: Sequence[Any]) -> Swapped:
+    """``found`` (``(instance, attribute, slot)``) with the name a handler gives
+    each state for one call, as its errors show it: ``Linear.w``, or, where two
+    instances of a class are handled, the path from the first of ``instances``
+    that reaches it (``Net.enc.w``, ``Net.dec.w``)."""
+    plain = [f"{type(obj).__name__}.{attr}" for obj, attr, _ in found]
+    names = set(plain)
+    if len(names) == len(plain):
+        return [(obj, attr, slot, name) for (obj, attr, slot), name in zip(found, plain)]
+    paths = _graph.instance_paths(instances)
+    names = set()
+    swapped: Swapped = []
+    for (obj, attr, slot), name in zip(found, plain):
+        path = paths.get(id(obj))
+        swapped.append((obj, attr, slot, state_name(f"{path}.{attr}" if path else name, names)))
+    return swapped
 
 
 def with_states_handled(swapped: Swapped, call: Callable[[], Any]) -> Any:
@@ -438,10 +455,9 @@ def with_states_handled(swapped: Swapped, call: Callable[[], Any]) -> Any:
     return out
 
 
-def state_name(obj: Any, attr: str, names: set[str]) -> str:
-    """The name a handler gives ``obj``'s state ``attr`` for one call
-    (``Linear.w``, then ``Linear.w'`` for another instance's), added to ``names``."""
-    name = f"{type(obj).__name__}.{attr}"
+def state_name(name: str, names: set[str]) -> str:
+    """``name``, made unique among ``names`` (``Linear.w``, then ``Linear.w'``
+    for another instance's that no path tells apart), added to them."""
     while name in names:
         name += "'"
     names.add(name)
@@ -648,14 +664,15 @@ def with_layer_views(mapped: Any, what: str, call: Callable[[], Any]) -> Any:
     over, the slices written come back stacked and are written through the
     view. Meanwhile the outer state cannot be read by another path (it would be
     stale): refused."""
-    swapped: Swapped = []
-    names: set[str] = set()
-    for obj in _graph.instances_of(mapped):
+    found: list[tuple[Any, str, Any]] = []
+    instances = _graph.instances_of(mapped)
+    for obj in instances:
         for attr in _tree.info_of(obj).state:
             slot = obj.__dict__.get(attr)
             if not isinstance(slot, StateSlot) or slot.part_of() is None:
                 continue
-            swapped.append((obj, attr, slot, state_name(obj, attr, names)))
+            found.append((obj, attr, slot))
+    swapped = named_states(found, instances)
     if not swapped:
         return call()
     states = {name: slot.read() for _, _, slot, name in swapped}

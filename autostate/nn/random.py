@@ -49,6 +49,18 @@ class KeyStream:
         False
     """
 
+    # What a model that keeps a stream and draws from it in a method is told
+    # (``autostate.errors.holder_fix``): a stream is plain Python state, for
+    # building layers, not a state of the model.
+    _autostate_holder_fix = (
+        "a KeyStream is for building layers, not a state: make it a local of __init__ "
+        "(`keys = nn.KeyStream(seed)`, `nn.Linear(..., key=keys)`); to draw keys in a "
+        "method, keep the key itself as a state "
+        "(`self.key = jax.random.key(0)` in __init__, then "
+        "`self.key, k = jax.random.split(self.key)` where a key is needed), or pass "
+        "the key to the method (`model(x, key=k)`)."
+    )
+
     def __init__(self, key: KeyLike = None):
         self.key = _as_key(next_key() if key is None else key)
         self.count = 0

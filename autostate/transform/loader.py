@@ -189,6 +189,27 @@ def compiles_to(wrapper_source: str, source: Any, code: types.CodeType) -> bool:
     return _same_code(found, code)
 
 
+def named_as(code: types.CodeType, qualname: str) -> types.CodeType:
+    """``code`` (a method compiled inside the wrapper) named ``qualname``, the
+    original method's, and so the functions, lambdas and classes defined in
+    it: ``M.__init__.<locals>.<lambda>``, as plain Python names them, not
+    ``M.__autostate_outer__.<locals>.__init__.<locals>.<lambda>``."""
+    return _with_qualname(code, code.co_qualname, qualname)
+
+
+def _with_qualname(code: types.CodeType, old: str, new: str) -> types.CodeType:
+    consts = tuple(
+        _with_qualname(c, old, new) if isinstance(c, types.CodeType)
+        # (A class body stores its ``__qualname__`` from a constant.)
+        else new + c[len(old):] if isinstance(c, str) and c.startswith(old + ".") else c
+        for c in code.co_consts
+    )
+    qualname = code.co_qualname
+    if qualname == old or qualname.startswith(old + "."):
+        qualname = new + qualname[len(old):]
+    return code.replace(co_qualname=qualname, co_consts=consts)
+
+
 def build_function(
     code: types.CodeType, original: types.FunctionType, runtime: types.ModuleType
 ) -> types.FunctionType:

@@ -530,10 +530,10 @@ def _transform(
             runtime=method.runtime,
         )
         code = slot.function.__code__
-        codes[slot.key] = loader.compile_method(
+        codes[slot.key] = loader.named_as(loader.compile_method(
             text, method.source.filename, class_name, code.co_name, method.shift, code.co_flags,
             runtime=method.runtime if rolls else None, loops=loops, state=result.state,
-        )
+        ), slot.function.__qualname__)
     return result.state, result.initialized | initialized, result.constructs | constructs, codes
 
 

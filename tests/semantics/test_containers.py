@@ -248,6 +248,52 @@ def test_keys_of_mixed_types(write_module: Loader) -> None:
     assert_clear(err, line_of(module, "self.table[key] = "), "int", "str")
 
 
+UNSORTED_HOLDERS = """
+@DECORATE
+class Leaf:
+    def __init__(self, k):
+        self.w = jnp.ones(3) * k
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + x.sum()
+        return x * self.w
+
+
+@DECORATE
+class ByMixedKeys:
+    def __init__(self):
+        self.leaves = {1: Leaf(1.0), (2, "a"): Leaf(2.0), 0: Leaf(3.0)}
+        self.tables = {1: jnp.ones(3), "a": jnp.full(3, 2.0)}
+
+    def __call__(self, x):
+        for k in self.leaves:
+            x = self.leaves[k](x)
+        return (x * self.tables["a"] + self.tables[1]).sum()
+
+    def peek(self, x):
+        return sum((self.leaves[k].w * x).sum() for k in self.leaves)
+"""
+
+
+def test_sub_models_and_parameters_under_keys_that_do_not_sort(write_module: Loader) -> None:
+    # (a model holding them ran eagerly and in f, and jax.jit(f) and
+    # autostate.jit raised JAX's "Comparator raised exception while sorting")
+    plain, dec = pair(write_module, UNSORTED_HOLDERS)
+    calls: list[Call] = [("__call__", (jnp.arange(3.0),))] * 2
+    check(plain, dec, "ByMixedKeys()", calls)
+    ref, model = plain.ByMixedKeys(), dec.ByMixedKeys()
+    step = autostate.jit(lambda m, x: m(x))
+    for _ in range(2):
+        assert_same(ref(jnp.arange(3.0)), step(model, jnp.arange(3.0)), "autostate.jit output")
+    assert_same(snapshot(ref), snapshot(model), "autostate.jit attributes")
+    # The model as JAX's pytree (jax.jit given the model itself).
+    rebuilt = jax.tree_util.tree_map(lambda a: a, model)
+    assert list(rebuilt.leaves) == list(model.leaves) and list(rebuilt.tables) == [1, "a"]
+    x = jnp.arange(3.0)
+    assert_same(ref.peek(x), jax.jit(lambda m, x: m.peek(x))(model, x), "jax.jit of the model")
+
+
 CUSTOM = HEADER + """
 @autostate.stateful
 class ByKey:

@@ -1214,6 +1214,35 @@ def test_state_changing_shape_in_a_loop_is_a_clear_error(method, words):
             assert word in message
 
 
+@autostate.stateful
+class _TwoGrowing:
+    def __init__(self):
+        self.first, self.second = Growing(), Growing()
+
+    def grow_second(self, xs):
+        def body(c, x):
+            self.first.count = self.first.count + 1
+            self.second.buf = jnp.concatenate([self.second.buf, x[None]])
+            return c, None
+
+        return lax.scan(body, None, xs)
+
+
+def test_a_state_of_one_of_two_instances_of_a_class_is_named_by_its_path():
+    # (the lift named the second instance's state "Growing.buf'", and the
+    # first's was "Growing.buf" whichever instance wrote)
+    xs = jnp.ones(3)
+    for run in (
+        lambda: _TwoGrowing().grow_second(xs),
+        lambda: autostate.jit(lambda m, x: m.grow_second(x))(_TwoGrowing(), xs),
+    ):
+        with pytest.raises(ControlFlowStateError) as info:
+            run()
+        assert "State '_TwoGrowing.second.buf' changes from float32[1] to float32[2]" in str(
+            info.value
+        )
+
+
 def test_cond_fun_assigning_state_is_a_clear_error():
     with pytest.raises(ControlFlowStateError, match="cond_fun"):
         Growing().decide(jnp.float32(0.0))

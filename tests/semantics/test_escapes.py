@@ -159,6 +159,36 @@ ROADS = {
 }
 
 
+@autostate.stateful
+class _KeepsACallable:
+    def __init__(self):
+        self.fn = None
+        self.scale = jnp.zeros(2)
+
+    def keep(self, x):
+        self.fn = lambda: x * 2  # a closure over a value of the call
+        return x.sum()
+
+    def keep_array(self, x):
+        self.scale = x * 2  # the way that works: the array is a state
+        return x.sum()
+
+
+def test_a_callable_closing_over_a_traced_value_is_refused_not_kept():
+    # (it was kept: eagerly under jax.jit, and written back by autostate.jit,
+    # the model held a function over a tracer, and calling it raised
+    # UnexpectedTracerError)
+    x = jnp.ones(2)
+    model = _KeepsACallable()
+    with pytest.raises(TracedEagerStateError, match="State 'fn' was assigned a JAX tracer"):
+        jax.jit(lambda x: model.keep(x))(x)
+    with pytest.raises(errors.StateAccessError, match="assigned _KeepsACallable.fn a value that keeps"):
+        autostate.jit(lambda m, x: m.keep(x))(model, x)
+    assert model.fn is None
+    autostate.jit(lambda m, x: m.keep_array(x))(model, x)
+    np.testing.assert_allclose(model.scale, [2.0, 2.0])
+
+
 @pytest.mark.parametrize("road", sorted(ROADS))
 def test_a_traced_write_to_a_parameter_of_an_outside_model_is_refused(road: str) -> None:
     model = Linear()

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import autostate
@@ -1240,6 +1241,45 @@ def test_none_as_model(api: str, tmp_path: Path) -> None:
     with raises_autostate(errors.InvalidTypeError) as info:
         calls[api]()
     assert_clear(info.value, errors.InvalidTypeError, HERE)
+
+
+def test_a_bare_stack_is_read_and_refused_where_it_would_be_rebuilt(mods: Any, tmp_path: Path) -> None:
+    # (functionalize, load(like=stack) and freeze raised AttributeError: "'Stack'
+    # object has no attribute '__dict__'"; f of it did under jax.jit)
+    _, dec = mods
+    stack = autostate.stack([dec.Counter(), dec.Counter()])
+    assert sorted(autostate.state_dict(stack)) == sorted(autostate.state_dict(stack.stacked))
+    autostate.save(tmp_path / "s.npz", stack)
+    for api, call in (
+        ("functionalize()", lambda: autostate.functionalize(stack)),
+        ("autostate.load", lambda: autostate.load(tmp_path / "s.npz", like=stack)),
+    ):
+        with raises_autostate(errors.InvalidTypeError) as info:
+            call()
+        assert_clear(info.value, errors.InvalidTypeError, HERE, f"{api} expects a model")
+        assert "stack.stacked" in str(info.value)
+    loaded = autostate.load(tmp_path / "s.npz", like=stack.stacked)  # the way it names
+    assert sorted(autostate.state_dict(loaded)) == sorted(autostate.state_dict(stack))
+
+
+@pytest.mark.parametrize("given", ["int", "array", "list of models"])
+def test_what_is_not_a_model_is_refused_where_f_would_break(
+    mods: Any, given: str, tmp_path: Path
+) -> None:
+    # (functionalize took it: f ran eagerly and raised AttributeError
+    # "'list' object has no attribute '__dict__'" under jax.jit; save wrote an
+    # empty checkpoint; autostate.Optimizer raised that AttributeError)
+    _, dec = mods
+    value = {"int": 3, "array": jnp.ones(3), "list of models": [dec.Counter()]}[given]
+    for api, call in (
+        ("functionalize()", lambda: autostate.functionalize(value)),
+        ("autostate.save", lambda: autostate.save(tmp_path / "v.npz", value)),
+        ("autostate.param_dict", lambda: autostate.param_dict(value)),
+        ("autostate.Optimizer", lambda: autostate.Optimizer(value, optax.sgd(0.1))),
+    ):
+        with raises_autostate(errors.InvalidTypeError) as info:
+            call()
+        assert_clear(info.value, errors.InvalidTypeError, HERE, f"{api} expects a model")
 
 
 @pytest.mark.parametrize("api", ["functionalize", "state_dict", "save", "export"])

@@ -715,6 +715,36 @@ def test_rewritten_method_carries_the_original_metadata():
     assert step.__code__.co_filename == __file__
 
 
+QUALNAMES = """
+@DECORATE
+class Named:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.act = lambda v: v
+
+    def step(self):
+        def inner(v):
+            return v
+
+        class Local:
+            pass
+
+        self.n = self.n + 1
+        return [inner.__qualname__, Local.__qualname__, (lambda: 0).__qualname__]
+"""
+
+
+def test_what_a_rewritten_method_defines_is_named_as_plain_python_names_it(write_module):
+    # (named under the compiled wrapper: `Named.__autostate_outer__.<locals>.step.<locals>.inner`,
+    # which pickle's errors and every repr of such a function showed)
+    plain, dec = pair(write_module, QUALNAMES)
+    want = ["Named.step.<locals>.inner", "Named.step.<locals>.Local", "Named.step.<locals>.<lambda>"]
+    assert plain.Named().step() == want
+    model = dec.Named()
+    assert model.step() == want
+    assert model.act.__qualname__ == plain.Named().act.__qualname__ == "Named.__init__.<locals>.<lambda>"
+
+
 def make_closure_class(offset: float):
     factor = 10.0
 

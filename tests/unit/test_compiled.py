@@ -14,7 +14,7 @@ import pytest
 
 import autostate
 from autostate import compiled, packing
-from autostate.errors import InvalidArgumentError
+from autostate.errors import InvalidArgumentError, InvalidTypeError
 
 
 @autostate.stateful
@@ -317,6 +317,46 @@ def test_a_model_reached_other_than_through_an_argument_is_refused():
 
     with pytest.raises(InvalidArgumentError, match="the object its method is bound to"):
         autostate.jit(Holder().run)(jnp.ones(2))
+
+
+class _PlainHolder:
+    def __init__(self):
+        self.net = Net()
+
+
+@autostate.stateful
+class _Holder:
+    def __init__(self):
+        self.net = Net()
+
+
+@autostate.stateful
+class HoldsPlain:
+    def __init__(self):
+        self.holder = _PlainHolder()
+
+    def __call__(self, x):
+        return self.holder.net(x)
+
+
+def test_a_model_inside_a_plain_object_of_an_argument_names_the_holder():
+    # (the refusal of the tracer it was given advised autostate.jit, the call running)
+    model = HoldsPlain()
+    with pytest.raises(InvalidTypeError, match="HoldsPlain.holder holds a @stateful model "
+                       "inside a plain _PlainHolder .*autostate.jit copies the model") as err:
+        autostate.jit(lambda m, x: m(x))(model, jnp.ones(2))
+    assert "decorate _PlainHolder with @autostate.stateful" in str(err.value)
+    assert int(model.holder.net.calls) == 0
+    # Decorated as the fix says, the holder is followed and the write lands.
+    model.holder = _Holder()
+    autostate.jit(lambda m, x: m(x))(model, jnp.ones(2))
+    assert int(model.holder.net.calls) == 1
+
+
+def test_what_is_not_callable_is_refused_when_compiled():
+    # (it was taken, and its first call raised "the first argument must be callable")
+    with pytest.raises(InvalidTypeError, match="autostate.jit compiles a function, got int 3"):
+        autostate.jit(3)  # type: ignore[call-overload]
 
 
 def test_a_static_argument_is_hashable_and_holds_no_model():

@@ -107,6 +107,23 @@ def test_repr_shows_a_stack_its_depth_and_a_layer_its_slice(write_module):
     )
 
 
+@autostate.stateful
+class _Switching:
+    def __init__(self):
+        self.n = jnp.zeros(())
+        self.fn = self._a
+
+    def _a(self, x):
+        self.n = self.n + 1
+        return x
+
+
+def test_repr_shows_a_method_of_the_model_it_holds_by_reference():
+    # (its own repr is the model's: repr recursed until RecursionError)
+    text = repr(_Switching())
+    assert "fn=<bound method _Switching._a of <_Switching, same as 'self'>>" in text
+
+
 def test_repr_keeps_a_repr_the_class_or_a_base_defines():
     assert repr(Labelled()) == "Labelled!"
     assert repr(LabelledChild()) == "Labelled!"

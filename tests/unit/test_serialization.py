@@ -253,6 +253,25 @@ def test_an_undecorated_model_is_refused_not_saved_empty(mods: Any, tmp_path: Pa
     assert_clear(info.value, errors.InvalidTypeError, HERE, "whose class is not decorated")
 
 
+def test_a_class_given_for_a_model_is_refused_naming_the_call(mods: Any, tmp_path: Path) -> None:
+    # (load(like=Cls) and save(Cls) said "functionalize() expects a model")
+    _, dec = mods
+    autostate.save(tmp_path / "m.npz", dec.Counter())
+    for use, caller in (
+        (lambda: autostate.load(tmp_path / "m.npz", like=dec.Counter), "autostate.load"),
+        (lambda: autostate.save(tmp_path / "c.npz", dec.Counter), "autostate.save"),
+        (lambda: autostate.param_dict(dec.Counter), "autostate.param_dict"),
+    ):
+        with raises_autostate(errors.InvalidTypeError) as info:
+            use()
+        assert_clear(info.value, errors.InvalidTypeError, HERE, f"{caller} expects a model")
+        assert "functionalize()" not in str(info.value)
+        assert "got the class Counter itself" in str(info.value)
+        assert "(`Counter(...)`)" in str(info.value)
+    loaded = autostate.load(tmp_path / "m.npz", like=dec.Counter())  # the way it names
+    assert sorted(autostate.state_dict(loaded)) == sorted(autostate.state_dict(dec.Counter()))
+
+
 def test_load_a_plain_npz(mods: Any, tmp_path: Path) -> None:
     _, dec = mods
     path = tmp_path / "plain.npz"

@@ -259,6 +259,9 @@ def test_a_spec_that_does_not_fit_the_value_is_a_clear_error():
     mesh = jax.make_mesh((1,), ("data",))
     with pytest.raises(ValueError, match="of 'w' has 2 entries, but the array has 1"):
         autostate.shardings(*WrongRank().functionalize(), mesh)
+    # (a mesh of another type raised AttributeError "'str' object has no attribute 'size'")
+    with pytest.raises(errors.InvalidTypeError, match="places on a jax.sharding.Mesh, got str"):
+        autostate.shardings(*Norm(4).functionalize(), "data")
 
 
 def test_states_of_other_categories_keep_their_annotation_as_leaves_of_f():

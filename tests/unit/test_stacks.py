@@ -15,7 +15,7 @@ import pytest
 
 import autostate
 from autostate import stacks
-from autostate.errors import InvalidTypeError, StackError, TracedValueError
+from autostate.errors import InvalidTypeError, StackError, TracedEagerStateError, TracedValueError
 
 Loader = Callable[..., types.ModuleType]
 
@@ -190,6 +190,23 @@ def test_a_layer_reads_and_writes_its_slice(mod: types.ModuleType) -> None:
         layer.mean = jnp.zeros(3, jnp.int32)
     with pytest.raises(autostate.errors.StateAccessError, match="layer of a stack"):
         layer.act = "relu"
+
+
+def test_a_layer_given_a_tracer_by_jax_jit_names_the_way_that_works(
+    mod: types.ModuleType,
+) -> None:
+    # (the refusal advised autostate.jit of the layer, which refuses it too)
+    model, x = mod.Model(3, 2), jnp.ones(3)
+    for traced in (
+        lambda: jax.jit(lambda layer, x: layer(x))(model.blocks[1], x),
+        lambda: jax.jit(lambda x: model.blocks[1](x))(x),
+    ):
+        with pytest.raises(TracedEagerStateError, match="Norm.mean of layer 1") as err:
+            traced()
+        assert "autostate.jit(lambda m, x: m.blocks[0](x))(model, x)" in str(err.value)
+    np.testing.assert_allclose(model.blocks.mean, np.zeros((2, 3)))
+    autostate.jit(lambda m, x: m.blocks[1](x))(model, x)  # the way it names
+    np.testing.assert_allclose(model.blocks.mean, [[0, 0, 0], [0.1, 0.1, 0.1]], rtol=1e-6)
 
 
 def test_state_names_pass_through_the_stack(mod: types.ModuleType) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import autostate
 from autostate import nn
-from autostate.errors import InvalidArgumentError
+from autostate.errors import InvalidArgumentError, InvalidTypeError, StateAccessError
 
 
 def _data(key):
@@ -79,6 +79,50 @@ class Member:
 
     def __call__(self, x):
         return self.drop(self.linear(x))
+
+
+@autostate.stateful
+class _DrawsFromAStream(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.keys = nn.KeyStream(0)
+        self.fc = nn.Linear(3, 3, key=self.keys)
+
+    def forward(self, x):
+        return self.fc(x) + jax.random.normal(self.keys.next(), x.shape)
+
+
+@autostate.stateful
+class _DrawsFromAState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        keys = nn.KeyStream(0)
+        self.fc = nn.Linear(3, 3, key=keys)
+        self.key = jax.random.key(0)
+
+    def forward(self, x):
+        self.key, k = jax.random.split(self.key)
+        return self.fc(x) + jax.random.normal(k, x.shape)
+
+
+def test_a_stream_drawn_from_in_a_method_is_refused_with_the_key_as_a_state():
+    # (the refusals said to decorate KeyStream, a class of autostate.nn)
+    x = jnp.ones(3)
+    with pytest.raises(InvalidTypeError, match="plain KeyStream") as err:
+        _DrawsFromAStream().functionalize()
+    with pytest.raises(StateAccessError, match="at _DrawsFromAStream.keys") as err2:
+        autostate.jit(lambda m, x: m(x))(_DrawsFromAStream(), x)
+    for refusal in (err.value, err2.value):
+        assert "decorate" not in str(refusal), refusal
+        assert "self.key, k = jax.random.split(self.key)" in str(refusal)
+    # The way it names, in every mode.
+    eager, twin = _DrawsFromAState(), _DrawsFromAState()
+    f, states = _DrawsFromAState().functionalize()
+    step = autostate.jit(lambda m, x: m(x))
+    for _ in range(2):
+        out, states = jax.jit(f)(states, x)
+        np.testing.assert_allclose(out, eager(x), rtol=1e-6)
+        np.testing.assert_allclose(step(twin, x), out, rtol=1e-6)
 
 
 def test_each_member_of_a_vmapped_ensemble_has_its_own_keys():
