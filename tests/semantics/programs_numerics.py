@@ -174,7 +174,7 @@ class Typed:
 
     def step(self, v):
         self.x = self.x + jnp.asarray(v).astype(self.dtype)
-        self.x = self.x.at[0].set(self.x[1] * 2)
+        self.x = self.x.at[0].set((self.x[1] * 2).astype(self.dtype))
         return self.x
 
 

@@ -10,6 +10,7 @@ its most adversarial tests hold.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import libcst as cst
@@ -18,13 +19,23 @@ import pytest
 from autostate.transform import analysis, rewrite, walk
 
 ROOT = Path(__file__).resolve().parents[3]
+# Code written as a user writes models (the examples, the PyTorch-style layers),
+# the most adversarial tests, and the package's two largest modules; with
+# AUTOSTATE_TEST_WALK_CORPUS=all, every module of the package (five times as
+# long to walk, and no construct the rest lacks when this was written).
 CORPUS = sorted(
-    [*ROOT.glob("examples/*.py"), *ROOT.glob("autostate/**/*.py")]
+    [*ROOT.glob("examples/*.py"), *ROOT.glob("autostate/nn/*.py")]
     + [ROOT / "tests" / name for name in (
         "unit/transform/test_analysis.py", "unit/transform/test_rewrite.py",
         "semantics/test_refusals.py",
-    ) ]
+    )]
+    + (
+        [*ROOT.glob("autostate/**/*.py")]
+        if os.environ.get("AUTOSTATE_TEST_WALK_CORPUS") == "all"
+        else [ROOT / "autostate/transform/analysis.py", ROOT / "autostate/graph/walk.py"]
+    )
 )
+CORPUS = sorted(set(CORPUS))
 # Orders libcst's walk keeps and a walk in field order would not: the first
 # read of an attribute is the one an error message names.
 ADVERSARIAL = '''
