@@ -1203,6 +1203,11 @@ def remember(log, x):  # a helper outside any class, changing a list in place
     log.append(x)
 
 
+class Tally:  # a plain object, no model
+    def __init__(self):
+        self.total = jnp.zeros(3)
+
+
 @DECORATE
 class Net:
     def __init__(self, n):
@@ -1340,6 +1345,34 @@ class Net:
             x = block(x)
             remember(log, x)
         return x + len(log)
+
+    def summed_in_place(self, x):
+        total = [jnp.zeros(3)]
+        def add(v):  # a nested helper reading back what it appended
+            total.append(total[-1] + v)
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + total[-1]
+
+    def summed_nonlocal(self, x):
+        total = jnp.zeros(3)
+        def add(v):  # a nested helper rebinding a local of the method
+            nonlocal total
+            total = total + v
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + total
+
+    def summed_on_object(self, x):
+        box = Tally()
+        def add(v):  # a nested helper assigning a plain object's attribute
+            box.total = box.total + v
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + box.total
 
     def previous(self, x):
         last = self.blocks[0]

@@ -390,11 +390,33 @@ class Root:
             return c, None
         lax.scan(body, 0, xs)
         return seen
+
+    def rebind(self, xs):
+        total = self.items[0]               # a variable the body rebinds (nonlocal)
+        def body(c, x):
+            nonlocal total
+            total = total + x
+            return c, None
+        lax.scan(body, 0, xs)
+        return total
+
+    def boxed(self, xs):
+        box = Box()                         # a plain object given the body's values
+        def body(c, x):
+            box.total = box.total + x
+            return c, None
+        lax.scan(body, 0, xs)
+        return box.total
+
+
+class Box:
+    def __init__(self):
+        self.total = jnp.zeros(())
 """
 
 
 @pytest.mark.parametrize("mode", ["eager", "f"])
-@pytest.mark.parametrize("method", ["go", "collect"])
+@pytest.mark.parametrize("method", ["go", "collect", "rebind", "boxed"])
 def test_a_change_in_place_through_a_reference_from_outside_the_body_is_refused(
     write_module, mode, method
 ):
@@ -3951,7 +3973,7 @@ def test_traced_value_put_in_a_captured_list_inside_a_derivative_is_refused(
     model = eval("Reads()", vars(dec))  # noqa: S307
     f, states = model.functionalize()
     for call in (lambda: model.log_traced(DERIVATIVE_X), lambda: f.log_traced(states, DERIVATIVE_X)):
-        with pytest.raises(errors.EscapedStateError, match="jax.grad changed a list or dict") as err:
+        with pytest.raises(errors.EscapedStateError, match="jax.grad changed a list, dict") as err:
             call()
         assert "has_aux=True" in str(err.value)
     no_tracer(model)
@@ -4294,8 +4316,9 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # layers' writes stacked; ``enumerate``, ``zip`` with a list of arrays,
 # ``reversed``, a loop nested in it and ``jax.checkpoint`` per block too. What
 # cannot be rolled (branching on the index, ``return``, ``break``, a Python int
-# that changes, a list a helper changes in place, a layer carried to the next
-# step) runs layer by layer. Each is the loop over the list, eagerly, in f and
+# that changes, a list a helper changes in place, a local a nested helper rebinds
+# with ``nonlocal`` or reads back from a list or object it changed, a layer carried
+# to the next step) runs layer by layer. Each is the loop over the list, eagerly, in f and
 # under jit.
 
 STACK_ROLLED = [
@@ -4304,7 +4327,7 @@ STACK_ROLLED = [
 ]
 STACK_UNROLLED = [
     "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
-    "grown", "keyed",
+    "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object",
 ]
 
 
