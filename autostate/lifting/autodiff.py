@@ -368,7 +368,8 @@ class custom_vjp(_StateChecked, jax.custom_vjp):  # noqa: N801 - jax's name
     concrete values (what a method's ``jax.custom_vjp`` calls); a write JAX
     traces away is refused at the call."""
 
-    _deferred = ("fun", "fwd")
+    # (The backward rule runs when the derivative is taken, after the call.)
+    _deferred = ("fun", "fwd", "bwd")
 
 
 class custom_jvp(_StateChecked, jax.custom_jvp):  # noqa: N801 - jax's name

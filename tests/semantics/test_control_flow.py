@@ -4735,6 +4735,8 @@ class Rules:
         def bwd(n, ct):
             if write == "backward":
                 self.n = self.n + ct
+            if write == "read in backward":  # the state itself, when the derivative is taken
+                return (2 * ct * self.n,)
             return (2 * ct * n,)
 
         g.defvjp(fwd, bwd)
@@ -4781,6 +4783,9 @@ class Rules:
 
     def in_checkpoint_grad(self, x):
         return jax.grad(jax.checkpoint(self.applied))(x)
+
+    def read_in_backward(self, x):
+        return self._vjp("read in backward")(x)
 """
 
 
@@ -4828,6 +4833,26 @@ def test_grad_of_a_checkpoint_through_custom_derivatives_reading_state(
         f, states = dec.Rules().functionalize()
         grad = jax.grad(lambda x: jax.checkpoint(lambda x: f.applied(states, x)[0])(x))
         got = (jax.jit(grad) if mode == "jax.jit(f)" else grad)(x)
+    same(expected, got)
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jax.jit(f)", "vmap of f"])
+def test_a_backward_rule_reading_state_after_the_call(write_module: Loader, mode: str) -> None:
+    # The derivative taken from outside the call: the backward rule runs when the
+    # call has ended, and reads the state as it was at the call, as plain JAX's
+    # closure reads the attribute.
+    plain, dec = pair(write_module, CUSTOM_RULES)
+    x = jnp.float32(1.5)
+    expected = jax.grad(plain.Rules().read_in_backward)(x)
+    if mode == "eager":
+        got = jax.grad(dec.Rules().read_in_backward)(x)
+    else:
+        f, states = dec.Rules().functionalize()
+        grad = jax.grad(lambda x: f.read_in_backward(states, x)[0])
+        if mode == "vmap of f":
+            got = jax.vmap(grad)(jnp.stack([x, x]))[0]
+        else:
+            got = (jax.jit(grad) if mode == "jax.jit(f)" else grad)(x)
     same(expected, got)
 
 
