@@ -1288,6 +1288,12 @@ class Net:
             x = block(x)
         return x * total()
 
+    def consumed_first(self, x):
+        size = sum(block.w.sum() for block in self.blocks)  # read at once, before the loop
+        for block in self.blocks:
+            x = block(x) * size
+        return x
+
     # Not rolled: they run layer by layer, as written.
     def called_in_body(self, x):
         peek = lambda: x.sum()  # reads x, which the loop assigns
@@ -1364,6 +1370,32 @@ class Net:
             x = block(x)
             add(x)
         return x + total
+
+    def lazily_read(self, x):
+        scaled = (x * k for k in range(1, 9))  # reads x when next() asks, each step's x
+        for block in self.blocks:
+            x = block(x) + next(scaled)
+        return x
+
+    def generated(self, x):
+        def scaled():  # a generator function: its generator reads x at each next()
+            k = 1
+            while True:
+                yield x * k
+                k += 1
+        it = scaled()
+        for block in self.blocks:
+            x = block(x) + next(it)
+        return x
+
+    def local_class(self, x):
+        class Probe:  # its method reads x when called: each step's x
+            def total(self):
+                return x.sum()
+        probe = Probe()
+        for block in self.blocks:
+            x = block(x) + probe.total()
+        return x
 
     def summed_on_object(self, x):
         box = Tally()

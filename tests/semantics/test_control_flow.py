@@ -4317,17 +4317,19 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # ``reversed``, a loop nested in it and ``jax.checkpoint`` per block too. What
 # cannot be rolled (branching on the index, ``return``, ``break``, a Python int
 # that changes, a list a helper changes in place, a local a nested helper rebinds
-# with ``nonlocal`` or reads back from a list or object it changed, a layer carried
-# to the next step) runs layer by layer. Each is the loop over the list, eagerly, in f and
+# with ``nonlocal`` or reads back from a list or object it changed, a generator or
+# an object of a local class made before the loop that reads a local the body
+# assigns, a layer carried to the next step) runs layer by layer. Each is the loop over the list, eagerly, in f and
 # under jit.
 
 STACK_ROLLED = [
     "carried", "enumerated", "zipped", "two_stacks", "threaded", "nested", "checkpointed",
-    "backwards", "assigned_first", "typed", "observed_after",
+    "backwards", "assigned_first", "typed", "observed_after", "consumed_first",
 ]
 STACK_UNROLLED = [
     "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
-    "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object",
+    "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object", "lazily_read",
+    "generated", "local_class",
 ]
 
 
