@@ -4329,7 +4329,7 @@ STACK_ROLLED = [
 STACK_UNROLLED = [
     "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
     "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object", "lazily_read",
-    "generated", "local_class",
+    "generated", "local_class", "interrupted",
 ]
 
 
@@ -4351,8 +4351,8 @@ def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Load
 
 def test_an_error_of_a_rolled_body_reaches_the_user_at_their_line(write_module: Loader) -> None:
     # Only the named reasons (autostate.lifting.loops.FALLBACKS) turn a rolled loop back
-    # into the plain one; the body's own error is raised as the plain loop raises
-    # it, from the user's line.
+    # into the plain one silently; the body's own error is raised by the plain loop,
+    # from the user's line (``interrupted``: after the layers before it have run).
     plain, dec = pair(
         write_module, STACK_ROLL, plain_subs=STACK_LOOP_PLAIN[:1], checkpoint_as_identity=True
     )
