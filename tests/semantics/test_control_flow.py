@@ -4329,7 +4329,7 @@ STACK_ROLLED = [
 STACK_UNROLLED = [
     "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
     "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object", "lazily_read",
-    "generated", "local_class", "interrupted",
+    "generated", "local_class", "interrupted", "pushed",
 ]
 
 
