@@ -334,10 +334,8 @@ def unhandled_ref_error(ref: Any, reason: str) -> UnhandledLocalStateError:
         "f(states, *args)`; use autostate.freeze(f, states) to get a model "
         "that runs on its own again. A function JAX runs after the call has "
         "ended cannot read a state either: a host callback (jax.debug.callback, "
-        "jax.pure_callback) of a call under jax.jit, or the backward rule of a "
-        "jax.custom_vjp under jax.grad. Pass the state's value in instead: as "
-        "the callback's argument (`jax.debug.callback(fn, self.s)`), or as a "
-        "residual the custom_vjp's forward rule returns.",
+        "jax.pure_callback) of a call under jax.jit. Pass the state's value in "
+        "instead, as the callback's argument (`jax.debug.callback(fn, self.s)`).",
     ))
 
 

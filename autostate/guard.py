@@ -83,8 +83,10 @@ _ABSENT: Any = object()
 COMPILED = "the function compiled by autostate.jit"
 """What ``Guard.for_compiled`` guards (named in its refusal)."""
 
-CAPTURED = "a list or dict it captures"
-"""The label of a container a ``lax`` body captures (a variable of the enclosing function)."""
+CAPTURED = "a list, dict, object or variable it captures"
+"""The label of what a ``lax`` body captures: a variable of the enclosing
+function (its cell, which ``nonlocal`` rebinds) and the lists, dicts and
+plain objects' attributes it holds."""
 
 
 # --- which instances are guarded now --------------------------------------------
@@ -103,6 +105,25 @@ _IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.C
 # non-state writes the run-time guard refuses. The engine knows which bodies
 # run; what is refused there is this module's.
 is_guarded = in_running_body
+
+
+# The guard of the innermost ``lax`` body being traced now (``after_probe``).
+_LAX_GUARD: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
+    "autostate_lax_guard", default=None
+)
+
+
+def after_probe() -> None:
+    """Refuses, before the body is traced again, what the abstract trace of a
+    ``lax`` body (the probe that finds the states it assigns) left where the
+    guard watches: a value of that trace, which the next trace of the body
+    would read (a captured list's last item, a ``nonlocal`` variable) and bake
+    into the program as a constant of a trace that has ended."""
+    guard = _LAX_GUARD.get()
+    if guard is not None and guard.containers:
+        changed = guard._changed_containers()
+        if changed:
+            raise guard._container_error(changed)
 
 
 def lax_body_of(obj: Any) -> str | None:
@@ -132,7 +153,7 @@ class Guard:
 
     __slots__ = (
         "what", "model", "ids", "dicts", "containers", "graph", "traced", "on_copy",
-        "lax_body", "traced_states", "states", "instances", "_refusals",
+        "lax_body", "traced_states", "states", "instances", "_refusals", "_token",
     )
 
     def __init__(
@@ -226,9 +247,12 @@ class Guard:
     def __enter__(self) -> Guard:
         self._refusals = refusals_raised_again(self.what)
         self._refusals.__enter__()
+        self._token = _LAX_GUARD.set(self) if self.lax_body else None
         return self
 
     def __exit__(self, kind: Any, raised: BaseException | None, tb: Any) -> None:
+        if self._token is not None:
+            _LAX_GUARD.reset(self._token)
         error = raised
         try:
             self._refusals.__exit__(kind, raised, tb)
@@ -322,10 +346,11 @@ class Guard:
         what = self.what.capitalize()
         if all(where == CAPTURED for where in changed):
             return EscapedStateError(format_error(
-                f"{what} changed {CAPTURED} in place (a variable of the enclosing function, "
-                "or a state read before the call): JAX traces the body instead of running "
-                "it as plain Python does, so the change would hold the body's traced value "
-                "after the call.",
+                f"{what} changed {CAPTURED} (from the enclosing function: a list or dict "
+                "changed in place, an object's attribute assigned, a variable rebound by "
+                "`nonlocal`; or a state read before the call): JAX traces the body instead of "
+                "running it as plain Python does, so the change would hold the body's traced "
+                "value after the call.",
                 where=user_location(),
                 fix="return the value from the body (a loop's carry, a branch's output, a "
                 "derivative's auxiliary output with has_aux=True); for a model's state, read "

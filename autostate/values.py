@@ -29,6 +29,10 @@ The questions, each asked in one place:
   ``dict``, ``set``, ``bytearray``, ``deque`` and their subclasses): held
   outside states it is snapshotted around a traced call and copied, item by
   item, into each model a graphdef rebuilds.
+* ``Kind.same`` / ``Kind.restore``: whether a container still holds what a
+  snapshot of it (``Kind.copy``) held, and putting that back: every mutable
+  kind, and a closure cell, which a nested function's ``nonlocal``
+  statement rebinds (``is_watched``).
 * ``Kind.copy``: a shallow copy of a container an in-place operator changes
   (the mutable kinds and ``UserDict``/``UserList``); state never changes in
   place, so ``self.x += v`` runs the operator on a copy.
@@ -74,7 +78,7 @@ import numpy as np
 
 __all__ = [
     "Kind", "kind_of", "is_array", "is_array_or_spec", "is_numpy", "is_python_number",
-    "holds_nothing", "is_mutable", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
+    "holds_nothing", "is_mutable", "is_watched", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
     "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque",
 ]
 
@@ -175,6 +179,23 @@ def _fill_user(new: Any, items: Any, maxlen: int | None) -> None:
     new.data = items
 
 
+_EMPTY_CELL: Any = object()  # (what an empty cell holds, to ``same`` and ``restore``)
+
+
+def _cell_contents(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:  # (a variable not yet assigned)
+        return _EMPTY_CELL
+
+
+def _restore_cell(c: Any, contents: Any) -> None:
+    if contents is _EMPTY_CELL:
+        del c.cell_contents
+    else:
+        c.cell_contents = contents
+
+
 _same_type_copy = _copy.copy  # keeps the subclass (a defaultdict's factory, a deque's maxlen)
 _same_type_update = _updated_with(_same_type_copy)
 _same_type_delete = _deleted_with(_same_type_copy)
@@ -243,6 +264,13 @@ NAMED_TUPLE = Kind("named tuple", update=_tuple_update)
 """A tuple subclass with ``_fields`` and ``_make`` (``typing.NamedTuple``: optax's states)."""
 TUPLE_SUBCLASS = Kind("tuple subclass", update=_tuple_update)
 FROZENSET = Kind("frozenset", sealed=True)
+CELL = Kind(
+    "closure cell", copy=_cell_contents, same=lambda c, held: _cell_contents(c) is held,
+    restore=_restore_cell,
+    items=lambda c: [] if _cell_contents(c) is _EMPTY_CELL else [c.cell_contents],
+)
+"""A variable of a function that a nested function holds (``types.CellType``):
+one a ``nonlocal`` statement rebinds, watched (``is_watched``) as a container is."""
 OBJECT = Kind("object", update=None)
 """Anything else: a decorated instance, a plain object, a registered pytree node."""
 ARRAY_LIKE_OBJECT = Kind("object with .at", update=_array_update)
@@ -270,7 +298,7 @@ _BASES: tuple[tuple[type | tuple[type, ...], Kind], ...] = (
 _KIND_BY_TYPE: dict[type, Kind] = {
     bool: NUMBER, int: NUMBER, float: NUMBER, complex: NUMBER, str: TEXT, bytes: TEXT,
     type(None): NONE, list: LIST, dict: DICT, tuple: TUPLE, set: SET, frozenset: FROZENSET,
-    bytearray: BYTEARRAY, collections.deque: DEQUE,
+    bytearray: BYTEARRAY, collections.deque: DEQUE, types.CellType: CELL,
 }
 
 
@@ -387,6 +415,23 @@ def is_mutable(value: Any) -> bool:
         (True, False, False)
     """
     return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).mutable
+
+
+def is_watched(value: Any) -> bool:
+    """Whether code may change ``value`` in place, so that a snapshot of it
+    (``Kind.copy``) can tell a change (``Kind.same``) and undo it
+    (``Kind.restore``): a mutable container (``is_mutable``), or a closure
+    cell, which a nested function's ``nonlocal`` statement rebinds.
+
+    Example:
+        >>> from autostate.values import is_watched
+        >>> def outer():
+        ...     n = 0
+        ...     return (lambda: n).__closure__[0]
+        >>> is_watched([1]), is_watched(outer()), is_watched((1,))
+        (True, True, False)
+    """
+    return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).same is not None
 
 
 def is_mutable_static(value: Any) -> bool:

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -277,7 +276,7 @@ def reached_role(cls: type, by_identity: bool) -> int:
     subclass of one; a tuple subclass too), or neither."""
     if by_identity:
         return REACHED_INSTANCE
-    if cls is not tuple and issubclass(cls, (list, tuple, dict)):
+    if cls is not tuple and issubclass(cls, (list, tuple, dict)) or cls is types.CellType:
         return REACHED_CONTAINER
     return REACHED_ONLY
 
@@ -399,16 +398,21 @@ def held_parts(value: Any) -> list[tuple[str, Any]] | None:
 
 
 def _function_reached(function: Any) -> list[Any]:
-    """What a function's code holds: its cells, defaults and ``__wrapped__``."""
-    items = []
-    for cell in function.__closure__ or ():
-        with contextlib.suppress(ValueError):  # an empty cell
-            items.append(cell.cell_contents)
+    """What a function's code holds: its cells (each reaching what it holds),
+    defaults and ``__wrapped__``."""
+    items: list[Any] = list(function.__closure__ or ())
     items.extend(function.__defaults__ or ())
     wrapped = getattr(function, "__wrapped__", None)
     if wrapped is not None:
         items.append(wrapped)
     return items
+
+
+def _cell_reached(cell: Any) -> list[Any]:
+    try:
+        return [cell.cell_contents]
+    except ValueError:  # (an empty cell)
+        return []
 
 
 class BoundRef:
@@ -579,6 +583,9 @@ for _callable in CALLABLES:
         reached=_CALLABLE_REACHED.get(_callable),
     )
 del _callable, _CALLABLE_REACHED
+# A function's cell: the variable it captures, which a ``nonlocal`` statement
+# may rebind (a container to watch), reaching what it holds.
+register_node_kind(types.CellType, reached=_cell_reached)
 
 # What reaches a model through another object JAX takes as one leaf, which
 # f's copy cannot be rebound through: a ``functools.partial`` of a method, a

@@ -487,7 +487,7 @@ def mutable_statics(
     def visit(value: Any, where: str) -> None:
         for root in _shared_parts(value) if shared else (value,):
             walk = iter_tree(
-                root, _values.is_mutable, into_targets=True, children=_held_outside_states, seen=seen
+                root, _values.is_watched, into_targets=True, children=_held_outside_states, seen=seen
             )
             for _, c in walk:
                 saved.append((c, kind_of(c).copy(c), where))  # type: ignore[misc]
@@ -547,10 +547,13 @@ def _shared_parts(value: Any) -> list[Any]:
 
 def _held_outside_states(value: Any) -> list[tuple[str, Any]]:
     """The step of ``mutable_statics``'s walk: a container's items (a set's or
-    bytearray's aside), a tuple's, a plain object's ``__dict__`` (a dict)."""
+    bytearray's aside), a tuple's, a closure cell's value, a plain object's
+    ``__dict__`` (a dict)."""
     kind = kind_of(value)
     if kind is _values.SET or kind is _values.BYTEARRAY:
         return []
+    if kind is _values.CELL:
+        return [("", item) for item in kind.items(value) if _may_hold_containers(item)]  # type: ignore[misc]
     if kind.mutable or kind is _values.TUPLE:
         items = value.values() if isinstance(value, dict) else value
         return [("", item) for item in items if _may_hold_containers(item)]

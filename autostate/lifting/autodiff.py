@@ -267,14 +267,19 @@ def _custom_call(call: Callable[[], Any], roots: tuple, what: str) -> Any:
     return with_eager_states(roots, checked, what)
 
 
-def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, dict[str, Any]]],
-                what: str) -> Callable[..., Any]:
-    """``fn`` (a custom derivative or its forward rule), which JAX may trace after
+def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, Any, dict[str, Any]]],
+                what: str, at_end: bool = False) -> Callable[..., Any]:
+    """``fn`` (a custom derivative or one of its rules), which JAX may trace after
     its call ended: then it reads the states the handlers running at the call
-    (``calls``) had there; assigning them is refused (the call is over)."""
+    (``calls``: each one's cells) had there, or, ``at_end`` (the backward rule,
+    which plain Python runs after the method returned), those they had when the
+    call ended; assigning them is refused (the call is over)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        gone = [(hid, values) for hid, values in calls if running_call(hid) is None]
+        gone = [
+            (hid, {name: cell.value for name, cell in cells.items()} if at_end else values)
+            for hid, cells, values in calls if running_call(hid) is None
+        ]
         refused: list[BaseException] = []
 
         def within(k: int) -> Any:
@@ -348,7 +353,7 @@ class _StateChecked:
         what = f"a jax.{type(self).__name__} function"
 
         def call() -> Any:
-            calls = [(entry[0], {name: cell.value for name, cell in entry[1].items()})
+            calls = [(entry[0], entry[1], {name: cell.value for name, cell in entry[1].items()})
                      for entry in running_calls()]
             target = self
             if calls:
@@ -357,7 +362,7 @@ class _StateChecked:
                 for name in self._deferred:
                     rule = getattr(self, name, None)
                     if rule is not None:
-                        setattr(target, name, _reentering(rule, calls, what))
+                        setattr(target, name, _reentering(rule, calls, what, name == "bwd"))
             return super(_StateChecked, target).__call__(*args, **kwargs)  # type: ignore[misc]
 
         return _custom_call(call, (self.fun, args, kwargs), what)
@@ -368,7 +373,9 @@ class custom_vjp(_StateChecked, jax.custom_vjp):  # noqa: N801 - jax's name
     concrete values (what a method's ``jax.custom_vjp`` calls); a write JAX
     traces away is refused at the call."""
 
-    _deferred = ("fun", "fwd")
+    # (The backward rule runs when the derivative is taken: after the method
+    # returned, it reads the states as the call left them.)
+    _deferred = ("fun", "fwd", "bwd")
 
 
 class custom_jvp(_StateChecked, jax.custom_jvp):  # noqa: N801 - jax's name

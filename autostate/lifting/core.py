@@ -36,7 +36,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
-from autostate.guard import CAPTURED, Guard, eager_lax_body, register_view
+from autostate.guard import CAPTURED, Guard, after_probe, eager_lax_body, register_view
 from autostate.lifetime import (
     MEMBER_CELLS,
     OWN_STATE_HANDLERS,
@@ -152,6 +152,7 @@ def writes_of(
 
     abstract = [v for i, v in enumerate(current) if i not in concrete]
     _, new = jax.eval_shape(probe, abstract, *args)
+    after_probe()
     return written, new
 
 

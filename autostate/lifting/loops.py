@@ -22,9 +22,14 @@ A loop that cannot roll runs unrolled, with the plain meaning: for what the
 rewrite sees (``break``, ``return``: ``unrolled``) or one of the named
 reasons of ``FALLBACKS`` that only running the body shows. The attempt is
 then undone (the states it touched, the refusals it recorded), the reason
-logged at DEBUG, and the plain loop runs. Any other exception reaches the
-user at their line. A stack made with ``require_scan=True`` turns "could not
-roll" into a ``StackError`` naming the reason and the loop's line.
+logged at DEBUG, and the plain loop runs. Any other exception is the
+body's own: the attempt is undone and the plain loop runs, which raises it
+at the user's line after the layers before it have run (their writes are
+there for a caller that catches it, as in plain Python); a plain loop that
+ends without raising it raises it at its end, so it is never lost. A stack
+made with ``require_scan=True`` turns "could not roll" into a ``StackError``
+naming the reason and the loop's line, and raises the body's own error as
+the rolled body raised it.
 """
 
 from __future__ import annotations
@@ -450,6 +455,11 @@ def _plain(source: Any) -> Any:
     return source.plain() if type(source) is Deferred else source
 
 
+def _raising_at_end(items: Any, error: BaseException) -> Iterator[Any]:
+    yield from items
+    raise error
+
+
 class _Plan:
     """What a rolled loop scans over: ``xs``, how one step's slice of it
     becomes the loop's item, and the item after the last step."""
@@ -674,13 +684,17 @@ class Rolling:
     """A loop about to run as one ``lax.scan`` (``run``), or, if it cannot,
     as written (``plain``)."""
 
-    __slots__ = ("source", "plan")
+    __slots__ = ("source", "plan", "raised")
 
     def __init__(self, source: Any, plan: _Plan):
         self.source, self.plan = source, plan
+        self.raised: BaseException | None = None  # (the body's own error, if it raised one)
 
     def plain(self) -> Any:
-        """The iterable of the plain loop."""
+        """The iterable of the plain loop (after the body's own error: one
+        that raises that error if the plain loop ends without raising one)."""
+        if self.raised is not None:
+            return _raising_at_end(_plain(self.source), self.raised)
         return _plain(self.source)
 
     def run(
@@ -701,7 +715,14 @@ class Rolling:
             except Exception as raised:
                 found = _fallback(raised)
                 if found is None:
-                    raise  # (the body's own error, at the user's line)
+                    if _strict(_stacks_in(self.source)):
+                        raise  # (the body's own error, at the user's line)
+                    # The plain loop raises it at the user's line, after the
+                    # layers before have run (a caller that catches it sees their
+                    # writes, as plain Python's do); one that ends without it
+                    # (the rolled body alone raised it) raises it at its end.
+                    self.raised = raised
+                    return None
                 name, reason = found
                 if _strict(_stacks_in(self.source)):
                     raise _not_rolled(f"{reason} [{name}]") from raised

@@ -127,31 +127,62 @@ class _Scope:
             if isinstance(node, (cst.Global, cst.Nonlocal))
             for item in node.names
         }
+        # What reads the method's locals when it runs, not when it is made: a
+        # function, a lambda, a class (its methods) and a generator expression.
+        consumed = {
+            id(node.args[0].value) for node in self.own
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Name)
+            and node.func.value in _CONSUMERS and len(node.args) == 1
+        }
         self.functions = [
-            (i, n) for i, n in enumerate(self.own) if isinstance(n, (cst.FunctionDef, cst.Lambda))
+            (i, n) for i, n in enumerate(self.own)
+            if isinstance(n, _READS_LATER) and id(n) not in consumed
         ]
-        # The functions held by a name (``def g``, ``g = lambda ...``), the only
-        # way a function is kept without being handed on.
+        # The functions held by a name (``def g``, ``g = lambda ...``, ``class C``,
+        # ``gen = (... for ...)``), the only way one is kept without being handed on.
         self.held: dict[int, str] = {}
+        # Those whose call makes an object that reads the locals later (a class,
+        # a generator function): calling one hands it on.
+        self.lasting: set[int] = set()
         for node in self.own:
-            if isinstance(node, cst.FunctionDef) and not node.decorators:
+            if isinstance(node, (cst.FunctionDef, cst.ClassDef)) and not node.decorators:
                 self.held[id(node)] = identifier(node.name.value)
+                if isinstance(node, cst.ClassDef) or _yields(node):
+                    self.lasting.add(id(node))
             elif (
                 isinstance(node, cst.Assign) and len(node.targets) == 1
                 and isinstance(node.targets[0].target, cst.Name)
-                and isinstance(node.value, cst.Lambda)
+                and isinstance(node.value, (cst.Lambda, cst.GeneratorExp))
             ):
                 self.held[id(node.value)] = identifier(node.targets[0].target.value)
         self._free: dict[int, set[str]] = {}
 
-    def free_reads(self, function: cst.FunctionDef | cst.Lambda) -> set[str]:
-        """The names a function's (or lambda's) body reads from enclosing scopes."""
+    def free_reads(self, function: cst.CSTNode) -> set[str]:
+        """The names a function's (lambda's, class's, generator expression's)
+        body reads from enclosing scopes."""
         found = self._free.get(id(function))
         if found is None:
+            if isinstance(function, cst.GeneratorExp):  # (its targets are no reads)
+                found = self._free[id(function)] = _read_names(function)
+                return found
+            assert isinstance(function, (cst.FunctionDef, cst.Lambda, cst.ClassDef))
             bound, declared = scope_names(function)
             globals_ = {n for n, is_global in declared.items() if is_global}
             found = self._free[id(function)] = _read_names(function.body) - bound - globals_
         return found
+
+
+_READS_LATER = (cst.FunctionDef, cst.Lambda, cst.ClassDef, cst.GeneratorExp)
+# The builtins that run a generator expression given them to its end (or drop
+# it) before they return: ``sum(x * k for k in ...)`` reads the locals at once.
+_CONSUMERS = frozenset({
+    "sum", "list", "tuple", "set", "frozenset", "dict", "sorted", "min", "max", "any", "all",
+})
+
+
+def _yields(function: cst.FunctionDef) -> bool:
+    """Whether ``function`` is a generator function (a ``yield`` of its own)."""
+    return any(isinstance(n, cst.Yield) for n in _own_nodes(function.body))
 
 
 def _read_names(root: cst.CSTNode, skip: cst.CSTNode | None = None) -> set[str]:
@@ -446,7 +477,7 @@ def _observed(
     the loop keeps it."""
     held = scope.held
     for node in own[1:]:
-        if isinstance(node, cst.Lambda) and id(node) in held:
+        if isinstance(node, (cst.Lambda, cst.GeneratorExp)) and id(node) in held:
             name = held[id(node)]
             if (live is None or name in live) and scope.free_reads(node) & per_step:
                 return (
@@ -460,7 +491,7 @@ def _observed(
         if not body_start <= i < body_end and (repeated or i < body_start)
     ]
     seeing = set(per_step)
-    observers: list[cst.FunctionDef | cst.Lambda] = []
+    observers: list[cst.CSTNode] = []
     changed = True
     while changed:  # (one that calls a function that can see a step's locals can too)
         changed = False
@@ -480,7 +511,11 @@ def _observed(
                 f"its body calls `{holder}`, a function defined outside the loop that reads a "
                 "local the body assigns"
             )
-        if any(identifier(n.value) == holder and id(n) not in scope.called for n in scope.loads):
+        lasting = id(observer) in scope.lasting
+        if any(
+            identifier(n.value) == holder and (lasting or id(n) not in scope.called)
+            for n in scope.loads
+        ):
             return (
                 f"`{holder}`, a function defined outside the loop that reads a local its body "
                 "assigns, is handed on"

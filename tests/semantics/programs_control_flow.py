@@ -1203,6 +1203,19 @@ def remember(log, x):  # a helper outside any class, changing a list in place
     log.append(x)
 
 
+class Interrupt(Exception):
+    pass
+
+
+class Tally:  # a plain object, no model
+    def __init__(self):
+        self.total = jnp.zeros(3)
+        self.seen = []
+
+    def push(self, v):
+        self.seen.append(v)
+
+
 @DECORATE
 class Net:
     def __init__(self, n):
@@ -1283,6 +1296,12 @@ class Net:
             x = block(x)
         return x * total()
 
+    def consumed_first(self, x):
+        size = sum(block.w.sum() for block in self.blocks)  # read at once, before the loop
+        for block in self.blocks:
+            x = block(x) * size
+        return x
+
     # Not rolled: they run layer by layer, as written.
     def called_in_body(self, x):
         peek = lambda: x.sum()  # reads x, which the loop assigns
@@ -1340,6 +1359,77 @@ class Net:
             x = block(x)
             remember(log, x)
         return x + len(log)
+
+    def summed_in_place(self, x):
+        total = [jnp.zeros(3)]
+        def add(v):  # a nested helper reading back what it appended
+            total.append(total[-1] + v)
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + total[-1]
+
+    def summed_nonlocal(self, x):
+        total = jnp.zeros(3)
+        def add(v):  # a nested helper rebinding a local of the method
+            nonlocal total
+            total = total + v
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + total
+
+    def lazily_read(self, x):
+        scaled = (x * k for k in range(1, 9))  # reads x when next() asks, each step's x
+        for block in self.blocks:
+            x = block(x) + next(scaled)
+        return x
+
+    def generated(self, x):
+        def scaled():  # a generator function: its generator reads x at each next()
+            k = 1
+            while True:
+                yield x * k
+                k += 1
+        it = scaled()
+        for block in self.blocks:
+            x = block(x) + next(it)
+        return x
+
+    def local_class(self, x):
+        class Probe:  # its method reads x when called: each step's x
+            def total(self):
+                return x.sum()
+        probe = Probe()
+        for block in self.blocks:
+            x = block(x) + probe.total()
+        return x
+
+    def pushed(self, x):
+        log = Tally()
+        for block in self.blocks:
+            x = block(x)
+            log.push(x)  # a plain object's method changing its list
+        return x + sum(log.seen)
+
+    def interrupted(self, x):
+        try:
+            for block in self.blocks:
+                x = block(x)  # the first layer runs, and its write lands
+                if x.ndim == 1:
+                    raise Interrupt()  # the body's own error, caught around the loop
+        except Interrupt:
+            pass
+        return x
+
+    def summed_on_object(self, x):
+        box = Tally()
+        def add(v):  # a nested helper assigning a plain object's attribute
+            box.total = box.total + v
+        for block in self.blocks:
+            x = block(x)
+            add(x)
+        return x + box.total
 
     def previous(self, x):
         last = self.blocks[0]

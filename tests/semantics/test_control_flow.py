@@ -390,11 +390,33 @@ class Root:
             return c, None
         lax.scan(body, 0, xs)
         return seen
+
+    def rebind(self, xs):
+        total = self.items[0]               # a variable the body rebinds (nonlocal)
+        def body(c, x):
+            nonlocal total
+            total = total + x
+            return c, None
+        lax.scan(body, 0, xs)
+        return total
+
+    def boxed(self, xs):
+        box = Box()                         # a plain object given the body's values
+        def body(c, x):
+            box.total = box.total + x
+            return c, None
+        lax.scan(body, 0, xs)
+        return box.total
+
+
+class Box:
+    def __init__(self):
+        self.total = jnp.zeros(())
 """
 
 
 @pytest.mark.parametrize("mode", ["eager", "f"])
-@pytest.mark.parametrize("method", ["go", "collect"])
+@pytest.mark.parametrize("method", ["go", "collect", "rebind", "boxed"])
 def test_a_change_in_place_through_a_reference_from_outside_the_body_is_refused(
     write_module, mode, method
 ):
@@ -3980,7 +4002,7 @@ def test_traced_value_put_in_a_captured_list_inside_a_derivative_is_refused(
     model = eval("Reads()", vars(dec))  # noqa: S307
     f, states = model.functionalize()
     for call in (lambda: model.log_traced(DERIVATIVE_X), lambda: f.log_traced(states, DERIVATIVE_X)):
-        with pytest.raises(errors.EscapedStateError, match="jax.grad changed a list or dict") as err:
+        with pytest.raises(errors.EscapedStateError, match="jax.grad changed a list, dict") as err:
             call()
         assert "has_aux=True" in str(err.value)
     no_tracer(model)
@@ -4323,17 +4345,20 @@ def test_gradient_through_a_loop_over_a_stack_is_the_lists(write_module: Loader)
 # layers' writes stacked; ``enumerate``, ``zip`` with a list of arrays,
 # ``reversed``, a loop nested in it and ``jax.checkpoint`` per block too. What
 # cannot be rolled (branching on the index, ``return``, ``break``, a Python int
-# that changes, a list a helper changes in place, a layer carried to the next
-# step) runs layer by layer. Each is the loop over the list, eagerly, in f and
+# that changes, a list a helper changes in place, a local a nested helper rebinds
+# with ``nonlocal`` or reads back from a list or object it changed, a generator or
+# an object of a local class made before the loop that reads a local the body
+# assigns, a layer carried to the next step) runs layer by layer. Each is the loop over the list, eagerly, in f and
 # under jit.
 
 STACK_ROLLED = [
     "carried", "enumerated", "zipped", "two_stacks", "threaded", "nested", "checkpointed",
-    "backwards", "assigned_first", "typed", "observed_after",
+    "backwards", "assigned_first", "typed", "observed_after", "consumed_first",
 ]
 STACK_UNROLLED = [
     "first_differs", "early", "stops", "counted", "remembered", "previous", "called_in_body",
-    "grown", "keyed",
+    "grown", "keyed", "summed_in_place", "summed_nonlocal", "summed_on_object", "lazily_read",
+    "generated", "local_class", "interrupted", "pushed",
 ]
 
 
@@ -4355,8 +4380,8 @@ def test_a_rolled_loop_over_a_stack_is_the_loop_over_the_list(write_module: Load
 
 def test_an_error_of_a_rolled_body_reaches_the_user_at_their_line(write_module: Loader) -> None:
     # Only the named reasons (autostate.lifting.loops.FALLBACKS) turn a rolled loop back
-    # into the plain one; the body's own error is raised as the plain loop raises
-    # it, from the user's line.
+    # into the plain one silently; the body's own error is raised by the plain loop,
+    # from the user's line (``interrupted``: after the layers before it have run).
     plain, dec = pair(
         write_module, STACK_ROLL, plain_subs=STACK_LOOP_PLAIN[:1], checkpoint_as_identity=True
     )
@@ -4741,6 +4766,8 @@ class Rules:
         def bwd(n, ct):
             if write == "backward":
                 self.n = self.n + ct
+            if write == "read in backward":  # the state itself, when the derivative is taken
+                return (2 * ct * self.n,)
             return (2 * ct * n,)
 
         g.defvjp(fwd, bwd)
@@ -4787,6 +4814,9 @@ class Rules:
 
     def in_checkpoint_grad(self, x):
         return jax.grad(jax.checkpoint(self.applied))(x)
+
+    def read_in_backward(self, x):
+        return self._vjp("read in backward")(x)
 """
 
 
@@ -4834,6 +4864,26 @@ def test_grad_of_a_checkpoint_through_custom_derivatives_reading_state(
         f, states = dec.Rules().functionalize()
         grad = jax.grad(lambda x: jax.checkpoint(lambda x: f.applied(states, x)[0])(x))
         got = (jax.jit(grad) if mode == "jax.jit(f)" else grad)(x)
+    same(expected, got)
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jax.jit(f)", "vmap of f"])
+def test_a_backward_rule_reading_state_after_the_call(write_module: Loader, mode: str) -> None:
+    # The derivative taken from outside the call: the backward rule runs when the
+    # call has ended, and reads the state as it was at the call, as plain JAX's
+    # closure reads the attribute.
+    plain, dec = pair(write_module, CUSTOM_RULES)
+    x = jnp.float32(1.5)
+    expected = jax.grad(plain.Rules().read_in_backward)(x)
+    if mode == "eager":
+        got = jax.grad(dec.Rules().read_in_backward)(x)
+    else:
+        f, states = dec.Rules().functionalize()
+        grad = jax.grad(lambda x: f.read_in_backward(states, x)[0])
+        if mode == "vmap of f":
+            got = jax.vmap(grad)(jnp.stack([x, x]))[0]
+        else:
+            got = (jax.jit(grad) if mode == "jax.jit(f)" else grad)(x)
     same(expected, got)
 
 

@@ -158,7 +158,9 @@ def test_deferred_calls_in_the_order_python_would() -> None:
 
 def test_only_the_named_reasons_fall_back_to_the_plain_loop(caplog: pytest.LogCaptureFixture) -> None:
     # Each reason of FALLBACKS makes ``run`` give None (the plain loop runs),
-    # logged with its name; the body's own error reaches the caller as raised.
+    # logged with its name; after the body's own error the plain loop runs too
+    # (it raises the error where plain Python does), and raises it at its end
+    # if it did not.
     stack = layers()
     assert set(loops.FALLBACKS) == {
         "python-value", "carry-changes", "concrete-value", "state-structure", "outside-states",
@@ -173,8 +175,10 @@ def test_only_the_named_reasons_fall_back_to_the_plain_loop(caplog: pytest.LogCa
         assert run(lambda b, v: jnp.concatenate([v, v]), x) is None  # carry-changes
         assert run(lambda b, v: v + b.w.sum(), 0) is not None  # a number becoming an array: carried
         assert run(lambda b, v: v + 1, 0) is None  # python-value
+        rolling = loops.over(stack)
+        assert rolling.run(lambda b, values: (1 / 0,), (x,), ("v",), (True,), False) is None
         with pytest.raises(ZeroDivisionError):
-            run(lambda b, v: 1 / 0, x)
+            list(rolling.plain())  # (the plain loop here runs no body: raised at its end)
         out, last = run(lambda b, v: b(v), x)
         return out[0]
 
