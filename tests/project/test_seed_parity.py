@@ -141,6 +141,15 @@ class Block:
         return self.kv.sum()
 
 
+@autostate.stateful
+class Pair:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __call__(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
 def test_rename_local_states_keeps_composed_parts_apart():
     blocks = [Block(), Block()]
     with pytest.raises(StateSharingError, match="same explicit name 'kv'"):
@@ -153,8 +162,12 @@ def test_rename_local_states_keeps_composed_parts_apart():
     assert sorted(states) == ["dec.kv", "enc.kv"]
     # The originals are untouched; path-named states keep their path names.
     assert blocks[0].__dict__["kv"].name == "kv"
-    f, all_states = autostate.functionalize(renamed)
-    assert sorted(all_states) == ["[0].calls", "[1].calls", "dec.kv", "enc.kv"]
+    with pytest.raises(autostate.errors.InvalidTypeError, match="hold them in a model"):
+        autostate.functionalize(renamed)  # a list: f's structure is one model's graph
+    f, all_states = autostate.functionalize(Pair(renamed))
+    assert sorted(all_states) == ["blocks[0].calls", "blocks[1].calls", "dec.kv", "enc.kv"]
+    out, all_states = jax.jit(lambda f, s, x: f(s, x))(f, all_states, 1.0)
+    assert float(out) == 4.0 and float(all_states["blocks[1].calls"]) == 1
 
     tree = {
         "a": FrozenLocalStateRequest(1.0, "c", "x"),
