@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from autostate.errors import InvalidArgumentError, format_error
 from autostate.nn._init import fan_in_bound, uniform
+from autostate.nn._inputs import with_batch_axis
 from autostate.nn._precision import precision, promote
 from autostate.nn.module import Module
 from autostate.nn.random import KeyLike, split_key
@@ -60,22 +61,6 @@ def _check_padding_mode(padding_mode: str, allowed: tuple[str, ...]) -> str:
             )
         )
     return padding_mode
-
-
-def _batched(x: jax.Array, n: int, layer: object) -> tuple[jax.Array, bool]:
-    """``x`` with a batch axis, and whether it had one: PyTorch takes an
-    unbatched ``[C, *spatial]`` input too."""
-    if x.ndim == n + 2:
-        return x, True
-    if x.ndim == n + 1:
-        return x[None], False
-    raise InvalidArgumentError(
-        format_error(
-            f"{type(layer).__name__} expects a {n + 1}-d (unbatched) or {n + 2}-d (batched) "
-            f"input [N, C, ...], got shape {tuple(x.shape)}.",
-            fix="pass channels first, with or without a batch axis in front.",
-        )
-    )
 
 
 def _check_groups(in_channels: int, out_channels: int, groups: int) -> None:
@@ -155,7 +140,7 @@ class _ConvNd(Module):
 
     def forward(self, x: jax.Array) -> jax.Array:
         n = len(self.kernel_size)
-        x, batched = _batched(x, n, self)
+        x, batched = with_batch_axis(x, n, self)
         x, weight, bias = promote(self, x, self.weight, self.bias)
         pads = self._pads()
         if self.padding_mode != "zeros":  # padded first, as PyTorch does
@@ -484,7 +469,7 @@ class ConvTranspose2d(Module):
         ):
             edge = d * (k - 1) - p
             pads.append((edge, edge + op))
-        x, batched = _batched(x, 2, self)
+        x, batched = with_batch_axis(x, 2, self)
         x, kernel, bias = promote(self, x, self._forward_kernel(), self.bias)
         y = jax.lax.conv_general_dilated(
             x,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autostate.errors import InvalidArgumentError, format_error
+from autostate.nn._inputs import with_batch_axis
 from autostate.nn.module import Module
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
 
 IntOrTuple = int | Sequence[int]
 IntOrPair = int | tuple[int, int]
-_SPATIAL = {1: "L", 2: "H, W"}
 
 
 def _tuple(value: IntOrTuple, n: int) -> tuple[int, ...]:
@@ -74,22 +74,6 @@ def _pads(
             out -= 1
         pads.append((p, p + max(0, (out - 1) * s + d * (k - 1) + 1 - size - 2 * p)))
     return pads
-
-
-def _batched(x: jax.Array, n: int, layer: object) -> tuple[jax.Array, bool]:
-    """``x`` as ``[N, C, *spatial]``, and whether it had the batch axis (PyTorch
-    takes an unbatched ``[C, *spatial]`` too)."""
-    if x.ndim == n + 2:
-        return x, True
-    if x.ndim == n + 1:
-        return x[None], False
-    raise InvalidArgumentError(
-        format_error(
-            f"{type(layer).__name__} expects a {n + 1}-d (unbatched) or {n + 2}-d (batched) "
-            f"input [N, C, {_SPATIAL[n]}], got shape {tuple(x.shape)}.",
-            fix=f"pass [C, {_SPATIAL[n]}] or [N, C, {_SPATIAL[n]}].",
-        )
-    )
 
 
 def _check_padding(kernel: tuple[int, ...], padding: tuple[int, ...]) -> None:
@@ -137,7 +121,7 @@ class _MaxPoolNd(Module):
         _check_padding(self.kernel_size, self.padding)
 
     def forward(self, x: jax.Array) -> jax.Array:
-        x, batched = _batched(x, self._dims, self)
+        x, batched = with_batch_axis(x, self._dims, self)
         pads = _pads(self, x.shape, self.dilation)
         if any(d != 1 for d in self.dilation):
             y = self._dilated(x, pads)
@@ -199,7 +183,7 @@ class _AvgPoolNd(Module):
         _check_padding(self.kernel_size, self.padding)
 
     def forward(self, x: jax.Array) -> jax.Array:
-        x, batched = _batched(x, self._dims, self)
+        x, batched = with_batch_axis(x, self._dims, self)
         pads = _pads(self, x.shape, (1,) * self._dims)
         window = _window(self.kernel_size, self.stride, pads)
         total = jax.lax.reduce_window(x, 0.0, jax.lax.add, **window)
