@@ -77,6 +77,7 @@ from autostate.packing import (
     PackedValues,
     lazy_attribute_allowed,
 )
+from autostate.state_values import StaticState
 from autostate.tree import StaticLeaf
 
 __all__ = ["Compiled", "jit"]
@@ -558,8 +559,15 @@ class Compiled(Generic[P, R]):
         copies = _graph.rebuild_instances(key.graphdef, leaves)
         home = current_trace()
         for obj in copies:
-            for value in obj.__dict__.values():
-                if isinstance(value, StateSlot) and hasattr(value, "_home"):
+            d = obj.__dict__
+            for attr, value in list(d.items()):
+                if type(value) is StaticState:
+                    # (The graphdef's own slot, shared by every call: the copy
+                    # gets one of its own, so that a static state given a
+                    # traced value, `self.correct = 0` then `self.correct +=
+                    # (y == t).sum()`, becomes an array state as eagerly.)
+                    d[attr] = with_home(dataclasses.replace(value), home)
+                elif isinstance(value, StateSlot) and hasattr(value, "_home"):
                     with_home(value, home)
         started = [dict(obj.__dict__) for obj in copies]
         root = copies[key.graphdef.root]

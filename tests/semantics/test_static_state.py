@@ -2573,6 +2573,45 @@ def test_a_static_config_switched_at_an_object_boundary_is_written_back(
     no_tracer(model)
 
 
+_METRICS = """
+@DECORATE
+class Metrics:
+    def __init__(self):
+        self.correct = 0  # a Python int, then an array: a count of a traced value
+        self.done = False
+        self.w = jnp.ones(3)
+
+    def __call__(self, x):
+        self.correct += (x > 0.5).sum()
+        self.done = self.correct > 3
+        return (x * self.w).sum()
+"""
+
+
+def test_a_static_state_given_a_traced_value_by_autostate_jit_becomes_an_array(
+    write_module: Any,
+) -> None:
+    """``self.correct = 0`` then ``self.correct += (y == t).sum()``: eagerly an
+    int becomes an array; a call compiled by autostate.jit writes the new
+    structure back the same way, with one retrace for it."""
+    plain, dec = pair(write_module, _METRICS)
+    expected, model = plain.Metrics(), dec.Metrics()
+    traces: list[int] = []
+
+    def step(m: Any, x: Any) -> Any:
+        traces.append(1)
+        return m(x)
+
+    call = autostate.jit(step)
+    x = jnp.arange(3.0)
+    for _ in range(3):
+        same(expected(x), call(model, x))
+        same((expected.correct, expected.done), (model.correct, model.done))
+    assert isinstance(model.correct, jax.Array) and model.correct.dtype == jnp.int32
+    assert len(traces) == 2  # the int's trace, then the array's
+    no_tracer(model)
+
+
 @pytest.mark.parametrize(("name", "mode"), [
     *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
     ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),
