@@ -71,6 +71,10 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         "stored": stored.dtype.str,
         "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),  # type: ignore[arg-type]
     }
+    if getattr(value, "weak_type", False):
+        # (``jnp.full(n, 0.5)``, ``jnp.asarray(1.0)``: it takes the dtype of what
+        # it meets, so a bfloat16 input stays bfloat16 after the round trip.)
+        entry["weak_type"] = True
     return stored, entry
 
 
@@ -239,7 +243,11 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
     return jax.random.wrap_key_data(data, impl=entry["key_impl"]) if "key_impl" in entry else data
 
 
-def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+def _read(
+    path: str | os.PathLike[str], weak: dict[str, set[str]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The parameters and states of the checkpoint at ``path``, and the model it
+    names; ``weak`` (by kind) gets the names of the weakly typed arrays."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -259,6 +267,8 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
                 if entry["name"] in out[entry["kind"]]:
                     raise _corrupt(path, f"{entry['kind']} {entry['name']!r} appears twice")
                 out[entry["kind"]][entry["name"]] = _decode(npz, entry, path)
+                if weak is not None and entry.get("weak_type"):
+                    weak.setdefault(entry["kind"], set()).add(entry["name"])
     except (CheckpointError, FileNotFoundError):
         raise
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, TypeError) as e:
@@ -308,10 +318,12 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
         >>> print(model(jnp.ones(2)))
         [3. 3.]
     """
-    params, states, saved_from = _read(path)
+    weak: dict[str, set[str]] = {}
+    params, states, saved_from = _read(path, weak)
     return rebuild(
         like, params, states, strict=strict, caller="load", error=CheckpointError,
         checkpoint=str(path), saved_from=saved_from,
+        weak=(weak.get("params", set()), weak.get("states", set())),
     )
 
 

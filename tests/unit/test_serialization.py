@@ -218,6 +218,39 @@ def test_save_load_keeps_every_dtype_bit_exact(write_module: Loader, tmp_path: P
     assert_bits(model(jnp.arange(3.0)), loaded(jnp.arange(3.0)), "continued", bitwise=True)
 
 
+_WEAK = """
+@DECORATE
+class Scaled:
+    def __init__(self):
+        self.w = jnp.full(2, 0.5)        # a weakly typed parameter
+        self.scale = jnp.asarray(1.0)    # a weakly typed state, weak after each call
+        self.total = jnp.asarray(0.0)    # weak at first, strong once it adds x
+
+    def __call__(self, x):
+        self.scale = self.scale * 0.5
+        self.total = self.total + x.sum().astype(jnp.float32)
+        return x * self.w * self.scale
+"""
+
+
+def test_save_load_keeps_weak_types(write_module: Loader, tmp_path: Path) -> None:
+    """A weakly typed array takes the dtype of what it meets: loaded strong, a
+    bfloat16 input would give float32 where the saved model gives bfloat16."""
+    _, dec = pair(write_module, _WEAK)
+    model = dec.Scaled()
+    x = jnp.ones(2, jnp.bfloat16)
+    model(x)
+    autostate.save(tmp_path / "m.npz", model)
+    loaded = autostate.load(tmp_path / "m.npz", like=dec.Scaled())
+    for name in ("w", "scale", "total"):
+        saved, got = getattr(model, name), getattr(loaded, name)
+        assert (got.dtype, got.weak_type) == (saved.dtype, saved.weak_type), name
+    assert (model.w.weak_type, model.scale.weak_type, model.total.weak_type) == (True, True, False)
+    want, out = model(x), loaded(x)
+    assert out.dtype == want.dtype == jnp.bfloat16
+    assert_bits(want, out, "continued", bitwise=True)
+
+
 @pytest.fixture
 def mods(write_module: Loader) -> tuple[types.ModuleType, types.ModuleType]:
     return pair(write_module, MODELS)
