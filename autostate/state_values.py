@@ -19,6 +19,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
+import numpy as np
 
 from autostate import graph as _graph
 from autostate import tree as _tree
@@ -98,12 +99,15 @@ class _Rebuilt:
 
 def is_static_value(value: Any) -> bool:
     """Whether a state value is static (a Python bool, int, str, enum member or
-    None): part of a model's structure, so ``if self.training:`` works under jit."""
+    None, or a dtype or class: ``jnp.bfloat16``, ``jnp.dtype("float16")``, which
+    no array holds): part of a model's structure, so ``if self.training:`` and
+    ``x.astype(self.dtype)`` work under jit."""
     t = type(value)
-    return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
+    return t in _STATIC_STATE_TYPES or isinstance(value, _STATIC_STATE_BASES)
 
 
 _STATIC_STATE_TYPES = (bool, int, str, type(None))
+_STATIC_STATE_BASES = (enum.Enum, type, np.dtype)
 
 
 def makes_static_state(value: Any) -> bool:
@@ -325,7 +329,7 @@ jax.tree_util.register_pytree_with_keys(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StaticState(StateSlot):
-    """A state holding a Python bool, int, str, enum member or None.
+    """A state holding a Python bool, int, str, enum member, dtype, class or None.
 
     Its value is part of the model's structure (pytree aux data), not of the
     states dict: ``model.eval()`` then ``functionalize()`` gives an ``f`` that

@@ -2612,6 +2612,58 @@ def test_a_static_state_given_a_traced_value_by_autostate_jit_becomes_an_array(
     no_tracer(model)
 
 
+_PRECISION = """
+@DECORATE
+class Precision:
+    def __init__(self, dtype):
+        self.w = jnp.full(2, 1.5, jnp.float32)
+        self.compute_dtype = dtype  # a state: half() assigns it
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        return x.astype(self.compute_dtype) * self.w.astype(self.compute_dtype)
+
+    def half(self):
+        self.compute_dtype = HALF
+        return self
+"""
+
+
+@pytest.mark.parametrize(
+    ("dtype", "half"),
+    [("jnp.float32", "jnp.bfloat16"), ("jnp.dtype('float32')", "jnp.dtype('float16')"),
+     ("np.float32", "np.float16")],
+    ids=["jnp-scalar-type", "np.dtype", "numpy-type"],
+)
+def test_a_dtype_state_is_static_like_a_string(write_module: Any, dtype: str, half: str) -> None:
+    """A dtype (or scalar type) held by a state is structure, as a string is: it
+    was a leaf of the states dict, which `jax.jit(f)` refused with JAX's bare
+    "Error interpreting argument ... as an abstract array"."""
+    plain, dec = pair(write_module, _PRECISION.replace("HALF", half))
+    x = jnp.ones(2) / 3
+    for switched in (False, True):
+        ref, model = plain.Precision(eval(dtype)), dec.Precision(eval(dtype))  # noqa: S307
+        if switched:
+            ref.half()
+            model.half()
+        expected = ref(x)
+        f, states = model.functionalize()
+        assert list(states) == ["calls"]
+        out, states = staged(lambda f, s, x: f(s, x))(f, states, x)
+        same(expected, out)
+        same(expected, autostate.jit(lambda m, x: m(x))(model, x))
+        assert autostate.freeze(f, states).compute_dtype == ref.compute_dtype
+    # Switched inside f: refused as a string's change is, with the fix.
+    f, states = dec.Precision(eval(dtype)).functionalize()  # noqa: S307
+    with pytest.raises(StaticStateError, match="compute_dtype"):
+        staged(lambda f, s: f.half(s))(f, states)
+    # At an object boundary the switch is written back.
+    model = dec.Precision(eval(dtype))  # noqa: S307
+    autostate.jit(lambda m: m.half() and None)(model)
+    assert model.compute_dtype == eval(half)  # noqa: S307
+
+
 @pytest.mark.parametrize(("name", "mode"), [
     *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
     ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),
