@@ -400,6 +400,7 @@ class Compiled(Generic[P, R]):
         leaves, graphdef = _graph.flatten_graph(_Models(models), objects)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return None
+        _check_concrete(leaves, graphdef)
         for obj in objects:
             for value in obj.__dict__.values():
                 if isinstance(value, StateSlot) and value.part_of() is not None:
@@ -966,6 +967,26 @@ def _check_alive(entry: _Entry, indices: Any) -> None:
                     where=user_location(),
                     fix="give each model arrays of its own (copy.deepcopy), or compile with "
                     "donate_models=False.",
+                )
+            )
+
+
+def _check_concrete(leaves: list[Any], graphdef: Any) -> None:
+    """Refuses a model holding an abstract array (a ``jax.ShapeDtypeStruct``),
+    which no compiled program takes: a clear error instead of JAX's."""
+    for j, x in enumerate(leaves):
+        if _values.kind_of(x).spec:
+            raise InvalidArgumentError(
+                format_error(
+                    f"The array {_user_path(graphdef.names[j])} of a model passed to a "
+                    f"function compiled by autostate.jit is abstract, a jax.ShapeDtypeStruct "
+                    f"({_tree.describe(x)}) with no data: a state declared with "
+                    "autostate.state(jax.ShapeDtypeStruct(...)) and not assigned yet, or a "
+                    "model built under jax.eval_shape. A compiled program takes arrays.",
+                    where=user_location(),
+                    fix="assign the state before the compiled call (call a method that "
+                    "assigns it eagerly, or give it an array in __init__: "
+                    "`jnp.zeros(shape, dtype)`), and build the model outside jax.eval_shape.",
                 )
             )
 
