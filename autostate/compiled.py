@@ -586,6 +586,10 @@ class Compiled(Generic[P, R]):
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
         swapped, _ = own_states([c for c in copies if c is not root])
+        # (A placeholder None stays the copy's own, as a static state does: at
+        # this object boundary it may become static, `self.mode = "fast"`, as
+        # eagerly, where a handler's cell refuses a Python value.)
+        swapped = [entry for entry in swapped if entry[2].read() is not None]
         try:
             with Guard.for_compiled([c for c in copies if c is not root]):
                 out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))

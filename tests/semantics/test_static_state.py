@@ -2612,6 +2612,39 @@ def test_a_static_state_given_a_traced_value_by_autostate_jit_becomes_an_array(
     no_tracer(model)
 
 
+_MODE_LATER = """
+@DECORATE
+class ModeLater:
+    def __init__(self):
+        self.mode = None  # a placeholder, given its first value by a call
+        self.w = jnp.ones(2)
+
+    def __call__(self, x):
+        self.mode = "fast" if self.mode is None else self.mode + "!"
+        return x * self.w * len(self.mode)
+"""
+
+
+def test_a_placeholder_given_a_python_value_by_autostate_jit_becomes_static(
+    write_module: Any,
+) -> None:
+    """At an object boundary a placeholder None may become static, as eagerly
+    (it raised the StaticStateError that belongs to f, whose fix is to assign
+    it before functionalizing)."""
+    plain, dec = pair(write_module, _MODE_LATER)
+    expected, model = plain.ModeLater(), dec.ModeLater()
+    call = autostate.jit(lambda m, x: m(x))
+    x = jnp.ones(2)
+    for _ in range(3):
+        same(expected(x), call(model, x))
+        assert model.mode == expected.mode
+    f, states = model.functionalize()
+    assert list(states) == []  # static now: structure, as eagerly
+    f, states = dec.ModeLater().functionalize()  # inside f it stays refused, with its fix
+    with pytest.raises(StaticStateError, match="placeholder None"):
+        f(states, x)
+
+
 _PRECISION = """
 @DECORATE
 class Precision:
