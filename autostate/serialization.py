@@ -50,6 +50,14 @@ def _is_key(value: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _readable(dtype: np.dtype) -> bool:
+    """Whether numpy reads ``dtype``'s descriptor (``dtype.str``) back as ``dtype``."""
+    try:
+        return dtype.kind in "biufc" and np.dtype(dtype.str) == dtype
+    except TypeError:
+        return False
+
+
 def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
     if _is_key(value):
         # A typed PRNG key is stored as its raw key data plus the name of its
@@ -63,8 +71,9 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         array = array.copy(order="C")
     dtype = array.dtype
     # numpy writes ml_dtypes (bfloat16, float8, int4) as opaque void records
-    # that other readers cannot interpret; their raw bits are portable.
-    stored = array if dtype.kind in "biufc" else array.view(f"<u{dtype.itemsize}")
+    # that other readers cannot interpret, or (float8_e5m2) as a descriptor
+    # numpy cannot read back ('<f1'); their raw bits are portable.
+    stored = array if _readable(dtype) else array.view(f"<u{dtype.itemsize}")
     entry = {
         "dtype": dtype.name,
         "shape": list(array.shape),
