@@ -2612,6 +2612,45 @@ def test_a_static_state_given_a_traced_value_by_autostate_jit_becomes_an_array(
     no_tracer(model)
 
 
+_COUNTED_INSIDE = """
+@DECORATE
+class CountedInside:
+    def __init__(self):
+        self.correct = 0  # a Python int
+        self.seen = 0
+        self.w = jnp.ones(3)
+
+    def _count(self, x):
+        self.seen += x.shape[0]  # another Python value: fine, as plain Python
+        self.correct = self.correct + (x > 0.5).sum()  # <- a value of the trace
+        return (x * self.w).sum()
+
+    def in_jit(self, x):
+        return jax.jit(self._count)(x)
+
+    def in_grad(self, x):
+        return jax.grad(self._count)(x)
+"""
+
+
+def test_a_static_state_given_a_traced_value_inside_a_jit_in_a_method(write_module: Any) -> None:
+    """Inside a jax.jit in a method (run once per call) a static state takes
+    another Python value, as plain Python's would, but a value of the jit's
+    trace is refused as a static state's error, with the fix (it was the
+    generic TracedEagerStateError, whose fix advised autostate.jit). Under
+    jax.grad the write lands with its primal value, as documented."""
+    dec = pair(write_module, _COUNTED_INSIDE)[1]
+    model = dec.CountedInside()
+    with pytest.raises(StaticStateError, match=r"CountedInside.correct \(a Python int") as err:
+        model.in_jit(jnp.arange(3.0))
+    assert "jnp.asarray(0)" in str(err.value)
+    assert re.search(r"autostate_testmod_\d+\.py:\d+", str(err.value))  # the user's line
+    assert model.correct == 0
+    no_tracer(model)
+    model.in_grad(jnp.arange(3.0))
+    assert (int(model.correct), model.seen) == (2, 6)  # (the refused call counted 3 first)
+
+
 _MODE_LATER = """
 @DECORATE
 class ModeLater:
