@@ -827,8 +827,8 @@ class _InferenceSlot(StateSlot):
             value, dims = entry.value, entry.dims
         if value is None:
             raise _unset_error(entry.label)
-        leaves = _typed([jnp.asarray(leaf) for leaf in value], entry.spec)  # type: ignore[union-attr]
-        return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)
+        leaves = _typed([jnp.asarray(leaf) for leaf in value], entry.spec)
+        return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)  # type: ignore[arg-type]
 
     def read(self) -> Any:
         return self.current().resolve()
