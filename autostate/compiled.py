@@ -627,7 +627,7 @@ class Compiled(Generic[P, R]):
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         del root.__dict__["detached"]
-        _check_no_value_of_the_trace(new_graphdef)
+        _check_no_value_of_the_trace(new_graphdef, objects)
         if swap:
             fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
             new_leaves = [swap.get(id(x), x) for x in new_leaves]
@@ -1085,14 +1085,19 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                 )
 
 
-def _check_no_value_of_the_trace(graphdef: Any) -> None:
+def _check_no_value_of_the_trace(graphdef: Any, objects: list[Any]) -> None:
     """Refuses a static value the models will hold after the call that keeps a
     value of the compiled trace (a function closing over one, an object holding
-    one: ``self.fn = lambda: x * 2``): written back, it would be a leaked tracer."""
-    for cls, entries in graphdef.instances:
+    one: ``self.fn = lambda: x * 2``), in an attribute or a static state of
+    ``objects`` (the instances of ``graphdef``): written back, it would be a
+    leaked tracer."""
+    for (cls, entries), obj in zip(graphdef.instances, objects, strict=True):
         for name, _treedef, parts in entries:
             kept = [p.value for p in (parts if type(parts) is tuple else (parts,))
                     if type(p) is StaticLeaf]
+            slot = obj.__dict__.get(name)
+            if type(slot) is StaticState:
+                kept.append(slot.value)
             if kept and held_tracers(kept):
                 raise StateAccessError(format_error(
                     f"A function compiled by autostate.jit assigned {cls.__name__}.{name} a "

@@ -2736,6 +2736,65 @@ def test_a_dtype_state_is_static_like_a_string(write_module: Any, dtype: str, ha
     assert model.compute_dtype == eval(half)  # noqa: S307
 
 
+_ACTIVATION = """
+def halved(x):
+    return x / 2
+
+
+@DECORATE
+class Activation:
+    def __init__(self, act):
+        self.w = jnp.full(2, 1.5, jnp.float32)
+        self.act = act  # a state: use() assigns it
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.act(x * self.w - 0.25)
+
+    def use(self):
+        self.act = OTHER
+        return self
+
+    def keep(self, x):
+        self.act = lambda v: v * x  # a function over a value of the call
+        return x.sum()
+"""
+
+
+@pytest.mark.parametrize(
+    ("act", "other"),
+    [("jax.nn.relu", "jax.nn.gelu"), ("jnp.tanh", "jax.nn.sigmoid"), ("halved", "jnp.exp")],
+    ids=["custom_jvp", "jitted", "def"],
+)
+def test_a_function_state_is_static_like_a_string(write_module: Any, act: str, other: str) -> None:
+    """A function held by a state (an activation a method switches) is
+    structure, as a string is: it was a leaf of the states dict, which
+    `jax.jit(f)` refused with JAX's bare "Error interpreting argument"."""
+    plain, dec = pair(write_module, _ACTIVATION.replace("OTHER", other))
+    x = jnp.arange(2.0) / 3
+    for switched in (False, True):
+        ref = plain.Activation(eval(act, vars(plain)))  # noqa: S307
+        model = dec.Activation(eval(act, vars(dec)))  # noqa: S307
+        if switched:
+            ref.use()
+            model.use()
+        expected = ref(x)
+        f, states = model.functionalize()
+        assert list(states) == ["calls"]
+        out, states = staged(lambda f, s, x: f(s, x))(f, states, x)
+        same(expected, out)
+        same(expected, autostate.jit(lambda m, x: m(x))(model, x))
+    f, states = dec.Activation(eval(act, vars(dec))).functionalize()  # noqa: S307
+    with pytest.raises(StaticStateError, match="'act'"):
+        staged(lambda f, s: f.use(s))(f, states)
+    # A function over a value of a compiled call is no structure: refused, model kept.
+    model = dec.Activation(eval(act, vars(dec)))  # noqa: S307
+    with pytest.raises(errors.StateAccessError, match="Activation.act a value that keeps"):
+        autostate.jit(lambda m, x: m.keep(x))(model, x)
+    assert model.act is eval(act, vars(dec))  # noqa: S307
+
+
 @pytest.mark.parametrize(("name", "mode"), [
     *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
     ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),
