@@ -77,6 +77,7 @@ from autostate.packing import (
     PackedValues,
     lazy_attribute_allowed,
 )
+from autostate.state_values import StaticState
 from autostate.tree import StaticLeaf
 
 __all__ = ["Compiled", "jit"]
@@ -399,6 +400,7 @@ class Compiled(Generic[P, R]):
         leaves, graphdef = _graph.flatten_graph(_Models(models), objects)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return None
+        _check_concrete(leaves, graphdef)
         for obj in objects:
             for value in obj.__dict__.values():
                 if isinstance(value, StateSlot) and value.part_of() is not None:
@@ -558,8 +560,15 @@ class Compiled(Generic[P, R]):
         copies = _graph.rebuild_instances(key.graphdef, leaves)
         home = current_trace()
         for obj in copies:
-            for value in obj.__dict__.values():
-                if isinstance(value, StateSlot) and hasattr(value, "_home"):
+            d = obj.__dict__
+            for attr, value in list(d.items()):
+                if type(value) is StaticState:
+                    # (The graphdef's own slot, shared by every call: the copy
+                    # gets one of its own, so that a static state given a
+                    # traced value, `self.correct = 0` then `self.correct +=
+                    # (y == t).sum()`, becomes an array state as eagerly.)
+                    d[attr] = with_home(dataclasses.replace(value), home)
+                elif isinstance(value, StateSlot) and hasattr(value, "_home"):
                     with_home(value, home)
         started = [dict(obj.__dict__) for obj in copies]
         root = copies[key.graphdef.root]
@@ -577,6 +586,10 @@ class Compiled(Generic[P, R]):
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
         swapped, _ = own_states([c for c in copies if c is not root])
+        # (A placeholder None stays the copy's own, as a static state does: at
+        # this object boundary it may become static, `self.mode = "fast"`, as
+        # eagerly, where a handler's cell refuses a Python value.)
+        swapped = [entry for entry in swapped if entry[2].read() is not None]
         try:
             with Guard.for_compiled([c for c in copies if c is not root]):
                 out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
@@ -614,7 +627,7 @@ class Compiled(Generic[P, R]):
         objects: list[Any] = []
         new_leaves, new_graphdef = _graph.flatten_graph(root, objects)
         del root.__dict__["detached"]
-        _check_no_value_of_the_trace(new_graphdef)
+        _check_no_value_of_the_trace(new_graphdef, objects)
         if swap:
             fresh_leaves = [swap.get(id(x), x) for x in fresh_leaves]
             new_leaves = [swap.get(id(x), x) for x in new_leaves]
@@ -962,6 +975,26 @@ def _check_alive(entry: _Entry, indices: Any) -> None:
             )
 
 
+def _check_concrete(leaves: list[Any], graphdef: Any) -> None:
+    """Refuses a model holding an abstract array (a ``jax.ShapeDtypeStruct``),
+    which no compiled program takes: a clear error instead of JAX's."""
+    for j, x in enumerate(leaves):
+        if _values.kind_of(x).spec:
+            raise InvalidArgumentError(
+                format_error(
+                    f"The array {_user_path(graphdef.names[j])} of a model passed to a "
+                    f"function compiled by autostate.jit is abstract, a jax.ShapeDtypeStruct "
+                    f"({_tree.describe(x)}) with no data: a state declared with "
+                    "autostate.state(jax.ShapeDtypeStruct(...)) and not assigned yet, or a "
+                    "model built under jax.eval_shape. A compiled program takes arrays.",
+                    where=user_location(),
+                    fix="assign the state before the compiled call (call a method that "
+                    "assigns it eagerly, or give it an array in __init__: "
+                    "`jnp.zeros(shape, dtype)`), and build the model outside jax.eval_shape.",
+                )
+            )
+
+
 def _user_path(name: str) -> str:
     """A leaf's path from the walk's root (``models[0].norm.mean.state``) as
     the user names it: ``norm.mean`` (of the first model argument)."""
@@ -1052,14 +1085,19 @@ def _check_reached(fn: Callable[..., Any], copies: Sequence[Any]) -> None:
                 )
 
 
-def _check_no_value_of_the_trace(graphdef: Any) -> None:
+def _check_no_value_of_the_trace(graphdef: Any, objects: list[Any]) -> None:
     """Refuses a static value the models will hold after the call that keeps a
     value of the compiled trace (a function closing over one, an object holding
-    one: ``self.fn = lambda: x * 2``): written back, it would be a leaked tracer."""
-    for cls, entries in graphdef.instances:
+    one: ``self.fn = lambda: x * 2``), in an attribute or a static state of
+    ``objects`` (the instances of ``graphdef``): written back, it would be a
+    leaked tracer."""
+    for (cls, entries), obj in zip(graphdef.instances, objects, strict=True):
         for name, _treedef, parts in entries:
             kept = [p.value for p in (parts if type(parts) is tuple else (parts,))
                     if type(p) is StaticLeaf]
+            slot = obj.__dict__.get(name)
+            if type(slot) is StaticState:
+                kept.append(slot.value)
             if kept and held_tracers(kept):
                 raise StateAccessError(format_error(
                     f"A function compiled by autostate.jit assigned {cls.__name__}.{name} a "

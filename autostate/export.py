@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.export
 
+from autostate import values as _values
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error
 
 # (``state_dicts`` is imported by the first export: this module is imported by
@@ -35,7 +36,10 @@ def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
         )
     if jax.dtypes.issubdtype(spec[1], jax.dtypes.extended):  # typed PRNG keys
         return jax.ShapeDtypeStruct(spec[0], spec[1])
-    return jax.ShapeDtypeStruct(spec[0], jax.dtypes.canonicalize_dtype(spec[1]))
+    # Weakly typed as under jax.jit (a Python number, ``jnp.asarray(1.0)``): it
+    # takes the dtype of what it meets, so the program promotes as the model does.
+    weak = _values.is_python_number(x) or bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(spec[0], jax.dtypes.canonicalize_dtype(spec[1]), weak_type=weak)
 
 
 def _static_positions(static_argnums: int | Sequence[int], count: int) -> set[int]:

@@ -59,6 +59,10 @@ class _Spec:
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
+    # Per leaf, whether it is weakly typed (``jnp.asarray(1.0)``, a Python
+    # number): it takes the dtype of what it meets, under a trace as eagerly.
+    # The last value written decides, as plain Python's attribute would.
+    weak: tuple[bool, ...] = ()
 
     def describe(self) -> str:
         parts = [_tree.format_spec(s, d) for s, d in zip(self.shapes, self.dtypes)]
@@ -110,6 +114,15 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
+def _weak_types(leaves: list[Any]) -> tuple[bool, ...]:
+    return tuple(bool(getattr(leaf, "weak_type", False)) for leaf in leaves)
+
+
+def _typed(leaves: list[Any], spec: _Spec) -> list[Any]:
+    """``leaves`` (JAX arrays) weakly typed where ``spec`` says so."""
+    return [_values.weakly_typed(leaf) if w else leaf for leaf, w in zip(leaves, spec.weak)]
+
+
 # --- stores -----------------------------------------------------------------------
 
 
@@ -158,7 +171,10 @@ class _Store:
     def __reduce__(self):
         _wait_for_dispatched_programs()
         with self.lock:
-            saved = [(attr, e.label, _unflatten_value(e), e.dims) for attr, e in self.entries.items()]
+            saved = [
+                (attr, e.label, _unflatten_value(e), e.dims, e.spec.weak)
+                for attr, e in self.entries.items()
+            ]
         return _restore_store, (self.owner, saved)
 
 
@@ -172,8 +188,10 @@ def _unflatten_value(entry: _Entry) -> Any:
 
 def _restore_store(owner: str, saved: list) -> _Store:
     store = _Store(owner)
-    for attr, label, value, dims in saved:
+    for attr, label, value, dims, *weak in saved:  # (weak types: absent in older pickles)
         entry = _new_entry(label, value)
+        if weak:
+            entry.spec = dataclasses.replace(entry.spec, weak=tuple(weak[0]))
         if entry.value is not None and any(dims):
             entry.spec = dataclasses.replace(
                 entry.spec,
@@ -195,6 +213,7 @@ def _new_entry(label: str, value: Any) -> _Entry:
         treedef,
         tuple(tuple(leaf.shape) for leaf in leaves),
         tuple(_canonical_dtype(leaf.dtype) for leaf in leaves),
+        tuple(bool(getattr(leaf, "weak_type", False)) for leaf in leaves),
     )
     return _Entry(label, spec, None if declared else tuple(leaves))
 
@@ -433,8 +452,11 @@ host_set_p.multiple_results = True
 
 def _read_types(make: Callable[..., Any], spec: _Spec, axes: tuple, stored: tuple) -> list[Any]:
     """What a read under vmap ``axes`` of a state whose leaves hold ``stored``
-    gives, each leaf's type made by ``make(shape, dtype)``."""
-    return [make(_read_shape(axes, d, s), t) for d, s, t in zip(stored, spec.shapes, spec.dtypes)]
+    gives, each leaf's type made by ``make(shape, dtype, weak_type=...)``."""
+    return [
+        make(_read_shape(axes, d, s), t, weak_type=w)
+        for d, s, t, w in zip(stored, spec.shapes, spec.dtypes, spec.weak)
+    ]
 
 
 def _get_abstract_eval(anchor, *, state, spec, axes, stored):
@@ -469,9 +491,9 @@ def _get_impl(anchor, *, state, spec, axes, stored):
     # Bound eagerly: from HostSlot.read, or one equation of a program that is
     # evaluated equation by equation (jax.core.eval_jaxpr), where the equation
     # before may be a dispatched program (a lax.cond) whose writes are pending.
-    del anchor, spec, stored
+    del anchor, stored
     _wait_for_dispatched_programs()
-    return [jnp.asarray(v) for v in _read_now(state, axes, None, jnp)]
+    return _typed([jnp.asarray(v) for v in _read_now(state, axes, None, jnp)], spec)
 
 
 def _get_lowering(anchor, *, state, spec, axes, stored):
@@ -692,6 +714,10 @@ class HostSlot(StateSlot):
             stored = entry.dims
         leaves, extra = _checked_leaves(entry, value)
         leaves = [jax.lax.stop_gradient(leaf) for leaf in leaves]
+        weak = _weak_types(leaves)
+        if weak != entry.spec.weak:
+            with self.store.lock:
+                entry.spec = dataclasses.replace(entry.spec, weak=weak)
         host_set_p.bind(
             _anchor(), *leaves, state=self.key, spec=entry.spec, axes=(), mapped=(), extra=extra,
             stored=stored,
@@ -801,7 +827,7 @@ class _InferenceSlot(StateSlot):
             value, dims = entry.value, entry.dims
         if value is None:
             raise _unset_error(entry.label)
-        leaves = [jnp.asarray(leaf) for leaf in value]
+        leaves = _typed([jnp.asarray(leaf) for leaf in value], entry.spec)
         return _ViewValue(entry.label, entry.spec.treedef, leaves, dims)  # type: ignore[arg-type]
 
     def read(self) -> Any:

@@ -50,6 +50,14 @@ def _is_key(value: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _readable(dtype: np.dtype) -> bool:
+    """Whether numpy reads ``dtype``'s descriptor (``dtype.str``) back as ``dtype``."""
+    try:
+        return dtype.kind in "biufc" and np.dtype(dtype.str) == dtype
+    except TypeError:
+        return False
+
+
 def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
     if _is_key(value):
         # A typed PRNG key is stored as its raw key data plus the name of its
@@ -63,14 +71,19 @@ def _encode(value: Any) -> tuple[np.ndarray, dict[str, Any]]:
         array = array.copy(order="C")
     dtype = array.dtype
     # numpy writes ml_dtypes (bfloat16, float8, int4) as opaque void records
-    # that other readers cannot interpret; their raw bits are portable.
-    stored = array if dtype.kind in "biufc" else array.view(f"<u{dtype.itemsize}")
+    # that other readers cannot interpret, or (float8_e5m2) as a descriptor
+    # numpy cannot read back ('<f1'); their raw bits are portable.
+    stored = array if _readable(dtype) else array.view(f"<u{dtype.itemsize}")
     entry = {
         "dtype": dtype.name,
         "shape": list(array.shape),
         "stored": stored.dtype.str,
         "sha256": hashlib.sha256(_bytes_of(stored)).hexdigest(),  # type: ignore[arg-type]
     }
+    if getattr(value, "weak_type", False):
+        # (``jnp.full(n, 0.5)``, ``jnp.asarray(1.0)``: it takes the dtype of what
+        # it meets, so a bfloat16 input stays bfloat16 after the round trip.)
+        entry["weak_type"] = True
     return stored, entry
 
 
@@ -239,7 +252,11 @@ def _decode(npz: Any, entry: Mapping[str, Any], path: Path) -> np.ndarray:
     return jax.random.wrap_key_data(data, impl=entry["key_impl"]) if "key_impl" in entry else data
 
 
-def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+def _read(
+    path: str | os.PathLike[str], weak: dict[str, set[str]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The parameters and states of the checkpoint at ``path``, and the model it
+    names; ``weak`` (by kind) gets the names of the weakly typed arrays."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -259,6 +276,8 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any],
                 if entry["name"] in out[entry["kind"]]:
                     raise _corrupt(path, f"{entry['kind']} {entry['name']!r} appears twice")
                 out[entry["kind"]][entry["name"]] = _decode(npz, entry, path)
+                if weak is not None and entry.get("weak_type"):
+                    weak.setdefault(entry["kind"], set()).add(entry["name"])
     except (CheckpointError, FileNotFoundError):
         raise
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, TypeError) as e:
@@ -308,10 +327,12 @@ def load(path: str | os.PathLike[str], *, like: T, strict: bool = True) -> T:
         >>> print(model(jnp.ones(2)))
         [3. 3.]
     """
-    params, states, saved_from = _read(path)
+    weak: dict[str, set[str]] = {}
+    params, states, saved_from = _read(path, weak)
     return rebuild(
         like, params, states, strict=strict, caller="load", error=CheckpointError,
         checkpoint=str(path), saved_from=saved_from,
+        weak=(weak.get("params", set()), weak.get("states", set())),
     )
 
 

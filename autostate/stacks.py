@@ -339,9 +339,12 @@ def stack(
                 f"Layer {k} differs from layer 0 "
                 + (f"at {found}" if found else "in its structure")
                 + ": a stack holds layers of one class and one structure (static "
-                "configuration, array shapes and dtypes).",
+                "configuration, array shapes, dtypes and weak types).",
                 fix="build every layer with the same configuration; keep layers that "
-                "differ in a list, or in stacks of their own.",
+                "differ in a list, or in stacks of their own."
+                + (" An array made from a Python number is weakly typed "
+                   "(`jnp.full(n, 0.5)`), one given a dtype is not "
+                   "(`jnp.full(n, 0.5, jnp.float32)`)." if found and "weakly typed" in found else ""),
             ))
     stacked = [jnp.stack(column) for column in zip(*(leaves for leaves, _ in flats))]
     model = _with_layer_axis(_graph.unflatten_graph(graphdef, stacked), layer_axis)
@@ -365,8 +368,17 @@ def _with_layer_axis(model: Any, axis: str | None) -> Any:
     return model
 
 
-def _spec(leaf: Any) -> tuple[tuple[int, ...], Any]:
-    return tuple(jnp.shape(leaf)), jnp.result_type(leaf)
+def _spec(leaf: Any) -> tuple[tuple[int, ...], Any, bool]:
+    """Shape, dtype and weak type: a weakly typed array (``jnp.full(n, 0.5)``, a
+    Python float) takes the dtype of what it meets, so a layer holding one
+    computes ``x_bf16 * w`` in bfloat16, where a strong one stacked with it
+    would make every layer compute in float32."""
+    weak = _values.is_python_number(leaf) or bool(getattr(leaf, "weak_type", False))
+    return tuple(jnp.shape(leaf)), jnp.result_type(leaf), weak
+
+
+def _described(leaf: Any) -> str:
+    return _tree.describe(leaf) + (" (weakly typed)" if _spec(leaf)[2] else "")
 
 
 _EAGER_SLOTS = (InitialLocalStateRequest, FrozenLocalStateRequest, StaticState)
@@ -474,7 +486,7 @@ def _difference(a: Any, b: Any, path: str, seen: set[int]) -> str | None:
         seen.add(id(a))
     elif _values.is_array_or_spec(a):
         if _spec(a) != _spec(b):
-            return f"{here}: {_tree.describe(b)} against {_tree.describe(a)}"
+            return f"{here}: {_described(b)} against {_described(a)}"
         return None
     kids_a, kids_b = _graph.children_of(a), _graph.children_of(b)
     if instance or kids_a or kids_b:

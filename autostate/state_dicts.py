@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -540,15 +540,18 @@ def _tied_paths(body: Any, keys: set[str]) -> list[tuple[str, str]]:
     return tied
 
 
-def _converted_like(template: Any, value: Any) -> Any:
-    """``value`` as the same kind of object as ``template`` (dtype already checked)."""
+def _converted_like(template: Any, value: Any, weak: bool = False) -> Any:
+    """``value`` as the same kind of object as ``template`` (dtype already
+    checked); ``weak``: a JAX array weakly typed, as ``value`` was saved."""
     kind = _values.kind_of(template)
     if kind is _values.ARRAY:
         if isinstance(template, jax.core.Tracer):
-            return jax.numpy.asarray(value)
-        # A copy, as for numpy below: the loaded array is the model's own, so
-        # an array another model holds is not tied to it (arrays tie by identity).
-        return jax.device_put(value, template.sharding, may_alias=False)
+            array = jax.numpy.asarray(value)
+        else:
+            # A copy, as for numpy below: the loaded array is the model's own, so
+            # an array another model holds is not tied to it (arrays tie by identity).
+            array = jax.device_put(value, template.sharding, may_alias=False)
+        return _values.weakly_typed(array) if weak else array
     if kind is _values.NUMPY_ARRAY:
         return np.array(value, copy=True)
     if kind is _values.NUMPY_SCALAR:
@@ -559,10 +562,12 @@ def _converted_like(template: Any, value: Any) -> Any:
 def rebuild(
     model: Any, params: Mapping[str, Any] | None, states: Mapping[str, Any] | None, *, strict: bool,
     caller: str, error: type[Exception], checkpoint: str | None = None,
-    saved_from: str | None = None,
+    saved_from: str | None = None, weak: tuple[Collection[str], Collection[str]] = ((), ()),
 ) -> Any:
     """A copy of ``model`` holding ``params`` and ``states`` (``None``: keep the
-    model's); ``checkpoint`` is the path named in errors."""
+    model's); ``checkpoint`` is the path named in errors; ``weak``: the
+    parameters and the states given as numpy arrays that are weakly typed
+    (a checkpoint records it)."""
     from autostate.api import freeze  # (see handle_for_reading)
     from autostate.stacks import stacks_in
 
@@ -607,12 +612,15 @@ def rebuild(
             stacklevel=3,
         )
     if states is not None:
-        flat.update({k: _converted_like(flat[k], v) for k, v in new_states.items()})
+        flat.update({k: _converted_like(flat[k], v, k in weak[1]) for k, v in new_states.items()})
         nested = unflatten_states(layout, flat)
     body = f.model
     if new_params:
         # By the array replaced, so that every place of a tied one takes its new value.
-        by_id = {id(param_leaves[k]): _converted_like(param_leaves[k], v) for k, v in new_params.items()}
+        by_id = {
+            id(param_leaves[k]): _converted_like(param_leaves[k], v, k in weak[0])
+            for k, v in new_params.items()
+        }
         body = _graph.map_tree(f.model, lambda leaf, _name: by_id.get(id(leaf), leaf), _values.is_array)
     return freeze(FunctionalModel(f.handler_id, body), nested)
 

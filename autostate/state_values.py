@@ -15,10 +15,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import types
 from collections.abc import Hashable
 from typing import Any
 
 import jax
+import numpy as np
 
 from autostate import graph as _graph
 from autostate import tree as _tree
@@ -98,12 +100,26 @@ class _Rebuilt:
 
 def is_static_value(value: Any) -> bool:
     """Whether a state value is static (a Python bool, int, str, enum member or
-    None): part of a model's structure, so ``if self.training:`` works under jit."""
+    None, or a dtype, class or function: ``jnp.bfloat16``, ``jnp.dtype("float16")``,
+    ``jax.nn.gelu``, which no array holds): part of a model's structure, so
+    ``if self.training:``, ``x.astype(self.dtype)`` and ``self.act(x)`` work
+    under jit."""
     t = type(value)
-    return t in _STATIC_STATE_TYPES or isinstance(value, enum.Enum)
+    static = _STATIC_BY_TYPE.get(t)
+    if static is None:  # (decided by the type: remembered, as a dict look-up is cheap)
+        static = _STATIC_BY_TYPE[t] = t in _STATIC_STATE_TYPES or issubclass(t, _STATIC_STATE_BASES)
+    return static
 
 
 _STATIC_STATE_TYPES = (bool, int, str, type(None))
+# Functions (``jax.nn.gelu``, ``jnp.tanh``, a lambda): no array holds one, so
+# a state holding one is structure too (a bound method is not: it is rebound).
+_FUNCTION_TYPES = (
+    types.FunctionType, types.BuiltinFunctionType, jax.custom_jvp, jax.custom_vjp,
+    type(jax.jit(lambda: None)), type(jax.numpy.add), np.ufunc,
+)
+_STATIC_STATE_BASES = (enum.Enum, type, np.dtype, *_FUNCTION_TYPES)
+_STATIC_BY_TYPE: dict[type, bool] = {}
 
 
 def makes_static_state(value: Any) -> bool:
@@ -325,7 +341,8 @@ jax.tree_util.register_pytree_with_keys(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StaticState(StateSlot):
-    """A state holding a Python bool, int, str, enum member or None.
+    """A state holding a Python bool, int, str, enum member, dtype, class,
+    function or None.
 
     Its value is part of the model's structure (pytree aux data), not of the
     states dict: ``model.eval()`` then ``functionalize()`` gives an ``f`` that

@@ -75,11 +75,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.lax import lax as _lax_internal  # (a weakly typed array: no public spelling)
 
 __all__ = [
     "Kind", "kind_of", "is_array", "is_array_or_spec", "is_numpy", "is_python_number",
     "holds_nothing", "is_mutable", "is_watched", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
-    "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque",
+    "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque", "weakly_typed",
 ]
 
 
@@ -388,6 +389,21 @@ def is_python_number(value: Any) -> bool:
         (True, False, False)
     """
     return (_KIND_BY_TYPE.get(type(value)) or _classify(type(value))).number
+
+
+def weakly_typed(array: Any) -> Any:
+    """``array`` (a JAX array) weakly typed, as a Python scalar is: it takes the
+    dtype of what it meets (``x_bf16 * weakly_typed(jnp.float32(2))`` is bfloat16).
+    The same array where JAX has no internal spelling for it.
+
+    Example:
+        >>> from autostate.values import weakly_typed
+        >>> w = weakly_typed(jnp.ones(2))
+        >>> w.weak_type, (jnp.ones(2, jnp.bfloat16) * w).dtype
+        (True, dtype(bfloat16))
+    """
+    convert = getattr(_lax_internal, "_convert_element_type", None)
+    return array if convert is None else convert(array, weak_type=True)
 
 
 def holds_nothing(value: Any) -> bool:

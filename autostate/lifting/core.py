@@ -373,8 +373,6 @@ def with_eager_states(
     captured: list[Any] = []
     instances = _graph.reachable_instances(roots, captured)
     swapped, statics = own_states(instances)
-    if once:
-        statics = []
     # What a change in place inside the body must not reach: it is made once
     # per trace, and a traced value put there outlives the trace. The
     # containers the instances hold outside their states; those of the
@@ -395,14 +393,22 @@ def with_eager_states(
     call = functools.partial(guarded, guard, call)
     if not instances:
         return call()
-    for obj, attr, slot in statics:
-        obj.__dict__[attr] = _StaticInBody(slot, f"{type(obj).__name__}.{attr}", what)
+    # A body run once per call (``once``) may give a static state another
+    # Python value, as plain Python does; a traced value it may not hold.
+    stand_in = _StaticOnce if once else _StaticInBody
+    standing = [
+        (obj, attr, slot, stand_in(slot, f"{type(obj).__name__}.{attr}", what))
+        for obj, attr, slot in statics
+    ]
+    for obj, attr, _, standin in standing:
+        obj.__dict__[attr] = standin
     try:
         with eager_lax_body(instances, what):
             return with_states_handled(swapped, call)
     finally:
-        for obj, attr, slot in statics:
-            obj.__dict__[attr] = slot
+        for obj, attr, slot, standin in standing:
+            if obj.__dict__.get(attr) is standin:  # (else assigned: the new slot stays)
+                obj.__dict__[attr] = slot
 
 
 def own_states(instances: Sequence[Any]) -> tuple[Swapped, list[tuple[Any, str, Any]]]:
@@ -614,6 +620,32 @@ class _StaticInBody(StandIn):
 
     def as_request(self) -> Any:
         raise NotImplementedError
+
+
+class _StaticOnce(_StaticInBody):
+    """An eager static state while a function that runs once per call (a
+    ``jax.jit`` or a derivative inside a method) is traced: it may take
+    another Python value, as plain Python's would; a traced value, which would
+    outlive the trace in a Python value's place, is refused."""
+
+    __slots__ = ()
+
+    def write(self, value: Any, label: str | None = None) -> Any:
+        if not contains_tracer(value):
+            return self.slot.write(value, label)
+        held = self.slot.value
+        attr = self.label.rpartition(".")[2]
+        raise refused(StaticStateError(
+            format_error(
+                f"Static state {self.label} (a Python {type(held).__name__}, holding "
+                f"{held!r}) is assigned {_tree.describe(value)} inside {self.what}: a value "
+                "of that trace, which the state, part of the model's structure, cannot "
+                "hold once the trace is over.",
+                fix=f"keep it in an array (`self.{attr} = jnp.asarray({held!r})` in __init__): "
+                "array states assigned inside are threaded through the call; or compile "
+                "the whole step with autostate.jit, where the state becomes an array.",
+            )
+        ))
 
 
 def jit_disabled() -> bool:

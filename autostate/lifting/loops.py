@@ -43,9 +43,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax import lax as _lax_internal  # (a weakly typed index: no public spelling)
 
 from autostate import graph as _graph
+from autostate import values as _values
 from autostate.effects.local_state import running_cells
 from autostate.errors import (
     ControlFlowStateError,
@@ -498,7 +498,8 @@ def _plan(source: Any) -> _Plan | None:
         if found is None or found.reverse or type(start) is not int:
             return None
         inner = found
-        index = _weak(jnp.arange(start, start + inner.length))
+        # (Weakly typed, as a Python int is: ``x_int8 * i`` stays int8.)
+        index = _values.weakly_typed(jnp.arange(start, start + inner.length))
         return _Plan(
             (index, inner.xs), lambda x: (x[0], inner.item(x[1])), inner.length,
             lambda: (start + inner.length - 1, inner.last()),
@@ -523,12 +524,6 @@ def _plan(source: Any) -> _Plan | None:
             return None
         return _Plan(leaf.xs, leaf.item, leaf.length, lambda: args[0][0], True)
     return None
-
-
-def _weak(index: Any) -> Any:
-    """``index`` weakly typed, as a Python int is: ``x_int8 * i`` stays int8."""
-    convert = getattr(_lax_internal, "_convert_element_type", None)
-    return index if convert is None else convert(index, weak_type=True)
 
 
 def _stacks_in(source: Any) -> list[Any]:

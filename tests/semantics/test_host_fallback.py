@@ -799,6 +799,41 @@ def test_host_fallback_looped_in_jit_with_static_bound(write_module: Loader) -> 
     assert_same(snapshot(ref), snapshot(model))
 
 
+_HOST_WEAK = """
+@DECORATE_HOST
+class Scaled:
+    def __init__(self):
+        self.scale = jnp.asarray(1.0)  # weakly typed: x_bf16 * scale stays bfloat16
+
+    def __call__(self, x):
+        self.scale = self.scale * 0.5
+        return x * self.scale
+
+    def harden(self, x):
+        self.scale = self.scale + x.astype(jnp.float32).sum()  # strong from here on
+        return x
+"""
+
+
+@pytest.mark.parametrize("how", ["eager", "jax.jit", "autostate.jit", "pickled"])
+def test_a_weakly_typed_host_state_promotes_as_plain_python(write_module: Loader, how: str) -> None:
+    """A traced read of a weakly typed state is weakly typed, and the value a
+    compiled write leaves keeps it, until a strong value is written: a bfloat16
+    input gives bfloat16 (it gave float32 under jit, and the state stayed strong)."""
+    plain, dec = pair(write_module, _HOST_WEAK)
+    ref, model = plain.Scaled(), dec.Scaled()
+    x = jnp.ones(2, jnp.bfloat16) / 3
+    for name in ("__call__", "__call__", "harden", "__call__"):
+        if how == "pickled":
+            model = pickle.loads(pickle.dumps(model))
+        call = getattr(model, name)
+        expected = getattr(ref, name)(x)
+        got = {"jax.jit": staged(call), "autostate.jit": autostate.jit(call)}.get(how, call)(x)
+        assert_same(expected, got)
+        assert got.dtype == expected.dtype
+        assert (model.scale.dtype, model.scale.weak_type) == (ref.scale.dtype, ref.scale.weak_type)
+
+
 def test_host_fallback_freeze_continues_from_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, HOST_COUNTERS)
     f, states = dec.HostCounter().functionalize()

@@ -2573,6 +2573,228 @@ def test_a_static_config_switched_at_an_object_boundary_is_written_back(
     no_tracer(model)
 
 
+_METRICS = """
+@DECORATE
+class Metrics:
+    def __init__(self):
+        self.correct = 0  # a Python int, then an array: a count of a traced value
+        self.done = False
+        self.w = jnp.ones(3)
+
+    def __call__(self, x):
+        self.correct += (x > 0.5).sum()
+        self.done = self.correct > 3
+        return (x * self.w).sum()
+"""
+
+
+def test_a_static_state_given_a_traced_value_by_autostate_jit_becomes_an_array(
+    write_module: Any,
+) -> None:
+    """``self.correct = 0`` then ``self.correct += (y == t).sum()``: eagerly an
+    int becomes an array; a call compiled by autostate.jit writes the new
+    structure back the same way, with one retrace for it."""
+    plain, dec = pair(write_module, _METRICS)
+    expected, model = plain.Metrics(), dec.Metrics()
+    traces: list[int] = []
+
+    def step(m: Any, x: Any) -> Any:
+        traces.append(1)
+        return m(x)
+
+    call = autostate.jit(step)
+    x = jnp.arange(3.0)
+    for _ in range(3):
+        same(expected(x), call(model, x))
+        same((expected.correct, expected.done), (model.correct, model.done))
+    assert isinstance(model.correct, jax.Array) and model.correct.dtype == jnp.int32
+    assert len(traces) == 2  # the int's trace, then the array's
+    no_tracer(model)
+
+
+_COUNTED_INSIDE = """
+@DECORATE
+class CountedInside:
+    def __init__(self):
+        self.correct = 0  # a Python int
+        self.seen = 0
+        self.w = jnp.ones(3)
+
+    def _count(self, x):
+        self.seen += x.shape[0]  # another Python value: fine, as plain Python
+        self.correct = self.correct + (x > 0.5).sum()  # <- a value of the trace
+        return (x * self.w).sum()
+
+    def in_jit(self, x):
+        return jax.jit(self._count)(x)
+
+    def in_grad(self, x):
+        return jax.grad(self._count)(x)
+"""
+
+
+def test_a_static_state_given_a_traced_value_inside_a_jit_in_a_method(write_module: Any) -> None:
+    """Inside a jax.jit in a method (run once per call) a static state takes
+    another Python value, as plain Python's would, but a value of the jit's
+    trace is refused as a static state's error, with the fix (it was the
+    generic TracedEagerStateError, whose fix advised autostate.jit). Under
+    jax.grad the write lands with its primal value, as documented."""
+    dec = pair(write_module, _COUNTED_INSIDE)[1]
+    model = dec.CountedInside()
+    with pytest.raises(StaticStateError, match=r"CountedInside.correct \(a Python int") as err:
+        model.in_jit(jnp.arange(3.0))
+    assert "jnp.asarray(0)" in str(err.value)
+    assert re.search(r"autostate_testmod_\d+\.py:\d+", str(err.value))  # the user's line
+    assert model.correct == 0
+    no_tracer(model)
+    model.in_grad(jnp.arange(3.0))
+    assert (int(model.correct), model.seen) == (2, 6)  # (the refused call counted 3 first)
+
+
+_MODE_LATER = """
+@DECORATE
+class ModeLater:
+    def __init__(self):
+        self.mode = None  # a placeholder, given its first value by a call
+        self.w = jnp.ones(2)
+
+    def __call__(self, x):
+        self.mode = "fast" if self.mode is None else self.mode + "!"
+        return x * self.w * len(self.mode)
+"""
+
+
+def test_a_placeholder_given_a_python_value_by_autostate_jit_becomes_static(
+    write_module: Any,
+) -> None:
+    """At an object boundary a placeholder None may become static, as eagerly
+    (it raised the StaticStateError that belongs to f, whose fix is to assign
+    it before functionalizing)."""
+    plain, dec = pair(write_module, _MODE_LATER)
+    expected, model = plain.ModeLater(), dec.ModeLater()
+    call = autostate.jit(lambda m, x: m(x))
+    x = jnp.ones(2)
+    for _ in range(3):
+        same(expected(x), call(model, x))
+        assert model.mode == expected.mode
+    f, states = model.functionalize()
+    assert list(states) == []  # static now: structure, as eagerly
+    f, states = dec.ModeLater().functionalize()  # inside f it stays refused, with its fix
+    with pytest.raises(StaticStateError, match="placeholder None"):
+        f(states, x)
+
+
+_PRECISION = """
+@DECORATE
+class Precision:
+    def __init__(self, dtype):
+        self.w = jnp.full(2, 1.5, jnp.float32)
+        self.compute_dtype = dtype  # a state: half() assigns it
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        return x.astype(self.compute_dtype) * self.w.astype(self.compute_dtype)
+
+    def half(self):
+        self.compute_dtype = HALF
+        return self
+"""
+
+
+@pytest.mark.parametrize(
+    ("dtype", "half"),
+    [("jnp.float32", "jnp.bfloat16"), ("jnp.dtype('float32')", "jnp.dtype('float16')"),
+     ("np.float32", "np.float16")],
+    ids=["jnp-scalar-type", "np.dtype", "numpy-type"],
+)
+def test_a_dtype_state_is_static_like_a_string(write_module: Any, dtype: str, half: str) -> None:
+    """A dtype (or scalar type) held by a state is structure, as a string is: it
+    was a leaf of the states dict, which `jax.jit(f)` refused with JAX's bare
+    "Error interpreting argument ... as an abstract array"."""
+    plain, dec = pair(write_module, _PRECISION.replace("HALF", half))
+    x = jnp.ones(2) / 3
+    for switched in (False, True):
+        ref, model = plain.Precision(eval(dtype)), dec.Precision(eval(dtype))  # noqa: S307
+        if switched:
+            ref.half()
+            model.half()
+        expected = ref(x)
+        f, states = model.functionalize()
+        assert list(states) == ["calls"]
+        out, states = staged(lambda f, s, x: f(s, x))(f, states, x)
+        same(expected, out)
+        same(expected, autostate.jit(lambda m, x: m(x))(model, x))
+        assert autostate.freeze(f, states).compute_dtype == ref.compute_dtype
+    # Switched inside f: refused as a string's change is, with the fix.
+    f, states = dec.Precision(eval(dtype)).functionalize()  # noqa: S307
+    with pytest.raises(StaticStateError, match="compute_dtype"):
+        staged(lambda f, s: f.half(s))(f, states)
+    # At an object boundary the switch is written back.
+    model = dec.Precision(eval(dtype))  # noqa: S307
+    autostate.jit(lambda m: m.half() and None)(model)
+    assert model.compute_dtype == eval(half)  # noqa: S307
+
+
+_ACTIVATION = """
+def halved(x):
+    return x / 2
+
+
+@DECORATE
+class Activation:
+    def __init__(self, act):
+        self.w = jnp.full(2, 1.5, jnp.float32)
+        self.act = act  # a state: use() assigns it
+        self.calls = jnp.zeros((), jnp.int32)
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.act(x * self.w - 0.25)
+
+    def use(self):
+        self.act = OTHER
+        return self
+
+    def keep(self, x):
+        self.act = lambda v: v * x  # a function over a value of the call
+        return x.sum()
+"""
+
+
+@pytest.mark.parametrize(
+    ("act", "other"),
+    [("jax.nn.relu", "jax.nn.gelu"), ("jnp.tanh", "jax.nn.sigmoid"), ("halved", "jnp.exp")],
+    ids=["custom_jvp", "jitted", "def"],
+)
+def test_a_function_state_is_static_like_a_string(write_module: Any, act: str, other: str) -> None:
+    """A function held by a state (an activation a method switches) is
+    structure, as a string is: it was a leaf of the states dict, which
+    `jax.jit(f)` refused with JAX's bare "Error interpreting argument"."""
+    plain, dec = pair(write_module, _ACTIVATION.replace("OTHER", other))
+    x = jnp.arange(2.0) / 3
+    for switched in (False, True):
+        ref = plain.Activation(eval(act, vars(plain)))  # noqa: S307
+        model = dec.Activation(eval(act, vars(dec)))  # noqa: S307
+        if switched:
+            ref.use()
+            model.use()
+        expected = ref(x)
+        f, states = model.functionalize()
+        assert list(states) == ["calls"]
+        out, states = staged(lambda f, s, x: f(s, x))(f, states, x)
+        same(expected, out)
+        same(expected, autostate.jit(lambda m, x: m(x))(model, x))
+    f, states = dec.Activation(eval(act, vars(dec))).functionalize()  # noqa: S307
+    with pytest.raises(StaticStateError, match="'act'"):
+        staged(lambda f, s: f.use(s))(f, states)
+    # A function over a value of a compiled call is no structure: refused, model kept.
+    model = dec.Activation(eval(act, vars(dec)))  # noqa: S307
+    with pytest.raises(errors.StateAccessError, match="Activation.act a value that keeps"):
+        autostate.jit(lambda m, x: m.keep(x))(model, x)
+    assert model.act is eval(act, vars(dec))  # noqa: S307
+
+
 @pytest.mark.parametrize(("name", "mode"), [
     *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
     ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),

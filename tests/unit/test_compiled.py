@@ -168,6 +168,30 @@ def test_a_model_sharing_a_donated_array_is_refused_by_name():
         compiled_step(twin, jnp.ones(2))
 
 
+@autostate.stateful
+class Declared:
+    def __init__(self):
+        self.cache = autostate.state(jax.ShapeDtypeStruct((2,), jnp.bfloat16))  # no value yet
+        self.w = jnp.ones(2)
+
+    def __call__(self, x):
+        self.cache = x * 2
+        return self.cache * self.w
+
+
+@pytest.mark.parametrize("make", [Declared, lambda: jax.eval_shape(Net)],
+                         ids=["declared_state", "eval_shape_model"])
+def test_a_model_holding_an_abstract_array_is_refused_by_name(make):
+    # (JAX's bare "Argument 'leaves[0]' ... of type ShapeDtypeStruct is not a valid JAX type")
+    model = make()
+    with pytest.raises(InvalidArgumentError, match=r"`(cache|w)` \(of model argument 1\) .* abstract"):
+        autostate.jit(lambda m, x: m(x))(model, jnp.ones(2, jnp.bfloat16))
+    if isinstance(model, Declared):  # assigned eagerly first, it compiles
+        model(jnp.ones(2, jnp.bfloat16))
+        out = autostate.jit(lambda m, x: m(x))(model, jnp.ones(2, jnp.bfloat16))
+        assert out.tolist() == [2.0, 2.0] and model.cache.dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("make", [Net, Moded], ids=["arrays", "with_a_static_state"])
 def test_the_next_call_on_the_same_models_reuses_the_flatten_until_they_change(make):
     compiled_step = autostate.jit(step)

@@ -170,6 +170,41 @@ def test_exported_program_over_steps_matches_plain(write_module: Loader) -> None
     assert_same(snapshot(ref), snapshot(frozen))
 
 
+_WEAK = """
+@DECORATE
+class Scaled:
+    def __init__(self):
+        self.scale = jnp.asarray(1.0)  # weakly typed: x_bf16 * scale stays bfloat16
+        self.gain = 2.0                # a Python float state: weak when traced
+
+    def __call__(self, x):
+        self.scale = self.scale * 0.5
+        self.gain = self.gain * 0.5
+        return x * self.scale * self.gain
+"""
+
+
+def test_exported_program_promotes_weak_states_as_the_model_does(write_module: Loader) -> None:
+    """The states' example specs keep their weak types, as ``jax.export`` of
+    ``jax.jit(f)`` keeps them: a bfloat16 input gives a bfloat16 output, as
+    the model and ``f`` give (it was float32)."""
+    plain, dec = pair(write_module, _WEAK)
+    ref, model = plain.Scaled(), dec.Scaled()
+    x = jnp.ones(2, jnp.bfloat16)
+    ref(x)
+    model(x)
+    program = autostate.export(model, x)
+    states = autostate.state_dict(model)
+    f, f_states = model.functionalize()
+    for _ in range(2):
+        expected = ref(x)
+        out, states = program.call(states, x)
+        want, f_states = jax.jit(lambda f, s, x: f(s, x))(f, f_states, x)
+        assert out.dtype == expected.dtype == want.dtype == jnp.bfloat16
+        assert_same(expected, out)
+    assert bool(states["scale"].weak_type)
+
+
 def test_exported_other_method_reads_the_passed_states(write_module: Loader) -> None:
     plain, dec = pair(write_module, PACK)
     ref = plain.Mixed(11)

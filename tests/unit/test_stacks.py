@@ -70,6 +70,12 @@ class Floating:
 """
 
 
+def _with(layer: Any, **arrays: Any) -> Any:
+    for name, value in arrays.items():
+        setattr(layer, name, value)
+    return layer
+
+
 @pytest.fixture
 def mod(write_module: Loader) -> types.ModuleType:
     return write_module(LAYERS)
@@ -77,7 +83,7 @@ def mod(write_module: Loader) -> types.ModuleType:
 
 def test_a_stack_of_layers_holds_their_arrays_on_a_leading_axis(mod: types.ModuleType) -> None:
     layers = [mod.Norm(3) for _ in range(4)]
-    layers[2].mean = jnp.full(3, 2.0)
+    layers[2].mean = jnp.full(3, 2.0, jnp.float32)  # (strong, as the others' zeros)
     s = autostate.stack(layers)
     assert len(s) == s.depth == 4
     assert type(s.stacked) is mod.Norm
@@ -107,6 +113,10 @@ def test_a_stack_keeps_what_a_layer_shares_inside_itself(mod: types.ModuleType) 
         (lambda m: [m.Norm(3), m.Norm(4)], "Layer 1 differs from layer 0 at scale: f32\\[4\\] against f32\\[3\\]"),
         (lambda m: [m.Norm(3), m.Norm(3, act="relu")], "Layer 1 differs from layer 0 at act: 'relu' against 'tanh'"),
         (lambda m: [m.Norm(2), m.Pair(2)], "Layer 1 differs from layer 0 at the layer: a Pair against a Norm"),
+        # A weakly typed array takes its input's dtype: stacked with strong ones it
+        # would not (x_bf16 * w is bfloat16 in the loop over the layers, float32 stacked).
+        (lambda m: [m.Norm(3), _with(m.Norm(3), mean=jnp.full(3, 2.0))],
+         r"Layer 1 differs from layer 0 at mean: f32\[3\] \(weakly typed\) against f32\[3\]"),
         (lambda m: [], "got no layers"),
         (lambda m: [m.Floating(), m.Floating()], "State 'scale' of layer 0 holds a Python float"),
     ],
