@@ -48,9 +48,8 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.guard import check_structure_change, is_guarded, lax_body_of
 from autostate.guard import check_write as check_guarded_write
-from autostate.guard import is_guarded, lax_body_of
-from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import (
     check_not_traced,
     contains_tracer,
@@ -379,10 +378,10 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
         return
     if _graph.holds_instance(value):
         # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
-        # becomes a plain attribute (see make_slot); refused while handled
-        # or traced in a lax body.
-        if kind.handled or is_guarded(obj) or lax_body_of(obj):
-            _refuse_submodel_swap(obj, name)
+        # becomes a plain attribute (see make_slot), eagerly and at an object
+        # boundary (the running call's state then is no longer the
+        # attribute's: ``lifting.run_handled``); refused in f or a lax body.
+        check_structure_change(obj, name, value, kind.handled)
         _dict_setitem(obj.__dict__, name, value)
         return
     if kind.jax_values and _values.is_numpy(value):
@@ -430,7 +429,7 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
         and (is_guarded(obj) or lax_body_of(obj))
         and (_graph.holds_instance(value) or _graph.holds_instance(held))
     ):
-        _refuse_submodel_swap(obj, name)
+        check_structure_change(obj, name, value, False)
     if held is _MISSING:
         _restore_descriptor(type(obj), name)
     _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))

@@ -2595,6 +2595,147 @@ def test_a_static_config_switched_in_a_traced_body_or_in_f_is_refused_at_the_lin
     assert model.training is True and float(model.steps) == 0.0
 
 
+_STRUCTURE = """
+@DECORATE
+class Leaf:
+    def __init__(self, k):
+        self.w = jnp.ones(3) * k
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return x * self.w
+
+
+@DECORATE
+class Holder:
+    def __init__(self, leaf):
+        self.leaf = leaf
+
+
+@DECORATE
+class Picker:
+    def __init__(self):
+        self.layers = [Leaf(1.0), Leaf(2.0)]
+        self.b = self.layers[1]
+        self.other = Holder(self.b)  # a sub-model two parents hold
+        self.tied = Leaf(3.0)
+        self.tied.w = self.b.w  # one array, two attributes
+        self.cur = None  # a placeholder the calls fill with a sub-model
+
+    def pick(self, x):
+        self.cur = self.b
+        return self.cur(x) + self.tied(x)
+
+    def walk(self, x):
+        for self.cur in self.layers:
+            x = self.cur(x)
+        return x
+
+    def drop(self, x):
+        self.cur = None
+        return x * self.b.w
+
+    def build(self, x):
+        self.cur = Leaf(5.0)  # <- built in the call
+        return self.cur(x)
+
+    def in_scan(self, x):
+        def body(c, _):
+            self.cur = self.b  # <- swapped in a body
+            return c + self.cur(x), None
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    def inner_jit(self, name, x):
+        return jax.jit(getattr(self, name))(x)
+"""
+
+
+def _structure_seen(model: Any) -> tuple:
+    """Which sub-model ``cur`` is, the sharing kept, and every leaf's count."""
+    assert model.b is model.layers[1] and model.other.leaf is model.b, "shared sub-model"
+    assert model.tied.w is model.b.w, "tied array"
+    where = {id(model.b): "b", id(model.layers[0]): "layers[0]", id(None): "None"}
+    counts = [float(leaf.n) for leaf in (*model.layers, model.tied)]
+    return where.get(id(model.cur), type(model.cur).__name__), counts
+
+
+@pytest.mark.parametrize("boundary", ["autostate.jit", "jax.jit in a method",
+                                      "jax.jit in a method under autostate.jit"])
+def test_a_submodel_assigned_at_an_object_boundary_is_written_back(
+    write_module: Any, boundary: str
+) -> None:
+    """``self.cur = self.b`` and ``for self.cur in self.layers`` (over a None
+    placeholder, then over a sub-model, then back to None) leave the model as
+    the plain call does: the same sub-model, shared ones and tied arrays kept,
+    the states right for the next compiled and eager calls."""
+    plain_mod, dec = pair(write_module, _STRUCTURE)
+    plain, model = plain_mod.Picker(), dec.Picker()
+    x = jnp.arange(3.0)
+    compiled = autostate.jit(lambda m, name, x: getattr(m, name)(x), static_argnums=1)
+    inner = autostate.jit(lambda m, name, x: m.inner_jit(name, x), static_argnums=1)
+    for name in ["pick", "walk", "drop", "walk", "pick", "pick", "drop"]:
+        expected = getattr(plain, name)(x)
+        if boundary == "autostate.jit":
+            got = compiled(model, name, x)
+        elif boundary == "jax.jit in a method":
+            got = model.inner_jit(name, x)
+        else:
+            got = inner(model, name, x)
+        same(expected, got, name)
+        assert _structure_seen(model) == _structure_seen(plain), name
+    for name in ["walk", "pick"]:  # eagerly after the compiled calls
+        same(getattr(plain, name)(x), getattr(model, name)(x), f"eager {name}")
+        assert _structure_seen(model) == _structure_seen(plain), f"eager {name}"
+    no_tracer(model)
+
+
+def test_a_submodel_built_in_a_call_at_an_object_boundary(write_module: Any) -> None:
+    """autostate.jit writes back a sub-model built inside (its arrays are outputs
+    of the program); a jax.jit inside a method runs on the model itself, so a
+    sub-model built there would keep its tracers: refused at the line, put back."""
+    dec = pair(write_module, _STRUCTURE)[1]
+    model, x = dec.Picker(), jnp.arange(3.0)
+    same(5.0 * x, autostate.jit(lambda m, x: m.build(x))(model, x))
+    assert type(model.cur).__name__ == "Leaf" and float(model.cur.n) == 1.0
+    same(jnp.full(3, 5.0), model.cur.w)
+    same(5.0 * x, model.cur(x))
+    model = dec.Picker()
+    with pytest.raises(StateAccessError) as err:
+        model.inner_jit("build", x)
+    user_line(err.value, dec, "<- built in the call")
+    assert "inside a jax.jit inside a method" in str(err.value)
+    assert model.cur is None
+    no_tracer(model)
+
+
+@pytest.mark.parametrize("mode", ["eager", "autostate.jit", "f", "jax.jit(f)", "f inner_jit"])
+def test_a_submodel_assigned_in_a_traced_body_or_in_f_is_refused_at_the_line(
+    write_module: Any, mode: str
+) -> None:
+    dec = pair(write_module, _STRUCTURE)[1]
+    model, x = dec.Picker(), jnp.arange(3.0)
+    with pytest.raises(StateAccessError) as err:
+        if mode == "eager":
+            model.in_scan(x)
+        elif mode == "autostate.jit":
+            autostate.jit(lambda m, x: m.in_scan(x))(model, x)
+        else:
+            f, states = model.functionalize()
+            if mode == "f inner_jit":
+                f.inner_jit(states, "pick", x)
+            else:
+                (jax.jit(f.pick) if mode == "jax.jit(f)" else f.pick)(states, x)
+    if mode in ("eager", "autostate.jit"):
+        user_line(err.value, dec, "<- swapped in a body")
+        assert "lax.scan" in str(err.value)
+    else:
+        user_line(err.value, dec, "self.cur = self.b")
+        assert "functionalized call" in str(err.value)
+    assert model.cur is None and _structure_seen(model)[1] == [0.0, 0.0, 0.0]
+    no_tracer(model)
+
+
 _PLAIN_HELD = """
 class Config:  # a plain object the model holds: static, shared by every trace
     def __init__(self):
