@@ -3,12 +3,15 @@ every branch's operands and come out of every branch's output."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax import lax
 
-from autostate.effects.local_state import running_cells
+from autostate import graph as _graph
+from autostate.effects.local_state import StateSlot, running_cells
+from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
     check_kept,
     jit_disabled,
@@ -26,6 +29,7 @@ def _branches(
     operands: tuple,
     what: str,
 ) -> Any:
+    branches = [_returning_no_model(b, branches, operands, what) for b in branches]
     cells = running_cells()
     if not cells:
         return call(branches, operands)
@@ -68,6 +72,45 @@ def _branches(
         return call([threaded(b) for b in branches], (operands, values))
 
     return lift(cells, order, what, as_operands, lambda: call(branches, operands))
+
+
+def _returning_no_model(
+    branch: Callable[..., Any], branches: Sequence[Callable[..., Any]], operands: tuple, what: str
+) -> Callable[..., Any]:
+    """``branch``, refusing a model it returns that lives outside it (an
+    operand, a sub-model it reaches, a layer of a stack): JAX's output is a
+    new object holding the taken branch's arrays, where plain Python returns
+    the model itself, so a call or write through it would miss the model. A
+    model the branch builds is returned as JAX returns it."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = branch(*args, **kwargs)
+        if _graph.holds_instance(out):
+            outside = _graph.instance_ids((branches, operands))
+            for obj in _graph.instances_of(out):
+                if id(obj) in outside or _is_view(obj):
+                    raise ControlFlowStateError(format_error(
+                        f"A branch of {what} returns a model ({type(obj).__name__}) that lives "
+                        "outside the branch: JAX returns a new object holding the taken "
+                        "branch's arrays, not the model itself as plain Python does, so a "
+                        "call or an assignment through it would not reach the model.",
+                        where=user_location(),
+                        fix="call the model inside the branches and return its output "
+                        "(`lax.cond(p, lambda a, b: a(x), lambda a, b: b(x), a, b)`), or "
+                        "choose the model with a Python `if` on a concrete value.",
+                    ))
+        return out
+
+    functools.update_wrapper(checked, branch, updated=())
+    return checked
+
+
+def _is_view(obj: Any) -> bool:
+    """Whether ``obj`` is a layer of a stack (its states are parts of the stack's)."""
+    return any(
+        isinstance(value, StateSlot) and value.part_of() is not None
+        for value in obj.__dict__.values()
+    )
 
 
 # ``operand=`` not given (``None`` is an operand).
