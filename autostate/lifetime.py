@@ -575,7 +575,12 @@ def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> N
     if old is None:
         from autostate.state_values import check_placeholder_write  # (above this module)
 
-        check_placeholder_write(ref.name, label, value)
+        # (The states of f's call are returned, so each must be a JAX value;
+        # a call on models that hold their states, autostate.jit's, writes
+        # the rest back as the structure it is.)
+        check_placeholder_write(
+            ref.name, label, value, returned=ref.handler_id not in OWN_STATE_HANDLERS
+        )
     check_written_inside(ref, value)
 
 

@@ -280,12 +280,39 @@ def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> St
     )
 
 
-def check_placeholder_write(name: str, label: str | None, value: Any) -> None:
+def check_placeholder_write(
+    name: str, label: str | None, value: Any, returned: bool = True
+) -> None:
     """A Python value in place of the placeholder ``None`` inside a call would
-    make the state static: refused (``makes_static_state``); what a handled
-    write checks (``lifetime``'s ``check_handled_write``)."""
+    make the state static: refused (``makes_static_state``); so is, where the
+    call ``returned`` its states (``f``'s), a value JAX cannot carry in them (a
+    function, a plain object: ``values.foreign_leaf``). What a handled write
+    checks (``lifetime``'s ``check_handled_write``)."""
     if makes_static_state(value):
         raise refused(_static_in_placeholder_error(name, label, value))
+    foreign = _values.foreign_leaf(value) if returned else None
+    if foreign is not None:
+        raise refused(_foreign_in_placeholder_error(name, label, value, foreign))
+
+
+def _foreign_in_placeholder_error(
+    name: str, label: str | None, value: Any, foreign: Any
+) -> InvalidTypeError:
+    attr = label or name
+    what = "a function" if callable(foreign) else f"a {type(foreign).__name__}"
+    return InvalidTypeError(
+        format_error(
+            f"A functionalized call assigned {what} ({foreign!r}) to state {name!r} (attribute "
+            f"{attr!r}), which holds the placeholder None: the new states f returns carry "
+            "arrays and Python values, and JAX cannot carry this one (jax.jit(f) would "
+            "refuse it as no valid JAX type).",
+            where=user_location(),
+            fix=f"keep it out of the states: assign `self.{attr}` only in __init__ (a plain "
+            "attribute, part of f's structure), or choose it by a static state "
+            "(`self.act = 'relu'`, then `getattr(jax.nn, self.act)(x)`); keep what changes "
+            "inside the call in arrays.",
+        )
+    )
 
 
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:

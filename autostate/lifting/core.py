@@ -148,6 +148,7 @@ def writes_of(
             out = settled(body(*inner))
             after = current_values(cells)
         written[:] = assigned(after)
+        check_returnable(cells, written, after, what, traceable)
         return out, [after[i] for i in written]
 
     abstract = [v for i, v in enumerate(current) if i not in concrete]
@@ -325,7 +326,21 @@ def argument_writes(
     """``call()`` with the cells ``passed`` bound to ``values``: its output and the
     new values of those it assigned; an assigned cell not passed is refused."""
     out, after, changed = run_bound(cells, [cells[i] for i in passed], values, what, call)
-    for i in sorted(changed - set(passed)):
+    check_returnable(cells, [i for i in sorted(changed) if i not in passed], after, what)
+    check_returnable(cells, [i for i in passed if i in changed], after, what, traceable)
+    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+
+
+def check_returnable(
+    cells: Cells, written: Sequence[int], after: Sequence[Any], what: str,
+    returnable: Callable[[Any], bool] = lambda value: False,
+) -> None:
+    """Refuses a value that cells ``written`` took inside ``what`` and that
+    JAX cannot return from the function it transforms (a Python value, a
+    function): the assignment would happen once per trace."""
+    for i in written:
+        if returnable(after[i]):
+            continue
         raise ControlFlowStateError(
             format_error(
                 f"State {cells[i].name!r} is assigned {type(after[i]).__name__} inside {what}, "
@@ -336,7 +351,6 @@ def argument_writes(
                 "transformed function.",
             )
         )
-    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
 
 
 def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -> Exception:

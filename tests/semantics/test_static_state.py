@@ -339,6 +339,54 @@ class Labelled:
     np.testing.assert_array_equal(states["label"], [1.0, 1.0])
 
 
+_CALLABLE_IN_PLACEHOLDER = """
+@DECORATE
+class Act:
+    def __init__(self):
+        self.w = jnp.ones(3)
+        self.fn = None
+
+    def pick(self, x):
+        self.fn = FN  # <- a function in the placeholder
+        return self.fn(x * self.w)
+
+    def pick_in_jit(self, x):
+        return jax.jit(self.pick)(x)
+
+    def pick_in_scan(self, x):
+        return lax.scan(lambda c, _: (self.pick(c), None), x, None, length=2)[0]
+"""
+
+
+@pytest.mark.parametrize("fn", ["jnp.sin", "lambda v: v * 2"])
+def test_a_function_given_to_a_none_placeholder(write_module: Any, fn: str) -> None:
+    """Eagerly and at autostate.jit plain Python; inside f (under jax.jit or not) the new
+    states could not carry it (JAX: "not a valid JAX type"): refused at the line, the
+    states left as they were; in a jax.jit or a lax body inside a method, refused at
+    the line (no value JAX can return)."""
+    plain, dec = pair(write_module, _CALLABLE_IN_PLACEHOLDER.replace("FN", fn))
+    x = jnp.arange(3.0)
+    expected = plain.Act().pick(x)
+    model = dec.Act()
+    same(expected, model.pick(x))
+    model = dec.Act()
+    same(expected, autostate.jit(lambda m, x: m.pick(x))(model, x))
+    same(expected, model.fn(x))
+    for call in (lambda f: f.pick, lambda f: jax.jit(f.pick)):
+        f, states = dec.Act().functionalize()
+        with pytest.raises(errors.InvalidTypeError, match="placeholder None") as err:
+            call(f)(states, x)
+        user_line(err.value, dec, "<- a function in the placeholder")
+        assert states == {"fn": None}
+    for name, line in [("pick_in_jit", "jax.jit(self.pick)"), ("pick_in_scan", "lax.scan(")]:
+        model = dec.Act()
+        with pytest.raises(errors.ControlFlowStateError, match="cannot return") as err:
+            getattr(model, name)(x)
+        user_line(err.value, dec, line)
+        assert model.fn is None
+        no_tracer(model)
+
+
 def test_true_and_one_are_different_structures():
     a, b = Decoder(), Decoder()
     a.relabel(True)
