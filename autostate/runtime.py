@@ -48,7 +48,7 @@ from autostate.errors import (
     refused,
     user_location,
 )
-from autostate.guard import check_structure_change, is_guarded, lax_body_of
+from autostate.guard import at_object_boundary, check_structure_change, is_guarded, lax_body_of
 from autostate.guard import check_write as check_guarded_write
 from autostate.lifetime import (
     check_not_traced,
@@ -56,7 +56,12 @@ from autostate.lifetime import (
     initial_slot,
     recording_state_reads,
 )
-from autostate.state_values import HandledStaticState, is_static_value
+from autostate.state_values import (
+    HandledStaticState,
+    StaticState,
+    is_static_value,
+    makes_static_state,
+)
 from autostate.transform import source as _source
 from autostate.transform.method import INPLACE_OPERATORS, INPLACE_TENSOR_METHODS
 from autostate.unsortable import unsortable_keys_error
@@ -383,6 +388,13 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
         # attribute's: ``lifting.run_handled``); refused in f or a lax body.
         check_structure_change(obj, name, value, kind.handled)
         _dict_setitem(obj.__dict__, name, value)
+        return
+    if kind.handled and makes_static_state(value) and at_object_boundary(obj):
+        # A static config switched at an object boundary (``self.mode =
+        # "eval"`` over the placeholder None): a static state, as the plain
+        # call makes it, written back (``lifting.run_handled``; DESIGN.md
+        # section 8).
+        _dict_setitem(obj.__dict__, name, StaticState(value, slot.category, name))
         return
     if kind.jax_values and _values.is_numpy(value):
         value = as_state_value(value, name)

@@ -2584,6 +2584,14 @@ class Switch:
         self.w = jnp.ones(3)
         self.training = True
         self.steps = jnp.zeros(())
+        self.label = None  # a placeholder a call names
+
+    def name_it(self, x):
+        self.label = "eval"
+        return x * self.w
+
+    def inner_name(self, x):
+        return jax.jit(self.name_it)(x)
 
     def switch_off(self, x):
         self.training = not self.training
@@ -2619,6 +2627,31 @@ def test_a_static_config_switched_at_an_object_boundary_is_written_back(
     assert model.training is False and float(model.steps) == 3.0
     same([x, 2 * x, x], outs)
     no_tracer(model)
+
+
+@pytest.mark.parametrize("boundary", ["autostate.jit", "jax.jit in a method",
+                                      "jax.jit in a method under autostate.jit"])
+def test_a_static_config_given_to_a_placeholder_at_an_object_boundary_is_written_back(
+    write_module: Any, boundary: str
+) -> None:
+    """``self.label = "eval"`` over the placeholder None: a static state, as the plain
+    call makes it (it was refused as if in f); in f it stays refused."""
+    dec = pair(write_module, _BOUNDARIES)[1]
+    model, x = dec.Switch(), jnp.ones(3)
+    call = {
+        "autostate.jit": autostate.jit(lambda m, x: m.name_it(x)),
+        "jax.jit in a method": lambda m, x: m.inner_name(x),
+        "jax.jit in a method under autostate.jit": autostate.jit(lambda m, x: m.inner_name(x)),
+    }[boundary]
+    for _ in range(2):
+        same(x, call(model, x))
+        assert model.label == "eval"
+    f, states = model.functionalize()
+    assert "label" not in states and autostate.freeze(f, states).label == "eval"
+    no_tracer(model)
+    f, states = dec.Switch().functionalize()
+    with pytest.raises(StaticStateError, match="placeholder None"):
+        f.name_it(states, x)
 
 
 @pytest.mark.parametrize(("name", "mode"), [
