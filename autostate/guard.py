@@ -156,24 +156,27 @@ def eager_lax_body(
     token = _IN_LAX_BODY.set(
         (ids | marked, what, at_boundary | marked if boundary else frozenset())
     )
-    rebound: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    rebound_token = _REBOUND.set(rebound if boundary else None)
+    rebound_token = _REBOUND.set({} if boundary else None)
     try:
         yield
     finally:
         _REBOUND.reset(rebound_token)
         _IN_LAX_BODY.reset(token)
-    for obj, name, before in rebound.values():
-        _check_rebound_kept(obj, name, before, what)
 
 
 # The attributes of the models a ``jax.jit`` inside a method runs on that it
 # rebound (a sub-model replaced), each ``(obj, name, entry before)``: the
 # value they hold after the call, which no output of the program carries,
-# must hold no value of its trace.
+# must hold no value of its trace (``check_rebound``, as its guard is left).
 _REBOUND: contextvars.ContextVar[dict[tuple[int, str], tuple[Any, str, Any]] | None] = (
     contextvars.ContextVar("autostate_rebound", default=None)
 )
+
+
+def _check_rebound(what: str) -> None:
+    rebound = _REBOUND.get()
+    for obj, name, before in (rebound or {}).values():
+        _check_rebound_kept(obj, name, before, what)
 
 
 def _check_rebound_kept(obj: Any, name: str, before: Any, what: str) -> None:
@@ -328,6 +331,8 @@ class Guard:
                 if self.states is not None:
                     _check_states(self.states)
                 self._compare()
+                if self.lax_body:
+                    _check_rebound(self.what)
         except BaseException as refusal:  # noqa: BLE001 - a caught refusal raised again
             error = refusal
         if error is None:

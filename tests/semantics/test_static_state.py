@@ -2721,6 +2721,12 @@ class Picker:
         self.cur = Leaf(5.0)  # <- built in the call
         return self.cur(x)
 
+    def rebind(self, x):
+        self.cur = self.b
+        self.cur = None
+        self.cur = x * 2  # a new state, given a value of the call
+        return x
+
     def in_scan(self, x):
         def body(c, _):
             self.cur = self.b  # <- swapped in a body
@@ -2788,6 +2794,14 @@ def test_a_submodel_built_in_a_call_at_an_object_boundary(write_module: Any) -> 
     assert "inside a jax.jit inside a method" in str(err.value)
     assert model.cur is None
     no_tracer(model)
+    # Over the sub-model, a value of the jax.jit's trace would stay: refused, put back.
+    with pytest.raises(StateAccessError, match="assigned a traced value") as err:
+        model.inner_jit("rebind", x)
+    user_line(err.value, dec, "return jax.jit(getattr(self, name))(x)")
+    assert model.cur is None
+    no_tracer(model)
+    autostate.jit(lambda m, x: m.rebind(x))(model, x)  # plain Python there
+    same(2 * x, model.cur)
 
 
 @pytest.mark.parametrize("mode", ["eager", "autostate.jit", "f", "jax.jit(f)", "f inner_jit"])
