@@ -7,10 +7,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax import lax
 
 from autostate import graph as _graph
-from autostate.effects.local_state import StateSlot, running_cells
+from autostate.effects.local_state import running_cells
 from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
     check_kept,
@@ -29,7 +30,50 @@ def _branches(
     operands: tuple,
     what: str,
 ) -> Any:
-    branches = [_returning_no_model(b, branches, operands, what) for b in branches]
+    models: list[Any] = []
+    noted = [_noting_models(branch, models) for branch in branches]
+    try:
+        return _threaded_branches(call, noted, operands, what)
+    except TypeError as err:
+        if not models or "must have the same pytree structure" not in str(err):
+            raise
+        # JAX's own error: the branches' outputs differ in structure, here
+        # because they return different models.
+        names = ", ".join(sorted({type(obj).__name__ for obj in models}))
+        raise ControlFlowStateError(format_error(
+            f"The branches of {what} return different models ({names}): JAX returns one "
+            "object holding the taken branch's arrays, so the branches must return values "
+            "of one structure, and a model returned is not the model itself as plain "
+            "Python's taken branch returns it (a layer of a stack and a standalone model do "
+            "not even flatten alike).",
+            where=user_location(),
+            fix="call the model inside the branches and return its output "
+            "(`lax.cond(p, lambda a, b: a(x), lambda a, b: b(x), a, b)`), or choose the "
+            "model with a Python `if` on a concrete value.",
+        )) from None
+
+
+def _noting_models(branch: Callable[..., Any], models: list[Any]) -> Callable[..., Any]:
+    """``branch``, noting into ``models`` the models its output holds."""
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        out = branch(*args, **kwargs)
+        if _graph.holds_instance(out):
+            is_model = _graph.is_stateful_instance
+            models.extend(x for x in jax.tree_util.tree_leaves(out, is_leaf=is_model)
+                          if is_model(x))
+        return out
+
+    functools.update_wrapper(noting, branch, updated=())
+    return noting
+
+
+def _threaded_branches(
+    call: Callable[[Sequence[Callable], tuple], Any],
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple,
+    what: str,
+) -> Any:
     cells = running_cells()
     if not cells:
         return call(branches, operands)
@@ -72,45 +116,6 @@ def _branches(
         return call([threaded(b) for b in branches], (operands, values))
 
     return lift(cells, order, what, as_operands, lambda: call(branches, operands))
-
-
-def _returning_no_model(
-    branch: Callable[..., Any], branches: Sequence[Callable[..., Any]], operands: tuple, what: str
-) -> Callable[..., Any]:
-    """``branch``, refusing a model it returns that lives outside it (an
-    operand, a sub-model it reaches, a layer of a stack): JAX's output is a
-    new object holding the taken branch's arrays, where plain Python returns
-    the model itself, so a call or write through it would miss the model. A
-    model the branch builds is returned as JAX returns it."""
-
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        out = branch(*args, **kwargs)
-        if _graph.holds_instance(out):
-            outside = _graph.instance_ids((branches, operands))
-            for obj in _graph.instances_of(out):
-                if id(obj) in outside or _is_view(obj):
-                    raise ControlFlowStateError(format_error(
-                        f"A branch of {what} returns a model ({type(obj).__name__}) that lives "
-                        "outside the branch: JAX returns a new object holding the taken "
-                        "branch's arrays, not the model itself as plain Python does, so a "
-                        "call or an assignment through it would not reach the model.",
-                        where=user_location(),
-                        fix="call the model inside the branches and return its output "
-                        "(`lax.cond(p, lambda a, b: a(x), lambda a, b: b(x), a, b)`), or "
-                        "choose the model with a Python `if` on a concrete value.",
-                    ))
-        return out
-
-    functools.update_wrapper(checked, branch, updated=())
-    return checked
-
-
-def _is_view(obj: Any) -> bool:
-    """Whether ``obj`` is a layer of a stack (its states are parts of the stack's)."""
-    return any(
-        isinstance(value, StateSlot) and value.part_of() is not None
-        for value in obj.__dict__.values()
-    )
 
 
 # ``operand=`` not given (``None`` is an operand).
