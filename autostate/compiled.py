@@ -66,7 +66,7 @@ from autostate.errors import (
     user_location,
 )
 from autostate.graph import Witness
-from autostate.guard import Guard
+from autostate.guard import Guard, object_boundary
 from autostate.hidden import hidden_model_error
 from autostate.lifetime import current_trace, held_tracers, under_staging_trace, with_home
 from autostate.lifting.core import own_states, with_states_handled
@@ -585,13 +585,15 @@ class Compiled(Generic[P, R]):
         # The one lift (``lifting.core``): the copies' states are a handler's
         # cells while ``fn`` runs, as a functionalized call's and an eager
         # model's in a lax body are, and the states it assigned are written back.
-        swapped, _ = own_states([c for c in copies if c is not root])
+        models = [c for c in copies if c is not root]
+        swapped, _ = own_states(models)
         # (A placeholder None stays the copy's own, as a static state does: at
         # this object boundary it may become static, `self.mode = "fast"`, as
         # eagerly, where a handler's cell refuses a Python value.)
         swapped = [entry for entry in swapped if entry[2].read() is not None]
         try:
-            with Guard.for_compiled([c for c in copies if c is not root]):
+            # (An object boundary: a sub-model assigned is written back.)
+            with Guard.for_compiled(models), object_boundary(models):
                 out = with_states_handled(swapped, functools.partial(self.fn, *args, **kwargs))
         except TracedEagerStateError:
             # A model the copies reach where the graph does not (inside a plain

@@ -91,12 +91,16 @@ plain objects' attributes it holds."""
 
 # --- which instances are guarded now --------------------------------------------
 
-# (ids of the eager instances a lax call's body reaches, what the call is):
-# set while an eager model's lax call runs (``control``), whose body JAX
-# traces, so that a traced value assigned to one of them that is not state is
-# refused where it is written instead of staying in the model as a tracer.
-_IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str]] = contextvars.ContextVar(
-    "autostate_eager_lax_instances", default=(frozenset(), "")
+# (ids of the eager instances a lax call's body reaches, what the call is, ids
+# of the instances at an object boundary): set while an eager model's lax call
+# runs (``lifting``), whose body JAX traces, so that a traced value assigned to
+# one of them that is not state is refused where it is written instead of
+# staying in the model as a tracer; and while an object boundary's function
+# runs (``autostate.jit``'s copies, a ``jax.jit`` inside a method), where a
+# change of structure is written back as the plain call makes it (DESIGN.md
+# section 8). A traced body inside ends the boundary for every instance.
+_IN_LAX_BODY: contextvars.ContextVar[tuple[frozenset[int], str, frozenset[int]]] = (
+    contextvars.ContextVar("autostate_eager_lax_instances", default=(frozenset(), "", frozenset()))
 )
 
 
@@ -129,15 +133,89 @@ def after_probe() -> None:
 def lax_body_of(obj: Any) -> str | None:
     """The lax call (``"the body of a lax.scan"``) whose traced body may write
     eager ``obj`` now, or ``None``."""
-    ids, what = _IN_LAX_BODY.get()
+    ids, what, _ = _IN_LAX_BODY.get()
     return what if ids and id(obj) in ids else None
 
 
+def running_lax_body() -> str | None:
+    """The traced body of an eager model's method running now (``"the body of
+    a lax.scan"``), or ``None``."""
+    ids, what, _ = _IN_LAX_BODY.get()
+    return what if ids and what else None
+
+
+def at_object_boundary(obj: Any) -> bool:
+    """Whether ``obj`` is a model of an object boundary's function running now
+    (``autostate.jit``'s copies, a ``jax.jit`` inside a method), outside any
+    traced body inside it: a sub-model it is assigned is written back."""
+    boundary = _IN_LAX_BODY.get()[2]
+    return bool(boundary) and id(obj) in boundary and not is_guarded(obj)
+
+
 @contextlib.contextmanager
-def eager_lax_body(instances: Sequence[Any], what: str) -> Iterator[None]:
-    """Marks ``instances`` as reached by the traced body of ``what`` while it runs."""
-    ids, _ = _IN_LAX_BODY.get()
-    token = _IN_LAX_BODY.set((ids | frozenset(map(id, instances)), what))
+def eager_lax_body(
+    instances: Sequence[Any], what: str, *, boundary: bool = False
+) -> Iterator[None]:
+    """Marks ``instances`` as reached by the traced body of ``what`` while it
+    runs; ``boundary``: ``what`` is an object boundary (``object_boundary``)."""
+    ids, _, at_boundary = _IN_LAX_BODY.get()
+    marked = frozenset(map(id, instances))
+    token = _IN_LAX_BODY.set(
+        (ids | marked, what, at_boundary | marked if boundary else frozenset())
+    )
+    rebound_token = _REBOUND.set({} if boundary else None)
+    try:
+        yield
+    finally:
+        _REBOUND.reset(rebound_token)
+        _IN_LAX_BODY.reset(token)
+
+
+# The attributes of the models a ``jax.jit`` inside a method runs on that it
+# rebound (a sub-model replaced), each ``(obj, name, entry before)``: the
+# value they hold after the call, which no output of the program carries,
+# must hold no value of its trace (``check_rebound``, as its guard is left).
+_REBOUND: contextvars.ContextVar[dict[tuple[int, str], tuple[Any, str, Any]] | None] = (
+    contextvars.ContextVar("autostate_rebound", default=None)
+)
+
+
+def _check_rebound(what: str) -> None:
+    rebound = _REBOUND.get()
+    for obj, name, before in (rebound or {}).values():
+        _check_rebound_kept(obj, name, before, what)
+
+
+def _check_rebound_kept(obj: Any, name: str, before: Any, what: str) -> None:
+    """Refuses (putting back ``before``) a value of the trace left in ``obj.name``."""
+    from autostate.lifetime import holds_escaped_tracer  # (see check_write)
+
+    value = obj.__dict__.get(name)
+    if isinstance(value, StateSlot):
+        if value.part_of() is not None:
+            return
+        value = value.read()
+    elif _graph.holds_instance(value):
+        return  # (a sub-model: checked when assigned)
+    if holds_escaped_tracer(value):
+        obj.__dict__[name] = before
+        raise StateAccessError(format_error(
+            f"{type(obj).__name__}.{name} held a sub-model and was assigned a traced value "
+            f"inside {what} inside a method: the call writes back the states of the "
+            "models it reached when it started, and this attribute became a new state "
+            "there, so it would keep a value of the trace.",
+            where=user_location(),
+            fix=f"assign `self.{name}` a value before the jax.jit call (its state is then "
+            "threaded through it), or compile the whole step with autostate.jit.",
+        ))
+
+
+@contextlib.contextmanager
+def object_boundary(instances: Sequence[Any]) -> Iterator[None]:
+    """Marks ``instances`` (models living in a compiled call's trace) as at an
+    object boundary while its function runs (``at_object_boundary``)."""
+    ids, what, at_boundary = _IN_LAX_BODY.get()
+    token = _IN_LAX_BODY.set((ids, what, at_boundary | frozenset(map(id, instances))))
     try:
         yield
     finally:
@@ -260,6 +338,8 @@ class Guard:
                 if self.states is not None:
                     _check_states(self.states)
                 self._compare()
+                if self.lax_body:
+                    _check_rebound(self.what)
         except BaseException as refusal:  # noqa: BLE001 - a caught refusal raised again
             error = refusal
         if error is None:
@@ -590,6 +670,56 @@ def _check_lax_body_write(obj: Any, name: str, what: str) -> None:
         "v), or an assignment in a helper outside the class), or declare it in __init__ "
         f"with `self.{name} = autostate.state(...)`; or assign it outside the lax call.",
     )))
+
+
+def check_structure_change(obj: Any, name: str, value: Any, handled: bool) -> None:
+    """A sub-model assigned to ``obj.name``, or one it held replaced
+    (``self.cur = self.b``, ``for self.cur in self.layers``): plain Python's
+    rebinding eagerly and at an object boundary (DESIGN.md section 8), where
+    the call writes it back; refused in ``f`` and in a traced body
+    (``handled``: ``obj.name`` is a running call's state)."""
+    if at_object_boundary(obj):
+        what = lax_body_of(obj)
+        if what is None:
+            return  # (a compiled call's copy: every instance it holds is flattened out)
+        rebound = _REBOUND.get()
+        if rebound is not None:
+            rebound.setdefault((id(obj), name), (obj, name, obj.__dict__.get(name)))
+        # A jax.jit inside a method runs on the models themselves: a sub-model
+        # it did not reach when it started, built or changed inside, would
+        # keep the values of its trace.
+        marked = _IN_LAX_BODY.get()[0]
+        for held in _graph.instances_of(value):
+            if id(held) not in marked and _holds_own_tracer(held):
+                raise refused(StateAccessError(format_error(
+                    f"{type(obj).__name__}.{name} is assigned a {type(held).__name__} made "
+                    f"inside {what} inside a method (built there, or a layer taken from a "
+                    "stack there): the call runs on the model itself and writes back the "
+                    "states of the models it reached when it started, so the new sub-model "
+                    "would keep values of the trace.",
+                    where=user_location(),
+                    fix=f"make the sub-model before the jax.jit call and assign `self.{name}` "
+                    "inside it, keep a stack's layer in a local (`for block in self.blocks`), "
+                    "or compile the whole step with autostate.jit (whose models live in the "
+                    "trace and are written back, new sub-models included).",
+                )))
+        return
+    if handled or is_guarded(obj) or lax_body_of(obj):
+        refuse_submodel_swap(obj, name)
+
+
+def _holds_own_tracer(obj: Any) -> bool:
+    """Whether ``obj`` holds a JAX tracer itself: a sub-model it holds
+    answers for its own, and a layer view's states are its stack's."""
+    from autostate.lifetime import contains_tracer  # (see check_write)
+
+    for value in obj.__dict__.values():
+        if isinstance(value, StateSlot):
+            if value.part_of() is None and contains_tracer(value.read()):
+                return True
+        elif not _graph.holds_instance(value) and contains_tracer(value):
+            return True
+    return False
 
 
 def refuse_submodel_swap(obj: Any, name: str) -> None:

@@ -38,6 +38,7 @@ from autostate.effects.local_state import (
     running_calls,
 )
 from autostate.errors import (
+    AutostateError,
     ControlFlowStateError,
     EscapedStateError,
     TracedEagerStateError,
@@ -56,16 +57,24 @@ class LostValue:
     nothing it computed, while plain Python's loop kept the assignment. Reading
     it raises; assigning it gives it a value again."""
 
-    __slots__ = ("name", "what", "raised", "where")
+    __slots__ = ("name", "what", "raised", "where", "late")
 
-    def __init__(self, name: str, what: str, raised: BaseException, where: str | None):
+    def __init__(
+        self, name: str, what: str, raised: BaseException | None, where: str | None,
+        late: Callable[[], AutostateError] | None = None,
+    ):
         self.name = name
         self.what = what
         self.raised = raised
         self.where = where
+        # (A value that no longer exists where it is read: ``late()`` is the
+        # error, made at the read, so that it names the line that reads.)
+        self.late = late
 
-    def error(self) -> ControlFlowStateError:
+    def error(self) -> AutostateError:
         """The error a read of the state raises."""
+        if self.late is not None:
+            return self.late()
         return ControlFlowStateError(
             format_error(
                 f"State {self.name!r} has no value: it was assigned inside {self.what}"
@@ -116,6 +125,26 @@ def is_escaped_tracer(value: Any) -> bool:
 
 
 _DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
+
+
+def ended_trace_of(value: Any) -> str | None:
+    """What JAX traced for (``"checkpoint / remat"``, ``"jit"``) the trace of a
+    tracer in ``value`` that is none of the traces running now; ``""`` where it
+    does not say; ``None`` when every tracer in ``value`` is of a running
+    trace. Strict, unlike ``is_escaped_tracer``: for a function JAX traces
+    after the call that read the value has ended."""
+    if type(value) in CONCRETE_LEAF_TYPES:
+        return None
+    leaves = [x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.core.Tracer)]
+    if not leaves:
+        return None
+    live = {id(t) for t in _trace_chain(current_trace())}
+    for leaf in leaves:
+        trace = _trace_of(leaf)
+        if id(trace) not in live:
+            info = getattr(getattr(trace, "frame", None), "debug_info", None)
+            return str(getattr(info, "traced_for", "") or "")
+    return None
 
 
 def _call_started_in(trace: Any) -> bool:
@@ -539,6 +568,13 @@ def check_written_inside(ref: Any, value: Any) -> None:
     check_not_traced(value, ref.name, trace_of_call(call), inside_call=True)
 
 
+def _lax_body() -> str | None:
+    """The traced body of an eager model's method running now, or ``None``."""
+    from autostate.guard import running_lax_body  # (above this module)
+
+    return running_lax_body()
+
+
 def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> None:
     """What a handled state's write refuses: a Python value in place of the
     placeholder ``None`` (``state_values.check_placeholder_write``), and a
@@ -546,7 +582,13 @@ def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> N
     if old is None:
         from autostate.state_values import check_placeholder_write  # (above this module)
 
-        check_placeholder_write(ref.name, label, value)
+        # (The states of f's call are returned, so each must be a JAX value;
+        # a call on models that hold their states, autostate.jit's, writes
+        # the rest back as the structure it is.)
+        own = ref.handler_id in OWN_STATE_HANDLERS
+        check_placeholder_write(
+            ref.name, label, value, returned=not own, inside=_lax_body() if own else None
+        )
     check_written_inside(ref, value)
 
 

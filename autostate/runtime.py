@@ -48,16 +48,20 @@ from autostate.errors import (
     refused,
     user_location,
 )
+from autostate.guard import at_object_boundary, check_structure_change, is_guarded, lax_body_of
 from autostate.guard import check_write as check_guarded_write
-from autostate.guard import is_guarded, lax_body_of
-from autostate.guard import refuse_submodel_swap as _refuse_submodel_swap
 from autostate.lifetime import (
     check_not_traced,
     contains_tracer,
     initial_slot,
     recording_state_reads,
 )
-from autostate.state_values import HandledStaticState, is_static_value
+from autostate.state_values import (
+    HandledStaticState,
+    StaticState,
+    is_static_value,
+    makes_static_state,
+)
 from autostate.transform import source as _source
 from autostate.transform.method import INPLACE_OPERATORS, INPLACE_TENSOR_METHODS
 from autostate.unsortable import unsortable_keys_error
@@ -379,11 +383,18 @@ def _write_into_slot(kind: SlotKind, obj: Any, name: str, slot: Any, value: Any)
         return
     if _graph.holds_instance(value):
         # ``self.sub = Leaf()`` after ``self.sub = None``: the sub-model
-        # becomes a plain attribute (see make_slot); refused while handled
-        # or traced in a lax body.
-        if kind.handled or is_guarded(obj) or lax_body_of(obj):
-            _refuse_submodel_swap(obj, name)
+        # becomes a plain attribute (see make_slot), eagerly and at an object
+        # boundary (the running call's state then is no longer the
+        # attribute's: ``lifting.run_handled``); refused in f or a lax body.
+        check_structure_change(obj, name, value, kind.handled)
         _dict_setitem(obj.__dict__, name, value)
+        return
+    if kind.handled and makes_static_state(value) and at_object_boundary(obj):
+        # A static config switched at an object boundary (``self.mode =
+        # "eval"`` over the placeholder None): a static state, as the plain
+        # call makes it, written back (``lifting.run_handled``; DESIGN.md
+        # section 8).
+        _dict_setitem(obj.__dict__, name, StaticState(value, slot.category, name))
         return
     if kind.jax_values and _values.is_numpy(value):
         value = as_state_value(value, name)
@@ -430,7 +441,7 @@ def _write_plain(kind: SlotKind, obj: Any, name: str, held: Any, value: Any) -> 
         and (is_guarded(obj) or lax_body_of(obj))
         and (_graph.holds_instance(value) or _graph.holds_instance(held))
     ):
-        _refuse_submodel_swap(obj, name)
+        check_structure_change(obj, name, value, False)
     if held is _MISSING:
         _restore_descriptor(type(obj), name)
     _dict_setitem(obj.__dict__, name, make_slot(obj, name, value))

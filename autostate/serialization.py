@@ -125,6 +125,10 @@ def _write_from_process_zero(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Writes ``arrays`` to a temporary file beside ``path`` and renames it; an
+    error names ``path``, the file the user gave, not the temporary one."""
+    if path.is_dir():
+        raise _directory_error(path, "save")
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "xb") as fh:
@@ -132,9 +136,27 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if path.is_dir():  # (made a directory meanwhile)
+            raise _directory_error(path, "save") from None
+        if str(tmp) not in (err.filename, err.filename2):
+            raise
+        # (The same kind of error -- no such directory, permission denied --
+        # about the user's path.)
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _directory_error(path: Path, verb: str) -> CheckpointError:
+    return CheckpointError(format_error(
+        f"autostate.{verb} was given {path}, which is a directory: a checkpoint is one file.",
+        where=user_location(),
+        fix=f"give a file's path, for example inside it: "
+        f"`autostate.{verb}(os.path.join({str(path)!r}, 'model.npz'), ...)`.",
+    ))
 
 
 def _path_first(fn: Callable[P, T]) -> Callable[P, T]:
@@ -258,6 +280,8 @@ def _read(
     """The parameters and states of the checkpoint at ``path``, and the model it
     names; ``weak`` (by kind) gets the names of the weakly typed arrays."""
     path = Path(path)
+    if path.is_dir():
+        raise _directory_error(path, "load")
     try:
         with np.load(path, allow_pickle=False) as npz:
             if not isinstance(npz, np.lib.npyio.NpzFile) or _MANIFEST not in npz.files:

@@ -280,8 +280,22 @@ def _static_write_error(slot: Any, value: Any, label: str | None) -> StaticState
     )
 
 
-def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> StaticStateError:
+def _static_in_placeholder_error(
+    name: str, label: str | None, value: Any, inside: str | None
+) -> StaticStateError:
     attr = label or name
+    if inside is not None:  # an eager model's state, in a traced body
+        return StaticStateError(
+            format_error(
+                f"State {name!r} (attribute {attr!r}), which holds the placeholder None, is "
+                f"assigned {value!r} inside {inside}: an array may replace None there, but a "
+                f"Python {type(value).__name__} makes the state static, part of the model's "
+                "structure, which JAX traces the body once for.",
+                where=user_location(),
+                fix=f"assign it before the call (`self.{attr} = {value!r}`), or keep a value "
+                "that changes inside the body in an array (`jnp.asarray(...)`).",
+            )
+        )
     return StaticStateError(
         format_error(
             f"A functionalized call assigned {value!r} to state {name!r} (attribute "
@@ -296,12 +310,40 @@ def _static_in_placeholder_error(name: str, label: str | None, value: Any) -> St
     )
 
 
-def check_placeholder_write(name: str, label: str | None, value: Any) -> None:
+def check_placeholder_write(
+    name: str, label: str | None, value: Any, returned: bool = True, inside: str | None = None
+) -> None:
     """A Python value in place of the placeholder ``None`` inside a call would
-    make the state static: refused (``makes_static_state``); what a handled
-    write checks (``lifetime``'s ``check_handled_write``)."""
+    make the state static: refused (``makes_static_state``); so is, where the
+    call ``returned`` its states (``f``'s), a value JAX cannot carry in them (a
+    function, a plain object: ``values.foreign_leaf``). What a handled write
+    checks (``lifetime``'s ``check_handled_write``); ``inside``: the traced body
+    of an eager model's method the write is in (``"the body of a lax.scan"``)."""
     if makes_static_state(value):
-        raise refused(_static_in_placeholder_error(name, label, value))
+        raise refused(_static_in_placeholder_error(name, label, value, inside))
+    foreign = _values.foreign_leaf(value) if returned else None
+    if foreign is not None:
+        raise refused(_foreign_in_placeholder_error(name, label, value, foreign))
+
+
+def _foreign_in_placeholder_error(
+    name: str, label: str | None, value: Any, foreign: Any
+) -> InvalidTypeError:
+    attr = label or name
+    what = "a function" if callable(foreign) else f"a {type(foreign).__name__}"
+    return InvalidTypeError(
+        format_error(
+            f"A functionalized call assigned {what} ({foreign!r}) to state {name!r} (attribute "
+            f"{attr!r}), which holds the placeholder None: the new states f returns carry "
+            "arrays and Python values, and JAX cannot carry this one (jax.jit(f) would "
+            "refuse it as no valid JAX type).",
+            where=user_location(),
+            fix=f"keep it out of the states: assign `self.{attr}` only in __init__ (a plain "
+            "attribute, part of f's structure), or choose it by a static state "
+            "(`self.act = 'relu'`, then `getattr(jax.nn, self.act)(x)`); keep what changes "
+            "inside the call in arrays.",
+        )
+    )
 
 
 def _flatten_frozen(r: FrozenLocalStateRequest) -> tuple[tuple[Any], tuple]:

@@ -21,6 +21,8 @@ The questions, each asked in one place:
   state converts to a JAX array.
 * ``Kind.number``: a Python number (``bool``, ``int``, ``float``, ``complex``,
   an ``IntEnum`` member), which becomes an array where one is needed.
+* ``foreign_leaf``: a leaf no traced program can return and no static
+  data is (a function, a plain object): what ``f``'s states cannot carry.
 * ``Kind.atom``: a number, ``str``, ``bytes`` or ``None``: it holds no other
   value, so no walk looks inside it (``holds_nothing`` adds arrays).
 * ``Kind.static``: never a pytree child of a model -- atoms, enum members,
@@ -79,8 +81,9 @@ from jax._src.lax import lax as _lax_internal  # (a weakly typed array: no publi
 
 __all__ = [
     "Kind", "kind_of", "is_array", "is_array_or_spec", "is_numpy", "is_python_number",
-    "holds_nothing", "is_mutable", "is_watched", "is_mutable_static", "copy_static", "CONCRETE_LEAF_TYPES",
-    "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque", "weakly_typed",
+    "foreign_leaf", "holds_nothing", "is_mutable", "is_watched", "is_mutable_static", "copy_static",
+    "CONCRETE_LEAF_TYPES", "is_iterator", "TAKING_APART", "opaque_items", "leaves_within_opaque",
+    "weakly_typed",
 ]
 
 
@@ -404,6 +407,30 @@ def weakly_typed(array: Any) -> Any:
     """
     convert = getattr(_lax_internal, "_convert_element_type", None)
     return array if convert is None else convert(array, weak_type=True)
+
+
+def foreign_leaf(value: Any) -> Any:
+    """The first leaf of ``value`` that is no value JAX computes with or a
+    traced program can return (an array, a Python number, a
+    ``ShapeDtypeStruct``) nor an atom or enum member (static data): a function,
+    a ``jax.jit``-compiled one, a plain object; ``None`` when there is none.
+    A container JAX takes as one leaf is looked into.
+
+    Example:
+        >>> from autostate.values import foreign_leaf
+        >>> foreign_leaf({"a": jnp.ones(2), "b": 1.0, "c": "x"}) is None
+        True
+        >>> foreign_leaf([jnp.ones(2), jnp.sin]) is jnp.sin
+        True
+    """
+    kind = _KIND_BY_TYPE.get(type(value)) or _classify(type(value))
+    if kind.array or kind.atom:
+        return None
+    for leaf in leaves_within_opaque(jax.tree_util.tree_leaves(value)):
+        kind = _KIND_BY_TYPE.get(type(leaf)) or _classify(type(leaf))
+        if not (kind.array or kind.spec or kind.atom or kind is ENUM or kind is NUMBER_ENUM):
+            return leaf
+    return None
 
 
 def holds_nothing(value: Any) -> bool:

@@ -20,7 +20,7 @@ from autostate.effects.local_state import (
     running_cells,
 )
 from autostate.errors import EscapedStateError, format_error, user_location
-from autostate.lifetime import holds_escaped_tracer
+from autostate.lifetime import LostValue, ended_trace_of, holds_escaped_tracer
 from autostate.lifting.core import (
     after_states,
     assigned_since,
@@ -276,11 +276,14 @@ def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, Any, dict[str, An
     call ended; assigning them is refused (the call is over)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        refused: list[BaseException] = []
         gone = [
-            (hid, {name: cell.value for name, cell in cells.items()} if at_end else values)
+            (hid, _unless_ended(
+                {name: cell.value for name, cell in cells.items()} if at_end else values,
+                what, getattr(fn, "__name__", "the rule"), refused,
+            ))
             for hid, cells, values in calls if running_call(hid) is None
         ]
-        refused: list[BaseException] = []
 
         def within(k: int) -> Any:
             if k == len(gone):
@@ -320,6 +323,49 @@ def _reentering(fn: Callable[..., Any], calls: list[tuple[Any, Any, dict[str, An
 
     functools.update_wrapper(run, fn)
     return run
+
+
+def _unless_ended(
+    values: dict[str, Any], what: str, rule: str, refused: list[BaseException]
+) -> dict[str, Any]:
+    """The states a call that has ended left, for a rule JAX traces now: one
+    whose value is a tracer of a trace that has ended (the ``jax.checkpoint``
+    or ``jax.jit`` the call ran in, whose derivative is taken outside it) has
+    no value here, and reading it raises (into ``refused``), at the line that
+    reads it, where JAX would leak the tracer."""
+    ended = {name: ended_trace_of(value) for name, value in values.items()}
+    if all(kind is None for kind in ended.values()):
+        return values
+    kept = dict(values)
+    for name, kind in ended.items():
+        if kind is None:
+            continue
+
+        def late(name: str = name, kind: str = kind) -> EscapedStateError:
+            refused.append(EscapedStateError(_ended_read_message(what, rule, name, kind)))
+            return refused[-1]  # type: ignore[return-value]
+
+        kept[name] = LostValue(name, what, None, None, late)
+    return kept
+
+
+# What JAX says it traced for, as the construct a user wrote.
+_CONSTRUCTS = {"checkpoint / remat": "jax.checkpoint", "jit": "jax.jit", "pjit": "jax.jit"}
+
+
+def _ended_read_message(what: str, rule: str, name: str, kind: str) -> str:
+    construct = _CONSTRUCTS.get(kind, kind or "JAX transformation")
+    return format_error(
+        f"{what[0].upper()}{what[1:]} (its rule {rule}) reads state {name!r} from a {construct} "
+        f"around the call: JAX traced the rule after that {construct}'s trace had ended, to "
+        "take a derivative outside it, so the state's value there (a traced value of that "
+        "trace) no longer exists. Plain JAX leaks the tracer of a function closing over it "
+        "in the same way.",
+        where=user_location(),
+        fix="pass what the function and its rules read as arguments of the function "
+        "(`g(x, self.scale)` with `def g(x, scale)`, its cotangent zeros), so that JAX "
+        f"carries them, or take the derivative inside the {construct}.",
+    )
 
 
 def _late_read_message(what: str) -> str:

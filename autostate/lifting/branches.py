@@ -3,12 +3,16 @@ every branch's operands and come out of every branch's output."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax import lax
 
+from autostate import graph as _graph
 from autostate.effects.local_state import running_cells
+from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
     check_kept,
     jit_disabled,
@@ -21,6 +25,50 @@ from autostate.lifting.core import (
 
 
 def _branches(
+    call: Callable[[Sequence[Callable], tuple], Any],
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple,
+    what: str,
+) -> Any:
+    models: list[Any] = []
+    noted = [_noting_models(branch, models) for branch in branches]
+    try:
+        return _threaded_branches(call, noted, operands, what)
+    except TypeError as err:
+        if not models or "must have the same pytree structure" not in str(err):
+            raise
+        # JAX's own error: the branches' outputs differ in structure, here
+        # because they return different models.
+        names = ", ".join(sorted({type(obj).__name__ for obj in models}))
+        raise ControlFlowStateError(format_error(
+            f"The branches of {what} return different models ({names}): JAX returns one "
+            "object holding the taken branch's arrays, so the branches must return values "
+            "of one structure, and a model returned is not the model itself as plain "
+            "Python's taken branch returns it (a layer of a stack and a standalone model do "
+            "not even flatten alike).",
+            where=user_location(),
+            fix="call the model inside the branches and return its output "
+            "(`lax.cond(p, lambda a, b: a(x), lambda a, b: b(x), a, b)`), or choose the "
+            "model with a Python `if` on a concrete value.",
+        )) from None
+
+
+def _noting_models(branch: Callable[..., Any], models: list[Any]) -> Callable[..., Any]:
+    """``branch``, noting into ``models`` the models its output holds."""
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        out = branch(*args, **kwargs)
+        if _graph.holds_instance(out):
+            is_model = _graph.is_stateful_instance
+            models.extend(x for x in jax.tree_util.tree_leaves(out, is_leaf=is_model)
+                          if is_model(x))
+        return out
+
+    functools.update_wrapper(noting, branch, updated=())
+    return noting
+
+
+def _threaded_branches(
     call: Callable[[Sequence[Callable], tuple], Any],
     branches: Sequence[Callable[..., Any]],
     operands: tuple,

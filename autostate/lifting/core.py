@@ -148,6 +148,7 @@ def writes_of(
             out = settled(body(*inner))
             after = current_values(cells)
         written[:] = assigned(after)
+        check_returnable(cells, written, after, what, traceable)
         return out, [after[i] for i in written]
 
     abstract = [v for i, v in enumerate(current) if i not in concrete]
@@ -325,7 +326,21 @@ def argument_writes(
     """``call()`` with the cells ``passed`` bound to ``values``: its output and the
     new values of those it assigned; an assigned cell not passed is refused."""
     out, after, changed = run_bound(cells, [cells[i] for i in passed], values, what, call)
-    for i in sorted(changed - set(passed)):
+    check_returnable(cells, [i for i in sorted(changed) if i not in passed], after, what)
+    check_returnable(cells, [i for i in passed if i in changed], after, what, traceable)
+    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
+
+
+def check_returnable(
+    cells: Cells, written: Sequence[int], after: Sequence[Any], what: str,
+    returnable: Callable[[Any], bool] = lambda value: False,
+) -> None:
+    """Refuses a value that cells ``written`` took inside ``what`` and that
+    JAX cannot return from the function it transforms (a Python value, a
+    function): the assignment would happen once per trace."""
+    for i in written:
+        if returnable(after[i]):
+            continue
         raise ControlFlowStateError(
             format_error(
                 f"State {cells[i].name!r} is assigned {type(after[i]).__name__} inside {what}, "
@@ -336,7 +351,6 @@ def argument_writes(
                 "transformed function.",
             )
         )
-    return out, {k: after[i] for k, i in enumerate(passed) if i in changed}
 
 
 def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -> Exception:
@@ -360,7 +374,8 @@ def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -
 
 
 def with_eager_states(
-    roots: Sequence[Any], call: Callable[[], Any], what: str, once: bool = False
+    roots: Sequence[Any], call: Callable[[], Any], what: str, once: bool = False,
+    boundary: bool = False,
 ) -> Any:
     """Runs ``call`` with eager instances' states (reachable from ``roots``) handled.
 
@@ -369,10 +384,13 @@ def with_eager_states(
     writes. JAX traces the body rather than running it per step, so a static
     state takes no new value there and a traced value in a plain attribute is
     refused (as ``f`` does). ``once``: the body runs once per call (a
-    derivative's function), so a static state may change."""
+    derivative's function), so a static state may change; ``boundary``: the
+    call is an object boundary (a ``jax.jit`` inside a method), where a
+    sub-model assigned is written back as the plain call makes it."""
     captured: list[Any] = []
     instances = _graph.reachable_instances(roots, captured)
     swapped, statics = own_states(instances)
+    once = once or boundary  # (an object boundary's function runs once per call)
     # What a change in place inside the body must not reach: it is made once
     # per trace, and a traced value put there outlives the trace. The
     # containers the instances hold outside their states; those of the
@@ -403,7 +421,7 @@ def with_eager_states(
     for obj, attr, _, standin in standing:
         obj.__dict__[attr] = standin
     try:
-        with eager_lax_body(instances, what):
+        with eager_lax_body(instances, what, boundary=boundary):
             return with_states_handled(swapped, call)
     finally:
         for obj, attr, slot, standin in standing:
@@ -476,25 +494,36 @@ def run_handled(
 ) -> tuple[Any, dict[str, Any]]:
     """``call()`` with the slots ``swapped`` made references of a fresh handler
     holding ``states``: its output and the new values (for ``write_back``).
+    A state the call rebound to a sub-model at an object boundary
+    (``guard.check_structure_change``) keeps it, and has no new value.
     A call that raises leaves each state its body assigned a ``LostState``."""
     handler_id = fresh_handler_id()
+    refs = []
     for obj, attr, slot, name in swapped:
-        obj.__dict__[attr] = HandledLocalStateRef(handler_id, name, False, slot.category)
+        ref = HandledLocalStateRef(handler_id, name, False, slot.category)
+        refs.append(ref)
+        obj.__dict__[attr] = ref
     lost: dict[str, LostValue] = {}
+    rebound: list[str] = []
     OWN_STATE_HANDLERS.add(handler_id)
     try:
         out, new = run_with_states(handler_id, states, _keeping_lost, (call, handler_id, lost), {})
     finally:
         OWN_STATE_HANDLERS.discard(handler_id)
-        for obj, attr, slot, name in swapped:
+        for (obj, attr, slot, name), ref in zip(swapped, refs):
+            if obj.__dict__.get(attr) is not ref:
+                rebound.append(name)
+                continue
             obj.__dict__[attr] = LostState(slot, lost[name]) if name in lost else slot
+    for name in rebound:
+        new.pop(name, None)
     return out, new
 
 
 def write_back(swapped: Swapped, states: dict[str, Any], new: dict[str, Any]) -> None:
     """Each slot of ``swapped`` whose state has a new value is assigned it, as an eager write."""
     for obj, attr, slot, name in swapped:
-        if new[name] is not states[name]:
+        if name in new and new[name] is not states[name]:
             replacement = slot.write(new[name], attr)
             if replacement is not None:
                 obj.__dict__[attr] = replacement
@@ -508,13 +537,17 @@ def guarded(guard: Guard, call: Callable[[], Any]) -> Any:
 
 
 def transformation(
-    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any], once: bool = False
+    fun: Callable[..., Any], what: str, call: Callable[[tuple, dict], Any], once: bool = False,
+    boundary: bool = False,
 ) -> Callable[..., Any]:
     """A JAX transformation of ``fun`` whose calls run ``call(args, kwargs)``
-    with eager models' states handled (``once``: ``fun`` runs once per call)."""
+    with eager models' states handled (``once``: ``fun`` runs once per call;
+    ``boundary``: it is an object boundary, see ``with_eager_states``)."""
 
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        return with_eager_states((fun, args, kwargs), lambda: call(args, kwargs), what, once)
+        return with_eager_states(
+            (fun, args, kwargs), lambda: call(args, kwargs), what, once, boundary
+        )
 
     functools.update_wrapper(transformed, fun, updated=())
     return transformed

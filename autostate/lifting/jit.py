@@ -82,11 +82,12 @@ def jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     if options.get("static_argnums") is not None:
         shifted["static_argnums"] = after_states(options["static_argnums"])
     # An object boundary (DESIGN.md section 8): the function is traced on every
-    # call, once, so a static config it switches (``self.training = False``) is
-    # written back as the plain call leaves it.
+    # call, once, so a static config it switches (``self.training = False``) or
+    # a sub-model it assigns (``self.cur = self.b``) is written back as the
+    # plain call leaves it.
     return transformation(
         fun, "a jax.jit", lambda args, kwargs: _jit_call(fun, options, shifted, args, kwargs),
-        once=True,
+        boundary=True,
     )
 
 

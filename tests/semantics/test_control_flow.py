@@ -3599,6 +3599,80 @@ def test_model_built_in_jit_threaded_by_autostate_scan(write_module: Loader) -> 
     same((c, ref.n, ref.mean), staged(g)(key, X23_STACK), "jit")
 
 
+_BRANCH_OPERAND_MODELS = """
+@DECORATE
+class Blk:
+    def __init__(self, k):
+        self.w = jnp.ones(3) * k
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return x * self.w
+
+
+@DECORATE
+class Net:
+    def __init__(self):
+        self.blocks = STACK([Blk(1.0), Blk(2.0)])
+        self.one = Blk(3.0)
+        self.two = Blk(4.0)
+
+    def called(self, x, p):
+        return lax.cond(p, lambda a, b: a(x), lambda a, b: b(x), self.blocks[0], self.one)
+
+    def returned(self, x, p):
+        chosen = lax.cond(p, lambda a, b: a, lambda a, b: b, self.blocks[0], self.one)  # <- model out
+        return chosen(x)
+
+    def switched(self, x, i):
+        return lax.switch(i, [lambda a, b: a, lambda a, b: b], self.one, self.two)(x)  # <- switch out
+"""
+
+
+def _branch_counts(net: Any) -> list[float]:
+    return [float(net.blocks[0].n), float(net.blocks[1].n), float(net.one.n)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "f", "jax.jit(f)", "autostate.jit"])
+def test_a_layer_view_and_a_model_as_branch_operands(write_module: Loader, mode: str) -> None:
+    """A layer of a stack and a standalone model of its class as a cond's operands:
+    called inside the branches, plain Python in every mode; returned, one by each
+    branch (plain Python returns the taken branch's model; JAX one object holding
+    the taken branch's arrays, and leaked its pytree-mismatch error: the two do
+    not flatten alike), refused at the line with the fix, the model left as it
+    was. So are two standalone models returned by a switch."""
+    source = "STACK = LIST\n" + _BRANCH_OPERAND_MODELS
+    plain = pair(write_module, source.replace("LIST", "list"))[0]
+    dec = pair(write_module, source.replace("LIST", "autostate.stack"))[1]
+    x = jnp.arange(3.0)
+
+    def run(net: Any, method: str, *args: Any) -> Any:
+        if mode == "eager":
+            return getattr(net, method)(x, *args), net
+        if mode == "autostate.jit":
+            return autostate.jit(lambda m, x, *a: getattr(m, method)(x, *a))(net, x, *args), net
+        f, states = net.functionalize()
+        call = getattr(f, method)
+        out, states = (jax.jit(call) if mode == "jax.jit(f)" else call)(states, x, *args)
+        return out, autostate.freeze(f, states)
+
+    ref, net = plain.Net(), dec.Net()
+    for p in (True, False, True):
+        expected = ref.called(x, p)
+        got, net = run(net, "called", p)
+        same(expected, got, f"called({p})")
+        assert _branch_counts(net) == _branch_counts(ref), p
+    for method, arg, text in [("returned", True, "<- model out"), ("switched", 1, "<- switch out")]:
+        net = dec.Net()
+        with pytest.raises(ControlFlowStateError) as err:
+            run(net, method, arg)
+        user_line(err.value, dec, text)
+        assert "return different models (Blk)" in str(err.value)
+        assert _branch_counts(net) == [0.0, 0.0, 0.0]
+        no_tracer(net)
+
+
 @pytest.mark.parametrize("method", ["scan", "cond", "ckpt"])
 def test_sub_model_replaced_inside_a_lax_body_eagerly(write_module: Loader, method: str) -> None:
     plain, dec = pair(write_module, BUILT)

@@ -888,6 +888,39 @@ def test_grad_through_a_custom_jvp_closure_reading_state_is_an_autostate_error(
     assert_user_line(info.value, dec.__file__)
 
 
+@pytest.mark.parametrize("outer", ["grad", "jax.jit(grad)"])
+@pytest.mark.parametrize(("source", "method", "line"), [
+    ("INSIDE", "cjvp_read", "return jnp.sin(v) * self.w + self.mean"),
+    ("CALLABLES_INSIDE", "cvjp_output_assigned", "return v * self.w + self.mean"),
+])
+def test_a_custom_rule_reading_state_under_grad_of_checkpoint_of_f_is_an_autostate_error(
+    write_module: Loader, source: str, method: str, line: str, outer: str
+) -> None:
+    """``jax.grad`` of a loss of ``jax.checkpoint(f)``: JAX traces the custom
+    rule after the checkpoint's trace has ended, so a state it reads has no
+    value there. Plain JAX, the state passed in by hand and closed over, leaks
+    the tracer (``UnexpectedTracerError``); autostate refuses at the line that
+    reads, naming the checkpoint, and ``f`` stays usable."""
+    plain, dec = pair(write_module, INSIDE if source == "INSIDE" else CALLABLES_INSIDE,
+                      checkpoint_as_identity=source == "INSIDE")
+
+    def plain_loss(mean: Any, x: Any) -> Any:
+        m = plain.Net()
+        m.mean = mean
+        return getattr(m, method)(x)
+
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.grad(jax.checkpoint(plain_loss), argnums=1)(plain.Net().mean, V3)
+    f, states = dec.Net().functionalize()
+    grad = jax.grad(jax.checkpoint(lambda s, x: getattr(f, method)(s, x)[0]), argnums=1)
+    with pytest.raises(EscapedStateError) as info:
+        (jax.jit(grad) if outer == "jax.jit(grad)" else grad)(states, V3)
+    user_line(info.value, dec, line)
+    assert "jax.checkpoint" in str(info.value) and "lax body" not in str(info.value)
+    expected = jax.grad(lambda x: getattr(plain.Net(), method)(x))(V3)
+    assert_same(expected, jax.grad(lambda x: getattr(f, method)(states, x)[0])(V3))
+
+
 def test_value_and_grad_has_aux_of_a_state_writing_loss_keeps_the_primal(
     write_module: Loader,
 ) -> None:

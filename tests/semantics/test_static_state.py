@@ -339,6 +339,63 @@ class Labelled:
     np.testing.assert_array_equal(states["label"], [1.0, 1.0])
 
 
+_CALLABLE_IN_PLACEHOLDER = """
+@DECORATE
+class Act:
+    def __init__(self):
+        self.w = jnp.ones(3)
+        self.fn = None
+
+    def pick(self, x):
+        self.fn = FN  # <- a function in the placeholder
+        return self.fn(x * self.w)
+
+    def pick_in_jit(self, x):
+        return jax.jit(self.pick)(x)
+
+    def pick_in_scan(self, x):
+        return lax.scan(lambda c, _: (self.pick(c), None), x, None, length=2)[0]
+"""
+
+
+@pytest.mark.parametrize("fn", ["jnp.sin", "lambda v: v * 2", "functools.partial(jnp.multiply, 2.0)"])
+def test_a_function_given_to_a_none_placeholder(write_module: Any, fn: str) -> None:
+    """Eagerly, at autostate.jit and at a jax.jit inside a method plain Python. A function
+    is a static value (as a string is): inside f (under jax.jit or not) and in a lax body
+    it would change the structure, refused at the line, the states left as they were. A
+    partial is no static value, and the new states could not carry it (JAX: "not a valid
+    JAX type"): refused at the line in f, and at the call in a jax.jit or a lax body."""
+    plain, dec = pair(write_module, "import functools\n" + _CALLABLE_IN_PLACEHOLDER.replace("FN", fn))
+    x = jnp.arange(3.0)
+    expected = plain.Act().pick(x)
+    model = dec.Act()
+    same(expected, model.pick(x))
+    model = dec.Act()
+    same(expected, autostate.jit(lambda m, x: m.pick(x))(model, x))
+    same(expected, model.fn(x))
+    static = not fn.startswith("functools")
+    in_f = errors.StaticStateError if static else errors.InvalidTypeError
+    for call in (lambda f: f.pick, lambda f: jax.jit(f.pick)):
+        f, states = dec.Act().functionalize()
+        with pytest.raises(in_f, match="placeholder None") as err:
+            call(f)(states, x)
+        user_line(err.value, dec, "<- a function in the placeholder")
+        assert states == {"fn": None}
+    bodies = [("pick_in_scan", "lax.scan(")] + ([] if static else [("pick_in_jit", "jax.jit(self.pick)")])
+    for name, line in bodies:
+        model = dec.Act()
+        with pytest.raises(errors.AutostateError, match="placeholder None" if static else "cannot return") as err:
+            getattr(model, name)(x)
+        user_line(err.value, dec, "<- a function in the placeholder" if static else line)
+        assert model.fn is None
+        no_tracer(model)
+    if static:  # an object boundary: written back
+        model = dec.Act()
+        same(expected, model.pick_in_jit(x))
+        same(expected, model.fn(x))
+        no_tracer(model)
+
+
 def test_true_and_one_are_different_structures():
     a, b = Decoder(), Decoder()
     a.relabel(True)
@@ -2536,6 +2593,14 @@ class Switch:
         self.w = jnp.ones(3)
         self.training = True
         self.steps = jnp.zeros(())
+        self.label = None  # a placeholder a call names
+
+    def name_it(self, x):
+        self.label = "eval"
+        return x * self.w
+
+    def inner_name(self, x):
+        return jax.jit(self.name_it)(x)
 
     def switch_off(self, x):
         self.training = not self.training
@@ -2795,6 +2860,31 @@ def test_a_function_state_is_static_like_a_string(write_module: Any, act: str, o
     assert model.act is eval(act, vars(dec))  # noqa: S307
 
 
+@pytest.mark.parametrize("boundary", ["autostate.jit", "jax.jit in a method",
+                                      "jax.jit in a method under autostate.jit"])
+def test_a_static_config_given_to_a_placeholder_at_an_object_boundary_is_written_back(
+    write_module: Any, boundary: str
+) -> None:
+    """``self.label = "eval"`` over the placeholder None: a static state, as the plain
+    call makes it (it was refused as if in f); in f it stays refused."""
+    dec = pair(write_module, _BOUNDARIES)[1]
+    model, x = dec.Switch(), jnp.ones(3)
+    call = {
+        "autostate.jit": autostate.jit(lambda m, x: m.name_it(x)),
+        "jax.jit in a method": lambda m, x: m.inner_name(x),
+        "jax.jit in a method under autostate.jit": autostate.jit(lambda m, x: m.inner_name(x)),
+    }[boundary]
+    for _ in range(2):
+        same(x, call(model, x))
+        assert model.label == "eval"
+    f, states = model.functionalize()
+    assert "label" not in states and autostate.freeze(f, states).label == "eval"
+    no_tracer(model)
+    f, states = dec.Switch().functionalize()
+    with pytest.raises(StaticStateError, match="placeholder None"):
+        f.name_it(states, x)
+
+
 @pytest.mark.parametrize(("name", "mode"), [
     *[("in_scan", mode) for mode in ("eager", "autostate.jit", "f", "jax.jit(f)")],
     ("switch_off", "f"), ("switch_off", "jax.jit(f)"), ("inner_jit", "f"),
@@ -2815,6 +2905,161 @@ def test_a_static_config_switched_in_a_traced_body_or_in_f_is_refused_at_the_lin
             (jax.jit(call) if mode == "jax.jit(f)" else call)(states, jnp.ones(3))
     assert "training" in str(err.value) and "fix:" in str(err.value)
     assert model.training is True and float(model.steps) == 0.0
+
+
+_STRUCTURE = """
+@DECORATE
+class Leaf:
+    def __init__(self, k):
+        self.w = jnp.ones(3) * k
+        self.n = jnp.zeros(())
+
+    def __call__(self, x):
+        self.n = self.n + 1
+        return x * self.w
+
+
+@DECORATE
+class Holder:
+    def __init__(self, leaf):
+        self.leaf = leaf
+
+
+@DECORATE
+class Picker:
+    def __init__(self):
+        self.layers = [Leaf(1.0), Leaf(2.0)]
+        self.b = self.layers[1]
+        self.other = Holder(self.b)  # a sub-model two parents hold
+        self.tied = Leaf(3.0)
+        self.tied.w = self.b.w  # one array, two attributes
+        self.cur = None  # a placeholder the calls fill with a sub-model
+
+    def pick(self, x):
+        self.cur = self.b
+        return self.cur(x) + self.tied(x)
+
+    def walk(self, x):
+        for self.cur in self.layers:
+            x = self.cur(x)
+        return x
+
+    def drop(self, x):
+        self.cur = None
+        return x * self.b.w
+
+    def build(self, x):
+        self.cur = Leaf(5.0)  # <- built in the call
+        return self.cur(x)
+
+    def rebind(self, x):
+        self.cur = self.b
+        self.cur = None
+        self.cur = x * 2  # a new state, given a value of the call
+        return x
+
+    def in_scan(self, x):
+        def body(c, _):
+            self.cur = self.b  # <- swapped in a body
+            return c + self.cur(x), None
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    def inner_jit(self, name, x):
+        return jax.jit(getattr(self, name))(x)
+"""
+
+
+def _structure_seen(model: Any) -> tuple:
+    """Which sub-model ``cur`` is, the sharing kept, and every leaf's count."""
+    assert model.b is model.layers[1] and model.other.leaf is model.b, "shared sub-model"
+    assert model.tied.w is model.b.w, "tied array"
+    where = {id(model.b): "b", id(model.layers[0]): "layers[0]", id(None): "None"}
+    counts = [float(leaf.n) for leaf in (*model.layers, model.tied)]
+    return where.get(id(model.cur), type(model.cur).__name__), counts
+
+
+@pytest.mark.parametrize("boundary", ["autostate.jit", "jax.jit in a method",
+                                      "jax.jit in a method under autostate.jit"])
+def test_a_submodel_assigned_at_an_object_boundary_is_written_back(
+    write_module: Any, boundary: str
+) -> None:
+    """``self.cur = self.b`` and ``for self.cur in self.layers`` (over a None
+    placeholder, then over a sub-model, then back to None) leave the model as
+    the plain call does: the same sub-model, shared ones and tied arrays kept,
+    the states right for the next compiled and eager calls."""
+    plain_mod, dec = pair(write_module, _STRUCTURE)
+    plain, model = plain_mod.Picker(), dec.Picker()
+    x = jnp.arange(3.0)
+    compiled = autostate.jit(lambda m, name, x: getattr(m, name)(x), static_argnums=1)
+    inner = autostate.jit(lambda m, name, x: m.inner_jit(name, x), static_argnums=1)
+    for name in ["pick", "walk", "drop", "walk", "pick", "pick", "drop"]:
+        expected = getattr(plain, name)(x)
+        if boundary == "autostate.jit":
+            got = compiled(model, name, x)
+        elif boundary == "jax.jit in a method":
+            got = model.inner_jit(name, x)
+        else:
+            got = inner(model, name, x)
+        same(expected, got, name)
+        assert _structure_seen(model) == _structure_seen(plain), name
+    for name in ["walk", "pick"]:  # eagerly after the compiled calls
+        same(getattr(plain, name)(x), getattr(model, name)(x), f"eager {name}")
+        assert _structure_seen(model) == _structure_seen(plain), f"eager {name}"
+    no_tracer(model)
+
+
+def test_a_submodel_built_in_a_call_at_an_object_boundary(write_module: Any) -> None:
+    """autostate.jit writes back a sub-model built inside (its arrays are outputs
+    of the program); a jax.jit inside a method runs on the model itself, so a
+    sub-model built there would keep its tracers: refused at the line, put back."""
+    dec = pair(write_module, _STRUCTURE)[1]
+    model, x = dec.Picker(), jnp.arange(3.0)
+    same(5.0 * x, autostate.jit(lambda m, x: m.build(x))(model, x))
+    assert type(model.cur).__name__ == "Leaf" and float(model.cur.n) == 1.0
+    same(jnp.full(3, 5.0), model.cur.w)
+    same(5.0 * x, model.cur(x))
+    model = dec.Picker()
+    with pytest.raises(StateAccessError) as err:
+        model.inner_jit("build", x)
+    user_line(err.value, dec, "<- built in the call")
+    assert "inside a jax.jit inside a method" in str(err.value)
+    assert model.cur is None
+    no_tracer(model)
+    # Over the sub-model, a value of the jax.jit's trace would stay: refused, put back.
+    with pytest.raises(StateAccessError, match="assigned a traced value") as err:
+        model.inner_jit("rebind", x)
+    user_line(err.value, dec, "return jax.jit(getattr(self, name))(x)")
+    assert model.cur is None
+    no_tracer(model)
+    autostate.jit(lambda m, x: m.rebind(x))(model, x)  # plain Python there
+    same(2 * x, model.cur)
+
+
+@pytest.mark.parametrize("mode", ["eager", "autostate.jit", "f", "jax.jit(f)", "f inner_jit"])
+def test_a_submodel_assigned_in_a_traced_body_or_in_f_is_refused_at_the_line(
+    write_module: Any, mode: str
+) -> None:
+    dec = pair(write_module, _STRUCTURE)[1]
+    model, x = dec.Picker(), jnp.arange(3.0)
+    with pytest.raises(StateAccessError) as err:
+        if mode == "eager":
+            model.in_scan(x)
+        elif mode == "autostate.jit":
+            autostate.jit(lambda m, x: m.in_scan(x))(model, x)
+        else:
+            f, states = model.functionalize()
+            if mode == "f inner_jit":
+                f.inner_jit(states, "pick", x)
+            else:
+                (jax.jit(f.pick) if mode == "jax.jit(f)" else f.pick)(states, x)
+    if mode in ("eager", "autostate.jit"):
+        user_line(err.value, dec, "<- swapped in a body")
+        assert "lax.scan" in str(err.value)
+    else:
+        user_line(err.value, dec, "self.cur = self.b")
+        assert "functionalized call" in str(err.value)
+    assert model.cur is None and _structure_seen(model)[1] == [0.0, 0.0, 0.0]
+    no_tracer(model)
 
 
 _PLAIN_HELD = """

@@ -155,6 +155,27 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     assert_same_arrays(autostate.param_dict(loaded), autostate.param_dict(Net(seed=0)))
 
 
+def test_a_directory_or_a_missing_folder_is_named_as_given(tmp_path):
+    """The path given, not the temporary file written beside it, is what the error
+    names; a directory is a CheckpointError at the caller's line, for save and load."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for call in (lambda: autostate.save(folder, Net()), lambda: autostate.load(folder, like=Net())):
+        with pytest.raises(CheckpointError, match="which is a directory") as info:
+            call()
+        assert str(folder) in str(info.value) and ".tmp" not in str(info.value)
+        assert f"{__file__}:" in str(info.value) and "model.npz" in str(info.value)
+    assert list(folder.iterdir()) == []
+    missing = tmp_path / "nowhere" / "ckpt.npz"
+    with pytest.raises(FileNotFoundError) as err:
+        autostate.save(missing, Net())
+    assert err.value.filename == str(missing) and str(missing) in str(err.value)
+    assert list(tmp_path.iterdir()) == [folder]
+    autostate.save(folder / "ckpt.npz", Net(seed=3))  # a file inside it, as the fix says
+    assert_same_arrays(autostate.param_dict(autostate.load(folder / "ckpt.npz", like=Net())),
+                       autostate.param_dict(Net(seed=3)))
+
+
 def test_flat_dicts_work_with_orbax_without_glue(tmp_path):
     import orbax.checkpoint as ocp  # in the test extra, so this runs in `make test`
     trained = _trained_with_odd_values()
