@@ -137,13 +137,6 @@ def lax_body_of(obj: Any) -> str | None:
     return what if ids and id(obj) in ids else None
 
 
-def running_lax_body() -> str | None:
-    """The traced body of an eager model's method running now (``"the body of
-    a lax.scan"``), or ``None``."""
-    ids, what, _ = _IN_LAX_BODY.get()
-    return what if ids and what else None
-
-
 def at_object_boundary(obj: Any) -> bool:
     """Whether ``obj`` is a model of an object boundary's function running now
     (``autostate.jit``'s copies, a ``jax.jit`` inside a method), outside any

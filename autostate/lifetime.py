@@ -551,8 +551,10 @@ LIFT_TRACES: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 
 
 # Handlers running a call on models that hold their own states (an eager
-# model's in a lax body, the copies ``autostate.jit`` traces): ``lifting.core``.
-OWN_STATE_HANDLERS: set[Any] = set()
+# model's in a lax body, the copies ``autostate.jit`` traces), each with the
+# call it runs (``"the body of a lax.scan"``; ``None`` when unnamed):
+# ``lifting.core``.
+OWN_STATE_HANDLERS: dict[Any, str | None] = {}
 
 
 def check_written_inside(ref: Any, value: Any) -> None:
@@ -568,13 +570,6 @@ def check_written_inside(ref: Any, value: Any) -> None:
     check_not_traced(value, ref.name, trace_of_call(call), inside_call=True)
 
 
-def _lax_body() -> str | None:
-    """The traced body of an eager model's method running now, or ``None``."""
-    from autostate.guard import running_lax_body  # (above this module)
-
-    return running_lax_body()
-
-
 def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> None:
     """What a handled state's write refuses: a Python value in place of the
     placeholder ``None`` (``state_values.check_placeholder_write``), and a
@@ -585,9 +580,9 @@ def _check_handled_write(ref: Any, label: str | None, old: Any, value: Any) -> N
         # (The states of f's call are returned, so each must be a JAX value;
         # a call on models that hold their states, autostate.jit's, writes
         # the rest back as the structure it is.)
-        own = ref.handler_id in OWN_STATE_HANDLERS
         check_placeholder_write(
-            ref.name, label, value, returned=not own, inside=_lax_body() if own else None
+            ref.name, label, value, returned=ref.handler_id not in OWN_STATE_HANDLERS,
+            inside=OWN_STATE_HANDLERS.get(ref.handler_id),
         )
     check_written_inside(ref, value)
 

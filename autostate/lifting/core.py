@@ -422,7 +422,7 @@ def with_eager_states(
         obj.__dict__[attr] = standin
     try:
         with eager_lax_body(instances, what, boundary=boundary):
-            return with_states_handled(swapped, call)
+            return with_states_handled(swapped, call, None if boundary else what)
     finally:
         for obj, attr, slot, standin in standing:
             if obj.__dict__.get(attr) is standin:  # (else assigned: the new slot stays)
@@ -469,13 +469,16 @@ def named_states(found: list[tuple[Any, str, Any]], instances: Sequence[Any]) ->
     return swapped
 
 
-def with_states_handled(swapped: Swapped, call: Callable[[], Any]) -> Any:
+def with_states_handled(
+    swapped: Swapped, call: Callable[[], Any], what: str | None = None
+) -> Any:
     """The one lift of a call on models that hold their states: bind them to a
-    handler's cells, run ``call``, write back what it assigned."""
+    handler's cells, run ``call`` (the traced body of ``what``, where it is
+    one), write back what it assigned."""
     if not swapped:
         return call()
     states = {name: slot.read() for _, _, slot, name in swapped}
-    out, new = run_handled(swapped, states, call)
+    out, new = run_handled(swapped, states, call, what)
     write_back(swapped, states, new)
     return out
 
@@ -490,13 +493,14 @@ def state_name(name: str, names: set[str]) -> str:
 
 
 def run_handled(
-    swapped: Swapped, states: dict[str, Any], call: Callable[[], Any]
+    swapped: Swapped, states: dict[str, Any], call: Callable[[], Any], what: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """``call()`` with the slots ``swapped`` made references of a fresh handler
     holding ``states``: its output and the new values (for ``write_back``).
     A state the call rebound to a sub-model at an object boundary
     (``guard.check_structure_change``) keeps it, and has no new value.
-    A call that raises leaves each state its body assigned a ``LostState``."""
+    A call that raises leaves each state its body assigned a ``LostState``.
+    ``what``: the traced body the call is (the handler's errors name it)."""
     handler_id = fresh_handler_id()
     refs = []
     for obj, attr, slot, name in swapped:
@@ -505,11 +509,11 @@ def run_handled(
         obj.__dict__[attr] = ref
     lost: dict[str, LostValue] = {}
     rebound: list[str] = []
-    OWN_STATE_HANDLERS.add(handler_id)
+    OWN_STATE_HANDLERS[handler_id] = what
     try:
         out, new = run_with_states(handler_id, states, _keeping_lost, (call, handler_id, lost), {})
     finally:
-        OWN_STATE_HANDLERS.discard(handler_id)
+        OWN_STATE_HANDLERS.pop(handler_id, None)
         for (obj, attr, slot, name), ref in zip(swapped, refs):
             if obj.__dict__.get(attr) is not ref:
                 rebound.append(name)
