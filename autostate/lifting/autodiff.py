@@ -22,6 +22,7 @@ from autostate.effects.local_state import (
 from autostate.errors import EscapedStateError, format_error, user_location
 from autostate.lifetime import LostValue, ended_trace_of, holds_escaped_tracer
 from autostate.lifting.core import (
+    PassedModels,
     after_states,
     assigned_since,
     bound_to,
@@ -81,6 +82,13 @@ remat = checkpoint
 
 
 def _checkpoint_call(
+    fun: Callable, args: tuple, kwargs: dict, static: tuple[int, ...], options: dict
+) -> Any:
+    passed = PassedModels(args, received_at=None, returned_at=None, loop=False)
+    return passed.result(_checkpoint_lifted(passed.body(fun), args, kwargs, static, options))
+
+
+def _checkpoint_lifted(
     fun: Callable, args: tuple, kwargs: dict, static: tuple[int, ...], options: dict
 ) -> Any:
     cells = running_cells()

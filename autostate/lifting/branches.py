@@ -14,6 +14,7 @@ from autostate import graph as _graph
 from autostate.effects.local_state import running_cells
 from autostate.errors import ControlFlowStateError, format_error, user_location
 from autostate.lifting.core import (
+    PassedModels,
     check_kept,
     jit_disabled,
     lift,
@@ -175,16 +176,17 @@ def cond(
     if jit_disabled():
         return lax.cond(pred, true_fun, false_fun, *operands)
     roots = (true_fun, false_fun, operands)
-    return with_eager_states(
+    passed = PassedModels(operands, received_at=None, returned_at=None, loop=False)
+    return passed.result(with_eager_states(
         roots,
         lambda: _branches(
             lambda bs, ops: lax.cond(pred, bs[0], bs[1], *ops),
-            (true_fun, false_fun),
+            (passed.body(true_fun), passed.body(false_fun)),
             operands,
             "a lax.cond",
         ),
         "a branch of a lax.cond",
-    )
+    ))
 
 
 def switch(
@@ -218,12 +220,16 @@ def switch(
     branches = list(branches)
     if jit_disabled():
         return lax.switch(index, branches, *operands)
-    return with_eager_states(
+    passed = PassedModels(operands, received_at=None, returned_at=None, loop=False)
+    return passed.result(with_eager_states(
         (branches, operands),
         lambda: _branches(
-            lambda bs, ops: lax.switch(index, list(bs), *ops), branches, operands, "a lax.switch"
+            lambda bs, ops: lax.switch(index, list(bs), *ops),
+            [passed.body(branch) for branch in branches],
+            operands,
+            "a lax.switch",
         ),
         "a branch of a lax.switch",
-    )
+    ))
 
 

@@ -367,6 +367,117 @@ def shared_write(cell: LocalStateEffectImpl, inside: str, unit: str, fix: str) -
     )
 
 
+# --- the models a lax function returns --------------------------------------------
+
+
+class PassedModels:
+    """The models a lax function returns as they were passed in.
+
+    JAX rebuilds every model in a lax function's output from leaves, a copy;
+    plain Python's body returns the object it was handed (a loop's carry, a
+    branch's operand), so a call on it afterwards writes the model itself.
+    One rule for every lax function: the output holds, at a place, the
+    original model ``X`` (the one passed in, or one the body reaches) where
+    every body traced returned ``X`` there (the copy handed in for it, or
+    ``X`` itself), and, for a loop (``loop``), its initial carry holds ``X``
+    there too (what zero steps return). Anything else (a model built in the
+    body, carried models swapped) stays JAX's copy.
+
+    ``operands`` are what the call hands the body (its carry, its operands);
+    ``received_at`` is the body's argument that receives them (``None``: all
+    of its arguments, as a tuple); ``returned_at`` the item of the body's
+    output, and of the call's, that returns them (``None``: all of it)."""
+
+    def __init__(
+        self, operands: Any, received_at: int | None, returned_at: int | None, loop: bool
+    ):
+        self.places = dict(_models_at(operands))
+        self.received_at, self.returned_at, self.loop = received_at, returned_at, loop
+        self.bodies: list[Callable[..., Any]] = []
+        self.traces: list[list[dict[Any, Any] | None]] = []
+
+    def body(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """``fun``, noting which originals each of its traces returns where."""
+        traces: list[dict[Any, Any] | None] = []
+        self.bodies.append(fun)
+        self.traces.append(traces)
+
+        def noting(*args: Any, **kwargs: Any) -> Any:
+            out = fun(*args, **kwargs)
+            traces.append(self._returned(args, out))
+            return out
+
+        functools.update_wrapper(noting, fun, updated=())
+        return noting
+
+    def _returned(self, args: tuple, out: Any) -> dict[Any, Any] | None:
+        received = _item(args, self.received_at)
+        returned = _item(out, self.returned_at)
+        if received is _NO_ITEM or returned is _NO_ITEM:
+            return None  # (JAX says what does not match)
+        handed = {id(copy): self.places.get(path) for path, copy in _models_at(received)}
+        return {
+            path: handed[id(obj)] if id(obj) in handed else obj
+            for path, obj in _models_at(returned)
+        }
+
+    def result(self, out: Any) -> Any:
+        """The call's output ``out``, each model the rule maps as its original."""
+        part = _item(out, self.returned_at)
+        traces = [trace for body in self.traces for trace in body]
+        if part is _NO_ITEM or not all(self.traces) or not any(traces):
+            return out  # (a body not traced; or no model returned)
+        found, treedef = jax.tree_util.tree_flatten_with_path(
+            part, is_leaf=_graph.is_stateful_instance
+        )
+        leaves = [leaf for _, leaf in found]
+        known: set[int] | None = None
+        changed = False
+        for k, (path, leaf) in enumerate(found):
+            if not _graph.is_stateful_instance(leaf):
+                continue
+            outcomes = [trace.get(path) if trace is not None else None for trace in traces]
+            if self.loop:
+                outcomes.append(self.places.get(path))
+            original = outcomes[0]
+            if original is None or type(original) is not type(leaf) or any(
+                o is not original for o in outcomes
+            ):
+                continue
+            if not any(original is obj for obj in self.places.values()):
+                if known is None:  # (not built in the body: one the bodies reach)
+                    known = {id(obj) for obj in _graph.reachable_instances(self.bodies, [])}
+                if id(original) not in known:
+                    continue
+            leaves[k] = original
+            changed = True
+        if not changed:
+            return out
+        part = jax.tree_util.tree_unflatten(treedef, leaves)
+        if self.returned_at is None:
+            return part
+        items = list(out)
+        items[self.returned_at] = part
+        return type(out)(items)
+
+
+_NO_ITEM: Any = object()
+
+
+def _item(value: Any, index: int | None) -> Any:
+    if index is None:
+        return value
+    if type(value) in (tuple, list) and len(value) > index:
+        return value[index]
+    return _NO_ITEM
+
+
+def _models_at(tree: Any) -> list[tuple[Any, Any]]:
+    """``(key path, model)`` of each decorated instance in ``tree`` (not inside another)."""
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_graph.is_stateful_instance)
+    return [(path, leaf) for path, leaf in found if _graph.is_stateful_instance(leaf)]
+
+
 # --- eager models ---------------------------------------------------------------
 
 # A body that reaches a slot holding its own value (an eager model's, a copy's:

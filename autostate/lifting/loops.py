@@ -62,6 +62,7 @@ from autostate.lifetime import contains_tracer, current_trace
 from autostate.lifting.core import (
     Cells,
     LostState,
+    PassedModels,
     abstract_of,
     bound_to,
     check_stacked,
@@ -132,9 +133,10 @@ def scan(
     if jit_disabled():
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
     options = dict(length=length, reverse=reverse, unroll=unroll, **kwargs)
-    return with_eager_states(
-        (f, init, xs), lambda: _scan(f, init, xs, options), "the body of a lax.scan"
-    )
+    passed = PassedModels(init, received_at=0, returned_at=0, loop=True)
+    return passed.result(with_eager_states(
+        (f, init, xs), lambda: _scan(passed.body(f), init, xs, options), "the body of a lax.scan"
+    ))
 
 
 def _scan(
@@ -260,9 +262,10 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
     if jit_disabled():
         return lax.while_loop(cond_fun, body_fun, init_val)
     roots = (cond_fun, body_fun, init_val)
-    return with_eager_states(
-        roots, lambda: _while_loop(cond_fun, body_fun, init_val), "a lax.while_loop"
-    )
+    passed = PassedModels(init_val, received_at=0, returned_at=None, loop=True)
+    return passed.result(with_eager_states(
+        roots, lambda: _while_loop(cond_fun, passed.body(body_fun), init_val), "a lax.while_loop"
+    ))
 
 
 def _while_loop(cond_fun: Callable, body_fun: Callable, init_val: Any) -> Any:
@@ -318,11 +321,12 @@ def fori_loop(
     if jit_disabled():
         return lax.fori_loop(lower, upper, body_fun, init_val, **kwargs)
     roots = (body_fun, init_val)
-    return with_eager_states(
+    passed = PassedModels(init_val, received_at=1, returned_at=None, loop=True)
+    return passed.result(with_eager_states(
         roots,
-        lambda: _fori_loop(lower, upper, body_fun, init_val, kwargs),
+        lambda: _fori_loop(lower, upper, passed.body(body_fun), init_val, kwargs),
         "the body of a lax.fori_loop",
-    )
+    ))
 
 
 def _fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any, options: dict) -> Any:

@@ -115,3 +115,51 @@ def test_jit_disabled_is_jaxs_switch():
     assert not core.jit_disabled()
     with jax.disable_jit():
         assert core.jit_disabled()
+
+
+@autostate.stateful
+class _Counter:
+    def __init__(self):
+        self.n = jnp.zeros(())
+
+    def step(self):
+        self.n = self.n + 1.0
+        return self.n
+
+
+def test_a_lax_call_returns_the_model_passed_in_where_every_body_returns_it():
+    model = _Counter()
+    assert autostate.cond(jnp.asarray(True), lambda m: m, lambda m: m, model) is model
+    i, same = autostate.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1]), (0, model))
+    assert same is model and int(i) == 2
+    (same, total), _ = autostate.scan(
+        lambda c, x: ((c[0], c[1] + c[0].step()), None), (model, 0.0), None, length=3
+    )
+    assert same is model and float(total) == 6.0 and float(model.n) == 3.0
+    same.step()
+    assert float(model.n) == 4.0
+
+
+def test_a_model_the_body_builds_stays_the_copy_jax_returns():
+    model = _Counter()
+    model.step()
+    built = autostate.cond(jnp.asarray(True), lambda m: _Counter(), lambda m: _Counter(), model)
+    assert type(built) is _Counter and built is not model and float(built.n) == 0.0
+    built = autostate.switch(0, [lambda m: _Counter()], model)  # (one branch, one trace)
+    assert built is not model and float(built.n) == 0.0
+
+
+@autostate.stateful
+class _Settings:
+    def __init__(self):
+        self.scale = 2
+
+
+def test_a_loop_returns_the_model_only_where_its_initial_carry_holds_it():
+    # (Models with states at one place of a carry flatten alike only if they
+    # are one model; these hold none.)
+    model, other = _Settings(), _Settings()
+    out = autostate.fori_loop(0, 2, lambda i, c: (c[1], c[1]), (model, other))
+    # Plain Python's carry is (other, other) after a step; before it, the first
+    # place holds ``model``, so JAX's copy stays there.
+    assert out[1] is other and out[0] is not model and out[0] is not other
