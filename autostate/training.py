@@ -131,31 +131,38 @@ def value_and_grad(
     numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        from autostate.lifting.core import write_back  # (the lift: read by the first call)
+        # (the lift: read by the first call)
+        from autostate.lifting.autodiff import value_and_grad as lifted_value_and_grad
+        from autostate.lifting.core import write_back
 
         models = [_model_at(args, i) for i in numbers]
         _check_apart(models, numbers)
         pairs = [functionalize(model) for model in models]
         fs = [f for f, _ in pairs]
-        written: list[dict[str, Any]] = [{} for _ in pairs]
 
         def loss(*diffed: FunctionalModel) -> tuple[Any, Any]:
-            def nested(k: int, handled: list[Any]) -> Any:
+            # Each model's new states come out with the value (nothing the
+            # derivative captures is changed in place).
+            def nested(k: int, handled: list[Any]) -> tuple[Any, list[dict[str, Any]]]:
                 if k == len(diffed):
                     called = list(args)
                     for i, model in zip(numbers, handled):
                         called[i] = model
-                    return fn(*called, **kwargs)
-                out, written[k] = diffed[k]._run(
+                    return fn(*called, **kwargs), []
+                (out, inner), written = diffed[k]._run(
                     pairs[k][1], lambda model: nested(k + 1, [*handled, model]), (), {}
                 )
-                return out
+                return out, [written, *inner]
 
-            out = nested(0, [])
+            out, written = nested(0, [])
             value, aux = out if has_aux else (out, None)
             return value, (aux, written)
 
-        (value, (aux, new)), grads = jax.value_and_grad(
+        # The lifted derivative, as a method's jax.value_and_grad: the other
+        # models the function reaches (a discriminator called on the
+        # generator's output, a teacher) keep their state writes, with their
+        # primal values, as the plain call leaves them.
+        (value, (aux, new)), grads = lifted_value_and_grad(
             loss, argnums=tuple(range(len(fs))), has_aux=True, **options
         )(*fs)
         for model, (f, before), states in zip(models, pairs, new):

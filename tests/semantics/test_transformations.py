@@ -3893,6 +3893,52 @@ def test_value_and_grad_of_a_model(write_module: Loader) -> None:
     assert jax.tree.structure(ga) == jax.tree.structure(gb) and int(a.steps) == int(b.steps) == 1
 
 
+def test_value_and_grad_keeps_the_writes_of_models_it_does_not_differentiate(
+    write_module: Loader,
+) -> None:
+    # A GAN's generator step: the discriminator (an argument) and a teacher (reached by
+    # the loss's closure) run on the generator's output, so their running statistics
+    # depend on the differentiated parameters; they land with their primal values, as
+    # the explicit path threads them, eagerly and compiled.
+    _, dec = _compiled_pair(write_module)
+
+    def explicit(k: int) -> tuple[Any, Any]:
+        fg, sg = dec.Net(jax.random.key(0)).functionalize()
+        fd, sd = dec.Net(jax.random.key(1)).functionalize()
+        ft, st = dec.Net(jax.random.key(2)).functionalize()
+        for _ in range(k):
+            def loss(fg: Any, sg: Any, sd: Any, st: Any) -> Any:
+                out, sg = fg(sg, COMPILED_X)
+                judged, sd = fd(sd, out)
+                taught, st = ft(st, out)
+                return (judged ** 2).mean() + taught.mean(), (sg, sd, st)
+
+            (value, (sg, sd, st)), grads = jax.value_and_grad(loss, has_aux=True)(fg, sg, sd, st)
+            fg = jax.tree.map(lambda p, g: p - 0.1 * g, fg, grads)
+        models = (autostate.freeze(fg, sg), autostate.freeze(fd, sd), autostate.freeze(ft, st))
+        return value, models
+
+    def step(g: Any, opt: Any, d: Any, teacher: Any) -> Any:
+        def loss(g: Any, d: Any) -> Any:
+            out = g(COMPILED_X)
+            return (d(out) ** 2).mean() + teacher(out).mean()
+
+        value, grads = autostate.value_and_grad(loss)(g, d)
+        opt.update(grads)
+        return value
+
+    expected, models = explicit(2)
+    for run in (step, autostate.jit(step)):
+        g, d, t = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1)), dec.Net(jax.random.key(2))
+        opt = autostate.Optimizer(g, optax.sgd(0.1))
+        run(g, opt, d, t)
+        value = run(g, opt, d, t)
+        same(np.asarray(expected), np.asarray(value), "loss")
+        same(snapshot(models), snapshot((g, d, t)), "generator, discriminator and teacher")
+        assert int(d.steps) == int(t.steps) == 2
+        no_tracer((g, d, t))
+
+
 def test_value_and_grad_refusals(write_module: Loader) -> None:
     _, dec = _compiled_pair(write_module)
     model = dec.Net(jax.random.key(0))
