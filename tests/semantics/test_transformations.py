@@ -3939,6 +3939,33 @@ def test_value_and_grad_keeps_the_writes_of_models_it_does_not_differentiate(
         no_tracer((g, d, t))
 
 
+def test_grad_of_a_sub_model_the_function_reaches_through_its_parent(
+    write_module: Loader,
+) -> None:
+    # Partial fine-tuning: only the head is differentiated, and the loss calls the
+    # whole model (given as another argument, or through its closure), which reaches
+    # the head: the one object of the plain call, differentiated on every path.
+    _, dec = _compiled_pair(write_module)
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    (_, states), expected = jax.value_and_grad(
+        lambda f: (lambda o: (o[0].sum(), o[1]))(f(states, COMPILED_X)), has_aux=True
+    )(f)
+
+    def as_argument(model: Any) -> Any:
+        return autostate.grad(lambda norm, model: model(COMPILED_X).sum())(model.norm, model)
+
+    def by_closure(model: Any) -> Any:
+        return autostate.grad(lambda norm: model(COMPILED_X).sum())(model.norm)
+
+    for step in (as_argument, by_closure, autostate.jit(as_argument), autostate.jit(by_closure)):
+        model = dec.Net(jax.random.key(0))
+        grads = step(model)
+        same(np.asarray(expected.model.norm.scale), np.asarray(grads.scale), "the head's gradient")
+        same(np.asarray(states["norm.mean"]), np.asarray(model.norm.mean), "running mean")
+        same(np.ones(3, np.float32), np.asarray(model.norm.scale), "parameters as they were")
+        no_tracer(model)
+
+
 def test_value_and_grad_refusals(write_module: Loader) -> None:
     _, dec = _compiled_pair(write_module)
     model = dec.Net(jax.random.key(0))
