@@ -297,14 +297,16 @@ def check_not_traced(
         raise TracedEagerStateError(
             format_error(
                 f"State {name!r} was assigned a value of a transformation (jax.eval_shape, "
-                "jax.vmap, jax.grad, ...) applied to the model inside the trace or call it "
+                "jax.vmap, jax.grad, a jax.lax loop or branch, ...) applied to the model inside the trace or call it "
                 "lives in (the function autostate.jit compiles, a call of f, or the function "
                 "that built the model): that "
                 "transformation does not carry the model's states out, so the model would "
                 "keep a value that only exists inside it.",
                 fix="apply the inner transformation to a function of the states: "
                 "`f, states = model.functionalize()`, then `jax.eval_shape(f, states, x)` "
-                "(or `autostate.vmap`/`autostate.grad`, which thread them); a function "
+                "(or `autostate.vmap`/`autostate.grad`, which thread them; for a "
+                "jax.lax loop or branch in code @stateful did not rewrite, "
+                "autostate.scan/cond/switch/while_loop/fori_loop/map); a function "
                 "that only reads the model's states needs no change.",
             )
         )

@@ -137,6 +137,19 @@ def test_check_not_traced_accepts_the_tracers_of_the_models_home_and_around_it()
     assert lifetime.check_not_traced(jnp.ones(()), "s") is None
 
 
+def test_a_lax_loop_in_a_plain_function_inside_a_compiled_call_names_autostate_scan():
+    # The plain function's jax.lax.scan is no transformation autostate lifts: the error
+    # says which one does.
+    def step(model, xs):
+        return jax.lax.scan(lambda c, x: (c + model(x), None), 0.0, xs)[0]
+
+    model = Counter()
+    with pytest.raises(TracedEagerStateError, match="applied to the model inside") as err:
+        autostate.jit(step)(model, jnp.ones(3))
+    assert "autostate.scan" in str(err.value).split("fix:", 1)[1]
+    assert float(model.n) == 0.0
+
+
 def test_a_model_built_inside_a_trace_keeps_that_traces_values():
     def build_and_call(x):
         model = Counter(start=x)
