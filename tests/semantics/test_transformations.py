@@ -4040,6 +4040,30 @@ class Indexed:
     assert f"{__file__}:" in str(err.value)
 
 
+def test_an_optimizer_of_a_sub_model_takes_its_part_of_the_gradient(write_module: Loader) -> None:
+    # PyTorch's parameter groups: one optimizer per sub-model, each given the gradient
+    # read like the model (grads.norm); the explicit path updates f leaf by leaf.
+    _, dec = _compiled_pair(write_module)
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    grads = jax.grad(lambda f: f(states, COMPILED_X)[0].sum())(f)
+    expected = jax.tree_util.tree_map_with_path(
+        lambda path, p, g: p - (0.5 if "norm" in jax.tree_util.keystr(path) else 0.0) * g, f, grads
+    )
+
+    def step(model: Any, opt: Any) -> None:
+        opt.update(autostate.grad(lambda m: m(COMPILED_X).sum())(model).norm)
+
+    for run in (step, autostate.jit(step)):
+        model = dec.Net(jax.random.key(0))
+        opt = autostate.Optimizer(model.norm, optax.sgd(0.5))
+        run(model, opt)
+        same(np.asarray(expected.model.norm.scale), np.asarray(model.norm.scale), "norm's scale")
+        same(np.asarray(expected.model.w), np.asarray(model.w), "w, not in the group")
+        assert int(opt.step) == 1
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="not shaped like"):
+        opt.update(autostate.grad(lambda m: m(COMPILED_X).sum())(model))  # the whole model's
+
+
 def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: Loader) -> None:
     _, dec = _compiled_pair(write_module)
     a, b = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1))
