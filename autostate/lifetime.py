@@ -174,8 +174,12 @@ def contains_tracer_in_opaque(leaf: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in leaves_within_opaque([leaf]))
 
 
-def _trace_of(tracer: Any) -> Any:
+def trace_of(tracer: Any) -> Any:
+    """The trace ``tracer`` is a value of (the home of a model holding it)."""
     return getattr(tracer, "_trace", None)
+
+
+_trace_of = trace_of
 
 
 def current_trace() -> Any:

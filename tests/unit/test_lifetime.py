@@ -150,6 +150,21 @@ def test_a_lax_loop_in_a_plain_function_inside_a_compiled_call_names_autostate_s
     assert float(model.n) == 0.0
 
 
+def test_a_parameter_given_a_lax_branchs_value_inside_a_compiled_call_is_refused():
+    # An optimizer step skipped on overflow by a plain jax.lax.cond: the parameter
+    # would keep a tracer of the branch (JAX's UnexpectedTracerError at the next use).
+    def step(model, x):
+        jax.lax.cond(x > 0, lambda: setattr(model, "k", model.k * x), lambda: None)
+        return x
+
+    model = Counter()
+    with pytest.raises(TracedEagerStateError, match="'Counter.k' was assigned a value of a"):
+        autostate.jit(step)(model, jnp.ones(()))
+    assert float(model.k) == 1.0
+    autostate.jit(lambda m, x: setattr(m, "k", m.k * x))(model, 2 * jnp.ones(()))
+    assert float(model.k) == 2.0  # (a value of the compiled call's own trace lands)
+
+
 def test_a_model_built_inside_a_trace_keeps_that_traces_values():
     def build_and_call(x):
         model = Counter(start=x)
