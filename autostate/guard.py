@@ -600,7 +600,7 @@ def check_write(obj: Any, name: str, value: Any = _ABSENT) -> None:
             elif isinstance(value, jax.core.Tracer):
                 # (One array: the parameter a PyTorch-style optimizer steps.
                 # Containers are not walked here: a model may hold itself.)
-                _check_concrete_kept(obj, name)
+                _check_concrete_kept(obj, name, value)
         return
     if _state_or_descriptor(obj, name):
         return
@@ -624,15 +624,23 @@ def _state_or_descriptor(obj: Any, name: str) -> bool:
     )
 
 
-def _check_concrete_kept(obj: Any, name: str) -> None:
+def _check_concrete_kept(obj: Any, name: str, value: Any) -> None:
     """A traced value assigned over a concrete array in a plain attribute of a
     model made outside the trace (``model.w = model.w - lr * g`` under
     ``jax.jit``): the model would keep the tracer."""
     old = obj.__dict__.get(name, _ABSENT)
+    if isinstance(old, jax.core.Tracer):
+        # A model living in a trace (the copy autostate.jit traces): a value of
+        # a transformation applied inside it (a jax.lax branch of a plain
+        # function, jax.vmap) would outlive that transformation.
+        from autostate.lifetime import check_not_traced, trace_of  # (see check_write)
+
+        check_not_traced(value, f"{type(obj).__name__}.{name}", trace_of(old))
+        return
     # (A concrete jax array, under jax.jit: made outside it, where a model
     # built inside holds its tracers. Nothing else says the model is older;
     # under grad or vmap alone an array made inside may be concrete.)
-    if not isinstance(old, jax.Array) or isinstance(old, jax.core.Tracer):
+    if not isinstance(old, jax.Array):
         return
     from autostate.lifetime import under_staging_trace  # (see check_write)
 

@@ -203,8 +203,12 @@ def contains_tracer_in_opaque(leaf: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in leaves_within_opaque([leaf]))
 
 
-def _trace_of(tracer: Any) -> Any:
+def trace_of(tracer: Any) -> Any:
+    """The trace ``tracer`` is a value of (the home of a model holding it)."""
     return getattr(tracer, "_trace", None)
+
+
+_trace_of = trace_of
 
 
 def current_trace() -> Any:
@@ -326,14 +330,16 @@ def check_not_traced(
         raise TracedEagerStateError(
             format_error(
                 f"State {name!r} was assigned a value of a transformation (jax.eval_shape, "
-                "jax.vmap, jax.grad, ...) applied to the model inside the trace or call it "
+                "jax.vmap, jax.grad, a jax.lax loop or branch, ...) applied to the model inside the trace or call it "
                 "lives in (the function autostate.jit compiles, a call of f, or the function "
                 "that built the model): that "
                 "transformation does not carry the model's states out, so the model would "
                 "keep a value that only exists inside it.",
                 fix="apply the inner transformation to a function of the states: "
                 "`f, states = model.functionalize()`, then `jax.eval_shape(f, states, x)` "
-                "(or `autostate.vmap`/`autostate.grad`, which thread them); a function "
+                "(or `autostate.vmap`/`autostate.grad`, which thread them; for a "
+                "jax.lax loop or branch in code @stateful did not rewrite, "
+                "autostate.scan/cond/switch/while_loop/fori_loop/map); a function "
                 "that only reads the model's states needs no change.",
             )
         )

@@ -118,8 +118,11 @@ def _check_grads(grads: Any, f: FunctionalModel, model: Any) -> None:
     """Refuses gradients not shaped like ``model``'s ``f`` (in any mode): their
     arrays would be matched to its parameters by position alone."""
     count = len(jax.tree_util.tree_leaves(f))
-    if isinstance(grads, FunctionalModel):
-        fits = type(grads.model) is type(f.model) and len(jax.tree_util.tree_leaves(grads)) == count
+    # What autostate.grad gives: its FunctionalModel, or a sub-model of it read
+    # like the model's (``grads.backbone`` for an optimizer of ``model.backbone``).
+    given_model = grads.model if isinstance(grads, FunctionalModel) else grads
+    if isinstance(grads, FunctionalModel) or _graph.is_stateful_instance(grads):
+        fits = type(given_model) is type(f.model) and len(jax.tree_util.tree_leaves(grads)) == count
     else:
         given: Any = jax.tree_util.tree_structure(grads)
         fits = given == jax.tree_util.tree_structure(f)

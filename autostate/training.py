@@ -22,9 +22,10 @@ read like the model (``grads.norm.scale``, ``grads.blocks[0].w``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import jax
@@ -35,7 +36,8 @@ from autostate import tree as _tree
 from autostate.api import functionalize
 from autostate.effects.local_state import HandledLocalStateRef
 from autostate.errors import InvalidArgumentError, InvalidTypeError, format_error, user_location
-from autostate.functional import FunctionalModel, instance_pairs
+from autostate.functional import ConstantRef, FunctionalModel, instance_pairs
+from autostate.lifetime import contains_tracer
 
 if TYPE_CHECKING:
     from autostate.lifting.core import Swapped
@@ -131,31 +133,39 @@ def value_and_grad(
     numbers = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        from autostate.lifting.core import write_back  # (the lift: read by the first call)
+        # (the lift: read by the first call)
+        from autostate.lifting.autodiff import value_and_grad as lifted_value_and_grad
+        from autostate.lifting.core import write_back
 
         models = [_model_at(args, i) for i in numbers]
         _check_apart(models, numbers)
         pairs = [functionalize(model) for model in models]
         fs = [f for f, _ in pairs]
-        written: list[dict[str, Any]] = [{} for _ in pairs]
 
         def loss(*diffed: FunctionalModel) -> tuple[Any, Any]:
-            def nested(k: int, handled: list[Any]) -> Any:
+            # Each model's new states come out with the value (nothing the
+            # derivative captures is changed in place).
+            def nested(k: int, handled: list[Any]) -> tuple[Any, list[dict[str, Any]]]:
                 if k == len(diffed):
                     called = list(args)
                     for i, model in zip(numbers, handled):
                         called[i] = model
-                    return fn(*called, **kwargs)
-                out, written[k] = diffed[k]._run(
+                    with _differentiated_through_any_path(models, diffed):
+                        return fn(*called, **kwargs), []
+                (out, inner), written = diffed[k]._run(
                     pairs[k][1], lambda model: nested(k + 1, [*handled, model]), (), {}
                 )
-                return out
+                return out, [written, *inner]
 
-            out = nested(0, [])
+            out, written = nested(0, [])
             value, aux = out if has_aux else (out, None)
             return value, (aux, written)
 
-        (value, (aux, new)), grads = jax.value_and_grad(
+        # The lifted derivative, as a method's jax.value_and_grad: the other
+        # models the function reaches (a discriminator called on the
+        # generator's output, a teacher) keep their state writes, with their
+        # primal values, as the plain call leaves them.
+        (value, (aux, new)), grads = lifted_value_and_grad(
             loss, argnums=tuple(range(len(fs))), has_aux=True, **options
         )(*fs)
         for model, (f, before), states in zip(models, pairs, new):
@@ -285,6 +295,34 @@ def _check_apart(models: Sequence[Any], numbers: Sequence[int]) -> None:
                         "argument; its gradient then reads as both.",
                     )
                 )
+
+
+@contextlib.contextmanager
+def _differentiated_through_any_path(models: Sequence[Any], diffed: Sequence[FunctionalModel]) -> Iterator[None]:
+    """For the call of the differentiated function, the models' own instances
+    hold the parameters being differentiated, so a path that reaches one other
+    than the argument (a parent model given as another argument, the
+    function's closure: ``grad(lambda head: loss(model))(model.head)``) is
+    differentiated too, as the one object of the plain call is."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for model, f in zip(models, diffed):
+            for obj, twin in instance_pairs(model, f):
+                states = _tree.info_of(obj).state
+                for attr, value in twin.__dict__.items():
+                    if attr in states or _graph.holds_instance(value) or not contains_tracer(value):
+                        continue
+                    old = obj.__dict__.get(attr)
+                    new = jax.tree_util.tree_map(
+                        lambda n, o: o if type(n) is ConstantRef else n,
+                        value, _graph.materialized(old), is_leaf=lambda x: type(x) is ConstantRef,
+                    )
+                    swapped.append((obj.__dict__, attr, old))
+                    obj.__dict__[attr] = new
+        yield
+    finally:
+        for held, attr, old in reversed(swapped):
+            held[attr] = old
 
 
 def _own_states(model: Any, f: FunctionalModel) -> Swapped:

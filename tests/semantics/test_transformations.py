@@ -3893,6 +3893,79 @@ def test_value_and_grad_of_a_model(write_module: Loader) -> None:
     assert jax.tree.structure(ga) == jax.tree.structure(gb) and int(a.steps) == int(b.steps) == 1
 
 
+def test_value_and_grad_keeps_the_writes_of_models_it_does_not_differentiate(
+    write_module: Loader,
+) -> None:
+    # A GAN's generator step: the discriminator (an argument) and a teacher (reached by
+    # the loss's closure) run on the generator's output, so their running statistics
+    # depend on the differentiated parameters; they land with their primal values, as
+    # the explicit path threads them, eagerly and compiled.
+    _, dec = _compiled_pair(write_module)
+
+    def explicit(k: int) -> tuple[Any, Any]:
+        fg, sg = dec.Net(jax.random.key(0)).functionalize()
+        fd, sd = dec.Net(jax.random.key(1)).functionalize()
+        ft, st = dec.Net(jax.random.key(2)).functionalize()
+        for _ in range(k):
+            def loss(fg: Any, sg: Any, sd: Any, st: Any) -> Any:
+                out, sg = fg(sg, COMPILED_X)
+                judged, sd = fd(sd, out)
+                taught, st = ft(st, out)
+                return (judged ** 2).mean() + taught.mean(), (sg, sd, st)
+
+            (value, (sg, sd, st)), grads = jax.value_and_grad(loss, has_aux=True)(fg, sg, sd, st)
+            fg = jax.tree.map(lambda p, g: p - 0.1 * g, fg, grads)
+        models = (autostate.freeze(fg, sg), autostate.freeze(fd, sd), autostate.freeze(ft, st))
+        return value, models
+
+    def step(g: Any, opt: Any, d: Any, teacher: Any) -> Any:
+        def loss(g: Any, d: Any) -> Any:
+            out = g(COMPILED_X)
+            return (d(out) ** 2).mean() + teacher(out).mean()
+
+        value, grads = autostate.value_and_grad(loss)(g, d)
+        opt.update(grads)
+        return value
+
+    expected, models = explicit(2)
+    for run in (step, autostate.jit(step)):
+        g, d, t = dec.Net(jax.random.key(0)), dec.Net(jax.random.key(1)), dec.Net(jax.random.key(2))
+        opt = autostate.Optimizer(g, optax.sgd(0.1))
+        run(g, opt, d, t)
+        value = run(g, opt, d, t)
+        same(np.asarray(expected), np.asarray(value), "loss")
+        same(snapshot(models), snapshot((g, d, t)), "generator, discriminator and teacher")
+        assert int(d.steps) == int(t.steps) == 2
+        no_tracer((g, d, t))
+
+
+def test_grad_of_a_sub_model_the_function_reaches_through_its_parent(
+    write_module: Loader,
+) -> None:
+    # Partial fine-tuning: only the head is differentiated, and the loss calls the
+    # whole model (given as another argument, or through its closure), which reaches
+    # the head: the one object of the plain call, differentiated on every path.
+    _, dec = _compiled_pair(write_module)
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    (_, states), expected = jax.value_and_grad(
+        lambda f: (lambda o: (o[0].sum(), o[1]))(f(states, COMPILED_X)), has_aux=True
+    )(f)
+
+    def as_argument(model: Any) -> Any:
+        return autostate.grad(lambda norm, model: model(COMPILED_X).sum())(model.norm, model)
+
+    def by_closure(model: Any) -> Any:
+        return autostate.grad(lambda norm: model(COMPILED_X).sum())(model.norm)
+
+    for step in (as_argument, by_closure, autostate.jit(as_argument), autostate.jit(by_closure)):
+        model = dec.Net(jax.random.key(0))
+        grads = step(model)
+        same(np.asarray(expected.model.norm.scale), np.asarray(grads.scale), "the head's gradient")
+        same(np.asarray(states["norm.mean"]), np.asarray(model.norm.mean), "running mean")
+        same(np.ones(3, np.float32), np.asarray(model.norm.scale), "parameters as they were")
+        no_tracer(model)
+
+
 def test_value_and_grad_refusals(write_module: Loader) -> None:
     _, dec = _compiled_pair(write_module)
     model = dec.Net(jax.random.key(0))
@@ -3965,6 +4038,30 @@ class Indexed:
     with pytest.raises(autostate.errors.InvalidArgumentError, match="not shaped like") as err:
         opt.update({"pair": jnp.ones(2), "w": jnp.ones(3)})
     assert f"{__file__}:" in str(err.value)
+
+
+def test_an_optimizer_of_a_sub_model_takes_its_part_of_the_gradient(write_module: Loader) -> None:
+    # PyTorch's parameter groups: one optimizer per sub-model, each given the gradient
+    # read like the model (grads.norm); the explicit path updates f leaf by leaf.
+    _, dec = _compiled_pair(write_module)
+    f, states = dec.Net(jax.random.key(0)).functionalize()
+    grads = jax.grad(lambda f: f(states, COMPILED_X)[0].sum())(f)
+    expected = jax.tree_util.tree_map_with_path(
+        lambda path, p, g: p - (0.5 if "norm" in jax.tree_util.keystr(path) else 0.0) * g, f, grads
+    )
+
+    def step(model: Any, opt: Any) -> None:
+        opt.update(autostate.grad(lambda m: m(COMPILED_X).sum())(model).norm)
+
+    for run in (step, autostate.jit(step)):
+        model = dec.Net(jax.random.key(0))
+        opt = autostate.Optimizer(model.norm, optax.sgd(0.5))
+        run(model, opt)
+        same(np.asarray(expected.model.norm.scale), np.asarray(model.norm.scale), "norm's scale")
+        same(np.asarray(expected.model.w), np.asarray(model.w), "w, not in the group")
+        assert int(opt.step) == 1
+    with pytest.raises(autostate.errors.InvalidArgumentError, match="not shaped like"):
+        opt.update(autostate.grad(lambda m: m(COMPILED_X).sum())(model))  # the whole model's
 
 
 def test_value_and_grad_of_models_sharing_an_instance_is_refused(write_module: Loader) -> None:

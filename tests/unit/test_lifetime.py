@@ -137,6 +137,34 @@ def test_check_not_traced_accepts_the_tracers_of_the_models_home_and_around_it()
     assert lifetime.check_not_traced(jnp.ones(()), "s") is None
 
 
+def test_a_lax_loop_in_a_plain_function_inside_a_compiled_call_names_autostate_scan():
+    # The plain function's jax.lax.scan is no transformation autostate lifts: the error
+    # says which one does.
+    def step(model, xs):
+        return jax.lax.scan(lambda c, x: (c + model(x), None), 0.0, xs)[0]
+
+    model = Counter()
+    with pytest.raises(TracedEagerStateError, match="applied to the model inside") as err:
+        autostate.jit(step)(model, jnp.ones(3))
+    assert "autostate.scan" in str(err.value).split("fix:", 1)[1]
+    assert float(model.n) == 0.0
+
+
+def test_a_parameter_given_a_lax_branchs_value_inside_a_compiled_call_is_refused():
+    # An optimizer step skipped on overflow by a plain jax.lax.cond: the parameter
+    # would keep a tracer of the branch (JAX's UnexpectedTracerError at the next use).
+    def step(model, x):
+        jax.lax.cond(x > 0, lambda: setattr(model, "k", model.k * x), lambda: None)
+        return x
+
+    model = Counter()
+    with pytest.raises(TracedEagerStateError, match="'Counter.k' was assigned a value of a"):
+        autostate.jit(step)(model, jnp.ones(()))
+    assert float(model.k) == 1.0
+    autostate.jit(lambda m, x: setattr(m, "k", m.k * x))(model, 2 * jnp.ones(()))
+    assert float(model.k) == 2.0  # (a value of the compiled call's own trace lands)
+
+
 def test_a_model_built_inside_a_trace_keeps_that_traces_values():
     def build_and_call(x):
         model = Counter(start=x)
