@@ -618,11 +618,30 @@ def _aliased(expr: cst.BaseExpression) -> str | None:
     return dotted_name(subscript_base(expr))
 
 
+def _unpacked(
+    target: cst.BaseExpression, value: cst.BaseExpression
+) -> list[tuple[cst.Name, cst.BaseExpression | None]]:
+    """The names ``target = value`` binds, each with the expression it is
+    given where the source spells one (``m, n = self.x, 1``), else ``value``."""
+    sequences = (cst.Tuple, cst.List)
+    if (
+        isinstance(target, sequences) and isinstance(value, sequences)
+        and len(target.elements) == len(value.elements)
+        and not any(isinstance(e, cst.StarredElement | cst.StarredDictElement)
+                    for e in (*target.elements, *value.elements))
+    ):
+        return [p for t, v in zip(target.elements, value.elements) for p in _unpacked(t.value, v.value)]
+    return [(name, value) for name in name_nodes(target)]
+
+
 class _InPlaceAliases(cst.CSTVisitor):
     """Finds the first local that PyTorch would see change when the tensor it
     names is updated in place later (``m = self.x``, ``self.x.mul_(b)``, then a
     read of ``m``), or an in-place call on such a name; here ``m`` keeps its
-    value. ``problem``: (what, line, fix)."""
+    value. An item assignment (``self.x[i] = v``, ``self.x[i] += v``) updates
+    a list, a dict or a PyTorch tensor in place too: a local bound to the
+    whole attribute (``m = self.x``) would see it, one bound to an item
+    (``m = self.x[i]``) is a list's old item. ``problem``: (what, line, fix)."""
 
     def __init__(self, facts: MethodFacts, line: Callable[[cst.CSTNode], int]):
         super().__init__()
@@ -632,8 +651,10 @@ class _InPlaceAliases(cst.CSTVisitor):
         self.loops: list[int] = []
         # name -> (the dotted name it aliases, the loops around its binding)
         self.aliases: dict[str, tuple[str, tuple[int, ...]]] = {}
-        # name -> the in-place call after which it is stale (its node)
-        self.stale: dict[str, cst.Call] = {}
+        # The names bound to a whole attribute (``m = self.x``), not a view of it.
+        self.whole: set[str] = set()
+        # name -> the in-place update after which it is stale (its node, spelled)
+        self.stale: dict[str, tuple[cst.CSTNode, str]] = {}
         # name -> its reads (node, loops around it) since its binding
         self.reads: dict[str, list[tuple[cst.Name, tuple[int, ...]]]] = {}
         self.skipped: set[int] = set()
@@ -679,20 +700,28 @@ class _InPlaceAliases(cst.CSTVisitor):
         self.skipped.add(id(node.name))
 
     def _bind(self, node: cst.CSTNode, value: cst.BaseExpression | None) -> None:
-        for name in binding_names(node):
+        self._bind_names([(name, value) for name in binding_names(node)])
+
+    def _bind_names(self, pairs: list[tuple[cst.Name, cst.BaseExpression | None]]) -> None:
+        for name, value in pairs:
             self.skipped.add(id(name))
             key = identifier(name.value)
             self.aliases.pop(key, None)
+            self.whole.discard(key)
             self.stale.pop(key, None)
             self.reads.pop(key, None)
             if value is None:
                 continue
             aliased = _aliased(value)
+            whole = dotted_name(value) is not None
             if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
                 aliased = self.aliases[identifier(value.value)][0]
+                whole = identifier(value.value) in self.whole
             if aliased is not None and "." in aliased:
                 self.aliases[key] = (aliased, tuple(self.loops))
                 self.reads[key] = []
+                if whole:
+                    self.whole.add(key)
 
     def _skip_targets(self, node: cst.Assign | cst.AugAssign) -> None:
         self.skipped.update(id(n) for n in binding_names(node))
@@ -700,10 +729,28 @@ class _InPlaceAliases(cst.CSTVisitor):
     visit_Assign = visit_AugAssign = _skip_targets
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
-        self._bind(original_node, original_node.value)
+        for target in original_node.targets:
+            self._item_update(target.target, original_node)
+        value = original_node.value
+        self._bind_names([p for t in original_node.targets for p in _unpacked(t.target, value)])
 
     def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
+        self._item_update(original_node.target, original_node)
         self._bind(original_node, None)
+
+    def _item_update(self, target: cst.BaseExpression, node: cst.CSTNode) -> None:
+        """``self.x[i] = v`` (also within a tuple target): an update of
+        ``self.x`` in place, which a local bound to all of it would see."""
+        if isinstance(target, cst.Tuple | cst.List):
+            for element in target.elements:
+                self._item_update(element.value, node)
+            return
+        if not isinstance(target, cst.Subscript) or self.facts.receiver is None:
+            return
+        updated = dotted_name(subscript_base(target))
+        if updated is None or updated.partition(".")[0] != self.facts.receiver:
+            return
+        self._updated(updated, node, f"Assigning an item of `{updated}`", whole_only=True)
 
     def leave_AnnAssign(self, original_node: cst.AnnAssign) -> None:
         self._bind(original_node, original_node.value)
@@ -746,28 +793,36 @@ class _InPlaceAliases(cst.CSTVisitor):
         updated = dotted_name(base)
         if updated is None:
             return
+        method = original_node.func.attr.value  # type: ignore[attr-defined]
+        self._updated(updated, original_node, f"`{updated}.{method}(...)`", whole_only=False)
+
+    def _updated(self, updated: str, node: cst.CSTNode, spelled: str, *, whole_only: bool) -> None:
+        """``updated`` changes in place at ``node`` (``spelled``): the locals
+        bound to it are stale from here on, and one read in a loop around both
+        already saw the update."""
         for name, (aliased, bound_in) in self.aliases.items():
-            if aliased != updated:
+            if aliased != updated or (whole_only and name not in self.whole):
                 continue
-            self.stale.setdefault(name, original_node)
+            self.stale.setdefault(name, (node, spelled))
             for read, loops in self.reads[name]:
                 shared = [loop for loop in loops if loop in self.loops and loop not in bound_in]
                 if shared:
-                    self._refuse(name, original_node, read)
+                    self._refuse(name, (node, spelled), read)
                     return
 
-    def _refuse(self, name: str, call: cst.Call, read: cst.Name) -> None:
+    def _refuse(self, name: str, update: tuple[cst.CSTNode, str], read: cst.Name) -> None:
         aliased = self.aliases[name][0]
-        method = call.func.attr.value  # type: ignore[attr-defined]
+        node, spelled = update
         self.problem = (
-            f"`{aliased}.{method}(...)` updates `{aliased}` in place while local `{name}` is "
-            f"bound to it and read afterwards (line {self.line(read)}): in PyTorch `{name}` "
-            "would see the update, here it keeps the value it was given.",
-            self.line(call),
+            f"{spelled} updates `{aliased}` in place while local `{name}` is "
+            f"bound to it and read afterwards (line {self.line(read)}): in plain Python (and "
+            f"PyTorch) `{name}` would see the update, here it keeps the value it was given.",
+            self.line(node),
             f"take a copy where the old value is meant (`{name} = jnp.array({aliased})`, "
-            f"PyTorch's `.clone()`), or read `{aliased}` again where the new one is meant; "
-            f"or write the update functionally (`{aliased} = ...`), which `{name}` does not "
-            "follow in PyTorch either.",
+            f"PyTorch's `.clone()`, `list({aliased})` or `dict({aliased})` for a container), "
+            f"or read `{aliased}` again where the new one is meant; or write the update "
+            f"functionally (`{aliased} = ...`), which `{name}` does not follow in Python "
+            "either.",
         )
 
 
@@ -1040,7 +1095,7 @@ def collect_facts(
     )
     collector = _FactCollector(facts, source.mangle_as or class_name, shift)
     walk.visit(module, collector)
-    if facts.updates_in_place:
+    if facts.updates_in_place or any(a.kind == "item" for a in facts.assignments):
         aliases = _InPlaceAliases(facts, collector._line)
         walk.visit(function, aliases)
         facts.alias_problem = aliases.problem
@@ -1258,12 +1313,15 @@ def analyze_class(
     for facts in methods:
         by_attr.setdefault(facts.source.attr, []).append(facts)
 
-    # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``).
+    # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``),
+    # or an item assignment outside ``__init__`` (``self.x[i] = v``): a list,
+    # a dict or a PyTorch tensor changes in place there.
     updated_in_place = {
         a.attr: (facts, a)
         for facts in methods
         for a in facts.assignments
-        if a.kind == "inplace" and facts.receiver is not None
+        if facts.receiver is not None
+        and (a.kind == "inplace" or (a.kind == "item" and facts.source.attr != "__init__"))
     }
     for facts in methods:
         src = facts.source
@@ -1275,20 +1333,34 @@ def analyze_class(
                 continue
             aliased = _aliased(assignment.value)
             head, _, attr = (aliased or "").partition(".")
-            if head != facts.receiver or attr not in updated_in_place or attr == assignment.attr:
+            if head != facts.receiver or attr == assignment.attr:
                 continue
-            where, update = updated_in_place[attr]
-            method = update.value.func.attr.value  # type: ignore[union-attr]
+            # The alias itself updated by an item assignment: the attribute it
+            # was given sees that update in plain Python (``self.y = self.x``,
+            # then ``self.y[i] = v``; only a whole attribute, not an item).
+            updated = attr if attr in updated_in_place else assignment.attr
+            if updated not in updated_in_place or (
+                updated_in_place[updated][1].kind == "item"
+                and dotted_name(assignment.value) != aliased
+            ):
+                continue
+            where, update = updated_in_place[updated]
+            spelled = (
+                f"`{where.receiver}.{updated}[...] = ...`" if update.kind == "item"
+                else f"`{where.receiver}.{updated}.{update.value.func.attr.value}(...)`"  # type: ignore[union-attr]
+            )
+            other = f"{facts.receiver}.{assignment.attr}" if updated == attr else str(aliased)
             raise _fail(
                 class_name,
                 f"`{facts.receiver}.{assignment.attr} = {aliased}` keeps a second reference to "
-                f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
-                f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
-                "would see every such update, here it keeps the value it was given.",
+                f"state {updated!r}, which {spelled} updates in place "
+                f"({where.source.filename}:{update.line}): in plain Python (and PyTorch) "
+                f"`{other}` would see every such update, here it keeps the value it was given.",
                 src, assignment.line,
-                f"read `{facts.receiver}.{attr}` where its current value is meant (a @property "
-                f"`{assignment.attr}` returning it), or assign a copy where the value of this "
-                f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
+                f"read `{facts.receiver}.{updated}` where its current value is meant (a @property "
+                f"`{other.partition('.')[2]}` returning it), or assign a copy where the value of "
+                f"this moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`, "
+                f"`list({aliased})` or `dict({aliased})` for a container).",
             )
         touched = facts.touched() & state
         receiver = facts.receiver

@@ -894,6 +894,12 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         ("m = self.x\nm.mul_(2)", 12, "call it on the attribute: `self.x.mul_(...)`"),
         ("m = self.x\nfor i in range(3):\n    y = m + i\n    self.x.mul_(2)", 14, "local `m`"),
         ("m = self.sub.x\nself.sub.x.zero_()\nreturn m", 12, "`self.sub.x.zero_(...)`"),
+        # An item assignment changes a list, a dict or a tensor in place too.
+        ("m = self.x\nself.x[0] = 1\nreturn m", 12, "Assigning an item of `self.x`"),
+        ("m = self.x\nself.x['k'] += 1\nreturn m", 12, "local `m` is bound to it"),
+        ("m = self.x\nself.x[0], self.y = 1, 2\nreturn m", 12, "local `m`"),
+        ("m = self.x\nfor i in range(3):\n    y = m[0]\n    self.x[0] = i", 14, "local `m`"),
+        ("m, n = self.x, 1\nself.x.mul_(2)\nreturn m", 12, "local `m`"),  # unpacked
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
@@ -913,12 +919,35 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "m = self.x.sum()\nself.x.mul_(2)\nreturn m",  # a new value, no alias
         "for i in range(3):\n    m = self.x\n    y = m + i\nself.x.mul_(2)",  # loop before it
         "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
+        "m = self.x[0]\nself.x[0] = 1\nreturn m",  # a list's old item, not the list
+        "m = self.x\ny = m[0]\nself.x[0] = 1\nreturn y",  # read before the item assignment
         "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
 )
 def test_inplace_update_with_no_alias_reading_it_is_accepted(body):
     text = "def step(self):\n" + textwrap.indent(body, "    ") + "\n"
     assert analyze("M", INIT_XYZ, text).state == {"x"}
+
+
+@pytest.mark.parametrize(
+    ("init", "step", "needle"),
+    [
+        ("self.y = self.x", "self.x[0] = 1", "`self.y` would see every such update"),
+        ("self.y = self.x", "self.y[0] = 1", "`self.x` would see every such update"),
+    ],
+)
+def test_item_assignment_of_a_state_another_attribute_keeps_is_refused(init, step, needle):
+    text = f"def __init__(self):\n    self.x = [0]\n    {init}\n    self.z = 0\n"
+    with pytest.raises(DecorationError) as info:
+        analyze("M", text, f"def step(self):\n    {step}\n")
+    message = str(info.value)
+    assert needle in message and "model.py:12 (in M.__init__)" in message, message
+    assert "list(self.x)" in message
+
+
+def test_item_assignment_of_a_state_an_attribute_keeps_an_item_of_is_accepted():
+    init = "def __init__(self):\n    self.x = [0]\n    self.y = self.x[0]\n    self.z = 0\n"
+    assert analyze("M", init, "def step(self):\n    self.x[0] = 1\n").state == {"x"}
 
 
 def test_inplace_update_of_a_state_another_attribute_keeps_is_refused():
