@@ -618,6 +618,36 @@ def _aliased(expr: cst.BaseExpression) -> str | None:
     return dotted_name(subscript_base(expr))
 
 
+def _subscripts(expr: cst.BaseExpression) -> tuple[cst.SubscriptElement, ...] | None:
+    """The subscripts of ``self.x[i][j]`` from the attribute on (``[i], [j]``),
+    ``()`` for a dotted name; None for anything else (a call's view)."""
+    items: list[cst.SubscriptElement] = []
+    while isinstance(expr, cst.Subscript):
+        items[:0] = expr.slice
+        expr = expr.value
+    return tuple(items) if dotted_name(expr) is not None else None
+
+
+def _literal(element: cst.SubscriptElement) -> bool:
+    index = element.slice
+    return isinstance(index, cst.Index) and isinstance(
+        index.value, cst.Integer | cst.SimpleString | cst.Float
+    )
+
+
+def _within(
+    alias: tuple[cst.SubscriptElement, ...] | None, assigned: tuple[cst.SubscriptElement, ...]
+) -> bool:
+    """Whether an item assignment at ``assigned`` may change, in place, the
+    container an alias at ``alias`` is bound to: one it reaches through it
+    (subscripts that may be the same; two different literals are not)."""
+    if alias is None or len(alias) >= len(assigned):
+        return False
+    return all(
+        a.deep_equals(b) or not (_literal(a) and _literal(b)) for a, b in zip(alias, assigned)
+    )
+
+
 def _unpacked(
     target: cst.BaseExpression, value: cst.BaseExpression
 ) -> list[tuple[cst.Name, cst.BaseExpression | None]]:
@@ -638,10 +668,11 @@ class _InPlaceAliases(cst.CSTVisitor):
     """Finds the first local that PyTorch would see change when the tensor it
     names is updated in place later (``m = self.x``, ``self.x.mul_(b)``, then a
     read of ``m``), or an in-place call on such a name; here ``m`` keeps its
-    value. An item assignment (``self.x[i] = v``, ``self.x[i] += v``) updates
-    a list, a dict or a PyTorch tensor in place too: a local bound to the
-    whole attribute (``m = self.x``) would see it, one bound to an item
-    (``m = self.x[i]``) is a list's old item. ``problem``: (what, line, fix)."""
+    value. An item assignment (``self.x[i] = v``, ``self.x[i][j] += v``)
+    updates a list, a dict or a PyTorch tensor in place too: a local bound to
+    the whole attribute (``m = self.x``) or to a container within it that the
+    assignment may reach (``m = self.x[i]``) would see it; one bound to the
+    item it replaces keeps the old item. ``problem``: (what, line, fix)."""
 
     def __init__(self, facts: MethodFacts, line: Callable[[cst.CSTNode], int]):
         super().__init__()
@@ -651,8 +682,9 @@ class _InPlaceAliases(cst.CSTVisitor):
         self.loops: list[int] = []
         # name -> (the dotted name it aliases, the loops around its binding)
         self.aliases: dict[str, tuple[str, tuple[int, ...]]] = {}
-        # The names bound to a whole attribute (``m = self.x``), not a view of it.
-        self.whole: set[str] = set()
+        # name -> the subscripts between the attribute and what it is bound
+        # to (``m = self.x[i]``: ``[i]``); absent for a view a call made.
+        self.items: dict[str, tuple[cst.SubscriptElement, ...]] = {}
         # name -> the in-place update after which it is stale (its node, spelled)
         self.stale: dict[str, tuple[cst.CSTNode, str]] = {}
         # name -> its reads (node, loops around it) since its binding
@@ -707,21 +739,21 @@ class _InPlaceAliases(cst.CSTVisitor):
             self.skipped.add(id(name))
             key = identifier(name.value)
             self.aliases.pop(key, None)
-            self.whole.discard(key)
+            self.items.pop(key, None)
             self.stale.pop(key, None)
             self.reads.pop(key, None)
             if value is None:
                 continue
             aliased = _aliased(value)
-            whole = dotted_name(value) is not None
+            items = _subscripts(value)
             if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
                 aliased = self.aliases[identifier(value.value)][0]
-                whole = identifier(value.value) in self.whole
+                items = self.items.get(identifier(value.value))
             if aliased is not None and "." in aliased:
                 self.aliases[key] = (aliased, tuple(self.loops))
                 self.reads[key] = []
-                if whole:
-                    self.whole.add(key)
+                if items is not None:
+                    self.items[key] = items
 
     def _skip_targets(self, node: cst.Assign | cst.AugAssign) -> None:
         self.skipped.update(id(n) for n in binding_names(node))
@@ -750,7 +782,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         updated = dotted_name(subscript_base(target))
         if updated is None or updated.partition(".")[0] != self.facts.receiver:
             return
-        self._updated(updated, node, f"Assigning an item of `{updated}`", whole_only=True)
+        self._updated(updated, node, f"Assigning an item of `{updated}`", _subscripts(target))
 
     def leave_AnnAssign(self, original_node: cst.AnnAssign) -> None:
         self._bind(original_node, original_node.value)
@@ -794,14 +826,18 @@ class _InPlaceAliases(cst.CSTVisitor):
         if updated is None:
             return
         method = original_node.func.attr.value  # type: ignore[attr-defined]
-        self._updated(updated, original_node, f"`{updated}.{method}(...)`", whole_only=False)
+        self._updated(updated, original_node, f"`{updated}.{method}(...)`", None)
 
-    def _updated(self, updated: str, node: cst.CSTNode, spelled: str, *, whole_only: bool) -> None:
-        """``updated`` changes in place at ``node`` (``spelled``): the locals
-        bound to it are stale from here on, and one read in a loop around both
-        already saw the update."""
+    def _updated(
+        self, updated: str, node: cst.CSTNode, spelled: str,
+        item: tuple[cst.SubscriptElement, ...] | None,
+    ) -> None:
+        """``updated`` changes in place at ``node`` (``spelled``; ``item``:
+        the subscripts an item assignment assigns, None for a tensor method):
+        the locals bound to it are stale from here on, and one read in a loop
+        around both already saw the update."""
         for name, (aliased, bound_in) in self.aliases.items():
-            if aliased != updated or (whole_only and name not in self.whole):
+            if aliased != updated or (item is not None and not _within(self.items.get(name), item)):
                 continue
             self.stale.setdefault(name, (node, spelled))
             for read, loops in self.reads[name]:
@@ -815,7 +851,8 @@ class _InPlaceAliases(cst.CSTVisitor):
         node, spelled = update
         self.problem = (
             f"{spelled} updates `{aliased}` in place while local `{name}` is "
-            f"bound to it and read afterwards (line {self.line(read)}): in plain Python (and "
+            f"bound to it{' (to a container within it)' if self.items.get(name) else ''} "
+            f"and read afterwards (line {self.line(read)}): in plain Python (and "
             f"PyTorch) `{name}` would see the update, here it keeps the value it was given.",
             self.line(node),
             f"take a copy where the old value is meant (`{name} = jnp.array({aliased})`, "

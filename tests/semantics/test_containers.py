@@ -2156,6 +2156,17 @@ class C:
             self.d["a"] += x
         return out
 """, 'self.d["a"] += x'),
+    "nested": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.rows = [[jnp.zeros(())], [jnp.ones(())]]
+
+    def __call__(self, x):
+        row = self.rows[0]
+        self.rows[0][0] = self.rows[0][0] + x
+        return row[0]
+""", "self.rows[0][0] = self.rows[0][0] + x"),
     "attribute": ("""
 @DECORATE
 class C:
@@ -2188,12 +2199,15 @@ class C:
     def __init__(self):
         self.lst = [jnp.zeros(()), jnp.ones(())]
         self.first = self.lst[0]
+        self.rows = [[jnp.zeros(())], [jnp.ones(())]]
 
     def __call__(self, x):
         old = self.lst[0]
         whole = self.lst
         y = whole[1]
         self.lst[0] = self.lst[0] + x
-        return old, y, self.first, self.lst[0]
+        other = self.rows[1]
+        self.rows[0][0] = self.rows[0][0] + x
+        return old, y, self.first, self.lst[0], other[0], self.rows[0][0]
 """)
     check(plain, dec, "C()", [("__call__", (jnp.float32(2.0),)), ("__call__", (jnp.float32(3.0),))])

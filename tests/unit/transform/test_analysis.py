@@ -900,6 +900,8 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         ("m = self.x\nself.x[0], self.y = 1, 2\nreturn m", 12, "local `m`"),
         ("m = self.x\nfor i in range(3):\n    y = m[0]\n    self.x[0] = i", 14, "local `m`"),
         ("m, n = self.x, 1\nself.x.mul_(2)\nreturn m", 12, "local `m`"),  # unpacked
+        ("m = self.x[0]\nself.x[0][1] = 1\nreturn m", 12, "(to a container within it)"),
+        ("m = self.x[i]\nself.x[0]['k'] = 1\nreturn m", 12, "local `m`"),  # may be the same
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
@@ -920,6 +922,7 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "for i in range(3):\n    m = self.x\n    y = m + i\nself.x.mul_(2)",  # loop before it
         "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
         "m = self.x[0]\nself.x[0] = 1\nreturn m",  # a list's old item, not the list
+        "m = self.x[1]\nself.x[0][0] = 1\nreturn m",  # another item's container
         "m = self.x\ny = m[0]\nself.x[0] = 1\nreturn y",  # read before the item assignment
         "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
