@@ -32,6 +32,8 @@ from autostate.transform.method import (
     INPLACE_TENSOR_METHODS,
     OUTER_NAME,
     RUNTIME_NAME,
+    VIEW_BUILTINS,
+    VIEW_METHODS,
     MethodSource,
     is_dunder,
     mangle,
@@ -628,6 +630,19 @@ def _subscripts(expr: cst.BaseExpression) -> tuple[cst.SubscriptElement, ...] | 
     return tuple(items) if dotted_name(expr) is not None else None
 
 
+def _viewed(expr: cst.BaseExpression) -> str | None:
+    """The dotted attribute ``expr`` is a view or an iterator of
+    (``self.d.values()``, ``iter(self.lst)``, ``enumerate(self.lst)``), else None."""
+    if not isinstance(expr, cst.Call):
+        return None
+    func = expr.func
+    if isinstance(func, cst.Attribute) and func.attr.value in VIEW_METHODS and not expr.args:
+        return dotted_name(func.value)
+    if isinstance(func, cst.Name) and func.value in VIEW_BUILTINS:
+        return next((d for arg in expr.args if (d := dotted_name(arg.value)) and "." in d), None)
+    return None
+
+
 def _literal(element: cst.SubscriptElement) -> bool:
     index = element.slice
     return isinstance(index, cst.Index) and isinstance(
@@ -746,6 +761,8 @@ class _InPlaceAliases(cst.CSTVisitor):
                 continue
             aliased = _aliased(value)
             items = _subscripts(value)
+            if (viewed := _viewed(value)) is not None:
+                aliased, items = viewed, ()
             if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
                 aliased = self.aliases[identifier(value.value)][0]
                 items = self.items.get(identifier(value.value))

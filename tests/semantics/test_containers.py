@@ -2167,6 +2167,29 @@ class C:
         self.rows[0][0] = self.rows[0][0] + x
         return row[0]
 """, "self.rows[0][0] = self.rows[0][0] + x"),
+    "view": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.d = {"a": jnp.zeros(())}
+
+    def __call__(self, x):
+        values = self.d.values()
+        self.d["a"] = self.d["a"] + x
+        return list(values)
+""", 'self.d["a"] = self.d["a"] + x'),
+    "iterator": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.ones(())]
+
+    def __call__(self, x):
+        it = iter(self.lst)
+        self.lst[1] = x
+        next(it)
+        return next(it)
+""", "self.lst[1] = x"),
     "attribute": ("""
 @DECORATE
 class C:
@@ -2207,7 +2230,8 @@ class C:
         y = whole[1]
         self.lst[0] = self.lst[0] + x
         other = self.rows[1]
+        frozen = list(self.rows[0])
         self.rows[0][0] = self.rows[0][0] + x
-        return old, y, self.first, self.lst[0], other[0], self.rows[0][0]
+        return old, y, self.first, self.lst[0], other[0], self.rows[0][0], frozen[0]
 """)
     check(plain, dec, "C()", [("__call__", (jnp.float32(2.0),)), ("__call__", (jnp.float32(3.0),))])

@@ -902,6 +902,9 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         ("m, n = self.x, 1\nself.x.mul_(2)\nreturn m", 12, "local `m`"),  # unpacked
         ("m = self.x[0]\nself.x[0][1] = 1\nreturn m", 12, "(to a container within it)"),
         ("m = self.x[i]\nself.x[0]['k'] = 1\nreturn m", 12, "local `m`"),  # may be the same
+        ("m = self.x.values()\nself.x['k'] = 1\nreturn list(m)", 12, "local `m`"),  # a view
+        ("m = iter(self.x)\nself.x[1] = 1\nreturn next(m)", 12, "local `m`"),  # an iterator
+        ("m = enumerate(self.x)\nself.x[1] += 1\nreturn list(m)", 12, "local `m`"),
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
@@ -923,6 +926,7 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
         "m = self.x[0]\nself.x[0] = 1\nreturn m",  # a list's old item, not the list
         "m = self.x[1]\nself.x[0][0] = 1\nreturn m",  # another item's container
+        "m = list(self.x.values())\nself.x['k'] = 1\nreturn m",  # a new list of them
         "m = self.x\ny = m[0]\nself.x[0] = 1\nreturn y",  # read before the item assignment
         "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
