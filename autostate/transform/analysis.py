@@ -643,6 +643,14 @@ def _viewed(expr: cst.BaseExpression) -> str | None:
     return None
 
 
+def _is_one_of(element: cst.SubscriptElement, names: set[str]) -> bool:
+    index = element.slice
+    return (
+        isinstance(index, cst.Index) and isinstance(index.value, cst.Name)
+        and identifier(index.value.value) in names
+    )
+
+
 def _literal(element: cst.SubscriptElement) -> bool:
     index = element.slice
     return isinstance(index, cst.Index) and isinstance(
@@ -700,6 +708,8 @@ class _InPlaceAliases(cst.CSTVisitor):
         # name -> the subscripts between the attribute and what it is bound
         # to (``m = self.x[i]``: ``[i]``); absent for a view a call made.
         self.items: dict[str, tuple[cst.SubscriptElement, ...]] = {}
+        # a loop's iterator (``<for id>``) -> the names its target binds
+        self.steps: dict[str, set[str]] = {}
         # name -> the in-place update after which it is stale (its node, spelled)
         self.stale: dict[str, tuple[cst.CSTNode, str]] = {}
         # name -> its reads (node, loops around it) since its binding
@@ -716,6 +726,7 @@ class _InPlaceAliases(cst.CSTVisitor):
 
     def leave_For(self, original_node: cst.For) -> None:
         self.loops.pop()
+        self.aliases.pop(f"<for {id(original_node)}>", None)
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self.skipped.add(id(node.attr))
@@ -809,7 +820,24 @@ class _InPlaceAliases(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:  # (the target binds in the loop)
         self._bind(node, None)
+        # The loop's iterator: an alias of what it iterates over, read by
+        # every step (``for v in self.x``, ``for k, v in self.d.items()``),
+        # which an item assignment of the step's own key or index does not
+        # change (the iterator has passed it).
+        iterated, items = _viewed(node.iter), ()
+        if iterated is None:
+            iterated, items = dotted_name(node.iter), _subscripts(node.iter)
+        if isinstance(node.iter, cst.Name) and identifier(node.iter.value) in self.aliases:
+            iterated = self.aliases[identifier(node.iter.value)][0]
+            items = self.items.get(identifier(node.iter.value))
+        bound_in = tuple(self.loops)
         self.loops.append(id(node))
+        if iterated is not None and "." in iterated and items is not None:
+            key = f"<for {id(node)}>"
+            self.aliases[key] = (iterated, bound_in)
+            self.items[key] = items
+            self.reads[key] = [(node, tuple(self.loops))]
+            self.steps[key] = {identifier(n.value) for n in name_nodes(node.target)}
 
     def visit_Name(self, node: cst.Name) -> None:
         name = identifier(node.value)
@@ -856,6 +884,8 @@ class _InPlaceAliases(cst.CSTVisitor):
         for name, (aliased, bound_in) in self.aliases.items():
             if aliased != updated or (item is not None and not _within(self.items.get(name), item)):
                 continue
+            if item is not None and name in self.steps and _is_one_of(item[0], self.steps[name]):
+                continue
             self.stale.setdefault(name, (node, spelled))
             for read, loops in self.reads[name]:
                 shared = [loop for loop in loops if loop in self.loops and loop not in bound_in]
@@ -863,9 +893,20 @@ class _InPlaceAliases(cst.CSTVisitor):
                     self._refuse(name, (node, spelled), read)
                     return
 
-    def _refuse(self, name: str, update: tuple[cst.CSTNode, str], read: cst.Name) -> None:
+    def _refuse(self, name: str, update: tuple[cst.CSTNode, str], read: cst.CSTNode) -> None:
         aliased = self.aliases[name][0]
         node, spelled = update
+        if name in self.steps:
+            self.problem = (
+                f"{spelled} updates `{aliased}` in place inside the `for` loop (line "
+                f"{self.line(read)}) that iterates over it: in plain Python the loop's later "
+                "steps would see the update, here they take the values the loop started with.",
+                self.line(node),
+                f"iterate over a copy where the values at the loop's start are meant (`for v in "
+                f"list({aliased})`, `list({aliased}.items())`), or read `{aliased}[i]` inside the "
+                "loop where the updated ones are meant.",
+            )
+            return
         self.problem = (
             f"{spelled} updates `{aliased}` in place while local `{name}` is "
             f"bound to it{' (to a container within it)' if self.items.get(name) else ''} "

@@ -2190,6 +2190,19 @@ class C:
         next(it)
         return next(it)
 """, "self.lst[1] = x"),
+    "loop": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.ones(())]
+
+    def __call__(self, x):
+        out = []
+        for v in self.lst:
+            self.lst[-1] = self.lst[-1] + v
+            out.append(v)
+        return out
+""", "self.lst[-1] = self.lst[-1] + v"),
     "attribute": ("""
 @DECORATE
 class C:
@@ -2232,6 +2245,8 @@ class C:
         other = self.rows[1]
         frozen = list(self.rows[0])
         self.rows[0][0] = self.rows[0][0] + x
+        for i, v in enumerate(self.lst):
+            self.lst[i] = v * x
         return old, y, self.first, self.lst[0], other[0], self.rows[0][0], frozen[0]
 """)
     check(plain, dec, "C()", [("__call__", (jnp.float32(2.0),)), ("__call__", (jnp.float32(3.0),))])

@@ -905,6 +905,9 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         ("m = self.x.values()\nself.x['k'] = 1\nreturn list(m)", 12, "local `m`"),  # a view
         ("m = iter(self.x)\nself.x[1] = 1\nreturn next(m)", 12, "local `m`"),  # an iterator
         ("m = enumerate(self.x)\nself.x[1] += 1\nreturn list(m)", 12, "local `m`"),
+        # A loop's own iterator, read at every step.
+        ("for v in self.x:\n    self.x[0] = v", 12, "inside the `for` loop (line 11)"),
+        ("for k, v in self.x.items():\n    self.x['b'] = v", 12, "`list(self.x.items())`"),
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
@@ -927,6 +930,9 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "m = self.x[0]\nself.x[0] = 1\nreturn m",  # a list's old item, not the list
         "m = self.x[1]\nself.x[0][0] = 1\nreturn m",  # another item's container
         "m = list(self.x.values())\nself.x['k'] = 1\nreturn m",  # a new list of them
+        "for i, v in enumerate(self.x):\n    self.x[i] = v",  # the step's own index
+        "for k, v in self.x.items():\n    self.x[k] += v",  # the step's own key
+        "for v in list(self.x):\n    self.x[0] = v",  # a copy
         "m = self.x\ny = m[0]\nself.x[0] = 1\nreturn y",  # read before the item assignment
         "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
