@@ -713,7 +713,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         # name -> the in-place update after which it is stale (its node, spelled)
         self.stale: dict[str, tuple[cst.CSTNode, str]] = {}
         # name -> its reads (node, loops around it) since its binding
-        self.reads: dict[str, list[tuple[cst.Name, tuple[int, ...]]]] = {}
+        self.reads: dict[str, list[tuple[cst.CSTNode, tuple[int, ...]]]] = {}
         self.skipped: set[int] = set()
         self.shadowed: list[set[str]] = []
         self.problem: tuple[str, int, str] | None = None
@@ -824,7 +824,8 @@ class _InPlaceAliases(cst.CSTVisitor):
         # every step (``for v in self.x``, ``for k, v in self.d.items()``),
         # which an item assignment of the step's own key or index does not
         # change (the iterator has passed it).
-        iterated, items = _viewed(node.iter), ()
+        iterated = _viewed(node.iter)
+        items: tuple[cst.SubscriptElement, ...] | None = ()
         if iterated is None:
             iterated, items = dotted_name(node.iter), _subscripts(node.iter)
         if isinstance(node.iter, cst.Name) and identifier(node.iter.value) in self.aliases:
