@@ -799,8 +799,9 @@ class _InPlaceAliases(cst.CSTVisitor):
         self._bind(original_node, None)
 
     def _item_update(self, target: cst.BaseExpression, node: cst.CSTNode) -> None:
-        """``self.x[i] = v`` (also within a tuple target): an update of
-        ``self.x`` in place, which a local bound to all of it would see."""
+        """``self.x[i] = v``, ``del self.x[i]`` (also within a tuple target):
+        an update of ``self.x`` in place, which a local bound to all of it
+        would see."""
         if isinstance(target, cst.Tuple | cst.List):
             for element in target.elements:
                 self._item_update(element.value, node)
@@ -810,7 +811,11 @@ class _InPlaceAliases(cst.CSTVisitor):
         updated = dotted_name(subscript_base(target))
         if updated is None or updated.partition(".")[0] != self.facts.receiver:
             return
-        self._updated(updated, node, f"Assigning an item of `{updated}`", _subscripts(target))
+        doing = "Deleting" if isinstance(node, cst.Del) else "Assigning"
+        self._updated(updated, node, f"{doing} an item of `{updated}`", _subscripts(target))
+
+    def leave_Del(self, original_node: cst.Del) -> None:  # ``del self.x[i]``
+        self._item_update(original_node.target, original_node)
 
     def leave_AnnAssign(self, original_node: cst.AnnAssign) -> None:
         self._bind(original_node, original_node.value)
@@ -885,8 +890,11 @@ class _InPlaceAliases(cst.CSTVisitor):
         for name, (aliased, bound_in) in self.aliases.items():
             if aliased != updated or (item is not None and not _within(self.items.get(name), item)):
                 continue
-            if item is not None and name in self.steps and _is_one_of(item[0], self.steps[name]):
-                continue
+            if (
+                item is not None and name in self.steps and not isinstance(node, cst.Del)
+                and _is_one_of(item[0], self.steps[name])
+            ):
+                continue  # (a delete moves the later items, or changes a dict's size)
             self.stale.setdefault(name, (node, spelled))
             for read, loops in self.reads[name]:
                 shared = [loop for loop in loops if loop in self.loops and loop not in bound_in]

@@ -2203,6 +2203,20 @@ class C:
             out.append(v)
         return out
 """, "self.lst[-1] = self.lst[-1] + v"),
+    "delete": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+
+    def reset(self):
+        self.d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+
+    def __call__(self, x):
+        old = self.d
+        del self.d["a"]
+        return len(old)
+""", 'del self.d["a"]'),
     "attribute": ("""
 @DECORATE
 class C:

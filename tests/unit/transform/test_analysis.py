@@ -908,6 +908,8 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         # A loop's own iterator, read at every step.
         ("for v in self.x:\n    self.x[0] = v", 12, "inside the `for` loop (line 11)"),
         ("for k, v in self.x.items():\n    self.x['b'] = v", 12, "`list(self.x.items())`"),
+        ("m = self.x\ndel self.x[0]\nreturn m", 12, "Deleting an item of `self.x`"),
+        ("for i, v in enumerate(self.x):\n    del self.x[i]", 12, "inside the `for` loop"),
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
