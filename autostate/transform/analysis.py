@@ -72,6 +72,8 @@ class Assignment:
     # "x", v)``); None for the others (``self.a, self.b = v``, ``for self.x in``).
     # For "inplace", the call itself (``self.x.mul_(m)``).
     value: cst.BaseExpression | None = None
+    # For "item", the subscripted target (``self.x[i][j]``).
+    target: cst.BaseExpression | None = None
 
 
 @dataclasses.dataclass
@@ -659,12 +661,13 @@ def _literal(element: cst.SubscriptElement) -> bool:
 
 
 def _within(
-    alias: tuple[cst.SubscriptElement, ...] | None, assigned: tuple[cst.SubscriptElement, ...]
+    alias: tuple[cst.SubscriptElement, ...] | None,
+    assigned: tuple[cst.SubscriptElement, ...] | None,
 ) -> bool:
     """Whether an item assignment at ``assigned`` may change, in place, the
     container an alias at ``alias`` is bound to: one it reaches through it
     (subscripts that may be the same; two different literals are not)."""
-    if alias is None or len(alias) >= len(assigned):
+    if alias is None or assigned is None or len(alias) >= len(assigned):
         return False
     return all(
         a.deep_equals(b) or not (_literal(a) and _literal(b)) for a, b in zip(alias, assigned)
@@ -1038,7 +1041,7 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         if attr is not None and not is_dunder(attr):
             self.facts.assignments.append(Assignment(
                 attr, self._line(expr), "item" if item else kind, self.scopes.nested,
-                None if item else value,
+                None if item else value, expr if item else None,
             ))
 
     def visit_Assign(self, node: cst.Assign) -> None:
@@ -1420,13 +1423,13 @@ def analyze_class(
     # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``),
     # or an item assignment outside ``__init__`` (``self.x[i] = v``): a list,
     # a dict or a PyTorch tensor changes in place there.
-    updated_in_place = {
-        a.attr: (facts, a)
-        for facts in methods
-        for a in facts.assignments
-        if facts.receiver is not None
-        and (a.kind == "inplace" or (a.kind == "item" and facts.source.attr != "__init__"))
-    }
+    updated_in_place: dict[str, list[tuple[MethodFacts, Assignment]]] = {}
+    for facts in methods:
+        for a in facts.assignments:
+            if facts.receiver is not None and (
+                a.kind == "inplace" or (a.kind == "item" and facts.source.attr != "__init__")
+            ):
+                updated_in_place.setdefault(a.attr, []).append((facts, a))
     for facts in methods:
         src = facts.source
         if facts.alias_problem is not None:
@@ -1439,16 +1442,23 @@ def analyze_class(
             head, _, attr = (aliased or "").partition(".")
             if head != facts.receiver or attr == assignment.attr:
                 continue
-            # The alias itself updated by an item assignment: the attribute it
-            # was given sees that update in plain Python (``self.y = self.x``,
-            # then ``self.y[i] = v``; only a whole attribute, not an item).
-            updated = attr if attr in updated_in_place else assignment.attr
-            if updated not in updated_in_place or (
-                updated_in_place[updated][1].kind == "item"
-                and dotted_name(assignment.value) != aliased
-            ):
+            # Either side updated in place: the other sees it in plain Python
+            # (``self.y = self.x`` then ``self.x[i] = v`` or ``self.y[i] = v``);
+            # an item assignment of ``self.x`` reaches an alias of one of its
+            # items only through it (``self.y = self.x[0]``, ``self.x[0][j] = v``).
+            items = _subscripts(assignment.value)
+            found = next((
+                (updated, where, update)
+                for updated in (attr, assignment.attr)
+                for where, update in updated_in_place.get(updated, ())
+                if update.kind != "item" or (
+                    update.target is not None and _within(items, _subscripts(update.target))
+                    if updated == attr else items is not None
+                )
+            ), None)
+            if found is None:
                 continue
-            where, update = updated_in_place[updated]
+            updated, where, update = found
             spelled = (
                 f"`{where.receiver}.{updated}[...] = ...`" if update.kind == "item"
                 else f"`{where.receiver}.{updated}.{update.value.func.attr.value}(...)`"  # type: ignore[union-attr]
@@ -1456,7 +1466,8 @@ def analyze_class(
             other = f"{facts.receiver}.{assignment.attr}" if updated == attr else str(aliased)
             raise _fail(
                 class_name,
-                f"`{facts.receiver}.{assignment.attr} = {aliased}` keeps a second reference to "
+                f"`{facts.receiver}.{assignment.attr} = "
+                f"{cst.Module([]).code_for_node(assignment.value)}` keeps a second reference to "
                 f"state {updated!r}, which {spelled} updates in place "
                 f"({where.source.filename}:{update.line}): in plain Python (and PyTorch) "
                 f"`{other}` would see every such update, here it keeps the value it was given.",

@@ -2217,6 +2217,17 @@ class C:
         del self.d["a"]
         return len(old)
 """, 'del self.d["a"]'),
+    "attribute_item": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.rows = [[jnp.zeros(())]]
+        self.first = self.rows[0]
+
+    def __call__(self, x):
+        self.rows[0][0] = self.rows[0][0] + x
+        return self.first[0]
+""", "self.first = self.rows[0]"),
     "attribute": ("""
 @DECORATE
 class C:

@@ -949,6 +949,7 @@ def test_inplace_update_with_no_alias_reading_it_is_accepted(body):
     [
         ("self.y = self.x", "self.x[0] = 1", "`self.y` would see every such update"),
         ("self.y = self.x", "self.y[0] = 1", "`self.x` would see every such update"),
+        ("self.y = self.x[0]", "self.x[0][1] = 1", "`self.y = self.x[0]` keeps a second"),
     ],
 )
 def test_item_assignment_of_a_state_another_attribute_keeps_is_refused(init, step, needle):
@@ -960,9 +961,10 @@ def test_item_assignment_of_a_state_another_attribute_keeps_is_refused(init, ste
     assert "list(self.x)" in message
 
 
-def test_item_assignment_of_a_state_an_attribute_keeps_an_item_of_is_accepted():
+@pytest.mark.parametrize("step", ["self.x[0] = 1", "self.x[1][0] = 1"])
+def test_item_assignment_of_a_state_an_attribute_keeps_an_item_of_is_accepted(step):
     init = "def __init__(self):\n    self.x = [0]\n    self.y = self.x[0]\n    self.z = 0\n"
-    assert analyze("M", init, "def step(self):\n    self.x[0] = 1\n").state == {"x"}
+    assert analyze("M", init, f"def step(self):\n    {step}\n").state == {"x"}
 
 
 def test_inplace_update_of_a_state_another_attribute_keeps_is_refused():
