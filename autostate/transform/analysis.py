@@ -919,17 +919,20 @@ class _InPlaceAliases(cst.CSTVisitor):
                 "loop where the updated ones are meant.",
             )
             return
+        # A tensor method's update is PyTorch's; an item assignment's, plain Python's too.
+        tensor = isinstance(node, cst.Call)
+        where = "PyTorch" if tensor else "plain Python (and PyTorch)"
+        copies = "" if tensor else f", `list({aliased})` or `dict({aliased})` for a container"
         self.problem = (
             f"{spelled} updates `{aliased}` in place while local `{name}` is "
             f"bound to it{' (to a container within it)' if self.items.get(name) else ''} "
-            f"and read afterwards (line {self.line(read)}): in plain Python (and "
-            f"PyTorch) `{name}` would see the update, here it keeps the value it was given.",
+            f"and read afterwards (line {self.line(read)}): in {where} `{name}` would see the "
+            "update, here it keeps the value it was given.",
             self.line(node),
             f"take a copy where the old value is meant (`{name} = jnp.array({aliased})`, "
-            f"PyTorch's `.clone()`, `list({aliased})` or `dict({aliased})` for a container), "
-            f"or read `{aliased}` again where the new one is meant; or write the update "
-            f"functionally (`{aliased} = ...`), which `{name}` does not follow in Python "
-            "either.",
+            f"PyTorch's `.clone()`{copies}), or read `{aliased}` again where the new one is "
+            f"meant; or write the update functionally (`{aliased} = ...`), which `{name}` "
+            f"does not follow in {'PyTorch' if tensor else 'Python'} either.",
         )
 
 
@@ -1469,7 +1472,8 @@ def analyze_class(
                 f"`{facts.receiver}.{assignment.attr} = "
                 f"{cst.Module([]).code_for_node(assignment.value)}` keeps a second reference to "
                 f"state {updated!r}, which {spelled} updates in place "
-                f"({where.source.filename}:{update.line}): in plain Python (and PyTorch) "
+                f"({where.source.filename}:{update.line}): in "
+                f"{'PyTorch' if update.kind == 'inplace' else 'plain Python (and PyTorch)'} "
                 f"`{other}` would see every such update, here it keeps the value it was given.",
                 src, assignment.line,
                 f"read `{facts.receiver}.{updated}` where its current value is meant (a @property "
