@@ -32,6 +32,8 @@ from autostate.transform.method import (
     INPLACE_TENSOR_METHODS,
     OUTER_NAME,
     RUNTIME_NAME,
+    VIEW_BUILTINS,
+    VIEW_METHODS,
     MethodSource,
     is_dunder,
     mangle,
@@ -70,6 +72,8 @@ class Assignment:
     # "x", v)``); None for the others (``self.a, self.b = v``, ``for self.x in``).
     # For "inplace", the call itself (``self.x.mul_(m)``).
     value: cst.BaseExpression | None = None
+    # For "item", the subscripted target (``self.x[i][j]``).
+    target: cst.BaseExpression | None = None
 
 
 @dataclasses.dataclass
@@ -618,11 +622,83 @@ def _aliased(expr: cst.BaseExpression) -> str | None:
     return dotted_name(subscript_base(expr))
 
 
+def _subscripts(expr: cst.BaseExpression) -> tuple[cst.SubscriptElement, ...] | None:
+    """The subscripts of ``self.x[i][j]`` from the attribute on (``[i], [j]``),
+    ``()`` for a dotted name; None for anything else (a call's view)."""
+    items: list[cst.SubscriptElement] = []
+    while isinstance(expr, cst.Subscript):
+        items[:0] = expr.slice
+        expr = expr.value
+    return tuple(items) if dotted_name(expr) is not None else None
+
+
+def _viewed(expr: cst.BaseExpression) -> str | None:
+    """The dotted attribute ``expr`` is a view or an iterator of
+    (``self.d.values()``, ``iter(self.lst)``, ``enumerate(self.lst)``), else None."""
+    if not isinstance(expr, cst.Call):
+        return None
+    func = expr.func
+    if isinstance(func, cst.Attribute) and func.attr.value in VIEW_METHODS and not expr.args:
+        return dotted_name(func.value)
+    if isinstance(func, cst.Name) and func.value in VIEW_BUILTINS:
+        return next((d for arg in expr.args if (d := dotted_name(arg.value)) and "." in d), None)
+    return None
+
+
+def _is_one_of(element: cst.SubscriptElement, names: set[str]) -> bool:
+    index = element.slice
+    return (
+        isinstance(index, cst.Index) and isinstance(index.value, cst.Name)
+        and identifier(index.value.value) in names
+    )
+
+
+def _literal(element: cst.SubscriptElement) -> bool:
+    index = element.slice
+    return isinstance(index, cst.Index) and isinstance(
+        index.value, cst.Integer | cst.SimpleString | cst.Float
+    )
+
+
+def _within(
+    alias: tuple[cst.SubscriptElement, ...] | None,
+    assigned: tuple[cst.SubscriptElement, ...] | None,
+) -> bool:
+    """Whether an item assignment at ``assigned`` may change, in place, the
+    container an alias at ``alias`` is bound to: one it reaches through it
+    (subscripts that may be the same; two different literals are not)."""
+    if alias is None or assigned is None or len(alias) >= len(assigned):
+        return False
+    return all(
+        a.deep_equals(b) or not (_literal(a) and _literal(b)) for a, b in zip(alias, assigned)
+    )
+
+
+def _unpacked(
+    target: cst.BaseExpression, value: cst.BaseExpression
+) -> list[tuple[cst.Name, cst.BaseExpression | None]]:
+    """The names ``target = value`` binds, each with the expression it is
+    given where the source spells one (``m, n = self.x, 1``), else ``value``."""
+    sequences = (cst.Tuple, cst.List)
+    if (
+        isinstance(target, sequences) and isinstance(value, sequences)
+        and len(target.elements) == len(value.elements)
+        and not any(isinstance(e, cst.StarredElement | cst.StarredDictElement)
+                    for e in (*target.elements, *value.elements))
+    ):
+        return [p for t, v in zip(target.elements, value.elements) for p in _unpacked(t.value, v.value)]
+    return [(name, value) for name in name_nodes(target)]
+
+
 class _InPlaceAliases(cst.CSTVisitor):
     """Finds the first local that PyTorch would see change when the tensor it
     names is updated in place later (``m = self.x``, ``self.x.mul_(b)``, then a
     read of ``m``), or an in-place call on such a name; here ``m`` keeps its
-    value. ``problem``: (what, line, fix)."""
+    value. An item assignment (``self.x[i] = v``, ``self.x[i][j] += v``)
+    updates a list, a dict or a PyTorch tensor in place too: a local bound to
+    the whole attribute (``m = self.x``) or to a container within it that the
+    assignment may reach (``m = self.x[i]``) would see it; one bound to the
+    item it replaces keeps the old item. ``problem``: (what, line, fix)."""
 
     def __init__(self, facts: MethodFacts, line: Callable[[cst.CSTNode], int]):
         super().__init__()
@@ -632,10 +708,15 @@ class _InPlaceAliases(cst.CSTVisitor):
         self.loops: list[int] = []
         # name -> (the dotted name it aliases, the loops around its binding)
         self.aliases: dict[str, tuple[str, tuple[int, ...]]] = {}
-        # name -> the in-place call after which it is stale (its node)
-        self.stale: dict[str, cst.Call] = {}
+        # name -> the subscripts between the attribute and what it is bound
+        # to (``m = self.x[i]``: ``[i]``); absent for a view a call made.
+        self.items: dict[str, tuple[cst.SubscriptElement, ...]] = {}
+        # a loop's iterator (``<for id>``) -> the names its target binds
+        self.steps: dict[str, set[str]] = {}
+        # name -> the in-place update after which it is stale (its node, spelled)
+        self.stale: dict[str, tuple[cst.CSTNode, str]] = {}
         # name -> its reads (node, loops around it) since its binding
-        self.reads: dict[str, list[tuple[cst.Name, tuple[int, ...]]]] = {}
+        self.reads: dict[str, list[tuple[cst.CSTNode, tuple[int, ...]]]] = {}
         self.skipped: set[int] = set()
         self.shadowed: list[set[str]] = []
         self.problem: tuple[str, int, str] | None = None
@@ -648,6 +729,7 @@ class _InPlaceAliases(cst.CSTVisitor):
 
     def leave_For(self, original_node: cst.For) -> None:
         self.loops.pop()
+        self.aliases.pop(f"<for {id(original_node)}>", None)
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self.skipped.add(id(node.attr))
@@ -679,20 +761,30 @@ class _InPlaceAliases(cst.CSTVisitor):
         self.skipped.add(id(node.name))
 
     def _bind(self, node: cst.CSTNode, value: cst.BaseExpression | None) -> None:
-        for name in binding_names(node):
+        self._bind_names([(name, value) for name in binding_names(node)])
+
+    def _bind_names(self, pairs: list[tuple[cst.Name, cst.BaseExpression | None]]) -> None:
+        for name, value in pairs:
             self.skipped.add(id(name))
             key = identifier(name.value)
             self.aliases.pop(key, None)
+            self.items.pop(key, None)
             self.stale.pop(key, None)
             self.reads.pop(key, None)
             if value is None:
                 continue
             aliased = _aliased(value)
+            items = _subscripts(value)
+            if (viewed := _viewed(value)) is not None:
+                aliased, items = viewed, ()
             if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
                 aliased = self.aliases[identifier(value.value)][0]
+                items = self.items.get(identifier(value.value))
             if aliased is not None and "." in aliased:
                 self.aliases[key] = (aliased, tuple(self.loops))
                 self.reads[key] = []
+                if items is not None:
+                    self.items[key] = items
 
     def _skip_targets(self, node: cst.Assign | cst.AugAssign) -> None:
         self.skipped.update(id(n) for n in binding_names(node))
@@ -700,10 +792,33 @@ class _InPlaceAliases(cst.CSTVisitor):
     visit_Assign = visit_AugAssign = _skip_targets
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
-        self._bind(original_node, original_node.value)
+        for target in original_node.targets:
+            self._item_update(target.target, original_node)
+        value = original_node.value
+        self._bind_names([p for t in original_node.targets for p in _unpacked(t.target, value)])
 
     def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
+        self._item_update(original_node.target, original_node)
         self._bind(original_node, None)
+
+    def _item_update(self, target: cst.BaseExpression, node: cst.CSTNode) -> None:
+        """``self.x[i] = v``, ``del self.x[i]`` (also within a tuple target):
+        an update of ``self.x`` in place, which a local bound to all of it
+        would see."""
+        if isinstance(target, cst.Tuple | cst.List):
+            for element in target.elements:
+                self._item_update(element.value, node)
+            return
+        if not isinstance(target, cst.Subscript) or self.facts.receiver is None:
+            return
+        updated = dotted_name(subscript_base(target))
+        if updated is None or updated.partition(".")[0] != self.facts.receiver:
+            return
+        doing = "Deleting" if isinstance(node, cst.Del) else "Assigning"
+        self._updated(updated, node, f"{doing} an item of `{updated}`", _subscripts(target))
+
+    def leave_Del(self, original_node: cst.Del) -> None:  # ``del self.x[i]``
+        self._item_update(original_node.target, original_node)
 
     def leave_AnnAssign(self, original_node: cst.AnnAssign) -> None:
         self._bind(original_node, original_node.value)
@@ -713,7 +828,25 @@ class _InPlaceAliases(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:  # (the target binds in the loop)
         self._bind(node, None)
+        # The loop's iterator: an alias of what it iterates over, read by
+        # every step (``for v in self.x``, ``for k, v in self.d.items()``),
+        # which an item assignment of the step's own key or index does not
+        # change (the iterator has passed it).
+        iterated = _viewed(node.iter)
+        items: tuple[cst.SubscriptElement, ...] | None = ()
+        if iterated is None:
+            iterated, items = dotted_name(node.iter), _subscripts(node.iter)
+        if isinstance(node.iter, cst.Name) and identifier(node.iter.value) in self.aliases:
+            iterated = self.aliases[identifier(node.iter.value)][0]
+            items = self.items.get(identifier(node.iter.value))
+        bound_in = tuple(self.loops)
         self.loops.append(id(node))
+        if iterated is not None and "." in iterated and items is not None:
+            key = f"<for {id(node)}>"
+            self.aliases[key] = (iterated, bound_in)
+            self.items[key] = items
+            self.reads[key] = [(node, tuple(self.loops))]
+            self.steps[key] = {identifier(n.value) for n in name_nodes(node.target)}
 
     def visit_Name(self, node: cst.Name) -> None:
         name = identifier(node.value)
@@ -746,28 +879,60 @@ class _InPlaceAliases(cst.CSTVisitor):
         updated = dotted_name(base)
         if updated is None:
             return
+        method = original_node.func.attr.value  # type: ignore[attr-defined]
+        self._updated(updated, original_node, f"`{updated}.{method}(...)`", None)
+
+    def _updated(
+        self, updated: str, node: cst.CSTNode, spelled: str,
+        item: tuple[cst.SubscriptElement, ...] | None,
+    ) -> None:
+        """``updated`` changes in place at ``node`` (``spelled``; ``item``:
+        the subscripts an item assignment assigns, None for a tensor method):
+        the locals bound to it are stale from here on, and one read in a loop
+        around both already saw the update."""
         for name, (aliased, bound_in) in self.aliases.items():
-            if aliased != updated:
+            if aliased != updated or (item is not None and not _within(self.items.get(name), item)):
                 continue
-            self.stale.setdefault(name, original_node)
+            if (
+                item is not None and name in self.steps and not isinstance(node, cst.Del)
+                and _is_one_of(item[0], self.steps[name])
+            ):
+                continue  # (a delete moves the later items, or changes a dict's size)
+            self.stale.setdefault(name, (node, spelled))
             for read, loops in self.reads[name]:
                 shared = [loop for loop in loops if loop in self.loops and loop not in bound_in]
                 if shared:
-                    self._refuse(name, original_node, read)
+                    self._refuse(name, (node, spelled), read)
                     return
 
-    def _refuse(self, name: str, call: cst.Call, read: cst.Name) -> None:
+    def _refuse(self, name: str, update: tuple[cst.CSTNode, str], read: cst.CSTNode) -> None:
         aliased = self.aliases[name][0]
-        method = call.func.attr.value  # type: ignore[attr-defined]
+        node, spelled = update
+        if name in self.steps:
+            self.problem = (
+                f"{spelled} updates `{aliased}` in place inside the `for` loop (line "
+                f"{self.line(read)}) that iterates over it: in plain Python the loop's later "
+                "steps would see the update, here they take the values the loop started with.",
+                self.line(node),
+                f"iterate over a copy where the values at the loop's start are meant (`for v in "
+                f"list({aliased})`, `list({aliased}.items())`), or read `{aliased}[i]` inside the "
+                "loop where the updated ones are meant.",
+            )
+            return
+        # A tensor method's update is PyTorch's; an item assignment's, plain Python's too.
+        tensor = isinstance(node, cst.Call)
+        where = "PyTorch" if tensor else "plain Python (and PyTorch)"
+        copies = "" if tensor else f", `list({aliased})` or `dict({aliased})` for a container"
         self.problem = (
-            f"`{aliased}.{method}(...)` updates `{aliased}` in place while local `{name}` is "
-            f"bound to it and read afterwards (line {self.line(read)}): in PyTorch `{name}` "
-            "would see the update, here it keeps the value it was given.",
-            self.line(call),
+            f"{spelled} updates `{aliased}` in place while local `{name}` is "
+            f"bound to it{' (to a container within it)' if self.items.get(name) else ''} "
+            f"and read afterwards (line {self.line(read)}): in {where} `{name}` would see the "
+            "update, here it keeps the value it was given.",
+            self.line(node),
             f"take a copy where the old value is meant (`{name} = jnp.array({aliased})`, "
-            f"PyTorch's `.clone()`), or read `{aliased}` again where the new one is meant; "
-            f"or write the update functionally (`{aliased} = ...`), which `{name}` does not "
-            "follow in PyTorch either.",
+            f"PyTorch's `.clone()`{copies}), or read `{aliased}` again where the new one is "
+            f"meant; or write the update functionally (`{aliased} = ...`), which `{name}` "
+            f"does not follow in {'PyTorch' if tensor else 'Python'} either.",
         )
 
 
@@ -879,7 +1044,7 @@ class _FactCollector(ScopeVisits, cst.CSTVisitor):
         if attr is not None and not is_dunder(attr):
             self.facts.assignments.append(Assignment(
                 attr, self._line(expr), "item" if item else kind, self.scopes.nested,
-                None if item else value,
+                None if item else value, expr if item else None,
             ))
 
     def visit_Assign(self, node: cst.Assign) -> None:
@@ -1040,7 +1205,7 @@ def collect_facts(
     )
     collector = _FactCollector(facts, source.mangle_as or class_name, shift)
     walk.visit(module, collector)
-    if facts.updates_in_place:
+    if facts.updates_in_place or any(a.kind == "item" for a in facts.assignments):
         aliases = _InPlaceAliases(facts, collector._line)
         walk.visit(function, aliases)
         facts.alias_problem = aliases.problem
@@ -1258,13 +1423,16 @@ def analyze_class(
     for facts in methods:
         by_attr.setdefault(facts.source.attr, []).append(facts)
 
-    # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``).
-    updated_in_place = {
-        a.attr: (facts, a)
-        for facts in methods
-        for a in facts.assignments
-        if a.kind == "inplace" and facts.receiver is not None
-    }
+    # Attributes that PyTorch's in-place methods update (``self.x.mul_(m)``),
+    # or an item assignment outside ``__init__`` (``self.x[i] = v``): a list,
+    # a dict or a PyTorch tensor changes in place there.
+    updated_in_place: dict[str, list[tuple[MethodFacts, Assignment]]] = {}
+    for facts in methods:
+        for a in facts.assignments:
+            if facts.receiver is not None and (
+                a.kind == "inplace" or (a.kind == "item" and facts.source.attr != "__init__")
+            ):
+                updated_in_place.setdefault(a.attr, []).append((facts, a))
     for facts in methods:
         src = facts.source
         if facts.alias_problem is not None:
@@ -1275,20 +1443,43 @@ def analyze_class(
                 continue
             aliased = _aliased(assignment.value)
             head, _, attr = (aliased or "").partition(".")
-            if head != facts.receiver or attr not in updated_in_place or attr == assignment.attr:
+            if head != facts.receiver or attr == assignment.attr:
                 continue
-            where, update = updated_in_place[attr]
-            method = update.value.func.attr.value  # type: ignore[union-attr]
+            # Either side updated in place: the other sees it in plain Python
+            # (``self.y = self.x`` then ``self.x[i] = v`` or ``self.y[i] = v``);
+            # an item assignment of ``self.x`` reaches an alias of one of its
+            # items only through it (``self.y = self.x[0]``, ``self.x[0][j] = v``).
+            items = _subscripts(assignment.value)
+            found = next((
+                (updated, where, update)
+                for updated in (attr, assignment.attr)
+                for where, update in updated_in_place.get(updated, ())
+                if update.kind != "item" or (
+                    update.target is not None and _within(items, _subscripts(update.target))
+                    if updated == attr else items is not None
+                )
+            ), None)
+            if found is None:
+                continue
+            updated, where, update = found
+            spelled = (
+                f"`{where.receiver}.{updated}[...] = ...`" if update.kind == "item"
+                else f"`{where.receiver}.{updated}.{update.value.func.attr.value}(...)`"  # type: ignore[union-attr]
+            )
+            other = f"{facts.receiver}.{assignment.attr}" if updated == attr else str(aliased)
             raise _fail(
                 class_name,
-                f"`{facts.receiver}.{assignment.attr} = {aliased}` keeps a second reference to "
-                f"state {attr!r}, which `{where.receiver}.{attr}.{method}(...)` updates in place "
-                f"({where.source.filename}:{update.line}): in PyTorch `{facts.receiver}.{assignment.attr}` "
-                "would see every such update, here it keeps the value it was given.",
+                f"`{facts.receiver}.{assignment.attr} = "
+                f"{cst.Module([]).code_for_node(assignment.value)}` keeps a second reference to "
+                f"state {updated!r}, which {spelled} updates in place "
+                f"({where.source.filename}:{update.line}): in "
+                f"{'PyTorch' if update.kind == 'inplace' else 'plain Python (and PyTorch)'} "
+                f"`{other}` would see every such update, here it keeps the value it was given.",
                 src, assignment.line,
-                f"read `{facts.receiver}.{attr}` where its current value is meant (a @property "
-                f"`{assignment.attr}` returning it), or assign a copy where the value of this "
-                f"moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`).",
+                f"read `{facts.receiver}.{updated}` where its current value is meant (a @property "
+                f"`{other.partition('.')[2]}` returning it), or assign a copy where the value of "
+                f"this moment is meant (`jnp.array({aliased})`, PyTorch's `.clone()`, "
+                f"`list({aliased})` or `dict({aliased})` for a container).",
             )
         touched = facts.touched() & state
         receiver = facts.receiver

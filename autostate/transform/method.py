@@ -50,6 +50,12 @@ INPLACE_OPERATORS = {
 # ``x``'s shape and dtype as an in-place update does; errors and docs show the
 # expression as the functional spelling. Casting ``"same_kind"`` refuses what
 # PyTorch refuses (a float result into an int tensor); ``"unsafe"`` converts.
+# What makes a view or an iterator of a container: a name bound to one
+# (``vals = self.d.values()``, ``it = iter(self.lst)``) sees the container's
+# later changes in place, as a name bound to the container itself does.
+VIEW_METHODS = frozenset({"keys", "values", "items", "__iter__", "__reversed__"})
+VIEW_BUILTINS = frozenset({"iter", "reversed", "enumerate", "zip", "map", "filter"})
+
 INPLACE_TENSOR_METHODS: dict[str, tuple[str, str, str]] = {
     "add_": ("other, *, alpha=1", "x + alpha * other", "same_kind"),
     "sub_": ("other, *, alpha=1", "x - alpha * other", "same_kind"),

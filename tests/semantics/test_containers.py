@@ -2127,3 +2127,151 @@ def test_inplace_running_stats_trace_the_functional_steps_primitives(write_modul
         f, states = module.RunningStats(3).functionalize()
         programs.append([e.primitive.name for e in jax.make_jaxpr(f)(states, x).jaxpr.eqns])
     assert programs[0] == programs[1]
+
+
+# An item assignment changes a list or dict state in place in plain Python: a
+# local or another attribute bound to the whole container would see it.
+ITEM_ALIAS_REFUSED = {
+    "local": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.zeros(())]
+
+    def __call__(self, x):
+        old = self.lst
+        self.lst[0] = self.lst[0] + x
+        return old[0]
+""", "self.lst[0] = self.lst[0] + x"),
+    "local_in_loop": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.d = {"a": jnp.zeros(())}
+
+    def __call__(self, x):
+        d, out = self.d, []
+        for _ in range(2):
+            out.append(d["a"])
+            self.d["a"] += x
+        return out
+""", 'self.d["a"] += x'),
+    "nested": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.rows = [[jnp.zeros(())], [jnp.ones(())]]
+
+    def __call__(self, x):
+        row = self.rows[0]
+        self.rows[0][0] = self.rows[0][0] + x
+        return row[0]
+""", "self.rows[0][0] = self.rows[0][0] + x"),
+    "view": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.d = {"a": jnp.zeros(())}
+
+    def __call__(self, x):
+        values = self.d.values()
+        self.d["a"] = self.d["a"] + x
+        return list(values)
+""", 'self.d["a"] = self.d["a"] + x'),
+    "iterator": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.ones(())]
+
+    def __call__(self, x):
+        it = iter(self.lst)
+        self.lst[1] = x
+        next(it)
+        return next(it)
+""", "self.lst[1] = x"),
+    "loop": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.ones(())]
+
+    def __call__(self, x):
+        out = []
+        for v in self.lst:
+            self.lst[-1] = self.lst[-1] + v
+            out.append(v)
+        return out
+""", "self.lst[-1] = self.lst[-1] + v"),
+    "delete": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+
+    def reset(self):
+        self.d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+
+    def __call__(self, x):
+        old = self.d
+        del self.d["a"]
+        return len(old)
+""", 'del self.d["a"]'),
+    "attribute_item": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.rows = [[jnp.zeros(())]]
+        self.first = self.rows[0]
+
+    def __call__(self, x):
+        self.rows[0][0] = self.rows[0][0] + x
+        return self.first[0]
+""", "self.first = self.rows[0]"),
+    "attribute": ("""
+@DECORATE
+class C:
+    def __init__(self):
+        self.a = [jnp.zeros(())]
+        self.b = self.a
+
+    def __call__(self, x):
+        self.b[0] = self.b[0] + x
+        return self.a[0]
+""", "self.b = self.a"),
+}
+
+
+@pytest.mark.parametrize("case", list(ITEM_ALIAS_REFUSED))
+def test_an_alias_of_a_container_state_an_item_assignment_changes_is_refused(
+    write_module: Loader, case: str
+) -> None:
+    source, line = ITEM_ALIAS_REFUSED[case]
+    with pytest.raises(errors.DecorationError) as info:
+        pair(write_module, source)
+    assert "fix:" in str(info.value) and "would see" in str(info.value)
+    assert line in error_line(info.value), str(info.value)
+
+
+def test_an_item_taken_before_an_item_assignment_keeps_its_old_value(write_module: Loader) -> None:
+    plain, dec = pair(write_module, """
+@DECORATE
+class C:
+    def __init__(self):
+        self.lst = [jnp.zeros(()), jnp.ones(())]
+        self.first = self.lst[0]
+        self.rows = [[jnp.zeros(())], [jnp.ones(())]]
+
+    def __call__(self, x):
+        old = self.lst[0]
+        whole = self.lst
+        y = whole[1]
+        self.lst[0] = self.lst[0] + x
+        other = self.rows[1]
+        frozen = list(self.rows[0])
+        self.rows[0][0] = self.rows[0][0] + x
+        for i, v in enumerate(self.lst):
+            self.lst[i] = v * x
+        return old, y, self.first, self.lst[0], other[0], self.rows[0][0], frozen[0]
+""")
+    check(plain, dec, "C()", [("__call__", (jnp.float32(2.0),)), ("__call__", (jnp.float32(3.0),))])

@@ -894,6 +894,22 @@ def test_one_table_names_the_inplace_methods_and_no_container_method():
         ("m = self.x\nm.mul_(2)", 12, "call it on the attribute: `self.x.mul_(...)`"),
         ("m = self.x\nfor i in range(3):\n    y = m + i\n    self.x.mul_(2)", 14, "local `m`"),
         ("m = self.sub.x\nself.sub.x.zero_()\nreturn m", 12, "`self.sub.x.zero_(...)`"),
+        # An item assignment changes a list, a dict or a tensor in place too.
+        ("m = self.x\nself.x[0] = 1\nreturn m", 12, "Assigning an item of `self.x`"),
+        ("m = self.x\nself.x['k'] += 1\nreturn m", 12, "local `m` is bound to it"),
+        ("m = self.x\nself.x[0], self.y = 1, 2\nreturn m", 12, "local `m`"),
+        ("m = self.x\nfor i in range(3):\n    y = m[0]\n    self.x[0] = i", 14, "local `m`"),
+        ("m, n = self.x, 1\nself.x.mul_(2)\nreturn m", 12, "local `m`"),  # unpacked
+        ("m = self.x[0]\nself.x[0][1] = 1\nreturn m", 12, "(to a container within it)"),
+        ("m = self.x[i]\nself.x[0]['k'] = 1\nreturn m", 12, "local `m`"),  # may be the same
+        ("m = self.x.values()\nself.x['k'] = 1\nreturn list(m)", 12, "local `m`"),  # a view
+        ("m = iter(self.x)\nself.x[1] = 1\nreturn next(m)", 12, "local `m`"),  # an iterator
+        ("m = enumerate(self.x)\nself.x[1] += 1\nreturn list(m)", 12, "local `m`"),
+        # A loop's own iterator, read at every step.
+        ("for v in self.x:\n    self.x[0] = v", 12, "inside the `for` loop (line 11)"),
+        ("for k, v in self.x.items():\n    self.x['b'] = v", 12, "`list(self.x.items())`"),
+        ("m = self.x\ndel self.x[0]\nreturn m", 12, "Deleting an item of `self.x`"),
+        ("for i, v in enumerate(self.x):\n    del self.x[i]", 12, "inside the `for` loop"),
     ],
 )
 def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line, needle):
@@ -913,12 +929,42 @@ def test_inplace_update_seen_by_a_local_alias_is_refused_at_its_line(body, line,
         "m = self.x.sum()\nself.x.mul_(2)\nreturn m",  # a new value, no alias
         "for i in range(3):\n    m = self.x\n    y = m + i\nself.x.mul_(2)",  # loop before it
         "m = self.x\nself.x = self.x * 2\nreturn m",  # a functional write
+        "m = self.x[0]\nself.x[0] = 1\nreturn m",  # a list's old item, not the list
+        "m = self.x[1]\nself.x[0][0] = 1\nreturn m",  # another item's container
+        "m = list(self.x.values())\nself.x['k'] = 1\nreturn m",  # a new list of them
+        "for i, v in enumerate(self.x):\n    self.x[i] = v",  # the step's own index
+        "for k, v in self.x.items():\n    self.x[k] += v",  # the step's own key
+        "for v in list(self.x):\n    self.x[0] = v",  # a copy
+        "m = self.x\ny = m[0]\nself.x[0] = 1\nreturn y",  # read before the item assignment
         "m = self.x\nself.x.mul_(2)\nreturn [m for m in range(2)], (lambda m: m)(1)",  # own names
     ],
 )
 def test_inplace_update_with_no_alias_reading_it_is_accepted(body):
     text = "def step(self):\n" + textwrap.indent(body, "    ") + "\n"
     assert analyze("M", INIT_XYZ, text).state == {"x"}
+
+
+@pytest.mark.parametrize(
+    ("init", "step", "needle"),
+    [
+        ("self.y = self.x", "self.x[0] = 1", "`self.y` would see every such update"),
+        ("self.y = self.x", "self.y[0] = 1", "`self.x` would see every such update"),
+        ("self.y = self.x[0]", "self.x[0][1] = 1", "`self.y = self.x[0]` keeps a second"),
+    ],
+)
+def test_item_assignment_of_a_state_another_attribute_keeps_is_refused(init, step, needle):
+    text = f"def __init__(self):\n    self.x = [0]\n    {init}\n    self.z = 0\n"
+    with pytest.raises(DecorationError) as info:
+        analyze("M", text, f"def step(self):\n    {step}\n")
+    message = str(info.value)
+    assert needle in message and "model.py:12 (in M.__init__)" in message, message
+    assert "list(self.x)" in message
+
+
+@pytest.mark.parametrize("step", ["self.x[0] = 1", "self.x[1][0] = 1"])
+def test_item_assignment_of_a_state_an_attribute_keeps_an_item_of_is_accepted(step):
+    init = "def __init__(self):\n    self.x = [0]\n    self.y = self.x[0]\n    self.z = 0\n"
+    assert analyze("M", init, f"def step(self):\n    {step}\n").state == {"x"}
 
 
 def test_inplace_update_of_a_state_another_attribute_keeps_is_refused():
