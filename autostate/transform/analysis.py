@@ -17,7 +17,6 @@ import keyword
 import re
 import sys
 import tokenize
-import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +37,15 @@ from autostate.transform.method import (
     is_dunder,
     mangle,
     runtime_name,
+)
+from autostate.transform.syntax import (
+    dotted_name,
+    identifier,
+    name_nodes,
+    reaches_within,
+    subscript_base,
+    subscripts,
+    unpacked,
 )
 
 # ``self.register_buffer("x", v)``: PyTorch's spelling of a declared buffer.
@@ -252,11 +260,6 @@ def _method_node(module: cst.Module, class_name: str, source: MethodSource) -> c
     return node
 
 
-def identifier(name: str) -> str:
-    """``name`` as Python binds it: identifiers are NFKC-normalized (PEP 3131)."""
-    return name if name.isascii() else unicodedata.normalize("NFKC", name)
-
-
 def _param_names(params: cst.Parameters) -> list[str]:
     names = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
     for star in (params.star_arg, params.star_kwarg):
@@ -270,28 +273,7 @@ def receiver_name(function: cst.FunctionDef) -> str | None:
     return names[0] if names else None
 
 
-def dotted_name(expr: cst.BaseExpression) -> str | None:
-    """``a.b.c`` for a chain of names, else None."""
-    if isinstance(expr, cst.Name):
-        return expr.value
-    if isinstance(expr, cst.Attribute):
-        head = dotted_name(expr.value)
-        return f"{head}.{expr.attr.value}" if head else None
-    return None
-
-
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
-
-
-def name_nodes(target: cst.CSTNode) -> list[cst.Name]:
-    """The names an assignment target binds (``a``, ``a, *b``; not ``a.x`` or ``a[i]``)."""
-    if isinstance(target, cst.Name):
-        return [target]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in name_nodes(e.value)]
-    if isinstance(target, cst.StarredElement):
-        return name_nodes(target.value)
-    return []
 
 
 def _imported_name(alias: cst.ImportAlias) -> cst.CSTNode:
@@ -587,12 +569,6 @@ def locally_bound(function: cst.FunctionDef, names: frozenset[str] = ACCESS_BUIL
     return frozenset(n for n in names if n in bound or n in declared)
 
 
-def subscript_base(expr: cst.BaseExpression) -> cst.BaseExpression:
-    while isinstance(expr, cst.Subscript):
-        expr = expr.value
-    return expr
-
-
 def _subscript_depth(expr: cst.BaseExpression) -> int:
     depth = 0
     while isinstance(expr, cst.Subscript):
@@ -622,16 +598,6 @@ def _aliased(expr: cst.BaseExpression) -> str | None:
     return dotted_name(subscript_base(expr))
 
 
-def _subscripts(expr: cst.BaseExpression) -> tuple[cst.SubscriptElement, ...] | None:
-    """The subscripts of ``self.x[i][j]`` from the attribute on (``[i], [j]``),
-    ``()`` for a dotted name; None for anything else (a call's view)."""
-    items: list[cst.SubscriptElement] = []
-    while isinstance(expr, cst.Subscript):
-        items[:0] = expr.slice
-        expr = expr.value
-    return tuple(items) if dotted_name(expr) is not None else None
-
-
 def _viewed(expr: cst.BaseExpression) -> str | None:
     """The dotted attribute ``expr`` is a view or an iterator of
     (``self.d.values()``, ``iter(self.lst)``, ``enumerate(self.lst)``), else None."""
@@ -651,43 +617,6 @@ def _is_one_of(element: cst.SubscriptElement, names: set[str]) -> bool:
         isinstance(index, cst.Index) and isinstance(index.value, cst.Name)
         and identifier(index.value.value) in names
     )
-
-
-def _literal(element: cst.SubscriptElement) -> bool:
-    index = element.slice
-    return isinstance(index, cst.Index) and isinstance(
-        index.value, cst.Integer | cst.SimpleString | cst.Float
-    )
-
-
-def _within(
-    alias: tuple[cst.SubscriptElement, ...] | None,
-    assigned: tuple[cst.SubscriptElement, ...] | None,
-) -> bool:
-    """Whether an item assignment at ``assigned`` may change, in place, the
-    container an alias at ``alias`` is bound to: one it reaches through it
-    (subscripts that may be the same; two different literals are not)."""
-    if alias is None or assigned is None or len(alias) >= len(assigned):
-        return False
-    return all(
-        a.deep_equals(b) or not (_literal(a) and _literal(b)) for a, b in zip(alias, assigned)
-    )
-
-
-def _unpacked(
-    target: cst.BaseExpression, value: cst.BaseExpression
-) -> list[tuple[cst.Name, cst.BaseExpression | None]]:
-    """The names ``target = value`` binds, each with the expression it is
-    given where the source spells one (``m, n = self.x, 1``), else ``value``."""
-    sequences = (cst.Tuple, cst.List)
-    if (
-        isinstance(target, sequences) and isinstance(value, sequences)
-        and len(target.elements) == len(value.elements)
-        and not any(isinstance(e, cst.StarredElement | cst.StarredDictElement)
-                    for e in (*target.elements, *value.elements))
-    ):
-        return [p for t, v in zip(target.elements, value.elements) for p in _unpacked(t.value, v.value)]
-    return [(name, value) for name in name_nodes(target)]
 
 
 class _InPlaceAliases(cst.CSTVisitor):
@@ -774,7 +703,7 @@ class _InPlaceAliases(cst.CSTVisitor):
             if value is None:
                 continue
             aliased = _aliased(value)
-            items = _subscripts(value)
+            items = subscripts(value)
             if (viewed := _viewed(value)) is not None:
                 aliased, items = viewed, ()
             if isinstance(value, cst.Name) and identifier(value.value) in self.aliases:
@@ -795,7 +724,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         for target in original_node.targets:
             self._item_update(target.target, original_node)
         value = original_node.value
-        self._bind_names([p for t in original_node.targets for p in _unpacked(t.target, value)])
+        self._bind_names([p for t in original_node.targets for p in unpacked(t.target, value)])
 
     def leave_AugAssign(self, original_node: cst.AugAssign) -> None:
         self._item_update(original_node.target, original_node)
@@ -815,7 +744,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         if updated is None or updated.partition(".")[0] != self.facts.receiver:
             return
         doing = "Deleting" if isinstance(node, cst.Del) else "Assigning"
-        self._updated(updated, node, f"{doing} an item of `{updated}`", _subscripts(target))
+        self._updated(updated, node, f"{doing} an item of `{updated}`", subscripts(target))
 
     def leave_Del(self, original_node: cst.Del) -> None:  # ``del self.x[i]``
         self._item_update(original_node.target, original_node)
@@ -835,7 +764,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         iterated = _viewed(node.iter)
         items: tuple[cst.SubscriptElement, ...] | None = ()
         if iterated is None:
-            iterated, items = dotted_name(node.iter), _subscripts(node.iter)
+            iterated, items = dotted_name(node.iter), subscripts(node.iter)
         if isinstance(node.iter, cst.Name) and identifier(node.iter.value) in self.aliases:
             iterated = self.aliases[identifier(node.iter.value)][0]
             items = self.items.get(identifier(node.iter.value))
@@ -891,7 +820,7 @@ class _InPlaceAliases(cst.CSTVisitor):
         the locals bound to it are stale from here on, and one read in a loop
         around both already saw the update."""
         for name, (aliased, bound_in) in self.aliases.items():
-            if aliased != updated or (item is not None and not _within(self.items.get(name), item)):
+            if aliased != updated or (item is not None and not reaches_within(self.items.get(name), item)):
                 continue
             if (
                 item is not None and name in self.steps and not isinstance(node, cst.Del)
@@ -1449,13 +1378,13 @@ def analyze_class(
             # (``self.y = self.x`` then ``self.x[i] = v`` or ``self.y[i] = v``);
             # an item assignment of ``self.x`` reaches an alias of one of its
             # items only through it (``self.y = self.x[0]``, ``self.x[0][j] = v``).
-            items = _subscripts(assignment.value)
+            items = subscripts(assignment.value)
             found = next((
                 (updated, where, update)
                 for updated in (attr, assignment.attr)
                 for where, update in updated_in_place.get(updated, ())
                 if update.kind != "item" or (
-                    update.target is not None and _within(items, _subscripts(update.target))
+                    update.target is not None and reaches_within(items, subscripts(update.target))
                     if updated == attr else items is not None
                 )
             ), None)

@@ -18,8 +18,9 @@ from typing import Any
 import libcst as cst
 
 from autostate.transform import walk
-from autostate.transform.analysis import binding_names, hides, identifier, name_nodes, scope_names
+from autostate.transform.analysis import binding_names, hides, scope_names
 from autostate.transform.method import IN_PLACE_METHODS, SCOPE_LISTERS, SCOPE_READERS, mangle
+from autostate.transform.syntax import identifier, name_nodes
 
 # What a loop's header spells that is never a stack: literals and displays.
 _NEVER_STACKS = (

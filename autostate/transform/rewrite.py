@@ -26,14 +26,13 @@ from autostate.transform.analysis import (
     NamedAccess,
     ReceiverScopes,
     ScopeVisits,
-    dotted_name,
     inplace_receiver,
     locally_bound,
     mangle,
     named_access,
-    subscript_base,
 )
 from autostate.transform.method import INPLACE_OPERATORS, SCOPE_LISTERS
+from autostate.transform.syntax import dotted_name, subscript_base
 
 
 def _string(value: str, avoid: frozenset[str] = frozenset()) -> cst.SimpleString:
